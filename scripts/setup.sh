@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs everything Keel needs from Debian packages. Idempotent: safe to run twice.
+# Usage: bash scripts/setup.sh        (as root, or with sudo available)
+set -euo pipefail
+
+packages=(
+  build-essential cmake pkg-config
+  libopenblas-openmp-dev                # BLAS, the OpenMP build: BLAS and our kernels share one thread pool
+  libgtest-dev libbenchmark-dev         # tests and micro-benchmarks
+  libtomlplusplus-dev nlohmann-json3-dev # configs (TOML) and JSON lines / manifests
+  libzstd-dev libxxhash-dev             # compression and checksums for checkpoints
+  fortunes fortunes-min                 # the default training corpus: real English text
+  python3 python3-numpy python3-torch   # independent reference for tests, peer for benchmarks
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+else
+  echo "setup: all packages present"
+fi

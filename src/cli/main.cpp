@@ -1,0 +1,278 @@
+// The `keel` command. Every user mistake ends here as one line "keel: <what>" and exit code 1.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "ckpt/checkpoint.h"
+#include "ckpt/llmc.h"
+#include "core/config.h"
+#include "core/error.h"
+#include "data/corpus.h"
+#include "data/loader.h"
+#include "data/tokenizer.h"
+#include "kernels/cpu/blas.h"
+#include "model/gpt.h"
+#include "runtime/generate.h"
+#include "runtime/trainer.h"
+
+namespace fs = std::filesystem;
+
+namespace keel {
+namespace {
+
+constexpr const char* kUsage = R"(usage: keel <command> [options]
+
+commands:
+  train     [--config FILE.toml] [--set section.key=value ...]
+            Train a GPT. With no config: a ~5M-parameter model on the fortunes corpus
+            (tokenized on first use into data/fortunes/).
+  tokenize  [--input PATH ...] [--out DIR] [--vocab-size N] [--val-fraction F] [--seed S]
+            Train a byte-level BPE tokenizer and write DIR/{tokenizer.json,train.bin,val.bin}
+            (llm.c shard format). Default input: /usr/share/games/fortunes.
+  eval      --checkpoint DIR | --llmc FILE.bin  [--data SHARD] [--batch B] [--seq T] [--batches N]
+            Validation loss and perplexity.
+  generate  --checkpoint DIR [--prompt TEXT] [--tokens N] [--temperature X] [--top-k K]
+            [--seed S] [--tokenizer FILE]   Sample text from a checkpoint.
+  export    --checkpoint DIR --out FILE.bin    Write the model in llm.c's GPT-2 format.
+  import    --llmc FILE.bin --out DIR [--set section.key=value ...]
+            Make a Keel checkpoint from an llm.c GPT-2 model.
+)";
+
+constexpr const char* kFortunes = "/usr/share/games/fortunes";
+
+// Parses "--flag value" pairs; flags in `repeatable` may appear many times.
+class Args {
+ public:
+  Args(int argc, char** argv, int first, const std::vector<std::string>& known) {
+    for (int i = first; i < argc; ++i) {
+      std::string flag = argv[i];
+      if (flag == "-h" || flag == "--help") {
+        help = true;
+        continue;
+      }
+      check(flag.rfind("--", 0) == 0, std::string(argv[1]) + ": unexpected argument '" + flag + "'");
+      check(std::find(known.begin(), known.end(), flag) != known.end(),
+            std::string(argv[1]) + ": unknown option " + flag + " (see keel --help)");
+      check(i + 1 < argc, std::string(argv[1]) + ": option " + flag + " needs a value");
+      values_[flag].push_back(argv[++i]);
+    }
+  }
+  bool has(const std::string& flag) const { return values_.count(flag) > 0; }
+  std::string get(const std::string& flag, const std::string& fallback = "") const {
+    auto it = values_.find(flag);
+    return it == values_.end() ? fallback : it->second.back();
+  }
+  std::vector<std::string> all(const std::string& flag) const {
+    auto it = values_.find(flag);
+    return it == values_.end() ? std::vector<std::string>{} : it->second;
+  }
+  long get_int(const std::string& flag, long fallback) const {
+    if (!has(flag)) return fallback;
+    const std::string v = get(flag);
+    char* end = nullptr;
+    const long n = std::strtol(v.c_str(), &end, 10);
+    check(!v.empty() && *end == '\0', "option " + flag + ": expected an integer, found '" + v + "'");
+    return n;
+  }
+  double get_double(const std::string& flag, double fallback) const {
+    if (!has(flag)) return fallback;
+    const std::string v = get(flag);
+    char* end = nullptr;
+    const double x = std::strtod(v.c_str(), &end);
+    check(!v.empty() && *end == '\0' && std::isfinite(x), "option " + flag + ": expected a number, found '" + v + "'");
+    return x;
+  }
+  bool help = false;
+
+ private:
+  std::map<std::string, std::vector<std::string>> values_;
+};
+
+int cmd_tokenize(const Args& a) {
+  std::vector<std::string> inputs = a.all("--input");
+  if (inputs.empty()) inputs = {kFortunes};
+  const std::string out = a.get("--out", "data/fortunes");
+  const int vocab = static_cast<int>(a.get_int("--vocab-size", 8192));
+  const double val_fraction = a.get_double("--val-fraction", 0.05);
+  check(val_fraction > 0 && val_fraction < 1, "option --val-fraction: expected 0 < F < 1, found " + a.get("--val-fraction"));
+  std::vector<std::string> docs = read_documents(inputs);
+  std::printf("keel tokenize: %zu documents, training a %d-token byte-level BPE...\n", docs.size(), vocab);
+  std::fflush(stdout);
+  TokenizeResult r = tokenize_corpus(docs, out, vocab, val_fraction, static_cast<uint64_t>(a.get_int("--seed", 1337)));
+  std::printf("keel tokenize: wrote %s/{tokenizer.json,train.bin,val.bin}: %zu train tokens, %zu val tokens\n",
+              out.c_str(), r.train_tokens, r.val_tokens);
+  return 0;
+}
+
+int cmd_train(const Args& a) {
+  Config config = Config::load(a.get("--config"), a.all("--set"));
+  config.resolve();
+  // The default job tokenizes the default corpus on first use.
+  const DataConfig defaults;
+  if (!fs::exists(config.data.train) && config.data.train == defaults.train && fs::is_directory(kFortunes)) {
+    std::printf("keel train: %s not found; tokenizing the fortunes corpus first\n", config.data.train.c_str());
+    Args none(0, nullptr, 0, {});
+    cmd_tokenize(none);
+  }
+  Trainer trainer(config);
+  trainer.run();
+  return 0;
+}
+
+// Builds a model from a checkpoint (or llm.c file) for evaluation and generation.
+struct LoadedModel {
+  Config config;
+  std::unique_ptr<ChunkStore> store;
+  std::unique_ptr<GPT> model;
+};
+
+LoadedModel load_model(const Args& a, int B, int T) {
+  LoadedModel lm;
+  if (a.has("--llmc")) {
+    lm.config.model = read_llmc_model_config(a.get("--llmc"));
+  } else {
+    check(a.has("--checkpoint"), "missing --checkpoint DIR (or --llmc FILE.bin)");
+    lm.config = read_checkpoint_config(a.get("--checkpoint"));
+  }
+  T = std::min(T, lm.config.model.max_seq_len);
+  lm.store = std::make_unique<ChunkStore>(lm.config.store.chunk_bytes);
+  lm.model = std::make_unique<GPT>(lm.config.model, *lm.store);
+  lm.store->finalize();
+  lm.model->allocate(B, T);
+  if (a.has("--llmc")) {
+    import_llmc(a.get("--llmc"), *lm.store, lm.config.model);
+  } else {
+    load_checkpoint(a.get("--checkpoint"), *lm.store, lm.config, true);
+  }
+  return lm;
+}
+
+int cmd_eval(const Args& a) {
+  check_blas();
+  const int B = static_cast<int>(a.get_int("--batch", 4));
+  const int T = static_cast<int>(a.get_int("--seq", 64));
+  check(B >= 1 && T >= 1, "options --batch and --seq: expected positive values");
+  LoadedModel lm = load_model(a, B, T);
+  check(T <= lm.config.model.max_seq_len, "option --seq: expected at most the model's max_seq_len " +
+                                              std::to_string(lm.config.model.max_seq_len) + ", found " + std::to_string(T));
+  const std::string shard = a.get("--data", lm.config.data.val);
+  DataLoader data(shard, B, T, lm.config.model.vocab_size, false, 0);
+  const long batches = std::min<long>(a.get_int("--batches", static_cast<long>(data.num_windows())),
+                                      static_cast<long>(data.num_windows()));
+  check(batches >= 1, "option --batches: expected >= 1");
+  double sum = 0;
+  for (long i = 0; i < batches; ++i) sum += lm.model->forward(data.window(i));
+  const double loss = sum / batches;
+  std::printf("{\"loss\": %.9g, \"perplexity\": %.6g, \"batches\": %ld, \"data\": \"%s\"}\n", loss, std::exp(loss),
+              batches, shard.c_str());
+  return 0;
+}
+
+int cmd_generate(const Args& a) {
+  check_blas();
+  LoadedModel lm = load_model(a, 1, 1 << 30);
+  const std::string tok_path = a.get("--tokenizer", lm.config.data.tokenizer);
+  check(!tok_path.empty(), "generate: no tokenizer (pass --tokenizer FILE)");
+  Tokenizer tok = Tokenizer::load(tok_path);
+  check(tok.vocab_size() <= lm.config.model.vocab_size,
+        "tokenizer " + tok_path + ": vocabulary " + std::to_string(tok.vocab_size()) + " exceeds the model's " +
+            std::to_string(lm.config.model.vocab_size));
+  std::vector<int> prompt = {tok.eot_token()};
+  const std::string text = a.get("--prompt");
+  if (!text.empty()) {
+    std::vector<int> ids = tok.encode(text);
+    prompt.insert(prompt.end(), ids.begin(), ids.end());
+  }
+  SampleOptions o;
+  o.max_new_tokens = static_cast<int>(a.get_int("--tokens", 100));
+  o.temperature = a.get_double("--temperature", 0.8);
+  o.top_k = static_cast<int>(a.get_int("--top-k", 40));
+  o.stop_token = tok.eot_token();
+  check(o.max_new_tokens >= 0 && o.top_k >= 0 && o.temperature >= 0, "generate: --tokens, --top-k and --temperature must not be negative");
+  Rng rng(static_cast<uint64_t>(a.get_int("--seed", 42)));
+  const int samples = static_cast<int>(a.get_int("--samples", 1));
+  for (int s = 0; s < samples; ++s) {
+    std::vector<int> out = generate(*lm.model, std::min(lm.config.model.max_seq_len, 1024), prompt, o, rng);
+    std::printf("%s%s\n", s > 0 ? "---\n" : "", tok.decode(std::vector<int>(out.begin() + 1, out.end())).c_str());
+  }
+  return 0;
+}
+
+int cmd_export(const Args& a) {
+  check(a.has("--checkpoint") && a.has("--out"), "export: expected --checkpoint DIR --out FILE.bin");
+  LoadedModel lm = load_model(a, 1, 1);
+  export_llmc(a.get("--out"), *lm.store, lm.config.model);
+  std::printf("keel export: wrote %s (llm.c GPT-2 format, version 3)\n", a.get("--out").c_str());
+  return 0;
+}
+
+int cmd_import(const Args& a) {
+  check(a.has("--llmc") && a.has("--out"), "import: expected --llmc FILE.bin --out DIR");
+  Config config = Config::load("", a.all("--set"));
+  const ModelConfig m = read_llmc_model_config(a.get("--llmc"));
+  config.model = m;
+  config.resolve();
+  ChunkStore store(config.store.chunk_bytes);
+  GPT model(config.model, store);
+  store.finalize();
+  import_llmc(a.get("--llmc"), store, config.model);
+  save_checkpoint(a.get("--out"), store, config, TrainState{});
+  std::printf("keel import: wrote checkpoint %s\n", a.get("--out").c_str());
+  return 0;
+}
+
+int run(int argc, char** argv) {
+  if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0 ||
+      std::strcmp(argv[1], "help") == 0) {
+    std::fputs(kUsage, argc < 2 ? stderr : stdout);
+    return argc < 2 ? 1 : 0;
+  }
+  const std::string cmd = argv[1];
+  const std::map<std::string, std::vector<std::string>> options = {
+      {"train", {"--config", "--set"}},
+      {"tokenize", {"--input", "--out", "--vocab-size", "--val-fraction", "--seed"}},
+      {"eval", {"--checkpoint", "--llmc", "--data", "--batch", "--seq", "--batches"}},
+      {"generate", {"--checkpoint", "--llmc", "--prompt", "--tokens", "--temperature", "--top-k", "--seed",
+                    "--tokenizer", "--samples"}},
+      {"export", {"--checkpoint", "--out"}},
+      {"import", {"--llmc", "--out", "--set"}},
+  };
+  auto it = options.find(cmd);
+  check(it != options.end(), "unknown command '" + cmd + "' (expected train, tokenize, eval, generate, export or import)");
+  Args a(argc, argv, 2, it->second);
+  if (a.help) {
+    std::fputs(kUsage, stdout);
+    return 0;
+  }
+  if (cmd == "train") return cmd_train(a);
+  if (cmd == "tokenize") return cmd_tokenize(a);
+  if (cmd == "eval") return cmd_eval(a);
+  if (cmd == "generate") return cmd_generate(a);
+  if (cmd == "export") return cmd_export(a);
+  return cmd_import(a);
+}
+
+}  // namespace
+}  // namespace keel
+
+int main(int argc, char** argv) {
+  try {
+    return keel::run(argc, argv);
+  } catch (const keel::Error& e) {
+    std::fprintf(stderr, "keel: %s\n", e.what());
+  } catch (const std::filesystem::filesystem_error& e) {
+    std::fprintf(stderr, "keel: file system: %s\n", e.what());
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "keel: out of memory\n");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "keel: internal error: %s\n", e.what());
+  }
+  return 1;
+}

@@ -1,0 +1,342 @@
+#include "core/config.h"
+
+#include <toml++/toml.h>
+#include <xxhash.h>
+
+#include <charconv>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <sstream>
+#include <variant>
+
+#include "core/error.h"
+
+namespace keel {
+
+namespace {
+
+// One configurable key: where it lives in Config and what type it holds.
+struct Field {
+  const char* section;
+  const char* key;
+  std::variant<int*, int64_t*, uint64_t*, double*, std::string*> target;
+};
+
+std::vector<Field> fields(Config& c) {
+  return {
+      {"model", "preset", &c.model.preset},
+      {"model", "n_layer", &c.model.n_layer},
+      {"model", "n_head", &c.model.n_head},
+      {"model", "n_embd", &c.model.n_embd},
+      {"model", "vocab_size", &c.model.vocab_size},
+      {"model", "padded_vocab_size", &c.model.padded_vocab_size},
+      {"model", "max_seq_len", &c.model.max_seq_len},
+      {"train", "batch_size", &c.train.batch_size},
+      {"train", "seq_len", &c.train.seq_len},
+      {"train", "grad_accum", &c.train.grad_accum},
+      {"train", "steps", &c.train.steps},
+      {"train", "seed", &c.train.seed},
+      {"train", "log_every", &c.train.log_every},
+      {"train", "eval_every", &c.train.eval_every},
+      {"train", "eval_batches", &c.train.eval_batches},
+      {"train", "checkpoint_every", &c.train.checkpoint_every},
+      {"train", "run_dir", &c.train.run_dir},
+      {"train", "resume", &c.train.resume},
+      {"train", "sample_tokens", &c.train.sample_tokens},
+      {"train", "samples", &c.train.samples},
+      {"optim", "lr", &c.optim.lr},
+      {"optim", "min_lr_ratio", &c.optim.min_lr_ratio},
+      {"optim", "warmup_steps", &c.optim.warmup_steps},
+      {"optim", "weight_decay", &c.optim.weight_decay},
+      {"optim", "beta1", &c.optim.beta1},
+      {"optim", "beta2", &c.optim.beta2},
+      {"optim", "eps", &c.optim.eps},
+      {"optim", "grad_clip", &c.optim.grad_clip},
+      {"data", "train", &c.data.train},
+      {"data", "val", &c.data.val},
+      {"data", "tokenizer", &c.data.tokenizer},
+      {"store", "chunk_bytes", &c.store.chunk_bytes},
+      {"runtime", "threads", &c.runtime.threads},
+      {"runtime", "peak_gflops", &c.runtime.peak_gflops},
+  };
+}
+
+const char* type_name(const Field& f) {
+  switch (f.target.index()) {
+    case 0: case 1: case 2: return "an integer";
+    case 3: return "a number";
+    default: return "a string";
+  }
+}
+
+std::string known_keys(Config& c, const std::string& section) {
+  std::string out;
+  for (const Field& f : fields(c)) {
+    if (section != f.section) continue;
+    if (!out.empty()) out += ", ";
+    out += f.key;
+  }
+  return out;
+}
+
+Field find_field(Config& c, const std::string& section, const std::string& key, const std::string& where) {
+  bool section_known = false;
+  for (const Field& f : fields(c)) {
+    if (section == f.section) {
+      section_known = true;
+      if (key == f.key) return f;
+    }
+  }
+  if (!section_known) {
+    throw Error(where + ": unknown config section [" + section +
+                "] (expected one of: model, train, optim, data, store, runtime)");
+  }
+  throw Error(where + ": unknown config key '" + section + "." + key + "' (known keys in [" + section +
+              "]: " + known_keys(c, section) + ")");
+}
+
+template <typename Int>
+Int parse_int(const std::string& text, const std::string& name) {
+  Int value{};
+  const char* end = text.data() + text.size();
+  auto [ptr, ec] = std::from_chars(text.data(), end, value);
+  if (ec != std::errc() || ptr != end) {
+    throw Error("config key '" + name + "' expects an integer, found '" + text + "'");
+  }
+  return value;
+}
+
+void assign_from_string(const Field& f, const std::string& text) {
+  const std::string name = std::string(f.section) + "." + f.key;
+  std::visit(
+      [&](auto* p) {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, std::string>) {
+          std::string v = text;
+          if (v.size() >= 2 && (v.front() == '"' || v.front() == '\'') && v.back() == v.front()) {
+            v = v.substr(1, v.size() - 2);
+          }
+          *p = v;
+        } else if constexpr (std::is_same_v<T, double>) {
+          char* end = nullptr;
+          errno = 0;
+          double v = std::strtod(text.c_str(), &end);
+          if (text.empty() || end != text.c_str() + text.size() || errno != 0 || !std::isfinite(v)) {
+            throw Error("config key '" + name + "' expects a number, found '" + text + "'");
+          }
+          *p = v;
+        } else {
+          *p = parse_int<T>(text, name);
+        }
+      },
+      f.target);
+}
+
+void assign_from_toml(const Field& f, const toml::node& node, const std::string& where) {
+  const std::string name = std::string(f.section) + "." + f.key;
+  auto mistyped = [&]() {
+    std::ostringstream found;
+    found << node.type();
+    return Error(where + ": config key '" + name + "' expects " + type_name(f) + ", found " + found.str());
+  };
+  std::visit(
+      [&](auto* p) {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, std::string>) {
+          if (!node.is_string()) throw mistyped();
+          *p = node.as_string()->get();
+        } else if constexpr (std::is_same_v<T, double>) {
+          if (node.is_floating_point()) *p = node.as_floating_point()->get();
+          else if (node.is_integer()) *p = static_cast<double>(node.as_integer()->get());
+          else throw mistyped();
+        } else {
+          if (!node.is_integer()) throw mistyped();
+          int64_t v = node.as_integer()->get();
+          if constexpr (std::is_same_v<T, int>) {
+            if (v < INT32_MIN || v > INT32_MAX) throw Error(where + ": config key '" + name + "' is out of range");
+          }
+          if constexpr (std::is_same_v<T, uint64_t>) {
+            if (v < 0) throw Error(where + ": config key '" + name + "' must not be negative");
+          }
+          *p = static_cast<T>(v);
+        }
+      },
+      f.target);
+}
+
+std::string toml_value(const Field& f) {
+  return std::visit(
+      [](auto* p) -> std::string {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, std::string>) {
+          std::ostringstream out;
+          out << toml::value<std::string>(*p);
+          return out.str();
+        } else if constexpr (std::is_same_v<T, double>) {
+          char buf[64];
+          std::snprintf(buf, sizeof buf, "%.17g", *p);
+          std::string s = buf;
+          if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+          return s;
+        } else {
+          return std::to_string(*p);
+        }
+      },
+      f.target);
+}
+
+void require(bool ok, const std::string& key, const std::string& expected, const std::string& found) {
+  if (!ok) throw Error("config key '" + key + "': expected " + expected + ", found " + found);
+}
+
+}  // namespace
+
+const std::vector<ModelPreset>& model_presets() {
+  static const std::vector<ModelPreset> presets = {
+      // name        L   H   C     V      maxT
+      {"tiny", 2, 2, 64, 8192, 256},
+      {"d4", 4, 4, 256, 8192, 256},  // the default job: ~5M parameters with an 8192 vocabulary
+      {"d6", 6, 6, 384, 8192, 512},
+      {"d12", 12, 12, 768, 8192, 1024},
+      {"small", 4, 4, 256, 50257, 1024},  // the benchmark's small shape with GPT-2's vocabulary
+      {"gpt2-124m", 12, 12, 768, 50257, 1024},
+      {"gpt2-350m", 24, 16, 1024, 50257, 1024},
+      {"gpt2-774m", 36, 20, 1280, 50257, 1024},
+      {"gpt2-1.5b", 48, 25, 1600, 50257, 1024},
+  };
+  return presets;
+}
+
+Config Config::parse(const std::string& toml_text, const std::string& where) {
+  Config c;
+  toml::table root;
+  try {
+    root = toml::parse(toml_text, where);
+  } catch (const toml::parse_error& e) {
+    std::ostringstream msg;
+    msg << where << ":" << e.source().begin.line << ": " << e.description();
+    throw Error(msg.str());
+  }
+  for (auto&& [section_key, section_node] : root) {
+    const std::string section(section_key.str());
+    if (!section_node.is_table()) {
+      throw Error(where + ": '" + section + "' must be a [section], found a plain value");
+    }
+    for (auto&& [key, node] : *section_node.as_table()) {
+      Field f = find_field(c, section, std::string(key.str()), where);
+      assign_from_toml(f, node, where);
+    }
+  }
+  return c;
+}
+
+Config Config::load(const std::string& path, const std::vector<std::string>& overrides) {
+  Config c;
+  if (!path.empty()) {
+    if (!std::filesystem::exists(path)) throw Error("config file " + path + ": not found");
+    std::ifstream in(path);
+    if (!in) throw Error("config file " + path + ": cannot read");
+    std::stringstream text;
+    text << in.rdbuf();
+    c = parse(text.str(), "config file " + path);
+  }
+  for (const std::string& o : overrides) c.set(o);
+  return c;
+}
+
+void Config::set(const std::string& assignment) {
+  const size_t eq = assignment.find('=');
+  const size_t dot = assignment.find('.');
+  if (eq == std::string::npos || dot == std::string::npos || dot > eq) {
+    throw Error("--set " + assignment + ": expected section.key=value");
+  }
+  Field f = find_field(*this, assignment.substr(0, dot), assignment.substr(dot + 1, eq - dot - 1),
+                       "--set " + assignment);
+  assign_from_string(f, assignment.substr(eq + 1));
+}
+
+void validate_model(const ModelConfig& m, const std::string& where) {
+  auto need = [&](bool ok, const std::string& what) {
+    if (!ok) throw Error(where + ": " + what);
+  };
+  auto s = [](int v) { return std::to_string(v); };
+  need(m.n_layer >= 1 && m.n_layer <= 1024, "model.n_layer: expected 1..1024, found " + s(m.n_layer));
+  need(m.n_head >= 1, "model.n_head: expected >= 1, found " + s(m.n_head));
+  need(m.n_embd >= 1 && m.n_embd <= 65536, "model.n_embd: expected 1..65536, found " + s(m.n_embd));
+  need(m.n_embd % m.n_head == 0, "model.n_head: expected a divisor of n_embd=" + s(m.n_embd) + ", found " +
+                                     s(m.n_head));
+  need(m.vocab_size >= 2 && m.vocab_size <= 65536,
+       "model.vocab_size: expected 2..65536 (tokens are uint16), found " + s(m.vocab_size));
+  need(m.padded_vocab_size >= m.vocab_size,
+       "model.padded_vocab_size: expected >= vocab_size=" + s(m.vocab_size) + ", found " + s(m.padded_vocab_size));
+  need(m.max_seq_len >= 1, "model.max_seq_len: expected >= 1, found " + s(m.max_seq_len));
+}
+
+void Config::resolve() {
+  const ModelPreset* preset = nullptr;
+  std::string names;
+  for (const ModelPreset& p : model_presets()) {
+    if (model.preset == p.name) preset = &p;
+    names += (names.empty() ? "" : ", ") + std::string(p.name);
+  }
+  require(preset != nullptr, "model.preset", "one of " + names, "'" + model.preset + "'");
+  if (model.n_layer == 0) model.n_layer = preset->n_layer;
+  if (model.n_head == 0) model.n_head = preset->n_head;
+  if (model.n_embd == 0) model.n_embd = preset->n_embd;
+  if (model.vocab_size == 0) model.vocab_size = preset->vocab_size;
+  if (model.max_seq_len == 0) model.max_seq_len = std::max(preset->max_seq_len, train.seq_len);
+  if (model.padded_vocab_size == 0) model.padded_vocab_size = (model.vocab_size + 127) / 128 * 128;
+  validate_model(model, "config");
+
+  auto s = [](auto v) { return std::to_string(v); };
+  require(train.batch_size >= 1, "train.batch_size", ">= 1", s(train.batch_size));
+  require(train.seq_len >= 1 && train.seq_len <= model.max_seq_len, "train.seq_len",
+          "1..model.max_seq_len=" + s(model.max_seq_len), s(train.seq_len));
+  require(train.grad_accum >= 1, "train.grad_accum", ">= 1", s(train.grad_accum));
+  require(train.steps >= 0, "train.steps", ">= 0", s(train.steps));
+  require(train.log_every >= 1, "train.log_every", ">= 1", s(train.log_every));
+  require(train.eval_every >= 0, "train.eval_every", ">= 0", s(train.eval_every));
+  require(train.eval_batches >= 1, "train.eval_batches", ">= 1", s(train.eval_batches));
+  require(train.checkpoint_every >= 0, "train.checkpoint_every", ">= 0", s(train.checkpoint_every));
+  require(!train.run_dir.empty(), "train.run_dir", "a directory", "an empty string");
+  require(train.sample_tokens >= 0, "train.sample_tokens", ">= 0", s(train.sample_tokens));
+  require(train.samples >= 0, "train.samples", ">= 0", s(train.samples));
+  require(optim.lr > 0, "optim.lr", "> 0", s(optim.lr));
+  require(optim.min_lr_ratio >= 0 && optim.min_lr_ratio <= 1, "optim.min_lr_ratio", "0..1", s(optim.min_lr_ratio));
+  require(optim.warmup_steps >= 0, "optim.warmup_steps", ">= 0", s(optim.warmup_steps));
+  require(optim.weight_decay >= 0, "optim.weight_decay", ">= 0", s(optim.weight_decay));
+  require(optim.beta1 >= 0 && optim.beta1 < 1, "optim.beta1", "0 <= beta1 < 1", s(optim.beta1));
+  require(optim.beta2 >= 0 && optim.beta2 < 1, "optim.beta2", "0 <= beta2 < 1", s(optim.beta2));
+  require(optim.eps > 0, "optim.eps", "> 0", s(optim.eps));
+  require(optim.grad_clip >= 0, "optim.grad_clip", ">= 0", s(optim.grad_clip));
+  require(store.chunk_bytes >= 4096 && store.chunk_bytes % 64 == 0, "store.chunk_bytes",
+          "a multiple of 64, at least 4096", s(store.chunk_bytes));
+  require(runtime.threads >= 0, "runtime.threads", ">= 0", s(runtime.threads));
+  require(runtime.peak_gflops >= 0, "runtime.peak_gflops", ">= 0", s(runtime.peak_gflops));
+}
+
+std::string Config::to_toml() const {
+  Config copy = *this;
+  std::ostringstream out;
+  std::string section;
+  for (const Field& f : fields(copy)) {
+    if (section != f.section) {
+      section = f.section;
+      out << (out.tellp() > 0 ? "\n" : "") << "[" << section << "]\n";
+    }
+    out << f.key << " = " << toml_value(f) << "\n";
+  }
+  return out.str();
+}
+
+uint64_t Config::shape_hash() const {
+  std::ostringstream s;
+  s << model.n_layer << ',' << model.n_head << ',' << model.n_embd << ',' << model.vocab_size << ','
+    << model.padded_vocab_size << ',' << model.max_seq_len << ',' << store.chunk_bytes;
+  const std::string text = s.str();
+  return XXH64(text.data(), text.size(), 0);
+}
+
+}  // namespace keel

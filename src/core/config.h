@@ -1,0 +1,96 @@
+// The job configuration: one TOML file whose sections mirror the components, every key
+// overridable on the command line as `--set section.key=value`. Unknown keys, mistyped values
+// and impossible combinations are errors that name the key; nothing is silently defaulted.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace keel {
+
+struct ModelConfig {
+  std::string preset = "d4";  // named size (see model_presets()); explicit keys below override it
+  int n_layer = 0;            // 0 = take from preset
+  int n_head = 0;
+  int n_embd = 0;
+  int vocab_size = 0;         // 0 = from preset, or from the tokenizer when one is given
+  int padded_vocab_size = 0;  // 0 = vocab_size rounded up to a multiple of 128
+  int max_seq_len = 0;        // size of the position table
+};
+
+struct TrainConfig {
+  int batch_size = 16;        // sequences per micro-batch
+  int seq_len = 128;          // tokens per sequence
+  int grad_accum = 1;         // micro-batches per optimizer step
+  int steps = 300;            // optimizer steps
+  uint64_t seed = 1337;
+  int log_every = 10;         // progress line every N steps
+  int eval_every = 100;       // validation loss every N steps (0 = only at start and end)
+  int eval_batches = 16;      // validation batches per evaluation
+  int checkpoint_every = 0;   // save run_dir/ckpt every N steps (0 = only at the end)
+  std::string run_dir = "runs/default";
+  std::string resume;         // checkpoint directory to resume from ("" = fresh start)
+  int sample_tokens = 64;     // tokens generated per sample at the end (0 = none)
+  int samples = 3;
+};
+
+struct OptimConfig {
+  double lr = 3e-3;
+  double min_lr_ratio = 0.1;  // cosine decays to lr * min_lr_ratio
+  int warmup_steps = 20;
+  double weight_decay = 0.1;  // decoupled; never applied to biases and norms
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double grad_clip = 1.0;     // global L2 norm; 0 = off
+};
+
+struct DataConfig {
+  std::string train = "data/fortunes/train.bin";
+  std::string val = "data/fortunes/val.bin";
+  std::string tokenizer = "data/fortunes/tokenizer.json";  // "" = none (no text samples)
+};
+
+struct StoreConfig {
+  int64_t chunk_bytes = 4 << 20;  // chunk capacity in bytes (per plane: params, grads, moments)
+};
+
+struct RuntimeConfig {
+  int threads = 0;            // OpenMP/BLAS threads; 0 = all cores
+  double peak_gflops = 0;     // for MFU; 0 = measure SGEMM on this machine at start-up
+};
+
+struct Config {
+  ModelConfig model;
+  TrainConfig train;
+  OptimConfig optim;
+  DataConfig data;
+  StoreConfig store;
+  RuntimeConfig runtime;
+
+  // Parses a TOML file (path "" = defaults only), then applies `section.key=value` overrides in
+  // order. Throws keel::Error naming the file/key on any unknown key or mistyped value.
+  static Config load(const std::string& path, const std::vector<std::string>& overrides);
+  // Parses TOML text; `where` names its origin in error messages.
+  static Config parse(const std::string& toml_text, const std::string& where);
+  // Applies one `section.key=value` override.
+  void set(const std::string& assignment);
+  // Fills model sizes from the preset, validates every value and combination. Throws on failure.
+  void resolve();
+  // The fully resolved configuration as TOML text (round-trips through load()).
+  std::string to_toml() const;
+  // Hash of what determines the shape of the model's state (model section + chunk size).
+  uint64_t shape_hash() const;
+};
+
+struct ModelPreset {
+  const char* name;
+  int n_layer, n_head, n_embd, vocab_size, max_seq_len;
+};
+const std::vector<ModelPreset>& model_presets();
+
+// Validates the model section alone (used also for checkpoints read from disk).
+void validate_model(const ModelConfig& m, const std::string& where);
+
+}  // namespace keel

@@ -1,0 +1,52 @@
+#include "kernels/cpu/blas.h"
+
+#include <cblas.h>
+
+#include <chrono>
+#include <vector>
+
+#include "core/error.h"
+
+extern "C" {
+char* openblas_get_config(void);
+int openblas_get_parallel(void);
+}
+
+namespace keel {
+
+template <>
+void gemm<float>(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* A, int lda,
+                 const float* B, int ldb, float beta, float* C, int ldc) {
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K,
+              alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+template <>
+void gemm<double>(bool trans_a, bool trans_b, int M, int N, int K, double alpha, const double* A, int lda,
+                  const double* B, int ldb, double beta, double* C, int ldc) {
+  cblas_dgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K,
+              alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+std::string check_blas() {
+  const std::string config = openblas_get_config();
+  const int parallel = openblas_get_parallel();  // 0 sequential, 1 pthreads, 2 OpenMP
+  check(parallel == 2, "BLAS: expected OpenBLAS built with OpenMP (libopenblas0-openmp), found " +
+                           std::string(parallel == 1 ? "the pthreads build" : "a sequential build") + " (" +
+                           config + "); run scripts/setup.sh");
+  return config;
+}
+
+double measure_sgemm_gflops(int n, int repeats) {
+  std::vector<float> a(static_cast<size_t>(n) * n, 0.5f), b(a.size(), 0.25f), c(a.size());
+  gemm<float>(false, false, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);  // warm-up
+  double best_s = 1e30;
+  for (int r = 0; r < repeats; ++r) {
+    auto t0 = std::chrono::steady_clock::now();
+    gemm<float>(false, false, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
+    best_s = std::min(best_s, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return 2.0 * n * n * n / best_s * 1e-9;
+}
+
+}  // namespace keel

@@ -1,0 +1,22 @@
+// Thin typed wrappers over CBLAS (OpenBLAS, OpenMP build) so kernels can be templated on
+// float (training) and double (finite-difference tests), plus the start-up check that the fast
+// BLAS is the one in use.
+#pragma once
+
+#include <string>
+
+namespace keel {
+
+// Row-major C[M,N] = alpha * op(A) * op(B) + beta * C, op = transpose when trans_* is true.
+template <typename T>
+void gemm(bool trans_a, bool trans_b, int M, int N, int K, T alpha, const T* A, int lda, const T* B, int ldb,
+          T beta, T* C, int ldc);
+
+// Throws keel::Error unless the linked BLAS is OpenBLAS built with OpenMP (a netlib or pthread
+// build is 40x slower or fights our OpenMP threads). Returns OpenBLAS's configuration string.
+std::string check_blas();
+
+// Measures single-precision GEMM throughput (GFLOP/s) on an n^3 product with the current threads.
+double measure_sgemm_gflops(int n = 1024, int repeats = 3);
+
+}  // namespace keel

@@ -1,0 +1,361 @@
+#include "model/gpt.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "kernels/cpu/ops.h"
+
+namespace keel {
+
+namespace {
+
+// Carves named slices out of one allocation.
+class Carver {
+ public:
+  explicit Carver(float* base) : cursor_(base) {}
+  float* take(int64_t n) {
+    float* p = cursor_;
+    cursor_ += (n + 15) / 16 * 16;  // keep 64-byte alignment
+    return p;
+  }
+
+ private:
+  float* cursor_;
+};
+
+int64_t padded(int64_t n) { return (n + 15) / 16 * 16; }
+
+TensorId add_tensor(ChunkStore& store, const std::string& name, std::vector<int64_t> shape, int layer,
+                    ChunkKind kind, bool decay) {
+  return store.add(TensorSpec{name, std::move(shape), layer, kind, decay});
+}
+
+// ---- layer 0: token + position embedding --------------------------------------------------------
+class Embedding final : public Layer {
+ public:
+  Embedding(const ModelConfig& m, ChunkStore& store) : store_(store), m_(m) {
+    wte_ = add_tensor(store, "wte", {m.padded_vocab_size, m.n_embd}, 0, ChunkKind::embedding, true);
+    wpe_ = add_tensor(store, "wpe", {m.max_seq_len, m.n_embd}, 0, ChunkKind::embedding, true);
+  }
+  const char* name() const override { return "embedding"; }
+  int64_t activation_floats(int, int) const override { return 0; }
+  int64_t scratch_floats(int, int) const override { return 0; }
+  void bind(float*, float*) override {}
+
+  // x_out[B,T,C] = wte[inputs] + wpe[t]
+  void forward(const Batch& b, const float*, float* x_out) override {
+    store_.access_layer(0);
+    ops::encoder_forward(x_out, b.inputs, store_.data(wte_, Plane::param), store_.data(wpe_, Plane::param), b.B,
+                         b.T, m_.n_embd);
+  }
+  void backward_input(const Batch&, const float*, float*) override {}  // tokens have no gradient
+  void backward_weight(const Batch& b, const float* dx_out) override {
+    store_.access_layer(0);
+    ops::encoder_backward_weight(store_.data(wte_, Plane::grad), store_.data(wpe_, Plane::grad), dx_out, b.inputs,
+                                 b.B, b.T, m_.n_embd);
+  }
+  TensorId wte() const { return wte_; }
+
+ private:
+  ChunkStore& store_;
+  ModelConfig m_;
+  TensorId wte_, wpe_;
+};
+
+// ---- layers 1..L: transformer block ------------------------------------------------------------
+// x_out = res2 + proj(gelu(fc(ln2(res2)))),  res2 = x_in + attn_proj(attention(qkv(ln1(x_in))))
+class Block final : public Layer {
+ public:
+  Block(const ModelConfig& m, ChunkStore& store, int layer) : store_(store), m_(m), layer_(layer) {
+    const std::string p = "h." + std::to_string(layer - 1) + ".";
+    const int64_t C = m.n_embd;
+    ln1w_ = add_tensor(store, p + "ln1.w", {C}, layer, ChunkKind::norm, false);
+    ln1b_ = add_tensor(store, p + "ln1.b", {C}, layer, ChunkKind::norm, false);
+    qkvw_ = add_tensor(store, p + "attn.qkv.w", {3 * C, C}, layer, ChunkKind::attention, true);
+    qkvb_ = add_tensor(store, p + "attn.qkv.b", {3 * C}, layer, ChunkKind::attention, false);
+    projw_ = add_tensor(store, p + "attn.proj.w", {C, C}, layer, ChunkKind::attention, true);
+    projb_ = add_tensor(store, p + "attn.proj.b", {C}, layer, ChunkKind::attention, false);
+    ln2w_ = add_tensor(store, p + "ln2.w", {C}, layer, ChunkKind::norm, false);
+    ln2b_ = add_tensor(store, p + "ln2.b", {C}, layer, ChunkKind::norm, false);
+    fcw_ = add_tensor(store, p + "mlp.fc.w", {4 * C, C}, layer, ChunkKind::ffn, true);
+    fcb_ = add_tensor(store, p + "mlp.fc.b", {4 * C}, layer, ChunkKind::ffn, false);
+    fcprojw_ = add_tensor(store, p + "mlp.proj.w", {C, 4 * C}, layer, ChunkKind::ffn, true);
+    fcprojb_ = add_tensor(store, p + "mlp.proj.b", {C}, layer, ChunkKind::ffn, false);
+  }
+  const char* name() const override { return "block"; }
+
+  int64_t activation_floats(int B, int T) const override {
+    const int64_t N = static_cast<int64_t>(B) * T, C = m_.n_embd;
+    // forward: ln1, qkv, att, atty, res2, ln2, fch, fch_gelu, 4 row stats
+    // backward kept for W: dln1, dqkv, dres2, dln2, dfch
+    return padded(N * C) * 4 + padded(N * 3 * C) + padded(static_cast<int64_t>(B) * m_.n_head * T * T) +
+           padded(N * 4 * C) * 2 + padded(N) * 4 + padded(N * C) * 3 + padded(N * 3 * C) + padded(N * 4 * C);
+  }
+  int64_t scratch_floats(int B, int T) const override {
+    return padded(static_cast<int64_t>(B) * T * 4 * m_.n_embd);  // dfch_gelu (also datty)
+  }
+  void bind(float* activations, float* scratch) override {
+    // Sized for the allocation's B x T; kernels index with the micro-batch's actual B and T.
+    Carver a(activations);
+    const int64_t N = max_N_, C = m_.n_embd;
+    ln1_ = a.take(N * C);
+    qkv_ = a.take(N * 3 * C);
+    att_ = a.take(max_att_);
+    atty_ = a.take(N * C);
+    res2_ = a.take(N * C);
+    ln2_ = a.take(N * C);
+    fch_ = a.take(N * 4 * C);
+    fch_gelu_ = a.take(N * 4 * C);
+    ln1_mean_ = a.take(N);
+    ln1_rstd_ = a.take(N);
+    ln2_mean_ = a.take(N);
+    ln2_rstd_ = a.take(N);
+    dln1_ = a.take(N * C);
+    dqkv_ = a.take(N * 3 * C);
+    dres2_ = a.take(N * C);
+    dln2_ = a.take(N * C);
+    dfch_ = a.take(N * 4 * C);
+    scratch_ = scratch;
+  }
+  void set_capacity(int B, int T) {
+    max_N_ = static_cast<int64_t>(B) * T;
+    max_att_ = static_cast<int64_t>(B) * m_.n_head * T * T;
+  }
+
+  void forward(const Batch& b, const float* x, float* x_out) override {
+    store_.access_layer(layer_);
+    x_in_ = x;  // the caller keeps the input alive until backward_weight (the model's x_ buffers)
+    const int N = b.B * b.T, C = m_.n_embd;
+    auto P = [&](TensorId id) { return store_.data(id, Plane::param); };
+    ops::layernorm_forward(ln1_, ln1_mean_, ln1_rstd_, x, P(ln1w_), P(ln1b_), N, C);
+    ops::linear_forward(qkv_, ln1_, P(qkvw_), P(qkvb_), N, C, 3 * C);
+    ops::attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head);
+    float* attproj = scratch_;  // [N, C], consumed immediately by the residual
+    ops::linear_forward(attproj, atty_, P(projw_), P(projb_), N, C, C);
+    ops::residual_layernorm_forward(res2_, ln2_, ln2_mean_, ln2_rstd_, x, attproj, P(ln2w_), P(ln2b_), N, C);
+    ops::linear_forward(fch_, ln2_, P(fcw_), P(fcb_), N, C, 4 * C);
+    ops::gelu_forward(fch_gelu_, fch_, static_cast<int64_t>(N) * 4 * C);
+    float* fcproj = scratch_;
+    ops::linear_forward(fcproj, fch_gelu_, P(fcprojw_), P(fcprojb_), N, 4 * C, C);
+    ops::residual_forward(x_out, res2_, fcproj, static_cast<int64_t>(N) * C);
+  }
+
+  void backward_input(const Batch& b, const float* dx_out, float* dx_in) override {
+    store_.access_layer(layer_);
+    const int N = b.B * b.T, C = m_.n_embd;
+    auto P = [&](TensorId id) { return store_.data(id, Plane::param); };
+    // MLP branch: d(fcproj out) = dx_out
+    float* dfch_gelu = scratch_;
+    ops::linear_backward_input(dfch_gelu, dx_out, P(fcprojw_), N, 4 * C, C, false);
+    ops::gelu_backward_input(dfch_, dfch_gelu, fch_, static_cast<int64_t>(N) * 4 * C);
+    ops::linear_backward_input(dln2_, dfch_, P(fcw_), N, C, 4 * C, false);
+    std::memcpy(dres2_, dx_out, sizeof(float) * N * C);
+    ops::layernorm_backward_input(dres2_, dln2_, res2_, ln2_mean_, ln2_rstd_, P(ln2w_), N, C, true);
+    // Attention branch: d(attproj out) = dres2
+    float* datty = scratch_;
+    ops::linear_backward_input(datty, dres2_, P(projw_), N, C, C, false);
+    ops::attention_backward_input(dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head);
+    ops::linear_backward_input(dln1_, dqkv_, P(qkvw_), N, C, 3 * C, false);
+    std::memcpy(dx_in, dres2_, sizeof(float) * N * C);
+    ops::layernorm_backward_input(dx_in, dln1_, x_in_, ln1_mean_, ln1_rstd_, P(ln1w_), N, C, true);
+  }
+
+  void backward_weight(const Batch& b, const float* dx_out) override {
+    store_.access_layer(layer_);
+    const int N = b.B * b.T, C = m_.n_embd;
+    auto G = [&](TensorId id) { return store_.data(id, Plane::grad); };
+    ops::linear_backward_weight(G(fcprojw_), G(fcprojb_), dx_out, fch_gelu_, N, 4 * C, C);
+    ops::linear_backward_weight(G(fcw_), G(fcb_), dfch_, ln2_, N, C, 4 * C);
+    ops::layernorm_backward_weight(G(ln2w_), G(ln2b_), dln2_, res2_, ln2_mean_, ln2_rstd_, N, C);
+    ops::linear_backward_weight(G(projw_), G(projb_), dres2_, atty_, N, C, C);
+    ops::linear_backward_weight(G(qkvw_), G(qkvb_), dqkv_, ln1_, N, C, 3 * C);
+    ops::layernorm_backward_weight(G(ln1w_), G(ln1b_), dln1_, x_in_, ln1_mean_, ln1_rstd_, N, C);
+  }
+
+
+ private:
+
+  ChunkStore& store_;
+  ModelConfig m_;
+  int layer_;
+  TensorId ln1w_, ln1b_, qkvw_, qkvb_, projw_, projb_, ln2w_, ln2b_, fcw_, fcb_, fcprojw_, fcprojb_;
+  int64_t max_N_ = 0, max_att_ = 0;
+  const float* x_in_ = nullptr;
+  float *ln1_ = nullptr, *qkv_ = nullptr, *att_ = nullptr, *atty_ = nullptr, *res2_ = nullptr, *ln2_ = nullptr,
+        *fch_ = nullptr, *fch_gelu_ = nullptr, *ln1_mean_ = nullptr, *ln1_rstd_ = nullptr, *ln2_mean_ = nullptr,
+        *ln2_rstd_ = nullptr, *dln1_ = nullptr, *dqkv_ = nullptr, *dres2_ = nullptr, *dln2_ = nullptr,
+        *dfch_ = nullptr, *scratch_ = nullptr;
+};
+
+// ---- layer L+1: final LayerNorm, tied LM head, cross-entropy ------------------------------------
+class Head final : public Layer {
+ public:
+  Head(const ModelConfig& m, ChunkStore& store, int layer, TensorId wte) : store_(store), m_(m), layer_(layer), wte_(wte) {
+    lnfw_ = add_tensor(store, "lnf.w", {m.n_embd}, layer, ChunkKind::norm, false);
+    lnfb_ = add_tensor(store, "lnf.b", {m.n_embd}, layer, ChunkKind::norm, false);
+  }
+  const char* name() const override { return "head"; }
+  int64_t activation_floats(int B, int T) const override {
+    const int64_t N = static_cast<int64_t>(B) * T;
+    return padded(N * m_.n_embd) * 2 + padded(N) * 3 + padded(N * m_.padded_vocab_size);
+  }
+  int64_t scratch_floats(int, int) const override { return 0; }
+  void set_capacity(int B, int T) { max_N_ = static_cast<int64_t>(B) * T; }
+  void bind(float* activations, float*) override {
+    Carver a(activations);
+    lnf_ = a.take(max_N_ * m_.n_embd);
+    dlnf_ = a.take(max_N_ * m_.n_embd);
+    mean_ = a.take(max_N_);
+    rstd_ = a.take(max_N_);
+    losses_ = a.take(max_N_);
+    logits_ = a.take(max_N_ * m_.padded_vocab_size);
+  }
+
+  void forward(const Batch& b, const float* x, float*) override {
+    store_.access_layer(layer_);
+    store_.access_layer(0);  // the tied head reads the embedding's chunks
+    const int N = b.B * b.T, C = m_.n_embd;
+    x_in_ = x;
+    ops::layernorm_forward(lnf_, mean_, rstd_, x, store_.data(lnfw_, Plane::param), store_.data(lnfb_, Plane::param),
+                           N, C);
+    ops::linear_forward(logits_, lnf_, store_.data(wte_, Plane::param), static_cast<const float*>(nullptr), N, C,
+                        m_.padded_vocab_size);
+    mean_loss_ = 0.0f;
+    if (b.targets != nullptr) {
+      ops::crossentropy_forward(losses_, logits_, b.targets, N, m_.vocab_size, m_.padded_vocab_size, b.grad_scale);
+      double sum = 0;  // sequential: a fixed summation order
+      for (int n = 0; n < N; ++n) sum += losses_[n];
+      mean_loss_ = static_cast<float>(sum / N);
+    }
+  }
+  // dx_in = d/dx of grad_scale * sum(losses); logits_ holds d(loss)/d(logits) after forward.
+  void backward_input(const Batch& b, const float*, float* dx_in) override {
+    store_.access_layer(layer_);
+    const int N = b.B * b.T, C = m_.n_embd;
+    ops::linear_backward_input(dlnf_, logits_, store_.data(wte_, Plane::param), N, C, m_.padded_vocab_size, false);
+    ops::layernorm_backward_input(dx_in, dlnf_, x_in_, mean_, rstd_, store_.data(lnfw_, Plane::param), N, C, false);
+  }
+  void backward_weight(const Batch& b, const float*) override {
+    store_.access_layer(layer_);
+    store_.access_layer(0);
+    const int N = b.B * b.T, C = m_.n_embd;
+    ops::linear_backward_weight(store_.data(wte_, Plane::grad), static_cast<float*>(nullptr), logits_, lnf_, N, C,
+                                m_.padded_vocab_size);
+    ops::layernorm_backward_weight(store_.data(lnfw_, Plane::grad), store_.data(lnfb_, Plane::grad), dlnf_, x_in_,
+                                   mean_, rstd_, N, C);
+  }
+  float mean_loss() const { return mean_loss_; }
+  const float* logits() const { return logits_; }
+
+ private:
+  ChunkStore& store_;
+  ModelConfig m_;
+  int layer_;
+  TensorId wte_, lnfw_, lnfb_;
+  int64_t max_N_ = 0;
+  const float* x_in_ = nullptr;
+  float *lnf_ = nullptr, *dlnf_ = nullptr, *mean_ = nullptr, *rstd_ = nullptr, *losses_ = nullptr,
+        *logits_ = nullptr;
+  float mean_loss_ = 0.0f;
+};
+
+}  // namespace
+
+GPT::GPT(const ModelConfig& config, ChunkStore& store) : config_(config), store_(store) {
+  validate_model(config, "model");
+  check(!store.finalized(), "GPT: the chunk store is already finalized");
+  auto embedding = std::make_unique<Embedding>(config, store);
+  const TensorId wte = embedding->wte();
+  layers_.push_back(std::move(embedding));
+  for (int l = 1; l <= config.n_layer; ++l) layers_.push_back(std::make_unique<Block>(config, store, l));
+  layers_.push_back(std::make_unique<Head>(config, store, config.n_layer + 1, wte));
+}
+
+GPT::~GPT() = default;
+
+void GPT::init_weights(uint64_t seed) {
+  check(store_.finalized(), "GPT::init_weights: the chunk store is not finalized");
+  const double residual_std = 0.02 / std::sqrt(2.0 * config_.n_layer);
+  for (int id = 0; id < static_cast<int>(store_.tensors().size()); ++id) {
+    const TensorSpec& spec = store_.tensors()[id].spec;
+    std::span<float> w = store_.view(id, Plane::param);
+    const std::string& n = spec.name;
+    auto ends_with = [&](const char* suffix) {
+      const size_t k = std::strlen(suffix);
+      return n.size() >= k && n.compare(n.size() - k, k, suffix) == 0;
+    };
+    if (spec.kind == ChunkKind::norm) {
+      std::fill(w.begin(), w.end(), ends_with(".w") ? 1.0f : 0.0f);
+    } else if (spec.shape.size() == 1) {
+      std::fill(w.begin(), w.end(), 0.0f);  // biases
+    } else {
+      Rng rng(seed ^ hash_name(n));
+      const double std = (ends_with("attn.proj.w") || ends_with("mlp.proj.w")) ? residual_std : 0.02;
+      // Only real vocabulary rows of wte are drawn; padded rows stay zero.
+      const int64_t used = n == "wte" ? static_cast<int64_t>(config_.vocab_size) * config_.n_embd
+                                      : static_cast<int64_t>(w.size());
+      for (int64_t i = 0; i < used; ++i) w[i] = static_cast<float>(rng.normal() * std);
+      std::fill(w.begin() + used, w.end(), 0.0f);
+    }
+  }
+}
+
+void GPT::allocate(int B, int T) {
+  check(B >= 1 && T >= 1 && T <= config_.max_seq_len,
+        "model: sequence length " + std::to_string(T) + " exceeds max_seq_len " + std::to_string(config_.max_seq_len));
+  max_B_ = B;
+  max_T_ = T;
+  const int64_t N = static_cast<int64_t>(B) * T, C = config_.n_embd;
+  const int L = num_layers();
+  int64_t layer_floats = 0, scratch = 0;
+  for (auto& layer : layers_) {
+    if (auto* block = dynamic_cast<Block*>(layer.get())) block->set_capacity(B, T);
+    if (auto* head = dynamic_cast<Head*>(layer.get())) head->set_capacity(B, T);
+    layer_floats += padded(layer->activation_floats(B, T));
+    scratch = std::max(scratch, layer->scratch_floats(B, T));
+  }
+  activation_floats_ = layer_floats + padded(scratch) + 2 * L * padded(N * C);
+  memory_.reset(new float[activation_floats_]);
+  std::memset(memory_.get(), 0, sizeof(float) * activation_floats_);
+  Carver carve(memory_.get());
+  float* scratch_memory = carve.take(scratch);
+  for (auto& layer : layers_) layer->bind(carve.take(layer->activation_floats(B, T)), scratch_memory);
+  x_.assign(L, nullptr);
+  dx_.assign(L, nullptr);
+  for (int i = 0; i < L; ++i) {
+    x_[i] = carve.take(N * C);
+    dx_[i] = carve.take(N * C);
+  }
+}
+
+float GPT::forward(const Batch& batch) {
+  check(batch.B <= max_B_ && batch.T <= max_T_, "model: batch " + std::to_string(batch.B) + "x" +
+                                                    std::to_string(batch.T) + " exceeds the allocated " +
+                                                    std::to_string(max_B_) + "x" + std::to_string(max_T_));
+  const int L = num_layers();
+  for (int i = 0; i < L; ++i) layers_[i]->forward(batch, i == 0 ? nullptr : x_[i - 1], x_[i]);
+  return static_cast<Head&>(*layers_.back()).mean_loss();
+}
+
+void GPT::backward(const Batch& batch) {
+  const int L = num_layers();
+  for (int i = L - 1; i >= 0; --i) {
+    const float* dout = i == L - 1 ? nullptr : dx_[i];
+    float* din = i == 0 ? nullptr : dx_[i - 1];
+    layers_[i]->backward_input(batch, dout, din);
+    layers_[i]->backward_weight(batch, dout);
+  }
+}
+
+const float* GPT::logits() const { return static_cast<const Head&>(*layers_.back()).logits(); }
+
+double GPT::train_flops_per_token(int T) const {
+  const double C = config_.n_embd, L = config_.n_layer, Vp = config_.padded_vocab_size;
+  // per token, forward: qkv 2*3C^2, proj 2C^2, fc 2*4C^2, fcproj 2*4C^2, attention 2*2*T*C, head 2*C*Vp
+  const double forward = L * (2 * 12 * C * C + 4.0 * T * C) + 2 * C * Vp;
+  return 3 * forward;  // backward = 2x forward (B and W)
+}
+
+}  // namespace keel

@@ -1,0 +1,63 @@
+// GPT-2: token + position embedding, pre-LayerNorm blocks of causal self-attention and a GELU
+// MLP, final LayerNorm, LM head tied to the token embedding, cross-entropy loss. Its parameters
+// live in a ChunkStore; it owns only activation memory, allocated once for the largest
+// micro-batch.
+//
+// Layer indices (also the chunk store's layer ids): 0 = embedding, 1..L = blocks, L+1 = head.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "model/layer.h"
+#include "store/chunk_store.h"
+
+namespace keel {
+
+class GPT {
+ public:
+  // Registers every parameter tensor with `store` (which must not be finalized yet) in llm.c's
+  // per-layer order. The caller finalizes the store, then calls init_weights or loads state.
+  GPT(const ModelConfig& config, ChunkStore& store);
+  ~GPT();
+
+  // GPT-2 initialisation: N(0, 0.02) weights, residual projections scaled by 1/sqrt(2L), zero
+  // biases, unit norms, zero padded vocabulary rows. Each tensor draws from its own stream
+  // derived from (seed, tensor name), so the result does not depend on the chunk layout.
+  void init_weights(uint64_t seed);
+
+  // Allocates activations for micro-batches of up to B x T tokens (T <= max_seq_len).
+  void allocate(int B, int T);
+
+  // Forward pass through all layers. Returns the mean loss over B*T tokens when batch.targets is
+  // given (0 otherwise). With batch.grad_scale != 0 it also prepares the loss gradient.
+  float forward(const Batch& batch);
+  // Backward pass through all layers, last to first: B then W of each layer, accumulating into
+  // the grad plane. Requires a forward of the same batch with grad_scale != 0.
+  void backward(const Batch& batch);
+
+  // Logits [B*T, padded_vocab] of the last forward pass (valid only when it had no grad_scale).
+  const float* logits() const;
+
+  int num_layers() const { return static_cast<int>(layers_.size()); }
+  Layer& layer(int i) { return *layers_[i]; }
+  const ModelConfig& config() const { return config_; }
+  ChunkStore& store() { return store_; }
+  // Matrix-product FLOPs of one training step (forward + backward) per token at sequence T.
+  double train_flops_per_token(int T) const;
+  int64_t activation_bytes() const { return activation_floats_ * static_cast<int64_t>(sizeof(float)); }
+
+ private:
+  ModelConfig config_;
+  ChunkStore& store_;
+  std::vector<std::unique_ptr<Layer>> layers_;
+  int max_B_ = 0, max_T_ = 0;
+  int64_t activation_floats_ = 0;
+  std::unique_ptr<float[]> memory_;
+  std::vector<float*> x_;   // x_[i]: output of layer i, [B, T, C]
+  std::vector<float*> dx_;  // dx_[i]: gradient of x_[i]
+};
+
+}  // namespace keel

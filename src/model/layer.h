@@ -1,0 +1,47 @@
+// The unit that pipelines, tiers and gradient sync reason about: a layer of the model with a
+// forward pass and a backward pass split into B (gradient w.r.t. its input) and W (gradient
+// w.r.t. its weights). Splitting B from W lets a pipeline schedule W into its bubbles and lets
+// gradient sync of a layer start as soon as its W is done.
+#pragma once
+
+#include <cstdint>
+
+namespace keel {
+
+class ChunkStore;
+
+// One micro-batch as the layers see it.
+struct Batch {
+  const int* inputs = nullptr;   // [B, T] token ids
+  const int* targets = nullptr;  // [B, T] next-token ids, or null (no loss: generation)
+  int B = 0;
+  int T = 0;
+  // Multiplier of d(loss)/d(logits); 0 = forward only (evaluation). Training uses
+  // 1 / (B * T * grad_accum) so gradients are those of the mean loss of the optimizer step.
+  float grad_scale = 0.0f;
+};
+
+class Layer {
+ public:
+  virtual ~Layer() = default;
+  virtual const char* name() const = 0;
+
+  // Activation floats this layer keeps for a micro-batch of up to B x T tokens, and scratch
+  // floats it needs only during one call (scratch is shared by all layers).
+  virtual int64_t activation_floats(int B, int T) const = 0;
+  virtual int64_t scratch_floats(int B, int T) const = 0;
+  // Gives the layer its activation memory and the shared scratch. Called once per allocation.
+  virtual void bind(float* activations, float* scratch) = 0;
+
+  // x_out[B, T, C] from x_in[B, T, C]. The embedding reads batch.inputs instead of x_in; the
+  // head reads batch.targets and writes losses instead of x_out.
+  virtual void forward(const Batch& batch, const float* x_in, float* x_out) = 0;
+  // B: dx_in[B, T, C] (overwritten) from dx_out. Keeps what backward_weight needs. The embedding
+  // has no dx_in; the head reads its own loss gradient (dx_out is null).
+  virtual void backward_input(const Batch& batch, const float* dx_out, float* dx_in) = 0;
+  // W: accumulates weight gradients into the store's grad plane. Requires backward_input of the
+  // same micro-batch, with the same dx_out still alive.
+  virtual void backward_weight(const Batch& batch, const float* dx_out) = 0;
+};
+
+}  // namespace keel

@@ -1,0 +1,71 @@
+#include "optim/adamw.h"
+
+#include <omp.h>
+
+#include <cmath>
+#include <vector>
+
+namespace keel {
+
+double learning_rate(const OptimConfig& o, int step, int total_steps) {
+  if (step < o.warmup_steps) return o.lr * (step + 1) / o.warmup_steps;
+  const double min_lr = o.lr * o.min_lr_ratio;
+  const int decay_steps = total_steps - o.warmup_steps;
+  if (decay_steps <= 0) return o.lr;
+  const double progress = std::min(1.0, static_cast<double>(step - o.warmup_steps) / decay_steps);
+  return min_lr + 0.5 * (o.lr - min_lr) * (1.0 + std::cos(M_PI * progress));
+}
+
+double grad_sum_squares(const ChunkStore& store) {
+  double total = 0;
+  for (const Chunk& c : store.chunks()) {
+    std::span<const float> g = store.chunk_view(c.id, Plane::grad);
+    // Each thread sums a fixed contiguous range; partials are combined in thread order.
+    const int threads = omp_get_max_threads();
+    std::vector<double> partial(threads, 0.0);
+    const int64_t n = static_cast<int64_t>(g.size());
+#pragma omp parallel num_threads(threads)
+    {
+      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      const int64_t begin = n * t / nt, end = n * (t + 1) / nt;
+      double s = 0;
+      for (int64_t i = begin; i < end; ++i) s += static_cast<double>(g[i]) * g[i];
+      partial[t] = s;
+    }
+    for (double p : partial) total += p;
+  }
+  return total;
+}
+
+void AdamW::step_chunk(ChunkStore& store, int chunk, double lr, int64_t t, float grad_scale) {
+  const Chunk& c = store.chunks()[chunk];
+  float* p = store.chunk_view(chunk, Plane::param).data() - c.offset;
+  const float* g = store.chunk_view(chunk, Plane::grad).data() - c.offset;
+  float* m = store.chunk_view(chunk, Plane::adam_m).data() - c.offset;
+  float* v = store.chunk_view(chunk, Plane::adam_v).data() - c.offset;
+  const float b1 = static_cast<float>(config_.beta1), b2 = static_cast<float>(config_.beta2);
+  const float c1 = static_cast<float>(1.0 / (1.0 - std::pow(config_.beta1, static_cast<double>(t))));
+  const float c2 = static_cast<float>(1.0 / (1.0 - std::pow(config_.beta2, static_cast<double>(t))));
+  const float eps = static_cast<float>(config_.eps), lrf = static_cast<float>(lr);
+  for (const Segment& s : c.segments) {
+    const bool decay = store.tensors()[s.tensor].spec.decay;
+    const float wd = decay ? static_cast<float>(config_.weight_decay) : 0.0f;
+    const int64_t end = s.offset + s.numel;
+#pragma omp parallel for simd schedule(static)
+    for (int64_t i = s.offset; i < end; ++i) {
+      const float gi = g[i] * grad_scale;
+      const float mi = b1 * m[i] + (1.0f - b1) * gi;
+      const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+      m[i] = mi;
+      v[i] = vi;
+      p[i] -= lrf * ((mi * c1) / (std::sqrt(vi * c2) + eps) + wd * p[i]);
+    }
+  }
+  store.bump_version(chunk);
+}
+
+void AdamW::step(ChunkStore& store, double lr, int64_t t, float grad_scale) {
+  for (const Chunk& c : store.chunks()) step_chunk(store, c.id, lr, t, grad_scale);
+}
+
+}  // namespace keel

@@ -1,0 +1,35 @@
+// AdamW with decoupled weight decay, stepping the chunk store chunk by chunk: each chunk's
+// moments live beside its parameters, and each update bumps the chunk's version. Also the
+// learning-rate schedule and global-norm clipping.
+#pragma once
+
+#include <cstdint>
+
+#include "core/config.h"
+#include "store/chunk_store.h"
+
+namespace keel {
+
+// Linear warm-up from lr/warmup to lr over `warmup_steps`, then cosine decay to lr * min_lr_ratio
+// at `total_steps`. `step` counts from 0.
+double learning_rate(const OptimConfig& optim, int step, int total_steps);
+
+// Sum of squares of the gradient plane over the chunks, in double, in a fixed order (the same
+// bytes for the same gradients whatever the thread timing).
+double grad_sum_squares(const ChunkStore& store);
+
+class AdamW {
+ public:
+  explicit AdamW(const OptimConfig& config) : config_(config) {}
+  // One update of every chunk: g = grad * grad_scale (the clipping factor); m, v updated; params
+  // moved by lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p) where the tensor decays.
+  // `t` is the 1-based update count used for bias correction. Bumps every chunk's version.
+  void step(ChunkStore& store, double lr, int64_t t, float grad_scale);
+  // Updates one chunk (the unit ZeRO and tiered stores will call).
+  void step_chunk(ChunkStore& store, int chunk, double lr, int64_t t, float grad_scale);
+
+ private:
+  OptimConfig config_;
+};
+
+}  // namespace keel

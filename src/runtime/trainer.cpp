@@ -1,0 +1,187 @@
+#include "runtime/trainer.h"
+
+#include <omp.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "core/fileio.h"
+#include "kernels/cpu/blas.h"
+#include "runtime/generate.h"
+
+namespace keel {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
+Trainer::Trainer(Config config) : config_(std::move(config)), optimizer_(config_.optim) {
+  if (config_.runtime.threads > 0) omp_set_num_threads(config_.runtime.threads);
+  check_blas();
+
+  const ModelConfig& m = config_.model;
+  if (!config_.data.tokenizer.empty() && fs::exists(config_.data.tokenizer)) {
+    tokenizer_ = Tokenizer::load(config_.data.tokenizer);
+    check(m.vocab_size >= tokenizer_->vocab_size(),
+          "model.vocab_size: expected at least the vocabulary of tokenizer " + config_.data.tokenizer + " (" +
+              std::to_string(tokenizer_->vocab_size()) + "), found " + std::to_string(m.vocab_size));
+  }
+  const TrainConfig& t = config_.train;
+  train_data_ = std::make_unique<DataLoader>(config_.data.train, t.batch_size, t.seq_len, m.vocab_size, true, t.seed);
+  val_data_ = std::make_unique<DataLoader>(config_.data.val, t.batch_size, t.seq_len, m.vocab_size, false, t.seed);
+
+  store_ = std::make_unique<ChunkStore>(config_.store.chunk_bytes);
+  model_ = std::make_unique<GPT>(m, *store_);
+  store_->finalize();
+  model_->allocate(t.batch_size, t.seq_len);
+  if (t.resume.empty()) {
+    model_->init_weights(t.seed);
+  } else {
+    TrainState state = load_checkpoint(t.resume, *store_, config_, false);
+    steps_done_ = state.step;
+    train_data_->set_position(state.data);
+  }
+  peak_gflops_ = config_.runtime.peak_gflops > 0 ? config_.runtime.peak_gflops : measure_sgemm_gflops();
+
+  fs::create_directories(t.run_dir);
+  write_file(t.run_dir + "/config.toml", config_.to_toml());
+  metrics_.open(t.run_dir + "/metrics.jsonl", std::ios::app);
+  check(metrics_.good(), "run directory " + t.run_dir + ": cannot write metrics.jsonl");
+}
+
+Trainer::~Trainer() = default;
+
+void Trainer::log_json(const std::string& line) {
+  metrics_ << line << '\n';
+  metrics_.flush();
+}
+
+StepStats Trainer::step() {
+  const TrainConfig& t = config_.train;
+  const auto t0 = std::chrono::steady_clock::now();
+  StepStats s;
+  s.lr = learning_rate(config_.optim, static_cast<int>(steps_done_), t.steps);
+  store_->zero_grads();
+  double loss_sum = 0;
+  for (int micro = 0; micro < t.grad_accum; ++micro) {
+    Batch batch = train_data_->next();
+    batch.grad_scale = 1.0f / (static_cast<float>(batch.B) * batch.T * t.grad_accum);
+    loss_sum += model_->forward(batch);
+    model_->backward(batch);
+  }
+  s.grad_norm = std::sqrt(grad_sum_squares(*store_));
+  float clip = 1.0f;
+  if (config_.optim.grad_clip > 0 && s.grad_norm > config_.optim.grad_clip) {
+    clip = static_cast<float>(config_.optim.grad_clip / s.grad_norm);
+  }
+  optimizer_.step(*store_, s.lr, steps_done_ + 1, clip);
+  steps_done_++;
+
+  const double seconds = seconds_since(t0);
+  const double tokens = static_cast<double>(t.batch_size) * t.seq_len * t.grad_accum;
+  s.step = steps_done_;
+  s.loss = loss_sum / t.grad_accum;
+  s.ms = seconds * 1e3;
+  s.tokens_per_s = tokens / seconds;
+  s.mfu = model_->train_flops_per_token(t.seq_len) * s.tokens_per_s / (peak_gflops_ * 1e9);
+  return s;
+}
+
+double Trainer::evaluate(int batches) {
+  batches = static_cast<int>(std::min<uint64_t>(batches, val_data_->num_windows()));
+  double sum = 0;
+  for (int i = 0; i < batches; ++i) sum += model_->forward(val_data_->window(i));
+  return sum / batches;
+}
+
+void Trainer::save(const std::string& dir) {
+  TrainState state;
+  state.step = steps_done_;
+  state.data = train_data_->position();
+  save_checkpoint(dir, *store_, config_, state);
+}
+
+void Trainer::print_samples() {
+  if (!tokenizer_ || !tokenizer_->can_encode() || config_.train.sample_tokens == 0) return;
+  Rng rng(config_.train.seed ^ 0xC0FFEEull);
+  SampleOptions options;
+  options.max_new_tokens = config_.train.sample_tokens;
+  options.stop_token = tokenizer_->eot_token();
+  std::printf("samples (temperature %.1f, top-k %d):\n", options.temperature, options.top_k);
+  for (int i = 0; i < config_.train.samples; ++i) {
+    const std::vector<int> prompt = {tokenizer_->eot_token()};
+    std::vector<int> out = generate(*model_, config_.train.seq_len, prompt, options, rng);
+    std::string text = tokenizer_->decode(std::vector<int>(out.begin() + 1, out.end()));
+    std::printf("--- sample %d ---\n%s\n", i + 1, text.c_str());
+  }
+  std::fflush(stdout);
+}
+
+RunSummary Trainer::run() {
+  const TrainConfig& t = config_.train;
+  const ModelConfig& m = config_.model;
+  RunSummary summary;
+  std::printf("keel: model L=%d H=%d C=%d V=%d (%.2fM parameters, %zu chunks), batch %dx%d x%d, %d threads\n",
+              m.n_layer, m.n_head, m.n_embd, m.vocab_size, store_->param_count() / 1e6, store_->chunks().size(),
+              t.batch_size, t.seq_len, t.grad_accum, omp_get_max_threads());
+  std::printf("keel: train %s (%llu tokens), val %s (%llu tokens), run dir %s, SGEMM peak %.1f GFLOP/s\n",
+              config_.data.train.c_str(), static_cast<unsigned long long>(train_data_->num_tokens()),
+              config_.data.val.c_str(), static_cast<unsigned long long>(val_data_->num_tokens()), t.run_dir.c_str(),
+              peak_gflops_);
+  auto report_eval = [&](double loss) {
+    std::printf("step %6lld | val loss %.4f | val ppl %.2f\n", static_cast<long long>(steps_done_), loss,
+                std::exp(loss));
+    log_json(json({{"step", steps_done_}, {"val_loss", loss}, {"val_ppl", std::exp(loss)}}).dump());
+  };
+  summary.val_loss_start = evaluate(t.eval_batches);
+  report_eval(summary.val_loss_start);
+  std::fflush(stdout);
+
+  double tokens_per_s_sum = 0;
+  int64_t timed = 0;
+  while (steps_done_ < t.steps) {
+    StepStats s = step();
+    if (s.step > 1) {  // the first step pays for page faults and warm-up
+      tokens_per_s_sum += s.tokens_per_s;
+      timed++;
+    }
+    log_json(json({{"step", s.step},
+                   {"loss", s.loss},
+                   {"lr", s.lr},
+                   {"grad_norm", s.grad_norm},
+                   {"ms", s.ms},
+                   {"tokens_per_s", s.tokens_per_s},
+                   {"mfu", s.mfu}})
+                 .dump());
+    if (s.step % t.log_every == 0 || s.step == t.steps || s.step == 1) {
+      std::printf("step %6lld/%d | loss %.4f | lr %.2e | norm %6.3f | %7.1f ms | %7.0f tok/s | MFU %5.1f%%\n",
+                  static_cast<long long>(s.step), t.steps, s.loss, s.lr, s.grad_norm, s.ms, s.tokens_per_s,
+                  100 * s.mfu);
+      std::fflush(stdout);
+    }
+    if (t.eval_every > 0 && s.step % t.eval_every == 0 && s.step != t.steps) report_eval(evaluate(t.eval_batches));
+    if (t.checkpoint_every > 0 && s.step % t.checkpoint_every == 0) save(t.run_dir + "/ckpt");
+  }
+  summary.steps = steps_done_;
+  summary.mean_tokens_per_s = timed > 0 ? tokens_per_s_sum / timed : 0;
+  summary.val_loss_end = evaluate(t.eval_batches);
+  report_eval(summary.val_loss_end);
+  save(t.run_dir + "/ckpt");
+  std::printf("keel: val loss %.4f -> %.4f after %lld steps, %.0f tok/s mean; checkpoint %s/ckpt\n",
+              summary.val_loss_start, summary.val_loss_end, static_cast<long long>(summary.steps),
+              summary.mean_tokens_per_s, t.run_dir.c_str());
+  std::fflush(stdout);
+  print_samples();
+  return summary;
+}
+
+}  // namespace keel

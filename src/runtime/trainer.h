@@ -1,0 +1,76 @@
+// The single-process training loop: builds the chunk store, the model, the data loaders and the
+// optimizer from a resolved Config, and runs steps of forward, backward (B then W per layer),
+// clipping and AdamW, reporting progress as text and JSON lines in the run directory.
+#pragma once
+
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "ckpt/checkpoint.h"
+#include "core/config.h"
+#include "data/loader.h"
+#include "data/tokenizer.h"
+#include "model/gpt.h"
+#include "optim/adamw.h"
+#include "store/chunk_store.h"
+
+namespace keel {
+
+struct StepStats {
+  int64_t step = 0;       // 1-based number of the step just taken
+  double loss = 0;        // mean training loss over the step's micro-batches
+  double lr = 0;
+  double grad_norm = 0;   // before clipping
+  double ms = 0;
+  double tokens_per_s = 0;
+  double mfu = 0;         // achieved matmul FLOP/s over peak_gflops
+};
+
+struct RunSummary {
+  double val_loss_start = 0, val_loss_end = 0;
+  int64_t steps = 0;
+  double mean_tokens_per_s = 0;
+};
+
+class Trainer {
+ public:
+  // Requires a resolved config. Reads shards and tokenizer, builds the model, initialises the
+  // weights from train.seed or resumes from train.resume. Throws keel::Error on bad input.
+  explicit Trainer(Config config);
+  ~Trainer();
+
+  // One optimizer step over grad_accum micro-batches.
+  StepStats step();
+  // Mean validation loss over the first `batches` validation batches (file order).
+  double evaluate(int batches);
+  // The whole run: evaluation before, steps with progress lines, evaluations, checkpoints,
+  // evaluation after, samples. Prints to stdout; JSON lines to run_dir/metrics.jsonl.
+  RunSummary run();
+  // Saves a checkpoint of the current state to dir.
+  void save(const std::string& dir);
+
+  GPT& model() { return *model_; }
+  ChunkStore& store() { return *store_; }
+  const Config& config() const { return config_; }
+  int64_t steps_done() const { return steps_done_; }
+  double peak_gflops() const { return peak_gflops_; }
+
+ private:
+  void log_json(const std::string& line);
+  void print_samples();
+
+  Config config_;
+  std::unique_ptr<ChunkStore> store_;
+  std::unique_ptr<GPT> model_;
+  std::unique_ptr<DataLoader> train_data_;
+  std::unique_ptr<DataLoader> val_data_;
+  std::optional<Tokenizer> tokenizer_;
+  AdamW optimizer_;
+  int64_t steps_done_ = 0;
+  double peak_gflops_ = 0;
+  std::ofstream metrics_;
+};
+
+}  // namespace keel

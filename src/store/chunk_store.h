@@ -1,0 +1,112 @@
+// The chunk store: every trainable number of a model (parameters, their gradients and the
+// two AdamW moments) lives here, in chunks of at most `chunk_bytes` per plane. A chunk belongs
+// to one layer and one kind, carries a version that the optimizer bumps on every update, and
+// knows which tensors (or slices of tensors) it holds. Layers never keep pointers: they ask the
+// store for a typed view each time they run, after announcing the access, so that later tiers
+// can move, shard or refresh chunks between two accesses.
+//
+// In this build every chunk is resident in one contiguous host allocation per plane (llm.c's
+// "one malloc" idea, cut into movable pieces); the rest of Keel speaks chunks and views only.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace keel {
+
+enum class ChunkKind : uint8_t { embedding, attention, ffn, norm, head };
+const char* kind_name(ChunkKind kind);
+
+// The four planes of a chunk. Each plane has the same layout; gradient and moments mirror params.
+enum class Plane : uint8_t { param = 0, grad = 1, adam_m = 2, adam_v = 3 };
+inline constexpr int kNumPlanes = 4;
+
+struct TensorSpec {
+  std::string name;            // e.g. "h.3.attn.qkv.weight"
+  std::vector<int64_t> shape;  // row-major
+  int layer = 0;               // index in the model's layer list
+  ChunkKind kind = ChunkKind::embedding;
+  bool decay = false;          // AdamW weight decay applies (matrices and embeddings only)
+};
+
+struct TensorInfo {
+  TensorSpec spec;
+  int64_t offset = 0;  // first element in the flat element space
+  int64_t numel = 0;
+};
+
+// A piece of one tensor inside one chunk.
+struct Segment {
+  int tensor = 0;
+  int64_t offset = 0;        // flat element offset
+  int64_t numel = 0;
+  int64_t tensor_offset = 0;  // where this piece starts inside its tensor
+};
+
+struct Chunk {
+  int id = 0;
+  int layer = 0;
+  ChunkKind kind = ChunkKind::embedding;
+  uint64_t version = 0;     // bumped by every optimizer update of this chunk
+  int64_t offset = 0;       // flat element range [offset, offset + numel)
+  int64_t numel = 0;
+  std::vector<Segment> segments;
+  uint64_t accesses = 0;    // times a layer announced use of this chunk (for tier policies)
+};
+
+using TensorId = int;
+
+class ChunkStore {
+ public:
+  explicit ChunkStore(int64_t chunk_bytes);
+  ~ChunkStore();
+  ChunkStore(const ChunkStore&) = delete;
+  ChunkStore& operator=(const ChunkStore&) = delete;
+
+  // Registers a tensor. Requires: not finalized; layers registered in non-decreasing order.
+  TensorId add(TensorSpec spec);
+  // Lays tensors out in chunks and allocates all planes, zero-filled. Chunks never span two
+  // layers or two kinds; a tensor larger than a chunk spans several consecutive chunks.
+  void finalize();
+
+  // Announces that `layer` is about to be used (forward, backward or update). Counts the access;
+  // guarantees the layer's chunks are resident and current until the next announce of the same
+  // layer's release by the caller's step. (All chunks are resident in this build.)
+  void access_layer(int layer);
+
+  // A view of one tensor in one plane. Valid until the layer's next access announcement.
+  std::span<float> view(TensorId id, Plane plane);
+  std::span<const float> view(TensorId id, Plane plane) const;
+  float* data(TensorId id, Plane plane) { return view(id, plane).data(); }
+  // A view of a whole chunk in one plane.
+  std::span<float> chunk_view(int chunk, Plane plane);
+  std::span<const float> chunk_view(int chunk, Plane plane) const;
+
+  void bump_version(int chunk) { chunks_[chunk].version++; }
+  void set_version(int chunk, uint64_t version) { chunks_[chunk].version = version; }
+  // Zeroes the gradient plane of every chunk.
+  void zero_grads();
+
+  const std::vector<Chunk>& chunks() const { return chunks_; }
+  const std::vector<TensorInfo>& tensors() const { return tensors_; }
+  TensorId find(const std::string& name) const;  // throws keel::Error if absent
+  int64_t numel() const { return numel_; }
+  int64_t param_count() const;  // elements that belong to tensors (excludes alignment padding)
+  int64_t chunk_bytes() const { return chunk_bytes_; }
+  bool finalized() const { return finalized_; }
+
+ private:
+  int64_t chunk_bytes_;
+  bool finalized_ = false;
+  int64_t numel_ = 0;
+  std::vector<TensorInfo> tensors_;
+  std::vector<Chunk> chunks_;
+  std::vector<std::vector<int>> layer_chunks_;
+  struct Free { void operator()(float* p) const; };
+  std::unique_ptr<float, Free> planes_[kNumPlanes];
+};
+
+}  // namespace keel
