@@ -15,30 +15,14 @@
 #include "core/error.h"
 #include "data/corpus.h"
 #include "data/tokenizer.h"
+#include "test_util.h"
 
 namespace keel {
 namespace {
 
 namespace fs = std::filesystem;
 
-// A fresh directory under the system temp dir, removed with everything in it at the end.
-class TempDir {
- public:
-  TempDir() {
-    std::random_device rd;
-    path_ = fs::temp_directory_path() / ("keel_shard_test_" + std::to_string(rd()) + std::to_string(rd()));
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
+using testing::TempDir;
 
 std::string read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -83,7 +67,7 @@ TEST(Shard, WriteReadRoundTrip) {
   for (auto& t : tokens) t = static_cast<uint16_t>(rng());
   tokens[0] = 0;
   tokens[1] = 65535;
-  const std::string path = dir.file("train.bin");
+  const std::string path = dir / "train.bin";
   write_token_shard(path, tokens);
   EXPECT_FALSE(fs::exists(path + ".tmp"));
   EXPECT_EQ(read_token_shard(path), tokens);
@@ -94,7 +78,7 @@ TEST(Shard, WriteReadRoundTrip) {
 
 TEST(Shard, EmptyShardRoundTrips) {
   TempDir dir;
-  const std::string path = dir.file("empty.bin");
+  const std::string path = dir / "empty.bin";
   write_token_shard(path, {});
   EXPECT_EQ(fs::file_size(path), 1024u);
   EXPECT_TRUE(read_token_shard(path).empty());
@@ -102,7 +86,7 @@ TEST(Shard, EmptyShardRoundTrips) {
 
 TEST(Shard, OverwritesAnExistingShard) {
   TempDir dir;
-  const std::string path = dir.file("x.bin");
+  const std::string path = dir / "x.bin";
   write_token_shard(path, {1, 2, 3, 4, 5});
   write_token_shard(path, {9});
   EXPECT_EQ(read_token_shard(path), (std::vector<uint16_t>{9}));
@@ -110,7 +94,7 @@ TEST(Shard, OverwritesAnExistingShard) {
 
 TEST(Shard, WriteIntoMissingDirectoryNamesThePath) {
   TempDir dir;
-  const std::string path = dir.file("no_such_dir/x.bin");
+  const std::string path = dir / "no_such_dir/x.bin";
   expect_error_mentioning([&] { write_token_shard(path, {1}); }, {path});
 }
 
@@ -118,53 +102,53 @@ TEST(Shard, CorruptFilesNameThePath) {
   TempDir dir;
   const std::vector<uint16_t> tokens = {5, 6, 7, 8};
 
-  const std::string missing = dir.file("missing.bin");
+  const std::string missing = dir / "missing.bin";
   expect_error_mentioning([&] { read_token_shard(missing); }, {missing});
 
-  const std::string short_header = dir.file("short_header.bin");
+  const std::string short_header = dir / "short_header.bin";
   write_bytes(short_header, shard_bytes(tokens).substr(0, 500));
   expect_error_mentioning([&] { read_token_shard(short_header); }, {short_header, "1024-byte header", "500"});
 
-  const std::string truncated = dir.file("truncated.bin");
+  const std::string truncated = dir / "truncated.bin";
   const std::string good = shard_bytes(tokens);
   write_bytes(truncated, good.substr(0, good.size() - 3));
   expect_error_mentioning([&] { read_token_shard(truncated); }, {truncated, "truncated"});
 
-  const std::string trailing = dir.file("trailing.bin");
+  const std::string trailing = dir / "trailing.bin";
   write_bytes(trailing, good + "ab");
   expect_error_mentioning([&] { read_token_shard(trailing); }, {trailing, "trailing"});
 
-  const std::string garbage = dir.file("garbage.bin");
+  const std::string garbage = dir / "garbage.bin";
   std::string noise(4096, '\0');
   std::mt19937 rng(5);
   for (char& c : noise) c = static_cast<char>(rng());
   write_bytes(garbage, noise);
   expect_error_mentioning([&] { read_token_shard(garbage); }, {garbage, "magic"});
 
-  const std::string wrong_magic = dir.file("wrong_magic.bin");
+  const std::string wrong_magic = dir / "wrong_magic.bin";
   write_bytes(wrong_magic, shard_bytes(tokens, 12345));
   expect_error_mentioning([&] { read_token_shard(wrong_magic); },
                           {"shard " + wrong_magic + ": expected magic 20240520, found 12345"});
 
-  const std::string wrong_version = dir.file("wrong_version.bin");
+  const std::string wrong_version = dir / "wrong_version.bin";
   write_bytes(wrong_version, shard_bytes(tokens, 20240520, 2));
   expect_error_mentioning([&] { read_token_shard(wrong_version); }, {wrong_version, "version 1", "found 2"});
 
-  const std::string negative_count = dir.file("negative_count.bin");
+  const std::string negative_count = dir / "negative_count.bin";
   std::string bytes = shard_bytes(tokens);
   const int32_t minus_one = -1;
   std::memcpy(&bytes[8], &minus_one, sizeof(minus_one));  // header[2], the token count
   write_bytes(negative_count, bytes);
   expect_error_mentioning([&] { read_token_shard(negative_count); }, {negative_count});
 
-  const std::string directory = dir.file("a_directory");
+  const std::string directory = dir / "a_directory";
   fs::create_directory(directory);
   expect_error_mentioning([&] { read_token_shard(directory); }, {directory});
 }
 
 TEST(Shard, TokenAboveMaxNamesPositionAndValue) {
   TempDir dir;
-  const std::string path = dir.file("x.bin");
+  const std::string path = dir / "x.bin";
   write_token_shard(path, {1, 2, 300, 4});
   EXPECT_EQ(read_token_shard(path, 300).size(), 4u);
   expect_error_mentioning([&] { read_token_shard(path, 299); }, {path, "300", "position 2"});
@@ -174,9 +158,9 @@ TEST(Shard, TokenAboveMaxNamesPositionAndValue) {
 
 TEST(Corpus, SplitsFortuneFilesAndReadsOthersWhole) {
   TempDir dir;
-  const std::string fortunes = dir.file("quotes");
+  const std::string fortunes = dir / "quotes";
   write_bytes(fortunes, "First fortune,\ntwo lines.\n%\nSecond one.\n%\n%\n  \n%\nLast, no newline");
-  const std::string plain = dir.file("essay.txt");
+  const std::string plain = dir / "essay.txt";
   write_bytes(plain, "A plain file.\n% is not alone on this line\n");
   const auto docs = read_documents({fortunes, plain});
   EXPECT_EQ(docs, (std::vector<std::string>{"First fortune,\ntwo lines.\n", "Second one.\n", "Last, no newline",
@@ -185,20 +169,20 @@ TEST(Corpus, SplitsFortuneFilesAndReadsOthersWhole) {
 
 TEST(Corpus, DirectorySkipsIndexFilesAndDuplicateLinks) {
   TempDir dir;
-  write_bytes(dir.file("b_text"), "bee\n%\nbuzz\n");
-  write_bytes(dir.file("a_text"), "ant");
-  write_bytes(dir.file("b_text.dat"), std::string("\x00\x01\x02", 3));
-  fs::create_symlink(dir.path() / "b_text", dir.path() / "b_text.u8");
-  fs::create_symlink(dir.path() / "b_text", dir.path() / "a_link");  // target read anyway
-  fs::create_directory(dir.path() / "subdir");
-  write_bytes(dir.file("empty"), "\n\n");
-  const auto docs = read_documents({dir.path().string()});
+  write_bytes(dir / "b_text", "bee\n%\nbuzz\n");
+  write_bytes(dir / "a_text", "ant");
+  write_bytes(dir / "b_text.dat", std::string("\x00\x01\x02", 3));
+  fs::create_symlink(dir / "b_text", dir / "b_text.u8");
+  fs::create_symlink(dir / "b_text", dir / "a_link");  // target read anyway
+  fs::create_directory(dir / "subdir");
+  write_bytes(dir / "empty", "\n\n");
+  const auto docs = read_documents({dir.path()});
   EXPECT_EQ(docs, (std::vector<std::string>{"ant", "bee\n", "buzz\n"}));
 }
 
 TEST(Corpus, MissingPathIsAnError) {
   TempDir dir;
-  const std::string missing = dir.file("nope");
+  const std::string missing = dir / "nope";
   expect_error_mentioning([&] { read_documents({missing}); }, {missing});
 }
 
@@ -213,8 +197,8 @@ std::vector<std::string> sample_documents() {
 TEST(Corpus, TokenizeWritesDeterministicShardsAndTokenizer) {
   TempDir dir;
   const auto docs = sample_documents();
-  const std::string out_a = dir.file("a");
-  const std::string out_b = dir.file("b/nested");
+  const std::string out_a = dir / "a";
+  const std::string out_b = dir / "b/nested";
   const TokenizeResult a = tokenize_corpus(docs, out_a, 300, 0.2, 42);
   tokenize_corpus(docs, out_b, 300, 0.2, 42);
   for (const char* name : {"tokenizer.json", "train.bin", "val.bin"})
@@ -245,20 +229,20 @@ TEST(Corpus, TokenizeWritesDeterministicShardsAndTokenizer) {
   EXPECT_EQ(text.size(), doc_bytes);
 
   // A different seed gives a different split.
-  const TokenizeResult c = tokenize_corpus(docs, dir.file("c"), 300, 0.2, 7);
-  EXPECT_NE(read_bytes(out_a + "/val.bin"), read_bytes(dir.file("c") + "/val.bin"));
+  const TokenizeResult c = tokenize_corpus(docs, dir / "c", 300, 0.2, 7);
+  EXPECT_NE(read_bytes(out_a + "/val.bin"), read_bytes(dir / "c/val.bin"));
   EXPECT_EQ(c.documents, docs.size());
 }
 
 TEST(Corpus, EachSplitGetsADocument) {
   TempDir dir;
   const auto docs = sample_documents();
-  const TokenizeResult tiny = tokenize_corpus(docs, dir.file("tiny"), 270, 1e-9, 1);
+  const TokenizeResult tiny = tokenize_corpus(docs, dir / "tiny", 270, 1e-9, 1);
   EXPECT_GT(tiny.val_tokens, 0u);
-  const TokenizeResult huge = tokenize_corpus(docs, dir.file("huge"), 270, 1 - 1e-9, 1);
+  const TokenizeResult huge = tokenize_corpus(docs, dir / "huge", 270, 1 - 1e-9, 1);
   EXPECT_GT(huge.train_tokens, 0u);
-  EXPECT_THROW(tokenize_corpus({"only one"}, dir.file("one"), 257, 0.1, 1), Error);
-  EXPECT_THROW(tokenize_corpus(docs, dir.file("bad"), 300, 0.0, 1), Error);
+  EXPECT_THROW(tokenize_corpus({"only one"}, dir / "one", 257, 0.1, 1), Error);
+  EXPECT_THROW(tokenize_corpus(docs, dir / "bad", 300, 0.0, 1), Error);
 }
 
 }  // namespace

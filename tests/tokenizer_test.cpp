@@ -10,29 +10,14 @@
 #include <vector>
 
 #include "core/error.h"
+#include "test_util.h"
 
 namespace keel {
 namespace {
 
 namespace fs = std::filesystem;
 
-// A fresh directory under the system temp dir, removed with everything in it at the end.
-class TempDir {
- public:
-  TempDir() {
-    std::random_device rd;
-    path_ = fs::temp_directory_path() / ("keel_tokenizer_test_" + std::to_string(rd()) + std::to_string(rd()));
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
+using testing::TempDir;
 
 void write_bytes(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary);
@@ -227,7 +212,7 @@ TEST(Tokenizer, SaveLoadRoundTrip) {
   TempDir dir;
   const auto docs = english_documents();
   const Tokenizer tok = Tokenizer::train(docs, 450);
-  const std::string path = dir.file("tokenizer.json");
+  const std::string path = dir / "tokenizer.json";
   tok.save(path);
   EXPECT_FALSE(fs::exists(path + ".tmp"));
   const Tokenizer loaded = Tokenizer::load(path);
@@ -239,7 +224,7 @@ TEST(Tokenizer, SaveLoadRoundTrip) {
   for (int id = 0; id < tok.vocab_size(); ++id) EXPECT_EQ(loaded.decode_token(id), tok.decode_token(id));
 
   // Saving again gives the same bytes.
-  const std::string again = dir.file("again.json");
+  const std::string again = dir / "again.json";
   loaded.save(again);
   std::ifstream a(path, std::ios::binary), b(again, std::ios::binary);
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(a), {}), std::string(std::istreambuf_iterator<char>(b), {}));
@@ -264,7 +249,7 @@ std::string llmc_tokenizer_bytes(uint32_t magic, uint32_t version, const std::ve
 TEST(Tokenizer, LoadsLlmcTokenizerForDecoding) {
   TempDir dir;
   const std::vector<std::string> tokens = {"Hello", " world", "!", "\xF0\x9F\x98\x80", "<|endoftext|>"};
-  const std::string path = dir.file("gpt2_tokenizer.bin");
+  const std::string path = dir / "gpt2_tokenizer.bin";
   write_bytes(path, llmc_tokenizer_bytes(20240328, 2, tokens, 4));
   const Tokenizer tok = Tokenizer::load(path);
   EXPECT_EQ(tok.vocab_size(), 5);
@@ -274,14 +259,14 @@ TEST(Tokenizer, LoadsLlmcTokenizerForDecoding) {
   EXPECT_EQ(tok.decode_token(1), " world");
   expect_error_mentioning([&] { tok.encode("Hello"); }, path);
   EXPECT_THROW(tok.decode({5}), Error);
-  EXPECT_THROW(tok.save(dir.file("out.json")), Error);
+  EXPECT_THROW(tok.save(dir / "out.json"), Error);
 }
 
 TEST(Tokenizer, LoadsLlmcVersion1WithEot50256) {
   TempDir dir;
   std::vector<std::string> tokens(50257);
   for (int i = 0; i < 50257; ++i) tokens[i] = "t" + std::to_string(i);
-  const std::string path = dir.file("v1.bin");
+  const std::string path = dir / "v1.bin";
   write_bytes(path, llmc_tokenizer_bytes(20240328, 1, tokens, 0));  // header[3] ignored in v1
   const Tokenizer tok = Tokenizer::load(path);
   EXPECT_EQ(tok.vocab_size(), 50257);
@@ -293,69 +278,69 @@ TEST(Tokenizer, BadFilesNameThePath) {
   TempDir dir;
   const std::vector<std::string> tokens = {"a", "b", "c"};
 
-  const std::string missing = dir.file("missing.json");
+  const std::string missing = dir / "missing.json";
   expect_error_mentioning([&] { Tokenizer::load(missing); }, missing);
 
-  const std::string wrong_magic = dir.file("wrong_magic.bin");
+  const std::string wrong_magic = dir / "wrong_magic.bin";
   write_bytes(wrong_magic, llmc_tokenizer_bytes(12345, 2, tokens, 2));
   expect_error_mentioning([&] { Tokenizer::load(wrong_magic); }, wrong_magic);
   expect_error_mentioning([&] { Tokenizer::load(wrong_magic); }, "12345");
 
-  const std::string wrong_version = dir.file("wrong_version.bin");
+  const std::string wrong_version = dir / "wrong_version.bin";
   write_bytes(wrong_version, llmc_tokenizer_bytes(20240328, 3, tokens, 2));
   expect_error_mentioning([&] { Tokenizer::load(wrong_version); }, wrong_version);
 
-  const std::string truncated = dir.file("truncated.bin");
+  const std::string truncated = dir / "truncated.bin";
   std::string bytes = llmc_tokenizer_bytes(20240328, 2, tokens, 2);
   write_bytes(truncated, bytes.substr(0, bytes.size() - 1));
   expect_error_mentioning([&] { Tokenizer::load(truncated); }, truncated);
 
-  const std::string short_header = dir.file("short_header.bin");
+  const std::string short_header = dir / "short_header.bin";
   write_bytes(short_header, bytes.substr(0, 100));
   expect_error_mentioning([&] { Tokenizer::load(short_header); }, short_header);
 
-  const std::string trailing = dir.file("trailing.bin");
+  const std::string trailing = dir / "trailing.bin";
   write_bytes(trailing, bytes + "xyz");
   expect_error_mentioning([&] { Tokenizer::load(trailing); }, trailing);
 
-  const std::string bad_eot = dir.file("bad_eot.bin");
+  const std::string bad_eot = dir / "bad_eot.bin";
   write_bytes(bad_eot, llmc_tokenizer_bytes(20240328, 2, tokens, 3));
   expect_error_mentioning([&] { Tokenizer::load(bad_eot); }, bad_eot);
 
-  const std::string bad_json = dir.file("bad.json");
+  const std::string bad_json = dir / "bad.json";
   write_bytes(bad_json, "{\"format\": \"keel-bpe\",\n \"version\": 1,");
   expect_error_mentioning([&] { Tokenizer::load(bad_json); }, bad_json);
 
-  const std::string wrong_format = dir.file("wrong_format.json");
+  const std::string wrong_format = dir / "wrong_format.json";
   write_bytes(wrong_format, R"({"format":"other","version":1,"vocab_size":258,"eot":257,"merges":[[1,2]]})");
   expect_error_mentioning([&] { Tokenizer::load(wrong_format); }, wrong_format);
 
-  const std::string wrong_json_version = dir.file("wrong_version.json");
+  const std::string wrong_json_version = dir / "wrong_version.json";
   write_bytes(wrong_json_version, R"({"format":"keel-bpe","version":2,"vocab_size":258,"eot":257,"merges":[[1,2]]})");
   expect_error_mentioning([&] { Tokenizer::load(wrong_json_version); }, wrong_json_version);
 
-  const std::string out_of_range = dir.file("out_of_range.json");
+  const std::string out_of_range = dir / "out_of_range.json";
   write_bytes(out_of_range, R"({"format":"keel-bpe","version":1,"vocab_size":259,"eot":258,"merges":[[1,2],[256,257]]})");
   expect_error_mentioning([&] { Tokenizer::load(out_of_range); }, out_of_range);
   expect_error_mentioning([&] { Tokenizer::load(out_of_range); }, "merge 1");
 
-  const std::string negative = dir.file("negative.json");
+  const std::string negative = dir / "negative.json";
   write_bytes(negative, R"({"format":"keel-bpe","version":1,"vocab_size":258,"eot":257,"merges":[[-1,2]]})");
   expect_error_mentioning([&] { Tokenizer::load(negative); }, negative);
 
-  const std::string wrong_count = dir.file("wrong_count.json");
+  const std::string wrong_count = dir / "wrong_count.json";
   write_bytes(wrong_count, R"({"format":"keel-bpe","version":1,"vocab_size":300,"eot":299,"merges":[[1,2]]})");
   expect_error_mentioning([&] { Tokenizer::load(wrong_count); }, wrong_count);
 
-  const std::string wrong_eot = dir.file("wrong_eot.json");
+  const std::string wrong_eot = dir / "wrong_eot.json";
   write_bytes(wrong_eot, R"({"format":"keel-bpe","version":1,"vocab_size":258,"eot":0,"merges":[[1,2]]})");
   expect_error_mentioning([&] { Tokenizer::load(wrong_eot); }, wrong_eot);
 
-  const std::string repeated = dir.file("repeated.json");
+  const std::string repeated = dir / "repeated.json";
   write_bytes(repeated, R"({"format":"keel-bpe","version":1,"vocab_size":259,"eot":258,"merges":[[1,2],[1,2]]})");
   expect_error_mentioning([&] { Tokenizer::load(repeated); }, repeated);
 
-  const std::string missing_field = dir.file("missing_field.json");
+  const std::string missing_field = dir / "missing_field.json";
   write_bytes(missing_field, R"({"format":"keel-bpe","version":1,"eot":257,"merges":[[1,2]]})");
   expect_error_mentioning([&] { Tokenizer::load(missing_field); }, missing_field);
 }

@@ -35,6 +35,12 @@ int64_t llmc_param_count(const ModelConfig& m) {
 
 }  // namespace
 
+std::vector<std::string> llmc_tensor_order(const ModelConfig& model) {
+  std::vector<std::string> names;
+  for_each_llmc_tensor(model, [&](const std::string& n) { names.push_back(n); });
+  return names;
+}
+
 ModelConfig read_llmc_model_config(const std::string& path) {
   check(std::filesystem::exists(path), "llm.c checkpoint " + path + ": not found");
   const auto file_bytes = static_cast<int64_t>(std::filesystem::file_size(path));

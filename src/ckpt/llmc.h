@@ -6,6 +6,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "core/config.h"
 #include "store/chunk_store.h"
@@ -15,6 +16,8 @@ namespace keel {
 inline constexpr int kLlmcModelMagic = 20240326;
 inline constexpr int kLlmcModelVersion = 3;
 
+// Keel tensor names in llm.c file order (per-layer tensors stacked over layers: all ln1.w, then all ln1.b, ...).
+std::vector<std::string> llmc_tensor_order(const ModelConfig& model);
 // Reads and validates the header of an llm.c checkpoint (magic, version, sizes, file length).
 ModelConfig read_llmc_model_config(const std::string& path);
 // Copies the parameters of an llm.c checkpoint into a store built for read_llmc_model_config(path).

@@ -2,6 +2,8 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -263,6 +265,12 @@ int run(int argc, char** argv) {
 }  // namespace keel
 
 int main(int argc, char** argv) {
+  // OpenMP threads that spin while waiting halve throughput on a busy 2-core machine
+  // (PERF-NOTES.md). libgomp reads the policy when it loads, so set it and re-execute once.
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
+    ::setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+    ::execv("/proc/self/exe", argv);  // returns only on failure: then run as we are
+  }
   try {
     return keel::run(argc, argv);
   } catch (const keel::Error& e) {

@@ -339,13 +339,15 @@ float GPT::forward(const Batch& batch) {
   return static_cast<Head&>(*layers_.back()).mean_loss();
 }
 
-void GPT::backward(const Batch& batch) {
+void GPT::backward(const Batch& batch, bool defer_weight_grads) {
   const int L = num_layers();
+  auto dout = [&](int i) -> const float* { return i == L - 1 ? nullptr : dx_[i]; };
   for (int i = L - 1; i >= 0; --i) {
-    const float* dout = i == L - 1 ? nullptr : dx_[i];
-    float* din = i == 0 ? nullptr : dx_[i - 1];
-    layers_[i]->backward_input(batch, dout, din);
-    layers_[i]->backward_weight(batch, dout);
+    layers_[i]->backward_input(batch, dout(i), i == 0 ? nullptr : dx_[i - 1]);
+    if (!defer_weight_grads) layers_[i]->backward_weight(batch, dout(i));
+  }
+  if (defer_weight_grads) {
+    for (int i = L - 1; i >= 0; --i) layers_[i]->backward_weight(batch, dout(i));
   }
 }
 

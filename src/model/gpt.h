@@ -34,9 +34,11 @@ class GPT {
   // Forward pass through all layers. Returns the mean loss over B*T tokens when batch.targets is
   // given (0 otherwise). With batch.grad_scale != 0 it also prepares the loss gradient.
   float forward(const Batch& batch);
-  // Backward pass through all layers, last to first: B then W of each layer, accumulating into
-  // the grad plane. Requires a forward of the same batch with grad_scale != 0.
-  void backward(const Batch& batch);
+  // Backward pass through all layers, last to first, accumulating into the grad plane: B then W
+  // of each layer, or, with defer_weight_grads, every B first and then every W (the order a
+  // zero-bubble pipeline uses; the result is the same bytes). Requires a forward of the same
+  // batch with grad_scale != 0.
+  void backward(const Batch& batch, bool defer_weight_grads = false);
 
   // Logits [B*T, padded_vocab] of the last forward pass (valid only when it had no grad_scale).
   const float* logits() const;

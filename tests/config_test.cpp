@@ -1,0 +1,108 @@
+#include "core/config.h"
+
+#include <gtest/gtest.h>
+
+#include "core/error.h"
+#include "test_util.h"
+
+namespace keel {
+namespace {
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Config, DefaultsResolveToTheD4Preset) {
+  Config c = Config::load("", {});
+  c.resolve();
+  EXPECT_EQ(c.model.n_layer, 4);
+  EXPECT_EQ(c.model.n_embd, 256);
+  EXPECT_EQ(c.model.vocab_size, 8192);
+  EXPECT_EQ(c.model.padded_vocab_size, 8192);
+}
+
+TEST(Config, PresetsAndExplicitOverrides) {
+  Config c = Config::load("", {"model.preset=gpt2-124m", "model.n_layer=2"});
+  c.resolve();
+  EXPECT_EQ(c.model.n_layer, 2);
+  EXPECT_EQ(c.model.n_embd, 768);
+  EXPECT_EQ(c.model.padded_vocab_size, 50304);
+  for (const char* name : {"gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b", "tiny", "d4", "d6", "d12"}) {
+    Config p = Config::load("", {std::string("model.preset=") + name});
+    EXPECT_NO_THROW(p.resolve()) << name;
+  }
+}
+
+TEST(Config, FileThenCommandLine) {
+  testing::TempDir dir;
+  testing::write_text(dir / "a.toml", "[train]\nbatch_size = 3\nseq_len = 32\n[optim]\nlr = 1e-4\n");
+  Config c = Config::load(dir / "a.toml", {"train.batch_size=5"});
+  c.resolve();
+  EXPECT_EQ(c.train.batch_size, 5);
+  EXPECT_EQ(c.train.seq_len, 32);
+  EXPECT_DOUBLE_EQ(c.optim.lr, 1e-4);
+}
+
+TEST(Config, TomlRoundTrip) {
+  testing::TempDir dir;
+  Config c = Config::load("", {"model.preset=tiny", "optim.lr=0.00123", "train.run_dir=x y"});
+  c.resolve();
+  testing::write_text(dir / "r.toml", c.to_toml());
+  Config d = Config::load(dir / "r.toml", {});
+  d.resolve();
+  EXPECT_EQ(c.to_toml(), d.to_toml());
+  EXPECT_EQ(c.shape_hash(), d.shape_hash());
+}
+
+TEST(Config, UnknownKeyNamesTheKeyAndTheKnownOnes) {
+  testing::TempDir dir;
+  testing::write_text(dir / "bad.toml", "[train]\nlearning_rate = 1.0\n");
+  const std::string msg = error_of([&] { Config::load(dir / "bad.toml", {}); });
+  EXPECT_NE(msg.find("train.learning_rate"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("bad.toml"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("batch_size"), std::string::npos) << msg;
+  EXPECT_NE(error_of([] { Config::load("", {"nosuch.key=1"}); }).find("[nosuch]"), std::string::npos);
+}
+
+TEST(Config, MistypedValues) {
+  testing::TempDir dir;
+  testing::write_text(dir / "bad.toml", "[train]\nbatch_size = \"eight\"\n");
+  const std::string msg = error_of([&] { Config::load(dir / "bad.toml", {}); });
+  EXPECT_NE(msg.find("train.batch_size"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("integer"), std::string::npos) << msg;
+  EXPECT_NE(error_of([] { Config::load("", {"train.batch_size=8x"}); }).find("integer"), std::string::npos);
+  EXPECT_NE(error_of([] { Config::load("", {"optim.lr=fast"}); }).find("number"), std::string::npos);
+  EXPECT_NE(error_of([] { Config::load("", {"train.batch_size"}); }).find("section.key=value"), std::string::npos);
+}
+
+TEST(Config, SyntaxErrorNamesFileAndLine) {
+  testing::TempDir dir;
+  testing::write_text(dir / "bad.toml", "[train]\nbatch_size = = 3\n");
+  const std::string msg = error_of([&] { Config::load(dir / "bad.toml", {}); });
+  EXPECT_NE(msg.find("bad.toml:2"), std::string::npos) << msg;
+}
+
+TEST(Config, ImpossibleSizes) {
+  Config c = Config::load("", {"model.n_embd=100", "model.n_head=3"});
+  const std::string msg = error_of([&] { c.resolve(); });
+  EXPECT_NE(msg.find("model.n_head"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("divisor"), std::string::npos) << msg;
+  Config d = Config::load("", {"train.seq_len=5000", "model.max_seq_len=256"});
+  EXPECT_NE(error_of([&] { d.resolve(); }).find("train.seq_len"), std::string::npos);
+  Config e = Config::load("", {"model.preset=gpt5"});
+  EXPECT_NE(error_of([&] { e.resolve(); }).find("gpt2-124m"), std::string::npos);
+  Config f = Config::load("", {"model.vocab_size=70000"});
+  EXPECT_NE(error_of([&] { f.resolve(); }).find("model.vocab_size"), std::string::npos);
+}
+
+TEST(Config, MissingFile) {
+  EXPECT_NE(error_of([] { Config::load("/nonexistent/x.toml", {}); }).find("not found"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace keel

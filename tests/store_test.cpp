@@ -1,0 +1,118 @@
+#include "store/chunk_store.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "core/error.h"
+#include "model/gpt.h"
+
+namespace keel {
+namespace {
+
+ModelConfig tiny_model() {
+  ModelConfig m;
+  m.n_layer = 3;
+  m.n_head = 2;
+  m.n_embd = 32;
+  m.vocab_size = 100;
+  m.padded_vocab_size = 128;
+  m.max_seq_len = 16;
+  return m;
+}
+
+TEST(ChunkStore, ChunksRespectCapacityLayersAndKinds) {
+  for (int64_t chunk_bytes : {4096, 8192, 1 << 20}) {
+    ChunkStore store(chunk_bytes);
+    GPT model(tiny_model(), store);
+    store.finalize();
+    int64_t expected_offset = 0;
+    for (const Chunk& c : store.chunks()) {
+      EXPECT_GE(c.offset, expected_offset);
+      EXPECT_LE(c.numel * 4, chunk_bytes) << "chunk " << c.id;
+      EXPECT_EQ(c.offset % 16, 0);
+      for (const Segment& s : c.segments) {
+        const TensorSpec& spec = store.tensors()[s.tensor].spec;
+        EXPECT_EQ(spec.layer, c.layer) << spec.name;
+        EXPECT_EQ(spec.kind, c.kind) << spec.name;
+        EXPECT_GE(s.offset, c.offset);
+        EXPECT_LE(s.offset + s.numel, c.offset + c.numel);
+      }
+      expected_offset = c.offset + c.numel;
+    }
+  }
+}
+
+TEST(ChunkStore, SegmentsCoverEveryTensorExactlyOnce) {
+  ChunkStore store(4096);  // small: the 128x32 embedding spans several chunks
+  GPT model(tiny_model(), store);
+  store.finalize();
+  std::map<int, int64_t> covered;
+  for (const Chunk& c : store.chunks()) {
+    for (const Segment& s : c.segments) {
+      const TensorInfo& t = store.tensors()[s.tensor];
+      EXPECT_EQ(s.offset, t.offset + s.tensor_offset);
+      EXPECT_EQ(s.tensor_offset, covered[s.tensor]) << t.spec.name << " pieces out of order";
+      covered[s.tensor] += s.numel;
+    }
+  }
+  int64_t total = 0;
+  for (size_t i = 0; i < store.tensors().size(); ++i) {
+    EXPECT_EQ(covered[static_cast<int>(i)], store.tensors()[i].numel) << store.tensors()[i].spec.name;
+    total += store.tensors()[i].numel;
+  }
+  EXPECT_EQ(total, store.param_count());
+  EXPECT_GT(store.chunks().size(), 3u * 4);  // at least 4 per block (2 norm, attention, ffn)
+}
+
+TEST(ChunkStore, ViewsAreAlignedAndDistinctPerPlane) {
+  ChunkStore store(8192);
+  GPT model(tiny_model(), store);
+  store.finalize();
+  for (size_t i = 0; i < store.tensors().size(); ++i) {
+    for (Plane p : {Plane::param, Plane::grad, Plane::adam_m, Plane::adam_v}) {
+      auto v = store.view(static_cast<TensorId>(i), p);
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(v.data()) % 64, 0u);
+      EXPECT_EQ(static_cast<int64_t>(v.size()), store.tensors()[i].numel);
+    }
+  }
+  store.view(0, Plane::param)[0] = 1.0f;
+  EXPECT_EQ(store.view(0, Plane::grad)[0], 0.0f);
+}
+
+TEST(ChunkStore, KindsAndDecayFollowTheModel) {
+  ChunkStore store(1 << 20);
+  GPT model(tiny_model(), store);
+  store.finalize();
+  EXPECT_EQ(store.tensors()[store.find("wte")].spec.kind, ChunkKind::embedding);
+  EXPECT_EQ(store.tensors()[store.find("h.0.attn.qkv.w")].spec.kind, ChunkKind::attention);
+  EXPECT_EQ(store.tensors()[store.find("h.2.mlp.fc.w")].spec.kind, ChunkKind::ffn);
+  EXPECT_EQ(store.tensors()[store.find("h.1.ln2.w")].spec.kind, ChunkKind::norm);
+  EXPECT_EQ(store.tensors()[store.find("lnf.b")].spec.layer, 4);
+  EXPECT_TRUE(store.tensors()[store.find("h.0.mlp.proj.w")].spec.decay);
+  EXPECT_FALSE(store.tensors()[store.find("h.0.mlp.proj.b")].spec.decay);
+  EXPECT_FALSE(store.tensors()[store.find("h.0.ln1.w")].spec.decay);
+  EXPECT_THROW(store.find("nope"), Error);
+}
+
+TEST(ChunkStore, AccessCountsAndVersions) {
+  ChunkStore store(4096);
+  GPT model(tiny_model(), store);
+  store.finalize();
+  store.access_layer(1);
+  for (const Chunk& c : store.chunks()) EXPECT_EQ(c.accesses, c.layer == 1 ? 1u : 0u);
+  store.bump_version(0);
+  store.bump_version(0);
+  EXPECT_EQ(store.chunks()[0].version, 2u);
+}
+
+TEST(ChunkStore, RejectsBadChunkSizeAndLateTensors) {
+  EXPECT_THROW(ChunkStore(1000), Error);
+  ChunkStore store(4096);
+  store.add(TensorSpec{"a", {4}, 0, ChunkKind::norm, false});
+  store.finalize();
+  EXPECT_THROW(store.add(TensorSpec{"b", {4}, 0, ChunkKind::norm, false}), Error);
+}
+
+}  // namespace
+}  // namespace keel
