@@ -24,10 +24,10 @@ namespace {
 constexpr int kB = 2, kT = 5, kC = 8, kNH = 2, kOC = 12, kV = 11, kVp = 16;
 constexpr int kN = kB * kT;
 
-constexpr double kStep = 1e-6;          // central-difference step
-constexpr double kFdTol = 1e-6;         // analytic vs finite difference, relative to the tensor's max
-constexpr double kFloatTol = 1e-5;      // float vs double instantiation, same relative measure
-constexpr double kSentinel = 12345.0;   // pre-fill of outputs a kernel must overwrite
+constexpr double kStep = 1e-6;         // central-difference step
+constexpr double kFdTol = 1e-6;        // analytic vs finite difference, relative to the tensor's max
+constexpr double kFloatTol = 2e-6;     // float vs double, same measure (observed <= 2e-7)
+constexpr double kSentinel = 12345.0;  // pre-fill of outputs a kernel must overwrite
 
 // Named outputs of one op (forward results and gradients), in the op's scalar type.
 template <typename T>
@@ -84,9 +84,8 @@ template <typename T>
       worst = i;
     }
   }
-  return ::testing::AssertionFailure() << what << ": relative error " << err << " >= " << tol << "; worst at ["
-                                       << worst << "]: got " << static_cast<double>(got[worst]) << ", expected "
-                                       << want[worst];
+  return ::testing::AssertionFailure() << what << ": relative error " << err << " >= " << tol << "; worst at [" << worst
+                                       << "]: got " << static_cast<double>(got[worst]) << ", expected " << want[worst];
 }
 
 template <typename T>
@@ -198,12 +197,11 @@ Tensors<T> run_layernorm(const LayernormCase& c) {
   r["dinp"] = filled<T>(NC, kSentinel);
   r["dw"] = filled<T>(c.C, 0);
   r["db"] = filled<T>(c.C, 0);
-  layernorm_forward<T>(r["out"].data(), r["mean"].data(), r["rstd"].data(), inp.data(), w.data(), b.data(), c.N,
-                       c.C);
-  layernorm_backward_input<T>(r["dinp"].data(), R.data(), inp.data(), r["mean"].data(), r["rstd"].data(), w.data(),
-                              c.N, c.C, false);
-  layernorm_backward_weight<T>(r["dw"].data(), r["db"].data(), R.data(), inp.data(), r["mean"].data(),
-                               r["rstd"].data(), c.N, c.C);
+  layernorm_forward<T>(r["out"].data(), r["mean"].data(), r["rstd"].data(), inp.data(), w.data(), b.data(), c.N, c.C);
+  layernorm_backward_input<T>(r["dinp"].data(), R.data(), inp.data(), r["mean"].data(), r["rstd"].data(), w.data(), c.N,
+                              c.C, false);
+  layernorm_backward_weight<T>(r["dw"].data(), r["db"].data(), R.data(), inp.data(), r["mean"].data(), r["rstd"].data(),
+                               c.N, c.C);
   return r;
 }
 
@@ -324,10 +322,10 @@ CrossentropyCase make_crossentropy_case(uint64_t seed) {
   c.logits = normal(rng, static_cast<size_t>(c.N) * c.Vp, 2.0);
   // Padded columns hold values that would dominate the softmax if they were read.
   for (int n = 0; n < c.N; ++n) {
-    for (int j = c.V; j < c.Vp; ++j) c.logits[static_cast<size_t>(n) * c.Vp + j] = 50.0 + j;
+    for (int j = c.V; j < c.Vp; ++j) c.logits[static_cast<size_t>(n) * c.Vp + j] = 1e4 + j;
   }
   for (int n = 0; n < c.N; ++n) c.targets.push_back(static_cast<int>(rng.below(c.V)));
-  c.targets[0] = 0;        // both ends of the real vocabulary
+  c.targets[0] = 0;  // both ends of the real vocabulary
   c.targets[1] = c.V - 1;
   return c;
 }
@@ -445,7 +443,8 @@ TEST(OpsForward, CrossentropyLossEqualsNaiveLogSoftmax) {
       double sum = 0;
       for (int j = 0; j < c.V; ++j) sum += std::exp(row[j]);
       const double want = -std::log(std::exp(row[c.targets[n]]) / sum);
-      EXPECT_NEAR(losses[n], want, 1e-12 * std::max(1.0, std::abs(want))) << "row " << n << " grad_scale " << grad_scale;
+      EXPECT_NEAR(losses[n], want, 1e-12 * std::max(1.0, std::abs(want)))
+          << "row " << n << " grad_scale " << grad_scale;
     }
   }
 }
@@ -475,8 +474,8 @@ TEST(OpsForward, ResidualLayernormEqualsResidualThenLayernorm) {
     const auto ta = cast<T>(a), tb_in = cast<T>(b_in), tw = cast<T>(w), tb = cast<T>(b);
     auto res = filled<T>(a.size(), kSentinel), out = res;
     auto mean = filled<T>(kN, kSentinel), rstd = mean;
-    residual_layernorm_forward<T>(res.data(), out.data(), mean.data(), rstd.data(), ta.data(), tb_in.data(),
-                                  tw.data(), tb.data(), kN, kC);
+    residual_layernorm_forward<T>(res.data(), out.data(), mean.data(), rstd.data(), ta.data(), tb_in.data(), tw.data(),
+                                  tb.data(), kN, kC);
     auto res2 = filled<T>(a.size(), kSentinel), out2 = res2;
     auto mean2 = filled<T>(kN, kSentinel), rstd2 = mean2;
     residual_forward<T>(res2.data(), ta.data(), tb_in.data(), static_cast<int64_t>(a.size()));

@@ -22,7 +22,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-using testing::TempDir;
+using keel::testing::TempDir;
 
 std::string read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

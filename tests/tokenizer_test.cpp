@@ -17,7 +17,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-using testing::TempDir;
+using keel::testing::TempDir;
 
 void write_bytes(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary);
@@ -320,7 +320,8 @@ TEST(Tokenizer, BadFilesNameThePath) {
   expect_error_mentioning([&] { Tokenizer::load(wrong_json_version); }, wrong_json_version);
 
   const std::string out_of_range = dir / "out_of_range.json";
-  write_bytes(out_of_range, R"({"format":"keel-bpe","version":1,"vocab_size":259,"eot":258,"merges":[[1,2],[256,257]]})");
+  write_bytes(out_of_range,
+              R"({"format":"keel-bpe","version":1,"vocab_size":259,"eot":258,"merges":[[1,2],[256,257]]})");
   expect_error_mentioning([&] { Tokenizer::load(out_of_range); }, out_of_range);
   expect_error_mentioning([&] { Tokenizer::load(out_of_range); }, "merge 1");
 

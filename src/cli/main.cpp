@@ -178,6 +178,14 @@ int cmd_eval(const Args& a) {
 }
 
 int cmd_generate(const Args& a) {
+  SampleOptions o;
+  o.max_new_tokens = static_cast<int>(a.get_int("--tokens", 100));
+  o.temperature = a.get_double("--temperature", 0.8);
+  o.top_k = static_cast<int>(a.get_int("--top-k", 40));
+  const int samples = static_cast<int>(a.get_int("--samples", 1));
+  Rng rng(static_cast<uint64_t>(a.get_int("--seed", 42)));
+  check(o.max_new_tokens >= 0 && o.top_k >= 0 && o.temperature >= 0 && samples >= 1,
+        "generate: --tokens, --top-k and --temperature must not be negative, --samples at least 1");
   check_blas();
   LoadedModel lm = load_model(a, 1, 1 << 30);
   const std::string tok_path = a.get("--tokenizer", lm.config.data.tokenizer);
@@ -186,20 +194,13 @@ int cmd_generate(const Args& a) {
   check(tok.vocab_size() <= lm.config.model.vocab_size,
         "tokenizer " + tok_path + ": vocabulary " + std::to_string(tok.vocab_size()) + " exceeds the model's " +
             std::to_string(lm.config.model.vocab_size));
+  o.stop_token = tok.eot_token();
   std::vector<int> prompt = {tok.eot_token()};
   const std::string text = a.get("--prompt");
   if (!text.empty()) {
     std::vector<int> ids = tok.encode(text);
     prompt.insert(prompt.end(), ids.begin(), ids.end());
   }
-  SampleOptions o;
-  o.max_new_tokens = static_cast<int>(a.get_int("--tokens", 100));
-  o.temperature = a.get_double("--temperature", 0.8);
-  o.top_k = static_cast<int>(a.get_int("--top-k", 40));
-  o.stop_token = tok.eot_token();
-  check(o.max_new_tokens >= 0 && o.top_k >= 0 && o.temperature >= 0, "generate: --tokens, --top-k and --temperature must not be negative");
-  Rng rng(static_cast<uint64_t>(a.get_int("--seed", 42)));
-  const int samples = static_cast<int>(a.get_int("--samples", 1));
   for (int s = 0; s < samples; ++s) {
     std::vector<int> out = generate(*lm.model, std::min(lm.config.model.max_seq_len, 1024), prompt, o, rng);
     std::printf("%s%s\n", s > 0 ? "---\n" : "", tok.decode(std::vector<int>(out.begin() + 1, out.end())).c_str());
@@ -220,6 +221,7 @@ int cmd_import(const Args& a) {
   Config config = Config::load("", a.all("--set"));
   const ModelConfig m = read_llmc_model_config(a.get("--llmc"));
   config.model = m;
+  config.train.seq_len = std::min(config.train.seq_len, m.max_seq_len);
   config.resolve();
   ChunkStore store(config.store.chunk_bytes);
   GPT model(config.model, store);

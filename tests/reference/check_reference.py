@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.dont_write_bytecode = True  # keep the source tree free of __pycache__
 sys.path.insert(0, HERE)
 import gpt2_reference as ref  # noqa: E402
 

@@ -1,0 +1,155 @@
+// The keel command as a user meets it: llm.c interoperability and every kind of bad input
+// answered by one line naming the thing, with a non-zero exit.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "core/fileio.h"
+#include "core/rng.h"
+#include "data/shard.h"
+#include "test_util.h"
+
+namespace keel {
+namespace {
+
+using testing::run_command;
+using testing::run_keel;
+
+// Expects a failed command whose output is exactly one "keel: ..." line containing each needle.
+void expect_one_line_error(const testing::CommandResult& r, std::initializer_list<std::string> needles) {
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_EQ(testing::count_lines(r.output), 1) << r.output;
+  EXPECT_EQ(r.output.rfind("keel: ", 0), 0u) << r.output;
+  for (const std::string& n : needles) EXPECT_NE(r.output.find(n), std::string::npos) << "missing '" << n << "' in: " << r.output;
+}
+
+class Cli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    Rng rng(3);
+    std::vector<uint16_t> t(6000);
+    for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<uint16_t>((i * 5 + rng.below(3)) % 60);
+    write_token_shard(dir / "train.bin", t);
+    write_token_shard(dir / "val.bin", std::vector<uint16_t>(t.begin(), t.begin() + 1500));
+    testing::write_text(dir / "toy.toml",
+                        "[model]\npreset = \"tiny\"\nvocab_size = 64\nn_embd = 32\nn_head = 2\nmax_seq_len = 32\n"
+                        "[train]\nbatch_size = 2\nseq_len = 16\nsteps = 6\neval_batches = 2\nsample_tokens = 0\n"
+                        "run_dir = \"" + dir / "run" + "\"\n"
+                        "[data]\ntrain = \"" + dir / "train.bin" + "\"\nval = \"" + dir / "val.bin" +
+                        "\"\ntokenizer = \"\"\n[runtime]\npeak_gflops = 100\n");
+  }
+  std::string train_args() const { return "train --config " + dir / "toy.toml"; }
+  testing::TempDir dir;
+};
+
+TEST_F(Cli, TrainsAndWritesMetricsConfigAndCheckpoint) {
+  auto r = run_keel(train_args());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("val loss"), std::string::npos);
+  EXPECT_NE(r.output.find("tok/s"), std::string::npos);
+  EXPECT_TRUE(std::filesystem::exists(dir / "run/config.toml"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "run/ckpt/manifest.json"));
+  int step_lines = 0;
+  std::string text = read_text_file(dir / "run/metrics.jsonl");
+  size_t start = 0;
+  while (start < text.size()) {
+    const size_t end = text.find('\n', start);
+    auto j = nlohmann::json::parse(text.substr(start, end - start));
+    if (j.contains("loss")) {
+      step_lines++;
+      for (const char* key : {"step", "lr", "grad_norm", "ms", "tokens_per_s", "mfu"}) EXPECT_TRUE(j.contains(key)) << key;
+    }
+    start = end + 1;
+  }
+  EXPECT_EQ(step_lines, 6);
+}
+
+TEST_F(Cli, LlmcImportThenExportGivesIdenticalBytes) {
+  const std::string src = testing::source_path("tests/fixtures/tiny_gpt2.bin");
+  ASSERT_EQ(run_keel("import --llmc " + src + " --out " + dir / "imported").exit_code, 0);
+  auto r = run_keel("export --checkpoint " + dir / "imported" + " --out " + dir / "again.bin");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(read_file(src), read_file(dir / "again.bin"));
+}
+
+// A Keel-trained model exported to llm.c format and evaluated by the independent PyTorch
+// reference gives Keel's own loss.
+TEST_F(Cli, ExportedModelEvaluatesTheSameInPyTorch) {
+  ASSERT_EQ(run_keel(train_args()).exit_code, 0);
+  ASSERT_EQ(run_keel("export --checkpoint " + dir / "run/ckpt" + " --out " + dir / "m.bin").exit_code, 0);
+  auto ours = run_keel("eval --checkpoint " + dir / "run/ckpt" + " --data " + dir / "val.bin" +
+                       " --batch 2 --seq 16 --batches 5");
+  ASSERT_EQ(ours.exit_code, 0) << ours.output;
+  auto exported = run_keel("eval --llmc " + dir / "m.bin" + " --data " + dir / "val.bin" + " --batch 2 --seq 16 --batches 5");
+  ASSERT_EQ(exported.exit_code, 0) << exported.output;
+  auto theirs = run_command("/usr/bin/python3 " + testing::source_path("tests/reference/gpt2_reference.py") +
+                            " eval --model " + dir / "m.bin" + " --tokens " + dir / "val.bin" +
+                            " --batch 2 --seq 16 --batches 5");
+  ASSERT_EQ(theirs.exit_code, 0) << theirs.output;
+  const double a = nlohmann::json::parse(ours.output)["loss"];
+  const double b = nlohmann::json::parse(exported.output)["loss"];
+  const double c = nlohmann::json::parse(theirs.output.substr(theirs.output.rfind('{')))["loss"];
+  EXPECT_EQ(a, b);
+  EXPECT_NEAR(a, c, 1e-5 * c);
+}
+
+TEST_F(Cli, BadCommandLine) {
+  expect_one_line_error(run_keel("frobnicate"), {"unknown command 'frobnicate'"});
+  expect_one_line_error(run_keel("train --nope 1"), {"unknown option --nope"});
+  expect_one_line_error(run_keel("train --config"), {"--config needs a value"});
+  expect_one_line_error(run_keel("generate --checkpoint " + dir / "run/ckpt" + " --tokens many"), {"--tokens", "integer"});
+}
+
+TEST_F(Cli, BadConfig) {
+  expect_one_line_error(run_keel("train --config " + dir / "missing.toml"), {"missing.toml", "not found"});
+  expect_one_line_error(run_keel(train_args() + " --set train.lernin_rate=1"), {"train.lernin_rate", "unknown"});
+  expect_one_line_error(run_keel(train_args() + " --set train.batch_size=two"), {"train.batch_size", "integer", "two"});
+  expect_one_line_error(run_keel(train_args() + " --set model.n_head=3"), {"model.n_head", "divisor", "32"});
+  testing::write_text(dir / "typo.toml", "[trian]\nsteps = 3\n");
+  expect_one_line_error(run_keel("train --config " + dir / "typo.toml"), {"[trian]", "typo.toml"});
+}
+
+TEST_F(Cli, BadShards) {
+  const std::string set = train_args() + " --set data.train=" + dir / "x.bin";
+  expect_one_line_error(run_keel(set), {"x.bin"});  // missing
+  write_file(dir / "x.bin", std::string(100, 'g'));  // garbage
+  expect_one_line_error(run_keel(set), {"x.bin"});
+  std::vector<char> good = read_file(dir / "train.bin");
+  write_file(dir / "x.bin", good.data(), good.size() - 7);  // truncated
+  expect_one_line_error(run_keel(set), {"x.bin"});
+  write_token_shard(dir / "x.bin", std::vector<uint16_t>(10, 1));  // too short for one batch
+  expect_one_line_error(run_keel(set), {"x.bin", "at least 33"});
+  write_token_shard(dir / "x.bin", std::vector<uint16_t>(100, 64));  // token beyond the vocabulary
+  expect_one_line_error(run_keel(set), {"x.bin", "64"});
+}
+
+TEST_F(Cli, VocabularySmallerThanTokenizer) {
+  testing::write_text(dir / "text.txt", std::string(2000, 'a') + "\n%\nthe quick brown fox jumps over the lazy dog\n%\nand again\n");
+  ASSERT_EQ(run_keel("tokenize --input " + dir / "text.txt" + " --out " + dir / "tok --vocab-size 300").exit_code, 0);
+  expect_one_line_error(run_keel(train_args() + " --set data.tokenizer=" + dir / "tok/tokenizer.json"),
+                        {"model.vocab_size", "300", "64"});
+}
+
+TEST_F(Cli, BadLlmcCheckpoints) {
+  std::vector<char> good = read_file(testing::source_path("tests/fixtures/tiny_gpt2.bin"));
+  auto eval = [&] { return run_keel("eval --llmc " + dir / "m.bin" + " --data " + dir / "val.bin"); };
+  std::vector<char> bad = good;
+  bad[0] = 1;  // magic
+  write_file(dir / "m.bin", bad.data(), bad.size());
+  expect_one_line_error(eval(), {"m.bin", "expected magic 20240326"});
+  bad = good;
+  bad[4] = 5;  // version 5 = bf16
+  write_file(dir / "m.bin", bad.data(), bad.size());
+  expect_one_line_error(eval(), {"m.bin", "expected version 3", "found 5"});
+  write_file(dir / "m.bin", good.data(), good.size() - 4);  // sizes
+  expect_one_line_error(eval(), {"m.bin", "bytes"});
+  bad = good;
+  bad[5 * 4] = 3;  // n_head = 3 does not divide C = 16
+  write_file(dir / "m.bin", bad.data(), bad.size());
+  expect_one_line_error(eval(), {"m.bin", "n_head"});
+  expect_one_line_error(run_keel("eval --checkpoint " + dir / "nothing"), {"nothing", "not found"});
+}
+
+}  // namespace
+}  // namespace keel
