@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "core/config.h"
 #include "core/fileio.h"
 #include "core/rng.h"
 #include "data/shard.h"
@@ -149,6 +150,25 @@ TEST_F(Cli, BadLlmcCheckpoints) {
   write_file(dir / "m.bin", bad.data(), bad.size());
   expect_one_line_error(eval(), {"m.bin", "n_head"});
   expect_one_line_error(run_keel("eval --checkpoint " + dir / "nothing"), {"nothing", "not found"});
+}
+
+}  // namespace
+}  // namespace keel
+
+namespace keel {
+namespace {
+
+// Every shipped config parses and resolves (data files need not exist to check the config).
+TEST(ShippedConfigs, AllResolve) {
+  for (const auto& entry : std::filesystem::directory_iterator(testing::source_path("configs"))) {
+    Config c = Config::load(entry.path().string(), {});
+    EXPECT_NO_THROW(c.resolve()) << entry.path();
+  }
+  Config d = Config::load(testing::source_path("configs/default.toml"), {});
+  d.resolve();
+  Config builtin = Config::load("", {});
+  builtin.resolve();
+  EXPECT_EQ(d.to_toml(), builtin.to_toml()) << "configs/default.toml must spell out the built-in default";
 }
 
 }  // namespace

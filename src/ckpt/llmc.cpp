@@ -103,9 +103,7 @@ void export_llmc(const std::string& path, const ChunkStore& store, const ModelCo
     std::memcpy(cursor, src.data(), src.size_bytes());
     cursor += src.size_bytes();
   });
-  const std::string tmp = path + ".tmp";
-  write_file(tmp, bytes.data(), bytes.size());
-  std::filesystem::rename(tmp, path);
+  write_file_atomic(path, {ByteRange{bytes.data(), bytes.size()}});
 }
 
 }  // namespace keel

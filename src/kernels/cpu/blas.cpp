@@ -1,6 +1,7 @@
 #include "kernels/cpu/blas.h"
 
 #include <cblas.h>
+#include <omp.h>
 
 #include <chrono>
 #include <vector>
@@ -14,11 +15,25 @@ int openblas_get_parallel(void);
 
 namespace keel {
 
+namespace {
+GemmStats g_stats;  // updated only from the serial part of the program
+}
+
+GemmStats gemm_stats() { return g_stats; }
+void gemm_stats_reset() { g_stats = GemmStats{}; }
+
 template <>
 void gemm<float>(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* A, int lda,
                  const float* B, int ldb, float beta, float* C, int ldc) {
+  const bool serial = !omp_in_parallel();
+  const auto t0 = serial ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
   cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K,
               alpha, A, lda, B, ldb, beta, C, ldc);
+  if (serial) {
+    g_stats.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    g_stats.flops += 2.0 * M * N * K;
+    g_stats.calls++;
+  }
 }
 
 template <>

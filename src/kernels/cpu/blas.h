@@ -12,6 +12,16 @@ template <typename T>
 void gemm(bool trans_a, bool trans_b, int M, int N, int K, T alpha, const T* A, int lda, const T* B, int ldb,
           T beta, T* C, int ldc);
 
+// Time and FLOPs spent in GEMM calls made outside OpenMP parallel regions (the dense layers;
+// attention's per-head products run inside a parallel region and are not counted). For benchmarks.
+struct GemmStats {
+  double flops = 0;
+  double seconds = 0;
+  long long calls = 0;
+};
+GemmStats gemm_stats();
+void gemm_stats_reset();
+
 // Throws keel::Error unless the linked BLAS is OpenBLAS built with OpenMP (a netlib or pthread
 // build is 40x slower or fights our OpenMP threads). Returns OpenBLAS's configuration string.
 std::string check_blas();
