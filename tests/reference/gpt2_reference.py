@@ -9,6 +9,10 @@ Subcommands:
   make-fixtures --out DIR
       Tiny random model + token shard + expected loss/gradients
       (tiny_gpt2.bin, tiny_tokens.bin, tiny_expected.bin).
+  make-train-fixture --out DIR
+      From DIR/tiny_gpt2.bin and DIR/tiny_tokens.bin, TRAIN_STEPS AdamW steps on
+      batch 0 in float64 (hand-written AdamW, cross-checked step by step
+      against torch.optim.AdamW); writes DIR/tiny_train_expected.bin.
   eval --model M.bin --tokens S.bin --batch B --seq T [--batches N]
       Mean float64 loss over batches 0..N-1; prints {"loss": ..., "batches": N}.
 
@@ -33,6 +37,8 @@ SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
 EXPECTED_MAGIC = 20241130
 EXPECTED_VERSION = 1
+TRAIN_MAGIC = 20241201
+TRAIN_VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 LN_EPS = 1e-5
@@ -42,6 +48,16 @@ LN_EPS = 1e-5
 TINY = dict(maxT=16, V=61, Vp=64, L=2, NH=2, C=16)
 TINY_B, TINY_T = 2, 8
 TINY_SEED = 1234
+
+# The training fixture: TRAIN_STEPS steps, each on batch 0 of the tiny shard
+# (grad_accum 1); the hyperparameters are written to the file in this order.
+# The grad norms are about 3.41, 2.54, 1.66, so grad_clip=2.0 clips the first
+# two steps and not the last (make-train-fixture checks both branches occur).
+TRAIN_STEPS = 3
+TRAIN_HPARAMS = dict(lr=1e-2, warmup_steps=1, total_steps=3, min_lr_ratio=0.1, beta1=0.9, beta2=0.95,
+                     eps=1e-8, weight_decay=0.1, grad_clip=2.0)
+# Tensors AdamW decays: embeddings and matrices; never biases or LayerNorm parameters.
+DECAYED = ("wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw")
 
 
 class FormatError(Exception):
@@ -172,6 +188,17 @@ def read_expected(path):
     return int(h[2]), int(h[3]), float(data[0]), data[1:]
 
 
+def write_train_expected(path, hp, losses, norms, params_flat):
+    h = np.zeros(HEADER_INTS, dtype="<i4")
+    h[:4] = [TRAIN_MAGIC, TRAIN_VERSION, len(losses), len(params_flat)]
+    with open(path, "wb") as f:
+        f.write(h.tobytes())
+        f.write(np.array([float(v) for v in hp.values()], dtype="<f8").tobytes())
+        f.write(np.asarray(losses, dtype="<f8").tobytes())
+        f.write(np.asarray(norms, dtype="<f8").tobytes())
+        f.write(np.asarray(params_flat, dtype="<f8").tobytes())
+
+
 def get_batch(tokens, i, B, T):
     """Batch i per llm.c's layout: a window of B*T+1 tokens, targets shifted by one."""
     start = i * B * T
@@ -228,6 +255,79 @@ def loss_and_grads(cfg, params, idx, targets):
     return loss.item(), flat.numpy()
 
 
+def learning_rate(hp, step):
+    """Linear warm-up to lr over warmup_steps, then cosine to lr * min_lr_ratio at total_steps.
+    step counts from 0."""
+    lr, warmup, total = hp["lr"], hp["warmup_steps"], hp["total_steps"]
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    min_lr = lr * hp["min_lr_ratio"]
+    if total - warmup <= 0:
+        return lr
+    progress = min(1.0, (step - warmup) / (total - warmup))
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def adamw_update(hp, p, g, m, v, lr, t, decay):
+    """One AdamW update of numpy float64 arrays in place; t counts from 1.
+    p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p), decay decoupled from the moments."""
+    b1, b2 = hp["beta1"], hp["beta2"]
+    m *= b1
+    m += (1 - b1) * g
+    v *= b2
+    v += (1 - b2) * g * g
+    m_hat = m / (1 - b1 ** t)
+    v_hat = v / (1 - b2 ** t)
+    wd = hp["weight_decay"] if decay else 0.0
+    p -= lr * (m_hat / (np.sqrt(v_hat) + hp["eps"]) + wd * p)
+
+
+def clip_factor(hp, norm):
+    return hp["grad_clip"] / norm if hp["grad_clip"] > 0 and norm > hp["grad_clip"] else 1.0
+
+
+def train(cfg, params, idx, targets, hp, steps):
+    """The training loop, with the hand-written AdamW and, in lockstep, torch.optim.AdamW fed
+    the same clipped gradients (two groups: decayed and not; lr set per step). Asserts the two
+    optimizers agree to 1e-12 after every step; a disagreement is a bug in this script.
+
+    Both optimizers see the same gradients on purpose: the key part of qkvb has a gradient that
+    is exactly zero in exact arithmetic (softmax ignores a shift shared by all keys), so autograd
+    returns rounding noise of ~1e-17 there, and Adam divides that noise by itself plus eps. Two
+    independent forward/backward passes would disagree there by ~lr * 1e-9 through no fault of
+    either optimizer. Returns (losses, norms, params float64)."""
+    names = [name for name, _ in param_shapes(cfg)]
+    p = {k: np.array(v, dtype=np.float64) for k, v in params.items()}
+    m = {k: np.zeros_like(a) for k, a in p.items()}
+    v = {k: np.zeros_like(a) for k, a in p.items()}
+    tp = to_torch(params, torch.float64, requires_grad=True)
+    groups = [dict(params=[tp[n] for n in names if n in DECAYED], weight_decay=hp["weight_decay"]),
+              dict(params=[tp[n] for n in names if n not in DECAYED], weight_decay=0.0)]
+    opt = torch.optim.AdamW(groups, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"], foreach=False)
+    losses, norms = [], []
+    for s in range(steps):
+        loss, flat = loss_and_grads(cfg, p, idx, targets)
+        norm = math.sqrt(float(np.dot(flat, flat)))
+        clip = clip_factor(hp, norm)
+        lr = learning_rate(hp, s)
+        off = 0
+        for name, shape in param_shapes(cfg):
+            n = math.prod(shape)
+            g = flat[off:off + n].reshape(shape) * clip
+            adamw_update(hp, p[name], g, m[name], v[name], lr, s + 1, name in DECAYED)
+            tp[name].grad = torch.from_numpy(g.copy())
+            off += n
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+        for name in names:
+            diff = float(np.abs(p[name] - tp[name].detach().numpy()).max())
+            assert diff <= 1e-12, f"step {s + 1}: hand-written AdamW and torch.optim.AdamW differ by {diff} in {name}"
+        losses.append(loss)
+        norms.append(norm)
+    return losses, norms, p
+
+
 def check_tokens(tokens, V, path):
     if len(tokens) and tokens.max() >= V:
         raise FormatError(f"tokens {path}: token id {int(tokens.max())} >= vocab size {V}")
@@ -276,6 +376,27 @@ def cmd_make_fixtures(args):
     print(json.dumps({"loss": loss, "params": len(grads), "B": TINY_B, "T": TINY_T, "out": args.out}))
 
 
+def cmd_make_train_fixture(args):
+    torch.set_num_threads(1)  # fixed reduction order: byte-identical reruns
+    hp, K = TRAIN_HPARAMS, TRAIN_STEPS
+    cfg, params = read_checkpoint(os.path.join(args.out, "tiny_gpt2.bin"))
+    tokens_path = os.path.join(args.out, "tiny_tokens.bin")
+    tokens = read_shard(tokens_path)
+    check_tokens(tokens, cfg["V"], tokens_path)
+    idx, targets = get_batch(tokens, 0, TINY_B, TINY_T)
+    losses, norms, final = train(cfg, params, idx, targets, hp, K)
+    # The fixture must exercise both branches of clipping.
+    clipped = [n > hp["grad_clip"] for n in norms]
+    assert any(clipped) and not all(clipped), ("grad_clip", hp["grad_clip"], norms)
+    # Padded vocab rows: zero gradient and zero weight, so they stay exactly zero.
+    assert not final["wte"][cfg["V"]:].any()
+
+    flat = np.concatenate([final[name].reshape(-1) for name, _ in param_shapes(cfg)])
+    write_train_expected(os.path.join(args.out, "tiny_train_expected.bin"), hp, losses, norms, flat)
+    print(json.dumps({"steps": K, "params": len(flat), "losses": losses, "grad_norms": norms,
+                      "clipped": clipped, "lrs": [learning_rate(hp, s) for s in range(K)], "hparams": hp}))
+
+
 def cmd_eval(args):
     if args.batch <= 0 or args.seq <= 0:
         raise FormatError("--batch and --seq must be positive")
@@ -306,6 +427,8 @@ def main(argv=None):
     sub = ap.add_subparsers(dest="cmd", required=True)
     mf = sub.add_parser("make-fixtures", help="write tiny model, tokens and expected loss/gradients")
     mf.add_argument("--out", required=True, help="output directory")
+    mt = sub.add_parser("make-train-fixture", help="write expected losses/norms/parameters of a few AdamW steps")
+    mt.add_argument("--out", required=True, help="directory holding tiny_gpt2.bin and tiny_tokens.bin")
     ev = sub.add_parser("eval", help="float64 mean loss of a checkpoint on a token shard")
     ev.add_argument("--model", required=True)
     ev.add_argument("--tokens", required=True)
@@ -314,7 +437,8 @@ def main(argv=None):
     ev.add_argument("--batches", type=int, default=None, help="default: all full batches in the shard")
     args = ap.parse_args(argv)
     try:
-        {"make-fixtures": cmd_make_fixtures, "eval": cmd_eval}[args.cmd](args)
+        commands = {"make-fixtures": cmd_make_fixtures, "make-train-fixture": cmd_make_train_fixture, "eval": cmd_eval}
+        commands[args.cmd](args)
     except FormatError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
