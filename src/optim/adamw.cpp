@@ -40,7 +40,7 @@ double grad_sum_squares(const ChunkStore& store) {
 void AdamW::step_chunk(ChunkStore& store, int chunk, double lr, int64_t t, float grad_scale) {
   const Chunk& c = store.chunks()[chunk];
   float* p = store.chunk_view(chunk, Plane::param).data() - c.offset;
-  const float* g = store.chunk_view(chunk, Plane::grad).data() - c.offset;
+  float* g = store.chunk_view(chunk, Plane::grad).data() - c.offset;
   float* m = store.chunk_view(chunk, Plane::adam_m).data() - c.offset;
   float* v = store.chunk_view(chunk, Plane::adam_v).data() - c.offset;
   const float b1 = static_cast<float>(config_.beta1), b2 = static_cast<float>(config_.beta2);
@@ -54,6 +54,7 @@ void AdamW::step_chunk(ChunkStore& store, int chunk, double lr, int64_t t, float
 #pragma omp parallel for simd schedule(static)
     for (int64_t i = s.offset; i < end; ++i) {
       const float gi = g[i] * grad_scale;
+      g[i] = 0.0f;
       const float mi = b1 * m[i] + (1.0f - b1) * gi;
       const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
       m[i] = mi;

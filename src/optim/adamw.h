@@ -23,7 +23,9 @@ class AdamW {
   explicit AdamW(const OptimConfig& config) : config_(config) {}
   // One update of every chunk: g = grad * grad_scale (the clipping factor); m, v updated; params
   // moved by lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p) where the tensor decays.
-  // `t` is the 1-based update count used for bias correction. Bumps every chunk's version.
+  // `t` is the 1-based update count used for bias correction. Bumps every chunk's version and
+  // leaves the gradient plane zero, ready for the next step's accumulation (one pass over the
+  // gradients instead of two).
   void step(ChunkStore& store, double lr, int64_t t, float grad_scale);
   // Updates one chunk (the unit ZeRO and tiered stores will call).
   void step_chunk(ChunkStore& store, int chunk, double lr, int64_t t, float grad_scale);

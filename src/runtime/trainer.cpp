@@ -70,7 +70,7 @@ StepStats Trainer::step() {
   const auto t0 = std::chrono::steady_clock::now();
   StepStats s;
   s.lr = learning_rate(config_.optim, static_cast<int>(steps_done_), t.steps);
-  store_->zero_grads();
+  // Gradients are zero here: the store starts zeroed and AdamW clears them as it consumes them.
   double loss_sum = 0;
   for (int micro = 0; micro < t.grad_accum; ++micro) {
     Batch batch = train_data_->next();

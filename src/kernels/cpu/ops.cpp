@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kernels/cpu/blas.h"
+#include "kernels/cpu/vmath.h"
 
 namespace keel::ops {
 
@@ -191,7 +192,7 @@ void gelu_forward(T* out, const T* inp, int64_t n) {
 #pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; ++i) {
     const T x = inp[i];
-    out[i] = T(0.5) * x * (T(1) + std::tanh(k * (x + T(0.044715) * x * x * x)));
+    out[i] = T(0.5) * x * (T(1) + vmath::tanh(k * (x + T(0.044715) * x * x * x)));
   }
 }
 
@@ -202,7 +203,7 @@ void gelu_backward_input(T* dinp, const T* dout, const T* inp, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const T x = inp[i];
     const T u = k * (x + T(0.044715) * x * x * x);
-    const T th = std::tanh(u);
+    const T th = vmath::tanh(u);
     const T sech2 = T(1) - th * th;
     const T grad = T(0.5) * (T(1) + th) + T(0.5) * x * sech2 * k * (T(1) + T(3) * T(0.044715) * x * x);
     dinp[i] = grad * dout[i];
@@ -234,10 +235,12 @@ void attention_forward(T* out, T* att, const T* qkv, int B, int Tn, int C, int N
     for (int i = 0; i < Tn; ++i) {
       T* row = a + static_cast<int64_t>(i) * Tn;
       T mx = row[0];
+#pragma omp simd reduction(max : mx)
       for (int j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
       T sum = 0;
+#pragma omp simd reduction(+ : sum)
       for (int j = 0; j <= i; ++j) {
-        row[j] = std::exp(row[j] - mx);
+        row[j] = vmath::exp(row[j] - mx);
         sum += row[j];
       }
       const T inv = T(1) / sum;
@@ -278,6 +281,7 @@ void attention_backward_input(T* dqkv, const T* dout, const T* att, const T* qkv
         const T* arow = a + static_cast<int64_t>(i) * Tn;
         T* drow = datt + static_cast<int64_t>(i) * Tn;
         T dot = 0;
+#pragma omp simd reduction(+ : dot)
         for (int j = 0; j <= i; ++j) dot += arow[j] * drow[j];
 #pragma omp simd
         for (int j = 0; j <= i; ++j) drow[j] = arow[j] * (drow[j] - dot) * scale;
@@ -297,14 +301,16 @@ void crossentropy_forward(T* losses, T* logits, const int* targets, int N, int V
   for (int n = 0; n < N; ++n) {
     T* row = logits + static_cast<int64_t>(n) * Vp;
     T mx = row[0];
+#pragma omp simd reduction(max : mx)
     for (int j = 1; j < V; ++j) mx = std::max(mx, row[j]);
     // exp(row - mx) is kept in `row` when a gradient is wanted, saving a second exp pass.
     T sum = 0;
     const int t = targets[n];
     const T target_logit = row[t];
     if (grad_scale != T(0)) {
+#pragma omp simd reduction(+ : sum)
       for (int j = 0; j < V; ++j) {
-        row[j] = std::exp(row[j] - mx);
+        row[j] = vmath::exp(row[j] - mx);
         sum += row[j];
       }
       const T inv = grad_scale / sum;
@@ -313,7 +319,8 @@ void crossentropy_forward(T* losses, T* logits, const int* targets, int N, int V
       row[t] -= grad_scale;
       for (int j = V; j < Vp; ++j) row[j] = T(0);
     } else {
-      for (int j = 0; j < V; ++j) sum += std::exp(row[j] - mx);
+#pragma omp simd reduction(+ : sum)
+      for (int j = 0; j < V; ++j) sum += vmath::exp(row[j] - mx);
     }
     losses[n] = std::log(sum) + mx - target_logit;
   }
