@@ -129,6 +129,9 @@ Config read_checkpoint_config(const std::string& dir) {
   } catch (const json::exception& e) {
     throw Error("checkpoint " + dir + ": malformed manifest (" + e.what() + ")");
   }
+  // The writer's layout (ranks, global batch) does not constrain a reader of the model.
+  c.parallel.data = 0;
+  c.train.global_batch_size = 0;
   c.resolve();
   return c;
 }

@@ -14,6 +14,7 @@
 
 #include "ckpt/checkpoint.h"
 #include "ckpt/llmc.h"
+#include "comm/communicator.h"
 #include "core/config.h"
 #include "core/error.h"
 #include "data/corpus.h"
@@ -22,6 +23,7 @@
 #include "kernels/cpu/blas.h"
 #include "model/gpt.h"
 #include "runtime/generate.h"
+#include "runtime/launcher.h"
 #include "runtime/trainer.h"
 
 namespace fs = std::filesystem;
@@ -34,7 +36,9 @@ constexpr const char* kUsage = R"(usage: keel <command> [options]
 commands:
   train     [--config FILE.toml] [--set section.key=value ...]
             Train a GPT. With no config: a ~5M-parameter model on the fortunes corpus
-            (tokenized on first use into data/fortunes/).
+            (tokenized on first use into data/fortunes/). Under mpirun/srun: data parallel.
+  launch    -n N [--hostfile F] [--mca KEY VALUE ...] -- SUBCOMMAND [ARGS ...]
+            Run a subcommand on N MPI ranks (e.g. keel launch -n 2 -- train --config X.toml).
   tokenize  [--input PATH ...] [--out DIR] [--vocab-size N] [--val-fraction F] [--seed S]
             Train a byte-level BPE tokenizer and write DIR/{tokenizer.json,train.bin,val.bin}
             (llm.c shard format). Default input: /usr/share/games/fortunes.
@@ -114,16 +118,19 @@ int cmd_tokenize(const Args& a) {
 }
 
 int cmd_train(const Args& a) {
+  Communicator& comm = Communicator::world();
   Config config = Config::load(a.get("--config"), a.all("--set"));
-  config.resolve();
-  // The default job tokenizes the default corpus on first use.
+  config.resolve(comm.size());
+  // The default job tokenizes the default corpus on first use (rank 0; the others wait).
   const DataConfig defaults;
-  if (!fs::exists(config.data.train) && config.data.train == defaults.train && fs::is_directory(kFortunes)) {
+  if (comm.is_root() && !fs::exists(config.data.train) && config.data.train == defaults.train &&
+      fs::is_directory(kFortunes)) {
     std::printf("keel train: %s not found; tokenizing the fortunes corpus first\n", config.data.train.c_str());
     Args none(0, nullptr, 0, {});
     cmd_tokenize(none);
   }
-  Trainer trainer(config);
+  comm.barrier();
+  Trainer trainer(config, comm);
   trainer.run();
   return 0;
 }
@@ -239,6 +246,11 @@ int run(int argc, char** argv) {
     return argc < 2 ? 1 : 0;
   }
   const std::string cmd = argv[1];
+  if (cmd == "launch") {
+    LaunchOptions o = parse_launch_args(std::vector<std::string>(argv + 2, argv + argc));
+    o.keel_binary = fs::read_symlink("/proc/self/exe").string();
+    return launch(o);
+  }
   const std::map<std::string, std::vector<std::string>> options = {
       {"train", {"--config", "--set"}},
       {"tokenize", {"--input", "--out", "--vocab-size", "--val-fraction", "--seed"}},
@@ -249,7 +261,8 @@ int run(int argc, char** argv) {
       {"import", {"--llmc", "--out", "--set"}},
   };
   auto it = options.find(cmd);
-  check(it != options.end(), "unknown command '" + cmd + "' (expected train, tokenize, eval, generate, export or import)");
+  check(it != options.end(),
+        "unknown command '" + cmd + "' (expected train, launch, tokenize, eval, generate, export or import)");
   Args a(argc, argv, 2, it->second);
   if (a.help) {
     std::fputs(kUsage, stdout);
@@ -273,16 +286,34 @@ int main(int argc, char** argv) {
     ::setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
     ::execv("/proc/self/exe", argv);  // returns only on failure: then run as we are
   }
+  std::string message;
   try {
     return keel::run(argc, argv);
   } catch (const keel::Error& e) {
-    std::fprintf(stderr, "keel: %s\n", e.what());
+    message = e.what();
   } catch (const std::filesystem::filesystem_error& e) {
-    std::fprintf(stderr, "keel: file system: %s\n", e.what());
+    message = std::string("file system: ") + e.what();
   } catch (const std::bad_alloc&) {
-    std::fprintf(stderr, "keel: out of memory\n");
+    message = "out of memory";
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "keel: internal error: %s\n", e.what());
+    message = std::string("internal error: ") + e.what();
   }
+  int in_mpi = 0;
+  MPI_Initialized(&in_mpi);
+  if (in_mpi) {
+    // Under MPI one failing rank must take the job down, or the others wait in a collective forever.
+    int rank = 0, size = 1, finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) {
+      MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+      MPI_Comm_size(MPI_COMM_WORLD, &size);
+    }
+    std::fprintf(stderr, "keel: %s%s\n", size > 1 ? ("[rank " + std::to_string(rank) + "] ").c_str() : "",
+                 message.c_str());
+    std::fflush(stderr);
+    if (!finalized && size > 1) MPI_Abort(MPI_COMM_WORLD, 1);
+    return 1;
+  }
+  std::fprintf(stderr, "keel: %s\n", message.c_str());
   return 1;
 }

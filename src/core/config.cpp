@@ -34,6 +34,7 @@ std::vector<Field> fields(Config& c) {
       {"model", "padded_vocab_size", &c.model.padded_vocab_size},
       {"model", "max_seq_len", &c.model.max_seq_len},
       {"train", "batch_size", &c.train.batch_size},
+      {"train", "global_batch_size", &c.train.global_batch_size},
       {"train", "seq_len", &c.train.seq_len},
       {"train", "grad_accum", &c.train.grad_accum},
       {"train", "steps", &c.train.steps},
@@ -58,6 +59,8 @@ std::vector<Field> fields(Config& c) {
       {"data", "val", &c.data.val},
       {"data", "tokenizer", &c.data.tokenizer},
       {"store", "chunk_bytes", &c.store.chunk_bytes},
+      {"parallel", "data", &c.parallel.data},
+      {"parallel", "bucket_bytes", &c.parallel.bucket_bytes},
       {"runtime", "threads", &c.runtime.threads},
       {"runtime", "peak_gflops", &c.runtime.peak_gflops},
   };
@@ -91,7 +94,7 @@ Field find_field(Config& c, const std::string& section, const std::string& key, 
   }
   if (!section_known) {
     throw Error(where + ": unknown config section [" + section +
-                "] (expected one of: model, train, optim, data, store, runtime)");
+                "] (expected one of: model, train, optim, data, store, parallel, runtime)");
   }
   throw Error(where + ": unknown config key '" + section + "." + key + "' (known keys in [" + section +
               "]: " + known_keys(c, section) + ")");
@@ -274,7 +277,7 @@ void validate_model(const ModelConfig& m, const std::string& where) {
   need(m.max_seq_len >= 1, "model.max_seq_len: expected >= 1, found " + s(m.max_seq_len));
 }
 
-void Config::resolve() {
+void Config::resolve(int world_size) {
   const ModelPreset* preset = nullptr;
   std::string names;
   for (const ModelPreset& p : model_presets()) {
@@ -291,6 +294,17 @@ void Config::resolve() {
   validate_model(model, "config");
 
   auto s = [](auto v) { return std::to_string(v); };
+  const int data_ranks = parallel.data == 0 ? world_size : parallel.data;
+  require(parallel.data >= 0, "parallel.data", ">= 0", s(parallel.data));
+  require(data_ranks == world_size, "parallel.data",
+          "a layout that fits the " + s(world_size) + " rank(s) of this job", s(parallel.data) + " data-parallel ranks");
+  require(parallel.bucket_bytes >= 4096, "parallel.bucket_bytes", ">= 4096", s(parallel.bucket_bytes));
+  require(train.global_batch_size >= 0, "train.global_batch_size", ">= 0", s(train.global_batch_size));
+  if (train.global_batch_size > 0) {
+    require(train.global_batch_size % data_ranks == 0, "train.global_batch_size",
+            "a multiple of the " + s(data_ranks) + " data-parallel ranks", s(train.global_batch_size));
+    train.batch_size = train.global_batch_size / data_ranks;
+  }
   require(train.batch_size >= 1, "train.batch_size", ">= 1", s(train.batch_size));
   require(train.seq_len >= 1 && train.seq_len <= model.max_seq_len, "train.seq_len",
           "1..model.max_seq_len=" + s(model.max_seq_len), s(train.seq_len));

@@ -20,7 +20,9 @@ struct ModelConfig {
 };
 
 struct TrainConfig {
-  int batch_size = 16;        // sequences per micro-batch
+  int batch_size = 16;        // sequences per micro-batch on each data-parallel rank
+  int global_batch_size = 0;  // sequences per micro-batch over all ranks; if set, batch_size is
+                              // derived from it (it must divide by the number of ranks)
   int seq_len = 128;          // tokens per sequence
   int grad_accum = 1;         // micro-batches per optimizer step
   int steps = 300;            // optimizer steps
@@ -56,6 +58,11 @@ struct StoreConfig {
   int64_t chunk_bytes = 4 << 20;  // chunk capacity in bytes (per plane: params, grads, moments)
 };
 
+struct ParallelConfig {
+  int data = 0;                      // data-parallel ranks; 0 = the whole MPI world
+  int64_t bucket_bytes = 8 << 20;    // gradient all-reduce bucket size
+};
+
 struct RuntimeConfig {
   int threads = 0;            // OpenMP/BLAS threads; 0 = all cores
   double peak_gflops = 0;     // for MFU; 0 = measure SGEMM on this machine at start-up
@@ -67,6 +74,7 @@ struct Config {
   OptimConfig optim;
   DataConfig data;
   StoreConfig store;
+  ParallelConfig parallel;
   RuntimeConfig runtime;
 
   // Parses a TOML file (path "" = defaults only), then applies `section.key=value` overrides in
@@ -76,8 +84,9 @@ struct Config {
   static Config parse(const std::string& toml_text, const std::string& where);
   // Applies one `section.key=value` override.
   void set(const std::string& assignment);
-  // Fills model sizes from the preset, validates every value and combination. Throws on failure.
-  void resolve();
+  // Fills model sizes from the preset, validates every value and combination for a job of
+  // `world_size` ranks. Throws on failure.
+  void resolve(int world_size = 1);
   // The fully resolved configuration as TOML text (round-trips through load()).
   std::string to_toml() const;
   // Hash of what determines the shape of the model's state (model section + chunk size).

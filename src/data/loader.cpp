@@ -6,16 +6,17 @@
 
 namespace keel {
 
-DataLoader::DataLoader(const std::string& path, int B, int T, int vocab_size, bool shuffle, uint64_t seed)
-    : path_(path), B_(B), T_(T), shuffle_(shuffle), seed_(seed) {
+DataLoader::DataLoader(const std::string& path, int B, int T, int vocab_size, bool shuffle, uint64_t seed, int rank,
+                       int world)
+    : path_(path), B_(B), T_(T), rank_(rank), world_(world), shuffle_(shuffle), seed_(seed) {
   tokens_ = read_token_shard(path, vocab_size - 1);
-  const uint64_t window = static_cast<uint64_t>(B) * T;
+  const uint64_t window = static_cast<uint64_t>(world) * B * T;
   check(tokens_.size() >= window + 1, "shard " + path + ": expected at least " + std::to_string(window + 1) +
-                                          " tokens for one " + std::to_string(B) + "x" + std::to_string(T) +
+                                          " tokens for one " + std::to_string(world * B) + "x" + std::to_string(T) +
                                           " batch, found " + std::to_string(tokens_.size()));
   num_windows_ = (tokens_.size() - 1) / window;
-  inputs_.resize(window);
-  targets_.resize(window);
+  inputs_.resize(static_cast<size_t>(B) * T);
+  targets_.resize(static_cast<size_t>(B) * T);
 }
 
 void DataLoader::make_order(uint64_t epoch) {
@@ -30,9 +31,9 @@ void DataLoader::make_order(uint64_t epoch) {
 }
 
 void DataLoader::fill(uint64_t w) {
-  const uint64_t window = static_cast<uint64_t>(B_) * T_;
-  const uint16_t* src = tokens_.data() + w * window;
-  for (uint64_t i = 0; i < window; ++i) {
+  const uint64_t local = static_cast<uint64_t>(B_) * T_;
+  const uint16_t* src = tokens_.data() + w * local * world_ + local * rank_;
+  for (uint64_t i = 0; i < local; ++i) {
     inputs_[i] = src[i];
     targets_[i] = src[i + 1];
   }

@@ -1,7 +1,9 @@
-// Deterministic batches from an llm.c token shard. The shard is cut into non-overlapping windows
-// of B*T+1 tokens (inputs and next-token targets); an epoch visits every window once, in an
-// order drawn from (seed, epoch) when shuffling, or in file order when not. The position
-// (epoch, index) is all the state there is: saving and restoring it resumes the exact stream.
+// Deterministic batches from an llm.c token shard. The shard is cut into non-overlapping global
+// windows of world*B*T (+1) tokens; an epoch visits every window once, in an order drawn from
+// (seed, epoch) when shuffling, or in file order when not. Data-parallel rank r reads sequences
+// r*B .. r*B+B-1 of each global window, so N ranks with batch B see exactly the batch one rank
+// with batch N*B would. The position (epoch, index) is all the state there is, the same on every
+// rank: saving and restoring it resumes the exact stream.
 #pragma once
 
 #include <cstdint>
@@ -21,7 +23,8 @@ class DataLoader {
  public:
   // Reads and validates the shard (every token must be < vocab_size). Throws keel::Error naming
   // the file if it is missing, corrupt, or too short for one B x T batch.
-  DataLoader(const std::string& path, int B, int T, int vocab_size, bool shuffle, uint64_t seed);
+  DataLoader(const std::string& path, int B, int T, int vocab_size, bool shuffle, uint64_t seed, int rank = 0,
+             int world = 1);
 
   // Fills the next batch (inputs and targets point into this loader; valid until the next call).
   Batch next();
@@ -40,6 +43,7 @@ class DataLoader {
 
   std::string path_;
   int B_, T_;
+  int rank_, world_;
   bool shuffle_;
   uint64_t seed_;
   std::vector<uint16_t> tokens_;

@@ -339,15 +339,20 @@ float GPT::forward(const Batch& batch) {
   return static_cast<Head&>(*layers_.back()).mean_loss();
 }
 
-void GPT::backward(const Batch& batch, bool defer_weight_grads) {
+void GPT::backward(const Batch& batch, bool defer_weight_grads, BackwardObserver* observer) {
   const int L = num_layers();
   auto dout = [&](int i) -> const float* { return i == L - 1 ? nullptr : dx_[i]; };
+  auto weight = [&](int i) {
+    layers_[i]->backward_weight(batch, dout(i));
+    if (observer != nullptr) observer->after_backward_weight(i);
+  };
   for (int i = L - 1; i >= 0; --i) {
     layers_[i]->backward_input(batch, dout(i), i == 0 ? nullptr : dx_[i - 1]);
-    if (!defer_weight_grads) layers_[i]->backward_weight(batch, dout(i));
+    if (observer != nullptr) observer->after_backward_input(i);
+    if (!defer_weight_grads) weight(i);
   }
   if (defer_weight_grads) {
-    for (int i = L - 1; i >= 0; --i) layers_[i]->backward_weight(batch, dout(i));
+    for (int i = L - 1; i >= 0; --i) weight(i);
   }
 }
 

@@ -16,6 +16,14 @@
 
 namespace keel {
 
+// Told about each layer's progress during backward (gradient sync, prefetching, pipelines).
+class BackwardObserver {
+ public:
+  virtual ~BackwardObserver() = default;
+  virtual void after_backward_input(int layer) = 0;
+  virtual void after_backward_weight(int layer) = 0;
+};
+
 class GPT {
  public:
   // Registers every parameter tensor with `store` (which must not be finalized yet) in llm.c's
@@ -38,7 +46,8 @@ class GPT {
   // of each layer, or, with defer_weight_grads, every B first and then every W (the order a
   // zero-bubble pipeline uses; the result is the same bytes). Requires a forward of the same
   // batch with grad_scale != 0.
-  void backward(const Batch& batch, bool defer_weight_grads = false);
+  // The observer, if any, hears of every layer's B and W as they complete.
+  void backward(const Batch& batch, bool defer_weight_grads = false, BackwardObserver* observer = nullptr);
 
   // Logits [B*T, padded_vocab] of the last forward pass (valid only when it had no grad_scale).
   const float* logits() const;

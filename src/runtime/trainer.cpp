@@ -24,7 +24,8 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }
 }  // namespace
 
-Trainer::Trainer(Config config) : config_(std::move(config)), optimizer_(config_.optim) {
+Trainer::Trainer(Config config, Communicator& comm)
+    : config_(std::move(config)), comm_(comm), optimizer_(config_.optim) {
   if (config_.runtime.threads > 0) omp_set_num_threads(config_.runtime.threads);
   check_blas();
 
@@ -36,12 +37,16 @@ Trainer::Trainer(Config config) : config_(std::move(config)), optimizer_(config_
               std::to_string(tokenizer_->vocab_size()) + "), found " + std::to_string(m.vocab_size));
   }
   const TrainConfig& t = config_.train;
-  train_data_ = std::make_unique<DataLoader>(config_.data.train, t.batch_size, t.seq_len, m.vocab_size, true, t.seed);
-  val_data_ = std::make_unique<DataLoader>(config_.data.val, t.batch_size, t.seq_len, m.vocab_size, false, t.seed);
+  const int rank = comm_.rank(), world = comm_.size();
+  train_data_ = std::make_unique<DataLoader>(config_.data.train, t.batch_size, t.seq_len, m.vocab_size, true, t.seed,
+                                             rank, world);
+  val_data_ = std::make_unique<DataLoader>(config_.data.val, t.batch_size, t.seq_len, m.vocab_size, false, t.seed,
+                                           rank, world);
 
   store_ = std::make_unique<ChunkStore>(config_.store.chunk_bytes);
   model_ = std::make_unique<GPT>(m, *store_);
   store_->finalize();
+  sync_ = std::make_unique<GradSync>(comm_, *store_, config_.parallel.bucket_bytes);
   model_->allocate(t.batch_size, t.seq_len);
   if (t.resume.empty()) {
     model_->init_weights(t.seed);
@@ -50,17 +55,21 @@ Trainer::Trainer(Config config) : config_(std::move(config)), optimizer_(config_
     steps_done_ = state.step;
     train_data_->set_position(state.data);
   }
-  peak_gflops_ = config_.runtime.peak_gflops > 0 ? config_.runtime.peak_gflops : measure_sgemm_gflops();
-
-  fs::create_directories(t.run_dir);
-  write_file(t.run_dir + "/config.toml", config_.to_toml());
-  metrics_.open(t.run_dir + "/metrics.jsonl", std::ios::app);
-  check(metrics_.good(), "run directory " + t.run_dir + ": cannot write metrics.jsonl");
+  // Every rank uses rank 0's measurement so MFU figures agree.
+  peak_gflops_ = config_.runtime.peak_gflops > 0 ? config_.runtime.peak_gflops
+                                                 : comm_.allreduce_max(comm_.is_root() ? measure_sgemm_gflops() : 0.0);
+  if (comm_.is_root()) {
+    fs::create_directories(t.run_dir);
+    write_file(t.run_dir + "/config.toml", config_.to_toml());
+    metrics_.open(t.run_dir + "/metrics.jsonl", std::ios::app);
+    check(metrics_.good(), "run directory " + t.run_dir + ": cannot write metrics.jsonl");
+  }
 }
 
 Trainer::~Trainer() = default;
 
 void Trainer::log_json(const std::string& line) {
+  if (!comm_.is_root()) return;
   metrics_ << line << '\n';
   metrics_.flush();
 }
@@ -71,13 +80,20 @@ StepStats Trainer::step() {
   StepStats s;
   s.lr = learning_rate(config_.optim, static_cast<int>(steps_done_), t.steps);
   // Gradients are zero here: the store starts zeroed and AdamW clears them as it consumes them.
+  // Each rank's gradient is scaled for the global batch, so the sum over ranks is the gradient
+  // of the mean loss over every rank's tokens: what one rank with world x the batch computes.
+  const int world = comm_.size();
   double loss_sum = 0;
   for (int micro = 0; micro < t.grad_accum; ++micro) {
     Batch batch = train_data_->next();
-    batch.grad_scale = 1.0f / (static_cast<float>(batch.B) * batch.T * t.grad_accum);
+    batch.grad_scale = 1.0f / (static_cast<float>(batch.B) * batch.T * t.grad_accum * world);
     loss_sum += model_->forward(batch);
-    model_->backward(batch);
+    sync_->begin(micro == t.grad_accum - 1);
+    model_->backward(batch, false, sync_.get());
   }
+  sync_->finish();
+  s.sync = sync_->stats();
+  loss_sum = comm_.allreduce_sum(loss_sum) / world;
   s.grad_norm = std::sqrt(grad_sum_squares(*store_));
   float clip = 1.0f;
   if (config_.optim.grad_clip > 0 && s.grad_norm > config_.optim.grad_clip) {
@@ -87,23 +103,36 @@ StepStats Trainer::step() {
   steps_done_++;
 
   const double seconds = seconds_since(t0);
-  const double tokens = static_cast<double>(t.batch_size) * t.seq_len * t.grad_accum;
+  const double tokens = static_cast<double>(t.batch_size) * t.seq_len * t.grad_accum * world;
   s.step = steps_done_;
   s.loss = loss_sum / t.grad_accum;
   s.ms = seconds * 1e3;
   s.tokens_per_s = tokens / seconds;
-  s.mfu = model_->train_flops_per_token(t.seq_len) * s.tokens_per_s / (peak_gflops_ * 1e9);
+  s.mfu = model_->train_flops_per_token(t.seq_len) * s.tokens_per_s / (peak_gflops_ * 1e9 * world);
+  if (world > 1) {
+    constexpr size_t kJitterWindow = 20;
+    sync_latencies_ms_.push_back(s.sync.latency_ms);
+    if (sync_latencies_ms_.size() > kJitterWindow) sync_latencies_ms_.pop_front();
+    double mean = 0, var = 0;
+    for (double x : sync_latencies_ms_) mean += x;
+    mean /= sync_latencies_ms_.size();
+    for (double x : sync_latencies_ms_) var += (x - mean) * (x - mean);
+    s.sync_jitter = mean > 0 ? std::sqrt(var / sync_latencies_ms_.size()) / mean : 0;
+  }
   return s;
 }
 
 double Trainer::evaluate(int batches) {
+  // Every rank evaluates its share of the same global windows.
   batches = static_cast<int>(std::min<uint64_t>(batches, val_data_->num_windows()));
   double sum = 0;
   for (int i = 0; i < batches; ++i) sum += model_->forward(val_data_->window(i));
-  return sum / batches;
+  return comm_.allreduce_sum(sum) / (static_cast<double>(batches) * comm_.size());
 }
 
 void Trainer::save(const std::string& dir) {
+  // Parameters and moments are identical on every rank; rank 0 writes them.
+  if (!comm_.is_root()) return;
   TrainState state;
   state.step = steps_done_;
   state.data = train_data_->position();
@@ -111,7 +140,7 @@ void Trainer::save(const std::string& dir) {
 }
 
 void Trainer::print_samples() {
-  if (!tokenizer_ || !tokenizer_->can_encode() || config_.train.sample_tokens == 0) return;
+  if (!comm_.is_root() || !tokenizer_ || !tokenizer_->can_encode() || config_.train.sample_tokens == 0) return;
   Rng rng(config_.train.seed ^ 0xC0FFEEull);
   SampleOptions options;
   options.max_new_tokens = config_.train.sample_tokens;
@@ -129,17 +158,27 @@ void Trainer::print_samples() {
 RunSummary Trainer::run() {
   const TrainConfig& t = config_.train;
   const ModelConfig& m = config_.model;
+  const bool root = comm_.is_root();
+  const int world = comm_.size();
   RunSummary summary;
-  std::printf("keel: model L=%d H=%d C=%d V=%d (%.2fM parameters, %zu chunks), batch %dx%d x%d, %d threads\n",
-              m.n_layer, m.n_head, m.n_embd, m.vocab_size, store_->param_count() / 1e6, store_->chunks().size(),
-              t.batch_size, t.seq_len, t.grad_accum, omp_get_max_threads());
-  std::printf("keel: train %s (%llu tokens), val %s (%llu tokens), run dir %s, SGEMM peak %.1f GFLOP/s\n",
-              config_.data.train.c_str(), static_cast<unsigned long long>(train_data_->num_tokens()),
-              config_.data.val.c_str(), static_cast<unsigned long long>(val_data_->num_tokens()), t.run_dir.c_str(),
-              peak_gflops_);
+  if (root) {
+    std::printf("keel: model L=%d H=%d C=%d V=%d (%.2fM parameters, %zu chunks), batch %dx%d x%d x%d ranks, %d threads/rank\n",
+                m.n_layer, m.n_head, m.n_embd, m.vocab_size, store_->param_count() / 1e6, store_->chunks().size(),
+                t.batch_size, t.seq_len, t.grad_accum, world, omp_get_max_threads());
+    std::printf("keel: train %s (%llu tokens), val %s (%llu tokens), run dir %s, SGEMM peak %.1f GFLOP/s\n",
+                config_.data.train.c_str(), static_cast<unsigned long long>(train_data_->num_tokens()),
+                config_.data.val.c_str(), static_cast<unsigned long long>(val_data_->num_tokens()), t.run_dir.c_str(),
+                peak_gflops_);
+    if (world > 1) {
+      std::printf("keel: data parallel over %d ranks, %d gradient buckets of up to %.1f MiB\n", world,
+                  sync_->num_buckets(), config_.parallel.bucket_bytes / 1048576.0);
+    }
+  }
   auto report_eval = [&](double loss) {
-    std::printf("step %6lld | val loss %.4f | val ppl %.2f\n", static_cast<long long>(steps_done_), loss,
-                std::exp(loss));
+    if (root) {
+      std::printf("step %6lld | val loss %.4f | val ppl %.2f\n", static_cast<long long>(steps_done_), loss,
+                  std::exp(loss));
+    }
     log_json(json({{"step", steps_done_}, {"val_loss", loss}, {"val_ppl", std::exp(loss)}}).dump());
   };
   summary.val_loss_start = evaluate(t.eval_batches);
@@ -154,18 +193,27 @@ RunSummary Trainer::run() {
       tokens_per_s_sum += s.tokens_per_s;
       timed++;
     }
-    log_json(json({{"step", s.step},
-                   {"loss", s.loss},
-                   {"lr", s.lr},
-                   {"grad_norm", s.grad_norm},
-                   {"ms", s.ms},
-                   {"tokens_per_s", s.tokens_per_s},
-                   {"mfu", s.mfu}})
-                 .dump());
-    if (s.step % t.log_every == 0 || s.step == t.steps || s.step == 1) {
-      std::printf("step %6lld/%d | loss %.4f | lr %.2e | norm %6.3f | %7.1f ms | %7.0f tok/s | MFU %5.1f%%\n",
+    json line = {{"step", s.step}, {"loss", s.loss},   {"lr", s.lr},
+                 {"grad_norm", s.grad_norm}, {"ms", s.ms}, {"tokens_per_s", s.tokens_per_s},
+                 {"mfu", s.mfu}};
+    if (world > 1) {
+      line["ranks"] = world;
+      line["sync_payload_bytes"] = s.sync.payload_bytes;
+      line["sync_sent_bytes"] = s.sync.sent_bytes;
+      line["sync_exposed_ms"] = s.sync.exposed_ms;
+      line["sync_latency_ms"] = s.sync.latency_ms;
+      line["sync_jitter"] = s.sync_jitter;
+    }
+    log_json(line.dump());
+    if (root && (s.step % t.log_every == 0 || s.step == t.steps || s.step == 1)) {
+      std::printf("step %6lld/%d | loss %.4f | lr %.2e | norm %6.3f | %7.1f ms | %7.0f tok/s | MFU %5.1f%%",
                   static_cast<long long>(s.step), t.steps, s.loss, s.lr, s.grad_norm, s.ms, s.tokens_per_s,
                   100 * s.mfu);
+      if (world > 1) {
+        std::printf(" | sync %.1f MB sent, %.1f ms exposed, latency %.1f ms +-%.0f%%", s.sync.sent_bytes / 1e6,
+                    s.sync.exposed_ms, s.sync.latency_ms, 100 * s.sync_jitter);
+      }
+      std::printf("\n");
       std::fflush(stdout);
     }
     if (t.eval_every > 0 && s.step % t.eval_every == 0 && s.step != t.steps) report_eval(evaluate(t.eval_batches));
@@ -176,10 +224,12 @@ RunSummary Trainer::run() {
   summary.val_loss_end = evaluate(t.eval_batches);
   report_eval(summary.val_loss_end);
   save(t.run_dir + "/ckpt");
-  std::printf("keel: val loss %.4f -> %.4f after %lld steps, %.0f tok/s mean; checkpoint %s/ckpt\n",
-              summary.val_loss_start, summary.val_loss_end, static_cast<long long>(summary.steps),
-              summary.mean_tokens_per_s, t.run_dir.c_str());
-  std::fflush(stdout);
+  if (root) {
+    std::printf("keel: val loss %.4f -> %.4f after %lld steps, %.0f tok/s mean; checkpoint %s/ckpt\n",
+                summary.val_loss_start, summary.val_loss_end, static_cast<long long>(summary.steps),
+                summary.mean_tokens_per_s, t.run_dir.c_str());
+    std::fflush(stdout);
+  }
   print_samples();
   return summary;
 }

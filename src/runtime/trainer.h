@@ -1,14 +1,19 @@
-// The single-process training loop: builds the chunk store, the model, the data loaders and the
-// optimizer from a resolved Config, and runs steps of forward, backward (B then W per layer),
-// clipping and AdamW, reporting progress as text and JSON lines in the run directory.
+// The training loop: builds the chunk store, the model, the data loaders and the optimizer from a
+// resolved Config, and runs steps of forward, backward (B then W per layer), gradient sync across
+// data-parallel ranks (overlapped with backward), clipping and AdamW, reporting progress as text
+// and JSON lines in the run directory. With one rank it is the single-process trainer; under
+// mpirun every rank runs it, rank 0 reports and writes checkpoints.
 #pragma once
 
+#include <deque>
 #include <fstream>
 #include <memory>
 #include <optional>
 #include <string>
 
 #include "ckpt/checkpoint.h"
+#include "comm/communicator.h"
+#include "comm/grad_sync.h"
 #include "core/config.h"
 #include "data/loader.h"
 #include "data/tokenizer.h"
@@ -26,6 +31,8 @@ struct StepStats {
   double ms = 0;
   double tokens_per_s = 0;
   double mfu = 0;         // achieved matmul FLOP/s over peak_gflops
+  SyncStats sync;         // data-parallel gradient sync (zero on one rank)
+  double sync_jitter = 0; // std/mean of sync latency over the last window of steps
 };
 
 struct RunSummary {
@@ -36,9 +43,10 @@ struct RunSummary {
 
 class Trainer {
  public:
-  // Requires a resolved config. Reads shards and tokenizer, builds the model, initialises the
-  // weights from train.seed or resumes from train.resume. Throws keel::Error on bad input.
-  explicit Trainer(Config config);
+  // Requires a config resolved for comm.size() ranks. Reads shards and tokenizer, builds the
+  // model, initialises the weights from train.seed or resumes from train.resume. Throws
+  // keel::Error on bad input.
+  explicit Trainer(Config config, Communicator& comm = Communicator::world());
   ~Trainer();
 
   // One optimizer step over grad_accum micro-batches.
@@ -62,7 +70,10 @@ class Trainer {
   void print_samples();
 
   Config config_;
+  Communicator& comm_;
   std::unique_ptr<ChunkStore> store_;
+  std::unique_ptr<GradSync> sync_;
+  std::deque<double> sync_latencies_ms_;
   std::unique_ptr<GPT> model_;
   std::unique_ptr<DataLoader> train_data_;
   std::unique_ptr<DataLoader> val_data_;

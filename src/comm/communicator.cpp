@@ -1,0 +1,123 @@
+#include "comm/communicator.h"
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <limits>
+
+#include "core/error.h"
+
+namespace keel {
+
+namespace {
+
+void mpi_check(int rc, const char* what) {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  throw Error(std::string("MPI ") + what + " failed: " + std::string(text, len));
+}
+
+// MPI counts are int: large buffers go in pieces of at most 1 GiB.
+constexpr size_t kMaxCount = size_t{1} << 28;
+
+}  // namespace
+
+bool launched_by_mpi() {
+  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK"}) {
+    if (std::getenv(v) != nullptr) return true;
+  }
+  return false;
+}
+
+Communicator& Communicator::world() {
+  static Communicator instance;
+  return instance;
+}
+
+Communicator::Communicator() {
+  char name[256] = {};
+  ::gethostname(name, sizeof name - 1);
+  host_ = name;
+  if (!launched_by_mpi()) return;
+  int provided = 0;
+  mpi_check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided), "init");
+  // Errors come back as codes (turned into keel::Error) instead of aborting the job silently.
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  uses_mpi_ = true;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
+  MPI_Comm_size(MPI_COMM_WORLD, &size_);
+}
+
+Communicator::~Communicator() {
+  if (uses_mpi_) {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Finalize();
+  }
+}
+
+void Communicator::allreduce_sum(float* data, size_t count) {
+  if (!uses_mpi_) return;
+  for (size_t off = 0; off < count; off += kMaxCount) {
+    const int n = static_cast<int>(std::min(kMaxCount, count - off));
+    mpi_check(MPI_Allreduce(MPI_IN_PLACE, data + off, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD), "allreduce");
+  }
+}
+
+void Communicator::allreduce_sum(double* data, size_t count) {
+  if (!uses_mpi_) return;
+  for (size_t off = 0; off < count; off += kMaxCount) {
+    const int n = static_cast<int>(std::min(kMaxCount, count - off));
+    mpi_check(MPI_Allreduce(MPI_IN_PLACE, data + off, n, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD), "allreduce");
+  }
+}
+
+double Communicator::allreduce_sum(double value) {
+  allreduce_sum(&value, 1);
+  return value;
+}
+
+double Communicator::allreduce_max(double value) {
+  if (!uses_mpi_) return value;
+  mpi_check(MPI_Allreduce(MPI_IN_PLACE, &value, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD), "allreduce");
+  return value;
+}
+
+std::vector<double> Communicator::allgather(double value) {
+  std::vector<double> out(size_, value);
+  if (!uses_mpi_) return out;
+  mpi_check(MPI_Allgather(&value, 1, MPI_DOUBLE, out.data(), 1, MPI_DOUBLE, MPI_COMM_WORLD), "allgather");
+  return out;
+}
+
+Communicator::Request Communicator::iallreduce_sum(float* data, size_t count) {
+  Request r;
+  if (!uses_mpi_ || count == 0) return r;
+  check(count <= std::numeric_limits<int>::max(), "gradient bucket too large for one MPI call");
+  r.done = false;
+  mpi_check(MPI_Iallreduce(MPI_IN_PLACE, data, static_cast<int>(count), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, &r.handle),
+            "iallreduce");
+  return r;
+}
+
+bool Communicator::test(Request& r) {
+  if (r.done) return true;
+  int flag = 0;
+  mpi_check(MPI_Test(&r.handle, &flag, MPI_STATUS_IGNORE), "test");
+  r.done = flag != 0;
+  return r.done;
+}
+
+void Communicator::wait(Request& r) {
+  if (r.done) return;
+  mpi_check(MPI_Wait(&r.handle, MPI_STATUS_IGNORE), "wait");
+  r.done = true;
+}
+
+void Communicator::barrier() {
+  if (uses_mpi_) mpi_check(MPI_Barrier(MPI_COMM_WORLD), "barrier");
+}
+
+}  // namespace keel

@@ -1,0 +1,60 @@
+// The data-parallel communicator: every byte between ranks goes through MPI (OpenMPI). A process
+// started by mpirun or srun joins MPI_COMM_WORLD; a process started on its own is a world of one
+// and makes no MPI calls at all, so the single-process trainer needs no launcher.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace keel {
+
+class Communicator {
+ public:
+  // The process-wide communicator. The first call initialises MPI when the process was started
+  // by an MPI launcher (mpirun, srun); MPI is finalised at exit.
+  static Communicator& world();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  bool is_root() const { return rank_ == 0; }
+  bool uses_mpi() const { return uses_mpi_; }
+  // Host name and whether this rank is the first on its host, for reports.
+  const std::string& host() const { return host_; }
+
+  // In-place sum over all ranks. Deterministic for a given world size and layout.
+  void allreduce_sum(float* data, size_t count);
+  void allreduce_sum(double* data, size_t count);
+  double allreduce_sum(double value);
+  double allreduce_max(double value);
+  // Gathers one value from every rank (rank order).
+  std::vector<double> allgather(double value);
+
+  // A non-blocking in-place sum. Progress happens only inside test()/wait() calls (and other MPI
+  // calls), so the caller tests regularly while computing.
+  struct Request {
+    MPI_Request handle = MPI_REQUEST_NULL;
+    bool done = true;
+  };
+  Request iallreduce_sum(float* data, size_t count);
+  bool test(Request& request);  // true once complete
+  void wait(Request& request);
+
+  void barrier();
+
+ private:
+  Communicator();
+  ~Communicator();
+  bool uses_mpi_ = false;
+  int rank_ = 0;
+  int size_ = 1;
+  std::string host_;
+};
+
+// True when this process was started by an MPI launcher (mpirun/mpiexec, srun with PMI/PMIx).
+bool launched_by_mpi();
+
+}  // namespace keel

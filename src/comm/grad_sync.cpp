@@ -1,0 +1,84 @@
+#include "comm/grad_sync.h"
+
+#include <algorithm>
+
+namespace keel {
+
+namespace {
+double ms_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+}  // namespace
+
+GradSync::GradSync(Communicator& comm, ChunkStore& store, int64_t bucket_bytes) : comm_(comm), store_(store) {
+  const std::vector<Chunk>& chunks = store.chunks();
+  const int64_t bucket_floats = std::max<int64_t>(1, bucket_bytes / static_cast<int64_t>(sizeof(float)));
+  // Walk chunks from the end of the flat space (the last layers: produced first by backward).
+  int64_t end = store.numel();
+  Bucket current;
+  bool open = false;
+  for (int c = static_cast<int>(chunks.size()) - 1; c >= 0; --c) {
+    if (!open) {
+      current = Bucket{};
+      current.ready_layer = chunks[c].layer;
+      open = true;
+    }
+    current.offset = chunks[c].offset;
+    current.ready_layer = std::min(current.ready_layer, chunks[c].layer);
+    if (end - current.offset >= bucket_floats || c == 0) {
+      current.numel = end - current.offset;
+      buckets_.push_back(current);
+      end = current.offset;
+      open = false;
+    }
+  }
+}
+
+void GradSync::begin(bool sync) {
+  active_ = sync && comm_.size() > 1;
+  next_ = 0;
+  stats_ = SyncStats{};
+  for (Bucket& b : buckets_) {
+    b.started = false;
+    b.request = Communicator::Request{};
+  }
+}
+
+void GradSync::progress() {
+  for (size_t i = 0; i < next_; ++i) comm_.test(buckets_[i].request);
+}
+
+void GradSync::after_backward_input(int) {
+  if (active_) progress();
+}
+
+void GradSync::after_backward_weight(int layer) {
+  if (!active_) return;
+  // Layers finish in descending order, so a bucket whose lowest layer is done is complete.
+  while (next_ < buckets_.size() && buckets_[next_].ready_layer >= layer) {
+    Bucket& b = buckets_[next_];
+    if (next_ == 0) first_start_ = std::chrono::steady_clock::now();
+    b.request = comm_.iallreduce_sum(store_.chunk_view(0, Plane::grad).data() + b.offset, static_cast<size_t>(b.numel));
+    b.started = true;
+    stats_.payload_bytes += static_cast<double>(b.numel) * sizeof(float);
+    stats_.buckets++;
+    next_++;
+  }
+  progress();
+}
+
+void GradSync::finish() {
+  if (!active_) return;
+  // Any bucket not started yet (e.g. a backward that skipped a layer's hook) starts now.
+  while (next_ < buckets_.size()) after_backward_weight(-1);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (Bucket& b : buckets_) comm_.wait(b.request);
+  const auto t1 = std::chrono::steady_clock::now();
+  stats_.exposed_ms = ms_between(t0, t1);
+  stats_.latency_ms = ms_between(first_start_, t1);
+  const double n = comm_.size();
+  stats_.sent_bytes = stats_.payload_bytes * 2.0 * (n - 1) / n;
+  active_ = false;
+}
+
+}  // namespace keel

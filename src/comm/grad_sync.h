@@ -1,0 +1,61 @@
+// Data-parallel gradient synchronisation, overlapped with backward. The gradient plane is cut
+// into buckets of consecutive chunks (about `bucket_bytes` each), ordered as backward produces
+// them: last layers first. As soon as the W pass of every chunk in a bucket is done, the bucket's
+// all-reduce starts (non-blocking); every later B or W of backward tests the outstanding
+// requests, which is what drives MPI's progress, so communication runs under the remaining
+// computation. finish() waits for what is left; that wait is the communication overlap did not
+// hide.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "model/gpt.h"
+#include "store/chunk_store.h"
+
+namespace keel {
+
+struct SyncStats {
+  double payload_bytes = 0;     // gradient bytes all-reduced by this rank this step
+  double sent_bytes = 0;        // bytes this rank puts on the wire (ring all-reduce: 2 (N-1)/N payload)
+  double exposed_ms = 0;        // time finish() waited: communication not hidden by backward
+  double latency_ms = 0;        // first bucket started -> last bucket completed
+  int buckets = 0;
+};
+
+class GradSync final : public BackwardObserver {
+ public:
+  GradSync(Communicator& comm, ChunkStore& store, int64_t bucket_bytes);
+
+  // Starts a backward pass. With sync false (an accumulation micro-batch that is not the last)
+  // nothing is communicated.
+  void begin(bool sync);
+  void after_backward_input(int layer) override;
+  void after_backward_weight(int layer) override;
+  // Waits for every bucket. Afterwards the grad plane holds the sum over ranks.
+  void finish();
+  const SyncStats& stats() const { return stats_; }
+  int num_buckets() const { return static_cast<int>(buckets_.size()); }
+
+ private:
+  struct Bucket {
+    int64_t offset = 0, numel = 0;
+    int ready_layer = 0;  // the bucket is complete once W of this layer is done
+    Communicator::Request request;
+    bool started = false;
+  };
+  void progress();
+
+  Communicator& comm_;
+  ChunkStore& store_;
+  std::vector<Bucket> buckets_;  // in backward order
+  size_t next_ = 0;              // next bucket to start
+  bool active_ = false;
+  SyncStats stats_;
+  std::chrono::steady_clock::time_point first_start_;
+};
+
+}  // namespace keel
