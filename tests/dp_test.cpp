@@ -95,16 +95,39 @@ TEST_F(DataParallel, NRanksWithBatchBEqualOneRankWithBatchNB) {
   ASSERT_EQ(train(0, 8, "one").exit_code, 0);
   const std::vector<double> reference = losses("one");
   ASSERT_EQ(reference.size(), 20u);
-  for (int n : {2, 4}) {
-    const std::string run = "dp" + std::to_string(n);
-    auto r = train(n, 8 / n, run);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_NE(r.output.find("data parallel over " + std::to_string(n) + " ranks"), std::string::npos) << r.output;
-    const std::vector<double> got = losses(run);
-    ASSERT_EQ(got.size(), reference.size());
-    for (size_t s = 0; s < got.size(); ++s) EXPECT_NEAR(got[s], reference[s], 1e-5 * reference[s]) << "step " << s + 1;
-    for (const auto& [name, d] : weight_distance("one", run)) EXPECT_LT(d, 1e-5) << n << " ranks: " << name;
+  for (int zero : {0, 1, 2}) {
+    for (int n : {2, 4}) {
+      const std::string run = "dp" + std::to_string(n) + "z" + std::to_string(zero);
+      auto r = train(n, 8 / n, run, "--set parallel.zero=" + std::to_string(zero));
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      EXPECT_NE(r.output.find("data parallel over " + std::to_string(n) + " ranks"), std::string::npos) << r.output;
+      const std::vector<double> got = losses(run);
+      ASSERT_EQ(got.size(), reference.size());
+      for (size_t s = 0; s < got.size(); ++s) {
+        EXPECT_NEAR(got[s], reference[s], 1e-5 * reference[s]) << run << " step " << s + 1;
+      }
+      for (const auto& [name, d] : weight_distance("one", run)) EXPECT_LT(d, 1e-5) << run << ": " << name;
+    }
   }
+}
+
+TEST_F(DataParallel, ZeroShardsTheOptimizerStateAndResumesExactly) {
+  ASSERT_EQ(train(2, 4, "straight", "--set parallel.zero=1 --set train.steps=12").exit_code, 0);
+  ASSERT_EQ(train(2, 4, "half", "--set parallel.zero=1 --set train.steps=6").exit_code, 0);
+  // Resume the 2-rank ZeRO-1 checkpoint with ZeRO-2: the moments are gathered on save and
+  // re-sharded on load.
+  auto r = train(2, 4, "resumed", "--set parallel.zero=2 --set train.steps=12 --set train.resume=" + dir / "half/ckpt");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(param_bytes("straight"), param_bytes("resumed"));
+  EXPECT_EQ(read_file(dir / "straight/ckpt/adam_v.bin"), read_file(dir / "resumed/ckpt/adam_v.bin"));
+  // Moments per rank: ZeRO-1 holds about half of what ZeRO-0 holds on 2 ranks.
+  auto moments = [&](const std::string& run) {
+    const std::string text = read_text_file(dir / (run + "/metrics.jsonl"));
+    const size_t start = text.rfind('\n', text.find("moments_mb")) + 1;
+    return nlohmann::json::parse(text.substr(start, text.find('\n', start) - start))["moments_mb"].get<double>();
+  };
+  ASSERT_EQ(train(2, 4, "z0", "--set parallel.zero=0 --set train.steps=2").exit_code, 0);
+  EXPECT_LT(moments("straight"), 0.75 * moments("z0"));
 }
 
 TEST_F(DataParallel, OneRankUnderMpirunIsTheSingleProcessTrainer) {

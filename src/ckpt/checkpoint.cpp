@@ -67,7 +67,10 @@ json read_manifest(const std::string& dir) {
 }  // namespace
 
 void save_checkpoint(const std::string& dir, const ChunkStore& store, const Config& config,
-                     const TrainState& state) {
+                     const TrainState& state, const PlaneSource& source) {
+  auto plane = [&](Plane p) {
+    return source ? source(p) : store.range_view(p, 0, store.numel());
+  };
   const fs::path target = fs::path(dir).lexically_normal();
   const fs::path parent = target.has_parent_path() ? target.parent_path() : fs::path(".");
   fs::create_directories(parent);
@@ -83,8 +86,8 @@ void save_checkpoint(const std::string& dir, const ChunkStore& store, const Conf
     }
     json sums = json::object();
     for (Plane p : kSavedPlanes) {
-      std::span<const float> v = store.chunk_view(c.id, p);
-      sums[plane_file(p)] = hex64(XXH3_64bits(v.data(), v.size_bytes()));
+      const float* v = plane(p).data() + c.offset;
+      sums[plane_file(p)] = hex64(XXH3_64bits(v, static_cast<size_t>(c.numel) * sizeof(float)));
     }
     chunks.push_back({{"id", c.id},
                       {"layer", c.layer},
@@ -97,7 +100,7 @@ void save_checkpoint(const std::string& dir, const ChunkStore& store, const Conf
   }
   for (Plane p : kSavedPlanes) {
     // Chunks are contiguous and in order, so the plane is written as one run of bytes.
-    std::span<const float> all(store.chunk_view(0, p).data(), static_cast<size_t>(store.numel()));
+    std::span<const float> all = plane(p);
     write_file((tmp / plane_file(p)).string(), all.data(), all.size_bytes());
   }
   json manifest = {{"format", "keel-checkpoint"},
@@ -179,7 +182,14 @@ TrainState load_checkpoint(const std::string& dir, ChunkStore& store, const Conf
       planes.emplace_back(p, std::move(bytes));
     }
     for (auto& [p, bytes] : planes) {
-      std::memcpy(store.chunk_view(0, p).data(), bytes.data(), bytes.size());
+      // Moments of a sharded store: only its own chunks.
+      const auto [first, last] = p == Plane::param ? std::pair<int, int>{0, static_cast<int>(store.chunks().size())}
+                                                   : store.moment_chunks();
+      if (first >= last) continue;
+      const int64_t begin = store.chunks()[first].offset;
+      const int64_t end = store.chunks()[last - 1].offset + store.chunks()[last - 1].numel;
+      std::memcpy(store.range_view(p, begin, end - begin).data(), bytes.data() + begin * sizeof(float),
+                  static_cast<size_t>(end - begin) * sizeof(float));
     }
     for (size_t i = 0; i < chunks.size(); ++i) store.set_version(static_cast<int>(i), chunks[i].at("version").get<uint64_t>());
   } catch (const json::exception& e) {

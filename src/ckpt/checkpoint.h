@@ -7,6 +7,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <span>
 #include <string>
 
 #include "core/config.h"
@@ -24,16 +26,21 @@ struct TrainState {
   std::string config_toml;      // the resolved config of the run that wrote it
 };
 
+// Supplies the whole flat range of one saved plane (params, adam_m or adam_v), for stores whose
+// optimizer state is sharded across ranks and gathered for saving.
+using PlaneSource = std::function<std::span<const float>(Plane)>;
+
 // Writes store (params and both moments) and state to dir. Replaces an existing checkpoint at dir
-// only once the new one is complete.
+// only once the new one is complete. Planes come from the store unless `source` is given.
 void save_checkpoint(const std::string& dir, const ChunkStore& store, const Config& config,
-                     const TrainState& state);
+                     const TrainState& state, const PlaneSource& source = nullptr);
 
 // Reads the config stored in a checkpoint (to build a model of the right shape before loading).
 Config read_checkpoint_config(const std::string& dir);
 
 // Loads dir into store (which must have been built from a config of the same model shape and
-// chunk size). With params_only, the moments are left untouched (evaluation, generation).
+// chunk size). With params_only, the moments are left untouched (evaluation, generation); a
+// store with sharded moments receives its own shard.
 // Verifies format, version, shape, file sizes and every chunk checksum before touching store;
 // throws keel::Error naming the file and what differs.
 TrainState load_checkpoint(const std::string& dir, ChunkStore& store, const Config& config, bool params_only);

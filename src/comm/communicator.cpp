@@ -102,6 +102,35 @@ Communicator::Request Communicator::iallreduce_sum(float* data, size_t count) {
   return r;
 }
 
+Communicator::Request Communicator::ireduce_scatter_sum(float* data, const std::vector<int>& counts) {
+  Request r;
+  if (!uses_mpi_) return r;
+  r.done = false;
+  mpi_check(MPI_Ireduce_scatter(MPI_IN_PLACE, data, counts.data(), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, &r.handle),
+            "ireduce_scatter");
+  return r;
+}
+
+void Communicator::allgatherv(float* data, const std::vector<int>& counts, const std::vector<int>& displs) {
+  if (!uses_mpi_) return;
+  mpi_check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, data, counts.data(), displs.data(), MPI_FLOAT,
+                           MPI_COMM_WORLD),
+            "allgatherv");
+}
+
+void Communicator::gatherv_to_root(const float* send, float* root_buffer, const std::vector<int>& counts,
+                                   const std::vector<int>& displs) {
+  if (!uses_mpi_) return;
+  if (is_root()) {
+    mpi_check(MPI_Gatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, root_buffer, counts.data(), displs.data(), MPI_FLOAT, 0,
+                          MPI_COMM_WORLD),
+              "gatherv");
+  } else {
+    mpi_check(MPI_Gatherv(send, counts[rank_], MPI_FLOAT, nullptr, nullptr, nullptr, MPI_FLOAT, 0, MPI_COMM_WORLD),
+              "gatherv");
+  }
+}
+
 bool Communicator::test(Request& r) {
   if (r.done) return true;
   int flag = 0;

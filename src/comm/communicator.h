@@ -40,8 +40,19 @@ class Communicator {
     bool done = true;
   };
   Request iallreduce_sum(float* data, size_t count);
+  // A non-blocking in-place reduce-scatter of data[0 .. sum(counts)): rank r receives the sum of
+  // its counts[r] elements, placed at data[0 .. counts[r]) (MPI's in-place convention).
+  Request ireduce_scatter_sum(float* data, const std::vector<int>& counts);
   bool test(Request& request);  // true once complete
   void wait(Request& request);
+
+  // In-place all-gather: rank r contributes data[displs[r] .. + counts[r]); afterwards every rank
+  // holds every contribution.
+  void allgatherv(float* data, const std::vector<int>& counts, const std::vector<int>& displs);
+  // Gathers to rank 0: rank r's `send` (counts[r] floats) lands at root_buffer[displs[r]] on rank 0
+  // (root_buffer is used on rank 0 only; rank 0's own part must already be in place there).
+  void gatherv_to_root(const float* send, float* root_buffer, const std::vector<int>& counts,
+                       const std::vector<int>& displs);
 
   void barrier();
 

@@ -1,6 +1,7 @@
 #include "comm/grad_sync.h"
 
 #include <algorithm>
+#include <cstring>
 
 namespace keel {
 
@@ -10,7 +11,8 @@ double ms_between(std::chrono::steady_clock::time_point a, std::chrono::steady_c
 }
 }  // namespace
 
-GradSync::GradSync(Communicator& comm, ChunkStore& store, int64_t bucket_bytes) : comm_(comm), store_(store) {
+GradSync::GradSync(Communicator& comm, ChunkStore& store, int64_t bucket_bytes, const ChunkPartition* scatter_to)
+    : comm_(comm), store_(store), scatter_to_(scatter_to) {
   const std::vector<Chunk>& chunks = store.chunks();
   const int64_t bucket_floats = std::max<int64_t>(1, bucket_bytes / static_cast<int64_t>(sizeof(float)));
   // Walk chunks from the end of the flat space (the last layers: produced first by backward).
@@ -58,7 +60,15 @@ void GradSync::after_backward_weight(int layer) {
   while (next_ < buckets_.size() && buckets_[next_].ready_layer >= layer) {
     Bucket& b = buckets_[next_];
     if (next_ == 0) first_start_ = std::chrono::steady_clock::now();
-    b.request = comm_.iallreduce_sum(store_.chunk_view(0, Plane::grad).data() + b.offset, static_cast<size_t>(b.numel));
+    float* data = store_.range_view(Plane::grad, b.offset, b.numel).data();
+    if (scatter_to_ == nullptr) {
+      b.request = comm_.iallreduce_sum(data, static_cast<size_t>(b.numel));
+    } else {
+      const std::vector<int> counts = scatter_to_->intersect(b.offset, b.numel);
+      b.own_offset = std::max(b.offset, scatter_to_->begin[comm_.rank()]);
+      b.own_count = counts[comm_.rank()];
+      b.request = comm_.ireduce_scatter_sum(data, counts);
+    }
     b.started = true;
     stats_.payload_bytes += static_cast<double>(b.numel) * sizeof(float);
     stats_.buckets++;
@@ -74,10 +84,20 @@ void GradSync::finish() {
   const auto t0 = std::chrono::steady_clock::now();
   for (Bucket& b : buckets_) comm_.wait(b.request);
   const auto t1 = std::chrono::steady_clock::now();
+  if (scatter_to_ != nullptr) {
+    // MPI leaves this rank's sum at the start of the bucket; move it where it belongs.
+    for (Bucket& b : buckets_) {
+      if (b.own_count > 0 && b.own_offset != b.offset) {
+        float* base = store_.range_view(Plane::grad, b.offset, b.numel).data();
+        std::memmove(base + (b.own_offset - b.offset), base, static_cast<size_t>(b.own_count) * sizeof(float));
+      }
+    }
+  }
   stats_.exposed_ms = ms_between(t0, t1);
   stats_.latency_ms = ms_between(first_start_, t1);
   const double n = comm_.size();
-  stats_.sent_bytes = stats_.payload_bytes * 2.0 * (n - 1) / n;
+  // Ring algorithms: all-reduce sends 2 (N-1)/N of the payload, reduce-scatter (N-1)/N.
+  stats_.sent_bytes = stats_.payload_bytes * (scatter_to_ != nullptr ? 1.0 : 2.0) * (n - 1) / n;
   active_ = false;
 }
 

@@ -4,7 +4,8 @@
 // all-reduce starts (non-blocking); every later B or W of backward tests the outstanding
 // requests, which is what drives MPI's progress, so communication runs under the remaining
 // computation. finish() waits for what is left; that wait is the communication overlap did not
-// hide.
+// hide. With a ZeRO-2 partition, each bucket is reduce-scattered instead: a rank ends up with the
+// summed gradient of the chunks it owns only (the rest of its gradient plane is then undefined).
 #pragma once
 
 #include <chrono>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "comm/zero.h"
 #include "model/gpt.h"
 #include "store/chunk_store.h"
 
@@ -28,7 +30,8 @@ struct SyncStats {
 
 class GradSync final : public BackwardObserver {
  public:
-  GradSync(Communicator& comm, ChunkStore& store, int64_t bucket_bytes);
+  // `scatter_to` (may be null): reduce-scatter to these owners (ZeRO-2) instead of all-reducing.
+  GradSync(Communicator& comm, ChunkStore& store, int64_t bucket_bytes, const ChunkPartition* scatter_to = nullptr);
 
   // Starts a backward pass. With sync false (an accumulation micro-batch that is not the last)
   // nothing is communicated.
@@ -46,11 +49,13 @@ class GradSync final : public BackwardObserver {
     int ready_layer = 0;  // the bucket is complete once W of this layer is done
     Communicator::Request request;
     bool started = false;
+    int64_t own_offset = 0, own_count = 0;  // reduce-scatter: where this rank's sum belongs
   };
   void progress();
 
   Communicator& comm_;
   ChunkStore& store_;
+  const ChunkPartition* scatter_to_;
   std::vector<Bucket> buckets_;  // in backward order
   size_t next_ = 0;              // next bucket to start
   bool active_ = false;

@@ -61,6 +61,7 @@ std::vector<Field> fields(Config& c) {
       {"store", "chunk_bytes", &c.store.chunk_bytes},
       {"parallel", "data", &c.parallel.data},
       {"parallel", "bucket_bytes", &c.parallel.bucket_bytes},
+      {"parallel", "zero", &c.parallel.zero},
       {"runtime", "threads", &c.runtime.threads},
       {"runtime", "peak_gflops", &c.runtime.peak_gflops},
   };
@@ -298,6 +299,7 @@ void Config::resolve(int world_size) {
   require(parallel.data >= 0, "parallel.data", ">= 0", s(parallel.data));
   require(data_ranks == world_size, "parallel.data",
           "a layout that fits the " + s(world_size) + " rank(s) of this job", s(parallel.data) + " data-parallel ranks");
+  require(parallel.zero >= 0 && parallel.zero <= 2, "parallel.zero", "0, 1 or 2", s(parallel.zero));
   require(parallel.bucket_bytes >= 4096, "parallel.bucket_bytes", ">= 4096", s(parallel.bucket_bytes));
   require(train.global_batch_size >= 0, "train.global_batch_size", ">= 0", s(train.global_batch_size));
   if (train.global_batch_size > 0) {

@@ -61,6 +61,8 @@ struct StoreConfig {
 struct ParallelConfig {
   int data = 0;                      // data-parallel ranks; 0 = the whole MPI world
   int64_t bucket_bytes = 8 << 20;    // gradient all-reduce bucket size
+  int zero = 0;                      // 0: replicate everything; 1: shard AdamW moments by chunk;
+                                     // 2: also reduce-scatter gradients to their owners
 };
 
 struct RuntimeConfig {

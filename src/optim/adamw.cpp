@@ -16,9 +16,11 @@ double learning_rate(const OptimConfig& o, int step, int total_steps) {
   return min_lr + 0.5 * (o.lr - min_lr) * (1.0 + std::cos(M_PI * progress));
 }
 
-double grad_sum_squares(const ChunkStore& store) {
+double grad_sum_squares(const ChunkStore& store, int chunk_begin, int chunk_end) {
+  if (chunk_end < 0) chunk_end = static_cast<int>(store.chunks().size());
   double total = 0;
-  for (const Chunk& c : store.chunks()) {
+  for (int ci = chunk_begin; ci < chunk_end; ++ci) {
+    const Chunk& c = store.chunks()[ci];
     std::span<const float> g = store.chunk_view(c.id, Plane::grad);
     // Each thread sums a fixed contiguous range; partials are combined in thread order.
     const int threads = omp_get_max_threads();
@@ -66,7 +68,8 @@ void AdamW::step_chunk(ChunkStore& store, int chunk, double lr, int64_t t, float
 }
 
 void AdamW::step(ChunkStore& store, double lr, int64_t t, float grad_scale) {
-  for (const Chunk& c : store.chunks()) step_chunk(store, c.id, lr, t, grad_scale);
+  const auto [first, last] = store.moment_chunks();
+  for (int c = first; c < last; ++c) step_chunk(store, c, lr, t, grad_scale);
 }
 
 }  // namespace keel

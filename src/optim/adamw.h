@@ -14,14 +14,15 @@ namespace keel {
 // at `total_steps`. `step` counts from 0.
 double learning_rate(const OptimConfig& optim, int step, int total_steps);
 
-// Sum of squares of the gradient plane over the chunks, in double, in a fixed order (the same
-// bytes for the same gradients whatever the thread timing).
-double grad_sum_squares(const ChunkStore& store);
+// Sum of squares of the gradient plane over chunks [chunk_begin, chunk_end) (-1 = to the last),
+// in double, in a fixed order (the same bytes for the same gradients whatever the thread timing).
+double grad_sum_squares(const ChunkStore& store, int chunk_begin = 0, int chunk_end = -1);
 
 class AdamW {
  public:
   explicit AdamW(const OptimConfig& config) : config_(config) {}
-  // One update of every chunk: g = grad * grad_scale (the clipping factor); m, v updated; params
+  // One update of every chunk whose moments the store holds (all, or this rank's ZeRO shard):
+  // g = grad * grad_scale (the clipping factor); m, v updated; params
   // moved by lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p) where the tensor decays.
   // `t` is the 1-based update count used for bias correction. Bumps every chunk's version and
   // leaves the gradient plane zero, ready for the next step's accumulation (one pass over the

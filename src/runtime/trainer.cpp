@@ -1,6 +1,7 @@
 #include "runtime/trainer.h"
 
 #include <omp.h>
+#include <sys/resource.h>
 
 #include <chrono>
 #include <cmath>
@@ -19,6 +20,12 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 namespace {
+double peak_rss_mb() {
+  struct rusage usage;
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_maxrss / 1024.0;
+}
+
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -46,7 +53,9 @@ Trainer::Trainer(Config config, Communicator& comm)
   store_ = std::make_unique<ChunkStore>(config_.store.chunk_bytes);
   model_ = std::make_unique<GPT>(m, *store_);
   store_->finalize();
-  sync_ = std::make_unique<GradSync>(comm_, *store_, config_.parallel.bucket_bytes);
+  const int zero = world > 1 ? config_.parallel.zero : 0;
+  partition_ = ChunkPartition::balanced(*store_, zero > 0 ? world : 1);
+  sync_ = std::make_unique<GradSync>(comm_, *store_, config_.parallel.bucket_bytes, zero == 2 ? &partition_ : nullptr);
   model_->allocate(t.batch_size, t.seq_len);
   if (t.resume.empty()) {
     model_->init_weights(t.seed);
@@ -55,18 +64,38 @@ Trainer::Trainer(Config config, Communicator& comm)
     steps_done_ = state.step;
     train_data_->set_position(state.data);
   }
+  if (zero > 0) {
+    const int r = comm_.rank();
+    store_->shard_moments(partition_.first_chunk[r], partition_.first_chunk[r + 1]);
+  }
   // Every rank uses rank 0's measurement so MFU figures agree.
   peak_gflops_ = config_.runtime.peak_gflops > 0 ? config_.runtime.peak_gflops
                                                  : comm_.allreduce_max(comm_.is_root() ? measure_sgemm_gflops() : 0.0);
   if (comm_.is_root()) {
     fs::create_directories(t.run_dir);
     write_file(t.run_dir + "/config.toml", config_.to_toml());
-    metrics_.open(t.run_dir + "/metrics.jsonl", std::ios::app);
+    // A resumed run continues its metrics; a fresh run starts them anew.
+    metrics_.open(t.run_dir + "/metrics.jsonl", t.resume.empty() ? std::ios::trunc : std::ios::app);
     check(metrics_.good(), "run directory " + t.run_dir + ": cannot write metrics.jsonl");
   }
 }
 
 Trainer::~Trainer() = default;
+
+void Trainer::gather_parameters() {
+  // AdamW cleared the gradients it consumed (this rank's shard); clear the rest for the next step.
+  const int r = comm_.rank();
+  std::span<float> grads = store_->range_view(Plane::grad, 0, store_->numel());
+  std::fill(grads.begin(), grads.begin() + partition_.begin[r], 0.0f);
+  std::fill(grads.begin() + partition_.begin[r + 1], grads.end(), 0.0f);
+  comm_.allgatherv(store_->range_view(Plane::param, 0, store_->numel()).data(), partition_.counts(),
+                   partition_.displs());
+  // The chunks other ranks updated moved to the same version as this rank's.
+  const auto [own_first, own_last] = store_->moment_chunks();
+  for (int c = 0; c < static_cast<int>(store_->chunks().size()); ++c) {
+    if (c < own_first || c >= own_last) store_->bump_version(c);
+  }
+}
 
 void Trainer::log_json(const std::string& line) {
   if (!comm_.is_root()) return;
@@ -94,12 +123,17 @@ StepStats Trainer::step() {
   sync_->finish();
   s.sync = sync_->stats();
   loss_sum = comm_.allreduce_sum(loss_sum) / world;
-  s.grad_norm = std::sqrt(grad_sum_squares(*store_));
+  const int zero = world > 1 ? config_.parallel.zero : 0;
+  const auto [own_first, own_last] = store_->moment_chunks();
+  // ZeRO-2 ranks hold only their shard of the reduced gradient: the norm is summed over ranks.
+  s.grad_norm = std::sqrt(zero == 2 ? comm_.allreduce_sum(grad_sum_squares(*store_, own_first, own_last))
+                                    : grad_sum_squares(*store_));
   float clip = 1.0f;
   if (config_.optim.grad_clip > 0 && s.grad_norm > config_.optim.grad_clip) {
     clip = static_cast<float>(config_.optim.grad_clip / s.grad_norm);
   }
   optimizer_.step(*store_, s.lr, steps_done_ + 1, clip);
+  if (zero > 0) gather_parameters();
   steps_done_++;
 
   const double seconds = seconds_since(t0);
@@ -131,12 +165,36 @@ double Trainer::evaluate(int batches) {
 }
 
 void Trainer::save(const std::string& dir) {
-  // Parameters and moments are identical on every rank; rank 0 writes them.
+  // Parameters are identical on every rank; rank 0 writes them. Sharded moments are first
+  // gathered to rank 0 (a temporary full copy there: checkpoints of sharded state written by
+  // every rank are the next step).
+  const auto [own_first, own_last] = store_->moment_chunks();
+  const bool sharded = own_first != 0 || own_last != static_cast<int>(store_->chunks().size());
+  std::vector<float> full_m, full_v;
+  if (sharded) {
+    const int r = comm_.rank();
+    for (auto [plane, full] : {std::pair{Plane::adam_m, &full_m}, std::pair{Plane::adam_v, &full_v}}) {
+      std::span<const float> own = store_->range_view(plane, partition_.begin[r], partition_.size(r));
+      if (comm_.is_root()) {
+        full->assign(static_cast<size_t>(store_->numel()), 0.0f);
+        std::copy(own.begin(), own.end(), full->begin() + partition_.begin[r]);
+      }
+      comm_.gatherv_to_root(own.data(), full->data(), partition_.counts(), partition_.displs());
+    }
+  }
   if (!comm_.is_root()) return;
   TrainState state;
   state.step = steps_done_;
   state.data = train_data_->position();
-  save_checkpoint(dir, *store_, config_, state);
+  PlaneSource source = nullptr;
+  if (sharded) {
+    source = [&](Plane p) -> std::span<const float> {
+      if (p == Plane::adam_m) return full_m;
+      if (p == Plane::adam_v) return full_v;
+      return store_->range_view(p, 0, store_->numel());
+    };
+  }
+  save_checkpoint(dir, *store_, config_, state, source);
 }
 
 void Trainer::print_samples() {
@@ -170,9 +228,17 @@ RunSummary Trainer::run() {
                 config_.data.val.c_str(), static_cast<unsigned long long>(val_data_->num_tokens()), t.run_dir.c_str(),
                 peak_gflops_);
     if (world > 1) {
-      std::printf("keel: data parallel over %d ranks, %d gradient buckets of up to %.1f MiB\n", world,
-                  sync_->num_buckets(), config_.parallel.bucket_bytes / 1048576.0);
+      std::printf("keel: data parallel over %d ranks, %d gradient buckets of up to %.1f MiB, ZeRO-%d\n", world,
+                  sync_->num_buckets(), config_.parallel.bucket_bytes / 1048576.0, config_.parallel.zero);
     }
+  }
+  // Memory per rank, as allocated (the moments shrink with ZeRO-1/2), gathered to rank 0.
+  const double moments_mb = comm_.allreduce_max(
+      (store_->plane_bytes(Plane::adam_m) + store_->plane_bytes(Plane::adam_v)) / 1e6);
+  if (root) {
+    std::printf("keel: memory per rank: params %.1f MB, grads %.1f MB, AdamW moments %.1f MB, activations %.1f MB\n",
+                store_->plane_bytes(Plane::param) / 1e6, store_->plane_bytes(Plane::grad) / 1e6, moments_mb,
+                model_->activation_bytes() / 1e6);
   }
   auto report_eval = [&](double loss) {
     if (root) {
@@ -196,6 +262,8 @@ RunSummary Trainer::run() {
     json line = {{"step", s.step}, {"loss", s.loss},   {"lr", s.lr},
                  {"grad_norm", s.grad_norm}, {"ms", s.ms}, {"tokens_per_s", s.tokens_per_s},
                  {"mfu", s.mfu}};
+    line["peak_rss_mb"] = comm_.allreduce_max(peak_rss_mb());
+    line["moments_mb"] = moments_mb;
     if (world > 1) {
       line["ranks"] = world;
       line["sync_payload_bytes"] = s.sync.payload_bytes;

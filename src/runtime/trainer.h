@@ -67,12 +67,15 @@ class Trainer {
 
  private:
   void log_json(const std::string& line);
+  // ZeRO: after this rank updated its shard, every rank receives every updated parameter.
+  void gather_parameters();
   void print_samples();
 
   Config config_;
   Communicator& comm_;
   std::unique_ptr<ChunkStore> store_;
   std::unique_ptr<GradSync> sync_;
+  ChunkPartition partition_;  // ZeRO owners (every chunk on every rank when zero = 0)
   std::deque<double> sync_latencies_ms_;
   std::unique_ptr<GPT> model_;
   std::unique_ptr<DataLoader> train_data_;

@@ -99,13 +99,53 @@ void ChunkStore::finalize() {
   for (const Chunk& c : chunks_) layer_chunks_[c.layer].push_back(c.id);
 
   const size_t bytes = static_cast<size_t>(std::max<int64_t>(numel_, kAlignFloats)) * sizeof(float);
-  for (auto& plane : planes_) {
+  for (int i = 0; i < kNumPlanes; ++i) {
     void* p = std::aligned_alloc(64, bytes);
     check(p != nullptr, "chunk store: cannot allocate " + std::to_string(bytes) + " bytes");
     std::memset(p, 0, bytes);  // touch every page once, now, rather than during the first step
-    plane.reset(static_cast<float*>(p));
+    planes_[i].reset(static_cast<float*>(p));
+    plane_begin_[i] = 0;
+    plane_end_[i] = numel_;
   }
+  moment_chunk_begin_ = 0;
+  moment_chunk_end_ = static_cast<int>(chunks_.size());
   finalized_ = true;
+}
+
+void ChunkStore::shard_moments(int chunk_begin, int chunk_end) {
+  check(finalized_ && 0 <= chunk_begin && chunk_begin <= chunk_end && chunk_end <= static_cast<int>(chunks_.size()),
+        "chunk store: bad moment shard [" + std::to_string(chunk_begin) + ", " + std::to_string(chunk_end) + ")");
+  // The flat range from the first chunk's start to the next chunk's start (alignment gap included).
+  const int n = static_cast<int>(chunks_.size());
+  const int64_t begin = chunk_begin < n ? chunks_[chunk_begin].offset : numel_;
+  const int64_t end = chunk_end < n ? chunks_[chunk_end].offset : numel_;
+  for (Plane p : {Plane::adam_m, Plane::adam_v}) {
+    const int i = static_cast<int>(p);
+    const size_t bytes = static_cast<size_t>(std::max<int64_t>(end - begin, kAlignFloats)) * sizeof(float);
+    void* mem = std::aligned_alloc(64, bytes);
+    check(mem != nullptr, "chunk store: cannot allocate " + std::to_string(bytes) + " bytes");
+    // Keep what the shard already held (sharding after loading a checkpoint).
+    std::memcpy(mem, planes_[i].get() + (begin - plane_begin_[i]), static_cast<size_t>(end - begin) * sizeof(float));
+    planes_[i].reset(static_cast<float*>(mem));
+    plane_begin_[i] = begin;
+    plane_end_[i] = end;
+  }
+  moment_chunk_begin_ = chunk_begin;
+  moment_chunk_end_ = chunk_end;
+}
+
+int64_t ChunkStore::plane_bytes(Plane plane) const {
+  const int i = static_cast<int>(plane);
+  return (plane_end_[i] - plane_begin_[i]) * static_cast<int64_t>(sizeof(float));
+}
+
+float* ChunkStore::plane_at(Plane plane, int64_t offset, int64_t numel) const {
+  const int i = static_cast<int>(plane);
+  if (offset < plane_begin_[i] || offset + numel > plane_end_[i]) {
+    throw Error(std::string("chunk store: elements [") + std::to_string(offset) + ", " + std::to_string(offset + numel) +
+                ") of plane " + std::to_string(i) + " are not held by this rank (optimizer state is sharded)");
+  }
+  return planes_[i].get() + (offset - plane_begin_[i]);
 }
 
 void ChunkStore::access_layer(int layer) {
@@ -115,22 +155,22 @@ void ChunkStore::access_layer(int layer) {
 
 std::span<float> ChunkStore::view(TensorId id, Plane plane) {
   const TensorInfo& t = tensors_.at(id);
-  return {planes_[static_cast<int>(plane)].get() + t.offset, static_cast<size_t>(t.numel)};
+  return {plane_at(plane, t.offset, t.numel), static_cast<size_t>(t.numel)};
 }
 
 std::span<const float> ChunkStore::view(TensorId id, Plane plane) const {
   const TensorInfo& t = tensors_.at(id);
-  return {planes_[static_cast<int>(plane)].get() + t.offset, static_cast<size_t>(t.numel)};
+  return {plane_at(plane, t.offset, t.numel), static_cast<size_t>(t.numel)};
 }
 
 std::span<float> ChunkStore::chunk_view(int chunk, Plane plane) {
   const Chunk& c = chunks_.at(chunk);
-  return {planes_[static_cast<int>(plane)].get() + c.offset, static_cast<size_t>(c.numel)};
+  return {plane_at(plane, c.offset, c.numel), static_cast<size_t>(c.numel)};
 }
 
 std::span<const float> ChunkStore::chunk_view(int chunk, Plane plane) const {
   const Chunk& c = chunks_.at(chunk);
-  return {planes_[static_cast<int>(plane)].get() + c.offset, static_cast<size_t>(c.numel)};
+  return {plane_at(plane, c.offset, c.numel), static_cast<size_t>(c.numel)};
 }
 
 void ChunkStore::zero_grads() {

@@ -71,6 +71,13 @@ class ChunkStore {
   // Lays tensors out in chunks and allocates all planes, zero-filled. Chunks never span two
   // layers or two kinds; a tensor larger than a chunk spans several consecutive chunks.
   void finalize();
+  // Keeps the AdamW moment planes only for chunks [begin, end) (ZeRO: this rank's optimizer
+  // shard), releasing the rest. Requires finalize(). Views of moments outside it throw.
+  void shard_moments(int chunk_begin, int chunk_end);
+  // Chunks [begin, end) whose moments this store holds (all chunks unless sharded).
+  std::pair<int, int> moment_chunks() const { return {moment_chunk_begin_, moment_chunk_end_}; }
+  // Bytes allocated per plane, for memory reports.
+  int64_t plane_bytes(Plane plane) const;
 
   // Announces that `layer` is about to be used (forward, backward or update). Counts the access;
   // guarantees the layer's chunks are resident and current until the next announce of the same
@@ -84,6 +91,14 @@ class ChunkStore {
   // A view of a whole chunk in one plane.
   std::span<float> chunk_view(int chunk, Plane plane);
   std::span<const float> chunk_view(int chunk, Plane plane) const;
+
+  // A view of elements [offset, offset + numel) of the flat space in one plane (may span chunks).
+  std::span<float> range_view(Plane plane, int64_t offset, int64_t numel) {
+    return {plane_at(plane, offset, numel), static_cast<size_t>(numel)};
+  }
+  std::span<const float> range_view(Plane plane, int64_t offset, int64_t numel) const {
+    return {plane_at(plane, offset, numel), static_cast<size_t>(numel)};
+  }
 
   void bump_version(int chunk) { chunks_[chunk].version++; }
   void set_version(int chunk, uint64_t version) { chunks_[chunk].version = version; }
@@ -105,8 +120,12 @@ class ChunkStore {
   std::vector<TensorInfo> tensors_;
   std::vector<Chunk> chunks_;
   std::vector<std::vector<int>> layer_chunks_;
+  float* plane_at(Plane plane, int64_t offset, int64_t numel) const;
   struct Free { void operator()(float* p) const; };
   std::unique_ptr<float, Free> planes_[kNumPlanes];
+  int64_t plane_begin_[kNumPlanes] = {};  // flat offset of each allocation's first element
+  int64_t plane_end_[kNumPlanes] = {};
+  int moment_chunk_begin_ = 0, moment_chunk_end_ = 0;
 };
 
 }  // namespace keel
