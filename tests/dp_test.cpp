@@ -28,20 +28,8 @@ class DataParallel : public ::testing::Test {
  protected:
   void SetUp() override {
     // A learnable stream with a little noise, vocabulary 64.
-    Rng rng(5);
-    auto make = [&](size_t n) {
-      std::vector<uint16_t> t(n);
-      for (size_t i = 0; i < n; ++i) t[i] = static_cast<uint16_t>(rng.uniform() < 0.1 ? rng.below(64) : (i * 7 + i / 13) % 64);
-      return t;
-    };
-    write_token_shard(dir / "train.bin", make(40000));
-    write_token_shard(dir / "val.bin", make(5000));
-    testing::write_text(dir / "toy.toml",
-                        "[model]\npreset = \"tiny\"\nvocab_size = 64\nn_embd = 64\nn_head = 4\nmax_seq_len = 32\n"
-                        "[train]\nbatch_size = 4\nseq_len = 32\nsteps = 20\neval_batches = 2\nsample_tokens = 0\n"
-                        "log_every = 100\n[optim]\nlr = 3e-3\nwarmup_steps = 5\n"
-                        "[data]\ntrain = \"" + dir / "train.bin" + "\"\nval = \"" + dir / "val.bin" +
-                        "\"\ntokenizer = \"\"\n[runtime]\npeak_gflops = 100\n[parallel]\nbucket_bytes = 65536\n");
+    testing::write_toy_corpus(dir.path());
+    testing::write_toy_config(dir.path(), 20);
   }
   // Trains with `ranks` ranks (0 = plain `keel train`, no MPI) and per-rank batch b into run_dir.
   testing::CommandResult train(int ranks, int b, const std::string& run, const std::string& extra = "") {

@@ -10,6 +10,10 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
+
+#include "core/rng.h"
+#include "data/shard.h"
 
 namespace keel::testing {
 
@@ -61,6 +65,31 @@ inline int count_lines(const std::string& s) {
   int lines = 0;
   for (char c : s) lines += c == '\n';
   return lines + (!s.empty() && s.back() != '\n');
+}
+
+// A learnable toy language for end-to-end tests: repeating patterns with 10 % noise, vocabulary
+// 64. Writes dir/train.bin (40,000 tokens) and dir/val.bin (5,000 tokens) in llm.c's format.
+inline void write_toy_corpus(const std::string& dir) {
+  Rng rng(5);
+  auto make = [&](size_t n) {
+    std::vector<uint16_t> t(n);
+    for (size_t i = 0; i < n; ++i) {
+      t[i] = static_cast<uint16_t>(rng.uniform() < 0.1 ? rng.below(64) : (i * 7 + i / 13) % 64);
+    }
+    return t;
+  };
+  write_token_shard(dir + "/train.bin", make(40000));
+  write_token_shard(dir + "/val.bin", make(5000));
+}
+
+// dir/toy.toml: a 2-layer, 64-wide model on the toy corpus, `steps` steps of 4 x 32 tokens.
+inline void write_toy_config(const std::string& dir, int steps) {
+  write_text(dir + "/toy.toml",
+             "[model]\npreset = \"tiny\"\nvocab_size = 64\nn_embd = 64\nn_head = 4\nmax_seq_len = 32\n"
+             "[train]\nbatch_size = 4\nseq_len = 32\nsteps = " + std::to_string(steps) +
+             "\neval_batches = 2\nsample_tokens = 0\nlog_every = 100\n[optim]\nlr = 3e-3\nwarmup_steps = 5\n"
+             "[data]\ntrain = \"" + dir + "/train.bin\"\nval = \"" + dir + "/val.bin\"\ntokenizer = \"\"\n"
+             "[runtime]\npeak_gflops = 100\n[parallel]\nbucket_bytes = 65536\n");
 }
 
 }  // namespace keel::testing
