@@ -8,7 +8,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <regex>
 #include <thread>
 
 #include "core/error.h"
@@ -29,6 +28,30 @@ int parse_count(const std::string& text) {
   check(!text.empty() && *end == '\0', "launch -n: expected a number of ranks, found '" + text + "'");
   check(n >= 1 && n <= 4096, "launch -n: expected 1..4096 ranks, found " + text);
   return static_cast<int>(n);
+}
+
+// Turns mpirun's account of a failed rank into our words, or "" if the line is not one. OpenMPI 4:
+//   "... process rank 1 with PID 123 on node h exited on signal 9 (Killed)."
+//   "... process rank 1 with PID 123 on node h exited on status 3."
+std::string describe_rank_failure(const std::string& line) {
+  const size_t at = line.find("process rank ");
+  if (at == std::string::npos) return "";
+  char node[256] = {}, what[64] = {};
+  int rank = -1, number = -1;
+  long pid = -1;
+  if (std::sscanf(line.c_str() + at, "process rank %d with PID %ld on node %255s exited on %63s %d", &rank, &pid, node,
+                  what, &number) != 5) {
+    return "";
+  }
+  const std::string where = "rank " + std::to_string(rank) + " (pid " + std::to_string(pid) + " on " + node + ")";
+  if (std::string(what) == "signal") {
+    const size_t open = line.find('(', at), close = line.find(')', open == std::string::npos ? at : open);
+    const std::string name = open != std::string::npos && close != std::string::npos
+                                 ? " (" + line.substr(open + 1, close - open - 1) + ")"
+                                 : "";
+    return where + " was killed by signal " + std::to_string(number) + name;
+  }
+  return where + " exited with status " + std::to_string(number);
 }
 
 }  // namespace
@@ -123,21 +146,15 @@ int launch(const LaunchOptions& o) {
 
   // Pass stderr through, and remember what mpirun says about a failed rank.
   // OpenMPI 4: "mpirun noticed that process rank 1 with PID 123 on node h exited on signal 9 (Killed)."
-  static const std::regex signal_line(R"(process rank (\d+) with PID (\d+) on node (\S+) exited on signal (\d+) \(([^)]*)\))");
-  static const std::regex exit_line(R"(process rank (\d+) with PID (\d+) on node (\S+) exited on status (\d+))");
   std::string failure;
   FILE* err = ::fdopen(err_pipe[0], "r");
   char* line = nullptr;
   size_t cap = 0;
   while (::getline(&line, &cap, err) > 0) {
     std::fputs(line, stderr);
-    std::cmatch m;
-    if (std::regex_search(line, m, signal_line)) {
-      failure = "rank " + m[1].str() + " (pid " + m[2].str() + " on " + m[3].str() + ") was killed by signal " +
-                m[4].str() + " (" + m[5].str() + ")";
-    } else if (failure.empty() && std::regex_search(line, m, exit_line)) {
-      failure = "rank " + m[1].str() + " (pid " + m[2].str() + " on " + m[3].str() + ") exited with status " + m[4].str();
-    }
+    const std::string described = describe_rank_failure(line);
+    // A signal is the cause; a non-zero status may be a consequence of another rank's death.
+    if (!described.empty() && (failure.empty() || described.find("signal") != std::string::npos)) failure = described;
   }
   std::free(line);
   std::fclose(err);
