@@ -137,7 +137,8 @@ TEST_F(DataParallel, ReportsSyncMetrics) {
   const std::string text = read_text_file(dir / "m/metrics.jsonl");
   const size_t start = text.rfind('\n', text.find("sync_payload_bytes")) + 1;
   const auto first_step = nlohmann::json::parse(text.substr(start, text.find('\n', start) - start));
-  for (const char* key : {"sync_payload_bytes", "sync_sent_bytes", "sync_exposed_ms", "sync_latency_ms", "sync_jitter"}) {
+  for (const char* key : {"sync_payload_bytes", "sync_sent_bytes", "sync_exposed_ms", "sync_imbalance_ms",
+                          "sync_latency_ms", "sync_jitter"}) {
     EXPECT_TRUE(first_step.contains(key)) << key << " in " << first_step.dump();
   }
   EXPECT_GT(first_step["sync_payload_bytes"].get<double>(), 0);

@@ -30,6 +30,7 @@ class Communicator {
   void allreduce_sum(double* data, size_t count);
   double allreduce_sum(double value);
   double allreduce_max(double value);
+  double allreduce_min(double value) { return -allreduce_max(-value); }
   // Gathers one value from every rank (rank order).
   std::vector<double> allgather(double value);
 

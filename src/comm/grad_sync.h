@@ -23,7 +23,12 @@ namespace keel {
 struct SyncStats {
   double payload_bytes = 0;     // gradient bytes all-reduced by this rank this step
   double sent_bytes = 0;        // bytes this rank puts on the wire (ring all-reduce: 2 (N-1)/N payload)
-  double exposed_ms = 0;        // time finish() waited: communication not hidden by backward
+  double exposed_ms = 0;        // time finish() waited on this rank
+  // Over all ranks (set by the trainer): the least wait is communication that backward did not
+  // hide (the last rank to finish backward waits only for the transfer); the spread between the
+  // most and least wait is time ranks spent waiting for a slower peer.
+  double exposed_min_ms = 0;
+  double imbalance_ms = 0;
   double latency_ms = 0;        // first bucket started -> last bucket completed
   int buckets = 0;
 };

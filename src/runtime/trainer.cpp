@@ -122,6 +122,10 @@ StepStats Trainer::step() {
   }
   sync_->finish();
   s.sync = sync_->stats();
+  if (world > 1) {
+    s.sync.exposed_min_ms = comm_.allreduce_min(s.sync.exposed_ms);
+    s.sync.imbalance_ms = comm_.allreduce_max(s.sync.exposed_ms) - s.sync.exposed_min_ms;
+  }
   loss_sum = comm_.allreduce_sum(loss_sum) / world;
   const int zero = world > 1 ? config_.parallel.zero : 0;
   const auto [own_first, own_last] = store_->moment_chunks();
@@ -268,7 +272,8 @@ RunSummary Trainer::run() {
       line["ranks"] = world;
       line["sync_payload_bytes"] = s.sync.payload_bytes;
       line["sync_sent_bytes"] = s.sync.sent_bytes;
-      line["sync_exposed_ms"] = s.sync.exposed_ms;
+      line["sync_exposed_ms"] = s.sync.exposed_min_ms;
+      line["sync_imbalance_ms"] = s.sync.imbalance_ms;
       line["sync_latency_ms"] = s.sync.latency_ms;
       line["sync_jitter"] = s.sync_jitter;
     }
@@ -278,8 +283,9 @@ RunSummary Trainer::run() {
                   static_cast<long long>(s.step), t.steps, s.loss, s.lr, s.grad_norm, s.ms, s.tokens_per_s,
                   100 * s.mfu);
       if (world > 1) {
-        std::printf(" | sync %.1f MB sent, %.1f ms exposed, latency %.1f ms +-%.0f%%", s.sync.sent_bytes / 1e6,
-                    s.sync.exposed_ms, s.sync.latency_ms, 100 * s.sync_jitter);
+        std::printf(" | sync %.1f MB sent, %.1f ms exposed, %.1f ms imbalance, latency %.1f ms +-%.0f%%",
+                    s.sync.sent_bytes / 1e6, s.sync.exposed_min_ms, s.sync.imbalance_ms, s.sync.latency_ms,
+                    100 * s.sync_jitter);
       }
       std::printf("\n");
       std::fflush(stdout);
