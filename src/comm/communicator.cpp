@@ -37,9 +37,6 @@ Communicator& Communicator::world() {
 }
 
 Communicator::Communicator() {
-  char name[256] = {};
-  ::gethostname(name, sizeof name - 1);
-  host_ = name;
   if (!launched_by_mpi()) return;
   int provided = 0;
   mpi_check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided), "init");
@@ -83,13 +80,6 @@ double Communicator::allreduce_max(double value) {
   if (!uses_mpi_) return value;
   mpi_check(MPI_Allreduce(MPI_IN_PLACE, &value, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD), "allreduce");
   return value;
-}
-
-std::vector<double> Communicator::allgather(double value) {
-  std::vector<double> out(size_, value);
-  if (!uses_mpi_) return out;
-  mpi_check(MPI_Allgather(&value, 1, MPI_DOUBLE, out.data(), 1, MPI_DOUBLE, MPI_COMM_WORLD), "allgather");
-  return out;
 }
 
 Communicator::Request Communicator::iallreduce_sum(float* data, size_t count) {

@@ -22,8 +22,6 @@ class Communicator {
   int size() const { return size_; }
   bool is_root() const { return rank_ == 0; }
   bool uses_mpi() const { return uses_mpi_; }
-  // Host name and whether this rank is the first on its host, for reports.
-  const std::string& host() const { return host_; }
 
   // In-place sum over all ranks. Deterministic for a given world size and layout.
   void allreduce_sum(float* data, size_t count);
@@ -31,8 +29,6 @@ class Communicator {
   double allreduce_sum(double value);
   double allreduce_max(double value);
   double allreduce_min(double value) { return -allreduce_max(-value); }
-  // Gathers one value from every rank (rank order).
-  std::vector<double> allgather(double value);
 
   // A non-blocking in-place sum. Progress happens only inside test()/wait() calls (and other MPI
   // calls), so the caller tests regularly while computing.
@@ -63,7 +59,6 @@ class Communicator {
   bool uses_mpi_ = false;
   int rank_ = 0;
   int size_ = 1;
-  std::string host_;
 };
 
 // True when this process was started by an MPI launcher (mpirun/mpiexec, srun with PMI/PMIx).

@@ -41,7 +41,6 @@ void GradSync::begin(bool sync) {
   next_ = 0;
   stats_ = SyncStats{};
   for (Bucket& b : buckets_) {
-    b.started = false;
     b.request = Communicator::Request{};
   }
 }
@@ -69,7 +68,6 @@ void GradSync::after_backward_weight(int layer) {
       b.own_count = counts[comm_.rank()];
       b.request = comm_.ireduce_scatter_sum(data, counts);
     }
-    b.started = true;
     stats_.payload_bytes += static_cast<double>(b.numel) * sizeof(float);
     stats_.buckets++;
     next_++;

@@ -53,7 +53,6 @@ class GradSync final : public BackwardObserver {
     int64_t offset = 0, numel = 0;
     int ready_layer = 0;  // the bucket is complete once W of this layer is done
     Communicator::Request request;
-    bool started = false;
     int64_t own_offset = 0, own_count = 0;  // reduce-scatter: where this rank's sum belongs
   };
   void progress();
