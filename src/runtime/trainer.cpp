@@ -56,6 +56,10 @@ Trainer::Trainer(Config config, Communicator& comm)
   const int zero = world > 1 ? config_.parallel.zero : 0;
   partition_ = ChunkPartition::balanced(*store_, zero > 0 ? world : 1);
   sync_ = std::make_unique<GradSync>(comm_, *store_, config_.parallel.bucket_bytes, zero == 2 ? &partition_ : nullptr);
+  if (zero > 0) {  // before loading: the moments are never resident at full size
+    const int r = comm_.rank();
+    store_->shard_moments(partition_.first_chunk[r], partition_.first_chunk[r + 1]);
+  }
   model_->allocate(t.batch_size, t.seq_len);
   if (t.resume.empty()) {
     model_->init_weights(t.seed);
@@ -64,10 +68,7 @@ Trainer::Trainer(Config config, Communicator& comm)
     steps_done_ = state.step;
     train_data_->set_position(state.data);
   }
-  if (zero > 0) {
-    const int r = comm_.rank();
-    store_->shard_moments(partition_.first_chunk[r], partition_.first_chunk[r + 1]);
-  }
+
   // Every rank uses rank 0's measurement so MFU figures agree.
   peak_gflops_ = config_.runtime.peak_gflops > 0 ? config_.runtime.peak_gflops
                                                  : comm_.allreduce_max(comm_.is_root() ? measure_sgemm_gflops() : 0.0);

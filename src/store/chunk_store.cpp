@@ -1,5 +1,8 @@
 #include "store/chunk_store.h"
 
+#include <sys/mman.h>
+
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -24,7 +27,31 @@ const char* kind_name(ChunkKind kind) {
   return "?";
 }
 
-void ChunkStore::Free::operator()(float* p) const { std::free(p); }
+ChunkStore::Mapping::Mapping(size_t n) : bytes(std::max<size_t>(n, 4096)) {
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  check(p != MAP_FAILED, "chunk store: cannot map " + std::to_string(bytes) + " bytes of memory");
+  data = static_cast<float*>(p);
+}
+
+ChunkStore::Mapping::Mapping(Mapping&& other) noexcept : data(other.data), bytes(other.bytes) {
+  other.data = nullptr;
+  other.bytes = 0;
+}
+
+ChunkStore::Mapping& ChunkStore::Mapping::operator=(Mapping&& other) noexcept {
+  if (this != &other) {
+    if (data != nullptr) ::munmap(data, bytes);
+    data = other.data;
+    bytes = other.bytes;
+    other.data = nullptr;
+    other.bytes = 0;
+  }
+  return *this;
+}
+
+ChunkStore::Mapping::~Mapping() {
+  if (data != nullptr) ::munmap(data, bytes);
+}
 
 ChunkStore::ChunkStore(int64_t chunk_bytes) : chunk_bytes_(chunk_bytes) {
   check(chunk_bytes >= 4096 && chunk_bytes % 64 == 0,
@@ -100,10 +127,10 @@ void ChunkStore::finalize() {
 
   const size_t bytes = static_cast<size_t>(std::max<int64_t>(numel_, kAlignFloats)) * sizeof(float);
   for (int i = 0; i < kNumPlanes; ++i) {
-    void* p = std::aligned_alloc(64, bytes);
-    check(p != nullptr, "chunk store: cannot allocate " + std::to_string(bytes) + " bytes");
-    std::memset(p, 0, bytes);  // touch every page once, now, rather than during the first step
-    planes_[i].reset(static_cast<float*>(p));
+    planes_[i] = Mapping(bytes);
+    // Parameters and gradients are touched now rather than page by page in the first step;
+    // moments are left untouched until used (they may be sharded first).
+    if (i == static_cast<int>(Plane::param) || i == static_cast<int>(Plane::grad)) std::memset(planes_[i].data, 0, bytes);
     plane_begin_[i] = 0;
     plane_end_[i] = numel_;
   }
@@ -121,12 +148,7 @@ void ChunkStore::shard_moments(int chunk_begin, int chunk_end) {
   const int64_t end = chunk_end < n ? chunks_[chunk_end].offset : numel_;
   for (Plane p : {Plane::adam_m, Plane::adam_v}) {
     const int i = static_cast<int>(p);
-    const size_t bytes = static_cast<size_t>(std::max<int64_t>(end - begin, kAlignFloats)) * sizeof(float);
-    void* mem = std::aligned_alloc(64, bytes);
-    check(mem != nullptr, "chunk store: cannot allocate " + std::to_string(bytes) + " bytes");
-    // Keep what the shard already held (sharding after loading a checkpoint).
-    std::memcpy(mem, planes_[i].get() + (begin - plane_begin_[i]), static_cast<size_t>(end - begin) * sizeof(float));
-    planes_[i].reset(static_cast<float*>(mem));
+    planes_[i] = Mapping(static_cast<size_t>(end - begin) * sizeof(float));
     plane_begin_[i] = begin;
     plane_end_[i] = end;
   }

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstddef>
 #include <memory>
 #include <span>
 #include <string>
@@ -72,7 +73,8 @@ class ChunkStore {
   // layers or two kinds; a tensor larger than a chunk spans several consecutive chunks.
   void finalize();
   // Keeps the AdamW moment planes only for chunks [begin, end) (ZeRO: this rank's optimizer
-  // shard), releasing the rest. Requires finalize(). Views of moments outside it throw.
+  // shard), releasing the rest; the shard starts zero (call it before initialising or loading:
+  // the moments are never resident at full size). Requires finalize(). Views outside it throw.
   void shard_moments(int chunk_begin, int chunk_end);
   // Chunks [begin, end) whose moments this store holds (all chunks unless sharded).
   std::pair<int, int> moment_chunks() const { return {moment_chunk_begin_, moment_chunk_end_}; }
@@ -121,8 +123,19 @@ class ChunkStore {
   std::vector<Chunk> chunks_;
   std::vector<std::vector<int>> layer_chunks_;
   float* plane_at(Plane plane, int64_t offset, int64_t numel) const;
-  struct Free { void operator()(float* p) const; };
-  std::unique_ptr<float, Free> planes_[kNumPlanes];
+  // One anonymous mapping per plane: page-aligned, zero, and resident only once written, so a
+  // moment plane that is sharded before use never costs its full size.
+  struct Mapping {
+    float* data = nullptr;
+    size_t bytes = 0;
+    Mapping() = default;
+    explicit Mapping(size_t bytes);
+    Mapping(Mapping&& other) noexcept;
+    Mapping& operator=(Mapping&& other) noexcept;
+    ~Mapping();
+    float* get() const { return data; }
+  };
+  Mapping planes_[kNumPlanes];
   int64_t plane_begin_[kNumPlanes] = {};  // flat offset of each allocation's first element
   int64_t plane_end_[kNumPlanes] = {};
   int moment_chunk_begin_ = 0, moment_chunk_end_ = 0;
