@@ -41,18 +41,9 @@ Expected read_expected(const std::string& path) {
 class TinyModel : public ::testing::Test {
  protected:
   void SetUp() override {
-    model_config = read_llmc_model_config(testing::source_path("tests/fixtures/tiny_gpt2.bin"));
-    store = std::make_unique<ChunkStore>(4096);  // small chunks: tensors span several chunks
-    model = std::make_unique<GPT>(model_config, *store);
-    store->finalize();
-    import_llmc(testing::source_path("tests/fixtures/tiny_gpt2.bin"), *store, model_config);
     expected = read_expected(testing::source_path("tests/fixtures/tiny_expected.bin"));
-    std::vector<uint16_t> tokens = read_token_shard(testing::source_path("tests/fixtures/tiny_tokens.bin"));
-    const int N = expected.B * expected.T;
-    ASSERT_GE(static_cast<int>(tokens.size()), N + 1);
-    inputs.assign(tokens.begin(), tokens.begin() + N);
-    targets.assign(tokens.begin() + 1, tokens.begin() + N + 1);
-    model->allocate(expected.B, expected.T);
+    ASSERT_EQ(expected.B, tiny.B);
+    ASSERT_EQ(expected.T, tiny.T);
   }
   Batch batch(float grad_scale) {
     return Batch{inputs.data(), targets.data(), expected.B, expected.T, grad_scale};
@@ -75,11 +66,13 @@ class TinyModel : public ::testing::Test {
     return errors;
   }
 
-  ModelConfig model_config;
-  std::unique_ptr<ChunkStore> store;
-  std::unique_ptr<GPT> model;
+  testing::TinyFixture tiny{2, 8};
+  ModelConfig& model_config = tiny.config;
+  std::unique_ptr<ChunkStore>& store = tiny.store;
+  std::unique_ptr<GPT>& model = tiny.model;
+  std::vector<int>& inputs = tiny.inputs;
+  std::vector<int>& targets = tiny.targets;
   Expected expected;
-  std::vector<int> inputs, targets;
 };
 
 TEST_F(TinyModel, LossMatchesPyTorchFloat64) {

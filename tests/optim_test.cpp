@@ -63,18 +63,6 @@ class TinyTraining : public ::testing::Test {
  protected:
   static constexpr int B = 2, T = 8;  // the batch tiny_train_expected.bin was made with
 
-  void SetUp() override {
-    model_config = read_llmc_model_config(testing::source_path("tests/fixtures/tiny_gpt2.bin"));
-    store = std::make_unique<ChunkStore>(4096);  // small chunks: tensors span several chunks
-    model = std::make_unique<GPT>(model_config, *store);
-    store->finalize();
-    import_llmc(testing::source_path("tests/fixtures/tiny_gpt2.bin"), *store, model_config);
-    std::vector<uint16_t> tokens = read_token_shard(testing::source_path("tests/fixtures/tiny_tokens.bin"));
-    ASSERT_GE(static_cast<int>(tokens.size()), B * T + 1);
-    inputs.assign(tokens.begin(), tokens.begin() + B * T);
-    targets.assign(tokens.begin() + 1, tokens.begin() + B * T + 1);
-    model->allocate(B, T);
-  }
   Batch batch() { return Batch{inputs.data(), targets.data(), B, T, 1.0f / (B * T)}; }
   // Zeroed gradients, then one forward and backward of the batch; returns the loss.
   float gradients() {
@@ -89,10 +77,12 @@ class TinyTraining : public ::testing::Test {
     return std::vector<float>(data, data + store->numel());
   }
 
-  ModelConfig model_config;
-  std::unique_ptr<ChunkStore> store;
-  std::unique_ptr<GPT> model;
-  std::vector<int> inputs, targets;
+  testing::TinyFixture tiny{B, T};
+  ModelConfig& model_config = tiny.config;
+  std::unique_ptr<ChunkStore>& store = tiny.store;
+  std::unique_ptr<GPT>& model = tiny.model;
+  std::vector<int>& inputs = tiny.inputs;
+  std::vector<int>& targets = tiny.targets;
 };
 
 class OptimAgainstPyTorch : public TinyTraining {};

@@ -8,12 +8,17 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "ckpt/llmc.h"
+#include "core/error.h"
 #include "core/rng.h"
 #include "data/shard.h"
+#include "model/gpt.h"
+#include "store/chunk_store.h"
 
 namespace keel::testing {
 
@@ -66,6 +71,33 @@ inline int count_lines(const std::string& s) {
   for (char c : s) lines += c == '\n';
   return lines + (!s.empty() && s.back() != '\n');
 }
+
+// The tiny random GPT-2 of tests/fixtures (made by tests/reference/gpt2_reference.py), loaded
+// through the llm.c importer into a store of small chunks (tensors span several), with the
+// fixture's first B x T tokens as a batch.
+struct TinyFixture {
+  ModelConfig config;
+  std::unique_ptr<ChunkStore> store;
+  std::unique_ptr<GPT> model;
+  std::vector<int> inputs, targets;
+  int B = 0, T = 0;
+
+  TinyFixture(int batch, int seq) : B(batch), T(seq) {
+    const std::string model_path = source_path("tests/fixtures/tiny_gpt2.bin");
+    config = read_llmc_model_config(model_path);
+    store = std::make_unique<ChunkStore>(4096);
+    model = std::make_unique<GPT>(config, *store);
+    store->finalize();
+    import_llmc(model_path, *store, config);
+    const std::vector<uint16_t> tokens = read_token_shard(source_path("tests/fixtures/tiny_tokens.bin"));
+    const size_t N = static_cast<size_t>(B) * T;
+    if (tokens.size() < N + 1) throw Error("tiny_tokens.bin holds fewer than B*T+1 tokens");
+    inputs.assign(tokens.begin(), tokens.begin() + N);
+    targets.assign(tokens.begin() + 1, tokens.begin() + N + 1);
+    model->allocate(B, T);
+  }
+  Batch batch(float grad_scale) { return Batch{inputs.data(), targets.data(), B, T, grad_scale}; }
+};
 
 // A learnable toy language for end-to-end tests: repeating patterns with 10 % noise, vocabulary
 // 64. Writes dir/train.bin (40,000 tokens) and dir/val.bin (5,000 tokens) in llm.c's format.

@@ -42,7 +42,7 @@ class Embedding final : public Layer {
   const char* name() const override { return "embedding"; }
   int64_t activation_floats(int, int) const override { return 0; }
   int64_t scratch_floats(int, int) const override { return 0; }
-  void bind(float*, float*) override {}
+  void bind(float*, float*, int, int) override {}
 
   // x_out[B,T,C] = wte[inputs] + wpe[t]
   void forward(const Batch& b, const float*, float* x_out) override {
@@ -96,8 +96,10 @@ class Block final : public Layer {
   int64_t scratch_floats(int B, int T) const override {
     return padded(static_cast<int64_t>(B) * T * 4 * m_.n_embd);  // dfch_gelu (also datty)
   }
-  void bind(float* activations, float* scratch) override {
+  void bind(float* activations, float* scratch, int B, int T) override {
     // Sized for the allocation's B x T; kernels index with the micro-batch's actual B and T.
+    max_N_ = static_cast<int64_t>(B) * T;
+    max_att_ = static_cast<int64_t>(B) * m_.n_head * T * T;
     Carver a(activations);
     const int64_t N = max_N_, C = m_.n_embd;
     ln1_ = a.take(N * C);
@@ -118,10 +120,6 @@ class Block final : public Layer {
     dln2_ = a.take(N * C);
     dfch_ = a.take(N * 4 * C);
     scratch_ = scratch;
-  }
-  void set_capacity(int B, int T) {
-    max_N_ = static_cast<int64_t>(B) * T;
-    max_att_ = static_cast<int64_t>(B) * m_.n_head * T * T;
   }
 
   void forward(const Batch& b, const float* x, float* x_out) override {
@@ -202,8 +200,8 @@ class Head final : public Layer {
     return padded(N * m_.n_embd) * 2 + padded(N) * 3 + padded(N * m_.padded_vocab_size);
   }
   int64_t scratch_floats(int, int) const override { return 0; }
-  void set_capacity(int B, int T) { max_N_ = static_cast<int64_t>(B) * T; }
-  void bind(float* activations, float*) override {
+  void bind(float* activations, float*, int B, int T) override {
+    max_N_ = static_cast<int64_t>(B) * T;
     Carver a(activations);
     lnf_ = a.take(max_N_ * m_.n_embd);
     dlnf_ = a.take(max_N_ * m_.n_embd);
@@ -311,8 +309,6 @@ void GPT::allocate(int B, int T) {
   const int L = num_layers();
   int64_t layer_floats = 0, scratch = 0;
   for (auto& layer : layers_) {
-    if (auto* block = dynamic_cast<Block*>(layer.get())) block->set_capacity(B, T);
-    if (auto* head = dynamic_cast<Head*>(layer.get())) head->set_capacity(B, T);
     layer_floats += padded(layer->activation_floats(B, T));
     scratch = std::max(scratch, layer->scratch_floats(B, T));
   }
@@ -321,7 +317,7 @@ void GPT::allocate(int B, int T) {
   std::memset(memory_.get(), 0, sizeof(float) * activation_floats_);
   Carver carve(memory_.get());
   float* scratch_memory = carve.take(scratch);
-  for (auto& layer : layers_) layer->bind(carve.take(layer->activation_floats(B, T)), scratch_memory);
+  for (auto& layer : layers_) layer->bind(carve.take(layer->activation_floats(B, T)), scratch_memory, B, T);
   x_.assign(L, nullptr);
   dx_.assign(L, nullptr);
   for (int i = 0; i < L; ++i) {

@@ -30,8 +30,9 @@ class Layer {
   // floats it needs only during one call (scratch is shared by all layers).
   virtual int64_t activation_floats(int B, int T) const = 0;
   virtual int64_t scratch_floats(int B, int T) const = 0;
-  // Gives the layer its activation memory and the shared scratch. Called once per allocation.
-  virtual void bind(float* activations, float* scratch) = 0;
+  // Gives the layer its activation memory (activation_floats(B, T) of it) and the shared scratch,
+  // for micro-batches of up to B x T tokens. Called once per allocation.
+  virtual void bind(float* activations, float* scratch, int B, int T) = 0;
 
   // x_out[B, T, C] from x_in[B, T, C]. The embedding reads batch.inputs instead of x_in; the
   // head reads batch.targets and writes losses instead of x_out.
