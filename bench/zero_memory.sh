@@ -5,7 +5,7 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 KEEL=${KEEL:-$ROOT/build/keel}
-ranks=2 preset=gpt2-124m steps=3
+ranks=2 preset=gpt2-124m steps=6
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --ranks) ranks=${2:?}; shift 2 ;;
@@ -16,7 +16,7 @@ while [[ $# -gt 0 ]]; do
 done
 [[ -x "$KEEL" ]] || { echo "zero_memory.sh: $KEEL not found; run scripts/build.sh" >&2; exit 1; }
 work=$(mktemp -d "${TMPDIR:-/tmp}/keel-zero.XXXXXX")
-trap 'rm -rf "$work"' EXIT
+trap '[[ -n "${KEEP_WORK:-}" ]] || rm -rf "$work"' EXIT
 # Random tokens in llm.c's shard format: speed and memory do not depend on the text.
 /usr/bin/python3 - "$work" <<'PY'
 import random, struct, sys

@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <map>
 
 #include "core/error.h"
@@ -112,6 +115,42 @@ TEST(ChunkStore, RejectsBadChunkSizeAndLateTensors) {
   store.add(TensorSpec{"a", {4}, 0, ChunkKind::norm, false});
   store.finalize();
   EXPECT_THROW(store.add(TensorSpec{"b", {4}, 0, ChunkKind::norm, false}), Error);
+}
+
+// Pages of [begin, end) that are resident, by mincore().
+int64_t resident_pages(const float* begin, const float* end) {
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t first = reinterpret_cast<uintptr_t>(begin) / page * page;
+  const size_t length = reinterpret_cast<uintptr_t>(end) - first;
+  std::vector<unsigned char> vec((length + page - 1) / page);
+  EXPECT_EQ(::mincore(reinterpret_cast<void*>(first), length, vec.data()), 0);
+  int64_t n = 0;
+  for (unsigned char v : vec) n += v & 1;
+  return n;
+}
+
+TEST(ChunkStore, DiscardZeroesTheRangeAndReturnsItsPages) {
+  ChunkStore store(1 << 22);
+  const TensorId t = store.add(TensorSpec{"w", {1 << 21}, 0, ChunkKind::ffn, true});  // 8 MiB
+  store.finalize();
+  std::span<float> g = store.view(t, Plane::grad);
+  EXPECT_EQ(resident_pages(g.data(), g.data() + g.size()), 0) << "gradients are mapped lazily";
+  std::fill(g.begin(), g.end(), 1.0f);
+  const int64_t page_floats = ::sysconf(_SC_PAGESIZE) / 4;
+  const int64_t lo = 100, hi = static_cast<int64_t>(g.size()) - 300;  // not page aligned
+  store.discard(Plane::grad, store.tensors()[t].offset + lo, hi - lo);
+  // Whole pages inside the range are gone before anything reads them...
+  const int64_t inner = (hi / page_floats) - (lo / page_floats + 1);
+  EXPECT_EQ(resident_pages(g.data() + (lo / page_floats + 1) * page_floats, g.data() + (hi / page_floats) * page_floats), 0);
+  EXPECT_GT(inner, 1000);
+  // ...and every element reads as it should: zero inside, untouched outside.
+  for (int64_t i = 0; i < static_cast<int64_t>(g.size()); ++i) {
+    ASSERT_EQ(g[i], (i >= lo && i < hi) ? 0.0f : 1.0f) << i;
+  }
+  // A discarded range is written again like any other memory.
+  g[lo + 5000] = 2.0f;
+  EXPECT_EQ(g[lo + 5000], 2.0f);
+  EXPECT_THROW(store.discard(Plane::grad, -1, 10), Error);
 }
 
 }  // namespace

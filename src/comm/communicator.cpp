@@ -77,9 +77,15 @@ double Communicator::allreduce_sum(double value) {
 }
 
 double Communicator::allreduce_max(double value) {
-  if (!uses_mpi_) return value;
-  mpi_check(MPI_Allreduce(MPI_IN_PLACE, &value, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD), "allreduce");
+  allreduce_max(&value, 1);
   return value;
+}
+
+void Communicator::allreduce_max(double* data, size_t count) {
+  if (!uses_mpi_) return;
+  check(count <= kMaxCount, "allreduce_max: too many values for one MPI call");
+  mpi_check(MPI_Allreduce(MPI_IN_PLACE, data, static_cast<int>(count), MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD),
+            "allreduce");
 }
 
 Communicator::Request Communicator::iallreduce_sum(float* data, size_t count) {

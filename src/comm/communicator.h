@@ -28,6 +28,7 @@ class Communicator {
   void allreduce_sum(double* data, size_t count);
   double allreduce_sum(double value);
   double allreduce_max(double value);
+  void allreduce_max(double* data, size_t count);
   double allreduce_min(double value) { return -allreduce_max(-value); }
 
   // A non-blocking in-place sum. Progress happens only inside test()/wait() calls (and other MPI

@@ -42,11 +42,30 @@ void GradSync::begin(bool sync) {
   stats_ = SyncStats{};
   for (Bucket& b : buckets_) {
     b.request = Communicator::Request{};
+    b.settled = true;
   }
 }
 
 void GradSync::progress() {
-  for (size_t i = 0; i < next_; ++i) comm_.test(buckets_[i].request);
+  for (size_t i = 0; i < next_; ++i) {
+    Bucket& b = buckets_[i];
+    if (!b.settled && comm_.test(b.request)) settle(b);
+  }
+}
+
+void GradSync::settle(Bucket& b) {
+  b.settled = true;
+  if (scatter_to_ == nullptr) return;
+  // MPI leaves this rank's sum at the start of the bucket; move it where it belongs, then let go
+  // of everything else in the bucket.
+  float* base = store_.range_view(Plane::grad, b.offset, b.numel).data();
+  if (b.own_count > 0 && b.own_offset != b.offset) {
+    std::memmove(base + (b.own_offset - b.offset), base, static_cast<size_t>(b.own_count) * sizeof(float));
+  }
+  const int64_t own_end = b.own_count > 0 ? b.own_offset + b.own_count : b.offset;
+  const int64_t own_begin = b.own_count > 0 ? b.own_offset : b.offset;
+  store_.discard(Plane::grad, b.offset, own_begin - b.offset);
+  store_.discard(Plane::grad, own_end, b.offset + b.numel - own_end);
 }
 
 void GradSync::after_backward_input(int) {
@@ -68,6 +87,7 @@ void GradSync::after_backward_weight(int layer) {
       b.own_count = counts[comm_.rank()];
       b.request = comm_.ireduce_scatter_sum(data, counts);
     }
+    b.settled = false;
     stats_.payload_bytes += static_cast<double>(b.numel) * sizeof(float);
     stats_.buckets++;
     next_++;
@@ -82,14 +102,8 @@ void GradSync::finish() {
   const auto t0 = std::chrono::steady_clock::now();
   for (Bucket& b : buckets_) comm_.wait(b.request);
   const auto t1 = std::chrono::steady_clock::now();
-  if (scatter_to_ != nullptr) {
-    // MPI leaves this rank's sum at the start of the bucket; move it where it belongs.
-    for (Bucket& b : buckets_) {
-      if (b.own_count > 0 && b.own_offset != b.offset) {
-        float* base = store_.range_view(Plane::grad, b.offset, b.numel).data();
-        std::memmove(base + (b.own_offset - b.offset), base, static_cast<size_t>(b.own_count) * sizeof(float));
-      }
-    }
+  for (Bucket& b : buckets_) {
+    if (!b.settled) settle(b);
   }
   stats_.exposed_ms = ms_between(t0, t1);
   stats_.latency_ms = ms_between(first_start_, t1);

@@ -5,7 +5,9 @@
 // requests, which is what drives MPI's progress, so communication runs under the remaining
 // computation. finish() waits for what is left; that wait is the communication overlap did not
 // hide. With a ZeRO-2 partition, each bucket is reduce-scattered instead: a rank ends up with the
-// summed gradient of the chunks it owns only (the rest of its gradient plane is then undefined).
+// summed gradient of the chunks it owns only. As soon as a bucket's reduce-scatter completes, the
+// part of it this rank does not own is zeroed and its pages go back to the operating system, so
+// a rank holds its own gradient shard plus the buckets in flight, not the whole gradient.
 #pragma once
 
 #include <chrono>
@@ -54,8 +56,10 @@ class GradSync final : public BackwardObserver {
     int ready_layer = 0;  // the bucket is complete once W of this layer is done
     Communicator::Request request;
     int64_t own_offset = 0, own_count = 0;  // reduce-scatter: where this rank's sum belongs
+    bool settled = true;                    // complete, and (reduce-scatter) its result in place
   };
   void progress();
+  void settle(Bucket& b);
 
   Communicator& comm_;
   ChunkStore& store_;

@@ -84,11 +84,15 @@ Trainer::Trainer(Config config, Communicator& comm)
 Trainer::~Trainer() = default;
 
 void Trainer::gather_parameters() {
-  // AdamW cleared the gradients it consumed (this rank's shard); clear the rest for the next step.
+  // AdamW cleared the gradients it consumed (this rank's shard). Under ZeRO-2 the reduce-scatter
+  // already discarded the rest; under ZeRO-1 clear it here for the next step (kept mapped: the
+  // next backward writes all of it again).
   const int r = comm_.rank();
-  std::span<float> grads = store_->range_view(Plane::grad, 0, store_->numel());
-  std::fill(grads.begin(), grads.begin() + partition_.begin[r], 0.0f);
-  std::fill(grads.begin() + partition_.begin[r + 1], grads.end(), 0.0f);
+  if (config_.parallel.zero == 1) {
+    std::span<float> grads = store_->range_view(Plane::grad, 0, store_->numel());
+    std::fill(grads.begin(), grads.begin() + partition_.begin[r], 0.0f);
+    std::fill(grads.begin() + partition_.begin[r + 1], grads.end(), 0.0f);
+  }
   comm_.allgatherv(store_->range_view(Plane::param, 0, store_->numel()).data(), partition_.counts(),
                    partition_.displs());
   // The chunks other ranks updated moved to the same version as this rank's.
@@ -123,16 +127,14 @@ StepStats Trainer::step() {
   }
   sync_->finish();
   s.sync = sync_->stats();
-  if (world > 1) {
-    s.sync.exposed_min_ms = comm_.allreduce_min(s.sync.exposed_ms);
-    s.sync.imbalance_ms = comm_.allreduce_max(s.sync.exposed_ms) - s.sync.exposed_min_ms;
-  }
-  loss_sum = comm_.allreduce_sum(loss_sum) / world;
   const int zero = world > 1 ? config_.parallel.zero : 0;
   const auto [own_first, own_last] = store_->moment_chunks();
-  // ZeRO-2 ranks hold only their shard of the reduced gradient: the norm is summed over ranks.
-  s.grad_norm = std::sqrt(zero == 2 ? comm_.allreduce_sum(grad_sum_squares(*store_, own_first, own_last))
-                                    : grad_sum_squares(*store_));
+  // One sum over ranks for the loss and (ZeRO-2 ranks hold only their shard of the reduced
+  // gradient) the squared gradient norm.
+  double sums[2] = {loss_sum, zero == 2 ? grad_sum_squares(*store_, own_first, own_last) : 0.0};
+  if (world > 1) comm_.allreduce_sum(sums, 2);
+  loss_sum = sums[0] / world;
+  s.grad_norm = std::sqrt(zero == 2 ? sums[1] : grad_sum_squares(*store_));
   float clip = 1.0f;
   if (config_.optim.grad_clip > 0 && s.grad_norm > config_.optim.grad_clip) {
     clip = static_cast<float>(config_.optim.grad_clip / s.grad_norm);
@@ -140,6 +142,12 @@ StepStats Trainer::step() {
   optimizer_.step(*store_, s.lr, steps_done_ + 1, clip);
   if (zero > 0) gather_parameters();
   steps_done_++;
+  // One max over ranks for the spread of sync waits and the memory high-water mark.
+  double maxima[3] = {-s.sync.exposed_ms, s.sync.exposed_ms, peak_rss_mb()};
+  if (world > 1) comm_.allreduce_max(maxima, 3);
+  s.sync.exposed_min_ms = -maxima[0];
+  s.sync.imbalance_ms = maxima[1] + maxima[0];
+  s.peak_rss_mb = maxima[2];
 
   const double seconds = seconds_since(t0);
   const double tokens = static_cast<double>(t.batch_size) * t.seq_len * t.grad_accum * world;
@@ -267,7 +275,7 @@ RunSummary Trainer::run() {
     json line = {{"step", s.step}, {"loss", s.loss},   {"lr", s.lr},
                  {"grad_norm", s.grad_norm}, {"ms", s.ms}, {"tokens_per_s", s.tokens_per_s},
                  {"mfu", s.mfu}};
-    line["peak_rss_mb"] = comm_.allreduce_max(peak_rss_mb());
+    line["peak_rss_mb"] = s.peak_rss_mb;
     line["moments_mb"] = moments_mb;
     if (world > 1) {
       line["ranks"] = world;

@@ -33,6 +33,7 @@ struct StepStats {
   double mfu = 0;         // achieved matmul FLOP/s over peak_gflops
   SyncStats sync;         // data-parallel gradient sync (zero on one rank)
   double sync_jitter = 0; // std/mean of sync latency over the last window of steps
+  double peak_rss_mb = 0; // largest peak resident set over ranks so far
 };
 
 struct RunSummary {

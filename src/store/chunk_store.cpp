@@ -1,6 +1,7 @@
 #include "store/chunk_store.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -128,9 +129,10 @@ void ChunkStore::finalize() {
   const size_t bytes = static_cast<size_t>(std::max<int64_t>(numel_, kAlignFloats)) * sizeof(float);
   for (int i = 0; i < kNumPlanes; ++i) {
     planes_[i] = Mapping(bytes);
-    // Parameters and gradients are touched now rather than page by page in the first step;
-    // moments are left untouched until used (they may be sharded first).
-    if (i == static_cast<int>(Plane::param) || i == static_cast<int>(Plane::grad)) std::memset(planes_[i].data, 0, bytes);
+    // Parameters are touched now rather than page by page in the first step. Gradients and
+    // moments are left untouched until used: moments may be sharded first, and a ZeRO-2 rank
+    // only ever holds its own gradient shard plus the buckets still being reduced.
+    if (i == static_cast<int>(Plane::param)) std::memset(planes_[i].data, 0, bytes);
     plane_begin_[i] = 0;
     plane_end_[i] = numel_;
   }
@@ -200,6 +202,25 @@ void ChunkStore::zero_grads() {
   const int64_t n = numel_;
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) g[i] = 0.0f;
+}
+
+void ChunkStore::discard(Plane plane, int64_t offset, int64_t numel) {
+  if (numel <= 0) return;
+  float* first = plane_at(plane, offset, numel);
+  char* begin = reinterpret_cast<char*>(first);
+  char* end = reinterpret_cast<char*>(first + numel);
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  char* inner_begin = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(begin) + page - 1) / page * page);
+  char* inner_end = reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(end) / page * page);
+  if (inner_begin >= inner_end) {
+    std::memset(begin, 0, static_cast<size_t>(end - begin));
+    return;
+  }
+  std::memset(begin, 0, static_cast<size_t>(inner_begin - begin));
+  std::memset(inner_end, 0, static_cast<size_t>(end - inner_end));
+  // Private anonymous memory reads back as zero after MADV_DONTNEED.
+  check(::madvise(inner_begin, static_cast<size_t>(inner_end - inner_begin), MADV_DONTNEED) == 0,
+        "chunk store: madvise(MADV_DONTNEED) failed");
 }
 
 TensorId ChunkStore::find(const std::string& name) const {

@@ -106,6 +106,10 @@ class ChunkStore {
   void set_version(int chunk, uint64_t version) { chunks_[chunk].version = version; }
   // Zeroes the gradient plane of every chunk.
   void zero_grads();
+  // Zeroes elements [offset, offset + numel) of a plane and gives the whole pages inside the range
+  // back to the operating system (they cost no memory until written again). ZeRO-2 uses it for
+  // the gradients a rank does not own once their reduce-scatter is done.
+  void discard(Plane plane, int64_t offset, int64_t numel);
 
   const std::vector<Chunk>& chunks() const { return chunks_; }
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
