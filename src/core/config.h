@@ -32,7 +32,8 @@ struct TrainConfig {
   int eval_batches = 16;      // validation batches per evaluation
   int checkpoint_every = 0;   // save run_dir/ckpt every N steps (0 = only at the end)
   std::string run_dir = "runs/default";
-  std::string resume;         // checkpoint directory to resume from ("" = fresh start)
+  std::string resume;         // checkpoint directory to resume from ("" = fresh start; "auto" =
+                              // the newest checkpoint of run_dir if there is one, else fresh)
   int sample_tokens = 64;     // tokens generated per sample at the end (0 = none)
   int samples = 3;
 };

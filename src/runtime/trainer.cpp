@@ -61,10 +61,13 @@ Trainer::Trainer(Config config, Communicator& comm)
     store_->shard_moments(partition_.first_chunk[r], partition_.first_chunk[r + 1]);
   }
   model_->allocate(t.batch_size, t.seq_len);
-  if (t.resume.empty()) {
+  std::string resume = t.resume;
+  if (resume == "auto") resume = fs::exists(t.run_dir + "/ckpt/manifest.json") ? t.run_dir + "/ckpt" : "";
+  resumed_ = !resume.empty();
+  if (resume.empty()) {
     model_->init_weights(t.seed);
   } else {
-    TrainState state = load_checkpoint(t.resume, *store_, config_, false);
+    TrainState state = load_checkpoint(resume, *store_, config_, false);
     steps_done_ = state.step;
     train_data_->set_position(state.data);
   }
@@ -76,7 +79,7 @@ Trainer::Trainer(Config config, Communicator& comm)
     fs::create_directories(t.run_dir);
     write_file(t.run_dir + "/config.toml", config_.to_toml());
     // A resumed run continues its metrics; a fresh run starts them anew.
-    metrics_.open(t.run_dir + "/metrics.jsonl", t.resume.empty() ? std::ios::trunc : std::ios::app);
+    metrics_.open(t.run_dir + "/metrics.jsonl", resumed_ ? std::ios::app : std::ios::trunc);
     check(metrics_.good(), "run directory " + t.run_dir + ": cannot write metrics.jsonl");
   }
 }

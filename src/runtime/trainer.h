@@ -84,6 +84,7 @@ class Trainer {
   std::optional<Tokenizer> tokenizer_;
   AdamW optimizer_;
   int64_t steps_done_ = 0;
+  bool resumed_ = false;
   double peak_gflops_ = 0;
   std::ofstream metrics_;
 };
