@@ -19,6 +19,7 @@ Useful environment for small core counts (set before starting Python):
 """
 
 import argparse
+import os
 import inspect
 import json
 import math
@@ -113,7 +114,13 @@ def main():
     ap.add_argument("--warmup-steps", type=int, default=2, help="untimed steps before timing")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads; default: torch's")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ckpt-every", type=int, default=0,
+                    help="torch.save model and optimizer state every N timed steps (0 = never)")
+    ap.add_argument("--ckpt-dir", default=None, help="where --ckpt-every writes (required with it)")
     a = ap.parse_args()
+    if a.ckpt_every and not a.ckpt_dir:
+        print("error: --ckpt-every needs --ckpt-dir", file=sys.stderr)
+        return 1
     max_seq = a.max_seq or a.seq
     if a.channels % a.heads or a.seq > max_seq or min(a.layers, a.channels, a.heads, a.vocab, a.batch, a.seq, a.steps) < 1:
         print("error: need positive sizes, channels divisible by heads, seq <= max-seq", file=sys.stderr)
@@ -141,11 +148,29 @@ def main():
         opt.step()
         return loss
 
+    # The common practice (Lightning, HF Trainer): a synchronous torch.save of model and optimizer
+    # state, made atomic the way Keel's are (temporary file, fsync, rename).
+    save_ms, save_bytes = [], 0
+
+    def save(i):
+        nonlocal save_bytes
+        t = time.perf_counter()
+        path = os.path.join(a.ckpt_dir, "ckpt.pt")
+        with open(path + ".tmp", "wb") as f:
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": i}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+        save_ms.append(1000.0 * (time.perf_counter() - t))
+        save_bytes = os.path.getsize(path)
+
     for i in range(a.warmup_steps):
         step(i)
     t0 = time.perf_counter()
     for i in range(a.warmup_steps, total):
         loss = step(i)
+        if a.ckpt_every and (i + 1 - a.warmup_steps) % a.ckpt_every == 0:
+            save(i)
     elapsed = time.perf_counter() - t0
     final_loss = loss.item()  # after timing; CPU ops are synchronous anyway
 
@@ -156,6 +181,9 @@ def main():
         "params": n_params,
         "final_loss": round(final_loss, 6),
         "threads": torch.get_num_threads(),
+        "ckpt_count": len(save_ms),
+        "ckpt_ms_mean": round(sum(save_ms) / len(save_ms), 2) if save_ms else 0,
+        "ckpt_bytes": save_bytes,
     }))
     return 0
 

@@ -50,7 +50,7 @@ TEST_F(Cli, TrainsAndWritesMetricsConfigAndCheckpoint) {
   EXPECT_NE(r.output.find("val loss"), std::string::npos);
   EXPECT_NE(r.output.find("tok/s"), std::string::npos);
   EXPECT_TRUE(std::filesystem::exists(dir / "run/config.toml"));
-  EXPECT_TRUE(std::filesystem::exists(dir / "run/ckpt/manifest.json"));
+  EXPECT_TRUE(std::filesystem::exists(testing::newest_checkpoint(dir / "run/ckpt") + "/manifest.json"));
   int step_lines = 0;
   std::string text = read_text_file(dir / "run/metrics.jsonl");
   size_t start = 0;

@@ -48,10 +48,11 @@ class DataParallel : public ::testing::Test {
     }
     return out;
   }
-  std::vector<char> param_bytes(const std::string& run) { return read_file(dir / (run + "/ckpt/param.bin")); }
+  std::vector<char> param_bytes(const std::string& run) { return testing::checkpoint_bytes(dir / (run + "/ckpt")); }
   // Per-tensor relative L2 distance of the final weights, keyed by tensor name.
   std::map<std::string, double> weight_distance(const std::string& a, const std::string& b) {
-    const auto manifest = nlohmann::json::parse(read_text_file(dir / (a + "/ckpt/manifest.json")));
+    const auto manifest =
+        nlohmann::json::parse(read_text_file(testing::newest_checkpoint(dir / (a + "/ckpt")) + "/manifest.json"));
     const std::vector<char> pa = param_bytes(a), pb = param_bytes(b);
     const float* x = reinterpret_cast<const float*>(pa.data());
     const float* y = reinterpret_cast<const float*>(pb.data());
@@ -107,7 +108,8 @@ TEST_F(DataParallel, ZeroShardsTheOptimizerStateAndResumesExactly) {
   auto r = train(2, 4, "resumed", "--set parallel.zero=2 --set train.steps=12 --set train.resume=" + dir / "half/ckpt");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(param_bytes("straight"), param_bytes("resumed"));
-  EXPECT_EQ(read_file(dir / "straight/ckpt/adam_v.bin"), read_file(dir / "resumed/ckpt/adam_v.bin"));
+  EXPECT_EQ(testing::checkpoint_bytes(dir / "straight/ckpt", Plane::adam_v),
+            testing::checkpoint_bytes(dir / "resumed/ckpt", Plane::adam_v));
   // Moments per rank: ZeRO-1 holds about half of what ZeRO-0 holds on 2 ranks.
   auto moments = [&](const std::string& run) {
     const std::string text = read_text_file(dir / (run + "/metrics.jsonl"));

@@ -107,7 +107,7 @@ class AcrossNamespaces : public ::testing::Test {
     }
     return out;
   }
-  std::vector<char> param_bytes(const std::string& run) const { return read_file(dir / (run + "/ckpt/param.bin")); }
+  std::vector<char> param_bytes(const std::string& run) const { return testing::checkpoint_bytes(dir / (run + "/ckpt")); }
   // The same job with plain `keel launch -n 2` on this host, the reference for every variant.
   void train_plain() {
     const auto t0 = std::chrono::steady_clock::now();

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/checkpoint.h"
 #include "ckpt/llmc.h"
 #include "core/error.h"
 #include "core/rng.h"
@@ -39,6 +40,20 @@ class TempDir {
  private:
   std::filesystem::path path_;
 };
+
+// The newest complete checkpoint under a checkpoint root (run_dir/ckpt).
+inline std::string newest_checkpoint(const std::string& root) {
+  const std::vector<std::string> all = list_checkpoints(root);
+  if (all.empty()) throw Error("no checkpoint under " + root);
+  return all.front();
+}
+
+// One plane of the newest checkpoint under root, decoded, as bytes.
+inline std::vector<char> checkpoint_bytes(const std::string& root, Plane plane = Plane::param) {
+  const std::vector<float> v = read_checkpoint_plane(newest_checkpoint(root), plane);
+  const char* p = reinterpret_cast<const char*>(v.data());
+  return std::vector<char>(p, p + v.size() * sizeof(float));
+}
 
 struct CommandResult {
   int exit_code = -1;

@@ -1,15 +1,34 @@
-// Checkpoints, simple form: a directory holding manifest.json (format version, step, the
-// resolved config, data position, RNG state, and for every chunk its tensors, version and a
-// checksum per plane) and one file per saved plane (param.bin, adam_m.bin, adam_v.bin) holding
-// the chunks back to back. The directory is written under a temporary name and renamed into
-// place, so a reader sees a whole checkpoint or none. Versioned: the differential, reshardable
-// form of a later issue keeps reading format version 1.
+// Checkpoints: differential, atomic, verifiable and reshardable.
+//
+// A checkpoint root (run_dir/ckpt) holds one directory per checkpoint, step-00000040/ and so on.
+// A checkpoint directory holds r0.bin, r1.bin... (the chunk records each rank wrote) and
+// manifest.json, written last: data first, fsync, then the manifest renamed into place and the
+// directory fsynced. A directory without a manifest is not a checkpoint and is removed.
+//
+// The manifest names the format version, step, config and trajectory hashes, the writers' layout,
+// every rank's state (data position; later also compression residuals), and for every chunk its
+// layer, kind, tensors (names and offsets), version, and one record per saved plane (params,
+// AdamW m and v). A record says where the plane's bytes of that chunk live and how they are
+// encoded, with an XXH3 checksum of the stored bytes and of the decoded data:
+//   raw       the floats as they are;
+//   zstd      compressed;
+//   xor-zstd  XOR against the same chunk's bytes in the previous checkpoint (`base`), compressed.
+// A full checkpoint writes every chunk. In between (checkpoint.full_every), a differential one
+// writes only chunks whose version moved since the previous checkpoint; an unchanged chunk's
+// record is copied from the previous manifest and points into the older directory (`in`).
+// Records are logical (chunk and plane), not tied to the writer's layout, so a checkpoint written
+// by N ranks under any ZeRO stage loads on M ranks under any stage.
 #pragma once
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
-#include <span>
+#include <map>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "core/config.h"
 #include "data/loader.h"
@@ -17,32 +36,135 @@
 
 namespace keel {
 
-inline constexpr int kCheckpointFormatVersion = 1;
+inline constexpr int kCheckpointFormatVersion = 2;
+
+// Per-rank state that cannot be rebuilt from the chunks.
+struct RankState {
+  int rank = 0;
+  LoaderPosition data;
+};
 
 // What a training run needs besides the chunk store to continue exactly where it stopped.
 struct TrainState {
+  std::string dir;              // the checkpoint directory loaded
   int64_t step = 0;             // optimizer steps completed
-  LoaderPosition data;          // position of the training loader
+  LoaderPosition data;          // position of the training loader (the same on every rank)
+  std::vector<RankState> ranks; // as the writer saved them
   std::string config_toml;      // the resolved config of the run that wrote it
+  double peak_gflops = 0;       // the writer's SGEMM measurement (0 = unknown)
 };
 
-// Supplies the whole flat range of one saved plane (params, adam_m or adam_v), for stores whose
-// optimizer state is sharded across ranks and gathered for saving.
-using PlaneSource = std::function<std::span<const float>(Plane)>;
+// The checkpoint directories under root that have a manifest, newest (highest step) first.
+std::vector<std::string> list_checkpoints(const std::string& root);
+// "step-00000040"
+std::string checkpoint_name(int64_t step);
 
-// Writes store (params and both moments) and state to dir. Replaces an existing checkpoint at dir
-// only once the new one is complete. Planes come from the store unless `source` is given.
-void save_checkpoint(const std::string& dir, const ChunkStore& store, const Config& config,
-                     const TrainState& state, const PlaneSource& source = nullptr);
+// Reads the config stored in a checkpoint (a checkpoint directory, or a root: its newest).
+Config read_checkpoint_config(const std::string& path);
 
-// Reads the config stored in a checkpoint (to build a model of the right shape before loading).
-Config read_checkpoint_config(const std::string& dir);
+enum class LoadMode {
+  params,  // parameters only, any config of the same shape (evaluation, generation, export)
+  resume,  // parameters and this store's moments; the writer's trajectory hash must match
+};
 
-// Loads dir into store (which must have been built from a config of the same model shape and
-// chunk size). With params_only, the moments are left untouched (evaluation, generation); a
-// store with sharded moments receives its own shard.
-// Verifies format, version, shape, file sizes and every chunk checksum before touching store;
-// throws keel::Error naming the file and what differs.
-TrainState load_checkpoint(const std::string& dir, ChunkStore& store, const Config& config, bool params_only);
+// Loads a checkpoint into store (built from a config of the same shape and chunk size). `path` is
+// a checkpoint directory (used as is) or a root (its checkpoints are tried newest first: one that
+// fails verification is reported through `rejected` and the next older one is tried). Every
+// record is verified (sizes, checksums of stored and decoded bytes) as it is read; on failure a
+// keel::Error names the file, chunk and what differs. A store with sharded moments receives its
+// own shard. `world_size` is the reader's number of ranks (for the trajectory hash).
+TrainState load_checkpoint(const std::string& path, ChunkStore& store, const Config& config, LoadMode mode,
+                           int world_size = 1,
+                           const std::function<void(const std::string&)>& rejected = nullptr);
+
+// Checks every record of a checkpoint (or of each checkpoint of a root) without a store: throws
+// on the first problem. Returns the number of records verified.
+int64_t verify_checkpoint(const std::string& dir);
+
+// Decodes one plane of a checkpoint into a flat array of store.numel() floats (tests, tools).
+std::vector<float> read_checkpoint_plane(const std::string& dir, Plane plane);
+
+// What one checkpoint cost.
+struct CheckpointStats {
+  std::string name;
+  bool full = true;
+  double raw_bytes = 0;      // the state covered (3 planes of every chunk)
+  double written_bytes = 0;  // bytes written by this checkpoint (all ranks, after encoding)
+  int records = 0, unchanged = 0, xor_records = 0;
+  double stall_ms = 0;       // training time lost: waiting for the previous write + snapshot copy
+  double write_ms = 0;       // background encode + write + fsync (max over ranks)
+};
+
+// One rank's side of writing checkpoints. The rank writes the chunks [first, last) of a
+// partition of the store (every chunk is written by exactly one rank): begin() waits for the
+// previous write, copies the chunks' planes into a snapshot buffer and returns; a background
+// thread encodes and writes them (or begin() writes them itself when async is off). Publishing
+// needs every rank's part: the trainer gathers parts() to rank 0, which calls publish_checkpoint
+// and tells every rank the outcome through committed().
+class CheckpointWriter {
+ public:
+  // With `preallocate`, the snapshot buffers are allocated and touched now rather than inside the
+  // first checkpoints' steps (for runs that checkpoint periodically).
+  CheckpointWriter(const ChunkStore& store, const CheckpointConfig& config, int rank, int first_chunk, int last_chunk,
+                   bool preallocate = false);
+  ~CheckpointWriter();
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+
+  // Snapshots this rank's chunks at `step` (index = checkpoints taken so far in this run decides
+  // full or differential) and starts writing them under root/checkpoint_name(step).
+  void begin(const std::string& root, int64_t step, const RankState& state);
+  bool in_flight() const { return in_flight_; }
+  bool done() const;         // the background write of the current checkpoint finished
+  // Waits for the background write; returns this rank's part (a JSON object as text: its
+  // records, rank state, sizes, or the error that stopped it).
+  std::string finish();
+  // The outcome of publishing: a committed checkpoint becomes the base of the next differential one.
+  void committed(bool ok);
+  double stall_ms() const { return stall_ms_; }
+  int64_t buffer_bytes() const;  // snapshot (+ delta base) memory
+
+ private:
+  void write_job();
+
+  const ChunkStore& store_;
+  CheckpointConfig config_;
+  int rank_, first_, last_;
+  int64_t begin_offset_ = 0, numel_ = 0;  // flat range of this rank's chunks
+  // Snapshot and, for XOR deltas, the bytes of the last committed checkpoint; planes back to back.
+  std::vector<float> snapshot_, base_;
+  std::vector<uint64_t> snapshot_versions_, base_versions_;
+  std::string base_name_;          // the last committed checkpoint ("" = none: next one is full)
+  std::string base_records_;       // its records for this rank's chunks (JSON text)
+  int64_t taken_ = 0;              // checkpoints begun in this run
+  bool full_ = true;
+  std::string root_, name_;
+  int64_t step_ = 0;
+  RankState state_;
+  bool in_flight_ = false;
+  double stall_ms_ = 0;
+  std::string part_;
+  std::thread thread_;
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  bool job_done_ = true;
+};
+
+// Rank 0: assembles the manifest from every rank's part and publishes the checkpoint (manifest
+// written to a temporary name, fsynced, renamed into place, directory fsynced), then applies
+// retention: keeps the newest `keep` checkpoints and every older one they reference, removes the
+// rest and any directory without a manifest. Returns "" on success or why it did not publish
+// (a rank's write failed); the checkpoint directory is then removed.
+std::string publish_checkpoint(const std::string& root, const std::vector<std::string>& parts, const ChunkStore& store,
+                               const Config& config, int world_size, double peak_gflops, int keep,
+                               CheckpointStats* stats);
+
+// Rank 0 at start-up: removes checkpoint directories under root that have no manifest.
+void remove_incomplete_checkpoints(const std::string& root);
+
+// Synchronous save of a whole store by one process (tools, tests, single-rank runs): full
+// checkpoint of every chunk into root/checkpoint_name(state.step).
+std::string save_checkpoint(const std::string& root, const ChunkStore& store, const Config& config,
+                            const RankState& state, int64_t step, double peak_gflops = 0);
 
 }  // namespace keel

@@ -1,4 +1,5 @@
-// The `keel` command. Every user mistake ends here as one line "keel: <what>" and exit code 1.
+// The `keel` command. Every user mistake ends here as one line "keel: <what>" and exit code 2;
+// a failure once training has started exits 1 (keel launch restarts the one, not the other).
 #include <omp.h>
 
 #include <algorithm>
@@ -37,8 +38,11 @@ commands:
   train     [--config FILE.toml] [--set section.key=value ...]
             Train a GPT. With no config: a ~5M-parameter model on the fortunes corpus
             (tokenized on first use into data/fortunes/). Under mpirun/srun: data parallel.
-  launch    -n N [--hostfile F] [--mca KEY VALUE ...] -- SUBCOMMAND [ARGS ...]
+  launch    -n N [--hostfile F] [--mca KEY VALUE ...] [--max-restarts R] -- SUBCOMMAND [ARGS ...]
             Run a subcommand on N MPI ranks (e.g. keel launch -n 2 -- train --config X.toml).
+            --max-restarts R: when the job fails, run it again up to R times (default 0); a
+            train job continues from the newest checkpoint in its run_dir. Not restarted: a
+            job refused its input (exit 2) or stopped with Ctrl-C / SIGTERM.
   tokenize  [--input PATH ...] [--out DIR] [--vocab-size N] [--val-fraction F] [--seed S]
             Train a byte-level BPE tokenizer and write DIR/{tokenizer.json,train.bin,val.bin}
             (llm.c shard format). Default input: /usr/share/games/fortunes.
@@ -52,6 +56,12 @@ commands:
 )";
 
 constexpr const char* kFortunes = "/usr/share/games/fortunes";
+
+// Set once the command has accepted its input and starts the work itself (train: the Trainer is
+// built and the first step is next; launch: its arguments are parsed). A keel::Error before that
+// is the input's fault (command line, config, data, checkpoint) and exits 2, which keel launch
+// does not restart, since it would fail the same way again; any failure after it exits 1.
+bool g_input_accepted = false;
 
 // Parses "--flag value" pairs; flags in `repeatable` may appear many times.
 class Args {
@@ -131,6 +141,7 @@ int cmd_train(const Args& a) {
   }
   comm.barrier();
   Trainer trainer(config, comm);
+  g_input_accepted = true;
   trainer.run();
   return 0;
 }
@@ -158,7 +169,7 @@ LoadedModel load_model(const Args& a, int B, int T) {
   if (a.has("--llmc")) {
     import_llmc(a.get("--llmc"), *lm.store, lm.config.model);
   } else {
-    load_checkpoint(a.get("--checkpoint"), *lm.store, lm.config, true);
+    load_checkpoint(a.get("--checkpoint"), *lm.store, lm.config, LoadMode::params);
   }
   return lm;
 }
@@ -234,8 +245,8 @@ int cmd_import(const Args& a) {
   GPT model(config.model, store);
   store.finalize();
   import_llmc(a.get("--llmc"), store, config.model);
-  save_checkpoint(a.get("--out"), store, config, TrainState{});
-  std::printf("keel import: wrote checkpoint %s\n", a.get("--out").c_str());
+  const std::string dir = save_checkpoint(a.get("--out"), store, config, RankState{}, 0);
+  std::printf("keel import: wrote checkpoint %s\n", dir.c_str());
   return 0;
 }
 
@@ -249,6 +260,7 @@ int run(int argc, char** argv) {
   if (cmd == "launch") {
     LaunchOptions o = parse_launch_args(std::vector<std::string>(argv + 2, argv + argc));
     o.keel_binary = fs::read_symlink("/proc/self/exe").string();
+    g_input_accepted = true;
     return launch(o);
   }
   const std::map<std::string, std::vector<std::string>> options = {
@@ -287,10 +299,12 @@ int main(int argc, char** argv) {
     ::execv("/proc/self/exe", argv);  // returns only on failure: then run as we are
   }
   std::string message;
+  int code = 1;
   try {
     return keel::run(argc, argv);
   } catch (const keel::Error& e) {
     message = e.what();
+    code = keel::g_input_accepted ? 1 : 2;
   } catch (const std::filesystem::filesystem_error& e) {
     message = std::string("file system: ") + e.what();
   } catch (const std::bad_alloc&) {
@@ -311,9 +325,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "keel: %s%s\n", size > 1 ? ("[rank " + std::to_string(rank) + "] ").c_str() : "",
                  message.c_str());
     std::fflush(stderr);
-    if (!finalized && size > 1) MPI_Abort(MPI_COMM_WORLD, 1);
-    return 1;
+    if (!finalized && size > 1) MPI_Abort(MPI_COMM_WORLD, code);
+    return code;
   }
   std::fprintf(stderr, "keel: %s\n", message.c_str());
-  return 1;
+  return code;
 }

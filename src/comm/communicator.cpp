@@ -127,6 +127,34 @@ void Communicator::gatherv_to_root(const float* send, float* root_buffer, const 
   }
 }
 
+std::vector<std::string> Communicator::gather_strings(const std::string& mine) {
+  if (!uses_mpi_) return {mine};
+  check(mine.size() <= static_cast<size_t>(std::numeric_limits<int>::max()), "gather_strings: string too long");
+  int length = static_cast<int>(mine.size());
+  std::vector<int> lengths(is_root() ? size_ : 0);
+  mpi_check(MPI_Gather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, 0, MPI_COMM_WORLD), "gather");
+  std::vector<int> displs(lengths.size());
+  int64_t total = 0;
+  for (size_t r = 0; r < lengths.size(); ++r) {
+    displs[r] = static_cast<int>(total);
+    total += lengths[r];
+  }
+  check(total <= std::numeric_limits<int>::max(), "gather_strings: strings too long together");
+  std::vector<char> all(static_cast<size_t>(total));
+  mpi_check(MPI_Gatherv(mine.data(), length, MPI_CHAR, all.data(), lengths.data(), displs.data(), MPI_CHAR, 0,
+                        MPI_COMM_WORLD),
+            "gatherv");
+  std::vector<std::string> out;
+  for (size_t r = 0; r < lengths.size(); ++r) out.emplace_back(all.data() + displs[r], static_cast<size_t>(lengths[r]));
+  return out;
+}
+
+int64_t Communicator::broadcast(int64_t value) {
+  if (!uses_mpi_) return value;
+  mpi_check(MPI_Bcast(&value, 1, MPI_INT64_T, 0, MPI_COMM_WORLD), "bcast");
+  return value;
+}
+
 bool Communicator::test(Request& r) {
   if (r.done) return true;
   int flag = 0;

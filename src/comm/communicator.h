@@ -52,6 +52,11 @@ class Communicator {
   void gatherv_to_root(const float* send, float* root_buffer, const std::vector<int>& counts,
                        const std::vector<int>& displs);
 
+  // Every rank's string, in rank order, on rank 0 (an empty vector elsewhere).
+  std::vector<std::string> gather_strings(const std::string& mine);
+  // Rank 0's value on every rank.
+  int64_t broadcast(int64_t value);
+
   void barrier();
 
  private:

@@ -21,7 +21,7 @@ namespace {
 struct Field {
   const char* section;
   const char* key;
-  std::variant<int*, int64_t*, uint64_t*, double*, std::string*> target;
+  std::variant<int*, int64_t*, uint64_t*, double*, std::string*, bool*> target;
 };
 
 std::vector<Field> fields(Config& c) {
@@ -55,6 +55,7 @@ std::vector<Field> fields(Config& c) {
       {"optim", "beta2", &c.optim.beta2},
       {"optim", "eps", &c.optim.eps},
       {"optim", "grad_clip", &c.optim.grad_clip},
+      {"optim", "freeze_layers", &c.optim.freeze_layers},
       {"data", "train", &c.data.train},
       {"data", "val", &c.data.val},
       {"data", "tokenizer", &c.data.tokenizer},
@@ -62,6 +63,11 @@ std::vector<Field> fields(Config& c) {
       {"parallel", "data", &c.parallel.data},
       {"parallel", "bucket_bytes", &c.parallel.bucket_bytes},
       {"parallel", "zero", &c.parallel.zero},
+      {"checkpoint", "full_every", &c.checkpoint.full_every},
+      {"checkpoint", "keep", &c.checkpoint.keep},
+      {"checkpoint", "delta", &c.checkpoint.delta},
+      {"checkpoint", "compress", &c.checkpoint.compress},
+      {"checkpoint", "async", &c.checkpoint.async},
       {"runtime", "threads", &c.runtime.threads},
       {"runtime", "peak_gflops", &c.runtime.peak_gflops},
   };
@@ -71,6 +77,7 @@ const char* type_name(const Field& f) {
   switch (f.target.index()) {
     case 0: case 1: case 2: return "an integer";
     case 3: return "a number";
+    case 5: return "true or false";
     default: return "a string";
   }
 }
@@ -95,7 +102,7 @@ Field find_field(Config& c, const std::string& section, const std::string& key, 
   }
   if (!section_known) {
     throw Error(where + ": unknown config section [" + section +
-                "] (expected one of: model, train, optim, data, store, parallel, runtime)");
+                "] (expected one of: model, train, optim, data, store, parallel, checkpoint, runtime)");
   }
   throw Error(where + ": unknown config key '" + section + "." + key + "' (known keys in [" + section +
               "]: " + known_keys(c, section) + ")");
@@ -131,6 +138,11 @@ void assign_from_string(const Field& f, const std::string& text) {
             throw Error("config key '" + name + "' expects a number, found '" + text + "'");
           }
           *p = v;
+        } else if constexpr (std::is_same_v<T, bool>) {
+          if (text != "true" && text != "false") {
+            throw Error("config key '" + name + "' expects true or false, found '" + text + "'");
+          }
+          *p = text == "true";
         } else {
           *p = parse_int<T>(text, name);
         }
@@ -155,6 +167,9 @@ void assign_from_toml(const Field& f, const toml::node& node, const std::string&
           if (node.is_floating_point()) *p = node.as_floating_point()->get();
           else if (node.is_integer()) *p = static_cast<double>(node.as_integer()->get());
           else throw mistyped();
+        } else if constexpr (std::is_same_v<T, bool>) {
+          if (!node.is_boolean()) throw mistyped();
+          *p = node.as_boolean()->get();
         } else {
           if (!node.is_integer()) throw mistyped();
           int64_t v = node.as_integer()->get();
@@ -184,6 +199,8 @@ std::string toml_value(const Field& f) {
           std::string s = buf;
           if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
           return s;
+        } else if constexpr (std::is_same_v<T, bool>) {
+          return *p ? "true" : "false";
         } else {
           return std::to_string(*p);
         }
@@ -327,6 +344,11 @@ void Config::resolve(int world_size) {
   require(optim.beta2 >= 0 && optim.beta2 < 1, "optim.beta2", "0 <= beta2 < 1", s(optim.beta2));
   require(optim.eps > 0, "optim.eps", "> 0", s(optim.eps));
   require(optim.grad_clip >= 0, "optim.grad_clip", ">= 0", s(optim.grad_clip));
+  require(optim.freeze_layers >= 0 && optim.freeze_layers <= model.n_layer + 2, "optim.freeze_layers",
+          "0.." + s(model.n_layer + 2) + " (layers: embeddings, " + s(model.n_layer) + " blocks, head)",
+          s(optim.freeze_layers));
+  require(checkpoint.full_every >= 1, "checkpoint.full_every", ">= 1", s(checkpoint.full_every));
+  require(checkpoint.keep >= 1, "checkpoint.keep", ">= 1", s(checkpoint.keep));
   require(store.chunk_bytes >= 4096 && store.chunk_bytes % 64 == 0, "store.chunk_bytes",
           "a multiple of 64, at least 4096", s(store.chunk_bytes));
   require(runtime.threads >= 0, "runtime.threads", ">= 0", s(runtime.threads));
@@ -345,6 +367,16 @@ std::string Config::to_toml() const {
     out << f.key << " = " << toml_value(f) << "\n";
   }
   return out.str();
+}
+
+uint64_t Config::trajectory_hash(int world_size) const {
+  std::ostringstream s;
+  s << shape_hash() << ';' << optim.lr << ',' << optim.min_lr_ratio << ',' << optim.warmup_steps << ','
+    << optim.weight_decay << ',' << optim.beta1 << ',' << optim.beta2 << ',' << optim.eps << ',' << optim.grad_clip
+    << ',' << optim.freeze_layers << ';' << train.seed << ',' << train.seq_len << ','
+    << static_cast<int64_t>(train.batch_size) * world_size * train.grad_accum;
+  const std::string text = s.str();
+  return XXH64(text.data(), text.size(), 0);
 }
 
 uint64_t Config::shape_hash() const {

@@ -47,6 +47,7 @@ struct OptimConfig {
   double beta2 = 0.95;
   double eps = 1e-8;
   double grad_clip = 1.0;     // global L2 norm; 0 = off
+  int freeze_layers = 0;      // the first N layers (0 = embeddings, 1.. = blocks) are not updated
 };
 
 struct DataConfig {
@@ -66,6 +67,15 @@ struct ParallelConfig {
                                      // 2: also reduce-scatter gradients to their owners
 };
 
+// Checkpoints (written to run_dir/ckpt every train.checkpoint_every steps and at the end).
+struct CheckpointConfig {
+  int full_every = 4;    // every Nth checkpoint is full; the others hold only what changed
+  int keep = 3;          // newest complete checkpoints kept (plus what they depend on)
+  bool delta = true;     // changed chunks may be stored as XOR against the previous checkpoint
+  bool compress = true;  // zstd where it makes a record smaller
+  bool async = true;     // snapshot in memory, write in a background thread while training goes on
+};
+
 struct RuntimeConfig {
   int threads = 0;            // OpenMP/BLAS threads; 0 = all cores
   double peak_gflops = 0;     // for MFU; 0 = measure SGEMM on this machine at start-up
@@ -78,6 +88,7 @@ struct Config {
   DataConfig data;
   StoreConfig store;
   ParallelConfig parallel;
+  CheckpointConfig checkpoint;
   RuntimeConfig runtime;
 
   // Parses a TOML file (path "" = defaults only), then applies `section.key=value` overrides in
@@ -94,6 +105,10 @@ struct Config {
   std::string to_toml() const;
   // Hash of what determines the shape of the model's state (model section + chunk size).
   uint64_t shape_hash() const;
+  // Hash of what determines the training trajectory regardless of layout: the shape, the
+  // optimizer, the seed and the tokens per step (not the number of steps: a run may be extended).
+  // A checkpoint resumes only a run with the same.
+  uint64_t trajectory_hash(int world_size) const;
 };
 
 struct ModelPreset {

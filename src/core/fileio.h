@@ -1,5 +1,5 @@
 // File access for Keel's own formats. Every failure is a keel::Error naming the file.
-// (A later issue routes these through an injectable environment for fault-injection tests.)
+// They go through Env::get() (core/env.h), the seam where tests inject faults.
 #pragma once
 
 #include <cstddef>

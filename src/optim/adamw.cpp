@@ -2,6 +2,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -69,7 +70,15 @@ void AdamW::step_chunk(ChunkStore& store, int chunk, double lr, int64_t t, float
 
 void AdamW::step(ChunkStore& store, double lr, int64_t t, float grad_scale) {
   const auto [first, last] = store.moment_chunks();
-  for (int c = first; c < last; ++c) step_chunk(store, c, lr, t, grad_scale);
+  for (int c = first; c < last; ++c) {
+    // Frozen layers keep their parameters, moments and version; their gradients are dropped.
+    if (store.chunks()[c].layer < config_.freeze_layers) {
+      std::span<float> g = store.chunk_view(c, Plane::grad);
+      std::fill(g.begin(), g.end(), 0.0f);
+      continue;
+    }
+    step_chunk(store, c, lr, t, grad_scale);
+  }
 }
 
 }  // namespace keel

@@ -1,9 +1,13 @@
 #include "runtime/launcher.h"
 
+#include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -16,17 +20,35 @@ namespace keel {
 
 namespace {
 
-pid_t g_child = -1;
+// The running mpirun (-1 between runs) and the first SIGINT/SIGTERM the launcher received.
+volatile sig_atomic_t g_child = -1;
+volatile sig_atomic_t g_stop_signal = 0;
 
 void forward_signal(int sig) {
+  if (g_stop_signal == 0) g_stop_signal = sig;
   if (g_child > 0) ::kill(g_child, sig);
 }
+
+// The variables a restarted job finds in its ranks' environment (exported with mpirun -x).
+constexpr const char* kRestartVariables[] = {"KEEL_RESTART", "KEEL_FAILURE_NOTICED_NS", "KEEL_FAILURE"};
+
+// Exit code with which keel refuses its input before training starts (src/cli/main.cpp).
+constexpr int kRefusedInputExit = 2;
 
 int parse_count(const std::string& text) {
   char* end = nullptr;
   const long n = std::strtol(text.c_str(), &end, 10);
   check(!text.empty() && *end == '\0', "launch -n: expected a number of ranks, found '" + text + "'");
   check(n >= 1 && n <= 4096, "launch -n: expected 1..4096 ranks, found " + text);
+  return static_cast<int>(n);
+}
+
+int parse_restarts(const std::string& text) {
+  char* end = nullptr;
+  const long n = std::strtol(text.c_str(), &end, 10);
+  check(!text.empty() && *end == '\0',
+        "launch --max-restarts: expected a number of restarts (0 or more), found '" + text + "'");
+  check(n >= 0 && n <= 1000000, "launch --max-restarts: expected 0..1000000 restarts, found " + text);
   return static_cast<int>(n);
 }
 
@@ -43,7 +65,9 @@ std::string describe_rank_failure(const std::string& line) {
                   what, &number) != 5) {
     return "";
   }
-  const std::string where = "rank " + std::to_string(rank) + " (pid " + std::to_string(pid) + " on " + node + ")";
+  // OpenMPI 4.1 reports PID 0 for a rank that died by a signal: then the pid is left out.
+  const std::string where =
+      "rank " + std::to_string(rank) + " (" + (pid > 0 ? "pid " + std::to_string(pid) + " " : "") + "on " + node + ")";
   if (std::string(what) == "signal") {
     const size_t open = line.find('(', at), close = line.find(')', open == std::string::npos ? at : open);
     const std::string name = open != std::string::npos && close != std::string::npos
@@ -52,6 +76,166 @@ std::string describe_rank_failure(const std::string& line) {
     return where + " was killed by signal " + std::to_string(number) + name;
   }
   return where + " exited with status " + std::to_string(number);
+}
+
+// What mpirun's stderr says about a failed job, fed one line at a time. Besides the one-line
+// reports above, OpenMPI 4 names a rank that exited non-zero, or called MPI_Abort, over two lines:
+//   "  Process name: [[25999,1],1]"                                   "  Exit code:    2"
+//   "MPI_ABORT was invoked on rank 1 in communicator MPI_COMM_WORLD"  "with errorcode 2."
+class FailureReport {
+ public:
+  void read(const std::string& line) {
+    int job = 0, step = 0, rank = -1, code = 0;
+    if (std::sscanf(line.c_str(), " Process name: [[%d,%d],%d]", &job, &step, &rank) == 3) {
+      pending_rank_ = rank;
+    } else if (pending_rank_ >= 0 && std::sscanf(line.c_str(), " Exit code: %d", &code) == 1) {
+      note("rank " + std::to_string(pending_rank_) + " exited with status " + std::to_string(code), false);
+      pending_rank_ = -1;
+    } else if (std::sscanf(line.c_str(), "MPI_ABORT was invoked on rank %d", &rank) == 1) {
+      abort_rank_ = rank;
+    } else if (abort_rank_ >= 0 && std::sscanf(line.c_str(), "with errorcode %d", &code) == 1) {
+      note("rank " + std::to_string(abort_rank_) + " called MPI_Abort with error code " + std::to_string(code), false);
+      abort_rank_ = -1;
+    } else {
+      const std::string described = describe_rank_failure(line);
+      if (!described.empty()) note(described, described.find(" signal ") != std::string::npos);
+    }
+  }
+  // The rank that failed first and how, "" when mpirun named none.
+  const std::string& description() const { return description_; }
+  // Whether a rank was killed by a signal (then other ranks' exit codes are consequences).
+  bool signalled() const { return signalled_; }
+
+ private:
+  // A signal is the cause; a non-zero status may be a consequence of another rank's death.
+  void note(const std::string& described, bool signal) {
+    if (description_.empty() || (signal && !signalled_)) description_ = described;
+    signalled_ = signalled_ || signal;
+  }
+  std::string description_;
+  bool signalled_ = false;
+  int pending_rank_ = -1, abort_rank_ = -1;
+};
+
+struct RunResult {
+  int exit_code = 0;
+  int64_t reaped_ns = 0;  // system_clock time at which mpirun's exit was reaped
+  FailureReport report;
+};
+
+// Runs mpirun once, passing its stderr through and reading its account of a failure. Returns
+// with exit_code -1 (nothing run) when the launcher was already told to stop.
+RunResult run_mpirun(const std::vector<std::string>& argv) {
+  RunResult result;
+  int err_pipe[2];
+  check(::pipe(err_pipe) == 0, "launch: cannot create a pipe");
+  // A SIGINT/SIGTERM arriving from here until g_child is set is held, then forwarded to it.
+  sigset_t stop_signals, previous;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  ::sigprocmask(SIG_BLOCK, &stop_signals, &previous);
+  if (g_stop_signal != 0) {
+    ::sigprocmask(SIG_SETMASK, &previous, nullptr);
+    ::close(err_pipe[0]);
+    ::close(err_pipe[1]);
+    result.exit_code = -1;
+    return result;
+  }
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::sigprocmask(SIG_SETMASK, &previous, nullptr);
+    ::dup2(err_pipe[1], STDERR_FILENO);
+    ::close(err_pipe[0]);
+    ::close(err_pipe[1]);
+    std::vector<char*> cargv;
+    for (const std::string& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
+    cargv.push_back(nullptr);
+    ::execvp("mpirun", cargv.data());
+    std::fprintf(stderr, "keel: launch: cannot run mpirun (%s); install openmpi-bin (scripts/setup.sh)\n",
+                 std::strerror(errno));
+    ::_exit(127);
+  }
+  g_child = child;
+  ::sigprocmask(SIG_SETMASK, &previous, nullptr);
+  ::close(err_pipe[1]);
+  if (child < 0) {
+    ::close(err_pipe[0]);
+    throw Error("launch: cannot fork");
+  }
+
+  // Pass stderr through, and remember what mpirun says about a failed rank. Once mpirun has
+  // named one it normally exits within a second, but OpenMPI 4.1 can hang instead (seen when a
+  // rank was killed while connecting to the PMIx server): after kExitGrace it gets SIGTERM, and
+  // SIGKILL after kExitGrace + kTermGrace, so that a restart is not waited for forever.
+  constexpr auto kExitGrace = std::chrono::seconds(30), kTermGrace = std::chrono::seconds(10);
+  std::chrono::steady_clock::time_point failure_seen;
+  int stop_signals_sent = 0;
+  int status = 0;
+  bool reaped = false;
+  std::string pending;
+  // Waits up to timeout_ms for output and passes whole lines on: 1 = read some, 0 = none, -1 = end.
+  auto read_lines = [&](int timeout_ms) {
+    pollfd readable = {err_pipe[0], POLLIN, 0};
+    const int ready = ::poll(&readable, 1, timeout_ms);
+    if (ready == 0 || (ready < 0 && errno == EINTR)) return 0;
+    char buffer[4096];
+    const ssize_t n = ready > 0 ? ::read(err_pipe[0], buffer, sizeof buffer) : -1;
+    if (n < 0 && errno == EINTR) return 0;
+    if (n <= 0) return -1;
+    pending.append(buffer, static_cast<size_t>(n));
+    for (size_t end; (end = pending.find('\n')) != std::string::npos; pending.erase(0, end + 1)) {
+      const std::string line = pending.substr(0, end + 1);
+      std::fputs(line.c_str(), stderr);
+      result.report.read(line);
+    }
+    return 1;
+  };
+  while (read_lines(1000) >= 0) {
+    // mpirun may be gone while something it started still holds the pipe.
+    if (::waitpid(child, &status, WNOHANG) == child) {
+      reaped = true;
+      while (read_lines(0) > 0) {
+      }
+      break;
+    }
+    if (result.report.description().empty()) continue;
+    const auto now = std::chrono::steady_clock::now();
+    if (failure_seen == std::chrono::steady_clock::time_point{}) failure_seen = now;
+    if (stop_signals_sent < 2 && now - failure_seen >= kExitGrace + kTermGrace * stop_signals_sent) {
+      std::fprintf(stderr, "keel: launch: mpirun has not exited %lld s after a rank failed; sending it %s\n",
+                   static_cast<long long>(std::chrono::duration_cast<std::chrono::seconds>(now - failure_seen).count()),
+                   stop_signals_sent == 0 ? "SIGTERM" : "SIGKILL");
+      ::kill(child, stop_signals_sent == 0 ? SIGTERM : SIGKILL);
+      stop_signals_sent++;
+    }
+  }
+  if (!pending.empty()) {
+    std::fputs(pending.c_str(), stderr);
+    result.report.read(pending);
+  }
+  ::close(err_pipe[0]);
+  while (!reaped && ::waitpid(child, &status, 0) < 0 && errno == EINTR) {
+  }
+  result.reaped_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                         std::chrono::system_clock::now().time_since_epoch())
+                         .count();
+  g_child = -1;
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return result;
+}
+
+// Why a failed run must not be run again, or "" when a restart may succeed.
+std::string why_not_restart(const RunResult& r) {
+  if (g_stop_signal != 0) {
+    return std::string("the launcher was stopped by signal ") + std::to_string(g_stop_signal) + " (" +
+           ::strsignal(g_stop_signal) + ")";
+  }
+  if (r.exit_code == kRefusedInputExit && !r.report.signalled()) {
+    return "the job was refused its input (exit " + std::to_string(kRefusedInputExit) + ")";
+  }
+  if (r.exit_code == 127) return "mpirun could not be run (exit 127)";
+  return "";
 }
 
 }  // namespace
@@ -76,8 +260,11 @@ LaunchOptions parse_launch_args(const std::vector<std::string>& args) {
     } else if (a == "--mca") {
       const std::string key = value();
       o.mca.emplace_back(key, value());
+    } else if (a == "--max-restarts") {
+      o.max_restarts = parse_restarts(value());
     } else {
-      throw Error("launch: unexpected argument '" + a + "' (usage: keel launch -n N [--hostfile F] [--mca K V] -- SUBCOMMAND ...)");
+      throw Error("launch: unexpected argument '" + a +
+                  "' (usage: keel launch -n N [--hostfile F] [--mca K V] [--max-restarts R] -- SUBCOMMAND ...)");
     }
   }
   check(o.ranks >= 1, "launch: missing -n N (the number of ranks)");
@@ -87,13 +274,19 @@ LaunchOptions parse_launch_args(const std::vector<std::string>& args) {
   return o;
 }
 
-std::vector<std::string> mpirun_argv(const LaunchOptions& o) {
+std::vector<std::string> mpirun_argv(const LaunchOptions& o, int restart) {
   std::vector<std::string> argv = {"mpirun", "-n", std::to_string(o.ranks),
                                    // Containers and small machines: more ranks than cores is allowed, and
                                    // ranks are not pinned (each runs its own OpenMP pool).
                                    "--oversubscribe", "--bind-to", "none",
                                    // Pass the thread settings to remote ranks too.
                                    "-x", "OMP_NUM_THREADS", "-x", "OMP_WAIT_POLICY"};
+  if (restart > 0) {
+    for (const char* name : kRestartVariables) {
+      argv.push_back("-x");
+      argv.push_back(name);
+    }
+  }
   if (!o.hostfile.empty()) {
     argv.push_back("--hostfile");
     argv.push_back(o.hostfile);
@@ -105,6 +298,10 @@ std::vector<std::string> mpirun_argv(const LaunchOptions& o) {
   }
   argv.push_back(o.keel_binary);
   argv.insert(argv.end(), o.command.begin(), o.command.end());
+  if (restart > 0 && o.command[0] == "train") {
+    argv.push_back("--set");
+    argv.push_back("train.resume=auto");
+  }
   return argv;
 }
 
@@ -120,53 +317,52 @@ int launch(const LaunchOptions& o) {
   }
   ::setenv("OMP_WAIT_POLICY", std::getenv("OMP_WAIT_POLICY") ? std::getenv("OMP_WAIT_POLICY") : "PASSIVE", 1);
   ::setenv("PMIX_MCA_gds", "hash", 0);  // silences harmless PMIx shared-memory warnings
+  // The first run is no restart, whatever the caller's environment says.
+  for (const char* name : kRestartVariables) ::unsetenv(name);
 
-  const std::vector<std::string> argv = mpirun_argv(o);
-  int err_pipe[2];
-  check(::pipe(err_pipe) == 0, "launch: cannot create a pipe");
-  g_child = ::fork();
-  check(g_child >= 0, "launch: cannot fork");
-  if (g_child == 0) {
-    ::dup2(err_pipe[1], STDERR_FILENO);
-    ::close(err_pipe[0]);
-    ::close(err_pipe[1]);
-    std::vector<char*> cargv;
-    for (const std::string& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
-    cargv.push_back(nullptr);
-    ::execvp("mpirun", cargv.data());
-    std::fprintf(stderr, "keel: launch: cannot run mpirun (%s); install openmpi-bin (scripts/setup.sh)\n",
-                 std::strerror(errno));
-    ::_exit(127);
-  }
-  ::close(err_pipe[1]);
+  // SA_RESTART: a forwarded signal must not fail a write of the passed-through output.
   struct sigaction sa = {};
   sa.sa_handler = forward_signal;
+  sa.sa_flags = SA_RESTART;
   ::sigaction(SIGINT, &sa, nullptr);
   ::sigaction(SIGTERM, &sa, nullptr);
 
-  // Pass stderr through, and remember what mpirun says about a failed rank.
-  // OpenMPI 4: "mpirun noticed that process rank 1 with PID 123 on node h exited on signal 9 (Killed)."
-  std::string failure;
-  FILE* err = ::fdopen(err_pipe[0], "r");
-  char* line = nullptr;
-  size_t cap = 0;
-  while (::getline(&line, &cap, err) > 0) {
-    std::fputs(line, stderr);
-    const std::string described = describe_rank_failure(line);
-    // A signal is the cause; a non-zero status may be a consequence of another rank's death.
-    if (!described.empty() && (failure.empty() || described.find("signal") != std::string::npos)) failure = described;
+  const bool train = o.command[0] == "train";
+  for (int restart = 0;; ++restart) {
+    const RunResult r = run_mpirun(mpirun_argv(o, restart));
+    if (r.exit_code == -1) {  // stopped before mpirun was (re)started
+      std::fprintf(stderr, "keel: launch: stopped by signal %d (%s) before mpirun was started\n",
+                   static_cast<int>(g_stop_signal), ::strsignal(g_stop_signal));
+      return 128 + g_stop_signal;
+    }
+    if (r.exit_code == 0) {
+      if (restart > 0) std::fprintf(stderr, "keel: launch: job succeeded after %d restart(s)\n", restart);
+      return 0;
+    }
+    const std::string failure = !r.report.description().empty()
+                                    ? r.report.description()
+                                    : "mpirun exited with status " + std::to_string(r.exit_code);
+    const std::string refusal = why_not_restart(r);
+    if (restart < o.max_restarts && refusal.empty()) {
+      std::fprintf(stderr, "keel: launch: failure %d: %s; restart %d of %d%s\n", restart + 1, failure.c_str(),
+                   restart + 1, o.max_restarts, train ? " from the newest checkpoint" : "");
+      std::fflush(stderr);
+      ::setenv("KEEL_RESTART", std::to_string(restart + 1).c_str(), 1);
+      ::setenv("KEEL_FAILURE_NOTICED_NS", std::to_string(r.reaped_ns).c_str(), 1);
+      ::setenv("KEEL_FAILURE", failure.c_str(), 1);
+      continue;
+    }
+    if (restart == 0) {
+      std::fprintf(stderr, "keel: launch: job failed (mpirun exit %d)%s%s\n", r.exit_code,
+                   r.report.description().empty() ? "" : ": ", r.report.description().c_str());
+    } else {
+      std::fprintf(stderr, "keel: launch: job failed after %d restart(s): %s\n", restart, failure.c_str());
+    }
+    if (o.max_restarts > 0 && !refusal.empty()) {
+      std::fprintf(stderr, "keel: launch: not restarting: %s\n", refusal.c_str());
+    }
+    return r.exit_code;
   }
-  std::free(line);
-  std::fclose(err);
-  int status = 0;
-  while (::waitpid(g_child, &status, 0) < 0 && errno == EINTR) {
-  }
-  const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  if (code != 0) {
-    std::fprintf(stderr, "keel: launch: job failed (mpirun exit %d)%s%s\n", code, failure.empty() ? "" : ": ",
-                 failure.c_str());
-  }
-  return code;
 }
 
 }  // namespace keel

@@ -1,7 +1,7 @@
 // `keel launch`: runs a keel subcommand on N MPI ranks through OpenMPI's mpirun, sets what a
 // container needs (root, oversubscription, one OpenMP thread pool per rank), passes rank 0's
-// progress through, and turns mpirun's account of a failure into one line naming the rank and
-// the signal or exit code.
+// progress through, turns mpirun's account of a failure into one line naming the rank and the
+// signal or exit code, and on request restarts a failed job from its newest checkpoint.
 #pragma once
 
 #include <string>
@@ -13,18 +13,37 @@ struct LaunchOptions {
   int ranks = 0;
   std::string hostfile;                                     // "" = all ranks on this machine
   std::vector<std::pair<std::string, std::string>> mca;    // --mca key value
+  int max_restarts = 0;                                     // --max-restarts R; 0 = never restart
   std::vector<std::string> command;                         // keel subcommand and its arguments
   std::string keel_binary;                                  // path of the keel executable to run
 };
 
-// Parses `launch` arguments: -n N [--hostfile F] [--mca K V]... -- SUBCOMMAND ARGS...
-// Throws keel::Error on a bad count, a missing hostfile or a missing subcommand.
+// Parses `launch` arguments:
+//   -n N [--hostfile F] [--mca K V]... [--max-restarts R] -- SUBCOMMAND ARGS...
+// Throws keel::Error on a bad count, a missing hostfile, a bad restart count (R must be a whole
+// number >= 0) or a missing subcommand.
 LaunchOptions parse_launch_args(const std::vector<std::string>& args);
 
-// The mpirun command line and the environment additions for these options.
-std::vector<std::string> mpirun_argv(const LaunchOptions& options);
+// The mpirun command line for attempt `restart` of these options (0 = the first run). A restart
+// (restart >= 1) also exports KEEL_RESTART, KEEL_FAILURE_NOTICED_NS and KEEL_FAILURE to every
+// rank (launch() sets their values) and, when the subcommand is `train`, appends
+// `--set train.resume=auto` so the job continues from the newest checkpoint in its run_dir (a
+// later --set wins over an earlier one).
+std::vector<std::string> mpirun_argv(const LaunchOptions& options, int restart = 0);
 
-// Runs the job; returns the exit code to exit with (0 when every rank succeeded).
+// Runs the job and returns the exit code to exit with: 0 when every rank succeeded, else
+// mpirun's exit code (2 when a rank refused its input: keel exits 2 for a keel::Error raised
+// before training starts).
+//
+// When the job fails and fewer than max_restarts restarts were made, it is run again with
+// mpirun_argv(options, K) for restart K = 1, 2, ..., and the ranks find in their environment
+//   KEEL_RESTART             K
+//   KEEL_FAILURE_NOTICED_NS  std::chrono::system_clock time in ns at which mpirun's exit was reaped
+//   KEEL_FAILURE             the one-line description of the failure
+// (on the first run these are removed from the environment). A failure is not restarted when
+// the launcher was stopped by SIGINT or SIGTERM (forwarded to mpirun), when the job exited 2
+// with no rank killed by a signal (bad input fails the same way again), or when mpirun could not
+// be run. Each decision is one line on stderr beginning "keel: launch: ".
 int launch(const LaunchOptions& options);
 
 }  // namespace keel

@@ -8,7 +8,9 @@
 #include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "core/fileio.h"
 #include "kernels/cpu/blas.h"
@@ -61,24 +63,77 @@ Trainer::Trainer(Config config, Communicator& comm)
     store_->shard_moments(partition_.first_chunk[r], partition_.first_chunk[r + 1]);
   }
   model_->allocate(t.batch_size, t.seq_len);
-  std::string resume = t.resume;
-  if (resume == "auto") resume = fs::exists(t.run_dir + "/ckpt/manifest.json") ? t.run_dir + "/ckpt" : "";
-  resumed_ = !resume.empty();
-  if (resume.empty()) {
-    model_->init_weights(t.seed);
-  } else {
-    TrainState state = load_checkpoint(resume, *store_, config_, false);
-    steps_done_ = state.step;
-    train_data_->set_position(state.data);
+  writers_ = ChunkPartition::balanced(*store_, world);
+  ckpt_root_ = t.run_dir + "/ckpt";
+  // A checkpoint directory without a manifest is what a crash during a write leaves behind.
+  if (comm_.is_root()) remove_incomplete_checkpoints(ckpt_root_);
+  double loaded_peak_gflops = 0;
+  const bool automatic = t.resume == "auto";
+  const std::string resume = automatic ? ckpt_root_ : t.resume;
+  std::vector<std::string> candidates;
+  if (!resume.empty()) {
+    candidates = Env::get().exists(resume + "/manifest.json") ? std::vector<std::string>{resume}
+                                                               : list_checkpoints(resume);
+    check(automatic || !candidates.empty(), "checkpoint " + resume +
+                                                ": not found (no manifest.json here, no complete step-* "
+                                                "directory under it)");
   }
+  // Every rank must load the same checkpoint: a candidate is used only if it verified on all ranks.
+  std::string last_why;
+  for (size_t i = 0; i < candidates.size() && resumed_from_.empty(); ++i) {
+    std::string why;
+    TrainState state;
+    try {
+      state = load_checkpoint(candidates[i], *store_, config_, LoadMode::resume, world);
+    } catch (const Error& e) {
+      why = e.what();
+    }
+    if (comm_.allreduce_max(why.empty() ? 0.0 : 1.0) == 0.0) {
+      resumed_from_ = candidates[i];
+      steps_done_ = state.step;
+      train_data_->set_position(state.data);
+      loaded_peak_gflops = state.peak_gflops;
+      break;
+    }
+    last_why = why.empty() ? "checkpoint " + candidates[i] + ": rejected by another rank" : why;
+    if (!why.empty() && (automatic || i + 1 < candidates.size())) {
+      std::fprintf(stderr, "keel: %scheckpoint rejected: %s\n",
+                   world > 1 ? ("[rank " + std::to_string(rank) + "] ").c_str() : "", why.c_str());
+    }
+  }
+  // An explicit resume must succeed; "auto" starts afresh when nothing usable is there.
+  check(automatic || candidates.empty() || !resumed_from_.empty(),
+        candidates.size() == 1 ? last_why : "checkpoint " + resume + ": no usable checkpoint (" + last_why + ")");
+  resumed_ = !resumed_from_.empty();
+  if (!resumed_) {
+    if (!candidates.empty() && comm_.is_root()) {
+      std::fprintf(stderr, "keel: no usable checkpoint under %s: starting from step 0\n", resume.c_str());
+    }
+    // A failed load may have written into the store: start from a clean state.
+    if (!candidates.empty()) {
+      const auto [mfirst, mlast] = store_->moment_chunks();
+      for (int c = mfirst; c < mlast; ++c) {
+        for (Plane p : {Plane::adam_m, Plane::adam_v}) {
+          std::span<float> v = store_->chunk_view(c, p);
+          std::fill(v.begin(), v.end(), 0.0f);
+        }
+      }
+      for (const Chunk& c : store_->chunks()) store_->set_version(c.id, 0);
+    }
+    model_->init_weights(t.seed);
+  }
+  ckpt_ = std::make_unique<CheckpointWriter>(*store_, config_.checkpoint, rank, writers_.first_chunk[rank],
+                                             writers_.first_chunk[rank + 1], t.checkpoint_every > 0);
 
-  // Every rank uses rank 0's measurement so MFU figures agree.
-  peak_gflops_ = config_.runtime.peak_gflops > 0 ? config_.runtime.peak_gflops
-                                                 : comm_.allreduce_max(comm_.is_root() ? measure_sgemm_gflops() : 0.0);
+  // Every rank uses rank 0's measurement so MFU figures agree; a resumed run reuses the writer's.
+  const double peak = config_.runtime.peak_gflops > 0 ? config_.runtime.peak_gflops : loaded_peak_gflops;
+  peak_gflops_ = peak > 0 ? peak : comm_.allreduce_max(comm_.is_root() ? measure_sgemm_gflops() : 0.0);
   if (comm_.is_root()) {
     fs::create_directories(t.run_dir);
     write_file(t.run_dir + "/config.toml", config_.to_toml());
-    // A resumed run continues its metrics; a fresh run starts them anew.
+    // A resumed run continues its metrics (without the steps it is about to replay); a fresh run
+    // starts them anew.
+    if (resumed_) trim_metrics(steps_done_);
     metrics_.open(t.run_dir + "/metrics.jsonl", resumed_ ? std::ios::app : std::ios::trunc);
     check(metrics_.good(), "run directory " + t.run_dir + ": cannot write metrics.jsonl");
   }
@@ -100,8 +155,8 @@ void Trainer::gather_parameters() {
                    partition_.displs());
   // The chunks other ranks updated moved to the same version as this rank's.
   const auto [own_first, own_last] = store_->moment_chunks();
-  for (int c = 0; c < static_cast<int>(store_->chunks().size()); ++c) {
-    if (c < own_first || c >= own_last) store_->bump_version(c);
+  for (const Chunk& c : store_->chunks()) {
+    if ((c.id < own_first || c.id >= own_last) && c.layer >= config_.optim.freeze_layers) store_->bump_version(c.id);
   }
 }
 
@@ -134,6 +189,13 @@ StepStats Trainer::step() {
   const auto [own_first, own_last] = store_->moment_chunks();
   // One sum over ranks for the loss and (ZeRO-2 ranks hold only their shard of the reduced
   // gradient) the squared gradient norm.
+  // Frozen layers' gradients do not count towards the norm (they are not parameters being trained).
+  for (const Chunk& c : store_->chunks()) {
+    if (c.layer >= config_.optim.freeze_layers) break;
+    if (zero == 2 && (c.id < own_first || c.id >= own_last)) continue;
+    std::span<float> g = store_->chunk_view(c.id, Plane::grad);
+    std::fill(g.begin(), g.end(), 0.0f);
+  }
   double sums[2] = {loss_sum, zero == 2 ? grad_sum_squares(*store_, own_first, own_last) : 0.0};
   if (world > 1) comm_.allreduce_sum(sums, 2);
   loss_sum = sums[0] / world;
@@ -146,12 +208,17 @@ StepStats Trainer::step() {
   if (zero > 0) gather_parameters();
   steps_done_++;
   // One max over ranks for the spread of sync waits and the memory high-water mark.
-  double maxima[3] = {-s.sync.exposed_ms, s.sync.exposed_ms, peak_rss_mb()};
-  if (world > 1) comm_.allreduce_max(maxima, 3);
+  // A background checkpoint write still running on any rank keeps the checkpoint in flight.
+  const bool writing = ckpt_->in_flight() && !ckpt_->done();
+  double maxima[4] = {-s.sync.exposed_ms, s.sync.exposed_ms, peak_rss_mb(), writing ? 1.0 : 0.0};
+  if (world > 1) comm_.allreduce_max(maxima, 4);
   s.sync.exposed_min_ms = -maxima[0];
   s.sync.imbalance_ms = maxima[1] + maxima[0];
   s.peak_rss_mb = maxima[2];
+  if (ckpt_->in_flight() && maxima[3] == 0.0) commit_checkpoint();  // every rank has written its part
 
+  s.ckpt_stall_ms = pending_stall_ms_;
+  pending_stall_ms_ = 0;
   const double seconds = seconds_since(t0);
   const double tokens = static_cast<double>(t.batch_size) * t.seq_len * t.grad_accum * world;
   s.step = steps_done_;
@@ -180,37 +247,86 @@ double Trainer::evaluate(int batches) {
   return comm_.allreduce_sum(sum) / (static_cast<double>(batches) * comm_.size());
 }
 
-void Trainer::save(const std::string& dir) {
-  // Parameters are identical on every rank; rank 0 writes them. Sharded moments are first
-  // gathered to rank 0 (a temporary full copy there: checkpoints of sharded state written by
-  // every rank are the next step).
-  const auto [own_first, own_last] = store_->moment_chunks();
-  const bool sharded = own_first != 0 || own_last != static_cast<int>(store_->chunks().size());
-  std::vector<float> full_m, full_v;
-  if (sharded) {
-    const int r = comm_.rank();
-    for (auto [plane, full] : {std::pair{Plane::adam_m, &full_m}, std::pair{Plane::adam_v, &full_v}}) {
-      std::span<const float> own = store_->range_view(plane, partition_.begin[r], partition_.size(r));
-      if (comm_.is_root()) {
-        full->assign(static_cast<size_t>(store_->numel()), 0.0f);
-        std::copy(own.begin(), own.end(), full->begin() + partition_.begin[r]);
-      }
-      comm_.gatherv_to_root(own.data(), full->data(), partition_.counts(), partition_.displs());
-    }
+void Trainer::save(const std::string& root) {
+  if (ckpt_->in_flight() && ckpt_step_ == steps_done_ && ckpt_inflight_root_ == root) {
+    commit_checkpoint();  // this very state is being written already
+    return;
   }
-  if (!comm_.is_root()) return;
-  TrainState state;
-  state.step = steps_done_;
+  begin_checkpoint(root);
+  if (ckpt_->in_flight()) commit_checkpoint();
+}
+
+void Trainer::begin_checkpoint(const std::string& root) {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (ckpt_->in_flight()) commit_checkpoint();  // one checkpoint in flight at a time
+  RankState state;
+  state.rank = comm_.rank();
   state.data = train_data_->position();
-  PlaneSource source = nullptr;
-  if (sharded) {
-    source = [&](Plane p) -> std::span<const float> {
-      if (p == Plane::adam_m) return full_m;
-      if (p == Plane::adam_v) return full_v;
-      return store_->range_view(p, 0, store_->numel());
-    };
+  ckpt_->begin(root, steps_done_, state);
+  ckpt_step_ = steps_done_;
+  ckpt_inflight_root_ = root;
+  ckpt_begin_ms_ = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  pending_stall_ms_ += ckpt_begin_ms_;
+  if (!config_.checkpoint.async) commit_checkpoint();
+}
+
+void Trainer::commit_checkpoint() {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string part = ckpt_->finish();
+  const std::vector<std::string> parts = comm_.gather_strings(part);
+  int64_t ok = 0;
+  if (comm_.is_root()) {
+    CheckpointStats st;
+    std::string failure;
+    try {
+      failure = publish_checkpoint(ckpt_inflight_root_, parts, *store_, config_, comm_.size(), peak_gflops_,
+                                   config_.checkpoint.keep, &st);
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+    ok = failure.empty() ? 1 : 0;
+    const double stall = ckpt_begin_ms_ +
+                         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const std::string name = checkpoint_name(ckpt_step_);
+    if (ok) {
+      std::printf("keel: checkpoint %s: %s, %.1f MB written for %.1f MB of state (%.0f %%)", name.c_str(),
+                  st.full ? "full" : "differential", st.written_bytes / 1e6, st.raw_bytes / 1e6,
+                  st.raw_bytes > 0 ? 100.0 * st.written_bytes / st.raw_bytes : 0.0);
+      if (!st.full) std::printf(", %d of %d chunk planes unchanged, %d as XOR deltas", st.unchanged, st.records, st.xor_records);
+      std::printf("; step stall %.1f ms, background write %.0f ms\n", stall, st.write_ms);
+    } else {
+      const std::vector<std::string> kept = list_checkpoints(ckpt_inflight_root_);
+      std::printf("keel: checkpoint %s not written: %s; newest checkpoint: %s\n", name.c_str(), failure.c_str(),
+                  kept.empty() ? "none" : kept.front().c_str());
+    }
+    std::fflush(stdout);
+    json event = {{"event", "checkpoint"}, {"step", ckpt_step_}, {"name", name}, {"ok", ok != 0},
+                  {"full", st.full}, {"raw_bytes", st.raw_bytes}, {"written_bytes", st.written_bytes},
+                  {"records", st.records}, {"unchanged", st.unchanged}, {"xor_records", st.xor_records},
+                  {"stall_ms", stall}, {"write_ms", st.write_ms}};
+    if (!ok) event["error"] = failure;
+    log_json(event.dump());
   }
-  save_checkpoint(dir, *store_, config_, state, source);
+  ok = comm_.broadcast(ok);
+  ckpt_->committed(ok != 0);
+  pending_stall_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void Trainer::trim_metrics(int64_t step) {
+  const std::string path = config_.train.run_dir + "/metrics.jsonl";
+  if (!fs::exists(path)) return;
+  std::istringstream in(read_text_file(path));
+  std::string kept, line;
+  while (std::getline(in, line)) {
+    try {
+      const json j = json::parse(line);
+      if (j.contains("step") && j.at("step").get<int64_t>() > step) continue;
+    } catch (const json::exception&) {
+      continue;  // a line cut short by the crash
+    }
+    kept += line + '\n';
+  }
+  write_file_atomic(path, {ByteRange{kept.data(), kept.size()}});
 }
 
 void Trainer::print_samples() {
@@ -252,9 +368,15 @@ RunSummary Trainer::run() {
   const double moments_mb = comm_.allreduce_max(
       (store_->plane_bytes(Plane::adam_m) + store_->plane_bytes(Plane::adam_v)) / 1e6);
   if (root) {
-    std::printf("keel: memory per rank: params %.1f MB, grads %.1f MB, AdamW moments %.1f MB, activations %.1f MB\n",
+    const int64_t own = writers_.size(0);
+    const int copies = config_.checkpoint.delta && config_.checkpoint.full_every > 1 ? 2 : 1;
+    std::printf("keel: memory per rank: params %.1f MB, grads %.1f MB, AdamW moments %.1f MB, activations %.1f MB, "
+                "checkpoint buffers %.1f MB\n",
                 store_->plane_bytes(Plane::param) / 1e6, store_->plane_bytes(Plane::grad) / 1e6, moments_mb,
-                model_->activation_bytes() / 1e6);
+                model_->activation_bytes() / 1e6, copies * 3.0 * own * sizeof(float) / 1e6);
+    if (resumed_) {
+      std::printf("keel: resumed from %s at step %lld\n", resumed_from_.c_str(), static_cast<long long>(steps_done_));
+    }
   }
   auto report_eval = [&](double loss) {
     if (root) {
@@ -265,6 +387,22 @@ RunSummary Trainer::run() {
   };
   summary.val_loss_start = evaluate(t.eval_batches);
   report_eval(summary.val_loss_start);
+  // Restarted by `keel launch --max-restarts`: the time from the failure being noticed to now,
+  // when training resumes, is the recovery time.
+  if (const char* restart = std::getenv("KEEL_RESTART"); restart != nullptr && root) {
+    const char* noticed = std::getenv("KEEL_FAILURE_NOTICED_NS");
+    const char* failure = std::getenv("KEEL_FAILURE");
+    const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                               std::chrono::system_clock::now().time_since_epoch())
+                               .count();
+    const double seconds = noticed != nullptr ? (now_ns - std::atoll(noticed)) / 1e9 : -1.0;
+    std::printf("keel: recovered from failure %s (%s) in %.2f s: training resumes at step %lld from %s\n", restart,
+                failure != nullptr ? failure : "unknown", seconds, static_cast<long long>(steps_done_),
+                resumed_ ? resumed_from_.c_str() : "scratch");
+    log_json(json({{"event", "recovery"}, {"restart", std::atoi(restart)}, {"failure", failure ? failure : ""},
+                   {"recovery_s", seconds}, {"step", steps_done_}, {"from", resumed_ ? resumed_from_ : "scratch"}})
+                 .dump());
+  }
   std::fflush(stdout);
 
   double tokens_per_s_sum = 0;
@@ -279,6 +417,7 @@ RunSummary Trainer::run() {
                  {"grad_norm", s.grad_norm}, {"ms", s.ms}, {"tokens_per_s", s.tokens_per_s},
                  {"mfu", s.mfu}};
     line["peak_rss_mb"] = s.peak_rss_mb;
+    if (s.ckpt_stall_ms > 0) line["ckpt_stall_ms"] = s.ckpt_stall_ms;
     line["moments_mb"] = moments_mb;
     if (world > 1) {
       line["ranks"] = world;
@@ -303,13 +442,13 @@ RunSummary Trainer::run() {
       std::fflush(stdout);
     }
     if (t.eval_every > 0 && s.step % t.eval_every == 0 && s.step != t.steps) report_eval(evaluate(t.eval_batches));
-    if (t.checkpoint_every > 0 && s.step % t.checkpoint_every == 0) save(t.run_dir + "/ckpt");
+    if (t.checkpoint_every > 0 && s.step % t.checkpoint_every == 0 && s.step != t.steps) begin_checkpoint(ckpt_root_);
   }
   summary.steps = steps_done_;
   summary.mean_tokens_per_s = timed > 0 ? tokens_per_s_sum / timed : 0;
   summary.val_loss_end = evaluate(t.eval_batches);
   report_eval(summary.val_loss_end);
-  save(t.run_dir + "/ckpt");
+  save(ckpt_root_);
   if (root) {
     std::printf("keel: val loss %.4f -> %.4f after %lld steps, %.0f tok/s mean; checkpoint %s/ckpt\n",
                 summary.val_loss_start, summary.val_loss_end, static_cast<long long>(summary.steps),

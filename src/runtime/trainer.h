@@ -34,6 +34,7 @@ struct StepStats {
   SyncStats sync;         // data-parallel gradient sync (zero on one rank)
   double sync_jitter = 0; // std/mean of sync latency over the last window of steps
   double peak_rss_mb = 0; // largest peak resident set over ranks so far
+  double ckpt_stall_ms = 0; // step time spent on checkpoints (snapshot, waiting for a write)
 };
 
 struct RunSummary {
@@ -57,8 +58,11 @@ class Trainer {
   // The whole run: evaluation before, steps with progress lines, evaluations, checkpoints,
   // evaluation after, samples. Prints to stdout; JSON lines to run_dir/metrics.jsonl.
   RunSummary run();
-  // Saves a checkpoint of the current state to dir.
-  void save(const std::string& dir);
+  // Saves a checkpoint of the current state under the checkpoint root `root` (every rank calls
+  // it), synchronously: it returns once the checkpoint is published (or failed, which is printed).
+  void save(const std::string& root);
+  // The checkpoint this run resumed from ("" = a fresh start).
+  const std::string& resumed_from() const { return resumed_from_; }
 
   GPT& model() { return *model_; }
   ChunkStore& store() { return *store_; }
@@ -71,6 +75,11 @@ class Trainer {
   // ZeRO: after this rank updated its shard, every rank receives every updated parameter.
   void gather_parameters();
   void print_samples();
+  // Checkpoints: begin (snapshot, background write), commit (all ranks done: rank 0 publishes).
+  void begin_checkpoint(const std::string& root);
+  void commit_checkpoint();
+  // After a resume: drops metrics lines of steps that will be replayed, reports recovery.
+  void trim_metrics(int64_t step);
 
   Config config_;
   Communicator& comm_;
@@ -85,6 +94,14 @@ class Trainer {
   AdamW optimizer_;
   int64_t steps_done_ = 0;
   bool resumed_ = false;
+  std::string resumed_from_;
+  ChunkPartition writers_;  // which rank writes which chunks of a checkpoint
+  std::unique_ptr<CheckpointWriter> ckpt_;
+  std::string ckpt_root_;
+  double pending_stall_ms_ = 0;  // checkpoint cost to report with the next step
+  double ckpt_begin_ms_ = 0;
+  int64_t ckpt_step_ = -1;        // step of the checkpoint begun last
+  std::string ckpt_inflight_root_;
   double peak_gflops_ = 0;
   std::ofstream metrics_;
 };
