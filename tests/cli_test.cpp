@@ -66,6 +66,26 @@ TEST_F(Cli, TrainsAndWritesMetricsConfigAndCheckpoint) {
   EXPECT_EQ(step_lines, 6);
 }
 
+TEST_F(Cli, CheckpointsListsAndVerifies) {
+  ASSERT_EQ(run_keel(train_args() + " --set train.checkpoint_every=2").exit_code, 0);
+  auto r = run_keel("checkpoints --dir " + dir / "run/ckpt" + " --verify yes");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("step-00000006"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(" diff "), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("FAILED"), std::string::npos) << r.output;
+  // A flipped byte in the newest checkpoint's data fails verification, naming the file.
+  const std::string data = testing::newest_checkpoint(dir / "run/ckpt") + "/r0.bin";
+  std::vector<char> bytes = read_file(data);
+  bytes[bytes.size() / 3] ^= 0x04;
+  write_file(data, bytes.data(), bytes.size());
+  r = run_keel("checkpoints --dir " + dir / "run/ckpt" + " --verify yes");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("FAILED: checkpoint file " + data), std::string::npos) << r.output;
+  r = run_keel("checkpoints --dir " + dir / "nothing");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("not found"), std::string::npos) << r.output;
+}
+
 TEST_F(Cli, LlmcImportThenExportGivesIdenticalBytes) {
   const std::string src = testing::source_path("tests/fixtures/tiny_gpt2.bin");
   ASSERT_EQ(run_keel("import --llmc " + src + " --out " + dir / "imported").exit_code, 0);

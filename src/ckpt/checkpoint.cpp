@@ -376,6 +376,39 @@ int64_t verify_checkpoint(const std::string& path) {
   return records;
 }
 
+CheckpointInfo describe_checkpoint(const std::string& dir) {
+  const json m = read_manifest(dir);
+  CheckpointInfo info;
+  info.dir = dir;
+  info.name = name_of(dir);
+  try {
+    info.step = m.at("step").get<int64_t>();
+    info.version = m.at("version").get<int>();
+    info.kind = m.value("kind", "full");
+    info.base = m.value("base", "");
+    if (m.contains("layout")) {
+      info.world = m.at("layout").at("world").get<int>();
+      info.zero = m.at("layout").at("zero").get<int>();
+    }
+    for (const json& c : m.at("chunks")) {
+      for (const auto& [plane, rec] : c.at("planes").items()) {
+        info.records++;
+        info.raw_bytes += static_cast<double>(c.at("numel").get<int64_t>()) * sizeof(float);
+        if (rec.at("in").get<std::string>() != info.name) {
+          info.elsewhere++;
+          continue;
+        }
+        info.own_bytes += rec.at("bytes").get<double>();
+        const std::string enc = rec.at("enc").get<std::string>();
+        (enc == "raw" ? info.raw : enc == "zstd" ? info.zstd : info.xor_zstd)++;
+      }
+    }
+  } catch (const json::exception& e) {
+    throw Error("checkpoint " + dir + ": malformed manifest (" + e.what() + ")");
+  }
+  return info;
+}
+
 std::vector<float> read_checkpoint_plane(const std::string& dir, Plane plane) {
   ManifestCache cache(parent_of(dir));
   const std::string name = name_of(dir);
@@ -461,7 +494,7 @@ void CheckpointWriter::begin(const std::string& root, int64_t step, const RankSt
 
 void CheckpointWriter::write_job() {
   const auto t0 = std::chrono::steady_clock::now();
-  json part = {{"rank", rank_}, {"name", name_}, {"step", step_}, {"full", full_}, {"base", base_name_},
+  json part = {{"rank", rank_}, {"name", name_}, {"step", step_}, {"full", full_}, {"base", full_ ? "" : base_name_},
                {"first", first_}, {"last", last_}};
   part["data"] = {{"epoch", state_.data.epoch}, {"index", state_.data.index}};
   try {

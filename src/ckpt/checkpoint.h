@@ -81,6 +81,17 @@ TrainState load_checkpoint(const std::string& path, ChunkStore& store, const Con
 // on the first problem. Returns the number of records verified.
 int64_t verify_checkpoint(const std::string& dir);
 
+// What a checkpoint directory holds, from its manifest (for `keel checkpoints`).
+struct CheckpointInfo {
+  std::string dir, name, kind, base;
+  int64_t step = 0;
+  int version = 0, world = 1, zero = 0;
+  double raw_bytes = 0;      // the state it describes (3 planes of every chunk)
+  double own_bytes = 0;      // bytes of records stored in this directory
+  int records = 0, raw = 0, zstd = 0, xor_zstd = 0, elsewhere = 0;  // elsewhere: in an older checkpoint
+};
+CheckpointInfo describe_checkpoint(const std::string& dir);
+
 // Decodes one plane of a checkpoint into a flat array of store.numel() floats (tests, tools).
 std::vector<float> read_checkpoint_plane(const std::string& dir, Plane plane);
 

@@ -53,6 +53,9 @@ commands:
   export    --checkpoint DIR --out FILE.bin    Write the model in llm.c's GPT-2 format.
   import    --llmc FILE.bin --out DIR [--set section.key=value ...]
             Make a Keel checkpoint from an llm.c GPT-2 model.
+  checkpoints --dir DIR [--verify yes]
+            List the checkpoints under DIR (a run's ckpt/ or one checkpoint): step, kind, bytes,
+            encodings; --verify yes decodes and checks every record.
 )";
 
 constexpr const char* kFortunes = "/usr/share/games/fortunes";
@@ -250,6 +253,37 @@ int cmd_import(const Args& a) {
   return 0;
 }
 
+int cmd_checkpoints(const Args& a) {
+  check(a.has("--dir"), "checkpoints: missing --dir DIR");
+  const std::string dir = a.get("--dir");
+  const std::string verify = a.get("--verify", "no");
+  check(verify == "yes" || verify == "no", "checkpoints --verify: expected yes or no, found '" + verify + "'");
+  std::vector<std::string> dirs = fs::exists(dir + "/manifest.json") ? std::vector<std::string>{dir}
+                                                                     : list_checkpoints(dir);
+  check(!dirs.empty(), "checkpoints " + dir + ": not found (no manifest.json here, no complete step-* directory under it)");
+  g_input_accepted = true;
+  std::printf("%-15s %8s %5s %-15s %6s %10s %10s %7s %6s %6s %9s %s\n", "checkpoint", "step", "kind", "base", "ranks",
+              "state MB", "stored MB", "raw", "zstd", "xor", "elsewhere", verify == "yes" ? "verified" : "");
+  int bad = 0;
+  for (const std::string& d : dirs) {
+    const CheckpointInfo c = describe_checkpoint(d);
+    std::string verdict;
+    if (verify == "yes") {
+      try {
+        verify_checkpoint(d);
+        verdict = "ok";
+      } catch (const Error& e) {
+        verdict = std::string("FAILED: ") + e.what();
+        bad++;
+      }
+    }
+    std::printf("%-15s %8lld %5s %-15s %3d/z%d %10.1f %10.1f %7d %6d %6d %9d %s\n", c.name.c_str(),
+                static_cast<long long>(c.step), c.kind.c_str(), c.base.empty() ? "-" : c.base.c_str(), c.world, c.zero,
+                c.raw_bytes / 1e6, c.own_bytes / 1e6, c.raw, c.zstd, c.xor_zstd, c.elsewhere, verdict.c_str());
+  }
+  return bad == 0 ? 0 : 1;
+}
+
 int run(int argc, char** argv) {
   if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0 ||
       std::strcmp(argv[1], "help") == 0) {
@@ -271,10 +305,12 @@ int run(int argc, char** argv) {
                     "--tokenizer", "--samples"}},
       {"export", {"--checkpoint", "--out"}},
       {"import", {"--llmc", "--out", "--set"}},
+      {"checkpoints", {"--dir", "--verify"}},
   };
   auto it = options.find(cmd);
   check(it != options.end(),
-        "unknown command '" + cmd + "' (expected train, launch, tokenize, eval, generate, export or import)");
+        "unknown command '" + cmd +
+            "' (expected train, launch, tokenize, eval, generate, export, import or checkpoints)");
   Args a(argc, argv, 2, it->second);
   if (a.help) {
     std::fputs(kUsage, stdout);
@@ -285,6 +321,7 @@ int run(int argc, char** argv) {
   if (cmd == "eval") return cmd_eval(a);
   if (cmd == "generate") return cmd_generate(a);
   if (cmd == "export") return cmd_export(a);
+  if (cmd == "checkpoints") return cmd_checkpoints(a);
   return cmd_import(a);
 }
 

@@ -298,10 +298,6 @@ std::vector<std::string> mpirun_argv(const LaunchOptions& o, int restart) {
   }
   argv.push_back(o.keel_binary);
   argv.insert(argv.end(), o.command.begin(), o.command.end());
-  if (restart > 0 && o.command[0] == "train") {
-    argv.push_back("--set");
-    argv.push_back("train.resume=auto");
-  }
   return argv;
 }
 

@@ -26,9 +26,9 @@ LaunchOptions parse_launch_args(const std::vector<std::string>& args);
 
 // The mpirun command line for attempt `restart` of these options (0 = the first run). A restart
 // (restart >= 1) also exports KEEL_RESTART, KEEL_FAILURE_NOTICED_NS and KEEL_FAILURE to every
-// rank (launch() sets their values) and, when the subcommand is `train`, appends
-// `--set train.resume=auto` so the job continues from the newest checkpoint in its run_dir (a
-// later --set wins over an earlier one).
+// rank (launch() sets their values); a restarted `keel train` sees KEEL_RESTART and continues
+// from the newest usable checkpoint in its run_dir, or from its own train.resume when there is
+// none yet.
 std::vector<std::string> mpirun_argv(const LaunchOptions& options, int restart = 0);
 
 // Runs the job and returns the exit code to exit with: 0 when every rank succeeded, else

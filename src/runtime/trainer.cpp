@@ -68,7 +68,10 @@ Trainer::Trainer(Config config, Communicator& comm)
   // A checkpoint directory without a manifest is what a crash during a write leaves behind.
   if (comm_.is_root()) remove_incomplete_checkpoints(ckpt_root_);
   double loaded_peak_gflops = 0;
-  const bool automatic = t.resume == "auto";
+  // A job restarted by `keel launch --max-restarts` continues from its own newest checkpoint when
+  // it has one, whatever train.resume says (that was where the first attempt started).
+  const bool restarted = std::getenv("KEEL_RESTART") != nullptr;
+  const bool automatic = t.resume == "auto" || (restarted && !list_checkpoints(ckpt_root_).empty());
   const std::string resume = automatic ? ckpt_root_ : t.resume;
   std::vector<std::string> candidates;
   if (!resume.empty()) {
