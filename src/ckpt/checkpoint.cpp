@@ -65,10 +65,20 @@ std::string name_of(const std::string& dir) {
   return name.empty() ? p.parent_path().filename().string() : name;
 }
 
-bool is_checkpoint_name(const std::string& name) {
-  return name.size() == 13 && name.compare(0, 5, "step-") == 0 &&
-         std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; });
+// "step-00000040" -> (40, 0), "step-00000040.2" -> (40, 2); false if not a checkpoint name.
+bool parse_checkpoint_name(const std::string& name, int64_t* step = nullptr, int* attempt = nullptr) {
+  auto digits = [](const std::string& s) {
+    return !s.empty() && s.size() <= 9 && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  if (name.size() < 13 || name.compare(0, 5, "step-") != 0) return false;
+  const std::string number = name.substr(5, 8), rest = name.substr(13);
+  if (!digits(number) || (!rest.empty() && (rest[0] != '.' || !digits(rest.substr(1))))) return false;
+  if (step != nullptr) *step = std::stoll(number);
+  if (attempt != nullptr) *attempt = rest.empty() ? 0 : std::stoi(rest.substr(1));
+  return true;
 }
+
+bool is_checkpoint_name(const std::string& name) { return parse_checkpoint_name(name); }
 
 // Reads and checks a manifest; format 1 (one file per plane) is rewritten into format 2's records.
 json read_manifest(const std::string& dir) {
@@ -281,20 +291,39 @@ void apply_retention(const std::string& root, int keep) {
 
 }  // namespace
 
-std::string checkpoint_name(int64_t step) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "step-%08lld", static_cast<long long>(step));
+std::string checkpoint_name(int64_t step, int attempt) {
+  char buf[48];
+  if (attempt == 0) {
+    std::snprintf(buf, sizeof buf, "step-%08lld", static_cast<long long>(step));
+  } else {
+    std::snprintf(buf, sizeof buf, "step-%08lld.%d", static_cast<long long>(step), attempt);
+  }
   return buf;
+}
+
+int next_checkpoint_attempt(const std::string& root, int64_t step) {
+  int next = 0;
+  for (const std::string& name : Env::get().list_dir(root)) {
+    int64_t s = 0;
+    int a = 0;
+    if (parse_checkpoint_name(name, &s, &a) && s == step) next = std::max(next, a + 1);
+  }
+  return next;
 }
 
 std::vector<std::string> list_checkpoints(const std::string& root) {
   Env& env = Env::get();
-  std::vector<std::string> out;
-  std::vector<std::string> names = env.list_dir(root);
-  std::sort(names.rbegin(), names.rend());  // zero-padded steps: newest first
-  for (const std::string& name : names) {
-    if (is_checkpoint_name(name) && env.exists(join(join(root, name), "manifest.json"))) out.push_back(join(root, name));
+  std::vector<std::pair<std::pair<int64_t, int>, std::string>> found;
+  for (const std::string& name : env.list_dir(root)) {
+    int64_t step = 0;
+    int attempt = 0;
+    if (parse_checkpoint_name(name, &step, &attempt) && env.exists(join(join(root, name), "manifest.json"))) {
+      found.push_back({{step, attempt}, join(root, name)});
+    }
   }
+  std::sort(found.rbegin(), found.rend());  // newest (highest step, then latest attempt) first
+  std::vector<std::string> out;
+  for (auto& f : found) out.push_back(std::move(f.second));
   return out;
 }
 
@@ -459,14 +488,14 @@ bool CheckpointWriter::done() const {
   return job_done_;
 }
 
-void CheckpointWriter::begin(const std::string& root, int64_t step, const RankState& state) {
+void CheckpointWriter::begin(const std::string& root, int64_t step, const RankState& state, int attempt) {
   const auto t0 = std::chrono::steady_clock::now();
   check(!in_flight_, "checkpoint writer: begin() while the previous checkpoint is not finished");
   if (thread_.joinable()) thread_.join();
   if (root != root_) base_name_.clear();  // a new root has no base to be differential against
   root_ = root;
   step_ = step;
-  name_ = checkpoint_name(step);
+  name_ = checkpoint_name(step, attempt);
   state_ = state;
   full_ = base_name_.empty() || taken_ % config_.full_every == 0;
   taken_++;
@@ -723,12 +752,12 @@ std::string save_checkpoint(const std::string& root, const ChunkStore& store, co
   cc.async = false;
   CheckpointWriter writer(store, cc, 0, 0, static_cast<int>(store.chunks().size()));
   remove_incomplete_checkpoints(root);
-  writer.begin(root, step, state);
+  writer.begin(root, step, state, next_checkpoint_attempt(root, step));
   const std::string part = writer.finish();
   const std::string failure = publish_checkpoint(root, {part}, store, config, 1, peak_gflops, cc.keep, nullptr);
-  check(failure.empty(), "checkpoint " + join(root, checkpoint_name(step)) + ": not written: " + failure);
+  check(failure.empty(), "checkpoint " + join(root, writer.name()) + ": not written: " + failure);
   writer.committed(true);
-  return join(root, checkpoint_name(step));
+  return join(root, writer.name());
 }
 
 }  // namespace keel

@@ -56,8 +56,12 @@ struct TrainState {
 
 // The checkpoint directories under root that have a manifest, newest (highest step) first.
 std::vector<std::string> list_checkpoints(const std::string& root);
-// "step-00000040"
-std::string checkpoint_name(int64_t step);
+// "step-00000040"; a later attempt at the same step (a run that replays past a checkpoint it
+// could not use, or saves again at the step it resumed from) is "step-00000040.1" and so on:
+// published directories are never rewritten, because newer checkpoints may point into them.
+std::string checkpoint_name(int64_t step, int attempt = 0);
+// The attempt number a new checkpoint at `step` under root gets (one more than any existing).
+int next_checkpoint_attempt(const std::string& root, int64_t step);
 
 // Reads the config stored in a checkpoint (a checkpoint directory, or a root: its newest).
 Config read_checkpoint_config(const std::string& path);
@@ -123,8 +127,10 @@ class CheckpointWriter {
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
 
   // Snapshots this rank's chunks at `step` (index = checkpoints taken so far in this run decides
-  // full or differential) and starts writing them under root/checkpoint_name(step).
-  void begin(const std::string& root, int64_t step, const RankState& state);
+  // full or differential) and starts writing them under root/checkpoint_name(step, attempt)
+  // (every rank must use the same attempt: see next_checkpoint_attempt).
+  void begin(const std::string& root, int64_t step, const RankState& state, int attempt = 0);
+  const std::string& name() const { return name_; }
   bool in_flight() const { return in_flight_; }
   bool done() const;         // the background write of the current checkpoint finished
   // Waits for the background write; returns this rank's part (a JSON object as text: its

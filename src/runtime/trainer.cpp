@@ -265,7 +265,9 @@ void Trainer::begin_checkpoint(const std::string& root) {
   RankState state;
   state.rank = comm_.rank();
   state.data = train_data_->position();
-  ckpt_->begin(root, steps_done_, state);
+  // Rank 0 names the checkpoint (a later attempt at a step that already has one gets a new name).
+  const int attempt = static_cast<int>(comm_.broadcast(comm_.is_root() ? next_checkpoint_attempt(root, steps_done_) : 0));
+  ckpt_->begin(root, steps_done_, state, attempt);
   ckpt_step_ = steps_done_;
   ckpt_inflight_root_ = root;
   ckpt_begin_ms_ = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -290,7 +292,7 @@ void Trainer::commit_checkpoint() {
     ok = failure.empty() ? 1 : 0;
     const double stall = ckpt_begin_ms_ +
                          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    const std::string name = checkpoint_name(ckpt_step_);
+    const std::string name = ckpt_->name();
     if (ok) {
       std::printf("keel: checkpoint %s: %s, %.1f MB written for %.1f MB of state (%.0f %%)", name.c_str(),
                   st.full ? "full" : "differential", st.written_bytes / 1e6, st.raw_bytes / 1e6,
