@@ -255,14 +255,17 @@ TEST_F(Launch, KilledRankIsRestartedFromTheNewestCheckpointAndReplaysExactly) {
   EXPECT_TRUE(contains(out, "was killed by signal 9 (Killed); restart 1 of 2 from the newest checkpoint\n")) << out;
   EXPECT_TRUE(contains(out, "keel: launch: job succeeded after 1 restart(s)\n")) << out;
   EXPECT_FALSE(contains(out, "failure 2:")) << out;
-  // The second run resumed: a fresh start would truncate the metrics and evaluate at step 0 and
-  // at the end only; a resumed run evaluates first at the checkpoint it resumed from.
+  // The second run resumed from a checkpoint (a fresh start would truncate the metrics) and
+  // logged its recovery.
   const std::string metrics = read_text_file(dir / "killed/metrics.jsonl");
   bool resumed = false;
   for (size_t start = 0; start < metrics.size();) {
     const size_t end = metrics.find('\n', start);
     const auto line = nlohmann::json::parse(metrics.substr(start, end - start));
-    if (line.contains("val_loss") && line["step"].get<int>() > 0 && line["step"].get<int>() < 80) resumed = true;
+    if (line.value("event", "") == "recovery" && line["step"].get<int>() > 0 && line["step"].get<int>() < 80 &&
+        line["from"].get<std::string>().find("/ckpt/step-") != std::string::npos) {
+      resumed = true;
+    }
     start = end == std::string::npos ? end : end + 1;
   }
   EXPECT_TRUE(resumed) << metrics;

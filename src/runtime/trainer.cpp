@@ -390,8 +390,13 @@ RunSummary Trainer::run() {
     }
     log_json(json({{"step", steps_done_}, {"val_loss", loss}, {"val_ppl", std::exp(loss)}}).dump());
   };
-  summary.val_loss_start = evaluate(t.eval_batches);
-  report_eval(summary.val_loss_start);
+  // A resumed run does not evaluate again where it resumes (that loss is known, and a restart
+  // should be training again as soon as it can).
+  summary.val_loss_start = std::nan("");
+  if (!resumed_) {
+    summary.val_loss_start = evaluate(t.eval_batches);
+    report_eval(summary.val_loss_start);
+  }
   // Restarted by `keel launch --max-restarts`: the time from the failure being noticed to now,
   // when training resumes, is the recovery time.
   if (const char* restart = std::getenv("KEEL_RESTART"); restart != nullptr && root) {
@@ -455,9 +460,15 @@ RunSummary Trainer::run() {
   report_eval(summary.val_loss_end);
   save(ckpt_root_);
   if (root) {
-    std::printf("keel: val loss %.4f -> %.4f after %lld steps, %.0f tok/s mean; checkpoint %s/ckpt\n",
-                summary.val_loss_start, summary.val_loss_end, static_cast<long long>(summary.steps),
-                summary.mean_tokens_per_s, t.run_dir.c_str());
+    if (resumed_) {
+      std::printf("keel: val loss %.4f after %lld steps (resumed from %s), %.0f tok/s mean; checkpoint %s/%s\n",
+                  summary.val_loss_end, static_cast<long long>(summary.steps), resumed_from_.c_str(),
+                  summary.mean_tokens_per_s, ckpt_root_.c_str(), ckpt_->name().c_str());
+    } else {
+      std::printf("keel: val loss %.4f -> %.4f after %lld steps, %.0f tok/s mean; checkpoint %s/%s\n",
+                  summary.val_loss_start, summary.val_loss_end, static_cast<long long>(summary.steps),
+                  summary.mean_tokens_per_s, ckpt_root_.c_str(), ckpt_->name().c_str());
+    }
     std::fflush(stdout);
   }
   print_samples();
