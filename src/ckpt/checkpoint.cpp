@@ -68,10 +68,13 @@ std::string name_of(const std::string& dir) {
 // "step-00000040" -> (40, 0), "step-00000040.2" -> (40, 2); false if not a checkpoint name.
 bool parse_checkpoint_name(const std::string& name, int64_t* step = nullptr, int* attempt = nullptr) {
   auto digits = [](const std::string& s) {
-    return !s.empty() && s.size() <= 9 && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+    return !s.empty() && s.size() <= 15 && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
   };
   if (name.size() < 13 || name.compare(0, 5, "step-") != 0) return false;
-  const std::string number = name.substr(5, 8), rest = name.substr(13);
+  const size_t dot = name.find('.');
+  const std::string number = name.substr(5, dot == std::string::npos ? std::string::npos : dot - 5);
+  const std::string rest = dot == std::string::npos ? "" : name.substr(dot);
+  if (number.size() < 8) return false;
   if (!digits(number) || (!rest.empty() && (rest[0] != '.' || !digits(rest.substr(1))))) return false;
   if (step != nullptr) *step = std::stoll(number);
   if (attempt != nullptr) *attempt = rest.empty() ? 0 : std::stoi(rest.substr(1));
@@ -158,7 +161,12 @@ void decode(ManifestCache& cache, const std::string& name, int chunk, Plane plan
   const uint64_t at = rec.at("at").get<uint64_t>(), bytes = rec.at("bytes").get<uint64_t>();
   const std::string what = "chunk " + std::to_string(chunk) + " " + plane_key(plane);
   const size_t raw_bytes = static_cast<size_t>(numel) * sizeof(float);
-  std::vector<char> stored = Env::get().read_range(path, at, static_cast<size_t>(bytes));
+  std::vector<char> stored;
+  try {
+    stored = Env::get().read_range(path, at, static_cast<size_t>(bytes));
+  } catch (const Error& e) {
+    throw Error(std::string(e.what()) + " (" + what + ")");
+  }
   const std::string stored_sum = hex64(checksum(stored.data(), stored.size()));
   check(stored_sum == rec.at("stored_sum").get<std::string>(),
         "checkpoint file " + path + ": " + what + " is corrupt (checksum " + stored_sum + ", manifest says " +
@@ -334,13 +342,31 @@ void remove_incomplete_checkpoints(const std::string& root) {
   }
 }
 
-Config read_checkpoint_config(const std::string& path) {
-  std::string dir = path;
-  if (!Env::get().exists(path + "/manifest.json")) {
-    const std::vector<std::string> all = list_checkpoints(path);
-    check(!all.empty(), "checkpoint " + path + ": not found (no manifest.json here, no complete step-* directory under it)");
-    dir = all.front();
+std::vector<std::string> checkpoint_candidates(const std::string& path) {
+  std::vector<std::string> all = list_checkpoints(path);
+  if (Env::get().exists(path + "/manifest.json")) {
+    if (all.empty()) return {path};
+    // A root that is itself a checkpoint: format 1 wrote run_dir/ckpt as the checkpoint. It takes
+    // its place among the newer step-* ones by step (ties: the step-* one is newer).
+    int64_t step = -1;
+    try {
+      step = read_manifest(path).at("step").get<int64_t>();
+    } catch (const std::exception&) {
+    }
+    size_t at = 0;
+    while (at < all.size()) {
+      int64_t s = 0;
+      if (parse_checkpoint_name(name_of(all[at]), &s) && s < step) break;
+      at++;
+    }
+    all.insert(all.begin() + static_cast<std::ptrdiff_t>(at), path);
   }
+  check(!all.empty(), "checkpoint " + path + ": not found (no manifest.json here, no complete step-* directory under it)");
+  return all;
+}
+
+Config read_checkpoint_config(const std::string& path) {
+  const std::string dir = checkpoint_candidates(path).front();
   const json m = read_manifest(dir);
   Config c;
   try {
@@ -357,14 +383,7 @@ Config read_checkpoint_config(const std::string& path) {
 
 TrainState load_checkpoint(const std::string& path, ChunkStore& store, const Config& config, LoadMode mode,
                            int world_size, const std::function<void(const std::string&)>& rejected) {
-  std::vector<std::string> candidates;
-  if (Env::get().exists(path + "/manifest.json")) {
-    candidates.push_back(path);
-  } else {
-    candidates = list_checkpoints(path);
-    check(!candidates.empty(), "checkpoint " + path + ": not found (no manifest.json here, no complete step-* "
-                               "directory under it)");
-  }
+  const std::vector<std::string> candidates = checkpoint_candidates(path);
   for (size_t i = 0; i < candidates.size(); ++i) {
     try {
       return load_one(candidates[i], store, config, mode, world_size);
@@ -377,13 +396,7 @@ TrainState load_checkpoint(const std::string& path, ChunkStore& store, const Con
 }
 
 int64_t verify_checkpoint(const std::string& path) {
-  std::vector<std::string> dirs;
-  if (Env::get().exists(path + "/manifest.json")) {
-    dirs.push_back(path);
-  } else {
-    dirs = list_checkpoints(path);
-    check(!dirs.empty(), "checkpoint " + path + ": not found (no complete step-* directory under it)");
-  }
+  const std::vector<std::string> dirs = checkpoint_candidates(path);
   int64_t records = 0;
   for (const std::string& dir : dirs) {
     ManifestCache cache(parent_of(dir));

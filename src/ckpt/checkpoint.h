@@ -56,6 +56,11 @@ struct TrainState {
 
 // The checkpoint directories under root that have a manifest, newest (highest step) first.
 std::vector<std::string> list_checkpoints(const std::string& root);
+// The checkpoints `path` stands for, newest first: path itself when it is one checkpoint
+// directory; else the complete step-* directories under it (and path itself too when it also
+// holds a manifest: format 1 wrote run_dir/ckpt as the checkpoint). Throws when there is none.
+std::vector<std::string> checkpoint_candidates(const std::string& path);
+
 // "step-00000040"; a later attempt at the same step (a run that replays past a checkpoint it
 // could not use, or saves again at the step it resumed from) is "step-00000040.1" and so on:
 // published directories are never rewritten, because newer checkpoints may point into them.

@@ -258,9 +258,7 @@ int cmd_checkpoints(const Args& a) {
   const std::string dir = a.get("--dir");
   const std::string verify = a.get("--verify", "no");
   check(verify == "yes" || verify == "no", "checkpoints --verify: expected yes or no, found '" + verify + "'");
-  std::vector<std::string> dirs = fs::exists(dir + "/manifest.json") ? std::vector<std::string>{dir}
-                                                                     : list_checkpoints(dir);
-  check(!dirs.empty(), "checkpoints " + dir + ": not found (no manifest.json here, no complete step-* directory under it)");
+  const std::vector<std::string> dirs = checkpoint_candidates(dir);
   g_input_accepted = true;
   std::printf("%-15s %8s %5s %-15s %6s %10s %10s %7s %6s %6s %9s %s\n", "checkpoint", "step", "kind", "base", "ranks",
               "state MB", "stored MB", "raw", "zstd", "xor", "elsewhere", verify == "yes" ? "verified" : "");

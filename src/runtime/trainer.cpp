@@ -71,15 +71,18 @@ Trainer::Trainer(Config config, Communicator& comm)
   // A job restarted by `keel launch --max-restarts` continues from its own newest checkpoint when
   // it has one, whatever train.resume says (that was where the first attempt started).
   const bool restarted = std::getenv("KEEL_RESTART") != nullptr;
-  const bool automatic = t.resume == "auto" || (restarted && !list_checkpoints(ckpt_root_).empty());
+  const bool automatic = t.resume == "auto" || (restarted && (!list_checkpoints(ckpt_root_).empty() ||
+                                                              Env::get().exists(ckpt_root_ + "/manifest.json")));
   const std::string resume = automatic ? ckpt_root_ : t.resume;
   std::vector<std::string> candidates;
   if (!resume.empty()) {
-    candidates = Env::get().exists(resume + "/manifest.json") ? std::vector<std::string>{resume}
-                                                               : list_checkpoints(resume);
-    check(automatic || !candidates.empty(), "checkpoint " + resume +
-                                                ": not found (no manifest.json here, no complete step-* "
-                                                "directory under it)");
+    if (automatic) {
+      if (!list_checkpoints(resume).empty() || Env::get().exists(resume + "/manifest.json")) {
+        candidates = checkpoint_candidates(resume);
+      }
+    } else {
+      candidates = checkpoint_candidates(resume);
+    }
   }
   // Every rank must load the same checkpoint: a candidate is used only if it verified on all ranks.
   std::string last_why;
