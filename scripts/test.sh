@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs dependencies, builds, and runs every test: the Release suite (unit, model-vs-PyTorch,
 # end-to-end CLI and determinism tests), then the fast unit tests again under AddressSanitizer
-# and UndefinedBehaviorSanitizer.
+# and UndefinedBehaviorSanitizer (with the in-process checkpoint tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -11,8 +11,8 @@ ctest --test-dir build --output-on-failure -j2 --timeout 600
 
 echo "== sanitizer build (ASan + UBSan) of the unit tests =="
 cmake -S . -B build-sanitize -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKEEL_SANITIZE=ON -DKEEL_BENCH=OFF >/dev/null
-sanitized=(ops_test store_test config_test model_test shard_test tokenizer_test)
+sanitized=(ops_test store_test config_test model_test shard_test tokenizer_test env_test checkpoint_test codec_test)
 cmake --build build-sanitize -j"$(nproc)" --target "${sanitized[@]}"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   ctest --test-dir build-sanitize --output-on-failure -j2 --timeout 600 \
-  -R '^(Ops[A-Za-z]*|ChunkStore|Config|TinyModel|Shard|Corpus|Pretokenize|Tokenizer)\.'
+  -R '^(Ops[A-Za-z]*|ChunkStore|Config|TinyModel|Shard|Corpus|Pretokenize|Tokenizer|Env|Checkpoint|CheckpointCorruption|Codec)\.'
