@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 
 #include "core/error.h"
@@ -153,6 +154,36 @@ int64_t Communicator::broadcast(int64_t value) {
   if (!uses_mpi_) return value;
   mpi_check(MPI_Bcast(&value, 1, MPI_INT64_T, 0, MPI_COMM_WORLD), "bcast");
   return value;
+}
+
+Communicator::Request Communicator::ialltoallv(const uint8_t* send, const std::vector<int>& send_counts,
+                                               const std::vector<int>& send_displs, uint8_t* recv,
+                                               const std::vector<int>& recv_counts,
+                                               const std::vector<int>& recv_displs) {
+  Request r;
+  if (!uses_mpi_) {  // a world of one sends to itself
+    std::memcpy(recv + recv_displs[0], send + send_displs[0], static_cast<size_t>(send_counts[0]));
+    return r;
+  }
+  r.done = false;
+  mpi_check(MPI_Ialltoallv(send, send_counts.data(), send_displs.data(), MPI_BYTE, recv, recv_counts.data(),
+                           recv_displs.data(), MPI_BYTE, MPI_COMM_WORLD, &r.handle),
+            "ialltoallv");
+  return r;
+}
+
+Communicator::Request Communicator::iallgatherv(const uint8_t* send, uint8_t* recv, const std::vector<int>& counts,
+                                                const std::vector<int>& displs) {
+  Request r;
+  if (!uses_mpi_) {
+    std::memcpy(recv + displs[0], send, static_cast<size_t>(counts[0]));
+    return r;
+  }
+  r.done = false;
+  mpi_check(MPI_Iallgatherv(send, counts[rank_], MPI_BYTE, recv, counts.data(), displs.data(), MPI_BYTE,
+                            MPI_COMM_WORLD, &r.handle),
+            "iallgatherv");
+  return r;
 }
 
 bool Communicator::test(Request& r) {

@@ -41,6 +41,12 @@ class Communicator {
   // A non-blocking in-place reduce-scatter of data[0 .. sum(counts)): rank r receives the sum of
   // its counts[r] elements, placed at data[0 .. counts[r]) (MPI's in-place convention).
   Request ireduce_scatter_sum(float* data, const std::vector<int>& counts);
+  // Non-blocking exchanges of bytes (compressed gradients): rank r sends send[send_displs[j] ..
+  // + send_counts[j]) to rank j and receives rank j's into recv[recv_displs[j] ..).
+  Request ialltoallv(const uint8_t* send, const std::vector<int>& send_counts, const std::vector<int>& send_displs,
+                     uint8_t* recv, const std::vector<int>& recv_counts, const std::vector<int>& recv_displs);
+  // Every rank's send[0 .. counts[rank]) lands at recv[displs[r] ..) on every rank.
+  Request iallgatherv(const uint8_t* send, uint8_t* recv, const std::vector<int>& counts, const std::vector<int>& displs);
   bool test(Request& request);  // true once complete
   void wait(Request& request);
 
