@@ -281,6 +281,11 @@ std::vector<std::string> mpirun_argv(const LaunchOptions& o, int restart) {
                                    "--oversubscribe", "--bind-to", "none",
                                    // Pass the thread settings to remote ranks too.
                                    "-x", "OMP_NUM_THREADS", "-x", "OMP_WAIT_POLICY"};
+  // A fault-injection plan (tests) reaches ranks on other hosts too.
+  if (std::getenv("KEEL_FAULT") != nullptr) {
+    argv.push_back("-x");
+    argv.push_back("KEEL_FAULT");
+  }
   if (restart > 0) {
     for (const char* name : kRestartVariables) {
       argv.push_back("-x");

@@ -139,8 +139,11 @@ Trainer::Trainer(Config config, Communicator& comm)
     write_file(t.run_dir + "/config.toml", config_.to_toml());
     // A resumed run continues its metrics (without the steps it is about to replay); a fresh run
     // starts them anew.
-    if (resumed_) trim_metrics(steps_done_);
-    metrics_.open(t.run_dir + "/metrics.jsonl", resumed_ ? std::ios::app : std::ios::trunc);
+    // A restarted job that found no checkpoint starts from step 0 but keeps the record of its
+    // earlier failures and recoveries.
+    const bool keep = resumed_ || std::getenv("KEEL_RESTART") != nullptr;
+    if (keep) trim_metrics(steps_done_);
+    metrics_.open(t.run_dir + "/metrics.jsonl", keep ? std::ios::app : std::ios::trunc);
     check(metrics_.good(), "run directory " + t.run_dir + ": cannot write metrics.jsonl");
   }
 }
@@ -328,7 +331,9 @@ void Trainer::trim_metrics(int64_t step) {
   while (std::getline(in, line)) {
     try {
       const json j = json::parse(line);
-      if (j.contains("step") && j.at("step").get<int64_t>() > step) continue;
+      // Steps to be replayed go; recovery events stay (they describe this run's history).
+      if (j.contains("step") && j.at("step").get<int64_t>() > step && !j.contains("event")) continue;
+      if (j.value("event", "") == "checkpoint" && j.at("step").get<int64_t>() > step) continue;
     } catch (const json::exception&) {
       continue;  // a line cut short by the crash
     }
