@@ -226,6 +226,12 @@ StepStats Trainer::step() {
   s.peak_rss_mb = maxima[2];
   if (ckpt_->in_flight() && maxima[3] == 0.0) commit_checkpoint();  // every rank has written its part
 
+  // A periodic checkpoint begins here, so the step's time includes what it costs training (the
+  // snapshot copy; with checkpoint.async = false the whole write). The last step's checkpoint is
+  // the final save of run().
+  if (t.checkpoint_every > 0 && steps_done_ % t.checkpoint_every == 0 && steps_done_ != t.steps) {
+    begin_checkpoint(ckpt_root_);
+  }
   s.ckpt_stall_ms = pending_stall_ms_;
   pending_stall_ms_ = 0;
   const double seconds = seconds_since(t0);
@@ -460,7 +466,6 @@ RunSummary Trainer::run() {
       std::fflush(stdout);
     }
     if (t.eval_every > 0 && s.step % t.eval_every == 0 && s.step != t.steps) report_eval(evaluate(t.eval_batches));
-    if (t.checkpoint_every > 0 && s.step % t.checkpoint_every == 0 && s.step != t.steps) begin_checkpoint(ckpt_root_);
   }
   summary.steps = steps_done_;
   summary.mean_tokens_per_s = timed > 0 ? tokens_per_s_sum / timed : 0;

@@ -51,7 +51,8 @@ class Trainer {
   explicit Trainer(Config config, Communicator& comm = Communicator::world());
   ~Trainer();
 
-  // One optimizer step over grad_accum micro-batches.
+  // One optimizer step over grad_accum micro-batches; begins a checkpoint after it when
+  // train.checkpoint_every says so (except after the last step: run() saves at the end).
   StepStats step();
   // Mean validation loss over the first `batches` validation batches (file order).
   double evaluate(int batches);
