@@ -20,7 +20,6 @@
 #include "runtime/launcher.h"
 #include "test_util.h"
 
-extern char** environ;
 
 namespace keel {
 namespace {
@@ -112,54 +111,19 @@ TEST(LaunchArgs, BadInputExits2) {
 
 // --- restarting a running job ---------------------------------------------------------------------
 
-// A `keel launch` running in the background, its stdout and stderr going to a log file.
-class Job {
+// A `keel launch` running in the background, its stdout and stderr going to a log file; `args`
+// are split at spaces (the test's paths have none).
+class Job : public testing::KeelJob {
  public:
-  // `args` are split at spaces (the test's paths have none).
-  Job(const std::string& args, const std::string& log) : log_(log) {
-    std::vector<std::string> words = {KEEL_BINARY};
-    std::istringstream split(args);
-    for (std::string w; split >> w;) words.push_back(w);
-    std::vector<char*> argv;
-    for (std::string& w : words) argv.push_back(w.data());
-    argv.push_back(nullptr);
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
-    if (posix_spawn(&pid_, KEEL_BINARY, &actions, nullptr, argv.data(), environ) != 0) pid_ = -1;
-    posix_spawn_file_actions_destroy(&actions);
-  }
-  // A job a failed assertion left running: stop it (the launcher forwards SIGTERM to mpirun,
-  // which ends the ranks), and kill what is left.
-  ~Job() {
-    if (pid_ <= 0 || exit_code_ >= 0) return;
-    ::kill(pid_, SIGTERM);
-    if (wait(20) < 0) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, nullptr, 0);
-    }
-  }
-  pid_t pid() const { return pid_; }
-  // The launcher's exit code, or -1 if it is still running after `seconds` (a hang guard, not a
-  // speed assertion).
-  int wait(double seconds) {
-    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-    for (;;) {
-      int status = 0;
-      if (exit_code_ < 0 && ::waitpid(pid_, &status, WNOHANG) == pid_) {
-        exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      }
-      if (exit_code_ >= 0 || std::chrono::steady_clock::now() >= until) return exit_code_;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-  }
-  std::string output() const { return fs::exists(log_) ? read_text_file(log_) : ""; }
+  Job(const std::string& args, const std::string& log) : KeelJob(split(args), log, {}) {}
 
  private:
-  std::string log_;
-  pid_t pid_ = -1;
-  int exit_code_ = -1;
+  static std::vector<std::string> split(const std::string& args) {
+    std::vector<std::string> words;
+    std::istringstream in(args);
+    for (std::string w; in >> w;) words.push_back(w);
+    return words;
+  }
 };
 
 // Polls `ready` every 20 ms for up to `seconds`.

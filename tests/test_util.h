@@ -1,8 +1,15 @@
 // Helpers shared by Keel's tests: temporary directories and running the keel binary.
 #pragma once
 
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
 
 #include <array>
 #include <cstdio>
@@ -16,10 +23,13 @@
 #include "ckpt/checkpoint.h"
 #include "ckpt/llmc.h"
 #include "core/error.h"
+#include "core/fileio.h"
 #include "core/rng.h"
 #include "data/shard.h"
 #include "model/gpt.h"
 #include "store/chunk_store.h"
+
+extern char** environ;
 
 namespace keel::testing {
 
@@ -138,5 +148,66 @@ inline void write_toy_config(const std::string& dir, int steps) {
              "[data]\ntrain = \"" + dir + "/train.bin\"\nval = \"" + dir + "/val.bin\"\ntokenizer = \"\"\n"
              "[runtime]\npeak_gflops = 100\n[parallel]\nbucket_bytes = 65536\n");
 }
+
+// A keel command (usually `keel launch`) running in the background with extra environment variables, its stdout and
+// stderr going to a log file.
+class KeelJob {
+ public:
+  KeelJob(const std::vector<std::string>& args, const std::string& log, const std::vector<std::string>& extra_env)
+      : log_(log) {
+    std::vector<std::string> words = {KEEL_BINARY};
+    words.insert(words.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (std::string& w : words) argv.push_back(w.data());
+    argv.push_back(nullptr);
+    std::vector<std::string> env(extra_env);
+    for (char** e = environ; *e != nullptr; ++e) {
+      const std::string entry = *e;
+      const std::string name = entry.substr(0, entry.find('=') + 1);
+      if (std::none_of(extra_env.begin(), extra_env.end(), [&](const std::string& x) { return x.starts_with(name); })) {
+        env.push_back(entry);
+      }
+    }
+    std::vector<char*> envp;
+    for (std::string& e : env) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+    if (posix_spawn(&pid_, KEEL_BINARY, &actions, nullptr, argv.data(), envp.data()) != 0) pid_ = -1;
+    posix_spawn_file_actions_destroy(&actions);
+  }
+  // A job a failed assertion left running: stop it (the launcher forwards SIGTERM to mpirun,
+  // which ends the ranks), and kill it if it does not stop.
+  ~KeelJob() {
+    if (pid_ <= 0 || exit_code_ >= 0) return;
+    ::kill(pid_, SIGTERM);
+    if (wait(30) < 0) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+  }
+  pid_t pid() const { return pid_; }
+  // The launcher's exit code, or -1 while it is still running after `seconds`.
+  int wait(double seconds) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    for (;;) {
+      int status = 0;
+      if (exit_code_ < 0 && ::waitpid(pid_, &status, WNOHANG) == pid_) {
+        exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      }
+      if (exit_code_ >= 0 || std::chrono::steady_clock::now() >= until) return exit_code_;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  bool running() { return wait(0) < 0; }
+  std::string output() const { return std::filesystem::exists(log_) ? read_text_file(log_) : ""; }
+
+ private:
+  std::string log_;
+  pid_t pid_ = -1;
+  int exit_code_ = -1;
+};
 
 }  // namespace keel::testing

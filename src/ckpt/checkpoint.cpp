@@ -492,17 +492,12 @@ CheckpointWriter::~CheckpointWriter() {
   if (thread_.joinable()) thread_.join();
 }
 
-int64_t CheckpointWriter::buffer_bytes() const {
-  return static_cast<int64_t>((snapshot_.capacity() + base_.capacity()) * sizeof(float));
-}
-
 bool CheckpointWriter::done() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return job_done_;
 }
 
 void CheckpointWriter::begin(const std::string& root, int64_t step, const RankState& state, int attempt) {
-  const auto t0 = std::chrono::steady_clock::now();
   check(!in_flight_, "checkpoint writer: begin() while the previous checkpoint is not finished");
   if (thread_.joinable()) thread_.join();
   if (root != root_) base_name_.clear();  // a new root has no base to be differential against
@@ -531,7 +526,6 @@ void CheckpointWriter::begin(const std::string& root, int64_t step, const RankSt
   } else {
     write_job();
   }
-  stall_ms_ = ms_since(t0);
 }
 
 void CheckpointWriter::write_job() {
@@ -635,13 +629,11 @@ void CheckpointWriter::write_job() {
 
 std::string CheckpointWriter::finish() {
   check(in_flight_, "checkpoint writer: finish() without begin()");
-  const auto t0 = std::chrono::steady_clock::now();
   {
     std::unique_lock<std::mutex> lock(mutex_);
     cv_.wait(lock, [this] { return job_done_; });
   }
   if (thread_.joinable()) thread_.join();
-  stall_ms_ += ms_since(t0);
   return part_;
 }
 

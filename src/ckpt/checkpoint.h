@@ -143,8 +143,6 @@ class CheckpointWriter {
   std::string finish();
   // The outcome of publishing: a committed checkpoint becomes the base of the next differential one.
   void committed(bool ok);
-  double stall_ms() const { return stall_ms_; }
-  int64_t buffer_bytes() const;  // snapshot (+ delta base) memory
 
  private:
   void write_job();
@@ -164,7 +162,6 @@ class CheckpointWriter {
   int64_t step_ = 0;
   RankState state_;
   bool in_flight_ = false;
-  double stall_ms_ = 0;
   std::string part_;
   std::thread thread_;
   mutable std::mutex mutex_;
