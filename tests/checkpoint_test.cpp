@@ -36,18 +36,7 @@ using nlohmann::json;
 
 json manifest_of(const std::string& dir) { return json::parse(read_text_file(dir + "/manifest.json")); }
 
-// A learnable toy language, vocabulary 64 (as in trainer_test).
-void write_toy_shards(const std::string& dir) {
-  Rng rng(7);
-  auto make = [&](size_t n) {
-    std::vector<uint16_t> t(n);
-    for (size_t i = 0; i < n; ++i)
-      t[i] = static_cast<uint16_t>(rng.uniform() < 0.1 ? rng.below(64) : (i * 7 + i / 13) % 64);
-    return t;
-  };
-  write_token_shard(dir + "/train.bin", make(20000));
-  write_token_shard(dir + "/val.bin", make(3000));
-}
+using testing::write_toy_shards;
 
 // A 2-layer, 32-wide model in chunks of 8 KiB (a few dozen chunks), for the in-process Trainer.
 Config toy_config(const std::string& dir, int steps) {

@@ -65,6 +65,21 @@ inline std::vector<char> checkpoint_bytes(const std::string& root, Plane plane =
   return std::vector<char>(p, p + v.size() * sizeof(float));
 }
 
+// A learnable toy language (repeating patterns with a little noise, vocabulary 64) as
+// dir/train.bin and dir/val.bin, for in-process Trainer tests.
+inline void write_toy_shards(const std::string& dir) {
+  Rng rng(7);
+  auto make = [&](size_t n) {
+    std::vector<uint16_t> t(n);
+    for (size_t i = 0; i < n; ++i) {
+      t[i] = static_cast<uint16_t>(rng.uniform() < 0.1 ? rng.below(64) : (i * 7 + i / 13) % 64);
+    }
+    return t;
+  };
+  write_token_shard(dir + "/train.bin", make(20000));
+  write_token_shard(dir + "/val.bin", make(3000));
+}
+
 struct CommandResult {
   int exit_code = -1;
   std::string output;  // stdout and stderr together

@@ -18,17 +18,7 @@
 namespace keel {
 namespace {
 
-// A learnable toy language: repeating patterns with a little noise, vocabulary 64.
-void write_toy_shards(const std::string& dir) {
-  Rng rng(7);
-  auto make = [&](size_t n) {
-    std::vector<uint16_t> t(n);
-    for (size_t i = 0; i < n; ++i) t[i] = static_cast<uint16_t>(rng.uniform() < 0.1 ? rng.below(64) : (i * 7 + i / 13) % 64);
-    return t;
-  };
-  write_token_shard(dir + "/train.bin", make(20000));
-  write_token_shard(dir + "/val.bin", make(3000));
-}
+using testing::write_toy_shards;
 
 Config toy_config(const std::string& dir, int steps) {
   Config c = Config::load("", {"model.preset=tiny", "model.vocab_size=64", "model.n_embd=32", "model.n_head=2",
