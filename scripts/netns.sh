@@ -2,7 +2,8 @@
 # Several "hosts" on one machine: network namespaces on a private bridge, for running Keel (or any
 # OpenMPI program) as if over real hosts. Needs root and iproute2 (ip, tc).
 #
-#   scripts/netns.sh up N [--rate R] [--slots S]   create N namespaces PREFIX0..PREFIX{N-1}
+#   scripts/netns.sh up N [--rate R] [--delay D] [--slots S]
+#                                                  create N namespaces PREFIX0..PREFIX{N-1}
 #   scripts/netns.sh run [-n N] [--mca K V]... -- SUBCOMMAND [ARGS...]
 #                                                  keel launch across the namespaces (ranks default: N)
 #   scripts/netns.sh run --mpirun [-n N] [--mca K V]... -- PROGRAM [ARGS...]
@@ -20,7 +21,10 @@
 # SUBNET.(i+1) on eth0, the peer of veth kv<H>-i on the bridge (<H>: 6 hex digits from the prefix, so
 # interface names fit 15 characters and `down` finds them without the state directory). With --rate,
 # a tbf qdisc shapes both directions: eth0 inside (traffic leaving the host) and kv<H>-i outside
-# (traffic reaching it). The state directory holds the hostfile, the rsh agent and the settings.
+# (traffic reaching it). With --delay (e.g. 0.2ms), a netem qdisc on eth0 delays every packet leaving
+# a host by D (one way; a round trip between two hosts takes 2 D), with tbf under it when --rate is
+# given too; it needs the kernel's sch_netem, and `up` fails saying so where it is missing. The
+# state directory holds the hostfile, the rsh agent and the settings.
 set -Eeuo pipefail
 
 PREFIX=${KEEL_NETNS_PREFIX:-keel-h}
@@ -33,7 +37,7 @@ BRIDGE=kb$HASH
 VETH=kv$HASH-  # + index
 
 die() { echo "netns.sh: $*" >&2; exit 1; }
-usage() { sed -n '2,12p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 need_tools() {
   if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then
@@ -80,10 +84,11 @@ pick_subnet() {
 }
 
 cmd_up() {
-  local n="" rate="" slots=1
+  local n="" rate="" delay="" slots=1
   while [[ $# -gt 0 ]]; do
     case $1 in
       --rate) [[ $# -ge 2 ]] || die "--rate needs a value (e.g. 1gbit)"; rate=$2; shift 2 ;;
+      --delay) [[ $# -ge 2 ]] || die "--delay needs a value (e.g. 0.2ms)"; delay=$2; shift 2 ;;
       --slots) [[ $# -ge 2 ]] || die "--slots needs a value"; slots=$2; shift 2 ;;
       -*) die "up: unknown option $1" ;;
       *) [[ -z $n ]] || die "up: unexpected argument $1"; n=$1; shift ;;
@@ -91,6 +96,7 @@ cmd_up() {
   done
   [[ $n =~ ^[0-9]+$ && $n -ge 1 && $n -le 253 ]] || die "up: expected a number of namespaces 1..253, found '${n}'"
   [[ $slots =~ ^[0-9]+$ && $slots -ge 1 ]] || die "up: --slots: expected a positive number, found '$slots'"
+  [[ -z $delay || $delay =~ ^[0-9.]+(us|ms|s)$ ]] || die "up: --delay: expected a time such as 0.2ms, found '$delay'"
   need_tools
 
   # Serialise against other `up`s choosing a subnet at the same time.
@@ -98,12 +104,12 @@ cmd_up() {
   if command -v flock >/dev/null 2>&1; then flock 9; fi
 
   if [[ -f $STATE/settings ]]; then
-    local want_n=$n want_rate=$rate
+    local want_n=$n want_rate=$rate want_delay=$delay
     # shellcheck disable=SC1091
     source "$STATE/settings"
     local missing=0 i
     for ((i = 0; i < NS_COUNT; i++)); do ip netns pids "$PREFIX$i" >/dev/null 2>&1 || missing=1; done
-    if [[ $missing -eq 0 && $NS_COUNT == "$want_n" && $NS_RATE == "$want_rate" ]]; then
+    if [[ $missing -eq 0 && $NS_COUNT == "$want_n" && $NS_RATE == "$want_rate" && ${NS_DELAY:-} == "$want_delay" ]]; then
       echo "netns.sh: already up: $NS_COUNT namespaces ${PREFIX}0..${PREFIX}$((NS_COUNT - 1)) on $NS_SUBNET.0/24" >&2
       echo "$STATE"; return 0
     fi
@@ -134,6 +140,16 @@ cmd_up() {
     ip -n "$ns" link set eth0 up
     if [[ -n $rate ]]; then
       tc qdisc add dev "$VETH$i" root tbf rate "$rate" burst "$burst" latency "$latency"
+    fi
+    if [[ -n $delay ]]; then
+      if ! ip netns exec "$ns" tc qdisc add dev eth0 root handle 1: netem delay "$delay" 2>"$STATE/netem.err"; then
+        echo "netns.sh: --delay $delay: tc cannot add a netem qdisc ($(tr -d '\n' <"$STATE/netem.err")): this kernel lacks sch_netem" >&2
+        false
+      fi
+      if [[ -n $rate ]]; then
+        ip netns exec "$ns" tc qdisc add dev eth0 parent 1:1 handle 10: tbf rate "$rate" burst "$burst" latency "$latency"
+      fi
+    elif [[ -n $rate ]]; then
       ip netns exec "$ns" tc qdisc add dev eth0 root tbf rate "$rate" burst "$burst" latency "$latency"
     fi
   done
@@ -160,6 +176,7 @@ EOF
   cat >"$STATE/settings" <<EOF
 NS_COUNT=$n
 NS_RATE=$rate
+NS_DELAY=$delay
 NS_SUBNET=$subnet
 NS_SLOTS=$slots
 EOF
@@ -171,7 +188,7 @@ EOF
     done
   fi
   trap - ERR INT TERM
-  echo "netns.sh: up: $n namespaces ${PREFIX}0..${PREFIX}$((n - 1)) on $subnet.0/24 (bridge $BRIDGE${rate:+, tbf $rate each way})" >&2
+  echo "netns.sh: up: $n namespaces ${PREFIX}0..${PREFIX}$((n - 1)) on $subnet.0/24 (bridge $BRIDGE${rate:+, tbf $rate each way}${delay:+, netem delay $delay})" >&2
   echo "$STATE"
 }
 
@@ -236,7 +253,7 @@ cmd_status() {
     # shellcheck disable=SC1091
     source "$STATE/settings"
     echo "state: $STATE (hostfile $STATE/hostfile, agent $STATE/rsh-agent)"
-    echo "subnet: $NS_SUBNET.0/24, bridge $BRIDGE ($NS_SUBNET.254), rate: ${NS_RATE:-unshaped}, slots: $NS_SLOTS"
+    echo "subnet: $NS_SUBNET.0/24, bridge $BRIDGE ($NS_SUBNET.254), rate: ${NS_RATE:-unshaped}, delay: ${NS_DELAY:-none}, slots: $NS_SLOTS"
   else
     echo "state: missing ($STATE); leftovers below; run: $0 down"
   fi

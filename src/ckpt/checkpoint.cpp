@@ -144,23 +144,15 @@ class ManifestCache {
   std::map<std::string, json> cache_;
 };
 
-// Decodes the record of (chunk, plane) of checkpoint `name` into out[0 .. numel), verifying
-// stored and decoded checksums. XOR records decode their base first (a chain of at most
-// full_every - 1 links).
-void decode(ManifestCache& cache, const std::string& name, int chunk, Plane plane, float* out, int64_t numel,
-            int depth = 0) {
-  check(depth < 10000, "checkpoint " + join(cache.root(), name) + ": XOR chain too long (a cycle?)");
-  const json& m = cache.get(name);
-  const json& chunks = m.at("chunks");
-  check(chunk < static_cast<int>(chunks.size()), "checkpoint " + join(cache.root(), name) + ": no chunk " +
-                                                     std::to_string(chunk));
-  const json& rec = chunks[chunk].at("planes").at(plane_key(plane));
-  const std::string in = rec.at("in").get<std::string>();
-  const std::string path = join(join(cache.root(), in), rec.at("file").get<std::string>());
+// Reads one stored record {in, file, at, bytes, enc (raw or zstd; xor-zstd gives the XOR delta),
+// stored_sum[, sum]} of `numel` floats under checkpoint root `root` into out, verifying the
+// stored checksum and, with check_sum, the checksum of the decoded floats. `what` names it.
+void read_record(const std::string& root, const json& rec, float* out, size_t numel, const std::string& what,
+                 bool check_sum) {
+  const std::string path = join(join(root, rec.at("in").get<std::string>()), rec.at("file").get<std::string>());
   const std::string enc = rec.at("enc").get<std::string>();
   const uint64_t at = rec.at("at").get<uint64_t>(), bytes = rec.at("bytes").get<uint64_t>();
-  const std::string what = "chunk " + std::to_string(chunk) + " " + plane_key(plane);
-  const size_t raw_bytes = static_cast<size_t>(numel) * sizeof(float);
+  const size_t raw_bytes = numel * sizeof(float);
   std::vector<char> stored;
   try {
     stored = Env::get().read_range(path, at, static_cast<size_t>(bytes));
@@ -177,24 +169,61 @@ void decode(ManifestCache& cache, const std::string& name, int chunk, Plane plan
                                           std::to_string(raw_bytes));
     std::memcpy(out, stored.data(), raw_bytes);
   } else if (enc == "zstd" || enc == "xor-zstd") {
-    std::vector<float> tmp;
-    float* target = out;
-    if (enc == "xor-zstd") {
-      tmp.resize(static_cast<size_t>(numel));
-      target = tmp.data();
-    }
-    const size_t n = ZSTD_decompress(target, raw_bytes, stored.data(), stored.size());
+    const size_t n = ZSTD_decompress(out, raw_bytes, stored.data(), stored.size());
     check(!ZSTD_isError(n) && n == raw_bytes, "checkpoint file " + path + ": " + what + " does not decompress (" +
                                                   (ZSTD_isError(n) ? ZSTD_getErrorName(n) : "wrong size") + ")");
-    if (enc == "xor-zstd") {
-      decode(cache, rec.at("base").get<std::string>(), chunk, plane, out, numel, depth + 1);
-      uint32_t* o = reinterpret_cast<uint32_t*>(out);
-      const uint32_t* d = reinterpret_cast<const uint32_t*>(tmp.data());
-      for (int64_t i = 0; i < numel; ++i) o[i] ^= d[i];
-    }
+  } else {
+    throw Error("checkpoint file " + path + ": " + what + " has unknown encoding '" + enc + "'");
+  }
+  if (check_sum) {
+    const std::string sum = hex64(checksum(out, raw_bytes));
+    check(sum == rec.at("sum").get<std::string>(), "checkpoint file " + path + ": " + what +
+                                                       " decodes to the wrong bytes (checksum " + sum +
+                                                       ", manifest says " + rec.at("sum").get<std::string>() + ")");
+  }
+}
+
+// The residual record of rank `rank` in manifest m (nullptr if it saved none).
+const json* residual_record(const json& m, int rank) {
+  for (const json& r : m.at("ranks")) {
+    if (r.at("rank").get<int>() == rank && r.contains("residual")) return &r.at("residual");
+  }
+  return nullptr;
+}
+
+std::vector<float> read_residual_record(const std::string& root, const json& rec, int rank) {
+  std::vector<float> out(rec.at("numel").get<size_t>());
+  read_record(root, rec, out.data(), out.size(), "compression residual of rank " + std::to_string(rank), true);
+  return out;
+}
+
+// Decodes the record of (chunk, plane) of checkpoint `name` into out[0 .. numel), verifying
+// stored and decoded checksums. XOR records decode their base first (a chain of at most
+// full_every - 1 links).
+void decode(ManifestCache& cache, const std::string& name, int chunk, Plane plane, float* out, int64_t numel,
+            int depth = 0) {
+  check(depth < 10000, "checkpoint " + join(cache.root(), name) + ": XOR chain too long (a cycle?)");
+  const json& m = cache.get(name);
+  const json& chunks = m.at("chunks");
+  check(chunk < static_cast<int>(chunks.size()), "checkpoint " + join(cache.root(), name) + ": no chunk " +
+                                                     std::to_string(chunk));
+  const json& rec = chunks[chunk].at("planes").at(plane_key(plane));
+  const std::string what = "chunk " + std::to_string(chunk) + " " + plane_key(plane);
+  const std::string enc = rec.at("enc").get<std::string>();
+  if (enc == "xor-zstd") {
+    std::vector<float> delta(static_cast<size_t>(numel));
+    read_record(cache.root(), rec, delta.data(), static_cast<size_t>(numel), what, false);
+    decode(cache, rec.at("base").get<std::string>(), chunk, plane, out, numel, depth + 1);
+    uint32_t* o = reinterpret_cast<uint32_t*>(out);
+    const uint32_t* d = reinterpret_cast<const uint32_t*>(delta.data());
+    for (int64_t i = 0; i < numel; ++i) o[i] ^= d[i];
+  } else if (enc == "raw" || enc == "zstd") {
+    read_record(cache.root(), rec, out, static_cast<size_t>(numel), what, false);
   } else {
     throw Error("checkpoint " + join(cache.root(), name) + ": " + what + " has unknown encoding '" + enc + "'");
   }
+  const std::string path = join(join(cache.root(), rec.at("in").get<std::string>()), rec.at("file").get<std::string>());
+  const size_t raw_bytes = static_cast<size_t>(numel) * sizeof(float);
   const std::string sum = hex64(checksum(out, raw_bytes));
   check(sum == rec.at("sum").get<std::string>(), "checkpoint file " + path + ": " + what +
                                                      " decodes to the wrong bytes (checksum " + sum +
@@ -243,6 +272,10 @@ TrainState load_one(const std::string& dir, ChunkStore& store, const Config& con
       rs.rank = r.at("rank").get<int>();
       rs.data.epoch = r.at("data").at("epoch").get<uint64_t>();
       rs.data.index = r.at("data").at("index").get<uint64_t>();
+      if (r.contains("residual")) {
+        rs.has_residual = true;
+        rs.residual_layout = r.at("residual").at("layout").get<std::string>();
+      }
       state.ranks.push_back(rs);
     }
     check(!state.ranks.empty(), "checkpoint " + dir + ": no rank state");
@@ -411,6 +444,11 @@ int64_t verify_checkpoint(const std::string& path) {
           records++;
         }
       }
+      for (const json& r : cache.get(name).at("ranks")) {
+        if (!r.contains("residual")) continue;
+        read_residual_record(parent_of(dir), r.at("residual"), r.at("rank").get<int>());
+        records++;
+      }
     } catch (const json::exception& e) {
       throw Error("checkpoint " + dir + ": malformed manifest (" + e.what() + ")");
     }
@@ -449,6 +487,18 @@ CheckpointInfo describe_checkpoint(const std::string& dir) {
     throw Error("checkpoint " + dir + ": malformed manifest (" + e.what() + ")");
   }
   return info;
+}
+
+
+std::vector<float> read_rank_residual(const std::string& dir, int rank) {
+  const json m = read_manifest(dir);
+  try {
+    const json* rec = residual_record(m, rank);
+    check(rec != nullptr, "checkpoint " + dir + ": rank " + std::to_string(rank) + " saved no compression residual");
+    return read_residual_record(parent_of(dir), *rec, rank);
+  } catch (const json::exception& e) {
+    throw Error("checkpoint " + dir + ": malformed manifest (" + e.what() + ")");
+  }
 }
 
 std::vector<float> read_checkpoint_plane(const std::string& dir, Plane plane) {
@@ -497,7 +547,8 @@ bool CheckpointWriter::done() const {
   return job_done_;
 }
 
-void CheckpointWriter::begin(const std::string& root, int64_t step, const RankState& state, int attempt) {
+void CheckpointWriter::begin(const std::string& root, int64_t step, const RankState& state, int attempt,
+                             std::vector<float>* residual) {
   check(!in_flight_, "checkpoint writer: begin() while the previous checkpoint is not finished");
   if (thread_.joinable()) thread_.join();
   if (root != root_) base_name_.clear();  // a new root has no base to be differential against
@@ -505,6 +556,8 @@ void CheckpointWriter::begin(const std::string& root, int64_t step, const RankSt
   step_ = step;
   name_ = checkpoint_name(step, attempt);
   state_ = state;
+  check(!state.has_residual || residual != nullptr, "checkpoint writer: residual announced but not given");
+  if (state.has_residual) std::swap(residual_, *residual);
   full_ = base_name_.empty() || taken_ % config_.full_every == 0;
   taken_++;
   // The snapshot: this rank's flat range of every saved plane, and the chunks' versions.
@@ -604,6 +657,33 @@ void CheckpointWriter::write_job() {
       }
       chunks[std::to_string(c)] = {{"version", snapshot_versions_[k]}, {"planes", planes}};
     }
+    if (state_.has_residual) {
+      // Compression residuals: this rank's own state, always written whole (they change every step).
+      const size_t raw_bytes = residual_.size() * sizeof(float);
+      const char* stored = reinterpret_cast<const char*>(residual_.data());
+      size_t stored_bytes = raw_bytes;
+      std::string enc = "raw";
+      if (config_.compress) {
+        packed.resize(ZSTD_compressBound(raw_bytes));
+        const size_t n = ZSTD_compress(packed.data(), packed.size(), residual_.data(), raw_bytes, kZstdLevel);
+        if (!ZSTD_isError(n) && n < stored_bytes) {
+          stored = packed.data();
+          stored_bytes = n;
+          enc = "zstd";
+        }
+      }
+      out->append(stored, stored_bytes);
+      part["residual"] = {{"in", name_},
+                          {"file", file},
+                          {"at", at},
+                          {"bytes", stored_bytes},
+                          {"enc", enc},
+                          {"numel", residual_.size()},
+                          {"layout", state_.residual_layout},
+                          {"sum", hex64(checksum(residual_.data(), raw_bytes))},
+                          {"stored_sum", hex64(checksum(stored, stored_bytes))}};
+      at += stored_bytes;
+    }
     out->sync();
     out->close();
     env.sync_dir(dir);
@@ -682,7 +762,12 @@ std::string publish_checkpoint(const std::string& root, const std::vector<std::s
       json writers = json::array();
       std::vector<const json*> records(static_cast<size_t>(n), nullptr);
       for (const json& p : ps) {
-        ranks.push_back({{"rank", p.at("rank")}, {"data", p.at("data")}});
+        json rank = {{"rank", p.at("rank")}, {"data", p.at("data")}};
+        if (p.contains("residual")) {
+          rank["residual"] = p.at("residual");
+          s.raw_bytes += p.at("residual").at("numel").get<double>() * sizeof(float);
+        }
+        ranks.push_back(rank);
         writers.push_back({p.at("first"), p.at("last")});
         for (const auto& [key, value] : p.at("chunks").items()) {
           const int c = std::stoi(key);

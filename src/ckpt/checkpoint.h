@@ -42,6 +42,10 @@ inline constexpr int kCheckpointFormatVersion = 2;
 struct RankState {
   int rank = 0;
   LoaderPosition data;
+  // Compressed gradient sync: the rank has error-feedback residuals (saved as one record of
+  // floats in its rR.bin; read them with read_rank_residual) for this layout of buckets.
+  bool has_residual = false;
+  std::string residual_layout;
 };
 
 // What a training run needs besides the chunk store to continue exactly where it stopped.
@@ -101,6 +105,10 @@ struct CheckpointInfo {
 };
 CheckpointInfo describe_checkpoint(const std::string& dir);
 
+// The compression residuals rank `rank` saved in checkpoint directory `dir` (verified). Throws
+// when it saved none or they are corrupt.
+std::vector<float> read_rank_residual(const std::string& dir, int rank);
+
 // Decodes one plane of a checkpoint into a flat array of store.numel() floats (tests, tools).
 std::vector<float> read_checkpoint_plane(const std::string& dir, Plane plane);
 
@@ -108,7 +116,7 @@ std::vector<float> read_checkpoint_plane(const std::string& dir, Plane plane);
 struct CheckpointStats {
   std::string name;
   bool full = true;
-  double raw_bytes = 0;      // the state covered (3 planes of every chunk)
+  double raw_bytes = 0;      // the state covered (3 planes of every chunk, compression residuals)
   double written_bytes = 0;  // bytes written by this checkpoint (all ranks, after encoding)
   int records = 0, unchanged = 0, xor_records = 0;
   double stall_ms = 0;       // training time lost: waiting for the previous write + snapshot copy
@@ -133,8 +141,11 @@ class CheckpointWriter {
 
   // Snapshots this rank's chunks at `step` (index = checkpoints taken so far in this run decides
   // full or differential) and starts writing them under root/checkpoint_name(step, attempt)
-  // (every rank must use the same attempt: see next_checkpoint_attempt).
-  void begin(const std::string& root, int64_t step, const RankState& state, int attempt = 0);
+  // (every rank must use the same attempt: see next_checkpoint_attempt). With state.has_residual,
+  // `residual` holds the rank's compression residuals: the writer takes the vector (swapping in
+  // its previous buffer, so the caller can reuse it) and writes it as one record.
+  void begin(const std::string& root, int64_t step, const RankState& state, int attempt = 0,
+             std::vector<float>* residual = nullptr);
   const std::string& name() const { return name_; }
   bool in_flight() const { return in_flight_; }
   bool done() const;         // the background write of the current checkpoint finished
@@ -161,6 +172,7 @@ class CheckpointWriter {
   std::string root_, name_;
   int64_t step_ = 0;
   RankState state_;
+  std::vector<float> residual_;
   bool in_flight_ = false;
   std::string part_;
   std::thread thread_;

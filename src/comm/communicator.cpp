@@ -44,11 +44,29 @@ Communicator::Communicator() {
   // Errors come back as codes (turned into keel::Error) instead of aborting the job silently.
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   uses_mpi_ = true;
+  comm_ = MPI_COMM_WORLD;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
   MPI_Comm_size(MPI_COMM_WORLD, &size_);
 }
 
+Communicator::Communicator(MPI_Comm comm, int rank, int size)
+    : uses_mpi_(true), owned_(true), comm_(comm), rank_(rank), size_(size) {}
+
+std::unique_ptr<Communicator> Communicator::duplicate() {
+  if (!uses_mpi_) return std::unique_ptr<Communicator>(new Communicator(*this));
+  MPI_Comm dup = MPI_COMM_NULL;
+  mpi_check(MPI_Comm_dup(comm_, &dup), "comm_dup");
+  MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
+  return std::unique_ptr<Communicator>(new Communicator(dup, rank_, size_));
+}
+
 Communicator::~Communicator() {
+  if (owned_) {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Comm_free(&comm_);
+    return;
+  }
   if (uses_mpi_) {
     int finalized = 0;
     MPI_Finalized(&finalized);
@@ -60,7 +78,7 @@ void Communicator::allreduce_sum(float* data, size_t count) {
   if (!uses_mpi_) return;
   for (size_t off = 0; off < count; off += kMaxCount) {
     const int n = static_cast<int>(std::min(kMaxCount, count - off));
-    mpi_check(MPI_Allreduce(MPI_IN_PLACE, data + off, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD), "allreduce");
+    mpi_check(MPI_Allreduce(MPI_IN_PLACE, data + off, n, MPI_FLOAT, MPI_SUM, comm_), "allreduce");
   }
 }
 
@@ -68,7 +86,7 @@ void Communicator::allreduce_sum(double* data, size_t count) {
   if (!uses_mpi_) return;
   for (size_t off = 0; off < count; off += kMaxCount) {
     const int n = static_cast<int>(std::min(kMaxCount, count - off));
-    mpi_check(MPI_Allreduce(MPI_IN_PLACE, data + off, n, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD), "allreduce");
+    mpi_check(MPI_Allreduce(MPI_IN_PLACE, data + off, n, MPI_DOUBLE, MPI_SUM, comm_), "allreduce");
   }
 }
 
@@ -85,7 +103,7 @@ double Communicator::allreduce_max(double value) {
 void Communicator::allreduce_max(double* data, size_t count) {
   if (!uses_mpi_) return;
   check(count <= kMaxCount, "allreduce_max: too many values for one MPI call");
-  mpi_check(MPI_Allreduce(MPI_IN_PLACE, data, static_cast<int>(count), MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD),
+  mpi_check(MPI_Allreduce(MPI_IN_PLACE, data, static_cast<int>(count), MPI_DOUBLE, MPI_MAX, comm_),
             "allreduce");
 }
 
@@ -94,7 +112,7 @@ Communicator::Request Communicator::iallreduce_sum(float* data, size_t count) {
   if (!uses_mpi_ || count == 0) return r;
   check(count <= std::numeric_limits<int>::max(), "gradient bucket too large for one MPI call");
   r.done = false;
-  mpi_check(MPI_Iallreduce(MPI_IN_PLACE, data, static_cast<int>(count), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, &r.handle),
+  mpi_check(MPI_Iallreduce(MPI_IN_PLACE, data, static_cast<int>(count), MPI_FLOAT, MPI_SUM, comm_, &r.handle),
             "iallreduce");
   return r;
 }
@@ -103,7 +121,7 @@ Communicator::Request Communicator::ireduce_scatter_sum(float* data, const std::
   Request r;
   if (!uses_mpi_) return r;
   r.done = false;
-  mpi_check(MPI_Ireduce_scatter(MPI_IN_PLACE, data, counts.data(), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, &r.handle),
+  mpi_check(MPI_Ireduce_scatter(MPI_IN_PLACE, data, counts.data(), MPI_FLOAT, MPI_SUM, comm_, &r.handle),
             "ireduce_scatter");
   return r;
 }
@@ -111,7 +129,7 @@ Communicator::Request Communicator::ireduce_scatter_sum(float* data, const std::
 void Communicator::allgatherv(float* data, const std::vector<int>& counts, const std::vector<int>& displs) {
   if (!uses_mpi_) return;
   mpi_check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, data, counts.data(), displs.data(), MPI_FLOAT,
-                           MPI_COMM_WORLD),
+                           comm_),
             "allgatherv");
 }
 
@@ -120,10 +138,10 @@ void Communicator::gatherv_to_root(const float* send, float* root_buffer, const 
   if (!uses_mpi_) return;
   if (is_root()) {
     mpi_check(MPI_Gatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, root_buffer, counts.data(), displs.data(), MPI_FLOAT, 0,
-                          MPI_COMM_WORLD),
+                          comm_),
               "gatherv");
   } else {
-    mpi_check(MPI_Gatherv(send, counts[rank_], MPI_FLOAT, nullptr, nullptr, nullptr, MPI_FLOAT, 0, MPI_COMM_WORLD),
+    mpi_check(MPI_Gatherv(send, counts[rank_], MPI_FLOAT, nullptr, nullptr, nullptr, MPI_FLOAT, 0, comm_),
               "gatherv");
   }
 }
@@ -133,7 +151,7 @@ std::vector<std::string> Communicator::gather_strings(const std::string& mine) {
   check(mine.size() <= static_cast<size_t>(std::numeric_limits<int>::max()), "gather_strings: string too long");
   int length = static_cast<int>(mine.size());
   std::vector<int> lengths(is_root() ? size_ : 0);
-  mpi_check(MPI_Gather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, 0, MPI_COMM_WORLD), "gather");
+  mpi_check(MPI_Gather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, 0, comm_), "gather");
   std::vector<int> displs(lengths.size());
   int64_t total = 0;
   for (size_t r = 0; r < lengths.size(); ++r) {
@@ -143,7 +161,7 @@ std::vector<std::string> Communicator::gather_strings(const std::string& mine) {
   check(total <= std::numeric_limits<int>::max(), "gather_strings: strings too long together");
   std::vector<char> all(static_cast<size_t>(total));
   mpi_check(MPI_Gatherv(mine.data(), length, MPI_CHAR, all.data(), lengths.data(), displs.data(), MPI_CHAR, 0,
-                        MPI_COMM_WORLD),
+                        comm_),
             "gatherv");
   std::vector<std::string> out;
   for (size_t r = 0; r < lengths.size(); ++r) out.emplace_back(all.data() + displs[r], static_cast<size_t>(lengths[r]));
@@ -152,7 +170,7 @@ std::vector<std::string> Communicator::gather_strings(const std::string& mine) {
 
 int64_t Communicator::broadcast(int64_t value) {
   if (!uses_mpi_) return value;
-  mpi_check(MPI_Bcast(&value, 1, MPI_INT64_T, 0, MPI_COMM_WORLD), "bcast");
+  mpi_check(MPI_Bcast(&value, 1, MPI_INT64_T, 0, comm_), "bcast");
   return value;
 }
 
@@ -167,7 +185,7 @@ Communicator::Request Communicator::ialltoallv(const uint8_t* send, const std::v
   }
   r.done = false;
   mpi_check(MPI_Ialltoallv(send, send_counts.data(), send_displs.data(), MPI_BYTE, recv, recv_counts.data(),
-                           recv_displs.data(), MPI_BYTE, MPI_COMM_WORLD, &r.handle),
+                           recv_displs.data(), MPI_BYTE, comm_, &r.handle),
             "ialltoallv");
   return r;
 }
@@ -181,7 +199,7 @@ Communicator::Request Communicator::iallgatherv(const uint8_t* send, uint8_t* re
   }
   r.done = false;
   mpi_check(MPI_Iallgatherv(send, counts[rank_], MPI_BYTE, recv, counts.data(), displs.data(), MPI_BYTE,
-                            MPI_COMM_WORLD, &r.handle),
+                            comm_, &r.handle),
             "iallgatherv");
   return r;
 }
@@ -201,7 +219,7 @@ void Communicator::wait(Request& r) {
 }
 
 void Communicator::barrier() {
-  if (uses_mpi_) mpi_check(MPI_Barrier(MPI_COMM_WORLD), "barrier");
+  if (uses_mpi_) mpi_check(MPI_Barrier(comm_), "barrier");
 }
 
 }  // namespace keel

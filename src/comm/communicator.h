@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,14 @@ class Communicator {
   int size() const { return size_; }
   bool is_root() const { return rank_ == 0; }
   bool uses_mpi() const { return uses_mpi_; }
+
+  // A communicator over the same ranks whose collectives are independent of this one's (MPI_Comm_dup;
+  // a world of one without MPI stays one). MPI orders the non-blocking collectives of one
+  // communicator by the order ranks start them: operations whose steps start at moments that
+  // differ between ranks (the phases of a compressed all-reduce) need a communicator each.
+  // Collective: every rank calls it, in the same order.
+  std::unique_ptr<Communicator> duplicate();
+  ~Communicator();
 
   // In-place sum over all ranks. Deterministic for a given world size and layout.
   void allreduce_sum(float* data, size_t count);
@@ -67,8 +76,11 @@ class Communicator {
 
  private:
   Communicator();
-  ~Communicator();
+  Communicator(MPI_Comm comm, int rank, int size);
+  Communicator(const Communicator&) = default;
   bool uses_mpi_ = false;
+  bool owned_ = false;  // a duplicate: freed on destruction
+  MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0;
   int size_ = 1;
 };

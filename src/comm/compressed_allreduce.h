@@ -50,6 +50,8 @@ class CompressedAllreduce {
   // residual covers the whole buffer; the server residual only this rank's shard (dense codecs).
   std::span<float> worker_residual() { return worker_residual_; }
   std::span<float> server_residual() { return server_residual_; }
+  std::span<const float> worker_residual() const { return worker_residual_; }
+  std::span<const float> server_residual() const { return server_residual_; }
   const CompressionStats& stats() const { return stats_; }
   void reset_stats() { stats_ = CompressionStats{}; }
 

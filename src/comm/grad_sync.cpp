@@ -2,6 +2,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <sstream>
+
+#include "core/error.h"
+#include "core/rng.h"
 
 namespace keel {
 
@@ -9,13 +14,21 @@ namespace {
 double ms_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
+
+bool same_codec(const CodecParams& a, const CodecParams& b) {
+  return a.kind == b.kind && a.keep == b.keep && a.block == b.block;
+}
 }  // namespace
 
-GradSync::GradSync(Communicator& comm, ChunkStore& store, int64_t bucket_bytes, const ChunkPartition* scatter_to)
-    : comm_(comm), store_(store), scatter_to_(scatter_to) {
+GradSync::GradSync(Communicator& comm, ChunkStore& store, GradSyncOptions options)
+    : comm_(comm), store_(store), options_(std::move(options)), scatter_to_(options_.scatter_to) {
   const std::vector<Chunk>& chunks = store.chunks();
-  const int64_t bucket_floats = std::max<int64_t>(1, bucket_bytes / static_cast<int64_t>(sizeof(float)));
+  const bool compression = !options_.codecs.empty();
+  check(!compression || options_.codecs.size() == chunks.size(), "gradient sync: one codec per chunk expected");
+  check(!compression || scatter_to_ == nullptr, "gradient sync: compressed sync cannot reduce-scatter (ZeRO-2)");
+  const int64_t bucket_floats = std::max<int64_t>(1, options_.bucket_bytes / static_cast<int64_t>(sizeof(float)));
   // Walk chunks from the end of the flat space (the last layers: produced first by backward).
+  // With compression, a bucket ends where the codec or the layer changes too.
   int64_t end = store.numel();
   Bucket current;
   bool open = false;
@@ -23,33 +36,55 @@ GradSync::GradSync(Communicator& comm, ChunkStore& store, int64_t bucket_bytes, 
     if (!open) {
       current = Bucket{};
       current.ready_layer = chunks[c].layer;
+      current.layer = chunks[c].layer;
+      if (compression) current.codec = options_.codecs[c];
       open = true;
     }
     current.offset = chunks[c].offset;
     current.ready_layer = std::min(current.ready_layer, chunks[c].layer);
-    if (end - current.offset >= bucket_floats || c == 0) {
+    const bool boundary = c == 0 || (compression && (chunks[c - 1].layer != chunks[c].layer ||
+                                                     !same_codec(options_.codecs[c - 1], options_.codecs[c])));
+    if (end - current.offset >= bucket_floats || boundary) {
       current.numel = end - current.offset;
-      buckets_.push_back(current);
-      end = current.offset;
+      if (current.codec.kind != CodecKind::none && comm.size() > 1) {
+        current.codec_impl = Codec::make(current.codec);
+        current.comm = comm.duplicate();
+        current.reducer = std::make_unique<CompressedAllreduce>(*current.comm, *current.codec_impl,
+                                                                static_cast<size_t>(current.numel));
+      }
+      buckets_.push_back(std::move(current));
+      end = buckets_.back().offset;
       open = false;
     }
   }
 }
 
-void GradSync::begin(bool sync) {
+GradSync::~GradSync() = default;
+
+int GradSync::num_compressed_buckets() const {
+  int n = 0;
+  for (const Bucket& b : buckets_) n += b.reducer != nullptr;
+  return n;
+}
+
+void GradSync::begin(bool sync, int64_t step) {
   active_ = sync && comm_.size() > 1;
   next_ = 0;
+  step_ = step;
   stats_ = SyncStats{};
   for (Bucket& b : buckets_) {
     b.request = Communicator::Request{};
     b.settled = true;
+    b.compressed_now = false;
+    if (b.reducer) b.reducer->reset_stats();
   }
 }
 
 void GradSync::progress() {
   for (size_t i = 0; i < next_; ++i) {
     Bucket& b = buckets_[i];
-    if (!b.settled && comm_.test(b.request)) settle(b);
+    if (b.settled) continue;
+    if (b.compressed_now ? b.reducer->test() : comm_.test(b.request)) settle(b);
   }
 }
 
@@ -79,7 +114,13 @@ void GradSync::after_backward_weight(int layer) {
     Bucket& b = buckets_[next_];
     if (next_ == 0) first_start_ = std::chrono::steady_clock::now();
     float* data = store_.range_view(Plane::grad, b.offset, b.numel).data();
-    if (scatter_to_ == nullptr) {
+    b.compressed_now = b.reducer != nullptr && step_ >= options_.warmup_steps;
+    if (b.compressed_now) {
+      // The codecs' random choices: the same on every rank for a (seed, step, bucket).
+      uint64_t x = options_.seed ^ (static_cast<uint64_t>(step_) * 0x9E3779B97F4A7C15ull) ^
+                   (static_cast<uint64_t>(next_) * 0xD1B54A32D192ED03ull);
+      b.reducer->start(data, splitmix64(x));
+    } else if (scatter_to_ == nullptr) {
       b.request = comm_.iallreduce_sum(data, static_cast<size_t>(b.numel));
     } else {
       const std::vector<int> counts = scatter_to_->intersect(b.offset, b.numel);
@@ -100,7 +141,13 @@ void GradSync::finish() {
   // Any bucket not started yet (e.g. a backward that skipped a layer's hook) starts now.
   while (next_ < buckets_.size()) after_backward_weight(-1);
   const auto t0 = std::chrono::steady_clock::now();
-  for (Bucket& b : buckets_) comm_.wait(b.request);
+  for (Bucket& b : buckets_) {
+    if (b.compressed_now) {
+      b.reducer->wait();
+    } else {
+      comm_.wait(b.request);
+    }
+  }
   const auto t1 = std::chrono::steady_clock::now();
   for (Bucket& b : buckets_) {
     if (!b.settled) settle(b);
@@ -109,8 +156,78 @@ void GradSync::finish() {
   stats_.latency_ms = ms_between(first_start_, t1);
   const double n = comm_.size();
   // Ring algorithms: all-reduce sends 2 (N-1)/N of the payload, reduce-scatter (N-1)/N.
-  stats_.sent_bytes = stats_.payload_bytes * (scatter_to_ != nullptr ? 1.0 : 2.0) * (n - 1) / n;
+  const double ring = (scatter_to_ != nullptr ? 1.0 : 2.0) * (n - 1) / n;
+  stats_.uncompressed_bytes = stats_.payload_bytes * ring;
+  std::map<int, LayerSyncStats> layers;
+  std::map<int, double> codec_share;  // raw bytes of the layer's largest codec so far
+  for (const Bucket& b : buckets_) {
+    const double raw = static_cast<double>(b.numel) * sizeof(float);
+    double wire = raw * ring;
+    if (b.compressed_now) {
+      const CompressionStats& cs = b.reducer->stats();
+      wire = cs.wire_bytes;
+      stats_.encode_ms += cs.encode_ms;
+      stats_.decode_ms += cs.decode_ms;
+      stats_.compressed = true;
+    }
+    stats_.sent_bytes += wire;
+    if (!compression_configured()) continue;
+    LayerSyncStats& l = layers[b.layer];
+    l.layer = b.layer;
+    l.raw_bytes += raw;
+    l.wire_bytes += wire;
+    if (raw > codec_share[b.layer]) {
+      codec_share[b.layer] = raw;
+      l.codec = codec_name(b.compressed_now ? b.codec.kind : CodecKind::none);
+    }
+  }
+  for (auto& [layer, l] : layers) stats_.layers.push_back(l);
   active_ = false;
+}
+
+size_t GradSync::residual_size() const {
+  size_t n = 0;
+  for (const Bucket& b : buckets_) {
+    if (b.reducer) n += b.reducer->worker_residual().size() + b.reducer->server_residual().size();
+  }
+  return n;
+}
+
+void GradSync::copy_residuals(std::vector<float>& out) const {
+  out.resize(residual_size());
+  size_t at = 0;
+  for (const Bucket& b : buckets_) {
+    if (!b.reducer) continue;
+    for (std::span<const float> r : {b.reducer->worker_residual(), b.reducer->server_residual()}) {
+      std::copy(r.begin(), r.end(), out.begin() + static_cast<std::ptrdiff_t>(at));
+      at += r.size();
+    }
+  }
+}
+
+void GradSync::restore_residuals(std::span<const float> in) {
+  check(in.size() == residual_size(), "gradient sync: " + std::to_string(in.size()) + " residual values, expected " +
+                                          std::to_string(residual_size()));
+  size_t at = 0;
+  for (Bucket& b : buckets_) {
+    if (!b.reducer) continue;
+    for (std::span<float> r : {b.reducer->worker_residual(), b.reducer->server_residual()}) {
+      std::copy(in.begin() + static_cast<std::ptrdiff_t>(at), in.begin() + static_cast<std::ptrdiff_t>(at + r.size()),
+                r.begin());
+      at += r.size();
+    }
+  }
+}
+
+std::string GradSync::residual_layout() const {
+  std::ostringstream s;
+  s << "world " << comm_.size() << ", buckets";
+  for (const Bucket& b : buckets_) {
+    if (!b.reducer) continue;
+    s << ' ' << b.offset << '+' << b.numel << ':' << codec_name(b.codec.kind) << '/' << b.codec.keep << '/'
+      << b.codec.block;
+  }
+  return s.str();
 }
 
 }  // namespace keel

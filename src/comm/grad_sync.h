@@ -8,23 +8,48 @@
 // summed gradient of the chunks it owns only. As soon as a bucket's reduce-scatter completes, the
 // part of it this rank does not own is zeroed and its pages go back to the operating system, so
 // a rank holds its own gradient shard plus the buckets in flight, not the whole gradient.
+//
+// Compressed sync (HybridGC): given a codec per chunk, buckets are cut where the codec or the layer
+// changes, and each bucket whose codec is lossy or narrower than float32 is summed by a
+// CompressedAllreduce (with its own error-feedback residuals) instead of MPI's all-reduce; it is
+// driven by the same tests between layers. Buckets whose codec is none keep MPI's all-reduce.
+// During the first `warmup_steps` steps every bucket is summed uncompressed.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <memory>
+#include <span>
+#include <string>
 #include <vector>
 
+#include "comm/codec.h"
 #include "comm/communicator.h"
+#include "comm/compressed_allreduce.h"
 #include "comm/zero.h"
 #include "model/gpt.h"
 #include "store/chunk_store.h"
 
 namespace keel {
 
+// One layer's share of a step's sync (compressed sync only).
+struct LayerSyncStats {
+  int layer = 0;
+  std::string codec;        // the codec of most of its elements this step ("none" during warm-up)
+  double raw_bytes = 0;     // float32 bytes of its gradient
+  double wire_bytes = 0;    // bytes this rank sent for it
+};
+
 struct SyncStats {
-  double payload_bytes = 0;     // gradient bytes all-reduced by this rank this step
-  double sent_bytes = 0;        // bytes this rank puts on the wire (ring all-reduce: 2 (N-1)/N payload)
+  double payload_bytes = 0;     // gradient bytes all-reduced by this rank this step (float32)
+  // Bytes this rank puts on the wire: what the compressed collectives sent, plus for plain
+  // buckets the ring all-reduce's 2 (N-1)/N of the payload (reduce-scatter: (N-1)/N).
+  double sent_bytes = 0;
+  double uncompressed_bytes = 0;  // what a plain ring all-reduce of the payload would have sent
+  double encode_ms = 0, decode_ms = 0;  // codec time on this rank (on the training thread)
+  bool compressed = false;      // some bucket went through a codec this step
+  std::vector<LayerSyncStats> layers;  // per layer, when compression is configured
   double exposed_ms = 0;        // time finish() waited on this rank
   // Over all ranks (set by the trainer): the least wait is communication that backward did not
   // hide (the last rank to finish backward waits only for the transfer); the spread between the
@@ -35,25 +60,51 @@ struct SyncStats {
   int buckets = 0;
 };
 
+struct GradSyncOptions {
+  int64_t bucket_bytes = 8 << 20;
+  // Reduce-scatter to these owners (ZeRO-2) instead of all-reducing (not with codecs).
+  const ChunkPartition* scatter_to = nullptr;
+  // The codec of each chunk (index = chunk id); empty = no compression.
+  std::vector<CodecParams> codecs;
+  uint64_t seed = 0;       // drives the codecs' random choices (with the step and the bucket)
+  int warmup_steps = 0;    // steps before compression starts
+};
+
 class GradSync final : public BackwardObserver {
  public:
-  // `scatter_to` (may be null): reduce-scatter to these owners (ZeRO-2) instead of all-reducing.
-  GradSync(Communicator& comm, ChunkStore& store, int64_t bucket_bytes, const ChunkPartition* scatter_to = nullptr);
+  GradSync(Communicator& comm, ChunkStore& store, GradSyncOptions options);
+  ~GradSync() override;
 
-  // Starts a backward pass. With sync false (an accumulation micro-batch that is not the last)
-  // nothing is communicated.
-  void begin(bool sync);
+  // Starts the backward pass of optimizer step `step` (0-based). With sync false (an accumulation
+  // micro-batch that is not the last) nothing is communicated.
+  void begin(bool sync, int64_t step = 0);
   void after_backward_input(int layer) override;
   void after_backward_weight(int layer) override;
   // Waits for every bucket. Afterwards the grad plane holds the sum over ranks.
   void finish();
   const SyncStats& stats() const { return stats_; }
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
+  int num_compressed_buckets() const;
+  bool compression_configured() const { return !options_.codecs.empty(); }
+
+  // Error-feedback state of this rank (every compressed bucket's worker then server residual, in
+  // bucket order), for checkpoints; and a description of the layout it belongs to (world size,
+  // buckets, codecs): residuals saved under another layout cannot be restored.
+  size_t residual_size() const;
+  void copy_residuals(std::vector<float>& out) const;
+  void restore_residuals(std::span<const float> in);
+  std::string residual_layout() const;
 
  private:
   struct Bucket {
     int64_t offset = 0, numel = 0;
     int ready_layer = 0;  // the bucket is complete once W of this layer is done
+    int layer = 0;        // with compression configured, buckets hold chunks of one layer
+    CodecParams codec;
+    std::unique_ptr<Codec> codec_impl;            // lossy codecs only
+    std::unique_ptr<Communicator> comm;           // its own: its phases start at rank-dependent moments
+    std::unique_ptr<CompressedAllreduce> reducer;  // lossy codecs only
+    bool compressed_now = false;                   // this step goes through reducer
     Communicator::Request request;
     int64_t own_offset = 0, own_count = 0;  // reduce-scatter: where this rank's sum belongs
     bool settled = true;                    // complete, and (reduce-scatter) its result in place
@@ -63,8 +114,10 @@ class GradSync final : public BackwardObserver {
 
   Communicator& comm_;
   ChunkStore& store_;
+  GradSyncOptions options_;
   const ChunkPartition* scatter_to_;
   std::vector<Bucket> buckets_;  // in backward order
+  int64_t step_ = 0;
   size_t next_ = 0;              // next bucket to start
   bool active_ = false;
   SyncStats stats_;

@@ -11,6 +11,7 @@
 #include <sstream>
 #include <variant>
 
+#include "comm/sync_policy.h"
 #include "core/error.h"
 
 namespace keel {
@@ -63,6 +64,18 @@ std::vector<Field> fields(Config& c) {
       {"parallel", "data", &c.parallel.data},
       {"parallel", "bucket_bytes", &c.parallel.bucket_bytes},
       {"parallel", "zero", &c.parallel.zero},
+      {"sync", "codec", &c.sync.codec},
+      {"sync", "policy", &c.sync.policy},
+      {"sync", "embedding", &c.sync.embedding},
+      {"sync", "attention", &c.sync.attention},
+      {"sync", "ffn", &c.sync.ffn},
+      {"sync", "norm", &c.sync.norm},
+      {"sync", "head", &c.sync.head},
+      {"sync", "sign1_keep", &c.sync.sign1_keep},
+      {"sync", "topk_keep", &c.sync.topk_keep},
+      {"sync", "randk_keep", &c.sync.randk_keep},
+      {"sync", "block", &c.sync.block},
+      {"sync", "warmup_steps", &c.sync.warmup_steps},
       {"checkpoint", "full_every", &c.checkpoint.full_every},
       {"checkpoint", "keep", &c.checkpoint.keep},
       {"checkpoint", "delta", &c.checkpoint.delta},
@@ -102,7 +115,7 @@ Field find_field(Config& c, const std::string& section, const std::string& key, 
   }
   if (!section_known) {
     throw Error(where + ": unknown config section [" + section +
-                "] (expected one of: model, train, optim, data, store, parallel, checkpoint, runtime)");
+                "] (expected one of: model, train, optim, data, store, parallel, sync, checkpoint, runtime)");
   }
   throw Error(where + ": unknown config key '" + section + "." + key + "' (known keys in [" + section +
               "]: " + known_keys(c, section) + ")");
@@ -347,6 +360,7 @@ void Config::resolve(int world_size) {
   require(optim.freeze_layers >= 0 && optim.freeze_layers <= model.n_layer + 2, "optim.freeze_layers",
           "0.." + s(model.n_layer + 2) + " (layers: embeddings, " + s(model.n_layer) + " blocks, head)",
           s(optim.freeze_layers));
+  validate_sync_config(sync, model.n_layer, world_size > 1 ? parallel.zero : 0);
   require(checkpoint.full_every >= 1, "checkpoint.full_every", ">= 1", s(checkpoint.full_every));
   require(checkpoint.keep >= 1, "checkpoint.keep", ">= 1", s(checkpoint.keep));
   require(store.chunk_bytes >= 4096 && store.chunk_bytes % 64 == 0, "store.chunk_bytes",

@@ -67,6 +67,29 @@ struct ParallelConfig {
                                      // 2: also reduce-scatter gradients to their owners
 };
 
+// Compressed data-parallel gradient sync (HybridGC). Every lossy codec runs with error feedback:
+// what one step's encoding lost is added to the next step's gradient.
+struct SyncConfig {
+  // none (plain float32 all-reduce) | fp16 | bf16 | sign1 | quant2-topk | topk | randk | hybrid
+  // (a codec per layer depth, from `policy`).
+  std::string codec = "none";
+  // hybrid: "LO-HI:codec,..." over transformer block indices (0-based, inclusive, "31-" = 31 and
+  // deeper), or over depth fractions when a bound has a decimal point ("0-0.34:sign1,...": block
+  // b of L sits at b / L, ranges are [LO, HI), the last one includes 1). Embeddings take the
+  // first block's codec, the final norm the last block's. "" = the seed's split: blocks 0-10
+  // sign1, 11-30 quant2-topk, 31 and up fp16 for models of 32 blocks or more; the same split as
+  // depth fractions (11/32, 31/32) for shallower ones.
+  std::string policy;
+  // Overrides by chunk kind ("" = what the policy gives the chunk's layer). GPT-2 ties its head
+  // to the token embedding, so `embedding` covers the head too.
+  std::string embedding, attention, ffn, norm, head;
+  double sign1_keep = 1.0;   // sign1: fraction of values sent (random sparsification); 1 = dense
+  double topk_keep = 0.01;   // quant2-topk and topk: fraction of values sent (the largest |g|)
+  double randk_keep = 0.01;  // randk: fraction of values sent (random positions)
+  int block = 256;           // sign1, quant2-topk: values sharing one scale
+  int warmup_steps = 0;      // steps synced uncompressed before compression starts
+};
+
 // Checkpoints (written to run_dir/ckpt every train.checkpoint_every steps and at the end).
 struct CheckpointConfig {
   int full_every = 4;    // every Nth checkpoint is full; the others hold only what changed
@@ -88,6 +111,7 @@ struct Config {
   DataConfig data;
   StoreConfig store;
   ParallelConfig parallel;
+  SyncConfig sync;
   CheckpointConfig checkpoint;
   RuntimeConfig runtime;
 

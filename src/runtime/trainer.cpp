@@ -3,6 +3,7 @@
 #include <omp.h>
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -10,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "comm/sync_policy.h"
 #include "core/env.h"
 #include "core/error.h"
 #include "core/fileio.h"
@@ -57,7 +59,15 @@ Trainer::Trainer(Config config, Communicator& comm)
   store_->finalize();
   const int zero = world > 1 ? config_.parallel.zero : 0;
   partition_ = ChunkPartition::balanced(*store_, zero > 0 ? world : 1);
-  sync_ = std::make_unique<GradSync>(comm_, *store_, config_.parallel.bucket_bytes, zero == 2 ? &partition_ : nullptr);
+  GradSyncOptions sync_options;
+  sync_options.bucket_bytes = config_.parallel.bucket_bytes;
+  sync_options.scatter_to = zero == 2 ? &partition_ : nullptr;
+  if (world > 1 && sync_compressed(config_.sync)) {
+    sync_options.codecs = sync_chunk_codecs(config_.sync, m.n_layer, *store_);
+    sync_options.seed = t.seed ^ 0x5EEDC0DECull;
+    sync_options.warmup_steps = config_.sync.warmup_steps;
+  }
+  sync_ = std::make_unique<GradSync>(comm_, *store_, std::move(sync_options));
   if (zero > 0) {  // before loading: the moments are never resident at full size
     const int r = comm_.rank();
     store_->shard_moments(partition_.first_chunk[r], partition_.first_chunk[r + 1]);
@@ -89,8 +99,11 @@ Trainer::Trainer(Config config, Communicator& comm)
   for (size_t i = 0; i < candidates.size() && resumed_from_.empty(); ++i) {
     std::string why;
     TrainState state;
+    std::vector<float> residual;
+    std::string residual_note;
     try {
       state = load_checkpoint(candidates[i], *store_, config_, LoadMode::resume, world);
+      residual_note = load_residuals(state, residual);
     } catch (const Error& e) {
       why = e.what();
     }
@@ -99,6 +112,8 @@ Trainer::Trainer(Config config, Communicator& comm)
       steps_done_ = state.step;
       train_data_->set_position(state.data);
       loaded_peak_gflops = state.peak_gflops;
+      if (!residual.empty()) sync_->restore_residuals(residual);
+      if (!residual_note.empty() && comm_.is_root()) std::fprintf(stderr, "keel: %s\n", residual_note.c_str());
       break;
     }
     last_why = why.empty() ? "checkpoint " + candidates[i] + ": rejected by another rank" : why;
@@ -150,6 +165,28 @@ Trainer::Trainer(Config config, Communicator& comm)
 
 Trainer::~Trainer() = default;
 
+std::string Trainer::load_residuals(const TrainState& state, std::vector<float>& out) {
+  out.clear();
+  if (sync_->residual_size() == 0) return "";
+  const RankState* mine = nullptr;
+  for (const RankState& r : state.ranks) {
+    if (r.rank == comm_.rank()) mine = &r;
+  }
+  const std::string layout = sync_->residual_layout();
+  if (state.ranks.size() != static_cast<size_t>(comm_.size()) || mine == nullptr || !mine->has_residual) {
+    return "checkpoint " + state.dir + " holds no compression residuals for this layout (written by " +
+           std::to_string(state.ranks.size()) + " rank(s)): error feedback starts from zero";
+  }
+  if (mine->residual_layout != layout) {
+    return "checkpoint " + state.dir + ": compression residuals dropped (saved for " + mine->residual_layout +
+           "; this run has " + layout + "): error feedback starts from zero";
+  }
+  out = read_rank_residual(state.dir, comm_.rank());
+  check(out.size() == sync_->residual_size(), "checkpoint " + state.dir + ": residual of rank " +
+                                                  std::to_string(comm_.rank()) + " has the wrong size");
+  return "";
+}
+
 void Trainer::gather_parameters() {
   // AdamW cleared the gradients it consumed (this rank's shard). Under ZeRO-2 the reduce-scatter
   // already discarded the rest; under ZeRO-1 clear it here for the next step (kept mapped: the
@@ -189,7 +226,7 @@ StepStats Trainer::step() {
     Batch batch = train_data_->next();
     batch.grad_scale = 1.0f / (static_cast<float>(batch.B) * batch.T * t.grad_accum * world);
     loss_sum += model_->forward(batch);
-    sync_->begin(micro == t.grad_accum - 1);
+    sync_->begin(micro == t.grad_accum - 1, steps_done_);
     model_->backward(batch, false, sync_.get());
   }
   sync_->finish();
@@ -279,7 +316,12 @@ void Trainer::begin_checkpoint(const std::string& root) {
   state.data = train_data_->position();
   // Rank 0 names the checkpoint (a later attempt at a step that already has one gets a new name).
   const int attempt = static_cast<int>(comm_.broadcast(comm_.is_root() ? next_checkpoint_attempt(root, steps_done_) : 0));
-  ckpt_->begin(root, steps_done_, state, attempt);
+  if (sync_->residual_size() > 0) {
+    sync_->copy_residuals(residual_scratch_);
+    state.has_residual = true;
+    state.residual_layout = sync_->residual_layout();
+  }
+  ckpt_->begin(root, steps_done_, state, attempt, &residual_scratch_);
   ckpt_step_ = steps_done_;
   ckpt_inflight_root_ = root;
   ckpt_begin_ms_ = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -348,6 +390,44 @@ void Trainer::trim_metrics(int64_t step) {
   write_file_atomic(path, {ByteRange{kept.data(), kept.size()}});
 }
 
+void Trainer::accumulate_sync(const SyncStats& s) {
+  for (const LayerSyncStats& l : s.layers) {
+    auto it = std::find_if(sync_totals_.begin(), sync_totals_.end(),
+                           [&](const LayerSyncStats& t) { return t.layer == l.layer; });
+    if (it == sync_totals_.end()) {
+      sync_totals_.push_back(LayerSyncStats{l.layer, "", 0, 0});
+      it = sync_totals_.end() - 1;
+    }
+    it->raw_bytes += l.raw_bytes;
+    it->wire_bytes += l.wire_bytes;
+    if (l.codec != "none" || it->codec.empty()) it->codec = l.codec;  // the codec once compression started
+  }
+  sync_encode_ms_ += s.encode_ms;
+  sync_decode_ms_ += s.decode_ms;
+}
+
+void Trainer::print_sync_summary() {
+  if (!comm_.is_root() || sync_totals_.empty()) return;
+  std::sort(sync_totals_.begin(), sync_totals_.end(),
+            [](const LayerSyncStats& a, const LayerSyncStats& b) { return a.layer < b.layer; });
+  const int n_layer = config_.model.n_layer;
+  std::printf("keel: compressed sync over this run (rank 0: MB of float32 gradient, MB sent)\n");
+  std::printf("  %-14s %-12s %10s %10s %8s\n", "layer", "codec", "raw MB", "sent MB", "ratio");
+  double raw = 0, wire = 0;
+  for (const LayerSyncStats& l : sync_totals_) {
+    const std::string name = l.layer == 0 ? "embeddings" : l.layer > n_layer ? "final norm" : "block " + std::to_string(l.layer - 1);
+    // The ratio is against what a ring all-reduce of float32 sends.
+    const double ring = 2.0 * (comm_.size() - 1) / comm_.size();
+    std::printf("  %-14s %-12s %10.1f %10.2f %7.1fx\n", name.c_str(), l.codec.c_str(), l.raw_bytes / 1e6,
+                l.wire_bytes / 1e6, l.wire_bytes > 0 ? l.raw_bytes * ring / l.wire_bytes : 0.0);
+    raw += l.raw_bytes * ring;
+    wire += l.wire_bytes;
+  }
+  std::printf("  total: %.1f MB sent instead of %.1f MB (%.1f %% fewer bytes), codec time %.0f ms encode + %.0f ms decode\n",
+              wire / 1e6, raw / 1e6, raw > 0 ? 100 * (1 - wire / raw) : 0.0, sync_encode_ms_, sync_decode_ms_);
+  std::fflush(stdout);
+}
+
 void Trainer::print_samples() {
   if (!comm_.is_root() || !tokenizer_ || !tokenizer_->can_encode() || config_.train.sample_tokens == 0) return;
   Rng rng(config_.train.seed ^ 0xC0FFEEull);
@@ -381,6 +461,16 @@ RunSummary Trainer::run() {
     if (world > 1) {
       std::printf("keel: data parallel over %d ranks, %d gradient buckets of up to %.1f MiB, ZeRO-%d\n", world,
                   sync_->num_buckets(), config_.parallel.bucket_bytes / 1048576.0, config_.parallel.zero);
+      if (sync_->compression_configured()) {
+        const SyncConfig& sc = config_.sync;
+        std::printf("keel: compressed sync \"%s\"%s%s: %d of %d buckets through codecs, error feedback on",
+                    sc.codec.c_str(), sc.codec == "hybrid" ? ", policy " : "",
+                    sc.codec == "hybrid" ? (sc.policy.empty() ? default_sync_policy(m.n_layer) : sc.policy).c_str()
+                                         : "",
+                    sync_->num_compressed_buckets(), sync_->num_buckets());
+        if (sc.warmup_steps > 0) std::printf(", first %d steps uncompressed", sc.warmup_steps);
+        std::printf("\n");
+      }
     }
   }
   // Memory per rank, as allocated (the moments shrink with ZeRO-1/2), gathered to rank 0.
@@ -451,6 +541,20 @@ RunSummary Trainer::run() {
       line["sync_imbalance_ms"] = s.sync.imbalance_ms;
       line["sync_latency_ms"] = s.sync.latency_ms;
       line["sync_jitter"] = s.sync_jitter;
+      if (sync_->compression_configured()) {
+        line["sync_uncompressed_bytes"] = s.sync.uncompressed_bytes;
+        line["sync_ratio"] = s.sync.sent_bytes > 0 ? s.sync.uncompressed_bytes / s.sync.sent_bytes : 1.0;
+        line["sync_encode_ms"] = s.sync.encode_ms;
+        line["sync_decode_ms"] = s.sync.decode_ms;
+        line["sync_codec_share"] = s.ms > 0 ? (s.sync.encode_ms + s.sync.decode_ms) / s.ms : 0.0;
+        json layers = json::array();
+        for (const LayerSyncStats& l : s.sync.layers) {
+          layers.push_back({{"layer", l.layer}, {"codec", l.codec}, {"raw_bytes", l.raw_bytes},
+                            {"wire_bytes", l.wire_bytes}});
+        }
+        line["sync_layers"] = layers;
+        accumulate_sync(s.sync);
+      }
     }
     log_json(line.dump());
     if (root && (s.step % t.log_every == 0 || s.step == t.steps || s.step == 1)) {
@@ -458,15 +562,22 @@ RunSummary Trainer::run() {
                   static_cast<long long>(s.step), t.steps, s.loss, s.lr, s.grad_norm, s.ms, s.tokens_per_s,
                   100 * s.mfu);
       if (world > 1) {
-        std::printf(" | sync %.1f MB sent, %.1f ms exposed, %.1f ms imbalance, latency %.1f ms +-%.0f%%",
-                    s.sync.sent_bytes / 1e6, s.sync.exposed_min_ms, s.sync.imbalance_ms, s.sync.latency_ms,
-                    100 * s.sync_jitter);
+        std::printf(" | sync %.2f MB sent", s.sync.sent_bytes / 1e6);
+        if (s.sync.compressed) {
+          std::printf(" (%.1fx smaller), codec %.1f ms (%.1f%%)",
+                      s.sync.sent_bytes > 0 ? s.sync.uncompressed_bytes / s.sync.sent_bytes : 1.0,
+                      s.sync.encode_ms + s.sync.decode_ms,
+                      s.ms > 0 ? 100 * (s.sync.encode_ms + s.sync.decode_ms) / s.ms : 0.0);
+        }
+        std::printf(", %.1f ms exposed, %.1f ms imbalance, latency %.1f ms +-%.0f%%", s.sync.exposed_min_ms,
+                    s.sync.imbalance_ms, s.sync.latency_ms, 100 * s.sync_jitter);
       }
       std::printf("\n");
       std::fflush(stdout);
     }
     if (t.eval_every > 0 && s.step % t.eval_every == 0 && s.step != t.steps) report_eval(evaluate(t.eval_batches));
   }
+  print_sync_summary();
   summary.steps = steps_done_;
   summary.mean_tokens_per_s = timed > 0 ? tokens_per_s_sum / timed : 0;
   summary.val_loss_end = evaluate(t.eval_batches);

@@ -76,9 +76,15 @@ class Trainer {
   // ZeRO: after this rank updated its shard, every rank receives every updated parameter.
   void gather_parameters();
   void print_samples();
+  // Compressed sync: per-layer bytes over the run, printed at its end.
+  void accumulate_sync(const SyncStats& s);
+  void print_sync_summary();
   // Checkpoints: begin (snapshot, background write), commit (all ranks done: rank 0 publishes).
   void begin_checkpoint(const std::string& root);
   void commit_checkpoint();
+  // The compression residuals of this rank in a checkpoint being resumed (into out; empty when
+  // there are none to restore, with the reason returned). Throws when they are corrupt.
+  std::string load_residuals(const TrainState& state, std::vector<float>& out);
   // After a resume: drops metrics lines of steps that will be replayed, reports recovery.
   void trim_metrics(int64_t step);
 
@@ -103,6 +109,9 @@ class Trainer {
   double ckpt_begin_ms_ = 0;
   int64_t ckpt_step_ = -1;        // step of the checkpoint begun last
   std::string ckpt_inflight_root_;
+  std::vector<float> residual_scratch_;  // compression residuals handed to a checkpoint
+  std::vector<LayerSyncStats> sync_totals_;  // per layer over the run (compressed sync)
+  double sync_encode_ms_ = 0, sync_decode_ms_ = 0;
   double peak_gflops_ = 0;
   std::ofstream metrics_;
 };

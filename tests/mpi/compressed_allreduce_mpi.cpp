@@ -5,11 +5,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 #include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "comm/compressed_allreduce.h"
 #include "core/rng.h"
 
@@ -94,6 +97,47 @@ TEST_P(CompressedAllreduceMpi, EqualsDecodeThenSumOnEveryRank) {
     if (comm.size() > 1 && !codec->lossless() && n >= 1000) {
       EXPECT_LT(sum.stats().wire_bytes, sum.stats().raw_bytes * 2.0 * (comm.size() - 1) / comm.size());
     }
+  }
+}
+
+// GradSync keeps several buckets in flight, and each moves to its second phase whenever its first
+// completes on that rank. On duplicate communicators (one per sum) the sums stay independent
+// however differently the ranks interleave them; here odd ranks progress them in reverse order
+// and every rank waits a rank-dependent while between tests.
+TEST_P(CompressedAllreduceMpi, ManySumsInFlightOnDuplicateCommunicatorsStayIndependent) {
+  Communicator& world = Communicator::world();
+  CodecParams p;
+  p.kind = GetParam();
+  p.keep = (p.kind == CodecKind::topk || p.kind == CodecKind::randk || p.kind == CodecKind::quant2_topk) ? 0.05 : 1.0;
+  p.block = 64;
+  const std::unique_ptr<Codec> codec = Codec::make(p);
+  const std::vector<size_t> sizes = {3000, 17, 5000, 1, 2048, 999};
+  std::vector<std::unique_ptr<Communicator>> comms;
+  std::vector<std::unique_ptr<CompressedAllreduce>> sums;
+  std::vector<std::vector<float>> data;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    comms.push_back(world.duplicate());
+    sums.push_back(std::make_unique<CompressedAllreduce>(*comms.back(), *codec, sizes[i]));
+    data.push_back(input(world.rank(), sizes[i], 100 + i));
+  }
+  for (size_t i = 0; i < sizes.size(); ++i) sums[i]->start(data[i].data(), 7 + i);
+  std::vector<bool> done(sizes.size(), false);
+  size_t remaining = sizes.size();
+  for (int round = 0; remaining > 0; ++round) {
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      const size_t i = world.rank() % 2 == 1 ? sizes.size() - 1 - k : k;
+      if (!done[i] && sums[i]->test()) {
+        done[i] = true;
+        remaining--;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(20 * (world.rank() + 1) * static_cast<int>(i + 1)));
+    }
+    ASSERT_LT(round, 10000000) << "sums never completed";
+  }
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const std::vector<float> want = reference(*codec, sums[i]->dense(), world.size(), sizes[i], 7 + i, 100 + i);
+    ASSERT_EQ(0, std::memcmp(want.data(), data[i].data(), sizes[i] * sizeof(float)))
+        << codec_name(p.kind) << " sum " << i;
   }
 }
 
