@@ -21,8 +21,9 @@ network      GPT-2 124M (L12 C768 H12, vocabulary 50304, random tokens, per-rank
                shaped    tbf 1 Gbit/s each way (and netem delay 0.2 ms where the kernel has
                          sch_netem; where it does not, the run says so and goes on without it)
                unshaped  the same namespaces and links without any qdisc
-             Uncompressed and hybrid runs alternate, --repeats times each, and the best tokens/s
-             of each is kept. Target: hybrid at least 2x the tokens/s of uncompressed on the
+             Uncompressed and hybrid (without its uncompressed warm-up steps, so that every timed
+             step is compressed) alternate, --repeats times each, and the best tokens/s of each
+             is kept. Target: hybrid at least 2x the tokens/s of uncompressed on the
              shaped link. Needs root and iproute2.
 
 Usage: bench/compression.py [--only convergence|network] [--steps N] [--ranks 2,4] [--codecs LIST]
@@ -188,7 +189,9 @@ def network_run(work, prefix, link, codec, rep, warmup, steps):
              "--set", "train.steps=%d" % (warmup + steps), "--set", "train.eval_batches=1",
              "--set", "train.eval_every=0", "--set", "train.sample_tokens=0", "--set", "train.checkpoint_every=0",
              "--set", "train.log_every=1", "--set", "runtime.peak_gflops=100", "--set", "runtime.threads=1",
-             "--set", "train.run_dir=" + run_dir, "--set", "sync.codec=" + codec]
+             "--set", "train.run_dir=" + run_dir, "--set", "sync.codec=" + codec,
+             # A few timed steps: no uncompressed warm-up (convergence is the other part's business).
+             "--set", "sync.warmup_steps=0"]
     log("  [network] %-8s %-6s rep %d ..." % (link, codec, rep))
     run_keel(train, run_dir + ".log", env_extra={"KEEL_NETNS_PREFIX": prefix, "KEEL_BINARY": KEEL}, prefix=["bash", NETNS, "run", "-n", "2", "--"])
     s, _ = read_metrics(run_dir)

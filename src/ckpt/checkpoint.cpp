@@ -598,14 +598,54 @@ void CheckpointWriter::write_job() {
     int records = 0, unchanged = 0, xor_records = 0;
     std::vector<char> packed, packed_xor;
     std::vector<float> delta;
+    // Appends one record of n floats: raw, zstd when smaller, or (given the same floats of the
+    // last committed checkpoint) XOR against them + zstd when smaller still.
+    auto write_record = [&](const float* data, size_t n, const float* xor_base) {
+      const size_t raw_bytes = n * sizeof(float);
+      const char* stored = reinterpret_cast<const char*>(data);
+      size_t stored_bytes = raw_bytes;
+      std::string enc = "raw";
+      if (config_.compress) {
+        packed.resize(ZSTD_compressBound(raw_bytes));
+        const size_t z = ZSTD_compress(packed.data(), packed.size(), data, raw_bytes, kZstdLevel);
+        if (!ZSTD_isError(z) && z < stored_bytes) {
+          stored = packed.data();
+          stored_bytes = z;
+          enc = "zstd";
+        }
+      }
+      if (xor_base != nullptr) {
+        delta.resize(n);
+        const uint32_t* x = reinterpret_cast<const uint32_t*>(data);
+        const uint32_t* y = reinterpret_cast<const uint32_t*>(xor_base);
+        uint32_t* d = reinterpret_cast<uint32_t*>(delta.data());
+        for (size_t j = 0; j < n; ++j) d[j] = x[j] ^ y[j];
+        packed_xor.resize(ZSTD_compressBound(raw_bytes));
+        const size_t z = ZSTD_compress(packed_xor.data(), packed_xor.size(), delta.data(), raw_bytes, kZstdLevel);
+        if (!ZSTD_isError(z) && z < stored_bytes) {
+          stored = packed_xor.data();
+          stored_bytes = z;
+          enc = "xor-zstd";
+        }
+      }
+      out->append(stored, stored_bytes);
+      json rec = {{"in", name_},
+                  {"file", file},
+                  {"at", at},
+                  {"bytes", stored_bytes},
+                  {"enc", enc},
+                  {"sum", hex64(checksum(data, raw_bytes))},
+                  {"stored_sum", hex64(checksum(stored, stored_bytes))}};
+      at += stored_bytes;
+      return rec;
+    };
     for (int c = first_; c < last_; ++c) {
       const Chunk& chunk = store_.chunks()[c];
       const int k = c - first_;
       json planes = json::object();
       for (int i = 0; i < 3; ++i) {
         const Plane p = kSavedPlanes[i];
-        const float* data = snapshot_.data() + static_cast<size_t>(i) * numel_ + (chunk.offset - begin_offset_);
-        const size_t raw_bytes = static_cast<size_t>(chunk.numel) * sizeof(float);
+        const size_t at_chunk = static_cast<size_t>(i) * numel_ + (chunk.offset - begin_offset_);
         records++;
         if (!full_ && snapshot_versions_[k] == base_versions_[k]) {
           // Unchanged since the last checkpoint: point at the bytes already on disk.
@@ -613,76 +653,23 @@ void CheckpointWriter::write_job() {
           unchanged++;
           continue;
         }
-        const char* stored = reinterpret_cast<const char*>(data);
-        size_t stored_bytes = raw_bytes;
-        std::string enc = "raw";
-        if (config_.compress) {
-          packed.resize(ZSTD_compressBound(raw_bytes));
-          const size_t n = ZSTD_compress(packed.data(), packed.size(), data, raw_bytes, kZstdLevel);
-          if (!ZSTD_isError(n) && n < stored_bytes) {
-            stored = packed.data();
-            stored_bytes = n;
-            enc = "zstd";
-          }
-        }
-        if (!full_ && config_.delta && !base_.empty()) {
-          delta.resize(static_cast<size_t>(chunk.numel));
-          const uint32_t* a = reinterpret_cast<const uint32_t*>(data);
-          const uint32_t* b = reinterpret_cast<const uint32_t*>(base_.data() + static_cast<size_t>(i) * numel_ +
-                                                                (chunk.offset - begin_offset_));
-          uint32_t* d = reinterpret_cast<uint32_t*>(delta.data());
-          for (int64_t j = 0; j < chunk.numel; ++j) d[j] = a[j] ^ b[j];
-          packed_xor.resize(ZSTD_compressBound(raw_bytes));
-          const size_t n = ZSTD_compress(packed_xor.data(), packed_xor.size(), delta.data(), raw_bytes, kZstdLevel);
-          if (!ZSTD_isError(n) && n < stored_bytes) {
-            stored = packed_xor.data();
-            stored_bytes = n;
-            enc = "xor-zstd";
-          }
-        }
-        out->append(stored, stored_bytes);
-        json rec = {{"in", name_},
-                    {"file", file},
-                    {"at", at},
-                    {"bytes", stored_bytes},
-                    {"enc", enc},
-                    {"sum", hex64(checksum(data, raw_bytes))},
-                    {"stored_sum", hex64(checksum(stored, stored_bytes))}};
-        if (enc == "xor-zstd") {
+        const bool xor_delta = !full_ && config_.delta && !base_.empty();
+        json rec = write_record(snapshot_.data() + at_chunk, static_cast<size_t>(chunk.numel),
+                                xor_delta ? base_.data() + at_chunk : nullptr);
+        if (rec.at("enc") == "xor-zstd") {
           rec["base"] = base_name_;
           xor_records++;
         }
         planes[plane_key(p)] = rec;
-        at += stored_bytes;
       }
       chunks[std::to_string(c)] = {{"version", snapshot_versions_[k]}, {"planes", planes}};
     }
     if (state_.has_residual) {
       // Compression residuals: this rank's own state, always written whole (they change every step).
-      const size_t raw_bytes = residual_.size() * sizeof(float);
-      const char* stored = reinterpret_cast<const char*>(residual_.data());
-      size_t stored_bytes = raw_bytes;
-      std::string enc = "raw";
-      if (config_.compress) {
-        packed.resize(ZSTD_compressBound(raw_bytes));
-        const size_t n = ZSTD_compress(packed.data(), packed.size(), residual_.data(), raw_bytes, kZstdLevel);
-        if (!ZSTD_isError(n) && n < stored_bytes) {
-          stored = packed.data();
-          stored_bytes = n;
-          enc = "zstd";
-        }
-      }
-      out->append(stored, stored_bytes);
-      part["residual"] = {{"in", name_},
-                          {"file", file},
-                          {"at", at},
-                          {"bytes", stored_bytes},
-                          {"enc", enc},
-                          {"numel", residual_.size()},
-                          {"layout", state_.residual_layout},
-                          {"sum", hex64(checksum(residual_.data(), raw_bytes))},
-                          {"stored_sum", hex64(checksum(stored, stored_bytes))}};
-      at += stored_bytes;
+      json rec = write_record(residual_.data(), residual_.size(), nullptr);
+      rec["numel"] = residual_.size();
+      rec["layout"] = state_.residual_layout;
+      part["residual"] = rec;
     }
     out->sync();
     out->close();

@@ -30,13 +30,14 @@ int as_int(size_t bytes) {
 
 }  // namespace
 
-CompressedAllreduce::CompressedAllreduce(Communicator& comm, const Codec& codec, size_t n)
+CompressedAllreduce::CompressedAllreduce(Communicator& comm, const Codec& codec, size_t n, SumShape shape)
     : comm_(comm), codec_(codec), n_(n), rank_(comm.rank()), world_(comm.size()) {
   const CodecKind k = codec.kind();
-  dense_ = k == CodecKind::none || k == CodecKind::fp16 || k == CodecKind::bf16 || k == CodecKind::sign1;
+  const bool dense_codec = k == CodecKind::none || k == CodecKind::fp16 || k == CodecKind::bf16 || k == CodecKind::sign1;
+  two_phase_ = dense_codec && (shape == SumShape::two_phase || (shape == SumShape::automatic && world_ > 2));
   worker_residual_.assign(n, 0.0f);
   const size_t w = static_cast<size_t>(world_);
-  if (dense_) {
+  if (two_phase_) {
     shard_begin_.resize(w + 1);
     for (size_t r = 0; r <= w; ++r) shard_begin_[r] = n * r / w;
     shard_bytes_.resize(w);
@@ -61,7 +62,7 @@ void CompressedAllreduce::start(float* data, uint64_t seed) {
   stats_.raw_bytes += static_cast<double>(n_) * sizeof(float);
   const auto t0 = std::chrono::steady_clock::now();
   const size_t w = static_cast<size_t>(world_);
-  if (dense_) {
+  if (two_phase_) {
     for (size_t j = 0; j < w; ++j) {
       const size_t b = shard_begin_[j], len = shard_begin_[j + 1] - b;
       encode_with_feedback(codec_, data + b, worker_residual_.data() + b, len, mix(seed, rank_, j), encoded_, scratch_);
@@ -119,7 +120,7 @@ void CompressedAllreduce::finish() {
   std::fill(data_, data_ + n_, 0.0f);
   const size_t w = static_cast<size_t>(world_);
   for (size_t j = 0; j < w; ++j) {
-    if (dense_) {
+    if (two_phase_) {
       const size_t b = shard_begin_[j], len = shard_begin_[j + 1] - b;
       codec_.decode_add(recv_.data() + recv_displs_[j], static_cast<size_t>(recv_counts_[j]), len, data_ + b);
     } else {

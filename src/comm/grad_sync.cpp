@@ -50,7 +50,7 @@ GradSync::GradSync(Communicator& comm, ChunkStore& store, GradSyncOptions option
         current.codec_impl = Codec::make(current.codec);
         current.comm = comm.duplicate();
         current.reducer = std::make_unique<CompressedAllreduce>(*current.comm, *current.codec_impl,
-                                                                static_cast<size_t>(current.numel));
+                                                                static_cast<size_t>(current.numel), options_.shape);
       }
       buckets_.push_back(std::move(current));
       end = buckets_.back().offset;

@@ -68,6 +68,7 @@ struct GradSyncOptions {
   std::vector<CodecParams> codecs;
   uint64_t seed = 0;       // drives the codecs' random choices (with the step and the bucket)
   int warmup_steps = 0;    // steps before compression starts
+  SumShape shape = SumShape::automatic;
 };
 
 class GradSync final : public BackwardObserver {

@@ -135,9 +135,15 @@ void validate_sync_config(const SyncConfig& s, int n_layer, int zero) {
   check(keep_ok(s.randk_keep), "config key 'sync.randk_keep': expected 0 < keep <= 1, found " + fmt(s.randk_keep));
   check(s.block >= 1, "config key 'sync.block': expected >= 1, found " + std::to_string(s.block));
   check(s.warmup_steps >= 0, "config key 'sync.warmup_steps': expected >= 0, found " + std::to_string(s.warmup_steps));
+  check(s.shape == "auto" || s.shape == "two-phase" || s.shape == "gather",
+        "config key 'sync.shape': expected \"auto\", \"two-phase\" or \"gather\", found \"" + s.shape + "\"");
   check(!sync_compressed(s) || zero < 2,
         "config key 'sync.codec': compressed sync (\"" + s.codec +
             "\") needs parallel.zero 0 or 1 (ZeRO-2's gradient reduce-scatter is not compressed)");
+}
+
+SumShape sync_sum_shape(const SyncConfig& s) {
+  return s.shape == "two-phase" ? SumShape::two_phase : s.shape == "gather" ? SumShape::gather : SumShape::automatic;
 }
 
 CodecParams sync_codec_params(const SyncConfig& s, CodecKind kind) {

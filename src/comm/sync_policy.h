@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "comm/codec.h"
+#include "comm/compressed_allreduce.h"
 #include "core/config.h"
 #include "store/chunk_store.h"
 
@@ -38,6 +39,9 @@ void validate_sync_config(const SyncConfig& sync, int n_layer, int zero);
 
 // True when sync.codec asks for any compression.
 inline bool sync_compressed(const SyncConfig& sync) { return sync.codec != "none"; }
+
+// sync.shape as the collective's SumShape.
+SumShape sync_sum_shape(const SyncConfig& sync);
 
 // The parameters of `kind` under this config (keep ratios, block size).
 CodecParams sync_codec_params(const SyncConfig& sync, CodecKind kind);

@@ -76,6 +76,7 @@ std::vector<Field> fields(Config& c) {
       {"sync", "randk_keep", &c.sync.randk_keep},
       {"sync", "block", &c.sync.block},
       {"sync", "warmup_steps", &c.sync.warmup_steps},
+      {"sync", "shape", &c.sync.shape},
       {"checkpoint", "full_every", &c.checkpoint.full_every},
       {"checkpoint", "keep", &c.checkpoint.keep},
       {"checkpoint", "delta", &c.checkpoint.delta},

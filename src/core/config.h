@@ -84,10 +84,16 @@ struct SyncConfig {
   // to the token embedding, so `embedding` covers the head too.
   std::string embedding, attention, ffn, norm, head;
   double sign1_keep = 1.0;   // sign1: fraction of values sent (random sparsification); 1 = dense
-  double topk_keep = 0.01;   // quant2-topk and topk: fraction of values sent (the largest |g|)
+  double topk_keep = 0.05;   // quant2-topk and topk: fraction of values sent (the largest |g|)
   double randk_keep = 0.01;  // randk: fraction of values sent (random positions)
   int block = 256;           // sign1, quant2-topk: values sharing one scale
-  int warmup_steps = 0;      // steps synced uncompressed before compression starts
+  int warmup_steps = 20;     // steps synced uncompressed before compression starts
+  // How a dense codec's bucket is summed: "two-phase" (1-bit Adam: all-to-all of encoded
+  // shards, each owner sums and re-encodes its shard, all-gather), "gather" (all-gather every
+  // rank's encoding, everyone decodes the sum: no second lossy step, (N-1)/(2(N-1)/N) x the
+  // bytes), or "auto": gather where it costs no more bytes (2 ranks), else two-phase. Sparse
+  // codecs always gather.
+  std::string shape = "auto";
 };
 
 // Checkpoints (written to run_dir/ckpt every train.checkpoint_every steps and at the end).

@@ -66,6 +66,7 @@ Trainer::Trainer(Config config, Communicator& comm)
     sync_options.codecs = sync_chunk_codecs(config_.sync, m.n_layer, *store_);
     sync_options.seed = t.seed ^ 0x5EEDC0DECull;
     sync_options.warmup_steps = config_.sync.warmup_steps;
+    sync_options.shape = sync_sum_shape(config_.sync);
   }
   sync_ = std::make_unique<GradSync>(comm_, *store_, std::move(sync_options));
   if (zero > 0) {  // before loading: the moments are never resident at full size

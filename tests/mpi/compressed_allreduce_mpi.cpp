@@ -60,23 +60,30 @@ std::vector<float> reference(const Codec& codec, bool dense, int world, size_t n
   return out;
 }
 
+// The codec under test: sparsifying ones keep 5 %, blocks of 64.
+std::unique_ptr<Codec> make_codec(CodecKind kind) {
+  CodecParams p;
+  p.kind = kind;
+  p.keep = (kind == CodecKind::topk || kind == CodecKind::randk || kind == CodecKind::quant2_topk) ? 0.05 : 1.0;
+  p.block = 64;
+  return Codec::make(p);
+}
+
 class CompressedAllreduceMpi : public ::testing::TestWithParam<CodecKind> {};
 
 TEST_P(CompressedAllreduceMpi, EqualsDecodeThenSumOnEveryRank) {
   Communicator& comm = Communicator::world();
-  CodecParams p;
-  p.kind = GetParam();
-  p.keep = (p.kind == CodecKind::topk || p.kind == CodecKind::randk || p.kind == CodecKind::quant2_topk) ? 0.05 : 1.0;
-  p.block = 64;
-  const std::unique_ptr<Codec> codec = Codec::make(p);
+  const std::unique_ptr<Codec> codec = make_codec(GetParam());
+  const CodecParams& p = codec->params();
+  for (SumShape shape : {SumShape::two_phase, SumShape::gather})
   for (size_t n : {size_t{1}, size_t{5}, size_t{1000}, size_t{40003}}) {
-    CompressedAllreduce sum(comm, *codec, n);
+    CompressedAllreduce sum(comm, *codec, n, shape);
     std::vector<float> data = input(comm.rank(), n, n);
     const uint64_t seed = 42 + n;
     sum.start(data.data(), seed);
     while (!sum.test()) {
     }
-    const std::vector<float> want = reference(*codec, sum.dense(), comm.size(), n, seed, n);
+    const std::vector<float> want = reference(*codec, sum.two_phase(), comm.size(), n, seed, n);
     ASSERT_EQ(0, std::memcmp(want.data(), data.data(), n * sizeof(float))) << codec_name(p.kind) << " n=" << n;
     // Worker residual: what this rank's encoding lost (exactly zero for the lossless codec).
     double lost = 0;
@@ -93,9 +100,13 @@ TEST_P(CompressedAllreduceMpi, EqualsDecodeThenSumOnEveryRank) {
     }
     EXPECT_EQ(comm.allreduce_max(static_cast<double>(h >> 12)), static_cast<double>(h >> 12)) << "ranks differ";
     EXPECT_GT(sum.stats().raw_bytes, 0);
-    // Compressed codecs put fewer bytes on the wire than float32 would (ring all-reduce: 2 (N-1)/N).
-    if (comm.size() > 1 && !codec->lossless() && n >= 1000) {
+    // Two-phase compressed sums put fewer bytes on the wire than float32 would (ring all-reduce: 2 (N-1)/N).
+    // Gather sends every rank's whole encoding to each other rank.
+    if (comm.size() > 1 && !codec->lossless() && n >= 1000 && sum.two_phase()) {
       EXPECT_LT(sum.stats().wire_bytes, sum.stats().raw_bytes * 2.0 * (comm.size() - 1) / comm.size());
+    }
+    if (!sum.two_phase()) {
+      EXPECT_EQ(sum.stats().wire_bytes, static_cast<double>(codec->max_encoded_bytes(n)) * (comm.size() - 1));
     }
   }
 }
@@ -106,11 +117,8 @@ TEST_P(CompressedAllreduceMpi, EqualsDecodeThenSumOnEveryRank) {
 // and every rank waits a rank-dependent while between tests.
 TEST_P(CompressedAllreduceMpi, ManySumsInFlightOnDuplicateCommunicatorsStayIndependent) {
   Communicator& world = Communicator::world();
-  CodecParams p;
-  p.kind = GetParam();
-  p.keep = (p.kind == CodecKind::topk || p.kind == CodecKind::randk || p.kind == CodecKind::quant2_topk) ? 0.05 : 1.0;
-  p.block = 64;
-  const std::unique_ptr<Codec> codec = Codec::make(p);
+  const std::unique_ptr<Codec> codec = make_codec(GetParam());
+  const CodecParams& p = codec->params();
   const std::vector<size_t> sizes = {3000, 17, 5000, 1, 2048, 999};
   std::vector<std::unique_ptr<Communicator>> comms;
   std::vector<std::unique_ptr<CompressedAllreduce>> sums;
@@ -135,7 +143,7 @@ TEST_P(CompressedAllreduceMpi, ManySumsInFlightOnDuplicateCommunicatorsStayIndep
     ASSERT_LT(round, 10000000) << "sums never completed";
   }
   for (size_t i = 0; i < sizes.size(); ++i) {
-    const std::vector<float> want = reference(*codec, sums[i]->dense(), world.size(), sizes[i], 7 + i, 100 + i);
+    const std::vector<float> want = reference(*codec, sums[i]->two_phase(), world.size(), sizes[i], 7 + i, 100 + i);
     ASSERT_EQ(0, std::memcmp(want.data(), data[i].data(), sizes[i] * sizeof(float)))
         << codec_name(p.kind) << " sum " << i;
   }
@@ -163,7 +171,7 @@ TEST_P(CompressedAllreduceMpi, ResidualsCarryWhatWasLostIntoTheNextSum) {
   }
   std::vector<float> held(n, 0.0f);
   for (size_t i = 0; i < n; ++i) held[i] = sum.worker_residual()[i];
-  if (sum.dense()) {
+  if (sum.two_phase()) {
     const size_t b = n * comm.rank() / comm.size();
     for (size_t i = 0; i < sum.server_residual().size(); ++i) held[b + i] += sum.server_residual()[i];
   }
