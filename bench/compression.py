@@ -55,6 +55,10 @@ RUN_TIMEOUT = int(os.environ.get("RUN_TIMEOUT", "3600"))
 DEFAULT_CODECS = "fp16,bf16,sign1,quant2-topk,topk,randk"
 
 
+def mean(xs):
+    return sum(xs) / len(xs) if xs else 0.0
+
+
 def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
@@ -108,7 +112,6 @@ def convergence_run(work, ranks, codec, steps):
     sent = sum(x.get("sync_sent_bytes", 0.0) for x in s)
     plain = sum(x.get("sync_uncompressed_bytes", x.get("sync_sent_bytes", 0.0)) for x in s)
     timed = [x for x in s if x["step"] > 1]
-    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
     result = {
         "part": "convergence", "ranks": ranks, "codec": codec, "steps": steps,
         "val_loss": e[-1]["val_loss"], "val_curve": [[x["step"], x["val_loss"]] for x in e],
@@ -196,7 +199,6 @@ def network_run(work, prefix, link, codec, rep, warmup, steps):
     run_keel(train, run_dir + ".log", env_extra={"KEEL_NETNS_PREFIX": prefix, "KEEL_BINARY": KEEL}, prefix=["bash", NETNS, "run", "-n", "2", "--"])
     s, _ = read_metrics(run_dir)
     timed = [x for x in s if x["step"] > warmup]
-    mean = lambda xs: sum(xs) / len(xs)
     result = {
         "part": "network", "link": link, "codec": codec, "rep": rep,
         "tokens_per_s": mean([x["tokens_per_s"] for x in timed]),
