@@ -204,5 +204,29 @@ TEST_F(AcrossNamespaces, RateShapedLinkGivesTheSameBytes) {
   train_across(ns, "shaped");
 }
 
+// --delay adds netem where the kernel has it; where it does not, up fails with a line that says so
+// and leaves nothing behind. Either way a bad value is refused before anything is made.
+TEST_F(AcrossNamespaces, DelayIsNetemOrAClearRefusal) {
+  std::string prefix;
+  {
+    Namespaces bad("2 --delay fast");
+    EXPECT_NE(bad.up().exit_code, 0);
+    EXPECT_NE(bad.up().output.find("--delay: expected a time such as 0.2ms"), std::string::npos) << bad.up().output;
+  }
+  {
+    Namespaces ns("2 --rate 1gbit --delay 0.2ms");
+    prefix = ns.prefix();
+    if (ns.up().exit_code == 0) {
+      const CommandResult qdisc = run_command("ip netns exec " + prefix + "0 tc qdisc show dev eth0");
+      EXPECT_NE(qdisc.output.find("netem"), std::string::npos) << qdisc.output;
+      EXPECT_NE(qdisc.output.find("tbf"), std::string::npos) << qdisc.output;
+    } else {
+      EXPECT_NE(ns.up().output.find("lacks sch_netem"), std::string::npos) << ns.up().output;
+      EXPECT_EQ(run_command("ip netns list | grep -c '^" + prefix + "'").output, "0\n");
+    }
+  }
+  EXPECT_EQ(run_command("ip netns list | grep -c '^" + prefix + "'").output, "0\n");
+}
+
 }  // namespace
 }  // namespace keel
