@@ -167,17 +167,7 @@ class Chaos : public ::testing::Test {
   }
   // The running ranks' pids: their command lines start with the keel binary and
   // "train --config <this test's config>" (the launcher's has "launch", mpirun's starts with mpirun).
-  std::vector<pid_t> rank_pids() {
-    auto r =
-        testing::run_command("pgrep -f '^" + std::string(KEEL_BINARY) + " train --config " + dir / "small.toml" + "'");
-    std::vector<pid_t> pids;
-    for (size_t p = 0; p < r.output.size();) {
-      const size_t e = r.output.find('\n', p);
-      if (e > p) pids.push_back(std::stoi(r.output.substr(p, e - p)));
-      p = e == std::string::npos ? e : e + 1;
-    }
-    return pids;
-  }
+  std::vector<pid_t> rank_pids() { return testing::keel_train_pids(dir / "small.toml"); }
   // MPI rank of a running rank process (-1 when it is gone).
   int mpi_rank(pid_t pid) {
     const std::string env = proc_file(pid, "environ");

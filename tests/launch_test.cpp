@@ -154,17 +154,7 @@ class Launch : public ::testing::Test {
   }
   // The pids of the running ranks, ascending: their command lines start with the keel binary and
   // "train --config" (the launcher's has "launch", mpirun's starts with mpirun).
-  std::vector<pid_t> rank_pids() {
-    auto r = testing::run_command("pgrep -f '^" + std::string(KEEL_BINARY) + " train --config " + dir / "toy.toml" +
-                                  "' | sort -n");
-    std::vector<pid_t> pids;
-    for (size_t p = 0; p < r.output.size();) {
-      const size_t e = r.output.find('\n', p);
-      if (e > p) pids.push_back(std::stoi(r.output.substr(p, e - p)));
-      p = e == std::string::npos ? e : e + 1;
-    }
-    return pids;
-  }
+  std::vector<pid_t> rank_pids() { return testing::keel_train_pids(dir / "toy.toml"); }
   // Waits until run number `run` (1 = the first) of the job trains, i.e. has printed its first
   // evaluation (a rank killed while MPI starts up can make OpenMPI 4.1's mpirun hang: not what
   // these tests are about), and returns its two ranks, none of which is in `old`.

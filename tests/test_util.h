@@ -164,6 +164,18 @@ inline void write_toy_config(const std::string& dir, int steps) {
              "[runtime]\npeak_gflops = 100\n[parallel]\nbucket_bytes = 65536\n");
 }
 
+// Process ids of the running `keel train --config CONFIG` processes (the ranks of a job), ascending.
+inline std::vector<pid_t> keel_train_pids(const std::string& config) {
+  const CommandResult r = run_command("pgrep -f '^" + std::string(KEEL_BINARY) + " train --config " + config + "' | sort -n");
+  std::vector<pid_t> pids;
+  for (size_t p = 0; p < r.output.size();) {
+    const size_t e = r.output.find('\n', p);
+    if (e > p) pids.push_back(std::stoi(r.output.substr(p, e - p)));
+    p = e == std::string::npos ? e : e + 1;
+  }
+  return pids;
+}
+
 // A keel command (usually `keel launch`) running in the background with extra environment variables, its stdout and
 // stderr going to a log file.
 class KeelJob {
