@@ -393,15 +393,11 @@ void Trainer::trim_metrics(int64_t step) {
 
 void Trainer::accumulate_sync(const SyncStats& s) {
   for (const LayerSyncStats& l : s.layers) {
-    auto it = std::find_if(sync_totals_.begin(), sync_totals_.end(),
-                           [&](const LayerSyncStats& t) { return t.layer == l.layer; });
-    if (it == sync_totals_.end()) {
-      sync_totals_.push_back(LayerSyncStats{l.layer, "", 0, 0});
-      it = sync_totals_.end() - 1;
-    }
-    it->raw_bytes += l.raw_bytes;
-    it->wire_bytes += l.wire_bytes;
-    if (l.codec != "none" || it->codec.empty()) it->codec = l.codec;  // the codec once compression started
+    LayerSyncStats& total = sync_totals_[l.layer];
+    total.layer = l.layer;
+    total.raw_bytes += l.raw_bytes;
+    total.wire_bytes += l.wire_bytes;
+    if (l.codec != "none" || total.codec.empty()) total.codec = l.codec;  // the codec once compression started
   }
   sync_encode_ms_ += s.encode_ms;
   sync_decode_ms_ += s.decode_ms;
@@ -409,16 +405,14 @@ void Trainer::accumulate_sync(const SyncStats& s) {
 
 void Trainer::print_sync_summary() {
   if (!comm_.is_root() || sync_totals_.empty()) return;
-  std::sort(sync_totals_.begin(), sync_totals_.end(),
-            [](const LayerSyncStats& a, const LayerSyncStats& b) { return a.layer < b.layer; });
   const int n_layer = config_.model.n_layer;
+  // Ratios are against what a ring all-reduce of float32 sends.
+  const double ring = 2.0 * (comm_.size() - 1) / comm_.size();
   std::printf("keel: compressed sync over this run (rank 0: MB of float32 gradient, MB sent)\n");
   std::printf("  %-14s %-12s %10s %10s %8s\n", "layer", "codec", "raw MB", "sent MB", "ratio");
   double raw = 0, wire = 0;
-  for (const LayerSyncStats& l : sync_totals_) {
+  for (const auto& [layer, l] : sync_totals_) {
     const std::string name = l.layer == 0 ? "embeddings" : l.layer > n_layer ? "final norm" : "block " + std::to_string(l.layer - 1);
-    // The ratio is against what a ring all-reduce of float32 sends.
-    const double ring = 2.0 * (comm_.size() - 1) / comm_.size();
     std::printf("  %-14s %-12s %10.1f %10.2f %7.1fx\n", name.c_str(), l.codec.c_str(), l.raw_bytes / 1e6,
                 l.wire_bytes / 1e6, l.wire_bytes > 0 ? l.raw_bytes * ring / l.wire_bytes : 0.0);
     raw += l.raw_bytes * ring;

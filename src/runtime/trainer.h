@@ -7,6 +7,7 @@
 
 #include <deque>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -110,7 +111,7 @@ class Trainer {
   int64_t ckpt_step_ = -1;        // step of the checkpoint begun last
   std::string ckpt_inflight_root_;
   std::vector<float> residual_scratch_;  // compression residuals handed to a checkpoint
-  std::vector<LayerSyncStats> sync_totals_;  // per layer over the run (compressed sync)
+  std::map<int, LayerSyncStats> sync_totals_;  // by layer, over the run (compressed sync)
   double sync_encode_ms_ = 0, sync_decode_ms_ = 0;
   double peak_gflops_ = 0;
   std::ofstream metrics_;
