@@ -9,6 +9,7 @@ packages=(
   libgtest-dev libbenchmark-dev         # tests and micro-benchmarks
   libtomlplusplus-dev nlohmann-json3-dev # configs (TOML) and JSON lines / manifests
   libzstd-dev libxxhash-dev             # compression and checksums for checkpoints
+  liburing-dev                          # asynchronous O_DIRECT I/O for the NVMe memory tier
   openmpi-bin libopenmpi-dev            # the distributed engine: every byte between ranks
   iproute2 procps                       # network namespaces for multi-host tests; pgrep
   fortunes fortunes-min                 # the default training corpus: real English text

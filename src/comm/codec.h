@@ -6,16 +6,17 @@
 // Every encoding is self-describing and checkable: a 32-byte header, then the payload. Its size
 // depends only on (kind, params, n), never on the data or the seed, so a collective can size its
 // buffers before encoding. Everything is little-endian; k is the count of values carried.
-//   header       u8 kind, u8 format version (1), u16 0, u32 block (sign1, quant2-topk; else 0),
+//   header       u8 kind, u8 format version (2), u16 0, u32 block (sign1, quant2-topk; else 0),
 //                u64 n, u64 k, u64 seed (randk, sparsified sign1; else 0)
 //   none         f32[n]
 //   fp16, bf16   u16[n]: IEEE binary16 / bfloat16, round to nearest even
 //   sign1        f32 scale per block of `block` kept values (mean |v| of the block), then 1 bit per
 //                kept value (1 = negative; value i is bit i % 8 of byte i / 8); decodes as +-scale.
 //                keep < 1: the kept values are at sample_positions(n, k, seed)
-//   quant2-topk  u32[k] positions of topk, then f32 scale s per block of `block` kept values
-//                (max |v| of the block), then 2 bits per value (value j: bits 2 (j % 4) of byte
-//                j / 4): the nearest of {-s, -s/3, +s/3, +s} (codes 0..3)
+//   quant2-topk  u32[k] positions of topk (none when k == n: dense 2-bit), then per block of
+//                `block` kept values two f32 magnitudes lo <= hi (fitted by 2-means on |v|, see
+//                codec.cpp), then 2 bits per value (value j: bits 2 (j % 4) of byte j / 4):
+//                codes 0..3 decode as -hi, -lo, +lo, +hi (the sign, then the nearer magnitude)
 //   topk         u32[k] positions of the k largest |x| (ties: lower position), ascending; f32[k]
 //   randk        f32[k]: the values at sample_positions(n, k, seed)
 // Random sparsification is not rescaled (by 1/keep or n/k): the rescaled, unbiased versions are
@@ -82,6 +83,12 @@ class Codec {
   const CodecParams& params() const { return params_; }
   // True for none only: decode(encode(x)) == x bit for bit.
   virtual bool lossless() const = 0;
+  // True when the kept positions depend on the data (topk, quant2_topk with keep < 1): ranks keep
+  // different positions, so a shard of one rank's encoding cannot be summed with another's, and
+  // the collective must gather whole encodings.
+  bool data_dependent_positions() const {
+    return (params_.kind == CodecKind::topk || params_.kind == CodecKind::quant2_topk) && params_.keep < 1.0;
+  }
   // The size of every encoding of n elements (exact: sizes do not depend on the data).
   virtual size_t max_encoded_bytes(size_t n) const = 0;
 

@@ -32,9 +32,10 @@ int as_int(size_t bytes) {
 
 CompressedAllreduce::CompressedAllreduce(Communicator& comm, const Codec& codec, size_t n, SumShape shape)
     : comm_(comm), codec_(codec), n_(n), rank_(comm.rank()), world_(comm.size()) {
-  const CodecKind k = codec.kind();
-  const bool dense_codec = k == CodecKind::none || k == CodecKind::fp16 || k == CodecKind::bf16 || k == CodecKind::sign1;
-  two_phase_ = dense_codec && (shape == SumShape::two_phase || (shape == SumShape::automatic && world_ > 2));
+  // Codecs whose positions do not depend on the data can be summed shard by shard; the others
+  // (topk, sparse quant2-topk) gather, and so does randk (each rank's payload is a few values).
+  const bool shardable = !codec.data_dependent_positions() && codec.kind() != CodecKind::randk;
+  two_phase_ = shardable && (shape == SumShape::two_phase || (shape == SumShape::automatic && world_ > 2));
   worker_residual_.assign(n, 0.0f);
   const size_t w = static_cast<size_t>(world_);
   if (two_phase_) {

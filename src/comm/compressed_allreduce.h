@@ -1,8 +1,8 @@
 // A compressed sum over data-parallel ranks of one buffer (a gradient bucket), non-blocking, with
 // error feedback, in two shapes (HybridGC):
 //
-//  * two-phase (dense codecs: none, fp16, bf16, sign1), 1-bit Adam's compressed all-reduce: the buffer is cut
-//    into one shard per rank; every rank encodes each shard (adding its worker residual) and an
+//  * two-phase (dense codecs: none, fp16, bf16, sign1, quant2-topk at keep 1), 1-bit Adam's
+//    compressed all-reduce: the buffer is cut into one shard per rank; every rank encodes each shard (adding its worker residual) and an
 //    all-to-all sends shard j to rank j; rank j decodes the N encodings of its shard, sums them
 //    in rank order, encodes the sum (adding its server residual) and an all-gather gives every
 //    rank every encoded sum, which it decodes into the buffer. Each rank sends about
@@ -41,7 +41,7 @@ enum class SumShape { automatic, two_phase, gather };
 class CompressedAllreduce {
  public:
   // A sum of `n` floats over comm's ranks with `codec` (which must outlive this object). A sparse
-  // codec always uses the gather shape.
+  // codec (topk, quant2-topk with keep < 1, randk) always uses the gather shape.
   CompressedAllreduce(Communicator& comm, const Codec& codec, size_t n, SumShape shape = SumShape::automatic);
 
   // Starts summing data[0 .. n) over ranks; data is overwritten with the (decoded) sum once

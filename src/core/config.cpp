@@ -72,6 +72,7 @@ std::vector<Field> fields(Config& c) {
       {"sync", "norm", &c.sync.norm},
       {"sync", "head", &c.sync.head},
       {"sync", "sign1_keep", &c.sync.sign1_keep},
+      {"sync", "quant2_keep", &c.sync.quant2_keep},
       {"sync", "topk_keep", &c.sync.topk_keep},
       {"sync", "randk_keep", &c.sync.randk_keep},
       {"sync", "block", &c.sync.block},

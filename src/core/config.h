@@ -76,15 +76,17 @@ struct SyncConfig {
   // hybrid: "LO-HI:codec,..." over transformer block indices (0-based, inclusive, "31-" = 31 and
   // deeper), or over depth fractions when a bound has a decimal point ("0-0.34:sign1,...": block
   // b of L sits at b / L, ranges are [LO, HI), the last one includes 1). Embeddings take the
-  // first block's codec, the final norm the last block's. "" = the seed's split: blocks 0-10
-  // sign1, 11-30 quant2-topk, 31 and up fp16 for models of 32 blocks or more; the same split as
-  // depth fractions (11/32, 31/32) for shallower ones.
+  // first block's codec, the final norm the last block's. "" = the seed's split for models of 32
+  // blocks or more (blocks 0-10 sign1, 11-30 quant2-topk, 31 and up fp16); for shallower ones
+  // "0.0-:quant2-topk" (dense 2-bit everywhere: on the default job 1-bit in the first third of
+  // the blocks cost 2.5 % more validation loss, see docs/architecture.md).
   std::string policy;
   // Overrides by chunk kind ("" = what the policy gives the chunk's layer). GPT-2 ties its head
   // to the token embedding, so `embedding` covers the head too.
   std::string embedding, attention, ffn, norm, head;
   double sign1_keep = 1.0;   // sign1: fraction of values sent (random sparsification); 1 = dense
-  double topk_keep = 0.05;   // quant2-topk and topk: fraction of values sent (the largest |g|)
+  double quant2_keep = 1.0;  // quant2-topk: fraction of values sent (the largest |g|); 1 = dense 2-bit
+  double topk_keep = 0.05;   // topk: fraction of values sent (the largest |g|)
   double randk_keep = 0.01;  // randk: fraction of values sent (random positions)
   int block = 256;           // sign1, quant2-topk: values sharing one scale
   int warmup_steps = 20;     // steps synced uncompressed before compression starts

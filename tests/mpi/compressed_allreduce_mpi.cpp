@@ -60,16 +60,15 @@ std::vector<float> reference(const Codec& codec, bool dense, int world, size_t n
   return out;
 }
 
-// The codec under test: sparsifying ones keep 5 %, blocks of 64.
-std::unique_ptr<Codec> make_codec(CodecKind kind) {
-  CodecParams p;
-  p.kind = kind;
-  p.keep = (kind == CodecKind::topk || kind == CodecKind::randk || kind == CodecKind::quant2_topk) ? 0.05 : 1.0;
+// The codecs under test, blocks of 64: sparsifying ones keep 5 % (quant2-topk also dense, keep 1:
+// it then sums shard by shard in the two-phase shape).
+std::unique_ptr<Codec> make_codec(const CodecParams& param) {
+  CodecParams p = param;
   p.block = 64;
   return Codec::make(p);
 }
 
-class CompressedAllreduceMpi : public ::testing::TestWithParam<CodecKind> {};
+class CompressedAllreduceMpi : public ::testing::TestWithParam<CodecParams> {};
 
 TEST_P(CompressedAllreduceMpi, EqualsDecodeThenSumOnEveryRank) {
   Communicator& comm = Communicator::world();
@@ -151,9 +150,8 @@ TEST_P(CompressedAllreduceMpi, ManySumsInFlightOnDuplicateCommunicatorsStayIndep
 
 TEST_P(CompressedAllreduceMpi, ResidualsCarryWhatWasLostIntoTheNextSum) {
   Communicator& comm = Communicator::world();
-  CodecParams p;
-  p.kind = GetParam();
-  p.keep = (p.kind == CodecKind::topk || p.kind == CodecKind::randk || p.kind == CodecKind::quant2_topk) ? 0.1 : 1.0;
+  CodecParams p = GetParam();
+  if (p.keep < 1.0) p.keep = 0.1;
   const std::unique_ptr<Codec> codec = Codec::make(p);
   const size_t n = 2000;
   CompressedAllreduce sum(comm, *codec, n);
@@ -185,12 +183,14 @@ TEST_P(CompressedAllreduceMpi, ResidualsCarryWhatWasLostIntoTheNextSum) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Codecs, CompressedAllreduceMpi,
-                         ::testing::Values(CodecKind::none, CodecKind::fp16, CodecKind::bf16, CodecKind::sign1,
-                                           CodecKind::quant2_topk, CodecKind::topk, CodecKind::randk),
+                         ::testing::Values(CodecParams{CodecKind::none, 1.0}, CodecParams{CodecKind::fp16, 1.0},
+                                           CodecParams{CodecKind::bf16, 1.0}, CodecParams{CodecKind::sign1, 1.0},
+                                           CodecParams{CodecKind::quant2_topk, 0.05}, CodecParams{CodecKind::quant2_topk, 1.0},
+                                           CodecParams{CodecKind::topk, 0.05}, CodecParams{CodecKind::randk, 0.05}),
                          [](const auto& info) {
-                           std::string name = codec_name(info.param);
+                           std::string name = codec_name(info.param.kind);
                            std::replace(name.begin(), name.end(), '-', '_');
-                           return name;
+                           return info.param.keep < 1.0 && info.param.kind == CodecKind::quant2_topk ? name + "_sparse" : name;
                          });
 
 }  // namespace
