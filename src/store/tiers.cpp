@@ -1,0 +1,501 @@
+#include "store/tiers.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+
+#include "core/error.h"
+
+namespace keel {
+
+namespace {
+
+constexpr int64_t kAlign = static_cast<int64_t>(BlockFile::kAlign);
+int64_t round_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::string mib(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+  return buf;
+}
+
+}  // namespace
+
+const char* tier_name(Tier t) {
+  switch (t) {
+    case Tier::device: return "device";
+    case Tier::host: return "host";
+    case Tier::nvme: return "nvme";
+  }
+  return "?";
+}
+
+struct TierManager::Transfer {
+  uint64_t ticket = 0;
+  AlignedBuffer buf;
+  uint64_t version = 0;  // the version of the bytes being moved
+};
+
+struct TierManager::Page {
+  bool exists = false;
+  Tier home = Tier::device;
+  int64_t bytes = 0;  // the page's bytes in the flat plane
+  int64_t slot = 0;   // bytes rounded up to the I/O alignment (host copies, NVMe slots, staging)
+  uint64_t nvme_offset = 0;
+  bool present = true;
+  int pins = 0;
+  uint64_t version = 0;         // the owner's version
+  uint64_t device_version = 0;  // the version of the present copy
+  uint64_t home_version = 0;    // the version the home copy holds
+  AlignedBuffer host;           // a host-homed page's home copy
+  std::unique_ptr<Transfer> fetching, writing;
+  int64_t last_use = 0;
+  int64_t touched_step = -1;
+  std::vector<int64_t> uses;  // positions in the schedule, ascending
+};
+
+TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vector<Tier> homes)
+    : store_(store), options_(options) {
+  check(store.finalized(), "tiers: the chunk store is not finalized");
+  const int n_chunks = static_cast<int>(store.chunks().size());
+  check(homes.size() == static_cast<size_t>(n_chunks) * kNumPlanes,
+        "tiers: " + std::to_string(homes.size()) + " homes for " + std::to_string(n_chunks * kNumPlanes) + " pages");
+  check(options.lookahead >= 0, "tier.lookahead: expected >= 0, found " + std::to_string(options.lookahead));
+  pages_.resize(homes.size());
+  const auto [m_begin, m_end] = store.moment_chunks();
+  int64_t device_homed = 0, host_homed = 0, nvme_bytes = 0, largest_chunk = 0, largest_slot = 0;
+  for (int c = 0; c < n_chunks; ++c) {
+    const Chunk& chunk = store.chunks()[c];
+    largest_chunk = std::max<int64_t>(largest_chunk, chunk.numel * 4);
+    for (int p = 0; p < kNumPlanes; ++p) {
+      Page& pg = pages_[c * kNumPlanes + p];
+      const bool moment = p >= static_cast<int>(Plane::adam_m);
+      pg.exists = !moment || (c >= m_begin && c < m_end);
+      if (!pg.exists) continue;
+      pg.home = homes[c * kNumPlanes + p];
+      pg.bytes = chunk.numel * static_cast<int64_t>(sizeof(float));
+      pg.slot = round_up(pg.bytes);
+      largest_slot = std::max(largest_slot, pg.slot);
+      switch (pg.home) {
+        case Tier::device: device_homed += pg.bytes; break;
+        case Tier::host: host_homed += pg.slot; break;
+        case Tier::nvme:
+          pg.nvme_offset = static_cast<uint64_t>(nvme_bytes);
+          nvme_bytes += pg.slot;
+          break;
+      }
+    }
+  }
+  const int64_t window = 4 * largest_chunk;  // one chunk's four planes: the optimizer's working set
+  if (device_homed + window > options.device_bytes) {
+    throw Error("tier.device_bytes = " + mib(options.device_bytes) + " cannot hold the device-homed pages (" +
+                mib(device_homed) + ") plus one chunk's working set (" + mib(window) + ")");
+  }
+  const int64_t staging = nvme_bytes > 0 ? 2 * largest_slot : 0;  // at least one read and one write in flight
+  if (host_homed + staging > options.host_bytes) {
+    throw Error("tier.host_bytes = " + mib(options.host_bytes) + " cannot hold the host-homed pages (" + mib(host_homed) +
+                ")" + (staging > 0 ? " plus NVMe staging for two chunks (" + mib(staging) + ")" : ""));
+  }
+  if (nvme_bytes > 0) {
+    check(!options.nvme_dir.empty(), "tier.nvme_dir: pages are placed on the NVMe tier but no directory is set");
+    static std::atomic<int> counter{0};
+    const std::string path = options.nvme_dir + "/keel-tier-" + std::to_string(::getpid()) + "-" +
+                             std::to_string(counter++) + ".bin";
+    file_ = BlockFile::create(path, static_cast<uint64_t>(nvme_bytes), options.engine);
+  }
+  // Move everything home; only device-homed pages stay present.
+  AlignedBuffer staging_buf(static_cast<size_t>(std::max<int64_t>(largest_slot, kAlign)));
+  for (int i = 0; i < static_cast<int>(pages_.size()); ++i) {
+    Page& pg = pages_[i];
+    if (!pg.exists) continue;
+    if (pg.home == Tier::device) {
+      device_used_ += pg.bytes;
+      continue;
+    }
+    if (pg.home == Tier::host) {
+      pg.host = AlignedBuffer(static_cast<size_t>(pg.slot));
+      std::memcpy(pg.host.data, address(i), static_cast<size_t>(pg.bytes));
+      host_used_ += pg.slot;
+    } else {
+      std::memcpy(staging_buf.data, address(i), static_cast<size_t>(pg.bytes));
+      std::memset(static_cast<char*>(staging_buf.data) + pg.bytes, 0, static_cast<size_t>(pg.slot - pg.bytes));
+      file_->wait(file_->write(staging_buf.data, static_cast<size_t>(pg.slot), pg.nvme_offset));
+    }
+    give_back(i);
+    pg.present = false;
+  }
+  stats_.peak_device_bytes = device_used_;
+  stats_.peak_host_bytes = host_used_;
+}
+
+TierManager::~TierManager() {
+  try {
+    drain();
+  } catch (...) {
+    // The file goes with the manager; nothing left to save.
+  }
+}
+
+IoEngine TierManager::engine() const { return file_ ? file_->engine() : IoEngine::automatic; }
+
+TierManager::Page& TierManager::page(PageRef p) {
+  Page& pg = pages_.at(static_cast<size_t>(index(p)));
+  check(pg.exists, "tiers: chunk " + std::to_string(p.chunk) + " plane " + std::to_string(static_cast<int>(p.plane)) +
+                       " is not held by this rank");
+  return pg;
+}
+const TierManager::Page& TierManager::page(PageRef p) const { return const_cast<TierManager*>(this)->page(p); }
+
+Tier TierManager::home(PageRef p) const { return page(p).home; }
+bool TierManager::present(PageRef p) const { return page(p).present; }
+uint64_t TierManager::version(PageRef p) const { return page(p).version; }
+
+float* TierManager::address(int i) const {
+  const int c = i / kNumPlanes;
+  return const_cast<ChunkStore&>(store_).chunk_view(c, static_cast<Plane>(i % kNumPlanes)).data();
+}
+
+// Gives the whole OS pages inside page i's bytes back to the system (they read back as zero).
+void TierManager::give_back(int i) {
+  char* begin = reinterpret_cast<char*>(address(i));
+  char* end = begin + pages_[i].bytes;
+  const uintptr_t os_page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  char* inner_begin = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(begin) + os_page - 1) / os_page * os_page);
+  char* inner_end = reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(end) / os_page * os_page);
+  if (inner_begin < inner_end) {
+    check(::madvise(inner_begin, static_cast<size_t>(inner_end - inner_begin), MADV_DONTNEED) == 0,
+          "tiers: madvise(MADV_DONTNEED) failed");
+  }
+}
+
+void TierManager::begin_step() {
+  if (recording_) {
+    recording_ = false;
+    scheduled_ = !schedule_.empty();
+    for (Page& pg : pages_) pg.uses.clear();
+    for (int64_t pos = 0; pos < static_cast<int64_t>(schedule_.size()); ++pos)
+      for (int i : schedule_[pos]) pages_[i].uses.push_back(pos);
+  } else if (!scheduled_) {
+    recording_ = true;
+  }
+  position_ = 0;
+  ++stats_step_;
+}
+
+// Acquires from now until page i is next acquired (0 = the coming acquire). Without a schedule:
+// least recently used first (a large distance for an old last use).
+int64_t TierManager::next_use(int i) const {
+  const Page& pg = pages_[i];
+  if (!scheduled_) return clock_ - pg.last_use;
+  if (pg.uses.empty()) return std::numeric_limits<int64_t>::max() / 2;
+  const int64_t len = static_cast<int64_t>(schedule_.size());
+  const int64_t at = position_ % len;
+  auto it = std::lower_bound(pg.uses.begin(), pg.uses.end(), at);
+  return it != pg.uses.end() ? *it - at : pg.uses.front() + len - at;
+}
+
+// Evicts unpinned pages, farthest next use first, until `bytes` more fit the device budget.
+// With horizon >= 0 (a prefetch) it never evicts a page needed within `horizon` acquires.
+bool TierManager::make_room(int64_t bytes, int64_t horizon) {
+  while (device_used_ + bytes > options_.device_bytes) {
+    int victim = -1;
+    int64_t farthest = -1;
+    for (int i = 0; i < static_cast<int>(pages_.size()); ++i) {
+      const Page& pg = pages_[i];
+      if (!pg.exists || !pg.present || pg.pins > 0 || pg.home == Tier::device || pg.fetching) continue;
+      const int64_t d = next_use(i);
+      if (d > farthest) farthest = d, victim = i;
+    }
+    if (victim < 0 || (horizon >= 0 && farthest <= horizon)) return false;
+    evict(victim);
+  }
+  return true;
+}
+
+void TierManager::evict(int i) {
+  Page& pg = pages_[i];
+  const bool dirty = pg.device_version > pg.home_version;
+  if (dirty && pg.home == Tier::host) {
+    std::memcpy(pg.host.data, address(i), static_cast<size_t>(pg.bytes));
+    pg.home_version = pg.device_version;
+    stats_.tier[static_cast<int>(Tier::host)].bytes_written += static_cast<uint64_t>(pg.bytes);
+  } else if (dirty) {
+    if (pg.writing) finish_writeback(i);
+    // Staging for the write-back: wait for other transfers while the host budget is short.
+    while (host_used_ + pg.slot > options_.host_bytes && !in_flight_.empty()) finish_oldest();
+    check(host_used_ + pg.slot <= options_.host_bytes, "tier.host_bytes: no room left to stage a write-back");
+    auto t = std::make_unique<Transfer>();
+    t->buf = AlignedBuffer(static_cast<size_t>(pg.slot));
+    std::memcpy(t->buf.data, address(i), static_cast<size_t>(pg.bytes));
+    std::memset(static_cast<char*>(t->buf.data) + pg.bytes, 0, static_cast<size_t>(pg.slot - pg.bytes));
+    t->version = pg.device_version;
+    t->ticket = file_->write(t->buf.data, static_cast<size_t>(pg.slot), pg.nvme_offset);
+    host_used_ += pg.slot;
+    stats_.peak_host_bytes = std::max(stats_.peak_host_bytes, host_used_);
+    pg.writing = std::move(t);
+    in_flight_.push_back(i);
+  }
+  give_back(i);
+  pg.present = false;
+  device_used_ -= pg.bytes;
+  stats_.evictions++;
+}
+
+void TierManager::finish_writeback(int i) {
+  Page& pg = pages_[i];
+  file_->wait(pg.writing->ticket);
+  pg.home_version = pg.writing->version;
+  stats_.tier[static_cast<int>(Tier::nvme)].bytes_written += static_cast<uint64_t>(pg.bytes);
+  host_used_ -= pg.slot;
+  pg.writing.reset();
+}
+
+void TierManager::finish_fetch(int i) {
+  Page& pg = pages_[i];
+  file_->wait(pg.fetching->ticket);
+  std::memcpy(address(i), pg.fetching->buf.data, static_cast<size_t>(pg.bytes));
+  pg.device_version = pg.fetching->version;
+  pg.present = true;
+  host_used_ -= pg.slot;
+  pg.fetching.reset();
+}
+
+// Completes the oldest transfer in flight.
+void TierManager::finish_oldest() {
+  const int i = in_flight_.front();
+  in_flight_.erase(in_flight_.begin());
+  if (pages_[i].fetching) {
+    finish_fetch(i);
+  } else if (pages_[i].writing) {
+    finish_writeback(i);
+  }
+}
+
+// Completes the transfers that are done, without blocking.
+void TierManager::poll() {
+  for (size_t k = 0; k < in_flight_.size();) {
+    const int i = in_flight_[k];
+    Page& pg = pages_[i];
+    const Transfer* t = pg.fetching ? pg.fetching.get() : pg.writing.get();
+    if (t == nullptr) {
+      in_flight_.erase(in_flight_.begin() + static_cast<std::ptrdiff_t>(k));
+      continue;
+    }
+    if (!file_->done(t->ticket)) {
+      ++k;
+      continue;
+    }
+    in_flight_.erase(in_flight_.begin() + static_cast<std::ptrdiff_t>(k));
+    if (pg.fetching) {
+      finish_fetch(i);
+    } else {
+      finish_writeback(i);
+    }
+  }
+}
+
+// Starts bringing page i into the device tier (room must have been made). A host-homed page is
+// copied at once; an NVMe page is read into a staging buffer, or copied from its write-back's
+// buffer when one is in flight (the newest bytes). Returns false when no staging room is free
+// and `demand` is false.
+bool TierManager::fetch(int i, bool demand) {
+  Page& pg = pages_[i];
+  const int t = static_cast<int>(pg.home);
+  if (pg.home == Tier::host) {
+    device_used_ += pg.bytes;
+    std::memcpy(address(i), pg.host.data, static_cast<size_t>(pg.bytes));
+    pg.device_version = pg.home_version;
+    pg.present = true;
+  } else if (pg.writing) {
+    device_used_ += pg.bytes;
+    std::memcpy(address(i), pg.writing->buf.data, static_cast<size_t>(pg.bytes));
+    pg.device_version = pg.writing->version;
+    pg.present = true;
+  } else {
+    while (host_used_ + pg.slot > options_.host_bytes) {
+      if (!demand || in_flight_.empty()) return false;
+      finish_oldest();
+    }
+    device_used_ += pg.bytes;
+    auto tr = std::make_unique<Transfer>();
+    tr->buf = AlignedBuffer(static_cast<size_t>(pg.slot));
+    tr->version = pg.home_version;
+    tr->ticket = file_->read(tr->buf.data, static_cast<size_t>(pg.slot), pg.nvme_offset);
+    host_used_ += pg.slot;
+    stats_.peak_host_bytes = std::max(stats_.peak_host_bytes, host_used_);
+    pg.fetching = std::move(tr);
+    in_flight_.push_back(i);
+  }
+  stats_.tier[t].bytes_read += static_cast<uint64_t>(pg.bytes);
+  stats_.peak_device_bytes = std::max(stats_.peak_device_bytes, device_used_);
+  return true;
+}
+
+void TierManager::count_touch(int i, bool hit, double waited_ms) {
+  Page& pg = pages_[i];
+  if (pg.touched_step == stats_step_) return;
+  pg.touched_step = stats_step_;
+  TierCounters& c = stats_.tier[static_cast<int>(pg.home)];
+  c.acquires++;
+  c.hits += hit;
+  c.stall_ms += waited_ms;
+  if (!hit) c.stalls_ms.push_back(static_cast<float>(waited_ms));
+}
+
+void TierManager::acquire(std::span<const PageRef> refs) {
+  poll();
+  std::vector<int> group;
+  group.reserve(refs.size());
+  for (const PageRef& r : refs) {
+    page(r);  // exists
+    group.push_back(index(r));
+  }
+  if (recording_) schedule_.push_back(group);
+  ++position_;
+  ++clock_;
+  int64_t need = 0;
+  for (int i : group) {
+    const Page& pg = pages_[i];
+    if (!pg.present && !pg.fetching) need += pg.bytes;
+  }
+  for (int i : group) pages_[i].pins++;  // nothing of this group is evicted to make room for it
+  if (!make_room(need, -1)) {
+    for (int i : group) pages_[i].pins--;
+    int64_t pinned = 0;
+    for (const Page& pg : pages_)
+      if (pg.exists && pg.present && (pg.pins > 0 || pg.home == Tier::device)) pinned += pg.bytes;
+    throw Error("tier.device_bytes = " + mib(options_.device_bytes) + " cannot hold the working set: " + mib(need) +
+                " to fetch while " + mib(pinned) + " are pinned or device-homed");
+  }
+  for (int i : group) {
+    Page& pg = pages_[i];
+    pg.last_use = clock_;
+    // A present copy behind its owner's version is stale: drop it, fetch again.
+    if (pg.present && pg.device_version != pg.version) {
+      stats_.stale_refetches++;
+      pg.present = false;
+      device_used_ -= pg.bytes;
+    }
+    if (pg.present) {
+      count_touch(i, true, 0);
+      continue;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    if (!pg.fetching) {
+      check(fetch(i, true), "tiers: could not stage a demand fetch");
+    }
+    if (pg.fetching) {
+      in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), i));
+      finish_fetch(i);
+    }
+    if (pg.device_version != pg.version) {
+      throw Error("tiers: chunk " + std::to_string(i / kNumPlanes) + " plane " + std::to_string(i % kNumPlanes) +
+                  " fetched at version " + std::to_string(pg.device_version) + ", owner at " + std::to_string(pg.version));
+    }
+    count_touch(i, false, ms_since(t0));
+  }
+  prefetch_ahead();
+}
+
+void TierManager::release(std::span<const PageRef> refs, bool modified) {
+  for (const PageRef& r : refs) {
+    Page& pg = page(r);
+    check(pg.pins > 0, "tiers: release of a page that is not acquired");
+    pg.pins--;
+    if (modified) {
+      pg.version++;
+      pg.device_version = pg.version;
+      if (pg.home == Tier::device) pg.home_version = pg.version;
+    }
+  }
+}
+
+void TierManager::prefetch_ahead() {
+  if (!options_.prefetch || !scheduled_) return;
+  const int64_t len = static_cast<int64_t>(schedule_.size());
+  for (int64_t k = 0; k < options_.lookahead; ++k) {
+    for (int i : schedule_[(position_ + k) % len]) {
+      Page& pg = pages_[i];
+      if (pg.present || pg.fetching || pg.home == Tier::device) continue;
+      if (!make_room(pg.bytes, k) || !fetch(i, false)) return;
+    }
+  }
+}
+
+void TierManager::update_at_home(PageRef r, const std::function<void(float*, size_t)>& update) {
+  Page& pg = page(r);
+  const int i = index(r);
+  const size_t n = static_cast<size_t>(pg.bytes) / sizeof(float);
+  if (pg.home == Tier::device) {
+    update(address(i), n);
+    pg.version++;
+    pg.device_version = pg.home_version = pg.version;
+    return;
+  }
+  if (pg.fetching) {
+    in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), i));
+    finish_fetch(i);
+  }
+  if (pg.writing) {
+    in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), i));
+    finish_writeback(i);
+  }
+  const int t = static_cast<int>(pg.home);
+  const bool device_newer = pg.present && pg.device_version > pg.home_version;
+  if (pg.home == Tier::host) {
+    if (device_newer) std::memcpy(pg.host.data, address(i), static_cast<size_t>(pg.bytes));
+    update(static_cast<float*>(pg.host.data), n);
+  } else {
+    while (host_used_ + pg.slot > options_.host_bytes && !in_flight_.empty()) finish_oldest();
+    check(host_used_ + pg.slot <= options_.host_bytes, "tier.host_bytes: no room left to stage an update at home");
+    AlignedBuffer buf(static_cast<size_t>(pg.slot));
+    if (device_newer) {
+      std::memcpy(buf.data, address(i), static_cast<size_t>(pg.bytes));
+      std::memset(static_cast<char*>(buf.data) + pg.bytes, 0, static_cast<size_t>(pg.slot - pg.bytes));
+    } else {
+      file_->wait(file_->read(buf.data, static_cast<size_t>(pg.slot), pg.nvme_offset));
+      stats_.tier[t].bytes_read += static_cast<uint64_t>(pg.bytes);
+    }
+    update(static_cast<float*>(buf.data), n);
+    file_->wait(file_->write(buf.data, static_cast<size_t>(pg.slot), pg.nvme_offset));
+  }
+  stats_.tier[t].bytes_written += static_cast<uint64_t>(pg.bytes);
+  pg.version++;
+  pg.home_version = pg.version;
+  if (pg.present && pg.pins == 0) {  // behind now, and unused: give its memory back
+    give_back(i);
+    pg.present = false;
+    device_used_ -= pg.bytes;
+  }
+}
+
+void TierManager::drain() {
+  while (!in_flight_.empty()) finish_oldest();
+}
+
+TierStats TierManager::take_step_stats() {
+  TierStats out = stats_;
+  int64_t resident[kNumTiers] = {device_used_, 0, 0};
+  for (const Page& pg : pages_) {
+    if (!pg.exists) continue;
+    if (pg.home == Tier::host) resident[1] += pg.slot;
+    if (pg.home == Tier::nvme) resident[2] += pg.slot;
+  }
+  for (int t = 0; t < kNumTiers; ++t) out.tier[t].resident_bytes = resident[t];
+  for (TierCounters& c : stats_.tier) c = TierCounters{};
+  stats_.stale_refetches = 0;
+  stats_.evictions = 0;
+  return out;
+}
+
+}  // namespace keel

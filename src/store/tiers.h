@@ -1,0 +1,150 @@
+// Tiered chunk memory: where each page of the chunk store lives between uses, and how it gets to
+// the compute tier in time.
+//
+// A page is one plane of one chunk (its parameters, gradients, or one AdamW moment). Compute
+// always happens at the page's address in the store's flat planes: the `device` tier (DRAM on a
+// CPU build, device memory on a GPU build). A page is *present* when those bytes are valid; an
+// absent page's memory is given back to the system. Every page has a *home* where its
+// authoritative copy stays while it is absent:
+//   device  never leaves the compute tier (hot);
+//   host    a DRAM copy (cold, in the seed's words: big, touched rarely);
+//   nvme    a slot of a preallocated O_DIRECT file (warm: fetched ahead of use).
+// The device budget bounds the bytes of present pages (device-homed ones included), the host
+// budget the host copies plus the staging buffers of NVMe transfers. Neither is ever exceeded.
+//
+// Users acquire the pages an operation needs (fetched and pinned) and release them after (a write
+// acquire marks them modified). The manager records the first step's sequence of acquires as the
+// step's schedule; from then on it prefetches the next `lookahead` acquires while the current one
+// computes, and evicts the unpinned page whose next use lies farthest ahead (Belady's rule, exact
+// here because steps repeat), so eviction never drops what is needed next. Modified pages are
+// written back to their home asynchronously when evicted.
+//
+// Versions (the seed's ParameterVersion protocol): every page has an owner version, bumped when
+// a write acquire is released. A device copy records the version it was copied at; an acquire
+// compares the two, and a copy that is behind is refetched, never used. A fetch of a page whose
+// write-back is still in flight is served from the write-back's buffer (the newest bytes), never
+// from the home slot being written.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "store/block_file.h"
+#include "store/chunk_store.h"
+
+namespace keel {
+
+enum class Tier : uint8_t { device = 0, host = 1, nvme = 2 };
+inline constexpr int kNumTiers = 3;
+const char* tier_name(Tier t);
+
+struct PageRef {
+  int chunk = 0;
+  Plane plane = Plane::param;
+  bool operator==(const PageRef&) const = default;
+};
+
+struct TierOptions {
+  int64_t device_bytes = 0;  // present pages, device-homed ones included
+  int64_t host_bytes = 0;    // host copies plus NVMe staging buffers
+  std::string nvme_dir;      // directory of the NVMe tier's file ("" = no NVMe tier)
+  IoEngine engine = IoEngine::automatic;
+  int lookahead = 2;         // acquires prefetched ahead of the current one
+  bool prefetch = true;      // false: fetch on demand only (the naive baseline)
+};
+
+// What one tier (by the home of the pages) saw.
+struct TierCounters {
+  uint64_t acquires = 0;       // first touches of a page by an acquire
+  uint64_t hits = 0;           // ... where the page was already present
+  double stall_ms = 0;         // time acquires waited for this tier's pages
+  std::vector<float> stalls_ms;  // each wait, for percentiles (reset by take_step_stats)
+  uint64_t bytes_read = 0;     // from this tier into the device tier
+  uint64_t bytes_written = 0;  // written back into this tier
+  int64_t resident_bytes = 0;  // bytes this tier holds now (device: present pages)
+  double hit_rate() const { return acquires ? static_cast<double>(hits) / static_cast<double>(acquires) : 1.0; }
+};
+
+struct TierStats {
+  TierCounters tier[kNumTiers];
+  uint64_t stale_refetches = 0;  // device copies found behind their owner's version
+  uint64_t evictions = 0;
+  int64_t peak_device_bytes = 0, peak_host_bytes = 0;
+};
+
+class TierManager {
+ public:
+  // Manages every page of `store` (finalized; moment pages outside a ZeRO shard do not exist)
+  // with the homes given per page (homes[chunk * kNumPlanes + plane]). The store's current
+  // contents are moved to the pages' homes, and only device-homed pages stay present. Throws
+  // keel::Error naming the budget when the homes do not fit (the device budget must also leave
+  // room for one chunk's four planes), or when the NVMe file cannot be created.
+  TierManager(ChunkStore& store, const TierOptions& options, std::vector<Tier> homes);
+  ~TierManager();
+  TierManager(const TierManager&) = delete;
+  TierManager& operator=(const TierManager&) = delete;
+
+  // Makes `pages` present with their newest bytes and pins them until release(). Throws
+  // keel::Error if the pinned pages cannot fit the device budget.
+  void acquire(std::span<const PageRef> pages);
+  // Unpins; `modified` marks the pages' device copies as newer than their homes.
+  void release(std::span<const PageRef> pages, bool modified);
+  // Marks a step boundary: the first step's acquires become the schedule.
+  void begin_step();
+  // Runs `update` on the page's home copy in place (the host copy; an NVMe page through a staging
+  // buffer: read, update, write) and bumps the owner's version, ZeRO-Offload style: the optimizer
+  // step of state that lives off the device runs where it lives. A device copy that was newer is
+  // written home first; one that is present is now behind and is refetched at its next acquire.
+  void update_at_home(PageRef p, const std::function<void(float* data, size_t n)>& update);
+  // Waits for every transfer in flight (write-backs included).
+  void drain();
+
+  Tier home(PageRef p) const;
+  bool present(PageRef p) const;
+  uint64_t version(PageRef p) const;
+  const TierStats& stats() const { return stats_; }
+  // The stats since the last call (counters reset, resident bytes kept).
+  TierStats take_step_stats();
+  int64_t device_bytes_used() const { return device_used_; }
+  int64_t host_bytes_used() const { return host_used_; }
+  IoEngine engine() const;
+
+ private:
+  struct Page;
+  struct Transfer;
+  Page& page(PageRef p);
+  const Page& page(PageRef p) const;
+  int index(PageRef p) const { return p.chunk * kNumPlanes + static_cast<int>(p.plane); }
+  bool fetch(int i, bool demand);
+  void finish_oldest();
+  void finish_fetch(int i);
+  void evict(int i);
+  void finish_writeback(int i);
+  bool make_room(int64_t bytes, int64_t horizon);
+  int64_t next_use(int i) const;
+  void prefetch_ahead();
+  void poll();
+  void give_back(int i);
+  float* address(int i) const;
+  void count_touch(int i, bool hit, double waited_ms);
+
+  ChunkStore& store_;
+  TierOptions options_;
+  std::vector<Page> pages_;
+  std::unique_ptr<BlockFile> file_;
+  int64_t device_used_ = 0, host_used_ = 0;
+  // The schedule: acquires of the first step (page indices), then the position in it.
+  std::vector<std::vector<int>> schedule_;
+  bool recording_ = false, scheduled_ = false;
+  int64_t position_ = 0;   // acquires since the step began
+  int64_t clock_ = 0;      // acquires since the start (for LRU before a schedule exists)
+  int64_t stats_step_ = 0; // steps begun (first touches are counted once per step)
+  std::vector<int> in_flight_;  // pages with a transfer in flight, oldest first
+  TierStats stats_;
+};
+
+}  // namespace keel

@@ -1,0 +1,216 @@
+// The tier manager over a real chunk store and a real O_DIRECT file: pages come back with their
+// newest bytes whatever tier they went to, budgets are never exceeded, prefetch follows the
+// recorded schedule, and a copy behind its owner's version is refetched, never used.
+#include "store/tiers.h"
+
+#include <cstring>
+#include <map>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "core/error.h"
+#include "test_util.h"
+
+namespace keel {
+namespace {
+
+constexpr int64_t kChunkBytes = 64 << 10;
+
+// Six layers of two tensors each, some larger than a chunk: 16+ chunks.
+std::unique_ptr<ChunkStore> make_store() {
+  auto s = std::make_unique<ChunkStore>(kChunkBytes);
+  for (int layer = 0; layer < 6; ++layer) {
+    const ChunkKind kind = layer == 0 ? ChunkKind::embedding : layer % 2 ? ChunkKind::attention : ChunkKind::ffn;
+    s->add(TensorSpec{"l" + std::to_string(layer) + ".a", {97, 211}, layer, kind, true});
+    s->add(TensorSpec{"l" + std::to_string(layer) + ".b", {1 + 5000 * layer}, layer, kind, false});
+  }
+  s->finalize();
+  return s;
+}
+
+// The bytes page (c, p) holds at version v.
+float expected_value(int c, int p, uint64_t v, size_t j) {
+  return static_cast<float>((c * 131 + p * 17 + static_cast<int>(v) * 7) % 1000) + static_cast<float>(j % 97) * 0.25f;
+}
+
+void fill(float* d, size_t n, int c, int p, uint64_t v) {
+  for (size_t j = 0; j < n; ++j) d[j] = expected_value(c, p, v, j);
+}
+
+bool holds(const float* d, size_t n, int c, int p, uint64_t v) {
+  for (size_t j = 0; j < n; ++j)
+    if (d[j] != expected_value(c, p, v, j)) return false;
+  return true;
+}
+
+// Homes mixing tiers and planes: every fifth page on the device, the rest host and NVMe in turn.
+std::vector<Tier> mixed_homes(const ChunkStore& s) {
+  std::vector<Tier> homes;
+  for (size_t c = 0; c < s.chunks().size(); ++c)
+    for (size_t p = 0; p < kNumPlanes; ++p) {
+      const size_t i = c * kNumPlanes + p;
+      homes.push_back(i % 5 == 0 ? Tier::device : i % 2 ? Tier::host : Tier::nvme);
+    }
+  return homes;
+}
+
+int64_t state_bytes(const ChunkStore& s) {
+  int64_t b = 0;
+  for (const Chunk& c : s.chunks()) b += 4 * c.numel * kNumPlanes;
+  return b;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+struct Engines : ::testing::TestWithParam<std::tuple<IoEngine, bool>> {};
+
+// Training-shaped traffic (forward, backward writing gradients, an optimizer pass over every
+// chunk's four planes) with a device budget of a fifth of the state: every acquire sees exactly
+// the newest bytes, budgets hold, and with prefetch most first touches are hits after the first
+// step (which records the schedule).
+TEST_P(Engines, EveryAcquireSeesTheNewestBytesWithinBudgets) {
+  const auto [engine, prefetch] = GetParam();
+  testing::TempDir dir;
+  auto store = make_store();
+  const int n_chunks = static_cast<int>(store->chunks().size());
+  std::map<std::pair<int, int>, uint64_t> version;
+  for (int c = 0; c < n_chunks; ++c)
+    for (int p = 0; p < kNumPlanes; ++p) {
+      auto v = store->chunk_view(c, static_cast<Plane>(p));
+      fill(v.data(), v.size(), c, p, 0);
+      version[{c, p}] = 0;
+    }
+  TierOptions o;
+  const std::vector<Tier> homes = mixed_homes(*store);
+  int64_t device_homed = 0;
+  for (size_t i = 0; i < homes.size(); ++i)
+    if (homes[i] == Tier::device) device_homed += 4 * store->chunks()[i / kNumPlanes].numel;
+  o.device_bytes = device_homed + state_bytes(*store) / 6;  // the rest: a sixth of the state
+  o.host_bytes = state_bytes(*store) / 2;
+  o.nvme_dir = dir.path();
+  o.engine = engine;
+  o.prefetch = prefetch;
+  o.lookahead = 3;
+  TierManager tiers(*store, o, homes);
+  EXPECT_LE(tiers.device_bytes_used(), o.device_bytes);
+  std::vector<std::vector<int>> layer_chunks(6);
+  for (const Chunk& c : store->chunks()) layer_chunks[c.layer].push_back(c.id);
+
+  auto use = [&](const std::vector<PageRef>& pages, bool write) {
+    tiers.acquire(pages);
+    ASSERT_LE(tiers.device_bytes_used(), o.device_bytes);
+    ASSERT_LE(tiers.host_bytes_used(), o.host_bytes);
+    for (const PageRef& r : pages) {
+      auto v = store->chunk_view(r.chunk, r.plane);
+      const int p = static_cast<int>(r.plane);
+      ASSERT_TRUE(holds(v.data(), v.size(), r.chunk, p, version[{r.chunk, p}]))
+          << "stale or torn bytes: chunk " << r.chunk << " plane " << p << " version " << version[{r.chunk, p}];
+      if (write) fill(v.data(), v.size(), r.chunk, p, ++version[{r.chunk, p}]);
+    }
+    tiers.release(pages, write);
+  };
+  double late_hits = 0, late_touches = 0;
+  for (int step = 0; step < 5; ++step) {
+    tiers.begin_step();
+    for (int l = 0; l < 6; ++l) {  // forward
+      std::vector<PageRef> pages;
+      for (int c : layer_chunks[l]) pages.push_back({c, Plane::param});
+      use(pages, false);
+    }
+    for (int l = 5; l >= 0; --l) {  // backward: gradients written
+      std::vector<PageRef> pages;
+      for (int c : layer_chunks[l]) pages.push_back({c, Plane::param}), pages.push_back({c, Plane::grad});
+      use(pages, true);
+    }
+    for (int c = 0; c < n_chunks; ++c)  // optimizer
+      use({{c, Plane::param}, {c, Plane::grad}, {c, Plane::adam_m}, {c, Plane::adam_v}}, true);
+    const TierStats s = tiers.take_step_stats();
+    EXPECT_EQ(s.stale_refetches, 0u);
+    if (step >= 2) {
+      for (int t = 1; t < kNumTiers; ++t) {
+        late_hits += static_cast<double>(s.tier[t].hits);
+        late_touches += static_cast<double>(s.tier[t].acquires);
+      }
+    }
+    EXPECT_GT(s.evictions, 0u) << "the budget should force evictions";
+    EXPECT_GT(s.tier[static_cast<int>(Tier::nvme)].bytes_read, 0u);
+    EXPECT_EQ(s.tier[static_cast<int>(Tier::device)].hits, s.tier[static_cast<int>(Tier::device)].acquires);
+  }
+  tiers.drain();
+  if (prefetch) {
+    EXPECT_GT(late_hits / late_touches, 0.3) << "prefetch should make first touches hits";
+  }
+  std::printf("engine %s prefetch %d: hit rate of host and nvme pages after step 2: %.3f\n", io_engine_name(tiers.engine()),
+              prefetch, late_hits / late_touches);
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiers, Engines,
+                         ::testing::Combine(::testing::Values(IoEngine::io_uring, IoEngine::threads), ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::string(io_engine_name(std::get<0>(info.param))) +
+                                  (std::get<1>(info.param) ? "_prefetch" : "_on_demand");
+                         });
+
+// An update at home (the optimizer running where the state lives) leaves a pinned device copy
+// behind its owner: the next acquire finds it stale by version and fetches the new bytes.
+TEST(Tiers, ACopyBehindItsOwnersVersionIsRefetchedNeverUsed) {
+  testing::TempDir dir;
+  for (Tier home : {Tier::host, Tier::nvme}) {
+    auto store = make_store();
+    auto v0 = store->chunk_view(3, Plane::adam_m);
+    fill(v0.data(), v0.size(), 3, 2, 0);
+    TierOptions o;
+    o.device_bytes = state_bytes(*store) + 4 * kChunkBytes;
+    o.host_bytes = state_bytes(*store);
+    o.nvme_dir = dir.path();
+    std::vector<Tier> homes(store->chunks().size() * kNumPlanes, Tier::device);
+    homes[3 * kNumPlanes + 2] = home;
+    TierManager tiers(*store, o, homes);
+    const PageRef page{3, Plane::adam_m};
+    EXPECT_FALSE(tiers.present(page));
+    tiers.acquire({&page, 1});
+    tiers.update_at_home(page, [](float* d, size_t n) { fill(d, n, 3, 2, 1); });
+    auto v = store->chunk_view(3, Plane::adam_m);
+    EXPECT_TRUE(holds(v.data(), v.size(), 3, 2, 0)) << "the pinned copy is the old one";
+    tiers.release({&page, 1}, false);
+    EXPECT_EQ(tiers.version(page), 1u);
+    tiers.acquire({&page, 1});
+    EXPECT_TRUE(holds(v.data(), v.size(), 3, 2, 1)) << tier_name(home);
+    EXPECT_EQ(tiers.stats().stale_refetches, 1u);
+    tiers.release({&page, 1}, false);
+  }
+}
+
+TEST(Tiers, BudgetsThatCannotHoldThePlacementAreRefused) {
+  testing::TempDir dir;
+  auto store = make_store();
+  TierOptions o;
+  o.device_bytes = kChunkBytes;  // less than one chunk's four planes
+  o.host_bytes = state_bytes(*store);
+  o.nvme_dir = dir.path();
+  std::string e = error_of([&] { TierManager(*store, o, mixed_homes(*store)); });
+  EXPECT_NE(e.find("tier.device_bytes"), std::string::npos) << e;
+  o.device_bytes = state_bytes(*store);
+  o.host_bytes = kChunkBytes;
+  e = error_of([&] { TierManager(*store, o, mixed_homes(*store)); });
+  EXPECT_NE(e.find("tier.host_bytes"), std::string::npos) << e;
+  o.host_bytes = state_bytes(*store);
+  o.nvme_dir = "";
+  e = error_of([&] { TierManager(*store, o, mixed_homes(*store)); });
+  EXPECT_NE(e.find("tier.nvme_dir"), std::string::npos) << e;
+  o.nvme_dir = dir / "missing";
+  e = error_of([&] { TierManager(*store, o, mixed_homes(*store)); });
+  EXPECT_NE(e.find("cannot create"), std::string::npos) << e;
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
+}
+
+}  // namespace
+}  // namespace keel
