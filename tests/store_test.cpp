@@ -102,7 +102,7 @@ TEST(ChunkStore, AccessCountsAndVersions) {
   ChunkStore store(4096);
   GPT model(tiny_model(), store);
   store.finalize();
-  store.access_layer(1);
+  (void)store.use_layer(1, {Plane::param});
   for (const Chunk& c : store.chunks()) EXPECT_EQ(c.accesses, c.layer == 1 ? 1u : 0u);
   store.bump_version(0);
   store.bump_version(0);

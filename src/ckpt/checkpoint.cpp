@@ -562,10 +562,21 @@ void CheckpointWriter::begin(const std::string& root, int64_t step, const RankSt
   taken_++;
   // The snapshot: this rank's flat range of every saved plane, and the chunks' versions.
   snapshot_.resize(static_cast<size_t>(numel_) * 3);
-  for (int i = 0; i < 3; ++i) {
-    if (numel_ == 0) break;
-    std::span<const float> src = store_.range_view(kSavedPlanes[i], begin_offset_, numel_);
-    std::memcpy(snapshot_.data() + static_cast<size_t>(i) * numel_, src.data(), src.size_bytes());
+  if (store_.tiers() == nullptr) {
+    for (int i = 0; i < 3; ++i) {
+      if (numel_ == 0) break;
+      std::span<const float> src = store_.range_view(kSavedPlanes[i], begin_offset_, numel_);
+      std::memcpy(snapshot_.data() + static_cast<size_t>(i) * numel_, src.data(), src.size_bytes());
+    }
+  } else {  // chunk by chunk, each fetched from its tier (the gaps between chunks stay zero)
+    for (int c = first_; c < last_; ++c) {
+      const PageLease use = store_.use_chunk(c, {kSavedPlanes[0], kSavedPlanes[1], kSavedPlanes[2]});
+      for (int i = 0; i < 3; ++i) {
+        std::span<const float> src = store_.chunk_view(c, kSavedPlanes[i]);
+        const size_t at = static_cast<size_t>(i) * numel_ + static_cast<size_t>(store_.chunks()[c].offset - begin_offset_);
+        std::memcpy(snapshot_.data() + at, src.data(), src.size_bytes());
+      }
+    }
   }
   snapshot_versions_.clear();
   for (int c = first_; c < last_; ++c) snapshot_versions_.push_back(store_.chunks()[c].version);

@@ -12,6 +12,7 @@
 #include <variant>
 
 #include "comm/sync_policy.h"
+#include "store/placement.h"
 #include "core/error.h"
 
 namespace keel {
@@ -78,6 +79,19 @@ std::vector<Field> fields(Config& c) {
       {"sync", "block", &c.sync.block},
       {"sync", "warmup_steps", &c.sync.warmup_steps},
       {"sync", "shape", &c.sync.shape},
+      {"tier", "device_mib", &c.tier.device_mib},
+      {"tier", "host_mib", &c.tier.host_mib},
+      {"tier", "nvme_dir", &c.tier.nvme_dir},
+      {"tier", "engine", &c.tier.engine},
+      {"tier", "lookahead", &c.tier.lookahead},
+      {"tier", "prefetch", &c.tier.prefetch},
+      {"tier", "embedding", &c.tier.embedding},
+      {"tier", "attention", &c.tier.attention},
+      {"tier", "ffn", &c.tier.ffn},
+      {"tier", "norm", &c.tier.norm},
+      {"tier", "layers", &c.tier.layers},
+      {"tier", "optimizer", &c.tier.optimizer},
+      {"tier", "policy", &c.tier.policy},
       {"checkpoint", "full_every", &c.checkpoint.full_every},
       {"checkpoint", "keep", &c.checkpoint.keep},
       {"checkpoint", "delta", &c.checkpoint.delta},
@@ -117,7 +131,7 @@ Field find_field(Config& c, const std::string& section, const std::string& key, 
   }
   if (!section_known) {
     throw Error(where + ": unknown config section [" + section +
-                "] (expected one of: model, train, optim, data, store, parallel, sync, checkpoint, runtime)");
+                "] (expected one of: model, train, optim, data, store, parallel, sync, tier, checkpoint, runtime)");
   }
   throw Error(where + ": unknown config key '" + section + "." + key + "' (known keys in [" + section +
               "]: " + known_keys(c, section) + ")");
@@ -363,6 +377,7 @@ void Config::resolve(int world_size) {
           "0.." + s(model.n_layer + 2) + " (layers: embeddings, " + s(model.n_layer) + " blocks, head)",
           s(optim.freeze_layers));
   validate_sync_config(sync, model.n_layer, world_size > 1 ? parallel.zero : 0);
+  validate_tier_config(tier, model.n_layer, world_size);
   require(checkpoint.full_every >= 1, "checkpoint.full_every", ">= 1", s(checkpoint.full_every));
   require(checkpoint.keep >= 1, "checkpoint.keep", ">= 1", s(checkpoint.keep));
   require(store.chunk_bytes >= 4096 && store.chunk_bytes % 64 == 0, "store.chunk_bytes",

@@ -98,6 +98,25 @@ struct SyncConfig {
   std::string shape = "auto";
 };
 
+// Tiered chunk memory (store/tiers.h): where each page (one plane of one chunk) lives between
+// uses. Off while device_mib is 0: then everything stays in memory.
+struct TierConfig {
+  int64_t device_mib = 0;   // the compute tier's budget (DRAM on a CPU build); 0 = tiering off
+  int64_t host_mib = 0;     // host DRAM for host-homed pages and NVMe staging buffers
+  std::string nvme_dir;     // directory for the NVMe tier's file ("" = no NVMe tier)
+  std::string engine = "auto";  // auto | io_uring | threads
+  int lookahead = 2;        // acquires prefetched ahead of the current one
+  bool prefetch = true;     // false: fetch on demand only (the naive baseline)
+  // Homes by chunk kind (device | host | nvme); the seed's classes: attention and norms hot
+  // (device), FFN warm (nvme, prefetched), embeddings cold (host).
+  std::string embedding = "host", attention = "device", ffn = "nvme", norm = "device";
+  std::string layers;       // overrides by layer index, "LO-HI:tier,..." (0 = embeddings, 1.. blocks)
+  std::string optimizer;    // home of the AdamW moments ("" = their chunk's)
+  // static: the homes above, demoted (device -> host -> nvme) where a budget is short;
+  // adaptive: after the first step, re-homed by measured accesses per byte.
+  std::string policy = "static";
+};
+
 // Checkpoints (written to run_dir/ckpt every train.checkpoint_every steps and at the end).
 struct CheckpointConfig {
   int full_every = 4;    // every Nth checkpoint is full; the others hold only what changed
@@ -120,6 +139,7 @@ struct Config {
   StoreConfig store;
   ParallelConfig parallel;
   SyncConfig sync;
+  TierConfig tier;
   CheckpointConfig checkpoint;
   RuntimeConfig runtime;
 

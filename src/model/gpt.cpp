@@ -46,13 +46,13 @@ class Embedding final : public Layer {
 
   // x_out[B,T,C] = wte[inputs] + wpe[t]
   void forward(const Batch& b, const float*, float* x_out) override {
-    store_.access_layer(0);
+    const PageLease use = store_.use_layer(0, {Plane::param});
     ops::encoder_forward(x_out, b.inputs, store_.data(wte_, Plane::param), store_.data(wpe_, Plane::param), b.B,
                          b.T, m_.n_embd);
   }
   void backward_input(const Batch&, const float*, float*) override {}  // tokens have no gradient
   void backward_weight(const Batch& b, const float* dx_out) override {
-    store_.access_layer(0);
+    const PageLease use = store_.use_layer(0, {}, {Plane::grad});
     ops::encoder_backward_weight(store_.data(wte_, Plane::grad), store_.data(wpe_, Plane::grad), dx_out, b.inputs,
                                  b.B, b.T, m_.n_embd);
   }
@@ -123,7 +123,7 @@ class Block final : public Layer {
   }
 
   void forward(const Batch& b, const float* x, float* x_out) override {
-    store_.access_layer(layer_);
+    const PageLease use = store_.use_layer(layer_, {Plane::param});
     x_in_ = x;  // the caller keeps the input alive until backward_weight (the model's x_ buffers)
     const int N = b.B * b.T, C = m_.n_embd;
     auto P = [&](TensorId id) { return store_.data(id, Plane::param); };
@@ -141,7 +141,7 @@ class Block final : public Layer {
   }
 
   void backward_input(const Batch& b, const float* dx_out, float* dx_in) override {
-    store_.access_layer(layer_);
+    const PageLease use = store_.use_layer(layer_, {Plane::param});
     const int N = b.B * b.T, C = m_.n_embd;
     auto P = [&](TensorId id) { return store_.data(id, Plane::param); };
     // MLP branch: d(fcproj out) = dx_out
@@ -161,7 +161,7 @@ class Block final : public Layer {
   }
 
   void backward_weight(const Batch& b, const float* dx_out) override {
-    store_.access_layer(layer_);
+    const PageLease use = store_.use_layer(layer_, {}, {Plane::grad});
     const int N = b.B * b.T, C = m_.n_embd;
     auto G = [&](TensorId id) { return store_.data(id, Plane::grad); };
     ops::linear_backward_weight(G(fcprojw_), G(fcprojb_), dx_out, fch_gelu_, N, 4 * C, C);
@@ -212,8 +212,8 @@ class Head final : public Layer {
   }
 
   void forward(const Batch& b, const float* x, float*) override {
-    store_.access_layer(layer_);
-    store_.access_layer(0);  // the tied head reads the embedding's chunks
+    const PageLease use = store_.use_layer(layer_, {Plane::param});
+    const PageLease tied = store_.use_layer(0, {Plane::param});  // the tied head reads the embedding's chunks
     const int N = b.B * b.T, C = m_.n_embd;
     x_in_ = x;
     ops::layernorm_forward(lnf_, mean_, rstd_, x, store_.data(lnfw_, Plane::param), store_.data(lnfb_, Plane::param),
@@ -230,14 +230,15 @@ class Head final : public Layer {
   }
   // dx_in = d/dx of grad_scale * sum(losses); logits_ holds d(loss)/d(logits) after forward.
   void backward_input(const Batch& b, const float*, float* dx_in) override {
-    store_.access_layer(layer_);
+    const PageLease use = store_.use_layer(layer_, {Plane::param});
+    const PageLease tied = store_.use_layer(0, {Plane::param});
     const int N = b.B * b.T, C = m_.n_embd;
     ops::linear_backward_input(dlnf_, logits_, store_.data(wte_, Plane::param), N, C, m_.padded_vocab_size, false);
     ops::layernorm_backward_input(dx_in, dlnf_, x_in_, mean_, rstd_, store_.data(lnfw_, Plane::param), N, C, false);
   }
   void backward_weight(const Batch& b, const float*) override {
-    store_.access_layer(layer_);
-    store_.access_layer(0);
+    const PageLease use = store_.use_layer(layer_, {}, {Plane::grad});
+    const PageLease tied = store_.use_layer(0, {}, {Plane::grad});
     const int N = b.B * b.T, C = m_.n_embd;
     ops::linear_backward_weight(store_.data(wte_, Plane::grad), static_cast<float*>(nullptr), logits_, lnf_, N, C,
                                 m_.padded_vocab_size);

@@ -22,6 +22,7 @@ double grad_sum_squares(const ChunkStore& store, int chunk_begin, int chunk_end)
   double total = 0;
   for (int ci = chunk_begin; ci < chunk_end; ++ci) {
     const Chunk& c = store.chunks()[ci];
+    const PageLease use = store.use_chunk(c.id, {Plane::grad});
     std::span<const float> g = store.chunk_view(c.id, Plane::grad);
     // Each thread sums a fixed contiguous range; partials are combined in thread order.
     const int threads = omp_get_max_threads();
@@ -42,6 +43,9 @@ double grad_sum_squares(const ChunkStore& store, int chunk_begin, int chunk_end)
 
 void AdamW::step_chunk(ChunkStore& store, int chunk, double lr, int64_t t, float grad_scale) {
   const Chunk& c = store.chunks()[chunk];
+  // The gradient is consumed (zeroed) here: with tiers it is declared zero afterwards rather
+  // than written back.
+  PageLease use = store.use_chunk(chunk, {Plane::grad}, {Plane::param, Plane::adam_m, Plane::adam_v});
   float* p = store.chunk_view(chunk, Plane::param).data() - c.offset;
   float* g = store.chunk_view(chunk, Plane::grad).data() - c.offset;
   float* m = store.chunk_view(chunk, Plane::adam_m).data() - c.offset;
@@ -65,6 +69,8 @@ void AdamW::step_chunk(ChunkStore& store, int chunk, double lr, int64_t t, float
       p[i] -= lrf * ((mi * c1) / (std::sqrt(vi * c2) + eps) + wd * p[i]);
     }
   }
+  use.end();
+  if (store.tiers() != nullptr) store.zero_grad_chunk(chunk);
   store.bump_version(chunk);
 }
 
@@ -73,8 +79,7 @@ void AdamW::step(ChunkStore& store, double lr, int64_t t, float grad_scale) {
   for (int c = first; c < last; ++c) {
     // Frozen layers keep their parameters, moments and version; their gradients are dropped.
     if (store.chunks()[c].layer < config_.freeze_layers) {
-      std::span<float> g = store.chunk_view(c, Plane::grad);
-      std::fill(g.begin(), g.end(), 0.0f);
+      store.zero_grad_chunk(c);
       continue;
     }
     step_chunk(store, c, lr, t, grad_scale);

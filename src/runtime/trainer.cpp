@@ -24,6 +24,62 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 namespace {
+
+// The p-th percentile (0..1) of a tier's wait per first touch, hits counting as zero waits.
+double stall_percentile(const TierCounters& c, double p) {
+  if (c.acquires == 0 || c.stalls_ms.empty()) return 0;
+  std::vector<float> misses = c.stalls_ms;
+  std::sort(misses.begin(), misses.end());
+  const uint64_t k = static_cast<uint64_t>(std::ceil(p * static_cast<double>(c.acquires)));
+  const uint64_t zeros = c.acquires - misses.size();
+  if (k <= zeros) return 0;
+  return misses[std::min<size_t>(misses.size() - 1, static_cast<size_t>(k - zeros - 1))];
+}
+
+// Hit rate over the pages that live off the device (host and NVMe homes).
+double offload_hit_rate(const TierStats& s) {
+  uint64_t a = 0, h = 0;
+  for (Tier t : {Tier::host, Tier::nvme}) {
+    a += s.tier[static_cast<int>(t)].acquires;
+    h += s.tier[static_cast<int>(t)].hits;
+  }
+  return a ? static_cast<double>(h) / static_cast<double>(a) : 1.0;
+}
+
+double total_stall_ms(const TierStats& s) {
+  double ms = 0;
+  for (const TierCounters& c : s.tier) ms += c.stall_ms;
+  return ms;
+}
+
+void tier_json(const TierStats& s, double step_ms, nlohmann::json& line) {
+  line["tier_hit_rate"] = offload_hit_rate(s);
+  line["tier_stall_ms"] = total_stall_ms(s);
+  line["tier_stall_share"] = step_ms > 0 ? total_stall_ms(s) / step_ms : 0.0;
+  line["tier_evictions"] = s.evictions;
+  line["tier_stale_refetches"] = s.stale_refetches;
+  for (int i = 0; i < kNumTiers; ++i) {
+    const TierCounters& c = s.tier[i];
+    const std::string p = std::string("tier_") + tier_name(static_cast<Tier>(i)) + "_";
+    line[p + "hit_rate"] = c.hit_rate();
+    line[p + "stall_mean_ms"] = c.acquires ? c.stall_ms / static_cast<double>(c.acquires) : 0.0;
+    line[p + "stall_p99_ms"] = stall_percentile(c, 0.99);
+    line[p + "read_bytes"] = c.bytes_read;
+    line[p + "written_bytes"] = c.bytes_written;
+    line[p + "resident_bytes"] = c.resident_bytes;
+  }
+}
+
+std::string tier_progress(const TierStats& s, double step_ms) {
+  uint64_t in = 0, out = 0;
+  for (const TierCounters& c : s.tier) in += c.bytes_read, out += c.bytes_written;
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "tiers hit %.1f%% (host %.1f%%, nvme %.1f%%), stall %.1f ms (%.1f%%), %.0f MB in, %.0f MB out",
+                100 * offload_hit_rate(s), 100 * s.tier[1].hit_rate(), 100 * s.tier[2].hit_rate(), total_stall_ms(s),
+                step_ms > 0 ? 100 * total_stall_ms(s) / step_ms : 0.0, in / 1e6, out / 1e6);
+  return buf;
+}
+
 double peak_rss_mb() {
   struct rusage usage;
   getrusage(RUSAGE_SELF, &usage);
@@ -144,6 +200,12 @@ Trainer::Trainer(Config config, Communicator& comm)
     }
     model_->init_weights(t.seed);
   }
+  // Tiered memory: the store's contents move to their homes; from here on pages are fetched.
+  if (tiering_enabled(config_.tier)) {
+    placement_ = place_pages(config_.tier, *store_);
+    tiers_ = std::make_unique<TierManager>(*store_, tier_options(config_.tier), placement_.homes);
+    store_->attach_tiers(tiers_.get());
+  }
   ckpt_ = std::make_unique<CheckpointWriter>(*store_, config_.checkpoint, rank, writers_.first_chunk[rank],
                                              writers_.first_chunk[rank + 1], t.checkpoint_every > 0);
 
@@ -217,6 +279,7 @@ StepStats Trainer::step() {
   const TrainConfig& t = config_.train;
   const auto t0 = std::chrono::steady_clock::now();
   StepStats s;
+  if (tiers_) tiers_->begin_step();
   s.lr = learning_rate(config_.optim, static_cast<int>(steps_done_), t.steps);
   // Gradients are zero here: the store starts zeroed and AdamW clears them as it consumes them.
   // Each rank's gradient is scaled for the global batch, so the sum over ranks is the gradient
@@ -240,8 +303,7 @@ StepStats Trainer::step() {
   for (const Chunk& c : store_->chunks()) {
     if (c.layer >= config_.optim.freeze_layers) break;
     if (zero == 2 && (c.id < own_first || c.id >= own_last)) continue;
-    std::span<float> g = store_->chunk_view(c.id, Plane::grad);
-    std::fill(g.begin(), g.end(), 0.0f);
+    store_->zero_grad_chunk(c.id);
   }
   double sums[2] = {loss_sum, zero == 2 ? grad_sum_squares(*store_, own_first, own_last) : 0.0};
   if (world > 1) comm_.allreduce_sum(sums, 2);
@@ -272,6 +334,7 @@ StepStats Trainer::step() {
   }
   s.ckpt_stall_ms = pending_stall_ms_;
   pending_stall_ms_ = 0;
+  if (tiers_) s.tiers = tiers_->take_step_stats();
   const double seconds = seconds_since(t0);
   const double tokens = static_cast<double>(t.batch_size) * t.seq_len * t.grad_accum * world;
   s.step = steps_done_;
@@ -403,6 +466,44 @@ void Trainer::accumulate_sync(const SyncStats& s) {
   sync_decode_ms_ += s.decode_ms;
 }
 
+void Trainer::accumulate_tiers(const TierStats& s) {
+  for (int i = 0; i < kNumTiers; ++i) {
+    TierCounters& a = tier_totals_.tier[i];
+    const TierCounters& b = s.tier[i];
+    a.acquires += b.acquires;
+    a.hits += b.hits;
+    a.stall_ms += b.stall_ms;
+    a.stalls_ms.insert(a.stalls_ms.end(), b.stalls_ms.begin(), b.stalls_ms.end());
+    a.bytes_read += b.bytes_read;
+    a.bytes_written += b.bytes_written;
+    a.resident_bytes = b.resident_bytes;
+  }
+  tier_totals_.evictions += s.evictions;
+  tier_totals_.stale_refetches += s.stale_refetches;
+  tier_totals_.peak_device_bytes = s.peak_device_bytes;
+  tier_totals_.peak_host_bytes = s.peak_host_bytes;
+}
+
+void Trainer::print_tier_summary() {
+  if (!tiers_ || !comm_.is_root()) return;
+  const TierStats& s = tier_totals_;
+  std::printf("keel: tiered memory over this run (first touches of each page per step; device pages never leave):\n");
+  std::printf("  %-7s %10s %9s %10s %10s %10s %11s\n", "tier", "homed MB", "hit rate", "stall ms", "p99 ms", "read MB",
+              "written MB");
+  for (int i = 0; i < kNumTiers; ++i) {
+    const TierCounters& c = s.tier[i];
+    std::printf("  %-7s %10.1f %8.1f%% %10.1f %10.2f %10.1f %11.1f\n", tier_name(static_cast<Tier>(i)),
+                placement_.bytes[i] / 1e6, 100 * c.hit_rate(), c.stall_ms, stall_percentile(c, 0.99), c.bytes_read / 1e6,
+                c.bytes_written / 1e6);
+  }
+  std::printf("  off-device hit rate %.1f%%, %llu evictions, %llu stale copies refetched; peak device %.1f MB of %lld MiB, "
+              "host %.1f MB of %lld MiB\n",
+              100 * offload_hit_rate(s), static_cast<unsigned long long>(s.evictions),
+              static_cast<unsigned long long>(s.stale_refetches), s.peak_device_bytes / 1e6,
+              static_cast<long long>(config_.tier.device_mib), s.peak_host_bytes / 1e6,
+              static_cast<long long>(config_.tier.host_mib));
+}
+
 void Trainer::print_sync_summary() {
   if (!comm_.is_root() || sync_totals_.empty()) return;
   const int n_layer = config_.model.n_layer;
@@ -467,6 +568,16 @@ RunSummary Trainer::run() {
         std::printf("\n");
       }
     }
+  }
+  if (tiers_ && root) {
+    const TierConfig& tc = config_.tier;
+    std::printf("keel: tiered memory: device %lld MiB (%.1f MB homed there), host %lld MiB (%.1f MB), nvme %.1f MB in %s "
+                "(%s), working set %.1f MB, %s, lookahead %d\n",
+                static_cast<long long>(tc.device_mib), placement_.bytes[0] / 1e6, static_cast<long long>(tc.host_mib),
+                placement_.bytes[1] / 1e6, placement_.bytes[2] / 1e6, tc.nvme_dir.empty() ? "-" : tc.nvme_dir.c_str(),
+                io_engine_name(tiers_->engine()), placement_.working_set_bytes / 1e6,
+                tc.prefetch ? "prefetch on" : "on demand (no prefetch)", tc.lookahead);
+    for (const std::string& note : placement_.notes) std::printf("keel: tiered memory: %s\n", note.c_str());
   }
   // Memory per rank, as allocated (the moments shrink with ZeRO-1/2), gathered to rank 0.
   const double moments_mb = comm_.allreduce_max(
@@ -551,6 +662,10 @@ RunSummary Trainer::run() {
         accumulate_sync(s.sync);
       }
     }
+    if (tiers_) {
+      accumulate_tiers(s.tiers);
+      tier_json(s.tiers, s.ms, line);
+    }
     log_json(line.dump());
     if (root && (s.step % t.log_every == 0 || s.step == t.steps || s.step == 1)) {
       std::printf("step %6lld/%d | loss %.4f | lr %.2e | norm %6.3f | %7.1f ms | %7.0f tok/s | MFU %5.1f%%",
@@ -567,12 +682,14 @@ RunSummary Trainer::run() {
         std::printf(", %.1f ms exposed, %.1f ms imbalance, latency %.1f ms +-%.0f%%", s.sync.exposed_min_ms,
                     s.sync.imbalance_ms, s.sync.latency_ms, 100 * s.sync_jitter);
       }
+      if (tiers_) std::printf(" | %s", tier_progress(s.tiers, s.ms).c_str());
       std::printf("\n");
       std::fflush(stdout);
     }
     if (t.eval_every > 0 && s.step % t.eval_every == 0 && s.step != t.steps) report_eval(evaluate(t.eval_batches));
   }
   print_sync_summary();
+  print_tier_summary();
   summary.steps = steps_done_;
   summary.mean_tokens_per_s = timed > 0 ? tokens_per_s_sum / timed : 0;
   summary.val_loss_end = evaluate(t.eval_batches);

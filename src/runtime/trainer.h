@@ -21,6 +21,8 @@
 #include "model/gpt.h"
 #include "optim/adamw.h"
 #include "store/chunk_store.h"
+#include "store/placement.h"
+#include "store/tiers.h"
 
 namespace keel {
 
@@ -36,6 +38,7 @@ struct StepStats {
   double sync_jitter = 0; // std/mean of sync latency over the last window of steps
   double peak_rss_mb = 0; // largest peak resident set over ranks so far
   double ckpt_stall_ms = 0; // step time spent on checkpoints (snapshot, waiting for a write)
+  TierStats tiers;          // tiered memory, this step (when [tier] is on)
 };
 
 struct RunSummary {
@@ -80,6 +83,8 @@ class Trainer {
   // Compressed sync: per-layer bytes over the run, printed at its end.
   void accumulate_sync(const SyncStats& s);
   void print_sync_summary();
+  void accumulate_tiers(const TierStats& s);
+  void print_tier_summary();
   // Checkpoints: begin (snapshot, background write), commit (all ranks done: rank 0 publishes).
   void begin_checkpoint(const std::string& root);
   void commit_checkpoint();
@@ -92,6 +97,9 @@ class Trainer {
   Config config_;
   Communicator& comm_;
   std::unique_ptr<ChunkStore> store_;
+  std::unique_ptr<TierManager> tiers_;  // after store_: drains its transfers into the store first
+  Placement placement_;
+  TierStats tier_totals_;  // over the run, for the summary
   std::unique_ptr<GradSync> sync_;
   ChunkPartition partition_;  // ZeRO owners (every chunk on every rank when zero = 0)
   std::deque<double> sync_latencies_ms_;

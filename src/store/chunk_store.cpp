@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "store/tiers.h"
 
 namespace keel {
 
@@ -172,9 +173,57 @@ float* ChunkStore::plane_at(Plane plane, int64_t offset, int64_t numel) const {
   return planes_[i].get() + (offset - plane_begin_[i]);
 }
 
-void ChunkStore::access_layer(int layer) {
-  if (layer < 0 || layer >= static_cast<int>(layer_chunks_.size())) return;
+PageLease::PageLease(TierManager* tiers, std::vector<PageRef> read, std::vector<PageRef> written)
+    : tiers_(tiers), read_(std::move(read)), written_(std::move(written)) {
+  if (tiers_ == nullptr) return;
+  std::vector<PageRef> all = read_;
+  all.insert(all.end(), written_.begin(), written_.end());
+  tiers_->acquire(all);
+}
+
+PageLease::PageLease(PageLease&& o) noexcept
+    : tiers_(o.tiers_), read_(std::move(o.read_)), written_(std::move(o.written_)) {
+  o.tiers_ = nullptr;
+}
+
+PageLease& PageLease::operator=(PageLease&& o) noexcept {
+  if (this != &o) {
+    end();
+    tiers_ = o.tiers_;
+    read_ = std::move(o.read_);
+    written_ = std::move(o.written_);
+    o.tiers_ = nullptr;
+  }
+  return *this;
+}
+
+PageLease::~PageLease() { end(); }
+
+void PageLease::end() {
+  if (tiers_ == nullptr) return;
+  tiers_->release(read_, false);
+  tiers_->release(written_, true);
+  tiers_ = nullptr;
+}
+
+PageLease ChunkStore::use_layer(int layer, std::initializer_list<Plane> read, std::initializer_list<Plane> write) {
+  if (layer < 0 || layer >= static_cast<int>(layer_chunks_.size())) return {};
   for (int c : layer_chunks_[layer]) chunks_[c].accesses++;
+  if (tiers_ == nullptr) return {};
+  std::vector<PageRef> r, w;
+  for (int c : layer_chunks_[layer]) {
+    for (Plane p : read) r.push_back({c, p});
+    for (Plane p : write) w.push_back({c, p});
+  }
+  return PageLease(tiers_, std::move(r), std::move(w));
+}
+
+PageLease ChunkStore::use_chunk(int chunk, std::initializer_list<Plane> read, std::initializer_list<Plane> write) const {
+  if (tiers_ == nullptr) return {};
+  std::vector<PageRef> r, w;
+  for (Plane p : read) r.push_back({chunk, p});
+  for (Plane p : write) w.push_back({chunk, p});
+  return PageLease(tiers_, std::move(r), std::move(w));
 }
 
 std::span<float> ChunkStore::view(TensorId id, Plane plane) {
@@ -202,6 +251,15 @@ void ChunkStore::zero_grads() {
   const int64_t n = numel_;
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) g[i] = 0.0f;
+}
+
+void ChunkStore::zero_grad_chunk(int chunk) {
+  if (tiers_ != nullptr) {
+    tiers_->discard_to_zero({chunk, Plane::grad});
+    return;
+  }
+  std::span<float> g = chunk_view(chunk, Plane::grad);
+  std::fill(g.begin(), g.end(), 0.0f);
 }
 
 void ChunkStore::discard(Plane plane, int64_t offset, int64_t numel) {

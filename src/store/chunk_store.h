@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <cstddef>
+#include <initializer_list>
 #include <memory>
 #include <span>
 #include <string>
@@ -60,6 +61,35 @@ struct Chunk {
 
 using TensorId = int;
 
+// One plane of one chunk: the unit the memory tiers move.
+struct PageRef {
+  int chunk = 0;
+  Plane plane = Plane::param;
+  bool operator==(const PageRef&) const = default;
+};
+
+class TierManager;
+
+// The pages one operation uses, present and pinned while the lease lives when memory tiers are
+// attached (store/tiers.h); when it ends, the pages of the planes it writes are marked modified.
+// Without tiers it costs nothing.
+class PageLease {
+ public:
+  PageLease() = default;
+  PageLease(TierManager* tiers, std::vector<PageRef> read, std::vector<PageRef> written);
+  PageLease(PageLease&& o) noexcept;
+  PageLease& operator=(PageLease&& o) noexcept;
+  ~PageLease();
+  PageLease(const PageLease&) = delete;
+  PageLease& operator=(const PageLease&) = delete;
+  // Ends the lease early (the destructor then does nothing).
+  void end();
+
+ private:
+  TierManager* tiers_ = nullptr;
+  std::vector<PageRef> read_, written_;
+};
+
 class ChunkStore {
  public:
   explicit ChunkStore(int64_t chunk_bytes);
@@ -81,10 +111,16 @@ class ChunkStore {
   // Bytes allocated per plane, for memory reports.
   int64_t plane_bytes(Plane plane) const;
 
-  // Announces that `layer` is about to be used (forward, backward or update). Counts the access;
-  // guarantees the layer's chunks are resident and current until the next announce of the same
-  // layer's release by the caller's step. (All chunks are resident in this build.)
-  void access_layer(int layer);
+  // Announces that `layer` is about to be used (forward, backward or update) in the planes
+  // given, and counts the access. With tiers attached, the layer's pages in those planes are
+  // fetched and pinned until the lease ends; `write` planes are marked modified then. Views of
+  // those pages are valid while the lease lives.
+  PageLease use_layer(int layer, std::initializer_list<Plane> read, std::initializer_list<Plane> write = {});
+  // The same for one chunk (the optimizer's unit).
+  PageLease use_chunk(int chunk, std::initializer_list<Plane> read, std::initializer_list<Plane> write = {}) const;
+  // Memory tiers (nullptr: every page stays resident, as without tiers). Not owned.
+  void attach_tiers(TierManager* tiers) { tiers_ = tiers; }
+  TierManager* tiers() const { return tiers_; }
 
   // A view of one tensor in one plane. Valid until the layer's next access announcement.
   std::span<float> view(TensorId id, Plane plane);
@@ -106,6 +142,8 @@ class ChunkStore {
   void set_version(int chunk, uint64_t version) { chunks_[chunk].version = version; }
   // Zeroes the gradient plane of every chunk.
   void zero_grads();
+  // Zeroes one chunk's gradient (with tiers: declared zero, nothing written back or read).
+  void zero_grad_chunk(int chunk);
   // Zeroes elements [offset, offset + numel) of a plane and gives the whole pages inside the range
   // back to the operating system (they cost no memory until written again). ZeRO-2 uses it for
   // the gradients a rank does not own once their reduce-scatter is done.
@@ -143,6 +181,7 @@ class ChunkStore {
   int64_t plane_begin_[kNumPlanes] = {};  // flat offset of each allocation's first element
   int64_t plane_end_[kNumPlanes] = {};
   int moment_chunk_begin_ = 0, moment_chunk_end_ = 0;
+  TierManager* tiers_ = nullptr;
 };
 
 }  // namespace keel

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -58,6 +59,7 @@ struct TierManager::Page {
   uint64_t device_version = 0;  // the version of the present copy
   uint64_t home_version = 0;    // the version the home copy holds
   AlignedBuffer host;           // a host-homed page's home copy
+  bool home_zero = false;       // the home copy is all zero (never written): fetches memset
   std::unique_ptr<Transfer> fetching, writing;
   int64_t last_use = 0;
   int64_t touched_step = -1;
@@ -122,11 +124,18 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
       device_used_ += pg.bytes;
       continue;
     }
+    const float* src = address(i);
+    // Untouched planes (gradients, moments) read as zero without being mapped: no I/O for them.
+    pg.home_zero = std::all_of(src, src + pg.bytes / 4, [](float x) { return std::bit_cast<uint32_t>(x) == 0; });
     if (pg.home == Tier::host) {
       pg.host = AlignedBuffer(static_cast<size_t>(pg.slot));
-      std::memcpy(pg.host.data, address(i), static_cast<size_t>(pg.bytes));
+      if (pg.home_zero) {
+        std::memset(pg.host.data, 0, static_cast<size_t>(pg.slot));
+      } else {
+        std::memcpy(pg.host.data, src, static_cast<size_t>(pg.bytes));
+      }
       host_used_ += pg.slot;
-    } else {
+    } else if (!pg.home_zero) {
       std::memcpy(staging_buf.data, address(i), static_cast<size_t>(pg.bytes));
       std::memset(static_cast<char*>(staging_buf.data) + pg.bytes, 0, static_cast<size_t>(pg.slot - pg.bytes));
       file_->wait(file_->write(staging_buf.data, static_cast<size_t>(pg.slot), pg.nvme_offset));
@@ -225,6 +234,7 @@ bool TierManager::make_room(int64_t bytes, int64_t horizon) {
 void TierManager::evict(int i) {
   Page& pg = pages_[i];
   const bool dirty = pg.device_version > pg.home_version;
+  if (dirty) pg.home_zero = false;
   if (dirty && pg.home == Tier::host) {
     std::memcpy(pg.host.data, address(i), static_cast<size_t>(pg.bytes));
     pg.home_version = pg.device_version;
@@ -311,6 +321,14 @@ void TierManager::poll() {
 bool TierManager::fetch(int i, bool demand) {
   Page& pg = pages_[i];
   const int t = static_cast<int>(pg.home);
+  if (pg.home_zero && !pg.writing) {
+    device_used_ += pg.bytes;
+    std::memset(address(i), 0, static_cast<size_t>(pg.bytes));
+    pg.device_version = pg.home_version;
+    pg.present = true;
+    stats_.peak_device_bytes = std::max(stats_.peak_device_bytes, device_used_);
+    return true;
+  }
   if (pg.home == Tier::host) {
     device_used_ += pg.bytes;
     std::memcpy(address(i), pg.host.data, static_cast<size_t>(pg.bytes));
@@ -361,6 +379,8 @@ void TierManager::acquire(std::span<const PageRef> refs) {
     group.push_back(index(r));
   }
   if (recording_) schedule_.push_back(group);
+  // Off the schedule (an evaluation between steps, say): no prefetch until the next step.
+  on_schedule_ = scheduled_ && position_ < static_cast<int64_t>(schedule_.size()) && schedule_[position_] == group;
   ++position_;
   ++clock_;
   int64_t need = 0;
@@ -421,7 +441,7 @@ void TierManager::release(std::span<const PageRef> refs, bool modified) {
 }
 
 void TierManager::prefetch_ahead() {
-  if (!options_.prefetch || !scheduled_) return;
+  if (!options_.prefetch || !scheduled_ || !on_schedule_) return;
   const int64_t len = static_cast<int64_t>(schedule_.size());
   for (int64_t k = 0; k < options_.lookahead; ++k) {
     for (int i : schedule_[(position_ + k) % len]) {
@@ -452,8 +472,11 @@ void TierManager::update_at_home(PageRef r, const std::function<void(float*, siz
   }
   const int t = static_cast<int>(pg.home);
   const bool device_newer = pg.present && pg.device_version > pg.home_version;
+  const bool was_zero = pg.home_zero && !device_newer;
+  pg.home_zero = false;
   if (pg.home == Tier::host) {
     if (device_newer) std::memcpy(pg.host.data, address(i), static_cast<size_t>(pg.bytes));
+    if (was_zero) std::memset(pg.host.data, 0, static_cast<size_t>(pg.slot));
     update(static_cast<float*>(pg.host.data), n);
   } else {
     while (host_used_ + pg.slot > options_.host_bytes && !in_flight_.empty()) finish_oldest();
@@ -462,6 +485,8 @@ void TierManager::update_at_home(PageRef r, const std::function<void(float*, siz
     if (device_newer) {
       std::memcpy(buf.data, address(i), static_cast<size_t>(pg.bytes));
       std::memset(static_cast<char*>(buf.data) + pg.bytes, 0, static_cast<size_t>(pg.slot - pg.bytes));
+    } else if (was_zero) {
+      std::memset(buf.data, 0, static_cast<size_t>(pg.slot));
     } else {
       file_->wait(file_->read(buf.data, static_cast<size_t>(pg.slot), pg.nvme_offset));
       stats_.tier[t].bytes_read += static_cast<uint64_t>(pg.bytes);
@@ -476,6 +501,38 @@ void TierManager::update_at_home(PageRef r, const std::function<void(float*, siz
     give_back(i);
     pg.present = false;
     device_used_ -= pg.bytes;
+  }
+}
+
+void TierManager::discard_to_zero(PageRef r) {
+  Page& pg = page(r);
+  const int i = index(r);
+  pg.version++;
+  if (pg.home == Tier::device) {
+    std::memset(address(i), 0, static_cast<size_t>(pg.bytes));
+    pg.device_version = pg.home_version = pg.version;
+    return;
+  }
+  if (pg.fetching) {
+    in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), i));
+    finish_fetch(i);
+  }
+  if (pg.writing) {  // its bytes are moot now, but its staging buffer must outlive the write
+    in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), i));
+    finish_writeback(i);
+  }
+  pg.home_zero = true;
+  pg.home_version = pg.version;
+  if (pg.home == Tier::host) std::memset(pg.host.data, 0, static_cast<size_t>(pg.slot));
+  if (pg.present) {
+    if (pg.pins > 0) {
+      std::memset(address(i), 0, static_cast<size_t>(pg.bytes));
+      pg.device_version = pg.version;
+    } else {
+      give_back(i);
+      pg.present = false;
+      device_used_ -= pg.bytes;
+    }
   }
 }
 

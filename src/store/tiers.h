@@ -42,12 +42,6 @@ enum class Tier : uint8_t { device = 0, host = 1, nvme = 2 };
 inline constexpr int kNumTiers = 3;
 const char* tier_name(Tier t);
 
-struct PageRef {
-  int chunk = 0;
-  Plane plane = Plane::param;
-  bool operator==(const PageRef&) const = default;
-};
-
 struct TierOptions {
   int64_t device_bytes = 0;  // present pages, device-homed ones included
   int64_t host_bytes = 0;    // host copies plus NVMe staging buffers
@@ -100,6 +94,9 @@ class TierManager {
   // step of state that lives off the device runs where it lives. A device copy that was newer is
   // written home first; one that is present is now behind and is refetched at its next acquire.
   void update_at_home(PageRef p, const std::function<void(float* data, size_t n)>& update);
+  // Declares the page's bytes zero (AdamW consumed the gradient): nothing is written back, the
+  // device copy (if present and unpinned) is given back, and the next fetch is a memset.
+  void discard_to_zero(PageRef p);
   // Waits for every transfer in flight (write-backs included).
   void drain();
 
@@ -139,7 +136,7 @@ class TierManager {
   int64_t device_used_ = 0, host_used_ = 0;
   // The schedule: acquires of the first step (page indices), then the position in it.
   std::vector<std::vector<int>> schedule_;
-  bool recording_ = false, scheduled_ = false;
+  bool recording_ = false, scheduled_ = false, on_schedule_ = false;
   int64_t position_ = 0;   // acquires since the step began
   int64_t clock_ = 0;      // acquires since the start (for LRU before a schedule exists)
   int64_t stats_step_ = 0; // steps begun (first touches are counted once per step)

@@ -1,0 +1,201 @@
+#include "store/placement.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <sstream>
+
+#include "core/error.h"
+
+namespace keel {
+
+namespace {
+
+std::string trim(const std::string& s) {
+  const size_t a = s.find_first_not_of(" \t");
+  if (a == std::string::npos) return "";
+  const size_t b = s.find_last_not_of(" \t");
+  return s.substr(a, b - a + 1);
+}
+
+std::string mib(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+  return buf;
+}
+
+struct LayerRule {
+  int lo = 0, hi = 0;  // inclusive; hi = -1: open
+  Tier tier = Tier::device;
+};
+
+std::vector<LayerRule> parse_layer_rules(const std::string& text) {
+  std::vector<LayerRule> rules;
+  if (trim(text).empty()) return rules;
+  std::stringstream in(text);
+  std::string entry;
+  while (std::getline(in, entry, ',')) {
+    const std::string e = trim(entry);
+    auto bad = [&](const std::string& why) {
+      return Error("config key 'tier.layers': entry '" + e + "': " + why +
+                   " (expected LO-HI:tier entries separated by commas, e.g. \"0-0:host,1-4:nvme\")");
+    };
+    const size_t colon = e.find(':');
+    if (colon == std::string::npos) throw bad("no ':tier'");
+    const std::string range = trim(e.substr(0, colon));
+    const size_t dash = range.find('-');
+    if (dash == std::string::npos) throw bad("no LO-HI range");
+    LayerRule r;
+    r.tier = parse_tier(trim(e.substr(colon + 1)), "tier.layers");
+    try {
+      size_t used = 0;
+      const std::string lo = trim(range.substr(0, dash)), hi = trim(range.substr(dash + 1));
+      r.lo = std::stoi(lo, &used);
+      if (used != lo.size() || r.lo < 0) throw bad("LO is not a whole number >= 0");
+      if (hi.empty()) {
+        r.hi = -1;
+      } else {
+        r.hi = std::stoi(hi, &used);
+        if (used != hi.size() || r.hi < r.lo) throw bad("HI is not a whole number >= LO");
+      }
+    } catch (const std::logic_error&) {
+      throw bad("bounds are not whole numbers");
+    }
+    rules.push_back(r);
+  }
+  return rules;
+}
+
+}  // namespace
+
+Tier parse_tier(const std::string& name, const std::string& key) {
+  if (name == "device") return Tier::device;
+  if (name == "host") return Tier::host;
+  if (name == "nvme") return Tier::nvme;
+  throw Error("config key '" + key + "': unknown tier \"" + name + "\" (expected one of: device, host, nvme)");
+}
+
+bool tiering_enabled(const TierConfig& t) { return t.device_mib > 0; }
+
+void validate_tier_config(const TierConfig& t, int n_layer, int world_size) {
+  auto require = [](bool ok, const std::string& key, const std::string& want, const std::string& found) {
+    if (!ok) throw Error("config key '" + key + "': expected " + want + ", found " + found);
+  };
+  require(t.device_mib >= 0, "tier.device_mib", ">= 0 (0 = tiering off)", std::to_string(t.device_mib));
+  require(t.host_mib >= 0, "tier.host_mib", ">= 0", std::to_string(t.host_mib));
+  require(t.lookahead >= 0, "tier.lookahead", ">= 0", std::to_string(t.lookahead));
+  try {
+    parse_io_engine(t.engine);
+  } catch (const Error& e) {
+    throw Error(std::string("config key 'tier.engine': ") + e.what());
+  }
+  parse_tier(t.embedding, "tier.embedding");
+  parse_tier(t.attention, "tier.attention");
+  parse_tier(t.ffn, "tier.ffn");
+  parse_tier(t.norm, "tier.norm");
+  if (!t.optimizer.empty()) parse_tier(t.optimizer, "tier.optimizer");
+  for (const LayerRule& r : parse_layer_rules(t.layers)) {
+    require(r.lo <= n_layer + 1, "tier.layers", "layers 0.." + std::to_string(n_layer + 1), std::to_string(r.lo));
+  }
+  require(t.policy == "static" || t.policy == "adaptive", "tier.policy", "\"static\" or \"adaptive\"", "\"" + t.policy + "\"");
+  if (tiering_enabled(t)) {
+    require(world_size == 1, "tier.device_mib",
+            "one rank (tiered memory does not combine with data parallelism yet)", std::to_string(world_size) + " ranks");
+  }
+}
+
+TierOptions tier_options(const TierConfig& t) {
+  TierOptions o;
+  o.device_bytes = t.device_mib << 20;
+  o.host_bytes = t.host_mib << 20;
+  o.nvme_dir = t.nvme_dir;
+  o.engine = parse_io_engine(t.engine);
+  o.lookahead = t.lookahead;
+  o.prefetch = t.prefetch;
+  return o;
+}
+
+Placement place_pages(const TierConfig& t, const ChunkStore& store) {
+  Placement out;
+  const auto& chunks = store.chunks();
+  const int n = static_cast<int>(chunks.size());
+  const auto [m_begin, m_end] = store.moment_chunks();
+  auto exists = [&](int c, int p) { return p < static_cast<int>(Plane::adam_m) || (c >= m_begin && c < m_end); };
+  const std::vector<LayerRule> rules = parse_layer_rules(t.layers);
+  out.homes.assign(static_cast<size_t>(n) * kNumPlanes, Tier::device);
+  for (int c = 0; c < n; ++c) {
+    const Chunk& ch = chunks[c];
+    Tier home = Tier::device;
+    switch (ch.kind) {
+      case ChunkKind::embedding:
+      case ChunkKind::head: home = parse_tier(t.embedding, "tier.embedding"); break;
+      case ChunkKind::attention: home = parse_tier(t.attention, "tier.attention"); break;
+      case ChunkKind::ffn: home = parse_tier(t.ffn, "tier.ffn"); break;
+      case ChunkKind::norm: home = parse_tier(t.norm, "tier.norm"); break;
+    }
+    for (const LayerRule& r : rules)
+      if (ch.layer >= r.lo && (r.hi < 0 || ch.layer <= r.hi)) home = r.tier;
+    for (int p = 0; p < kNumPlanes; ++p) {
+      const bool moment = p >= static_cast<int>(Plane::adam_m);
+      out.homes[c * kNumPlanes + p] = moment && !t.optimizer.empty() ? parse_tier(t.optimizer, "tier.optimizer") : home;
+    }
+  }
+  // The largest set one operation pins: a layer's parameters (or gradients), plus the
+  // embedding's for the tied head, or one chunk's four planes in the optimizer.
+  int last_layer = 0;
+  for (const Chunk& ch : chunks) last_layer = std::max(last_layer, ch.layer);
+  std::vector<int64_t> layer_bytes(static_cast<size_t>(last_layer) + 1, 0);
+  int64_t largest_chunk = 0;
+  for (const Chunk& ch : chunks) {
+    layer_bytes[ch.layer] += 4 * ch.numel;
+    largest_chunk = std::max<int64_t>(largest_chunk, 4 * ch.numel);
+  }
+  int64_t ws = 4 * largest_chunk;
+  for (int l = 0; l <= last_layer; ++l) ws = std::max(ws, layer_bytes[l] + (l == last_layer && l > 0 ? layer_bytes[0] : 0));
+  out.working_set_bytes = ws;
+
+  const int64_t device_budget = t.device_mib << 20, host_budget = t.host_mib << 20;
+  auto total = [&](Tier tier) {
+    int64_t b = 0;
+    for (int c = 0; c < n; ++c)
+      for (int p = 0; p < kNumPlanes; ++p)
+        if (exists(c, p) && out.homes[c * kNumPlanes + p] == tier) b += tier == Tier::device ? 4 * chunks[c].numel : (4 * chunks[c].numel + 4095) / 4096 * 4096;
+    return b;
+  };
+  // Demote from `from` to `to`, moments first, then gradients, then parameters (the pages used
+  // least often per byte), larger chunks first, until `fits` holds.
+  auto demote = [&](Tier from, Tier to, const std::function<bool()>& fits, const char* why) {
+    int64_t moved = 0;
+    for (int p = kNumPlanes - 1; p >= 0 && !fits(); --p) {
+      std::vector<int> order;
+      for (int c = 0; c < n; ++c)
+        if (exists(c, p) && out.homes[c * kNumPlanes + p] == from) order.push_back(c);
+      std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return chunks[a].numel > chunks[b].numel; });
+      for (int c : order) {
+        if (fits()) break;
+        out.homes[c * kNumPlanes + p] = to;
+        moved += 4 * chunks[c].numel;
+      }
+    }
+    if (moved > 0) {
+      out.notes.push_back(mib(moved) + " moved from " + tier_name(from) + " to " + tier_name(to) + " (" + why + ")");
+    }
+  };
+  const int64_t staging = 2 * ((largest_chunk + 4095) / 4096 * 4096);
+  demote(Tier::device, Tier::host, [&] { return total(Tier::device) + ws <= device_budget; },
+         "tier.device_mib leaves room for the working set only");
+  demote(Tier::host, Tier::nvme, [&] { return total(Tier::host) + staging <= host_budget; },
+         "tier.host_mib is short");
+  if (total(Tier::device) + ws > device_budget) {
+    throw Error("config key 'tier.device_mib': " + std::to_string(t.device_mib) + " MiB cannot hold one operation's working set (" +
+                mib(ws) + ": the largest layer's parameters, with the embedding for the tied head)");
+  }
+  for (int tier = 0; tier < kNumTiers; ++tier) out.bytes[tier] = total(static_cast<Tier>(tier));
+  if (out.bytes[static_cast<int>(Tier::nvme)] > 0 && t.nvme_dir.empty()) {
+    throw Error("config key 'tier.nvme_dir': " + mib(out.bytes[static_cast<int>(Tier::nvme)]) +
+                " of pages go to the NVMe tier (by class or for want of budget) but no directory is set");
+  }
+  return out;
+}
+
+}  // namespace keel
