@@ -380,8 +380,8 @@ void Config::resolve(int world_size) {
   validate_tier_config(tier, model.n_layer, world_size);
   require(checkpoint.full_every >= 1, "checkpoint.full_every", ">= 1", s(checkpoint.full_every));
   require(checkpoint.keep >= 1, "checkpoint.keep", ">= 1", s(checkpoint.keep));
-  require(store.chunk_bytes >= 4096 && store.chunk_bytes % 64 == 0, "store.chunk_bytes",
-          "a multiple of 64, at least 4096", s(store.chunk_bytes));
+  require(store.chunk_bytes >= 4096 && store.chunk_bytes % 4096 == 0, "store.chunk_bytes",
+          "a multiple of 4096", s(store.chunk_bytes));
   require(runtime.threads >= 0, "runtime.threads", ">= 0", s(runtime.threads));
   require(runtime.peak_gflops >= 0, "runtime.peak_gflops", ">= 0", s(runtime.peak_gflops));
 }

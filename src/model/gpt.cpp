@@ -279,6 +279,7 @@ void GPT::init_weights(uint64_t seed) {
   const double residual_std = 0.02 / std::sqrt(2.0 * config_.n_layer);
   for (int id = 0; id < static_cast<int>(store_.tensors().size()); ++id) {
     const TensorSpec& spec = store_.tensors()[id].spec;
+    const PageLease use = store_.use_tensor(id, {}, {Plane::param});  // with tiers: fetched, then written home
     std::span<float> w = store_.view(id, Plane::param);
     const std::string& n = spec.name;
     auto ends_with = [&](const char* suffix) {

@@ -112,7 +112,7 @@ Trainer::Trainer(Config config, Communicator& comm)
 
   store_ = std::make_unique<ChunkStore>(config_.store.chunk_bytes);
   model_ = std::make_unique<GPT>(m, *store_);
-  store_->finalize();
+  store_->finalize(/*touch_params=*/!tiering_enabled(config_.tier));
   const int zero = world > 1 ? config_.parallel.zero : 0;
   partition_ = ChunkPartition::balanced(*store_, zero > 0 ? world : 1);
   GradSyncOptions sync_options;
@@ -198,14 +198,13 @@ Trainer::Trainer(Config config, Communicator& comm)
       }
       for (const Chunk& c : store_->chunks()) store_->set_version(c.id, 0);
     }
+    // With tiers, the weights are drawn page by page into their homes: the full state is never
+    // resident at once.
+    if (tiering_enabled(config_.tier)) attach_tiers();
     model_->init_weights(t.seed);
   }
-  // Tiered memory: the store's contents move to their homes; from here on pages are fetched.
-  if (tiering_enabled(config_.tier)) {
-    placement_ = place_pages(config_.tier, *store_);
-    tiers_ = std::make_unique<TierManager>(*store_, tier_options(config_.tier), placement_.homes);
-    store_->attach_tiers(tiers_.get());
-  }
+  // Resumed: the loaded state moves to its homes (loading itself is not tiered yet).
+  if (tiering_enabled(config_.tier) && !tiers_) attach_tiers();
   ckpt_ = std::make_unique<CheckpointWriter>(*store_, config_.checkpoint, rank, writers_.first_chunk[rank],
                                              writers_.first_chunk[rank + 1], t.checkpoint_every > 0);
 
@@ -227,6 +226,12 @@ Trainer::Trainer(Config config, Communicator& comm)
 }
 
 Trainer::~Trainer() = default;
+
+void Trainer::attach_tiers() {
+  placement_ = place_pages(config_.tier, *store_);
+  tiers_ = std::make_unique<TierManager>(*store_, tier_options(config_.tier), placement_.homes);
+  store_->attach_tiers(tiers_.get());
+}
 
 std::string Trainer::load_residuals(const TrainState& state, std::vector<float>& out) {
   out.clear();

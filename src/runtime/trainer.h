@@ -83,6 +83,7 @@ class Trainer {
   // Compressed sync: per-layer bytes over the run, printed at its end.
   void accumulate_sync(const SyncStats& s);
   void print_sync_summary();
+  void attach_tiers();
   void accumulate_tiers(const TierStats& s);
   void print_tier_summary();
   // Checkpoints: begin (snapshot, background write), commit (all ranks done: rank 0 publishes).

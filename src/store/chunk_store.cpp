@@ -16,6 +16,11 @@ namespace {
 // Tensors start on 64-byte boundaries so SIMD kernels and BLAS see aligned rows.
 constexpr int64_t kAlignFloats = 16;
 int64_t align_up(int64_t n) { return (n + kAlignFloats - 1) / kAlignFloats * kAlignFloats; }
+// Chunks start on 4 KiB boundaries (and the planes end on one), so that a chunk's bytes, rounded
+// up to whole 4 KiB blocks, stay inside its own range plus the gap before the next chunk: the
+// memory tiers move them with O_DIRECT straight from and into the planes.
+constexpr int64_t kChunkAlignFloats = 1024;
+int64_t align_chunk(int64_t n) { return (n + kChunkAlignFloats - 1) / kChunkAlignFloats * kChunkAlignFloats; }
 }  // namespace
 
 const char* kind_name(ChunkKind kind) {
@@ -56,8 +61,8 @@ ChunkStore::Mapping::~Mapping() {
 }
 
 ChunkStore::ChunkStore(int64_t chunk_bytes) : chunk_bytes_(chunk_bytes) {
-  check(chunk_bytes >= 4096 && chunk_bytes % 64 == 0,
-        "store.chunk_bytes: expected a multiple of 64 >= 4096, found " + std::to_string(chunk_bytes));
+  check(chunk_bytes >= 4096 && chunk_bytes % 4096 == 0,
+        "store.chunk_bytes: expected a multiple of 4096, found " + std::to_string(chunk_bytes));
 }
 
 ChunkStore::~ChunkStore() = default;
@@ -74,7 +79,7 @@ TensorId ChunkStore::add(TensorSpec spec) {
   return static_cast<TensorId>(tensors_.size() - 1);
 }
 
-void ChunkStore::finalize() {
+void ChunkStore::finalize(bool touch_params) {
   check(!finalized_, "chunk store: finalize called twice");
   const int64_t cap = chunk_bytes_ / static_cast<int64_t>(sizeof(float));
   int64_t cursor = 0;
@@ -92,13 +97,13 @@ void ChunkStore::finalize() {
     TensorInfo& info = tensors_[t];
     const TensorSpec& s = info.spec;
     if (open == nullptr || open->layer != s.layer || open->kind != s.kind) {
-      cursor = align_up(cursor);
+      cursor = align_chunk(cursor);
       start_chunk(s);
     }
     // Pad to alignment inside the chunk when there is room; otherwise start a new chunk.
     const int64_t aligned = align_up(cursor);
     if (aligned - open->offset >= cap) {
-      cursor = aligned;
+      cursor = align_chunk(aligned);
       start_chunk(s);
     }
     cursor = aligned;
@@ -120,7 +125,7 @@ void ChunkStore::finalize() {
       open->numel = cursor - open->offset;
     }
   }
-  numel_ = align_up(cursor);
+  numel_ = align_chunk(cursor);
   if (!chunks_.empty()) chunks_.back().numel = numel_ - chunks_.back().offset;
 
   int max_layer = tensors_.empty() ? -1 : tensors_.back().spec.layer;
@@ -133,7 +138,7 @@ void ChunkStore::finalize() {
     // Parameters are touched now rather than page by page in the first step. Gradients and
     // moments are left untouched until used: moments may be sharded first, and a ZeRO-2 rank
     // only ever holds its own gradient shard plus the buckets still being reduced.
-    if (i == static_cast<int>(Plane::param)) std::memset(planes_[i].data, 0, bytes);
+    if (i == static_cast<int>(Plane::param) && touch_params) std::memset(planes_[i].data, 0, bytes);
     plane_begin_[i] = 0;
     plane_end_[i] = numel_;
   }
@@ -214,6 +219,18 @@ PageLease ChunkStore::use_layer(int layer, std::initializer_list<Plane> read, st
   for (int c : layer_chunks_[layer]) {
     for (Plane p : read) r.push_back({c, p});
     for (Plane p : write) w.push_back({c, p});
+  }
+  return PageLease(tiers_, std::move(r), std::move(w));
+}
+
+PageLease ChunkStore::use_tensor(TensorId id, std::initializer_list<Plane> read, std::initializer_list<Plane> write) {
+  if (tiers_ == nullptr) return {};
+  const TensorInfo& t = tensors_.at(id);
+  std::vector<PageRef> r, w;
+  for (const Chunk& c : chunks_) {
+    if (c.offset + c.numel <= t.offset || c.offset >= t.offset + t.numel) continue;
+    for (Plane p : read) r.push_back({c.id, p});
+    for (Plane p : write) w.push_back({c.id, p});
   }
   return PageLease(tiers_, std::move(r), std::move(w));
 }

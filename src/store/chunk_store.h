@@ -101,7 +101,9 @@ class ChunkStore {
   TensorId add(TensorSpec spec);
   // Lays tensors out in chunks and allocates all planes, zero-filled. Chunks never span two
   // layers or two kinds; a tensor larger than a chunk spans several consecutive chunks.
-  void finalize();
+  // `touch_params`: fault the parameter plane in now (not page by page in the first step);
+  // false when memory tiers will hold it (it is then never resident at full size).
+  void finalize(bool touch_params = true);
   // Keeps the AdamW moment planes only for chunks [begin, end) (ZeRO: this rank's optimizer
   // shard), releasing the rest; the shard starts zero (call it before initialising or loading:
   // the moments are never resident at full size). Requires finalize(). Views outside it throw.
@@ -118,6 +120,8 @@ class ChunkStore {
   PageLease use_layer(int layer, std::initializer_list<Plane> read, std::initializer_list<Plane> write = {});
   // The same for one chunk (the optimizer's unit).
   PageLease use_chunk(int chunk, std::initializer_list<Plane> read, std::initializer_list<Plane> write = {}) const;
+  // The same for the chunks one tensor spans.
+  PageLease use_tensor(TensorId id, std::initializer_list<Plane> read, std::initializer_list<Plane> write = {});
   // Memory tiers (nullptr: every page stays resident, as without tiers). Not owned.
   void attach_tiers(TierManager* tiers) { tiers_ = tiers; }
   TierManager* tiers() const { return tiers_; }

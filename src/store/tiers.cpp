@@ -103,10 +103,8 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
     throw Error("tier.device_bytes = " + mib(options.device_bytes) + " cannot hold the device-homed pages (" +
                 mib(device_homed) + ") plus one chunk's working set (" + mib(window) + ")");
   }
-  const int64_t staging = nvme_bytes > 0 ? 2 * largest_slot : 0;  // at least one read and one write in flight
-  if (host_homed + staging > options.host_bytes) {
-    throw Error("tier.host_bytes = " + mib(options.host_bytes) + " cannot hold the host-homed pages (" + mib(host_homed) +
-                ")" + (staging > 0 ? " plus NVMe staging for two chunks (" + mib(staging) + ")" : ""));
+  if (host_homed > options.host_bytes) {
+    throw Error("tier.host_bytes = " + mib(options.host_bytes) + " cannot hold the host-homed pages (" + mib(host_homed) + ")");
   }
   if (nvme_bytes > 0) {
     check(!options.nvme_dir.empty(), "tier.nvme_dir: pages are placed on the NVMe tier but no directory is set");
@@ -116,7 +114,6 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
     file_ = BlockFile::create(path, static_cast<uint64_t>(nvme_bytes), options.engine);
   }
   // Move everything home; only device-homed pages stay present.
-  AlignedBuffer staging_buf(static_cast<size_t>(std::max<int64_t>(largest_slot, kAlign)));
   for (int i = 0; i < static_cast<int>(pages_.size()); ++i) {
     Page& pg = pages_[i];
     if (!pg.exists) continue;
@@ -136,9 +133,7 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
       }
       host_used_ += pg.slot;
     } else if (!pg.home_zero) {
-      std::memcpy(staging_buf.data, address(i), static_cast<size_t>(pg.bytes));
-      std::memset(static_cast<char*>(staging_buf.data) + pg.bytes, 0, static_cast<size_t>(pg.slot - pg.bytes));
-      file_->wait(file_->write(staging_buf.data, static_cast<size_t>(pg.slot), pg.nvme_offset));
+      file_->wait(file_->write(address(i), static_cast<size_t>(pg.slot), pg.nvme_offset));
     }
     give_back(i);
     pg.present = false;
@@ -215,19 +210,58 @@ int64_t TierManager::next_use(int i) const {
 
 // Evicts unpinned pages, farthest next use first, until `bytes` more fit the device budget.
 // With horizon >= 0 (a prefetch) it never evicts a page needed within `horizon` acquires.
+// Memory of pages being written back is freed when their writes complete: a demand waits for
+// them (oldest first); a prefetch does not.
 bool TierManager::make_room(int64_t bytes, int64_t horizon) {
   while (device_used_ + bytes > options_.device_bytes) {
-    int victim = -1;
-    int64_t farthest = -1;
-    for (int i = 0; i < static_cast<int>(pages_.size()); ++i) {
-      const Page& pg = pages_[i];
-      if (!pg.exists || !pg.present || pg.pins > 0 || pg.home == Tier::device || pg.fetching) continue;
-      const int64_t d = next_use(i);
-      if (d > farthest) farthest = d, victim = i;
+    if (device_used_ - leaving_bytes() + bytes > options_.device_bytes) {
+      int victim = -1;
+      int64_t farthest = -1;
+      for (int i = 0; i < static_cast<int>(pages_.size()); ++i) {
+        const Page& pg = pages_[i];
+        if (!pg.exists || !pg.present || pg.pins > 0 || pg.home == Tier::device || pg.fetching) continue;
+        const int64_t d = next_use(i);
+        if (d > farthest) farthest = d, victim = i;
+      }
+      if (victim >= 0 && !(horizon >= 0 && farthest <= horizon)) {
+        evict(victim);
+        continue;
+      }
     }
-    if (victim < 0 || (horizon >= 0 && farthest <= horizon)) return false;
-    evict(victim);
+    if (horizon >= 0) {
+      poll();
+      return device_used_ + bytes <= options_.device_bytes;
+    }
+    if (!finish_oldest_write()) return false;
   }
+  return true;
+}
+
+int64_t TierManager::leaving_bytes() const {
+  int64_t b = 0;
+  for (int i : in_flight_)
+    if (pages_[i].writing && !pages_[i].present) b += pages_[i].bytes;
+  return b;
+}
+
+bool TierManager::finish_oldest_write() {
+  for (auto it = in_flight_.begin(); it != in_flight_.end(); ++it) {
+    const int i = *it;
+    if (pages_[i].writing && !pages_[i].present) {
+      in_flight_.erase(it);
+      finish_writeback(i);
+      return true;
+    }
+  }
+  return false;
+}
+
+// A page whose write-back is still in flight holds its bytes: take it back without a fetch.
+bool TierManager::revive(int i) {
+  Page& pg = pages_[i];
+  if (pg.present || !pg.writing) return false;
+  pg.present = true;
+  pg.device_version = pg.writing->version;
   return true;
 }
 
@@ -240,20 +274,17 @@ void TierManager::evict(int i) {
     pg.home_version = pg.device_version;
     stats_.tier[static_cast<int>(Tier::host)].bytes_written += static_cast<uint64_t>(pg.bytes);
   } else if (dirty) {
+    // Written straight from the compute tier (O_DIRECT): the page's memory stays held, and
+    // counted, until the write completes; an acquire before then takes the page back as it is.
     if (pg.writing) finish_writeback(i);
-    // Staging for the write-back: wait for other transfers while the host budget is short.
-    while (host_used_ + pg.slot > options_.host_bytes && !in_flight_.empty()) finish_oldest();
-    check(host_used_ + pg.slot <= options_.host_bytes, "tier.host_bytes: no room left to stage a write-back");
     auto t = std::make_unique<Transfer>();
-    t->buf = AlignedBuffer(static_cast<size_t>(pg.slot));
-    std::memcpy(t->buf.data, address(i), static_cast<size_t>(pg.bytes));
-    std::memset(static_cast<char*>(t->buf.data) + pg.bytes, 0, static_cast<size_t>(pg.slot - pg.bytes));
     t->version = pg.device_version;
-    t->ticket = file_->write(t->buf.data, static_cast<size_t>(pg.slot), pg.nvme_offset);
-    host_used_ += pg.slot;
-    stats_.peak_host_bytes = std::max(stats_.peak_host_bytes, host_used_);
+    t->ticket = file_->write(address(i), static_cast<size_t>(pg.slot), pg.nvme_offset);
     pg.writing = std::move(t);
+    pg.present = false;
     in_flight_.push_back(i);
+    stats_.evictions++;
+    return;
   }
   give_back(i);
   pg.present = false;
@@ -266,17 +297,18 @@ void TierManager::finish_writeback(int i) {
   file_->wait(pg.writing->ticket);
   pg.home_version = pg.writing->version;
   stats_.tier[static_cast<int>(Tier::nvme)].bytes_written += static_cast<uint64_t>(pg.bytes);
-  host_used_ -= pg.slot;
   pg.writing.reset();
+  if (!pg.present) {  // evicted: its memory goes now (taken back meanwhile: it stays)
+    give_back(i);
+    device_used_ -= pg.bytes;
+  }
 }
 
 void TierManager::finish_fetch(int i) {
   Page& pg = pages_[i];
   file_->wait(pg.fetching->ticket);
-  std::memcpy(address(i), pg.fetching->buf.data, static_cast<size_t>(pg.bytes));
   pg.device_version = pg.fetching->version;
   pg.present = true;
-  host_used_ -= pg.slot;
   pg.fetching.reset();
 }
 
@@ -334,23 +366,11 @@ bool TierManager::fetch(int i, bool demand) {
     std::memcpy(address(i), pg.host.data, static_cast<size_t>(pg.bytes));
     pg.device_version = pg.home_version;
     pg.present = true;
-  } else if (pg.writing) {
-    device_used_ += pg.bytes;
-    std::memcpy(address(i), pg.writing->buf.data, static_cast<size_t>(pg.bytes));
-    pg.device_version = pg.writing->version;
-    pg.present = true;
   } else {
-    while (host_used_ + pg.slot > options_.host_bytes) {
-      if (!demand || in_flight_.empty()) return false;
-      finish_oldest();
-    }
     device_used_ += pg.bytes;
     auto tr = std::make_unique<Transfer>();
-    tr->buf = AlignedBuffer(static_cast<size_t>(pg.slot));
     tr->version = pg.home_version;
-    tr->ticket = file_->read(tr->buf.data, static_cast<size_t>(pg.slot), pg.nvme_offset);
-    host_used_ += pg.slot;
-    stats_.peak_host_bytes = std::max(stats_.peak_host_bytes, host_used_);
+    tr->ticket = file_->read(address(i), static_cast<size_t>(pg.slot), pg.nvme_offset);
     pg.fetching = std::move(tr);
     in_flight_.push_back(i);
   }
@@ -385,6 +405,7 @@ void TierManager::acquire(std::span<const PageRef> refs) {
   ++clock_;
   int64_t need = 0;
   for (int i : group) {
+    revive(i);
     const Page& pg = pages_[i];
     if (!pg.present && !pg.fetching) need += pg.bytes;
   }
@@ -411,9 +432,7 @@ void TierManager::acquire(std::span<const PageRef> refs) {
       continue;
     }
     const auto t0 = std::chrono::steady_clock::now();
-    if (!pg.fetching) {
-      check(fetch(i, true), "tiers: could not stage a demand fetch");
-    }
+    if (!pg.fetching) fetch(i, true);
     if (pg.fetching) {
       in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), i));
       finish_fetch(i);
@@ -446,7 +465,7 @@ void TierManager::prefetch_ahead() {
   for (int64_t k = 0; k < options_.lookahead; ++k) {
     for (int i : schedule_[(position_ + k) % len]) {
       Page& pg = pages_[i];
-      if (pg.present || pg.fetching || pg.home == Tier::device) continue;
+      if (revive(i) || pg.present || pg.fetching || pg.home == Tier::device) continue;
       if (!make_room(pg.bytes, k) || !fetch(i, false)) return;
     }
   }

@@ -122,6 +122,9 @@ class TierManager {
   void evict(int i);
   void finish_writeback(int i);
   bool make_room(int64_t bytes, int64_t horizon);
+  int64_t leaving_bytes() const;
+  bool finish_oldest_write();
+  bool revive(int i);
   int64_t next_use(int i) const;
   void prefetch_ahead();
   void poll();
