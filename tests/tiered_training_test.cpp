@@ -61,7 +61,8 @@ TEST_F(TieredTraining, IsBitIdenticalToTrainingInMemory) {
   const std::vector<json> want_steps = steps("memory");
   for (const std::string& variant : {std::string("--set tier.engine=io_uring"),
                                      std::string("--set tier.engine=threads --set tier.prefetch=false"),
-                                     std::string("--set tier.lookahead=4 --set tier.optimizer=nvme")}) {
+                                     std::string("--set tier.lookahead=4 --set tier.optimizer=nvme"),
+                                     std::string("--set tier.policy=adaptive")}) {
     const auto r = train("tiered", tiers(variant));
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("keel: tiered memory: device 2 MiB"), std::string::npos) << r.output;
@@ -78,6 +79,9 @@ TEST_F(TieredTraining, IsBitIdenticalToTrainingInMemory) {
       EXPECT_LE(got[i]["tier_device_resident_bytes"].get<double>(), 2 << 20);
       for (const char* key : {"tier_hit_rate", "tier_stall_share", "tier_nvme_stall_p99_ms", "tier_host_hit_rate"})
         EXPECT_TRUE(got[i].contains(key)) << key;
+    }
+    if (variant.find("adaptive") != std::string::npos) {
+      EXPECT_NE(r.output.find("adaptive policy re-homed"), std::string::npos) << r.output;
     }
     EXPECT_TRUE(fs::is_empty(dir / "nvme")) << "the tier's file outlived the run";
     fs::remove_all(dir / "tiered");

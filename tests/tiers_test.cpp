@@ -72,14 +72,14 @@ std::string error_of(const std::function<void()>& f) {
   return "";
 }
 
-struct Engines : ::testing::TestWithParam<std::tuple<IoEngine, bool>> {};
+struct Engines : ::testing::TestWithParam<std::tuple<IoEngine, bool, bool>> {};
 
 // Training-shaped traffic (forward, backward writing gradients, an optimizer pass over every
 // chunk's four planes) with a device budget of a fifth of the state: every acquire sees exactly
 // the newest bytes, budgets hold, and with prefetch most first touches are hits after the first
 // step (which records the schedule).
 TEST_P(Engines, EveryAcquireSeesTheNewestBytesWithinBudgets) {
-  const auto [engine, prefetch] = GetParam();
+  const auto [engine, prefetch, adaptive] = GetParam();
   testing::TempDir dir;
   auto store = make_store();
   const int n_chunks = static_cast<int>(store->chunks().size());
@@ -101,6 +101,8 @@ TEST_P(Engines, EveryAcquireSeesTheNewestBytesWithinBudgets) {
   o.engine = engine;
   o.prefetch = prefetch;
   o.lookahead = 3;
+  o.adaptive = adaptive;
+  o.reserve_bytes = o.device_bytes / 2;
   TierManager tiers(*store, o, homes);
   EXPECT_LE(tiers.device_bytes_used(), o.device_bytes);
   std::vector<std::vector<int>> layer_chunks(6);
@@ -149,6 +151,17 @@ TEST_P(Engines, EveryAcquireSeesTheNewestBytesWithinBudgets) {
     }
     const TierStats s = tiers.take_step_stats();
     EXPECT_EQ(s.stale_refetches, 0u);
+    const std::string note = tiers.take_rehome_note();
+    if (adaptive && step == 1) {
+      EXPECT_NE(note.find("re-homed"), std::string::npos) << note;
+      // Parameters (used three times a step) never sit on a slower tier than a moment of the
+      // same chunk (used once).
+      const std::vector<Tier> h = tiers.homes();
+      for (int c = 0; c < n_chunks; ++c)
+        EXPECT_LE(static_cast<int>(h[c * kNumPlanes]), static_cast<int>(h[c * kNumPlanes + 2])) << "chunk " << c;
+    } else {
+      EXPECT_EQ(note, "");
+    }
     if (step >= 2) {
       for (int t = 1; t < kNumTiers; ++t) {
         late_hits += static_cast<double>(s.tier[t].hits);
@@ -168,10 +181,12 @@ TEST_P(Engines, EveryAcquireSeesTheNewestBytesWithinBudgets) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiers, Engines,
-                         ::testing::Combine(::testing::Values(IoEngine::io_uring, IoEngine::threads), ::testing::Bool()),
+                         ::testing::Combine(::testing::Values(IoEngine::io_uring, IoEngine::threads), ::testing::Bool(),
+                                            ::testing::Bool()),
                          [](const auto& info) {
                            return std::string(io_engine_name(std::get<0>(info.param))) +
-                                  (std::get<1>(info.param) ? "_prefetch" : "_on_demand");
+                                  (std::get<1>(info.param) ? "_prefetch" : "_on_demand") +
+                                  (std::get<2>(info.param) ? "_adaptive" : "_static");
                          });
 
 // An update at home (the optimizer running where the state lives) leaves a pinned device copy

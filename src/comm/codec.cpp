@@ -391,9 +391,10 @@ class Quant2TopKCodec final : public FormatCodec {
       const float lo = load<float>(levels + 8 * b), hi = load<float>(levels + 8 * b + 4);
       const float level[4] = {-hi, -lo, lo, hi};
       const size_t end = std::min(k, first + block);
-      for (size_t j = first; j < end; ++j) {
-        const size_t at = dense ? j : load<uint32_t>(p + 4 * j);
-        y[at] += level[(codes[j >> 2] >> (2 * (j & 3))) & 3u];
+      if (dense) {
+        for (size_t j = first; j < end; ++j) y[j] += level[(codes[j >> 2] >> (2 * (j & 3))) & 3u];
+      } else {
+        for (size_t j = first; j < end; ++j) y[load<uint32_t>(p + 4 * j)] += level[(codes[j >> 2] >> (2 * (j & 3))) & 3u];
       }
     }
   }
@@ -410,29 +411,48 @@ class Quant2TopKCodec final : public FormatCodec {
 
   // lo <= hi for the values v[0..len), as described above the class. Sums run in a fixed order,
   // so the result is the same bytes everywhere.
+  // Eight running sums per side, combined in a fixed tree (as sum_abs), so that the result is
+  // the same bytes whether or not the compiler vectorizes; three rounds at most.
   static void fit_levels(const float* v, size_t len, float& lo, float& hi) {
-    double cut = 0;
-    for (size_t j = 0; j < len; ++j) cut += std::fabs(static_cast<double>(v[j]));
-    cut /= static_cast<double>(len);
-    double mlo = cut, mhi = cut;
-    for (int round = 0; round < 4; ++round) {
-      double sum_lo = 0, sum_hi = 0;
-      size_t n_hi = 0;
-      for (size_t j = 0; j < len; ++j) {
-        const double a = std::fabs(static_cast<double>(v[j]));
-        const bool high = a > cut;
-        (high ? sum_hi : sum_lo) += a;
-        n_hi += high;
+    float cut = sum_abs(v, len) / static_cast<float>(len);
+    float mlo = cut, mhi = cut;
+    // GCC vector extensions: eight lanes in registers, the same arithmetic as eight scalar sums.
+    typedef float v8f __attribute__((vector_size(32)));
+    typedef int32_t v8i __attribute__((vector_size(32)));
+    const v8i abs_mask = {0x7FFFFFFF, 0x7FFFFFFF, 0x7FFFFFFF, 0x7FFFFFFF, 0x7FFFFFFF, 0x7FFFFFFF, 0x7FFFFFFF, 0x7FFFFFFF};
+    const v8f zero = {}, one = zero + 1.0f;
+    for (int round = 0; round < 3; ++round) {
+      v8f lane_lo = {}, lane_hi = {}, lane_n = {};
+      const v8f cutv = zero + cut;
+      size_t j = 0;
+      for (; j + 8 <= len; j += 8) {
+        v8f x;
+        std::memcpy(&x, v + j, sizeof x);
+        const v8f a = reinterpret_cast<v8f>(reinterpret_cast<v8i>(x) & abs_mask);
+        const v8i high = a > cutv;
+        lane_hi += high ? a : zero;
+        lane_lo += high ? zero : a;
+        lane_n += high ? one : zero;
       }
-      if (n_hi == 0 || n_hi == len) break;  // all |v| equal: one level, both at the mean
-      mlo = sum_lo / static_cast<double>(len - n_hi);
-      mhi = sum_hi / static_cast<double>(n_hi);
-      const double next = mlo + (mhi - mlo) * 0.5;
+      auto tree = [](const v8f& x) { return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7])); };
+      float sum_lo = tree(lane_lo), sum_hi = tree(lane_hi), n_hi = tree(lane_n);
+      for (; j < len; ++j) {
+        const float a = std::fabs(v[j]);
+        const bool high = a > cut;
+        sum_hi += high ? a : 0.0f;
+        sum_lo += high ? 0.0f : a;
+        n_hi += high ? 1.0f : 0.0f;
+      }
+      const float n_lo = static_cast<float>(len) - n_hi;
+      if (n_hi == 0.0f || n_lo == 0.0f) break;  // all |v| equal: one level, both at the mean
+      mlo = sum_lo / n_lo;
+      mhi = sum_hi / n_hi;
+      const float next = mlo + (mhi - mlo) * 0.5f;
       if (next == cut) break;
       cut = next;
     }
-    lo = static_cast<float>(mlo);
-    hi = static_cast<float>(mhi);
+    lo = mlo;
+    hi = mhi;
   }
 };
 

@@ -113,7 +113,8 @@ struct TierConfig {
   std::string layers;       // overrides by layer index, "LO-HI:tier,..." (0 = embeddings, 1.. blocks)
   std::string optimizer;    // home of the AdamW moments ("" = their chunk's)
   // static: the homes above, demoted (device -> host -> nvme) where a budget is short;
-  // adaptive: after the first step, re-homed by measured accesses per byte.
+  // adaptive: after the first step, every page re-homed by its measured accesses per step and
+  // reuse distance (the NVMe file then has room for every page).
   std::string policy = "static";
 };
 

@@ -228,8 +228,11 @@ Trainer::Trainer(Config config, Communicator& comm)
 Trainer::~Trainer() = default;
 
 void Trainer::attach_tiers() {
+  store_->prefer_huge_pages();
   placement_ = place_pages(config_.tier, *store_);
-  tiers_ = std::make_unique<TierManager>(*store_, tier_options(config_.tier), placement_.homes);
+  TierOptions options = tier_options(config_.tier);
+  options.reserve_bytes = 2 * placement_.working_set_bytes;  // adaptive: room for the working window
+  tiers_ = std::make_unique<TierManager>(*store_, options, placement_.homes);
   store_->attach_tiers(tiers_.get());
 }
 
@@ -670,6 +673,10 @@ RunSummary Trainer::run() {
     if (tiers_) {
       accumulate_tiers(s.tiers);
       tier_json(s.tiers, s.ms, line);
+      if (const std::string note = tiers_->take_rehome_note(); !note.empty()) {
+        if (root) std::printf("keel: tiered memory: %s\n", note.c_str());
+        line["tier_rehome"] = note;
+      }
     }
     log_json(line.dump());
     if (root && (s.step % t.log_every == 0 || s.step == t.steps || s.step == 1)) {

@@ -270,6 +270,12 @@ void ChunkStore::zero_grads() {
   for (int64_t i = 0; i < n; ++i) g[i] = 0.0f;
 }
 
+void ChunkStore::prefer_huge_pages() {
+  for (Mapping& m : planes_) {
+    if (m.data != nullptr) ::madvise(m.data, m.bytes, MADV_HUGEPAGE);
+  }
+}
+
 void ChunkStore::zero_grad_chunk(int chunk) {
   if (tiers_ != nullptr) {
     tiers_->discard_to_zero({chunk, Plane::grad});

@@ -122,6 +122,10 @@ class ChunkStore {
   PageLease use_chunk(int chunk, std::initializer_list<Plane> read, std::initializer_list<Plane> write = {}) const;
   // The same for the chunks one tensor spans.
   PageLease use_tensor(TensorId id, std::initializer_list<Plane> read, std::initializer_list<Plane> write = {});
+  // Asks for transparent huge pages on the planes (where the kernel offers them on request):
+  // pages that memory tiers give back and fetch again every step then fault in 2 MiB at a time,
+  // not 4 KiB. Best effort: no error where unsupported.
+  void prefer_huge_pages();
   // Memory tiers (nullptr: every page stays resident, as without tiers). Not owned.
   void attach_tiers(TierManager* tiers) { tiers_ = tiers; }
   TierManager* tiers() const { return tiers_; }

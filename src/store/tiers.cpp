@@ -60,6 +60,7 @@ struct TierManager::Page {
   uint64_t home_version = 0;    // the version the home copy holds
   AlignedBuffer host;           // a host-homed page's home copy
   bool home_zero = false;       // the home copy is all zero (never written): fetches memset
+  bool released = false;        // its memory was given back and not touched since: it reads zero
   std::unique_ptr<Transfer> fetching, writing;
   int64_t last_use = 0;
   int64_t touched_step = -1;
@@ -91,10 +92,12 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
       switch (pg.home) {
         case Tier::device: device_homed += pg.bytes; break;
         case Tier::host: host_homed += pg.slot; break;
-        case Tier::nvme:
-          pg.nvme_offset = static_cast<uint64_t>(nvme_bytes);
-          nvme_bytes += pg.slot;
-          break;
+        case Tier::nvme: break;
+      }
+      // Slots for the NVMe-homed pages; with the adaptive policy, for every page (any may move there).
+      if (pg.home == Tier::nvme || (options.adaptive && !options.nvme_dir.empty())) {
+        pg.nvme_offset = static_cast<uint64_t>(nvme_bytes);
+        nvme_bytes += pg.slot;
       }
     }
   }
@@ -170,9 +173,12 @@ float* TierManager::address(int i) const {
 }
 
 // Gives the whole OS pages inside page i's bytes back to the system (they read back as zero).
+// Chunks start on 4 KiB boundaries and the bytes up to the next one are the chunk's own (or its
+// padding), so the whole slot goes, and reads back as zero until written.
 void TierManager::give_back(int i) {
+  pages_[i].released = true;
   char* begin = reinterpret_cast<char*>(address(i));
-  char* end = begin + pages_[i].bytes;
+  char* end = begin + pages_[i].slot;
   const uintptr_t os_page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
   char* inner_begin = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(begin) + os_page - 1) / os_page * os_page);
   char* inner_end = reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(end) / os_page * os_page);
@@ -189,6 +195,7 @@ void TierManager::begin_step() {
     for (Page& pg : pages_) pg.uses.clear();
     for (int64_t pos = 0; pos < static_cast<int64_t>(schedule_.size()); ++pos)
       for (int i : schedule_[pos]) pages_[i].uses.push_back(pos);
+    if (options_.adaptive && scheduled_) rehome();
   } else if (!scheduled_) {
     recording_ = true;
   }
@@ -261,6 +268,7 @@ bool TierManager::revive(int i) {
   Page& pg = pages_[i];
   if (pg.present || !pg.writing) return false;
   pg.present = true;
+  pg.released = false;
   pg.device_version = pg.writing->version;
   return true;
 }
@@ -309,6 +317,7 @@ void TierManager::finish_fetch(int i) {
   file_->wait(pg.fetching->ticket);
   pg.device_version = pg.fetching->version;
   pg.present = true;
+  pg.released = false;
   pg.fetching.reset();
 }
 
@@ -355,9 +364,10 @@ bool TierManager::fetch(int i, bool demand) {
   const int t = static_cast<int>(pg.home);
   if (pg.home_zero && !pg.writing) {
     device_used_ += pg.bytes;
-    std::memset(address(i), 0, static_cast<size_t>(pg.bytes));
+    if (!pg.released) std::memset(address(i), 0, static_cast<size_t>(pg.bytes));
     pg.device_version = pg.home_version;
     pg.present = true;
+    pg.released = false;
     stats_.peak_device_bytes = std::max(stats_.peak_device_bytes, device_used_);
     return true;
   }
@@ -366,6 +376,7 @@ bool TierManager::fetch(int i, bool demand) {
     std::memcpy(address(i), pg.host.data, static_cast<size_t>(pg.bytes));
     pg.device_version = pg.home_version;
     pg.present = true;
+    pg.released = false;
   } else {
     device_used_ += pg.bytes;
     auto tr = std::make_unique<Transfer>();
@@ -553,6 +564,139 @@ void TierManager::discard_to_zero(PageRef r) {
       device_used_ -= pg.bytes;
     }
   }
+}
+
+// The adaptive policy. From the recorded step: a page's accesses per step and its mean reuse
+// distance (bytes acquired between two of its uses, wrapping into the next step). Pages are
+// ranked by accesses per step (more first), then reuse distance (shorter first), then size
+// (smaller first), and homed greedily: the device tier up to its budget less the reserve kept for
+// the working window, then host DRAM up to its budget, the rest on NVMe (or host, without an
+// NVMe tier, where it must fit).
+void TierManager::rehome() {
+  drain();
+  const int64_t len = static_cast<int64_t>(schedule_.size());
+  std::vector<int64_t> bytes_at(static_cast<size_t>(len) + 1, 0);  // bytes acquired before position p
+  for (int64_t pos = 0; pos < len; ++pos) {
+    int64_t b = 0;
+    for (int i : schedule_[pos]) b += pages_[i].bytes;
+    bytes_at[pos + 1] = bytes_at[pos] + b;
+  }
+  const int64_t step_bytes = bytes_at[len];
+  struct Rank {
+    int i;
+    int64_t uses;
+    double reuse;
+  };
+  std::vector<Rank> order;
+  for (int i = 0; i < static_cast<int>(pages_.size()); ++i) {
+    const Page& pg = pages_[i];
+    if (!pg.exists) continue;
+    const int64_t u = static_cast<int64_t>(pg.uses.size());
+    double reuse = static_cast<double>(step_bytes) * 2;  // used once a step or never: a step or more
+    if (u > 0) {
+      double sum = 0;
+      for (int64_t k = 0; k < u; ++k) {
+        const int64_t a = pg.uses[k], b = k + 1 < u ? pg.uses[k + 1] : pg.uses[0] + len;
+        sum += static_cast<double>(b < len ? bytes_at[b] - bytes_at[a] : step_bytes - bytes_at[a] + bytes_at[b - len]);
+      }
+      reuse = sum / static_cast<double>(u);
+    }
+    order.push_back({i, u, reuse});
+  }
+  std::stable_sort(order.begin(), order.end(), [&](const Rank& a, const Rank& b) {
+    if (a.uses != b.uses) return a.uses > b.uses;
+    if (a.reuse != b.reuse) return a.reuse < b.reuse;
+    return pages_[a.i].bytes < pages_[b.i].bytes;
+  });
+  std::vector<Tier> want(pages_.size(), Tier::device);
+  int64_t device_left = options_.device_bytes - options_.reserve_bytes, host_left = options_.host_bytes;
+  for (const Rank& r : order) {
+    const Page& pg = pages_[r.i];
+    if (pg.bytes <= device_left) {
+      want[r.i] = Tier::device;
+      device_left -= pg.bytes;
+    } else if (pg.slot <= host_left) {
+      want[r.i] = Tier::host;
+      host_left -= pg.slot;
+    } else {
+      want[r.i] = file_ ? Tier::nvme : Tier::host;
+      check(file_ != nullptr, "tiers: the adaptive policy ran out of host budget and there is no NVMe tier");
+    }
+  }
+  int64_t moved[kNumTiers] = {}, count = 0;
+  // Moves that free room first: off the device, then off the host, then onto them.
+  for (int pass = 0; pass < 3; ++pass) {
+    for (const Rank& r : order) {
+      Page& pg = pages_[r.i];
+      const Tier to = want[r.i];
+      if (pg.home == to) continue;
+      const bool frees_device = pg.home == Tier::device, frees_host = pg.home == Tier::host && to == Tier::nvme;
+      if ((pass == 0 && !frees_device) || (pass == 1 && !frees_host) || (pass == 2 && (frees_device || frees_host))) continue;
+      move_home(r.i, to);
+      moved[static_cast<int>(to)] += pg.bytes;
+      count++;
+    }
+  }
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "adaptive policy re-homed %lld pages: %s to device, %s to host, %s to nvme",
+                static_cast<long long>(count), mib(moved[0]).c_str(), mib(moved[1]).c_str(), mib(moved[2]).c_str());
+  rehome_note_ = buf;
+}
+
+// Moves page i's home to `to`, carrying its newest bytes; leaves it absent unless device-homed.
+void TierManager::move_home(int i, Tier to) {
+  Page& pg = pages_[i];
+  // The newest bytes, in the compute tier (rehome drained every transfer first).
+  if (!pg.present && !revive(i)) {
+    pg.pins++;
+    const bool room = make_room(pg.bytes, -1);
+    pg.pins--;
+    check(room, "tiers: no device room to move a page between tiers");
+    fetch(i, true);
+    if (pg.fetching) {
+      in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), i));
+      finish_fetch(i);
+    }
+  }
+  if (pg.writing) {
+    in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), i));
+    finish_writeback(i);
+  }
+  if (pg.home == Tier::host) {
+    pg.host = AlignedBuffer();
+    host_used_ -= pg.slot;
+  }
+  pg.home = to;
+  pg.home_zero = false;
+  const int t = static_cast<int>(to);
+  if (to == Tier::host) {
+    pg.host = AlignedBuffer(static_cast<size_t>(pg.slot));
+    std::memcpy(pg.host.data, address(i), static_cast<size_t>(pg.bytes));
+    host_used_ += pg.slot;
+    stats_.peak_host_bytes = std::max(stats_.peak_host_bytes, host_used_);
+  } else if (to == Tier::nvme) {
+    file_->wait(file_->write(address(i), static_cast<size_t>(pg.slot), pg.nvme_offset));
+  }
+  stats_.tier[t].bytes_written += to == Tier::device ? 0 : static_cast<uint64_t>(pg.bytes);
+  pg.home_version = pg.device_version;
+  if (to != Tier::device && pg.pins == 0) {
+    give_back(i);
+    pg.present = false;
+    device_used_ -= pg.bytes;
+  }
+}
+
+std::string TierManager::take_rehome_note() {
+  std::string n;
+  n.swap(rehome_note_);
+  return n;
+}
+
+std::vector<Tier> TierManager::homes() const {
+  std::vector<Tier> h(pages_.size(), Tier::device);
+  for (size_t i = 0; i < pages_.size(); ++i)
+    if (pages_[i].exists) h[i] = pages_[i].home;
+  return h;
 }
 
 void TierManager::drain() {

@@ -49,6 +49,10 @@ struct TierOptions {
   IoEngine engine = IoEngine::automatic;
   int lookahead = 2;         // acquires prefetched ahead of the current one
   bool prefetch = true;      // false: fetch on demand only (the naive baseline)
+  // After the first step: re-home every page by its measured accesses per step and reuse
+  // distance (see TierManager::rehome). The NVMe file then has a slot for every page.
+  bool adaptive = false;
+  int64_t reserve_bytes = 0;  // adaptive: device bytes kept free of homed pages (the working window)
 };
 
 // What one tier (by the home of the pages) saw.
@@ -106,6 +110,10 @@ class TierManager {
   const TierStats& stats() const { return stats_; }
   // The stats since the last call (counters reset, resident bytes kept).
   TierStats take_step_stats();
+  // What the adaptive policy did at its re-homing ("" before, or without it); cleared by reading.
+  std::string take_rehome_note();
+  // The current homes, per page as in the constructor (non-existent pages: device).
+  std::vector<Tier> homes() const;
   int64_t device_bytes_used() const { return device_used_; }
   int64_t host_bytes_used() const { return host_used_; }
   IoEngine engine() const;
@@ -125,6 +133,8 @@ class TierManager {
   int64_t leaving_bytes() const;
   bool finish_oldest_write();
   bool revive(int i);
+  void rehome();
+  void move_home(int i, Tier to);
   int64_t next_use(int i) const;
   void prefetch_ahead();
   void poll();
@@ -145,6 +155,7 @@ class TierManager {
   int64_t stats_step_ = 0; // steps begun (first touches are counted once per step)
   std::vector<int> in_flight_;  // pages with a transfer in flight, oldest first
   TierStats stats_;
+  std::string rehome_note_;
 };
 
 }  // namespace keel
