@@ -57,6 +57,7 @@ void tier_json(const TierStats& s, double step_ms, nlohmann::json& line) {
   line["tier_stall_ms"] = total_stall_ms(s);
   line["tier_stall_share"] = step_ms > 0 ? total_stall_ms(s) / step_ms : 0.0;
   line["tier_evictions"] = s.evictions;
+  line["tier_acquire_ms"] = s.acquire_ms;
   line["tier_stale_refetches"] = s.stale_refetches;
   for (int i = 0; i < kNumTiers; ++i) {
     const TierCounters& c = s.tier[i];
@@ -487,6 +488,7 @@ void Trainer::accumulate_tiers(const TierStats& s) {
     a.resident_bytes = b.resident_bytes;
   }
   tier_totals_.evictions += s.evictions;
+  tier_totals_.acquire_ms += s.acquire_ms;
   tier_totals_.stale_refetches += s.stale_refetches;
   tier_totals_.peak_device_bytes = s.peak_device_bytes;
   tier_totals_.peak_host_bytes = s.peak_host_bytes;
@@ -504,10 +506,10 @@ void Trainer::print_tier_summary() {
                 placement_.bytes[i] / 1e6, 100 * c.hit_rate(), c.stall_ms, stall_percentile(c, 0.99), c.bytes_read / 1e6,
                 c.bytes_written / 1e6);
   }
-  std::printf("  off-device hit rate %.1f%%, %llu evictions, %llu stale copies refetched; peak device %.1f MB of %lld MiB, "
-              "host %.1f MB of %lld MiB\n",
+  std::printf("  off-device hit rate %.1f%%, %llu evictions, %llu stale copies refetched, %.0f ms inside acquires; "
+              "peak device %.1f MB of %lld MiB, host %.1f MB of %lld MiB\n",
               100 * offload_hit_rate(s), static_cast<unsigned long long>(s.evictions),
-              static_cast<unsigned long long>(s.stale_refetches), s.peak_device_bytes / 1e6,
+              static_cast<unsigned long long>(s.stale_refetches), s.acquire_ms, s.peak_device_bytes / 1e6,
               static_cast<long long>(config_.tier.device_mib), s.peak_host_bytes / 1e6,
               static_cast<long long>(config_.tier.host_mib));
 }

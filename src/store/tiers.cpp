@@ -402,6 +402,12 @@ void TierManager::count_touch(int i, bool hit, double waited_ms) {
 }
 
 void TierManager::acquire(std::span<const PageRef> refs) {
+  const auto t_start = std::chrono::steady_clock::now();
+  struct Timer {  // all of acquire, waits for room and prefetch issue included
+    TierStats& s;
+    std::chrono::steady_clock::time_point t0;
+    ~Timer() { s.acquire_ms += ms_since(t0); }
+  } timer{stats_, t_start};
   poll();
   std::vector<int> group;
   group.reserve(refs.size());
@@ -421,7 +427,11 @@ void TierManager::acquire(std::span<const PageRef> refs) {
     if (!pg.present && !pg.fetching) need += pg.bytes;
   }
   for (int i : group) pages_[i].pins++;  // nothing of this group is evicted to make room for it
-  if (!make_room(need, -1)) {
+  const auto t_room = std::chrono::steady_clock::now();
+  const bool room = make_room(need, -1);
+  // Waiting for write-backs to free room is a stall too: charged to the first page fetched.
+  double room_ms = need > 0 ? ms_since(t_room) : 0.0;
+  if (!room) {
     for (int i : group) pages_[i].pins--;
     int64_t pinned = 0;
     for (const Page& pg : pages_)
@@ -452,7 +462,8 @@ void TierManager::acquire(std::span<const PageRef> refs) {
       throw Error("tiers: chunk " + std::to_string(i / kNumPlanes) + " plane " + std::to_string(i % kNumPlanes) +
                   " fetched at version " + std::to_string(pg.device_version) + ", owner at " + std::to_string(pg.version));
     }
-    count_touch(i, false, ms_since(t0));
+    count_touch(i, false, ms_since(t0) + room_ms);
+    room_ms = 0;
   }
   prefetch_ahead();
 }
@@ -714,6 +725,7 @@ TierStats TierManager::take_step_stats() {
   for (int t = 0; t < kNumTiers; ++t) out.tier[t].resident_bytes = resident[t];
   for (TierCounters& c : stats_.tier) c = TierCounters{};
   stats_.stale_refetches = 0;
+  stats_.acquire_ms = 0;
   stats_.evictions = 0;
   return out;
 }

@@ -71,6 +71,7 @@ struct TierStats {
   TierCounters tier[kNumTiers];
   uint64_t stale_refetches = 0;  // device copies found behind their owner's version
   uint64_t evictions = 0;
+  double acquire_ms = 0;  // time spent inside acquire (fetch waits, eviction, prefetch issue)
   int64_t peak_device_bytes = 0, peak_host_bytes = 0;
 };
 
