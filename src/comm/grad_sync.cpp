@@ -42,6 +42,18 @@ GradSync::GradSync(Communicator& comm, ChunkStore& store, GradSyncOptions option
     }
     current.offset = chunks[c].offset;
     current.ready_layer = std::min(current.ready_layer, chunks[c].layer);
+    // Holes: the chunk's elements after each segment up to the next segment, or to the bucket's
+    // end (alignment padding inside and after the chunk).
+    {
+      const std::vector<Segment>& segs = chunks[c].segments;
+      const int64_t limit = c + 1 < static_cast<int>(chunks.size()) ? std::min(end, chunks[c + 1].offset) : end;
+      int64_t at = chunks[c].offset;
+      for (const Segment& s : segs) {
+        if (s.offset > at) current.gaps.emplace_back(at, s.offset);
+        at = s.offset + s.numel;
+      }
+      if (limit > at) current.gaps.emplace_back(at, limit);
+    }
     const bool boundary = c == 0 || (compression && (chunks[c - 1].layer != chunks[c].layer ||
                                                      !same_codec(options_.codecs[c - 1], options_.codecs[c])));
     if (end - current.offset >= bucket_floats || boundary) {
@@ -88,8 +100,25 @@ void GradSync::progress() {
   }
 }
 
+// Waits for the bucket's sum and settles it.
+void GradSync::complete(Bucket& b) {
+  if (b.compressed_now) {
+    b.reducer->wait();
+  } else {
+    comm_.wait(b.request);
+  }
+  settle(b);
+}
+
 void GradSync::settle(Bucket& b) {
   b.settled = true;
+  if (b.compressed_now) {
+    for (const auto& [begin, end] : b.gaps) {
+      std::span<float> g = store_.range_view(Plane::grad, begin, end - begin);
+      std::fill(g.begin(), g.end(), 0.0f);
+    }
+  }
+  b.lease.end();
   if (scatter_to_ == nullptr) return;
   // MPI leaves this rank's sum at the start of the bucket; move it where it belongs, then let go
   // of everything else in the bucket.
@@ -113,6 +142,18 @@ void GradSync::after_backward_weight(int layer) {
   while (next_ < buckets_.size() && buckets_[next_].ready_layer >= layer) {
     Bucket& b = buckets_[next_];
     if (next_ == 0) first_start_ = std::chrono::steady_clock::now();
+    if (max_in_flight_bytes_ > 0) {
+      int64_t pinned = 0;
+      for (size_t i = 0; i < next_; ++i)
+        if (!buckets_[i].settled) pinned += buckets_[i].numel * 4;
+      for (size_t i = 0; i < next_ && pinned > 0 && pinned + b.numel * 4 > max_in_flight_bytes_; ++i) {
+        if (buckets_[i].settled) continue;
+        complete(buckets_[i]);
+        pinned -= buckets_[i].numel * 4;
+      }
+    }
+    // With memory tiers the bucket's gradient pages stay present until its sum is in place.
+    b.lease = store_.use_range(Plane::grad, b.offset, b.numel, /*write=*/true);
     float* data = store_.range_view(Plane::grad, b.offset, b.numel).data();
     b.compressed_now = b.reducer != nullptr && step_ >= options_.warmup_steps;
     if (b.compressed_now) {

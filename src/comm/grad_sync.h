@@ -93,6 +93,9 @@ class GradSync final : public BackwardObserver {
   // buckets, codecs): residuals saved under another layout cannot be restored.
   size_t residual_size() const;
   void copy_residuals(std::vector<float>& out) const;
+  // With memory tiers, buckets in flight pin their gradient pages: at most this many bytes of
+  // them (0 = no limit); a bucket that would exceed it first waits for the oldest to complete.
+  void limit_in_flight(int64_t bytes) { max_in_flight_bytes_ = bytes; }
   void restore_residuals(std::span<const float> in);
   std::string residual_layout() const;
 
@@ -109,9 +112,15 @@ class GradSync final : public BackwardObserver {
     Communicator::Request request;
     int64_t own_offset = 0, own_count = 0;  // reduce-scatter: where this rank's sum belongs
     bool settled = true;                    // complete, and (reduce-scatter) its result in place
+    PageLease lease;                        // with memory tiers: its gradient pages, pinned in flight
+    // Elements of no tensor (alignment padding in and between its chunks): a block codec's
+    // decoded sum puts values there, which are cleared so that they never feed the next step's
+    // block scales (and ZeRO-1, which clears others' shards whole, gives the same bytes).
+    std::vector<std::pair<int64_t, int64_t>> gaps;  // [begin, end) flat offsets
   };
   void progress();
   void settle(Bucket& b);
+  void complete(Bucket& b);
 
   Communicator& comm_;
   ChunkStore& store_;
@@ -120,6 +129,7 @@ class GradSync final : public BackwardObserver {
   std::vector<Bucket> buckets_;  // in backward order
   int64_t step_ = 0;
   size_t next_ = 0;              // next bucket to start
+  int64_t max_in_flight_bytes_ = 0;
   bool active_ = false;
   SyncStats stats_;
   std::chrono::steady_clock::time_point first_start_;

@@ -377,7 +377,7 @@ void Config::resolve(int world_size) {
           "0.." + s(model.n_layer + 2) + " (layers: embeddings, " + s(model.n_layer) + " blocks, head)",
           s(optim.freeze_layers));
   validate_sync_config(sync, model.n_layer, world_size > 1 ? parallel.zero : 0);
-  validate_tier_config(tier, model.n_layer, world_size);
+  validate_tier_config(tier, model.n_layer, world_size, parallel.zero);
   require(checkpoint.full_every >= 1, "checkpoint.full_every", ">= 1", s(checkpoint.full_every));
   require(checkpoint.keep >= 1, "checkpoint.keep", ">= 1", s(checkpoint.keep));
   require(store.chunk_bytes >= 4096 && store.chunk_bytes % 4096 == 0, "store.chunk_bytes",

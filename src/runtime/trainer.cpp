@@ -231,6 +231,10 @@ Trainer::~Trainer() = default;
 void Trainer::attach_tiers() {
   store_->prefer_huge_pages();
   placement_ = place_pages(config_.tier, *store_);
+  // Gradient buckets in flight pin their pages: keep them within what the device budget leaves
+  // beside the homed pages and one operation's working set (at least one bucket).
+  sync_->limit_in_flight(std::max(config_.parallel.bucket_bytes,
+                                  (config_.tier.device_mib << 20) - placement_.bytes[0] - 2 * placement_.working_set_bytes));
   TierOptions options = tier_options(config_.tier);
   options.reserve_bytes = 2 * placement_.working_set_bytes;  // adaptive: room for the working window
   tiers_ = std::make_unique<TierManager>(*store_, options, placement_.homes);

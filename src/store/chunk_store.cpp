@@ -223,6 +223,16 @@ PageLease ChunkStore::use_layer(int layer, std::initializer_list<Plane> read, st
   return PageLease(tiers_, std::move(r), std::move(w));
 }
 
+PageLease ChunkStore::use_range(Plane plane, int64_t offset, int64_t numel, bool write) {
+  if (tiers_ == nullptr) return {};
+  std::vector<PageRef> pages;
+  for (const Chunk& c : chunks_) {
+    if (c.offset + c.numel <= offset || c.offset >= offset + numel) continue;
+    pages.push_back({c.id, plane});
+  }
+  return write ? PageLease(tiers_, {}, std::move(pages)) : PageLease(tiers_, std::move(pages), {});
+}
+
 PageLease ChunkStore::use_tensor(TensorId id, std::initializer_list<Plane> read, std::initializer_list<Plane> write) {
   if (tiers_ == nullptr) return {};
   const TensorInfo& t = tensors_.at(id);

@@ -120,6 +120,9 @@ class ChunkStore {
   PageLease use_layer(int layer, std::initializer_list<Plane> read, std::initializer_list<Plane> write = {});
   // The same for one chunk (the optimizer's unit).
   PageLease use_chunk(int chunk, std::initializer_list<Plane> read, std::initializer_list<Plane> write = {}) const;
+  // The same for the chunks that elements [offset, offset + numel) of the flat space touch (a
+  // gradient bucket in flight), all in one plane.
+  PageLease use_range(Plane plane, int64_t offset, int64_t numel, bool write);
   // The same for the chunks one tensor spans.
   PageLease use_tensor(TensorId id, std::initializer_list<Plane> read, std::initializer_list<Plane> write = {});
   // Asks for transparent huge pages on the planes (where the kernel offers them on request):

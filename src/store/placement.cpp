@@ -77,7 +77,7 @@ Tier parse_tier(const std::string& name, const std::string& key) {
 
 bool tiering_enabled(const TierConfig& t) { return t.device_mib > 0; }
 
-void validate_tier_config(const TierConfig& t, int n_layer, int world_size) {
+void validate_tier_config(const TierConfig& t, int n_layer, int world_size, int zero) {
   auto require = [](bool ok, const std::string& key, const std::string& want, const std::string& found) {
     if (!ok) throw Error("config key '" + key + "': expected " + want + ", found " + found);
   };
@@ -98,9 +98,9 @@ void validate_tier_config(const TierConfig& t, int n_layer, int world_size) {
     require(r.lo <= n_layer + 1, "tier.layers", "layers 0.." + std::to_string(n_layer + 1), std::to_string(r.lo));
   }
   require(t.policy == "static" || t.policy == "adaptive", "tier.policy", "\"static\" or \"adaptive\"", "\"" + t.policy + "\"");
-  if (tiering_enabled(t)) {
-    require(world_size == 1, "tier.device_mib",
-            "one rank (tiered memory does not combine with data parallelism yet)", std::to_string(world_size) + " ranks");
+  if (tiering_enabled(t) && world_size > 1) {
+    require(zero == 0, "parallel.zero", "0 with tiered memory (ZeRO's sharded moments and parameter all-gather are not tiered yet)",
+            std::to_string(zero));
   }
 }
 
