@@ -21,9 +21,9 @@
 //
 // Versions (the seed's ParameterVersion protocol): every page has an owner version, bumped when
 // a write acquire is released. A device copy records the version it was copied at; an acquire
-// compares the two, and a copy that is behind is refetched, never used. A fetch of a page whose
-// write-back is still in flight is served from the write-back's buffer (the newest bytes), never
-// from the home slot being written.
+// compares the two, and a copy that is behind is refetched, never used. A page whose write-back
+// is still in flight keeps its memory until the write completes and is taken back from there
+// (the newest bytes), never read from the home slot being written.
 #pragma once
 
 #include <cstdint>
@@ -44,7 +44,7 @@ const char* tier_name(Tier t);
 
 struct TierOptions {
   int64_t device_bytes = 0;  // present pages, device-homed ones included
-  int64_t host_bytes = 0;    // host copies plus NVMe staging buffers
+  int64_t host_bytes = 0;    // host copies (and update_at_home's staging buffer)
   std::string nvme_dir;      // directory of the NVMe tier's file ("" = no NVMe tier)
   IoEngine engine = IoEngine::automatic;
   int lookahead = 2;         // acquires prefetched ahead of the current one
