@@ -43,10 +43,11 @@ import argparse
 import json
 import os
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
+
+from benchutil import write_tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEEL = os.environ.get("KEEL", os.path.join(ROOT, "build", "keel"))
@@ -163,17 +164,6 @@ def report_convergence(results):
 
 # ---------------------------------------------------------------------------------------------
 # Network
-
-def write_tokens(path, n=1 << 20, vocab=50257, seed=1):
-    # llm.c's shard format: 256 int32 header (magic, version, count), then uint16 tokens.
-    import random
-    rng = random.Random(seed)
-    header = [0] * 256
-    header[0], header[1], header[2] = 20240520, 1, n
-    with open(path, "wb") as f:
-        f.write(struct.pack("<256i", *header))
-        f.write(struct.pack("<%dH" % n, *[rng.randrange(vocab) for _ in range(n)]))
-
 
 def netns(prefix, *args, check=True):
     env = dict(os.environ, KEEL_NETNS_PREFIX=prefix, KEEL_BINARY=KEEL)

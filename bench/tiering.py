@@ -22,25 +22,16 @@ Environment: KEEL (default build/keel).
 import argparse
 import json
 import os
-import random
 import re
-import struct
 import subprocess
 import sys
 import tempfile
 
+from benchutil import write_tokens
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEEL = os.environ.get("KEEL", os.path.join(ROOT, "build", "keel"))
 OVERHEAD_MB = 300  # process, BLAS and loader buffers, partial pages at chunk edges: stated, checked
-
-
-def write_tokens(path, n, vocab, seed=1):
-    rng = random.Random(seed)
-    header = [0] * 256
-    header[0], header[1], header[2] = 20240520, 1, n
-    with open(path, "wb") as f:
-        f.write(struct.pack("<256i", *header))
-        f.write(struct.pack("<%dH" % n, *[rng.randrange(vocab) for _ in range(n)]))
 
 
 def run(work, name, args, sets):
@@ -130,8 +121,10 @@ def main():
     ap.add_argument("--device-mib", type=int, default=320)
     ap.add_argument("--host-mib", type=int, default=150)
     ap.add_argument("--lookahead", type=int, default=8)
+    ap.add_argument("--policy", default="static", help="tier.policy of the tiered and naive runs (static|adaptive)")
     ap.add_argument("--nvme-dir", default=None, help="default: a fresh directory under /var/tmp")
     ap.add_argument("--runs", default="memory,tiered,naive")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, metrics) and print its path")
     ap.add_argument("--out", default=None, help="also write each run's result as a JSON line")
     args = ap.parse_args()
     if not os.path.exists(KEEL):
@@ -141,7 +134,8 @@ def main():
         args.nvme_dir = tempfile.mkdtemp(prefix="keel-tiering-nvme.", dir="/var/tmp")
     write_tokens(os.path.join(work, "tokens.bin"), 1 << 20, 50257)
     tiers = ["--set", "tier.device_mib=%d" % args.device_mib, "--set", "tier.host_mib=%d" % args.host_mib,
-             "--set", "tier.nvme_dir=" + args.nvme_dir, "--set", "tier.lookahead=%d" % args.lookahead]
+             "--set", "tier.nvme_dir=" + args.nvme_dir, "--set", "tier.lookahead=%d" % args.lookahead,
+             "--set", "tier.policy=" + args.policy]
     variants = {"memory": [], "tiered": tiers, "naive": tiers + ["--set", "tier.prefetch=false"]}
     results = []
     for name in args.runs.split(","):
@@ -150,7 +144,10 @@ def main():
             with open(args.out, "a") as f:
                 f.write(json.dumps(results[-1]) + "\n")
     ok = report(results, args)
-    subprocess.call(["rm", "-rf", work])
+    if args.keep:
+        print("Work directory kept: " + work)
+    else:
+        subprocess.call(["rm", "-rf", work])
     return 0 if ok else 1
 
 

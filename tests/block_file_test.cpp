@@ -20,17 +20,10 @@
 namespace keel {
 namespace {
 
+using testing::error_of;
+
 namespace fs = std::filesystem;
 constexpr size_t kA = BlockFile::kAlign;
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 class BlockFileEngines : public ::testing::TestWithParam<IoEngine> {};
 

@@ -29,6 +29,8 @@
 namespace keel {
 namespace {
 
+using testing::error_of;
+
 namespace fs = std::filesystem;
 using nlohmann::json;
 
@@ -134,15 +136,6 @@ const json* own_record(const json& m) {
     }
   }
   return nullptr;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 std::string hex64(uint64_t v) {

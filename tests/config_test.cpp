@@ -8,14 +8,7 @@
 namespace keel {
 namespace {
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::error_of;
 
 TEST(Config, DefaultsResolveToTheD4Preset) {
   Config c = Config::load("", {});

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -32,6 +33,16 @@
 extern char** environ;
 
 namespace keel::testing {
+
+// The message of the keel::Error `f` throws, or "" when it throws none.
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
 
 // A fresh directory under /tmp, removed with everything in it when the object dies.
 class TempDir {

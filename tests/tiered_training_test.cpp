@@ -52,7 +52,8 @@ class TieredTraining : public ::testing::Test {
 
 // Budgets far below the 7.4 MB of state put most pages on the NVMe tier; the checkpoint (weights
 // and moments) and every loss are the same bytes as in memory, with prefetch or without, with
-// io_uring or the thread pool.
+// io_uring or the thread pool, with the optimizer's updates deferred into the next forward pass
+// (the default; evaluations and checkpoints in between apply them first) or not.
 TEST_F(TieredTraining, IsBitIdenticalToTrainingInMemory) {
   ASSERT_EQ(train("memory", "").exit_code, 0);
   const std::vector<char> want = testing::checkpoint_bytes(dir / "memory/ckpt");
@@ -62,6 +63,7 @@ TEST_F(TieredTraining, IsBitIdenticalToTrainingInMemory) {
   for (const std::string& variant : {std::string("--set tier.engine=io_uring"),
                                      std::string("--set tier.engine=threads --set tier.prefetch=false"),
                                      std::string("--set tier.lookahead=4 --set tier.optimizer=nvme"),
+                                     std::string("--set tier.defer_update=false --set train.checkpoint_every=2"),
                                      std::string("--set tier.policy=adaptive")}) {
     const auto r = train("tiered", tiers(variant));
     ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -85,6 +87,25 @@ TEST_F(TieredTraining, IsBitIdenticalToTrainingInMemory) {
     }
     EXPECT_TRUE(fs::is_empty(dir / "nvme")) << "the tier's file outlived the run";
     fs::remove_all(dir / "tiered");
+  }
+}
+
+// Deferred updates with gradient accumulation (the updates run in the first micro-batch's forward
+// pass only) and a checkpoint every other step (each applies them first, and the next step finds
+// its schedule again): the same bytes as in memory.
+TEST_F(TieredTraining, DeferredUpdatesWithAccumulationAndCheckpointsGiveTheSameBytes) {
+  const std::string common = "--set train.grad_accum=2 --set train.checkpoint_every=2 --set train.steps=5 ";
+  ASSERT_EQ(train("memory", common).exit_code, 0);
+  const auto r = train("tiered", common + tiers());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (Plane p : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+    EXPECT_EQ(testing::checkpoint_bytes(dir / "tiered/ckpt", p), testing::checkpoint_bytes(dir / "memory/ckpt", p));
+  }
+  const std::vector<json> got = steps("tiered"), want = steps("memory");
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i]["loss"].get<double>(), want[i]["loss"].get<double>()) << "step " << i + 1;
+    EXPECT_EQ(got[i]["grad_norm"].get<double>(), want[i]["grad_norm"].get<double>()) << "step " << i + 1;
   }
 }
 

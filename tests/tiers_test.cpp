@@ -17,6 +17,8 @@
 namespace keel {
 namespace {
 
+using testing::error_of;
+
 constexpr int64_t kChunkBytes = 64 << 10;
 
 // Six layers of two tensors each, some larger than a chunk: 16+ chunks.
@@ -61,15 +63,6 @@ int64_t state_bytes(const ChunkStore& s) {
   int64_t b = 0;
   for (const Chunk& c : s.chunks()) b += 4 * c.numel * kNumPlanes;
   return b;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 struct Engines : ::testing::TestWithParam<std::tuple<IoEngine, bool, bool>> {};

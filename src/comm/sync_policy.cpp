@@ -7,17 +7,11 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/text.h"
 
 namespace keel {
 
 namespace {
-
-std::string trim(const std::string& s) {
-  const size_t a = s.find_first_not_of(" \t");
-  if (a == std::string::npos) return "";
-  const size_t b = s.find_last_not_of(" \t");
-  return s.substr(a, b - a + 1);
-}
 
 bool parse_number(const std::string& text, double* out) {
   if (text.empty()) return false;

@@ -85,6 +85,7 @@ std::vector<Field> fields(Config& c) {
       {"tier", "engine", &c.tier.engine},
       {"tier", "lookahead", &c.tier.lookahead},
       {"tier", "prefetch", &c.tier.prefetch},
+      {"tier", "defer_update", &c.tier.defer_update},
       {"tier", "embedding", &c.tier.embedding},
       {"tier", "attention", &c.tier.attention},
       {"tier", "ffn", &c.tier.ffn},

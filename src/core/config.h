@@ -107,6 +107,10 @@ struct TierConfig {
   std::string engine = "auto";  // auto | io_uring | threads
   int lookahead = 2;        // acquires prefetched ahead of the current one
   bool prefetch = true;     // false: fetch on demand only (the naive baseline)
+  // Each chunk's optimizer update runs just before the next forward pass first uses the chunk,
+  // so its transfers overlap compute (exact: the same arithmetic; checkpoints, evaluations and
+  // the end of the run apply what is pending first). false: the update is a phase of its own.
+  bool defer_update = true;
   // Homes by chunk kind (device | host | nvme); the seed's classes: attention and norms hot
   // (device), FFN warm (nvme, prefetched), embeddings cold (host).
   std::string embedding = "host", attention = "device", ffn = "nvme", norm = "device";

@@ -1,7 +1,5 @@
 #include "optim/adamw.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -21,22 +19,12 @@ double grad_sum_squares(const ChunkStore& store, int chunk_begin, int chunk_end)
   if (chunk_end < 0) chunk_end = static_cast<int>(store.chunks().size());
   double total = 0;
   for (int ci = chunk_begin; ci < chunk_end; ++ci) {
-    const Chunk& c = store.chunks()[ci];
-    const PageLease use = store.use_chunk(c.id, {Plane::grad});
-    std::span<const float> g = store.chunk_view(c.id, Plane::grad);
-    // Each thread sums a fixed contiguous range; partials are combined in thread order.
-    const int threads = omp_get_max_threads();
-    std::vector<double> partial(threads, 0.0);
-    const int64_t n = static_cast<int64_t>(g.size());
-#pragma omp parallel num_threads(threads)
-    {
-      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-      const int64_t begin = n * t / nt, end = n * (t + 1) / nt;
-      double s = 0;
-      for (int64_t i = begin; i < end; ++i) s += static_cast<double>(g[i]) * g[i];
-      partial[t] = s;
+    double s = 0;
+    if (!store.cached_grad_sum_squares(ci, &s)) {  // with tiers, usually known without a fetch
+      const PageLease use = store.use_chunk(ci, {Plane::grad});
+      s = sum_squares(store.chunk_view(ci, Plane::grad));
     }
-    for (double p : partial) total += p;
+    total += s;
   }
   return total;
 }

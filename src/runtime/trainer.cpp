@@ -239,6 +239,9 @@ void Trainer::attach_tiers() {
   options.reserve_bytes = 2 * placement_.working_set_bytes;  // adaptive: room for the working window
   tiers_ = std::make_unique<TierManager>(*store_, options, placement_.homes);
   store_->attach_tiers(tiers_.get());
+  store_->set_updater([this](int chunk) {
+    optimizer_.step_chunk(*store_, chunk, deferred_.lr, deferred_.t, deferred_.clip);
+  });
 }
 
 std::string Trainer::load_residuals(const TrainState& state, std::vector<float>& out) {
@@ -292,7 +295,9 @@ StepStats Trainer::step() {
   const TrainConfig& t = config_.train;
   const auto t0 = std::chrono::steady_clock::now();
   StepStats s;
-  if (tiers_) tiers_->begin_step();
+  const bool defer = tiers_ && config_.tier.defer_update;
+  // With deferred updates the first step (nothing pending yet) is not what later steps look like.
+  if (tiers_) tiers_->begin_step(!defer || store_->any_pending());
   s.lr = learning_rate(config_.optim, static_cast<int>(steps_done_), t.steps);
   // Gradients are zero here: the store starts zeroed and AdamW clears them as it consumes them.
   // Each rank's gradient is scaled for the global batch, so the sum over ranks is the gradient
@@ -303,6 +308,9 @@ StepStats Trainer::step() {
     Batch batch = train_data_->next();
     batch.grad_scale = 1.0f / (static_cast<float>(batch.B) * batch.T * t.grad_accum * world);
     loss_sum += model_->forward(batch);
+    // The forward pass ran every deferred update (each before its chunk's first use); none may
+    // still wait once gradients are written.
+    if (micro == 0) store_->apply_pending();
     sync_->begin(micro == t.grad_accum - 1, steps_done_);
     model_->backward(batch, false, sync_.get());
   }
@@ -326,7 +334,14 @@ StepStats Trainer::step() {
   if (config_.optim.grad_clip > 0 && s.grad_norm > config_.optim.grad_clip) {
     clip = static_cast<float>(config_.optim.grad_clip / s.grad_norm);
   }
-  optimizer_.step(*store_, s.lr, steps_done_ + 1, clip);
+  if (defer) {
+    deferred_ = {s.lr, steps_done_ + 1, clip};
+    for (int c = own_first; c < own_last; ++c) {
+      if (store_->chunks()[c].layer >= config_.optim.freeze_layers) store_->defer_update(c);
+    }
+  } else {
+    optimizer_.step(*store_, s.lr, steps_done_ + 1, clip);
+  }
   if (zero > 0) gather_parameters();
   steps_done_++;
   // One max over ranks for the spread of sync waits and the memory high-water mark.
@@ -371,6 +386,7 @@ StepStats Trainer::step() {
 double Trainer::evaluate(int batches) {
   // Every rank evaluates its share of the same global windows.
   batches = static_cast<int>(std::min<uint64_t>(batches, val_data_->num_windows()));
+  store_->apply_pending();
   double sum = 0;
   for (int i = 0; i < batches; ++i) sum += model_->forward(val_data_->window(i));
   return comm_.allreduce_sum(sum) / (static_cast<double>(batches) * comm_.size());
@@ -387,6 +403,7 @@ void Trainer::save(const std::string& root) {
 
 void Trainer::begin_checkpoint(const std::string& root) {
   const auto t0 = std::chrono::steady_clock::now();
+  store_->apply_pending();  // the checkpoint holds the state after the step's update
   if (ckpt_->in_flight()) commit_checkpoint();  // one checkpoint in flight at a time
   RankState state;
   state.rank = comm_.rank();

@@ -109,6 +109,13 @@ class Trainer {
   std::unique_ptr<DataLoader> val_data_;
   std::optional<Tokenizer> tokenizer_;
   AdamW optimizer_;
+  // The optimizer update deferred into the next forward pass (tier.defer_update): its step's
+  // learning rate, update count and clipping factor.
+  struct Deferred {
+    double lr = 0;
+    int64_t t = 0;
+    float clip = 1.0f;
+  } deferred_;
   int64_t steps_done_ = 0;
   bool resumed_ = false;
   std::string resumed_from_;

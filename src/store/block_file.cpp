@@ -23,7 +23,6 @@ namespace {
 
 std::string errno_text(int e) { return std::strerror(e); }
 
-uint64_t round_up(uint64_t n, uint64_t a) { return (n + a - 1) / a * a; }
 
 // A request's outcome: bytes moved, or -errno.
 struct Outcome {
@@ -271,7 +270,7 @@ void BlockFile::close_and_remove() {
 }
 
 std::unique_ptr<BlockFile> BlockFile::create(const std::string& path, uint64_t bytes, IoEngine engine, int queue_depth) {
-  const uint64_t size = round_up(std::max<uint64_t>(bytes, kAlign), kAlign);
+  const uint64_t size = align_up(std::max<uint64_t>(bytes, kAlign));
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_DIRECT | O_CLOEXEC, 0600);
   if (fd < 0) {
     const int e = errno;
@@ -301,7 +300,7 @@ std::unique_ptr<BlockFile> BlockFile::create(const std::string& path, uint64_t b
 
 AlignedBuffer::AlignedBuffer(size_t n) : bytes(n) {
   if (n == 0) return;
-  const size_t rounded = round_up(n, BlockFile::kAlign);
+  const size_t rounded = BlockFile::align_up(n);
   data = std::aligned_alloc(BlockFile::kAlign, rounded);
   check(data != nullptr, "cannot allocate an aligned buffer of " + std::to_string(rounded) + " bytes");
 }

@@ -25,6 +25,8 @@ class BlockFile {
  public:
   // Every offset, size and buffer address must be a multiple of this (O_DIRECT's rule).
   static constexpr size_t kAlign = 4096;
+  // `n` rounded up to a multiple of kAlign.
+  static constexpr uint64_t align_up(uint64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
   // Creates `path` (which must not exist), reserves `bytes` (rounded up to kAlign) and opens it
   // for O_DIRECT I/O with `engine` (automatic: io_uring if it works here, else threads). Throws

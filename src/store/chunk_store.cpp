@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <omp.h>
 
 #include "core/error.h"
 #include "store/tiers.h"
@@ -145,6 +146,8 @@ void ChunkStore::finalize(bool touch_params) {
   moment_chunk_begin_ = 0;
   moment_chunk_end_ = static_cast<int>(chunks_.size());
   finalized_ = true;
+  pending_.assign(chunks_.size(), 0);
+  grad_sums_.assign(chunks_.size(), GradSum{});
 }
 
 void ChunkStore::shard_moments(int chunk_begin, int chunk_end) {
@@ -178,8 +181,26 @@ float* ChunkStore::plane_at(Plane plane, int64_t offset, int64_t numel) const {
   return planes_[i].get() + (offset - plane_begin_[i]);
 }
 
-PageLease::PageLease(TierManager* tiers, std::vector<PageRef> read, std::vector<PageRef> written)
-    : tiers_(tiers), read_(std::move(read)), written_(std::move(written)) {
+double sum_squares(std::span<const float> g) {
+  const int threads = omp_get_max_threads();
+  std::vector<double> partial(static_cast<size_t>(threads), 0.0);
+  const int64_t n = static_cast<int64_t>(g.size());
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t begin = n * t / nt, end = n * (t + 1) / nt;
+    double s = 0;
+    for (int64_t i = begin; i < end; ++i) s += static_cast<double>(g[i]) * g[i];
+    partial[static_cast<size_t>(t)] = s;
+  }
+  double total = 0;
+  for (double p : partial) total += p;
+  return total;
+}
+
+PageLease::PageLease(TierManager* tiers, std::vector<PageRef> read, std::vector<PageRef> written,
+                     const ChunkStore* store)
+    : tiers_(tiers), store_(store), read_(std::move(read)), written_(std::move(written)) {
   if (tiers_ == nullptr) return;
   std::vector<PageRef> all = read_;
   all.insert(all.end(), written_.begin(), written_.end());
@@ -187,7 +208,7 @@ PageLease::PageLease(TierManager* tiers, std::vector<PageRef> read, std::vector<
 }
 
 PageLease::PageLease(PageLease&& o) noexcept
-    : tiers_(o.tiers_), read_(std::move(o.read_)), written_(std::move(o.written_)) {
+    : tiers_(o.tiers_), store_(o.store_), read_(std::move(o.read_)), written_(std::move(o.written_)) {
   o.tiers_ = nullptr;
 }
 
@@ -195,6 +216,7 @@ PageLease& PageLease::operator=(PageLease&& o) noexcept {
   if (this != &o) {
     end();
     tiers_ = o.tiers_;
+    store_ = o.store_;
     read_ = std::move(o.read_);
     written_ = std::move(o.written_);
     o.tiers_ = nullptr;
@@ -206,21 +228,66 @@ PageLease::~PageLease() { end(); }
 
 void PageLease::end() {
   if (tiers_ == nullptr) return;
+  if (store_ != nullptr) store_->note_written(written_);
   tiers_->release(read_, false);
   tiers_->release(written_, true);
+  if (store_ != nullptr) store_->note_versions(written_);
   tiers_ = nullptr;
+}
+
+bool ChunkStore::any_pending() const {
+  return std::any_of(pending_.begin(), pending_.end(), [](uint8_t p) { return p != 0; });
+}
+
+void ChunkStore::apply_pending(int chunk) const {
+  if (pending_.empty() || !pending_[static_cast<size_t>(chunk)]) return;
+  pending_[static_cast<size_t>(chunk)] = 0;  // first: the update's own lease must not recurse
+  updater_(chunk);
+}
+
+void ChunkStore::apply_pending() const {
+  for (int c = 0; c < static_cast<int>(pending_.size()); ++c) apply_pending(c);
+}
+
+void ChunkStore::note_written(const std::vector<PageRef>& written) const {
+  for (const PageRef& p : written) {
+    if (p.plane != Plane::grad) continue;
+    GradSum& g = grad_sums_[static_cast<size_t>(p.chunk)];
+    g.sum = sum_squares(chunk_view(p.chunk, Plane::grad));
+    g.valid = false;  // until the version the release gives it is known
+  }
+}
+
+void ChunkStore::note_versions(const std::vector<PageRef>& written) const {
+  for (const PageRef& p : written) {
+    if (p.plane != Plane::grad) continue;
+    GradSum& g = grad_sums_[static_cast<size_t>(p.chunk)];
+    g.version = tiers_->version(p);
+    g.valid = true;
+  }
+}
+
+bool ChunkStore::cached_grad_sum_squares(int chunk, double* out) const {
+  if (tiers_ == nullptr || grad_sums_.empty()) return false;
+  const GradSum& g = grad_sums_[static_cast<size_t>(chunk)];
+  if (!g.valid || g.version != tiers_->version({chunk, Plane::grad})) return false;
+  *out = g.sum;
+  return true;
 }
 
 PageLease ChunkStore::use_layer(int layer, std::initializer_list<Plane> read, std::initializer_list<Plane> write) {
   if (layer < 0 || layer >= static_cast<int>(layer_chunks_.size())) return {};
-  for (int c : layer_chunks_[layer]) chunks_[c].accesses++;
+  for (int c : layer_chunks_[layer]) {
+    chunks_[c].accesses++;
+    apply_pending(c);
+  }
   if (tiers_ == nullptr) return {};
   std::vector<PageRef> r, w;
   for (int c : layer_chunks_[layer]) {
     for (Plane p : read) r.push_back({c, p});
     for (Plane p : write) w.push_back({c, p});
   }
-  return PageLease(tiers_, std::move(r), std::move(w));
+  return PageLease(tiers_, std::move(r), std::move(w), this);
 }
 
 PageLease ChunkStore::use_range(Plane plane, int64_t offset, int64_t numel, bool write) {
@@ -228,9 +295,10 @@ PageLease ChunkStore::use_range(Plane plane, int64_t offset, int64_t numel, bool
   std::vector<PageRef> pages;
   for (const Chunk& c : chunks_) {
     if (c.offset + c.numel <= offset || c.offset >= offset + numel) continue;
+    apply_pending(c.id);
     pages.push_back({c.id, plane});
   }
-  return write ? PageLease(tiers_, {}, std::move(pages)) : PageLease(tiers_, std::move(pages), {});
+  return write ? PageLease(tiers_, {}, std::move(pages), this) : PageLease(tiers_, std::move(pages), {});
 }
 
 PageLease ChunkStore::use_tensor(TensorId id, std::initializer_list<Plane> read, std::initializer_list<Plane> write) {
@@ -239,18 +307,20 @@ PageLease ChunkStore::use_tensor(TensorId id, std::initializer_list<Plane> read,
   std::vector<PageRef> r, w;
   for (const Chunk& c : chunks_) {
     if (c.offset + c.numel <= t.offset || c.offset >= t.offset + t.numel) continue;
+    apply_pending(c.id);
     for (Plane p : read) r.push_back({c.id, p});
     for (Plane p : write) w.push_back({c.id, p});
   }
-  return PageLease(tiers_, std::move(r), std::move(w));
+  return PageLease(tiers_, std::move(r), std::move(w), this);
 }
 
 PageLease ChunkStore::use_chunk(int chunk, std::initializer_list<Plane> read, std::initializer_list<Plane> write) const {
   if (tiers_ == nullptr) return {};
+  apply_pending(chunk);
   std::vector<PageRef> r, w;
   for (Plane p : read) r.push_back({chunk, p});
   for (Plane p : write) w.push_back({chunk, p});
-  return PageLease(tiers_, std::move(r), std::move(w));
+  return PageLease(tiers_, std::move(r), std::move(w), this);
 }
 
 std::span<float> ChunkStore::view(TensorId id, Plane plane) {

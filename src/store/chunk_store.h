@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <cstddef>
+#include <functional>
 #include <initializer_list>
 #include <memory>
 #include <span>
@@ -69,6 +70,11 @@ struct PageRef {
 };
 
 class TierManager;
+class ChunkStore;
+
+// Sum of squares of `v` in double, in a fixed order (each thread sums a fixed contiguous range;
+// partials are combined in thread order): the same bytes give the same sum whatever the timing.
+double sum_squares(std::span<const float> v);
 
 // The pages one operation uses, present and pinned while the lease lives when memory tiers are
 // attached (store/tiers.h); when it ends, the pages of the planes it writes are marked modified.
@@ -76,7 +82,10 @@ class TierManager;
 class PageLease {
  public:
   PageLease() = default;
-  PageLease(TierManager* tiers, std::vector<PageRef> read, std::vector<PageRef> written);
+  // `store` (optional) learns of the gradient pages written when the lease ends (see
+  // ChunkStore::cached_grad_sum_squares).
+  PageLease(TierManager* tiers, std::vector<PageRef> read, std::vector<PageRef> written,
+            const ChunkStore* store = nullptr);
   PageLease(PageLease&& o) noexcept;
   PageLease& operator=(PageLease&& o) noexcept;
   ~PageLease();
@@ -87,6 +96,7 @@ class PageLease {
 
  private:
   TierManager* tiers_ = nullptr;
+  const ChunkStore* store_ = nullptr;
   std::vector<PageRef> read_, written_;
 };
 
@@ -160,6 +170,25 @@ class ChunkStore {
   // the gradients a rank does not own once their reduce-scatter is done.
   void discard(Plane plane, int64_t offset, int64_t numel);
 
+  // Deferred optimizer updates (with memory tiers: each chunk's update runs just before its pages
+  // are next used, so the optimizer's transfers overlap the next forward pass instead of stalling
+  // a phase of their own). `defer_update` marks a chunk pending; every lease (use_*) that touches
+  // a pending chunk first runs `updater` on it, exactly once. The updates are the same arithmetic
+  // on the same bytes as an immediate step: results are bit-identical.
+  void set_updater(std::function<void(int chunk)> updater) { updater_ = std::move(updater); }
+  void defer_update(int chunk) { pending_.at(static_cast<size_t>(chunk)) = 1; }
+  bool any_pending() const;
+  // Runs every pending update now (before a checkpoint, an evaluation, the end of the run).
+  void apply_pending() const;
+
+  // With tiers, the gradient pages a lease wrote have their sum of squares computed as the lease
+  // ends (while still present); the clipping norm then reads the cached sums instead of fetching
+  // every gradient page again. True (and *out set) when chunk's cached sum is of its current bytes.
+  bool cached_grad_sum_squares(int chunk, double* out) const;
+  // (called by PageLease::end) computes the sums of the gradient pages in `written`, present now.
+  void note_written(const std::vector<PageRef>& written) const;
+  void note_versions(const std::vector<PageRef>& written) const;
+
   const std::vector<Chunk>& chunks() const { return chunks_; }
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
   TensorId find(const std::string& name) const;  // throws keel::Error if absent
@@ -193,6 +222,16 @@ class ChunkStore {
   int64_t plane_end_[kNumPlanes] = {};
   int moment_chunk_begin_ = 0, moment_chunk_end_ = 0;
   TierManager* tiers_ = nullptr;
+  void apply_pending(int chunk) const;
+  // Deferred updates and cached gradient sums (mutable: const leases trigger them too).
+  mutable std::vector<uint8_t> pending_;
+  std::function<void(int)> updater_;
+  struct GradSum {
+    double sum = 0;
+    uint64_t version = 0;
+    bool valid = false;
+  };
+  mutable std::vector<GradSum> grad_sums_;
 };
 
 }  // namespace keel

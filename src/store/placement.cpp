@@ -6,23 +6,11 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/text.h"
 
 namespace keel {
 
 namespace {
-
-std::string trim(const std::string& s) {
-  const size_t a = s.find_first_not_of(" \t");
-  if (a == std::string::npos) return "";
-  const size_t b = s.find_last_not_of(" \t");
-  return s.substr(a, b - a + 1);
-}
-
-std::string mib(int64_t bytes) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
-  return buf;
-}
 
 struct LayerRule {
   int lo = 0, hi = 0;  // inclusive; hi = -1: open
@@ -179,7 +167,7 @@ Placement place_pages(const TierConfig& t, const ChunkStore& store) {
       }
     }
     if (moved > 0) {
-      out.notes.push_back(mib(moved) + " moved from " + tier_name(from) + " to " + tier_name(to) + " (" + why + ")");
+      out.notes.push_back(format_mib(moved) + " moved from " + tier_name(from) + " to " + tier_name(to) + " (" + why + ")");
     }
   };
   const int64_t staging = 2 * ((largest_chunk + 4095) / 4096 * 4096);
@@ -189,11 +177,11 @@ Placement place_pages(const TierConfig& t, const ChunkStore& store) {
          "tier.host_mib is short");
   if (total(Tier::device) + ws > device_budget) {
     throw Error("config key 'tier.device_mib': " + std::to_string(t.device_mib) + " MiB cannot hold one operation's working set (" +
-                mib(ws) + ": the largest layer's parameters, with the embedding for the tied head)");
+                format_mib(ws) + ": the largest layer's parameters, with the embedding for the tied head)");
   }
   for (int tier = 0; tier < kNumTiers; ++tier) out.bytes[tier] = total(static_cast<Tier>(tier));
   if (out.bytes[static_cast<int>(Tier::nvme)] > 0 && t.nvme_dir.empty()) {
-    throw Error("config key 'tier.nvme_dir': " + mib(out.bytes[static_cast<int>(Tier::nvme)]) +
+    throw Error("config key 'tier.nvme_dir': " + format_mib(out.bytes[static_cast<int>(Tier::nvme)]) +
                 " of pages go to the NVMe tier (by class or for want of budget) but no directory is set");
   }
   return out;

@@ -12,22 +12,16 @@
 #include <limits>
 
 #include "core/error.h"
+#include "core/text.h"
 
 namespace keel {
 
 namespace {
 
 constexpr int64_t kAlign = static_cast<int64_t>(BlockFile::kAlign);
-int64_t round_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
-
-std::string mib(int64_t bytes) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
-  return buf;
 }
 
 }  // namespace
@@ -87,7 +81,7 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
       if (!pg.exists) continue;
       pg.home = homes[c * kNumPlanes + p];
       pg.bytes = chunk.numel * static_cast<int64_t>(sizeof(float));
-      pg.slot = round_up(pg.bytes);
+      pg.slot = static_cast<int64_t>(BlockFile::align_up(pg.bytes));
       largest_slot = std::max(largest_slot, pg.slot);
       switch (pg.home) {
         case Tier::device: device_homed += pg.bytes; break;
@@ -103,11 +97,11 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
   }
   const int64_t window = 4 * largest_chunk;  // one chunk's four planes: the optimizer's working set
   if (device_homed + window > options.device_bytes) {
-    throw Error("tier.device_bytes = " + mib(options.device_bytes) + " cannot hold the device-homed pages (" +
-                mib(device_homed) + ") plus one chunk's working set (" + mib(window) + ")");
+    throw Error("tier.device_bytes = " + format_mib(options.device_bytes) + " cannot hold the device-homed pages (" +
+                format_mib(device_homed) + ") plus one chunk's working set (" + format_mib(window) + ")");
   }
   if (host_homed > options.host_bytes) {
-    throw Error("tier.host_bytes = " + mib(options.host_bytes) + " cannot hold the host-homed pages (" + mib(host_homed) + ")");
+    throw Error("tier.host_bytes = " + format_mib(options.host_bytes) + " cannot hold the host-homed pages (" + format_mib(host_homed) + ")");
   }
   if (nvme_bytes > 0) {
     check(!options.nvme_dir.empty(), "tier.nvme_dir: pages are placed on the NVMe tier but no directory is set");
@@ -188,7 +182,7 @@ void TierManager::give_back(int i) {
   }
 }
 
-void TierManager::begin_step() {
+void TierManager::begin_step(bool representative) {
   if (recording_) {
     recording_ = false;
     scheduled_ = !schedule_.empty();
@@ -196,7 +190,7 @@ void TierManager::begin_step() {
     for (int64_t pos = 0; pos < static_cast<int64_t>(schedule_.size()); ++pos)
       for (int i : schedule_[pos]) pages_[i].uses.push_back(pos);
     if (options_.adaptive && scheduled_) rehome();
-  } else if (!scheduled_) {
+  } else if (!scheduled_ && representative) {
     recording_ = true;
   }
   position_ = 0;
@@ -356,10 +350,8 @@ void TierManager::poll() {
 }
 
 // Starts bringing page i into the device tier (room must have been made). A host-homed page is
-// copied at once; an NVMe page is read into a staging buffer, or copied from its write-back's
-// buffer when one is in flight (the newest bytes). Returns false when no staging room is free
-// and `demand` is false.
-bool TierManager::fetch(int i, bool demand) {
+// copied at once; an NVMe page is read straight into its place in the plane (O_DIRECT).
+void TierManager::fetch(int i) {
   Page& pg = pages_[i];
   const int t = static_cast<int>(pg.home);
   if (pg.home_zero && !pg.writing) {
@@ -369,7 +361,7 @@ bool TierManager::fetch(int i, bool demand) {
     pg.present = true;
     pg.released = false;
     stats_.peak_device_bytes = std::max(stats_.peak_device_bytes, device_used_);
-    return true;
+    return;
   }
   if (pg.home == Tier::host) {
     device_used_ += pg.bytes;
@@ -387,7 +379,20 @@ bool TierManager::fetch(int i, bool demand) {
   }
   stats_.tier[t].bytes_read += static_cast<uint64_t>(pg.bytes);
   stats_.peak_device_bytes = std::max(stats_.peak_device_bytes, device_used_);
-  return true;
+}
+
+// Completes whatever transfer page i has in flight (a fetch, or a write-back).
+void TierManager::settle(int i) {
+  Page& pg = pages_[i];
+  while (pg.fetching || pg.writing) {
+    const auto it = std::find(in_flight_.begin(), in_flight_.end(), i);
+    if (it != in_flight_.end()) in_flight_.erase(it);
+    if (pg.fetching) {
+      finish_fetch(i);
+    } else {
+      finish_writeback(i);
+    }
+  }
 }
 
 void TierManager::count_touch(int i, bool hit, double waited_ms) {
@@ -416,8 +421,19 @@ void TierManager::acquire(std::span<const PageRef> refs) {
     group.push_back(index(r));
   }
   if (recording_) schedule_.push_back(group);
-  // Off the schedule (an evaluation between steps, say): no prefetch until the next step.
-  on_schedule_ = scheduled_ && position_ < static_cast<int64_t>(schedule_.size()) && schedule_[position_] == group;
+  // Off the schedule (an evaluation between steps, say): no prefetch until it is found again a
+  // little further on (a step after a checkpoint skips the deferred updates it would have run).
+  const int64_t len = static_cast<int64_t>(schedule_.size());
+  if (scheduled_ && position_ < len && schedule_[position_] != group) {
+    constexpr int64_t kResync = 64;
+    for (int64_t k = 1; k <= kResync && position_ + k < len; ++k) {
+      if (schedule_[position_ + k] == group) {
+        position_ += k;
+        break;
+      }
+    }
+  }
+  on_schedule_ = scheduled_ && position_ < len && schedule_[position_] == group;
   ++position_;
   ++clock_;
   int64_t need = 0;
@@ -436,8 +452,8 @@ void TierManager::acquire(std::span<const PageRef> refs) {
     int64_t pinned = 0;
     for (const Page& pg : pages_)
       if (pg.exists && pg.present && (pg.pins > 0 || pg.home == Tier::device)) pinned += pg.bytes;
-    throw Error("tier.device_bytes = " + mib(options_.device_bytes) + " cannot hold the working set: " + mib(need) +
-                " to fetch while " + mib(pinned) + " are pinned or device-homed");
+    throw Error("tier.device_bytes = " + format_mib(options_.device_bytes) + " cannot hold the working set: " + format_mib(need) +
+                " to fetch while " + format_mib(pinned) + " are pinned or device-homed");
   }
   for (int i : group) {
     Page& pg = pages_[i];
@@ -453,11 +469,8 @@ void TierManager::acquire(std::span<const PageRef> refs) {
       continue;
     }
     const auto t0 = std::chrono::steady_clock::now();
-    if (!pg.fetching) fetch(i, true);
-    if (pg.fetching) {
-      in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), i));
-      finish_fetch(i);
-    }
+    if (!pg.fetching) fetch(i);
+    settle(i);
     if (pg.device_version != pg.version) {
       throw Error("tiers: chunk " + std::to_string(i / kNumPlanes) + " plane " + std::to_string(i % kNumPlanes) +
                   " fetched at version " + std::to_string(pg.device_version) + ", owner at " + std::to_string(pg.version));
@@ -488,7 +501,8 @@ void TierManager::prefetch_ahead() {
     for (int i : schedule_[(position_ + k) % len]) {
       Page& pg = pages_[i];
       if (revive(i) || pg.present || pg.fetching || pg.home == Tier::device) continue;
-      if (!make_room(pg.bytes, k) || !fetch(i, false)) return;
+      if (!make_room(pg.bytes, k)) return;
+      fetch(i);
     }
   }
 }
@@ -503,14 +517,7 @@ void TierManager::update_at_home(PageRef r, const std::function<void(float*, siz
     pg.device_version = pg.home_version = pg.version;
     return;
   }
-  if (pg.fetching) {
-    in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), i));
-    finish_fetch(i);
-  }
-  if (pg.writing) {
-    in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), i));
-    finish_writeback(i);
-  }
+  settle(i);
   const int t = static_cast<int>(pg.home);
   const bool device_newer = pg.present && pg.device_version > pg.home_version;
   const bool was_zero = pg.home_zero && !device_newer;
@@ -554,14 +561,7 @@ void TierManager::discard_to_zero(PageRef r) {
     pg.device_version = pg.home_version = pg.version;
     return;
   }
-  if (pg.fetching) {
-    in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), i));
-    finish_fetch(i);
-  }
-  if (pg.writing) {  // its bytes are moot now, but its staging buffer must outlive the write
-    in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), i));
-    finish_writeback(i);
-  }
+  settle(i);  // a write-back's bytes are moot now, but its memory must outlive the write
   pg.home_zero = true;
   pg.home_version = pg.version;
   if (pg.home == Tier::host) std::memset(pg.host.data, 0, static_cast<size_t>(pg.slot));
@@ -650,7 +650,7 @@ void TierManager::rehome() {
   }
   char buf[256];
   std::snprintf(buf, sizeof buf, "adaptive policy re-homed %lld pages: %s to device, %s to host, %s to nvme",
-                static_cast<long long>(count), mib(moved[0]).c_str(), mib(moved[1]).c_str(), mib(moved[2]).c_str());
+                static_cast<long long>(count), format_mib(moved[0]).c_str(), format_mib(moved[1]).c_str(), format_mib(moved[2]).c_str());
   rehome_note_ = buf;
 }
 
@@ -663,16 +663,9 @@ void TierManager::move_home(int i, Tier to) {
     const bool room = make_room(pg.bytes, -1);
     pg.pins--;
     check(room, "tiers: no device room to move a page between tiers");
-    fetch(i, true);
-    if (pg.fetching) {
-      in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), i));
-      finish_fetch(i);
-    }
+    fetch(i);
   }
-  if (pg.writing) {
-    in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), i));
-    finish_writeback(i);
-  }
+  settle(i);
   if (pg.home == Tier::host) {
     pg.host = AlignedBuffer();
     host_used_ -= pg.slot;

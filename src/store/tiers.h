@@ -92,8 +92,10 @@ class TierManager {
   void acquire(std::span<const PageRef> pages);
   // Unpins; `modified` marks the pages' device copies as newer than their homes.
   void release(std::span<const PageRef> pages, bool modified);
-  // Marks a step boundary: the first step's acquires become the schedule.
-  void begin_step();
+  // Marks a step boundary. The acquires of the first step begun as `representative` become the
+  // schedule (a step unlike the steady state, such as the first one of a run whose optimizer
+  // updates are deferred into the next forward pass, says false).
+  void begin_step(bool representative = true);
   // Runs `update` on the page's home copy in place (the host copy; an NVMe page through a staging
   // buffer: read, update, write) and bumps the owner's version, ZeRO-Offload style: the optimizer
   // step of state that lives off the device runs where it lives. A device copy that was newer is
@@ -125,7 +127,8 @@ class TierManager {
   Page& page(PageRef p);
   const Page& page(PageRef p) const;
   int index(PageRef p) const { return p.chunk * kNumPlanes + static_cast<int>(p.plane); }
-  bool fetch(int i, bool demand);
+  void fetch(int i);
+  void settle(int i);
   void finish_oldest();
   void finish_fetch(int i);
   void evict(int i);

@@ -1,0 +1,14 @@
+"""Helpers shared by the Python benches."""
+import random
+import struct
+
+
+def write_tokens(path, n=1 << 20, vocab=50257, seed=1):
+    """A token file of `n` uniform random tokens in llm.c's shard format: a 256 int32 header
+    (magic, version, count), then uint16 tokens."""
+    rng = random.Random(seed)
+    header = [0] * 256
+    header[0], header[1], header[2] = 20240520, 1, n
+    with open(path, "wb") as f:
+        f.write(struct.pack("<256i", *header))
+        f.write(struct.pack("<%dH" % n, *[rng.randrange(vocab) for _ in range(n)]))
