@@ -63,6 +63,7 @@ TEST_F(TieredTraining, IsBitIdenticalToTrainingInMemory) {
   for (const std::string& variant : {std::string("--set tier.engine=io_uring"),
                                      std::string("--set tier.engine=threads --set tier.prefetch=false"),
                                      std::string("--set tier.lookahead=4 --set tier.optimizer=nvme"),
+                                     std::string("--set tier.optimizer=host --set tier.host_mib=8"),
                                      std::string("--set tier.defer_update=false --set train.checkpoint_every=2"),
                                      std::string("--set tier.policy=adaptive")}) {
     const auto r = train("tiered", tiers(variant));

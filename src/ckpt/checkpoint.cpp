@@ -532,7 +532,7 @@ CheckpointWriter::CheckpointWriter(const ChunkStore& store, const CheckpointConf
   begin_offset_ = first_ < n ? store.chunks()[first_].offset : store.numel();
   const int64_t end = last_ < n ? store.chunks()[last_].offset : store.numel();
   numel_ = end - begin_offset_;
-  if (preallocate) {
+  if (preallocate && store.tiers() == nullptr) {  // with tiers, checkpoints stream (no snapshot)
     snapshot_.assign(static_cast<size_t>(numel_) * 3, 0.0f);
     if (config_.delta && config_.full_every > 1) base_.assign(snapshot_.size(), 0.0f);
   }
@@ -560,23 +560,21 @@ void CheckpointWriter::begin(const std::string& root, int64_t step, const RankSt
   if (state.has_residual) std::swap(residual_, *residual);
   full_ = base_name_.empty() || taken_ % config_.full_every == 0;
   taken_++;
-  // The snapshot: this rank's flat range of every saved plane, and the chunks' versions.
-  snapshot_.resize(static_cast<size_t>(numel_) * 3);
-  if (store_.tiers() == nullptr) {
+  // The snapshot: this rank's flat range of every saved plane, and the chunks' versions. With
+  // memory tiers there is none (the state does not fit in memory by design): the write streams
+  // chunk by chunk from the tiers, synchronously, and changed chunks are stored whole (no XOR
+  // against a base copy, which would need the memory too).
+  streaming_ = store_.tiers() != nullptr;
+  if (!streaming_) {
+    snapshot_.resize(static_cast<size_t>(numel_) * 3);
     for (int i = 0; i < 3; ++i) {
       if (numel_ == 0) break;
       std::span<const float> src = store_.range_view(kSavedPlanes[i], begin_offset_, numel_);
       std::memcpy(snapshot_.data() + static_cast<size_t>(i) * numel_, src.data(), src.size_bytes());
     }
-  } else {  // chunk by chunk, each fetched from its tier (the gaps between chunks stay zero)
-    for (int c = first_; c < last_; ++c) {
-      const PageLease use = store_.use_chunk(c, {kSavedPlanes[0], kSavedPlanes[1], kSavedPlanes[2]});
-      for (int i = 0; i < 3; ++i) {
-        std::span<const float> src = store_.chunk_view(c, kSavedPlanes[i]);
-        const size_t at = static_cast<size_t>(i) * numel_ + static_cast<size_t>(store_.chunks()[c].offset - begin_offset_);
-        std::memcpy(snapshot_.data() + at, src.data(), src.size_bytes());
-      }
-    }
+  } else {
+    snapshot_.clear();
+    base_.clear();
   }
   snapshot_versions_.clear();
   for (int c = first_; c < last_; ++c) snapshot_versions_.push_back(store_.chunks()[c].version);
@@ -585,7 +583,7 @@ void CheckpointWriter::begin(const std::string& root, int64_t step, const RankSt
     std::lock_guard<std::mutex> lock(mutex_);
     job_done_ = false;
   }
-  if (config_.async) {
+  if (config_.async && !streaming_) {
     thread_ = std::thread([this] { write_job(); });
   } else {
     write_job();
@@ -654,6 +652,10 @@ void CheckpointWriter::write_job() {
       const Chunk& chunk = store_.chunks()[c];
       const int k = c - first_;
       json planes = json::object();
+      PageLease use;  // streaming: the chunk's planes, fetched from their tiers while written
+      if (streaming_ && (full_ || snapshot_versions_[k] != base_versions_[k])) {
+        use = store_.use_chunk(c, {kSavedPlanes[0], kSavedPlanes[1], kSavedPlanes[2]});
+      }
       for (int i = 0; i < 3; ++i) {
         const Plane p = kSavedPlanes[i];
         const size_t at_chunk = static_cast<size_t>(i) * numel_ + (chunk.offset - begin_offset_);
@@ -665,8 +667,8 @@ void CheckpointWriter::write_job() {
           continue;
         }
         const bool xor_delta = !full_ && config_.delta && !base_.empty();
-        json rec = write_record(snapshot_.data() + at_chunk, static_cast<size_t>(chunk.numel),
-                                xor_delta ? base_.data() + at_chunk : nullptr);
+        const float* data = streaming_ ? store_.chunk_view(c, p).data() : snapshot_.data() + at_chunk;
+        json rec = write_record(data, static_cast<size_t>(chunk.numel), xor_delta ? base_.data() + at_chunk : nullptr);
         if (rec.at("enc") == "xor-zstd") {
           rec["base"] = base_name_;
           xor_records++;

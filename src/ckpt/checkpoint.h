@@ -126,7 +126,8 @@ struct CheckpointStats {
 // One rank's side of writing checkpoints. The rank writes the chunks [first, last) of a
 // partition of the store (every chunk is written by exactly one rank): begin() waits for the
 // previous write, copies the chunks' planes into a snapshot buffer and returns; a background
-// thread encodes and writes them (or begin() writes them itself when async is off). Publishing
+// thread encodes and writes them (or begin() writes them itself when async is off; with memory
+// tiers begin() streams the chunks from their tiers itself, with no snapshot). Publishing
 // needs every rank's part: the trainer gathers parts() to rank 0, which calls publish_checkpoint
 // and tells every rank the outcome through committed().
 class CheckpointWriter {
@@ -164,6 +165,7 @@ class CheckpointWriter {
   int64_t begin_offset_ = 0, numel_ = 0;  // flat range of this rank's chunks
   // Snapshot and, for XOR deltas, the bytes of the last committed checkpoint; planes back to back.
   std::vector<float> snapshot_, base_;
+  bool streaming_ = false;  // memory tiers: no snapshot, written chunk by chunk from the tiers
   std::vector<uint64_t> snapshot_versions_, base_versions_;
   std::string base_name_;          // the last committed checkpoint ("" = none: next one is full)
   std::string base_records_;       // its records for this rank's chunks (JSON text)

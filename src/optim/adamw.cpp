@@ -4,6 +4,8 @@
 #include <cmath>
 #include <vector>
 
+#include "store/tiers.h"
+
 namespace keel {
 
 double learning_rate(const OptimConfig& o, int step, int total_steps) {
@@ -31,33 +33,48 @@ double grad_sum_squares(const ChunkStore& store, int chunk_begin, int chunk_end)
 
 void AdamW::step_chunk(ChunkStore& store, int chunk, double lr, int64_t t, float grad_scale) {
   const Chunk& c = store.chunks()[chunk];
-  // The gradient is consumed (zeroed) here: with tiers it is declared zero afterwards rather
-  // than written back.
-  PageLease use = store.use_chunk(chunk, {Plane::grad}, {Plane::param, Plane::adam_m, Plane::adam_v});
-  float* p = store.chunk_view(chunk, Plane::param).data() - c.offset;
-  float* g = store.chunk_view(chunk, Plane::grad).data() - c.offset;
-  float* m = store.chunk_view(chunk, Plane::adam_m).data() - c.offset;
-  float* v = store.chunk_view(chunk, Plane::adam_v).data() - c.offset;
   const float b1 = static_cast<float>(config_.beta1), b2 = static_cast<float>(config_.beta2);
   const float c1 = static_cast<float>(1.0 / (1.0 - std::pow(config_.beta1, static_cast<double>(t))));
   const float c2 = static_cast<float>(1.0 / (1.0 - std::pow(config_.beta2, static_cast<double>(t))));
   const float eps = static_cast<float>(config_.eps), lrf = static_cast<float>(lr);
-  for (const Segment& s : c.segments) {
-    const bool decay = store.tensors()[s.tensor].spec.decay;
-    const float wd = decay ? static_cast<float>(config_.weight_decay) : 0.0f;
-    const int64_t end = s.offset + s.numel;
+  // p, g, m, v point at the chunk's first element.
+  auto update = [&](float* p, float* g, float* m, float* v) {
+    for (const Segment& s : c.segments) {
+      const bool decay = store.tensors()[s.tensor].spec.decay;
+      const float wd = decay ? static_cast<float>(config_.weight_decay) : 0.0f;
+      const int64_t begin = s.offset - c.offset, end = begin + s.numel;
 #pragma omp parallel for simd schedule(static)
-    for (int64_t i = s.offset; i < end; ++i) {
-      const float gi = g[i] * grad_scale;
-      g[i] = 0.0f;
-      const float mi = b1 * m[i] + (1.0f - b1) * gi;
-      const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
-      m[i] = mi;
-      v[i] = vi;
-      p[i] -= lrf * ((mi * c1) / (std::sqrt(vi * c2) + eps) + wd * p[i]);
+      for (int64_t i = begin; i < end; ++i) {
+        const float gi = g[i] * grad_scale;
+        g[i] = 0.0f;
+        const float mi = b1 * m[i] + (1.0f - b1) * gi;
+        const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        p[i] -= lrf * ((mi * c1) / (std::sqrt(vi * c2) + eps) + wd * p[i]);
+      }
     }
+  };
+  TierManager* tiers = store.tiers();
+  const PageRef m_page{chunk, Plane::adam_m}, v_page{chunk, Plane::adam_v};
+  if (tiers != nullptr && tiers->home(m_page) == Tier::host && tiers->home(v_page) == Tier::host) {
+    // Moments that live in host DRAM are updated there, in place (ZeRO-Offload's CPU optimizer
+    // step): they never travel to the compute tier and back.
+    PageLease use = store.use_chunk(chunk, {Plane::grad}, {Plane::param});
+    float* p = store.chunk_view(chunk, Plane::param).data();
+    float* g = store.chunk_view(chunk, Plane::grad).data();
+    tiers->update_at_home(m_page, [&](float* m, size_t) {
+      tiers->update_at_home(v_page, [&](float* v, size_t) { update(p, g, m, v); });
+    });
+    use.end();
+  } else {
+    // The gradient is consumed (zeroed) here: with tiers it is declared zero afterwards rather
+    // than written back.
+    PageLease use = store.use_chunk(chunk, {Plane::grad}, {Plane::param, Plane::adam_m, Plane::adam_v});
+    update(store.chunk_view(chunk, Plane::param).data(), store.chunk_view(chunk, Plane::grad).data(),
+           store.chunk_view(chunk, Plane::adam_m).data(), store.chunk_view(chunk, Plane::adam_v).data());
+    use.end();
   }
-  use.end();
   if (store.tiers() != nullptr) store.zero_grad_chunk(chunk);
   store.bump_version(chunk);
 }

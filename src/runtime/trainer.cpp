@@ -615,7 +615,8 @@ RunSummary Trainer::run() {
       (store_->plane_bytes(Plane::adam_m) + store_->plane_bytes(Plane::adam_v)) / 1e6);
   if (root) {
     const int64_t own = writers_.size(0);
-    const int copies = config_.checkpoint.delta && config_.checkpoint.full_every > 1 ? 2 : 1;
+    // Checkpoints of a tiered run stream from the tiers: no snapshot buffers.
+    const int copies = tiers_ ? 0 : config_.checkpoint.delta && config_.checkpoint.full_every > 1 ? 2 : 1;
     std::printf("keel: memory per rank: params %.1f MB, grads %.1f MB, AdamW moments %.1f MB, activations %.1f MB, "
                 "checkpoint buffers %.1f MB\n",
                 store_->plane_bytes(Plane::param) / 1e6, store_->plane_bytes(Plane::grad) / 1e6, moments_mb,

@@ -171,8 +171,11 @@ Placement place_pages(const TierConfig& t, const ChunkStore& store) {
     }
   };
   const int64_t staging = 2 * ((largest_chunk + 4095) / 4096 * 4096);
-  demote(Tier::device, Tier::host, [&] { return total(Tier::device) + ws <= device_budget; },
-         "tier.device_mib leaves room for the working set only");
+  // Prefetching needs room for the next operation's pages beside the current one's: the device
+  // tier keeps two working sets free of homed pages where it can (one where it cannot).
+  demote(Tier::device, Tier::host,
+         [&] { return total(Tier::device) + (t.prefetch ? 2 : 1) * ws <= device_budget || total(Tier::device) == 0; },
+         "tier.device_mib leaves room for the working window only");
   demote(Tier::host, Tier::nvme, [&] { return total(Tier::host) + staging <= host_budget; },
          "tier.host_mib is short");
   if (total(Tier::device) + ws > device_budget) {

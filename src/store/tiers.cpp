@@ -8,6 +8,7 @@
 #include <bit>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 
@@ -67,6 +68,7 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
   const int n_chunks = static_cast<int>(store.chunks().size());
   check(homes.size() == static_cast<size_t>(n_chunks) * kNumPlanes,
         "tiers: " + std::to_string(homes.size()) + " homes for " + std::to_string(n_chunks * kNumPlanes) + " pages");
+  trace_ = std::getenv("KEEL_TIER_TRACE") != nullptr;
   check(options.lookahead >= 0, "tier.lookahead: expected >= 0, found " + std::to_string(options.lookahead));
   pages_.resize(homes.size());
   const auto [m_begin, m_end] = store.moment_chunks();
@@ -209,33 +211,51 @@ int64_t TierManager::next_use(int i) const {
   return it != pg.uses.end() ? *it - at : pg.uses.front() + len - at;
 }
 
-// Evicts unpinned pages, farthest next use first, until `bytes` more fit the device budget.
-// With horizon >= 0 (a prefetch) it never evicts a page needed within `horizon` acquires.
-// Memory of pages being written back is freed when their writes complete: a demand waits for
-// them (oldest first); a prefetch does not.
-bool TierManager::make_room(int64_t bytes, int64_t horizon) {
-  while (device_used_ + bytes > options_.device_bytes) {
-    if (device_used_ - leaving_bytes() + bytes > options_.device_bytes) {
-      int victim = -1;
-      int64_t farthest = -1;
-      for (int i = 0; i < static_cast<int>(pages_.size()); ++i) {
-        const Page& pg = pages_[i];
-        if (!pg.exists || !pg.present || pg.pins > 0 || pg.home == Tier::device || pg.fetching) continue;
-        const int64_t d = next_use(i);
-        if (d > farthest) farthest = d, victim = i;
-      }
-      if (victim >= 0 && !(horizon >= 0 && farthest <= horizon)) {
-        evict(victim);
-        continue;
-      }
+// Evicts unpinned pages, farthest next use first (never one needed within `horizon` acquires,
+// when horizon >= 0), until `bytes` more fit the device budget once the write-backs in flight
+// have freed their memory. False when no such page is left.
+bool TierManager::evict_for(int64_t bytes, int64_t horizon) {
+  while (device_used_ - leaving_bytes() + bytes > options_.device_bytes) {
+    int victim = -1;
+    int64_t farthest = -1;
+    for (int i = 0; i < static_cast<int>(pages_.size()); ++i) {
+      const Page& pg = pages_[i];
+      if (!pg.exists || !pg.present || pg.pins > 0 || pg.home == Tier::device || pg.fetching) continue;
+      const int64_t d = next_use(i);
+      if (d > farthest) farthest = d, victim = i;
     }
-    if (horizon >= 0) {
-      poll();
-      return device_used_ + bytes <= options_.device_bytes;
-    }
-    if (!finish_oldest_write()) return false;
+    if (victim < 0 || (horizon >= 0 && farthest <= horizon)) return false;
+    evict(victim);
   }
   return true;
+}
+
+// Makes room for `bytes` more in the device budget now. A demand (horizon < 0) waits for
+// write-backs to free memory (oldest first); a prefetch does not.
+bool TierManager::make_room(int64_t bytes, int64_t horizon) {
+  while (device_used_ + bytes > options_.device_bytes) {
+    const bool coming = evict_for(bytes, horizon);
+    if (device_used_ + bytes <= options_.device_bytes) break;  // clean pages went at once
+    if (horizon >= 0) {
+      poll();
+      return coming && device_used_ + bytes <= options_.device_bytes;
+    }
+    // Memory comes back as writes complete; prefetches in flight become evictable once done.
+    if (!finish_oldest_write() && !finish_oldest_fetch()) return false;
+  }
+  return true;
+}
+
+bool TierManager::finish_oldest_fetch() {
+  for (auto it = in_flight_.begin(); it != in_flight_.end(); ++it) {
+    const int i = *it;
+    if (pages_[i].fetching && pages_[i].pins == 0) {
+      in_flight_.erase(it);
+      finish_fetch(i);
+      return true;
+    }
+  }
+  return false;
 }
 
 int64_t TierManager::leaving_bytes() const {
@@ -434,6 +454,11 @@ void TierManager::acquire(std::span<const PageRef> refs) {
     }
   }
   on_schedule_ = scheduled_ && position_ < len && schedule_[position_] == group;
+  if (trace_ && scheduled_ && !on_schedule_) {
+    std::fprintf(stderr, "tier-off-schedule pos %lld of %lld group of %zu (first chunk %d plane %d)\n",
+                 static_cast<long long>(position_), static_cast<long long>(len), group.size(),
+                 group.empty() ? -1 : group[0] / kNumPlanes, group.empty() ? -1 : group[0] % kNumPlanes);
+  }
   ++position_;
   ++clock_;
   int64_t need = 0;
@@ -449,6 +474,20 @@ void TierManager::acquire(std::span<const PageRef> refs) {
   double room_ms = need > 0 ? ms_since(t_room) : 0.0;
   if (!room) {
     for (int i : group) pages_[i].pins--;
+    if (trace_) {
+      int64_t present = 0, leaving = 0, fetching = 0, in_group = 0;
+      for (int i = 0; i < static_cast<int>(pages_.size()); ++i) {
+        const Page& pg = pages_[i];
+        if (!pg.exists) continue;
+        if (pg.present) present += pg.bytes;
+        if (pg.writing && !pg.present) leaving += pg.bytes;
+        if (pg.fetching) fetching += pg.bytes;
+      }
+      for (int i : group) in_group += pages_[i].present ? pages_[i].bytes : 0;
+      std::fprintf(stderr, "tier-no-room used %lld present %lld leaving %lld fetching %lld in-group %lld in-flight %zu\n",
+                   static_cast<long long>(device_used_), static_cast<long long>(present), static_cast<long long>(leaving),
+                   static_cast<long long>(fetching), static_cast<long long>(in_group), in_flight_.size());
+    }
     int64_t pinned = 0;
     for (const Page& pg : pages_)
       if (pg.exists && pg.present && (pg.pins > 0 || pg.home == Tier::device)) pinned += pg.bytes;
@@ -469,8 +508,15 @@ void TierManager::acquire(std::span<const PageRef> refs) {
       continue;
     }
     const auto t0 = std::chrono::steady_clock::now();
+    const bool was_fetching = pg.fetching != nullptr;
     if (!pg.fetching) fetch(i);
     settle(i);
+    if (trace_) {
+      std::fprintf(stderr, "tier-miss pos %lld chunk %d plane %d home %s bytes %lld %s wait %.2f ms used %lld\n",
+                   static_cast<long long>(position_ - 1), i / kNumPlanes, i % kNumPlanes, tier_name(pg.home),
+                   static_cast<long long>(pg.bytes), was_fetching ? "in-flight" : "not-started",
+                   ms_since(t0) + room_ms, static_cast<long long>(device_used_));
+    }
     if (pg.device_version != pg.version) {
       throw Error("tiers: chunk " + std::to_string(i / kNumPlanes) + " plane " + std::to_string(i % kNumPlanes) +
                   " fetched at version " + std::to_string(pg.device_version) + ", owner at " + std::to_string(pg.version));
@@ -497,12 +543,26 @@ void TierManager::release(std::span<const PageRef> refs, bool modified) {
 void TierManager::prefetch_ahead() {
   if (!options_.prefetch || !scheduled_ || !on_schedule_) return;
   const int64_t len = static_cast<int64_t>(schedule_.size());
+  // Pages ahead whose room write-backs in flight are still freeing: they are not fetched yet,
+  // but eviction goes on for the pages after them, so their writes overlap too.
+  int64_t waiting = 0;
   for (int64_t k = 0; k < options_.lookahead; ++k) {
     for (int i : schedule_[(position_ + k) % len]) {
       Page& pg = pages_[i];
       if (revive(i) || pg.present || pg.fetching || pg.home == Tier::device) continue;
-      if (!make_room(pg.bytes, k)) return;
-      fetch(i);
+      if (waiting == 0 && make_room(pg.bytes, k)) {
+        fetch(i);
+        continue;
+      }
+      if (!evict_for(waiting + pg.bytes, k)) {
+        if (trace_) {
+          std::fprintf(stderr, "tier-prefetch-blocked pos %lld ahead %lld chunk %d plane %d used %lld leaving %lld\n",
+                       static_cast<long long>(position_ - 1), static_cast<long long>(k), i / kNumPlanes, i % kNumPlanes,
+                       static_cast<long long>(device_used_), static_cast<long long>(leaving_bytes()));
+        }
+        return;
+      }
+      waiting += pg.bytes;
     }
   }
 }
@@ -541,8 +601,8 @@ void TierManager::update_at_home(PageRef r, const std::function<void(float*, siz
     }
     update(static_cast<float*>(buf.data), n);
     file_->wait(file_->write(buf.data, static_cast<size_t>(pg.slot), pg.nvme_offset));
+    stats_.tier[t].bytes_written += static_cast<uint64_t>(pg.bytes);
   }
-  stats_.tier[t].bytes_written += static_cast<uint64_t>(pg.bytes);
   pg.version++;
   pg.home_version = pg.version;
   if (pg.present && pg.pins == 0) {  // behind now, and unused: give its memory back

@@ -134,8 +134,10 @@ class TierManager {
   void evict(int i);
   void finish_writeback(int i);
   bool make_room(int64_t bytes, int64_t horizon);
+  bool evict_for(int64_t bytes, int64_t horizon);
   int64_t leaving_bytes() const;
   bool finish_oldest_write();
+  bool finish_oldest_fetch();
   bool revive(int i);
   void rehome();
   void move_home(int i, Tier to);
@@ -160,6 +162,7 @@ class TierManager {
   std::vector<int> in_flight_;  // pages with a transfer in flight, oldest first
   TierStats stats_;
   std::string rehome_note_;
+  bool trace_ = false;  // KEEL_TIER_TRACE set: each miss is logged to stderr (for tuning)
 };
 
 }  // namespace keel
