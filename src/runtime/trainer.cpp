@@ -113,6 +113,7 @@ Trainer::Trainer(Config config, Communicator& comm)
 
   store_ = std::make_unique<ChunkStore>(config_.store.chunk_bytes);
   model_ = std::make_unique<GPT>(m, *store_);
+  store_->set_huge_page_alignment(tiering_enabled(config_.tier));
   store_->finalize(/*touch_params=*/!tiering_enabled(config_.tier));
   const int zero = world > 1 ? config_.parallel.zero : 0;
   partition_ = ChunkPartition::balanced(*store_, zero > 0 ? world : 1);

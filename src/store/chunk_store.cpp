@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <omp.h>
 
 #include "core/error.h"
@@ -21,6 +22,8 @@ int64_t align_up(int64_t n) { return (n + kAlignFloats - 1) / kAlignFloats * kAl
 // up to whole 4 KiB blocks, stay inside its own range plus the gap before the next chunk: the
 // memory tiers move them with O_DIRECT straight from and into the planes.
 constexpr int64_t kChunkAlignFloats = 1024;
+// A transparent huge page (2 MiB), in floats.
+constexpr int64_t kHugeFloats = (2 << 20) / static_cast<int64_t>(sizeof(float));
 int64_t align_chunk(int64_t n) { return (n + kChunkAlignFloats - 1) / kChunkAlignFloats * kChunkAlignFloats; }
 }  // namespace
 
@@ -36,9 +39,18 @@ const char* kind_name(ChunkKind kind) {
 }
 
 ChunkStore::Mapping::Mapping(size_t n) : bytes(std::max<size_t>(n, 4096)) {
-  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  // On a 2 MiB boundary (flat offsets aligned to huge pages are then huge-page aligned in
+  // memory): map 2 MiB more and give back what lies before and after the aligned range.
+  constexpr size_t kHuge = 2 << 20;
+  bytes = (bytes + 4095) / 4096 * 4096;
+  void* p = ::mmap(nullptr, bytes + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   check(p != MAP_FAILED, "chunk store: cannot map " + std::to_string(bytes) + " bytes of memory");
-  data = static_cast<float*>(p);
+  char* raw = static_cast<char*>(p);
+  char* aligned = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(raw) + kHuge - 1) / kHuge * kHuge);
+  if (aligned > raw) ::munmap(raw, static_cast<size_t>(aligned - raw));
+  const size_t tail = static_cast<size_t>(raw + bytes + kHuge - (aligned + bytes));
+  if (tail > 0) ::munmap(aligned + bytes, tail);
+  data = reinterpret_cast<float*>(aligned);
 }
 
 ChunkStore::Mapping::Mapping(Mapping&& other) noexcept : data(other.data), bytes(other.bytes) {
@@ -99,6 +111,16 @@ void ChunkStore::finalize(bool touch_params) {
     const TensorSpec& s = info.spec;
     if (open == nullptr || open->layer != s.layer || open->kind != s.kind) {
       cursor = align_chunk(cursor);
+      if (huge_align_) {
+        // A run of chunks (one layer, one kind) of a huge page or more starts on a huge-page
+        // boundary, so its pages are made of whole huge pages (see set_huge_page_alignment).
+        int64_t run = 0;
+        for (int u = t; u < static_cast<int>(tensors_.size()) && tensors_[u].spec.layer == s.layer &&
+                        tensors_[u].spec.kind == s.kind;
+             ++u)
+          run += align_up(tensors_[u].numel);
+        if (run >= kHugeFloats) cursor = (cursor + kHugeFloats - 1) / kHugeFloats * kHugeFloats;
+      }
       start_chunk(s);
     }
     // Pad to alignment inside the chunk when there is room; otherwise start a new chunk.
@@ -351,8 +373,19 @@ void ChunkStore::zero_grads() {
 }
 
 void ChunkStore::prefer_huge_pages() {
+  // Only the whole huge pages inside each chunk: a huge page across two chunks (or a chunk and
+  // the padding after it) would keep memory resident that belongs to neither.
+  const char* huge = std::getenv("KEEL_HUGE_PAGES");  // "0": none (for measuring what they buy)
+  if (huge != nullptr && std::string(huge) == "0") return;
+  constexpr uintptr_t kHuge = 2 << 20;
   for (Mapping& m : planes_) {
-    if (m.data != nullptr) ::madvise(m.data, m.bytes, MADV_HUGEPAGE);
+    if (m.data == nullptr) continue;
+    for (const Chunk& c : chunks_) {
+      const uintptr_t begin = reinterpret_cast<uintptr_t>(m.data + c.offset);
+      const uintptr_t end = reinterpret_cast<uintptr_t>(m.data + c.offset + c.numel);
+      const uintptr_t lo = (begin + kHuge - 1) / kHuge * kHuge, hi = end / kHuge * kHuge;
+      if (lo < hi) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+    }
   }
 }
 
