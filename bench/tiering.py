@@ -6,7 +6,9 @@ Three runs of the same model, data, seed and steps (one process, all cores):
   memory    everything in DRAM (no [tier] section)
   tiered    [tier] with budgets of device + host about a quarter of the state, the rest on the
             NVMe tier (an O_DIRECT file under --nvme-dir), prefetch with --lookahead
-  naive     the same budgets and placement, prefetch off: every page loaded when first needed
+  naive     the same budgets, prefetch off: every page loaded when first needed (the static
+            placement then keeps room for one operation's pages, not two, so more is homed on
+            the device tier); updates are deferred into the forward pass in both
 Reports tokens/s (mean over the timed steps) and its ratio to memory, the off-device hit rate
 (a page already present when a step first touches it), the stall share (time acquires waited for
 pages over step time), bytes read and written per step per tier, and the peak resident set size
@@ -15,8 +17,8 @@ Checks that the three runs' losses are the same bytes. Targets: tiered >= 70 % o
 tokens/s, hit rate >= 95 %.
 
 Usage: bench/tiering.py [--preset gpt2-124m] [--batch 8] [--seq 128] [--steps 6] [--device-mib N]
-                        [--host-mib N] [--lookahead K] [--nvme-dir DIR] [--runs memory,tiered,naive]
-                        [--out FILE]
+                        [--host-mib N] [--lookahead K] [--policy static|adaptive] [--nvme-dir DIR]
+                        [--runs memory,tiered,naive] [--keep] [--out FILE]
 Environment: KEEL (default build/keel).
 """
 import argparse
@@ -122,7 +124,7 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--device-mib", type=int, default=320)
     ap.add_argument("--host-mib", type=int, default=150)
-    ap.add_argument("--lookahead", type=int, default=8)
+    ap.add_argument("--lookahead", type=int, default=16)
     ap.add_argument("--policy", default="static", help="tier.policy of the tiered and naive runs (static|adaptive)")
     ap.add_argument("--nvme-dir", default=None, help="default: a fresh directory under /var/tmp")
     ap.add_argument("--runs", default="memory,tiered,naive")

@@ -105,7 +105,7 @@ struct TierConfig {
   int64_t host_mib = 0;     // host DRAM for host-homed pages and NVMe staging buffers
   std::string nvme_dir;     // directory for the NVMe tier's file ("" = no NVMe tier)
   std::string engine = "auto";  // auto | io_uring | threads
-  int lookahead = 2;        // acquires prefetched ahead of the current one
+  int lookahead = 16;       // acquires prefetched ahead of the current one
   bool prefetch = true;     // false: fetch on demand only (the naive baseline)
   // Each chunk's optimizer update runs just before the next forward pass first uses the chunk,
   // so its transfers overlap compute (exact: the same arithmetic; checkpoints, evaluations and

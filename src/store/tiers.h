@@ -47,7 +47,7 @@ struct TierOptions {
   int64_t host_bytes = 0;    // host copies (and update_at_home's staging buffer)
   std::string nvme_dir;      // directory of the NVMe tier's file ("" = no NVMe tier)
   IoEngine engine = IoEngine::automatic;
-  int lookahead = 2;         // acquires prefetched ahead of the current one
+  int lookahead = 16;        // acquires prefetched ahead of the current one
   bool prefetch = true;      // false: fetch on demand only (the naive baseline)
   // After the first step: re-home every page by its measured accesses per step and reuse
   // distance (see TierManager::rehome). The NVMe file then has a slot for every page.
