@@ -140,7 +140,8 @@ TEST_F(TieredTraining, BadBudgetsDirectoriesAndDisksAreRefusedClearly) {
 }
 
 // Two data-parallel ranks, each with its own tiers (gradient buckets pin their pages while their
-// sums are in flight): the same bytes as two ranks in memory. ZeRO is refused with tiers.
+// sums are in flight): the same bytes as two ranks in memory, with ZeRO-1 too. ZeRO-2 is refused
+// with tiers.
 TEST_F(TieredTraining, DataParallelRanksWithTiersGiveTheSameBytes) {
   auto launch = [&](const std::string& run, const std::string& sets) {
     return testing::run_keel("launch -n 2 -- train --config " + dir / "toy.toml" + " --set train.run_dir=" + dir / run +
@@ -157,7 +158,18 @@ TEST_F(TieredTraining, DataParallelRanksWithTiersGiveTheSameBytes) {
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()) << i;
   EXPECT_GT(b.back()["tier_nvme_read_bytes"].get<double>(), 0);
-  r = launch("dp-zero", tiers("--set parallel.zero=1"));
+  // ZeRO-1: each rank holds (and tiers) only its shard of the moments, and each chunk's owner
+  // broadcasts its update as the next forward pass reaches it. The same weights; the moments are
+  // in the checkpoint written by their owners.
+  r = launch("dp-zero1", tiers("--set parallel.zero=1"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(testing::checkpoint_bytes(dir / "dp-zero1/ckpt"), testing::checkpoint_bytes(dir / "dp-memory/ckpt"));
+  EXPECT_EQ(testing::checkpoint_bytes(dir / "dp-zero1/ckpt", Plane::adam_m),
+            testing::checkpoint_bytes(dir / "dp-memory/ckpt", Plane::adam_m));
+  const std::vector<json> z = steps("dp-zero1");
+  ASSERT_EQ(z.size(), a.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i]["loss"].get<double>(), z[i]["loss"].get<double>()) << i;
+  r = launch("dp-zero2", tiers("--set parallel.zero=2"));
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("parallel.zero"), std::string::npos) << r.output;
 }

@@ -133,6 +133,11 @@ void Communicator::allgatherv(float* data, const std::vector<int>& counts, const
             "allgatherv");
 }
 
+void Communicator::broadcast(float* data, size_t count, int root) {
+  if (!uses_mpi_) return;
+  mpi_check(MPI_Bcast(data, static_cast<int>(count), MPI_FLOAT, root, comm_), "broadcast");
+}
+
 void Communicator::gatherv_to_root(const float* send, float* root_buffer, const std::vector<int>& counts,
                                    const std::vector<int>& displs) {
   if (!uses_mpi_) return;

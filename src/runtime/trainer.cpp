@@ -241,7 +241,21 @@ void Trainer::attach_tiers() {
   tiers_ = std::make_unique<TierManager>(*store_, options, placement_.homes);
   store_->attach_tiers(tiers_.get());
   store_->set_updater([this](int chunk) {
-    optimizer_.step_chunk(*store_, chunk, deferred_.lr, deferred_.t, deferred_.clip);
+    const auto [own_first, own_last] = store_->moment_chunks();
+    const bool own = chunk >= own_first && chunk < own_last;
+    if (own) optimizer_.step_chunk(*store_, chunk, deferred_.lr, deferred_.t, deferred_.clip);
+    if (comm_.size() == 1 || config_.parallel.zero == 0) return;
+    // ZeRO-1 with tiers: the owner's update reaches every rank chunk by chunk (the whole-plane
+    // all-gather would need the whole plane resident). The gradient was the owner's to consume.
+    if (!own) {
+      store_->zero_grad_chunk(chunk);
+      store_->bump_version(chunk);
+    }
+    int owner = 0;
+    while (partition_.first_chunk[owner + 1] <= chunk) owner++;
+    const PageLease use = store_->use_chunk(chunk, {}, {Plane::param});
+    std::span<float> p = store_->chunk_view(chunk, Plane::param);
+    comm_.broadcast(p.data(), p.size(), owner);
   });
 }
 
@@ -335,15 +349,20 @@ StepStats Trainer::step() {
   if (config_.optim.grad_clip > 0 && s.grad_norm > config_.optim.grad_clip) {
     clip = static_cast<float>(config_.optim.grad_clip / s.grad_norm);
   }
-  if (defer) {
+  if (tiers_) {
+    // Chunk by chunk through the store's updater (see attach_tiers): deferred into the next
+    // forward pass, or now. Under ZeRO-1 every rank visits every chunk, in the same order, so
+    // each chunk's owner can broadcast its update.
     deferred_ = {s.lr, steps_done_ + 1, clip};
-    for (int c = own_first; c < own_last; ++c) {
-      if (store_->chunks()[c].layer >= config_.optim.freeze_layers) store_->defer_update(c);
+    for (const Chunk& c : store_->chunks()) {
+      const bool own = c.id >= own_first && c.id < own_last;
+      if (c.layer >= config_.optim.freeze_layers && (own || zero == 1)) store_->defer_update(c.id);
     }
+    if (!defer) store_->apply_pending();
   } else {
     optimizer_.step(*store_, s.lr, steps_done_ + 1, clip);
   }
-  if (zero > 0) gather_parameters();
+  if (zero > 0 && !tiers_) gather_parameters();
   steps_done_++;
   // One max over ranks for the spread of sync waits and the memory high-water mark.
   // A background checkpoint write still running on any rank keeps the checkpoint in flight.
