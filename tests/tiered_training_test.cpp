@@ -110,6 +110,22 @@ TEST_F(TieredTraining, DeferredUpdatesWithAccumulationAndCheckpointsGiveTheSameB
   }
 }
 
+// A tiered run resumed from its step-3 checkpoint (loaded page by page into the tiers, never
+// whole in memory) ends with the same bytes as the uninterrupted run in memory.
+TEST_F(TieredTraining, ResumesThroughTheTiersToTheSameBytes) {
+  ASSERT_EQ(train("memory", "").exit_code, 0);
+  auto r = train("tiered", tiers("--set train.checkpoint_every=3"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  fs::remove_all(dir / "tiered/ckpt/step-00000006");
+  r = train("tiered", tiers("--set train.checkpoint_every=3 --set train.resume=auto"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+  for (Plane p : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+    EXPECT_EQ(testing::checkpoint_bytes(dir / "tiered/ckpt", p), testing::checkpoint_bytes(dir / "memory/ckpt", p));
+  }
+  EXPECT_TRUE(fs::is_empty(dir / "nvme"));
+}
+
 TEST_F(TieredTraining, BadBudgetsDirectoriesAndDisksAreRefusedClearly) {
   auto refused = [&](const std::string& sets, const std::string& needle) {
     const auto r = train("bad", sets);

@@ -286,6 +286,7 @@ TrainState load_one(const std::string& dir, ChunkStore& store, const Config& con
       if (mode == LoadMode::params && p != Plane::param) continue;
       const auto [first, last] = p == Plane::param ? std::pair<int, int>{0, n} : store.moment_chunks();
       for (int c = first; c < last; ++c) {
+        const PageLease use = store.use_chunk(c, {}, {p});  // with tiers: loaded into its tier page by page
         std::span<float> out = store.chunk_view(c, p);
         decode(cache, name, c, p, out.data(), static_cast<int64_t>(out.size()));
       }

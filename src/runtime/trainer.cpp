@@ -153,6 +153,9 @@ Trainer::Trainer(Config config, Communicator& comm)
       candidates = checkpoint_candidates(resume);
     }
   }
+  // With tiers, everything from here on (loading a checkpoint, drawing the weights) goes through
+  // the tiers page by page: the full state is never resident at once.
+  if (tiering_enabled(config_.tier)) attach_tiers();
   // Every rank must load the same checkpoint: a candidate is used only if it verified on all ranks.
   std::string last_why;
   for (size_t i = 0; i < candidates.size() && resumed_from_.empty(); ++i) {
@@ -194,19 +197,18 @@ Trainer::Trainer(Config config, Communicator& comm)
       const auto [mfirst, mlast] = store_->moment_chunks();
       for (int c = mfirst; c < mlast; ++c) {
         for (Plane p : {Plane::adam_m, Plane::adam_v}) {
+          if (tiers_) {
+            tiers_->discard_to_zero({c, p});
+            continue;
+          }
           std::span<float> v = store_->chunk_view(c, p);
           std::fill(v.begin(), v.end(), 0.0f);
         }
       }
       for (const Chunk& c : store_->chunks()) store_->set_version(c.id, 0);
     }
-    // With tiers, the weights are drawn page by page into their homes: the full state is never
-    // resident at once.
-    if (tiering_enabled(config_.tier)) attach_tiers();
     model_->init_weights(t.seed);
   }
-  // Resumed: the loaded state moves to its homes (loading itself is not tiered yet).
-  if (tiering_enabled(config_.tier) && !tiers_) attach_tiers();
   ckpt_ = std::make_unique<CheckpointWriter>(*store_, config_.checkpoint, rank, writers_.first_chunk[rank],
                                              writers_.first_chunk[rank + 1], t.checkpoint_every > 0);
 
