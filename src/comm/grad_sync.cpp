@@ -118,8 +118,10 @@ void GradSync::settle(Bucket& b) {
       std::fill(g.begin(), g.end(), 0.0f);
     }
   }
-  b.lease.end();
-  if (scatter_to_ == nullptr) return;
+  if (scatter_to_ == nullptr) {
+    b.lease.end();
+    return;
+  }
   // MPI leaves this rank's sum at the start of the bucket; move it where it belongs, then let go
   // of everything else in the bucket.
   float* base = store_.range_view(Plane::grad, b.offset, b.numel).data();
@@ -130,6 +132,7 @@ void GradSync::settle(Bucket& b) {
   const int64_t own_begin = b.own_count > 0 ? b.own_offset : b.offset;
   store_.discard(Plane::grad, b.offset, own_begin - b.offset);
   store_.discard(Plane::grad, own_end, b.offset + b.numel - own_end);
+  b.lease.end();  // after the moves and discards: with tiers they happen to pinned pages
 }
 
 void GradSync::after_backward_input(int) {

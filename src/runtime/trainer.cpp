@@ -353,12 +353,12 @@ StepStats Trainer::step() {
   }
   if (tiers_) {
     // Chunk by chunk through the store's updater (see attach_tiers): deferred into the next
-    // forward pass, or now. Under ZeRO-1 every rank visits every chunk, in the same order, so
+    // forward pass, or now. Under ZeRO every rank visits every chunk, in the same order, so
     // each chunk's owner can broadcast its update.
     deferred_ = {s.lr, steps_done_ + 1, clip};
     for (const Chunk& c : store_->chunks()) {
       const bool own = c.id >= own_first && c.id < own_last;
-      if (c.layer >= config_.optim.freeze_layers && (own || zero == 1)) store_->defer_update(c.id);
+      if (c.layer >= config_.optim.freeze_layers && (own || zero > 0)) store_->defer_update(c.id);
     }
     if (!defer) store_->apply_pending();
   } else {

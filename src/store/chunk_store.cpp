@@ -400,6 +400,20 @@ void ChunkStore::zero_grad_chunk(int chunk) {
 
 void ChunkStore::discard(Plane plane, int64_t offset, int64_t numel) {
   if (numel <= 0) return;
+  if (tiers_ != nullptr) {
+    // Through the tiers: a page wholly inside the range is declared zero (nothing is written
+    // back), the part of a page the range covers is cleared in place (the page is leased here).
+    for (const Chunk& c : chunks_) {
+      const int64_t lo = std::max(offset, c.offset), hi = std::min(offset + numel, c.offset + c.numel);
+      if (lo >= hi) continue;
+      if (lo == c.offset && hi == c.offset + c.numel) {
+        tiers_->discard_to_zero({c.id, plane});
+      } else {
+        std::memset(plane_at(plane, lo, hi - lo), 0, static_cast<size_t>(hi - lo) * sizeof(float));
+      }
+    }
+    return;
+  }
   float* first = plane_at(plane, offset, numel);
   char* begin = reinterpret_cast<char*>(first);
   char* end = reinterpret_cast<char*>(first + numel);

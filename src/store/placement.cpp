@@ -87,8 +87,7 @@ void validate_tier_config(const TierConfig& t, int n_layer, int world_size, int 
   }
   require(t.policy == "static" || t.policy == "adaptive", "tier.policy", "\"static\" or \"adaptive\"", "\"" + t.policy + "\"");
   if (tiering_enabled(t) && world_size > 1) {
-    require(zero <= 1, "parallel.zero", "0 or 1 with tiered memory (ZeRO-2's gradient shards are not tiered yet)",
-            std::to_string(zero));
+    require(zero <= 2, "parallel.zero", "0, 1 or 2", std::to_string(zero));
   }
 }
 

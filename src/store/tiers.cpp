@@ -56,6 +56,7 @@ struct TierManager::Page {
   AlignedBuffer host;           // a host-homed page's home copy
   bool home_zero = false;       // the home copy is all zero (never written): fetches memset
   bool released = false;        // its memory was given back and not touched since: it reads zero
+  bool zeroed_pinned = false;   // declared zero while leased: the lease's write leaves it clean
   std::unique_ptr<Transfer> fetching, writing;
   int64_t last_use = 0;
   int64_t touched_step = -1;
@@ -535,8 +536,10 @@ void TierManager::release(std::span<const PageRef> refs, bool modified) {
     if (modified) {
       pg.version++;
       pg.device_version = pg.version;
-      if (pg.home == Tier::device) pg.home_version = pg.version;
+      // A page declared zero under this lease is as its (zero) home says: nothing to write back.
+      if (pg.home == Tier::device || pg.zeroed_pinned) pg.home_version = pg.version;
     }
+    if (pg.pins == 0) pg.zeroed_pinned = false;
   }
 }
 
@@ -629,6 +632,7 @@ void TierManager::discard_to_zero(PageRef r) {
     if (pg.pins > 0) {
       std::memset(address(i), 0, static_cast<size_t>(pg.bytes));
       pg.device_version = pg.version;
+      pg.zeroed_pinned = true;
     } else {
       give_back(i);
       pg.present = false;
