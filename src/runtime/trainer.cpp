@@ -247,7 +247,7 @@ void Trainer::attach_tiers() {
     const bool own = chunk >= own_first && chunk < own_last;
     if (own) optimizer_.step_chunk(*store_, chunk, deferred_.lr, deferred_.t, deferred_.clip);
     if (comm_.size() == 1 || config_.parallel.zero == 0) return;
-    // ZeRO-1 with tiers: the owner's update reaches every rank chunk by chunk (the whole-plane
+    // ZeRO with tiers: the owner's update reaches every rank chunk by chunk (the whole-plane
     // all-gather would need the whole plane resident). The gradient was the owner's to consume.
     if (!own) {
       store_->zero_grad_chunk(chunk);
@@ -353,12 +353,11 @@ StepStats Trainer::step() {
   }
   if (tiers_) {
     // Chunk by chunk through the store's updater (see attach_tiers): deferred into the next
-    // forward pass, or now. Under ZeRO every rank visits every chunk, in the same order, so
-    // each chunk's owner can broadcast its update.
+    // forward pass, or now. Every rank visits every chunk (under ZeRO, in the same order, so
+    // each chunk's owner can broadcast its update); frozen layers keep theirs.
     deferred_ = {s.lr, steps_done_ + 1, clip};
     for (const Chunk& c : store_->chunks()) {
-      const bool own = c.id >= own_first && c.id < own_last;
-      if (c.layer >= config_.optim.freeze_layers && (own || zero > 0)) store_->defer_update(c.id);
+      if (c.layer >= config_.optim.freeze_layers) store_->defer_update(c.id);
     }
     if (!defer) store_->apply_pending();
   } else {

@@ -242,17 +242,20 @@ bool TierManager::make_room(int64_t bytes, int64_t horizon) {
       return coming && device_used_ + bytes <= options_.device_bytes;
     }
     // Memory comes back as writes complete; prefetches in flight become evictable once done.
-    if (!finish_oldest_write() && !finish_oldest_fetch()) return false;
+    if (!finish_oldest_of(true) && !finish_oldest_of(false)) return false;
   }
   return true;
 }
 
-bool TierManager::finish_oldest_fetch() {
+// Completes the oldest write-back of an evicted page (`write`), or the oldest fetch of an
+// unpinned page. False when there is none.
+bool TierManager::finish_oldest_of(bool write) {
   for (auto it = in_flight_.begin(); it != in_flight_.end(); ++it) {
-    const int i = *it;
-    if (pages_[i].fetching && pages_[i].pins == 0) {
+    const Page& pg = pages_[*it];
+    if (write ? (pg.writing && !pg.present) : (pg.fetching && pg.pins == 0)) {
+      const int i = *it;
       in_flight_.erase(it);
-      finish_fetch(i);
+      settle(i);
       return true;
     }
   }
@@ -264,18 +267,6 @@ int64_t TierManager::leaving_bytes() const {
   for (int i : in_flight_)
     if (pages_[i].writing && !pages_[i].present) b += pages_[i].bytes;
   return b;
-}
-
-bool TierManager::finish_oldest_write() {
-  for (auto it = in_flight_.begin(); it != in_flight_.end(); ++it) {
-    const int i = *it;
-    if (pages_[i].writing && !pages_[i].present) {
-      in_flight_.erase(it);
-      finish_writeback(i);
-      return true;
-    }
-  }
-  return false;
 }
 
 // A page whose write-back is still in flight holds its bytes: take it back without a fetch.
@@ -339,12 +330,8 @@ void TierManager::finish_fetch(int i) {
 // Completes the oldest transfer in flight.
 void TierManager::finish_oldest() {
   const int i = in_flight_.front();
-  in_flight_.erase(in_flight_.begin());
-  if (pages_[i].fetching) {
-    finish_fetch(i);
-  } else if (pages_[i].writing) {
-    finish_writeback(i);
-  }
+  in_flight_.erase(in_flight_.begin());  // (an entry may be stale: its transfer already finished)
+  settle(i);
 }
 
 // Completes the transfers that are done, without blocking.
@@ -475,20 +462,6 @@ void TierManager::acquire(std::span<const PageRef> refs) {
   double room_ms = need > 0 ? ms_since(t_room) : 0.0;
   if (!room) {
     for (int i : group) pages_[i].pins--;
-    if (trace_) {
-      int64_t present = 0, leaving = 0, fetching = 0, in_group = 0;
-      for (int i = 0; i < static_cast<int>(pages_.size()); ++i) {
-        const Page& pg = pages_[i];
-        if (!pg.exists) continue;
-        if (pg.present) present += pg.bytes;
-        if (pg.writing && !pg.present) leaving += pg.bytes;
-        if (pg.fetching) fetching += pg.bytes;
-      }
-      for (int i : group) in_group += pages_[i].present ? pages_[i].bytes : 0;
-      std::fprintf(stderr, "tier-no-room used %lld present %lld leaving %lld fetching %lld in-group %lld in-flight %zu\n",
-                   static_cast<long long>(device_used_), static_cast<long long>(present), static_cast<long long>(leaving),
-                   static_cast<long long>(fetching), static_cast<long long>(in_group), in_flight_.size());
-    }
     int64_t pinned = 0;
     for (const Page& pg : pages_)
       if (pg.exists && pg.present && (pg.pins > 0 || pg.home == Tier::device)) pinned += pg.bytes;

@@ -136,8 +136,7 @@ class TierManager {
   bool make_room(int64_t bytes, int64_t horizon);
   bool evict_for(int64_t bytes, int64_t horizon);
   int64_t leaving_bytes() const;
-  bool finish_oldest_write();
-  bool finish_oldest_fetch();
+  bool finish_oldest_of(bool write);
   bool revive(int i);
   void rehome();
   void move_home(int i, Tier to);
