@@ -49,33 +49,8 @@ class DataParallel : public ::testing::Test {
     return out;
   }
   std::vector<char> param_bytes(const std::string& run) { return testing::checkpoint_bytes(dir / (run + "/ckpt")); }
-  // Per-tensor relative L2 distance of the final weights, keyed by tensor name.
   std::map<std::string, double> weight_distance(const std::string& a, const std::string& b) {
-    const auto manifest =
-        nlohmann::json::parse(read_text_file(testing::newest_checkpoint(dir / (a + "/ckpt")) + "/manifest.json"));
-    const std::vector<char> pa = param_bytes(a), pb = param_bytes(b);
-    const float* x = reinterpret_cast<const float*>(pa.data());
-    const float* y = reinterpret_cast<const float*>(pb.data());
-    std::map<std::string, std::pair<double, double>> sums;
-    for (const auto& chunk : manifest["chunks"]) {
-      for (const auto& t : chunk["tensors"]) {
-        const std::string name = t[0];
-        const int64_t numel = t[2], off = chunk["offset"].get<int64_t>() + t[3].get<int64_t>();
-        // The key third of each attn.qkv.b has an exactly-zero true gradient (softmax ignores a
-        // shift shared by all keys). Both runs feed rounding noise of ~1e-9 there to Adam, which
-        // turns it into steps of ~lr: those entries cannot agree and are left out here.
-        const bool qkv_bias = name.ends_with("attn.qkv.b");
-        for (int64_t i = 0; i < numel; ++i) {
-          if (qkv_bias && i >= numel / 3 && i < 2 * numel / 3) continue;
-          auto& [d, w] = sums[name];
-          d += (x[off + i] - y[off + i]) * static_cast<double>(x[off + i] - y[off + i]);
-          w += x[off + i] * static_cast<double>(x[off + i]);
-        }
-      }
-    }
-    std::map<std::string, double> out;
-    for (const auto& [name, s] : sums) out[name] = std::sqrt(s.first / std::max(s.second, 1e-30));
-    return out;
+    return testing::weight_distance(dir / (a + "/ckpt"), dir / (b + "/ckpt"));
   }
   testing::TempDir dir{"keel-dp"};
 };

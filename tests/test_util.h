@@ -12,6 +12,9 @@
 #include <thread>
 
 #include <array>
+#include <cmath>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -74,6 +77,35 @@ inline std::vector<char> checkpoint_bytes(const std::string& root, Plane plane =
   const std::vector<float> v = read_checkpoint_plane(newest_checkpoint(root), plane);
   const char* p = reinterpret_cast<const char*>(v.data());
   return std::vector<char>(p, p + v.size() * sizeof(float));
+}
+
+// Per-tensor relative L2 distance between the final weights of the newest checkpoints under two
+// checkpoint roots (the same model), keyed by tensor name.
+inline std::map<std::string, double> weight_distance(const std::string& root_a, const std::string& root_b) {
+  const auto manifest = nlohmann::json::parse(read_text_file(newest_checkpoint(root_a) + "/manifest.json"));
+  const std::vector<char> pa = checkpoint_bytes(root_a), pb = checkpoint_bytes(root_b);
+  const float* x = reinterpret_cast<const float*>(pa.data());
+  const float* y = reinterpret_cast<const float*>(pb.data());
+  std::map<std::string, std::pair<double, double>> sums;
+  for (const auto& chunk : manifest["chunks"]) {
+    for (const auto& t : chunk["tensors"]) {
+      const std::string name = t[0];
+      const int64_t numel = t[2], off = chunk["offset"].get<int64_t>() + t[3].get<int64_t>();
+      // The key third of each attn.qkv.b has an exactly-zero true gradient (softmax ignores a
+      // shift shared by all keys). Both runs feed rounding noise of ~1e-9 there to Adam, which
+      // turns it into steps of ~lr: those entries cannot agree and are left out here.
+      const bool qkv_bias = name.ends_with("attn.qkv.b");
+      for (int64_t i = 0; i < numel; ++i) {
+        if (qkv_bias && i >= numel / 3 && i < 2 * numel / 3) continue;
+        auto& [d, w] = sums[name];
+        d += (x[off + i] - y[off + i]) * static_cast<double>(x[off + i] - y[off + i]);
+        w += x[off + i] * static_cast<double>(x[off + i]);
+      }
+    }
+  }
+  std::map<std::string, double> out;
+  for (const auto& [name, s] : sums) out[name] = std::sqrt(s.first / std::max(s.second, 1e-30));
+  return out;
 }
 
 // A learnable toy language (repeating patterns with a little noise, vocabulary 64) as

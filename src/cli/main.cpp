@@ -18,11 +18,14 @@
 #include "comm/communicator.h"
 #include "core/config.h"
 #include "core/error.h"
+#include "core/fileio.h"
 #include "data/corpus.h"
 #include "data/loader.h"
 #include "data/tokenizer.h"
 #include "kernels/cpu/blas.h"
 #include "model/gpt.h"
+#include "pipeline/layout.h"
+#include "pipeline/schedule.h"
 #include "runtime/generate.h"
 #include "runtime/launcher.h"
 #include "runtime/trainer.h"
@@ -53,6 +56,11 @@ commands:
   export    --checkpoint DIR --out FILE.bin    Write the model in llm.c's GPT-2 format.
   import    --llmc FILE.bin --out DIR [--set section.key=value ...]
             Make a Keel checkpoint from an llm.c GPT-2 model.
+  schedule  [--config FILE.toml] [--set section.key=value ...] [--trace FILE.json] [--width N]
+            Validate and simulate the pipeline schedule a config would run (parallel.pipeline,
+            schedule, micro_batches, virtual_stages, stage_boundaries) with per-stage costs from
+            the model's layer FLOPs: bubble, activations in flight per rank, a text Gantt chart
+            and, with --trace, a Chrome trace (Perfetto).
   checkpoints --dir DIR [--verify yes]
             List the checkpoints under DIR (a run's ckpt/ or one checkpoint): step, kind, bytes,
             encodings; --verify yes decodes and checks every record.
@@ -282,6 +290,57 @@ int cmd_checkpoints(const Args& a) {
   return bad == 0 ? 0 : 1;
 }
 
+int cmd_schedule(const Args& a) {
+  Config config = Config::load(a.get("--config", ""), a.all("--set"));
+  config.resolve(config.parallel.pipeline);
+  const int width = static_cast<int>(a.get_int("--width", 100));
+  check(width >= 20, "schedule --width: expected >= 20, found " + std::to_string(width));
+  const ParallelConfig& p = config.parallel;
+  const pipeline::Schedule schedule = pipeline::make_schedule(
+      {pipeline::parse_kind(p.schedule), p.pipeline, pipeline::micro_batches(config), pipeline::virtual_stages(p)});
+  const int T = config.train.seq_len, B = config.train.batch_size * config.train.grad_accum / schedule.spec.micro;
+  const std::vector<double> layer = pipeline::layer_costs(config.model, T);
+  const std::vector<LayerRange> stages = pipeline::cut_stages(layer, schedule.num_stages(), p.stage_boundaries);
+  pipeline::MemoryBound bound;
+  bound.limit = p.activation_mib << 20;
+  pipeline::Costs costs;
+  double total = 0;
+  for (const LayerRange& r : stages) {
+    double c = 0;
+    for (int i = r.first; i <= r.last; ++i) c += layer[i];
+    total += c;
+    costs.forward.push_back(c);
+    bound.stage_bytes.push_back(GPT::slot_bytes_for(config.model, r, B, T));
+  }
+  // Units: one forward pass of the whole model = 1; B and W each cost about what F does.
+  for (double& c : costs.forward) c /= total;
+  costs.backward_input = costs.forward;
+  costs.backward_weight = costs.forward;
+  const pipeline::ScheduleCheck check_result = pipeline::validate(schedule, bound);
+  g_input_accepted = true;
+  const pipeline::Timeline t = pipeline::simulate(schedule, costs);
+  std::printf("schedule %s: %d ranks, %d stages, %d micro-batches of %d x %d tokens; valid\n",
+              pipeline::kind_name(schedule.spec.kind), schedule.spec.ranks, schedule.num_stages(), schedule.spec.micro,
+              B, T);
+  for (int r = 0; r < schedule.spec.ranks; ++r) {
+    std::string layers;
+    for (int st : schedule.stages_of(r)) {
+      layers += (layers.empty() ? "" : ", ") + std::to_string(stages[st].first) + "-" + std::to_string(stages[st].last);
+    }
+    std::printf("  rank %d: layers %s, at most %d micro-batches in flight (%.1f MB of activations), simulated bubble %.1f%%\n",
+                r, layers.c_str(), check_result.peak_in_flight[r], check_result.peak_bytes[r] / 1e6,
+                100 * t.rank_bubble[r]);
+  }
+  std::printf("simulated bubble %.1f%% (F, B, W from layer FLOPs; messages free)\n%s", 100 * t.bubble,
+              pipeline::gantt(t, width).c_str());
+  if (a.has("--trace")) {
+    const std::string trace = pipeline::chrome_trace(t, "keel schedule " + p.schedule);
+    write_file_atomic(a.get("--trace"), {ByteRange{trace.data(), trace.size()}});
+    std::printf("Chrome trace: %s\n", a.get("--trace").c_str());
+  }
+  return 0;
+}
+
 int run(int argc, char** argv) {
   if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0 ||
       std::strcmp(argv[1], "help") == 0) {
@@ -304,11 +363,12 @@ int run(int argc, char** argv) {
       {"export", {"--checkpoint", "--out"}},
       {"import", {"--llmc", "--out", "--set"}},
       {"checkpoints", {"--dir", "--verify"}},
+      {"schedule", {"--config", "--set", "--trace", "--width"}},
   };
   auto it = options.find(cmd);
   check(it != options.end(),
         "unknown command '" + cmd +
-            "' (expected train, launch, tokenize, eval, generate, export, import or checkpoints)");
+            "' (expected train, launch, tokenize, eval, generate, export, import, schedule or checkpoints)");
   Args a(argc, argv, 2, it->second);
   if (a.help) {
     std::fputs(kUsage, stdout);
@@ -320,6 +380,7 @@ int run(int argc, char** argv) {
   if (cmd == "generate") return cmd_generate(a);
   if (cmd == "export") return cmd_export(a);
   if (cmd == "checkpoints") return cmd_checkpoints(a);
+  if (cmd == "schedule") return cmd_schedule(a);
   return cmd_import(a);
 }
 

@@ -209,6 +209,31 @@ Communicator::Request Communicator::iallgatherv(const uint8_t* send, uint8_t* re
   return r;
 }
 
+std::unique_ptr<Communicator> Communicator::split(int color, int key) {
+  if (!uses_mpi_) return std::unique_ptr<Communicator>(new Communicator(*this));
+  MPI_Comm part = MPI_COMM_NULL;
+  mpi_check(MPI_Comm_split(comm_, color, key, &part), "comm_split");
+  MPI_Comm_set_errhandler(part, MPI_ERRORS_RETURN);
+  int rank = 0, size = 1;
+  MPI_Comm_rank(part, &rank);
+  MPI_Comm_size(part, &size);
+  return std::unique_ptr<Communicator>(new Communicator(part, rank, size));
+}
+
+Communicator::Request Communicator::isend(const float* data, size_t count, int peer, int tag) {
+  Request r;
+  r.done = false;
+  mpi_check(MPI_Isend(data, static_cast<int>(count), MPI_FLOAT, peer, tag, comm_, &r.handle), "isend");
+  return r;
+}
+
+Communicator::Request Communicator::irecv(float* data, size_t count, int peer, int tag) {
+  Request r;
+  r.done = false;
+  mpi_check(MPI_Irecv(data, static_cast<int>(count), MPI_FLOAT, peer, tag, comm_, &r.handle), "irecv");
+  return r;
+}
+
 bool Communicator::test(Request& r) {
   if (r.done) return true;
   int flag = 0;

@@ -30,6 +30,10 @@ class Communicator {
   // differ between ranks (the phases of a compressed all-reduce) need a communicator each.
   // Collective: every rank calls it, in the same order.
   std::unique_ptr<Communicator> duplicate();
+  // The ranks of this communicator that pass the same `color`, ranked by `key` (MPI_Comm_split):
+  // a job's data-parallel group of one pipeline stage, or its pipeline of one replica. Collective.
+  // A world of one without MPI returns a world of one.
+  std::unique_ptr<Communicator> split(int color, int key);
   ~Communicator();
 
   // In-place sum over all ranks. Deterministic for a given world size and layout.
@@ -56,6 +60,10 @@ class Communicator {
                      uint8_t* recv, const std::vector<int>& recv_counts, const std::vector<int>& recv_displs);
   // Every rank's send[0 .. counts[rank]) lands at recv[displs[r] ..) on every rank.
   Request iallgatherv(const uint8_t* send, uint8_t* recv, const std::vector<int>& counts, const std::vector<int>& displs);
+  // Point to point (pipeline activations and their gradients): `count` floats to or from rank
+  // `peer` with `tag`; the buffer belongs to MPI until the request completes.
+  Request isend(const float* data, size_t count, int peer, int tag);
+  Request irecv(float* data, size_t count, int peer, int tag);
   bool test(Request& request);  // true once complete
   void wait(Request& request);
 

@@ -65,6 +65,15 @@ struct ParallelConfig {
   int64_t bucket_bytes = 8 << 20;    // gradient all-reduce bucket size
   int zero = 0;                      // 0: replicate everything; 1: shard AdamW moments by chunk;
                                      // 2: also reduce-scatter gradients to their owners
+  // Pipeline parallelism (pipeline/): the model cut into `pipeline` x virtual_stages stages on as
+  // many ranks per data-parallel replica (world = data x pipeline).
+  int pipeline = 1;
+  std::string schedule = "1f1b";     // gpipe | 1f1b | interleaved | zb-h1 | zb-h2 | zb-v
+  int virtual_stages = 0;            // stages per rank; 0 = the schedule's (interleaved, zb-v: 2; else 1)
+  std::string stage_boundaries;      // first layer of stages 1.. ("3,6"); "" = balanced by layer cost
+  int micro_batches = 0;             // per step; 0 = train.grad_accum (each of train.batch_size sequences)
+  int64_t activation_mib = 0;        // bound on a rank's activations in flight; 0 = none
+  bool trace = false;                // write run_dir/pipeline_trace.json (Chrome trace) of the last step
 };
 
 // Compressed data-parallel gradient sync (HybridGC). Every lossy codec runs with error feedback:

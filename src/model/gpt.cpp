@@ -50,8 +50,8 @@ class Embedding final : public Layer {
     ops::encoder_forward(x_out, b.inputs, store_.data(wte_, Plane::param), store_.data(wpe_, Plane::param), b.B,
                          b.T, m_.n_embd);
   }
-  void backward_input(const Batch&, const float*, float*) override {}  // tokens have no gradient
-  void backward_weight(const Batch& b, const float* dx_out) override {
+  void backward_input(const Batch&, const float*, const float*, float*) override {}  // tokens have no gradient
+  void backward_weight(const Batch& b, const float*, const float* dx_out) override {
     const PageLease use = store_.use_layer(0, {}, {Plane::grad});
     ops::encoder_backward_weight(store_.data(wte_, Plane::grad), store_.data(wpe_, Plane::grad), dx_out, b.inputs,
                                  b.B, b.T, m_.n_embd);
@@ -124,7 +124,6 @@ class Block final : public Layer {
 
   void forward(const Batch& b, const float* x, float* x_out) override {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
-    x_in_ = x;  // the caller keeps the input alive until backward_weight (the model's x_ buffers)
     const int N = b.B * b.T, C = m_.n_embd;
     auto P = [&](TensorId id) { return store_.data(id, Plane::param); };
     ops::layernorm_forward(ln1_, ln1_mean_, ln1_rstd_, x, P(ln1w_), P(ln1b_), N, C);
@@ -140,7 +139,7 @@ class Block final : public Layer {
     ops::residual_forward(x_out, res2_, fcproj, static_cast<int64_t>(N) * C);
   }
 
-  void backward_input(const Batch& b, const float* dx_out, float* dx_in) override {
+  void backward_input(const Batch& b, const float* x_in, const float* dx_out, float* dx_in) override {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
     const int N = b.B * b.T, C = m_.n_embd;
     auto P = [&](TensorId id) { return store_.data(id, Plane::param); };
@@ -157,10 +156,10 @@ class Block final : public Layer {
     ops::attention_backward_input(dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head);
     ops::linear_backward_input(dln1_, dqkv_, P(qkvw_), N, C, 3 * C, false);
     std::memcpy(dx_in, dres2_, sizeof(float) * N * C);
-    ops::layernorm_backward_input(dx_in, dln1_, x_in_, ln1_mean_, ln1_rstd_, P(ln1w_), N, C, true);
+    ops::layernorm_backward_input(dx_in, dln1_, x_in, ln1_mean_, ln1_rstd_, P(ln1w_), N, C, true);
   }
 
-  void backward_weight(const Batch& b, const float* dx_out) override {
+  void backward_weight(const Batch& b, const float* x_in, const float* dx_out) override {
     const PageLease use = store_.use_layer(layer_, {}, {Plane::grad});
     const int N = b.B * b.T, C = m_.n_embd;
     auto G = [&](TensorId id) { return store_.data(id, Plane::grad); };
@@ -169,7 +168,7 @@ class Block final : public Layer {
     ops::layernorm_backward_weight(G(ln2w_), G(ln2b_), dln2_, res2_, ln2_mean_, ln2_rstd_, N, C);
     ops::linear_backward_weight(G(projw_), G(projb_), dres2_, atty_, N, C, C);
     ops::linear_backward_weight(G(qkvw_), G(qkvb_), dqkv_, ln1_, N, C, 3 * C);
-    ops::layernorm_backward_weight(G(ln1w_), G(ln1b_), dln1_, x_in_, ln1_mean_, ln1_rstd_, N, C);
+    ops::layernorm_backward_weight(G(ln1w_), G(ln1b_), dln1_, x_in, ln1_mean_, ln1_rstd_, N, C);
   }
 
 
@@ -180,7 +179,6 @@ class Block final : public Layer {
   int layer_;
   TensorId ln1w_, ln1b_, qkvw_, qkvb_, projw_, projb_, ln2w_, ln2b_, fcw_, fcb_, fcprojw_, fcprojb_;
   int64_t max_N_ = 0, max_att_ = 0;
-  const float* x_in_ = nullptr;
   float *ln1_ = nullptr, *qkv_ = nullptr, *att_ = nullptr, *atty_ = nullptr, *res2_ = nullptr, *ln2_ = nullptr,
         *fch_ = nullptr, *fch_gelu_ = nullptr, *ln1_mean_ = nullptr, *ln1_rstd_ = nullptr, *ln2_mean_ = nullptr,
         *ln2_rstd_ = nullptr, *dln1_ = nullptr, *dqkv_ = nullptr, *dres2_ = nullptr, *dln2_ = nullptr,
@@ -215,7 +213,6 @@ class Head final : public Layer {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
     const PageLease tied = store_.use_layer(0, {Plane::param});  // the tied head reads the embedding's chunks
     const int N = b.B * b.T, C = m_.n_embd;
-    x_in_ = x;
     ops::layernorm_forward(lnf_, mean_, rstd_, x, store_.data(lnfw_, Plane::param), store_.data(lnfb_, Plane::param),
                            N, C);
     ops::linear_forward(logits_, lnf_, store_.data(wte_, Plane::param), static_cast<const float*>(nullptr), N, C,
@@ -229,20 +226,20 @@ class Head final : public Layer {
     }
   }
   // dx_in = d/dx of grad_scale * sum(losses); logits_ holds d(loss)/d(logits) after forward.
-  void backward_input(const Batch& b, const float*, float* dx_in) override {
+  void backward_input(const Batch& b, const float* x_in, const float*, float* dx_in) override {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
     const PageLease tied = store_.use_layer(0, {Plane::param});
     const int N = b.B * b.T, C = m_.n_embd;
     ops::linear_backward_input(dlnf_, logits_, store_.data(wte_, Plane::param), N, C, m_.padded_vocab_size, false);
-    ops::layernorm_backward_input(dx_in, dlnf_, x_in_, mean_, rstd_, store_.data(lnfw_, Plane::param), N, C, false);
+    ops::layernorm_backward_input(dx_in, dlnf_, x_in, mean_, rstd_, store_.data(lnfw_, Plane::param), N, C, false);
   }
-  void backward_weight(const Batch& b, const float*) override {
+  void backward_weight(const Batch& b, const float* x_in, const float*) override {
     const PageLease use = store_.use_layer(layer_, {}, {Plane::grad});
     const PageLease tied = store_.use_layer(0, {}, {Plane::grad});
     const int N = b.B * b.T, C = m_.n_embd;
     ops::linear_backward_weight(store_.data(wte_, Plane::grad), static_cast<float*>(nullptr), logits_, lnf_, N, C,
                                 m_.padded_vocab_size);
-    ops::layernorm_backward_weight(store_.data(lnfw_, Plane::grad), store_.data(lnfb_, Plane::grad), dlnf_, x_in_,
+    ops::layernorm_backward_weight(store_.data(lnfw_, Plane::grad), store_.data(lnfb_, Plane::grad), dlnf_, x_in,
                                    mean_, rstd_, N, C);
   }
   float mean_loss() const { return mean_loss_; }
@@ -254,7 +251,6 @@ class Head final : public Layer {
   int layer_;
   TensorId wte_, lnfw_, lnfb_;
   int64_t max_N_ = 0;
-  const float* x_in_ = nullptr;
   float *lnf_ = nullptr, *dlnf_ = nullptr, *mean_ = nullptr, *rstd_ = nullptr, *losses_ = nullptr,
         *logits_ = nullptr;
   float mean_loss_ = 0.0f;
@@ -262,17 +258,42 @@ class Head final : public Layer {
 
 }  // namespace
 
-GPT::GPT(const ModelConfig& config, ChunkStore& store) : config_(config), store_(store) {
+GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> ranges)
+    : config_(config), store_(store), ranges_(std::move(ranges)) {
   validate_model(config, "model");
   check(!store.finalized(), "GPT: the chunk store is already finalized");
-  auto embedding = std::make_unique<Embedding>(config, store);
-  const TensorId wte = embedding->wte();
-  layers_.push_back(std::move(embedding));
-  for (int l = 1; l <= config.n_layer; ++l) layers_.push_back(std::make_unique<Block>(config, store, l));
-  layers_.push_back(std::make_unique<Head>(config, store, config.n_layer + 1, wte));
+  const int L = config.n_layer + 2;
+  if (ranges_.empty()) ranges_.push_back({0, L - 1});
+  local_.assign(L, false);
+  for (const LayerRange& r : ranges_) {
+    check(r.first >= 0 && r.first <= r.last && r.last < L, "GPT: layer range [" + std::to_string(r.first) + ", " +
+                                                               std::to_string(r.last) + "] outside the model's 0.." +
+                                                               std::to_string(L - 1));
+    for (int i = r.first; i <= r.last; ++i) {
+      check(!local_[i], "GPT: layer " + std::to_string(i) + " in two ranges");
+      local_[i] = true;
+    }
+  }
+  layers_.resize(L);
+  // The head is tied to the token embedding: a rank with the head but not the embedding keeps its
+  // own copy of wte (same name, same initial values; the pipeline sums the two copies' gradients).
+  TensorId wte = -1;
+  if (local_[0]) {
+    auto embedding = std::make_unique<Embedding>(config, store);
+    wte = embedding->wte();
+    layers_[0] = std::move(embedding);
+  } else if (local_[L - 1]) {
+    wte = store.add(TensorSpec{"wte", {config.padded_vocab_size, config.n_embd}, 0, ChunkKind::embedding, true});
+  }
+  for (int l = 1; l <= config.n_layer; ++l) {
+    if (local_[l]) layers_[l] = std::make_unique<Block>(config, store, l);
+  }
+  if (local_[L - 1]) layers_[L - 1] = std::make_unique<Head>(config, store, L - 1, wte);
 }
 
 GPT::~GPT() = default;
+
+bool GPT::whole() const { return ranges_.size() == 1 && ranges_[0].first == 0 && ranges_[0].last == num_layers() - 1; }
 
 void GPT::init_weights(uint64_t seed) {
   check(store_.finalized(), "GPT::init_weights: the chunk store is not finalized");
@@ -302,59 +323,128 @@ void GPT::init_weights(uint64_t seed) {
   }
 }
 
-void GPT::allocate(int B, int T) {
+void GPT::allocate(int B, int T, int slots) {
   check(B >= 1 && T >= 1 && T <= config_.max_seq_len,
         "model: sequence length " + std::to_string(T) + " exceeds max_seq_len " + std::to_string(config_.max_seq_len));
+  check(slots >= 1, "model: at least one activation slot");
   max_B_ = B;
   max_T_ = T;
   const int64_t N = static_cast<int64_t>(B) * T, C = config_.n_embd;
   const int L = num_layers();
-  int64_t layer_floats = 0, scratch = 0;
-  for (auto& layer : layers_) {
-    layer_floats += padded(layer->activation_floats(B, T));
-    scratch = std::max(scratch, layer->scratch_floats(B, T));
+  // Per slot: each local layer's activations, its output and the output's gradient, and the
+  // input (and its gradient) of each range that does not start at the embedding.
+  std::vector<bool> io(L, false);
+  for (const LayerRange& r : ranges_) {
+    for (int i = r.first; i <= r.last; ++i) io[i] = true;
+    if (r.first > 0) io[r.first - 1] = true;
   }
-  activation_floats_ = layer_floats + padded(scratch) + 2 * L * padded(N * C);
+  int64_t scratch = 0, slot = 0;
+  for (int i = 0; i < L; ++i) {
+    if (layers_[i]) {
+      slot += padded(layers_[i]->activation_floats(B, T));
+      scratch = std::max(scratch, layers_[i]->scratch_floats(B, T));
+    }
+    if (io[i]) slot += 2 * padded(N * C);
+  }
+  slot_floats_ = slot;
+  activation_floats_ = padded(scratch) + slots * slot;
   memory_.reset(new float[activation_floats_]);
   std::memset(memory_.get(), 0, sizeof(float) * activation_floats_);
   Carver carve(memory_.get());
-  float* scratch_memory = carve.take(scratch);
-  for (auto& layer : layers_) layer->bind(carve.take(layer->activation_floats(B, T)), scratch_memory, B, T);
-  x_.assign(L, nullptr);
-  dx_.assign(L, nullptr);
+  scratch_ = carve.take(scratch);
+  act_.assign(slots, std::vector<float*>(L, nullptr));
+  x_.assign(slots, std::vector<float*>(L, nullptr));
+  dx_.assign(slots, std::vector<float*>(L, nullptr));
+  for (int k = 0; k < slots; ++k) {
+    for (int i = 0; i < L; ++i) {
+      if (layers_[i]) act_[k][i] = carve.take(layers_[i]->activation_floats(B, T));
+      if (io[i]) {
+        x_[k][i] = carve.take(N * C);
+        dx_[k][i] = carve.take(N * C);
+      }
+    }
+  }
+  bound_.assign(L, -1);
   for (int i = 0; i < L; ++i) {
-    x_[i] = carve.take(N * C);
-    dx_[i] = carve.take(N * C);
+    if (layers_[i]) bind(0, i);
   }
 }
 
-float GPT::forward(const Batch& batch) {
+int64_t GPT::slot_bytes_for(const ModelConfig& config, const LayerRange& range, int B, int T) {
+  ChunkStore registry(1 << 20);  // holds tensor specs only: never finalized, so nothing is allocated
+  const GPT stage(config, registry, {range});
+  const int64_t N = static_cast<int64_t>(B) * T;
+  int64_t floats = range.first > 0 ? 2 * padded(N * config.n_embd) : 0;
+  for (int i = range.first; i <= range.last; ++i) {
+    floats += padded(stage.layers_[i]->activation_floats(B, T)) + 2 * padded(N * config.n_embd);
+  }
+  return floats * static_cast<int64_t>(sizeof(float));
+}
+
+void GPT::bind(int slot, int layer) {
+  if (bound_[layer] == slot) return;
+  layers_[layer]->bind(act_[slot][layer], scratch_, max_B_, max_T_);
+  bound_[layer] = slot;
+}
+
+void GPT::check_batch(const Batch& batch, int slot) const {
   check(batch.B <= max_B_ && batch.T <= max_T_, "model: batch " + std::to_string(batch.B) + "x" +
                                                     std::to_string(batch.T) + " exceeds the allocated " +
                                                     std::to_string(max_B_) + "x" + std::to_string(max_T_));
-  const int L = num_layers();
-  for (int i = 0; i < L; ++i) layers_[i]->forward(batch, i == 0 ? nullptr : x_[i - 1], x_[i]);
-  return static_cast<Head&>(*layers_.back()).mean_loss();
+  check(slot >= 0 && slot < slots(), "model: activation slot " + std::to_string(slot) + " of " + std::to_string(slots()));
+}
+
+float GPT::forward(const Batch& batch) {
+  check(whole(), "model: forward of the whole model on a pipeline stage");
+  return forward(LayerRange{0, num_layers() - 1}, 0, batch);
+}
+
+float GPT::forward(const LayerRange& range, int slot, const Batch& batch) {
+  check_batch(batch, slot);
+  const std::vector<float*>& x = x_[slot];
+  for (int i = range.first; i <= range.last; ++i) {
+    bind(slot, i);
+    layers_[i]->forward(batch, i == 0 ? nullptr : x[i - 1], x[i]);
+  }
+  return range.last == num_layers() - 1 ? static_cast<Head&>(*layers_.back()).mean_loss() : 0.0f;
+}
+
+void GPT::backward_input(const LayerRange& range, int slot, const Batch& batch, BackwardObserver* observer) {
+  check_batch(batch, slot);
+  for (int i = range.last; i >= range.first; --i) {
+    bind(slot, i);
+    layers_[i]->backward_input(batch, input(slot, i), output_grad(slot, i), i == 0 ? nullptr : dx_[slot][i - 1]);
+    if (observer != nullptr) observer->after_backward_input(i);
+  }
+}
+
+void GPT::backward_weight(const LayerRange& range, int slot, const Batch& batch, BackwardObserver* observer) {
+  check_batch(batch, slot);
+  for (int i = range.last; i >= range.first; --i) {
+    bind(slot, i);
+    layers_[i]->backward_weight(batch, input(slot, i), output_grad(slot, i));
+    if (observer != nullptr) observer->after_backward_weight(i);
+  }
 }
 
 void GPT::backward(const Batch& batch, bool defer_weight_grads, BackwardObserver* observer) {
+  check(whole(), "model: backward of the whole model on a pipeline stage");
   const int L = num_layers();
-  auto dout = [&](int i) -> const float* { return i == L - 1 ? nullptr : dx_[i]; };
-  auto weight = [&](int i) {
-    layers_[i]->backward_weight(batch, dout(i));
-    if (observer != nullptr) observer->after_backward_weight(i);
-  };
-  for (int i = L - 1; i >= 0; --i) {
-    layers_[i]->backward_input(batch, dout(i), i == 0 ? nullptr : dx_[i - 1]);
-    if (observer != nullptr) observer->after_backward_input(i);
-    if (!defer_weight_grads) weight(i);
-  }
   if (defer_weight_grads) {
-    for (int i = L - 1; i >= 0; --i) weight(i);
+    backward_input(LayerRange{0, L - 1}, 0, batch, observer);
+    backward_weight(LayerRange{0, L - 1}, 0, batch, observer);
+    return;
+  }
+  for (int i = L - 1; i >= 0; --i) {
+    backward_input(LayerRange{i, i}, 0, batch, observer);
+    backward_weight(LayerRange{i, i}, 0, batch, observer);
   }
 }
 
-const float* GPT::logits() const { return static_cast<const Head&>(*layers_.back()).logits(); }
+const float* GPT::logits() {
+  bind(0, num_layers() - 1);
+  return static_cast<const Head&>(*layers_.back()).logits();
+}
 
 double GPT::train_flops_per_token(int T) const {
   const double C = config_.n_embd, L = config_.n_layer, Vp = config_.padded_vocab_size;

@@ -24,11 +24,19 @@ class BackwardObserver {
   virtual void after_backward_weight(int layer) = 0;
 };
 
+// Layers first..last (inclusive) of the model: one pipeline stage.
+struct LayerRange {
+  int first = 0, last = 0;
+};
+
 class GPT {
  public:
-  // Registers every parameter tensor with `store` (which must not be finalized yet) in llm.c's
-  // per-layer order. The caller finalizes the store, then calls init_weights or loads state.
-  GPT(const ModelConfig& config, ChunkStore& store);
+  // Registers the parameter tensors of the layers in `ranges` (default: the whole model) with
+  // `store` (which must not be finalized yet) in llm.c's per-layer order. A pipeline rank holds
+  // only its stages' layers; one with the head but not the embedding also holds a copy of the
+  // tied token embedding wte. The caller finalizes the store, then calls init_weights or loads
+  // state.
+  GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> ranges = {});
   ~GPT();
 
   // GPT-2 initialisation: N(0, 0.02) weights, residual projections scaled by 1/sqrt(2L), zero
@@ -36,11 +44,13 @@ class GPT {
   // derived from (seed, tensor name), so the result does not depend on the chunk layout.
   void init_weights(uint64_t seed);
 
-  // Allocates activations for micro-batches of up to B x T tokens (T <= max_seq_len).
-  void allocate(int B, int T);
+  // Allocates activations for micro-batches of up to B x T tokens (T <= max_seq_len), `slots`
+  // sets of them: a pipeline stage keeps several micro-batches between F and W.
+  void allocate(int B, int T, int slots = 1);
 
-  // Forward pass through all layers. Returns the mean loss over B*T tokens when batch.targets is
-  // given (0 otherwise). With batch.grad_scale != 0 it also prepares the loss gradient.
+  // Forward pass through all layers (the whole model, slot 0). Returns the mean loss over B*T
+  // tokens when batch.targets is given (0 otherwise). With batch.grad_scale != 0 it also prepares
+  // the loss gradient.
   float forward(const Batch& batch);
   // Backward pass through all layers, last to first, accumulating into the grad plane: B then W
   // of each layer, or, with defer_weight_grads, every B first and then every W (the order a
@@ -49,26 +59,58 @@ class GPT {
   // The observer, if any, hears of every layer's B and W as they complete.
   void backward(const Batch& batch, bool defer_weight_grads = false, BackwardObserver* observer = nullptr);
 
-  // Logits [B*T, padded_vocab] of the last forward pass (valid only when it had no grad_scale).
-  const float* logits() const;
+  // A pipeline stage's share of one micro-batch, on the activations of `slot`. Forward reads its
+  // input from input(slot, range.first) (filled by the caller unless the range starts at the
+  // embedding) and leaves its output in output(slot, range.last); it returns the mean loss when
+  // the range ends at the head. backward_input reads output_grad(slot, range.last) (unless the
+  // range ends at the head) and leaves input_grad(slot, range.first); backward_weight
+  // accumulates the range's weight gradients. Layers run last to first in both.
+  float forward(const LayerRange& range, int slot, const Batch& batch);
+  void backward_input(const LayerRange& range, int slot, const Batch& batch, BackwardObserver* observer = nullptr);
+  void backward_weight(const LayerRange& range, int slot, const Batch& batch, BackwardObserver* observer = nullptr);
+  float* input(int slot, int layer) { return layer == 0 ? nullptr : x_[slot][layer - 1]; }
+  float* output(int slot, int layer) { return x_[slot][layer]; }
+  float* input_grad(int slot, int layer) { return layer == 0 ? nullptr : dx_[slot][layer - 1]; }
+  float* output_grad(int slot, int layer) { return layer == num_layers() - 1 ? nullptr : dx_[slot][layer]; }
 
+  // Logits [B*T, padded_vocab] of the last forward pass of slot 0 (valid only when it had no
+  // grad_scale).
+  const float* logits();
+
+  // Every layer of the model, including those not on this rank (num_layers() = n_layer + 2).
   int num_layers() const { return static_cast<int>(layers_.size()); }
+  bool has_layer(int i) const { return layers_[i] != nullptr; }
+  bool whole() const;  // holds every layer
+  const std::vector<LayerRange>& ranges() const { return ranges_; }
   Layer& layer(int i) { return *layers_[i]; }
   const ModelConfig& config() const { return config_; }
   ChunkStore& store() { return store_; }
   // Matrix-product FLOPs of one training step (forward + backward) per token at sequence T.
   double train_flops_per_token(int T) const;
   int64_t activation_bytes() const { return activation_floats_ * static_cast<int64_t>(sizeof(float)); }
+  // Bytes one micro-batch of B x T keeps in flight on `range` (activations, outputs and their
+  // gradients): what a pipeline stage's slot costs, computed without building the stage.
+  static int64_t slot_bytes_for(const ModelConfig& config, const LayerRange& range, int B, int T);
+  // Bytes of one slot (one micro-batch in flight on this rank's layers).
+  int64_t slot_bytes() const { return slot_floats_ * static_cast<int64_t>(sizeof(float)); }
+  int slots() const { return static_cast<int>(act_.size()); }
 
  private:
+  void bind(int slot, int layer);
+  void check_batch(const Batch& batch, int slot) const;
+
   ModelConfig config_;
   ChunkStore& store_;
-  std::vector<std::unique_ptr<Layer>> layers_;
+  std::vector<LayerRange> ranges_;
+  std::vector<bool> local_;
+  std::vector<std::unique_ptr<Layer>> layers_;  // null for layers on other ranks
   int max_B_ = 0, max_T_ = 0;
-  int64_t activation_floats_ = 0;
+  int64_t activation_floats_ = 0, slot_floats_ = 0;
   std::unique_ptr<float[]> memory_;
-  std::vector<float*> x_;   // x_[i]: output of layer i, [B, T, C]
-  std::vector<float*> dx_;  // dx_[i]: gradient of x_[i]
+  float* scratch_ = nullptr;
+  // [slot][layer]: the layer's activations, its output x [B, T, C] and the output's gradient.
+  std::vector<std::vector<float*>> act_, x_, dx_;
+  std::vector<int> bound_;  // the slot each layer is bound to
 };
 
 }  // namespace keel

@@ -31,18 +31,21 @@ class Layer {
   virtual int64_t activation_floats(int B, int T) const = 0;
   virtual int64_t scratch_floats(int B, int T) const = 0;
   // Gives the layer its activation memory (activation_floats(B, T) of it) and the shared scratch,
-  // for micro-batches of up to B x T tokens. Called once per allocation.
+  // for micro-batches of up to B x T tokens. Called again to switch between the activation sets
+  // of micro-batches in flight (cheap: it only carves pointers).
   virtual void bind(float* activations, float* scratch, int B, int T) = 0;
 
   // x_out[B, T, C] from x_in[B, T, C]. The embedding reads batch.inputs instead of x_in; the
   // head reads batch.targets and writes losses instead of x_out.
   virtual void forward(const Batch& batch, const float* x_in, float* x_out) = 0;
   // B: dx_in[B, T, C] (overwritten) from dx_out. Keeps what backward_weight needs. The embedding
-  // has no dx_in; the head reads its own loss gradient (dx_out is null).
-  virtual void backward_input(const Batch& batch, const float* dx_out, float* dx_in) = 0;
+  // has no dx_in; the head reads its own loss gradient (dx_out is null). x_in is the forward's
+  // input, still alive (a pipeline keeps several micro-batches in flight: the layer is re-bound
+  // to each one's activations, so it cannot remember the pointer itself).
+  virtual void backward_input(const Batch& batch, const float* x_in, const float* dx_out, float* dx_in) = 0;
   // W: accumulates weight gradients into the store's grad plane. Requires backward_input of the
-  // same micro-batch, with the same dx_out still alive.
-  virtual void backward_weight(const Batch& batch, const float* dx_out) = 0;
+  // same micro-batch, with the same x_in and dx_out still alive.
+  virtual void backward_weight(const Batch& batch, const float* x_in, const float* dx_out) = 0;
 };
 
 }  // namespace keel

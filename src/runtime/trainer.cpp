@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "core/fileio.h"
 #include "kernels/cpu/blas.h"
+#include "pipeline/layout.h"
 #include "runtime/generate.h"
 
 namespace keel {
@@ -106,32 +107,79 @@ Trainer::Trainer(Config config, Communicator& comm)
   }
   const TrainConfig& t = config_.train;
   const int rank = comm_.rank(), world = comm_.size();
+  const int P = config_.parallel.pipeline;
+  std::vector<LayerRange> my_stages;  // empty: the whole model
+  std::optional<pipeline::Schedule> schedule;
+  if (P > 1) {
+    check(world % P == 0, "parallel.pipeline: " + std::to_string(P) + " stages do not divide the " +
+                              std::to_string(world) + " ranks of this job");
+    // World rank = replica * P + pipeline rank: a replica's stages are consecutive ranks.
+    dp_comm_ = comm_.split(rank % P, rank / P);
+    pp_comm_ = comm_.split(rank / P, rank % P);
+    const pipeline::Kind kind = pipeline::parse_kind(config_.parallel.schedule);
+    micro_batches_ = pipeline::micro_batches(config_);
+    schedule = pipeline::make_schedule({kind, P, micro_batches_, pipeline::virtual_stages(config_.parallel)});
+    stages_ = pipeline::cut_stages(pipeline::layer_costs(m, t.seq_len), schedule->num_stages(),
+                                   config_.parallel.stage_boundaries);
+    for (int s : schedule->stages_of(pp_comm_->rank())) my_stages.push_back(stages_[s]);
+  }
+  const int dp_rank = dp().rank(), dp_size = dp().size();
   train_data_ = std::make_unique<DataLoader>(config_.data.train, t.batch_size, t.seq_len, m.vocab_size, true, t.seed,
-                                             rank, world);
+                                             dp_rank, dp_size);
   val_data_ = std::make_unique<DataLoader>(config_.data.val, t.batch_size, t.seq_len, m.vocab_size, false, t.seed,
-                                           rank, world);
+                                           dp_rank, dp_size);
 
   store_ = std::make_unique<ChunkStore>(config_.store.chunk_bytes);
-  model_ = std::make_unique<GPT>(m, *store_);
+  model_ = std::make_unique<GPT>(m, *store_, my_stages);
   store_->set_huge_page_alignment(tiering_enabled(config_.tier));
   store_->finalize(/*touch_params=*/!tiering_enabled(config_.tier));
-  const int zero = world > 1 ? config_.parallel.zero : 0;
-  partition_ = ChunkPartition::balanced(*store_, zero > 0 ? world : 1);
+  const int zero = dp_size > 1 ? config_.parallel.zero : 0;
+  partition_ = ChunkPartition::balanced(*store_, zero > 0 ? dp_size : 1);
   GradSyncOptions sync_options;
   sync_options.bucket_bytes = config_.parallel.bucket_bytes;
   sync_options.scatter_to = zero == 2 ? &partition_ : nullptr;
-  if (world > 1 && sync_compressed(config_.sync)) {
+  if (dp_size > 1 && sync_compressed(config_.sync)) {
     sync_options.codecs = sync_chunk_codecs(config_.sync, m.n_layer, *store_);
     sync_options.seed = t.seed ^ 0x5EEDC0DECull;
     sync_options.warmup_steps = config_.sync.warmup_steps;
     sync_options.shape = sync_sum_shape(config_.sync);
   }
-  sync_ = std::make_unique<GradSync>(comm_, *store_, std::move(sync_options));
+  sync_ = std::make_unique<GradSync>(dp(), *store_, std::move(sync_options));
   if (zero > 0) {  // before loading: the moments are never resident at full size
-    const int r = comm_.rank();
-    store_->shard_moments(partition_.first_chunk[r], partition_.first_chunk[r + 1]);
+    store_->shard_moments(partition_.first_chunk[dp_rank], partition_.first_chunk[dp_rank + 1]);
   }
-  model_->allocate(t.batch_size, t.seq_len);
+  if (P > 1) {
+    // Every rank validates the whole schedule (the same on all of them) before any message moves,
+    // and sizes its activation slots from the proven peak of micro-batches in flight.
+    const int B = t.batch_size * t.grad_accum / micro_batches_;
+    schedule_check_ = pipeline::validate(*schedule);
+    pipeline::MemoryBound bound;
+    for (const LayerRange& r : stages_) bound.stage_bytes.push_back(GPT::slot_bytes_for(m, r, B, t.seq_len));
+    const pipeline::ScheduleCheck weighted = pipeline::validate(*schedule, bound);
+    const int64_t peak = *std::max_element(weighted.peak_bytes.begin(), weighted.peak_bytes.end());
+    const int64_t limit = config_.parallel.activation_mib << 20;
+    check(limit == 0 || peak <= limit,
+          "config key 'parallel.activation_mib': schedule " + config_.parallel.schedule + " with " +
+              std::to_string(micro_batches_) + " micro-batches of " + std::to_string(B) + " sequences needs " +
+              std::to_string((peak + (1 << 20) - 1) >> 20) + " MiB of activations in flight on some rank, found a bound of " +
+              std::to_string(config_.parallel.activation_mib) + " MiB");
+    schedule_check_.peak_bytes = weighted.peak_bytes;
+    // Evaluation sends whole batches of train.batch_size through the stages.
+    model_->allocate(std::max(B, t.batch_size), t.seq_len,
+                     pipeline::Executor::slots_needed(schedule_check_, pp_comm_->rank()));
+    executor_ = std::make_unique<pipeline::Executor>(*model_, *pp_comm_, std::move(*schedule), stages_);
+    // The tied embedding: ranks holding a copy of wte (the first and the last stage) sum its gradient.
+    const bool tied = executor_->holds_first_stage() || executor_->holds_last_stage();
+    tied_comm_ = pp_comm_->split(tied ? 0 : 1, pp_comm_->rank());
+    if (!model_->has_layer(0)) {
+      while (first_untied_chunk_ < static_cast<int>(store_->chunks().size()) &&
+             store_->chunks()[first_untied_chunk_].layer == 0) {
+        first_untied_chunk_++;
+      }
+    }
+  } else {
+    model_->allocate(t.batch_size, t.seq_len);
+  }
   writers_ = ChunkPartition::balanced(*store_, world);
   ckpt_root_ = t.run_dir + "/ckpt";
   // A checkpoint directory without a manifest is what a crash during a write leaves behind.
@@ -246,7 +294,7 @@ void Trainer::attach_tiers() {
     const auto [own_first, own_last] = store_->moment_chunks();
     const bool own = chunk >= own_first && chunk < own_last;
     if (own) optimizer_.step_chunk(*store_, chunk, deferred_.lr, deferred_.t, deferred_.clip);
-    if (comm_.size() == 1 || config_.parallel.zero == 0) return;
+    if (dp().size() == 1 || config_.parallel.zero == 0) return;
     // ZeRO with tiers: the owner's update reaches every rank chunk by chunk (the whole-plane
     // all-gather would need the whole plane resident). The gradient was the owner's to consume.
     if (!own) {
@@ -257,7 +305,7 @@ void Trainer::attach_tiers() {
     while (partition_.first_chunk[owner + 1] <= chunk) owner++;
     const PageLease use = store_->use_chunk(chunk, {}, {Plane::param});
     std::span<float> p = store_->chunk_view(chunk, Plane::param);
-    comm_.broadcast(p.data(), p.size(), owner);
+    dp().broadcast(p.data(), p.size(), owner);
   });
 }
 
@@ -287,13 +335,13 @@ void Trainer::gather_parameters() {
   // AdamW cleared the gradients it consumed (this rank's shard). Under ZeRO-2 the reduce-scatter
   // already discarded the rest; under ZeRO-1 clear it here for the next step (kept mapped: the
   // next backward writes all of it again).
-  const int r = comm_.rank();
+  const int r = dp().rank();
   if (config_.parallel.zero == 1) {
     std::span<float> grads = store_->range_view(Plane::grad, 0, store_->numel());
     std::fill(grads.begin(), grads.begin() + partition_.begin[r], 0.0f);
     std::fill(grads.begin() + partition_.begin[r + 1], grads.end(), 0.0f);
   }
-  comm_.allgatherv(store_->range_view(Plane::param, 0, store_->numel()).data(), partition_.counts(),
+  dp().allgatherv(store_->range_view(Plane::param, 0, store_->numel()).data(), partition_.counts(),
                    partition_.displs());
   // The chunks other ranks updated moved to the same version as this rank's.
   const auto [own_first, own_last] = store_->moment_chunks();
@@ -319,19 +367,26 @@ StepStats Trainer::step() {
   // Gradients are zero here: the store starts zeroed and AdamW clears them as it consumes them.
   // Each rank's gradient is scaled for the global batch, so the sum over ranks is the gradient
   // of the mean loss over every rank's tokens: what one rank with world x the batch computes.
-  const int world = comm_.size();
+  const int world = dp().size();  // data-parallel ranks (the world without a pipeline)
   double loss_sum = 0;
-  for (int micro = 0; micro < t.grad_accum; ++micro) {
-    Batch batch = train_data_->next();
-    batch.grad_scale = 1.0f / (static_cast<float>(batch.B) * batch.T * t.grad_accum * world);
-    loss_sum += model_->forward(batch);
-    // The forward pass ran every deferred update (each before its chunk's first use); none may
-    // still wait once gradients are written.
-    if (micro == 0) store_->apply_pending();
-    sync_->begin(micro == t.grad_accum - 1, steps_done_);
-    model_->backward(batch, false, sync_.get());
+  if (executor_) {
+    sync_->begin(true, steps_done_);  // W notifications reach it for the last micro-batch only
+    loss_sum = pipeline_backward(s);
+  } else {
+    for (int micro = 0; micro < t.grad_accum; ++micro) {
+      Batch batch = train_data_->next();
+      batch.grad_scale = 1.0f / (static_cast<float>(batch.B) * batch.T * t.grad_accum * world);
+      loss_sum += model_->forward(batch);
+      // The forward pass ran every deferred update (each before its chunk's first use); none may
+      // still wait once gradients are written.
+      if (micro == 0) store_->apply_pending();
+      sync_->begin(micro == t.grad_accum - 1, steps_done_);
+      model_->backward(batch, false, sync_.get());
+    }
   }
+  const auto sync_start = std::chrono::steady_clock::now();
   sync_->finish();
+  if (executor_) tie_embedding_grads();
   s.sync = sync_->stats();
   const int zero = world > 1 ? config_.parallel.zero : 0;
   const auto [own_first, own_last] = store_->moment_chunks();
@@ -343,10 +398,18 @@ StepStats Trainer::step() {
     if (zero == 2 && (c.id < own_first || c.id >= own_last)) continue;
     store_->zero_grad_chunk(c.id);
   }
-  double sums[2] = {loss_sum, zero == 2 ? grad_sum_squares(*store_, own_first, own_last) : 0.0};
-  if (world > 1) comm_.allreduce_sum(sums, 2);
-  loss_sum = sums[0] / world;
-  s.grad_norm = std::sqrt(zero == 2 ? sums[1] : grad_sum_squares(*store_));
+  if (executor_) {
+    // Each stage's share of the norm (the tied embedding counted once, on the first stage), summed
+    // over the replica's stages; the loss lives on the last stage, averaged over replicas.
+    const double squares = grad_sum_squares(*store_, first_untied_chunk_);
+    s.grad_norm = std::sqrt(pp_comm_->allreduce_sum(squares));
+    loss_sum = comm_.allreduce_sum(loss_sum) / world;
+  } else {
+    double sums[2] = {loss_sum, zero == 2 ? grad_sum_squares(*store_, own_first, own_last) : 0.0};
+    if (world > 1) comm_.allreduce_sum(sums, 2);
+    loss_sum = sums[0] / world;
+    s.grad_norm = std::sqrt(zero == 2 ? sums[1] : grad_sum_squares(*store_));
+  }
   float clip = 1.0f;
   if (config_.optim.grad_clip > 0 && s.grad_norm > config_.optim.grad_clip) {
     clip = static_cast<float>(config_.optim.grad_clip / s.grad_norm);
@@ -364,12 +427,16 @@ StepStats Trainer::step() {
     optimizer_.step(*store_, s.lr, steps_done_ + 1, clip);
   }
   if (zero > 0 && !tiers_) gather_parameters();
+  if (executor_) {
+    executor_->record(pipeline::Op::grad_sync, sync_start, std::chrono::steady_clock::now());
+    pipeline_report(s);
+  }
   steps_done_++;
   // One max over ranks for the spread of sync waits and the memory high-water mark.
   // A background checkpoint write still running on any rank keeps the checkpoint in flight.
   const bool writing = ckpt_->in_flight() && !ckpt_->done();
   double maxima[4] = {-s.sync.exposed_ms, s.sync.exposed_ms, peak_rss_mb(), writing ? 1.0 : 0.0};
-  if (world > 1) comm_.allreduce_max(maxima, 4);
+  if (comm_.size() > 1) comm_.allreduce_max(maxima, 4);
   s.sync.exposed_min_ms = -maxima[0];
   s.sync.imbalance_ms = maxima[1] + maxima[0];
   s.peak_rss_mb = maxima[2];
@@ -387,10 +454,10 @@ StepStats Trainer::step() {
   const double seconds = seconds_since(t0);
   const double tokens = static_cast<double>(t.batch_size) * t.seq_len * t.grad_accum * world;
   s.step = steps_done_;
-  s.loss = loss_sum / t.grad_accum;
+  s.loss = loss_sum / (executor_ ? micro_batches_ : t.grad_accum);
   s.ms = seconds * 1e3;
   s.tokens_per_s = tokens / seconds;
-  s.mfu = model_->train_flops_per_token(t.seq_len) * s.tokens_per_s / (peak_gflops_ * 1e9 * world);
+  s.mfu = model_->train_flops_per_token(t.seq_len) * s.tokens_per_s / (peak_gflops_ * 1e9 * comm_.size());
   if (world > 1) {
     constexpr size_t kJitterWindow = 20;
     sync_latencies_ms_.push_back(s.sync.latency_ms);
@@ -404,13 +471,183 @@ StepStats Trainer::step() {
   return s;
 }
 
+double Trainer::pipeline_backward(StepStats&) {
+  const TrainConfig& t = config_.train;
+  const int T = t.seq_len, sequences = t.batch_size * t.grad_accum, b = sequences / micro_batches_;
+  // The step reads the same grad_accum batches one rank would, then cuts them into the
+  // pipeline's micro-batches (every rank reads them: stage 0 needs the inputs, the last stage the
+  // targets; the rest only their shape).
+  step_inputs_.resize(static_cast<size_t>(sequences) * T);
+  step_targets_.resize(step_inputs_.size());
+  for (int k = 0; k < t.grad_accum; ++k) {
+    const Batch batch = train_data_->next();
+    const size_t n = static_cast<size_t>(batch.B) * T, at = static_cast<size_t>(k) * t.batch_size * T;
+    std::copy(batch.inputs, batch.inputs + n, step_inputs_.begin() + at);
+    std::copy(batch.targets, batch.targets + n, step_targets_.begin() + at);
+  }
+  std::vector<Batch> micro(micro_batches_);
+  for (int j = 0; j < micro_batches_; ++j) {
+    micro[j].inputs = step_inputs_.data() + static_cast<size_t>(j) * b * T;
+    micro[j].targets = step_targets_.data() + static_cast<size_t>(j) * b * T;
+    micro[j].B = b;
+    micro[j].T = T;
+    micro[j].grad_scale = 1.0f / (static_cast<float>(b) * T * micro_batches_ * dp().size());
+  }
+  return executor_->run_step(micro, dp().size() > 1 ? sync_.get() : nullptr);
+}
+
+void Trainer::tie_embedding_grads() {
+  if (tied_comm_ == nullptr || tied_comm_->size() < 2) return;
+  if (!executor_->holds_first_stage() && !executor_->holds_last_stage()) return;
+  for (int id = 0; id < static_cast<int>(store_->tensors().size()); ++id) {
+    if (store_->tensors()[id].spec.name != "wte") continue;
+    const PageLease use = store_->use_tensor(id, {Plane::grad}, {Plane::grad});
+    std::span<float> g = store_->view(id, Plane::grad);
+    tied_comm_->allreduce_sum(g.data(), g.size());
+  }
+}
+
+namespace {
+
+// One rank's timeline as text for gathering: "op micro stage start end" per interval.
+std::string encode_timeline(const std::vector<pipeline::Interval>& timeline) {
+  std::ostringstream out;
+  out.precision(17);
+  for (const pipeline::Interval& iv : timeline) {
+    out << static_cast<int>(iv.instr.op) << ' ' << iv.instr.micro << ' ' << iv.instr.stage << ' ' << iv.start << ' '
+        << iv.end << '\n';
+  }
+  return out.str();
+}
+
+std::vector<pipeline::Interval> decode_timeline(const std::string& text) {
+  std::vector<pipeline::Interval> timeline;
+  std::istringstream in(text);
+  int op = 0;
+  pipeline::Interval iv;
+  while (in >> op >> iv.instr.micro >> iv.instr.stage >> iv.start >> iv.end) {
+    iv.instr.op = static_cast<pipeline::Op>(op);
+    timeline.push_back(iv);
+  }
+  return timeline;
+}
+
+}  // namespace
+
+void Trainer::pipeline_report(StepStats& s) {
+  const pipeline::ExecutorStats& e = executor_->stats();
+  double maxima[2] = {e.recv_wait_ms, e.peak_activation_bytes / 1e6};
+  comm_.allreduce_max(maxima, 2);
+  s.recv_wait_ms = maxima[0];
+  s.activation_mb = maxima[1];
+  // The bubble of replica 0, measured on its ranks' common clock origin (pipeline/executor.h).
+  const std::string mine = encode_timeline(executor_->timeline());
+  const std::vector<std::string> parts = pp_comm_->gather_strings(mine);
+  if (comm_.is_root()) {
+    pipeline::Timeline timeline;
+    for (const std::string& p : parts) timeline.per_rank.push_back(decode_timeline(p));
+    pipeline::account_bubble(timeline);
+    s.bubble = timeline.bubble;
+    s.rank_bubble = timeline.rank_bubble;
+  }
+  if (config_.parallel.trace && steps_done_ + 1 == config_.train.steps) {
+    last_timelines_ = comm_.gather_strings(mine);
+    write_pipeline_trace();
+  }
+}
+
+void Trainer::write_pipeline_trace() {
+  if (!comm_.is_root()) return;
+  pipeline::Timeline timeline;
+  for (const std::string& p : last_timelines_) timeline.per_rank.push_back(decode_timeline(p));
+  const std::string path = config_.train.run_dir + "/pipeline_trace.json";
+  const std::string trace = pipeline::chrome_trace(timeline, "keel " + config_.parallel.schedule + " step " +
+                                                                  std::to_string(steps_done_ + 1));
+  write_file_atomic(path, {ByteRange{trace.data(), trace.size()}});
+  // The same step as a text Gantt chart (replica 0), under the run's summary.
+  timeline.per_rank.resize(config_.parallel.pipeline);
+  pipeline::account_bubble(timeline);
+  std::printf("keel: pipeline timeline of step %lld (replica 0; F forward, B input grads, W weight grads, S sync + "
+              "optimizer, . idle), bubble %.1f%%; Chrome trace %s\n%s",
+              static_cast<long long>(steps_done_ + 1), 100 * timeline.bubble, path.c_str(),
+              pipeline::gantt(timeline, 100).c_str());
+  std::fflush(stdout);
+}
+
+std::string Trainer::save_assembled(const std::string& root) {
+  const int P = config_.parallel.pipeline;
+  if (config_.parallel.zero > 0 && dp().size() > 1) {
+    if (comm_.is_root()) std::printf("keel: no checkpoint: assembling one from ZeRO-sharded pipeline stages is not supported yet\n");
+    return "";
+  }
+  // The whole model's tensors in order, by name (a registry: nothing allocated).
+  ChunkStore registry(config_.store.chunk_bytes);
+  const GPT whole(config_.model, registry);
+  std::vector<int> stage_of_layer(model_->num_layers());
+  for (size_t st = 0; st < stages_.size(); ++st) {
+    for (int l = stages_[st].first; l <= stages_[st].last; ++l) stage_of_layer[l] = static_cast<int>(st);
+  }
+  const std::vector<int>& stage_rank = executor_->schedule().stage_rank;
+  auto local_id = [&](const std::string& name) {
+    for (int id = 0; id < static_cast<int>(store_->tensors().size()); ++id) {
+      if (store_->tensors()[id].spec.name == name) return id;
+    }
+    return -1;
+  };
+  const Plane planes[3] = {Plane::param, Plane::adam_m, Plane::adam_v};
+  std::string dir;
+  if (comm_.rank() < P) {  // replica 0
+    std::unique_ptr<ChunkStore> full;
+    if (comm_.is_root()) {
+      full = std::make_unique<ChunkStore>(config_.store.chunk_bytes);
+      GPT assembled(config_.model, *full);
+      full->finalize();
+    }
+    for (int id = 0; id < static_cast<int>(registry.tensors().size()); ++id) {
+      const TensorSpec& spec = registry.tensors()[id].spec;
+      const int owner = stage_rank[stage_of_layer[spec.layer]];  // wte: the embedding's stage
+      for (int k = 0; k < 3; ++k) {
+        if (comm_.is_root()) {
+          std::span<float> to = full->view(id, planes[k]);
+          if (owner == 0) {
+            const std::span<float> from = store_->view(local_id(spec.name), planes[k]);
+            std::copy(from.begin(), from.end(), to.begin());
+          } else {
+            Communicator::Request r = pp_comm_->irecv(to.data(), to.size(), owner, id * 3 + k);
+            pp_comm_->wait(r);
+          }
+        } else if (owner == pp_comm_->rank()) {
+          const std::span<float> from = store_->view(local_id(spec.name), planes[k]);
+          Communicator::Request r = pp_comm_->isend(from.data(), from.size(), 0, id * 3 + k);
+          pp_comm_->wait(r);
+        }
+      }
+    }
+    if (comm_.is_root()) {
+      Config single = config_;  // the layout of one rank
+      single.parallel.pipeline = 1;
+      single.parallel.micro_batches = 0;
+      single.parallel.stage_boundaries.clear();
+      single.parallel.virtual_stages = 0;
+      RankState state;
+      state.data = train_data_->position();
+      dir = save_checkpoint(root, *full, single, state, steps_done_, peak_gflops_);
+    }
+  }
+  comm_.barrier();
+  return dir;
+}
+
 double Trainer::evaluate(int batches) {
   // Every rank evaluates its share of the same global windows.
   batches = static_cast<int>(std::min<uint64_t>(batches, val_data_->num_windows()));
   store_->apply_pending();
   double sum = 0;
-  for (int i = 0; i < batches; ++i) sum += model_->forward(val_data_->window(i));
-  return comm_.allreduce_sum(sum) / (static_cast<double>(batches) * comm_.size());
+  for (int i = 0; i < batches; ++i) {
+    sum += executor_ ? executor_->forward_only(val_data_->window(i)) : model_->forward(val_data_->window(i));
+  }
+  // With a pipeline only the last stage's ranks hold losses.
+  return comm_.allreduce_sum(sum) / (static_cast<double>(batches) * dp().size());
 }
 
 void Trainer::save(const std::string& root) {
@@ -560,7 +797,7 @@ void Trainer::print_sync_summary() {
   if (!comm_.is_root() || sync_totals_.empty()) return;
   const int n_layer = config_.model.n_layer;
   // Ratios are against what a ring all-reduce of float32 sends.
-  const double ring = 2.0 * (comm_.size() - 1) / comm_.size();
+  const double ring = 2.0 * (dp().size() - 1) / dp().size();
   std::printf("keel: compressed sync over this run (rank 0: MB of float32 gradient, MB sent)\n");
   std::printf("  %-14s %-12s %10s %10s %8s\n", "layer", "codec", "raw MB", "sent MB", "ratio");
   double raw = 0, wire = 0;
@@ -596,7 +833,7 @@ RunSummary Trainer::run() {
   const TrainConfig& t = config_.train;
   const ModelConfig& m = config_.model;
   const bool root = comm_.is_root();
-  const int world = comm_.size();
+  const int world = dp().size();  // data-parallel ranks
   RunSummary summary;
   if (root) {
     std::printf("keel: model L=%d H=%d C=%d V=%d (%.2fM parameters, %zu chunks), batch %dx%d x%d x%d ranks, %d threads/rank\n",
@@ -620,6 +857,21 @@ RunSummary Trainer::run() {
         std::printf("\n");
       }
     }
+  }
+  if (executor_ && root) {
+    const pipeline::Schedule& sc = executor_->schedule();
+    std::string cut;
+    for (size_t i = 0; i < stages_.size(); ++i) {
+      cut += (i ? " " : "") + std::to_string(stages_[i].first) + "-" + std::to_string(stages_[i].last) + "@r" +
+             std::to_string(sc.stage_rank[i]);
+    }
+    int peak = 0;
+    for (int p : schedule_check_.peak_in_flight) peak = std::max(peak, p);
+    std::printf("keel: pipeline of %d ranks x %d data-parallel replica(s), schedule %s, %d stages (layers@rank: %s), "
+                "%d micro-batches of %d sequences, at most %d in flight per rank (%.1f MB of activations)\n",
+                sc.spec.ranks, dp().size(), pipeline::kind_name(sc.spec.kind), sc.num_stages(), cut.c_str(),
+                micro_batches_, t.batch_size * t.grad_accum / micro_batches_, peak,
+                *std::max_element(schedule_check_.peak_bytes.begin(), schedule_check_.peak_bytes.end()) / 1e6);
   }
   if (tiers_ && root) {
     const TierConfig& tc = config_.tier;
@@ -715,6 +967,12 @@ RunSummary Trainer::run() {
         accumulate_sync(s.sync);
       }
     }
+    if (executor_) {
+      line["pipeline_bubble"] = s.bubble;
+      line["pipeline_rank_bubble"] = s.rank_bubble;
+      line["pipeline_recv_wait_ms"] = s.recv_wait_ms;
+      line["pipeline_activation_mb"] = s.activation_mb;
+    }
     if (tiers_) {
       accumulate_tiers(s.tiers);
       tier_json(s.tiers, s.ms, line);
@@ -740,6 +998,7 @@ RunSummary Trainer::run() {
                     s.sync.imbalance_ms, s.sync.latency_ms, 100 * s.sync_jitter);
       }
       if (tiers_) std::printf(" | %s", tier_progress(s.tiers, s.ms).c_str());
+      if (executor_) std::printf(" | bubble %.1f%%, waits %.1f ms", 100 * s.bubble, s.recv_wait_ms);
       std::printf("\n");
       std::fflush(stdout);
     }
@@ -751,6 +1010,15 @@ RunSummary Trainer::run() {
   summary.mean_tokens_per_s = timed > 0 ? tokens_per_s_sum / timed : 0;
   summary.val_loss_end = evaluate(t.eval_batches);
   report_eval(summary.val_loss_end);
+  if (executor_) {
+    // Periodic checkpoints and resuming are not supported with a pipeline yet (the config rejects
+    // them); the final state is assembled into the checkpoint one rank would write.
+    const std::string dir = save_assembled(ckpt_root_);
+    if (root) std::printf("keel: val loss %.4f -> %.4f after %lld steps, %.0f tok/s mean; checkpoint %s\n",
+                          summary.val_loss_start, summary.val_loss_end, static_cast<long long>(summary.steps),
+                          summary.mean_tokens_per_s, dir.empty() ? "none" : dir.c_str());
+    return summary;
+  }
   save(ckpt_root_);
   if (root) {
     if (resumed_) {

@@ -20,6 +20,7 @@
 #include "data/tokenizer.h"
 #include "model/gpt.h"
 #include "optim/adamw.h"
+#include "pipeline/executor.h"
 #include "store/chunk_store.h"
 #include "store/placement.h"
 #include "store/tiers.h"
@@ -39,6 +40,12 @@ struct StepStats {
   double peak_rss_mb = 0; // largest peak resident set over ranks so far
   double ckpt_stall_ms = 0; // step time spent on checkpoints (snapshot, waiting for a write)
   TierStats tiers;          // tiered memory, this step (when [tier] is on)
+  // Pipeline (parallel.pipeline > 1), over the ranks of data-parallel replica 0: idle time in
+  // the span of the step's F, B and W over ranks x span, and the same per pipeline rank.
+  double bubble = 0;
+  std::vector<double> rank_bubble;
+  double recv_wait_ms = 0;          // the longest any rank waited for activations or gradients
+  double activation_mb = 0;         // the most activation memory in use on any rank
 };
 
 struct RunSummary {
@@ -77,6 +84,19 @@ class Trainer {
 
  private:
   void log_json(const std::string& line);
+  // Pipeline: the step's micro-batches through the executor (returns the sum of their losses on
+  // the last stage's rank); its bubble, gathered over the replica's ranks, into s.
+  double pipeline_backward(StepStats& s);
+  void pipeline_report(StepStats& s);
+  // Pipeline: sums the gradient of the tied token embedding over the first and last stages.
+  void tie_embedding_grads();
+  void write_pipeline_trace();
+  // Pipeline: the whole model (parameters and AdamW moments) assembled on rank 0 from replica
+  // 0's stages and saved as the checkpoint one rank would write (eval, generate, export and a
+  // later run read it). Returns its directory on rank 0 ("" elsewhere, or when not written).
+  std::string save_assembled(const std::string& root);
+  // This rank's data-parallel group: the whole world without a pipeline, else its stage's replicas.
+  Communicator& dp() { return dp_comm_ ? *dp_comm_ : comm_; }
   // ZeRO: after this rank updated its shard, every rank receives every updated parameter.
   void gather_parameters();
   void print_samples();
@@ -97,6 +117,16 @@ class Trainer {
 
   Config config_;
   Communicator& comm_;
+  // Pipeline parallelism: the communicators of this rank's stage replicas (dp), its replica's
+  // stages (pp) and the ranks holding a copy of the tied embedding (first and last stage).
+  std::unique_ptr<Communicator> dp_comm_, pp_comm_, tied_comm_;
+  std::unique_ptr<pipeline::Executor> executor_;
+  std::vector<LayerRange> stages_;
+  pipeline::ScheduleCheck schedule_check_;
+  int micro_batches_ = 1;
+  std::vector<int> step_inputs_, step_targets_;  // the step's sequences, cut into micro-batches
+  int first_untied_chunk_ = 0;  // chunks before it hold this rank's copy of wte (not counted in the norm)
+  std::vector<std::string> last_timelines_;  // every rank's last step timeline (trace), on rank 0
   std::unique_ptr<ChunkStore> store_;
   std::unique_ptr<TierManager> tiers_;  // after store_: drains its transfers into the store first
   Placement placement_;

@@ -1,0 +1,100 @@
+// Runs a schedule's instruction list for this rank over MPI: F, B and W of its stages on the
+// model's activation slots, activations and their gradients as non-blocking messages. Receives
+// are posted ahead of the instruction that needs them (up to `lookahead` compute instructions
+// ahead, slots permitting) and gradients leave from buffers of their own, so computing never
+// waits on a send. Every instruction's start and end is recorded: the timeline gives the step's
+// bubble (pipeline/schedule.h account_bubble) and its Chrome trace.
+//
+// Results do not depend on timing: each stage sums its micro-batches' weight gradients in the
+// schedule's order (micro order for every schedule), whatever the order messages arrive in.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "model/gpt.h"
+#include "pipeline/schedule.h"
+
+namespace keel::pipeline {
+
+struct ExecutorStats {
+  double recv_wait_ms = 0;  // time F and B waited for a message
+  int peak_slots = 0;       // most activation slots in use at once
+  int64_t peak_activation_bytes = 0;
+};
+
+class Executor {
+ public:
+  // `stages`: the layer range of every stage (all ranks' stages, schedule.num_stages() of them).
+  // The model holds this rank's stages and has been allocated with slots_needed() slots.
+  Executor(GPT& model, Communicator& pipeline, Schedule schedule, std::vector<LayerRange> stages, int lookahead = 2);
+
+  // Activation slots this rank needs: the schedule's peak in flight plus room for receives
+  // posted early.
+  static int slots_needed(const ScheduleCheck& check, int rank) { return check.peak_in_flight[rank] + kEarlySlots; }
+
+  // One step's F, B, W and messages. `micro` holds the step's micro-batches (every rank passes
+  // all of them; stage 0 reads their inputs, the last stage their targets). `sync` hears of
+  // every B and, for the last micro-batch, of every W in descending layer order (gradient sync
+  // overlapped with the pipeline's drain). `lookahead_hook`, if set, is told before each compute
+  // instruction which layers the next `lookahead` ones will use. Returns the sum of the
+  // micro-batches' mean losses on the rank holding the last stage, 0 elsewhere.
+  double run_step(const std::vector<Batch>& micro, BackwardObserver* sync = nullptr);
+  // Forward only (evaluation) of one batch through every stage: the mean loss on the rank holding
+  // the last stage, 0 elsewhere.
+  double forward_only(const Batch& batch);
+
+  // Told the layers the next compute instructions will use, nearest first (prefetch hints).
+  void set_lookahead_hook(std::function<void(const std::vector<int>& layers)> hook) { hook_ = std::move(hook); }
+  // Adds an interval to the current step's timeline (the trainer's grad sync and optimizer step).
+  void record(Op op, std::chrono::steady_clock::time_point start, std::chrono::steady_clock::time_point end);
+  // This rank's intervals of the last step, in ms since it started.
+  const std::vector<Interval>& timeline() const { return timeline_; }
+  const ExecutorStats& stats() const { return stats_; }
+  const Schedule& schedule() const { return schedule_; }
+  int rank() const { return rank_; }
+  bool holds_last_stage() const;
+  bool holds_first_stage() const;
+
+ private:
+  static constexpr int kEarlySlots = 2;
+  struct Pending {
+    Communicator::Request request;
+    bool posted = false;
+  };
+  int slot_of(int micro, int stage, bool allocate);
+  void release(int micro, int stage);
+  void post_receives(size_t from);
+  void post(const Instr& in);
+  void wait_receive(const Instr& in);
+  void send_grad(const Instr& in, int slot);
+  int tag(Op op, int micro, int stage) const;
+  size_t message_floats() const;
+  void notify_hook(size_t from);
+
+  GPT& model_;
+  Communicator& comm_;
+  Schedule schedule_;
+  std::vector<LayerRange> stages_;
+  int lookahead_ = 2;
+  int rank_ = 0;
+  std::function<void(const std::vector<int>&)> hook_;
+  const std::vector<Batch>* micro_ = nullptr;
+  std::vector<int> free_slots_;
+  std::map<std::pair<int, int>, int> slot_;  // (micro, stage) -> slot
+  std::set<std::pair<int, int>> early_;      // slots taken by receives posted before their F
+  std::vector<Communicator::Request> act_sends_;  // per slot: its output's send
+  std::map<std::pair<int, int>, Pending> receives_;  // (op, micro * stages + stage)
+  std::vector<std::pair<std::unique_ptr<float[]>, Communicator::Request>> grad_buffers_;
+  std::chrono::steady_clock::time_point t0_;
+  std::vector<Interval> timeline_;
+  ExecutorStats stats_;
+};
+
+}  // namespace keel::pipeline

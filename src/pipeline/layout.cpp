@@ -1,0 +1,118 @@
+#include "pipeline/layout.h"
+
+#include <algorithm>
+#include <limits>
+#include <sstream>
+
+#include "core/error.h"
+
+namespace keel::pipeline {
+
+std::vector<double> layer_costs(const ModelConfig& m, int T) {
+  const double C = m.n_embd, V = m.padded_vocab_size;
+  std::vector<double> costs;
+  costs.push_back(2 * C);                              // embedding: two row reads and an add
+  for (int l = 0; l < m.n_layer; ++l) costs.push_back(24 * C * C + 4.0 * T * C);  // qkv, proj, fc, fcproj, attention
+  costs.push_back(2 * C * V + 5 * V);                  // tied head and the softmax cross-entropy
+  return costs;
+}
+
+std::vector<LayerRange> cut_stages(const std::vector<double>& costs, int stages, const std::string& boundaries) {
+  const int L = static_cast<int>(costs.size());
+  check(stages >= 1 && stages <= L, "config key 'parallel.pipeline': expected at most one stage per layer (" + std::to_string(L) +
+                                        " layers: embedding, " + std::to_string(L - 2) + " blocks, head), found " +
+                                        std::to_string(stages) + " stages");
+  std::vector<int> first;  // first layer of each stage
+  if (!boundaries.empty()) {
+    first.push_back(0);
+    std::stringstream in(boundaries);
+    std::string item;
+    while (std::getline(in, item, ',')) {
+      int b = -1;
+      try {
+        size_t used = 0;
+        b = std::stoi(item, &used);
+        check(used == item.size(), "");
+      } catch (const std::exception&) {
+        throw Error("config key 'parallel.stage_boundaries': expected comma-separated layer indices, found \"" + boundaries + "\"");
+      }
+      check(b > first.back() && b < L, "config key 'parallel.stage_boundaries': boundary " + std::to_string(b) +
+                                           " out of range (expected increasing layer indices in 1.." +
+                                           std::to_string(L - 1) + ")");
+      first.push_back(b);
+    }
+    check(static_cast<int>(first.size()) == stages,
+          "config key 'parallel.stage_boundaries': expected " + std::to_string(stages - 1) + " boundaries for " +
+              std::to_string(stages) + " stages, found " + std::to_string(first.size() - 1));
+  } else {
+    // best[s][i]: the least possible maximum stage cost cutting layers 0..i-1 into s stages.
+    std::vector<double> prefix(L + 1, 0);
+    for (int i = 0; i < L; ++i) prefix[i + 1] = prefix[i] + costs[i];
+    const double inf = std::numeric_limits<double>::infinity();
+    std::vector<std::vector<double>> best(stages + 1, std::vector<double>(L + 1, inf));
+    std::vector<std::vector<int>> cut(stages + 1, std::vector<int>(L + 1, 0));
+    best[0][0] = 0;
+    for (int s = 1; s <= stages; ++s) {
+      for (int i = s; i <= L; ++i) {
+        for (int j = s - 1; j < i; ++j) {
+          const double c = std::max(best[s - 1][j], prefix[i] - prefix[j]);
+          if (c < best[s][i]) best[s][i] = c, cut[s][i] = j;
+        }
+      }
+    }
+    first.assign(stages, 0);
+    for (int s = stages, i = L; s >= 1; --s) {
+      first[s - 1] = cut[s][i];
+      i = cut[s][i];
+    }
+  }
+  std::vector<LayerRange> ranges;
+  for (int s = 0; s < stages; ++s) ranges.push_back({first[s], s + 1 < stages ? first[s + 1] - 1 : L - 1});
+  return ranges;
+}
+
+int virtual_stages(const ParallelConfig& p) {
+  return p.virtual_stages > 0 ? p.virtual_stages : default_virtual_stages(parse_kind(p.schedule));
+}
+
+int micro_batches(const Config& c) {
+  return c.parallel.micro_batches > 0 ? c.parallel.micro_batches : c.train.grad_accum;
+}
+
+void validate_pipeline_config(const ParallelConfig& p, const TrainConfig& t, int n_layer, int world_size) {
+  auto s = [](auto v) { return std::to_string(v); };
+  check(p.pipeline >= 1, "config key 'parallel.pipeline': expected >= 1, found " + s(p.pipeline));
+  check(world_size % p.pipeline == 0, "config key 'parallel.pipeline': expected a divisor of the " + s(world_size) +
+                                          " rank(s) of this job (world = data x pipeline), found " + s(p.pipeline));
+  const Kind kind = parse_kind(p.schedule);
+  check(p.virtual_stages >= 0, "config key 'parallel.virtual_stages': expected >= 0, found " + s(p.virtual_stages));
+  const int v = virtual_stages(p);
+  check(kind != Kind::interleaved || v >= 2 || p.pipeline == 1,
+        "config key 'parallel.virtual_stages': the interleaved schedule needs at least 2, found " + s(v));
+  check(kind == Kind::interleaved || kind == Kind::zb_v || v == 1,
+        "config key 'parallel.virtual_stages': schedule " + p.schedule + " runs one stage per rank, found " + s(v));
+  check(kind != Kind::zb_v || v == 2, "config key 'parallel.virtual_stages': schedule zb-v runs 2 stages per rank, found " + s(v));
+  check(p.micro_batches >= 0, "config key 'parallel.micro_batches': expected >= 0, found " + s(p.micro_batches));
+  check(p.activation_mib >= 0, "config key 'parallel.activation_mib': expected >= 0, found " + s(p.activation_mib));
+  if (p.pipeline == 1) {
+    check(p.micro_batches == 0, "config key 'parallel.micro_batches': only with parallel.pipeline > 1 (use train.grad_accum)");
+    check(p.stage_boundaries.empty(), "config key 'parallel.stage_boundaries': only with parallel.pipeline > 1");
+    return;
+  }
+  const int stages = p.pipeline * v;
+  check(stages <= n_layer + 2, "config key 'parallel.pipeline': " + s(stages) + " stages (" + s(p.pipeline) + " ranks x " + s(v) +
+                                   ") for " + s(n_layer + 2) + " layers (embedding, " + s(n_layer) +
+                                   " blocks, head): expected at most one stage per layer");
+  const int m = p.micro_batches > 0 ? p.micro_batches : t.grad_accum;
+  const int sequences = t.batch_size * t.grad_accum;
+  check(sequences % m == 0, "config key 'parallel.micro_batches': " + s(m) + " micro-batches do not divide the " + s(sequences) +
+                                " sequences of a step (train.batch_size " + s(t.batch_size) + " x train.grad_accum " +
+                                s(t.grad_accum) + ")");
+  check(kind != Kind::interleaved || m % p.pipeline == 0,
+        "config key 'parallel.micro_batches': the interleaved schedule needs a multiple of the " + s(p.pipeline) +
+            " pipeline ranks, found " + s(m));
+  // Boundaries are checked against the real layer count here, so a bad cut fails before any rank starts.
+  cut_stages(std::vector<double>(n_layer + 2, 1.0), stages, p.stage_boundaries);
+}
+
+}  // namespace keel::pipeline
