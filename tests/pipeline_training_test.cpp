@@ -97,12 +97,25 @@ INSTANTIATE_TEST_SUITE_P(Pipeline, EverySchedule,
 
 // Two data-parallel replicas of a two-stage pipeline: each replica takes half of every global
 // batch (1 of its 2 sequences, 4 times a step): the same 8 sequences per step as one rank.
+// ZeRO-1 shards each stage's AdamW moments over its replicas.
 TEST_F(PipelineTraining, DataParallelTimesPipeline) {
   for (const std::string schedule : {"1f1b", "zb-h1"}) {
     expect_equivalent(4, "dp2pp2-" + schedule,
                       "--set parallel.pipeline=2 --set train.global_batch_size=2 --set parallel.micro_batches=4 "
                       "--set train.grad_accum=4 --set parallel.schedule=" + schedule);
   }
+  expect_equivalent(4, "dp2pp2-zero1",
+                    "--set parallel.pipeline=2 --set train.global_batch_size=2 --set parallel.micro_batches=4 "
+                    "--set train.grad_accum=4 --set parallel.schedule=zb-h2 --set parallel.zero=1");
+}
+
+// Stages whose chunks live in memory tiers (host DRAM and an NVMe file), prefetched by the
+// tiers' recorded schedule and by the executor's lookahead hints.
+TEST_F(PipelineTraining, StagesOverMemoryTiers) {
+  std::filesystem::create_directories(dir_->path() + "/nvme");
+  expect_equivalent(2, "tiered",
+                    "--set parallel.pipeline=2 --set parallel.schedule=zb-h1 --set tier.device_mib=2 "
+                    "--set tier.host_mib=1 --set tier.nvme_dir=" + dir_->path() + "/nvme");
 }
 
 TEST_F(PipelineTraining, MicroBatchesOtherThanGradAccumGiveTheSameModel) {
@@ -113,6 +126,34 @@ TEST_F(PipelineTraining, MicroBatchesOtherThanGradAccumGiveTheSameModel) {
                     1e-4);
   expect_equivalent(2, "m2", "--set parallel.pipeline=2 --set parallel.micro_batches=2 --set parallel.schedule=1f1b",
                     1e-4);
+}
+
+TEST_F(PipelineTraining, DynamicMicroBatchesMeasureThenChooseAndSayWhy) {
+  const testing::CommandResult r =
+      train(2, "dynamic", "--set parallel.pipeline=2 --set parallel.schedule=zb-h1 --set parallel.dynamic_micro_batches=true");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("keel: step 2: pipeline micro-batches 4 -> 8 (measuring a second count)"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("keel: step 3: pipeline micro-batches 8 -> "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("the shortest simulated step"), std::string::npos) << r.output;
+  int events = 0;
+  const std::string text = read_text_file(dir_->path() + "/dynamic/metrics.jsonl");
+  for (size_t start = 0; start < text.size();) {
+    const size_t end = text.find('\n', start);
+    const auto j = nlohmann::json::parse(text.substr(start, end - start));
+    if (j.value("event", "") == "micro_batches") {
+      events++;
+      EXPECT_FALSE(j["reason"].get<std::string>().empty());
+    }
+    start = end + 1;
+  }
+  EXPECT_EQ(events, 2);
+  // Whatever it chose, it trains the same model (micro-batches group the same sequences).
+  const std::vector<nlohmann::json> ref = steps("one"), got = steps("dynamic");
+  ASSERT_EQ(got.size(), ref.size());
+  for (size_t i = 0; i < ref.size(); ++i) {
+    EXPECT_NEAR(got[i]["loss"].get<double>(), ref[i]["loss"].get<double>(), 1e-4 * ref[i]["loss"].get<double>());
+  }
 }
 
 TEST_F(PipelineTraining, ReportsBubbleAndWritesATrace) {

@@ -296,40 +296,35 @@ int cmd_schedule(const Args& a) {
   const int width = static_cast<int>(a.get_int("--width", 100));
   check(width >= 20, "schedule --width: expected >= 20, found " + std::to_string(width));
   const ParallelConfig& p = config.parallel;
-  const pipeline::Schedule schedule = pipeline::make_schedule(
-      {pipeline::parse_kind(p.schedule), p.pipeline, pipeline::micro_batches(config), pipeline::virtual_stages(p)});
-  const int T = config.train.seq_len, B = config.train.batch_size * config.train.grad_accum / schedule.spec.micro;
+  const int T = config.train.seq_len;
   const std::vector<double> layer = pipeline::layer_costs(config.model, T);
-  const std::vector<LayerRange> stages = pipeline::cut_stages(layer, schedule.num_stages(), p.stage_boundaries);
-  pipeline::MemoryBound bound;
-  bound.limit = p.activation_mib << 20;
+  const std::vector<LayerRange> stages =
+      pipeline::cut_stages(layer, p.pipeline * pipeline::virtual_stages(p), p.stage_boundaries);
+  const pipeline::Plan plan = pipeline::plan(config, stages, pipeline::micro_batches(config));
+  g_input_accepted = true;
+  // Units: one forward pass of the whole model = 1; B and W each cost about what F does.
   pipeline::Costs costs;
   double total = 0;
+  for (double c : layer) total += c;
   for (const LayerRange& r : stages) {
     double c = 0;
     for (int i = r.first; i <= r.last; ++i) c += layer[i];
-    total += c;
-    costs.forward.push_back(c);
-    bound.stage_bytes.push_back(GPT::slot_bytes_for(config.model, r, B, T));
+    costs.forward.push_back(c / total);
   }
-  // Units: one forward pass of the whole model = 1; B and W each cost about what F does.
-  for (double& c : costs.forward) c /= total;
   costs.backward_input = costs.forward;
   costs.backward_weight = costs.forward;
-  const pipeline::ScheduleCheck check_result = pipeline::validate(schedule, bound);
-  g_input_accepted = true;
+  const pipeline::Schedule& schedule = plan.schedule;
   const pipeline::Timeline t = pipeline::simulate(schedule, costs);
   std::printf("schedule %s: %d ranks, %d stages, %d micro-batches of %d x %d tokens; valid\n",
               pipeline::kind_name(schedule.spec.kind), schedule.spec.ranks, schedule.num_stages(), schedule.spec.micro,
-              B, T);
+              plan.micro_batch, T);
   for (int r = 0; r < schedule.spec.ranks; ++r) {
     std::string layers;
     for (int st : schedule.stages_of(r)) {
       layers += (layers.empty() ? "" : ", ") + std::to_string(stages[st].first) + "-" + std::to_string(stages[st].last);
     }
     std::printf("  rank %d: layers %s, at most %d micro-batches in flight (%.1f MB of activations), simulated bubble %.1f%%\n",
-                r, layers.c_str(), check_result.peak_in_flight[r], check_result.peak_bytes[r] / 1e6,
-                100 * t.rank_bubble[r]);
+                r, layers.c_str(), plan.check.peak_in_flight[r], plan.check.peak_bytes[r] / 1e6, 100 * t.rank_bubble[r]);
   }
   std::printf("simulated bubble %.1f%% (F, B, W from layer FLOPs; messages free)\n%s", 100 * t.bubble,
               pipeline::gantt(t, width).c_str());

@@ -71,8 +71,10 @@ std::vector<Field> fields(Config& c) {
       {"parallel", "virtual_stages", &c.parallel.virtual_stages},
       {"parallel", "stage_boundaries", &c.parallel.stage_boundaries},
       {"parallel", "micro_batches", &c.parallel.micro_batches},
+      {"parallel", "dynamic_micro_batches", &c.parallel.dynamic_micro_batches},
       {"parallel", "activation_mib", &c.parallel.activation_mib},
       {"parallel", "trace", &c.parallel.trace},
+      {"parallel", "lookahead", &c.parallel.lookahead},
       {"sync", "codec", &c.sync.codec},
       {"sync", "policy", &c.sync.policy},
       {"sync", "embedding", &c.sync.embedding},
@@ -397,7 +399,6 @@ void Config::resolve(int world_size) {
     };
     unsupported(parallel.zero < 2, "parallel.zero", s(parallel.zero));
     unsupported(sync.codec == "none", "sync.codec", "\"" + sync.codec + "\"");
-    unsupported(tier.device_mib == 0, "tier.device_mib", s(tier.device_mib));
     unsupported(train.checkpoint_every == 0, "train.checkpoint_every", s(train.checkpoint_every));
     unsupported(train.resume.empty(), "train.resume", "\"" + train.resume + "\"");
   }

@@ -72,8 +72,12 @@ struct ParallelConfig {
   int virtual_stages = 0;            // stages per rank; 0 = the schedule's (interleaved, zb-v: 2; else 1)
   std::string stage_boundaries;      // first layer of stages 1.. ("3,6"); "" = balanced by layer cost
   int micro_batches = 0;             // per step; 0 = train.grad_accum (each of train.batch_size sequences)
+  // Choose the micro-batch count from measured stage times: step 2 runs micro_batches, step 3 a
+  // second count, and from step 4 on the count whose simulated step is shortest (logged, with why).
+  bool dynamic_micro_batches = false;
   int64_t activation_mib = 0;        // bound on a rank's activations in flight; 0 = none
   bool trace = false;                // write run_dir/pipeline_trace.json (Chrome trace) of the last step
+  int lookahead = 2;                 // compute instructions whose layers are hinted to the chunk store ahead
 };
 
 // Compressed data-parallel gradient sync (HybridGC). Every lossy codec runs with error feedback:

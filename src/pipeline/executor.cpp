@@ -155,7 +155,7 @@ void Executor::notify_hook(size_t from) {
   const std::vector<Instr>& list = schedule_.per_rank[rank_];
   std::vector<int> layers;
   int computes = 0;
-  for (size_t i = from; i < list.size() && computes < lookahead_; ++i) {
+  for (size_t i = from + 1; i < list.size() && computes < lookahead_; ++i) {
     const Instr& in = list[i];
     if (!is_compute(in.op)) continue;
     computes++;

@@ -93,10 +93,12 @@ void validate_pipeline_config(const ParallelConfig& p, const TrainConfig& t, int
         "config key 'parallel.virtual_stages': schedule " + p.schedule + " runs one stage per rank, found " + s(v));
   check(kind != Kind::zb_v || v == 2, "config key 'parallel.virtual_stages': schedule zb-v runs 2 stages per rank, found " + s(v));
   check(p.micro_batches >= 0, "config key 'parallel.micro_batches': expected >= 0, found " + s(p.micro_batches));
+  check(p.lookahead >= 0, "config key 'parallel.lookahead': expected >= 0, found " + std::to_string(p.lookahead));
   check(p.activation_mib >= 0, "config key 'parallel.activation_mib': expected >= 0, found " + s(p.activation_mib));
   if (p.pipeline == 1) {
     check(p.micro_batches == 0, "config key 'parallel.micro_batches': only with parallel.pipeline > 1 (use train.grad_accum)");
     check(p.stage_boundaries.empty(), "config key 'parallel.stage_boundaries': only with parallel.pipeline > 1");
+    check(!p.dynamic_micro_batches, "config key 'parallel.dynamic_micro_batches': only with parallel.pipeline > 1");
     return;
   }
   const int stages = p.pipeline * v;
@@ -113,6 +115,35 @@ void validate_pipeline_config(const ParallelConfig& p, const TrainConfig& t, int
             " pipeline ranks, found " + s(m));
   // Boundaries are checked against the real layer count here, so a bad cut fails before any rank starts.
   cut_stages(std::vector<double>(n_layer + 2, 1.0), stages, p.stage_boundaries);
+}
+
+Plan plan(const Config& config, const std::vector<LayerRange>& stages, int m) {
+  const ParallelConfig& p = config.parallel;
+  const TrainConfig& t = config.train;
+  Plan out;
+  out.micro_batch = t.batch_size * t.grad_accum / m;
+  out.schedule = make_schedule({parse_kind(p.schedule), p.pipeline, m, virtual_stages(p)});
+  MemoryBound bound;
+  for (const LayerRange& r : stages) bound.stage_bytes.push_back(GPT::slot_bytes_for(config.model, r, out.micro_batch, t.seq_len));
+  out.check = validate(out.schedule, bound);
+  const int64_t peak = *std::max_element(out.check.peak_bytes.begin(), out.check.peak_bytes.end());
+  const int64_t limit = p.activation_mib << 20;
+  check(limit == 0 || peak <= limit,
+        "config key 'parallel.activation_mib': schedule " + p.schedule + " with " + std::to_string(m) +
+            " micro-batches of " + std::to_string(out.micro_batch) + " sequences needs " +
+            std::to_string((peak + (1 << 20) - 1) >> 20) + " MiB of activations in flight on some rank, found a bound of " +
+            std::to_string(p.activation_mib) + " MiB");
+  return out;
+}
+
+std::vector<int> allowed_micro_batches(const Config& config) {
+  const int sequences = config.train.batch_size * config.train.grad_accum;
+  const bool interleaved = parse_kind(config.parallel.schedule) == Kind::interleaved;
+  std::vector<int> out;
+  for (int m = 1; m <= sequences; ++m) {
+    if (sequences % m == 0 && (!interleaved || m % config.parallel.pipeline == 0)) out.push_back(m);
+  }
+  return out;
 }
 
 }  // namespace keel::pipeline

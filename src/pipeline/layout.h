@@ -32,4 +32,20 @@ int micro_batches(const Config& config);
 // Virtual stages per rank: parallel.virtual_stages, or the schedule's own when 0.
 int virtual_stages(const ParallelConfig& parallel);
 
+// A schedule ready to run: validated, with its activations in flight per rank.
+struct Plan {
+  Schedule schedule;
+  ScheduleCheck check;  // peak_in_flight and (weighted by each stage's bytes) peak_bytes per rank
+  int micro_batch = 0;  // sequences per micro-batch
+};
+
+// The schedule of `config` for m micro-batches splitting the step's train.batch_size x
+// train.grad_accum sequences over `stages`, validated. Throws keel::Error naming
+// parallel.activation_mib when its activations in flight exceed that bound on some rank.
+Plan plan(const Config& config, const std::vector<LayerRange>& stages, int m);
+
+// The micro-batch counts the schedule allows for the step (divisors of its sequences; for the
+// interleaved schedule, multiples of the pipeline ranks), ascending.
+std::vector<int> allowed_micro_batches(const Config& config);
+
 }  // namespace keel::pipeline

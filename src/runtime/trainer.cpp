@@ -109,19 +109,18 @@ Trainer::Trainer(Config config, Communicator& comm)
   const int rank = comm_.rank(), world = comm_.size();
   const int P = config_.parallel.pipeline;
   std::vector<LayerRange> my_stages;  // empty: the whole model
-  std::optional<pipeline::Schedule> schedule;
+  std::optional<pipeline::Plan> plan;
   if (P > 1) {
     check(world % P == 0, "parallel.pipeline: " + std::to_string(P) + " stages do not divide the " +
                               std::to_string(world) + " ranks of this job");
     // World rank = replica * P + pipeline rank: a replica's stages are consecutive ranks.
     dp_comm_ = comm_.split(rank % P, rank / P);
     pp_comm_ = comm_.split(rank / P, rank % P);
-    const pipeline::Kind kind = pipeline::parse_kind(config_.parallel.schedule);
-    micro_batches_ = pipeline::micro_batches(config_);
-    schedule = pipeline::make_schedule({kind, P, micro_batches_, pipeline::virtual_stages(config_.parallel)});
-    stages_ = pipeline::cut_stages(pipeline::layer_costs(m, t.seq_len), schedule->num_stages(),
-                                   config_.parallel.stage_boundaries);
-    for (int s : schedule->stages_of(pp_comm_->rank())) my_stages.push_back(stages_[s]);
+    const int S = P * pipeline::virtual_stages(config_.parallel);
+    stages_ = pipeline::cut_stages(pipeline::layer_costs(m, t.seq_len), S, config_.parallel.stage_boundaries);
+    // Every rank validates the whole schedule (the same on all of them) before any message moves.
+    plan = pipeline::plan(config_, stages_, pipeline::micro_batches(config_));
+    for (int s : plan->schedule.stages_of(pp_comm_->rank())) my_stages.push_back(stages_[s]);
   }
   const int dp_rank = dp().rank(), dp_size = dp().size();
   train_data_ = std::make_unique<DataLoader>(config_.data.train, t.batch_size, t.seq_len, m.vocab_size, true, t.seed,
@@ -149,25 +148,7 @@ Trainer::Trainer(Config config, Communicator& comm)
     store_->shard_moments(partition_.first_chunk[dp_rank], partition_.first_chunk[dp_rank + 1]);
   }
   if (P > 1) {
-    // Every rank validates the whole schedule (the same on all of them) before any message moves,
-    // and sizes its activation slots from the proven peak of micro-batches in flight.
-    const int B = t.batch_size * t.grad_accum / micro_batches_;
-    schedule_check_ = pipeline::validate(*schedule);
-    pipeline::MemoryBound bound;
-    for (const LayerRange& r : stages_) bound.stage_bytes.push_back(GPT::slot_bytes_for(m, r, B, t.seq_len));
-    const pipeline::ScheduleCheck weighted = pipeline::validate(*schedule, bound);
-    const int64_t peak = *std::max_element(weighted.peak_bytes.begin(), weighted.peak_bytes.end());
-    const int64_t limit = config_.parallel.activation_mib << 20;
-    check(limit == 0 || peak <= limit,
-          "config key 'parallel.activation_mib': schedule " + config_.parallel.schedule + " with " +
-              std::to_string(micro_batches_) + " micro-batches of " + std::to_string(B) + " sequences needs " +
-              std::to_string((peak + (1 << 20) - 1) >> 20) + " MiB of activations in flight on some rank, found a bound of " +
-              std::to_string(config_.parallel.activation_mib) + " MiB");
-    schedule_check_.peak_bytes = weighted.peak_bytes;
-    // Evaluation sends whole batches of train.batch_size through the stages.
-    model_->allocate(std::max(B, t.batch_size), t.seq_len,
-                     pipeline::Executor::slots_needed(schedule_check_, pp_comm_->rank()));
-    executor_ = std::make_unique<pipeline::Executor>(*model_, *pp_comm_, std::move(*schedule), stages_);
+    use_plan(std::move(*plan));
     // The tied embedding: ranks holding a copy of wte (the first and the last stage) sum its gradient.
     const bool tied = executor_->holds_first_stage() || executor_->holds_last_stage();
     tied_comm_ = pp_comm_->split(tied ? 0 : 1, pp_comm_->rank());
@@ -368,6 +349,7 @@ StepStats Trainer::step() {
   // Each rank's gradient is scaled for the global batch, so the sum over ranks is the gradient
   // of the mean loss over every rank's tokens: what one rank with world x the batch computes.
   const int world = dp().size();  // data-parallel ranks (the world without a pipeline)
+  const int step_micro_batches = micro_batches_;  // dynamic micro-batches may change it after the step
   double loss_sum = 0;
   if (executor_) {
     sync_->begin(true, steps_done_);  // W notifications reach it for the last micro-batch only
@@ -430,6 +412,7 @@ StepStats Trainer::step() {
   if (executor_) {
     executor_->record(pipeline::Op::grad_sync, sync_start, std::chrono::steady_clock::now());
     pipeline_report(s);
+    if (config_.parallel.dynamic_micro_batches) adapt_micro_batches();
   }
   steps_done_++;
   // One max over ranks for the spread of sync waits and the memory high-water mark.
@@ -454,7 +437,7 @@ StepStats Trainer::step() {
   const double seconds = seconds_since(t0);
   const double tokens = static_cast<double>(t.batch_size) * t.seq_len * t.grad_accum * world;
   s.step = steps_done_;
-  s.loss = loss_sum / (executor_ ? micro_batches_ : t.grad_accum);
+  s.loss = loss_sum / (executor_ ? step_micro_batches : t.grad_accum);
   s.ms = seconds * 1e3;
   s.tokens_per_s = tokens / seconds;
   s.mfu = model_->train_flops_per_token(t.seq_len) * s.tokens_per_s / (peak_gflops_ * 1e9 * comm_.size());
@@ -469,6 +452,71 @@ StepStats Trainer::step() {
     s.sync_jitter = mean > 0 ? std::sqrt(var / sync_latencies_ms_.size()) / mean : 0;
   }
   return s;
+}
+
+void Trainer::use_plan(pipeline::Plan plan) {
+  const TrainConfig& t = config_.train;
+  micro_batches_ = plan.schedule.spec.micro;
+  schedule_check_ = plan.check;
+  // Activation slots from the schedule's proven peak of micro-batches in flight; evaluation sends
+  // whole batches of train.batch_size through the stages.
+  executor_.reset();
+  model_->allocate(std::max(plan.micro_batch, t.batch_size), t.seq_len,
+                   pipeline::Executor::slots_needed(schedule_check_, pp_comm_->rank()));
+  executor_ = std::make_unique<pipeline::Executor>(*model_, *pp_comm_, std::move(plan.schedule), stages_,
+                                                   config_.parallel.lookahead);
+  // Lookahead prefetch: the layers of the next instructions start coming from their tiers early.
+  executor_->set_lookahead_hook([this](const std::vector<int>& layers) {
+    store_->hint_layers(layers, {Plane::param, Plane::grad});
+  });
+}
+
+pipeline::StageTimes Trainer::measured_stage_times() {
+  pipeline::StageTimes times;
+  times.micro_batch = config_.train.batch_size * config_.train.grad_accum / micro_batches_;
+  const int S = static_cast<int>(stages_.size());
+  times.forward.assign(S, 0.0);
+  times.backward_input.assign(S, 0.0);
+  times.backward_weight.assign(S, 0.0);
+  pipeline::add_stage_times(executor_->timeline(), times);
+  // Each stage runs on one rank of the replica: the sums put every stage's times everywhere.
+  std::vector<double> all;
+  for (const auto* v : {&times.forward, &times.backward_input, &times.backward_weight}) all.insert(all.end(), v->begin(), v->end());
+  pp_comm_->allreduce_sum(all.data(), all.size());
+  for (int s = 0; s < S; ++s) {
+    times.forward[s] = all[s];
+    times.backward_input[s] = all[S + s];
+    times.backward_weight[s] = all[2 * S + s];
+  }
+  return times;
+}
+
+void Trainer::adapt_micro_batches() {
+  const int64_t step = steps_done_ + 1;  // the step just measured (step 1 pays for warm-up)
+  if (step != 2 && step != 3) return;
+  const pipeline::StageTimes times = measured_stage_times();
+  std::string reason;
+  int m = micro_batches_;
+  if (step == 2) {
+    first_measure_ = times;
+    m = pipeline::probe_micro_batches(config_, micro_batches_);
+    reason = "measuring a second count";
+  } else {
+    // Every rank runs what rank 0 (replica 0's measurement) chose.
+    if (first_measure_.micro_batch != times.micro_batch) {
+      const pipeline::MicroBatchChoice c = pipeline::choose_micro_batches(config_, stages_, first_measure_, times);
+      m = c.micro_batches;
+      reason = c.reason;
+    }
+    m = static_cast<int>(comm_.broadcast(static_cast<int64_t>(m)));
+  }
+  if (comm_.is_root()) {
+    std::printf("keel: step %lld: pipeline micro-batches %d -> %d (%s)\n", static_cast<long long>(step), micro_batches_, m,
+                reason.c_str());
+    std::fflush(stdout);
+    log_json(json({{"event", "micro_batches"}, {"step", step}, {"from", micro_batches_}, {"to", m}, {"reason", reason}}).dump());
+  }
+  if (m != micro_batches_) use_plan(pipeline::plan(config_, stages_, m));
 }
 
 double Trainer::pipeline_backward(StepStats&) {
@@ -576,10 +624,7 @@ void Trainer::write_pipeline_trace() {
 
 std::string Trainer::save_assembled(const std::string& root) {
   const int P = config_.parallel.pipeline;
-  if (config_.parallel.zero > 0 && dp().size() > 1) {
-    if (comm_.is_root()) std::printf("keel: no checkpoint: assembling one from ZeRO-sharded pipeline stages is not supported yet\n");
-    return "";
-  }
+  store_->apply_pending();  // the state after the last step's update
   // The whole model's tensors in order, by name (a registry: nothing allocated).
   ChunkStore registry(config_.store.chunk_bytes);
   const GPT whole(config_.model, registry);
@@ -595,6 +640,30 @@ std::string Trainer::save_assembled(const std::string& root) {
     return -1;
   };
   const Plane planes[3] = {Plane::param, Plane::adam_m, Plane::adam_v};
+  // ZeRO: each replica of a stage holds a shard of its moments; replica 0 gathers them whole.
+  const bool sharded = config_.parallel.zero > 0 && dp().size() > 1;
+  std::vector<float> gathered[3];
+  if (sharded) {
+    const int r = dp().rank();
+    for (int k = 1; k < 3; ++k) {
+      if (r == 0) gathered[k].resize(static_cast<size_t>(store_->numel()));
+      const PageLease use = store_->use_range(planes[k], partition_.begin[r], partition_.begin[r + 1] - partition_.begin[r], false);
+      const std::span<float> own = store_->range_view(planes[k], partition_.begin[r], partition_.begin[r + 1] - partition_.begin[r]);
+      if (r == 0) std::copy(own.begin(), own.end(), gathered[k].begin());
+      dp().gatherv_to_root(own.data(), gathered[k].data(), partition_.counts(), partition_.displs());
+    }
+  }
+  // This rank's copy of one of its tensors' planes (replica 0).
+  auto copy_of = [&](int local, int k, float* to) {
+    const TensorInfo& info = store_->tensors()[local];
+    if (sharded && k > 0) {
+      std::copy_n(gathered[k].data() + info.offset, info.numel, to);
+      return;
+    }
+    const PageLease use = store_->use_tensor(local, {planes[k]});
+    const std::span<float> from = store_->view(local, planes[k]);
+    std::copy(from.begin(), from.end(), to);
+  };
   std::string dir;
   if (comm_.rank() < P) {  // replica 0
     std::unique_ptr<ChunkStore> full;
@@ -610,14 +679,14 @@ std::string Trainer::save_assembled(const std::string& root) {
         if (comm_.is_root()) {
           std::span<float> to = full->view(id, planes[k]);
           if (owner == 0) {
-            const std::span<float> from = store_->view(local_id(spec.name), planes[k]);
-            std::copy(from.begin(), from.end(), to.begin());
+            copy_of(local_id(spec.name), k, to.data());
           } else {
             Communicator::Request r = pp_comm_->irecv(to.data(), to.size(), owner, id * 3 + k);
             pp_comm_->wait(r);
           }
         } else if (owner == pp_comm_->rank()) {
-          const std::span<float> from = store_->view(local_id(spec.name), planes[k]);
+          std::vector<float> from(static_cast<size_t>(store_->tensors()[local_id(spec.name)].numel));
+          copy_of(local_id(spec.name), k, from.data());
           Communicator::Request r = pp_comm_->isend(from.data(), from.size(), 0, id * 3 + k);
           pp_comm_->wait(r);
         }

@@ -21,6 +21,8 @@
 #include "model/gpt.h"
 #include "optim/adamw.h"
 #include "pipeline/executor.h"
+#include "pipeline/layout.h"
+#include "pipeline/micro_batching.h"
 #include "store/chunk_store.h"
 #include "store/placement.h"
 #include "store/tiers.h"
@@ -88,6 +90,12 @@ class Trainer {
   // the last stage's rank); its bubble, gathered over the replica's ranks, into s.
   double pipeline_backward(StepStats& s);
   void pipeline_report(StepStats& s);
+  // Runs the pipeline with this plan from the next step on (allocates its activation slots).
+  void use_plan(pipeline::Plan plan);
+  // Dynamic micro-batches (parallel.dynamic_micro_batches): measures steps 2 and 3 at two counts,
+  // then runs the count whose simulated step is shortest.
+  void adapt_micro_batches();
+  pipeline::StageTimes measured_stage_times();
   // Pipeline: sums the gradient of the tied token embedding over the first and last stages.
   void tie_embedding_grads();
   void write_pipeline_trace();
@@ -126,7 +134,8 @@ class Trainer {
   int micro_batches_ = 1;
   std::vector<int> step_inputs_, step_targets_;  // the step's sequences, cut into micro-batches
   int first_untied_chunk_ = 0;  // chunks before it hold this rank's copy of wte (not counted in the norm)
-  std::vector<std::string> last_timelines_;  // every rank's last step timeline (trace), on rank 0
+  std::vector<std::string> last_timelines_;
+  pipeline::StageTimes first_measure_;  // dynamic micro-batches: step 2's stage times  // every rank's last step timeline (trace), on rank 0
   std::unique_ptr<ChunkStore> store_;
   std::unique_ptr<TierManager> tiers_;  // after store_: drains its transfers into the store first
   Placement placement_;

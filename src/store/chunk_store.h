@@ -58,6 +58,7 @@ struct Chunk {
   int64_t numel = 0;
   std::vector<Segment> segments;
   uint64_t accesses = 0;    // times a layer announced use of this chunk (for tier policies)
+  uint64_t hinted = 0;      // times a lookahead said the chunk would be used soon
 };
 
 using TensorId = int;
@@ -128,6 +129,10 @@ class ChunkStore {
   // fetched and pinned until the lease ends; `write` planes are marked modified then. Views of
   // those pages are valid while the lease lives.
   PageLease use_layer(int layer, std::initializer_list<Plane> read, std::initializer_list<Plane> write = {});
+  // Lookahead (a pipeline executor): these layers' chunks will be used soon, nearest first, in
+  // `planes`. Counted per chunk; with tiers attached, their pages not on the device start to come
+  // while there is room. Returns the fetches started.
+  int hint_layers(std::span<const int> layers, std::initializer_list<Plane> planes);
   // The same for one chunk (the optimizer's unit).
   PageLease use_chunk(int chunk, std::initializer_list<Plane> read, std::initializer_list<Plane> write = {}) const;
   // The same for the chunks that elements [offset, offset + numel) of the flat space touch (a
