@@ -16,7 +16,9 @@ using testing::error_of;
 
 const Kind kAllKinds[] = {Kind::gpipe, Kind::one_f_one_b, Kind::interleaved, Kind::zb_h1, Kind::zb_h2, Kind::zb_v};
 
-Schedule make(Kind kind, int ranks, int micro, int virtual_stages = 0) { return make_schedule({kind, ranks, micro, virtual_stages}); }
+Schedule make(Kind kind, int ranks, int micro, int virtual_stages = 0) {
+  return make_schedule({kind, ranks, micro, virtual_stages});
+}
 
 // Runs a schedule with f, b, w the costs of a whole rank's layers: each of its v stages costs 1/v
 // of them, so the work per rank and micro-batch is f + b + w whatever the schedule.
@@ -335,22 +337,26 @@ TEST(PipelineSchedule, ValidateRejectsBrokenMessages) {
   Schedule s = small();
   erase(s.per_rank[1], {Op::recv_act, 0, 1, 0});
   EXPECT_EQ(error_of([&] { validate(s); }),
-            "schedule 1f1b: rank 0 position 1 (send-act 0@0 to 1): no matching recv-act 0@1 from 0 on rank 1 (a send without a receive)");
+            "schedule 1f1b: rank 0 position 1 (send-act 0@0 to 1): no matching recv-act 0@1 from 0 on rank 1 "
+            "(a send without a receive)");
 
   s = small();
   erase(s.per_rank[0], {Op::send_act, 0, 0, 1});
   EXPECT_EQ(error_of([&] { validate(s); }),
-            "schedule 1f1b: rank 1 position 0 (recv-act 0@1 from 0): no matching send-act 0@0 to 1 on rank 0 (a receive without a send)");
+            "schedule 1f1b: rank 1 position 0 (recv-act 0@1 from 0): no matching send-act 0@0 to 1 on rank 0 "
+            "(a receive without a send)");
 
   s = small();
   erase(s.per_rank[0], {Op::send_act, 0, 0, 1});
   erase(s.per_rank[1], {Op::recv_act, 0, 1, 0});
   EXPECT_EQ(error_of([&] { validate(s); }),
-            "schedule 1f1b: rank 1 position 0 (F0@1): before its input recv-act 0@1 from 0 (not in the list: the input never arrives)");
+            "schedule 1f1b: rank 1 position 0 (F0@1): before its input recv-act 0@1 from 0 "
+            "(not in the list: the input never arrives)");
 
   s = small();
   s.per_rank[0][1].peer = 0;
-  EXPECT_EQ(error_of([&] { validate(s); }), "schedule 1f1b: rank 0 position 1 (send-act 0@0 to 0): expected peer 1 (rank of stage 1), found 0");
+  EXPECT_EQ(error_of([&] { validate(s); }),
+            "schedule 1f1b: rank 0 position 1 (send-act 0@0 to 0): expected peer 1 (rank of stage 1), found 0");
 
   // The turn of ZB-V's V is on one rank: a message there is an error.
   s = make(Kind::zb_v, 2, 2);
@@ -371,7 +377,8 @@ TEST(PipelineSchedule, ValidateRejectsBrokenComputeOrder) {
 
   s = small();
   s.per_rank[1][1] = F(0, 0);
-  EXPECT_EQ(error_of([&] { validate(s); }), "schedule 1f1b: rank 1 position 1 (F0@0): expected a stage of rank 1, found stage 0 of rank 0");
+  EXPECT_EQ(error_of([&] { validate(s); }),
+            "schedule 1f1b: rank 1 position 1 (F0@0): expected a stage of rank 1, found stage 0 of rank 0");
 
   s = small();
   std::swap(s.per_rank[1][1], s.per_rank[1][2]);  // B0@1 before F0@1
@@ -384,8 +391,8 @@ TEST(PipelineSchedule, ValidateRejectsBrokenComputeOrder) {
   s = small();
   std::swap(s.per_rank[0][6], s.per_rank[0][9]);  // W1@0 before W0@0
   EXPECT_EQ(error_of([&] { validate(s); }),
-            "schedule 1f1b: rank 0 position 6 (W1@0): out of micro-batch order: expected W0@0 first (a stage runs each of F, B and W in "
-            "micro-batch order)");
+            "schedule 1f1b: rank 0 position 6 (W1@0): out of micro-batch order: expected W0@0 first "
+            "(a stage runs each of F, B and W in micro-batch order)");
 
   s = small();
   std::swap(s.per_rank[0][9], s.per_rank[0][10]);  // sync before W1@0
@@ -414,13 +421,16 @@ TEST(PipelineSchedule, ValidateBoundsActivationMemory) {
   const Schedule s = make(Kind::one_f_one_b, 4, 8);
   EXPECT_EQ(validate(s, {{}, 4}).peak_in_flight, std::vector<int>({4, 3, 2, 1}));
   EXPECT_EQ(error_of([&] { validate(s, {{}, 3}); }),
-            "schedule 1f1b: rank 0 position 6 (F3@0): activations in flight peak at 4 micro-batch-stages, expected at most the limit 3");
+            "schedule 1f1b: rank 0 position 6 (F3@0): activations in flight peak at 4 micro-batch-stages, "
+            "expected at most the limit 3");
   // Weighted: rank 1 holds 3 x 200 bytes, above 500; rank 0's 4 x 100 fits.
   const ScheduleCheck c = validate(s, {{100, 200, 150, 600}, 600});
   EXPECT_EQ(c.peak_bytes, std::vector<int64_t>({400, 600, 300, 600}));
   const std::string e = error_of([&] { validate(s, {{100, 200, 150, 600}, 500}); });
-  EXPECT_EQ(e, "schedule 1f1b: rank 1 position 7 (F2@1): activations in flight peak at 600 bytes, expected at most the limit 500");
-  EXPECT_EQ(error_of([&] { validate(s, {{1, 2}, 0}); }), "schedule 1f1b: memory bound: expected bytes for each of the 4 stages, found 2");
+  EXPECT_EQ(e,
+            "schedule 1f1b: rank 1 position 7 (F2@1): activations in flight peak at 600 bytes, expected at most the limit 500");
+  EXPECT_EQ(error_of([&] { validate(s, {{1, 2}, 0}); }),
+            "schedule 1f1b: memory bound: expected bytes for each of the 4 stages, found 2");
   for (Kind kind : kAllKinds) {
     const std::string message = error_of([&] { validate(make(kind, 4, 8), {{}, 1}); });
     EXPECT_NE(message.find("expected at most the limit 1"), std::string::npos) << message;

@@ -97,16 +97,18 @@ INSTANTIATE_TEST_SUITE_P(Pipeline, EverySchedule,
 
 // Two data-parallel replicas of a two-stage pipeline: each replica takes half of every global
 // batch (1 of its 2 sequences, 4 times a step): the same 8 sequences per step as one rank.
-// ZeRO-1 shards each stage's AdamW moments over its replicas.
+// ZeRO-1 shards each stage's AdamW moments over its replicas; ZeRO-2 its gradients too.
 TEST_F(PipelineTraining, DataParallelTimesPipeline) {
   for (const std::string schedule : {"1f1b", "zb-h1"}) {
     expect_equivalent(4, "dp2pp2-" + schedule,
                       "--set parallel.pipeline=2 --set train.global_batch_size=2 --set parallel.micro_batches=4 "
                       "--set train.grad_accum=4 --set parallel.schedule=" + schedule);
   }
-  expect_equivalent(4, "dp2pp2-zero1",
-                    "--set parallel.pipeline=2 --set train.global_batch_size=2 --set parallel.micro_batches=4 "
-                    "--set train.grad_accum=4 --set parallel.schedule=zb-h2 --set parallel.zero=1");
+  for (const std::string zero : {"1", "2"}) {
+    expect_equivalent(4, "dp2pp2-zero" + zero,
+                      "--set parallel.pipeline=2 --set train.global_batch_size=2 --set parallel.micro_batches=4 "
+                      "--set train.grad_accum=4 --set parallel.schedule=zb-h2 --set parallel.zero=" + zero);
+  }
 }
 
 // Stages whose chunks live in memory tiers (host DRAM and an NVMe file), prefetched by the
@@ -116,6 +118,22 @@ TEST_F(PipelineTraining, StagesOverMemoryTiers) {
   expect_equivalent(2, "tiered",
                     "--set parallel.pipeline=2 --set parallel.schedule=zb-h1 --set tier.device_mib=2 "
                     "--set tier.host_mib=1 --set tier.nvme_dir=" + dir_->path() + "/nvme");
+}
+
+// Compressed gradient sync (HybridGC) inside each stage's replicas: lossy, so close, not equal.
+TEST_F(PipelineTraining, CompressedSyncInsideStages) {
+  const testing::CommandResult r =
+      train(4, "dp2pp2-hybrid", "--set parallel.pipeline=2 --set train.global_batch_size=2 --set parallel.micro_batches=4 "
+                               "--set parallel.schedule=zb-h1 --set sync.codec=hybrid --set sync.warmup_steps=2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::vector<nlohmann::json> ref = steps("one"), got = steps("dp2pp2-hybrid");
+  ASSERT_EQ(got.size(), ref.size());
+  for (size_t i = 0; i < ref.size(); ++i) {
+    EXPECT_NEAR(got[i]["loss"].get<double>(), ref[i]["loss"].get<double>(), 0.05 * ref[i]["loss"].get<double>());
+    if (i >= 2) {
+      EXPECT_GT(got[i]["sync_ratio"].get<double>(), 4.0) << i;
+    }
+  }
 }
 
 TEST_F(PipelineTraining, MicroBatchesOtherThanGradAccumGiveTheSameModel) {

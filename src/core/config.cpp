@@ -397,8 +397,6 @@ void Config::resolve(int world_size) {
     auto unsupported = [&](bool ok, const std::string& key, const std::string& value) {
       require(ok, key, "its default with parallel.pipeline > 1 (not yet supported together)", value);
     };
-    unsupported(parallel.zero < 2, "parallel.zero", s(parallel.zero));
-    unsupported(sync.codec == "none", "sync.codec", "\"" + sync.codec + "\"");
     unsupported(train.checkpoint_every == 0, "train.checkpoint_every", s(train.checkpoint_every));
     unsupported(train.resume.empty(), "train.resume", "\"" + train.resume + "\"");
   }

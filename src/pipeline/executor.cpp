@@ -15,11 +15,14 @@ double ms_between(std::chrono::steady_clock::time_point a, std::chrono::steady_c
 
 // Passes B notifications through (they drive the sync's progress) and W notifications of the
 // last micro-batch in descending layer order, which is what the gradient sync's buckets expect:
-// with several stages per rank (interleaved, zb-v) a lower stage's W can finish first.
+// with several stages per rank (interleaved, zb-v) a lower stage's W can finish first. The
+// embedding's (layer 0) is held back: its token embedding is tied to the head on the last stage,
+// and the two copies' gradients are summed (the trainer) before the sync takes them.
 class DescendingWeights final : public BackwardObserver {
  public:
   DescendingWeights(BackwardObserver* sync, std::vector<int> layers) : sync_(sync), layers_(std::move(layers)) {
     std::sort(layers_.rbegin(), layers_.rend());
+    if (!layers_.empty() && layers_.back() == 0) layers_.pop_back();
   }
   void after_backward_input(int layer) override { sync_->after_backward_input(layer); }
   void after_backward_weight(int layer) override {

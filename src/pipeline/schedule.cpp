@@ -339,26 +339,38 @@ ScheduleCheck validate(const Schedule& sc, const MemoryBound& bound) {
     for (size_t i = 0; i < list.size(); ++i) {
       const Instr& in = list[i];
       if (in.op == Op::grad_sync || in.op == Op::optimizer) {
-        check((in.op == Op::grad_sync ? syncs++ : opts++) == 0, at(r, i) + "expected once per rank, found again");
+        if ((in.op == Op::grad_sync ? syncs++ : opts++) > 0) throw Error(at(r, i) + "expected once per rank, found again");
         continue;
       }
-      check(in.micro >= 0 && in.micro < m, at(r, i) + "expected a micro-batch in 0.." + str(m - 1) + ", found " + str(in.micro));
-      check(in.stage >= 0 && in.stage < S, at(r, i) + "expected a stage in 0.." + str(S - 1) + ", found " + str(in.stage));
-      check(sc.stage_rank[in.stage] == r,
-            at(r, i) + "expected a stage of rank " + str(r) + ", found stage " + str(in.stage) + " of rank " + str(sc.stage_rank[in.stage]));
+      if (in.micro < 0 || in.micro >= m) {
+        throw Error(at(r, i) + "expected a micro-batch in 0.." + str(m - 1) + ", found " + str(in.micro));
+      }
+      if (in.stage < 0 || in.stage >= S) {
+        throw Error(at(r, i) + "expected a stage in 0.." + str(S - 1) + ", found " + str(in.stage));
+      }
+      if (sc.stage_rank[in.stage] != r) {
+        throw Error(at(r, i) + "expected a stage of rank " + str(r) + ", found stage " + str(in.stage) + " of rank " +
+                    str(sc.stage_rank[in.stage]));
+      }
       if (!is_compute(in.op)) {
         // The peer is the rank of the neighbouring stage the message crosses to, never this rank.
         const bool upward = in.op == Op::send_act || in.op == Op::recv_grad;
         const int other = upward ? in.stage + 1 : in.stage - 1;
-        check(other >= 0 && other < S, at(r, i) + "expected a stage with a " + (upward ? "next" : "previous") +
-                                           " stage, found stage " + str(in.stage) + " of " + str(S));
-        check(sc.stage_rank[other] != r, at(r, i) + "expected no message: stages " + str(std::min(in.stage, other)) +
-                                             " and " + str(std::max(in.stage, other)) + " are both on rank " + str(r));
-        check(in.peer == sc.stage_rank[other],
-              at(r, i) + "expected peer " + str(sc.stage_rank[other]) + " (rank of stage " + str(other) + "), found " + str(in.peer));
+        if (other < 0 || other >= S) {
+          throw Error(at(r, i) + "expected a stage with a " + (upward ? "next" : "previous") + " stage, found stage " +
+                      str(in.stage) + " of " + str(S));
+        }
+        if (sc.stage_rank[other] == r) {
+          throw Error(at(r, i) + "expected no message: stages " + str(std::min(in.stage, other)) + " and " +
+                      str(std::max(in.stage, other)) + " are both on rank " + str(r));
+        }
+        if (in.peer != sc.stage_rank[other]) {
+          throw Error(at(r, i) + "expected peer " + str(sc.stage_rank[other]) + " (rank of stage " + str(other) + "), found " +
+                      str(in.peer));
+        }
       }
       int& p = position[key(in.op, in.micro, in.stage)];
-      check(p < 0, at(r, i) + "duplicate (first at position " + str(p) + ")");
+      if (p >= 0) throw Error(at(r, i) + "duplicate (first at position " + str(p) + ")");
       p = static_cast<int>(i);
     }
     check(syncs == 1, what + "rank " + str(r) + ": no sync in the list (expected gradient sync after the rank's last W)");
@@ -366,8 +378,10 @@ ScheduleCheck validate(const Schedule& sc, const MemoryBound& bound) {
     for (int s : sc.stages_of(r)) {
       for (int k = 0; k < m; ++k) {
         for (Op op : {Op::forward, Op::backward_input, Op::backward_weight}) {
-          check(position[key(op, k, s)] >= 0, what + "rank " + str(r) + ": no " + to_string(compute(op, k, s)) +
-                                                     " in the list (expected one F, B and W per micro-batch of each of its stages)");
+          if (position[key(op, k, s)] < 0) {
+            throw Error(what + "rank " + str(r) + ": no " + to_string(compute(op, k, s)) +
+                        " in the list (expected one F, B and W per micro-batch of each of its stages)");
+          }
         }
       }
     }
@@ -381,12 +395,15 @@ ScheduleCheck validate(const Schedule& sc, const MemoryBound& bound) {
       if (in.op == Op::send_act || in.op == Op::send_grad) {
         const Instr recv = in.op == Op::send_act ? Instr{Op::recv_act, in.micro, in.stage + 1, r}
                                                  : Instr{Op::recv_grad, in.micro, in.stage - 1, r};
-        check(position[key(recv.op, recv.micro, recv.stage)] >= 0,
-              at(r, i) + "no matching " + to_string(recv) + " on rank " + str(in.peer) + " (a send without a receive)");
+        if (position[key(recv.op, recv.micro, recv.stage)] < 0) {
+          throw Error(at(r, i) + "no matching " + to_string(recv) + " on rank " + str(in.peer) + " (a send without a receive)");
+        }
       } else if (in.op == Op::recv_act || in.op == Op::recv_grad) {
         const auto [op, micro, stage] = matching_send(in);
-        check(position[key(op, micro, stage)] >= 0, at(r, i) + "no matching " + to_string(Instr{op, micro, stage, r}) +
-                                                                 " on rank " + str(in.peer) + " (a receive without a send)");
+        if (position[key(op, micro, stage)] < 0) {
+          throw Error(at(r, i) + "no matching " + to_string(Instr{op, micro, stage, r}) + " on rank " + str(in.peer) +
+                      " (a receive without a send)");
+        }
       }
     }
   }
@@ -417,17 +434,21 @@ ScheduleCheck validate(const Schedule& sc, const MemoryBound& bound) {
     for (size_t i = 0; i < list.size(); ++i) {
       const Instr& in = list[i];
       const int k = in.micro, s = in.stage;
-      check(sync_at == list.size() || in.op == Op::optimizer,
-            at(r, i) + "after sync (expected gradient sync and the optimizer step last)");
+      if (sync_at < i && in.op != Op::optimizer) {
+        throw Error(at(r, i) + "after sync (expected gradient sync and the optimizer step last)");
+      }
       if (is_compute(in.op)) {
         int& next = next_micro[s][static_cast<int>(in.op)];
-        check(k == next, at(r, i) + "out of micro-batch order: expected " + to_string(compute(in.op, next, s)) +
-                             " first (a stage runs each of F, B and W in micro-batch order)");
+        if (k != next) {
+          throw Error(at(r, i) + "out of micro-batch order: expected " + to_string(compute(in.op, next, s)) +
+                      " first (a stage runs each of F, B and W in micro-batch order)");
+        }
         ++next;
       }
       switch (in.op) {
         case Op::forward:
-          if (s > 0) needs(i, sc.stage_rank[s - 1] == r ? Op::forward : Op::recv_act, k, sc.stage_rank[s - 1] == r ? s - 1 : s, "its input");
+          if (s > 0 && sc.stage_rank[s - 1] == r) needs(i, Op::forward, k, s - 1, "its input");
+          if (s > 0 && sc.stage_rank[s - 1] != r) needs(i, Op::recv_act, k, s, "its input");
           ++in_flight;
           bytes += bytes_of(s);
           if (bytes > result.peak_bytes[r]) peak_position[r] = i;
@@ -436,10 +457,8 @@ ScheduleCheck validate(const Schedule& sc, const MemoryBound& bound) {
           break;
         case Op::backward_input:
           needs(i, Op::forward, k, s, "its");
-          if (s + 1 < S) {
-            needs(i, sc.stage_rank[s + 1] == r ? Op::backward_input : Op::recv_grad, k, sc.stage_rank[s + 1] == r ? s + 1 : s,
-                  "its output gradient");
-          }
+          if (s + 1 < S && sc.stage_rank[s + 1] == r) needs(i, Op::backward_input, k, s + 1, "its output gradient");
+          if (s + 1 < S && sc.stage_rank[s + 1] != r) needs(i, Op::recv_grad, k, s, "its output gradient");
           break;
         case Op::backward_weight:
           needs(i, Op::backward_input, k, s, "its");
@@ -457,8 +476,10 @@ ScheduleCheck validate(const Schedule& sc, const MemoryBound& bound) {
           sync_at = i;
           break;
         case Op::optimizer:
-          check(sync_at < i, at(r, i) + "before sync (expected the optimizer step after gradient sync)");
-          check(i + 1 == list.size(), at(r, i) + "expected last, found " + str(list.size() - i - 1) + " instruction(s) after it");
+          if (sync_at > i) throw Error(at(r, i) + "before sync (expected the optimizer step after gradient sync)");
+          if (i + 1 < list.size()) {
+            throw Error(at(r, i) + "expected last, found " + str(list.size() - i - 1) + " instruction(s) after it");
+          }
           break;
       }
     }
@@ -493,9 +514,10 @@ ScheduleCheck validate(const Schedule& sc, const MemoryBound& bound) {
 
   if (bound.limit > 0) {
     for (int r = 0; r < P; ++r) {
-      check(result.peak_bytes[r] <= bound.limit,
-            at(r, peak_position[r]) + "activations in flight peak at " + str(result.peak_bytes[r]) +
-                (bound.stage_bytes.empty() ? " micro-batch-stages" : " bytes") + ", expected at most the limit " + str(bound.limit));
+      const std::string unit = bound.stage_bytes.empty() ? " micro-batch-stages" : " bytes";
+      check(result.peak_bytes[r] <= bound.limit, at(r, peak_position[r]) + "activations in flight peak at " +
+                                                     str(result.peak_bytes[r]) + unit + ", expected at most the limit " +
+                                                     str(bound.limit));
     }
   }
   return result;
@@ -505,11 +527,14 @@ Timeline simulate(const Schedule& sc, const Costs& costs) {
   validate(sc);
   const std::string what = std::string("schedule ") + kind_name(sc.spec.kind) + ": costs: ";
   const int P = sc.spec.ranks, S = sc.num_stages();
-  for (const auto& [name, per_stage] : {std::make_pair("forward", &costs.forward), std::make_pair("backward_input", &costs.backward_input),
+  for (const auto& [name, per_stage] : {std::make_pair("forward", &costs.forward),
+                                        std::make_pair("backward_input", &costs.backward_input),
                                         std::make_pair("backward_weight", &costs.backward_weight)}) {
     check(static_cast<int>(per_stage->size()) == S,
           what + "expected " + name + " for each of the " + str(S) + " stages, found " + str(per_stage->size()));
-    for (double c : *per_stage) check(c >= 0, what + "expected " + name + " >= 0, found " + std::to_string(c));
+    for (double c : *per_stage) {
+      if (!(c >= 0)) throw Error(what + "expected " + name + " >= 0, found " + std::to_string(c));  // NaN too
+    }
   }
   check(costs.comm >= 0 && costs.grad_sync >= 0 && costs.optimizer >= 0, what + "expected comm, grad_sync and optimizer >= 0");
 
@@ -622,7 +647,8 @@ std::string gantt(const Timeline& t, int columns) {
 std::string chrome_trace(const Timeline& t, const std::string& name) {
   nlohmann::json events = nlohmann::json::array();
   for (size_t r = 0; r < t.per_rank.size(); ++r) {
-    events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", r}, {"tid", 0}, {"args", {{"name", "rank " + str(static_cast<int64_t>(r))}}}});
+    const std::string process = "rank " + str(static_cast<int64_t>(r));
+    events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", r}, {"tid", 0}, {"args", {{"name", process}}}});
     for (const Interval& iv : t.per_rank[r]) {
       const Instr& in = iv.instr;
       nlohmann::json e = {{"name", is_compute(in.op) ? op_name(in.op) + str(in.micro) + " s" + str(in.stage) : op_name(in.op)},

@@ -367,8 +367,8 @@ StepStats Trainer::step() {
     }
   }
   const auto sync_start = std::chrono::steady_clock::now();
+  if (executor_) tie_embedding_grads();  // before the sync takes the embedding's bucket
   sync_->finish();
-  if (executor_) tie_embedding_grads();
   s.sync = sync_->stats();
   const int zero = world > 1 ? config_.parallel.zero : 0;
   const auto [own_first, own_last] = store_->moment_chunks();
@@ -383,8 +383,10 @@ StepStats Trainer::step() {
   if (executor_) {
     // Each stage's share of the norm (the tied embedding counted once, on the first stage), summed
     // over the replica's stages; the loss lives on the last stage, averaged over replicas.
-    const double squares = grad_sum_squares(*store_, first_untied_chunk_);
-    s.grad_norm = std::sqrt(pp_comm_->allreduce_sum(squares));
+    // Under ZeRO-2 each replica holds the summed gradient of its own chunks only.
+    const double squares = zero == 2 ? comm_.allreduce_sum(grad_sum_squares(*store_, std::max(own_first, first_untied_chunk_), own_last))
+                                     : pp_comm_->allreduce_sum(grad_sum_squares(*store_, first_untied_chunk_));
+    s.grad_norm = std::sqrt(squares);
     loss_sum = comm_.allreduce_sum(loss_sum) / world;
   } else {
     double sums[2] = {loss_sum, zero == 2 ? grad_sum_squares(*store_, own_first, own_last) : 0.0};
