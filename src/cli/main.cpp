@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -57,10 +58,13 @@ commands:
   import    --llmc FILE.bin --out DIR [--set section.key=value ...]
             Make a Keel checkpoint from an llm.c GPT-2 model.
   schedule  [--config FILE.toml] [--set section.key=value ...] [--trace FILE.json] [--width N]
+            [--layer-costs FILE.json] [--json yes]
             Validate and simulate the pipeline schedule a config would run (parallel.pipeline,
             schedule, micro_batches, virtual_stages, stage_boundaries) with per-stage costs from
-            the model's layer FLOPs: bubble, activations in flight per rank, a text Gantt chart
-            and, with --trace, a Chrome trace (Perfetto).
+            the model's layer FLOPs, or measured ones (--layer-costs: {"forward": [ms per layer],
+            "backward_input": [...], "backward_weight": [...], "comm": ms}; stages are then cut
+            by them): bubble, activations in flight per rank, a text Gantt chart, with --trace a
+            Chrome trace (Perfetto), with --json yes one JSON line instead of text.
   checkpoints --dir DIR [--verify yes]
             List the checkpoints under DIR (a run's ckpt/ or one checkpoint): step, kind, bytes,
             encodings; --verify yes decodes and checks every record.
@@ -295,26 +299,61 @@ int cmd_schedule(const Args& a) {
   config.resolve(config.parallel.pipeline);
   const int width = static_cast<int>(a.get_int("--width", 100));
   check(width >= 20, "schedule --width: expected >= 20, found " + std::to_string(width));
+  const std::string as_json = a.get("--json", "no");
+  check(as_json == "yes" || as_json == "no", "schedule --json: expected yes or no, found '" + as_json + "'");
   const ParallelConfig& p = config.parallel;
-  const int T = config.train.seq_len;
-  const std::vector<double> layer = pipeline::layer_costs(config.model, T);
+  const int T = config.train.seq_len, L = config.model.n_layer + 2;
+  // Per-layer F, B, W costs: measured (ms) or, by default, the FLOP model in units of one forward
+  // pass of the whole model (B and W each cost about what F does).
+  std::vector<double> f = pipeline::layer_costs(config.model, T), b, w;
+  double comm = 0;
+  if (a.has("--layer-costs")) {
+    const std::string path = a.get("--layer-costs");
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(read_text_file(path));
+      f = j.at("forward").get<std::vector<double>>();
+      b = j.at("backward_input").get<std::vector<double>>();
+      w = j.at("backward_weight").get<std::vector<double>>();
+      comm = j.value("comm", 0.0);
+    } catch (const nlohmann::json::exception& e) {
+      throw Error("schedule --layer-costs " + path + ": " + e.what());
+    }
+    check(static_cast<int>(f.size()) == L && b.size() == f.size() && w.size() == f.size(),
+          "schedule --layer-costs " + path + ": expected " + std::to_string(L) + " costs per list (embedding, " +
+              std::to_string(L - 2) + " blocks, head), found " + std::to_string(f.size()));
+  } else {
+    double total = 0;
+    for (double c : f) total += c;
+    for (double& c : f) c /= total;
+    b = w = f;
+  }
+  std::vector<double> layer(L);
+  for (int i = 0; i < L; ++i) layer[i] = f[i] + b[i] + w[i];
   const std::vector<LayerRange> stages =
       pipeline::cut_stages(layer, p.pipeline * pipeline::virtual_stages(p), p.stage_boundaries);
   const pipeline::Plan plan = pipeline::plan(config, stages, pipeline::micro_batches(config));
   g_input_accepted = true;
-  // Units: one forward pass of the whole model = 1; B and W each cost about what F does.
   pipeline::Costs costs;
-  double total = 0;
-  for (double c : layer) total += c;
+  costs.comm = comm;
   for (const LayerRange& r : stages) {
-    double c = 0;
-    for (int i = r.first; i <= r.last; ++i) c += layer[i];
-    costs.forward.push_back(c / total);
+    double cf = 0, cb = 0, cw = 0;
+    for (int i = r.first; i <= r.last; ++i) cf += f[i], cb += b[i], cw += w[i];
+    costs.forward.push_back(cf);
+    costs.backward_input.push_back(cb);
+    costs.backward_weight.push_back(cw);
   }
-  costs.backward_input = costs.forward;
-  costs.backward_weight = costs.forward;
   const pipeline::Schedule& schedule = plan.schedule;
   const pipeline::Timeline t = pipeline::simulate(schedule, costs);
+  if (as_json == "yes") {
+    nlohmann::json out = {{"schedule", pipeline::kind_name(schedule.spec.kind)}, {"ranks", schedule.spec.ranks},
+                          {"stages", schedule.num_stages()}, {"micro_batches", schedule.spec.micro},
+                          {"micro_batch", plan.micro_batch}, {"bubble", t.bubble}, {"makespan", t.makespan},
+                          {"rank_bubble", t.rank_bubble}, {"peak_in_flight", plan.check.peak_in_flight},
+                          {"peak_activation_bytes", plan.check.peak_bytes}};
+    std::printf("%s\n", out.dump().c_str());
+    return 0;
+  }
   std::printf("schedule %s: %d ranks, %d stages, %d micro-batches of %d x %d tokens; valid\n",
               pipeline::kind_name(schedule.spec.kind), schedule.spec.ranks, schedule.num_stages(), schedule.spec.micro,
               plan.micro_batch, T);
@@ -326,7 +365,8 @@ int cmd_schedule(const Args& a) {
     std::printf("  rank %d: layers %s, at most %d micro-batches in flight (%.1f MB of activations), simulated bubble %.1f%%\n",
                 r, layers.c_str(), plan.check.peak_in_flight[r], plan.check.peak_bytes[r] / 1e6, 100 * t.rank_bubble[r]);
   }
-  std::printf("simulated bubble %.1f%% (F, B, W from layer FLOPs; messages free)\n%s", 100 * t.bubble,
+  std::printf("simulated bubble %.1f%%, step %.3g %s (%s)\n%s", 100 * t.bubble, t.makespan,
+              a.has("--layer-costs") ? "ms" : "forward passes", a.has("--layer-costs") ? "measured costs" : "costs from layer FLOPs; messages free",
               pipeline::gantt(t, width).c_str());
   if (a.has("--trace")) {
     const std::string trace = pipeline::chrome_trace(t, "keel schedule " + p.schedule);
@@ -358,7 +398,7 @@ int run(int argc, char** argv) {
       {"export", {"--checkpoint", "--out"}},
       {"import", {"--llmc", "--out", "--set"}},
       {"checkpoints", {"--dir", "--verify"}},
-      {"schedule", {"--config", "--set", "--trace", "--width"}},
+      {"schedule", {"--config", "--set", "--trace", "--width", "--layer-costs", "--json"}},
   };
   auto it = options.find(cmd);
   check(it != options.end(),

@@ -87,14 +87,14 @@ ComputeOrder interleaved_order(int P, int v, int m) {
 
 // Zero Bubble's ZB-H1 and ZB-H2 (arXiv 2401.10241, section 3): 1F1B with each backward split
 // into B and W, the W's deferred to where the rank would otherwise wait for a gradient. Rank r
-// runs `warmup(r)` forwards, then pairs of B and F until it holds `limit` micro-batches in flight
-// (F done, W not), then cycles B, W, F, the W that leaves with the oldest micro-batch making room
-// for the next F; at the end the deferred W's fill the tail. ZB-H1: warm-up P-r, limit P on every
-// rank (1F1B's peak, which 1F1B reaches only on rank 0): the gradients travel back at B's pace,
-// not B+W's, so with F = B = W the bubble is a third of 1F1B's. ZB-H2: warm-up 2(P-r)-1, limit
-// 2P-1: rank 0 keeps running forwards while the first micro-batch goes down and back up, and each
-// rank's own span has no bubble at all (a parallelogram). Each list is an order 1F1B-like enough
-// to run well at any costs; validate() checks it.
+// runs `warmup` forwards, then pairs of B and F until it holds `limit` micro-batches in flight
+// (F done, W not), then cycles B, W, F, the W that retires the oldest micro-batch making room for
+// the next F; the deferred W's fill the tail. ZB-H1: warm-up P-r, limit P on every rank (1F1B's
+// peak, which 1F1B reaches on rank 0 only): gradients travel back at B's pace instead of B+W's,
+// so at F = B = W each rank idles P-1 F's against 1F1B's 3(P-1). ZB-H2: warm-up 2(P-r)-1, limit
+// 2P-1: rank 0 keeps running forwards while the first micro-batch goes down and back up, and for
+// m >= 2P-1 no rank has a gap between its first F and last W (the paper's parallelogram). Both
+// stay 1F1B-shaped, so they degrade gently when the real costs are not F = B = W.
 ComputeOrder zero_bubble_h_order(int P, int m, bool h2) {
   ComputeOrder order(P);
   for (int r = 0; r < P; ++r) {

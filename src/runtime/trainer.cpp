@@ -942,7 +942,13 @@ RunSummary Trainer::run() {
                 "%d micro-batches of %d sequences, at most %d in flight per rank (%.1f MB of activations)\n",
                 sc.spec.ranks, dp().size(), pipeline::kind_name(sc.spec.kind), sc.num_stages(), cut.c_str(),
                 micro_batches_, t.batch_size * t.grad_accum / micro_batches_, peak,
-                *std::max_element(schedule_check_.peak_bytes.begin(), schedule_check_.peak_bytes.end()) / 1e6);
+                *std::max_element(schedule_check_.peak_bytes.begin(), schedule_check_.peak_bytes.end()) / 1e6);    json stages = json::array();
+    for (const LayerRange& r : stages_) stages.push_back({r.first, r.last});
+    log_json(json({{"event", "pipeline"}, {"schedule", pipeline::kind_name(sc.spec.kind)}, {"ranks", sc.spec.ranks},
+                   {"replicas", dp().size()}, {"stages", stages}, {"stage_rank", sc.stage_rank},
+                   {"micro_batches", micro_batches_}, {"peak_in_flight", schedule_check_.peak_in_flight},
+                   {"peak_activation_bytes", schedule_check_.peak_bytes}})
+                 .dump());
   }
   if (tiers_ && root) {
     const TierConfig& tc = config_.tier;
