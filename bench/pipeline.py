@@ -85,7 +85,7 @@ def main():
 
     print("Real runs: P = 2 (2 ranks, 1 thread each), %d blocks x %d wide, %d micro-batches of %d x %d tokens, "
           "median of steps 3..%d" % (args.layers, C, args.micro, B, T, args.steps))
-    print("| schedule | bubble | step ms | tokens/s | vs 1F1B | activations MB/rank | simulated span ms | measured span ms | error |")
+    print("| schedule | bubble | step ms | tokens/s | vs first | activations MB/rank | predicted span ms | measured span ms | error |")
     print("|---|---|---|---|---|---|---|---|---|")
     layer_costs = None
     base = None
@@ -105,29 +105,31 @@ def main():
                   or '"event":"pipeline"' in x][0]
         firsts = [r[0] for r in layout["stages"]]
         costs = stage_costs(trace, len(firsts))
-        # The simulator with this run's own stage costs, against its measured span (last step).
         per_layer = split_by_flops(costs, firsts, flops)
         cost_file = "%s/costs-%s.json" % (work, s)
         json.dump({"forward": per_layer["F"], "backward_input": per_layer["B"], "backward_weight": per_layer["W"]},
                   open(cost_file, "w"))
+        if layer_costs is None:
+            layer_costs = cost_file  # the first schedule's run calibrates every prediction
+        # A prediction: the simulator with per-layer costs measured in the first run (for that run
+        # itself, its own last step), this run's stage cut, against this run's measured span.
         sim = json.loads(run([keel, "schedule"] + common +
                              ["--set", "parallel.pipeline=2", "--set", "parallel.schedule=" + s,
                               "--set", "parallel.stage_boundaries=" + ",".join(str(b) for b in firsts[1:]),
-                              "--layer-costs", cost_file, "--json", "yes"], env))
+                              "--layer-costs", layer_costs, "--json", "yes"], env))
         measured = span_ms(trace)
-        if s == "1f1b":
+        if base is None:
             base = tps
-            layer_costs = cost_file
         print("| %s | %.1f%% | %.0f | %.0f | %.2fx | %.1f | %.0f | %.0f | %+.1f%% |" %
               (s, 100 * bubble, ms, tps, tps / base if base else 1.0, act, sim["makespan"], measured,
                100 * (sim["makespan"] - measured) / measured))
 
     print()
-    print("Simulated with the per-layer costs measured in the 1F1B run (stages re-cut by them):")
-    print("| P | micro-batches | schedule | bubble | step ms | vs 1F1B | activations MB/rank (peak) |")
+    print("Simulated with the per-layer costs measured in the %s run (stages re-cut by them):" % args.schedules.split(",")[0])
+    print("| P | micro-batches | schedule | bubble | step ms | vs first | activations MB/rank (peak) |")
     print("|---|---|---|---|---|---|---|")
     for P in (4, 8):
-        for m in (args.micro, 4 * args.micro):
+        for m in (args.micro, 4 * args.micro, 8 * args.micro):
             ref = None
             for s in args.schedules.split(","):
                 if s in ("interleaved", "zb-v") and args.layers + 2 < 2 * P:
@@ -137,7 +139,7 @@ def main():
                                       "--set", "train.grad_accum=%d" % m, "--set", "parallel.pipeline=%d" % P,
                                       "--set", "parallel.schedule=" + s, "--layer-costs", layer_costs,
                                       "--json", "yes"], env))
-                if s == "1f1b":
+                if ref is None:
                     ref = out["makespan"]
                 print("| %d | %d | %s | %.1f%% | %.0f | %.2fx | %.1f |" %
                       (P, m, s, 100 * out["bubble"], out["makespan"], ref / out["makespan"] if ref else 1.0,

@@ -12,8 +12,8 @@ ctest --test-dir build --output-on-failure -j2 --timeout 600
 echo "== sanitizer build (ASan + UBSan) of the unit tests =="
 cmake -S . -B build-sanitize -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKEEL_SANITIZE=ON -DKEEL_BENCH=OFF >/dev/null
 sanitized=(ops_test store_test config_test model_test shard_test tokenizer_test env_test checkpoint_test codec_test compressed_sync_test
-           block_file_test tiers_test)
+           block_file_test tiers_test pipeline_schedule_test pipeline_unit_test)
 cmake --build build-sanitize -j"$(nproc)" --target "${sanitized[@]}"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   ctest --test-dir build-sanitize --output-on-failure -j2 --timeout 600 \
-  -R '^(Ops[A-Za-z]*|ChunkStore|Config|TinyModel|Shard|Corpus|Pretokenize|Tokenizer|Env|Checkpoint|CheckpointCorruption|Codec|SyncPolicy|BlockFile|Engines/BlockFileEngines|Tiers|Tiers/Engines)\.'
+  -R '^(Ops[A-Za-z]*|ChunkStore|Config|TinyModel|Shard|Corpus|Pretokenize|Tokenizer|Env|Checkpoint|CheckpointCorruption|Codec|SyncPolicy|BlockFile|Engines/BlockFileEngines|Tiers|Tiers/Engines|PipelineSchedule|PipelineLayout|PipelineStages|PipelineExecutor|PipelineMicroBatches)\.'
