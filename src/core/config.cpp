@@ -75,6 +75,7 @@ std::vector<Field> fields(Config& c) {
       {"parallel", "activation_mib", &c.parallel.activation_mib},
       {"parallel", "trace", &c.parallel.trace},
       {"parallel", "lookahead", &c.parallel.lookahead},
+      {"parallel", "predict_gradients", &c.parallel.predict_gradients},
       {"sync", "codec", &c.sync.codec},
       {"sync", "policy", &c.sync.policy},
       {"sync", "embedding", &c.sync.embedding},
@@ -398,6 +399,8 @@ void Config::resolve(int world_size) {
       require(ok, key, "its default with parallel.pipeline > 1 (not yet supported together)", value);
     };
     unsupported(train.checkpoint_every == 0, "train.checkpoint_every", s(train.checkpoint_every));
+    unsupported(parallel.predict_gradients == "off" || tier.device_mib == 0, "parallel.predict_gradients (with tiers)",
+                "\"" + parallel.predict_gradients + "\"");
     unsupported(train.resume.empty(), "train.resume", "\"" + train.resume + "\"");
   }
   require(checkpoint.full_every >= 1, "checkpoint.full_every", ">= 1", s(checkpoint.full_every));

@@ -78,6 +78,11 @@ struct ParallelConfig {
   int64_t activation_mib = 0;        // bound on a rank's activations in flight; 0 = none
   bool trace = false;                // write run_dir/pipeline_trace.json (Chrome trace) of the last step
   int lookahead = 2;                 // compute instructions whose layers are hinted to the chunk store ahead
+  // Experimental gradient prediction: each stage's last W of a step runs in the next step's first
+  // wait; its gradient is predicted meanwhile and corrected by the true one a step later.
+  // off | previous (what that micro-batch's W added last step) | mean (this step's other
+  // micro-batches' mean).
+  std::string predict_gradients = "off";
 };
 
 // Compressed data-parallel gradient sync (HybridGC). Every lossy codec runs with error feedback:

@@ -135,9 +135,27 @@ void Executor::wait_receive(const Instr& in) {
   Pending& p = receives_[{static_cast<int>(in.op), in.micro * schedule_.num_stages() + in.stage}];
   if (!p.posted) post(in);
   check(p.posted, "pipeline: rank " + std::to_string(rank_) + " cannot post " + to_string(in));
+  // A wait is where the previous step's deferred W's fill in.
+  if (!carried_.empty() && !comm_.test(p.request)) run_carried();
   const auto t = std::chrono::steady_clock::now();
   comm_.wait(p.request);
   stats_.recv_wait_ms += ms_between(t, std::chrono::steady_clock::now());
+}
+
+void Executor::run_carried() {
+  around_(true);
+  for (const Deferred& d : carried_) {
+    const auto start = std::chrono::steady_clock::now();
+    model_.backward_weight(stages_[d.stage], d.slot, d.batch, nullptr);
+    free_slots_.push_back(d.slot);
+    Interval iv;
+    iv.instr = Instr{Op::backward_weight, -1, d.stage, -1};  // micro -1: the previous step's
+    iv.start = ms_between(t0_, start);
+    iv.end = ms_between(t0_, std::chrono::steady_clock::now());
+    timeline_.push_back(iv);
+  }
+  carried_.clear();
+  around_(false);
 }
 
 void Executor::send_grad(const Instr& in, int slot) {
@@ -185,6 +203,8 @@ double Executor::run_step(const std::vector<Batch>& micro, BackwardObserver* syn
         "pipeline: " + std::to_string(micro.size()) + " micro-batches for a schedule of " +
             std::to_string(schedule_.spec.micro));
   micro_ = &micro;
+  carried_ = std::move(deferred_);
+  deferred_.clear();
   receives_.clear();
   early_.clear();
   timeline_.clear();
@@ -246,8 +266,15 @@ double Executor::run_step(const std::vector<Batch>& micro, BackwardObserver* syn
         break;
       }
       case Op::backward_weight: {
-        model_.backward_weight(r, slot_of(in.micro, in.stage, false), micro[in.micro],
-                               in.micro == last_micro ? last_weights.get() : nullptr);
+        // Carried W's accumulate before any of this step's: the same sums whenever they ran.
+        if (!carried_.empty()) run_carried();
+        const int slot = slot_of(in.micro, in.stage, false);
+        if (around_ && in.micro == last_micro) {  // left for the next step; its slot stays taken
+          deferred_.push_back({in.stage, slot, micro[in.micro]});
+          slot_.erase({in.micro, in.stage});
+          continue;
+        }
+        model_.backward_weight(r, slot, micro[in.micro], in.micro == last_micro ? last_weights.get() : nullptr);
         release(in.micro, in.stage);
         break;
       }
@@ -260,6 +287,7 @@ double Executor::run_step(const std::vector<Batch>& micro, BackwardObserver* syn
     iv.end = ms_between(t0_, std::chrono::steady_clock::now());
     timeline_.push_back(iv);
   }
+  if (!carried_.empty()) run_carried();  // no wait came: they run before the step's end
   for (auto& [buffer, request] : grad_buffers_) comm_.wait(request);
   for (Communicator::Request& r : act_sends_) comm_.wait(r);
   check(slot_.empty(), "pipeline: rank " + std::to_string(rank_) + " ended a step with activations in flight");
@@ -270,19 +298,22 @@ double Executor::forward_only(const Batch& batch) {
   const std::vector<Batch> one{batch};
   micro_ = &one;
   double loss = 0;
+  // Any slot not kept for a deferred W.
+  check(!free_slots_.empty(), "pipeline: rank " + std::to_string(rank_) + " has no free activation slot to evaluate");
+  const int slot = free_slots_.back();
   const int S = schedule_.num_stages();
   for (int s = 0; s < S; ++s) {
     if (schedule_.stage_rank[s] != rank_) continue;
     const LayerRange& r = stages_[s];
     if (s > 0 && schedule_.stage_rank[s - 1] != rank_) {
-      Communicator::Request q = comm_.irecv(model_.input(0, r.first), message_floats(), schedule_.stage_rank[s - 1],
+      Communicator::Request q = comm_.irecv(model_.input(slot, r.first), message_floats(), schedule_.stage_rank[s - 1],
                                             tag(Op::forward, 0, s));
       comm_.wait(q);
     }
-    const float l = model_.forward(r, 0, batch);
+    const float l = model_.forward(r, slot, batch);
     if (s == S - 1) loss = l;
     if (s + 1 < S && schedule_.stage_rank[s + 1] != rank_) {
-      Communicator::Request q = comm_.isend(model_.output(0, r.last), message_floats(), schedule_.stage_rank[s + 1],
+      Communicator::Request q = comm_.isend(model_.output(slot, r.last), message_floats(), schedule_.stage_rank[s + 1],
                                             tag(Op::forward, 0, s + 1));
       comm_.wait(q);
     }

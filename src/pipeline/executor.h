@@ -50,6 +50,19 @@ class Executor {
   // the last stage, 0 elsewhere.
   double forward_only(const Batch& batch);
 
+  // Gradient prediction (experimental): the last micro-batch's W of each of this rank's stages is
+  // not run in its step but in the next one, at the first moment this rank would wait for a
+  // message, or before the step's first W (so gradients are summed in the same order however
+  // long messages take), on activations kept for it (one more slot per
+  // stage: slots_needed(..., true)); the batches passed to run_step must stay valid until then.
+  // The trainer predicts those gradients meanwhile; `around(true)` and `around(false)` are
+  // called just before and after the carried W's run, so it can measure what they added.
+  void defer_last_weights(std::function<void(bool before)> around) { around_ = std::move(around); }
+  bool defers_last_weights() const { return static_cast<bool>(around_); }
+  static int slots_needed(const ScheduleCheck& check, int rank, int deferred_stages) {
+    return slots_needed(check, rank) + deferred_stages;
+  }
+
   // Told the layers the next compute instructions will use, nearest first (prefetch hints).
   void set_lookahead_hook(std::function<void(const std::vector<int>& layers)> hook) { hook_ = std::move(hook); }
   // Adds an interval to the current step's timeline (the trainer's grad sync and optimizer step).
@@ -64,6 +77,11 @@ class Executor {
 
  private:
   static constexpr int kEarlySlots = 2;
+  struct Deferred {
+    int stage = 0, slot = 0;
+    Batch batch;
+  };
+  void run_carried();
   struct Pending {
     Communicator::Request request;
     bool posted = false;
@@ -85,6 +103,9 @@ class Executor {
   int lookahead_ = 2;
   int rank_ = 0;
   std::function<void(const std::vector<int>&)> hook_;
+  std::function<void(bool)> around_;
+  std::vector<Deferred> deferred_;  // W's of this step left for the next
+  std::vector<Deferred> carried_;   // W's of the previous step still to run
   const std::vector<Batch>* micro_ = nullptr;
   std::vector<int> free_slots_;
   std::map<std::pair<int, int>, int> slot_;  // (micro, stage) -> slot

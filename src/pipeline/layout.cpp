@@ -93,12 +93,15 @@ void validate_pipeline_config(const ParallelConfig& p, const TrainConfig& t, int
         "config key 'parallel.virtual_stages': schedule " + p.schedule + " runs one stage per rank, found " + s(v));
   check(kind != Kind::zb_v || v == 2, "config key 'parallel.virtual_stages': schedule zb-v runs 2 stages per rank, found " + s(v));
   check(p.micro_batches >= 0, "config key 'parallel.micro_batches': expected >= 0, found " + s(p.micro_batches));
+  check(p.predict_gradients == "off" || p.predict_gradients == "previous" || p.predict_gradients == "mean",
+        "config key 'parallel.predict_gradients': expected off, previous or mean, found \"" + p.predict_gradients + "\"");
   check(p.lookahead >= 0, "config key 'parallel.lookahead': expected >= 0, found " + std::to_string(p.lookahead));
   check(p.activation_mib >= 0, "config key 'parallel.activation_mib': expected >= 0, found " + s(p.activation_mib));
   if (p.pipeline == 1) {
     check(p.micro_batches == 0, "config key 'parallel.micro_batches': only with parallel.pipeline > 1 (use train.grad_accum)");
     check(p.stage_boundaries.empty(), "config key 'parallel.stage_boundaries': only with parallel.pipeline > 1");
     check(!p.dynamic_micro_batches, "config key 'parallel.dynamic_micro_batches': only with parallel.pipeline > 1");
+    check(p.predict_gradients == "off", "config key 'parallel.predict_gradients': only with parallel.pipeline > 1");
     return;
   }
   const int stages = p.pipeline * v;
@@ -110,6 +113,10 @@ void validate_pipeline_config(const ParallelConfig& p, const TrainConfig& t, int
   check(sequences % m == 0, "config key 'parallel.micro_batches': " + s(m) + " micro-batches do not divide the " + s(sequences) +
                                 " sequences of a step (train.batch_size " + s(t.batch_size) + " x train.grad_accum " +
                                 s(t.grad_accum) + ")");
+  check(p.predict_gradients == "off" || !p.dynamic_micro_batches,
+        "config key 'parallel.predict_gradients': not with parallel.dynamic_micro_batches (yet)");
+  check(p.predict_gradients == "off" || m >= 2,
+        "config key 'parallel.predict_gradients': needs at least 2 micro-batches a step, found " + s(m));
   check(kind != Kind::interleaved || m % p.pipeline == 0,
         "config key 'parallel.micro_batches': the interleaved schedule needs a multiple of the " + s(p.pipeline) +
             " pipeline ranks, found " + s(m));

@@ -367,6 +367,7 @@ StepStats Trainer::step() {
     }
   }
   const auto sync_start = std::chrono::steady_clock::now();
+  if (executor_ && !predicted_.empty()) predict_deferred_gradients();
   if (executor_) tie_embedding_grads();  // before the sync takes the embedding's bucket
   sync_->finish();
   s.sync = sync_->stats();
@@ -411,6 +412,7 @@ StepStats Trainer::step() {
     optimizer_.step(*store_, s.lr, steps_done_ + 1, clip);
   }
   if (zero > 0 && !tiers_) gather_parameters();
+  if (executor_ && !predicted_.empty()) carry_prediction();
   if (executor_) {
     executor_->record(pipeline::Op::grad_sync, sync_start, std::chrono::steady_clock::now());
     pipeline_report(s);
@@ -462,15 +464,58 @@ void Trainer::use_plan(pipeline::Plan plan) {
   schedule_check_ = plan.check;
   // Activation slots from the schedule's proven peak of micro-batches in flight; evaluation sends
   // whole batches of train.batch_size through the stages.
+  const bool predict = config_.parallel.predict_gradients != "off";
+  const int deferred_stages = predict ? static_cast<int>(plan.schedule.stages_of(pp_comm_->rank()).size()) : 0;
+  if (executor_) check(!executor_->defers_last_weights(), "pipeline: a new plan with gradient prediction");
   executor_.reset();
   model_->allocate(std::max(plan.micro_batch, t.batch_size), t.seq_len,
-                   pipeline::Executor::slots_needed(schedule_check_, pp_comm_->rank()));
+                   pipeline::Executor::slots_needed(schedule_check_, pp_comm_->rank(), deferred_stages));
   executor_ = std::make_unique<pipeline::Executor>(*model_, *pp_comm_, std::move(plan.schedule), stages_,
                                                    config_.parallel.lookahead);
   // Lookahead prefetch: the layers of the next instructions start coming from their tiers early.
   executor_->set_lookahead_hook([this](const std::vector<int>& layers) {
     store_->hint_layers(layers, {Plane::param, Plane::grad});
   });
+  if (predict) {
+    const size_t n = static_cast<size_t>(store_->numel());
+    predicted_.assign(n, 0.0f);
+    measured_.assign(n, 0.0f);
+    snapshot_.assign(n, 0.0f);
+    executor_->defer_last_weights([this](bool before) {
+      std::span<float> g = store_->range_view(Plane::grad, 0, store_->numel());
+      if (before) {
+        std::copy(g.begin(), g.end(), snapshot_.begin());
+        return;
+      }
+      for (size_t i = 0; i < g.size(); ++i) measured_[i] = g[i] - snapshot_[i];
+      measured_valid_ = true;
+    });
+  }
+}
+
+void Trainer::predict_deferred_gradients() {
+  // The plane holds: -(last step's prediction) + what the carried W's added + this step's own
+  // gradients but the last micro-batch's W. Add a prediction of that W.
+  std::span<float> g = store_->range_view(Plane::grad, 0, store_->numel());
+  const bool previous = config_.parallel.predict_gradients == "previous" && measured_valid_;
+  const float share = 1.0f / static_cast<float>(micro_batches_ - 1);
+  for (size_t i = 0; i < g.size(); ++i) {
+    const float carried = measured_valid_ ? measured_[i] - predicted_[i] : 0.0f;
+    const float p = previous ? measured_[i] : (g[i] - carried) * share;
+    predicted_[i] = p;
+    g[i] += p;
+  }
+  measured_valid_ = false;
+}
+
+void Trainer::carry_prediction() {
+  // The update used the prediction: its negative stays, for the true gradient to correct.
+  std::span<float> g = store_->range_view(Plane::grad, 0, store_->numel());
+  for (size_t i = 0; i < g.size(); ++i) g[i] = -predicted_[i];
+  for (const Chunk& c : store_->chunks()) {
+    if (c.layer >= config_.optim.freeze_layers) break;
+    store_->zero_grad_chunk(c.id);
+  }
 }
 
 pipeline::StageTimes Trainer::measured_stage_times() {
@@ -527,6 +572,9 @@ double Trainer::pipeline_backward(StepStats&) {
   // The step reads the same grad_accum batches one rank would, then cuts them into the
   // pipeline's micro-batches (every rank reads them: stage 0 needs the inputs, the last stage the
   // targets; the rest only their shape).
+  // W's carried into this step read the previous step's tokens (the embedding's W does).
+  std::swap(step_inputs_, step_inputs_prev_);
+  std::swap(step_targets_, step_targets_prev_);
   step_inputs_.resize(static_cast<size_t>(sequences) * T);
   step_targets_.resize(step_inputs_.size());
   for (int k = 0; k < t.grad_accum; ++k) {

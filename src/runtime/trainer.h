@@ -95,6 +95,10 @@ class Trainer {
   // Dynamic micro-batches (parallel.dynamic_micro_batches): measures steps 2 and 3 at two counts,
   // then runs the count whose simulated step is shortest.
   void adapt_micro_batches();
+  // Gradient prediction: adds the prediction of the deferred W's gradients (before the sync), and
+  // after the update leaves its negative in the plane for the true gradients to correct.
+  void predict_deferred_gradients();
+  void carry_prediction();
   pipeline::StageTimes measured_stage_times();
   // Pipeline: sums the gradient of the tied token embedding over the first and last stages.
   void tie_embedding_grads();
@@ -135,7 +139,12 @@ class Trainer {
   std::vector<int> step_inputs_, step_targets_;  // the step's sequences, cut into micro-batches
   int first_untied_chunk_ = 0;  // chunks before it hold this rank's copy of wte (not counted in the norm)
   std::vector<std::string> last_timelines_;
-  pipeline::StageTimes first_measure_;  // dynamic micro-batches: step 2's stage times  // every rank's last step timeline (trace), on rank 0
+  pipeline::StageTimes first_measure_;  // dynamic micro-batches: step 2's stage times
+  // Gradient prediction (parallel.predict_gradients): over the grad plane, the prediction added
+  // this step, what the carried W's really added, and the plane before they ran.
+  std::vector<float> predicted_, measured_, snapshot_;
+  bool measured_valid_ = false;
+  std::vector<int> step_inputs_prev_, step_targets_prev_;  // the batches of W's carried into this step  // every rank's last step timeline (trace), on rank 0
   std::unique_ptr<ChunkStore> store_;
   std::unique_ptr<TierManager> tiers_;  // after store_: drains its transfers into the store first
   Placement placement_;
