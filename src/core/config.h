@@ -80,8 +80,8 @@ struct ParallelConfig {
   int lookahead = 2;                 // compute instructions whose layers are hinted to the chunk store ahead
   // Experimental gradient prediction: each stage's last W of a step runs in the next step's first
   // wait; its gradient is predicted meanwhile and corrected by the true one a step later.
-  // off | previous (what that micro-batch's W added last step) | mean (this step's other
-  // micro-batches' mean).
+  // off | mean (this step's other micro-batches' mean) | previous (what that micro-batch's W
+  // added last step) | momentum (an exponential average, 0.9, of what it added in earlier steps).
   std::string predict_gradients = "off";
 };
 

@@ -93,8 +93,10 @@ void validate_pipeline_config(const ParallelConfig& p, const TrainConfig& t, int
         "config key 'parallel.virtual_stages': schedule " + p.schedule + " runs one stage per rank, found " + s(v));
   check(kind != Kind::zb_v || v == 2, "config key 'parallel.virtual_stages': schedule zb-v runs 2 stages per rank, found " + s(v));
   check(p.micro_batches >= 0, "config key 'parallel.micro_batches': expected >= 0, found " + s(p.micro_batches));
-  check(p.predict_gradients == "off" || p.predict_gradients == "previous" || p.predict_gradients == "mean",
-        "config key 'parallel.predict_gradients': expected off, previous or mean, found \"" + p.predict_gradients + "\"");
+  check(p.predict_gradients == "off" || p.predict_gradients == "mean" || p.predict_gradients == "previous" ||
+            p.predict_gradients == "momentum",
+        "config key 'parallel.predict_gradients': expected off, mean, previous or momentum, found \"" +
+            p.predict_gradients + "\"");
   check(p.lookahead >= 0, "config key 'parallel.lookahead': expected >= 0, found " + std::to_string(p.lookahead));
   check(p.activation_mib >= 0, "config key 'parallel.activation_mib': expected >= 0, found " + s(p.activation_mib));
   if (p.pipeline == 1) {

@@ -497,11 +497,20 @@ void Trainer::predict_deferred_gradients() {
   // The plane holds: -(last step's prediction) + what the carried W's added + this step's own
   // gradients but the last micro-batch's W. Add a prediction of that W.
   std::span<float> g = store_->range_view(Plane::grad, 0, store_->numel());
-  const bool previous = config_.parallel.predict_gradients == "previous" && measured_valid_;
+  const std::string& how = config_.parallel.predict_gradients;
+  // momentum: an exponential average (0.9) of what the W added in earlier steps, started from
+  // the first measurement; previous: the last measurement alone; mean (and before any
+  // measurement): the step's other micro-batches' mean.
+  if (how == "momentum" && measured_valid_) {
+    if (momentum_.empty()) momentum_.assign(measured_.begin(), measured_.end());
+    for (size_t i = 0; i < g.size(); ++i) momentum_[i] = 0.9f * momentum_[i] + 0.1f * measured_[i];
+  }
+  const bool history = measured_valid_ && how != "mean";
+  const std::vector<float>& past = how == "momentum" ? momentum_ : measured_;
   const float share = 1.0f / static_cast<float>(micro_batches_ - 1);
   for (size_t i = 0; i < g.size(); ++i) {
     const float carried = measured_valid_ ? measured_[i] - predicted_[i] : 0.0f;
-    const float p = previous ? measured_[i] : (g[i] - carried) * share;
+    const float p = history ? past[i] : (g[i] - carried) * share;
     predicted_[i] = p;
     g[i] += p;
   }

@@ -142,7 +142,7 @@ class Trainer {
   pipeline::StageTimes first_measure_;  // dynamic micro-batches: step 2's stage times
   // Gradient prediction (parallel.predict_gradients): over the grad plane, the prediction added
   // this step, what the carried W's really added, and the plane before they ran.
-  std::vector<float> predicted_, measured_, snapshot_;
+  std::vector<float> predicted_, measured_, snapshot_, momentum_;
   bool measured_valid_ = false;
   std::vector<int> step_inputs_prev_, step_targets_prev_;  // the batches of W's carried into this step  // every rank's last step timeline (trace), on rank 0
   std::unique_ptr<ChunkStore> store_;
