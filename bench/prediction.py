@@ -2,7 +2,8 @@
 """Experimental gradient prediction in the pipeline, measured: each stage's last W of a step runs
 in the next step's first wait for a message (or before its first W), and its gradient is
 predicted meanwhile ("mean": the step's other micro-batches' mean; "previous": what that W added
-last step; "momentum": an exponential average of what it added), corrected by the true gradient a step later. Real runs at P = 2 (one thread per
+last step; "momentum": an exponential average of what it added; "lstm": per chunk, a blend of
+mean and previous chosen by a small LSTM over the chunk's history), corrected by the true gradient a step later. Real runs at P = 2 (one thread per
 rank) of the default job's model on the fortunes corpus, against the exact run ("off"): step
 time, bubble, final training and validation loss.
 
@@ -32,7 +33,7 @@ def main():
     print("|---|---|---|---|---|---|---|")
     for s in args.schedules.split(","):
         base = None
-        for p in ("off", "mean", "previous", "momentum"):
+        for p in ("off", "mean", "previous", "momentum", "lstm"):
             run_dir = "%s/%s-%s" % (work, s, p)
             cmd = [keel, "launch", "-n", "2", "--", "train", "--set", "parallel.pipeline=2",
                    "--set", "parallel.schedule=" + s, "--set", "parallel.predict_gradients=" + p,

@@ -178,7 +178,7 @@ TEST_F(PipelineTraining, DynamicMicroBatchesMeasureThenChooseAndSayWhy) {
 // predicted meanwhile and corrected by the true one the next step. Not the same model, but close,
 // and the same bytes for the same layout.
 TEST_F(PipelineTraining, GradientPredictionTrainsCloseToExactAndIsDeterministic) {
-  for (const std::string predictor : {"mean", "previous", "momentum"}) {
+  for (const std::string predictor : {"mean", "previous", "momentum", "lstm"}) {
     const std::string layout = "--set parallel.pipeline=2 --set parallel.schedule=1f1b --set parallel.predict_gradients=" + predictor;
     const testing::CommandResult a = train(2, "predict-" + predictor, layout);
     ASSERT_EQ(a.exit_code, 0) << a.output;
@@ -198,7 +198,7 @@ TEST_F(PipelineTraining, GradientPredictionTrainsCloseToExactAndIsDeterministic)
   const testing::CommandResult bad =
       train(2, "bad", "--set parallel.pipeline=2 --set parallel.predict_gradients=lstm9");
   EXPECT_EQ(bad.exit_code, 2);
-  EXPECT_NE(bad.output.find("expected off, mean, previous or momentum"), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find("expected off, mean, previous, momentum or lstm"), std::string::npos) << bad.output;
 }
 
 TEST_F(PipelineTraining, ReportsBubbleAndWritesATrace) {

@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "pipeline/executor.h"
+#include "pipeline/gradient_predictor.h"
 #include "pipeline/layout.h"
 #include "pipeline/micro_batching.h"
 #include "test_util.h"
@@ -294,6 +295,65 @@ TEST(PipelineMicroBatches, ActivationBoundExcludesCounts) {
       pipeline::choose_micro_batches(c, stages, measured(4, 2, 100, 1), measured(2, 2, 100, 1));
   EXPECT_GT(choice.micro_batches, 1);
   EXPECT_NE(choice.reason.find("over the activation bound"), std::string::npos) << choice.reason;
+}
+
+TEST(GradientPredictorLstm, GradientMatchesFiniteDifferences) {
+  pipeline::BlendLstm lstm(7);
+  pipeline::BlendLstm::State state;
+  pipeline::BlendLstm::Trace trace;
+  lstm.step(state, {0.3f, -0.2f, 0.5f, 0.1f}, trace);  // a state that is not zero
+  const pipeline::BlendLstm::State before = state;
+  const pipeline::BlendLstm::Input x = {0.9f, 0.1f, -0.4f, 0.7f};
+  const pipeline::BlendLstm::Output target = {0.2f, 0.6f};
+  lstm.step(state, x, trace);
+  const std::vector<float> analytic = lstm.gradient(trace, target);
+  auto loss = [&] {
+    pipeline::BlendLstm::State s = before;
+    pipeline::BlendLstm::Trace t;
+    const auto y = lstm.step(s, x, t);
+    return 0.5 * ((y[0] - target[0]) * (y[0] - target[0]) + (y[1] - target[1]) * (y[1] - target[1]));
+  };
+  std::vector<float>& w = lstm.parameters();
+  ASSERT_EQ(analytic.size(), w.size());
+  for (size_t k = 0; k < w.size(); ++k) {
+    const float keep = w[k];
+    const float h = 1e-2f;
+    w[k] = keep + h;
+    const double up = loss();
+    w[k] = keep - h;
+    const double down = loss();
+    w[k] = keep;
+    EXPECT_NEAR(analytic[k], (up - down) / (2 * h), 2e-3) << "parameter " << k;
+  }
+}
+
+TEST(GradientPredictorLstm, StartsAsTheMeanAndLearnsTheBlendThatFits) {
+  // Chunks whose W's true gradient is always 0.25 * mean + 0.75 * previous: the predictor starts
+  // at (1, 0) and learns to blend close to (0.25, 0.75).
+  pipeline::GradientPredictor p(1);
+  Rng rng(4);
+  const size_t n = 256;
+  auto random = [&] {
+    std::vector<float> v(n);
+    for (float& x : v) x = static_cast<float>(rng.normal());
+    return v;
+  };
+  std::vector<float> mean = random(), previous = random();
+  auto first = p.blend(0, mean, previous);
+  EXPECT_NEAR(first[0], 1.0f, 0.05f);
+  EXPECT_NEAR(first[1], 0.0f, 0.05f);
+  pipeline::BlendLstm::Output last{};
+  for (int step = 0; step < 400; ++step) {
+    std::vector<float> actual(n);
+    for (size_t i = 0; i < n; ++i) actual[i] = 0.25f * mean[i] + 0.75f * previous[i];
+    p.learn(0, mean, previous, actual);
+    previous = actual;
+    mean = random();
+    last = p.blend(0, mean, previous);
+  }
+  EXPECT_NEAR(last[0], 0.25f, 0.1f);
+  EXPECT_NEAR(last[1], 0.75f, 0.1f);
+  EXPECT_LT(p.last_loss(), 1e-2);
 }
 
 }  // namespace

@@ -81,7 +81,8 @@ struct ParallelConfig {
   // Experimental gradient prediction: each stage's last W of a step runs in the next step's first
   // wait; its gradient is predicted meanwhile and corrected by the true one a step later.
   // off | mean (this step's other micro-batches' mean) | previous (what that micro-batch's W
-  // added last step) | momentum (an exponential average, 0.9, of what it added in earlier steps).
+  // added last step) | momentum (an exponential average, 0.9, of what it added in earlier steps)
+  // | lstm (per chunk, a blend of mean and previous from a small LSTM over the chunk's history).
   std::string predict_gradients = "off";
 };
 

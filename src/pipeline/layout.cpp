@@ -94,8 +94,8 @@ void validate_pipeline_config(const ParallelConfig& p, const TrainConfig& t, int
   check(kind != Kind::zb_v || v == 2, "config key 'parallel.virtual_stages': schedule zb-v runs 2 stages per rank, found " + s(v));
   check(p.micro_batches >= 0, "config key 'parallel.micro_batches': expected >= 0, found " + s(p.micro_batches));
   check(p.predict_gradients == "off" || p.predict_gradients == "mean" || p.predict_gradients == "previous" ||
-            p.predict_gradients == "momentum",
-        "config key 'parallel.predict_gradients': expected off, mean, previous or momentum, found \"" +
+            p.predict_gradients == "momentum" || p.predict_gradients == "lstm",
+        "config key 'parallel.predict_gradients': expected off, mean, previous, momentum or lstm, found \"" +
             p.predict_gradients + "\"");
   check(p.lookahead >= 0, "config key 'parallel.lookahead': expected >= 0, found " + std::to_string(p.lookahead));
   check(p.activation_mib >= 0, "config key 'parallel.activation_mib': expected >= 0, found " + s(p.activation_mib));

@@ -505,9 +505,39 @@ void Trainer::predict_deferred_gradients() {
     if (momentum_.empty()) momentum_.assign(measured_.begin(), measured_.end());
     for (size_t i = 0; i < g.size(); ++i) momentum_[i] = 0.9f * momentum_[i] + 0.1f * measured_[i];
   }
+  const float share = 1.0f / static_cast<float>(micro_batches_ - 1);
+  if (how == "lstm") {
+    // Per chunk: the LSTM's blend a * mean + b * previous (pipeline/gradient_predictor.h), after
+    // it learned from how its last blend compared with the W's true gradient, now measured.
+    if (!lstm_) {
+      lstm_ = std::make_unique<pipeline::GradientPredictor>(static_cast<int>(store_->chunks().size()));
+      lstm_mean_.assign(g.size(), 0.0f);
+      lstm_previous_.assign(g.size(), 0.0f);
+    }
+    std::vector<float> mean(g.size());
+    for (size_t i = 0; i < g.size(); ++i) {
+      const float carried = measured_valid_ ? measured_[i] - predicted_[i] : 0.0f;
+      mean[i] = (g[i] - carried) * share;
+    }
+    for (const Chunk& c : store_->chunks()) {
+      const size_t at = static_cast<size_t>(c.offset), n = static_cast<size_t>(c.numel);
+      auto part = [&](std::vector<float>& v) { return std::span<const float>(v.data() + at, n); };
+      if (measured_valid_) lstm_->learn(c.id, part(lstm_mean_), part(lstm_previous_), part(measured_));
+      std::vector<float>& previous = measured_valid_ ? measured_ : lstm_previous_;
+      if (!measured_valid_) std::fill_n(lstm_previous_.begin() + at, n, 0.0f);
+      const auto [a, b] = lstm_->blend(c.id, part(mean), part(previous));
+      for (size_t i = at; i < at + n; ++i) {
+        predicted_[i] = a * mean[i] + b * previous[i];
+        g[i] += predicted_[i];
+      }
+    }
+    lstm_mean_.swap(mean);
+    if (measured_valid_) lstm_previous_.assign(measured_.begin(), measured_.end());
+    measured_valid_ = false;
+    return;
+  }
   const bool history = measured_valid_ && how != "mean";
   const std::vector<float>& past = how == "momentum" ? momentum_ : measured_;
-  const float share = 1.0f / static_cast<float>(micro_batches_ - 1);
   for (size_t i = 0; i < g.size(); ++i) {
     const float carried = measured_valid_ ? measured_[i] - predicted_[i] : 0.0f;
     const float p = history ? past[i] : (g[i] - carried) * share;

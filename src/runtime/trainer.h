@@ -22,6 +22,7 @@
 #include "optim/adamw.h"
 #include "pipeline/executor.h"
 #include "pipeline/layout.h"
+#include "pipeline/gradient_predictor.h"
 #include "pipeline/micro_batching.h"
 #include "store/chunk_store.h"
 #include "store/placement.h"
@@ -143,6 +144,9 @@ class Trainer {
   // Gradient prediction (parallel.predict_gradients): over the grad plane, the prediction added
   // this step, what the carried W's really added, and the plane before they ran.
   std::vector<float> predicted_, measured_, snapshot_, momentum_;
+  // predict_gradients = lstm: the predictor, and the mean and previous its last blend mixed.
+  std::unique_ptr<pipeline::GradientPredictor> lstm_;
+  std::vector<float> lstm_mean_, lstm_previous_;
   bool measured_valid_ = false;
   std::vector<int> step_inputs_prev_, step_targets_prev_;  // the batches of W's carried into this step  // every rank's last step timeline (trace), on rank 0
   std::unique_ptr<ChunkStore> store_;
