@@ -5,7 +5,8 @@ predicted meanwhile ("mean": the step's other micro-batches' mean; "previous": w
 last step; "momentum": an exponential average of what it added; "lstm": per chunk, a blend of
 mean and previous chosen by a small LSTM over the chunk's history), corrected by the true gradient a step later. Real runs at P = 2 (one thread per
 rank) of the default job's model on the fortunes corpus, against the exact run ("off"): step
-time, bubble, final training and validation loss.
+time, bubble, final training and validation loss. Also Zero Bubble's optimizer post-validation
+("post-validate": exact, so its losses equal "off"'s; only its time can differ).
 
     python3 bench/prediction.py [--keel build/keel] [--steps 40] [--schedules 1f1b,zb-h2]
 """
@@ -33,10 +34,12 @@ def main():
     print("|---|---|---|---|---|---|---|")
     for s in args.schedules.split(","):
         base = None
-        for p in ("off", "mean", "previous", "momentum", "lstm"):
+        for p in ("off", "mean", "previous", "momentum", "lstm", "post-validate"):
             run_dir = "%s/%s-%s" % (work, s, p)
+            option = ["--set", "parallel.post_validate=true"] if p == "post-validate" else \
+                ["--set", "parallel.predict_gradients=" + p]
             cmd = [keel, "launch", "-n", "2", "--", "train", "--set", "parallel.pipeline=2",
-                   "--set", "parallel.schedule=" + s, "--set", "parallel.predict_gradients=" + p,
+                   "--set", "parallel.schedule=" + s] + option + [
                    "--set", "train.batch_size=2", "--set", "train.grad_accum=8", "--set", "train.steps=%d" % args.steps,
                    "--set", "train.eval_every=0", "--set", "train.eval_batches=8", "--set", "train.sample_tokens=0",
                    "--set", "runtime.threads=1", "--set", "train.run_dir=" + run_dir]

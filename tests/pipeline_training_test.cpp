@@ -201,6 +201,22 @@ TEST_F(PipelineTraining, GradientPredictionTrainsCloseToExactAndIsDeterministic)
   EXPECT_NE(bad.output.find("expected off, mean, previous, momentum or lstm"), std::string::npos) << bad.output;
 }
 
+// Zero Bubble's optimizer post-validation: optimistic steps, redone when clipping applies: the
+// same bytes as waiting for the norm.
+TEST_F(PipelineTraining, PostValidationIsExact) {
+  const std::string layout = "--set parallel.pipeline=2 --set parallel.schedule=zb-h1";
+  ASSERT_EQ(train(2, "waiting", layout).exit_code, 0);
+  const testing::CommandResult r = train(2, "post-validated", layout + " --set parallel.post_validate=true");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(testing::checkpoint_bytes(dir_->path() + "/waiting/ckpt"),
+            testing::checkpoint_bytes(dir_->path() + "/post-validated/ckpt"));
+  int rolled_back = 0;
+  for (const nlohmann::json& j : steps("post-validated")) rolled_back += j.at("pipeline_rolled_back").get<bool>();
+  EXPECT_GT(rolled_back, 0);  // the first steps' norms exceed optim.grad_clip = 1
+  const testing::CommandResult bad = train(2, "bad", layout + " --set parallel.post_validate=true --set parallel.zero=1");
+  EXPECT_EQ(bad.exit_code, 2);
+}
+
 TEST_F(PipelineTraining, ReportsBubbleAndWritesATrace) {
   const testing::CommandResult r =
       train(2, "trace", "--set parallel.pipeline=2 --set parallel.schedule=zb-h1 --set parallel.trace=true "

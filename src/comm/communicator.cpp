@@ -117,6 +117,15 @@ Communicator::Request Communicator::iallreduce_sum(float* data, size_t count) {
   return r;
 }
 
+Communicator::Request Communicator::iallreduce_sum(double* data, size_t count) {
+  Request r;
+  if (!uses_mpi_ || count == 0) return r;
+  r.done = false;
+  mpi_check(MPI_Iallreduce(MPI_IN_PLACE, data, static_cast<int>(count), MPI_DOUBLE, MPI_SUM, comm_, &r.handle),
+            "iallreduce");
+  return r;
+}
+
 Communicator::Request Communicator::ireduce_scatter_sum(float* data, const std::vector<int>& counts) {
   Request r;
   if (!uses_mpi_) return r;

@@ -51,6 +51,7 @@ class Communicator {
     bool done = true;
   };
   Request iallreduce_sum(float* data, size_t count);
+  Request iallreduce_sum(double* data, size_t count);
   // A non-blocking in-place reduce-scatter of data[0 .. sum(counts)): rank r receives the sum of
   // its counts[r] elements, placed at data[0 .. counts[r]) (MPI's in-place convention).
   Request ireduce_scatter_sum(float* data, const std::vector<int>& counts);

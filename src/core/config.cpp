@@ -76,6 +76,7 @@ std::vector<Field> fields(Config& c) {
       {"parallel", "trace", &c.parallel.trace},
       {"parallel", "lookahead", &c.parallel.lookahead},
       {"parallel", "predict_gradients", &c.parallel.predict_gradients},
+      {"parallel", "post_validate", &c.parallel.post_validate},
       {"sync", "codec", &c.sync.codec},
       {"sync", "policy", &c.sync.policy},
       {"sync", "embedding", &c.sync.embedding},
@@ -399,6 +400,8 @@ void Config::resolve(int world_size) {
       require(ok, key, "its default with parallel.pipeline > 1 (not yet supported together)", value);
     };
     unsupported(train.checkpoint_every == 0, "train.checkpoint_every", s(train.checkpoint_every));
+    unsupported(!parallel.post_validate || (parallel.zero == 0 && tier.device_mib == 0),
+                "parallel.post_validate (with ZeRO or tiers)", "true");
     unsupported(parallel.predict_gradients == "off" || tier.device_mib == 0, "parallel.predict_gradients (with tiers)",
                 "\"" + parallel.predict_gradients + "\"");
     unsupported(train.resume.empty(), "train.resume", "\"" + train.resume + "\"");

@@ -84,6 +84,11 @@ struct ParallelConfig {
   // added last step) | momentum (an exponential average, 0.9, of what it added in earlier steps)
   // | lstm (per chunk, a blend of mean and previous from a small LSTM over the chunk's history).
   std::string predict_gradients = "off";
+  // Zero Bubble's optimizer post-validation: each rank steps its optimizer without waiting for the
+  // global gradient norm (no clipping), and redoes the step from a copy if the norm, once summed
+  // over the stages, calls for clipping or is not finite. Exact (the same bytes); not with ZeRO
+  // or tiers.
+  bool post_validate = false;
 };
 
 // Compressed data-parallel gradient sync (HybridGC). Every lossy codec runs with error feedback:

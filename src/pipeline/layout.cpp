@@ -104,6 +104,7 @@ void validate_pipeline_config(const ParallelConfig& p, const TrainConfig& t, int
     check(p.stage_boundaries.empty(), "config key 'parallel.stage_boundaries': only with parallel.pipeline > 1");
     check(!p.dynamic_micro_batches, "config key 'parallel.dynamic_micro_batches': only with parallel.pipeline > 1");
     check(p.predict_gradients == "off", "config key 'parallel.predict_gradients': only with parallel.pipeline > 1");
+    check(!p.post_validate, "config key 'parallel.post_validate': only with parallel.pipeline > 1");
     return;
   }
   const int stages = p.pipeline * v;

@@ -381,12 +381,19 @@ StepStats Trainer::step() {
     if (zero == 2 && (c.id < own_first || c.id >= own_last)) continue;
     store_->zero_grad_chunk(c.id);
   }
-  if (executor_) {
+  const bool post_validate = executor_ && config_.parallel.post_validate;
+  double squares = 0;
+  Communicator::Request norm_request;
+  if (post_validate) {
+    // The sum over the stages runs while this rank steps optimistically (below).
+    squares = grad_sum_squares(*store_, first_untied_chunk_);
+    norm_request = pp_comm_->iallreduce_sum(&squares, 1);
+  } else if (executor_) {
     // Each stage's share of the norm (the tied embedding counted once, on the first stage), summed
     // over the replica's stages; the loss lives on the last stage, averaged over replicas.
     // Under ZeRO-2 each replica holds the summed gradient of its own chunks only.
-    const double squares = zero == 2 ? comm_.allreduce_sum(grad_sum_squares(*store_, std::max(own_first, first_untied_chunk_), own_last))
-                                     : pp_comm_->allreduce_sum(grad_sum_squares(*store_, first_untied_chunk_));
+    squares = zero == 2 ? comm_.allreduce_sum(grad_sum_squares(*store_, std::max(own_first, first_untied_chunk_), own_last))
+                        : pp_comm_->allreduce_sum(grad_sum_squares(*store_, first_untied_chunk_));
     s.grad_norm = std::sqrt(squares);
     loss_sum = comm_.allreduce_sum(loss_sum) / world;
   } else {
@@ -395,11 +402,36 @@ StepStats Trainer::step() {
     loss_sum = sums[0] / world;
     s.grad_norm = std::sqrt(zero == 2 ? sums[1] : grad_sum_squares(*store_));
   }
-  float clip = 1.0f;
-  if (config_.optim.grad_clip > 0 && s.grad_norm > config_.optim.grad_clip) {
-    clip = static_cast<float>(config_.optim.grad_clip / s.grad_norm);
-  }
-  if (tiers_) {
+  auto clip_for = [&](double norm) {
+    return config_.optim.grad_clip > 0 && norm > config_.optim.grad_clip ? static_cast<float>(config_.optim.grad_clip / norm)
+                                                                          : 1.0f;
+  };
+  float clip = clip_for(s.grad_norm);
+  if (post_validate) {
+    // Zero Bubble's post-validation: step as if the norm needs no clipping, from a copy kept in
+    // case it does; once the norm is known, redo the step from the copy if it did. The same
+    // arithmetic as waiting: the same bytes.
+    const Plane planes[4] = {Plane::param, Plane::grad, Plane::adam_m, Plane::adam_v};
+    const size_t n = static_cast<size_t>(store_->numel());
+    backup_.resize(4 * n);
+    for (int k = 0; k < 4; ++k) {
+      const std::span<float> v = store_->range_view(planes[k], 0, store_->numel());
+      std::copy(v.begin(), v.end(), backup_.begin() + k * n);
+    }
+    optimizer_.step(*store_, s.lr, steps_done_ + 1, 1.0f);
+    pp_comm_->wait(norm_request);
+    s.grad_norm = std::sqrt(squares);
+    clip = clip_for(s.grad_norm);
+    if (clip != 1.0f) {
+      for (int k = 0; k < 4; ++k) {
+        const std::span<float> v = store_->range_view(planes[k], 0, store_->numel());
+        std::copy_n(backup_.begin() + k * n, n, v.begin());
+      }
+      optimizer_.step(*store_, s.lr, steps_done_ + 1, clip);
+      s.rolled_back = true;
+    }
+    loss_sum = comm_.allreduce_sum(loss_sum) / world;
+  } else if (tiers_) {
     // Chunk by chunk through the store's updater (see attach_tiers): deferred into the next
     // forward pass, or now. Every rank visits every chunk (under ZeRO, in the same order, so
     // each chunk's owner can broadcast its update); frozen layers keep theirs.
@@ -1136,6 +1168,7 @@ RunSummary Trainer::run() {
       line["pipeline_rank_bubble"] = s.rank_bubble;
       line["pipeline_recv_wait_ms"] = s.recv_wait_ms;
       line["pipeline_activation_mb"] = s.activation_mb;
+      if (config_.parallel.post_validate) line["pipeline_rolled_back"] = s.rolled_back;
     }
     if (tiers_) {
       accumulate_tiers(s.tiers);

@@ -49,6 +49,7 @@ struct StepStats {
   std::vector<double> rank_bubble;
   double recv_wait_ms = 0;          // the longest any rank waited for activations or gradients
   double activation_mb = 0;         // the most activation memory in use on any rank
+  bool rolled_back = false;         // post-validation redid this rank's optimizer step (clipping)
 };
 
 struct RunSummary {
@@ -147,6 +148,7 @@ class Trainer {
   // predict_gradients = lstm: the predictor, and the mean and previous its last blend mixed.
   std::unique_ptr<pipeline::GradientPredictor> lstm_;
   std::vector<float> lstm_mean_, lstm_previous_;
+  std::vector<float> backup_;  // post-validation: params, grads and moments before the optimistic step
   bool measured_valid_ = false;
   std::vector<int> step_inputs_prev_, step_targets_prev_;  // the batches of W's carried into this step  // every rank's last step timeline (trace), on rank 0
   std::unique_ptr<ChunkStore> store_;
