@@ -112,7 +112,7 @@ TEST_F(PipelineTraining, DataParallelTimesPipeline) {
 }
 
 // Stages whose chunks live in memory tiers (host DRAM and an NVMe file), prefetched by the
-// tiers' recorded schedule and by the executor's lookahead hints.
+// tiers' recorded schedule.
 TEST_F(PipelineTraining, StagesOverMemoryTiers) {
   std::filesystem::create_directories(dir_->path() + "/nvme");
   expect_equivalent(2, "tiered",

@@ -204,7 +204,7 @@ TEST(PipelineExecutor, OneRankRunsTheScheduleAndHintsAhead) {
   std::vector<std::vector<int>> hints;
   executor.set_lookahead_hook([&](const std::vector<int>& layers) {
     hints.push_back(layers);
-    store.hint_layers(layers, {Plane::param});
+    store.hint_layers(layers);
   });
   Rng rng(2);
   std::vector<int> tokens(M * B * T), targets(tokens.size());

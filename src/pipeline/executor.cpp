@@ -61,9 +61,10 @@ bool Executor::holds_last_stage() const { return schedule_.stage_rank.back() == 
 bool Executor::holds_first_stage() const { return schedule_.stage_rank.front() == rank_; }
 
 int Executor::tag(Op op, int micro, int stage) const {
+  // Activations, their gradients and evaluation's activations each get tags of their own, the
+  // same whatever the step's micro-batch count (3 x stages x 4096: OpenMPI's MPI_TAG_UB is 2^31 - 1).
   const int kind = op == Op::send_act || op == Op::recv_act ? 0 : op == Op::send_grad || op == Op::recv_grad ? 1 : 2;
-  const int m = static_cast<int>(micro_ ? micro_->size() : 1);
-  return (kind * schedule_.num_stages() + stage) * m + micro;
+  return (kind * schedule_.num_stages() + stage) * kMaxMicro + micro;
 }
 
 size_t Executor::message_floats() const {
@@ -199,6 +200,7 @@ void Executor::record(Op op, std::chrono::steady_clock::time_point start, std::c
 }
 
 double Executor::run_step(const std::vector<Batch>& micro, BackwardObserver* sync) {
+  check(schedule_.spec.micro <= kMaxMicro, "pipeline: at most " + std::to_string(kMaxMicro) + " micro-batches a step");
   check(static_cast<int>(micro.size()) == schedule_.spec.micro,
         "pipeline: " + std::to_string(micro.size()) + " micro-batches for a schedule of " +
             std::to_string(schedule_.spec.micro));

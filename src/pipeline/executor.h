@@ -77,6 +77,7 @@ class Executor {
 
  private:
   static constexpr int kEarlySlots = 2;
+  static constexpr int kMaxMicro = 4096;
   struct Deferred {
     int stage = 0, slot = 0;
     Batch batch;

@@ -504,10 +504,8 @@ void Trainer::use_plan(pipeline::Plan plan) {
                    pipeline::Executor::slots_needed(schedule_check_, pp_comm_->rank(), deferred_stages));
   executor_ = std::make_unique<pipeline::Executor>(*model_, *pp_comm_, std::move(plan.schedule), stages_,
                                                    config_.parallel.lookahead);
-  // Lookahead prefetch: the layers of the next instructions start coming from their tiers early.
-  executor_->set_lookahead_hook([this](const std::vector<int>& layers) {
-    store_->hint_layers(layers, {Plane::param, Plane::grad});
-  });
+  // Lookahead: the chunk store hears which layers the next instructions use.
+  executor_->set_lookahead_hook([this](const std::vector<int>& layers) { store_->hint_layers(layers); });
   if (predict) {
     const size_t n = static_cast<size_t>(store_->numel());
     predicted_.assign(n, 0.0f);

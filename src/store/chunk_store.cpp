@@ -297,16 +297,11 @@ bool ChunkStore::cached_grad_sum_squares(int chunk, double* out) const {
   return true;
 }
 
-int ChunkStore::hint_layers(std::span<const int> layers, std::initializer_list<Plane> planes) {
-  std::vector<PageRef> pages;
+void ChunkStore::hint_layers(std::span<const int> layers) {
   for (int layer : layers) {
     if (layer < 0 || layer >= static_cast<int>(layer_chunks_.size())) continue;
-    for (int c : layer_chunks_[layer]) {
-      chunks_[c].hinted++;
-      for (Plane p : planes) pages.push_back({c, p});
-    }
+    for (int c : layer_chunks_[layer]) chunks_[c].hinted++;
   }
-  return tiers_ == nullptr ? 0 : tiers_->hint(pages);
 }
 
 PageLease ChunkStore::use_layer(int layer, std::initializer_list<Plane> read, std::initializer_list<Plane> write) {

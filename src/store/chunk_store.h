@@ -129,10 +129,11 @@ class ChunkStore {
   // fetched and pinned until the lease ends; `write` planes are marked modified then. Views of
   // those pages are valid while the lease lives.
   PageLease use_layer(int layer, std::initializer_list<Plane> read, std::initializer_list<Plane> write = {});
-  // Lookahead (a pipeline executor): these layers' chunks will be used soon, nearest first, in
-  // `planes`. Counted per chunk; with tiers attached, their pages not on the device start to come
-  // while there is room. Returns the fetches started.
-  int hint_layers(std::span<const int> layers, std::initializer_list<Plane> planes);
+  // Lookahead (a pipeline executor): these layers' chunks will be used soon, nearest first.
+  // Counted per chunk (Chunk::hinted). Not yet passed to the tiers: a first version that started
+  // fetches from here diverged from the exact run under load (see docs/architecture.md); the
+  // tiers' own recorded-schedule prefetch serves pipelines meanwhile.
+  void hint_layers(std::span<const int> layers);
   // The same for one chunk (the optimizer's unit).
   PageLease use_chunk(int chunk, std::initializer_list<Plane> read, std::initializer_list<Plane> write = {}) const;
   // The same for the chunks that elements [offset, offset + numel) of the flat space touch (a

@@ -516,19 +516,6 @@ void TierManager::release(std::span<const PageRef> refs, bool modified) {
   }
 }
 
-int TierManager::hint(std::span<const PageRef> pages) {
-  int started = 0;
-  for (const PageRef& r : pages) {
-    const int i = index(r);
-    Page& pg = pages_[i];
-    if (revive(i) || pg.present || pg.fetching || pg.home == Tier::device) continue;
-    if (device_used_ + pg.bytes > options_.device_bytes) break;
-    fetch(i);
-    started++;
-  }
-  return started;
-}
-
 void TierManager::prefetch_ahead() {
   if (!options_.prefetch || !scheduled_ || !on_schedule_) return;
   const int64_t len = static_cast<int64_t>(schedule_.size());

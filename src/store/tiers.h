@@ -96,10 +96,6 @@ class TierManager {
   // schedule (a step unlike the steady state, such as the first one of a run whose optimizer
   // updates are deferred into the next forward pass, says false).
   void begin_step(bool representative = true);
-  // A hint that these pages will be acquired soon, nearest first (a pipeline executor's
-  // lookahead): those not on the device start their fetch while the device tier has free room.
-  // A hint never evicts; it returns how many fetches it started.
-  int hint(std::span<const PageRef> pages);
   // Runs `update` on the page's home copy in place (the host copy; an NVMe page through a staging
   // buffer: read, update, write) and bumps the owner's version, ZeRO-Offload style: the optimizer
   // step of state that lives off the device runs where it lives. A device copy that was newer is
