@@ -400,6 +400,9 @@ void Config::resolve(int world_size) {
       require(ok, key, "its default with parallel.pipeline > 1 (not yet supported together)", value);
     };
     unsupported(train.checkpoint_every == 0, "train.checkpoint_every", s(train.checkpoint_every));
+    // Tiers: a 2-stage tiered run drifted from the exact run under load (timing-dependent; see
+    // docs/architecture.md); refused until that is found.
+    unsupported(tier.device_mib == 0, "tier.device_mib", s(tier.device_mib));
     unsupported(!parallel.post_validate || (parallel.zero == 0 && tier.device_mib == 0),
                 "parallel.post_validate (with ZeRO or tiers)", "true");
     unsupported(parallel.predict_gradients == "off" || tier.device_mib == 0, "parallel.predict_gradients (with tiers)",

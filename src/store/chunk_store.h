@@ -130,9 +130,8 @@ class ChunkStore {
   // those pages are valid while the lease lives.
   PageLease use_layer(int layer, std::initializer_list<Plane> read, std::initializer_list<Plane> write = {});
   // Lookahead (a pipeline executor): these layers' chunks will be used soon, nearest first.
-  // Counted per chunk (Chunk::hinted). Not yet passed to the tiers: a first version that started
-  // fetches from here diverged from the exact run under load (see docs/architecture.md); the
-  // tiers' own recorded-schedule prefetch serves pipelines meanwhile.
+  // Counted per chunk (Chunk::hinted). Not yet passed to the tiers (pipelines with tiers are
+  // refused for now, see docs/architecture.md).
   void hint_layers(std::span<const int> layers);
   // The same for one chunk (the optimizer's unit).
   PageLease use_chunk(int chunk, std::initializer_list<Plane> read, std::initializer_list<Plane> write = {}) const;
