@@ -403,10 +403,7 @@ void Config::resolve(int world_size) {
     // Tiers: a 2-stage tiered run drifted from the exact run under load (timing-dependent; see
     // docs/architecture.md); refused until that is found.
     unsupported(tier.device_mib == 0, "tier.device_mib", s(tier.device_mib));
-    unsupported(!parallel.post_validate || (parallel.zero == 0 && tier.device_mib == 0),
-                "parallel.post_validate (with ZeRO or tiers)", "true");
-    unsupported(parallel.predict_gradients == "off" || tier.device_mib == 0, "parallel.predict_gradients (with tiers)",
-                "\"" + parallel.predict_gradients + "\"");
+    unsupported(!parallel.post_validate || parallel.zero == 0, "parallel.post_validate (with ZeRO)", "true");
     unsupported(train.resume.empty(), "train.resume", "\"" + train.resume + "\"");
   }
   require(checkpoint.full_every >= 1, "checkpoint.full_every", ">= 1", s(checkpoint.full_every));

@@ -86,8 +86,7 @@ struct ParallelConfig {
   std::string predict_gradients = "off";
   // Zero Bubble's optimizer post-validation: each rank steps its optimizer without waiting for the
   // global gradient norm (no clipping), and redoes the step from a copy if the norm, once summed
-  // over the stages, calls for clipping or is not finite. Exact (the same bytes); not with ZeRO
-  // or tiers.
+  // over the stages, calls for clipping or is not finite. Exact (the same bytes); not with ZeRO.
   bool post_validate = false;
 };
 

@@ -111,8 +111,6 @@ Trainer::Trainer(Config config, Communicator& comm)
   std::vector<LayerRange> my_stages;  // empty: the whole model
   std::optional<pipeline::Plan> plan;
   if (P > 1) {
-    check(world % P == 0, "parallel.pipeline: " + std::to_string(P) + " stages do not divide the " +
-                              std::to_string(world) + " ranks of this job");
     // World rank = replica * P + pipeline rank: a replica's stages are consecutive ranks.
     dp_comm_ = comm_.split(rank % P, rank / P);
     pp_comm_ = comm_.split(rank / P, rank % P);
@@ -353,7 +351,7 @@ StepStats Trainer::step() {
   double loss_sum = 0;
   if (executor_) {
     sync_->begin(true, steps_done_);  // W notifications reach it for the last micro-batch only
-    loss_sum = pipeline_backward(s);
+    loss_sum = pipeline_backward();
   } else {
     for (int micro = 0; micro < t.grad_accum; ++micro) {
       Batch batch = train_data_->next();
@@ -635,7 +633,7 @@ void Trainer::adapt_micro_batches() {
   if (m != micro_batches_) use_plan(pipeline::plan(config_, stages_, m));
 }
 
-double Trainer::pipeline_backward(StepStats&) {
+double Trainer::pipeline_backward() {
   const TrainConfig& t = config_.train;
   const int T = t.seq_len, sequences = t.batch_size * t.grad_accum, b = sequences / micro_batches_;
   // The step reads the same grad_accum batches one rank would, then cuts them into the

@@ -89,8 +89,8 @@ class Trainer {
  private:
   void log_json(const std::string& line);
   // Pipeline: the step's micro-batches through the executor (returns the sum of their losses on
-  // the last stage's rank); its bubble, gathered over the replica's ranks, into s.
-  double pipeline_backward(StepStats& s);
+  // the last stage's rank); then its bubble, gathered over the replica's ranks, into s.
+  double pipeline_backward();
   void pipeline_report(StepStats& s);
   // Runs the pipeline with this plan from the next step on (allocates its activation slots).
   void use_plan(pipeline::Plan plan);
