@@ -111,6 +111,13 @@ TEST_F(PipelineTraining, DataParallelTimesPipeline) {
   }
 }
 
+TEST_F(PipelineTraining, StagesOverMemoryTiers) {
+  std::filesystem::create_directories(dir_->path() + "/nvme");
+  expect_equivalent(2, "tiered",
+                    "--set parallel.pipeline=2 --set parallel.schedule=zb-h1 --set tier.device_mib=2 "
+                    "--set tier.host_mib=1 --set tier.verify=true --set tier.nvme_dir=" + dir_->path() + "/nvme");
+}
+
 // Compressed gradient sync (HybridGC) inside each stage's replicas: lossy, so close, not equal.
 TEST_F(PipelineTraining, CompressedSyncInsideStages) {
   const testing::CommandResult r =
@@ -250,7 +257,8 @@ TEST_F(PipelineTraining, BadLayoutsAreRefused) {
        "MiB of activations in flight"},
       {2, "--set parallel.pipeline=2 --set parallel.schedule=zb-h9", "parallel.schedule"},
       {2, "--set parallel.pipeline=3", "a divisor of the 2 rank(s)"},
-      {2, "--set parallel.pipeline=2 --set tier.device_mib=2 --set tier.host_mib=1", "not yet supported together"},
+      {2, "--set parallel.pipeline=2 --set tier.device_mib=2 --set tier.host_mib=1 --set parallel.predict_gradients=mean",
+       "parallel.predict_gradients (with tiers)"},
       {2, "--set parallel.pipeline=2 --set parallel.schedule=interleaved --set parallel.micro_batches=1",
        "needs a multiple of the 2 pipeline ranks"},
   };

@@ -201,10 +201,10 @@ TEST(PipelineExecutor, OneRankRunsTheScheduleAndHintsAhead) {
   Communicator& world = Communicator::world();
   ASSERT_EQ(world.size(), 1);
   pipeline::Executor executor(model, world, schedule, {LayerRange{0, m.n_layer + 1}}, 2);
-  std::vector<std::vector<int>> hints;
-  executor.set_lookahead_hook([&](const std::vector<int>& layers) {
-    hints.push_back(layers);
-    store.hint_layers(layers);
+  std::vector<std::vector<LayerHint>> hints;
+  executor.set_lookahead_hook([&](const std::vector<LayerHint>& h) {
+    hints.push_back(h);
+    EXPECT_EQ(store.hint_layers(h), 0);  // no tiers: counted only
   });
   Rng rng(2);
   std::vector<int> tokens(M * B * T), targets(tokens.size());
@@ -226,8 +226,10 @@ TEST(PipelineExecutor, OneRankRunsTheScheduleAndHintsAhead) {
   ASSERT_EQ(hints.size(), 9u);
   // One rank's 1F1B is F0 B0 W0 F1 ...: at F0 the next two are B0 and W0, layers head first.
   EXPECT_EQ(hints[0].size(), 2u * model.num_layers());
-  EXPECT_EQ(hints[0].front(), model.num_layers() - 1);
-  EXPECT_EQ(hints[2].front(), 0);  // at W0: F1 (embedding first), then B1
+  const LayerHint head_params{model.num_layers() - 1, Plane::param}, head_grads{model.num_layers() - 1, Plane::grad};
+  EXPECT_EQ(hints[0].front(), head_params);                 // B0 reads parameters
+  EXPECT_EQ(hints[0][model.num_layers()], head_grads);      // W0 writes gradients
+  EXPECT_EQ(hints[2].front(), (LayerHint{0, Plane::param}));  // at W0: F1 (embedding first), then B1
   EXPECT_TRUE(hints.back().empty());
   EXPECT_GT(store.chunks()[0].hinted, 0u);
   EXPECT_EQ(executor.timeline().size(), 9u);

@@ -45,7 +45,7 @@ class TieredTraining : public ::testing::Test {
     return out;
   }
   std::string tiers(const std::string& extra = "") {
-    return "--set tier.device_mib=2 --set tier.host_mib=1 --set tier.nvme_dir=" + dir / "nvme" + " " + extra;
+    return "--set tier.device_mib=2 --set tier.host_mib=1 --set tier.verify=true --set tier.nvme_dir=" + dir / "nvme" + " " + extra;
   }
   testing::TempDir dir{"keel-tiered"};
 };

@@ -98,6 +98,7 @@ std::vector<Field> fields(Config& c) {
       {"tier", "lookahead", &c.tier.lookahead},
       {"tier", "prefetch", &c.tier.prefetch},
       {"tier", "defer_update", &c.tier.defer_update},
+      {"tier", "verify", &c.tier.verify},
       {"tier", "embedding", &c.tier.embedding},
       {"tier", "attention", &c.tier.attention},
       {"tier", "ffn", &c.tier.ffn},
@@ -400,10 +401,11 @@ void Config::resolve(int world_size) {
       require(ok, key, "its default with parallel.pipeline > 1 (not yet supported together)", value);
     };
     unsupported(train.checkpoint_every == 0, "train.checkpoint_every", s(train.checkpoint_every));
-    // Tiers: a 2-stage tiered run drifted from the exact run under load (timing-dependent; see
-    // docs/architecture.md); refused until that is found.
-    unsupported(tier.device_mib == 0, "tier.device_mib", s(tier.device_mib));
-    unsupported(!parallel.post_validate || parallel.zero == 0, "parallel.post_validate (with ZeRO)", "true");
+    // Both read and write whole planes outside the chunk store's leases.
+    unsupported(!parallel.post_validate || (parallel.zero == 0 && tier.device_mib == 0),
+                "parallel.post_validate (with ZeRO or tiers)", "true");
+    unsupported(parallel.predict_gradients == "off" || tier.device_mib == 0, "parallel.predict_gradients (with tiers)",
+                "\"" + parallel.predict_gradients + "\"");
     unsupported(train.resume.empty(), "train.resume", "\"" + train.resume + "\"");
   }
   require(checkpoint.full_every >= 1, "checkpoint.full_every", ">= 1", s(checkpoint.full_every));

@@ -134,6 +134,9 @@ struct TierConfig {
   // so its transfers overlap compute (exact: the same arithmetic; checkpoints, evaluations and
   // the end of the run apply what is pending first). false: the update is a phase of its own.
   bool defer_update = true;
+  // Checksum every page when its version changes and check it at every acquire (store/tiers.h):
+  // a lost or torn transfer fails at once, naming the page. For tests and suspected trouble.
+  bool verify = false;
   // Homes by chunk kind (device | host | nvme); the seed's classes: attention and norms hot
   // (device), FFN warm (nvme, prefetched), embeddings cold (host).
   std::string embedding = "host", attention = "device", ffn = "nvme", norm = "device";

@@ -175,7 +175,7 @@ void Executor::send_grad(const Instr& in, int slot) {
 void Executor::notify_hook(size_t from) {
   if (!hook_) return;
   const std::vector<Instr>& list = schedule_.per_rank[rank_];
-  std::vector<int> layers;
+  std::vector<LayerHint> hints;
   int computes = 0;
   for (size_t i = from + 1; i < list.size() && computes < lookahead_; ++i) {
     const Instr& in = list[i];
@@ -183,12 +183,13 @@ void Executor::notify_hook(size_t from) {
     computes++;
     const LayerRange& r = stages_[in.stage];
     if (in.op == Op::forward) {
-      for (int l = r.first; l <= r.last; ++l) layers.push_back(l);
+      for (int l = r.first; l <= r.last; ++l) hints.push_back({l, Plane::param});
     } else {
-      for (int l = r.last; l >= r.first; --l) layers.push_back(l);
+      const Plane plane = in.op == Op::backward_weight ? Plane::grad : Plane::param;
+      for (int l = r.last; l >= r.first; --l) hints.push_back({l, plane});
     }
   }
-  hook_(layers);
+  hook_(hints);
 }
 
 void Executor::record(Op op, std::chrono::steady_clock::time_point start, std::chrono::steady_clock::time_point end) {

@@ -63,8 +63,9 @@ class Executor {
     return slots_needed(check, rank) + deferred_stages;
   }
 
-  // Told the layers the next compute instructions will use, nearest first (prefetch hints).
-  void set_lookahead_hook(std::function<void(const std::vector<int>& layers)> hook) { hook_ = std::move(hook); }
+  // Told the layers the next compute instructions will use, nearest first, with the plane each
+  // needs (F and B read parameters, W writes gradients): prefetch hints for the chunk store.
+  void set_lookahead_hook(std::function<void(const std::vector<LayerHint>& hints)> hook) { hook_ = std::move(hook); }
   // Adds an interval to the current step's timeline (the trainer's grad sync and optimizer step).
   void record(Op op, std::chrono::steady_clock::time_point start, std::chrono::steady_clock::time_point end);
   // This rank's intervals of the last step, in ms since it started.
@@ -103,7 +104,7 @@ class Executor {
   std::vector<LayerRange> stages_;
   int lookahead_ = 2;
   int rank_ = 0;
-  std::function<void(const std::vector<int>&)> hook_;
+  std::function<void(const std::vector<LayerHint>&)> hook_;
   std::function<void(bool)> around_;
   std::vector<Deferred> deferred_;  // W's of this step left for the next
   std::vector<Deferred> carried_;   // W's of the previous step still to run

@@ -503,7 +503,9 @@ void Trainer::use_plan(pipeline::Plan plan) {
   executor_ = std::make_unique<pipeline::Executor>(*model_, *pp_comm_, std::move(plan.schedule), stages_,
                                                    config_.parallel.lookahead);
   // Lookahead: the chunk store hears which layers the next instructions use.
-  executor_->set_lookahead_hook([this](const std::vector<int>& layers) { store_->hint_layers(layers); });
+  executor_->set_lookahead_hook([this](const std::vector<LayerHint>& hints) { store_->hint_layers(hints); });
+  // A new plan is a new order of leases: the tiers record it afresh.
+  if (tiers_) tiers_->record_again();
   if (predict) {
     const size_t n = static_cast<size_t>(store_->numel());
     predicted_.assign(n, 0.0f);

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -137,7 +138,8 @@ class UringFile final : public BlockFile {
 
 class ThreadFile final : public BlockFile {
  public:
-  ThreadFile(std::string path, uint64_t size, int fd, int threads) : BlockFile(std::move(path), size, IoEngine::threads, fd) {
+  ThreadFile(std::string path, uint64_t size, int fd, int threads, int delay_us)
+      : BlockFile(std::move(path), size, IoEngine::threads, fd), delay_us_(delay_us) {
     for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
   }
   ~ThreadFile() override {
@@ -204,6 +206,7 @@ class ThreadFile final : public BlockFile {
         queue_.pop_front();
         o = state_[job.ticket].outcome;
       }
+      if (delay_us_ > 0 && o.is_write) std::this_thread::sleep_for(std::chrono::microseconds(delay_us_));
       size_t moved = 0;
       int64_t result = 0;
       while (moved < o.want) {
@@ -235,6 +238,7 @@ class ThreadFile final : public BlockFile {
   std::vector<std::thread> workers_;
   uint64_t next_ = 0;
   bool stop_ = false;
+  int delay_us_;
 };
 
 }  // namespace
@@ -269,7 +273,8 @@ void BlockFile::close_and_remove() {
   ::unlink(path_.c_str());
 }
 
-std::unique_ptr<BlockFile> BlockFile::create(const std::string& path, uint64_t bytes, IoEngine engine, int queue_depth) {
+std::unique_ptr<BlockFile> BlockFile::create(const std::string& path, uint64_t bytes, IoEngine engine, int queue_depth,
+                                             int write_delay_us) {
   const uint64_t size = align_up(std::max<uint64_t>(bytes, kAlign));
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_DIRECT | O_CLOEXEC, 0600);
   if (fd < 0) {
@@ -288,6 +293,7 @@ std::unique_ptr<BlockFile> BlockFile::create(const std::string& path, uint64_t b
     if (e != EOPNOTSUPP) fail("cannot reserve " + std::to_string(size) + " bytes: " + errno_text(e));
     if (::ftruncate(fd, static_cast<off_t>(size)) != 0) fail("cannot size the file: " + errno_text(errno));
   }
+  check(write_delay_us == 0 || engine == IoEngine::threads, "nvme tier: a write delay needs the threads engine");
   if (engine != IoEngine::threads) {
     auto file = std::make_unique<UringFile>(path, size, fd, static_cast<unsigned>(std::max(1, queue_depth)));
     const int r = file->init_error();
@@ -295,7 +301,7 @@ std::unique_ptr<BlockFile> BlockFile::create(const std::string& path, uint64_t b
     file.reset();
     if (engine == IoEngine::io_uring) fail("io_uring is unavailable here (" + errno_text(-r) + "); use engine \"threads\"");
   }
-  return std::unique_ptr<BlockFile>(new ThreadFile(path, size, fd, 2));
+  return std::unique_ptr<BlockFile>(new ThreadFile(path, size, fd, 2, write_delay_us));
 }
 
 AlignedBuffer::AlignedBuffer(size_t n) : bytes(n) {

@@ -32,7 +32,10 @@ class BlockFile {
   // for O_DIRECT I/O with `engine` (automatic: io_uring if it works here, else threads). Throws
   // keel::Error naming the path when the directory is not writable, the disk lacks the space, or
   // the file system refuses O_DIRECT; nothing is left behind when it throws.
-  static std::unique_ptr<BlockFile> create(const std::string& path, uint64_t bytes, IoEngine engine, int queue_depth = 32);
+  // `write_delay_us` (tests): the threads engine starts every write this much late, which holds
+  // write-backs in flight across the caller's next steps (a disk slow to write, made repeatable).
+  static std::unique_ptr<BlockFile> create(const std::string& path, uint64_t bytes, IoEngine engine, int queue_depth = 32,
+                                           int write_delay_us = 0);
   virtual ~BlockFile() = default;
   BlockFile(const BlockFile&) = delete;
   BlockFile& operator=(const BlockFile&) = delete;

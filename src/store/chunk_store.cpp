@@ -297,11 +297,16 @@ bool ChunkStore::cached_grad_sum_squares(int chunk, double* out) const {
   return true;
 }
 
-void ChunkStore::hint_layers(std::span<const int> layers) {
-  for (int layer : layers) {
-    if (layer < 0 || layer >= static_cast<int>(layer_chunks_.size())) continue;
-    for (int c : layer_chunks_[layer]) chunks_[c].hinted++;
+int ChunkStore::hint_layers(std::span<const LayerHint> hints) {
+  std::vector<PageRef> pages;
+  for (const LayerHint& h : hints) {
+    if (h.layer < 0 || h.layer >= static_cast<int>(layer_chunks_.size())) continue;
+    for (int c : layer_chunks_[h.layer]) {
+      chunks_[c].hinted++;
+      pages.push_back({c, h.plane});
+    }
   }
+  return tiers_ == nullptr ? 0 : tiers_->hint(pages);
 }
 
 PageLease ChunkStore::use_layer(int layer, std::initializer_list<Plane> read, std::initializer_list<Plane> write) {

@@ -35,6 +35,14 @@ struct TensorSpec {
   bool decay = false;          // AdamW weight decay applies (matrices and embeddings only)
 };
 
+// A lookahead hint: a layer an operation will soon use, and the plane it needs (parameters for a
+// forward or backward-input pass, gradients for a weight pass).
+struct LayerHint {
+  int layer = 0;
+  Plane plane = Plane::param;
+  bool operator==(const LayerHint&) const = default;
+};
+
 struct TensorInfo {
   TensorSpec spec;
   int64_t offset = 0;  // first element in the flat element space
@@ -129,10 +137,11 @@ class ChunkStore {
   // fetched and pinned until the lease ends; `write` planes are marked modified then. Views of
   // those pages are valid while the lease lives.
   PageLease use_layer(int layer, std::initializer_list<Plane> read, std::initializer_list<Plane> write = {});
-  // Lookahead (a pipeline executor): these layers' chunks will be used soon, nearest first.
-  // Counted per chunk (Chunk::hinted). Not yet passed to the tiers (pipelines with tiers are
-  // refused for now, see docs/architecture.md).
-  void hint_layers(std::span<const int> layers);
+  // Lookahead (a pipeline executor): these layers' chunks will be used soon in these planes,
+  // nearest first. Counted per chunk (Chunk::hinted); with tiers attached, passed on as pages
+  // (TierManager::hint: fetched ahead where the tiers' own schedule does not already do it).
+  // Returns the fetches the hint started.
+  int hint_layers(std::span<const LayerHint> hints);
   // The same for one chunk (the optimizer's unit).
   PageLease use_chunk(int chunk, std::initializer_list<Plane> read, std::initializer_list<Plane> write = {}) const;
   // The same for the chunks that elements [offset, offset + numel) of the flat space touch (a

@@ -99,6 +99,7 @@ TierOptions tier_options(const TierConfig& t) {
   o.engine = parse_io_engine(t.engine);
   o.lookahead = t.lookahead;
   o.prefetch = t.prefetch;
+  o.verify = t.verify;
   o.adaptive = t.policy == "adaptive";
   return o;
 }

@@ -12,6 +12,8 @@
 #include <cstring>
 #include <limits>
 
+#include <xxhash.h>
+
 #include "core/error.h"
 #include "core/text.h"
 
@@ -61,6 +63,8 @@ struct TierManager::Page {
   int64_t last_use = 0;
   int64_t touched_step = -1;
   std::vector<int64_t> uses;  // positions in the schedule, ascending
+  // tier.verify: a checksum of the bytes of version `checksum_version` (none yet: ~0).
+  uint64_t checksum = 0, checksum_version = ~0ull;
 };
 
 TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vector<Tier> homes)
@@ -111,12 +115,14 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
     static std::atomic<int> counter{0};
     const std::string path = options.nvme_dir + "/keel-tier-" + std::to_string(::getpid()) + "-" +
                              std::to_string(counter++) + ".bin";
-    file_ = BlockFile::create(path, static_cast<uint64_t>(nvme_bytes), options.engine);
+    file_ = BlockFile::create(path, static_cast<uint64_t>(nvme_bytes), options.engine, 32, options.write_delay_us);
   }
+  if (options.verify) zeros_.assign(static_cast<size_t>(largest_slot), 0);
   // Move everything home; only device-homed pages stay present.
   for (int i = 0; i < static_cast<int>(pages_.size()); ++i) {
     Page& pg = pages_[i];
     if (!pg.exists) continue;
+    if (options.verify) note_bytes(i, address(i), pg.version);
     if (pg.home == Tier::device) {
       device_used_ += pg.bytes;
       continue;
@@ -281,6 +287,18 @@ bool TierManager::revive(int i) {
 
 void TierManager::evict(int i) {
   Page& pg = pages_[i];
+  if (pg.writing) {
+    // Taken back (revive) while its write-back was in flight. Unchanged since: it leaves again
+    // as it was, the write in flight carrying these very bytes, and its memory goes when the
+    // write completes. Changed since: the older write completes first (two writes of one slot
+    // are never in flight together), then the page is as dirty as any other.
+    if (pg.device_version == pg.writing->version) {
+      pg.present = false;
+      stats_.evictions++;
+      return;
+    }
+    settle(i);
+  }
   const bool dirty = pg.device_version > pg.home_version;
   if (dirty) pg.home_zero = false;
   if (dirty && pg.home == Tier::host) {
@@ -290,7 +308,6 @@ void TierManager::evict(int i) {
   } else if (dirty) {
     // Written straight from the compute tier (O_DIRECT): the page's memory stays held, and
     // counted, until the write completes; an acquire before then takes the page back as it is.
-    if (pg.writing) finish_writeback(i);
     auto t = std::make_unique<Transfer>();
     t->version = pg.device_version;
     t->ticket = file_->write(address(i), static_cast<size_t>(pg.slot), pg.nvme_offset);
@@ -403,6 +420,21 @@ void TierManager::settle(int i) {
   }
 }
 
+void TierManager::note_bytes(int i, const void* data, uint64_t version) {
+  Page& pg = pages_[i];
+  pg.checksum = XXH3_64bits(data != nullptr ? data : zeros_.data(), static_cast<size_t>(pg.bytes));
+  pg.checksum_version = version;
+}
+
+void TierManager::check_bytes(int i) const {
+  const Page& pg = pages_[i];
+  if (pg.checksum_version != pg.version) return;
+  if (XXH3_64bits(address(i), static_cast<size_t>(pg.bytes)) == pg.checksum) return;
+  throw Error("tiers (tier.verify): chunk " + std::to_string(i / kNumPlanes) + " plane " + std::to_string(i % kNumPlanes) +
+              " (home " + tier_name(pg.home) + ") does not hold the bytes of its version " + std::to_string(pg.version) +
+              ": a transfer lost or tore them, or they were written without a lease");
+}
+
 void TierManager::count_touch(int i, bool hit, double waited_ms) {
   Page& pg = pages_[i];
   if (pg.touched_step == stats_step_) return;
@@ -474,6 +506,7 @@ void TierManager::acquire(std::span<const PageRef> refs) {
     // A present copy behind its owner's version is stale: drop it, fetch again.
     if (pg.present && pg.device_version != pg.version) {
       stats_.stale_refetches++;
+      settle(i);  // a write-back of the old bytes still reading this memory completes first
       pg.present = false;
       device_used_ -= pg.bytes;
     }
@@ -498,6 +531,9 @@ void TierManager::acquire(std::span<const PageRef> refs) {
     count_touch(i, false, ms_since(t0) + room_ms);
     room_ms = 0;
   }
+  if (options_.verify) {
+    for (int i : group) check_bytes(i);
+  }
   prefetch_ahead();
 }
 
@@ -509,11 +545,33 @@ void TierManager::release(std::span<const PageRef> refs, bool modified) {
     if (modified) {
       pg.version++;
       pg.device_version = pg.version;
+      if (options_.verify) note_bytes(index(r), address(index(r)), pg.version);
       // A page declared zero under this lease is as its (zero) home says: nothing to write back.
       if (pg.home == Tier::device || pg.zeroed_pinned) pg.home_version = pg.version;
     }
     if (pg.pins == 0) pg.zeroed_pinned = false;
   }
+}
+
+void TierManager::record_again() {
+  recording_ = scheduled_ = on_schedule_ = false;
+  schedule_.clear();
+  for (Page& pg : pages_) pg.uses.clear();
+}
+
+int TierManager::hint(std::span<const PageRef> refs) {
+  if (!options_.prefetch || (scheduled_ && on_schedule_)) return 0;
+  int started = 0;
+  for (const PageRef& r : refs) {
+    page(r);  // exists
+    const int i = index(r);
+    Page& pg = pages_[i];
+    if (revive(i) || pg.present || pg.fetching || pg.home == Tier::device) continue;
+    if (device_used_ + pg.bytes > options_.device_bytes) break;
+    fetch(i);
+    started++;
+  }
+  return started;
 }
 
 void TierManager::prefetch_ahead() {
@@ -550,6 +608,7 @@ void TierManager::update_at_home(PageRef r, const std::function<void(float*, siz
   if (pg.home == Tier::device) {
     update(address(i), n);
     pg.version++;
+    if (options_.verify) note_bytes(i, address(i), pg.version);
     pg.device_version = pg.home_version = pg.version;
     return;
   }
@@ -562,6 +621,7 @@ void TierManager::update_at_home(PageRef r, const std::function<void(float*, siz
     if (device_newer) std::memcpy(pg.host.data, address(i), static_cast<size_t>(pg.bytes));
     if (was_zero) std::memset(pg.host.data, 0, static_cast<size_t>(pg.slot));
     update(static_cast<float*>(pg.host.data), n);
+    if (options_.verify) note_bytes(i, pg.host.data, pg.version + 1);
   } else {
     while (host_used_ + pg.slot > options_.host_bytes && !in_flight_.empty()) finish_oldest();
     check(host_used_ + pg.slot <= options_.host_bytes, "tier.host_bytes: no room left to stage an update at home");
@@ -576,6 +636,7 @@ void TierManager::update_at_home(PageRef r, const std::function<void(float*, siz
       stats_.tier[t].bytes_read += static_cast<uint64_t>(pg.bytes);
     }
     update(static_cast<float*>(buf.data), n);
+    if (options_.verify) note_bytes(i, buf.data, pg.version + 1);
     file_->wait(file_->write(buf.data, static_cast<size_t>(pg.slot), pg.nvme_offset));
     stats_.tier[t].bytes_written += static_cast<uint64_t>(pg.bytes);
   }
@@ -595,9 +656,11 @@ void TierManager::discard_to_zero(PageRef r) {
   if (pg.home == Tier::device) {
     std::memset(address(i), 0, static_cast<size_t>(pg.bytes));
     pg.device_version = pg.home_version = pg.version;
+    if (options_.verify) note_bytes(i, nullptr, pg.version);
     return;
   }
   settle(i);  // a write-back's bytes are moot now, but its memory must outlive the write
+  if (options_.verify) note_bytes(i, nullptr, pg.version);
   pg.home_zero = true;
   pg.home_version = pg.version;
   if (pg.home == Tier::host) std::memset(pg.host.data, 0, static_cast<size_t>(pg.slot));

@@ -53,6 +53,11 @@ struct TierOptions {
   // distance (see TierManager::rehome). The NVMe file then has a slot for every page.
   bool adaptive = false;
   int64_t reserve_bytes = 0;  // adaptive: device bytes kept free of homed pages (the working window)
+  int write_delay_us = 0;     // tests, with the threads engine: NVMe writes start this late
+  // A checksum (XXH3) of every page's bytes each time its version changes, checked at every
+  // acquire: a transfer that lost, tore or mixed up bytes fails loudly at the page it hit instead
+  // of drifting the run. Costs a hash of each page written and of each page acquired.
+  bool verify = false;
 };
 
 // What one tier (by the home of the pages) saw.
@@ -96,6 +101,14 @@ class TierManager {
   // schedule (a step unlike the steady state, such as the first one of a run whose optimizer
   // updates are deferred into the next forward pass, says false).
   void begin_step(bool representative = true);
+  // Forgets the recorded schedule: the next representative step is recorded anew (the step's
+  // shape changed, e.g. a pipeline's micro-batch count).
+  void record_again();
+  // A hint that these pages will be acquired soon, nearest first (a pipeline executor's
+  // lookahead). Where prefetch follows the recorded schedule, that already covers them: nothing
+  // to do. Before a schedule exists, or off it, those not present start their fetch while the
+  // device budget has free room (a hint never evicts). Returns the fetches started.
+  int hint(std::span<const PageRef> pages);
   // Runs `update` on the page's home copy in place (the host copy; an NVMe page through a staging
   // buffer: read, update, write) and bumps the owner's version, ZeRO-Offload style: the optimizer
   // step of state that lives off the device runs where it lives. A device copy that was newer is
@@ -146,6 +159,10 @@ class TierManager {
   void give_back(int i);
   float* address(int i) const;
   void count_touch(int i, bool hit, double waited_ms);
+  // tier.verify: page i's bytes at `version` are `data` (nullptr: all zero); checked at acquire.
+  void note_bytes(int i, const void* data, uint64_t version);
+  void check_bytes(int i) const;
+  std::vector<char> zeros_;  // (verify) the largest page's worth of zero bytes
 
   ChunkStore& store_;
   TierOptions options_;
