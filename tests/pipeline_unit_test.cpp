@@ -222,15 +222,19 @@ TEST(PipelineExecutor, OneRankRunsTheScheduleAndHintsAhead) {
   ref.allocate(B, T);
   for (const Batch& b : micro) expected += ref.forward(b);
   EXPECT_EQ(loss, expected);
-  // 3 x (F, B, W) compute instructions; each hints the next two (the last ones fewer).
+  // 3 x (F, B, W) compute instructions; each hints its own layers and the next two's (the last
+  // ones fewer).
   ASSERT_EQ(hints.size(), 9u);
-  // One rank's 1F1B is F0 B0 W0 F1 ...: at F0 the next two are B0 and W0, layers head first.
-  EXPECT_EQ(hints[0].size(), 2u * model.num_layers());
+  // One rank's 1F1B is F0 B0 W0 F1 ...: at F0, F0 (embedding first), then B0 and W0 (head first).
+  const size_t L = static_cast<size_t>(model.num_layers());
+  ASSERT_EQ(hints[0].size(), 3 * L);
   const LayerHint head_params{model.num_layers() - 1, Plane::param}, head_grads{model.num_layers() - 1, Plane::grad};
-  EXPECT_EQ(hints[0].front(), head_params);                 // B0 reads parameters
-  EXPECT_EQ(hints[0][model.num_layers()], head_grads);      // W0 writes gradients
-  EXPECT_EQ(hints[2].front(), (LayerHint{0, Plane::param}));  // at W0: F1 (embedding first), then B1
-  EXPECT_TRUE(hints.back().empty());
+  EXPECT_EQ(hints[0].front(), (LayerHint{0, Plane::param}));  // F0 reads parameters
+  EXPECT_EQ(hints[0][L], head_params);                        // B0 too
+  EXPECT_EQ(hints[0][2 * L], head_grads);                     // W0 writes gradients
+  EXPECT_EQ(hints[2].front(), (LayerHint{model.num_layers() - 1, Plane::grad}));  // at W0: W0, F1, B1
+  EXPECT_EQ(hints[2][L], (LayerHint{0, Plane::param}));
+  EXPECT_EQ(hints.back().size(), L);  // the last W: itself only
   EXPECT_GT(store.chunks()[0].hinted, 0u);
   EXPECT_EQ(executor.timeline().size(), 9u);
   EXPECT_GE(executor.stats().peak_slots, 1);

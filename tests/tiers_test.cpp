@@ -245,10 +245,11 @@ TEST(Tiers, PagesTakenBackDuringTheirWriteBackKeepTheirBytes) {
   }
 }
 
-// A lookahead hint (a pipeline executor's) starts fetches before a schedule exists, into free
-// device room only (it never evicts); once prefetch follows the recorded schedule, hints add
-// nothing; after record_again() (the step changed shape) they count again until the new
-// schedule is recorded. Hinted pages come back with their bytes.
+// A lookahead hint (a pipeline executor's) starts fetches before a schedule exists, nearest
+// first, into free room or the room of clean pages it does not name (never a hinted or a
+// modified one); once prefetch follows the recorded schedule, hints add nothing; after
+// record_again() (the step changed shape) they count again until the new schedule is recorded.
+// Hinted pages come back with their bytes.
 TEST(Tiers, HintsFetchIntoFreeRoomUntilTheScheduleTakesOver) {
   testing::TempDir dir;
   auto store = make_store();
@@ -266,14 +267,15 @@ TEST(Tiers, HintsFetchIntoFreeRoomUntilTheScheduleTakesOver) {
   EXPECT_EQ(tiers.device_bytes_used(), 0);
   const int started = tiers.hint(all);
   EXPECT_GT(started, 0);
-  EXPECT_LT(started, n_chunks) << "a hint never evicts: only what fits the free room";
+  EXPECT_LT(started, n_chunks) << "a hint never evicts a page it names";
   EXPECT_LE(tiers.device_bytes_used(), o.device_bytes);
   EXPECT_EQ(tiers.hint(all), 0) << "nothing more fits";
   tiers.drain();
   for (int c = 0; c < n_chunks; ++c) EXPECT_EQ(tiers.present(all[c]), c < started) << "hinted nearest first: " << c;
   for (int c = 0; c < n_chunks; ++c) pages.use({all[c]}, c % 3 == 0);
-  EXPECT_EQ(tiers.take_step_stats().tier[static_cast<int>(Tier::nvme)].hits, static_cast<uint64_t>(started))
-      << "the hinted pages were hits";
+  const TierStats first = tiers.take_step_stats();
+  EXPECT_EQ(first.tier[static_cast<int>(Tier::nvme)].hits, static_cast<uint64_t>(started)) << "the hinted pages were hits";
+  EXPECT_EQ(first.hint_fetches, static_cast<uint64_t>(started));
   // The first step was recorded; from the second on, prefetch follows it and hints are moot.
   for (int step = 0; step < 2; ++step) {
     tiers.begin_step();
@@ -292,6 +294,24 @@ TEST(Tiers, HintsFetchIntoFreeRoomUntilTheScheduleTakesOver) {
     freed++;
   }
   EXPECT_EQ(tiers.hint(all), 2);
+  EXPECT_EQ(tiers.take_step_stats().hint_fetches, 2u);
+  // The pages a hint does not name make room: clean ones, least recently used first; a page
+  // modified since its last write-back stays.
+  std::vector<PageRef> absent;
+  int modified = -1;
+  for (int c = 0; c < n_chunks; ++c) {
+    if (!tiers.present(all[c])) {
+      absent.push_back(all[c]);
+    } else if (modified < 0) {
+      pages.use({all[c]}, true);
+      modified = c;
+    }
+  }
+  ASSERT_FALSE(absent.empty());
+  ASSERT_GE(modified, 0);
+  EXPECT_GT(tiers.hint(absent), 0);
+  EXPECT_TRUE(tiers.present(all[modified]));
+  EXPECT_LE(tiers.device_bytes_used(), o.device_bytes);
   for (int c = n_chunks - 1; c >= 0; --c) pages.use({all[c]}, false);
 }
 

@@ -177,7 +177,9 @@ void Executor::notify_hook(size_t from) {
   const std::vector<Instr>& list = schedule_.per_rank[rank_];
   std::vector<LayerHint> hints;
   int computes = 0;
-  for (size_t i = from + 1; i < list.size() && computes < lookahead_; ++i) {
+  // This instruction's layers first (needed now: never evicted for the others), then the next
+  // `lookahead` compute instructions'.
+  for (size_t i = from; i < list.size() && computes <= lookahead_; ++i) {
     const Instr& in = list[i];
     if (!is_compute(in.op)) continue;
     computes++;

@@ -63,8 +63,9 @@ class Executor {
     return slots_needed(check, rank) + deferred_stages;
   }
 
-  // Told the layers the next compute instructions will use, nearest first, with the plane each
-  // needs (F and B read parameters, W writes gradients): prefetch hints for the chunk store.
+  // Told, before each compute instruction, the layers it and the next `lookahead` ones will use,
+  // nearest first, with the plane each needs (F and B read parameters, W writes gradients):
+  // prefetch hints for the chunk store.
   void set_lookahead_hook(std::function<void(const std::vector<LayerHint>& hints)> hook) { hook_ = std::move(hook); }
   // Adds an interval to the current step's timeline (the trainer's grad sync and optimizer step).
   void record(Op op, std::chrono::steady_clock::time_point start, std::chrono::steady_clock::time_point end);

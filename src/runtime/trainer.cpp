@@ -60,6 +60,7 @@ void tier_json(const TierStats& s, double step_ms, nlohmann::json& line) {
   line["tier_evictions"] = s.evictions;
   line["tier_acquire_ms"] = s.acquire_ms;
   line["tier_stale_refetches"] = s.stale_refetches;
+  line["tier_hint_fetches"] = s.hint_fetches;
   for (int i = 0; i < kNumTiers; ++i) {
     const TierCounters& c = s.tier[i];
     const std::string p = std::string("tier_") + tier_name(static_cast<Tier>(i)) + "_";
@@ -957,6 +958,7 @@ void Trainer::accumulate_tiers(const TierStats& s) {
   tier_totals_.evictions += s.evictions;
   tier_totals_.acquire_ms += s.acquire_ms;
   tier_totals_.stale_refetches += s.stale_refetches;
+  tier_totals_.hint_fetches += s.hint_fetches;
   tier_totals_.peak_device_bytes = s.peak_device_bytes;
   tier_totals_.peak_host_bytes = s.peak_host_bytes;
 }

@@ -561,16 +561,40 @@ void TierManager::record_again() {
 
 int TierManager::hint(std::span<const PageRef> refs) {
   if (!options_.prefetch || (scheduled_ && on_schedule_)) return 0;
-  int started = 0;
+  poll();
+  std::vector<uint8_t> hinted(pages_.size(), 0);
   for (const PageRef& r : refs) {
     page(r);  // exists
+    hinted[static_cast<size_t>(index(r))] = 1;
+  }
+  // Room for a hinted page: free room, else the least recently used clean page that is not
+  // hinted (gone at once, no write-back; a dirty one would only free its room later).
+  auto room_for = [&](int64_t bytes) {
+    while (device_used_ + bytes > options_.device_bytes) {
+      int victim = -1;
+      for (int i = 0; i < static_cast<int>(pages_.size()); ++i) {
+        const Page& pg = pages_[i];
+        if (!pg.exists || !pg.present || pg.pins > 0 || pg.home == Tier::device || pg.fetching || pg.writing ||
+            hinted[static_cast<size_t>(i)] || pg.device_version > pg.home_version) {
+          continue;
+        }
+        if (victim < 0 || pg.last_use < pages_[victim].last_use) victim = i;
+      }
+      if (victim < 0) return false;
+      evict(victim);
+    }
+    return true;
+  };
+  int started = 0;
+  for (const PageRef& r : refs) {
     const int i = index(r);
     Page& pg = pages_[i];
     if (revive(i) || pg.present || pg.fetching || pg.home == Tier::device) continue;
-    if (device_used_ + pg.bytes > options_.device_bytes) break;
+    if (!room_for(pg.bytes)) break;
     fetch(i);
     started++;
   }
+  stats_.hint_fetches += static_cast<uint64_t>(started);
   return started;
 }
 
@@ -820,6 +844,7 @@ TierStats TierManager::take_step_stats() {
   stats_.stale_refetches = 0;
   stats_.acquire_ms = 0;
   stats_.evictions = 0;
+  stats_.hint_fetches = 0;
   return out;
 }
 

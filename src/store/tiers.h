@@ -76,6 +76,7 @@ struct TierStats {
   TierCounters tier[kNumTiers];
   uint64_t stale_refetches = 0;  // device copies found behind their owner's version
   uint64_t evictions = 0;
+  uint64_t hint_fetches = 0;     // fetches a lookahead hint started (TierManager::hint)
   double acquire_ms = 0;  // time spent inside acquire (fetch waits, eviction, prefetch issue)
   int64_t peak_device_bytes = 0, peak_host_bytes = 0;
 };
@@ -105,9 +106,11 @@ class TierManager {
   // shape changed, e.g. a pipeline's micro-batch count).
   void record_again();
   // A hint that these pages will be acquired soon, nearest first (a pipeline executor's
-  // lookahead). Where prefetch follows the recorded schedule, that already covers them: nothing
-  // to do. Before a schedule exists, or off it, those not present start their fetch while the
-  // device budget has free room (a hint never evicts). Returns the fetches started.
+  // lookahead, its current instruction's pages first). Where prefetch follows the recorded
+  // schedule, that already covers them (exactly, and further ahead): nothing to do. Before a
+  // schedule exists, or off it, those not present start their fetch, in order, into free room or
+  // the room of the least recently used clean pages that are not hinted (never a pinned, hinted
+  // or modified page). Returns the fetches started.
   int hint(std::span<const PageRef> pages);
   // Runs `update` on the page's home copy in place (the host copy; an NVMe page through a staging
   // buffer: read, update, write) and bumps the owner's version, ZeRO-Offload style: the optimizer
