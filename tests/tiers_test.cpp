@@ -114,6 +114,15 @@ int64_t state_bytes(const ChunkStore& s) {
   return b;
 }
 
+// Options for pages all homed on NVMe (in `dir`) with `chunks` chunks' worth of device budget.
+TierOptions all_nvme(const ChunkStore& s, const testing::TempDir& dir, int chunks) {
+  TierOptions o;
+  o.device_bytes = chunks * kChunkBytes;
+  o.host_bytes = state_bytes(s);
+  o.nvme_dir = dir.path();
+  return o;
+}
+
 struct Engines : ::testing::TestWithParam<std::tuple<IoEngine, bool, bool>> {};
 
 // Training-shaped traffic (forward, backward writing gradients, an optimizer pass over every
@@ -217,10 +226,7 @@ TEST(Tiers, PagesTakenBackDuringTheirWriteBackKeepTheirBytes) {
     auto store = make_store();
     fill_all(*store);
     const int n_chunks = static_cast<int>(store->chunks().size());
-    TierOptions o;
-    o.device_bytes = 4 * kChunkBytes;
-    o.host_bytes = state_bytes(*store);
-    o.nvme_dir = dir.path();
+    TierOptions o = all_nvme(*store, dir, 4);
     o.engine = IoEngine::threads;
     o.write_delay_us = 50000;
     o.lookahead = 8;
@@ -250,15 +256,12 @@ TEST(Tiers, PagesTakenBackDuringTheirWriteBackKeepTheirBytes) {
 // modified one); once prefetch follows the recorded schedule, hints add nothing; after
 // record_again() (the step changed shape) they count again until the new schedule is recorded.
 // Hinted pages come back with their bytes.
-TEST(Tiers, HintsFetchIntoFreeRoomUntilTheScheduleTakesOver) {
+TEST(Tiers, HintsFetchAheadUntilTheScheduleTakesOver) {
   testing::TempDir dir;
   auto store = make_store();
   fill_all(*store);
   const int n_chunks = static_cast<int>(store->chunks().size());
-  TierOptions o;
-  o.device_bytes = 6 * kChunkBytes;
-  o.host_bytes = state_bytes(*store);
-  o.nvme_dir = dir.path();
+  const TierOptions o = all_nvme(*store, dir, 6);
   TierManager tiers(*store, o, std::vector<Tier>(n_chunks * kNumPlanes, Tier::nvme));
   PageChecker pages(*store, tiers, o);
   std::vector<PageRef> all;

@@ -184,10 +184,15 @@ void Executor::notify_hook(size_t from) {
     if (!is_compute(in.op)) continue;
     computes++;
     const LayerRange& r = stages_[in.stage];
+    const Plane plane = in.op == Op::backward_weight ? Plane::grad : Plane::param;
+    // The head reads (and its W writes) the tied embedding's chunks, held beside it on a last
+    // stage without the embedding.
+    const bool tied = r.last == model_.num_layers() - 1 && r.first > 0;
     if (in.op == Op::forward) {
-      for (int l = r.first; l <= r.last; ++l) hints.push_back({l, Plane::param});
+      for (int l = r.first; l <= r.last; ++l) hints.push_back({l, plane});
+      if (tied) hints.push_back({0, plane});
     } else {
-      const Plane plane = in.op == Op::backward_weight ? Plane::grad : Plane::param;
+      if (tied) hints.push_back({0, plane});
       for (int l = r.last; l >= r.first; --l) hints.push_back({l, plane});
     }
   }
