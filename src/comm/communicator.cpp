@@ -229,6 +229,16 @@ std::unique_ptr<Communicator> Communicator::split(int color, int key) {
   return std::unique_ptr<Communicator>(new Communicator(part, rank, size));
 }
 
+int Communicator::local_size() {
+  if (!uses_mpi_) return 1;
+  MPI_Comm local = MPI_COMM_NULL;
+  mpi_check(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local), "comm_split_type");
+  int size = 1;
+  MPI_Comm_size(local, &size);
+  MPI_Comm_free(&local);
+  return size;
+}
+
 Communicator::Request Communicator::isend(const float* data, size_t count, int peer, int tag) {
   Request r;
   r.done = false;

@@ -34,6 +34,8 @@ class Communicator {
   // a job's data-parallel group of one pipeline stage, or its pipeline of one replica. Collective.
   // A world of one without MPI returns a world of one.
   std::unique_ptr<Communicator> split(int color, int key);
+  // The number of this communicator's ranks on this rank's host (sharing its memory). Collective.
+  int local_size();
   ~Communicator();
 
   // In-place sum over all ranks. Deterministic for a given world size and layout.

@@ -62,6 +62,7 @@ std::vector<Field> fields(Config& c) {
       {"data", "train", &c.data.train},
       {"data", "val", &c.data.val},
       {"data", "tokenizer", &c.data.tokenizer},
+      {"data", "shuffle", &c.data.shuffle},
       {"store", "chunk_bytes", &c.store.chunk_bytes},
       {"parallel", "data", &c.parallel.data},
       {"parallel", "bucket_bytes", &c.parallel.bucket_bytes},
@@ -436,6 +437,7 @@ uint64_t Config::trajectory_hash(int world_size) const {
     << optim.weight_decay << ',' << optim.beta1 << ',' << optim.beta2 << ',' << optim.eps << ',' << optim.grad_clip
     << ',' << optim.freeze_layers << ';' << train.seed << ',' << train.seq_len << ','
     << static_cast<int64_t>(train.batch_size) * world_size * train.grad_accum;
+  if (!data.shuffle) s << ";file order";  // (absent by default: older checkpoints keep their hash)
   const std::string text = s.str();
   return XXH64(text.data(), text.size(), 0);
 }

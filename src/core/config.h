@@ -54,6 +54,7 @@ struct DataConfig {
   std::string train = "data/fortunes/train.bin";
   std::string val = "data/fortunes/val.bin";
   std::string tokenizer = "data/fortunes/tokenizer.json";  // "" = none (no text samples)
+  bool shuffle = true;  // false: training batches in file order, every epoch (as llm.c reads them)
 };
 
 struct StoreConfig {
@@ -159,7 +160,7 @@ struct CheckpointConfig {
 
 struct RuntimeConfig {
   int threads = 0;            // OpenMP/BLAS threads; 0 = all cores
-  double peak_gflops = 0;     // for MFU; 0 = measure SGEMM on this machine at start-up
+  double peak_gflops = 0;     // MFU's peak for the whole job; 0 = from the CPU (vector units, cores, clock)
 };
 
 struct Config {

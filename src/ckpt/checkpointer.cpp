@@ -1,0 +1,225 @@
+#include "ckpt/checkpointer.h"
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+
+#include "core/env.h"
+#include "core/error.h"
+
+namespace keel {
+
+namespace {
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
+Checkpointer::Checkpointer(const Config& config, Communicator& world, ChunkStore& store, GradSync& sync,
+                           double peak_gflops, std::function<void(const nlohmann::json&)> log_event)
+    : config_(config),
+      comm_(world),
+      store_(store),
+      sync_(sync),
+      peak_gflops_(peak_gflops),
+      log_event_(std::move(log_event)),
+      writers_(ChunkPartition::balanced(store, world.size())),
+      root_(config.train.run_dir + "/ckpt") {
+  const int rank = comm_.rank();
+  writer_ = std::make_unique<CheckpointWriter>(store_, config_.checkpoint, rank, writers_.first_chunk[rank],
+                                               writers_.first_chunk[rank + 1], config_.train.checkpoint_every > 0);
+}
+
+Checkpointer::~Checkpointer() = default;
+
+std::string Checkpointer::last_name() const { return writer_->name(); }
+
+double Checkpointer::buffer_bytes() const {
+  // Checkpoints of a tiered run stream from the tiers: no snapshot buffers.
+  const int copies = store_.tiers() ? 0 : config_.checkpoint.delta && config_.checkpoint.full_every > 1 ? 2 : 1;
+  return copies * 3.0 * static_cast<double>(writers_.size(0)) * sizeof(float);
+}
+
+std::optional<TrainState> Checkpointer::resume() {
+  const TrainConfig& t = config_.train;
+  const int world = comm_.size();
+  // A checkpoint directory without a manifest is what a crash during a write leaves behind.
+  if (comm_.is_root()) remove_incomplete_checkpoints(root_);
+  // A job restarted by `keel launch --max-restarts` continues from its own newest checkpoint when
+  // it has one, whatever train.resume says (that was where the first attempt started).
+  const bool restarted = std::getenv("KEEL_RESTART") != nullptr;
+  const bool has_own = !list_checkpoints(root_).empty() || Env::get().exists(root_ + "/manifest.json");
+  const bool automatic = t.resume == "auto" || (restarted && has_own);
+  const std::string resume = automatic ? root_ : t.resume;
+  std::vector<std::string> candidates;
+  if (!resume.empty() && (!automatic || has_own)) candidates = checkpoint_candidates(resume);
+  std::string last_why;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    std::string why;
+    TrainState state;
+    std::vector<float> residual;
+    std::string residual_note;
+    try {
+      state = load_checkpoint(candidates[i], store_, config_, LoadMode::resume, world);
+      residual_note = load_residuals(state, residual);
+    } catch (const Error& e) {
+      why = e.what();
+    }
+    // Every rank must load the same checkpoint: a candidate is used only if it verified on all ranks.
+    if (comm_.allreduce_max(why.empty() ? 0.0 : 1.0) == 0.0) {
+      if (!residual.empty()) sync_.restore_residuals(residual);
+      if (!residual_note.empty() && comm_.is_root()) std::fprintf(stderr, "keel: %s\n", residual_note.c_str());
+      state.dir = candidates[i];
+      return state;
+    }
+    last_why = why.empty() ? "checkpoint " + candidates[i] + ": rejected by another rank" : why;
+    if (!why.empty() && (automatic || i + 1 < candidates.size())) {
+      std::fprintf(stderr, "keel: %scheckpoint rejected: %s\n",
+                   world > 1 ? ("[rank " + std::to_string(comm_.rank()) + "] ").c_str() : "", why.c_str());
+    }
+  }
+  // An explicit resume must succeed; "auto" starts afresh when nothing usable is there.
+  check(automatic || candidates.empty(),
+        candidates.size() == 1 ? last_why : "checkpoint " + resume + ": no usable checkpoint (" + last_why + ")");
+  if (!candidates.empty()) {
+    if (comm_.is_root()) std::fprintf(stderr, "keel: no usable checkpoint under %s: starting from step 0\n", resume.c_str());
+    // A failed load may have written into the store: start from a clean state.
+    const auto [first, last] = store_.moment_chunks();
+    for (int c = first; c < last; ++c) {
+      const Chunk& chunk = store_.chunks()[c];
+      for (Plane p : {Plane::adam_m, Plane::adam_v}) store_.discard(p, chunk.offset, chunk.numel);
+    }
+    for (const Chunk& c : store_.chunks()) store_.set_version(c.id, 0);
+  }
+  return std::nullopt;
+}
+
+std::string Checkpointer::load_residuals(const TrainState& state, std::vector<float>& out) {
+  out.clear();
+  if (sync_.residual_size() == 0) return "";
+  const RankState* mine = nullptr;
+  for (const RankState& r : state.ranks) {
+    if (r.rank == comm_.rank()) mine = &r;
+  }
+  const std::string layout = sync_.residual_layout();
+  if (state.ranks.size() != static_cast<size_t>(comm_.size()) || mine == nullptr || !mine->has_residual) {
+    return "checkpoint " + state.dir + " holds no compression residuals for this layout (written by " +
+           std::to_string(state.ranks.size()) + " rank(s)): error feedback starts from zero";
+  }
+  if (mine->residual_layout != layout) {
+    return "checkpoint " + state.dir + ": compression residuals dropped (saved for " + mine->residual_layout +
+           "; this run has " + layout + "): error feedback starts from zero";
+  }
+  out = read_rank_residual(state.dir, comm_.rank());
+  check(out.size() == sync_.residual_size(), "checkpoint " + state.dir + ": residual of rank " +
+                                                 std::to_string(comm_.rank()) + " has the wrong size");
+  return "";
+}
+
+void Checkpointer::report_recovery(int64_t step, const std::string& from) {
+  const char* restart = std::getenv("KEEL_RESTART");
+  if (restart == nullptr || !comm_.is_root()) return;
+  const char* noticed = std::getenv("KEEL_FAILURE_NOTICED_NS");
+  const char* failure = std::getenv("KEEL_FAILURE");
+  const int64_t now_ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  const double seconds = noticed != nullptr ? (now_ns - std::atoll(noticed)) / 1e9 : -1.0;
+  const std::string source = from.empty() ? "scratch" : from;
+  std::printf("keel: recovered from failure %s (%s) in %.2f s: training resumes at step %lld from %s\n", restart,
+              failure != nullptr ? failure : "unknown", seconds, static_cast<long long>(step), source.c_str());
+  std::fflush(stdout);
+  log_event_({{"event", "recovery"}, {"restart", std::atoi(restart)}, {"failure", failure ? failure : ""},
+              {"recovery_s", seconds}, {"step", step}, {"from", source}});
+}
+
+void Checkpointer::after_step(int64_t steps_done, const LoaderPosition& data) {
+  // A background write still running on any rank keeps the checkpoint in flight.
+  const bool writing = writer_->in_flight() && !writer_->done();
+  const bool any_writing = comm_.size() > 1 ? comm_.allreduce_max(writing ? 1.0 : 0.0) > 0 : writing;
+  if (writer_->in_flight() && !any_writing) commit();  // every rank has written its part
+  // A periodic checkpoint begins here, so the step's time includes what it costs training (the
+  // snapshot copy; with checkpoint.async = false the whole write). The last step's checkpoint is
+  // the final save of the run.
+  const int every = config_.train.checkpoint_every;
+  if (every > 0 && steps_done % every == 0 && steps_done != config_.train.steps) begin(root_, steps_done, data);
+}
+
+void Checkpointer::save(const std::string& root, int64_t steps_done, const LoaderPosition& data) {
+  if (writer_->in_flight() && inflight_step_ == steps_done && inflight_root_ == root) {
+    commit();  // this very state is being written already
+    return;
+  }
+  begin(root, steps_done, data);
+  if (writer_->in_flight()) commit();
+}
+
+double Checkpointer::take_stall_ms() {
+  const double ms = stall_ms_;
+  stall_ms_ = 0;
+  return ms;
+}
+
+void Checkpointer::begin(const std::string& root, int64_t step, const LoaderPosition& data) {
+  const auto t0 = std::chrono::steady_clock::now();
+  store_.apply_pending();  // the checkpoint holds the state after the step's update
+  if (writer_->in_flight()) commit();  // one checkpoint in flight at a time
+  RankState state;
+  state.rank = comm_.rank();
+  state.data = data;
+  // Rank 0 names the checkpoint (a later attempt at a step that already has one gets a new name).
+  const int attempt = static_cast<int>(comm_.broadcast(comm_.is_root() ? next_checkpoint_attempt(root, step) : 0));
+  if (sync_.residual_size() > 0) {
+    sync_.copy_residuals(residual_scratch_);
+    state.has_residual = true;
+    state.residual_layout = sync_.residual_layout();
+  }
+  writer_->begin(root, step, state, attempt, &residual_scratch_);
+  inflight_step_ = step;
+  inflight_root_ = root;
+  begin_ms_ = ms_since(t0);
+  stall_ms_ += begin_ms_;
+  if (!config_.checkpoint.async) commit();
+}
+
+void Checkpointer::commit() {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string part = writer_->finish();
+  const std::vector<std::string> parts = comm_.gather_strings(part);
+  int64_t ok = 0;
+  if (comm_.is_root()) {
+    CheckpointStats st;
+    std::string failure;
+    try {
+      failure = publish_checkpoint(inflight_root_, parts, store_, config_, comm_.size(), peak_gflops_,
+                                   config_.checkpoint.keep, &st);
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+    ok = failure.empty() ? 1 : 0;
+    const double stall = begin_ms_ + ms_since(t0);
+    const std::string name = writer_->name();
+    if (ok) {
+      std::printf("keel: checkpoint %s: %s, %.1f MB written for %.1f MB of state (%.0f %%)", name.c_str(),
+                  st.full ? "full" : "differential", st.written_bytes / 1e6, st.raw_bytes / 1e6,
+                  st.raw_bytes > 0 ? 100.0 * st.written_bytes / st.raw_bytes : 0.0);
+      if (!st.full) std::printf(", %d of %d chunk planes unchanged, %d as XOR deltas", st.unchanged, st.records, st.xor_records);
+      std::printf("; step stall %.1f ms, background write %.0f ms\n", stall, st.write_ms);
+    } else {
+      const std::vector<std::string> kept = list_checkpoints(inflight_root_);
+      std::printf("keel: checkpoint %s not written: %s; newest checkpoint: %s\n", name.c_str(), failure.c_str(),
+                  kept.empty() ? "none" : kept.front().c_str());
+    }
+    std::fflush(stdout);
+    nlohmann::json event = {{"event", "checkpoint"}, {"step", inflight_step_}, {"name", name}, {"ok", ok != 0},
+                            {"full", st.full}, {"raw_bytes", st.raw_bytes}, {"written_bytes", st.written_bytes},
+                            {"records", st.records}, {"unchanged", st.unchanged}, {"xor_records", st.xor_records},
+                            {"stall_ms", stall}, {"write_ms", st.write_ms}};
+    if (!ok) event["error"] = failure;
+    log_event_(event);
+  }
+  ok = comm_.broadcast(ok);
+  writer_->committed(ok != 0);
+  stall_ms_ += ms_since(t0);
+}
+
+}  // namespace keel

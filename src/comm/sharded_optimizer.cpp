@@ -1,0 +1,91 @@
+#include "comm/sharded_optimizer.h"
+
+#include <algorithm>
+
+namespace keel {
+
+ShardedOptimizer::ShardedOptimizer(const Config& config, Communicator& dp, ChunkStore& store)
+    : config_(config), dp_(dp), store_(store), adamw_(config.optim) {
+  zero_ = dp.size() > 1 ? config.parallel.zero : 0;
+  partition_ = ChunkPartition::balanced(store_, zero_ > 0 ? dp.size() : 1);
+  // Before loading: the moments are never resident at full size.
+  if (zero_ > 0) store_.shard_moments(partition_.first_chunk[dp.rank()], partition_.first_chunk[dp.rank() + 1]);
+}
+
+void ShardedOptimizer::clear_frozen_grads() {
+  const auto [own_first, own_last] = own_chunks();
+  for (const Chunk& c : store_.chunks()) {
+    if (c.layer >= config_.optim.freeze_layers) break;
+    if (zero_ == 2 && (c.id < own_first || c.id >= own_last)) continue;
+    store_.zero_grad_chunk(c.id);
+  }
+}
+
+double ShardedOptimizer::local_grad_squares(int first_counted) const {
+  if (zero_ != 2) return grad_sum_squares(store_, first_counted);
+  const auto [own_first, own_last] = own_chunks();
+  return grad_sum_squares(store_, std::max(own_first, first_counted), own_last);
+}
+
+float ShardedOptimizer::clip_for(double norm) const {
+  const double max_norm = config_.optim.grad_clip;
+  return max_norm > 0 && norm > max_norm ? static_cast<float>(max_norm / norm) : 1.0f;
+}
+
+void ShardedOptimizer::step(double lr, int64_t t, float clip) {
+  if (store_.tiers() == nullptr) {
+    adamw_.step(store_, lr, t, clip);
+    if (zero_ > 0) gather_parameters();
+    return;
+  }
+  // Chunk by chunk through the store's updater: deferred into the next forward pass, or now.
+  // Every rank visits every chunk (under ZeRO, in the same order, so each chunk's owner can
+  // broadcast its update); frozen layers keep theirs.
+  deferred_ = {lr, t, clip};
+  for (const Chunk& c : store_.chunks()) {
+    if (c.layer >= config_.optim.freeze_layers) store_.defer_update(c.id);
+  }
+  if (!config_.tier.defer_update) store_.apply_pending();
+}
+
+void ShardedOptimizer::attach_to_tiers() {
+  store_.set_updater([this](int chunk) { update_chunk(chunk); });
+}
+
+void ShardedOptimizer::update_chunk(int chunk) {
+  const auto [own_first, own_last] = own_chunks();
+  const bool own = chunk >= own_first && chunk < own_last;
+  if (own) adamw_.step_chunk(store_, chunk, deferred_.lr, deferred_.t, deferred_.clip);
+  if (zero_ == 0) return;
+  // ZeRO with tiers: the owner's update reaches every rank chunk by chunk (the whole-plane
+  // all-gather would need the whole plane resident). The gradient was the owner's to consume.
+  if (!own) {
+    store_.zero_grad_chunk(chunk);
+    store_.bump_version(chunk);
+  }
+  int owner = 0;
+  while (partition_.first_chunk[owner + 1] <= chunk) owner++;
+  const PageLease use = store_.use_chunk(chunk, {}, {Plane::param});
+  std::span<float> p = store_.chunk_view(chunk, Plane::param);
+  dp_.broadcast(p.data(), p.size(), owner);
+}
+
+void ShardedOptimizer::gather_parameters() {
+  // AdamW cleared the gradients it consumed (this rank's shard). Under ZeRO-2 the reduce-scatter
+  // already discarded the rest; under ZeRO-1 clear it here for the next step (kept mapped: the
+  // next backward writes all of it again).
+  const int r = dp_.rank();
+  if (zero_ == 1) {
+    std::span<float> grads = store_.range_view(Plane::grad, 0, store_.numel());
+    std::fill(grads.begin(), grads.begin() + partition_.begin[r], 0.0f);
+    std::fill(grads.begin() + partition_.begin[r + 1], grads.end(), 0.0f);
+  }
+  dp_.allgatherv(store_.range_view(Plane::param, 0, store_.numel()).data(), partition_.counts(), partition_.displs());
+  // The chunks other ranks updated moved to the same version as this rank's.
+  const auto [own_first, own_last] = own_chunks();
+  for (const Chunk& c : store_.chunks()) {
+    if ((c.id < own_first || c.id >= own_last) && c.layer >= config_.optim.freeze_layers) store_.bump_version(c.id);
+  }
+}
+
+}  // namespace keel

@@ -1,0 +1,68 @@
+// The optimizer step of data-parallel training, with ZeRO's sharding: which rank owns which
+// chunks' moments (ZeRO-1) and reduced gradients (ZeRO-2), this rank's share of the global
+// gradient norm, the AdamW update of the owned chunks, and what follows it (the updated
+// parameters reach every rank). With memory tiers the update runs chunk by chunk through the
+// store's updater, deferred into the next forward pass (tier.defer_update).
+#pragma once
+
+#include "comm/communicator.h"
+#include "comm/zero.h"
+#include "core/config.h"
+#include "optim/adamw.h"
+#include "store/chunk_store.h"
+
+namespace keel {
+
+class ShardedOptimizer {
+ public:
+  // `dp`: the data-parallel group (the world without a pipeline, a stage's replicas with one).
+  // Shards the store's moments (before anything loads or initialises them) under ZeRO.
+  ShardedOptimizer(const Config& config, Communicator& dp, ChunkStore& store);
+
+  // ZeRO stage in effect (0 on a group of one).
+  int zero() const { return zero_; }
+  const ChunkPartition& partition() const { return partition_; }
+  // Owners of the reduced gradients for GradSync (ZeRO-2), else nullptr.
+  const ChunkPartition* scatter_to() const { return zero_ == 2 ? &partition_ : nullptr; }
+  // Chunks [first, last) this rank updates.
+  std::pair<int, int> own_chunks() const { return store_.moment_chunks(); }
+
+  // After the sync: clears the gradients of frozen layers (the owned ones, under ZeRO-2), which
+  // neither count towards the norm nor are updated.
+  void clear_frozen_grads();
+  // This rank's share of the squared gradient norm over chunks from `first_counted` on: all of
+  // them, or under ZeRO-2 the owned ones (the caller sums the shares over the group).
+  double local_grad_squares(int first_counted = 0) const;
+  // Whether the group's shares must be summed to get the norm (ZeRO-2).
+  bool norm_is_sharded() const { return zero_ == 2; }
+  // The clipping factor for a global norm (1 when no clipping is needed).
+  float clip_for(double norm) const;
+
+  // The update of optimizer step t (1-based) with learning rate lr and clipping factor clip:
+  // the owned chunks' AdamW update, then every rank's parameters as the owners left them. With
+  // tiers, deferred into the next forward pass, chunk by chunk. Gradients are zero after it.
+  void step(double lr, int64_t t, float clip);
+  // The plain AdamW step over every owned chunk, now (pipeline post-validation redoes it).
+  void step_now(double lr, int64_t t, float clip) { adamw_.step(store_, lr, t, clip); }
+  // With memory tiers: installs the store's updater (the deferred chunk updates).
+  void attach_to_tiers();
+
+ private:
+  // ZeRO without tiers: after this rank updated its shard, every rank receives every parameter.
+  void gather_parameters();
+  void update_chunk(int chunk);
+
+  const Config& config_;
+  Communicator& dp_;
+  ChunkStore& store_;
+  AdamW adamw_;
+  int zero_ = 0;
+  ChunkPartition partition_;
+  struct Deferred {  // the update deferred into the next forward pass
+    double lr = 0;
+    int64_t t = 0;
+    float clip = 1.0f;
+  } deferred_;
+};
+
+}  // namespace keel

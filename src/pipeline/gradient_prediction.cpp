@@ -1,0 +1,87 @@
+#include "pipeline/gradient_prediction.h"
+
+namespace keel::pipeline {
+
+GradientPrediction::GradientPrediction(std::string how, ChunkStore& store) : how_(std::move(how)), store_(store) {
+  const size_t n = static_cast<size_t>(store_.numel());
+  predicted_.assign(n, 0.0f);
+  measured_.assign(n, 0.0f);
+  snapshot_.assign(n, 0.0f);
+}
+
+void GradientPrediction::attach(Executor& executor) {
+  executor.defer_last_weights([this](bool before) {
+    std::span<float> g = store_.range_view(Plane::grad, 0, store_.numel());
+    if (before) {
+      std::copy(g.begin(), g.end(), snapshot_.begin());
+      return;
+    }
+    for (size_t i = 0; i < g.size(); ++i) measured_[i] = g[i] - snapshot_[i];
+    measured_valid_ = true;
+  });
+}
+
+void GradientPrediction::predict(int micro_batches) {
+  // The plane holds: -(last step's prediction) + what the carried W's added + this step's own
+  // gradients but the last micro-batch's W. Add a prediction of that W.
+  std::span<float> g = store_.range_view(Plane::grad, 0, store_.numel());
+  // momentum: an exponential average (0.9) of what the W added in earlier steps, started from
+  // the first measurement; previous: the last measurement alone; mean (and before any
+  // measurement): the step's other micro-batches' mean.
+  if (how_ == "momentum" && measured_valid_) {
+    if (momentum_.empty()) momentum_.assign(measured_.begin(), measured_.end());
+    for (size_t i = 0; i < g.size(); ++i) momentum_[i] = 0.9f * momentum_[i] + 0.1f * measured_[i];
+  }
+  const float share = 1.0f / static_cast<float>(micro_batches - 1);
+  if (how_ == "lstm") {
+    // Per chunk: the LSTM's blend a * mean + b * previous (pipeline/gradient_predictor.h), after
+    // it learned from how its last blend compared with the W's true gradient, now measured.
+    if (!lstm_) {
+      lstm_ = std::make_unique<GradientPredictor>(static_cast<int>(store_.chunks().size()));
+      lstm_mean_.assign(g.size(), 0.0f);
+      lstm_previous_.assign(g.size(), 0.0f);
+    }
+    std::vector<float> mean(g.size());
+    for (size_t i = 0; i < g.size(); ++i) {
+      const float carried = measured_valid_ ? measured_[i] - predicted_[i] : 0.0f;
+      mean[i] = (g[i] - carried) * share;
+    }
+    for (const Chunk& c : store_.chunks()) {
+      const size_t at = static_cast<size_t>(c.offset), n = static_cast<size_t>(c.numel);
+      auto part = [&](std::vector<float>& v) { return std::span<const float>(v.data() + at, n); };
+      if (measured_valid_) lstm_->learn(c.id, part(lstm_mean_), part(lstm_previous_), part(measured_));
+      std::vector<float>& previous = measured_valid_ ? measured_ : lstm_previous_;
+      if (!measured_valid_) std::fill_n(lstm_previous_.begin() + at, n, 0.0f);
+      const auto [a, b] = lstm_->blend(c.id, part(mean), part(previous));
+      for (size_t i = at; i < at + n; ++i) {
+        predicted_[i] = a * mean[i] + b * previous[i];
+        g[i] += predicted_[i];
+      }
+    }
+    lstm_mean_.swap(mean);
+    if (measured_valid_) lstm_previous_.assign(measured_.begin(), measured_.end());
+    measured_valid_ = false;
+    return;
+  }
+  const bool history = measured_valid_ && how_ != "mean";
+  const std::vector<float>& past = how_ == "momentum" ? momentum_ : measured_;
+  for (size_t i = 0; i < g.size(); ++i) {
+    const float carried = measured_valid_ ? measured_[i] - predicted_[i] : 0.0f;
+    const float p = history ? past[i] : (g[i] - carried) * share;
+    predicted_[i] = p;
+    g[i] += p;
+  }
+  measured_valid_ = false;
+}
+
+void GradientPrediction::carry(int frozen_layers) {
+  // The update used the prediction: its negative stays, for the true gradient to correct.
+  std::span<float> g = store_.range_view(Plane::grad, 0, store_.numel());
+  for (size_t i = 0; i < g.size(); ++i) g[i] = -predicted_[i];
+  for (const Chunk& c : store_.chunks()) {
+    if (c.layer >= frozen_layers) break;
+    store_.zero_grad_chunk(c.id);
+  }
+}
+
+}  // namespace keel::pipeline

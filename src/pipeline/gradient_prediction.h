@@ -1,0 +1,46 @@
+// Gradient prediction for a pipeline (parallel.predict_gradients, experimental): the last
+// micro-batch's W of each stage runs a step late (pipeline/executor.h defer_last_weights), and
+// its gradient is predicted in the meantime, so the step need not wait for it. Predictors: the
+// step's other micro-batches' mean (mean), what the same W added one step earlier (previous), an
+// exponential average of that (momentum), or a per-chunk blend of mean and previous that a small
+// LSTM learns online (lstm, pipeline/gradient_predictor.h). The prediction's negative stays in the
+// gradient plane after the update, so the true gradient, added when the carried W runs,
+// corrects it a step later: over the run every true gradient is applied once.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "pipeline/executor.h"
+#include "pipeline/gradient_predictor.h"
+#include "store/chunk_store.h"
+
+namespace keel::pipeline {
+
+class GradientPrediction {
+ public:
+  // `how`: mean | previous | momentum | lstm.
+  GradientPrediction(std::string how, ChunkStore& store);
+  // Makes `executor` carry each stage's last W into the next step, measuring what it adds.
+  void attach(Executor& executor);
+  // Before the sync, with `micro_batches` in the step: adds the prediction of the carried W's
+  // gradients. The plane then holds the step's whole (predicted) gradient.
+  void predict(int micro_batches);
+  // After the update: leaves the prediction's negative in the plane, for the true gradients to
+  // correct (frozen layers' chunks, the first `frozen_layers` layers, are cleared instead).
+  void carry(int frozen_layers);
+
+ private:
+  std::string how_;
+  ChunkStore& store_;
+  // Over the grad plane: the prediction added this step, what the carried W's really added, and
+  // the plane before they ran.
+  std::vector<float> predicted_, measured_, snapshot_, momentum_;
+  bool measured_valid_ = false;
+  // lstm: the predictor, and the mean and previous its last blend mixed.
+  std::unique_ptr<GradientPredictor> lstm_;
+  std::vector<float> lstm_mean_, lstm_previous_;
+};
+
+}  // namespace keel::pipeline

@@ -1,0 +1,423 @@
+#include "pipeline/pipeline_step.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+#include "ckpt/checkpoint.h"
+#include "ckpt/checkpointer.h"
+#include "core/error.h"
+#include "core/fileio.h"
+#include "optim/adamw.h"
+#include "pipeline/micro_batching.h"
+#include "store/tiers.h"
+
+namespace keel::pipeline {
+
+using nlohmann::json;
+
+namespace {
+
+// One rank's timeline as text for gathering: "op micro stage start end" per interval.
+std::string encode_timeline(const std::vector<Interval>& timeline) {
+  std::ostringstream out;
+  out.precision(17);
+  for (const Interval& iv : timeline) {
+    out << static_cast<int>(iv.instr.op) << ' ' << iv.instr.micro << ' ' << iv.instr.stage << ' ' << iv.start << ' '
+        << iv.end << '\n';
+  }
+  return out.str();
+}
+
+std::vector<Interval> decode_timeline(const std::string& text) {
+  std::vector<Interval> timeline;
+  std::istringstream in(text);
+  int op = 0;
+  Interval iv;
+  while (in >> op >> iv.instr.micro >> iv.instr.stage >> iv.start >> iv.end) {
+    iv.instr.op = static_cast<Op>(op);
+    timeline.push_back(iv);
+  }
+  return timeline;
+}
+
+}  // namespace
+
+PipelineLayout PipelineLayout::make(const Config& config, int pipeline_rank) {
+  PipelineLayout l;
+  const int S = config.parallel.pipeline * virtual_stages(config.parallel);
+  l.stages = cut_stages(layer_costs(config.model, config.train.seq_len), S, config.parallel.stage_boundaries);
+  l.plan = pipeline::plan(config, l.stages, micro_batches(config));
+  for (int s : l.plan.schedule.stages_of(pipeline_rank)) l.mine.push_back(l.stages[s]);
+  return l;
+}
+
+PipelineStep::PipelineStep(const Config& config, ProcessGroups& groups, PipelineLayout layout, ChunkStore& store,
+                           GPT& model, DataLoader& data, GradSync& sync, ShardedOptimizer& optimizer,
+                           std::function<void(const nlohmann::json&)> log_event)
+    : config_(config),
+      groups_(groups),
+      store_(store),
+      model_(model),
+      data_(data),
+      sync_(sync),
+      optimizer_(optimizer),
+      log_event_(std::move(log_event)),
+      stages_(std::move(layout.stages)) {
+  if (config_.parallel.predict_gradients != "off") prediction_.emplace(config_.parallel.predict_gradients, store_);
+  use_plan(std::move(layout.plan));
+  // The tied embedding: ranks holding a copy of wte (the first and the last stage) sum its gradient.
+  const bool tied = executor_->holds_first_stage() || executor_->holds_last_stage();
+  tied_comm_ = groups_.pp().split(tied ? 0 : 1, groups_.pp().rank());
+  if (!model_.has_layer(0)) {
+    while (first_untied_chunk_ < static_cast<int>(store_.chunks().size()) &&
+           store_.chunks()[first_untied_chunk_].layer == 0) {
+      first_untied_chunk_++;
+    }
+  }
+}
+
+PipelineStep::~PipelineStep() = default;
+
+void PipelineStep::use_plan(Plan plan) {
+  const TrainConfig& t = config_.train;
+  Communicator& pp = groups_.pp();
+  micro_batches_ = plan.schedule.spec.micro;
+  schedule_check_ = plan.check;
+  // Activation slots from the schedule's proven peak of micro-batches in flight; evaluation sends
+  // whole batches of train.batch_size through the stages.
+  const int deferred_stages = prediction_ ? static_cast<int>(plan.schedule.stages_of(pp.rank()).size()) : 0;
+  if (executor_) check(!executor_->defers_last_weights(), "pipeline: a new plan with gradient prediction");
+  executor_.reset();
+  model_.allocate(std::max(plan.micro_batch, t.batch_size), t.seq_len,
+                  Executor::slots_needed(schedule_check_, pp.rank(), deferred_stages));
+  executor_ = std::make_unique<Executor>(model_, pp, std::move(plan.schedule), stages_, config_.parallel.lookahead);
+  // Lookahead: the chunk store hears which layers the next instructions use.
+  executor_->set_lookahead_hook([this](const std::vector<LayerHint>& hints) { store_.hint_layers(hints); });
+  // A new plan is a new order of leases: the tiers record it afresh.
+  if (store_.tiers()) store_.tiers()->record_again();
+  if (prediction_) prediction_->attach(*executor_);
+}
+
+StepResult PipelineStep::run(int64_t step, double lr) {
+  const int step_micro_batches = micro_batches_;  // dynamic micro-batches may change it after the step
+  sync_.begin(true, step);  // W notifications reach it for the last micro-batch only
+  double loss_sum = run_micro_batches();
+  const auto sync_start = std::chrono::steady_clock::now();
+  if (prediction_) prediction_->predict(micro_batches_);
+  tie_embedding_grads();  // before the sync takes the embedding's bucket
+  sync_.finish();
+  StepResult r;
+  r.sync = sync_.stats();
+  optimizer_.clear_frozen_grads();
+  update(step, lr, loss_sum, r);
+  if (prediction_) prediction_->carry(config_.optim.freeze_layers);
+  executor_->record(Op::grad_sync, sync_start, std::chrono::steady_clock::now());
+  report(step);
+  if (config_.parallel.dynamic_micro_batches) adapt_micro_batches(step);
+  r.loss = loss_sum / step_micro_batches;
+  return r;
+}
+
+void PipelineStep::update(int64_t step, double lr, double& loss_sum, StepResult& r) {
+  Communicator& world = groups_.world();
+  Communicator& pp = groups_.pp();
+  const int replicas = groups_.dp().size();
+  if (!config_.parallel.post_validate) {
+    // Each stage's share of the norm (the tied embedding counted once, on the first stage), summed
+    // over the replica's stages; the loss lives on the last stage, averaged over replicas.
+    // Under ZeRO-2 each replica holds the summed gradient of its own chunks only.
+    const double squares = optimizer_.local_grad_squares(first_untied_chunk_);
+    r.grad_norm = std::sqrt(optimizer_.norm_is_sharded() ? world.allreduce_sum(squares) : pp.allreduce_sum(squares));
+    loss_sum = world.allreduce_sum(loss_sum) / replicas;
+    optimizer_.step(lr, step + 1, optimizer_.clip_for(r.grad_norm));
+    return;
+  }
+  // Zero Bubble's post-validation: the sum of the norm over the stages runs while this rank
+  // steps as if the norm needs no clipping, from a copy kept in case it does; once the norm is
+  // known, the step is redone from the copy if it did. The same arithmetic as waiting: the
+  // same bytes.
+  double squares = grad_sum_squares(store_, first_untied_chunk_);
+  Communicator::Request norm_request = pp.iallreduce_sum(&squares, 1);
+  const Plane planes[4] = {Plane::param, Plane::grad, Plane::adam_m, Plane::adam_v};
+  const size_t n = static_cast<size_t>(store_.numel());
+  backup_.resize(4 * n);
+  for (int k = 0; k < 4; ++k) {
+    const std::span<float> v = store_.range_view(planes[k], 0, store_.numel());
+    std::copy(v.begin(), v.end(), backup_.begin() + k * n);
+  }
+  optimizer_.step_now(lr, step + 1, 1.0f);
+  pp.wait(norm_request);
+  r.grad_norm = std::sqrt(squares);
+  const float clip = optimizer_.clip_for(r.grad_norm);
+  rolled_back_ = clip != 1.0f;
+  if (rolled_back_) {
+    for (int k = 0; k < 4; ++k) {
+      const std::span<float> v = store_.range_view(planes[k], 0, store_.numel());
+      std::copy_n(backup_.begin() + k * n, n, v.begin());
+    }
+    optimizer_.step_now(lr, step + 1, clip);
+  }
+  loss_sum = world.allreduce_sum(loss_sum) / replicas;
+}
+
+double PipelineStep::run_micro_batches() {
+  const TrainConfig& t = config_.train;
+  const int T = t.seq_len, sequences = t.batch_size * t.grad_accum, b = sequences / micro_batches_;
+  const int replicas = groups_.dp().size();
+  // The step reads the same grad_accum batches one rank would, then cuts them into the
+  // pipeline's micro-batches (every rank reads them: stage 0 needs the inputs, the last stage the
+  // targets; the rest only their shape). W's carried into this step read the previous step's
+  // tokens (the embedding's W does).
+  std::swap(inputs_, inputs_prev_);
+  std::swap(targets_, targets_prev_);
+  inputs_.resize(static_cast<size_t>(sequences) * T);
+  targets_.resize(inputs_.size());
+  for (int k = 0; k < t.grad_accum; ++k) {
+    const Batch batch = data_.next();
+    const size_t n = static_cast<size_t>(batch.B) * T, at = static_cast<size_t>(k) * t.batch_size * T;
+    std::copy(batch.inputs, batch.inputs + n, inputs_.begin() + at);
+    std::copy(batch.targets, batch.targets + n, targets_.begin() + at);
+  }
+  std::vector<Batch> micro(micro_batches_);
+  for (int j = 0; j < micro_batches_; ++j) {
+    micro[j].inputs = inputs_.data() + static_cast<size_t>(j) * b * T;
+    micro[j].targets = targets_.data() + static_cast<size_t>(j) * b * T;
+    micro[j].B = b;
+    micro[j].T = T;
+    micro[j].grad_scale = 1.0f / (static_cast<float>(b) * T * micro_batches_ * replicas);
+  }
+  return executor_->run_step(micro, replicas > 1 ? &sync_ : nullptr);
+}
+
+void PipelineStep::tie_embedding_grads() {
+  if (tied_comm_ == nullptr || tied_comm_->size() < 2) return;
+  if (!executor_->holds_first_stage() && !executor_->holds_last_stage()) return;
+  for (int id = 0; id < static_cast<int>(store_.tensors().size()); ++id) {
+    if (store_.tensors()[id].spec.name != "wte") continue;
+    const PageLease use = store_.use_tensor(id, {Plane::grad}, {Plane::grad});
+    std::span<float> g = store_.view(id, Plane::grad);
+    tied_comm_->allreduce_sum(g.data(), g.size());
+  }
+}
+
+void PipelineStep::report(int64_t step) {
+  Communicator& world = groups_.world();
+  const ExecutorStats& e = executor_->stats();
+  double maxima[2] = {e.recv_wait_ms, e.peak_activation_bytes / 1e6};
+  world.allreduce_max(maxima, 2);
+  recv_wait_ms_ = maxima[0];
+  activation_mb_ = maxima[1];
+  // The bubble of replica 0, measured on its ranks' common clock origin (pipeline/executor.h).
+  const std::string mine = encode_timeline(executor_->timeline());
+  const std::vector<std::string> parts = groups_.pp().gather_strings(mine);
+  if (world.is_root()) {
+    Timeline timeline;
+    for (const std::string& p : parts) timeline.per_rank.push_back(decode_timeline(p));
+    account_bubble(timeline);
+    bubble_ = timeline.bubble;
+    rank_bubble_ = timeline.rank_bubble;
+  }
+  if (config_.parallel.trace && step + 1 == config_.train.steps) write_trace(step, world.gather_strings(mine));
+}
+
+void PipelineStep::write_trace(int64_t step, const std::vector<std::string>& timelines) {
+  if (!groups_.world().is_root()) return;
+  Timeline timeline;
+  for (const std::string& p : timelines) timeline.per_rank.push_back(decode_timeline(p));
+  const std::string path = config_.train.run_dir + "/pipeline_trace.json";
+  const std::string trace = chrome_trace(timeline, "keel " + config_.parallel.schedule + " step " + std::to_string(step + 1));
+  write_file_atomic(path, {ByteRange{trace.data(), trace.size()}});
+  // The same step as a text Gantt chart (replica 0), under the run's summary.
+  timeline.per_rank.resize(config_.parallel.pipeline);
+  account_bubble(timeline);
+  std::printf("keel: pipeline timeline of step %lld (replica 0; F forward, B input grads, W weight grads, S sync + "
+              "optimizer, . idle), bubble %.1f%%; Chrome trace %s\n%s",
+              static_cast<long long>(step + 1), 100 * timeline.bubble, path.c_str(), gantt(timeline, 100).c_str());
+  std::fflush(stdout);
+}
+
+StageTimes PipelineStep::measured_stage_times() {
+  StageTimes times;
+  times.micro_batch = config_.train.batch_size * config_.train.grad_accum / micro_batches_;
+  const int S = static_cast<int>(stages_.size());
+  times.forward.assign(S, 0.0);
+  times.backward_input.assign(S, 0.0);
+  times.backward_weight.assign(S, 0.0);
+  add_stage_times(executor_->timeline(), times);
+  // Each stage runs on one rank of the replica: the sums put every stage's times everywhere.
+  std::vector<double> all;
+  for (const auto* v : {&times.forward, &times.backward_input, &times.backward_weight}) all.insert(all.end(), v->begin(), v->end());
+  groups_.pp().allreduce_sum(all.data(), all.size());
+  for (int s = 0; s < S; ++s) {
+    times.forward[s] = all[s];
+    times.backward_input[s] = all[S + s];
+    times.backward_weight[s] = all[2 * S + s];
+  }
+  return times;
+}
+
+void PipelineStep::adapt_micro_batches(int64_t step_index) {
+  const int64_t step = step_index + 1;  // the step just measured (step 1 pays for warm-up)
+  if (step != 2 && step != 3) return;
+  const StageTimes times = measured_stage_times();
+  std::string reason;
+  int m = micro_batches_;
+  if (step == 2) {
+    first_measure_ = times;
+    m = probe_micro_batches(config_, micro_batches_);
+    reason = "measuring a second count";
+  } else {
+    // Every rank runs what rank 0 (replica 0's measurement) chose.
+    if (first_measure_.micro_batch != times.micro_batch) {
+      const MicroBatchChoice c = choose_micro_batches(config_, stages_, first_measure_, times);
+      m = c.micro_batches;
+      reason = c.reason;
+    }
+    m = static_cast<int>(groups_.world().broadcast(static_cast<int64_t>(m)));
+  }
+  if (groups_.world().is_root()) {
+    std::printf("keel: step %lld: pipeline micro-batches %d -> %d (%s)\n", static_cast<long long>(step), micro_batches_, m,
+                reason.c_str());
+    std::fflush(stdout);
+  }
+  log_event_({{"event", "micro_batches"}, {"step", step}, {"from", micro_batches_}, {"to", m}, {"reason", reason}});
+  if (m != micro_batches_) use_plan(plan(config_, stages_, m));
+}
+
+void PipelineStep::print_startup() const {
+  const Schedule& sc = executor_->schedule();
+  std::string cut;
+  for (size_t i = 0; i < stages_.size(); ++i) {
+    cut += (i ? " " : "") + std::to_string(stages_[i].first) + "-" + std::to_string(stages_[i].last) + "@r" +
+           std::to_string(sc.stage_rank[i]);
+  }
+  int peak = 0;
+  for (int p : schedule_check_.peak_in_flight) peak = std::max(peak, p);
+  std::printf("keel: pipeline of %d ranks x %d data-parallel replica(s), schedule %s, %d stages (layers@rank: %s), "
+              "%d micro-batches of %d sequences, at most %d in flight per rank (%.1f MB of activations)\n",
+              sc.spec.ranks, groups_.dp().size(), kind_name(sc.spec.kind), sc.num_stages(), cut.c_str(), micro_batches_,
+              config_.train.batch_size * config_.train.grad_accum / micro_batches_, peak,
+              *std::max_element(schedule_check_.peak_bytes.begin(), schedule_check_.peak_bytes.end()) / 1e6);
+  json stages = json::array();
+  for (const LayerRange& r : stages_) stages.push_back({r.first, r.last});
+  log_event_({{"event", "pipeline"}, {"schedule", kind_name(sc.spec.kind)}, {"ranks", sc.spec.ranks},
+              {"replicas", groups_.dp().size()}, {"stages", stages}, {"stage_rank", sc.stage_rank},
+              {"micro_batches", micro_batches_}, {"peak_in_flight", schedule_check_.peak_in_flight},
+              {"peak_activation_bytes", schedule_check_.peak_bytes}});
+}
+
+void PipelineStep::add_step_fields(double, nlohmann::json& line) {
+  line["pipeline_bubble"] = bubble_;
+  line["pipeline_rank_bubble"] = rank_bubble_;
+  line["pipeline_recv_wait_ms"] = recv_wait_ms_;
+  line["pipeline_activation_mb"] = activation_mb_;
+  if (config_.parallel.post_validate) line["pipeline_rolled_back"] = rolled_back_;
+}
+
+std::string PipelineStep::progress_fragment(double) const {
+  char buf[80];
+  std::snprintf(buf, sizeof buf, "bubble %.1f%%, waits %.1f ms", 100 * bubble_, recv_wait_ms_);
+  return buf;
+}
+
+std::string PipelineStep::save_final(Checkpointer& checkpointer, int64_t steps_done, const LoaderPosition& data) {
+  // Periodic checkpoints and resuming are not supported with a pipeline yet (the config rejects
+  // them); the final state is assembled into the checkpoint one rank would write.
+  return save_assembled(checkpointer.root(), steps_done, data, checkpointer.peak_gflops());
+}
+
+std::string PipelineStep::save_assembled(const std::string& root, int64_t steps_done, const LoaderPosition& data,
+                                         double peak_gflops) {
+  Communicator& world = groups_.world();
+  Communicator& pp = groups_.pp();
+  Communicator& dp = groups_.dp();
+  const int P = config_.parallel.pipeline;
+  store_.apply_pending();  // the state after the last step's update
+  // The whole model's tensors in order, by name (a registry: nothing allocated).
+  ChunkStore registry(config_.store.chunk_bytes);
+  const GPT whole(config_.model, registry);
+  std::vector<int> stage_of_layer(model_.num_layers());
+  for (size_t st = 0; st < stages_.size(); ++st) {
+    for (int l = stages_[st].first; l <= stages_[st].last; ++l) stage_of_layer[l] = static_cast<int>(st);
+  }
+  const std::vector<int>& stage_rank = executor_->schedule().stage_rank;
+  auto local_id = [&](const std::string& name) {
+    for (int id = 0; id < static_cast<int>(store_.tensors().size()); ++id) {
+      if (store_.tensors()[id].spec.name == name) return id;
+    }
+    return -1;
+  };
+  const Plane planes[3] = {Plane::param, Plane::adam_m, Plane::adam_v};
+  // ZeRO: each replica of a stage holds a shard of its moments; replica 0 gathers them whole.
+  const bool sharded = optimizer_.zero() > 0;
+  const ChunkPartition& partition = optimizer_.partition();
+  std::vector<float> gathered[3];
+  if (sharded) {
+    const int r = dp.rank();
+    for (int k = 1; k < 3; ++k) {
+      if (r == 0) gathered[k].resize(static_cast<size_t>(store_.numel()));
+      const int64_t count = partition.begin[r + 1] - partition.begin[r];
+      const PageLease use = store_.use_range(planes[k], partition.begin[r], count, false);
+      const std::span<float> own = store_.range_view(planes[k], partition.begin[r], count);
+      if (r == 0) std::copy(own.begin(), own.end(), gathered[k].begin());
+      dp.gatherv_to_root(own.data(), gathered[k].data(), partition.counts(), partition.displs());
+    }
+  }
+  // This rank's copy of one of its tensors' planes (replica 0).
+  auto copy_of = [&](int local, int k, float* to) {
+    const TensorInfo& info = store_.tensors()[local];
+    if (sharded && k > 0) {
+      std::copy_n(gathered[k].data() + info.offset, info.numel, to);
+      return;
+    }
+    const PageLease use = store_.use_tensor(local, {planes[k]});
+    const std::span<float> from = store_.view(local, planes[k]);
+    std::copy(from.begin(), from.end(), to);
+  };
+  std::string dir;
+  if (world.rank() < P) {  // replica 0
+    std::unique_ptr<ChunkStore> full;
+    if (world.is_root()) {
+      full = std::make_unique<ChunkStore>(config_.store.chunk_bytes);
+      GPT assembled(config_.model, *full);
+      full->finalize();
+    }
+    for (int id = 0; id < static_cast<int>(registry.tensors().size()); ++id) {
+      const TensorSpec& spec = registry.tensors()[id].spec;
+      const int owner = stage_rank[stage_of_layer[spec.layer]];  // wte: the embedding's stage
+      for (int k = 0; k < 3; ++k) {
+        if (world.is_root()) {
+          std::span<float> to = full->view(id, planes[k]);
+          if (owner == 0) {
+            copy_of(local_id(spec.name), k, to.data());
+          } else {
+            Communicator::Request r = pp.irecv(to.data(), to.size(), owner, id * 3 + k);
+            pp.wait(r);
+          }
+        } else if (owner == pp.rank()) {
+          std::vector<float> from(static_cast<size_t>(store_.tensors()[local_id(spec.name)].numel));
+          copy_of(local_id(spec.name), k, from.data());
+          Communicator::Request r = pp.isend(from.data(), from.size(), 0, id * 3 + k);
+          pp.wait(r);
+        }
+      }
+    }
+    if (world.is_root()) {
+      Config single = config_;  // the layout of one rank
+      single.parallel.pipeline = 1;
+      single.parallel.micro_batches = 0;
+      single.parallel.stage_boundaries.clear();
+      single.parallel.virtual_stages = 0;
+      RankState state;
+      state.data = data;
+      dir = save_checkpoint(root, *full, single, state, steps_done, peak_gflops);
+    }
+  }
+  world.barrier();
+  return dir;
+}
+
+}  // namespace keel::pipeline

@@ -1,0 +1,103 @@
+// A pipeline of stages as a step engine: this rank's stages of the model, the stage and tied
+// communicators, the executor running the schedule's instruction list, the plan (re-made by
+// dynamic micro-batch sizing), gradient prediction and optimizer post-validation, the step's
+// bubble and Chrome trace, and the final checkpoint assembled on rank 0 in the layout one rank
+// writes.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "comm/grad_sync.h"
+#include "comm/process_groups.h"
+#include "comm/sharded_optimizer.h"
+#include "core/config.h"
+#include "data/loader.h"
+#include "model/gpt.h"
+#include "pipeline/executor.h"
+#include "pipeline/gradient_prediction.h"
+#include "pipeline/layout.h"
+#include "pipeline/micro_batching.h"
+#include "runtime/step_engine.h"
+
+namespace keel::pipeline {
+
+// The stages of a config's pipeline and this rank's plan, made before the model exists (the
+// model holds only this rank's stages).
+struct PipelineLayout {
+  std::vector<LayerRange> stages;  // every stage's layers
+  Plan plan;
+  std::vector<LayerRange> mine;    // this rank's stages
+  // Every rank validates the whole schedule (the same on all of them) before any message moves.
+  static PipelineLayout make(const Config& config, int pipeline_rank);
+};
+
+class PipelineStep final : public StepEngine, public MetricsSource {
+ public:
+  PipelineStep(const Config& config, ProcessGroups& groups, PipelineLayout layout, ChunkStore& store, GPT& model,
+               DataLoader& data, GradSync& sync, ShardedOptimizer& optimizer,
+               std::function<void(const nlohmann::json&)> log_event);
+  ~PipelineStep() override;
+
+  StepResult run(int64_t step, double lr) override;
+  double forward_loss(const Batch& batch) override { return executor_->forward_only(batch); }
+  std::string save_final(Checkpointer& checkpointer, int64_t steps_done, const LoaderPosition& data) override;
+  MetricsSource* metrics() override { return this; }
+
+  // The layout line (and its `event: pipeline` record).
+  void print_startup() const override;
+  void add_step_fields(double step_ms, nlohmann::json& line) override;
+  std::string progress_fragment(double step_ms) const override;
+
+ private:
+  // Runs the pipeline with this plan from the next step on (allocates its activation slots).
+  void use_plan(Plan plan);
+  // The step's micro-batches through the executor: the sum of their losses on the last stage's
+  // rank.
+  double run_micro_batches();
+  // Sums the gradient of the tied token embedding over the first and last stages.
+  void tie_embedding_grads();
+  // The global norm and the optimizer update; post-validation when configured.
+  void update(int64_t step, double lr, double& loss_sum, StepResult& r);
+  // The step's bubble (replica 0), gathered over the replica's ranks; the trace of the last step.
+  void report(int64_t step);
+  // Dynamic micro-batches: measures steps 2 and 3 at two counts, then runs the count whose
+  // simulated step is shortest.
+  void adapt_micro_batches(int64_t step);
+  StageTimes measured_stage_times();
+  void write_trace(int64_t step, const std::vector<std::string>& timelines);
+  // The whole model (parameters and AdamW moments) assembled on rank 0 from replica 0's stages.
+  std::string save_assembled(const std::string& root, int64_t steps_done, const LoaderPosition& data,
+                             double peak_gflops);
+
+  const Config& config_;
+  ProcessGroups& groups_;
+  ChunkStore& store_;
+  GPT& model_;
+  DataLoader& data_;
+  GradSync& sync_;
+  ShardedOptimizer& optimizer_;
+  std::function<void(const nlohmann::json&)> log_event_;  // event lines for metrics.jsonl (rank 0)
+  std::vector<LayerRange> stages_;
+  std::unique_ptr<Communicator> tied_comm_;  // ranks holding a copy of the tied embedding
+  std::unique_ptr<Executor> executor_;
+  ScheduleCheck schedule_check_;
+  int micro_batches_ = 1;
+  int first_untied_chunk_ = 0;  // chunks before it hold this rank's copy of wte (not counted in the norm)
+  // The step's sequences, cut into micro-batches; and the previous step's (read by W's carried
+  // into this step).
+  std::vector<int> inputs_, targets_, inputs_prev_, targets_prev_;
+  StageTimes first_measure_;  // dynamic micro-batches: step 2's stage times
+  std::optional<GradientPrediction> prediction_;
+  std::vector<float> backup_;  // post-validation: params, grads and moments before the optimistic step
+  // The last step's figures (replica 0's bubble and the longest waits over every rank).
+  double bubble_ = 0;
+  std::vector<double> rank_bubble_;
+  double recv_wait_ms_ = 0, activation_mb_ = 0;
+  bool rolled_back_ = false;  // post-validation redid this rank's optimizer step (clipping)
+};
+
+}  // namespace keel::pipeline

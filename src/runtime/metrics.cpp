@@ -1,0 +1,94 @@
+#include "runtime/metrics.h"
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <sstream>
+
+#include "core/error.h"
+#include "core/fileio.h"
+
+namespace keel {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+// Drops the lines of steps after `step` (they will be replayed) and lines cut short by a crash;
+// recovery events stay (they describe the run's history).
+void trim(const std::string& path, int64_t step) {
+  if (!fs::exists(path)) return;
+  std::istringstream in(read_text_file(path));
+  std::string kept, line;
+  while (std::getline(in, line)) {
+    try {
+      const json j = json::parse(line);
+      if (j.contains("step") && j.at("step").get<int64_t>() > step && !j.contains("event")) continue;
+      if (j.value("event", "") == "checkpoint" && j.at("step").get<int64_t>() > step) continue;
+    } catch (const json::exception&) {
+      continue;
+    }
+    kept += line + '\n';
+  }
+  write_file_atomic(path, {ByteRange{kept.data(), kept.size()}});
+}
+
+}  // namespace
+
+Metrics::Metrics(const Config& config, Communicator& world) : config_(config), world_(world) {}
+
+void Metrics::open(bool keep, int64_t step) {
+  if (!world_.is_root()) return;
+  const std::string path = config_.train.run_dir + "/metrics.jsonl";
+  if (keep) trim(path, step);
+  file_.open(path, keep ? std::ios::app : std::ios::trunc);
+  check(file_.good(), "run directory " + config_.train.run_dir + ": cannot write metrics.jsonl");
+}
+
+void Metrics::log(const json& line) {
+  if (!world_.is_root()) return;
+  file_ << line.dump() << '\n';
+  file_.flush();
+}
+
+void Metrics::print_startup() const {
+  if (!world_.is_root()) return;
+  for (const MetricsSource* s : sources_) s->print_startup();
+}
+
+void Metrics::step(const StepStats& s, double moments_mb) {
+  json line = {{"step", s.step}, {"loss", s.loss}, {"lr", s.lr}, {"grad_norm", s.grad_norm}, {"ms", s.ms},
+               {"tokens_per_s", s.tokens_per_s}, {"mfu", s.mfu}, {"matmul_efficiency", s.matmul_efficiency}};
+  line["peak_rss_mb"] = s.peak_rss_mb;
+  if (s.ckpt_stall_ms > 0) line["ckpt_stall_ms"] = s.ckpt_stall_ms;
+  line["moments_mb"] = moments_mb;
+  for (MetricsSource* source : sources_) source->add_step_fields(s.ms, line);
+  log(line);
+  const TrainConfig& t = config_.train;
+  if (!world_.is_root() || !(s.step % t.log_every == 0 || s.step == t.steps || s.step == 1)) return;
+  std::printf("step %6lld/%d | loss %.4f | lr %.2e | norm %6.3f | %7.1f ms | %7.0f tok/s | MFU %5.1f%%",
+              static_cast<long long>(s.step), t.steps, s.loss, s.lr, s.grad_norm, s.ms, s.tokens_per_s, 100 * s.mfu);
+  for (const MetricsSource* source : sources_) {
+    const std::string fragment = source->progress_fragment(s.ms);
+    if (!fragment.empty()) std::printf(" | %s", fragment.c_str());
+  }
+  std::printf("\n");
+  std::fflush(stdout);
+}
+
+void Metrics::evaluation(int64_t step, double loss) {
+  if (world_.is_root()) {
+    std::printf("step %6lld | val loss %.4f | val ppl %.2f\n", static_cast<long long>(step), loss, std::exp(loss));
+    std::fflush(stdout);
+  }
+  log({{"step", step}, {"val_loss", loss}, {"val_ppl", std::exp(loss)}});
+}
+
+void Metrics::print_summaries() const {
+  if (!world_.is_root()) return;
+  for (const MetricsSource* s : sources_) s->print_summary();
+  std::fflush(stdout);
+}
+
+}  // namespace keel

@@ -1,0 +1,52 @@
+#include "runtime/single_stage_step.h"
+
+#include <cmath>
+
+#include "ckpt/checkpointer.h"
+
+namespace keel {
+
+SingleStageStep::SingleStageStep(const Config& config, Communicator& dp, ChunkStore& store, GPT& model,
+                                 DataLoader& data, GradSync& sync, ShardedOptimizer& optimizer)
+    : config_(config), dp_(dp), store_(store), model_(model), data_(data), sync_(sync), optimizer_(optimizer) {
+  model_.allocate(config.train.batch_size, config.train.seq_len);
+}
+
+StepResult SingleStageStep::run(int64_t step, double lr) {
+  const TrainConfig& t = config_.train;
+  const int world = dp_.size();
+  // Gradients are zero here: the store starts zeroed and AdamW clears them as it consumes them.
+  // Each rank's gradient is scaled for the global batch, so the sum over ranks is the gradient
+  // of the mean loss over every rank's tokens: what one rank with world x the batch computes.
+  double loss_sum = 0;
+  for (int micro = 0; micro < t.grad_accum; ++micro) {
+    Batch batch = data_.next();
+    batch.grad_scale = 1.0f / (static_cast<float>(batch.B) * batch.T * t.grad_accum * world);
+    loss_sum += model_.forward(batch);
+    // The forward pass ran every deferred update (each before its chunk's first use); none may
+    // still wait once gradients are written.
+    if (micro == 0) store_.apply_pending();
+    sync_.begin(micro == t.grad_accum - 1, step);
+    model_.backward(batch, false, &sync_);
+  }
+  sync_.finish();
+  StepResult r;
+  r.sync = sync_.stats();
+  optimizer_.clear_frozen_grads();
+  // One sum over ranks for the loss and (ZeRO-2 ranks hold only their shard of the reduced
+  // gradient) the squared gradient norm.
+  const bool sharded = optimizer_.norm_is_sharded();
+  double sums[2] = {loss_sum, sharded ? optimizer_.local_grad_squares() : 0.0};
+  if (world > 1) dp_.allreduce_sum(sums, 2);
+  r.loss = sums[0] / world / t.grad_accum;
+  r.grad_norm = std::sqrt(sharded ? sums[1] : optimizer_.local_grad_squares());
+  optimizer_.step(lr, step + 1, optimizer_.clip_for(r.grad_norm));
+  return r;
+}
+
+std::string SingleStageStep::save_final(Checkpointer& checkpointer, int64_t steps_done, const LoaderPosition& data) {
+  checkpointer.save(checkpointer.root(), steps_done, data);
+  return checkpointer.root() + "/" + checkpointer.last_name();
+}
+
+}  // namespace keel

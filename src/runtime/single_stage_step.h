@@ -1,0 +1,34 @@
+// One stage: the whole model on every rank. Each micro-batch's forward pass, then its backward
+// pass with B then W per layer; the gradient sync (buckets started during the last micro-batch's
+// backward as their layers' W complete) over the data-parallel group, with or without ZeRO.
+#pragma once
+
+#include "comm/grad_sync.h"
+#include "comm/sharded_optimizer.h"
+#include "core/config.h"
+#include "data/loader.h"
+#include "model/gpt.h"
+#include "runtime/step_engine.h"
+
+namespace keel {
+
+class SingleStageStep final : public StepEngine {
+ public:
+  // Allocates the model's activations for train.batch_size x train.seq_len.
+  SingleStageStep(const Config& config, Communicator& dp, ChunkStore& store, GPT& model, DataLoader& data,
+                  GradSync& sync, ShardedOptimizer& optimizer);
+  StepResult run(int64_t step, double lr) override;
+  double forward_loss(const Batch& batch) override { return model_.forward(batch); }
+  std::string save_final(Checkpointer& checkpointer, int64_t steps_done, const LoaderPosition& data) override;
+
+ private:
+  const Config& config_;
+  Communicator& dp_;
+  ChunkStore& store_;
+  GPT& model_;
+  DataLoader& data_;
+  GradSync& sync_;
+  ShardedOptimizer& optimizer_;
+};
+
+}  // namespace keel
