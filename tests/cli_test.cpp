@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <sstream>
 #include <nlohmann/json.hpp>
 
 #include "core/config.h"
@@ -59,11 +60,46 @@ TEST_F(Cli, TrainsAndWritesMetricsConfigAndCheckpoint) {
     auto j = nlohmann::json::parse(text.substr(start, end - start));
     if (j.contains("loss")) {
       step_lines++;
-      for (const char* key : {"step", "lr", "grad_norm", "ms", "tokens_per_s", "mfu"}) EXPECT_TRUE(j.contains(key)) << key;
+      for (const char* key : {"step", "lr", "grad_norm", "ms", "tokens_per_s", "mfu", "matmul_efficiency"}) {
+        EXPECT_TRUE(j.contains(key)) << key;
+      }
     }
     start = end + 1;
   }
   EXPECT_EQ(step_lines, 6);
+}
+
+// MFU against the CPU's peak (no runtime.peak_gflops): a fraction of it, whatever else the
+// machine runs; the start-up line says how the peak was found.
+TEST_F(Cli, MfuIsAgainstTheHardwarePeak) {
+  auto r = run_keel(train_args() + " --set runtime.peak_gflops=0 --set runtime.threads=1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("keel: MFU against a peak of "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("FLOP/cycle"), std::string::npos) << r.output;
+  std::istringstream lines(read_text_file(dir / "run/metrics.jsonl"));
+  std::string line;
+  int steps = 0;
+  while (std::getline(lines, line)) {
+    const auto j = nlohmann::json::parse(line);
+    if (!j.contains("mfu")) continue;
+    steps++;
+    EXPECT_GT(j["mfu"].get<double>(), 0.0) << line;
+    EXPECT_LT(j["mfu"].get<double>(), 1.0) << line;
+  }
+  EXPECT_EQ(steps, 6);
+}
+
+// Every command prints its own usage for --help and exits 0 (launch's own, not its subcommand's).
+TEST(CliHelp, EveryCommandHasHelp) {
+  for (const std::string cmd : {"train", "launch", "tokenize", "eval", "generate", "export", "import", "schedule",
+                                "checkpoints"}) {
+    auto r = run_keel(cmd + " --help");
+    EXPECT_EQ(r.exit_code, 0) << cmd << ": " << r.output;
+    EXPECT_EQ(r.output.rfind("usage: keel " + cmd + " ", 0), 0u) << r.output;
+  }
+  auto r = run_keel("launch -n 2 --help -- train");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.rfind("usage: keel launch ", 0), 0u) << r.output;
 }
 
 TEST_F(Cli, CheckpointsListsAndVerifies) {
@@ -189,6 +225,23 @@ TEST(ShippedConfigs, AllResolve) {
   Config builtin = Config::load("", {});
   builtin.resolve();
   EXPECT_EQ(d.to_toml(), builtin.to_toml()) << "configs/default.toml must spell out the built-in default";
+  // And spell out every key of every section, not only leave them to their defaults.
+  const std::string shipped = read_text_file(testing::source_path("configs/default.toml"));
+  std::istringstream keys(Config::load("", {}).to_toml());
+  std::string line, section;
+  while (std::getline(keys, line)) {
+    if (line.empty()) continue;
+    if (line[0] == '[') {
+      section = line;
+      EXPECT_NE(shipped.find("\n" + section + "\n"), std::string::npos) << "configs/default.toml lacks " << section;
+      continue;
+    }
+    const std::string key = line.substr(0, line.find(" = "));
+    const size_t at = shipped.find("\n" + section + "\n");
+    const size_t end = shipped.find("\n[", at + 1);
+    const std::string body = shipped.substr(at, end == std::string::npos ? std::string::npos : end - at);
+    EXPECT_NE(body.find("\n" + key + " = "), std::string::npos) << "configs/default.toml lacks " << section << " " << key;
+  }
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 
 #include "core/error.h"
 #include "data/corpus.h"
+#include "data/loader.h"
 #include "data/tokenizer.h"
 #include "test_util.h"
 
@@ -243,6 +244,36 @@ TEST(Corpus, EachSplitGetsADocument) {
   EXPECT_GT(huge.train_tokens, 0u);
   EXPECT_THROW(tokenize_corpus({"only one"}, dir / "one", 257, 0.1, 1), Error);
   EXPECT_THROW(tokenize_corpus(docs, dir / "bad", 300, 0.0, 1), Error);
+}
+
+}  // namespace
+}  // namespace keel
+
+namespace keel {
+namespace {
+
+// data.shuffle = false reads training batches in file order (llm.c's order), epoch after epoch;
+// shuffled, the same windows come in another order.
+TEST(Loader, ShuffleOffReadsWindowsInFileOrder) {
+  testing::TempDir dir;
+  std::vector<uint16_t> tokens(1000);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>(i % 50);
+  write_token_shard(dir / "t.bin", tokens);
+  DataLoader ordered(dir / "t.bin", 2, 8, 64, false, 1337);
+  DataLoader shuffled(dir / "t.bin", 2, 8, 64, true, 1337);
+  DataLoader reference(dir / "t.bin", 2, 8, 64, false, 1337);
+  const uint64_t n = ordered.num_windows();
+  ASSERT_GT(n, 4u);
+  bool differs = false;
+  for (uint64_t k = 0; k < 2 * n; ++k) {
+    const Batch a = ordered.next();
+    const std::vector<int> got(a.inputs, a.inputs + 16);
+    const Batch w = reference.window(k % n);
+    EXPECT_EQ(got, std::vector<int>(w.inputs, w.inputs + 16)) << "batch " << k;
+    const Batch s = shuffled.next();
+    differs |= std::vector<int>(s.inputs, s.inputs + 16) != got;
+  }
+  EXPECT_TRUE(differs);
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -69,6 +70,19 @@ commands:
             List the checkpoints under DIR (a run's ckpt/ or one checkpoint): step, kind, bytes,
             encodings; --verify yes decodes and checks every record.
 )";
+
+// The lines of kUsage that describe `cmd` (its own `keel CMD --help`).
+std::string command_usage(const std::string& cmd) {
+  std::istringstream in(kUsage);
+  std::string line, out;
+  bool mine = false;
+  while (std::getline(in, line)) {
+    const bool starts_command = line.size() > 2 && line[0] == ' ' && line[1] == ' ' && line[2] != ' ';
+    if (starts_command) mine = line.compare(2, cmd.size() + 1, cmd + " ") == 0;
+    if (mine) out += (out.empty() ? "usage: keel " + line.substr(2) : line) + "\n";
+  }
+  return out.empty() ? kUsage : out;
+}
 
 constexpr const char* kFortunes = "/usr/share/games/fortunes";
 
@@ -384,6 +398,13 @@ int run(int argc, char** argv) {
   }
   const std::string cmd = argv[1];
   if (cmd == "launch") {
+    // Help for launch itself, not for the subcommand after "--".
+    for (int i = 2; i < argc && std::strcmp(argv[i], "--") != 0; ++i) {
+      if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
+        std::fputs(command_usage(cmd).c_str(), stdout);
+        return 0;
+      }
+    }
     LaunchOptions o = parse_launch_args(std::vector<std::string>(argv + 2, argv + argc));
     o.keel_binary = fs::read_symlink("/proc/self/exe").string();
     g_input_accepted = true;
@@ -406,7 +427,7 @@ int run(int argc, char** argv) {
             "' (expected train, launch, tokenize, eval, generate, export, import, schedule or checkpoints)");
   Args a(argc, argv, 2, it->second);
   if (a.help) {
-    std::fputs(kUsage, stdout);
+    std::fputs(command_usage(cmd).c_str(), stdout);
     return 0;
   }
   if (cmd == "train") return cmd_train(a);
