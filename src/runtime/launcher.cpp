@@ -123,13 +123,10 @@ struct RunResult {
   FailureReport report;
 };
 
-// Runs mpirun once, passing its stderr through and reading its account of a failure. Returns
-// with exit_code -1 (nothing run) when the launcher was already told to stop.
-RunResult run_mpirun(const std::vector<std::string>& argv) {
-  RunResult result;
-  int err_pipe[2];
-  check(::pipe(err_pipe) == 0, "launch: cannot create a pipe");
-  // A SIGINT/SIGTERM arriving from here until g_child is set is held, then forwarded to it.
+// Starts mpirun with its stderr on the pipe's write end (closed here). Returns its pid, or 0 when
+// the launcher was already told to stop (nothing started). A SIGINT/SIGTERM arriving from here
+// until g_child is set is held, then forwarded to it.
+pid_t spawn_mpirun(const std::vector<std::string>& argv, const int err_pipe[2]) {
   sigset_t stop_signals, previous;
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGINT);
@@ -137,10 +134,8 @@ RunResult run_mpirun(const std::vector<std::string>& argv) {
   ::sigprocmask(SIG_BLOCK, &stop_signals, &previous);
   if (g_stop_signal != 0) {
     ::sigprocmask(SIG_SETMASK, &previous, nullptr);
-    ::close(err_pipe[0]);
     ::close(err_pipe[1]);
-    result.exit_code = -1;
-    return result;
+    return 0;
   }
   const pid_t child = ::fork();
   if (child == 0) {
@@ -159,9 +154,27 @@ RunResult run_mpirun(const std::vector<std::string>& argv) {
   g_child = child;
   ::sigprocmask(SIG_SETMASK, &previous, nullptr);
   ::close(err_pipe[1]);
-  if (child < 0) {
+  check(child > 0, "launch: cannot fork");
+  return child;
+}
+
+// Runs mpirun once, passing its stderr through and reading its account of a failure. Returns
+// with exit_code -1 (nothing run) when the launcher was already told to stop.
+RunResult run_mpirun(const std::vector<std::string>& argv) {
+  RunResult result;
+  int err_pipe[2];
+  check(::pipe(err_pipe) == 0, "launch: cannot create a pipe");
+  pid_t child = 0;
+  try {
+    child = spawn_mpirun(argv, err_pipe);
+  } catch (const Error&) {
     ::close(err_pipe[0]);
-    throw Error("launch: cannot fork");
+    throw;
+  }
+  if (child == 0) {
+    ::close(err_pipe[0]);
+    result.exit_code = -1;
+    return result;
   }
 
   // Pass stderr through, and remember what mpirun says about a failed rank. Once mpirun has
