@@ -62,7 +62,6 @@ Trainer::Trainer(Config config, Communicator& comm)
     engine_ = std::make_unique<SingleStageStep>(config_, dp, *store_, *model_, *data_.train, *sync_, *optimizer_);
   }
   measure_peaks();
-  checkpointer_ = std::make_unique<Checkpointer>(config_, comm, *store_, *sync_, peaks_.peak_gflops, log);
   // With tiers, everything from here on (loading a checkpoint, drawing the weights) goes through
   // the tiers page by page: the full state is never resident at once.
   if (tiering_enabled(config_.tier)) {
@@ -72,6 +71,8 @@ Trainer::Trainer(Config config, Communicator& comm)
     // beside the homed pages and one operation's working set (at least one bucket).
     sync_->limit_in_flight(std::max(config_.parallel.bucket_bytes, tiers_->free_device_bytes()));
   }
+  // After the tiers: a tiered run's checkpoints stream from them (no snapshot buffers).
+  checkpointer_ = std::make_unique<Checkpointer>(config_, comm, *store_, *sync_, peaks_.peak_gflops, log);
   resume_or_init();
   metrics_.add_source(sync_report_.get());
   if (tiers_) metrics_.add_source(tiers_.get());
