@@ -16,6 +16,7 @@
 #include "core/rng.h"
 #include "data/shard.h"
 #include "kernels/cpu/blas.h"
+#include "runtime/job_config.h"
 #include "runtime/trainer.h"
 
 using namespace keel;
@@ -43,7 +44,7 @@ int main(int argc, char** argv) {
     config.train.run_dir = dir + "/run";
     config.data.train = dir + "/train.bin";
     config.data.val = dir + "/val.bin";
-    config.resolve();
+    resolve_job_config(config);
     // Random tokens: the benchmark measures speed, not learning; same distribution as the peer's.
     const size_t window = static_cast<size_t>(config.train.batch_size) * config.train.seq_len;
     Rng rng(config.train.seed);

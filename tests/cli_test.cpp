@@ -10,6 +10,7 @@
 #include "core/fileio.h"
 #include "core/rng.h"
 #include "data/shard.h"
+#include "runtime/job_config.h"
 #include "test_util.h"
 
 namespace keel {
@@ -218,12 +219,12 @@ namespace {
 TEST(ShippedConfigs, AllResolve) {
   for (const auto& entry : std::filesystem::directory_iterator(testing::source_path("configs"))) {
     Config c = Config::load(entry.path().string(), {});
-    EXPECT_NO_THROW(c.resolve()) << entry.path();
+    EXPECT_NO_THROW(resolve_job_config(c)) << entry.path();
   }
   Config d = Config::load(testing::source_path("configs/default.toml"), {});
-  d.resolve();
+  resolve_job_config(d);
   Config builtin = Config::load("", {});
-  builtin.resolve();
+  resolve_job_config(builtin);
   EXPECT_EQ(d.to_toml(), builtin.to_toml()) << "configs/default.toml must spell out the built-in default";
   // And spell out every key of every section, not only leave them to their defaults.
   const std::string shipped = read_text_file(testing::source_path("configs/default.toml"));

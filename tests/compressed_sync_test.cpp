@@ -11,6 +11,7 @@
 #include "core/config.h"
 #include "core/error.h"
 #include "core/fileio.h"
+#include "runtime/job_config.h"
 #include "test_util.h"
 
 namespace keel {
@@ -74,7 +75,7 @@ TEST(SyncPolicy, ChunksGetTheirLayersCodecUnlessTheirKindIsOverridden) {
   c.sync.policy = "0-0:sign1,1-:quant2-topk";
   c.sync.norm = "none";
   c.sync.quant2_keep = 0.05;
-  c.resolve(2);
+  resolve_job_config(c, 2);
   ChunkStore store(c.store.chunk_bytes);
   GPT model(c.model, store);
   store.finalize();
@@ -97,7 +98,7 @@ TEST(SyncPolicy, ConfigRefusesWhatCannotWork) {
   auto refused = [](const std::vector<std::string>& sets, const std::string& needle, int world = 2) {
     try {
       Config c = Config::load("", sets);
-      c.resolve(world);
+      resolve_job_config(c, world);
       ADD_FAILURE() << "accepted: " << sets.back();
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();

@@ -533,7 +533,7 @@ CheckpointWriter::CheckpointWriter(const ChunkStore& store, const CheckpointConf
   begin_offset_ = first_ < n ? store.chunks()[first_].offset : store.numel();
   const int64_t end = last_ < n ? store.chunks()[last_].offset : store.numel();
   numel_ = end - begin_offset_;
-  if (preallocate && store.tiers() == nullptr) {  // with tiers, checkpoints stream (no snapshot)
+  if (preallocate && store.residency().always_present()) {  // where pages move, checkpoints stream
     snapshot_.assign(static_cast<size_t>(numel_) * 3, 0.0f);
     if (config_.delta && config_.full_every > 1) base_.assign(snapshot_.size(), 0.0f);
   }
@@ -561,11 +561,11 @@ void CheckpointWriter::begin(const std::string& root, int64_t step, const RankSt
   if (state.has_residual) std::swap(residual_, *residual);
   full_ = base_name_.empty() || taken_ % config_.full_every == 0;
   taken_++;
-  // The snapshot: this rank's flat range of every saved plane, and the chunks' versions. With
-  // memory tiers there is none (the state does not fit in memory by design): the write streams
-  // chunk by chunk from the tiers, synchronously, and changed chunks are stored whole (no XOR
-  // against a base copy, which would need the memory too).
-  streaming_ = store_.tiers() != nullptr;
+  // The snapshot: this rank's flat range of every saved plane, and the chunks' versions. Where
+  // the store's pages move (memory tiers) there is none (the state does not fit in memory by
+  // design): the write streams chunk by chunk under leases, synchronously, and changed chunks are
+  // stored whole (no XOR against a base copy, which would need the memory too).
+  streaming_ = !store_.residency().always_present();
   if (!streaming_) {
     snapshot_.resize(static_cast<size_t>(numel_) * 3);
     for (int i = 0; i < 3; ++i) {

@@ -35,8 +35,10 @@ Checkpointer::~Checkpointer() = default;
 std::string Checkpointer::last_name() const { return writer_->name(); }
 
 double Checkpointer::buffer_bytes() const {
-  // Checkpoints of a tiered run stream from the tiers: no snapshot buffers.
-  const int copies = store_.tiers() ? 0 : config_.checkpoint.delta && config_.checkpoint.full_every > 1 ? 2 : 1;
+  // Where the store's pages move (tiers), checkpoints stream under leases: no snapshot buffers.
+  const int copies = !store_.residency().always_present()                         ? 0
+                     : config_.checkpoint.delta && config_.checkpoint.full_every > 1 ? 2
+                                                                                     : 1;
   return copies * 3.0 * static_cast<double>(writers_.size(0)) * sizeof(float);
 }
 

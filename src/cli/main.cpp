@@ -29,6 +29,7 @@
 #include "pipeline/layout.h"
 #include "pipeline/schedule.h"
 #include "runtime/generate.h"
+#include "runtime/job_config.h"
 #include "runtime/launcher.h"
 #include "runtime/trainer.h"
 
@@ -159,7 +160,7 @@ int cmd_tokenize(const Args& a) {
 int cmd_train(const Args& a) {
   Communicator& comm = Communicator::world();
   Config config = Config::load(a.get("--config"), a.all("--set"));
-  config.resolve(comm.size());
+  resolve_job_config(config, comm.size());
   // The default job tokenizes the default corpus on first use (rank 0; the others wait).
   const DataConfig defaults;
   if (comm.is_root() && !fs::exists(config.data.train) && config.data.train == defaults.train &&
@@ -269,7 +270,7 @@ int cmd_import(const Args& a) {
   const ModelConfig m = read_llmc_model_config(a.get("--llmc"));
   config.model = m;
   config.train.seq_len = std::min(config.train.seq_len, m.max_seq_len);
-  config.resolve();
+  resolve_job_config(config);
   ChunkStore store(config.store.chunk_bytes);
   GPT model(config.model, store);
   store.finalize();
@@ -310,7 +311,7 @@ int cmd_checkpoints(const Args& a) {
 
 int cmd_schedule(const Args& a) {
   Config config = Config::load(a.get("--config", ""), a.all("--set"));
-  config.resolve(config.parallel.pipeline);
+  resolve_job_config(config, config.parallel.pipeline);
   const int width = static_cast<int>(a.get_int("--width", 100));
   check(width >= 20, "schedule --width: expected >= 20, found " + std::to_string(width));
   const std::string as_json = a.get("--json", "no");

@@ -28,7 +28,7 @@
 #include "comm/communicator.h"
 #include "comm/compressed_allreduce.h"
 #include "comm/zero.h"
-#include "model/gpt.h"
+#include "model/layer.h"
 #include "store/chunk_store.h"
 
 namespace keel {

@@ -10,6 +10,8 @@ ShardedOptimizer::ShardedOptimizer(const Config& config, Communicator& dp, Chunk
   partition_ = ChunkPartition::balanced(store_, zero_ > 0 ? dp.size() : 1);
   // Before loading: the moments are never resident at full size.
   if (zero_ > 0) store_.shard_moments(partition_.first_chunk[dp.rank()], partition_.first_chunk[dp.rank() + 1]);
+  // The deferred chunk updates (used where the store's pages move; see step).
+  store_.set_updater([this](int chunk) { update_chunk(chunk); });
 }
 
 void ShardedOptimizer::clear_frozen_grads() {
@@ -21,10 +23,10 @@ void ShardedOptimizer::clear_frozen_grads() {
   }
 }
 
-double ShardedOptimizer::local_grad_squares(int first_counted) const {
-  if (zero_ != 2) return grad_sum_squares(store_, first_counted);
+double ShardedOptimizer::local_grad_squares() const {
+  if (zero_ != 2) return grad_sum_squares(store_);
   const auto [own_first, own_last] = own_chunks();
-  return grad_sum_squares(store_, std::max(own_first, first_counted), own_last);
+  return grad_sum_squares(store_, own_first, own_last);
 }
 
 float ShardedOptimizer::clip_for(double norm) const {
@@ -33,12 +35,14 @@ float ShardedOptimizer::clip_for(double norm) const {
 }
 
 void ShardedOptimizer::step(double lr, int64_t t, float clip) {
-  if (store_.tiers() == nullptr) {
+  if (store_.residency().always_present()) {
+    // Whole planes: AdamW over this rank's shard, then (ZeRO) one all-gather of the parameters.
     adamw_.step(store_, lr, t, clip);
     if (zero_ > 0) gather_parameters();
     return;
   }
-  // Chunk by chunk through the store's updater: deferred into the next forward pass, or now.
+  // Pages that move: chunk by chunk through the store's updater (each update where its pages
+  // are, under a lease), deferred into the next forward pass, or now.
   // Every rank visits every chunk (under ZeRO, in the same order, so each chunk's owner can
   // broadcast its update); frozen layers keep theirs.
   deferred_ = {lr, t, clip};
@@ -46,10 +50,6 @@ void ShardedOptimizer::step(double lr, int64_t t, float clip) {
     if (c.layer >= config_.optim.freeze_layers) store_.defer_update(c.id);
   }
   if (!config_.tier.defer_update) store_.apply_pending();
-}
-
-void ShardedOptimizer::attach_to_tiers() {
-  store_.set_updater([this](int chunk) { update_chunk(chunk); });
 }
 
 void ShardedOptimizer::update_chunk(int chunk) {

@@ -30,9 +30,9 @@ class ShardedOptimizer {
   // After the sync: clears the gradients of frozen layers (the owned ones, under ZeRO-2), which
   // neither count towards the norm nor are updated.
   void clear_frozen_grads();
-  // This rank's share of the squared gradient norm over chunks from `first_counted` on: all of
-  // them, or under ZeRO-2 the owned ones (the caller sums the shares over the group).
-  double local_grad_squares(int first_counted = 0) const;
+  // This rank's share of the squared gradient norm: every chunk, or under ZeRO-2 the owned ones
+  // (the caller sums the shares over the group); replicas of tied tensors are counted at home.
+  double local_grad_squares() const;
   // Whether the group's shares must be summed to get the norm (ZeRO-2).
   bool norm_is_sharded() const { return zero_ == 2; }
   // The clipping factor for a global norm (1 when no clipping is needed).
@@ -44,8 +44,6 @@ class ShardedOptimizer {
   void step(double lr, int64_t t, float clip);
   // The plain AdamW step over every owned chunk, now (pipeline post-validation redoes it).
   void step_now(double lr, int64_t t, float clip) { adamw_.step(store_, lr, t, clip); }
-  // With memory tiers: installs the store's updater (the deferred chunk updates).
-  void attach_to_tiers();
 
  private:
   // ZeRO without tiers: after this rank updated its shard, every rank receives every parameter.

@@ -11,9 +11,6 @@
 #include <sstream>
 #include <variant>
 
-#include "comm/sync_policy.h"
-#include "pipeline/layout.h"
-#include "store/placement.h"
 #include "core/error.h"
 
 namespace keel {
@@ -356,7 +353,10 @@ void Config::resolve(int world_size) {
   validate_model(model, "config");
 
   auto s = [](auto v) { return std::to_string(v); };
-  pipeline::validate_pipeline_config(parallel, train, model.n_layer, world_size);
+  // The layout's arithmetic (the pipeline section's own checks run with it, in resolve_job_config).
+  require(parallel.pipeline >= 1, "parallel.pipeline", ">= 1", s(parallel.pipeline));
+  require(world_size % parallel.pipeline == 0, "parallel.pipeline",
+          "a divisor of the " + s(world_size) + " rank(s) of this job (world = data x pipeline)", s(parallel.pipeline));
   const int pp = parallel.pipeline;
   const int data_ranks = parallel.data == 0 ? world_size / pp : parallel.data;
   require(parallel.data >= 0, "parallel.data", ">= 0", s(parallel.data));
@@ -394,21 +394,6 @@ void Config::resolve(int world_size) {
   require(optim.freeze_layers >= 0 && optim.freeze_layers <= model.n_layer + 2, "optim.freeze_layers",
           "0.." + s(model.n_layer + 2) + " (layers: embeddings, " + s(model.n_layer) + " blocks, head)",
           s(optim.freeze_layers));
-  validate_sync_config(sync, model.n_layer, data_ranks > 1 ? parallel.zero : 0);
-  validate_tier_config(tier, model.n_layer, data_ranks, parallel.zero);
-  if (pp > 1) {
-    // Not yet combined with pipelines (each is a later piece of work, not a silent fallback).
-    auto unsupported = [&](bool ok, const std::string& key, const std::string& value) {
-      require(ok, key, "its default with parallel.pipeline > 1 (not yet supported together)", value);
-    };
-    unsupported(train.checkpoint_every == 0, "train.checkpoint_every", s(train.checkpoint_every));
-    // Both read and write whole planes outside the chunk store's leases.
-    unsupported(!parallel.post_validate || (parallel.zero == 0 && tier.device_mib == 0),
-                "parallel.post_validate (with ZeRO or tiers)", "true");
-    unsupported(parallel.predict_gradients == "off" || tier.device_mib == 0, "parallel.predict_gradients (with tiers)",
-                "\"" + parallel.predict_gradients + "\"");
-    unsupported(train.resume.empty(), "train.resume", "\"" + train.resume + "\"");
-  }
   require(checkpoint.full_every >= 1, "checkpoint.full_every", ">= 1", s(checkpoint.full_every));
   require(checkpoint.keep >= 1, "checkpoint.keep", ">= 1", s(checkpoint.keep));
   require(store.chunk_bytes >= 4096 && store.chunk_bytes % 4096 == 0, "store.chunk_bytes",

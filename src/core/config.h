@@ -182,8 +182,11 @@ struct Config {
   static Config parse(const std::string& toml_text, const std::string& where);
   // Applies one `section.key=value` override.
   void set(const std::string& assignment);
-  // Fills model sizes from the preset, validates every value and combination for a job of
-  // `world_size` ranks. Throws on failure.
+  // Fills model sizes from the preset, resolves the layout (data ranks, per-rank batch) for a job
+  // of `world_size` ranks and validates the sections core owns (model, train, optim, checkpoint,
+  // store, runtime, the layout's arithmetic). Throws on failure. The sections of the components
+  // ([parallel]'s pipeline keys, [sync], [tier]) are checked by their components: a job resolves
+  // its whole configuration with resolve_job_config (runtime/job_config.h).
   void resolve(int world_size = 1);
   // The fully resolved configuration as TOML text (round-trips through load()).
   std::string to_toml() const;

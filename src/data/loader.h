@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "model/layer.h"
+#include "data/batch.h"
 
 namespace keel {
 

@@ -1,5 +1,6 @@
 #include "model/gpt.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -275,15 +276,18 @@ GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> r
     }
   }
   layers_.resize(L);
-  // The head is tied to the token embedding: a rank with the head but not the embedding keeps its
-  // own copy of wte (same name, same initial values; the pipeline sums the two copies' gradients).
+  // The head is tied to the token embedding: a rank with the head but not the embedding keeps a
+  // replica of wte (same name, same initial values; see TiedGroup).
+  tied_.push_back(TiedGroup{"wte", 0, {0, L - 1}});
   TensorId wte = -1;
   if (local_[0]) {
     auto embedding = std::make_unique<Embedding>(config, store);
     wte = embedding->wte();
     layers_[0] = std::move(embedding);
   } else if (local_[L - 1]) {
-    wte = store.add(TensorSpec{"wte", {config.padded_vocab_size, config.n_embd}, 0, ChunkKind::embedding, true});
+    TensorSpec replica{"wte", {config.padded_vocab_size, config.n_embd}, 0, ChunkKind::embedding, true};
+    replica.replica = true;
+    wte = store.add(std::move(replica));
   }
   for (int l = 1; l <= config.n_layer; ++l) {
     if (local_[l]) layers_[l] = std::make_unique<Block>(config, store, l);
@@ -292,6 +296,10 @@ GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> r
 }
 
 GPT::~GPT() = default;
+
+bool GPT::holds_any(const std::vector<int>& layers) const {
+  return std::any_of(layers.begin(), layers.end(), [&](int l) { return l >= 0 && l < num_layers() && local_[l]; });
+}
 
 bool GPT::whole() const { return ranges_.size() == 1 && ranges_[0].first == 0 && ranges_[0].last == num_layers() - 1; }
 

@@ -16,17 +16,21 @@
 
 namespace keel {
 
-// Told about each layer's progress during backward (gradient sync, prefetching, pipelines).
-class BackwardObserver {
- public:
-  virtual ~BackwardObserver() = default;
-  virtual void after_backward_input(int layer) = 0;
-  virtual void after_backward_weight(int layer) = 0;
-};
-
 // Layers first..last (inclusive) of the model: one pipeline stage.
 struct LayerRange {
   int first = 0, last = 0;
+};
+
+// Parameters shared by several layers: one tensor, whose chunks belong to `home` (the layer the
+// store files it under), read and written by every layer in `layers`. A rank holding some of
+// `layers` but not `home` keeps a replica (TensorSpec::replica) of the same name and initial
+// values; whoever splits the model (a pipeline) sums the copies' gradients over the ranks that
+// hold one, hints and leases `home`'s chunks beside the layers that use them, and holds back
+// `home`'s gradient sync until the sum is done.
+struct TiedGroup {
+  std::string tensor;
+  int home = 0;
+  std::vector<int> layers;
 };
 
 class GPT {
@@ -81,6 +85,10 @@ class GPT {
   int num_layers() const { return static_cast<int>(layers_.size()); }
   bool has_layer(int i) const { return layers_[i] != nullptr; }
   bool whole() const;  // holds every layer
+  // The tied parameter groups (GPT-2: the token embedding wte, home layer 0, read by the head).
+  const std::vector<TiedGroup>& tied_groups() const { return tied_; }
+  // True when this rank holds any of `layers`.
+  bool holds_any(const std::vector<int>& layers) const;
   const std::vector<LayerRange>& ranges() const { return ranges_; }
   Layer& layer(int i) { return *layers_[i]; }
   const ModelConfig& config() const { return config_; }
@@ -104,6 +112,7 @@ class GPT {
   std::vector<LayerRange> ranges_;
   std::vector<bool> local_;
   std::vector<std::unique_ptr<Layer>> layers_;  // null for layers on other ranks
+  std::vector<TiedGroup> tied_;
   int max_B_ = 0, max_T_ = 0;
   int64_t activation_floats_ = 0, slot_floats_ = 0;
   std::unique_ptr<float[]> memory_;

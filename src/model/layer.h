@@ -6,19 +6,18 @@
 
 #include <cstdint>
 
+#include "data/batch.h"
+
 namespace keel {
 
 class ChunkStore;
 
-// One micro-batch as the layers see it.
-struct Batch {
-  const int* inputs = nullptr;   // [B, T] token ids
-  const int* targets = nullptr;  // [B, T] next-token ids, or null (no loss: generation)
-  int B = 0;
-  int T = 0;
-  // Multiplier of d(loss)/d(logits); 0 = forward only (evaluation). Training uses
-  // 1 / (B * T * grad_accum) so gradients are those of the mean loss of the optimizer step.
-  float grad_scale = 0.0f;
+// Told about each layer's progress during backward (gradient sync, prefetching, pipelines).
+class BackwardObserver {
+ public:
+  virtual ~BackwardObserver() = default;
+  virtual void after_backward_input(int layer) = 0;
+  virtual void after_backward_weight(int layer) = 0;
 };
 
 class Layer {

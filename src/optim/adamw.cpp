@@ -4,7 +4,6 @@
 #include <cmath>
 #include <vector>
 
-#include "store/tiers.h"
 
 namespace keel {
 
@@ -21,6 +20,7 @@ double grad_sum_squares(const ChunkStore& store, int chunk_begin, int chunk_end)
   if (chunk_end < 0) chunk_end = static_cast<int>(store.chunks().size());
   double total = 0;
   for (int ci = chunk_begin; ci < chunk_end; ++ci) {
+    if (store.chunks()[ci].replica) continue;
     double s = 0;
     if (!store.cached_grad_sum_squares(ci, &s)) {  // with tiers, usually known without a fetch
       const PageLease use = store.use_chunk(ci, {Plane::grad});
@@ -55,27 +55,27 @@ void AdamW::step_chunk(ChunkStore& store, int chunk, double lr, int64_t t, float
       }
     }
   };
-  TierManager* tiers = store.tiers();
+  Residency& memory = store.residency();
   const PageRef m_page{chunk, Plane::adam_m}, v_page{chunk, Plane::adam_v};
-  if (tiers != nullptr && tiers->home(m_page) == Tier::host && tiers->home(v_page) == Tier::host) {
-    // Moments that live in host DRAM are updated there, in place (ZeRO-Offload's CPU optimizer
-    // step): they never travel to the compute tier and back.
+  if (memory.updates_at_home(m_page) && memory.updates_at_home(v_page)) {
+    // Moments that live off the compute tier (host DRAM) are updated there, in place
+    // (ZeRO-Offload's CPU optimizer step): they never travel to the compute tier and back.
     PageLease use = store.use_chunk(chunk, {Plane::grad}, {Plane::param});
     float* p = store.chunk_view(chunk, Plane::param).data();
     float* g = store.chunk_view(chunk, Plane::grad).data();
-    tiers->update_at_home(m_page, [&](float* m, size_t) {
-      tiers->update_at_home(v_page, [&](float* v, size_t) { update(p, g, m, v); });
+    memory.update_at_home(m_page, [&](float* m, size_t) {
+      memory.update_at_home(v_page, [&](float* v, size_t) { update(p, g, m, v); });
     });
     use.end();
   } else {
-    // The gradient is consumed (zeroed) here: with tiers it is declared zero afterwards rather
-    // than written back.
     PageLease use = store.use_chunk(chunk, {Plane::grad}, {Plane::param, Plane::adam_m, Plane::adam_v});
     update(store.chunk_view(chunk, Plane::param).data(), store.chunk_view(chunk, Plane::grad).data(),
            store.chunk_view(chunk, Plane::adam_m).data(), store.chunk_view(chunk, Plane::adam_v).data());
     use.end();
   }
-  if (store.tiers() != nullptr) store.zero_grad_chunk(chunk);
+  // The gradient was consumed (zeroed in place) under a read lease: where pages move it is
+  // declared zero rather than written back.
+  memory.zero({chunk, Plane::grad}, /*zeroed_in_place=*/true);
   store.bump_version(chunk);
 }
 

@@ -16,6 +16,7 @@ double learning_rate(const OptimConfig& optim, int step, int total_steps);
 
 // Sum of squares of the gradient plane over chunks [chunk_begin, chunk_end) (-1 = to the last),
 // in double, in a fixed order (the same bytes for the same gradients whatever the thread timing).
+// Replica chunks (copies of tied tensors homed elsewhere) are not counted: their home counts them.
 double grad_sum_squares(const ChunkStore& store, int chunk_begin = 0, int chunk_end = -1);
 
 class AdamW {

@@ -15,14 +15,15 @@ double ms_between(std::chrono::steady_clock::time_point a, std::chrono::steady_c
 
 // Passes B notifications through (they drive the sync's progress) and W notifications of the
 // last micro-batch in descending layer order, which is what the gradient sync's buckets expect:
-// with several stages per rank (interleaved, zb-v) a lower stage's W can finish first. The
-// embedding's (layer 0) is held back: its token embedding is tied to the head on the last stage,
-// and the two copies' gradients are summed (the trainer) before the sync takes them.
+// with several stages per rank (interleaved, zb-v) a lower stage's W can finish first. The home
+// layers of tied groups (GPT-2: the embedding, whose wte the head shares) are held back: their
+// copies' gradients are summed (PipelineStep) before the sync takes them.
 class DescendingWeights final : public BackwardObserver {
  public:
-  DescendingWeights(BackwardObserver* sync, std::vector<int> layers) : sync_(sync), layers_(std::move(layers)) {
+  DescendingWeights(BackwardObserver* sync, std::vector<int> layers, const std::vector<TiedGroup>& tied)
+      : sync_(sync), layers_(std::move(layers)) {
     std::sort(layers_.rbegin(), layers_.rend());
-    if (!layers_.empty() && layers_.back() == 0) layers_.pop_back();
+    for (const TiedGroup& g : tied) std::erase(layers_, g.home);
   }
   void after_backward_input(int layer) override { sync_->after_backward_input(layer); }
   void after_backward_weight(int layer) override {
@@ -57,8 +58,6 @@ Executor::Executor(GPT& model, Communicator& pipeline, Schedule schedule, std::v
   act_sends_.assign(model_.slots(), Communicator::Request{});
 }
 
-bool Executor::holds_last_stage() const { return schedule_.stage_rank.back() == rank_; }
-bool Executor::holds_first_stage() const { return schedule_.stage_rank.front() == rank_; }
 
 int Executor::tag(Op op, int micro, int stage) const {
   // Activations, their gradients and evaluation's activations each get tags of their own, the
@@ -185,14 +184,18 @@ void Executor::notify_hook(size_t from) {
     computes++;
     const LayerRange& r = stages_[in.stage];
     const Plane plane = in.op == Op::backward_weight ? Plane::grad : Plane::param;
-    // The head reads (and its W writes) the tied embedding's chunks, held beside it on a last
-    // stage without the embedding.
-    const bool tied = r.last == model_.num_layers() - 1 && r.first > 0;
+    // A layer of a tied group reads (and its W writes) the group's home chunks, held beside it on
+    // a stage without the home layer (GPT-2's head and wte).
+    std::vector<int> homes;
+    for (const TiedGroup& g : model_.tied_groups()) {
+      const bool used = std::any_of(g.layers.begin(), g.layers.end(), [&](int l) { return l >= r.first && l <= r.last; });
+      if (used && (g.home < r.first || g.home > r.last)) homes.push_back(g.home);
+    }
     if (in.op == Op::forward) {
       for (int l = r.first; l <= r.last; ++l) hints.push_back({l, plane});
-      if (tied) hints.push_back({0, plane});
+      for (int h : homes) hints.push_back({h, plane});
     } else {
-      if (tied) hints.push_back({0, plane});
+      for (int h : homes) hints.push_back({h, plane});
       for (int l = r.last; l >= r.first; --l) hints.push_back({l, plane});
     }
   }
@@ -224,7 +227,7 @@ double Executor::run_step(const std::vector<Batch>& micro, BackwardObserver* syn
     for (int l = stages_[s].first; l <= stages_[s].last; ++l) my_layers.push_back(l);
   }
   std::unique_ptr<DescendingWeights> last_weights;
-  if (sync != nullptr) last_weights = std::make_unique<DescendingWeights>(sync, my_layers);
+  if (sync != nullptr) last_weights = std::make_unique<DescendingWeights>(sync, my_layers, model_.tied_groups());
   const int last_micro = schedule_.spec.micro - 1;
   // A common start: the timelines of all ranks share one origin (one machine's steady clock, or
   // a barrier's skew apart across machines).

@@ -74,8 +74,6 @@ class Executor {
   const ExecutorStats& stats() const { return stats_; }
   const Schedule& schedule() const { return schedule_; }
   int rank() const { return rank_; }
-  bool holds_last_stage() const;
-  bool holds_first_stage() const;
 
  private:
   static constexpr int kEarlySlots = 2;

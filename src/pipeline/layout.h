@@ -24,7 +24,8 @@ std::vector<double> layer_costs(const ModelConfig& model, int T);
 // `parallel.stage_boundaries` or `parallel.pipeline` when the cut is impossible.
 std::vector<LayerRange> cut_stages(const std::vector<double>& costs, int stages, const std::string& boundaries);
 
-// Checks the [parallel] pipeline keys against the model and the job (called by Config::resolve).
+// Checks the [parallel] pipeline keys against the model and the job, after Config::resolve
+// (called by resolve_job_config).
 void validate_pipeline_config(const ParallelConfig& parallel, const TrainConfig& train, int n_layer, int world_size);
 
 // Micro-batches per step of the pipeline: parallel.micro_batches, or train.grad_accum when 0.

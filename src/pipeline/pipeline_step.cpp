@@ -68,14 +68,12 @@ PipelineStep::PipelineStep(const Config& config, ProcessGroups& groups, Pipeline
       stages_(std::move(layout.stages)) {
   if (config_.parallel.predict_gradients != "off") prediction_.emplace(config_.parallel.predict_gradients, store_);
   use_plan(std::move(layout.plan));
-  // The tied embedding: ranks holding a copy of wte (the first and the last stage) sum its gradient.
-  const bool tied = executor_->holds_first_stage() || executor_->holds_last_stage();
-  tied_comm_ = groups_.pp().split(tied ? 0 : 1, groups_.pp().rank());
-  if (!model_.has_layer(0)) {
-    while (first_untied_chunk_ < static_cast<int>(store_.chunks().size()) &&
-           store_.chunks()[first_untied_chunk_].layer == 0) {
-      first_untied_chunk_++;
-    }
+  // Tied parameters (GPT-2's wte: the embedding's and the head's stages): the ranks holding a
+  // copy sum its gradient (every pipeline rank splits, in the model's order of the groups).
+  for (const TiedGroup& group : model_.tied_groups()) {
+    const bool holds = model_.holds_any(group.layers);
+    std::unique_ptr<Communicator> comm = groups_.pp().split(holds ? 0 : 1, groups_.pp().rank());
+    tied_comms_.push_back(holds ? std::move(comm) : nullptr);
   }
 }
 
@@ -97,7 +95,7 @@ void PipelineStep::use_plan(Plan plan) {
   // Lookahead: the chunk store hears which layers the next instructions use.
   executor_->set_lookahead_hook([this](const std::vector<LayerHint>& hints) { store_.hint_layers(hints); });
   // A new plan is a new order of leases: the tiers record it afresh.
-  if (store_.tiers()) store_.tiers()->record_again();
+  store_.residency().step_shape_changed();
   if (prediction_) prediction_->attach(*executor_);
 }
 
@@ -107,7 +105,7 @@ StepResult PipelineStep::run(int64_t step, double lr) {
   double loss_sum = run_micro_batches();
   const auto sync_start = std::chrono::steady_clock::now();
   if (prediction_) prediction_->predict(micro_batches_);
-  tie_embedding_grads();  // before the sync takes the embedding's bucket
+  sum_tied_grads();  // before the sync takes the tied tensors' home buckets
   sync_.finish();
   StepResult r;
   r.sync = sync_.stats();
@@ -126,10 +124,10 @@ void PipelineStep::update(int64_t step, double lr, double& loss_sum, StepResult&
   Communicator& pp = groups_.pp();
   const int replicas = groups_.dp().size();
   if (!config_.parallel.post_validate) {
-    // Each stage's share of the norm (the tied embedding counted once, on the first stage), summed
-    // over the replica's stages; the loss lives on the last stage, averaged over replicas.
+    // Each stage's share of the norm (tied tensors counted once, at home), summed over the
+    // replica's stages; the loss lives on the last stage, averaged over replicas.
     // Under ZeRO-2 each replica holds the summed gradient of its own chunks only.
-    const double squares = optimizer_.local_grad_squares(first_untied_chunk_);
+    const double squares = optimizer_.local_grad_squares();
     r.grad_norm = std::sqrt(optimizer_.norm_is_sharded() ? world.allreduce_sum(squares) : pp.allreduce_sum(squares));
     loss_sum = world.allreduce_sum(loss_sum) / replicas;
     optimizer_.step(lr, step + 1, optimizer_.clip_for(r.grad_norm));
@@ -139,7 +137,7 @@ void PipelineStep::update(int64_t step, double lr, double& loss_sum, StepResult&
   // steps as if the norm needs no clipping, from a copy kept in case it does; once the norm is
   // known, the step is redone from the copy if it did. The same arithmetic as waiting: the
   // same bytes.
-  double squares = grad_sum_squares(store_, first_untied_chunk_);
+  double squares = grad_sum_squares(store_);
   Communicator::Request norm_request = pp.iallreduce_sum(&squares, 1);
   const Plane planes[4] = {Plane::param, Plane::grad, Plane::adam_m, Plane::adam_v};
   const size_t n = static_cast<size_t>(store_.numel());
@@ -192,14 +190,15 @@ double PipelineStep::run_micro_batches() {
   return executor_->run_step(micro, replicas > 1 ? &sync_ : nullptr);
 }
 
-void PipelineStep::tie_embedding_grads() {
-  if (tied_comm_ == nullptr || tied_comm_->size() < 2) return;
-  if (!executor_->holds_first_stage() && !executor_->holds_last_stage()) return;
-  for (int id = 0; id < static_cast<int>(store_.tensors().size()); ++id) {
-    if (store_.tensors()[id].spec.name != "wte") continue;
+void PipelineStep::sum_tied_grads() {
+  const std::vector<TiedGroup>& groups = model_.tied_groups();
+  for (size_t i = 0; i < groups.size(); ++i) {
+    Communicator* comm = tied_comms_[i].get();
+    if (comm == nullptr || comm->size() < 2) continue;
+    const TensorId id = store_.find(groups[i].tensor);
     const PageLease use = store_.use_tensor(id, {Plane::grad}, {Plane::grad});
     std::span<float> g = store_.view(id, Plane::grad);
-    tied_comm_->allreduce_sum(g.data(), g.size());
+    comm->allreduce_sum(g.data(), g.size());
   }
 }
 

@@ -58,8 +58,8 @@ class PipelineStep final : public StepEngine, public MetricsSource {
   // The step's micro-batches through the executor: the sum of their losses on the last stage's
   // rank.
   double run_micro_batches();
-  // Sums the gradient of the tied token embedding over the first and last stages.
-  void tie_embedding_grads();
+  // Sums the gradients of every tied group's copies over the ranks that hold one.
+  void sum_tied_grads();
   // The global norm and the optimizer update; post-validation when configured.
   void update(int64_t step, double lr, double& loss_sum, StepResult& r);
   // The step's bubble (replica 0), gathered over the replica's ranks; the trace of the last step.
@@ -82,11 +82,11 @@ class PipelineStep final : public StepEngine, public MetricsSource {
   ShardedOptimizer& optimizer_;
   std::function<void(const nlohmann::json&)> log_event_;  // event lines for metrics.jsonl (rank 0)
   std::vector<LayerRange> stages_;
-  std::unique_ptr<Communicator> tied_comm_;  // ranks holding a copy of the tied embedding
+  // Per tied group of the model: the pipeline ranks holding a copy (null where this rank holds none).
+  std::vector<std::unique_ptr<Communicator>> tied_comms_;
   std::unique_ptr<Executor> executor_;
   ScheduleCheck schedule_check_;
   int micro_batches_ = 1;
-  int first_untied_chunk_ = 0;  // chunks before it hold this rank's copy of wte (not counted in the norm)
   // The step's sequences, cut into micro-batches; and the previous step's (read by W's carried
   // into this step).
   std::vector<int> inputs_, targets_, inputs_prev_, targets_prev_;

@@ -54,6 +54,7 @@ Trainer::Trainer(Config config, Communicator& comm)
                                            dp.rank(), dp.size());
   build_model(layout ? layout->mine : std::vector<LayerRange>{});
   build_sync();
+  metrics_.add_source(sync_report_.get());
   auto log = [this](const nlohmann::json& line) { metrics_.log(line); };
   if (layout) {
     engine_ = std::make_unique<pipeline::PipelineStep>(config_, groups_, std::move(*layout), *store_, *model_,
@@ -65,8 +66,9 @@ Trainer::Trainer(Config config, Communicator& comm)
   // With tiers, everything from here on (loading a checkpoint, drawing the weights) goes through
   // the tiers page by page: the full state is never resident at once.
   if (tiering_enabled(config_.tier)) {
-    tiers_ = std::make_unique<TieredMemory>(config_.tier, *store_);
-    optimizer_->attach_to_tiers();
+    tiers_ = std::make_unique<TieredMemory>(config_.tier, *store_, comm.is_root());
+    hooks_.push_back(tiers_.get());
+    metrics_.add_source(tiers_.get());
     // Gradient buckets in flight pin their pages: keep them within what the device budget leaves
     // beside the homed pages and one operation's working set (at least one bucket).
     sync_->limit_in_flight(std::max(config_.parallel.bucket_bytes, tiers_->free_device_bytes()));
@@ -74,8 +76,6 @@ Trainer::Trainer(Config config, Communicator& comm)
   // After the tiers: a tiered run's checkpoints stream from them (no snapshot buffers).
   checkpointer_ = std::make_unique<Checkpointer>(config_, comm, *store_, *sync_, peaks_.peak_gflops, log);
   resume_or_init();
-  metrics_.add_source(sync_report_.get());
-  if (tiers_) metrics_.add_source(tiers_.get());
   if (MetricsSource* own = engine_->metrics()) metrics_.add_source(own);
   if (comm.is_root()) {
     fs::create_directories(t.run_dir);
@@ -144,8 +144,7 @@ void Trainer::measure_peaks() {
 StepStats Trainer::step() {
   const TrainConfig& t = config_.train;
   const auto t0 = std::chrono::steady_clock::now();
-  // With deferred updates the first step (nothing pending yet) is not what later steps look like.
-  if (tiers_) tiers_->manager().begin_step(!config_.tier.defer_update || store_->any_pending());
+  for (StepHook* hook : hooks_) hook->before_step(progress_.steps_done);
   StepStats s;
   s.lr = learning_rate(config_.optim, static_cast<int>(progress_.steps_done), t.steps);
   const StepResult r = engine_->run(progress_.steps_done, s.lr);
@@ -156,7 +155,7 @@ StepStats Trainer::step() {
   s.peak_rss_mb = groups_.world().allreduce_max(peak_rss_mb());
   checkpointer_->after_step(s.step, data_.train->position());
   s.ckpt_stall_ms = checkpointer_->take_stall_ms();
-  if (tiers_) tiers_->end_step(groups_.world().is_root());
+  for (StepHook* hook : hooks_) hook->after_step(s.step);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double tokens = static_cast<double>(t.batch_size) * t.seq_len * t.grad_accum * groups_.dp().size();
   s.ms = seconds * 1e3;

@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "ckpt/checkpointer.h"
 #include "comm/grad_sync.h"
@@ -16,6 +17,7 @@
 #include "comm/sharded_optimizer.h"
 #include "comm/sync_report.h"
 #include "core/config.h"
+#include "core/step_hook.h"
 #include "data/loader.h"
 #include "data/tokenizer.h"
 #include "model/gpt.h"
@@ -96,6 +98,7 @@ class Trainer {
   std::unique_ptr<SyncReport> sync_report_;
   std::unique_ptr<StepEngine> engine_;
   std::unique_ptr<Checkpointer> checkpointer_;
+  std::vector<StepHook*> hooks_;  // called around every step, in order (the tiers' schedule, ...)
   Metrics metrics_;
   Progress progress_;
   Peaks peaks_;

@@ -10,7 +10,6 @@
 #include <omp.h>
 
 #include "core/error.h"
-#include "store/tiers.h"
 
 namespace keel {
 
@@ -26,6 +25,48 @@ constexpr int64_t kChunkAlignFloats = 1024;
 constexpr int64_t kHugeFloats = (2 << 20) / static_cast<int64_t>(sizeof(float));
 int64_t align_chunk(int64_t n) { return (n + kChunkAlignFloats - 1) / kChunkAlignFloats * kChunkAlignFloats; }
 }  // namespace
+
+// The store's own residency: every page is present in its plane at all times. Leases cost a
+// version count; zeroing and discarding act on the planes directly.
+class PresentPlanes final : public Residency {
+ public:
+  explicit PresentPlanes(ChunkStore& store) : store_(store) {}
+  bool always_present() const override { return true; }
+  void acquire(std::span<const PageRef>) override {}
+  void release(std::span<const PageRef> pages, bool modified) override {
+    if (!modified) return;
+    for (const PageRef& p : pages) versions_[index(p)]++;
+  }
+  int hint(std::span<const PageRef>) override { return 0; }
+  uint64_t version(PageRef p) const override { return versions_.at(index(p)); }
+  void zero(PageRef p, bool zeroed_in_place) override {
+    if (!zeroed_in_place) {
+      std::span<float> v = store_.chunk_view(p.chunk, p.plane);
+      std::fill(v.begin(), v.end(), 0.0f);
+    }
+    versions_[index(p)]++;
+  }
+  void discard(Plane plane, int64_t offset, int64_t numel) override {
+    store_.zero_and_release(plane, offset, numel);
+    for (const Chunk& c : store_.chunks()) {
+      if (c.offset < offset + numel && c.offset + c.numel > offset) versions_[index({c.id, plane})]++;
+    }
+  }
+  bool updates_at_home(PageRef) const override { return false; }  // home is the compute address
+  void update_at_home(PageRef p, const std::function<void(float*, size_t)>& update) override {
+    std::span<float> v = store_.chunk_view(p.chunk, p.plane);
+    update(v.data(), v.size());
+    versions_[index(p)]++;
+  }
+  bool known_sum_squares(PageRef, double*) const override { return false; }  // reading it is free
+  void step_shape_changed() override {}
+  void size_for(size_t chunks) { versions_.assign(chunks * kNumPlanes, 0); }
+
+ private:
+  static size_t index(PageRef p) { return static_cast<size_t>(p.chunk) * kNumPlanes + static_cast<size_t>(p.plane); }
+  ChunkStore& store_;
+  std::vector<uint64_t> versions_;
+};
 
 const char* kind_name(ChunkKind kind) {
   switch (kind) {
@@ -76,9 +117,16 @@ ChunkStore::Mapping::~Mapping() {
 ChunkStore::ChunkStore(int64_t chunk_bytes) : chunk_bytes_(chunk_bytes) {
   check(chunk_bytes >= 4096 && chunk_bytes % 4096 == 0,
         "store.chunk_bytes: expected a multiple of 4096, found " + std::to_string(chunk_bytes));
+  own_residency_ = std::make_unique<PresentPlanes>(*this);
+  residency_ = own_residency_.get();
 }
 
 ChunkStore::~ChunkStore() = default;
+
+void ChunkStore::attach_residency(Residency* residency) {
+  check(finalized_, "chunk store: a residency attached before finalize");
+  residency_ = residency != nullptr ? residency : own_residency_.get();
+}
 
 TensorId ChunkStore::add(TensorSpec spec) {
   check(!finalized_, "chunk store: tensor " + spec.name + " added after finalize");
@@ -101,6 +149,7 @@ void ChunkStore::finalize(bool touch_params) {
     Chunk c;
     c.id = static_cast<int>(chunks_.size());
     c.layer = s.layer;
+    c.replica = s.replica;
     c.kind = s.kind;
     c.offset = cursor;
     chunks_.push_back(c);
@@ -109,7 +158,7 @@ void ChunkStore::finalize(bool touch_params) {
   for (int t = 0; t < static_cast<int>(tensors_.size()); ++t) {
     TensorInfo& info = tensors_[t];
     const TensorSpec& s = info.spec;
-    if (open == nullptr || open->layer != s.layer || open->kind != s.kind) {
+    if (open == nullptr || open->layer != s.layer || open->kind != s.kind || open->replica != s.replica) {
       cursor = align_chunk(cursor);
       if (huge_align_) {
         // A run of chunks (one layer, one kind) of a huge page or more starts on a huge-page
@@ -169,7 +218,7 @@ void ChunkStore::finalize(bool touch_params) {
   moment_chunk_end_ = static_cast<int>(chunks_.size());
   finalized_ = true;
   pending_.assign(chunks_.size(), 0);
-  grad_sums_.assign(chunks_.size(), GradSum{});
+  static_cast<PresentPlanes*>(own_residency_.get())->size_for(chunks_.size());
 }
 
 void ChunkStore::shard_moments(int chunk_begin, int chunk_end) {
@@ -220,28 +269,25 @@ double sum_squares(std::span<const float> g) {
   return total;
 }
 
-PageLease::PageLease(TierManager* tiers, std::vector<PageRef> read, std::vector<PageRef> written,
-                     const ChunkStore* store)
-    : tiers_(tiers), store_(store), read_(std::move(read)), written_(std::move(written)) {
-  if (tiers_ == nullptr) return;
+PageLease::PageLease(Residency* residency, std::vector<PageRef> read, std::vector<PageRef> written)
+    : residency_(residency), read_(std::move(read)), written_(std::move(written)) {
   std::vector<PageRef> all = read_;
   all.insert(all.end(), written_.begin(), written_.end());
-  tiers_->acquire(all);
+  residency_->acquire(all);
 }
 
 PageLease::PageLease(PageLease&& o) noexcept
-    : tiers_(o.tiers_), store_(o.store_), read_(std::move(o.read_)), written_(std::move(o.written_)) {
-  o.tiers_ = nullptr;
+    : residency_(o.residency_), read_(std::move(o.read_)), written_(std::move(o.written_)) {
+  o.residency_ = nullptr;
 }
 
 PageLease& PageLease::operator=(PageLease&& o) noexcept {
   if (this != &o) {
     end();
-    tiers_ = o.tiers_;
-    store_ = o.store_;
+    residency_ = o.residency_;
     read_ = std::move(o.read_);
     written_ = std::move(o.written_);
-    o.tiers_ = nullptr;
+    o.residency_ = nullptr;
   }
   return *this;
 }
@@ -249,12 +295,10 @@ PageLease& PageLease::operator=(PageLease&& o) noexcept {
 PageLease::~PageLease() { end(); }
 
 void PageLease::end() {
-  if (tiers_ == nullptr) return;
-  if (store_ != nullptr) store_->note_written(written_);
-  tiers_->release(read_, false);
-  tiers_->release(written_, true);
-  if (store_ != nullptr) store_->note_versions(written_);
-  tiers_ = nullptr;
+  if (residency_ == nullptr) return;
+  if (!read_.empty()) residency_->release(read_, false);
+  if (!written_.empty()) residency_->release(written_, true);
+  residency_ = nullptr;
 }
 
 bool ChunkStore::any_pending() const {
@@ -271,32 +315,6 @@ void ChunkStore::apply_pending() const {
   for (int c = 0; c < static_cast<int>(pending_.size()); ++c) apply_pending(c);
 }
 
-void ChunkStore::note_written(const std::vector<PageRef>& written) const {
-  for (const PageRef& p : written) {
-    if (p.plane != Plane::grad) continue;
-    GradSum& g = grad_sums_[static_cast<size_t>(p.chunk)];
-    g.sum = sum_squares(chunk_view(p.chunk, Plane::grad));
-    g.valid = false;  // until the version the release gives it is known
-  }
-}
-
-void ChunkStore::note_versions(const std::vector<PageRef>& written) const {
-  for (const PageRef& p : written) {
-    if (p.plane != Plane::grad) continue;
-    GradSum& g = grad_sums_[static_cast<size_t>(p.chunk)];
-    g.version = tiers_->version(p);
-    g.valid = true;
-  }
-}
-
-bool ChunkStore::cached_grad_sum_squares(int chunk, double* out) const {
-  if (tiers_ == nullptr || grad_sums_.empty()) return false;
-  const GradSum& g = grad_sums_[static_cast<size_t>(chunk)];
-  if (!g.valid || g.version != tiers_->version({chunk, Plane::grad})) return false;
-  *out = g.sum;
-  return true;
-}
-
 int ChunkStore::hint_layers(std::span<const LayerHint> hints) {
   std::vector<PageRef> pages;
   for (const LayerHint& h : hints) {
@@ -306,7 +324,7 @@ int ChunkStore::hint_layers(std::span<const LayerHint> hints) {
       pages.push_back({c, h.plane});
     }
   }
-  return tiers_ == nullptr ? 0 : tiers_->hint(pages);
+  return residency_->hint(pages);
 }
 
 PageLease ChunkStore::use_layer(int layer, std::initializer_list<Plane> read, std::initializer_list<Plane> write) {
@@ -315,28 +333,25 @@ PageLease ChunkStore::use_layer(int layer, std::initializer_list<Plane> read, st
     chunks_[c].accesses++;
     apply_pending(c);
   }
-  if (tiers_ == nullptr) return {};
   std::vector<PageRef> r, w;
   for (int c : layer_chunks_[layer]) {
     for (Plane p : read) r.push_back({c, p});
     for (Plane p : write) w.push_back({c, p});
   }
-  return PageLease(tiers_, std::move(r), std::move(w), this);
+  return PageLease(residency_, std::move(r), std::move(w));
 }
 
 PageLease ChunkStore::use_range(Plane plane, int64_t offset, int64_t numel, bool write) {
-  if (tiers_ == nullptr) return {};
   std::vector<PageRef> pages;
   for (const Chunk& c : chunks_) {
     if (c.offset + c.numel <= offset || c.offset >= offset + numel) continue;
     apply_pending(c.id);
     pages.push_back({c.id, plane});
   }
-  return write ? PageLease(tiers_, {}, std::move(pages), this) : PageLease(tiers_, std::move(pages), {});
+  return write ? PageLease(residency_, {}, std::move(pages)) : PageLease(residency_, std::move(pages), {});
 }
 
 PageLease ChunkStore::use_tensor(TensorId id, std::initializer_list<Plane> read, std::initializer_list<Plane> write) {
-  if (tiers_ == nullptr) return {};
   const TensorInfo& t = tensors_.at(id);
   std::vector<PageRef> r, w;
   for (const Chunk& c : chunks_) {
@@ -345,16 +360,15 @@ PageLease ChunkStore::use_tensor(TensorId id, std::initializer_list<Plane> read,
     for (Plane p : read) r.push_back({c.id, p});
     for (Plane p : write) w.push_back({c.id, p});
   }
-  return PageLease(tiers_, std::move(r), std::move(w), this);
+  return PageLease(residency_, std::move(r), std::move(w));
 }
 
 PageLease ChunkStore::use_chunk(int chunk, std::initializer_list<Plane> read, std::initializer_list<Plane> write) const {
-  if (tiers_ == nullptr) return {};
   apply_pending(chunk);
   std::vector<PageRef> r, w;
   for (Plane p : read) r.push_back({chunk, p});
   for (Plane p : write) w.push_back({chunk, p});
-  return PageLease(tiers_, std::move(r), std::move(w), this);
+  return PageLease(residency_, std::move(r), std::move(w));
 }
 
 std::span<float> ChunkStore::view(TensorId id, Plane plane) {
@@ -401,31 +415,13 @@ void ChunkStore::prefer_huge_pages() {
   }
 }
 
-void ChunkStore::zero_grad_chunk(int chunk) {
-  if (tiers_ != nullptr) {
-    tiers_->discard_to_zero({chunk, Plane::grad});
-    return;
-  }
-  std::span<float> g = chunk_view(chunk, Plane::grad);
-  std::fill(g.begin(), g.end(), 0.0f);
-}
+void ChunkStore::zero_grad_chunk(int chunk) { residency_->zero({chunk, Plane::grad}, /*zeroed_in_place=*/false); }
 
 void ChunkStore::discard(Plane plane, int64_t offset, int64_t numel) {
-  if (numel <= 0) return;
-  if (tiers_ != nullptr) {
-    // Through the tiers: a page wholly inside the range is declared zero (nothing is written
-    // back), the part of a page the range covers is cleared in place (the page is leased here).
-    for (const Chunk& c : chunks_) {
-      const int64_t lo = std::max(offset, c.offset), hi = std::min(offset + numel, c.offset + c.numel);
-      if (lo >= hi) continue;
-      if (lo == c.offset && hi == c.offset + c.numel) {
-        tiers_->discard_to_zero({c.id, plane});
-      } else {
-        std::memset(plane_at(plane, lo, hi - lo), 0, static_cast<size_t>(hi - lo) * sizeof(float));
-      }
-    }
-    return;
-  }
+  if (numel > 0) residency_->discard(plane, offset, numel);
+}
+
+void ChunkStore::zero_and_release(Plane plane, int64_t offset, int64_t numel) {
   float* first = plane_at(plane, offset, numel);
   char* begin = reinterpret_cast<char*>(first);
   char* end = reinterpret_cast<char*>(first + numel);

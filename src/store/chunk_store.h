@@ -5,8 +5,10 @@
 // store for a typed view each time they run, after announcing the access, so that later tiers
 // can move, shard or refresh chunks between two accesses.
 //
-// In this build every chunk is resident in one contiguous host allocation per plane (llm.c's
-// "one malloc" idea, cut into movable pieces); the rest of Keel speaks chunks and views only.
+// Every plane is one contiguous allocation (llm.c's "one malloc" idea, cut into movable pieces);
+// the rest of Keel speaks chunks and views only. Whether a page's bytes are valid between two
+// uses is the business of the store's Residency (store/residency.h): its own, where every page
+// stays present, or one attached to it (the memory tiers).
 #pragma once
 
 #include <cstdint>
@@ -18,14 +20,12 @@
 #include <string>
 #include <vector>
 
+#include "store/residency.h"
+
 namespace keel {
 
 enum class ChunkKind : uint8_t { embedding, attention, ffn, norm, head };
 const char* kind_name(ChunkKind kind);
-
-// The four planes of a chunk. Each plane has the same layout; gradient and moments mirror params.
-enum class Plane : uint8_t { param = 0, grad = 1, adam_m = 2, adam_v = 3 };
-inline constexpr int kNumPlanes = 4;
 
 struct TensorSpec {
   std::string name;            // e.g. "h.3.attn.qkv.weight"
@@ -33,6 +33,10 @@ struct TensorSpec {
   int layer = 0;               // index in the model's layer list
   ChunkKind kind = ChunkKind::embedding;
   bool decay = false;          // AdamW weight decay applies (matrices and embeddings only)
+  // A copy of a tied tensor whose home layer is on another rank (a pipeline stage with the head
+  // but not the embedding holds one of wte): its gradient is summed with the home's, and norms
+  // count it once, at home. Replica tensors get chunks of their own.
+  bool replica = false;
 };
 
 // A lookahead hint: a layer an operation will soon use, and the plane it needs (parameters for a
@@ -67,34 +71,24 @@ struct Chunk {
   std::vector<Segment> segments;
   uint64_t accesses = 0;    // times a layer announced use of this chunk (for tier policies)
   uint64_t hinted = 0;      // times a lookahead said the chunk would be used soon
+  bool replica = false;     // holds a replica tensor (TensorSpec::replica)
 };
 
 using TensorId = int;
 
-// One plane of one chunk: the unit the memory tiers move.
-struct PageRef {
-  int chunk = 0;
-  Plane plane = Plane::param;
-  bool operator==(const PageRef&) const = default;
-};
-
-class TierManager;
 class ChunkStore;
 
 // Sum of squares of `v` in double, in a fixed order (each thread sums a fixed contiguous range;
 // partials are combined in thread order): the same bytes give the same sum whatever the timing.
 double sum_squares(std::span<const float> v);
 
-// The pages one operation uses, present and pinned while the lease lives when memory tiers are
-// attached (store/tiers.h); when it ends, the pages of the planes it writes are marked modified.
-// Without tiers it costs nothing.
+// The pages one operation uses, acquired from the store's residency while the lease lives
+// (present, and pinned where pages move); when it ends, the pages of the planes it writes are
+// released as modified.
 class PageLease {
  public:
   PageLease() = default;
-  // `store` (optional) learns of the gradient pages written when the lease ends (see
-  // ChunkStore::cached_grad_sum_squares).
-  PageLease(TierManager* tiers, std::vector<PageRef> read, std::vector<PageRef> written,
-            const ChunkStore* store = nullptr);
+  PageLease(Residency* residency, std::vector<PageRef> read, std::vector<PageRef> written);
   PageLease(PageLease&& o) noexcept;
   PageLease& operator=(PageLease&& o) noexcept;
   ~PageLease();
@@ -104,8 +98,7 @@ class PageLease {
   void end();
 
  private:
-  TierManager* tiers_ = nullptr;
-  const ChunkStore* store_ = nullptr;
+  Residency* residency_ = nullptr;
   std::vector<PageRef> read_, written_;
 };
 
@@ -133,13 +126,12 @@ class ChunkStore {
   int64_t plane_bytes(Plane plane) const;
 
   // Announces that `layer` is about to be used (forward, backward or update) in the planes
-  // given, and counts the access. With tiers attached, the layer's pages in those planes are
-  // fetched and pinned until the lease ends; `write` planes are marked modified then. Views of
-  // those pages are valid while the lease lives.
+  // given, and counts the access. The layer's pages in those planes are acquired from the
+  // residency until the lease ends; `write` planes are released modified then. Views of those
+  // pages are valid while the lease lives.
   PageLease use_layer(int layer, std::initializer_list<Plane> read, std::initializer_list<Plane> write = {});
   // Lookahead (a pipeline executor): these layers' chunks will be used soon in these planes,
-  // nearest first. Counted per chunk (Chunk::hinted); with tiers attached, passed on as pages
-  // (TierManager::hint: fetched ahead where the tiers' own schedule does not already do it).
+  // nearest first. Counted per chunk (Chunk::hinted) and passed on to the residency as pages.
   // Returns the fetches the hint started.
   int hint_layers(std::span<const LayerHint> hints);
   // The same for one chunk (the optimizer's unit).
@@ -159,9 +151,10 @@ class ChunkStore {
   // Asks for transparent huge pages on the whole 2 MiB pages inside each chunk (where the kernel
   // offers them on request). Best effort: no error where unsupported.
   void prefer_huge_pages();
-  // Memory tiers (nullptr: every page stays resident, as without tiers). Not owned.
-  void attach_tiers(TierManager* tiers) { tiers_ = tiers; }
-  TierManager* tiers() const { return tiers_; }
+  // Where pages live between uses: `residency` (not owned; the memory tiers), or nullptr for the
+  // store's own, where every page stays present. Requires finalize().
+  void attach_residency(Residency* residency);
+  Residency& residency() const { return *residency_; }
 
   // A view of one tensor in one plane. Valid until the layer's next access announcement.
   std::span<float> view(TensorId id, Plane plane);
@@ -183,14 +176,14 @@ class ChunkStore {
   void set_version(int chunk, uint64_t version) { chunks_[chunk].version = version; }
   // Zeroes the gradient plane of every chunk.
   void zero_grads();
-  // Zeroes one chunk's gradient (with tiers: declared zero, nothing written back or read).
+  // Zeroes one chunk's gradient (Residency::zero: where pages move, declared zero, nothing
+  // written back or read).
   void zero_grad_chunk(int chunk);
-  // Zeroes elements [offset, offset + numel) of a plane and gives the whole pages inside the range
-  // back to the operating system (they cost no memory until written again). ZeRO-2 uses it for
-  // the gradients a rank does not own once their reduce-scatter is done.
+  // Zeroes elements [offset, offset + numel) of a plane and gives the memory back (see
+  // Residency::discard).
   void discard(Plane plane, int64_t offset, int64_t numel);
 
-  // Deferred optimizer updates (with memory tiers: each chunk's update runs just before its pages
+  // Deferred optimizer updates (where pages move: each chunk's update runs just before its pages
   // are next used, so the optimizer's transfers overlap the next forward pass instead of stalling
   // a phase of their own). `defer_update` marks a chunk pending; every lease (use_*) that touches
   // a pending chunk first runs `updater` on it, exactly once. The updates are the same arithmetic
@@ -201,13 +194,11 @@ class ChunkStore {
   // Runs every pending update now (before a checkpoint, an evaluation, the end of the run).
   void apply_pending() const;
 
-  // With tiers, the gradient pages a lease wrote have their sum of squares computed as the lease
-  // ends (while still present); the clipping norm then reads the cached sums instead of fetching
-  // every gradient page again. True (and *out set) when chunk's cached sum is of its current bytes.
-  bool cached_grad_sum_squares(int chunk, double* out) const;
-  // (called by PageLease::end) computes the sums of the gradient pages in `written`, present now.
-  void note_written(const std::vector<PageRef>& written) const;
-  void note_versions(const std::vector<PageRef>& written) const;
+  // The sum of squares of a chunk's gradient when the residency knows it without reading the
+  // page (Residency::known_sum_squares). True (and *out set) when known.
+  bool cached_grad_sum_squares(int chunk, double* out) const {
+    return residency_->known_sum_squares({chunk, Plane::grad}, out);
+  }
 
   const std::vector<Chunk>& chunks() const { return chunks_; }
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
@@ -242,17 +233,16 @@ class ChunkStore {
   int64_t plane_begin_[kNumPlanes] = {};  // flat offset of each allocation's first element
   int64_t plane_end_[kNumPlanes] = {};
   int moment_chunk_begin_ = 0, moment_chunk_end_ = 0;
-  TierManager* tiers_ = nullptr;
+  // The store's own residency (every page present) and the one in use.
+  friend class PresentPlanes;
+  std::unique_ptr<Residency> own_residency_;
+  Residency* residency_ = nullptr;
+  // Zeroes [offset, offset + numel) of a plane and gives the whole OS pages inside back.
+  void zero_and_release(Plane plane, int64_t offset, int64_t numel);
   void apply_pending(int chunk) const;
-  // Deferred updates and cached gradient sums (mutable: const leases trigger them too).
+  // Deferred updates (mutable: const leases trigger them too).
   mutable std::vector<uint8_t> pending_;
   std::function<void(int)> updater_;
-  struct GradSum {
-    double sum = 0;
-    uint64_t version = 0;
-    bool valid = false;
-  };
-  mutable std::vector<GradSum> grad_sums_;
 };
 
 }  // namespace keel

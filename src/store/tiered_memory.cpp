@@ -57,26 +57,73 @@ void accumulate(TierStats& total, const TierStats& s) {
 
 }  // namespace
 
-TieredMemory::TieredMemory(const TierConfig& config, ChunkStore& store) : config_(config), store_(store) {
+TierResidency::TierResidency(TierManager& manager, ChunkStore& store)
+    : manager_(manager), store_(store), grad_sums_(store.chunks().size()) {}
+
+void TierResidency::release(std::span<const PageRef> pages, bool modified) {
+  if (modified) {
+    for (const PageRef& p : pages) {
+      if (p.plane != Plane::grad) continue;
+      GradSum& g = grad_sums_[static_cast<size_t>(p.chunk)];
+      g.sum = sum_squares(store_.chunk_view(p.chunk, Plane::grad));  // present: still pinned
+      g.valid = false;  // until the version the release gives it is known
+    }
+  }
+  manager_.release(pages, modified);
+  if (!modified) return;
+  for (const PageRef& p : pages) {
+    if (p.plane != Plane::grad) continue;
+    GradSum& g = grad_sums_[static_cast<size_t>(p.chunk)];
+    g.version = manager_.version(p);
+    g.valid = true;
+  }
+}
+
+bool TierResidency::known_sum_squares(PageRef p, double* out) const {
+  if (p.plane != Plane::grad) return false;
+  const GradSum& g = grad_sums_[static_cast<size_t>(p.chunk)];
+  if (!g.valid || g.version != manager_.version(p)) return false;
+  *out = g.sum;
+  return true;
+}
+
+void TierResidency::discard(Plane plane, int64_t offset, int64_t numel) {
+  for (const Chunk& c : store_.chunks()) {
+    const int64_t lo = std::max(offset, c.offset), hi = std::min(offset + numel, c.offset + c.numel);
+    if (lo >= hi) continue;
+    if (lo == c.offset && hi == c.offset + c.numel) {
+      manager_.discard_to_zero({c.id, plane});
+    } else {
+      std::span<float> part = store_.range_view(plane, lo, hi - lo);
+      std::fill(part.begin(), part.end(), 0.0f);
+    }
+  }
+}
+
+TieredMemory::TieredMemory(const TierConfig& config, ChunkStore& store, bool print_notes)
+    : config_(config), store_(store), print_notes_(print_notes) {
   store_.prefer_huge_pages();
   placement_ = place_pages(config_, store_);
   TierOptions options = tier_options(config_);
   options.reserve_bytes = 2 * placement_.working_set_bytes;  // adaptive: room for the working window
   manager_ = std::make_unique<TierManager>(store_, options, placement_.homes);
-  store_.attach_tiers(manager_.get());
+  residency_ = std::make_unique<TierResidency>(*manager_, store_);
+  store_.attach_residency(residency_.get());
 }
 
-TieredMemory::~TieredMemory() { store_.attach_tiers(nullptr); }
+TieredMemory::~TieredMemory() { store_.attach_residency(nullptr); }
 
 int64_t TieredMemory::free_device_bytes() const {
   return (config_.device_mib << 20) - placement_.bytes[0] - 2 * placement_.working_set_bytes;
 }
 
-void TieredMemory::end_step(bool print_notes) {
+void TieredMemory::before_step(int64_t) { manager_->begin_step(!config_.defer_update || store_.any_pending()); }
+
+void TieredMemory::after_step(int64_t) {
   step_ = manager_->take_step_stats();
   accumulate(totals_, step_);
   rehome_note_ = manager_->take_rehome_note();
-  if (print_notes && !rehome_note_.empty()) std::printf("keel: tiered memory: %s\n", rehome_note_.c_str());
+  if (print_notes_ && !rehome_note_.empty()) std::printf("keel: tiered memory: %s\n", rehome_note_.c_str());
 }
 
 void TieredMemory::print_startup() const {

@@ -1,0 +1,37 @@
+#include "runtime/job_config.h"
+
+#include <string>
+
+#include "comm/sync_policy.h"
+#include "core/error.h"
+#include "pipeline/layout.h"
+#include "store/placement.h"
+
+namespace keel {
+
+void resolve_job_config(Config& c, int world_size) {
+  c.resolve(world_size);
+  const int pp = c.parallel.pipeline;
+  const int data_ranks = world_size / pp;
+  pipeline::validate_pipeline_config(c.parallel, c.train, c.model.n_layer, world_size);
+  validate_sync_config(c.sync, c.model.n_layer, data_ranks > 1 ? c.parallel.zero : 0);
+  validate_tier_config(c.tier, c.model.n_layer, data_ranks, c.parallel.zero);
+  if (pp > 1) {
+    // Not yet combined with pipelines (each is a later piece of work, not a silent fallback).
+    auto unsupported = [](bool ok, const std::string& key, const std::string& value) {
+      if (!ok) {
+        throw Error("config key '" + key + "': expected its default with parallel.pipeline > 1 (not yet supported "
+                    "together), found " + value);
+      }
+    };
+    unsupported(c.train.checkpoint_every == 0, "train.checkpoint_every", std::to_string(c.train.checkpoint_every));
+    // Both read and write whole planes outside the chunk store's leases.
+    unsupported(!c.parallel.post_validate || (c.parallel.zero == 0 && c.tier.device_mib == 0),
+                "parallel.post_validate (with ZeRO or tiers)", "true");
+    unsupported(c.parallel.predict_gradients == "off" || c.tier.device_mib == 0,
+                "parallel.predict_gradients (with tiers)", "\"" + c.parallel.predict_gradients + "\"");
+    unsupported(c.train.resume.empty(), "train.resume", "\"" + c.train.resume + "\"");
+  }
+}
+
+}  // namespace keel
