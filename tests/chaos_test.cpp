@@ -324,30 +324,32 @@ TEST_F(Chaos, ThreeKillsOneInsideACheckpointWriteAreRecoveredToTheUninterruptedB
             std::string::npos)
       << "the checkpoint-write kill is not the failure expected\n"
       << tail(out);
-  const std::vector<Recovery> rec = recoveries(out);
-  EXPECT_EQ(rec.size(), static_cast<size_t>(kKills)) << tail(out);
-  for (size_t i = 0; i < rec.size(); ++i) {
-    EXPECT_EQ(rec[i].failure, static_cast<int>(i) + 1) << tail(out);
-    EXPECT_GE(rec[i].seconds, 0) << tail(out);
-    EXPECT_EQ(rec[i].step % kCheckpointEvery, 0) << tail(out);
-    if (rec[i].step > 0) {
-      EXPECT_NE(rec[i].from.find("/chaos/ckpt/step-"), std::string::npos) << tail(out);
-    }
-    std::printf("recovery %zu: %.2f s, training resumed at step %d from %s\n", i + 1, rec[i].seconds, rec[i].step,
-                rec[i].from.c_str());
-  }
-  // The same in the metrics log: every recovery, also those of restarts that found no checkpoint
-  // yet and started from step 0.
-  const size_t expected_logged = rec.size();
-  std::vector<double> logged;
+  // Every recovery, from the metrics log (its "recovery" events; stdout says the same in words).
+  std::vector<Recovery> rec;
   const std::string metrics = read_text_file(dir / "chaos/metrics.jsonl");
   for (size_t at = 0; at < metrics.size();) {
     const size_t end = metrics.find('\n', at);
     const auto line = nlohmann::json::parse(metrics.substr(at, end - at));
-    if (line.value("event", "") == "recovery") logged.push_back(line.at("recovery_s").get<double>());
+    if (line.value("event", "") == "recovery") {
+      rec.push_back(Recovery{line.at("restart").get<int>(), line.at("recovery_s").get<double>(),
+                             line.at("step").get<int>(), line.at("from").get<std::string>()});
+    }
     at = end == std::string::npos ? end : end + 1;
   }
-  EXPECT_EQ(logged.size(), expected_logged) << tail(metrics);
+  EXPECT_EQ(rec.size(), static_cast<size_t>(kKills)) << tail(metrics);
+  EXPECT_EQ(recoveries(out).size(), rec.size()) << tail(out);
+  for (size_t i = 0; i < rec.size(); ++i) {
+    EXPECT_EQ(rec[i].failure, static_cast<int>(i) + 1) << tail(metrics);
+    EXPECT_GE(rec[i].seconds, 0) << tail(metrics);
+    EXPECT_EQ(rec[i].step % kCheckpointEvery, 0) << tail(metrics);
+    if (rec[i].step > 0) {
+      EXPECT_NE(rec[i].from.find("/chaos/ckpt/step-"), std::string::npos) << tail(metrics);
+    } else {
+      EXPECT_EQ(rec[i].from, "scratch") << tail(metrics);
+    }
+    std::printf("recovery %zu: %.2f s, training resumed at step %d from %s\n", i + 1, rec[i].seconds, rec[i].step,
+                rec[i].from.c_str());
+  }
 
   // Nothing half-written is left, and the end state is the uninterrupted run's, byte for byte.
   EXPECT_EQ(incomplete_checkpoints("chaos"), std::vector<std::string>{});

@@ -138,12 +138,6 @@ const json* own_record(const json& m) {
   return nullptr;
 }
 
-std::string hex64(uint64_t v) {
-  char buf[17];
-  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
-  return buf;
-}
-
 bool contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
 }
@@ -640,6 +634,104 @@ TEST_F(Checkpoint, ConsistentlyRewrittenBaseFailsTheDependentXorRecord) {
   const std::string why = error_of([&] { verify_checkpoint(at(2)); });
   EXPECT_TRUE(contains(why, "wrong bytes")) << why;
   EXPECT_TRUE(contains(why, at(2))) << why;
+}
+
+// The manifest is parsed into its struct once and written from it: reading a published manifest
+// and writing it back gives the same JSON, and a field with a wrong value is named in the error.
+TEST_F(Checkpoint, ManifestRoundTripsThroughItsStructAndBadFieldsAreNamed) {
+  Config c = toy_config(dir.path(), 4);
+  {
+    Trainer t(c);
+    t.step();
+    t.save(root());
+    t.step();
+    t.save(root());
+  }
+  const json on_disk = manifest_of(at(2));
+  const Manifest m = read_manifest(at(2));
+  EXPECT_EQ(m.name, "step-00000002");
+  EXPECT_EQ(m.kind, "diff");
+  EXPECT_EQ(m.base, "step-00000001");
+  ASSERT_EQ(m.chunks.size(), on_disk.at("chunks").size());
+  fs::create_directories(dir / "copy");
+  write_manifest(dir / "copy", m);
+  EXPECT_EQ(manifest_of(dir / "copy"), on_disk);
+
+  json bad = on_disk;
+  bad.at("chunks")[0].at("planes").at("param")["enc"] = "lz4";
+  testing::write_text(at(2) + "/manifest.json", bad.dump(1));
+  const std::string why = error_of([&] { read_manifest(at(2)); });
+  EXPECT_TRUE(contains(why, at(2) + "/manifest.json")) << why;
+  EXPECT_TRUE(contains(why, "unknown encoding 'lz4'")) << why;
+  bad = on_disk;
+  bad.at("chunks")[0].at("planes").at("adam_m")["sum"] = "not-hex";
+  testing::write_text(at(2) + "/manifest.json", bad.dump(1));
+  EXPECT_TRUE(contains(error_of([&] { read_manifest(at(2)); }), "not-hex"));
+}
+
+// A rank's part crosses to rank 0 as bytes: every field survives the trip, and bytes that are not
+// a whole part are refused rather than read past their end.
+TEST(CheckpointPartEncoding, EveryFieldSurvivesAndTruncatedBytesAreRefused) {
+  CheckpointPart p;
+  p.rank = 3;
+  p.name = "step-00000012.1";
+  p.step = 12;
+  p.full = false;
+  p.base = "step-00000010";
+  p.first = 5;
+  p.last = 9;
+  p.data = LoaderPosition{2, 77};
+  p.ok = true;
+  ChunkRecords r;
+  r.version = 41;
+  for (int i = 0; i < kNumSavedPlanes; ++i) {
+    r.planes[i] = Record{"step-00000012.1", "r3.bin", 4096u * i, 1000u + i, Encoding::xor_zstd, 0xabcdefu + i,
+                         0x123456789abcdefull, "step-00000010"};
+  }
+  p.chunks = {{5, r}, {6, r}};
+  p.residual = ResidualRecord{r.planes[0], 250, "buckets:4"};
+  p.written_bytes = 123456;
+  p.records = 12;
+  p.unchanged = 6;
+  p.xor_records = 3;
+  p.write_ms = 17.25;
+  const std::string bytes = encode_part(p);
+  const CheckpointPart q = decode_part(bytes);
+  EXPECT_EQ(q.rank, 3);
+  EXPECT_EQ(q.name, p.name);
+  EXPECT_EQ(q.step, 12);
+  EXPECT_FALSE(q.full);
+  EXPECT_EQ(q.base, p.base);
+  EXPECT_EQ(q.first, 5);
+  EXPECT_EQ(q.last, 9);
+  EXPECT_EQ(q.data.epoch, 2u);
+  EXPECT_EQ(q.data.index, 77u);
+  EXPECT_TRUE(q.ok);
+  ASSERT_EQ(q.chunks.size(), 2u);
+  EXPECT_EQ(q.chunks[1].first, 6);
+  EXPECT_EQ(q.chunks[1].second.version, 41u);
+  for (int i = 0; i < kNumSavedPlanes; ++i) {
+    const Record& a = q.chunks[1].second.planes[i];
+    EXPECT_EQ(a.at, 4096u * i);
+    EXPECT_EQ(a.bytes, 1000u + i);
+    EXPECT_EQ(a.enc, Encoding::xor_zstd);
+    EXPECT_EQ(a.sum, 0xabcdefu + i);
+    EXPECT_EQ(a.stored_sum, 0x123456789abcdefull);
+    EXPECT_EQ(a.base, "step-00000010");
+    EXPECT_EQ(a.file, "r3.bin");
+  }
+  ASSERT_TRUE(q.residual.has_value());
+  EXPECT_EQ(q.residual->numel, 250u);
+  EXPECT_EQ(q.residual->layout, "buckets:4");
+  EXPECT_EQ(q.written_bytes, 123456u);
+  EXPECT_EQ(q.records, 12);
+  EXPECT_EQ(q.unchanged, 6);
+  EXPECT_EQ(q.xor_records, 3);
+  EXPECT_EQ(q.write_ms, 17.25);
+  for (size_t cut : {size_t{0}, size_t{3}, bytes.size() / 2, bytes.size() - 1}) {
+    EXPECT_THROW(decode_part(bytes.substr(0, cut)), Error) << cut;
+  }
+  EXPECT_THROW(decode_part(bytes + "x"), Error);
 }
 
 // Saving the same state twice (a tool or a caller saving after run() did) never rewrites the

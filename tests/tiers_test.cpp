@@ -154,7 +154,13 @@ TEST_P(Engines, EveryAcquireSeesTheNewestBytesWithinBudgets) {
   for (const Chunk& c : store->chunks()) layer_chunks[c.layer].push_back(c.id);
 
   PageChecker pages(*store, tiers, o);
-  auto use = [&](const std::vector<PageRef>& refs, bool write) { pages.use(refs, write); };
+  // Each operation starts once the transfers the previous one started are done, as if its
+  // compute took long enough to hide them: the hit rate then measures what the policy fetched
+  // ahead, not how busy the machine was (under load a prefetch still in flight reads as a miss).
+  auto use = [&](const std::vector<PageRef>& refs, bool write) {
+    tiers.drain();
+    pages.use(refs, write);
+  };
   double late_hits = 0, late_touches = 0;
   for (int step = 0; step < 5; ++step) {
     tiers.begin_step();
@@ -197,7 +203,7 @@ TEST_P(Engines, EveryAcquireSeesTheNewestBytesWithinBudgets) {
   }
   tiers.drain();
   if (prefetch) {
-    EXPECT_GT(late_hits / late_touches, 0.3) << "prefetch should make first touches hits";
+    EXPECT_GT(late_hits / late_touches, 0.5) << "prefetch should make most first touches hits";
   }
   std::printf("engine %s prefetch %d: hit rate of host and nvme pages after step 2: %.3f\n", io_engine_name(tiers.engine()),
               prefetch, late_hits / late_touches);

@@ -30,13 +30,12 @@
 #include <thread>
 #include <vector>
 
+#include "ckpt/manifest.h"
 #include "core/config.h"
 #include "data/loader.h"
 #include "store/chunk_store.h"
 
 namespace keel {
-
-inline constexpr int kCheckpointFormatVersion = 2;
 
 // Per-rank state that cannot be rebuilt from the chunks.
 struct RankState {
@@ -55,7 +54,6 @@ struct TrainState {
   LoaderPosition data;          // position of the training loader (the same on every rank)
   std::vector<RankState> ranks; // as the writer saved them
   std::string config_toml;      // the resolved config of the run that wrote it
-  double peak_gflops = 0;       // the writer's SGEMM measurement (0 = unknown)
 };
 
 // The checkpoint directories under root that have a manifest, newest (highest step) first.
@@ -128,8 +126,8 @@ struct CheckpointStats {
 // previous write, copies the chunks' planes into a snapshot buffer and returns; a background
 // thread encodes and writes them (or begin() writes them itself when async is off; with memory
 // tiers begin() streams the chunks from their tiers itself, with no snapshot). Publishing
-// needs every rank's part: the trainer gathers parts() to rank 0, which calls publish_checkpoint
-// and tells every rank the outcome through committed().
+// needs every rank's part: the checkpointer gathers the parts (finish()) to rank 0, which calls
+// publish_checkpoint and tells every rank the outcome through committed().
 class CheckpointWriter {
  public:
   // With `preallocate`, the snapshot buffers are allocated and touched now rather than inside the
@@ -150,9 +148,9 @@ class CheckpointWriter {
   const std::string& name() const { return name_; }
   bool in_flight() const { return in_flight_; }
   bool done() const;         // the background write of the current checkpoint finished
-  // Waits for the background write; returns this rank's part (a JSON object as text: its
-  // records, rank state, sizes, or the error that stopped it).
-  std::string finish();
+  // Waits for the background write; returns this rank's part (its records, rank state, sizes,
+  // or the error that stopped it).
+  const CheckpointPart& finish();
   // The outcome of publishing: a committed checkpoint becomes the base of the next differential one.
   void committed(bool ok);
 
@@ -168,7 +166,7 @@ class CheckpointWriter {
   bool streaming_ = false;  // memory tiers: no snapshot, written chunk by chunk from the tiers
   std::vector<uint64_t> snapshot_versions_, base_versions_;
   std::string base_name_;          // the last committed checkpoint ("" = none: next one is full)
-  std::string base_records_;       // its records for this rank's chunks (JSON text)
+  std::vector<ChunkRecords> base_records_;  // its records of this rank's chunks [first, last)
   int64_t taken_ = 0;              // checkpoints begun in this run
   bool full_ = true;
   std::string root_, name_;
@@ -176,7 +174,7 @@ class CheckpointWriter {
   RankState state_;
   std::vector<float> residual_;
   bool in_flight_ = false;
-  std::string part_;
+  CheckpointPart part_;
   std::thread thread_;
   mutable std::mutex mutex_;
   std::condition_variable cv_;
@@ -188,9 +186,9 @@ class CheckpointWriter {
 // retention: keeps the newest `keep` checkpoints and every older one they reference, removes the
 // rest and any directory without a manifest. Returns "" on success or why it did not publish
 // (a rank's write failed); the checkpoint directory is then removed.
-std::string publish_checkpoint(const std::string& root, const std::vector<std::string>& parts, const ChunkStore& store,
-                               const Config& config, int world_size, double peak_gflops, int keep,
-                               CheckpointStats* stats);
+std::string publish_checkpoint(const std::string& root, const std::vector<CheckpointPart>& parts,
+                               const ChunkStore& store, const Config& config, int world_size, double peak_gflops,
+                               int keep, CheckpointStats* stats);
 
 // Rank 0 at start-up: removes checkpoint directories under root that have no manifest.
 void remove_incomplete_checkpoints(const std::string& root);

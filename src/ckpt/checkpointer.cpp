@@ -185,13 +185,15 @@ void Checkpointer::begin(const std::string& root, int64_t step, const LoaderPosi
 
 void Checkpointer::commit() {
   const auto t0 = std::chrono::steady_clock::now();
-  const std::string part = writer_->finish();
-  const std::vector<std::string> parts = comm_.gather_strings(part);
+  // Each rank's part reaches rank 0 as its binary encoding (one gather), decoded there.
+  const std::vector<std::string> encoded = comm_.gather_strings(encode_part(writer_->finish()));
   int64_t ok = 0;
   if (comm_.is_root()) {
     CheckpointStats st;
     std::string failure;
     try {
+      std::vector<CheckpointPart> parts;
+      for (const std::string& bytes : encoded) parts.push_back(decode_part(bytes));
       failure = publish_checkpoint(inflight_root_, parts, store_, config_, comm_.size(), peak_gflops_,
                                    config_.checkpoint.keep, &st);
     } catch (const std::exception& e) {
