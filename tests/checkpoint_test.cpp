@@ -152,7 +152,7 @@ class Checkpoint : public ::testing::Test {
   testing::TempDir dir{"keel-cptest"};
 };
 
-TEST_F(Checkpoint, RunLeavesCompleteVersion2CheckpointsThatVerify) {
+TEST_F(Checkpoint, RunLeavesCompleteCheckpointsOfTheCurrentFormatThatVerify) {
   Config c = toy_config(dir.path(), 8);
   c.train.checkpoint_every = 2;
   c.checkpoint.keep = 10;
@@ -172,7 +172,7 @@ TEST_F(Checkpoint, RunLeavesCompleteVersion2CheckpointsThatVerify) {
     EXPECT_EQ(files, (std::set<std::string>{"manifest.json", "r0.bin"}));
     const json m = manifest_of(at(step));
     EXPECT_EQ(m.at("format"), "keel-checkpoint");
-    EXPECT_EQ(m.at("version"), 2);
+    EXPECT_EQ(m.at("version"), kCheckpointFormatVersion);
     EXPECT_EQ(m.at("step"), step);
     EXPECT_EQ(m.at("name"), checkpoint_name(step));
     EXPECT_EQ(m.at("trajectory_hash"), hex64(c.trajectory_hash(1)));
@@ -629,7 +629,7 @@ TEST_F(Checkpoint, ConsistentlyRewrittenBaseFailsTheDependentXorRecord) {
   flip_byte(at(1) + "/r0.bin", offset + bytes / 2);
   const std::vector<char> data = Env::posix().read_range(at(1) + "/r0.bin", offset, bytes);
   base["sum"] = base["stored_sum"] = hex64(XXH3_64bits(data.data(), data.size()));
-  testing::write_text(at(1) + "/manifest.json", m1.dump(1));
+  testing::write_text(at(1) + "/manifest.json", seal_manifest(m1.dump(1)));
   EXPECT_NO_THROW(verify_checkpoint(at(1)));  // consistent in itself
   const std::string why = error_of([&] { verify_checkpoint(at(2)); });
   EXPECT_TRUE(contains(why, "wrong bytes")) << why;
@@ -657,15 +657,21 @@ TEST_F(Checkpoint, ManifestRoundTripsThroughItsStructAndBadFieldsAreNamed) {
   write_manifest(dir / "copy", m);
   EXPECT_EQ(manifest_of(dir / "copy"), on_disk);
 
+  // Any edit that does not reseal the manifest fails its own checksum.
   json bad = on_disk;
-  bad.at("chunks")[0].at("planes").at("param")["enc"] = "lz4";
+  bad.at("chunks")[0].at("planes").at("param")["at"] = 8;
   testing::write_text(at(2) + "/manifest.json", bad.dump(1));
+  EXPECT_TRUE(contains(error_of([&] { read_manifest(at(2)); }), "own checksum does not match"));
+  // Resealed (a tool rewriting it on purpose), each field is still checked.
+  bad = on_disk;
+  bad.at("chunks")[0].at("planes").at("param")["enc"] = "lz4";
+  testing::write_text(at(2) + "/manifest.json", seal_manifest(bad.dump(1)));
   const std::string why = error_of([&] { read_manifest(at(2)); });
   EXPECT_TRUE(contains(why, at(2) + "/manifest.json")) << why;
   EXPECT_TRUE(contains(why, "unknown encoding 'lz4'")) << why;
   bad = on_disk;
   bad.at("chunks")[0].at("planes").at("adam_m")["sum"] = "not-hex";
-  testing::write_text(at(2) + "/manifest.json", bad.dump(1));
+  testing::write_text(at(2) + "/manifest.json", seal_manifest(bad.dump(1)));
   EXPECT_TRUE(contains(error_of([&] { read_manifest(at(2)); }), "not-hex"));
 }
 
@@ -1012,12 +1018,17 @@ TEST_F(CheckpointFault, FullDiskSkipsCheckpointsUntilThereIsRoomAndAutoResumeRep
   // Room for the checkpoint of step 2 (data and manifest) and a little more: none after it fits.
   const uint64_t room = fs::file_size(at("ref", 2) + "/r0.bin") + fs::file_size(at("ref", 2) + "/manifest.json") + 4096;
   auto r = train(0, "full", kArgs, "full:bytes=" + std::to_string(room) + ":path=ckpt");
-  EXPECT_EQ(r.exit_code, 0) << r.output;
+  // The final state is not on disk: not a success (exit 3), and the summary names what is.
+  EXPECT_EQ(r.exit_code, 3) << r.output;
   for (int step : {4, 6, 8}) {
     EXPECT_TRUE(contains(r.output, "checkpoint " + checkpoint_name(step) + " not written")) << r.output;
   }
   EXPECT_TRUE(contains(r.output, "No space left on device")) << r.output;
-  EXPECT_TRUE(contains(r.output, "newest checkpoint: " + at("full", 2))) << r.output;
+  EXPECT_TRUE(contains(r.output, "the final checkpoint (step 8) was not written; newest checkpoint: " + at("full", 2)))
+      << r.output;
+  EXPECT_TRUE(contains(r.output, "after 8 steps, ")) << r.output;
+  EXPECT_TRUE(contains(r.output, "; checkpoint " + at("full", 2) + "\n")) << r.output;
+  EXPECT_FALSE(contains(r.output, "checkpoint " + at("full", 8))) << r.output;
   EXPECT_EQ(step_dirs(root("full")), std::vector<std::string>{"step-00000002"});
   EXPECT_NO_THROW(verify_checkpoint(root("full")));
   // With room again, resume=auto continues from step 2 and ends where the reference ended.
@@ -1050,17 +1061,21 @@ TEST_F(CheckpointFault, KillDuringACheckpointLeavesNoCheckpointAndAutoResumeRepl
 
 // A complete checkpoint stays intact until a newer one replaces it. Re-running a finished job
 // (resume=auto, train.steps = the newest checkpoint's step, as a restart after the final save
-// does) re-saves that very step into the same directory: dying during that save, or the save
-// failing, must not destroy the checkpoint already there.
-TEST_F(CheckpointFault, FailedOrKilledReSaveOfAnExistingStepKeepsTheCompleteCheckpoint) {
+// does) writes nothing: its checkpoint is already the state, so no later attempt of the same step
+// piles up, and a fault armed for such a write is never reached.
+TEST_F(CheckpointFault, ReRunningAFinishedJobWritesNothingAndKeepsTheCompleteCheckpoint) {
   for (const std::string& fault :
        {std::string("kill:op=3:path=ckpt/step-00000008"), std::string("fail:op=3:path=ckpt/step-00000008")}) {
     SCOPED_TRACE(fault);
     const std::string run = fault.substr(0, 4);
     fs::copy(dir / "ref", dir / run, fs::copy_options::recursive);
     ASSERT_NO_THROW(verify_checkpoint(at(run, 8)));
+    const std::vector<std::string> before = step_dirs(root(run));
     auto r = train(0, run, kArgs + std::string("--set train.resume=auto"), fault);
-    EXPECT_EQ(r.exit_code, fault[0] == 'k' ? 128 + 9 : 0) << r.output;
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_FALSE(contains(r.output, "injected")) << r.output;
+    EXPECT_EQ(step_dirs(root(run)), before);
+    EXPECT_TRUE(contains(r.output, "; checkpoint " + at(run, 8) + "\n")) << r.output;
     EXPECT_NO_THROW(verify_checkpoint(at(run, 8)));
     r = train(0, run, "--set train.resume=auto");
     EXPECT_EQ(r.exit_code, 0) << r.output;

@@ -225,18 +225,19 @@ void needed_by(ManifestCache& cache, const std::string& name, std::set<std::stri
   }
 }
 
-void apply_retention(const std::string& root, int keep) {
+// Keeps the newest `keep` complete checkpoints, the one just published (`published`: even when
+// older ones of a higher step are there) and everything they reference; removes the rest.
+void apply_retention(const std::string& root, int keep, const std::string& published) {
   Env& env = Env::get();
   const std::vector<std::string> complete = list_checkpoints(root);
   ManifestCache cache(root);
   std::set<std::string> needed;
-  for (size_t i = 0; i < complete.size() && static_cast<int>(i) < keep; ++i) {
-    try {
-      needed_by(cache, name_of(complete[i]), needed);
-    } catch (const Error&) {
-      // A kept checkpoint that cannot be resolved is not a reason to delete anything it might need.
-      return;
-    }
+  try {
+    for (size_t i = 0; i < complete.size() && static_cast<int>(i) < keep; ++i) needed_by(cache, name_of(complete[i]), needed);
+    needed_by(cache, published, needed);
+  } catch (const Error&) {
+    // A kept checkpoint that cannot be resolved is not a reason to delete anything it might need.
+    return;
   }
   for (const std::string& entry : env.list_dir(root)) {
     if (!is_checkpoint_name(entry) || needed.count(entry) > 0) continue;
@@ -282,11 +283,16 @@ std::vector<std::string> list_checkpoints(const std::string& root) {
   return out;
 }
 
-void remove_incomplete_checkpoints(const std::string& root) {
+std::vector<std::string> remove_incomplete_checkpoints(const std::string& root) {
   Env& env = Env::get();
+  std::vector<std::string> removed;
   for (const std::string& name : env.list_dir(root)) {
-    if (is_checkpoint_name(name) && !env.exists(join(join(root, name), "manifest.json"))) env.remove(join(root, name));
+    if (is_checkpoint_name(name) && !env.exists(join(join(root, name), "manifest.json"))) {
+      env.remove(join(root, name));
+      removed.push_back(name);
+    }
   }
+  return removed;
 }
 
 std::vector<std::string> checkpoint_candidates(const std::string& path) {
@@ -707,7 +713,7 @@ std::string publish_checkpoint(const std::string& root, const std::vector<Checkp
     } catch (const Error&) {
     }
   } else {
-    apply_retention(root, keep);
+    apply_retention(root, keep, name);
   }
   if (stats != nullptr) *stats = s;
   return failure;

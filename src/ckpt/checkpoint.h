@@ -190,8 +190,9 @@ std::string publish_checkpoint(const std::string& root, const std::vector<Checkp
                                const ChunkStore& store, const Config& config, int world_size, double peak_gflops,
                                int keep, CheckpointStats* stats);
 
-// Rank 0 at start-up: removes checkpoint directories under root that have no manifest.
-void remove_incomplete_checkpoints(const std::string& root);
+// Rank 0 at start-up: removes checkpoint directories under root that have no manifest; returns
+// their names.
+std::vector<std::string> remove_incomplete_checkpoints(const std::string& root);
 
 // Synchronous save of a whole store by one process (tools, tests, single-rank runs): full
 // checkpoint of every chunk into root/checkpoint_name(state.step).

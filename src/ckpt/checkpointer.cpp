@@ -19,6 +19,7 @@ Checkpointer::Checkpointer(const Config& config, Communicator& world, ChunkStore
                            double peak_gflops, std::function<void(const nlohmann::json&)> log_event)
     : config_(config),
       comm_(world),
+      run_dir_(config, world),
       store_(store),
       sync_(sync),
       peak_gflops_(peak_gflops),
@@ -26,8 +27,10 @@ Checkpointer::Checkpointer(const Config& config, Communicator& world, ChunkStore
       writers_(ChunkPartition::balanced(store, world.size())),
       root_(config.train.run_dir + "/ckpt") {
   const int rank = comm_.rank();
+  const bool periodic = config_.train.checkpoint_every > 0 || config_.train.checkpoint_every_minutes > 0;
   writer_ = std::make_unique<CheckpointWriter>(store_, config_.checkpoint, rank, writers_.first_chunk[rank],
-                                               writers_.first_chunk[rank + 1], config_.train.checkpoint_every > 0);
+                                               writers_.first_chunk[rank + 1], periodic);
+  last_timed_ = std::chrono::steady_clock::now();
 }
 
 Checkpointer::~Checkpointer() = default;
@@ -46,7 +49,12 @@ std::optional<TrainState> Checkpointer::resume() {
   const TrainConfig& t = config_.train;
   const int world = comm_.size();
   // A checkpoint directory without a manifest is what a crash during a write leaves behind.
-  if (comm_.is_root()) remove_incomplete_checkpoints(root_);
+  if (comm_.is_root()) {
+    for (const std::string& name : remove_incomplete_checkpoints(root_)) {
+      std::fprintf(stderr, "keel: removed %s/%s: an incomplete checkpoint (no manifest; a write was interrupted)\n",
+                   root_.c_str(), name.c_str());
+    }
+  }
   // A job restarted by `keel launch --max-restarts` continues from its own newest checkpoint when
   // it has one, whatever train.resume says (that was where the first attempt started).
   const bool restarted = std::getenv("KEEL_RESTART") != nullptr;
@@ -56,6 +64,7 @@ std::optional<TrainState> Checkpointer::resume() {
   std::vector<std::string> candidates;
   if (!resume.empty() && (!automatic || has_own)) candidates = checkpoint_candidates(resume);
   std::string last_why;
+  std::vector<std::string> rejections;  // said when an older candidate is used, or with "auto"
   for (size_t i = 0; i < candidates.size(); ++i) {
     std::string why;
     TrainState state;
@@ -69,20 +78,27 @@ std::optional<TrainState> Checkpointer::resume() {
     }
     // Every rank must load the same checkpoint: a candidate is used only if it verified on all ranks.
     if (comm_.allreduce_max(why.empty() ? 0.0 : 1.0) == 0.0) {
+      for (const std::string& r : rejections) std::fprintf(stderr, "%s\n", r.c_str());
       if (!residual.empty()) sync_.restore_residuals(residual);
       if (!residual_note.empty() && comm_.is_root()) std::fprintf(stderr, "keel: %s\n", residual_note.c_str());
       state.dir = candidates[i];
+      note_other_data(state);
       return state;
     }
     last_why = why.empty() ? "checkpoint " + candidates[i] + ": rejected by another rank" : why;
-    if (!why.empty() && (automatic || i + 1 < candidates.size())) {
-      std::fprintf(stderr, "keel: %scheckpoint rejected: %s\n",
-                   world > 1 ? ("[rank " + std::to_string(comm_.rank()) + "] ").c_str() : "", why.c_str());
+    if (!why.empty()) {
+      rejections.push_back("keel: " + (world > 1 ? "[rank " + std::to_string(comm_.rank()) + "] " : std::string()) +
+                           "checkpoint rejected: " + why);
     }
+  }
+  // An explicit resume that cannot be used is one line (below), however many candidates it had.
+  if (automatic) {
+    for (const std::string& r : rejections) std::fprintf(stderr, "%s\n", r.c_str());
   }
   // An explicit resume must succeed; "auto" starts afresh when nothing usable is there.
   check(automatic || candidates.empty(),
         candidates.size() == 1 ? last_why : "checkpoint " + resume + ": no usable checkpoint (" + last_why + ")");
+  run_dir_.check_fresh_start(restarted);
   if (!candidates.empty()) {
     if (comm_.is_root()) std::fprintf(stderr, "keel: no usable checkpoint under %s: starting from step 0\n", resume.c_str());
     // A failed load may have written into the store: start from a clean state.
@@ -94,6 +110,22 @@ std::optional<TrainState> Checkpointer::resume() {
     for (const Chunk& c : store_.chunks()) store_.set_version(c.id, 0);
   }
   return std::nullopt;
+}
+
+void Checkpointer::note_other_data(const TrainState& state) const {
+  if (!comm_.is_root()) return;
+  std::string theirs;
+  try {
+    theirs = Config::parse(state.config_toml, "checkpoint " + state.dir + " config").data.train;
+  } catch (const Error&) {
+    return;  // an old checkpoint's config: nothing to compare
+  }
+  if (theirs == config_.data.train) return;
+  std::fprintf(stderr,
+               "keel: resuming onto a different training set (the checkpoint's run read %s, this run reads %s): its "
+               "data position (epoch %llu, window %llu) carries over to the new set\n",
+               theirs.c_str(), config_.data.train.c_str(), static_cast<unsigned long long>(state.data.epoch),
+               static_cast<unsigned long long>(state.data.index));
 }
 
 std::string Checkpointer::load_residuals(const TrainState& state, std::vector<float>& out) {
@@ -143,16 +175,47 @@ void Checkpointer::after_step(int64_t steps_done, const LoaderPosition& data) {
   // snapshot copy; with checkpoint.async = false the whole write). The last step's checkpoint is
   // the final save of the run.
   const int every = config_.train.checkpoint_every;
-  if (every > 0 && steps_done % every == 0 && steps_done != config_.train.steps) begin(root_, steps_done, data);
+  const bool by_steps = every > 0 && steps_done % every == 0;
+  const bool by_clock = due_by_clock();  // (a collective when timed checkpoints are on)
+  if ((by_steps || by_clock) && steps_done != config_.train.steps) begin(root_, steps_done, data);
 }
 
-void Checkpointer::save(const std::string& root, int64_t steps_done, const LoaderPosition& data) {
+bool Checkpointer::due_by_clock() {
+  const double minutes = config_.train.checkpoint_every_minutes;
+  if (minutes <= 0) return false;
+  const auto now = std::chrono::steady_clock::now();
+  const bool due = comm_.is_root() && now - last_timed_ >= std::chrono::duration<double, std::ratio<60>>(minutes);
+  if (comm_.broadcast(due ? 1 : 0) == 0) return false;
+  last_timed_ = now;
+  return true;
+}
+
+bool Checkpointer::save(const std::string& root, int64_t steps_done, const LoaderPosition& data) {
   if (writer_->in_flight() && inflight_step_ == steps_done && inflight_root_ == root) {
-    commit();  // this very state is being written already
-    return;
+    return commit();  // this very state is being written already
   }
   begin(root, steps_done, data);
+  return !writer_->in_flight() ? last_ok_ : commit();
+}
+
+void Checkpointer::finish_in_flight() {
   if (writer_->in_flight()) commit();
+}
+
+std::string Checkpointer::newest_verified() {
+  std::string newest;
+  if (comm_.is_root()) {
+    for (const std::string& dir : list_checkpoints(root_)) {
+      try {
+        verify_checkpoint(dir);
+        newest = dir;
+        break;
+      } catch (const Error& e) {
+        std::fprintf(stderr, "keel: %s does not verify: %s\n", dir.c_str(), e.what());
+      }
+    }
+  }
+  return newest;
 }
 
 double Checkpointer::take_stall_ms() {
@@ -183,7 +246,7 @@ void Checkpointer::begin(const std::string& root, int64_t step, const LoaderPosi
   if (!config_.checkpoint.async) commit();
 }
 
-void Checkpointer::commit() {
+bool Checkpointer::commit() {
   const auto t0 = std::chrono::steady_clock::now();
   // Each rank's part reaches rank 0 as its binary encoding (one gather), decoded there.
   const std::vector<std::string> encoded = comm_.gather_strings(encode_part(writer_->finish()));
@@ -224,6 +287,8 @@ void Checkpointer::commit() {
   ok = comm_.broadcast(ok);
   writer_->committed(ok != 0);
   stall_ms_ += ms_since(t0);
+  last_ok_ = ok != 0;
+  return last_ok_;
 }
 
 }  // namespace keel

@@ -5,12 +5,14 @@
 // rank could load, falling back to the previous good one).
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 
 #include "ckpt/checkpoint.h"
+#include "ckpt/run_directory.h"
 #include "comm/communicator.h"
 #include "comm/grad_sync.h"
 #include "comm/zero.h"
@@ -22,7 +24,8 @@ namespace keel {
 
 class Checkpointer {
  public:
-  // `log_event` receives the `event: checkpoint` line of every checkpoint (rank 0).
+  // Takes the run directory (one run at a time: see RunDirectory; throws when another run holds
+  // it). `log_event` receives the `event: checkpoint` line of every checkpoint (rank 0).
   Checkpointer(const Config& config, Communicator& world, ChunkStore& store, GradSync& sync, double peak_gflops,
                std::function<void(const nlohmann::json&)> log_event);
   ~Checkpointer();
@@ -33,7 +36,8 @@ class Checkpointer {
   // used only when every rank loaded it; a rejected one is reported and the next older one
   // tried. Returns the state loaded, or nullopt for a fresh start (the store's moments and
   // versions then cleared of anything a failed load wrote). Throws keel::Error when an
-  // explicit train.resume has no usable checkpoint.
+  // explicit train.resume has no usable checkpoint, or when a fresh start would overwrite an
+  // earlier run (RunDirectory::check_fresh_start).
   std::optional<TrainState> resume();
 
   // A job restarted by `keel launch --max-restarts` (KEEL_RESTART): prints and logs (`event:
@@ -42,10 +46,17 @@ class Checkpointer {
   void report_recovery(int64_t step, const std::string& from);
 
   // After every step, on every rank: publishes a checkpoint whose writes all ranks finished, and
-  // begins a periodic one when train.checkpoint_every says so (not after the last step).
+  // begins a periodic one when train.checkpoint_every or train.checkpoint_every_minutes says so
+  // (not after the last step; by the clock, rank 0's clock decides and every rank follows).
   void after_step(int64_t steps_done, const LoaderPosition& data);
   // Saves the state after `steps_done` steps under root, synchronously (every rank calls it).
-  void save(const std::string& root, int64_t steps_done, const LoaderPosition& data);
+  // Returns whether it was published (false: it was reported as not written).
+  bool save(const std::string& root, int64_t steps_done, const LoaderPosition& data);
+  // Publishes a checkpoint still being written, if any (before the run stops early).
+  void finish_in_flight();
+  // Rank 0: the newest checkpoint under the run's root that exists and verifies ("" = none; the
+  // ones that do not verify are reported). Other ranks: "".
+  std::string newest_verified();
   // Step time spent on checkpoints since the last call (snapshot, waiting for a write).
   double take_stall_ms();
 
@@ -57,13 +68,18 @@ class Checkpointer {
 
  private:
   void begin(const std::string& root, int64_t step, const LoaderPosition& data);
-  void commit();
+  bool commit();
+  // Whether a checkpoint by the clock is due after this step (rank 0 decides).
+  bool due_by_clock();
   // This rank's compression residuals in the checkpoint being resumed (into out; empty when
   // there are none to restore, with the reason returned). Throws when they are corrupt.
   std::string load_residuals(const TrainState& state, std::vector<float>& out);
+  // Rank 0: one line when the checkpoint's run read another training set than this one.
+  void note_other_data(const TrainState& state) const;
 
   const Config& config_;
   Communicator& comm_;
+  RunDirectory run_dir_;  // first: held before anything reads or writes the directory
   ChunkStore& store_;
   GradSync& sync_;
   double peak_gflops_;
@@ -75,6 +91,8 @@ class Checkpointer {
   int64_t inflight_step_ = -1;
   double begin_ms_ = 0;
   double stall_ms_ = 0;
+  std::chrono::steady_clock::time_point last_timed_;
+  bool last_ok_ = true;  // the outcome of the last commit  // rank 0: the clock checkpoints count from
   std::vector<float> residual_scratch_;
 };
 

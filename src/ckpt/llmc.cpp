@@ -1,5 +1,7 @@
 #include "ckpt/llmc.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <vector>
@@ -82,6 +84,12 @@ void import_llmc(const std::string& path, ChunkStore& store, const ModelConfig& 
     std::span<float> dst = store.view(store.find(name), Plane::param);
     std::memcpy(dst.data(), cursor, dst.size_bytes());
     cursor += dst.size_bytes();
+    // Weights that are not numbers would train and evaluate to NaN without a word.
+    const auto bad = std::find_if(dst.begin(), dst.end(), [](float v) { return !std::isfinite(v); });
+    if (bad != dst.end()) {
+      throw Error("llm.c checkpoint " + path + ": tensor " + name + " holds a non-finite value (" + std::to_string(*bad) +
+                  ") at element " + std::to_string(bad - dst.begin()));
+    }
   });
 }
 

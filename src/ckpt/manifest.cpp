@@ -1,5 +1,7 @@
 #include "ckpt/manifest.h"
 
+#include <xxhash.h>
+
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -101,9 +103,18 @@ Manifest parse(const json& j, const std::string& dir) {
   const std::string format = j.at("format").get<std::string>();
   check(format == "keel-checkpoint", "expected format keel-checkpoint, found " + format);
   m.version = j.at("version").get<int>();
-  check(m.version == 1 || m.version == kCheckpointFormatVersion,
-        "expected format version 1 or " + std::to_string(kCheckpointFormatVersion) + ", found " +
+  check(m.version >= 1 && m.version <= kCheckpointFormatVersion,
+        "expected format version 1 to " + std::to_string(kCheckpointFormatVersion) + ", found " +
             std::to_string(m.version));
+  if (m.version >= 3) {
+    json unsealed = j;
+    const std::string stated = unsealed.at("checksum").get<std::string>();
+    unsealed.erase("checksum");
+    const std::string text = unsealed.dump(1);
+    const std::string actual = hex64(XXH3_64bits(text.data(), text.size()));
+    check(stated == actual, "its own checksum does not match (" + actual + ", it says " + stated +
+                                "): the manifest was altered or damaged");
+  }
   m.name = j.value("name", name_of(dir));
   m.step = j.at("step").get<int64_t>();
   m.kind = j.value("kind", "full");
@@ -156,6 +167,19 @@ Manifest parse(const json& j, const std::string& dir) {
     }
     m.chunks.push_back(std::move(mc));
   }
+  // The chunk table: ascending, inside the flat space, each chunk at most a chunk's worth of
+  // floats (plus the alignment of the last). What readers allocate from it stays bounded by it.
+  check(m.chunk_bytes >= 4096 && m.chunk_bytes <= (int64_t{1} << 40), "chunk_bytes: expected 4096..2^40, found " +
+                                                                          std::to_string(m.chunk_bytes));
+  check(m.numel >= 0, "numel: expected >= 0, found " + std::to_string(m.numel));
+  int64_t end = 0;
+  for (size_t i = 0; i < m.chunks.size(); ++i) {
+    const ManifestChunk& c = m.chunks[i];
+    check(c.offset >= end && c.numel >= 0 && c.numel <= m.chunk_bytes / 4 + 1024 && c.offset + c.numel <= m.numel,
+          "chunk " + std::to_string(i) + ": elements [" + std::to_string(c.offset) + ", +" + std::to_string(c.numel) +
+              ") do not fit the chunk table");
+    end = c.offset + c.numel;
+  }
   if (m.version == 1) {
     m.ranks.push_back(ManifestRank{0, parse_position(j.at("data")), std::nullopt});
   } else {
@@ -166,6 +190,11 @@ Manifest parse(const json& j, const std::string& dir) {
       if (r.contains("residual")) mr.residual = parse_residual(r.at("residual"));
       m.ranks.push_back(std::move(mr));
     }
+  }
+  for (const ManifestRank& r : m.ranks) {
+    check(!r.residual || r.residual->numel <= static_cast<uint64_t>(2 * m.numel + 1024),
+          "rank " + std::to_string(r.rank) + ": a compression residual of " +
+              std::to_string(r.residual ? r.residual->numel : 0) + " floats for a state of " + std::to_string(m.numel));
   }
   return m;
 }
@@ -317,8 +346,16 @@ void write_manifest(const std::string& dir, const Manifest& m) {
                   {"sizes", {{"raw_bytes", m.raw_bytes}, {"written_bytes", m.written_bytes}}},
                   {"config", m.config_toml},
                   {"chunks", chunks}};
-  const std::string text = j.dump(1);
+  const std::string text = seal_manifest(j.dump(1));
   write_file_atomic(dir + "/manifest.json", {ByteRange{text.data(), text.size()}});
+}
+
+std::string seal_manifest(const std::string& json_text) {
+  json j = json::parse(json_text);
+  j.erase("checksum");
+  const std::string unsealed = j.dump(1);
+  j["checksum"] = hex64(XXH3_64bits(unsealed.data(), unsealed.size()));
+  return j.dump(1);
 }
 
 std::string encode_part(const CheckpointPart& p) {

@@ -19,7 +19,9 @@
 
 namespace keel {
 
-inline constexpr int kCheckpointFormatVersion = 2;
+// Format 3: format 2 plus the manifest's own checksum ("checksum": XXH3 of the manifest as
+// written without that field). Formats 1 and 2 still load.
+inline constexpr int kCheckpointFormatVersion = 3;
 
 enum class Encoding : uint8_t { raw = 0, zstd = 1, xor_zstd = 2 };
 const char* encoding_name(Encoding e);  // "raw", "zstd", "xor-zstd" (the manifest's "enc")
@@ -103,6 +105,9 @@ struct Manifest {
 Manifest read_manifest(const std::string& dir);
 // Writes dir/manifest.json atomically (temporary name, fsync, rename).
 void write_manifest(const std::string& dir, const Manifest& m);
+// Manifest JSON text (its "checksum" field, if any, ignored) sealed with its checksum: what a
+// tool that rewrites a manifest on purpose writes back.
+std::string seal_manifest(const std::string& json_text);
 
 // One rank's part of a checkpoint: what its writer wrote (or the error that stopped it).
 struct CheckpointPart {

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -172,8 +173,11 @@ int cmd_train(const Args& a) {
   comm.barrier();
   Trainer trainer(config, comm);
   g_input_accepted = true;
-  trainer.run();
-  return 0;
+  const RunSummary summary = trainer.run();
+  // Stopped by SIGTERM / SIGINT after its checkpoint: the conventional status. The final state not
+  // saved (a full disk?): not success, and not worth a blind restart.
+  if (summary.stop_signal != 0) return summary.final_checkpoint_written ? 128 + summary.stop_signal : kFinalCheckpointNotWritten;
+  return summary.final_checkpoint_written ? 0 : kFinalCheckpointNotWritten;
 }
 
 // Builds a model from a checkpoint (or llm.c file) for evaluation and generation.
@@ -200,6 +204,12 @@ LoadedModel load_model(const Args& a, int B, int T) {
     import_llmc(a.get("--llmc"), *lm.store, lm.config.model);
   } else {
     load_checkpoint(a.get("--checkpoint"), *lm.store, lm.config, LoadMode::params);
+    const std::span<const float> params = lm.store->range_view(Plane::param, 0, lm.store->numel());
+    const auto bad = std::find_if(params.begin(), params.end(), [](float v) { return !std::isfinite(v); });
+    if (bad != params.end()) {
+      throw Error("checkpoint " + a.get("--checkpoint") + ": its weights hold a non-finite value (" + std::to_string(*bad) +
+                  ") at element " + std::to_string(bad - params.begin()));
+    }
   }
   return lm;
 }
@@ -214,12 +224,17 @@ int cmd_eval(const Args& a) {
                                               std::to_string(lm.config.model.max_seq_len) + ", found " + std::to_string(T));
   const std::string shard = a.get("--data", lm.config.data.val);
   DataLoader data(shard, B, T, lm.config.model.vocab_size, false, 0);
-  const long batches = std::min<long>(a.get_int("--batches", static_cast<long>(data.num_windows())),
-                                      static_cast<long>(data.num_windows()));
-  check(batches >= 1, "option --batches: expected >= 1");
+  const long windows = static_cast<long>(data.num_windows());
+  const long asked = a.get_int("--batches", windows);
+  check(asked >= 1, "option --batches: expected >= 1");
+  const long batches = std::min(asked, windows);
+  if (asked > windows) {
+    std::fprintf(stderr, "keel eval: --batches %ld capped to the %ld windows of %s\n", asked, windows, shard.c_str());
+  }
   double sum = 0;
   for (long i = 0; i < batches; ++i) sum += lm.model->forward(data.window(i));
   const double loss = sum / batches;
+  check(std::isfinite(loss), "eval: the loss is not finite (" + std::to_string(loss) + ") on " + shard);
   std::printf("{\"loss\": %.9g, \"perplexity\": %.6g, \"batches\": %ld, \"data\": \"%s\"}\n", loss, std::exp(loss),
               batches, shard.c_str());
   return 0;
@@ -249,15 +264,40 @@ int cmd_generate(const Args& a) {
     std::vector<int> ids = tok.encode(text);
     prompt.insert(prompt.end(), ids.begin(), ids.end());
   }
+  const int context = std::min(lm.config.model.max_seq_len, 1024);
+  if (static_cast<int>(prompt.size()) > context) {
+    std::fprintf(stderr, "keel generate: the prompt (%zu tokens) is longer than the model's context of %d: it sees the last %d\n",
+                 prompt.size(), context, context);
+  }
   for (int s = 0; s < samples; ++s) {
-    std::vector<int> out = generate(*lm.model, std::min(lm.config.model.max_seq_len, 1024), prompt, o, rng);
+    std::vector<int> out = generate(*lm.model, context, prompt, o, rng);
     std::printf("%s%s\n", s > 0 ? "---\n" : "", tok.decode(std::vector<int>(out.begin() + 1, out.end())).c_str());
   }
   return 0;
 }
 
+// An output file may replace only a regular file, and never one inside a checkpoint directory
+// (its records may be what newer checkpoints point into).
+void check_output_file(const std::string& what, const std::string& out) {
+  std::error_code ec;
+  const fs::file_status st = fs::status(out, ec);
+  check(!fs::exists(st) || fs::is_regular_file(st),
+        what + " " + out + ": exists and is not a regular file (a directory, device, pipe or socket): not replaced");
+  for (fs::path dir = fs::weakly_canonical(fs::absolute(out), ec).parent_path(); !dir.empty(); dir = dir.parent_path()) {
+    const fs::path manifest = dir / "manifest.json";
+    if (fs::is_regular_file(manifest, ec)) {
+      std::ifstream in(manifest);
+      const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      check(text.find("\"keel-checkpoint\"") == std::string::npos,
+            what + " " + out + ": inside checkpoint directory " + dir.string() + ": not written there");
+    }
+    if (dir == dir.parent_path()) break;
+  }
+}
+
 int cmd_export(const Args& a) {
   check(a.has("--checkpoint") && a.has("--out"), "export: expected --checkpoint DIR --out FILE.bin");
+  check_output_file("export --out", a.get("--out"));
   LoadedModel lm = load_model(a, 1, 1);
   export_llmc(a.get("--out"), *lm.store, lm.config.model);
   std::printf("keel export: wrote %s (llm.c GPT-2 format, version 3)\n", a.get("--out").c_str());
@@ -291,7 +331,17 @@ int cmd_checkpoints(const Args& a) {
               "state MB", "stored MB", "raw", "zstd", "xor", "elsewhere", verify == "yes" ? "verified" : "");
   int bad = 0;
   for (const std::string& d : dirs) {
-    const CheckpointInfo c = describe_checkpoint(d);
+    // A checkpoint whose manifest cannot be read is listed as failed; the others still are.
+    CheckpointInfo c;
+    try {
+      c = describe_checkpoint(d);
+    } catch (const Error& e) {
+      bad++;
+      std::printf("%-15s %8s %5s %-15s %6s %10s %10s %7s %6s %6s %9s FAILED: %s\n",
+                  fs::path(d).lexically_normal().filename().string().c_str(), "?", "?", "?", "?", "?", "?", "?", "?",
+                  "?", "?", e.what());
+      continue;
+    }
     std::string verdict;
     if (verify == "yes") {
       try {

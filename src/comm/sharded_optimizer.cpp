@@ -1,6 +1,9 @@
 #include "comm/sharded_optimizer.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <string>
 
 namespace keel {
 
@@ -68,6 +71,33 @@ void ShardedOptimizer::update_chunk(int chunk) {
   const PageLease use = store_.use_chunk(chunk, {}, {Plane::param});
   std::span<float> p = store_.chunk_view(chunk, Plane::param);
   dp_.broadcast(p.data(), p.size(), owner);
+}
+
+bool ShardedOptimizer::accept(int64_t step, double loss, double grad_norm) {
+  if (std::isfinite(loss) && std::isfinite(grad_norm)) return true;
+  // Nothing of this step reaches the weights: every gradient (this rank's share) back to zero.
+  store_.discard(Plane::grad, 0, store_.numel());
+  skipped_++;
+  char what[160];
+  std::snprintf(what, sizeof what, "step %lld: loss %g, gradient norm %g (not finite)", static_cast<long long>(step + 1),
+                loss, grad_norm);
+  const int allowed = config_.optim.skip_nonfinite_steps;
+  if (skipped_ > allowed) {
+    throw NonFiniteStep(std::string(what) + ": training stopped before the update (" + std::to_string(skipped_ - 1) +
+                        " such step(s) skipped before; optim.skip_nonfinite_steps = " + std::to_string(allowed) + ")");
+  }
+  if (dp_.is_root()) {
+    std::printf("keel: %s: skipped, no update (%lld of optim.skip_nonfinite_steps = %d)\n", what,
+                static_cast<long long>(skipped_), allowed);
+    std::fflush(stdout);
+  }
+  return false;
+}
+
+void ShardedOptimizer::add_step_fields(double, nlohmann::json& line) { line["skipped_steps"] = skipped_; }
+
+std::string ShardedOptimizer::progress_fragment(double) const {
+  return skipped_ > 0 ? std::to_string(skipped_) + " step(s) skipped (not finite)" : "";
 }
 
 void ShardedOptimizer::gather_parameters() {

@@ -8,12 +8,21 @@
 #include "comm/communicator.h"
 #include "comm/zero.h"
 #include "core/config.h"
+#include "core/error.h"
+#include "core/metrics_source.h"
 #include "optim/adamw.h"
 #include "store/chunk_store.h"
 
 namespace keel {
 
-class ShardedOptimizer {
+// A step whose loss or gradient norm is not finite, past what optim.skip_nonfinite_steps allows:
+// the run stops (the weights are as the last good step left them).
+class NonFiniteStep : public Error {
+ public:
+  using Error::Error;
+};
+
+class ShardedOptimizer final : public MetricsSource {
  public:
   // `dp`: the data-parallel group (the world without a pipeline, a stage's replicas with one).
   // Shards the store's moments (before anything loads or initialises them) under ZeRO.
@@ -45,6 +54,18 @@ class ShardedOptimizer {
   // The plain AdamW step over every owned chunk, now (pipeline post-validation redoes it).
   void step_now(double lr, int64_t t, float clip) { adamw_.step(store_, lr, t, clip); }
 
+  // The guard of step `step` (0-based), called with its global loss and norm before any update:
+  // true when both are finite. Otherwise the step's gradients are dropped (no update: its
+  // weights and moments stay as they are), the step is counted as skipped, and NonFiniteStep is
+  // thrown once more steps were skipped than optim.skip_nonfinite_steps allows. Every rank sees
+  // the same values, so every rank decides the same.
+  bool accept(int64_t step, double loss, double grad_norm);
+  int64_t skipped_steps() const { return skipped_; }
+
+  // Metrics: skipped_steps (the run's total) in every line; the progress line names them.
+  void add_step_fields(double step_ms, nlohmann::json& line) override;
+  std::string progress_fragment(double step_ms) const override;
+
  private:
   // ZeRO without tiers: after this rank updated its shard, every rank receives every parameter.
   void gather_parameters();
@@ -56,6 +77,7 @@ class ShardedOptimizer {
   AdamW adamw_;
   int zero_ = 0;
   ChunkPartition partition_;
+  int64_t skipped_ = 0;
   struct Deferred {  // the update deferred into the next forward pass
     double lr = 0;
     int64_t t = 0;

@@ -43,14 +43,17 @@ std::vector<Field> fields(Config& c) {
       {"train", "eval_every", &c.train.eval_every},
       {"train", "eval_batches", &c.train.eval_batches},
       {"train", "checkpoint_every", &c.train.checkpoint_every},
+      {"train", "checkpoint_every_minutes", &c.train.checkpoint_every_minutes},
       {"train", "run_dir", &c.train.run_dir},
       {"train", "resume", &c.train.resume},
+      {"train", "overwrite", &c.train.overwrite},
       {"train", "sample_tokens", &c.train.sample_tokens},
       {"train", "samples", &c.train.samples},
       {"optim", "lr", &c.optim.lr},
       {"optim", "min_lr_ratio", &c.optim.min_lr_ratio},
       {"optim", "warmup_steps", &c.optim.warmup_steps},
       {"optim", "weight_decay", &c.optim.weight_decay},
+      {"optim", "skip_nonfinite_steps", &c.optim.skip_nonfinite_steps},
       {"optim", "beta1", &c.optim.beta1},
       {"optim", "beta2", &c.optim.beta2},
       {"optim", "eps", &c.optim.eps},
@@ -298,6 +301,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   Config c;
   if (!path.empty()) {
     if (!std::filesystem::exists(path)) throw Error("config file " + path + ": not found");
+    if (std::filesystem::is_directory(path)) throw Error("config file " + path + ": is a directory, not a TOML file");
     std::ifstream in(path);
     if (!in) throw Error("config file " + path + ": cannot read");
     std::stringstream text;
@@ -380,10 +384,14 @@ void Config::resolve(int world_size) {
   require(train.eval_every >= 0, "train.eval_every", ">= 0", s(train.eval_every));
   require(train.eval_batches >= 1, "train.eval_batches", ">= 1", s(train.eval_batches));
   require(train.checkpoint_every >= 0, "train.checkpoint_every", ">= 0", s(train.checkpoint_every));
+  require(train.checkpoint_every_minutes >= 0 && std::isfinite(train.checkpoint_every_minutes),
+          "train.checkpoint_every_minutes", ">= 0", s(train.checkpoint_every_minutes));
+  require(optim.skip_nonfinite_steps >= 0, "optim.skip_nonfinite_steps", ">= 0", s(optim.skip_nonfinite_steps));
   require(!train.run_dir.empty(), "train.run_dir", "a directory", "an empty string");
   require(train.sample_tokens >= 0, "train.sample_tokens", ">= 0", s(train.sample_tokens));
   require(train.samples >= 0, "train.samples", ">= 0", s(train.samples));
-  require(optim.lr > 0, "optim.lr", "> 0", s(optim.lr));
+  require(optim.lr > 0 && std::isfinite(static_cast<float>(optim.lr)), "optim.lr", "> 0 and within float range",
+          s(optim.lr));
   require(optim.min_lr_ratio >= 0 && optim.min_lr_ratio <= 1, "optim.min_lr_ratio", "0..1", s(optim.min_lr_ratio));
   require(optim.warmup_steps >= 0, "optim.warmup_steps", ">= 0", s(optim.warmup_steps));
   require(optim.weight_decay >= 0, "optim.weight_decay", ">= 0", s(optim.weight_decay));

@@ -31,9 +31,14 @@ struct TrainConfig {
   int eval_every = 100;       // validation loss every N steps (0 = only at start and end)
   int eval_batches = 16;      // validation batches per evaluation
   int checkpoint_every = 0;   // save run_dir/ckpt every N steps (0 = only at the end)
+  // ... and every M minutes of training (0 = not by the clock); rank 0's clock decides the step.
+  double checkpoint_every_minutes = 0;
   std::string run_dir = "runs/default";
   std::string resume;         // checkpoint directory to resume from ("" = fresh start; "auto" =
                               // the newest checkpoint of run_dir if there is one, else fresh)
+  // A fresh start in a run_dir holding an earlier run's checkpoints or metrics is refused unless
+  // this is true; then the earlier run is moved aside to run_dir.old-N.
+  bool overwrite = false;
   int sample_tokens = 64;     // tokens generated per sample at the end (0 = none)
   int samples = 3;
 };
@@ -43,6 +48,9 @@ struct OptimConfig {
   double min_lr_ratio = 0.1;  // cosine decays to lr * min_lr_ratio
   int warmup_steps = 20;
   double weight_decay = 0.1;  // decoupled; never applied to biases and norms
+  // Steps whose loss or gradient norm is NaN or infinite: the run stops at the first (0), or
+  // skips up to N of them (no update; counted in metrics as skipped_steps) and stops at the next.
+  int skip_nonfinite_steps = 0;
   double beta1 = 0.9;
   double beta2 = 0.95;
   double eps = 1e-8;

@@ -42,11 +42,17 @@ class PosixFile final : public WritableFile {
       written_ += static_cast<uint64_t>(n);
     }
   }
-  void sync() override { check(::fsync(fd_) == 0, "file " + path_ + ": fsync failed (" + os_error() + ")"); }
+  // (Each call's result is taken before its message is built: the order in which a function's
+  // arguments are evaluated is unspecified, and errno must be the failed call's.)
+  void sync() override {
+    const bool ok = ::fsync(fd_) == 0;
+    check(ok, "file " + path_ + ": fsync failed (" + os_error() + ")");
+  }
   void close() override {
     const int fd = fd_;
     fd_ = -1;
-    check(::close(fd) == 0, "file " + path_ + ": close failed (" + os_error() + ")");
+    const bool ok = ::close(fd) == 0;
+    check(ok, "file " + path_ + ": close failed (" + os_error() + ")");
   }
 
  private:
@@ -88,6 +94,15 @@ class PosixEnv final : public Env {
   std::vector<char> read_range(const std::string& path, uint64_t offset, size_t bytes) override {
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     check(fd >= 0, "file " + path + ": cannot open (" + os_error() + ")");
+    // A range past the end is refused before anything is allocated for it (a damaged manifest
+    // may claim any size).
+    struct stat st = {};
+    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
+        (offset > static_cast<uint64_t>(st.st_size) || bytes > static_cast<uint64_t>(st.st_size) - offset)) {
+      ::close(fd);
+      throw Error("file " + path + ": cannot read " + std::to_string(bytes) + " bytes at offset " +
+                  std::to_string(offset) + " (the file ends at " + std::to_string(st.st_size) + ")");
+    }
     std::vector<char> out(bytes);
     size_t got = 0;
     while (got < bytes) {
@@ -112,13 +127,14 @@ class PosixEnv final : public Env {
 
   uint64_t file_size(const std::string& path) override {
     struct stat st = {};
-    check(::stat(path.c_str(), &st) == 0, "file " + path + ": cannot stat (" + os_error() + ")");
+    const bool ok = ::stat(path.c_str(), &st) == 0;
+    check(ok, "file " + path + ": cannot stat (" + os_error() + ")");
     return static_cast<uint64_t>(st.st_size);
   }
 
   void rename(const std::string& from, const std::string& to) override {
-    check(::rename(from.c_str(), to.c_str()) == 0,
-          "file " + to + ": cannot rename " + from + " into place (" + os_error() + ")");
+    const bool ok = ::rename(from.c_str(), to.c_str()) == 0;
+    check(ok, "file " + to + ": cannot rename " + from + " into place (" + os_error() + ")");
   }
 
   void remove(const std::string& path) override {

@@ -130,7 +130,7 @@ void PipelineStep::update(int64_t step, double lr, double& loss_sum, StepResult&
     const double squares = optimizer_.local_grad_squares();
     r.grad_norm = std::sqrt(optimizer_.norm_is_sharded() ? world.allreduce_sum(squares) : pp.allreduce_sum(squares));
     loss_sum = world.allreduce_sum(loss_sum) / replicas;
-    optimizer_.step(lr, step + 1, optimizer_.clip_for(r.grad_norm));
+    if (optimizer_.accept(step, loss_sum, r.grad_norm)) optimizer_.step(lr, step + 1, optimizer_.clip_for(r.grad_norm));
     return;
   }
   // Zero Bubble's post-validation: the sum of the norm over the stages runs while this rank
@@ -149,16 +149,26 @@ void PipelineStep::update(int64_t step, double lr, double& loss_sum, StepResult&
   optimizer_.step_now(lr, step + 1, 1.0f);
   pp.wait(norm_request);
   r.grad_norm = std::sqrt(squares);
-  const float clip = optimizer_.clip_for(r.grad_norm);
-  rolled_back_ = clip != 1.0f;
-  if (rolled_back_) {
+  loss_sum = world.allreduce_sum(loss_sum) / replicas;
+  auto restore = [&](bool grads) {
     for (int k = 0; k < 4; ++k) {
+      if (planes[k] == Plane::grad && !grads) continue;
       const std::span<float> v = store_.range_view(planes[k], 0, store_.numel());
       std::copy_n(backup_.begin() + k * n, n, v.begin());
     }
+  };
+  if (!std::isfinite(r.grad_norm) || !std::isfinite(loss_sum)) {
+    restore(false);  // the optimistic step is undone; accept() drops the gradients
+    rolled_back_ = true;
+    optimizer_.accept(step, loss_sum, r.grad_norm);
+    return;
+  }
+  const float clip = optimizer_.clip_for(r.grad_norm);
+  rolled_back_ = clip != 1.0f;
+  if (rolled_back_) {
+    restore(true);
     optimizer_.step_now(lr, step + 1, clip);
   }
-  loss_sum = world.allreduce_sum(loss_sum) / replicas;
 }
 
 double PipelineStep::run_micro_batches() {

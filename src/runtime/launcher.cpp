@@ -24,16 +24,19 @@ namespace {
 volatile sig_atomic_t g_child = -1;
 volatile sig_atomic_t g_stop_signal = 0;
 
+// The first SIGTERM / SIGINT asks the ranks to stop cleanly: mpirun forwards SIGUSR1 / SIGUSR2 to
+// every rank untouched (on SIGTERM it would kill them a second later), and a training rank takes
+// them for SIGTERM / SIGINT (runtime/stop_signal.h): it finishes its step, checkpoints and exits.
+// A second signal is passed on as it is: mpirun ends the job at once.
 void forward_signal(int sig) {
-  if (g_stop_signal == 0) g_stop_signal = sig;
-  if (g_child > 0) ::kill(g_child, sig);
+  const bool first = g_stop_signal == 0;
+  if (first) g_stop_signal = sig;
+  if (g_child > 0) ::kill(g_child, first ? (sig == SIGINT ? SIGUSR2 : SIGUSR1) : sig);
 }
 
 // The variables a restarted job finds in its ranks' environment (exported with mpirun -x).
 constexpr const char* kRestartVariables[] = {"KEEL_RESTART", "KEEL_FAILURE_NOTICED_NS", "KEEL_FAILURE"};
 
-// Exit code with which keel refuses its input before training starts (src/cli/main.cpp).
-constexpr int kRefusedInputExit = 2;
 
 int parse_count(const std::string& text) {
   char* end = nullptr;
@@ -247,6 +250,13 @@ std::string why_not_restart(const RunResult& r) {
   if (r.exit_code == kRefusedInputExit && !r.report.signalled()) {
     return "the job was refused its input (exit " + std::to_string(kRefusedInputExit) + ")";
   }
+  if (r.exit_code == kFinalCheckpointNotWritten && !r.report.signalled()) {
+    return "the job ended without its final checkpoint (exit " + std::to_string(kFinalCheckpointNotWritten) +
+           "): a restart would fail the same way until the cause (a full disk?) is fixed";
+  }
+  if ((r.exit_code == 128 + SIGTERM || r.exit_code == 128 + SIGINT) && !r.report.signalled()) {
+    return "the job was stopped by a signal and checkpointed (exit " + std::to_string(r.exit_code) + ")";
+  }
   if (r.exit_code == 127) return "mpirun could not be run (exit 127)";
   return "";
 }
@@ -365,6 +375,11 @@ int launch(const LaunchOptions& o) {
       ::setenv("KEEL_FAILURE_NOTICED_NS", std::to_string(r.reaped_ns).c_str(), 1);
       ::setenv("KEEL_FAILURE", failure.c_str(), 1);
       continue;
+    }
+    if (g_stop_signal != 0 && r.exit_code == 128 + g_stop_signal && !r.report.signalled()) {
+      std::fprintf(stderr, "keel: launch: stopped by signal %d (%s): the job stopped cleanly\n",
+                   static_cast<int>(g_stop_signal), ::strsignal(g_stop_signal));
+      return r.exit_code;
     }
     if (restart == 0) {
       std::fprintf(stderr, "keel: launch: job failed (mpirun exit %d)%s%s\n", r.exit_code,

@@ -9,6 +9,12 @@
 
 namespace keel {
 
+// Exit codes of `keel` that a supervisor must not answer with a restart: the input was refused
+// before training started, or the run ended without its final checkpoint (a restart would
+// recompute from the last one and, until the cause such as a full disk is fixed, fail alike).
+inline constexpr int kRefusedInputExit = 2;
+inline constexpr int kFinalCheckpointNotWritten = 3;
+
 struct LaunchOptions {
   int ranks = 0;
   std::string hostfile;                                     // "" = all ranks on this machine

@@ -40,12 +40,12 @@ StepResult SingleStageStep::run(int64_t step, double lr) {
   if (world > 1) dp_.allreduce_sum(sums, 2);
   r.loss = sums[0] / world / t.grad_accum;
   r.grad_norm = std::sqrt(sharded ? sums[1] : optimizer_.local_grad_squares());
-  optimizer_.step(lr, step + 1, optimizer_.clip_for(r.grad_norm));
+  if (optimizer_.accept(step, r.loss, r.grad_norm)) optimizer_.step(lr, step + 1, optimizer_.clip_for(r.grad_norm));
   return r;
 }
 
 std::string SingleStageStep::save_final(Checkpointer& checkpointer, int64_t steps_done, const LoaderPosition& data) {
-  checkpointer.save(checkpointer.root(), steps_done, data);
+  if (!checkpointer.save(checkpointer.root(), steps_done, data)) return "";
   return checkpointer.root() + "/" + checkpointer.last_name();
 }
 

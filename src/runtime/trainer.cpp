@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -17,6 +18,7 @@
 #include "pipeline/pipeline_step.h"
 #include "runtime/generate.h"
 #include "runtime/single_stage_step.h"
+#include "runtime/stop_signal.h"
 #include "store/placement.h"
 
 namespace keel {
@@ -55,6 +57,7 @@ Trainer::Trainer(Config config, Communicator& comm)
   build_model(layout ? layout->mine : std::vector<LayerRange>{});
   build_sync();
   metrics_.add_source(sync_report_.get());
+  metrics_.add_source(optimizer_.get());
   auto log = [this](const nlohmann::json& line) { metrics_.log(line); };
   if (layout) {
     engine_ = std::make_unique<pipeline::PipelineStep>(config_, groups_, std::move(*layout), *store_, *model_,
@@ -192,6 +195,10 @@ void Trainer::print_startup(double moments_mb) {
               "%.1f GFLOP/s\n",
               peaks_.peak_gflops, peaks_.how.c_str(), peaks_.sgemm_gflops);
   metrics_.print_startup();
+  if (static_cast<uint64_t>(t.eval_batches) > data_.val->num_windows()) {
+    std::printf("keel: train.eval_batches %d capped to the %llu windows of the validation set\n", t.eval_batches,
+                static_cast<unsigned long long>(data_.val->num_windows()));
+  }
   std::printf("keel: memory per rank: params %.1f MB, grads %.1f MB, AdamW moments %.1f MB, activations %.1f MB, "
               "checkpoint buffers %.1f MB\n",
               store_->plane_bytes(Plane::param) / 1e6, store_->plane_bytes(Plane::grad) / 1e6, moments_mb,
@@ -223,7 +230,6 @@ void Trainer::print_samples() {
 
 RunSummary Trainer::run() {
   const TrainConfig& t = config_.train;
-  const bool root = groups_.world().is_root();
   const bool resumed = !progress_.resumed_from.empty();
   // Memory per rank, as allocated (the moments shrink with ZeRO-1/2), the largest over ranks.
   const double moments_mb =
@@ -239,34 +245,81 @@ RunSummary Trainer::run() {
   }
   checkpointer_->report_recovery(progress_.steps_done, progress_.resumed_from);
   std::fflush(stdout);
-  double tokens_per_s_sum = 0;
-  int64_t timed = 0;
-  while (progress_.steps_done < t.steps) {
-    const StepStats s = step();
-    if (s.step > 1) tokens_per_s_sum += s.tokens_per_s, timed++;  // the first step pays for warm-up
-    metrics_.step(s, moments_mb);
-    if (t.eval_every > 0 && s.step % t.eval_every == 0 && s.step != t.steps) metrics_.evaluation(s.step, evaluate(t.eval_batches));
+  const int64_t first_step = progress_.steps_done;
+  summary.mean_tokens_per_s = train_steps(moments_mb, &summary.stop_signal);
+  summary.steps = progress_.steps_done;
+  if (summary.stop_signal != 0) {
+    stop(summary);
+    return summary;
   }
   metrics_.print_summaries();
-  summary.steps = progress_.steps_done;
-  summary.mean_tokens_per_s = timed > 0 ? tokens_per_s_sum / timed : 0;
   summary.val_loss_end = evaluate(t.eval_batches);
   metrics_.evaluation(progress_.steps_done, summary.val_loss_end);
-  const std::string dir = engine_->save_final(*checkpointer_, progress_.steps_done, data_.train->position());
-  if (root) {
-    if (resumed) {
-      std::printf("keel: val loss %.4f after %lld steps (resumed from %s), %.0f tok/s mean; checkpoint %s\n",
-                  summary.val_loss_end, static_cast<long long>(summary.steps), progress_.resumed_from.c_str(),
-                  summary.mean_tokens_per_s, dir.empty() ? "none" : dir.c_str());
-    } else {
-      std::printf("keel: val loss %.4f -> %.4f after %lld steps, %.0f tok/s mean; checkpoint %s\n",
-                  summary.val_loss_start, summary.val_loss_end, static_cast<long long>(summary.steps),
-                  summary.mean_tokens_per_s, dir.empty() ? "none" : dir.c_str());
-    }
-    std::fflush(stdout);
-  }
+  // A run resumed from its own checkpoint with no step left to do is already saved there (one
+  // resumed from elsewhere saves the state into its own directory, in its own layout).
+  const bool nothing_new =
+      resumed && progress_.steps_done == first_step &&
+      fs::weakly_canonical(fs::path(progress_.resumed_from)).parent_path() == fs::weakly_canonical(checkpointer_->root());
+  const std::string dir = nothing_new ? progress_.resumed_from
+                                      : engine_->save_final(*checkpointer_, progress_.steps_done, data_.train->position());
+  summary.final_checkpoint_written = groups_.world().broadcast(groups_.world().is_root() && dir.empty() ? 0 : 1) != 0;
+  print_end(summary);
   print_samples();
   return summary;
+}
+
+double Trainer::train_steps(double moments_mb, int* stop_signal) {
+  const TrainConfig& t = config_.train;
+  const StopSignals signals;
+  double tokens_per_s_sum = 0;
+  int64_t timed = 0;
+  try {
+    while (progress_.steps_done < t.steps) {
+      const StepStats s = step();
+      if (s.step > 1) tokens_per_s_sum += s.tokens_per_s, timed++;  // the first step pays for warm-up
+      metrics_.step(s, moments_mb);
+      if ((*stop_signal = signals.requested(groups_.world())) != 0) break;
+      if (t.eval_every > 0 && s.step % t.eval_every == 0 && s.step != t.steps) metrics_.evaluation(s.step, evaluate(t.eval_batches));
+    }
+  } catch (const NonFiniteStep& e) {
+    // Every rank stops at the same step: a checkpoint of good state still being written is
+    // published, and nothing of the bad step is saved.
+    checkpointer_->finish_in_flight();
+    const std::string newest = checkpointer_->newest_verified();
+    throw NonFiniteStep(std::string(e.what()) + "; newest checkpoint: " + (newest.empty() ? "none" : newest));
+  }
+  return timed > 0 ? tokens_per_s_sum / timed : 0;
+}
+
+void Trainer::stop(RunSummary& summary) {
+  const bool written = !engine_->save_final(*checkpointer_, progress_.steps_done, data_.train->position()).empty();
+  summary.final_checkpoint_written = groups_.world().broadcast(groups_.world().is_root() && !written ? 0 : 1) != 0;
+  summary.checkpoint = checkpointer_->newest_verified();
+  if (!groups_.world().is_root()) return;
+  std::printf("keel: %s: stopped after step %lld; checkpoint %s%s\n", ::strsignal(summary.stop_signal),
+              static_cast<long long>(progress_.steps_done), summary.checkpoint.empty() ? "none" : summary.checkpoint.c_str(),
+              summary.final_checkpoint_written ? "" : " (the stop checkpoint was not written)");
+  std::fflush(stdout);
+}
+
+void Trainer::print_end(RunSummary& summary) {
+  // The summary names what is on disk and verifies, not what was meant to be.
+  summary.checkpoint = checkpointer_->newest_verified();
+  if (!groups_.world().is_root()) return;
+  const char* newest = summary.checkpoint.empty() ? "none" : summary.checkpoint.c_str();
+  if (!summary.final_checkpoint_written) {
+    std::printf("keel: the final checkpoint (step %lld) was not written; newest checkpoint: %s\n",
+                static_cast<long long>(progress_.steps_done), newest);
+  }
+  if (!progress_.resumed_from.empty()) {
+    std::printf("keel: val loss %.4f after %lld steps (resumed from %s), %.0f tok/s mean; checkpoint %s\n",
+                summary.val_loss_end, static_cast<long long>(summary.steps), progress_.resumed_from.c_str(),
+                summary.mean_tokens_per_s, newest);
+  } else {
+    std::printf("keel: val loss %.4f -> %.4f after %lld steps, %.0f tok/s mean; checkpoint %s\n", summary.val_loss_start,
+                summary.val_loss_end, static_cast<long long>(summary.steps), summary.mean_tokens_per_s, newest);
+  }
+  std::fflush(stdout);
 }
 
 }  // namespace keel

@@ -32,6 +32,9 @@ struct RunSummary {
   double val_loss_start = 0, val_loss_end = 0;
   int64_t steps = 0;
   double mean_tokens_per_s = 0;
+  bool final_checkpoint_written = true;  // false: the run's final state is not saved (exit 3)
+  int stop_signal = 0;                   // the SIGTERM / SIGINT that stopped the run early (0 = none)
+  std::string checkpoint;                // rank 0: the newest checkpoint that exists and verifies
 };
 
 class Trainer {
@@ -71,6 +74,13 @@ class Trainer {
   void measure_peaks();
   void print_startup(double moments_mb);
   void print_samples();
+  // The steps from here to train.steps (or to a stop signal, returned in *stop_signal); the mean
+  // tokens/s after the first. A non-finite step past the allowed ones ends it with NonFiniteStep.
+  double train_steps(double moments_mb, int* stop_signal);
+  // After a stop signal: the checkpoint every rank writes, and the line naming it.
+  void stop(RunSummary& summary);
+  // The end-of-run line: the losses, and the newest checkpoint that exists and verifies.
+  void print_end(RunSummary& summary);
 
   struct Data {
     std::unique_ptr<DataLoader> train, val;
