@@ -7,7 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/build.sh
-./build/keel train "$@"
+# resume=auto: run twice, the second run continues this one (a finished run has nothing left to
+# do and writes nothing); a run of another model or optimizer in runs/default is refused.
+./build/keel train --set train.resume=auto "$@"
 echo
 echo "== keel generate --checkpoint runs/default/ckpt --prompt 'The' =="
 ./build/keel generate --checkpoint runs/default/ckpt --prompt "The" --tokens 60 --samples 3 --seed 7

@@ -5,6 +5,7 @@ set -euo pipefail
 
 packages=(
   build-essential cmake pkg-config
+  clang                                 # libFuzzer (with ASan and UBSan) for the fuzz targets in fuzz/
   libopenblas-openmp-dev                # BLAS, the OpenMP build: BLAS and our kernels share one thread pool
   libgtest-dev libbenchmark-dev         # tests and micro-benchmarks
   libtomlplusplus-dev nlohmann-json3-dev # configs (TOML) and JSON lines / manifests

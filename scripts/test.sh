@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs dependencies, builds, and runs every test: the Release suite (unit, model-vs-PyTorch,
 # end-to-end CLI and determinism tests), then the fast unit tests again under AddressSanitizer
-# and UndefinedBehaviorSanitizer (with the in-process checkpoint tests).
+# and UndefinedBehaviorSanitizer (with the in-process checkpoint tests), then every parser of
+# outside input under libFuzzer (scripts/fuzz.sh: 20 s per target, ASan + UBSan).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -22,3 +23,6 @@ cmake --build build-sanitize -j"$(nproc)" --target "${sanitized[@]}"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   ctest --test-dir build-sanitize --output-on-failure -j2 --timeout 600 \
   -R '^(Ops[A-Za-z]*|ChunkStore|Config|TinyModel|Shard|Corpus|Pretokenize|Tokenizer|Env|Checkpoint|CheckpointCorruption|Codec|SyncPolicy|BlockFile|Engines/BlockFileEngines|Tiers|Tiers/Engines|PipelineSchedule|PipelineLayout|PipelineStages|PipelineExecutor|PipelineMicroBatches)\.'
+
+echo "== fuzzing (libFuzzer, ASan + UBSan): every parser of outside input =="
+bash scripts/fuzz.sh 20

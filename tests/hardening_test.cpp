@@ -141,6 +141,13 @@ TEST_F(Hardening, AFreshRunNeverDestroysAnEarlierRun) {
   EXPECT_EQ(step_dirs(root("r")), ckpts);
   EXPECT_NO_THROW(verify_checkpoint(root("r")));
 
+  // resume=auto with another trajectory: nothing it can resume, and the earlier run is not its own.
+  again = train("r", "--set train.seed=99 --set train.resume=auto");
+  EXPECT_EQ(again.exit_code, 2) << again.output;
+  EXPECT_TRUE(contains(again.output, "holds an earlier run")) << again.output;
+  EXPECT_EQ(read_text_file(dir / "r/metrics.jsonl"), metrics);
+  EXPECT_EQ(step_dirs(root("r")), ckpts);
+
   // Re-running the finished run with resume=auto: nothing to do, nothing written.
   again = train("r", "--set train.resume=auto");
   EXPECT_EQ(again.exit_code, 0) << again.output;
@@ -199,7 +206,7 @@ TEST_F(Hardening, AFinalCheckpointThatCannotBeWrittenExitsNonZeroAndTheSummaryNa
 TEST_F(Hardening, NonFiniteStepsStopTheRunWithoutCheckpointingThem) {
   const std::string blow_up = "--set optim.lr=1e30 --set optim.warmup_steps=0 --set train.checkpoint_every=1 ";
   CommandResult r = train("nan", blow_up);
-  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_EQ(r.exit_code, 4) << r.output;
   ASSERT_EQ(lines_with(r.output, "(not finite): training stopped before the update"), 1) << r.output;
   const size_t at_step = r.output.find("keel: step ");
   ASSERT_NE(at_step, std::string::npos) << r.output;
@@ -212,7 +219,7 @@ TEST_F(Hardening, NonFiniteStepsStopTheRunWithoutCheckpointingThem) {
   EXPECT_NO_THROW(verify_checkpoint(root("nan")));
 
   r = train("skip", blow_up + "--set optim.skip_nonfinite_steps=2");
-  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_EQ(r.exit_code, 4) << r.output;
   EXPECT_EQ(lines_with(r.output, "skipped, no update"), 2) << r.output;
   const std::vector<nlohmann::json> lines = metrics_lines(dir / "skip/metrics.jsonl");
   int64_t skipped = -1;
@@ -220,6 +227,12 @@ TEST_F(Hardening, NonFiniteStepsStopTheRunWithoutCheckpointingThem) {
     if (l.contains("skipped_steps")) skipped = l.at("skipped_steps").get<int64_t>();
   }
   EXPECT_EQ(skipped, 2);
+
+  // keel launch does not restart into the same non-finite step.
+  const CommandResult launched = testing::run_command(std::string(KEEL_BINARY) + " launch -n 1 --max-restarts 2 -- " +
+                                                      command("nan2", blow_up).substr(std::string(KEEL_BINARY).size() + 1));
+  EXPECT_EQ(launched.exit_code, 4) << launched.output;
+  EXPECT_TRUE(contains(launched.output, "not restarting: the job stopped at a non-finite step")) << launched.output;
 
   // A learning rate no float can hold is refused before anything runs.
   r = train("huge", "--set optim.lr=1e308");

@@ -41,32 +41,42 @@ std::string holder_of(int fd, int64_t* pid) {
   return p > 0 ? "pid " + std::to_string(p) + (host.empty() ? "" : " on " + host) : "another process";
 }
 
-// What an earlier run left in `dir` that a fresh start would overwrite ("" = nothing).
-std::string earlier_run(const std::string& dir, const Config& config, int world_size) {
-  std::string found;
+// Whether run_dir/config.toml (written by the earlier run at its start) is of this trajectory.
+bool same_trajectory(const std::string& dir, const Config& config, int world_size) {
+  try {
+    std::ifstream in(dir + "/config.toml");
+    if (!in) return false;
+    std::stringstream text;
+    text << in.rdbuf();
+    Config earlier = Config::parse(text.str(), dir + "/config.toml");
+    earlier.resolve(world_size);
+    return earlier.trajectory_hash(world_size) == config.trajectory_hash(world_size);
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+// What an earlier run left in `dir` that this start from step 0 would overwrite ("" = nothing).
+// `explicit_fresh` (train.resume = ""): any checkpoint counts. Otherwise (resume = "auto" found
+// nothing usable) only another trajectory's work does: this run's own unusable checkpoints are
+// what "auto" starts over from.
+std::string earlier_run(const std::string& dir, const Config& config, int world_size, bool explicit_fresh) {
   const std::string root = dir + "/ckpt";
   std::vector<std::string> ckpts = fs::is_directory(root) ? list_checkpoints(root) : std::vector<std::string>{};
   if (fs::exists(root + "/manifest.json")) ckpts.push_back(root);
+  const std::string metrics = dir + "/metrics.jsonl";
+  std::error_code ec;
+  const bool has_metrics = fs::is_regular_file(metrics) && fs::file_size(metrics, ec) > 0 && !ec;
+  if (ckpts.empty() && !has_metrics) return "";
+  // Metrics of the same trajectory with no checkpoint are a run that never got far enough to
+  // save one: starting it again loses nothing that could be resumed.
+  const bool same = same_trajectory(dir, config, world_size);
+  if (same && (ckpts.empty() || !explicit_fresh)) return "";
+  std::string found;
   if (!ckpts.empty()) {
     found = std::to_string(ckpts.size()) + " checkpoint(s), newest " + fs::path(ckpts.front()).filename().string();
   }
-  const std::string metrics = dir + "/metrics.jsonl";
-  std::error_code ec;
-  if (fs::is_regular_file(metrics) && fs::file_size(metrics, ec) > 0 && !ec) {
-    // Metrics of the same trajectory with no checkpoint are a run that never got far enough to
-    // save one: starting it again loses nothing that could be resumed.
-    bool same = false;
-    try {
-      std::ifstream in(dir + "/config.toml");
-      std::stringstream text;
-      text << in.rdbuf();
-      Config earlier = Config::parse(text.str(), dir + "/config.toml");
-      earlier.resolve(world_size);
-      same = earlier.trajectory_hash(world_size) == config.trajectory_hash(world_size);
-    } catch (const std::exception&) {
-    }
-    if (!same || !found.empty()) found += std::string(found.empty() ? "" : " and ") + "metrics.jsonl of another run";
-  }
+  if (has_metrics) found += std::string(found.empty() ? "" : " and ") + (same ? "its metrics.jsonl" : "metrics.jsonl of another run");
   return found;
 }
 
@@ -121,11 +131,13 @@ RunDirectory::~RunDirectory() {
 }
 
 void RunDirectory::check_fresh_start(bool restarted) {
-  if (!config_.train.resume.empty() || restarted) return;
+  // An explicit resume that found nothing has thrown already; a restarted job is this run.
+  const bool explicit_fresh = config_.train.resume.empty();
+  if ((!explicit_fresh && config_.train.resume != "auto") || restarted) return;
   int64_t refused = 0;
   std::string why;
   if (world_.is_root()) {
-    const std::string found = earlier_run(path_, config_, world_.size());
+    const std::string found = earlier_run(path_, config_, world_.size(), explicit_fresh);
     if (!found.empty() && !config_.train.overwrite) {
       refused = 1;
       why = "holds an earlier run (" + found + "): continue it with --set train.resume=auto, choose a new " +

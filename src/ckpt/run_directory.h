@@ -27,8 +27,10 @@ class RunDirectory {
 
   // Called once the run knows it starts from step 0 with nothing resumed. `restarted`: a job
   // restarted by `keel launch --max-restarts` (its earlier attempts are this run). Throws on every
-  // rank when the directory holds an earlier run that this start would overwrite; with
-  // train.overwrite moves that run aside (rank 0) and says where.
+  // rank when the directory holds an earlier run that this start would overwrite (train.resume =
+  // "": any checkpoint or another trajectory's metrics; "auto" with nothing usable: another
+  // trajectory's checkpoints or metrics); with train.overwrite moves that run aside (rank 0) and
+  // says where.
   void check_fresh_start(bool restarted);
 
   const std::string& path() const { return path_; }

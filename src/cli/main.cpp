@@ -1,5 +1,7 @@
 // The `keel` command. Every user mistake ends here as one line "keel: <what>" and exit code 2;
-// a failure once training has started exits 1 (keel launch restarts the one, not the other).
+// a failure once training has started exits 1 (keel launch restarts the one, not the other); 3:
+// the final checkpoint could not be written; 4: stopped at a non-finite step; 128+N: stopped by
+// signal N after a checkpoint (runtime/launcher.h names them).
 #include <omp.h>
 
 #include <algorithm>
@@ -505,6 +507,9 @@ int main(int argc, char** argv) {
   int code = 1;
   try {
     return keel::run(argc, argv);
+  } catch (const keel::NonFiniteStep& e) {
+    message = e.what();
+    code = keel::kNonFiniteStepExit;
   } catch (const keel::Error& e) {
     message = e.what();
     code = keel::g_input_accepted ? 1 : 2;

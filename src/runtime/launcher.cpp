@@ -254,6 +254,10 @@ std::string why_not_restart(const RunResult& r) {
     return "the job ended without its final checkpoint (exit " + std::to_string(kFinalCheckpointNotWritten) +
            "): a restart would fail the same way until the cause (a full disk?) is fixed";
   }
+  if (r.exit_code == kNonFiniteStepExit && !r.report.signalled()) {
+    return "the job stopped at a non-finite step (exit " + std::to_string(kNonFiniteStepExit) +
+           "): a restart would replay into it";
+  }
   if ((r.exit_code == 128 + SIGTERM || r.exit_code == 128 + SIGINT) && !r.report.signalled()) {
     return "the job was stopped by a signal and checkpointed (exit " + std::to_string(r.exit_code) + ")";
   }

@@ -10,10 +10,12 @@
 namespace keel {
 
 // Exit codes of `keel` that a supervisor must not answer with a restart: the input was refused
-// before training started, or the run ended without its final checkpoint (a restart would
-// recompute from the last one and, until the cause such as a full disk is fixed, fail alike).
+// before training started, the run ended without its final checkpoint (a restart would
+// recompute from the last one and, until the cause such as a full disk is fixed, fail alike), or
+// it stopped at a non-finite step (training is deterministic: a restart would meet it again).
 inline constexpr int kRefusedInputExit = 2;
 inline constexpr int kFinalCheckpointNotWritten = 3;
+inline constexpr int kNonFiniteStepExit = 4;  // a NaN/inf step: a restart would replay into it
 
 struct LaunchOptions {
   int ranks = 0;

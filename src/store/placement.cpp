@@ -108,7 +108,7 @@ Placement place_pages(const TierConfig& t, const ChunkStore& store) {
   Placement out;
   const auto& chunks = store.chunks();
   const int n = static_cast<int>(chunks.size());
-  const auto [m_begin, m_end] = store.moment_chunks();
+  const int m_begin = store.moment_chunks().first, m_end = store.moment_chunks().second;
   auto exists = [&](int c, int p) { return p < static_cast<int>(Plane::adam_m) || (c >= m_begin && c < m_end); };
   const std::vector<LayerRule> rules = parse_layer_rules(t.layers);
   out.homes.assign(static_cast<size_t>(n) * kNumPlanes, Tier::device);

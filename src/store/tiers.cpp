@@ -21,8 +21,6 @@ namespace keel {
 
 namespace {
 
-constexpr int64_t kAlign = static_cast<int64_t>(BlockFile::kAlign);
-
 double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }

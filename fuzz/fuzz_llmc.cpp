@@ -1,0 +1,25 @@
+// llm.c GPT-2 model files (v3: header of 256 int32, fp32 parameters): the header is read and
+// checked; a small enough model is imported into a chunk store (sizes and finiteness checked).
+#include <string>
+
+#include "ckpt/llmc.h"
+#include "core/error.h"
+#include "fuzz_util.h"
+#include "model/gpt.h"
+#include "store/chunk_store.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const std::string path = keel::fuzz::write_input("model.bin", data, size);
+  try {
+    const keel::ModelConfig m = keel::read_llmc_model_config(path);
+    // Importing builds the model: only for sizes a fuzzing run can afford.
+    if (m.n_layer > 4 || m.n_embd > 64 || m.padded_vocab_size > 1024 || m.max_seq_len > 128) return 0;
+    keel::validate_model(m, "fuzz");
+    keel::ChunkStore store(4096);
+    keel::GPT model(m, store);
+    store.finalize();
+    keel::import_llmc(path, store, m);
+  } catch (const keel::Error&) {
+  }
+  return 0;
+}

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Writes the fuzz targets' seed corpora (fuzz/corpus/TARGET/) from real Keel outputs: shipped
+# configs, a token shard and tokenizers made by `keel tokenize`, the llm.c test model, and a
+# checkpoint of it. Run once from the repository root after building build/keel; the seeds are
+# committed, so CI does not need this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+keel=build/keel
+out=fuzz/corpus
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+rm -rf "$out"
+mkdir -p "$out"/{fuzz_config,fuzz_shard,fuzz_tokenizer,fuzz_llmc,fuzz_checkpoint}
+
+cp configs/default.toml "$out/fuzz_config/default.toml"
+cp configs/gpt2-124m-llmc.toml "$out/fuzz_config/gpt2-124m-llmc.toml" 2>/dev/null || true
+printf 'train.steps=3\n[model]\npreset = "tiny"\n[parallel]\npipeline = 2\nschedule = "zb-h1"\n[tier]\ndevice_mib = 4\n' \
+  >"$out/fuzz_config/set-and-sections.toml"
+
+mkdir -p "$tmp/texts"
+printf 'The quick brown fox jumps over the lazy dog.\nHello, world! 123 %s\n' "été" >"$tmp/texts/a.txt"
+printf 'Another document, with numbers 42 and 7, and spaces   here.\n' >"$tmp/texts/b.txt"
+"$keel" tokenize --input "$tmp/texts" --out "$tmp/tok" --vocab-size 280 >/dev/null
+cp "$tmp"/tok/*tokenizer*.json "$out/fuzz_tokenizer/keel.json"
+ls "$tmp/tok"/*.bin | head -1 | xargs -I{} cp {} "$out/fuzz_shard/shard.bin"
+# An llm.c tokenizer file (version 2): 256 x uint32 header, then per token a length byte and bytes.
+python3 - "$out/fuzz_tokenizer/llmc.bin" <<'PY'
+import struct, sys
+tokens = [bytes([b]) for b in range(256)] + [b"<|endoftext|>"]
+header = [20240328, 2, len(tokens), 256] + [0] * 252
+with open(sys.argv[1], "wb") as f:
+    f.write(struct.pack("<256I", *header))
+    for t in tokens:
+        f.write(bytes([len(t)]) + t)
+PY
+
+cp tests/fixtures/tiny_gpt2.bin "$out/fuzz_llmc/tiny_gpt2.bin"
+
+# A checkpoint of the tiny model: uint32 manifest length, manifest.json, r0.bin.
+"$keel" import --llmc tests/fixtures/tiny_gpt2.bin --out "$tmp/ckpt" >/dev/null
+step=$(ls "$tmp/ckpt" | head -1)
+python3 - "$tmp/ckpt/$step" "$out/fuzz_checkpoint/tiny.ckpt" <<'PY'
+import struct, sys
+d, out = sys.argv[1], sys.argv[2]
+m = open(d + "/manifest.json", "rb").read()
+r = open(d + "/r0.bin", "rb").read()
+open(out, "wb").write(struct.pack("<I", len(m)) + m + r)
+PY
+ls -la "$out"/*
