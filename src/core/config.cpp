@@ -114,6 +114,14 @@ std::vector<Field> fields(Config& c) {
       {"checkpoint", "async", &c.checkpoint.async},
       {"runtime", "threads", &c.runtime.threads},
       {"runtime", "peak_gflops", &c.runtime.peak_gflops},
+      {"monitor", "min_hit_rate", &c.monitor.min_hit_rate},
+      {"monitor", "max_bubble", &c.monitor.max_bubble},
+      {"monitor", "max_sync_jitter", &c.monitor.max_sync_jitter},
+      {"monitor", "loss_spike", &c.monitor.loss_spike},
+      {"monitor", "stall_factor", &c.monitor.stall_factor},
+      {"monitor", "alert_after", &c.monitor.alert_after},
+      {"monitor", "powercap", &c.monitor.powercap},
+      {"monitor", "cpu_watts", &c.monitor.cpu_watts},
   };
 }
 
@@ -408,6 +416,13 @@ void Config::resolve(int world_size) {
           "a multiple of 4096", s(store.chunk_bytes));
   require(runtime.threads >= 0, "runtime.threads", ">= 0", s(runtime.threads));
   require(runtime.peak_gflops >= 0, "runtime.peak_gflops", ">= 0", s(runtime.peak_gflops));
+  require(monitor.min_hit_rate >= 0 && monitor.min_hit_rate <= 1, "monitor.min_hit_rate", "0..1", s(monitor.min_hit_rate));
+  require(monitor.max_bubble >= 0 && monitor.max_bubble <= 1, "monitor.max_bubble", "0..1", s(monitor.max_bubble));
+  require(monitor.max_sync_jitter >= 0, "monitor.max_sync_jitter", ">= 0", s(monitor.max_sync_jitter));
+  require(monitor.loss_spike > 1, "monitor.loss_spike", "> 1", s(monitor.loss_spike));
+  require(monitor.stall_factor > 1, "monitor.stall_factor", "> 1", s(monitor.stall_factor));
+  require(monitor.alert_after >= 1, "monitor.alert_after", ">= 1", s(monitor.alert_after));
+  require(monitor.cpu_watts > 0 && monitor.cpu_watts < 1000, "monitor.cpu_watts", "0 < watts < 1000", s(monitor.cpu_watts));
 }
 
 std::string Config::to_toml() const {

@@ -171,6 +171,21 @@ struct RuntimeConfig {
   double peak_gflops = 0;     // MFU's peak for the whole job; 0 = from the CPU (vector units, cores, clock)
 };
 
+// Watching a run: alerts on Keel's operating targets, energy per token.
+struct MonitorConfig {
+  // Alert rules (each holds when its metric is out of range on `alert_after` consecutive steps).
+  double min_hit_rate = 0.90;     // tier_hit_rate below this (runs with memory tiers)
+  double max_bubble = 0.05;       // pipeline_bubble above this (pipelines)
+  double max_sync_jitter = 0.15;  // sync_jitter above this (data-parallel runs)
+  double loss_spike = 3.0;        // loss above this many times the mean of the last 20 steps (or not finite)
+  double stall_factor = 5.0;      // step time above this many times the median of the last 20 steps
+  int alert_after = 3;
+  // Energy: RAPL counters under `powercap` where the machine has them; otherwise modelled from
+  // the process's CPU time at `cpu_watts` per busy core.
+  std::string powercap = "/sys/class/powercap";
+  double cpu_watts = 5.0;
+};
+
 struct Config {
   ModelConfig model;
   TrainConfig train;
@@ -182,6 +197,7 @@ struct Config {
   TierConfig tier;
   CheckpointConfig checkpoint;
   RuntimeConfig runtime;
+  MonitorConfig monitor;
 
   // Parses a TOML file (path "" = defaults only), then applies `section.key=value` overrides in
   // order. Throws keel::Error naming the file/key on any unknown key or mistyped value.

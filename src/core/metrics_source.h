@@ -23,4 +23,12 @@ class MetricsSource {
   virtual void print_summary() const {}
 };
 
+// A consumer of the finished step line (every source's fields in it): alerts, a live endpoint.
+// Called on rank 0, after the line is written.
+class StepLineSink {
+ public:
+  virtual ~StepLineSink() = default;
+  virtual void observe_step(const nlohmann::json& line) = 0;
+};
+
 }  // namespace keel

@@ -65,6 +65,9 @@ void Metrics::step(const StepStats& s, double moments_mb) {
   line["moments_mb"] = moments_mb;
   for (MetricsSource* source : sources_) source->add_step_fields(s.ms, line);
   log(line);
+  if (world_.is_root()) {
+    for (StepLineSink* sink : sinks_) sink->observe_step(line);
+  }
   const TrainConfig& t = config_.train;
   if (!world_.is_root() || !(s.step % t.log_every == 0 || s.step == t.steps || s.step == 1)) return;
   std::printf("step %6lld/%d | loss %.4f | lr %.2e | norm %6.3f | %7.1f ms | %7.0f tok/s | MFU %5.1f%%",

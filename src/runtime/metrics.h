@@ -6,6 +6,7 @@
 #pragma once
 
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -38,6 +39,17 @@ class Metrics {
   void open(bool keep, int64_t step);
   // Components report in the order added (that is their order in the progress line).
   void add_source(MetricsSource* source) { sources_.push_back(source); }
+  // Consumers of every finished step line, in the order added.
+  void add_sink(StepLineSink* sink) { sinks_.push_back(sink); }
+  // A source the metrics module owns (monitoring components that only report): added, kept
+  // alive as long as the module, and returned for the caller's other uses (a hook, a sink).
+  template <typename T>
+  T* adopt(std::unique_ptr<T> source) {
+    T* raw = source.get();
+    owned_.push_back(std::move(source));
+    add_source(raw);
+    return raw;
+  }
 
   void log(const nlohmann::json& line);  // one line of metrics.jsonl
   void print_startup() const;            // every source's start-up lines
@@ -50,6 +62,8 @@ class Metrics {
   const Config& config_;
   Communicator& world_;
   std::vector<MetricsSource*> sources_;
+  std::vector<StepLineSink*> sinks_;
+  std::vector<std::unique_ptr<MetricsSource>> owned_;
   std::ofstream file_;
 };
 

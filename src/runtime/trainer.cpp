@@ -15,6 +15,8 @@
 #include "core/error.h"
 #include "core/fileio.h"
 #include "kernels/cpu/blas.h"
+#include "monitor/alerts.h"
+#include "monitor/energy.h"
 #include "pipeline/pipeline_step.h"
 #include "runtime/generate.h"
 #include "runtime/single_stage_step.h"
@@ -80,6 +82,10 @@ Trainer::Trainer(Config config, Communicator& comm)
   checkpointer_ = std::make_unique<Checkpointer>(config_, comm, *store_, *sync_, peaks_.peak_gflops, log);
   resume_or_init();
   if (MetricsSource* own = engine_->metrics()) metrics_.add_source(own);
+  // Monitoring: energy per step and token, alerts on the operating targets ([monitor]).
+  const double tokens_per_step = static_cast<double>(t.batch_size) * t.seq_len * t.grad_accum * groups_.dp().size();
+  hooks_.push_back(metrics_.adopt(std::make_unique<EnergyMeter>(config_.monitor, comm, tokens_per_step)));
+  metrics_.add_sink(metrics_.adopt(std::make_unique<Alerts>(config_.monitor, log)));
   if (comm.is_root()) {
     fs::create_directories(t.run_dir);
     write_file(t.run_dir + "/config.toml", config_.to_toml());
