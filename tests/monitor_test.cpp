@@ -6,6 +6,10 @@
 #include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <thread>
+#include <signal.h>
 
 #include "comm/communicator.h"
 #include "core/fileio.h"
@@ -162,6 +166,100 @@ TEST_F(MonitorRun, BubbleAlertFiresForABadlyCutPipeline) {
   EXPECT_EQ(e[0].at("metric"), "pipeline_bubble");
   EXPECT_EQ(e[0].at("state"), "firing");
   EXPECT_GT(e[0].at("value").get<double>(), 0.05);
+}
+
+}  // namespace
+}  // namespace keel
+
+namespace keel {
+namespace {
+
+// Free TCP ports on loopback, as the kernel hands them out.
+std::vector<int> free_ports(int n) {
+  const testing::CommandResult r = testing::run_command(
+      "python3 -c \"import socket\nss=[socket.socket() for _ in range(" + std::to_string(n) +
+      ")]\nfor s in ss: s.bind(('127.0.0.1',0))\nprint(' '.join(str(s.getsockname()[1]) for s in ss))\"");
+  std::vector<int> ports;
+  std::istringstream in(r.output);
+  for (int p; in >> p;) ports.push_back(p);
+  return ports;
+}
+
+std::string http_get(const std::string& url) {
+  return testing::run_command("python3 -c \"import sys,urllib.request\ntry:\n  print(urllib.request.urlopen('" + url +
+                              "', timeout=5).read().decode())\nexcept Exception as e:\n  print('ERROR', e)\"")
+      .output;
+}
+
+// A live `keel train` scraped by Debian's Prometheus server on loopback; its values read back
+// through Prometheus's query API; promtool accepts the exposition; malformed requests and a slow
+// client leave the endpoint serving.
+TEST_F(MonitorRun, APrometheusServerScrapesALiveRun) {
+  const std::vector<int> ports = free_ports(2);
+  ASSERT_EQ(ports.size(), 2u);
+  const int keel_port = ports[0], prom_port = ports[1];
+  testing::write_text(dir / "prometheus.yml", "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: keel\n"
+                                              "    static_configs:\n      - targets: ['127.0.0.1:" +
+                                                  std::to_string(keel_port) + "']\n");
+  const testing::CommandResult prom = testing::run_command(
+      "prometheus --config.file=" + dir / "prometheus.yml" + " --storage.tsdb.path=" + dir / "tsdb" +
+      " --web.listen-address=127.0.0.1:" + std::to_string(prom_port) + " > " + dir / "prometheus.log" +
+      " 2>&1 & echo $!");
+  const pid_t prom_pid = std::atoi(prom.output.c_str());
+  ASSERT_GT(prom_pid, 0) << prom.output;
+  testing::KeelJob job({"train", "--config", dir / "toy.toml", "--set", "train.run_dir=" + dir / "live", "--set",
+                        "train.steps=1000000", "--set", "train.eval_every=0", "--set",
+                        "monitor.port=" + std::to_string(keel_port)},
+                       dir / "live.log", {});
+  const std::string metrics_url = "http://127.0.0.1:" + std::to_string(keel_port) + "/metrics";
+  std::string exposition;
+  for (int i = 0; i < 600 && exposition.find("keel_step ") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    exposition = http_get(metrics_url);
+  }
+  ASSERT_NE(exposition.find("keel_step "), std::string::npos) << exposition << job.output();
+  testing::write_text(dir / "exposition.txt", exposition);
+  const testing::CommandResult check = testing::run_command("promtool check metrics < " + dir / "exposition.txt");
+  EXPECT_EQ(check.exit_code, 0) << check.output;
+  // Hostile clients: garbage, a request line and nothing more (a slow client), then a normal scrape.
+  testing::run_command("python3 -c \"import socket,time\na=socket.create_connection(('127.0.0.1'," +
+                       std::to_string(keel_port) +
+                       "))\na.sendall(b'\\x00\\xffGARBAGE\\r\\n\\r\\n')\nb=socket.create_connection(('127.0.0.1'," +
+                       std::to_string(keel_port) + "))\nb.sendall(b'GET /metrics HTTP/1.1\\r\\n')\ntime.sleep(1)\"");
+  EXPECT_NE(http_get(metrics_url).find("keel_tokens_total "), std::string::npos);
+  // Prometheus has scraped it: the step is there, through the query API.
+  std::string answer;
+  for (int i = 0; i < 300; ++i) {
+    answer = http_get("http://127.0.0.1:" + std::to_string(prom_port) + "/api/v1/query?query=keel_step");
+    if (answer.find("\"result\":[{") != std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  ::kill(prom_pid, SIGTERM);
+  ::kill(job.pid(), SIGTERM);
+  job.wait(60);
+  ASSERT_NE(answer.find("\"result\":[{"), std::string::npos) << answer << read_text_file(dir / "prometheus.log");
+  const json parsed = json::parse(answer);
+  const double step = std::stod(parsed.at("data").at("result")[0].at("value")[1].get<std::string>());
+  EXPECT_GE(step, 1.0) << answer;
+}
+
+// Bad endpoint settings are refused before training starts, in one line.
+TEST_F(MonitorRun, ABusyPortOrARemoteBindWithoutPermissionIsRefused) {
+  const testing::CommandResult remote = testing::run_keel("train --config " + dir / "toy.toml" +
+                                                          " --set monitor.port=9 --set monitor.bind=0.0.0.0");
+  EXPECT_EQ(remote.exit_code, 2) << remote.output;
+  EXPECT_NE(remote.output.find("monitor.bind"), std::string::npos) << remote.output;
+  const testing::CommandResult range = testing::run_keel("train --config " + dir / "toy.toml" + " --set monitor.port=70000");
+  EXPECT_EQ(range.exit_code, 2) << range.output;
+  EXPECT_NE(range.output.find("monitor.port"), std::string::npos) << range.output;
+  // A port held by a listening socket (python keeps it for the command's life).
+  const testing::CommandResult busy = testing::run_command(
+      "python3 -c \"import socket,subprocess,sys\ns=socket.socket()\ns.bind(('127.0.0.1',0))\ns.listen()\n"
+      "p=s.getsockname()[1]\nr=subprocess.run([sys.argv[1],'train','--config',sys.argv[2],'--set','train.run_dir='+sys.argv[3],"
+      "'--set','monitor.port=%d'%p],capture_output=True,text=True)\nprint(r.stdout+r.stderr)\nprint('EXIT',r.returncode)\" " +
+      std::string(KEEL_BINARY) + " " + dir / "toy.toml" + " " + dir / "busy");
+  EXPECT_NE(busy.output.find("EXIT 2"), std::string::npos) << busy.output;
+  EXPECT_NE(busy.output.find("cannot listen on 127.0.0.1:"), std::string::npos) << busy.output;
 }
 
 }  // namespace

@@ -114,6 +114,9 @@ std::vector<Field> fields(Config& c) {
       {"checkpoint", "async", &c.checkpoint.async},
       {"runtime", "threads", &c.runtime.threads},
       {"runtime", "peak_gflops", &c.runtime.peak_gflops},
+      {"monitor", "port", &c.monitor.port},
+      {"monitor", "bind", &c.monitor.bind},
+      {"monitor", "allow_remote", &c.monitor.allow_remote},
       {"monitor", "min_hit_rate", &c.monitor.min_hit_rate},
       {"monitor", "max_bubble", &c.monitor.max_bubble},
       {"monitor", "max_sync_jitter", &c.monitor.max_sync_jitter},
@@ -416,6 +419,13 @@ void Config::resolve(int world_size) {
           "a multiple of 4096", s(store.chunk_bytes));
   require(runtime.threads >= 0, "runtime.threads", ">= 0", s(runtime.threads));
   require(runtime.peak_gflops >= 0, "runtime.peak_gflops", ">= 0", s(runtime.peak_gflops));
+  require(monitor.port >= 0 && monitor.port <= 65535, "monitor.port", "0 (off) or 1..65535", s(monitor.port));
+  {
+    const std::string& b = monitor.bind;
+    const bool loopback = b == "127.0.0.1" || b == "localhost" || b == "::1" || b == "[::1]";
+    require(loopback || monitor.allow_remote, "monitor.bind",
+            "a loopback address (127.0.0.1, ::1) unless monitor.allow_remote = true", "\"" + b + "\"");
+  }
   require(monitor.min_hit_rate >= 0 && monitor.min_hit_rate <= 1, "monitor.min_hit_rate", "0..1", s(monitor.min_hit_rate));
   require(monitor.max_bubble >= 0 && monitor.max_bubble <= 1, "monitor.max_bubble", "0..1", s(monitor.max_bubble));
   require(monitor.max_sync_jitter >= 0, "monitor.max_sync_jitter", ">= 0", s(monitor.max_sync_jitter));

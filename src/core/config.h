@@ -173,6 +173,11 @@ struct RuntimeConfig {
 
 // Watching a run: alerts on Keel's operating targets, energy per token.
 struct MonitorConfig {
+  // Prometheus endpoint: http://BIND:PORT/metrics on rank 0 (0 = off). Loopback only unless
+  // allow_remote.
+  int port = 0;
+  std::string bind = "127.0.0.1";
+  bool allow_remote = false;
   // Alert rules (each holds when its metric is out of range on `alert_after` consecutive steps).
   double min_hit_rate = 0.90;     // tier_hit_rate below this (runs with memory tiers)
   double max_bubble = 0.05;       // pipeline_bubble above this (pipelines)

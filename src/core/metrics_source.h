@@ -29,6 +29,8 @@ class StepLineSink {
  public:
   virtual ~StepLineSink() = default;
   virtual void observe_step(const nlohmann::json& line) = 0;
+  // Every other line of metrics.jsonl (evaluations, events), as it is written.
+  virtual void observe_event(const nlohmann::json& line) {}
 };
 
 }  // namespace keel

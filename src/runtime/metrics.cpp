@@ -50,6 +50,9 @@ void Metrics::log(const json& line) {
   if (!world_.is_root()) return;
   file_ << line.dump() << '\n';
   file_.flush();
+  if (!line.contains("loss") || line.contains("event")) {
+    for (StepLineSink* sink : sinks_) sink->observe_event(line);
+  }
 }
 
 void Metrics::print_startup() const {

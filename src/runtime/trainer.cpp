@@ -16,6 +16,7 @@
 #include "core/fileio.h"
 #include "kernels/cpu/blas.h"
 #include "monitor/alerts.h"
+#include "monitor/endpoint.h"
 #include "monitor/energy.h"
 #include "pipeline/pipeline_step.h"
 #include "runtime/generate.h"
@@ -86,6 +87,9 @@ Trainer::Trainer(Config config, Communicator& comm)
   const double tokens_per_step = static_cast<double>(t.batch_size) * t.seq_len * t.grad_accum * groups_.dp().size();
   hooks_.push_back(metrics_.adopt(std::make_unique<EnergyMeter>(config_.monitor, comm, tokens_per_step)));
   metrics_.add_sink(metrics_.adopt(std::make_unique<Alerts>(config_.monitor, log)));
+  if (config_.monitor.port > 0 && comm.is_root()) {
+    metrics_.add_sink(metrics_.adopt(std::make_unique<PrometheusEndpoint>(config_.monitor)));
+  }
   if (comm.is_root()) {
     fs::create_directories(t.run_dir);
     write_file(t.run_dir + "/config.toml", config_.to_toml());

@@ -1,0 +1,109 @@
+#include "monitor/endpoint.h"
+
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/gauge.h>
+#include <prometheus/registry.h>
+
+#include <cmath>
+#include <cstdio>
+
+#include "core/error.h"
+
+namespace keel {
+
+PrometheusEndpoint::PrometheusEndpoint(const MonitorConfig& config) {
+  const std::string host = config.bind.find(':') != std::string::npos && config.bind.front() != '['
+                               ? "[" + config.bind + "]"
+                               : config.bind;
+  address_ = host + ":" + std::to_string(config.port);
+  registry_ = std::make_shared<prometheus::Registry>();
+  try {
+    exposer_ = std::make_unique<prometheus::Exposer>(address_, 2);
+  } catch (const std::exception& e) {
+    throw Error("monitor.port " + std::to_string(config.port) + ": cannot listen on " + address_ + " (" + e.what() +
+                "; is the port in use?)");
+  }
+  exposer_->RegisterCollectable(registry_);
+}
+
+PrometheusEndpoint::~PrometheusEndpoint() = default;
+
+void PrometheusEndpoint::print_startup() const {
+  std::printf("keel: Prometheus metrics at http://%s/metrics (rank 0 serves the whole job)\n", address_.c_str());
+}
+
+prometheus::Gauge& PrometheusEndpoint::gauge(const std::string& name, const std::string& help,
+                                             const std::map<std::string, std::string>& labels) {
+  return prometheus::BuildGauge().Name(name).Help(help).Register(*registry_).Add(labels);
+}
+
+prometheus::Counter& PrometheusEndpoint::counter(const std::string& name, const std::string& help,
+                                                 const std::map<std::string, std::string>& labels) {
+  return prometheus::BuildCounter().Name(name).Help(help).Register(*registry_).Add(labels);
+}
+
+void PrometheusEndpoint::set(const nlohmann::json& line, const char* field, const std::string& name,
+                             const std::string& help, double scale, const std::map<std::string, std::string>& labels) {
+  if (!line.contains(field) || !line.at(field).is_number()) return;
+  gauge(name, help, labels).Set(line.at(field).get<double>() * scale);
+}
+
+void PrometheusEndpoint::add(const nlohmann::json& line, const char* field, const std::string& name,
+                             const std::string& help, double scale, const std::map<std::string, std::string>& labels) {
+  if (!line.contains(field) || !line.at(field).is_number()) return;
+  const double v = line.at(field).get<double>() * scale;
+  if (std::isfinite(v) && v > 0) counter(name, help, labels).Increment(v);
+}
+
+void PrometheusEndpoint::observe_step(const nlohmann::json& l) {
+  set(l, "step", "keel_step", "Optimizer steps done");
+  set(l, "loss", "keel_loss", "Training loss of the last step");
+  set(l, "tokens_per_s", "keel_tokens_per_second", "Training tokens per second over all ranks");
+  if (l.contains("tokens_per_s") && l.contains("ms")) {
+    counter("keel_tokens_total", "Training tokens processed")
+        .Increment(l.at("tokens_per_s").get<double>() * l.at("ms").get<double>() / 1e3);
+  }
+  set(l, "ms", "keel_step_seconds", "Wall time of the last step", 1e-3);
+  set(l, "mfu", "keel_mfu_ratio", "Model FLOP/s over the peak FLOP/s of the job's cores");
+  set(l, "peak_rss_mb", "keel_peak_rss_bytes", "Largest peak resident set over ranks", 1e6);
+  set(l, "grad_norm", "keel_grad_norm", "Global gradient norm before clipping");
+  set(l, "tier_hit_rate", "keel_tier_hit_ratio", "First touches of pages that were present", 1.0,
+      {{"tier", "offload"}});
+  for (const char* tier : {"device", "host", "nvme"}) {
+    const std::string p = std::string("tier_") + tier + "_";
+    set(l, (p + "hit_rate").c_str(), "keel_tier_hit_ratio", "First touches of pages that were present", 1.0,
+        {{"tier", tier}});
+    set(l, (p + "resident_bytes").c_str(), "keel_tier_resident_bytes", "Bytes a tier holds", 1.0, {{"tier", tier}});
+    add(l, (p + "read_bytes").c_str(), "keel_tier_read_bytes_total", "Bytes read from a tier into the device tier", 1.0,
+        {{"tier", tier}});
+    add(l, (p + "written_bytes").c_str(), "keel_tier_written_bytes_total", "Bytes written back into a tier", 1.0,
+        {{"tier", tier}});
+  }
+  add(l, "tier_stall_ms", "keel_tier_stall_seconds_total", "Time acquires waited for pages", 1e-3);
+  set(l, "pipeline_bubble", "keel_pipeline_bubble_ratio", "Idle share of the pipeline step");
+  set(l, "sync_latency_ms", "keel_sync_latency_seconds", "Gradient sync latency of the last step", 1e-3);
+  set(l, "sync_jitter", "keel_sync_jitter_ratio", "Gradient sync latency jitter");
+  add(l, "sync_sent_bytes", "keel_sync_sent_bytes_total", "Gradient bytes sent");
+  add(l, "sync_uncompressed_bytes", "keel_sync_uncompressed_bytes_total", "Gradient bytes before compression");
+  add(l, "ckpt_stall_ms", "keel_checkpoint_stall_seconds_total", "Step time spent on checkpoints", 1e-3);
+  add(l, "energy_j", "keel_energy_joules_total", "Energy of training (RAPL, or modelled from CPU time)");
+  set(l, "skipped_steps", "keel_skipped_steps", "Steps skipped for a non-finite loss or norm");
+}
+
+void PrometheusEndpoint::observe_event(const nlohmann::json& l) {
+  set(l, "val_loss", "keel_val_loss", "Validation loss of the last evaluation");
+  const std::string event = l.value("event", "");
+  if (event == "checkpoint" && l.value("ok", false)) {
+    counter("keel_checkpoints_total", "Checkpoints published").Increment();
+    add(l, "written_bytes", "keel_checkpoint_written_bytes_total", "Bytes written by checkpoints");
+    add(l, "write_ms", "keel_checkpoint_write_seconds_total", "Background write time of checkpoints", 1e-3);
+  } else if (event == "recovery") {
+    counter("keel_recoveries_total", "Restarts recovered from a failure").Increment();
+  } else if (event == "alert") {
+    gauge("keel_alert_firing", "1 while an alert rule fires", {{"metric", l.value("metric", "?")}})
+        .Set(l.value("state", "") == "firing" ? 1.0 : 0.0);
+  }
+}
+
+}  // namespace keel
