@@ -264,3 +264,21 @@ TEST_F(MonitorRun, ABusyPortOrARemoteBindWithoutPermissionIsRefused) {
 
 }  // namespace
 }  // namespace keel
+
+namespace keel {
+namespace {
+
+// The shipped Prometheus rules are valid, and each fires on series that break its target (and
+// only there): promtool's own rule tests.
+TEST(PrometheusRules, ShippedAlertRulesPassPromtool) {
+  const std::string rules = testing::source_path("configs/prometheus/keel-alerts.yml");
+  const testing::CommandResult check = testing::run_command("promtool check rules " + rules);
+  EXPECT_EQ(check.exit_code, 0) << check.output;
+  const testing::CommandResult unit = testing::run_command("cd " + testing::source_path("tests/prometheus") +
+                                                           " && promtool test rules keel-alerts.test.yml");
+  EXPECT_EQ(unit.exit_code, 0) << unit.output;
+  EXPECT_NE(unit.output.find("SUCCESS"), std::string::npos) << unit.output;
+}
+
+}  // namespace
+}  // namespace keel
