@@ -12,6 +12,7 @@ packages=(
   libzstd-dev libxxhash-dev             # compression and checksums for checkpoints
   liburing-dev                          # asynchronous O_DIRECT I/O for the NVMe memory tier
   prometheus-cpp-dev prometheus         # the metrics endpoint; a real Prometheus server in its test
+  chromium                              # a real browser opens `keel report` in its test
   openmpi-bin libopenmpi-dev            # the distributed engine: every byte between ranks
   iproute2 procps                       # network namespaces for multi-host tests; pgrep
   fortunes fortunes-min                 # the default training corpus: real English text

@@ -282,3 +282,55 @@ TEST(PrometheusRules, ShippedAlertRulesPassPromtool) {
 
 }  // namespace
 }  // namespace keel
+
+namespace keel {
+namespace {
+
+// `keel report` of a pipelined run (with its trace): one self-contained HTML file that headless
+// Chromium opens without a script error and draws (the screenshot is not a blank page); a
+// directory that is not a run is refused in one line.
+TEST_F(MonitorRun, TheReportOpensInChromiumWithItsPlotsDrawn) {
+  const testing::CommandResult run = testing::run_keel(
+      "launch -n 2 -- train --config " + dir / "toy.toml" + " --set train.run_dir=" + dir / "rep" +
+      " --set parallel.pipeline=2 --set parallel.trace=true --set train.eval_every=4");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const testing::CommandResult r = testing::run_keel("report " + dir / "rep" + " --out " + dir / "rep.html");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string html = read_text_file(dir / "rep.html");
+  size_t svgs = 0;
+  for (size_t at = html.find("<svg"); at != std::string::npos; at = html.find("<svg", at + 1)) svgs++;
+  EXPECT_GE(svgs, 5u);
+  EXPECT_NE(html.find("Pipeline step"), std::string::npos);  // the Gantt chart from the trace
+  for (const char* fetch : {"src=", "href=", "@import", "url(", "<script"}) {
+    EXPECT_EQ(html.find(fetch), std::string::npos) << fetch;  // nothing fetched from anywhere
+  }
+  const testing::CommandResult shot = testing::run_command(
+      "timeout 120 chromium --headless --no-sandbox --disable-gpu --hide-scrollbars --enable-logging=stderr --v=0 "
+      "--window-size=1000,1600 --screenshot=" + dir / "rep.png" + " file://" + dir / "rep.html");
+  ASSERT_TRUE(fs::exists(dir / "rep.png")) << shot.output;
+  EXPECT_EQ(shot.output.find("Uncaught"), std::string::npos) << shot.output;
+  EXPECT_EQ(shot.output.find("CONSOLE"), std::string::npos) << shot.output;
+  // The screenshot's pixels: many colours (lines, text, bars), not one blank page.
+  const testing::CommandResult colours = testing::run_command(
+      "python3 -c \"import zlib,struct,sys\nd=open(sys.argv[1],'rb').read()\npos=8\nidat=b''\nw=h=0\n"
+      "while pos<len(d):\n  n,t=struct.unpack('>I4s',d[pos:pos+8]);c=d[pos+8:pos+8+n];pos+=12+n\n"
+      "  if t==b'IHDR': w,h,bd,ct=struct.unpack('>IIBB',c[:10])\n  if t==b'IDAT': idat+=c\n"
+      "raw=zlib.decompress(idat);bpp=4 if ct==6 else 3;stride=w*bpp\ncols=set();prev=bytearray(stride)\n"
+      "for y in range(h):\n  f=raw[y*(stride+1)];line=bytearray(raw[y*(stride+1)+1:(y+1)*(stride+1)])\n"
+      "  for i in range(stride):\n    a=line[i-bpp] if i>=bpp else 0;b=prev[i];cc=prev[i-bpp] if i>=bpp else 0\n"
+      "    if f==1: line[i]=(line[i]+a)&255\n    elif f==2: line[i]=(line[i]+b)&255\n"
+      "    elif f==3: line[i]=(line[i]+((a+b)>>1))&255\n"
+      "    elif f==4:\n      p=a+b-cc;pa,pb,pc=abs(p-a),abs(p-b),abs(p-cc)\n"
+      "      line[i]=(line[i]+(a if pa<=pb and pa<=pc else b if pb<=pc else cc))&255\n"
+      "  prev=line\n  if y%7==0: cols.update(bytes(line[i:i+3]) for i in range(0,stride,bpp*5))\n"
+      "print(len(cols))\" " + dir / "rep.png");
+  EXPECT_GT(std::atoi(colours.output.c_str()), 20) << colours.output;
+
+  const testing::CommandResult bad = testing::run_keel("report " + dir.path());
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("not a run directory (no metrics.jsonl)"), std::string::npos) << bad.output;
+  EXPECT_EQ(testing::count_lines(bad.output), 1) << bad.output;
+}
+
+}  // namespace
+}  // namespace keel

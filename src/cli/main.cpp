@@ -31,6 +31,7 @@
 #include "model/gpt.h"
 #include "pipeline/layout.h"
 #include "pipeline/schedule.h"
+#include "monitor/report.h"
 #include "runtime/generate.h"
 #include "runtime/job_config.h"
 #include "runtime/launcher.h"
@@ -73,6 +74,9 @@ commands:
   checkpoints --dir DIR [--verify yes]
             List the checkpoints under DIR (a run's ckpt/ or one checkpoint): step, kind, bytes,
             encodings; --verify yes decodes and checks every record.
+  report    RUN_DIR [--out FILE.html]
+            One self-contained HTML report of a run (finished or still going): summary, plots,
+            events, the pipeline's Gantt chart. Default --out: RUN_DIR/report.html.
 )";
 
 // The lines of kUsage that describe `cmd` (its own `keel CMD --help`).
@@ -361,6 +365,18 @@ int cmd_checkpoints(const Args& a) {
   return bad == 0 ? 0 : 1;
 }
 
+int cmd_report(const Args& a) {
+  check(a.has("--dir"), "report: expected RUN_DIR [--out FILE.html]");
+  const std::string dir = a.get("--dir");
+  const std::string out = a.get("--out", dir + "/report.html");
+  check_output_file("report --out", out);
+  const std::string html = render_report(dir);
+  g_input_accepted = true;
+  write_file_atomic(out, {ByteRange{html.data(), html.size()}});
+  std::printf("keel report: wrote %s (%zu KB, self-contained)\n", out.c_str(), html.size() / 1024);
+  return 0;
+}
+
 int cmd_schedule(const Args& a) {
   Config config = Config::load(a.get("--config", ""), a.all("--set"));
   resolve_job_config(config, config.parallel.pipeline);
@@ -472,13 +488,18 @@ int run(int argc, char** argv) {
       {"export", {"--checkpoint", "--out"}},
       {"import", {"--llmc", "--out", "--set"}},
       {"checkpoints", {"--dir", "--verify"}},
+      {"report", {"--dir", "--out"}},
       {"schedule", {"--config", "--set", "--trace", "--width", "--layer-costs", "--json"}},
   };
   auto it = options.find(cmd);
   check(it != options.end(),
         "unknown command '" + cmd +
-            "' (expected train, launch, tokenize, eval, generate, export, import, schedule or checkpoints)");
-  Args a(argc, argv, 2, it->second);
+            "' (expected train, launch, tokenize, eval, generate, export, import, schedule, checkpoints or report)");
+  // `keel report RUN_DIR`: the run directory may come first, without --dir.
+  std::vector<char*> words(argv, argv + argc);
+  static char dir_flag[] = "--dir";
+  if (cmd == "report" && argc > 2 && argv[2][0] != '-') words.insert(words.begin() + 2, dir_flag);
+  Args a(static_cast<int>(words.size()), words.data(), 2, it->second);
   if (a.help) {
     std::fputs(command_usage(cmd).c_str(), stdout);
     return 0;
@@ -490,6 +511,7 @@ int run(int argc, char** argv) {
   if (cmd == "export") return cmd_export(a);
   if (cmd == "checkpoints") return cmd_checkpoints(a);
   if (cmd == "schedule") return cmd_schedule(a);
+  if (cmd == "report") return cmd_report(a);
   return cmd_import(a);
 }
 

@@ -1,0 +1,264 @@
+#include "monitor/report.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <vector>
+
+#include "core/config.h"
+#include "core/error.h"
+#include "core/fileio.h"
+
+namespace keel {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+std::string escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '<') out += "&lt;";
+    else if (c == '>') out += "&gt;";
+    else if (c == '&') out += "&amp;";
+    else if (c == '"') out += "&quot;";
+    else out += c;
+  }
+  return out;
+}
+
+std::string num(double v, const char* format = "%.4g") {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, format, v);
+  return buf;
+}
+
+struct Series {
+  std::string name, color;
+  std::vector<std::pair<double, double>> points;  // (step, value)
+};
+
+struct Marker {
+  double step;
+  std::string kind;  // checkpoint, recovery, alert
+};
+
+// A line plot of `series` against the step, with horizontal threshold lines and event markers.
+std::string plot(const std::string& title, const std::vector<Series>& series,
+                 const std::vector<std::pair<double, std::string>>& thresholds, const std::vector<Marker>& markers) {
+  constexpr double W = 640, H = 220, L = 60, R = 10, T = 24, B = 30;
+  double x0 = 1e300, x1 = -1e300, y0 = 1e300, y1 = -1e300;
+  for (const Series& s : series) {
+    for (const auto& [x, y] : s.points) {
+      if (!std::isfinite(y)) continue;
+      x0 = std::min(x0, x), x1 = std::max(x1, x), y0 = std::min(y0, y), y1 = std::max(y1, y);
+    }
+  }
+  if (x0 > x1) return "";  // nothing to draw
+  for (const auto& [v, label] : thresholds) y0 = std::min(y0, v), y1 = std::max(y1, v);
+  if (y1 - y0 < 1e-12) y0 -= 0.5, y1 += 0.5;
+  if (x1 - x0 < 1e-12) x0 -= 0.5, x1 += 0.5;
+  const double pad = 0.05 * (y1 - y0);
+  y0 -= pad, y1 += pad;
+  auto X = [&](double x) { return L + (x - x0) / (x1 - x0) * (W - L - R); };
+  auto Y = [&](double y) { return H - B - (y - y0) / (y1 - y0) * (H - T - B); };
+  std::ostringstream o;
+  o << "<svg class=\"plot\" xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H
+    << "\" viewBox=\"0 0 " << W << " " << H << "\">";
+  o << "<rect x=\"0\" y=\"0\" width=\"" << W << "\" height=\"" << H << "\" fill=\"#fff\"/>";
+  o << "<text x=\"" << L << "\" y=\"16\" font-size=\"13\" font-weight=\"bold\">" << escape(title) << "</text>";
+  o << "<line x1=\"" << L << "\" y1=\"" << H - B << "\" x2=\"" << W - R << "\" y2=\"" << H - B << "\" stroke=\"#888\"/>";
+  o << "<line x1=\"" << L << "\" y1=\"" << T << "\" x2=\"" << L << "\" y2=\"" << H - B << "\" stroke=\"#888\"/>";
+  for (double f : {0.0, 0.5, 1.0}) {
+    const double v = y0 + f * (y1 - y0);
+    o << "<text x=\"" << L - 4 << "\" y=\"" << Y(v) + 4 << "\" font-size=\"10\" text-anchor=\"end\">" << num(v)
+      << "</text>";
+  }
+  o << "<text x=\"" << L << "\" y=\"" << H - 10 << "\" font-size=\"10\">step " << num(x0, "%.0f") << "</text>";
+  o << "<text x=\"" << W - R << "\" y=\"" << H - 10 << "\" font-size=\"10\" text-anchor=\"end\">step "
+    << num(x1, "%.0f") << "</text>";
+  for (const Marker& m : markers) {
+    if (m.step < x0 || m.step > x1) continue;
+    const char* color = m.kind == "alert" ? "#d33" : m.kind == "recovery" ? "#e90" : "#9ac";
+    o << "<line x1=\"" << X(m.step) << "\" y1=\"" << T << "\" x2=\"" << X(m.step) << "\" y2=\"" << H - B
+      << "\" stroke=\"" << color << "\" stroke-dasharray=\"2,3\"><title>" << m.kind << " at step " << m.step
+      << "</title></line>";
+  }
+  for (const auto& [v, label] : thresholds) {
+    o << "<line x1=\"" << L << "\" y1=\"" << Y(v) << "\" x2=\"" << W - R << "\" y2=\"" << Y(v)
+      << "\" stroke=\"#d33\" stroke-dasharray=\"6,4\"/><text x=\"" << W - R - 4 << "\" y=\"" << Y(v) - 4
+      << "\" font-size=\"10\" fill=\"#d33\" text-anchor=\"end\">" << escape(label) << "</text>";
+  }
+  double legend = L + 8.5 * static_cast<double>(title.size()) + 24;
+  for (const Series& s : series) {
+    std::ostringstream path;
+    for (const auto& [x, y] : s.points) {
+      if (!std::isfinite(y)) continue;
+      path << (path.tellp() == 0 ? "M" : "L") << num(X(x), "%.1f") << "," << num(Y(y), "%.1f");
+    }
+    o << "<path d=\"" << path.str() << "\" fill=\"none\" stroke=\"" << s.color << "\" stroke-width=\"1.5\"/>";
+    if (s.points.size() == 1) {
+      o << "<circle cx=\"" << X(s.points[0].first) << "\" cy=\"" << Y(s.points[0].second) << "\" r=\"3\" fill=\""
+        << s.color << "\"/>";
+    }
+    o << "<text x=\"" << legend << "\" y=\"16\" font-size=\"11\" fill=\"" << s.color << "\">" << escape(s.name)
+      << "</text>";
+    legend += 9.0 * static_cast<double>(s.name.size()) + 20;
+  }
+  o << "</svg>";
+  return o.str();
+}
+
+// The pipeline's Gantt chart from a Chrome trace (complete "X" events, one row per pid: a rank).
+std::string gantt(const json& trace) {
+  const json& events = trace.is_object() ? trace.value("traceEvents", json::array()) : trace;
+  double t0 = 1e300, t1 = -1e300;
+  int rows = 0;
+  for (const json& e : events) {
+    if (e.value("ph", "") != "X") continue;
+    const double ts = e.value("ts", 0.0), dur = e.value("dur", 0.0);
+    t0 = std::min(t0, ts), t1 = std::max(t1, ts + dur);
+    rows = std::max(rows, e.value("pid", 0) + 1);
+  }
+  if (rows == 0 || t1 <= t0) return "";
+  constexpr double W = 900, L = 60, RowH = 22;
+  const double H = 30 + rows * RowH;
+  std::ostringstream o;
+  o << "<svg class=\"plot\" xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H << "\">";
+  o << "<rect x=\"0\" y=\"0\" width=\"" << W << "\" height=\"" << H << "\" fill=\"#fff\"/>";
+  o << "<text x=\"" << L << "\" y=\"16\" font-size=\"13\" font-weight=\"bold\">Pipeline step (last traced step)</text>";
+  const std::map<char, const char*> colors = {{'F', "#4a90d9"}, {'B', "#e94e3c"}, {'W', "#50b86c"}};
+  for (const json& e : events) {
+    if (e.value("ph", "") != "X") continue;
+    const int row = e.value("pid", 0);
+    const double x = L + (e.value("ts", 0.0) - t0) / (t1 - t0) * (W - L - 10);
+    const double w = std::max(0.5, e.value("dur", 0.0) / (t1 - t0) * (W - L - 10));
+    const std::string name = e.value("name", "");
+    const auto c = colors.find(name.empty() ? '?' : name[0]);
+    o << "<rect x=\"" << num(x, "%.1f") << "\" y=\"" << 24 + row * RowH << "\" width=\"" << num(w, "%.1f")
+      << "\" height=\"" << RowH - 4 << "\" fill=\"" << (c == colors.end() ? "#aaa" : c->second) << "\"><title>"
+      << escape(name) << "</title></rect>";
+  }
+  for (int r = 0; r < rows; ++r) {
+    o << "<text x=\"4\" y=\"" << 38 + r * RowH << "\" font-size=\"11\">rank " << r << "</text>";
+  }
+  o << "</svg>";
+  return o.str();
+}
+
+}  // namespace
+
+std::string render_report(const std::string& run_dir) {
+  const std::string metrics_path = run_dir + "/metrics.jsonl";
+  check(fs::is_directory(run_dir), "report " + run_dir + ": not a directory");
+  check(fs::is_regular_file(metrics_path), "report " + run_dir + ": not a run directory (no metrics.jsonl)");
+  std::vector<json> steps, evals, events;
+  {
+    std::ifstream in(metrics_path);
+    std::string line;
+    int n = 0;
+    while (std::getline(in, line)) {
+      ++n;
+      if (line.empty()) continue;
+      json j;
+      try {
+        j = json::parse(line);
+      } catch (const json::exception&) {
+        // A run still going may be writing its last line: skip what does not parse yet.
+        continue;
+      }
+      if (j.contains("event")) events.push_back(j);
+      else if (j.contains("val_loss")) evals.push_back(j);
+      else if (j.contains("loss")) steps.push_back(j);
+    }
+  }
+  MonitorConfig thresholds;
+  std::string config_text;
+  if (fs::is_regular_file(run_dir + "/config.toml")) {
+    config_text = read_text_file(run_dir + "/config.toml");
+    try {
+      thresholds = Config::parse(config_text, run_dir + "/config.toml").monitor;
+    } catch (const Error&) {
+    }
+  }
+  auto series = [&](const std::vector<json>& lines, const char* field, const std::string& name, const std::string& color,
+                    double scale = 1.0) {
+    Series s{name, color, {}};
+    for (const json& l : lines) {
+      if (l.contains(field) && l.at(field).is_number()) {
+        s.points.emplace_back(l.value("step", 0.0), l.at(field).get<double>() * scale);
+      }
+    }
+    return s;
+  };
+  std::vector<Marker> markers;
+  for (const json& e : events) {
+    const std::string kind = e.value("event", "");
+    if (kind == "checkpoint" || kind == "recovery" || kind == "alert") markers.push_back({e.value("step", 0.0), kind});
+  }
+  double tokens = 0, ms = 0;
+  for (const json& l : steps) {
+    ms += l.value("ms", 0.0);
+    tokens += l.value("tokens_per_s", 0.0) * l.value("ms", 0.0) / 1e3;
+  }
+  std::ostringstream h;
+  h << "<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>Keel run " << escape(run_dir) << "</title>"
+    << "<style>body{font-family:sans-serif;margin:24px;color:#222}table{border-collapse:collapse}"
+       "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:left}svg.plot{display:block;"
+       "margin:10px 0;border:1px solid #eee}pre{background:#f6f6f6;padding:8px;font-size:12px;max-height:300px;"
+       "overflow:auto}</style></head><body>";
+  h << "<h1>Keel run " << escape(run_dir) << "</h1><table>";
+  auto row = [&](const std::string& k, const std::string& v) { h << "<tr><th>" << k << "</th><td>" << v << "</td></tr>"; };
+  row("steps", steps.empty() ? "0" : num(steps.back().value("step", 0.0), "%.0f"));
+  row("training time", num(ms / 1e3, "%.1f") + " s");
+  row("tokens", num(tokens, "%.0f"));
+  row("mean tokens/s", ms > 0 ? num(tokens / (ms / 1e3), "%.0f") : "-");
+  row("last train loss", steps.empty() ? "-" : num(steps.back().value("loss", 0.0)));
+  row("first / last validation loss",
+      evals.empty() ? "-" : num(evals.front().value("val_loss", 0.0)) + " / " + num(evals.back().value("val_loss", 0.0)));
+  if (!steps.empty() && steps.back().contains("energy_kwh_per_mtok")) {
+    row("energy", num(steps.back().value("energy_kwh_per_mtok", 0.0)) + " kWh per million tokens (" +
+                      escape(steps.back().value("energy_source", "?")) + ")");
+  }
+  row("events", std::to_string(events.size()) + " (checkpoints, recoveries, alerts)");
+  h << "</table>";
+  h << "<h2>Training</h2>";
+  h << plot("Loss", {series(steps, "loss", "train", "#4a90d9"), series(evals, "val_loss", "validation", "#e94e3c")}, {},
+            markers);
+  h << plot("Tokens per second", {series(steps, "tokens_per_s", "tokens/s", "#50b86c")}, {}, markers);
+  h << plot("MFU", {series(steps, "mfu", "MFU", "#9b59b6")}, {}, markers);
+  h << plot("Tier hit rate", {series(steps, "tier_hit_rate", "off-device", "#4a90d9")},
+            {{thresholds.min_hit_rate, "target " + num(thresholds.min_hit_rate)}}, markers);
+  h << plot("Pipeline bubble", {series(steps, "pipeline_bubble", "bubble", "#e94e3c")},
+            {{thresholds.max_bubble, "target " + num(thresholds.max_bubble)}}, markers);
+  h << plot("Gradient sync latency (ms)", {series(steps, "sync_latency_ms", "latency", "#4a90d9")}, {}, markers);
+  h << plot("Gradient sync jitter", {series(steps, "sync_jitter", "jitter", "#e94e3c")},
+            {{thresholds.max_sync_jitter, "target " + num(thresholds.max_sync_jitter)}}, markers);
+  h << plot("Energy (kWh per million tokens)", {series(steps, "energy_kwh_per_mtok", "kWh/Mtok", "#e90")}, {}, markers);
+  if (fs::is_regular_file(run_dir + "/pipeline_trace.json")) {
+    try {
+      h << "<h2>Pipeline</h2>" << gantt(json::parse(read_text_file(run_dir + "/pipeline_trace.json")));
+    } catch (const json::exception&) {
+    }
+  }
+  h << "<h2>Events</h2><table><tr><th>step</th><th>event</th><th>details</th></tr>";
+  for (const json& e : events) {
+    json rest = e;
+    rest.erase("event");
+    rest.erase("step");
+    h << "<tr><td>" << e.value("step", 0) << "</td><td>" << escape(e.value("event", "")) << "</td><td>"
+      << escape(rest.dump()) << "</td></tr>";
+  }
+  h << "</table>";
+  if (!config_text.empty()) h << "<h2>Configuration</h2><pre>" << escape(config_text) << "</pre>";
+  h << "</body></html>\n";
+  return h.str();
+}
+
+}  // namespace keel

@@ -1,0 +1,16 @@
+// `keel report RUN_DIR`: one self-contained HTML file of a run (finished or still going): its
+// summary, SVG plots drawn here (losses, throughput, MFU, tier hit rates, bubble, sync latency and
+// jitter with their thresholds, energy per million tokens) with checkpoints, recoveries and alerts
+// on the step axis, the pipeline's Gantt chart from pipeline_trace.json, and the alerts. Nothing
+// is fetched from anywhere: no script, no stylesheet, no font.
+#pragma once
+
+#include <string>
+
+namespace keel {
+
+// The report's HTML for run directory `run_dir`. Throws keel::Error when it is not a run
+// directory (no metrics.jsonl) or its metrics cannot be read.
+std::string render_report(const std::string& run_dir);
+
+}  // namespace keel
