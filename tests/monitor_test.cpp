@@ -168,6 +168,119 @@ TEST_F(MonitorRun, BubbleAlertFiresForABadlyCutPipeline) {
   EXPECT_GT(e[0].at("value").get<double>(), 0.05);
 }
 
+// A rank slowed for real: the test stops one rank of a running job (SIGSTOP) for 300 ms at a
+// time and lets it run again (SIGCONT), as a preempted or throttled host would, with at least 25
+// steps between pauses. Each pause makes one step of the other rank wait; a pause that falls
+// inside that rank's gradient sync (or pipeline stage work) shows in the sync latency (or the
+// bubble) too. Pauses go on until every rule in `want` has fired; then the run continues until
+// each has resolved, and is stopped. Returns the run's alert events.
+class SlowedRank : public MonitorRun {
+ protected:
+  // The last step in run/metrics.jsonl (0 before the first).
+  int64_t last_step(const std::string& run) {
+    const std::string path = dir / (run + "/metrics.jsonl");
+    if (!fs::exists(path)) return 0;
+    const std::string text = read_text_file(path);
+    int64_t step = 0;
+    for (size_t at = 0; at < text.size();) {
+      const size_t end = std::min(text.find('\n', at), text.size());
+      if (end > at) {
+        const json line = json::parse(text.substr(at, end - at), nullptr, false);
+        if (line.is_object() && !line.contains("event")) step = std::max(step, line.value("step", int64_t{0}));
+      }
+      at = end + 1;
+    }
+    return step;
+  }
+  template <typename Ready>
+  bool poll(Ready ready, double seconds = 300) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    while (!ready()) {
+      if (std::chrono::steady_clock::now() >= until) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return true;
+  }
+  // Whether `metric` fired at or after `from` and resolved after that, and whether it fired.
+  static bool fired(const std::vector<json>& e, const std::string& metric, int64_t from, bool* resolved) {
+    bool firing = false;
+    *resolved = false;
+    for (const json& x : e) {
+      if (x.at("metric") != metric) continue;
+      if (x.at("state") == "firing" && x.at("step").get<int64_t>() >= from) firing = true;
+      if (x.at("state") == "resolved" && firing) *resolved = true;
+    }
+    return firing;
+  }
+  std::vector<json> slow_rank(const std::string& run, const std::vector<std::string>& sets,
+                              const std::vector<std::string>& want, int64_t* first_pause_step) {
+    std::vector<std::string> args = {"launch", "-n", "2", "--", "train", "--config", dir / "toy.toml",
+                                     "--set", "train.run_dir=" + dir / run, "--set", "train.steps=1000000",
+                                     "--set", "train.eval_every=0", "--set", "train.checkpoint_every=0",
+                                     "--set", "monitor.alert_after=1"};
+    for (const std::string& s : sets) args.insert(args.end(), {"--set", s});
+    testing::KeelJob job(args, dir / (run + ".log"), {"OMP_NUM_THREADS=1"});
+    EXPECT_TRUE(poll([&] { return last_step(run) >= 30 || !job.running(); })) << job.output();
+    std::vector<pid_t> ranks = testing::keel_train_pids(dir / "toy.toml");
+    EXPECT_EQ(ranks.size(), 2u) << job.output();
+    *first_pause_step = last_step(run);
+    auto all = [&](bool need_resolved) {
+      const std::vector<json> e = events(run);
+      for (const std::string& m : want) {
+        bool resolved = false;
+        if (!fired(e, m, *first_pause_step, &resolved) || (need_resolved && !resolved)) return false;
+      }
+      return true;
+    };
+    for (int pause = 0; pause < 12 && ranks.size() == 2 && job.running() && !all(false); ++pause) {
+      ::kill(ranks[1], SIGSTOP);
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      ::kill(ranks[1], SIGCONT);
+      const int64_t resumed = last_step(run);
+      EXPECT_TRUE(poll([&] { return last_step(run) >= resumed + 25 || !job.running(); })) << job.output();
+    }
+    EXPECT_TRUE(poll([&] { return all(true) || !job.running(); }, 120)) << job.output();
+    ::kill(job.pid(), SIGTERM);  // a clean stop: the ranks finish their step and exit
+    EXPECT_EQ(job.wait(120), 128 + SIGTERM) << job.output();
+    std::printf("first pause after step %lld; alerts:\n", static_cast<long long>(*first_pause_step));
+    for (const json& x : events(run)) std::printf("  %s\n", x.dump().c_str());
+    return events(run);
+  }
+};
+
+// Data parallelism: a pause shows as a step far slower than the median (stalled progress) and,
+// when it falls in the sync, as a latency spike that lifts the jitter over its last 20 steps; the
+// step-time alert resolves on the next step, the jitter alert once the spike leaves the window.
+// The jitter threshold is above what sub-millisecond syncs of a toy model show on a busy machine
+// (about 0.2-0.5) and below one 300 ms spike among 20 steps (about 4).
+TEST_F(SlowedRank, StalledProgressAndSyncJitterAlertsFireAndResolve) {
+  int64_t from = 0;
+  const std::vector<json> e = slow_rank("dp", {"monitor.max_sync_jitter=2.5"}, {"ms", "sync_jitter"}, &from);
+  for (const std::string metric : {"ms", "sync_jitter"}) {
+    bool resolved = false;
+    EXPECT_TRUE(fired(e, metric, from, &resolved)) << metric << " never fired after step " << from;
+    EXPECT_TRUE(resolved) << metric << " never resolved";
+  }
+  for (const json& x : e) {
+    if (x.at("state") == "firing" && x.at("metric") == "ms" && x.at("step").get<int64_t>() >= from) {
+      EXPECT_GT(x.at("value").get<double>(), x.at("threshold").get<double>());
+    }
+  }
+}
+
+// A pipeline whose second stage is paused: the first idles and the bubble rises far over what a
+// well-cut zero-bubble schedule shows here (about 0.05-0.15); back to that once the stage runs.
+TEST_F(SlowedRank, BubbleAlertFiresWhileAStageIsSlowedAndResolves) {
+  int64_t from = 0;
+  const std::vector<json> e = slow_rank(
+      "pipe", {"parallel.pipeline=2", "parallel.schedule=zb-h2", "parallel.micro_batches=8", "train.batch_size=16",
+               "model.n_layer=4", "model.n_embd=128", "monitor.max_bubble=0.35"},
+      {"pipeline_bubble"}, &from);
+  bool resolved = false;
+  EXPECT_TRUE(fired(e, "pipeline_bubble", from, &resolved)) << "the bubble alert never fired after step " << from;
+  EXPECT_TRUE(resolved) << "the bubble alert never resolved";
+}
+
 }  // namespace
 }  // namespace keel
 
@@ -325,6 +438,21 @@ TEST_F(MonitorRun, TheReportOpensInChromiumWithItsPlotsDrawn) {
       "  prev=line\n  if y%7==0: cols.update(bytes(line[i:i+3]) for i in range(0,stride,bpp*5))\n"
       "print(len(cols))\" " + dir / "rep.png");
   EXPECT_GT(std::atoi(colours.output.c_str()), 20) << colours.output;
+
+  // A data-parallel run with compressed sync and memory tiers: the summary names the model and
+  // the layout, the hit rates are drawn per tier, and the bytes per layer with their codec.
+  fs::create_directories(dir / "nvme");
+  const testing::CommandResult dp = testing::run_keel(
+      "launch -n 2 -- train --config " + dir / "toy.toml" + " --set train.run_dir=" + dir / "dp" +
+      " --set sync.codec=hybrid --set tier.device_mib=1 --set tier.host_mib=8 --set tier.nvme_dir=" + dir / "nvme");
+  ASSERT_EQ(dp.exit_code, 0) << dp.output;
+  ASSERT_EQ(testing::run_keel("report " + dir / "dp" + " --out " + dir / "dp.html").exit_code, 0);
+  const std::string dp_html = read_text_file(dir / "dp.html");
+  for (const char* part : {"<th>model</th><td>preset tiny: 2 layers, width 64", "2 data x 1 pipeline",
+                           "tiers: device 1 MiB", "<th>hardware</th>", "Gradient bytes per layer", "block 1",
+                           "MB sent</title>", ">nvme</text>", ">host</text>"}) {
+    EXPECT_NE(dp_html.find(part), std::string::npos) << part;
+  }
 
   const testing::CommandResult bad = testing::run_keel("report " + dir.path());
   EXPECT_EQ(bad.exit_code, 2) << bad.output;

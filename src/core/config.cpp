@@ -114,6 +114,7 @@ std::vector<Field> fields(Config& c) {
       {"checkpoint", "async", &c.checkpoint.async},
       {"runtime", "threads", &c.runtime.threads},
       {"runtime", "peak_gflops", &c.runtime.peak_gflops},
+      {"monitor", "enabled", &c.monitor.enabled},
       {"monitor", "port", &c.monitor.port},
       {"monitor", "bind", &c.monitor.bind},
       {"monitor", "allow_remote", &c.monitor.allow_remote},
@@ -420,6 +421,7 @@ void Config::resolve(int world_size) {
   require(runtime.threads >= 0, "runtime.threads", ">= 0", s(runtime.threads));
   require(runtime.peak_gflops >= 0, "runtime.peak_gflops", ">= 0", s(runtime.peak_gflops));
   require(monitor.port >= 0 && monitor.port <= 65535, "monitor.port", "0 (off) or 1..65535", s(monitor.port));
+  require(monitor.enabled || monitor.port == 0, "monitor.port", "0 while monitor.enabled = false", s(monitor.port));
   {
     const std::string& b = monitor.bind;
     const bool loopback = b == "127.0.0.1" || b == "localhost" || b == "::1" || b == "[::1]";

@@ -173,6 +173,9 @@ struct RuntimeConfig {
 
 // Watching a run: alerts on Keel's operating targets, energy per token.
 struct MonitorConfig {
+  // Alerts, energy figures and the endpoint; off, a run reports only its components' own metrics
+  // (bench/monitor_overhead.sh measures what monitoring costs against this).
+  bool enabled = true;
   // Prometheus endpoint: http://BIND:PORT/metrics on rank 0 (0 = off). Loopback only unless
   // allow_remote.
   int port = 0;

@@ -90,4 +90,17 @@ CpuPeak cpu_peak(double cores) {
   return p;
 }
 
+std::string cpu_model_name() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind("model name", 0) != 0) continue;
+    const size_t colon = line.find(':');
+    if (colon == std::string::npos) break;
+    const size_t start = line.find_first_not_of(" \t", colon + 1);
+    return start == std::string::npos ? "unknown CPU" : line.substr(start);
+  }
+  return "unknown CPU";
+}
+
 }  // namespace keel

@@ -23,4 +23,7 @@ CpuPeak cpu_peak(double cores);
 // Online logical CPUs.
 int online_cpus();
 
+// The CPU's model name as /proc/cpuinfo gives it ("unknown CPU" where it gives none).
+std::string cpu_model_name();
+
 }  // namespace keel

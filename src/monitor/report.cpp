@@ -115,6 +115,44 @@ std::string plot(const std::string& title, const std::vector<Series>& series,
   return o.str();
 }
 
+// Bytes per layer over the run: for each layer, what a ring all-reduce of float32 gradients would
+// have sent and what was sent, as paired horizontal bars on one scale, the codec named beside them.
+struct LayerBytes {
+  std::string codec;
+  double raw = 0, wire = 0;
+};
+
+std::string layer_bars(const std::map<int, LayerBytes>& layers, int n_layer) {
+  if (layers.empty()) return "";
+  double most = 0;
+  for (const auto& [layer, b] : layers) most = std::max({most, b.raw, b.wire});
+  if (most <= 0) return "";
+  constexpr double W = 640, L = 110, R = 150, RowH = 26, T = 40;
+  const double H = T + RowH * static_cast<double>(layers.size()) + 10;
+  std::ostringstream o;
+  o << "<svg class=\"plot\" xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H << "\">";
+  o << "<rect x=\"0\" y=\"0\" width=\"" << W << "\" height=\"" << H << "\" fill=\"#fff\"/>";
+  o << "<text x=\"" << L << "\" y=\"16\" font-size=\"13\" font-weight=\"bold\">Gradient bytes per layer "
+    << "(rank 0, whole run)</text>";
+  o << "<text x=\"" << L << "\" y=\"32\" font-size=\"11\" fill=\"#aab\">float32</text><text x=\"" << L + 60
+    << "\" y=\"32\" font-size=\"11\" fill=\"#4a90d9\">sent</text>";
+  double y = T;
+  for (const auto& [layer, b] : layers) {
+    const std::string name = layer == 0 ? "embedding" : layer > n_layer ? "final norm" : "block " + std::to_string(layer - 1);
+    const double raw_w = b.raw / most * (W - L - R), wire_w = b.wire / most * (W - L - R);
+    o << "<text x=\"4\" y=\"" << y + 15 << "\" font-size=\"11\">" << escape(name) << "</text>";
+    o << "<rect x=\"" << L << "\" y=\"" << y + 2 << "\" width=\"" << num(std::max(raw_w, 0.5), "%.1f")
+      << "\" height=\"10\" fill=\"#aab\"><title>" << num(b.raw / 1e6) << " MB float32</title></rect>";
+    o << "<rect x=\"" << L << "\" y=\"" << y + 12 << "\" width=\"" << num(std::max(wire_w, 0.5), "%.1f")
+      << "\" height=\"10\" fill=\"#4a90d9\"><title>" << num(b.wire / 1e6) << " MB sent</title></rect>";
+    o << "<text x=\"" << W - R + 6 << "\" y=\"" << y + 15 << "\" font-size=\"11\">" << escape(b.codec) << ", "
+      << num(b.wire > 0 ? b.raw / b.wire : 1.0, "%.1f") << "x</text>";
+    y += RowH;
+  }
+  o << "</svg>";
+  return o.str();
+}
+
 // The pipeline's Gantt chart from a Chrome trace (complete "X" events, one row per pid: a rank).
 std::string gantt(const json& trace) {
   const json& events = trace.is_object() ? trace.value("traceEvents", json::array()) : trace;
@@ -197,6 +235,30 @@ std::string render_report(const std::string& run_dir) {
     }
     return s;
   };
+  // Layer sums of the compressed sync's per-layer bytes (rank 0's view).
+  std::map<int, LayerBytes> layer_bytes;
+  for (const json& l : steps) {
+    if (!l.contains("sync_layers") || !l.at("sync_layers").is_array() || !l.contains("ranks")) continue;
+    for (const json& x : l.at("sync_layers")) {
+      if (!x.is_object()) continue;
+      LayerBytes& b = layer_bytes[x.value("layer", 0)];
+      // What a ring all-reduce of float32 would have sent for it, as the sync summary counts.
+      const double ranks = l.value("ranks", 2.0);
+      b.raw += x.value("raw_bytes", 0.0) * 2 * (ranks - 1) / ranks;
+      b.wire += x.value("wire_bytes", 0.0);
+      const std::string codec = x.value("codec", "");
+      if (codec != "none" || b.codec.empty()) b.codec = codec;
+    }
+  }
+  // The run's first "run" line: model, sizes, hardware and layout; later ones are restarts. The
+  // summary shows them; the events table has the rest.
+  json run_line;
+  int starts = 0;
+  for (const json& e : events) {
+    if (e.value("event", "") != "run") continue;
+    if (starts++ == 0) run_line = e;
+  }
+  std::erase_if(events, [](const json& e) { return e.value("event", "") == "run"; });
   std::vector<Marker> markers;
   for (const json& e : events) {
     const std::string kind = e.value("event", "");
@@ -215,6 +277,33 @@ std::string render_report(const std::string& run_dir) {
        "overflow:auto}</style></head><body>";
   h << "<h1>Keel run " << escape(run_dir) << "</h1><table>";
   auto row = [&](const std::string& k, const std::string& v) { h << "<tr><th>" << k << "</th><td>" << v << "</td></tr>"; };
+  if (run_line.is_object()) {
+    const json model = run_line.value("model", json::object()), batch = run_line.value("batch", json::object()),
+               layout = run_line.value("layout", json::object());
+    row("started", escape(run_line.value("started", "?")) + " on " + escape(run_line.value("host", "?")) +
+                       (starts > 1 ? " (" + std::to_string(starts - 1) + " restarts)" : ""));
+    row("model", "preset " + escape(model.value("preset", "?")) + ": " + std::to_string(model.value("n_layer", 0)) +
+                     " layers, width " + std::to_string(model.value("n_embd", 0)) + ", " +
+                     std::to_string(model.value("n_head", 0)) + " heads, vocabulary " +
+                     std::to_string(model.value("vocab_size", 0)) + ", " +
+                     num(model.value("parameters", 0.0) / 1e6, "%.2f") + "M parameters");
+    row("batch", std::to_string(batch.value("batch_size", 0)) + " x " + std::to_string(batch.value("seq_len", 0)) +
+                     " tokens x " + std::to_string(batch.value("grad_accum", 1)) + " accumulated, per data rank; " +
+                     std::to_string(batch.value("steps", 0)) + " steps planned");
+    std::string l = std::to_string(layout.value("ranks", 1)) + " ranks: " + std::to_string(layout.value("data", 1)) +
+                    " data x " + std::to_string(layout.value("pipeline", 1)) + " pipeline, ZeRO-" +
+                    std::to_string(layout.value("zero", 0)) + ", sync codec " + escape(layout.value("codec", "none"));
+    if (layout.contains("tiers")) {
+      const json& t = layout.at("tiers");
+      l += ", tiers: device " + std::to_string(t.value("device_mib", 0)) + " MiB, host " +
+           std::to_string(t.value("host_mib", 0)) + " MiB" +
+           (t.value("nvme_dir", "").empty() ? "" : ", NVMe " + escape(t.value("nvme_dir", "")));
+    }
+    row("layout", l);
+    row("hardware", escape(run_line.value("cpu", "?")) + ", " + std::to_string(run_line.value("threads_per_rank", 1)) +
+                        " threads per rank; peak " + num(run_line.value("peak_gflops", 0.0), "%.1f") + " GFLOP/s (" +
+                        escape(run_line.value("peak_how", "")) + ")");
+  }
   row("steps", steps.empty() ? "0" : num(steps.back().value("step", 0.0), "%.0f"));
   row("training time", num(ms / 1e3, "%.1f") + " s");
   row("tokens", num(tokens, "%.0f"));
@@ -233,13 +322,17 @@ std::string render_report(const std::string& run_dir) {
             markers);
   h << plot("Tokens per second", {series(steps, "tokens_per_s", "tokens/s", "#50b86c")}, {}, markers);
   h << plot("MFU", {series(steps, "mfu", "MFU", "#9b59b6")}, {}, markers);
-  h << plot("Tier hit rate", {series(steps, "tier_hit_rate", "off-device", "#4a90d9")},
+  h << plot("Tier hit rate",
+            {series(steps, "tier_hit_rate", "off-device", "#4a90d9"),
+             series(steps, "tier_device_hit_rate", "device", "#50b86c"),
+             series(steps, "tier_host_hit_rate", "host", "#e90"), series(steps, "tier_nvme_hit_rate", "nvme", "#9b59b6")},
             {{thresholds.min_hit_rate, "target " + num(thresholds.min_hit_rate)}}, markers);
   h << plot("Pipeline bubble", {series(steps, "pipeline_bubble", "bubble", "#e94e3c")},
             {{thresholds.max_bubble, "target " + num(thresholds.max_bubble)}}, markers);
   h << plot("Gradient sync latency (ms)", {series(steps, "sync_latency_ms", "latency", "#4a90d9")}, {}, markers);
   h << plot("Gradient sync jitter", {series(steps, "sync_jitter", "jitter", "#e94e3c")},
             {{thresholds.max_sync_jitter, "target " + num(thresholds.max_sync_jitter)}}, markers);
+  h << layer_bars(layer_bytes, run_line.is_object() ? run_line.value("model", json::object()).value("n_layer", 0) : 0);
   h << plot("Energy (kWh per million tokens)", {series(steps, "energy_kwh_per_mtok", "kWh/Mtok", "#e90")}, {}, markers);
   if (fs::is_regular_file(run_dir + "/pipeline_trace.json")) {
     try {

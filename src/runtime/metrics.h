@@ -29,6 +29,7 @@ struct StepStats {
   double matmul_efficiency = 0;  // model FLOP/s over the ranks' SGEMM rate measured at start-up
   double peak_rss_mb = 0;    // largest peak resident set over ranks so far
   double ckpt_stall_ms = 0;  // step time spent on checkpoints (snapshot, waiting for a write)
+  int stop_signal = 0;       // a stop signal any rank had received by the end of the step (0 = none)
 };
 
 class Metrics {

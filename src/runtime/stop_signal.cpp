@@ -43,6 +43,8 @@ StopSignals::~StopSignals() {
   for (int i = 0; i < 4; ++i) ::sigaction(kSignals[i], &g_previous[i], nullptr);
 }
 
+int StopSignals::received() const { return g_signal; }
+
 int StopSignals::requested(Communicator& world) const {
   const int mine = g_signal;
   return world.size() > 1 ? static_cast<int>(world.allreduce_max(static_cast<double>(mine))) : mine;

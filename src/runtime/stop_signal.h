@@ -21,6 +21,9 @@ class StopSignals {
   // The signal received by any rank of `world` so far (0 = none). A collective: every rank calls
   // it at the same point (after a step), so every rank stops after the same step.
   int requested(Communicator& world) const;
+  // The signal this process has received so far (0 = none); no collective. The trainer folds it
+  // into a reduction it makes anyway at the end of each step.
+  int received() const;
 };
 
 }  // namespace keel

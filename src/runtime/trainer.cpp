@@ -2,12 +2,14 @@
 
 #include <omp.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <cmath>
 #include <cstdio>
+#include <ctime>
 #include <filesystem>
 
 #include "comm/sync_policy.h"
@@ -85,9 +87,11 @@ Trainer::Trainer(Config config, Communicator& comm)
   if (MetricsSource* own = engine_->metrics()) metrics_.add_source(own);
   // Monitoring: energy per step and token, alerts on the operating targets ([monitor]).
   const double tokens_per_step = static_cast<double>(t.batch_size) * t.seq_len * t.grad_accum * groups_.dp().size();
-  hooks_.push_back(metrics_.adopt(std::make_unique<EnergyMeter>(config_.monitor, comm, tokens_per_step)));
-  metrics_.add_sink(metrics_.adopt(std::make_unique<Alerts>(config_.monitor, log)));
-  if (config_.monitor.port > 0 && comm.is_root()) {
+  if (config_.monitor.enabled) {
+    hooks_.push_back(metrics_.adopt(std::make_unique<EnergyMeter>(config_.monitor, comm, tokens_per_step)));
+    metrics_.add_sink(metrics_.adopt(std::make_unique<Alerts>(config_.monitor, log)));
+  }
+  if (config_.monitor.enabled && config_.monitor.port > 0 && comm.is_root()) {
     metrics_.add_sink(metrics_.adopt(std::make_unique<PrometheusEndpoint>(config_.monitor)));
   }
   if (comm.is_root()) {
@@ -154,7 +158,7 @@ void Trainer::measure_peaks() {
   peaks_.sgemm_gflops = world.allreduce_max(world.is_root() ? measure_sgemm_gflops() : 0.0) * world.size();
 }
 
-StepStats Trainer::step() {
+StepStats Trainer::step(const StopSignals* signals) {
   const TrainConfig& t = config_.train;
   const auto t0 = std::chrono::steady_clock::now();
   for (StepHook* hook : hooks_) hook->before_step(progress_.steps_done);
@@ -165,7 +169,12 @@ StepStats Trainer::step() {
   s.grad_norm = r.grad_norm;
   sync_report_->take(r.sync);
   s.step = ++progress_.steps_done;
-  s.peak_rss_mb = groups_.world().allreduce_max(peak_rss_mb());
+  // One reduction at the end of the step for the peak memory and a stop signal, inside the
+  // step's time: a rank that is late (or paused) shows in this step's ms, not between steps.
+  double maxima[2] = {peak_rss_mb(), signals != nullptr ? static_cast<double>(signals->received()) : 0.0};
+  groups_.world().allreduce_max(maxima, 2);
+  s.peak_rss_mb = maxima[0];
+  s.stop_signal = static_cast<int>(maxima[1]);
   checkpointer_->after_step(s.step, data_.train->position());
   s.ckpt_stall_ms = checkpointer_->take_stall_ms();
   for (StepHook* hook : hooks_) hook->after_step(s.step);
@@ -219,6 +228,46 @@ void Trainer::print_startup(double moments_mb) {
   }
 }
 
+void Trainer::log_run_event() {
+  const ModelConfig& m = config_.model;
+  const TrainConfig& t = config_.train;
+  const ParallelConfig& p = config_.parallel;
+  // The whole model's parameters: each stage's own (a tied tensor's replicas counted once).
+  double parameters = 0;
+  for (const Chunk& c : store_->chunks()) {
+    if (c.replica) continue;
+    for (const Segment& seg : c.segments) parameters += static_cast<double>(seg.numel);
+  }
+  if (groups_.pipelined()) parameters = groups_.pp().allreduce_sum(parameters);
+  char host[256] = "";
+  ::gethostname(host, sizeof host - 1);
+  const std::time_t now = std::time(nullptr);
+  char started[32];
+  std::strftime(started, sizeof started, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  nlohmann::json run = {{"event", "run"},
+                        {"step", progress_.steps_done},
+                        {"started", started},
+                        {"host", host},
+                        {"cpu", cpu_model_name()},
+                        {"threads_per_rank", omp_get_max_threads()},
+                        {"peak_gflops", peaks_.peak_gflops},
+                        {"peak_how", peaks_.how}};
+  run["model"] = {{"preset", m.preset},         {"n_layer", m.n_layer},       {"n_head", m.n_head},
+                  {"n_embd", m.n_embd},         {"vocab_size", m.vocab_size}, {"max_seq_len", m.max_seq_len},
+                  {"parameters", static_cast<int64_t>(parameters)}};
+  run["batch"] = {{"batch_size", t.batch_size}, {"seq_len", t.seq_len}, {"grad_accum", t.grad_accum},
+                  {"steps", t.steps}};
+  run["layout"] = {{"ranks", groups_.world().size()}, {"data", groups_.dp().size()}, {"pipeline", p.pipeline},
+                   {"zero", p.zero},                  {"codec", config_.sync.codec}};
+  if (config_.tier.device_mib > 0) {
+    run["layout"]["tiers"] = {{"device_mib", config_.tier.device_mib},
+                              {"host_mib", config_.tier.host_mib},
+                              {"nvme_dir", config_.tier.nvme_dir}};
+  }
+  if (!progress_.resumed_from.empty()) run["resumed_from"] = progress_.resumed_from;
+  metrics_.log(run);
+}
+
 void Trainer::print_samples() {
   const Tokenizer* tok = data_.tokenizer ? &*data_.tokenizer : nullptr;
   if (!groups_.world().is_root() || !model_->whole() || !tok || !tok->can_encode() || config_.train.sample_tokens == 0) {
@@ -245,6 +294,7 @@ RunSummary Trainer::run() {
   const double moments_mb =
       groups_.world().allreduce_max((store_->plane_bytes(Plane::adam_m) + store_->plane_bytes(Plane::adam_v)) / 1e6);
   print_startup(moments_mb);
+  log_run_event();
   RunSummary summary;
   // A resumed run does not evaluate again where it resumes (that loss is known, and a restart
   // should be training again as soon as it can).
@@ -285,10 +335,10 @@ double Trainer::train_steps(double moments_mb, int* stop_signal) {
   int64_t timed = 0;
   try {
     while (progress_.steps_done < t.steps) {
-      const StepStats s = step();
+      const StepStats s = step(&signals);
       if (s.step > 1) tokens_per_s_sum += s.tokens_per_s, timed++;  // the first step pays for warm-up
       metrics_.step(s, moments_mb);
-      if ((*stop_signal = signals.requested(groups_.world())) != 0) break;
+      if ((*stop_signal = s.stop_signal) != 0) break;
       if (t.eval_every > 0 && s.step % t.eval_every == 0 && s.step != t.steps) metrics_.evaluation(s.step, evaluate(t.eval_batches));
     }
   } catch (const NonFiniteStep& e) {

@@ -28,6 +28,8 @@
 
 namespace keel {
 
+class StopSignals;
+
 struct RunSummary {
   double val_loss_start = 0, val_loss_end = 0;
   int64_t steps = 0;
@@ -47,7 +49,7 @@ class Trainer {
 
   // One optimizer step; begins a checkpoint after it when train.checkpoint_every says so (except
   // after the last step: run() saves at the end).
-  StepStats step();
+  StepStats step(const StopSignals* signals = nullptr);  // signals: folded into the end-of-step reduction
   // Mean validation loss over the first `batches` validation batches (file order).
   double evaluate(int batches);
   // The whole run: evaluation before, steps with progress lines, evaluations, checkpoints,
@@ -73,6 +75,8 @@ class Trainer {
   void resume_or_init();
   void measure_peaks();
   void print_startup(double moments_mb);
+  // The "run" line of metrics.jsonl: model, sizes, hardware and layout, for the run report.
+  void log_run_event();
   void print_samples();
   // The steps from here to train.steps (or to a stop signal, returned in *stop_signal); the mean
   // tokens/s after the first. A non-finite step past the allowed ones ends it with NonFiniteStep.
