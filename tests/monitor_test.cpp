@@ -168,6 +168,47 @@ TEST_F(MonitorRun, BubbleAlertFiresForABadlyCutPipeline) {
   EXPECT_GT(e[0].at("value").get<double>(), 0.05);
 }
 
+// The loss rule, for real. A corpus whose first 30,000 tokens are the toy language and whose last
+// 10,000 are uniform noise, read in file order: the loss falls to about 1.2, then the noise lifts
+// it to about ln 64 = 4.2, past twice the recent mean (the spike fires); once the recent mean
+// has caught up the loss is in range again (it resolves). And a learning rate that blows the
+// weights up makes the loss not finite (the rule fires with an infinite threshold).
+TEST_F(MonitorRun, LossSpikeAndNonFiniteLossAlertsFireInRealRuns) {
+  Rng rng(11);
+  std::vector<uint16_t> tokens(40000);
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const bool noise = i >= 30000 || rng.uniform() < 0.1;
+    tokens[i] = static_cast<uint16_t>(noise ? rng.below(64) : (i * 7 + i / 13) % 64);
+  }
+  write_token_shard(dir / "shift.bin", tokens);
+  const testing::CommandResult r = testing::run_keel(
+      "train --config " + dir / "toy.toml" + " --set train.run_dir=" + dir / "shift" + " --set data.train=" +
+      dir / "shift.bin" + " --set data.shuffle=false --set train.steps=300 --set train.eval_every=0" +
+      " --set monitor.loss_spike=2 --set monitor.alert_after=2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::vector<json> loss;
+  for (const json& e : events("shift")) {
+    if (e.at("metric") == "loss") loss.push_back(e);
+  }
+  ASSERT_EQ(loss.size(), 2u) << r.output;
+  EXPECT_EQ(loss[0].at("state"), "firing");
+  EXPECT_GT(loss[0].at("step").get<int64_t>(), 200);  // where the noise starts (30,000 / 128 tokens a step)
+  EXPECT_GT(loss[0].at("value").get<double>(), loss[0].at("threshold").get<double>());
+  EXPECT_EQ(loss[1].at("state"), "resolved");
+
+  const testing::CommandResult nan = testing::run_keel(
+      "train --config " + dir / "toy.toml" + " --set train.run_dir=" + dir / "nan" +
+      " --set optim.lr=1e30 --set optim.warmup_steps=0 --set optim.skip_nonfinite_steps=3 --set monitor.alert_after=1" +
+      " --set train.eval_every=0");
+  EXPECT_EQ(nan.exit_code, 4) << nan.output;  // a non-finite step past the allowed ones ends the run
+  const std::vector<json> e = events("nan");
+  ASSERT_FALSE(e.empty()) << nan.output;
+  EXPECT_EQ(e[0].at("metric"), "loss");
+  EXPECT_EQ(e[0].at("state"), "firing");
+  EXPECT_FALSE(e[0].contains("threshold"));  // infinite: not written
+  EXPECT_NE(nan.output.find("keel: ALERT at step "), std::string::npos) << nan.output;
+}
+
 // A rank slowed for real: the test stops one rank of a running job (SIGSTOP) for 300 ms at a
 // time and lets it run again (SIGCONT), as a preempted or throttled host would, with at least 25
 // steps between pauses. Each pause makes one step of the other rank wait; a pause that falls

@@ -340,6 +340,195 @@ Tensors<T> run_crossentropy(const CrossentropyCase& c, double grad_scale) {
   return r;
 }
 
+// ---- the llama family's kernels -----------------------------------------------------------------
+
+struct RmsnormCase {
+  int N = kN, C = kC;
+  std::vector<double> inp, w, R;
+};
+
+RmsnormCase make_rmsnorm_case(uint64_t seed) {
+  Rng rng(seed);
+  RmsnormCase c;
+  c.inp = normal(rng, static_cast<size_t>(c.N) * c.C, 2.0, 0.7);
+  c.w = normal(rng, c.C, 1.0, 1.0);
+  c.R = normal(rng, static_cast<size_t>(c.N) * c.C);
+  return c;
+}
+
+template <typename T>
+Tensors<T> run_rmsnorm(const RmsnormCase& c) {
+  const size_t NC = static_cast<size_t>(c.N) * c.C;
+  auto inp = cast<T>(c.inp), w = cast<T>(c.w), R = cast<T>(c.R);
+  Tensors<T> r;
+  r["out"] = filled<T>(NC, kSentinel);
+  r["rstd"] = filled<T>(c.N, kSentinel);
+  r["dinp"] = filled<T>(NC, kSentinel);
+  r["dw"] = filled<T>(c.C, 0);
+  rmsnorm_forward<T>(r["out"].data(), r["rstd"].data(), inp.data(), w.data(), c.N, c.C);
+  rmsnorm_backward_input<T>(r["dinp"].data(), R.data(), inp.data(), r["rstd"].data(), w.data(), c.N, c.C, false);
+  rmsnorm_backward_weight<T>(r["dw"].data(), R.data(), inp.data(), r["rstd"].data(), c.N, c.C);
+  return r;
+}
+
+struct SwigluCase {
+  int N = kN, H = 6;
+  std::vector<double> inp, R;
+};
+
+SwigluCase make_swiglu_case(uint64_t seed) {
+  Rng rng(seed);
+  SwigluCase c;
+  c.inp = normal(rng, static_cast<size_t>(c.N) * 2 * c.H, 2.0);
+  c.R = normal(rng, static_cast<size_t>(c.N) * c.H);
+  return c;
+}
+
+template <typename T>
+Tensors<T> run_swiglu(const SwigluCase& c) {
+  auto inp = cast<T>(c.inp), R = cast<T>(c.R);
+  Tensors<T> r;
+  r["out"] = filled<T>(c.R.size(), kSentinel);
+  r["dinp"] = filled<T>(inp.size(), kSentinel);
+  swiglu_forward<T>(r["out"].data(), inp.data(), c.N, c.H);
+  swiglu_backward_input<T>(r["dinp"].data(), R.data(), inp.data(), c.N, c.H);
+  return r;
+}
+
+// qkv of a grouped-query layout: NH = 4 query heads of size 4, NKV = 2 key/value heads.
+struct RopeCase {
+  int B = kB, Tn = kT, NH = 4, NKV = 2, hs = 4;
+  double theta = 10000.0;
+  int pos0 = 3;
+  std::vector<double> qkv, R;
+  int width() const { return (NH + 2 * NKV) * hs; }
+};
+
+RopeCase make_rope_case(uint64_t seed) {
+  Rng rng(seed);
+  RopeCase c;
+  c.qkv = normal(rng, static_cast<size_t>(c.B) * c.Tn * c.width());
+  c.R = normal(rng, c.qkv.size());
+  return c;
+}
+
+// out = rope(qkv); the backward (inverse rotation) applied to R gives d sum(out * R) / d qkv.
+template <typename T>
+Tensors<T> run_rope(const RopeCase& c) {
+  Tensors<T> r;
+  r["out"] = cast<T>(c.qkv);
+  r["dqkv"] = cast<T>(c.R);
+  rope_forward<T>(r["out"].data(), c.B, c.Tn, c.NH, c.NKV, c.hs, c.theta, c.pos0);
+  rope_forward<T>(r["dqkv"].data(), c.B, c.Tn, c.NH, c.NKV, c.hs, c.theta, c.pos0, true);
+  return r;
+}
+
+struct GqaCase {
+  int B = kB, Tn = kT, NH = 4, NKV = 2, hs = 3;
+  std::vector<double> qkv, R;
+  int C() const { return NH * hs; }
+};
+
+GqaCase make_gqa_case(uint64_t seed, int NKV) {
+  Rng rng(seed);
+  GqaCase c;
+  c.NKV = NKV;
+  c.qkv = normal(rng, static_cast<size_t>(c.B) * c.Tn * (c.C() + 2 * NKV * c.hs));
+  c.R = normal(rng, static_cast<size_t>(c.B) * c.Tn * c.C());
+  return c;
+}
+
+template <typename T>
+Tensors<T> run_gqa(const GqaCase& c) {
+  auto qkv = cast<T>(c.qkv), R = cast<T>(c.R);
+  Tensors<T> r;
+  r["out"] = filled<T>(c.R.size(), kSentinel);
+  r["att"] = filled<T>(static_cast<size_t>(c.B) * c.NH * c.Tn * c.Tn, kSentinel);
+  r["dqkv"] = filled<T>(qkv.size(), kSentinel);
+  attention_forward<T>(r["out"].data(), r["att"].data(), qkv.data(), c.B, c.Tn, c.C(), c.NH, c.NKV);
+  attention_backward_input<T>(r["dqkv"].data(), R.data(), r["att"].data(), qkv.data(), c.B, c.Tn, c.C(), c.NH, c.NKV);
+  return r;
+}
+
+TEST(OpsGradient, RmsnormMatchesFiniteDifferences) {
+  RmsnormCase c = make_rmsnorm_case(211);
+  const auto analytic = run_rmsnorm<double>(c);
+  auto objective = [&] { return dot(run_rmsnorm<double>(c)["out"], c.R); };
+  EXPECT_TRUE(close("dinp", analytic.at("dinp"), finite_difference(c.inp, objective), kFdTol));
+  EXPECT_TRUE(close("dw", analytic.at("dw"), finite_difference(c.w, objective), kFdTol));
+}
+
+TEST(OpsGradient, SwigluMatchesFiniteDifferences) {
+  SwigluCase c = make_swiglu_case(411);
+  const auto analytic = run_swiglu<double>(c);
+  auto objective = [&] { return dot(run_swiglu<double>(c)["out"], c.R); };
+  EXPECT_TRUE(close("dinp", analytic.at("dinp"), finite_difference(c.inp, objective), kFdTol));
+}
+
+TEST(OpsGradient, RopeBackwardMatchesFiniteDifferencesAndLeavesValuesAlone) {
+  RopeCase c = make_rope_case(611);
+  const auto analytic = run_rope<double>(c);
+  auto objective = [&] { return dot(run_rope<double>(c)["out"], c.R); };
+  EXPECT_TRUE(close("dqkv", analytic.at("dqkv"), finite_difference(c.qkv, objective), kFdTol));
+  // v (the last NKV heads of each row) is not rotated; a rotation keeps each pair's length.
+  const int w = c.width(), v0 = (c.NH + c.NKV) * c.hs;
+  for (int n = 0; n < c.B * c.Tn; ++n) {
+    for (int j = v0; j < w; ++j) EXPECT_EQ(analytic.at("out")[n * w + j], c.qkv[n * w + j]);
+    for (int j = 0; j < v0; j += 2) {
+      const double a = std::hypot(c.qkv[n * w + j], c.qkv[n * w + j + 1]);
+      const double b = std::hypot(analytic.at("out")[n * w + j], analytic.at("out")[n * w + j + 1]);
+      EXPECT_NEAR(a, b, 1e-12);
+    }
+  }
+  // Position 0 of a sequence starting at 0 is not rotated at all.
+  RopeCase at0 = make_rope_case(612);
+  at0.pos0 = 0;
+  const auto r0 = run_rope<double>(at0);
+  for (int j = 0; j < at0.width(); ++j) EXPECT_EQ(r0.at("out")[j], at0.qkv[j]);
+}
+
+TEST(OpsGradient, GroupedQueryAttentionMatchesFiniteDifferences) {
+  for (int nkv : {1, 2, 4}) {
+    SCOPED_TRACE("n_kv_head " + std::to_string(nkv));
+    GqaCase c = make_gqa_case(621 + nkv, nkv);
+    const auto analytic = run_gqa<double>(c);
+    auto objective = [&] { return dot(run_gqa<double>(c)["out"], c.R); };
+    EXPECT_TRUE(close("dqkv", analytic.at("dqkv"), finite_difference(c.qkv, objective), kFdTol));
+  }
+}
+
+// Grouped-query attention is multi-head attention with each key/value head repeated for its
+// query heads: the same output as the MHA kernel on the expanded qkv.
+TEST(OpsForward, GroupedQueryAttentionEqualsMultiHeadOnRepeatedKeysAndValues) {
+  const GqaCase c = make_gqa_case(631, 2);
+  const int C = c.C(), hs = c.hs, group = c.NH / c.NKV, w = C + 2 * c.NKV * hs;
+  std::vector<double> expanded(static_cast<size_t>(c.B) * c.Tn * 3 * C);
+  for (int n = 0; n < c.B * c.Tn; ++n) {
+    for (int j = 0; j < C; ++j) expanded[n * 3 * C + j] = c.qkv[n * w + j];
+    for (int h = 0; h < c.NH; ++h) {
+      for (int d = 0; d < hs; ++d) {
+        expanded[n * 3 * C + C + h * hs + d] = c.qkv[n * w + C + (h / group) * hs + d];
+        expanded[n * 3 * C + 2 * C + h * hs + d] = c.qkv[n * w + C + c.NKV * hs + (h / group) * hs + d];
+      }
+    }
+  }
+  std::vector<double> mha(c.R.size()), att(static_cast<size_t>(c.B) * c.NH * c.Tn * c.Tn);
+  attention_forward<double>(mha.data(), att.data(), expanded.data(), c.B, c.Tn, C, c.NH);
+  EXPECT_TRUE(close("out", run_gqa<double>(c).at("out"), mha, 1e-14));
+}
+
+TEST(OpsForward, EmbeddingWithoutPositionsGathersRows) {
+  const EncoderCase c = make_encoder_case(641);
+  std::vector<double> out(static_cast<size_t>(c.B) * c.Tn * c.C, kSentinel), dwte(c.wte.size(), 0.0);
+  encoder_forward<double>(out.data(), c.tokens.data(), c.wte.data(), nullptr, c.B, c.Tn, c.C);
+  encoder_backward_weight<double>(dwte.data(), nullptr, c.R.data(), c.tokens.data(), c.B, c.Tn, c.C);
+  for (int n = 0; n < c.B * c.Tn; ++n) {
+    for (int j = 0; j < c.C; ++j) EXPECT_EQ(out[n * c.C + j], c.wte[c.tokens[n] * c.C + j]);
+  }
+  const auto with = run_encoder<double>(c);  // the token rows' gradient is the same with positions
+  EXPECT_TRUE(close("dwte", dwte, with.at("dwte"), 1e-15));
+}
+
 // ---- gradients against finite differences (double) ---------------------------------------------
 
 TEST(OpsGradient, EncoderWeightsMatchFiniteDifferences) {
@@ -628,6 +817,26 @@ TEST(OpsFloat, MatchesDouble) {
     SCOPED_TRACE("crossentropy");
     const auto c = make_crossentropy_case(1007);
     expect_float_matches_double(run_crossentropy<float>(c, c.grad_scale), run_crossentropy<double>(c, c.grad_scale));
+  }
+  {
+    SCOPED_TRACE("rmsnorm");
+    const auto c = make_rmsnorm_case(1008);
+    expect_float_matches_double(run_rmsnorm<float>(c), run_rmsnorm<double>(c));
+  }
+  {
+    SCOPED_TRACE("swiglu");
+    const auto c = make_swiglu_case(1009);
+    expect_float_matches_double(run_swiglu<float>(c), run_swiglu<double>(c));
+  }
+  {
+    SCOPED_TRACE("rope");
+    const auto c = make_rope_case(1010);
+    expect_float_matches_double(run_rope<float>(c), run_rope<double>(c));
+  }
+  {
+    SCOPED_TRACE("grouped-query attention");
+    const auto c = make_gqa_case(1011, 2);
+    expect_float_matches_double(run_gqa<float>(c), run_gqa<double>(c));
   }
 }
 

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/fileio.h"
 #include "test_util.h"
 
 namespace keel {
@@ -344,6 +346,79 @@ TEST(Tokenizer, BadFilesNameThePath) {
   const std::string missing_field = dir / "missing_field.json";
   write_bytes(missing_field, R"({"format":"keel-bpe","version":1,"eot":257,"merges":[[1,2]]})");
   expect_error_mentioning([&] { Tokenizer::load(missing_field); }, missing_field);
+}
+
+}  // namespace
+}  // namespace keel
+
+namespace keel {
+namespace {
+
+// Writes a tokenizer.bin in llama2.c's layout: max length, then (score, length, bytes) per token.
+void write_llama2c_vocab(const std::string& path, const std::vector<std::pair<std::string, float>>& vocab) {
+  std::string out(4, '\0');
+  int32_t max_len = 1;
+  for (const auto& [piece, score] : vocab) max_len = std::max<int32_t>(max_len, static_cast<int32_t>(piece.size()));
+  std::memcpy(out.data(), &max_len, 4);
+  for (const auto& [piece, score] : vocab) {
+    const int32_t len = static_cast<int32_t>(piece.size());
+    out.append(reinterpret_cast<const char*>(&score), 4);
+    out.append(reinterpret_cast<const char*>(&len), 4);
+    out += piece;
+  }
+  std::ofstream(path, std::ios::binary) << out;
+}
+
+// A SentencePiece-style vocabulary as llama2.c ships it: <unk> <s> </s>, the 256 byte tokens, then
+// pieces with scores. run.c's encoder: a leading " ", characters looked up (unknown bytes as
+// <0xXX> at byte + 3), then the best-scoring mergeable pair, again and again.
+TEST(Llama2cTokenizer, EncodesAndDecodesAsRunCDoes) {
+  testing::TempDir dir("keel-llama2c-tok");
+  std::vector<std::pair<std::string, float>> vocab = {{"<unk>", 0}, {"<s>", 0}, {"</s>", 0}};
+  for (int b = 0; b < 256; ++b) {
+    char piece[8];
+    std::snprintf(piece, sizeof piece, "<0x%02X>", b);
+    vocab.emplace_back(piece, 0.0f);
+  }
+  vocab.insert(vocab.end(), {{" ", -10}, {"a", -10}, {"b", -10}, {"ab", -1}, {" ab", -2}, {"ba", -0.5f}});
+  write_llama2c_vocab(dir / "tokenizer.bin", vocab);
+  const Tokenizer tok = Tokenizer::load(dir / "tokenizer.bin");
+  EXPECT_EQ(tok.vocab_size(), 265);
+  EXPECT_TRUE(tok.can_encode());
+  EXPECT_EQ(tok.eot_token(), 1);
+  // " abab": " " a b a b; "ba" (-0.5) beats "ab" (-1); then nothing joins further.
+  EXPECT_EQ(tok.encode("abab"), (std::vector<int>{259, 260, 264, 261}));
+  EXPECT_EQ(tok.decode(tok.encode("abab")), " abab");
+  // " ab": " " a b -> "ab" (-1) -> " ab" (-2).
+  EXPECT_EQ(tok.encode("ab"), (std::vector<int>{263}));
+  // é is not a piece: its two UTF-8 bytes become <0xC3> <0xA9>, which decode to the bytes again.
+  EXPECT_EQ(tok.encode("\xC3\xA9"), (std::vector<int>{259, 0xC3 + 3, 0xA9 + 3}));
+  EXPECT_EQ(tok.decode({0xC3 + 3, 0xA9 + 3}), "\xC3\xA9");
+  // After <s>, a piece's leading space is dropped.
+  EXPECT_EQ(tok.decode({1, 263}), "ab");
+  EXPECT_EQ(tok.decode({260, 263}), "a ab");
+}
+
+// A Keel BPE tokenizer written as tokenizer.bin: every token decodes to the same bytes, and what
+// run.c's encoder makes of ASCII text decodes back to it (after the leading space it adds).
+TEST(Llama2cTokenizer, AKeelTokenizerWrittenAsTokenizerBinDecodesTheSame) {
+  testing::TempDir dir("keel-llama2c-tok");
+  std::vector<std::string> docs;
+  for (int i = 0; i < 50; ++i) docs.push_back("the cat sat on the mat and the dog sat on the log " + std::to_string(i));
+  const Tokenizer keel_tok = Tokenizer::train(docs, 300);
+  keel_tok.save_llama2c(dir / "tokenizer.bin");
+  const Tokenizer read = Tokenizer::load(dir / "tokenizer.bin");
+  ASSERT_EQ(read.vocab_size(), keel_tok.vocab_size());
+  for (int id = 0; id < keel_tok.vocab_size(); ++id) EXPECT_EQ(read.decode_token(id), keel_tok.decode_token(id)) << id;
+  const std::string text = "the dog sat on the cat";
+  const std::vector<int> ids = read.encode(text);
+  EXPECT_EQ(read.decode(ids), " " + text);
+  EXPECT_LT(ids.size(), text.size());  // the merges apply
+  // Truncated by one byte: not a tokenizer.bin any more, and said in one line.
+  const std::string bytes = read_text_file(dir / "tokenizer.bin");
+  std::ofstream(dir / "short.bin", std::ios::binary) << bytes.substr(0, bytes.size() - 1);
+  const std::string e = testing::error_of([&] { Tokenizer::load(dir / "short.bin"); });
+  EXPECT_NE(e.find("llama2.c's tokenizer.bin"), std::string::npos) << e;
 }
 
 }  // namespace

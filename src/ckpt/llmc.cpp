@@ -66,6 +66,10 @@ ModelConfig read_llmc_model_config(const std::string& path) {
   m.n_head = h[5];
   m.n_embd = h[6];
   m.padded_vocab_size = h[7];
+  m.family = "gpt2";
+  m.n_kv_head = m.n_head;
+  m.ffn_hidden = 4 * m.n_embd;
+  m.tie_embeddings = true;
   validate_model(m, "llm.c checkpoint " + path);
   const int64_t expected = 1024 + 4 * llmc_param_count(m);
   check(file_bytes == expected, "llm.c checkpoint " + path + ": expected " + std::to_string(expected) +
@@ -94,6 +98,7 @@ void import_llmc(const std::string& path, ChunkStore& store, const ModelConfig& 
 }
 
 void export_llmc(const std::string& path, const ChunkStore& store, const ModelConfig& m) {
+  check(!m.llama(), "export " + path + ": llm.c's format holds GPT-2 models; this is a llama model (--format llama2c)");
   std::vector<char> bytes(1024 + 4 * llmc_param_count(m));
   int32_t h[256] = {};
   h[0] = kLlmcModelMagic;

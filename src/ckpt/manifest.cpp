@@ -72,9 +72,17 @@ ResidualRecord parse_residual(const json& j) {
 }
 
 json model_json(const ModelShape& m) {
-  return {{"n_layer", m.n_layer},       {"n_head", m.n_head},
-          {"n_embd", m.n_embd},         {"vocab_size", m.vocab_size},
-          {"padded_vocab_size", m.padded_vocab_size}, {"max_seq_len", m.max_seq_len}};
+  json j = {{"n_layer", m.n_layer},       {"n_head", m.n_head},
+            {"n_embd", m.n_embd},         {"vocab_size", m.vocab_size},
+            {"padded_vocab_size", m.padded_vocab_size}, {"max_seq_len", m.max_seq_len}};
+  if (m.family != "gpt2") {
+    j["family"] = m.family;
+    j["n_kv_head"] = m.n_kv_head;
+    j["ffn_hidden"] = m.ffn_hidden;
+    j["rope_theta"] = m.rope_theta;
+    j["tie_embeddings"] = m.tie_embeddings;
+  }
+  return j;
 }
 
 ModelShape parse_model(const json& j) {
@@ -85,6 +93,11 @@ ModelShape parse_model(const json& j) {
   m.vocab_size = j.at("vocab_size").get<int>();
   m.padded_vocab_size = j.at("padded_vocab_size").get<int>();
   m.max_seq_len = j.at("max_seq_len").get<int>();
+  m.family = j.value("family", std::string("gpt2"));
+  m.n_kv_head = j.value("n_kv_head", m.n_head);
+  m.ffn_hidden = j.value("ffn_hidden", 4 * m.n_embd);
+  m.rope_theta = j.value("rope_theta", 0.0);
+  m.tie_embeddings = j.value("tie_embeddings", true);
   return m;
 }
 
@@ -280,7 +293,13 @@ const char* saved_plane_key(Plane p) {
 }
 
 ModelShape ModelShape::of(const ModelConfig& m) {
-  return ModelShape{m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.padded_vocab_size, m.max_seq_len};
+  ModelShape s{m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.padded_vocab_size, m.max_seq_len};
+  s.family = m.family.empty() ? "gpt2" : m.family;
+  s.n_kv_head = m.n_kv_head > 0 ? m.n_kv_head : m.n_head;
+  s.ffn_hidden = m.ffn_hidden > 0 ? m.ffn_hidden : 4 * m.n_embd;
+  s.rope_theta = m.rope_theta;
+  s.tie_embeddings = m.tie_embeddings.value_or(true);
+  return s;
 }
 
 std::string ModelShape::describe() const { return model_json(*this).dump(); }

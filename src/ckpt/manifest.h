@@ -78,6 +78,11 @@ struct ManifestRank {
 // The model section as a checkpoint records it (what its shape depends on).
 struct ModelShape {
   int n_layer = 0, n_head = 0, n_embd = 0, vocab_size = 0, padded_vocab_size = 0, max_seq_len = 0;
+  // The family and its options (manifests of GPT-2 runs, and those written before llama, omit them).
+  std::string family = "gpt2";
+  int n_kv_head = 0, ffn_hidden = 0;
+  double rope_theta = 0;
+  bool tie_embeddings = true;
   static ModelShape of(const ModelConfig& m);
   bool operator==(const ModelShape&) const = default;
   std::string describe() const;  // as JSON text, for messages

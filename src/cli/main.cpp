@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "ckpt/checkpoint.h"
+#include "ckpt/llama2c.h"
 #include "ckpt/llmc.h"
 #include "comm/communicator.h"
 #include "core/config.h"
@@ -56,13 +57,15 @@ commands:
   tokenize  [--input PATH ...] [--out DIR] [--vocab-size N] [--val-fraction F] [--seed S]
             Train a byte-level BPE tokenizer and write DIR/{tokenizer.json,train.bin,val.bin}
             (llm.c shard format). Default input: /usr/share/games/fortunes.
-  eval      --checkpoint DIR | --llmc FILE.bin  [--data SHARD] [--batch B] [--seq T] [--batches N]
+  eval      --checkpoint DIR | --llmc FILE.bin | --llama2c FILE.bin  [--data SHARD] [--batch B] [--seq T] [--batches N]
             Validation loss and perplexity.
   generate  --checkpoint DIR [--prompt TEXT] [--tokens N] [--temperature X] [--top-k K]
             [--seed S] [--tokenizer FILE]   Sample text from a checkpoint.
-  export    --checkpoint DIR --out FILE.bin    Write the model in llm.c's GPT-2 format.
-  import    --llmc FILE.bin --out DIR [--set section.key=value ...]
-            Make a Keel checkpoint from an llm.c GPT-2 model.
+  export    --checkpoint DIR --out FILE.bin [--format llmc|llama2c]
+            Write the model in llm.c's GPT-2 format or llama2.c's format (default: the family's).
+  export    --tokenizer FILE.json --out tokenizer.bin   A Keel tokenizer as llama2.c's tokenizer.bin.
+  import    --llmc FILE.bin | --llama2c FILE.bin  --out DIR [--set section.key=value ...]
+            Make a Keel checkpoint from an llm.c GPT-2 model or a llama2.c model.
   schedule  [--config FILE.toml] [--set section.key=value ...] [--trace FILE.json] [--width N]
             [--layer-costs FILE.json] [--json yes]
             Validate and simulate the pipeline schedule a config would run (parallel.pipeline,
@@ -197,8 +200,10 @@ LoadedModel load_model(const Args& a, int B, int T) {
   LoadedModel lm;
   if (a.has("--llmc")) {
     lm.config.model = read_llmc_model_config(a.get("--llmc"));
+  } else if (a.has("--llama2c")) {
+    lm.config.model = read_llama2c_model_config(a.get("--llama2c"));
   } else {
-    check(a.has("--checkpoint"), "missing --checkpoint DIR (or --llmc FILE.bin)");
+    check(a.has("--checkpoint"), "missing --checkpoint DIR (or --llmc FILE.bin, --llama2c FILE.bin)");
     lm.config = read_checkpoint_config(a.get("--checkpoint"));
   }
   T = std::min(T, lm.config.model.max_seq_len);
@@ -208,6 +213,8 @@ LoadedModel load_model(const Args& a, int B, int T) {
   lm.model->allocate(B, T);
   if (a.has("--llmc")) {
     import_llmc(a.get("--llmc"), *lm.store, lm.config.model);
+  } else if (a.has("--llama2c")) {
+    import_llama2c(a.get("--llama2c"), *lm.store, lm.config.model);
   } else {
     load_checkpoint(a.get("--checkpoint"), *lm.store, lm.config, LoadMode::params);
     const std::span<const float> params = lm.store->range_view(Plane::param, 0, lm.store->numel());
@@ -302,25 +309,46 @@ void check_output_file(const std::string& what, const std::string& out) {
 }
 
 int cmd_export(const Args& a) {
-  check(a.has("--checkpoint") && a.has("--out"), "export: expected --checkpoint DIR --out FILE.bin");
+  if (a.has("--tokenizer")) {  // a Keel tokenizer as llama2.c's tokenizer.bin
+    check(!a.has("--checkpoint") && a.has("--out"), "export: expected --tokenizer FILE.json --out tokenizer.bin");
+    check_output_file("export --out", a.get("--out"));
+    Tokenizer::load(a.get("--tokenizer")).save_llama2c(a.get("--out"));
+    std::printf("keel export: wrote %s (llama2.c tokenizer.bin)\n", a.get("--out").c_str());
+    return 0;
+  }
+  check(a.has("--checkpoint") && a.has("--out"), "export: expected --checkpoint DIR --out FILE.bin [--format llmc|llama2c]");
+  const std::string format = a.get("--format", "");
+  check(format.empty() || format == "llmc" || format == "llama2c",
+        "export --format: expected llmc (GPT-2) or llama2c (llama), found '" + format + "'");
   check_output_file("export --out", a.get("--out"));
   LoadedModel lm = load_model(a, 1, 1);
-  export_llmc(a.get("--out"), *lm.store, lm.config.model);
-  std::printf("keel export: wrote %s (llm.c GPT-2 format, version 3)\n", a.get("--out").c_str());
+  // The model's own family's format unless --format names one (which must fit the family).
+  const bool llama2c = format.empty() ? lm.config.model.llama() : format == "llama2c";
+  if (llama2c) {
+    export_llama2c(a.get("--out"), *lm.store, lm.config.model);
+    std::printf("keel export: wrote %s (llama2.c run.c format)\n", a.get("--out").c_str());
+  } else {
+    export_llmc(a.get("--out"), *lm.store, lm.config.model);
+    std::printf("keel export: wrote %s (llm.c GPT-2 format, version 3)\n", a.get("--out").c_str());
+  }
   return 0;
 }
 
 int cmd_import(const Args& a) {
-  check(a.has("--llmc") && a.has("--out"), "import: expected --llmc FILE.bin --out DIR");
+  check((a.has("--llmc") != a.has("--llama2c")) && a.has("--out"),
+        "import: expected --llmc FILE.bin (GPT-2) or --llama2c FILE.bin (llama), and --out DIR");
   Config config = Config::load("", a.all("--set"));
-  const ModelConfig m = read_llmc_model_config(a.get("--llmc"));
+  const bool llama2c = a.has("--llama2c");
+  const std::string from = llama2c ? a.get("--llama2c") : a.get("--llmc");
+  const ModelConfig m = llama2c ? read_llama2c_model_config(from) : read_llmc_model_config(from);
   config.model = m;
   config.train.seq_len = std::min(config.train.seq_len, m.max_seq_len);
   resolve_job_config(config);
   ChunkStore store(config.store.chunk_bytes);
   GPT model(config.model, store);
   store.finalize();
-  import_llmc(a.get("--llmc"), store, config.model);
+  if (llama2c) import_llama2c(from, store, config.model);
+  else import_llmc(from, store, config.model);
   const std::string dir = save_checkpoint(a.get("--out"), store, config, RankState{}, 0);
   std::printf("keel import: wrote checkpoint %s\n", dir.c_str());
   return 0;
@@ -482,11 +510,11 @@ int run(int argc, char** argv) {
   const std::map<std::string, std::vector<std::string>> options = {
       {"train", {"--config", "--set"}},
       {"tokenize", {"--input", "--out", "--vocab-size", "--val-fraction", "--seed"}},
-      {"eval", {"--checkpoint", "--llmc", "--data", "--batch", "--seq", "--batches"}},
-      {"generate", {"--checkpoint", "--llmc", "--prompt", "--tokens", "--temperature", "--top-k", "--seed",
+      {"eval", {"--checkpoint", "--llmc", "--llama2c", "--data", "--batch", "--seq", "--batches"}},
+      {"generate", {"--checkpoint", "--llmc", "--llama2c", "--prompt", "--tokens", "--temperature", "--top-k", "--seed",
                     "--tokenizer", "--samples"}},
-      {"export", {"--checkpoint", "--out"}},
-      {"import", {"--llmc", "--out", "--set"}},
+      {"export", {"--checkpoint", "--out", "--format", "--tokenizer"}},
+      {"import", {"--llmc", "--llama2c", "--out", "--set"}},
       {"checkpoints", {"--dir", "--verify"}},
       {"report", {"--dir", "--out"}},
       {"schedule", {"--config", "--set", "--trace", "--width", "--layer-costs", "--json"}},

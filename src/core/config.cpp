@@ -21,18 +21,26 @@ namespace {
 struct Field {
   const char* section;
   const char* key;
-  std::variant<int*, int64_t*, uint64_t*, double*, std::string*, bool*> target;
+  // optional<bool>: unset until the file or the command line sets it (then resolve fills it).
+  std::variant<int*, int64_t*, uint64_t*, double*, std::string*, bool*, std::optional<bool>*> target;
 };
 
 std::vector<Field> fields(Config& c) {
   return {
       {"model", "preset", &c.model.preset},
+      {"model", "family", &c.model.family},
       {"model", "n_layer", &c.model.n_layer},
       {"model", "n_head", &c.model.n_head},
       {"model", "n_embd", &c.model.n_embd},
       {"model", "vocab_size", &c.model.vocab_size},
       {"model", "padded_vocab_size", &c.model.padded_vocab_size},
       {"model", "max_seq_len", &c.model.max_seq_len},
+      {"model", "n_kv_head", &c.model.n_kv_head},
+      {"model", "ffn_hidden", &c.model.ffn_hidden},
+      {"model", "ffn_multiple_of", &c.model.ffn_multiple_of},
+      {"model", "ffn_dim_multiplier", &c.model.ffn_dim_multiplier},
+      {"model", "rope_theta", &c.model.rope_theta},
+      {"model", "tie_embeddings", &c.model.tie_embeddings},
       {"train", "batch_size", &c.train.batch_size},
       {"train", "global_batch_size", &c.train.global_batch_size},
       {"train", "seq_len", &c.train.seq_len},
@@ -133,7 +141,7 @@ const char* type_name(const Field& f) {
   switch (f.target.index()) {
     case 0: case 1: case 2: return "an integer";
     case 3: return "a number";
-    case 5: return "true or false";
+    case 5: case 6: return "true or false";
     default: return "a string";
   }
 }
@@ -194,7 +202,7 @@ void assign_from_string(const Field& f, const std::string& text) {
             throw Error("config key '" + name + "' expects a number, found '" + text + "'");
           }
           *p = v;
-        } else if constexpr (std::is_same_v<T, bool>) {
+        } else if constexpr (std::is_same_v<T, bool> || std::is_same_v<T, std::optional<bool>>) {
           if (text != "true" && text != "false") {
             throw Error("config key '" + name + "' expects true or false, found '" + text + "'");
           }
@@ -223,7 +231,7 @@ void assign_from_toml(const Field& f, const toml::node& node, const std::string&
           if (node.is_floating_point()) *p = node.as_floating_point()->get();
           else if (node.is_integer()) *p = static_cast<double>(node.as_integer()->get());
           else throw mistyped();
-        } else if constexpr (std::is_same_v<T, bool>) {
+        } else if constexpr (std::is_same_v<T, bool> || std::is_same_v<T, std::optional<bool>>) {
           if (!node.is_boolean()) throw mistyped();
           *p = node.as_boolean()->get();
         } else {
@@ -257,6 +265,8 @@ std::string toml_value(const Field& f) {
           return s;
         } else if constexpr (std::is_same_v<T, bool>) {
           return *p ? "true" : "false";
+        } else if constexpr (std::is_same_v<T, std::optional<bool>>) {
+          return p->value_or(true) ? "true" : "false";  // resolved configs always hold a value
         } else {
           return std::to_string(*p);
         }
@@ -282,6 +292,11 @@ const std::vector<ModelPreset>& model_presets() {
       {"gpt2-350m", 24, 16, 1024, 50257, 1024},
       {"gpt2-774m", 36, 20, 1280, 50257, 1024},
       {"gpt2-1.5b", 48, 25, 1600, 50257, 1024},
+      // LLaMA-style: name      L   H    C     V     maxT  family  KV  multiple_of  tied
+      {"llama-tiny", 2, 4, 64, 8192, 256, "llama", 2, 32, false},
+      {"llama-d4", 4, 8, 256, 8192, 256, "llama", 4, 64, false},  // the default job's size, GQA 8:4
+      {"llama-110m", 12, 12, 768, 32000, 1024, "llama", 12, 32, true},  // llama2.c's stories110M shape
+      {"tinyllama-1.1b", 22, 32, 2048, 32000, 2048, "llama", 4, 256, false},  // TinyLlama's shape
   };
   return presets;
 }
@@ -335,11 +350,40 @@ void Config::set(const std::string& assignment) {
   assign_from_string(f, assignment.substr(eq + 1));
 }
 
+int llama_ffn_hidden(int n_embd, int multiple_of, double multiplier) {
+  int64_t hidden = 2 * (4 * static_cast<int64_t>(n_embd)) / 3;
+  if (multiplier > 0) hidden = static_cast<int64_t>(multiplier * static_cast<double>(hidden));
+  return static_cast<int>((hidden + multiple_of - 1) / multiple_of * multiple_of);
+}
+
 void validate_model(const ModelConfig& m, const std::string& where) {
   auto need = [&](bool ok, const std::string& what) {
     if (!ok) throw Error(where + ": " + what);
   };
   auto s = [](int v) { return std::to_string(v); };
+  // (A model section built in code rather than resolved from a config may leave the family, and
+  // GPT-2's n_kv_head and ffn_hidden, empty: that is GPT-2.)
+  need(m.family.empty() || m.family == "gpt2" || m.family == "llama",
+       "model.family: expected \"gpt2\" or \"llama\", found \"" + m.family + "\"");
+  if (!m.llama()) {
+    // GPT-2 has learned positions, a 4C GELU MLP, no grouped-query attention and a tied head.
+    need(m.n_kv_head == 0 || m.n_kv_head == m.n_head,
+         "model.n_kv_head: GPT-2 has no grouped-query attention (it is a llama option)");
+    need(m.ffn_hidden == 0 || m.ffn_hidden == 4 * m.n_embd, "model.ffn_hidden: GPT-2's MLP is 4 x n_embd (a llama option)");
+    need(m.ffn_multiple_of == 0 && m.ffn_dim_multiplier == 0,
+         "model.ffn_multiple_of / ffn_dim_multiplier: llama options, GPT-2's MLP is 4 x n_embd");
+    need(m.rope_theta == 0, "model.rope_theta: GPT-2 has learned positions, not rotary embeddings (a llama option)");
+    need(m.tie_embeddings.value_or(true), "model.tie_embeddings: GPT-2's head is always tied to the embedding");
+  } else {
+    need(m.n_kv_head >= 1 && m.n_head % m.n_kv_head == 0,
+         "model.n_kv_head: expected a divisor of n_head=" + s(m.n_head) + ", found " + s(m.n_kv_head));
+    need(m.ffn_hidden >= 1, "model.ffn_hidden: expected >= 1, found " + s(m.ffn_hidden));
+    need(m.rope_theta > 0 && std::isfinite(m.rope_theta), "model.rope_theta: expected > 0");
+    need(m.n_embd % m.n_head == 0 && (m.n_embd / m.n_head) % 2 == 0,
+         "model.n_head: llama's rotary embedding needs an even head size, found n_embd / n_head = " +
+             s(m.n_embd / std::max(1, m.n_head)));
+    need(m.tie_embeddings.has_value(), "model.tie_embeddings: not resolved");
+  }
   need(m.n_layer >= 1 && m.n_layer <= 1024, "model.n_layer: expected 1..1024, found " + s(m.n_layer));
   need(m.n_head >= 1, "model.n_head: expected >= 1, found " + s(m.n_head));
   need(m.n_embd >= 1 && m.n_embd <= 65536, "model.n_embd: expected 1..65536, found " + s(m.n_embd));
@@ -366,6 +410,24 @@ void Config::resolve(int world_size) {
   if (model.vocab_size == 0) model.vocab_size = preset->vocab_size;
   if (model.max_seq_len == 0) model.max_seq_len = std::max(preset->max_seq_len, train.seq_len);
   if (model.padded_vocab_size == 0) model.padded_vocab_size = (model.vocab_size + 127) / 128 * 128;
+  if (model.family.empty()) model.family = preset->family;
+  if (model.family == "llama") {
+    const bool llama_preset = std::string(preset->family) == "llama";
+    if (model.n_kv_head == 0) model.n_kv_head = llama_preset && preset->n_kv_head > 0 ? preset->n_kv_head : model.n_head;
+    if (model.ffn_multiple_of == 0) model.ffn_multiple_of = llama_preset ? preset->ffn_multiple_of : 256;
+    require(model.ffn_multiple_of >= 1, "model.ffn_multiple_of", ">= 1", std::to_string(model.ffn_multiple_of));
+    require(model.ffn_dim_multiplier >= 0, "model.ffn_dim_multiplier", ">= 0 (0 = none)",
+            std::to_string(model.ffn_dim_multiplier));
+    if (model.ffn_hidden == 0) {
+      model.ffn_hidden = llama_ffn_hidden(model.n_embd, model.ffn_multiple_of, model.ffn_dim_multiplier);
+    }
+    if (model.rope_theta == 0) model.rope_theta = 10000.0;
+    if (!model.tie_embeddings.has_value()) model.tie_embeddings = llama_preset ? preset->tie_embeddings : false;
+  } else if (model.family == "gpt2") {
+    if (model.n_kv_head == 0) model.n_kv_head = model.n_head;
+    if (model.ffn_hidden == 0) model.ffn_hidden = 4 * model.n_embd;
+    if (!model.tie_embeddings.has_value()) model.tie_embeddings = true;
+  }
   validate_model(model, "config");
 
   auto s = [](auto v) { return std::to_string(v); };
@@ -446,6 +508,8 @@ std::string Config::to_toml() const {
       section = f.section;
       out << (out.tellp() > 0 ? "\n" : "") << "[" << section << "]\n";
     }
+    // An optional key nobody set (an unresolved config) is left out, to be resolved on reading.
+    if (const auto* o = std::get_if<std::optional<bool>*>(&f.target); o != nullptr && !(*o)->has_value()) continue;
     out << f.key << " = " << toml_value(f) << "\n";
   }
   return out.str();
@@ -466,6 +530,10 @@ uint64_t Config::shape_hash() const {
   std::ostringstream s;
   s << model.n_layer << ',' << model.n_head << ',' << model.n_embd << ',' << model.vocab_size << ','
     << model.padded_vocab_size << ',' << model.max_seq_len << ',' << store.chunk_bytes;
+  if (model.llama()) {  // (GPT-2 configs keep the hash they always had)
+    s << ",llama," << model.n_kv_head << ',' << model.ffn_hidden << ',' << model.rope_theta << ','
+      << model.tie_embeddings.value_or(false);
+  }
   const std::string text = s.str();
   return XXH64(text.data(), text.size(), 0);
 }

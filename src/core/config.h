@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -11,12 +12,26 @@ namespace keel {
 
 struct ModelConfig {
   std::string preset = "d4";  // named size (see model_presets()); explicit keys below override it
+  // "gpt2" (learned positions, LayerNorm, GELU MLP, biases, head tied to the embedding) or
+  // "llama" (RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases); "" = the preset's.
+  std::string family;
   int n_layer = 0;            // 0 = take from preset
   int n_head = 0;
   int n_embd = 0;
   int vocab_size = 0;         // 0 = from preset, or from the tokenizer when one is given
   int padded_vocab_size = 0;  // 0 = vocab_size rounded up to a multiple of 128
-  int max_seq_len = 0;        // size of the position table
+  int max_seq_len = 0;        // size of the position table (llama: the longest trained sequence)
+  // llama only (GPT-2 refuses them; resolved GPT-2 configs hold n_kv_head = n_head, ffn_hidden = 4C):
+  int n_kv_head = 0;              // key/value heads (grouped-query attention); 0 = the preset's, else n_head
+  int ffn_hidden = 0;             // SwiGLU hidden size; 0 = LLaMA's rule below
+  int ffn_multiple_of = 0;        // the rule: 8C/3 (x ffn_dim_multiplier), rounded up to a multiple of this; 0 = preset's
+  double ffn_dim_multiplier = 0;  // 0 = none
+  double rope_theta = 0;          // RoPE's base; 0 = 10000
+  std::optional<bool> tie_embeddings;  // output head = token embedding; GPT-2: always; llama: the preset's
+  bool llama() const { return family == "llama"; }
+  int head_size() const { return n_embd / n_head; }
+  int kv_dim() const { return n_kv_head * head_size(); }  // columns of k (and of v)
+  int qkv_dim() const { return n_embd + 2 * kv_dim(); }   // [q | k | v] columns
 };
 
 struct TrainConfig {
@@ -233,10 +248,17 @@ struct Config {
 struct ModelPreset {
   const char* name;
   int n_layer, n_head, n_embd, vocab_size, max_seq_len;
+  const char* family = "gpt2";
+  int n_kv_head = 0;        // llama: 0 = n_head
+  int ffn_multiple_of = 0;  // llama
+  bool tie_embeddings = true;
 };
 const std::vector<ModelPreset>& model_presets();
 
 // Validates the model section alone (used also for checkpoints read from disk).
 void validate_model(const ModelConfig& m, const std::string& where);
+
+// LLaMA's SwiGLU hidden size: 2/3 of 4C, times the multiplier (if > 0), rounded up to a multiple.
+int llama_ffn_hidden(int n_embd, int multiple_of, double multiplier);
 
 }  // namespace keel

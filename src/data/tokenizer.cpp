@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -260,15 +262,16 @@ Tokenizer Tokenizer::load(const std::string& path) {
 
   const size_t first = bytes.find_first_not_of(" \t\r\n");
   const bool looks_like_json = first != std::string::npos && bytes[first] == '{';
+  if (!looks_like_json && load_llama2c(bytes, where, tok)) return tok;
   if (!looks_like_json) {
     // llm.c binary tokenizer.
     constexpr size_t kHeaderBytes = 256 * sizeof(uint32_t);
-    check(bytes.size() >= kHeaderBytes, where + ": expected Keel JSON or an llm.c tokenizer with a " +
+    check(bytes.size() >= kHeaderBytes, where + ": expected Keel JSON, llama2.c's tokenizer.bin or an llm.c tokenizer with a " +
                                             std::to_string(kHeaderBytes) + "-byte header, found a " +
                                             std::to_string(bytes.size()) + "-byte file");
     uint32_t header[256];
     std::memcpy(header, bytes.data(), kHeaderBytes);
-    check(header[0] == kLlmcTokenizerMagic, where + ": expected Keel JSON or llm.c magic " +
+    check(header[0] == kLlmcTokenizerMagic, where + ": expected Keel JSON, llama2.c's tokenizer.bin or llm.c magic " +
                                                 std::to_string(kLlmcTokenizerMagic) + ", found magic " +
                                                 std::to_string(header[0]));
     check(header[1] == 1 || header[1] == 2,
@@ -398,6 +401,7 @@ void Tokenizer::encode_pretoken(std::string_view piece, std::vector<int>& out) c
 
 std::vector<int> Tokenizer::encode(std::string_view text) const {
   check(can_encode_, origin_ + " cannot encode: it has no merges (llm.c tokenizers are decode-only)");
+  if (!scores_.empty()) return encode_scored(text);
   std::vector<int> ids;
   ids.reserve(text.size() / 3 + 16);
   // Text repeats its words; caching each distinct pre-token's ids makes encoding several
@@ -417,6 +421,109 @@ std::vector<int> Tokenizer::encode(std::string_view text) const {
   return ids;
 }
 
+bool Tokenizer::load_llama2c(const std::string& bytes, const std::string& where, Tokenizer& tok) {
+  // No magic: the file is one if it parses exactly, to its last byte, with sane lengths.
+  if (bytes.size() < 4) return false;
+  int32_t max_len = 0;
+  std::memcpy(&max_len, bytes.data(), 4);
+  if (max_len < 1 || max_len > 4096) return false;
+  std::vector<std::string> pieces;
+  std::vector<float> scores;
+  size_t pos = 4;
+  while (pos < bytes.size()) {
+    if (pos + 8 > bytes.size()) return false;
+    float score = 0;
+    int32_t len = 0;
+    std::memcpy(&score, bytes.data() + pos, 4);
+    std::memcpy(&len, bytes.data() + pos + 4, 4);
+    pos += 8;
+    if (len < 0 || len > max_len || pos + static_cast<size_t>(len) > bytes.size() || !std::isfinite(score)) return false;
+    pieces.emplace_back(bytes.substr(pos, static_cast<size_t>(len)));
+    scores.push_back(score);
+    pos += static_cast<size_t>(len);
+  }
+  if (pieces.size() < 3 || pieces.size() > static_cast<size_t>(kMaxVocabSize)) return false;
+  tok.token_bytes_.assign(pieces.size(), "");
+  tok.piece_id_.clear();
+  for (size_t id = 0; id < pieces.size(); ++id) {
+    const std::string& p = pieces[id];
+    // SentencePiece's byte tokens "<0xXX>" stand for that byte.
+    unsigned byte = 0;
+    if (p.size() == 6 && p.compare(0, 3, "<0x") == 0 && p[5] == '>' && std::sscanf(p.c_str() + 3, "%2X", &byte) == 1) {
+      tok.token_bytes_[id] = std::string(1, static_cast<char>(byte));
+    } else if ((id == 1 && p == "<s>") || (id == 2 && p == "</s>")) {
+      tok.token_bytes_[id] = "";  // control tokens decode to nothing, as Keel's end-of-text does
+    } else {
+      tok.token_bytes_[id] = p;
+    }
+    tok.piece_id_.emplace(p, static_cast<int>(id));  // the first of equal pieces, as run.c's sorted lookup may find
+  }
+  tok.scores_ = std::move(scores);
+  tok.pieces_ = std::move(pieces);
+  tok.eot_token_ = 1;  // <s>: llama2.c puts it before every document
+  tok.can_encode_ = true;
+  tok.origin_ = where;
+  return true;
+}
+
+std::vector<int> Tokenizer::encode_scored(std::string_view text) const {
+  std::vector<int> ids;
+  if (text.empty()) return ids;
+  const auto space = piece_id_.find(" ");
+  if (space != piece_id_.end()) ids.push_back(space->second);  // run.c's dummy prefix
+  for (size_t i = 0; i < text.size();) {
+    // One UTF-8 character: a lead byte and its continuation bytes (at most 4 in all).
+    size_t n = 1;
+    while (i + n < text.size() && n < 4 && (static_cast<unsigned char>(text[i + n]) & 0xC0) == 0x80) ++n;
+    const auto it = piece_id_.find(std::string(text.substr(i, n)));
+    if (it != piece_id_.end()) {
+      ids.push_back(it->second);
+    } else {
+      for (size_t k = 0; k < n; ++k) {
+        const int id = static_cast<unsigned char>(text[i + k]) + 3;  // SentencePiece's <0xXX> tokens
+        check(id < vocab_size(), origin_ + ": cannot encode byte " + std::to_string(id - 3) + " (no byte token)");
+        ids.push_back(id);
+      }
+    }
+    i += n;
+  }
+  // Merge the adjacent pair of the highest score whose joined bytes are a token, until none is.
+  for (;;) {
+    float best = -1e30f;
+    int best_id = -1;
+    size_t best_at = 0;
+    for (size_t i = 0; i + 1 < ids.size(); ++i) {
+      const auto it = piece_id_.find(pieces_[ids[i]] + pieces_[ids[i + 1]]);  // run.c joins the pieces
+      if (it != piece_id_.end() && scores_[it->second] > best) {
+        best = scores_[it->second];
+        best_id = it->second;
+        best_at = i;
+      }
+    }
+    if (best_id < 0) break;
+    ids[best_at] = best_id;
+    ids.erase(ids.begin() + static_cast<std::ptrdiff_t>(best_at) + 1);
+  }
+  return ids;
+}
+
+void Tokenizer::save_llama2c(const std::string& path) const {
+  check(can_encode_ && scores_.empty(), origin_ + ": only a Keel BPE tokenizer is written as llama2.c's tokenizer.bin");
+  size_t max_len = 1;
+  for (const std::string& t : token_bytes_) max_len = std::max(max_len, t.size());
+  std::string out(4, '\0');
+  const int32_t m = static_cast<int32_t>(max_len);
+  std::memcpy(out.data(), &m, 4);
+  for (int id = 0; id < vocab_size(); ++id) {
+    const float score = id < kByteTokens ? 0.0f : -static_cast<float>(id - kByteTokens);  // earlier merges first
+    const int32_t len = static_cast<int32_t>(token_bytes_[id].size());
+    out.append(reinterpret_cast<const char*>(&score), 4);
+    out.append(reinterpret_cast<const char*>(&len), 4);
+    out += token_bytes_[id];
+  }
+  write_file_atomic(path, {ByteRange{out.data(), out.size()}});
+}
+
 std::string Tokenizer::decode_token(int id) const {
   check_token_id(id);
   return token_bytes_[id];
@@ -424,9 +531,15 @@ std::string Tokenizer::decode_token(int id) const {
 
 std::string Tokenizer::decode(const std::vector<int>& ids) const {
   std::string text;
-  for (int id : ids) {
-    check_token_id(id);
-    text += token_bytes_[id];
+  for (size_t i = 0; i < ids.size(); ++i) {
+    check_token_id(ids[i]);
+    const std::string& piece = token_bytes_[ids[i]];
+    // llama2.c vocabularies: a piece after <s> (token 1) drops its leading space, as run.c's decode.
+    if (!scores_.empty() && i > 0 && ids[i - 1] == 1 && !piece.empty() && piece[0] == ' ') {
+      text += piece.substr(1);
+    } else {
+      text += piece;
+    }
   }
   return text;
 }

@@ -10,6 +10,16 @@
 //   - llm.c's gpt2_tokenizer.bin (read only, decode only): 256 x uint32 header
 //     (magic 20240328, version 1 or 2, vocab size, eot in version 2), then per token a
 //     uint8 length and that many bytes. It carries no merges, so it cannot encode.
+//   - llama2.c's tokenizer.bin (read and written): int32 max_token_length, then per token a
+//     float32 score, an int32 length and that many bytes, to the end of the file. Loaded, it
+//     encodes as llama2.c's run.c does (a leading " " token, each UTF-8 character looked up,
+//     unknown bytes as SentencePiece's <0xXX> tokens at id byte + 3, then the adjacent pair whose
+//     joined bytes are a token of the highest score merged, until none is) and decodes pieces
+//     ("<0xXX>" as that byte, <s> and </s> as nothing, a space after <s> dropped); token 1 (<s>,
+//     what llama2.c puts before each document) plays the end-of-text role. Written from a Keel
+//     BPE tokenizer (save_llama2c), merge i scores -i and bytes 0: run.c decodes its tokens
+//     exactly; its encoder approximates Keel's (no pre-token boundaries, a leading space, and
+//     its byte fallback assumes SentencePiece's byte tokens, which a Keel vocabulary lacks).
 #pragma once
 
 #include <cstdint>
@@ -46,6 +56,9 @@ class Tokenizer {
   // to save).
   void save(const std::string& path) const;
 
+  // Writes llama2.c's tokenizer.bin (atomically). Requires can_encode() (a Keel BPE tokenizer).
+  void save_llama2c(const std::string& path) const;
+
   // Encodes text to token ids, never emitting eot_token(). Throws keel::Error if
   // can_encode() is false.
   std::vector<int> encode(std::string_view text) const;
@@ -76,12 +89,18 @@ class Tokenizer {
   void encode_pretoken(std::string_view piece, std::vector<int>& out) const;
   // Throws keel::Error unless id is in [0, vocab_size()).
   void check_token_id(int id) const;
+  // llama2.c's tokenizer.bin, if `bytes` parses as one (else false, `tok` untouched).
+  static bool load_llama2c(const std::string& bytes, const std::string& where, Tokenizer& tok);
+  std::vector<int> encode_scored(std::string_view text) const;  // run.c's encoder
 
   std::vector<std::string> token_bytes_;            // id -> bytes; eot maps to ""
   std::vector<std::pair<int, int>> merges_;         // rank -> (left, right)
   std::unordered_map<uint64_t, int> merged_token_;  // packed (left, right) -> merged id
   int eot_token_ = -1;
   bool can_encode_ = false;
+  std::vector<float> scores_;                       // llama2.c vocabularies: id -> score (else empty)
+  std::vector<std::string> pieces_;                 // llama2.c vocabularies: id -> its piece as written
+  std::unordered_map<std::string, int> piece_id_;   // llama2.c vocabularies: piece -> id
   std::string origin_;  // where this tokenizer came from, for error messages
 };
 

@@ -7,31 +7,17 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "kernels/cpu/ops.h"
+#include "model/layer_util.h"
+#include "model/llama.h"
 
 namespace keel {
 
+using model_detail::add_tensor;
+using model_detail::Carver;
+using model_detail::OutputLayer;
+using model_detail::padded;
+
 namespace {
-
-// Carves named slices out of one allocation.
-class Carver {
- public:
-  explicit Carver(float* base) : cursor_(base) {}
-  float* take(int64_t n) {
-    float* p = cursor_;
-    cursor_ += (n + 15) / 16 * 16;  // keep 64-byte alignment
-    return p;
-  }
-
- private:
-  float* cursor_;
-};
-
-int64_t padded(int64_t n) { return (n + 15) / 16 * 16; }
-
-TensorId add_tensor(ChunkStore& store, const std::string& name, std::vector<int64_t> shape, int layer,
-                    ChunkKind kind, bool decay) {
-  return store.add(TensorSpec{name, std::move(shape), layer, kind, decay});
-}
 
 // ---- layer 0: token + position embedding --------------------------------------------------------
 class Embedding final : public Layer {
@@ -187,7 +173,7 @@ class Block final : public Layer {
 };
 
 // ---- layer L+1: final LayerNorm, tied LM head, cross-entropy ------------------------------------
-class Head final : public Layer {
+class Head final : public OutputLayer {
  public:
   Head(const ModelConfig& m, ChunkStore& store, int layer, TensorId wte) : store_(store), m_(m), layer_(layer), wte_(wte) {
     lnfw_ = add_tensor(store, "lnf.w", {m.n_embd}, layer, ChunkKind::norm, false);
@@ -243,8 +229,8 @@ class Head final : public Layer {
     ops::layernorm_backward_weight(store_.data(lnfw_, Plane::grad), store_.data(lnfb_, Plane::grad), dlnf_, x_in,
                                    mean_, rstd_, N, C);
   }
-  float mean_loss() const { return mean_loss_; }
-  const float* logits() const { return logits_; }
+  float mean_loss() const override { return mean_loss_; }
+  const float* logits() const override { return logits_; }
 
  private:
   ChunkStore& store_;
@@ -276,6 +262,10 @@ GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> r
     }
   }
   layers_.resize(L);
+  if (config.llama()) {
+    build_llama();
+    return;
+  }
   // The head is tied to the token embedding: a rank with the head but not the embedding keeps a
   // replica of wte (same name, same initial values; see TiedGroup).
   tied_.push_back(TiedGroup{"wte", 0, {0, L - 1}});
@@ -293,6 +283,24 @@ GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> r
     if (local_[l]) layers_[l] = std::make_unique<Block>(config, store, l);
   }
   if (local_[L - 1]) layers_[L - 1] = std::make_unique<Head>(config, store, L - 1, wte);
+}
+
+void GPT::build_llama() {
+  const int L = num_layers();
+  const bool tied = config_.tie_embeddings.value_or(false);
+  if (tied) tied_.push_back(TiedGroup{"wte", 0, {0, L - 1}});
+  TensorId wte = -1;
+  if (local_[0]) {
+    layers_[0] = make_llama_embedding(config_, store_, &wte);
+  } else if (tied && local_[L - 1]) {
+    TensorSpec replica{"wte", {config_.padded_vocab_size, config_.n_embd}, 0, ChunkKind::embedding, true};
+    replica.replica = true;
+    wte = store_.add(std::move(replica));
+  }
+  for (int l = 1; l <= config_.n_layer; ++l) {
+    if (local_[l]) layers_[l] = make_llama_block(config_, store_, l);
+  }
+  if (local_[L - 1]) layers_[L - 1] = make_llama_head(config_, store_, L - 1, tied ? wte : -1);
 }
 
 GPT::~GPT() = default;
@@ -322,9 +330,9 @@ void GPT::init_weights(uint64_t seed) {
     } else {
       Rng rng(seed ^ hash_name(n));
       const double std = (ends_with("attn.proj.w") || ends_with("mlp.proj.w")) ? residual_std : 0.02;
-      // Only real vocabulary rows of wte are drawn; padded rows stay zero.
-      const int64_t used = n == "wte" ? static_cast<int64_t>(config_.vocab_size) * config_.n_embd
-                                      : static_cast<int64_t>(w.size());
+      // Only real vocabulary rows of wte (and of an untied head) are drawn; padded rows stay zero.
+      const int64_t used = n == "wte" || n == "lm_head.w" ? static_cast<int64_t>(config_.vocab_size) * config_.n_embd
+                                                          : static_cast<int64_t>(w.size());
       for (int64_t i = 0; i < used; ++i) w[i] = static_cast<float>(rng.normal() * std);
       std::fill(w.begin() + used, w.end(), 0.0f);
     }
@@ -414,7 +422,7 @@ float GPT::forward(const LayerRange& range, int slot, const Batch& batch) {
     bind(slot, i);
     layers_[i]->forward(batch, i == 0 ? nullptr : x[i - 1], x[i]);
   }
-  return range.last == num_layers() - 1 ? static_cast<Head&>(*layers_.back()).mean_loss() : 0.0f;
+  return range.last == num_layers() - 1 ? static_cast<OutputLayer&>(*layers_.back()).mean_loss() : 0.0f;
 }
 
 void GPT::backward_input(const LayerRange& range, int slot, const Batch& batch, BackwardObserver* observer) {
@@ -451,11 +459,16 @@ void GPT::backward(const Batch& batch, bool defer_weight_grads, BackwardObserver
 
 const float* GPT::logits() {
   bind(0, num_layers() - 1);
-  return static_cast<const Head&>(*layers_.back()).logits();
+  return static_cast<const OutputLayer&>(*layers_.back()).logits();
 }
 
 double GPT::train_flops_per_token(int T) const {
   const double C = config_.n_embd, L = config_.n_layer, Vp = config_.padded_vocab_size;
+  if (config_.llama()) {
+    // per token, forward: qkv 2*C*(C + 2kv), proj 2C^2, gate+up 2*C*2H, down 2*H*C, attention 4TC, head 2*C*Vp
+    const double H = config_.ffn_hidden, QKV = config_.qkv_dim();
+    return 3 * (L * (2 * C * QKV + 2 * C * C + 6 * C * H + 4.0 * T * C) + 2 * C * Vp);
+  }
   // per token, forward: qkv 2*3C^2, proj 2C^2, fc 2*4C^2, fcproj 2*4C^2, attention 2*2*T*C, head 2*C*Vp
   const double forward = L * (2 * 12 * C * C + 4.0 * T * C) + 2 * C * Vp;
   return 3 * forward;  // backward = 2x forward (B and W)

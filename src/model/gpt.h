@@ -1,7 +1,9 @@
-// GPT-2: token + position embedding, pre-LayerNorm blocks of causal self-attention and a GELU
-// MLP, final LayerNorm, LM head tied to the token embedding, cross-entropy loss. Its parameters
-// live in a ChunkStore; it owns only activation memory, allocated once for the largest
-// micro-batch.
+// A decoder-only transformer of either family (model.family). GPT-2: token + position
+// embedding, pre-LayerNorm blocks of causal self-attention and a GELU MLP, final LayerNorm, LM
+// head tied to the token embedding. llama (model/llama.h): token embedding, pre-RMSNorm blocks of
+// rotary grouped-query attention and a SwiGLU MLP without biases, final RMSNorm, an LM head of
+// its own or tied. Both end in cross-entropy. Parameters live in a ChunkStore; the model owns only
+// activation memory, allocated once for the largest micro-batch.
 //
 // Layer indices (also the chunk store's layer ids): 0 = embedding, 1..L = blocks, L+1 = head.
 #pragma once
@@ -104,6 +106,7 @@ class GPT {
   int slots() const { return static_cast<int>(act_.size()); }
 
  private:
+  void build_llama();  // the llama family's layers (model/llama.h)
   void bind(int slot, int layer);
   void check_batch(const Batch& batch, int slot) const;
 

@@ -34,6 +34,13 @@ T gelu_scale() {
 
 template <typename T>
 void encoder_forward(T* out, const int* tokens, const T* wte, const T* wpe, int B, int Tn, int C) {
+  if (wpe == nullptr) {  // token embedding alone (llama: positions enter through RoPE)
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < static_cast<int64_t>(B) * Tn; ++n) {
+      std::copy(wte + static_cast<int64_t>(tokens[n]) * C, wte + static_cast<int64_t>(tokens[n] + 1) * C, out + n * C);
+    }
+    return;
+  }
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < static_cast<int64_t>(B) * Tn; ++n) {
     const T* e = wte + static_cast<int64_t>(tokens[n]) * C;
@@ -54,6 +61,10 @@ void encoder_backward_weight(T* dwte, T* dwpe, const T* dout, const int* tokens,
     for (int64_t n = 0; n < N; ++n) {
       const T* d = dout + n * C;
       T* e = dwte + static_cast<int64_t>(tokens[n]) * C;
+      if (dwpe == nullptr) {
+        for (int64_t c = c0; c < c1; ++c) e[c] += d[c];
+        continue;
+      }
       T* p = dwpe + (n % Tn) * C;
       for (int64_t c = c0; c < c1; ++c) {
         e[c] += d[c];
@@ -151,6 +162,80 @@ void layernorm_backward_weight(T* dw, T* db, const T* dout, const T* inp, const 
   }
 }
 
+// ---- RMSNorm -----------------------------------------------------------------------------------
+
+namespace {
+template <typename T>
+inline void rmsnorm_row(T* o, T* rstd_out, const T* x, const T* w, int C) {
+  T ss = 0;
+#pragma omp simd reduction(+ : ss)
+  for (int c = 0; c < C; ++c) ss += x[c] * x[c];
+  const T s = T(1) / std::sqrt(ss / C + static_cast<T>(1e-5));
+#pragma omp simd
+  for (int c = 0; c < C; ++c) o[c] = x[c] * s * w[c];
+  *rstd_out = s;
+}
+}  // namespace
+
+template <typename T>
+void rmsnorm_forward(T* out, T* rstd, const T* inp, const T* w, int N, int C) {
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; ++n) {
+    rmsnorm_row(out + static_cast<int64_t>(n) * C, rstd + n, inp + static_cast<int64_t>(n) * C, w, C);
+  }
+}
+
+template <typename T>
+void residual_rmsnorm_forward(T* res, T* out, T* rstd, const T* a, const T* b_in, const T* w, int N, int C) {
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; ++n) {
+    const int64_t off = static_cast<int64_t>(n) * C;
+#pragma omp simd
+    for (int c = 0; c < C; ++c) res[off + c] = a[off + c] + b_in[off + c];
+    rmsnorm_row(out + off, rstd + n, res + off, w, C);
+  }
+}
+
+// y = x s w with s = (mean(x^2) + eps)^(-1/2): dx = s (g - xhat mean(g xhat)), g = w dout, xhat = x s.
+template <typename T>
+void rmsnorm_backward_input(T* dinp, const T* dout, const T* inp, const T* rstd, const T* w, int N, int C,
+                            bool accumulate) {
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; ++n) {
+    const int64_t off = static_cast<int64_t>(n) * C;
+    const T* x = inp + off;
+    const T* d = dout + off;
+    const T s = rstd[n];
+    T g_xhat_mean = 0;
+#pragma omp simd reduction(+ : g_xhat_mean)
+    for (int c = 0; c < C; ++c) g_xhat_mean += w[c] * d[c] * x[c] * s;
+    g_xhat_mean /= C;
+    T* di = dinp + off;
+    if (accumulate) {
+#pragma omp simd
+      for (int c = 0; c < C; ++c) di[c] += (w[c] * d[c] - x[c] * s * g_xhat_mean) * s;
+    } else {
+#pragma omp simd
+      for (int c = 0; c < C; ++c) di[c] = (w[c] * d[c] - x[c] * s * g_xhat_mean) * s;
+    }
+  }
+}
+
+template <typename T>
+void rmsnorm_backward_weight(T* dw, const T* dout, const T* inp, const T* rstd, int N, int C) {
+#pragma omp parallel
+  {
+    int64_t c0, c1;
+    thread_range(C, &c0, &c1);
+    for (int n = 0; n < N; ++n) {
+      const int64_t off = static_cast<int64_t>(n) * C;
+      const T s = rstd[n];
+#pragma omp simd
+      for (int64_t c = c0; c < c1; ++c) dw[c] += dout[off + c] * inp[off + c] * s;
+    }
+  }
+}
+
 // ---- linear ------------------------------------------------------------------------------------
 
 template <typename T>
@@ -210,6 +295,71 @@ void gelu_backward_input(T* dinp, const T* dout, const T* inp, int64_t n) {
   }
 }
 
+// ---- SwiGLU ------------------------------------------------------------------------------------
+
+template <typename T>
+void swiglu_forward(T* out, const T* inp, int N, int H) {
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; ++n) {
+    const T* a = inp + static_cast<int64_t>(n) * 2 * H;
+    const T* b = a + H;
+    T* o = out + static_cast<int64_t>(n) * H;
+#pragma omp simd
+    for (int j = 0; j < H; ++j) o[j] = a[j] / (T(1) + vmath::exp(-a[j])) * b[j];
+  }
+}
+
+// silu(a) = a sig(a), silu'(a) = sig(a) (1 + a (1 - sig(a))).
+template <typename T>
+void swiglu_backward_input(T* dinp, const T* dout, const T* inp, int N, int H) {
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; ++n) {
+    const T* a = inp + static_cast<int64_t>(n) * 2 * H;
+    const T* b = a + H;
+    const T* d = dout + static_cast<int64_t>(n) * H;
+    T* da = dinp + static_cast<int64_t>(n) * 2 * H;
+    T* db = da + H;
+#pragma omp simd
+    for (int j = 0; j < H; ++j) {
+      const T sig = T(1) / (T(1) + vmath::exp(-a[j]));
+      da[j] = d[j] * b[j] * sig * (T(1) + a[j] * (T(1) - sig));
+      db[j] = d[j] * a[j] * sig;
+    }
+  }
+}
+
+// ---- RoPE --------------------------------------------------------------------------------------
+
+template <typename T>
+void rope_forward(T* qkv, int B, int Tn, int NH, int NKV, int hs, double theta, int pos0, bool inverse) {
+  const int C = NH * hs, width = C + 2 * NKV * hs, half = hs / 2;
+  // The angles once per call, in double (the same table for every batch row and head).
+  std::vector<T> cos_t(static_cast<size_t>(Tn) * half), sin_t(static_cast<size_t>(Tn) * half);
+  for (int t = 0; t < Tn; ++t) {
+    for (int i = 0; i < half; ++i) {
+      const double angle = (pos0 + t) * std::pow(theta, -2.0 * i / hs);
+      cos_t[static_cast<size_t>(t) * half + i] = static_cast<T>(std::cos(angle));
+      sin_t[static_cast<size_t>(t) * half + i] = static_cast<T>((inverse ? -1 : 1) * std::sin(angle));
+    }
+  }
+  const int heads = NH + NKV;  // the q heads, then the k heads: contiguous in each row
+#pragma omp parallel for schedule(static)
+  for (int64_t bt = 0; bt < static_cast<int64_t>(B) * Tn; ++bt) {
+    const int t = static_cast<int>(bt % Tn);
+    const T* cs = cos_t.data() + static_cast<size_t>(t) * half;
+    const T* sn = sin_t.data() + static_cast<size_t>(t) * half;
+    T* row = qkv + bt * width;
+    for (int h = 0; h < heads; ++h) {
+      T* x = row + h * hs;
+      for (int i = 0; i < half; ++i) {
+        const T x0 = x[2 * i], x1 = x[2 * i + 1];
+        x[2 * i] = x0 * cs[i] - x1 * sn[i];
+        x[2 * i + 1] = x0 * sn[i] + x1 * cs[i];
+      }
+    }
+  }
+}
+
 template <typename T>
 void residual_forward(T* out, const T* a, const T* b, int64_t n) {
 #pragma omp parallel for simd schedule(static)
@@ -219,17 +369,19 @@ void residual_forward(T* out, const T* a, const T* b, int64_t n) {
 // ---- attention ---------------------------------------------------------------------------------
 
 template <typename T>
-void attention_forward(T* out, T* att, const T* qkv, int B, int Tn, int C, int NH) {
-  const int hs = C / NH;
-  const int C3 = 3 * C;
+void attention_forward(T* out, T* att, const T* qkv, int B, int Tn, int C, int NH, int NKV) {
+  if (NKV == 0) NKV = NH;
+  const int hs = C / NH, group = NH / NKV, kv = NKV * hs;
+  const int C3 = C + 2 * kv;  // the row width of qkv
   const T scale = T(1) / std::sqrt(static_cast<T>(hs));
   // One (batch, head) per iteration; BLAS runs single-threaded inside an OpenMP region.
 #pragma omp parallel for schedule(static)
   for (int bh = 0; bh < B * NH; ++bh) {
-    const int b = bh / NH, h = bh % NH;
-    const T* q = qkv + static_cast<int64_t>(b) * Tn * C3 + h * hs;
-    const T* k = q + C;
-    const T* v = q + 2 * C;
+    const int b = bh / NH, h = bh % NH, g = h / group;
+    const T* row = qkv + static_cast<int64_t>(b) * Tn * C3;
+    const T* q = row + h * hs;
+    const T* k = row + C + g * hs;
+    const T* v = row + C + kv + g * hs;
     T* a = att + static_cast<int64_t>(bh) * Tn * Tn;
     gemm<T>(false, true, Tn, Tn, hs, scale, q, C3, k, C3, T(0), a, Tn);
     for (int i = 0; i < Tn; ++i) {
@@ -253,9 +405,11 @@ void attention_forward(T* out, T* att, const T* qkv, int B, int Tn, int C, int N
 }
 
 template <typename T>
-void attention_backward_input(T* dqkv, const T* dout, const T* att, const T* qkv, int B, int Tn, int C, int NH) {
-  const int hs = C / NH;
-  const int C3 = 3 * C;
+void attention_backward_input(T* dqkv, const T* dout, const T* att, const T* qkv, int B, int Tn, int C, int NH,
+                              int NKV) {
+  if (NKV == 0) NKV = NH;
+  const int hs = C / NH, group = NH / NKV, kv = NKV * hs;
+  const int C3 = C + 2 * kv;
   const T scale = T(1) / std::sqrt(static_cast<T>(hs));
 #pragma omp parallel
   {
@@ -263,20 +417,23 @@ void attention_backward_input(T* dqkv, const T* dout, const T* att, const T* qkv
     static thread_local std::vector<T> datt_buffer;
     if (datt_buffer.size() < static_cast<size_t>(Tn) * Tn) datt_buffer.resize(static_cast<size_t>(Tn) * Tn);
     T* datt = datt_buffer.data();
+    // One (batch, key/value head) per iteration: its query heads in order, each adding into dk, dv.
 #pragma omp for schedule(static)
-    for (int bh = 0; bh < B * NH; ++bh) {
-      const int b = bh / NH, h = bh % NH;
-      const int64_t base = static_cast<int64_t>(b) * Tn * C3 + h * hs;
-      const T* q = qkv + base;
-      const T* k = q + C;
-      const T* v = q + 2 * C;
-      T* dq = dqkv + base;
-      T* dk = dq + C;
-      T* dv = dq + 2 * C;
-      const T* a = att + static_cast<int64_t>(bh) * Tn * Tn;
+    for (int bg = 0; bg < B * NKV; ++bg) {
+     const int b = bg / NKV, g = bg % NKV;
+     for (int h = g * group; h < (g + 1) * group; ++h) {
+      const T first = h == g * group ? T(0) : T(1);  // beta: the group's first head overwrites
+      const int64_t row = static_cast<int64_t>(b) * Tn * C3;
+      const T* q = qkv + row + h * hs;
+      const T* k = qkv + row + C + g * hs;
+      const T* v = qkv + row + C + kv + g * hs;
+      T* dq = dqkv + row + h * hs;
+      T* dk = dqkv + row + C + g * hs;
+      T* dv = dqkv + row + C + kv + g * hs;
+      const T* a = att + (static_cast<int64_t>(b) * NH + h) * Tn * Tn;
       const T* d = dout + static_cast<int64_t>(b) * Tn * C + h * hs;
       gemm<T>(false, true, Tn, Tn, hs, T(1), d, C, v, C3, T(0), datt, Tn);   // datt = dout v^T
-      gemm<T>(true, false, Tn, hs, Tn, T(1), a, Tn, d, C, T(0), dv, C3);      // dv = att^T dout
+      gemm<T>(true, false, Tn, hs, Tn, T(1), a, Tn, d, C, first, dv, C3);     // dv (+)= att^T dout
       for (int i = 0; i < Tn; ++i) {  // softmax backward, in place, then the 1/sqrt(hs) scale
         const T* arow = a + static_cast<int64_t>(i) * Tn;
         T* drow = datt + static_cast<int64_t>(i) * Tn;
@@ -288,7 +445,8 @@ void attention_backward_input(T* dqkv, const T* dout, const T* att, const T* qkv
         for (int j = i + 1; j < Tn; ++j) drow[j] = T(0);
       }
       gemm<T>(false, false, Tn, hs, Tn, T(1), datt, Tn, k, C3, T(0), dq, C3);  // dq = dpre k
-      gemm<T>(true, false, Tn, hs, Tn, T(1), datt, Tn, q, C3, T(0), dk, C3);   // dk = dpre^T q
+      gemm<T>(true, false, Tn, hs, Tn, T(1), datt, Tn, q, C3, first, dk, C3);  // dk (+)= dpre^T q
+     }
     }
   }
 }
@@ -339,8 +497,15 @@ void crossentropy_forward(T* losses, T* logits, const int* targets, int N, int V
   template void gelu_forward<T>(T*, const T*, int64_t);                                                         \
   template void gelu_backward_input<T>(T*, const T*, const T*, int64_t);                                        \
   template void residual_forward<T>(T*, const T*, const T*, int64_t);                                           \
-  template void attention_forward<T>(T*, T*, const T*, int, int, int, int);                                     \
-  template void attention_backward_input<T>(T*, const T*, const T*, const T*, int, int, int, int);              \
+  template void attention_forward<T>(T*, T*, const T*, int, int, int, int, int);                                \
+  template void attention_backward_input<T>(T*, const T*, const T*, const T*, int, int, int, int, int);         \
+  template void rmsnorm_forward<T>(T*, T*, const T*, const T*, int, int);                                       \
+  template void residual_rmsnorm_forward<T>(T*, T*, T*, const T*, const T*, const T*, int, int);                \
+  template void rmsnorm_backward_input<T>(T*, const T*, const T*, const T*, const T*, int, int, bool);          \
+  template void rmsnorm_backward_weight<T>(T*, const T*, const T*, const T*, int, int);                         \
+  template void swiglu_forward<T>(T*, const T*, int, int);                                                      \
+  template void swiglu_backward_input<T>(T*, const T*, const T*, int, int);                                     \
+  template void rope_forward<T>(T*, int, int, int, int, int, double, int, bool);                                \
   template void crossentropy_forward<T>(T*, T*, const int*, int, int, int, T);
 
 KEEL_INSTANTIATE(float)

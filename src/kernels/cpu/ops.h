@@ -1,4 +1,4 @@
-// CPU kernels of the GPT forward and backward passes. Every op comes as a pair (or triple):
+// CPU kernels of the forward and backward passes of both model families (GPT-2, llama). Every op comes as a pair (or triple):
 // `X_forward`, `X_backward_input` (B: gradient w.r.t. the input) and `X_backward_weight`
 // (W: gradient w.r.t. the weights), side by side, with the shapes of every argument above them.
 // All are templated on the scalar (float for training, double for finite-difference tests), use
@@ -13,10 +13,10 @@
 namespace keel::ops {
 
 // ---- token + position embedding ----------------------------------------------------------------
-// out[N=B*T, C] = wte[tokens[n], :] + wpe[n % T, :]
+// out[N=B*T, C] = wte[tokens[n], :] + wpe[n % T, :]   (wpe may be null: no position table)
 template <typename T>
 void encoder_forward(T* out, const int* tokens, const T* wte, const T* wpe, int B, int Tn, int C);
-// dwte[Vp, C] += scatter(dout) by token; dwpe[T, C] += sum over batch of dout.
+// dwte[Vp, C] += scatter(dout) by token; dwpe[T, C] += sum over batch of dout (dwpe may be null).
 template <typename T>
 void encoder_backward_weight(T* dwte, T* dwpe, const T* dout, const int* tokens, int B, int Tn, int C);
 
@@ -37,6 +37,21 @@ template <typename T>
 void layernorm_backward_weight(T* dw, T* db, const T* dout, const T* inp, const T* mean, const T* rstd, int N,
                                int C);
 
+// ---- RMS normalisation (eps 1e-5; llama) -------------------------------------------------------
+// out[N, C] = inp * rstd * w, rstd = 1 / sqrt(mean(inp^2) + eps); saves rstd[N].
+template <typename T>
+void rmsnorm_forward(T* out, T* rstd, const T* inp, const T* w, int N, int C);
+// Fused residual add + RMSNorm: res[N, C] = a + b_in, then out = rmsnorm(res).
+template <typename T>
+void residual_rmsnorm_forward(T* res, T* out, T* rstd, const T* a, const T* b_in, const T* w, int N, int C);
+// dinp[N, C] (= or +=) d/dinp of rmsnorm given dout[N, C].
+template <typename T>
+void rmsnorm_backward_input(T* dinp, const T* dout, const T* inp, const T* rstd, const T* w, int N, int C,
+                            bool accumulate);
+// dw[C] += sum_n dout * inp * rstd.
+template <typename T>
+void rmsnorm_backward_weight(T* dw, const T* dout, const T* inp, const T* rstd, int N, int C);
+
 // ---- linear: y = x W^T + b, W stored [OC, C] like PyTorch and llm.c ---------------------------
 // out[N, OC] = inp[N, C] @ w[OC, C]^T + bias[OC] (bias may be null)
 template <typename T>
@@ -56,20 +71,41 @@ void gelu_forward(T* out, const T* inp, int64_t n);
 template <typename T>
 void gelu_backward_input(T* dinp, const T* dout, const T* inp, int64_t n);
 
+// ---- SwiGLU (llama's MLP gate) ----------------------------------------------------------------
+// inp[N, 2H] holds [a | b] per row (the gate and up projections); out[N, H] = silu(a) * b.
+template <typename T>
+void swiglu_forward(T* out, const T* inp, int N, int H);
+// dinp[N, 2H] (overwritten) from dout[N, H] and the forward's inp.
+template <typename T>
+void swiglu_backward_input(T* dinp, const T* dout, const T* inp, int N, int H);
+
+// ---- rotary position embedding (RoPE; llama) ---------------------------------------------------
+// Rotates, in place, the q heads and the k heads of qkv[B, T, C + 2 * NKV * hs] ([q | k | v], q
+// with NH heads, k and v with NKV): within each head, the pair (2i, 2i+1) at position t by the
+// angle (pos0 + t) * theta^(-2i / hs) (Meta's and llama2.c's interleaved convention). inverse =
+// true rotates back: that is the backward pass (a rotation's transpose is its inverse), applied to
+// the gradients dq, dk in place.
+template <typename T>
+void rope_forward(T* qkv, int B, int Tn, int NH, int NKV, int hs, double theta, int pos0, bool inverse = false);
+
 // ---- residual add ------------------------------------------------------------------------------
 // out[n] = a[n] + b[n]
 template <typename T>
 void residual_forward(T* out, const T* a, const T* b, int64_t n);
 
 // ---- causal multi-head self-attention (no weights: only forward and backward_input) ------------
-// qkv[B, T, 3C] holds [q | k | v], head h at columns h*hs..(h+1)*hs-1 of each, hs = C / NH.
-// out[B, T, C] = softmax_causal(q k^T / sqrt(hs)) v per head; saves att[B, NH, T, T] (probabilities,
-// zero above the diagonal) for the backward pass.
+// qkv[B, T, C + 2 * NKV * hs] holds [q | k | v], hs = C / NH: q has NH heads, k and v NKV (NKV
+// divides NH; query head h reads key/value head h / (NH / NKV): grouped-query attention; NKV = 0
+// means NH, GPT-2's multi-head attention with qkv[B, T, 3C]). Head h's columns are h*hs..(h+1)*hs-1
+// of its part. out[B, T, C] = softmax_causal(q k^T / sqrt(hs)) v per head; saves att[B, NH, T, T]
+// (probabilities, zero above the diagonal) for the backward pass.
 template <typename T>
-void attention_forward(T* out, T* att, const T* qkv, int B, int Tn, int C, int NH);
-// dqkv[B, T, 3C] (overwritten) from dout[B, T, C], att and qkv of the forward pass.
+void attention_forward(T* out, T* att, const T* qkv, int B, int Tn, int C, int NH, int NKV = 0);
+// dqkv (overwritten, qkv's shape) from dout[B, T, C], att and qkv of the forward pass. The query
+// heads of a group add into their key/value head's gradient in head order (a fixed order).
 template <typename T>
-void attention_backward_input(T* dqkv, const T* dout, const T* att, const T* qkv, int B, int Tn, int C, int NH);
+void attention_backward_input(T* dqkv, const T* dout, const T* att, const T* qkv, int B, int Tn, int C, int NH,
+                              int NKV = 0);
 
 // ---- softmax cross-entropy, fused with its gradient --------------------------------------------
 // logits[N, Vp] (only the first V columns are real). losses[n] = -log softmax(logits[n])[targets[n]].

@@ -1,0 +1,42 @@
+// What the layers of both model families share: carving activation memory, registering tensors,
+// and the output layer's interface (the loss and the logits of the last forward).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/layer.h"
+#include "store/chunk_store.h"
+
+namespace keel::model_detail {
+
+inline int64_t padded(int64_t n) { return (n + 15) / 16 * 16; }
+
+// Carves named slices out of one allocation, 64-byte aligned.
+class Carver {
+ public:
+  explicit Carver(float* base) : cursor_(base) {}
+  float* take(int64_t n) {
+    float* p = cursor_;
+    cursor_ += padded(n);
+    return p;
+  }
+
+ private:
+  float* cursor_;
+};
+
+inline TensorId add_tensor(ChunkStore& store, const std::string& name, std::vector<int64_t> shape, int layer,
+                           ChunkKind kind, bool decay) {
+  return store.add(TensorSpec{name, std::move(shape), layer, kind, decay});
+}
+
+// The last layer: final norm, LM head and cross-entropy.
+class OutputLayer : public Layer {
+ public:
+  virtual float mean_loss() const = 0;     // of the last forward with targets
+  virtual const float* logits() const = 0;  // [B*T, padded_vocab] of the last forward
+};
+
+}  // namespace keel::model_detail

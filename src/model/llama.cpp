@@ -1,0 +1,241 @@
+#include "model/llama.h"
+
+#include <cstring>
+
+#include "kernels/cpu/ops.h"
+#include "model/layer_util.h"
+
+namespace keel {
+
+using model_detail::add_tensor;
+using model_detail::Carver;
+using model_detail::OutputLayer;
+using model_detail::padded;
+
+namespace {
+
+// ---- layer 0: token embedding ------------------------------------------------------------------
+class LlamaEmbedding final : public Layer {
+ public:
+  LlamaEmbedding(const ModelConfig& m, ChunkStore& store) : store_(store), m_(m) {
+    wte_ = add_tensor(store, "wte", {m.padded_vocab_size, m.n_embd}, 0, ChunkKind::embedding, true);
+  }
+  const char* name() const override { return "embedding"; }
+  int64_t activation_floats(int, int) const override { return 0; }
+  int64_t scratch_floats(int, int) const override { return 0; }
+  void bind(float*, float*, int, int) override {}
+  void forward(const Batch& b, const float*, float* x_out) override {
+    const PageLease use = store_.use_layer(0, {Plane::param});
+    ops::encoder_forward(x_out, b.inputs, store_.data(wte_, Plane::param), static_cast<const float*>(nullptr), b.B,
+                         b.T, m_.n_embd);
+  }
+  void backward_input(const Batch&, const float*, const float*, float*) override {}
+  void backward_weight(const Batch& b, const float*, const float* dx_out) override {
+    const PageLease use = store_.use_layer(0, {}, {Plane::grad});
+    ops::encoder_backward_weight(store_.data(wte_, Plane::grad), static_cast<float*>(nullptr), dx_out, b.inputs, b.B,
+                                 b.T, m_.n_embd);
+  }
+  TensorId wte() const { return wte_; }
+
+ private:
+  ChunkStore& store_;
+  ModelConfig m_;
+  TensorId wte_;
+};
+
+// ---- layers 1..L: RMSNorm, rotary grouped-query attention, RMSNorm, SwiGLU ---------------------
+class LlamaBlock final : public Layer {
+ public:
+  LlamaBlock(const ModelConfig& m, ChunkStore& store, int layer)
+      : store_(store), m_(m), layer_(layer), C_(m.n_embd), QKV_(m.qkv_dim()), H_(m.ffn_hidden) {
+    const std::string p = "h." + std::to_string(layer - 1) + ".";
+    attn_norm_ = add_tensor(store, p + "attn_norm.w", {C_}, layer, ChunkKind::norm, false);
+    qkvw_ = add_tensor(store, p + "attn.qkv.w", {QKV_, C_}, layer, ChunkKind::attention, true);
+    projw_ = add_tensor(store, p + "attn.proj.w", {C_, C_}, layer, ChunkKind::attention, true);
+    mlp_norm_ = add_tensor(store, p + "mlp_norm.w", {C_}, layer, ChunkKind::norm, false);
+    gate_up_ = add_tensor(store, p + "mlp.gate_up.w", {2 * H_, C_}, layer, ChunkKind::ffn, true);
+    down_ = add_tensor(store, p + "mlp.proj.w", {C_, H_}, layer, ChunkKind::ffn, true);
+  }
+  const char* name() const override { return "block"; }
+
+  int64_t activation_floats(int B, int T) const override {
+    const int64_t N = static_cast<int64_t>(B) * T;
+    // forward: n1, qkv (rotated), att, atty, res2, n2, gate_up, h, 2 row stats;
+    // backward kept for W: dn1, dqkv, dres2, dn2, dgate_up
+    return padded(N * C_) * 5 + padded(N * QKV_) + padded(static_cast<int64_t>(B) * m_.n_head * T * T) +
+           padded(N * 2 * H_) + padded(N * H_) + padded(N) * 2 + padded(N * C_) * 3 + padded(N * QKV_) +
+           padded(N * 2 * H_);
+  }
+  int64_t scratch_floats(int B, int T) const override {
+    return padded(static_cast<int64_t>(B) * T * std::max(C_, H_));  // o / down outputs, dh, datty
+  }
+  void bind(float* activations, float* scratch, int B, int T) override {
+    const int64_t N = static_cast<int64_t>(B) * T;
+    Carver a(activations);
+    n1_ = a.take(N * C_);
+    qkv_ = a.take(N * QKV_);
+    att_ = a.take(static_cast<int64_t>(B) * m_.n_head * T * T);
+    atty_ = a.take(N * C_);
+    res2_ = a.take(N * C_);
+    n2_ = a.take(N * C_);
+    gu_ = a.take(N * 2 * H_);
+    h_ = a.take(N * H_);
+    rstd1_ = a.take(N);
+    rstd2_ = a.take(N);
+    dn1_ = a.take(N * C_);
+    dqkv_ = a.take(N * QKV_);
+    dres2_ = a.take(N * C_);
+    dn2_ = a.take(N * C_);
+    dgu_ = a.take(N * 2 * H_);
+    scratch_ = scratch;
+  }
+
+  void forward(const Batch& b, const float* x, float* x_out) override {
+    const PageLease use = store_.use_layer(layer_, {Plane::param});
+    const int N = b.B * b.T, C = C_, H = H_;
+    auto P = [&](TensorId id) { return store_.data(id, Plane::param); };
+    const float* none = nullptr;
+    ops::rmsnorm_forward(n1_, rstd1_, x, P(attn_norm_), N, C);
+    ops::linear_forward(qkv_, n1_, P(qkvw_), none, N, C, QKV_);
+    ops::rope_forward(qkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_theta, 0);
+    ops::attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
+    float* o = scratch_;  // [N, C], consumed at once by the residual
+    ops::linear_forward(o, atty_, P(projw_), none, N, C, C);
+    ops::residual_rmsnorm_forward(res2_, n2_, rstd2_, x, o, P(mlp_norm_), N, C);
+    ops::linear_forward(gu_, n2_, P(gate_up_), none, N, C, 2 * H);
+    ops::swiglu_forward(h_, gu_, N, H);
+    float* down = scratch_;
+    ops::linear_forward(down, h_, P(down_), none, N, H, C);
+    ops::residual_forward(x_out, res2_, down, static_cast<int64_t>(N) * C);
+  }
+
+  void backward_input(const Batch& b, const float* x_in, const float* dx_out, float* dx_in) override {
+    const PageLease use = store_.use_layer(layer_, {Plane::param});
+    const int N = b.B * b.T, C = C_, H = H_;
+    auto P = [&](TensorId id) { return store_.data(id, Plane::param); };
+    // MLP branch: d(down out) = dx_out
+    float* dh = scratch_;
+    ops::linear_backward_input(dh, dx_out, P(down_), N, H, C, false);
+    ops::swiglu_backward_input(dgu_, dh, gu_, N, H);
+    ops::linear_backward_input(dn2_, dgu_, P(gate_up_), N, C, 2 * H, false);
+    std::memcpy(dres2_, dx_out, sizeof(float) * N * C);
+    ops::rmsnorm_backward_input(dres2_, dn2_, res2_, rstd2_, P(mlp_norm_), N, C, true);
+    // Attention branch: d(o out) = dres2; attention's gradient is w.r.t. the rotated q and k,
+    // rotated back before the qkv projection.
+    float* datty = scratch_;
+    ops::linear_backward_input(datty, dres2_, P(projw_), N, C, C, false);
+    ops::attention_backward_input(dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
+    ops::rope_forward(dqkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_theta, 0, true);
+    ops::linear_backward_input(dn1_, dqkv_, P(qkvw_), N, C, QKV_, false);
+    std::memcpy(dx_in, dres2_, sizeof(float) * N * C);
+    ops::rmsnorm_backward_input(dx_in, dn1_, x_in, rstd1_, P(attn_norm_), N, C, true);
+  }
+
+  void backward_weight(const Batch& b, const float* x_in, const float* dx_out) override {
+    const PageLease use = store_.use_layer(layer_, {}, {Plane::grad});
+    const int N = b.B * b.T, C = C_, H = H_;
+    auto G = [&](TensorId id) { return store_.data(id, Plane::grad); };
+    float* none = nullptr;
+    ops::linear_backward_weight(G(down_), none, dx_out, h_, N, H, C);
+    ops::linear_backward_weight(G(gate_up_), none, dgu_, n2_, N, C, 2 * H);
+    ops::rmsnorm_backward_weight(G(mlp_norm_), dn2_, res2_, rstd2_, N, C);
+    ops::linear_backward_weight(G(projw_), none, dres2_, atty_, N, C, C);
+    ops::linear_backward_weight(G(qkvw_), none, dqkv_, n1_, N, C, QKV_);
+    ops::rmsnorm_backward_weight(G(attn_norm_), dn1_, x_in, rstd1_, N, C);
+  }
+
+ private:
+  ChunkStore& store_;
+  ModelConfig m_;
+  int layer_;
+  int C_, QKV_, H_;
+  TensorId attn_norm_, qkvw_, projw_, mlp_norm_, gate_up_, down_;
+  float *n1_ = nullptr, *qkv_ = nullptr, *att_ = nullptr, *atty_ = nullptr, *res2_ = nullptr, *n2_ = nullptr,
+        *gu_ = nullptr, *h_ = nullptr, *rstd1_ = nullptr, *rstd2_ = nullptr, *dn1_ = nullptr, *dqkv_ = nullptr,
+        *dres2_ = nullptr, *dn2_ = nullptr, *dgu_ = nullptr, *scratch_ = nullptr;
+};
+
+// ---- layer L+1: final RMSNorm, LM head, cross-entropy ------------------------------------------
+class LlamaHead final : public OutputLayer {
+ public:
+  LlamaHead(const ModelConfig& m, ChunkStore& store, int layer, TensorId tied_wte)
+      : store_(store), m_(m), layer_(layer), tied_(tied_wte >= 0) {
+    norm_ = add_tensor(store, "norm.w", {m.n_embd}, layer, ChunkKind::norm, false);
+    head_ = tied_ ? tied_wte
+                  : add_tensor(store, "lm_head.w", {m.padded_vocab_size, m.n_embd}, layer, ChunkKind::embedding, true);
+  }
+  const char* name() const override { return "head"; }
+  int64_t activation_floats(int B, int T) const override {
+    const int64_t N = static_cast<int64_t>(B) * T;
+    return padded(N * m_.n_embd) * 2 + padded(N) * 2 + padded(N * m_.padded_vocab_size);
+  }
+  int64_t scratch_floats(int, int) const override { return 0; }
+  void bind(float* activations, float*, int B, int T) override {
+    const int64_t N = static_cast<int64_t>(B) * T;
+    Carver a(activations);
+    n_ = a.take(N * m_.n_embd);
+    dn_ = a.take(N * m_.n_embd);
+    rstd_ = a.take(N);
+    losses_ = a.take(N);
+    logits_ = a.take(N * m_.padded_vocab_size);
+  }
+  void forward(const Batch& b, const float* x, float*) override {
+    const PageLease use = store_.use_layer(layer_, {Plane::param});
+    const PageLease tied = tied_ ? store_.use_layer(0, {Plane::param}) : PageLease();
+    const int N = b.B * b.T, C = m_.n_embd;
+    ops::rmsnorm_forward(n_, rstd_, x, store_.data(norm_, Plane::param), N, C);
+    ops::linear_forward(logits_, n_, store_.data(head_, Plane::param), static_cast<const float*>(nullptr), N, C,
+                        m_.padded_vocab_size);
+    mean_loss_ = 0.0f;
+    if (b.targets != nullptr) {
+      ops::crossentropy_forward(losses_, logits_, b.targets, N, m_.vocab_size, m_.padded_vocab_size, b.grad_scale);
+      double sum = 0;  // sequential: a fixed summation order
+      for (int n = 0; n < N; ++n) sum += losses_[n];
+      mean_loss_ = static_cast<float>(sum / N);
+    }
+  }
+  void backward_input(const Batch& b, const float* x_in, const float*, float* dx_in) override {
+    const PageLease use = store_.use_layer(layer_, {Plane::param});
+    const PageLease tied = tied_ ? store_.use_layer(0, {Plane::param}) : PageLease();
+    const int N = b.B * b.T, C = m_.n_embd;
+    ops::linear_backward_input(dn_, logits_, store_.data(head_, Plane::param), N, C, m_.padded_vocab_size, false);
+    ops::rmsnorm_backward_input(dx_in, dn_, x_in, rstd_, store_.data(norm_, Plane::param), N, C, false);
+  }
+  void backward_weight(const Batch& b, const float* x_in, const float*) override {
+    const PageLease use = store_.use_layer(layer_, {}, {Plane::grad});
+    const PageLease tied = tied_ ? store_.use_layer(0, {}, {Plane::grad}) : PageLease();
+    const int N = b.B * b.T, C = m_.n_embd;
+    ops::linear_backward_weight(store_.data(head_, Plane::grad), static_cast<float*>(nullptr), logits_, n_, N, C,
+                                m_.padded_vocab_size);
+    ops::rmsnorm_backward_weight(store_.data(norm_, Plane::grad), dn_, x_in, rstd_, N, C);
+  }
+  float mean_loss() const override { return mean_loss_; }
+  const float* logits() const override { return logits_; }
+
+ private:
+  ChunkStore& store_;
+  ModelConfig m_;
+  int layer_;
+  bool tied_;
+  TensorId norm_, head_;
+  float *n_ = nullptr, *dn_ = nullptr, *rstd_ = nullptr, *losses_ = nullptr, *logits_ = nullptr;
+  float mean_loss_ = 0.0f;
+};
+
+}  // namespace
+
+std::unique_ptr<Layer> make_llama_embedding(const ModelConfig& m, ChunkStore& store, TensorId* wte) {
+  auto e = std::make_unique<LlamaEmbedding>(m, store);
+  *wte = e->wte();
+  return e;
+}
+
+std::unique_ptr<Layer> make_llama_block(const ModelConfig& m, ChunkStore& store, int layer) {
+  return std::make_unique<LlamaBlock>(m, store, layer);
+}
+
+std::unique_ptr<Layer> make_llama_head(const ModelConfig& m, ChunkStore& store, int layer, TensorId tied_wte) {
+  return std::make_unique<LlamaHead>(m, store, layer, tied_wte);
+}
+
+}  // namespace keel
