@@ -114,6 +114,8 @@ def main():
     ap.add_argument("--warmup-steps", type=int, default=2, help="untimed steps before timing")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads; default: torch's")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bf16", action="store_true",
+                    help='forward and loss under torch.autocast("cpu", dtype=torch.bfloat16); fp32 master weights')
     ap.add_argument("--ckpt-every", type=int, default=0,
                     help="torch.save model and optimizer state every N timed steps (0 = never)")
     ap.add_argument("--ckpt-dir", default=None, help="where --ckpt-every writes (required with it)")
@@ -141,7 +143,11 @@ def main():
 
     def step(i):
         idx, targets = data[i, :, :-1], data[i, :, 1:]
-        loss = model(idx, targets)
+        if a.bf16:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(idx, targets)
+        else:
+            loss = model(idx, targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -181,6 +187,8 @@ def main():
         "params": n_params,
         "final_loss": round(final_loss, 6),
         "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "bf16": a.bf16,
         "ckpt_count": len(save_ms),
         "ckpt_ms_mean": round(sum(save_ms) / len(save_ms), 2) if save_ms else 0,
         "ckpt_bytes": save_bytes,

@@ -122,6 +122,7 @@ std::vector<Field> fields(Config& c) {
       {"checkpoint", "async", &c.checkpoint.async},
       {"runtime", "threads", &c.runtime.threads},
       {"runtime", "peak_gflops", &c.runtime.peak_gflops},
+      {"runtime", "precision", &c.runtime.precision},
       {"monitor", "enabled", &c.monitor.enabled},
       {"monitor", "port", &c.monitor.port},
       {"monitor", "bind", &c.monitor.bind},
@@ -482,6 +483,8 @@ void Config::resolve(int world_size) {
           "a multiple of 4096", s(store.chunk_bytes));
   require(runtime.threads >= 0, "runtime.threads", ">= 0", s(runtime.threads));
   require(runtime.peak_gflops >= 0, "runtime.peak_gflops", ">= 0", s(runtime.peak_gflops));
+  require(runtime.precision == "fp32" || runtime.precision == "bf16", "runtime.precision", "\"fp32\" or \"bf16\"",
+          "\"" + runtime.precision + "\"");
   require(monitor.port >= 0 && monitor.port <= 65535, "monitor.port", "0 (off) or 1..65535", s(monitor.port));
   require(monitor.enabled || monitor.port == 0, "monitor.port", "0 while monitor.enabled = false", s(monitor.port));
   {

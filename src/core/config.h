@@ -184,6 +184,9 @@ struct CheckpointConfig {
 struct RuntimeConfig {
   int threads = 0;            // OpenMP/BLAS threads; 0 = all cores
   double peak_gflops = 0;     // MFU's peak for the whole job; 0 = from the CPU (vector units, cores, clock)
+  // "fp32", or "bf16": matrix products with bf16 operands and float32 sums (kernels/cpu/bf16.h);
+  // master weights, gradients, their reduction and AdamW stay float32.
+  std::string precision = "fp32";
 };
 
 // Watching a run: alerts on Keel's operating targets, energy per token.

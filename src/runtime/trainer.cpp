@@ -16,6 +16,7 @@
 #include "core/cpu.h"
 #include "core/error.h"
 #include "core/fileio.h"
+#include "kernels/cpu/bf16.h"
 #include "kernels/cpu/blas.h"
 #include "monitor/alerts.h"
 #include "monitor/endpoint.h"
@@ -70,7 +71,8 @@ Trainer::Trainer(Config config, Communicator& comm)
   } else {
     engine_ = std::make_unique<SingleStageStep>(config_, dp, *store_, *model_, *data_.train, *sync_, *optimizer_);
   }
-  measure_peaks();
+  measure_peaks();  // (in float32: the SGEMM reference of matmul_efficiency)
+  set_matmul_precision(config_.runtime.precision == "bf16" ? MatmulPrecision::bf16 : MatmulPrecision::fp32);
   // With tiers, everything from here on (loading a checkpoint, drawing the weights) goes through
   // the tiers page by page: the full state is never resident at once.
   if (tiering_enabled(config_.tier)) {
@@ -104,7 +106,8 @@ Trainer::Trainer(Config config, Communicator& comm)
   metrics_.open(!progress_.resumed_from.empty() || std::getenv("KEEL_RESTART") != nullptr, progress_.steps_done);
 }
 
-Trainer::~Trainer() = default;
+// The process goes back to float32 products (a test may build another trainer after this one).
+Trainer::~Trainer() { set_matmul_precision(MatmulPrecision::fp32); }
 
 void Trainer::build_model(const std::vector<LayerRange>& stages) {
   store_ = std::make_unique<ChunkStore>(config_.store.chunk_bytes);
@@ -213,6 +216,11 @@ void Trainer::print_startup(double moments_mb) {
   std::printf("keel: MFU against a peak of %.1f GFLOP/s (%s); matmul efficiency against SGEMM measured now, "
               "%.1f GFLOP/s\n",
               peaks_.peak_gflops, peaks_.how.c_str(), peaks_.sgemm_gflops);
+  if (config_.runtime.precision == "bf16") {
+    std::printf("keel: precision bf16: matrix products with bf16 operands, %s; master weights, gradients and AdamW "
+                "in float32\n",
+                bf16_engine().c_str());
+  }
   metrics_.print_startup();
   if (static_cast<uint64_t>(t.eval_batches) > data_.val->num_windows()) {
     std::printf("keel: train.eval_batches %d capped to the %llu windows of the validation set\n", t.eval_batches,

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/cpu/bf16.h"
 
 extern "C" {
 char* openblas_get_config(void);
@@ -27,8 +28,12 @@ void gemm<float>(bool trans_a, bool trans_b, int M, int N, int K, float alpha, c
                  const float* B, int ldb, float beta, float* C, int ldc) {
   const bool serial = !omp_in_parallel();
   const auto t0 = serial ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
-  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K,
-              alpha, A, lda, B, ldb, beta, C, ldc);
+  if (matmul_precision() == MatmulPrecision::bf16) {
+    gemm_bf16(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  } else {
+    cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K,
+                alpha, A, lda, B, ldb, beta, C, ldc);
+  }
   if (serial) {
     g_stats.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     g_stats.flops += 2.0 * M * N * K;

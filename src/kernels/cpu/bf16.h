@@ -1,0 +1,56 @@
+// bf16 matrix products (runtime.precision = "bf16"). bf16 keeps float32's 8-bit exponent and
+// drops its mantissa to 7 bits: operands are rounded to bf16 (to nearest, ties to even), the
+// products and their sums stay in float32. Two engines give that arithmetic:
+//   - oneDNN's matmul primitive with bf16 source and weights and a float32 destination, one
+//     primitive per shape, created once and cached, where the CPU has bf16 instructions
+//     (AVX512_BF16: Zen 4 and later, Cooper Lake and later);
+//   - elsewhere, emulated: the operands rounded to bf16 values held in float32, multiplied by
+//     OpenBLAS's SGEMM. The same numbers up to the order of the float32 sums; bf16's numerics
+//     without its speed. Keel says so in one line at start-up (cli/trainer), and runs.
+// Master weights, gradients, their reduction and AdamW stay float32 (the model's store); this
+// module only changes how the GEMMs of kernels/cpu/ops (dense layers and attention) multiply.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace keel {
+
+enum class MatmulPrecision { fp32, bf16 };
+
+// The precision of every float GEMM (kernels/cpu/blas.h gemm<float>) in this process: set once,
+// before training, from runtime.precision.
+void set_matmul_precision(MatmulPrecision p);
+MatmulPrecision matmul_precision();
+
+// Whether this CPU has bf16 dot-product instructions (CPUID leaf 7 subleaf 1: AVX512_BF16).
+bool cpu_has_bf16();
+// Which engine bf16 GEMMs use here ("oneDNN bf16 matmul (AVX512_BF16)" or "emulated ...").
+std::string bf16_engine();
+
+// float32 -> bf16 bits (round to nearest, ties to even; NaN stays NaN) and back.
+inline uint16_t to_bf16(float x) {
+  uint32_t u;
+  __builtin_memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+inline float from_bf16(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float x;
+  __builtin_memcpy(&x, &u, 4);
+  return x;
+}
+inline float round_to_bf16(float x) { return from_bf16(to_bf16(x)); }
+
+// C[M,N] = alpha * op(A) op(B) + beta * C with A and B rounded to bf16 (row-major, as gemm).
+void gemm_bf16(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
+               int ldb, float beta, float* C, int ldc);
+
+// The oneDNN matmul path itself, for `dt` = "f32" or "bf16" operands (tests check it against
+// SGEMM with f32 where the CPU has no bf16). False when oneDNN has no implementation here.
+bool onednn_gemm(const char* dt, bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* A, int lda,
+                 const float* B, int ldb, float beta, float* C, int ldc);
+
+}  // namespace keel
