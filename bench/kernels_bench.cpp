@@ -68,6 +68,32 @@ void BM_AttentionBackward(benchmark::State& state) {
 }
 BENCHMARK(BM_AttentionBackward)->Unit(benchmark::kMicrosecond);
 
+// Attention forward + backward at sequence length T (arg), d4's heads (C 256, 4 heads of 64), the
+// tokens of a 4 x 256 batch: dense (T x T probabilities) against blockwise (64 x 64 tiles).
+void attention_step(benchmark::State& state, bool dense) {
+  const int Tn = static_cast<int>(state.range(0)), Bn = std::max(1, 1024 / Tn), Cn = 256, heads = 4;
+  std::vector<float> qkv(static_cast<size_t>(Bn) * Tn * 3 * Cn, 0.1f), out(static_cast<size_t>(Bn) * Tn * Cn),
+      dout(out.size(), 0.01f), dqkv(qkv.size());
+  for (size_t i = 0; i < qkv.size(); ++i) qkv[i] = static_cast<float>((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
+  std::vector<float> att(dense ? static_cast<size_t>(Bn) * heads * Tn * Tn : static_cast<size_t>(Bn) * heads * Tn);
+  for (auto _ : state) {
+    if (dense) {
+      keel::ops::attention_forward(out.data(), att.data(), qkv.data(), Bn, Tn, Cn, heads);
+      keel::ops::attention_backward_input(dqkv.data(), dout.data(), att.data(), qkv.data(), Bn, Tn, Cn, heads);
+    } else {
+      keel::ops::flash_attention_forward(out.data(), att.data(), qkv.data(), Bn, Tn, Cn, heads, heads, 0);
+      keel::ops::flash_attention_backward_input(dqkv.data(), dout.data(), out.data(), att.data(), qkv.data(), Bn, Tn, Cn,
+                                                heads, heads, 0);
+    }
+  }
+  state.counters["tokens"] = Bn * Tn;
+  state.counters["saved_MB"] = static_cast<double>(att.size()) * 4 / 1e6;
+}
+void BM_AttentionDense(benchmark::State& s) { attention_step(s, true); }
+void BM_AttentionBlockwise(benchmark::State& s) { attention_step(s, false); }
+BENCHMARK(BM_AttentionDense)->Arg(64)->Arg(128)->Arg(256)->Arg(512)->Arg(1024)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_AttentionBlockwise)->Arg(64)->Arg(128)->Arg(256)->Arg(512)->Arg(1024)->Unit(benchmark::kMillisecond);
+
 void BM_LayernormForward(benchmark::State& state) {
   auto inp = random_floats(N * C, 1), w = random_floats(C, 2), b = random_floats(C, 3), out = std::vector<float>(N * C);
   std::vector<float> mean(N), rstd(N);

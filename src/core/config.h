@@ -28,6 +28,16 @@ struct ModelConfig {
   double ffn_dim_multiplier = 0;  // 0 = none
   double rope_theta = 0;          // RoPE's base; 0 = 10000
   std::optional<bool> tie_embeddings;  // output head = token embedding; GPT-2: always; llama: the preset's
+  // Both families. "blockwise": FlashAttention-2's tiles and online softmax, activation memory
+  // linear in T; "dense": the T x T probabilities kept (the reference); "auto": blockwise where it
+  // is the faster here (train.seq_len >= 256, or any window), dense below (bench/kernels_bench:
+  // BM_Attention*). Resolved configs hold "dense" or "blockwise".
+  std::string attention = "auto";
+  // A sliding window of W keys per query: "" or "0" = none, "W" = every layer, "LO-HI:W,..." =
+  // blocks LO..HI (0-based) with window W, the others none.
+  std::string attention_window;
+  // The window of block `block` (0-based), 0 = none; assumes a validated config.
+  int window_of(int block) const;
   bool llama() const { return family == "llama"; }
   int head_size() const { return n_embd / n_head; }
   int kv_dim() const { return n_kv_head * head_size(); }  // columns of k (and of v)

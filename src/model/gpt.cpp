@@ -15,6 +15,7 @@ namespace keel {
 using model_detail::add_tensor;
 using model_detail::Carver;
 using model_detail::OutputLayer;
+using model_detail::attention_floats;
 using model_detail::padded;
 
 namespace {
@@ -77,7 +78,7 @@ class Block final : public Layer {
     const int64_t N = static_cast<int64_t>(B) * T, C = m_.n_embd;
     // forward: ln1, qkv, att, atty, res2, ln2, fch, fch_gelu, 4 row stats
     // backward kept for W: dln1, dqkv, dres2, dln2, dfch
-    return padded(N * C) * 4 + padded(N * 3 * C) + padded(static_cast<int64_t>(B) * m_.n_head * T * T) +
+    return padded(N * C) * 4 + padded(N * 3 * C) + padded(attention_floats(m_, B, T)) +
            padded(N * 4 * C) * 2 + padded(N) * 4 + padded(N * C) * 3 + padded(N * 3 * C) + padded(N * 4 * C);
   }
   int64_t scratch_floats(int B, int T) const override {
@@ -86,7 +87,7 @@ class Block final : public Layer {
   void bind(float* activations, float* scratch, int B, int T) override {
     // Sized for the allocation's B x T; kernels index with the micro-batch's actual B and T.
     max_N_ = static_cast<int64_t>(B) * T;
-    max_att_ = static_cast<int64_t>(B) * m_.n_head * T * T;
+    max_att_ = attention_floats(m_, B, T);
     Carver a(activations);
     const int64_t N = max_N_, C = m_.n_embd;
     ln1_ = a.take(N * C);
@@ -115,7 +116,11 @@ class Block final : public Layer {
     auto P = [&](TensorId id) { return store_.data(id, Plane::param); };
     ops::layernorm_forward(ln1_, ln1_mean_, ln1_rstd_, x, P(ln1w_), P(ln1b_), N, C);
     ops::linear_forward(qkv_, ln1_, P(qkvw_), P(qkvb_), N, C, 3 * C);
-    ops::attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head);
+    if (m_.attention == "dense") {
+      ops::attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head);
+    } else {  // att_ holds the rows' log-sum-exp
+      ops::flash_attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_head, m_.window_of(layer_ - 1));
+    }
     float* attproj = scratch_;  // [N, C], consumed immediately by the residual
     ops::linear_forward(attproj, atty_, P(projw_), P(projb_), N, C, C);
     ops::residual_layernorm_forward(res2_, ln2_, ln2_mean_, ln2_rstd_, x, attproj, P(ln2w_), P(ln2b_), N, C);
@@ -140,7 +145,12 @@ class Block final : public Layer {
     // Attention branch: d(attproj out) = dres2
     float* datty = scratch_;
     ops::linear_backward_input(datty, dres2_, P(projw_), N, C, C, false);
-    ops::attention_backward_input(dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head);
+    if (m_.attention == "dense") {
+      ops::attention_backward_input(dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head);
+    } else {
+      ops::flash_attention_backward_input(dqkv_, datty, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_head,
+                                          m_.window_of(layer_ - 1));
+    }
     ops::linear_backward_input(dln1_, dqkv_, P(qkvw_), N, C, 3 * C, false);
     std::memcpy(dx_in, dres2_, sizeof(float) * N * C);
     ops::layernorm_backward_input(dx_in, dln1_, x_in, ln1_mean_, ln1_rstd_, P(ln1w_), N, C, true);
@@ -166,6 +176,7 @@ class Block final : public Layer {
   int layer_;
   TensorId ln1w_, ln1b_, qkvw_, qkvb_, projw_, projb_, ln2w_, ln2b_, fcw_, fcb_, fcprojw_, fcprojb_;
   int64_t max_N_ = 0, max_att_ = 0;
+  // att_: the dense kernel's probabilities [B, NH, T, T], or the blockwise kernel's log-sum-exp [B, NH, T].
   float *ln1_ = nullptr, *qkv_ = nullptr, *att_ = nullptr, *atty_ = nullptr, *res2_ = nullptr, *ln2_ = nullptr,
         *fch_ = nullptr, *fch_gelu_ = nullptr, *ln1_mean_ = nullptr, *ln1_rstd_ = nullptr, *ln2_mean_ = nullptr,
         *ln2_rstd_ = nullptr, *dln1_ = nullptr, *dqkv_ = nullptr, *dres2_ = nullptr, *dln2_ = nullptr,

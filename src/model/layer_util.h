@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "core/config.h"
 #include "model/layer.h"
 #include "store/chunk_store.h"
 
@@ -30,6 +31,13 @@ class Carver {
 inline TensorId add_tensor(ChunkStore& store, const std::string& name, std::vector<int64_t> shape, int layer,
                            ChunkKind kind, bool decay) {
   return store.add(TensorSpec{name, std::move(shape), layer, kind, decay});
+}
+
+// Floats an attention layer keeps per micro-batch beside its output: the dense kernel's T x T
+// probabilities, or the blockwise kernel's log-sum-exp per row (linear in T).
+inline int64_t attention_floats(const ModelConfig& m, int B, int T) {
+  const int64_t rows = static_cast<int64_t>(B) * m.n_head * T;
+  return m.attention == "dense" ? rows * T : rows;
 }
 
 // The last layer: final norm, LM head and cross-entropy.

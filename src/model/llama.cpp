@@ -62,7 +62,7 @@ class LlamaBlock final : public Layer {
     const int64_t N = static_cast<int64_t>(B) * T;
     // forward: n1, qkv (rotated), att, atty, res2, n2, gate_up, h, 2 row stats;
     // backward kept for W: dn1, dqkv, dres2, dn2, dgate_up
-    return padded(N * C_) * 5 + padded(N * QKV_) + padded(static_cast<int64_t>(B) * m_.n_head * T * T) +
+    return padded(N * C_) * 5 + padded(N * QKV_) + padded(model_detail::attention_floats(m_, B, T)) +
            padded(N * 2 * H_) + padded(N * H_) + padded(N) * 2 + padded(N * C_) * 3 + padded(N * QKV_) +
            padded(N * 2 * H_);
   }
@@ -74,7 +74,7 @@ class LlamaBlock final : public Layer {
     Carver a(activations);
     n1_ = a.take(N * C_);
     qkv_ = a.take(N * QKV_);
-    att_ = a.take(static_cast<int64_t>(B) * m_.n_head * T * T);
+    att_ = a.take(model_detail::attention_floats(m_, B, T));  // probabilities, or log-sum-exp
     atty_ = a.take(N * C_);
     res2_ = a.take(N * C_);
     n2_ = a.take(N * C_);
@@ -98,7 +98,11 @@ class LlamaBlock final : public Layer {
     ops::rmsnorm_forward(n1_, rstd1_, x, P(attn_norm_), N, C);
     ops::linear_forward(qkv_, n1_, P(qkvw_), none, N, C, QKV_);
     ops::rope_forward(qkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_theta, 0);
-    ops::attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
+    if (m_.attention == "dense") {
+      ops::attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
+    } else {
+      ops::flash_attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head, m_.window_of(layer_ - 1));
+    }
     float* o = scratch_;  // [N, C], consumed at once by the residual
     ops::linear_forward(o, atty_, P(projw_), none, N, C, C);
     ops::residual_rmsnorm_forward(res2_, n2_, rstd2_, x, o, P(mlp_norm_), N, C);
@@ -124,7 +128,12 @@ class LlamaBlock final : public Layer {
     // rotated back before the qkv projection.
     float* datty = scratch_;
     ops::linear_backward_input(datty, dres2_, P(projw_), N, C, C, false);
-    ops::attention_backward_input(dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
+    if (m_.attention == "dense") {
+      ops::attention_backward_input(dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
+    } else {
+      ops::flash_attention_backward_input(dqkv_, datty, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head,
+                                          m_.window_of(layer_ - 1));
+    }
     ops::rope_forward(dqkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_theta, 0, true);
     ops::linear_backward_input(dn1_, dqkv_, P(qkvw_), N, C, QKV_, false);
     std::memcpy(dx_in, dres2_, sizeof(float) * N * C);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "kernels/cpu/blas.h"
@@ -451,6 +452,150 @@ void attention_backward_input(T* dqkv, const T* dout, const T* att, const T* qkv
   }
 }
 
+// ---- blockwise attention (FlashAttention-2's algorithm) -----------------------------------------
+
+namespace {
+
+constexpr int kBlock = 64;  // rows of a query tile and of a key/value tile
+
+// The first key position query row i may attend to: the window's start (window 0: no window).
+inline int window_start(int i, int window) { return window > 0 ? std::max(0, i - window + 1) : 0; }
+
+}  // namespace
+
+template <typename T>
+void flash_attention_forward(T* out, T* lse, const T* qkv, int B, int Tn, int C, int NH, int NKV, int window) {
+  if (NKV == 0) NKV = NH;
+  const int hs = C / NH, group = NH / NKV, kv = NKV * hs, C3 = C + 2 * kv;
+  const T scale = T(1) / std::sqrt(static_cast<T>(hs));
+  const int q_tiles = (Tn + kBlock - 1) / kBlock;
+#pragma omp parallel
+  {
+    static thread_local std::vector<T> buffer;
+    if (buffer.size() < static_cast<size_t>(kBlock) * (kBlock + hs + 2)) buffer.resize(static_cast<size_t>(kBlock) * (kBlock + hs + 2));
+    T* s = buffer.data();                 // [kBlock, kBlock] scores, then probabilities
+    T* o = s + kBlock * kBlock;           // [kBlock, hs] the tile's output, unnormalised
+    T* m = o + kBlock * hs;               // [kBlock] running maxima
+    T* l = m + kBlock;                    // [kBlock] running sums
+#pragma omp for schedule(static)
+    for (int task = 0; task < B * NH * q_tiles; ++task) {
+      const int bh = task / q_tiles, qt = task % q_tiles;
+      const int b = bh / NH, h = bh % NH, g = h / group;
+      const T* row = qkv + static_cast<int64_t>(b) * Tn * C3;
+      const int i0 = qt * kBlock, rows = std::min(kBlock, Tn - i0);
+      const T* q = row + static_cast<int64_t>(i0) * C3 + h * hs;
+      for (int r = 0; r < rows; ++r) m[r] = -std::numeric_limits<T>::infinity(), l[r] = T(0);
+      std::fill(o, o + rows * hs, T(0));
+      // Key tiles from the window's start for the tile's first row to the diagonal; tiles wholly
+      // outside every row's window are never visited.
+      const int j_first = window_start(i0, window) / kBlock * kBlock;
+      for (int j0 = j_first; j0 < i0 + rows; j0 += kBlock) {
+        const int cols = std::min(kBlock, Tn - j0);
+        const T* k = row + static_cast<int64_t>(j0) * C3 + C + g * hs;
+        const T* v = row + static_cast<int64_t>(j0) * C3 + C + kv + g * hs;
+        gemm<T>(false, true, rows, cols, hs, scale, q, C3, k, C3, T(0), s, kBlock);
+        for (int r = 0; r < rows; ++r) {
+          const int i = i0 + r, lo = window_start(i, window) - j0, hi = i - j0;  // allowed columns [lo, hi]
+          T* srow = s + r * kBlock;
+          T mx = m[r];
+          for (int c = std::max(lo, 0); c <= std::min(hi, cols - 1); ++c) mx = std::max(mx, srow[c]);
+          if (mx == -std::numeric_limits<T>::infinity()) {  // nothing allowed in this tile
+            for (int c = 0; c < cols; ++c) srow[c] = T(0);
+            continue;
+          }
+          const T correction = vmath::exp(m[r] - mx);
+          T sum = 0;
+          for (int c = 0; c < cols; ++c) {
+            const bool allowed = c >= lo && c <= hi;
+            srow[c] = allowed ? vmath::exp(srow[c] - mx) : T(0);
+            sum += srow[c];
+          }
+          l[r] = l[r] * correction + sum;
+          m[r] = mx;
+          for (int d = 0; d < hs; ++d) o[r * hs + d] *= correction;
+        }
+        gemm<T>(false, false, rows, hs, cols, T(1), s, kBlock, v, C3, T(1), o, hs);  // o += p v
+      }
+      for (int r = 0; r < rows; ++r) {
+        T* dst = out + (static_cast<int64_t>(b) * Tn + i0 + r) * C + h * hs;
+        const T inv = T(1) / l[r];
+        for (int d = 0; d < hs; ++d) dst[d] = o[r * hs + d] * inv;
+        lse[static_cast<int64_t>(bh) * Tn + i0 + r] = m[r] + std::log(l[r]);
+      }
+    }
+  }
+}
+
+template <typename T>
+void flash_attention_backward_input(T* dqkv, const T* dout, const T* out, const T* lse, const T* qkv, int B, int Tn,
+                                    int C, int NH, int NKV, int window) {
+  if (NKV == 0) NKV = NH;
+  const int hs = C / NH, group = NH / NKV, kv = NKV * hs, C3 = C + 2 * kv;
+  const T scale = T(1) / std::sqrt(static_cast<T>(hs));
+  // dq, dk and dv are sums over tiles: zero them first (each task owns its batch row's key/value
+  // head and that head group's query heads, so no two tasks write the same element).
+#pragma omp parallel
+  {
+    static thread_local std::vector<T> buffer;
+    const size_t need = static_cast<size_t>(kBlock) * kBlock * 2 + static_cast<size_t>(Tn);
+    if (buffer.size() < need) buffer.resize(need);
+    T* p = buffer.data();             // [kBlock, kBlock] probabilities
+    T* dp = p + kBlock * kBlock;      // [kBlock, kBlock] their gradient, then the scores'
+    T* delta = dp + kBlock * kBlock;  // [Tn] rowsum(dout * out) of the head
+#pragma omp for schedule(static)
+    for (int bg = 0; bg < B * NKV; ++bg) {
+      const int b = bg / NKV, g = bg % NKV;
+      const int64_t base = static_cast<int64_t>(b) * Tn * C3;
+      for (int t = 0; t < Tn; ++t) {
+        T* r = dqkv + base + static_cast<int64_t>(t) * C3;
+        for (int h = g * group; h < (g + 1) * group; ++h) std::fill(r + h * hs, r + (h + 1) * hs, T(0));
+        std::fill(r + C + g * hs, r + C + (g + 1) * hs, T(0));
+        std::fill(r + C + kv + g * hs, r + C + kv + (g + 1) * hs, T(0));
+      }
+      for (int h = g * group; h < (g + 1) * group; ++h) {
+        const int64_t bh = static_cast<int64_t>(b) * NH + h;
+        for (int t = 0; t < Tn; ++t) {
+          const T* d = dout + (static_cast<int64_t>(b) * Tn + t) * C + h * hs;
+          const T* o = out + (static_cast<int64_t>(b) * Tn + t) * C + h * hs;
+          T sum = 0;
+          for (int e = 0; e < hs; ++e) sum += d[e] * o[e];
+          delta[t] = sum;
+        }
+        for (int i0 = 0; i0 < Tn; i0 += kBlock) {
+          const int rows = std::min(kBlock, Tn - i0);
+          const T* q = qkv + base + static_cast<int64_t>(i0) * C3 + h * hs;
+          T* dq = dqkv + base + static_cast<int64_t>(i0) * C3 + h * hs;
+          const T* d = dout + (static_cast<int64_t>(b) * Tn + i0) * C + h * hs;
+          const int j_first = window_start(i0, window) / kBlock * kBlock;
+          for (int j0 = j_first; j0 < i0 + rows; j0 += kBlock) {
+            const int cols = std::min(kBlock, Tn - j0);
+            const T* k = qkv + base + static_cast<int64_t>(j0) * C3 + C + g * hs;
+            const T* v = qkv + base + static_cast<int64_t>(j0) * C3 + C + kv + g * hs;
+            T* dk = dqkv + base + static_cast<int64_t>(j0) * C3 + C + g * hs;
+            T* dv = dqkv + base + static_cast<int64_t>(j0) * C3 + C + kv + g * hs;
+            // p = exp(q k^T scale - lse), recomputed; zero where masked.
+            gemm<T>(false, true, rows, cols, hs, scale, q, C3, k, C3, T(0), p, kBlock);
+            for (int r = 0; r < rows; ++r) {
+              const int i = i0 + r, lo = window_start(i, window) - j0, hi = i - j0;
+              const T m = lse[bh * Tn + i];
+              T* prow = p + r * kBlock;
+              for (int c = 0; c < cols; ++c) prow[c] = c >= lo && c <= hi ? vmath::exp(prow[c] - m) : T(0);
+            }
+            gemm<T>(true, false, cols, hs, rows, T(1), p, kBlock, d, C, T(1), dv, C3);      // dv += p^T dout
+            gemm<T>(false, true, rows, cols, hs, T(1), d, C, v, C3, T(0), dp, kBlock);     // dp = dout v^T
+            for (int r = 0; r < rows; ++r) {                                              // ds = p (dp - delta) scale
+              const T dl = delta[i0 + r];
+              for (int c = 0; c < cols; ++c) dp[r * kBlock + c] = p[r * kBlock + c] * (dp[r * kBlock + c] - dl) * scale;
+            }
+            gemm<T>(false, false, rows, hs, cols, T(1), dp, kBlock, k, C3, T(1), dq, C3);  // dq += ds k
+            gemm<T>(true, false, cols, hs, rows, T(1), dp, kBlock, q, C3, T(1), dk, C3);   // dk += ds^T q
+          }
+        }
+      }
+    }
+  }
+}
+
 // ---- loss --------------------------------------------------------------------------------------
 
 template <typename T>
@@ -506,6 +651,9 @@ void crossentropy_forward(T* losses, T* logits, const int* targets, int N, int V
   template void swiglu_forward<T>(T*, const T*, int, int);                                                      \
   template void swiglu_backward_input<T>(T*, const T*, const T*, int, int);                                     \
   template void rope_forward<T>(T*, int, int, int, int, int, double, int, bool);                                \
+  template void flash_attention_forward<T>(T*, T*, const T*, int, int, int, int, int, int);                     \
+  template void flash_attention_backward_input<T>(T*, const T*, const T*, const T*, const T*, int, int, int, int, int, \
+                                                  int);                                                         \
   template void crossentropy_forward<T>(T*, T*, const int*, int, int, int, T);
 
 KEEL_INSTANTIATE(float)

@@ -107,6 +107,21 @@ template <typename T>
 void attention_backward_input(T* dqkv, const T* dout, const T* att, const T* qkv, int B, int Tn, int C, int NH,
                               int NKV = 0);
 
+// ---- blockwise causal attention (FlashAttention-2's algorithm): no T x T buffer ----------------
+// The same function as attention_forward (qkv's layout, grouped-query heads, NKV = 0 meaning NH),
+// computed over tiles of 64 queries x 64 keys with an online softmax; it keeps only the
+// log-sum-exp of each row, lse[B, NH, T], for the backward pass. window > 0: query i attends to
+// keys i - window + 1 .. i only (a sliding window), and tiles wholly outside it are skipped, not
+// masked; window = 0: all keys up to i.
+template <typename T>
+void flash_attention_forward(T* out, T* lse, const T* qkv, int B, int Tn, int C, int NH, int NKV, int window);
+// dqkv (overwritten) from dout, the forward's out and lse, and qkv: each tile's probabilities are
+// recomputed from q, k and lse; delta = rowsum(dout * out) stands for rowsum(dp * p). Tasks are a
+// batch row's key/value head with its query heads in order (a fixed summation order).
+template <typename T>
+void flash_attention_backward_input(T* dqkv, const T* dout, const T* out, const T* lse, const T* qkv, int B, int Tn,
+                                    int C, int NH, int NKV, int window);
+
 // ---- softmax cross-entropy, fused with its gradient --------------------------------------------
 // logits[N, Vp] (only the first V columns are real). losses[n] = -log softmax(logits[n])[targets[n]].
 // If grad_scale != 0, logits is overwritten in place with grad_scale * (softmax - onehot), and the
