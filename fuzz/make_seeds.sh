@@ -35,6 +35,13 @@ with open(sys.argv[1], "wb") as f:
 PY
 
 cp tests/fixtures/tiny_gpt2.bin "$out/fuzz_llmc/tiny_gpt2.bin"
+# A llama2.c model (run.c format) and tokenizer.bin, exported from a tiny llama checkpoint.
+"$keel" train --set model.preset=llama-tiny --set model.n_embd=32 --set model.vocab_size=280 \
+  --set model.max_seq_len=16 --set train.seq_len=16 --set train.batch_size=1 --set train.steps=1 \
+  --set train.eval_every=0 --set train.eval_batches=1 --set train.sample_tokens=0 --set data.train="$tmp/tok/train.bin" \
+  --set data.val="$tmp/tok/val.bin" --set data.tokenizer="" --set train.run_dir="$tmp/llama" >/dev/null
+"$keel" export --checkpoint "$tmp/llama/ckpt" --out "$out/fuzz_llmc/llama2c.bin" >/dev/null
+"$keel" export --tokenizer "$out/fuzz_tokenizer/keel.json" --out "$out/fuzz_tokenizer/llama2c_tokenizer.bin" >/dev/null
 
 # A checkpoint of the tiny model: uint32 manifest length, manifest.json, r0.bin.
 "$keel" import --llmc tests/fixtures/tiny_gpt2.bin --out "$tmp/ckpt" >/dev/null

@@ -2,7 +2,7 @@
 # Installs dependencies, builds, and runs every test: the Release suite (unit, model-vs-PyTorch,
 # end-to-end CLI and determinism tests), then the fast unit tests again under AddressSanitizer
 # and UndefinedBehaviorSanitizer (with the in-process checkpoint tests), then every parser of
-# outside input under libFuzzer (scripts/fuzz.sh: 20 s per target, ASan + UBSan).
+# outside input under libFuzzer (scripts/fuzz.sh: 15 s per target, ASan + UBSan).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -25,4 +25,4 @@ ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   -R '^(Ops[A-Za-z]*|ChunkStore|Config|TinyModel|Shard|Corpus|Pretokenize|Tokenizer|Env|Checkpoint|CheckpointCorruption|Codec|SyncPolicy|BlockFile|Engines/BlockFileEngines|Tiers|Tiers/Engines|PipelineSchedule|PipelineLayout|PipelineStages|PipelineExecutor|PipelineMicroBatches)\.'
 
 echo "== fuzzing (libFuzzer, ASan + UBSan): every parser of outside input =="
-bash scripts/fuzz.sh 20
+bash scripts/fuzz.sh 15

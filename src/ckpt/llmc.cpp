@@ -67,10 +67,10 @@ ModelConfig read_llmc_model_config(const std::string& path) {
   m.n_embd = h[6];
   m.padded_vocab_size = h[7];
   m.family = "gpt2";
-  m.n_kv_head = m.n_head;
-  m.ffn_hidden = 4 * m.n_embd;
   m.tie_embeddings = true;
   validate_model(m, "llm.c checkpoint " + path);
+  m.n_kv_head = m.n_head;       // (after the sizes are known to be in range: 4C cannot overflow)
+  m.ffn_hidden = 4 * m.n_embd;
   const int64_t expected = 1024 + 4 * llmc_param_count(m);
   check(file_bytes == expected, "llm.c checkpoint " + path + ": expected " + std::to_string(expected) +
                                     " bytes for its header's sizes, found " + std::to_string(file_bytes));

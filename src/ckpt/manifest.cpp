@@ -95,7 +95,7 @@ ModelShape parse_model(const json& j) {
   m.max_seq_len = j.at("max_seq_len").get<int>();
   m.family = j.value("family", std::string("gpt2"));
   m.n_kv_head = j.value("n_kv_head", m.n_head);
-  m.ffn_hidden = j.value("ffn_hidden", 4 * m.n_embd);
+  m.ffn_hidden = j.value("ffn_hidden", m.n_embd > 0 && m.n_embd <= 65536 ? 4 * m.n_embd : 0);  // (no overflow)
   m.rope_theta = j.value("rope_theta", 0.0);
   m.tie_embeddings = j.value("tie_embeddings", true);
   return m;
@@ -296,7 +296,7 @@ ModelShape ModelShape::of(const ModelConfig& m) {
   ModelShape s{m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.padded_vocab_size, m.max_seq_len};
   s.family = m.family.empty() ? "gpt2" : m.family;
   s.n_kv_head = m.n_kv_head > 0 ? m.n_kv_head : m.n_head;
-  s.ffn_hidden = m.ffn_hidden > 0 ? m.ffn_hidden : 4 * m.n_embd;
+  s.ffn_hidden = m.ffn_hidden > 0 ? m.ffn_hidden : (m.n_embd > 0 && m.n_embd <= 65536 ? 4 * m.n_embd : 0);
   s.rope_theta = m.rope_theta;
   s.tie_embeddings = m.tie_embeddings.value_or(true);
   return s;

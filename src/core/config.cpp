@@ -410,6 +410,16 @@ void validate_model(const ModelConfig& m, const std::string& where) {
     if (!ok) throw Error(where + ": " + what);
   };
   auto s = [](int v) { return std::to_string(v); };
+  need(m.n_layer >= 1 && m.n_layer <= 1024, "model.n_layer: expected 1..1024, found " + s(m.n_layer));
+  need(m.n_head >= 1, "model.n_head: expected >= 1, found " + s(m.n_head));
+  need(m.n_embd >= 1 && m.n_embd <= 65536, "model.n_embd: expected 1..65536, found " + s(m.n_embd));
+  need(m.n_embd % m.n_head == 0, "model.n_head: expected a divisor of n_embd=" + s(m.n_embd) + ", found " +
+                                     s(m.n_head));
+  need(m.vocab_size >= 2 && m.vocab_size <= 65536,
+       "model.vocab_size: expected 2..65536 (tokens are uint16), found " + s(m.vocab_size));
+  need(m.padded_vocab_size >= m.vocab_size,
+       "model.padded_vocab_size: expected >= vocab_size=" + s(m.vocab_size) + ", found " + s(m.padded_vocab_size));
+  need(m.max_seq_len >= 1, "model.max_seq_len: expected >= 1, found " + s(m.max_seq_len));
   // (A model section built in code rather than resolved from a config may leave the family, and
   // GPT-2's n_kv_head and ffn_hidden, empty: that is GPT-2.)
   need(m.family.empty() || m.family == "gpt2" || m.family == "llama",
@@ -426,23 +436,13 @@ void validate_model(const ModelConfig& m, const std::string& where) {
   } else {
     need(m.n_kv_head >= 1 && m.n_head % m.n_kv_head == 0,
          "model.n_kv_head: expected a divisor of n_head=" + s(m.n_head) + ", found " + s(m.n_kv_head));
-    need(m.ffn_hidden >= 1, "model.ffn_hidden: expected >= 1, found " + s(m.ffn_hidden));
+    need(m.ffn_hidden >= 1 && m.ffn_hidden <= (1 << 20), "model.ffn_hidden: expected 1..1048576, found " + s(m.ffn_hidden));
     need(m.rope_theta > 0 && std::isfinite(m.rope_theta), "model.rope_theta: expected > 0");
     need(m.n_embd % m.n_head == 0 && (m.n_embd / m.n_head) % 2 == 0,
          "model.n_head: llama's rotary embedding needs an even head size, found n_embd / n_head = " +
              s(m.n_embd / std::max(1, m.n_head)));
     need(m.tie_embeddings.has_value(), "model.tie_embeddings: not resolved");
   }
-  need(m.n_layer >= 1 && m.n_layer <= 1024, "model.n_layer: expected 1..1024, found " + s(m.n_layer));
-  need(m.n_head >= 1, "model.n_head: expected >= 1, found " + s(m.n_head));
-  need(m.n_embd >= 1 && m.n_embd <= 65536, "model.n_embd: expected 1..65536, found " + s(m.n_embd));
-  need(m.n_embd % m.n_head == 0, "model.n_head: expected a divisor of n_embd=" + s(m.n_embd) + ", found " +
-                                     s(m.n_head));
-  need(m.vocab_size >= 2 && m.vocab_size <= 65536,
-       "model.vocab_size: expected 2..65536 (tokens are uint16), found " + s(m.vocab_size));
-  need(m.padded_vocab_size >= m.vocab_size,
-       "model.padded_vocab_size: expected >= vocab_size=" + s(m.vocab_size) + ", found " + s(m.padded_vocab_size));
-  need(m.max_seq_len >= 1, "model.max_seq_len: expected >= 1, found " + s(m.max_seq_len));
   need(m.attention == "auto" || m.attention == "blockwise" || m.attention == "dense",
        "model.attention: expected \"auto\", \"blockwise\" or \"dense\", found \"" + m.attention + "\"");
   bool windowed = false;
@@ -477,8 +477,9 @@ void Config::resolve(int world_size) {
     if (model.n_kv_head == 0) model.n_kv_head = llama_preset && preset->n_kv_head > 0 ? preset->n_kv_head : model.n_head;
     if (model.ffn_multiple_of == 0) model.ffn_multiple_of = llama_preset ? preset->ffn_multiple_of : 256;
     require(model.ffn_multiple_of >= 1, "model.ffn_multiple_of", ">= 1", std::to_string(model.ffn_multiple_of));
-    require(model.ffn_dim_multiplier >= 0, "model.ffn_dim_multiplier", ">= 0 (0 = none)",
-            std::to_string(model.ffn_dim_multiplier));
+    require(model.ffn_dim_multiplier >= 0 && model.ffn_dim_multiplier <= 64, "model.ffn_dim_multiplier",
+            "0 (none) .. 64", std::to_string(model.ffn_dim_multiplier));
+    require(model.n_embd >= 1 && model.n_embd <= 65536, "model.n_embd", "1..65536", std::to_string(model.n_embd));
     if (model.ffn_hidden == 0) {
       model.ffn_hidden = llama_ffn_hidden(model.n_embd, model.ffn_multiple_of, model.ffn_dim_multiplier);
     }
@@ -486,7 +487,7 @@ void Config::resolve(int world_size) {
     if (!model.tie_embeddings.has_value()) model.tie_embeddings = llama_preset ? preset->tie_embeddings : false;
   } else if (model.family == "gpt2") {
     if (model.n_kv_head == 0) model.n_kv_head = model.n_head;
-    if (model.ffn_hidden == 0) model.ffn_hidden = 4 * model.n_embd;
+    if (model.ffn_hidden == 0 && model.n_embd > 0 && model.n_embd <= 65536) model.ffn_hidden = 4 * model.n_embd;
     if (!model.tie_embeddings.has_value()) model.tie_embeddings = true;
   }
   validate_model(model, "config");

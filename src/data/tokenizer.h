@@ -76,6 +76,8 @@ class Tokenizer {
   // True when this tokenizer has merges (trained or loaded from Keel JSON); false for an
   // llm.c tokenizer file, which can only decode.
   bool can_encode() const { return can_encode_; }
+  // True for a llama2.c vocabulary (scored pieces): its encoding is run.c's, not lossless.
+  bool scored() const { return !scores_.empty(); }
 
   // The learned merges in order: merges()[i] = (left, right) creates token 256 + i.
   const std::vector<std::pair<int, int>>& merges() const { return merges_; }
