@@ -20,12 +20,12 @@ using model_detail::padded;
 
 namespace {
 
-// ---- layer 0: token + position embedding --------------------------------------------------------
+// ---- layer 0: token + position embedding (llama: token embedding alone; RoPE adds positions) ---
 class Embedding final : public Layer {
  public:
   Embedding(const ModelConfig& m, ChunkStore& store) : store_(store), m_(m) {
     wte_ = add_tensor(store, "wte", {m.padded_vocab_size, m.n_embd}, 0, ChunkKind::embedding, true);
-    wpe_ = add_tensor(store, "wpe", {m.max_seq_len, m.n_embd}, 0, ChunkKind::embedding, true);
+    if (!m.llama()) wpe_ = add_tensor(store, "wpe", {m.max_seq_len, m.n_embd}, 0, ChunkKind::embedding, true);
   }
   const char* name() const override { return "embedding"; }
   int64_t activation_floats(int, int) const override { return 0; }
@@ -35,21 +35,21 @@ class Embedding final : public Layer {
   // x_out[B,T,C] = wte[inputs] + wpe[t]
   void forward(const Batch& b, const float*, float* x_out) override {
     const PageLease use = store_.use_layer(0, {Plane::param});
-    ops::encoder_forward(x_out, b.inputs, store_.data(wte_, Plane::param), store_.data(wpe_, Plane::param), b.B,
-                         b.T, m_.n_embd);
+    const float* wpe = wpe_ >= 0 ? store_.data(wpe_, Plane::param) : nullptr;
+    ops::encoder_forward(x_out, b.inputs, store_.data(wte_, Plane::param), wpe, b.B, b.T, m_.n_embd);
   }
   void backward_input(const Batch&, const float*, const float*, float*) override {}  // tokens have no gradient
   void backward_weight(const Batch& b, const float*, const float* dx_out) override {
     const PageLease use = store_.use_layer(0, {}, {Plane::grad});
-    ops::encoder_backward_weight(store_.data(wte_, Plane::grad), store_.data(wpe_, Plane::grad), dx_out, b.inputs,
-                                 b.B, b.T, m_.n_embd);
+    float* dwpe = wpe_ >= 0 ? store_.data(wpe_, Plane::grad) : nullptr;
+    ops::encoder_backward_weight(store_.data(wte_, Plane::grad), dwpe, dx_out, b.inputs, b.B, b.T, m_.n_embd);
   }
   TensorId wte() const { return wte_; }
 
  private:
   ChunkStore& store_;
   ModelConfig m_;
-  TensorId wte_, wpe_;
+  TensorId wte_, wpe_ = -1;  // wpe_ < 0: no position table
 };
 
 // ---- layers 1..L: transformer block ------------------------------------------------------------
@@ -302,7 +302,9 @@ void GPT::build_llama() {
   if (tied) tied_.push_back(TiedGroup{"wte", 0, {0, L - 1}});
   TensorId wte = -1;
   if (local_[0]) {
-    layers_[0] = make_llama_embedding(config_, store_, &wte);
+    auto embedding = std::make_unique<Embedding>(config_, store_);  // (no position table for llama)
+    wte = embedding->wte();
+    layers_[0] = std::move(embedding);
   } else if (tied && local_[L - 1]) {
     TensorSpec replica{"wte", {config_.padded_vocab_size, config_.n_embd}, 0, ChunkKind::embedding, true};
     replica.replica = true;

@@ -14,35 +14,6 @@ using model_detail::padded;
 
 namespace {
 
-// ---- layer 0: token embedding ------------------------------------------------------------------
-class LlamaEmbedding final : public Layer {
- public:
-  LlamaEmbedding(const ModelConfig& m, ChunkStore& store) : store_(store), m_(m) {
-    wte_ = add_tensor(store, "wte", {m.padded_vocab_size, m.n_embd}, 0, ChunkKind::embedding, true);
-  }
-  const char* name() const override { return "embedding"; }
-  int64_t activation_floats(int, int) const override { return 0; }
-  int64_t scratch_floats(int, int) const override { return 0; }
-  void bind(float*, float*, int, int) override {}
-  void forward(const Batch& b, const float*, float* x_out) override {
-    const PageLease use = store_.use_layer(0, {Plane::param});
-    ops::encoder_forward(x_out, b.inputs, store_.data(wte_, Plane::param), static_cast<const float*>(nullptr), b.B,
-                         b.T, m_.n_embd);
-  }
-  void backward_input(const Batch&, const float*, const float*, float*) override {}
-  void backward_weight(const Batch& b, const float*, const float* dx_out) override {
-    const PageLease use = store_.use_layer(0, {}, {Plane::grad});
-    ops::encoder_backward_weight(store_.data(wte_, Plane::grad), static_cast<float*>(nullptr), dx_out, b.inputs, b.B,
-                                 b.T, m_.n_embd);
-  }
-  TensorId wte() const { return wte_; }
-
- private:
-  ChunkStore& store_;
-  ModelConfig m_;
-  TensorId wte_;
-};
-
 // ---- layers 1..L: RMSNorm, rotary grouped-query attention, RMSNorm, SwiGLU ---------------------
 class LlamaBlock final : public Layer {
  public:
@@ -232,12 +203,6 @@ class LlamaHead final : public OutputLayer {
 };
 
 }  // namespace
-
-std::unique_ptr<Layer> make_llama_embedding(const ModelConfig& m, ChunkStore& store, TensorId* wte) {
-  auto e = std::make_unique<LlamaEmbedding>(m, store);
-  *wte = e->wte();
-  return e;
-}
 
 std::unique_ptr<Layer> make_llama_block(const ModelConfig& m, ChunkStore& store, int layer) {
   return std::make_unique<LlamaBlock>(m, store, layer);

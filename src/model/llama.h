@@ -1,5 +1,5 @@
 // The llama family's layers (model.family = "llama"), built by GPT for the layers a rank holds.
-// Layer 0: token embedding (no positions: RoPE rotates q and k instead). Layers 1..L: x_out =
+// Layer 0 is GPT's embedding without a position table (RoPE rotates q and k instead). Layers 1..L: x_out =
 // res2 + down(silu(gate(n2)) * up(n2)), n2 = rmsnorm(res2), res2 = x + o(attention(rope(qkv(
 // rmsnorm(x))))) with n_kv_head key/value heads shared by groups of query heads; no biases.
 // Layer L+1: final RMSNorm, the LM head (its own lm_head.w, or the tied wte), cross-entropy.
@@ -16,7 +16,6 @@
 
 namespace keel {
 
-std::unique_ptr<Layer> make_llama_embedding(const ModelConfig& m, ChunkStore& store, TensorId* wte);
 std::unique_ptr<Layer> make_llama_block(const ModelConfig& m, ChunkStore& store, int layer);
 // tied_wte >= 0: the head reads the token embedding (layer 0's, or a replica); else lm_head.w.
 std::unique_ptr<Layer> make_llama_head(const ModelConfig& m, ChunkStore& store, int layer, TensorId tied_wte);
