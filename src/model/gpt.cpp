@@ -56,7 +56,8 @@ class Embedding final : public Layer {
 // x_out = res2 + proj(gelu(fc(ln2(res2)))),  res2 = x_in + attn_proj(attention(qkv(ln1(x_in))))
 class Block final : public Layer {
  public:
-  Block(const ModelConfig& m, ChunkStore& store, int layer) : store_(store), m_(m), layer_(layer) {
+  Block(const ModelConfig& m, ChunkStore& store, int layer)
+      : store_(store), m_(m), layer_(layer), window_(m.window_of(layer - 1)) {
     const std::string p = "h." + std::to_string(layer - 1) + ".";
     const int64_t C = m.n_embd;
     ln1w_ = add_tensor(store, p + "ln1.w", {C}, layer, ChunkKind::norm, false);
@@ -119,7 +120,7 @@ class Block final : public Layer {
     if (m_.attention == "dense") {
       ops::attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head);
     } else {  // att_ holds the rows' log-sum-exp
-      ops::flash_attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_head, m_.window_of(layer_ - 1));
+      ops::flash_attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_head, window_);
     }
     float* attproj = scratch_;  // [N, C], consumed immediately by the residual
     ops::linear_forward(attproj, atty_, P(projw_), P(projb_), N, C, C);
@@ -149,7 +150,7 @@ class Block final : public Layer {
       ops::attention_backward_input(dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head);
     } else {
       ops::flash_attention_backward_input(dqkv_, datty, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_head,
-                                          m_.window_of(layer_ - 1));
+                                          window_);
     }
     ops::linear_backward_input(dln1_, dqkv_, P(qkvw_), N, C, 3 * C, false);
     std::memcpy(dx_in, dres2_, sizeof(float) * N * C);
@@ -174,6 +175,7 @@ class Block final : public Layer {
   ChunkStore& store_;
   ModelConfig m_;
   int layer_;
+  int window_;  // the sliding attention window of this block (0 = none)
   TensorId ln1w_, ln1b_, qkvw_, qkvb_, projw_, projb_, ln2w_, ln2b_, fcw_, fcb_, fcprojw_, fcprojb_;
   int64_t max_N_ = 0, max_att_ = 0;
   // att_: the dense kernel's probabilities [B, NH, T, T], or the blockwise kernel's log-sum-exp [B, NH, T].
@@ -215,13 +217,7 @@ class Head final : public OutputLayer {
                            N, C);
     ops::linear_forward(logits_, lnf_, store_.data(wte_, Plane::param), static_cast<const float*>(nullptr), N, C,
                         m_.padded_vocab_size);
-    mean_loss_ = 0.0f;
-    if (b.targets != nullptr) {
-      ops::crossentropy_forward(losses_, logits_, b.targets, N, m_.vocab_size, m_.padded_vocab_size, b.grad_scale);
-      double sum = 0;  // sequential: a fixed summation order
-      for (int n = 0; n < N; ++n) sum += losses_[n];
-      mean_loss_ = static_cast<float>(sum / N);
-    }
+    mean_loss_ = model_detail::head_loss(losses_, logits_, b, m_);
   }
   // dx_in = d/dx of grad_scale * sum(losses); logits_ holds d(loss)/d(logits) after forward.
   void backward_input(const Batch& b, const float* x_in, const float*, float* dx_in) override {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "kernels/cpu/ops.h"
 #include "model/layer.h"
 #include "store/chunk_store.h"
 
@@ -38,6 +39,17 @@ inline TensorId add_tensor(ChunkStore& store, const std::string& name, std::vect
 inline int64_t attention_floats(const ModelConfig& m, int B, int T) {
   const int64_t rows = static_cast<int64_t>(B) * m.n_head * T;
   return m.attention == "dense" ? rows * T : rows;
+}
+
+// Both heads' loss: cross-entropy of logits[N, Vp] (in place: its gradient when grad_scale != 0)
+// and the mean over the N tokens, summed in a fixed order. 0 without targets.
+inline float head_loss(float* losses, float* logits, const Batch& b, const ModelConfig& m) {
+  if (b.targets == nullptr) return 0.0f;
+  const int N = b.B * b.T;
+  ops::crossentropy_forward(losses, logits, b.targets, N, m.vocab_size, m.padded_vocab_size, b.grad_scale);
+  double sum = 0;  // sequential: a fixed summation order
+  for (int n = 0; n < N; ++n) sum += losses[n];
+  return static_cast<float>(sum / N);
 }
 
 // The last layer: final norm, LM head and cross-entropy.

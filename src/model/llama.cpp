@@ -18,7 +18,8 @@ namespace {
 class LlamaBlock final : public Layer {
  public:
   LlamaBlock(const ModelConfig& m, ChunkStore& store, int layer)
-      : store_(store), m_(m), layer_(layer), C_(m.n_embd), QKV_(m.qkv_dim()), H_(m.ffn_hidden) {
+      : store_(store), m_(m), layer_(layer), window_(m.window_of(layer - 1)), C_(m.n_embd), QKV_(m.qkv_dim()),
+        H_(m.ffn_hidden) {
     const std::string p = "h." + std::to_string(layer - 1) + ".";
     attn_norm_ = add_tensor(store, p + "attn_norm.w", {C_}, layer, ChunkKind::norm, false);
     qkvw_ = add_tensor(store, p + "attn.qkv.w", {QKV_, C_}, layer, ChunkKind::attention, true);
@@ -72,7 +73,7 @@ class LlamaBlock final : public Layer {
     if (m_.attention == "dense") {
       ops::attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
     } else {
-      ops::flash_attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head, m_.window_of(layer_ - 1));
+      ops::flash_attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head, window_);
     }
     float* o = scratch_;  // [N, C], consumed at once by the residual
     ops::linear_forward(o, atty_, P(projw_), none, N, C, C);
@@ -103,7 +104,7 @@ class LlamaBlock final : public Layer {
       ops::attention_backward_input(dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
     } else {
       ops::flash_attention_backward_input(dqkv_, datty, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head,
-                                          m_.window_of(layer_ - 1));
+                                          window_);
     }
     ops::rope_forward(dqkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_theta, 0, true);
     ops::linear_backward_input(dn1_, dqkv_, P(qkvw_), N, C, QKV_, false);
@@ -128,6 +129,7 @@ class LlamaBlock final : public Layer {
   ChunkStore& store_;
   ModelConfig m_;
   int layer_;
+  int window_;  // the sliding attention window of this block (0 = none)
   int C_, QKV_, H_;
   TensorId attn_norm_, qkvw_, projw_, mlp_norm_, gate_up_, down_;
   float *n1_ = nullptr, *qkv_ = nullptr, *att_ = nullptr, *atty_ = nullptr, *res2_ = nullptr, *n2_ = nullptr,
@@ -166,13 +168,7 @@ class LlamaHead final : public OutputLayer {
     ops::rmsnorm_forward(n_, rstd_, x, store_.data(norm_, Plane::param), N, C);
     ops::linear_forward(logits_, n_, store_.data(head_, Plane::param), static_cast<const float*>(nullptr), N, C,
                         m_.padded_vocab_size);
-    mean_loss_ = 0.0f;
-    if (b.targets != nullptr) {
-      ops::crossentropy_forward(losses_, logits_, b.targets, N, m_.vocab_size, m_.padded_vocab_size, b.grad_scale);
-      double sum = 0;  // sequential: a fixed summation order
-      for (int n = 0; n < N; ++n) sum += losses_[n];
-      mean_loss_ = static_cast<float>(sum / N);
-    }
+    mean_loss_ = model_detail::head_loss(losses_, logits_, b, m_);
   }
   void backward_input(const Batch& b, const float* x_in, const float*, float* dx_in) override {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
