@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <unistd.h>
 
+#include <chrono>
+
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -14,6 +16,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -35,6 +38,7 @@
 #include "monitor/report.h"
 #include "runtime/generate.h"
 #include "runtime/job_config.h"
+#include "runtime/kv_cache.h"
 #include "runtime/launcher.h"
 #include "runtime/trainer.h"
 
@@ -59,8 +63,16 @@ commands:
             (llm.c shard format). Default input: /usr/share/games/fortunes.
   eval      --checkpoint DIR | --llmc FILE.bin | --llama2c FILE.bin  [--data SHARD] [--batch B] [--seq T] [--batches N]
             Validation loss and perplexity.
-  generate  --checkpoint DIR [--prompt TEXT] [--tokens N] [--temperature X] [--top-k K]
-            [--seed S] [--tokenizer FILE]   Sample text from a checkpoint.
+  generate  --checkpoint DIR [--prompt TEXT | --prompts FILE] [--tokens N] [--temperature X] [--top-k K]
+            [--seed S] [--tokenizer FILE] [--set generate.key=value ...]
+            Sample text from a checkpoint, over a KV cache (generate.kv_cache = false: without).
+            --prompts FILE: one prompt per line, one JSON line each (text, prompt tokens, tokens
+            reused from the cache's shared prefixes, ms), then the cache's summary on stderr.
+  score     --checkpoint DIR --documents DIR [--tokenizer FILE] [--set generate.key=value ...]
+            Per-document loss of every file under DIR (sorted; longer than the context: scored in
+            consecutive windows), through the KV cache: documents that share a prefix (whole
+            blocks of generate.kv_block tokens) reuse its keys, values and losses. One JSON line
+            per document, then a summary line (reuse hits, tokens reused, time saved).
   export    --checkpoint DIR --out FILE.bin [--format llmc|llama2c]
             Write the model in llm.c's GPT-2 format or llama2.c's format (default: the family's).
   export    --tokenizer FILE.json --out tokenizer.bin   A Keel tokenizer as llama2.c's tokenizer.bin.
@@ -206,6 +218,11 @@ LoadedModel load_model(const Args& a, int B, int T) {
     check(a.has("--checkpoint"), "missing --checkpoint DIR (or --llmc FILE.bin, --llama2c FILE.bin)");
     lm.config = read_checkpoint_config(a.get("--checkpoint"));
   }
+  for (const std::string& set : a.all("--set")) {
+    check(set.rfind("generate.", 0) == 0, std::string("option --set ") + set + ": only generate.* keys apply to a trained model");
+    lm.config.set(set);
+  }
+  validate(lm.config.generate);
   T = std::min(T, lm.config.model.max_seq_len);
   lm.store = std::make_unique<ChunkStore>(lm.config.store.chunk_bytes);
   lm.model = std::make_unique<GPT>(lm.config.model, *lm.store);
@@ -253,6 +270,19 @@ int cmd_eval(const Args& a) {
   return 0;
 }
 
+// The tokenizer a command reads text with: --tokenizer, else the checkpoint's.
+Tokenizer load_tokenizer(const Args& a, const LoadedModel& lm, const char* cmd) {
+  const std::string tok_path = a.get("--tokenizer", lm.config.data.tokenizer);
+  check(!tok_path.empty(), std::string(cmd) + ": no tokenizer (pass --tokenizer FILE)");
+  Tokenizer tok = Tokenizer::load(tok_path);
+  check(tok.vocab_size() <= lm.config.model.vocab_size,
+        "tokenizer " + tok_path + ": vocabulary " + std::to_string(tok.vocab_size()) + " exceeds the model's " +
+            std::to_string(lm.config.model.vocab_size));
+  return tok;
+}
+
+std::string json_string(const std::string& text) { return nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); }
+
 int cmd_generate(const Args& a) {
   SampleOptions o;
   o.max_new_tokens = static_cast<int>(a.get_int("--tokens", 100));
@@ -262,30 +292,115 @@ int cmd_generate(const Args& a) {
   Rng rng(static_cast<uint64_t>(a.get_int("--seed", 42)));
   check(o.max_new_tokens >= 0 && o.top_k >= 0 && o.temperature >= 0 && samples >= 1,
         "generate: --tokens, --top-k and --temperature must not be negative, --samples at least 1");
+  check(!(a.has("--prompt") && a.has("--prompts")), "generate: --prompt and --prompts exclude each other");
   check_blas();
+  // The whole window per token without a cache; passes of up to prefill_chunk tokens with one.
   LoadedModel lm = load_model(a, 1, 1 << 30);
-  const std::string tok_path = a.get("--tokenizer", lm.config.data.tokenizer);
-  check(!tok_path.empty(), "generate: no tokenizer (pass --tokenizer FILE)");
-  Tokenizer tok = Tokenizer::load(tok_path);
-  check(tok.vocab_size() <= lm.config.model.vocab_size,
-        "tokenizer " + tok_path + ": vocabulary " + std::to_string(tok.vocab_size()) + " exceeds the model's " +
-            std::to_string(lm.config.model.vocab_size));
+  const GenerateConfig& g = lm.config.generate;
+  const int context = std::min(lm.config.model.max_seq_len, g.kv_cache ? lm.config.model.max_seq_len : 1024);
+  if (g.kv_cache) lm.model->allocate(1, std::min(g.prefill_chunk, context));
+  Tokenizer tok = load_tokenizer(a, lm, "generate");
   o.stop_token = tok.eot_token();
-  std::vector<int> prompt = {tok.eot_token()};
-  const std::string text = a.get("--prompt");
-  if (!text.empty()) {
+  auto encode = [&](const std::string& text) {
+    std::vector<int> prompt = {tok.eot_token()};
     std::vector<int> ids = tok.encode(text);
     prompt.insert(prompt.end(), ids.begin(), ids.end());
+    return prompt;
+  };
+  std::unique_ptr<KvCache> cache;
+  if (g.kv_cache) cache = std::make_unique<KvCache>(*lm.model, KvCacheOptions::from(g));
+  auto run = [&](const std::vector<int>& prompt, uint64_t* reused) {
+    if (cache) return generate_cached(*cache, context, prompt, o, rng, reused);
+    return generate(*lm.model, context, prompt, o, rng);
+  };
+  if (a.has("--prompts")) {
+    const std::string path = a.get("--prompts");
+    std::istringstream lines(read_text_file(path));
+    std::string line;
+    int index = 0;
+    while (std::getline(lines, line)) {
+      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+      const std::vector<int> prompt = encode(line);
+      uint64_t reused = 0;
+      const auto t0 = std::chrono::steady_clock::now();
+      const std::vector<int> out = run(prompt, &reused);
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      std::printf("{\"prompt\": %d, \"prompt_tokens\": %zu, \"reused_tokens\": %llu, \"new_tokens\": %zu, \"ms\": %.1f, \"text\": %s}\n",
+                  index++, prompt.size(), static_cast<unsigned long long>(reused), out.size() - prompt.size(), ms,
+                  json_string(tok.decode(std::vector<int>(out.begin() + 1, out.end()))).c_str());
+      std::fflush(stdout);
+    }
+    check(index > 0, "generate: --prompts " + path + " holds no prompt (one per line)");
+    if (cache) std::fprintf(stderr, "keel generate: %s\n", cache->summary().c_str());
+    return 0;
   }
-  const int context = std::min(lm.config.model.max_seq_len, 1024);
+  const std::vector<int> prompt = encode(a.get("--prompt"));
   if (static_cast<int>(prompt.size()) > context) {
     std::fprintf(stderr, "keel generate: the prompt (%zu tokens) is longer than the model's context of %d: it sees the last %d\n",
                  prompt.size(), context, context);
   }
   for (int s = 0; s < samples; ++s) {
-    std::vector<int> out = generate(*lm.model, context, prompt, o, rng);
+    const std::vector<int> out = run(prompt, nullptr);
     std::printf("%s%s\n", s > 0 ? "---\n" : "", tok.decode(std::vector<int>(out.begin() + 1, out.end())).c_str());
   }
+  return 0;
+}
+
+int cmd_score(const Args& a) {
+  check(a.has("--documents"), "score: missing --documents DIR");
+  const std::string dir = a.get("--documents");
+  check(fs::is_directory(dir), "score: --documents " + dir + " is not a directory");
+  std::vector<std::string> files;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    if (e.is_regular_file()) files.push_back(e.path().string());  // symbolic links to files count
+  }
+  std::sort(files.begin(), files.end());
+  check(!files.empty(), "score: --documents " + dir + " holds no files");
+  check_blas();
+  LoadedModel lm = load_model(a, 1, 1 << 30);
+  const GenerateConfig& g = lm.config.generate;
+  const int context = lm.config.model.max_seq_len;
+  lm.model->allocate(1, std::min(g.prefill_chunk, context));
+  Tokenizer tok = load_tokenizer(a, lm, "score");
+  KvCache cache(*lm.model, KvCacheOptions::from(g));
+  double total_nll = 0, total_ms = 0;
+  uint64_t total_targets = 0, total_tokens = 0, total_reused = 0;
+  for (const std::string& file : files) {
+    std::vector<int> tokens = {tok.eot_token()};
+    const std::vector<int> ids = tok.encode(read_text_file(file));
+    tokens.insert(tokens.end(), ids.begin(), ids.end());
+    const auto t0 = std::chrono::steady_clock::now();
+    double nll = 0;
+    uint64_t targets = 0, reused = 0;
+    for (size_t w = 0; w < tokens.size(); w += static_cast<size_t>(context)) {  // consecutive windows
+      const size_t n = std::min(tokens.size() - w, static_cast<size_t>(context));
+      if (n < 2) break;
+      auto seq = cache.open();
+      cache.extend(*seq, std::span<const int>(tokens).subspan(w, n));
+      for (size_t p = 1; p < n; ++p) nll += seq->nll()[p];
+      targets += n - 1;
+      reused += seq->reused_tokens();
+    }
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    check(targets > 0, "score: " + file + " holds too little text to score");
+    check(std::isfinite(nll), "score: the loss is not finite on " + file);
+    std::printf("{\"document\": %s, \"tokens\": %zu, \"loss\": %.6f, \"reused_tokens\": %llu, \"ms\": %.1f}\n",
+                json_string(file).c_str(), tokens.size(), nll / static_cast<double>(targets),
+                static_cast<unsigned long long>(reused), ms);
+    std::fflush(stdout);
+    total_nll += nll, total_targets += targets, total_tokens += tokens.size(), total_reused += reused, total_ms += ms;
+  }
+  const KvCacheStats& st = cache.stats();
+  // Time saved: the reused tokens at the measured cost of a computed one.
+  const double ms_per_token = st.computed_tokens ? st.compute_ms / static_cast<double>(st.computed_tokens) : 0.0;
+  std::printf("{\"event\": \"summary\", \"documents\": %zu, \"tokens\": %llu, \"loss\": %.6f, \"reused_tokens\": %llu, "
+              "\"computed_tokens\": %llu, \"block_hits\": %llu, \"block_lookups\": %llu, \"ms\": %.1f, "
+              "\"ms_per_computed_token\": %.4f, \"saved_ms\": %.1f}\n",
+              files.size(), static_cast<unsigned long long>(total_tokens), total_nll / static_cast<double>(total_targets),
+              static_cast<unsigned long long>(total_reused), static_cast<unsigned long long>(st.computed_tokens),
+              static_cast<unsigned long long>(st.hits), static_cast<unsigned long long>(st.lookups), total_ms, ms_per_token,
+              ms_per_token * static_cast<double>(total_reused));
+  std::fprintf(stderr, "keel score: %s\n", cache.summary().c_str());
   return 0;
 }
 
@@ -511,8 +626,9 @@ int run(int argc, char** argv) {
       {"train", {"--config", "--set"}},
       {"tokenize", {"--input", "--out", "--vocab-size", "--val-fraction", "--seed"}},
       {"eval", {"--checkpoint", "--llmc", "--llama2c", "--data", "--batch", "--seq", "--batches"}},
-      {"generate", {"--checkpoint", "--llmc", "--llama2c", "--prompt", "--tokens", "--temperature", "--top-k", "--seed",
-                    "--tokenizer", "--samples"}},
+      {"generate", {"--checkpoint", "--llmc", "--llama2c", "--prompt", "--prompts", "--tokens", "--temperature", "--top-k",
+                    "--seed", "--tokenizer", "--samples", "--set"}},
+      {"score", {"--checkpoint", "--llmc", "--llama2c", "--documents", "--tokenizer", "--set"}},
       {"export", {"--checkpoint", "--out", "--format", "--tokenizer"}},
       {"import", {"--llmc", "--llama2c", "--out", "--set"}},
       {"checkpoints", {"--dir", "--verify"}},
@@ -522,7 +638,7 @@ int run(int argc, char** argv) {
   auto it = options.find(cmd);
   check(it != options.end(),
         "unknown command '" + cmd +
-            "' (expected train, launch, tokenize, eval, generate, export, import, schedule, checkpoints or report)");
+            "' (expected train, launch, tokenize, eval, generate, score, export, import, schedule, checkpoints or report)");
   // `keel report RUN_DIR`: the run directory may come first, without --dir.
   std::vector<char*> words(argv, argv + argc);
   static char dir_flag[] = "--dir";
@@ -536,6 +652,7 @@ int run(int argc, char** argv) {
   if (cmd == "tokenize") return cmd_tokenize(a);
   if (cmd == "eval") return cmd_eval(a);
   if (cmd == "generate") return cmd_generate(a);
+  if (cmd == "score") return cmd_score(a);
   if (cmd == "export") return cmd_export(a);
   if (cmd == "checkpoints") return cmd_checkpoints(a);
   if (cmd == "schedule") return cmd_schedule(a);

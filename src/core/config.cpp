@@ -138,6 +138,14 @@ std::vector<Field> fields(Config& c) {
       {"monitor", "alert_after", &c.monitor.alert_after},
       {"monitor", "powercap", &c.monitor.powercap},
       {"monitor", "cpu_watts", &c.monitor.cpu_watts},
+      {"generate", "kv_block", &c.generate.kv_block},
+      {"generate", "kv_cache_mib", &c.generate.kv_cache_mib},
+      {"generate", "kv_device_mib", &c.generate.kv_device_mib},
+      {"generate", "kv_tier", &c.generate.kv_tier},
+      {"generate", "kv_nvme_dir", &c.generate.kv_nvme_dir},
+      {"generate", "prefix_reuse", &c.generate.prefix_reuse},
+      {"generate", "prefill_chunk", &c.generate.prefill_chunk},
+      {"generate", "kv_cache", &c.generate.kv_cache},
   };
 }
 
@@ -283,6 +291,17 @@ void require(bool ok, const std::string& key, const std::string& expected, const
 }
 
 }  // namespace
+
+void validate(const GenerateConfig& g) {
+  auto s = [](auto v) { return std::to_string(v); };
+  require(g.kv_block >= 1 && g.kv_block <= 1024, "generate.kv_block", "1..1024 tokens", s(g.kv_block));
+  require(g.kv_cache_mib >= 1, "generate.kv_cache_mib", ">= 1", s(g.kv_cache_mib));
+  require(g.kv_device_mib >= 0, "generate.kv_device_mib", ">= 0 (0 = every block in memory)", s(g.kv_device_mib));
+  require(g.kv_tier == "host" || g.kv_tier == "nvme", "generate.kv_tier", "host or nvme", "\"" + g.kv_tier + "\"");
+  require(g.kv_tier != "nvme" || g.kv_device_mib == 0 || !g.kv_nvme_dir.empty(), "generate.kv_nvme_dir",
+          "a directory when generate.kv_tier = nvme", "\"\"");
+  require(g.prefill_chunk >= 1, "generate.prefill_chunk", ">= 1", s(g.prefill_chunk));
+}
 
 const std::vector<ModelPreset>& model_presets() {
   static const std::vector<ModelPreset> presets = {
@@ -561,6 +580,7 @@ void Config::resolve(int world_size) {
   require(monitor.stall_factor > 1, "monitor.stall_factor", "> 1", s(monitor.stall_factor));
   require(monitor.alert_after >= 1, "monitor.alert_after", ">= 1", s(monitor.alert_after));
   require(monitor.cpu_watts > 0 && monitor.cpu_watts < 1000, "monitor.cpu_watts", "0 < watts < 1000", s(monitor.cpu_watts));
+  validate(generate);
 }
 
 std::string Config::to_toml() const {

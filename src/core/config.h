@@ -222,6 +222,20 @@ struct MonitorConfig {
   double cpu_watts = 5.0;
 };
 
+// Inference (keel generate, keel score): the KV cache (runtime/kv_cache.h).
+struct GenerateConfig {
+  int kv_block = 64;            // tokens per KV block
+  int64_t kv_cache_mib = 1024;  // the cache's pool, all tiers together
+  int64_t kv_device_mib = 0;    // 0: every block in memory; else the compute tier's budget for blocks
+  std::string kv_tier = "host"; // home of the blocks beyond kv_device_mib: host | nvme
+  std::string kv_nvme_dir;      // kv_tier = nvme: directory of the tier's file
+  bool prefix_reuse = true;     // share the blocks of common prefixes (a radix tree of blocks)
+  int prefill_chunk = 256;      // tokens per model pass over a prompt or document
+  bool kv_cache = true;         // false: generate re-runs the whole window for every token
+};
+// Throws keel::Error naming the key of the first invalid value.
+void validate(const GenerateConfig& g);
+
 struct Config {
   ModelConfig model;
   TrainConfig train;
@@ -234,6 +248,7 @@ struct Config {
   CheckpointConfig checkpoint;
   RuntimeConfig runtime;
   MonitorConfig monitor;
+  GenerateConfig generate;
 
   // Parses a TOML file (path "" = defaults only), then applies `section.key=value` overrides in
   // order. Throws keel::Error naming the file/key on any unknown key or mistyped value.

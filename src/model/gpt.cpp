@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "kernels/cpu/ops.h"
+#include "model/kv_context.h"
 #include "model/layer_util.h"
 #include "model/llama.h"
 
@@ -32,10 +33,15 @@ class Embedding final : public Layer {
   int64_t scratch_floats(int, int) const override { return 0; }
   void bind(float*, float*, int, int) override {}
 
-  // x_out[B,T,C] = wte[inputs] + wpe[t]
+  // x_out[B,T,C] = wte[inputs] + wpe[t] (over a KV cache: wpe[pos0 + t])
   void forward(const Batch& b, const float*, float* x_out) override {
     const PageLease use = store_.use_layer(0, {Plane::param});
-    const float* wpe = wpe_ >= 0 ? store_.data(wpe_, Plane::param) : nullptr;
+    const int pos0 = b.kv ? b.kv->pos0() : 0;
+    if (wpe_ >= 0 && pos0 + b.T > m_.max_seq_len) {
+      throw Error("the model's position table ends at " + std::to_string(m_.max_seq_len) + " tokens: position " +
+                  std::to_string(pos0 + b.T - 1) + " asked for");
+    }
+    const float* wpe = wpe_ >= 0 ? store_.data(wpe_, Plane::param) + static_cast<int64_t>(pos0) * m_.n_embd : nullptr;
     ops::encoder_forward(x_out, b.inputs, store_.data(wte_, Plane::param), wpe, b.B, b.T, m_.n_embd);
   }
   void backward_input(const Batch&, const float*, const float*, float*) override {}  // tokens have no gradient
@@ -117,7 +123,9 @@ class Block final : public Layer {
     auto P = [&](TensorId id) { return store_.data(id, Plane::param); };
     ops::layernorm_forward(ln1_, ln1_mean_, ln1_rstd_, x, P(ln1w_), P(ln1b_), N, C);
     ops::linear_forward(qkv_, ln1_, P(qkvw_), P(qkvb_), N, C, 3 * C);
-    if (m_.attention == "dense") {
+    if (b.kv) {
+      b.kv->attend(layer_ - 1, qkv_, 3 * C, atty_, b.T, window_);
+    } else if (m_.attention == "dense") {
       ops::attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head);
     } else {  // att_ holds the rows' log-sum-exp
       ops::flash_attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_head, window_);
@@ -417,6 +425,7 @@ void GPT::check_batch(const Batch& batch, int slot) const {
                                                     std::to_string(batch.T) + " exceeds the allocated " +
                                                     std::to_string(max_B_) + "x" + std::to_string(max_T_));
   check(slot >= 0 && slot < slots(), "model: activation slot " + std::to_string(slot) + " of " + std::to_string(slots()));
+  check(batch.kv == nullptr || batch.B == 1, "model: a KV-cached pass runs one sequence (batch of 1)");
 }
 
 float GPT::forward(const Batch& batch) {

@@ -104,6 +104,8 @@ class GPT {
   // Bytes of one slot (one micro-batch in flight on this rank's layers).
   int64_t slot_bytes() const { return slot_floats_ * static_cast<int64_t>(sizeof(float)); }
   int slots() const { return static_cast<int>(act_.size()); }
+  int allocated_B() const { return max_B_; }
+  int allocated_T() const { return max_T_; }
 
  private:
   void build_llama();  // the llama family's layers (model/llama.h)

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "kernels/cpu/ops.h"
+#include "model/kv_context.h"
 #include "model/layer_util.h"
 
 namespace keel {
@@ -69,8 +70,10 @@ class LlamaBlock final : public Layer {
     const float* none = nullptr;
     ops::rmsnorm_forward(n1_, rstd1_, x, P(attn_norm_), N, C);
     ops::linear_forward(qkv_, n1_, P(qkvw_), none, N, C, QKV_);
-    ops::rope_forward(qkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_theta, 0);
-    if (m_.attention == "dense") {
+    ops::rope_forward(qkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_theta, b.kv ? b.kv->pos0() : 0);
+    if (b.kv) {
+      b.kv->attend(layer_ - 1, qkv_, QKV_, atty_, b.T, window_);
+    } else if (m_.attention == "dense") {
       ops::attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
     } else {
       ops::flash_attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head, window_);

@@ -3,45 +3,70 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <span>
 
 #include "core/error.h"
 
 namespace keel {
 
+int sample_next(const float* logits, int V, const SampleOptions& o, Rng& rng) {
+  if (o.temperature <= 0) return static_cast<int>(std::max_element(logits, logits + V) - logits);
+  static thread_local std::vector<double> probs;
+  static thread_local std::vector<int> order;
+  probs.resize(V);
+  order.resize(V);
+  std::iota(order.begin(), order.end(), 0);
+  const int k = (o.top_k > 0 && o.top_k < V) ? o.top_k : V;
+  // Ties broken by token id so the choice does not depend on the sort's internals.
+  auto better = [&](int a, int b) { return logits[a] != logits[b] ? logits[a] > logits[b] : a < b; };
+  std::partial_sort(order.begin(), order.begin() + k, order.end(), better);
+  const double mx = logits[order[0]];
+  double sum = 0;
+  for (int j = 0; j < k; ++j) sum += probs[j] = std::exp((logits[order[j]] - mx) / o.temperature);
+  double r = rng.uniform() * sum;
+  for (int j = 0; j < k; ++j) {
+    r -= probs[j];
+    if (r < 0) return order[j];
+  }
+  return order[k - 1];
+}
+
 std::vector<int> generate(GPT& model, int allocated_T, std::vector<int> prompt, const SampleOptions& o, Rng& rng) {
   check(!prompt.empty(), "generate: the prompt encodes to no tokens");
   const int V = model.config().vocab_size, Vp = model.config().padded_vocab_size;
-  std::vector<double> probs(V);
-  std::vector<int> order(V);
   for (int i = 0; i < o.max_new_tokens; ++i) {
     const int T = std::min<int>(static_cast<int>(prompt.size()), allocated_T);
     const int* context = prompt.data() + prompt.size() - T;
     model.forward(Batch{context, nullptr, 1, T, 0.0f});
-    const float* logits = model.logits() + static_cast<int64_t>(T - 1) * Vp;
-    int next = 0;
-    if (o.temperature <= 0) {
-      next = static_cast<int>(std::max_element(logits, logits + V) - logits);
-    } else {
-      std::iota(order.begin(), order.end(), 0);
-      const int k = (o.top_k > 0 && o.top_k < V) ? o.top_k : V;
-      // Ties broken by token id so the choice does not depend on the sort's internals.
-      auto better = [&](int a, int b) { return logits[a] != logits[b] ? logits[a] > logits[b] : a < b; };
-      std::partial_sort(order.begin(), order.begin() + k, order.end(), better);
-      const double mx = logits[order[0]];
-      double sum = 0;
-      for (int j = 0; j < k; ++j) sum += probs[j] = std::exp((logits[order[j]] - mx) / o.temperature);
-      double r = rng.uniform() * sum;
-      next = order[k - 1];
-      for (int j = 0; j < k; ++j) {
-        r -= probs[j];
-        if (r < 0) {
-          next = order[j];
-          break;
-        }
-      }
-    }
+    const int next = sample_next(model.logits() + static_cast<int64_t>(T - 1) * Vp, V, o, rng);
     prompt.push_back(next);
     if (next == o.stop_token) break;
+  }
+  return prompt;
+}
+
+std::vector<int> generate_cached(KvCache& cache, int context, std::vector<int> prompt, const SampleOptions& o, Rng& rng,
+                                 uint64_t* reused) {
+  check(!prompt.empty(), "generate: the prompt encodes to no tokens");
+  check(context >= 2, "generate: a context of at least 2 tokens is needed, found " + std::to_string(context));
+  auto seq = cache.open();
+  const int start = std::max<int>(0, static_cast<int>(prompt.size()) - context);
+  cache.extend(*seq, std::span<const int>(prompt).subspan(start));
+  if (reused != nullptr) *reused = seq->reused_tokens();
+  for (int i = 0; i < o.max_new_tokens; ++i) {
+    const std::vector<float>& logits = seq->last_logits();
+    const int next = sample_next(logits.data(), static_cast<int>(logits.size()), o, rng);
+    prompt.push_back(next);
+    if (next == o.stop_token || i + 1 == o.max_new_tokens) break;
+    if (seq->length() + 1 > context) {  // full: start again from the most recent half
+      seq.reset();
+      seq = cache.open();
+      const size_t keep = static_cast<size_t>(context / 2);
+      cache.extend(*seq, std::span<const int>(prompt).subspan(prompt.size() - keep));
+    } else {
+      const int token = next;
+      cache.extend(*seq, std::span<const int>(&token, 1));
+    }
   }
   return prompt;
 }

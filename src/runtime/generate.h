@@ -1,10 +1,12 @@
-// Sampling text from a model: temperature and top-k over the next-token distribution.
+// Sampling text from a model: temperature and top-k over the next-token distribution, either by
+// re-running the whole window for every new token or over a KV cache (runtime/kv_cache.h).
 #pragma once
 
 #include <vector>
 
 #include "core/rng.h"
 #include "model/gpt.h"
+#include "runtime/kv_cache.h"
 
 namespace keel {
 
@@ -19,5 +21,17 @@ struct SampleOptions {
 // at least one sequence; contexts longer than its allocated length keep the most recent tokens.
 // Deterministic for a given rng state.
 std::vector<int> generate(GPT& model, int allocated_T, std::vector<int> prompt, const SampleOptions& options, Rng& rng);
+
+// The same over a KV cache: the prompt is prefilled (its cached prefix reused), then each new
+// token is one pass over that token. Greedy, it gives the tokens generate() gives while the
+// context fits `context` tokens (at most the model's max_seq_len); when the context is full it
+// starts again from its most recent half (generate() slides by one token instead). `reused`, if
+// given, receives the prompt tokens taken from the cache.
+std::vector<int> generate_cached(KvCache& cache, int context, std::vector<int> prompt, const SampleOptions& options,
+                                 Rng& rng, uint64_t* reused = nullptr);
+
+// The next token from logits[V]: greedy at temperature 0, else sampled from the top-k (ties broken
+// by token id).
+int sample_next(const float* logits, int V, const SampleOptions& options, Rng& rng);
 
 }  // namespace keel

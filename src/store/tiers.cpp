@@ -82,7 +82,7 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
     for (int p = 0; p < kNumPlanes; ++p) {
       Page& pg = pages_[c * kNumPlanes + p];
       const bool moment = p >= static_cast<int>(Plane::adam_m);
-      pg.exists = !moment || (c >= m_begin && c < m_end);
+      pg.exists = (!moment || (c >= m_begin && c < m_end)) && (!options.params_only || p == 0);
       if (!pg.exists) continue;
       pg.home = homes[c * kNumPlanes + p];
       pg.bytes = chunk.numel * static_cast<int64_t>(sizeof(float));
@@ -129,10 +129,9 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
     // Untouched planes (gradients, moments) read as zero without being mapped: no I/O for them.
     pg.home_zero = std::all_of(src, src + pg.bytes / 4, [](float x) { return std::bit_cast<uint32_t>(x) == 0; });
     if (pg.home == Tier::host) {
-      pg.host = AlignedBuffer(static_cast<size_t>(pg.slot));
-      if (pg.home_zero) {
-        std::memset(pg.host.data, 0, static_cast<size_t>(pg.slot));
-      } else {
+      // A zero page's host copy is allocated when first written (its room is reserved now).
+      if (!pg.home_zero) {
+        pg.host = AlignedBuffer(static_cast<size_t>(pg.slot));
         std::memcpy(pg.host.data, src, static_cast<size_t>(pg.bytes));
       }
       host_used_ += pg.slot;
@@ -300,6 +299,7 @@ void TierManager::evict(int i) {
   const bool dirty = pg.device_version > pg.home_version;
   if (dirty) pg.home_zero = false;
   if (dirty && pg.home == Tier::host) {
+    if (pg.host.data == nullptr) pg.host = AlignedBuffer(static_cast<size_t>(pg.slot));
     std::memcpy(pg.host.data, address(i), static_cast<size_t>(pg.bytes));
     pg.home_version = pg.device_version;
     stats_.tier[static_cast<int>(Tier::host)].bytes_written += static_cast<uint64_t>(pg.bytes);
@@ -640,6 +640,7 @@ void TierManager::update_at_home(PageRef r, const std::function<void(float*, siz
   const bool was_zero = pg.home_zero && !device_newer;
   pg.home_zero = false;
   if (pg.home == Tier::host) {
+    if (pg.host.data == nullptr) pg.host = AlignedBuffer(static_cast<size_t>(pg.slot));
     if (device_newer) std::memcpy(pg.host.data, address(i), static_cast<size_t>(pg.bytes));
     if (was_zero) std::memset(pg.host.data, 0, static_cast<size_t>(pg.slot));
     update(static_cast<float*>(pg.host.data), n);
@@ -685,7 +686,7 @@ void TierManager::discard_to_zero(PageRef r) {
   if (options_.verify) note_bytes(i, nullptr, pg.version);
   pg.home_zero = true;
   pg.home_version = pg.version;
-  if (pg.home == Tier::host) std::memset(pg.host.data, 0, static_cast<size_t>(pg.slot));
+  if (pg.home == Tier::host) pg.host = AlignedBuffer();  // zero again: allocated at its next write
   if (pg.present) {
     if (pg.pins > 0) {
       std::memset(address(i), 0, static_cast<size_t>(pg.bytes));

@@ -58,6 +58,9 @@ struct TierOptions {
   // acquire: a transfer that lost, tore or mixed up bytes fails loudly at the page it hit instead
   // of drifting the run. Costs a hash of each page written and of each page acquired.
   bool verify = false;
+  // Only the parameter plane's pages exist (a store of values that are never trained, such as a
+  // KV cache's blocks): gradient and moment pages are neither homed nor counted.
+  bool params_only = false;
 };
 
 // What one tier (by the home of the pages) saw.

@@ -461,6 +461,34 @@ constexpr int kBlock = 64;  // rows of a query tile and of a key/value tile
 // The first key position query row i may attend to: the window's start (window 0: no window).
 inline int window_start(int i, int window) { return window > 0 ? std::max(0, i - window + 1) : 0; }
 
+// One key tile of the online softmax: s[rows, cols] (row stride ld) holds the scores of query
+// rows i0.. against key columns j0..; each row's allowed columns (causal, inside its window) are
+// turned into exp(score - new max) in place (0 elsewhere), and its running max m, sum l and
+// unnormalised output o[rows, hs] are rescaled to the new max. The caller then adds p v to o.
+template <typename T>
+void online_softmax_tile(T* s, int ld, int rows, int cols, int i0, int j0, int window, T* m, T* l, T* o, int hs) {
+  for (int r = 0; r < rows; ++r) {
+    const int i = i0 + r, lo = window_start(i, window) - j0, hi = i - j0;  // allowed columns [lo, hi]
+    T* srow = s + static_cast<int64_t>(r) * ld;
+    T mx = m[r];
+    for (int c = std::max(lo, 0); c <= std::min(hi, cols - 1); ++c) mx = std::max(mx, srow[c]);
+    if (mx == -std::numeric_limits<T>::infinity()) {  // nothing allowed in this tile
+      for (int c = 0; c < cols; ++c) srow[c] = T(0);
+      continue;
+    }
+    const T correction = vmath::exp(m[r] - mx);
+    T sum = 0;
+    for (int c = 0; c < cols; ++c) {
+      const bool allowed = c >= lo && c <= hi;
+      srow[c] = allowed ? vmath::exp(srow[c] - mx) : T(0);
+      sum += srow[c];
+    }
+    l[r] = l[r] * correction + sum;
+    m[r] = mx;
+    for (int d = 0; d < hs; ++d) o[r * hs + d] *= correction;
+  }
+}
+
 }  // namespace
 
 template <typename T>
@@ -494,26 +522,7 @@ void flash_attention_forward(T* out, T* lse, const T* qkv, int B, int Tn, int C,
         const T* k = row + static_cast<int64_t>(j0) * C3 + C + g * hs;
         const T* v = row + static_cast<int64_t>(j0) * C3 + C + kv + g * hs;
         gemm<T>(false, true, rows, cols, hs, scale, q, C3, k, C3, T(0), s, kBlock);
-        for (int r = 0; r < rows; ++r) {
-          const int i = i0 + r, lo = window_start(i, window) - j0, hi = i - j0;  // allowed columns [lo, hi]
-          T* srow = s + r * kBlock;
-          T mx = m[r];
-          for (int c = std::max(lo, 0); c <= std::min(hi, cols - 1); ++c) mx = std::max(mx, srow[c]);
-          if (mx == -std::numeric_limits<T>::infinity()) {  // nothing allowed in this tile
-            for (int c = 0; c < cols; ++c) srow[c] = T(0);
-            continue;
-          }
-          const T correction = vmath::exp(m[r] - mx);
-          T sum = 0;
-          for (int c = 0; c < cols; ++c) {
-            const bool allowed = c >= lo && c <= hi;
-            srow[c] = allowed ? vmath::exp(srow[c] - mx) : T(0);
-            sum += srow[c];
-          }
-          l[r] = l[r] * correction + sum;
-          m[r] = mx;
-          for (int d = 0; d < hs; ++d) o[r * hs + d] *= correction;
-        }
+        online_softmax_tile(s, kBlock, rows, cols, i0, j0, window, m, l, o, hs);
         gemm<T>(false, false, rows, hs, cols, T(1), s, kBlock, v, C3, T(1), o, hs);  // o += p v
       }
       for (int r = 0; r < rows; ++r) {
@@ -521,6 +530,45 @@ void flash_attention_forward(T* out, T* lse, const T* qkv, int B, int Tn, int C,
         const T inv = T(1) / l[r];
         for (int d = 0; d < hs; ++d) dst[d] = o[r * hs + d] * inv;
         lse[static_cast<int64_t>(bh) * Tn + i0 + r] = m[r] + std::log(l[r]);
+      }
+    }
+  }
+}
+
+template <typename T>
+void paged_attention_forward(T* out, const T* q, int ldq, int n, int pos0, const T* const* blocks, int block_tokens,
+                             int NH, int NKV, int hs, int window) {
+  const int group = NH / NKV, kv = NKV * hs, kb = block_tokens;
+  const T scale = T(1) / std::sqrt(static_cast<T>(hs));
+  const int q_tiles = (n + kBlock - 1) / kBlock;
+#pragma omp parallel
+  {
+    static thread_local std::vector<T> buffer;
+    const size_t need = static_cast<size_t>(kBlock) * (kb + hs + 2);
+    if (buffer.size() < need) buffer.resize(need);
+    T* s = buffer.data();       // [kBlock, kb] scores, then probabilities
+    T* o = s + kBlock * kb;     // [kBlock, hs]
+    T* m = o + kBlock * hs;     // [kBlock]
+    T* l = m + kBlock;          // [kBlock]
+#pragma omp for schedule(static)
+    for (int task = 0; task < NH * q_tiles; ++task) {
+      const int h = task / q_tiles, qt = task % q_tiles, g = h / group;
+      const int r0 = qt * kBlock, rows = std::min(kBlock, n - r0), i0 = pos0 + r0;  // query positions i0..
+      for (int r = 0; r < rows; ++r) m[r] = -std::numeric_limits<T>::infinity(), l[r] = T(0);
+      std::fill(o, o + rows * hs, T(0));
+      const T* qt_rows = q + static_cast<int64_t>(r0) * ldq + h * hs;
+      for (int blk = window_start(i0, window) / kb; blk * kb < i0 + rows; ++blk) {
+        const int j0 = blk * kb, cols = std::min(kb, i0 + rows - j0);
+        const T* k = blocks[blk] + g * hs;                                  // [kb, kv]: keys
+        const T* v = blocks[blk] + static_cast<int64_t>(kb) * kv + g * hs;  // [kb, kv]: values
+        gemm<T>(false, true, rows, cols, hs, scale, qt_rows, ldq, k, kv, T(0), s, kb);
+        online_softmax_tile(s, kb, rows, cols, i0, j0, window, m, l, o, hs);
+        gemm<T>(false, false, rows, hs, cols, T(1), s, kb, v, kv, T(1), o, hs);
+      }
+      for (int r = 0; r < rows; ++r) {
+        T* dst = out + static_cast<int64_t>(r0 + r) * NH * hs + h * hs;
+        const T inv = T(1) / l[r];
+        for (int d = 0; d < hs; ++d) dst[d] = o[r * hs + d] * inv;
       }
     }
   }
@@ -652,6 +700,7 @@ void crossentropy_forward(T* losses, T* logits, const int* targets, int N, int V
   template void swiglu_backward_input<T>(T*, const T*, const T*, int, int);                                     \
   template void rope_forward<T>(T*, int, int, int, int, int, double, int, bool);                                \
   template void flash_attention_forward<T>(T*, T*, const T*, int, int, int, int, int, int);                     \
+  template void paged_attention_forward<T>(T*, const T*, int, int, int, const T* const*, int, int, int, int, int); \
   template void flash_attention_backward_input<T>(T*, const T*, const T*, const T*, const T*, int, int, int, int, int, \
                                                   int);                                                         \
   template void crossentropy_forward<T>(T*, T*, const int*, int, int, int, T);

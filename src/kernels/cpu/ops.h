@@ -115,6 +115,15 @@ void attention_backward_input(T* dqkv, const T* dout, const T* att, const T* qkv
 // masked; window = 0: all keys up to i.
 template <typename T>
 void flash_attention_forward(T* out, T* lse, const T* qkv, int B, int Tn, int C, int NH, int NKV, int window);
+// Attention of n new queries over keys and values kept in fixed-size blocks (a KV cache):
+// q[n, ldq] holds NH heads of hs columns for positions pos0 .. pos0 + n - 1; block b holds the
+// keys of positions b * block_tokens .. in its first [block_tokens, NKV * hs] floats and their
+// values in the next as many. Every key up to each query's own position must be in the blocks
+// (the new tokens' included). out[n, NH * hs] is causal softmax attention, window as above; blocks
+// wholly outside a query tile's window are never read.
+template <typename T>
+void paged_attention_forward(T* out, const T* q, int ldq, int n, int pos0, const T* const* blocks, int block_tokens,
+                             int NH, int NKV, int hs, int window);
 // dqkv (overwritten) from dout, the forward's out and lse, and qkv: each tile's probabilities are
 // recomputed from q, k and lse; delta = rowsum(dout * out) stands for rowsum(dp * p). Tasks are a
 // batch row's key/value head with its query heads in order (a fixed summation order).
