@@ -4,12 +4,16 @@
 // same losses where both fit.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <nlohmann/json.hpp>
 
 #include "core/config.h"
 #include "core/fileio.h"
+#include "core/rng.h"
+#include "data/shard.h"
 #include "model/gpt.h"
+#include "runtime/dynamic_windows.h"
 #include "test_util.h"
 
 namespace keel {
@@ -96,6 +100,106 @@ TEST_F(LongContextTraining, ASlidingWindowTrainsAt4096Tokens) {
   const testing::CommandResult range = train("range", 256, "--set model.attention_window=0-5:64");
   EXPECT_EQ(range.exit_code, 2) << range.output;
   EXPECT_NE(range.output.find("outside 0..1"), std::string::npos) << range.output;
+}
+
+// 32,768 tokens a sequence (batch 1) with a sliding window of 256 keys: trains, its activations
+// those of the linear kernel (about 16 x those at 2,048 tokens).
+TEST_F(LongContextTraining, TrainsAt32768Tokens) {
+  const testing::CommandResult r = train("32k", 32768, "--set model.attention_window=256 --set train.steps=2 --set data.val=" + dir / "train.bin");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::vector<double> l = losses("32k");
+  ASSERT_EQ(l.size(), 2u);
+  for (double x : l) EXPECT_TRUE(std::isfinite(x));
+  EXPECT_NEAR(static_cast<double>(activation_bytes("blockwise", 32768)) / activation_bytes("blockwise", 2048), 16.0, 0.1);
+}
+
+// Past the trained length: a model trained on 64-token sequences evaluated on 256 with RoPE as
+// trained, linearly interpolated positions and an NTK-scaled base; each a finite loss, and
+// scaling by a factor of 1 is no scaling at all (the same bytes of output).
+TEST_F(LongContextTraining, RopeScalingExtendsPastTheTrainedLength) {
+  ASSERT_EQ(train("short", 64, "--set train.steps=30 --set train.batch_size=4").exit_code, 0);
+  const std::string ckpt = testing::newest_checkpoint(dir / "short/ckpt");
+  auto eval = [&](const std::string& extra) {
+    const testing::CommandResult r = testing::run_keel("eval --checkpoint " + ckpt + " --data " + dir / "val.bin" +
+                                                       " --batch 1 --batches 4 " + extra);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    const size_t at = r.output.find('{');
+    return at == std::string::npos ? nlohmann::json() : nlohmann::json::parse(r.output.substr(at));
+  };
+  const double trained = eval("--seq 64").at("loss").get<double>();
+  const double as_is = eval("--seq 256 --set model.max_seq_len=256").at("loss").get<double>();
+  const double linear = eval("--seq 256 --set model.max_seq_len=256 --set model.rope_scaling=linear --set model.rope_factor=4").at("loss").get<double>();
+  const double ntk = eval("--seq 256 --set model.max_seq_len=256 --set model.rope_scaling=ntk --set model.rope_factor=4").at("loss").get<double>();
+  for (double x : {trained, as_is, linear, ntk}) EXPECT_TRUE(std::isfinite(x));
+  std::printf("loss at the trained 64 tokens %.4f; at 256: RoPE as trained %.4f, linear x4 %.4f, ntk x4 %.4f\n", trained,
+              as_is, linear, ntk);
+  EXPECT_EQ(eval("--seq 64 --set model.rope_scaling=linear --set model.rope_factor=1").dump(), eval("--seq 64").dump());
+  // Bad input: GPT-2 has no RoPE; a factor below 1.
+  const testing::CommandResult bad = testing::run_keel("eval --checkpoint " + ckpt + " --set model.rope_factor=0.5");
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("model.rope_factor"), std::string::npos) << bad.output;
+}
+
+// The rule: the smallest power of two >= the minimum that leaves at most eps of the worst head's
+// mass outside; none when no window below the sequence length does.
+TEST(DynamicWindows, ChooseTheSmallestWindowThatKeepsTheMass) {
+  const int K = AttentionProbe::kBuckets, heads = 2;
+  std::vector<double> mass(heads * K, 0.0);
+  // 10 rows; head 0 puts 0.9 at distance 0 and 0.1 at 16..31 (bucket 5); head 1 all within 2..3.
+  mass[0 * K + 0] = 9, mass[0 * K + 5] = 1, mass[1 * K + 2] = 10;
+  double outside = -1;
+  EXPECT_EQ(DynamicWindows::choose(mass, 10, heads, 0.2, 1, 1024, &outside), 4);  // head 0's 0.1 outside 4
+  EXPECT_DOUBLE_EQ(outside, 0.1);
+  EXPECT_EQ(DynamicWindows::choose(mass, 10, heads, 0.05, 1, 1024, &outside), 32);  // distances up to 31 inside
+  EXPECT_DOUBLE_EQ(outside, 0.0);
+  EXPECT_EQ(DynamicWindows::choose(mass, 10, heads, 0.05, 64, 1024, &outside), 64);  // the minimum
+  EXPECT_EQ(DynamicWindows::choose(mass, 10, heads, 0.05, 1, 32, &outside), 0);  // 32 is the whole sequence
+}
+
+// "dynamic" on a corpus where each token is the one three back plus one (three interleaved
+// counters, 2 % noise): the model learns to look back a short way, the windows shrink from full
+// attention, the validation loss stays within a few per cent of full attention's, and a run
+// resumed from a checkpoint goes on with its windows to the same bytes as an uninterrupted one.
+TEST_F(LongContextTraining, DynamicWindowsShrinkWhereAttentionIsLocalAndResumeExactly) {
+  Rng rng(5);
+  std::vector<uint16_t> tokens = {1, 20, 40};
+  while (tokens.size() < 40000) {
+    tokens.push_back(static_cast<uint16_t>(rng.uniform() < 0.02 ? rng.below(64) : (tokens[tokens.size() - 3] + 1) % 64));
+  }
+  write_token_shard(dir / "counters.bin", tokens);
+  auto run = [&](const std::string& name, const std::string& extra) {
+    return testing::run_keel("train --config " + dir / "toy.toml" + " --set train.run_dir=" + dir / name +
+                             " --set model.preset=llama-tiny --set model.vocab_size=64 --set model.max_seq_len=256"
+                             " --set train.seq_len=256 --set train.batch_size=4 --set train.steps=200 --set optim.lr=1e-2"
+                             " --set train.eval_every=0 --set train.eval_batches=2 --set data.train=" + dir / "counters.bin" +
+                             " --set data.val=" + dir / "counters.bin " + extra);
+  };
+  const std::string dyn = "--set model.attention_window=dynamic --set model.dynamic_window_every=40 "
+                          "--set model.dynamic_window_min=8 --set model.dynamic_window_loss=0.02 ";
+  const testing::CommandResult d = run("dyn", dyn + "--set train.checkpoint_every=100");
+  ASSERT_EQ(d.exit_code, 0) << d.output;
+  ASSERT_EQ(run("full", "").exit_code, 0);
+  std::vector<int> windows;
+  const std::string text = read_text_file(dir / "dyn/metrics.jsonl");
+  for (size_t at = 0; at < text.size();) {
+    const size_t end = std::min(text.find('\n', at), text.size());
+    const nlohmann::json j = nlohmann::json::parse(text.substr(at, end - at));
+    if (j.value("event", "") == "attention_windows") {
+      windows = j.at("windows").get<std::vector<int>>();
+      EXPECT_LE(j.at("probe_loss").get<double>(), j.at("probe_loss_full").get<double>() * 1.02 + 1e-12);
+    }
+    at = end + 1;
+  }
+  ASSERT_EQ(windows.size(), 2u) << d.output;
+  EXPECT_TRUE(std::any_of(windows.begin(), windows.end(), [](int w) { return w >= 8 && w < 256; })) << d.output;
+  const std::vector<double> a = losses("dyn"), f = losses("full");
+  EXPECT_NEAR(a.back(), f.back(), 0.05 * f.back() + 0.02);
+  std::printf("windows %d, %d; final loss %.4f with dynamic windows, %.4f with full attention\n", windows[0], windows[1],
+              a.back(), f.back());
+  // Resumed at step 100 (its windows from the checkpoint): the same final bytes.
+  const testing::CommandResult r = run("resumed", dyn + "--set train.resume=" + dir / "dyn/ckpt/step-00000100");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(testing::checkpoint_bytes(dir / "resumed/ckpt"), testing::checkpoint_bytes(dir / "dyn/ckpt"));
 }
 
 }  // namespace

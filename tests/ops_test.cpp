@@ -487,6 +487,19 @@ TEST(OpsGradient, RopeBackwardMatchesFiniteDifferencesAndLeavesValuesAlone) {
   for (int j = 0; j < at0.width(); ++j) EXPECT_EQ(r0.at("out")[j], at0.qkv[j]);
 }
 
+// RoPE's linear scaling multiplies positions: four tokens from position 4 at scale 1/4 sit at
+// 1, 1.25, 1.5, 1.75, so the first is rotated exactly as a token at position 1 unscaled.
+TEST(Ops, RopePositionScaleMultipliesPositions) {
+  const int NH = 2, NKV = 1, hs = 8, width = (NH + 2 * NKV) * hs;
+  std::vector<double> a(4 * width), b(width);
+  Rng rng(5);
+  for (double& x : a) x = rng.normal();
+  std::copy(a.begin(), a.begin() + width, b.begin());
+  ops::rope_forward(a.data(), 1, 4, NH, NKV, hs, 10000.0, 4, false, 0.25);
+  ops::rope_forward(b.data(), 1, 1, NH, NKV, hs, 10000.0, 1, false, 1.0);
+  for (int j = 0; j < width; ++j) EXPECT_NEAR(a[j], b[j], 1e-12) << j;
+}
+
 TEST(OpsGradient, GroupedQueryAttentionMatchesFiniteDifferences) {
   for (int nkv : {1, 2, 4}) {
     SCOPED_TRACE("n_kv_head " + std::to_string(nkv));
@@ -495,6 +508,31 @@ TEST(OpsGradient, GroupedQueryAttentionMatchesFiniteDifferences) {
     auto objective = [&] { return dot(run_gqa<double>(c)["out"], c.R); };
     EXPECT_TRUE(close("dqkv", analytic.at("dqkv"), finite_difference(c.qkv, objective), kFdTol));
   }
+}
+
+// The dynamic window's signal is the dense kernel's probabilities binned by distance: the last
+// rows of each sequence, every query head (grouped-query too), power-of-two buckets.
+TEST(OpsForward, AttentionDistanceMassBinsTheDenseProbabilities) {
+  const int B = 2, Tn = 40, NH = 4, NKV = 2, hs = 4, C = NH * hs, rows = 7, K = 8;
+  Rng rng(17);
+  const std::vector<double> qkv = normal(rng, static_cast<size_t>(B) * Tn * (C + 2 * NKV * hs), 2.0);
+  std::vector<double> out(static_cast<size_t>(B) * Tn * C), att(static_cast<size_t>(B) * NH * Tn * Tn);
+  ops::attention_forward(out.data(), att.data(), qkv.data(), B, Tn, C, NH, NKV);
+  std::vector<double> want(NH * K, 0.0), got(NH * K, 0.0);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < NH; ++h)
+      for (int i = Tn - rows; i < Tn; ++i)
+        for (int j = 0; j <= i; ++j) {
+          const int d = i - j;
+          int bucket = 0;
+          while ((1 << bucket) <= d) ++bucket;  // 0 -> 0, 1 -> 1, 2..3 -> 2, 4..7 -> 3, ...
+          want[h * K + std::min(bucket, K - 1)] += att[((static_cast<size_t>(b) * NH + h) * Tn + i) * Tn + j];
+        }
+  ops::attention_distance_mass(got.data(), K, qkv.data(), B, Tn, C, NH, NKV, rows);
+  for (int k = 0; k < NH * K; ++k) EXPECT_NEAR(got[k], want[k], 1e-12) << k;
+  double total = 0;
+  for (double x : got) total += x;
+  EXPECT_NEAR(total, B * NH * rows, 1e-9);  // every probed row's mass, once
 }
 
 // Grouped-query attention is multi-head attention with each key/value head repeated for its

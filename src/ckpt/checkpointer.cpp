@@ -241,6 +241,7 @@ void Checkpointer::begin(const std::string& root, int64_t step, const LoaderPosi
   writer_->begin(root, step, state, attempt, &residual_scratch_);
   inflight_step_ = step;
   inflight_root_ = root;
+  inflight_config_ = config_;  // as of the snapshot (a component may move its state on meanwhile)
   begin_ms_ = ms_since(t0);
   stall_ms_ += begin_ms_;
   if (!config_.checkpoint.async) commit();
@@ -257,7 +258,7 @@ bool Checkpointer::commit() {
     try {
       std::vector<CheckpointPart> parts;
       for (const std::string& bytes : encoded) parts.push_back(decode_part(bytes));
-      failure = publish_checkpoint(inflight_root_, parts, store_, config_, comm_.size(), peak_gflops_,
+      failure = publish_checkpoint(inflight_root_, parts, store_, inflight_config_, comm_.size(), peak_gflops_,
                                    config_.checkpoint.keep, &st);
     } catch (const std::exception& e) {
       failure = e.what();

@@ -88,6 +88,9 @@ class Checkpointer {
   std::unique_ptr<CheckpointWriter> writer_;
   std::string root_;
   std::string inflight_root_;
+  // The configuration at the snapshot, which the manifest records: a component that keeps state
+  // in it (model.dynamic_windows_state) may have moved on by the time the write is published.
+  Config inflight_config_;
   int64_t inflight_step_ = -1;
   double begin_ms_ = 0;
   double stall_ms_ = 0;

@@ -62,7 +62,8 @@ commands:
             Train a byte-level BPE tokenizer and write DIR/{tokenizer.json,train.bin,val.bin}
             (llm.c shard format). Default input: /usr/share/games/fortunes.
   eval      --checkpoint DIR | --llmc FILE.bin | --llama2c FILE.bin  [--data SHARD] [--batch B] [--seq T] [--batches N]
-            Validation loss and perplexity.
+            [--set model.rope_scaling=linear|ntk --set model.rope_factor=F --set model.max_seq_len=T]
+            Validation loss and perplexity; a llama model past its trained length with RoPE scaling.
   generate  --checkpoint DIR [--prompt TEXT | --prompts FILE] [--tokens N] [--temperature X] [--top-k K]
             [--seed S] [--tokenizer FILE] [--set generate.key=value ...]
             Sample text from a checkpoint, over a KV cache (generate.kv_cache = false: without).
@@ -218,11 +219,24 @@ LoadedModel load_model(const Args& a, int B, int T) {
     check(a.has("--checkpoint"), "missing --checkpoint DIR (or --llmc FILE.bin, --llama2c FILE.bin)");
     lm.config = read_checkpoint_config(a.get("--checkpoint"));
   }
+  // A trained model takes generate.* keys, and a llama model (no position table) RoPE's scaling
+  // and a longer context: the weights are loaded by the checkpoint's own configuration.
+  const Config saved = lm.config;
   for (const std::string& set : a.all("--set")) {
-    check(set.rfind("generate.", 0) == 0, std::string("option --set ") + set + ": only generate.* keys apply to a trained model");
+    const bool rope = set.rfind("model.rope_scaling=", 0) == 0 || set.rfind("model.rope_factor=", 0) == 0 ||
+                      set.rfind("model.max_seq_len=", 0) == 0;
+    check(set.rfind("generate.", 0) == 0 || (rope && lm.config.model.llama()),
+          std::string("option --set ") + set + ": a trained model takes generate.* keys" +
+              (lm.config.model.llama() ? " and model.rope_scaling, rope_factor, max_seq_len" : ""));
     lm.config.set(set);
   }
   validate(lm.config.generate);
+  if (lm.config.model.max_seq_len != saved.model.max_seq_len || lm.config.model.rope_scaling != saved.model.rope_scaling ||
+      lm.config.model.rope_factor != saved.model.rope_factor) {
+    Config check_model = lm.config;
+    check_model.train.seq_len = std::min(check_model.train.seq_len, check_model.model.max_seq_len);
+    check_model.resolve(1);  // validates the model section
+  }
   T = std::min(T, lm.config.model.max_seq_len);
   lm.store = std::make_unique<ChunkStore>(lm.config.store.chunk_bytes);
   lm.model = std::make_unique<GPT>(lm.config.model, *lm.store);
@@ -233,7 +247,8 @@ LoadedModel load_model(const Args& a, int B, int T) {
   } else if (a.has("--llama2c")) {
     import_llama2c(a.get("--llama2c"), *lm.store, lm.config.model);
   } else {
-    load_checkpoint(a.get("--checkpoint"), *lm.store, lm.config, LoadMode::params);
+    Config load = saved;  // the checkpoint's shape
+    load_checkpoint(a.get("--checkpoint"), *lm.store, load, LoadMode::params);
     const std::span<const float> params = lm.store->range_view(Plane::param, 0, lm.store->numel());
     const auto bad = std::find_if(params.begin(), params.end(), [](float v) { return !std::isfinite(v); });
     if (bad != params.end()) {
@@ -625,7 +640,7 @@ int run(int argc, char** argv) {
   const std::map<std::string, std::vector<std::string>> options = {
       {"train", {"--config", "--set"}},
       {"tokenize", {"--input", "--out", "--vocab-size", "--val-fraction", "--seed"}},
-      {"eval", {"--checkpoint", "--llmc", "--llama2c", "--data", "--batch", "--seq", "--batches"}},
+      {"eval", {"--checkpoint", "--llmc", "--llama2c", "--data", "--batch", "--seq", "--batches", "--set"}},
       {"generate", {"--checkpoint", "--llmc", "--llama2c", "--prompt", "--prompts", "--tokens", "--temperature", "--top-k",
                     "--seed", "--tokenizer", "--samples", "--set"}},
       {"score", {"--checkpoint", "--llmc", "--llama2c", "--documents", "--tokenizer", "--set"}},

@@ -41,9 +41,16 @@ std::vector<Field> fields(Config& c) {
       {"model", "ffn_multiple_of", &c.model.ffn_multiple_of},
       {"model", "ffn_dim_multiplier", &c.model.ffn_dim_multiplier},
       {"model", "rope_theta", &c.model.rope_theta},
+      {"model", "rope_scaling", &c.model.rope_scaling},
+      {"model", "rope_factor", &c.model.rope_factor},
       {"model", "tie_embeddings", &c.model.tie_embeddings},
       {"model", "attention", &c.model.attention},
       {"model", "attention_window", &c.model.attention_window},
+      {"model", "dynamic_window_mass", &c.model.dynamic_window_mass},
+      {"model", "dynamic_window_loss", &c.model.dynamic_window_loss},
+      {"model", "dynamic_window_min", &c.model.dynamic_window_min},
+      {"model", "dynamic_window_every", &c.model.dynamic_window_every},
+      {"model", "dynamic_windows_state", &c.model.dynamic_windows_state},
       {"train", "batch_size", &c.train.batch_size},
       {"train", "global_batch_size", &c.train.global_batch_size},
       {"train", "seq_len", &c.train.seq_len},
@@ -389,7 +396,7 @@ std::vector<std::tuple<int, int, int>> parse_windows(const std::string& text, in
     return v;
   };
   if (text.empty()) return out;
-  if (text == "dynamic") throw bad("the dynamic window is not built yet");
+  if (text == "dynamic") return out;  // the windows come from dynamic_windows_state (below)
   if (text.find(':') == std::string::npos) {
     out.emplace_back(0, n_layer - 1, number(text));
     return out;
@@ -410,7 +417,20 @@ std::vector<std::tuple<int, int, int>> parse_windows(const std::string& text, in
 
 }  // namespace
 
+double ModelConfig::rope_base() const {
+  const double hs = head_size();
+  return rope_scaling == "ntk" && hs > 2 ? rope_theta * std::pow(rope_factor, hs / (hs - 2)) : rope_theta;
+}
+
 int ModelConfig::window_of(int block) const {
+  if (dynamic_window()) {  // "W0,W1,...": the window each block has now ("" = none yet)
+    std::istringstream in(dynamic_windows_state);
+    std::string part;
+    for (int b = 0; std::getline(in, part, ','); ++b) {
+      if (b == block) return std::atoi(part.c_str());
+    }
+    return 0;
+  }
   int w = 0;
   for (const auto& [lo, hi, window] : parse_windows(attention_window, n_layer)) {
     if (block >= lo && block <= hi) w = window;
@@ -451,12 +471,16 @@ void validate_model(const ModelConfig& m, const std::string& where) {
     need(m.ffn_multiple_of == 0 && m.ffn_dim_multiplier == 0,
          "model.ffn_multiple_of / ffn_dim_multiplier: llama options, GPT-2's MLP is 4 x n_embd");
     need(m.rope_theta == 0, "model.rope_theta: GPT-2 has learned positions, not rotary embeddings (a llama option)");
+    need(m.rope_scaling == "none", "model.rope_scaling: GPT-2 has learned positions, not rotary embeddings (a llama option)");
     need(m.tie_embeddings.value_or(true), "model.tie_embeddings: GPT-2's head is always tied to the embedding");
   } else {
     need(m.n_kv_head >= 1 && m.n_head % m.n_kv_head == 0,
          "model.n_kv_head: expected a divisor of n_head=" + s(m.n_head) + ", found " + s(m.n_kv_head));
     need(m.ffn_hidden >= 1 && m.ffn_hidden <= (1 << 20), "model.ffn_hidden: expected 1..1048576, found " + s(m.ffn_hidden));
     need(m.rope_theta > 0 && std::isfinite(m.rope_theta), "model.rope_theta: expected > 0");
+    need(m.rope_scaling == "none" || m.rope_scaling == "linear" || m.rope_scaling == "ntk",
+         "model.rope_scaling: expected none, linear or ntk, found \"" + m.rope_scaling + "\"");
+    need(m.rope_factor >= 1 && std::isfinite(m.rope_factor), "model.rope_factor: expected >= 1, found " + std::to_string(m.rope_factor));
     need(m.n_embd % m.n_head == 0 && (m.n_embd / m.n_head) % 2 == 0,
          "model.n_head: llama's rotary embedding needs an even head size, found n_embd / n_head = " +
              s(m.n_embd / std::max(1, m.n_head)));
@@ -464,8 +488,25 @@ void validate_model(const ModelConfig& m, const std::string& where) {
   }
   need(m.attention == "auto" || m.attention == "blockwise" || m.attention == "dense",
        "model.attention: expected \"auto\", \"blockwise\" or \"dense\", found \"" + m.attention + "\"");
-  bool windowed = false;
+  bool windowed = m.dynamic_window();
   for (const auto& [lo, hi, w] : parse_windows(m.attention_window, m.n_layer)) windowed = windowed || w > 0;  // throws
+  need(m.dynamic_window_mass > 0 && m.dynamic_window_mass < 1, "model.dynamic_window_mass: expected 0 < mass < 1, found " +
+                                                                   std::to_string(m.dynamic_window_mass));
+  need(m.dynamic_window_loss >= 0 && m.dynamic_window_loss < 1, "model.dynamic_window_loss: expected 0 <= loss < 1, found " +
+                                                                    std::to_string(m.dynamic_window_loss));
+  need(m.dynamic_window_min >= 1, "model.dynamic_window_min: expected >= 1, found " + s(m.dynamic_window_min));
+  need(m.dynamic_window_every >= 1, "model.dynamic_window_every: expected >= 1, found " + s(m.dynamic_window_every));
+  if (!m.dynamic_windows_state.empty()) {
+    need(m.dynamic_window(), "model.dynamic_windows_state: only with model.attention_window = \"dynamic\"");
+    std::istringstream in(m.dynamic_windows_state);
+    std::string part;
+    int count = 0;
+    for (; std::getline(in, part, ','); ++count) {
+      need(!part.empty() && part.find_first_not_of("0123456789") == std::string::npos,
+           "model.dynamic_windows_state: expected a window (>= 0) per block, found \"" + m.dynamic_windows_state + "\"");
+    }
+    need(count == m.n_layer, "model.dynamic_windows_state: expected " + s(m.n_layer) + " windows (one per block), found " + s(count));
+  }
   need(!windowed || m.attention == "blockwise",
        "model.attention_window: a window skips tiles of the blockwise kernel; model.attention = \"dense\" has none");
 }
@@ -488,7 +529,7 @@ void Config::resolve(int world_size) {
   if (model.attention == "auto") {
     // Measured (kernels_bench, d4's heads, 1024 tokens): dense is 10-20 % faster up to T = 128,
     // even at 256, blockwise faster beyond; only blockwise has windows.
-    const bool windowed = !model.attention_window.empty() && model.attention_window != "0";
+    const bool windowed = !model.attention_window.empty() && model.attention_window != "0";  // "dynamic" too
     model.attention = train.seq_len >= 256 || windowed ? "blockwise" : "dense";
   }
   if (model.family == "llama") {
@@ -510,6 +551,9 @@ void Config::resolve(int world_size) {
     if (!model.tie_embeddings.has_value()) model.tie_embeddings = true;
   }
   validate_model(model, "config");
+  require(!model.dynamic_window() || parallel.pipeline <= 1, "model.attention_window",
+          "not \"dynamic\" with parallel.pipeline > 1 (pipelined runs keep no checkpoints to carry the windows yet)",
+          "\"dynamic\"");
 
   auto s = [](auto v) { return std::to_string(v); };
   // The layout's arithmetic (the pipeline section's own checks run with it, in resolve_job_config).
@@ -606,6 +650,7 @@ uint64_t Config::trajectory_hash(int world_size) const {
     << ',' << optim.freeze_layers << ';' << train.seed << ',' << train.seq_len << ','
     << static_cast<int64_t>(train.batch_size) * world_size * train.grad_accum;
   if (!data.shuffle) s << ";file order";  // (absent by default: older checkpoints keep their hash)
+  if (model.rope_scaling != "none") s << ";rope " << model.rope_scaling << ',' << model.rope_factor;
   const std::string text = s.str();
   return XXH64(text.data(), text.size(), 0);
 }

@@ -27,6 +27,12 @@ struct ModelConfig {
   int ffn_multiple_of = 0;        // the rule: 8C/3 (x ffn_dim_multiplier), rounded up to a multiple of this; 0 = preset's
   double ffn_dim_multiplier = 0;  // 0 = none
   double rope_theta = 0;          // RoPE's base; 0 = 10000
+  // Past the trained length (docs/architecture.md, "Long context"): "none"; "linear" (position
+  // interpolation: positions divided by rope_factor, so factor x the trained length maps onto the
+  // trained angles); "ntk" (the base raised to theta * factor^(hs / (hs - 2)): high frequencies kept,
+  // the lowest stretched by the factor).
+  std::string rope_scaling = "none";
+  double rope_factor = 1.0;
   std::optional<bool> tie_embeddings;  // output head = token embedding; GPT-2: always; llama: the preset's
   // Both families. "blockwise": FlashAttention-2's tiles and online softmax, activation memory
   // linear in T; "dense": the T x T probabilities kept (the reference); "auto": blockwise where it
@@ -36,9 +42,26 @@ struct ModelConfig {
   // A sliding window of W keys per query: "" or "0" = none, "W" = every layer, "LO-HI:W,..." =
   // blocks LO..HI (0-based) with window W, the others none.
   std::string attention_window;
+  // "dynamic": every block's window adapts while training (runtime/dynamic_windows.h): every
+  // dynamic_window_every steps the attention mass each head puts at each distance is measured;
+  // for a falling tolerance eps (0.5, 0.25, ... down to dynamic_window_mass) each block's window
+  // is the smallest power of two >= dynamic_window_min leaving at most eps of any head's mass
+  // outside it, and the first such set of windows whose loss on a probe batch is within
+  // dynamic_window_loss (relative) of full attention's is taken; none passes: full attention.
+  double dynamic_window_mass = 0.01;
+  double dynamic_window_loss = 0.01;
+  int dynamic_window_min = 64;
+  int dynamic_window_every = 10;
+  // The windows a dynamic run has now, "W0,W1,..." per block (0 = none; "" = none yet): kept by
+  // the run in the configuration its checkpoints carry, so that a resumed run goes on with them.
+  std::string dynamic_windows_state;
+  bool dynamic_window() const { return attention_window == "dynamic"; }
   // The window of block `block` (0-based), 0 = none; assumes a validated config.
   int window_of(int block) const;
   bool llama() const { return family == "llama"; }
+  // RoPE's angles: position * rope_position_scale() * rope_base()^(-2i / hs).
+  double rope_position_scale() const { return rope_scaling == "linear" ? 1.0 / rope_factor : 1.0; }
+  double rope_base() const;
   int head_size() const { return n_embd / n_head; }
   int kv_dim() const { return n_kv_head * head_size(); }  // columns of k (and of v)
   int qkv_dim() const { return n_embd + 2 * kv_dim(); }   // [q | k | v] columns

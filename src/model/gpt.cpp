@@ -63,7 +63,7 @@ class Embedding final : public Layer {
 class Block final : public Layer {
  public:
   Block(const ModelConfig& m, ChunkStore& store, int layer)
-      : store_(store), m_(m), layer_(layer), window_(m.window_of(layer - 1)) {
+      : store_(store), m_(m), layer_(layer) {
     const std::string p = "h." + std::to_string(layer - 1) + ".";
     const int64_t C = m.n_embd;
     ln1w_ = add_tensor(store, p + "ln1.w", {C}, layer, ChunkKind::norm, false);
@@ -78,7 +78,10 @@ class Block final : public Layer {
     fcb_ = add_tensor(store, p + "mlp.fc.b", {4 * C}, layer, ChunkKind::ffn, false);
     fcprojw_ = add_tensor(store, p + "mlp.proj.w", {C, 4 * C}, layer, ChunkKind::ffn, true);
     fcprojb_ = add_tensor(store, p + "mlp.proj.b", {C}, layer, ChunkKind::ffn, false);
+    probe_.window = m.window_of(layer - 1);
+    probe_.mass.assign(static_cast<size_t>(m.n_head) * AttentionProbe::kBuckets, 0.0);
   }
+  AttentionProbe* attention_probe() override { return &probe_; }
   const char* name() const override { return "block"; }
 
   int64_t activation_floats(int B, int T) const override {
@@ -123,12 +126,17 @@ class Block final : public Layer {
     auto P = [&](TensorId id) { return store_.data(id, Plane::param); };
     ops::layernorm_forward(ln1_, ln1_mean_, ln1_rstd_, x, P(ln1w_), P(ln1b_), N, C);
     ops::linear_forward(qkv_, ln1_, P(qkvw_), P(qkvb_), N, C, 3 * C);
+    if (probe_.armed && !b.kv) {
+      ops::attention_distance_mass(probe_.mass.data(), AttentionProbe::kBuckets, qkv_, b.B, b.T, C, m_.n_head, m_.n_head,
+                                   AttentionProbe::kRows);
+      probe_.rows += static_cast<double>(b.B) * std::min(AttentionProbe::kRows, b.T);
+    }
     if (b.kv) {
-      b.kv->attend(layer_ - 1, qkv_, 3 * C, atty_, b.T, window_);
+      b.kv->attend(layer_ - 1, qkv_, 3 * C, atty_, b.T, probe_.window);
     } else if (m_.attention == "dense") {
       ops::attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head);
     } else {  // att_ holds the rows' log-sum-exp
-      ops::flash_attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_head, window_);
+      ops::flash_attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_head, probe_.window);
     }
     float* attproj = scratch_;  // [N, C], consumed immediately by the residual
     ops::linear_forward(attproj, atty_, P(projw_), P(projb_), N, C, C);
@@ -158,7 +166,7 @@ class Block final : public Layer {
       ops::attention_backward_input(dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head);
     } else {
       ops::flash_attention_backward_input(dqkv_, datty, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_head,
-                                          window_);
+                                          probe_.window);
     }
     ops::linear_backward_input(dln1_, dqkv_, P(qkvw_), N, C, 3 * C, false);
     std::memcpy(dx_in, dres2_, sizeof(float) * N * C);
@@ -183,7 +191,7 @@ class Block final : public Layer {
   ChunkStore& store_;
   ModelConfig m_;
   int layer_;
-  int window_;  // the sliding attention window of this block (0 = none)
+  AttentionProbe probe_;  // its window (0 = none) and the dynamic window's probe
   TensorId ln1w_, ln1b_, qkvw_, qkvb_, projw_, projb_, ln2w_, ln2b_, fcw_, fcb_, fcprojw_, fcprojb_;
   int64_t max_N_ = 0, max_att_ = 0;
   // att_: the dense kernel's probabilities [B, NH, T, T], or the blockwise kernel's log-sum-exp [B, NH, T].

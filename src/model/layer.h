@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "data/batch.h"
 
@@ -18,6 +19,18 @@ class BackwardObserver {
   virtual ~BackwardObserver() = default;
   virtual void after_backward_input(int layer) = 0;
   virtual void after_backward_weight(int layer) = 0;
+};
+
+// An attention layer's window and a probe of where its attention goes (runtime/dynamic_windows.h).
+struct AttentionProbe {
+  static constexpr int kBuckets = 32;  // distance buckets: 0, 1, 2-3, 4-7, ... (bucket b >= 1: 2^(b-1) .. 2^b - 1)
+  static constexpr int kRows = 16;     // query rows probed per sequence: its last ones (they reach farthest)
+  int window = 0;      // the sliding window the layer attends within now (0 = none)
+  bool armed = false;  // measure during forward passes (training micro-batches, not the KV cache's)
+  // [head][bucket]: full causal attention's probability mass at each distance, summed over the
+  // probed rows of every micro-batch while armed; `rows` counts them.
+  std::vector<double> mass;
+  double rows = 0;
 };
 
 class Layer {
@@ -45,6 +58,8 @@ class Layer {
   // W: accumulates weight gradients into the store's grad plane. Requires backward_input of the
   // same micro-batch, with the same x_in and dx_out still alive.
   virtual void backward_weight(const Batch& batch, const float* x_in, const float* dx_out) = 0;
+  // Attention layers: their window and probe (null for the others).
+  virtual AttentionProbe* attention_probe() { return nullptr; }
 };
 
 }  // namespace keel

@@ -1,5 +1,6 @@
 #include "model/llama.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "kernels/cpu/ops.h"
@@ -19,7 +20,7 @@ namespace {
 class LlamaBlock final : public Layer {
  public:
   LlamaBlock(const ModelConfig& m, ChunkStore& store, int layer)
-      : store_(store), m_(m), layer_(layer), window_(m.window_of(layer - 1)), C_(m.n_embd), QKV_(m.qkv_dim()),
+      : store_(store), m_(m), layer_(layer), C_(m.n_embd), QKV_(m.qkv_dim()),
         H_(m.ffn_hidden) {
     const std::string p = "h." + std::to_string(layer - 1) + ".";
     attn_norm_ = add_tensor(store, p + "attn_norm.w", {C_}, layer, ChunkKind::norm, false);
@@ -28,7 +29,10 @@ class LlamaBlock final : public Layer {
     mlp_norm_ = add_tensor(store, p + "mlp_norm.w", {C_}, layer, ChunkKind::norm, false);
     gate_up_ = add_tensor(store, p + "mlp.gate_up.w", {2 * H_, C_}, layer, ChunkKind::ffn, true);
     down_ = add_tensor(store, p + "mlp.proj.w", {C_, H_}, layer, ChunkKind::ffn, true);
+    probe_.window = m.window_of(layer - 1);
+    probe_.mass.assign(static_cast<size_t>(m.n_head) * AttentionProbe::kBuckets, 0.0);
   }
+  AttentionProbe* attention_probe() override { return &probe_; }
   const char* name() const override { return "block"; }
 
   int64_t activation_floats(int B, int T) const override {
@@ -70,13 +74,19 @@ class LlamaBlock final : public Layer {
     const float* none = nullptr;
     ops::rmsnorm_forward(n1_, rstd1_, x, P(attn_norm_), N, C);
     ops::linear_forward(qkv_, n1_, P(qkvw_), none, N, C, QKV_);
-    ops::rope_forward(qkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_theta, b.kv ? b.kv->pos0() : 0);
+    ops::rope_forward(qkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_base(), b.kv ? b.kv->pos0() : 0,
+                      false, m_.rope_position_scale());
+    if (probe_.armed && !b.kv) {  // (after RoPE: the scores attention uses)
+      ops::attention_distance_mass(probe_.mass.data(), AttentionProbe::kBuckets, qkv_, b.B, b.T, C, m_.n_head,
+                                   m_.n_kv_head, AttentionProbe::kRows);
+      probe_.rows += static_cast<double>(b.B) * std::min(AttentionProbe::kRows, b.T);
+    }
     if (b.kv) {
-      b.kv->attend(layer_ - 1, qkv_, QKV_, atty_, b.T, window_);
+      b.kv->attend(layer_ - 1, qkv_, QKV_, atty_, b.T, probe_.window);
     } else if (m_.attention == "dense") {
       ops::attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
     } else {
-      ops::flash_attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head, window_);
+      ops::flash_attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head, probe_.window);
     }
     float* o = scratch_;  // [N, C], consumed at once by the residual
     ops::linear_forward(o, atty_, P(projw_), none, N, C, C);
@@ -107,9 +117,10 @@ class LlamaBlock final : public Layer {
       ops::attention_backward_input(dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
     } else {
       ops::flash_attention_backward_input(dqkv_, datty, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head,
-                                          window_);
+                                          probe_.window);
     }
-    ops::rope_forward(dqkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_theta, 0, true);
+    ops::rope_forward(dqkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_base(), 0, true,
+                      m_.rope_position_scale());
     ops::linear_backward_input(dn1_, dqkv_, P(qkvw_), N, C, QKV_, false);
     std::memcpy(dx_in, dres2_, sizeof(float) * N * C);
     ops::rmsnorm_backward_input(dx_in, dn1_, x_in, rstd1_, P(attn_norm_), N, C, true);
@@ -132,7 +143,7 @@ class LlamaBlock final : public Layer {
   ChunkStore& store_;
   ModelConfig m_;
   int layer_;
-  int window_;  // the sliding attention window of this block (0 = none)
+  AttentionProbe probe_;  // its window (0 = none) and the dynamic window's probe
   int C_, QKV_, H_;
   TensorId attn_norm_, qkvw_, projw_, mlp_norm_, gate_up_, down_;
   float *n1_ = nullptr, *qkv_ = nullptr, *att_ = nullptr, *atty_ = nullptr, *res2_ = nullptr, *n2_ = nullptr,

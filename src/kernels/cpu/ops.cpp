@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -332,13 +333,14 @@ void swiglu_backward_input(T* dinp, const T* dout, const T* inp, int N, int H) {
 // ---- RoPE --------------------------------------------------------------------------------------
 
 template <typename T>
-void rope_forward(T* qkv, int B, int Tn, int NH, int NKV, int hs, double theta, int pos0, bool inverse) {
+void rope_forward(T* qkv, int B, int Tn, int NH, int NKV, int hs, double theta, int pos0, bool inverse,
+                  double position_scale) {
   const int C = NH * hs, width = C + 2 * NKV * hs, half = hs / 2;
   // The angles once per call, in double (the same table for every batch row and head).
   std::vector<T> cos_t(static_cast<size_t>(Tn) * half), sin_t(static_cast<size_t>(Tn) * half);
   for (int t = 0; t < Tn; ++t) {
     for (int i = 0; i < half; ++i) {
-      const double angle = (pos0 + t) * std::pow(theta, -2.0 * i / hs);
+      const double angle = (pos0 + t) * position_scale * std::pow(theta, -2.0 * i / hs);
       cos_t[static_cast<size_t>(t) * half + i] = static_cast<T>(std::cos(angle));
       sin_t[static_cast<size_t>(t) * half + i] = static_cast<T>((inverse ? -1 : 1) * std::sin(angle));
     }
@@ -536,6 +538,45 @@ void flash_attention_forward(T* out, T* lse, const T* qkv, int B, int Tn, int C,
 }
 
 template <typename T>
+void attention_distance_mass(double* mass, int buckets, const T* qkv, int B, int Tn, int C, int NH, int NKV, int rows) {
+  if (NKV == 0) NKV = NH;
+  const int hs = C / NH, group = NH / NKV, kv = NKV * hs, C3 = C + 2 * kv;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hs));
+  rows = std::min(rows, Tn);
+  // Each head's rows in its own task; heads write their own buckets (sums in row order: fixed).
+#pragma omp parallel
+  {
+    std::vector<double> p(static_cast<size_t>(Tn));
+#pragma omp for schedule(static)
+    for (int h = 0; h < NH; ++h) {
+      double* out = mass + static_cast<int64_t>(h) * buckets;
+      const int g = h / group;
+      for (int b = 0; b < B; ++b) {
+        const T* row = qkv + static_cast<int64_t>(b) * Tn * C3;
+        for (int i = Tn - rows; i < Tn; ++i) {
+          const T* q = row + static_cast<int64_t>(i) * C3 + h * hs;
+          double mx = -std::numeric_limits<double>::infinity();
+          for (int j = 0; j <= i; ++j) {
+            const T* k = row + static_cast<int64_t>(j) * C3 + C + g * hs;
+            double dot = 0;
+            for (int d = 0; d < hs; ++d) dot += static_cast<double>(q[d]) * k[d];
+            p[j] = dot * scale;
+            mx = std::max(mx, p[j]);
+          }
+          double sum = 0;
+          for (int j = 0; j <= i; ++j) sum += p[j] = std::exp(p[j] - mx);
+          for (int j = 0; j <= i; ++j) {
+            const int d = i - j;
+            const int bucket = std::min(buckets - 1, static_cast<int>(std::bit_width(static_cast<unsigned>(d))));
+            out[bucket] += p[j] / sum;
+          }
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
 void paged_attention_forward(T* out, const T* q, int ldq, int n, int pos0, const T* const* blocks, int block_tokens,
                              int NH, int NKV, int hs, int window) {
   const int group = NH / NKV, kv = NKV * hs, kb = block_tokens;
@@ -698,8 +739,9 @@ void crossentropy_forward(T* losses, T* logits, const int* targets, int N, int V
   template void rmsnorm_backward_weight<T>(T*, const T*, const T*, const T*, int, int);                         \
   template void swiglu_forward<T>(T*, const T*, int, int);                                                      \
   template void swiglu_backward_input<T>(T*, const T*, const T*, int, int);                                     \
-  template void rope_forward<T>(T*, int, int, int, int, int, double, int, bool);                                \
+  template void rope_forward<T>(T*, int, int, int, int, int, double, int, bool, double);                        \
   template void flash_attention_forward<T>(T*, T*, const T*, int, int, int, int, int, int);                     \
+  template void attention_distance_mass<T>(double*, int, const T*, int, int, int, int, int, int);                 \
   template void paged_attention_forward<T>(T*, const T*, int, int, int, const T* const*, int, int, int, int, int); \
   template void flash_attention_backward_input<T>(T*, const T*, const T*, const T*, const T*, int, int, int, int, int, \
                                                   int);                                                         \

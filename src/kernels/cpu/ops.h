@@ -86,7 +86,9 @@ void swiglu_backward_input(T* dinp, const T* dout, const T* inp, int N, int H);
 // true rotates back: that is the backward pass (a rotation's transpose is its inverse), applied to
 // the gradients dq, dk in place.
 template <typename T>
-void rope_forward(T* qkv, int B, int Tn, int NH, int NKV, int hs, double theta, int pos0, bool inverse = false);
+// position_scale multiplies every position (RoPE's linear scaling past the trained length).
+void rope_forward(T* qkv, int B, int Tn, int NH, int NKV, int hs, double theta, int pos0, bool inverse = false,
+                  double position_scale = 1.0);
 
 // ---- residual add ------------------------------------------------------------------------------
 // out[n] = a[n] + b[n]
@@ -115,6 +117,13 @@ void attention_backward_input(T* dqkv, const T* dout, const T* att, const T* qkv
 // masked; window = 0: all keys up to i.
 template <typename T>
 void flash_attention_forward(T* out, T* lse, const T* qkv, int B, int Tn, int C, int NH, int NKV, int window);
+// Where causal attention's probability mass goes by distance (the dynamic window's signal): for
+// the last `rows` query rows of each sequence of qkv (layout as above) and every query head, the
+// full causal softmax (no window) is computed and its mass at distance d = i - j added to
+// mass[h * buckets + bucket(d)] (bucket 0: d = 0; bucket b >= 1: 2^(b-1) <= d < 2^b; the last
+// bucket takes everything beyond). Adds B * min(rows, T) rows per head.
+template <typename T>
+void attention_distance_mass(double* mass, int buckets, const T* qkv, int B, int Tn, int C, int NH, int NKV, int rows);
 // Attention of n new queries over keys and values kept in fixed-size blocks (a KV cache):
 // q[n, ldq] holds NH heads of hs columns for positions pos0 .. pos0 + n - 1; block b holds the
 // keys of positions b * block_tokens .. in its first [block_tokens, NKV * hs] floats and their

@@ -1,0 +1,20 @@
+// What an attention layer needs from a KV cache when it runs over new tokens of one sequence
+// whose earlier keys and values are cached (runtime/kv_cache.h). The model stays ignorant of how
+// the cache pages, shares or tiers its blocks.
+#pragma once
+
+namespace keel {
+
+class KvContext {
+ public:
+  virtual ~KvContext() = default;
+  // Position of the first new token (the batch's T tokens are positions pos0 .. pos0 + T - 1).
+  virtual int pos0() const = 0;
+  // Block `block` (0-based transformer block) of the model: stores the keys and values of the n
+  // new tokens (columns C .. of qkv[n, ldq], after RoPE where the family has it) in the cache and
+  // writes out[n, C] = causal attention of their queries (columns 0 .. C - 1) over every cached
+  // key up to each one's position, within `window` keys (0 = all).
+  virtual void attend(int block, const float* qkv, int ldq, float* out, int n, int window) = 0;
+};
+
+}  // namespace keel

@@ -1,0 +1,281 @@
+// The KV cache (runtime/kv_cache.h): cached passes compute what whole-window passes compute,
+// greedy cached generation gives the tokens uncached generation gives, reused prefixes give the
+// log-likelihoods computing them again gives, tiered blocks give the very same bytes as blocks
+// kept in memory, and the pool evicts what no sequence uses. Both families, with and without
+// grouped-query heads and sliding windows; the licences in /usr/share/common-licenses (long
+// documents, several sharing their text) through `keel score`.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <sstream>
+#include <nlohmann/json.hpp>
+
+#include "core/config.h"
+#include "core/rng.h"
+#include "model/gpt.h"
+#include "runtime/generate.h"
+#include "runtime/kv_cache.h"
+#include "test_util.h"
+
+namespace keel {
+namespace {
+
+struct Model {
+  ModelConfig config;
+  std::unique_ptr<ChunkStore> store;
+  std::unique_ptr<GPT> gpt;
+};
+
+// A model whose logits are far from uniform (weights scaled up), so greedy choices have margins
+// well above float rounding.
+Model make_model(const std::string& preset, const std::string& window = "", int n_kv_head = 0, int T = 96) {
+  Config c;
+  c.model.preset = preset;
+  c.model.vocab_size = 96;
+  c.model.max_seq_len = T;
+  c.model.attention_window = window;
+  if (n_kv_head > 0) c.model.n_kv_head = n_kv_head;
+  c.train.seq_len = T;
+  c.resolve(1);
+  Model m;
+  m.config = c.model;
+  m.store = std::make_unique<ChunkStore>(1 << 20);
+  m.gpt = std::make_unique<GPT>(m.config, *m.store);
+  m.store->finalize();
+  m.gpt->init_weights(11);
+  for (float& w : m.store->range_view(Plane::param, 0, m.store->numel())) w *= 4.0f;
+  m.gpt->allocate(1, T);
+  return m;
+}
+
+std::vector<int> random_tokens(int n, int V, uint64_t seed) {
+  Rng rng(seed);
+  std::vector<int> t(n);
+  for (int& x : t) x = static_cast<int>(rng.below(V));
+  return t;
+}
+
+// Log-likelihoods of every token of `tokens` from one whole-window pass (no cache).
+std::vector<float> window_nll(GPT& model, const std::vector<int>& tokens) {
+  const int n = static_cast<int>(tokens.size()), V = model.config().vocab_size, Vp = model.config().padded_vocab_size;
+  model.forward(Batch{tokens.data(), nullptr, 1, n, 0.0f});
+  std::vector<float> nll(n, 0.0f);
+  for (int p = 1; p < n; ++p) {
+    const float* row = model.logits() + static_cast<int64_t>(p - 1) * Vp;
+    const float mx = *std::max_element(row, row + V);
+    double sum = 0;
+    for (int v = 0; v < V; ++v) sum += std::exp(static_cast<double>(row[v]) - mx);
+    nll[p] = static_cast<float>(std::log(sum) + mx - row[tokens[p]]);
+  }
+  return nll;
+}
+
+struct Case {
+  std::string preset, window;
+  int n_kv_head;
+};
+
+class KvCacheModels : public ::testing::TestWithParam<Case> {};
+
+TEST_P(KvCacheModels, CachedPassesMatchWholeWindowPasses) {
+  const Case& k = GetParam();
+  Model m = make_model(k.preset, k.window, k.n_kv_head);
+  const std::vector<int> tokens = random_tokens(90, 96, 3);
+  const std::vector<float> want = window_nll(*m.gpt, tokens);
+  for (int block : {1, 7, 16, 64}) {
+    for (int chunk : {1, 5, 90}) {
+      KvCacheOptions o;
+      o.block_tokens = block;
+      o.prefill_chunk = chunk;
+      o.cache_bytes = 64 << 20;
+      KvCache cache(*m.gpt, o);
+      auto seq = cache.open();
+      cache.extend(*seq, std::span<const int>(tokens).subspan(0, 50));
+      cache.extend(*seq, std::span<const int>(tokens).subspan(50));
+      ASSERT_EQ(seq->length(), 90);
+      for (int p = 1; p < 90; ++p) {
+        ASSERT_NEAR(seq->nll()[p], want[p], 2e-4 * (1 + std::abs(want[p]))) << "block " << block << " chunk " << chunk << " p " << p;
+      }
+    }
+  }
+}
+
+TEST_P(KvCacheModels, GreedyCachedGenerationGivesTheUncachedTokens) {
+  const Case& k = GetParam();
+  Model m = make_model(k.preset, k.window, k.n_kv_head);
+  const std::vector<int> prompt = random_tokens(13, 96, 4);
+  SampleOptions o;
+  o.max_new_tokens = 80;  // 93 tokens: inside the context of 96
+  o.temperature = 0;
+  Rng r1(1), r2(1);
+  const std::vector<int> uncached = generate(*m.gpt, 96, prompt, o, r1);
+  KvCacheOptions ko;
+  ko.block_tokens = 16;
+  ko.cache_bytes = 16 << 20;
+  KvCache cache(*m.gpt, ko);
+  const std::vector<int> cached = generate_cached(cache, 96, prompt, o, r2);
+  EXPECT_EQ(cached, uncached);
+  // Not a degenerate repetition: the model's choices vary.
+  EXPECT_GT(std::set<int>(uncached.begin() + 13, uncached.end()).size(), 5u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, KvCacheModels,
+                         ::testing::Values(Case{"tiny", "", 0}, Case{"tiny", "20", 0}, Case{"llama-tiny", "", 0},
+                                           Case{"llama-tiny", "", 1}, Case{"llama-tiny", "0-0:24", 4}),
+                         [](const auto& info) {
+                           std::string name = info.param.preset + (info.param.window.empty() ? "" : "_window") +
+                                              (info.param.n_kv_head ? "_kv" + std::to_string(info.param.n_kv_head) : "");
+                           for (char& c : name) c = std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
+                           return name;
+                         });
+
+TEST(KvCache, SharedPrefixesAreReusedAndGiveTheSameLikelihoods) {
+  Model m = make_model("llama-tiny");
+  std::vector<int> a = random_tokens(80, 96, 5), b = a;
+  for (int p = 50; p < 80; ++p) b[p] = (a[p] + 1) % 96;  // b shares a's first 50 tokens
+  KvCacheOptions o;
+  o.block_tokens = 16;
+  o.prefill_chunk = 32;
+  o.cache_bytes = 16 << 20;
+  KvCache cache(*m.gpt, o);
+  { auto s = cache.open(); cache.extend(*s, a); EXPECT_EQ(s->reused_tokens(), 0u); }
+  auto s = cache.open();
+  cache.extend(*s, b);
+  EXPECT_EQ(s->reused_tokens(), 48u);  // three whole blocks of 16
+  EXPECT_EQ(cache.stats().hits, 3u);
+  const std::vector<float> want = window_nll(*m.gpt, b);
+  for (int p = 1; p < 80; ++p) ASSERT_NEAR(s->nll()[p], want[p], 2e-4 * (1 + std::abs(want[p]))) << p;
+  // A prompt that is all cached blocks still has its next-token logits.
+  auto s2 = cache.open();
+  cache.extend(*s2, std::span<const int>(a).subspan(0, 64));
+  EXPECT_EQ(s2->reused_tokens(), 64u);
+  m.gpt->forward(Batch{a.data(), nullptr, 1, 64, 0.0f});
+  const float* row = m.gpt->logits() + static_cast<int64_t>(63) * m.config.padded_vocab_size;
+  for (int v = 0; v < 96; ++v) ASSERT_NEAR(s2->last_logits()[v], row[v], 1e-3 * (1 + std::abs(row[v])));
+  // Without reuse nothing is looked up.
+  o.prefix_reuse = false;
+  KvCache plain(*m.gpt, o);
+  { auto t = plain.open(); plain.extend(*t, a); }
+  auto t = plain.open();
+  plain.extend(*t, b);
+  EXPECT_EQ(t->reused_tokens(), 0u);
+  EXPECT_EQ(plain.stats().lookups, 0u);
+}
+
+TEST(KvCache, TieredBlocksGiveTheSameBytesAsBlocksInMemory) {
+  Model m = make_model("llama-tiny", "", 0, 512);
+  const std::vector<int> tokens = random_tokens(500, 96, 6);
+  KvCacheOptions o;
+  o.block_tokens = 16;
+  o.prefill_chunk = 64;
+  o.cache_bytes = 8 << 20;
+  auto run = [&](const KvCacheOptions& opts, std::string* summary) {
+    KvCache cache(*m.gpt, opts);
+    auto s = cache.open();
+    cache.extend(*s, std::span<const int>(tokens).subspan(0, 300));
+    for (int p = 300; p < 500; ++p) cache.extend(*s, std::span<const int>(tokens).subspan(p, 1));
+    if (summary) *summary = cache.summary();
+    if (cache.tiers() != nullptr) {
+      const TierStats& t = cache.tiers()->stats();
+      const TierCounters& home = t.tier[static_cast<int>(opts.tier == "host" ? Tier::host : Tier::nvme)];
+      EXPECT_GT(home.bytes_read, 0u) << "blocks were never fetched back: the budget held them all";
+      EXPECT_GT(t.evictions, 0u);
+      EXPECT_LE(t.peak_device_bytes, opts.device_bytes);
+    }
+    return std::make_pair(s->nll(), s->last_logits());
+  };
+  const auto in_memory = run(o, nullptr);
+  testing::TempDir dir;
+  o.device_bytes = 160 << 10;  // the blocks of a few layers' passes; the sequence needs 512 KiB
+  for (const std::string tier : {"host", "nvme"}) {
+    o.tier = tier;
+    o.nvme_dir = dir.path();
+    std::string summary;
+    const auto tiered = run(o, &summary);
+    std::printf("%s\n", summary.c_str());
+    EXPECT_EQ(tiered.first, in_memory.first) << tier;  // bit-identical
+    EXPECT_EQ(tiered.second, in_memory.second) << tier;
+  }
+}
+
+TEST(KvCache, FullPoolEvictsUnusedBlocksAndRefusesWhenNoneIsFree) {
+  Model m = make_model("tiny");
+  KvCacheOptions o;
+  o.block_tokens = 8;
+  o.cache_bytes = 1;  // below one block
+  EXPECT_NE(testing::error_of([&] { KvCache c(*m.gpt, o); }).find("generate.kv_cache_mib"), std::string::npos);
+  KvCacheOptions p = o;
+  p.cache_bytes = 1 << 20;
+  o.cache_bytes = KvCache(*m.gpt, p).slot_bytes() * 12;  // 12 blocks = 96 tokens
+  KvCache cache(*m.gpt, o);
+  ASSERT_EQ(cache.slots(), 12);
+  for (uint64_t d = 0; d < 5; ++d) {  // 5 documents of 64 tokens: 40 blocks through 12 slots
+    const std::vector<int> doc = random_tokens(64, 96, 100 + d);
+    auto s = cache.open();
+    cache.extend(*s, doc);
+    const std::vector<float> want = window_nll(*m.gpt, doc);
+    for (int p = 1; p < 64; ++p) ASSERT_NEAR(s->nll()[p], want[p], 2e-4 * (1 + std::abs(want[p])));
+  }
+  EXPECT_GT(cache.stats().evicted, 0u);
+  auto a = cache.open(), b = cache.open();
+  cache.extend(*a, random_tokens(64, 96, 1));
+  const std::string err = testing::error_of([&] { cache.extend(*b, random_tokens(64, 96, 2)); });
+  EXPECT_NE(err.find("generate.kv_cache_mib"), std::string::npos) << err;
+}
+
+// keel score over the licences: a tokenizer and a small model trained on them, then every licence
+// scored through the cache. GPL, LGPL and GFDL are links to GPL-3, LGPL-3 and GFDL-1.3: their
+// whole blocks come from the cache, and their losses equal their targets'.
+TEST(KvCache, ScoresTheLicencesWithReuse) {
+  testing::TempDir dir;
+  const std::string d = dir.path();
+  ASSERT_EQ(testing::run_keel("tokenize --input /usr/share/common-licenses --out " + d + "/data --vocab-size 512").exit_code, 0);
+  const std::string train = "train --set model.preset=llama-tiny --set model.max_seq_len=256 --set train.seq_len=256 "
+                            "--set train.batch_size=2 --set train.steps=20 --set train.sample_tokens=0 --set train.eval_batches=1 "
+                            "--set data.train=" + d + "/data/train.bin --set data.val=" + d + "/data/val.bin --set data.tokenizer=" + d +
+                            "/data/tokenizer.json --set train.run_dir=" + d + "/run";
+  const testing::CommandResult t = testing::run_keel(train);
+  ASSERT_EQ(t.exit_code, 0) << t.output;
+  const std::string ckpt = testing::newest_checkpoint(d + "/run/ckpt");
+  const testing::CommandResult s = testing::run_keel("score --checkpoint " + ckpt + " --documents /usr/share/common-licenses --set generate.kv_block=32");
+  ASSERT_EQ(s.exit_code, 0) << s.output;
+  std::map<std::string, nlohmann::json> docs;
+  nlohmann::json summary;
+  std::istringstream lines(s.output);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.empty() || line[0] != '{') continue;
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains("event")) {
+      summary = j;
+    } else {
+      docs[std::filesystem::path(j.at("document").get<std::string>()).filename().string()] = j;
+    }
+  }
+  ASSERT_GE(docs.size(), 15u) << s.output;
+  for (const auto& [link, target] : std::map<std::string, std::string>{{"GPL", "GPL-3"}, {"LGPL", "LGPL-3"}, {"GFDL", "GFDL-1.3"}}) {
+    ASSERT_TRUE(docs.count(link) && docs.count(target)) << link;
+    const nlohmann::json &a = docs[link], &b = docs[target];
+    EXPECT_EQ(a.at("tokens"), b.at("tokens"));
+    EXPECT_NEAR(a.at("loss").get<double>(), b.at("loss").get<double>(), 1e-5) << link;
+    // The later of the two (in sorted order) reused every whole block of every window.
+    const nlohmann::json& later = link < target ? b : a;
+    const int64_t tokens = later.at("tokens").get<int64_t>(), windows = (tokens + 255) / 256;
+    EXPECT_GE(later.at("reused_tokens").get<int64_t>(), tokens - windows * 32) << link;
+  }
+  EXPECT_GT(summary.at("reused_tokens").get<int64_t>(), 5000);
+  EXPECT_GT(summary.at("saved_ms").get<double>(), 0.0);
+  std::printf("%s\n", summary.dump().c_str());
+  // Bad input: one line, non-zero exit.
+  const testing::CommandResult bad = testing::run_keel("score --checkpoint " + ckpt + " --documents " + d + "/missing");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("is not a directory"), std::string::npos) << bad.output;
+  const testing::CommandResult bad_set = testing::run_keel("score --checkpoint " + ckpt + " --documents " + d + " --set generate.kv_block=0");
+  EXPECT_NE(bad_set.exit_code, 0);
+  EXPECT_NE(bad_set.output.find("generate.kv_block"), std::string::npos) << bad_set.output;
+}
+
+}  // namespace
+}  // namespace keel
