@@ -25,9 +25,11 @@ struct LlamaCase {
   const char* name;
   int n_kv_head;
   bool tied;
+  const char* attention = "dense";
+  int T = 7;  // tokens per sequence (80: two 64-token tiles of the blockwise kernel, the second partial)
 };
 
-ModelConfig small_llama(int n_kv_head, bool tied) {
+ModelConfig small_llama(int n_kv_head, bool tied, const std::string& attention = "dense", int max_seq_len = 16) {
   Config c;
   c.model.preset = "llama-tiny";
   c.model.n_layer = 2;
@@ -35,9 +37,10 @@ ModelConfig small_llama(int n_kv_head, bool tied) {
   c.model.n_kv_head = n_kv_head;
   c.model.n_embd = 16;
   c.model.vocab_size = 37;
-  c.model.max_seq_len = 16;
+  c.model.max_seq_len = max_seq_len;
   c.model.ffn_multiple_of = 8;  // 2/3 of 64 = 42, up to 48
   c.model.tie_embeddings = tied;
+  c.model.attention = attention;
   c.train.seq_len = 16;
   c.resolve(1);
   return c.model;
@@ -47,8 +50,9 @@ class LlamaReference : public ::testing::TestWithParam<LlamaCase> {};
 
 TEST_P(LlamaReference, LossAndEveryGradientMatchPyTorchFloat64) {
   const LlamaCase& p = GetParam();
-  const ModelConfig m = small_llama(p.n_kv_head, p.tied);
+  const ModelConfig m = small_llama(p.n_kv_head, p.tied, p.attention, std::max(16, p.T));
   ASSERT_EQ(m.ffn_hidden, 48);
+  ASSERT_EQ(m.attention, p.attention);
   ChunkStore store(4096);  // small chunks: tensors span several
   GPT model(m, store);
   store.finalize();
@@ -69,7 +73,7 @@ TEST_P(LlamaReference, LossAndEveryGradientMatchPyTorchFloat64) {
     tensors.push_back({{"name", spec.name}, {"shape", spec.shape}, {"offset", weights.size()}});
     weights.insert(weights.end(), w.begin(), w.end());
   }
-  const int B = 2, T = 7;
+  const int B = 2, T = p.T;
   std::vector<int> inputs(B * T), targets(B * T);
   for (int i = 0; i < B * T; ++i) {
     inputs[i] = static_cast<int>(rng.below(m.vocab_size));
@@ -123,7 +127,8 @@ TEST_P(LlamaReference, LossAndEveryGradientMatchPyTorchFloat64) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, LlamaReference,
                          ::testing::Values(LlamaCase{"gqa-untied", 2, false}, LlamaCase{"mqa-tied", 1, true},
-                                           LlamaCase{"mha-untied", 4, false}),
+                                           LlamaCase{"mha-untied", 4, false},
+                                           LlamaCase{"gqa-blockwise", 2, false, "blockwise", 80}),
                          [](const auto& info) {
                            std::string n = info.param.name;
                            std::replace(n.begin(), n.end(), '-', '_');

@@ -100,6 +100,15 @@ TEST_F(LongContextTraining, ASlidingWindowTrainsAt4096Tokens) {
   const testing::CommandResult range = train("range", 256, "--set model.attention_window=0-5:64");
   EXPECT_EQ(range.exit_code, 2) << range.output;
   EXPECT_NE(range.output.find("outside 0..1"), std::string::npos) << range.output;
+  const testing::CommandResult wide = train("wide", 256, "--set model.attention_window=512");
+  EXPECT_EQ(wide.exit_code, 2) << wide.output;
+  EXPECT_NE(wide.output.find("windows of at most train.seq_len = 256"), std::string::npos) << wide.output;
+  const testing::CommandResult dyn_pp = train("dynpp", 256, "--set model.attention_window=dynamic --set parallel.pipeline=2");
+  EXPECT_EQ(dyn_pp.exit_code, 2) << dyn_pp.output;
+  EXPECT_NE(dyn_pp.output.find("model.attention_window"), std::string::npos) << dyn_pp.output;
+  const testing::CommandResult state = train("state", 256, "--set model.attention_window=dynamic --set model.dynamic_windows_state=64");
+  EXPECT_EQ(state.exit_code, 2) << state.output;
+  EXPECT_NE(state.output.find("model.dynamic_windows_state"), std::string::npos) << state.output;
 }
 
 // 32,768 tokens a sequence (batch 1) with a sliding window of 256 keys: trains, its activations

@@ -551,6 +551,12 @@ void Config::resolve(int world_size) {
     if (!model.tie_embeddings.has_value()) model.tie_embeddings = true;
   }
   validate_model(model, "config");
+  for (int b = 0; b < model.n_layer; ++b) {
+    const int w = model.window_of(b);
+    require(w <= train.seq_len, "model.attention_window",
+            "windows of at most train.seq_len = " + std::to_string(train.seq_len) + " keys (block " + std::to_string(b) + ")",
+            std::to_string(w));
+  }
   require(!model.dynamic_window() || parallel.pipeline <= 1, "model.attention_window",
           "not \"dynamic\" with parallel.pipeline > 1 (pipelined runs keep no checkpoints to carry the windows yet)",
           "\"dynamic\"");
