@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "kernels/cpu/ops.h"
+#include "model/head.h"
 #include "model/kv_context.h"
 #include "model/layer_util.h"
 #include "model/llama.h"
@@ -201,70 +202,6 @@ class Block final : public Layer {
         *dfch_ = nullptr, *scratch_ = nullptr;
 };
 
-// ---- layer L+1: final LayerNorm, tied LM head, cross-entropy ------------------------------------
-class Head final : public OutputLayer {
- public:
-  Head(const ModelConfig& m, ChunkStore& store, int layer, TensorId wte) : store_(store), m_(m), layer_(layer), wte_(wte) {
-    lnfw_ = add_tensor(store, "lnf.w", {m.n_embd}, layer, ChunkKind::norm, false);
-    lnfb_ = add_tensor(store, "lnf.b", {m.n_embd}, layer, ChunkKind::norm, false);
-  }
-  const char* name() const override { return "head"; }
-  int64_t activation_floats(int B, int T) const override {
-    const int64_t N = static_cast<int64_t>(B) * T;
-    return padded(N * m_.n_embd) * 2 + padded(N) * 3 + padded(N * m_.padded_vocab_size);
-  }
-  int64_t scratch_floats(int, int) const override { return 0; }
-  void bind(float* activations, float*, int B, int T) override {
-    max_N_ = static_cast<int64_t>(B) * T;
-    Carver a(activations);
-    lnf_ = a.take(max_N_ * m_.n_embd);
-    dlnf_ = a.take(max_N_ * m_.n_embd);
-    mean_ = a.take(max_N_);
-    rstd_ = a.take(max_N_);
-    losses_ = a.take(max_N_);
-    logits_ = a.take(max_N_ * m_.padded_vocab_size);
-  }
-
-  void forward(const Batch& b, const float* x, float*) override {
-    const PageLease use = store_.use_layer(layer_, {Plane::param});
-    const PageLease tied = store_.use_layer(0, {Plane::param});  // the tied head reads the embedding's chunks
-    const int N = b.B * b.T, C = m_.n_embd;
-    ops::layernorm_forward(lnf_, mean_, rstd_, x, store_.data(lnfw_, Plane::param), store_.data(lnfb_, Plane::param),
-                           N, C);
-    ops::linear_forward(logits_, lnf_, store_.data(wte_, Plane::param), static_cast<const float*>(nullptr), N, C,
-                        m_.padded_vocab_size);
-    mean_loss_ = model_detail::head_loss(losses_, logits_, b, m_);
-  }
-  // dx_in = d/dx of grad_scale * sum(losses); logits_ holds d(loss)/d(logits) after forward.
-  void backward_input(const Batch& b, const float* x_in, const float*, float* dx_in) override {
-    const PageLease use = store_.use_layer(layer_, {Plane::param});
-    const PageLease tied = store_.use_layer(0, {Plane::param});
-    const int N = b.B * b.T, C = m_.n_embd;
-    ops::linear_backward_input(dlnf_, logits_, store_.data(wte_, Plane::param), N, C, m_.padded_vocab_size, false);
-    ops::layernorm_backward_input(dx_in, dlnf_, x_in, mean_, rstd_, store_.data(lnfw_, Plane::param), N, C, false);
-  }
-  void backward_weight(const Batch& b, const float* x_in, const float*) override {
-    const PageLease use = store_.use_layer(layer_, {}, {Plane::grad});
-    const PageLease tied = store_.use_layer(0, {}, {Plane::grad});
-    const int N = b.B * b.T, C = m_.n_embd;
-    ops::linear_backward_weight(store_.data(wte_, Plane::grad), static_cast<float*>(nullptr), logits_, lnf_, N, C,
-                                m_.padded_vocab_size);
-    ops::layernorm_backward_weight(store_.data(lnfw_, Plane::grad), store_.data(lnfb_, Plane::grad), dlnf_, x_in,
-                                   mean_, rstd_, N, C);
-  }
-  float mean_loss() const override { return mean_loss_; }
-  const float* logits() const override { return logits_; }
-
- private:
-  ChunkStore& store_;
-  ModelConfig m_;
-  int layer_;
-  TensorId wte_, lnfw_, lnfb_;
-  int64_t max_N_ = 0;
-  float *lnf_ = nullptr, *dlnf_ = nullptr, *mean_ = nullptr, *rstd_ = nullptr, *losses_ = nullptr,
-        *logits_ = nullptr;
-  float mean_loss_ = 0.0f;
-};
 
 }  // namespace
 
@@ -305,7 +242,7 @@ GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> r
   for (int l = 1; l <= config.n_layer; ++l) {
     if (local_[l]) layers_[l] = std::make_unique<Block>(config, store, l);
   }
-  if (local_[L - 1]) layers_[L - 1] = std::make_unique<Head>(config, store, L - 1, wte);
+  if (local_[L - 1]) layers_[L - 1] = make_head(config, store, L - 1, wte);
 }
 
 void GPT::build_llama() {
@@ -325,7 +262,7 @@ void GPT::build_llama() {
   for (int l = 1; l <= config_.n_layer; ++l) {
     if (local_[l]) layers_[l] = make_llama_block(config_, store_, l);
   }
-  if (local_[L - 1]) layers_[L - 1] = make_llama_head(config_, store_, L - 1, tied ? wte : -1);
+  if (local_[L - 1]) layers_[L - 1] = make_head(config_, store_, L - 1, tied ? wte : -1);
 }
 
 GPT::~GPT() = default;

@@ -11,7 +11,6 @@ namespace keel {
 
 using model_detail::add_tensor;
 using model_detail::Carver;
-using model_detail::OutputLayer;
 using model_detail::padded;
 
 namespace {
@@ -151,75 +150,11 @@ class LlamaBlock final : public Layer {
         *dres2_ = nullptr, *dn2_ = nullptr, *dgu_ = nullptr, *scratch_ = nullptr;
 };
 
-// ---- layer L+1: final RMSNorm, LM head, cross-entropy ------------------------------------------
-class LlamaHead final : public OutputLayer {
- public:
-  LlamaHead(const ModelConfig& m, ChunkStore& store, int layer, TensorId tied_wte)
-      : store_(store), m_(m), layer_(layer), tied_(tied_wte >= 0) {
-    norm_ = add_tensor(store, "norm.w", {m.n_embd}, layer, ChunkKind::norm, false);
-    head_ = tied_ ? tied_wte
-                  : add_tensor(store, "lm_head.w", {m.padded_vocab_size, m.n_embd}, layer, ChunkKind::embedding, true);
-  }
-  const char* name() const override { return "head"; }
-  int64_t activation_floats(int B, int T) const override {
-    const int64_t N = static_cast<int64_t>(B) * T;
-    return padded(N * m_.n_embd) * 2 + padded(N) * 2 + padded(N * m_.padded_vocab_size);
-  }
-  int64_t scratch_floats(int, int) const override { return 0; }
-  void bind(float* activations, float*, int B, int T) override {
-    const int64_t N = static_cast<int64_t>(B) * T;
-    Carver a(activations);
-    n_ = a.take(N * m_.n_embd);
-    dn_ = a.take(N * m_.n_embd);
-    rstd_ = a.take(N);
-    losses_ = a.take(N);
-    logits_ = a.take(N * m_.padded_vocab_size);
-  }
-  void forward(const Batch& b, const float* x, float*) override {
-    const PageLease use = store_.use_layer(layer_, {Plane::param});
-    const PageLease tied = tied_ ? store_.use_layer(0, {Plane::param}) : PageLease();
-    const int N = b.B * b.T, C = m_.n_embd;
-    ops::rmsnorm_forward(n_, rstd_, x, store_.data(norm_, Plane::param), N, C);
-    ops::linear_forward(logits_, n_, store_.data(head_, Plane::param), static_cast<const float*>(nullptr), N, C,
-                        m_.padded_vocab_size);
-    mean_loss_ = model_detail::head_loss(losses_, logits_, b, m_);
-  }
-  void backward_input(const Batch& b, const float* x_in, const float*, float* dx_in) override {
-    const PageLease use = store_.use_layer(layer_, {Plane::param});
-    const PageLease tied = tied_ ? store_.use_layer(0, {Plane::param}) : PageLease();
-    const int N = b.B * b.T, C = m_.n_embd;
-    ops::linear_backward_input(dn_, logits_, store_.data(head_, Plane::param), N, C, m_.padded_vocab_size, false);
-    ops::rmsnorm_backward_input(dx_in, dn_, x_in, rstd_, store_.data(norm_, Plane::param), N, C, false);
-  }
-  void backward_weight(const Batch& b, const float* x_in, const float*) override {
-    const PageLease use = store_.use_layer(layer_, {}, {Plane::grad});
-    const PageLease tied = tied_ ? store_.use_layer(0, {}, {Plane::grad}) : PageLease();
-    const int N = b.B * b.T, C = m_.n_embd;
-    ops::linear_backward_weight(store_.data(head_, Plane::grad), static_cast<float*>(nullptr), logits_, n_, N, C,
-                                m_.padded_vocab_size);
-    ops::rmsnorm_backward_weight(store_.data(norm_, Plane::grad), dn_, x_in, rstd_, N, C);
-  }
-  float mean_loss() const override { return mean_loss_; }
-  const float* logits() const override { return logits_; }
-
- private:
-  ChunkStore& store_;
-  ModelConfig m_;
-  int layer_;
-  bool tied_;
-  TensorId norm_, head_;
-  float *n_ = nullptr, *dn_ = nullptr, *rstd_ = nullptr, *losses_ = nullptr, *logits_ = nullptr;
-  float mean_loss_ = 0.0f;
-};
 
 }  // namespace
 
 std::unique_ptr<Layer> make_llama_block(const ModelConfig& m, ChunkStore& store, int layer) {
   return std::make_unique<LlamaBlock>(m, store, layer);
-}
-
-std::unique_ptr<Layer> make_llama_head(const ModelConfig& m, ChunkStore& store, int layer, TensorId tied_wte) {
-  return std::make_unique<LlamaHead>(m, store, layer, tied_wte);
 }
 
 }  // namespace keel

@@ -2,7 +2,8 @@
 // Layer 0 is GPT's embedding without a position table (RoPE rotates q and k instead). Layers 1..L: x_out =
 // res2 + down(silu(gate(n2)) * up(n2)), n2 = rmsnorm(res2), res2 = x + o(attention(rope(qkv(
 // rmsnorm(x))))) with n_kv_head key/value heads shared by groups of query heads; no biases.
-// Layer L+1: final RMSNorm, the LM head (its own lm_head.w, or the tied wte), cross-entropy.
+// Layer L+1 (model/head.h, shared with GPT-2): final RMSNorm, the LM head (its own lm_head.w, or
+// the tied wte), cross-entropy.
 // Tensor names (the store's, the checkpoints' and the PyTorch reference's): wte; h.N.attn_norm.w,
 // h.N.attn.qkv.w [C + 2 kv, C] (rows q | k | v), h.N.attn.proj.w [C, C], h.N.mlp_norm.w,
 // h.N.mlp.gate_up.w [2H, C] (rows gate | up), h.N.mlp.proj.w [C, H]; norm.w, lm_head.w [Vp, C].
@@ -17,7 +18,5 @@
 namespace keel {
 
 std::unique_ptr<Layer> make_llama_block(const ModelConfig& m, ChunkStore& store, int layer);
-// tied_wte >= 0: the head reads the token embedding (layer 0's, or a replica); else lm_head.w.
-std::unique_ptr<Layer> make_llama_head(const ModelConfig& m, ChunkStore& store, int layer, TensorId tied_wte);
 
 }  // namespace keel

@@ -1,0 +1,102 @@
+#include "model/head.h"
+
+#include "kernels/cpu/ops.h"
+#include "model/layer_util.h"
+
+namespace keel {
+
+using model_detail::add_tensor;
+using model_detail::Carver;
+using model_detail::padded;
+
+namespace {
+
+class Head final : public model_detail::OutputLayer {
+ public:
+  Head(const ModelConfig& m, ChunkStore& store, int layer, TensorId tied_wte)
+      : store_(store), m_(m), layer_(layer), layernorm_(!m.llama()), tied_(tied_wte >= 0) {
+    if (layernorm_) {
+      normw_ = add_tensor(store, "lnf.w", {m.n_embd}, layer, ChunkKind::norm, false);
+      normb_ = add_tensor(store, "lnf.b", {m.n_embd}, layer, ChunkKind::norm, false);
+    } else {
+      normw_ = add_tensor(store, "norm.w", {m.n_embd}, layer, ChunkKind::norm, false);
+    }
+    head_ = tied_ ? tied_wte
+                  : add_tensor(store, "lm_head.w", {m.padded_vocab_size, m.n_embd}, layer, ChunkKind::embedding, true);
+  }
+  const char* name() const override { return "head"; }
+  int64_t activation_floats(int B, int T) const override {
+    const int64_t N = static_cast<int64_t>(B) * T;
+    // normalised x and its gradient; row stats (LayerNorm: mean and rstd; RMSNorm: rstd); losses; logits
+    return padded(N * m_.n_embd) * 2 + padded(N) * (layernorm_ ? 3 : 2) + padded(N * m_.padded_vocab_size);
+  }
+  int64_t scratch_floats(int, int) const override { return 0; }
+  void bind(float* activations, float*, int B, int T) override {
+    const int64_t N = static_cast<int64_t>(B) * T;
+    Carver a(activations);
+    n_ = a.take(N * m_.n_embd);
+    dn_ = a.take(N * m_.n_embd);
+    mean_ = layernorm_ ? a.take(N) : nullptr;
+    rstd_ = a.take(N);
+    losses_ = a.take(N);
+    logits_ = a.take(N * m_.padded_vocab_size);
+  }
+
+  void forward(const Batch& b, const float* x, float*) override {
+    const PageLease use = store_.use_layer(layer_, {Plane::param});
+    const PageLease tied = tied_ ? store_.use_layer(0, {Plane::param}) : PageLease();  // the embedding's chunks
+    const int N = b.B * b.T, C = m_.n_embd;
+    if (layernorm_) {
+      ops::layernorm_forward(n_, mean_, rstd_, x, P(normw_), P(normb_), N, C);
+    } else {
+      ops::rmsnorm_forward(n_, rstd_, x, P(normw_), N, C);
+    }
+    ops::linear_forward(logits_, n_, P(head_), static_cast<const float*>(nullptr), N, C, m_.padded_vocab_size);
+    mean_loss_ = model_detail::head_loss(losses_, logits_, b, m_);
+  }
+  // dx_in = d/dx of grad_scale * sum(losses); logits_ holds d(loss)/d(logits) after forward.
+  void backward_input(const Batch& b, const float* x_in, const float*, float* dx_in) override {
+    const PageLease use = store_.use_layer(layer_, {Plane::param});
+    const PageLease tied = tied_ ? store_.use_layer(0, {Plane::param}) : PageLease();
+    const int N = b.B * b.T, C = m_.n_embd;
+    ops::linear_backward_input(dn_, logits_, P(head_), N, C, m_.padded_vocab_size, false);
+    if (layernorm_) {
+      ops::layernorm_backward_input(dx_in, dn_, x_in, mean_, rstd_, P(normw_), N, C, false);
+    } else {
+      ops::rmsnorm_backward_input(dx_in, dn_, x_in, rstd_, P(normw_), N, C, false);
+    }
+  }
+  void backward_weight(const Batch& b, const float* x_in, const float*) override {
+    const PageLease use = store_.use_layer(layer_, {}, {Plane::grad});
+    const PageLease tied = tied_ ? store_.use_layer(0, {}, {Plane::grad}) : PageLease();
+    const int N = b.B * b.T, C = m_.n_embd;
+    ops::linear_backward_weight(G(head_), static_cast<float*>(nullptr), logits_, n_, N, C, m_.padded_vocab_size);
+    if (layernorm_) {
+      ops::layernorm_backward_weight(G(normw_), G(normb_), dn_, x_in, mean_, rstd_, N, C);
+    } else {
+      ops::rmsnorm_backward_weight(G(normw_), dn_, x_in, rstd_, N, C);
+    }
+  }
+  float mean_loss() const override { return mean_loss_; }
+  const float* logits() const override { return logits_; }
+
+ private:
+  float* P(TensorId id) { return store_.data(id, Plane::param); }
+  float* G(TensorId id) { return store_.data(id, Plane::grad); }
+
+  ChunkStore& store_;
+  ModelConfig m_;
+  int layer_;
+  bool layernorm_, tied_;
+  TensorId normw_ = -1, normb_ = -1, head_ = -1;
+  float *n_ = nullptr, *dn_ = nullptr, *mean_ = nullptr, *rstd_ = nullptr, *losses_ = nullptr, *logits_ = nullptr;
+  float mean_loss_ = 0.0f;
+};
+
+}  // namespace
+
+std::unique_ptr<Layer> make_head(const ModelConfig& m, ChunkStore& store, int layer, TensorId tied_wte) {
+  return std::make_unique<Head>(m, store, layer, tied_wte);
+}
+
+}  // namespace keel

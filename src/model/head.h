@@ -1,0 +1,17 @@
+// The last layer of both families: the final norm (GPT-2: LayerNorm with a bias, "lnf.w",
+// "lnf.b"; llama: RMSNorm, "norm.w"), the LM head (the token embedding wte when tied — always for
+// GPT-2 — else llama's own "lm_head.w" [Vp, C]) and cross-entropy.
+#pragma once
+
+#include <memory>
+
+#include "core/config.h"
+#include "model/layer.h"
+#include "store/chunk_store.h"
+
+namespace keel {
+
+// tied_wte >= 0: the head reads the token embedding (layer 0's, or a replica); else lm_head.w.
+std::unique_ptr<Layer> make_head(const ModelConfig& m, ChunkStore& store, int layer, TensorId tied_wte);
+
+}  // namespace keel
