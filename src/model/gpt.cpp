@@ -127,11 +127,7 @@ class Block final : public Layer {
     auto P = [&](TensorId id) { return store_.data(id, Plane::param); };
     ops::layernorm_forward(ln1_, ln1_mean_, ln1_rstd_, x, P(ln1w_), P(ln1b_), N, C);
     ops::linear_forward(qkv_, ln1_, P(qkvw_), P(qkvb_), N, C, 3 * C);
-    if (probe_.armed && !b.kv) {
-      ops::attention_distance_mass(probe_.mass.data(), AttentionProbe::kBuckets, qkv_, b.B, b.T, C, m_.n_head, m_.n_head,
-                                   AttentionProbe::kRows);
-      probe_.rows += static_cast<double>(b.B) * std::min(AttentionProbe::kRows, b.T);
-    }
+    model_detail::probe_attention(probe_, b, qkv_, m_);
     if (b.kv) {
       b.kv->attend(layer_ - 1, qkv_, 3 * C, atty_, b.T, probe_.window);
     } else if (m_.attention == "dense") {

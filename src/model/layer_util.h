@@ -2,6 +2,7 @@
 // and the output layer's interface (the loss and the logits of the last forward).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -50,6 +51,15 @@ inline float head_loss(float* losses, float* logits, const Batch& b, const Model
   double sum = 0;  // sequential: a fixed summation order
   for (int n = 0; n < N; ++n) sum += losses[n];
   return static_cast<float>(sum / N);
+}
+
+// Both families' blocks: while armed (runtime/dynamic_windows.h), where a training pass's
+// attention mass goes by distance, from its qkv (after RoPE: the scores attention uses).
+inline void probe_attention(AttentionProbe& probe, const Batch& b, const float* qkv, const ModelConfig& m) {
+  if (!probe.armed || b.kv != nullptr) return;
+  ops::attention_distance_mass(probe.mass.data(), AttentionProbe::kBuckets, qkv, b.B, b.T, m.n_embd, m.n_head,
+                               m.n_kv_head, AttentionProbe::kRows);
+  probe.rows += static_cast<double>(b.B) * std::min(AttentionProbe::kRows, b.T);
 }
 
 // The last layer: final norm, LM head and cross-entropy.

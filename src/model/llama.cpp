@@ -75,11 +75,7 @@ class LlamaBlock final : public Layer {
     ops::linear_forward(qkv_, n1_, P(qkvw_), none, N, C, QKV_);
     ops::rope_forward(qkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_base(), b.kv ? b.kv->pos0() : 0,
                       false, m_.rope_position_scale());
-    if (probe_.armed && !b.kv) {  // (after RoPE: the scores attention uses)
-      ops::attention_distance_mass(probe_.mass.data(), AttentionProbe::kBuckets, qkv_, b.B, b.T, C, m_.n_head,
-                                   m_.n_kv_head, AttentionProbe::kRows);
-      probe_.rows += static_cast<double>(b.B) * std::min(AttentionProbe::kRows, b.T);
-    }
+    model_detail::probe_attention(probe_, b, qkv_, m_);
     if (b.kv) {
       b.kv->attend(layer_ - 1, qkv_, QKV_, atty_, b.T, probe_.window);
     } else if (m_.attention == "dense") {

@@ -67,8 +67,7 @@ void DynamicWindows::apply(const std::vector<int>& windows) {
 
 double DynamicWindows::loss_with(const std::vector<int>& windows) {
   apply(windows);
-  const double loss = probe_loss_();
-  return dp_.size() > 1 ? dp_.allreduce_sum(loss) / dp_.size() : loss;
+  return probe_loss_();
 }
 
 void DynamicWindows::before_step(int64_t step) {

@@ -49,7 +49,8 @@ class DynamicWindows final : public MetricsSource, public StepHook {
   // For the blocks of `model` (the whole model: not with pipelines). `config` is the run's own
   // configuration: its model.dynamic_windows_state is kept current. `resumed_from`: the
   // checkpoint a resumed run loaded ("" = a fresh start), whose windows it goes on with.
-  // `probe_loss`: this rank's loss on its probe batch with the windows the blocks have now.
+  // `probe_loss`: the loss on the probe batch (each rank's first validation window, averaged
+  // over the ranks: the same on every rank) with the windows the blocks have now.
   DynamicWindows(Config& config, Communicator& dp, GPT& model, const std::string& resumed_from,
                  std::function<double()> probe_loss, std::function<void(const nlohmann::json&)> log);
 

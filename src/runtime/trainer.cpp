@@ -88,14 +88,10 @@ Trainer::Trainer(Config config, Communicator& comm)
   checkpointer_ = std::make_unique<Checkpointer>(config_, comm, *store_, *sync_, peaks_.peak_gflops, log);
   resume_or_init();
   if (MetricsSource* own = engine_->metrics()) metrics_.add_source(own);
-  if (m.dynamic_window()) {  // after resuming: it goes on with the checkpoint's windows
-    auto probe_loss = [this] {  // the first validation window: a fixed batch on each rank
-      store_->apply_pending();
-      return engine_->forward_loss(data_.val->window(0));
-    };
-    // First of the hooks: its probe passes come before the step the tiers record as a schedule.
-    hooks_.insert(hooks_.begin(), metrics_.adopt(std::make_unique<DynamicWindows>(config_, dp, *model_, progress_.resumed_from,
-                                                                                   probe_loss, log)));
+  if (m.dynamic_window()) {  // after resuming (it goes on with the checkpoint's windows); first of the hooks:
+    // its probe passes (the first validation window) come before the step the tiers record as a schedule.
+    hooks_.insert(hooks_.begin(), metrics_.adopt(std::make_unique<DynamicWindows>(
+                                      config_, dp, *model_, progress_.resumed_from, [this] { return evaluate(1); }, log)));
   }
   // Monitoring: energy per step and token, alerts on the operating targets ([monitor]).
   const double tokens_per_step = static_cast<double>(t.batch_size) * t.seq_len * t.grad_accum * groups_.dp().size();
