@@ -51,20 +51,27 @@ VectorUnits vector_units() {
   return u;
 }
 
+// The value of the first /proc/cpuinfo line whose key starts with `key` ("" if none).
+std::string cpuinfo_value(const std::string& key) {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind(key, 0) != 0) continue;
+    const size_t colon = line.find(':');
+    if (colon == std::string::npos) return "";
+    const size_t start = line.find_first_not_of(" \t", colon + 1);
+    return start == std::string::npos ? "" : line.substr(start);
+  }
+  return "";
+}
+
 // GHz and where it came from.
 std::pair<double, std::string> clock_ghz() {
   std::ifstream max_freq("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq");
   double khz = 0;
   if (max_freq >> khz && khz > 0) return {khz / 1e6, "cpufreq max"};
-  std::ifstream cpuinfo("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(cpuinfo, line)) {
-    if (line.rfind("cpu MHz", 0) != 0) continue;
-    const size_t colon = line.find(':');
-    if (colon == std::string::npos) break;
-    const double mhz = std::atof(line.c_str() + colon + 1);
-    if (mhz > 0) return {mhz / 1e3, "cpuinfo MHz"};
-  }
+  const double mhz = std::atof(cpuinfo_value("cpu MHz").c_str());
+  if (mhz > 0) return {mhz / 1e3, "cpuinfo MHz"};
   return {2.0, "clock unknown, 2 GHz assumed"};
 }
 
@@ -91,16 +98,8 @@ CpuPeak cpu_peak(double cores) {
 }
 
 std::string cpu_model_name() {
-  std::ifstream cpuinfo("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(cpuinfo, line)) {
-    if (line.rfind("model name", 0) != 0) continue;
-    const size_t colon = line.find(':');
-    if (colon == std::string::npos) break;
-    const size_t start = line.find_first_not_of(" \t", colon + 1);
-    return start == std::string::npos ? "unknown CPU" : line.substr(start);
-  }
-  return "unknown CPU";
+  const std::string name = cpuinfo_value("model name");
+  return name.empty() ? "unknown CPU" : name;
 }
 
 }  // namespace keel

@@ -336,15 +336,30 @@ template <typename T>
 void rope_forward(T* qkv, int B, int Tn, int NH, int NKV, int hs, double theta, int pos0, bool inverse,
                   double position_scale) {
   const int C = NH * hs, width = C + 2 * NKV * hs, half = hs / 2;
-  // The angles once per call, in double (the same table for every batch row and head).
-  std::vector<T> cos_t(static_cast<size_t>(Tn) * half), sin_t(static_cast<size_t>(Tn) * half);
-  for (int t = 0; t < Tn; ++t) {
-    for (int i = 0; i < half; ++i) {
-      const double angle = (pos0 + t) * position_scale * std::pow(theta, -2.0 * i / hs);
-      cos_t[static_cast<size_t>(t) * half + i] = static_cast<T>(std::cos(angle));
-      sin_t[static_cast<size_t>(t) * half + i] = static_cast<T>((inverse ? -1 : 1) * std::sin(angle));
+  // The angles in double, one table for every batch row and head, kept for the next call with the
+  // same shape (every block of a step, forward and backward, asks for the same one).
+  // (The backward's inverse rotation negates the sines as it reads them: exact.)
+  struct Table {
+    int Tn = -1, hs = 0, pos0 = 0;
+    double theta = 0, scale = 0;
+    std::vector<T> cos, sin;
+  };
+  static thread_local Table table;
+  if (table.Tn != Tn || table.hs != hs || table.pos0 != pos0 || table.theta != theta || table.scale != position_scale) {
+    table.cos.resize(static_cast<size_t>(Tn) * half);
+    table.sin.resize(static_cast<size_t>(Tn) * half);
+    for (int t = 0; t < Tn; ++t) {
+      for (int i = 0; i < half; ++i) {
+        const double angle = (pos0 + t) * position_scale * std::pow(theta, -2.0 * i / hs);
+        table.cos[static_cast<size_t>(t) * half + i] = static_cast<T>(std::cos(angle));
+        table.sin[static_cast<size_t>(t) * half + i] = static_cast<T>(std::sin(angle));
+      }
     }
+    table.Tn = Tn, table.hs = hs, table.pos0 = pos0, table.theta = theta, table.scale = position_scale;
   }
+  const T sign = inverse ? T(-1) : T(1);
+  const std::vector<T>& cos_t = table.cos;
+  const std::vector<T>& sin_t = table.sin;
   const int heads = NH + NKV;  // the q heads, then the k heads: contiguous in each row
 #pragma omp parallel for schedule(static)
   for (int64_t bt = 0; bt < static_cast<int64_t>(B) * Tn; ++bt) {
@@ -355,9 +370,9 @@ void rope_forward(T* qkv, int B, int Tn, int NH, int NKV, int hs, double theta, 
     for (int h = 0; h < heads; ++h) {
       T* x = row + h * hs;
       for (int i = 0; i < half; ++i) {
-        const T x0 = x[2 * i], x1 = x[2 * i + 1];
-        x[2 * i] = x0 * cs[i] - x1 * sn[i];
-        x[2 * i + 1] = x0 * sn[i] + x1 * cs[i];
+        const T x0 = x[2 * i], x1 = x[2 * i + 1], s_i = sign * sn[i];
+        x[2 * i] = x0 * cs[i] - x1 * s_i;
+        x[2 * i + 1] = x0 * s_i + x1 * cs[i];
       }
     }
   }
