@@ -488,21 +488,27 @@ void online_softmax_tile(T* s, int ld, int rows, int cols, int i0, int j0, int w
     const int i = i0 + r, lo = window_start(i, window) - j0, hi = i - j0;  // allowed columns [lo, hi]
     T* srow = s + static_cast<int64_t>(r) * ld;
     T mx = m[r];
-    for (int c = std::max(lo, 0); c <= std::min(hi, cols - 1); ++c) mx = std::max(mx, srow[c]);
+    const int c_lo = std::max(lo, 0), c_hi = std::min(hi, cols - 1);
+#pragma omp simd reduction(max : mx)
+    for (int c = c_lo; c <= c_hi; ++c) mx = std::max(mx, srow[c]);
     if (mx == -std::numeric_limits<T>::infinity()) {  // nothing allowed in this tile
       for (int c = 0; c < cols; ++c) srow[c] = T(0);
       continue;
     }
     const T correction = vmath::exp(m[r] - mx);
+    // Vectorized (the sum in the lanes' order: fixed for a build, whatever the threads).
     T sum = 0;
+#pragma omp simd reduction(+ : sum)
     for (int c = 0; c < cols; ++c) {
-      const bool allowed = c >= lo && c <= hi;
-      srow[c] = allowed ? vmath::exp(srow[c] - mx) : T(0);
+      const T e = vmath::exp(srow[c] - mx);
+      srow[c] = c >= lo && c <= hi ? e : T(0);
       sum += srow[c];
     }
     l[r] = l[r] * correction + sum;
     m[r] = mx;
-    for (int d = 0; d < hs; ++d) o[r * hs + d] *= correction;
+    T* orow = o + r * hs;
+#pragma omp simd
+    for (int d = 0; d < hs; ++d) orow[d] *= correction;
   }
 }
 
@@ -683,13 +689,20 @@ void flash_attention_backward_input(T* dqkv, const T* dout, const T* out, const 
               const int i = i0 + r, lo = window_start(i, window) - j0, hi = i - j0;
               const T m = lse[bh * Tn + i];
               T* prow = p + r * kBlock;
-              for (int c = 0; c < cols; ++c) prow[c] = c >= lo && c <= hi ? vmath::exp(prow[c] - m) : T(0);
+#pragma omp simd
+              for (int c = 0; c < cols; ++c) {
+                const T e = vmath::exp(prow[c] - m);
+                prow[c] = c >= lo && c <= hi ? e : T(0);
+              }
             }
             gemm<T>(true, false, cols, hs, rows, T(1), p, kBlock, d, C, T(1), dv, C3);      // dv += p^T dout
             gemm<T>(false, true, rows, cols, hs, T(1), d, C, v, C3, T(0), dp, kBlock);     // dp = dout v^T
             for (int r = 0; r < rows; ++r) {                                              // ds = p (dp - delta) scale
               const T dl = delta[i0 + r];
-              for (int c = 0; c < cols; ++c) dp[r * kBlock + c] = p[r * kBlock + c] * (dp[r * kBlock + c] - dl) * scale;
+              T* dprow = dp + r * kBlock;
+              const T* prow = p + r * kBlock;
+#pragma omp simd
+              for (int c = 0; c < cols; ++c) dprow[c] = prow[c] * (dprow[c] - dl) * scale;
             }
             gemm<T>(false, false, rows, hs, cols, T(1), dp, kBlock, k, C3, T(1), dq, C3);  // dq += ds k
             gemm<T>(true, false, cols, hs, rows, T(1), dp, kBlock, q, C3, T(1), dk, C3);   // dk += ds^T q
