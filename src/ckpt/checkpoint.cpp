@@ -9,6 +9,7 @@
 #include <set>
 
 #include "core/env.h"
+#include "core/clock.h"
 #include "core/error.h"
 #include "core/fileio.h"
 
@@ -19,10 +20,6 @@ namespace {
 constexpr int kZstdLevel = 1;  // fast: checkpoints are written often
 
 uint64_t checksum(const void* data, size_t bytes) { return XXH3_64bits(data, bytes); }
-
-double ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
 
 std::string join(const std::string& a, const std::string& b) { return a.empty() ? b : a + "/" + b; }
 

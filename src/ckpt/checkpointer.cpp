@@ -5,15 +5,10 @@
 #include <cstdlib>
 
 #include "core/env.h"
+#include "core/clock.h"
 #include "core/error.h"
 
 namespace keel {
-
-namespace {
-double ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
-}  // namespace
 
 Checkpointer::Checkpointer(const Config& config, Communicator& world, ChunkStore& store, GradSync& sync,
                            double peak_gflops, std::function<void(const nlohmann::json&)> log_event)

@@ -24,6 +24,7 @@
 #include "ckpt/checkpoint.h"
 #include "ckpt/llama2c.h"
 #include "ckpt/llmc.h"
+#include "core/clock.h"
 #include "comm/communicator.h"
 #include "core/config.h"
 #include "core/error.h"
@@ -339,7 +340,7 @@ int cmd_generate(const Args& a) {
       uint64_t reused = 0;
       const auto t0 = std::chrono::steady_clock::now();
       const std::vector<int> out = run(prompt, &reused);
-      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      const double ms = ms_since(t0);
       std::printf("{\"prompt\": %d, \"prompt_tokens\": %zu, \"reused_tokens\": %llu, \"new_tokens\": %zu, \"ms\": %.1f, \"text\": %s}\n",
                   index++, prompt.size(), static_cast<unsigned long long>(reused), out.size() - prompt.size(), ms,
                   json_string(tok.decode(std::vector<int>(out.begin() + 1, out.end()))).c_str());
@@ -396,7 +397,7 @@ int cmd_score(const Args& a) {
       targets += n - 1;
       reused += seq->reused_tokens();
     }
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const double ms = ms_since(t0);
     check(targets > 0, "score: " + file + " holds too little text to score");
     check(std::isfinite(nll), "score: the loss is not finite on " + file);
     std::printf("{\"document\": %s, \"tokens\": %zu, \"loss\": %.6f, \"reused_tokens\": %llu, \"ms\": %.1f}\n",

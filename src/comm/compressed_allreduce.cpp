@@ -5,15 +5,12 @@
 #include <cstring>
 #include <limits>
 
+#include "core/clock.h"
 #include "core/error.h"
 
 namespace keel {
 
 namespace {
-
-double ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
 
 // Distinct, reproducible seeds per (call seed, rank, shard).
 uint64_t mix(uint64_t seed, uint64_t a, uint64_t b) {

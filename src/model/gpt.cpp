@@ -366,7 +366,7 @@ void GPT::check_batch(const Batch& batch, int slot) const {
                                                     std::to_string(batch.T) + " exceeds the allocated " +
                                                     std::to_string(max_B_) + "x" + std::to_string(max_T_));
   check(slot >= 0 && slot < slots(), "model: activation slot " + std::to_string(slot) + " of " + std::to_string(slots()));
-  check(batch.kv == nullptr || batch.B == 1, "model: a KV-cached pass runs one sequence (batch of 1)");
+  if (batch.kv != nullptr && batch.B != 1) throw Error("model: a KV-cached pass runs one sequence (batch of 1)");
 }
 
 float GPT::forward(const Batch& batch) {

@@ -7,6 +7,7 @@
 #include <cstdlib>
 
 #include "ckpt/checkpoint.h"
+#include "core/clock.h"
 #include "core/error.h"
 
 namespace keel {
@@ -120,7 +121,7 @@ void DynamicWindows::before_step(int64_t step) {
   windows_ = chosen;
   outside_ = chosen_outside;
   apply(windows_);
-  probe_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  probe_ms_ += ms_since(t0);
   if (windows_ != before && dp_.is_root()) {
     log_({{"event", "attention_windows"}, {"step", step}, {"windows", windows_}, {"outside_mass", outside_},
           {"eps", chosen_eps}, {"probe_loss_full", full_loss}, {"probe_loss", chosen_loss}});

@@ -6,18 +6,14 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <limits>
 
+#include "core/clock.h"
 #include "core/error.h"
 #include "kernels/cpu/ops.h"
 
 namespace keel {
 
 namespace {
-
-double ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
 
 // -log softmax(logits[0..V))[target], in double.
 float nll_of(const float* logits, int V, int target) {

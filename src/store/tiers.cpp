@@ -14,18 +14,11 @@
 
 #include <xxhash.h>
 
+#include "core/clock.h"
 #include "core/error.h"
 #include "core/text.h"
 
 namespace keel {
-
-namespace {
-
-double ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
-
-}  // namespace
 
 const char* tier_name(Tier t) {
   switch (t) {
