@@ -19,6 +19,7 @@ using model_detail::Carver;
 using model_detail::OutputLayer;
 using model_detail::attention_floats;
 using model_detail::padded;
+using model_detail::Stash;
 
 namespace {
 
@@ -63,8 +64,8 @@ class Embedding final : public Layer {
 // x_out = res2 + proj(gelu(fc(ln2(res2)))),  res2 = x_in + attn_proj(attention(qkv(ln1(x_in))))
 class Block final : public Layer {
  public:
-  Block(const ModelConfig& m, ChunkStore& store, int layer)
-      : store_(store), m_(m), layer_(layer) {
+  Block(const ModelConfig& m, ChunkStore& store, int layer, bool bf16)
+      : store_(store), m_(m), layer_(layer), bf16_(bf16) {
     const std::string p = "h." + std::to_string(layer - 1) + ".";
     const int64_t C = m.n_embd;
     ln1w_ = add_tensor(store, p + "ln1.w", {C}, layer, ChunkKind::norm, false);
@@ -87,13 +88,15 @@ class Block final : public Layer {
 
   int64_t activation_floats(int B, int T) const override {
     const int64_t N = static_cast<int64_t>(B) * T, C = m_.n_embd;
+    auto S = [&](int64_t n) { return padded(Stash::floats(n, bf16_)); };
     // forward: ln1, qkv, att, atty, res2, ln2, fch, fch_gelu, 4 row stats
     // backward kept for W: dln1, dqkv, dres2, dln2, dfch
-    return padded(N * C) * 4 + padded(N * 3 * C) + padded(attention_floats(m_, B, T)) +
-           padded(N * 4 * C) * 2 + padded(N) * 4 + padded(N * C) * 3 + padded(N * 3 * C) + padded(N * 4 * C);
+    return S(N * C) * 2 + padded(N * C) * 2 + padded(N * 3 * C) + padded(attention_floats(m_, B, T)) +
+           S(N * 4 * C) * 2 + padded(N) * 4 + padded(N * C) * 3 + padded(N * 3 * C) + S(N * 4 * C);
   }
   int64_t scratch_floats(int B, int T) const override {
-    return padded(static_cast<int64_t>(B) * T * 4 * m_.n_embd);  // dfch_gelu (also datty)
+    // dfch_gelu (also datty); under bf16 also the staging of the stashed tensors
+    return padded(static_cast<int64_t>(B) * T * 4 * m_.n_embd) * (bf16_ ? 2 : 1);
   }
   void bind(float* activations, float* scratch, int B, int T) override {
     // Sized for the allocation's B x T; kernels index with the micro-batch's actual B and T.
@@ -101,14 +104,14 @@ class Block final : public Layer {
     max_att_ = attention_floats(m_, B, T);
     Carver a(activations);
     const int64_t N = max_N_, C = m_.n_embd;
-    ln1_ = a.take(N * C);
+    ln1_.carve(a, N * C, bf16_);
     qkv_ = a.take(N * 3 * C);
     att_ = a.take(max_att_);
     atty_ = a.take(N * C);
     res2_ = a.take(N * C);
-    ln2_ = a.take(N * C);
-    fch_ = a.take(N * 4 * C);
-    fch_gelu_ = a.take(N * 4 * C);
+    ln2_.carve(a, N * C, bf16_);
+    fch_.carve(a, N * 4 * C, bf16_);
+    fch_gelu_.carve(a, N * 4 * C, bf16_);
     ln1_mean_ = a.take(N);
     ln1_rstd_ = a.take(N);
     ln2_mean_ = a.take(N);
@@ -117,16 +120,20 @@ class Block final : public Layer {
     dqkv_ = a.take(N * 3 * C);
     dres2_ = a.take(N * C);
     dln2_ = a.take(N * C);
-    dfch_ = a.take(N * 4 * C);
+    dfch_.carve(a, N * 4 * C, bf16_);
     scratch_ = scratch;
+    stage_ = scratch + padded(N * 4 * C);
   }
 
   void forward(const Batch& b, const float* x, float* x_out) override {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
     const int N = b.B * b.T, C = m_.n_embd;
     auto P = [&](TensorId id) { return store_.data(id, Plane::param); };
-    ops::layernorm_forward(ln1_, ln1_mean_, ln1_rstd_, x, P(ln1w_), P(ln1b_), N, C);
-    ops::linear_forward(qkv_, ln1_, P(qkvw_), P(qkvb_), N, C, 3 * C);
+    const int64_t NC = static_cast<int64_t>(N) * C;
+    float* ln1 = ln1_.writable(stage_);
+    ops::layernorm_forward(ln1, ln1_mean_, ln1_rstd_, x, P(ln1w_), P(ln1b_), N, C);
+    ln1_.seal(ln1, NC);
+    ops::linear_forward(qkv_, ln1_.read(), P(qkvw_), P(qkvb_), N, C, 3 * C);
     model_detail::probe_attention(probe_, b, qkv_, m_);
     if (b.kv) {
       b.kv->attend(layer_ - 1, qkv_, 3 * C, atty_, b.T, probe_.window);
@@ -137,11 +144,17 @@ class Block final : public Layer {
     }
     float* attproj = scratch_;  // [N, C], consumed immediately by the residual
     ops::linear_forward(attproj, atty_, P(projw_), P(projb_), N, C, C);
-    ops::residual_layernorm_forward(res2_, ln2_, ln2_mean_, ln2_rstd_, x, attproj, P(ln2w_), P(ln2b_), N, C);
-    ops::linear_forward(fch_, ln2_, P(fcw_), P(fcb_), N, C, 4 * C);
-    ops::gelu_forward(fch_gelu_, fch_, static_cast<int64_t>(N) * 4 * C);
+    float* ln2 = ln2_.writable(stage_);
+    ops::residual_layernorm_forward(res2_, ln2, ln2_mean_, ln2_rstd_, x, attproj, P(ln2w_), P(ln2b_), N, C);
+    ln2_.seal(ln2, NC);
+    float* fch = fch_.writable(stage_);
+    ops::linear_forward(fch, ln2_.read(), P(fcw_), P(fcb_), N, C, 4 * C);
+    fch_.seal(fch, 4 * NC);
+    float* fch_gelu = fch_gelu_.writable(stage_);  // (under bf16: in place over the staged fch)
+    ops::gelu_forward(fch_gelu, fch, 4 * NC);
+    fch_gelu_.seal(fch_gelu, 4 * NC);
     float* fcproj = scratch_;
-    ops::linear_forward(fcproj, fch_gelu_, P(fcprojw_), P(fcprojb_), N, 4 * C, C);
+    ops::linear_forward(fcproj, fch_gelu_.read(), P(fcprojw_), P(fcprojb_), N, 4 * C, C);
     ops::residual_forward(x_out, res2_, fcproj, static_cast<int64_t>(N) * C);
   }
 
@@ -152,8 +165,10 @@ class Block final : public Layer {
     // MLP branch: d(fcproj out) = dx_out
     float* dfch_gelu = scratch_;
     ops::linear_backward_input(dfch_gelu, dx_out, P(fcprojw_), N, 4 * C, C, false);
-    ops::gelu_backward_input(dfch_, dfch_gelu, fch_, static_cast<int64_t>(N) * 4 * C);
-    ops::linear_backward_input(dln2_, dfch_, P(fcw_), N, C, 4 * C, false);
+    float* dfch = dfch_.writable(stage_);
+    ops::gelu_backward_input(dfch, dfch_gelu, fch_.read(), static_cast<int64_t>(N) * 4 * C);
+    dfch_.seal(dfch, static_cast<int64_t>(N) * 4 * C);
+    ops::linear_backward_input(dln2_, dfch, P(fcw_), N, C, 4 * C, false);
     std::memcpy(dres2_, dx_out, sizeof(float) * N * C);
     ops::layernorm_backward_input(dres2_, dln2_, res2_, ln2_mean_, ln2_rstd_, P(ln2w_), N, C, true);
     // Attention branch: d(attproj out) = dres2
@@ -174,11 +189,11 @@ class Block final : public Layer {
     const PageLease use = store_.use_layer(layer_, {}, {Plane::grad});
     const int N = b.B * b.T, C = m_.n_embd;
     auto G = [&](TensorId id) { return store_.data(id, Plane::grad); };
-    ops::linear_backward_weight(G(fcprojw_), G(fcprojb_), dx_out, fch_gelu_, N, 4 * C, C);
-    ops::linear_backward_weight(G(fcw_), G(fcb_), dfch_, ln2_, N, C, 4 * C);
+    ops::linear_backward_weight(G(fcprojw_), G(fcprojb_), dx_out, fch_gelu_.read(), N, 4 * C, C);
+    ops::linear_backward_weight(G(fcw_), G(fcb_), dfch_.read(), ln2_.read(), N, C, 4 * C);
     ops::layernorm_backward_weight(G(ln2w_), G(ln2b_), dln2_, res2_, ln2_mean_, ln2_rstd_, N, C);
     ops::linear_backward_weight(G(projw_), G(projb_), dres2_, atty_, N, C, C);
-    ops::linear_backward_weight(G(qkvw_), G(qkvb_), dqkv_, ln1_, N, C, 3 * C);
+    ops::linear_backward_weight(G(qkvw_), G(qkvb_), dqkv_, ln1_.read(), N, C, 3 * C);
     ops::layernorm_backward_weight(G(ln1w_), G(ln1b_), dln1_, x_in, ln1_mean_, ln1_rstd_, N, C);
   }
 
@@ -188,21 +203,22 @@ class Block final : public Layer {
   ChunkStore& store_;
   ModelConfig m_;
   int layer_;
+  bool bf16_;             // stashes in bf16 (Stash)
   AttentionProbe probe_;  // its window (0 = none) and the dynamic window's probe
   TensorId ln1w_, ln1b_, qkvw_, qkvb_, projw_, projb_, ln2w_, ln2b_, fcw_, fcb_, fcprojw_, fcprojb_;
   int64_t max_N_ = 0, max_att_ = 0;
   // att_: the dense kernel's probabilities [B, NH, T, T], or the blockwise kernel's log-sum-exp [B, NH, T].
-  float *ln1_ = nullptr, *qkv_ = nullptr, *att_ = nullptr, *atty_ = nullptr, *res2_ = nullptr, *ln2_ = nullptr,
-        *fch_ = nullptr, *fch_gelu_ = nullptr, *ln1_mean_ = nullptr, *ln1_rstd_ = nullptr, *ln2_mean_ = nullptr,
-        *ln2_rstd_ = nullptr, *dln1_ = nullptr, *dqkv_ = nullptr, *dres2_ = nullptr, *dln2_ = nullptr,
-        *dfch_ = nullptr, *scratch_ = nullptr;
+  Stash ln1_, ln2_, fch_, fch_gelu_, dfch_;
+  float *qkv_ = nullptr, *att_ = nullptr, *atty_ = nullptr, *res2_ = nullptr, *ln1_mean_ = nullptr,
+        *ln1_rstd_ = nullptr, *ln2_mean_ = nullptr, *ln2_rstd_ = nullptr, *dln1_ = nullptr, *dqkv_ = nullptr,
+        *dres2_ = nullptr, *dln2_ = nullptr, *scratch_ = nullptr, *stage_ = nullptr;
 };
 
 
 }  // namespace
 
-GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> ranges)
-    : config_(config), store_(store), ranges_(std::move(ranges)) {
+GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> ranges, bool bf16_activations)
+    : config_(config), store_(store), ranges_(std::move(ranges)), bf16_(bf16_activations) {
   validate_model(config, "model");
   check(!store.finalized(), "GPT: the chunk store is already finalized");
   const int L = config.n_layer + 2;
@@ -236,9 +252,9 @@ GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> r
     wte = store.add(std::move(replica));
   }
   for (int l = 1; l <= config.n_layer; ++l) {
-    if (local_[l]) layers_[l] = std::make_unique<Block>(config, store, l);
+    if (local_[l]) layers_[l] = std::make_unique<Block>(config, store, l, bf16_);
   }
-  if (local_[L - 1]) layers_[L - 1] = make_head(config, store, L - 1, wte);
+  if (local_[L - 1]) layers_[L - 1] = make_head(config, store, L - 1, wte, bf16_);
 }
 
 void GPT::build_llama() {
@@ -256,9 +272,9 @@ void GPT::build_llama() {
     wte = store_.add(std::move(replica));
   }
   for (int l = 1; l <= config_.n_layer; ++l) {
-    if (local_[l]) layers_[l] = make_llama_block(config_, store_, l);
+    if (local_[l]) layers_[l] = make_llama_block(config_, store_, l, bf16_);
   }
-  if (local_[L - 1]) layers_[L - 1] = make_head(config_, store_, L - 1, tied ? wte : -1);
+  if (local_[L - 1]) layers_[L - 1] = make_head(config_, store_, L - 1, tied ? wte : -1, bf16_);
 }
 
 GPT::~GPT() = default;
@@ -344,9 +360,9 @@ void GPT::allocate(int B, int T, int slots) {
   }
 }
 
-int64_t GPT::slot_bytes_for(const ModelConfig& config, const LayerRange& range, int B, int T) {
+int64_t GPT::slot_bytes_for(const ModelConfig& config, const LayerRange& range, int B, int T, bool bf16_activations) {
   ChunkStore registry(1 << 20);  // holds tensor specs only: never finalized, so nothing is allocated
-  const GPT stage(config, registry, {range});
+  const GPT stage(config, registry, {range}, bf16_activations);
   const int64_t N = static_cast<int64_t>(B) * T;
   int64_t floats = range.first > 0 ? 2 * padded(N * config.n_embd) : 0;
   for (int i = range.first; i <= range.last; ++i) {

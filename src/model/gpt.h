@@ -41,8 +41,10 @@ class GPT {
   // `store` (which must not be finalized yet) in llm.c's per-layer order. A pipeline rank holds
   // only its stages' layers; one with the head but not the embedding also holds a copy of the
   // tied token embedding wte. The caller finalizes the store, then calls init_weights or loads
-  // state.
-  GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> ranges = {});
+  // state. With bf16_activations (runtime.precision = "bf16") the layers keep the activations
+  // that feed matrix products in bf16, in half the memory (model/layer_util.h Stash).
+  GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> ranges = {},
+      bool bf16_activations = false);
   ~GPT();
 
   // GPT-2 initialisation: N(0, 0.02) weights, residual projections scaled by 1/sqrt(2L), zero
@@ -100,7 +102,8 @@ class GPT {
   int64_t activation_bytes() const { return activation_floats_ * static_cast<int64_t>(sizeof(float)); }
   // Bytes one micro-batch of B x T keeps in flight on `range` (activations, outputs and their
   // gradients): what a pipeline stage's slot costs, computed without building the stage.
-  static int64_t slot_bytes_for(const ModelConfig& config, const LayerRange& range, int B, int T);
+  static int64_t slot_bytes_for(const ModelConfig& config, const LayerRange& range, int B, int T,
+                                bool bf16_activations = false);
   // Bytes of one slot (one micro-batch in flight on this rank's layers).
   int64_t slot_bytes() const { return slot_floats_ * static_cast<int64_t>(sizeof(float)); }
   int slots() const { return static_cast<int>(act_.size()); }
@@ -118,6 +121,7 @@ class GPT {
   std::vector<bool> local_;
   std::vector<std::unique_ptr<Layer>> layers_;  // null for layers on other ranks
   std::vector<TiedGroup> tied_;
+  bool bf16_ = false;  // activations stashed in bf16
   int max_B_ = 0, max_T_ = 0;
   int64_t activation_floats_ = 0, slot_floats_ = 0;
   std::unique_ptr<float[]> memory_;

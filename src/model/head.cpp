@@ -8,13 +8,14 @@ namespace keel {
 using model_detail::add_tensor;
 using model_detail::Carver;
 using model_detail::padded;
+using model_detail::Stash;
 
 namespace {
 
 class Head final : public model_detail::OutputLayer {
  public:
-  Head(const ModelConfig& m, ChunkStore& store, int layer, TensorId tied_wte)
-      : store_(store), m_(m), layer_(layer), layernorm_(!m.llama()), tied_(tied_wte >= 0) {
+  Head(const ModelConfig& m, ChunkStore& store, int layer, TensorId tied_wte, bool bf16)
+      : store_(store), m_(m), layer_(layer), layernorm_(!m.llama()), tied_(tied_wte >= 0), bf16_(bf16) {
     if (layernorm_) {
       normw_ = add_tensor(store, "lnf.w", {m.n_embd}, layer, ChunkKind::norm, false);
       normb_ = add_tensor(store, "lnf.b", {m.n_embd}, layer, ChunkKind::norm, false);
@@ -28,13 +29,17 @@ class Head final : public model_detail::OutputLayer {
   int64_t activation_floats(int B, int T) const override {
     const int64_t N = static_cast<int64_t>(B) * T;
     // normalised x and its gradient; row stats (LayerNorm: mean and rstd; RMSNorm: rstd); losses; logits
-    return padded(N * m_.n_embd) * 2 + padded(N) * (layernorm_ ? 3 : 2) + padded(N * m_.padded_vocab_size);
+    return padded(Stash::floats(N * m_.n_embd, bf16_)) + padded(N * m_.n_embd) + padded(N) * (layernorm_ ? 3 : 2) +
+           padded(N * m_.padded_vocab_size);
   }
-  int64_t scratch_floats(int, int) const override { return 0; }
-  void bind(float* activations, float*, int B, int T) override {
+  int64_t scratch_floats(int B, int T) const override {
+    return bf16_ ? padded(static_cast<int64_t>(B) * T * m_.n_embd) : 0;  // under bf16: the staging of n
+  }
+  void bind(float* activations, float* scratch, int B, int T) override {
     const int64_t N = static_cast<int64_t>(B) * T;
     Carver a(activations);
-    n_ = a.take(N * m_.n_embd);
+    n_.carve(a, N * m_.n_embd, bf16_);
+    stage_ = scratch;
     dn_ = a.take(N * m_.n_embd);
     mean_ = layernorm_ ? a.take(N) : nullptr;
     rstd_ = a.take(N);
@@ -46,12 +51,14 @@ class Head final : public model_detail::OutputLayer {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
     const PageLease tied = tied_ ? store_.use_layer(0, {Plane::param}) : PageLease();  // the embedding's chunks
     const int N = b.B * b.T, C = m_.n_embd;
+    float* n = n_.writable(stage_);
     if (layernorm_) {
-      ops::layernorm_forward(n_, mean_, rstd_, x, P(normw_), P(normb_), N, C);
+      ops::layernorm_forward(n, mean_, rstd_, x, P(normw_), P(normb_), N, C);
     } else {
-      ops::rmsnorm_forward(n_, rstd_, x, P(normw_), N, C);
+      ops::rmsnorm_forward(n, rstd_, x, P(normw_), N, C);
     }
-    ops::linear_forward(logits_, n_, P(head_), static_cast<const float*>(nullptr), N, C, m_.padded_vocab_size);
+    n_.seal(n, static_cast<int64_t>(N) * C);
+    ops::linear_forward(logits_, n_.read(), P(head_), static_cast<const float*>(nullptr), N, C, m_.padded_vocab_size);
     mean_loss_ = model_detail::head_loss(losses_, logits_, b, m_);
   }
   // dx_in = d/dx of grad_scale * sum(losses); logits_ holds d(loss)/d(logits) after forward.
@@ -70,7 +77,7 @@ class Head final : public model_detail::OutputLayer {
     const PageLease use = store_.use_layer(layer_, {}, {Plane::grad});
     const PageLease tied = tied_ ? store_.use_layer(0, {}, {Plane::grad}) : PageLease();
     const int N = b.B * b.T, C = m_.n_embd;
-    ops::linear_backward_weight(G(head_), static_cast<float*>(nullptr), logits_, n_, N, C, m_.padded_vocab_size);
+    ops::linear_backward_weight(G(head_), static_cast<float*>(nullptr), logits_, n_.read(), N, C, m_.padded_vocab_size);
     if (layernorm_) {
       ops::layernorm_backward_weight(G(normw_), G(normb_), dn_, x_in, mean_, rstd_, N, C);
     } else {
@@ -87,16 +94,17 @@ class Head final : public model_detail::OutputLayer {
   ChunkStore& store_;
   ModelConfig m_;
   int layer_;
-  bool layernorm_, tied_;
+  bool layernorm_, tied_, bf16_;
   TensorId normw_ = -1, normb_ = -1, head_ = -1;
-  float *n_ = nullptr, *dn_ = nullptr, *mean_ = nullptr, *rstd_ = nullptr, *losses_ = nullptr, *logits_ = nullptr;
+  Stash n_;  // the normalised input of the LM head
+  float *stage_ = nullptr, *dn_ = nullptr, *mean_ = nullptr, *rstd_ = nullptr, *losses_ = nullptr, *logits_ = nullptr;
   float mean_loss_ = 0.0f;
 };
 
 }  // namespace
 
-std::unique_ptr<Layer> make_head(const ModelConfig& m, ChunkStore& store, int layer, TensorId tied_wte) {
-  return std::make_unique<Head>(m, store, layer, tied_wte);
+std::unique_ptr<Layer> make_head(const ModelConfig& m, ChunkStore& store, int layer, TensorId tied_wte, bool bf16) {
+  return std::make_unique<Head>(m, store, layer, tied_wte, bf16);
 }
 
 }  // namespace keel

@@ -30,6 +30,33 @@ class Carver {
   float* cursor_;
 };
 
+// An activation a layer keeps from forward (or B) for a later pass: float32, or, when the model
+// stores activations in bf16 (runtime.precision = "bf16"), bf16 bits in half the memory. Kept in
+// bf16: the inputs of matrix products (which multiply in bf16 anyway, so storing them rounded
+// changes no product) and the GELU / SwiGLU inputs and gradients that feed a product; kept in
+// float32: the residual stream, attention's q/k/v, outputs and row statistics, norm gradients,
+// logits. A producer writes float32 where writable() says (the tensor itself, or a staging
+// buffer under bf16) and calls seal(), which rounds the staged values into the bits.
+class Stash {
+ public:
+  static int64_t floats(int64_t n, bool bf16) { return bf16 ? (n + 1) / 2 : n; }
+  void carve(Carver& a, int64_t n, bool bf16) {
+    bf16_ = bf16;
+    p_ = a.take(floats(n, bf16));
+  }
+  float* writable(float* staging) const { return bf16_ ? staging : p_; }
+  void seal(const float* written, int64_t n) const {
+    if (bf16_) to_bf16(reinterpret_cast<uint16_t*>(p_), written, n);
+  }
+  Operand read() const { return bf16_ ? Operand::bits(reinterpret_cast<const uint16_t*>(p_)) : Operand(p_); }
+  // float32 storage (the model keeps activations in float32).
+  float* f32() const { return bf16_ ? nullptr : p_; }
+
+ private:
+  float* p_ = nullptr;
+  bool bf16_ = false;
+};
+
 inline TensorId add_tensor(ChunkStore& store, const std::string& name, std::vector<int64_t> shape, int layer,
                            ChunkKind kind, bool decay) {
   return store.add(TensorSpec{name, std::move(shape), layer, kind, decay});

@@ -12,15 +12,15 @@ namespace keel {
 using model_detail::add_tensor;
 using model_detail::Carver;
 using model_detail::padded;
+using model_detail::Stash;
 
 namespace {
 
 // ---- layers 1..L: RMSNorm, rotary grouped-query attention, RMSNorm, SwiGLU ---------------------
 class LlamaBlock final : public Layer {
  public:
-  LlamaBlock(const ModelConfig& m, ChunkStore& store, int layer)
-      : store_(store), m_(m), layer_(layer), C_(m.n_embd), QKV_(m.qkv_dim()),
-        H_(m.ffn_hidden) {
+  LlamaBlock(const ModelConfig& m, ChunkStore& store, int layer, bool bf16)
+      : store_(store), m_(m), layer_(layer), bf16_(bf16), C_(m.n_embd), QKV_(m.qkv_dim()), H_(m.ffn_hidden) {
     const std::string p = "h." + std::to_string(layer - 1) + ".";
     attn_norm_ = add_tensor(store, p + "attn_norm.w", {C_}, layer, ChunkKind::norm, false);
     qkvw_ = add_tensor(store, p + "attn.qkv.w", {QKV_, C_}, layer, ChunkKind::attention, true);
@@ -36,34 +36,38 @@ class LlamaBlock final : public Layer {
 
   int64_t activation_floats(int B, int T) const override {
     const int64_t N = static_cast<int64_t>(B) * T;
+    auto S = [&](int64_t n) { return padded(Stash::floats(n, bf16_)); };
     // forward: n1, qkv (rotated), att, atty, res2, n2, gate_up, h, 2 row stats;
     // backward kept for W: dn1, dqkv, dres2, dn2, dgate_up
-    return padded(N * C_) * 5 + padded(N * QKV_) + padded(model_detail::attention_floats(m_, B, T)) +
-           padded(N * 2 * H_) + padded(N * H_) + padded(N) * 2 + padded(N * C_) * 3 + padded(N * QKV_) +
-           padded(N * 2 * H_);
+    return S(N * C_) * 2 + padded(N * C_) * 3 + padded(N * QKV_) + padded(model_detail::attention_floats(m_, B, T)) +
+           S(N * 2 * H_) + S(N * H_) + padded(N) * 2 + padded(N * C_) * 3 + padded(N * QKV_) + S(N * 2 * H_);
   }
   int64_t scratch_floats(int B, int T) const override {
-    return padded(static_cast<int64_t>(B) * T * std::max(C_, H_));  // o / down outputs, dh, datty
+    const int64_t N = static_cast<int64_t>(B) * T;
+    // o / down outputs, dh, datty; under bf16 also the staging of gate_up and h (side by side)
+    return padded(N * std::max(C_, H_)) + (bf16_ ? padded(N * 2 * H_) + padded(N * H_) : 0);
   }
   void bind(float* activations, float* scratch, int B, int T) override {
     const int64_t N = static_cast<int64_t>(B) * T;
     Carver a(activations);
-    n1_ = a.take(N * C_);
+    n1_.carve(a, N * C_, bf16_);
     qkv_ = a.take(N * QKV_);
     att_ = a.take(model_detail::attention_floats(m_, B, T));  // probabilities, or log-sum-exp
     atty_ = a.take(N * C_);
     res2_ = a.take(N * C_);
-    n2_ = a.take(N * C_);
-    gu_ = a.take(N * 2 * H_);
-    h_ = a.take(N * H_);
+    n2_.carve(a, N * C_, bf16_);
+    gu_.carve(a, N * 2 * H_, bf16_);
+    h_.carve(a, N * H_, bf16_);
     rstd1_ = a.take(N);
     rstd2_ = a.take(N);
     dn1_ = a.take(N * C_);
     dqkv_ = a.take(N * QKV_);
     dres2_ = a.take(N * C_);
     dn2_ = a.take(N * C_);
-    dgu_ = a.take(N * 2 * H_);
+    dgu_.carve(a, N * 2 * H_, bf16_);
     scratch_ = scratch;
+    stage_ = scratch + padded(N * std::max(C_, H_));
+    stage_h_ = stage_ + padded(N * 2 * H_);
   }
 
   void forward(const Batch& b, const float* x, float* x_out) override {
@@ -71,8 +75,11 @@ class LlamaBlock final : public Layer {
     const int N = b.B * b.T, C = C_, H = H_;
     auto P = [&](TensorId id) { return store_.data(id, Plane::param); };
     const float* none = nullptr;
-    ops::rmsnorm_forward(n1_, rstd1_, x, P(attn_norm_), N, C);
-    ops::linear_forward(qkv_, n1_, P(qkvw_), none, N, C, QKV_);
+    const int64_t NC = static_cast<int64_t>(N) * C, NH = static_cast<int64_t>(N) * H;
+    float* n1 = n1_.writable(stage_);
+    ops::rmsnorm_forward(n1, rstd1_, x, P(attn_norm_), N, C);
+    n1_.seal(n1, NC);
+    ops::linear_forward(qkv_, n1_.read(), P(qkvw_), none, N, C, QKV_);
     ops::rope_forward(qkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_base(), b.kv ? b.kv->pos0() : 0,
                       false, m_.rope_position_scale());
     model_detail::probe_attention(probe_, b, qkv_, m_);
@@ -85,11 +92,17 @@ class LlamaBlock final : public Layer {
     }
     float* o = scratch_;  // [N, C], consumed at once by the residual
     ops::linear_forward(o, atty_, P(projw_), none, N, C, C);
-    ops::residual_rmsnorm_forward(res2_, n2_, rstd2_, x, o, P(mlp_norm_), N, C);
-    ops::linear_forward(gu_, n2_, P(gate_up_), none, N, C, 2 * H);
-    ops::swiglu_forward(h_, gu_, N, H);
+    float* n2 = n2_.writable(stage_);
+    ops::residual_rmsnorm_forward(res2_, n2, rstd2_, x, o, P(mlp_norm_), N, C);
+    n2_.seal(n2, NC);
+    float* gu = gu_.writable(stage_);
+    ops::linear_forward(gu, n2_.read(), P(gate_up_), none, N, C, 2 * H);
+    gu_.seal(gu, 2 * NH);
+    float* h = h_.writable(stage_h_);
+    ops::swiglu_forward(h, gu, N, H);
+    h_.seal(h, NH);
     float* down = scratch_;
-    ops::linear_forward(down, h_, P(down_), none, N, H, C);
+    ops::linear_forward(down, h_.read(), P(down_), none, N, H, C);
     ops::residual_forward(x_out, res2_, down, static_cast<int64_t>(N) * C);
   }
 
@@ -100,8 +113,10 @@ class LlamaBlock final : public Layer {
     // MLP branch: d(down out) = dx_out
     float* dh = scratch_;
     ops::linear_backward_input(dh, dx_out, P(down_), N, H, C, false);
-    ops::swiglu_backward_input(dgu_, dh, gu_, N, H);
-    ops::linear_backward_input(dn2_, dgu_, P(gate_up_), N, C, 2 * H, false);
+    float* dgu = dgu_.writable(stage_);
+    ops::swiglu_backward_input(dgu, dh, gu_.read(), N, H);
+    dgu_.seal(dgu, static_cast<int64_t>(N) * 2 * H);
+    ops::linear_backward_input(dn2_, dgu, P(gate_up_), N, C, 2 * H, false);
     std::memcpy(dres2_, dx_out, sizeof(float) * N * C);
     ops::rmsnorm_backward_input(dres2_, dn2_, res2_, rstd2_, P(mlp_norm_), N, C, true);
     // Attention branch: d(o out) = dres2; attention's gradient is w.r.t. the rotated q and k,
@@ -126,11 +141,11 @@ class LlamaBlock final : public Layer {
     const int N = b.B * b.T, C = C_, H = H_;
     auto G = [&](TensorId id) { return store_.data(id, Plane::grad); };
     float* none = nullptr;
-    ops::linear_backward_weight(G(down_), none, dx_out, h_, N, H, C);
-    ops::linear_backward_weight(G(gate_up_), none, dgu_, n2_, N, C, 2 * H);
+    ops::linear_backward_weight(G(down_), none, dx_out, h_.read(), N, H, C);
+    ops::linear_backward_weight(G(gate_up_), none, dgu_.read(), n2_.read(), N, C, 2 * H);
     ops::rmsnorm_backward_weight(G(mlp_norm_), dn2_, res2_, rstd2_, N, C);
     ops::linear_backward_weight(G(projw_), none, dres2_, atty_, N, C, C);
-    ops::linear_backward_weight(G(qkvw_), none, dqkv_, n1_, N, C, QKV_);
+    ops::linear_backward_weight(G(qkvw_), none, dqkv_, n1_.read(), N, C, QKV_);
     ops::rmsnorm_backward_weight(G(attn_norm_), dn1_, x_in, rstd1_, N, C);
   }
 
@@ -138,19 +153,21 @@ class LlamaBlock final : public Layer {
   ChunkStore& store_;
   ModelConfig m_;
   int layer_;
+  bool bf16_;  // stashes in bf16 (Stash)
   AttentionProbe probe_;  // its window (0 = none) and the dynamic window's probe
   int C_, QKV_, H_;
   TensorId attn_norm_, qkvw_, projw_, mlp_norm_, gate_up_, down_;
-  float *n1_ = nullptr, *qkv_ = nullptr, *att_ = nullptr, *atty_ = nullptr, *res2_ = nullptr, *n2_ = nullptr,
-        *gu_ = nullptr, *h_ = nullptr, *rstd1_ = nullptr, *rstd2_ = nullptr, *dn1_ = nullptr, *dqkv_ = nullptr,
-        *dres2_ = nullptr, *dn2_ = nullptr, *dgu_ = nullptr, *scratch_ = nullptr;
+  Stash n1_, n2_, gu_, h_, dgu_;
+  float *qkv_ = nullptr, *att_ = nullptr, *atty_ = nullptr, *res2_ = nullptr, *rstd1_ = nullptr, *rstd2_ = nullptr,
+        *dn1_ = nullptr, *dqkv_ = nullptr, *dres2_ = nullptr, *dn2_ = nullptr, *scratch_ = nullptr,
+        *stage_ = nullptr, *stage_h_ = nullptr;
 };
 
 
 }  // namespace
 
-std::unique_ptr<Layer> make_llama_block(const ModelConfig& m, ChunkStore& store, int layer) {
-  return std::make_unique<LlamaBlock>(m, store, layer);
+std::unique_ptr<Layer> make_llama_block(const ModelConfig& m, ChunkStore& store, int layer, bool bf16) {
+  return std::make_unique<LlamaBlock>(m, store, layer, bf16);
 }
 
 }  // namespace keel

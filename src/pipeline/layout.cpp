@@ -133,7 +133,10 @@ Plan plan(const Config& config, const std::vector<LayerRange>& stages, int m) {
   out.micro_batch = t.batch_size * t.grad_accum / m;
   out.schedule = make_schedule({parse_kind(p.schedule), p.pipeline, m, virtual_stages(p)});
   MemoryBound bound;
-  for (const LayerRange& r : stages) bound.stage_bytes.push_back(GPT::slot_bytes_for(config.model, r, out.micro_batch, t.seq_len));
+  const bool bf16 = config.runtime.precision == "bf16";
+  for (const LayerRange& r : stages) {
+    bound.stage_bytes.push_back(GPT::slot_bytes_for(config.model, r, out.micro_batch, t.seq_len, bf16));
+  }
   out.check = validate(out.schedule, bound);
   const int64_t peak = *std::max_element(out.check.peak_bytes.begin(), out.check.peak_bytes.end());
   const int64_t limit = p.activation_mib << 20;

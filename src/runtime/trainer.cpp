@@ -117,7 +117,7 @@ Trainer::~Trainer() { set_matmul_precision(MatmulPrecision::fp32); }
 
 void Trainer::build_model(const std::vector<LayerRange>& stages) {
   store_ = std::make_unique<ChunkStore>(config_.store.chunk_bytes);
-  model_ = std::make_unique<GPT>(config_.model, *store_, stages);
+  model_ = std::make_unique<GPT>(config_.model, *store_, stages, config_.runtime.precision == "bf16");
   const bool tiered = tiering_enabled(config_.tier);
   store_->set_huge_page_alignment(tiered);
   store_->finalize(/*touch_params=*/!tiered);

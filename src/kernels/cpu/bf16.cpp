@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include <dnnl.hpp>
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -17,15 +18,16 @@ namespace {
 
 MatmulPrecision g_precision = MatmulPrecision::fp32;
 
-// Rounds rows x cols of src (leading dimension ld) to bf16 into dst (compact, leading dimension
-// cols), as float values or as bf16 bits. In parallel unless already inside a parallel region.
-template <typename Out, typename Convert>
-void pack(Out* dst, const float* src, int rows, int cols, int ld, Convert convert) {
+// Converts rows x cols of src (leading dimension ld) into dst (compact, leading dimension cols).
+// In parallel unless already inside a parallel region.
+template <typename Out, typename In, typename Convert>
+void pack(Out* dst, const In* src, int rows, int cols, int ld, Convert convert) {
   const bool outer = !omp_in_parallel();
 #pragma omp parallel for schedule(static) if (outer)
   for (int r = 0; r < rows; ++r) {
-    const float* s = src + static_cast<int64_t>(r) * ld;
+    const In* s = src + static_cast<int64_t>(r) * ld;
     Out* d = dst + static_cast<int64_t>(r) * cols;
+#pragma omp simd
     for (int c = 0; c < cols; ++c) d[c] = convert(s[c]);
   }
 }
@@ -102,28 +104,36 @@ std::string bf16_engine() {
                                  "(this CPU has no bf16 instructions)";
 }
 
-bool onednn_gemm(const char* dt, bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* A, int lda,
-                 const float* B, int ldb, float beta, float* C, int ldc) {
+namespace {
+
+// oneDNN's matmul on operands of type `dt`: float32 ones used in place; for bf16, operands
+// already in bf16 used in place, float32 ones rounded into compact per-thread buffers first.
+bool onednn_run(const char* dt, bool trans_a, bool trans_b, int M, int N, int K, float alpha, Operand A, int lda,
+                Operand B, int ldb, float beta, float* C, int ldc) {
   using dnnl::memory;
   const bool bf16 = std::string(dt) == "bf16";
+  if (!bf16 && (A.bf16 != nullptr || B.bf16 != nullptr)) return false;
   const memory::data_type type = bf16 ? memory::data_type::bf16 : memory::data_type::f32;
-  // bf16 operands are packed first (compact, in their stored orientation); f32 ones are used in place.
-  const int a_ld = bf16 ? (trans_a ? M : K) : lda, b_ld = bf16 ? (trans_b ? K : N) : ldb;
+  const bool pack_a = bf16 && A.bf16 == nullptr, pack_b = bf16 && B.bf16 == nullptr;
+  const int a_ld = pack_a ? (trans_a ? M : K) : lda, b_ld = pack_b ? (trans_b ? K : N) : ldb;
   const memory::desc a_md({M, K}, type, trans_a ? memory::dims{1, a_ld} : memory::dims{a_ld, 1});
   const memory::desc b_md({K, N}, type, trans_b ? memory::dims{1, b_ld} : memory::dims{b_ld, 1});
   const memory::desc c_md({M, N}, memory::data_type::f32, memory::dims{ldc, 1});
   const Key key{dt, trans_a, trans_b, M, N, K, a_ld, b_ld, ldc, alpha, beta};
   const std::shared_ptr<dnnl::matmul> p = primitive(key, a_md, b_md, c_md, alpha, beta);
   if (!p) return false;
-  const void* a_data = A;
-  const void* b_data = B;
-  if (bf16) {
-    static thread_local std::vector<uint16_t> a_buf, b_buf;
+  const void* a_data = A.bf16 != nullptr ? static_cast<const void*>(A.bf16) : A.f32;
+  const void* b_data = B.bf16 != nullptr ? static_cast<const void*>(B.bf16) : B.f32;
+  static thread_local std::vector<uint16_t> a_buf, b_buf;
+  if (pack_a) {
     uint16_t* pa = scratch(a_buf, static_cast<size_t>(M) * K);
+    pack(pa, A.f32, trans_a ? K : M, trans_a ? M : K, lda, [](float x) { return to_bf16(x); });
+    a_data = pa;
+  }
+  if (pack_b) {
     uint16_t* pb = scratch(b_buf, static_cast<size_t>(K) * N);
-    pack(pa, A, trans_a ? K : M, trans_a ? M : K, lda, to_bf16);
-    pack(pb, B, trans_b ? N : K, trans_b ? K : N, ldb, to_bf16);
-    a_data = pa, b_data = pb;
+    pack(pb, B.f32, trans_b ? N : K, trans_b ? K : N, ldb, [](float x) { return to_bf16(x); });
+    b_data = pb;
   }
   OneDnn& o = onednn();
   static thread_local dnnl::stream stream(onednn().engine);
@@ -134,19 +144,60 @@ bool onednn_gemm(const char* dt, bool trans_a, bool trans_b, int M, int N, int K
   return true;
 }
 
-void gemm_bf16(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
-               int ldb, float beta, float* C, int ldc) {
-  if (bf16_through_onednn() && onednn_gemm("bf16", trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) {
+// One operand as compact float32 bf16 values for the emulation: rounded, or widened from bits.
+const float* emulated_operand(std::vector<float>& buffer, Operand x, int rows, int cols, int ld) {
+  float* d = scratch(buffer, static_cast<size_t>(rows) * cols);
+  if (x.bf16 != nullptr) {
+    pack(d, x.bf16, rows, cols, ld, [](uint16_t b) { return from_bf16(b); });
+  } else {
+    pack(d, x.f32, rows, cols, ld, [](float v) { return round_to_bf16(v); });
+  }
+  return d;
+}
+
+// One product (or one K panel of one) in bf16: oneDNN where it can, else the emulation.
+void gemm_bf16_panel(bool trans_a, bool trans_b, int M, int N, int K, float alpha, Operand A, int lda, Operand B,
+                     int ldb, float beta, float* C, int ldc) {
+  if (bf16_through_onednn() && onednn_run("bf16", trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) {
     return;
   }
   static thread_local std::vector<float> a_buf, b_buf;
   const int a_rows = trans_a ? K : M, a_cols = trans_a ? M : K, b_rows = trans_b ? N : K, b_cols = trans_b ? K : N;
-  float* pa = scratch(a_buf, static_cast<size_t>(a_rows) * a_cols);
-  float* pb = scratch(b_buf, static_cast<size_t>(b_rows) * b_cols);
-  pack(pa, A, a_rows, a_cols, lda, round_to_bf16);
-  pack(pb, B, b_rows, b_cols, ldb, round_to_bf16);
+  const float* pa = emulated_operand(a_buf, A, a_rows, a_cols, lda);
+  const float* pb = emulated_operand(b_buf, B, b_rows, b_cols, ldb);
   cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K, alpha,
               pa, a_cols, pb, b_cols, beta, C, ldc);
+}
+
+}  // namespace
+
+void to_bf16(uint16_t* dst, const float* src, int64_t n) {
+  const bool outer = !omp_in_parallel();
+#pragma omp parallel for simd schedule(static) if (outer)
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(src[i]);
+}
+
+bool onednn_gemm(const char* dt, bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* A, int lda,
+                 const float* B, int ldb, float beta, float* C, int ldc) {
+  return onednn_run(dt, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+void gemm_bf16(bool trans_a, bool trans_b, int M, int N, int K, float alpha, Operand A, int lda, Operand B, int ldb,
+               float beta, float* C, int ldc) {
+  constexpr int64_t kBufferElements = 8 << 20;
+  const int64_t fit = kBufferElements / (static_cast<int64_t>(M) + N);
+  const int kc = fit >= K ? K : static_cast<int>(std::max<int64_t>(fit, 256));
+  for (int k0 = 0; k0 < K; k0 += kc) {
+    const int k = std::min(kc, K - k0);
+    const Operand a = A.offset(trans_a ? static_cast<int64_t>(k0) * lda : k0);
+    const Operand b = B.offset(trans_b ? k0 : static_cast<int64_t>(k0) * ldb);
+    gemm_bf16_panel(trans_a, trans_b, M, N, k, alpha, a, lda, b, ldb, k0 == 0 ? beta : 1.0f, C, ldc);
+  }
+}
+
+void gemm_bf16(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
+               int ldb, float beta, float* C, int ldc) {
+  gemm_bf16(trans_a, trans_b, M, N, K, alpha, Operand(A), lda, Operand(B), ldb, beta, C, ldc);
 }
 
 }  // namespace keel

@@ -7,8 +7,10 @@
 //   - elsewhere, emulated: the operands rounded to bf16 values held in float32, multiplied by
 //     OpenBLAS's SGEMM. The same numbers up to the order of the float32 sums; bf16's numerics
 //     without its speed. Keel says so in one line at start-up (cli/trainer), and runs.
-// Master weights, gradients, their reduction and AdamW stay float32 (the model's store); this
-// module only changes how the GEMMs of kernels/cpu/ops (dense layers and attention) multiply.
+// Master weights, gradients, their reduction and AdamW stay float32 (the model's store). Under
+// bf16 the layers also keep some activations as bf16 bits (model/layer_util.h Stash): a GEMM
+// operand may then arrive already in bf16 (`Operand`), which oneDNN reads as it is and the
+// emulation widens to float32.
 #pragma once
 
 #include <cstdint>
@@ -44,9 +46,34 @@ inline float from_bf16(uint16_t b) {
 }
 inline float round_to_bf16(float x) { return from_bf16(to_bf16(x)); }
 
+// n floats to bf16 bits (in parallel unless already inside a parallel region).
+void to_bf16(uint16_t* dst, const float* src, int64_t n);
+
+// A read-only matrix operand held as float32 or as bf16 bits (an activation stored in bf16).
+struct Operand {
+  const float* f32 = nullptr;
+  const uint16_t* bf16 = nullptr;
+  Operand(const float* p) : f32(p) {}  // NOLINT: a float pointer is an Operand
+  static Operand bits(const uint16_t* p) {
+    Operand o(nullptr);
+    o.bf16 = p;
+    return o;
+  }
+  float operator[](int64_t i) const { return bf16 != nullptr ? from_bf16(bf16[i]) : f32[i]; }
+  Operand offset(int64_t i) const { return bf16 != nullptr ? bits(bf16 + i) : Operand(f32 + i); }
+};
+
 // C[M,N] = alpha * op(A) op(B) + beta * C with A and B rounded to bf16 (row-major, as gemm).
 void gemm_bf16(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
                int ldb, float beta, float* C, int ldc);
+
+// The same with either operand possibly in bf16 already (row-major, leading dimensions in elements).
+// Operands that must be converted first (rounded, or widened by the emulation) are converted into
+// per-thread buffers; a product whose buffers would exceed 8 M elements runs in panels along K
+// (each panel's sum accumulated into C), so that the buffers stay bounded (tens of MB, not the
+// size of the LM head's logits).
+void gemm_bf16(bool trans_a, bool trans_b, int M, int N, int K, float alpha, Operand A, int lda, Operand B, int ldb,
+               float beta, float* C, int ldc);
 
 // The oneDNN matmul path itself, for `dt` = "f32" or "bf16" operands (tests check it against
 // SGEMM with f32 where the CPU has no bf16). False when oneDNN has no implementation here.

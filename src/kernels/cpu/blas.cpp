@@ -23,22 +23,43 @@ GemmStats g_stats;  // updated only from the serial part of the program
 GemmStats gemm_stats() { return g_stats; }
 void gemm_stats_reset() { g_stats = GemmStats{}; }
 
-template <>
-void gemm<float>(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* A, int lda,
-                 const float* B, int ldb, float beta, float* C, int ldc) {
+namespace {
+
+// Runs a float GEMM, counting it in the statistics when it is called outside a parallel region.
+template <typename Run>
+void counted(int M, int N, int K, Run run) {
   const bool serial = !omp_in_parallel();
   const auto t0 = serial ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
-  if (matmul_precision() == MatmulPrecision::bf16) {
-    gemm_bf16(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-  } else {
-    cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K,
-                alpha, A, lda, B, ldb, beta, C, ldc);
-  }
+  run();
   if (serial) {
     g_stats.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     g_stats.flops += 2.0 * M * N * K;
     g_stats.calls++;
   }
+}
+
+}  // namespace
+
+template <>
+void gemm<float>(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* A, int lda,
+                 const float* B, int ldb, float beta, float* C, int ldc) {
+  counted(M, N, K, [&] {
+    if (matmul_precision() == MatmulPrecision::bf16) {
+      gemm_bf16(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    } else {
+      cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K,
+                  alpha, A, lda, B, ldb, beta, C, ldc);
+    }
+  });
+}
+
+void gemm_operands(bool trans_a, bool trans_b, int M, int N, int K, float alpha, Operand A, int lda, Operand B,
+                   int ldb, float beta, float* C, int ldc) {
+  if (A.bf16 == nullptr && B.bf16 == nullptr) {
+    gemm<float>(trans_a, trans_b, M, N, K, alpha, A.f32, lda, B.f32, ldb, beta, C, ldc);
+    return;
+  }
+  counted(M, N, K, [&] { gemm_bf16(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc); });
 }
 
 template <>

@@ -6,6 +6,7 @@
 #include <bit>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cpu/blas.h"
@@ -24,6 +25,15 @@ inline void thread_range(int64_t n, int64_t* begin, int64_t* end) {
   *begin = n * t / threads;
   *end = n * (t + 1) / threads;
 }
+
+// An element of a stored input as the kernel's scalar: itself, or a bf16 value widened.
+template <typename T>
+inline T load(T x) {
+  return x;
+}
+inline float load(uint16_t b) { return from_bf16(b); }
+inline Operand as_operand(const float* p) { return Operand(p); }
+inline Operand as_operand(const uint16_t* p) { return Operand::bits(p); }
 
 template <typename T>
 T gelu_scale() {
@@ -254,20 +264,53 @@ void linear_backward_input(T* dinp, const T* dout, const T* w, int N, int C, int
   gemm<T>(false, false, N, C, OC, T(1), dout, OC, w, C, accumulate ? T(1) : T(0), dinp, C);
 }
 
-template <typename T>
-void linear_backward_weight(T* dw, T* dbias, const T* dout, const T* inp, int N, int C, int OC) {
-  gemm<T>(true, false, OC, C, N, T(1), dout, OC, inp, C, T(1), dw, C);
+template <typename T, typename Out, typename In>
+void linear_backward_weight_impl(T* dw, T* dbias, const Out* dout, const In* inp, int N, int C, int OC) {
+  if constexpr (std::is_same_v<Out, T> && std::is_same_v<In, T>) {
+    gemm<T>(true, false, OC, C, N, T(1), dout, OC, inp, C, T(1), dw, C);
+  } else {
+    gemm_operands(true, false, OC, C, N, 1.0f, as_operand(dout), OC, as_operand(inp), C, 1.0f, dw, C);
+  }
   if (dbias != nullptr) {
 #pragma omp parallel
     {
       int64_t o0, o1;
       thread_range(OC, &o0, &o1);
       for (int n = 0; n < N; ++n) {
-        const T* d = dout + static_cast<int64_t>(n) * OC;
+        const Out* d = dout + static_cast<int64_t>(n) * OC;
 #pragma omp simd
-        for (int64_t o = o0; o < o1; ++o) dbias[o] += d[o];
+        for (int64_t o = o0; o < o1; ++o) dbias[o] += load(d[o]);
       }
     }
+  }
+}
+
+template <typename T>
+void linear_backward_weight(T* dw, T* dbias, const T* dout, const T* inp, int N, int C, int OC) {
+  linear_backward_weight_impl(dw, dbias, dout, inp, N, C, OC);
+}
+
+void linear_forward(float* out, Operand inp, const float* w, const float* bias, int N, int C, int OC) {
+  if (inp.bf16 == nullptr) {
+    linear_forward<float>(out, inp.f32, w, bias, N, C, OC);
+    return;
+  }
+  if (bias != nullptr) {
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; ++n) std::copy(bias, bias + OC, out + static_cast<int64_t>(n) * OC);
+  }
+  gemm_operands(false, true, N, OC, C, 1.0f, inp, C, w, C, bias != nullptr ? 1.0f : 0.0f, out, OC);
+}
+
+void linear_backward_weight(float* dw, float* dbias, Operand dout, Operand inp, int N, int C, int OC) {
+  if (dout.bf16 != nullptr && inp.bf16 != nullptr) {
+    linear_backward_weight_impl(dw, dbias, dout.bf16, inp.bf16, N, C, OC);
+  } else if (dout.bf16 != nullptr) {
+    linear_backward_weight_impl(dw, dbias, dout.bf16, inp.f32, N, C, OC);
+  } else if (inp.bf16 != nullptr) {
+    linear_backward_weight_impl(dw, dbias, dout.f32, inp.bf16, N, C, OC);
+  } else {
+    linear_backward_weight_impl(dw, dbias, dout.f32, inp.f32, N, C, OC);
   }
 }
 
@@ -283,17 +326,30 @@ void gelu_forward(T* out, const T* inp, int64_t n) {
   }
 }
 
-template <typename T>
-void gelu_backward_input(T* dinp, const T* dout, const T* inp, int64_t n) {
+template <typename T, typename In>
+void gelu_backward_impl(T* dinp, const T* dout, const In* inp, int64_t n) {
   const T k = gelu_scale<T>();
 #pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; ++i) {
-    const T x = inp[i];
+    const T x = load(inp[i]);
     const T u = k * (x + T(0.044715) * x * x * x);
     const T th = vmath::tanh(u);
     const T sech2 = T(1) - th * th;
     const T grad = T(0.5) * (T(1) + th) + T(0.5) * x * sech2 * k * (T(1) + T(3) * T(0.044715) * x * x);
     dinp[i] = grad * dout[i];
+  }
+}
+
+template <typename T>
+void gelu_backward_input(T* dinp, const T* dout, const T* inp, int64_t n) {
+  gelu_backward_impl(dinp, dout, inp, n);
+}
+
+void gelu_backward_input(float* dinp, const float* dout, Operand inp, int64_t n) {
+  if (inp.bf16 != nullptr) {
+    gelu_backward_impl(dinp, dout, inp.bf16, n);
+  } else {
+    gelu_backward_impl(dinp, dout, inp.f32, n);
   }
 }
 
@@ -312,21 +368,35 @@ void swiglu_forward(T* out, const T* inp, int N, int H) {
 }
 
 // silu(a) = a sig(a), silu'(a) = sig(a) (1 + a (1 - sig(a))).
-template <typename T>
-void swiglu_backward_input(T* dinp, const T* dout, const T* inp, int N, int H) {
+template <typename T, typename In>
+void swiglu_backward_impl(T* dinp, const T* dout, const In* inp, int N, int H) {
 #pragma omp parallel for schedule(static)
   for (int n = 0; n < N; ++n) {
-    const T* a = inp + static_cast<int64_t>(n) * 2 * H;
-    const T* b = a + H;
+    const In* a = inp + static_cast<int64_t>(n) * 2 * H;
+    const In* b = a + H;
     const T* d = dout + static_cast<int64_t>(n) * H;
     T* da = dinp + static_cast<int64_t>(n) * 2 * H;
     T* db = da + H;
 #pragma omp simd
     for (int j = 0; j < H; ++j) {
-      const T sig = T(1) / (T(1) + vmath::exp(-a[j]));
-      da[j] = d[j] * b[j] * sig * (T(1) + a[j] * (T(1) - sig));
-      db[j] = d[j] * a[j] * sig;
+      const T aj = load(a[j]), bj = load(b[j]);
+      const T sig = T(1) / (T(1) + vmath::exp(-aj));
+      da[j] = d[j] * bj * sig * (T(1) + aj * (T(1) - sig));
+      db[j] = d[j] * aj * sig;
     }
+  }
+}
+
+template <typename T>
+void swiglu_backward_input(T* dinp, const T* dout, const T* inp, int N, int H) {
+  swiglu_backward_impl(dinp, dout, inp, N, H);
+}
+
+void swiglu_backward_input(float* dinp, const float* dout, Operand inp, int N, int H) {
+  if (inp.bf16 != nullptr) {
+    swiglu_backward_impl(dinp, dout, inp.bf16, N, H);
+  } else {
+    swiglu_backward_impl(dinp, dout, inp.f32, N, H);
   }
 }
 

@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include "kernels/cpu/bf16.h"
+
 namespace keel::ops {
 
 // ---- token + position embedding ----------------------------------------------------------------
@@ -63,6 +65,12 @@ void linear_backward_input(T* dinp, const T* dout, const T* w, int N, int C, int
 template <typename T>
 void linear_backward_weight(T* dw, T* dbias, const T* dout, const T* inp, int N, int C, int OC);
 
+// float32 overloads whose stored operands may be bf16 bits (activations a layer keeps in bf16
+// under runtime.precision = "bf16", model/layer_util.h Stash): the products multiply in bf16,
+// the bias sum widens each value to float32 and sums in float32.
+void linear_forward(float* out, Operand inp, const float* w, const float* bias, int N, int C, int OC);
+void linear_backward_weight(float* dw, float* dbias, Operand dout, Operand inp, int N, int C, int OC);
+
 // ---- GELU, tanh approximation ------------------------------------------------------------------
 // out[n] = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
 template <typename T>
@@ -70,6 +78,8 @@ void gelu_forward(T* out, const T* inp, int64_t n);
 // dinp[n] = gelu'(inp) * dout   (overwrites)
 template <typename T>
 void gelu_backward_input(T* dinp, const T* dout, const T* inp, int64_t n);
+// The same with the stored input possibly in bf16 (computed in float32).
+void gelu_backward_input(float* dinp, const float* dout, Operand inp, int64_t n);
 
 // ---- SwiGLU (llama's MLP gate) ----------------------------------------------------------------
 // inp[N, 2H] holds [a | b] per row (the gate and up projections); out[N, H] = silu(a) * b.
@@ -78,6 +88,8 @@ void swiglu_forward(T* out, const T* inp, int N, int H);
 // dinp[N, 2H] (overwritten) from dout[N, H] and the forward's inp.
 template <typename T>
 void swiglu_backward_input(T* dinp, const T* dout, const T* inp, int N, int H);
+// The same with the stored input possibly in bf16 (computed in float32).
+void swiglu_backward_input(float* dinp, const float* dout, Operand inp, int N, int H);
 
 // ---- rotary position embedding (RoPE; llama) ---------------------------------------------------
 // Rotates, in place, the q heads and the k heads of qkv[B, T, C + 2 * NKV * hs] ([q | k | v], q
