@@ -4,6 +4,7 @@
 #include <zstd.h>
 
 #include <algorithm>
+#include <map>
 #include <cstring>
 #include <filesystem>
 #include <set>
@@ -147,30 +148,88 @@ void decode(ManifestCache& cache, const std::string& name, int chunk, int plane,
                             hex64(sum) + ", manifest says " + hex64(rec.sum) + ")");
 }
 
-// Checks that a manifest describes this store's layout.
-void check_layout(const Manifest& m, const std::string& dir, const ChunkStore& store, const Config& config) {
+// Checks that a manifest describes this model (shape and chunk size); returns whether its chunks
+// are this store's chunks (else the store is another layout of the same model: a pipeline stage,
+// or one rank loading what stages wrote, loaded tensor by tensor).
+bool check_layout(const Manifest& m, const std::string& dir, const ChunkStore& store, const Config& config) {
   const ModelShape want = ModelShape::of(config.model);
   if (m.model != want || m.chunk_bytes != config.store.chunk_bytes) {
     throw Error("checkpoint " + dir + ": written for model " + m.model.describe() + " with chunk_bytes " +
                 std::to_string(m.chunk_bytes) + ", this run has " + want.describe() + " with chunk_bytes " +
                 std::to_string(config.store.chunk_bytes));
   }
-  check(m.numel == store.numel() && m.chunks.size() == store.chunks().size(),
-        "checkpoint " + dir + ": expected " + std::to_string(store.chunks().size()) + " chunks of " +
-            std::to_string(store.numel()) + " elements, found " + std::to_string(m.chunks.size()) + " of " +
-            std::to_string(m.numel));
+  if (m.numel != store.numel() || m.chunks.size() != store.chunks().size()) return false;
   for (size_t i = 0; i < m.chunks.size(); ++i) {
     const Chunk& c = store.chunks()[i];
-    check(m.chunks[i].offset == c.offset && m.chunks[i].numel == c.numel,
-          "checkpoint " + dir + ": chunk " + std::to_string(i) + " layout differs from this model's");
+    if (m.chunks[i].offset != c.offset || m.chunks[i].numel != c.numel) return false;
+    if (!c.segments.empty() && (m.chunks[i].tensors.empty() ||
+                                m.chunks[i].tensors.front().name != store.tensors()[c.segments.front().tensor].spec.name)) {
+      return false;
+    }
   }
+  return true;
+}
+
+// One plane of the store's chunks [first, last) from a checkpoint of another layout of the same
+// model, tensor by tensor: every piece of a local tensor is found by name and offset among the
+// manifest's chunks. Returns, per local chunk, the newest version of the chunks it drew from.
+std::vector<uint64_t> load_by_tensor(ManifestCache& cache, const std::string& name, const std::string& dir,
+                                     ChunkStore& store, int plane, int first, int last) {
+  const Manifest& m = cache.get(name);
+  struct Piece {
+    int64_t tensor_offset, numel, chunk_offset;
+    int chunk;
+  };
+  std::map<std::string, std::vector<Piece>> pieces;  // by tensor name, in tensor order
+  for (size_t c = 0; c < m.chunks.size(); ++c) {
+    for (const TensorPiece& t : m.chunks[c].tensors) {
+      pieces[t.name].push_back(Piece{t.tensor_offset, t.numel, t.chunk_offset, static_cast<int>(c)});
+    }
+  }
+  for (auto& [n, list] : pieces) {
+    std::sort(list.begin(), list.end(), [](const Piece& a, const Piece& b) { return a.tensor_offset < b.tensor_offset; });
+  }
+  const Plane p = kSavedPlanes[plane];
+  std::vector<uint64_t> versions(store.chunks().size(), 0);
+  int decoded_chunk = -1;
+  std::vector<float> decoded;
+  for (int c = first; c < last; ++c) {
+    const Chunk& chunk = store.chunks()[c];
+    const PageLease use = store.use_chunk(c, {}, {p});
+    float* out = store.chunk_view(c, p).data();
+    for (const Segment& seg : chunk.segments) {
+      const std::string& tensor = store.tensors()[seg.tensor].spec.name;
+      const auto it = pieces.find(tensor);
+      check(it != pieces.end(), "checkpoint " + dir + ": holds no tensor '" + tensor + "'");
+      int64_t at = seg.tensor_offset;  // next element of the segment to fill, in tensor order
+      const int64_t end = seg.tensor_offset + seg.numel;
+      for (const Piece& piece : it->second) {
+        if (at >= end) break;
+        const int64_t lo = std::max(at, piece.tensor_offset), hi = std::min(end, piece.tensor_offset + piece.numel);
+        if (hi <= lo) continue;
+        check(lo == at, "checkpoint " + dir + ": tensor '" + tensor + "' has a gap at element " + std::to_string(at));
+        if (piece.chunk != decoded_chunk) {
+          decoded.resize(static_cast<size_t>(m.chunks[piece.chunk].numel));
+          decode(cache, name, piece.chunk, plane, decoded.data(), static_cast<int64_t>(decoded.size()));
+          decoded_chunk = piece.chunk;
+        }
+        std::copy_n(decoded.data() + piece.chunk_offset + (lo - piece.tensor_offset), hi - lo,
+                    out + (seg.offset - chunk.offset) + (lo - seg.tensor_offset));
+        versions[c] = std::max(versions[c], m.chunks[piece.chunk].records.version);
+        at = hi;
+      }
+      check(at == end, "checkpoint " + dir + ": tensor '" + tensor + "' ends at element " + std::to_string(at) +
+                           ", this model's needs " + std::to_string(end));
+    }
+  }
+  return versions;
 }
 
 TrainState load_one(const std::string& dir, ChunkStore& store, const Config& config, LoadMode mode, int world_size) {
   const std::string root = parent_of(dir), name = name_of(dir);
   ManifestCache cache(root);
   const Manifest& m = cache.get(name);
-  check_layout(m, dir, store, config);
+  const bool same_chunks = check_layout(m, dir, store, config);
   if (mode == LoadMode::resume && !m.trajectory_hash.empty()) {
     const std::string want = hex64(config.trajectory_hash(world_size));
     check(m.trajectory_hash == want, "checkpoint " + dir + ": written by a different run (trajectory hash " +
@@ -195,17 +254,23 @@ TrainState load_one(const std::string& dir, ChunkStore& store, const Config& con
   state.data = state.ranks[0].data;
 
   const int n = static_cast<int>(store.chunks().size());
+  std::vector<uint64_t> versions;
   for (int i = 0; i < kNumSavedPlanes; ++i) {
     const Plane p = kSavedPlanes[i];
     if (mode == LoadMode::params && p != Plane::param) continue;
     const auto [first, last] = p == Plane::param ? std::pair<int, int>{0, n} : store.moment_chunks();
+    if (!same_chunks) {
+      const std::vector<uint64_t> v = load_by_tensor(cache, name, dir, store, i, first, last);
+      if (p == Plane::param) versions = v;
+      continue;
+    }
     for (int c = first; c < last; ++c) {
       const PageLease use = store.use_chunk(c, {}, {p});  // where pages move: loaded page by page
       std::span<float> out = store.chunk_view(c, p);
       decode(cache, name, c, i, out.data(), static_cast<int64_t>(out.size()));
     }
   }
-  for (int c = 0; c < n; ++c) store.set_version(c, m.chunks[c].records.version);
+  for (int c = 0; c < n; ++c) store.set_version(c, same_chunks ? m.chunks[c].records.version : versions[c]);
   return state;
 }
 
@@ -318,8 +383,12 @@ std::vector<std::string> checkpoint_candidates(const std::string& path) {
 Config read_checkpoint_config(const std::string& path) {
   const std::string dir = checkpoint_candidates(path).front();
   Config c = Config::parse(read_manifest(dir).config_toml, "checkpoint " + dir + " config");
-  // The writer's layout (ranks, global batch) does not constrain a reader of the model.
+  // The writer's layout (ranks, pipeline, global batch) does not constrain a reader of the model.
   c.parallel.data = 0;
+  c.parallel.pipeline = 1;
+  c.parallel.micro_batches = 0;
+  c.parallel.stage_boundaries.clear();
+  c.parallel.virtual_stages = 0;
   c.train.global_batch_size = 0;
   c.resolve();
   return c;
@@ -419,10 +488,11 @@ std::vector<float> read_checkpoint_plane(const std::string& dir, Plane plane) {
 // Writing
 
 CheckpointWriter::CheckpointWriter(const ChunkStore& store, const CheckpointConfig& config, int rank, int first_chunk,
-                                   int last_chunk, bool preallocate)
-    : store_(store), config_(config), rank_(rank), first_(first_chunk), last_(last_chunk) {
+                                   int last_chunk, bool preallocate, std::vector<ChunkTarget> targets)
+    : store_(store), config_(config), rank_(rank), first_(first_chunk), last_(last_chunk), targets_(std::move(targets)) {
   const int n = static_cast<int>(store.chunks().size());
   check(0 <= first_ && first_ <= last_ && last_ <= n, "checkpoint writer: bad chunk range");
+  check(targets_.empty() || targets_.size() == static_cast<size_t>(n), "checkpoint writer: targets for another store");
   const auto [mfirst, mlast] = store.moment_chunks();
   check(first_ >= mfirst && last_ <= mlast, "checkpoint writer: this rank does not hold the moments it must write");
   begin_offset_ = first_ < n ? store.chunks()[first_].offset : store.numel();
@@ -497,6 +567,7 @@ void CheckpointWriter::write_job() {
   part.first = first_;
   part.last = last_;
   part.data = state_.data;
+  std::vector<ChunkRecords> written;  // by chunk of [first, last), for the next differential one
   try {
     Env& env = Env::get();
     const std::string dir = join(root_, name_);
@@ -548,9 +619,13 @@ void CheckpointWriter::write_job() {
       at += stored_bytes;
       return rec;
     };
+    written.assign(static_cast<size_t>(last_ - first_), ChunkRecords{});
     for (int c = first_; c < last_; ++c) {
       const Chunk& chunk = store_.chunks()[c];
       const int k = c - first_;
+      const int id = targets_.empty() ? c : targets_[c].id;
+      if (id < 0) continue;  // saved by the rank that holds the tensor's home
+      const size_t numel = static_cast<size_t>(targets_.empty() ? chunk.numel : targets_[c].numel);
       const bool unchanged = !full_ && snapshot_versions_[k] == base_versions_[k];
       ChunkRecords records;
       records.version = snapshot_versions_[k];
@@ -568,11 +643,17 @@ void CheckpointWriter::write_job() {
         }
         const bool xor_delta = !full_ && config_.delta && !base_.empty();
         const float* data = streaming_ ? store_.chunk_view(c, p).data() : snapshot_.data() + at_chunk;
-        records.planes[i] =
-            write_record(data, static_cast<size_t>(chunk.numel), xor_delta ? base_.data() + at_chunk : nullptr);
+        records.planes[i] = write_record(data, numel, xor_delta ? base_.data() + at_chunk : nullptr);
         if (records.planes[i].enc == Encoding::xor_zstd) part.xor_records++;
       }
-      part.chunks.emplace_back(c, std::move(records));
+      written[k] = records;
+      part.chunks.emplace_back(id, std::move(records));
+    }
+    std::sort(part.chunks.begin(), part.chunks.end(),
+              [](const auto& a, const auto& b) { return a.first < b.first; });
+    if (!targets_.empty()) {  // the range of the checkpoint's chunks it wrote
+      part.first = part.chunks.empty() ? 0 : part.chunks.front().first;
+      part.last = part.chunks.empty() ? 0 : part.chunks.back().first + 1;
     }
     if (state_.has_residual) {
       // Compression residuals: this rank's own state, always written whole (they change every step).
@@ -597,6 +678,7 @@ void CheckpointWriter::write_job() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     part_ = std::move(part);
+    written_ = std::move(written);
     job_done_ = true;
   }
   cv_.notify_all();
@@ -619,8 +701,7 @@ void CheckpointWriter::committed(bool ok) {
     return;
   }
   base_name_ = name_;
-  base_records_.clear();
-  for (const auto& [id, records] : part_.chunks) base_records_.push_back(records);
+  base_records_ = written_;
   base_versions_ = snapshot_versions_;
   // XOR deltas are taken against the bytes of the last committed checkpoint.
   if (config_.delta && config_.full_every > 1) {

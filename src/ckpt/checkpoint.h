@@ -121,6 +121,14 @@ struct CheckpointStats {
   double write_ms = 0;       // background encode + write + fsync (max over ranks)
 };
 
+// A chunk of a store in a checkpoint of another layout: the checkpoint's chunk id (-1: not
+// written, e.g. the replica of a tied tensor, saved at its home) and how many of its floats the
+// checkpoint's chunk holds (a store's last chunk runs on to an alignment boundary).
+struct ChunkTarget {
+  int id = -1;
+  int64_t numel = 0;
+};
+
 // One rank's side of writing checkpoints. The rank writes the chunks [first, last) of a
 // partition of the store (every chunk is written by exactly one rank): begin() waits for the
 // previous write, copies the chunks' planes into a snapshot buffer and returns; a background
@@ -131,9 +139,11 @@ struct CheckpointStats {
 class CheckpointWriter {
  public:
   // With `preallocate`, the snapshot buffers are allocated and touched now rather than inside the
-  // first checkpoints' steps (for runs that checkpoint periodically).
+  // first checkpoints' steps (for runs that checkpoint periodically). `targets`, when given, say
+  // where each of the store's chunks goes in the checkpoint's layout (a pipeline stage's chunks
+  // are the whole model's chunks of its layers).
   CheckpointWriter(const ChunkStore& store, const CheckpointConfig& config, int rank, int first_chunk, int last_chunk,
-                   bool preallocate = false);
+                   bool preallocate = false, std::vector<ChunkTarget> targets = {});
   ~CheckpointWriter();
   CheckpointWriter(const CheckpointWriter&) = delete;
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
@@ -167,6 +177,8 @@ class CheckpointWriter {
   std::vector<uint64_t> snapshot_versions_, base_versions_;
   std::string base_name_;          // the last committed checkpoint ("" = none: next one is full)
   std::vector<ChunkRecords> base_records_;  // its records of this rank's chunks [first, last)
+  std::vector<ChunkRecords> written_;       // the current checkpoint's, the same way (set with part_)
+  std::vector<ChunkTarget> targets_;        // per chunk (empty: the store's own layout)
   int64_t taken_ = 0;              // checkpoints begun in this run
   bool full_ = true;
   std::string root_, name_;

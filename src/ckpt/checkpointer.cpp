@@ -1,14 +1,54 @@
 #include "ckpt/checkpointer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 
 #include "core/env.h"
 #include "core/clock.h"
 #include "core/error.h"
+#include "model/gpt.h"
 
 namespace keel {
+
+namespace {
+
+// A pipeline stage's checkpoints are written in the whole model's layout: its chunks are the
+// whole model's chunks of its layers (chunks never span layers), found by their first tensor
+// piece. The replica of a tied tensor is not written (its home's copy is the same bytes).
+std::vector<ChunkTarget> whole_model_targets(const ChunkStore& stage, const ChunkStore& whole) {
+  std::map<std::pair<std::string, int64_t>, int> by_first_piece;
+  for (const Chunk& c : whole.chunks()) {
+    if (!c.segments.empty()) {
+      by_first_piece[{whole.tensors()[c.segments.front().tensor].spec.name, c.segments.front().tensor_offset}] = c.id;
+    }
+  }
+  std::vector<ChunkTarget> targets;
+  for (const Chunk& c : stage.chunks()) {
+    if (c.replica || c.segments.empty()) {
+      targets.push_back(ChunkTarget{});
+      continue;
+    }
+    const Segment& first = c.segments.front();
+    const auto it = by_first_piece.find({stage.tensors()[first.tensor].spec.name, first.tensor_offset});
+    // The same pieces of the same tensors at the same places (the last chunk of a store runs on
+    // to an alignment boundary, so sizes may differ by padding).
+    bool same = it != by_first_piece.end() && whole.chunks()[it->second].segments.size() == c.segments.size();
+    for (size_t k = 0; same && k < c.segments.size(); ++k) {
+      const Segment &a = c.segments[k], &b = whole.chunks()[it->second].segments[k];
+      same = stage.tensors()[a.tensor].spec.name == whole.tensors()[b.tensor].spec.name &&
+             a.tensor_offset == b.tensor_offset && a.numel == b.numel &&
+             a.offset - c.offset == b.offset - whole.chunks()[it->second].offset;
+    }
+    check(same, "checkpoint: stage chunk " + std::to_string(c.id) + " is not a chunk of the whole model");
+    targets.push_back(ChunkTarget{it->second, whole.chunks()[it->second].numel});
+  }
+  return targets;
+}
+
+}  // namespace
 
 Checkpointer::Checkpointer(const Config& config, Communicator& world, ChunkStore& store, GradSync& sync,
                            double peak_gflops, std::function<void(const nlohmann::json&)> log_event)
@@ -19,12 +59,21 @@ Checkpointer::Checkpointer(const Config& config, Communicator& world, ChunkStore
       sync_(sync),
       peak_gflops_(peak_gflops),
       log_event_(std::move(log_event)),
-      writers_(ChunkPartition::balanced(store, world.size())),
+      // A stage's chunks are written by its replicas (the ZeRO shards of its moments, when sharded).
+      writers_(ChunkPartition::balanced(store, world.size() / std::max(1, config.parallel.pipeline))),
+      writer_index_(comm_.rank() / std::max(1, config.parallel.pipeline)),
       root_(config.train.run_dir + "/ckpt") {
-  const int rank = comm_.rank();
+  std::vector<ChunkTarget> targets;
+  if (config.parallel.pipeline > 1) {
+    whole_ = std::make_unique<ChunkStore>(config.store.chunk_bytes);
+    const GPT model(config.model, *whole_);  // registers the tensors; nothing allocated
+    whole_->finalize_layout();
+    targets = whole_model_targets(store_, *whole_);
+  }
   const bool periodic = config_.train.checkpoint_every > 0 || config_.train.checkpoint_every_minutes > 0;
-  writer_ = std::make_unique<CheckpointWriter>(store_, config_.checkpoint, rank, writers_.first_chunk[rank],
-                                               writers_.first_chunk[rank + 1], periodic);
+  writer_ = std::make_unique<CheckpointWriter>(store_, config_.checkpoint, comm_.rank(),
+                                               writers_.first_chunk[writer_index_],
+                                               writers_.first_chunk[writer_index_ + 1], periodic, std::move(targets));
   last_timed_ = std::chrono::steady_clock::now();
 }
 
@@ -37,7 +86,7 @@ double Checkpointer::buffer_bytes() const {
   const int copies = !store_.residency().always_present()                         ? 0
                      : config_.checkpoint.delta && config_.checkpoint.full_every > 1 ? 2
                                                                                      : 1;
-  return copies * 3.0 * static_cast<double>(writers_.size(0)) * sizeof(float);
+  return copies * 3.0 * static_cast<double>(writers_.size(writer_index_)) * sizeof(float);
 }
 
 std::optional<TrainState> Checkpointer::resume() {
@@ -109,12 +158,26 @@ std::optional<TrainState> Checkpointer::resume() {
 
 void Checkpointer::note_other_data(const TrainState& state) const {
   if (!comm_.is_root()) return;
-  std::string theirs;
+  Config writer;
   try {
-    theirs = Config::parse(state.config_toml, "checkpoint " + state.dir + " config").data.train;
+    writer = Config::parse(state.config_toml, "checkpoint " + state.dir + " config");
   } catch (const Error&) {
     return;  // an old checkpoint's config: nothing to compare
   }
+  // The loader's position counts windows of (data ranks x batch) sequences: in windows of
+  // another width the same position is another place in the stream.
+  const int64_t theirs_wide = static_cast<int64_t>(writer.train.batch_size) *
+                              (static_cast<int64_t>(state.ranks.size()) / std::max(1, writer.parallel.pipeline));
+  const int64_t ours_wide =
+      static_cast<int64_t>(config_.train.batch_size) * (comm_.size() / std::max(1, config_.parallel.pipeline));
+  if (theirs_wide != ours_wide) {
+    std::fprintf(stderr,
+                 "keel: resuming with data windows of %lld sequences (data ranks x train.batch_size) where the "
+                 "checkpoint's run read windows of %lld: the data position carries over as a window count, so the "
+                 "sequences from here on are not those the checkpoint's run would have read next\n",
+                 static_cast<long long>(ours_wide), static_cast<long long>(theirs_wide));
+  }
+  const std::string theirs = writer.data.train;
   if (theirs == config_.data.train) return;
   std::fprintf(stderr,
                "keel: resuming onto a different training set (the checkpoint's run read %s, this run reads %s): its "
@@ -193,6 +256,11 @@ bool Checkpointer::save(const std::string& root, int64_t steps_done, const Loade
   return !writer_->in_flight() ? last_ok_ : commit();
 }
 
+std::string Checkpointer::save_final(int64_t steps_done, const LoaderPosition& data) {
+  if (!save(root_, steps_done, data)) return "";
+  return root_ + "/" + last_name();
+}
+
 void Checkpointer::finish_in_flight() {
   if (writer_->in_flight()) commit();
 }
@@ -253,7 +321,8 @@ bool Checkpointer::commit() {
     try {
       std::vector<CheckpointPart> parts;
       for (const std::string& bytes : encoded) parts.push_back(decode_part(bytes));
-      failure = publish_checkpoint(inflight_root_, parts, store_, inflight_config_, comm_.size(), peak_gflops_,
+      failure = publish_checkpoint(inflight_root_, parts, whole_ ? *whole_ : store_, inflight_config_, comm_.size(),
+                                   peak_gflops_,
                                    config_.checkpoint.keep, &st);
     } catch (const std::exception& e) {
       failure = e.what();

@@ -52,6 +52,10 @@ class Checkpointer {
   // Saves the state after `steps_done` steps under root, synchronously (every rank calls it).
   // Returns whether it was published (false: it was reported as not written).
   bool save(const std::string& root, int64_t steps_done, const LoaderPosition& data);
+  // The run's final state under the run's own root; its directory ("" when it was not written).
+  // A pipelined run's, like its periodic ones, in the layout one rank writes (every stage's
+  // replicas write their chunks).
+  std::string save_final(int64_t steps_done, const LoaderPosition& data);
   // Publishes a checkpoint still being written, if any (before the run stops early).
   void finish_in_flight();
   // Rank 0: the newest checkpoint under the run's root that exists and verifies ("" = none; the
@@ -84,7 +88,10 @@ class Checkpointer {
   GradSync& sync_;
   double peak_gflops_;
   std::function<void(const nlohmann::json&)> log_event_;
-  ChunkPartition writers_;  // which rank writes which chunks
+  // Which chunks each writer writes: ranks without a pipeline, a stage's replicas with one.
+  ChunkPartition writers_;
+  int writer_index_ = 0;               // this rank's part of writers_
+  std::unique_ptr<ChunkStore> whole_;  // a pipeline: the whole model's layout (nothing allocated)
   std::unique_ptr<CheckpointWriter> writer_;
   std::string root_;
   std::string inflight_root_;

@@ -654,7 +654,7 @@ uint64_t Config::trajectory_hash(int world_size) const {
   s << shape_hash() << ';' << optim.lr << ',' << optim.min_lr_ratio << ',' << optim.warmup_steps << ','
     << optim.weight_decay << ',' << optim.beta1 << ',' << optim.beta2 << ',' << optim.eps << ',' << optim.grad_clip
     << ',' << optim.freeze_layers << ';' << train.seed << ',' << train.seq_len << ','
-    << static_cast<int64_t>(train.batch_size) * world_size * train.grad_accum;
+    << static_cast<int64_t>(train.batch_size) * (world_size / std::max(1, parallel.pipeline)) * train.grad_accum;
   if (!data.shuffle) s << ";file order";  // (absent by default: older checkpoints keep their hash)
   if (model.rope_scaling != "none") s << ";rope " << model.rope_scaling << ',' << model.rope_factor;
   const std::string text = s.str();

@@ -292,7 +292,8 @@ struct Config {
   uint64_t shape_hash() const;
   // Hash of what determines the training trajectory regardless of layout: the shape, the
   // optimizer, the seed and the tokens per step (not the number of steps: a run may be extended).
-  // A checkpoint resumes only a run with the same.
+  // A checkpoint resumes only a run with the same. Tokens per step count the data-parallel
+  // replicas: world_size / parallel.pipeline of them.
   uint64_t trajectory_hash(int world_size) const;
 };
 

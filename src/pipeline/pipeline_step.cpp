@@ -6,8 +6,6 @@
 #include <cstdio>
 #include <sstream>
 
-#include "ckpt/checkpoint.h"
-#include "ckpt/checkpointer.h"
 #include "core/error.h"
 #include "core/fileio.h"
 #include "optim/adamw.h"
@@ -330,103 +328,6 @@ std::string PipelineStep::progress_fragment(double) const {
   char buf[80];
   std::snprintf(buf, sizeof buf, "bubble %.1f%%, waits %.1f ms", 100 * bubble_, recv_wait_ms_);
   return buf;
-}
-
-std::string PipelineStep::save_final(Checkpointer& checkpointer, int64_t steps_done, const LoaderPosition& data) {
-  // Periodic checkpoints and resuming are not supported with a pipeline yet (the config rejects
-  // them); the final state is assembled into the checkpoint one rank would write.
-  return save_assembled(checkpointer.root(), steps_done, data, checkpointer.peak_gflops());
-}
-
-std::string PipelineStep::save_assembled(const std::string& root, int64_t steps_done, const LoaderPosition& data,
-                                         double peak_gflops) {
-  Communicator& world = groups_.world();
-  Communicator& pp = groups_.pp();
-  Communicator& dp = groups_.dp();
-  const int P = config_.parallel.pipeline;
-  store_.apply_pending();  // the state after the last step's update
-  // The whole model's tensors in order, by name (a registry: nothing allocated).
-  ChunkStore registry(config_.store.chunk_bytes);
-  const GPT whole(config_.model, registry);
-  std::vector<int> stage_of_layer(model_.num_layers());
-  for (size_t st = 0; st < stages_.size(); ++st) {
-    for (int l = stages_[st].first; l <= stages_[st].last; ++l) stage_of_layer[l] = static_cast<int>(st);
-  }
-  const std::vector<int>& stage_rank = executor_->schedule().stage_rank;
-  auto local_id = [&](const std::string& name) {
-    for (int id = 0; id < static_cast<int>(store_.tensors().size()); ++id) {
-      if (store_.tensors()[id].spec.name == name) return id;
-    }
-    return -1;
-  };
-  const Plane planes[3] = {Plane::param, Plane::adam_m, Plane::adam_v};
-  // ZeRO: each replica of a stage holds a shard of its moments; replica 0 gathers them whole.
-  const bool sharded = optimizer_.zero() > 0;
-  const ChunkPartition& partition = optimizer_.partition();
-  std::vector<float> gathered[3];
-  if (sharded) {
-    const int r = dp.rank();
-    for (int k = 1; k < 3; ++k) {
-      if (r == 0) gathered[k].resize(static_cast<size_t>(store_.numel()));
-      const int64_t count = partition.begin[r + 1] - partition.begin[r];
-      const PageLease use = store_.use_range(planes[k], partition.begin[r], count, false);
-      const std::span<float> own = store_.range_view(planes[k], partition.begin[r], count);
-      if (r == 0) std::copy(own.begin(), own.end(), gathered[k].begin());
-      dp.gatherv_to_root(own.data(), gathered[k].data(), partition.counts(), partition.displs());
-    }
-  }
-  // This rank's copy of one of its tensors' planes (replica 0).
-  auto copy_of = [&](int local, int k, float* to) {
-    const TensorInfo& info = store_.tensors()[local];
-    if (sharded && k > 0) {
-      std::copy_n(gathered[k].data() + info.offset, info.numel, to);
-      return;
-    }
-    const PageLease use = store_.use_tensor(local, {planes[k]});
-    const std::span<float> from = store_.view(local, planes[k]);
-    std::copy(from.begin(), from.end(), to);
-  };
-  std::string dir;
-  if (world.rank() < P) {  // replica 0
-    std::unique_ptr<ChunkStore> full;
-    if (world.is_root()) {
-      full = std::make_unique<ChunkStore>(config_.store.chunk_bytes);
-      GPT assembled(config_.model, *full);
-      full->finalize();
-    }
-    for (int id = 0; id < static_cast<int>(registry.tensors().size()); ++id) {
-      const TensorSpec& spec = registry.tensors()[id].spec;
-      const int owner = stage_rank[stage_of_layer[spec.layer]];  // wte: the embedding's stage
-      for (int k = 0; k < 3; ++k) {
-        if (world.is_root()) {
-          std::span<float> to = full->view(id, planes[k]);
-          if (owner == 0) {
-            copy_of(local_id(spec.name), k, to.data());
-          } else {
-            Communicator::Request r = pp.irecv(to.data(), to.size(), owner, id * 3 + k);
-            pp.wait(r);
-          }
-        } else if (owner == pp.rank()) {
-          std::vector<float> from(static_cast<size_t>(store_.tensors()[local_id(spec.name)].numel));
-          copy_of(local_id(spec.name), k, from.data());
-          Communicator::Request r = pp.isend(from.data(), from.size(), 0, id * 3 + k);
-          pp.wait(r);
-        }
-      }
-    }
-    if (world.is_root()) {
-      Config single = config_;  // the layout of one rank
-      single.parallel.pipeline = 1;
-      single.parallel.micro_batches = 0;
-      single.parallel.stage_boundaries.clear();
-      single.parallel.virtual_stages = 0;
-      RankState state;
-      state.data = data;
-      dir = save_checkpoint(root, *full, single, state, steps_done, peak_gflops);
-    }
-  }
-  world.barrier();
-  return dir;
 }
 
 }  // namespace keel::pipeline

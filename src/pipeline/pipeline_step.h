@@ -1,8 +1,8 @@
 // A pipeline of stages as a step engine: this rank's stages of the model, the stage and tied
 // communicators, the executor running the schedule's instruction list, the plan (re-made by
 // dynamic micro-batch sizing), gradient prediction and optimizer post-validation, the step's
-// bubble and Chrome trace, and the final checkpoint assembled on rank 0 in the layout one rank
-// writes.
+// bubble and Chrome trace. (Its checkpoints are the Checkpointer's: each stage writes its chunks
+// in the whole model's layout.)
 #pragma once
 
 #include <functional>
@@ -44,7 +44,6 @@ class PipelineStep final : public StepEngine, public MetricsSource {
 
   StepResult run(int64_t step, double lr) override;
   double forward_loss(const Batch& batch) override { return executor_->forward_only(batch); }
-  std::string save_final(Checkpointer& checkpointer, int64_t steps_done, const LoaderPosition& data) override;
   MetricsSource* metrics() override { return this; }
 
   // The layout line (and its `event: pipeline` record).
@@ -69,9 +68,6 @@ class PipelineStep final : public StepEngine, public MetricsSource {
   void adapt_micro_batches(int64_t step);
   StageTimes measured_stage_times();
   void write_trace(int64_t step, const std::vector<std::string>& timelines);
-  // The whole model (parameters and AdamW moments) assembled on rank 0 from replica 0's stages.
-  std::string save_assembled(const std::string& root, int64_t steps_done, const LoaderPosition& data,
-                             double peak_gflops);
 
   const Config& config_;
   ProcessGroups& groups_;

@@ -24,13 +24,21 @@ void resolve_job_config(Config& c, int world_size) {
                     "together), found " + value);
       }
     };
-    unsupported(c.train.checkpoint_every == 0, "train.checkpoint_every", std::to_string(c.train.checkpoint_every));
     // Both read and write whole planes outside the chunk store's leases.
     unsupported(!c.parallel.post_validate || (c.parallel.zero == 0 && c.tier.device_mib == 0),
                 "parallel.post_validate (with ZeRO or tiers)", "true");
     unsupported(c.parallel.predict_gradients == "off" || c.tier.device_mib == 0,
                 "parallel.predict_gradients (with tiers)", "\"" + c.parallel.predict_gradients + "\"");
-    unsupported(c.train.resume.empty(), "train.resume", "\"" + c.train.resume + "\"");
+    // A step with predicted gradients carries deferred weight gradients into the next one: state
+    // that a checkpoint between the two does not hold.
+    if (c.parallel.predict_gradients != "off") {
+      const bool periodic = c.train.checkpoint_every > 0 || c.train.checkpoint_every_minutes > 0;
+      if (periodic || !c.train.resume.empty()) {
+        throw Error(std::string("config key '") + (periodic ? "train.checkpoint_every" : "train.resume") +
+                    "': not with parallel.predict_gradients = \"" + c.parallel.predict_gradients +
+                    "\" (a step carries deferred weight gradients into the next, which no checkpoint holds)");
+      }
+    }
   }
 }
 

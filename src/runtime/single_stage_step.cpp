@@ -2,7 +2,6 @@
 
 #include <cmath>
 
-#include "ckpt/checkpointer.h"
 
 namespace keel {
 
@@ -42,11 +41,6 @@ StepResult SingleStageStep::run(int64_t step, double lr) {
   r.grad_norm = std::sqrt(sharded ? sums[1] : optimizer_.local_grad_squares());
   if (optimizer_.accept(step, r.loss, r.grad_norm)) optimizer_.step(lr, step + 1, optimizer_.clip_for(r.grad_norm));
   return r;
-}
-
-std::string SingleStageStep::save_final(Checkpointer& checkpointer, int64_t steps_done, const LoaderPosition& data) {
-  if (!checkpointer.save(checkpointer.root(), steps_done, data)) return "";
-  return checkpointer.root() + "/" + checkpointer.last_name();
 }
 
 }  // namespace keel

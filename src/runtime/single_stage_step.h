@@ -19,7 +19,6 @@ class SingleStageStep final : public StepEngine {
                   GradSync& sync, ShardedOptimizer& optimizer);
   StepResult run(int64_t step, double lr) override;
   double forward_loss(const Batch& batch) override { return model_.forward(batch); }
-  std::string save_final(Checkpointer& checkpointer, int64_t steps_done, const LoaderPosition& data) override;
 
  private:
   const Config& config_;

@@ -14,8 +14,6 @@
 
 namespace keel {
 
-class Checkpointer;
-
 // What a step engine reports about one step; the loop adds time, throughput and memory.
 struct StepResult {
   double loss = 0;       // mean training loss over the step's tokens (the same on every rank)
@@ -33,9 +31,6 @@ class StepEngine {
   // The mean loss of `batch`, forward only, on the ranks that compute it (0 elsewhere: a
   // pipeline's non-last stages).
   virtual double forward_loss(const Batch& batch) = 0;
-  // Saves the final state (after `steps_done` steps) as a checkpoint under the checkpointer's
-  // root and returns its directory on rank 0 ("" when none was written).
-  virtual std::string save_final(Checkpointer& checkpointer, int64_t steps_done, const LoaderPosition& data) = 0;
   // The engine's own figures (a pipeline's bubble), or nullptr.
   virtual MetricsSource* metrics() { return nullptr; }
 };

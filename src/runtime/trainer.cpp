@@ -335,7 +335,7 @@ RunSummary Trainer::run() {
       resumed && progress_.steps_done == first_step &&
       fs::weakly_canonical(fs::path(progress_.resumed_from)).parent_path() == fs::weakly_canonical(checkpointer_->root());
   const std::string dir = nothing_new ? progress_.resumed_from
-                                      : engine_->save_final(*checkpointer_, progress_.steps_done, data_.train->position());
+                                      : checkpointer_->save_final(progress_.steps_done, data_.train->position());
   summary.final_checkpoint_written = groups_.world().broadcast(groups_.world().is_root() && dir.empty() ? 0 : 1) != 0;
   print_end(summary);
   print_samples();
@@ -366,7 +366,7 @@ double Trainer::train_steps(double moments_mb, int* stop_signal) {
 }
 
 void Trainer::stop(RunSummary& summary) {
-  const bool written = !engine_->save_final(*checkpointer_, progress_.steps_done, data_.train->position()).empty();
+  const bool written = !checkpointer_->save_final(progress_.steps_done, data_.train->position()).empty();
   summary.final_checkpoint_written = groups_.world().broadcast(groups_.world().is_root() && !written ? 0 : 1) != 0;
   summary.checkpoint = checkpointer_->newest_verified();
   if (!groups_.world().is_root()) return;

@@ -140,8 +140,13 @@ TensorId ChunkStore::add(TensorSpec spec) {
   return static_cast<TensorId>(tensors_.size() - 1);
 }
 
-void ChunkStore::finalize(bool touch_params) {
+void ChunkStore::finalize_layout() {
   check(!finalized_, "chunk store: finalize called twice");
+  lay_out();
+  finalized_ = true;
+}
+
+void ChunkStore::lay_out() {
   const int64_t cap = chunk_bytes_ / static_cast<int64_t>(sizeof(float));
   int64_t cursor = 0;
   Chunk* open = nullptr;
@@ -203,7 +208,11 @@ void ChunkStore::finalize(bool touch_params) {
   int max_layer = tensors_.empty() ? -1 : tensors_.back().spec.layer;
   layer_chunks_.assign(max_layer + 1, {});
   for (const Chunk& c : chunks_) layer_chunks_[c.layer].push_back(c.id);
+}
 
+void ChunkStore::finalize(bool touch_params) {
+  check(!finalized_, "chunk store: finalize called twice");
+  lay_out();
   const size_t bytes = static_cast<size_t>(std::max<int64_t>(numel_, kAlignFloats)) * sizeof(float);
   for (int i = 0; i < kNumPlanes; ++i) {
     planes_[i] = Mapping(bytes);

@@ -116,6 +116,10 @@ class ChunkStore {
   // `touch_params`: fault the parameter plane in now (not page by page in the first step);
   // false when memory tiers will hold it (it is then never resident at full size).
   void finalize(bool touch_params = true);
+  // Lays tensors out in chunks as finalize does, allocating nothing: a store that only describes
+  // a layout (chunks, segments, tensors; every view of it throws). A pipeline stage's checkpoints
+  // are written in the whole model's layout, described so.
+  void finalize_layout();
   // Keeps the AdamW moment planes only for chunks [begin, end) (ZeRO: this rank's optimizer
   // shard), releasing the rest; the shard starts zero (call it before initialising or loading:
   // the moments are never resident at full size). Requires finalize(). Views outside it throw.
@@ -229,6 +233,7 @@ class ChunkStore {
     ~Mapping();
     float* get() const { return data; }
   };
+  void lay_out();  // chunks and segments from the registered tensors (finalize, finalize_layout)
   Mapping planes_[kNumPlanes];
   int64_t plane_begin_[kNumPlanes] = {};  // flat offset of each allocation's first element
   int64_t plane_end_[kNumPlanes] = {};

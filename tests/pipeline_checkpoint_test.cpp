@@ -1,0 +1,190 @@
+// Checkpoints of pipelined runs (ckpt/checkpointer.h): every stage's replicas write their chunks
+// in the whole model's layout, so a checkpoint written by P stages is the checkpoint one rank
+// would write, and a run resumes from it in any layout, each rank loading its stages' tensors by
+// name and offset. At one thread per rank a pipeline computes the bytes one rank computes (same
+// kernels, same sums), so a run resumed in another pipeline layout, or on one rank, ends with
+// the uninterrupted run's bytes; with data parallelism the sum over replicas rounds in another
+// order, so there the resumed state is checked exactly and the training that follows closely.
+// And `keel launch --max-restarts` recovers a pipelined run from SIGKILL to the uninterrupted bytes.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <chrono>
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "ckpt/checkpoint.h"
+#include "core/fileio.h"
+#include "test_util.h"
+
+namespace keel {
+namespace {
+
+class PipelineCheckpoints : public ::testing::Test {
+ protected:
+  static constexpr int kSteps = 16;
+  static void SetUpTestSuite() {
+    dir_ = new testing::TempDir("keel-pipe-ckpt");
+    testing::write_toy_corpus(dir_->path());
+    testing::write_toy_config(dir_->path(), kSteps);
+    // The uninterrupted run, and the same with periodic checkpoints (steps 4, 8, 12 and the
+    // final 16): later runs resume from its step 8.
+    ASSERT_EQ(train(2, "ref", "--set parallel.pipeline=2").exit_code, 0);
+    const testing::CommandResult periodic = train(2, "periodic", "--set parallel.pipeline=2 --set train.checkpoint_every=4");
+    ASSERT_EQ(periodic.exit_code, 0) << periodic.output;
+  }
+  static void TearDownTestSuite() {
+    delete dir_;
+    dir_ = nullptr;
+  }
+  // llama-tiny untied on the toy corpus: 4 layers (embedding, 2 blocks, head), 4 micro-batches of
+  // 2 sequences per step, one thread per rank in every layout.
+  static std::string common() {
+    return " --set model.preset=llama-tiny --set model.vocab_size=64 --set model.max_seq_len=32"
+           " --set train.batch_size=2 --set train.grad_accum=4 --set train.eval_every=0 --set runtime.threads=1"
+           " --set parallel.schedule=1f1b";
+  }
+  static std::string args(const std::string& run, const std::string& extra) {
+    return "train --config " + dir_->path() + "/toy.toml" + common() + " --set train.run_dir=" + at(run) + " " + extra;
+  }
+  static testing::CommandResult train(int ranks, const std::string& run, const std::string& extra) {
+    const std::string a = args(run, extra);
+    return testing::run_keel(ranks <= 1 ? a : "launch -n " + std::to_string(ranks) + " -- " + a);
+  }
+  static std::string at(const std::string& run) { return dir_->path() + "/" + run; }
+  static std::string step8() { return at("periodic") + "/ckpt/step-00000008"; }
+  static std::vector<double> losses(const std::string& run) {
+    std::vector<double> out;
+    const std::string text = read_text_file(at(run) + "/metrics.jsonl");
+    for (size_t start = 0; start < text.size();) {
+      const size_t end = std::min(text.find('\n', start), text.size());
+      const nlohmann::json j = nlohmann::json::parse(text.substr(start, end - start));
+      if (j.contains("loss") && !j.contains("event")) out.push_back(j.at("loss").get<double>());
+      start = end + 1;
+    }
+    return out;
+  }
+  // The newest checkpoints under two runs hold the same parameters and AdamW moments, byte for byte.
+  static void expect_same_state(const std::string& a, const std::string& b) {
+    for (Plane p : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+      EXPECT_TRUE(testing::checkpoint_bytes(at(a) + "/ckpt", p) == testing::checkpoint_bytes(at(b) + "/ckpt", p))
+          << a << " vs " << b << ": plane " << static_cast<int>(p);
+    }
+  }
+  static testing::TempDir* dir_;
+};
+testing::TempDir* PipelineCheckpoints::dir_ = nullptr;
+
+TEST_F(PipelineCheckpoints, AreWrittenInTheLayoutOneRankWritesAndPeriodically) {
+  const std::vector<std::string> ckpts = list_checkpoints(at("periodic") + "/ckpt");
+  ASSERT_EQ(ckpts.size(), 4u);  // steps 16, 12, 8 (differential) and 4 (full, their base)
+  EXPECT_EQ(describe_checkpoint(ckpts[3]).kind, "full");
+  EXPECT_EQ(describe_checkpoint(ckpts[2]).kind, "diff");
+  EXPECT_EQ(describe_checkpoint(ckpts[0]).world, 2);
+  for (const std::string& c : ckpts) EXPECT_NO_THROW(verify_checkpoint(c)) << c;
+  expect_same_state("periodic", "ref");
+  // One rank at one thread trains the pipeline's bytes, and reads the pipeline's checkpoint as
+  // its own (the same chunks).
+  ASSERT_EQ(train(1, "one", "").exit_code, 0);
+  expect_same_state("one", "ref");
+  const testing::CommandResult eval =
+      testing::run_keel("eval --checkpoint " + step8() + " --data " + dir_->path() + "/val.bin --batch 2 --seq 32");
+  EXPECT_EQ(eval.exit_code, 0) << eval.output;
+}
+
+// Resumed from step 8 as P = 2, as P = 4 (a stage per layer), as P = 2 with two stages a rank
+// (zero bubble's V schedule) and on one rank: step 16 holds the uninterrupted run's bytes.
+TEST_F(PipelineCheckpoints, ResumeBitIdenticallyAsTwoOrFourStagesOrOnOneRank) {
+  const std::string from = " --set train.resume=" + step8();
+  for (const auto& [ranks, run, layout] : std::vector<std::tuple<int, std::string, std::string>>{
+           {2, "as-pp2", "--set parallel.pipeline=2"},
+           {4, "as-pp4", "--set parallel.pipeline=4"},
+           {2, "as-zb-v", "--set parallel.pipeline=2 --set parallel.schedule=zb-v"},  // 2 stages a rank
+           {1, "as-one", ""}}) {
+    const testing::CommandResult r = train(ranks, run, layout + from);
+    ASSERT_EQ(r.exit_code, 0) << run << "\n" << r.output;
+    EXPECT_NE(r.output.find("resumed from " + step8()), std::string::npos) << r.output;
+    expect_same_state(run, "ref");
+    const std::vector<double> got = losses(run), want = losses("ref");
+    ASSERT_EQ(got.size(), 8u) << run;
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], want[8 + i]) << run << " step " << 9 + i;
+  }
+}
+
+// As 2 x 2 (two replicas of two stages, ZeRO-1 sharding each stage's moments over its
+// replicas): the state is loaded exactly (saved again at once, it is the checkpoint's bytes), and
+// training goes on the same trajectory (the replicas' gradient sum rounds in another order).
+TEST_F(PipelineCheckpoints, ResumeAsDataTimesPipelineLoadsTheStateExactly) {
+  // (One sequence per replica per micro-batch: the data windows stay 2 sequences wide, so the
+  // data stream goes on where the checkpoint left it.)
+  const std::string grid = "--set parallel.pipeline=2 --set parallel.zero=1 --set train.batch_size=1 "
+                           "--set train.resume=" + step8() + " ";
+  const testing::CommandResult same = train(4, "as-2x2-at-8", grid + "--set train.steps=8");
+  ASSERT_EQ(same.exit_code, 0) << same.output;
+  for (Plane p : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+    const std::vector<float> want = read_checkpoint_plane(step8(), p);
+    EXPECT_TRUE(want == read_checkpoint_plane(testing::newest_checkpoint(at("as-2x2-at-8") + "/ckpt"), p))
+        << "plane " << static_cast<int>(p);
+  }
+  // Windows of another width are said in one line (the position is a window count).
+  const testing::CommandResult wide =
+      train(4, "as-2x2-wide", grid + "--set train.batch_size=2 --set train.grad_accum=2 --set train.steps=8");
+  ASSERT_EQ(wide.exit_code, 0) << wide.output;
+  EXPECT_NE(wide.output.find("resuming with data windows of 4 sequences (data ranks x train.batch_size) where the "
+                             "checkpoint's run read windows of 2"),
+            std::string::npos)
+      << wide.output;
+  EXPECT_EQ(same.output.find("resuming with data windows"), std::string::npos) << same.output;
+  const testing::CommandResult on = train(4, "as-2x2", grid);
+  ASSERT_EQ(on.exit_code, 0) << on.output;
+  const std::vector<double> got = losses("as-2x2"), want = losses("ref");
+  ASSERT_EQ(got.size(), 8u);
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[8 + i], 1e-4 * want[8 + i]) << "step " << 9 + i;
+}
+
+// GPT-2's head is tied to the embedding: the head's stage keeps a replica of wte, which is not
+// written (its home's bytes are the same) and is loaded from its home's tensor.
+TEST_F(PipelineCheckpoints, ATiedEmbeddingAcrossStagesResumesExactly) {
+  const std::string gpt2 = "--set model.preset=tiny --set parallel.pipeline=2 ";
+  ASSERT_EQ(train(2, "tied-ref", gpt2 + "--set train.checkpoint_every=8").exit_code, 0);
+  const testing::CommandResult r =
+      train(2, "tied-resumed", gpt2 + "--set train.resume=" + at("tied-ref") + "/ckpt/step-00000008");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_same_state("tied-resumed", "tied-ref");
+}
+
+// A stage SIGKILLed mid-run: `keel launch --max-restarts` restarts the job, which resumes from its
+// newest checkpoint and ends with the bytes of the run that was never killed.
+TEST_F(PipelineCheckpoints, ASigkilledStageIsRecoveredToTheUninterruptedBytes) {
+  const std::string long_run = "--set parallel.pipeline=2 --set train.steps=60 --set train.log_every=1 ";
+  ASSERT_EQ(train(2, "long-ref", long_run).exit_code, 0);
+  const std::string a = args("chaos", long_run + "--set train.checkpoint_every=10");
+  std::vector<std::string> words = {"launch", "-n", "2", "--max-restarts", "2", "--"};
+  for (size_t at = 0, next; at < a.size(); at = next + 1) {
+    next = std::min(a.find(' ', at), a.size());
+    if (next > at) words.push_back(a.substr(at, next - at));
+  }
+  testing::KeelJob job(words, at("chaos.log"), {});
+  ASSERT_GT(job.pid(), 0);
+  // Once its second checkpoint is published, the job loses its second stage.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(300);
+  while (job.running() && job.output().find("keel: checkpoint step-00000020") == std::string::npos) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "no checkpoint at step 20 (a hang guard)\n" << job.output();
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_TRUE(job.running()) << "the job ended before the kill\n" << job.output();
+  const std::vector<pid_t> pids = testing::keel_train_pids(dir_->path() + "/toy.toml");
+  ASSERT_EQ(pids.size(), 2u) << job.output();
+  ASSERT_EQ(::kill(pids[1], SIGKILL), 0);
+  ASSERT_EQ(job.wait(300), 0) << job.output();
+  EXPECT_NE(job.output().find("keel: recovered from failure 1"), std::string::npos) << job.output();
+  EXPECT_NE(job.output().find("training resumes at step"), std::string::npos) << job.output();
+  expect_same_state("chaos", "long-ref");
+}
+
+}  // namespace
+}  // namespace keel
