@@ -35,6 +35,8 @@
 #include "kernels/cpu/blas.h"
 #include "model/gpt.h"
 #include "pipeline/layout.h"
+#include "pipeline/layer_profile.h"
+#include "pipeline/partitioner.h"
 #include "pipeline/schedule.h"
 #include "monitor/report.h"
 #include "runtime/generate.h"
@@ -84,10 +86,14 @@ commands:
             [--layer-costs FILE.json] [--json yes]
             Validate and simulate the pipeline schedule a config would run (parallel.pipeline,
             schedule, micro_batches, virtual_stages, stage_boundaries) with per-stage costs from
-            the model's layer FLOPs, or measured ones (--layer-costs: {"forward": [ms per layer],
-            "backward_input": [...], "backward_weight": [...], "comm": ms}; stages are then cut
-            by them): bubble, activations in flight per rank, a text Gantt chart, with --trace a
-            Chrome trace (Perfetto), with --json yes one JSON line instead of text.
+            the model's layer FLOPs, or measured ones (--layer-costs: a run's metrics.jsonl, its
+            last layer_costs line, or {"forward": [ms per layer per micro-batch],
+            "backward_input": [...], "backward_weight": [...], "comm": ms}), cut by
+            --partitioner static | dp | qlearning (default dp with measured costs; qlearning:
+            --decisions N from the static cut) within --stage-memory-mib: the cut and its
+            simulated span against the static FLOP cut's, bubble, activations in flight per rank,
+            a text Gantt chart, with --trace a Chrome trace (Perfetto), with --json yes one JSON
+            line instead of text.
   checkpoints --dir DIR [--verify yes]
             List the checkpoints under DIR (a run's ckpt/ or one checkpoint): step, kind, bytes,
             encodings; --verify yes decodes and checks every record.
@@ -545,42 +551,68 @@ int cmd_schedule(const Args& a) {
   check(as_json == "yes" || as_json == "no", "schedule --json: expected yes or no, found '" + as_json + "'");
   const ParallelConfig& p = config.parallel;
   const int T = config.train.seq_len, L = config.model.n_layer + 2;
-  // Per-layer F, B, W costs: measured (ms) or, by default, the FLOP model in units of one forward
-  // pass of the whole model (B and W each cost about what F does).
-  std::vector<double> f = pipeline::layer_costs(config.model, T), b, w;
-  double comm = 0;
+  // Per-layer F, B, W costs: measured (ms per micro-batch: a file, or a run's metrics.jsonl and
+  // its last layer_costs line) or, by default, the FLOP model in units of one forward pass of the
+  // whole model (B and W each cost about what F does).
+  const std::vector<double> flops = pipeline::layer_costs(config.model, T);
+  pipeline::LayerCosts measured;
   if (a.has("--layer-costs")) {
-    const std::string path = a.get("--layer-costs");
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(read_text_file(path));
-      f = j.at("forward").get<std::vector<double>>();
-      b = j.at("backward_input").get<std::vector<double>>();
-      w = j.at("backward_weight").get<std::vector<double>>();
-      comm = j.value("comm", 0.0);
-    } catch (const nlohmann::json::exception& e) {
-      throw Error("schedule --layer-costs " + path + ": " + e.what());
-    }
-    check(static_cast<int>(f.size()) == L && b.size() == f.size() && w.size() == f.size(),
-          "schedule --layer-costs " + path + ": expected " + std::to_string(L) + " costs per list (embedding, " +
-              std::to_string(L - 2) + " blocks, head), found " + std::to_string(f.size()));
+    measured = pipeline::read_layer_costs(a.get("--layer-costs"), L);
   } else {
     double total = 0;
-    for (double c : f) total += c;
-    for (double& c : f) c /= total;
-    b = w = f;
+    for (double c : flops) total += c;
+    std::vector<double> unit(flops);
+    for (double& c : unit) c /= total;
+    measured.forward = measured.backward_input = measured.backward_weight = unit;
+    measured.comm = measured.activation_bytes = measured.param_bytes = std::vector<double>(L, 0.0);
+    measured.message_ms = 0;
   }
-  std::vector<double> layer(L);
-  for (int i = 0; i < L; ++i) layer[i] = f[i] + b[i] + w[i];
-  const std::vector<LayerRange> stages =
-      pipeline::cut_stages(layer, p.pipeline * pipeline::virtual_stages(p), p.stage_boundaries);
+  const std::string kind = a.get("--partitioner", a.has("--layer-costs") ? "dp" : "static");
+  const int64_t cap_mib = a.get_int("--stage-memory-mib", 0);
+  check(cap_mib >= 0, "schedule --stage-memory-mib: expected >= 0, found " + std::to_string(cap_mib));
+  pipeline::PartitionProblem problem;
+  problem.costs = measured;
+  problem.flops = flops;
+  problem.schedule = {pipeline::parse_kind(p.schedule), p.pipeline, pipeline::micro_batches(config),
+                      pipeline::virtual_stages(p)};
+  problem.stage_memory_cap = cap_mib << 20;
+  const std::unique_ptr<pipeline::Partitioner> partitioner = pipeline::make_partitioner(kind, config.train.seed);
+  const std::vector<LayerRange> static_cut = pipeline::StaticPartitioner().cut(problem, {});
+  std::vector<LayerRange> stages;
+  std::string how;
+  if (!p.stage_boundaries.empty()) {
+    stages = pipeline::cut_stages(flops, problem.stages(), p.stage_boundaries);
+    how = "parallel.stage_boundaries";
+  } else if (kind == "qlearning") {
+    // The agent's decisions from the static cut: how many it takes to come within 5 % of the
+    // exact partitioner's simulated span; the best cut it reached.
+    const int decisions = static_cast<int>(a.get_int("--decisions", 50));
+    check(decisions >= 1, "schedule --decisions: expected >= 1, found " + std::to_string(decisions));
+    const double optimum = pipeline::score_cut(problem, pipeline::DpPartitioner().cut(problem, {})).span;
+    std::vector<LayerRange> now = static_cut;
+    stages = now;
+    double best = pipeline::score_cut(problem, now).span;
+    int within = best <= 1.05 * optimum ? 0 : -1;
+    for (int d = 1; d <= decisions; ++d) {
+      now = partitioner->cut(problem, now);
+      const double span = pipeline::score_cut(problem, now).span;
+      if (span < best) best = span, stages = now;
+      if (within < 0 && span <= 1.05 * optimum) within = d;
+    }
+    how = "qlearning, " + std::to_string(decisions) + " decisions: " +
+          (within < 0 ? "never within 5 % of dp" : "within 5 % of dp after " + std::to_string(within));
+  } else {
+    stages = partitioner->cut(problem, static_cut);
+    how = kind;
+  }
+  const pipeline::CutScore chosen = pipeline::score_cut(problem, stages), base = pipeline::score_cut(problem, static_cut);
   const pipeline::Plan plan = pipeline::plan(config, stages, pipeline::micro_batches(config));
   g_input_accepted = true;
   pipeline::Costs costs;
-  costs.comm = comm;
+  costs.comm = measured.message_ms >= 0 ? measured.message_ms : 0;
   for (const LayerRange& r : stages) {
     double cf = 0, cb = 0, cw = 0;
-    for (int i = r.first; i <= r.last; ++i) cf += f[i], cb += b[i], cw += w[i];
+    for (int i = r.first; i <= r.last; ++i) cf += measured.forward[i], cb += measured.backward_input[i], cw += measured.backward_weight[i];
     costs.forward.push_back(cf);
     costs.backward_input.push_back(cb);
     costs.backward_weight.push_back(cw);
@@ -589,6 +621,8 @@ int cmd_schedule(const Args& a) {
   const pipeline::Timeline t = pipeline::simulate(schedule, costs);
   if (as_json == "yes") {
     nlohmann::json out = {{"schedule", pipeline::kind_name(schedule.spec.kind)}, {"ranks", schedule.spec.ranks},
+                          {"partitioner", how}, {"boundaries", pipeline::boundaries_of(stages)},
+                          {"span", chosen.span}, {"static_span", base.span}, {"stage_bytes", chosen.stage_bytes},
                           {"stages", schedule.num_stages()}, {"micro_batches", schedule.spec.micro},
                           {"micro_batch", plan.micro_batch}, {"bubble", t.bubble}, {"makespan", t.makespan},
                           {"rank_bubble", t.rank_bubble}, {"peak_in_flight", plan.check.peak_in_flight},
@@ -599,6 +633,9 @@ int cmd_schedule(const Args& a) {
   std::printf("schedule %s: %d ranks, %d stages, %d micro-batches of %d x %d tokens; valid\n",
               pipeline::kind_name(schedule.spec.kind), schedule.spec.ranks, schedule.num_stages(), schedule.spec.micro,
               plan.micro_batch, T);
+  std::printf("cut by %s: boundaries %s, simulated span %.4g (the static FLOP cut %s: %.4g, %+.1f %%)\n", how.c_str(),
+              pipeline::boundaries_of(stages).c_str(), chosen.span, pipeline::boundaries_of(static_cut).c_str(), base.span,
+              100 * (base.span / chosen.span - 1));
   for (int r = 0; r < schedule.spec.ranks; ++r) {
     std::string layers;
     for (int st : schedule.stages_of(r)) {
@@ -649,7 +686,8 @@ int run(int argc, char** argv) {
       {"import", {"--llmc", "--llama2c", "--out", "--set"}},
       {"checkpoints", {"--dir", "--verify"}},
       {"report", {"--dir", "--out"}},
-      {"schedule", {"--config", "--set", "--trace", "--width", "--layer-costs", "--json"}},
+      {"schedule", {"--config", "--set", "--trace", "--width", "--layer-costs", "--json", "--partitioner", "--decisions",
+                    "--stage-memory-mib"}},
   };
   auto it = options.find(cmd);
   check(it != options.end(),

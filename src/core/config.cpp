@@ -143,6 +143,7 @@ std::vector<Field> fields(Config& c) {
       {"monitor", "loss_spike", &c.monitor.loss_spike},
       {"monitor", "stall_factor", &c.monitor.stall_factor},
       {"monitor", "alert_after", &c.monitor.alert_after},
+      {"monitor", "layer_costs_every", &c.monitor.layer_costs_every},
       {"monitor", "powercap", &c.monitor.powercap},
       {"monitor", "cpu_watts", &c.monitor.cpu_watts},
       {"generate", "kv_block", &c.generate.kv_block},
@@ -629,6 +630,7 @@ void Config::resolve(int world_size) {
   require(monitor.loss_spike > 1, "monitor.loss_spike", "> 1", s(monitor.loss_spike));
   require(monitor.stall_factor > 1, "monitor.stall_factor", "> 1", s(monitor.stall_factor));
   require(monitor.alert_after >= 1, "monitor.alert_after", ">= 1", s(monitor.alert_after));
+  require(monitor.layer_costs_every >= 0, "monitor.layer_costs_every", ">= 0", s(monitor.layer_costs_every));
   require(monitor.cpu_watts > 0 && monitor.cpu_watts < 1000, "monitor.cpu_watts", "0 < watts < 1000", s(monitor.cpu_watts));
   validate(generate);
 }

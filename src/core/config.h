@@ -239,6 +239,9 @@ struct MonitorConfig {
   double loss_spike = 3.0;        // loss above this many times the mean of the last 20 steps (or not finite)
   double stall_factor = 5.0;      // step time above this many times the median of the last 20 steps
   int alert_after = 3;
+  // Every this many steps, the layers' measured costs (F, B, W, send / receive time, bytes) as a
+  // `layer_costs` line of metrics.jsonl (pipeline/layer_profile.h); 0 = not measured.
+  int layer_costs_every = 10;
   // Energy: RAPL counters under `powercap` where the machine has them; otherwise modelled from
   // the process's CPU time at `cpu_watts` per busy core.
   std::string powercap = "/sys/class/powercap";

@@ -1,9 +1,11 @@
 #include "model/gpt.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 
+#include "core/clock.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "kernels/cpu/ops.h"
@@ -234,6 +236,7 @@ GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> r
     }
   }
   layers_.resize(L);
+  times_ = LayerTimes{std::vector<double>(L, 0.0), std::vector<double>(L, 0.0), std::vector<double>(L, 0.0)};
   if (config.llama()) {
     build_llama();
     return;
@@ -395,7 +398,9 @@ float GPT::forward(const LayerRange& range, int slot, const Batch& batch) {
   const std::vector<float*>& x = x_[slot];
   for (int i = range.first; i <= range.last; ++i) {
     bind(slot, i);
+    const auto t0 = std::chrono::steady_clock::now();
     layers_[i]->forward(batch, i == 0 ? nullptr : x[i - 1], x[i]);
+    times_.forward[i] += ms_since(t0);
   }
   return range.last == num_layers() - 1 ? static_cast<OutputLayer&>(*layers_.back()).mean_loss() : 0.0f;
 }
@@ -404,7 +409,9 @@ void GPT::backward_input(const LayerRange& range, int slot, const Batch& batch, 
   check_batch(batch, slot);
   for (int i = range.last; i >= range.first; --i) {
     bind(slot, i);
+    const auto t0 = std::chrono::steady_clock::now();
     layers_[i]->backward_input(batch, input(slot, i), output_grad(slot, i), i == 0 ? nullptr : dx_[slot][i - 1]);
+    times_.backward_input[i] += ms_since(t0);
     if (observer != nullptr) observer->after_backward_input(i);
   }
 }
@@ -413,7 +420,9 @@ void GPT::backward_weight(const LayerRange& range, int slot, const Batch& batch,
   check_batch(batch, slot);
   for (int i = range.last; i >= range.first; --i) {
     bind(slot, i);
+    const auto t0 = std::chrono::steady_clock::now();
     layers_[i]->backward_weight(batch, input(slot, i), output_grad(slot, i));
+    times_.backward_weight[i] += ms_since(t0);
     if (observer != nullptr) observer->after_backward_weight(i);
   }
 }
@@ -430,6 +439,19 @@ void GPT::backward(const Batch& batch, bool defer_weight_grads, BackwardObserver
     backward_input(LayerRange{i, i}, 0, batch, observer);
     backward_weight(LayerRange{i, i}, 0, batch, observer);
   }
+}
+
+GPT::LayerTimes GPT::take_layer_times() {
+  LayerTimes out = times_;
+  for (std::vector<double>* v : {&times_.forward, &times_.backward_input, &times_.backward_weight}) {
+    std::fill(v->begin(), v->end(), 0.0);
+  }
+  return out;
+}
+
+int64_t GPT::layer_activation_bytes(int i, int B, int T) const {
+  const int64_t io = 2 * padded(static_cast<int64_t>(B) * T * config_.n_embd);
+  return (layers_[i] ? padded(layers_[i]->activation_floats(B, T)) + io : 0) * static_cast<int64_t>(sizeof(float));
 }
 
 const float* GPT::logits() {

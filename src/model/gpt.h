@@ -81,6 +81,17 @@ class GPT {
   float* input_grad(int slot, int layer) { return layer == 0 ? nullptr : dx_[slot][layer - 1]; }
   float* output_grad(int slot, int layer) { return layer == num_layers() - 1 ? nullptr : dx_[slot][layer]; }
 
+  // Milliseconds each of this rank's layers spent in F, B and W (indexed by layer; zero for the
+  // layers of other ranks) since the last call, which resets them: what the layer profiler
+  // (pipeline/layer_profile.h) measures.
+  struct LayerTimes {
+    std::vector<double> forward, backward_input, backward_weight;
+  };
+  LayerTimes take_layer_times();
+  // Bytes one micro-batch of B x T keeps for layer i (its activations and its output with the
+  // output's gradient), and the bytes of its parameters (one plane).
+  int64_t layer_activation_bytes(int i, int B, int T) const;
+
   // Logits [B*T, padded_vocab] of the last forward pass of slot 0 (valid only when it had no
   // grad_scale).
   const float* logits();
@@ -129,6 +140,7 @@ class GPT {
   // [slot][layer]: the layer's activations, its output x [B, T, C] and the output's gradient.
   std::vector<std::vector<float*>> act_, x_, dx_;
   std::vector<int> bound_;  // the slot each layer is bound to
+  LayerTimes times_;
 };
 
 }  // namespace keel

@@ -202,6 +202,14 @@ void Executor::notify_hook(size_t from) {
   hook_(hints);
 }
 
+void Executor::record_message(const Instr& in, std::chrono::steady_clock::time_point start) {
+  Interval iv;
+  iv.instr = in;
+  iv.start = ms_between(t0_, start);
+  iv.end = ms_between(t0_, std::chrono::steady_clock::now());
+  messages_.push_back(iv);
+}
+
 void Executor::record(Op op, std::chrono::steady_clock::time_point start, std::chrono::steady_clock::time_point end) {
   Interval iv;
   iv.instr.op = op;
@@ -221,6 +229,7 @@ double Executor::run_step(const std::vector<Batch>& micro, BackwardObserver* syn
   receives_.clear();
   early_.clear();
   timeline_.clear();
+  messages_.clear();
   stats_ = ExecutorStats{};
   std::vector<int> my_layers;
   for (int s : schedule_.stages_of(rank_)) {
@@ -247,15 +256,18 @@ double Executor::run_step(const std::vector<Batch>& micro, BackwardObserver* syn
       case Op::recv_grad:
         wait_receive(in);
         early_.erase({in.micro, in.stage});
+        record_message(in, start);
         continue;
       case Op::send_act: {
         const int slot = slot_of(in.micro, in.stage, false);
         act_sends_[slot] = comm_.isend(model_.output(slot, r.last), message_floats(), in.peer,
                                        tag(Op::recv_act, in.micro, in.stage + 1));
+        record_message(in, start);
         continue;
       }
       case Op::send_grad:
         send_grad(in, slot_of(in.micro, in.stage, false));
+        record_message(in, start);
         continue;
       case Op::forward: {
         const int slot = slot_of(in.micro, in.stage, true);

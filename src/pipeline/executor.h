@@ -71,6 +71,8 @@ class Executor {
   void record(Op op, std::chrono::steady_clock::time_point start, std::chrono::steady_clock::time_point end);
   // This rank's intervals of the last step, in ms since it started.
   const std::vector<Interval>& timeline() const { return timeline_; }
+  // Its sends (posting them) and receives (waiting for them) of the last step, the same way.
+  const std::vector<Interval>& message_timeline() const { return messages_; }
   const ExecutorStats& stats() const { return stats_; }
   const Schedule& schedule() const { return schedule_; }
   int rank() const { return rank_; }
@@ -115,7 +117,8 @@ class Executor {
   std::map<std::pair<int, int>, Pending> receives_;  // (op, micro * stages + stage)
   std::vector<std::pair<std::unique_ptr<float[]>, Communicator::Request>> grad_buffers_;
   std::chrono::steady_clock::time_point t0_;
-  std::vector<Interval> timeline_;
+  std::vector<Interval> timeline_, messages_;
+  void record_message(const Instr& in, std::chrono::steady_clock::time_point start);
   ExecutorStats stats_;
 };
 

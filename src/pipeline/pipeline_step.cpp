@@ -65,6 +65,9 @@ PipelineStep::PipelineStep(const Config& config, ProcessGroups& groups, Pipeline
       log_event_(std::move(log_event)),
       stages_(std::move(layout.stages)) {
   if (config_.parallel.predict_gradients != "off") prediction_.emplace(config_.parallel.predict_gradients, store_);
+  if (config_.monitor.layer_costs_every > 0) {
+    profiler_ = std::make_unique<LayerProfiler>(model_, &groups_.pp(), config_.monitor.layer_costs_every, log_event_);
+  }
   use_plan(std::move(layout.plan));
   // Tied parameters (GPT-2's wte: the embedding's and the head's stages): the ranks holding a
   // copy sum its gradient (every pipeline rank splits, in the model's order of the groups).
@@ -99,6 +102,7 @@ void PipelineStep::use_plan(Plan plan) {
 
 StepResult PipelineStep::run(int64_t step, double lr) {
   const int step_micro_batches = micro_batches_;  // dynamic micro-batches may change it after the step
+  if (profiler_) model_.take_layer_times();        // (evaluations between steps are not the step's)
   sync_.begin(true, step);  // W notifications reach it for the last micro-batch only
   double loss_sum = run_micro_batches();
   const auto sync_start = std::chrono::steady_clock::now();
@@ -112,9 +116,26 @@ StepResult PipelineStep::run(int64_t step, double lr) {
   if (prediction_) prediction_->carry(config_.optim.freeze_layers);
   executor_->record(Op::grad_sync, sync_start, std::chrono::steady_clock::now());
   report(step);
+  if (profiler_) profile(step);
   if (config_.parallel.dynamic_micro_batches) adapt_micro_batches(step);
   r.loss = loss_sum / step_micro_batches;
   return r;
+}
+
+void PipelineStep::profile(int64_t step) {
+  std::vector<double> comm(static_cast<size_t>(model_.num_layers()), 0.0);
+  double quickest = -1;
+  for (const Interval& iv : executor_->message_timeline()) {
+    const Op op = iv.instr.op;
+    const LayerRange& r = stages_[iv.instr.stage];
+    // An activation leaves a stage's last layer and enters the next stage's first; its gradient
+    // goes back the other way.
+    const bool at_last = op == Op::send_act || op == Op::recv_grad;
+    comm[at_last ? r.last : r.first] += iv.end - iv.start;
+    if (op == Op::recv_act || op == Op::recv_grad) quickest = quickest < 0 ? iv.end - iv.start : std::min(quickest, iv.end - iv.start);
+  }
+  const int micro_batch = config_.train.batch_size * config_.train.grad_accum / micro_batches_;
+  profiler_->after_step(step + 1, config_.train.seq_len, micro_batch, micro_batches_, &comm, quickest);
 }
 
 void PipelineStep::update(int64_t step, double lr, double& loss_sum, StepResult& r) {
@@ -316,7 +337,8 @@ void PipelineStep::print_startup() const {
               {"peak_activation_bytes", schedule_check_.peak_bytes}});
 }
 
-void PipelineStep::add_step_fields(double, nlohmann::json& line) {
+void PipelineStep::add_step_fields(double step_ms, nlohmann::json& line) {
+  if (profiler_) profiler_->add_step_fields(step_ms, line);
   line["pipeline_bubble"] = bubble_;
   line["pipeline_rank_bubble"] = rank_bubble_;
   line["pipeline_recv_wait_ms"] = recv_wait_ms_;

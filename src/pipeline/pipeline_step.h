@@ -19,6 +19,7 @@
 #include "model/gpt.h"
 #include "pipeline/executor.h"
 #include "pipeline/gradient_prediction.h"
+#include "pipeline/layer_profile.h"
 #include "pipeline/layout.h"
 #include "pipeline/micro_batching.h"
 #include "runtime/step_engine.h"
@@ -88,6 +89,10 @@ class PipelineStep final : public StepEngine, public MetricsSource {
   std::vector<int> inputs_, targets_, inputs_prev_, targets_prev_;
   StageTimes first_measure_;  // dynamic micro-batches: step 2's stage times
   std::optional<GradientPrediction> prediction_;
+  std::unique_ptr<LayerProfiler> profiler_;  // monitor.layer_costs_every > 0
+  // The step's send / receive time at each layer's stage edges and its quickest receive, from the
+  // executor's timeline, for the profiler.
+  void profile(int64_t step);
   std::vector<float> backup_;  // post-validation: params, grads and moments before the optimistic step
   // The last step's figures (replica 0's bubble and the longest waits over every rank).
   double bubble_ = 0;

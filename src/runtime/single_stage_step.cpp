@@ -2,13 +2,17 @@
 
 #include <cmath>
 
-
 namespace keel {
 
 SingleStageStep::SingleStageStep(const Config& config, Communicator& dp, ChunkStore& store, GPT& model,
-                                 DataLoader& data, GradSync& sync, ShardedOptimizer& optimizer)
+                                 DataLoader& data, GradSync& sync, ShardedOptimizer& optimizer,
+                                 std::function<void(const nlohmann::json&)> log_event)
     : config_(config), dp_(dp), store_(store), model_(model), data_(data), sync_(sync), optimizer_(optimizer) {
   model_.allocate(config.train.batch_size, config.train.seq_len);
+  if (config.monitor.layer_costs_every > 0) {
+    profiler_ = std::make_unique<pipeline::LayerProfiler>(model, nullptr, config.monitor.layer_costs_every,
+                                                          std::move(log_event));
+  }
 }
 
 StepResult SingleStageStep::run(int64_t step, double lr) {
@@ -18,6 +22,7 @@ StepResult SingleStageStep::run(int64_t step, double lr) {
   // Each rank's gradient is scaled for the global batch, so the sum over ranks is the gradient
   // of the mean loss over every rank's tokens: what one rank with world x the batch computes.
   double loss_sum = 0;
+  if (profiler_) model_.take_layer_times();  // (evaluations between steps are not the step's)
   for (int micro = 0; micro < t.grad_accum; ++micro) {
     Batch batch = data_.next();
     batch.grad_scale = 1.0f / (static_cast<float>(batch.B) * batch.T * t.grad_accum * world);
@@ -40,6 +45,7 @@ StepResult SingleStageStep::run(int64_t step, double lr) {
   r.loss = sums[0] / world / t.grad_accum;
   r.grad_norm = std::sqrt(sharded ? sums[1] : optimizer_.local_grad_squares());
   if (optimizer_.accept(step, r.loss, r.grad_norm)) optimizer_.step(lr, step + 1, optimizer_.clip_for(r.grad_norm));
+  if (profiler_) profiler_->after_step(step + 1, t.seq_len, t.batch_size, t.grad_accum, nullptr, -1);
   return r;
 }
 

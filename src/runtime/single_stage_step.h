@@ -8,17 +8,21 @@
 #include "core/config.h"
 #include "data/loader.h"
 #include "model/gpt.h"
+#include "pipeline/layer_profile.h"
 #include "runtime/step_engine.h"
 
 namespace keel {
 
 class SingleStageStep final : public StepEngine {
  public:
-  // Allocates the model's activations for train.batch_size x train.seq_len.
+  // Allocates the model's activations for train.batch_size x train.seq_len. With
+  // monitor.layer_costs_every, the layers' costs are measured (`layer_costs` lines via
+  // `log_event`): what a pipeline of this model would be cut by.
   SingleStageStep(const Config& config, Communicator& dp, ChunkStore& store, GPT& model, DataLoader& data,
-                  GradSync& sync, ShardedOptimizer& optimizer);
+                  GradSync& sync, ShardedOptimizer& optimizer, std::function<void(const nlohmann::json&)> log_event);
   StepResult run(int64_t step, double lr) override;
   double forward_loss(const Batch& batch) override { return model_.forward(batch); }
+  MetricsSource* metrics() override { return profiler_.get(); }
 
  private:
   const Config& config_;
@@ -28,6 +32,7 @@ class SingleStageStep final : public StepEngine {
   DataLoader& data_;
   GradSync& sync_;
   ShardedOptimizer& optimizer_;
+  std::unique_ptr<pipeline::LayerProfiler> profiler_;
 };
 
 }  // namespace keel

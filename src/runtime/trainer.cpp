@@ -70,7 +70,7 @@ Trainer::Trainer(Config config, Communicator& comm)
     engine_ = std::make_unique<pipeline::PipelineStep>(config_, groups_, std::move(*layout), *store_, *model_,
                                                        *data_.train, *sync_, *optimizer_, log);
   } else {
-    engine_ = std::make_unique<SingleStageStep>(config_, dp, *store_, *model_, *data_.train, *sync_, *optimizer_);
+    engine_ = std::make_unique<SingleStageStep>(config_, dp, *store_, *model_, *data_.train, *sync_, *optimizer_, log);
   }
   measure_peaks();  // (in float32: the SGEMM reference of matmul_efficiency)
   set_matmul_precision(config_.runtime.precision == "bf16" ? MatmulPrecision::bf16 : MatmulPrecision::fp32);

@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Stage cuts from measured layer costs, on workloads whose load is not where the FLOP model puts
+it: the static FLOP cut, the exact partitioner (dp) and the Q-learning agent (qlearning).
+
+For each workload a one-rank run measures every layer's F, B, W (its metrics.jsonl `layer_costs`
+lines, monitor.layer_costs_every); `keel schedule --layer-costs` then cuts stages by each
+partitioner and simulates P = 2, 4 and 8 (ZB-H1, 4 micro-batches per stage); at P = 2 both the
+static and the dp cut also run for real (two ranks, one thread each) and their measured step
+times are compared. Workloads:
+  base        the model at T = 128
+  long        the same at T = 512 (a sequence-length curriculum's later half: attention heavier)
+  vocab       a 128k-token vocabulary (the head the heaviest layer)
+  frozen      the first half of the blocks frozen: on the simulator only, their W removed (Keel's
+              optim.freeze_layers still computes the W it then discards, so a real run would not
+              show the saving)
+A rank slowed by a fixed factor is not among them: the partitioners cut layers, and a slow rank
+makes whichever layers it holds slow (a rank-aware cut is future work).
+
+    python3 bench/partitioner.py [--keel build/keel] [--steps 15] [--layers 8]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchutil import write_tokens  # noqa: E402
+
+
+def run(cmd, env):
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    if r.returncode != 0:
+        sys.exit("command failed: %s\n%s" % (" ".join(cmd), r.stdout[-3000:]))
+    return r.stdout
+
+
+def last_costs(metrics):
+    costs = None
+    for line in open(metrics):
+        j = json.loads(line)
+        if j.get("event") == "layer_costs":
+            costs = j["layer_costs"]
+    return costs
+
+
+def step_ms(metrics, skip=5):
+    ms = [j["step_ms"] for j in map(json.loads, open(metrics)) if "step_ms" in j and "event" not in j]
+    return statistics.median(ms[skip:])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--keel", default="build/keel")
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--layers", type=int, default=8)
+    args = ap.parse_args()
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    work = tempfile.mkdtemp(prefix="keel-partition-")
+    data = os.path.join(work, "tokens.bin")
+    write_tokens(data, n=1 << 20, vocab=8192)
+    base = ["--set", "model.preset=tiny", "--set", "model.n_layer=%d" % args.layers, "--set", "model.n_embd=256",
+            "--set", "model.n_head=4", "--set", "model.max_seq_len=512", "--set", "train.batch_size=2",
+            "--set", "train.grad_accum=8", "--set", "train.eval_every=0", "--set", "train.sample_tokens=0",
+            "--set", "train.steps=%d" % args.steps, "--set", "monitor.layer_costs_every=10",
+            "--set", "data.train=" + data, "--set", "data.val=" + data, "--set", "data.tokenizer=",
+            "--set", "train.log_every=1000"]
+    workloads = {
+        "base": ["--set", "train.seq_len=128", "--set", "model.vocab_size=8192"],
+        "long": ["--set", "train.seq_len=512", "--set", "model.vocab_size=8192", "--set", "train.batch_size=1"],
+        "vocab": ["--set", "train.seq_len=128", "--set", "model.vocab_size=131072"],
+        "frozen": ["--set", "train.seq_len=128", "--set", "model.vocab_size=8192"],
+    }
+    print("cpu: %s" % open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].strip(": "))
+    print("| workload | P | static cut | span | dp cut | span | qlearning (decisions to 5 %%) | span | dp vs static |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    real = []
+    for name, extra in workloads.items():
+        run_dir = os.path.join(work, name)
+        run([args.keel, "train"] + base + extra + ["--set", "runtime.threads=1", "--set", "train.run_dir=" + run_dir], env)
+        costs = last_costs(os.path.join(run_dir, "metrics.jsonl"))
+        if name == "frozen":
+            for i in range(1, 1 + args.layers // 2):
+                costs["backward_weight"][i] = 0.0
+        cost_file = os.path.join(work, name + ".json")
+        json.dump(costs, open(cost_file, "w"))
+        for P in (2, 4, 8):
+            if P > args.layers + 2:
+                continue
+            row = {}
+            for part in ("static", "dp", "qlearning"):
+                out = run([args.keel, "schedule"] + base + extra +
+                          ["--set", "parallel.pipeline=%d" % P, "--set", "parallel.schedule=zb-h1",
+                           "--set", "train.grad_accum=%d" % (4 * P),
+                           "--layer-costs", cost_file, "--partitioner", part, "--json", "yes"], env)
+                row[part] = json.loads(out.strip().splitlines()[-1])
+            q = row["qlearning"]["partitioner"].split(": ")[-1]
+            print("| %s | %d | %s | %.1f | %s | %.1f | %s (%s) | %.1f | %+.1f %% |" % (
+                name, P, row["static"]["boundaries"], row["static"]["span"], row["dp"]["boundaries"], row["dp"]["span"],
+                row["qlearning"]["boundaries"], q, row["qlearning"]["span"],
+                100 * (row["static"]["span"] / row["dp"]["span"] - 1)))
+            if P == 2 and name != "frozen":
+                real.append((name, extra, row["static"]["boundaries"], row["dp"]["boundaries"]))
+    print("\nreal runs at P = 2 (zb-h1, 8 micro-batches, one thread per rank), median step ms:")
+    print("| workload | static cut | step ms | dp cut | step ms | dp vs static |")
+    print("|---|---|---|---|---|---|")
+    for name, extra, s_cut, d_cut in real:
+        ms = {}
+        for label, cut in (("static", s_cut), ("dp", d_cut)):
+            run_dir = os.path.join(work, "%s-p2-%s" % (name, label))
+            run([args.keel, "launch", "-n", "2", "--", "train"] + base + extra +
+                ["--set", "parallel.pipeline=2", "--set", "parallel.schedule=zb-h1", "--set", "runtime.threads=1",
+                 "--set", "parallel.stage_boundaries=" + cut, "--set", "train.run_dir=" + run_dir], env)
+            ms[label] = step_ms(os.path.join(run_dir, "metrics.jsonl"))
+        print("| %s | %s | %.1f | %s | %.1f | %+.1f %% |" % (name, s_cut, ms["static"], d_cut, ms["dp"],
+                                                         100 * (ms["static"] / ms["dp"] - 1)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+// Per-layer costs measured while training (pipeline/layer_profile.h) and the partitioners that
+// cut stages by them (pipeline/partitioner.h): the exact partitioner against every cut, memory
+// caps, the learning agent against the exact optimum, the costs' file format, and a real run's
+// `layer_costs` lines read back by `keel schedule`.
+#include "pipeline/partitioner.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/fileio.h"
+#include "core/rng.h"
+#include "test_util.h"
+
+namespace keel::pipeline {
+namespace {
+
+using nlohmann::json;
+
+// Costs per layer: embedding, `blocks` blocks of cost 1 (F 1/3, B 1/3, W 1/3), head of `head`.
+PartitionProblem problem(int blocks, double head, int ranks, int micro, Kind kind = Kind::one_f_one_b) {
+  const int L = blocks + 2;
+  PartitionProblem p;
+  LayerCosts& c = p.costs;
+  for (std::vector<double>* v : {&c.forward, &c.backward_input, &c.backward_weight, &c.comm, &c.activation_bytes,
+                                 &c.param_bytes}) {
+    v->assign(L, 0.0);
+  }
+  for (int i = 0; i < L; ++i) {
+    const double cost = i == 0 ? 0.05 : i == L - 1 ? head : 1.0;
+    c.forward[i] = c.backward_input[i] = c.backward_weight[i] = cost / 3;
+    c.activation_bytes[i] = 1 << 20;
+    c.param_bytes[i] = i == L - 1 ? 8 << 20 : 1 << 20;
+  }
+  c.message_ms = 0;
+  p.flops.assign(L, 1.0);  // the FLOP model believes every layer costs the same
+  p.schedule = {kind, ranks, micro, 1};
+  return p;
+}
+
+// Every cut of L layers into S non-empty stages.
+void every_cut(int L, int S, const std::function<void(const std::vector<LayerRange>&)>& f) {
+  std::vector<int> first(S);
+  std::function<void(int, int)> rec = [&](int s, int from) {
+    if (s == S) {
+      std::vector<LayerRange> cut;
+      for (int k = 0; k < S; ++k) cut.push_back({first[k], k + 1 < S ? first[k + 1] - 1 : L - 1});
+      f(cut);
+      return;
+    }
+    for (int b = from; b <= L - (S - s); ++b) {
+      first[s] = b;
+      rec(s + 1, b + 1);
+    }
+  };
+  first[0] = 0;
+  rec(1, 1);
+}
+
+TEST(Partitioner, DpFindsTheShortestSimulatedSpanAmongEveryCut) {
+  Rng rng(7);
+  for (int trial = 0; trial < 20; ++trial) {
+    PartitionProblem p = problem(6, 1, 3, 6);
+    for (int i = 0; i < p.costs.layers(); ++i) p.costs.forward[i] = 0.1 + rng.uniform();
+    const std::vector<LayerRange> cut = DpPartitioner().cut(p, {});
+    double best = std::numeric_limits<double>::infinity(), best_span = best;
+    every_cut(p.costs.layers(), 3, [&](const std::vector<LayerRange>& c) {
+      best = std::min(best, score_cut(p, c).max_stage);
+      best_span = std::min(best_span, score_cut(p, c).span);
+    });
+    // So few cuts (21) are scored one by one: the shortest simulated span of them all.
+    const CutScore got = score_cut(p, cut);
+    EXPECT_EQ(got.span, best_span) << trial;
+    EXPECT_LE(got.max_stage, best * 1.5) << trial;
+  }
+}
+
+TEST(Partitioner, AHeavyHeadIsGivenAStageOfItsOwnWhereTheFlopModelDoesNot) {
+  PartitionProblem p = problem(6, 4, 2, 8);  // the head costs 4 blocks
+  const std::vector<LayerRange> flat = StaticPartitioner().cut(p, {}), dp = DpPartitioner().cut(p, {});
+  EXPECT_EQ(boundaries_of(flat), "4");  // the FLOP model's halves: 0-3 | 4-7
+  const CutScore s = score_cut(p, flat), d = score_cut(p, dp);
+  EXPECT_LT(d.span, 0.8 * s.span) << boundaries_of(dp);
+  EXPECT_EQ(boundaries_of(dp), "6");  // 0-5 (5.05) | 6-7 (5): the least largest stage
+}
+
+TEST(Partitioner, MemoryCapsShapeTheCutAndAnImpossibleCapIsOneLine) {
+  PartitionProblem p = problem(6, 1, 2, 8);  // every layer costs the same
+  EXPECT_LT(DpPartitioner().cut(p, {})[1].first, 6);
+  // Stage 1 holds the head (8 MB of parameters: 32 MB of state) and 1F1B keeps one micro-batch
+  // in flight there (1 MB a layer): a cap of 42 MB leaves it the head and one block at most.
+  p.stage_memory_cap = 42 << 20;
+  const std::vector<LayerRange> cut = DpPartitioner().cut(p, {});
+  for (int64_t b : score_cut(p, cut).stage_bytes) EXPECT_LE(b, p.stage_memory_cap);
+  EXPECT_EQ(boundaries_of(cut), "6");
+  p.stage_memory_cap = 20 << 20;
+  try {
+    DpPartitioner().cut(p, {});
+    ADD_FAILURE() << "expected a refusal";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no cut of the 8 layers into 2 stages keeps every stage within 20 MiB"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// From the FLOP cut, the agent comes within 5 % of the exact optimum's simulated span in at most
+// 50 decisions, on workloads whose load sits where the FLOP model does not expect it.
+TEST(Partitioner, QLearningComesWithinFivePercentOfTheOptimumInFiftyDecisions) {
+  struct Case {
+    const char* name;
+    PartitionProblem p;
+  };
+  std::vector<Case> cases = {{"head-heavy P=2", problem(10, 5, 2, 8)},
+                             {"head-heavy P=4", problem(14, 4, 4, 16)},
+                             {"zb-h1 P=4", problem(14, 3, 4, 16, Kind::zb_h1)}};
+  // Early layers frozen: no W (and cheaper B) for the first half of the blocks.
+  cases.push_back({"frozen half P=4", problem(14, 1, 4, 16)});
+  for (int i = 1; i <= 7; ++i) cases.back().p.costs.backward_weight[i] = 0, cases.back().p.costs.backward_input[i] *= 0.5;
+  for (Case& c : cases) {
+    const double optimum = score_cut(c.p, DpPartitioner().cut(c.p, {})).span;
+    QLearningPartitioner agent(3);
+    std::vector<LayerRange> now = StaticPartitioner().cut(c.p, {});
+    int within = score_cut(c.p, now).span <= 1.05 * optimum ? 0 : -1;
+    for (int d = 1; d <= 50 && within < 0; ++d) {
+      now = agent.cut(c.p, now);
+      if (score_cut(c.p, now).span <= 1.05 * optimum) within = d;
+    }
+    EXPECT_GE(within, 0) << c.name << ": " << score_cut(c.p, now).span << " vs " << optimum;
+    std::printf("%s: within 5 %% of dp after %d decisions\n", c.name, within);
+  }
+}
+
+TEST(Partitioner, TheAgentIsSeeded) {
+  const PartitionProblem p = problem(10, 5, 2, 8);
+  auto run = [&](uint64_t seed) {
+    QLearningPartitioner agent(seed);
+    std::vector<LayerRange> now = StaticPartitioner().cut(p, {});
+    std::string moves;
+    for (int d = 0; d < 20; ++d) moves += boundaries_of(now = agent.cut(p, now)) + ";";
+    return moves;
+  };
+  EXPECT_EQ(run(5), run(5));
+  EXPECT_THROW(make_partitioner("greedy", 1), Error);
+}
+
+TEST(LayerCosts, RoundTripAndBadFilesAreOneLine) {
+  const PartitionProblem p = problem(2, 1, 2, 4);
+  const LayerCosts back = LayerCosts::from_json(p.costs.to_json(), 4, "x");
+  EXPECT_EQ(back.forward, p.costs.forward);
+  EXPECT_EQ(back.param_bytes, p.costs.param_bytes);
+  json j = p.costs.to_json();
+  j["forward"] = {1, 2};
+  EXPECT_THROW(LayerCosts::from_json(j, 4, "x"), Error);
+  j["forward"] = {1, 2, -3, 4};
+  EXPECT_THROW(LayerCosts::from_json(j, 4, "x"), Error);
+}
+
+TEST(LayerCosts, ScaleWithSequenceLengthAsTheirFlops) {
+  Config c;
+  c.model.preset = "tiny";
+  c.resolve(1);
+  LayerCosts costs = problem(c.model.n_layer, 1, 2, 4).costs;
+  costs.seq_len = 64;
+  const LayerCosts twice = costs.at_seq_len(c.model, 128);
+  // A block: 24 C^2 + 4 T C per token, twice the tokens.
+  const double C = c.model.n_embd;
+  const double block = 2 * (24 * C * C + 4 * 128 * C) / (24 * C * C + 4 * 64 * C);
+  EXPECT_NEAR(twice.forward[1] / costs.forward[1], block, 1e-9);
+  EXPECT_NEAR(twice.activation_bytes[1] / costs.activation_bytes[1], 2.0, 1e-12);
+}
+
+// A real run: its metrics carry layer_costs lines with every layer measured (two stages, each
+// measuring its own), which `keel schedule --layer-costs` reads.
+TEST(LayerProfiler, APipelinedRunReportsEveryLayersCostsAndScheduleReadsThem) {
+  testing::TempDir dir("keel-profile");
+  testing::write_toy_corpus(dir.path());
+  testing::write_toy_config(dir.path(), 12);
+  const std::string common = " --set model.n_layer=4 --set train.batch_size=2 --set train.grad_accum=4 "
+                             "--set monitor.layer_costs_every=5 --set train.eval_every=0";
+  const testing::CommandResult r = testing::run_keel("launch -n 2 -- train --config " + dir / "toy.toml" + common +
+                                                     " --set parallel.pipeline=2 --set train.run_dir=" + dir / "run");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string text = read_text_file(dir / "run/metrics.jsonl");
+  int reports = 0;
+  json last;
+  for (size_t at = 0; at < text.size();) {
+    const size_t end = std::min(text.find('\n', at), text.size());
+    const json line = json::parse(text.substr(at, end - at));
+    if (line.value("event", "") == "layer_costs") reports++, last = line;
+    at = end + 1;
+  }
+  EXPECT_EQ(reports, 2);  // steps 6 and 11 (the first step is not measured)
+  ASSERT_TRUE(last.contains("prediction_error")) << last.dump();
+  EXPECT_GE(last.at("prediction_error").get<double>(), 0.0);
+  const LayerCosts costs = LayerCosts::from_json(last.at("layer_costs"), 6, "metrics");
+  for (int i = 1; i <= 5; ++i) EXPECT_GT(costs.forward[i], 0) << "layer " << i;
+  for (int i = 1; i <= 4; ++i) {
+    EXPECT_GT(costs.backward_input[i], 0) << i;
+    EXPECT_GT(costs.backward_weight[i], 0) << i;
+    EXPECT_GT(costs.param_bytes[i], 0) << i;
+    EXPECT_GT(costs.activation_bytes[i], 0) << i;
+  }
+  EXPECT_GT(costs.comm[0] + costs.comm[1] + costs.comm[2] + costs.comm[3] + costs.comm[4] + costs.comm[5], 0);
+  const testing::CommandResult s = testing::run_keel("schedule --config " + dir / "toy.toml" + common +
+                                                     " --set parallel.pipeline=2 --layer-costs " + dir / "run/metrics.jsonl");
+  EXPECT_EQ(s.exit_code, 0) << s.output;
+  EXPECT_NE(s.output.find("cut by dp: boundaries"), std::string::npos) << s.output;
+  const testing::CommandResult q = testing::run_keel("schedule --config " + dir / "toy.toml" + common +
+                                                     " --set parallel.pipeline=2 --partitioner qlearning --layer-costs " +
+                                                     dir / "run/metrics.jsonl");
+  EXPECT_EQ(q.exit_code, 0) << q.output;
+  EXPECT_NE(q.output.find("cut by qlearning, 50 decisions: within 5 % of dp after"), std::string::npos) << q.output;
+  const testing::CommandResult bad = testing::run_keel("schedule --config " + dir / "toy.toml" + common +
+                                                       " --set parallel.pipeline=2 --layer-costs " + dir / "toy.toml");
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("layer costs " + dir / "toy.toml"), std::string::npos) << bad.output;
+}
+
+}  // namespace
+}  // namespace keel::pipeline
