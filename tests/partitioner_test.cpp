@@ -224,5 +224,56 @@ TEST(LayerProfiler, APipelinedRunReportsEveryLayersCostsAndScheduleReadsThem) {
   EXPECT_NE(bad.output.find("layer costs " + dir / "toy.toml"), std::string::npos) << bad.output;
 }
 
+// At start-up a pipelined run cuts its stages by parallel.partitioner on parallel.layer_costs:
+// with a head that costs five blocks, dp gives the head's stage fewer blocks than the FLOP
+// model's cut; bad settings are one line each.
+TEST(LayerProfiler, ARunCutsItsStagesByMeasuredCostsAndBadSettingsAreOneLine) {
+  testing::TempDir dir("keel-startup-cut");
+  testing::write_toy_corpus(dir.path());
+  testing::write_toy_config(dir.path(), 2);
+  PartitionProblem p = problem(4, 5, 2, 4);
+  testing::write_text(dir / "costs.json", p.costs.to_json().dump());
+  const std::string common = " --set model.n_layer=4 --set train.batch_size=2 --set train.grad_accum=4 "
+                             "--set train.eval_every=0 --set parallel.pipeline=2";
+  auto stages_of = [&](const std::string& run) {
+    const std::string text = read_text_file(dir / (run + "/metrics.jsonl"));
+    return json::parse(text.substr(0, text.find('\n'))).at("stages").dump();
+  };
+  auto train = [&](const std::string& run, const std::string& extra) {
+    return testing::run_keel("launch -n 2 -- train --config " + dir / "toy.toml" + common + " --set train.run_dir=" +
+                             dir / run + " " + extra);
+  };
+  ASSERT_EQ(train("static", "").exit_code, 0);
+  const testing::CommandResult dp =
+      train("dp", "--set parallel.partitioner=dp --set parallel.layer_costs=" + dir / "costs.json");
+  ASSERT_EQ(dp.exit_code, 0) << dp.output;
+  EXPECT_EQ(stages_of("static"), "[[0,2],[3,5]]");  // the FLOP model: this head costs less than a block
+  EXPECT_EQ(stages_of("dp"), "[[0,4],[5,5]]");      // 4.05 | 5
+  const testing::CommandResult q =
+      train("q", "--set parallel.partitioner=qlearning --set parallel.layer_costs=" + dir / "costs.json");
+  ASSERT_EQ(q.exit_code, 0) << q.output;
+  EXPECT_EQ(stages_of("q"), "[[0,4],[5,5]]");
+  struct Bad {
+    std::string set, expect;
+  };
+  for (const Bad& b : std::vector<Bad>{
+           {"--set parallel.partitioner=greedy", "config key 'parallel.partitioner': expected static, dp or qlearning"},
+           {"--set parallel.partitioner=dp --set parallel.stage_memory_mib=1",
+            "config key 'parallel.stage_memory_mib': no cut of the 6 layers into 2 stages"},
+           {"--set parallel.partitioner=dp --set parallel.stage_boundaries=3", "config key 'parallel.stage_boundaries'"},
+           {"--set parallel.partitioner=dp --set parallel.layer_costs=" + dir / "nothing.json", "nothing.json"}}) {
+    const testing::CommandResult r = train("bad", b.set);
+    EXPECT_EQ(r.exit_code, 2) << b.set << "\n" << r.output;
+    EXPECT_NE(r.output.find(b.expect), std::string::npos) << b.set << "\n" << r.output;
+  }
+  const testing::CommandResult one = testing::run_keel("train --config " + dir / "toy.toml" +
+                                                       " --set parallel.partitioner=dp --set train.run_dir=" + dir / "one");
+  EXPECT_EQ(one.exit_code, 2) << one.output;
+  EXPECT_NE(one.output.find("config key 'parallel.partitioner': cutting stages (partitioner, layer_costs, "
+                            "stage_memory_mib) only with parallel.pipeline > 1"),
+            std::string::npos)
+      << one.output;
+}
+
 }  // namespace
 }  // namespace keel::pipeline

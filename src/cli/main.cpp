@@ -550,38 +550,24 @@ int cmd_schedule(const Args& a) {
   const std::string as_json = a.get("--json", "no");
   check(as_json == "yes" || as_json == "no", "schedule --json: expected yes or no, found '" + as_json + "'");
   const ParallelConfig& p = config.parallel;
-  const int T = config.train.seq_len, L = config.model.n_layer + 2;
+  const int T = config.train.seq_len;
   // Per-layer F, B, W costs: measured (ms per micro-batch: a file, or a run's metrics.jsonl and
   // its last layer_costs line) or, by default, the FLOP model in units of one forward pass of the
   // whole model (B and W each cost about what F does).
-  const std::vector<double> flops = pipeline::layer_costs(config.model, T);
-  pipeline::LayerCosts measured;
-  if (a.has("--layer-costs")) {
-    measured = pipeline::read_layer_costs(a.get("--layer-costs"), L);
-  } else {
-    double total = 0;
-    for (double c : flops) total += c;
-    std::vector<double> unit(flops);
-    for (double& c : unit) c /= total;
-    measured.forward = measured.backward_input = measured.backward_weight = unit;
-    measured.comm = measured.activation_bytes = measured.param_bytes = std::vector<double>(L, 0.0);
-    measured.message_ms = 0;
-  }
-  const std::string kind = a.get("--partitioner", a.has("--layer-costs") ? "dp" : "static");
-  const int64_t cap_mib = a.get_int("--stage-memory-mib", 0);
-  check(cap_mib >= 0, "schedule --stage-memory-mib: expected >= 0, found " + std::to_string(cap_mib));
-  pipeline::PartitionProblem problem;
-  problem.costs = measured;
-  problem.flops = flops;
-  problem.schedule = {pipeline::parse_kind(p.schedule), p.pipeline, pipeline::micro_batches(config),
-                      pipeline::virtual_stages(p)};
-  problem.stage_memory_cap = cap_mib << 20;
+  if (a.has("--layer-costs")) config.parallel.layer_costs = a.get("--layer-costs");
+  if (a.has("--stage-memory-mib")) config.parallel.stage_memory_mib = a.get_int("--stage-memory-mib", 0);
+  check(config.parallel.stage_memory_mib >= 0,
+        "schedule --stage-memory-mib: expected >= 0, found " + std::to_string(config.parallel.stage_memory_mib));
+  const bool measured_costs = !config.parallel.layer_costs.empty();
+  const std::string kind = a.get("--partitioner", measured_costs ? "dp" : config.parallel.partitioner);
+  const pipeline::PartitionProblem problem = pipeline::problem_for(config);
+  const pipeline::LayerCosts& measured = problem.costs;
   const std::unique_ptr<pipeline::Partitioner> partitioner = pipeline::make_partitioner(kind, config.train.seed);
   const std::vector<LayerRange> static_cut = pipeline::StaticPartitioner().cut(problem, {});
   std::vector<LayerRange> stages;
   std::string how;
   if (!p.stage_boundaries.empty()) {
-    stages = pipeline::cut_stages(flops, problem.stages(), p.stage_boundaries);
+    stages = pipeline::startup_cut(config);
     how = "parallel.stage_boundaries";
   } else if (kind == "qlearning") {
     // The agent's decisions from the static cut: how many it takes to come within 5 % of the
@@ -589,16 +575,8 @@ int cmd_schedule(const Args& a) {
     const int decisions = static_cast<int>(a.get_int("--decisions", 50));
     check(decisions >= 1, "schedule --decisions: expected >= 1, found " + std::to_string(decisions));
     const double optimum = pipeline::score_cut(problem, pipeline::DpPartitioner().cut(problem, {})).span;
-    std::vector<LayerRange> now = static_cut;
-    stages = now;
-    double best = pipeline::score_cut(problem, now).span;
-    int within = best <= 1.05 * optimum ? 0 : -1;
-    for (int d = 1; d <= decisions; ++d) {
-      now = partitioner->cut(problem, now);
-      const double span = pipeline::score_cut(problem, now).span;
-      if (span < best) best = span, stages = now;
-      if (within < 0 && span <= 1.05 * optimum) within = d;
-    }
+    int within = -1;
+    stages = pipeline::learn_cut(*partitioner, problem, static_cut, decisions, optimum, &within);
     how = "qlearning, " + std::to_string(decisions) + " decisions: " +
           (within < 0 ? "never within 5 % of dp" : "within 5 % of dp after " + std::to_string(within));
   } else {
@@ -645,7 +623,7 @@ int cmd_schedule(const Args& a) {
                 r, layers.c_str(), plan.check.peak_in_flight[r], plan.check.peak_bytes[r] / 1e6, 100 * t.rank_bubble[r]);
   }
   std::printf("simulated bubble %.1f%%, step %.3g %s (%s)\n%s", 100 * t.bubble, t.makespan,
-              a.has("--layer-costs") ? "ms" : "forward passes", a.has("--layer-costs") ? "measured costs" : "costs from layer FLOPs; messages free",
+              measured_costs ? "ms" : "forward passes", measured_costs ? "measured costs" : "costs from layer FLOPs; messages free",
               pipeline::gantt(t, width).c_str());
   if (a.has("--trace")) {
     const std::string trace = pipeline::chrome_trace(t, "keel schedule " + p.schedule);

@@ -127,7 +127,14 @@ struct ParallelConfig {
   int pipeline = 1;
   std::string schedule = "1f1b";     // gpipe | 1f1b | interleaved | zb-h1 | zb-h2 | zb-v
   int virtual_stages = 0;            // stages per rank; 0 = the schedule's (interleaved, zb-v: 2; else 1)
-  std::string stage_boundaries;      // first layer of stages 1.. ("3,6"); "" = balanced by layer cost
+  std::string stage_boundaries;      // first layer of stages 1.. ("3,6"); "" = cut by `partitioner`
+  // How stages are cut when stage_boundaries is "" (pipeline/partitioner.h): static (the FLOP
+  // model's balanced cut) | dp | qlearning, on the per-layer costs in `layer_costs` (a run's
+  // metrics.jsonl or a costs file; "" = the FLOP model), every stage within stage_memory_mib
+  // (parameters, gradients, moments and activations in flight; 0 = no cap).
+  std::string partitioner = "static";
+  std::string layer_costs;
+  int64_t stage_memory_mib = 0;
   int micro_batches = 0;             // per step; 0 = train.grad_accum (each of train.batch_size sequences)
   // Choose the micro-batch count from measured stage times: step 2 runs micro_batches, step 3 a
   // second count, and from step 4 on the count whose simulated step is shortest (logged, with why).

@@ -98,7 +98,13 @@ void validate_pipeline_config(const ParallelConfig& p, const TrainConfig& t, int
             p.predict_gradients + "\"");
   check(p.lookahead >= 0, "config key 'parallel.lookahead': expected >= 0, found " + std::to_string(p.lookahead));
   check(p.activation_mib >= 0, "config key 'parallel.activation_mib': expected >= 0, found " + s(p.activation_mib));
+  check(p.partitioner == "static" || p.partitioner == "dp" || p.partitioner == "qlearning",
+        "config key 'parallel.partitioner': expected static, dp or qlearning, found \"" + p.partitioner + "\"");
+  check(p.stage_memory_mib >= 0, "config key 'parallel.stage_memory_mib': expected >= 0, found " + s(p.stage_memory_mib));
   if (p.pipeline == 1) {
+    check(p.partitioner == "static" && p.layer_costs.empty() && p.stage_memory_mib == 0,
+          "config key 'parallel.partitioner': cutting stages (partitioner, layer_costs, stage_memory_mib) only with "
+          "parallel.pipeline > 1");
     check(p.micro_batches == 0, "config key 'parallel.micro_batches': only with parallel.pipeline > 1 (use train.grad_accum)");
     check(p.stage_boundaries.empty(), "config key 'parallel.stage_boundaries': only with parallel.pipeline > 1");
     check(!p.dynamic_micro_batches, "config key 'parallel.dynamic_micro_batches': only with parallel.pipeline > 1");
@@ -106,6 +112,9 @@ void validate_pipeline_config(const ParallelConfig& p, const TrainConfig& t, int
     check(!p.post_validate, "config key 'parallel.post_validate': only with parallel.pipeline > 1");
     return;
   }
+  check(p.stage_boundaries.empty() || (p.partitioner == "static" && p.layer_costs.empty() && p.stage_memory_mib == 0),
+        "config key 'parallel.stage_boundaries': a fixed cut, not with parallel.partitioner, layer_costs or "
+        "stage_memory_mib");
   const int stages = p.pipeline * v;
   check(stages <= n_layer + 2, "config key 'parallel.pipeline': " + s(stages) + " stages (" + s(p.pipeline) + " ranks x " + s(v) +
                                    ") for " + s(n_layer + 2) + " layers (embedding, " + s(n_layer) +

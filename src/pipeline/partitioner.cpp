@@ -101,6 +101,70 @@ CutScore score_cut(const PartitionProblem& p, const std::vector<LayerRange>& cut
   return score;
 }
 
+PartitionProblem problem_for(const Config& config) {
+  const ParallelConfig& par = config.parallel;
+  const int T = config.train.seq_len, L = config.model.n_layer + 2;
+  PartitionProblem p;
+  p.flops = layer_costs(config.model, T);
+  p.schedule = {parse_kind(par.schedule), par.pipeline, micro_batches(config), virtual_stages(par)};
+  p.stage_memory_cap = par.stage_memory_mib << 20;
+  if (!par.layer_costs.empty()) {
+    p.costs = read_layer_costs(par.layer_costs, L);
+  } else {
+    double total = 0;
+    for (double c : p.flops) total += c;
+    std::vector<double> third(p.flops);
+    for (double& c : third) c /= 3 * total;
+    p.costs.forward = p.costs.backward_input = p.costs.backward_weight = third;
+    p.costs.comm = p.costs.activation_bytes = p.costs.param_bytes = std::vector<double>(L, 0.0);
+    p.costs.message_ms = 0;
+    p.costs.seq_len = T;
+  }
+  // Bytes the costs do not carry: the model's (a registry of its tensors, nothing allocated).
+  ChunkStore registry(config.store.chunk_bytes);
+  const GPT model(config.model, registry);
+  registry.finalize_layout();
+  std::vector<double> params(static_cast<size_t>(L), 0.0);
+  for (const Chunk& c : registry.chunks()) params[c.layer] += static_cast<double>(c.numel) * sizeof(float);
+  const int micro_batch = config.train.batch_size * config.train.grad_accum / p.schedule.micro;
+  for (int i = 0; i < L; ++i) {
+    if (p.costs.param_bytes[i] <= 0) p.costs.param_bytes[i] = params[i];
+    if (p.costs.activation_bytes[i] <= 0) {
+      p.costs.activation_bytes[i] = static_cast<double>(GPT::slot_bytes_for(config.model, {i, i}, micro_batch, T,
+                                                                            config.runtime.precision == "bf16"));
+    }
+  }
+  return p;
+}
+
+std::vector<LayerRange> learn_cut(Partitioner& agent, const PartitionProblem& p, std::vector<LayerRange> start,
+                                  int decisions, double optimum, int* within) {
+  std::vector<LayerRange> best = start, now = std::move(start);
+  double best_span = score_cut(p, now).span;
+  if (within != nullptr) *within = best_span <= 1.05 * optimum ? 0 : -1;
+  for (int d = 1; d <= decisions; ++d) {
+    now = agent.cut(p, now);
+    const CutScore sc = score_cut(p, now);
+    if (sc.fits && sc.span < best_span) best = now, best_span = sc.span;
+    if (within != nullptr && *within < 0 && sc.span <= 1.05 * optimum) *within = d;
+  }
+  return best;
+}
+
+std::vector<LayerRange> startup_cut(const Config& config) {
+  const ParallelConfig& par = config.parallel;
+  const int S = par.pipeline * virtual_stages(par);
+  if (!par.stage_boundaries.empty() ||
+      (par.partitioner == "static" && par.layer_costs.empty() && par.stage_memory_mib == 0)) {
+    return cut_stages(layer_costs(config.model, config.train.seq_len), S, par.stage_boundaries);
+  }
+  const PartitionProblem p = problem_for(config);
+  const std::vector<LayerRange> start = StaticPartitioner().cut(p, {});
+  const std::unique_ptr<Partitioner> partitioner = make_partitioner(par.partitioner, config.train.seed);
+  if (par.partitioner == "qlearning") return learn_cut(*partitioner, p, start, 50);
+  return partitioner->cut(p, start);
+}
+
 std::unique_ptr<Partitioner> make_partitioner(const std::string& kind, uint64_t seed) {
   if (kind == "static") return std::make_unique<StaticPartitioner>();
   if (kind == "dp") return std::make_unique<DpPartitioner>();

@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "core/config.h"
 #include "core/rng.h"
 #include "model/gpt.h"
 #include "pipeline/layer_profile.h"
@@ -65,6 +66,19 @@ class Partitioner {
   // from it, the others ignore it). Throws keel::Error when no cut fits the memory cap.
   virtual std::vector<LayerRange> cut(const PartitionProblem& p, const std::vector<LayerRange>& current) = 0;
 };
+
+// The problem a config poses: its schedule and stage count, parallel.stage_memory_mib, and the
+// costs in parallel.layer_costs or, without a file, the FLOP model's (F = B = W); bytes per layer
+// the file lacks are the model's own (parameters; activations of one micro-batch).
+PartitionProblem problem_for(const Config& config);
+
+// The best cut (least simulated span) the learning agent reaches in `decisions` decisions from
+// `start`; `within` (if given) gets the first decision within 5 % of `optimum` (-1: none).
+std::vector<LayerRange> learn_cut(Partitioner& agent, const PartitionProblem& p, std::vector<LayerRange> start,
+                                  int decisions, double optimum = 0, int* within = nullptr);
+
+// The cut a config runs at start-up: parallel.stage_boundaries, or its partitioner's.
+std::vector<LayerRange> startup_cut(const Config& config);
 
 // "static", "dp" or "qlearning" (parallel.partitioner); throws naming the key otherwise.
 std::unique_ptr<Partitioner> make_partitioner(const std::string& kind, uint64_t seed);

@@ -10,6 +10,7 @@
 #include "core/fileio.h"
 #include "optim/adamw.h"
 #include "pipeline/micro_batching.h"
+#include "pipeline/partitioner.h"
 #include "store/tiers.h"
 
 namespace keel::pipeline {
@@ -46,7 +47,9 @@ std::vector<Interval> decode_timeline(const std::string& text) {
 PipelineLayout PipelineLayout::make(const Config& config, int pipeline_rank) {
   PipelineLayout l;
   const int S = config.parallel.pipeline * virtual_stages(config.parallel);
-  l.stages = cut_stages(layer_costs(config.model, config.train.seq_len), S, config.parallel.stage_boundaries);
+  l.stages = startup_cut(config);
+  check(static_cast<int>(l.stages.size()) == S, "pipeline: " + std::to_string(l.stages.size()) + " stages cut for " +
+                                                    std::to_string(S));
   l.plan = pipeline::plan(config, l.stages, micro_batches(config));
   for (int s : l.plan.schedule.stages_of(pipeline_rank)) l.mine.push_back(l.stages[s]);
   return l;
