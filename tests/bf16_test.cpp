@@ -265,17 +265,7 @@ class Bf16Training : public ::testing::Test {
     }
     return loss;
   }
-  std::vector<double> losses(const std::string& run) {
-    std::vector<double> out;
-    const std::string text = read_text_file(dir / (run + "/metrics.jsonl"));
-    for (size_t at = 0; at < text.size();) {
-      const size_t end = std::min(text.find('\n', at), text.size());
-      const nlohmann::json j = nlohmann::json::parse(text.substr(at, end - at));
-      if (j.contains("loss") && !j.contains("event")) out.push_back(j.at("loss").get<double>());
-      at = end + 1;
-    }
-    return out;
-  }
+  std::vector<double> losses(const std::string& run) { return testing::step_losses(dir / (run + "/metrics.jsonl")); }
   testing::TempDir dir{"keel-bf16"};
 };
 

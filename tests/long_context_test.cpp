@@ -52,17 +52,7 @@ class LongContextTraining : public ::testing::Test {
     testing::write_toy_corpus(dir.path());
     testing::write_toy_config(dir.path(), 3);
   }
-  std::vector<double> losses(const std::string& run) {
-    std::vector<double> out;
-    const std::string text = read_text_file(dir / (run + "/metrics.jsonl"));
-    for (size_t at = 0; at < text.size();) {
-      const size_t end = std::min(text.find('\n', at), text.size());
-      const nlohmann::json j = nlohmann::json::parse(text.substr(at, end - at));
-      if (j.contains("loss") && !j.contains("event")) out.push_back(j.at("loss").get<double>());
-      at = end + 1;
-    }
-    return out;
-  }
+  std::vector<double> losses(const std::string& run) { return testing::step_losses(dir / (run + "/metrics.jsonl")); }
   testing::CommandResult train(const std::string& run, int T, const std::string& extra) {
     return testing::run_keel("train --config " + dir / "toy.toml" + " --set train.run_dir=" + dir / run +
                              " --set model.preset=llama-tiny --set model.vocab_size=64 --set model.max_seq_len=" +

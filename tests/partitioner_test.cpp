@@ -275,5 +275,29 @@ TEST(LayerProfiler, ARunCutsItsStagesByMeasuredCostsAndBadSettingsAreOneLine) {
       << one.output;
 }
 
+// Frozen layers (optim.freeze_layers) skip their B and W: the profile shows none, and a
+// pipeline still trains the bytes one rank trains (one thread per rank).
+TEST(LayerProfiler, FrozenLayersSkipTheirBackwardPasses) {
+  testing::TempDir dir("keel-frozen");
+  testing::write_toy_corpus(dir.path());
+  testing::write_toy_config(dir.path(), 8);
+  const std::string common = " --set model.n_layer=4 --set train.batch_size=2 --set train.grad_accum=4 "
+                             "--set train.eval_every=0 --set optim.freeze_layers=3 --set runtime.threads=1 "
+                             "--set monitor.layer_costs_every=5";
+  ASSERT_EQ(testing::run_keel("train --config " + dir / "toy.toml" + common + " --set train.run_dir=" + dir / "one").exit_code, 0);
+  const testing::CommandResult pipe = testing::run_keel("launch -n 2 -- train --config " + dir / "toy.toml" + common +
+                                                        " --set parallel.pipeline=2 --set train.run_dir=" + dir / "pipe");
+  ASSERT_EQ(pipe.exit_code, 0) << pipe.output;
+  for (Plane p : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+    EXPECT_TRUE(testing::checkpoint_bytes(dir / "one/ckpt", p) == testing::checkpoint_bytes(dir / "pipe/ckpt", p))
+        << static_cast<int>(p);
+  }
+  const LayerCosts costs = read_layer_costs(dir / "one/metrics.jsonl", 6);
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_EQ(costs.backward_input[i] == 0, i < 3) << "layer " << i;
+    EXPECT_EQ(costs.backward_weight[i] == 0, i < 3) << "layer " << i;
+  }
+}
+
 }  // namespace
 }  // namespace keel::pipeline

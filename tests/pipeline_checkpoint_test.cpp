@@ -57,17 +57,7 @@ class PipelineCheckpoints : public ::testing::Test {
   }
   static std::string at(const std::string& run) { return dir_->path() + "/" + run; }
   static std::string step8() { return at("periodic") + "/ckpt/step-00000008"; }
-  static std::vector<double> losses(const std::string& run) {
-    std::vector<double> out;
-    const std::string text = read_text_file(at(run) + "/metrics.jsonl");
-    for (size_t start = 0; start < text.size();) {
-      const size_t end = std::min(text.find('\n', start), text.size());
-      const nlohmann::json j = nlohmann::json::parse(text.substr(start, end - start));
-      if (j.contains("loss") && !j.contains("event")) out.push_back(j.at("loss").get<double>());
-      start = end + 1;
-    }
-    return out;
-  }
+  static std::vector<double> losses(const std::string& run) { return testing::step_losses(at(run) + "/metrics.jsonl"); }
   // The newest checkpoints under two runs hold the same parameters and AdamW moments, byte for byte.
   static void expect_same_state(const std::string& a, const std::string& b) {
     for (Plane p : {Plane::param, Plane::adam_m, Plane::adam_v}) {

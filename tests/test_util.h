@@ -79,6 +79,19 @@ inline std::vector<char> checkpoint_bytes(const std::string& root, Plane plane =
   return std::vector<char>(p, p + v.size() * sizeof(float));
 }
 
+// The training loss of every step line of a run's metrics.jsonl, in order.
+inline std::vector<double> step_losses(const std::string& metrics_jsonl) {
+  std::vector<double> out;
+  const std::string text = read_text_file(metrics_jsonl);
+  for (size_t at = 0; at < text.size();) {
+    const size_t end = std::min(text.find('\n', at), text.size());
+    const nlohmann::json j = nlohmann::json::parse(text.substr(at, end - at));
+    if (j.contains("loss") && !j.contains("event")) out.push_back(j.at("loss").get<double>());
+    at = end + 1;
+  }
+  return out;
+}
+
 // Per-tensor relative L2 distance between the final weights of the newest checkpoints under two
 // checkpoint roots (the same model), keyed by tensor name.
 inline std::map<std::string, double> weight_distance(const std::string& root_a, const std::string& root_b) {

@@ -408,10 +408,12 @@ float GPT::forward(const LayerRange& range, int slot, const Batch& batch) {
 void GPT::backward_input(const LayerRange& range, int slot, const Batch& batch, BackwardObserver* observer) {
   check_batch(batch, slot);
   for (int i = range.last; i >= range.first; --i) {
-    bind(slot, i);
-    const auto t0 = std::chrono::steady_clock::now();
-    layers_[i]->backward_input(batch, input(slot, i), output_grad(slot, i), i == 0 ? nullptr : dx_[slot][i - 1]);
-    times_.backward_input[i] += ms_since(t0);
+    if (i >= frozen_) {  // below a frozen layer every layer is frozen: no gradient is wanted there
+      bind(slot, i);
+      const auto t0 = std::chrono::steady_clock::now();
+      layers_[i]->backward_input(batch, input(slot, i), output_grad(slot, i), i == 0 ? nullptr : dx_[slot][i - 1]);
+      times_.backward_input[i] += ms_since(t0);
+    }
     if (observer != nullptr) observer->after_backward_input(i);
   }
 }
@@ -419,10 +421,12 @@ void GPT::backward_input(const LayerRange& range, int slot, const Batch& batch, 
 void GPT::backward_weight(const LayerRange& range, int slot, const Batch& batch, BackwardObserver* observer) {
   check_batch(batch, slot);
   for (int i = range.last; i >= range.first; --i) {
-    bind(slot, i);
-    const auto t0 = std::chrono::steady_clock::now();
-    layers_[i]->backward_weight(batch, input(slot, i), output_grad(slot, i));
-    times_.backward_weight[i] += ms_since(t0);
+    if (i >= frozen_) {
+      bind(slot, i);
+      const auto t0 = std::chrono::steady_clock::now();
+      layers_[i]->backward_weight(batch, input(slot, i), output_grad(slot, i));
+      times_.backward_weight[i] += ms_since(t0);
+    }
     if (observer != nullptr) observer->after_backward_weight(i);
   }
 }

@@ -81,6 +81,11 @@ class GPT {
   float* input_grad(int slot, int layer) { return layer == 0 ? nullptr : dx_[slot][layer - 1]; }
   float* output_grad(int slot, int layer) { return layer == num_layers() - 1 ? nullptr : dx_[slot][layer]; }
 
+  // Layers 0..n-1 are frozen (optim.freeze_layers): backward passes skip their B and W (no
+  // gradient below them is wanted; observers still hear of every layer). Their gradients were
+  // discarded anyway, so the result is the same bytes, sooner.
+  void set_frozen_layers(int n) { frozen_ = n; }
+
   // Milliseconds each of this rank's layers spent in F, B and W (indexed by layer; zero for the
   // layers of other ranks) since the last call, which resets them: what the layer profiler
   // (pipeline/layer_profile.h) measures.
@@ -141,6 +146,7 @@ class GPT {
   std::vector<std::vector<float*>> act_, x_, dx_;
   std::vector<int> bound_;  // the slot each layer is bound to
   LayerTimes times_;
+  int frozen_ = 0;
 };
 
 }  // namespace keel

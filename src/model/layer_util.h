@@ -49,8 +49,6 @@ class Stash {
     if (bf16_) to_bf16(reinterpret_cast<uint16_t*>(p_), written, n);
   }
   Operand read() const { return bf16_ ? Operand::bits(reinterpret_cast<const uint16_t*>(p_)) : Operand(p_); }
-  // float32 storage (the model keeps activations in float32).
-  float* f32() const { return bf16_ ? nullptr : p_; }
 
  private:
   float* p_ = nullptr;

@@ -28,8 +28,8 @@ std::vector<LayerRange> cut_of(const std::vector<int>& firsts, int L) {
 
 // Micro-batches each stage keeps in flight at its peak under the schedule (its rank's peak shared
 // by the rank's stages).
-std::vector<int> in_flight_per_stage(const ScheduleSpec& spec) {
-  const Schedule schedule = make_schedule(spec);
+std::vector<int> in_flight_per_stage(const Schedule& schedule) {
+  const ScheduleSpec& spec = schedule.spec;
   const ScheduleCheck check = validate(schedule);
   std::vector<int> out(static_cast<size_t>(schedule.num_stages()), 1);
   for (int r = 0; r < spec.ranks; ++r) {
@@ -78,7 +78,8 @@ std::string boundaries_of(const std::vector<LayerRange>& cut) {
 
 CutScore score_cut(const PartitionProblem& p, const std::vector<LayerRange>& cut) {
   const LayerCosts& c = p.costs;
-  const std::vector<int> in_flight = in_flight_per_stage(p.schedule);
+  const Schedule schedule = make_schedule(p.schedule);
+  const std::vector<int> in_flight = in_flight_per_stage(schedule);
   Costs costs;
   costs.comm = message_ms(p);
   CutScore score;
@@ -95,7 +96,7 @@ CutScore score_cut(const PartitionProblem& p, const std::vector<LayerRange>& cut
     score.stage_bytes.push_back(static_cast<int64_t>(4 * params + in_flight[s] * act));
     if (p.stage_memory_cap > 0 && score.stage_bytes.back() > p.stage_memory_cap) score.fits = false;
   }
-  const Timeline t = simulate(make_schedule(p.schedule), costs);
+  const Timeline t = simulate(schedule, costs);
   score.span = t.makespan;
   score.bubble = t.bubble;
   return score;
@@ -180,7 +181,7 @@ std::vector<LayerRange> DpPartitioner::cut(const PartitionProblem& p, const std:
   const int L = p.costs.layers(), S = p.stages();
   check(S >= 1 && S <= L, "partitioner: " + std::to_string(S) + " stages for " + std::to_string(L) + " layers");
   const std::vector<double> cost = p.costs.total();
-  const std::vector<int> in_flight = in_flight_per_stage(p.schedule);
+  const std::vector<int> in_flight = in_flight_per_stage(make_schedule(p.schedule));
   std::vector<double> prefix(L + 1, 0), params(L + 1, 0), act(L + 1, 0);
   for (int i = 0; i < L; ++i) {
     prefix[i + 1] = prefix[i] + cost[i];

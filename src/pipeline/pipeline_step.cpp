@@ -68,6 +68,7 @@ PipelineStep::PipelineStep(const Config& config, ProcessGroups& groups, Pipeline
       log_event_(std::move(log_event)),
       stages_(std::move(layout.stages)) {
   if (config_.parallel.predict_gradients != "off") prediction_.emplace(config_.parallel.predict_gradients, store_);
+  model_.set_frozen_layers(config_.optim.freeze_layers);
   if (config_.monitor.layer_costs_every > 0) {
     profiler_ = std::make_unique<LayerProfiler>(model_, &groups_.pp(), config_.monitor.layer_costs_every, log_event_);
   }

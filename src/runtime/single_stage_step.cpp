@@ -9,6 +9,7 @@ SingleStageStep::SingleStageStep(const Config& config, Communicator& dp, ChunkSt
                                  std::function<void(const nlohmann::json&)> log_event)
     : config_(config), dp_(dp), store_(store), model_(model), data_(data), sync_(sync), optimizer_(optimizer) {
   model_.allocate(config.train.batch_size, config.train.seq_len);
+  model_.set_frozen_layers(config.optim.freeze_layers);
   if (config.monitor.layer_costs_every > 0) {
     profiler_ = std::make_unique<pipeline::LayerProfiler>(model, nullptr, config.monitor.layer_costs_every,
                                                           std::move(log_event));
