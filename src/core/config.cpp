@@ -562,7 +562,8 @@ void Config::resolve(int world_size) {
             std::to_string(w));
   }
   require(!model.dynamic_window() || parallel.pipeline <= 1, "model.attention_window",
-          "not \"dynamic\" with parallel.pipeline > 1 (pipelined runs keep no checkpoints to carry the windows yet)",
+          "not \"dynamic\" with parallel.pipeline > 1 (each stage would probe only its own layers: the windows "
+          "are not yet gathered over the stages)",
           "\"dynamic\"");
 
   auto s = [](auto v) { return std::to_string(v); };
