@@ -115,63 +115,79 @@ LayerCosts read_layer_costs(const std::string& path, int layers) {
 LayerProfiler::LayerProfiler(GPT& model, Communicator* stages, int every, std::function<void(const json&)> log_event)
     : model_(model), stages_(stages), every_(every), log_event_(std::move(log_event)) {
   const int L = model.num_layers();
-  smoothed_ = interval_ = predicted_ = zeros(L);
+  smoothed_ = local_ = interval_ = predicted_ = zeros(L);
 }
 
 void LayerProfiler::after_step(int64_t step, int seq_len, int micro_batch, int micro_batches,
                                const std::vector<double>* comm_ms, double message_ms) {
   const int L = model_.num_layers();
-  GPT::LayerTimes t = model_.take_layer_times();
+  const GPT::LayerTimes t = model_.take_layer_times();
   report_now_ = false;
-  // [F | B | W | comm | activation bytes | parameter bytes], this rank's layers; summed over the
-  // stages' ranks (each layer is on one of them).
-  std::vector<double> v(static_cast<size_t>(6) * L, 0.0);
+  // The first step pays for first touches and one-time set-up: not a cost of the layers.
+  if (step <= 1) return;
+  // This rank's layers, smoothed and summed over the interval here; the ranks' figures meet only
+  // at a report (each layer is on one rank, so their sum is the model's).
+  const bool first = steps_ == 0;
+  steps_++;
+  interval_steps_++;
+  const double per = 1.0 / std::max(1, micro_batches);
+  for (int i = 0; i < L; ++i) {
+    const double x[4] = {t.forward[i] * per, t.backward_input[i] * per, t.backward_weight[i] * per,
+                         comm_ms != nullptr ? (*comm_ms)[i] * per : 0.0};
+    std::vector<double*> s = columns(local_, static_cast<size_t>(i)), n = columns(interval_, static_cast<size_t>(i));
+    for (int k = 0; k < 4; ++k) {
+      *s[k] = first ? x[k] : (1 - kSmoothing) * *s[k] + kSmoothing * x[k];
+      *n[k] += x[k];
+    }
+  }
+  if (message_ms >= 0) {
+    local_.message_ms = local_.message_ms < 0 ? message_ms : (1 - kSmoothing) * local_.message_ms + kSmoothing * message_ms;
+  }
+  if (every_ <= 0 || interval_steps_ < every_) return;
+  // A report: [smoothed F | B | W | comm | interval F | B | W | comm | activation bytes |
+  // parameter bytes] summed over the stages' ranks, the quickest message over them.
   std::vector<double> params(static_cast<size_t>(L), 0.0);
   for (const Chunk& c : model_.store().chunks()) {
     if (!c.replica) params[c.layer] += static_cast<double>(c.numel) * sizeof(float);
   }
-  const double per = 1.0 / std::max(1, micro_batches);
+  std::vector<double> v(static_cast<size_t>(10) * L, 0.0);
   for (int i = 0; i < L; ++i) {
-    v[i] = t.forward[i] * per;
-    v[L + i] = t.backward_input[i] * per;
-    v[2 * L + i] = t.backward_weight[i] * per;
-    v[3 * L + i] = comm_ms != nullptr ? (*comm_ms)[i] * per : 0.0;
-    v[4 * L + i] = model_.has_layer(i) ? static_cast<double>(model_.layer_activation_bytes(i, micro_batch, seq_len)) : 0;
-    v[5 * L + i] = model_.has_layer(i) ? params[i] : 0.0;
+    std::vector<double*> s = columns(local_, static_cast<size_t>(i)), n = columns(interval_, static_cast<size_t>(i));
+    for (int k = 0; k < 4; ++k) {
+      v[static_cast<size_t>(k) * L + i] = *s[k];
+      v[static_cast<size_t>(k + 4) * L + i] = *n[k];
+    }
+    if (model_.has_layer(i)) {
+      v[8 * L + i] = static_cast<double>(model_.layer_activation_bytes(i, micro_batch, seq_len));
+      v[9 * L + i] = params[i];
+    }
   }
+  double quickest = local_.message_ms;
   if (stages_ != nullptr && stages_->size() > 1) {
     stages_->allreduce_sum(v.data(), v.size());
-    const double quickest = stages_->allreduce_min(message_ms < 0 ? 1e300 : message_ms);  // (every rank calls it)
-    message_ms = quickest >= 1e300 ? -1 : quickest;
+    const double q = stages_->allreduce_min(quickest < 0 ? 1e300 : quickest);
+    quickest = q >= 1e300 ? -1 : q;
   }
-  // The first step pays for first touches and one-time set-up: not a cost of the layers.
-  if (step <= 1) return;
-  const bool first = steps_ == 0;
-  steps_++;
-  interval_steps_++;
+  LayerCosts measured = zeros(L);  // the interval's mean
   for (int i = 0; i < L; ++i) {
-    std::vector<double*> s = columns(smoothed_, static_cast<size_t>(i)), n = columns(interval_, static_cast<size_t>(i));
+    std::vector<double*> s = columns(smoothed_, static_cast<size_t>(i)), n = columns(measured, static_cast<size_t>(i));
     for (int k = 0; k < 4; ++k) {
-      const double x = v[static_cast<size_t>(k) * L + i];
-      *s[k] = first ? x : (1 - kSmoothing) * *s[k] + kSmoothing * x;
-      *n[k] += x;
+      *s[k] = v[static_cast<size_t>(k) * L + i];
+      *n[k] = v[static_cast<size_t>(k + 4) * L + i] / interval_steps_;
     }
-    smoothed_.activation_bytes[i] = v[4 * L + i];
-    smoothed_.param_bytes[i] = v[5 * L + i];
+    smoothed_.activation_bytes[i] = v[8 * L + i];
+    smoothed_.param_bytes[i] = v[9 * L + i];
   }
   smoothed_.seq_len = seq_len;
-  if (message_ms >= 0) {
-    smoothed_.message_ms = smoothed_.message_ms < 0 ? message_ms : (1 - kSmoothing) * smoothed_.message_ms + kSmoothing * message_ms;
-  }
-  if (every_ <= 0 || interval_steps_ < every_) return;
-  // The interval's mean against the prediction made at the last report (scaled to this
-  // interval's sequence length).
-  const std::vector<double> measured_total = interval_.total(), predicted_total = predicted_.at_seq_len(model_.config(), seq_len).total();
+  smoothed_.message_ms = quickest;
+  // The interval against the prediction made at the last report (scaled to this interval's
+  // sequence length).
+  const std::vector<double> measured_total = measured.total(),
+                            predicted_total = predicted_.at_seq_len(model_.config(), seq_len).total();
   double err = 0, sum = 0;
   for (int i = 0; i < L; ++i) {
-    const double m = measured_total[i] / interval_steps_;
-    err += std::abs(predicted_total[i] - m);
-    sum += m;
+    err += std::abs(predicted_total[i] - measured_total[i]);
+    sum += measured_total[i];
   }
   error_ = predicted_.seq_len > 0 && sum > 0 ? err / sum : -1;
   predicted_ = smoothed_;

@@ -4,7 +4,8 @@
 // around each call, nothing else); the profiler adds the step's send and receive time at each
 // stage boundary (from the executor's timeline), the bytes a micro-batch keeps per layer and each
 // layer's parameter bytes, sums the layers over the pipeline's ranks (each layer lives on one),
-// and smooths them (an exponential average). Every `every` steps it writes the smoothed costs as
+// and smooths them (an exponential average; each rank its own layers, the ranks' figures summed
+// only at a report: no collective in the other steps). Every `every` steps it writes the smoothed costs as
 // a `{"event": "layer_costs"}` line of metrics.jsonl — the object `keel schedule --layer-costs`
 // reads — with how far its previous prediction was from what the interval measured.
 //
@@ -65,9 +66,8 @@ class LayerProfiler final : public MetricsSource {
   void after_step(int64_t step, int seq_len, int micro_batch, int micro_batches, const std::vector<double>* comm_ms,
                   double message_ms);
 
-  // The smoothed costs (valid once a step was measured; the same on every rank of the group).
+  // The smoothed costs of the last report (the same on every rank of the group).
   const LayerCosts& costs() const { return smoothed_; }
-  bool measured() const { return steps_ > 0; }
   // Mean relative error of the last report's prediction against what its interval measured,
   // weighted by cost (-1 before there is one).
   double prediction_error() const { return error_; }
@@ -79,7 +79,9 @@ class LayerProfiler final : public MetricsSource {
   Communicator* stages_;
   int every_;
   std::function<void(const nlohmann::json&)> log_event_;
-  LayerCosts smoothed_, interval_, predicted_;
+  // smoothed_: the model's, at the last report; local_, interval_: this rank's layers since
+  // (smoothed, and summed over the interval's steps); predicted_: for the coming interval.
+  LayerCosts smoothed_, local_, interval_, predicted_;
   int interval_steps_ = 0;
   int64_t steps_ = 0;
   double error_ = -1;
