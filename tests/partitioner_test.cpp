@@ -82,6 +82,39 @@ TEST(Partitioner, DpFindsTheShortestSimulatedSpanAmongEveryCut) {
   }
 }
 
+// On problems too large to score every cut (40 layers into 8 stages: 15 M cuts), the min-max
+// programme against an independent method: binary search on the largest stage, each candidate
+// checked by greedy filling (optimal for contiguous cuts). The dp cut that starts from it never
+// has a longer simulated step.
+TEST(Partitioner, TheMinMaxProgrammeMatchesBinarySearchOnLargeProblems) {
+  Rng rng(11);
+  for (int trial = 0; trial < 10; ++trial) {
+    PartitionProblem p = problem(38, 1, 8, 16);
+    for (int i = 0; i < p.costs.layers(); ++i) p.costs.forward[i] = 0.1 + 3 * rng.uniform();
+    const std::vector<double> cost = p.costs.total();
+    auto stages_needed = [&](double cap) {
+      int n = 1;
+      double run = 0;
+      for (double c : cost) {
+        if (c > cap) return 1 << 30;
+        if (run + c > cap) n++, run = 0;
+        run += c;
+      }
+      return n;
+    };
+    double lo = 0, hi = 0;
+    for (double c : cost) hi += c;
+    for (int it = 0; it < 200; ++it) {
+      const double mid = (lo + hi) / 2;
+      (stages_needed(mid) <= 8 ? hi : lo) = mid;
+    }
+    const std::vector<LayerRange> cut = min_max_cut(p);
+    ASSERT_EQ(cut.size(), 8u);
+    EXPECT_NEAR(score_cut(p, cut).max_stage, hi, 1e-9 * hi) << trial;
+    EXPECT_LE(score_cut(p, DpPartitioner().cut(p, {})).span, score_cut(p, cut).span) << trial;
+  }
+}
+
 TEST(Partitioner, AHeavyHeadIsGivenAStageOfItsOwnWhereTheFlopModelDoesNot) {
   PartitionProblem p = problem(6, 4, 2, 8);  // the head costs 4 blocks
   const std::vector<LayerRange> flat = StaticPartitioner().cut(p, {}), dp = DpPartitioner().cut(p, {});

@@ -177,7 +177,7 @@ std::vector<LayerRange> StaticPartitioner::cut(const PartitionProblem& p, const 
   return cut_stages(p.flops, p.stages(), "");
 }
 
-std::vector<LayerRange> DpPartitioner::cut(const PartitionProblem& p, const std::vector<LayerRange>&) {
+std::vector<LayerRange> min_max_cut(const PartitionProblem& p) {
   const int L = p.costs.layers(), S = p.stages();
   check(S >= 1 && S <= L, "partitioner: " + std::to_string(S) + " stages for " + std::to_string(L) + " layers");
   const std::vector<double> cost = p.costs.total();
@@ -216,9 +216,14 @@ std::vector<LayerRange> DpPartitioner::cut(const PartitionProblem& p, const std:
     firsts[s - 1] = from[s][i];
     i = from[s][i];
   }
+  return cut_of(firsts, L);
+}
+
+std::vector<LayerRange> DpPartitioner::cut(const PartitionProblem& p, const std::vector<LayerRange>&) {
+  const int L = p.costs.layers(), S = p.stages();
   // Scored on the simulator: every cut that fits when there are few (at most kExhaustive), else
   // from the min-max cut, the best single-boundary move while one shortens the span.
-  std::vector<LayerRange> cut = cut_of(firsts, L);
+  std::vector<LayerRange> cut = min_max_cut(p);
   double span = score_cut(p, cut).span;
   double count = 1;  // cuts of L layers into S stages: C(L - 1, S - 1)
   for (int k = 1; k < S; ++k) count = count * (L - k) / k;

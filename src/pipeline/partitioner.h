@@ -55,6 +55,11 @@ struct CutScore {
 };
 CutScore score_cut(const PartitionProblem& p, const std::vector<LayerRange>& cut);
 
+// The cut whose largest stage (F + B + W + comm) is least among those within the memory cap:
+// the exact min-max dynamic programme the dp partitioner starts from. Throws keel::Error naming
+// parallel.stage_memory_mib when no cut fits.
+std::vector<LayerRange> min_max_cut(const PartitionProblem& p);
+
 // The first layer of stages 1..S-1 ("3,6,9": parallel.stage_boundaries' form) and back.
 std::string boundaries_of(const std::vector<LayerRange>& cut);
 
