@@ -7,7 +7,7 @@ packages=(
   build-essential cmake pkg-config
   clang                                 # libFuzzer (with ASan and UBSan) for the fuzz targets in fuzz/
   libopenblas-openmp-dev                # BLAS, the OpenMP build: BLAS and our kernels share one thread pool
-  libdnnl-dev                           # oneDNN: bf16 matrix products (runtime.precision = "bf16")
+  libdnnl-dev ocl-icd-opencl-dev        # oneDNN: bf16 matrix products (runtime.precision = "bf16"); its CMake config requires OpenCL
   libgtest-dev libbenchmark-dev         # tests and micro-benchmarks
   libtomlplusplus-dev nlohmann-json3-dev # configs (TOML) and JSON lines / manifests
   libzstd-dev libxxhash-dev             # compression and checksums for checkpoints
