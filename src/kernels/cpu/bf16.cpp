@@ -41,10 +41,19 @@ T* scratch(std::vector<T>& buffer, size_t n) {
 
 using Key = std::tuple<std::string, bool, bool, int, int, int, int, int, int, float, float>;
 
+// A cached primitive and the scratchpad bytes it needs. Its scratchpad is the caller's (one buffer
+// per thread): primitives run concurrently from attention's per-head threads, and oneDNN's
+// library-managed scratchpad is not safe to share between concurrent executions (two identical
+// runs differed in their last bits before this).
+struct Primitive {
+  dnnl::matmul matmul;
+  size_t scratchpad_bytes = 0;
+};
+
 struct OneDnn {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   std::mutex mutex;
-  std::map<Key, std::shared_ptr<dnnl::matmul>> cache;  // null: no implementation for that key
+  std::map<Key, std::shared_ptr<Primitive>> cache;  // null: no implementation for that key
 };
 
 OneDnn& onednn() {
@@ -53,15 +62,16 @@ OneDnn& onednn() {
 }
 
 // The primitive for one shape and layout, created on first use (nullptr where oneDNN has none).
-std::shared_ptr<dnnl::matmul> primitive(const Key& key, const dnnl::memory::desc& a, const dnnl::memory::desc& b,
-                                        const dnnl::memory::desc& c, float alpha, float beta) {
+std::shared_ptr<Primitive> primitive(const Key& key, const dnnl::memory::desc& a, const dnnl::memory::desc& b,
+                                     const dnnl::memory::desc& c, float alpha, float beta) {
   OneDnn& o = onednn();
   std::lock_guard<std::mutex> lock(o.mutex);
   const auto it = o.cache.find(key);
   if (it != o.cache.end()) return it->second;
-  std::shared_ptr<dnnl::matmul> p;
+  std::shared_ptr<Primitive> p;
   try {
     dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     if (alpha != 1.0f) attr.set_output_scales(0, {alpha});
     if (beta != 0.0f) {
       dnnl::post_ops ops;
@@ -69,7 +79,7 @@ std::shared_ptr<dnnl::matmul> primitive(const Key& key, const dnnl::memory::desc
       attr.set_post_ops(ops);
     }
     const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, o.engine);
-    p = std::make_shared<dnnl::matmul>(pd);
+    p = std::make_shared<Primitive>(Primitive{dnnl::matmul(pd), pd.scratchpad_desc().get_size()});
   } catch (const dnnl::error&) {
     p = nullptr;
   }
@@ -120,7 +130,7 @@ bool onednn_run(const char* dt, bool trans_a, bool trans_b, int M, int N, int K,
   const memory::desc b_md({K, N}, type, trans_b ? memory::dims{1, b_ld} : memory::dims{b_ld, 1});
   const memory::desc c_md({M, N}, memory::data_type::f32, memory::dims{ldc, 1});
   const Key key{dt, trans_a, trans_b, M, N, K, a_ld, b_ld, ldc, alpha, beta};
-  const std::shared_ptr<dnnl::matmul> p = primitive(key, a_md, b_md, c_md, alpha, beta);
+  const std::shared_ptr<Primitive> p = primitive(key, a_md, b_md, c_md, alpha, beta);
   if (!p) return false;
   const void* a_data = A.bf16 != nullptr ? static_cast<const void*>(A.bf16) : A.f32;
   const void* b_data = B.bf16 != nullptr ? static_cast<const void*>(B.bf16) : B.f32;
@@ -137,9 +147,14 @@ bool onednn_run(const char* dt, bool trans_a, bool trans_b, int M, int N, int K,
   }
   OneDnn& o = onednn();
   static thread_local dnnl::stream stream(onednn().engine);
+  static thread_local std::vector<uint8_t> pad;
+  uint8_t* pad_data = scratch(pad, std::max<size_t>(p->scratchpad_bytes, 1));
   memory a_mem(a_md, o.engine, const_cast<void*>(a_data)), b_mem(b_md, o.engine, const_cast<void*>(b_data)),
-      c_mem(c_md, o.engine, C);
-  p->execute(stream, {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem}, {DNNL_ARG_DST, c_mem}});
+      c_mem(c_md, o.engine, C),
+      pad_mem(memory::desc({static_cast<memory::dim>(p->scratchpad_bytes)}, memory::data_type::u8, memory::dims{1}),
+              o.engine, pad_data);
+  p->matmul.execute(stream, {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem}, {DNNL_ARG_DST, c_mem},
+                             {DNNL_ARG_SCRATCHPAD, pad_mem}});
   stream.wait();
   return true;
 }
