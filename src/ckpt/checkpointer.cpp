@@ -55,26 +55,37 @@ Checkpointer::Checkpointer(const Config& config, Communicator& world, ChunkStore
     : config_(config),
       comm_(world),
       run_dir_(config, world),
-      store_(store),
-      sync_(sync),
+      store_(&store),
+      sync_(&sync),
       peak_gflops_(peak_gflops),
       log_event_(std::move(log_event)),
-      // A stage's chunks are written by its replicas (the ZeRO shards of its moments, when sharded).
-      writers_(ChunkPartition::balanced(store, world.size() / std::max(1, config.parallel.pipeline))),
       writer_index_(comm_.rank() / std::max(1, config.parallel.pipeline)),
       root_(config.train.run_dir + "/ckpt") {
-  std::vector<ChunkTarget> targets;
   if (config.parallel.pipeline > 1) {
     whole_ = std::make_unique<ChunkStore>(config.store.chunk_bytes);
     const GPT model(config.model, *whole_);  // registers the tensors; nothing allocated
     whole_->finalize_layout();
-    targets = whole_model_targets(store_, *whole_);
   }
+  make_writer();
+  last_timed_ = std::chrono::steady_clock::now();
+}
+
+void Checkpointer::make_writer() {
+  // A stage's chunks are written by its replicas (the ZeRO shards of its moments, when sharded).
+  writers_ = ChunkPartition::balanced(*store_, comm_.size() / std::max(1, config_.parallel.pipeline));
+  std::vector<ChunkTarget> targets;
+  if (whole_) targets = whole_model_targets(*store_, *whole_);
   const bool periodic = config_.train.checkpoint_every > 0 || config_.train.checkpoint_every_minutes > 0;
-  writer_ = std::make_unique<CheckpointWriter>(store_, config_.checkpoint, comm_.rank(),
+  writer_ = std::make_unique<CheckpointWriter>(*store_, config_.checkpoint, comm_.rank(),
                                                writers_.first_chunk[writer_index_],
                                                writers_.first_chunk[writer_index_ + 1], periodic, std::move(targets));
-  last_timed_ = std::chrono::steady_clock::now();
+}
+
+void Checkpointer::relayout(ChunkStore& store, GradSync& sync) {
+  finish_in_flight();
+  store_ = &store;
+  sync_ = &sync;
+  make_writer();
 }
 
 Checkpointer::~Checkpointer() = default;
@@ -83,7 +94,7 @@ std::string Checkpointer::last_name() const { return writer_->name(); }
 
 double Checkpointer::buffer_bytes() const {
   // Where the store's pages move (tiers), checkpoints stream under leases: no snapshot buffers.
-  const int copies = !store_.residency().always_present()                         ? 0
+  const int copies = !store_->residency().always_present()                         ? 0
                      : config_.checkpoint.delta && config_.checkpoint.full_every > 1 ? 2
                                                                                      : 1;
   return copies * 3.0 * static_cast<double>(writers_.size(writer_index_)) * sizeof(float);
@@ -115,7 +126,7 @@ std::optional<TrainState> Checkpointer::resume() {
     std::vector<float> residual;
     std::string residual_note;
     try {
-      state = load_checkpoint(candidates[i], store_, config_, LoadMode::resume, world);
+      state = load_checkpoint(candidates[i], *store_, config_, LoadMode::resume, world);
       residual_note = load_residuals(state, residual);
     } catch (const Error& e) {
       why = e.what();
@@ -123,7 +134,7 @@ std::optional<TrainState> Checkpointer::resume() {
     // Every rank must load the same checkpoint: a candidate is used only if it verified on all ranks.
     if (comm_.allreduce_max(why.empty() ? 0.0 : 1.0) == 0.0) {
       for (const std::string& r : rejections) std::fprintf(stderr, "%s\n", r.c_str());
-      if (!residual.empty()) sync_.restore_residuals(residual);
+      if (!residual.empty()) sync_->restore_residuals(residual);
       if (!residual_note.empty() && comm_.is_root()) std::fprintf(stderr, "keel: %s\n", residual_note.c_str());
       state.dir = candidates[i];
       note_other_data(state);
@@ -146,12 +157,12 @@ std::optional<TrainState> Checkpointer::resume() {
   if (!candidates.empty()) {
     if (comm_.is_root()) std::fprintf(stderr, "keel: no usable checkpoint under %s: starting from step 0\n", resume.c_str());
     // A failed load may have written into the store: start from a clean state.
-    const auto [first, last] = store_.moment_chunks();
+    const auto [first, last] = store_->moment_chunks();
     for (int c = first; c < last; ++c) {
-      const Chunk& chunk = store_.chunks()[c];
-      for (Plane p : {Plane::adam_m, Plane::adam_v}) store_.discard(p, chunk.offset, chunk.numel);
+      const Chunk& chunk = store_->chunks()[c];
+      for (Plane p : {Plane::adam_m, Plane::adam_v}) store_->discard(p, chunk.offset, chunk.numel);
     }
-    for (const Chunk& c : store_.chunks()) store_.set_version(c.id, 0);
+    for (const Chunk& c : store_->chunks()) store_->set_version(c.id, 0);
   }
   return std::nullopt;
 }
@@ -188,12 +199,12 @@ void Checkpointer::note_other_data(const TrainState& state) const {
 
 std::string Checkpointer::load_residuals(const TrainState& state, std::vector<float>& out) {
   out.clear();
-  if (sync_.residual_size() == 0) return "";
+  if (sync_->residual_size() == 0) return "";
   const RankState* mine = nullptr;
   for (const RankState& r : state.ranks) {
     if (r.rank == comm_.rank()) mine = &r;
   }
-  const std::string layout = sync_.residual_layout();
+  const std::string layout = sync_->residual_layout();
   if (state.ranks.size() != static_cast<size_t>(comm_.size()) || mine == nullptr || !mine->has_residual) {
     return "checkpoint " + state.dir + " holds no compression residuals for this layout (written by " +
            std::to_string(state.ranks.size()) + " rank(s)): error feedback starts from zero";
@@ -203,7 +214,7 @@ std::string Checkpointer::load_residuals(const TrainState& state, std::vector<fl
            "; this run has " + layout + "): error feedback starts from zero";
   }
   out = read_rank_residual(state.dir, comm_.rank());
-  check(out.size() == sync_.residual_size(), "checkpoint " + state.dir + ": residual of rank " +
+  check(out.size() == sync_->residual_size(), "checkpoint " + state.dir + ": residual of rank " +
                                                  std::to_string(comm_.rank()) + " has the wrong size");
   return "";
 }
@@ -289,17 +300,17 @@ double Checkpointer::take_stall_ms() {
 
 void Checkpointer::begin(const std::string& root, int64_t step, const LoaderPosition& data) {
   const auto t0 = std::chrono::steady_clock::now();
-  store_.apply_pending();  // the checkpoint holds the state after the step's update
+  store_->apply_pending();  // the checkpoint holds the state after the step's update
   if (writer_->in_flight()) commit();  // one checkpoint in flight at a time
   RankState state;
   state.rank = comm_.rank();
   state.data = data;
   // Rank 0 names the checkpoint (a later attempt at a step that already has one gets a new name).
   const int attempt = static_cast<int>(comm_.broadcast(comm_.is_root() ? next_checkpoint_attempt(root, step) : 0));
-  if (sync_.residual_size() > 0) {
-    sync_.copy_residuals(residual_scratch_);
+  if (sync_->residual_size() > 0) {
+    sync_->copy_residuals(residual_scratch_);
     state.has_residual = true;
-    state.residual_layout = sync_.residual_layout();
+    state.residual_layout = sync_->residual_layout();
   }
   writer_->begin(root, step, state, attempt, &residual_scratch_);
   inflight_step_ = step;
@@ -321,7 +332,7 @@ bool Checkpointer::commit() {
     try {
       std::vector<CheckpointPart> parts;
       for (const std::string& bytes : encoded) parts.push_back(decode_part(bytes));
-      failure = publish_checkpoint(inflight_root_, parts, whole_ ? *whole_ : store_, inflight_config_, comm_.size(),
+      failure = publish_checkpoint(inflight_root_, parts, whole_ ? *whole_ : *store_, inflight_config_, comm_.size(),
                                    peak_gflops_,
                                    config_.checkpoint.keep, &st);
     } catch (const std::exception& e) {

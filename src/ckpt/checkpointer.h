@@ -58,6 +58,10 @@ class Checkpointer {
   std::string save_final(int64_t steps_done, const LoaderPosition& data);
   // Publishes a checkpoint still being written, if any (before the run stops early).
   void finish_in_flight();
+  // A pipeline re-cut: this rank's chunks are now `store`'s (the stages' new layout), its sync
+  // `sync`. Publishes a checkpoint in flight first; the next checkpoint is a full one (a
+  // differential one needs the same chunks as its base).
+  void relayout(ChunkStore& store, GradSync& sync);
   // Rank 0: the newest checkpoint under the run's root that exists and verifies ("" = none; the
   // ones that do not verify are reported). Other ranks: "".
   std::string newest_verified();
@@ -72,6 +76,8 @@ class Checkpointer {
 
  private:
   void begin(const std::string& root, int64_t step, const LoaderPosition& data);
+  // The writers' partition and this rank's writer for the store's chunks.
+  void make_writer();
   bool commit();
   // Whether a checkpoint by the clock is due after this step (rank 0 decides).
   bool due_by_clock();
@@ -84,8 +90,8 @@ class Checkpointer {
   const Config& config_;
   Communicator& comm_;
   RunDirectory run_dir_;  // first: held before anything reads or writes the directory
-  ChunkStore& store_;
-  GradSync& sync_;
+  ChunkStore* store_;  // this rank's (rebound by relayout)
+  GradSync* sync_;
   double peak_gflops_;
   std::function<void(const nlohmann::json&)> log_event_;
   // Which chunks each writer writes: ranks without a pipeline, a stage's replicas with one.

@@ -17,10 +17,10 @@ ShardedOptimizer::ShardedOptimizer(const Config& config, Communicator& dp, Chunk
   store_.set_updater([this](int chunk) { update_chunk(chunk); });
 }
 
-void ShardedOptimizer::clear_frozen_grads() {
+void ShardedOptimizer::clear_frozen_grads(int64_t step) {
   const auto [own_first, own_last] = own_chunks();
   for (const Chunk& c : store_.chunks()) {
-    if (c.layer >= config_.optim.freeze_layers) break;
+    if (c.layer >= config_.optim.frozen_at(step)) break;
     if (zero_ == 2 && (c.id < own_first || c.id >= own_last)) continue;
     store_.zero_grad_chunk(c.id);
   }
@@ -41,7 +41,7 @@ void ShardedOptimizer::step(double lr, int64_t t, float clip) {
   if (store_.residency().always_present()) {
     // Whole planes: AdamW over this rank's shard, then (ZeRO) one all-gather of the parameters.
     adamw_.step(store_, lr, t, clip);
-    if (zero_ > 0) gather_parameters();
+    if (zero_ > 0) gather_parameters(t);
     return;
   }
   // Pages that move: chunk by chunk through the store's updater (each update where its pages
@@ -50,7 +50,7 @@ void ShardedOptimizer::step(double lr, int64_t t, float clip) {
   // broadcast its update); frozen layers keep theirs.
   deferred_ = {lr, t, clip};
   for (const Chunk& c : store_.chunks()) {
-    if (c.layer >= config_.optim.freeze_layers) store_.defer_update(c.id);
+    if (c.layer >= config_.optim.frozen_at(t - 1)) store_.defer_update(c.id);
   }
   if (!config_.tier.defer_update) store_.apply_pending();
 }
@@ -100,7 +100,7 @@ std::string ShardedOptimizer::progress_fragment(double) const {
   return skipped_ > 0 ? std::to_string(skipped_) + " step(s) skipped (not finite)" : "";
 }
 
-void ShardedOptimizer::gather_parameters() {
+void ShardedOptimizer::gather_parameters(int64_t t) {
   // AdamW cleared the gradients it consumed (this rank's shard). Under ZeRO-2 the reduce-scatter
   // already discarded the rest; under ZeRO-1 clear it here for the next step (kept mapped: the
   // next backward writes all of it again).
@@ -114,7 +114,7 @@ void ShardedOptimizer::gather_parameters() {
   // The chunks other ranks updated moved to the same version as this rank's.
   const auto [own_first, own_last] = own_chunks();
   for (const Chunk& c : store_.chunks()) {
-    if ((c.id < own_first || c.id >= own_last) && c.layer >= config_.optim.freeze_layers) store_.bump_version(c.id);
+    if ((c.id < own_first || c.id >= own_last) && c.layer >= config_.optim.frozen_at(t - 1)) store_.bump_version(c.id);
   }
 }
 

@@ -36,9 +36,9 @@ class ShardedOptimizer final : public MetricsSource {
   // Chunks [first, last) this rank updates.
   std::pair<int, int> own_chunks() const { return store_.moment_chunks(); }
 
-  // After the sync: clears the gradients of frozen layers (the owned ones, under ZeRO-2), which
+  // After the sync of step `step`: clears the gradients of frozen layers (the owned ones, under ZeRO-2), which
   // neither count towards the norm nor are updated.
-  void clear_frozen_grads();
+  void clear_frozen_grads(int64_t step);  // (0-based: optim.frozen_at)
   // This rank's share of the squared gradient norm: every chunk, or under ZeRO-2 the owned ones
   // (the caller sums the shares over the group); replicas of tied tensors are counted at home.
   double local_grad_squares() const;
@@ -61,6 +61,8 @@ class ShardedOptimizer final : public MetricsSource {
   // the same values, so every rank decides the same.
   bool accept(int64_t step, double loss, double grad_norm);
   int64_t skipped_steps() const { return skipped_; }
+  // The run's counts so far from the optimizer this one replaces (a pipeline re-cut).
+  void carry_counts(const ShardedOptimizer& before) { skipped_ = before.skipped_; }
 
   // Metrics: skipped_steps (the run's total) in every line; the progress line names them.
   void add_step_fields(double step_ms, nlohmann::json& line) override;
@@ -68,7 +70,7 @@ class ShardedOptimizer final : public MetricsSource {
 
  private:
   // ZeRO without tiers: after this rank updated its shard, every rank receives every parameter.
-  void gather_parameters();
+  void gather_parameters(int64_t t);
   void update_chunk(int chunk);
 
   const Config& config_;

@@ -77,6 +77,7 @@ std::vector<Field> fields(Config& c) {
       {"optim", "eps", &c.optim.eps},
       {"optim", "grad_clip", &c.optim.grad_clip},
       {"optim", "freeze_layers", &c.optim.freeze_layers},
+      {"optim", "freeze_at_step", &c.optim.freeze_at_step},
       {"data", "train", &c.data.train},
       {"data", "val", &c.data.val},
       {"data", "tokenizer", &c.data.tokenizer},
@@ -92,6 +93,8 @@ std::vector<Field> fields(Config& c) {
       {"parallel", "partitioner", &c.parallel.partitioner},
       {"parallel", "layer_costs", &c.parallel.layer_costs},
       {"parallel", "stage_memory_mib", &c.parallel.stage_memory_mib},
+      {"parallel", "repartition_every", &c.parallel.repartition_every},
+      {"parallel", "repartition_threshold", &c.parallel.repartition_threshold},
       {"parallel", "micro_batches", &c.parallel.micro_batches},
       {"parallel", "dynamic_micro_batches", &c.parallel.dynamic_micro_batches},
       {"parallel", "activation_mib", &c.parallel.activation_mib},
@@ -612,6 +615,7 @@ void Config::resolve(int world_size) {
   require(optim.freeze_layers >= 0 && optim.freeze_layers <= model.n_layer + 2, "optim.freeze_layers",
           "0.." + s(model.n_layer + 2) + " (layers: embeddings, " + s(model.n_layer) + " blocks, head)",
           s(optim.freeze_layers));
+  require(optim.freeze_at_step >= 0, "optim.freeze_at_step", ">= 0", s(optim.freeze_at_step));
   require(checkpoint.full_every >= 1, "checkpoint.full_every", ">= 1", s(checkpoint.full_every));
   require(checkpoint.keep >= 1, "checkpoint.keep", ">= 1", s(checkpoint.keep));
   require(store.chunk_bytes >= 4096 && store.chunk_bytes % 4096 == 0, "store.chunk_bytes",
@@ -661,6 +665,7 @@ uint64_t Config::trajectory_hash(int world_size) const {
     << optim.weight_decay << ',' << optim.beta1 << ',' << optim.beta2 << ',' << optim.eps << ',' << optim.grad_clip
     << ',' << optim.freeze_layers << ';' << train.seed << ',' << train.seq_len << ','
     << static_cast<int64_t>(train.batch_size) * (world_size / std::max(1, parallel.pipeline)) * train.grad_accum;
+  if (optim.freeze_at_step > 0) s << ";freeze at " << optim.freeze_at_step;
   if (!data.shuffle) s << ";file order";  // (absent by default: older checkpoints keep their hash)
   if (model.rope_scaling != "none") s << ";rope " << model.rope_scaling << ',' << model.rope_factor;
   const std::string text = s.str();

@@ -104,6 +104,9 @@ struct OptimConfig {
   double eps = 1e-8;
   double grad_clip = 1.0;     // global L2 norm; 0 = off
   int freeze_layers = 0;      // the first N layers (0 = embeddings, 1.. = blocks) are not updated
+  int64_t freeze_at_step = 0;  // ... from this (0-based) step on; every layer trains before it
+  // The layers frozen in step `step` (0-based).
+  int frozen_at(int64_t step) const { return step >= freeze_at_step ? freeze_layers : 0; }
 };
 
 struct DataConfig {
@@ -135,6 +138,13 @@ struct ParallelConfig {
   std::string partitioner = "static";
   std::string layer_costs;
   int64_t stage_memory_mib = 0;
+  // Re-cut while training (pipeline/repartitioner.h): every `repartition_every` steps (0 = never;
+  // a multiple of monitor.layer_costs_every) the partitioner proposes a cut from the profiler's
+  // measured costs, and the stages move to it when the simulator predicts a step at least
+  // `repartition_threshold` (relative) shorter. The first cut is still stage_boundaries' or the
+  // partitioner's on layer_costs.
+  int repartition_every = 0;
+  double repartition_threshold = 0.05;
   int micro_batches = 0;             // per step; 0 = train.grad_accum (each of train.batch_size sequences)
   // Choose the micro-batch count from measured stage times: step 2 runs micro_batches, step 3 a
   // second count, and from step 4 on the count whose simulated step is shortest (logged, with why).

@@ -83,7 +83,7 @@ void AdamW::step(ChunkStore& store, double lr, int64_t t, float grad_scale) {
   const auto [first, last] = store.moment_chunks();
   for (int c = first; c < last; ++c) {
     // Frozen layers keep their parameters, moments and version; their gradients are dropped.
-    if (store.chunks()[c].layer < config_.freeze_layers) {
+    if (store.chunks()[c].layer < config_.frozen_at(t - 1)) {
       store.zero_grad_chunk(c);
       continue;
     }

@@ -123,8 +123,12 @@ void LayerProfiler::after_step(int64_t step, int seq_len, int micro_batch, int m
   const int L = model_.num_layers();
   const GPT::LayerTimes t = model_.take_layer_times();
   report_now_ = false;
-  // The first step pays for first touches and one-time set-up: not a cost of the layers.
-  if (step <= 1) return;
+  // The first step (of the run, or of the stages after a re-cut) pays for first touches and
+  // one-time set-up: not a cost of the layers.
+  if (!seen_) {
+    seen_ = true;
+    return;
+  }
   // This rank's layers, smoothed and summed over the interval here; the ranks' figures meet only
   // at a report (each layer is on one rank, so their sum is the model's).
   const bool first = steps_ == 0;
@@ -194,6 +198,7 @@ void LayerProfiler::after_step(int64_t step, int seq_len, int micro_batch, int m
   interval_ = zeros(L);
   interval_steps_ = 0;
   report_now_ = true;
+  reports_++;
   json line = {{"event", "layer_costs"}, {"step", step}, {"layer_costs", smoothed_.to_json()}};
   if (error_ >= 0) line["prediction_error"] = error_;
   if (log_event_) log_event_(line);

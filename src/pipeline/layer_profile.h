@@ -68,6 +68,7 @@ class LayerProfiler final : public MetricsSource {
 
   // The smoothed costs of the last report (the same on every rank of the group).
   const LayerCosts& costs() const { return smoothed_; }
+  bool reported() const { return reports_ > 0; }
   // Mean relative error of the last report's prediction against what its interval measured,
   // weighted by cost (-1 before there is one).
   double prediction_error() const { return error_; }
@@ -86,6 +87,8 @@ class LayerProfiler final : public MetricsSource {
   int64_t steps_ = 0;
   double error_ = -1;
   bool report_now_ = false;
+  bool seen_ = false;  // a step: the first one a profiler sees pays for set-up (first touches)
+  int reports_ = 0;
 };
 
 }  // namespace keel::pipeline

@@ -101,7 +101,11 @@ void validate_pipeline_config(const ParallelConfig& p, const TrainConfig& t, int
   check(p.partitioner == "static" || p.partitioner == "dp" || p.partitioner == "qlearning",
         "config key 'parallel.partitioner': expected static, dp or qlearning, found \"" + p.partitioner + "\"");
   check(p.stage_memory_mib >= 0, "config key 'parallel.stage_memory_mib': expected >= 0, found " + s(p.stage_memory_mib));
+  check(p.repartition_every >= 0, "config key 'parallel.repartition_every': expected >= 0, found " + s(p.repartition_every));
+  check(p.repartition_threshold >= 0 && p.repartition_threshold < 1,
+        "config key 'parallel.repartition_threshold': expected a fraction in [0, 1), found " + std::to_string(p.repartition_threshold));
   if (p.pipeline == 1) {
+    check(p.repartition_every == 0, "config key 'parallel.repartition_every': re-cutting stages only with parallel.pipeline > 1");
     check(p.partitioner == "static" && p.layer_costs.empty() && p.stage_memory_mib == 0,
           "config key 'parallel.partitioner': cutting stages (partitioner, layer_costs, stage_memory_mib) only with "
           "parallel.pipeline > 1");
@@ -112,9 +116,18 @@ void validate_pipeline_config(const ParallelConfig& p, const TrainConfig& t, int
     check(!p.post_validate, "config key 'parallel.post_validate': only with parallel.pipeline > 1");
     return;
   }
-  check(p.stage_boundaries.empty() || (p.partitioner == "static" && p.layer_costs.empty() && p.stage_memory_mib == 0),
-        "config key 'parallel.stage_boundaries': a fixed cut, not with parallel.partitioner, layer_costs or "
-        "stage_memory_mib");
+  // With re-cuts, stage_boundaries is the first cut and the partitioner makes the later ones.
+  check(p.stage_boundaries.empty() || p.layer_costs.empty(),
+        "config key 'parallel.stage_boundaries': a fixed cut, not with parallel.layer_costs");
+  check(p.stage_boundaries.empty() || p.repartition_every > 0 || (p.partitioner == "static" && p.stage_memory_mib == 0),
+        "config key 'parallel.stage_boundaries': a fixed cut, not with parallel.partitioner or stage_memory_mib "
+        "(unless parallel.repartition_every re-cuts it)");
+  if (p.repartition_every > 0) {
+    check(p.predict_gradients == "off",
+          "config key 'parallel.repartition_every': not with parallel.predict_gradients (its deferred W's cross the "
+          "step boundary a re-cut moves layers at)");
+    check(!p.dynamic_micro_batches, "config key 'parallel.repartition_every': not with parallel.dynamic_micro_batches (yet)");
+  }
   const int stages = p.pipeline * v;
   check(stages <= n_layer + 2, "config key 'parallel.pipeline': " + s(stages) + " stages (" + s(p.pipeline) + " ranks x " + s(v) +
                                    ") for " + s(n_layer + 2) + " layers (embedding, " + s(n_layer) +

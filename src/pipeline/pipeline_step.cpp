@@ -45,9 +45,13 @@ std::vector<Interval> decode_timeline(const std::string& text) {
 }  // namespace
 
 PipelineLayout PipelineLayout::make(const Config& config, int pipeline_rank) {
+  return make(config, pipeline_rank, startup_cut(config));
+}
+
+PipelineLayout PipelineLayout::make(const Config& config, int pipeline_rank, std::vector<LayerRange> stages) {
   PipelineLayout l;
   const int S = config.parallel.pipeline * virtual_stages(config.parallel);
-  l.stages = startup_cut(config);
+  l.stages = std::move(stages);
   check(static_cast<int>(l.stages.size()) == S, "pipeline: " + std::to_string(l.stages.size()) + " stages cut for " +
                                                     std::to_string(S));
   l.plan = pipeline::plan(config, l.stages, micro_batches(config));
@@ -68,7 +72,6 @@ PipelineStep::PipelineStep(const Config& config, ProcessGroups& groups, Pipeline
       log_event_(std::move(log_event)),
       stages_(std::move(layout.stages)) {
   if (config_.parallel.predict_gradients != "off") prediction_.emplace(config_.parallel.predict_gradients, store_);
-  model_.set_frozen_layers(config_.optim.freeze_layers);
   if (config_.monitor.layer_costs_every > 0) {
     profiler_ = std::make_unique<LayerProfiler>(model_, &groups_.pp(), config_.monitor.layer_costs_every, log_event_);
   }
@@ -107,6 +110,7 @@ void PipelineStep::use_plan(Plan plan) {
 StepResult PipelineStep::run(int64_t step, double lr) {
   const int step_micro_batches = micro_batches_;  // dynamic micro-batches may change it after the step
   if (profiler_) model_.take_layer_times();        // (evaluations between steps are not the step's)
+  model_.set_frozen_layers(config_.optim.frozen_at(step));
   sync_.begin(true, step);  // W notifications reach it for the last micro-batch only
   double loss_sum = run_micro_batches();
   const auto sync_start = std::chrono::steady_clock::now();
@@ -115,9 +119,9 @@ StepResult PipelineStep::run(int64_t step, double lr) {
   sync_.finish();
   StepResult r;
   r.sync = sync_.stats();
-  optimizer_.clear_frozen_grads();
+  optimizer_.clear_frozen_grads(step);
   update(step, lr, loss_sum, r);
-  if (prediction_) prediction_->carry(config_.optim.freeze_layers);
+  if (prediction_) prediction_->carry(config_.optim.frozen_at(step));
   executor_->record(Op::grad_sync, sync_start, std::chrono::steady_clock::now());
   report(step);
   if (profiler_) profile(step);

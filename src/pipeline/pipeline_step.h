@@ -34,6 +34,8 @@ struct PipelineLayout {
   std::vector<LayerRange> mine;    // this rank's stages
   // Every rank validates the whole schedule (the same on all of them) before any message moves.
   static PipelineLayout make(const Config& config, int pipeline_rank);
+  // The same for a given cut (a re-cut mid-run).
+  static PipelineLayout make(const Config& config, int pipeline_rank, std::vector<LayerRange> stages);
 };
 
 class PipelineStep final : public StepEngine, public MetricsSource {
@@ -46,6 +48,7 @@ class PipelineStep final : public StepEngine, public MetricsSource {
   StepResult run(int64_t step, double lr) override;
   double forward_loss(const Batch& batch) override { return executor_->forward_only(batch); }
   MetricsSource* metrics() override { return this; }
+  const LayerCosts* layer_costs() const override { return profiler_ && profiler_->reported() ? &profiler_->costs() : nullptr; }
 
   // The layout line (and its `event: pipeline` record).
   void print_startup() const override;

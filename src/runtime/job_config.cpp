@@ -16,6 +16,11 @@ void resolve_job_config(Config& c, int world_size) {
   pipeline::validate_pipeline_config(c.parallel, c.train, c.model.n_layer, world_size);
   validate_sync_config(c.sync, c.model.n_layer, data_ranks > 1 ? c.parallel.zero : 0);
   validate_tier_config(c.tier, c.model.n_layer, data_ranks, c.parallel.zero);
+  const int every = c.monitor.layer_costs_every;
+  check(c.parallel.repartition_every == 0 || (every > 0 && c.parallel.repartition_every % every == 0),
+        "config key 'parallel.repartition_every': expected a multiple of monitor.layer_costs_every (" +
+            std::to_string(every) + "; a re-cut decides on the profiler's report), found " +
+            std::to_string(c.parallel.repartition_every));
   if (pp > 1) {
     // Not yet combined with pipelines (each is a later piece of work, not a silent fallback).
     auto unsupported = [](bool ok, const std::string& key, const std::string& value) {

@@ -1,5 +1,6 @@
 #include "runtime/metrics.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -37,6 +38,12 @@ void trim(const std::string& path, int64_t step) {
 }  // namespace
 
 Metrics::Metrics(const Config& config, Communicator& world) : config_(config), world_(world) {}
+
+void Metrics::replace_sources(const std::vector<MetricsSource*>& old, const std::vector<MetricsSource*>& now) {
+  check(old.size() == now.size(), "metrics: " + std::to_string(now.size()) + " sources to replace " +
+                                      std::to_string(old.size()));
+  for (size_t i = 0; i < old.size(); ++i) std::replace(sources_.begin(), sources_.end(), old[i], now[i]);
+}
 
 void Metrics::open(bool keep, int64_t step) {
   if (!world_.is_root()) return;

@@ -40,6 +40,8 @@ class Metrics {
   void open(bool keep, int64_t step);
   // Components report in the order added (that is their order in the progress line).
   void add_source(MetricsSource* source) { sources_.push_back(source); }
+  // Each of `old` replaced by the source at the same index of `now` (components rebuilt mid-run).
+  void replace_sources(const std::vector<MetricsSource*>& old, const std::vector<MetricsSource*>& now);
   // Consumers of every finished step line, in the order added.
   void add_sink(StepLineSink* sink) { sinks_.push_back(sink); }
   // A source the metrics module owns (monitoring components that only report): added, kept

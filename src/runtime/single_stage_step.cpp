@@ -9,7 +9,6 @@ SingleStageStep::SingleStageStep(const Config& config, Communicator& dp, ChunkSt
                                  std::function<void(const nlohmann::json&)> log_event)
     : config_(config), dp_(dp), store_(store), model_(model), data_(data), sync_(sync), optimizer_(optimizer) {
   model_.allocate(config.train.batch_size, config.train.seq_len);
-  model_.set_frozen_layers(config.optim.freeze_layers);
   if (config.monitor.layer_costs_every > 0) {
     profiler_ = std::make_unique<pipeline::LayerProfiler>(model, nullptr, config.monitor.layer_costs_every,
                                                           std::move(log_event));
@@ -24,6 +23,7 @@ StepResult SingleStageStep::run(int64_t step, double lr) {
   // of the mean loss over every rank's tokens: what one rank with world x the batch computes.
   double loss_sum = 0;
   if (profiler_) model_.take_layer_times();  // (evaluations between steps are not the step's)
+  model_.set_frozen_layers(config_.optim.frozen_at(step));
   for (int micro = 0; micro < t.grad_accum; ++micro) {
     Batch batch = data_.next();
     batch.grad_scale = 1.0f / (static_cast<float>(batch.B) * batch.T * t.grad_accum * world);
@@ -37,7 +37,7 @@ StepResult SingleStageStep::run(int64_t step, double lr) {
   sync_.finish();
   StepResult r;
   r.sync = sync_.stats();
-  optimizer_.clear_frozen_grads();
+  optimizer_.clear_frozen_grads(step);
   // One sum over ranks for the loss and (ZeRO-2 ranks hold only their shard of the reduced
   // gradient) the squared gradient norm.
   const bool sharded = optimizer_.norm_is_sharded();

@@ -12,6 +12,10 @@
 #include "data/loader.h"
 #include "model/layer.h"
 
+namespace keel::pipeline {
+struct LayerCosts;
+}  // namespace keel::pipeline
+
 namespace keel {
 
 // What a step engine reports about one step; the loop adds time, throughput and memory.
@@ -33,6 +37,9 @@ class StepEngine {
   virtual double forward_loss(const Batch& batch) = 0;
   // The engine's own figures (a pipeline's bubble), or nullptr.
   virtual MetricsSource* metrics() { return nullptr; }
+  // The per-layer costs its profiler last reported (monitor.layer_costs_every), or nullptr before
+  // the first report: what a pipeline re-cut decides on.
+  virtual const pipeline::LayerCosts* layer_costs() const { return nullptr; }
 };
 
 }  // namespace keel

@@ -22,6 +22,9 @@
 #include "monitor/endpoint.h"
 #include "monitor/energy.h"
 #include "pipeline/pipeline_step.h"
+#include "pipeline/partitioner.h"
+#include "pipeline/repartitioner.h"
+#include "pipeline/stage_migration.h"
 #include "runtime/dynamic_windows.h"
 #include "runtime/generate.h"
 #include "runtime/single_stage_step.h"
@@ -61,37 +64,19 @@ Trainer::Trainer(Config config, Communicator& comm)
                                              config_.data.shuffle, t.seed, dp.rank(), dp.size());
   data_.val = std::make_unique<DataLoader>(config_.data.val, t.batch_size, t.seq_len, m.vocab_size, false, t.seed,
                                            dp.rank(), dp.size());
-  build_model(layout ? layout->mine : std::vector<LayerRange>{});
-  build_sync();
-  metrics_.add_source(sync_report_.get());
-  metrics_.add_source(optimizer_.get());
-  auto log = [this](const nlohmann::json& line) { metrics_.log(line); };
-  if (layout) {
-    engine_ = std::make_unique<pipeline::PipelineStep>(config_, groups_, std::move(*layout), *store_, *model_,
-                                                       *data_.train, *sync_, *optimizer_, log);
-  } else {
-    engine_ = std::make_unique<SingleStageStep>(config_, dp, *store_, *model_, *data_.train, *sync_, *optimizer_, log);
-  }
   measure_peaks();  // (in float32: the SGEMM reference of matmul_efficiency)
   set_matmul_precision(config_.runtime.precision == "bf16" ? MatmulPrecision::bf16 : MatmulPrecision::fp32);
-  // With tiers, everything from here on (loading a checkpoint, drawing the weights) goes through
-  // the tiers page by page: the full state is never resident at once.
-  if (tiering_enabled(config_.tier)) {
-    tiers_ = std::make_unique<TieredMemory>(config_.tier, *store_, comm.is_root());
-    hooks_.push_back(tiers_.get());
-    metrics_.add_source(tiers_.get());
-    // Gradient buckets in flight pin their pages: keep them within what the device budget leaves
-    // beside the homed pages and one operation's working set (at least one bucket).
-    sync_->limit_in_flight(std::max(config_.parallel.bucket_bytes, tiers_->free_device_bytes()));
-  }
+  auto log = [this](const nlohmann::json& line) { metrics_.log(line); };
+  rank_ = RankModel::build(config_, groups_, *data_.train, std::move(layout), log);
+  for (MetricsSource* source : rank_->sources()) metrics_.add_source(source);
+  if (rank_->tiers) hooks_.push_back(rank_->tiers.get());
   // After the tiers: a tiered run's checkpoints stream from them (no snapshot buffers).
-  checkpointer_ = std::make_unique<Checkpointer>(config_, comm, *store_, *sync_, peaks_.peak_gflops, log);
+  checkpointer_ = std::make_unique<Checkpointer>(config_, comm, *rank_->store, *rank_->sync, peaks_.peak_gflops, log);
   resume_or_init();
-  if (MetricsSource* own = engine_->metrics()) metrics_.add_source(own);
   if (m.dynamic_window()) {  // after resuming (it goes on with the checkpoint's windows); first of the hooks:
     // its probe passes (the first validation window) come before the step the tiers record as a schedule.
     hooks_.insert(hooks_.begin(), metrics_.adopt(std::make_unique<DynamicWindows>(
-                                      config_, dp, *model_, progress_.resumed_from, [this] { return evaluate(1); }, log)));
+                                      config_, dp, *rank_->model, progress_.resumed_from, [this] { return evaluate(1); }, log)));
   }
   // Monitoring: energy per step and token, alerts on the operating targets ([monitor]).
   const double tokens_per_step = static_cast<double>(t.batch_size) * t.seq_len * t.grad_accum * groups_.dp().size();
@@ -101,6 +86,11 @@ Trainer::Trainer(Config config, Communicator& comm)
   }
   if (config_.monitor.enabled && config_.monitor.port > 0 && comm.is_root()) {
     metrics_.add_sink(metrics_.adopt(std::make_unique<PrometheusEndpoint>(config_.monitor)));
+  }
+  if (config_.parallel.repartition_every > 0) {  // last of the hooks: a re-cut replaces the tiers' hook
+    hooks_.push_back(metrics_.adopt(std::make_unique<pipeline::Repartitioner>(
+        config_, comm, pipeline::startup_cut(config_), [this] { return rank_->engine->layer_costs(); },
+        [this](const std::vector<LayerRange>& from, const std::vector<LayerRange>& to) { return recut(from, to); }, log)));
   }
   if (comm.is_root()) {
     fs::create_directories(t.run_dir);
@@ -115,31 +105,6 @@ Trainer::Trainer(Config config, Communicator& comm)
 // The process goes back to float32 products (a test may build another trainer after this one).
 Trainer::~Trainer() { set_matmul_precision(MatmulPrecision::fp32); }
 
-void Trainer::build_model(const std::vector<LayerRange>& stages) {
-  store_ = std::make_unique<ChunkStore>(config_.store.chunk_bytes);
-  model_ = std::make_unique<GPT>(config_.model, *store_, stages, config_.runtime.precision == "bf16");
-  const bool tiered = tiering_enabled(config_.tier);
-  store_->set_huge_page_alignment(tiered);
-  store_->finalize(/*touch_params=*/!tiered);
-  // ZeRO shards the moments before anything loads or initialises them.
-  optimizer_ = std::make_unique<ShardedOptimizer>(config_, groups_.dp(), *store_);
-}
-
-void Trainer::build_sync() {
-  Communicator& dp = groups_.dp();
-  GradSyncOptions options;
-  options.bucket_bytes = config_.parallel.bucket_bytes;
-  options.scatter_to = optimizer_->scatter_to();
-  if (dp.size() > 1 && sync_compressed(config_.sync)) {
-    options.codecs = sync_chunk_codecs(config_.sync, config_.model.n_layer, *store_);
-    options.seed = config_.train.seed ^ 0x5EEDC0DECull;
-    options.warmup_steps = config_.sync.warmup_steps;
-    options.shape = sync_sum_shape(config_.sync);
-  }
-  sync_ = std::make_unique<GradSync>(dp, *store_, std::move(options));
-  sync_report_ = std::make_unique<SyncReport>(config_, dp, *sync_);
-}
-
 void Trainer::resume_or_init() {
   if (const std::optional<TrainState> state = checkpointer_->resume()) {
     progress_.resumed_from = state->dir;
@@ -147,7 +112,27 @@ void Trainer::resume_or_init() {
     data_.train->set_position(state->data);
     return;
   }
-  model_->init_weights(config_.train.seed);
+  rank_->model->init_weights(config_.train.seed);
+}
+
+nlohmann::json Trainer::recut(const std::vector<LayerRange>& from, const std::vector<LayerRange>& to) {
+  checkpointer_->finish_in_flight();
+  rank_->store->apply_pending();  // deferred updates (tiers) land before the state moves
+  config_.parallel.stage_boundaries = pipeline::boundaries_of(to);  // what checkpoints record from here on
+  auto log = [this](const nlohmann::json& line) { metrics_.log(line); };
+  std::unique_ptr<RankModel> next = RankModel::build(
+      config_, groups_, *data_.train, pipeline::PipelineLayout::make(config_, groups_.pp().rank(), to), log);
+  const pipeline::MigrationStats moved = pipeline::migrate_stages(config_, groups_, from, *rank_->store, to, *next->store);
+  next->optimizer->carry_counts(*rank_->optimizer);
+  metrics_.replace_sources(rank_->sources(), next->sources());
+  std::replace(hooks_.begin(), hooks_.end(), static_cast<StepHook*>(rank_->tiers.get()), static_cast<StepHook*>(next->tiers.get()));
+  rank_ = std::move(next);  // the old stages' memory goes back here
+  checkpointer_->relayout(*rank_->store, *rank_->sync);
+  Communicator& world = groups_.world();
+  double figures[2] = {static_cast<double>(moved.bytes_sent), static_cast<double>(moved.bytes_copied)};
+  world.allreduce_sum(figures, 2);
+  return {{"move_ms", world.allreduce_max(moved.ms)}, {"bytes_sent", figures[0]}, {"bytes_kept", figures[1]},
+          {"exchange_rounds", moved.rounds}};
 }
 
 void Trainer::measure_peaks() {
@@ -173,10 +158,10 @@ StepStats Trainer::step(const StopSignals* signals) {
   for (StepHook* hook : hooks_) hook->before_step(progress_.steps_done);
   StepStats s;
   s.lr = learning_rate(config_.optim, static_cast<int>(progress_.steps_done), t.steps);
-  const StepResult r = engine_->run(progress_.steps_done, s.lr);
+  const StepResult r = rank_->engine->run(progress_.steps_done, s.lr);
   s.loss = r.loss;
   s.grad_norm = r.grad_norm;
-  sync_report_->take(r.sync);
+  rank_->sync_report->take(r.sync);
   s.step = ++progress_.steps_done;
   // One reduction at the end of the step for the peak memory and a stop signal, inside the
   // step's time: a rank that is late (or paused) shows in this step's ms, not between steps.
@@ -191,7 +176,7 @@ StepStats Trainer::step(const StopSignals* signals) {
   const double tokens = static_cast<double>(t.batch_size) * t.seq_len * t.grad_accum * groups_.dp().size();
   s.ms = seconds * 1e3;
   s.tokens_per_s = tokens / seconds;
-  const double model_gflops = model_->train_flops_per_token(t.seq_len) * s.tokens_per_s / 1e9;
+  const double model_gflops = rank_->model->train_flops_per_token(t.seq_len) * s.tokens_per_s / 1e9;
   s.mfu = model_gflops / peaks_.peak_gflops;
   s.matmul_efficiency = model_gflops / peaks_.sgemm_gflops;
   return s;
@@ -200,9 +185,9 @@ StepStats Trainer::step(const StopSignals* signals) {
 double Trainer::evaluate(int batches) {
   // Every rank evaluates its share of the same global windows.
   batches = static_cast<int>(std::min<uint64_t>(batches, data_.val->num_windows()));
-  store_->apply_pending();
+  rank_->store->apply_pending();
   double sum = 0;
-  for (int i = 0; i < batches; ++i) sum += engine_->forward_loss(data_.val->window(i));
+  for (int i = 0; i < batches; ++i) sum += rank_->engine->forward_loss(data_.val->window(i));
   // With a pipeline only the last stage's ranks hold losses.
   return groups_.world().allreduce_sum(sum) / (static_cast<double>(batches) * groups_.dp().size());
 }
@@ -214,7 +199,7 @@ void Trainer::print_startup(double moments_mb) {
   const ModelConfig& m = config_.model;
   if (!groups_.world().is_root()) return;
   std::printf("keel: model L=%d H=%d C=%d V=%d (%.2fM parameters, %zu chunks), batch %dx%d x%d x%d ranks, %d threads/rank\n",
-              m.n_layer, m.n_head, m.n_embd, m.vocab_size, store_->param_count() / 1e6, store_->chunks().size(),
+              m.n_layer, m.n_head, m.n_embd, m.vocab_size, rank_->store->param_count() / 1e6, rank_->store->chunks().size(),
               t.batch_size, t.seq_len, t.grad_accum, groups_.dp().size(), omp_get_max_threads());
   std::printf("keel: train %s (%llu tokens), val %s (%llu tokens), run dir %s\n", config_.data.train.c_str(),
               static_cast<unsigned long long>(data_.train->num_tokens()), config_.data.val.c_str(),
@@ -234,8 +219,8 @@ void Trainer::print_startup(double moments_mb) {
   }
   std::printf("keel: memory per rank: params %.1f MB, grads %.1f MB, AdamW moments %.1f MB, activations %.1f MB, "
               "checkpoint buffers %.1f MB\n",
-              store_->plane_bytes(Plane::param) / 1e6, store_->plane_bytes(Plane::grad) / 1e6, moments_mb,
-              model_->activation_bytes() / 1e6, checkpointer_->buffer_bytes() / 1e6);
+              rank_->store->plane_bytes(Plane::param) / 1e6, rank_->store->plane_bytes(Plane::grad) / 1e6, moments_mb,
+              rank_->model->activation_bytes() / 1e6, checkpointer_->buffer_bytes() / 1e6);
   if (!progress_.resumed_from.empty()) {
     std::printf("keel: resumed from %s at step %lld\n", progress_.resumed_from.c_str(),
                 static_cast<long long>(progress_.steps_done));
@@ -248,7 +233,7 @@ void Trainer::log_run_event() {
   const ParallelConfig& p = config_.parallel;
   // The whole model's parameters: each stage's own (a tied tensor's replicas counted once).
   double parameters = 0;
-  for (const Chunk& c : store_->chunks()) {
+  for (const Chunk& c : rank_->store->chunks()) {
     if (c.replica) continue;
     for (const Segment& seg : c.segments) parameters += static_cast<double>(seg.numel);
   }
@@ -284,7 +269,7 @@ void Trainer::log_run_event() {
 
 void Trainer::print_samples() {
   const Tokenizer* tok = data_.tokenizer ? &*data_.tokenizer : nullptr;
-  if (!groups_.world().is_root() || !model_->whole() || !tok || !tok->can_encode() || config_.train.sample_tokens == 0) {
+  if (!groups_.world().is_root() || !rank_->model->whole() || !tok || !tok->can_encode() || config_.train.sample_tokens == 0) {
     return;
   }
   Rng rng(config_.train.seed ^ 0xC0FFEEull);
@@ -294,7 +279,7 @@ void Trainer::print_samples() {
   std::printf("samples (temperature %.1f, top-k %d):\n", options.temperature, options.top_k);
   for (int i = 0; i < config_.train.samples; ++i) {
     const std::vector<int> prompt = {tok->eot_token()};
-    std::vector<int> out = generate(*model_, config_.train.seq_len, prompt, options, rng);
+    std::vector<int> out = generate(*rank_->model, config_.train.seq_len, prompt, options, rng);
     std::string text = tok->decode(std::vector<int>(out.begin() + 1, out.end()));
     std::printf("--- sample %d ---\n%s\n", i + 1, text.c_str());
   }
@@ -306,7 +291,7 @@ RunSummary Trainer::run() {
   const bool resumed = !progress_.resumed_from.empty();
   // Memory per rank, as allocated (the moments shrink with ZeRO-1/2), the largest over ranks.
   const double moments_mb =
-      groups_.world().allreduce_max((store_->plane_bytes(Plane::adam_m) + store_->plane_bytes(Plane::adam_v)) / 1e6);
+      groups_.world().allreduce_max((rank_->store->plane_bytes(Plane::adam_m) + rank_->store->plane_bytes(Plane::adam_v)) / 1e6);
   print_startup(moments_mb);
   log_run_event();
   RunSummary summary;

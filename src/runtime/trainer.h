@@ -22,6 +22,7 @@
 #include "data/tokenizer.h"
 #include "model/gpt.h"
 #include "runtime/metrics.h"
+#include "runtime/rank_model.h"
 #include "runtime/step_engine.h"
 #include "store/chunk_store.h"
 #include "store/tiered_memory.h"
@@ -61,18 +62,18 @@ class Trainer {
   // The checkpoint this run resumed from ("" = a fresh start).
   const std::string& resumed_from() const { return progress_.resumed_from; }
 
-  GPT& model() { return *model_; }
-  ChunkStore& store() { return *store_; }
+  GPT& model() { return *rank_->model; }
+  ChunkStore& store() { return *rank_->store; }
   const Config& config() const { return config_; }
   int64_t steps_done() const { return progress_.steps_done; }
   // The peak FLOP/s MFU is measured against (all ranks' cores together).
   double peak_gflops() const { return peaks_.peak_gflops; }
 
  private:
-  // The components, built in dependency order.
-  void build_model(const std::vector<LayerRange>& stages);
-  void build_sync();
   void resume_or_init();
+  // A pipeline re-cut (pipeline/repartitioner.h): this rank's components rebuilt for cut `to`, the
+  // state moved into them from cut `from` over MPI; returns the move's figures (for its event).
+  nlohmann::json recut(const std::vector<LayerRange>& from, const std::vector<LayerRange>& to);
   void measure_peaks();
   void print_startup(double moments_mb);
   // The "run" line of metrics.jsonl: model, sizes, hardware and layout, for the run report.
@@ -103,14 +104,9 @@ class Trainer {
   Config config_;
   ProcessGroups groups_;
   Data data_;
-  std::unique_ptr<ChunkStore> store_;
-  std::unique_ptr<GPT> model_;
-  // After the store (drains its transfers into it first), before everything holding leases.
-  std::unique_ptr<TieredMemory> tiers_;
-  std::unique_ptr<ShardedOptimizer> optimizer_;
-  std::unique_ptr<GradSync> sync_;
-  std::unique_ptr<SyncReport> sync_report_;
-  std::unique_ptr<StepEngine> engine_;
+  // This rank's layers and everything built on them (store, model, optimizer, sync, tiers, step
+  // engine): rebuilt when a pipeline is re-cut.
+  std::unique_ptr<RankModel> rank_;
   std::unique_ptr<Checkpointer> checkpointer_;
   std::vector<StepHook*> hooks_;  // called around every step, in order (the tiers' schedule, ...)
   Metrics metrics_;

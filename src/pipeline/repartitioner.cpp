@@ -1,0 +1,116 @@
+#include "pipeline/repartitioner.h"
+
+#include <cstdio>
+
+#include "pipeline/layout.h"
+
+namespace keel::pipeline {
+
+using json = nlohmann::json;
+
+Repartitioner::Repartitioner(const Config& config, Communicator& world, std::vector<LayerRange> cut,
+                             std::function<const LayerCosts*()> costs,
+                             std::function<json(const std::vector<LayerRange>&, const std::vector<LayerRange>&)> recut,
+                             std::function<void(const json&)> log_event)
+    : config_(config),
+      world_(world),
+      cut_(std::move(cut)),
+      costs_(std::move(costs)),
+      recut_(std::move(recut)),
+      log_event_(std::move(log_event)),
+      partitioner_(make_partitioner(config.parallel.partitioner, config.train.seed ^ 0x9E9A7ull)) {}
+
+std::vector<LayerRange> Repartitioner::decide(int64_t step, const LayerCosts& costs, json& event) {
+  // The problem as the config poses it (schedule, memory cap), on the measured costs predicted for
+  // the coming batches.
+  Config flops_only = config_;
+  flops_only.parallel.layer_costs.clear();
+  PartitionProblem p = problem_for(flops_only);
+  const LayerCosts coming = costs.at_seq_len(config_.model, config_.train.seq_len);
+  for (int i = 0; i < coming.layers(); ++i) {
+    if (coming.param_bytes[i] <= 0 || coming.activation_bytes[i] <= 0) continue;  // keep the model's
+    p.costs.param_bytes[i] = coming.param_bytes[i];
+    p.costs.activation_bytes[i] = coming.activation_bytes[i];
+  }
+  p.costs.forward = coming.forward;
+  p.costs.backward_input = coming.backward_input;
+  p.costs.backward_weight = coming.backward_weight;
+  p.costs.comm = coming.comm;
+  p.costs.message_ms = coming.message_ms;
+  p.costs.seq_len = coming.seq_len;
+  std::vector<LayerRange> proposal = partitioner_->cut(p, cut_);
+  const CutScore now = score_cut(p, cut_), then = score_cut(p, proposal);
+  const double gain = now.span > 0 ? (now.span - then.span) / now.span : 0;
+  const bool same = boundaries_of(proposal) == boundaries_of(cut_);
+  const bool move = !same && then.fits && gain > config_.parallel.repartition_threshold;
+  event = {{"event", "repartition"},
+           {"step", step},
+           {"partitioner", partitioner_->name()},
+           {"from", boundaries_of(cut_)},
+           {"proposed", boundaries_of(proposal)},
+           {"span_ms", now.span},
+           {"proposed_span_ms", then.span},
+           {"predicted_gain", gain},
+           {"threshold", config_.parallel.repartition_threshold},
+           {"moved", move}};
+  return move ? proposal : std::vector<LayerRange>{};
+}
+
+void Repartitioner::after_step(int64_t step) {
+  const int every = config_.parallel.repartition_every;
+  if (every <= 0 || step % every != 0 || step >= config_.train.steps) return;
+  // Rank 0 decides; every rank learns the first layers of the new stages (all -1: keep).
+  const int S = static_cast<int>(cut_.size());
+  std::vector<float> firsts(static_cast<size_t>(S), -1.0f);
+  json event;
+  if (world_.is_root()) {
+    if (const LayerCosts* costs = costs_()) {
+      decisions_++;
+      const std::vector<LayerRange> next = decide(step, *costs, event);
+      for (int s = 0; s < S && !next.empty(); ++s) firsts[s] = static_cast<float>(next[s].first);
+    }
+  }
+  world_.broadcast(firsts.data(), firsts.size(), 0);
+  if (firsts[0] < 0) {
+    if (!event.is_null() && log_event_) log_event_(event);
+    return;
+  }
+  std::vector<LayerRange> next(static_cast<size_t>(S));
+  for (int s = 0; s < S; ++s) {
+    next[s].first = static_cast<int>(firsts[s]);
+    next[s].last = s + 1 < S ? static_cast<int>(firsts[s + 1]) - 1 : config_.model.n_layer + 1;
+  }
+  const json moved = recut_(cut_, next);
+  cut_ = std::move(next);
+  moves_++;
+  moved_ms_ += moved.value("move_ms", 0.0);
+  if (world_.is_root()) {
+    event.update(moved);
+    if (log_event_) log_event_(event);
+    std::printf("keel: step %lld: stages re-cut %s -> %s (%s; simulated step %.1f -> %.1f ms, %.1f %% shorter); "
+                "moved in %.0f ms\n",
+                static_cast<long long>(step), event.value("from", "").c_str(), boundaries_of(cut_).c_str(),
+                partitioner_->name(), event.value("span_ms", 0.0), event.value("proposed_span_ms", 0.0),
+                100 * event.value("predicted_gain", 0.0), moved.value("move_ms", 0.0));
+    std::fflush(stdout);
+  }
+}
+
+void Repartitioner::print_startup() const {
+  std::printf("keel: re-cut every %d steps by the %s partitioner on measured layer costs, when the simulated step "
+              "gains more than %.1f %%; stages now %s\n",
+              config_.parallel.repartition_every, partitioner_->name(), 100 * config_.parallel.repartition_threshold,
+              boundaries_of(cut_).c_str());
+}
+
+void Repartitioner::add_step_fields(double, json& line) {
+  line["repartitions"] = moves_;
+  line["stage_boundaries"] = boundaries_of(cut_);
+}
+
+void Repartitioner::print_summary() const {
+  std::printf("re-cuts: %d of %d decisions moved the stages (%.0f ms moving state); final stages %s\n", moves_,
+              decisions_, moved_ms_, boundaries_of(cut_).c_str());
+}
+
+}  // namespace keel::pipeline

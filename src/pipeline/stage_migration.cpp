@@ -1,0 +1,230 @@
+#include "pipeline/stage_migration.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "comm/zero.h"
+#include "core/error.h"
+#include "model/gpt.h"
+#include "pipeline/layout.h"
+#include "store/placement.h"
+
+namespace keel::pipeline {
+
+namespace {
+
+// Bytes a rank sends (and, separately, receives) in one all-to-all round at most.
+constexpr int64_t kRoundBytes = int64_t{256} << 20;
+
+constexpr Plane kMoved[] = {Plane::param, Plane::adam_m, Plane::adam_v};
+
+// One pipeline rank's chunks under one cut, described without memory, and where its tensors lie.
+struct RankLayout {
+  std::unique_ptr<ChunkStore> store;
+  ChunkPartition shards;  // the moments' owners over the data-parallel replicas (ZeRO), or one owner
+  // Per tensor name (home tensors only, not tied replicas): its pieces, in tensor order.
+  struct Place {
+    int chunk;
+    Segment seg;
+  };
+  std::map<std::string, std::vector<Place>> homes;
+};
+
+RankLayout layout_of(const Config& config, const std::vector<LayerRange>& ranges, int shard_ranks) {
+  RankLayout l;
+  l.store = std::make_unique<ChunkStore>(config.store.chunk_bytes);
+  {
+    const GPT model(config.model, *l.store, ranges, config.runtime.precision == "bf16");  // registers the tensors
+  }
+  l.store->set_huge_page_alignment(tiering_enabled(config.tier));  // as RankModel::build lays out its store
+  l.store->finalize_layout();
+  l.shards = ChunkPartition::balanced(*l.store, shard_ranks);
+  for (const Chunk& c : l.store->chunks()) {
+    for (const Segment& seg : c.segments) {
+      const TensorSpec& spec = l.store->tensors()[seg.tensor].spec;
+      if (!spec.replica) l.homes[spec.name].push_back({c.id, seg});
+    }
+  }
+  for (auto& [name, places] : l.homes) {
+    std::sort(places.begin(), places.end(),
+              [](const RankLayout::Place& a, const RankLayout::Place& b) { return a.seg.tensor_offset < b.seg.tensor_offset; });
+  }
+  return l;
+}
+
+// Every pipeline rank's layers under `cut` (a rank holds several stages under interleaved / zb-v).
+std::vector<std::vector<LayerRange>> ranges_per_rank(const Config& config, const std::vector<LayerRange>& cut) {
+  const Schedule schedule = make_schedule({parse_kind(config.parallel.schedule), config.parallel.pipeline,
+                                           micro_batches(config), virtual_stages(config.parallel)});
+  std::vector<std::vector<LayerRange>> out(config.parallel.pipeline);
+  for (int p = 0; p < config.parallel.pipeline; ++p) {
+    for (int s : schedule.stages_of(p)) out[p].push_back(cut.at(s));
+  }
+  return out;
+}
+
+int owner_of(const ChunkPartition& shards, int chunk) {
+  int r = 0;
+  while (shards.first_chunk[r + 1] <= chunk) r++;
+  return r;
+}
+
+// Elements [src_offset, + numel) of plane `plane` on world rank `src` (old layout) go to
+// [dst_offset, + numel) on world rank `dst` (new layout).
+struct Piece {
+  int src, dst, plane;
+  int src_chunk, dst_chunk;
+  int64_t src_offset, dst_offset, numel;
+};
+
+}  // namespace
+
+MigrationStats migrate_stages(const Config& config, ProcessGroups& groups, const std::vector<LayerRange>& old_cut,
+                              const ChunkStore& from, const std::vector<LayerRange>& new_cut, ChunkStore& to) {
+  const auto t0 = std::chrono::steady_clock::now();
+  Communicator& world = groups.world();
+  const int P = config.parallel.pipeline, D = world.size() / P, me = world.rank();
+  const bool zero = config.parallel.zero > 0 && D > 1;
+  const std::vector<std::vector<LayerRange>> old_ranges = ranges_per_rank(config, old_cut),
+                                             new_ranges = ranges_per_rank(config, new_cut);
+  std::vector<RankLayout> olds, news;
+  for (int p = 0; p < P; ++p) {
+    olds.push_back(layout_of(config, old_ranges[p], zero ? D : 1));
+    news.push_back(layout_of(config, new_ranges[p], zero ? D : 1));
+  }
+  check(olds[me % P].store->chunks().size() == from.chunks().size() && news[me % P].store->chunks().size() == to.chunks().size(),
+        "re-cut: this rank's stores do not have the layouts of their cuts");
+  // Where every tensor lives under the old cut.
+  std::map<std::string, int> home_rank;
+  for (int p = 0; p < P; ++p) {
+    for (const auto& [name, places] : olds[p].homes) home_rank[name] = p;
+  }
+  // Every piece of every rank's new state, in one order every rank shares: receiver, plane, its
+  // chunks, their segments, the old pieces they draw from.
+  std::vector<Piece> pieces;
+  for (int d = 0; d < D; ++d) {
+    for (int p = 0; p < P; ++p) {
+      const RankLayout& n = news[p];
+      const int dst = d * P + p;
+      for (int plane = 0; plane < 3; ++plane) {
+        const bool moment = kMoved[plane] != Plane::param;
+        const int first = moment && zero ? n.shards.first_chunk[d] : 0;
+        const int last = moment && zero ? n.shards.first_chunk[d + 1] : static_cast<int>(n.store->chunks().size());
+        for (int c = first; c < last; ++c) {
+          for (const Segment& seg : n.store->chunks()[c].segments) {
+            const std::string& name = n.store->tensors()[seg.tensor].spec.name;
+            const auto home = home_rank.find(name);
+            check(home != home_rank.end(), "re-cut: no stage holds tensor '" + name + "' under the old cut");
+            const RankLayout& o = olds[home->second];
+            int64_t at = seg.tensor_offset;
+            const int64_t end = seg.tensor_offset + seg.numel;
+            for (const RankLayout::Place& place : o.homes.at(name)) {
+              const int64_t lo = std::max(at, place.seg.tensor_offset),
+                            hi = std::min(end, place.seg.tensor_offset + place.seg.numel);
+              if (hi <= lo) continue;
+              const int src_replica = moment && zero ? owner_of(o.shards, place.chunk) : d;
+              // Split into pieces a round can carry.
+              for (int64_t a = lo; a < hi;) {
+                const int64_t b = std::min<int64_t>(hi, a + kRoundBytes / static_cast<int64_t>(sizeof(float)));
+                pieces.push_back(Piece{src_replica * P + home->second, dst, plane, place.chunk, c,
+                                       place.seg.offset + (a - place.seg.tensor_offset),
+                                       seg.offset + (a - seg.tensor_offset), b - a});
+                a = b;
+              }
+              at = hi;
+            }
+            check(at == end, "re-cut: tensor '" + name + "' is not whole under the old cut");
+          }
+        }
+      }
+    }
+  }
+  // The old chunks' versions of every rank (each a chunk takes the newest of those it draws from).
+  const int W = world.size();
+  std::vector<int> counts(W), displs(W);
+  for (int r = 0, at = 0; r < W; ++r) {
+    counts[r] = static_cast<int>(olds[r % P].store->chunks().size() * sizeof(uint64_t));
+    displs[r] = at;
+    at += counts[r];
+  }
+  std::vector<uint64_t> mine(from.chunks().size()), all((displs[W - 1] + counts[W - 1]) / sizeof(uint64_t));
+  for (const Chunk& c : from.chunks()) mine[c.id] = c.version;
+  Communicator::Request gathered = world.iallgatherv(reinterpret_cast<const uint8_t*>(mine.data()),
+                                                     reinterpret_cast<uint8_t*>(all.data()), counts, displs);
+  world.wait(gathered);
+  std::vector<uint64_t> versions(to.chunks().size(), 0);
+  MigrationStats stats;
+  // Rounds: consecutive pieces while no rank sends or receives more than kRoundBytes.
+  std::vector<uint8_t> send, recv;
+  for (size_t begin = 0; begin < pieces.size();) {
+    std::vector<int64_t> out(W, 0), in(W, 0);
+    size_t end = begin;
+    for (; end < pieces.size(); ++end) {
+      const Piece& q = pieces[end];
+      const int64_t bytes = q.numel * static_cast<int64_t>(sizeof(float));
+      if (end > begin && (out[q.src] + bytes > kRoundBytes || in[q.dst] + bytes > kRoundBytes)) break;
+      if (q.src != q.dst) out[q.src] += bytes, in[q.dst] += bytes;
+    }
+    std::vector<int> send_counts(W, 0), send_displs(W, 0), recv_counts(W, 0), recv_displs(W, 0);
+    for (size_t i = begin; i < end; ++i) {
+      const Piece& q = pieces[i];
+      const int bytes = static_cast<int>(q.numel * sizeof(float));
+      if (q.src == q.dst) continue;
+      if (q.src == me) send_counts[q.dst] += bytes;
+      if (q.dst == me) recv_counts[q.src] += bytes;
+    }
+    for (int r = 1; r < W; ++r) {
+      send_displs[r] = send_displs[r - 1] + send_counts[r - 1];
+      recv_displs[r] = recv_displs[r - 1] + recv_counts[r - 1];
+    }
+    send.resize(static_cast<size_t>(send_displs[W - 1] + send_counts[W - 1]));
+    recv.resize(static_cast<size_t>(recv_displs[W - 1] + recv_counts[W - 1]));
+    std::vector<int> send_at = send_displs, recv_at = recv_displs;
+    for (size_t i = begin; i < end; ++i) {
+      const Piece& q = pieces[i];
+      if (q.src != me) continue;
+      const Plane plane = kMoved[q.plane];
+      const PageLease use = from.use_chunk(q.src_chunk, {plane});
+      const std::span<const float> v = from.range_view(plane, q.src_offset, q.numel);
+      if (q.dst == me) {  // kept on this rank: a copy between its stores
+        const PageLease write = to.use_chunk(q.dst_chunk, {}, {plane});
+        std::copy(v.begin(), v.end(), to.range_view(plane, q.dst_offset, q.numel).begin());
+        stats.bytes_copied += static_cast<int64_t>(v.size_bytes());
+        continue;
+      }
+      std::memcpy(send.data() + send_at[q.dst], v.data(), v.size_bytes());
+      send_at[q.dst] += static_cast<int>(v.size_bytes());
+    }
+    Communicator::Request exchanged =
+        world.ialltoallv(send.data(), send_counts, send_displs, recv.data(), recv_counts, recv_displs);
+    world.wait(exchanged);
+    stats.rounds++;
+    for (size_t i = begin; i < end; ++i) {
+      const Piece& q = pieces[i];
+      if (q.dst != me) continue;
+      if (kMoved[q.plane] == Plane::param) {
+        versions[q.dst_chunk] = std::max(versions[q.dst_chunk], all[displs[q.src] / sizeof(uint64_t) + q.src_chunk]);
+      }
+      if (q.src == me) continue;
+      const Plane plane = kMoved[q.plane];
+      const PageLease write = to.use_chunk(q.dst_chunk, {}, {plane});
+      const size_t bytes = static_cast<size_t>(q.numel) * sizeof(float);
+      std::memcpy(to.range_view(plane, q.dst_offset, q.numel).data(), recv.data() + recv_at[q.src], bytes);
+      recv_at[q.src] += static_cast<int>(bytes);
+    }
+    for (int r = 0; r < W; ++r) {
+      stats.bytes_sent += send_counts[r];
+      stats.bytes_received += recv_counts[r];
+    }
+    begin = end;
+  }
+  for (const Chunk& c : to.chunks()) to.set_version(c.id, versions[c.id]);
+  stats.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return stats;
+}
+
+}  // namespace keel::pipeline

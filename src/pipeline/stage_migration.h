@@ -1,0 +1,42 @@
+// Moving a pipeline's state from one cut of its stages to another, in memory and over MPI: what a
+// re-cut mid-run (pipeline/repartitioner.h) does between two steps.
+//
+// Every rank can lay out every rank's chunks under either cut without allocating anything
+// (ChunkStore::finalize_layout), and ZeRO's moment shards are a pure function of a layout
+// (ChunkPartition::balanced). So every rank computes the same list of pieces — one tensor's
+// elements in one plane, from the rank that holds them under the old cut to the rank that needs
+// them under the new one — and the pieces travel in rounds of all-to-all exchanges over the world
+// communicator (at most kRoundBytes sent or received per rank a round; a piece a rank sends to
+// itself is a copy). What moves: the parameters (from the same data-parallel replica's holder),
+// both AdamW moments (from whichever replica owns that shard under ZeRO), and each chunk's version
+// (the newest of the chunks it draws from, as a checkpoint loaded by tensor name sets it).
+// Gradients are zero between steps and do not move. The result is the state a checkpoint written
+// under the old cut and resumed under the new one would load: the same bytes.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "comm/process_groups.h"
+#include "core/config.h"
+#include "model/gpt.h"
+#include "store/chunk_store.h"
+
+namespace keel::pipeline {
+
+struct MigrationStats {
+  double ms = 0;                // the whole move, on this rank (layouts, exchanges, copies)
+  int64_t bytes_sent = 0;       // to other ranks
+  int64_t bytes_received = 0;   // from other ranks
+  int64_t bytes_copied = 0;     // kept on this rank (copied between its old and new store)
+  int rounds = 0;               // all-to-all exchanges
+};
+
+// Every rank of `groups.world()` calls it between two steps. `from` is this rank's store under
+// `old_cut` (every stage's layers), `to` its store under `new_cut`, finalized and empty (its
+// moments sharded as the optimizer built on it shards them). Afterwards `to` holds the
+// parameters, moments and versions `from` held for its layers.
+MigrationStats migrate_stages(const Config& config, ProcessGroups& groups, const std::vector<LayerRange>& old_cut,
+                              const ChunkStore& from, const std::vector<LayerRange>& new_cut, ChunkStore& to);
+
+}  // namespace keel::pipeline

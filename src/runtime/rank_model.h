@@ -1,0 +1,50 @@
+// This rank's part of the model and every component built on which layers it holds: the chunk
+// store, the model, the sharded optimizer, the gradient sync and its report, the memory tiers and
+// the step engine. The trainer builds one at start-up; a pipeline re-cut mid-run
+// (pipeline/repartitioner.h) builds one for the new stages, moves the state into it
+// (pipeline/stage_migration.h) and drops the old one.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <vector>
+
+#include "comm/grad_sync.h"
+#include "comm/process_groups.h"
+#include "comm/sharded_optimizer.h"
+#include "comm/sync_report.h"
+#include "core/config.h"
+#include "core/metrics_source.h"
+#include "data/loader.h"
+#include "model/gpt.h"
+#include "pipeline/pipeline_step.h"
+#include "runtime/step_engine.h"
+#include "store/chunk_store.h"
+#include "store/tiered_memory.h"
+
+namespace keel {
+
+struct RankModel {
+  // Declared in construction order; destroyed in reverse: the tiers drain their transfers into
+  // the store before it goes, everything holding leases goes before the tiers.
+  std::unique_ptr<ChunkStore> store;
+  std::unique_ptr<GPT> model;
+  std::unique_ptr<ShardedOptimizer> optimizer;
+  std::unique_ptr<GradSync> sync;
+  std::unique_ptr<SyncReport> sync_report;
+  std::unique_ptr<StepEngine> engine;
+  std::unique_ptr<TieredMemory> tiers;  // null without tiers
+
+  // The layers this rank holds under `layout` (none: the whole model) and everything on them.
+  // Nothing initialised: the weights are drawn, loaded or moved in by the caller.
+  static std::unique_ptr<RankModel> build(const Config& config, ProcessGroups& groups, DataLoader& train,
+                                          std::optional<pipeline::PipelineLayout> layout,
+                                          std::function<void(const nlohmann::json&)> log_event);
+
+  // The figures its components report, in the order the progress line shows them.
+  std::vector<MetricsSource*> sources() const;
+};
+
+}  // namespace keel

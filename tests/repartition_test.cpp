@@ -1,0 +1,174 @@
+// Re-cutting a pipeline while it trains (pipeline/repartitioner.h, pipeline/stage_migration.h):
+// every parallel.repartition_every steps the partitioner proposes a cut from the measured layer
+// costs; when the stages move, parameters, AdamW moments and versions travel between ranks over
+// MPI and the stages' components are rebuilt. Exact: a run re-cut at step k ends with the bytes of
+// a run that used the new cut from step k on (resumed from the first run's step-k checkpoint with
+// that cut as its stage_boundaries) — with data parallelism and ZeRO-1 too, where the moments'
+// shards change owners. At one thread per rank a pipeline computes one rank's bytes, so there
+// both also equal the uninterrupted one-rank run.
+//
+// Which cut the partitioner proposes depends on measured times; the runs start from a cut with
+// the embedding alone on the first stage (every measurement calls it unbalanced) and a threshold of
+// 0, and each test reads the cut it moved to from metrics.jsonl.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "ckpt/checkpoint.h"
+#include "core/fileio.h"
+#include "test_util.h"
+
+namespace keel {
+namespace {
+
+class Repartition : public ::testing::Test {
+ protected:
+  static constexpr int kSteps = 7;
+  void SetUp() override {
+    testing::write_toy_corpus(dir.path());
+    testing::write_toy_config(dir.path(), kSteps);
+  }
+  std::string at(const std::string& run) const { return dir.path() + "/" + run; }
+  testing::CommandResult train(int ranks, const std::string& run, const std::string& extra) {
+    const std::string a = "train --config " + dir.path() + "/toy.toml --set train.run_dir=" + at(run) +
+                          " --set train.eval_every=0 --set runtime.threads=1 --set train.batch_size=2"
+                          " --set train.grad_accum=4 " + extra;
+    return testing::run_keel(ranks <= 1 ? a : "launch -n " + std::to_string(ranks) + " -- " + a);
+  }
+  // The `repartition` events of a run's metrics.jsonl.
+  std::vector<nlohmann::json> decisions(const std::string& run) const {
+    std::vector<nlohmann::json> out;
+    const std::string text = read_text_file(at(run) + "/metrics.jsonl");
+    for (size_t p = 0; p < text.size();) {
+      const size_t e = std::min(text.find('\n', p), text.size());
+      const nlohmann::json j = nlohmann::json::parse(text.substr(p, e - p));
+      if (j.value("event", "") == "repartition") out.push_back(j);
+      p = e + 1;
+    }
+    return out;
+  }
+  // The chunk versions the newest checkpoint of a run records.
+  std::vector<uint64_t> versions(const std::string& run) const {
+    const nlohmann::json m = nlohmann::json::parse(read_text_file(testing::newest_checkpoint(at(run) + "/ckpt") + "/manifest.json"));
+    std::vector<uint64_t> out;
+    for (const nlohmann::json& c : m.at("chunks")) out.push_back(c.at("version").get<uint64_t>());
+    return out;
+  }
+  void expect_same_state(const std::string& a, const std::string& b) const {
+    for (Plane p : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+      EXPECT_TRUE(testing::checkpoint_bytes(at(a) + "/ckpt", p) == testing::checkpoint_bytes(at(b) + "/ckpt", p))
+          << a << " vs " << b << ": plane " << static_cast<int>(p);
+    }
+    EXPECT_EQ(versions(a), versions(b)) << a << " vs " << b;
+  }
+  // Run `moved` re-cuts at step 4 (checkpointing there), then the same from its step-4
+  // checkpoint with the new cut fixed: the same final state, the same losses after step 4.
+  void expect_recut_exact(int ranks, const std::string& layout) {
+    const std::string recut = layout + " --set parallel.repartition_every=4 --set monitor.layer_costs_every=2"
+                              " --set parallel.partitioner=dp --set parallel.repartition_threshold=0"
+                              " --set train.checkpoint_every=4";
+    const testing::CommandResult a = train(ranks, "moved", recut);
+    ASSERT_EQ(a.exit_code, 0) << a.output;
+    const std::vector<nlohmann::json> d = decisions("moved");
+    ASSERT_EQ(d.size(), 1u) << a.output;  // at step 4 (none in the last interval)
+    ASSERT_TRUE(d[0].at("moved").get<bool>()) << d[0].dump();
+    EXPECT_EQ(d[0].at("step").get<int>(), 4);
+    EXPECT_EQ(d[0].at("from").get<std::string>(), "1");
+    EXPECT_GT(d[0].at("move_ms").get<double>(), 0) << d[0].dump();
+    EXPECT_GT(d[0].at("bytes_sent").get<double>(), 0) << d[0].dump();
+    const std::string to = d[0].at("proposed").get<std::string>();
+    EXPECT_NE(a.output.find("stages re-cut 1 -> " + to), std::string::npos) << a.output;
+    const testing::CommandResult b = train(ranks, "fixed", layout + " --set parallel.stage_boundaries=" + to +
+                                                               " --set train.resume=" + at("moved") + "/ckpt/step-00000004");
+    ASSERT_EQ(b.exit_code, 0) << b.output;
+    expect_same_state("moved", "fixed");
+    const std::vector<double> la = testing::step_losses(at("moved") + "/metrics.jsonl"),
+                              lb = testing::step_losses(at("fixed") + "/metrics.jsonl");
+    ASSERT_EQ(la.size(), static_cast<size_t>(kSteps));
+    ASSERT_EQ(lb.size(), static_cast<size_t>(kSteps - 4));
+    for (int i = 0; i < kSteps - 4; ++i) EXPECT_EQ(la[4 + i], lb[i]) << "step " << 5 + i;
+  }
+  testing::TempDir dir{"keel-recut"};
+};
+
+// Two stages of llama (untied): the moved run, the run with the new cut from step 4, and one rank
+// uninterrupted end with the same bytes.
+TEST_F(Repartition, AStageMoveMidRunEndsWithTheBytesOfTheNewCutFromThatStep) {
+  const std::string llama = "--set model.preset=llama-tiny --set model.vocab_size=64 --set model.max_seq_len=32";
+  expect_recut_exact(2, llama + " --set parallel.pipeline=2 --set parallel.stage_boundaries=1");
+  const testing::CommandResult one = train(1, "one", llama);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  expect_same_state("moved", "one");
+}
+
+// 2 x 2 (two replicas of two stages) with ZeRO-1, GPT-2 (wte tied between the embedding's and the
+// head's stage, its replica moving with the head): the moments' shards are cut anew with the
+// stages and change owners between replicas.
+TEST_F(Repartition, MovesShardedMomentsBetweenReplicasExactly) {
+  expect_recut_exact(4, "--set parallel.pipeline=2 --set parallel.zero=1 --set parallel.stage_boundaries=1"
+                        " --set train.batch_size=1");
+}
+
+// A shifting workload: optim.freeze_at_step freezes the first layers mid-run. Before that step they
+// train; from it on their parameters, moments and versions stand still (and a pipeline's early
+// stages get lighter: what a re-cut then follows). The same in a PP = 2 run that re-cuts at that
+// step: exact against one rank.
+TEST_F(Repartition, LayersFrozenMidRunStopFromThatStep) {
+  const std::string llama = "--set model.preset=llama-tiny --set model.vocab_size=64 --set model.max_seq_len=32";
+  const std::string freeze = " --set optim.freeze_layers=2 --set optim.freeze_at_step=4 --set train.checkpoint_every=2";
+  const testing::CommandResult one = train(1, "one", llama + freeze);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const std::string root = at("one") + "/ckpt";
+  const nlohmann::json m = nlohmann::json::parse(read_text_file(root + "/step-00000004/manifest.json"));
+  auto plane = [&](const std::string& step, Plane p) { return read_checkpoint_plane(root + "/step-0000000" + step, p); };
+  int frozen_chunks = 0;
+  for (Plane p : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+    const std::vector<float> at2 = plane("2", p), at4 = plane("4", p), at7 = plane("7", p);
+    for (const nlohmann::json& c : m.at("chunks")) {
+      const int64_t off = c.at("offset").get<int64_t>(), n = c.at("numel").get<int64_t>();
+      const auto range = [&](const std::vector<float>& v) { return std::vector<float>(v.begin() + off, v.begin() + off + n); };
+      if (c.at("layer").get<int>() < 2) {
+        frozen_chunks += p == Plane::param;
+        EXPECT_NE(range(at2), range(at4)) << "chunk " << c.at("id") << " trains before step 4";
+        EXPECT_EQ(range(at4), range(at7)) << "chunk " << c.at("id") << " is frozen from step 4";
+      } else {
+        EXPECT_NE(range(at4), range(at7)) << "chunk " << c.at("id") << " trains on";
+      }
+    }
+  }
+  EXPECT_GT(frozen_chunks, 0);
+  const testing::CommandResult piped =
+      train(2, "piped", llama + freeze + " --set parallel.pipeline=2 --set parallel.stage_boundaries=1"
+                                         " --set parallel.repartition_every=4 --set monitor.layer_costs_every=2"
+                                         " --set parallel.partitioner=dp --set parallel.repartition_threshold=0");
+  ASSERT_EQ(piped.exit_code, 0) << piped.output;
+  expect_same_state("piped", "one");
+}
+
+TEST_F(Repartition, BadSettingsAreOneLine) {
+  struct Case {
+    int ranks;
+    std::string set, key;
+  };
+  const std::vector<Case> cases = {
+      {1, "--set parallel.repartition_every=4", "parallel.repartition_every"},
+      {2, "--set parallel.pipeline=2 --set parallel.repartition_every=5 --set monitor.layer_costs_every=2",
+       "parallel.repartition_every"},
+      {2, "--set parallel.pipeline=2 --set parallel.repartition_every=4 --set parallel.predict_gradients=mean",
+       "parallel.repartition_every"},
+      {2, "--set parallel.pipeline=2 --set parallel.repartition_threshold=1.5", "parallel.repartition_threshold"},
+      {2, "--set parallel.pipeline=2 --set parallel.stage_boundaries=1 --set parallel.partitioner=dp",
+       "parallel.stage_boundaries"},
+      {1, "--set optim.freeze_at_step=-1", "optim.freeze_at_step"},
+  };
+  for (const Case& c : cases) {
+    const testing::CommandResult r = train(c.ranks, "bad", c.set);
+    EXPECT_NE(r.exit_code, 0) << c.set;
+    EXPECT_NE(r.output.find("config key '" + c.key + "'"), std::string::npos) << c.set << "\n" << r.output;
+  }
+}
+
+}  // namespace
+}  // namespace keel
