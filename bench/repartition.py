@@ -11,6 +11,8 @@ Workloads (a 256-wide model of 8 blocks at T = 128):
   frozen        the embedding and the first 4 blocks frozen from the start (optim.freeze_layers)
   freeze-mid    the same layers frozen from step 20 on (optim.freeze_at_step): the load shifts
                 mid-run, a static cut stays where the dense model wanted it
+  slow-rank     the second rank 1.5x slower (runtime.slow_factor: a sleep after each layer, the
+                documented test-only slowdown); the partitioners are told its factor
 Per run: the median step time of the last 20 steps, the cuts the run went through, the moves'
 cost (ms on the slowest rank), and for qlearning the first 10-step interval whose median step
 is within 5 % of the dp run's final one (the steps the agent needed, counted from the shift).
@@ -67,6 +69,7 @@ def main():
     workloads = {
         "frozen": (["--set", "optim.freeze_layers=5"], 0),
         "freeze-mid": (["--set", "optim.freeze_layers=5", "--set", "optim.freeze_at_step=%d" % shift], shift),
+        "slow-rank": (["--set", "runtime.slow_rank=1", "--set", "runtime.slow_factor=1.5"], 0),
     }
     recut = {
         "static": [],
@@ -88,7 +91,7 @@ def main():
             first = out.split("stages now ")[1].split("\n")[0] if "stages now " in out else None
             tail = [s["ms"] for s in steps[-20:]]
             results[label] = {"steps": steps, "events": events, "median": statistics.median(tail),
-                              "bubble": statistics.median(s.get("bubble", 0) for s in steps[-20:]),
+                              "bubble": statistics.median(s.get("pipeline_bubble", 0) for s in steps[-20:]),
                               "first": first or steps[0].get("stage_boundaries", "")}
         for label, r in results.items():
             moved = [e for e in r["events"] if e.get("moved")]

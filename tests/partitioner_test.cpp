@@ -124,6 +124,28 @@ TEST(Partitioner, AHeavyHeadIsGivenAStageOfItsOwnWhereTheFlopModelDoesNot) {
   EXPECT_EQ(boundaries_of(dp), "6");  // 0-5 (5.05) | 6-7 (5): the least largest stage
 }
 
+// A rank that computes twice as slowly (runtime.slow_factor) costs its stages twice their layers:
+// the cuts give it fewer layers, and the simulator's span is the one of those doubled costs.
+TEST(Partitioner, ASlowRankIsGivenFewerLayers) {
+  PartitionProblem p = problem(10, 1, 2, 8);  // 12 layers; the even cut is "6"
+  const std::vector<LayerRange> even = min_max_cut(p);
+  EXPECT_EQ(boundaries_of(even), "6");  // 0.05 + 5 blocks | 5 blocks + head
+  p.rank_slowdown = {1.0, 2.0};  // rank 1 (stage 1) half as fast
+  const std::vector<LayerRange> cut = DpPartitioner().cut(p, {});
+  EXPECT_GE(cut[1].first, 8) << boundaries_of(cut);
+  // The least largest stage: 0.05 + 7 blocks against (3 blocks + head) x 2.
+  EXPECT_EQ(boundaries_of(min_max_cut(p)), "8");
+  const CutScore slow_even = score_cut(p, even), slow_cut = score_cut(p, cut);
+  EXPECT_LT(slow_cut.span, slow_even.span);
+  EXPECT_DOUBLE_EQ(slow_even.max_stage, 2 * 6.0);  // the second stage, doubled
+  // The agent gets there too, from the even cut.
+  QLearningPartitioner agent(3);
+  int within = -1;
+  learn_cut(agent, p, even, 50, slow_cut.span, &within);
+  EXPECT_GE(within, 1);
+  EXPECT_LE(within, 50);
+}
+
 TEST(Partitioner, MemoryCapsShapeTheCutAndAnImpossibleCapIsOneLine) {
   PartitionProblem p = problem(6, 1, 2, 8);  // every layer costs the same
   EXPECT_LT(DpPartitioner().cut(p, {})[1].first, 6);

@@ -113,8 +113,9 @@ TEST_F(Repartition, MovesShardedMomentsBetweenReplicasExactly) {
 
 // A shifting workload: optim.freeze_at_step freezes the first layers mid-run. Before that step they
 // train; from it on their parameters, moments and versions stand still (and a pipeline's early
-// stages get lighter: what a re-cut then follows). The same in a PP = 2 run that re-cuts at that
-// step: exact against one rank.
+// stages get lighter: what a re-cut then follows). The same in a PP = 2 run whose second rank is
+// slowed twofold (runtime.slow_factor: sleeps only) and that re-cuts at that step: exact against
+// one rank, and the slow rank ends with fewer layers than it started with.
 TEST_F(Repartition, LayersFrozenMidRunStopFromThatStep) {
   const std::string llama = "--set model.preset=llama-tiny --set model.vocab_size=64 --set model.max_seq_len=32";
   const std::string freeze = " --set optim.freeze_layers=2 --set optim.freeze_at_step=4 --set train.checkpoint_every=2";
@@ -142,9 +143,14 @@ TEST_F(Repartition, LayersFrozenMidRunStopFromThatStep) {
   const testing::CommandResult piped =
       train(2, "piped", llama + freeze + " --set parallel.pipeline=2 --set parallel.stage_boundaries=1"
                                          " --set parallel.repartition_every=4 --set monitor.layer_costs_every=2"
-                                         " --set parallel.partitioner=dp --set parallel.repartition_threshold=0");
+                                         " --set parallel.partitioner=dp --set parallel.repartition_threshold=0"
+                                         " --set runtime.slow_rank=1 --set runtime.slow_factor=2");
   ASSERT_EQ(piped.exit_code, 0) << piped.output;
   expect_same_state("piped", "one");
+  const std::vector<nlohmann::json> d = decisions("piped");
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_TRUE(d[0].at("moved").get<bool>()) << d[0].dump();
+  EXPECT_GT(std::stoi(d[0].at("proposed").get<std::string>()), 1) << d[0].dump();
 }
 
 TEST_F(Repartition, BadSettingsAreOneLine) {

@@ -137,6 +137,8 @@ std::vector<Field> fields(Config& c) {
       {"checkpoint", "compress", &c.checkpoint.compress},
       {"checkpoint", "async", &c.checkpoint.async},
       {"runtime", "threads", &c.runtime.threads},
+      {"runtime", "slow_rank", &c.runtime.slow_rank},
+      {"runtime", "slow_factor", &c.runtime.slow_factor},
       {"runtime", "peak_gflops", &c.runtime.peak_gflops},
       {"runtime", "precision", &c.runtime.precision},
       {"monitor", "enabled", &c.monitor.enabled},
@@ -621,6 +623,8 @@ void Config::resolve(int world_size) {
   require(store.chunk_bytes >= 4096 && store.chunk_bytes % 4096 == 0, "store.chunk_bytes",
           "a multiple of 4096", s(store.chunk_bytes));
   require(runtime.threads >= 0, "runtime.threads", ">= 0", s(runtime.threads));
+  require(runtime.slow_rank >= -1, "runtime.slow_rank", "a world rank or -1", s(runtime.slow_rank));
+  require(runtime.slow_factor >= 1 && runtime.slow_factor <= 100, "runtime.slow_factor", "1..100", s(runtime.slow_factor));
   require(runtime.peak_gflops >= 0, "runtime.peak_gflops", ">= 0", s(runtime.peak_gflops));
   require(runtime.precision == "fp32" || runtime.precision == "bf16", "runtime.precision", "\"fp32\" or \"bf16\"",
           "\"" + runtime.precision + "\"");

@@ -237,6 +237,12 @@ struct RuntimeConfig {
   // "fp32", or "bf16": matrix products with bf16 operands and float32 sums (kernels/cpu/bf16.h);
   // master weights, gradients, their reduction and AdamW stay float32.
   std::string precision = "fp32";
+  // A documented slowdown for tests and benchmarks of unequal ranks: world rank `slow_rank` (-1 =
+  // none) runs each layer's F, B and W `slow_factor` times as long (it sleeps (factor - 1) x the
+  // layer's time after each; the bytes are unchanged). A pipeline's partitioners know it: stages
+  // on that rank cost `slow_factor` times their layers' measured costs.
+  int slow_rank = -1;
+  double slow_factor = 1.0;
 };
 
 // Watching a run: alerts on Keel's operating targets, energy per token.

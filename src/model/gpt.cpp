@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <thread>
 #include <cmath>
 #include <cstring>
 
@@ -388,6 +389,13 @@ void GPT::check_batch(const Batch& batch, int slot) const {
   if (batch.kv != nullptr && batch.B != 1) throw Error("model: a KV-cached pass runs one sequence (batch of 1)");
 }
 
+double GPT::timed(std::chrono::steady_clock::time_point t0) const {
+  if (slowdown_ > 1) {
+    std::this_thread::sleep_for(std::chrono::duration<double, std::milli>((slowdown_ - 1) * ms_since(t0)));
+  }
+  return ms_since(t0);
+}
+
 float GPT::forward(const Batch& batch) {
   check(whole(), "model: forward of the whole model on a pipeline stage");
   return forward(LayerRange{0, num_layers() - 1}, 0, batch);
@@ -400,7 +408,7 @@ float GPT::forward(const LayerRange& range, int slot, const Batch& batch) {
     bind(slot, i);
     const auto t0 = std::chrono::steady_clock::now();
     layers_[i]->forward(batch, i == 0 ? nullptr : x[i - 1], x[i]);
-    times_.forward[i] += ms_since(t0);
+    times_.forward[i] += timed(t0);
   }
   return range.last == num_layers() - 1 ? static_cast<OutputLayer&>(*layers_.back()).mean_loss() : 0.0f;
 }
@@ -412,7 +420,7 @@ void GPT::backward_input(const LayerRange& range, int slot, const Batch& batch, 
       bind(slot, i);
       const auto t0 = std::chrono::steady_clock::now();
       layers_[i]->backward_input(batch, input(slot, i), output_grad(slot, i), i == 0 ? nullptr : dx_[slot][i - 1]);
-      times_.backward_input[i] += ms_since(t0);
+      times_.backward_input[i] += timed(t0);
     }
     if (observer != nullptr) observer->after_backward_input(i);
   }
@@ -425,7 +433,7 @@ void GPT::backward_weight(const LayerRange& range, int slot, const Batch& batch,
       bind(slot, i);
       const auto t0 = std::chrono::steady_clock::now();
       layers_[i]->backward_weight(batch, input(slot, i), output_grad(slot, i));
-      times_.backward_weight[i] += ms_since(t0);
+      times_.backward_weight[i] += timed(t0);
     }
     if (observer != nullptr) observer->after_backward_weight(i);
   }

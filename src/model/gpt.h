@@ -8,6 +8,7 @@
 // Layer indices (also the chunk store's layer ids): 0 = embedding, 1..L = blocks, L+1 = head.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -85,6 +86,9 @@ class GPT {
   // gradient below them is wanted; observers still hear of every layer). Their gradients were
   // discarded anyway, so the result is the same bytes, sooner.
   void set_frozen_layers(int n) { frozen_ = n; }
+  // A test-only slowdown (runtime.slow_factor): every layer's F, B and W takes `factor` times as
+  // long (a sleep after it; the layer times include it).
+  void set_slowdown(double factor) { slowdown_ = factor; }
 
   // Milliseconds each of this rank's layers spent in F, B and W (indexed by layer; zero for the
   // layers of other ranks) since the last call, which resets them: what the layer profiler
@@ -146,7 +150,10 @@ class GPT {
   std::vector<std::vector<float*>> act_, x_, dx_;
   std::vector<int> bound_;  // the slot each layer is bound to
   LayerTimes times_;
+  // Milliseconds since t0, after the test-only slowdown's sleep.
+  double timed(std::chrono::steady_clock::time_point t0) const;
   int frozen_ = 0;
+  double slowdown_ = 1.0;
 };
 
 }  // namespace keel

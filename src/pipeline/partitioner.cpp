@@ -70,6 +70,14 @@ void every_cut(int L, int S, const std::function<void(const std::vector<LayerRan
 
 }  // namespace
 
+std::vector<double> PartitionProblem::stage_slowdown() const {
+  std::vector<double> out(static_cast<size_t>(stages()), 1.0);
+  if (rank_slowdown.empty()) return out;
+  const Schedule s = make_schedule(schedule);
+  for (int i = 0; i < stages(); ++i) out[i] = rank_slowdown.at(s.stage_rank[i]);
+  return out;
+}
+
 std::string boundaries_of(const std::vector<LayerRange>& cut) {
   std::string s;
   for (size_t i = 1; i < cut.size(); ++i) s += (i > 1 ? "," : "") + std::to_string(cut[i].first);
@@ -80,6 +88,7 @@ CutScore score_cut(const PartitionProblem& p, const std::vector<LayerRange>& cut
   const LayerCosts& c = p.costs;
   const Schedule schedule = make_schedule(p.schedule);
   const std::vector<int> in_flight = in_flight_per_stage(schedule);
+  const std::vector<double> slow = p.stage_slowdown();
   Costs costs;
   costs.comm = message_ms(p);
   CutScore score;
@@ -89,6 +98,7 @@ CutScore score_cut(const PartitionProblem& p, const std::vector<LayerRange>& cut
       f += c.forward[i], b += c.backward_input[i], w += c.backward_weight[i];
       params += c.param_bytes[i], act += c.activation_bytes[i];
     }
+    f *= slow[s], b *= slow[s], w *= slow[s];
     costs.forward.push_back(f);  // per micro-batch: one instruction of the schedule
     costs.backward_input.push_back(b);
     costs.backward_weight.push_back(w);
@@ -109,6 +119,10 @@ PartitionProblem problem_for(const Config& config) {
   p.flops = layer_costs(config.model, T);
   p.schedule = {parse_kind(par.schedule), par.pipeline, micro_batches(config), virtual_stages(par)};
   p.stage_memory_cap = par.stage_memory_mib << 20;
+  if (config.runtime.slow_rank >= 0 && config.runtime.slow_factor > 1) {
+    p.rank_slowdown.assign(static_cast<size_t>(par.pipeline), 1.0);
+    p.rank_slowdown[config.runtime.slow_rank % par.pipeline] = config.runtime.slow_factor;
+  }
   if (!par.layer_costs.empty()) {
     p.costs = read_layer_costs(par.layer_costs, L);
   } else {
@@ -182,6 +196,7 @@ std::vector<LayerRange> min_max_cut(const PartitionProblem& p) {
   check(S >= 1 && S <= L, "partitioner: " + std::to_string(S) + " stages for " + std::to_string(L) + " layers");
   const std::vector<double> cost = p.costs.total();
   const std::vector<int> in_flight = in_flight_per_stage(make_schedule(p.schedule));
+  const std::vector<double> slow = p.stage_slowdown();
   std::vector<double> prefix(L + 1, 0), params(L + 1, 0), act(L + 1, 0);
   for (int i = 0; i < L; ++i) {
     prefix[i + 1] = prefix[i] + cost[i];
@@ -201,7 +216,7 @@ std::vector<LayerRange> min_max_cut(const PartitionProblem& p) {
     for (int i = s; i <= L; ++i) {
       for (int j = s - 1; j < i; ++j) {
         if (best[s - 1][j] == inf || !fits(s - 1, j, i)) continue;
-        const double c = std::max(best[s - 1][j], prefix[i] - prefix[j]);
+        const double c = std::max(best[s - 1][j], slow[s - 1] * (prefix[i] - prefix[j]));
         if (c < best[s][i]) best[s][i] = c, from[s][i] = j;
       }
     }
@@ -255,11 +270,12 @@ std::vector<LayerRange> DpPartitioner::cut(const PartitionProblem& p, const std:
 namespace {
 
 double squares(const PartitionProblem& p, const std::vector<LayerRange>& cut) {
-  const std::vector<double> cost = p.costs.total();
+  const std::vector<double> cost = p.costs.total(), slow = p.stage_slowdown();
   double sum = 0;
-  for (const LayerRange& r : cut) {
+  for (size_t s = 0; s < cut.size(); ++s) {
     double c = 0;
-    for (int i = r.first; i <= r.last; ++i) c += cost[i];
+    for (int i = cut[s].first; i <= cut[s].last; ++i) c += cost[i];
+    c *= slow[s];
     sum += c * c;
   }
   return sum > 0 ? sum : 1;
@@ -275,12 +291,14 @@ std::vector<double>& QLearningPartitioner::q(const std::string& state, int actio
 
 std::string QLearningPartitioner::state_of(const PartitionProblem& p, const std::vector<LayerRange>& cut,
                                            double span) const {
-  const std::vector<double> cost = p.costs.total();
+  const std::vector<double> cost = p.costs.total(), slow = p.stage_slowdown();
   std::vector<double> stage;
   double mean = 0;
-  for (const LayerRange& r : cut) {
+  for (size_t k = 0; k < cut.size(); ++k) {
+    const LayerRange& r = cut[k];
     double c = 0;
     for (int i = r.first; i <= r.last; ++i) c += cost[i];
+    c *= slow[k];
     stage.push_back(c);
     mean += c / cut.size();
   }

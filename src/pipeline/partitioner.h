@@ -42,7 +42,12 @@ struct PartitionProblem {
   std::vector<double> flops;  // per layer: the FLOP model (the static partitioner's input)
   ScheduleSpec schedule;      // the schedule the cut will run (its stages: ranks x virtual stages)
   int64_t stage_memory_cap = 0;  // bytes per stage (0 = none)
+  // Per pipeline rank, how many times slower it computes than the costs say (empty: all 1): a
+  // stage's F, B and W on rank r cost rank_slowdown[r] x its layers' (runtime.slow_factor).
+  std::vector<double> rank_slowdown;
   int stages() const { return schedule.ranks * schedule.virtual_stages; }
+  // Each stage's factor from rank_slowdown (1 without one).
+  std::vector<double> stage_slowdown() const;
 };
 
 // A cut's figures on the simulator.

@@ -35,6 +35,21 @@ std::vector<LayerRange> Repartitioner::decide(int64_t step, const LayerCosts& co
   p.costs.forward = coming.forward;
   p.costs.backward_input = coming.backward_input;
   p.costs.backward_weight = coming.backward_weight;
+  // A rank slowed on purpose (runtime.slow_factor) measured its layers slow: their costs are the
+  // layers' own divided by it (the problem multiplies whichever stages land on that rank). Rank 0's
+  // replica measured the costs; a slow rank of another replica did not show in them.
+  const int P = config_.parallel.pipeline, slow = config_.runtime.slow_rank;
+  if (!p.rank_slowdown.empty() && slow >= 0 && slow / P == 0) {
+    const Schedule schedule = make_schedule(p.schedule);
+    for (size_t s = 0; s < cut_.size(); ++s) {
+      if (schedule.stage_rank[s] != slow) continue;
+      for (int i = cut_[s].first; i <= cut_[s].last; ++i) {
+        for (std::vector<double>* v : {&p.costs.forward, &p.costs.backward_input, &p.costs.backward_weight}) {
+          (*v)[i] /= config_.runtime.slow_factor;
+        }
+      }
+    }
+  }
   p.costs.comm = coming.comm;
   p.costs.message_ms = coming.message_ms;
   p.costs.seq_len = coming.seq_len;

@@ -17,6 +17,7 @@ std::unique_ptr<RankModel> RankModel::build(const Config& config, ProcessGroups&
   r->store = std::make_unique<ChunkStore>(config.store.chunk_bytes);
   r->model = std::make_unique<GPT>(config.model, *r->store, layout ? layout->mine : std::vector<LayerRange>{},
                                    config.runtime.precision == "bf16");
+  if (config.runtime.slow_rank == groups.world().rank()) r->model->set_slowdown(config.runtime.slow_factor);
   r->store->set_huge_page_alignment(tiered);
   r->store->finalize(/*touch_params=*/!tiered);
   // ZeRO shards the moments before anything loads or initialises them.
