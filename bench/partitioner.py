@@ -12,8 +12,8 @@ best of two) and their measured step times are compared. Workloads:
   vocab       a 65,536-token vocabulary, the most uint16 tokens allow (the head the heaviest layer)
   frozen      the embedding and the first half of the blocks frozen (optim.freeze_layers: their B
               and W are skipped, so the early stages get lighter)
-A rank slowed by a fixed factor is not among them: the partitioners cut layers, and a slow rank
-makes whichever layers it holds slow (a rank-aware cut is future work).
+A rank slowed by a fixed factor, and load that shifts mid-run, are bench/repartition.py's (real runs
+that re-cut their stages while training).
 
     python3 bench/partitioner.py [--keel build/keel] [--steps 15] [--layers 8]
 """

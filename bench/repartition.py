@@ -2,7 +2,7 @@
 """Stages re-cut while training (parallel.repartition_every), in real two-stage runs on this machine.
 
 Each workload runs three times at P = 2 (two ranks, one thread each, ZB-H1, 8 micro-batches a
-step), from the same start-up cut (the FLOP model's static one):
+step), from the same start-up cut (the FLOP model's static one, given as stage_boundaries):
   static     the cut is never changed
   dp         every 10 steps the exact partitioner proposes a cut from the measured layer costs;
              the stages move when the simulator predicts >= 2 % shorter steps
@@ -83,9 +83,15 @@ def main():
     print("|---|---|---|---|---|---|---|")
     for name, (extra, shifted_at) in workloads.items():
         results = {}
+        # Every run starts from the static cut (a dp / qlearning run would otherwise start from its
+        # own partitioner's cut on the FLOP model, which knows a slowed rank's factor).
+        static = json.loads(run([args.keel, "schedule"] + base + extra +
+                                ["--partitioner", "static", "--json", "yes"], env).strip().splitlines()[-1])
+        start = ["--set", "parallel.stage_boundaries=" + static["boundaries"]]
+        print("| %s | start cut | %s |  |  |  |  |" % (name, static["boundaries"]))
         for label, flags in recut.items():
             run_dir = os.path.join(work, "%s-%s" % (name, label))
-            out = run([args.keel, "launch", "-n", "2", "--", "train"] + base + extra + flags +
+            out = run([args.keel, "launch", "-n", "2", "--", "train"] + base + extra + flags + start +
                       ["--set", "train.run_dir=" + run_dir], env)
             steps, events = read(os.path.join(run_dir, "metrics.jsonl"))
             first = out.split("stages now ")[1].split("\n")[0] if "stages now " in out else None

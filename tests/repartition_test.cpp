@@ -103,6 +103,21 @@ TEST_F(Repartition, AStageMoveMidRunEndsWithTheBytesOfTheNewCutFromThatStep) {
   expect_same_state("moved", "one");
 }
 
+// With memory tiers (pages between a 1 MiB device budget, host and an NVMe file): the new stages'
+// tiers are built before the state moves in, page by page through their leases.
+TEST_F(Repartition, MovesStateIntoTieredStagesExactly) {
+  const std::string llama = "--set model.preset=llama-tiny --set model.vocab_size=64 --set model.max_seq_len=32";
+  const testing::CommandResult a = train(2, "tiered", llama + " --set parallel.pipeline=2 --set parallel.stage_boundaries=1"
+                                                              " --set parallel.repartition_every=4 --set monitor.layer_costs_every=2"
+                                                              " --set parallel.partitioner=dp --set parallel.repartition_threshold=0"
+                                                              " --set tier.device_mib=1 --set tier.host_mib=1 --set tier.nvme_dir=" + dir.path());
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  ASSERT_EQ(decisions("tiered").size(), 1u);
+  EXPECT_TRUE(decisions("tiered")[0].at("moved").get<bool>());
+  ASSERT_EQ(train(1, "one", llama).exit_code, 0);
+  expect_same_state("tiered", "one");
+}
+
 // 2 x 2 (two replicas of two stages) with ZeRO-1, GPT-2 (wte tied between the embedding's and the
 // head's stage, its replica moving with the head): the moments' shards are cut anew with the
 // stages and change owners between replicas.
