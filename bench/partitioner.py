@@ -21,19 +21,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import write_tokens  # noqa: E402
-
-
-def run(cmd, env):
-    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    if r.returncode != 0:
-        sys.exit("command failed: %s\n%s" % (" ".join(cmd), r.stdout[-3000:]))
-    return r.stdout
+from benchutil import run_or_exit as run, write_tokens  # noqa: E402
 
 
 def last_costs(metrics):
