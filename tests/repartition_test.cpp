@@ -131,6 +131,15 @@ TEST_F(Repartition, MovesShardedMomentsBetweenReplicasExactly) {
 // stages get lighter: what a re-cut then follows). The same in a PP = 2 run whose second rank is
 // slowed twofold (runtime.slow_factor: sleeps only) and that re-cuts at that step: exact against
 // one rank, and the slow rank ends with fewer layers than it started with.
+// Compressed sync (HybridGC's top-k with error feedback) on 2 x 2: the residuals belong to the old
+// layout's buckets and are dropped (the event says so), as a checkpoint resumed in another
+// layout drops them, so the moved run is still the run resumed with the new cut.
+TEST_F(Repartition, DropsCompressionResidualsAsAResumeDoes) {
+  expect_recut_exact(4, "--set parallel.pipeline=2 --set parallel.stage_boundaries=1 --set train.batch_size=1"
+                        " --set sync.codec=topk --set sync.warmup_steps=0");
+  EXPECT_EQ(decisions("moved")[0].value("compression_residuals", ""), "dropped");
+}
+
 TEST_F(Repartition, LayersFrozenMidRunStopFromThatStep) {
   const std::string llama = "--set model.preset=llama-tiny --set model.vocab_size=64 --set model.max_seq_len=32";
   const std::string freeze = " --set optim.freeze_layers=2 --set optim.freeze_at_step=4 --set train.checkpoint_every=2";
