@@ -147,7 +147,9 @@ void LayerProfiler::after_step(int64_t step, int seq_len, int micro_batch, int m
   if (message_ms >= 0) {
     local_.message_ms = local_.message_ms < 0 ? message_ms : (1 - kSmoothing) * local_.message_ms + kSmoothing * message_ms;
   }
-  if (every_ <= 0 || interval_steps_ < every_) return;
+  // Reports fall on the run's steps that are multiples of `every` (a re-cut every k x every steps
+  // then decides on a report of that very step).
+  if (every_ <= 0 || step % every_ != 0) return;
   // A report: [smoothed F | B | W | comm | interval F | B | W | comm | activation bytes |
   // parameter bytes] summed over the stages' ranks, the quickest message over them.
   std::vector<double> params(static_cast<size_t>(L), 0.0);

@@ -5,7 +5,7 @@
 // stage boundary (from the executor's timeline), the bytes a micro-batch keeps per layer and each
 // layer's parameter bytes, sums the layers over the pipeline's ranks (each layer lives on one),
 // and smooths them (an exponential average; each rank its own layers, the ranks' figures summed
-// only at a report: no collective in the other steps). Every `every` steps it writes the smoothed costs as
+// only at a report: no collective in the other steps). At every step that is a multiple of `every` it writes the smoothed costs as
 // a `{"event": "layer_costs"}` line of metrics.jsonl — the object `keel schedule --layer-costs`
 // reads — with how far its previous prediction was from what the interval measured.
 //
