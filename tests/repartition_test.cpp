@@ -103,6 +103,22 @@ TEST_F(Repartition, AStageMoveMidRunEndsWithTheBytesOfTheNewCutFromThatStep) {
   expect_same_state("moved", "one");
 }
 
+// ZB-V: each rank holds two stages (the V's two ends), and the re-cut moves boundaries of both.
+TEST_F(Repartition, ReCutsTwoStagesPerRankUnderZbV) {
+  const std::string llama = "--set model.preset=llama-tiny --set model.vocab_size=64 --set model.max_seq_len=32"
+                            " --set model.n_layer=4";
+  const testing::CommandResult a = train(2, "zbv", llama + " --set parallel.pipeline=2 --set parallel.schedule=zb-v"
+                                                           " --set parallel.stage_boundaries=1,2,3"
+                                                           " --set parallel.repartition_every=4 --set monitor.layer_costs_every=2"
+                                                           " --set parallel.partitioner=dp --set parallel.repartition_threshold=0");
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  const std::vector<nlohmann::json> d = decisions("zbv");
+  ASSERT_EQ(d.size(), 1u);
+  ASSERT_TRUE(d[0].at("moved").get<bool>()) << d[0].dump();
+  ASSERT_EQ(train(1, "one", llama).exit_code, 0);
+  expect_same_state("zbv", "one");
+}
+
 // With memory tiers (pages between a 1 MiB device budget, host and an NVMe file): the new stages'
 // tiers are built before the state moves in, page by page through their leases.
 TEST_F(Repartition, MovesStateIntoTieredStagesExactly) {
