@@ -66,8 +66,7 @@ void ShardedOptimizer::update_chunk(int chunk) {
     store_.zero_grad_chunk(chunk);
     store_.bump_version(chunk);
   }
-  int owner = 0;
-  while (partition_.first_chunk[owner + 1] <= chunk) owner++;
+  const int owner = partition_.owner(chunk);
   const PageLease use = store_.use_chunk(chunk, {}, {Plane::param});
   std::span<float> p = store_.chunk_view(chunk, Plane::param);
   dp_.broadcast(p.data(), p.size(), owner);

@@ -17,6 +17,12 @@ struct ChunkPartition {
   // Balances element counts; deterministic, the same on every rank.
   static ChunkPartition balanced(const ChunkStore& store, int world);
   int64_t size(int rank) const { return begin[rank + 1] - begin[rank]; }
+  // The rank that owns `chunk`.
+  int owner(int chunk) const {
+    int r = 0;
+    while (first_chunk[r + 1] <= chunk) r++;
+    return r;
+  }
   // Per-rank element counts and offsets as MPI wants them.
   std::vector<int> counts() const;
   std::vector<int> displs() const;

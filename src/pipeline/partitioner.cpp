@@ -112,7 +112,9 @@ CutScore score_cut(const PartitionProblem& p, const std::vector<LayerRange>& cut
   return score;
 }
 
-PartitionProblem problem_for(const Config& config) {
+PartitionProblem problem_for(const Config& config) { return problem_for(config, LayerCosts{}); }
+
+PartitionProblem problem_for(const Config& config, const LayerCosts& measured) {
   const ParallelConfig& par = config.parallel;
   const int T = config.train.seq_len, L = config.model.n_layer + 2;
   PartitionProblem p;
@@ -123,7 +125,9 @@ PartitionProblem problem_for(const Config& config) {
     p.rank_slowdown.assign(static_cast<size_t>(par.pipeline), 1.0);
     p.rank_slowdown[config.runtime.slow_rank % par.pipeline] = config.runtime.slow_factor;
   }
-  if (!par.layer_costs.empty()) {
+  if (measured.layers() > 0) {
+    p.costs = measured;
+  } else if (!par.layer_costs.empty()) {
     p.costs = read_layer_costs(par.layer_costs, L);
   } else {
     double total = 0;

@@ -81,6 +81,8 @@ class Partitioner {
 // costs in parallel.layer_costs or, without a file, the FLOP model's (F = B = W); bytes per layer
 // the file lacks are the model's own (parameters; activations of one micro-batch).
 PartitionProblem problem_for(const Config& config);
+// The same on costs measured in this run (`measured`, in place of parallel.layer_costs' file).
+PartitionProblem problem_for(const Config& config, const LayerCosts& measured);
 
 // The best cut (least simulated span) the learning agent reaches in `decisions` decisions from
 // `start`; `within` (if given) gets the first decision within 5 % of `optimum` (-1: none).

@@ -23,18 +23,7 @@ Repartitioner::Repartitioner(const Config& config, Communicator& world, std::vec
 std::vector<LayerRange> Repartitioner::decide(int64_t step, const LayerCosts& costs, json& event) {
   // The problem as the config poses it (schedule, memory cap), on the measured costs predicted for
   // the coming batches.
-  Config flops_only = config_;
-  flops_only.parallel.layer_costs.clear();
-  PartitionProblem p = problem_for(flops_only);
-  const LayerCosts coming = costs.at_seq_len(config_.model, config_.train.seq_len);
-  for (int i = 0; i < coming.layers(); ++i) {
-    if (coming.param_bytes[i] <= 0 || coming.activation_bytes[i] <= 0) continue;  // keep the model's
-    p.costs.param_bytes[i] = coming.param_bytes[i];
-    p.costs.activation_bytes[i] = coming.activation_bytes[i];
-  }
-  p.costs.forward = coming.forward;
-  p.costs.backward_input = coming.backward_input;
-  p.costs.backward_weight = coming.backward_weight;
+  PartitionProblem p = problem_for(config_, costs.at_seq_len(config_.model, config_.train.seq_len));
   // A rank slowed on purpose (runtime.slow_factor) measured its layers slow: their costs are the
   // layers' own divided by it (the problem multiplies whichever stages land on that rank). Rank 0's
   // replica measured the costs; a slow rank of another replica did not show in them.
@@ -50,9 +39,6 @@ std::vector<LayerRange> Repartitioner::decide(int64_t step, const LayerCosts& co
       }
     }
   }
-  p.costs.comm = coming.comm;
-  p.costs.message_ms = coming.message_ms;
-  p.costs.seq_len = coming.seq_len;
   std::vector<LayerRange> proposal = partitioner_->cut(p, cut_);
   const CutScore now = score_cut(p, cut_), then = score_cut(p, proposal);
   const double gain = now.span > 0 ? (now.span - then.span) / now.span : 0;

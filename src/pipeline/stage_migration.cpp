@@ -67,12 +67,6 @@ std::vector<std::vector<LayerRange>> ranges_per_rank(const Config& config, const
   return out;
 }
 
-int owner_of(const ChunkPartition& shards, int chunk) {
-  int r = 0;
-  while (shards.first_chunk[r + 1] <= chunk) r++;
-  return r;
-}
-
 // Elements [src_offset, + numel) of plane `plane` on world rank `src` (old layout) go to
 // [dst_offset, + numel) on world rank `dst` (new layout).
 struct Piece {
@@ -126,7 +120,7 @@ MigrationStats migrate_stages(const Config& config, ProcessGroups& groups, const
               const int64_t lo = std::max(at, place.seg.tensor_offset),
                             hi = std::min(end, place.seg.tensor_offset + place.seg.numel);
               if (hi <= lo) continue;
-              const int src_replica = moment && zero ? owner_of(o.shards, place.chunk) : d;
+              const int src_replica = moment && zero ? o.shards.owner(place.chunk) : d;
               // Split into pieces a round can carry.
               for (int64_t a = lo; a < hi;) {
                 const int64_t b = std::min<int64_t>(hi, a + kRoundBytes / static_cast<int64_t>(sizeof(float)));
