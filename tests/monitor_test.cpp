@@ -52,7 +52,8 @@ TEST(Energy, FromRaplWhereThereIsRaplElseModelledFromCpuTime) {
   MonitorConfig with;
   with.powercap = dir.path();
   Communicator& world = Communicator::world();
-  EnergyMeter rapl(with, world, 1e6);
+  // Steps of 1 and then 2 million tokens (a curriculum doubling the length).
+  EnergyMeter rapl(with, world, [](int64_t step) { return 1e6 * static_cast<double>(step + 1); });
   EXPECT_TRUE(rapl.measured());
   rapl.before_step(0);
   write_zone(dir.path() + "/intel-rapl:0", 7'200'000, 1'000'000'000);  // 7.2 J
@@ -62,11 +63,16 @@ TEST(Energy, FromRaplWhereThereIsRaplElseModelledFromCpuTime) {
   rapl.add_step_fields(10, line);
   EXPECT_EQ(line.at("energy_source"), "rapl");
   EXPECT_NEAR(line.at("energy_kwh_per_mtok").get<double>(), 7.2 / 3.6e6, 1e-15);
+  rapl.before_step(1);
+  write_zone(dir.path() + "/intel-rapl:0", 14'400'000, 1'000'000'000);  // 7.2 J more, over twice the tokens
+  rapl.after_step(2);
+  rapl.add_step_fields(10, line);
+  EXPECT_NEAR(line.at("energy_kwh_per_mtok").get<double>(), 7.2 / 3.6e6 / 2, 1e-15);
 
   MonitorConfig without;
   without.powercap = dir.path() + "/absent";
   without.cpu_watts = 10;
-  EnergyMeter modelled(without, world, 1000);
+  EnergyMeter modelled(without, world, [](int64_t) { return 1000.0; });
   EXPECT_FALSE(modelled.measured());
   modelled.before_step(0);
   volatile double x = 0;

@@ -37,18 +37,19 @@ class Repartition : public ::testing::Test {
                           " --set train.grad_accum=4 " + extra;
     return testing::run_keel(ranks <= 1 ? a : "launch -n " + std::to_string(ranks) + " -- " + a);
   }
-  // The `repartition` events of a run's metrics.jsonl.
-  std::vector<nlohmann::json> decisions(const std::string& run) const {
+  // The lines of a run's metrics.jsonl that are `event` events ("": the step lines).
+  std::vector<nlohmann::json> lines(const std::string& run, const std::string& event) const {
     std::vector<nlohmann::json> out;
     const std::string text = read_text_file(at(run) + "/metrics.jsonl");
     for (size_t p = 0; p < text.size();) {
       const size_t e = std::min(text.find('\n', p), text.size());
       const nlohmann::json j = nlohmann::json::parse(text.substr(p, e - p));
-      if (j.value("event", "") == "repartition") out.push_back(j);
+      if (event.empty() ? j.contains("loss") && !j.contains("event") : j.value("event", "") == event) out.push_back(j);
       p = e + 1;
     }
     return out;
   }
+  std::vector<nlohmann::json> decisions(const std::string& run) const { return lines(run, "repartition"); }
   // The chunk versions the newest checkpoint of a run records.
   std::vector<uint64_t> versions(const std::string& run) const {
     const nlohmann::json m = nlohmann::json::parse(read_text_file(testing::newest_checkpoint(at(run) + "/ckpt") + "/manifest.json"));
@@ -193,6 +194,41 @@ TEST_F(Repartition, LayersFrozenMidRunStopFromThatStep) {
   EXPECT_GT(std::stoi(d[0].at("proposed").get<std::string>()), 1) << d[0].dump();
 }
 
+// A sequence-length curriculum (train.seq_len_schedule): 16 tokens for three steps, then 32. The
+// loader reads the windows of 32 in halves, three a step, so the step-1 checkpoint stands mid-window; runs
+// resumed from it and from the step of the switch end with the uninterrupted run's bytes.
+TEST_F(Repartition, ACurriculumDoublesTheLengthAndResumesExactlyAcrossIt) {
+  const std::string curriculum = "--set train.seq_len=16 --set train.seq_len_schedule=3:32 --set checkpoint.keep=10"
+                                 " --set train.checkpoint_every=1 --set train.grad_accum=3";
+  const testing::CommandResult a = train(1, "whole", curriculum);
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  EXPECT_NE(a.output.find("sequence-length curriculum: 16 in steps 1-3, 32 from step 4"), std::string::npos) << a.output;
+  const std::vector<nlohmann::json> steps = lines("whole", "");
+  ASSERT_EQ(steps.size(), static_cast<size_t>(kSteps));
+  for (int k = 0; k < kSteps; ++k) EXPECT_EQ(steps[k].at("seq_len").get<int>(), k < 3 ? 16 : 32) << "step " << k + 1;
+  const nlohmann::json m1 = nlohmann::json::parse(read_text_file(at("whole") + "/ckpt/step-00000001/manifest.json"));
+  EXPECT_GT(m1.at("ranks").at(0).at("data").value("offset", 0), 0) << m1.at("ranks").dump();
+  for (const std::string step : {"1", "3"}) {
+    const testing::CommandResult b =
+        train(1, "from" + step, curriculum + " --set train.resume=" + at("whole") + "/ckpt/step-0000000" + step);
+    ASSERT_EQ(b.exit_code, 0) << b.output;
+    expect_same_state("whole", "from" + step);
+  }
+}
+
+// Two stages of llama under the same curriculum (16, then 32 from step 5), re-cut when the length
+// doubles: the decision at step 4 predicts the coming interval at 32 tokens; the moved run, the run
+// with the new cut from step 4 and one rank end with the same bytes.
+TEST_F(Repartition, ReCutsWhenACurriculumLengthensTheSequences) {
+  const std::string llama = "--set model.preset=llama-tiny --set model.vocab_size=64 --set model.max_seq_len=32"
+                            " --set train.seq_len=16 --set train.seq_len_schedule=4:32";
+  expect_recut_exact(2, llama + " --set parallel.pipeline=2 --set parallel.stage_boundaries=1");
+  EXPECT_EQ(decisions("moved")[0].at("seq_len").get<int>(), 32) << decisions("moved")[0].dump();
+  const testing::CommandResult one = train(1, "one", llama);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  expect_same_state("moved", "one");
+}
+
 TEST_F(Repartition, BadSettingsAreOneLine) {
   struct Case {
     int ranks;
@@ -208,6 +244,11 @@ TEST_F(Repartition, BadSettingsAreOneLine) {
       {2, "--set parallel.pipeline=2 --set parallel.stage_boundaries=1 --set parallel.partitioner=dp",
        "parallel.stage_boundaries"},
       {1, "--set optim.freeze_at_step=-1", "optim.freeze_at_step"},
+      {1, "--set train.seq_len=16 --set train.seq_len_schedule=3-32", "train.seq_len_schedule"},
+      {1, "--set train.seq_len=16 --set train.seq_len_schedule=4:32,3:16", "train.seq_len_schedule"},
+      {1, "--set train.seq_len=16 --set train.seq_len_schedule=3:24", "train.seq_len_schedule"},
+      {1, "--set train.seq_len=16 --set train.seq_len_schedule=7:32", "train.seq_len_schedule"},
+      {1, "--set train.seq_len=16 --set train.seq_len_schedule=3:64", "train.seq_len_schedule"},
   };
   for (const Case& c : cases) {
     const testing::CommandResult r = train(c.ranks, "bad", c.set);

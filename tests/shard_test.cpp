@@ -276,5 +276,64 @@ TEST(Loader, ShuffleOffReadsWindowsInFileOrder) {
   EXPECT_TRUE(differs);
 }
 
+// A curriculum's shorter sequences come from the same windows (cut at the longest length): each
+// window read in parts, in order, rank r's share the one-rank batch's sequences r*B..; a length
+// change mid-window moves to the next aligned part (or window); a saved position resumes mid-window.
+TEST(Loader, ShorterLengthsReadEachWindowInPartsAndResumeMidWindow) {
+  testing::TempDir dir;
+  std::vector<uint16_t> tokens(2000);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>((i * 7) % 61);
+  write_token_shard(dir / "t.bin", tokens);
+  auto inputs = [](const Batch& b) { return std::vector<int>(b.inputs, b.inputs + static_cast<size_t>(b.B) * b.T); };
+  auto targets = [](const Batch& b) { return std::vector<int>(b.targets, b.targets + static_cast<size_t>(b.B) * b.T); };
+  // Windows of 2 x 8 tokens, in file order: window w starts at token 16 w.
+  DataLoader loader(dir / "t.bin", 2, 8, 64, false, 1);
+  auto expect_from = [&](const Batch& b, size_t start, const std::string& what) {
+    ASSERT_EQ(b.T, 4) << what;
+    ASSERT_EQ(b.B, 2) << what;
+    for (size_t i = 0; i < 8; ++i) {
+      EXPECT_EQ(b.inputs[i], tokens[start + i]) << what << " token " << i;
+      EXPECT_EQ(b.targets[i], tokens[start + i + 1]) << what << " token " << i;
+    }
+  };
+  expect_from(loader.next(4), 0, "window 0, part 0");
+  EXPECT_EQ(loader.position().index, 0u);
+  EXPECT_EQ(loader.position().offset, 8u);
+  const LoaderPosition mid = loader.position();
+  expect_from(loader.next(4), 8, "window 0, part 1");
+  EXPECT_EQ(loader.position().index, 1u);
+  EXPECT_EQ(loader.position().offset, 0u);
+  expect_from(loader.next(4), 16, "window 1, part 0");
+  // The full length does not fit what is left of window 1: window 2, whole.
+  const Batch whole = loader.next();
+  EXPECT_EQ(whole.T, 8);
+  EXPECT_EQ(inputs(whole), std::vector<int>(tokens.begin() + 32, tokens.begin() + 48));
+  EXPECT_EQ(loader.position().index, 3u);
+  // Resumed mid-window: the same stream.
+  DataLoader resumed(dir / "t.bin", 2, 8, 64, false, 1);
+  resumed.set_position(mid);
+  expect_from(resumed.next(4), 8, "resumed window 0, part 1");
+  EXPECT_THROW(loader.next(3), Error);                                  // not a divisor of the windows' length
+  EXPECT_THROW(resumed.set_position(LoaderPosition{0, 0, 16}), Error);  // past the window
+  // Two data-parallel ranks of batch 1 read the one-rank batch's two sequences, shuffled too, at
+  // lengths changing mid-window, over several epochs.
+  DataLoader one(dir / "t.bin", 2, 8, 64, true, 9);
+  DataLoader r0(dir / "t.bin", 1, 8, 64, true, 9, 0, 2), r1(dir / "t.bin", 1, 8, 64, true, 9, 1, 2);
+  for (int k = 0; k < 300; ++k) {
+    const int T = k % 5 < 3 ? 2 : (k % 5 == 3 ? 4 : 8);
+    const Batch a = one.next(T);
+    std::vector<int> in = inputs(a), tg = targets(a);
+    const Batch b0 = r0.next(T);
+    std::vector<int> in_r = inputs(b0), tg_r = targets(b0);
+    const Batch b1 = r1.next(T);
+    const std::vector<int> in1 = inputs(b1), tg1 = targets(b1);
+    in_r.insert(in_r.end(), in1.begin(), in1.end());
+    tg_r.insert(tg_r.end(), tg1.begin(), tg1.end());
+    ASSERT_EQ(in, in_r) << "batch " << k;
+    ASSERT_EQ(tg, tg_r) << "batch " << k;
+  }
+  EXPECT_GT(one.position().epoch, 0u);
+}
+
 }  // namespace
 }  // namespace keel

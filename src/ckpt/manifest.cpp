@@ -102,7 +102,7 @@ ModelShape parse_model(const json& j) {
 }
 
 LoaderPosition parse_position(const json& j) {
-  return LoaderPosition{j.at("epoch").get<uint64_t>(), j.at("index").get<uint64_t>()};
+  return LoaderPosition{j.at("epoch").get<uint64_t>(), j.at("index").get<uint64_t>(), j.value("offset", uint64_t{0})};
 }
 
 std::string name_of(const std::string& dir) {
@@ -343,6 +343,7 @@ void write_manifest(const std::string& dir, const Manifest& m) {
   json ranks = json::array();
   for (const ManifestRank& r : m.ranks) {
     json rank = {{"rank", r.rank}, {"data", {{"epoch", r.data.epoch}, {"index", r.data.index}}}};
+    if (r.data.offset > 0) rank["data"]["offset"] = r.data.offset;  // (a curriculum's part-read window)
     if (r.residual) rank["residual"] = residual_json(*r.residual);
     ranks.push_back(rank);
   }
@@ -381,7 +382,7 @@ std::string encode_part(const CheckpointPart& p) {
   Out o;
   o.pod(kPartMagic);
   o.pod(p.rank), o.str(p.name), o.pod(p.step), o.pod(static_cast<uint8_t>(p.full)), o.str(p.base);
-  o.pod(p.first), o.pod(p.last), o.pod(p.data.epoch), o.pod(p.data.index);
+  o.pod(p.first), o.pod(p.last), o.pod(p.data.epoch), o.pod(p.data.index), o.pod(p.data.offset);
   o.pod(static_cast<uint8_t>(p.ok)), o.str(p.error);
   o.pod(static_cast<uint64_t>(p.chunks.size()));
   for (const auto& [id, c] : p.chunks) {
@@ -407,6 +408,7 @@ CheckpointPart decode_part(const std::string& bytes) {
   p.last = in.pod<int>();
   p.data.epoch = in.pod<uint64_t>();
   p.data.index = in.pod<uint64_t>();
+  p.data.offset = in.pod<uint64_t>();
   p.ok = in.pod<uint8_t>() != 0;
   p.error = in.str();
   const uint64_t n = in.pod<uint64_t>();

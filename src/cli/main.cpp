@@ -245,6 +245,9 @@ LoadedModel load_model(const Args& a, int B, int T) {
     check_model.resolve(1);  // validates the model section
   }
   T = std::min(T, lm.config.model.max_seq_len);
+  // An imported model's attention kernel by the rule training resolves "auto" with (dense below
+  // 256 tokens): an exported Keel model then evaluates with the kernel it trained with.
+  if (lm.config.model.attention == "auto") lm.config.model.attention = T >= 256 ? "blockwise" : "dense";
   lm.store = std::make_unique<ChunkStore>(lm.config.store.chunk_bytes);
   lm.model = std::make_unique<GPT>(lm.config.model, *lm.store);
   lm.store->finalize();

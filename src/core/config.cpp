@@ -67,6 +67,7 @@ std::vector<Field> fields(Config& c) {
       {"train", "overwrite", &c.train.overwrite},
       {"train", "sample_tokens", &c.train.sample_tokens},
       {"train", "samples", &c.train.samples},
+      {"train", "seq_len_schedule", &c.train.seq_len_schedule},
       {"optim", "lr", &c.optim.lr},
       {"optim", "min_lr_ratio", &c.optim.min_lr_ratio},
       {"optim", "warmup_steps", &c.optim.warmup_steps},
@@ -447,6 +448,64 @@ int ModelConfig::window_of(int block) const {
   return w;
 }
 
+std::vector<std::pair<int64_t, int>> TrainConfig::seq_len_steps() const {
+  std::vector<std::pair<int64_t, int>> out;
+  std::istringstream in(seq_len_schedule);
+  std::string part;
+  while (std::getline(in, part, ',')) {
+    const size_t a = part.find_first_not_of(" \t"), b = part.find_last_not_of(" \t");
+    if (a == std::string::npos) continue;
+    part = part.substr(a, b - a + 1);
+    const size_t colon = part.find(':');
+    int64_t step = -1;
+    int T = 0;
+    const char* end = part.data() + part.size();
+    const bool ok = colon != std::string::npos &&
+                    std::from_chars(part.data(), part.data() + colon, step).ptr == part.data() + colon &&
+                    std::from_chars(part.data() + colon + 1, end, T).ptr == end;
+    if (!ok || step < 0 || T < 1) {
+      throw Error("config key 'train.seq_len_schedule': expected \"step:length, ...\" (e.g. \"100:256, 200:512\"), "
+                  "found \"" + part + "\" in \"" + seq_len_schedule + "\"");
+    }
+    if (!out.empty() && step <= out.back().first) {
+      throw Error("config key 'train.seq_len_schedule': expected increasing steps, found " + std::to_string(step) +
+                  " after " + std::to_string(out.back().first) + " in \"" + seq_len_schedule + "\"");
+    }
+    out.emplace_back(step, T);
+  }
+  return out;
+}
+
+int TrainConfig::seq_len_at(int64_t step) const {
+  if (seq_len_schedule.empty()) return seq_len;
+  int T = seq_len;
+  for (const auto& [from, length] : seq_len_steps()) {
+    if (step >= from) T = length;
+  }
+  return T;
+}
+
+int TrainConfig::longest_seq_len() const {
+  int T = seq_len;
+  if (!seq_len_schedule.empty()) {
+    for (const auto& [from, length] : seq_len_steps()) T = std::max(T, length);
+  }
+  return T;
+}
+
+std::string TrainConfig::describe_seq_lens() const {
+  std::string out;
+  int64_t from = 0;
+  int T = seq_len;
+  for (const auto& [step, length] : seq_len_steps()) {
+    out += std::to_string(T) + " in steps " + std::to_string(from + 1) + "-" + std::to_string(step) + ", ";
+    from = step;
+    T = length;
+  }
+  return out + std::to_string(T) + " from step " + std::to_string(from + 1) + " (activations for " +
+         std::to_string(longest_seq_len()) + "; validation at the coming step's length)";
+}
+
 int llama_ffn_hidden(int n_embd, int multiple_of, double multiplier) {
   int64_t hidden = 2 * (4 * static_cast<int64_t>(n_embd)) / 3;
   if (multiplier > 0) hidden = static_cast<int64_t>(multiplier * static_cast<double>(hidden));
@@ -539,7 +598,7 @@ void Config::resolve(int world_size) {
     // Measured (kernels_bench, d4's heads, 1024 tokens): dense is 10-20 % faster up to T = 128,
     // even at 256, blockwise faster beyond; only blockwise has windows.
     const bool windowed = !model.attention_window.empty() && model.attention_window != "0";  // "dynamic" too
-    model.attention = train.seq_len >= 256 || windowed ? "blockwise" : "dense";
+    model.attention = train.longest_seq_len() >= 256 || windowed ? "blockwise" : "dense";
   }
   if (model.family == "llama") {
     const bool llama_preset = std::string(preset->family) == "llama";
@@ -562,8 +621,9 @@ void Config::resolve(int world_size) {
   validate_model(model, "config");
   for (int b = 0; b < model.n_layer; ++b) {
     const int w = model.window_of(b);
-    require(w <= train.seq_len, "model.attention_window",
-            "windows of at most train.seq_len = " + std::to_string(train.seq_len) + " keys (block " + std::to_string(b) + ")",
+    require(w <= train.longest_seq_len(), "model.attention_window",
+            "windows of at most train.seq_len = " + std::to_string(train.longest_seq_len()) + " keys (block " +
+                std::to_string(b) + ")",
             std::to_string(w));
   }
   require(!model.dynamic_window() || parallel.pipeline <= 1, "model.attention_window",
@@ -593,6 +653,22 @@ void Config::resolve(int world_size) {
   require(train.batch_size >= 1, "train.batch_size", ">= 1", s(train.batch_size));
   require(train.seq_len >= 1 && train.seq_len <= model.max_seq_len, "train.seq_len",
           "1..model.max_seq_len=" + s(model.max_seq_len), s(train.seq_len));
+  const int longest = train.longest_seq_len();  // (parses the schedule: a malformed one is named)
+  for (const auto& [step, T] : train.seq_len_steps()) {
+    require(step > 0 && step < train.steps, "train.seq_len_schedule",
+            "steps within the run's 1.." + s(train.steps - 1) + " (before the first, train.seq_len = " + s(train.seq_len) +
+                ")",
+            s(step) + ":" + s(T));
+    require(T <= model.max_seq_len, "train.seq_len_schedule", "lengths of 1..model.max_seq_len=" + s(model.max_seq_len),
+            s(step) + ":" + s(T));
+  }
+  std::vector<int> lengths{train.seq_len};
+  for (const auto& st : train.seq_len_steps()) lengths.push_back(st.second);
+  for (const int T : lengths) {
+    require(longest % T == 0, "train.seq_len_schedule",
+            "lengths that divide the longest, " + s(longest) + " (the loader reads each window of the longest in parts)",
+            s(T));
+  }
   require(train.grad_accum >= 1, "train.grad_accum", ">= 1", s(train.grad_accum));
   require(train.steps >= 0, "train.steps", ">= 0", s(train.steps));
   require(train.log_every >= 1, "train.log_every", ">= 1", s(train.log_every));
@@ -670,6 +746,10 @@ uint64_t Config::trajectory_hash(int world_size) const {
     << ',' << optim.freeze_layers << ';' << train.seed << ',' << train.seq_len << ','
     << static_cast<int64_t>(train.batch_size) * (world_size / std::max(1, parallel.pipeline)) * train.grad_accum;
   if (optim.freeze_at_step > 0) s << ";freeze at " << optim.freeze_at_step;
+  if (!train.seq_len_schedule.empty()) {
+    s << ";lengths";
+    for (const auto& [step, T] : train.seq_len_steps()) s << ' ' << step << ':' << T;
+  }
   if (!data.shuffle) s << ";file order";  // (absent by default: older checkpoints keep their hash)
   if (model.rope_scaling != "none") s << ";rope " << model.rope_scaling << ',' << model.rope_factor;
   const std::string text = s.str();

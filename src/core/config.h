@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace keel {
@@ -71,7 +72,7 @@ struct TrainConfig {
   int batch_size = 16;        // sequences per micro-batch on each data-parallel rank
   int global_batch_size = 0;  // sequences per micro-batch over all ranks; if set, batch_size is
                               // derived from it (it must divide by the number of ranks)
-  int seq_len = 128;          // tokens per sequence
+  int seq_len = 128;          // tokens per sequence (of the first steps, with seq_len_schedule)
   int grad_accum = 1;         // micro-batches per optimizer step
   int steps = 300;            // optimizer steps
   uint64_t seed = 1337;
@@ -89,6 +90,17 @@ struct TrainConfig {
   bool overwrite = false;
   int sample_tokens = 64;     // tokens generated per sample at the end (0 = none)
   int samples = 3;
+  // A sequence-length curriculum: "step:T, step:T, ..." (steps increasing, 0 < step < steps):
+  // after `step` optimizer steps, sequences of T tokens; before the first, seq_len. Every
+  // length divides the longest: the data loader cuts its windows at the longest and reads each in
+  // parts at a shorter length (data/loader.h). "" = seq_len throughout.
+  std::string seq_len_schedule;
+
+  // The schedule parsed (empty without one); throws keel::Error naming train.seq_len_schedule.
+  std::vector<std::pair<int64_t, int>> seq_len_steps() const;
+  int seq_len_at(int64_t step) const;  // the length of optimizer step `step` (0-based)
+  int longest_seq_len() const;         // what activations, memory caps and the loader's windows are sized for
+  std::string describe_seq_lens() const;  // "64 in steps 1-30, 128 from step 31 (...)" (1-based, as progress lines)
 };
 
 struct OptimConfig {

@@ -30,36 +30,59 @@ void DataLoader::make_order(uint64_t epoch) {
   order_epoch_ = epoch;
 }
 
-void DataLoader::fill(uint64_t w) {
-  const uint64_t local = static_cast<uint64_t>(B_) * T_;
-  const uint16_t* src = tokens_.data() + w * local * world_ + local * rank_;
+void DataLoader::fill(uint64_t w, uint64_t offset, int T) {
+  const uint64_t local = static_cast<uint64_t>(B_) * T;
+  const uint16_t* src = tokens_.data() + w * static_cast<uint64_t>(B_) * T_ * world_ + offset + local * rank_;
   for (uint64_t i = 0; i < local; ++i) {
     inputs_[i] = src[i];
     targets_[i] = src[i + 1];
   }
 }
 
-Batch DataLoader::next() {
+int DataLoader::length(int T) const {
+  if (T == 0) return T_;
+  check(T > 0 && T <= T_ && T_ % T == 0, "shard " + path_ + ": sequences of " + std::to_string(T) +
+                                             " tokens requested from windows of " + std::to_string(T_) +
+                                             " (a divisor of it is readable)");
+  return T;
+}
+
+Batch DataLoader::next(int T) {
+  T = length(T);
+  const uint64_t part = static_cast<uint64_t>(world_) * B_ * T, whole = static_cast<uint64_t>(world_) * B_ * T_;
+  position_.offset = (position_.offset + part - 1) / part * part;  // aligned to this length's parts
+  if (position_.offset + part > whole) {
+    position_.index++;
+    position_.offset = 0;
+  }
   if (position_.index >= num_windows_) {
     position_.epoch++;
     position_.index = 0;
   }
   make_order(position_.epoch);
-  fill(order_[position_.index]);
-  position_.index++;
-  return Batch{inputs_.data(), targets_.data(), B_, T_, 0.0f};
+  fill(order_[position_.index], position_.offset, T);
+  position_.offset += part;
+  if (position_.offset == whole) {  // (a whole window read: the position is at the next one)
+    position_.index++;
+    position_.offset = 0;
+  }
+  return Batch{inputs_.data(), targets_.data(), B_, T, 0.0f};
 }
 
-Batch DataLoader::window(uint64_t w) {
+Batch DataLoader::window(uint64_t w, int T) {
+  T = length(T);
   check(w < num_windows_, "shard " + path_ + ": batch " + std::to_string(w) + " requested, it has " +
                               std::to_string(num_windows_));
-  fill(w);
-  return Batch{inputs_.data(), targets_.data(), B_, T_, 0.0f};
+  fill(w, 0, T);
+  return Batch{inputs_.data(), targets_.data(), B_, T, 0.0f};
 }
 
 void DataLoader::set_position(LoaderPosition p) {
   check(p.index <= num_windows_, "data position " + std::to_string(p.index) + " is past the end of shard " + path_ +
                                      " (" + std::to_string(num_windows_) + " batches)");
+  check(p.offset < static_cast<uint64_t>(world_) * B_ * T_,
+        "data position: offset " + std::to_string(p.offset) + " within a window of " +
+            std::to_string(static_cast<uint64_t>(world_) * B_ * T_) + " tokens of shard " + path_);
   position_ = p;
 }
 

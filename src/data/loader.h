@@ -4,6 +4,13 @@
 // r*B .. r*B+B-1 of each global window, so N ranks with batch B see exactly the batch one rank
 // with batch N*B would. The position (epoch, index) is all the state there is, the same on every
 // rank: saving and restoring it resumes the exact stream.
+//
+// A sequence-length curriculum (train.seq_len_schedule) reads shorter sequences from the same
+// windows, cut at the longest length T: at length t (a divisor of T) a window is T / t batches,
+// read in order. Batch j holds the window's tokens j*world*B*t .. (j+1)*world*B*t (+1), rank r
+// sequences r*B .. r*B+B-1 of them; the position's `offset` says how many of the window's tokens
+// are read. A length that does not fit what is left of a window (or does not align with what was
+// read: a change of length mid-window) starts at its next aligned part, or at the next window.
 #pragma once
 
 #include <cstdint>
@@ -16,20 +23,24 @@ namespace keel {
 
 struct LoaderPosition {
   uint64_t epoch = 0;
-  uint64_t index = 0;  // next window within the epoch
+  uint64_t index = 0;   // next window within the epoch
+  uint64_t offset = 0;  // tokens of window `index` already read (a curriculum's shorter batches)
 };
 
 class DataLoader {
  public:
   // Reads and validates the shard (every token must be < vocab_size). Throws keel::Error naming
-  // the file if it is missing, corrupt, or too short for one B x T batch.
+  // the file if it is missing, corrupt, or too short for one B x T batch. T: the longest length
+  // it will be asked for (its windows' length).
   DataLoader(const std::string& path, int B, int T, int vocab_size, bool shuffle, uint64_t seed, int rank = 0,
              int world = 1);
 
-  // Fills the next batch (inputs and targets point into this loader; valid until the next call).
-  Batch next();
-  // The batch of window w in file order, without moving the position (for evaluation).
-  Batch window(uint64_t w);
+  // Fills the next batch of B x T (0: the windows' length; else a divisor of it). Inputs and
+  // targets point into this loader, valid until the next call.
+  Batch next(int T = 0);
+  // The batch of window w in file order (its first part at length T), without moving the
+  // position (for evaluation).
+  Batch window(uint64_t w, int T = 0);
 
   LoaderPosition position() const { return position_; }
   void set_position(LoaderPosition p);
@@ -38,7 +49,8 @@ class DataLoader {
   const std::string& path() const { return path_; }
 
  private:
-  void fill(uint64_t w);
+  void fill(uint64_t w, uint64_t offset, int T);
+  int length(int T) const;  // T checked (0: the windows' length)
   void make_order(uint64_t epoch);
 
   std::string path_;

@@ -60,8 +60,8 @@ double RaplCounters::take_joules() {
   return joules;
 }
 
-EnergyMeter::EnergyMeter(const MonitorConfig& config, Communicator& world, double tokens_per_step)
-    : config_(config), world_(world), tokens_per_step_(tokens_per_step), rapl_(config.powercap) {
+EnergyMeter::EnergyMeter(const MonitorConfig& config, Communicator& world, std::function<double(int64_t)> tokens_of_step)
+    : config_(config), world_(world), tokens_of_step_(std::move(tokens_of_step)), rapl_(config.powercap) {
   const double have = rapl_.available() ? 1.0 : 0.0;
   // Measured only when every rank's host has counters. The ranks of a host read the same
   // packages over the same (synchronous) step: each counts its share, 1 / (ranks on the host).
@@ -81,7 +81,9 @@ void EnergyMeter::before_step(int64_t) {
   cpu_at_start_ = cpu_seconds();
 }
 
-void EnergyMeter::after_step(int64_t) {
+void EnergyMeter::after_step(int64_t steps_done) {
+  step_tokens_ = tokens_of_step_(steps_done - 1);
+  total_tokens_ += step_tokens_;
   const double mine =
       measured_ ? rapl_.take_joules() * share_ : (cpu_seconds() - cpu_at_start_) * config_.cpu_watts;
   step_j_ = world_.size() > 1 ? world_.allreduce_sum(mine) : mine;
@@ -101,19 +103,19 @@ void EnergyMeter::print_startup() const {
 
 void EnergyMeter::add_step_fields(double, nlohmann::json& line) {
   line["energy_j"] = step_j_;
-  line["energy_kwh_per_mtok"] = tokens_per_step_ > 0 ? step_j_ / 3.6e6 / (tokens_per_step_ / 1e6) : 0.0;
+  line["energy_kwh_per_mtok"] = step_tokens_ > 0 ? step_j_ / 3.6e6 / (step_tokens_ / 1e6) : 0.0;
   line["energy_source"] = measured_ ? "rapl" : "modelled";
 }
 
 std::string EnergyMeter::progress_fragment(double) const {
   char buf[96];
   std::snprintf(buf, sizeof buf, "%.1f J, %.3g kWh/Mtok%s", step_j_,
-                tokens_per_step_ > 0 ? step_j_ / 3.6e6 / (tokens_per_step_ / 1e6) : 0.0, measured_ ? "" : " (modelled)");
+                step_tokens_ > 0 ? step_j_ / 3.6e6 / (step_tokens_ / 1e6) : 0.0, measured_ ? "" : " (modelled)");
   return buf;
 }
 
 void EnergyMeter::print_summary() const {
-  const double tokens = tokens_per_step_ * static_cast<double>(steps_);
+  const double tokens = total_tokens_;
   std::printf("keel: energy over this run: %.1f J (%.3g kWh) for %.0f tokens: %.3g kWh per million tokens (%s)\n",
               total_j_, total_j_ / 3.6e6, tokens, tokens > 0 ? total_j_ / 3.6e6 / (tokens / 1e6) : 0.0,
               measured_ ? "RAPL" : "modelled from CPU time");

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -38,8 +39,8 @@ class RaplCounters {
 
 class EnergyMeter final : public MetricsSource, public StepHook {
  public:
-  // `tokens_per_step`: over every data-parallel rank.
-  EnergyMeter(const MonitorConfig& config, Communicator& world, double tokens_per_step);
+  // `tokens_of_step`: the tokens of optimizer step n (0-based) over every data-parallel rank.
+  EnergyMeter(const MonitorConfig& config, Communicator& world, std::function<double(int64_t)> tokens_of_step);
 
   void before_step(int64_t step) override;
   void after_step(int64_t step) override;  // a collective: every rank
@@ -57,7 +58,8 @@ class EnergyMeter final : public MetricsSource, public StepHook {
 
   const MonitorConfig& config_;
   Communicator& world_;
-  double tokens_per_step_;
+  std::function<double(int64_t)> tokens_of_step_;
+  double step_tokens_ = 0, total_tokens_ = 0;
   RaplCounters rapl_;
   bool measured_ = false;    // RAPL on every host
   double share_ = 1;         // of its host's packages this rank counts

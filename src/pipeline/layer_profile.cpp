@@ -120,15 +120,35 @@ LayerProfiler::LayerProfiler(GPT& model, Communicator* stages, int every, std::f
 
 void LayerProfiler::after_step(int64_t step, int seq_len, int micro_batch, int micro_batches,
                                const std::vector<double>* comm_ms, double message_ms) {
-  const int L = model_.num_layers();
   const GPT::LayerTimes t = model_.take_layer_times();
   report_now_ = false;
   // The first step (of the run, or of the stages after a re-cut) pays for first touches and
   // one-time set-up: not a cost of the layers.
   if (!seen_) {
     seen_ = true;
+    local_.seq_len = seq_len;
     return;
   }
+  // A new sequence length (a curriculum): what was measured is carried to it by the FLOP model
+  // (LayerCosts::at_seq_len), and its first step, which touches activation memory no step has
+  // yet, is not measured.
+  if (seq_len != local_.seq_len) {
+    const ModelConfig& m = model_.config();
+    const int was = local_.seq_len;
+    local_ = local_.at_seq_len(m, seq_len);
+    interval_.seq_len = was;
+    interval_ = interval_.at_seq_len(m, seq_len);
+  } else {
+    measure(t, micro_batches, comm_ms, message_ms);
+  }
+  // Reports fall on the run's steps that are multiples of `every` (a re-cut every k x every steps
+  // then decides on a report of that very step).
+  if (every_ > 0 && step % every_ == 0 && interval_steps_ > 0) report(step, seq_len, micro_batch);
+}
+
+void LayerProfiler::measure(const GPT::LayerTimes& t, int micro_batches, const std::vector<double>* comm_ms,
+                            double message_ms) {
+  const int L = model_.num_layers();
   // This rank's layers, smoothed and summed over the interval here; the ranks' figures meet only
   // at a report (each layer is on one rank, so their sum is the model's).
   const bool first = steps_ == 0;
@@ -147,9 +167,10 @@ void LayerProfiler::after_step(int64_t step, int seq_len, int micro_batch, int m
   if (message_ms >= 0) {
     local_.message_ms = local_.message_ms < 0 ? message_ms : (1 - kSmoothing) * local_.message_ms + kSmoothing * message_ms;
   }
-  // Reports fall on the run's steps that are multiples of `every` (a re-cut every k x every steps
-  // then decides on a report of that very step).
-  if (every_ <= 0 || step % every_ != 0) return;
+}
+
+void LayerProfiler::report(int64_t step, int seq_len, int micro_batch) {
+  const int L = model_.num_layers();
   // A report: [smoothed F | B | W | comm | interval F | B | W | comm | activation bytes |
   // parameter bytes] summed over the stages' ranks, the quickest message over them.
   std::vector<double> params(static_cast<size_t>(L), 0.0);

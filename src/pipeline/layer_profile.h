@@ -11,7 +11,9 @@
 //
 // Prediction: the next interval's per-layer cost is the smoothed cost, scaled to the coming
 // batches' sequence length by the layer's FLOP model (attention's part grows with T; the dense
-// parts do not): LayerCosts::at_seq_len.
+// parts do not): LayerCosts::at_seq_len. When a curriculum changes the length, the figures so far
+// are carried to the new length the same way and the first step at it is not measured (it pays
+// for first touches of the longer activations).
 #pragma once
 
 #include <cstdint>
@@ -76,6 +78,11 @@ class LayerProfiler final : public MetricsSource {
   void add_step_fields(double step_ms, nlohmann::json& line) override;
 
  private:
+  // A step's times into the smoothed and interval figures.
+  void measure(const GPT::LayerTimes& t, int micro_batches, const std::vector<double>* comm_ms, double message_ms);
+  // The report: the ranks' figures summed, the prediction's error, the layer_costs line.
+  void report(int64_t step, int seq_len, int micro_batch);
+
   GPT& model_;
   Communicator* stages_;
   int every_;

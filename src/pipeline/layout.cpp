@@ -157,7 +157,7 @@ Plan plan(const Config& config, const std::vector<LayerRange>& stages, int m) {
   MemoryBound bound;
   const bool bf16 = config.runtime.precision == "bf16";
   for (const LayerRange& r : stages) {
-    bound.stage_bytes.push_back(GPT::slot_bytes_for(config.model, r, out.micro_batch, t.seq_len, bf16));
+    bound.stage_bytes.push_back(GPT::slot_bytes_for(config.model, r, out.micro_batch, t.longest_seq_len(), bf16));
   }
   out.check = validate(out.schedule, bound);
   const int64_t peak = *std::max_element(out.check.peak_bytes.begin(), out.check.peak_bytes.end());

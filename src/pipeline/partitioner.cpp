@@ -116,7 +116,10 @@ PartitionProblem problem_for(const Config& config) { return problem_for(config, 
 
 PartitionProblem problem_for(const Config& config, const LayerCosts& measured) {
   const ParallelConfig& par = config.parallel;
-  const int T = config.train.seq_len, L = config.model.n_layer + 2;
+  // The costs' length (measured ones say theirs); activations at the longest length a curriculum
+  // reaches: what a stage's memory must hold.
+  const int T = measured.seq_len > 0 ? measured.seq_len : config.train.seq_len, L = config.model.n_layer + 2;
+  const int longest = config.train.longest_seq_len();
   PartitionProblem p;
   p.flops = layer_costs(config.model, T);
   p.schedule = {parse_kind(par.schedule), par.pipeline, micro_batches(config), virtual_stages(par)};
@@ -146,11 +149,14 @@ PartitionProblem problem_for(const Config& config, const LayerCosts& measured) {
   std::vector<double> params(static_cast<size_t>(L), 0.0);
   for (const Chunk& c : registry.chunks()) params[c.layer] += static_cast<double>(c.numel) * sizeof(float);
   const int micro_batch = config.train.batch_size * config.train.grad_accum / p.schedule.micro;
+  const double stretch = p.costs.seq_len > 0 ? static_cast<double>(longest) / p.costs.seq_len : 1.0;
   for (int i = 0; i < L; ++i) {
     if (p.costs.param_bytes[i] <= 0) p.costs.param_bytes[i] = params[i];
     if (p.costs.activation_bytes[i] <= 0) {
-      p.costs.activation_bytes[i] = static_cast<double>(GPT::slot_bytes_for(config.model, {i, i}, micro_batch, T,
+      p.costs.activation_bytes[i] = static_cast<double>(GPT::slot_bytes_for(config.model, {i, i}, micro_batch, longest,
                                                                             config.runtime.precision == "bf16"));
+    } else {
+      p.costs.activation_bytes[i] *= stretch;  // (linear in the length)
     }
   }
   return p;

@@ -97,7 +97,7 @@ void PipelineStep::use_plan(Plan plan) {
   const int deferred_stages = prediction_ ? static_cast<int>(plan.schedule.stages_of(pp.rank()).size()) : 0;
   if (executor_) check(!executor_->defers_last_weights(), "pipeline: a new plan with gradient prediction");
   executor_.reset();
-  model_.allocate(std::max(plan.micro_batch, t.batch_size), t.seq_len,
+  model_.allocate(std::max(plan.micro_batch, t.batch_size), t.longest_seq_len(),
                   Executor::slots_needed(schedule_check_, pp.rank(), deferred_stages));
   executor_ = std::make_unique<Executor>(model_, pp, std::move(plan.schedule), stages_, config_.parallel.lookahead);
   // Lookahead: the chunk store hears which layers the next instructions use.
@@ -112,7 +112,7 @@ StepResult PipelineStep::run(int64_t step, double lr) {
   if (profiler_) model_.take_layer_times();        // (evaluations between steps are not the step's)
   model_.set_frozen_layers(config_.optim.frozen_at(step));
   sync_.begin(true, step);  // W notifications reach it for the last micro-batch only
-  double loss_sum = run_micro_batches();
+  double loss_sum = run_micro_batches(config_.train.seq_len_at(step));
   const auto sync_start = std::chrono::steady_clock::now();
   if (prediction_) prediction_->predict(micro_batches_);
   sum_tied_grads();  // before the sync takes the tied tensors' home buckets
@@ -143,7 +143,7 @@ void PipelineStep::profile(int64_t step) {
     if (op == Op::recv_act || op == Op::recv_grad) quickest = quickest < 0 ? iv.end - iv.start : std::min(quickest, iv.end - iv.start);
   }
   const int micro_batch = config_.train.batch_size * config_.train.grad_accum / micro_batches_;
-  profiler_->after_step(step + 1, config_.train.seq_len, micro_batch, micro_batches_, &comm, quickest);
+  profiler_->after_step(step + 1, config_.train.seq_len_at(step), micro_batch, micro_batches_, &comm, quickest);
 }
 
 void PipelineStep::update(int64_t step, double lr, double& loss_sum, StepResult& r) {
@@ -198,9 +198,9 @@ void PipelineStep::update(int64_t step, double lr, double& loss_sum, StepResult&
   }
 }
 
-double PipelineStep::run_micro_batches() {
+double PipelineStep::run_micro_batches(int T) {
   const TrainConfig& t = config_.train;
-  const int T = t.seq_len, sequences = t.batch_size * t.grad_accum, b = sequences / micro_batches_;
+  const int sequences = t.batch_size * t.grad_accum, b = sequences / micro_batches_;
   const int replicas = groups_.dp().size();
   // The step reads the same grad_accum batches one rank would, then cuts them into the
   // pipeline's micro-batches (every rank reads them: stage 0 needs the inputs, the last stage the
@@ -211,7 +211,7 @@ double PipelineStep::run_micro_batches() {
   inputs_.resize(static_cast<size_t>(sequences) * T);
   targets_.resize(inputs_.size());
   for (int k = 0; k < t.grad_accum; ++k) {
-    const Batch batch = data_.next();
+    const Batch batch = data_.next(T);
     const size_t n = static_cast<size_t>(batch.B) * T, at = static_cast<size_t>(k) * t.batch_size * T;
     std::copy(batch.inputs, batch.inputs + n, inputs_.begin() + at);
     std::copy(batch.targets, batch.targets + n, targets_.begin() + at);

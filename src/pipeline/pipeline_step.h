@@ -60,7 +60,7 @@ class PipelineStep final : public StepEngine, public MetricsSource {
   void use_plan(Plan plan);
   // The step's micro-batches through the executor: the sum of their losses on the last stage's
   // rank.
-  double run_micro_batches();
+  double run_micro_batches(int T);  // at sequence length T
   // Sums the gradients of every tied group's copies over the ranks that hold one.
   void sum_tied_grads();
   // The global norm and the optimizer update; post-validation when configured.

@@ -1,5 +1,6 @@
 #include "pipeline/repartitioner.h"
 
+#include <algorithm>
 #include <cstdio>
 
 #include "pipeline/layout.h"
@@ -20,10 +21,34 @@ Repartitioner::Repartitioner(const Config& config, Communicator& world, std::vec
       log_event_(std::move(log_event)),
       partitioner_(make_partitioner(config.parallel.partitioner, config.train.seed ^ 0x9E9A7ull)) {}
 
+LayerCosts Repartitioner::coming_costs(int64_t step, const LayerCosts& costs) const {
+  // The coming interval's steps step .. step + every - 1, each at its length (a curriculum may
+  // change it within): the mean of the costs carried to each, with the longest length's bytes.
+  const TrainConfig& t = config_.train;
+  const int64_t end = std::min<int64_t>(step + config_.parallel.repartition_every, t.steps);
+  LayerCosts mean;
+  int longest = 0;
+  for (int64_t k = step; k < end; ++k) longest = std::max(longest, t.seq_len_at(k));
+  mean = costs.at_seq_len(config_.model, longest);
+  for (std::vector<double>* v : {&mean.forward, &mean.backward_input, &mean.backward_weight, &mean.comm}) {
+    std::fill(v->begin(), v->end(), 0.0);
+  }
+  for (int64_t k = step; k < end; ++k) {
+    const LayerCosts at = costs.at_seq_len(config_.model, t.seq_len_at(k));
+    for (int i = 0; i < at.layers(); ++i) {
+      mean.forward[i] += at.forward[i] / static_cast<double>(end - step);
+      mean.backward_input[i] += at.backward_input[i] / static_cast<double>(end - step);
+      mean.backward_weight[i] += at.backward_weight[i] / static_cast<double>(end - step);
+      mean.comm[i] += at.comm[i] / static_cast<double>(end - step);
+    }
+  }
+  return mean;
+}
+
 std::vector<LayerRange> Repartitioner::decide(int64_t step, const LayerCosts& costs, json& event) {
   // The problem as the config poses it (schedule, memory cap), on the measured costs predicted for
   // the coming batches.
-  PartitionProblem p = problem_for(config_, costs.at_seq_len(config_.model, config_.train.seq_len));
+  PartitionProblem p = problem_for(config_, coming_costs(step, costs));
   // A rank slowed on purpose (runtime.slow_factor) measured its layers slow: their costs are the
   // layers' own divided by it (the problem multiplies whichever stages land on that rank). Rank 0's
   // replica measured the costs; a slow rank of another replica did not show in them.
@@ -52,6 +77,7 @@ std::vector<LayerRange> Repartitioner::decide(int64_t step, const LayerCosts& co
            {"span_ms", now.span},
            {"proposed_span_ms", then.span},
            {"predicted_gain", gain},
+           {"seq_len", p.costs.seq_len},
            {"threshold", config_.parallel.repartition_threshold},
            {"moved", move}};
   return move ? proposal : std::vector<LayerRange>{};

@@ -3,8 +3,9 @@
 // Every `repartition_every` steps (a multiple of monitor.layer_costs_every, so that a fresh
 // report of the layer profiler is there), rank 0 asks the configured partitioner
 // (pipeline/partitioner.h: static, dp or the Q-learning agent, whose table lives as long as the
-// run) for a cut on the measured per-layer costs, predicted for the coming batches' sequence
-// length, and scores the running cut and the proposal on the schedule simulator. When the
+// run) for a cut on the measured per-layer costs, predicted for the coming interval's batches
+// (each step's cost carried to its sequence length by the FLOP model, averaged: a curriculum that
+// lengthens the sequences within the interval is foreseen), and scores the running cut and the proposal on the schedule simulator. When the
 // proposal's simulated step is shorter by more than parallel.repartition_threshold (relative),
 // every rank learns the new cut (a broadcast) and the trainer moves the stages
 // (RankModel rebuilt, pipeline/stage_migration.h moves the state): the next step runs on it.
@@ -50,6 +51,8 @@ class Repartitioner final : public StepHook, public MetricsSource {
   void print_summary() const override;
 
  private:
+  // The measured costs predicted for the coming interval (its steps' sequence lengths).
+  LayerCosts coming_costs(int64_t step, const LayerCosts& costs) const;
   // Rank 0's decision on these costs: the cut to move to (empty: keep), and the event line.
   std::vector<LayerRange> decide(int64_t step, const LayerCosts& costs, nlohmann::json& event);
 

@@ -99,7 +99,7 @@ void DynamicWindows::before_step(int64_t step) {
     std::vector<int> w(probes_.size());
     for (size_t b = 0; b < probes_.size(); ++b) {
       const std::vector<double> mass(all.begin() + b * per, all.begin() + (b + 1) * per - 1);
-      w[b] = choose(mass, all[(b + 1) * per - 1], heads, eps, m.dynamic_window_min, config_.train.seq_len, &(*outside)[b]);
+      w[b] = choose(mass, all[(b + 1) * per - 1], heads, eps, m.dynamic_window_min, config_.train.longest_seq_len(), &(*outside)[b]);
     }
     return w;
   };

@@ -73,6 +73,8 @@ void Metrics::step(const StepStats& s, double moments_mb) {
   line["peak_rss_mb"] = s.peak_rss_mb;
   if (s.ckpt_stall_ms > 0) line["ckpt_stall_ms"] = s.ckpt_stall_ms;
   line["moments_mb"] = moments_mb;
+  const bool curriculum = !config_.train.seq_len_schedule.empty();
+  if (curriculum) line["seq_len"] = s.seq_len;
   for (MetricsSource* source : sources_) source->add_step_fields(s.ms, line);
   log(line);
   if (world_.is_root()) {
@@ -82,6 +84,7 @@ void Metrics::step(const StepStats& s, double moments_mb) {
   if (!world_.is_root() || !(s.step % t.log_every == 0 || s.step == t.steps || s.step == 1)) return;
   std::printf("step %6lld/%d | loss %.4f | lr %.2e | norm %6.3f | %7.1f ms | %7.0f tok/s | MFU %5.1f%%",
               static_cast<long long>(s.step), t.steps, s.loss, s.lr, s.grad_norm, s.ms, s.tokens_per_s, 100 * s.mfu);
+  if (curriculum) std::printf(" | T %d", s.seq_len);
   for (const MetricsSource* source : sources_) {
     const std::string fragment = source->progress_fragment(s.ms);
     if (!fragment.empty()) std::printf(" | %s", fragment.c_str());

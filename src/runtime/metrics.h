@@ -30,6 +30,7 @@ struct StepStats {
   double peak_rss_mb = 0;    // largest peak resident set over ranks so far
   double ckpt_stall_ms = 0;  // step time spent on checkpoints (snapshot, waiting for a write)
   int stop_signal = 0;       // a stop signal any rank had received by the end of the step (0 = none)
+  int seq_len = 0;           // the step's sequence length (train.seq_len_schedule)
 };
 
 class Metrics {

@@ -8,7 +8,7 @@ SingleStageStep::SingleStageStep(const Config& config, Communicator& dp, ChunkSt
                                  DataLoader& data, GradSync& sync, ShardedOptimizer& optimizer,
                                  std::function<void(const nlohmann::json&)> log_event)
     : config_(config), dp_(dp), store_(store), model_(model), data_(data), sync_(sync), optimizer_(optimizer) {
-  model_.allocate(config.train.batch_size, config.train.seq_len);
+  model_.allocate(config.train.batch_size, config.train.longest_seq_len());
   if (config.monitor.layer_costs_every > 0) {
     profiler_ = std::make_unique<pipeline::LayerProfiler>(model, nullptr, config.monitor.layer_costs_every,
                                                           std::move(log_event));
@@ -24,8 +24,9 @@ StepResult SingleStageStep::run(int64_t step, double lr) {
   double loss_sum = 0;
   if (profiler_) model_.take_layer_times();  // (evaluations between steps are not the step's)
   model_.set_frozen_layers(config_.optim.frozen_at(step));
+  const int T = t.seq_len_at(step);
   for (int micro = 0; micro < t.grad_accum; ++micro) {
-    Batch batch = data_.next();
+    Batch batch = data_.next(T);
     batch.grad_scale = 1.0f / (static_cast<float>(batch.B) * batch.T * t.grad_accum * world);
     loss_sum += model_.forward(batch);
     // The forward pass ran every deferred update (each before its chunk's first use); none may
@@ -46,7 +47,7 @@ StepResult SingleStageStep::run(int64_t step, double lr) {
   r.loss = sums[0] / world / t.grad_accum;
   r.grad_norm = std::sqrt(sharded ? sums[1] : optimizer_.local_grad_squares());
   if (optimizer_.accept(step, r.loss, r.grad_norm)) optimizer_.step(lr, step + 1, optimizer_.clip_for(r.grad_norm));
-  if (profiler_) profiler_->after_step(step + 1, t.seq_len, t.batch_size, t.grad_accum, nullptr, -1);
+  if (profiler_) profiler_->after_step(step + 1, T, t.batch_size, t.grad_accum, nullptr, -1);
   return r;
 }
 

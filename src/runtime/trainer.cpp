@@ -60,10 +60,11 @@ Trainer::Trainer(Config config, Communicator& comm)
   std::optional<pipeline::PipelineLayout> layout;
   if (groups_.pipelined()) layout = pipeline::PipelineLayout::make(config_, groups_.pp().rank());
   Communicator& dp = groups_.dp();
-  data_.train = std::make_unique<DataLoader>(config_.data.train, t.batch_size, t.seq_len, m.vocab_size,
+  // Windows of the longest length a curriculum reaches; shorter steps read them in parts.
+  data_.train = std::make_unique<DataLoader>(config_.data.train, t.batch_size, t.longest_seq_len(), m.vocab_size,
                                              config_.data.shuffle, t.seed, dp.rank(), dp.size());
-  data_.val = std::make_unique<DataLoader>(config_.data.val, t.batch_size, t.seq_len, m.vocab_size, false, t.seed,
-                                           dp.rank(), dp.size());
+  data_.val = std::make_unique<DataLoader>(config_.data.val, t.batch_size, t.longest_seq_len(), m.vocab_size, false,
+                                           t.seed, dp.rank(), dp.size());
   measure_peaks();  // (in float32: the SGEMM reference of matmul_efficiency)
   set_matmul_precision(config_.runtime.precision == "bf16" ? MatmulPrecision::bf16 : MatmulPrecision::fp32);
   auto log = [this](const nlohmann::json& line) { metrics_.log(line); };
@@ -79,9 +80,9 @@ Trainer::Trainer(Config config, Communicator& comm)
                                       config_, dp, *rank_->model, progress_.resumed_from, [this] { return evaluate(1); }, log)));
   }
   // Monitoring: energy per step and token, alerts on the operating targets ([monitor]).
-  const double tokens_per_step = static_cast<double>(t.batch_size) * t.seq_len * t.grad_accum * groups_.dp().size();
   if (config_.monitor.enabled) {
-    hooks_.push_back(metrics_.adopt(std::make_unique<EnergyMeter>(config_.monitor, comm, tokens_per_step)));
+    hooks_.push_back(metrics_.adopt(
+        std::make_unique<EnergyMeter>(config_.monitor, comm, [this](int64_t step) { return tokens_of_step(step); })));
     metrics_.add_sink(metrics_.adopt(std::make_unique<Alerts>(config_.monitor, log)));
   }
   if (config_.monitor.enabled && config_.monitor.port > 0 && comm.is_root()) {
@@ -140,6 +141,11 @@ nlohmann::json Trainer::recut(const std::vector<LayerRange>& from, const std::ve
   return out;
 }
 
+double Trainer::tokens_of_step(int64_t step) {
+  const TrainConfig& t = config_.train;
+  return static_cast<double>(t.batch_size) * t.seq_len_at(step) * t.grad_accum * groups_.dp().size();
+}
+
 void Trainer::measure_peaks() {
   Communicator& world = groups_.world();
   // MFU's peak: each rank's cores (its threads, or its share of the host's cores when ranks
@@ -178,10 +184,10 @@ StepStats Trainer::step(const StopSignals* signals) {
   s.ckpt_stall_ms = checkpointer_->take_stall_ms();
   for (StepHook* hook : hooks_) hook->after_step(s.step);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const double tokens = static_cast<double>(t.batch_size) * t.seq_len * t.grad_accum * groups_.dp().size();
+  s.seq_len = t.seq_len_at(s.step - 1);
   s.ms = seconds * 1e3;
-  s.tokens_per_s = tokens / seconds;
-  const double model_gflops = rank_->model->train_flops_per_token(t.seq_len) * s.tokens_per_s / 1e9;
+  s.tokens_per_s = tokens_of_step(s.step - 1) / seconds;
+  const double model_gflops = rank_->model->train_flops_per_token(s.seq_len) * s.tokens_per_s / 1e9;
   s.mfu = model_gflops / peaks_.peak_gflops;
   s.matmul_efficiency = model_gflops / peaks_.sgemm_gflops;
   return s;
@@ -192,7 +198,9 @@ double Trainer::evaluate(int batches) {
   batches = static_cast<int>(std::min<uint64_t>(batches, data_.val->num_windows()));
   rank_->store->apply_pending();
   double sum = 0;
-  for (int i = 0; i < batches; ++i) sum += rank_->engine->forward_loss(data_.val->window(i));
+  // At the length the coming step trains at (a curriculum's validation loss follows its length).
+  const int T = config_.train.seq_len_at(std::min<int64_t>(progress_.steps_done, config_.train.steps - 1));
+  for (int i = 0; i < batches; ++i) sum += rank_->engine->forward_loss(data_.val->window(i, T));
   // With a pipeline only the last stage's ranks hold losses.
   return groups_.world().allreduce_sum(sum) / (static_cast<double>(batches) * groups_.dp().size());
 }
@@ -206,6 +214,7 @@ void Trainer::print_startup(double moments_mb) {
   std::printf("keel: model L=%d H=%d C=%d V=%d (%.2fM parameters, %zu chunks), batch %dx%d x%d x%d ranks, %d threads/rank\n",
               m.n_layer, m.n_head, m.n_embd, m.vocab_size, rank_->store->param_count() / 1e6, rank_->store->chunks().size(),
               t.batch_size, t.seq_len, t.grad_accum, groups_.dp().size(), omp_get_max_threads());
+  if (!t.seq_len_schedule.empty()) std::printf("keel: sequence-length curriculum: %s\n", t.describe_seq_lens().c_str());
   std::printf("keel: train %s (%llu tokens), val %s (%llu tokens), run dir %s\n", config_.data.train.c_str(),
               static_cast<unsigned long long>(data_.train->num_tokens()), config_.data.val.c_str(),
               static_cast<unsigned long long>(data_.val->num_tokens()), t.run_dir.c_str());
@@ -261,6 +270,7 @@ void Trainer::log_run_event() {
                   {"parameters", static_cast<int64_t>(parameters)}};
   run["batch"] = {{"batch_size", t.batch_size}, {"seq_len", t.seq_len}, {"grad_accum", t.grad_accum},
                   {"steps", t.steps}};
+  if (!t.seq_len_schedule.empty()) run["batch"]["seq_len_schedule"] = t.seq_len_schedule;
   run["layout"] = {{"ranks", groups_.world().size()}, {"data", groups_.dp().size()}, {"pipeline", p.pipeline},
                    {"zero", p.zero},                  {"codec", config_.sync.codec}};
   if (config_.tier.device_mib > 0) {
@@ -284,7 +294,7 @@ void Trainer::print_samples() {
   std::printf("samples (temperature %.1f, top-k %d):\n", options.temperature, options.top_k);
   for (int i = 0; i < config_.train.samples; ++i) {
     const std::vector<int> prompt = {tok->eot_token()};
-    std::vector<int> out = generate(*rank_->model, config_.train.seq_len, prompt, options, rng);
+    std::vector<int> out = generate(*rank_->model, config_.train.longest_seq_len(), prompt, options, rng);
     std::string text = tok->decode(std::vector<int>(out.begin() + 1, out.end()));
     std::printf("--- sample %d ---\n%s\n", i + 1, text.c_str());
   }

@@ -75,6 +75,8 @@ class Trainer {
   // state moved into them from cut `from` over MPI; returns the move's figures (for its event).
   nlohmann::json recut(const std::vector<LayerRange>& from, const std::vector<LayerRange>& to);
   void measure_peaks();
+  // Tokens optimizer step `step` (0-based) trains on, over every data-parallel rank.
+  double tokens_of_step(int64_t step);
   void print_startup(double moments_mb);
   // The "run" line of metrics.jsonl: model, sizes, hardware and layout, for the run report.
   void log_run_event();
