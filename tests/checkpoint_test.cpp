@@ -686,7 +686,7 @@ TEST(CheckpointPartEncoding, EveryFieldSurvivesAndTruncatedBytesAreRefused) {
   p.base = "step-00000010";
   p.first = 5;
   p.last = 9;
-  p.data = LoaderPosition{2, 77};
+  p.data = LoaderPosition{2, 77, 96};
   p.ok = true;
   ChunkRecords r;
   r.version = 41;
@@ -695,7 +695,7 @@ TEST(CheckpointPartEncoding, EveryFieldSurvivesAndTruncatedBytesAreRefused) {
                          0x123456789abcdefull, "step-00000010"};
   }
   p.chunks = {{5, r}, {6, r}};
-  p.residual = ResidualRecord{r.planes[0], 250, "buckets:4"};
+  p.residual = ResidualRecord{r.planes[0], 250, "buckets:4", "L3#0:200+50:topk/0.01/256:D2"};
   p.written_bytes = 123456;
   p.records = 12;
   p.unchanged = 6;
@@ -712,6 +712,7 @@ TEST(CheckpointPartEncoding, EveryFieldSurvivesAndTruncatedBytesAreRefused) {
   EXPECT_EQ(q.last, 9);
   EXPECT_EQ(q.data.epoch, 2u);
   EXPECT_EQ(q.data.index, 77u);
+  EXPECT_EQ(q.data.offset, 96u);
   EXPECT_TRUE(q.ok);
   ASSERT_EQ(q.chunks.size(), 2u);
   EXPECT_EQ(q.chunks[1].first, 6);
@@ -728,6 +729,7 @@ TEST(CheckpointPartEncoding, EveryFieldSurvivesAndTruncatedBytesAreRefused) {
   }
   ASSERT_TRUE(q.residual.has_value());
   EXPECT_EQ(q.residual->numel, 250u);
+  EXPECT_EQ(q.residual->keys, p.residual->keys);
   EXPECT_EQ(q.residual->layout, "buckets:4");
   EXPECT_EQ(q.written_bytes, 123456u);
   EXPECT_EQ(q.records, 12);

@@ -12,11 +12,13 @@
 // 0, and each test reads the cut it moved to from metrics.jsonl.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "ckpt/checkpoint.h"
+#include "ckpt/manifest.h"
 #include "core/fileio.h"
 #include "test_util.h"
 
@@ -84,6 +86,7 @@ class Repartition : public ::testing::Test {
     const testing::CommandResult b = train(ranks, "fixed", layout + " --set parallel.stage_boundaries=" + to +
                                                                " --set train.resume=" + at("moved") + "/ckpt/step-00000004");
     ASSERT_EQ(b.exit_code, 0) << b.output;
+    fixed_output = b.output;
     expect_same_state("moved", "fixed");
     const std::vector<double> la = testing::step_losses(at("moved") + "/metrics.jsonl"),
                               lb = testing::step_losses(at("fixed") + "/metrics.jsonl");
@@ -92,6 +95,7 @@ class Repartition : public ::testing::Test {
     for (int i = 0; i < kSteps - 4; ++i) EXPECT_EQ(la[4 + i], lb[i]) << "step " << 5 + i;
   }
   testing::TempDir dir{"keel-recut"};
+  std::string fixed_output;  // of expect_recut_exact's run with the new cut from step 4
 };
 
 // Two stages of llama (untied): the moved run, the run with the new cut from step 4, and one rank
@@ -148,13 +152,38 @@ TEST_F(Repartition, MovesShardedMomentsBetweenReplicasExactly) {
 // stages get lighter: what a re-cut then follows). The same in a PP = 2 run whose second rank is
 // slowed twofold (runtime.slow_factor: sleeps only) and that re-cuts at that step: exact against
 // one rank, and the slow rank ends with fewer layers than it started with.
-// Compressed sync (HybridGC's top-k with error feedback) on 2 x 2: the residuals belong to the old
-// layout's buckets and are dropped (the event says so), as a checkpoint resumed in another
-// layout drops them, so the moved run is still the run resumed with the new cut.
-TEST_F(Repartition, DropsCompressionResidualsAsAResumeDoes) {
-  expect_recut_exact(4, "--set parallel.pipeline=2 --set parallel.stage_boundaries=1 --set train.batch_size=1"
-                        " --set sync.codec=topk --set sync.warmup_steps=0");
-  EXPECT_EQ(decisions("moved")[0].value("compression_residuals", ""), "dropped");
+// Compressed sync (HybridGC's top-k with error feedback) on 2 x 2, GPT-2 (the head's stage holds
+// a replica of the tied wte, with buckets of its own): every bucket's residual travels with its
+// layer, keyed by layer and position among the layer's buckets, and a checkpoint resumed under the
+// new cut carries them by the same keys, so the moved run is still the resumed one. Residuals
+// dropped instead (the step-4 checkpoint without them) end elsewhere: they did travel.
+TEST_F(Repartition, CarriesCompressionResidualsWithTheirLayers) {
+  const std::string layout = "--set parallel.pipeline=2 --set parallel.stage_boundaries=1 --set train.batch_size=1"
+                             " --set sync.codec=topk --set sync.warmup_steps=0";
+  expect_recut_exact(4, layout);
+  const nlohmann::json moved = decisions("moved")[0].at("compression_residuals");
+  EXPECT_GT(moved.at("buckets").get<int>(), 2) << moved.dump();
+  EXPECT_EQ(moved.at("moved"), moved.at("buckets")) << moved.dump();
+  const std::string n = std::to_string(moved.at("buckets").get<int>());
+  EXPECT_NE(fixed_output.find("carried by key into " + n + " of " + n + " buckets"), std::string::npos) << fixed_output;
+  // The step-4 checkpoint again, its residuals taken out of the manifest.
+  const std::string copy = at("stripped-ckpt");
+  std::filesystem::copy(at("moved") + "/ckpt", copy, std::filesystem::copy_options::recursive);
+  const std::string manifest = copy + "/step-00000004/manifest.json";
+  nlohmann::json m = nlohmann::json::parse(read_text_file(manifest));
+  for (nlohmann::json& r : m.at("ranks")) {
+    ASSERT_TRUE(r.contains("residual"));
+    EXPECT_TRUE(r.at("residual").contains("keys"));
+    r.erase("residual");
+  }
+  testing::write_text(manifest, seal_manifest(m.dump(1)));
+  const std::string to = decisions("moved")[0].at("proposed").get<std::string>();
+  const testing::CommandResult dropped = train(4, "dropped", layout + " --set parallel.stage_boundaries=" + to +
+                                                                 " --set train.resume=" + copy + "/step-00000004");
+  ASSERT_EQ(dropped.exit_code, 0) << dropped.output;
+  EXPECT_NE(dropped.output.find("compression residuals dropped"), std::string::npos) << dropped.output;
+  EXPECT_FALSE(testing::checkpoint_bytes(at("moved") + "/ckpt", Plane::param) ==
+               testing::checkpoint_bytes(at("dropped") + "/ckpt", Plane::param));
 }
 
 TEST_F(Repartition, LayersFrozenMidRunStopFromThatStep) {

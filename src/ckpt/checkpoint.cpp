@@ -247,6 +247,7 @@ TrainState load_one(const std::string& dir, ChunkStore& store, const Config& con
     if (r.residual) {
       rs.has_residual = true;
       rs.residual_layout = r.residual->layout;
+      rs.residual_keys = r.residual->keys;
     }
     state.ranks.push_back(rs);
   }
@@ -661,6 +662,7 @@ void CheckpointWriter::write_job() {
       rec.record = write_record(residual_.data(), residual_.size(), nullptr);
       rec.numel = residual_.size();
       rec.layout = state_.residual_layout;
+      rec.keys = state_.residual_keys;
       part.residual = std::move(rec);
     }
     out->sync();

@@ -45,6 +45,7 @@ struct RankState {
   // floats in its rR.bin; read them with read_rank_residual) for this layout of buckets.
   bool has_residual = false;
   std::string residual_layout;
+  std::string residual_keys;  // GradSync::residual_keys: what each bucket's residual covers ("" = unknown)
 };
 
 // What a training run needs besides the chunk store to continue exactly where it stopped.

@@ -124,10 +124,11 @@ std::optional<TrainState> Checkpointer::resume() {
     std::string why;
     TrainState state;
     std::vector<float> residual;
+    std::vector<GradSync::ResidualPart> residual_parts;
     std::string residual_note;
     try {
       state = load_checkpoint(candidates[i], *store_, config_, LoadMode::resume, world);
-      residual_note = load_residuals(state, residual);
+      residual_note = load_residuals(state, residual, residual_parts);
     } catch (const Error& e) {
       why = e.what();
     }
@@ -135,6 +136,19 @@ std::optional<TrainState> Checkpointer::resume() {
     if (comm_.allreduce_max(why.empty() ? 0.0 : 1.0) == 0.0) {
       for (const std::string& r : rejections) std::fprintf(stderr, "%s\n", r.c_str());
       if (!residual.empty()) sync_->restore_residuals(residual);
+      // Residuals carried by key (another layout): how many of this run's buckets they fill.
+      double keyed[3] = {static_cast<double>(sync_->restore_residual_parts(residual_parts)),
+                         static_cast<double>(sync_->residual_parts().size()), residual_parts.empty() ? 0.0 : 1.0};
+      comm_.allreduce_sum(keyed, 3);
+      if (keyed[2] > 0 && comm_.is_root() && keyed[0] == 0) {
+        std::fprintf(stderr, "keel: checkpoint %s: compression residuals dropped (saved under another layout, no bucket's "
+                     "key matches one of this run's %.0f: another codec, bucket size or layer): error feedback starts "
+                     "from zero\n", candidates[i].c_str(), keyed[1]);
+      } else if (keyed[2] > 0 && comm_.is_root()) {
+        std::fprintf(stderr, "keel: checkpoint %s: compression residuals saved under another layout carried by key into "
+                     "%.0f of %.0f buckets%s\n", candidates[i].c_str(), keyed[0], keyed[1],
+                     keyed[0] < keyed[1] ? " (the others' residuals dropped: their error feedback starts from zero)" : "");
+      }
       if (!residual_note.empty() && comm_.is_root()) std::fprintf(stderr, "keel: %s\n", residual_note.c_str());
       state.dir = candidates[i];
       note_other_data(state);
@@ -197,26 +211,42 @@ void Checkpointer::note_other_data(const TrainState& state) const {
                static_cast<unsigned long long>(state.data.index));
 }
 
-std::string Checkpointer::load_residuals(const TrainState& state, std::vector<float>& out) {
+std::string Checkpointer::load_residuals(const TrainState& state, std::vector<float>& out,
+                                         std::vector<GradSync::ResidualPart>& parts) {
   out.clear();
+  parts.clear();
   if (sync_->residual_size() == 0) return "";
   const RankState* mine = nullptr;
   for (const RankState& r : state.ranks) {
     if (r.rank == comm_.rank()) mine = &r;
   }
   const std::string layout = sync_->residual_layout();
-  if (state.ranks.size() != static_cast<size_t>(comm_.size()) || mine == nullptr || !mine->has_residual) {
-    return "checkpoint " + state.dir + " holds no compression residuals for this layout (written by " +
-           std::to_string(state.ranks.size()) + " rank(s)): error feedback starts from zero";
+  if (state.ranks.size() == static_cast<size_t>(comm_.size()) && mine != nullptr && mine->has_residual &&
+      mine->residual_layout == layout) {
+    out = read_rank_residual(state.dir, comm_.rank());
+    check(out.size() == sync_->residual_size(), "checkpoint " + state.dir + ": residual of rank " +
+                                                   std::to_string(comm_.rank()) + " has the wrong size");
+    return "";
   }
-  if (mine->residual_layout != layout) {
-    return "checkpoint " + state.dir + ": compression residuals dropped (saved for " + mine->residual_layout +
-           "; this run has " + layout + "): error feedback starts from zero";
+  // Another layout of the same data-parallel ranks (another pipeline cut or depth): each bucket's
+  // residual by key, from the saved ranks of this rank's replica (world rank = replica x P + stage).
+  const int P = std::max(1, config_.parallel.pipeline), D = comm_.size() / P;
+  const std::string ranks_tag = ":D" + std::to_string(D);
+  const bool keyed = std::all_of(state.ranks.begin(), state.ranks.end(), [&](const RankState& r) {
+    return r.has_residual && !r.residual_keys.empty() && r.residual_keys.find(ranks_tag) != std::string::npos;
+  });
+  if (keyed && state.ranks.size() % static_cast<size_t>(D) == 0) {
+    const int saved_P = static_cast<int>(state.ranks.size()) / D;
+    for (const RankState& r : state.ranks) {
+      if (r.rank / saved_P != comm_.rank() / P) continue;
+      const std::vector<float> flat = read_rank_residual(state.dir, r.rank);
+      for (GradSync::ResidualPart& part : GradSync::split_residuals(r.residual_keys, flat)) parts.push_back(std::move(part));
+    }
+    return "";
   }
-  out = read_rank_residual(state.dir, comm_.rank());
-  check(out.size() == sync_->residual_size(), "checkpoint " + state.dir + ": residual of rank " +
-                                                 std::to_string(comm_.rank()) + " has the wrong size");
-  return "";
+  return "checkpoint " + state.dir + ": compression residuals dropped (saved by " + std::to_string(state.ranks.size()) +
+         " rank(s)" + (mine != nullptr && mine->has_residual ? " for " + mine->residual_layout : "") + "; this run has " +
+         layout + "): error feedback starts from zero";
 }
 
 void Checkpointer::report_recovery(int64_t step, const std::string& from) {
@@ -311,6 +341,7 @@ void Checkpointer::begin(const std::string& root, int64_t step, const LoaderPosi
     sync_->copy_residuals(residual_scratch_);
     state.has_residual = true;
     state.residual_layout = sync_->residual_layout();
+    state.residual_keys = sync_->residual_keys();
   }
   writer_->begin(root, step, state, attempt, &residual_scratch_);
   inflight_step_ = step;

@@ -83,7 +83,9 @@ class Checkpointer {
   bool due_by_clock();
   // This rank's compression residuals in the checkpoint being resumed (into out; empty when
   // there are none to restore, with the reason returned). Throws when they are corrupt.
-  std::string load_residuals(const TrainState& state, std::vector<float>& out);
+  // This rank's residuals in `state`: whole (`out`: saved under this layout) or by key (`parts`:
+  // another pipeline layout of the same data-parallel ranks); else a note that they are dropped.
+  std::string load_residuals(const TrainState& state, std::vector<float>& out, std::vector<GradSync::ResidualPart>& parts);
   // Rank 0: one line when the checkpoint's run read another training set than this one.
   void note_other_data(const TrainState& state) const;
 

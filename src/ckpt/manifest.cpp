@@ -60,6 +60,7 @@ json residual_json(const ResidualRecord& r) {
   json j = record_json(r.record);
   j["numel"] = r.numel;
   j["layout"] = r.layout;
+  if (!r.keys.empty()) j["keys"] = r.keys;
   return j;
 }
 
@@ -68,6 +69,7 @@ ResidualRecord parse_residual(const json& j) {
   r.record = parse_record(j);
   r.numel = j.at("numel").get<uint64_t>();
   r.layout = j.at("layout").get<std::string>();
+  r.keys = j.value("keys", "");
   return r;
 }
 
@@ -390,7 +392,7 @@ std::string encode_part(const CheckpointPart& p) {
     for (const Record& r : c.planes) o.record(r);
   }
   o.pod(static_cast<uint8_t>(p.residual.has_value()));
-  if (p.residual) o.record(p.residual->record), o.pod(p.residual->numel), o.str(p.residual->layout);
+  if (p.residual) o.record(p.residual->record), o.pod(p.residual->numel), o.str(p.residual->layout), o.str(p.residual->keys);
   o.pod(p.written_bytes), o.pod(p.records), o.pod(p.unchanged), o.pod(p.xor_records), o.pod(p.write_ms);
   return std::move(o.bytes);
 }
@@ -425,6 +427,7 @@ CheckpointPart decode_part(const std::string& bytes) {
     r.record = in.record();
     r.numel = in.pod<uint64_t>();
     r.layout = in.str();
+    r.keys = in.str();
     p.residual = std::move(r);
   }
   p.written_bytes = in.pod<uint64_t>();

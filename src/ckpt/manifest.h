@@ -44,6 +44,7 @@ struct ResidualRecord {
   Record record;
   uint64_t numel = 0;
   std::string layout;  // the bucket layout the residuals belong to
+  std::string keys;    // what each bucket's residual covers (GradSync::residual_keys; "" in older checkpoints)
 };
 
 // The saved planes of a chunk, in this order: params, AdamW m, AdamW v.

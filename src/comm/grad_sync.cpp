@@ -1,6 +1,7 @@
 #include "comm/grad_sync.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <sstream>
@@ -32,11 +33,13 @@ GradSync::GradSync(Communicator& comm, ChunkStore& store, GradSyncOptions option
   int64_t end = store.numel();
   Bucket current;
   bool open = false;
+  std::map<std::pair<int, bool>, int> per_layer;  // buckets so far of each layer (and replica flag)
   for (int c = static_cast<int>(chunks.size()) - 1; c >= 0; --c) {
     if (!open) {
       current = Bucket{};
       current.ready_layer = chunks[c].layer;
       current.layer = chunks[c].layer;
+      current.replica = chunks[c].replica;
       if (compression) current.codec = options_.codecs[c];
       open = true;
     }
@@ -64,6 +67,7 @@ GradSync::GradSync(Communicator& comm, ChunkStore& store, GradSyncOptions option
         current.reducer = std::make_unique<CompressedAllreduce>(*current.comm, *current.codec_impl,
                                                                 static_cast<size_t>(current.numel), options_.shape);
       }
+      current.index = per_layer[{current.layer, current.replica}]++;
       buckets_.push_back(std::move(current));
       end = buckets_.back().offset;
       open = false;
@@ -261,6 +265,80 @@ void GradSync::restore_residuals(std::span<const float> in) {
       at += r.size();
     }
   }
+}
+
+std::string GradSync::key_of(const Bucket& b) const {
+  std::ostringstream s;
+  s << 'L' << b.layer << (b.replica ? "r" : "") << '#' << b.index << ':' << b.reducer->worker_residual().size() << '+'
+    << b.reducer->server_residual().size() << ':' << codec_name(b.codec.kind) << '/' << b.codec.keep << '/'
+    << b.codec.block << ":D" << comm_.size();
+  return s.str();
+}
+
+std::string GradSync::residual_keys() const {
+  std::string out;
+  for (const Bucket& b : buckets_) {
+    if (b.reducer) out += (out.empty() ? "" : ";") + key_of(b);
+  }
+  return out;
+}
+
+std::vector<GradSync::ResidualPart> GradSync::residual_parts() const {
+  std::vector<ResidualPart> out;
+  for (const Bucket& b : buckets_) {
+    if (!b.reducer) continue;
+    ResidualPart p{b.layer, b.replica, key_of(b), {}};
+    for (std::span<const float> r : {b.reducer->worker_residual(), b.reducer->server_residual()}) {
+      p.values.insert(p.values.end(), r.begin(), r.end());
+    }
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+std::vector<GradSync::ResidualPart> GradSync::split_residuals(const std::string& keys, std::span<const float> flat) {
+  std::vector<ResidualPart> out;
+  std::istringstream in(keys);
+  std::string key;
+  size_t at = 0;
+  while (std::getline(in, key, ';')) {
+    ResidualPart p;
+    p.key = key;
+    size_t worker = 0, server = 0;
+    char replica = 0;
+    int n = 0;
+    const bool parsed = std::sscanf(key.c_str(), "L%d%n", &p.layer, &n) == 1 &&
+                        ((replica = key[static_cast<size_t>(n)]) == '#' || replica == 'r') &&
+                        std::sscanf(key.c_str() + key.find(':'), ":%zu+%zu:", &worker, &server) == 2;
+    check(parsed && key.find(':') != std::string::npos, "compression residual keys: cannot read \"" + key + "\"");
+    p.replica = replica == 'r';
+    check(at + worker + server <= flat.size(), "compression residual keys: \"" + key + "\" runs past the " +
+                                                   std::to_string(flat.size()) + " values saved");
+    p.values.assign(flat.begin() + static_cast<std::ptrdiff_t>(at),
+                    flat.begin() + static_cast<std::ptrdiff_t>(at + worker + server));
+    at += worker + server;
+    out.push_back(std::move(p));
+  }
+  check(at == flat.size(), "compression residual keys: they describe " + std::to_string(at) + " values, " +
+                               std::to_string(flat.size()) + " were saved");
+  return out;
+}
+
+int GradSync::restore_residual_parts(std::vector<ResidualPart>& parts) {
+  std::map<std::string, ResidualPart*> by_key;
+  for (ResidualPart& p : parts) by_key[p.key] = &p;
+  int filled = 0;
+  for (Bucket& b : buckets_) {
+    if (!b.reducer) continue;
+    const auto it = by_key.find(key_of(b));
+    if (it == by_key.end()) continue;
+    const std::vector<float>& v = it->second->values;
+    const size_t w = b.reducer->worker_residual().size();
+    std::copy(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(w), b.reducer->worker_residual().begin());
+    std::copy(v.begin() + static_cast<std::ptrdiff_t>(w), v.end(), b.reducer->server_residual().begin());
+    filled++;
+  }
+  return filled;
 }
 
 std::string GradSync::residual_layout() const {

@@ -99,11 +99,33 @@ class GradSync final : public BackwardObserver {
   void restore_residuals(std::span<const float> in);
   std::string residual_layout() const;
 
+  // The residuals keyed by what they cover rather than where their bucket lies in the flat space:
+  // "L<layer>[r]#<k>:<worker>+<server>:<codec>/<keep>/<block>:D<ranks>" names the k-th bucket of
+  // a layer's chunks (r: of a replica tensor's), the sizes of its worker and server residual, its
+  // codec and the data-parallel ranks. Compressed buckets are cut per layer, so a layer's buckets
+  // have the same keys under any pipeline cut: a re-cut (pipeline/stage_migration.h) and a resume
+  // under another cut carry residuals by key, between ranks of the same data-parallel rank.
+  struct ResidualPart {
+    int layer = 0;
+    bool replica = false;
+    std::string key;
+    std::vector<float> values;  // worker residual, then server residual
+  };
+  std::string residual_keys() const;  // ';'-joined, in copy_residuals' order
+  std::vector<ResidualPart> residual_parts() const;
+  // The parts of a flat residual (copy_residuals) saved with `keys`; throws keel::Error when they
+  // do not describe it.
+  static std::vector<ResidualPart> split_residuals(const std::string& keys, std::span<const float> flat);
+  // Moves in every part whose key is one of this sync's buckets; returns how many buckets it filled.
+  int restore_residual_parts(std::vector<ResidualPart>& parts);
+
  private:
   struct Bucket {
     int64_t offset = 0, numel = 0;
     int ready_layer = 0;  // the bucket is complete once W of this layer is done
     int layer = 0;        // with compression configured, buckets hold chunks of one layer
+    bool replica = false;  // ... of a replica tensor (a pipeline's copy of a tied tensor)
+    int index = 0;         // among the buckets of its layer (and replica flag), in backward order
     CodecParams codec;
     std::unique_ptr<Codec> codec_impl;            // lossy codecs only
     std::unique_ptr<Communicator> comm;           // its own: its phases start at rank-dependent moments
@@ -118,6 +140,7 @@ class GradSync final : public BackwardObserver {
     // block scales (and ZeRO-1, which clears others' shards whole, gives the same bytes).
     std::vector<std::pair<int64_t, int64_t>> gaps;  // [begin, end) flat offsets
   };
+  std::string key_of(const Bucket& b) const;
   void progress();
   void settle(Bucket& b);
   void complete(Bucket& b);

@@ -221,4 +221,89 @@ MigrationStats migrate_stages(const Config& config, ProcessGroups& groups, const
   return stats;
 }
 
+ResidualMoveStats migrate_residuals(const Config& config, ProcessGroups& groups, const std::vector<TiedGroup>& tied,
+                                    const std::vector<LayerRange>& new_cut, const GradSync& from, GradSync& to) {
+  const auto t0 = std::chrono::steady_clock::now();
+  Communicator& pp = groups.pp();
+  const int P = pp.size();
+  const std::vector<std::vector<LayerRange>> ranges = ranges_per_rank(config, new_cut);
+  auto holds = [&](int p, int layer) {
+    for (const LayerRange& r : ranges[p]) {
+      if (layer >= r.first && layer <= r.last) return true;
+    }
+    return false;
+  };
+  // What each pipeline rank of this replica gets: [key bytes | key | value count | values].
+  std::vector<std::string> out(static_cast<size_t>(P));
+  for (const GradSync::ResidualPart& part : from.residual_parts()) {
+    for (int p = 0; p < P; ++p) {
+      bool wanted = !part.replica && holds(p, part.layer);
+      for (const TiedGroup& g : tied) {  // a replica of home `layer`: where the group's layers are without it
+        if (!part.replica || g.home != part.layer || holds(p, g.home)) continue;
+        for (int layer : g.layers) wanted |= holds(p, layer);
+      }
+      if (!wanted) continue;
+      const uint32_t key_bytes = static_cast<uint32_t>(part.key.size());
+      const uint64_t n = part.values.size();
+      std::string& o = out[static_cast<size_t>(p)];
+      o.append(reinterpret_cast<const char*>(&key_bytes), sizeof key_bytes).append(part.key);
+      o.append(reinterpret_cast<const char*>(&n), sizeof n);
+      o.append(reinterpret_cast<const char*>(part.values.data()), n * sizeof(float));
+    }
+  }
+  // The sizes first, then the parts.
+  std::vector<int64_t> send_sizes(static_cast<size_t>(P)), recv_sizes(static_cast<size_t>(P));
+  std::vector<int> eight(static_cast<size_t>(P), 8), at8(static_cast<size_t>(P));
+  for (int p = 0; p < P; ++p) {
+    send_sizes[static_cast<size_t>(p)] = static_cast<int64_t>(out[static_cast<size_t>(p)].size());
+    at8[static_cast<size_t>(p)] = 8 * p;
+  }
+  Communicator::Request sized = pp.ialltoallv(reinterpret_cast<const uint8_t*>(send_sizes.data()), eight, at8,
+                                              reinterpret_cast<uint8_t*>(recv_sizes.data()), eight, at8);
+  pp.wait(sized);
+  std::vector<int> send_counts(static_cast<size_t>(P)), send_displs(static_cast<size_t>(P)),
+      recv_counts(static_cast<size_t>(P)), recv_displs(static_cast<size_t>(P));
+  std::string send;
+  int64_t received = 0;
+  ResidualMoveStats stats;
+  for (int p = 0; p < P; ++p) {
+    const size_t i = static_cast<size_t>(p);
+    check(static_cast<int64_t>(send.size()) + send_sizes[i] < (int64_t{1} << 31) && received + recv_sizes[i] < (int64_t{1} << 31),
+          "re-cut: more than 2 GiB of compression residuals to move between two ranks in one exchange");
+    send_displs[i] = static_cast<int>(send.size());
+    send_counts[i] = static_cast<int>(send_sizes[i]);
+    send += out[i];
+    recv_displs[i] = static_cast<int>(received);
+    recv_counts[i] = static_cast<int>(recv_sizes[i]);
+    received += recv_sizes[i];
+    if (p != pp.rank()) stats.bytes_sent += send_sizes[i];
+  }
+  std::vector<uint8_t> recv(static_cast<size_t>(received));
+  Communicator::Request moved = pp.ialltoallv(reinterpret_cast<const uint8_t*>(send.data()), send_counts, send_displs,
+                                              recv.data(), recv_counts, recv_displs);
+  pp.wait(moved);
+  std::vector<GradSync::ResidualPart> parts;
+  for (size_t at = 0; at < recv.size();) {
+    GradSync::ResidualPart part;
+    uint32_t key_bytes = 0;
+    uint64_t n = 0;
+    std::memcpy(&key_bytes, recv.data() + at, sizeof key_bytes);
+    at += sizeof key_bytes;
+    part.key.assign(reinterpret_cast<const char*>(recv.data() + at), key_bytes);
+    at += key_bytes;
+    std::memcpy(&n, recv.data() + at, sizeof n);
+    at += sizeof n;
+    part.values.resize(n);
+    std::memcpy(part.values.data(), recv.data() + at, n * sizeof(float));
+    at += n * sizeof(float);
+    parts.push_back(std::move(part));
+  }
+  double figures[2] = {static_cast<double>(to.restore_residual_parts(parts)), static_cast<double>(to.residual_parts().size())};
+  groups.world().allreduce_sum(figures, 2);
+  stats.buckets = static_cast<int>(figures[0]);
+  stats.of = static_cast<int>(figures[1]);
+  stats.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return stats;
+}
+
 }  // namespace keel::pipeline

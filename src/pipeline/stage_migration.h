@@ -10,13 +10,15 @@
 // itself is a copy). What moves: the parameters (from the same data-parallel replica's holder),
 // both AdamW moments (from whichever replica owns that shard under ZeRO), and each chunk's version
 // (the newest of the chunks it draws from, as a checkpoint loaded by tensor name sets it).
-// Gradients are zero between steps and do not move. The result is the state a checkpoint written
-// under the old cut and resumed under the new one would load: the same bytes.
+// Gradients are zero between steps and do not move; compressed sync's residuals move by key
+// (migrate_residuals). The result is the state a checkpoint written under the old cut and resumed
+// under the new one would load (residuals too, by the same keys): the same bytes.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
+#include "comm/grad_sync.h"
 #include "comm/process_groups.h"
 #include "core/config.h"
 #include "model/gpt.h"
@@ -38,5 +40,20 @@ struct MigrationStats {
 // parameters, moments and versions `from` held for its layers.
 MigrationStats migrate_stages(const Config& config, ProcessGroups& groups, const std::vector<LayerRange>& old_cut,
                               const ChunkStore& from, const std::vector<LayerRange>& new_cut, ChunkStore& to);
+
+// Compressed sync's error-feedback residuals, moved with their layers: every bucket's residual
+// (GradSync::residual_parts: keyed by layer and position among the layer's buckets, so the same
+// key under both cuts) goes to the rank of the same replica that holds its layer under
+// `new_cut` (a tied tensor's replica: the rank holding the group's other layers), in one
+// all-to-all over the replica's pipeline group. Every rank calls it, after RankModel has built
+// `to` for the new cut. Returns the buckets of `to` filled, summed over the world, and the bytes
+// this rank sent.
+struct ResidualMoveStats {
+  int buckets = 0, of = 0;  // buckets of the new syncs filled, out of the compressed ones (world)
+  int64_t bytes_sent = 0;
+  double ms = 0;  // on this rank
+};
+ResidualMoveStats migrate_residuals(const Config& config, ProcessGroups& groups, const std::vector<TiedGroup>& tied,
+                                    const std::vector<LayerRange>& new_cut, const GradSync& from, GradSync& to);
 
 }  // namespace keel::pipeline

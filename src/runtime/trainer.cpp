@@ -125,19 +125,18 @@ nlohmann::json Trainer::recut(const std::vector<LayerRange>& from, const std::ve
       config_, groups_, *data_.train, pipeline::PipelineLayout::make(config_, groups_.pp().rank(), to), log);
   const pipeline::MigrationStats moved = pipeline::migrate_stages(config_, groups_, from, *rank_->store, to, *next->store);
   next->optimizer->carry_counts(*rank_->optimizer);
-  // Compression residuals belong to the old layout's gradient buckets: dropped, as a checkpoint
-  // resumed in another layout drops them (said in the event).
-  const bool residuals = rank_->sync->residual_size() > 0;
+  const pipeline::ResidualMoveStats residuals =
+      pipeline::migrate_residuals(config_, groups_, next->model->tied_groups(), to, *rank_->sync, *next->sync);
   metrics_.replace_sources(rank_->sources(), next->sources());
   std::replace(hooks_.begin(), hooks_.end(), static_cast<StepHook*>(rank_->tiers.get()), static_cast<StepHook*>(next->tiers.get()));
   rank_ = std::move(next);  // the old stages' memory goes back here
   checkpointer_->relayout(*rank_->store, *rank_->sync);
   Communicator& world = groups_.world();
-  double figures[2] = {static_cast<double>(moved.bytes_sent), static_cast<double>(moved.bytes_copied)};
+  double figures[2] = {static_cast<double>(moved.bytes_sent + residuals.bytes_sent), static_cast<double>(moved.bytes_copied)};
   world.allreduce_sum(figures, 2);
-  nlohmann::json out = {{"move_ms", world.allreduce_max(moved.ms)}, {"bytes_sent", figures[0]},
+  nlohmann::json out = {{"move_ms", world.allreduce_max(moved.ms + residuals.ms)}, {"bytes_sent", figures[0]},
                         {"bytes_kept", figures[1]}, {"exchange_rounds", moved.rounds}};
-  if (world.allreduce_max(residuals ? 1.0 : 0.0) > 0) out["compression_residuals"] = "dropped";
+  if (residuals.of > 0) out["compression_residuals"] = {{"buckets", residuals.of}, {"moved", residuals.buckets}};
   return out;
 }
 
