@@ -12,8 +12,15 @@ best of two) and their measured step times are compared. Workloads:
   vocab       a 65,536-token vocabulary, the most uint16 tokens allow (the head the heaviest layer)
   frozen      the embedding and the first half of the blocks frozen (optim.freeze_layers: their B
               and W are skipped, so the early stages get lighter)
-A rank slowed by a fixed factor, and load that shifts mid-run, are bench/repartition.py's (real runs
-that re-cut their stages while training).
+Then the same measured costs as load that shifts mid-run, simulated at P = 4 and 8 (this machine
+has 2 cores; bench/repartition.py runs the shifts for real at P = 2): before the shift the run
+has costs A, after it costs B; the static cut is the FLOP model's at start-up and stays; dp
+re-cuts on the measured costs (one interval after the shift it is on B's optimum); the agent
+starts from the cut it learned on A and moves one boundary by one layer per decision on B:
+  curriculum  base -> long (the sequences 4x longer mid-run)
+  freeze      base -> frozen
+  slow-rank   base -> base with pipeline rank 1 1.5x slower (runtime.slow_factor)
+  vocab       the 64k head from the start (no shift: the start cut is the static one)
 
     python3 bench/partitioner.py [--keel build/keel] [--steps 15] [--layers 8]
 """
@@ -93,6 +100,7 @@ def main():
             # Real runs only where the cuts differ (the same cut twice measures only the machine's noise).
             if P == 2 and row["static"]["boundaries"] != row["dp"]["boundaries"]:
                 real.append((name, extra, row["static"]["boundaries"], row["dp"]["boundaries"]))
+    shifts(args, base, workloads, work, env)
     print("\nreal runs at P = 2 (zb-h1, 8 micro-batches, one thread per rank), median step ms:")
     print("| workload | static cut | step ms | dp cut | step ms | dp vs static |")
     print("|---|---|---|---|---|---|")
@@ -109,6 +117,39 @@ def main():
                 ms[label] = min(ms[label], step_ms(os.path.join(run_dir, "metrics.jsonl")))
         print("| %s | %s | %.1f | %s | %.1f | %+.1f %% |" % (name, s_cut, ms["static"], d_cut, ms["dp"],
                                                          100 * (ms["static"] / ms["dp"] - 1)))
+
+
+def schedule(args, base, extra, cost_file, P, env, *flags):
+    out = run([args.keel, "schedule"] + base + extra +
+              ["--set", "parallel.pipeline=%d" % P, "--set", "parallel.schedule=zb-h1", "--set", "train.grad_accum=%d" % (4 * P),
+               "--layer-costs", cost_file, "--json", "yes"] + list(flags), env)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def shifts(args, base, workloads, work, env):
+    """Load shifting mid-run, on the simulator with measured costs at P = 4 and 8."""
+    slow = ["--set", "runtime.slow_rank=1", "--set", "runtime.slow_factor=1.5"]
+    cases = {"curriculum": ("base", "long", []), "freeze": ("base", "frozen", []),
+             "slow-rank": ("base", "base", slow), "vocab": ("vocab", "vocab", [])}
+    print("\nload shifting mid-run, simulated with the measured costs (span = simulated step ms after the shift;")
+    print("decisions: the agent's, from its pre-shift cut, to come within 5 % of dp's span):")
+    print("| shift | P | static cut (kept) | span | bubble | dp cut after | span | bubble | qlearning | decisions | span |"
+          " dp vs static | qlearning vs static |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, (before, after, flags_after) in cases.items():
+        ca, cb = os.path.join(work, before + ".json"), os.path.join(work, after + ".json")
+        ea, eb = workloads[before], workloads[after] + flags_after
+        for P in (4, 8):
+            s_a = schedule(args, base, ea, ca, P, env, "--partitioner", "static")["boundaries"]
+            q_a = schedule(args, base, ea, ca, P, env, "--partitioner", "qlearning")["boundaries"]
+            kept = schedule(args, base, eb, cb, P, env, "--set", "parallel.stage_boundaries=" + s_a)
+            dp = schedule(args, base, eb, cb, P, env, "--partitioner", "dp")
+            q = schedule(args, base, eb, cb, P, env, "--partitioner", "qlearning", "--start-cut", q_a)
+            within = q["partitioner"].split(": ")[-1].replace("within 5 % of dp after ", "")
+            print("| %s | %d | %s | %.1f | %.1f %% | %s | %.1f | %.1f %% | %s -> %s | %s | %.1f | %+.1f %% | %+.1f %% |" % (
+                name, P, s_a, kept["span"], 100 * kept["bubble"], dp["boundaries"], dp["span"], 100 * dp["bubble"],
+                q_a, q["boundaries"], within, q["span"], 100 * (kept["span"] / dp["span"] - 1),
+                100 * (kept["span"] / q["span"] - 1)))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ Workloads (a 256-wide model of 8 blocks at T = 128):
                 mid-run, a static cut stays where the dense model wanted it
   slow-rank     the second rank 1.5x slower (runtime.slow_factor: a sleep after each layer, the
                 documented test-only slowdown); the partitioners are told its factor
+  curriculum    sequences of 128 tokens, then of 512 from step 20 (train.seq_len_schedule):
+                attention's share of every block grows, the head's share of the step shrinks
 Per run: the median step time of the last 20 steps, the cuts the run went through, the moves'
 cost (ms on the slowest rank), and for qlearning the first 10-step interval whose median step
 is within 5 % of the dp run's final one (the steps the agent needed, counted from the shift).
@@ -62,6 +64,7 @@ def main():
         "frozen": (["--set", "optim.freeze_layers=5"], 0),
         "freeze-mid": (["--set", "optim.freeze_layers=5", "--set", "optim.freeze_at_step=%d" % shift], shift),
         "slow-rank": (["--set", "runtime.slow_rank=1", "--set", "runtime.slow_factor=1.5"], 0),
+        "curriculum": (["--set", "model.max_seq_len=512", "--set", "train.seq_len_schedule=%d:512" % shift], shift),
     }
     recut = {
         "static": [],

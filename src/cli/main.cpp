@@ -90,7 +90,8 @@ commands:
             last layer_costs line, or {"forward": [ms per layer per micro-batch],
             "backward_input": [...], "backward_weight": [...], "comm": ms}), cut by
             --partitioner static | dp | qlearning (default dp with measured costs; qlearning:
-            --decisions N from the static cut) within --stage-memory-mib: the cut and its
+            --decisions N from the static cut, or from --start-cut B: the cut a run had before
+            its load shifted) within --stage-memory-mib: the cut and its
             simulated span against the static FLOP cut's, bubble, activations in flight per rank,
             a text Gantt chart, with --trace a Chrome trace (Perfetto), with --json yes one JSON
             line instead of text.
@@ -567,6 +568,17 @@ int cmd_schedule(const Args& a) {
   const pipeline::LayerCosts& measured = problem.costs;
   const std::unique_ptr<pipeline::Partitioner> partitioner = pipeline::make_partitioner(kind, config.train.seed);
   const std::vector<LayerRange> static_cut = pipeline::StaticPartitioner().cut(problem, {});
+  // The cut a run had before its load shifted: where the agent starts, scored beside the others.
+  std::vector<LayerRange> start_cut = static_cut;
+  if (a.has("--start-cut")) {
+    const std::string given = a.get("--start-cut");
+    check(!given.empty(), "schedule --start-cut: expected the first layers of stages 1.. (\"3,6\"), found nothing");
+    try {
+      start_cut = pipeline::cut_stages(pipeline::layer_costs(config.model, T), static_cast<int>(static_cut.size()), given);
+    } catch (const Error& e) {
+      throw Error("schedule --start-cut " + given + ": " + e.what());
+    }
+  }
   std::vector<LayerRange> stages;
   std::string how;
   if (!p.stage_boundaries.empty()) {
@@ -579,8 +591,8 @@ int cmd_schedule(const Args& a) {
     check(decisions >= 1, "schedule --decisions: expected >= 1, found " + std::to_string(decisions));
     const double optimum = pipeline::score_cut(problem, pipeline::DpPartitioner().cut(problem, {})).span;
     int within = -1;
-    stages = pipeline::learn_cut(*partitioner, problem, static_cut, decisions, optimum, &within);
-    how = "qlearning, " + std::to_string(decisions) + " decisions: " +
+    stages = pipeline::learn_cut(*partitioner, problem, start_cut, decisions, optimum, &within);
+    how = "qlearning, " + std::to_string(decisions) + " decisions" + (a.has("--start-cut") ? " from " + a.get("--start-cut") : "") + ": " +
           (within < 0 ? "never within 5 % of dp" : "within 5 % of dp after " + std::to_string(within));
   } else {
     stages = partitioner->cut(problem, static_cut);
@@ -603,7 +615,8 @@ int cmd_schedule(const Args& a) {
   if (as_json == "yes") {
     nlohmann::json out = {{"schedule", pipeline::kind_name(schedule.spec.kind)}, {"ranks", schedule.spec.ranks},
                           {"partitioner", how}, {"boundaries", pipeline::boundaries_of(stages)},
-                          {"span", chosen.span}, {"static_span", base.span}, {"stage_bytes", chosen.stage_bytes},
+                          {"span", chosen.span}, {"static_span", base.span},
+                          {"start_span", pipeline::score_cut(problem, start_cut).span}, {"stage_bytes", chosen.stage_bytes},
                           {"stages", schedule.num_stages()}, {"micro_batches", schedule.spec.micro},
                           {"micro_batch", plan.micro_batch}, {"bubble", t.bubble}, {"makespan", t.makespan},
                           {"rank_bubble", t.rank_bubble}, {"peak_in_flight", plan.check.peak_in_flight},
@@ -668,7 +681,7 @@ int run(int argc, char** argv) {
       {"checkpoints", {"--dir", "--verify"}},
       {"report", {"--dir", "--out"}},
       {"schedule", {"--config", "--set", "--trace", "--width", "--layer-costs", "--json", "--partitioner", "--decisions",
-                    "--stage-memory-mib"}},
+                    "--stage-memory-mib", "--start-cut"}},
   };
   auto it = options.find(cmd);
   check(it != options.end(),
