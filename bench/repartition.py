@@ -12,7 +12,8 @@ Workloads (a 256-wide model of 8 blocks at T = 128):
   freeze-mid    the same layers frozen from step 20 on (optim.freeze_at_step): the load shifts
                 mid-run, a static cut stays where the dense model wanted it
   slow-rank     the second rank 1.5x slower (runtime.slow_factor: a sleep after each layer, the
-                documented test-only slowdown); the partitioners are told its factor
+                documented test-only slowdown); the re-cut estimates the factor from the
+                ranks' measured forward times
   curriculum    sequences of 128 tokens, then of 512 from step 20 (train.seq_len_schedule):
                 attention's share of every block grows, the head's share of the step shrinks
 Per run: the median step time of the last 20 steps, the cuts the run went through, the moves'

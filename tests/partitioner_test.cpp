@@ -146,6 +146,30 @@ TEST(Partitioner, ASlowRankIsGivenFewerLayers) {
   EXPECT_LE(within, 50);
 }
 
+// A re-cut estimates a slow rank from what the ranks measured: the median block's forward time over
+// its FLOP cost, against the fastest rank's; noise below 1.15x counts as none, and a rank that holds
+// no block (or a cut where only one rank does) cannot be told apart.
+TEST(Partitioner, EstimatesASlowRankFromMeasuredForwardTimes) {
+  PartitionProblem p = problem(10, 1, 2, 8);
+  const std::vector<LayerRange> even = min_max_cut(p);  // "6": blocks 1-5 | 6-10 + head
+  for (int i = 6; i <= 10; ++i) p.costs.forward[i] *= 1.8;  // rank 1's blocks
+  // Blocks of a third of a millisecond: under the floor, no estimate.
+  EXPECT_EQ(measured_rank_slowdown(p, even), (std::vector<double>{1.0, 1.0}));
+  for (double& f : p.costs.forward) f *= 10;  // blocks of 3.3 ms (and 6 ms on rank 1)
+  p.costs.forward[7] *= 5;                                   // one outlier: the median ignores it
+  p.costs.forward[0] = 30;                                   // the embedding: not a block
+  std::vector<double> slow = measured_rank_slowdown(p, even);
+  ASSERT_EQ(slow.size(), 2u);
+  EXPECT_DOUBLE_EQ(slow[0], 1.0);
+  EXPECT_NEAR(slow[1], 1.8, 1e-12);
+  for (int i = 6; i <= 10; ++i) p.costs.forward[i] /= 1.8 / 1.1;  // 1.1x: noise
+  EXPECT_EQ(measured_rank_slowdown(p, even), (std::vector<double>{1.0, 1.0}));
+  // Rank 0 holds only the embedding: nothing to compare with.
+  for (int i = 6; i <= 10; ++i) p.costs.forward[i] *= 3;
+  const std::vector<LayerRange> lone = {{0, 0}, {1, 11}};
+  EXPECT_EQ(measured_rank_slowdown(p, lone), (std::vector<double>{1.0, 1.0}));
+}
+
 TEST(Partitioner, MemoryCapsShapeTheCutAndAnImpossibleCapIsOneLine) {
   PartitionProblem p = problem(6, 1, 2, 8);  // every layer costs the same
   EXPECT_LT(DpPartitioner().cut(p, {})[1].first, 6);

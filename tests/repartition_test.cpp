@@ -223,6 +223,28 @@ TEST_F(Repartition, LayersFrozenMidRunStopFromThatStep) {
   EXPECT_GT(std::stoi(d[0].at("proposed").get<std::string>()), 1) << d[0].dump();
 }
 
+// The re-cut is not told which rank is slow: it estimates each rank's factor from the measured
+// forward times of its blocks (their median over the FLOP model, against the fastest rank's). Rank 1
+// sleeps 4x each layer's time after it (runtime.slow_factor = 5), a margin no contention between
+// the two ranks' own speeds comes near; the estimate lands in the event, and the slow rank loses
+// blocks. Blocks 512 wide, so that each takes milliseconds (the estimate ignores shorter ones).
+TEST_F(Repartition, EstimatesASlowRankFromItsMeasuredLayers) {
+  const std::string llama = "--set model.preset=llama-tiny --set model.vocab_size=64 --set model.max_seq_len=32"
+                            " --set model.n_layer=4 --set model.n_embd=512 --set model.n_head=8 --set model.n_kv_head=8";
+  const testing::CommandResult a = train(2, "slow", llama + " --set parallel.pipeline=2 --set parallel.stage_boundaries=3"
+                                                          " --set parallel.repartition_every=4 --set monitor.layer_costs_every=2"
+                                                          " --set parallel.partitioner=dp --set parallel.repartition_threshold=0"
+                                                          " --set runtime.slow_rank=1 --set runtime.slow_factor=5");
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  const std::vector<nlohmann::json> d = decisions("slow");
+  ASSERT_EQ(d.size(), 1u);
+  const std::vector<double> slow = d[0].at("rank_slowdown").get<std::vector<double>>();
+  ASSERT_EQ(slow.size(), 2u) << d[0].dump();
+  EXPECT_EQ(slow[0], 1.0) << d[0].dump();
+  EXPECT_GT(slow[1], 1.5) << d[0].dump();
+  EXPECT_GT(std::stoi(d[0].at("proposed").get<std::string>()), 3) << d[0].dump();
+}
+
 // A sequence-length curriculum (train.seq_len_schedule): 16 tokens for three steps, then 32. The
 // loader reads the windows of 32 in halves, three a step, so the step-1 checkpoint stands mid-window; runs
 // resumed from it and from the step of the switch end with the uninterrupted run's bytes.
@@ -256,6 +278,14 @@ TEST_F(Repartition, ReCutsWhenACurriculumLengthensTheSequences) {
   const testing::CommandResult one = train(1, "one", llama);
   ASSERT_EQ(one.exit_code, 0) << one.output;
   expect_same_state("moved", "one");
+  // The same stages all along, under 1F1B and ZB-H1 (deferred W): the messages between them
+  // double in size mid-run, into buffers sized for the longest.
+  for (const std::string schedule : {"1f1b", "zb-h1"}) {
+    const testing::CommandResult kept = train(2, "kept-" + schedule, llama + " --set parallel.pipeline=2 --set parallel.schedule=" +
+                                                                     schedule + " --set parallel.stage_boundaries=2");
+    ASSERT_EQ(kept.exit_code, 0) << kept.output;
+    expect_same_state("kept-" + schedule, "one");
+  }
 }
 
 TEST_F(Repartition, BadSettingsAreOneLine) {

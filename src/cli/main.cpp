@@ -91,7 +91,8 @@ commands:
             "backward_input": [...], "backward_weight": [...], "comm": ms}), cut by
             --partitioner static | dp | qlearning (default dp with measured costs; qlearning:
             --decisions N from the static cut, or from --start-cut B: the cut a run had before
-            its load shifted) within --stage-memory-mib: the cut and its
+            its load shifted) within --stage-memory-mib (what if pipeline rank R computed F times
+            slower: --set runtime.slow_rank=R --set runtime.slow_factor=F): the cut and its
             simulated span against the static FLOP cut's, bubble, activations in flight per rank,
             a text Gantt chart, with --trace a Chrome trace (Perfetto), with --json yes one JSON
             line instead of text.
@@ -564,7 +565,11 @@ int cmd_schedule(const Args& a) {
         "schedule --stage-memory-mib: expected >= 0, found " + std::to_string(config.parallel.stage_memory_mib));
   const bool measured_costs = !config.parallel.layer_costs.empty();
   const std::string kind = a.get("--partitioner", measured_costs ? "dp" : config.parallel.partitioner);
-  const pipeline::PartitionProblem problem = pipeline::problem_for(config);
+  pipeline::PartitionProblem problem = pipeline::problem_for(config);
+  if (config.runtime.slow_rank >= 0 && config.runtime.slow_factor > 1) {  // a what-if: that rank that much slower
+    problem.rank_slowdown.assign(static_cast<size_t>(p.pipeline), 1.0);
+    problem.rank_slowdown[static_cast<size_t>(config.runtime.slow_rank % p.pipeline)] = config.runtime.slow_factor;
+  }
   const pipeline::LayerCosts& measured = problem.costs;
   const std::unique_ptr<pipeline::Partitioner> partitioner = pipeline::make_partitioner(kind, config.train.seed);
   const std::vector<LayerRange> static_cut = pipeline::StaticPartitioner().cut(problem, {});

@@ -124,10 +124,6 @@ PartitionProblem problem_for(const Config& config, const LayerCosts& measured) {
   p.flops = layer_costs(config.model, T);
   p.schedule = {parse_kind(par.schedule), par.pipeline, micro_batches(config), virtual_stages(par)};
   p.stage_memory_cap = par.stage_memory_mib << 20;
-  if (config.runtime.slow_rank >= 0 && config.runtime.slow_factor > 1) {
-    p.rank_slowdown.assign(static_cast<size_t>(par.pipeline), 1.0);
-    p.rank_slowdown[config.runtime.slow_rank % par.pipeline] = config.runtime.slow_factor;
-  }
   if (measured.layers() > 0) {
     p.costs = measured;
   } else if (!par.layer_costs.empty()) {
@@ -160,6 +156,41 @@ PartitionProblem problem_for(const Config& config, const LayerCosts& measured) {
     }
   }
   return p;
+}
+
+std::vector<double> measured_rank_slowdown(const PartitionProblem& p, const std::vector<LayerRange>& cut, double noise,
+                                           double floor_ms) {
+  const Schedule schedule = make_schedule(p.schedule);
+  const int L = p.costs.layers();
+  std::vector<std::vector<double>> ratios(static_cast<size_t>(p.schedule.ranks)), ms(ratios.size());
+  for (size_t s = 0; s < cut.size(); ++s) {
+    for (int i = std::max(1, cut[s].first); i <= std::min(L - 2, cut[s].last); ++i) {
+      if (p.flops.at(static_cast<size_t>(i)) > 0 && p.costs.forward[i] > 0) {
+        ratios[static_cast<size_t>(schedule.stage_rank[s])].push_back(p.costs.forward[i] / p.flops[i]);
+        ms[static_cast<size_t>(schedule.stage_rank[s])].push_back(p.costs.forward[i]);
+      }
+    }
+  }
+  auto median_of = [](std::vector<double>& v) {
+    std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+    return v[v.size() / 2];
+  };
+  std::vector<double> median(ratios.size(), 0.0);
+  double fastest = 0;
+  int measured = 0;
+  bool long_enough = true;
+  for (size_t r = 0; r < ratios.size(); ++r) {
+    if (ratios[r].empty()) continue;
+    median[r] = median_of(ratios[r]);
+    long_enough = long_enough && median_of(ms[r]) >= floor_ms;
+    fastest = measured++ == 0 ? median[r] : std::min(fastest, median[r]);
+  }
+  std::vector<double> out(ratios.size(), 1.0);
+  if (measured < 2 || !long_enough) return out;
+  for (size_t r = 0; r < ratios.size(); ++r) {
+    if (median[r] > 0 && median[r] / fastest >= noise) out[r] = median[r] / fastest;
+  }
+  return out;
 }
 
 std::vector<LayerRange> learn_cut(Partitioner& agent, const PartitionProblem& p, std::vector<LayerRange> start,

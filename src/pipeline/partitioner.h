@@ -43,7 +43,9 @@ struct PartitionProblem {
   ScheduleSpec schedule;      // the schedule the cut will run (its stages: ranks x virtual stages)
   int64_t stage_memory_cap = 0;  // bytes per stage (0 = none)
   // Per pipeline rank, how many times slower it computes than the costs say (empty: all 1): a
-  // stage's F, B and W on rank r cost rank_slowdown[r] x its layers' (runtime.slow_factor).
+  // stage's F, B and W on rank r cost rank_slowdown[r] x its layers'. A re-cut estimates it from
+  // what the ranks measured (measured_rank_slowdown); `keel schedule` takes a what-if from
+  // runtime.slow_rank / slow_factor.
   std::vector<double> rank_slowdown;
   int stages() const { return schedule.ranks * schedule.virtual_stages; }
   // Each stage's factor from rank_slowdown (1 without one).
@@ -83,6 +85,16 @@ class Partitioner {
 PartitionProblem problem_for(const Config& config);
 // The same on costs measured in this run (`measured`, in place of parallel.layer_costs' file).
 PartitionProblem problem_for(const Config& config, const LayerCosts& measured);
+
+// Each pipeline rank's slowdown under `cut`, estimated from the measured costs in p: per rank the
+// median over its blocks of measured forward time over the FLOP model's cost (p.flops), against
+// the fastest rank's. Blocks alone (the embedding and the head are memory-bound beside their
+// FLOPs) and forward alone (frozen layers skip B and W). A rank holding no block, or whose factor
+// is under `noise`, counts as 1; so does every rank when fewer than two hold blocks, or when a
+// rank's median block takes under `floor_ms` (too short to tell a slow rank from timer and cache
+// noise: layers of microseconds differ by 2-3x between two ranks of this machine by chance).
+std::vector<double> measured_rank_slowdown(const PartitionProblem& p, const std::vector<LayerRange>& cut,
+                                           double noise = 1.15, double floor_ms = 0.5);
 
 // The best cut (least simulated span) the learning agent reaches in `decisions` decisions from
 // `start`; `within` (if given) gets the first decision within 5 % of `optimum` (-1: none).

@@ -49,19 +49,16 @@ std::vector<LayerRange> Repartitioner::decide(int64_t step, const LayerCosts& co
   // The problem as the config poses it (schedule, memory cap), on the measured costs predicted for
   // the coming batches.
   PartitionProblem p = problem_for(config_, coming_costs(step, costs));
-  // A rank slowed on purpose (runtime.slow_factor) measured its layers slow: their costs are the
-  // layers' own divided by it (the problem multiplies whichever stages land on that rank). Rank 0's
-  // replica measured the costs; a slow rank of another replica did not show in them.
-  const int P = config_.parallel.pipeline, slow = config_.runtime.slow_rank;
-  if (!p.rank_slowdown.empty() && slow >= 0 && slow / P == 0) {
-    const Schedule schedule = make_schedule(p.schedule);
-    for (size_t s = 0; s < cut_.size(); ++s) {
-      if (schedule.stage_rank[s] != slow) continue;
-      for (int i = cut_[s].first; i <= cut_[s].last; ++i) {
-        for (std::vector<double>* v : {&p.costs.forward, &p.costs.backward_input, &p.costs.backward_weight}) {
-          (*v)[i] /= config_.runtime.slow_factor;
-        }
-      }
+  // A rank that computes slower than its peers (fewer cores, a busier host, runtime.slow_factor)
+  // measured its layers slow: its factor is estimated from the measurements, and its layers' costs
+  // are their own divided by it (the problem multiplies whichever stages land on that rank).
+  // Rank 0's replica measured the costs; a slow rank of another replica did not show in them.
+  p.rank_slowdown = measured_rank_slowdown(p, cut_);
+  const Schedule schedule = make_schedule(p.schedule);
+  for (size_t s = 0; s < cut_.size(); ++s) {
+    const double f = p.rank_slowdown[static_cast<size_t>(schedule.stage_rank[s])];
+    for (int i = cut_[s].first; i <= cut_[s].last && f > 1; ++i) {
+      for (std::vector<double>* v : {&p.costs.forward, &p.costs.backward_input, &p.costs.backward_weight}) (*v)[i] /= f;
     }
   }
   std::vector<LayerRange> proposal = partitioner_->cut(p, cut_);
@@ -78,6 +75,7 @@ std::vector<LayerRange> Repartitioner::decide(int64_t step, const LayerCosts& co
            {"proposed_span_ms", then.span},
            {"predicted_gain", gain},
            {"seq_len", p.costs.seq_len},
+           {"rank_slowdown", p.rank_slowdown},
            {"threshold", config_.parallel.repartition_threshold},
            {"moved", move}};
   return move ? proposal : std::vector<LayerRange>{};
