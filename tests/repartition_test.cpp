@@ -109,9 +109,11 @@ TEST_F(Repartition, AStageMoveMidRunEndsWithTheBytesOfTheNewCutFromThatStep) {
 }
 
 // ZB-V: each rank holds two stages (the V's two ends), and the re-cut moves boundaries of both.
+// Six blocks cut "1,2,3": rank 0 holds the embedding and blocks 3-6 with the head, rank 1 only
+// blocks 1 and 2, an imbalance no timing noise hides.
 TEST_F(Repartition, ReCutsTwoStagesPerRankUnderZbV) {
   const std::string llama = "--set model.preset=llama-tiny --set model.vocab_size=64 --set model.max_seq_len=32"
-                            " --set model.n_layer=4";
+                            " --set model.n_layer=6";
   const testing::CommandResult a = train(2, "zbv", llama + " --set parallel.pipeline=2 --set parallel.schedule=zb-v"
                                                            " --set parallel.stage_boundaries=1,2,3"
                                                            " --set parallel.repartition_every=4 --set monitor.layer_costs_every=2"
