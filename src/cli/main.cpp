@@ -44,6 +44,7 @@
 #include "runtime/kv_cache.h"
 #include "runtime/launcher.h"
 #include "runtime/trainer.h"
+#include "sim/command.h"
 
 namespace fs = std::filesystem;
 
@@ -96,6 +97,12 @@ commands:
             simulated span against the static FLOP cut's, bubble, activations in flight per rank,
             a text Gantt chart, with --trace a Chrome trace (Perfetto), with --json yes one JSON
             line instead of text.
+  simulate  --cluster CLUSTER.toml [--nodes N] [--config FILE.toml] [--set section.key=value ...] [--tensor N]
+            [--recompute yes] [--trace FILE.json] [--json yes]
+            Predict one training step of the config on a described cluster (configs/clusters/):
+            data x pipeline (the config's) x tensor (modelled only) layout, Keel's schedule and
+            stage cut on its schedule simulator, ring collectives over the cluster's links: the
+            step's breakdown, samples/s, MFU, memory per device; --trace: a Chrome trace of it.
   checkpoints --dir DIR [--verify yes]
             List the checkpoints under DIR (a run's ckpt/ or one checkpoint): step, kind, bytes,
             encodings; --verify yes decodes and checks every record.
@@ -547,6 +554,22 @@ int cmd_report(const Args& a) {
   return 0;
 }
 
+int cmd_simulate(const Args& a) {
+  sim::SimulateOptions o;
+  o.config = a.get("--config", "");
+  o.sets = a.all("--set");
+  o.cluster = a.get("--cluster", "");
+  o.tensor = static_cast<int>(a.get_int("--tensor", 1));
+  o.nodes = static_cast<int>(a.get_int("--nodes", 0));
+  o.trace = a.get("--trace", "");
+  const std::string recompute = a.get("--recompute", "no"), json = a.get("--json", "no");
+  check(recompute == "yes" || recompute == "no", "simulate --recompute: expected yes or no, found '" + recompute + "'");
+  check(json == "yes" || json == "no", "simulate --json: expected yes or no, found '" + json + "'");
+  o.recompute = recompute == "yes";
+  o.json = json == "yes";
+  return sim::simulate_command(o);
+}
+
 int cmd_schedule(const Args& a) {
   Config config = Config::load(a.get("--config", ""), a.all("--set"));
   resolve_job_config(config, config.parallel.pipeline);
@@ -685,13 +708,14 @@ int run(int argc, char** argv) {
       {"import", {"--llmc", "--llama2c", "--out", "--set"}},
       {"checkpoints", {"--dir", "--verify"}},
       {"report", {"--dir", "--out"}},
+      {"simulate", {"--config", "--set", "--cluster", "--nodes", "--tensor", "--recompute", "--trace", "--json"}},
       {"schedule", {"--config", "--set", "--trace", "--width", "--layer-costs", "--json", "--partitioner", "--decisions",
                     "--stage-memory-mib", "--start-cut"}},
   };
   auto it = options.find(cmd);
   check(it != options.end(),
         "unknown command '" + cmd +
-            "' (expected train, launch, tokenize, eval, generate, score, export, import, schedule, checkpoints or report)");
+            "' (expected train, launch, tokenize, eval, generate, score, export, import, schedule, simulate, checkpoints or report)");
   // `keel report RUN_DIR`: the run directory may come first, without --dir.
   std::vector<char*> words(argv, argv + argc);
   static char dir_flag[] = "--dir";
@@ -709,6 +733,7 @@ int run(int argc, char** argv) {
   if (cmd == "export") return cmd_export(a);
   if (cmd == "checkpoints") return cmd_checkpoints(a);
   if (cmd == "schedule") return cmd_schedule(a);
+  if (cmd == "simulate") return cmd_simulate(a);
   if (cmd == "report") return cmd_report(a);
   return cmd_import(a);
 }

@@ -12,7 +12,10 @@ std::vector<double> layer_costs(const ModelConfig& m, int T) {
   const double C = m.n_embd, V = m.padded_vocab_size;
   std::vector<double> costs;
   costs.push_back(2 * C);                              // embedding: two row reads and an add
-  for (int l = 0; l < m.n_layer; ++l) costs.push_back(24 * C * C + 4.0 * T * C);  // qkv, proj, fc, fcproj, attention
+  // GPT-2: qkv, proj, fc, fcproj, attention; llama: qkv (grouped kv), proj, gate + up, down, attention.
+  const double block = m.llama() ? 2 * C * m.qkv_dim() + 2 * C * C + 6 * C * m.ffn_hidden + 4.0 * T * C
+                                 : 24 * C * C + 4.0 * T * C;
+  for (int l = 0; l < m.n_layer; ++l) costs.push_back(block);
   costs.push_back(2 * C * V + 5 * V);                  // tied head and the softmax cross-entropy
   return costs;
 }

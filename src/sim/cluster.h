@@ -1,0 +1,74 @@
+// A cluster described for `keel simulate` (sim/step_model.h): nodes of devices, the devices'
+// arithmetic and memory, the links inside a node and the network between nodes, variability and
+// reliability. One TOML file (configs/clusters/*.toml documents every key); every key is
+// required unless the comment below gives a default, and an impossible value is an error that
+// names the file and the key.
+#pragma once
+
+#include <string>
+
+namespace keel::sim {
+
+struct Device {
+  std::string name;
+  double tflops_bf16 = 0;        // dense peak, 16-bit matrix products
+  double tflops_fp32 = 0;        // dense peak, float32 matrix products
+  double memory_gib = 0;         // device memory
+  double hbm_gbps = 0;           // device memory bandwidth, GB/s
+  double matmul_efficiency = 0;  // share of the peak a large product reaches (0..1]
+};
+
+struct Host {
+  double memory_gib = 0;   // per node
+  double pcie_gbps = 0;    // host <-> one device, GB/s each way
+  int nvme_drives = 0;     // per node (default 0)
+  double nvme_gbps = 0;    // per drive, GB/s (default 0)
+};
+
+struct Link {  // inside a node: every device to every other
+  std::string kind;        // "nvlink" or "pcie" (informative)
+  double gbps = 0;         // GB/s per device, each way
+  double latency_us = 0;
+};
+
+struct Network {  // between nodes
+  double gbit = 0;             // per NIC, Gbit/s
+  int nics_per_node = 0;
+  double latency_us = 0;
+  std::string topology;        // "fat-tree" or "rail" (rail: device i of every node on NIC i's rail)
+  double oversubscription = 1; // edge : core bandwidth (1 = non-blocking; default 1)
+  // Bandwidth one device gets to another node, GB/s: its NIC share, over the oversubscription.
+  double device_gbps(int devices_per_node) const;
+};
+
+struct Variability {
+  double jitter = 0;              // relative spread (standard deviation) of a device's step compute (default 0)
+  double straggler_fraction = 0;  // share of devices slower by straggler_slowdown (default 0)
+  double straggler_slowdown = 1;  // (default 1)
+};
+
+struct Reliability {
+  double node_mtbf_hours = 0;           // mean time between failures of one node (0 = none; default 0)
+  double checkpoint_every_minutes = 0;  // (default 0: the model takes Keel's 15)
+  double restart_minutes = 0;           // detection + restart + reload (default 0)
+};
+
+struct Cluster {
+  std::string name;
+  int nodes = 0;
+  int devices_per_node = 0;
+  Device device;
+  Host host;
+  Link intra;
+  Network network;
+  Variability variability;
+  Reliability reliability;
+
+  int devices() const { return nodes * devices_per_node; }
+  // Reads and validates `path`; throws keel::Error naming the file and the key.
+  static Cluster load(const std::string& path);
+  // The same from TOML text (`what` names it in errors).
+  static Cluster parse(const std::string& toml_text, const std::string& what);
+};
+
+}  // namespace keel::sim

@@ -1,0 +1,85 @@
+#include "sim/command.h"
+
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "core/config.h"
+#include "core/error.h"
+#include "core/fileio.h"
+#include "runtime/job_config.h"
+#include "sim/step_model.h"
+
+namespace keel::sim {
+
+namespace {
+
+void print_text(const Config& config, const Cluster& cluster, const StepPrediction& p, const std::string& trace) {
+  const MemoryPerDevice& mem = p.memory;
+  const ModelConfig& m = config.model;
+  std::printf("keel simulate: %s (L=%d C=%d V=%d, T=%d) on %s: %d nodes x %d %s = %d devices\n", m.preset.c_str(),
+              m.n_layer, m.n_embd, m.vocab_size, config.train.longest_seq_len(), cluster.name.c_str(), cluster.nodes,
+              cluster.devices_per_node, cluster.device.name.c_str(), p.devices);
+  std::printf("layout: data %d x pipeline %d x tensor %d (tensor parallelism modelled, not run by Keel), ZeRO-%d, "
+              "schedule %s, %d micro-batches of %d sequences, stages cut at %s\n",
+              p.data, p.pipeline, p.tensor, config.parallel.zero, config.parallel.schedule.c_str(), p.micro_batches,
+              p.micro_batch, p.cut.empty() ? "(one stage)" : p.cut.c_str());
+  std::printf("step %.1f ms: compute %.1f, bubble %.1f (%.1f %%), tensor comm %.1f (inside compute), pipeline messages "
+              "%.1f, data-parallel sync %.1f of which %.1f exposed, optimizer %.1f, slowest device +%.1f\n",
+              p.step_ms, p.compute_ms, p.bubble_ms, 100 * p.bubble, p.tensor_comm_ms, p.pipeline_comm_ms, p.sync_ms,
+              p.sync_exposed_ms, p.optimizer_ms, p.variability_ms);
+  std::printf("throughput: %.1f samples/s, %.0f tokens/s, %.1f model TFLOP/s per device, MFU %.1f %%%s\n",
+              p.samples_per_s, p.tokens_per_s, p.model_tflops_per_device, 100 * p.mfu,
+              p.goodput < 1 ? (", goodput " + std::to_string(static_cast<int>(100 * p.goodput + 0.5)) + " % after failures").c_str() : "");
+  std::printf("memory per device: parameters %.2f GiB, gradients %.2f, AdamW moments %.2f, activations %.2f: %.2f of "
+              "%.0f GiB (%s)\n",
+              mem.params_gib, mem.grads_gib, mem.optimizer_gib, mem.activations_gib, mem.total_gib(),
+              cluster.device.memory_gib, p.fits ? "fits" : "DOES NOT FIT");
+  if (!trace.empty()) std::printf("Chrome trace of the simulated step: %s\n", trace.c_str());
+}
+
+}  // namespace
+
+int simulate_command(const SimulateOptions& o) {
+  check(!o.cluster.empty(), "simulate: missing --cluster FILE.toml (configs/clusters/ holds examples)");
+  Cluster cluster = Cluster::load(o.cluster);
+  check(o.nodes >= 0, "simulate --nodes: expected >= 1, found " + std::to_string(o.nodes));
+  if (o.nodes > 0) cluster.nodes = o.nodes;
+  check(o.tensor >= 1, "simulate --tensor: expected >= 1, found " + std::to_string(o.tensor));
+  check(cluster.devices() % o.tensor == 0, "simulate --tensor: expected a divisor of the cluster's " +
+                                               std::to_string(cluster.devices()) + " devices, found " +
+                                               std::to_string(o.tensor));
+  Config config = Config::load(o.config, o.sets);
+  resolve_job_config(config, cluster.devices() / o.tensor);
+  const StepPrediction p = predict_step(config, cluster, SimLayout{o.tensor, o.recompute});
+  if (!o.trace.empty()) {
+    const std::string trace = pipeline::chrome_trace(p.timeline, "keel simulate: " + config.model.preset + " on " + cluster.name);
+    write_file_atomic(o.trace, {ByteRange{trace.data(), trace.size()}});
+  }
+  const MemoryPerDevice& mem = p.memory;
+  if (o.json) {
+    const nlohmann::json j = {
+        {"cluster", cluster.name}, {"devices", p.devices}, {"data", p.data}, {"pipeline", p.pipeline},
+        {"tensor", p.tensor}, {"zero", config.parallel.zero}, {"schedule", config.parallel.schedule},
+        {"micro_batches", p.micro_batches}, {"micro_batch", p.micro_batch}, {"sequences", p.sequences},
+        {"cut", p.cut}, {"step_ms", p.step_ms}, {"span_ms", p.span_ms}, {"compute_ms", p.compute_ms},
+        {"bubble_ms", p.bubble_ms}, {"bubble", p.bubble}, {"tensor_comm_ms", p.tensor_comm_ms},
+        {"pipeline_comm_ms", p.pipeline_comm_ms}, {"sync_ms", p.sync_ms}, {"sync_exposed_ms", p.sync_exposed_ms},
+        {"optimizer_ms", p.optimizer_ms}, {"variability_ms", p.variability_ms}, {"samples_per_s", p.samples_per_s},
+        {"tokens_per_s", p.tokens_per_s}, {"model_tflops_per_device", p.model_tflops_per_device}, {"mfu", p.mfu},
+        {"goodput", p.goodput},
+        {"memory_gib", {{"params", mem.params_gib}, {"grads", mem.grads_gib}, {"optimizer", mem.optimizer_gib},
+                        {"activations", mem.activations_gib}, {"total", mem.total_gib()}}},
+        {"fits", p.fits}};
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    print_text(config, cluster, p, o.trace);
+  }
+  std::fflush(stdout);  // (the breakdown before the error line)
+  char need[160];
+  std::snprintf(need, sizeof need, "simulate: this layout needs %.1f GiB per device, the %s has %.0f", mem.total_gib(),
+                cluster.device.name.c_str(), cluster.device.memory_gib);
+  check(p.fits, std::string(need) + " (memory tiers are not modelled yet: more pipeline stages, tensor parallelism or ZeRO)");
+  return 0;
+}
+
+}  // namespace keel::sim

@@ -1,0 +1,24 @@
+// `keel simulate`: a config's training step predicted on a described cluster (sim/step_model.h),
+// printed as a breakdown (or one JSON line), with a Chrome trace of the simulated step.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace keel::sim {
+
+struct SimulateOptions {
+  std::string config;                // a Keel config ("" = the built-in default)
+  std::vector<std::string> sets;     // --set section.key=value
+  std::string cluster;               // the cluster file
+  int nodes = 0;                     // --nodes: the cluster's node count instead of the file's (0: the file's)
+  int tensor = 1;                    // --tensor
+  bool recompute = false;            // --recompute yes
+  std::string trace;                 // --trace FILE.json ("" = none)
+  bool json = false;                 // --json yes
+};
+
+// Returns the exit status; throws keel::Error on bad input (one line, naming it).
+int simulate_command(const SimulateOptions& o);
+
+}  // namespace keel::sim

@@ -1,0 +1,178 @@
+#include "sim/step_model.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "model/gpt.h"
+#include "pipeline/layout.h"
+#include "pipeline/partitioner.h"
+
+namespace keel::sim {
+
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+// Milliseconds of a ring all-reduce of `bytes` over `ranks` (each sends and receives 2 (n-1)/n of
+// it, in 2 (n-1) latency-bound rounds); `fraction` 0.5 for a reduce-scatter or an all-gather alone.
+double ring_ms(double bytes, int ranks, double gbps, double latency_us, double fraction = 1.0) {
+  if (ranks <= 1 || bytes <= 0) return 0;
+  const double n = ranks;
+  return fraction * (2 * (n - 1) / n * bytes / (gbps * 1e9) * 1e3 + 2 * (n - 1) * latency_us * 1e-3);
+}
+
+// The expected largest of n draws of a unit normal (a bound good from n of a few on).
+double expected_max_normal(int n) { return n <= 1 ? 0.0 : std::sqrt(2.0 * std::log(static_cast<double>(n))); }
+
+}  // namespace
+
+std::vector<double> layer_params(const ModelConfig& m) {
+  const double C = m.n_embd, Vp = m.padded_vocab_size;
+  std::vector<double> out;
+  out.push_back(Vp * C + (m.llama() ? 0.0 : static_cast<double>(m.max_seq_len) * C));
+  const double block = m.llama() ? 2 * C + m.qkv_dim() * C + C * C + 3.0 * m.ffn_hidden * C : 12 * C * C + 13 * C;
+  for (int l = 0; l < m.n_layer; ++l) out.push_back(block);
+  out.push_back(m.llama() ? C + (m.tie_embeddings.value_or(false) ? 0.0 : Vp * C) : 2 * C);
+  return out;
+}
+
+StepPrediction predict_step(const Config& config, const Cluster& cluster, const SimLayout& layout) {
+  const ModelConfig& m = config.model;
+  const ParallelConfig& par = config.parallel;
+  const TrainConfig& t = config.train;
+  StepPrediction r;
+  r.tensor = layout.tensor;
+  r.pipeline = par.pipeline;
+  r.devices = cluster.devices();
+  check(layout.tensor >= 1 && cluster.devices() % layout.tensor == 0,
+        "simulate --tensor: expected a divisor of the cluster's " + std::to_string(cluster.devices()) + " devices, found " +
+            std::to_string(layout.tensor));
+  check(layout.tensor <= cluster.devices_per_node,
+        "simulate --tensor: a tensor group stays inside a node of " + std::to_string(cluster.devices_per_node) +
+            " devices, found " + std::to_string(layout.tensor));
+  check(m.n_head % layout.tensor == 0, "simulate --tensor: expected a divisor of model.n_head = " +
+                                           std::to_string(m.n_head) + ", found " + std::to_string(layout.tensor));
+  r.data = cluster.devices() / layout.tensor / par.pipeline;
+  check(r.data >= 1 && r.data * par.pipeline * layout.tensor == cluster.devices(),
+        "simulate: data x pipeline x tensor must use the cluster's " + std::to_string(cluster.devices()) + " devices");
+  const int D = r.data, P = par.pipeline, TP = layout.tensor;
+  const int T = t.longest_seq_len();
+  r.micro_batches = pipeline::micro_batches(config);
+  r.micro_batch = t.batch_size * t.grad_accum / r.micro_batches;
+  r.sequences = static_cast<int64_t>(t.batch_size) * t.grad_accum * D;
+  const bool bf16 = config.runtime.precision == "bf16";
+  const double peak = (bf16 ? cluster.device.tflops_bf16 : cluster.device.tflops_fp32) * 1e12;
+  const double rate = peak * cluster.device.matmul_efficiency;  // FLOP/s a device reaches
+  const double act_bytes = bf16 ? 2 : 4;                        // an activation element between devices
+
+  // Stages and their per-micro-batch costs.
+  const std::vector<LayerRange> stages = pipeline::startup_cut(config);
+  r.cut = pipeline::boundaries_of(stages);
+  const std::vector<double> flops = pipeline::layer_costs(m, T);  // forward FLOPs per token
+  const double tokens = static_cast<double>(r.micro_batch) * T;
+  const double activation = tokens * m.n_embd * act_bytes;  // one micro-batch's [b, T, C]
+  const double tp_ar = ring_ms(activation, TP, cluster.intra.gbps, cluster.intra.latency_us);
+  pipeline::Costs costs;
+  double tp_per_rank_max = 0;
+  for (const LayerRange& s : stages) {
+    double f = 0;
+    int blocks = 0;
+    for (int i = s.first; i <= s.last; ++i) {
+      f += flops[i] * tokens / TP / rate * 1e3;
+      blocks += i >= 1 && i <= m.n_layer;
+    }
+    const double tp = 2 * blocks * tp_ar;  // two all-reduces per block in F, two in B
+    costs.forward.push_back(f + tp);
+    costs.backward_input.push_back(f + tp + (layout.recompute ? f + tp : 0.0));
+    costs.backward_weight.push_back(f);
+    tp_per_rank_max = std::max(tp_per_rank_max, (layout.recompute ? 3 : 2) * tp * r.micro_batches);
+  }
+  // A stage boundary crosses nodes once a stage's tensor x data devices fill one.
+  const bool pp_across = TP * D >= cluster.devices_per_node && P > 1;
+  const double pp_gbps = pp_across ? cluster.network.device_gbps(cluster.devices_per_node) : cluster.intra.gbps;
+  const double pp_lat = pp_across ? cluster.network.latency_us : cluster.intra.latency_us;
+  costs.comm = P > 1 ? activation / TP / (pp_gbps * 1e9) * 1e3 + pp_lat * 1e-3 : 0.0;
+  const pipeline::Schedule schedule =
+      pipeline::make_schedule({pipeline::parse_kind(par.schedule), P, r.micro_batches, pipeline::virtual_stages(par)});
+
+  // Data-parallel sync and the optimizer, on the rank with the most parameters.
+  const std::vector<double> params = layer_params(m);
+  double most = 0;
+  int most_rank = 0;
+  std::vector<double> rank_params(static_cast<size_t>(P), 0.0);
+  for (size_t s = 0; s < stages.size(); ++s) {
+    for (int i = stages[s].first; i <= stages[s].last; ++i) rank_params[schedule.stage_rank[s]] += params[i] / TP;
+  }
+  if (!m.llama() && P > 1) {  // GPT-2's head stage keeps a replica of the tied wte
+    rank_params[schedule.stage_rank[stages.size() - 1]] += params[0] / TP;
+  }
+  for (int p = 0; p < P; ++p) {
+    if (rank_params[p] > most) most = rank_params[p], most_rank = p;
+  }
+  const bool dp_inside = TP * D <= cluster.devices_per_node;
+  const double dp_gbps = dp_inside ? cluster.intra.gbps : cluster.network.device_gbps(cluster.devices_per_node);
+  const double dp_lat = dp_inside ? cluster.intra.latency_us : cluster.network.latency_us;
+  const double grad_bytes = most * 4;  // Keel's gradient plane is float32
+  r.sync_ms = par.zero > 0 ? ring_ms(grad_bytes, D, dp_gbps, dp_lat, 0.5) + ring_ms(most * 4, D, dp_gbps, dp_lat, 0.5)
+                           : ring_ms(grad_bytes, D, dp_gbps, dp_lat);
+  // AdamW: parameter, gradient, two moments read; parameter and moments written (float32).
+  const double shard = par.zero > 0 ? 1.0 / D : 1.0;
+  r.optimizer_ms = most * shard * 28 / (cluster.device.hbm_gbps * 1e9) * 1e3;
+  // The last micro-batch's backward on that rank hides the sync's start.
+  double window = 0;
+  for (size_t s = 0; s < stages.size(); ++s) {
+    if (schedule.stage_rank[s] == most_rank) window += costs.backward_input[s] + costs.backward_weight[s];
+  }
+  r.sync_exposed_ms = std::max(0.0, r.sync_ms - window);
+  costs.grad_sync = r.sync_exposed_ms;
+  costs.optimizer = r.optimizer_ms;
+  r.timeline = pipeline::simulate(schedule, costs);
+
+  // The step: the pipeline's span (F, B, W, messages, bubble), then exposed sync and optimizer.
+  double span_end = 0, busiest = 0;
+  for (int p = 0; p < P; ++p) busiest = std::max(busiest, r.timeline.busy[p]);
+  for (const std::vector<pipeline::Interval>& rank : r.timeline.per_rank) {
+    for (const pipeline::Interval& iv : rank) {
+      if (iv.instr.op != pipeline::Op::grad_sync && iv.instr.op != pipeline::Op::optimizer) span_end = std::max(span_end, iv.end);
+    }
+  }
+  r.span_ms = span_end;
+  r.compute_ms = busiest;
+  r.bubble = r.timeline.bubble;
+  r.bubble_ms = std::max(0.0, r.span_ms - r.compute_ms);
+  r.tensor_comm_ms = tp_per_rank_max;
+  r.pipeline_comm_ms = P > 1 ? 2.0 * r.micro_batches * costs.comm : 0.0;
+  const double base = r.span_ms + r.sync_exposed_ms + r.optimizer_ms;
+  // The step waits for its slowest device.
+  double slow = 1 + cluster.variability.jitter * expected_max_normal(cluster.devices());
+  if (cluster.variability.straggler_fraction * cluster.devices() >= 1) slow *= cluster.variability.straggler_slowdown;
+  r.variability_ms = base * (slow - 1);
+  r.step_ms = base * slow;
+
+  r.samples_per_s = static_cast<double>(r.sequences) / (r.step_ms * 1e-3);
+  r.tokens_per_s = r.samples_per_s * t.seq_len;
+  double forward_per_token = 0;
+  for (double f : flops) forward_per_token += f;
+  const double model_flops = 3 * forward_per_token * static_cast<double>(r.sequences) * T;
+  r.model_tflops_per_device = model_flops / (r.step_ms * 1e-3) / cluster.devices() / 1e12;
+  r.mfu = r.model_tflops_per_device * 1e12 / peak;
+  // Failures: each costs half a checkpoint interval of work and a restart, at the cluster's rate.
+  if (cluster.reliability.node_mtbf_hours > 0) {
+    const double interval_h = (cluster.reliability.checkpoint_every_minutes > 0 ? cluster.reliability.checkpoint_every_minutes : 15) / 60;
+    const double lost_h = interval_h / 2 + cluster.reliability.restart_minutes / 60;
+    r.goodput = std::max(0.0, 1 - cluster.nodes / cluster.reliability.node_mtbf_hours * lost_h);
+  }
+
+  // Memory of the rank with the most parameters: Keel's float32 planes, activations in flight.
+  r.memory.params_gib = most * 4 / kGiB;
+  r.memory.grads_gib = most * 4 * (par.zero >= 2 ? 1.0 / D : 1.0) / kGiB;
+  r.memory.optimizer_gib = most * 8 * shard / kGiB;
+  const pipeline::Plan plan = pipeline::plan(config, stages, r.micro_batches);
+  const int64_t in_flight = *std::max_element(plan.check.peak_bytes.begin(), plan.check.peak_bytes.end());
+  r.memory.activations_gib = static_cast<double>(in_flight) / TP / kGiB;
+  r.fits = r.memory.total_gib() <= cluster.device.memory_gib;
+  return r;
+}
+
+}  // namespace keel::sim

@@ -1,0 +1,79 @@
+// One training step of a Keel config on a described cluster (sim/cluster.h), predicted: the
+// model `keel simulate` runs.
+//
+// What it models, and through which of Keel's own pieces:
+//  * Layout: data x pipeline x tensor. Data and pipeline are the config's (parallel.data,
+//    parallel.pipeline, zero, schedule, micro-batches; the stage cut is Keel's own startup_cut);
+//    tensor parallelism is modelled only (Keel does not run it): Megatron's split of each block,
+//    with two all-reduces of a micro-batch's activations in its forward and two in its backward,
+//    inside a node. Ranks are placed tensor-fastest, then data, then pipeline: a tensor group
+//    stays in a node, a data group does while tensor x data fits one.
+//  * Compute: each layer's forward FLOPs per token (pipeline/layout.h layer_costs, the FLOP model
+//    the static partitioner cuts by), at the device's peak for the run's precision times its
+//    matmul_efficiency; B and W each cost what F does (Keel's split of backward), plus one more
+//    F with activation recomputation.
+//  * The pipeline: Keel's schedule (pipeline/schedule.h make_schedule) replayed by Keel's schedule
+//    simulator on those stage costs, a message between stages costing its bytes over the link
+//    that joins them (NVLink inside a node, the device's NIC share across nodes) plus latency:
+//    bubble included.
+//  * Data-parallel sync: a ring all-reduce of each device's float32 gradients (ZeRO-1/2:
+//    reduce-scatter and a parameter all-gather) over the data group's slowest link, overlapped
+//    with the last micro-batch's backward as Keel's bucketed sync overlaps it; what is left is
+//    exposed. The optimizer: AdamW's bytes through device memory.
+//  * Variability: the step waits for its slowest device: jitter as the expected maximum of the
+//    devices' normal spread, stragglers as their slowdown. Reliability: the share of time lost
+//    to failures (half a checkpoint interval and a restart per failure, at the cluster's rate).
+//  * Memory per device: Keel's planes (float32 parameters and gradients, AdamW moments; ZeRO
+//    shards), activations in flight as Keel lays them out (GPT::slot_bytes_for times the
+//    schedule's proven peak in flight), each divided over the tensor group.
+// Not modelled yet: compressed sync's codec costs and ratios, memory tiers (a layout that does
+// not fit device memory is reported as not fitting), checkpoint write traffic.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "pipeline/schedule.h"
+#include "sim/cluster.h"
+
+namespace keel::sim {
+
+struct SimLayout {
+  int tensor = 1;          // tensor-parallel degree (modelled only)
+  bool recompute = false;  // activation recomputation: backward runs the forward again
+};
+
+struct MemoryPerDevice {
+  double params_gib = 0, grads_gib = 0, optimizer_gib = 0, activations_gib = 0;
+  double total_gib() const { return params_gib + grads_gib + optimizer_gib + activations_gib; }
+};
+
+struct StepPrediction {
+  int data = 1, pipeline = 1, tensor = 1, devices = 1;
+  int micro_batches = 1, micro_batch = 1;  // per replica and step; sequences per micro-batch
+  int64_t sequences = 0;                   // per step, over the replicas
+  std::string cut;                         // the stages' first layers
+  // Milliseconds of one step, and its parts (compute: the busiest pipeline rank's F + B + W;
+  // bubble: the rest of the pipeline's span; tensor / pipeline comm are inside F and B and the
+  // span; sync: the data-parallel sync left exposed after overlap).
+  double step_ms = 0, span_ms = 0, compute_ms = 0, bubble_ms = 0, tensor_comm_ms = 0, pipeline_comm_ms = 0;
+  double sync_ms = 0, sync_exposed_ms = 0, optimizer_ms = 0, variability_ms = 0;
+  double bubble = 0;              // the schedule's idle share
+  double samples_per_s = 0, tokens_per_s = 0;
+  double model_tflops_per_device = 0;  // model FLOPs (3 x forward, no recomputation) per second per device
+  double mfu = 0;                 // of the device peak at the run's precision
+  double goodput = 1;             // share of wall time not lost to failures
+  MemoryPerDevice memory;
+  bool fits = true;               // memory within the device's
+  pipeline::Timeline timeline;    // replica 0's step (Chrome trace)
+};
+
+// `config` resolved for cluster.devices() / layout.tensor ranks (resolve_job_config).
+StepPrediction predict_step(const Config& config, const Cluster& cluster, const SimLayout& layout);
+
+// Parameters per layer (embedding, blocks, head) as Keel's model registers them: GPT-2's tied
+// head holds none of its own.
+std::vector<double> layer_params(const ModelConfig& model);
+
+}  // namespace keel::sim

@@ -1,0 +1,111 @@
+// `keel simulate` (sim/): cluster files are checked key by key, the step model's parameter count is
+// Keel's own model's, its memory per device follows ZeRO's shards, its breakdown adds up to its step,
+// and bad input is one line with a non-zero exit.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "core/error.h"
+#include "model/gpt.h"
+#include "sim/cluster.h"
+#include "sim/step_model.h"
+#include "store/chunk_store.h"
+#include "test_util.h"
+
+namespace keel {
+namespace {
+
+const std::string kCluster = testing::source_path("configs/clusters/dgx-a100.toml");
+
+nlohmann::json simulate(const std::string& args) {
+  const testing::CommandResult r = testing::run_keel("simulate --cluster " + kCluster + " --json yes " + args);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  const size_t line = r.output.rfind("\n{");
+  return nlohmann::json::parse(r.output.substr(line == std::string::npos ? 0 : line + 1));
+}
+
+// The analytic parameter count the simulator costs memory and sync by is the count of the tensors
+// Keel's model registers, for both families, tied and untied.
+TEST(Simulate, ParameterCountIsTheModelsOwn) {
+  for (const std::string set : {"model.preset=gpt2-124m", "model.preset=llama-110m", "model.preset=llama-d4"}) {
+    Config c = Config::load("", {set});
+    c.resolve(1);
+    ChunkStore store(c.store.chunk_bytes);
+    const GPT model(c.model, store);
+    store.finalize_layout();
+    double sum = 0;
+    for (double p : sim::layer_params(c.model)) sum += p;
+    EXPECT_EQ(sum, static_cast<double>(store.param_count())) << set;
+  }
+}
+
+// The step is its parts; ZeRO-1 divides the moments over the data-parallel ranks, and a pipeline
+// the parameters over its stages; tensor parallelism divides both again.
+TEST(Simulate, BreakdownAddsUpAndMemoryFollowsTheLayout) {
+  const std::string model = "--set model.preset=gpt2-350m --set runtime.precision=bf16 --set train.grad_accum=8 --set train.batch_size=1";
+  const nlohmann::json dp = simulate(model);
+  EXPECT_EQ(dp.at("data").get<int>(), 32);
+  EXPECT_NEAR(dp.at("step_ms").get<double>(),
+              dp.at("span_ms").get<double>() + dp.at("sync_exposed_ms").get<double>() + dp.at("optimizer_ms").get<double>() +
+                  dp.at("variability_ms").get<double>(),
+              1e-9 * dp.at("step_ms").get<double>());
+  EXPECT_GT(dp.at("sync_ms").get<double>(), 0);
+  EXPECT_EQ(dp.at("bubble").get<double>(), 0);  // one stage
+  const nlohmann::json z1 = simulate(model + " --set parallel.zero=1");
+  EXPECT_NEAR(z1.at("memory_gib").at("optimizer").get<double>() * 32, dp.at("memory_gib").at("optimizer").get<double>(), 1e-9);
+  const nlohmann::json pp = simulate(model + " --set parallel.pipeline=4");
+  EXPECT_EQ(pp.at("data").get<int>(), 8);
+  EXPECT_GT(pp.at("bubble").get<double>(), 0);
+  EXPECT_LT(pp.at("memory_gib").at("params").get<double>(), 0.4 * dp.at("memory_gib").at("params").get<double>());
+  const nlohmann::json tp = simulate(model + " --set parallel.pipeline=4 --tensor 8");
+  EXPECT_EQ(tp.at("data").get<int>(), 1);
+  EXPECT_NEAR(tp.at("memory_gib").at("params").get<double>() * 8, pp.at("memory_gib").at("params").get<double>(), 1e-9);
+  EXPECT_GT(tp.at("tensor_comm_ms").get<double>(), 0);
+  // The same step on twice the nodes: twice the samples per step, at most twice the samples/s.
+  const nlohmann::json twice = simulate(model + " --nodes 8");
+  EXPECT_EQ(twice.at("sequences").get<int>(), 2 * dp.at("sequences").get<int>());
+  EXPECT_LE(twice.at("samples_per_s").get<double>(), 2 * dp.at("samples_per_s").get<double>() * (1 + 1e-12));
+  EXPECT_GT(twice.at("samples_per_s").get<double>(), dp.at("samples_per_s").get<double>());
+}
+
+TEST(Simulate, BadInputIsOneLine) {
+  testing::TempDir dir("keel-sim");
+  const std::string good = read_text_file(kCluster);
+  struct Case {
+    std::string file, args, needle;
+  };
+  auto edit = [&](const std::string& from, const std::string& to) {
+    std::string s = good;
+    const size_t at = s.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    return s.replace(at, from.size(), to);
+  };
+  const std::vector<Case> cases = {
+      {edit("hbm_gbps = 2039", ""), "", "missing key 'device.hbm_gbps'"},
+      {edit("hbm_gbps = 2039", "hbm_gbps = -1"), "", "key 'device.hbm_gbps': expected > 0"},
+      {edit("gbit = 200", "gbit = \"fast\""), "", "key 'network.gbit': expected a number"},
+      {edit("latency_us = 5", "latency_us = 5\nspeed = 3"), "", "unknown key 'network.speed'"},
+      {edit("topology = \"rail\"", "topology = \"torus\""), "", "key 'network.topology': expected one of"},
+      {edit("nics_per_node = 8", "nics_per_node = 4"), "", "a rail topology has one NIC per device"},
+      {edit("nodes = 4 ", "nodes = 2.5 "), "", "key 'cluster.nodes': expected a whole number"},
+      {edit("[device]", "[device"), "", "cluster file"},
+      {good, "--set parallel.pipeline=32 --set model.preset=tiny", "parallel.pipeline"},
+      {good, "--tensor 3", "simulate --tensor"},
+      {good, "--set model.preset=gpt2-1.5b --set train.batch_size=64", "GiB per device"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const std::string path = dir.path() + "/c" + std::to_string(i) + ".toml";
+    testing::write_text(path, cases[i].file);
+    const testing::CommandResult r = testing::run_keel("simulate --cluster " + path + " " + cases[i].args);
+    EXPECT_EQ(r.exit_code, 2) << cases[i].needle << "\n" << r.output;
+    const std::string last = r.output.substr(r.output.rfind("keel: "));
+    EXPECT_NE(last.find(cases[i].needle), std::string::npos) << r.output;
+    EXPECT_EQ(std::count(last.begin(), last.end(), '\n'), 1) << last;
+  }
+}
+
+}  // namespace
+}  // namespace keel
