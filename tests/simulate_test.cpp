@@ -71,6 +71,21 @@ TEST(Simulate, BreakdownAddsUpAndMemoryFollowsTheLayout) {
   EXPECT_GT(twice.at("samples_per_s").get<double>(), dp.at("samples_per_s").get<double>());
 }
 
+// HybridGC in the sync term: each chunk's codec by Keel's policy, its wire size by the codec; the
+// sync's bandwidth term shrinks by that ratio.
+TEST(Simulate, CompressedSyncSendsTheCodecsBytes) {
+  const std::string model = "--set model.preset=gpt2-350m --set runtime.precision=bf16 --set train.grad_accum=8 --set train.batch_size=1";
+  const nlohmann::json plain = simulate(model), topk = simulate(model + " --set sync.codec=topk"),
+                       hybrid = simulate(model + " --set sync.codec=hybrid");
+  EXPECT_EQ(plain.at("sync_wire_ratio").get<double>(), 1.0);
+  const double r = topk.at("sync_wire_ratio").get<double>();
+  EXPECT_GT(r, 0.05);
+  EXPECT_LT(r, 0.5);
+  EXPECT_NEAR(topk.at("sync_ms").get<double>(), r * plain.at("sync_ms").get<double>(), 0.01 * plain.at("sync_ms").get<double>());
+  EXPECT_LT(hybrid.at("sync_wire_ratio").get<double>(), 1.0);
+  EXPECT_LT(hybrid.at("step_ms").get<double>(), plain.at("step_ms").get<double>());
+}
+
 TEST(Simulate, BadInputIsOneLine) {
   testing::TempDir dir("keel-sim");
   const std::string good = read_text_file(kCluster);

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "comm/codec.h"
+#include "comm/sync_policy.h"
 #include "core/error.h"
 #include "model/gpt.h"
 #include "pipeline/layout.h"
@@ -24,6 +26,26 @@ double ring_ms(double bytes, int ranks, double gbps, double latency_us, double f
 
 // The expected largest of n draws of a unit normal (a bound good from n of a few on).
 double expected_max_normal(int n) { return n <= 1 ? 0.0 : std::sqrt(2.0 * std::log(static_cast<double>(n))); }
+
+// Bytes on the wire over float32 bytes for the gradients of `ranges` under sync.* (HybridGC): each
+// chunk's codec from Keel's policy (comm/sync_policy.h), its encoded size from the codec itself.
+double wire_ratio(const Config& config, const std::vector<LayerRange>& ranges) {
+  if (!sync_compressed(config.sync)) return 1.0;
+  // A registry of the rank's tensors (nothing allocated); chunks of at least 64 MiB keep a large
+  // model's count of them small (a codec's size is linear in its elements but for a header).
+  ChunkStore registry(std::max<int64_t>(config.store.chunk_bytes, int64_t{64} << 20));
+  const GPT model(config.model, registry, ranges);
+  registry.finalize_layout();
+  const std::vector<CodecParams> codecs = sync_chunk_codecs(config.sync, config.model.n_layer, registry);
+  double raw = 0, wire = 0;
+  for (const Chunk& c : registry.chunks()) {
+    const double bytes = static_cast<double>(c.numel) * sizeof(float);
+    raw += bytes;
+    const CodecParams& p = codecs[static_cast<size_t>(c.id)];
+    wire += p.kind == CodecKind::none ? bytes : static_cast<double>(Codec::make(p)->max_encoded_bytes(static_cast<size_t>(c.numel)));
+  }
+  return raw > 0 ? wire / raw : 1.0;
+}
 
 }  // namespace
 
@@ -113,7 +135,12 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   const bool dp_inside = TP * D <= cluster.devices_per_node;
   const double dp_gbps = dp_inside ? cluster.intra.gbps : cluster.network.device_gbps(cluster.devices_per_node);
   const double dp_lat = dp_inside ? cluster.intra.latency_us : cluster.network.latency_us;
-  const double grad_bytes = most * 4;  // Keel's gradient plane is float32
+  std::vector<LayerRange> heaviest;
+  for (size_t s = 0; s < stages.size(); ++s) {
+    if (schedule.stage_rank[s] == most_rank) heaviest.push_back(stages[s]);
+  }
+  r.sync_wire_ratio = wire_ratio(config, heaviest);
+  const double grad_bytes = most * 4 * r.sync_wire_ratio;  // Keel's gradient plane is float32; HybridGC encodes it
   r.sync_ms = par.zero > 0 ? ring_ms(grad_bytes, D, dp_gbps, dp_lat, 0.5) + ring_ms(most * 4, D, dp_gbps, dp_lat, 0.5)
                            : ring_ms(grad_bytes, D, dp_gbps, dp_lat);
   // AdamW: parameter, gradient, two moments read; parameter and moments written (float32).

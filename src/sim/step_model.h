@@ -26,8 +26,11 @@
 //  * Memory per device: Keel's planes (float32 parameters and gradients, AdamW moments; ZeRO
 //    shards), activations in flight as Keel lays them out (GPT::slot_bytes_for times the
 //    schedule's proven peak in flight), each divided over the tensor group.
-// Not modelled yet: compressed sync's codec costs and ratios, memory tiers (a layout that does
-// not fit device memory is reported as not fitting), checkpoint write traffic.
+//  * Compressed sync (sync.codec, HybridGC): each chunk's codec by Keel's policy and its encoded
+//    size by the codec itself shrink the sync's bytes (sync_wire_ratio); the codecs' own compute
+//    is not costed (it was measured on CPUs only), nor the uncompressed warm-up steps.
+// Not modelled yet: memory tiers (a layout that does not fit device memory is an error),
+// checkpoint write traffic.
 #pragma once
 
 #include <string>
@@ -60,6 +63,7 @@ struct StepPrediction {
   double step_ms = 0, span_ms = 0, compute_ms = 0, bubble_ms = 0, tensor_comm_ms = 0, pipeline_comm_ms = 0;
   double sync_ms = 0, sync_exposed_ms = 0, optimizer_ms = 0, variability_ms = 0;
   double bubble = 0;              // the schedule's idle share
+  double sync_wire_ratio = 1;     // bytes on the wire over float32 gradient bytes (HybridGC's codecs)
   double samples_per_s = 0, tokens_per_s = 0;
   double model_tflops_per_device = 0;  // model FLOPs (3 x forward, no recomputation) per second per device
   double mfu = 0;                 // of the device peak at the run's precision
