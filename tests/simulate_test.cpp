@@ -86,6 +86,35 @@ TEST(Simulate, CompressedSyncSendsTheCodecsBytes) {
   EXPECT_LT(hybrid.at("step_ms").get<double>(), plain.at("step_ms").get<double>());
 }
 
+// Measured layer costs in place of the FLOP model: one device's step is its micro-batches' F + B + W
+// as the file gives them (ms per micro-batch), and a pipeline's stages sum their layers'.
+TEST(Simulate, MeasuredLayerCostsReplaceTheFlopModel) {
+  testing::TempDir dir("keel-sim-costs");
+  // tiny: 2 blocks, so 4 layers (embedding, 2 blocks, head).
+  testing::write_text(dir.path() + "/costs.json",
+                      R"({"forward": [0.5, 2, 2, 4], "backward_input": [0, 3, 3, 5], "backward_weight": [1, 2, 2, 4],)"
+                      R"( "comm": 0, "seq_len": 128})");
+  const std::string cluster = read_text_file(kCluster);
+  std::string one = cluster;
+  one.replace(one.find("nodes = 4 "), 10, "nodes = 1 ");
+  one.replace(one.find("devices_per_node = 8"), 20, "devices_per_node = 2");
+  one.replace(one.find("nics_per_node = 8"), 17, "nics_per_node = 2");
+  testing::write_text(dir.path() + "/local.toml", one);
+  auto run = [&](const std::string& args) {
+    const testing::CommandResult r = testing::run_keel("simulate --cluster " + dir.path() + "/local.toml --json yes "
+                                                       "--set model.preset=tiny --set train.grad_accum=4 --layer-costs " +
+                                                       dir.path() + "/costs.json " + args);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return nlohmann::json::parse(r.output.substr(r.output.rfind("\n{") + 1));
+  };
+  const nlohmann::json dp = run("");
+  EXPECT_EQ(dp.at("data").get<int>(), 2);
+  EXPECT_NEAR(dp.at("compute_ms").get<double>(), 4 * (6.5 + 13 + 9), 1e-9);  // 4 micro-batches x every layer's F + B + W
+  const nlohmann::json pp = run("--set parallel.pipeline=2 --set parallel.stage_boundaries=2");
+  EXPECT_NEAR(pp.at("compute_ms").get<double>(), 4 * (6 + 8 + 6), 1e-9);  // layers 2-3: the busier rank
+  EXPECT_GT(pp.at("bubble").get<double>(), 0);
+}
+
 TEST(Simulate, BadInputIsOneLine) {
   testing::TempDir dir("keel-sim");
   const std::string good = read_text_file(kCluster);

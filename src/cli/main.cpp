@@ -98,11 +98,12 @@ commands:
             a text Gantt chart, with --trace a Chrome trace (Perfetto), with --json yes one JSON
             line instead of text.
   simulate  --cluster CLUSTER.toml [--nodes N] [--config FILE.toml] [--set section.key=value ...] [--tensor N]
-            [--recompute yes] [--trace FILE.json] [--json yes]
+            [--recompute yes] [--layer-costs RUN/metrics.jsonl] [--trace FILE.json] [--json yes]
             Predict one training step of the config on a described cluster (configs/clusters/):
             data x pipeline (the config's) x tensor (modelled only) layout, Keel's schedule and
             stage cut on its schedule simulator, ring collectives over the cluster's links: the
-            step's breakdown, samples/s, MFU, memory per device; --trace: a Chrome trace of it.
+            step's breakdown, samples/s, MFU, memory per device; --trace: a Chrome trace of it;
+            --layer-costs: per-layer F, B, W a run measured instead of the FLOP model.
   checkpoints --dir DIR [--verify yes]
             List the checkpoints under DIR (a run's ckpt/ or one checkpoint): step, kind, bytes,
             encodings; --verify yes decodes and checks every record.
@@ -561,6 +562,7 @@ int cmd_simulate(const Args& a) {
   o.cluster = a.get("--cluster", "");
   o.tensor = static_cast<int>(a.get_int("--tensor", 1));
   o.nodes = static_cast<int>(a.get_int("--nodes", 0));
+  o.layer_costs = a.get("--layer-costs", "");
   o.trace = a.get("--trace", "");
   const std::string recompute = a.get("--recompute", "no"), json = a.get("--json", "no");
   check(recompute == "yes" || recompute == "no", "simulate --recompute: expected yes or no, found '" + recompute + "'");
@@ -708,7 +710,7 @@ int run(int argc, char** argv) {
       {"import", {"--llmc", "--llama2c", "--out", "--set"}},
       {"checkpoints", {"--dir", "--verify"}},
       {"report", {"--dir", "--out"}},
-      {"simulate", {"--config", "--set", "--cluster", "--nodes", "--tensor", "--recompute", "--trace", "--json"}},
+      {"simulate", {"--config", "--set", "--cluster", "--nodes", "--layer-costs", "--tensor", "--recompute", "--trace", "--json"}},
       {"schedule", {"--config", "--set", "--trace", "--width", "--layer-costs", "--json", "--partitioner", "--decisions",
                     "--stage-memory-mib", "--start-cut"}},
   };

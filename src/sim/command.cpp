@@ -51,7 +51,7 @@ int simulate_command(const SimulateOptions& o) {
                                                std::to_string(o.tensor));
   Config config = Config::load(o.config, o.sets);
   resolve_job_config(config, cluster.devices() / o.tensor);
-  const StepPrediction p = predict_step(config, cluster, SimLayout{o.tensor, o.recompute});
+  const StepPrediction p = predict_step(config, cluster, SimLayout{o.tensor, o.recompute, o.layer_costs});
   if (!o.trace.empty()) {
     const std::string trace = pipeline::chrome_trace(p.timeline, "keel simulate: " + config.model.preset + " on " + cluster.name);
     write_file_atomic(o.trace, {ByteRange{trace.data(), trace.size()}});

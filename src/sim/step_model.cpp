@@ -7,6 +7,7 @@
 #include "comm/sync_policy.h"
 #include "core/error.h"
 #include "model/gpt.h"
+#include "pipeline/layer_profile.h"
 #include "pipeline/layout.h"
 #include "pipeline/partitioner.h"
 
@@ -95,19 +96,28 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   const double tokens = static_cast<double>(r.micro_batch) * T;
   const double activation = tokens * m.n_embd * act_bytes;  // one micro-batch's [b, T, C]
   const double tp_ar = ring_ms(activation, TP, cluster.intra.gbps, cluster.intra.latency_us);
+  pipeline::LayerCosts measured;
+  if (!layout.layer_costs.empty()) {
+    measured = pipeline::read_layer_costs(layout.layer_costs, m.n_layer + 2).at_seq_len(m, T);
+  }
   pipeline::Costs costs;
   double tp_per_rank_max = 0;
   for (const LayerRange& s : stages) {
-    double f = 0;
+    double f = 0, b = 0, w = 0;
     int blocks = 0;
     for (int i = s.first; i <= s.last; ++i) {
-      f += flops[i] * tokens / TP / rate * 1e3;
+      if (measured.layers() > 0) {
+        f += measured.forward[i] / TP, b += measured.backward_input[i] / TP, w += measured.backward_weight[i] / TP;
+      } else {
+        const double ms = flops[i] * tokens / TP / rate * 1e3;
+        f += ms, b += ms, w += ms;
+      }
       blocks += i >= 1 && i <= m.n_layer;
     }
     const double tp = 2 * blocks * tp_ar;  // two all-reduces per block in F, two in B
     costs.forward.push_back(f + tp);
-    costs.backward_input.push_back(f + tp + (layout.recompute ? f + tp : 0.0));
-    costs.backward_weight.push_back(f);
+    costs.backward_input.push_back(b + tp + (layout.recompute ? f + tp : 0.0));
+    costs.backward_weight.push_back(w);
     tp_per_rank_max = std::max(tp_per_rank_max, (layout.recompute ? 3 : 2) * tp * r.micro_batches);
   }
   // A stage boundary crosses nodes once a stage's tensor x data devices fill one.

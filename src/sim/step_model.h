@@ -11,7 +11,8 @@
 //  * Compute: each layer's forward FLOPs per token (pipeline/layout.h layer_costs, the FLOP model
 //    the static partitioner cuts by), at the device's peak for the run's precision times its
 //    matmul_efficiency; B and W each cost what F does (Keel's split of backward), plus one more
-//    F with activation recomputation.
+//    F with activation recomputation. Or each layer's F, B, W as a Keel run measured them
+//    (SimLayout::layer_costs), for a cluster of the machine that measured them.
 //  * The pipeline: Keel's schedule (pipeline/schedule.h make_schedule) replayed by Keel's schedule
 //    simulator on those stage costs, a message between stages costing its bytes over the link
 //    that joins them (NVLink inside a node, the device's NIC share across nodes) plus latency:
@@ -45,6 +46,11 @@ namespace keel::sim {
 struct SimLayout {
   int tensor = 1;          // tensor-parallel degree (modelled only)
   bool recompute = false;  // activation recomputation: backward runs the forward again
+  // Measured per-layer F, B, W (ms per micro-batch of this config's size, on one device: a run's
+  // metrics.jsonl layer_costs line, pipeline/layer_profile.h) in place of the FLOP model at the
+  // device's peak; their sequence length is carried to the config's by the FLOP model. Empty:
+  // the FLOP model.
+  std::string layer_costs;
 };
 
 struct MemoryPerDevice {
