@@ -46,9 +46,6 @@ int simulate_command(const SimulateOptions& o) {
   check(o.nodes >= 0, "simulate --nodes: expected >= 1, found " + std::to_string(o.nodes));
   if (o.nodes > 0) cluster.nodes = o.nodes;
   check(o.tensor >= 1, "simulate --tensor: expected >= 1, found " + std::to_string(o.tensor));
-  check(cluster.devices() % o.tensor == 0, "simulate --tensor: expected a divisor of the cluster's " +
-                                               std::to_string(cluster.devices()) + " devices, found " +
-                                               std::to_string(o.tensor));
   Config config = Config::load(o.config, o.sets);
   resolve_job_config(config, cluster.devices() / o.tensor);
   const StepPrediction p = predict_step(config, cluster, SimLayout{o.tensor, o.recompute, o.layer_costs});

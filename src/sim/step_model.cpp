@@ -188,7 +188,7 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   r.step_ms = base * slow;
 
   r.samples_per_s = static_cast<double>(r.sequences) / (r.step_ms * 1e-3);
-  r.tokens_per_s = r.samples_per_s * t.seq_len;
+  r.tokens_per_s = r.samples_per_s * T;
   double forward_per_token = 0;
   for (double f : flops) forward_per_token += f;
   const double model_flops = 3 * forward_per_token * static_cast<double>(r.sequences) * T;
