@@ -3,6 +3,7 @@
 // and bad input is one line with a non-zero exit.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -25,6 +26,19 @@ nlohmann::json simulate(const std::string& args) {
   EXPECT_EQ(r.exit_code, 0) << r.output;
   const size_t line = r.output.rfind("\n{");
   return nlohmann::json::parse(r.output.substr(line == std::string::npos ? 0 : line + 1));
+}
+
+// Every shipped cluster file loads, and gives a prediction for the default job.
+TEST(Simulate, ShippedClusterFilesLoad) {
+  int files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(testing::source_path("configs/clusters"))) {
+    const sim::Cluster c = sim::Cluster::load(entry.path().string());
+    EXPECT_GT(c.devices(), 0) << entry.path();
+    const testing::CommandResult r = testing::run_keel("simulate --cluster " + entry.path().string());
+    EXPECT_EQ(r.exit_code, 0) << entry.path() << "\n" << r.output;
+    files++;
+  }
+  EXPECT_GE(files, 2);
 }
 
 // The analytic parameter count the simulator costs memory and sync by is the count of the tensors
