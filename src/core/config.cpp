@@ -1,6 +1,5 @@
 #include "core/config.h"
 
-#include <toml++/toml.h>
 #include <xxhash.h>
 
 #include <charconv>
@@ -13,6 +12,7 @@
 #include <variant>
 
 #include "core/error.h"
+#include "core/toml_util.h"
 
 namespace keel {
 
@@ -343,14 +343,7 @@ const std::vector<ModelPreset>& model_presets() {
 
 Config Config::parse(const std::string& toml_text, const std::string& where) {
   Config c;
-  toml::table root;
-  try {
-    root = toml::parse(toml_text, where);
-  } catch (const toml::parse_error& e) {
-    std::ostringstream msg;
-    msg << where << ":" << e.source().begin.line << ": " << e.description();
-    throw Error(msg.str());
-  }
+  toml::table root = parse_toml(toml_text, where);
   for (auto&& [section_key, section_node] : root) {
     const std::string section(section_key.str());
     if (!section_node.is_table()) {

@@ -1,7 +1,5 @@
 #include "sim/cluster.h"
 
-#include <toml++/toml.h>
-
 #include <cmath>
 #include <functional>
 #include <map>
@@ -12,6 +10,7 @@
 
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/toml_util.h"
 
 namespace keel::sim {
 
@@ -90,14 +89,7 @@ Cluster Cluster::parse(const std::string& toml_text, const std::string& what) {
   Cluster c;
   c.network.oversubscription = 1;
   c.variability.straggler_slowdown = 1;
-  toml::table root;
-  try {
-    root = toml::parse(toml_text, what);
-  } catch (const toml::parse_error& e) {
-    std::ostringstream msg;
-    msg << what << ":" << e.source().begin.line << ": " << e.description();
-    throw Error(msg.str());
-  }
+  toml::table root = parse_toml(toml_text, what);
   std::vector<Key> all = keys(c);
   std::map<std::string, Key*> by_name;
   std::set<std::string> sections;
