@@ -28,6 +28,10 @@ namespace {
 class Repartition : public ::testing::Test {
  protected:
   static constexpr int kSteps = 7;
+  // A decision every 4 steps on the layer profiler's report of that step, by the exact partitioner,
+  // moving for any predicted gain.
+  static constexpr const char* kRecut = " --set parallel.repartition_every=4 --set monitor.layer_costs_every=2"
+                                        " --set parallel.partitioner=dp --set parallel.repartition_threshold=0";
   void SetUp() override {
     testing::write_toy_corpus(dir.path());
     testing::write_toy_config(dir.path(), kSteps);
@@ -69,8 +73,7 @@ class Repartition : public ::testing::Test {
   // Run `moved` re-cuts at step 4 (checkpointing there), then the same from its step-4
   // checkpoint with the new cut fixed: the same final state, the same losses after step 4.
   void expect_recut_exact(int ranks, const std::string& layout) {
-    const std::string recut = layout + " --set parallel.repartition_every=4 --set monitor.layer_costs_every=2"
-                              " --set parallel.partitioner=dp --set parallel.repartition_threshold=0"
+    const std::string recut = layout + kRecut +
                               " --set train.checkpoint_every=4";
     const testing::CommandResult a = train(ranks, "moved", recut);
     ASSERT_EQ(a.exit_code, 0) << a.output;
@@ -115,9 +118,7 @@ TEST_F(Repartition, ReCutsTwoStagesPerRankUnderZbV) {
   const std::string llama = "--set model.preset=llama-tiny --set model.vocab_size=64 --set model.max_seq_len=32"
                             " --set model.n_layer=6";
   const testing::CommandResult a = train(2, "zbv", llama + " --set parallel.pipeline=2 --set parallel.schedule=zb-v"
-                                                           " --set parallel.stage_boundaries=1,2,3"
-                                                           " --set parallel.repartition_every=4 --set monitor.layer_costs_every=2"
-                                                           " --set parallel.partitioner=dp --set parallel.repartition_threshold=0");
+                                                           " --set parallel.stage_boundaries=1,2,3" + kRecut);
   ASSERT_EQ(a.exit_code, 0) << a.output;
   const std::vector<nlohmann::json> d = decisions("zbv");
   ASSERT_EQ(d.size(), 1u);
@@ -130,9 +131,7 @@ TEST_F(Repartition, ReCutsTwoStagesPerRankUnderZbV) {
 // tiers are built before the state moves in, page by page through their leases.
 TEST_F(Repartition, MovesStateIntoTieredStagesExactly) {
   const std::string llama = "--set model.preset=llama-tiny --set model.vocab_size=64 --set model.max_seq_len=32";
-  const testing::CommandResult a = train(2, "tiered", llama + " --set parallel.pipeline=2 --set parallel.stage_boundaries=1"
-                                                              " --set parallel.repartition_every=4 --set monitor.layer_costs_every=2"
-                                                              " --set parallel.partitioner=dp --set parallel.repartition_threshold=0"
+  const testing::CommandResult a = train(2, "tiered", llama + " --set parallel.pipeline=2 --set parallel.stage_boundaries=1" + kRecut +
                                                               " --set tier.device_mib=1 --set tier.host_mib=1 --set tier.nvme_dir=" + dir.path());
   ASSERT_EQ(a.exit_code, 0) << a.output;
   ASSERT_EQ(decisions("tiered").size(), 1u);
@@ -213,9 +212,7 @@ TEST_F(Repartition, LayersFrozenMidRunStopFromThatStep) {
   }
   EXPECT_GT(frozen_chunks, 0);
   const testing::CommandResult piped =
-      train(2, "piped", llama + freeze + " --set parallel.pipeline=2 --set parallel.stage_boundaries=1"
-                                         " --set parallel.repartition_every=4 --set monitor.layer_costs_every=2"
-                                         " --set parallel.partitioner=dp --set parallel.repartition_threshold=0"
+      train(2, "piped", llama + freeze + " --set parallel.pipeline=2 --set parallel.stage_boundaries=1" + kRecut +
                                          " --set runtime.slow_rank=1 --set runtime.slow_factor=2");
   ASSERT_EQ(piped.exit_code, 0) << piped.output;
   expect_same_state("piped", "one");
@@ -233,9 +230,7 @@ TEST_F(Repartition, LayersFrozenMidRunStopFromThatStep) {
 TEST_F(Repartition, EstimatesASlowRankFromItsMeasuredLayers) {
   const std::string llama = "--set model.preset=llama-tiny --set model.vocab_size=64 --set model.max_seq_len=32"
                             " --set model.n_layer=4 --set model.n_embd=512 --set model.n_head=8 --set model.n_kv_head=8";
-  const testing::CommandResult a = train(2, "slow", llama + " --set parallel.pipeline=2 --set parallel.stage_boundaries=3"
-                                                          " --set parallel.repartition_every=4 --set monitor.layer_costs_every=2"
-                                                          " --set parallel.partitioner=dp --set parallel.repartition_threshold=0"
+  const testing::CommandResult a = train(2, "slow", llama + " --set parallel.pipeline=2 --set parallel.stage_boundaries=3" + kRecut +
                                                           " --set runtime.slow_rank=1 --set runtime.slow_factor=5");
   ASSERT_EQ(a.exit_code, 0) << a.output;
   const std::vector<nlohmann::json> d = decisions("slow");

@@ -138,7 +138,7 @@ std::optional<TrainState> Checkpointer::resume() {
       if (!residual.empty()) sync_->restore_residuals(residual);
       // Residuals carried by key (another layout): how many of this run's buckets they fill.
       double keyed[3] = {static_cast<double>(sync_->restore_residual_parts(residual_parts)),
-                         static_cast<double>(sync_->residual_parts().size()), residual_parts.empty() ? 0.0 : 1.0};
+                         static_cast<double>(sync_->num_compressed_buckets()), residual_parts.empty() ? 0.0 : 1.0};
       comm_.allreduce_sum(keyed, 3);
       if (keyed[2] > 0 && comm_.is_root() && keyed[0] == 0) {
         std::fprintf(stderr, "keel: checkpoint %s: compression residuals dropped (saved under another layout, no bucket's "

@@ -40,10 +40,11 @@ void DataLoader::fill(uint64_t w, uint64_t offset, int T) {
 }
 
 int DataLoader::length(int T) const {
-  if (T == 0) return T_;
-  check(T > 0 && T <= T_ && T_ % T == 0, "shard " + path_ + ": sequences of " + std::to_string(T) +
-                                             " tokens requested from windows of " + std::to_string(T_) +
-                                             " (a divisor of it is readable)");
+  if (T == 0 || T == T_) return T_;
+  if (T < 0 || T > T_ || T_ % T != 0) {  // (the message is built only then: this runs every micro-batch)
+    throw Error("shard " + path_ + ": sequences of " + std::to_string(T) + " tokens requested from windows of " +
+                std::to_string(T_) + " (a divisor of it is readable)");
+  }
   return T;
 }
 

@@ -168,7 +168,7 @@ void Executor::send_grad(const Instr& in, int slot) {
   // Buffers hold the largest message the model's activations allow: a step of longer sequences
   // (a curriculum) reuses them.
   const size_t most = static_cast<size_t>(model_.allocated_B()) * model_.allocated_T() * model_.config().n_embd;
-  check(n <= most, "pipeline: a message of " + std::to_string(n) + " floats exceeds the allocated activations");
+  if (n > most) throw Error("pipeline: a message of " + std::to_string(n) + " floats exceeds the allocated activations");
   if (pick == grad_buffers_.size()) grad_buffers_.emplace_back(std::make_unique<float[]>(most), Communicator::Request{});
   float* buffer = grad_buffers_[pick].first.get();
   std::memcpy(buffer, model_.input_grad(slot, stages_[in.stage].first), n * sizeof(float));

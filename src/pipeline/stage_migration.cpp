@@ -298,7 +298,7 @@ ResidualMoveStats migrate_residuals(const Config& config, ProcessGroups& groups,
     at += n * sizeof(float);
     parts.push_back(std::move(part));
   }
-  double figures[2] = {static_cast<double>(to.restore_residual_parts(parts)), static_cast<double>(to.residual_parts().size())};
+  double figures[2] = {static_cast<double>(to.restore_residual_parts(parts)), static_cast<double>(to.num_compressed_buckets())};
   groups.world().allreduce_sum(figures, 2);
   stats.buckets = static_cast<int>(figures[0]);
   stats.of = static_cast<int>(figures[1]);
