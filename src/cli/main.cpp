@@ -45,6 +45,7 @@
 #include "runtime/launcher.h"
 #include "runtime/trainer.h"
 #include "sim/command.h"
+#include "sim/probe.h"
 
 namespace fs = std::filesystem;
 
@@ -104,6 +105,8 @@ commands:
             stage cut on its schedule simulator, ring collectives over the cluster's links: the
             step's breakdown, samples/s, MFU, memory per device; --trace: a Chrome trace of it;
             --layer-costs: per-layer F, B, W a run measured instead of the FLOP model.
+            --probe yes: this machine's memory bandwidth and HybridGC's codec throughput (one
+            thread), as cluster-file TOML, for a cluster file describing it.
   checkpoints --dir DIR [--verify yes]
             List the checkpoints under DIR (a run's ckpt/ or one checkpoint): step, kind, bytes,
             encodings; --verify yes decodes and checks every record.
@@ -564,6 +567,13 @@ int cmd_simulate(const Args& a) {
   o.nodes = static_cast<int>(a.get_int("--nodes", 0));
   o.layer_costs = a.get("--layer-costs", "");
   o.trace = a.get("--trace", "");
+  const std::string probe = a.get("--probe", "no");
+  check(probe == "yes" || probe == "no", "simulate --probe: expected yes or no, found '" + probe + "'");
+  if (probe == "yes") {
+    const Config config = Config::load(o.config, o.sets);
+    std::printf("%s", sim::probe_machine(config.sync).c_str());
+    return 0;
+  }
   const std::string recompute = a.get("--recompute", "no"), json = a.get("--json", "no");
   check(recompute == "yes" || recompute == "no", "simulate --recompute: expected yes or no, found '" + recompute + "'");
   check(json == "yes" || json == "no", "simulate --json: expected yes or no, found '" + json + "'");
@@ -710,7 +720,7 @@ int run(int argc, char** argv) {
       {"import", {"--llmc", "--llama2c", "--out", "--set"}},
       {"checkpoints", {"--dir", "--verify"}},
       {"report", {"--dir", "--out"}},
-      {"simulate", {"--config", "--set", "--cluster", "--nodes", "--layer-costs", "--tensor", "--recompute", "--trace", "--json"}},
+      {"simulate", {"--config", "--set", "--cluster", "--nodes", "--layer-costs", "--tensor", "--recompute", "--trace", "--json", "--probe"}},
       {"schedule", {"--config", "--set", "--trace", "--width", "--layer-costs", "--json", "--partitioner", "--decisions",
                     "--stage-memory-mib", "--start-cut"}},
   };

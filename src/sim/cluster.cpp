@@ -8,6 +8,7 @@
 #include <variant>
 #include <vector>
 
+#include "comm/codec.h"
 #include "core/error.h"
 #include "core/fileio.h"
 #include "core/toml_util.h"
@@ -40,7 +41,7 @@ Key text(const char* section, const char* name, std::string* target, bool requir
 }
 
 std::vector<Key> keys(Cluster& c) {
-  return {
+  std::vector<Key> out = {
       text("cluster", "name", &c.name, false, {}),
       num("cluster", "nodes", &c.nodes, true, 1, 1e6, false),
       num("cluster", "devices_per_node", &c.devices_per_node, true, 1, 1024, false),
@@ -69,6 +70,13 @@ std::vector<Key> keys(Cluster& c) {
       num("reliability", "checkpoint_every_minutes", &c.reliability.checkpoint_every_minutes, false, 0, 1e6, false),
       num("reliability", "restart_minutes", &c.reliability.restart_minutes, false, 0, 1e6, false),
   };
+  // codecs.<name>_encode / codecs.<name>_decode for every lossy codec (names as sync.codec spells them).
+  for (int k = 1; k < 7; ++k) {
+    const std::string name = codec_name(static_cast<CodecKind>(k));
+    out.push_back(num("codecs", (name + "_encode").c_str(), &c.codecs.encode_gbps[k], false, 0, 1e6, false));
+    out.push_back(num("codecs", (name + "_decode").c_str(), &c.codecs.decode_gbps[k], false, 0, 1e6, false));
+  }
+  return out;
 }
 
 std::string number(double x) {
@@ -102,7 +110,7 @@ Cluster Cluster::parse(const std::string& toml_text, const std::string& what) {
     const std::string section(section_key.str());
     check(section_node.is_table() && sections.count(section) > 0,
           what + ": unknown section '" + section + "' (expected cluster, device, host, intra, network, variability, "
-                 "reliability)");
+                 "reliability, codecs)");
     for (auto&& [key, node] : *section_node.as_table()) {
       const std::string full = section + "." + std::string(key.str());
       const auto it = by_name.find(full);

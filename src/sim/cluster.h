@@ -53,6 +53,15 @@ struct Reliability {
   double restart_minutes = 0;           // detection + restart + reload (default 0)
 };
 
+// Throughput of Keel's gradient codecs (HybridGC) on the device, GB/s of float32 input: `encode`
+// is an encoding with error feedback (encode, then decode into the residual), `decode` one
+// decode-add. Indexed by CodecKind; 0 = not given: the codec's compute is not costed (default 0).
+// `keel simulate --probe-codecs yes` measures them on the machine it runs on.
+struct CodecRates {
+  double encode_gbps[7] = {0, 0, 0, 0, 0, 0, 0};
+  double decode_gbps[7] = {0, 0, 0, 0, 0, 0, 0};
+};
+
 struct Cluster {
   std::string name;
   int nodes = 0;
@@ -63,6 +72,7 @@ struct Cluster {
   Network network;
   Variability variability;
   Reliability reliability;
+  CodecRates codecs;
 
   int devices() const { return nodes * devices_per_node; }
   // Reads and validates `path`; throws keel::Error naming the file and the key.

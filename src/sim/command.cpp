@@ -24,10 +24,10 @@ void print_text(const Config& config, const Cluster& cluster, const StepPredicti
               p.data, p.pipeline, p.tensor, config.parallel.zero, config.parallel.schedule.c_str(), p.micro_batches,
               p.micro_batch, p.cut.empty() ? "(one stage)" : p.cut.c_str());
   std::printf("step %.1f ms: compute %.1f, bubble %.1f (%.1f %%), tensor comm %.1f (inside compute), pipeline messages "
-              "%.1f, data-parallel sync %.1f (%.0f %% of float32 bytes on the wire) of which %.1f exposed, optimizer %.1f, "
+              "%.1f, data-parallel sync %.1f on the wire (%.0f %% of float32's bytes) + %.1f codecs, %.1f exposed, optimizer %.1f, "
               "slowest device +%.1f\n",
               p.step_ms, p.compute_ms, p.bubble_ms, 100 * p.bubble, p.tensor_comm_ms, p.pipeline_comm_ms, p.sync_ms,
-              100 * p.sync_wire_ratio, p.sync_exposed_ms, p.optimizer_ms, p.variability_ms);
+              100 * p.sync_wire_ratio, p.sync_codec_ms, p.sync_exposed_ms, p.optimizer_ms, p.variability_ms);
   std::printf("throughput: %.1f samples/s, %.0f tokens/s, %.1f model TFLOP/s per device, MFU %.1f %%%s\n",
               p.samples_per_s, p.tokens_per_s, p.model_tflops_per_device, 100 * p.mfu,
               p.goodput < 1 ? (", goodput " + std::to_string(static_cast<int>(100 * p.goodput + 0.5)) + " % after failures").c_str() : "");
@@ -61,7 +61,7 @@ int simulate_command(const SimulateOptions& o) {
         {"micro_batches", p.micro_batches}, {"micro_batch", p.micro_batch}, {"sequences", p.sequences},
         {"cut", p.cut}, {"step_ms", p.step_ms}, {"span_ms", p.span_ms}, {"compute_ms", p.compute_ms},
         {"bubble_ms", p.bubble_ms}, {"bubble", p.bubble}, {"tensor_comm_ms", p.tensor_comm_ms},
-        {"pipeline_comm_ms", p.pipeline_comm_ms}, {"sync_ms", p.sync_ms}, {"sync_exposed_ms", p.sync_exposed_ms}, {"sync_wire_ratio", p.sync_wire_ratio},
+        {"pipeline_comm_ms", p.pipeline_comm_ms}, {"sync_ms", p.sync_ms}, {"sync_codec_ms", p.sync_codec_ms}, {"sync_exposed_ms", p.sync_exposed_ms}, {"sync_wire_ratio", p.sync_wire_ratio},
         {"optimizer_ms", p.optimizer_ms}, {"variability_ms", p.variability_ms}, {"samples_per_s", p.samples_per_s},
         {"tokens_per_s", p.tokens_per_s}, {"model_tflops_per_device", p.model_tflops_per_device}, {"mfu", p.mfu},
         {"goodput", p.goodput},

@@ -16,6 +16,10 @@ namespace keel::sim {
 namespace {
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+// Values per token a block's elementwise work (norms, activation, residual adds, biases) reads and
+// writes in its forward, in units of the model width: two norms 4, the activation 8, two residual
+// adds 6, biases 18 (qkv, projections, the MLP's two). Its backward moves twice that.
+constexpr double kElementwiseValues = 36;
 
 // Milliseconds of a ring all-reduce of `bytes` over `ranks` (each sends and receives 2 (n-1)/n of
 // it, in 2 (n-1) latency-bound rounds); `fraction` 0.5 for a reduce-scatter or an all-gather alone.
@@ -28,24 +32,82 @@ double ring_ms(double bytes, int ranks, double gbps, double latency_us, double f
 // The expected largest of n draws of a unit normal (a bound good from n of a few on).
 double expected_max_normal(int n) { return n <= 1 ? 0.0 : std::sqrt(2.0 * std::log(static_cast<double>(n))); }
 
-// Bytes on the wire over float32 bytes for the gradients of `ranges` under sync.* (HybridGC): each
-// chunk's codec from Keel's policy (comm/sync_policy.h), its encoded size from the codec itself.
-double wire_ratio(const Config& config, const std::vector<LayerRange>& ranges) {
-  if (!sync_compressed(config.sync)) return 1.0;
-  // A registry of the rank's tensors (nothing allocated); chunks of at least 64 MiB keep a large
-  // model's count of them small (a codec's size is linear in its elements but for a header).
-  ChunkStore registry(std::max<int64_t>(config.store.chunk_bytes, int64_t{64} << 20));
+// One rank's data-parallel sync of the gradients of `ranges` (float32, divided over `tp` tensor
+// ranks) among `ranks` replicas over a link of `gbps` GB/s and `latency_us`: milliseconds on the
+// wire, the codecs' compute, and bytes sent against float32 bytes. Buckets and codecs as Keel's
+// GradSync cuts them: plain buckets by MPI's all-reduce (a ring; ZeRO: reduce-scatter, then the
+// parameters' all-gather), compressed ones (HybridGC, sync.codec) by CompressedAllreduce in its
+// two shapes: two-phase sends 2 (N-1)/N of each encoding and encodes (1 + 1/N) and decodes 2
+// buffers' worth; gather sends (N-1) encodings, encodes one and decodes N.
+struct SyncCost {
+  double ms = 0, codec_ms = 0, raw_bytes = 0, wire_bytes = 0;
+};
+
+SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, int tp, int ranks, double gbps,
+                   double latency_us, const CodecRates& rates) {
+  SyncCost out;
+  if (ranks <= 1) return out;
+  const double n = ranks;
+  const int64_t bucket = std::max<int64_t>(config.parallel.bucket_bytes, 1);
+  // A registry of the rank's tensors (nothing allocated), in the config's chunks; a large model's
+  // at no fewer bytes than give 4,096 of them (codec sizes are linear in elements but a header).
+  const bool compressed = sync_compressed(config.sync);
+  double bytes = 0;
+  const std::vector<double> params = layer_params(config.model);
+  for (const LayerRange& r : ranges) {
+    for (int i = r.first; i <= r.last; ++i) bytes += params[static_cast<size_t>(i)] * sizeof(float);
+  }
+  ChunkStore registry(std::max<int64_t>(config.store.chunk_bytes, static_cast<int64_t>(bytes / 4096) / 4096 * 4096));
   const GPT model(config.model, registry, ranges);
   registry.finalize_layout();
-  const std::vector<CodecParams> codecs = sync_chunk_codecs(config.sync, config.model.n_layer, registry);
-  double raw = 0, wire = 0;
+  const std::vector<CodecParams> codecs =
+      compressed ? sync_chunk_codecs(config.sync, config.model.n_layer, registry) : std::vector<CodecParams>{};
+  double plain = 0;
+  // GradSync's buckets: consecutive chunks of one layer and codec, up to bucket_bytes each.
+  double run_bytes = 0;
+  int run_layer = -1;
+  CodecKind run_kind = CodecKind::none;
+  double buckets = 0, plain_buckets = 0;
+  auto close_run = [&] {
+    if (run_bytes <= 0) return;
+    (run_kind == CodecKind::none ? plain_buckets : buckets) += std::ceil(run_bytes * tp / static_cast<double>(bucket));
+    run_bytes = 0;
+  };
   for (const Chunk& c : registry.chunks()) {
-    const double bytes = static_cast<double>(c.numel) * sizeof(float);
-    raw += bytes;
-    const CodecParams& p = codecs[static_cast<size_t>(c.id)];
-    wire += p.kind == CodecKind::none ? bytes : static_cast<double>(Codec::make(p)->max_encoded_bytes(static_cast<size_t>(c.numel)));
+    const double raw = static_cast<double>(c.numel) * sizeof(float) / tp;
+    out.raw_bytes += raw;
+    const CodecParams p = compressed ? codecs[static_cast<size_t>(c.id)] : CodecParams{};
+    if (compressed ? (c.layer != run_layer || p.kind != run_kind) : false) close_run();
+    run_layer = c.layer, run_kind = p.kind, run_bytes += raw;
+    if (p.kind == CodecKind::none) {
+      plain += raw;
+      continue;
+    }
+    const std::unique_ptr<Codec> codec = Codec::make(p);
+    const double encoded = static_cast<double>(codec->max_encoded_bytes(static_cast<size_t>(c.numel))) / tp;
+    const bool sparse = codec->data_dependent_positions() || p.kind == CodecKind::randk ||
+                        (p.kind == CodecKind::sign1 && p.keep < 1.0);
+    const bool two_phase = !sparse && (config.sync.shape == "two-phase" || (config.sync.shape == "auto" && ranks > 2));
+    const double sent = two_phase ? 2 * (n - 1) / n * encoded : (n - 1) * encoded;
+    out.wire_bytes += sent;
+    const int k = static_cast<int>(p.kind);
+    const double enc = rates.encode_gbps[k], dec = rates.decode_gbps[k];
+    const double encoded_share = two_phase ? 1 + 1 / n : 1.0, decoded_share = two_phase ? 2.0 : n;
+    if (enc > 0) out.codec_ms += encoded_share * raw / (enc * 1e9) * 1e3;
+    if (dec > 0) out.codec_ms += decoded_share * raw / (dec * 1e9) * 1e3;
+    out.ms += sent / (gbps * 1e9) * 1e3;
   }
-  return raw > 0 ? wire / raw : 1.0;
+  close_run();
+  // Each bucket's collective pays its rounds' latency: 2 (N-1) for a ring (two-phase and the
+  // all-gather of gather alike, within a factor 2 for the latter).
+  out.ms += (buckets + plain_buckets) * 2 * (n - 1) * latency_us * 1e-3;
+  if (plain > 0) {
+    // ZeRO-1/2: the gradients' reduce-scatter, then an all-gather of the updated parameters
+    // (half a ring each); ZeRO-0: the all-reduce. Bytes alike.
+    out.ms += 2 * (n - 1) / n * plain / (gbps * 1e9) * 1e3;
+    out.wire_bytes += 2 * (n - 1) / n * plain;
+  }
+  return out;
 }
 
 }  // namespace
@@ -111,6 +173,10 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
       } else {
         const double ms = flops[i] * tokens / TP / rate * 1e3;
         f += ms, b += ms, w += ms;
+        if (i >= 1 && i <= m.n_layer) {  // a block's elementwise passes, bound by device memory
+          const double pass = kElementwiseValues * m.n_embd * tokens * act_bytes / TP / (cluster.device.hbm_gbps * 1e9) * 1e3;
+          f += pass, b += 2 * pass;
+        }
       }
       blocks += i >= 1 && i <= m.n_layer;
     }
@@ -149,19 +215,21 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   for (size_t s = 0; s < stages.size(); ++s) {
     if (schedule.stage_rank[s] == most_rank) heaviest.push_back(stages[s]);
   }
-  r.sync_wire_ratio = wire_ratio(config, heaviest);
-  const double grad_bytes = most * 4 * r.sync_wire_ratio;  // Keel's gradient plane is float32; HybridGC encodes it
-  r.sync_ms = par.zero > 0 ? ring_ms(grad_bytes, D, dp_gbps, dp_lat, 0.5) + ring_ms(most * 4, D, dp_gbps, dp_lat, 0.5)
-                           : ring_ms(grad_bytes, D, dp_gbps, dp_lat);
-  // AdamW: parameter, gradient, two moments read; parameter and moments written (float32).
+  const SyncCost sync = sync_cost(config, heaviest, TP, D, dp_gbps, dp_lat, cluster.codecs);
+  r.sync_wire_ratio = sync.raw_bytes > 0 && D > 1 ? sync.wire_bytes / (2 * (D - 1.0) / D * sync.raw_bytes) : 1.0;
+  r.sync_ms = sync.ms;
+  r.sync_codec_ms = sync.codec_ms;
+  // AdamW: parameter, gradient, two moments read; parameter, moments and the zeroed gradient
+  // written; the clipping norm's read of the gradient before it (float32).
   const double shard = par.zero > 0 ? 1.0 / D : 1.0;
-  r.optimizer_ms = most * shard * 28 / (cluster.device.hbm_gbps * 1e9) * 1e3;
+  r.optimizer_ms = most * shard * 36 / (cluster.device.hbm_gbps * 1e9) * 1e3;
   // The last micro-batch's backward on that rank hides the sync's start.
   double window = 0;
   for (size_t s = 0; s < stages.size(); ++s) {
     if (schedule.stage_rank[s] == most_rank) window += costs.backward_input[s] + costs.backward_weight[s];
   }
-  r.sync_exposed_ms = std::max(0.0, r.sync_ms - window);
+  // The codecs run on the training thread: never hidden.
+  r.sync_exposed_ms = std::max(0.0, r.sync_ms - window) + r.sync_codec_ms;
   costs.grad_sync = r.sync_exposed_ms;
   costs.optimizer = r.optimizer_ms;
   r.timeline = pipeline::simulate(schedule, costs);
@@ -206,8 +274,18 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   r.memory.grads_gib = most * 4 * (par.zero >= 2 ? 1.0 / D : 1.0) / kGiB;
   r.memory.optimizer_gib = most * 8 * shard / kGiB;
   const pipeline::Plan plan = pipeline::plan(config, stages, r.micro_batches);
-  const int64_t in_flight = *std::max_element(plan.check.peak_bytes.begin(), plan.check.peak_bytes.end());
-  r.memory.activations_gib = static_cast<double>(in_flight) / TP / kGiB;
+  double in_flight = static_cast<double>(*std::max_element(plan.check.peak_bytes.begin(), plan.check.peak_bytes.end()));
+  if (layout.recompute) {
+    // Recomputation keeps each block's input per micro-batch in flight, and one block's full
+    // working set while it recomputes and runs backward.
+    int most_blocks = 0, most_in_flight = 0;
+    for (const LayerRange& s : stages) most_blocks = std::max(most_blocks, std::min(s.last, m.n_layer) - std::max(s.first, 1) + 1);
+    for (int k : plan.check.peak_in_flight) most_in_flight = std::max(most_in_flight, k);
+    const LayerRange one_block{1, 1};
+    in_flight = static_cast<double>(most_in_flight) * most_blocks * tokens * m.n_embd * sizeof(float) +
+                static_cast<double>(GPT::slot_bytes_for(m, one_block, r.micro_batch, T));
+  }
+  r.memory.activations_gib = in_flight / TP / kGiB;
   r.fits = r.memory.total_gib() <= cluster.device.memory_gib;
   return r;
 }

@@ -11,7 +11,8 @@
 //  * Compute: each layer's forward FLOPs per token (pipeline/layout.h layer_costs, the FLOP model
 //    the static partitioner cuts by), at the device's peak for the run's precision times its
 //    matmul_efficiency; B and W each cost what F does (Keel's split of backward), plus one more
-//    F with activation recomputation. Or each layer's F, B, W as a Keel run measured them
+//    F with activation recomputation; each block's elementwise work (36 values of the width per
+//    token in F, twice that in B) at the device's memory bandwidth. Or each layer's F, B, W as a Keel run measured them
 //    (SimLayout::layer_costs), for a cluster of the machine that measured them.
 //  * The pipeline: Keel's schedule (pipeline/schedule.h make_schedule) replayed by Keel's schedule
 //    simulator on those stage costs, a message between stages costing its bytes over the link
@@ -27,9 +28,11 @@
 //  * Memory per device: Keel's planes (float32 parameters and gradients, AdamW moments; ZeRO
 //    shards), activations in flight as Keel lays them out (GPT::slot_bytes_for times the
 //    schedule's proven peak in flight), each divided over the tensor group.
-//  * Compressed sync (sync.codec, HybridGC): each chunk's codec by Keel's policy and its encoded
-//    size by the codec itself shrink the sync's bytes (sync_wire_ratio); the codecs' own compute
-//    is not costed (it was measured on CPUs only), nor the uncompressed warm-up steps.
+//  * Compressed sync (sync.codec, HybridGC): each chunk's codec by Keel's policy, its encoded size
+//    by the codec itself, and CompressedAllreduce's shape (two-phase or gather) give the bytes
+//    sent (sync_wire_ratio); the codecs' compute at the cluster file's [codecs] rates (measured
+//    by `keel simulate --probe yes`; not costed where the file gives none) runs on the training
+//    thread, never hidden. The uncompressed warm-up steps are not modelled.
 // Not modelled yet: memory tiers (a layout that does not fit device memory is an error),
 // checkpoint write traffic.
 #pragma once
@@ -67,9 +70,9 @@ struct StepPrediction {
   // bubble: the rest of the pipeline's span; tensor / pipeline comm are inside F and B and the
   // span; sync: the data-parallel sync left exposed after overlap).
   double step_ms = 0, span_ms = 0, compute_ms = 0, bubble_ms = 0, tensor_comm_ms = 0, pipeline_comm_ms = 0;
-  double sync_ms = 0, sync_exposed_ms = 0, optimizer_ms = 0, variability_ms = 0;
+  double sync_ms = 0, sync_codec_ms = 0, sync_exposed_ms = 0, optimizer_ms = 0, variability_ms = 0;
   double bubble = 0;              // the schedule's idle share
-  double sync_wire_ratio = 1;     // bytes on the wire over float32 gradient bytes (HybridGC's codecs)
+  double sync_wire_ratio = 1;     // bytes sent over what a ring all-reduce of float32 gradients sends (HybridGC)
   double samples_per_s = 0, tokens_per_s = 0;
   double model_tflops_per_device = 0;  // model FLOPs (3 x forward, no recomputation) per second per device
   double mfu = 0;                 // of the device peak at the run's precision

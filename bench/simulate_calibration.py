@@ -1,0 +1,415 @@
+#!/usr/bin/env python3
+"""`keel simulate` calibrated on this machine: every local configuration run for real and predicted,
+side by side, with the error of each prediction (target: within 10 %).
+
+The job: model d4 (L4 C256 H4, vocabulary 8192, ~5.3M parameters: 21 MB of float32 gradients),
+random tokens, 4 micro-batches of 2 sequences of 128 tokens per replica and step, 1 thread per rank.
+Ranks run as hosts in network namespaces joined by veth pairs through a bridge (scripts/netns.sh),
+real TCP between them, on two links:
+  unshaped  the veth links as they are
+  shaped    tbf at --rate (default 1gbit) each way
+Configurations: 1 rank; 2 and 4 ranks on each link with ZeRO 0, 1 and 2, HybridGC (sync.codec=hybrid,
+no uncompressed warm-up), a 2-stage pipeline (1f1b; on 4 ranks 2 replicas of it).
+
+What the simulator is given, all measured here before or beside the runs, none fitted to them:
+  * per-layer F, B, W: the layer_costs line of one profiling run per rank count (the ZeRO-0,
+    uncompressed run on the unshaped link: ranks that share this machine's cores slow each other,
+    so a "device" here is a rank at that count); every other configuration at that count is
+    predicted from it;
+  * the link: bench/collective_probe.cpp across the namespaces at each rank count: GradSync's
+    bucketed all-reduce of the model's gradient bytes through Keel's communicator, as the
+    bandwidth a ring would need for its time (OpenMPI's algorithm on TCP is not a ring: this is
+    what the collective reaches), and a one-float all-reduce for the latency; a TCP stream and
+    round trip between two namespaces are printed beside it;
+  * the device's memory bandwidth (AdamW's traffic) and the codecs' throughput: `keel simulate
+    --probe yes` (a streaming triad and Keel's own codecs, one thread, on this machine), times
+    min(1, cores / ranks): ranks beyond the cores share them.
+These go into a cluster file per link (written beside the results), and `keel simulate --json yes`
+predicts each configuration's step. Measured: the median step time over the timed steps of
+--repeats runs. Exit status 0 whatever the errors; non-zero only when a run fails.
+
+Usage: bench/simulate_calibration.py [--steps N] [--warmup N] [--repeats R] [--rate R] [--only LIST]
+                                     [--out FILE] [--report FILE]
+  --steps N     timed steps per run (default 8), after --warmup N untimed (default 3)
+  --repeats R   runs of each configuration (default 2), alternating
+  --only LIST   configurations by name (default all; see the table)
+  --out FILE    also write every result as a JSON line; --report FILE prints the table from one
+Environment: KEEL (default build/keel), RUN_TIMEOUT (seconds per run, default 900). Needs root and
+iproute2.
+"""
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchutil import write_tokens
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEEL = os.environ.get("KEEL", os.path.join(ROOT, "build", "keel"))
+NETNS = os.path.join(ROOT, "scripts", "netns.sh")
+RUN_TIMEOUT = int(os.environ.get("RUN_TIMEOUT", "900"))
+TARGET = 0.10
+D4_PARAMETERS = 5322240  # model d4's parameters (its run event says so)
+
+JOB = ["model.preset=d4", "train.batch_size=2", "train.grad_accum=4", "train.seq_len=128", "train.eval_batches=1",
+       "train.eval_every=0", "train.sample_tokens=0", "train.checkpoint_every=0", "train.log_every=1",
+       "runtime.threads=1", "sync.warmup_steps=0", "data.tokenizer="]
+
+# name, ranks, link, settings beyond JOB
+CONFIGS = [("1 rank", 1, "none", [])]
+for _r in (2, 4):
+    for _link in ("unshaped", "shaped"):
+        CONFIGS += [
+            ("%dr %s zero0" % (_r, _link), _r, _link, []),
+            ("%dr %s zero1" % (_r, _link), _r, _link, ["parallel.zero=1"]),
+            ("%dr %s zero2" % (_r, _link), _r, _link, ["parallel.zero=2"]),
+            ("%dr %s hybrid" % (_r, _link), _r, _link, ["sync.codec=hybrid"]),
+            ("%dr %s pipeline2" % (_r, _link), _r, _link, ["parallel.pipeline=2", "parallel.schedule=1f1b"]),
+        ]
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def profile_of(ranks):
+    """The configuration whose layer costs stand for every configuration at this rank count."""
+    return "1 rank" if ranks == 1 else "%dr unshaped zero0" % ranks
+
+
+def netns(prefix, *args, check=True):
+    env = dict(os.environ, KEEL_NETNS_PREFIX=prefix, KEEL_BINARY=KEEL)
+    p = subprocess.run(["bash", NETNS] + list(args), env=env, capture_output=True, text=True)
+    if check and p.returncode != 0:
+        sys.exit("simulate_calibration.py: netns.sh %s failed: %s" % (" ".join(args), p.stderr.strip()))
+    return p
+
+
+def netns_subnet(prefix):
+    state = os.environ.get("KEEL_NETNS_STATE", "/tmp/keel-netns-" + prefix)
+    for line in open(os.path.join(state, "settings")):
+        if line.startswith("NS_SUBNET="):
+            return line.split("=", 1)[1].strip().strip("'\"")
+    sys.exit("simulate_calibration.py: no NS_SUBNET in %s/settings" % state)
+
+
+# A TCP stream and a ping-pong between namespace 0 (server) and 1 (client), in Python sockets.
+SERVER = r"""
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); print("ready", flush=True)
+c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+for _ in range(200):                       # ping-pong: echo 8 bytes
+    b = b""
+    while len(b) < 8: b += c.recv(8 - len(b))
+    c.sendall(b)
+total = 0
+while True:                                # stream: count until closed, then answer
+    b = c.recv(1 << 20)
+    if not b or b.endswith(b"END!"): total += len(b); break
+    total += len(b)
+c.sendall(b"%d" % total); c.close()
+"""
+CLIENT = r"""
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2]))); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+rtts = []
+for _ in range(200):
+    t = time.perf_counter(); c.sendall(b"12345678"); b = b""
+    while len(b) < 8: b += c.recv(8 - len(b))
+    rtts.append(time.perf_counter() - t)
+rtts.sort()
+chunk = b"x" * (1 << 20); n = int(sys.argv[3]) << 20
+t = time.perf_counter(); sent = 0
+while sent < n: c.sendall(chunk); sent += len(chunk)
+c.sendall(b"END!"); c.shutdown(socket.SHUT_WR); c.recv(64)
+dt = time.perf_counter() - t
+print(rtts[len(rtts) // 2] * 1e6, sent * 8 / dt / 1e9)
+"""
+
+
+def measure_link(prefix, mb):
+    """Median round trip (us) and stream throughput (Gbit/s) from namespace 1 to namespace 0."""
+    subnet = netns_subnet(prefix)
+    host = subnet + ".1"
+    srv = subprocess.Popen(["ip", "netns", "exec", prefix + "0", sys.executable, "-c", SERVER, host, "47731"],
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        srv.stdout.readline()
+        out = subprocess.run(["ip", "netns", "exec", prefix + "1", sys.executable, "-c", CLIENT, host, "47731", str(mb)],
+                             capture_output=True, text=True, timeout=300)
+        if out.returncode != 0:
+            sys.exit("simulate_calibration.py: link measurement failed: " + out.stderr.strip())
+        rtt_us, gbit = map(float, out.stdout.split())
+    finally:
+        srv.wait(timeout=60)
+    return rtt_us, gbit
+
+
+def probe():
+    """`keel simulate --probe yes`: this machine's memory bandwidth and codec rates (one thread), as
+    (hbm_gbps, the [codecs] lines)."""
+    p = subprocess.run([KEEL, "simulate", "--probe", "yes"], capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit("simulate_calibration.py: keel simulate --probe yes: " + p.stderr.strip())
+    hbm, codecs, in_codecs = None, [], False
+    for line in p.stdout.splitlines():
+        if line.startswith("[codecs]"):
+            in_codecs = True
+        elif line.startswith("hbm_gbps"):
+            hbm = float(line.split("=")[1].split("#")[0])
+        elif in_codecs and "=" in line:
+            codecs.append(line)
+    return hbm, "\n".join(codecs)
+
+
+PROBE = os.environ.get("KEEL_COLLECTIVE_PROBE", os.path.join(os.path.dirname(KEEL), "bench", "keel_collective_probe"))
+
+
+def collective(prefix, ranks, nbytes):
+    """bench/collective_probe.cpp across `ranks` namespaces: GradSync's bucketed all-reduce of
+    `nbytes`, as the JSON line it prints."""
+    env = dict(os.environ, KEEL_NETNS_PREFIX=prefix, KEEL_BINARY=KEEL, OMP_NUM_THREADS="1")
+    p = subprocess.run(["bash", NETNS, "run", "--mpirun", "-n", str(ranks), "--", PROBE, str(nbytes)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
+    if p.returncode != 0 or not lines:
+        sys.exit("simulate_calibration.py: collective probe on %d ranks failed: %s" % (ranks, (p.stdout + p.stderr)[-2000:]))
+    return json.loads(lines[-1])
+
+
+def run_keel(args, log_path, env_extra=None, prefix=None):
+    env = dict(os.environ)
+    for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_WAIT_POLICY"):
+        env.pop(k, None)
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(env_extra or {})
+    cmd = (prefix or [KEEL]) + args
+    with open(log_path, "w") as out:
+        try:
+            rc = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, timeout=RUN_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    if rc != 0:
+        tail = open(log_path).read()[-2000:]
+        sys.exit("simulate_calibration.py: run failed (%s): %s\n%s" % (rc, " ".join(cmd), tail))
+
+
+def sets(items):
+    out = []
+    for s in items:
+        out += ["--set", s]
+    return out
+
+
+def train_run(work, cfg, rep, prefixes, tokens, warmup, steps):
+    name, ranks, link, extra = cfg
+    run_dir = os.path.join(work, "%s-%d" % (name.replace(" ", "_"), rep))
+    items = JOB + extra + ["data.train=" + tokens, "data.val=" + tokens, "train.steps=%d" % (warmup + steps),
+                           "train.run_dir=" + run_dir, "monitor.layer_costs_every=%d" % (warmup + steps)]
+    log("  %-22s rep %d ..." % (name, rep))
+    if ranks == 1:
+        run_keel(["train"] + sets(items), run_dir + ".log")
+    else:
+        prefix = prefixes[link]
+        run_keel(["train"] + sets(items), run_dir + ".log", env_extra={"KEEL_NETNS_PREFIX": prefix, "KEEL_BINARY": KEEL},
+                 prefix=["bash", NETNS, "run", "-n", str(ranks), "--"])
+    steps_seen, costs, peak = [], None, None
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            j = json.loads(line)
+            if j.get("event") == "run":
+                peak = j.get("peak_gflops")
+            elif j.get("event") == "layer_costs":
+                costs = j
+            elif "loss" in j and j["step"] > warmup:
+                steps_seen.append(j)
+    costs_path = run_dir + ".layer_costs.json"
+    with open(costs_path, "w") as f:
+        json.dump(costs["layer_costs"], f)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {"name": name, "rep": rep, "ms": [s["ms"] for s in steps_seen], "costs": costs_path, "peak_gflops": peak,
+            "sync_exposed_ms": statistics.median([s.get("sync_exposed_ms", 0.0) for s in steps_seen])}
+
+
+CLUSTER = """# This machine as `keel simulate` sees it (written by bench/simulate_calibration.py): every rank a
+# host in its own network namespace (one device per node), the link between them as measured.
+[cluster]
+name = "local-{link}"
+nodes = {nodes}
+devices_per_node = 1
+
+[device]
+name = "1 CPU thread"
+tflops_bf16 = {tflops}
+tflops_fp32 = {tflops}        # the run's peak (MFU); layer costs come measured
+memory_gib = 20
+hbm_gbps = {mem:.2f}           # keel simulate --probe yes: a streaming triad, one thread
+matmul_efficiency = 0.5
+
+[host]
+memory_gib = 24
+pcie_gbps = {mem:.2f}
+
+[intra]
+kind = "pcie"
+gbps = {mem:.2f}
+latency_us = 1
+
+[network]
+gbit = {gbit:.4f}             # bench/collective_probe.cpp: GradSync's all-reduce as a ring's bandwidth
+nics_per_node = 1
+latency_us = {lat:.2f}          # ... a one-float all-reduce over its 2 (n-1) rounds
+topology = "fat-tree"
+
+[codecs]
+{codecs}
+"""
+
+
+def predict(work, cfg, cluster_path, costs_path):
+    name, ranks, link, extra = cfg
+    items = JOB + extra
+    cmd = [KEEL, "simulate", "--cluster", cluster_path, "--nodes", str(ranks), "--layer-costs", costs_path,
+           "--json", "yes"] + sets(items)
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if p.returncode != 0:
+        sys.exit("simulate_calibration.py: %s: %s" % (" ".join(cmd), (p.stdout + p.stderr).strip()[-2000:]))
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def report(results):
+    runs = [r for r in results if r.get("kind") == "run"]
+    preds = {r["name"]: r for r in results if r.get("kind") == "prediction"}
+    links = {r["link"]: r for r in results if r.get("kind") == "link"}
+    print("\n== keel simulate against runs on this machine: d4, 4 x 2 x 128 tokens per replica and step, 1 thread/rank ==")
+    for name, l in sorted(links.items()):
+        print("link %-9s TCP stream %.3f Gbit/s, round trip %.0f us" % (name, l["gbit"], l["rtt_us"]))
+    for c in [r for r in results if r.get("kind") == "collective"]:
+        print("  %-9s %d ranks: all-reduce of %.1f MB in %.1f ms (a ring at %.3f Gbit/s), one float %.0f us" % (
+            c["link"], c["ranks"], c["bytes"] / 1e6, c["allreduce_ms"], c["ring_gbit"], c["small_us"]))
+    print("%-24s %10s %10s %8s %10s %10s  %s" % ("configuration", "measured", "predicted", "error", "sync exp.",
+                                                 "predicted", "costs from"))
+    worst = 0.0
+    for cfg in CONFIGS:
+        name = cfg[0]
+        ms = [m for r in runs if r["name"] == name for m in r["ms"]]
+        if not ms or name not in preds:
+            continue
+        meas = statistics.median(ms)
+        p = preds[name]
+        err = p["step_ms"] / meas - 1
+        worst = max(worst, abs(err))
+        exp_meas = statistics.median([r["sync_exposed_ms"] for r in runs if r["name"] == name])
+        print("%-24s %8.1f ms %8.1f ms %+7.1f%% %8.1f ms %8.1f ms  %s" % (
+            name, meas, p["step_ms"], 100 * err, exp_meas, p["sync_exposed_ms"], profile_of(cfg[1])))
+    print("%s: worst error %.1f %% (target within %.0f %%)" % ("PASS" if worst <= TARGET else "MISS", 100 * worst,
+                                                              100 * TARGET))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--rate", default="1gbit")
+    ap.add_argument("--only", default="")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--report", default="")
+    a = ap.parse_args()
+    if a.report:
+        report([json.loads(l) for l in open(a.report) if l.strip()])
+        return
+    if not os.access(KEEL, os.X_OK):
+        sys.exit("simulate_calibration.py: no keel binary at %s (bash scripts/build.sh, or set KEEL)" % KEEL)
+    only = set(x.strip() for x in a.only.split(",") if x.strip())
+    configs = [c for c in CONFIGS if not only or c[0] in only]
+    # Profiling runs are needed for every rank count used.
+    names = set(c[0] for c in configs)
+    for c in list(configs):
+        prof = profile_of(c[1])
+        if prof not in names:
+            configs.insert(0, next(x for x in CONFIGS if x[0] == prof))
+            names.add(prof)
+    work = tempfile.mkdtemp(prefix="keel-simcal-")
+    results = []
+    out = open(a.out, "w") if a.out else None
+
+    def keep(r):
+        results.append(r)
+        if out:
+            out.write(json.dumps(r) + "\n")
+            out.flush()
+
+    tokens = os.path.join(work, "tokens.bin")
+    write_tokens(tokens, n=1 << 19, vocab=8192)
+    pid = os.getpid() % 1000
+    prefixes = {"unshaped": "kcu%d-" % pid, "shaped": "kcs%d-" % pid}
+    try:
+        netns(prefixes["unshaped"], "up", "4")
+        netns(prefixes["shaped"], "up", "4", "--rate", a.rate)
+        mem, codec_lines = probe()
+        keep({"kind": "probe", "hbm_gbps": mem, "codecs": codec_lines})
+        grad_bytes = 4 * D4_PARAMETERS
+        for link, prefix in prefixes.items():
+            rtt, gbit = measure_link(prefix, 400 if link == "unshaped" else 100)
+            keep({"kind": "link", "link": link, "gbit": gbit, "rtt_us": rtt, "mem_gbps": mem})
+            log("link %s: TCP stream %.3f Gbit/s, round trip %.0f us" % (link, gbit, rtt))
+            for ranks in sorted(set(c[1] for c in configs if c[1] > 1)):
+                c = collective(prefix, ranks, grad_bytes)
+                c.update({"kind": "collective", "link": link})
+                keep(c)
+                log("  %d ranks: all-reduce of %.1f MB %.1f ms (a ring at %.3f Gbit/s), one float %.0f us" % (
+                    ranks, grad_bytes / 1e6, c["allreduce_ms"], c["ring_gbit"], c["small_us"]))
+        for rep in range(a.repeats):
+            for cfg in configs:
+                r = train_run(work, cfg, rep, prefixes, tokens, a.warmup, a.steps)
+                r["kind"] = "run"
+                keep(r)
+    finally:
+        netns(prefixes["unshaped"], "down", check=False)
+        netns(prefixes["shaped"], "down", check=False)
+    links = {r["link"]: r for r in results if r["kind"] == "link"}
+    peak = next(r["peak_gflops"] for r in results if r["kind"] == "run")
+    cores = os.cpu_count() or 1
+    clusters = {}
+    for cfg in configs:
+        name, ranks, link, _ = cfg
+        key = (link, ranks)
+        if key in clusters:
+            continue
+        # R ranks on this machine's cores: each gets min(1, cores / R) of a core for its codecs and
+        # its memory traffic (the layer costs were measured at that sharing already).
+        share = min(1.0, cores / float(ranks))
+        if ranks == 1:
+            gbit, lat = 100.0, 1.0  # no link is used
+        else:
+            c = next(r for r in results if r["kind"] == "collective" and r["link"] == link and r["ranks"] == ranks)
+            gbit, lat = c["ring_gbit"], c["small_us"] / (2 * (ranks - 1))
+        scaled = []
+        for line in codec_lines.splitlines():
+            k, v = line.split("=")
+            scaled.append("%s= %.3f" % (k, float(v) * share))
+        path = os.path.join(work, "local-%s-%d.toml" % (link, ranks))
+        with open(path, "w") as f:
+            f.write(CLUSTER.format(link=link, nodes=1, tflops=peak / 1e3, mem=mem * share, gbit=gbit, lat=lat,
+                                   codecs="\n".join(scaled)))
+        clusters[key] = path
+    for cfg in configs:
+        prof = profile_of(cfg[1])
+        costs = next(r["costs"] for r in results if r["kind"] == "run" and r["name"] == prof)
+        p = predict(work, cfg, clusters[(cfg[2], cfg[1])], costs)
+        p.update({"kind": "prediction", "name": cfg[0]})
+        keep(p)
+    report(results)
+    log("cluster files and layer costs: %s" % work)
+
+
+if __name__ == "__main__":
+    main()
