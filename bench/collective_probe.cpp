@@ -5,7 +5,8 @@
 // median of 200. Rank 0 prints one JSON line: ranks, bytes, allreduce_ms, small_us, and the link
 // bandwidth a ring all-reduce would need for that time (ring_gbit: 2 (n-1)/n of the bytes per
 // rank), which is what bench/simulate_calibration.py puts in a cluster file's network.gbit.
-//   mpirun -n 2 build/bench/keel_collective_probe [bytes=21299200] [bucket=8388608] [repeats=5]
+//   mpirun -n 2 build/bench/keel_collective_probe [bytes=21299200] [bucket=8388608] [repeats=5] [message=262144]
+// (message: one pipeline message's bytes, timed one way between ranks 0 and 1: message_ms)
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -39,11 +40,35 @@ int main(int argc, char** argv) {
     for (keel::Communicator::Request& q : requests) comm.wait(q);
     best = std::min(best, comm.allreduce_max(keel::ms_since(t0)));
   }
+  // A pipeline's activation message: `message` bytes from rank 0 to rank 1 and back (its gradient),
+  // each way after the other rank's reply, as a stage boundary sees them; median of 20 one-way times.
+  const size_t message = argc > 4 ? std::strtoull(argv[4], nullptr, 10) : 262144;
+  std::vector<float> msg(std::max<size_t>(1, message / sizeof(float)), 1.0f);
+  std::vector<double> one_way;
+  for (int i = 0; i < 20 && comm.size() > 1; ++i) {
+    comm.barrier();
+    const auto t0 = std::chrono::steady_clock::now();
+    if (comm.rank() == 0) {
+      keel::Communicator::Request s = comm.isend(msg.data(), msg.size(), 1, 7);
+      comm.wait(s);
+      keel::Communicator::Request r = comm.irecv(msg.data(), msg.size(), 1, 8);
+      comm.wait(r);
+      one_way.push_back(keel::ms_since(t0) / 2);
+    } else if (comm.rank() == 1) {
+      keel::Communicator::Request r = comm.irecv(msg.data(), msg.size(), 0, 7);
+      comm.wait(r);
+      keel::Communicator::Request s = comm.isend(msg.data(), msg.size(), 0, 8);
+      comm.wait(s);
+    }
+  }
+  std::sort(one_way.begin(), one_way.end());
   if (comm.is_root()) {
     const double n = comm.size();
     const double ring_gbit = 2 * (n - 1) / n * static_cast<double>(bytes) * 8 / (best * 1e-3) / 1e9;
-    std::printf("{\"ranks\": %d, \"bytes\": %zu, \"bucket\": %zu, \"allreduce_ms\": %.3f, \"small_us\": %.1f, \"ring_gbit\": %.4f}\n",
-                comm.size(), bytes, bucket, best, small[small.size() / 2], ring_gbit);
+    std::printf("{\"ranks\": %d, \"bytes\": %zu, \"bucket\": %zu, \"allreduce_ms\": %.3f, \"small_us\": %.1f, \"ring_gbit\": %.4f, "
+                "\"message_bytes\": %zu, \"message_ms\": %.3f}\n",
+                comm.size(), bytes, bucket, best, small[small.size() / 2], ring_gbit, message,
+                one_way.empty() ? 0.0 : one_way[one_way.size() / 2]);
   }
   return 0;
 }

@@ -8,14 +8,14 @@ Ranks run as hosts in network namespaces joined by veth pairs through a bridge (
 real TCP between them, on two links:
   unshaped  the veth links as they are
   shaped    tbf at --rate (default 1gbit) each way
-Configurations: 1 rank; 2 and 4 ranks on each link with ZeRO 0, 1 and 2, HybridGC (sync.codec=hybrid,
+Configurations (each predicted from a separate profiling run, below): 1 rank; 2 and 4 ranks on each link with ZeRO 0, 1 and 2, HybridGC (sync.codec=hybrid,
 no uncompressed warm-up), a 2-stage pipeline (1f1b; on 4 ranks 2 replicas of it).
 
 What the simulator is given, all measured here before or beside the runs, none fitted to them:
-  * per-layer F, B, W: the layer_costs line of one profiling run per rank count (the ZeRO-0,
-    uncompressed run on the unshaped link: ranks that share this machine's cores slow each other,
-    so a "device" here is a rank at that count); every other configuration at that count is
-    predicted from it;
+  * per-layer F, B, W: the layer_costs line of a profiling run per rank count and repeat (ZeRO-0,
+    uncompressed, unshaped, 3 x the timed steps; ranks that share this machine's cores slow each
+    other, so a "device" here is a rank at that count), run just before that count's
+    configurations: every configuration is predicted from a run other than its own;
   * the link: bench/collective_probe.cpp across the namespaces at each rank count: GradSync's
     bucketed all-reduce of the model's gradient bytes through Keel's communicator, as the
     bandwidth a ring would need for its time (OpenMPI's algorithm on TCP is not a ring: this is
@@ -24,9 +24,11 @@ What the simulator is given, all measured here before or beside the runs, none f
   * the device's memory bandwidth (AdamW's traffic) and the codecs' throughput: `keel simulate
     --probe yes` (a streaming triad and Keel's own codecs, one thread, on this machine), times
     min(1, cores / ranks): ranks beyond the cores share them.
-These go into a cluster file per link (written beside the results), and `keel simulate --json yes`
-predicts each configuration's step. Measured: the median step time over the timed steps of
---repeats runs. Exit status 0 whatever the errors; non-zero only when a run fails.
+  * the per-step overhead outside the model (data loading, loss, gradient norm, logging): each
+    profiling run's median step less what the model predicts for that run from its own costs.
+These go into a cluster file per link, rank count and repeat (written beside the results), and `keel simulate --json yes`
+predicts each configuration's step. Measured: the median over repeats of each run's median step
+time; predicted: the median over repeats of the predictions from that repeat's profile. Exit status 0 whatever the errors; non-zero only when a run fails.
 
 Usage: bench/simulate_calibration.py [--steps N] [--warmup N] [--repeats R] [--rate R] [--only LIST]
                                      [--out FILE] [--report FILE]
@@ -79,8 +81,12 @@ def log(msg):
 
 
 def profile_of(ranks):
-    """The configuration whose layer costs stand for every configuration at this rank count."""
-    return "1 rank" if ranks == 1 else "%dr unshaped zero0" % ranks
+    """The profiling run whose layer costs stand for every configuration at this rank count."""
+    return "profile %dr" % ranks
+
+
+def profile_cfg(ranks):
+    return (profile_of(ranks), ranks, "unshaped" if ranks > 1 else "none", [])
 
 
 def netns(prefix, *args, check=True):
@@ -208,11 +214,11 @@ def sets(items):
     return out
 
 
-def train_run(work, cfg, rep, prefixes, tokens, warmup, steps):
+def train_run(work, cfg, rep, prefixes, tokens, warmup, steps, every=None):
     name, ranks, link, extra = cfg
     run_dir = os.path.join(work, "%s-%d" % (name.replace(" ", "_"), rep))
     items = JOB + extra + ["data.train=" + tokens, "data.val=" + tokens, "train.steps=%d" % (warmup + steps),
-                           "train.run_dir=" + run_dir, "monitor.layer_costs_every=%d" % (warmup + steps)]
+                           "train.run_dir=" + run_dir, "monitor.layer_costs_every=%d" % (every or (warmup + steps))]
     log("  %-22s rep %d ..." % (name, rep))
     if ranks == 1:
         run_keel(["train"] + sets(items), run_dir + ".log")
@@ -252,6 +258,7 @@ tflops_fp32 = {tflops}        # the run's peak (MFU); layer costs come measured
 memory_gib = 20
 hbm_gbps = {mem:.2f}           # keel simulate --probe yes: a streaming triad, one thread
 matmul_efficiency = 0.5
+step_overhead_ms = {overhead:.2f}     # the profiling run's step beyond its prediction
 
 [host]
 memory_gib = 24
@@ -286,24 +293,30 @@ def predict(work, cfg, cluster_path, costs_path):
 
 def report(results):
     runs = [r for r in results if r.get("kind") == "run"]
-    preds = {r["name"]: r for r in results if r.get("kind") == "prediction"}
+    preds = {}
+    for r in results:
+        if r.get("kind") == "prediction":
+            preds.setdefault(r["name"], []).append(r)
     links = {r["link"]: r for r in results if r.get("kind") == "link"}
     print("\n== keel simulate against runs on this machine: d4, 4 x 2 x 128 tokens per replica and step, 1 thread/rank ==")
     for name, l in sorted(links.items()):
         print("link %-9s TCP stream %.3f Gbit/s, round trip %.0f us" % (name, l["gbit"], l["rtt_us"]))
+    for o in sorted([r for r in results if r.get("kind") == "overhead"], key=lambda r: (r["ranks"], r["rep"])):
+        print("  profile %d ranks rep %d: %.1f ms per step, %.1f predicted from its layer costs: overhead %+.1f ms" % (
+            o["ranks"], o["rep"], o["profile_ms"], o["predicted_ms"], o["ms"]))
     for c in [r for r in results if r.get("kind") == "collective"]:
         print("  %-9s %d ranks: all-reduce of %.1f MB in %.1f ms (a ring at %.3f Gbit/s), one float %.0f us" % (
             c["link"], c["ranks"], c["bytes"] / 1e6, c["allreduce_ms"], c["ring_gbit"], c["small_us"]))
     print("%-24s %10s %10s %8s %10s %10s  %s" % ("configuration", "measured", "predicted", "error", "sync exp.",
-                                                 "predicted", "costs from"))
+                                                 "predicted", "layer costs from"))
     worst = 0.0
     for cfg in CONFIGS:
         name = cfg[0]
-        ms = [m for r in runs if r["name"] == name for m in r["ms"]]
-        if not ms or name not in preds:
+        reps = [r for r in runs if r["name"] == name]
+        if not reps or name not in preds:
             continue
-        meas = statistics.median(ms)
-        p = preds[name]
+        meas = statistics.median([statistics.median(r["ms"]) for r in reps])
+        p = {k: statistics.median([x[k] for x in preds[name]]) for k in ("step_ms", "sync_exposed_ms")}
         err = p["step_ms"] / meas - 1
         worst = max(worst, abs(err))
         exp_meas = statistics.median([r["sync_exposed_ms"] for r in runs if r["name"] == name])
@@ -322,6 +335,7 @@ def main():
     ap.add_argument("--only", default="")
     ap.add_argument("--out", default="")
     ap.add_argument("--report", default="")
+    ap.add_argument("--repredict", default="")
     a = ap.parse_args()
     if a.report:
         report([json.loads(l) for l in open(a.report) if l.strip()])
@@ -330,13 +344,6 @@ def main():
         sys.exit("simulate_calibration.py: no keel binary at %s (bash scripts/build.sh, or set KEEL)" % KEEL)
     only = set(x.strip() for x in a.only.split(",") if x.strip())
     configs = [c for c in CONFIGS if not only or c[0] in only]
-    # Profiling runs are needed for every rank count used.
-    names = set(c[0] for c in configs)
-    for c in list(configs):
-        prof = profile_of(c[1])
-        if prof not in names:
-            configs.insert(0, next(x for x in CONFIGS if x[0] == prof))
-            names.add(prof)
     work = tempfile.mkdtemp(prefix="keel-simcal-")
     results = []
     out = open(a.out, "w") if a.out else None
@@ -347,66 +354,100 @@ def main():
             out.write(json.dumps(r) + "\n")
             out.flush()
 
-    tokens = os.path.join(work, "tokens.bin")
-    write_tokens(tokens, n=1 << 19, vocab=8192)
-    pid = os.getpid() % 1000
-    prefixes = {"unshaped": "kcu%d-" % pid, "shaped": "kcs%d-" % pid}
-    try:
-        netns(prefixes["unshaped"], "up", "4")
-        netns(prefixes["shaped"], "up", "4", "--rate", a.rate)
-        mem, codec_lines = probe()
-        keep({"kind": "probe", "hbm_gbps": mem, "codecs": codec_lines})
-        grad_bytes = 4 * D4_PARAMETERS
-        for link, prefix in prefixes.items():
-            rtt, gbit = measure_link(prefix, 400 if link == "unshaped" else 100)
-            keep({"kind": "link", "link": link, "gbit": gbit, "rtt_us": rtt, "mem_gbps": mem})
-            log("link %s: TCP stream %.3f Gbit/s, round trip %.0f us" % (link, gbit, rtt))
-            for ranks in sorted(set(c[1] for c in configs if c[1] > 1)):
-                c = collective(prefix, ranks, grad_bytes)
-                c.update({"kind": "collective", "link": link})
-                keep(c)
-                log("  %d ranks: all-reduce of %.1f MB %.1f ms (a ring at %.3f Gbit/s), one float %.0f us" % (
-                    ranks, grad_bytes / 1e6, c["allreduce_ms"], c["ring_gbit"], c["small_us"]))
-        for rep in range(a.repeats):
-            for cfg in configs:
-                r = train_run(work, cfg, rep, prefixes, tokens, a.warmup, a.steps)
-                r["kind"] = "run"
+    if a.repredict:
+        # The runs and probes of an earlier --out file (its work directory still holding the layer
+        # costs), predicted again by this keel.
+        for r in (json.loads(l) for l in open(a.repredict) if l.strip()):
+            if r["kind"] in ("run", "profile", "probe", "link", "collective"):
                 keep(r)
-    finally:
-        netns(prefixes["unshaped"], "down", check=False)
-        netns(prefixes["shaped"], "down", check=False)
+        probe_line = next(r for r in results if r["kind"] == "probe")
+        mem, codec_lines = probe_line["hbm_gbps"], probe_line["codecs"]
+        work = os.path.dirname(next(r["costs"] for r in results if r["kind"] == "profile"))
+        a.repeats = 1 + max(r["rep"] for r in results if r["kind"] == "profile")
+        configs = [c for c in configs if any(r["kind"] == "run" and r["name"] == c[0] for r in results)]
+    else:
+        tokens = os.path.join(work, "tokens.bin")
+        write_tokens(tokens, n=1 << 19, vocab=8192)
+        pid = os.getpid() % 1000
+        prefixes = {"unshaped": "kcu%d-" % pid, "shaped": "kcs%d-" % pid}
+        try:
+            netns(prefixes["unshaped"], "up", "4")
+            netns(prefixes["shaped"], "up", "4", "--rate", a.rate)
+            mem, codec_lines = probe()
+            keep({"kind": "probe", "hbm_gbps": mem, "codecs": codec_lines})
+            grad_bytes = 4 * D4_PARAMETERS
+            for link, prefix in prefixes.items():
+                rtt, gbit = measure_link(prefix, 400 if link == "unshaped" else 100)
+                keep({"kind": "link", "link": link, "gbit": gbit, "rtt_us": rtt, "mem_gbps": mem})
+                log("link %s: TCP stream %.3f Gbit/s, round trip %.0f us" % (link, gbit, rtt))
+                for ranks in sorted(set(c[1] for c in configs if c[1] > 1)):
+                    c = collective(prefix, ranks, grad_bytes)
+                    c.update({"kind": "collective", "link": link})
+                    keep(c)
+                    log("  %d ranks: all-reduce of %.1f MB %.1f ms (a ring at %.3f Gbit/s), one float %.0f us" % (
+                        ranks, grad_bytes / 1e6, c["allreduce_ms"], c["ring_gbit"], c["small_us"]))
+            # Each repeat: per rank count, a profiling run (ZeRO-0, uncompressed, unshaped; 3 x the
+            # timed steps, costs reported every 3 steps so that the smoothed figures forget the
+            # warm-up), then every configuration at that count, predicted from that repeat's profile.
+            for rep in range(a.repeats):
+                for ranks in sorted(set(c[1] for c in configs)):
+                    r = train_run(work, profile_cfg(ranks), rep, prefixes, tokens, a.warmup, 3 * a.steps, every=3)
+                    r["kind"] = "profile"
+                    keep(r)
+                    for cfg in [c for c in configs if c[1] == ranks]:
+                        r = train_run(work, cfg, rep, prefixes, tokens, a.warmup, a.steps)
+                        r["kind"] = "run"
+                        keep(r)
+        finally:
+            netns(prefixes["unshaped"], "down", check=False)
+            netns(prefixes["shaped"], "down", check=False)
     links = {r["link"]: r for r in results if r["kind"] == "link"}
-    peak = next(r["peak_gflops"] for r in results if r["kind"] == "run")
+    peak = next(r["peak_gflops"] for r in results if r["kind"] == "profile")
     cores = os.cpu_count() or 1
-    clusters = {}
-    for cfg in configs:
-        name, ranks, link, _ = cfg
-        key = (link, ranks)
-        if key in clusters:
-            continue
+
+    def cluster_file(link, ranks, rep, overhead, group=None):
         # R ranks on this machine's cores: each gets min(1, cores / R) of a core for its codecs and
         # its memory traffic (the layer costs were measured at that sharing already).
         share = min(1.0, cores / float(ranks))
         if ranks == 1:
             gbit, lat = 100.0, 1.0  # no link is used
         else:
-            c = next(r for r in results if r["kind"] == "collective" and r["link"] == link and r["ranks"] == ranks)
-            gbit, lat = c["ring_gbit"], c["small_us"] / (2 * (ranks - 1))
+            # The link as the collectives of a group of that many ranks see it (OpenMPI's algorithms
+            # differ with the group's size; a pipeline's data-parallel groups are smaller than the
+            # world, and its tied-embedding sum runs between 2 ranks).
+            g = group or ranks
+            c = next(r for r in results if r["kind"] == "collective" and r["link"] == link and r["ranks"] == g)
+            gbit, lat = c["ring_gbit"], c["small_us"] / (2 * (g - 1))
         scaled = []
         for line in codec_lines.splitlines():
             k, v = line.split("=")
             scaled.append("%s= %.3f" % (k, float(v) * share))
-        path = os.path.join(work, "local-%s-%d.toml" % (link, ranks))
+        path = os.path.join(work, "local-%s-%d-%d-g%d.toml" % (link, ranks, rep, group or ranks))
         with open(path, "w") as f:
             f.write(CLUSTER.format(link=link, nodes=1, tflops=peak / 1e3, mem=mem * share, gbit=gbit, lat=lat,
-                                   codecs="\n".join(scaled)))
-        clusters[key] = path
+                                   codecs="\n".join(scaled), overhead=overhead))
+        return path
+
+    # Each profiling run calibrates the per-step overhead at its rank count: its median step beyond
+    # what the model predicts for it from its own layer costs (the only figure taken from a run).
+    overheads = {}
+    for prof in [r for r in results if r["kind"] == "profile"]:
+        ranks = int(prof["name"].split()[1][:-1])
+        cfg = profile_cfg(ranks)
+        p = predict(work, cfg, cluster_file(cfg[2] if ranks > 1 else "none", ranks, prof["rep"], 0.0), prof["costs"])
+        overheads[(ranks, prof["rep"])] = statistics.median(prof["ms"]) - p["step_ms"]
+        keep({"kind": "overhead", "ranks": ranks, "rep": prof["rep"], "ms": overheads[(ranks, prof["rep"])],
+              "profile_ms": statistics.median(prof["ms"]), "predicted_ms": p["step_ms"]})
     for cfg in configs:
-        prof = profile_of(cfg[1])
-        costs = next(r["costs"] for r in results if r["kind"] == "run" and r["name"] == prof)
-        p = predict(work, cfg, clusters[(cfg[2], cfg[1])], costs)
-        p.update({"kind": "prediction", "name": cfg[0]})
-        keep(p)
+        for rep in range(a.repeats):
+            costs = next(r["costs"] for r in results if r["kind"] == "profile" and r["name"] == profile_of(cfg[1])
+                         and r["rep"] == rep)
+            pipeline = next((int(x.split("=")[1]) for x in cfg[3] if x.startswith("parallel.pipeline=")), 1)
+            group = max(2, cfg[1] // pipeline) if cfg[1] > 1 else None
+            path = cluster_file(cfg[2], cfg[1], rep, overheads[(cfg[1], rep)], group)
+            p = predict(work, cfg, path, costs)
+            p.update({"kind": "prediction", "name": cfg[0], "rep": rep})
+            keep(p)
     report(results)
     log("cluster files and layer costs: %s" % work)
 

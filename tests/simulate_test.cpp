@@ -137,6 +137,37 @@ TEST(Simulate, CodecRatesCostTheCodecs) {
   EXPECT_THROW(sim::Cluster::parse(base + "\n[codecs]\nsign1_encode = -1\n", "bad"), Error);
 }
 
+// --search ranks the layouts that fit by simulated throughput, fastest first, each with its
+// breakdown; a model no layout fits is one line and exit 2.
+TEST(Simulate, SearchRanksLayoutsThatFit) {
+  const testing::CommandResult r = testing::run_keel(
+      "simulate --cluster " + kCluster + " --nodes 1 --search yes --top 4 --json yes --set model.preset=gpt2-350m "
+      "--set runtime.precision=bf16 --set train.batch_size=8");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::vector<nlohmann::json> ranked;
+  size_t at = 0;
+  while ((at = r.output.find("{\"", at)) != std::string::npos) {
+    const size_t end = r.output.find('\n', at);
+    ranked.push_back(nlohmann::json::parse(r.output.substr(at, end - at)));
+    at = end;
+  }
+  ASSERT_EQ(ranked.size(), 4u);
+  for (size_t i = 0; i < ranked.size(); ++i) {
+    EXPECT_EQ(ranked[i].at("rank").get<int>(), static_cast<int>(i) + 1);
+    EXPECT_LE(ranked[i].at("memory_gib").get<double>(), 80.0);
+    EXPECT_EQ(ranked[i].at("tensor").get<int>() * ranked[i].at("pipeline").get<int>() * ranked[i].at("data").get<int>(), 8);
+    if (i > 0) {
+      EXPECT_LE(ranked[i].at("samples_per_s").get<double>(), ranked[i - 1].at("samples_per_s").get<double>());
+    }
+  }
+  // Too large for any layout of one node (no tiers are modelled): one line naming the need.
+  const testing::CommandResult big = testing::run_keel(
+      "simulate --cluster " + kCluster + " --nodes 1 --search yes --set model.preset=gpt2-124m --set model.n_layer=8 "
+      "--set model.n_embd=40960 --set model.n_head=64 --set train.batch_size=8");
+  EXPECT_EQ(big.exit_code, 2) << big.output;
+  EXPECT_NE(big.output.find("simulate --search: no layout of"), std::string::npos) << big.output;
+}
+
 // Measured layer costs in place of the FLOP model: one device's step is its micro-batches' F + B + W
 // as the file gives them (ms per micro-batch), and a pipeline's stages sum their layers'.
 TEST(Simulate, MeasuredLayerCostsReplaceTheFlopModel) {

@@ -105,6 +105,9 @@ commands:
             stage cut on its schedule simulator, ring collectives over the cluster's links: the
             step's breakdown, samples/s, MFU, memory per device; --trace: a Chrome trace of it;
             --layer-costs: per-layer F, B, W a run measured instead of the FLOP model.
+            --search yes [--top N]: the N fastest layouts (tensor x pipeline x data, ZeRO,
+            schedule, micro-batches, sync codec, recomputation) that fit device memory, with their
+            breakdowns, for the config's model and step.
             --probe yes: this machine's memory bandwidth and HybridGC's codec throughput (one
             thread), as cluster-file TOML, for a cluster file describing it.
   checkpoints --dir DIR [--verify yes]
@@ -574,7 +577,10 @@ int cmd_simulate(const Args& a) {
     std::printf("%s", sim::probe_machine(config.sync).c_str());
     return 0;
   }
-  const std::string recompute = a.get("--recompute", "no"), json = a.get("--json", "no");
+  const std::string recompute = a.get("--recompute", "no"), json = a.get("--json", "no"), search = a.get("--search", "no");
+  check(search == "yes" || search == "no", "simulate --search: expected yes or no, found '" + search + "'");
+  o.search = search == "yes";
+  o.top = static_cast<int>(a.get_int("--top", 5));
   check(recompute == "yes" || recompute == "no", "simulate --recompute: expected yes or no, found '" + recompute + "'");
   check(json == "yes" || json == "no", "simulate --json: expected yes or no, found '" + json + "'");
   o.recompute = recompute == "yes";
@@ -720,7 +726,7 @@ int run(int argc, char** argv) {
       {"import", {"--llmc", "--llama2c", "--out", "--set"}},
       {"checkpoints", {"--dir", "--verify"}},
       {"report", {"--dir", "--out"}},
-      {"simulate", {"--config", "--set", "--cluster", "--nodes", "--layer-costs", "--tensor", "--recompute", "--trace", "--json", "--probe"}},
+      {"simulate", {"--config", "--set", "--cluster", "--nodes", "--layer-costs", "--tensor", "--recompute", "--trace", "--json", "--probe", "--search", "--top"}},
       {"schedule", {"--config", "--set", "--trace", "--width", "--layer-costs", "--json", "--partitioner", "--decisions",
                     "--stage-memory-mib", "--start-cut"}},
   };

@@ -51,6 +51,7 @@ std::vector<Key> keys(Cluster& c) {
       num("device", "memory_gib", &c.device.memory_gib, true, 0, 1e6, true),
       num("device", "hbm_gbps", &c.device.hbm_gbps, true, 0, 1e7, true),
       num("device", "matmul_efficiency", &c.device.matmul_efficiency, true, 0, 1, true),
+      num("device", "step_overhead_ms", &c.device.step_overhead_ms, false, -1e6, 1e6, false),
       num("host", "memory_gib", &c.host.memory_gib, true, 0, 1e7, true),
       num("host", "pcie_gbps", &c.host.pcie_gbps, true, 0, 1e6, true),
       num("host", "nvme_drives", &c.host.nvme_drives, false, 0, 1024, false),

@@ -16,6 +16,10 @@ struct Device {
   double memory_gib = 0;         // device memory
   double hbm_gbps = 0;           // device memory bandwidth, GB/s
   double matmul_efficiency = 0;  // share of the peak a large product reaches (0..1]
+  // Per step, what the model leaves out (data loading, the loss, the gradient norm, logging), as a
+  // profiling run on the machine measured it: its step beyond its own prediction (negative where
+  // the run's smoothed layer costs overstate its steps). Default 0.
+  double step_overhead_ms = 0;
 };
 
 struct Host {

@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "core/fileio.h"
 #include "runtime/job_config.h"
+#include "sim/search.h"
 #include "sim/step_model.h"
 
 namespace keel::sim {
@@ -38,6 +39,47 @@ void print_text(const Config& config, const Cluster& cluster, const StepPredicti
   if (!trace.empty()) std::printf("Chrome trace of the simulated step: %s\n", trace.c_str());
 }
 
+int search_command(const SimulateOptions& o, const Config& config, const Cluster& cluster) {
+  check(o.top >= 1, "simulate --top: expected >= 1, found " + std::to_string(o.top));
+  check(o.layer_costs.empty() && o.trace.empty() && o.tensor == 1 && !o.recompute,
+        "simulate --search: searches tensor degrees and recomputation itself (no --tensor, --recompute, --layer-costs "
+        "or --trace with it)");
+  const SearchResult found = search_layouts(config, cluster);
+  const ModelConfig& m = config.model;
+  if (!o.json) {
+    std::printf("keel simulate --search: %s (L=%d C=%d V=%d, T=%d) on %s: %d nodes x %d %s = %d devices; %d layouts "
+                "tried, %d do not fit %.0f GiB (memory tiers are not modelled)\n",
+                m.preset.c_str(), m.n_layer, m.n_embd, m.vocab_size, config.train.longest_seq_len(), cluster.name.c_str(),
+                cluster.nodes, cluster.devices_per_node, cluster.device.name.c_str(), cluster.devices(), found.tried,
+                found.rejected, cluster.device.memory_gib);
+  }
+  const size_t shown = std::min(found.ranked.size(), static_cast<size_t>(o.top));
+  for (size_t i = 0; i < shown; ++i) {
+    const Candidate& c = found.ranked[i];
+    const StepPrediction& p = c.prediction;
+    if (o.json) {
+      const nlohmann::json j = {{"rank", i + 1}, {"tensor", c.tensor}, {"pipeline", c.pipeline}, {"data", p.data},
+                                {"zero", c.zero}, {"schedule", c.schedule}, {"micro_batches", c.micro_batches},
+                                {"micro_batch", p.micro_batch}, {"codec", c.codec}, {"recompute", c.recompute},
+                                {"step_ms", p.step_ms}, {"compute_ms", p.compute_ms}, {"bubble_ms", p.bubble_ms},
+                                {"sync_exposed_ms", p.sync_exposed_ms}, {"optimizer_ms", p.optimizer_ms},
+                                {"samples_per_s", p.samples_per_s}, {"mfu", p.mfu}, {"memory_gib", p.memory.total_gib()}};
+      std::printf("%s\n", j.dump().c_str());
+    } else {
+      std::printf("%zu. %.1f samples/s, MFU %.1f %%: %s\n   step %.1f ms: compute %.1f, bubble %.1f, sync exposed %.1f, "
+                  "optimizer %.1f; %.1f GiB per device\n",
+                  i + 1, p.samples_per_s, 100 * p.mfu, c.describe().c_str(), p.step_ms, p.compute_ms, p.bubble_ms,
+                  p.sync_exposed_ms, p.optimizer_ms, p.memory.total_gib());
+    }
+  }
+  std::fflush(stdout);
+  char need[200];
+  std::snprintf(need, sizeof need, "simulate --search: no layout of %d tried fits %.0f GiB per device (the least needs %.1f GiB)",
+                found.tried, cluster.device.memory_gib, found.least_gib);
+  check(!found.ranked.empty(), found.tried == 0 ? std::string("simulate --search: no layout Keel accepts for this model and cluster") : std::string(need));
+  return 0;
+}
+
 }  // namespace
 
 int simulate_command(const SimulateOptions& o) {
@@ -47,6 +89,7 @@ int simulate_command(const SimulateOptions& o) {
   if (o.nodes > 0) cluster.nodes = o.nodes;
   check(o.tensor >= 1, "simulate --tensor: expected >= 1, found " + std::to_string(o.tensor));
   Config config = Config::load(o.config, o.sets);
+  if (o.search) return search_command(o, config, cluster);
   resolve_job_config(config, cluster.devices() / o.tensor);
   const StepPrediction p = predict_step(config, cluster, SimLayout{o.tensor, o.recompute, o.layer_costs});
   if (!o.trace.empty()) {

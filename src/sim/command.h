@@ -17,6 +17,8 @@ struct SimulateOptions {
   std::string layer_costs;           // --layer-costs FILE (a run's metrics.jsonl or a costs object)
   std::string trace;                 // --trace FILE.json ("" = none)
   bool json = false;                 // --json yes
+  bool search = false;               // --search yes: rank the layouts instead (sim/search.h)
+  int top = 5;                       // --top N: how many of them to show
 };
 
 // Returns the exit status; throws keel::Error on bad input (one line, naming it).

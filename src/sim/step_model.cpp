@@ -41,11 +41,17 @@ double expected_max_normal(int n) { return n <= 1 ? 0.0 : std::sqrt(2.0 * std::l
 // buffers' worth; gather sends (N-1) encodings, encodes one and decodes N.
 struct SyncCost {
   double ms = 0, codec_ms = 0, raw_bytes = 0, wire_bytes = 0;
+  // ms's parts: each layer's collectives (index as pipeline/layout.h's layers: 0 the embedding,
+  // 1..n_layer the blocks, n_layer + 1 the head), which can start once the layer's gradient is
+  // complete; and what only runs after the optimizer (ZeRO's all-gather of parameters).
+  std::vector<double> layer_ms;
+  double after_ms = 0;
 };
 
 SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, int tp, int ranks, double gbps,
                    double latency_us, const CodecRates& rates) {
   SyncCost out;
+  out.layer_ms.assign(static_cast<size_t>(config.model.n_layer + 2), 0.0);
   if (ranks <= 1) return out;
   const double n = ranks;
   const int64_t bucket = std::max<int64_t>(config.parallel.bucket_bytes, 1);
@@ -67,10 +73,17 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
   double run_bytes = 0;
   int run_layer = -1;
   CodecKind run_kind = CodecKind::none;
-  double buckets = 0, plain_buckets = 0;
+  // Each bucket's collective pays its rounds' latency: 2 (N-1) for a ring (two-phase and the
+  // all-gather of gather alike, within a factor 2 for the latter).
+  const double round_ms = 2 * (n - 1) * latency_us * 1e-3;
+  const size_t last = out.layer_ms.size() - 1;
+  auto layer_of = [&](int chunk_layer) { return std::min(static_cast<size_t>(std::max(chunk_layer, 0)), last); };
+  const double plain_overlap = config.parallel.zero > 0 ? 0.5 : 1.0;  // ZeRO: the all-gather comes after
   auto close_run = [&] {
     if (run_bytes <= 0) return;
-    (run_kind == CodecKind::none ? plain_buckets : buckets) += std::ceil(run_bytes * tp / static_cast<double>(bucket));
+    const double lat = std::ceil(run_bytes / static_cast<double>(bucket)) * round_ms;
+    out.ms += lat;
+    out.layer_ms[layer_of(run_layer)] += lat;
     run_bytes = 0;
   };
   for (const Chunk& c : registry.chunks()) {
@@ -81,6 +94,9 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
     run_layer = c.layer, run_kind = p.kind, run_bytes += raw;
     if (p.kind == CodecKind::none) {
       plain += raw;
+      const double wire = 2 * (n - 1) / n * raw / (gbps * 1e9) * 1e3;
+      out.layer_ms[layer_of(c.layer)] += plain_overlap * wire;
+      out.after_ms += (1 - plain_overlap) * wire;
       continue;
     }
     const std::unique_ptr<Codec> codec = Codec::make(p);
@@ -96,11 +112,9 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
     if (enc > 0) out.codec_ms += encoded_share * raw / (enc * 1e9) * 1e3;
     if (dec > 0) out.codec_ms += decoded_share * raw / (dec * 1e9) * 1e3;
     out.ms += sent / (gbps * 1e9) * 1e3;
+    out.layer_ms[layer_of(c.layer)] += sent / (gbps * 1e9) * 1e3;
   }
   close_run();
-  // Each bucket's collective pays its rounds' latency: 2 (N-1) for a ring (two-phase and the
-  // all-gather of gather alike, within a factor 2 for the latter).
-  out.ms += (buckets + plain_buckets) * 2 * (n - 1) * latency_us * 1e-3;
   if (plain > 0) {
     // ZeRO-1/2: the gradients' reduce-scatter, then an all-gather of the updated parameters
     // (half a ring each); ZeRO-0: the all-reduce. Bytes alike.
@@ -164,10 +178,12 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   }
   pipeline::Costs costs;
   double tp_per_rank_max = 0;
+  std::vector<double> layer_backward(static_cast<size_t>(m.n_layer + 2), 0.0);  // B + W (+ recomputed F) per micro-batch
   for (const LayerRange& s : stages) {
     double f = 0, b = 0, w = 0;
     int blocks = 0;
     for (int i = s.first; i <= s.last; ++i) {
+      const double before = (layout.recompute ? f : 0.0) + b + w;
       if (measured.layers() > 0) {
         f += measured.forward[i] / TP, b += measured.backward_input[i] / TP, w += measured.backward_weight[i] / TP;
       } else {
@@ -178,7 +194,9 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
           f += pass, b += 2 * pass;
         }
       }
-      blocks += i >= 1 && i <= m.n_layer;
+      const bool block = i >= 1 && i <= m.n_layer;
+      blocks += block;
+      layer_backward[static_cast<size_t>(i)] = (layout.recompute ? f : 0.0) + b + w - before + (block ? (layout.recompute ? 3 : 2) * tp_ar : 0.0);
     }
     const double tp = 2 * blocks * tp_ar;  // two all-reduces per block in F, two in B
     costs.forward.push_back(f + tp);
@@ -224,12 +242,31 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   const double shard = par.zero > 0 ? 1.0 / D : 1.0;
   r.optimizer_ms = most * shard * 36 / (cluster.device.hbm_gbps * 1e9) * 1e3;
   // The last micro-batch's backward on that rank hides the sync's start.
-  double window = 0;
-  for (size_t s = 0; s < stages.size(); ++s) {
-    if (schedule.stage_rank[s] == most_rank) window += costs.backward_input[s] + costs.backward_weight[s];
+  // The last micro-batch's backward on that rank, layer by layer from the last: each layer's
+  // collectives queue on the link once its W is done (GradSync starts a bucket as soon as its
+  // chunks' gradients are complete; a tied embedding's only at the very end); what runs past the
+  // end of backward is exposed, and ZeRO's all-gather after the optimizer is exposed whole.
+  double bw_end = 0, link_free = 0;
+  for (size_t s = stages.size(); s-- > 0;) {
+    if (schedule.stage_rank[s] != most_rank) continue;
+    for (int i = stages[s].last; i >= stages[s].first; --i) {
+      bw_end += layer_backward[static_cast<size_t>(i)];
+      const double ms = sync.layer_ms[static_cast<size_t>(i)];
+      if (ms > 0) link_free = std::max(link_free, bw_end) + ms;
+    }
   }
-  // The codecs run on the training thread: never hidden.
-  r.sync_exposed_ms = std::max(0.0, r.sync_ms - window) + r.sync_codec_ms;
+  if (!m.llama() && P > 1 && schedule.stage_rank[stages.size() - 1] == most_rank) {
+    // GPT-2's head stage holds a replica of the tied embedding: its sync comes at the end.
+    link_free = std::max(link_free, bw_end) + sync.layer_ms[0];
+  }
+  r.sync_exposed_ms = std::max(0.0, link_free - bw_end) + sync.after_ms + r.sync_codec_ms;
+  if (!m.llama() && P > 1) {
+    // GPT-2's tied embedding lives on the first stage and as a replica on the head's: the two
+    // copies' gradients are summed between those ranks every step, once both backwards are done.
+    const double tied = ring_ms(params[0] / TP * 4, 2, pp_gbps, pp_lat);
+    r.sync_ms += tied;
+    r.sync_exposed_ms += tied;
+  }
   costs.grad_sync = r.sync_exposed_ms;
   costs.optimizer = r.optimizer_ms;
   r.timeline = pipeline::simulate(schedule, costs);
@@ -248,7 +285,7 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   r.bubble_ms = std::max(0.0, r.span_ms - r.compute_ms);
   r.tensor_comm_ms = tp_per_rank_max;
   r.pipeline_comm_ms = P > 1 ? 2.0 * r.micro_batches * costs.comm : 0.0;
-  const double base = r.span_ms + r.sync_exposed_ms + r.optimizer_ms;
+  const double base = std::max(0.0, r.span_ms + r.sync_exposed_ms + r.optimizer_ms + cluster.device.step_overhead_ms);
   // The step waits for its slowest device.
   double slow = 1 + cluster.variability.jitter * expected_max_normal(cluster.devices());
   if (cluster.variability.straggler_fraction * cluster.devices() >= 1) slow *= cluster.variability.straggler_slowdown;

@@ -1,0 +1,37 @@
+// `keel simulate --search yes`: the layouts of one model on one cluster ranked by simulated
+// throughput within device memory (sim/step_model.h predicts each).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "sim/cluster.h"
+#include "sim/step_model.h"
+
+namespace keel::sim {
+
+struct Candidate {
+  int tensor = 1, pipeline = 1, zero = 0, micro_batches = 1;
+  std::string schedule, codec;
+  bool recompute = false;
+  StepPrediction prediction;
+  std::string describe() const;  // "TP 8 x PP 4, ZeRO-1, zb-v, 32 micro-batches, sync none, recompute"
+};
+
+struct SearchResult {
+  std::vector<Candidate> ranked;  // layouts that fit, fastest first
+  int tried = 0;                  // layouts predicted (valid for Keel's schedules and the model)
+  int rejected = 0;               // of those, the ones that do not fit device memory
+  double least_gib = 0;           // the least memory per device any tried layout needs
+};
+
+// Every layout of `base`'s model and step on `cluster`: tensor degrees dividing the node and the
+// heads, pipeline degrees (stages within the layers), ZeRO 0-2, Keel's schedules, micro-batch
+// counts dividing a replica's sequences (micro-batches of at most 16 sequences), sync none or
+// hybrid, with and without recomputation. The step keeps `base`'s sequences (train.batch_size x
+// train.grad_accum x its data-parallel width on the cluster). Layouts Keel refuses (a schedule's
+// constraints, more stages than layers) are skipped.
+SearchResult search_layouts(const Config& base, const Cluster& cluster);
+
+}  // namespace keel::sim
