@@ -221,6 +221,13 @@ TEST(Simulate, BadInputIsOneLine) {
       {good, "--set parallel.pipeline=32 --set model.preset=tiny", "parallel.pipeline"},
       {good, "--tensor 3", "simulate --tensor"},
       {good, "--set model.preset=gpt2-1.5b --set train.batch_size=64", "GiB per device"},
+      {edit("[reliability]", "[codecs]\nzstd_encode = 3\n\n[reliability]"), "", "unknown key 'codecs.zstd_encode'"},
+      {edit("matmul_efficiency = 0.66", "matmul_efficiency = 0.66\nstep_overhead_ms = \"x\""), "",
+       "key 'device.step_overhead_ms': expected a number"},
+      {good, "--search maybe", "simulate --search: expected yes or no"},
+      {good, "--search yes --top 0", "simulate --top: expected >= 1"},
+      {good, "--search yes --tensor 2", "simulate --search: searches tensor degrees"},
+      {good, "--probe sometimes", "simulate --probe: expected yes or no"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     const std::string path = dir.path() + "/c" + std::to_string(i) + ".toml";

@@ -78,7 +78,10 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
   const double round_ms = 2 * (n - 1) * latency_us * 1e-3;
   const size_t last = out.layer_ms.size() - 1;
   auto layer_of = [&](int chunk_layer) { return std::min(static_cast<size_t>(std::max(chunk_layer, 0)), last); };
-  const double plain_overlap = config.parallel.zero > 0 ? 0.5 : 1.0;  // ZeRO: the all-gather comes after
+  // ZeRO-2 reduce-scatters the gradients (half a ring, under backward); ZeRO-1 all-reduces them
+  // as ZeRO-0 does (GradSync scatters only for ZeRO-2). Both then all-gather the updated
+  // parameters after the optimizer (half a ring, exposed).
+  const double plain_overlap = config.parallel.zero == 2 ? 0.5 : 1.0;
   auto close_run = [&] {
     if (run_bytes <= 0) return;
     const double lat = std::ceil(run_bytes / static_cast<double>(bucket)) * round_ms;
@@ -96,7 +99,6 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
       plain += raw;
       const double wire = 2 * (n - 1) / n * raw / (gbps * 1e9) * 1e3;
       out.layer_ms[layer_of(c.layer)] += plain_overlap * wire;
-      out.after_ms += (1 - plain_overlap) * wire;
       continue;
     }
     const std::unique_ptr<Codec> codec = Codec::make(p);
@@ -115,11 +117,16 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
     out.layer_ms[layer_of(c.layer)] += sent / (gbps * 1e9) * 1e3;
   }
   close_run();
+  if (config.parallel.zero > 0) {  // every parameter's float32 bytes, gathered after the optimizer
+    const double gather = (n - 1) / n * out.raw_bytes;
+    out.after_ms = gather / (gbps * 1e9) * 1e3 + std::ceil(out.raw_bytes / static_cast<double>(bucket)) * (n - 1) * latency_us * 1e-3;
+    out.ms += out.after_ms;
+    out.wire_bytes += gather;
+  }
   if (plain > 0) {
-    // ZeRO-1/2: the gradients' reduce-scatter, then an all-gather of the updated parameters
-    // (half a ring each); ZeRO-0: the all-reduce. Bytes alike.
-    out.ms += 2 * (n - 1) / n * plain / (gbps * 1e9) * 1e3;
-    out.wire_bytes += 2 * (n - 1) / n * plain;
+    const double ring = 2 * (n - 1) / n * plain;
+    out.ms += plain_overlap * ring / (gbps * 1e9) * 1e3;
+    out.wire_bytes += plain_overlap * ring;
   }
   return out;
 }

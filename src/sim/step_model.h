@@ -18,10 +18,15 @@
 //    simulator on those stage costs, a message between stages costing its bytes over the link
 //    that joins them (NVLink inside a node, the device's NIC share across nodes) plus latency:
 //    bubble included.
-//  * Data-parallel sync: a ring all-reduce of each device's float32 gradients (ZeRO-1/2:
-//    reduce-scatter and a parameter all-gather) over the data group's slowest link, overlapped
-//    with the last micro-batch's backward as Keel's bucketed sync overlaps it; what is left is
-//    exposed. The optimizer: AdamW's bytes through device memory.
+//  * Data-parallel sync: each device's float32 gradients as Keel's GradSync buckets them (by
+//    layer and codec, bucket_bytes each, a latency-bound round trip per ring step), a ring's
+//    2 (N-1)/N of the bytes over the data group's slowest link (ZeRO-2 reduce-scatters: half of
+//    it; ZeRO-1 all-reduces like ZeRO-0; both all-gather the parameters after the optimizer,
+//    exposed). Overlap follows
+//    the last micro-batch's backward layer by layer: a layer's collectives queue on the link once
+//    its W is done (GPT-2's tied embedding completes last); what runs past the backward is exposed.
+//    With a pipeline, GPT-2's tied embedding is summed between its first and last stage every
+//    step. The optimizer: AdamW's bytes (and the clipping norm's) through device memory.
 //  * Variability: the step waits for its slowest device: jitter as the expected maximum of the
 //    devices' normal spread, stragglers as their slowdown. Reliability: the share of time lost
 //    to failures (half a checkpoint interval and a restart per failure, at the cluster's rate).
@@ -33,6 +38,7 @@
 //    sent (sync_wire_ratio); the codecs' compute at the cluster file's [codecs] rates (measured
 //    by `keel simulate --probe yes`; not costed where the file gives none) runs on the training
 //    thread, never hidden. The uncompressed warm-up steps are not modelled.
+//  * Per step, the cluster's step_overhead_ms (what a profiling run measured beyond the model).
 // Not modelled yet: memory tiers (a layout that does not fit device memory is an error),
 // checkpoint write traffic.
 #pragma once
