@@ -22,3 +22,24 @@ def run_or_exit(cmd, env):
     if r.returncode != 0:
         sys.exit("command failed: %s\n%s" % (" ".join(cmd), r.stdout[-3000:]))
     return r.stdout
+
+
+def run_logged(cmd, log_path, cwd, timeout, who, env_extra=None):
+    """Runs cmd with one OpenMP thread per process (the benches' setting), its output in log_path;
+    exits the bench (prefixed by `who`) with the log's tail when it fails or times out."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ)
+    for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_WAIT_POLICY"):
+        env.pop(k, None)
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(env_extra or {})
+    with open(log_path, "w") as out:
+        try:
+            rc = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    if rc != 0:
+        tail = open(log_path).read()[-2000:]
+        sys.exit("%s: run failed (%s): %s\n%s" % (who, rc, " ".join(cmd), tail))

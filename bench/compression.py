@@ -47,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 
-from benchutil import write_tokens
+from benchutil import run_logged, write_tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEEL = os.environ.get("KEEL", os.path.join(ROOT, "build", "keel"))
@@ -79,20 +79,7 @@ def read_metrics(run_dir):
 
 
 def run_keel(args, log_path, env_extra=None, prefix=None):
-    env = dict(os.environ)
-    for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_WAIT_POLICY"):
-        env.pop(k, None)
-    env["OMP_NUM_THREADS"] = "1"
-    env.update(env_extra or {})
-    cmd = (prefix or [KEEL]) + args
-    with open(log_path, "w") as out:
-        try:
-            rc = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, timeout=RUN_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    if rc != 0:
-        tail = open(log_path).read()[-2000:]
-        sys.exit("compression.py: run failed (%s): %s\n%s" % (rc, " ".join(cmd), tail))
+    run_logged((prefix or [KEEL]) + args, log_path, ROOT, RUN_TIMEOUT, "compression.py", env_extra)
 
 
 # ---------------------------------------------------------------------------------------------
