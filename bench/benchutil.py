@@ -43,3 +43,16 @@ def run_logged(cmd, log_path, cwd, timeout, who, env_extra=None):
     if rc != 0:
         tail = open(log_path).read()[-2000:]
         sys.exit("%s: run failed (%s): %s\n%s" % (who, rc, " ".join(cmd), tail))
+
+
+def netns_sh(netns_path, keel, prefix, who, *args, check=True):
+    """scripts/netns.sh ARGS for namespaces named PREFIX<i>; exits the bench (prefixed by `who`)
+    with netns.sh's error when it fails and `check`."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, KEEL_NETNS_PREFIX=prefix, KEEL_BINARY=keel)
+    p = subprocess.run(["bash", netns_path] + list(args), env=env, capture_output=True, text=True)
+    if check and p.returncode != 0:
+        sys.exit("%s: netns.sh %s failed: %s" % (who, " ".join(args), p.stderr.strip()))
+    return p

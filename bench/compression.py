@@ -47,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 
-from benchutil import run_logged, write_tokens
+from benchutil import netns_sh, run_logged, write_tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEEL = os.environ.get("KEEL", os.path.join(ROOT, "build", "keel"))
@@ -153,11 +153,7 @@ def report_convergence(results):
 # Network
 
 def netns(prefix, *args, check=True):
-    env = dict(os.environ, KEEL_NETNS_PREFIX=prefix, KEEL_BINARY=KEEL)
-    p = subprocess.run(["bash", NETNS] + list(args), env=env, capture_output=True, text=True)
-    if check and p.returncode != 0:
-        sys.exit("compression.py: netns.sh %s failed: %s" % (" ".join(args), p.stderr.strip()))
-    return p
+    return netns_sh(NETNS, KEEL, prefix, "compression.py", *args, check=check)
 
 
 def network_run(work, prefix, link, codec, rep, warmup, steps):

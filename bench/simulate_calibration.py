@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 
-from benchutil import run_logged, write_tokens
+from benchutil import netns_sh, run_logged, write_tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEEL = os.environ.get("KEEL", os.path.join(ROOT, "build", "keel"))
@@ -90,11 +90,7 @@ def profile_cfg(ranks):
 
 
 def netns(prefix, *args, check=True):
-    env = dict(os.environ, KEEL_NETNS_PREFIX=prefix, KEEL_BINARY=KEEL)
-    p = subprocess.run(["bash", NETNS] + list(args), env=env, capture_output=True, text=True)
-    if check and p.returncode != 0:
-        sys.exit("simulate_calibration.py: netns.sh %s failed: %s" % (" ".join(args), p.stderr.strip()))
-    return p
+    return netns_sh(NETNS, KEEL, prefix, "simulate_calibration.py", *args, check=check)
 
 
 def netns_subnet(prefix):

@@ -61,7 +61,6 @@ def simulate(cluster, nodes, tensor, recompute, sets):
     if not line.startswith("{"):
         sys.exit("simulate_published.py: %s\n%s" % (" ".join(cmd), (p.stdout + p.stderr).strip()[-2000:]))
     j = json.loads(line)
-    j["error_line"] = p.stderr.strip() if p.returncode != 0 else ""
     return j
 
 

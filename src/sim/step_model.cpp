@@ -68,7 +68,6 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
   registry.finalize_layout();
   const std::vector<CodecParams> codecs =
       compressed ? sync_chunk_codecs(config.sync, config.model.n_layer, registry) : std::vector<CodecParams>{};
-  double plain = 0;
   // GradSync's buckets: consecutive chunks of one layer and codec, up to bucket_bytes each.
   double run_bytes = 0;
   int run_layer = -1;
@@ -85,7 +84,6 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
   auto close_run = [&] {
     if (run_bytes <= 0) return;
     const double lat = std::ceil(run_bytes / static_cast<double>(bucket)) * round_ms;
-    out.ms += lat;
     out.layer_ms[layer_of(run_layer)] += lat;
     run_bytes = 0;
   };
@@ -93,12 +91,12 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
     const double raw = static_cast<double>(c.numel) * sizeof(float) / tp;
     out.raw_bytes += raw;
     const CodecParams p = compressed ? codecs[static_cast<size_t>(c.id)] : CodecParams{};
-    if (compressed ? (c.layer != run_layer || p.kind != run_kind) : false) close_run();
+    if (compressed && (c.layer != run_layer || p.kind != run_kind)) close_run();
     run_layer = c.layer, run_kind = p.kind, run_bytes += raw;
     if (p.kind == CodecKind::none) {
-      plain += raw;
-      const double wire = 2 * (n - 1) / n * raw / (gbps * 1e9) * 1e3;
-      out.layer_ms[layer_of(c.layer)] += plain_overlap * wire;
+      const double sent = plain_overlap * 2 * (n - 1) / n * raw;
+      out.wire_bytes += sent;
+      out.layer_ms[layer_of(c.layer)] += sent / (gbps * 1e9) * 1e3;
       continue;
     }
     const std::unique_ptr<Codec> codec = Codec::make(p);
@@ -113,21 +111,16 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
     const double encoded_share = two_phase ? 1 + 1 / n : 1.0, decoded_share = two_phase ? 2.0 : n;
     if (enc > 0) out.codec_ms += encoded_share * raw / (enc * 1e9) * 1e3;
     if (dec > 0) out.codec_ms += decoded_share * raw / (dec * 1e9) * 1e3;
-    out.ms += sent / (gbps * 1e9) * 1e3;
     out.layer_ms[layer_of(c.layer)] += sent / (gbps * 1e9) * 1e3;
   }
   close_run();
   if (config.parallel.zero > 0) {  // every parameter's float32 bytes, gathered after the optimizer
     const double gather = (n - 1) / n * out.raw_bytes;
     out.after_ms = gather / (gbps * 1e9) * 1e3 + std::ceil(out.raw_bytes / static_cast<double>(bucket)) * (n - 1) * latency_us * 1e-3;
-    out.ms += out.after_ms;
     out.wire_bytes += gather;
   }
-  if (plain > 0) {
-    const double ring = 2 * (n - 1) / n * plain;
-    out.ms += plain_overlap * ring / (gbps * 1e9) * 1e3;
-    out.wire_bytes += plain_overlap * ring;
-  }
+  out.ms = out.after_ms;
+  for (double ms : out.layer_ms) out.ms += ms;
   return out;
 }
 
@@ -248,23 +241,25 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   // written; the clipping norm's read of the gradient before it (float32).
   const double shard = par.zero > 0 ? 1.0 / D : 1.0;
   r.optimizer_ms = most * shard * 36 / (cluster.device.hbm_gbps * 1e9) * 1e3;
-  // The last micro-batch's backward on that rank hides the sync's start.
   // The last micro-batch's backward on that rank, layer by layer from the last: each layer's
   // collectives queue on the link once its W is done (GradSync starts a bucket as soon as its
   // chunks' gradients are complete; a tied embedding's only at the very end); what runs past the
   // end of backward is exposed, and ZeRO's all-gather after the optimizer is exposed whole.
   double bw_end = 0, link_free = 0;
+  std::vector<bool> visited(sync.layer_ms.size(), false);
   for (size_t s = stages.size(); s-- > 0;) {
     if (schedule.stage_rank[s] != most_rank) continue;
     for (int i = stages[s].last; i >= stages[s].first; --i) {
       bw_end += layer_backward[static_cast<size_t>(i)];
+      visited[static_cast<size_t>(i)] = true;
       const double ms = sync.layer_ms[static_cast<size_t>(i)];
       if (ms > 0) link_free = std::max(link_free, bw_end) + ms;
     }
   }
-  if (!m.llama() && P > 1 && schedule.stage_rank[stages.size() - 1] == most_rank) {
-    // GPT-2's head stage holds a replica of the tied embedding: its sync comes at the end.
-    link_free = std::max(link_free, bw_end) + sync.layer_ms[0];
+  for (size_t i = 0; i < visited.size(); ++i) {
+    // Gradients of layers this rank holds only as replicas (GPT-2's tied embedding on the head
+    // stage) are complete at the end of its backward.
+    if (!visited[i] && sync.layer_ms[i] > 0) link_free = std::max(link_free, bw_end) + sync.layer_ms[i];
   }
   r.sync_exposed_ms = std::max(0.0, link_free - bw_end) + sync.after_ms + r.sync_codec_ms;
   if (!m.llama() && P > 1) {
