@@ -16,6 +16,7 @@
 #include "sim/cluster.h"
 #include "sim/step_model.h"
 #include "store/chunk_store.h"
+#include "store/tiers.h"
 #include "test_util.h"
 
 namespace keel {
@@ -65,9 +66,12 @@ TEST(Simulate, BreakdownAddsUpAndMemoryFollowsTheLayout) {
   const nlohmann::json dp = simulate(model);
   EXPECT_EQ(dp.at("data").get<int>(), 32);
   EXPECT_NEAR(dp.at("step_ms").get<double>(),
-              dp.at("span_ms").get<double>() + dp.at("sync_exposed_ms").get<double>() + dp.at("optimizer_ms").get<double>() +
+              (dp.at("span_ms").get<double>() + dp.at("sync_exposed_ms").get<double>() + dp.at("optimizer_ms").get<double>()) /
+                      (1 - dp.at("checkpoint_share").get<double>()) +
                   dp.at("variability_ms").get<double>(),
               1e-9 * dp.at("step_ms").get<double>());
+  EXPECT_GT(dp.at("checkpoint_share").get<double>(), 0);
+  EXPECT_LT(dp.at("checkpoint_share").get<double>(), 0.01);
   EXPECT_GT(dp.at("sync_ms").get<double>(), 0);
   EXPECT_EQ(dp.at("bubble").get<double>(), 0);  // one stage
   const nlohmann::json z1 = simulate(model + " --set parallel.zero=1");
@@ -109,6 +113,56 @@ TEST(Simulate, CompressedSyncSendsTheCodecsBytes) {
 // A cluster file's [codecs] rates cost HybridGC's compute on the training thread: never hidden,
 // and twice the rates take half the time. `keel simulate --probe yes` measures them here, as TOML
 // a cluster file takes.
+// Memory tiers: a model that does not fit one small device is placed by Keel's placement over
+// device, host and NVMe; every page is homed once, the device's share stays within what the
+// activations leave, pages that cannot all stay on the device are read and written back every
+// step, and the tier manager's prefetch never stalls the step more than fetching on demand.
+TEST(Simulate, TiersPlaceThePagesAndCountTheirTraffic) {
+  std::string text = read_text_file(kCluster);
+  for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+           {"nodes = 4 ", "nodes = 1 "}, {"devices_per_node = 8", "devices_per_node = 1"},
+           {"memory_gib = 80", "memory_gib = 2.25"}, {"nics_per_node = 8", "nics_per_node = 1"}}) {
+    text.replace(text.find(from), from.size(), to);
+  }
+  const sim::Cluster small = sim::Cluster::parse(text, "small");
+  auto predict = [&](std::vector<std::string> sets, bool tiers) {
+    for (const char* s : {"model.preset=gpt2-124m", "train.batch_size=1", "train.grad_accum=4", "train.seq_len=512"}) sets.push_back(s);
+    Config config = Config::load("", sets);
+    resolve_job_config(config, 1);
+    return sim::predict_step(config, small, sim::SimLayout{1, false, "", tiers});
+  };
+  const sim::StepPrediction alone = predict({}, false);
+  EXPECT_FALSE(alone.fits);
+  EXPECT_FALSE(alone.tiers.enabled);
+  const sim::StepPrediction tiered = predict({}, true);
+  ASSERT_TRUE(tiered.tiers.enabled);
+  EXPECT_TRUE(tiered.fits);
+  const sim::TierPrediction& t = tiered.tiers;
+  const double planes = alone.memory.params_gib + alone.memory.grads_gib + alone.memory.optimizer_gib;
+  EXPECT_NEAR(t.home_gib[0] + t.home_gib[1] + t.home_gib[2], planes, 1e-3 * planes);  // (host and NVMe slots: whole 4 KiB pages)
+  EXPECT_GT(t.device_budget_gib, 0);
+  EXPECT_LE(t.home_gib[0], t.device_budget_gib);
+  EXPECT_NEAR(t.served_share(Tier::device) + t.served_share(Tier::host) + t.served_share(Tier::nvme), 1.0, 1e-12);
+  EXPECT_GE(tiered.step_ms, alone.step_ms + t.stall_ms + t.host_optimizer_ms - 1e-9);
+
+  // Every class homed on the host: each step, the parameters the device cannot keep come in (at
+  // least their bytes beyond its room) and, updated by AdamW, go back.
+  const std::vector<std::string> host = {"tier.embedding=host", "tier.attention=host", "tier.ffn=host", "tier.norm=host"};
+  std::vector<std::string> on_demand = host;
+  on_demand.push_back("tier.prefetch=false");
+  const sim::StepPrediction h = predict(host, true), d = predict(on_demand, true);
+  const double gib = 1024.0 * 1024 * 1024;
+  EXPECT_EQ(h.tiers.home_gib[0], 0);
+  EXPECT_EQ(h.tiers.home_gib[2], 0);
+  EXPECT_GE(h.tiers.bytes_read[1] / gib, alone.memory.params_gib - h.tiers.device_budget_gib);
+  EXPECT_GE(h.tiers.bytes_written[1] / gib, alone.memory.params_gib - h.tiers.device_budget_gib);
+  EXPECT_GT(h.tiers.host_optimizer_ms, 0);  // moments homed on the host are updated there
+  EXPECT_LT(h.tiers.served_share(Tier::device), 1);
+  EXPECT_GT(d.tiers.stall_ms, 0);
+  EXPECT_LT(h.tiers.stall_ms, d.tiers.stall_ms);
+  EXPECT_LT(h.tiers.served_share(Tier::host), d.tiers.served_share(Tier::host) + 1e-12);
+}
+
 TEST(Simulate, CodecRatesCostTheCodecs) {
   const std::string base = read_text_file(kCluster);
   Config config = Config::load("", {"model.preset=gpt2-124m", "sync.codec=hybrid", "train.batch_size=4"});
@@ -160,10 +214,11 @@ TEST(Simulate, SearchRanksLayoutsThatFit) {
       EXPECT_LE(ranked[i].at("samples_per_s").get<double>(), ranked[i - 1].at("samples_per_s").get<double>());
     }
   }
-  // Too large for any layout of one node (no tiers are modelled): one line naming the need.
+  // Too large for any layout of one node, even over its host memory and NVMe drives (3.3T
+  // parameters): one line naming the need.
   const testing::CommandResult big = testing::run_keel(
-      "simulate --cluster " + kCluster + " --nodes 1 --search yes --set model.preset=gpt2-124m --set model.n_layer=8 "
-      "--set model.n_embd=40960 --set model.n_head=64 --set train.batch_size=8");
+      "simulate --cluster " + kCluster + " --nodes 1 --search yes --set model.preset=gpt2-124m "
+      "--set model.n_layer=64 --set model.n_embd=65536 --set model.n_head=128 --set train.batch_size=8");
   EXPECT_EQ(big.exit_code, 2) << big.output;
   EXPECT_NE(big.output.find("simulate --search: no layout of"), std::string::npos) << big.output;
 }
@@ -228,6 +283,13 @@ TEST(Simulate, BadInputIsOneLine) {
       {good, "--search yes --top 0", "simulate --top: expected >= 1"},
       {good, "--search yes --tensor 2", "simulate --search: searches tensor degrees"},
       {good, "--probe sometimes", "simulate --probe: expected yes or no"},
+      {good, "--tiers maybe", "simulate --tiers: expected yes or no"},
+      {good, "--search yes --tiers yes", "simulate --search: searches tensor degrees, recomputation and memory tiers"},
+      {good, "--set model.preset=gpt2-1.5b --set train.batch_size=64", "--tiers yes homes pages"},
+      {edit("memory_gbps = 300", ""), "--tiers yes", "no 'host.memory_gbps'"},
+      {edit("nvme_tib = 3.5", "nvme_tib = 0.00001"), "--tiers yes", "of pages go to NVMe per device, the node's drives give each"},
+      {edit("nvme_drives = 4", "nvme_drives = 0"), "--tiers yes", "but the cluster has no NVMe drives (host.nvme_drives)"},
+      {edit("memory_gib = 80", "memory_gib = 1.5"), "--tiers yes --set train.batch_size=64", "leaves nothing for pages"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     const std::string path = dir.path() + "/c" + std::to_string(i) + ".toml";

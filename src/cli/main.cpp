@@ -99,15 +99,17 @@ commands:
             a text Gantt chart, with --trace a Chrome trace (Perfetto), with --json yes one JSON
             line instead of text.
   simulate  --cluster CLUSTER.toml [--nodes N] [--config FILE.toml] [--set section.key=value ...] [--tensor N]
-            [--recompute yes] [--layer-costs RUN/metrics.jsonl] [--trace FILE.json] [--json yes]
+            [--recompute yes] [--tiers yes] [--layer-costs RUN/metrics.jsonl] [--trace FILE.json] [--json yes]
             Predict one training step of the config on a described cluster (configs/clusters/):
             data x pipeline (the config's) x tensor (modelled only) layout, Keel's schedule and
             stage cut on its schedule simulator, ring collectives over the cluster's links: the
             step's breakdown, samples/s, MFU, memory per device; --trace: a Chrome trace of it;
             --layer-costs: per-layer F, B, W a run measured instead of the FLOP model.
+            --tiers yes: pages homed on device, host and NVMe by Keel's placement, the step's
+            transfers, stalls and hit rates under the tier manager's policy.
             --search yes [--top N]: the N fastest layouts (tensor x pipeline x data, ZeRO,
-            schedule, micro-batches, sync codec, recomputation) that fit device memory, with their
-            breakdowns, for the config's model and step.
+            schedule, micro-batches, sync codec, recomputation, memory tiers where device memory
+            alone is short) with their breakdowns, for the config's model and step.
             --probe yes: this machine's memory bandwidth and HybridGC's codec throughput (one
             thread), as cluster-file TOML, for a cluster file describing it.
   checkpoints --dir DIR [--verify yes]
@@ -584,6 +586,9 @@ int cmd_simulate(const Args& a) {
   check(recompute == "yes" || recompute == "no", "simulate --recompute: expected yes or no, found '" + recompute + "'");
   check(json == "yes" || json == "no", "simulate --json: expected yes or no, found '" + json + "'");
   o.recompute = recompute == "yes";
+  const std::string tiers = a.get("--tiers", "no");
+  check(tiers == "yes" || tiers == "no", "simulate --tiers: expected yes or no, found '" + tiers + "'");
+  o.tiers = tiers == "yes";
   o.json = json == "yes";
   return sim::simulate_command(o);
 }
@@ -726,7 +731,7 @@ int run(int argc, char** argv) {
       {"import", {"--llmc", "--llama2c", "--out", "--set"}},
       {"checkpoints", {"--dir", "--verify"}},
       {"report", {"--dir", "--out"}},
-      {"simulate", {"--config", "--set", "--cluster", "--nodes", "--layer-costs", "--tensor", "--recompute", "--trace", "--json", "--probe", "--search", "--top"}},
+      {"simulate", {"--config", "--set", "--cluster", "--nodes", "--layer-costs", "--tensor", "--recompute", "--tiers", "--trace", "--json", "--probe", "--search", "--top"}},
       {"schedule", {"--config", "--set", "--trace", "--width", "--layer-costs", "--json", "--partitioner", "--decisions",
                     "--stage-memory-mib", "--start-cut"}},
   };

@@ -56,6 +56,8 @@ std::vector<Key> keys(Cluster& c) {
       num("host", "pcie_gbps", &c.host.pcie_gbps, true, 0, 1e6, true),
       num("host", "nvme_drives", &c.host.nvme_drives, false, 0, 1024, false),
       num("host", "nvme_gbps", &c.host.nvme_gbps, false, 0, 1e5, false),
+      num("host", "nvme_tib", &c.host.nvme_tib, false, 0, 1e5, false),
+      num("host", "memory_gbps", &c.host.memory_gbps, false, 0, 1e6, false),
       text("intra", "kind", &c.intra.kind, true, {"nvlink", "pcie"}),
       num("intra", "gbps", &c.intra.gbps, true, 0, 1e6, true),
       num("intra", "latency_us", &c.intra.latency_us, true, 0, 1e6, false),

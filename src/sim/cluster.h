@@ -27,6 +27,10 @@ struct Host {
   double pcie_gbps = 0;    // host <-> one device, GB/s each way
   int nvme_drives = 0;     // per node (default 0)
   double nvme_gbps = 0;    // per drive, GB/s (default 0)
+  double nvme_tib = 0;     // per drive, capacity (default 0: not checked)
+  // Host memory bandwidth per node, GB/s: AdamW moments homed on the host are updated there
+  // (default 0: required only when the memory tiers home moments on the host).
+  double memory_gbps = 0;
 };
 
 struct Link {  // inside a node: every device to every other

@@ -36,19 +36,46 @@ void print_text(const Config& config, const Cluster& cluster, const StepPredicti
               "%.0f GiB (%s)\n",
               mem.params_gib, mem.grads_gib, mem.optimizer_gib, mem.activations_gib, mem.total_gib(),
               cluster.device.memory_gib, p.fits ? "fits" : "DOES NOT FIT");
+  const TierPrediction& t = p.tiers;
+  if (t.enabled) {
+    const int d = static_cast<int>(Tier::device), h = static_cast<int>(Tier::host), n = static_cast<int>(Tier::nvme);
+    std::printf("memory tiers: pages homed device %.2f GiB (of %.2f left beside activations), host %.2f, NVMe %.2f; per step "
+                "%.2f GiB read from host, %.2f from NVMe, %.2f written back to host, %.2f to NVMe; stall %.1f ms, host "
+                "optimizer %.1f ms\n",
+                t.home_gib[d], t.device_budget_gib, t.home_gib[h], t.home_gib[n], t.bytes_read[h] / (1 << 30),
+                t.bytes_read[n] / (1 << 30), t.bytes_written[h] / (1 << 30), t.bytes_written[n] / (1 << 30), t.stall_ms,
+                t.host_optimizer_ms);
+    std::printf("first touches served: device %.1f %%, host %.1f %%, NVMe %.1f %%; hit rate by home: host %.1f %%, NVMe %.1f %%\n",
+                100 * t.served_share(Tier::device), 100 * t.served_share(Tier::host), 100 * t.served_share(Tier::nvme),
+                100 * t.hit_rate(Tier::host), 100 * t.hit_rate(Tier::nvme));
+    for (const std::string& note : t.notes) std::printf("placement: %s\n", note.c_str());
+  }
+  if (p.checkpoint_share > 0.001) std::printf("checkpoints: %.1f %% of the step (snapshots off the device)\n", 100 * p.checkpoint_share);
   if (!trace.empty()) std::printf("Chrome trace of the simulated step: %s\n", trace.c_str());
+}
+
+nlohmann::json tiers_json(const TierPrediction& t) {
+  if (!t.enabled) return nullptr;
+  const int d = static_cast<int>(Tier::device), h = static_cast<int>(Tier::host), n = static_cast<int>(Tier::nvme);
+  return {{"home_gib", {{"device", t.home_gib[d]}, {"host", t.home_gib[h]}, {"nvme", t.home_gib[n]}}},
+          {"device_budget_gib", t.device_budget_gib},
+          {"read_gib", {{"host", t.bytes_read[h] / (1 << 30)}, {"nvme", t.bytes_read[n] / (1 << 30)}}},
+          {"written_gib", {{"host", t.bytes_written[h] / (1 << 30)}, {"nvme", t.bytes_written[n] / (1 << 30)}}},
+          {"stall_ms", t.stall_ms}, {"host_optimizer_ms", t.host_optimizer_ms},
+          {"served", {{"device", t.served_share(Tier::device)}, {"host", t.served_share(Tier::host)}, {"nvme", t.served_share(Tier::nvme)}}},
+          {"hit_rate", {{"host", t.hit_rate(Tier::host)}, {"nvme", t.hit_rate(Tier::nvme)}}}};
 }
 
 int search_command(const SimulateOptions& o, const Config& config, const Cluster& cluster) {
   check(o.top >= 1, "simulate --top: expected >= 1, found " + std::to_string(o.top));
-  check(o.layer_costs.empty() && o.trace.empty() && o.tensor == 1 && !o.recompute,
-        "simulate --search: searches tensor degrees and recomputation itself (no --tensor, --recompute, --layer-costs "
-        "or --trace with it)");
+  check(o.layer_costs.empty() && o.trace.empty() && o.tensor == 1 && !o.recompute && !o.tiers,
+        "simulate --search: searches tensor degrees, recomputation and memory tiers itself (no --tensor, --recompute, "
+        "--tiers, --layer-costs or --trace with it)");
   const SearchResult found = search_layouts(config, cluster);
   const ModelConfig& m = config.model;
   if (!o.json) {
     std::printf("keel simulate --search: %s (L=%d C=%d V=%d, T=%d) on %s: %d nodes x %d %s = %d devices; %d layouts "
-                "tried, %d do not fit %.0f GiB (memory tiers are not modelled)\n",
+                "tried, %d do not fit %.0f GiB even with memory tiers\n",
                 m.preset.c_str(), m.n_layer, m.n_embd, m.vocab_size, config.train.longest_seq_len(), cluster.name.c_str(),
                 cluster.nodes, cluster.devices_per_node, cluster.device.name.c_str(), cluster.devices(), found.tried,
                 found.rejected, cluster.device.memory_gib);
@@ -61,15 +88,17 @@ int search_command(const SimulateOptions& o, const Config& config, const Cluster
       const nlohmann::json j = {{"rank", i + 1}, {"tensor", c.tensor}, {"pipeline", c.pipeline}, {"data", p.data},
                                 {"zero", c.zero}, {"schedule", c.schedule}, {"micro_batches", c.micro_batches},
                                 {"micro_batch", p.micro_batch}, {"codec", c.codec}, {"recompute", c.recompute},
+                                {"tiers", c.tiers}, {"tier_stall_ms", p.tiers.stall_ms + p.tiers.host_optimizer_ms},
                                 {"step_ms", p.step_ms}, {"compute_ms", p.compute_ms}, {"bubble_ms", p.bubble_ms},
                                 {"sync_exposed_ms", p.sync_exposed_ms}, {"optimizer_ms", p.optimizer_ms},
                                 {"samples_per_s", p.samples_per_s}, {"mfu", p.mfu}, {"memory_gib", p.memory.total_gib()}};
       std::printf("%s\n", j.dump().c_str());
     } else {
       std::printf("%zu. %.1f samples/s, MFU %.1f %%: %s\n   step %.1f ms: compute %.1f, bubble %.1f, sync exposed %.1f, "
-                  "optimizer %.1f; %.1f GiB per device\n",
+                  "optimizer %.1f, tier stalls %.1f; %.1f GiB per device%s\n",
                   i + 1, p.samples_per_s, 100 * p.mfu, c.describe().c_str(), p.step_ms, p.compute_ms, p.bubble_ms,
-                  p.sync_exposed_ms, p.optimizer_ms, p.memory.total_gib());
+                  p.sync_exposed_ms, p.optimizer_ms, p.tiers.stall_ms + p.tiers.host_optimizer_ms, p.memory.total_gib(),
+                  c.tiers ? " over device, host and NVMe" : "");
     }
   }
   std::fflush(stdout);
@@ -91,7 +120,7 @@ int simulate_command(const SimulateOptions& o) {
   Config config = Config::load(o.config, o.sets);
   if (o.search) return search_command(o, config, cluster);
   resolve_job_config(config, cluster.devices() / o.tensor);
-  const StepPrediction p = predict_step(config, cluster, SimLayout{o.tensor, o.recompute, o.layer_costs});
+  const StepPrediction p = predict_step(config, cluster, SimLayout{o.tensor, o.recompute, o.layer_costs, o.tiers});
   if (!o.trace.empty()) {
     const std::string trace = pipeline::chrome_trace(p.timeline, "keel simulate: " + config.model.preset + " on " + cluster.name);
     write_file_atomic(o.trace, {ByteRange{trace.data(), trace.size()}});
@@ -110,7 +139,7 @@ int simulate_command(const SimulateOptions& o) {
         {"goodput", p.goodput},
         {"memory_gib", {{"params", mem.params_gib}, {"grads", mem.grads_gib}, {"optimizer", mem.optimizer_gib},
                         {"activations", mem.activations_gib}, {"total", mem.total_gib()}}},
-        {"fits", p.fits}};
+        {"fits", p.fits}, {"checkpoint_share", p.checkpoint_share}, {"tiers", tiers_json(p.tiers)}};
     std::printf("%s\n", j.dump().c_str());
   } else {
     print_text(config, cluster, p, o.trace);
@@ -119,7 +148,7 @@ int simulate_command(const SimulateOptions& o) {
   char need[160];
   std::snprintf(need, sizeof need, "simulate: this layout needs %.1f GiB per device, the %s has %.0f", mem.total_gib(),
                 cluster.device.name.c_str(), cluster.device.memory_gib);
-  check(p.fits, std::string(need) + " (memory tiers are not modelled yet: more pipeline stages, tensor parallelism or ZeRO)");
+  check(p.fits, std::string(need) + " (--tiers yes homes pages on host and NVMe; or more pipeline stages, tensor parallelism or ZeRO)");
   return 0;
 }
 

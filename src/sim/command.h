@@ -14,6 +14,7 @@ struct SimulateOptions {
   int nodes = 0;                     // --nodes: the cluster's node count instead of the file's (0: the file's)
   int tensor = 1;                    // --tensor
   bool recompute = false;            // --recompute yes
+  bool tiers = false;                // --tiers yes: memory tiers (sim/tier_model.h)
   std::string layer_costs;           // --layer-costs FILE (a run's metrics.jsonl or a costs object)
   std::string trace;                 // --trace FILE.json ("" = none)
   bool json = false;                 // --json yes

@@ -10,9 +10,9 @@ namespace keel::sim {
 
 std::string Candidate::describe() const {
   char s[200];
-  std::snprintf(s, sizeof s, "TP %d x PP %d x DP %d, ZeRO-%d, %s, %d micro-batches of %d, sync %s%s", tensor, pipeline,
+  std::snprintf(s, sizeof s, "TP %d x PP %d x DP %d, ZeRO-%d, %s, %d micro-batches of %d, sync %s%s%s", tensor, pipeline,
                 prediction.data, zero, pipeline > 1 ? schedule.c_str() : "one stage", micro_batches,
-                prediction.micro_batch, codec.c_str(), recompute ? ", recompute" : "");
+                prediction.micro_batch, codec.c_str(), recompute ? ", recompute" : "", tiers ? ", memory tiers" : "");
   return s;
 }
 
@@ -64,7 +64,7 @@ SearchResult search_layouts(const Config& base, const Cluster& cluster) {
                 c.train.global_batch_size = 0;
                 c.train.batch_size = per_replica / m;
                 c.train.grad_accum = m;
-                Candidate cand{tp, pp, zero, m, schedule, codec, recompute, {}};
+                Candidate cand{tp, pp, zero, m, schedule, codec, recompute, false, {}};
                 try {
                   resolve_job_config(c, cluster.devices() / tp);
                   cand.prediction = predict_step(c, cluster, SimLayout{tp, recompute, ""});
@@ -74,6 +74,15 @@ SearchResult search_layouts(const Config& base, const Cluster& cluster) {
                 }
                 out.tried++;
                 out.least_gib = std::min(out.least_gib, cand.prediction.memory.total_gib());
+                if (!cand.prediction.fits) {
+                  try {  // the same layout with its pages over device, host and NVMe
+                    // (coarser pages than a single prediction's: thousands of layouts are replayed)
+                    cand.prediction = predict_step(c, cluster, SimLayout{tp, recompute, "", true, 64});
+                    cand.prediction.timeline = {};
+                    cand.tiers = true;
+                  } catch (const Error&) {
+                  }
+                }
                 if (!cand.prediction.fits) {
                   out.rejected++;
                   continue;

@@ -10,6 +10,7 @@
 #include "pipeline/layer_profile.h"
 #include "pipeline/layout.h"
 #include "pipeline/partitioner.h"
+#include "store/placement.h"
 
 namespace keel::sim {
 
@@ -179,11 +180,13 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   pipeline::Costs costs;
   double tp_per_rank_max = 0;
   std::vector<double> layer_backward(static_cast<size_t>(m.n_layer + 2), 0.0);  // B + W (+ recomputed F) per micro-batch
+  std::vector<double> layer_f(layer_backward.size(), 0.0), layer_b(layer_backward.size(), 0.0), layer_w(layer_backward.size(), 0.0);
   for (const LayerRange& s : stages) {
     double f = 0, b = 0, w = 0;
     int blocks = 0;
     for (int i = s.first; i <= s.last; ++i) {
       const double before = (layout.recompute ? f : 0.0) + b + w;
+      const double f_before = f, b_before = b, w_before = w;
       if (measured.layers() > 0) {
         f += measured.forward[i] / TP, b += measured.backward_input[i] / TP, w += measured.backward_weight[i] / TP;
       } else {
@@ -197,6 +200,9 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
       const bool block = i >= 1 && i <= m.n_layer;
       blocks += block;
       layer_backward[static_cast<size_t>(i)] = (layout.recompute ? f : 0.0) + b + w - before + (block ? (layout.recompute ? 3 : 2) * tp_ar : 0.0);
+      layer_f[static_cast<size_t>(i)] = f - f_before + (block ? 2 * tp_ar : 0.0);
+      layer_b[static_cast<size_t>(i)] = b - b_before + (layout.recompute ? layer_f[static_cast<size_t>(i)] : 0.0) + (block ? 2 * tp_ar : 0.0);
+      layer_w[static_cast<size_t>(i)] = w - w_before;
     }
     const double tp = 2 * blocks * tp_ar;  // two all-reduces per block in F, two in B
     costs.forward.push_back(f + tp);
@@ -287,7 +293,49 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   r.bubble_ms = std::max(0.0, r.span_ms - r.compute_ms);
   r.tensor_comm_ms = tp_per_rank_max;
   r.pipeline_comm_ms = P > 1 ? 2.0 * r.micro_batches * costs.comm : 0.0;
-  const double base = std::max(0.0, r.span_ms + r.sync_exposed_ms + r.optimizer_ms + cluster.device.step_overhead_ms);
+  // Memory of the rank with the most parameters: Keel's float32 planes, activations in flight.
+  r.memory.params_gib = most * 4 / kGiB;
+  r.memory.grads_gib = most * 4 * (par.zero >= 2 ? 1.0 / D : 1.0) / kGiB;
+  r.memory.optimizer_gib = most * 8 * shard / kGiB;
+  const pipeline::Plan plan = pipeline::plan(config, stages, r.micro_batches);
+  double in_flight = static_cast<double>(*std::max_element(plan.check.peak_bytes.begin(), plan.check.peak_bytes.end()));
+  if (layout.recompute) {
+    // Recomputation keeps each block's input per micro-batch in flight, and one block's full
+    // working set while it recomputes and runs backward.
+    int most_blocks = 0, most_in_flight = 0;
+    for (const LayerRange& s : stages) most_blocks = std::max(most_blocks, std::min(s.last, m.n_layer) - std::max(s.first, 1) + 1);
+    for (int k : plan.check.peak_in_flight) most_in_flight = std::max(most_in_flight, k);
+    const LayerRange one_block{1, 1};
+    in_flight = static_cast<double>(most_in_flight) * most_blocks * tokens * m.n_embd * sizeof(float) +
+                static_cast<double>(GPT::slot_bytes_for(m, one_block, r.micro_batch, T));
+  }
+  r.memory.activations_gib = in_flight / TP / kGiB;
+  r.fits = r.memory.total_gib() <= cluster.device.memory_gib;
+  if (layout.tiers || tiering_enabled(config.tier)) {
+    // Memory tiers: the rank's pages placed by Keel's placement within what the device leaves
+    // beside the activations, the step's acquires replayed under the tier manager's policy.
+    TierInputs in;
+    in.forward = layer_f, in.backward_input = layer_b, in.backward_weight = layer_w;
+    in.stages = stages, in.schedule = &schedule, in.timeline = &r.timeline, in.rank = most_rank;
+    in.data = D, in.tensor = TP, in.activations_gib = r.memory.activations_gib, in.max_chunks = layout.tier_chunks;
+    r.tiers = predict_tiers(config, cluster, in);
+    r.fits = true;  // (placement threw where the pages cannot be placed)
+  }
+  // Checkpoints: every interval (reliability.checkpoint_every_minutes, else Keel's 15) the rank's
+  // parameters and its moments are snapshot off the device over PCIe (exposed), then written in
+  // the background to the node's NVMe drives (exposed only where a write outlasts the interval).
+  {
+    const double interval_ms = (cluster.reliability.checkpoint_every_minutes > 0 ? cluster.reliability.checkpoint_every_minutes : 15) * 60e3;
+    const double ckpt_bytes = most * (4 + 8 * shard);
+    double per_ckpt = ckpt_bytes / (cluster.host.pcie_gbps * 1e9) * 1e3;
+    if (cluster.host.nvme_drives > 0) {
+      const double write_ms = ckpt_bytes / (cluster.host.nvme_drives * cluster.host.nvme_gbps * 1e9 / cluster.devices_per_node) * 1e3;
+      per_ckpt += std::max(0.0, write_ms - interval_ms);
+    }
+    r.checkpoint_share = std::min(0.5, per_ckpt / interval_ms);
+  }
+  const double base = std::max(0.0, r.span_ms + r.sync_exposed_ms + r.optimizer_ms + cluster.device.step_overhead_ms +
+                                        r.tiers.stall_ms + r.tiers.host_optimizer_ms) / (1 - r.checkpoint_share);
   // The step waits for its slowest device.
   double slow = 1 + cluster.variability.jitter * expected_max_normal(cluster.devices());
   if (cluster.variability.straggler_fraction * cluster.devices() >= 1) slow *= cluster.variability.straggler_slowdown;
@@ -307,25 +355,6 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
     const double lost_h = interval_h / 2 + cluster.reliability.restart_minutes / 60;
     r.goodput = std::max(0.0, 1 - cluster.nodes / cluster.reliability.node_mtbf_hours * lost_h);
   }
-
-  // Memory of the rank with the most parameters: Keel's float32 planes, activations in flight.
-  r.memory.params_gib = most * 4 / kGiB;
-  r.memory.grads_gib = most * 4 * (par.zero >= 2 ? 1.0 / D : 1.0) / kGiB;
-  r.memory.optimizer_gib = most * 8 * shard / kGiB;
-  const pipeline::Plan plan = pipeline::plan(config, stages, r.micro_batches);
-  double in_flight = static_cast<double>(*std::max_element(plan.check.peak_bytes.begin(), plan.check.peak_bytes.end()));
-  if (layout.recompute) {
-    // Recomputation keeps each block's input per micro-batch in flight, and one block's full
-    // working set while it recomputes and runs backward.
-    int most_blocks = 0, most_in_flight = 0;
-    for (const LayerRange& s : stages) most_blocks = std::max(most_blocks, std::min(s.last, m.n_layer) - std::max(s.first, 1) + 1);
-    for (int k : plan.check.peak_in_flight) most_in_flight = std::max(most_in_flight, k);
-    const LayerRange one_block{1, 1};
-    in_flight = static_cast<double>(most_in_flight) * most_blocks * tokens * m.n_embd * sizeof(float) +
-                static_cast<double>(GPT::slot_bytes_for(m, one_block, r.micro_batch, T));
-  }
-  r.memory.activations_gib = in_flight / TP / kGiB;
-  r.fits = r.memory.total_gib() <= cluster.device.memory_gib;
   return r;
 }
 

@@ -39,8 +39,10 @@
 //    by `keel simulate --probe yes`; not costed where the file gives none) runs on the training
 //    thread, never hidden. The uncompressed warm-up steps are not modelled.
 //  * Per step, the cluster's step_overhead_ms (what a profiling run measured beyond the model).
-// Not modelled yet: memory tiers (a layout that does not fit device memory is an error),
-// checkpoint write traffic.
+//  * Memory tiers (SimLayout::tiers or the config's tier.device_mib): sim/tier_model.h; the
+//    rank's stall waiting for pages and the host's update of host-homed moments join the step.
+//  * Checkpoints: each interval's snapshot of parameters and moments off the device (PCIe),
+//    amortized over the steps; its write to the node's NVMe drives in the background.
 #pragma once
 
 #include <string>
@@ -49,6 +51,7 @@
 #include "core/config.h"
 #include "pipeline/schedule.h"
 #include "sim/cluster.h"
+#include "sim/tier_model.h"
 
 namespace keel::sim {
 
@@ -60,6 +63,10 @@ struct SimLayout {
   // device's peak; their sequence length is carried to the config's by the FLOP model. Empty:
   // the FLOP model.
   std::string layer_costs;
+  // Memory tiers (sim/tier_model.h): pages homed on device, host and NVMe by Keel's placement
+  // within the cluster's memories. Also on where the config's tier.device_mib is set.
+  bool tiers = false;
+  int tier_chunks = 1024;  // the tier model's chunks per rank at most (TierInputs::max_chunks)
 };
 
 struct MemoryPerDevice {
@@ -84,7 +91,9 @@ struct StepPrediction {
   double mfu = 0;                 // of the device peak at the run's precision
   double goodput = 1;             // share of wall time not lost to failures
   MemoryPerDevice memory;
-  bool fits = true;               // memory within the device's
+  bool fits = true;               // memory within the device's (with tiers: the pages could be placed)
+  TierPrediction tiers;           // memory tiers' traffic and stalls (enabled: tiers on)
+  double checkpoint_share = 0;    // share of the step spent on checkpoints' snapshots (amortized)
   pipeline::Timeline timeline;    // replica 0's step (Chrome trace)
 };
 

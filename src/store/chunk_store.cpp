@@ -144,6 +144,9 @@ void ChunkStore::finalize_layout() {
   check(!finalized_, "chunk store: finalize called twice");
   lay_out();
   finalized_ = true;
+  layout_only_ = true;
+  moment_chunk_begin_ = 0;
+  moment_chunk_end_ = static_cast<int>(chunks_.size());
 }
 
 void ChunkStore::lay_out() {
@@ -234,6 +237,10 @@ void ChunkStore::shard_moments(int chunk_begin, int chunk_end) {
   check(finalized_ && 0 <= chunk_begin && chunk_begin <= chunk_end && chunk_end <= static_cast<int>(chunks_.size()),
         "chunk store: bad moment shard [" + std::to_string(chunk_begin) + ", " + std::to_string(chunk_end) + ")");
   // The flat range from the first chunk's start to the next chunk's start (alignment gap included).
+  if (layout_only_) {
+    moment_chunk_begin_ = chunk_begin, moment_chunk_end_ = chunk_end;
+    return;
+  }
   const int n = static_cast<int>(chunks_.size());
   const int64_t begin = chunk_begin < n ? chunks_[chunk_begin].offset : numel_;
   const int64_t end = chunk_end < n ? chunks_[chunk_end].offset : numel_;

@@ -123,6 +123,8 @@ class ChunkStore {
   // Keeps the AdamW moment planes only for chunks [begin, end) (ZeRO: this rank's optimizer
   // shard), releasing the rest; the shard starts zero (call it before initialising or loading:
   // the moments are never resident at full size). Requires finalize(). Views outside it throw.
+  // On a layout-only store (finalize_layout) it records the shard and allocates nothing: what a
+  // ZeRO rank would hold, for placement and planning (keel simulate).
   void shard_moments(int chunk_begin, int chunk_end);
   // Chunks [begin, end) whose moments this store holds (all chunks unless sharded).
   std::pair<int, int> moment_chunks() const { return {moment_chunk_begin_, moment_chunk_end_}; }
@@ -238,6 +240,7 @@ class ChunkStore {
   int64_t plane_begin_[kNumPlanes] = {};  // flat offset of each allocation's first element
   int64_t plane_end_[kNumPlanes] = {};
   int moment_chunk_begin_ = 0, moment_chunk_end_ = 0;
+  bool layout_only_ = false;  // finalize_layout: nothing allocated
   // The store's own residency (every page present) and the one in use.
   friend class PresentPlanes;
   std::unique_ptr<Residency> own_residency_;

@@ -144,13 +144,16 @@ Placement place_pages(const TierConfig& t, const ChunkStore& store) {
   out.working_set_bytes = ws;
 
   const int64_t device_budget = t.device_mib << 20, host_budget = t.host_mib << 20;
-  auto total = [&](Tier tier) {
-    int64_t b = 0;
-    for (int c = 0; c < n; ++c)
-      for (int p = 0; p < kNumPlanes; ++p)
-        if (exists(c, p) && out.homes[c * kNumPlanes + p] == tier) b += tier == Tier::device ? 4 * chunks[c].numel : (4 * chunks[c].numel + 4095) / 4096 * 4096;
-    return b;
+  // Bytes a page takes on a tier: host and NVMe slots are whole 4 KiB pages. Kept as running
+  // totals per tier (demotion moves pages one at a time).
+  auto bytes_on = [&](int c, Tier tier) {
+    return tier == Tier::device ? 4 * chunks[c].numel : (4 * chunks[c].numel + 4095) / 4096 * 4096;
   };
+  int64_t totals[kNumTiers] = {};
+  for (int c = 0; c < n; ++c)
+    for (int p = 0; p < kNumPlanes; ++p)
+      if (exists(c, p)) totals[static_cast<int>(out.homes[c * kNumPlanes + p])] += bytes_on(c, out.homes[c * kNumPlanes + p]);
+  auto total = [&](Tier tier) { return totals[static_cast<int>(tier)]; };
   // Demote from `from` to `to`, moments first, then gradients, then parameters (the pages used
   // least often per byte), larger chunks first, until `fits` holds.
   auto demote = [&](Tier from, Tier to, const std::function<bool()>& fits, const char* why) {
@@ -163,6 +166,8 @@ Placement place_pages(const TierConfig& t, const ChunkStore& store) {
       for (int c : order) {
         if (fits()) break;
         out.homes[c * kNumPlanes + p] = to;
+        totals[static_cast<int>(from)] -= bytes_on(c, from);
+        totals[static_cast<int>(to)] += bytes_on(c, to);
         moved += 4 * chunks[c].numel;
       }
     }
