@@ -103,7 +103,7 @@ int search_command(const SimulateOptions& o, const Config& config, const Cluster
   }
   std::fflush(stdout);
   char need[200];
-  std::snprintf(need, sizeof need, "simulate --search: no layout of %d tried fits %.0f GiB per device (the least needs %.1f GiB)",
+  std::snprintf(need, sizeof need, "simulate --search: no layout of %d tried fits %.0f GiB per device, even with memory tiers (the least needs %.1f GiB)",
                 found.tried, cluster.device.memory_gib, found.least_gib);
   check(!found.ranked.empty(), found.tried == 0 ? std::string("simulate --search: no layout Keel accepts for this model and cluster") : std::string(need));
   return 0;
