@@ -10,8 +10,9 @@ seconds=${1:-20}
 targets=(fuzz_config fuzz_shard fuzz_tokenizer fuzz_llmc fuzz_checkpoint)
 # -O1 and line tables only (as libFuzzer's documentation builds): reports keep file:line, and the
 # build, most of this script's time in CI, is shorter.
+# (BUILD_TESTING is left as the tree has it: scripts/test.sh builds the sanitized unit tests here.)
 CC=clang CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
-  -DKEEL_FUZZ=ON -DKEEL_BENCH=OFF -DBUILD_TESTING=OFF >/dev/null
+  -DKEEL_FUZZ=ON -DKEEL_BENCH=OFF >/dev/null
 cmake --build build-fuzz -j"$(nproc)" --target "${targets[@]}" >/dev/null
 mkdir -p build-fuzz/artifacts
 export ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=1

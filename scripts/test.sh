@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs dependencies, builds, and runs every test: the Release suite (unit, model-vs-PyTorch,
 # end-to-end CLI and determinism tests), then the fast unit tests again under AddressSanitizer
-# and UndefinedBehaviorSanitizer (with the in-process checkpoint tests), then every parser of
-# outside input under libFuzzer (scripts/fuzz.sh: 15 s per target, ASan + UBSan).
+# and UndefinedBehaviorSanitizer (with the in-process checkpoint tests; clang, in the fuzz targets'
+# tree), then every parser of outside input under libFuzzer (scripts/fuzz.sh: 15 s per target, ASan + UBSan).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -17,14 +17,16 @@ echo "== tiers_test x5 =="
 build/tests/tiers_test --gtest_repeat=5 --gtest_brief=1
 
 echo "== sanitizer build (ASan + UBSan) of the unit tests =="
+# One clang tree for the sanitized unit tests and the fuzz targets (scripts/fuzz.sh builds into it
+# too): keel_core is compiled once under ASan + UBSan (and libFuzzer's coverage hooks), not twice.
 # -O1 and line tables only: the sanitizers' reports keep file:line, the build takes less time.
-cmake -S . -B build-sanitize -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
-  -DKEEL_SANITIZE=ON -DKEEL_BENCH=OFF >/dev/null
+CC=clang CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
+  -DKEEL_FUZZ=ON -DKEEL_BENCH=OFF -DBUILD_TESTING=ON >/dev/null
 sanitized=(ops_test store_test config_test model_test shard_test tokenizer_test env_test checkpoint_test codec_test compressed_sync_test
            block_file_test tiers_test pipeline_schedule_test pipeline_unit_test kv_cache_test partitioner_test)
-cmake --build build-sanitize -j"$(nproc)" --target "${sanitized[@]}"
+cmake --build build-fuzz -j"$(nproc)" --target "${sanitized[@]}"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-  ctest --test-dir build-sanitize --output-on-failure -j2 --timeout 600 -E 'Licences' \
+  ctest --test-dir build-fuzz --output-on-failure -j2 --timeout 600 -E 'Licences' \
   -R '^(Ops[A-Za-z]*|KvCache|Families/KvCacheModels|ChunkStore|Config|TinyModel|Shard|Corpus|Pretokenize|Tokenizer|Llama2cTokenizer|Env|Checkpoint|CheckpointCorruption|Codec|SyncPolicy|BlockFile|Engines/BlockFileEngines|Tiers|Tiers/Engines|PipelineSchedule|PipelineLayout|PipelineStages|PipelineExecutor|PipelineMicroBatches|Partitioner|LayerCosts)\.'
 
 echo "== fuzzing (libFuzzer, ASan + UBSan): every parser of outside input =="

@@ -1063,7 +1063,7 @@ void expect_bit_identical(const Tensors<T>& a, const Tensors<T>& b) {
 }
 
 // Larger than the gradient cases, with sizes that do not split evenly between threads.
-constexpr int kBigB = 3, kBigT = 23, kBigC = 37, kBigNH = 1, kBigOC = 29;
+constexpr int kBigB = 3, kBigT = 23, kBigC = 37, kBigOC = 29;
 
 TEST(OpsDeterminism, FloatRunsAreBitIdenticalWithTwoThreads) {
   Threads threads(2);

@@ -72,6 +72,13 @@ TEST(Simulate, BreakdownAddsUpAndMemoryFollowsTheLayout) {
               1e-9 * dp.at("step_ms").get<double>());
   EXPECT_GT(dp.at("checkpoint_share").get<double>(), 0);
   EXPECT_LT(dp.at("checkpoint_share").get<double>(), 0.01);
+  // A peer that reduces its gradients after the backward exposes all of the sync; Keel's
+  // GradSync hides part of it under the backward.
+  const nlohmann::json late = simulate(model + " --overlap-sync no");
+  EXPECT_NEAR(late.at("sync_exposed_ms").get<double>(), late.at("sync_ms").get<double>() + late.at("sync_codec_ms").get<double>(),
+              1e-9 * late.at("sync_ms").get<double>());
+  EXPECT_GT(late.at("sync_exposed_ms").get<double>(), dp.at("sync_exposed_ms").get<double>());
+  EXPECT_EQ(late.at("sync_ms").get<double>(), dp.at("sync_ms").get<double>());
   EXPECT_GT(dp.at("sync_ms").get<double>(), 0);
   EXPECT_EQ(dp.at("bubble").get<double>(), 0);  // one stage
   const nlohmann::json z1 = simulate(model + " --set parallel.zero=1");
@@ -284,6 +291,7 @@ TEST(Simulate, BadInputIsOneLine) {
       {good, "--search yes --tensor 2", "simulate --search: searches tensor degrees"},
       {good, "--probe sometimes", "simulate --probe: expected yes or no"},
       {good, "--tiers maybe", "simulate --tiers: expected yes or no"},
+      {good, "--overlap-sync later", "simulate --overlap-sync: expected yes or no"},
       {good, "--search yes --tiers yes", "simulate --search: searches tensor degrees, recomputation and memory tiers"},
       {good, "--set model.preset=gpt2-1.5b --set train.batch_size=64", "--tiers yes homes pages"},
       {edit("memory_gbps = 300", ""), "--tiers yes", "no 'host.memory_gbps'"},

@@ -99,14 +99,16 @@ commands:
             a text Gantt chart, with --trace a Chrome trace (Perfetto), with --json yes one JSON
             line instead of text.
   simulate  --cluster CLUSTER.toml [--nodes N] [--config FILE.toml] [--set section.key=value ...] [--tensor N]
-            [--recompute yes] [--tiers yes] [--layer-costs RUN/metrics.jsonl] [--trace FILE.json] [--json yes]
+            [--recompute yes] [--tiers yes] [--overlap-sync no] [--layer-costs RUN/metrics.jsonl] [--trace FILE.json]
+            [--json yes]
             Predict one training step of the config on a described cluster (configs/clusters/):
             data x pipeline (the config's) x tensor (modelled only) layout, Keel's schedule and
             stage cut on its schedule simulator, ring collectives over the cluster's links: the
             step's breakdown, samples/s, MFU, memory per device; --trace: a Chrome trace of it;
             --layer-costs: per-layer F, B, W a run measured instead of the FLOP model.
             --tiers yes: pages homed on device, host and NVMe by Keel's placement, the step's
-            transfers, stalls and hit rates under the tier manager's policy.
+            transfers, stalls and hit rates under the tier manager's policy. --overlap-sync no:
+            the data-parallel sync after the backward, not under it (a peer that does so).
             --search yes [--top N]: the N fastest layouts (tensor x pipeline x data, ZeRO,
             schedule, micro-batches, sync codec, recomputation, memory tiers where device memory
             alone is short) with their breakdowns, for the config's model and step.
@@ -589,6 +591,9 @@ int cmd_simulate(const Args& a) {
   const std::string tiers = a.get("--tiers", "no");
   check(tiers == "yes" || tiers == "no", "simulate --tiers: expected yes or no, found '" + tiers + "'");
   o.tiers = tiers == "yes";
+  const std::string overlap = a.get("--overlap-sync", "yes");
+  check(overlap == "yes" || overlap == "no", "simulate --overlap-sync: expected yes or no, found '" + overlap + "'");
+  o.overlap_sync = overlap == "yes";
   o.json = json == "yes";
   return sim::simulate_command(o);
 }
@@ -731,7 +736,7 @@ int run(int argc, char** argv) {
       {"import", {"--llmc", "--llama2c", "--out", "--set"}},
       {"checkpoints", {"--dir", "--verify"}},
       {"report", {"--dir", "--out"}},
-      {"simulate", {"--config", "--set", "--cluster", "--nodes", "--layer-costs", "--tensor", "--recompute", "--tiers", "--trace", "--json", "--probe", "--search", "--top"}},
+      {"simulate", {"--config", "--set", "--cluster", "--nodes", "--layer-costs", "--tensor", "--recompute", "--tiers", "--overlap-sync", "--trace", "--json", "--probe", "--search", "--top"}},
       {"schedule", {"--config", "--set", "--trace", "--width", "--layer-costs", "--json", "--partitioner", "--decisions",
                     "--stage-memory-mib", "--start-cut"}},
   };

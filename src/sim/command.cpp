@@ -68,9 +68,9 @@ nlohmann::json tiers_json(const TierPrediction& t) {
 
 int search_command(const SimulateOptions& o, const Config& config, const Cluster& cluster) {
   check(o.top >= 1, "simulate --top: expected >= 1, found " + std::to_string(o.top));
-  check(o.layer_costs.empty() && o.trace.empty() && o.tensor == 1 && !o.recompute && !o.tiers,
+  check(o.layer_costs.empty() && o.trace.empty() && o.tensor == 1 && !o.recompute && !o.tiers && o.overlap_sync,
         "simulate --search: searches tensor degrees, recomputation and memory tiers itself (no --tensor, --recompute, "
-        "--tiers, --layer-costs or --trace with it)");
+        "--tiers, --overlap-sync, --layer-costs or --trace with it)");
   const SearchResult found = search_layouts(config, cluster);
   const ModelConfig& m = config.model;
   if (!o.json) {
@@ -120,7 +120,9 @@ int simulate_command(const SimulateOptions& o) {
   Config config = Config::load(o.config, o.sets);
   if (o.search) return search_command(o, config, cluster);
   resolve_job_config(config, cluster.devices() / o.tensor);
-  const StepPrediction p = predict_step(config, cluster, SimLayout{o.tensor, o.recompute, o.layer_costs, o.tiers});
+  SimLayout layout{o.tensor, o.recompute, o.layer_costs, o.tiers};
+  layout.overlap_sync = o.overlap_sync;
+  const StepPrediction p = predict_step(config, cluster, layout);
   if (!o.trace.empty()) {
     const std::string trace = pipeline::chrome_trace(p.timeline, "keel simulate: " + config.model.preset + " on " + cluster.name);
     write_file_atomic(o.trace, {ByteRange{trace.data(), trace.size()}});

@@ -15,6 +15,7 @@ struct SimulateOptions {
   int tensor = 1;                    // --tensor
   bool recompute = false;            // --recompute yes
   bool tiers = false;                // --tiers yes: memory tiers (sim/tier_model.h)
+  bool overlap_sync = true;          // --overlap-sync no: the sync after the backward (SimLayout)
   std::string layer_costs;           // --layer-costs FILE (a run's metrics.jsonl or a costs object)
   std::string trace;                 // --trace FILE.json ("" = none)
   bool json = false;                 // --json yes

@@ -259,13 +259,15 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
       bw_end += layer_backward[static_cast<size_t>(i)];
       visited[static_cast<size_t>(i)] = true;
       const double ms = sync.layer_ms[static_cast<size_t>(i)];
-      if (ms > 0) link_free = std::max(link_free, bw_end) + ms;
+      // (overlap_sync false: every collective waits for the end of backward)
+      if (ms > 0 && layout.overlap_sync) link_free = std::max(link_free, bw_end) + ms;
     }
   }
   for (size_t i = 0; i < visited.size(); ++i) {
     // Gradients of layers this rank holds only as replicas (GPT-2's tied embedding on the head
     // stage) are complete at the end of its backward.
-    if (!visited[i] && sync.layer_ms[i] > 0) link_free = std::max(link_free, bw_end) + sync.layer_ms[i];
+    const bool late = !visited[i] || !layout.overlap_sync;
+    if (late && sync.layer_ms[i] > 0) link_free = std::max(link_free, bw_end) + sync.layer_ms[i];
   }
   r.sync_exposed_ms = std::max(0.0, link_free - bw_end) + sync.after_ms + r.sync_codec_ms;
   if (!m.llama() && P > 1) {

@@ -67,6 +67,10 @@ struct SimLayout {
   // within the cluster's memories. Also on where the config's tier.device_mib is set.
   bool tiers = false;
   int tier_chunks = 1024;  // the tier model's chunks per rank at most (TierInputs::max_chunks)
+  // The data-parallel sync overlaps the backward layer by layer, as Keel's GradSync does. false:
+  // it starts after the backward (a peer that reduces gradients at the end of the step, as
+  // Megatron-LM's 2021 runs did; `keel simulate --overlap-sync no`).
+  bool overlap_sync = true;
 };
 
 struct MemoryPerDevice {

@@ -78,7 +78,7 @@ TierPrediction predict_tiers(const Config& config, const Cluster& cluster, const
     while (end < n && sum + chunks[end].numel / 2 <= total / in.data) sum += chunks[end++].numel;
     store.shard_moments(0, std::max(end, 1));
   }
-  const auto [m_begin, m_end] = store.moment_chunks();
+  const int m_begin = store.moment_chunks().first, m_end = store.moment_chunks().second;  // (lambdas capture them)
 
   // Budgets per device: what the device memory leaves beside the activations; the node's host
   // memory and NVMe drives shared by its devices. Placement sees full-width pages; a tensor
