@@ -35,7 +35,8 @@ void print_text(const Config& config, const Cluster& cluster, const StepPredicti
   std::printf("memory per device: parameters %.2f GiB, gradients %.2f, AdamW moments %.2f, activations %.2f: %.2f of "
               "%.0f GiB (%s)\n",
               mem.params_gib, mem.grads_gib, mem.optimizer_gib, mem.activations_gib, mem.total_gib(),
-              cluster.device.memory_gib, p.fits ? "fits" : "DOES NOT FIT");
+              cluster.device.memory_gib,
+              p.tiers.enabled ? "the planes homed over device, host and NVMe: below" : p.fits ? "fits" : "DOES NOT FIT");
   const TierPrediction& t = p.tiers;
   if (t.enabled) {
     const int d = static_cast<int>(Tier::device), h = static_cast<int>(Tier::host), n = static_cast<int>(Tier::nvme);
