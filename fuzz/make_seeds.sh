@@ -10,7 +10,7 @@ out=fuzz/corpus
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 rm -rf "$out"
-mkdir -p "$out"/{fuzz_config,fuzz_shard,fuzz_tokenizer,fuzz_llmc,fuzz_checkpoint}
+mkdir -p "$out"/{fuzz_config,fuzz_shard,fuzz_tokenizer,fuzz_llmc,fuzz_checkpoint,fuzz_image}
 
 cp configs/default.toml "$out/fuzz_config/default.toml"
 cp configs/gpt2-124m-llmc.toml "$out/fuzz_config/gpt2-124m-llmc.toml" 2>/dev/null || true
@@ -54,3 +54,11 @@ r = open(d + "/r0.bin", "rb").read()
 open(out, "wb").write(struct.pack("<I", len(m)) + m + r)
 PY
 ls -la "$out"/*
+
+# Images: real icons (tango-icon-theme) as PNG, and one as JPEG three ways (colour, grey, progressive).
+find /usr/share/icons/Tango/16x16/actions -name "*.png" -type f | sort | head -12 | xargs -I{} cp {} "$out/fuzz_image/"
+gcc -O1 -o "$tmp/mkjpg" fuzz/mkjpg.c -lpng -ljpeg
+trash=/usr/share/icons/Tango/32x32/places/user-trash.png
+"$tmp/mkjpg" "$trash" "$out/fuzz_image/user-trash.jpg" 80 0 0
+"$tmp/mkjpg" "$trash" "$out/fuzz_image/user-trash-gray.jpg" 60 1 0
+"$tmp/mkjpg" "$trash" "$out/fuzz_image/user-trash-progressive.jpg" 70 0 1

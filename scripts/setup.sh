@@ -17,6 +17,8 @@ packages=(
   openmpi-bin libopenmpi-dev            # the distributed engine: every byte between ranks
   iproute2 procps                       # network namespaces for multi-host tests; pgrep
   fortunes fortunes-min                 # the default training corpus: real English text
+  libpng-dev libjpeg-dev                # image decoding for image-caption datasets (keel data images)
+  tango-icon-theme                      # named icons: a small real image-caption source (tests)
   python3 python3-numpy python3-torch   # independent reference for tests, peer for benchmarks
 )
 

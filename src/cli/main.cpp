@@ -31,6 +31,7 @@
 #include "core/fileio.h"
 #include "data/corpus.h"
 #include "data/loader.h"
+#include "data/images.h"
 #include "data/tokenizer.h"
 #include "kernels/cpu/blas.h"
 #include "model/gpt.h"
@@ -114,6 +115,12 @@ commands:
             alone is short) with their breakdowns, for the config's model and step.
             --probe yes: this machine's memory bandwidth and HybridGC's codec throughput (one
             thread), as cluster-file TOML, for a cluster file describing it.
+  data images --from DIR --out DATASET [--size N] [--val-fraction F] [--strict yes]
+            An image-caption dataset from a directory of named .png/.jpg images (an icon theme,
+            a clipart collection): captions from file names and folders, images over white,
+            centre-cropped and resized to N x N (default 32), split by caption hash
+            (data/images.h documents the files); unreadable images skipped and counted
+            (--strict yes: an error).
   checkpoints --dir DIR [--verify yes]
             List the checkpoints under DIR (a run's ckpt/ or one checkpoint): step, kind, bytes,
             encodings; --verify yes decodes and checks every record.
@@ -705,6 +712,26 @@ int cmd_schedule(const Args& a) {
   return 0;
 }
 
+int cmd_data_images(const Args& a) {
+  ImageDatasetOptions o;
+  o.from = a.get("--from");
+  o.out = a.get("--out");
+  o.size = static_cast<int>(a.get_int("--size", 32));
+  o.val_fraction = a.get_double("--val-fraction", 0.1);
+  const std::string strict = a.get("--strict", "no");
+  check(strict == "yes" || strict == "no", "data images --strict: expected yes or no, found '" + strict + "'");
+  o.strict = strict == "yes";
+  check(!o.from.empty(), "data images: missing --from DIR (a directory of named .png/.jpg images, e.g. /usr/share/icons/Tango)");
+  const ImageDatasetResult r = build_image_dataset(o);
+  g_input_accepted = true;
+  std::printf("keel data images: %s -> %s: %lld train, %lld val images of %d x %d (%lld smaller copies of kept names, "
+              "%zu files skipped)\n",
+              o.from.c_str(), o.out.c_str(), static_cast<long long>(r.train), static_cast<long long>(r.val), o.size, o.size,
+              static_cast<long long>(r.duplicates), r.skipped.size());
+  for (size_t i = 0; i < r.skipped.size() && i < 5; ++i) std::printf("  skipped: %s\n", r.skipped[i].c_str());
+  return 0;
+}
+
 int run(int argc, char** argv) {
   if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0 ||
       std::strcmp(argv[1], "help") == 0) {
@@ -725,6 +752,17 @@ int run(int argc, char** argv) {
     g_input_accepted = true;
     return launch(o);
   }
+  if (cmd == "data") {
+    // `keel data images --from DIR --out DATASET ...`: a subcommand, then options.
+    check(argc > 2 && std::strcmp(argv[2], "images") == 0,
+          "data: expected a subcommand: images (keel data images --from DIR --out DATASET)");
+    Args a(argc, argv, 3, {"--from", "--out", "--size", "--val-fraction", "--strict"});
+    if (a.help) {
+      std::fputs(command_usage(cmd).c_str(), stdout);
+      return 0;
+    }
+    return cmd_data_images(a);
+  }
   const std::map<std::string, std::vector<std::string>> options = {
       {"train", {"--config", "--set"}},
       {"tokenize", {"--input", "--out", "--vocab-size", "--val-fraction", "--seed"}},
@@ -743,7 +781,7 @@ int run(int argc, char** argv) {
   auto it = options.find(cmd);
   check(it != options.end(),
         "unknown command '" + cmd +
-            "' (expected train, launch, tokenize, eval, generate, score, export, import, schedule, simulate, checkpoints or report)");
+            "' (expected train, launch, tokenize, eval, generate, score, export, import, schedule, simulate, data, checkpoints or report)");
   // `keel report RUN_DIR`: the run directory may come first, without --dir.
   std::vector<char*> words(argv, argv + argc);
   static char dir_flag[] = "--dir";
