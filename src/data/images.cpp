@@ -2,6 +2,7 @@
 
 #include <jpeglib.h>
 #include <png.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <csetjmp>
@@ -14,6 +15,7 @@
 
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/text.h"
 
 namespace keel {
 
@@ -141,23 +143,15 @@ std::vector<Tap> resample_taps(int in, int out) {
   return taps;
 }
 
-uint64_t fnv1a(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
-
+// A name's words: '-', '_' and '.' as spaces, one space between words.
 std::string caption_words(const std::string& stem) {
   std::string out;
-  for (char c : stem) out += (c == '-' || c == '_' || c == '.') ? ' ' : c;
-  // (single spaces, trimmed)
-  std::string tidy;
-  for (char c : out) {
-    if (c == ' ' && (tidy.empty() || tidy.back() == ' ')) continue;
-    tidy += c;
+  for (char c : stem) {
+    const bool space = c == '-' || c == '_' || c == '.' || c == ' ';
+    if (space && (out.empty() || out.back() == ' ')) continue;
+    out += space ? ' ' : c;
   }
-  while (!tidy.empty() && tidy.back() == ' ') tidy.pop_back();
-  return tidy;
+  return trim(out);
 }
 
 struct Found {
@@ -251,6 +245,7 @@ ImageDatasetResult build_image_dataset(const ImageDatasetOptions& o) {
     files.push_back(e.path());
   }
   std::sort(files.begin(), files.end());
+  const fs::path root = fs::canonical(o.from);
   for (const fs::path& p : files) {
     std::error_code ec;
     const fs::path target = fs::canonical(p, ec);
@@ -263,7 +258,6 @@ ImageDatasetResult build_image_dataset(const ImageDatasetOptions& o) {
     // The caption comes from the file itself, not from a link's name (an icon theme's links are
     // older aliases of the same picture).
     Found f;
-    const fs::path root = fs::canonical(o.from);
     const bool inside = std::mismatch(root.begin(), root.end(), target.begin(), target.end()).first == root.end();
     f.source = inside ? fs::relative(target, root).string() : fs::relative(p, o.from).string();
     f.category = target.parent_path() == root ? "" : target.parent_path().filename().string();
@@ -298,7 +292,7 @@ ImageDatasetResult build_image_dataset(const ImageDatasetOptions& o) {
   check(!by_caption.empty(), "data images --from: no readable .png, .jpg or .jpeg images under " + o.from);
   std::vector<const Found*> split[2];
   const uint64_t cut = static_cast<uint64_t>(o.val_fraction * 1e6);
-  for (const auto& entry : by_caption) split[fnv1a(entry.first) % 1000000 < cut ? 1 : 0].push_back(&entry.second);
+  for (const auto& entry : by_caption) split[XXH3_64bits(entry.first.data(), entry.first.size()) % 1000000 < cut ? 1 : 0].push_back(&entry.second);
   fs::create_directories(o.out);
   write_split(o.out, "train", split[0], o.size);
   write_split(o.out, "val", split[1], o.size);

@@ -11,7 +11,7 @@
 //
 // Each image: alpha composited over white, centre-cropped to a square, resized to size x size
 // with a box filter (each output pixel the area-weighted mean of the input pixels it covers;
-// bilinear where it enlarges), RGB bytes. The split is by a hash of the caption (FNV-1a 64):
+// bilinear where it enlarges), RGB bytes. The split is by a hash of the caption (XXH3, 64 bits):
 // the same files give the same split whatever order the directory lists them in, and adding files
 // moves none of the others.
 //

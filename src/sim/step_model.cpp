@@ -125,6 +125,20 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
   return out;
 }
 
+// Checkpoints: every interval (reliability.checkpoint_every_minutes, else Keel's 15) a rank's
+// `bytes` (its parameters and moments) are snapshot off the device over PCIe (exposed), then
+// written in the background to the node's NVMe drives (exposed only where a write outlasts the
+// interval). The share of the step they cost.
+double checkpoint_share(const Cluster& cluster, double bytes) {
+  const double interval_ms = (cluster.reliability.checkpoint_every_minutes > 0 ? cluster.reliability.checkpoint_every_minutes : 15) * 60e3;
+  double per_checkpoint = bytes / (cluster.host.pcie_gbps * 1e9) * 1e3;
+  if (cluster.host.nvme_drives > 0) {
+    const double write_ms = bytes / (cluster.host.nvme_drives * cluster.host.nvme_gbps * 1e9 / cluster.devices_per_node) * 1e3;
+    per_checkpoint += std::max(0.0, write_ms - interval_ms);
+  }
+  return std::min(0.5, per_checkpoint / interval_ms);
+}
+
 }  // namespace
 
 std::vector<double> layer_params(const ModelConfig& m) {
@@ -323,19 +337,7 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
     r.tiers = predict_tiers(config, cluster, in);
     r.fits = true;  // (placement threw where the pages cannot be placed)
   }
-  // Checkpoints: every interval (reliability.checkpoint_every_minutes, else Keel's 15) the rank's
-  // parameters and its moments are snapshot off the device over PCIe (exposed), then written in
-  // the background to the node's NVMe drives (exposed only where a write outlasts the interval).
-  {
-    const double interval_ms = (cluster.reliability.checkpoint_every_minutes > 0 ? cluster.reliability.checkpoint_every_minutes : 15) * 60e3;
-    const double ckpt_bytes = most * (4 + 8 * shard);
-    double per_ckpt = ckpt_bytes / (cluster.host.pcie_gbps * 1e9) * 1e3;
-    if (cluster.host.nvme_drives > 0) {
-      const double write_ms = ckpt_bytes / (cluster.host.nvme_drives * cluster.host.nvme_gbps * 1e9 / cluster.devices_per_node) * 1e3;
-      per_ckpt += std::max(0.0, write_ms - interval_ms);
-    }
-    r.checkpoint_share = std::min(0.5, per_ckpt / interval_ms);
-  }
+  r.checkpoint_share = checkpoint_share(cluster, most * (4 + 8 * shard));
   const double base = std::max(0.0, r.span_ms + r.sync_exposed_ms + r.optimizer_ms + cluster.device.step_overhead_ms +
                                         r.tiers.stall_ms + r.tiers.host_optimizer_ms) / (1 - r.checkpoint_share);
   // The step waits for its slowest device.
