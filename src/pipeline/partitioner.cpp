@@ -84,10 +84,37 @@ std::string boundaries_of(const std::vector<LayerRange>& cut) {
   return s;
 }
 
+namespace {
+
+// The schedule of a spec and its stages' peak in flight, built once per spec on this thread: a
+// partitioner scores thousands of cuts of one schedule (the cut changes costs, not the lists).
+struct PreparedSchedule {
+  ScheduleSpec spec;
+  Schedule schedule;
+  std::vector<int> in_flight;
+  bool ready = false;
+};
+const PreparedSchedule& prepared(const ScheduleSpec& spec) {
+  thread_local PreparedSchedule last;
+  const bool same = last.ready && last.spec.kind == spec.kind && last.spec.ranks == spec.ranks &&
+                    last.spec.micro == spec.micro && last.spec.virtual_stages == spec.virtual_stages;
+  if (!same) {
+    last.ready = false;
+    last.schedule = make_schedule(spec);
+    last.in_flight = in_flight_per_stage(last.schedule);
+    last.spec = spec;
+    last.ready = true;
+  }
+  return last;
+}
+
+}  // namespace
+
 CutScore score_cut(const PartitionProblem& p, const std::vector<LayerRange>& cut) {
   const LayerCosts& c = p.costs;
-  const Schedule schedule = make_schedule(p.schedule);
-  const std::vector<int> in_flight = in_flight_per_stage(schedule);
+  const PreparedSchedule& ready = prepared(p.schedule);
+  const Schedule& schedule = ready.schedule;
+  const std::vector<int>& in_flight = ready.in_flight;
   const std::vector<double> slow = p.stage_slowdown();
   Costs costs;
   costs.comm = message_ms(p);

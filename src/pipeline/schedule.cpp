@@ -417,7 +417,7 @@ ScheduleCheck validate(const Schedule& sc, const MemoryBound& bound) {
     const std::vector<Instr>& list = sc.per_rank[r];
     // Throws unless (op, micro, stage), which `role` names for the message, is earlier in the list
     // than position i.
-    auto needs = [&](size_t i, Op op, int micro, int stage, const std::string& role) {
+    auto needs = [&](size_t i, Op op, int micro, int stage, const char* role) {  // (no string per call: a hot loop)
       const int at_position = position[key(op, micro, stage)];
       if (at_position >= 0 && at_position < static_cast<int>(i)) return;
       const bool recv = op == Op::recv_act || op == Op::recv_grad;
