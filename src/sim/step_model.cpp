@@ -193,13 +193,14 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   }
   pipeline::Costs costs;
   double tp_per_rank_max = 0;
-  std::vector<double> layer_backward(static_cast<size_t>(m.n_layer + 2), 0.0);  // B + W (+ recomputed F) per micro-batch
-  std::vector<double> layer_f(layer_backward.size(), 0.0), layer_b(layer_backward.size(), 0.0), layer_w(layer_backward.size(), 0.0);
+  // Each layer's F, B (with its recomputed F) and W per micro-batch, tensor all-reduces included:
+  // the sync's overlap and the tier model follow them layer by layer.
+  const size_t layers = static_cast<size_t>(m.n_layer + 2);
+  std::vector<double> layer_f(layers, 0.0), layer_b(layers, 0.0), layer_w(layers, 0.0);
   for (const LayerRange& s : stages) {
     double f = 0, b = 0, w = 0;
     int blocks = 0;
     for (int i = s.first; i <= s.last; ++i) {
-      const double before = (layout.recompute ? f : 0.0) + b + w;
       const double f_before = f, b_before = b, w_before = w;
       if (measured.layers() > 0) {
         f += measured.forward[i] / TP, b += measured.backward_input[i] / TP, w += measured.backward_weight[i] / TP;
@@ -213,7 +214,6 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
       }
       const bool block = i >= 1 && i <= m.n_layer;
       blocks += block;
-      layer_backward[static_cast<size_t>(i)] = (layout.recompute ? f : 0.0) + b + w - before + (block ? (layout.recompute ? 3 : 2) * tp_ar : 0.0);
       layer_f[static_cast<size_t>(i)] = f - f_before + (block ? 2 * tp_ar : 0.0);
       layer_b[static_cast<size_t>(i)] = b - b_before + (layout.recompute ? layer_f[static_cast<size_t>(i)] : 0.0) + (block ? 2 * tp_ar : 0.0);
       layer_w[static_cast<size_t>(i)] = w - w_before;
@@ -270,7 +270,7 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   for (size_t s = stages.size(); s-- > 0;) {
     if (schedule.stage_rank[s] != most_rank) continue;
     for (int i = stages[s].last; i >= stages[s].first; --i) {
-      bw_end += layer_backward[static_cast<size_t>(i)];
+      bw_end += layer_b[static_cast<size_t>(i)] + layer_w[static_cast<size_t>(i)];
       visited[static_cast<size_t>(i)] = true;
       const double ms = sync.layer_ms[static_cast<size_t>(i)];
       // (overlap_sync false: every collective waits for the end of backward)
