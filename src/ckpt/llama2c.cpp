@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <vector>
@@ -64,7 +65,7 @@ ModelConfig read_llama2c_model_config(const std::string& path) {
   check(got == 7, "llama2.c model " + path + ": shorter than its 28-byte header");
   const int64_t file_bytes = static_cast<int64_t>(std::filesystem::file_size(path));
   auto s = [](int64_t v) { return std::to_string(v); };
-  check(h[0] > 0 && h[1] > 0 && h[2] > 0 && h[3] > 0 && h[4] > 0 && h[5] != 0 && h[6] > 0,
+  check(h[0] > 0 && h[1] > 0 && h[2] > 0 && h[3] > 0 && h[4] > 0 && h[5] != 0 && h[5] != INT32_MIN && h[6] > 0,
         "llama2.c model " + path + ": header sizes must be positive (dim " + s(h[0]) + ", hidden_dim " + s(h[1]) +
             ", n_layers " + s(h[2]) + ", n_heads " + s(h[3]) + ", n_kv_heads " + s(h[4]) + ", vocab_size " + s(h[5]) +
             ", seq_len " + s(h[6]) + ")");

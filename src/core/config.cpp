@@ -585,7 +585,10 @@ void Config::resolve(int world_size) {
   if (model.n_embd == 0) model.n_embd = preset->n_embd;
   if (model.vocab_size == 0) model.vocab_size = preset->vocab_size;
   if (model.max_seq_len == 0) model.max_seq_len = std::max(preset->max_seq_len, train.seq_len);
-  if (model.padded_vocab_size == 0) model.padded_vocab_size = (model.vocab_size + 127) / 128 * 128;
+  // Padded only from a vocabulary validate_model accepts (2..65536); a larger one is reported there, not overflowed here.
+  if (model.padded_vocab_size == 0 && model.vocab_size > 0 && model.vocab_size <= 65536) {
+    model.padded_vocab_size = (model.vocab_size + 127) / 128 * 128;
+  }
   if (model.family.empty()) model.family = preset->family;
   if (model.attention == "auto") {
     // Measured (kernels_bench, d4's heads, 1024 tokens): dense is 10-20 % faster up to T = 128,
