@@ -20,6 +20,7 @@ packages=(
   libpng-dev libjpeg-dev                # image decoding for image-caption datasets (keel data images)
   tango-icon-theme                      # named icons: a small real image-caption source (tests)
   python3 python3-numpy python3-torch   # independent reference for tests, peer for benchmarks
+  python3-torchvision                   # torchvision's ResNet: the image tower's reference (tests)
 )
 
 missing=()

@@ -63,6 +63,12 @@ struct ModelConfig {
   // RoPE's angles: position * rope_position_scale() * rope_base()^(-2i / hs).
   double rope_position_scale() const { return rope_scaling == "linear" ? 1.0 / rope_factor : 1.0; }
   double rope_base() const;
+  // Where the model sits in a chunk store it shares with other parts of a bigger model (the text
+  // tower of a dual encoder): its tensors' names start with tensor_prefix and its layers' store
+  // ids with layer_base. Set by the code that builds such a model, never by a config file; a
+  // language model has "" and 0.
+  std::string tensor_prefix;
+  int layer_base = 0;
   int head_size() const { return n_embd / n_head; }
   int kv_dim() const { return n_kv_head * head_size(); }  // columns of k (and of v)
   int qkv_dim() const { return n_embd + 2 * kv_dim(); }   // [q | k | v] columns

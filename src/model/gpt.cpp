@@ -30,8 +30,11 @@ namespace {
 class Embedding final : public Layer {
  public:
   Embedding(const ModelConfig& m, ChunkStore& store) : store_(store), m_(m) {
-    wte_ = add_tensor(store, "wte", {m.padded_vocab_size, m.n_embd}, 0, ChunkKind::embedding, true);
-    if (!m.llama()) wpe_ = add_tensor(store, "wpe", {m.max_seq_len, m.n_embd}, 0, ChunkKind::embedding, true);
+    const int layer = m.layer_base;
+    wte_ = add_tensor(store, m.tensor_prefix + "wte", {m.padded_vocab_size, m.n_embd}, layer, ChunkKind::embedding, true);
+    if (!m.llama()) {
+      wpe_ = add_tensor(store, m.tensor_prefix + "wpe", {m.max_seq_len, m.n_embd}, layer, ChunkKind::embedding, true);
+    }
   }
   const char* name() const override { return "embedding"; }
   int64_t activation_floats(int, int) const override { return 0; }
@@ -40,7 +43,7 @@ class Embedding final : public Layer {
 
   // x_out[B,T,C] = wte[inputs] + wpe[t] (over a KV cache: wpe[pos0 + t])
   void forward(const Batch& b, const float*, float* x_out) override {
-    const PageLease use = store_.use_layer(0, {Plane::param});
+    const PageLease use = store_.use_layer(m_.layer_base, {Plane::param});
     const int pos0 = b.kv ? b.kv->pos0() : 0;
     if (wpe_ >= 0 && pos0 + b.T > m_.max_seq_len) {
       throw Error("the model's position table ends at " + std::to_string(m_.max_seq_len) + " tokens: position " +
@@ -51,7 +54,7 @@ class Embedding final : public Layer {
   }
   void backward_input(const Batch&, const float*, const float*, float*) override {}  // tokens have no gradient
   void backward_weight(const Batch& b, const float*, const float* dx_out) override {
-    const PageLease use = store_.use_layer(0, {}, {Plane::grad});
+    const PageLease use = store_.use_layer(m_.layer_base, {}, {Plane::grad});
     float* dwpe = wpe_ >= 0 ? store_.data(wpe_, Plane::grad) : nullptr;
     ops::encoder_backward_weight(store_.data(wte_, Plane::grad), dwpe, dx_out, b.inputs, b.B, b.T, m_.n_embd);
   }
@@ -68,8 +71,9 @@ class Embedding final : public Layer {
 class Block final : public Layer {
  public:
   Block(const ModelConfig& m, ChunkStore& store, int layer, bool bf16)
-      : store_(store), m_(m), layer_(layer), bf16_(bf16) {
-    const std::string p = "h." + std::to_string(layer - 1) + ".";
+      : store_(store), m_(m), layer_(m.layer_base + layer), bf16_(bf16) {
+    const std::string p = m.tensor_prefix + "h." + std::to_string(layer - 1) + ".";
+    layer = layer_;  // the store's id from here on
     const int64_t C = m.n_embd;
     ln1w_ = add_tensor(store, p + "ln1.w", {C}, layer, ChunkKind::norm, false);
     ln1b_ = add_tensor(store, p + "ln1.b", {C}, layer, ChunkKind::norm, false);
@@ -244,14 +248,15 @@ GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> r
   }
   // The head is tied to the token embedding: a rank with the head but not the embedding keeps a
   // replica of wte (same name, same initial values; see TiedGroup).
-  tied_.push_back(TiedGroup{"wte", 0, {0, L - 1}});
+  tied_.push_back(TiedGroup{config.tensor_prefix + "wte", 0, {0, L - 1}});
   TensorId wte = -1;
   if (local_[0]) {
     auto embedding = std::make_unique<Embedding>(config, store);
     wte = embedding->wte();
     layers_[0] = std::move(embedding);
   } else if (local_[L - 1]) {
-    TensorSpec replica{"wte", {config.padded_vocab_size, config.n_embd}, 0, ChunkKind::embedding, true};
+    TensorSpec replica{config.tensor_prefix + "wte", {config.padded_vocab_size, config.n_embd}, config.layer_base,
+                       ChunkKind::embedding, true};
     replica.replica = true;
     wte = store.add(std::move(replica));
   }
@@ -264,14 +269,15 @@ GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> r
 void GPT::build_llama() {
   const int L = num_layers();
   const bool tied = config_.tie_embeddings.value_or(false);
-  if (tied) tied_.push_back(TiedGroup{"wte", 0, {0, L - 1}});
+  if (tied) tied_.push_back(TiedGroup{config_.tensor_prefix + "wte", 0, {0, L - 1}});
   TensorId wte = -1;
   if (local_[0]) {
     auto embedding = std::make_unique<Embedding>(config_, store_);  // (no position table for llama)
     wte = embedding->wte();
     layers_[0] = std::move(embedding);
   } else if (tied && local_[L - 1]) {
-    TensorSpec replica{"wte", {config_.padded_vocab_size, config_.n_embd}, 0, ChunkKind::embedding, true};
+    TensorSpec replica{config_.tensor_prefix + "wte", {config_.padded_vocab_size, config_.n_embd}, config_.layer_base,
+                       ChunkKind::embedding, true};
     replica.replica = true;
     wte = store_.add(std::move(replica));
   }
@@ -292,11 +298,13 @@ bool GPT::whole() const { return ranges_.size() == 1 && ranges_[0].first == 0 &&
 void GPT::init_weights(uint64_t seed) {
   check(store_.finalized(), "GPT::init_weights: the chunk store is not finalized");
   const double residual_std = 0.02 / std::sqrt(2.0 * config_.n_layer);
+  const std::string& prefix = config_.tensor_prefix;  // a shared store: only this model's tensors
   for (int id = 0; id < static_cast<int>(store_.tensors().size()); ++id) {
     const TensorSpec& spec = store_.tensors()[id].spec;
+    if (spec.name.compare(0, prefix.size(), prefix) != 0) continue;
     const PageLease use = store_.use_tensor(id, {}, {Plane::param});  // with tiers: fetched, then written home
     std::span<float> w = store_.view(id, Plane::param);
-    const std::string& n = spec.name;
+    const std::string n = spec.name.substr(prefix.size());
     auto ends_with = [&](const char* suffix) {
       const size_t k = std::strlen(suffix);
       return n.size() >= k && n.compare(n.size() - k, k, suffix) == 0;
@@ -306,7 +314,7 @@ void GPT::init_weights(uint64_t seed) {
     } else if (spec.shape.size() == 1) {
       std::fill(w.begin(), w.end(), 0.0f);  // biases
     } else {
-      Rng rng(seed ^ hash_name(n));
+      Rng rng(seed ^ hash_name(spec.name));
       const double std = (ends_with("attn.proj.w") || ends_with("mlp.proj.w")) ? residual_std : 0.02;
       // Only real vocabulary rows of wte (and of an untied head) are drawn; padded rows stay zero.
       const int64_t used = n == "wte" || n == "lm_head.w" ? static_cast<int64_t>(config_.vocab_size) * config_.n_embd
@@ -422,7 +430,7 @@ void GPT::backward_input(const LayerRange& range, int slot, const Batch& batch, 
       layers_[i]->backward_input(batch, input(slot, i), output_grad(slot, i), i == 0 ? nullptr : dx_[slot][i - 1]);
       times_.backward_input[i] += timed(t0);
     }
-    if (observer != nullptr) observer->after_backward_input(i);
+    if (observer != nullptr) observer->after_backward_input(config_.layer_base + i);
   }
 }
 
@@ -435,7 +443,7 @@ void GPT::backward_weight(const LayerRange& range, int slot, const Batch& batch,
       layers_[i]->backward_weight(batch, input(slot, i), output_grad(slot, i));
       times_.backward_weight[i] += timed(t0);
     }
-    if (observer != nullptr) observer->after_backward_weight(i);
+    if (observer != nullptr) observer->after_backward_weight(config_.layer_base + i);
   }
 }
 

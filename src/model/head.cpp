@@ -15,15 +15,17 @@ namespace {
 class Head final : public model_detail::OutputLayer {
  public:
   Head(const ModelConfig& m, ChunkStore& store, int layer, TensorId tied_wte, bool bf16)
-      : store_(store), m_(m), layer_(layer), layernorm_(!m.llama()), tied_(tied_wte >= 0), bf16_(bf16) {
+      : store_(store), m_(m), layer_(m.layer_base + layer), layernorm_(!m.llama()), tied_(tied_wte >= 0), bf16_(bf16) {
+    layer = layer_;  // the store's id
+    const std::string& p = m.tensor_prefix;
     if (layernorm_) {
-      normw_ = add_tensor(store, "lnf.w", {m.n_embd}, layer, ChunkKind::norm, false);
-      normb_ = add_tensor(store, "lnf.b", {m.n_embd}, layer, ChunkKind::norm, false);
+      normw_ = add_tensor(store, p + "lnf.w", {m.n_embd}, layer, ChunkKind::norm, false);
+      normb_ = add_tensor(store, p + "lnf.b", {m.n_embd}, layer, ChunkKind::norm, false);
     } else {
-      normw_ = add_tensor(store, "norm.w", {m.n_embd}, layer, ChunkKind::norm, false);
+      normw_ = add_tensor(store, p + "norm.w", {m.n_embd}, layer, ChunkKind::norm, false);
     }
     head_ = tied_ ? tied_wte
-                  : add_tensor(store, "lm_head.w", {m.padded_vocab_size, m.n_embd}, layer, ChunkKind::embedding, true);
+                  : add_tensor(store, p + "lm_head.w", {m.padded_vocab_size, m.n_embd}, layer, ChunkKind::embedding, true);
   }
   const char* name() const override { return "head"; }
   int64_t activation_floats(int B, int T) const override {
@@ -49,7 +51,7 @@ class Head final : public model_detail::OutputLayer {
 
   void forward(const Batch& b, const float* x, float*) override {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
-    const PageLease tied = tied_ ? store_.use_layer(0, {Plane::param}) : PageLease();  // the embedding's chunks
+    const PageLease tied = tied_ ? store_.use_layer(m_.layer_base, {Plane::param}) : PageLease();  // the embedding's chunks
     const int N = b.B * b.T, C = m_.n_embd;
     float* n = n_.writable(stage_);
     if (layernorm_) {
@@ -64,7 +66,7 @@ class Head final : public model_detail::OutputLayer {
   // dx_in = d/dx of grad_scale * sum(losses); logits_ holds d(loss)/d(logits) after forward.
   void backward_input(const Batch& b, const float* x_in, const float*, float* dx_in) override {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
-    const PageLease tied = tied_ ? store_.use_layer(0, {Plane::param}) : PageLease();
+    const PageLease tied = tied_ ? store_.use_layer(m_.layer_base, {Plane::param}) : PageLease();
     const int N = b.B * b.T, C = m_.n_embd;
     ops::linear_backward_input(dn_, logits_, P(head_), N, C, m_.padded_vocab_size, false);
     if (layernorm_) {
@@ -75,7 +77,7 @@ class Head final : public model_detail::OutputLayer {
   }
   void backward_weight(const Batch& b, const float* x_in, const float*) override {
     const PageLease use = store_.use_layer(layer_, {}, {Plane::grad});
-    const PageLease tied = tied_ ? store_.use_layer(0, {}, {Plane::grad}) : PageLease();
+    const PageLease tied = tied_ ? store_.use_layer(m_.layer_base, {}, {Plane::grad}) : PageLease();
     const int N = b.B * b.T, C = m_.n_embd;
     ops::linear_backward_weight(G(head_), static_cast<float*>(nullptr), logits_, n_.read(), N, C, m_.padded_vocab_size);
     if (layernorm_) {

@@ -20,8 +20,9 @@ namespace {
 class LlamaBlock final : public Layer {
  public:
   LlamaBlock(const ModelConfig& m, ChunkStore& store, int layer, bool bf16)
-      : store_(store), m_(m), layer_(layer), bf16_(bf16), C_(m.n_embd), QKV_(m.qkv_dim()), H_(m.ffn_hidden) {
-    const std::string p = "h." + std::to_string(layer - 1) + ".";
+      : store_(store), m_(m), layer_(m.layer_base + layer), bf16_(bf16), C_(m.n_embd), QKV_(m.qkv_dim()), H_(m.ffn_hidden) {
+    const std::string p = m.tensor_prefix + "h." + std::to_string(layer - 1) + ".";
+    layer = layer_;  // the store's id from here on
     attn_norm_ = add_tensor(store, p + "attn_norm.w", {C_}, layer, ChunkKind::norm, false);
     qkvw_ = add_tensor(store, p + "attn.qkv.w", {QKV_, C_}, layer, ChunkKind::attention, true);
     projw_ = add_tensor(store, p + "attn.proj.w", {C_, C_}, layer, ChunkKind::attention, true);

@@ -1,0 +1,508 @@
+#include "kernels/cpu/conv.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <dnnl.hpp>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+#include "core/error.h"
+
+namespace keel::ops {
+
+std::string ConvShape::str() const {
+  return "conv " + std::to_string(N) + "x" + std::to_string(H) + "x" + std::to_string(W) + "x" + std::to_string(C) +
+         " -> " + std::to_string(K) + " (" + std::to_string(R) + "x" + std::to_string(S) + ", stride " +
+         std::to_string(stride) + ", pad " + std::to_string(pad) + ")";
+}
+
+namespace {
+
+void check_shape(const ConvShape& s) {
+  check(s.N >= 1 && s.H >= 1 && s.W >= 1 && s.C >= 1 && s.K >= 1 && s.R >= 1 && s.S >= 1 && s.stride >= 1 &&
+            s.pad >= 0 && s.P() >= 1 && s.Q() >= 1,
+        "convolution: impossible shape " + s.str());
+}
+
+// ---- float: oneDNN ---------------------------------------------------------------------------------
+// One shape's primitives: forward, backward data and backward weights, each with the weights in
+// the layout its implementation chose, and the reorders between those and PyTorch's OIHW.
+struct ConvPrimitives {
+  dnnl::convolution_forward fwd;
+  dnnl::convolution_backward_data bwd_data;
+  dnnl::convolution_backward_weights bwd_weights;
+  dnnl::memory::desc act_in, act_out, w_plain, w_fwd, w_bwd, dw_bwd, scratch_fwd, scratch_data, scratch_weights;
+  dnnl::reorder to_fwd, to_bwd, from_dw;  // null where the chosen layout is the plain one
+  std::vector<float> w_fwd_buf, w_bwd_buf, dw_buf, dw_plain;
+  // Each primitive's own scratchpad (scratchpad_mode::user), never shared between primitives.
+  std::vector<uint8_t> pad_fwd, pad_data, pad_weights;
+  std::string impl;
+};
+
+struct ConvCache {
+  dnnl::engine engine{dnnl::engine::kind::cpu, 0};
+  dnnl::stream stream{engine};
+  std::mutex mutex;
+  std::map<std::tuple<int, int, int, int, int, int, int, int, int>, std::unique_ptr<ConvPrimitives>> entries;
+  std::string first_impl;
+};
+
+ConvCache& conv_cache() {
+  static ConvCache cache;
+  return cache;
+}
+
+// The primitives of a shape, made on first use. Callers hold the cache's mutex while they run them
+// (the entry's reorder buffers are shared; the model runs one convolution at a time anyway).
+ConvPrimitives& primitives(ConvCache& cache, const ConvShape& s) {
+  const auto key = std::make_tuple(s.N, s.H, s.W, s.C, s.K, s.R, s.S, s.stride, s.pad);
+  auto it = cache.entries.find(key);
+  if (it != cache.entries.end()) return *it->second;
+  using dt = dnnl::memory::data_type;
+  using tag = dnnl::memory::format_tag;
+  auto p = std::make_unique<ConvPrimitives>();
+  p->act_in = dnnl::memory::desc({s.N, s.C, s.H, s.W}, dt::f32, tag::nhwc);
+  p->act_out = dnnl::memory::desc({s.N, s.K, s.P(), s.Q()}, dt::f32, tag::nhwc);
+  p->w_plain = dnnl::memory::desc({s.K, s.C, s.R, s.S}, dt::f32, tag::oihw);
+  const dnnl::memory::desc w_any({s.K, s.C, s.R, s.S}, dt::f32, tag::any);
+  const dnnl::memory::dims strides = {s.stride, s.stride}, pad = {s.pad, s.pad};
+  try {
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    const dnnl::convolution_forward::primitive_desc fwd_pd(
+        dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct,
+                                         p->act_in, w_any, p->act_out, strides, pad, pad),
+        attr, cache.engine);
+    const dnnl::convolution_backward_data::primitive_desc data_pd(
+        dnnl::convolution_backward_data::desc(dnnl::algorithm::convolution_direct, p->act_in, w_any, p->act_out,
+                                              strides, pad, pad),
+        attr, cache.engine, fwd_pd);
+    // Weight gradients as HWIO: oneDNN 2.6's AVX-512 backward-weights kernel for channels-last
+    // activations (chosen for "any") wrote past its buffers with two threads (heap corruption after
+    // a dozen shapes; AVX2 and one thread were fine); for HWIO it runs its GEMM-based kernel, which
+    // is as fast here. (OIHW itself gets the reference kernel: slow.)
+    const dnnl::memory::desc dw_hwio({s.K, s.C, s.R, s.S}, dt::f32, tag::hwio);
+    const dnnl::convolution_backward_weights::primitive_desc weights_pd(
+        dnnl::convolution_backward_weights::desc(dnnl::algorithm::convolution_direct, p->act_in, dw_hwio, p->act_out,
+                                                 strides, pad, pad),
+        attr, cache.engine, fwd_pd);
+    p->fwd = dnnl::convolution_forward(fwd_pd);
+    p->bwd_data = dnnl::convolution_backward_data(data_pd);
+    p->bwd_weights = dnnl::convolution_backward_weights(weights_pd);
+    p->w_fwd = fwd_pd.weights_desc();
+    p->w_bwd = data_pd.weights_desc();
+    p->dw_bwd = weights_pd.diff_weights_desc();
+    auto reorder = [&](const dnnl::memory::desc& from, const dnnl::memory::desc& to) {
+      return from == to ? dnnl::reorder() : dnnl::reorder(dnnl::reorder::primitive_desc(cache.engine, from, cache.engine, to));
+    };
+    p->to_fwd = reorder(p->w_plain, p->w_fwd);
+    p->to_bwd = reorder(p->w_plain, p->w_bwd);
+    p->from_dw = reorder(p->dw_bwd, p->w_plain);
+    p->w_fwd_buf.resize(p->w_fwd.get_size() / sizeof(float) + 1);
+    p->w_bwd_buf.resize(p->w_bwd.get_size() / sizeof(float) + 1);
+    p->dw_buf.resize(p->dw_bwd.get_size() / sizeof(float) + 1);
+    p->dw_plain.resize(static_cast<size_t>(s.weight_size()));
+    p->impl = fwd_pd.impl_info_str();
+    p->scratch_fwd = fwd_pd.scratchpad_desc();
+    p->scratch_data = data_pd.scratchpad_desc();
+    p->scratch_weights = weights_pd.scratchpad_desc();
+    p->pad_fwd.resize(p->scratch_fwd.get_size() + 1);
+    p->pad_data.resize(p->scratch_data.get_size() + 1);
+    p->pad_weights.resize(p->scratch_weights.get_size() + 1);
+  } catch (const dnnl::error& e) {
+    throw Error("convolution: oneDNN has no implementation for " + s.str() + " (" + e.what() + ")");
+  }
+  if (cache.first_impl.empty()) cache.first_impl = p->impl;
+  return *cache.entries.emplace(key, std::move(p)).first->second;
+}
+
+dnnl::memory wrap(const dnnl::memory::desc& md, const ConvCache& cache, const void* ptr) {
+  return dnnl::memory(md, cache.engine, const_cast<void*>(ptr));
+}
+
+// The weights in `layout` (a reorder into `buffer`, or the plain array itself).
+dnnl::memory weights_as(ConvCache& cache, const ConvPrimitives& p, dnnl::reorder& to, const dnnl::memory::desc& layout,
+                        std::vector<float>& buffer, const float* w) {
+  dnnl::memory plain = wrap(p.w_plain, cache, w);
+  if (!to) return plain;
+  dnnl::memory out = wrap(layout, cache, buffer.data());
+  to.execute(cache.stream, plain, out);
+  return out;
+}
+
+void onednn_forward(float* y, const float* x, const float* w, const ConvShape& s) {
+  ConvCache& cache = conv_cache();
+  std::lock_guard<std::mutex> lock(cache.mutex);
+  ConvPrimitives& p = primitives(cache, s);
+  const dnnl::memory weights = weights_as(cache, p, p.to_fwd, p.w_fwd, p.w_fwd_buf, w);
+  p.fwd.execute(cache.stream, {{DNNL_ARG_SRC, wrap(p.act_in, cache, x)},
+                               {DNNL_ARG_WEIGHTS, weights},
+                               {DNNL_ARG_DST, wrap(p.act_out, cache, y)},
+                               {DNNL_ARG_SCRATCHPAD, wrap(p.scratch_fwd, cache, p.pad_fwd.data())}});
+  cache.stream.wait();
+}
+
+void onednn_backward_input(float* dx, const float* dy, const float* w, const ConvShape& s) {
+  ConvCache& cache = conv_cache();
+  std::lock_guard<std::mutex> lock(cache.mutex);
+  ConvPrimitives& p = primitives(cache, s);
+  const dnnl::memory weights = weights_as(cache, p, p.to_bwd, p.w_bwd, p.w_bwd_buf, w);
+  p.bwd_data.execute(cache.stream, {{DNNL_ARG_DIFF_DST, wrap(p.act_out, cache, dy)},
+                                    {DNNL_ARG_WEIGHTS, weights},
+                                    {DNNL_ARG_DIFF_SRC, wrap(p.act_in, cache, dx)},
+                                    {DNNL_ARG_SCRATCHPAD, wrap(p.scratch_data, cache, p.pad_data.data())}});
+  cache.stream.wait();
+}
+
+// Overwrites dw_plain of the entry with this call's weight gradient; the caller adds it.
+const float* onednn_backward_weight(const float* dy, const float* x, const ConvShape& s, std::unique_lock<std::mutex>&) {
+  ConvCache& cache = conv_cache();
+  ConvPrimitives& p = primitives(cache, s);
+  dnnl::memory plain = wrap(p.w_plain, cache, p.dw_plain.data());
+  dnnl::memory grads = p.from_dw ? wrap(p.dw_bwd, cache, p.dw_buf.data()) : plain;
+  p.bwd_weights.execute(cache.stream, {{DNNL_ARG_SRC, wrap(p.act_in, cache, x)},
+                                       {DNNL_ARG_DIFF_DST, wrap(p.act_out, cache, dy)},
+                                       {DNNL_ARG_DIFF_WEIGHTS, grads},
+                                       {DNNL_ARG_SCRATCHPAD, wrap(p.scratch_weights, cache, p.pad_weights.data())}});
+  if (p.from_dw) p.from_dw.execute(cache.stream, grads, plain);
+  cache.stream.wait();
+  return p.dw_plain.data();
+}
+
+// ---- double: direct loops from the definition ---------------------------------------------------
+template <typename T>
+void direct_forward(T* y, const T* x, const T* w, const ConvShape& s) {
+  const int P = s.P(), Q = s.Q();
+#pragma omp parallel for schedule(static)
+  for (int64_t npq = 0; npq < static_cast<int64_t>(s.N) * P * Q; ++npq) {
+    const int n = static_cast<int>(npq / (P * Q)), p = static_cast<int>(npq / Q % P), q = static_cast<int>(npq % Q);
+    T* out = y + npq * s.K;
+    for (int k = 0; k < s.K; ++k) {
+      T sum = 0;
+      for (int r = 0; r < s.R; ++r) {
+        const int h = p * s.stride - s.pad + r;
+        if (h < 0 || h >= s.H) continue;
+        for (int c = 0; c < s.C; ++c) {
+          for (int t = 0; t < s.S; ++t) {
+            const int v = q * s.stride - s.pad + t;
+            if (v < 0 || v >= s.W) continue;
+            sum += x[((static_cast<int64_t>(n) * s.H + h) * s.W + v) * s.C + c] *
+                   w[((static_cast<int64_t>(k) * s.C + c) * s.R + r) * s.S + t];
+          }
+        }
+      }
+      out[k] = sum;
+    }
+  }
+}
+
+template <typename T>
+void direct_backward_input(T* dx, const T* dy, const T* w, const ConvShape& s, bool accumulate) {
+  const int P = s.P(), Q = s.Q();
+  const int64_t image = static_cast<int64_t>(s.H) * s.W * s.C;
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < s.N; ++n) {
+    T* dxn = dx + n * image;
+    if (!accumulate) std::fill(dxn, dxn + image, T(0));
+    for (int p = 0; p < P; ++p) {
+      for (int q = 0; q < Q; ++q) {
+        const T* g = dy + ((static_cast<int64_t>(n) * P + p) * Q + q) * s.K;
+        for (int k = 0; k < s.K; ++k) {
+          for (int r = 0; r < s.R; ++r) {
+            const int h = p * s.stride - s.pad + r;
+            if (h < 0 || h >= s.H) continue;
+            for (int t = 0; t < s.S; ++t) {
+              const int v = q * s.stride - s.pad + t;
+              if (v < 0 || v >= s.W) continue;
+              for (int c = 0; c < s.C; ++c) {
+                dxn[(static_cast<int64_t>(h) * s.W + v) * s.C + c] +=
+                    g[k] * w[((static_cast<int64_t>(k) * s.C + c) * s.R + r) * s.S + t];
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+void direct_backward_weight(T* dw, const T* dy, const T* x, const ConvShape& s) {
+  const int P = s.P(), Q = s.Q();
+#pragma omp parallel for schedule(static)
+  for (int k = 0; k < s.K; ++k) {
+    for (int c = 0; c < s.C; ++c) {
+      for (int r = 0; r < s.R; ++r) {
+        for (int t = 0; t < s.S; ++t) {
+          T sum = 0;
+          for (int n = 0; n < s.N; ++n) {
+            for (int p = 0; p < P; ++p) {
+              const int h = p * s.stride - s.pad + r;
+              if (h < 0 || h >= s.H) continue;
+              for (int q = 0; q < Q; ++q) {
+                const int v = q * s.stride - s.pad + t;
+                if (v < 0 || v >= s.W) continue;
+                sum += dy[((static_cast<int64_t>(n) * P + p) * Q + q) * s.K + k] *
+                       x[((static_cast<int64_t>(n) * s.H + h) * s.W + v) * s.C + c];
+              }
+            }
+          }
+          dw[((static_cast<int64_t>(k) * s.C + c) * s.R + r) * s.S + t] += sum;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+std::string conv_engine() {
+  ConvCache& cache = conv_cache();
+  std::lock_guard<std::mutex> lock(cache.mutex);
+  return cache.first_impl.empty() ? "oneDNN (no convolution run yet)" : "oneDNN " + cache.first_impl;
+}
+
+template <typename T>
+void conv2d_forward(T* y, const T* x, const T* w, const ConvShape& s) {
+  check_shape(s);
+  if constexpr (std::is_same_v<T, float>) {
+    onednn_forward(y, x, w, s);
+  } else {
+    direct_forward(y, x, w, s);
+  }
+}
+
+template <typename T>
+void conv2d_backward_input(T* dx, const T* dy, const T* w, const ConvShape& s, bool accumulate) {
+  check_shape(s);
+  if constexpr (std::is_same_v<T, float>) {
+    if (!accumulate) {
+      onednn_backward_input(dx, dy, w, s);
+      return;
+    }
+    std::vector<float> tmp(static_cast<size_t>(s.in_size()));
+    onednn_backward_input(tmp.data(), dy, w, s);
+    const int64_t n = s.in_size();
+#pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < n; ++i) dx[i] += tmp[i];
+  } else {
+    direct_backward_input(dx, dy, w, s, accumulate);
+  }
+}
+
+template <typename T>
+void conv2d_backward_weight(T* dw, const T* dy, const T* x, const ConvShape& s) {
+  check_shape(s);
+  if constexpr (std::is_same_v<T, float>) {
+    ConvCache& cache = conv_cache();
+    std::unique_lock<std::mutex> lock(cache.mutex);
+    const float* g = onednn_backward_weight(dy, x, s, lock);
+    const int64_t n = s.weight_size();
+#pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < n; ++i) dw[i] += g[i];
+  } else {
+    direct_backward_weight(dw, dy, x, s);
+  }
+}
+
+// ---- group normalisation -------------------------------------------------------------------------
+template <typename T>
+void groupnorm_forward(T* y, T* mean, T* rstd, const T* x, const T* gamma, const T* beta, int N, int HW, int C, int G,
+                       bool relu) {
+  const int Cg = C / G;
+#pragma omp parallel for schedule(static)
+  for (int ng = 0; ng < N * G; ++ng) {
+    const int n = ng / G, g = ng % G;
+    const T* xn = x + static_cast<int64_t>(n) * HW * C + g * Cg;
+    double sum = 0, sq = 0;
+    for (int i = 0; i < HW; ++i) {
+      for (int c = 0; c < Cg; ++c) sum += xn[static_cast<int64_t>(i) * C + c];
+    }
+    const double m = sum / (static_cast<double>(HW) * Cg);
+    for (int i = 0; i < HW; ++i) {
+      for (int c = 0; c < Cg; ++c) {
+        const double d = xn[static_cast<int64_t>(i) * C + c] - m;
+        sq += d * d;
+      }
+    }
+    const double r = 1.0 / std::sqrt(sq / (static_cast<double>(HW) * Cg) + 1e-5);
+    mean[ng] = static_cast<T>(m);
+    rstd[ng] = static_cast<T>(r);
+    T* yn = y + static_cast<int64_t>(n) * HW * C + g * Cg;
+    const T tm = static_cast<T>(m), tr = static_cast<T>(r);
+    for (int i = 0; i < HW; ++i) {
+      for (int c = 0; c < Cg; ++c) {
+        const int64_t at = static_cast<int64_t>(i) * C + c;
+        T v = (xn[at] - tm) * tr * gamma[g * Cg + c] + beta[g * Cg + c];
+        yn[at] = relu && v < T(0) ? T(0) : v;
+      }
+    }
+  }
+}
+
+template <typename T>
+void groupnorm_backward_input(T* dx, const T* dy, const T* x, const T* y, const T* mean, const T* rstd, const T* gamma,
+                              int N, int HW, int C, int G, bool relu, bool accumulate) {
+  const int Cg = C / G;
+  auto grad = [&](int64_t at) { return relu && !(y[at] > T(0)) ? T(0) : dy[at]; };
+#pragma omp parallel for schedule(static)
+  for (int ng = 0; ng < N * G; ++ng) {
+    const int n = ng / G, g = ng % G;
+    const int64_t base = static_cast<int64_t>(n) * HW * C + g * Cg;
+    const double m = mean[ng], r = rstd[ng];
+    double sum_d = 0, sum_dx = 0;  // sums of dxhat and dxhat * xhat over the group
+    for (int i = 0; i < HW; ++i) {
+      for (int c = 0; c < Cg; ++c) {
+        const int64_t at = base + static_cast<int64_t>(i) * C + c;
+        const double d = static_cast<double>(grad(at)) * gamma[g * Cg + c];
+        sum_d += d;
+        sum_dx += d * (x[at] - m) * r;
+      }
+    }
+    const double count = static_cast<double>(HW) * Cg;
+    const T md = static_cast<T>(sum_d / count), mdx = static_cast<T>(sum_dx / count);
+    const T tm = static_cast<T>(m), tr = static_cast<T>(r);
+    for (int i = 0; i < HW; ++i) {
+      for (int c = 0; c < Cg; ++c) {
+        const int64_t at = base + static_cast<int64_t>(i) * C + c;
+        const T xhat = (x[at] - tm) * tr;
+        const T v = tr * (grad(at) * gamma[g * Cg + c] - md - xhat * mdx);
+        dx[at] = accumulate ? dx[at] + v : v;
+      }
+    }
+  }
+}
+
+template <typename T>
+void groupnorm_backward_weight(T* dgamma, T* dbeta, const T* dy, const T* x, const T* y, const T* mean, const T* rstd,
+                               int N, int HW, int C, int G, bool relu) {
+  const int Cg = C / G;
+  // Channels split across threads: every channel's sum runs over n, then positions, in one order.
+#pragma omp parallel for schedule(static)
+  for (int c = 0; c < C; ++c) {
+    const int g = c / Cg;
+    double sg = 0, sb = 0;
+    for (int n = 0; n < N; ++n) {
+      const double m = mean[n * G + g], r = rstd[n * G + g];
+      const int64_t base = static_cast<int64_t>(n) * HW * C + c;
+      for (int i = 0; i < HW; ++i) {
+        const int64_t at = base + static_cast<int64_t>(i) * C;
+        const double d = relu && !(y[at] > T(0)) ? 0.0 : static_cast<double>(dy[at]);
+        sg += d * (x[at] - m) * r;
+        sb += d;
+      }
+    }
+    dgamma[c] += static_cast<T>(sg);
+    dbeta[c] += static_cast<T>(sb);
+  }
+}
+
+template <typename T>
+void add_relu_forward(T* y, const T* a, const T* b, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const T v = b ? a[i] + b[i] : a[i];
+    y[i] = v > T(0) ? v : T(0);
+  }
+}
+
+template <typename T>
+void relu_backward(T* dx, const T* dy, const T* y, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) dx[i] = y[i] > T(0) ? dy[i] : T(0);
+}
+
+template <typename T>
+void maxpool_forward(T* y, int32_t* arg, const T* x, int N, int H, int W, int C, int k, int stride, int pad) {
+  const int P = pool_out(H, k, stride, pad), Q = pool_out(W, k, stride, pad);
+#pragma omp parallel for schedule(static)
+  for (int64_t npq = 0; npq < static_cast<int64_t>(N) * P * Q; ++npq) {
+    const int n = static_cast<int>(npq / (P * Q)), p = static_cast<int>(npq / Q % P), q = static_cast<int>(npq % Q);
+    for (int c = 0; c < C; ++c) {
+      T best = -std::numeric_limits<T>::infinity();
+      int32_t where = -1;
+      for (int r = 0; r < k; ++r) {
+        const int h = p * stride - pad + r;
+        if (h < 0 || h >= H) continue;
+        for (int t = 0; t < k; ++t) {
+          const int v = q * stride - pad + t;
+          if (v < 0 || v >= W) continue;
+          const T value = x[((static_cast<int64_t>(n) * H + h) * W + v) * C + c];
+          if (where < 0 || value > best) {
+            best = value;
+            where = h * W + v;
+          }
+        }
+      }
+      y[npq * C + c] = best;
+      arg[npq * C + c] = where;
+    }
+  }
+}
+
+template <typename T>
+void maxpool_backward_input(T* dx, const T* dy, const int32_t* arg, int N, int H, int W, int C, int P, int Q) {
+  const int64_t image = static_cast<int64_t>(H) * W * C;
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; ++n) {
+    T* dxn = dx + n * image;
+    std::fill(dxn, dxn + image, T(0));
+    const int64_t first = static_cast<int64_t>(n) * P * Q * C;
+    for (int64_t i = 0; i < static_cast<int64_t>(P) * Q * C; ++i) {
+      const int c = static_cast<int>(i % C);
+      dxn[static_cast<int64_t>(arg[first + i]) * C + c] += dy[first + i];
+    }
+  }
+}
+
+template <typename T>
+void avgpool_forward(T* y, const T* x, int N, int HW, int C) {
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; ++n) {
+    for (int c = 0; c < C; ++c) {
+      double sum = 0;
+      for (int i = 0; i < HW; ++i) sum += x[(static_cast<int64_t>(n) * HW + i) * C + c];
+      y[static_cast<int64_t>(n) * C + c] = static_cast<T>(sum / HW);
+    }
+  }
+}
+
+template <typename T>
+void avgpool_backward_input(T* dx, const T* dy, int N, int HW, int C) {
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; ++n) {
+    for (int i = 0; i < HW; ++i) {
+      for (int c = 0; c < C; ++c) {
+        dx[(static_cast<int64_t>(n) * HW + i) * C + c] = dy[static_cast<int64_t>(n) * C + c] / static_cast<T>(HW);
+      }
+    }
+  }
+}
+
+#define KEEL_CONV_INSTANTIATE(T)                                                                                    \
+  template void conv2d_forward<T>(T*, const T*, const T*, const ConvShape&);                                       \
+  template void conv2d_backward_input<T>(T*, const T*, const T*, const ConvShape&, bool);                          \
+  template void conv2d_backward_weight<T>(T*, const T*, const T*, const ConvShape&);                               \
+  template void groupnorm_forward<T>(T*, T*, T*, const T*, const T*, const T*, int, int, int, int, bool);          \
+  template void groupnorm_backward_input<T>(T*, const T*, const T*, const T*, const T*, const T*, const T*, int, int, \
+                                            int, int, bool, bool);                                                 \
+  template void groupnorm_backward_weight<T>(T*, T*, const T*, const T*, const T*, const T*, const T*, int, int, int, \
+                                             int, bool);                                                           \
+  template void add_relu_forward<T>(T*, const T*, const T*, int64_t);                                              \
+  template void relu_backward<T>(T*, const T*, const T*, int64_t);                                                 \
+  template void maxpool_forward<T>(T*, int32_t*, const T*, int, int, int, int, int, int, int);                     \
+  template void maxpool_backward_input<T>(T*, const T*, const int32_t*, int, int, int, int, int, int);             \
+  template void avgpool_forward<T>(T*, const T*, int, int, int);                                                   \
+  template void avgpool_backward_input<T>(T*, const T*, int, int, int);
+
+KEEL_CONV_INSTANTIATE(float)
+KEEL_CONV_INSTANTIATE(double)
+
+}  // namespace keel::ops

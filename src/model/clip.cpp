@@ -1,0 +1,84 @@
+#include "model/clip.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "core/error.h"
+#include "model/text_tower.h"
+
+namespace keel {
+
+ResNetSpec ClipSpec::resnet_spec() const {
+  ResNetSpec s = resnet ? *resnet : resnet_preset(image_tower);
+  s.width = image_width;
+  s.image_size = image_size;
+  s.embed_dim = embed_dim;
+  s.prefix = "visual.";
+  s.layer_base = 0;
+  return s;
+}
+
+ClipModel::ClipModel(const ClipSpec& spec, const ModelConfig& text, ChunkStore& store, bool bf16)
+    : spec_(spec), store_(store) {
+  check(spec.logit_scale_max > 1 && std::isfinite(spec.logit_scale_max),
+        "clip.logit_scale_max: expected a finite value above 1, found " + std::to_string(spec.logit_scale_max));
+  image_ = make_resnet(spec.resnet_spec(), store);
+  text_ = make_text_tower(text, image_->num_layers(), spec.embed_dim, store, bf16);
+  loss_layer_ = text_->first_layer() + text_->num_layers();
+  logit_scale_ = store.add(TensorSpec{"logit_scale", {1}, loss_layer_, ChunkKind::head, false});
+}
+
+void ClipModel::init_weights(uint64_t seed) {
+  image_->init_weights(seed);
+  text_->init_weights(seed);
+  const PageLease use = store_.use_tensor(logit_scale_, {}, {Plane::param});
+  store_.view(logit_scale_, Plane::param)[0] = static_cast<float>(spec_.logit_scale_init);
+}
+
+void ClipModel::allocate(int B, int T) {
+  image_->allocate(B, T);
+  text_->allocate(B, T);
+  dimg_.assign(static_cast<size_t>(B) * spec_.embed_dim, 0.0f);
+  dtxt_.assign(static_cast<size_t>(B) * spec_.embed_dim, 0.0f);
+}
+
+float ClipModel::logit_scale() {
+  const PageLease use = store_.use_layer(loss_layer_, {Plane::param});
+  return store_.data(logit_scale_, Plane::param)[0];
+}
+
+void ClipModel::add_logit_scale_grad(double grad) {
+  const PageLease use = store_.use_layer(loss_layer_, {}, {Plane::grad});
+  store_.data(logit_scale_, Plane::grad)[0] += static_cast<float>(grad);
+}
+
+ContrastiveResult ClipModel::train_micro_batch(const ClipBatch& b, float grad_scale, BackwardObserver* observer) {
+  const float* img = image_->forward(b);
+  const float* txt = text_->forward(b);
+  const ContrastiveResult r = contrastive_loss(img, txt, b.B, spec_.embed_dim, logit_scale(), spec_.logit_scale_max, 0,
+                                               b.B, grad_scale, dimg_.data(), dtxt_.data());
+  if (observer != nullptr) observer->after_backward_input(loss_layer_);
+  add_logit_scale_grad(r.dlogit_scale * grad_scale);
+  if (observer != nullptr) observer->after_backward_weight(loss_layer_);
+  text_->backward(b, dtxt_.data(), observer);
+  image_->backward(b, dimg_.data(), observer);
+  return r;
+}
+
+void ClipModel::embed(const ClipBatch& b, float* img_out, float* txt_out) {
+  const int D = spec_.embed_dim;
+  const float* img = image_->forward(b);
+  std::memcpy(img_out, img, sizeof(float) * static_cast<size_t>(b.B) * D);
+  const float* txt = text_->forward(b);
+  std::memcpy(txt_out, txt, sizeof(float) * static_cast<size_t>(b.B) * D);
+  for (float* rows : {img_out, txt_out}) {
+    for (int i = 0; i < b.B; ++i) {
+      double sq = 0;
+      for (int d = 0; d < D; ++d) sq += static_cast<double>(rows[i * D + d]) * rows[i * D + d];
+      const double inv = 1.0 / std::max(std::sqrt(sq), 1e-12);
+      for (int d = 0; d < D; ++d) rows[i * D + d] = static_cast<float>(rows[i * D + d] * inv);
+    }
+  }
+}
+
+}  // namespace keel

@@ -1,0 +1,70 @@
+// A CLIP-style dual encoder: an image tower (ResNet, model/resnet.h), a text tower (Keel's
+// transformer with a pooling head, model/text_tower.h), and a learnable temperature, trained with
+// the symmetric InfoNCE loss (model/contrastive.h). All parameters live in one chunk store: the
+// image tower's layers first, then the text tower's, then the loss layer holding "logit_scale" [1]
+// (a log-scale, initialised to log(1 / 0.07) and clamped at log(100) in use, as OpenAI's CLIP
+// does). AdamW, checkpoints, tiers and gradient sync see one store like any other model's.
+#pragma once
+
+#include <cmath>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "core/config.h"
+#include "model/contrastive.h"
+#include "model/resnet.h"
+#include "model/tower.h"
+#include "store/chunk_store.h"
+
+namespace keel {
+
+struct ClipSpec {
+  std::string image_tower = "resnet18";  // resnet18 / 34 / 50 / 101 / 152
+  int image_width = 64;                  // the ResNet's stem channels
+  int image_size = 64;
+  int embed_dim = 64;
+  double logit_scale_init = std::log(1.0 / 0.07);
+  double logit_scale_max = 100.0;
+  std::optional<ResNetSpec> resnet;  // other stage depths than the named presets' (tests)
+  ResNetSpec resnet_spec() const;    // the image tower's, layer base 0
+};
+
+class ClipModel {
+ public:
+  // `text` is a resolved model config (the text tower's transformer). Registers every tensor with
+  // `store`, which the caller then finalizes.
+  ClipModel(const ClipSpec& spec, const ModelConfig& text, ChunkStore& store, bool bf16 = false);
+  void init_weights(uint64_t seed);
+  void allocate(int B, int T);
+
+  Tower& image() { return *image_; }
+  Tower& text() { return *text_; }
+  const ClipSpec& spec() const { return spec_; }
+  int num_layers() const { return loss_layer_ + 1; }
+  int loss_layer() const { return loss_layer_; }
+  TensorId logit_scale_tensor() const { return logit_scale_; }
+  float logit_scale();  // the parameter (log-scale) now
+
+  // One micro-batch on one rank holding the whole batch: both towers' forward, the loss, the
+  // gradients (times grad_scale) through both towers and into logit_scale. Observers hear the loss
+  // layer first, then the text tower's layers, then the image tower's (last to first).
+  ContrastiveResult train_micro_batch(const ClipBatch& batch, float grad_scale, BackwardObserver* observer = nullptr);
+  // Features of both towers, normalised, for evaluation: img_out / txt_out [B, D].
+  void embed(const ClipBatch& batch, float* img_out, float* txt_out);
+  // Adds dlogit_scale (times grad_scale) to the parameter's gradient (under a lease of the loss layer).
+  void add_logit_scale_grad(double grad);
+
+  // Multiply-add FLOPs (x2) of one pair's forward and backward (both towers).
+  double train_flops_per_sample() const { return image_->train_flops_per_sample() + text_->train_flops_per_sample(); }
+
+ private:
+  ClipSpec spec_;
+  ChunkStore& store_;
+  std::unique_ptr<Tower> image_, text_;
+  int loss_layer_ = 0;
+  TensorId logit_scale_ = -1;
+  std::vector<float> dimg_, dtxt_;
+};
+
+}  // namespace keel

@@ -1,0 +1,434 @@
+#include "model/resnet.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "kernels/cpu/conv.h"
+#include "kernels/cpu/ops.h"
+
+namespace keel {
+
+namespace {
+
+int groups_for(int channels) { return std::min(32, channels); }
+
+std::vector<float> buffer(int64_t n) { return std::vector<float>(static_cast<size_t>(std::max<int64_t>(n, 1))); }
+
+// A convolution without bias and the GroupNorm after it (with the ReLU fused where the unit has
+// one). Keeps for the backward pass: the convolution's output c (GroupNorm's input), the norm's
+// output y and statistics; the gradient dy of y is written here by whoever consumes y.
+class ConvNorm {
+ public:
+  ConvNorm(ChunkStore& store, const std::string& conv, const std::string& norm, int layer, int C, int K, int kernel,
+           int stride, int H, bool relu)
+      : store_(store), relu_(relu) {
+    s_.H = s_.W = H;
+    s_.C = C;
+    s_.K = K;
+    s_.R = s_.S = kernel;
+    s_.stride = stride;
+    s_.pad = kernel / 2;
+    s_.N = 1;
+    G_ = groups_for(K);
+    check(K % G_ == 0, "resnet: " + norm + ": " + std::to_string(K) + " channels do not split into " +
+                           std::to_string(G_) + " groups");
+    w_ = store.add(TensorSpec{conv, {K, C, kernel, kernel}, layer, ChunkKind::ffn, true});
+    gamma_ = store.add(TensorSpec{norm + ".weight", {K}, layer, ChunkKind::norm, false});
+    beta_ = store.add(TensorSpec{norm + ".bias", {K}, layer, ChunkKind::norm, false});
+  }
+  int out_size() const { return s_.P(); }
+  int channels() const { return s_.K; }
+  int64_t out_per_sample() const { return static_cast<int64_t>(s_.P()) * s_.Q() * s_.K; }
+  double macs_per_sample() const { return static_cast<double>(out_per_sample()) * s_.C * s_.R * s_.S; }
+
+  void allocate(int B) {
+    const int64_t n = B * out_per_sample();
+    c_ = buffer(n);
+    y_ = buffer(n);
+    dy_ = buffer(n);
+    dc_ = buffer(n);
+    mean_ = buffer(static_cast<int64_t>(B) * G_);
+    rstd_ = buffer(static_cast<int64_t>(B) * G_);
+  }
+  int64_t activation_floats() const {
+    return static_cast<int64_t>(c_.size() + y_.size() + dy_.size() + dc_.size() + mean_.size() + rstd_.size());
+  }
+  const float* y() const { return y_.data(); }
+  float* dy() { return dy_.data(); }
+
+  void forward(const float* x, int B) {
+    ops::ConvShape s = shape(B);
+    ops::conv2d_forward(c_.data(), x, P(w_), s);
+    ops::groupnorm_forward(y_.data(), mean_.data(), rstd_.data(), c_.data(), P(gamma_), P(beta_), B, s.P() * s.Q(),
+                           s.K, G_, relu_);
+  }
+  // dc from dy; then dx (= or +=) the convolution's input gradient (dx null: the images, none wanted).
+  void backward_input(float* dx, bool accumulate, int B) {
+    ops::ConvShape s = shape(B);
+    ops::groupnorm_backward_input(dc_.data(), dy_.data(), c_.data(), y_.data(), mean_.data(), rstd_.data(), P(gamma_),
+                                  B, s.P() * s.Q(), s.K, G_, relu_, false);
+    if (dx != nullptr) ops::conv2d_backward_input(dx, dc_.data(), P(w_), s, accumulate);
+  }
+  void backward_weight(const float* x, int B) {
+    ops::ConvShape s = shape(B);
+    ops::conv2d_backward_weight(G(w_), dc_.data(), x, s);
+    ops::groupnorm_backward_weight(G(gamma_), G(beta_), dy_.data(), c_.data(), y_.data(), mean_.data(), rstd_.data(),
+                                   B, s.P() * s.Q(), s.K, G_, relu_);
+  }
+
+ private:
+  ops::ConvShape shape(int B) const {
+    ops::ConvShape s = s_;
+    s.N = B;
+    return s;
+  }
+  float* P(TensorId id) { return store_.data(id, Plane::param); }
+  float* G(TensorId id) { return store_.data(id, Plane::grad); }
+
+  ChunkStore& store_;
+  bool relu_;
+  ops::ConvShape s_;
+  int G_ = 1;
+  TensorId w_ = -1, gamma_ = -1, beta_ = -1;
+  std::vector<float> c_, y_, dy_, dc_, mean_, rstd_;
+};
+
+// One layer of the tower: reads the previous unit's output (the images for the stem), leaves its
+// own in out(); its output's gradient arrives in dout().
+class Unit {
+ public:
+  virtual ~Unit() = default;
+  virtual void allocate(int B) = 0;
+  virtual void forward(const float* x, int B) = 0;
+  virtual const float* out() const = 0;
+  virtual float* dout() = 0;
+  virtual void backward_input(const float* x, float* dx, int B) = 0;  // dx null: no input gradient wanted
+  virtual void backward_weight(const float* x, int B) = 0;
+  virtual double macs_per_sample() const = 0;
+  virtual int64_t activation_floats() const = 0;
+};
+
+// conv1 7 x 7 / 2 -> GroupNorm -> ReLU -> max pool 3 x 3 / 2.
+class Stem final : public Unit {
+ public:
+  Stem(ChunkStore& store, const ResNetSpec& spec, int layer)
+      : conv_(store, spec.prefix + "conv1.weight", spec.prefix + "bn1", layer, 3, spec.width, 7, 2, spec.image_size,
+              true),
+        H_(conv_.out_size()),
+        C_(spec.width),
+        P_(ops::pool_out(H_, 3, 2, 1)) {}
+  int out_size() const { return P_; }
+  void allocate(int B) override {
+    conv_.allocate(B);
+    out_ = buffer(static_cast<int64_t>(B) * P_ * P_ * C_);
+    dout_ = buffer(static_cast<int64_t>(B) * P_ * P_ * C_);
+    arg_.assign(out_.size(), 0);
+  }
+  void forward(const float* x, int B) override {
+    conv_.forward(x, B);
+    ops::maxpool_forward(out_.data(), arg_.data(), conv_.y(), B, H_, H_, C_, 3, 2, 1);
+  }
+  const float* out() const override { return out_.data(); }
+  float* dout() override { return dout_.data(); }
+  void backward_input(const float*, float* dx, int B) override {
+    ops::maxpool_backward_input(conv_.dy(), dout_.data(), arg_.data(), B, H_, H_, C_, P_, P_);
+    conv_.backward_input(dx, false, B);
+  }
+  void backward_weight(const float* x, int B) override { conv_.backward_weight(x, B); }
+  double macs_per_sample() const override { return conv_.macs_per_sample(); }
+  int64_t activation_floats() const override {
+    return conv_.activation_floats() + static_cast<int64_t>(out_.size() * 2 + arg_.size());
+  }
+
+ private:
+  ConvNorm conv_;
+  int H_, C_, P_;
+  std::vector<float> out_, dout_;
+  std::vector<int32_t> arg_;
+};
+
+// A residual block: basic (3 x 3 -> 3 x 3) or bottleneck (1 x 1 -> 3 x 3 (stride) -> 1 x 1, x4
+// channels), the shortcut through a 1 x 1 convolution and GroupNorm where the shape changes;
+// out = ReLU(main + shortcut).
+class ResidualBlock final : public Unit {
+ public:
+  ResidualBlock(ChunkStore& store, const ResNetSpec& spec, int layer, const std::string& name, int in_channels,
+                int planes, int stride, int H) {
+    const std::string p = spec.prefix + name + ".";
+    const int out_channels = planes * spec.expansion();
+    if (spec.block == "bottleneck") {
+      units_.emplace_back(store, p + "conv1.weight", p + "bn1", layer, in_channels, planes, 1, 1, H, true);
+      units_.emplace_back(store, p + "conv2.weight", p + "bn2", layer, planes, planes, 3, stride, H, true);
+      const int H2 = units_.back().out_size();
+      units_.emplace_back(store, p + "conv3.weight", p + "bn3", layer, planes, out_channels, 1, 1, H2, false);
+    } else {
+      units_.emplace_back(store, p + "conv1.weight", p + "bn1", layer, in_channels, planes, 3, stride, H, true);
+      const int H2 = units_.back().out_size();
+      units_.emplace_back(store, p + "conv2.weight", p + "bn2", layer, planes, out_channels, 3, 1, H2, false);
+    }
+    if (stride != 1 || in_channels != out_channels) {
+      down_.emplace_back(store, p + "downsample.0.weight", p + "downsample.1", layer, in_channels, out_channels, 1,
+                         stride, H, false);
+    }
+    out_size_ = units_.back().out_size();
+    in_floats_ = static_cast<int64_t>(H) * H * in_channels;
+  }
+  int out_size() const { return out_size_; }
+  void allocate(int B) override {
+    for (ConvNorm& u : units_) u.allocate(B);
+    for (ConvNorm& u : down_) u.allocate(B);
+    out_ = buffer(B * units_.back().out_per_sample());
+    dout_ = buffer(B * units_.back().out_per_sample());
+  }
+  void forward(const float* x, int B) override {
+    const float* in = x;
+    for (ConvNorm& u : units_) {
+      u.forward(in, B);
+      in = u.y();
+    }
+    const float* shortcut = x;
+    if (!down_.empty()) {
+      down_[0].forward(x, B);
+      shortcut = down_[0].y();
+    }
+    ops::add_relu_forward(out_.data(), units_.back().y(), shortcut, B * units_.back().out_per_sample());
+  }
+  const float* out() const override { return out_.data(); }
+  float* dout() override { return dout_.data(); }
+  void backward_input(const float* x, float* dx, int B) override {
+    const int64_t n = B * units_.back().out_per_sample();
+    float* dsum = units_.back().dy();  // the gradient of main + shortcut, before the ReLU
+    ops::relu_backward(dsum, dout_.data(), out_.data(), n);
+    if (!down_.empty()) std::memcpy(down_[0].dy(), dsum, sizeof(float) * static_cast<size_t>(n));
+    for (size_t i = units_.size(); i-- > 1;) units_[i].backward_input(units_[i - 1].dy(), false, B);
+    units_[0].backward_input(dx, false, B);
+    if (!down_.empty()) {
+      down_[0].backward_input(dx, true, B);
+    } else {
+#pragma omp parallel for simd schedule(static)
+      for (int64_t i = 0; i < n; ++i) dx[i] += dsum[i];
+    }
+    (void)x;
+  }
+  void backward_weight(const float* x, int B) override {
+    const float* in = x;
+    for (ConvNorm& u : units_) {
+      u.backward_weight(in, B);
+      in = u.y();
+    }
+    for (ConvNorm& u : down_) u.backward_weight(x, B);
+  }
+  double macs_per_sample() const override {
+    double m = 0;
+    for (const ConvNorm& u : units_) m += u.macs_per_sample();
+    for (const ConvNorm& u : down_) m += u.macs_per_sample();
+    return m;
+  }
+  int64_t activation_floats() const override {
+    int64_t n = static_cast<int64_t>(out_.size() + dout_.size());
+    for (const ConvNorm& u : units_) n += u.activation_floats();
+    for (const ConvNorm& u : down_) n += u.activation_floats();
+    return n;
+  }
+
+ private:
+  std::vector<ConvNorm> units_;
+  std::vector<ConvNorm> down_;  // empty, or the shortcut's convolution and norm
+  int out_size_ = 0;
+  int64_t in_floats_ = 0;
+  std::vector<float> out_, dout_;
+};
+
+// Global average pool -> projection (no bias) into the shared embedding: features[B, D].
+class PoolProject final : public Unit {
+ public:
+  PoolProject(ChunkStore& store, const ResNetSpec& spec, int layer, int H)
+      : store_(store), HW_(H * H), C_(spec.out_channels()), D_(spec.embed_dim) {
+    proj_ = store.add(TensorSpec{spec.prefix + "proj.weight", {D_, C_}, layer, ChunkKind::head, true});
+  }
+  void allocate(int B) override {
+    pooled_ = buffer(static_cast<int64_t>(B) * C_);
+    dpooled_ = buffer(static_cast<int64_t>(B) * C_);
+    out_ = buffer(static_cast<int64_t>(B) * D_);
+    dout_ = buffer(static_cast<int64_t>(B) * D_);
+  }
+  void forward(const float* x, int B) override {
+    ops::avgpool_forward(pooled_.data(), x, B, HW_, C_);
+    ops::linear_forward(out_.data(), pooled_.data(), store_.data(proj_, Plane::param), static_cast<const float*>(nullptr),
+                        B, C_, D_);
+  }
+  const float* out() const override { return out_.data(); }
+  float* dout() override { return dout_.data(); }
+  void backward_input(const float*, float* dx, int B) override {
+    ops::linear_backward_input(dpooled_.data(), dout_.data(), store_.data(proj_, Plane::param), B, C_, D_, false);
+    ops::avgpool_backward_input(dx, dpooled_.data(), B, HW_, C_);
+  }
+  void backward_weight(const float*, int B) override {
+    ops::linear_backward_weight(store_.data(proj_, Plane::grad), static_cast<float*>(nullptr), dout_.data(),
+                                pooled_.data(), B, C_, D_);
+  }
+  double macs_per_sample() const override { return static_cast<double>(C_) * D_; }
+  int64_t activation_floats() const override {
+    return static_cast<int64_t>(pooled_.size() + dpooled_.size() + out_.size() + dout_.size());
+  }
+
+ private:
+  ChunkStore& store_;
+  int HW_, C_, D_;
+  TensorId proj_ = -1;
+  std::vector<float> pooled_, dpooled_, out_, dout_;
+};
+
+class ResNet final : public Tower {
+ public:
+  ResNet(const ResNetSpec& spec, ChunkStore& store) : spec_(spec), store_(store) {
+    validate_resnet(spec);
+    check(!store.finalized(), "resnet: the chunk store is already finalized");
+    int layer = spec.layer_base;
+    auto stem = std::make_unique<Stem>(store, spec, layer++);
+    int H = stem->out_size();
+    units_.push_back(std::move(stem));
+    int channels = spec.width;
+    for (int stage = 0; stage < 4; ++stage) {
+      const int planes = spec.width << stage;
+      for (int i = 0; i < spec.layers[stage]; ++i) {
+        const int stride = stage > 0 && i == 0 ? 2 : 1;
+        auto block = std::make_unique<ResidualBlock>(store, spec, layer++,
+                                                     "layer" + std::to_string(stage + 1) + "." + std::to_string(i),
+                                                     channels, planes, stride, H);
+        H = block->out_size();
+        channels = planes * spec.expansion();
+        units_.push_back(std::move(block));
+      }
+    }
+    units_.push_back(std::make_unique<PoolProject>(store, spec, layer++, H));
+  }
+  const char* name() const override { return "resnet"; }
+  int first_layer() const override { return spec_.layer_base; }
+  int num_layers() const override { return static_cast<int>(units_.size()); }
+  int out_dim() const override { return spec_.embed_dim; }
+
+  void init_weights(uint64_t seed) override {
+    check(store_.finalized(), "resnet: init_weights before the store is finalized");
+    for (int id = 0; id < static_cast<int>(store_.tensors().size()); ++id) {
+      const TensorSpec& t = store_.tensors()[id].spec;
+      if (t.name.compare(0, spec_.prefix.size(), spec_.prefix) != 0) continue;
+      const PageLease use = store_.use_tensor(id, {}, {Plane::param});
+      std::span<float> w = store_.view(id, Plane::param);
+      if (t.kind == ChunkKind::norm) {  // GroupNorm: unit scale, zero shift
+        const bool scale = t.name.size() > 7 && t.name.compare(t.name.size() - 7, 7, ".weight") == 0;
+        std::fill(w.begin(), w.end(), scale ? 1.0f : 0.0f);
+        continue;
+      }
+      // Convolutions: He's normal with fan-out (torchvision's); the projection: N(0, 1/C).
+      const double std = t.kind == ChunkKind::head
+                             ? 1.0 / std::sqrt(static_cast<double>(t.shape[1]))
+                             : std::sqrt(2.0 / static_cast<double>(t.shape[0] * t.shape[2] * t.shape[3]));
+      Rng rng(seed ^ hash_name(t.name));
+      for (float& v : w) v = static_cast<float>(rng.normal() * std);
+    }
+  }
+
+  void allocate(int B, int) override {
+    check(B >= 1, "resnet: a micro-batch of at least one image");
+    for (auto& u : units_) u->allocate(B);
+    max_B_ = B;
+  }
+
+  const float* forward(const ClipBatch& b) override {
+    check_batch(b);
+    const float* x = b.images;
+    for (size_t i = 0; i < units_.size(); ++i) {
+      const PageLease use = store_.use_layer(first_layer() + static_cast<int>(i), {Plane::param});
+      units_[i]->forward(x, b.B);
+      x = units_[i]->out();
+    }
+    return x;
+  }
+
+  void backward(const ClipBatch& b, const float* dfeatures, BackwardObserver* observer) override {
+    check_batch(b);
+    std::memcpy(units_.back()->dout(), dfeatures, sizeof(float) * static_cast<size_t>(b.B) * spec_.embed_dim);
+    for (size_t i = units_.size(); i-- > 0;) {
+      const int layer = first_layer() + static_cast<int>(i);
+      const float* x = i == 0 ? b.images : units_[i - 1]->out();
+      {
+        const PageLease use = store_.use_layer(layer, {Plane::param});
+        units_[i]->backward_input(x, i == 0 ? nullptr : units_[i - 1]->dout(), b.B);
+      }
+      if (observer != nullptr) observer->after_backward_input(layer);
+      {
+        const PageLease use = store_.use_layer(layer, {}, {Plane::grad});
+        units_[i]->backward_weight(x, b.B);
+      }
+      if (observer != nullptr) observer->after_backward_weight(layer);
+    }
+  }
+
+  double train_flops_per_sample() const override {
+    double macs = 0;
+    for (size_t i = 0; i < units_.size(); ++i) macs += units_[i]->macs_per_sample() * (i == 0 ? 2 : 3);
+    return 2 * macs;
+  }
+  int64_t activation_bytes() const override {
+    int64_t n = 0;
+    for (const auto& u : units_) n += u->activation_floats();
+    return n * static_cast<int64_t>(sizeof(float));
+  }
+
+ private:
+  void check_batch(const ClipBatch& b) const {
+    check(b.images != nullptr && b.B >= 1 && b.B <= max_B_,
+          "resnet: a micro-batch of " + std::to_string(b.B) + " images, allocated for " + std::to_string(max_B_));
+  }
+
+  ResNetSpec spec_;
+  ChunkStore& store_;
+  std::vector<std::unique_ptr<Unit>> units_;
+  int max_B_ = 0;
+};
+
+}  // namespace
+
+ResNetSpec resnet_preset(const std::string& name) {
+  ResNetSpec s;
+  if (name == "resnet18") {
+    s.layers = {2, 2, 2, 2};
+  } else if (name == "resnet34") {
+    s.layers = {3, 4, 6, 3};
+  } else if (name == "resnet50") {
+    s.block = "bottleneck";
+    s.layers = {3, 4, 6, 3};
+  } else if (name == "resnet101") {
+    s.block = "bottleneck";
+    s.layers = {3, 4, 23, 3};
+  } else if (name == "resnet152") {
+    s.block = "bottleneck";
+    s.layers = {3, 8, 36, 3};
+  } else {
+    throw Error("image tower '" + name + "': expected resnet18, resnet34, resnet50, resnet101, resnet152 or vit");
+  }
+  return s;
+}
+
+void validate_resnet(const ResNetSpec& s) {
+  check(s.block == "basic" || s.block == "bottleneck",
+        "resnet: block \"" + s.block + "\": expected \"basic\" or \"bottleneck\"");
+  check(s.layers.size() == 4, "resnet: expected 4 stages, found " + std::to_string(s.layers.size()));
+  for (int n : s.layers) check(n >= 1 && n <= 64, "resnet: blocks per stage: expected 1..64, found " + std::to_string(n));
+  check(s.width >= 1 && s.width <= 1024 && (s.width >= 32 ? s.width % 32 == 0 : 32 % s.width == 0),
+        "clip.image_width: expected a divisor of 32 or a multiple of 32 up to 1024 (GroupNorm's min(32, C) groups "
+        "must divide every stage's channels), found " + std::to_string(s.width));
+  check(s.image_size >= 32 && s.image_size <= 1024,
+        "clip.image_size: expected 32..1024 pixels for a ResNet (five halvings), found " + std::to_string(s.image_size));
+  check(s.embed_dim >= 1 && s.embed_dim <= 8192, "clip.embed_dim: expected 1..8192, found " + std::to_string(s.embed_dim));
+}
+
+std::unique_ptr<Tower> make_resnet(const ResNetSpec& spec, ChunkStore& store) {
+  return std::make_unique<ResNet>(spec, store);
+}
+
+}  // namespace keel
