@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <ostream>
 #include <nlohmann/json.hpp>
 #include <vector>
 
@@ -111,6 +112,8 @@ struct ReferenceCase {
   int width;
   int size;
 };
+
+void PrintTo(const ReferenceCase& c, std::ostream* os) { *os << c.name; }
 
 class ClipReference : public ::testing::TestWithParam<ReferenceCase> {};
 
@@ -307,6 +310,28 @@ TEST(ClipLoader, ACaptionLongerThanTheContextIsOneLine) {
   EXPECT_NE(e.find("train.jsonl: caption"), std::string::npos) << e;
   EXPECT_NE(e.find("the text tower reads 2 (train.seq_len)"), std::string::npos) << e;
   EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+}
+
+}  // namespace
+}  // namespace keel
+
+namespace keel {
+namespace {
+
+TEST(Retrieval, RecallCountsRanksBothWaysAndTiesAgainstTheQuery) {
+  // Three pairs in 2-D: image 0 and 1 point the same way (a tie), image 2 elsewhere.
+  const std::vector<float> img = {1, 0, 1, 0, 0, 1};
+  const std::vector<float> txt = {1, 0, 0.8f, 0.6f, 0, 1};
+  const RetrievalRecall r = retrieval_recall(img.data(), txt.data(), 3, 2);
+  EXPECT_EQ(r.pairs, 3);
+  // image -> text: image 0's best is text 0 (1 vs 0.8): right; image 1's scores text 0 (1) above
+  // its own text 1 (0.8): wrong at 1; image 2: text 2 (1) beats text 1 (0.6): right.
+  EXPECT_DOUBLE_EQ(r.i2t_at1, 2.0 / 3);
+  EXPECT_DOUBLE_EQ(r.i2t_at5, 1.0);
+  // text -> image: text 0 ties images 0 and 1 (both 1): a tie counts against it; text 1: image 0
+  // and 1 tie at 0.8; text 2: image 2 (1) beats 0 and 1 (0).
+  EXPECT_DOUBLE_EQ(r.t2i_at1, 1.0 / 3);
+  EXPECT_DOUBLE_EQ(r.t2i_at5, 1.0);
 }
 
 }  // namespace

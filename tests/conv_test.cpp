@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <functional>
+#include <ostream>
 #include <vector>
 
 #include "core/rng.h"
@@ -36,6 +37,8 @@ struct ConvCase {
   const char* name;
   ops::ConvShape s;
 };
+
+void PrintTo(const ConvCase& c, std::ostream* os) { *os << c.name << ": " << c.s.str(); }
 
 class ConvShapes : public ::testing::TestWithParam<ConvCase> {};
 

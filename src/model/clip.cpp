@@ -52,13 +52,30 @@ void ClipModel::add_logit_scale_grad(double grad) {
   store_.data(logit_scale_, Plane::grad)[0] += static_cast<float>(grad);
 }
 
-ContrastiveResult ClipModel::train_micro_batch(const ClipBatch& b, float grad_scale, BackwardObserver* observer) {
-  const float* img = image_->forward(b);
-  const float* txt = text_->forward(b);
-  const ContrastiveResult r = contrastive_loss(img, txt, b.B, spec_.embed_dim, logit_scale(), spec_.logit_scale_max, 0,
-                                               b.B, grad_scale, dimg_.data(), dtxt_.data());
+ContrastiveResult ClipModel::train_micro_batch(const ClipBatch& b, float grad_scale, BackwardObserver* observer,
+                                               Communicator* dp) {
+  const int D = spec_.embed_dim;
+  const int ranks = dp != nullptr ? dp->size() : 1, first = dp != nullptr ? dp->rank() * b.B : 0;
+  const size_t rows = static_cast<size_t>(b.B) * D, all = rows * ranks;
+  all_img_.resize(all);
+  all_txt_.resize(all);
+  // Rank-major rows: this rank's at `first` (the loader gives rank r samples r*B .. r*B+B-1).
+  std::memcpy(all_img_.data() + static_cast<size_t>(first) * D, image_->forward(b), sizeof(float) * rows);
+  std::memcpy(all_txt_.data() + static_cast<size_t>(first) * D, text_->forward(b), sizeof(float) * rows);
+  if (ranks > 1) {
+    const std::vector<int> counts(ranks, static_cast<int>(rows));
+    std::vector<int> displs(ranks);
+    for (int r = 0; r < ranks; ++r) displs[r] = r * static_cast<int>(rows);
+    dp->allgatherv(all_img_.data(), counts, displs);
+    dp->allgatherv(all_txt_.data(), counts, displs);
+  }
+  const ContrastiveResult r = contrastive_loss(all_img_.data(), all_txt_.data(), b.B * ranks, D, logit_scale(),
+                                               spec_.logit_scale_max, first, b.B, grad_scale, dimg_.data(), dtxt_.data());
+  // The forward passes ran every deferred update (tiers) before its chunk's first use; none may
+  // still wait once gradients are written.
+  store_.apply_pending();
   if (observer != nullptr) observer->after_backward_input(loss_layer_);
-  add_logit_scale_grad(r.dlogit_scale * grad_scale);
+  add_logit_scale_grad(r.dlogit_scale * grad_scale / ranks);
   if (observer != nullptr) observer->after_backward_weight(loss_layer_);
   text_->backward(b, dtxt_.data(), observer);
   image_->backward(b, dimg_.data(), observer);

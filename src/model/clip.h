@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 
+#include "comm/communicator.h"
 #include "core/config.h"
 #include "model/contrastive.h"
 #include "model/resnet.h"
@@ -46,10 +47,14 @@ class ClipModel {
   TensorId logit_scale_tensor() const { return logit_scale_; }
   float logit_scale();  // the parameter (log-scale) now
 
-  // One micro-batch on one rank holding the whole batch: both towers' forward, the loss, the
-  // gradients (times grad_scale) through both towers and into logit_scale. Observers hear the loss
-  // layer first, then the text tower's layers, then the image tower's (last to first).
-  ContrastiveResult train_micro_batch(const ClipBatch& batch, float grad_scale, BackwardObserver* observer = nullptr);
+  // One micro-batch: both towers' forward, the features gathered over `dp` (null: this rank holds
+  // the whole batch; every rank's micro-batch has the same size), the loss over the gathered
+  // batch, the gradients (times grad_scale) for this rank's samples through both towers and into
+  // logit_scale. Summed over the ranks (gradient sync), they are the whole batch's: logit_scale's
+  // share is 1 / ranks of the whole batch's gradient on each. Observers hear the loss layer first,
+  // then the text tower's layers, then the image tower's (last to first): store ids descending.
+  ContrastiveResult train_micro_batch(const ClipBatch& batch, float grad_scale, BackwardObserver* observer = nullptr,
+                                      Communicator* dp = nullptr);
   // Features of both towers, normalised, for evaluation: img_out / txt_out [B, D].
   void embed(const ClipBatch& batch, float* img_out, float* txt_out);
   // Adds dlogit_scale (times grad_scale) to the parameter's gradient (under a lease of the loss layer).
@@ -64,7 +69,7 @@ class ClipModel {
   std::unique_ptr<Tower> image_, text_;
   int loss_layer_ = 0;
   TensorId logit_scale_ = -1;
-  std::vector<float> dimg_, dtxt_;
+  std::vector<float> dimg_, dtxt_, all_img_, all_txt_;
 };
 
 }  // namespace keel

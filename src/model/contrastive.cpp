@@ -132,3 +132,36 @@ ContrastiveResult contrastive_loss(const float* img, const float* txt, int N, in
 }
 
 }  // namespace keel
+
+namespace keel {
+
+RetrievalRecall retrieval_recall(const float* img, const float* txt, int N, int D) {
+  check(N >= 1 && D >= 1, "retrieval recall: no pairs");
+  std::vector<double> sim(static_cast<size_t>(N) * N);
+#pragma omp parallel for schedule(static)
+  for (int i = 0; i < N; ++i) {
+    for (int j = 0; j < N; ++j) {
+      double dot = 0;
+      for (int d = 0; d < D; ++d) dot += static_cast<double>(img[static_cast<int64_t>(i) * D + d]) * txt[static_cast<int64_t>(j) * D + d];
+      sim[static_cast<size_t>(i) * N + j] = dot;
+    }
+  }
+  RetrievalRecall r;
+  r.pairs = N;
+  for (int q = 0; q < N; ++q) {
+    int ahead_row = 0, ahead_col = 0;  // candidates scoring at least the right answer's score
+    for (int c = 0; c < N; ++c) {
+      if (c == q) continue;
+      ahead_row += sim[static_cast<size_t>(q) * N + c] >= sim[static_cast<size_t>(q) * N + q];
+      ahead_col += sim[static_cast<size_t>(c) * N + q] >= sim[static_cast<size_t>(q) * N + q];
+    }
+    r.i2t_at1 += ahead_row < 1;
+    r.i2t_at5 += ahead_row < 5;
+    r.t2i_at1 += ahead_col < 1;
+    r.t2i_at5 += ahead_col < 5;
+  }
+  for (double* v : {&r.i2t_at1, &r.i2t_at5, &r.t2i_at1, &r.t2i_at5}) *v /= N;
+  return r;
+}
+
+}  // namespace keel

@@ -29,3 +29,17 @@ ContrastiveResult contrastive_loss(const float* img, const float* txt, int N, in
                                    double max_scale, int first, int n, float grad_scale, float* dimg, float* dtxt);
 
 }  // namespace keel
+
+namespace keel {
+
+// Zero-shot retrieval over N pairs of normalised embeddings (img, txt [N, D]; pair i is the right
+// answer for query i): recall@k is the share of queries whose right answer ranks among the k most
+// similar by cosine (ties ranked against the query: an equal score counts as ahead of it).
+struct RetrievalRecall {
+  double i2t_at1 = 0, i2t_at5 = 0;  // image -> text
+  double t2i_at1 = 0, t2i_at5 = 0;  // text -> image
+  int pairs = 0;
+};
+RetrievalRecall retrieval_recall(const float* img, const float* txt, int N, int D);
+
+}  // namespace keel
