@@ -107,10 +107,11 @@ ModelConfig tiny_text() {
 
 struct ReferenceCase {
   const char* name;
-  const char* block;
+  const char* block;  // "vit": a ViT of `layers[0]` blocks, `width`, patch 8, 2 heads
   std::vector<int> layers;
   int width;
   int size;
+  int keep = 0;  // a ViT's patches kept per sample (0: all)
 };
 
 void PrintTo(const ReferenceCase& c, std::ostream* os) { *os << c.name; }
@@ -119,11 +120,20 @@ class ClipReference : public ::testing::TestWithParam<ReferenceCase> {};
 
 TEST_P(ClipReference, LossAndEveryGradientMatchPyTorchAndTorchvision) {
   const ReferenceCase& p = GetParam();
+  const bool vit = std::string(p.block) == "vit";
   ClipSpec spec;
-  spec.resnet = ResNetSpec{};
-  spec.resnet->block = p.block;
-  spec.resnet->layers = p.layers;
-  spec.image_width = p.width;
+  if (vit) {
+    spec.image_tower = "vit";
+    spec.vit.patch = 8;
+    spec.vit.layers = p.layers[0];
+    spec.vit.width = p.width;
+    spec.vit.heads = 2;
+  } else {
+    spec.resnet = ResNetSpec{};
+    spec.resnet->block = p.block;
+    spec.resnet->layers = p.layers;
+    spec.image_width = p.width;
+  }
   spec.image_size = p.size;
   spec.embed_dim = 16;
   spec.logit_scale_init = 1.2;  // below the clamp: its gradient is checked too
@@ -138,7 +148,23 @@ TEST_P(ClipReference, LossAndEveryGradientMatchPyTorchAndTorchvision) {
   Rng rng(12);
   std::vector<int> tokens(B * T), lengths = {8, 3, 5};
   for (int& t : tokens) t = static_cast<int>(rng.next_u64() % 61);
-  const ClipBatch batch{images.data(), tokens.data(), lengths.data(), B, T};
+  ClipBatch batch{images.data(), tokens.data(), lengths.data(), B, T};
+  // A ViT's masked case: each sample keeps its own `keep` patches (every other one, shifted).
+  const int patches = (p.size / 8) * (p.size / 8);
+  std::vector<int> keep;
+  json mask = json::array();
+  if (p.keep > 0) {
+    for (int i = 0; i < B; ++i) {
+      std::vector<int> mine;
+      for (int k = 0; k < patches && static_cast<int>(mine.size()) < p.keep; ++k) {
+        if ((k + i) % 2 == 0 || patches - k <= p.keep - static_cast<int>(mine.size())) mine.push_back(k);
+      }
+      keep.insert(keep.end(), mine.begin(), mine.end());
+      mask.push_back(mine);
+    }
+    batch.patch_keep = keep.data();
+    batch.keep = p.keep;
+  }
   const ContrastiveResult r = model.train_micro_batch(batch, 1.0f);
 
   testing::TempDir dir;
@@ -149,8 +175,13 @@ TEST_P(ClipReference, LossAndEveryGradientMatchPyTorchAndTorchvision) {
     tensors.push_back({{"name", t.spec.name}, {"shape", t.spec.shape}, {"offset", weights.size()}});
     weights.insert(weights.end(), w.begin(), w.end());
   }
+  json image = {{"arch", "resnet"}, {"block", p.block}, {"layers", p.layers}, {"width", p.width}, {"size", p.size}};
+  if (vit) {
+    image = {{"arch", "vit"}, {"size", p.size}, {"patch", 8}, {"layers", p.layers[0]}, {"width", p.width}, {"heads", 2}};
+    if (p.keep > 0) image["mask"] = mask;
+  }
   const json model_json = {
-      {"image", {{"arch", "resnet"}, {"block", p.block}, {"layers", p.layers}, {"width", p.width}, {"size", p.size}}},
+      {"image", image},
       {"embed_dim", spec.embed_dim},
       {"text",
        {{"family", "gpt2"},
@@ -199,7 +230,9 @@ INSTANTIATE_TEST_SUITE_P(Towers, ClipReference,
                          ::testing::Values(ReferenceCase{"basic_w8", "basic", {1, 1, 1, 1}, 8, 64},
                                            ReferenceCase{"bottleneck_w8", "bottleneck", {1, 2, 1, 1}, 8, 64},
                                            // width 64: the reference builds torchvision's own ResNet class
-                                           ReferenceCase{"resnet18", "basic", {2, 2, 2, 2}, 64, 32}),
+                                           ReferenceCase{"resnet18", "basic", {2, 2, 2, 2}, 64, 32},
+                                           ReferenceCase{"vit", "vit", {2}, 16, 32},
+                                           ReferenceCase{"vit_masked", "vit", {2}, 16, 32, 10}),
                          [](const auto& info) { return std::string(info.param.name); });
 
 TEST(ClipModel, SameSeedSameBytes) {

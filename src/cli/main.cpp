@@ -115,12 +115,12 @@ commands:
             alone is short) with their breakdowns, for the config's model and step.
             --probe yes: this machine's memory bandwidth and HybridGC's codec throughput (one
             thread), as cluster-file TOML, for a cluster file describing it.
-  data images --from DIR --out DATASET [--size N] [--val-fraction F] [--strict yes]
+  data images --from DIR --out DATASET [--size N] [--val-fraction F] [--vocab-size V] [--strict yes]
             An image-caption dataset from a directory of named .png/.jpg images (an icon theme,
             a clipart collection): captions from file names and folders, images over white,
             centre-cropped and resized to N x N (default 32), split by caption hash
-            (data/images.h documents the files); unreadable images skipped and counted
-            (--strict yes: an error).
+            (data/images.h documents the files), and the captions' tokenizer (a V-token BPE,
+            default 512); unreadable images skipped and counted (--strict yes: an error).
   checkpoints --dir DIR [--verify yes]
             List the checkpoints under DIR (a run's ckpt/ or one checkpoint): step, kind, bytes,
             encodings; --verify yes decodes and checks every record.
@@ -220,7 +220,7 @@ int cmd_train(const Args& a) {
   resolve_job_config(config, comm.size());
   // The default job tokenizes the default corpus on first use (rank 0; the others wait).
   const DataConfig defaults;
-  if (comm.is_root() && !fs::exists(config.data.train) && config.data.train == defaults.train &&
+  if (comm.is_root() && !config.clip.enabled() && !fs::exists(config.data.train) && config.data.train == defaults.train &&
       fs::is_directory(kFortunes)) {
     std::printf("keel train: %s not found; tokenizing the fortunes corpus first\n", config.data.train.c_str());
     Args none(0, nullptr, 0, {});
@@ -718,6 +718,7 @@ int cmd_data_images(const Args& a) {
   o.out = a.get("--out");
   o.size = static_cast<int>(a.get_int("--size", 32));
   o.val_fraction = a.get_double("--val-fraction", 0.1);
+  o.vocab_size = static_cast<int>(a.get_int("--vocab-size", 512));
   const std::string strict = a.get("--strict", "no");
   check(strict == "yes" || strict == "no", "data images --strict: expected yes or no, found '" + strict + "'");
   o.strict = strict == "yes";
@@ -756,7 +757,7 @@ int run(int argc, char** argv) {
     // `keel data images --from DIR --out DATASET ...`: a subcommand, then options.
     check(argc > 2 && std::strcmp(argv[2], "images") == 0,
           "data: expected a subcommand: images (keel data images --from DIR --out DATASET)");
-    Args a(argc, argv, 3, {"--from", "--out", "--size", "--val-fraction", "--strict"});
+    Args a(argc, argv, 3, {"--from", "--out", "--size", "--val-fraction", "--vocab-size", "--strict"});
     if (a.help) {
       std::fputs(command_usage(cmd).c_str(), stdout);
       return 0;

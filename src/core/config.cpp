@@ -163,6 +163,19 @@ std::vector<Field> fields(Config& c) {
       {"generate", "prefix_reuse", &c.generate.prefix_reuse},
       {"generate", "prefill_chunk", &c.generate.prefill_chunk},
       {"generate", "kv_cache", &c.generate.kv_cache},
+      {"clip", "image_tower", &c.clip.image_tower},
+      {"clip", "image_width", &c.clip.image_width},
+      {"clip", "image_size", &c.clip.image_size},
+      {"clip", "embed_dim", &c.clip.embed_dim},
+      {"clip", "vit_patch", &c.clip.vit_patch},
+      {"clip", "vit_layers", &c.clip.vit_layers},
+      {"clip", "vit_width", &c.clip.vit_width},
+      {"clip", "vit_heads", &c.clip.vit_heads},
+      {"clip", "vit_mask", &c.clip.vit_mask},
+      {"clip", "grad_balance", &c.clip.grad_balance},
+      {"clip", "logit_scale_init", &c.clip.logit_scale_init},
+      {"clip", "logit_scale_max", &c.clip.logit_scale_max},
+      {"clip", "dataset", &c.clip.dataset},
   };
 }
 
@@ -759,6 +772,12 @@ uint64_t Config::shape_hash() const {
   if (model.llama()) {  // (GPT-2 configs keep the hash they always had)
     s << ",llama," << model.n_kv_head << ',' << model.ffn_hidden << ',' << model.rope_theta << ','
       << model.tie_embeddings.value_or(false);
+  }
+  if (clip.enabled()) {  // a dual encoder's state: both towers and the temperature
+    s << ",clip," << clip.image_tower << ',' << clip.image_width << ',' << clip.image_size << ',' << clip.embed_dim;
+    if (clip.image_tower == "vit") {
+      s << ",vit," << clip.vit_patch << ',' << clip.vit_layers << ',' << clip.vit_width << ',' << clip.vit_heads;
+    }
   }
   const std::string text = s.str();
   return XXH64(text.data(), text.size(), 0);

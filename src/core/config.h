@@ -69,6 +69,9 @@ struct ModelConfig {
   // language model has "" and 0.
   std::string tensor_prefix;
   int layer_base = 0;
+  // Attention reads only earlier positions (a language model, a text tower); false for an image
+  // tower's patches (every one attends to every other; dense attention only). Not from a config file.
+  bool causal = true;
   int head_size() const { return n_embd / n_head; }
   int kv_dim() const { return n_kv_head * head_size(); }  // columns of k (and of v)
   int qkv_dim() const { return n_embd + 2 * kv_dim(); }   // [q | k | v] columns
@@ -303,6 +306,32 @@ struct GenerateConfig {
 // Throws keel::Error naming the key of the first invalid value.
 void validate(const GenerateConfig& g);
 
+// A CLIP-style dual encoder (model/clip.h): set image_tower to train one instead of a language
+// model. The text tower is [model] (either family; train.seq_len is its caption window); batches
+// come from a `keel data images` dataset and data.tokenizer. Validated by its component
+// (runtime/workload.h validate_clip_config).
+struct ClipConfig {
+  std::string image_tower;  // "" = a language model run; resnet18 | resnet34 | resnet50 | resnet101 | resnet152 | vit
+  int image_width = 64;     // the ResNet's stem channels (stages: 1, 2, 4, 8 x; bottlenecks 4 x that out)
+  int image_size = 0;       // 0 = the dataset's image size; else it must match it
+  int embed_dim = 64;       // the shared embedding's width
+  int vit_patch = 8;        // image_tower = "vit": square patches of this many pixels a side
+  int vit_layers = 4;       // ... its transformer blocks (not causal; dense attention)
+  int vit_width = 64;       // ... their width
+  int vit_heads = 4;        // ... and attention heads
+  // FLIP: the share of each training image's patches dropped before the ViT's blocks (a fresh
+  // random set per sample and step; evaluation sees every patch). 0 = none.
+  double vit_mask = 0.0;
+  // Cross-modal gradient normalisation: "none", or "norm": after the data-parallel sum, each
+  // tower's gradient is scaled to the geometric mean of the two towers' norms (the product of the
+  // norms kept, the temperature's gradient untouched), before the global norm and clipping.
+  std::string grad_balance = "none";
+  double logit_scale_init = 2.659260036932778;  // log(1 / 0.07)
+  double logit_scale_max = 100.0;               // exp(logit_scale) is clamped here
+  std::string dataset;      // a `keel data images` directory (train.img / val.img, .jsonl)
+  bool enabled() const { return !image_tower.empty(); }
+};
+
 struct Config {
   ModelConfig model;
   TrainConfig train;
@@ -316,6 +345,7 @@ struct Config {
   RuntimeConfig runtime;
   MonitorConfig monitor;
   GenerateConfig generate;
+  ClipConfig clip;
 
   // Parses a TOML file (path "" = defaults only), then applies `section.key=value` overrides in
   // order. Throws keel::Error naming the file/key on any unknown key or mistyped value.

@@ -104,6 +104,23 @@ const ClipBatch& ClipLoader::rows(int first, int count) {
   return batch_;
 }
 
+LoaderPosition ClipLoader::loader_position() const {
+  const int64_t per_epoch = static_cast<int64_t>(data_.split.count) / (static_cast<int64_t>(B_) * world_) * B_ * world_;
+  LoaderPosition p;
+  p.epoch = static_cast<uint64_t>(position_ / per_epoch);
+  p.index = static_cast<uint64_t>(position_ % per_epoch);
+  return p;
+}
+
+void ClipLoader::set_loader_position(const LoaderPosition& p) {
+  const int64_t per_epoch = static_cast<int64_t>(data_.split.count) / (static_cast<int64_t>(B_) * world_) * B_ * world_;
+  check(p.offset == 0 && p.index < static_cast<uint64_t>(per_epoch) && p.index % (static_cast<uint64_t>(B_) * world_) == 0,
+        "clip loader: a checkpoint's data position (epoch " + std::to_string(p.epoch) + ", sample " +
+            std::to_string(p.index) + ") is not on a global batch of " + std::to_string(B_ * world_) + " of " +
+            std::to_string(per_epoch) + " pairs per epoch");
+  position_ = static_cast<int64_t>(p.epoch) * per_epoch + static_cast<int64_t>(p.index);
+}
+
 void ClipLoader::seek(int64_t position) {
   check(position >= 0, "clip loader: negative position");
   position_ = position;

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "data/images.h"
+#include "data/loader.h"
 #include "data/tokenizer.h"
 #include "model/tower.h"
 
@@ -45,7 +46,12 @@ class ClipLoader {
   const ClipBatch& rows(int first, int count);
   int64_t position() const { return position_; }  // samples consumed over all ranks
   void seek(int64_t position);
+  // The position as checkpoints record a loader's: epoch, and samples consumed within it.
+  LoaderPosition loader_position() const;
+  void set_loader_position(const LoaderPosition& p);
   int samples() const { return data_.split.count; }
+  int image_size() const { return data_.split.height; }
+  int context() const { return data_.context; }
   int batches_per_epoch() const { return data_.split.count / (B_ * world_); }
 
  private:

@@ -1,5 +1,7 @@
 #include "data/images.h"
 
+#include "data/tokenizer.h"
+
 #include <jpeglib.h>
 #include <png.h>
 #include <xxhash.h>
@@ -293,12 +295,22 @@ ImageDatasetResult build_image_dataset(const ImageDatasetOptions& o) {
   std::vector<const Found*> split[2];
   const uint64_t cut = static_cast<uint64_t>(o.val_fraction * 1e6);
   for (const auto& entry : by_caption) split[XXH3_64bits(entry.first.data(), entry.first.size()) % 1000000 < cut ? 1 : 0].push_back(&entry.second);
+  // The captions' tokenizer first: a vocabulary the captions cannot fill fails before anything is written.
+  std::vector<std::string> captions;
+  for (const Found* f : split[0]) captions.push_back(f->caption);
+  check(!captions.empty(), "data images --val-fraction: every caption was held out; nothing left to train on");
+  check(o.vocab_size >= 257 && o.vocab_size <= 65536,
+        "data images --vocab-size: expected 257..65536, found " + std::to_string(o.vocab_size));
+  // At most that many tokens: a few hundred captions run out of distinct pairs sooner.
+  const Tokenizer tokenizer = Tokenizer::train(captions, o.vocab_size, /*at_most=*/true);
   fs::create_directories(o.out);
   write_split(o.out, "train", split[0], o.size);
   write_split(o.out, "val", split[1], o.size);
   result.train = static_cast<int64_t>(split[0].size()), result.val = static_cast<int64_t>(split[1].size());
+  tokenizer.save(o.out + "/tokenizer.json");
   const nlohmann::json meta = {{"format", "keel image-caption dataset 1"}, {"size", o.size}, {"channels", 3},
                                {"train", result.train}, {"val", result.val}, {"val_fraction", o.val_fraction},
+                               {"vocab_size", o.vocab_size},
                                {"from", fs::absolute(o.from).string()}, {"duplicates", result.duplicates},
                                {"skipped", result.skipped.size()},
                                {"skipped_first", std::vector<std::string>(result.skipped.begin(), result.skipped.begin() + std::min<size_t>(result.skipped.size(), 20))}};

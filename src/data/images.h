@@ -23,6 +23,8 @@
 //   train.jsonl, val.jsonl  one line per record, in the same order: {"caption", "category",
 //                           "source" (path below the source directory), "width", "height"
 //                           (before resizing)}
+//   tokenizer.json          byte-level BPE trained on train's captions (data/tokenizer.h; the text
+//                           tower's tokens; held-out captions encode with it too, byte by byte at worst)
 //   meta.json               size, counts, the source, and what was skipped and why
 // Unreadable or corrupt images and images outside 1..16384 pixels a side are skipped and counted
 // (meta.json and the summary name the first few), or with `strict` are an error naming the file.
@@ -40,6 +42,7 @@ struct ImageDatasetOptions {
   int size = 32;             // output side, pixels
   double val_fraction = 0.1; // share of captions held out
   bool strict = false;       // an unreadable image is an error, not a skip
+  int vocab_size = 512;      // the captions' tokenizer (tokenizer.json): byte-level BPE over train's captions, at most this many tokens
 };
 
 struct ImageDatasetResult {

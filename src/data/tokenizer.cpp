@@ -148,7 +148,7 @@ void Tokenizer::build_from_merges(int vocab_size) {
   can_encode_ = true;
 }
 
-Tokenizer Tokenizer::train(const std::vector<std::string>& documents, int vocab_size) {
+Tokenizer Tokenizer::train(const std::vector<std::string>& documents, int vocab_size, bool at_most) {
   check(vocab_size >= kByteTokens + 1 && vocab_size <= kMaxVocabSize,
         "tokenizer training: expected vocab_size in [257, 65536], found " + std::to_string(vocab_size));
   const int merges_wanted = vocab_size - kByteTokens - 1;
@@ -193,6 +193,7 @@ Tokenizer Tokenizer::train(const std::vector<std::string>& documents, int vocab_
   std::vector<int> merged;
   std::vector<uint64_t> grown_pairs;
   while (static_cast<int>(tok.merges_.size()) < merges_wanted) {
+    if (queue.empty() && at_most) break;
     if (queue.empty())
       throw Error("tokenizer training: expected text with enough distinct pairs for " + std::to_string(merges_wanted) +
                   " merges (vocab_size " + std::to_string(vocab_size) + "), found only " +
@@ -249,7 +250,7 @@ Tokenizer Tokenizer::train(const std::vector<std::string>& documents, int vocab_
       queue.push({pair_counts[q], static_cast<int>(q >> 32), static_cast<int>(q & 0xffffffffu)});
   }
 
-  tok.build_from_merges(vocab_size);
+  tok.build_from_merges(kByteTokens + static_cast<int>(tok.merges_.size()) + 1);
   tok.origin_ = "trained tokenizer";
   return tok;
 }

@@ -44,8 +44,10 @@ class Tokenizer {
   // the end-of-text token as id vocab_size - 1. Requires vocab_size in [257, 65536] and text
   // with enough distinct adjacent pairs to learn that many merges (else keel::Error).
   // Each step merges the most frequent pair; ties go to the smallest (left, right) ids, so
-  // the same documents always give the same merges.
-  static Tokenizer train(const std::vector<std::string>& documents, int vocab_size);
+  // the same documents always give the same merges. With at_most, vocab_size is a ceiling: a
+  // text whose distinct pairs run out first (a few hundred captions) gets the merges it has, and
+  // the end-of-text token follows the last of them.
+  static Tokenizer train(const std::vector<std::string>& documents, int vocab_size, bool at_most = false);
 
   // Loads a tokenizer saved by save(), or llm.c's gpt2_tokenizer.bin (recognised by its
   // magic). Any malformed file gives a keel::Error naming path.

@@ -16,20 +16,31 @@
 #include "model/contrastive.h"
 #include "model/resnet.h"
 #include "model/tower.h"
+#include "model/vit.h"
 #include "store/chunk_store.h"
 
 namespace keel {
 
 struct ClipSpec {
-  std::string image_tower = "resnet18";  // resnet18 / 34 / 50 / 101 / 152
+  std::string image_tower = "resnet18";  // resnet18 / 34 / 50 / 101 / 152, or vit
   int image_width = 64;                  // the ResNet's stem channels
   int image_size = 64;
   int embed_dim = 64;
   double logit_scale_init = std::log(1.0 / 0.07);
   double logit_scale_max = 100.0;
   std::optional<ResNetSpec> resnet;  // other stage depths than the named presets' (tests)
+  VitSpec vit;                       // image_tower = "vit": patch, layers, width, heads
   ResNetSpec resnet_spec() const;    // the image tower's, layer base 0
+  VitSpec vit_spec() const;
 };
+
+// The model [clip] describes over images of `dataset_image_size` pixels (clip.image_size 0 = the
+// dataset's; otherwise they must agree: one line naming both).
+ClipSpec clip_spec(const ClipConfig& clip, int dataset_image_size);
+// Checks [clip] and what a dual encoder run cannot combine with yet (pipelines, attention windows,
+// compressed sync, sequence-length curricula, frozen layers): one line naming the key. The towers'
+// shapes are checked again when the model is built.
+void validate_clip_config(const Config& config);
 
 class ClipModel {
  public:

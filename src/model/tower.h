@@ -21,6 +21,10 @@ struct ClipBatch {
   const int* lengths = nullptr;   // [B]: caption b's feature is taken at position lengths[b] - 1
   int B = 0;
   int T = 0;
+  // A ViT's patch masking (FLIP): the patches each sample keeps, [B, keep], increasing indices;
+  // null: every patch.
+  const int* patch_keep = nullptr;
+  int keep = 0;
 };
 
 class Tower {

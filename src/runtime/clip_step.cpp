@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <numeric>
 #include <vector>
 
 #include "core/error.h"
+#include "core/rng.h"
 
 namespace keel {
 
@@ -14,13 +17,93 @@ ClipStep::ClipStep(const Config& config, Communicator& dp, ChunkStore& store, Cl
   model_.allocate(config.train.batch_size, config.train.seq_len);
 }
 
-ClipStepResult ClipStep::run(int64_t step, double lr) {
+double ClipStep::forward_loss(const Batch&) {
+  throw Error("a dual encoder has no token windows to score (its evaluation is ClipStep::evaluate)");
+}
+
+void ClipStep::measure_and_balance(ClipStepResult& r, bool balance) {
+  const bool sharded = optimizer_.norm_is_sharded();
+  const auto [own_first, own_last] = sharded ? optimizer_.own_chunks()
+                                             : std::pair<int, int>{0, static_cast<int>(store_.chunks().size())};
+  const int image_end = model_.image().first_layer() + model_.image().num_layers();
+  const int text_end = model_.text().first_layer() + model_.text().num_layers();
+  auto part = [&](int layer) { return layer < image_end ? 0 : layer < text_end ? 1 : 2; };
+  double sq[3] = {0, 0, 0};
+  for (int c = own_first; c < own_last; ++c) {  // in chunk order: a fixed summation order
+    const Chunk& chunk = store_.chunks()[c];
+    if (chunk.replica) continue;
+    const PageLease use = store_.use_chunk(c, {Plane::grad});
+    double s = 0;
+    for (float g : store_.chunk_view(c, Plane::grad)) s += static_cast<double>(g) * g;
+    sq[part(chunk.layer)] += s;
+  }
+  if (sharded && dp_.size() > 1) dp_.allreduce_sum(sq, 3);
+  r.image_norm = std::sqrt(sq[0]);
+  r.text_norm = std::sqrt(sq[1]);
+  r.scale_norm = std::sqrt(sq[2]);
+  if (!balance || r.image_norm == 0 || r.text_norm == 0) return;
+  const double mean = std::sqrt(r.image_norm * r.text_norm);
+  r.image_factor = mean / r.image_norm;
+  r.text_factor = mean / r.text_norm;
+  for (int c = own_first; c < own_last; ++c) {
+    const Chunk& chunk = store_.chunks()[c];
+    const int p = part(chunk.layer);
+    if (chunk.replica || p == 2) continue;
+    const PageLease use = store_.use_chunk(c, {Plane::grad}, {Plane::grad});
+    const float f = static_cast<float>(p == 0 ? r.image_factor : r.text_factor);
+    for (float& g : store_.chunk_view(c, Plane::grad)) g *= f;
+  }
+}
+
+void ClipStep::add_step_fields(double step_ms, nlohmann::json& line) {
+  const double samples = static_cast<double>(config_.train.batch_size) * config_.train.grad_accum * dp_.size();
+  line["samples_per_s"] = samples / (step_ms / 1e3);
+  line["accuracy_i2t"] = last_.accuracy_i2t;
+  line["accuracy_t2i"] = last_.accuracy_t2i;
+  line["logit_scale"] = last_.logit_scale;
+  line["grad_norm_image"] = last_.image_norm;
+  line["grad_norm_text"] = last_.text_norm;
+  if (config_.clip.grad_balance == "norm") {
+    line["grad_balance_image"] = last_.image_factor;
+    line["grad_balance_text"] = last_.text_factor;
+  }
+}
+
+std::string ClipStep::progress_fragment(double step_ms) const {
+  const double samples = static_cast<double>(config_.train.batch_size) * config_.train.grad_accum * dp_.size();
+  char text[96];
+  std::snprintf(text, sizeof text, "%.1f pairs/s, in-batch acc %.2f/%.2f", samples / (step_ms / 1e3),
+                last_.accuracy_i2t, last_.accuracy_t2i);
+  return text;
+}
+
+ClipStepResult ClipStep::run_clip(int64_t step, double lr) {
   const TrainConfig& t = config_.train;
   const int world = dp_.size();
   ClipStepResult r;
   double loss_sum = 0;
+  const ClipConfig& clip = config_.clip;
+  const int patches = clip.image_tower == "vit" ? model_.spec().vit_spec().patches() : 0;
+  const int keep = std::max(1, static_cast<int>(std::lround(patches * (1.0 - clip.vit_mask))));
   for (int micro = 0; micro < t.grad_accum; ++micro) {
-    const ClipBatch& batch = data_.next();
+    const int64_t first = data_.position() + static_cast<int64_t>(dp_.rank()) * t.batch_size;  // in the global order
+    ClipBatch batch = data_.next();
+    if (clip.vit_mask > 0 && keep < patches) {
+      keep_.resize(static_cast<size_t>(batch.B) * keep);
+      std::vector<int> order(patches);
+      for (int b = 0; b < batch.B; ++b) {
+        Rng rng(t.seed ^ 0xF11Bull ^ (0x9E3779B97F4A7C15ull * static_cast<uint64_t>(first + b + 1)));
+        std::iota(order.begin(), order.end(), 0);
+        for (int i = 0; i < keep; ++i) {  // a partial Fisher-Yates: the first `keep` of a random order
+          const int j = i + static_cast<int>(rng.next_u64() % static_cast<uint64_t>(patches - i));
+          std::swap(order[i], order[j]);
+        }
+        std::sort(order.begin(), order.begin() + keep);
+        std::copy(order.begin(), order.begin() + keep, keep_.begin() + static_cast<int64_t>(b) * keep);
+      }
+      batch.patch_keep = keep_.data();
+      batch.keep = keep;
+    }
     sync_.begin(micro == t.grad_accum - 1, step);
     // (Each micro-batch's gradient is its loss's, divided over the micro-batches of the step; the
     // ranks' shares sum to it: no 1 / world here, the loss is already over the global batch.)
@@ -32,6 +115,7 @@ ClipStepResult ClipStep::run(int64_t step, double lr) {
   sync_.finish();
   r.sync = sync_.stats();
   optimizer_.clear_frozen_grads(step);
+  measure_and_balance(r, config_.clip.grad_balance == "norm");
   r.loss = loss_sum / t.grad_accum;  // the same on every rank: each computed the global loss
   const bool sharded = optimizer_.norm_is_sharded();
   double squares = optimizer_.local_grad_squares();
@@ -39,6 +123,7 @@ ClipStepResult ClipStep::run(int64_t step, double lr) {
   r.grad_norm = std::sqrt(squares);
   r.logit_scale = std::exp(std::min<double>(model_.logit_scale(), std::log(model_.spec().logit_scale_max)));
   if (optimizer_.accept(step, r.loss, r.grad_norm)) optimizer_.step(lr, step + 1, optimizer_.clip_for(r.grad_norm));
+  last_ = r;
   return r;
 }
 

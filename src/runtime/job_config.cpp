@@ -4,6 +4,7 @@
 
 #include "comm/sync_policy.h"
 #include "core/error.h"
+#include "model/clip.h"
 #include "pipeline/layout.h"
 #include "store/placement.h"
 
@@ -16,6 +17,7 @@ void resolve_job_config(Config& c, int world_size) {
   pipeline::validate_pipeline_config(c.parallel, c.train, c.model.n_layer, world_size);
   validate_sync_config(c.sync, c.model.n_layer, data_ranks > 1 ? c.parallel.zero : 0);
   validate_tier_config(c.tier, c.model.n_layer, data_ranks, c.parallel.zero);
+  validate_clip_config(c);
   check(c.runtime.slow_rank < world_size, "config key 'runtime.slow_rank': expected a world rank below " +
                                               std::to_string(world_size) + " or -1, found " + std::to_string(c.runtime.slow_rank));
   const int every = c.monitor.layer_costs_every;

@@ -94,11 +94,19 @@ void Metrics::step(const StepStats& s, double moments_mb) {
 }
 
 void Metrics::evaluation(int64_t step, double loss) {
+  char text[96];
+  std::snprintf(text, sizeof text, "val loss %.4f | val ppl %.2f", loss, std::exp(loss));
+  evaluation(step, {{"val_loss", loss}, {"val_ppl", std::exp(loss)}}, text);
+}
+
+void Metrics::evaluation(int64_t step, const nlohmann::json& fields, const std::string& text) {
   if (world_.is_root()) {
-    std::printf("step %6lld | val loss %.4f | val ppl %.2f\n", static_cast<long long>(step), loss, std::exp(loss));
+    std::printf("step %6lld | %s\n", static_cast<long long>(step), text.c_str());
     std::fflush(stdout);
   }
-  log({{"step", step}, {"val_loss", loss}, {"val_ppl", std::exp(loss)}});
+  nlohmann::json line = {{"step", step}};
+  line.update(fields);
+  log(line);
 }
 
 void Metrics::print_summaries() const {

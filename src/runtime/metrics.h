@@ -60,6 +60,9 @@ class Metrics {
   // The step's JSON line, and its progress line when train.log_every says so.
   void step(const StepStats& s, double moments_mb);
   void evaluation(int64_t step, double loss);
+  // An evaluation of other fields (a dual encoder's retrieval): `fields` into the line, `text`
+  // after "step N | " on stdout.
+  void evaluation(int64_t step, const nlohmann::json& fields, const std::string& text);
   void print_summaries() const;
 
  private:

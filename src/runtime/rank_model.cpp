@@ -3,10 +3,42 @@
 #include <algorithm>
 
 #include "comm/sync_policy.h"
+#include "runtime/clip_step.h"
 #include "runtime/single_stage_step.h"
 #include "store/placement.h"
 
 namespace keel {
+
+namespace {
+
+// Everything built on a finalized store but the engine: the sharded optimizer (ZeRO shards the
+// moments before anything loads or initialises them), the gradient sync and its report.
+void build_optimizer_and_sync(RankModel& r, const Config& config, Communicator& dp, std::vector<CodecParams> codecs) {
+  r.optimizer = std::make_unique<ShardedOptimizer>(config, dp, *r.store);
+  GradSyncOptions options;
+  options.bucket_bytes = config.parallel.bucket_bytes;
+  options.scatter_to = r.optimizer->scatter_to();
+  if (!codecs.empty()) {
+    options.codecs = std::move(codecs);
+    options.seed = config.train.seed ^ 0x5EEDC0DECull;
+    options.warmup_steps = config.sync.warmup_steps;
+    options.shape = sync_sum_shape(config.sync);
+  }
+  r.sync = std::make_unique<GradSync>(dp, *r.store, std::move(options));
+  r.sync_report = std::make_unique<SyncReport>(config, dp, *r.sync);
+}
+
+// With tiers, everything from here on (loading a checkpoint, drawing or moving in the weights)
+// goes through the tiers page by page: the full state is never resident at once.
+void attach_tiers(RankModel& r, const Config& config, ProcessGroups& groups) {
+  if (!tiering_enabled(config.tier)) return;
+  r.tiers = std::make_unique<TieredMemory>(config.tier, *r.store, groups.world().is_root());
+  // Gradient buckets in flight pin their pages: keep them within what the device budget leaves
+  // beside the homed pages and one operation's working set (at least one bucket).
+  r.sync->limit_in_flight(std::max(config.parallel.bucket_bytes, r.tiers->free_device_bytes()));
+}
+
+}  // namespace
 
 std::unique_ptr<RankModel> RankModel::build(const Config& config, ProcessGroups& groups, DataLoader& train,
                                             std::optional<pipeline::PipelineLayout> layout,
@@ -20,19 +52,10 @@ std::unique_ptr<RankModel> RankModel::build(const Config& config, ProcessGroups&
   if (config.runtime.slow_rank == groups.world().rank()) r->model->set_slowdown(config.runtime.slow_factor);
   r->store->set_huge_page_alignment(tiered);
   r->store->finalize(/*touch_params=*/!tiered);
-  // ZeRO shards the moments before anything loads or initialises them.
-  r->optimizer = std::make_unique<ShardedOptimizer>(config, dp, *r->store);
-  GradSyncOptions options;
-  options.bucket_bytes = config.parallel.bucket_bytes;
-  options.scatter_to = r->optimizer->scatter_to();
-  if (dp.size() > 1 && sync_compressed(config.sync)) {
-    options.codecs = sync_chunk_codecs(config.sync, config.model.n_layer, *r->store);
-    options.seed = config.train.seed ^ 0x5EEDC0DECull;
-    options.warmup_steps = config.sync.warmup_steps;
-    options.shape = sync_sum_shape(config.sync);
-  }
-  r->sync = std::make_unique<GradSync>(dp, *r->store, std::move(options));
-  r->sync_report = std::make_unique<SyncReport>(config, dp, *r->sync);
+  const bool compressed = dp.size() > 1 && sync_compressed(config.sync);
+  build_optimizer_and_sync(*r, config, dp,
+                           compressed ? sync_chunk_codecs(config.sync, config.model.n_layer, *r->store)
+                                      : std::vector<CodecParams>{});
   if (layout) {
     r->engine = std::make_unique<pipeline::PipelineStep>(config, groups, std::move(*layout), *r->store, *r->model,
                                                          train, *r->sync, *r->optimizer, log_event);
@@ -40,14 +63,23 @@ std::unique_ptr<RankModel> RankModel::build(const Config& config, ProcessGroups&
     r->engine = std::make_unique<SingleStageStep>(config, dp, *r->store, *r->model, train, *r->sync, *r->optimizer,
                                                   log_event);
   }
-  // With tiers, everything from here on (loading a checkpoint, drawing or moving in the weights)
-  // goes through the tiers page by page: the full state is never resident at once.
-  if (tiered) {
-    r->tiers = std::make_unique<TieredMemory>(config.tier, *r->store, groups.world().is_root());
-    // Gradient buckets in flight pin their pages: keep them within what the device budget leaves
-    // beside the homed pages and one operation's working set (at least one bucket).
-    r->sync->limit_in_flight(std::max(config.parallel.bucket_bytes, r->tiers->free_device_bytes()));
-  }
+  attach_tiers(*r, config, groups);
+  return r;
+}
+
+std::unique_ptr<RankModel> RankModel::build_clip(const Config& config, ProcessGroups& groups, ClipLoader& train,
+                                                 std::function<void(const nlohmann::json&)>) {
+  auto r = std::make_unique<RankModel>();
+  const bool tiered = tiering_enabled(config.tier);
+  Communicator& dp = groups.dp();
+  r->store = std::make_unique<ChunkStore>(config.store.chunk_bytes);
+  r->clip = std::make_unique<ClipModel>(clip_spec(config.clip, train.image_size()), config.model, *r->store,
+                                        config.runtime.precision == "bf16");
+  r->store->set_huge_page_alignment(tiered);
+  r->store->finalize(/*touch_params=*/!tiered);
+  build_optimizer_and_sync(*r, config, dp, {});
+  r->engine = std::make_unique<ClipStep>(config, dp, *r->store, *r->clip, train, *r->sync, *r->optimizer);
+  attach_tiers(*r, config, groups);
   return r;
 }
 

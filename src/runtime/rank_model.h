@@ -17,7 +17,9 @@
 #include "comm/sync_report.h"
 #include "core/config.h"
 #include "core/metrics_source.h"
+#include "data/clip_loader.h"
 #include "data/loader.h"
+#include "model/clip.h"
 #include "model/gpt.h"
 #include "pipeline/pipeline_step.h"
 #include "runtime/step_engine.h"
@@ -30,7 +32,8 @@ struct RankModel {
   // Declared in construction order; destroyed in reverse: the tiers drain their transfers into
   // the store before it goes, everything holding leases goes before the tiers.
   std::unique_ptr<ChunkStore> store;
-  std::unique_ptr<GPT> model;
+  std::unique_ptr<GPT> model;       // a language model's layers (null for a dual encoder)
+  std::unique_ptr<ClipModel> clip;  // a dual encoder's towers (null for a language model)
   std::unique_ptr<ShardedOptimizer> optimizer;
   std::unique_ptr<GradSync> sync;
   std::unique_ptr<SyncReport> sync_report;
@@ -42,6 +45,10 @@ struct RankModel {
   static std::unique_ptr<RankModel> build(const Config& config, ProcessGroups& groups, DataLoader& train,
                                           std::optional<pipeline::PipelineLayout> layout,
                                           std::function<void(const nlohmann::json&)> log_event);
+
+  // A dual encoder ([clip]) on every data-parallel rank: both towers in one store, its ClipStep.
+  static std::unique_ptr<RankModel> build_clip(const Config& config, ProcessGroups& groups, ClipLoader& train,
+                                               std::function<void(const nlohmann::json&)> log_event);
 
   // The figures its components report, in the order the progress line shows them.
   std::vector<MetricsSource*> sources() const;

@@ -51,24 +51,14 @@ Trainer::Trainer(Config config, Communicator& comm)
   check_blas();
   const ModelConfig& m = config_.model;
   const TrainConfig& t = config_.train;
-  if (!config_.data.tokenizer.empty() && fs::exists(config_.data.tokenizer)) {
-    data_.tokenizer = Tokenizer::load(config_.data.tokenizer);
-    check(m.vocab_size >= data_.tokenizer->vocab_size(),
-          "model.vocab_size: expected at least the vocabulary of tokenizer " + config_.data.tokenizer + " (" +
-              std::to_string(data_.tokenizer->vocab_size()) + "), found " + std::to_string(m.vocab_size));
-  }
   std::optional<pipeline::PipelineLayout> layout;
   if (groups_.pipelined()) layout = pipeline::PipelineLayout::make(config_, groups_.pp().rank());
   Communicator& dp = groups_.dp();
-  // Windows of the longest length a curriculum reaches; shorter steps read them in parts.
-  data_.train = std::make_unique<DataLoader>(config_.data.train, t.batch_size, t.longest_seq_len(), m.vocab_size,
-                                             config_.data.shuffle, t.seed, dp.rank(), dp.size());
-  data_.val = std::make_unique<DataLoader>(config_.data.val, t.batch_size, t.longest_seq_len(), m.vocab_size, false,
-                                           t.seed, dp.rank(), dp.size());
+  auto log = [this](const nlohmann::json& line) { metrics_.log(line); };
+  workload_ = make_workload(config_, groups_, log);
   measure_peaks();  // (in float32: the SGEMM reference of matmul_efficiency)
   set_matmul_precision(config_.runtime.precision == "bf16" ? MatmulPrecision::bf16 : MatmulPrecision::fp32);
-  auto log = [this](const nlohmann::json& line) { metrics_.log(line); };
-  rank_ = RankModel::build(config_, groups_, *data_.train, std::move(layout), log);
+  rank_ = workload_->build(std::move(layout));
   for (MetricsSource* source : rank_->sources()) metrics_.add_source(source);
   if (rank_->tiers) hooks_.push_back(rank_->tiers.get());
   // After the tiers: a tiered run's checkpoints stream from them (no snapshot buffers).
@@ -82,7 +72,7 @@ Trainer::Trainer(Config config, Communicator& comm)
   // Monitoring: energy per step and token, alerts on the operating targets ([monitor]).
   if (config_.monitor.enabled) {
     hooks_.push_back(metrics_.adopt(
-        std::make_unique<EnergyMeter>(config_.monitor, comm, [this](int64_t step) { return tokens_of_step(step); })));
+        std::make_unique<EnergyMeter>(config_.monitor, comm, [this](int64_t step) { return workload_->tokens_of_step(step); })));
     metrics_.add_sink(metrics_.adopt(std::make_unique<Alerts>(config_.monitor, log)));
   }
   if (config_.monitor.enabled && config_.monitor.port > 0 && comm.is_root()) {
@@ -110,19 +100,17 @@ void Trainer::resume_or_init() {
   if (const std::optional<TrainState> state = checkpointer_->resume()) {
     progress_.resumed_from = state->dir;
     progress_.steps_done = state->step;
-    data_.train->set_position(state->data);
+    workload_->set_position(state->data);
     return;
   }
-  rank_->model->init_weights(config_.train.seed);
+  workload_->init_weights(*rank_, config_.train.seed);
 }
 
 nlohmann::json Trainer::recut(const std::vector<LayerRange>& from, const std::vector<LayerRange>& to) {
   checkpointer_->finish_in_flight();
   rank_->store->apply_pending();  // deferred updates (tiers) land before the state moves
   config_.parallel.stage_boundaries = pipeline::boundaries_of(to);  // what checkpoints record from here on
-  auto log = [this](const nlohmann::json& line) { metrics_.log(line); };
-  std::unique_ptr<RankModel> next = RankModel::build(
-      config_, groups_, *data_.train, pipeline::PipelineLayout::make(config_, groups_.pp().rank(), to), log);
+  std::unique_ptr<RankModel> next = workload_->build(pipeline::PipelineLayout::make(config_, groups_.pp().rank(), to));
   const pipeline::MigrationStats moved = pipeline::migrate_stages(config_, groups_, from, *rank_->store, to, *next->store);
   next->optimizer->carry_counts(*rank_->optimizer);
   const pipeline::ResidualMoveStats residuals =
@@ -138,11 +126,6 @@ nlohmann::json Trainer::recut(const std::vector<LayerRange>& from, const std::ve
                         {"bytes_kept", figures[1]}, {"exchange_rounds", moved.rounds}};
   if (residuals.of > 0) out["compression_residuals"] = {{"buckets", residuals.of}, {"moved", residuals.buckets}};
   return out;
-}
-
-double Trainer::tokens_of_step(int64_t step) {
-  const TrainConfig& t = config_.train;
-  return static_cast<double>(t.batch_size) * t.seq_len_at(step) * t.grad_accum * groups_.dp().size();
 }
 
 void Trainer::measure_peaks() {
@@ -179,44 +162,32 @@ StepStats Trainer::step(const StopSignals* signals) {
   groups_.world().allreduce_max(maxima, 2);
   s.peak_rss_mb = maxima[0];
   s.stop_signal = static_cast<int>(maxima[1]);
-  checkpointer_->after_step(s.step, data_.train->position());
+  checkpointer_->after_step(s.step, workload_->position());
   s.ckpt_stall_ms = checkpointer_->take_stall_ms();
   for (StepHook* hook : hooks_) hook->after_step(s.step);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   s.seq_len = t.seq_len_at(s.step - 1);
   s.ms = seconds * 1e3;
-  s.tokens_per_s = tokens_of_step(s.step - 1) / seconds;
-  const double model_gflops = rank_->model->train_flops_per_token(s.seq_len) * s.tokens_per_s / 1e9;
+  s.tokens_per_s = workload_->tokens_of_step(s.step - 1) / seconds;
+  const double model_gflops = workload_->flops_of_step(*rank_, s.step - 1) / seconds / 1e9;
   s.mfu = model_gflops / peaks_.peak_gflops;
   s.matmul_efficiency = model_gflops / peaks_.sgemm_gflops;
   return s;
 }
 
-double Trainer::evaluate(int batches) {
-  // Every rank evaluates its share of the same global windows.
-  batches = static_cast<int>(std::min<uint64_t>(batches, data_.val->num_windows()));
-  rank_->store->apply_pending();
-  double sum = 0;
-  // At the length the coming step trains at (a curriculum's validation loss follows its length).
-  const int T = config_.train.seq_len_at(std::min<int64_t>(progress_.steps_done, config_.train.steps - 1));
-  for (int i = 0; i < batches; ++i) sum += rank_->engine->forward_loss(data_.val->window(i, T));
-  // With a pipeline only the last stage's ranks hold losses.
-  return groups_.world().allreduce_sum(sum) / (static_cast<double>(batches) * groups_.dp().size());
+double Trainer::evaluate(int batches) { return workload_->evaluate(*rank_, batches, progress_.steps_done).loss; }
+
+double Trainer::evaluate_and_log() {
+  const Evaluation e = workload_->evaluate(*rank_, config_.train.eval_batches, progress_.steps_done);
+  metrics_.evaluation(progress_.steps_done, e.fields, e.text);
+  return e.loss;
 }
 
-void Trainer::save(const std::string& root) { checkpointer_->save(root, progress_.steps_done, data_.train->position()); }
+void Trainer::save(const std::string& root) { checkpointer_->save(root, progress_.steps_done, workload_->position()); }
 
 void Trainer::print_startup(double moments_mb) {
-  const TrainConfig& t = config_.train;
-  const ModelConfig& m = config_.model;
   if (!groups_.world().is_root()) return;
-  std::printf("keel: model L=%d H=%d C=%d V=%d (%.2fM parameters, %zu chunks), batch %dx%d x%d x%d ranks, %d threads/rank\n",
-              m.n_layer, m.n_head, m.n_embd, m.vocab_size, rank_->store->param_count() / 1e6, rank_->store->chunks().size(),
-              t.batch_size, t.seq_len, t.grad_accum, groups_.dp().size(), omp_get_max_threads());
-  if (!t.seq_len_schedule.empty()) std::printf("keel: sequence-length curriculum: %s\n", t.describe_seq_lens().c_str());
-  std::printf("keel: train %s (%llu tokens), val %s (%llu tokens), run dir %s\n", config_.data.train.c_str(),
-              static_cast<unsigned long long>(data_.train->num_tokens()), config_.data.val.c_str(),
-              static_cast<unsigned long long>(data_.val->num_tokens()), t.run_dir.c_str());
+  workload_->print_startup(*rank_);
   std::printf("keel: MFU against a peak of %.1f GFLOP/s (%s); matmul efficiency against SGEMM measured now, "
               "%.1f GFLOP/s\n",
               peaks_.peak_gflops, peaks_.how.c_str(), peaks_.sgemm_gflops);
@@ -226,14 +197,10 @@ void Trainer::print_startup(double moments_mb) {
                 bf16_engine().c_str());
   }
   metrics_.print_startup();
-  if (static_cast<uint64_t>(t.eval_batches) > data_.val->num_windows()) {
-    std::printf("keel: train.eval_batches %d capped to the %llu windows of the validation set\n", t.eval_batches,
-                static_cast<unsigned long long>(data_.val->num_windows()));
-  }
   std::printf("keel: memory per rank: params %.1f MB, grads %.1f MB, AdamW moments %.1f MB, activations %.1f MB, "
               "checkpoint buffers %.1f MB\n",
               rank_->store->plane_bytes(Plane::param) / 1e6, rank_->store->plane_bytes(Plane::grad) / 1e6, moments_mb,
-              rank_->model->activation_bytes() / 1e6, checkpointer_->buffer_bytes() / 1e6);
+              workload_->activation_bytes(*rank_) / 1e6, checkpointer_->buffer_bytes() / 1e6);
   if (!progress_.resumed_from.empty()) {
     std::printf("keel: resumed from %s at step %lld\n", progress_.resumed_from.c_str(),
                 static_cast<long long>(progress_.steps_done));
@@ -241,7 +208,6 @@ void Trainer::print_startup(double moments_mb) {
 }
 
 void Trainer::log_run_event() {
-  const ModelConfig& m = config_.model;
   const TrainConfig& t = config_.train;
   const ParallelConfig& p = config_.parallel;
   // The whole model's parameters: each stage's own (a tied tensor's replicas counted once).
@@ -264,9 +230,7 @@ void Trainer::log_run_event() {
                         {"threads_per_rank", omp_get_max_threads()},
                         {"peak_gflops", peaks_.peak_gflops},
                         {"peak_how", peaks_.how}};
-  run["model"] = {{"preset", m.preset},         {"n_layer", m.n_layer},       {"n_head", m.n_head},
-                  {"n_embd", m.n_embd},         {"vocab_size", m.vocab_size}, {"max_seq_len", m.max_seq_len},
-                  {"parameters", static_cast<int64_t>(parameters)}};
+  run["model"] = workload_->describe(parameters);
   run["batch"] = {{"batch_size", t.batch_size}, {"seq_len", t.seq_len}, {"grad_accum", t.grad_accum},
                   {"steps", t.steps}};
   if (!t.seq_len_schedule.empty()) run["batch"]["seq_len_schedule"] = t.seq_len_schedule;
@@ -281,27 +245,7 @@ void Trainer::log_run_event() {
   metrics_.log(run);
 }
 
-void Trainer::print_samples() {
-  const Tokenizer* tok = data_.tokenizer ? &*data_.tokenizer : nullptr;
-  if (!groups_.world().is_root() || !rank_->model->whole() || !tok || !tok->can_encode() || config_.train.sample_tokens == 0) {
-    return;
-  }
-  Rng rng(config_.train.seed ^ 0xC0FFEEull);
-  SampleOptions options;
-  options.max_new_tokens = config_.train.sample_tokens;
-  options.stop_token = tok->eot_token();
-  std::printf("samples (temperature %.1f, top-k %d):\n", options.temperature, options.top_k);
-  for (int i = 0; i < config_.train.samples; ++i) {
-    const std::vector<int> prompt = {tok->eot_token()};
-    std::vector<int> out = generate(*rank_->model, config_.train.longest_seq_len(), prompt, options, rng);
-    std::string text = tok->decode(std::vector<int>(out.begin() + 1, out.end()));
-    std::printf("--- sample %d ---\n%s\n", i + 1, text.c_str());
-  }
-  std::fflush(stdout);
-}
-
 RunSummary Trainer::run() {
-  const TrainConfig& t = config_.train;
   const bool resumed = !progress_.resumed_from.empty();
   // Memory per rank, as allocated (the moments shrink with ZeRO-1/2), the largest over ranks.
   const double moments_mb =
@@ -313,8 +257,7 @@ RunSummary Trainer::run() {
   // should be training again as soon as it can).
   summary.val_loss_start = std::nan("");
   if (!resumed) {
-    summary.val_loss_start = evaluate(t.eval_batches);
-    metrics_.evaluation(progress_.steps_done, summary.val_loss_start);
+    summary.val_loss_start = evaluate_and_log();
   }
   checkpointer_->report_recovery(progress_.steps_done, progress_.resumed_from);
   std::fflush(stdout);
@@ -326,18 +269,17 @@ RunSummary Trainer::run() {
     return summary;
   }
   metrics_.print_summaries();
-  summary.val_loss_end = evaluate(t.eval_batches);
-  metrics_.evaluation(progress_.steps_done, summary.val_loss_end);
+  summary.val_loss_end = evaluate_and_log();
   // A run resumed from its own checkpoint with no step left to do is already saved there (one
   // resumed from elsewhere saves the state into its own directory, in its own layout).
   const bool nothing_new =
       resumed && progress_.steps_done == first_step &&
       fs::weakly_canonical(fs::path(progress_.resumed_from)).parent_path() == fs::weakly_canonical(checkpointer_->root());
   const std::string dir = nothing_new ? progress_.resumed_from
-                                      : checkpointer_->save_final(progress_.steps_done, data_.train->position());
+                                      : checkpointer_->save_final(progress_.steps_done, workload_->position());
   summary.final_checkpoint_written = groups_.world().broadcast(groups_.world().is_root() && dir.empty() ? 0 : 1) != 0;
   print_end(summary);
-  print_samples();
+  workload_->print_samples(*rank_);
   return summary;
 }
 
@@ -352,7 +294,7 @@ double Trainer::train_steps(double moments_mb, int* stop_signal) {
       if (s.step > 1) tokens_per_s_sum += s.tokens_per_s, timed++;  // the first step pays for warm-up
       metrics_.step(s, moments_mb);
       if ((*stop_signal = s.stop_signal) != 0) break;
-      if (t.eval_every > 0 && s.step % t.eval_every == 0 && s.step != t.steps) metrics_.evaluation(s.step, evaluate(t.eval_batches));
+      if (t.eval_every > 0 && s.step % t.eval_every == 0 && s.step != t.steps) evaluate_and_log();
     }
   } catch (const NonFiniteStep& e) {
     // Every rank stops at the same step: a checkpoint of good state still being written is
@@ -365,7 +307,7 @@ double Trainer::train_steps(double moments_mb, int* stop_signal) {
 }
 
 void Trainer::stop(RunSummary& summary) {
-  const bool written = !checkpointer_->save_final(progress_.steps_done, data_.train->position()).empty();
+  const bool written = !checkpointer_->save_final(progress_.steps_done, workload_->position()).empty();
   summary.final_checkpoint_written = groups_.world().broadcast(groups_.world().is_root() && !written ? 0 : 1) != 0;
   summary.checkpoint = checkpointer_->newest_verified();
   if (!groups_.world().is_root()) return;

@@ -24,6 +24,7 @@
 #include "runtime/metrics.h"
 #include "runtime/rank_model.h"
 #include "runtime/step_engine.h"
+#include "runtime/workload.h"
 #include "store/chunk_store.h"
 #include "store/tiered_memory.h"
 
@@ -62,7 +63,8 @@ class Trainer {
   // The checkpoint this run resumed from ("" = a fresh start).
   const std::string& resumed_from() const { return progress_.resumed_from; }
 
-  GPT& model() { return *rank_->model; }
+  GPT& model() { return *rank_->model; }  // a language model's (null rank_->model for a dual encoder)
+  RankModel& rank() { return *rank_; }
   ChunkStore& store() { return *rank_->store; }
   const Config& config() const { return config_; }
   int64_t steps_done() const { return progress_.steps_done; }
@@ -75,12 +77,11 @@ class Trainer {
   // state moved into them from cut `from` over MPI; returns the move's figures (for its event).
   nlohmann::json recut(const std::vector<LayerRange>& from, const std::vector<LayerRange>& to);
   void measure_peaks();
-  // Tokens optimizer step `step` (0-based) trains on, over every data-parallel rank.
-  double tokens_of_step(int64_t step);
   void print_startup(double moments_mb);
   // The "run" line of metrics.jsonl: model, sizes, hardware and layout, for the run report.
   void log_run_event();
-  void print_samples();
+  // The held-out evaluation of the workload (train.eval_batches), into metrics; its loss.
+  double evaluate_and_log();
   // The steps from here to train.steps (or to a stop signal, returned in *stop_signal); the mean
   // tokens/s after the first. A non-finite step past the allowed ones ends it with NonFiniteStep.
   double train_steps(double moments_mb, int* stop_signal);
@@ -89,10 +90,6 @@ class Trainer {
   // The end-of-run line: the losses, and the newest checkpoint that exists and verifies.
   void print_end(RunSummary& summary);
 
-  struct Data {
-    std::unique_ptr<DataLoader> train, val;
-    std::optional<Tokenizer> tokenizer;
-  };
   struct Progress {
     int64_t steps_done = 0;
     std::string resumed_from;
@@ -105,7 +102,8 @@ class Trainer {
 
   Config config_;
   ProcessGroups groups_;
-  Data data_;
+  // The data and what each rank builds from it: a language model or a dual encoder.
+  std::unique_ptr<Workload> workload_;
   // This rank's layers and everything built on them (store, model, optimizer, sync, tiers, step
   // engine): rebuilt when a pipeline is re-cut.
   std::unique_ptr<RankModel> rank_;

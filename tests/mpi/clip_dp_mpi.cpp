@@ -110,9 +110,9 @@ TEST(ClipDataParallel, GradientsSummedOverRanksEqualOneRankWithTheWholeBatch) {
 }
 
 // `steps` ClipSteps of a run over `dp` with B samples per rank; returns each step's loss and
-// gradient norm and leaves the parameters in `params`.
+// gradient norm (and in `results`, if given, every step's result) and leaves the parameters in `params`.
 std::vector<std::pair<double, double>> train(Config c, Communicator& dp, const CaptionedImages& data, int B, int steps,
-                                             std::vector<float>& params) {
+                                             std::vector<float>& params, std::vector<ClipStepResult>* results = nullptr) {
   c.train.batch_size = B;
   ChunkStore store(c.store.chunk_bytes);
   ClipModel model(tiny_spec(), c.model, store);
@@ -127,8 +127,9 @@ std::vector<std::pair<double, double>> train(Config c, Communicator& dp, const C
   ClipStep engine(c, dp, store, model, loader, sync, optimizer);
   std::vector<std::pair<double, double>> out;
   for (int s = 0; s < steps; ++s) {
-    const ClipStepResult r = engine.run(s, c.optim.lr);
+    const ClipStepResult r = engine.run_clip(s, c.optim.lr);
     out.emplace_back(r.loss, r.grad_norm);
+    if (results != nullptr) results->push_back(r);
   }
   std::span<const float> p = store.range_view(Plane::param, 0, store.numel());
   params.assign(p.begin(), p.end());
@@ -169,6 +170,38 @@ TEST(ClipDataParallel, TrainingStepsFollowOneRankWithTheWholeBatch) {
         for (size_t i = 0; i < ranked.size(); ++i) worst = std::max(worst, static_cast<double>(std::abs(ranked[i] - single[i])));
         EXPECT_LE(worst, lr == 0 ? 0.0 : 2e-3) << "parameters, " << what;
       }
+    }
+  }
+}
+
+TEST(ClipDataParallel, GradientBalanceGivesBothTowersTheGeometricMeanOfTheirNorms) {
+  Communicator& world = Communicator::world();
+  const int W = world.size();
+  const CaptionedImages data = random_pairs(kB * W * 2);
+  std::unique_ptr<Communicator> alone = world.split(world.rank(), 0);
+  for (int zero : {0, 1, 2}) {
+    Config c = tiny_config();
+    c.parallel.zero = zero;
+    c.clip.grad_balance = "norm";
+    c.optim.lr = 0;  // the same weights every step: the balance's figures comparable step by step
+    c.optim.grad_clip = 0;
+    std::vector<float> unused;
+    std::vector<ClipStepResult> ranked, single;
+    train(c, world, data, kB, 3, unused, &ranked);
+    train(c, *alone, data, kB * W, 3, unused, &single);
+    for (size_t s = 0; s < ranked.size(); ++s) {
+      const ClipStepResult& r = ranked[s];
+      const std::string what = "ZeRO-" + std::to_string(zero) + " step " + std::to_string(s);
+      ASSERT_GT(r.image_norm, 0) << what;
+      ASSERT_GT(r.text_norm, 0) << what;
+      const double mean = std::sqrt(r.image_norm * r.text_norm);
+      EXPECT_NEAR(r.image_factor * r.image_norm, mean, 1e-9 * mean) << what;
+      EXPECT_NEAR(r.text_factor * r.text_norm, mean, 1e-9 * mean) << what;
+      // The clipping norm is the balanced gradient's: both towers at the mean, the temperature as it was.
+      const double want = std::sqrt(2 * mean * mean + r.scale_norm * r.scale_norm);
+      EXPECT_NEAR(r.grad_norm, want, 2e-5 * want) << what;
+      EXPECT_NEAR(r.image_factor, single[s].image_factor, 2e-5 * single[s].image_factor) << what;
+      EXPECT_NEAR(r.text_factor, single[s].text_factor, 2e-5 * single[s].text_factor) << what;
     }
   }
 }

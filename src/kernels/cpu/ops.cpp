@@ -457,7 +457,7 @@ void residual_forward(T* out, const T* a, const T* b, int64_t n) {
 // ---- attention ---------------------------------------------------------------------------------
 
 template <typename T>
-void attention_forward(T* out, T* att, const T* qkv, int B, int Tn, int C, int NH, int NKV) {
+void attention_forward(T* out, T* att, const T* qkv, int B, int Tn, int C, int NH, int NKV, bool causal) {
   if (NKV == 0) NKV = NH;
   const int hs = C / NH, group = NH / NKV, kv = NKV * hs;
   const int C3 = C + 2 * kv;  // the row width of qkv
@@ -474,19 +474,20 @@ void attention_forward(T* out, T* att, const T* qkv, int B, int Tn, int C, int N
     gemm<T>(false, true, Tn, Tn, hs, scale, q, C3, k, C3, T(0), a, Tn);
     for (int i = 0; i < Tn; ++i) {
       T* row = a + static_cast<int64_t>(i) * Tn;
+      const int last = causal ? i : Tn - 1;  // the last key this query reads
       T mx = row[0];
 #pragma omp simd reduction(max : mx)
-      for (int j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
+      for (int j = 1; j <= last; ++j) mx = std::max(mx, row[j]);
       T sum = 0;
 #pragma omp simd reduction(+ : sum)
-      for (int j = 0; j <= i; ++j) {
+      for (int j = 0; j <= last; ++j) {
         row[j] = vmath::exp(row[j] - mx);
         sum += row[j];
       }
       const T inv = T(1) / sum;
 #pragma omp simd
-      for (int j = 0; j <= i; ++j) row[j] *= inv;
-      for (int j = i + 1; j < Tn; ++j) row[j] = T(0);
+      for (int j = 0; j <= last; ++j) row[j] *= inv;
+      for (int j = last + 1; j < Tn; ++j) row[j] = T(0);
     }
     gemm<T>(false, false, Tn, hs, Tn, T(1), a, Tn, v, C3, T(0), out + static_cast<int64_t>(b) * Tn * C + h * hs, C);
   }
@@ -494,7 +495,7 @@ void attention_forward(T* out, T* att, const T* qkv, int B, int Tn, int C, int N
 
 template <typename T>
 void attention_backward_input(T* dqkv, const T* dout, const T* att, const T* qkv, int B, int Tn, int C, int NH,
-                              int NKV) {
+                              int NKV, bool causal) {
   if (NKV == 0) NKV = NH;
   const int hs = C / NH, group = NH / NKV, kv = NKV * hs;
   const int C3 = C + 2 * kv;
@@ -525,12 +526,13 @@ void attention_backward_input(T* dqkv, const T* dout, const T* att, const T* qkv
       for (int i = 0; i < Tn; ++i) {  // softmax backward, in place, then the 1/sqrt(hs) scale
         const T* arow = a + static_cast<int64_t>(i) * Tn;
         T* drow = datt + static_cast<int64_t>(i) * Tn;
+        const int last = causal ? i : Tn - 1;
         T dot = 0;
 #pragma omp simd reduction(+ : dot)
-        for (int j = 0; j <= i; ++j) dot += arow[j] * drow[j];
+        for (int j = 0; j <= last; ++j) dot += arow[j] * drow[j];
 #pragma omp simd
-        for (int j = 0; j <= i; ++j) drow[j] = arow[j] * (drow[j] - dot) * scale;
-        for (int j = i + 1; j < Tn; ++j) drow[j] = T(0);
+        for (int j = 0; j <= last; ++j) drow[j] = arow[j] * (drow[j] - dot) * scale;
+        for (int j = last + 1; j < Tn; ++j) drow[j] = T(0);
       }
       gemm<T>(false, false, Tn, hs, Tn, T(1), datt, Tn, k, C3, T(0), dq, C3);  // dq = dpre k
       gemm<T>(true, false, Tn, hs, Tn, T(1), datt, Tn, q, C3, first, dk, C3);  // dk (+)= dpre^T q
@@ -829,8 +831,8 @@ void crossentropy_forward(T* losses, T* logits, const int* targets, int N, int V
   template void gelu_forward<T>(T*, const T*, int64_t);                                                         \
   template void gelu_backward_input<T>(T*, const T*, const T*, int64_t);                                        \
   template void residual_forward<T>(T*, const T*, const T*, int64_t);                                           \
-  template void attention_forward<T>(T*, T*, const T*, int, int, int, int, int);                                \
-  template void attention_backward_input<T>(T*, const T*, const T*, const T*, int, int, int, int, int);         \
+  template void attention_forward<T>(T*, T*, const T*, int, int, int, int, int, bool);                          \
+  template void attention_backward_input<T>(T*, const T*, const T*, const T*, int, int, int, int, int, bool);   \
   template void rmsnorm_forward<T>(T*, T*, const T*, const T*, int, int);                                       \
   template void residual_rmsnorm_forward<T>(T*, T*, T*, const T*, const T*, const T*, int, int);                \
   template void rmsnorm_backward_input<T>(T*, const T*, const T*, const T*, const T*, int, int, bool);          \

@@ -112,14 +112,15 @@ void residual_forward(T* out, const T* a, const T* b, int64_t n);
 // divides NH; query head h reads key/value head h / (NH / NKV): grouped-query attention; NKV = 0
 // means NH, GPT-2's multi-head attention with qkv[B, T, 3C]). Head h's columns are h*hs..(h+1)*hs-1
 // of its part. out[B, T, C] = softmax_causal(q k^T / sqrt(hs)) v per head; saves att[B, NH, T, T]
-// (probabilities, zero above the diagonal) for the backward pass.
+// (probabilities, zero above the diagonal) for the backward pass. causal = false: every position
+// attends to every other (an image tower's patches).
 template <typename T>
-void attention_forward(T* out, T* att, const T* qkv, int B, int Tn, int C, int NH, int NKV = 0);
+void attention_forward(T* out, T* att, const T* qkv, int B, int Tn, int C, int NH, int NKV = 0, bool causal = true);
 // dqkv (overwritten, qkv's shape) from dout[B, T, C], att and qkv of the forward pass. The query
 // heads of a group add into their key/value head's gradient in head order (a fixed order).
 template <typename T>
 void attention_backward_input(T* dqkv, const T* dout, const T* att, const T* qkv, int B, int Tn, int C, int NH,
-                              int NKV = 0);
+                              int NKV = 0, bool causal = true);
 
 // ---- blockwise causal attention (FlashAttention-2's algorithm): no T x T buffer ----------------
 // The same function as attention_forward (qkv's layout, grouped-query heads, NKV = 0 meaning NH),
