@@ -1,0 +1,553 @@
+#!/usr/bin/env python3
+"""Keel's dual-encoder (CLIP-style) training against the same model in PyTorch + torchvision,
+side by side on this machine, in one invocation: image-caption pairs per second and zero-shot
+recall@5 on the held-out pairs.
+
+Dataset: `keel data images --from /usr/share/icons/Tango --out WORKDIR/tango --size 64` (Debian's
+tango-icon-theme: 196 training and 19 held-out pairs of 64 x 64 pixels, with their tokenizer),
+made once per work directory.
+
+Configurations (--configs, default all three), each trained for --steps steps (default 40),
+batch 32, captions of up to 32 tokens, embedding 64, text tower GPT-2 L=2 H=2 C=64 V=512, AdamW
+lr 1e-3 with 5 warm-up steps then cosine to 1e-4 (configs/clip.toml as shipped):
+  resnet18   ResNet-18 with GroupNorm, stem width 16 (configs/clip.toml)
+  vit        ViT: 8 x 8 patches of 8 px, 4 blocks, width 64, 4 heads
+  vit-flip   the ViT with FLIP patch masking: half of each training image's patches dropped
+
+Trainers, 2 threads each (OMP_NUM_THREADS=2; Keel's runtime.threads=2, torch.set_num_threads(2)):
+  keel     build/keel train --config configs/clip.toml --set ... (pairs/s: the median of the
+           step lines' samples_per_s after the first 3 steps; recall: the last evaluation line)
+  debian   bench/torch_clip_train.py under /usr/bin/python3 with Debian's python3-torch and
+           python3-torchvision (the model code is tests/reference/clip_reference.py's, float32;
+           pairs/s: the median over the same steps, timed the same way; recall over the same 19
+           held-out pairs)
+  pypi     (--pypi) the same script under the current PyTorch from PyPI, installed with plain
+           `pip install torch torchvision numpy` into WORKDIR/venv (reused when it already
+           imports torch); skipped, saying why, when the install fails or runs past
+           --pip-timeout. OpenCLIP (`pip install open_clip_torch`) is tried in that venv too and,
+           where it imports, adds a run with its ClipLoss as the loss.
+Each PyTorch trainer is run in the variants that may make it faster and the best is compared:
+the default environment and compare_pytorch.sh's tuned one (OMP_WAIT_POLICY=PASSIVE,
+OPENBLAS_NUM_THREADS=2, glibc malloc tunables); for the ResNet, contiguous (NCHW) and
+channels_last tensors; torch.compile where the PyTorch has it (not Debian's 1.13). Runs are
+interleaved (keel, then every peer variant) and repeated --repeats times; each trainer's best
+run counts (PyTorch's best is of more runs than Keel's, which favours it; the table says so).
+
+Output: a table (configuration | Keel pairs/s | PyTorch pairs/s | Keel/PyTorch | ... | R@5 | the
+2.7x claim), every run's figures (with the cores other processes kept busy meanwhile), the exact
+commands, and WORKDIR/clip_bench.json. Keel's design claims 2.7x over "the conventional method"
+for image-text training; here that method is PyTorch + torchvision training the same model, and
+the ratio is measured, not assumed ("met" needs 2.7x against the fastest PyTorch run). Exit
+status 0 whatever the ratios; non-zero only when a Keel or Debian PyTorch run fails.
+
+Usage: bench/clip.py [--steps N] [--workdir DIR] [--configs resnet18,vit,vit-flip] [--repeats R]
+                     [--pypi] [--pip-timeout S] [--no-variants] [--quiet-wait S]
+  --steps N        optimizer steps of every run (default 40; the median skips the first 3)
+  --workdir DIR    dataset, run directories, logs, venv and clip_bench.json (default: a new
+                   temporary directory, kept and printed)
+  --configs LIST   any of resnet18, vit, vit-flip (default all)
+  --repeats R      interleaved runs of every trainer and variant (default 2)
+  --pypi           also the current PyTorch from PyPI (and OpenCLIP's loss where it installs)
+  --pip-timeout S  seconds allowed for each pip install (default 1500)
+  --no-variants    PyTorch in its default environment and layout only
+  --quiet-wait S   before each run, wait up to S seconds for other processes to leave the cores
+                   idle (default 0: do not wait); every run reports the cores others kept busy
+Environment: KEEL (default build/keel), PYTHON (default /usr/bin/python3), RUN_TIMEOUT (seconds
+per run, default 1800).
+"""
+import argparse
+import json
+import os
+import resource
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.dont_write_bytecode = True
+from benchutil import run_logged, run_or_exit  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEEL = os.environ.get("KEEL", os.path.join(ROOT, "build", "keel"))
+PYTHON = os.environ.get("PYTHON", "/usr/bin/python3")
+PEER = os.path.join(ROOT, "bench", "torch_clip_train.py")
+RUN_TIMEOUT = int(os.environ.get("RUN_TIMEOUT", "1800"))
+TANGO = "/usr/share/icons/Tango"
+CLAIM = 2.7
+SKIP = 3  # steps left out of the medians: the first pays for allocation and warm-up
+THREADS = 2
+
+VIT = ["--set", "clip.image_tower=vit", "--set", "clip.vit_patch=8", "--set", "clip.vit_layers=4",
+       "--set", "clip.vit_width=64", "--set", "clip.vit_heads=4"]
+VIT_PEER = ["--tower", "vit", "--vit-patch", "8", "--vit-layers", "4", "--vit-width", "64", "--vit-heads", "4"]
+CONFIGS = {
+    "resnet18": {"label": "ResNet-18 (GN, width 16)", "keel": [], "peer": ["--tower", "resnet18", "--width", "16"],
+                 "resnet": True},
+    "vit": {"label": "ViT p8 L4 C64 H4", "keel": VIT, "peer": VIT_PEER, "resnet": False},
+    "vit-flip": {"label": "ViT + FLIP mask 0.5", "keel": VIT + ["--set", "clip.vit_mask=0.5"],
+                 "peer": VIT_PEER + ["--vit-mask", "0.5"], "resnet": False},
+}
+# The shape and optimizer of configs/clip.toml, as the peer's flags.
+PEER_COMMON = ["--embed-dim", "64", "--text-layers", "2", "--text-heads", "2", "--text-width", "64",
+               "--vocab", "512", "--batch", "32", "--seq", "32", "--lr", "1e-3", "--warmup", "5",
+               "--min-lr-ratio", "0.1", "--weight-decay", "0.1", "--beta1", "0.9", "--beta2", "0.95",
+               "--eps", "1e-8", "--clip", "1.0", "--skip", str(SKIP), "--threads", str(THREADS)]
+TUNED_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_NUM_THREADS": str(THREADS),
+             "GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"}
+CLEARED = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "GLIBC_TUNABLES")
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def env_prefix(extra):
+    return " ".join("%s=%s" % (k, shlex.quote(v)) for k, v in sorted(extra.items()))
+
+
+def command_line(cmd, extra):
+    return (env_prefix(extra) + " " if extra else "") + " ".join(shlex.quote(c) for c in cmd)
+
+
+def machine_busy_s():
+    """CPU seconds this machine's cores have been busy since boot (/proc/stat; 0 where unreadable)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0
+    # user nice system idle iowait irq softirq steal ...: all but idle and iowait
+    return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_s():
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+class Interference:
+    """Cores kept busy by other processes while a run went on: the machine's busy CPU time over
+    the run less the run's own (this bench's children), divided by the run's wall time."""
+
+    def __init__(self):
+        self.t, self.busy, self.mine = time.time(), machine_busy_s(), children_cpu_s()
+
+    def cores(self):
+        wall = max(time.time() - self.t, 1e-9)
+        return max(0.0, (machine_busy_s() - self.busy) - (children_cpu_s() - self.mine)) / wall
+
+
+def wait_quiet(max_s, threshold=0.25):
+    """Waits (up to max_s seconds) until other processes keep fewer than `threshold` cores busy over
+    a one-second probe; returns the seconds waited."""
+    t0 = time.time()
+    while time.time() - t0 < max_s:
+        busy, t = machine_busy_s(), time.time()
+        time.sleep(1.0)
+        if (machine_busy_s() - busy) / (time.time() - t) < threshold:
+            break
+    return time.time() - t0
+
+
+# ---------------------------------------------------------------------------------------------
+# Keel
+
+
+def keel_command(cfg, dataset, run_dir, steps):
+    return [KEEL, "train", "--config", os.path.join(ROOT, "configs", "clip.toml"),
+            "--set", "clip.dataset=" + dataset, "--set", "data.tokenizer=" + os.path.join(dataset, "tokenizer.json"),
+            "--set", "train.run_dir=" + run_dir, "--set", "train.steps=%d" % steps, "--set", "train.eval_every=0",
+            "--set", "runtime.threads=%d" % THREADS] + CONFIGS[cfg]["keel"]
+
+
+def run_keel(cfg, dataset, work, steps, rep):
+    run_dir = os.path.join(work, "keel-%s-%d" % (cfg, rep))
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run directory with a checkpoint would be resumed
+    cmd = keel_command(cfg, dataset, run_dir, steps)
+    extra = {"OMP_NUM_THREADS": str(THREADS)}
+    t0, other = time.time(), Interference()
+    run_logged(cmd, run_dir + ".log", ROOT, RUN_TIMEOUT, "clip.py: keel %s" % cfg, extra)
+    wall, other_cores = time.time() - t0, other.cores()
+    steps_, evals, params = [], [], None
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            j = json.loads(line)
+            if j.get("event") == "run":
+                params = j.get("model", {}).get("parameters")
+            elif "samples_per_s" in j:
+                steps_.append(j)
+            elif "recall_i2t_at5" in j:
+                evals.append(j)
+    if not steps_ or not evals:
+        sys.exit("clip.py: keel %s: metrics.jsonl in %s has no step or no evaluation lines" % (cfg, run_dir))
+    timed = [s["samples_per_s"] for s in steps_ if s["step"] > SKIP] or [s["samples_per_s"] for s in steps_]
+    med = statistics.median(timed)
+    last = evals[-1]
+    return {"trainer": "keel", "variant": "keel", "config": cfg, "rep": rep, "samples_per_s": med,
+            "ms_per_step": 1e3 * 32 / med, "samples_per_s_all": [round(s["samples_per_s"], 1) for s in steps_],
+            "final_loss": steps_[-1]["loss"], "params": params,
+            "recall_i2t_at1": last["recall_i2t_at1"], "recall_i2t_at5": last["recall_i2t_at5"],
+            "recall_t2i_at1": last["recall_t2i_at1"], "recall_t2i_at5": last["recall_t2i_at5"],
+            "val_pairs": last.get("val_pairs"), "wall_s": wall, "other_cores": other_cores, "command": command_line(cmd, extra),
+            "peak_rss_mb": steps_[-1].get("peak_rss_mb")}
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch peers
+
+
+def peer_variants(cfg, trainer, has_compile, openclip, variants):
+    """(name, extra flags, extra environment) of every variant of a PyTorch trainer for cfg."""
+    base = [("eager", [], {})]
+    if variants and CONFIGS[cfg]["resnet"]:
+        base.append(("channels_last", ["--channels-last"], {}))
+    out = []
+    for name, flags, env in base:
+        out.append((name, flags, env))
+        if variants:
+            out.append((name + "+tuned-env", flags, dict(TUNED_ENV)))
+    if has_compile:
+        # torch.compile with the first layout; the default environment.
+        out.append(("compile", ["--compile"], {}))
+    if openclip:
+        out.append(("openclip-loss", ["--loss", "openclip"], {}))
+    return out
+
+
+def run_peer(python, trainer, cfg, variant, flags, env, dataset, work, steps, rep, must):
+    cmd = [python, PEER, "--dataset", dataset, "--steps", str(steps)] + PEER_COMMON + CONFIGS[cfg]["peer"] + flags
+    extra = {"OMP_NUM_THREADS": str(THREADS)}
+    extra.update(env)
+    log_path = os.path.join(work, "%s-%s-%s-%d.log" % (trainer, cfg, variant, rep))
+    t0, other = time.time(), Interference()
+    if must:
+        run_logged(cmd, log_path, ROOT, RUN_TIMEOUT, "clip.py: %s %s %s" % (trainer, cfg, variant), extra)
+    else:  # an optional trainer: a failure is reported, not fatal
+        full = {k: v for k, v in os.environ.items() if k not in CLEARED}
+        full.update(extra)
+        with open(log_path, "w") as out:
+            try:
+                rc = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=full, cwd=ROOT, timeout=RUN_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        if rc != 0:
+            tail = open(log_path).read().strip().splitlines()[-1:] or ["(no output)"]
+            log("    %s %s %s failed (%s): %s" % (trainer, cfg, variant, rc, tail[0][:200]))
+            return None
+    wall, other_cores = time.time() - t0, other.cores()
+    lines = [l for l in open(log_path).read().splitlines() if l.startswith("{")]
+    if not lines:
+        if must:
+            sys.exit("clip.py: %s %s %s printed no JSON result; see %s" % (trainer, cfg, variant, log_path))
+        return None
+    r = json.loads(lines[-1])
+    r.update({"trainer": trainer, "variant": variant, "config": cfg, "rep": rep, "wall_s": wall,
+              "other_cores": other_cores,
+              "command": command_line(cmd, extra)})
+    return r
+
+
+# ---------------------------------------------------------------------------------------------
+# PyPI's PyTorch in a virtual environment
+
+
+def venv_probe(py):
+    """(torch version, has torch.compile, OpenCLIP version or None), or None when torch does not import."""
+    code = ("import json, torch, torchvision, numpy\n"
+            "try:\n import open_clip; oc = getattr(open_clip, '__version__', '?')\nexcept Exception:\n oc = None\n"
+            "print(json.dumps([torch.__version__, hasattr(torch, 'compile'), oc]))")
+    try:
+        r = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return None
+    if r.returncode != 0:
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def pip(py, packages, timeout, log_path):
+    cmd = [py, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off"] + packages
+    log("  %s (at most %d s; log %s)" % (" ".join(cmd), timeout, log_path))
+    t0 = time.time()
+    with open(log_path, "w") as out:
+        try:
+            rc = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = "timeout after %d s" % timeout
+    secs = time.time() - t0
+    if rc != 0:
+        tail = open(log_path).read().strip().splitlines()[-1:] or [""]
+        return False, secs, "pip install %s: %s %s" % (" ".join(packages), rc, tail[0][:200])
+    return True, secs, ""
+
+
+def setup_pypi(work, timeout):
+    """Returns (python, info dict); python None when PyPI's PyTorch is not usable (info says why)."""
+    venv = os.path.join(work, "venv")
+    py = os.path.join(venv, "bin", "python")
+    info = {"venv": venv, "install_s": 0.0, "openclip_install_s": 0.0}
+    if not os.path.exists(py):
+        log("pypi: creating %s" % venv)
+        r = subprocess.run([sys.executable, "-m", "venv", venv], capture_output=True, text=True)
+        if r.returncode != 0:
+            info["skipped"] = "python3 -m venv failed: " + (r.stderr.strip().splitlines() or [""])[-1]
+            return None, info
+    probe = venv_probe(py)
+    if probe is None:
+        ok, secs, why = pip(py, ["torch", "torchvision", "numpy"], timeout, os.path.join(work, "pip-torch.log"))
+        info["install_s"] = secs
+        if not ok:
+            info["skipped"] = why
+            return None, info
+        probe = venv_probe(py)
+        if probe is None:
+            info["skipped"] = "torch installed but does not import in " + venv
+            return None, info
+    else:
+        log("pypi: %s already has torch %s" % (venv, probe[0]))
+    if probe[2] is None:
+        ok, secs, why = pip(py, ["open_clip_torch"], min(timeout, 900), os.path.join(work, "pip-openclip.log"))
+        info["openclip_install_s"] = secs
+        if ok:
+            probe = venv_probe(py) or probe
+        if probe[2] is None:
+            info["openclip"] = "not usable: " + (why or "installed but does not import")
+    info.update({"torch": probe[0], "has_compile": bool(probe[1]), "openclip_version": probe[2]})
+    return py, info
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def best(runs, **match):
+    rs = [r for r in runs if all(r.get(k) == v for k, v in match.items())]
+    return max(rs, key=lambda r: r["samples_per_s"]) if rs else None
+
+
+def fmt_ratio(k, p):
+    return "%.2fx" % (k / p) if k and p else "-"
+
+
+def report(res):
+    runs, cfgs = res["runs"], res["configs"]
+    trainers = ["debian"] + (["pypi"] if any(r["trainer"] == "pypi" for r in runs) else [])
+    tname = {"debian": "PyTorch %s (Debian)" % res["debian"].get("torch", "?"),
+             "pypi": "PyTorch %s (PyPI)" % res.get("pypi", {}).get("torch", "?")}
+    print()
+    print("=== Keel vs PyTorch + torchvision: dual-encoder training, %d steps, batch 32, %d threads each, "
+          "pairs/s = median after step %d, best of %d ===" % (res["steps"], THREADS, SKIP, res["repeats"]))
+    head = ["configuration", "Keel pairs/s"]
+    for t in trainers:
+        head += [tname[t] + " pairs/s", "Keel/PyTorch"]
+    short = {"debian": "Debian", "pypi": "PyPI"}
+    head += ["Keel R@5 i2t/t2i"] + ["%s R@5 i2t/t2i" % short[t] for t in trainers] + ["Keel's claim %.1fx" % CLAIM]
+    rows = []
+    summary = {}
+    for cfg in cfgs:
+        k = best(runs, trainer="keel", config=cfg)
+        row = [CONFIGS[cfg]["label"], "%.1f" % k["samples_per_s"]]
+        summary[cfg] = {"keel": k["samples_per_s"], "keel_recall_at5": [k["recall_i2t_at5"], k["recall_t2i_at5"]]}
+        ratios, recalls = [], []
+        for t in trainers:
+            p = best(runs, trainer=t, config=cfg)
+            if p is None:
+                row += ["(failed)", "-"]
+                recalls.append("-")
+                continue
+            row += ["%.1f [%s]" % (p["samples_per_s"], p["variant"]), fmt_ratio(k["samples_per_s"], p["samples_per_s"])]
+            ratios.append(k["samples_per_s"] / p["samples_per_s"])
+            recalls.append("%.2f/%.2f" % (p["recall_i2t_at5"], p["recall_t2i_at5"]))
+            summary[cfg][t] = {"samples_per_s": p["samples_per_s"], "variant": p["variant"],
+                               "ratio": k["samples_per_s"] / p["samples_per_s"],
+                               "recall_at5": [p["recall_i2t_at5"], p["recall_t2i_at5"]]}
+        row.append("%.2f/%.2f" % (k["recall_i2t_at5"], k["recall_t2i_at5"]))
+        row += recalls
+        if ratios:
+            lo = min(ratios)
+            row.append("%s (%.2fx vs the fastest PyTorch)" % ("met" if lo >= CLAIM else "not met", lo))
+            summary[cfg]["claim_met"] = lo >= CLAIM
+        else:
+            row.append("-")
+        rows.append(row)
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    print(" | ".join(h.ljust(w) for h, w in zip(head, widths)))
+    print("-+-".join("-" * w for w in widths))
+    for r in rows:
+        print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    print("Recall@5 is over %s held-out pairs (chance = 5/%s), from the run counted; [variant] is the PyTorch run "
+          "counted." % (runs[0].get("val_pairs", "?"), runs[0].get("val_pairs", "?")))
+    for t in trainers:
+        tried = sorted({r["variant"] for r in runs if r["trainer"] == t})
+        most = max(sum(1 for r in runs if r["trainer"] == t and r["config"] == c) for c in cfgs)
+        print("%s: the best of up to %d runs per configuration (variants %s) against Keel's best of %d; the maximum "
+              "of more noisy runs favours PyTorch, so every run is listed below." % (
+                  tname[t], most, ", ".join(tried), res["repeats"]))
+    res["summary"] = summary
+
+    print()
+    print("=== Every run ===")
+    print("%-9s %-7s %-24s %3s %8s %8s %7s %11s %11s %8s %6s %7s" % (
+        "config", "trainer", "variant", "rep", "pairs/s", "ms/step", "loss", "R@1 i2t/t2i", "R@5 i2t/t2i", "params",
+        "wall s", "others"))
+    for r in runs:
+        print("%-9s %-7s %-24s %3d %8.1f %8.1f %7.4f %11s %11s %8s %6.1f %7.2f" % (
+            r["config"], r["trainer"], r["variant"], r["rep"], r["samples_per_s"], 1e3 * 32 / r["samples_per_s"],
+            r["final_loss"], "%.2f/%.2f" % (r["recall_i2t_at1"], r["recall_t2i_at1"]),
+            "%.2f/%.2f" % (r["recall_i2t_at5"], r["recall_t2i_at5"]), r.get("params"), r["wall_s"],
+            r.get("other_cores", 0.0)))
+    print("(loss: the last step's training loss; others: cores other processes kept busy during the run)")
+    counted = [best(runs, trainer=t, config=c) for c in cfgs for t in ["keel"] + trainers]
+    disturbed = [r for r in counted if r is not None and r.get("other_cores", 0.0) > 0.25]
+    if disturbed:
+        print("WARNING: other processes kept cores busy during runs the table counts (%s): their pairs/s are "
+              "disturbed; run again on a quiet machine (or with more --repeats)." % ", ".join(
+                  "%s %s %s rep %d: %.2f cores" % (r["config"], r["trainer"], r["variant"], r["rep"], r["other_cores"])
+                  for r in disturbed))
+    for r in runs:
+        if r.get("compile_error"):
+            print("  %s %s %s: torch.compile not used: %s" % (r["config"], r["trainer"], r["variant"],
+                                                            r["compile_error"]))
+    print()
+    print("PyTorch peers: %s" % "; ".join(
+        "%s torch %s, torchvision %s, torch.compile %s" % (
+            t, res[t].get("torch", "?"), res[t].get("torchvision", "?"),
+            "available" if res[t].get("has_compile") else "not available")
+        for t in trainers))
+    if res.get("pypi", {}).get("skipped"):
+        print("PyPI PyTorch skipped: %s" % res["pypi"]["skipped"])
+    if res.get("pypi", {}).get("openclip"):
+        print("OpenCLIP: %s" % res["pypi"]["openclip"])
+    print("Captions: Keel's byte-level BPE ported to Python (bench/torch_clip_train.py); both trainers read the same "
+          "tokenizer.json and the same token ids (checked: %s)." % res.get("tokenizer_check", "not checked"))
+    print("Not identical: the random draws (initial weights, batch order, FLIP's kept patches) come from each "
+          "trainer's own generator; same distributions, other numbers.")
+    print()
+    print("=== Commands ===")
+    print(res["dataset_command"])
+    seen = set()
+    for r in runs:
+        key = (r["trainer"], r["config"], r["variant"])
+        if key not in seen:
+            seen.add(key)
+            print(r["command"])
+
+
+def check_tokenizer(python, dataset):
+    """The peer's tokenizer port against Keel's split of the dataset: every caption round-trips,
+    and no caption is longer than 32 tokens with its end token (Keel refuses those at start-up)."""
+    code = ("import sys; sys.dont_write_bytecode = True; sys.path.insert(0, %r)\n"
+            "import torch_clip_train as t\n"
+            "tok = t.KeelBPE(%r)\n"
+            "n = 0\n"
+            "for split in ('train', 'val'):\n"
+            "    _, caps = t.read_split(%r, split)\n"
+            "    for c in caps:\n"
+            "        ids = tok.encode(c)\n"
+            "        assert tok.decode(ids) == c and len(ids) + 1 <= 32 and max(ids) < tok.eot, c\n"
+            "        n += 1\n"
+            "print(n)\n") % (os.path.join(ROOT, "bench"), os.path.join(dataset, "tokenizer.json"), dataset)
+    r = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    if r.returncode != 0:
+        return "FAILED: " + (r.stderr.strip().splitlines() or ["?"])[-1]
+    return "%s captions round-trip through the port" % r.stdout.strip()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--configs", default="resnet18,vit,vit-flip")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--pypi", action="store_true")
+    ap.add_argument("--pip-timeout", type=int, default=1500)
+    ap.add_argument("--no-variants", action="store_true")
+    ap.add_argument("--quiet-wait", type=float, default=0.0)
+    a = ap.parse_args()
+    cfgs = [c.strip() for c in a.configs.split(",") if c.strip()]
+    unknown = [c for c in cfgs if c not in CONFIGS]
+    if unknown or not cfgs:
+        sys.exit("clip.py: --configs takes any of %s; found %s" % (", ".join(CONFIGS), ", ".join(unknown) or "none"))
+    if a.steps <= SKIP or a.repeats < 1:
+        sys.exit("clip.py: --steps must be above %d and --repeats at least 1" % SKIP)
+    if not os.access(KEEL, os.X_OK):
+        sys.exit("clip.py: %s not found; build it: make -C build keel" % KEEL)
+    if not os.path.isdir(TANGO):
+        sys.exit("clip.py: %s not found; install Debian's tango-icon-theme (scripts/setup.sh does)" % TANGO)
+    work = os.path.abspath(a.workdir) if a.workdir else tempfile.mkdtemp(prefix="keel-clip-bench.")
+    os.makedirs(work, exist_ok=True)
+    log("clip.py: work directory %s" % work)
+    t_start = time.time()
+
+    dataset = os.path.join(work, "tango")
+    ds_cmd = [KEEL, "data", "images", "--from", TANGO, "--out", dataset, "--size", "64"]
+    if not os.path.exists(os.path.join(dataset, "meta.json")):
+        shutil.rmtree(dataset, ignore_errors=True)
+        log("dataset: " + run_or_exit(ds_cmd, dict(os.environ)).strip().splitlines()[-1])
+    else:
+        log("dataset: %s exists" % dataset)
+
+    probe = venv_probe(PYTHON)
+    if probe is None:
+        sys.exit("clip.py: %s cannot import torch, torchvision and numpy (apt-get install python3-torch "
+                 "python3-torchvision)" % PYTHON)
+    tv = subprocess.run([PYTHON, "-c", "import torchvision; print(torchvision.__version__)"],
+                        capture_output=True, text=True).stdout.strip()
+    res = {"steps": a.steps, "repeats": a.repeats, "quiet_wait": a.quiet_wait, "configs": cfgs, "workdir": work, "threads": THREADS,
+           "claim": CLAIM, "dataset": dataset, "dataset_command": command_line(ds_cmd, {}),
+           "debian": {"python": PYTHON, "torch": probe[0], "torchvision": tv, "has_compile": bool(probe[1])},
+           "runs": []}
+    res["tokenizer_check"] = check_tokenizer(PYTHON, dataset)
+    log("tokenizer: " + res["tokenizer_check"])
+
+    trainers = [("debian", PYTHON, bool(probe[1]), False, True)]
+    if a.pypi:
+        py, info = setup_pypi(work, a.pip_timeout)
+        res["pypi"] = info
+        if py is None:
+            log("pypi: skipped: %s" % info["skipped"])
+        else:
+            info["torchvision"] = subprocess.run([py, "-c", "import torchvision; print(torchvision.__version__)"],
+                                                 capture_output=True, text=True).stdout.strip()
+            log("pypi: torch %s, torch.compile %s, OpenCLIP %s" % (
+                info["torch"], "yes" if info["has_compile"] else "no", info.get("openclip_version") or "no"))
+            trainers.append(("pypi", py, info["has_compile"], bool(info.get("openclip_version")), False))
+
+    for rep in range(1, a.repeats + 1):
+        for cfg in cfgs:
+            log("[%s, run %d/%d]" % (cfg, rep, a.repeats))
+            waited = wait_quiet(a.quiet_wait)
+            r = run_keel(cfg, dataset, work, a.steps, rep)
+            r["waited_s"] = waited
+            res["runs"].append(r)
+            log("  keel     %-26s %8.1f pairs/s  R@5 %.2f/%.2f  (%.0f s; others %.2f cores)" % (
+                "", r["samples_per_s"], r["recall_i2t_at5"], r["recall_t2i_at5"], r["wall_s"], r["other_cores"]))
+            for trainer, py, has_compile, openclip, must in trainers:
+                for variant, flags, env in peer_variants(cfg, trainer, has_compile, openclip, not a.no_variants):
+                    waited = wait_quiet(a.quiet_wait)
+                    p = run_peer(py, trainer, cfg, variant, flags, env, dataset, work, a.steps, rep, must)
+                    if p is None:
+                        continue
+                    p["waited_s"] = waited
+                    res["runs"].append(p)
+                    log("  %-8s %-26s %8.1f pairs/s  R@5 %.2f/%.2f  (%.0f s; others %.2f cores)" % (
+                        trainer, variant, p["samples_per_s"], p["recall_i2t_at5"], p["recall_t2i_at5"], p["wall_s"],
+                        p["other_cores"]))
+
+    res["wall_s"] = time.time() - t_start
+    report(res)
+    out = os.path.join(work, "clip_bench.json")
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    print()
+    print("results: %s (%.0f s in all)" % (out, res["wall_s"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
