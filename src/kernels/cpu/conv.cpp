@@ -313,35 +313,73 @@ void conv2d_backward_weight(T* dw, const T* dy, const T* x, const ConvShape& s) 
 }
 
 // ---- group normalisation -------------------------------------------------------------------------
+// Channels-last: each sample's rows of C channels are contiguous, so the kernels sum per channel
+// along the rows (vectorised over C) and then per group. Samples run in parallel; every sum runs
+// in one order (rows, then the group's channels), whatever the thread count.
+namespace {
+
+// Per-sample, per-channel sums over the HW rows of a[n] (and of a[n] * b[n] when b is given).
+template <typename T, typename F>
+void channel_sums(const T* a, const T* b, int HW, int C, double* sa, double* sab, F weight) {
+  std::fill(sa, sa + C, 0.0);
+  if (sab) std::fill(sab, sab + C, 0.0);
+  for (int i = 0; i < HW; ++i) {
+    const T* ra = a + static_cast<int64_t>(i) * C;
+    const T* rb = b ? b + static_cast<int64_t>(i) * C : nullptr;
+#pragma omp simd
+    for (int c = 0; c < C; ++c) {
+      const double v = weight(i, c, ra[c]);
+      sa[c] += v;
+      if (rb) sab[c] += v * rb[c];
+    }
+  }
+}
+
+}  // namespace
+
 template <typename T>
 void groupnorm_forward(T* y, T* mean, T* rstd, const T* x, const T* gamma, const T* beta, int N, int HW, int C, int G,
                        bool relu) {
   const int Cg = C / G;
-#pragma omp parallel for schedule(static)
-  for (int ng = 0; ng < N * G; ++ng) {
-    const int n = ng / G, g = ng % G;
-    const T* xn = x + static_cast<int64_t>(n) * HW * C + g * Cg;
-    double sum = 0, sq = 0;
-    for (int i = 0; i < HW; ++i) {
-      for (int c = 0; c < Cg; ++c) sum += xn[static_cast<int64_t>(i) * C + c];
-    }
-    const double m = sum / (static_cast<double>(HW) * Cg);
-    for (int i = 0; i < HW; ++i) {
-      for (int c = 0; c < Cg; ++c) {
-        const double d = xn[static_cast<int64_t>(i) * C + c] - m;
-        sq += d * d;
+  const double count = static_cast<double>(HW) * Cg;
+#pragma omp parallel
+  {
+    std::vector<double> s(C), q(C);
+    std::vector<T> mc(C), scale(C), shift(C);
+#pragma omp for schedule(static)
+    for (int n = 0; n < N; ++n) {
+      const T* xn = x + static_cast<int64_t>(n) * HW * C;
+      channel_sums(xn, static_cast<const T*>(nullptr), HW, C, s.data(), nullptr, [](int, int, T v) { return static_cast<double>(v); });
+      for (int g = 0; g < G; ++g) {
+        double sum = 0;
+        for (int c = g * Cg; c < (g + 1) * Cg; ++c) sum += s[c];
+        for (int c = g * Cg; c < (g + 1) * Cg; ++c) mc[c] = static_cast<T>(sum / count);
       }
-    }
-    const double r = 1.0 / std::sqrt(sq / (static_cast<double>(HW) * Cg) + 1e-5);
-    mean[ng] = static_cast<T>(m);
-    rstd[ng] = static_cast<T>(r);
-    T* yn = y + static_cast<int64_t>(n) * HW * C + g * Cg;
-    const T tm = static_cast<T>(m), tr = static_cast<T>(r);
-    for (int i = 0; i < HW; ++i) {
-      for (int c = 0; c < Cg; ++c) {
-        const int64_t at = static_cast<int64_t>(i) * C + c;
-        T v = (xn[at] - tm) * tr * gamma[g * Cg + c] + beta[g * Cg + c];
-        yn[at] = relu && v < T(0) ? T(0) : v;
+      // Second pass: squared deviations from the group's mean (two passes: no cancellation).
+      channel_sums(xn, static_cast<const T*>(nullptr), HW, C, q.data(), nullptr, [&](int, int c, T v) {
+        const double d = static_cast<double>(v) - mc[c];
+        return d * d;
+      });
+      for (int g = 0; g < G; ++g) {
+        double sq = 0;
+        for (int c = g * Cg; c < (g + 1) * Cg; ++c) sq += q[c];
+        const double r = 1.0 / std::sqrt(sq / count + 1e-5);
+        mean[n * G + g] = mc[g * Cg];
+        rstd[n * G + g] = static_cast<T>(r);
+        for (int c = g * Cg; c < (g + 1) * Cg; ++c) {
+          scale[c] = static_cast<T>(r) * gamma[c];
+          shift[c] = beta[c] - mc[c] * scale[c];
+        }
+      }
+      T* yn = y + static_cast<int64_t>(n) * HW * C;
+      for (int i = 0; i < HW; ++i) {
+        const T* xr = xn + static_cast<int64_t>(i) * C;
+        T* yr = yn + static_cast<int64_t>(i) * C;
+#pragma omp simd
+        for (int c = 0; c < C; ++c) {
+          const T v = xr[c] * scale[c] + shift[c];
+          yr[c] = relu && v < T(0) ? T(0) : v;
+        }
       }
     }
   }
@@ -351,30 +389,43 @@ template <typename T>
 void groupnorm_backward_input(T* dx, const T* dy, const T* x, const T* y, const T* mean, const T* rstd, const T* gamma,
                               int N, int HW, int C, int G, bool relu, bool accumulate) {
   const int Cg = C / G;
-  auto grad = [&](int64_t at) { return relu && !(y[at] > T(0)) ? T(0) : dy[at]; };
-#pragma omp parallel for schedule(static)
-  for (int ng = 0; ng < N * G; ++ng) {
-    const int n = ng / G, g = ng % G;
-    const int64_t base = static_cast<int64_t>(n) * HW * C + g * Cg;
-    const double m = mean[ng], r = rstd[ng];
-    double sum_d = 0, sum_dx = 0;  // sums of dxhat and dxhat * xhat over the group
-    for (int i = 0; i < HW; ++i) {
-      for (int c = 0; c < Cg; ++c) {
-        const int64_t at = base + static_cast<int64_t>(i) * C + c;
-        const double d = static_cast<double>(grad(at)) * gamma[g * Cg + c];
-        sum_d += d;
-        sum_dx += d * (x[at] - m) * r;
+  const double count = static_cast<double>(HW) * Cg;
+#pragma omp parallel
+  {
+    std::vector<double> sd(C), sdx(C);
+    std::vector<T> a(C), b(C), k(C);
+#pragma omp for schedule(static)
+    for (int n = 0; n < N; ++n) {
+      const int64_t base = static_cast<int64_t>(n) * HW * C;
+      const T* dyn = dy + base;
+      const T* yn = y + base;
+      // Per channel: the (ReLU-masked) output gradient's sum and its sum against x.
+      channel_sums(dyn, x + base, HW, C, sd.data(), sdx.data(), [&](int i, int c, T v) {
+        return relu && !(yn[static_cast<int64_t>(i) * C + c] > T(0)) ? 0.0 : static_cast<double>(v);
+      });
+      for (int g = 0; g < G; ++g) {
+        const double m = mean[n * G + g], r = rstd[n * G + g];
+        double sum_d = 0, sum_dxhat = 0;  // sums of dxhat = dy gamma, and of dxhat * xhat
+        for (int c = g * Cg; c < (g + 1) * Cg; ++c) {
+          sum_d += gamma[c] * sd[c];
+          sum_dxhat += gamma[c] * r * (sdx[c] - m * sd[c]);
+        }
+        const double md = sum_d / count, mdx = sum_dxhat / count;
+        // dx = r (dy gamma - md - xhat mdx) = dy (r gamma) + x (-r^2 mdx) + r (m r mdx - md)
+        for (int c = g * Cg; c < (g + 1) * Cg; ++c) {
+          a[c] = static_cast<T>(r * gamma[c]);
+          b[c] = static_cast<T>(-r * r * mdx);
+          k[c] = static_cast<T>(r * (m * r * mdx - md));
+        }
       }
-    }
-    const double count = static_cast<double>(HW) * Cg;
-    const T md = static_cast<T>(sum_d / count), mdx = static_cast<T>(sum_dx / count);
-    const T tm = static_cast<T>(m), tr = static_cast<T>(r);
-    for (int i = 0; i < HW; ++i) {
-      for (int c = 0; c < Cg; ++c) {
-        const int64_t at = base + static_cast<int64_t>(i) * C + c;
-        const T xhat = (x[at] - tm) * tr;
-        const T v = tr * (grad(at) * gamma[g * Cg + c] - md - xhat * mdx);
-        dx[at] = accumulate ? dx[at] + v : v;
+      for (int i = 0; i < HW; ++i) {
+        const int64_t row = base + static_cast<int64_t>(i) * C;
+#pragma omp simd
+        for (int c = 0; c < C; ++c) {
+          const T d = relu && !(y[row + c] > T(0)) ? T(0) : dy[row + c];
+          const T v = d * a[c] + x[row + c] * b[c] + k[c];
+          dx[row + c] = accumulate ? dx[row + c] + v : v;
+        }
       }
     }
   }
@@ -384,20 +435,25 @@ template <typename T>
 void groupnorm_backward_weight(T* dgamma, T* dbeta, const T* dy, const T* x, const T* y, const T* mean, const T* rstd,
                                int N, int HW, int C, int G, bool relu) {
   const int Cg = C / G;
-  // Channels split across threads: every channel's sum runs over n, then positions, in one order.
+  // Per sample and channel: sum dy and sum dy x (in parallel over samples); then over samples in order.
+  std::vector<double> sd(static_cast<size_t>(N) * C), sdx(static_cast<size_t>(N) * C);
 #pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; ++n) {
+    const int64_t base = static_cast<int64_t>(n) * HW * C;
+    const T* yn = y + base;
+    channel_sums(dy + base, x + base, HW, C, &sd[static_cast<size_t>(n) * C], &sdx[static_cast<size_t>(n) * C],
+                 [&](int i, int c, T v) {
+                   return relu && !(yn[static_cast<int64_t>(i) * C + c] > T(0)) ? 0.0 : static_cast<double>(v);
+                 });
+  }
   for (int c = 0; c < C; ++c) {
     const int g = c / Cg;
     double sg = 0, sb = 0;
     for (int n = 0; n < N; ++n) {
       const double m = mean[n * G + g], r = rstd[n * G + g];
-      const int64_t base = static_cast<int64_t>(n) * HW * C + c;
-      for (int i = 0; i < HW; ++i) {
-        const int64_t at = base + static_cast<int64_t>(i) * C;
-        const double d = relu && !(y[at] > T(0)) ? 0.0 : static_cast<double>(dy[at]);
-        sg += d * (x[at] - m) * r;
-        sb += d;
-      }
+      const size_t at = static_cast<size_t>(n) * C + c;
+      sg += r * (sdx[at] - m * sd[at]);
+      sb += sd[at];
     }
     dgamma[c] += static_cast<T>(sg);
     dbeta[c] += static_cast<T>(sb);
