@@ -97,6 +97,26 @@ TEST_F(ClipTraining, TrainsReportsRecallAndResumesToTheSameBytes) {
   EXPECT_EQ(r, l);
 }
 
+TEST_F(ClipTraining, ATowerCadenceIsReportedAndResumesMidCadenceToTheSameBytes) {
+  const std::string cadence = "--set clip.text_update_every=3 ";
+  ASSERT_EQ(run_keel(args("cadence", 6, cadence)).exit_code, 0);
+  std::vector<std::string> trained;
+  for (const json& j : lines("cadence")) {
+    if (j.contains("loss")) trained.push_back(j["trained"]);
+  }
+  EXPECT_EQ(trained, (std::vector<std::string>{"image+text", "image", "image", "image+text", "image", "image"}));
+  // Lost after step 4 (between the text tower's updates), resumed: the same bytes.
+  ASSERT_EQ(run_keel(args("cadence-resumed", 6, cadence + "--set train.checkpoint_every=4")).exit_code, 0);
+  std::filesystem::remove_all(*dir_ / "cadence-resumed/ckpt/step-00000006");
+  const testing::CommandResult second = run_keel(args("cadence-resumed", 6, cadence + "--set train.resume=auto"));
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_NE(second.output.find("resumed from"), std::string::npos) << second.output;
+  EXPECT_EQ(params("cadence-resumed"), params("cadence"));
+  EXPECT_EQ(losses("cadence-resumed"), losses("cadence"));
+  ASSERT_EQ(run_keel(args("plain-6", 6)).exit_code, 0);
+  EXPECT_NE(params("cadence"), params("plain-6")) << "a held tower changes the run";
+}
+
 TEST_F(ClipTraining, TieredMemoryGivesTheSameBytesAsMemory) {
   std::filesystem::create_directories(*dir_ / "nvme");
   ASSERT_EQ(run_keel(args("memory", 6)).exit_code, 0);
@@ -161,6 +181,8 @@ TEST_F(ClipTraining, BadInputIsOneLineAndExit2) {
       {"--set clip.vit_mask=0.5", "clip.vit_mask"},
       {"--set clip.image_tower=vit --set clip.vit_patch=12", "does not divide the images' 32 pixels"},
       {"--set clip.image_tower=vit --set clip.vit_heads=3", "clip.vit_heads"},
+      {"--set clip.text_update_every=0", "clip.text_update_every"},
+      {"--set clip.image_update_every=2 --set clip.text_update_every=2", "clip.text_update_every"},
   };
   for (const Case& c : cases) {
     const testing::CommandResult r = run_keel(args("bad", 1, c.extra));

@@ -39,6 +39,7 @@ GradSync::GradSync(Communicator& comm, ChunkStore& store, GradSyncOptions option
       current = Bucket{};
       current.ready_layer = chunks[c].layer;
       current.layer = chunks[c].layer;
+      current.top_layer = chunks[c].layer;
       current.replica = chunks[c].replica;
       if (compression) current.codec = options_.codecs[c];
       open = true;
@@ -57,8 +58,12 @@ GradSync::GradSync(Communicator& comm, ChunkStore& store, GradSyncOptions option
       }
       if (limit > at) current.gaps.emplace_back(at, limit);
     }
-    const bool boundary = c == 0 || (compression && (chunks[c - 1].layer != chunks[c].layer ||
-                                                     !same_codec(options_.codecs[c - 1], options_.codecs[c])));
+    const bool cut = c > 0 && std::any_of(options_.cut_layers.begin(), options_.cut_layers.end(), [&](int l) {
+      return chunks[c - 1].layer < l && chunks[c].layer >= l;
+    });
+    const bool boundary = c == 0 || cut ||
+                          (compression && (chunks[c - 1].layer != chunks[c].layer ||
+                                           !same_codec(options_.codecs[c - 1], options_.codecs[c])));
     if (end - current.offset >= bucket_floats || boundary) {
       current.numel = end - current.offset;
       if (current.codec.kind != CodecKind::none && comm.size() > 1) {
@@ -92,6 +97,8 @@ void GradSync::begin(bool sync, int64_t step) {
     b.request = Communicator::Request{};
     b.settled = true;
     b.compressed_now = false;
+    b.held_now = held(b.ready_layer) && held(b.top_layer);
+    for (int l = b.ready_layer; b.held_now && l <= b.top_layer; ++l) b.held_now = held(l);
     if (b.reducer) b.reducer->reset_stats();
   }
 }
@@ -148,7 +155,11 @@ void GradSync::after_backward_weight(int layer) {
   // Layers finish in descending order, so a bucket whose lowest layer is done is complete.
   while (next_ < buckets_.size() && buckets_[next_].ready_layer >= layer) {
     Bucket& b = buckets_[next_];
-    if (next_ == 0) first_start_ = std::chrono::steady_clock::now();
+    if (b.held_now) {  // not synced this step: nothing to send, nothing to wait for
+      next_++;
+      continue;
+    }
+    if (stats_.buckets == 0) first_start_ = std::chrono::steady_clock::now();
     if (max_in_flight_bytes_ > 0) {
       int64_t pinned = 0;
       for (size_t i = 0; i < next_; ++i)
@@ -209,6 +220,7 @@ void GradSync::finish() {
   std::map<int, LayerSyncStats> layers;
   std::map<int, double> codec_share;  // raw bytes of the layer's largest codec so far
   for (const Bucket& b : buckets_) {
+    if (b.held_now) continue;
     const double raw = static_cast<double>(b.numel) * sizeof(float);
     double wire = raw * ring;
     if (b.compressed_now) {

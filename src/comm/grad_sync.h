@@ -69,6 +69,9 @@ struct GradSyncOptions {
   uint64_t seed = 0;       // drives the codecs' random choices (with the step and the bucket)
   int warmup_steps = 0;    // steps before compression starts
   SumShape shape = SumShape::automatic;
+  // Layers where a bucket must start: no bucket holds chunks of layers on both sides of one
+  // (a dual encoder's towers, so that a tower's buckets can be held alone: set_held).
+  std::vector<int> cut_layers;
 };
 
 class GradSync final : public BackwardObserver {
@@ -79,6 +82,11 @@ class GradSync final : public BackwardObserver {
   // Starts the backward pass of optimizer step `step` (0-based). With sync false (an accumulation
   // micro-batch that is not the last) nothing is communicated.
   void begin(bool sync, int64_t step = 0);
+  // Layers whose gradients are not synced (by layer id; missing or 0 = synced): from the next
+  // begin() until set again, a bucket whose layers are all held is neither sent nor waited for
+  // (a dual encoder's tower off its update cadence: every rank holds the same layers, and their
+  // gradients are left as each rank's backward wrote them).
+  void set_held(std::vector<char> held_by_layer) { held_ = std::move(held_by_layer); }
   void after_backward_input(int layer) override;
   void after_backward_weight(int layer) override;
   // Waits for every bucket. Afterwards the grad plane holds the sum over ranks.
@@ -126,6 +134,8 @@ class GradSync final : public BackwardObserver {
     int layer = 0;        // with compression configured, buckets hold chunks of one layer
     bool replica = false;  // ... of a replica tensor (a pipeline's copy of a tied tensor)
     int index = 0;         // among the buckets of its layer (and replica flag), in backward order
+    int top_layer = 0;     // the highest layer of its chunks (ready_layer is the lowest)
+    bool held_now = false;  // not synced this step (set_held)
     CodecParams codec;
     std::unique_ptr<Codec> codec_impl;            // lossy codecs only
     std::unique_ptr<Communicator> comm;           // its own: its phases start at rank-dependent moments
@@ -154,6 +164,8 @@ class GradSync final : public BackwardObserver {
   size_t next_ = 0;              // next bucket to start
   int64_t max_in_flight_bytes_ = 0;
   bool active_ = false;
+  std::vector<char> held_;
+  bool held(int layer) const { return layer >= 0 && layer < static_cast<int>(held_.size()) && held_[layer] != 0; }
   SyncStats stats_;
   std::chrono::steady_clock::time_point first_start_;
 };

@@ -27,9 +27,17 @@ void ShardedOptimizer::clear_frozen_grads(int64_t step) {
 }
 
 double ShardedOptimizer::local_grad_squares() const {
-  if (zero_ != 2) return grad_sum_squares(store_);
-  const auto [own_first, own_last] = own_chunks();
-  return grad_sum_squares(store_, own_first, own_last);
+  const auto [own_first, own_last] = zero_ == 2 ? own_chunks() : std::pair<int, int>{0, -1};
+  if (counts_.empty()) return grad_sum_squares(store_, own_first, own_last);
+  // Held layers' gradients (accumulating towards a later update, or none) are not this step's.
+  const int last = own_last < 0 ? static_cast<int>(store_.chunks().size()) : own_last;
+  double total = 0;
+  for (int c = own_first; c < last; ++c) {
+    const int layer = store_.chunks()[c].layer;
+    if (layer < static_cast<int>(counts_.size()) && counts_[layer] == 0) continue;
+    total += grad_sum_squares(store_, c, c + 1);
+  }
+  return total;
 }
 
 float ShardedOptimizer::clip_for(double norm) const {
@@ -40,7 +48,7 @@ float ShardedOptimizer::clip_for(double norm) const {
 void ShardedOptimizer::step(double lr, int64_t t, float clip) {
   if (store_.residency().always_present()) {
     // Whole planes: AdamW over this rank's shard, then (ZeRO) one all-gather of the parameters.
-    adamw_.step(store_, lr, t, clip);
+    adamw_.step(store_, lr, t, clip, counts());
     if (zero_ > 0) gather_parameters(t);
     return;
   }
@@ -50,7 +58,7 @@ void ShardedOptimizer::step(double lr, int64_t t, float clip) {
   // broadcast its update); frozen layers keep theirs.
   deferred_ = {lr, t, clip};
   for (const Chunk& c : store_.chunks()) {
-    if (c.layer >= config_.optim.frozen_at(t - 1)) store_.defer_update(c.id);
+    if (!keeps(c.layer, t)) store_.defer_update(c.id);
   }
   if (!config_.tier.defer_update) store_.apply_pending();
 }
@@ -58,7 +66,9 @@ void ShardedOptimizer::step(double lr, int64_t t, float clip) {
 void ShardedOptimizer::update_chunk(int chunk) {
   const auto [own_first, own_last] = own_chunks();
   const bool own = chunk >= own_first && chunk < own_last;
-  if (own) adamw_.step_chunk(store_, chunk, deferred_.lr, deferred_.t, deferred_.clip);
+  if (own) {
+    adamw_.step_chunk(store_, chunk, deferred_.lr, count_of(store_.chunks()[chunk].layer, deferred_.t), deferred_.clip);
+  }
   if (zero_ == 0) return;
   // ZeRO with tiers: the owner's update reaches every rank chunk by chunk (the whole-plane
   // all-gather would need the whole plane resident). The gradient was the owner's to consume.
@@ -113,7 +123,7 @@ void ShardedOptimizer::gather_parameters(int64_t t) {
   // The chunks other ranks updated moved to the same version as this rank's.
   const auto [own_first, own_last] = own_chunks();
   for (const Chunk& c : store_.chunks()) {
-    if ((c.id < own_first || c.id >= own_last) && c.layer >= config_.optim.frozen_at(t - 1)) store_.bump_version(c.id);
+    if ((c.id < own_first || c.id >= own_last) && !keeps(c.layer, t)) store_.bump_version(c.id);
   }
 }
 

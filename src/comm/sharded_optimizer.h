@@ -51,8 +51,13 @@ class ShardedOptimizer final : public MetricsSource {
   // the owned chunks' AdamW update, then every rank's parameters as the owners left them. With
   // tiers, deferred into the next forward pass, chunk by chunk. Gradients are zero after it.
   void step(double lr, int64_t t, float clip);
+  // Layers on their own update cadence (a dual encoder's towers, clip.*_update_every): for the
+  // steps from now on, each layer's AdamW update count (its bias correction) by layer id, 0 where
+  // the layer is held (its parameters, moments, gradient and version stay as they are; it is not
+  // counted in the gradient norm). Layers past the end, or an empty vector: the step's own t.
+  void set_update_counts(std::vector<int64_t> counts_by_layer) { counts_ = std::move(counts_by_layer); }
   // The plain AdamW step over every owned chunk, now (pipeline post-validation redoes it).
-  void step_now(double lr, int64_t t, float clip) { adamw_.step(store_, lr, t, clip); }
+  void step_now(double lr, int64_t t, float clip) { adamw_.step(store_, lr, t, clip, counts()); }
 
   // The guard of step `step` (0-based), called with its global loss and norm before any update:
   // true when both are finite. Otherwise the step's gradients are dropped (no update: its
@@ -72,6 +77,12 @@ class ShardedOptimizer final : public MetricsSource {
   // ZeRO without tiers: after this rank updated its shard, every rank receives every parameter.
   void gather_parameters(int64_t t);
   void update_chunk(int chunk);
+  const std::vector<int64_t>* counts() const { return counts_.empty() ? nullptr : &counts_; }
+  // Whether step t (1-based) leaves the layer alone (frozen, or held by the update counts).
+  bool keeps(int layer, int64_t t) const {
+    return layer < config_.optim.frozen_at(t - 1) || (layer < static_cast<int>(counts_.size()) && counts_[layer] == 0);
+  }
+  int64_t count_of(int layer, int64_t t) const { return layer < static_cast<int>(counts_.size()) ? counts_[layer] : t; }
 
   const Config& config_;
   Communicator& dp_;
@@ -80,6 +91,7 @@ class ShardedOptimizer final : public MetricsSource {
   int zero_ = 0;
   ChunkPartition partition_;
   int64_t skipped_ = 0;
+  std::vector<int64_t> counts_;
   struct Deferred {  // the update deferred into the next forward pass
     double lr = 0;
     int64_t t = 0;

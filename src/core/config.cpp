@@ -173,6 +173,8 @@ std::vector<Field> fields(Config& c) {
       {"clip", "vit_heads", &c.clip.vit_heads},
       {"clip", "vit_mask", &c.clip.vit_mask},
       {"clip", "grad_balance", &c.clip.grad_balance},
+      {"clip", "image_update_every", &c.clip.image_update_every},
+      {"clip", "text_update_every", &c.clip.text_update_every},
       {"clip", "logit_scale_init", &c.clip.logit_scale_init},
       {"clip", "logit_scale_max", &c.clip.logit_scale_max},
       {"clip", "dataset", &c.clip.dataset},

@@ -326,6 +326,11 @@ struct ClipConfig {
   // tower's gradient is scaled to the geometric mean of the two towers' norms (the product of the
   // norms kept, the temperature's gradient untouched), before the global norm and clipping.
   std::string grad_balance = "none";
+  // Tower update cadences: a tower is trained on the steps whose index (0-based) is a multiple of
+  // its cadence; on the other steps it runs forward only (no backward, no gradient sync, no AdamW
+  // update; its moments' bias correction counts its own updates). 1 = every step.
+  int image_update_every = 1;
+  int text_update_every = 1;
   double logit_scale_init = 2.659260036932778;  // log(1 / 0.07)
   double logit_scale_max = 100.0;               // exp(logit_scale) is clamped here
   std::string dataset;      // a `keel data images` directory (train.img / val.img, .jsonl)

@@ -76,6 +76,13 @@ void validate_clip_config(const Config& c) {
   check(!clip.dataset.empty(), key("clip.dataset", "a `keel data images` directory", "\"\""));
   check(clip.grad_balance == "none" || clip.grad_balance == "norm",
         key("clip.grad_balance", "\"none\" or \"norm\"", "\"" + clip.grad_balance + "\""));
+  for (const auto& [k, v] : {std::pair<const char*, int>{"clip.image_update_every", clip.image_update_every},
+                             {"clip.text_update_every", clip.text_update_every}}) {
+    check(v >= 1 && v <= 1000, key(k, "a cadence of 1 .. 1000 steps", std::to_string(v)));
+  }
+  check(clip.image_update_every == 1 || clip.text_update_every == 1,
+        key("clip.text_update_every", "1 when clip.image_update_every is not (one tower trains every step)",
+            std::to_string(clip.text_update_every)));
   check(clip.vit_mask >= 0 && clip.vit_mask <= 0.95, key("clip.vit_mask", "0 .. 0.95", std::to_string(clip.vit_mask)));
   check(clip.vit_mask == 0 || clip.image_tower == "vit",
         key("clip.vit_mask", "0 unless clip.image_tower = \"vit\" (patch masking)", std::to_string(clip.vit_mask)));
@@ -126,7 +133,7 @@ void ClipModel::add_logit_scale_grad(double grad) {
 }
 
 ContrastiveResult ClipModel::train_micro_batch(const ClipBatch& b, float grad_scale, BackwardObserver* observer,
-                                               Communicator* dp) {
+                                               Communicator* dp, TowerMask backward) {
   const int D = spec_.embed_dim;
   const int ranks = dp != nullptr ? dp->size() : 1, first = dp != nullptr ? dp->rank() * b.B : 0;
   const size_t rows = static_cast<size_t>(b.B) * D, all = rows * ranks;
@@ -150,8 +157,8 @@ ContrastiveResult ClipModel::train_micro_batch(const ClipBatch& b, float grad_sc
   if (observer != nullptr) observer->after_backward_input(loss_layer_);
   add_logit_scale_grad(r.dlogit_scale * grad_scale / ranks);
   if (observer != nullptr) observer->after_backward_weight(loss_layer_);
-  text_->backward(b, dtxt_.data(), observer);
-  image_->backward(b, dimg_.data(), observer);
+  if (backward.text) text_->backward(b, dtxt_.data(), observer);
+  if (backward.image) image_->backward(b, dimg_.data(), observer);
   return r;
 }
 

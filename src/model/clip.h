@@ -42,6 +42,13 @@ ClipSpec clip_spec(const ClipConfig& clip, int dataset_image_size);
 // shapes are checked again when the model is built.
 void validate_clip_config(const Config& config);
 
+// Which towers a micro-batch's backward runs through (a tower off its update cadence runs forward
+// only: its features still enter the loss, no gradient reaches its parameters).
+struct TowerMask {
+  bool image = true;
+  bool text = true;
+};
+
 class ClipModel {
  public:
   // `text` is a resolved model config (the text tower's transformer). Registers every tensor with
@@ -63,9 +70,10 @@ class ClipModel {
   // batch, the gradients (times grad_scale) for this rank's samples through both towers and into
   // logit_scale. Summed over the ranks (gradient sync), they are the whole batch's: logit_scale's
   // share is 1 / ranks of the whole batch's gradient on each. Observers hear the loss layer first,
-  // then the text tower's layers, then the image tower's (last to first): store ids descending.
+  // then the text tower's layers, then the image tower's (last to first): store ids descending;
+  // a tower outside `backward` is skipped (its layers are not heard of).
   ContrastiveResult train_micro_batch(const ClipBatch& batch, float grad_scale, BackwardObserver* observer = nullptr,
-                                      Communicator* dp = nullptr);
+                                      Communicator* dp = nullptr, TowerMask backward = {});
   // Features of both towers, normalised, for evaluation: img_out / txt_out [B, D].
   void embed(const ClipBatch& batch, float* img_out, float* txt_out);
   // Adds dlogit_scale (times grad_scale) to the parameter's gradient (under a lease of the loss layer).

@@ -79,15 +79,18 @@ void AdamW::step_chunk(ChunkStore& store, int chunk, double lr, int64_t t, float
   store.bump_version(chunk);
 }
 
-void AdamW::step(ChunkStore& store, double lr, int64_t t, float grad_scale) {
+void AdamW::step(ChunkStore& store, double lr, int64_t t, float grad_scale, const std::vector<int64_t>* counts) {
   const auto [first, last] = store.moment_chunks();
   for (int c = first; c < last; ++c) {
+    const int layer = store.chunks()[c].layer;
     // Frozen layers keep their parameters, moments and version; their gradients are dropped.
-    if (store.chunks()[c].layer < config_.frozen_at(t - 1)) {
+    if (layer < config_.frozen_at(t - 1)) {
       store.zero_grad_chunk(c);
       continue;
     }
-    step_chunk(store, c, lr, t, grad_scale);
+    const int64_t own_t = counts != nullptr && layer < static_cast<int>(counts->size()) ? (*counts)[layer] : t;
+    if (own_t == 0) continue;  // held this step
+    step_chunk(store, c, lr, own_t, grad_scale);
   }
 }
 

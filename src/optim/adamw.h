@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "core/config.h"
 #include "store/chunk_store.h"
@@ -28,7 +29,9 @@ class AdamW {
   // `t` is the 1-based update count used for bias correction. Bumps every chunk's version and
   // leaves the gradient plane zero, ready for the next step's accumulation (one pass over the
   // gradients instead of two).
-  void step(ChunkStore& store, double lr, int64_t t, float grad_scale);
+  // `counts` (optional, by layer id): each layer's own update count instead of t (0: the layer is
+  // held this step: parameters, moments, gradient and version untouched).
+  void step(ChunkStore& store, double lr, int64_t t, float grad_scale, const std::vector<int64_t>* counts = nullptr);
   // Updates one chunk (the unit ZeRO and tiered stores will call).
   void step_chunk(ChunkStore& store, int chunk, double lr, int64_t t, float grad_scale);
 

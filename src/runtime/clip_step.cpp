@@ -55,6 +55,25 @@ void ClipStep::measure_and_balance(ClipStepResult& r, bool balance) {
   }
 }
 
+TowerMask ClipStep::plan_step(int64_t step) {
+  const ClipConfig& clip = config_.clip;
+  if (clip.image_update_every == 1 && clip.text_update_every == 1) return {};
+  const TowerMask trains{step % clip.image_update_every == 0, step % clip.text_update_every == 0};
+  counts_.assign(static_cast<size_t>(model_.num_layers()), step + 1);
+  std::vector<char> held(counts_.size(), 0);
+  auto plan = [&](Tower& tower, bool on, int every) {
+    for (int l = tower.first_layer(); l < tower.first_layer() + tower.num_layers(); ++l) {
+      counts_[l] = on ? step / every + 1 : 0;  // its own updates so far, this one included
+      held[l] = on ? 0 : 1;
+    }
+  };
+  plan(model_.image(), trains.image, clip.image_update_every);
+  plan(model_.text(), trains.text, clip.text_update_every);
+  sync_.set_held(std::move(held));
+  optimizer_.set_update_counts(counts_);
+  return trains;
+}
+
 void ClipStep::add_step_fields(double step_ms, nlohmann::json& line) {
   const double samples = static_cast<double>(config_.train.batch_size) * config_.train.grad_accum * dp_.size();
   line["samples_per_s"] = samples / (step_ms / 1e3);
@@ -63,6 +82,10 @@ void ClipStep::add_step_fields(double step_ms, nlohmann::json& line) {
   line["logit_scale"] = last_.logit_scale;
   line["grad_norm_image"] = last_.image_norm;
   line["grad_norm_text"] = last_.text_norm;
+  if (config_.clip.image_update_every > 1 || config_.clip.text_update_every > 1) {
+    line["trained"] = std::string(last_.trained.image ? "image" : "") +
+                      (last_.trained.image && last_.trained.text ? "+" : "") + (last_.trained.text ? "text" : "");
+  }
   if (config_.clip.grad_balance == "norm") {
     line["grad_balance_image"] = last_.image_factor;
     line["grad_balance_text"] = last_.text_factor;
@@ -85,6 +108,7 @@ ClipStepResult ClipStep::run_clip(int64_t step, double lr) {
   const ClipConfig& clip = config_.clip;
   const int patches = clip.image_tower == "vit" ? model_.spec().vit_spec().patches() : 0;
   const int keep = std::max(1, static_cast<int>(std::lround(patches * (1.0 - clip.vit_mask))));
+  r.trained = plan_step(step);
   for (int micro = 0; micro < t.grad_accum; ++micro) {
     const int64_t first = data_.position() + static_cast<int64_t>(dp_.rank()) * t.batch_size;  // in the global order
     ClipBatch batch = data_.next();
@@ -107,7 +131,8 @@ ClipStepResult ClipStep::run_clip(int64_t step, double lr) {
     sync_.begin(micro == t.grad_accum - 1, step);
     // (Each micro-batch's gradient is its loss's, divided over the micro-batches of the step; the
     // ranks' shares sum to it: no 1 / world here, the loss is already over the global batch.)
-    const ContrastiveResult c = model_.train_micro_batch(batch, 1.0f / static_cast<float>(t.grad_accum), &sync_, &dp_);
+    const ContrastiveResult c = model_.train_micro_batch(batch, 1.0f / static_cast<float>(t.grad_accum), &sync_, &dp_,
+                                                         r.trained);
     loss_sum += c.loss;
     r.accuracy_i2t += c.accuracy_i2t / t.grad_accum;
     r.accuracy_t2i += c.accuracy_t2i / t.grad_accum;

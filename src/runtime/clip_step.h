@@ -15,6 +15,18 @@
 // clipping norm is taken after it. (AdamW's per-element normalisation undoes a constant scale;
 // what the balance changes is the clipping and the moments' mixing over steps as the ratio moves.)
 //
+// Tower cadences (clip.image_update_every / text_update_every = k): a tower trains on the steps
+// whose index is a multiple of k. On the others it runs forward only: its features enter the loss
+// as usual (the other tower learns against them), but no backward runs through it, its buckets are
+// not synced (GradSync::set_held) and AdamW leaves its parameters and moments alone
+// (ShardedOptimizer::set_update_counts; its bias correction counts the tower's own updates). No
+// gradient is ever stale: each update is the gradient of that step's batch at the tower's current
+// parameters. What is allowed to lag is the tower itself: between its updates it stays as it was
+// (up to k - 1 steps behind the other tower), and it learns from 1 / k of the batches. It saves the
+// tower's backward (about 2/3 of its compute), its gradient sync and its optimizer work on k - 1 of
+// k steps. Which towers a step trains follows from the step alone: a resumed run, and every rank,
+// agree without saving anything.
+//
 // FLIP (clip.vit_mask > 0, a ViT): each training sample keeps a random K = round(P (1 - mask)) of its
 // P patches, drawn from (train.seed, the sample's place in the global order): the same sample gets
 // the same patches whichever rank reads it, so N ranks still equal one.
@@ -38,6 +50,7 @@ struct ClipStepResult : StepResult {
   // temperature), and the factors the balance applied to the towers (1 without it).
   double image_norm = 0, text_norm = 0, scale_norm = 0;
   double image_factor = 1, text_factor = 1;
+  TowerMask trained;  // the towers this step's backward and update reached (the cadences)
 };
 
 // A step engine (the trainer calls run()) and a metrics source: each step line gets
@@ -73,6 +86,9 @@ class ClipStep final : public StepEngine, public MetricsSource {
   // The synced gradient's squared norm of each part (image, text, the loss layer) over the chunks
   // this rank holds whole (ZeRO-2: its own; summed over ranks); with `balance`, scales the towers.
   void measure_and_balance(ClipStepResult& r, bool balance);
+  // The towers step `step` trains, set on the sync and the optimizer (update counts by layer).
+  TowerMask plan_step(int64_t step);
+  std::vector<int64_t> counts_;
 };
 
 }  // namespace keel

@@ -13,11 +13,13 @@ namespace {
 
 // Everything built on a finalized store but the engine: the sharded optimizer (ZeRO shards the
 // moments before anything loads or initialises them), the gradient sync and its report.
-void build_optimizer_and_sync(RankModel& r, const Config& config, Communicator& dp, std::vector<CodecParams> codecs) {
+void build_optimizer_and_sync(RankModel& r, const Config& config, Communicator& dp, std::vector<CodecParams> codecs,
+                              std::vector<int> cut_layers = {}) {
   r.optimizer = std::make_unique<ShardedOptimizer>(config, dp, *r.store);
   GradSyncOptions options;
   options.bucket_bytes = config.parallel.bucket_bytes;
   options.scatter_to = r.optimizer->scatter_to();
+  options.cut_layers = std::move(cut_layers);
   if (!codecs.empty()) {
     options.codecs = std::move(codecs);
     options.seed = config.train.seed ^ 0x5EEDC0DECull;
@@ -77,7 +79,9 @@ std::unique_ptr<RankModel> RankModel::build_clip(const Config& config, ProcessGr
                                         config.runtime.precision == "bf16");
   r->store->set_huge_page_alignment(tiered);
   r->store->finalize(/*touch_params=*/!tiered);
-  build_optimizer_and_sync(*r, config, dp, {});
+  // Buckets end at the towers' edges: a tower off its update cadence is held out of the sync.
+  const int text_first = r->clip->text().first_layer();
+  build_optimizer_and_sync(*r, config, dp, {}, {text_first, r->clip->loss_layer()});
   r->engine = std::make_unique<ClipStep>(config, dp, *r->store, *r->clip, train, *r->sync, *r->optimizer);
   attach_tiers(*r, config, groups);
   return r;

@@ -112,7 +112,8 @@ TEST(ClipDataParallel, GradientsSummedOverRanksEqualOneRankWithTheWholeBatch) {
 // `steps` ClipSteps of a run over `dp` with B samples per rank; returns each step's loss and
 // gradient norm (and in `results`, if given, every step's result) and leaves the parameters in `params`.
 std::vector<std::pair<double, double>> train(Config c, Communicator& dp, const CaptionedImages& data, int B, int steps,
-                                             std::vector<float>& params, std::vector<ClipStepResult>* results = nullptr) {
+                                             std::vector<float>& params, std::vector<ClipStepResult>* results = nullptr,
+                                             std::vector<std::vector<float>>* snapshots = nullptr) {
   c.train.batch_size = B;
   ChunkStore store(c.store.chunk_bytes);
   ClipModel model(tiny_spec(), c.model, store);
@@ -122,6 +123,7 @@ std::vector<std::pair<double, double>> train(Config c, Communicator& dp, const C
   GradSyncOptions options;
   options.bucket_bytes = c.parallel.bucket_bytes;
   options.scatter_to = optimizer.scatter_to();
+  options.cut_layers = {model.text().first_layer(), model.loss_layer()};  // as RankModel::build_clip
   GradSync sync(dp, store, options);
   ClipLoader loader(data, B, dp.rank(), dp.size(), 3, true);
   ClipStep engine(c, dp, store, model, loader, sync, optimizer);
@@ -130,6 +132,10 @@ std::vector<std::pair<double, double>> train(Config c, Communicator& dp, const C
     const ClipStepResult r = engine.run_clip(s, c.optim.lr);
     out.emplace_back(r.loss, r.grad_norm);
     if (results != nullptr) results->push_back(r);
+    if (snapshots != nullptr) {
+      std::span<const float> p = store.range_view(Plane::param, 0, store.numel());
+      snapshots->emplace_back(p.begin(), p.end());
+    }
   }
   std::span<const float> p = store.range_view(Plane::param, 0, store.numel());
   params.assign(p.begin(), p.end());
@@ -202,6 +208,71 @@ TEST(ClipDataParallel, GradientBalanceGivesBothTowersTheGeometricMeanOfTheirNorm
       EXPECT_NEAR(r.grad_norm, want, 2e-5 * want) << what;
       EXPECT_NEAR(r.image_factor, single[s].image_factor, 2e-5 * single[s].image_factor) << what;
       EXPECT_NEAR(r.text_factor, single[s].text_factor, 2e-5 * single[s].text_factor) << what;
+    }
+  }
+}
+
+// The flat parameter ranges of the image tower, the text tower and the loss layer (chunks are laid
+// out by layer: image tower first).
+std::vector<std::pair<int64_t, int64_t>> tower_ranges(const Config& c) {
+  ChunkStore store(c.store.chunk_bytes);
+  ClipModel model(tiny_spec(), c.model, store);
+  store.finalize();
+  std::vector<std::pair<int64_t, int64_t>> out(3, {store.numel(), store.numel()});
+  for (const Chunk& chunk : store.chunks()) {
+    const int part = chunk.layer < model.text().first_layer() ? 0 : chunk.layer < model.loss_layer() ? 1 : 2;
+    out[part].first = std::min(out[part].first, chunk.offset);
+  }
+  out[0].second = out[1].first;  // (a part's alignment padding with it: its buckets reach the next part)
+  out[1].second = out[2].first;
+  return out;
+}
+
+TEST(ClipDataParallel, TowerCadencesHoldATowerAndTrainTheOtherAsEveryStepWould) {
+  Communicator& world = Communicator::world();
+  const int W = world.size();
+  const CaptionedImages data = random_pairs(kB * W * 3);
+  std::unique_ptr<Communicator> alone = world.split(world.rank(), 0);
+  for (int zero : {0, 1, 2}) {
+    for (int held : {0, 1}) {  // the tower on a cadence of 2: image, text
+      Config plain = tiny_config();
+      plain.parallel.zero = zero;
+      plain.optim.grad_clip = 0;  // no global norm ties the towers' steps together
+      Config c = plain;
+      (held == 0 ? c.clip.image_update_every : c.clip.text_update_every) = 2;
+      const auto parts = tower_ranges(c);
+      const auto [held_begin, held_end] = parts[held];
+      const auto [other_begin, other_end] = parts[1 - held];
+      const std::string what = std::string(held == 0 ? "image" : "text") + " every 2nd step, ZeRO-" +
+                               std::to_string(zero) + " on " + std::to_string(W) + " ranks";
+      std::vector<float> unused;
+      std::vector<ClipStepResult> rc, rp;
+      std::vector<std::vector<float>> sc, sp;
+      train(plain, world, data, kB, 2, unused, &rp, &sp);
+      const auto a = train(c, world, data, kB, 3, unused, &rc, &sc);
+      auto slice = [](const std::vector<float>& v, int64_t b, int64_t e) {
+        return std::vector<float>(v.begin() + b, v.begin() + e);
+      };
+      // Step 0 trains both towers: the same bytes as the plain run.
+      EXPECT_EQ(sc[0], sp[0]) << what;
+      EXPECT_TRUE(rc[0].trained.image && rc[0].trained.text) << what;
+      // Step 1: the held tower stays as step 0 left it; the other is trained exactly as in the
+      // plain run (its gradient does not depend on whether the held tower's backward runs).
+      EXPECT_EQ(held == 0 ? rc[1].trained.image : rc[1].trained.text, false) << what;
+      EXPECT_EQ(slice(sc[1], held_begin, held_end), slice(sc[0], held_begin, held_end)) << what;
+      EXPECT_EQ(slice(sc[1], other_begin, other_end), slice(sp[1], other_begin, other_end)) << what;
+      EXPECT_NE(slice(sc[1], other_begin, other_end), slice(sc[0], other_begin, other_end)) << what;
+      EXPECT_EQ(held == 0 ? rc[1].image_norm : rc[1].text_norm, 0.0) << what;
+      if (W > 1) {  // the held tower's buckets were not sent
+        EXPECT_LT(rc[1].sync.payload_bytes, rp[1].sync.payload_bytes) << what;
+        EXPECT_EQ(rc[1].sync.payload_bytes, rp[1].sync.payload_bytes - 4.0 * static_cast<double>(held_end - held_begin))
+            << what;
+      }
+      // Step 2 trains it again (its second update); N ranks still follow one.
+      EXPECT_NE(slice(sc[2], held_begin, held_end), slice(sc[1], held_begin, held_end)) << what;
+      std::vector<float> single;
+      const auto b = train(c, *alone, data, kB * W, 3, single);
+      for (size_t s = 0; s < a.size(); ++s) EXPECT_NEAR(a[s].first, b[s].first, 1e-4 * b[s].first) << "step " << s << ", " << what;
     }
   }
 }
