@@ -7,16 +7,29 @@ Dataset: `keel data images --from /usr/share/icons/Tango --out WORKDIR/tango --s
 tango-icon-theme: 196 training and 19 held-out pairs of 64 x 64 pixels, with their tokenizer),
 made once per work directory.
 
-Configurations (--configs, default all three), each trained for --steps steps (default 40),
+Configurations (--configs, default resnet18,vit,vit-flip), each trained for --steps steps (default 40),
 batch 32, captions of up to 32 tokens, embedding 64, text tower GPT-2 L=2 H=2 C=64 V=512, AdamW
 lr 1e-3 with 5 warm-up steps then cosine to 1e-4 (configs/clip.toml as shipped):
   resnet18   ResNet-18 with GroupNorm, stem width 16 (configs/clip.toml)
   vit        ViT: 8 x 8 patches of 8 px, 4 blocks, width 64, 4 heads
   vit-flip   the ViT with FLIP patch masking: half of each training image's patches dropped
+Keel's multimodal switches on the ViT (vit's flags plus `--set clip.KEY=VALUE`), Keel runs only (no
+PyTorch peer; --switches selects them all):
+  vit-balance  clip.grad_balance=norm (cross-modal gradient normalisation)
+  vit-text2    clip.text_update_every=2 (the text tower trains on every second step, steps 1, 3,
+               5, ... of the step lines, and runs forward only on the others)
+  vit-image2   clip.image_update_every=2 (the image tower likewise)
+  vit-bf16     clip.visual_quant=bf16 (the image tower's matrix products in bf16)
+  vit-int8     clip.visual_quant=int8 (its forward products in dynamic int8, backward in bf16)
+  vit-all      grad_balance=norm, text_update_every=2, vit_mask=0.5 and visual_quant=int8 together
+A switch selected without vit brings vit along (the switches are compared with it).
 
 Trainers, 2 threads each (OMP_NUM_THREADS=2; Keel's runtime.threads=2, torch.set_num_threads(2)):
   keel     build/keel train --config configs/clip.toml --set ... (pairs/s: the median of the
-           step lines' samples_per_s after the first 3 steps; recall: the last evaluation line)
+           step lines' samples_per_s after the first 3 steps; with a tower update cadence k > 1,
+           the median over consecutive windows of k of those steps, each window's pairs over its
+           summed step times, so that every window holds one training step of that tower;
+           recall: the last evaluation line)
   debian   bench/torch_clip_train.py under /usr/bin/python3 with Debian's python3-torch and
            python3-torchvision (the model code is tests/reference/clip_reference.py's, float32;
            pairs/s: the median over the same steps, timed the same way; recall over the same 19
@@ -30,22 +43,30 @@ Each PyTorch trainer is run in the variants that may make it faster and the best
 the default environment and compare_pytorch.sh's tuned one (OMP_WAIT_POLICY=PASSIVE,
 OPENBLAS_NUM_THREADS=2, glibc malloc tunables); for the ResNet, contiguous (NCHW) and
 channels_last tensors; torch.compile where the PyTorch has it (not Debian's 1.13). Runs are
-interleaved (keel, then every peer variant) and repeated --repeats times; each trainer's best
-run counts (PyTorch's best is of more runs than Keel's, which favours it; the table says so).
+interleaved (per configuration in --configs order: keel, then every peer variant, none for a
+switch) and repeated --repeats times; each trainer's best run counts (PyTorch's best is of more
+runs than Keel's, which favours it; the table says so).
 
-Output: a table (configuration | Keel pairs/s | PyTorch pairs/s | Keel/PyTorch | ... | R@5 | the
-2.7x claim), every run's figures (with the cores other processes kept busy meanwhile), the exact
-commands, and WORKDIR/clip_bench.json. Keel's design claims 2.7x over "the conventional method"
+Output: a table of the configurations with a PyTorch peer (configuration | Keel pairs/s | PyTorch
+pairs/s | Keel/PyTorch | ... | R@5 | the 2.7x claim); when a switch ran, a second table, "Keel's
+multimodal switches", with a row for each of plain vit, vit-flip, every switch and vit-all that ran
+(Keel pairs/s | ratio to Keel's plain vit | ratio to the fastest Debian (and PyPI) PyTorch run of
+the plain vit | the last step's training loss | R@5 i2t/t2i | the 2.7x claim against the fastest
+of those PyTorch runs), its rows also under "switches" in clip_bench.json; every run's figures
+(with the cores other processes kept busy meanwhile), the exact commands, and
+WORKDIR/clip_bench.json. Keel's design claims 2.7x over "the conventional method"
 for image-text training; here that method is PyTorch + torchvision training the same model, and
 the ratio is measured, not assumed ("met" needs 2.7x against the fastest PyTorch run). Exit
 status 0 whatever the ratios; non-zero only when a Keel or Debian PyTorch run fails.
 
-Usage: bench/clip.py [--steps N] [--workdir DIR] [--configs resnet18,vit,vit-flip] [--repeats R]
-                     [--pypi] [--pip-timeout S] [--no-variants] [--quiet-wait S]
+Usage: bench/clip.py [--steps N] [--workdir DIR] [--configs resnet18,vit,vit-flip] [--switches]
+                     [--repeats R] [--pypi] [--pip-timeout S] [--no-variants] [--quiet-wait S]
   --steps N        optimizer steps of every run (default 40; the median skips the first 3)
   --workdir DIR    dataset, run directories, logs, venv and clip_bench.json (default: a new
                    temporary directory, kept and printed)
-  --configs LIST   any of resnet18, vit, vit-flip (default all)
+  --configs LIST   any of resnet18, vit, vit-flip, vit-balance, vit-text2, vit-image2, vit-bf16,
+                   vit-int8, vit-all (default resnet18,vit,vit-flip)
+  --switches       add vit, vit-flip and all six switch configurations to --configs (after it)
   --repeats R      interleaved runs of every trainer and variant (default 2)
   --pypi           also the current PyTorch from PyPI (and OpenCLIP's loss where it installs)
   --pip-timeout S  seconds allowed for each pip install (default 1500)
@@ -90,6 +111,22 @@ CONFIGS = {
     "vit-flip": {"label": "ViT + FLIP mask 0.5", "keel": VIT + ["--set", "clip.vit_mask=0.5"],
                  "peer": VIT_PEER + ["--vit-mask", "0.5"], "resnet": False},
 }
+# Keel's multimodal switches on top of the plain ViT: Keel runs only ("peer": None), compared in the
+# second table with Keel's plain ViT and the PyTorch runs of the plain ViT. "cadence": the larger
+# tower update cadence (pairs/s is taken over windows of that many steps).
+SWITCHES = [
+    ("vit-balance", "ViT + grad_balance=norm", ["clip.grad_balance=norm"], 1),
+    ("vit-text2", "ViT + text_update_every=2", ["clip.text_update_every=2"], 2),
+    ("vit-image2", "ViT + image_update_every=2", ["clip.image_update_every=2"], 2),
+    ("vit-bf16", "ViT + visual_quant=bf16", ["clip.visual_quant=bf16"], 1),
+    ("vit-int8", "ViT + visual_quant=int8", ["clip.visual_quant=int8"], 1),
+    ("vit-all", "ViT + all (norm, text/2, mask 0.5, int8)",
+     ["clip.grad_balance=norm", "clip.text_update_every=2", "clip.vit_mask=0.5", "clip.visual_quant=int8"], 2),
+]
+for _name, _label, _sets, _cadence in SWITCHES:
+    CONFIGS[_name] = {"label": _label, "keel": VIT + [x for kv in _sets for x in ("--set", kv)], "peer": None,
+                      "resnet": False, "switch": True, "cadence": _cadence}
+SWITCH_BASELINES = ["vit", "vit-flip"]  # the second table's first rows; --switches adds them
 # The shape and optimizer of configs/clip.toml, as the peer's flags.
 PEER_COMMON = ["--embed-dim", "64", "--text-layers", "2", "--text-heads", "2", "--text-width", "64",
                "--vocab", "512", "--batch", "32", "--seq", "32", "--lr", "1e-3", "--warmup", "5",
@@ -186,7 +223,12 @@ def run_keel(cfg, dataset, work, steps, rep):
     if not steps_ or not evals:
         sys.exit("clip.py: keel %s: metrics.jsonl in %s has no step or no evaluation lines" % (cfg, run_dir))
     timed = [s["samples_per_s"] for s in steps_ if s["step"] > SKIP] or [s["samples_per_s"] for s in steps_]
-    med = statistics.median(timed)
+    # A tower trained every k-th step makes the step times alternate: the median is over windows of
+    # k consecutive steps (each holds one training step of that tower), a window's pairs/s being its
+    # pairs over its summed step times; k = 1 is the plain median of the steps.
+    k = CONFIGS[cfg].get("cadence", 1)
+    windows = [timed[i:i + k] for i in range(0, len(timed) - k + 1, k)] or [timed]
+    med = statistics.median(len(w) * 32 / sum(32 / v for v in w) for w in windows)
     last = evals[-1]
     return {"trainer": "keel", "variant": "keel", "config": cfg, "rep": rep, "samples_per_s": med,
             "ms_per_step": 1e3 * 32 / med, "samples_per_s_all": [round(s["samples_per_s"], 1) for s in steps_],
@@ -335,7 +377,8 @@ def fmt_ratio(k, p):
 
 
 def report(res):
-    runs, cfgs = res["runs"], res["configs"]
+    runs = res["runs"]
+    cfgs = [c for c in res["configs"] if CONFIGS[c]["peer"] is not None]  # the switches have no peer
     trainers = ["debian"] + (["pypi"] if any(r["trainer"] == "pypi" for r in runs) else [])
     tname = {"debian": "PyTorch %s (Debian)" % res["debian"].get("torch", "?"),
              "pypi": "PyTorch %s (PyPI)" % res.get("pypi", {}).get("torch", "?")}
@@ -389,20 +432,23 @@ def report(res):
               "of more noisy runs favours PyTorch, so every run is listed below." % (
                   tname[t], most, ", ".join(tried), res["repeats"]))
     res["summary"] = summary
+    if any(CONFIGS[c].get("switch") for c in res["configs"]):
+        report_switches(res, trainers, tname, short)
 
     print()
     print("=== Every run ===")
-    print("%-9s %-7s %-24s %3s %8s %8s %7s %11s %11s %8s %6s %7s" % (
+    print("%-11s %-7s %-24s %3s %8s %8s %7s %11s %11s %8s %6s %7s" % (
         "config", "trainer", "variant", "rep", "pairs/s", "ms/step", "loss", "R@1 i2t/t2i", "R@5 i2t/t2i", "params",
         "wall s", "others"))
     for r in runs:
-        print("%-9s %-7s %-24s %3d %8.1f %8.1f %7.4f %11s %11s %8s %6.1f %7.2f" % (
+        print("%-11s %-7s %-24s %3d %8.1f %8.1f %7.4f %11s %11s %8s %6.1f %7.2f" % (
             r["config"], r["trainer"], r["variant"], r["rep"], r["samples_per_s"], 1e3 * 32 / r["samples_per_s"],
             r["final_loss"], "%.2f/%.2f" % (r["recall_i2t_at1"], r["recall_t2i_at1"]),
             "%.2f/%.2f" % (r["recall_i2t_at5"], r["recall_t2i_at5"]), r.get("params"), r["wall_s"],
             r.get("other_cores", 0.0)))
     print("(loss: the last step's training loss; others: cores other processes kept busy during the run)")
     counted = [best(runs, trainer=t, config=c) for c in cfgs for t in ["keel"] + trainers]
+    counted += [best(runs, trainer="keel", config=c) for c in res["configs"] if c not in cfgs]
     disturbed = [r for r in counted if r is not None and r.get("other_cores", 0.0) > 0.25]
     if disturbed:
         print("WARNING: other processes kept cores busy during runs the table counts (%s): their pairs/s are "
@@ -438,6 +484,59 @@ def report(res):
             print(r["command"])
 
 
+def report_switches(res, trainers, tname, short):
+    """The second table: Keel's plain ViT, the ViT with FLIP, every switch and all together, against
+    Keel's plain ViT and the fastest PyTorch run of the plain ViT; its rows go to res["switches"]."""
+    runs = res["runs"]
+    base = best(runs, trainer="keel", config="vit")
+    peers = {t: best(runs, trainer=t, config="vit") for t in trainers}
+    print()
+    print("=== Keel's multimodal switches (%s): %d steps, batch 32, %d threads, pairs/s = median after step %d, "
+          "best of %d ===" % (CONFIGS["vit"]["label"], res["steps"], THREADS, SKIP, res["repeats"]))
+    head = ["configuration", "Keel pairs/s", "vs Keel ViT"] + ["vs %s ViT" % short[t] for t in trainers] + [
+        "final loss", "R@5 i2t/t2i", "Keel's claim %.1fx" % CLAIM]
+    rows, out = [], []
+    order = [c for c in SWITCH_BASELINES + [s[0] for s in SWITCHES] if c in res["configs"]]
+    for cfg in order:
+        k = best(runs, trainer="keel", config=cfg)
+        label = "plain ViT" if cfg == "vit" else CONFIGS[cfg]["label"]
+        row = [label, "%.1f" % k["samples_per_s"], fmt_ratio(k["samples_per_s"], base["samples_per_s"])]
+        entry = {"config": cfg, "label": label, "keel": k["samples_per_s"],
+                 "vs_keel_vit": k["samples_per_s"] / base["samples_per_s"], "final_loss": k["final_loss"],
+                 "keel_recall_at5": [k["recall_i2t_at5"], k["recall_t2i_at5"]], "rep": k["rep"]}
+        ratios = []
+        for t in trainers:
+            p = peers[t]
+            row.append(fmt_ratio(k["samples_per_s"], p["samples_per_s"]) if p else "-")
+            if p:
+                ratios.append(k["samples_per_s"] / p["samples_per_s"])
+                entry["vs_%s_vit" % t] = k["samples_per_s"] / p["samples_per_s"]
+        row += ["%.4f" % k["final_loss"], "%.2f/%.2f" % (k["recall_i2t_at5"], k["recall_t2i_at5"])]
+        if ratios:
+            lo = min(ratios)
+            row.append("%s (%.2fx vs the fastest PyTorch ViT)" % ("met" if lo >= CLAIM else "not met", lo))
+            entry["claim_met"] = lo >= CLAIM
+        else:
+            row.append("-")
+        rows.append(row)
+        out.append(entry)
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    print(" | ".join(h.ljust(w) for h, w in zip(head, widths)))
+    print("-+-".join("-" * w for w in widths))
+    for r in rows:
+        print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    print("Every row is a Keel run (the best of %d); the ratios are against Keel's plain ViT (%.1f pairs/s) and "
+          "the PyTorch runs of the plain ViT counted in the table above: %s.%s Final loss: the last step's training "
+          "loss; R@5 over the same held-out pairs." % (
+              res["repeats"], base["samples_per_s"], "; ".join(
+                  "%s %s" % (tname[t], "%.1f [%s]" % (peers[t]["samples_per_s"], peers[t]["variant"]) if peers[t]
+                             else "(failed)") for t in trainers),
+              " Tower cadences (%s): pairs/s is the median over windows of k consecutive steps, one training step of "
+              "the tower in each." % ", ".join(c for c in order if CONFIGS[c].get("cadence", 1) > 1)
+              if any(CONFIGS[c].get("cadence", 1) > 1 for c in order) else ""))
+    res["switches"] = out
+
+
 def check_tokenizer(python, dataset):
     """The peer's tokenizer port against Keel's split of the dataset: every caption round-trips,
     and no caption is longer than 32 tokens with its end token (Keel refuses those at start-up)."""
@@ -468,11 +567,18 @@ def main():
     ap.add_argument("--pip-timeout", type=int, default=1500)
     ap.add_argument("--no-variants", action="store_true")
     ap.add_argument("--quiet-wait", type=float, default=0.0)
+    ap.add_argument("--switches", action="store_true")
     a = ap.parse_args()
     cfgs = [c.strip() for c in a.configs.split(",") if c.strip()]
     unknown = [c for c in cfgs if c not in CONFIGS]
     if unknown or not cfgs:
         sys.exit("clip.py: --configs takes any of %s; found %s" % (", ".join(CONFIGS), ", ".join(unknown) or "none"))
+    cfgs = list(dict.fromkeys(cfgs))
+    if a.switches:
+        cfgs += [c for c in SWITCH_BASELINES + [s[0] for s in SWITCHES] if c not in cfgs]
+    elif any(CONFIGS[c].get("switch") for c in cfgs) and "vit" not in cfgs:
+        cfgs.append("vit")  # the switches' baseline
+        log("clip.py: added vit to --configs (the switches are compared with it)")
     if a.steps <= SKIP or a.repeats < 1:
         sys.exit("clip.py: --steps must be above %d and --repeats at least 1" % SKIP)
     if not os.access(KEEL, os.X_OK):
@@ -528,6 +634,8 @@ def main():
             log("  keel     %-26s %8.1f pairs/s  R@5 %.2f/%.2f  (%.0f s; others %.2f cores)" % (
                 "", r["samples_per_s"], r["recall_i2t_at5"], r["recall_t2i_at5"], r["wall_s"], r["other_cores"]))
             for trainer, py, has_compile, openclip, must in trainers:
+                if CONFIGS[cfg]["peer"] is None:
+                    break  # a Keel switch: no PyTorch peer
                 for variant, flags, env in peer_variants(cfg, trainer, has_compile, openclip, not a.no_variants):
                     waited = wait_quiet(a.quiet_wait)
                     p = run_peer(py, trainer, cfg, variant, flags, env, dataset, work, a.steps, rep, must)

@@ -257,6 +257,74 @@ TEST(ClipModel, SameSeedSameBytes) {
   EXPECT_EQ(run(), run());
 }
 
+// Visual-token quantisation (clip.visual_quant): the ViT's features, the loss and every gradient
+// stay close to float32's (bf16 and int8 round each operand to ~3 and ~2 significant digits; the
+// sums stay exact or float32), the same inputs give the same bytes, and the switch really changes
+// the products.
+TEST(ClipModel, QuantisedVisualTokensStayCloseToFloat32AndRepeatTheirBytes) {
+  struct Run {
+    float loss;
+    std::vector<float> features, grads;
+  };
+  const int B = 8;
+  const auto images = random_floats(B * 32 * 32 * 3, 11);
+  std::vector<int> tokens(B * 8), lengths(B);
+  for (int i = 0; i < B * 8; ++i) tokens[i] = (i * 7 + 3) % 60;
+  for (int b = 0; b < B; ++b) lengths[b] = 1 + b % 8;
+  auto run = [&](const std::string& quant) {
+    ClipSpec spec;
+    spec.image_tower = "vit";
+    spec.vit.patch = 8;
+    spec.vit.layers = 2;
+    spec.vit.width = 32;
+    spec.vit.heads = 2;
+    spec.vit.quant = quant;
+    spec.image_size = 32;
+    spec.embed_dim = 8;
+    ChunkStore store(1 << 16);
+    ClipModel model(spec, tiny_text(), store);
+    store.finalize();
+    model.init_weights(3);
+    model.allocate(B, 8);
+    const ClipBatch batch{images.data(), tokens.data(), lengths.data(), B, 8};
+    Run r;
+    const float* f = model.image().forward(batch);
+    r.features.assign(f, f + B * 8);
+    r.loss = model.train_micro_batch(batch, 1.0f).loss;
+    const std::span<const float> g = store.range_view(Plane::grad, 0, store.numel());
+    r.grads.assign(g.begin(), g.end());
+    return r;
+  };
+  auto cosine = [](const std::vector<float>& a, const std::vector<float>& b) {
+    double ab = 0, aa = 0, bb = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      ab += static_cast<double>(a[i]) * b[i];
+      aa += static_cast<double>(a[i]) * a[i];
+      bb += static_cast<double>(b[i]) * b[i];
+    }
+    return ab / std::sqrt(aa * bb);
+  };
+  auto rel_max = [](const std::vector<float>& a, const std::vector<float>& b) {
+    double diff = 0, scale = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      diff = std::max(diff, static_cast<double>(std::abs(a[i] - b[i])));
+      scale = std::max(scale, static_cast<double>(std::abs(b[i])));
+    }
+    return diff / scale;
+  };
+  const Run f32 = run("none");
+  for (const std::string quant : {"bf16", "int8"}) {
+    const Run q = run(quant), again = run(quant);
+    EXPECT_EQ(q.features, again.features) << quant;
+    EXPECT_EQ(q.grads, again.grads) << quant;
+    EXPECT_NE(q.features, f32.features) << quant << " left the products in float32";
+    const double tol = quant == "bf16" ? 2e-2 : 4e-2;
+    EXPECT_LT(rel_max(q.features, f32.features), tol) << quant;
+    EXPECT_NEAR(q.loss, f32.loss, tol * f32.loss) << quant;
+    EXPECT_GT(cosine(q.grads, f32.grads), 0.9995) << quant;
+  }
+}
+
 TEST(ClipModel, BadShapesAreOneLine) {
   ClipSpec spec;
   spec.image_tower = "resnet19";

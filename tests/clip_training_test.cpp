@@ -158,6 +158,19 @@ TEST_F(ClipTraining, AVitWithPatchMaskingTrainsAndTwoRanksFollowOne) {
   ASSERT_EQ(b.size(), 3u);
   // (The same patches are dropped from the same sample on either layout.)
   for (size_t s = 0; s < 2; ++s) EXPECT_NEAR(a[s], b[s], 1e-4 * a[s]) << "step " << s + 1;
+  // With int8 visual tokens too: two ranks still follow one (each sample's tokens are quantised
+  // with their own ranges, whichever rank holds them).
+  const std::string int8 = vit + "--set clip.visual_quant=int8 ";
+  const testing::CommandResult q1 = run_keel(args("vit-int8-one", 2, int8 + "--set train.batch_size=16"));
+  ASSERT_EQ(q1.exit_code, 0) << q1.output;
+  EXPECT_NE(q1.output.find("visual tokens in int8"), std::string::npos) << q1.output;
+  const testing::CommandResult q2 = run_keel("launch -n 2 -- " + args("vit-int8-two", 2, int8 + "--set train.batch_size=8"));
+  ASSERT_EQ(q2.exit_code, 0) << q2.output;
+  const std::vector<double> qa = losses("vit-int8-one"), qb = losses("vit-int8-two");
+  ASSERT_EQ(qa.size(), 2u);
+  ASSERT_EQ(qb.size(), 2u);
+  for (size_t s = 0; s < 2; ++s) EXPECT_NEAR(qa[s], qb[s], 1e-4 * qa[s]) << "int8, step " << s + 1;
+  EXPECT_NE(qa[0], a[0]);
   // Masking changes the first step's loss (the same weights see half the patches).
   ASSERT_EQ(run_keel(args("vit-full", 1, vit + "--set train.batch_size=16 --set clip.vit_mask=0")).exit_code, 0);
   EXPECT_NE(losses("vit-full")[0], a[0]);
@@ -182,6 +195,8 @@ TEST_F(ClipTraining, BadInputIsOneLineAndExit2) {
       {"--set clip.image_tower=vit --set clip.vit_patch=12", "does not divide the images' 32 pixels"},
       {"--set clip.image_tower=vit --set clip.vit_heads=3", "clip.vit_heads"},
       {"--set clip.text_update_every=0", "clip.text_update_every"},
+      {"--set clip.visual_quant=int8", "clip.visual_quant"},
+      {"--set clip.image_tower=vit --set clip.visual_quant=fp8", "clip.visual_quant"},
       {"--set clip.image_update_every=2 --set clip.text_update_every=2", "clip.text_update_every"},
   };
   for (const Case& c : cases) {

@@ -172,6 +172,7 @@ std::vector<Field> fields(Config& c) {
       {"clip", "vit_width", &c.clip.vit_width},
       {"clip", "vit_heads", &c.clip.vit_heads},
       {"clip", "vit_mask", &c.clip.vit_mask},
+      {"clip", "visual_quant", &c.clip.visual_quant},
       {"clip", "grad_balance", &c.clip.grad_balance},
       {"clip", "image_update_every", &c.clip.image_update_every},
       {"clip", "text_update_every", &c.clip.text_update_every},

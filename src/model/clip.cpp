@@ -42,6 +42,7 @@ ClipSpec clip_spec(const ClipConfig& clip, int dataset_image_size) {
   s.vit.layers = clip.vit_layers;
   s.vit.width = clip.vit_width;
   s.vit.heads = clip.vit_heads;
+  s.vit.quant = clip.visual_quant;
   return s;
 }
 
@@ -58,6 +59,7 @@ void validate_clip_config(const Config& c) {
     v.width = clip.vit_width;
     v.heads = clip.vit_heads;
     v.embed_dim = clip.embed_dim;
+    v.quant = clip.visual_quant;
     v.image_size = clip.image_size == 0 ? v.patch : clip.image_size;  // (the dataset's size is checked when loaded)
     validate_vit(v);
   } else {
@@ -84,6 +86,9 @@ void validate_clip_config(const Config& c) {
         key("clip.text_update_every", "1 when clip.image_update_every is not (one tower trains every step)",
             std::to_string(clip.text_update_every)));
   check(clip.vit_mask >= 0 && clip.vit_mask <= 0.95, key("clip.vit_mask", "0 .. 0.95", std::to_string(clip.vit_mask)));
+  check(clip.visual_quant == "none" || clip.image_tower == "vit",
+        key("clip.visual_quant", "\"none\" unless clip.image_tower = \"vit\" (visual tokens are a ViT's)",
+            "\"" + clip.visual_quant + "\""));
   check(clip.vit_mask == 0 || clip.image_tower == "vit",
         key("clip.vit_mask", "0 unless clip.image_tower = \"vit\" (patch masking)", std::to_string(clip.vit_mask)));
   // Not yet combined with a dual encoder (each a later piece of work, not a silent fallback).

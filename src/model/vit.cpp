@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "kernels/cpu/bf16.h"
 #include "kernels/cpu/ops.h"
 #include "model/gpt.h"
 
@@ -45,7 +47,7 @@ class Vit final : public Tower {
         patch_b_(store.add(TensorSpec{s.prefix + "patch.b", {C_}, s.layer_base, ChunkKind::embedding, false})),
         cls_(store.add(TensorSpec{s.prefix + "cls", {C_}, s.layer_base, ChunkKind::embedding, false})),
         pos_(store.add(TensorSpec{s.prefix + "pos", {P_ + 1, C_}, s.layer_base, ChunkKind::embedding, false})),
-        body_(blocks_config(s), store, {LayerRange{1, s.layers}}),
+        body_(blocks_config(s), store, {LayerRange{1, s.layers}}, s.quant == "bf16"),
         head_layer_(s.layer_base + s.layers + 1) {
     normw_ = store.add(TensorSpec{s.prefix + "lnf.w", {C_}, head_layer_, ChunkKind::norm, false});
     normb_ = store.add(TensorSpec{s.prefix + "lnf.b", {C_}, head_layer_, ChunkKind::norm, false});
@@ -87,6 +89,8 @@ class Vit final : public Tower {
 
   const float* forward(const ClipBatch& b) override {
     const int K = check_batch(b), T = K + 1;
+    std::optional<MatmulPrecisionScope> quantised;
+    if (s_.quant != "none") quantised.emplace(s_.quant == "int8" ? MatmulPrecision::int8 : MatmulPrecision::bf16);
     patchify(b, K);
     {
       const PageLease use = store_.use_layer(s_.layer_base, {Plane::param});
@@ -118,6 +122,8 @@ class Vit final : public Tower {
 
   void backward(const ClipBatch& b, const float* dfeatures, BackwardObserver* observer) override {
     const int K = check_batch(b), T = K + 1, D = s_.embed_dim;
+    std::optional<MatmulPrecisionScope> quantised;
+    if (s_.quant != "none") quantised.emplace(MatmulPrecision::bf16);
     {
       const PageLease use = store_.use_layer(head_layer_, {Plane::param});
       ops::linear_backward_input(dnormed_.data(), dfeatures, P(proj_), b.B, C_, D, false);
@@ -244,6 +250,8 @@ void validate_vit(const VitSpec& s) {
   check(s.width >= 1 && s.width <= 16384, key("vit_width", "1..16384", s.width));
   check(s.heads >= 1 && s.width % s.heads == 0, key("vit_heads", "a divisor of clip.vit_width", s.heads));
   check(s.embed_dim >= 1 && s.embed_dim <= 8192, key("embed_dim", "1..8192", s.embed_dim));
+  check(s.quant == "none" || s.quant == "bf16" || s.quant == "int8",
+        "config key 'clip.visual_quant': expected \"none\", \"bf16\" or \"int8\", found \"" + s.quant + "\"");
 }
 
 std::unique_ptr<Tower> make_vit(const VitSpec& spec, ChunkStore& store) { return std::make_unique<Vit>(spec, store); }

@@ -13,6 +13,17 @@
 // rows, so the blocks run on K + 1 tokens instead of P + 1 — the saving FLIP trades for its larger
 // batches.
 //
+// Visual-token quantisation (clip.visual_quant, `quant`): the tower's matrix products — the patch
+// embedding, every block's (attention's included) and the projection — at a lower precision,
+// chosen per step from the tokens' own ranges:
+//   "bf16": forward and backward products with bf16 operands (float32 sums), and the activations
+//           the blocks keep for backward stored as bf16 (half their memory);
+//   "int8": forward products in int8, each token's (row's) scale from its largest magnitude and
+//           each weight column's likewise, recomputed every call (kernels/cpu/int8_gemm.h); the
+//           backward products in bf16 from the float32 activations (the quantisation is passed
+//           straight through: its gradient is taken as the identity).
+// The text tower and the loss are not affected.
+//
 // Store layers (from layer_base): the patch embedding, one per block, the head.
 #pragma once
 
@@ -31,6 +42,7 @@ struct VitSpec {
   int width = 64;
   int heads = 4;
   int embed_dim = 64;
+  std::string quant = "none";  // "none" | "bf16" | "int8" (clip.visual_quant)
   std::string prefix = "visual.";
   int layer_base = 0;
   int grid() const { return image_size / patch; }

@@ -6,11 +6,14 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <string>
 
 #include "core/error.h"
 #include "core/rng.h"
 #include "data/clip_loader.h"
 #include "data/tokenizer.h"
+#include "kernels/cpu/bf16.h"
+#include "kernels/cpu/int8_gemm.h"
 #include "runtime/clip_step.h"
 #include "runtime/generate.h"
 
@@ -207,6 +210,15 @@ class DualEncoder final : public Workload {
                 "(tokenizer %s); run dir %s\n",
                 config_.clip.dataset.c_str(), train_data_.split.count, val_data_.split.count, t.seq_len,
                 config_.data.tokenizer.c_str(), t.run_dir.c_str());
+    std::string switches;
+    auto add = [&](const std::string& s) { switches += (switches.empty() ? "" : "; ") + s; };
+    if (c.image_update_every > 1) add("image tower trained every " + std::to_string(c.image_update_every) + " steps");
+    if (c.text_update_every > 1) add("text tower trained every " + std::to_string(c.text_update_every) + " steps");
+    if (c.grad_balance != "none") add("gradient balance: " + c.grad_balance);
+    if (c.vit_mask > 0) add("FLIP: " + std::to_string(static_cast<int>(std::lround(c.vit_mask * 100))) + "% of patches masked");
+    if (c.visual_quant == "bf16") add("visual tokens in bf16 (" + bf16_engine() + ")");
+    if (c.visual_quant == "int8") add("visual tokens in int8 (" + int8_engine() + "), backward in bf16 (" + bf16_engine() + ")");
+    if (!switches.empty()) std::printf("keel: multimodal switches: %s\n", switches.c_str());
   }
 
   nlohmann::json describe(double parameters) const override {

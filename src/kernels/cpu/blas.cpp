@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "kernels/cpu/bf16.h"
+#include "kernels/cpu/int8_gemm.h"
 
 extern "C" {
 char* openblas_get_config(void);
@@ -46,6 +47,8 @@ void gemm<float>(bool trans_a, bool trans_b, int M, int N, int K, float alpha, c
   counted(M, N, K, [&] {
     if (matmul_precision() == MatmulPrecision::bf16) {
       gemm_bf16(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    } else if (matmul_precision() == MatmulPrecision::int8) {
+      gemm_int8_dynamic(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     } else {
       cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K,
                   alpha, A, lda, B, ldb, beta, C, ldc);
