@@ -83,6 +83,15 @@ TEST_F(ClipTraining, TrainsReportsRecallAndResumesToTheSameBytes) {
   EXPECT_EQ(steps, 12);
   const std::vector<double> l = losses("straight");
   EXPECT_LT(l.back(), l.front()) << "the contrastive loss should fall on the training pairs";
+  // The run report shows the retrieval figures and draws them.
+  const testing::CommandResult report = run_keel("report " + *dir_ / "straight" + " --out " + *dir_ / "straight.html");
+  ASSERT_EQ(report.exit_code, 0) << report.output;
+  const std::string html = read_text_file(*dir_ / "straight.html");
+  for (const char* part : {"<th>zero-shot retrieval (last evaluation)</th><td>image->text R@1 ",
+                           "over 19 held-out pairs", "Zero-shot retrieval recall (held-out pairs)",
+                           "Image-caption pairs per second", "Tower gradient norms"}) {
+    EXPECT_NE(html.find(part), std::string::npos) << part;
+  }
 
   // Lost after step 8's checkpoint (its later ones removed), resumed: the same bytes as the straight run.
   const testing::CommandResult first = run_keel(args("resumed", 12, "--set train.checkpoint_every=4"));

@@ -311,6 +311,14 @@ std::string render_report(const std::string& run_dir) {
   row("last train loss", steps.empty() ? "-" : num(steps.back().value("loss", 0.0)));
   row("first / last validation loss",
       evals.empty() ? "-" : num(evals.front().value("val_loss", 0.0)) + " / " + num(evals.back().value("val_loss", 0.0)));
+  if (!evals.empty() && evals.back().contains("recall_i2t_at5")) {  // a dual encoder's zero-shot retrieval
+    const json& e = evals.back();
+    row("zero-shot retrieval (last evaluation)",
+        "image->text R@1 " + num(e.value("recall_i2t_at1", 0.0), "%.3f") + ", R@5 " +
+            num(e.value("recall_i2t_at5", 0.0), "%.3f") + "; text->image R@1 " +
+            num(e.value("recall_t2i_at1", 0.0), "%.3f") + ", R@5 " + num(e.value("recall_t2i_at5", 0.0), "%.3f") +
+            " over " + std::to_string(e.value("val_pairs", 0)) + " held-out pairs");
+  }
   if (!steps.empty() && steps.back().contains("energy_kwh_per_mtok")) {
     row("energy", num(steps.back().value("energy_kwh_per_mtok", 0.0)) + " kWh per million tokens (" +
                       escape(steps.back().value("energy_source", "?")) + ")");
@@ -321,6 +329,18 @@ std::string render_report(const std::string& run_dir) {
   h << plot("Loss", {series(steps, "loss", "train", "#4a90d9"), series(evals, "val_loss", "validation", "#e94e3c")}, {},
             markers);
   h << plot("Tokens per second", {series(steps, "tokens_per_s", "tokens/s", "#50b86c")}, {}, markers);
+  // A dual encoder's own figures (absent from a language model's lines: nothing drawn).
+  h << plot("Image-caption pairs per second", {series(steps, "samples_per_s", "pairs/s", "#50b86c")}, {}, markers);
+  h << plot("Zero-shot retrieval recall (held-out pairs)",
+            {series(evals, "recall_i2t_at1", "image->text R@1", "#4a90d9"),
+             series(evals, "recall_i2t_at5", "image->text R@5", "#1f5f99"),
+             series(evals, "recall_t2i_at1", "text->image R@1", "#e94e3c"),
+             series(evals, "recall_t2i_at5", "text->image R@5", "#9b2c1f")},
+            {}, markers);
+  h << plot("Tower gradient norms",
+            {series(steps, "grad_norm_image", "image tower", "#4a90d9"),
+             series(steps, "grad_norm_text", "text tower", "#e94e3c")},
+            {}, markers);
   h << plot("MFU", {series(steps, "mfu", "MFU", "#9b59b6")}, {}, markers);
   h << plot("Tier hit rate",
             {series(steps, "tier_hit_rate", "off-device", "#4a90d9"),
