@@ -61,6 +61,7 @@ status 0 whatever the ratios; non-zero only when a Keel or Debian PyTorch run fa
 
 Usage: bench/clip.py [--steps N] [--workdir DIR] [--configs resnet18,vit,vit-flip] [--switches]
                      [--repeats R] [--pypi] [--pip-timeout S] [--no-variants] [--quiet-wait S]
+                     [--source DIR] [--keel-only]
   --steps N        optimizer steps of every run (default 40; the median skips the first 3)
   --workdir DIR    dataset, run directories, logs, venv and clip_bench.json (default: a new
                    temporary directory, kept and printed)
@@ -73,6 +74,11 @@ Usage: bench/clip.py [--steps N] [--workdir DIR] [--configs resnet18,vit,vit-fli
   --no-variants    PyTorch in its default environment and layout only
   --quiet-wait S   before each run, wait up to S seconds for other processes to leave the cores
                    idle (default 0: do not wait); every run reports the cores others kept busy
+  --source DIR     the pictures `keel data images` reads (default /usr/share/icons/Tango); e.g.
+                   /usr/share/icons: every installed theme (Tango, oxygen, Adwaita, hicolor), 2,176
+                   training and 255 held-out pairs here, enough for recall to rise above chance
+  --keel-only      Keel's runs only (no PyTorch): one table of pairs/s, final loss and recall@1/@5
+                   per configuration (for quality: e.g. --source /usr/share/icons --steps 300)
 Environment: KEEL (default build/keel), PYTHON (default /usr/bin/python3), RUN_TIMEOUT (seconds
 per run, default 1800).
 """
@@ -557,6 +563,49 @@ def check_tokenizer(python, dataset):
     return "%s captions round-trip through the port" % r.stdout.strip()
 
 
+def keel_only(a, cfgs, work, dataset, ds_cmd, t_start):
+    """--keel-only: Keel's runs alone (no PyTorch), and a table of speed and retrieval quality."""
+    res = {"steps": a.steps, "repeats": a.repeats, "configs": cfgs, "workdir": work, "threads": THREADS,
+           "dataset": dataset, "dataset_command": command_line(ds_cmd, {}), "runs": []}
+    with open(os.path.join(dataset, "meta.json")) as f:
+        meta = json.load(f)
+    for rep in range(1, a.repeats + 1):
+        for cfg in cfgs:
+            log("[%s, run %d/%d]" % (cfg, rep, a.repeats))
+            waited = wait_quiet(a.quiet_wait)
+            r = run_keel(cfg, dataset, work, a.steps, rep)
+            r["waited_s"] = waited
+            res["runs"].append(r)
+            log("  keel     %-26s %8.1f pairs/s  R@5 %.3f/%.3f  (%.0f s; others %.2f cores)" % (
+                "", r["samples_per_s"], r["recall_i2t_at5"], r["recall_t2i_at5"], r["wall_s"], r["other_cores"]))
+    res["wall_s"] = time.time() - t_start
+    print()
+    print("=== Keel alone: %d steps, batch 32, %d threads, %s (%s train / %s held-out pairs); pairs/s = median "
+          "after step %d, best of %d; recall from that run's last evaluation ===" % (
+              a.steps, THREADS, os.path.basename(dataset), meta.get("train", "?"), meta.get("val", "?"), SKIP,
+              a.repeats))
+    head = ["configuration", "pairs/s", "vs plain", "final loss", "R@1 i2t/t2i", "R@5 i2t/t2i"]
+    rows = []
+    base = best(res["runs"], trainer="keel", config="vit") if "vit" in cfgs else None
+    for cfg in cfgs:
+        k = best(res["runs"], trainer="keel", config=cfg)
+        rows.append([CONFIGS[cfg]["label"], "%.1f" % k["samples_per_s"],
+                     "%.2fx" % (k["samples_per_s"] / base["samples_per_s"]) if base else "-",
+                     "%.4f" % k["final_loss"], "%.3f/%.3f" % (k["recall_i2t_at1"], k["recall_t2i_at1"]),
+                     "%.3f/%.3f" % (k["recall_i2t_at5"], k["recall_t2i_at5"])])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    print(" | ".join(h.ljust(w) for h, w in zip(head, widths)))
+    print("-+-".join("-" * w for w in widths))
+    for row in rows:
+        print(" | ".join(str(x).ljust(w) for x, w in zip(row, widths)))
+    out = os.path.join(work, "clip_bench.json")
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    print()
+    print("results: %s (%.0f s in all)" % (out, res["wall_s"]))
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=40)
@@ -568,6 +617,8 @@ def main():
     ap.add_argument("--no-variants", action="store_true")
     ap.add_argument("--quiet-wait", type=float, default=0.0)
     ap.add_argument("--switches", action="store_true")
+    ap.add_argument("--source", default=TANGO)
+    ap.add_argument("--keel-only", action="store_true")
     a = ap.parse_args()
     cfgs = [c.strip() for c in a.configs.split(",") if c.strip()]
     unknown = [c for c in cfgs if c not in CONFIGS]
@@ -583,21 +634,25 @@ def main():
         sys.exit("clip.py: --steps must be above %d and --repeats at least 1" % SKIP)
     if not os.access(KEEL, os.X_OK):
         sys.exit("clip.py: %s not found; build it: make -C build keel" % KEEL)
-    if not os.path.isdir(TANGO):
-        sys.exit("clip.py: %s not found; install Debian's tango-icon-theme (scripts/setup.sh does)" % TANGO)
+    if not os.path.isdir(a.source):
+        sys.exit("clip.py: --source %s not found; install Debian's tango-icon-theme and oxygen-icon-theme "
+                 "(scripts/setup.sh does)" % a.source)
     work = os.path.abspath(a.workdir) if a.workdir else tempfile.mkdtemp(prefix="keel-clip-bench.")
     os.makedirs(work, exist_ok=True)
     log("clip.py: work directory %s" % work)
     t_start = time.time()
 
-    dataset = os.path.join(work, "tango")
-    ds_cmd = [KEEL, "data", "images", "--from", TANGO, "--out", dataset, "--size", "64"]
+    source = os.path.abspath(a.source)
+    dataset = os.path.join(work, "tango" if source == TANGO else "ds-" + source.strip("/").replace("/", "-"))
+    ds_cmd = [KEEL, "data", "images", "--from", source, "--out", dataset, "--size", "64"]
     if not os.path.exists(os.path.join(dataset, "meta.json")):
         shutil.rmtree(dataset, ignore_errors=True)
         log("dataset: " + run_or_exit(ds_cmd, dict(os.environ)).strip().splitlines()[-1])
     else:
         log("dataset: %s exists" % dataset)
 
+    if a.keel_only:
+        return keel_only(a, cfgs, work, dataset, ds_cmd, t_start)
     probe = venv_probe(PYTHON)
     if probe is None:
         sys.exit("clip.py: %s cannot import torch, torchvision and numpy (apt-get install python3-torch "
