@@ -29,7 +29,11 @@ Trainers, 2 threads each (OMP_NUM_THREADS=2; Keel's runtime.threads=2, torch.set
            step lines' samples_per_s after the first 3 steps; with a tower update cadence k > 1,
            the median over consecutive windows of k of those steps, each window's pairs over its
            summed step times, so that every window holds one training step of that tower;
-           recall: the last evaluation line)
+           recall: the last evaluation line), in two variants: "passive" (keel's own default,
+           OMP_WAIT_POLICY=PASSIVE: OpenMP threads sleep between parallel regions, the better
+           choice on shared cores) and "spin" (OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=300000:
+           threads spin that long first, as libgomp's default does for PyTorch's default
+           environment; better on cores of its own); --no-variants runs "passive" only
   debian   bench/torch_clip_train.py under /usr/bin/python3 with Debian's python3-torch and
            python3-torchvision (the model code is tests/reference/clip_reference.py's, float32;
            pairs/s: the median over the same steps, timed the same way; recall over the same 19
@@ -206,11 +210,18 @@ def keel_command(cfg, dataset, run_dir, steps):
             "--set", "runtime.threads=%d" % THREADS] + CONFIGS[cfg]["keel"]
 
 
-def run_keel(cfg, dataset, work, steps, rep):
-    run_dir = os.path.join(work, "keel-%s-%d" % (cfg, rep))
+# Keel's OpenMP waiting: `keel` sets OMP_WAIT_POLICY=PASSIVE itself unless the environment names a
+# policy (threads sleep between parallel regions: the better choice when other processes share the
+# cores); "spin" is what PyTorch's default environment gets from libgomp (threads spin for
+# GOMP_SPINCOUNT=300000 iterations before sleeping), better on cores of its own.
+KEEL_VARIANTS = [("passive", {}), ("spin", {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "300000"})]
+
+
+def run_keel(cfg, dataset, work, steps, rep, variant="passive", env=None):
+    run_dir = os.path.join(work, "keel-%s-%s-%d" % (cfg, variant, rep))
     shutil.rmtree(run_dir, ignore_errors=True)  # a run directory with a checkpoint would be resumed
     cmd = keel_command(cfg, dataset, run_dir, steps)
-    extra = {"OMP_NUM_THREADS": str(THREADS)}
+    extra = dict({"OMP_NUM_THREADS": str(THREADS)}, **(env or {}))
     t0, other = time.time(), Interference()
     run_logged(cmd, run_dir + ".log", ROOT, RUN_TIMEOUT, "clip.py: keel %s" % cfg, extra)
     wall, other_cores = time.time() - t0, other.cores()
@@ -236,7 +247,7 @@ def run_keel(cfg, dataset, work, steps, rep):
     windows = [timed[i:i + k] for i in range(0, len(timed) - k + 1, k)] or [timed]
     med = statistics.median(len(w) * 32 / sum(32 / v for v in w) for w in windows)
     last = evals[-1]
-    return {"trainer": "keel", "variant": "keel", "config": cfg, "rep": rep, "samples_per_s": med,
+    return {"trainer": "keel", "variant": variant, "config": cfg, "rep": rep, "samples_per_s": med,
             "ms_per_step": 1e3 * 32 / med, "samples_per_s_all": [round(s["samples_per_s"], 1) for s in steps_],
             "final_loss": steps_[-1]["loss"], "params": params,
             "recall_i2t_at1": last["recall_i2t_at1"], "recall_i2t_at5": last["recall_i2t_at5"],
@@ -400,7 +411,7 @@ def report(res):
     summary = {}
     for cfg in cfgs:
         k = best(runs, trainer="keel", config=cfg)
-        row = [CONFIGS[cfg]["label"], "%.1f" % k["samples_per_s"]]
+        row = [CONFIGS[cfg]["label"], "%.1f [%s]" % (k["samples_per_s"], k["variant"])]
         summary[cfg] = {"keel": k["samples_per_s"], "keel_recall_at5": [k["recall_i2t_at5"], k["recall_t2i_at5"]]}
         ratios, recalls = [], []
         for t in trainers:
@@ -434,9 +445,11 @@ def report(res):
     for t in trainers:
         tried = sorted({r["variant"] for r in runs if r["trainer"] == t})
         most = max(sum(1 for r in runs if r["trainer"] == t and r["config"] == c) for c in cfgs)
-        print("%s: the best of up to %d runs per configuration (variants %s) against Keel's best of %d; the maximum "
-              "of more noisy runs favours PyTorch, so every run is listed below." % (
-                  tname[t], most, ", ".join(tried), res["repeats"]))
+        keel_most = max(sum(1 for r in runs if r["trainer"] == "keel" and r["config"] == c) for c in cfgs)
+        print("%s: the best of up to %d runs per configuration (variants %s) against Keel's best of %d (variants %s); "
+              "the maximum of more noisy runs favours the side with more, so every run is listed below." % (
+                  tname[t], most, ", ".join(tried), keel_most,
+                  ", ".join(sorted({r["variant"] for r in runs if r["trainer"] == "keel"}))))
     res["summary"] = summary
     if any(CONFIGS[c].get("switch") for c in res["configs"]):
         report_switches(res, trainers, tname, short)
@@ -682,12 +695,13 @@ def main():
     for rep in range(1, a.repeats + 1):
         for cfg in cfgs:
             log("[%s, run %d/%d]" % (cfg, rep, a.repeats))
-            waited = wait_quiet(a.quiet_wait)
-            r = run_keel(cfg, dataset, work, a.steps, rep)
-            r["waited_s"] = waited
-            res["runs"].append(r)
-            log("  keel     %-26s %8.1f pairs/s  R@5 %.2f/%.2f  (%.0f s; others %.2f cores)" % (
-                "", r["samples_per_s"], r["recall_i2t_at5"], r["recall_t2i_at5"], r["wall_s"], r["other_cores"]))
+            for variant, env in KEEL_VARIANTS[:1 if a.no_variants else None]:
+                waited = wait_quiet(a.quiet_wait)
+                r = run_keel(cfg, dataset, work, a.steps, rep, variant, env)
+                r["waited_s"] = waited
+                res["runs"].append(r)
+                log("  keel     %-26s %8.1f pairs/s  R@5 %.2f/%.2f  (%.0f s; others %.2f cores)" % (
+                    variant, r["samples_per_s"], r["recall_i2t_at5"], r["recall_t2i_at5"], r["wall_s"], r["other_cores"]))
             for trainer, py, has_compile, openclip, must in trainers:
                 if CONFIGS[cfg]["peer"] is None:
                     break  # a Keel switch: no PyTorch peer
