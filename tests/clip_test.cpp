@@ -267,26 +267,34 @@ TEST(ClipModel, QuantisedVisualTokensStayCloseToFloat32AndRepeatTheirBytes) {
     std::vector<float> features, grads;
   };
   const int B = 8;
-  const auto images = random_floats(B * 32 * 32 * 3, 11);
+  const auto images = random_floats(B * 32 * 32 * 3, 11), images64 = random_floats(B * 64 * 64 * 3, 12);
   std::vector<int> tokens(B * 8), lengths(B);
   for (int i = 0; i < B * 8; ++i) tokens[i] = (i * 7 + 3) % 60;
   for (int b = 0; b < B; ++b) lengths[b] = 1 + b % 8;
   auto run = [&](const std::string& quant) {
     ClipSpec spec;
-    spec.image_tower = "vit";
+    if (quant.rfind("resnet", 0) == 0) {  // "resnet" / "resnet-bf16": a ResNet of width 8
+      spec.resnet = ResNetSpec{};
+      spec.resnet->layers = {1, 1, 1, 1};
+      spec.image_width = 8;
+      spec.visual_quant = quant == "resnet" ? "none" : "bf16";
+    }
+    spec.image_tower = quant.rfind("resnet", 0) == 0 ? "resnet18" : "vit";
     spec.vit.patch = 8;
     spec.vit.layers = 2;
     spec.vit.width = 32;
     spec.vit.heads = 2;
-    spec.vit.quant = quant;
-    spec.image_size = 32;
+    spec.vit.quant = quant.rfind("resnet", 0) == 0 ? "none" : quant;
+    // (A ResNet at 64 px: at 32 its last stage's GroupNorm groups hold 2 values each, and their
+    // normalisation magnifies any rounding by up to 1 / sqrt(eps).)
+    spec.image_size = spec.image_tower == "vit" ? 32 : 64;
     spec.embed_dim = 8;
     ChunkStore store(1 << 16);
     ClipModel model(spec, tiny_text(), store);
     store.finalize();
     model.init_weights(3);
     model.allocate(B, 8);
-    const ClipBatch batch{images.data(), tokens.data(), lengths.data(), B, 8};
+    const ClipBatch batch{spec.image_size == 32 ? images.data() : images64.data(), tokens.data(), lengths.data(), B, 8};
     Run r;
     const float* f = model.image().forward(batch);
     r.features.assign(f, f + B * 8);
@@ -323,6 +331,16 @@ TEST(ClipModel, QuantisedVisualTokensStayCloseToFloat32AndRepeatTheirBytes) {
     EXPECT_NEAR(q.loss, f32.loss, tol * f32.loss) << quant;
     EXPECT_GT(cosine(q.grads, f32.grads), 0.9995) << quant;
   }
+  // A ResNet's convolutions and projection in bf16 (its activations stay float32).
+  const Run r32 = run("resnet"), r16 = run("resnet-bf16"), r16again = run("resnet-bf16");
+  EXPECT_EQ(r16.features, r16again.features);
+  EXPECT_EQ(r16.grads, r16again.grads);
+  EXPECT_NE(r16.features, r32.features) << "the ResNet's convolutions stayed in float32";
+  EXPECT_LT(rel_max(r16.features, r32.features), 2e-2);
+  EXPECT_NEAR(r16.loss, r32.loss, 2e-2 * r32.loss);
+  // (Looser than the ViT's: GroupNorm over small groups magnifies rounding; conv_test checks the
+  // bf16 convolutions themselves exactly against the definition on rounded operands.)
+  EXPECT_GT(cosine(r16.grads, r32.grads), 0.98);
 }
 
 TEST(ClipModel, BadShapesAreOneLine) {

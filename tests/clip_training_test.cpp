@@ -154,6 +154,23 @@ TEST_F(ClipTraining, HeldOutRecallRisesAboveChanceOnALargerIconSet) {
   EXPECT_GT(recall, 2 * chance) << last.dump();
 }
 
+// A ResNet with bf16 products: trains, says so, and a resumed run gives the same bytes.
+TEST_F(ClipTraining, AResNetWithBf16ProductsResumesToTheSameBytes) {
+  const std::string bf16 = "--set clip.visual_quant=bf16 ";
+  const testing::CommandResult straight = run_keel(args("rn-bf16", 6, bf16));
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  EXPECT_NE(straight.output.find("image tower's products in bf16"), std::string::npos) << straight.output;
+  ASSERT_EQ(run_keel(args("rn-bf16-resumed", 6, bf16 + "--set train.checkpoint_every=4")).exit_code, 0);
+  std::filesystem::remove_all(*dir_ / "rn-bf16-resumed/ckpt/step-00000006");
+  const testing::CommandResult second = run_keel(args("rn-bf16-resumed", 6, bf16 + "--set train.resume=auto"));
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_EQ(params("rn-bf16-resumed"), params("rn-bf16"));
+  ASSERT_EQ(run_keel(args("rn-f32", 6)).exit_code, 0);
+  EXPECT_NE(params("rn-bf16"), params("rn-f32"));
+  const std::vector<double> l = losses("rn-bf16");
+  EXPECT_LT(l.back(), l.front());
+}
+
 TEST_F(ClipTraining, TieredMemoryGivesTheSameBytesAsMemory) {
   std::filesystem::create_directories(*dir_ / "nvme");
   ASSERT_EQ(run_keel(args("memory", 6)).exit_code, 0);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/rng.h"
+#include "kernels/cpu/bf16.h"
 #include "kernels/cpu/conv.h"
 
 namespace keel {
@@ -62,6 +63,39 @@ TEST_P(ConvShapes, OneDnnMatchesTheDefinition) {
   ops::conv2d_backward_weight(dw.data(), dy.data(), x.data(), s);  // += onto 0.25
   ops::conv2d_backward_weight(dwd.data(), widen(dy).data(), widen(x).data(), s);
   EXPECT_LT(max_rel(dw, dwd), 1e-5) << s.str();
+}
+
+// With bf16 products (a ResNet under clip.visual_quant = "bf16"): the convolutions equal the
+// definition's on the operands rounded to bf16 (sums in float32: within float32 rounding).
+TEST_P(ConvShapes, Bf16ProductsEqualTheDefinitionOnRoundedOperands) {
+  if (!cpu_has_bf16()) GTEST_SKIP() << "no bf16 instructions here: bf16 convolutions run in float32";
+  const ops::ConvShape s = GetParam().s;
+  const auto x = random_vector<float>(s.in_size(), 7);
+  const auto w = random_vector<float>(s.weight_size(), 8, 0.2);
+  const auto dy = random_vector<float>(s.out_size(), 9);
+  auto rounded = [](const std::vector<float>& v) {
+    std::vector<double> out(v.size());
+    for (size_t i = 0; i < v.size(); ++i) out[i] = round_to_bf16(v[i]);
+    return out;
+  };
+  std::vector<float> y(s.out_size()), dx(s.in_size()), dw(s.weight_size(), 0.0f);
+  std::vector<double> yd(s.out_size()), dxd(s.in_size()), dwd(s.weight_size(), 0.0);
+  {
+    MatmulPrecisionScope bf16(MatmulPrecision::bf16);
+    ops::conv2d_forward(y.data(), x.data(), w.data(), s);
+    ops::conv2d_backward_input(dx.data(), dy.data(), w.data(), s, false);
+    ops::conv2d_backward_weight(dw.data(), dy.data(), x.data(), s);
+  }
+  ops::conv2d_forward(yd.data(), rounded(x).data(), rounded(w).data(), s);
+  ops::conv2d_backward_input(dxd.data(), rounded(dy).data(), rounded(w).data(), s, false);
+  ops::conv2d_backward_weight(dwd.data(), rounded(dy).data(), rounded(x).data(), s);
+  EXPECT_LT(max_rel(y, yd), 1e-5) << s.str();
+  EXPECT_LT(max_rel(dx, dxd), 1e-5) << s.str();
+  EXPECT_LT(max_rel(dw, dwd), 1e-5) << s.str();
+  // ... and differ from the float32 products (the switch is real).
+  std::vector<float> y32(s.out_size());
+  ops::conv2d_forward(y32.data(), x.data(), w.data(), s);
+  EXPECT_NE(y, y32) << s.str();
 }
 
 TEST_P(ConvShapes, FloatPathIsDeterministic) {

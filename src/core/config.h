@@ -322,9 +322,10 @@ struct ClipConfig {
   // FLIP: the share of each training image's patches dropped before the ViT's blocks (a fresh
   // random set per sample and step; evaluation sees every patch). 0 = none.
   double vit_mask = 0.0;
-  // Visual-token quantisation (a ViT): "none", "bf16" (the image tower's products in bf16, its
-  // kept activations in bf16) or "int8" (its forward products in int8 with per-token and
-  // per-weight-column ranges taken every step; backward in bf16). model/vit.h says exactly what.
+  // Visual-token quantisation: "none", "bf16" (the image tower's products in bf16; a ViT also keeps
+  // its activations in bf16) or, for a ViT, "int8" (its forward products in int8 with per-token and
+  // per-weight-column ranges taken every step; backward in bf16). model/vit.h and model/resnet.h say
+  // exactly what.
   std::string visual_quant = "none";
   // Cross-modal gradient normalisation: "none", or "norm": after the data-parallel sum, each
   // tower's gradient is scaled to the geometric mean of the two towers' norms (the product of the

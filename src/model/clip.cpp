@@ -15,6 +15,7 @@ ResNetSpec ClipSpec::resnet_spec() const {
   s.embed_dim = embed_dim;
   s.prefix = "visual.";
   s.layer_base = 0;
+  s.quant = visual_quant;
   return s;
 }
 
@@ -43,6 +44,7 @@ ClipSpec clip_spec(const ClipConfig& clip, int dataset_image_size) {
   s.vit.width = clip.vit_width;
   s.vit.heads = clip.vit_heads;
   s.vit.quant = clip.visual_quant;
+  s.visual_quant = clip.visual_quant;
   return s;
 }
 
@@ -67,6 +69,7 @@ void validate_clip_config(const Config& c) {
     r.width = clip.image_width;
     r.embed_dim = clip.embed_dim;
     r.image_size = clip.image_size == 0 ? 64 : clip.image_size;
+    r.quant = clip.visual_quant;
     validate_resnet(r);
   }
   check(clip.image_size == 0 || clip.image_size >= 32, key("clip.image_size", "0 (the dataset's) or >= 32",
@@ -86,9 +89,6 @@ void validate_clip_config(const Config& c) {
         key("clip.text_update_every", "1 when clip.image_update_every is not (one tower trains every step)",
             std::to_string(clip.text_update_every)));
   check(clip.vit_mask >= 0 && clip.vit_mask <= 0.95, key("clip.vit_mask", "0 .. 0.95", std::to_string(clip.vit_mask)));
-  check(clip.visual_quant == "none" || clip.image_tower == "vit",
-        key("clip.visual_quant", "\"none\" unless clip.image_tower = \"vit\" (visual tokens are a ViT's)",
-            "\"" + clip.visual_quant + "\""));
   check(clip.vit_mask == 0 || clip.image_tower == "vit",
         key("clip.vit_mask", "0 unless clip.image_tower = \"vit\" (patch masking)", std::to_string(clip.vit_mask)));
   // Not yet combined with a dual encoder (each a later piece of work, not a silent fallback).

@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "kernels/cpu/bf16.h"
 #include "kernels/cpu/conv.h"
 #include "kernels/cpu/ops.h"
 
@@ -340,6 +342,8 @@ class ResNet final : public Tower {
 
   const float* forward(const ClipBatch& b) override {
     check_batch(b);
+    std::optional<MatmulPrecisionScope> quantised;
+    if (spec_.quant == "bf16") quantised.emplace(MatmulPrecision::bf16);
     const float* x = b.images;
     for (size_t i = 0; i < units_.size(); ++i) {
       const PageLease use = store_.use_layer(first_layer() + static_cast<int>(i), {Plane::param});
@@ -351,6 +355,8 @@ class ResNet final : public Tower {
 
   void backward(const ClipBatch& b, const float* dfeatures, BackwardObserver* observer) override {
     check_batch(b);
+    std::optional<MatmulPrecisionScope> quantised;
+    if (spec_.quant == "bf16") quantised.emplace(MatmulPrecision::bf16);
     std::memcpy(units_.back()->dout(), dfeatures, sizeof(float) * static_cast<size_t>(b.B) * spec_.embed_dim);
     for (size_t i = units_.size(); i-- > 0;) {
       const int layer = first_layer() + static_cast<int>(i);
@@ -425,6 +431,9 @@ void validate_resnet(const ResNetSpec& s) {
   check(s.image_size >= 32 && s.image_size <= 1024,
         "clip.image_size: expected 32..1024 pixels for a ResNet (five halvings), found " + std::to_string(s.image_size));
   check(s.embed_dim >= 1 && s.embed_dim <= 8192, "clip.embed_dim: expected 1..8192, found " + std::to_string(s.embed_dim));
+  check(s.quant == "none" || s.quant == "bf16",
+        "config key 'clip.visual_quant': expected \"none\" or \"bf16\" for a ResNet (int8 is a ViT's), found \"" +
+            s.quant + "\"");
 }
 
 std::unique_ptr<Tower> make_resnet(const ResNetSpec& spec, ChunkStore& store) {

@@ -33,6 +33,10 @@ struct ResNetSpec {
   int embed_dim = 64;   // the projection's width D
   std::string prefix = "visual.";
   int layer_base = 0;
+  // clip.visual_quant: "none", or "bf16": the tower's convolutions and projection read bf16
+  // activations, weights and gradients (float32 sums and outputs) where the CPU has bf16
+  // instructions (kernels/cpu/conv.cpp); int8 is a ViT's only.
+  std::string quant = "none";
   int expansion() const { return block == "bottleneck" ? 4 : 1; }
   int out_channels() const { return 8 * width * expansion(); }
 };

@@ -216,7 +216,7 @@ class DualEncoder final : public Workload {
     if (c.text_update_every > 1) add("text tower trained every " + std::to_string(c.text_update_every) + " steps");
     if (c.grad_balance != "none") add("gradient balance: " + c.grad_balance);
     if (c.vit_mask > 0) add("FLIP: " + std::to_string(static_cast<int>(std::lround(c.vit_mask * 100))) + "% of patches masked");
-    if (c.visual_quant == "bf16") add("visual tokens in bf16 (" + bf16_engine() + ")");
+    if (c.visual_quant == "bf16") add("image tower's products in bf16 (" + bf16_engine() + ")");
     if (c.visual_quant == "int8") add("visual tokens in int8 (" + int8_engine() + "), backward in bf16 (" + bf16_engine() + ")");
     if (!switches.empty()) std::printf("keel: multimodal switches: %s\n", switches.c_str());
   }

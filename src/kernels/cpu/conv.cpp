@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/cpu/bf16.h"
 
 namespace keel::ops {
 
@@ -34,7 +35,16 @@ void check_shape(const ConvShape& s) {
 // ---- float: oneDNN ---------------------------------------------------------------------------------
 // One shape's primitives: forward, backward data and backward weights, each with the weights in
 // the layout its implementation chose, and the reorders between those and PyTorch's OIHW.
+//
+// With bf16 products (matmul_precision() == bf16 where the CPU has bf16 instructions) the
+// primitives read bf16 activations, weights and output gradients and write float32: forward
+// (src, weights: bf16; dst: f32), backward data (diff_dst, weights: bf16; diff_src: f32), backward
+// weights (src, diff_dst: bf16; diff_weights: f32). The float32 activations and gradients are
+// converted into the entry's bf16 buffers per call.
 struct ConvPrimitives {
+  bool bf16 = false;
+  dnnl::memory::desc in16, out16;      // the bf16 copies' layouts (bf16 entries)
+  std::vector<uint16_t> in_buf, out_buf;
   dnnl::convolution_forward fwd;
   dnnl::convolution_backward_data bwd_data;
   dnnl::convolution_backward_weights bwd_weights;
@@ -50,7 +60,7 @@ struct ConvCache {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream{engine};
   std::mutex mutex;
-  std::map<std::tuple<int, int, int, int, int, int, int, int, int>, std::unique_ptr<ConvPrimitives>> entries;
+  std::map<std::tuple<int, int, int, int, int, int, int, int, int, bool>, std::unique_ptr<ConvPrimitives>> entries;
   std::string first_impl;
 };
 
@@ -61,8 +71,8 @@ ConvCache& conv_cache() {
 
 // The primitives of a shape, made on first use. Callers hold the cache's mutex while they run them
 // (the entry's reorder buffers are shared; the model runs one convolution at a time anyway).
-ConvPrimitives& primitives(ConvCache& cache, const ConvShape& s) {
-  const auto key = std::make_tuple(s.N, s.H, s.W, s.C, s.K, s.R, s.S, s.stride, s.pad);
+ConvPrimitives& primitives(ConvCache& cache, const ConvShape& s, bool bf16) {
+  const auto key = std::make_tuple(s.N, s.H, s.W, s.C, s.K, s.R, s.S, s.stride, s.pad, bf16);
   auto it = cache.entries.find(key);
   if (it != cache.entries.end()) return *it->second;
   using dt = dnnl::memory::data_type;
@@ -71,17 +81,23 @@ ConvPrimitives& primitives(ConvCache& cache, const ConvShape& s) {
   p->act_in = dnnl::memory::desc({s.N, s.C, s.H, s.W}, dt::f32, tag::nhwc);
   p->act_out = dnnl::memory::desc({s.N, s.K, s.P(), s.Q()}, dt::f32, tag::nhwc);
   p->w_plain = dnnl::memory::desc({s.K, s.C, s.R, s.S}, dt::f32, tag::oihw);
-  const dnnl::memory::desc w_any({s.K, s.C, s.R, s.S}, dt::f32, tag::any);
+  const dt low = bf16 ? dt::bf16 : dt::f32;  // what the products read
+  p->bf16 = bf16;
+  p->in16 = dnnl::memory::desc({s.N, s.C, s.H, s.W}, dt::bf16, tag::nhwc);
+  p->out16 = dnnl::memory::desc({s.N, s.K, s.P(), s.Q()}, dt::bf16, tag::nhwc);
+  const dnnl::memory::desc& src = bf16 ? p->in16 : p->act_in;    // read by forward and backward weights
+  const dnnl::memory::desc& ddst = bf16 ? p->out16 : p->act_out;  // the output gradient, read by both backwards
+  const dnnl::memory::desc w_any({s.K, s.C, s.R, s.S}, low, tag::any);
   const dnnl::memory::dims strides = {s.stride, s.stride}, pad = {s.pad, s.pad};
   try {
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     const dnnl::convolution_forward::primitive_desc fwd_pd(
         dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct,
-                                         p->act_in, w_any, p->act_out, strides, pad, pad),
+                                         src, w_any, p->act_out, strides, pad, pad),
         attr, cache.engine);
     const dnnl::convolution_backward_data::primitive_desc data_pd(
-        dnnl::convolution_backward_data::desc(dnnl::algorithm::convolution_direct, p->act_in, w_any, p->act_out,
+        dnnl::convolution_backward_data::desc(dnnl::algorithm::convolution_direct, p->act_in, w_any, ddst,
                                               strides, pad, pad),
         attr, cache.engine, fwd_pd);
     // Weight gradients as HWIO: oneDNN 2.6's AVX-512 backward-weights kernel for channels-last
@@ -90,7 +106,7 @@ ConvPrimitives& primitives(ConvCache& cache, const ConvShape& s) {
     // is as fast here. (OIHW itself gets the reference kernel: slow.)
     const dnnl::memory::desc dw_hwio({s.K, s.C, s.R, s.S}, dt::f32, tag::hwio);
     const dnnl::convolution_backward_weights::primitive_desc weights_pd(
-        dnnl::convolution_backward_weights::desc(dnnl::algorithm::convolution_direct, p->act_in, dw_hwio, p->act_out,
+        dnnl::convolution_backward_weights::desc(dnnl::algorithm::convolution_direct, src, dw_hwio, ddst,
                                                  strides, pad, pad),
         attr, cache.engine, fwd_pd);
     p->fwd = dnnl::convolution_forward(fwd_pd);
@@ -107,6 +123,10 @@ ConvPrimitives& primitives(ConvCache& cache, const ConvShape& s) {
     p->from_dw = reorder(p->dw_bwd, p->w_plain);
     p->w_fwd_buf.resize(p->w_fwd.get_size() / sizeof(float) + 1);
     p->w_bwd_buf.resize(p->w_bwd.get_size() / sizeof(float) + 1);
+    if (bf16) {
+      p->in_buf.resize(static_cast<size_t>(s.in_size()));
+      p->out_buf.resize(static_cast<size_t>(s.out_size()));
+    }
     p->dw_buf.resize(p->dw_bwd.get_size() / sizeof(float) + 1);
     p->dw_plain.resize(static_cast<size_t>(s.weight_size()));
     p->impl = fwd_pd.impl_info_str();
@@ -117,7 +137,8 @@ ConvPrimitives& primitives(ConvCache& cache, const ConvShape& s) {
     p->pad_data.resize(p->scratch_data.get_size() + 1);
     p->pad_weights.resize(p->scratch_weights.get_size() + 1);
   } catch (const dnnl::error& e) {
-    throw Error("convolution: oneDNN has no implementation for " + s.str() + " (" + e.what() + ")");
+    throw Error("convolution: oneDNN has no " + std::string(bf16 ? "bf16 " : "") + "implementation for " + s.str() +
+                " (" + e.what() + ")");
   }
   if (cache.first_impl.empty()) cache.first_impl = p->impl;
   return *cache.entries.emplace(key, std::move(p)).first->second;
@@ -137,12 +158,23 @@ dnnl::memory weights_as(ConvCache& cache, const ConvPrimitives& p, dnnl::reorder
   return out;
 }
 
+// Whether this call's products are bf16 (the precision in effect, where oneDNN runs bf16 here).
+bool use_bf16() { return matmul_precision() == MatmulPrecision::bf16 && cpu_has_bf16(); }
+
+// `x` as the primitive reads it: the float32 array, or its bf16 copy in `buf` (layout `md16`).
+dnnl::memory low(const ConvCache& cache, const ConvPrimitives& p, const dnnl::memory::desc& f32,
+                 const dnnl::memory::desc& md16, std::vector<uint16_t>& buf, const float* x) {
+  if (!p.bf16) return wrap(f32, cache, x);
+  to_bf16(buf.data(), x, static_cast<int64_t>(buf.size()));
+  return wrap(md16, cache, buf.data());
+}
+
 void onednn_forward(float* y, const float* x, const float* w, const ConvShape& s) {
   ConvCache& cache = conv_cache();
   std::lock_guard<std::mutex> lock(cache.mutex);
-  ConvPrimitives& p = primitives(cache, s);
+  ConvPrimitives& p = primitives(cache, s, use_bf16());
   const dnnl::memory weights = weights_as(cache, p, p.to_fwd, p.w_fwd, p.w_fwd_buf, w);
-  p.fwd.execute(cache.stream, {{DNNL_ARG_SRC, wrap(p.act_in, cache, x)},
+  p.fwd.execute(cache.stream, {{DNNL_ARG_SRC, low(cache, p, p.act_in, p.in16, p.in_buf, x)},
                                {DNNL_ARG_WEIGHTS, weights},
                                {DNNL_ARG_DST, wrap(p.act_out, cache, y)},
                                {DNNL_ARG_SCRATCHPAD, wrap(p.scratch_fwd, cache, p.pad_fwd.data())}});
@@ -152,9 +184,9 @@ void onednn_forward(float* y, const float* x, const float* w, const ConvShape& s
 void onednn_backward_input(float* dx, const float* dy, const float* w, const ConvShape& s) {
   ConvCache& cache = conv_cache();
   std::lock_guard<std::mutex> lock(cache.mutex);
-  ConvPrimitives& p = primitives(cache, s);
+  ConvPrimitives& p = primitives(cache, s, use_bf16());
   const dnnl::memory weights = weights_as(cache, p, p.to_bwd, p.w_bwd, p.w_bwd_buf, w);
-  p.bwd_data.execute(cache.stream, {{DNNL_ARG_DIFF_DST, wrap(p.act_out, cache, dy)},
+  p.bwd_data.execute(cache.stream, {{DNNL_ARG_DIFF_DST, low(cache, p, p.act_out, p.out16, p.out_buf, dy)},
                                     {DNNL_ARG_WEIGHTS, weights},
                                     {DNNL_ARG_DIFF_SRC, wrap(p.act_in, cache, dx)},
                                     {DNNL_ARG_SCRATCHPAD, wrap(p.scratch_data, cache, p.pad_data.data())}});
@@ -164,11 +196,11 @@ void onednn_backward_input(float* dx, const float* dy, const float* w, const Con
 // Overwrites dw_plain of the entry with this call's weight gradient; the caller adds it.
 const float* onednn_backward_weight(const float* dy, const float* x, const ConvShape& s, std::unique_lock<std::mutex>&) {
   ConvCache& cache = conv_cache();
-  ConvPrimitives& p = primitives(cache, s);
+  ConvPrimitives& p = primitives(cache, s, use_bf16());
   dnnl::memory plain = wrap(p.w_plain, cache, p.dw_plain.data());
   dnnl::memory grads = p.from_dw ? wrap(p.dw_bwd, cache, p.dw_buf.data()) : plain;
-  p.bwd_weights.execute(cache.stream, {{DNNL_ARG_SRC, wrap(p.act_in, cache, x)},
-                                       {DNNL_ARG_DIFF_DST, wrap(p.act_out, cache, dy)},
+  p.bwd_weights.execute(cache.stream, {{DNNL_ARG_SRC, low(cache, p, p.act_in, p.in16, p.in_buf, x)},
+                                       {DNNL_ARG_DIFF_DST, low(cache, p, p.act_out, p.out16, p.out_buf, dy)},
                                        {DNNL_ARG_DIFF_WEIGHTS, grads},
                                        {DNNL_ARG_SCRATCHPAD, wrap(p.scratch_weights, cache, p.pad_weights.data())}});
   if (p.from_dw) p.from_dw.execute(cache.stream, grads, plain);
