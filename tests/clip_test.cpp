@@ -284,7 +284,7 @@ TEST(ClipModel, QuantisedVisualTokensStayCloseToFloat32AndRepeatTheirBytes) {
     spec.vit.layers = 2;
     spec.vit.width = 32;
     spec.vit.heads = 2;
-    spec.vit.quant = quant.rfind("resnet", 0) == 0 ? "none" : quant;
+    if (spec.image_tower == "vit") spec.visual_quant = quant;
     // (A ResNet at 64 px: at 32 its last stage's GroupNorm groups hold 2 values each, and their
     // normalisation magnifies any rounding by up to 1 / sqrt(eps).)
     spec.image_size = spec.image_tower == "vit" ? 32 : 64;

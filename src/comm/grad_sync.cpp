@@ -97,7 +97,7 @@ void GradSync::begin(bool sync, int64_t step) {
     b.request = Communicator::Request{};
     b.settled = true;
     b.compressed_now = false;
-    b.held_now = held(b.ready_layer) && held(b.top_layer);
+    b.held_now = true;
     for (int l = b.ready_layer; b.held_now && l <= b.top_layer; ++l) b.held_now = held(l);
     if (b.reducer) b.reducer->reset_stats();
   }

@@ -25,6 +25,7 @@ VitSpec ClipSpec::vit_spec() const {
   s.embed_dim = embed_dim;
   s.prefix = "visual.";
   s.layer_base = 0;
+  s.quant = visual_quant;
   return s;
 }
 
@@ -43,7 +44,6 @@ ClipSpec clip_spec(const ClipConfig& clip, int dataset_image_size) {
   s.vit.layers = clip.vit_layers;
   s.vit.width = clip.vit_width;
   s.vit.heads = clip.vit_heads;
-  s.vit.quant = clip.visual_quant;
   s.visual_quant = clip.visual_quant;
   return s;
 }
@@ -54,23 +54,14 @@ void validate_clip_config(const Config& c) {
   auto key = [](const std::string& k, const std::string& expected, const std::string& found) {
     return "config key '" + k + "': expected " + expected + ", found " + found;
   };
-  if (clip.image_tower == "vit") {
-    VitSpec v;
-    v.patch = clip.vit_patch;
-    v.layers = clip.vit_layers;
-    v.width = clip.vit_width;
-    v.heads = clip.vit_heads;
-    v.embed_dim = clip.embed_dim;
-    v.quant = clip.visual_quant;
-    v.image_size = clip.image_size == 0 ? v.patch : clip.image_size;  // (the dataset's size is checked when loaded)
-    validate_vit(v);
+  // The towers' specs as the model will have them (the dataset's image size is checked when it is
+  // loaded; until then a size each tower accepts).
+  const bool vit = clip.image_tower == "vit";
+  const ClipSpec spec = clip_spec(clip, clip.image_size != 0 ? clip.image_size : vit ? clip.vit_patch : 64);
+  if (vit) {
+    validate_vit(spec.vit_spec());
   } else {
-    ResNetSpec r = resnet_preset(clip.image_tower);  // (names the towers there are)
-    r.width = clip.image_width;
-    r.embed_dim = clip.embed_dim;
-    r.image_size = clip.image_size == 0 ? 64 : clip.image_size;
-    r.quant = clip.visual_quant;
-    validate_resnet(r);
+    validate_resnet(spec.resnet_spec());  // (resnet_preset names the towers there are)
   }
   check(clip.image_size == 0 || clip.image_size >= 32, key("clip.image_size", "0 (the dataset's) or >= 32",
                                                            std::to_string(clip.image_size)));

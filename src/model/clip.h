@@ -30,7 +30,7 @@ struct ClipSpec {
   double logit_scale_max = 100.0;
   std::optional<ResNetSpec> resnet;  // other stage depths than the named presets' (tests)
   VitSpec vit;                       // image_tower = "vit": patch, layers, width, heads
-  std::string visual_quant = "none";  // the ResNet's (a ViT's is vit.quant)
+  std::string visual_quant = "none";  // clip.visual_quant (either tower's spec gets it)
   ResNetSpec resnet_spec() const;    // the image tower's, layer base 0
   VitSpec vit_spec() const;
 };

@@ -3,11 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <optional>
 
 #include "core/error.h"
 #include "core/rng.h"
-#include "kernels/cpu/bf16.h"
 #include "kernels/cpu/conv.h"
 #include "kernels/cpu/ops.h"
 
@@ -342,8 +340,7 @@ class ResNet final : public Tower {
 
   const float* forward(const ClipBatch& b) override {
     check_batch(b);
-    std::optional<MatmulPrecisionScope> quantised;
-    if (spec_.quant == "bf16") quantised.emplace(MatmulPrecision::bf16);
+    const MatmulPrecisionScope precision(visual_precision(spec_.quant, /*forward=*/true));
     const float* x = b.images;
     for (size_t i = 0; i < units_.size(); ++i) {
       const PageLease use = store_.use_layer(first_layer() + static_cast<int>(i), {Plane::param});
@@ -355,8 +352,7 @@ class ResNet final : public Tower {
 
   void backward(const ClipBatch& b, const float* dfeatures, BackwardObserver* observer) override {
     check_batch(b);
-    std::optional<MatmulPrecisionScope> quantised;
-    if (spec_.quant == "bf16") quantised.emplace(MatmulPrecision::bf16);
+    const MatmulPrecisionScope precision(visual_precision(spec_.quant, /*forward=*/false));
     std::memcpy(units_.back()->dout(), dfeatures, sizeof(float) * static_cast<size_t>(b.B) * spec_.embed_dim);
     for (size_t i = units_.size(); i-- > 0;) {
       const int layer = first_layer() + static_cast<int>(i);

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 
+#include "kernels/cpu/bf16.h"
 #include "model/layer.h"
 
 namespace keel {
@@ -26,6 +27,14 @@ struct ClipBatch {
   const int* patch_keep = nullptr;
   int keep = 0;
 };
+
+// The precision of an image tower's products in its forward or backward pass under
+// clip.visual_quant: "bf16" both ways; "int8" forward (a ViT's) and bf16 backward; "none" the
+// process's own. A tower's pass runs under MatmulPrecisionScope(visual_precision(...)).
+inline MatmulPrecision visual_precision(const std::string& quant, bool forward) {
+  if (quant == "int8") return forward ? MatmulPrecision::int8 : MatmulPrecision::bf16;
+  return quant == "bf16" ? MatmulPrecision::bf16 : matmul_precision();
+}
 
 class Tower {
  public:

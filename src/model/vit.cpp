@@ -3,12 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <optional>
 #include <vector>
 
 #include "core/error.h"
 #include "core/rng.h"
-#include "kernels/cpu/bf16.h"
 #include "kernels/cpu/ops.h"
 #include "model/gpt.h"
 
@@ -89,8 +87,7 @@ class Vit final : public Tower {
 
   const float* forward(const ClipBatch& b) override {
     const int K = check_batch(b), T = K + 1;
-    std::optional<MatmulPrecisionScope> quantised;
-    if (s_.quant != "none") quantised.emplace(s_.quant == "int8" ? MatmulPrecision::int8 : MatmulPrecision::bf16);
+    const MatmulPrecisionScope precision(visual_precision(s_.quant, /*forward=*/true));
     patchify(b, K);
     {
       const PageLease use = store_.use_layer(s_.layer_base, {Plane::param});
@@ -122,8 +119,7 @@ class Vit final : public Tower {
 
   void backward(const ClipBatch& b, const float* dfeatures, BackwardObserver* observer) override {
     const int K = check_batch(b), T = K + 1, D = s_.embed_dim;
-    std::optional<MatmulPrecisionScope> quantised;
-    if (s_.quant != "none") quantised.emplace(MatmulPrecision::bf16);
+    const MatmulPrecisionScope precision(visual_precision(s_.quant, /*forward=*/false));
     {
       const PageLease use = store_.use_layer(head_layer_, {Plane::param});
       ops::linear_backward_input(dnormed_.data(), dfeatures, P(proj_), b.B, C_, D, false);

@@ -59,18 +59,18 @@ TowerMask ClipStep::plan_step(int64_t step) {
   const ClipConfig& clip = config_.clip;
   if (clip.image_update_every == 1 && clip.text_update_every == 1) return {};
   const TowerMask trains{step % clip.image_update_every == 0, step % clip.text_update_every == 0};
-  counts_.assign(static_cast<size_t>(model_.num_layers()), step + 1);
-  std::vector<char> held(counts_.size(), 0);
+  std::vector<int64_t> counts(static_cast<size_t>(model_.num_layers()), step + 1);
+  std::vector<char> held(counts.size(), 0);
   auto plan = [&](Tower& tower, bool on, int every) {
     for (int l = tower.first_layer(); l < tower.first_layer() + tower.num_layers(); ++l) {
-      counts_[l] = on ? step / every + 1 : 0;  // its own updates so far, this one included
+      counts[l] = on ? step / every + 1 : 0;  // its own updates so far, this one included
       held[l] = on ? 0 : 1;
     }
   };
   plan(model_.image(), trains.image, clip.image_update_every);
   plan(model_.text(), trains.text, clip.text_update_every);
   sync_.set_held(std::move(held));
-  optimizer_.set_update_counts(counts_);
+  optimizer_.set_update_counts(std::move(counts));
   return trains;
 }
 

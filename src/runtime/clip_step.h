@@ -88,7 +88,6 @@ class ClipStep final : public StepEngine, public MetricsSource {
   void measure_and_balance(ClipStepResult& r, bool balance);
   // The towers step `step` trains, set on the sync and the optimizer (update counts by layer).
   TowerMask plan_step(int64_t step);
-  std::vector<int64_t> counts_;
 };
 
 }  // namespace keel

@@ -103,9 +103,14 @@ void set_matmul_precision(MatmulPrecision p) { g_precision = p; }
 MatmulPrecision matmul_precision() { return g_precision; }
 
 bool cpu_has_bf16() {
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (__get_cpuid_count(7, 1, &a, &b, &c, &d) == 0) return false;
-  return (a & (1u << 5)) != 0;  // AVX512_BF16
+  // Asked once: CPUID is slow (in a virtual machine, a trip to the hypervisor) and the convolutions
+  // ask on every call.
+  static const bool yes = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid_count(7, 1, &a, &b, &c, &d) == 0) return false;
+    return (a & (1u << 5)) != 0;  // AVX512_BF16
+  }();
+  return yes;
 }
 
 std::string bf16_engine() {
