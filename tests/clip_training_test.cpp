@@ -5,6 +5,7 @@
 // metrics.jsonl; bad input is one line and exit 2.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -55,6 +56,22 @@ class ClipTraining : public ::testing::Test {
     return out;
   }
   static std::vector<char> params(const std::string& run) { return testing::checkpoint_bytes(*dir_ / (run + "/ckpt")); }
+  // Trains `steps` steps into `run` with a checkpoint every `every`, loses the last checkpoint,
+  // resumes: the same parameters and step losses as the straight run `straight` (same `extra`).
+  static void expect_resume_equals(const std::string& straight, const std::string& run, int steps, int every,
+                                   const std::string& extra) {
+    const testing::CommandResult first =
+        run_keel(args(run, steps, extra + " --set train.checkpoint_every=" + std::to_string(every)));
+    ASSERT_EQ(first.exit_code, 0) << first.output;
+    char last[32];
+    std::snprintf(last, sizeof last, "ckpt/step-%08d", steps);
+    ASSERT_GT(std::filesystem::remove_all(*dir_ / (run + "/" + last)), 0u) << last << " was not written";
+    const testing::CommandResult second = run_keel(args(run, steps, extra + " --set train.resume=auto"));
+    ASSERT_EQ(second.exit_code, 0) << second.output;
+    EXPECT_NE(second.output.find("resumed from"), std::string::npos) << second.output;
+    EXPECT_EQ(params(run), params(straight)) << run;
+    EXPECT_EQ(losses(run), losses(straight)) << run;
+  }
   static testing::TempDir* dir_;
 };
 testing::TempDir* ClipTraining::dir_ = nullptr;
@@ -96,16 +113,7 @@ TEST_F(ClipTraining, TrainsReportsRecallAndResumesToTheSameBytes) {
   }
 
   // Lost after step 8's checkpoint (its later ones removed), resumed: the same bytes as the straight run.
-  const testing::CommandResult first = run_keel(args("resumed", 12, "--set train.checkpoint_every=4"));
-  ASSERT_EQ(first.exit_code, 0) << first.output;
-  std::filesystem::remove_all(*dir_ / "resumed/ckpt/step-00000012");
-  const testing::CommandResult second = run_keel(args("resumed", 12, "--set train.resume=auto"));
-  ASSERT_EQ(second.exit_code, 0) << second.output;
-  EXPECT_NE(second.output.find("resumed from"), std::string::npos) << second.output;
-  EXPECT_EQ(params("resumed"), params("straight"));
-  const std::vector<double> r = losses("resumed");
-  ASSERT_EQ(r.size(), 12u);
-  EXPECT_EQ(r, l);
+  expect_resume_equals("straight", "resumed", 12, 4, "");
 }
 
 TEST_F(ClipTraining, ATowerCadenceIsReportedAndResumesMidCadenceToTheSameBytes) {
@@ -117,13 +125,7 @@ TEST_F(ClipTraining, ATowerCadenceIsReportedAndResumesMidCadenceToTheSameBytes) 
   }
   EXPECT_EQ(trained, (std::vector<std::string>{"image+text", "image", "image", "image+text", "image", "image"}));
   // Lost after step 4 (between the text tower's updates), resumed: the same bytes.
-  ASSERT_EQ(run_keel(args("cadence-resumed", 6, cadence + "--set train.checkpoint_every=4")).exit_code, 0);
-  std::filesystem::remove_all(*dir_ / "cadence-resumed/ckpt/step-00000006");
-  const testing::CommandResult second = run_keel(args("cadence-resumed", 6, cadence + "--set train.resume=auto"));
-  ASSERT_EQ(second.exit_code, 0) << second.output;
-  EXPECT_NE(second.output.find("resumed from"), std::string::npos) << second.output;
-  EXPECT_EQ(params("cadence-resumed"), params("cadence"));
-  EXPECT_EQ(losses("cadence-resumed"), losses("cadence"));
+  expect_resume_equals("cadence", "cadence-resumed", 6, 4, cadence);
   ASSERT_EQ(run_keel(args("plain-6", 6)).exit_code, 0);
   EXPECT_NE(params("cadence"), params("plain-6")) << "a held tower changes the run";
 }
@@ -160,11 +162,7 @@ TEST_F(ClipTraining, AResNetWithBf16ProductsResumesToTheSameBytes) {
   const testing::CommandResult straight = run_keel(args("rn-bf16", 6, bf16));
   ASSERT_EQ(straight.exit_code, 0) << straight.output;
   EXPECT_NE(straight.output.find("image tower's products in bf16"), std::string::npos) << straight.output;
-  ASSERT_EQ(run_keel(args("rn-bf16-resumed", 6, bf16 + "--set train.checkpoint_every=4")).exit_code, 0);
-  std::filesystem::remove_all(*dir_ / "rn-bf16-resumed/ckpt/step-00000006");
-  const testing::CommandResult second = run_keel(args("rn-bf16-resumed", 6, bf16 + "--set train.resume=auto"));
-  ASSERT_EQ(second.exit_code, 0) << second.output;
-  EXPECT_EQ(params("rn-bf16-resumed"), params("rn-bf16"));
+  expect_resume_equals("rn-bf16", "rn-bf16-resumed", 6, 4, bf16);
   ASSERT_EQ(run_keel(args("rn-f32", 6)).exit_code, 0);
   EXPECT_NE(params("rn-bf16"), params("rn-f32"));
   const std::vector<double> l = losses("rn-bf16");
