@@ -99,7 +99,7 @@ import tempfile
 import time
 
 sys.dont_write_bytecode = True
-from benchutil import run_logged, run_or_exit  # noqa: E402
+from benchutil import print_table, run_logged, run_or_exit  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEEL = os.environ.get("KEEL", os.path.join(ROOT, "build", "keel"))
@@ -144,7 +144,6 @@ PEER_COMMON = ["--embed-dim", "64", "--text-layers", "2", "--text-heads", "2", "
                "--eps", "1e-8", "--clip", "1.0", "--skip", str(SKIP), "--threads", str(THREADS)]
 TUNED_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_NUM_THREADS": str(THREADS),
              "GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"}
-CLEARED = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "GLIBC_TUNABLES")
 
 
 def log(msg):
@@ -284,20 +283,12 @@ def run_peer(python, trainer, cfg, variant, flags, env, dataset, work, steps, re
     extra.update(env)
     log_path = os.path.join(work, "%s-%s-%s-%d.log" % (trainer, cfg, variant, rep))
     t0, other = time.time(), Interference()
-    if must:
-        run_logged(cmd, log_path, ROOT, RUN_TIMEOUT, "clip.py: %s %s %s" % (trainer, cfg, variant), extra)
-    else:  # an optional trainer: a failure is reported, not fatal
-        full = {k: v for k, v in os.environ.items() if k not in CLEARED}
-        full.update(extra)
-        with open(log_path, "w") as out:
-            try:
-                rc = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=full, cwd=ROOT, timeout=RUN_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-        if rc != 0:
-            tail = open(log_path).read().strip().splitlines()[-1:] or ["(no output)"]
-            log("    %s %s %s failed (%s): %s" % (trainer, cfg, variant, rc, tail[0][:200]))
-            return None
+    # (An optional trainer's failure is reported, not fatal.)
+    rc = run_logged(cmd, log_path, ROOT, RUN_TIMEOUT, "clip.py: %s %s %s" % (trainer, cfg, variant), extra, fatal=must)
+    if rc != 0:
+        tail = open(log_path).read().strip().splitlines()[-1:] or ["(no output)"]
+        log("    %s %s %s failed (%s): %s" % (trainer, cfg, variant, rc, tail[0][:200]))
+        return None
     wall, other_cores = time.time() - t0, other.cores()
     lines = [l for l in open(log_path).read().splitlines() if l.startswith("{")]
     if not lines:
@@ -435,11 +426,7 @@ def report(res):
         else:
             row.append("-")
         rows.append(row)
-    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
-    print(" | ".join(h.ljust(w) for h, w in zip(head, widths)))
-    print("-+-".join("-" * w for w in widths))
-    for r in rows:
-        print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    print_table(head, rows)
     print("Recall@5 is over %s held-out pairs (chance = 5/%s), from the run counted; [variant] is the PyTorch run "
           "counted." % (runs[0].get("val_pairs", "?"), runs[0].get("val_pairs", "?")))
     for t in trainers:
@@ -539,11 +526,7 @@ def report_switches(res, trainers, tname, short):
             row.append("-")
         rows.append(row)
         out.append(entry)
-    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
-    print(" | ".join(h.ljust(w) for h, w in zip(head, widths)))
-    print("-+-".join("-" * w for w in widths))
-    for r in rows:
-        print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    print_table(head, rows)
     print("Every row is a Keel run (the best of %d); the ratios are against Keel's plain ViT (%.1f pairs/s) and "
           "the PyTorch runs of the plain ViT counted in the table above: %s.%s Final loss: the last step's training "
           "loss; R@5 over the same held-out pairs." % (
@@ -606,11 +589,7 @@ def keel_only(a, cfgs, work, dataset, ds_cmd, t_start):
                      "%.2fx" % (k["samples_per_s"] / base["samples_per_s"]) if base else "-",
                      "%.4f" % k["final_loss"], "%.3f/%.3f" % (k["recall_i2t_at1"], k["recall_t2i_at1"]),
                      "%.3f/%.3f" % (k["recall_i2t_at5"], k["recall_t2i_at5"])])
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    print(" | ".join(h.ljust(w) for h, w in zip(head, widths)))
-    print("-+-".join("-" * w for w in widths))
-    for row in rows:
-        print(" | ".join(str(x).ljust(w) for x, w in zip(row, widths)))
+    print_table(head, rows)
     out = os.path.join(work, "clip_bench.json")
     with open(out, "w") as f:
         json.dump(res, f, indent=1)

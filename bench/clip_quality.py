@@ -32,7 +32,7 @@ import tempfile
 import time
 
 sys.dont_write_bytecode = True
-from benchutil import run_logged, run_or_exit  # noqa: E402
+from benchutil import print_table, run_logged, run_or_exit  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEEL = os.environ.get("KEEL", os.path.join(ROOT, "build", "keel"))
@@ -141,11 +141,7 @@ def main():
         row += ["%.0f (step %d)" % (reached, t["step_to_target"]) if reached is not None else "not reached",
                 "%.2fx" % (base / reached) if reached and base else "-"]
         rows.append(row)
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    print(" | ".join(h.ljust(w) for h, w in zip(head, widths)))
-    print("-+-".join("-" * w for w in widths))
-    for row in rows:
-        print(" | ".join(str(x).ljust(w) for x, w in zip(row, widths)))
+    print_table(head, rows)
     print("(s: training seconds so far, the sum of the step times, evaluations excluded; 'vs plain': the plain "
           "ViT's seconds to the target over this configuration's.)")
     out = os.path.join(work, "clip_quality.json")
