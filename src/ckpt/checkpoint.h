@@ -46,6 +46,10 @@ struct RankState {
   bool has_residual = false;
   std::string residual_layout;
   std::string residual_keys;  // GradSync::residual_keys: what each bucket's residual covers ("" = unknown)
+  // The state its step engine carries between steps (core/carried_state.h), saved as one record
+  // of floats (read it with read_rank_carried) with the engine's description.
+  bool has_carried = false;
+  std::string carried_layout;
 };
 
 // What a training run needs besides the chunk store to continue exactly where it stopped.
@@ -108,6 +112,10 @@ CheckpointInfo describe_checkpoint(const std::string& dir);
 // when it saved none or they are corrupt.
 std::vector<float> read_rank_residual(const std::string& dir, int rank);
 
+// The carried step state rank `rank` saved in checkpoint directory `dir` (verified). Throws when
+// it saved none or it is corrupt.
+std::vector<float> read_rank_carried(const std::string& dir, int rank);
+
 // Decodes one plane of a checkpoint into a flat array of store.numel() floats (tests, tools).
 std::vector<float> read_checkpoint_plane(const std::string& dir, Plane plane);
 
@@ -153,9 +161,10 @@ class CheckpointWriter {
   // full or differential) and starts writing them under root/checkpoint_name(step, attempt)
   // (every rank must use the same attempt: see next_checkpoint_attempt). With state.has_residual,
   // `residual` holds the rank's compression residuals: the writer takes the vector (swapping in
-  // its previous buffer, so the caller can reuse it) and writes it as one record.
+  // its previous buffer, so the caller can reuse it) and writes it as one record; the same for
+  // `carried` with state.has_carried.
   void begin(const std::string& root, int64_t step, const RankState& state, int attempt = 0,
-             std::vector<float>* residual = nullptr);
+             std::vector<float>* residual = nullptr, std::vector<float>* carried = nullptr);
   const std::string& name() const { return name_; }
   bool in_flight() const { return in_flight_; }
   bool done() const;         // the background write of the current checkpoint finished
@@ -185,7 +194,7 @@ class CheckpointWriter {
   std::string root_, name_;
   int64_t step_ = 0;
   RankState state_;
-  std::vector<float> residual_;
+  std::vector<float> residual_, carried_;
   bool in_flight_ = false;
   CheckpointPart part_;
   std::thread thread_;
