@@ -231,13 +231,15 @@ class PredictionResumes : public PredictionCheckpoints, public ::testing::WithPa
 // run's bytes after the uninterrupted run's losses.
 TEST_P(PredictionResumes, FromEveryCheckpointToTheUninterruptedBytes) {
   const std::string p = GetParam();
-  const testing::CommandResult ref = train(2, p + "-ref", layout(p));
+  const int steps = 12;
+  const std::string run = layout(p) + "--set train.steps=" + std::to_string(steps) + " ";
+  const testing::CommandResult ref = train(2, p + "-ref", run);
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
   const testing::CommandResult periodic =
-      train(2, p + "-periodic", layout(p) + "--set train.checkpoint_every=2 --set checkpoint.keep=8");
+      train(2, p + "-periodic", run + "--set train.checkpoint_every=2 --set checkpoint.keep=8");
   ASSERT_EQ(periodic.exit_code, 0) << periodic.output;
   const std::vector<std::string> ckpts = list_checkpoints(at(p + "-periodic") + "/ckpt");
-  ASSERT_EQ(ckpts.size(), static_cast<size_t>(kSteps / 2));
+  ASSERT_EQ(ckpts.size(), static_cast<size_t>(steps / 2));
   std::vector<std::string> kinds;
   for (const std::string& c : ckpts) {
     EXPECT_NO_THROW(verify_checkpoint(c)) << c;
@@ -247,14 +249,14 @@ TEST_P(PredictionResumes, FromEveryCheckpointToTheUninterruptedBytes) {
   EXPECT_NE(std::find(kinds.begin(), kinds.end(), "diff"), kinds.end());
   expect_same_prediction_state(p + "-periodic", p + "-ref");
   expect_same_losses(p + "-periodic", p + "-ref", 0);
-  for (int step = 2; step < kSteps; step += 2) {
-    const std::string run = p + "-from-" + std::to_string(step);
+  for (int step = 2; step < steps; step += 2) {
+    const std::string resumed = p + "-from-" + std::to_string(step);
     const std::string from = at(p + "-periodic") + "/ckpt/" + checkpoint_name(step);
-    const testing::CommandResult r = train(2, run, layout(p) + "--set train.resume=" + from);
-    ASSERT_EQ(r.exit_code, 0) << run << "\n" << r.output;
+    const testing::CommandResult r = train(2, resumed, run + "--set train.resume=" + from);
+    ASSERT_EQ(r.exit_code, 0) << resumed << "\n" << r.output;
     EXPECT_NE(r.output.find("resumed from " + from), std::string::npos) << r.output;
-    expect_same_prediction_state(run, p + "-ref");
-    expect_same_losses(run, p + "-ref", static_cast<size_t>(step));
+    expect_same_prediction_state(resumed, p + "-ref");
+    expect_same_losses(resumed, p + "-ref", static_cast<size_t>(step));
   }
 }
 
@@ -275,8 +277,8 @@ TEST_F(PredictionCheckpoints, AnotherLayoutIsRefusedInOneLine) {
            {4, "--set parallel.pipeline=4 --set parallel.predict_gradients=lstm", same_keys},
            {2, "--set parallel.pipeline=2 --set parallel.schedule=zb-v --set parallel.predict_gradients=lstm", same_keys},
            {2, "--set parallel.pipeline=2 --set parallel.predict_gradients=momentum", same_keys},
-           {2, "--set parallel.pipeline=2", "which this run's layout has no place for"},
-           {1, "", "which this run's layout has no place for"}}) {
+           {2, "--set parallel.pipeline=2", "which this run has no place for"},
+           {1, "", "which this run has no place for"}}) {
     const testing::CommandResult r = train(c.ranks, "refused", from + c.set);
     EXPECT_EQ(r.exit_code, 2) << c.set << "\n" << r.output;
     const size_t line = r.output.find("checkpoint " + at("src") + "/ckpt/step-00000008: ");

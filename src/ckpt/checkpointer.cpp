@@ -270,8 +270,9 @@ void Checkpointer::load_carried(const TrainState& state, std::string& layout, st
     } catch (const nlohmann::json::exception&) {
       what = "an unreadable description";
     }
-    throw Error("checkpoint " + state.dir + ": its ranks saved the state their step carried into the next (" + what +
-                "), which this run's layout has no place for: resume it with the config that wrote it");
+    throw Error("checkpoint " + state.dir + ": its ranks saved state each step carries into the next (" + what +
+                "), which this run has no place for (another layout or step engine): resume it with the config "
+                "that wrote it");
   }
   if (mine != nullptr) floats = read_rank_carried(state.dir, comm_.rank());
   const std::string why = carried_->check_resume(saved, mine != nullptr ? floats.size() : 0);
