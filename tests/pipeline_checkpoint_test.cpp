@@ -90,6 +90,20 @@ class PipelineCheckpoints : public ::testing::Test {
     }
     return job.running();
   }
+  // Run `run` of `extra` with checkpoints every 10 steps under `keel launch --max-restarts 2`,
+  // its second stage SIGKILLed once the checkpoint of step 20 is published: the job recovers and
+  // finishes.
+  static void kill_a_stage_and_recover(const std::string& run, const std::string& extra) {
+    testing::KeelJob job(launch_words(run, extra + "--set train.checkpoint_every=10", 2), at(run + ".log"), {});
+    ASSERT_GT(job.pid(), 0);
+    ASSERT_TRUE(wait_for(job, "keel: checkpoint step-00000020")) << "no kill before the job ended\n" << job.output();
+    const std::vector<pid_t> pids = testing::keel_train_pids(dir_->path() + "/toy.toml");
+    ASSERT_EQ(pids.size(), 2u) << job.output();
+    ASSERT_EQ(::kill(pids[1], SIGKILL), 0);
+    ASSERT_EQ(job.wait(300), 0) << job.output();
+    EXPECT_NE(job.output().find("keel: recovered from failure 1"), std::string::npos) << job.output();
+    EXPECT_NE(job.output().find("training resumes at step"), std::string::npos) << job.output();
+  }
 };
 testing::TempDir* PipelineCheckpoints::dir_ = nullptr;
 
@@ -176,16 +190,7 @@ TEST_F(PipelineCheckpoints, ATiedEmbeddingAcrossStagesResumesExactly) {
 TEST_F(PipelineCheckpoints, ASigkilledStageIsRecoveredToTheUninterruptedBytes) {
   const std::string long_run = "--set parallel.pipeline=2 --set train.steps=60 --set train.log_every=1 ";
   ASSERT_EQ(train(2, "long-ref", long_run).exit_code, 0);
-  testing::KeelJob job(launch_words("chaos", long_run + "--set train.checkpoint_every=10", 2), at("chaos.log"), {});
-  ASSERT_GT(job.pid(), 0);
-  // Once its second checkpoint is published, the job loses its second stage.
-  ASSERT_TRUE(wait_for(job, "keel: checkpoint step-00000020")) << "no kill before the job ended\n" << job.output();
-  const std::vector<pid_t> pids = testing::keel_train_pids(dir_->path() + "/toy.toml");
-  ASSERT_EQ(pids.size(), 2u) << job.output();
-  ASSERT_EQ(::kill(pids[1], SIGKILL), 0);
-  ASSERT_EQ(job.wait(300), 0) << job.output();
-  EXPECT_NE(job.output().find("keel: recovered from failure 1"), std::string::npos) << job.output();
-  EXPECT_NE(job.output().find("training resumes at step"), std::string::npos) << job.output();
+  ASSERT_NO_FATAL_FAILURE(kill_a_stage_and_recover("chaos", long_run));
   expect_same_state("chaos", "long-ref");
 }
 
@@ -323,14 +328,7 @@ TEST_F(PredictionCheckpoints, ASigtermStopAnywhereResumesToTheUninterruptedBytes
 TEST_F(PredictionCheckpoints, ASigkilledStageIsRecoveredToTheUninterruptedBytes) {
   const std::string run = layout("lstm") + "--set train.steps=60 --set train.log_every=1 ";
   ASSERT_EQ(train(2, "kill-ref", run).exit_code, 0);
-  testing::KeelJob job(launch_words("kill", run + "--set train.checkpoint_every=10", 2), at("kill.log"), {});
-  ASSERT_GT(job.pid(), 0);
-  ASSERT_TRUE(wait_for(job, "keel: checkpoint step-00000020")) << "no kill before the job ended\n" << job.output();
-  const std::vector<pid_t> pids = testing::keel_train_pids(dir_->path() + "/toy.toml");
-  ASSERT_EQ(pids.size(), 2u) << job.output();
-  ASSERT_EQ(::kill(pids[1], SIGKILL), 0);
-  ASSERT_EQ(job.wait(300), 0) << job.output();
-  EXPECT_NE(job.output().find("keel: recovered from failure 1"), std::string::npos) << job.output();
+  ASSERT_NO_FATAL_FAILURE(kill_a_stage_and_recover("kill", run));
   expect_same_prediction_state("kill", "kill-ref");
 }
 
