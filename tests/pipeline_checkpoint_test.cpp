@@ -212,11 +212,11 @@ class PredictionCheckpoints : public PipelineCheckpoints {
     return "--set parallel.pipeline=2 --set parallel.predict_gradients=" + predictor + " ";
   }
   // The newest checkpoints of two runs: the same parameters, moments and prediction state of
-  // each of the 2 ranks, byte for byte.
-  static void expect_same_prediction_state(const std::string& a, const std::string& b) {
+  // each of the `ranks` ranks, byte for byte.
+  static void expect_same_prediction_state(const std::string& a, const std::string& b, int ranks = 2) {
     expect_same_state(a, b);
     const std::string ca = testing::newest_checkpoint(at(a) + "/ckpt"), cb = testing::newest_checkpoint(at(b) + "/ckpt");
-    for (int rank = 0; rank < 2; ++rank) {
+    for (int rank = 0; rank < ranks; ++rank) {
       const std::vector<float> x = read_rank_carried(ca, rank), y = read_rank_carried(cb, rank);
       EXPECT_FALSE(x.empty());
       EXPECT_TRUE(x == y) << a << " vs " << b << ": prediction state of rank " << rank;
@@ -298,6 +298,21 @@ TEST_F(PredictionCheckpoints, AnotherLayoutIsRefusedInOneLine) {
       train(2, "fresh", layout("lstm") + "--set train.resume=" + at("plain") + "/ckpt/step-00000008");
   ASSERT_EQ(fresh.exit_code, 0) << fresh.output;
   EXPECT_NO_THROW(read_rank_carried(testing::newest_checkpoint(at("fresh") + "/ckpt"), 1));
+}
+
+// Two replicas of two stages: each rank predicts from its own replica's gradients (before the
+// sync), and the grid that saved the state resumes to the uninterrupted bytes.
+TEST_F(PredictionCheckpoints, AsDataTimesPipelineResumesToTheUninterruptedBytes) {
+  const std::string grid = layout("momentum") + "--set parallel.zero=1 --set train.batch_size=1 --set train.steps=8 ";
+  ASSERT_EQ(train(4, "grid-ref", grid).exit_code, 0);
+  const testing::CommandResult periodic = train(4, "grid", grid + "--set train.checkpoint_every=4");
+  ASSERT_EQ(periodic.exit_code, 0) << periodic.output;
+  const testing::CommandResult r =
+      train(4, "grid-from-4", grid + "--set train.resume=" + at("grid") + "/ckpt/" + checkpoint_name(4));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_same_prediction_state("grid", "grid-ref", 4);
+  expect_same_prediction_state("grid-from-4", "grid-ref", 4);
+  expect_same_losses("grid-from-4", "grid-ref", 4);
 }
 
 // SIGTERM to `keel launch` at whatever step it lands: the stop checkpoint holds the prediction
