@@ -316,7 +316,7 @@ TEST_F(PredictionCheckpoints, AsDataTimesPipelineResumesToTheUninterruptedBytes)
 }
 
 // SIGTERM to `keel launch` at whatever step it lands: the stop checkpoint holds the prediction
-// state, and the run resumed from it ends with the bytes of the run never stopped.
+// state, and the run resumed from it ends with the bytes and losses of the run never stopped.
 TEST_F(PredictionCheckpoints, ASigtermStopAnywhereResumesToTheUninterruptedBytes) {
   const std::string run = layout("lstm") + "--set train.steps=300 --set train.log_every=1 ";
   ASSERT_EQ(train(2, "term-ref", run).exit_code, 0);
@@ -336,15 +336,17 @@ TEST_F(PredictionCheckpoints, ASigtermStopAnywhereResumesToTheUninterruptedBytes
   EXPECT_NE(r.output.find("resumed from " + at("term") + "/ckpt/" + checkpoint_name(stopped)), std::string::npos)
       << r.output;
   expect_same_prediction_state("term", "term-ref");
+  expect_same_losses("term", "term-ref", 0);
 }
 
 // A stage SIGKILLed under `keel launch --max-restarts`: the restarted job resumes from its newest
-// checkpoint, prediction state and all, and ends with the uninterrupted run's bytes.
+// checkpoint, prediction state and all, and ends with the uninterrupted run's bytes and losses.
 TEST_F(PredictionCheckpoints, ASigkilledStageIsRecoveredToTheUninterruptedBytes) {
   const std::string run = layout("lstm") + "--set train.steps=60 --set train.log_every=1 ";
   ASSERT_EQ(train(2, "kill-ref", run).exit_code, 0);
   ASSERT_NO_FATAL_FAILURE(kill_a_stage_and_recover("kill", run));
   expect_same_prediction_state("kill", "kill-ref");
+  expect_same_losses("kill", "kill-ref", 0);
 }
 
 }  // namespace

@@ -6,10 +6,11 @@
 // directory fsynced. A directory without a manifest is not a checkpoint and is removed.
 //
 // The manifest names the format version, step, config and trajectory hashes, the writers' layout,
-// every rank's state (data position; later also compression residuals), and for every chunk its
-// layer, kind, tensors (names and offsets), version, and one record per saved plane (params,
-// AdamW m and v). A record says where the plane's bytes of that chunk live and how they are
-// encoded, with an XXH3 checksum of the stored bytes and of the decoded data:
+// every rank's state (data position, compression residuals, a step engine's carried state:
+// core/carried_state.h), and for every chunk its layer, kind, tensors (names and offsets),
+// version, and one record per saved plane (params, AdamW m and v). A record says where the
+// plane's bytes of that chunk live and how they are encoded, with an XXH3 checksum of the stored
+// bytes and of the decoded data:
 //   raw       the floats as they are;
 //   zstd      compressed;
 //   xor-zstd  XOR against the same chunk's bytes in the previous checkpoint (`base`), compressed.

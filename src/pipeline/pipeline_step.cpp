@@ -130,17 +130,22 @@ StepResult PipelineStep::run(int64_t step, double lr) {
   return r;
 }
 
-std::string PipelineStep::prediction_layout() const {
+std::string PipelineStep::stage_words() const {
   const Schedule& sc = executor_->schedule();
-  std::string cut;
+  std::string words;
   for (size_t i = 0; i < stages_.size(); ++i) {
-    cut += (i ? " " : "") + std::to_string(stages_[i].first) + "-" + std::to_string(stages_[i].last) + "@r" +
-           std::to_string(sc.stage_rank[i]);
+    words += (i ? " " : "") + std::to_string(stages_[i].first) + "-" + std::to_string(stages_[i].last) + "@r" +
+             std::to_string(sc.stage_rank[i]);
   }
+  return words;
+}
+
+std::string PipelineStep::prediction_layout() const {
   return "parallel.predict_gradients = \"" + config_.parallel.predict_gradients + "\" on parallel.pipeline = " +
          std::to_string(groups_.pp().size()) + " x " + std::to_string(groups_.dp().size()) +
-         " data-parallel replica(s), stages (layers@rank) " + cut + ", rank " + std::to_string(groups_.world().rank()) +
-         " holding " + std::to_string(store_.chunks().size()) + " chunks of " + std::to_string(store_.numel()) + " floats";
+         " data-parallel replica(s), stages (layers@rank) " + stage_words() + ", rank " +
+         std::to_string(groups_.world().rank()) + " holding " + std::to_string(store_.chunks().size()) + " chunks of " +
+         std::to_string(store_.numel()) + " floats";
 }
 
 std::string PipelineStep::save(int64_t steps_done, std::vector<float>& floats) {
@@ -369,11 +374,7 @@ void PipelineStep::adapt_micro_batches(int64_t step_index) {
 
 void PipelineStep::print_startup() const {
   const Schedule& sc = executor_->schedule();
-  std::string cut;
-  for (size_t i = 0; i < stages_.size(); ++i) {
-    cut += (i ? " " : "") + std::to_string(stages_[i].first) + "-" + std::to_string(stages_[i].last) + "@r" +
-           std::to_string(sc.stage_rank[i]);
-  }
+  const std::string cut = stage_words();
   int peak = 0;
   for (int p : schedule_check_.peak_in_flight) peak = std::max(peak, p);
   std::printf("keel: pipeline of %d ranks x %d data-parallel replica(s), schedule %s, %d stages (layers@rank: %s), "

@@ -81,6 +81,8 @@ class PipelineStep final : public StepEngine, public MetricsSource, public Carri
   void adapt_micro_batches(int64_t step);
   StageTimes measured_stage_times();
   void write_trace(int64_t step, const std::vector<std::string>& timelines);
+  // The stages and their ranks as words, "0-1@r0 2-3@r1" (layers@rank).
+  std::string stage_words() const;
   // The layout gradient prediction's saved state belongs to, in words: what a resume compares.
   std::string prediction_layout() const;
 
