@@ -109,11 +109,12 @@ std::string GradientPrediction::check_saved(const nlohmann::json& saved, size_t 
            std::to_string(saved.at("numel").get<size_t>()) + " floats; this rank's is \"" + how_ + "\" over " +
            std::to_string(n);
   }
-  saved.at("measured").get<bool>();
+  // Every field restore() reads (a missing or mistyped one throws: an unreadable description).
+  static_cast<void>(saved.at("measured").get<bool>());
+  const bool momentum = saved.at("momentum").get<bool>(), lstm = saved.at("lstm").get<bool>();
+  if (lstm) static_cast<void>(saved.at("lstm_last_loss").get<double>());
   const int chunks = static_cast<int>(store_.chunks().size());
-  const size_t want = n * (3 + saved.at("momentum").get<bool>()) +
-                      (saved.at("lstm").get<bool>() ? GradientPredictor::saved_floats(chunks) + 2 * n : 0);
-  if (saved.at("lstm").get<bool>()) saved.at("lstm_last_loss").get<double>();
+  const size_t want = n * (3 + (momentum ? 1 : 0)) + (lstm ? GradientPredictor::saved_floats(chunks) + 2 * n : 0);
   if (floats == want) return "";
   return "its gradient prediction state holds " + std::to_string(floats) + " floats where its description says " +
          std::to_string(want);

@@ -125,7 +125,8 @@ BlendLstm::Output GradientPredictor::blend(int chunk, std::span<const float> mea
 namespace {
 
 // The floats of one chunk's state between steps, in save()'s order: the LSTM state, the trace
-// (input, states before and after, gates, output), the last fit and whether it was traced.
+// (input, states before and after, gates, output) and the last fit (whether it was traced
+// follows them as one float).
 template <typename Visit>
 void each_chunk_part(BlendLstm::State& state, BlendLstm::Trace& trace, BlendLstm::Output& fit, Visit visit) {
   visit(std::span<float>(state.h)), visit(std::span<float>(state.c));

@@ -169,8 +169,8 @@ std::string PipelineStep::check_resume(const std::string& layout, size_t floats)
   if (saved != mine) {
     return "its gradient prediction state was saved with " + saved + "; this run has " + mine +
            ": resume it with the same parallel.predict_gradients, parallel.pipeline, parallel.schedule, stage cut "
-           "(parallel.stage_boundaries) and data-parallel size (the predictor's state is per rank and per element of "
-           "its stages)";
+           "(parallel.stage_boundaries), data-parallel size and store.chunk_bytes (the predictor's state is per rank "
+           "and per element of its stages)";
   }
   return fits;
 }
