@@ -567,6 +567,7 @@ void Server::serve() {
         connections.push_back(std::move(c));
       }
     }
+    open_connections_.store(connections.size());
   }
   for (Connection& c : connections) close_connection(c);
 }

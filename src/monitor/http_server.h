@@ -12,6 +12,7 @@
 
 #include <pthread.h>
 
+#include <atomic>
 #include <cstddef>
 #include <functional>
 #include <string>
@@ -76,6 +77,9 @@ class Server {
   // HOST:PORT as a URL writes it ([::1]:9100 for IPv6).
   const std::string& address() const { return address_; }
   int port() const { return port_; }
+  // The connections the server holds open, as of its last pass over them (it passes after any
+  // event: a connection, bytes, a close, a deadline).
+  size_t open_connections() const { return open_connections_.load(); }
 
  private:
   static void* thread_main(void* self);
@@ -87,6 +91,7 @@ class Server {
   int port_ = 0;
   std::vector<int> listeners_;
   int wake_read_ = -1, wake_write_ = -1;
+  std::atomic<size_t> open_connections_{0};
   pthread_t thread_{};
   bool thread_started_ = false;
 };
