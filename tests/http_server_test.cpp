@@ -461,18 +461,8 @@ TEST(HttpServer, ServesOnIpv6Loopback) {
 // ---------------------------------------------------------------------------------------------
 // A live run
 
-// A port the kernel would hand out now (free for the moment).
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
+// A loopback port the kernel hands out now (free for the moment): a server's, closed at once.
+int free_port() { return http::Server(local(), [] { return std::string(); }).port(); }
 
 class LiveEndpoint : public ::testing::Test {
  protected:
