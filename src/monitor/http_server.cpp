@@ -6,6 +6,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -394,6 +395,8 @@ Server::~Server() {
 }
 
 void* Server::thread_main(void* self) {
+  // A flood of requests takes CPU time from this thread's share, not from training's threads.
+  ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 10);
   static_cast<Server*>(self)->serve();
   return nullptr;
 }

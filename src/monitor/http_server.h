@@ -4,7 +4,8 @@
 // request head must arrive within head_timeout_ms (else 408) and within kMaxHeadBytes (else 431),
 // a response must be taken within write_timeout_ms (else the connection is dropped), and beyond
 // max_connections a client gets 503 at once. Training never waits on it: the page is made on the
-// server's thread by the callback it was given.
+// server's thread by the callback it was given, and that thread runs at nice 10, so a flood of
+// requests costs its own share of the CPU rather than training's.
 //
 // Request handling is a pure function, `answer`, from the bytes a client has sent to the bytes
 // of the response (fuzz/fuzz_http.cpp and tests/http_server_test.cpp drive it without sockets).
