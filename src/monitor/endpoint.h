@@ -2,8 +2,8 @@
 // own HTTP server (monitor/http_server.h: one thread, bounded per client) from prometheus-cpp
 // gauges and counters the training thread only sets (a scrape never waits on training, nor
 // training on a scrape: after a series' first step the training thread touches only its atomic,
-// never the registry's lock that a scrape's Collect holds). Rank 0 serves the whole job: its step line
-// already holds the job's figures (throughput over all ranks, the largest peak RSS, sync maxima
+// never the registry's lock that a scrape's Collect holds). Rank 0 serves the whole job: its step
+// line already holds the job's figures (throughput over all ranks, the largest peak RSS, sync maxima
 // over the data-parallel group). Names follow Prometheus conventions (base units, _total
 // counters); the table is in the README.
 #pragma once

@@ -407,7 +407,7 @@ void Server::serve() {
   int64_t accept_paused_until_ms = 0;  // out of file descriptors: the listeners rest a moment
   char scratch[16384];
 
-  // Queues answers to the requests in c.in while nothing else is being written.
+  // Queues the answer to the next request in c.in, if nothing else is being written.
   auto answer_pending = [&](Connection& c, int64_t now) {
     while (!c.closing && c.out.empty()) {
       Answer a;
