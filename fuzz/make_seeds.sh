@@ -10,7 +10,7 @@ out=fuzz/corpus
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 rm -rf "$out"
-mkdir -p "$out"/{fuzz_config,fuzz_shard,fuzz_tokenizer,fuzz_llmc,fuzz_checkpoint,fuzz_image}
+mkdir -p "$out"/{fuzz_config,fuzz_shard,fuzz_tokenizer,fuzz_llmc,fuzz_checkpoint,fuzz_image,fuzz_http}
 
 cp configs/default.toml "$out/fuzz_config/default.toml"
 cp configs/gpt2-124m-llmc.toml "$out/fuzz_config/gpt2-124m-llmc.toml" 2>/dev/null || true
@@ -54,6 +54,18 @@ r = open(d + "/r0.bin", "rb").read()
 open(out, "wb").write(struct.pack("<I", len(m)) + m + r)
 PY
 ls -la "$out"/*
+
+# HTTP requests to the metrics endpoint: a Prometheus scrape as Prometheus 2.42 sends it, curl and
+# browser requests pipelined, a body, HTTP/1.0, HTTP/2's preface, HTTP/0.9, OPTIONS *, chunked.
+h="$out/fuzz_http"
+printf 'GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:9100\r\nUser-Agent: Prometheus/2.42.0\r\nAccept: application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1\r\nAccept-Encoding: gzip\r\nX-Prometheus-Scrape-Timeout-Seconds: 10\r\n\r\n' >"$h/prometheus_scrape"
+printf 'GET / HTTP/1.1\r\nHost: localhost\r\nUser-Agent: curl/7.88.1\r\nAccept: */*\r\n\r\nGET /favicon.ico HTTP/1.1\r\nHost: localhost\r\n\r\nHEAD /metrics?x=1 HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n' >"$h/pipelined"
+printf 'POST /metrics HTTP/1.1\r\nHost: localhost\r\nContent-Length: 5\r\n\r\nhello' >"$h/post_body"
+printf 'GET /metrics HTTP/1.0\r\nConnection: keep-alive\r\n\r\nGET http://localhost:9100/%%6detrics HTTP/1.0\r\n\r\n' >"$h/http10_keepalive"
+printf 'PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n' >"$h/http2_preface"
+printf 'GET /metrics\r\n' >"$h/http09"
+printf 'OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n' >"$h/options"
+printf 'GET /../metrics HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n' >"$h/chunked"
 
 # Images: real icons (tango-icon-theme) as PNG, and one as JPEG three ways (colour, grey, progressive).
 find /usr/share/icons/Tango/16x16/actions -name "*.png" -type f | sort | head -12 | xargs -I{} cp {} "$out/fuzz_image/"

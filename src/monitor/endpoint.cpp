@@ -1,30 +1,32 @@
 #include "monitor/endpoint.h"
 
 #include <prometheus/counter.h>
-#include <prometheus/exposer.h>
 #include <prometheus/gauge.h>
 #include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
 
 #include <cmath>
 #include <cstdio>
 
 #include "core/error.h"
+#include "monitor/http_server.h"
 
 namespace keel {
 
-PrometheusEndpoint::PrometheusEndpoint(const MonitorConfig& config) {
-  const std::string host = config.bind.find(':') != std::string::npos && config.bind.front() != '['
-                               ? "[" + config.bind + "]"
-                               : config.bind;
-  address_ = host + ":" + std::to_string(config.port);
-  registry_ = std::make_shared<prometheus::Registry>();
+PrometheusEndpoint::PrometheusEndpoint(const MonitorConfig& config)
+    : registry_(std::make_shared<prometheus::Registry>()) {
+  http::ServerOptions options;
+  options.bind = config.bind;
+  options.port = config.port;
+  // (server_ is declared after registry_, so it stops before the registry it reads goes)
+  const prometheus::Registry* registry = registry_.get();
   try {
-    exposer_ = std::make_unique<prometheus::Exposer>(address_, 2);
-  } catch (const std::exception& e) {
-    throw Error("monitor.port " + std::to_string(config.port) + ": cannot listen on " + address_ + " (" + e.what() +
-                "; is the port in use?)");
+    server_ = std::make_unique<http::Server>(
+        options, [registry] { return prometheus::TextSerializer().Serialize(registry->Collect()); });
+  } catch (const Error& e) {
+    throw Error("monitor.port " + std::to_string(config.port) + ": " + e.what());
   }
-  exposer_->RegisterCollectable(registry_);
+  address_ = server_->address();
 }
 
 PrometheusEndpoint::~PrometheusEndpoint() = default;
@@ -33,14 +35,28 @@ void PrometheusEndpoint::print_startup() const {
   std::printf("keel: Prometheus metrics at http://%s/metrics (rank 0 serves the whole job)\n", address_.c_str());
 }
 
+namespace {
+
+std::string series_key(const std::string& name, const std::map<std::string, std::string>& labels) {
+  std::string key = name;
+  for (const auto& [k, v] : labels) key += "\n" + k + "=" + v;
+  return key;
+}
+
+}  // namespace
+
 prometheus::Gauge& PrometheusEndpoint::gauge(const std::string& name, const std::string& help,
                                              const std::map<std::string, std::string>& labels) {
-  return prometheus::BuildGauge().Name(name).Help(help).Register(*registry_).Add(labels);
+  prometheus::Gauge*& g = gauges_[series_key(name, labels)];
+  if (g == nullptr) g = &prometheus::BuildGauge().Name(name).Help(help).Register(*registry_).Add(labels);
+  return *g;
 }
 
 prometheus::Counter& PrometheusEndpoint::counter(const std::string& name, const std::string& help,
                                                  const std::map<std::string, std::string>& labels) {
-  return prometheus::BuildCounter().Name(name).Help(help).Register(*registry_).Add(labels);
+  prometheus::Counter*& c = counters_[series_key(name, labels)];
+  if (c == nullptr) c = &prometheus::BuildCounter().Name(name).Help(help).Register(*registry_).Add(labels);
+  return *c;
 }
 
 void PrometheusEndpoint::set(const nlohmann::json& line, const char* field, const std::string& name,

@@ -1,7 +1,9 @@
-// The Prometheus endpoint ([monitor] port): http://BIND:PORT/metrics on rank 0, served by
-// prometheus-cpp's own threads from gauges and counters the training thread only sets (a scrape
-// never waits on training, nor training on a scrape). Rank 0 serves the whole job: its step line
-// already holds the job's figures (throughput over all ranks, the largest peak RSS, sync maxima
+// The Prometheus endpoint ([monitor] port): http://BIND:PORT/metrics on rank 0, served by Keel's
+// own HTTP server (monitor/http_server.h: one thread, bounded per client) from prometheus-cpp
+// gauges and counters the training thread only sets (a scrape never waits on training, nor
+// training on a scrape: after a series' first step the training thread touches only its atomic,
+// never the registry's lock that a scrape's Collect holds). Rank 0 serves the whole job: its step
+// line already holds the job's figures (throughput over all ranks, the largest peak RSS, sync maxima
 // over the data-parallel group). Names follow Prometheus conventions (base units, _total
 // counters); the table is in the README.
 #pragma once
@@ -15,13 +17,16 @@
 #include "core/metrics_source.h"
 
 namespace prometheus {
-class Exposer;
 class Registry;
 class Gauge;
 class Counter;
 }  // namespace prometheus
 
 namespace keel {
+
+namespace http {
+class Server;
+}
 
 class PrometheusEndpoint final : public StepLineSink, public MetricsSource {
  public:
@@ -47,7 +52,10 @@ class PrometheusEndpoint final : public StepLineSink, public MetricsSource {
 
   std::string address_;
   std::shared_ptr<prometheus::Registry> registry_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  // Each series once registered, by name and labels (the training thread's alone).
+  std::map<std::string, prometheus::Gauge*> gauges_;
+  std::map<std::string, prometheus::Counter*> counters_;
+  std::unique_ptr<http::Server> server_;
 };
 
 }  // namespace keel
