@@ -93,6 +93,35 @@ TEST(Config, ImpossibleSizes) {
   EXPECT_NE(error_of([&] { f.resolve(); }).find("model.vocab_size"), std::string::npos);
 }
 
+// The optimizer computes in float32: a learning rate (or eps, weight decay, final rate) that rounds
+// to 0 or to a denormal there, or a beta that rounds to 1, would train nothing without a word.
+TEST(Config, OptimizerSettingsFloat32WouldLoseAreRefused) {
+  for (const auto& [set, key] : std::vector<std::pair<std::string, std::string>>{
+           {"optim.lr=1e-50", "optim.lr"},
+           {"optim.lr=1e-40", "optim.lr"},  // a denormal float
+           {"optim.lr=1e39", "optim.lr"},
+           {"optim.eps=1e-50", "optim.eps"},
+           {"optim.weight_decay=1e-46", "optim.weight_decay"},
+           {"optim.min_lr_ratio=1e-40", "optim.min_lr_ratio"},  // 3e-3 * 1e-40: a denormal final rate
+           {"optim.beta1=0.99999999999", "optim.beta1"},       // 1.0f
+           {"optim.beta2=0.999999999", "optim.beta2"}}) {
+    Config c = Config::load("", {set});
+    const std::string msg = error_of([&] { c.resolve(); });
+    EXPECT_NE(msg.find("config key '" + key + "'"), std::string::npos) << set << ": " << msg;
+    EXPECT_NE(msg.find("float32"), std::string::npos) << set << ": " << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  }
+  EXPECT_NE(error_of([] {
+              Config c = Config::load("", {"optim.lr=1e-50"});
+              c.resolve();
+            }).find("found 1e-50"),
+            std::string::npos);
+  // Small but normal, and the zeros that mean "off", stay accepted.
+  Config ok = Config::load("", {"optim.lr=1e-30", "optim.min_lr_ratio=0", "optim.weight_decay=0", "optim.eps=1e-30",
+                                "optim.beta1=0", "optim.beta2=0.9999"});
+  EXPECT_EQ(error_of([&] { ok.resolve(); }), "");
+}
+
 TEST(Config, MissingFile) {
   EXPECT_NE(error_of([] { Config::load("/nonexistent/x.toml", {}); }).find("not found"), std::string::npos);
 }

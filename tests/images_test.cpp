@@ -3,8 +3,6 @@
 // files skipped and counted (or an error with --strict), the split stable under added files, the
 // same files giving the same bytes, a real icon theme read end to end, and bad input as one line.
 #include <gtest/gtest.h>
-#include <jpeglib.h>
-#include <png.h>
 
 #include <cstdio>
 #include <cstring>
@@ -16,62 +14,17 @@
 #include "core/error.h"
 #include "core/fileio.h"
 #include "data/images.h"
+#include "image_files.h"
 #include "test_util.h"
 
 namespace keel {
 namespace {
 
 namespace fs = std::filesystem;
-
-// An RGBA PNG of width x height, every pixel `rgba` unless `pixels` is given.
-void write_png(const std::string& path, int width, int height, std::vector<uint8_t> pixels) {
-  fs::create_directories(fs::path(path).parent_path());
-  png_image image;
-  std::memset(&image, 0, sizeof image);
-  image.version = PNG_IMAGE_VERSION;
-  image.width = static_cast<png_uint_32>(width);
-  image.height = static_cast<png_uint_32>(height);
-  image.format = PNG_FORMAT_RGBA;
-  ASSERT_TRUE(png_image_write_to_file(&image, path.c_str(), 0, pixels.data(), 0, nullptr)) << image.message;
-}
-
-// (push_back, not insert of a braced list: GCC 12 at -O3 warns falsely on the latter, bug 105329's kin)
-void push(std::vector<uint8_t>& v, std::initializer_list<int> values) {
-  for (int x : values) v.push_back(static_cast<uint8_t>(x));
-}
-
-std::vector<uint8_t> solid(int width, int height, uint8_t r, uint8_t g, uint8_t b, uint8_t a = 255) {
-  std::vector<uint8_t> p;
-  for (int i = 0; i < width * height; ++i) push(p, {r, g, b, a});
-  return p;
-}
-
-void write_jpeg(const std::string& path, int width, int height, uint8_t r, uint8_t g, uint8_t b) {
-  fs::create_directories(fs::path(path).parent_path());
-  FILE* f = std::fopen(path.c_str(), "wb");
-  ASSERT_NE(f, nullptr);
-  jpeg_compress_struct info;
-  jpeg_error_mgr err;
-  info.err = jpeg_std_error(&err);
-  jpeg_create_compress(&info);
-  jpeg_stdio_dest(&info, f);
-  info.image_width = static_cast<JDIMENSION>(width);
-  info.image_height = static_cast<JDIMENSION>(height);
-  info.input_components = 3;
-  info.in_color_space = JCS_RGB;
-  jpeg_set_defaults(&info);
-  jpeg_set_quality(&info, 100, TRUE);
-  jpeg_start_compress(&info, TRUE);
-  std::vector<uint8_t> row;
-  for (int x = 0; x < width; ++x) push(row, {r, g, b});
-  while (info.next_scanline < info.image_height) {
-    JSAMPROW rows[1] = {row.data()};
-    jpeg_write_scanlines(&info, rows, 1);
-  }
-  jpeg_finish_compress(&info);
-  jpeg_destroy_compress(&info);
-  std::fclose(f);
-}
+using testing::push;
+using testing::solid;
+using testing::write_jpeg;
+using testing::write_png;
 
 std::string file_bytes(const std::string& path) { return read_text_file(path); }
 
@@ -126,6 +79,40 @@ TEST(Images, PngAndJpegDecodeAndCorruptFilesNameThemselves) {
     EXPECT_NE(e.find(dir / name), std::string::npos) << e;
     EXPECT_EQ(e.find('\n'), std::string::npos) << e;
   }
+}
+
+// A picture cut short is corrupt, wherever the cut: libjpeg decodes a truncated JPEG with a
+// warning ("Premature end of JPEG file") and grey for the missing part, libpng stops with an error.
+// In a dataset a cut file is skipped and counted, and with --strict it is an error naming it.
+TEST(Images, TruncatedPicturesAreCorrupt) {
+  testing::TempDir dir("keel-images-cut");
+  write_jpeg(dir / "src/photo.jpg", 32, 32, testing::noise(32, 32, 3));
+  write_png(dir / "src/icon.png", 32, 32, testing::noise(32, 32, 4));
+  int cuts = 0;
+  for (const std::string whole : {"photo.jpg", "icon.png"}) {
+    const std::string ext = fs::path(whole).extension().string();
+    const std::string bytes = file_bytes(dir / ("src/" + whole));
+    ASSERT_GT(bytes.size(), 2000u) << whole;
+    EXPECT_EQ(testing::error_of([&] { decode_image(dir / ("src/" + whole)); }), "") << whole;
+    for (size_t keep = 100; keep < bytes.size(); keep += bytes.size() / 50 + 1) {
+      const std::string cut = dir / ("cut/" + std::to_string(keep) + ext);
+      fs::create_directories(dir / "cut");
+      testing::write_text(cut, bytes.substr(0, keep));
+      const std::string e = testing::error_of([&] { decode_image(cut); });
+      EXPECT_NE(e.find(cut + ": corrupt " + (ext == ".jpg" ? "JPEG" : "PNG")), std::string::npos) << keep << " bytes: " << e;
+      cuts++;
+    }
+  }
+  ImageDatasetOptions o;
+  o.from = dir / "src", o.out = dir / "ds", o.size = 4, o.val_fraction = 0;
+  testing::write_text(dir / "src/half.jpg", file_bytes(dir / "src/photo.jpg").substr(0, 1500));
+  const ImageDatasetResult r = build_image_dataset(o);
+  EXPECT_EQ(r.train, 2);
+  ASSERT_EQ(r.skipped.size(), 1u);
+  EXPECT_NE(r.skipped[0].find("half.jpg: corrupt JPEG (Premature end of JPEG file)"), std::string::npos) << r.skipped[0];
+  o.out = dir / "ds2", o.strict = true;
+  EXPECT_NE(testing::error_of([&] { build_image_dataset(o); }).find("half.jpg: corrupt JPEG"), std::string::npos);
+  EXPECT_GT(cuts, 90);
 }
 
 TEST(Images, DatasetKeepsTheLargestOfEachNameSkipsCorruptFilesAndSplitsStably) {

@@ -10,6 +10,7 @@
 #include <sstream>
 #include <thread>
 #include <signal.h>
+#include <sys/stat.h>
 
 #include "comm/communicator.h"
 #include "core/fileio.h"
@@ -44,6 +45,22 @@ TEST(Rapl, PackagesAreSummedSubZonesIgnoredAndWraparoundHandled) {
   write_zone(root + "/intel-rapl:1", 500'000, 10'000'000);    // wrapped: +1.0 J
   EXPECT_NEAR(rapl.take_joules(), 3.5, 1e-9);
   EXPECT_FALSE(RaplCounters(root + "/none").available());
+}
+
+// A counter file that is a FIFO (or another special file) is no counter, and is not waited on.
+TEST(Rapl, ACounterThatIsNotARegularFileIsNoCounter) {
+  testing::TempDir dir("keel-rapl-fifo");
+  const std::string root = dir.path();
+  write_zone(root + "/intel-rapl:0", 1'000'000, 10'000'000);
+  fs::create_directories(root + "/intel-rapl:1");
+  ASSERT_EQ(::mkfifo((root + "/intel-rapl:1/energy_uj").c_str(), 0600), 0);
+  ::alarm(120);  // a reader that waits on the FIFO ends the test (SIGALRM) instead of hanging it
+  RaplCounters rapl(root);
+  EXPECT_EQ(rapl.packages(), 1u);
+  fs::remove(root + "/intel-rapl:0/energy_uj");
+  ASSERT_EQ(::mkfifo((root + "/intel-rapl:0/energy_uj").c_str(), 0600), 0);  // after the start
+  EXPECT_EQ(rapl.take_joules(), 0.0);
+  ::alarm(0);
 }
 
 TEST(Energy, FromRaplWhereThereIsRaplElseModelledFromCpuTime) {

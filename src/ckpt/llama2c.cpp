@@ -57,13 +57,11 @@ int64_t file_floats(const ModelConfig& m) {
 }  // namespace
 
 ModelConfig read_llama2c_model_config(const std::string& path) {
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  check(f != nullptr, "llama2.c model " + path + ": cannot open");
+  uint64_t size = 0;
+  const FileStream f = open_regular_stream(path, "llama2.c model", &size);
   int32_t h[7] = {};
-  const size_t got = std::fread(h, sizeof(int32_t), 7, f);
-  std::fclose(f);
-  check(got == 7, "llama2.c model " + path + ": shorter than its 28-byte header");
-  const int64_t file_bytes = static_cast<int64_t>(std::filesystem::file_size(path));
+  check(std::fread(h, sizeof(int32_t), 7, f.get()) == 7, "llama2.c model " + path + ": shorter than its 28-byte header");
+  const int64_t file_bytes = static_cast<int64_t>(size);
   auto s = [](int64_t v) { return std::to_string(v); };
   check(h[0] > 0 && h[1] > 0 && h[2] > 0 && h[3] > 0 && h[4] > 0 && h[5] != 0 && h[5] != INT32_MIN && h[6] > 0,
         "llama2.c model " + path + ": header sizes must be positive (dim " + s(h[0]) + ", hidden_dim " + s(h[1]) +

@@ -45,15 +45,13 @@ std::vector<std::string> llmc_tensor_order(const ModelConfig& model) {
 
 ModelConfig read_llmc_model_config(const std::string& path) {
   check(std::filesystem::exists(path), "llm.c checkpoint " + path + ": not found");
-  const auto file_bytes = static_cast<int64_t>(std::filesystem::file_size(path));
+  uint64_t size = 0;
+  const FileStream f = open_regular_stream(path, "llm.c checkpoint", &size);
+  const auto file_bytes = static_cast<int64_t>(size);
   check(file_bytes >= 256 * 4, "llm.c checkpoint " + path + ": expected a 1024-byte header, found a " +
                                    std::to_string(file_bytes) + "-byte file");
-  FILE* f = std::fopen(path.c_str(), "rb");
-  check(f != nullptr, "llm.c checkpoint " + path + ": cannot open");
   int32_t h[256];
-  const size_t got = std::fread(h, sizeof(int32_t), 256, f);
-  std::fclose(f);
-  check(got == 256, "llm.c checkpoint " + path + ": cannot read header");
+  check(std::fread(h, sizeof(int32_t), 256, f.get()) == 256, "llm.c checkpoint " + path + ": cannot read header");
   check(h[0] == kLlmcModelMagic, "llm.c checkpoint " + path + ": expected magic " + std::to_string(kLlmcModelMagic) +
                                      ", found " + std::to_string(h[0]));
   check(h[1] == kLlmcModelVersion, "llm.c checkpoint " + path + ": expected version 3 (fp32, padded vocabulary), found " +

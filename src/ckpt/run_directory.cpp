@@ -14,6 +14,7 @@
 
 #include "ckpt/checkpoint.h"
 #include "core/error.h"
+#include "core/fileio.h"
 
 namespace keel {
 
@@ -44,11 +45,7 @@ std::string holder_of(int fd, int64_t* pid) {
 // Whether run_dir/config.toml (written by the earlier run at its start) is of this trajectory.
 bool same_trajectory(const std::string& dir, const Config& config, int world_size) {
   try {
-    std::ifstream in(dir + "/config.toml");
-    if (!in) return false;
-    std::stringstream text;
-    text << in.rdbuf();
-    Config earlier = Config::parse(text.str(), dir + "/config.toml");
+    Config earlier = Config::parse(read_text_file(dir + "/config.toml"), dir + "/config.toml");
     earlier.resolve(world_size);
     return earlier.trajectory_hash(world_size) == config.trajectory_hash(world_size);
   } catch (const std::exception&) {

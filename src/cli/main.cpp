@@ -317,8 +317,9 @@ int cmd_eval(const Args& a) {
   for (long i = 0; i < batches; ++i) sum += lm.model->forward(data.window(i));
   const double loss = sum / batches;
   check(std::isfinite(loss), "eval: the loss is not finite (" + std::to_string(loss) + ") on " + shard);
-  std::printf("{\"loss\": %.9g, \"perplexity\": %.6g, \"batches\": %ld, \"data\": \"%s\"}\n", loss, std::exp(loss),
-              batches, shard.c_str());
+  // (A perplexity past the largest double, e^709.8, is null: JSON has no infinity.)
+  const nlohmann::ordered_json out = {{"loss", loss}, {"perplexity", std::exp(loss)}, {"batches", batches}, {"data", shard}};
+  std::printf("%s\n", out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
   return 0;
 }
 
@@ -565,10 +566,14 @@ int cmd_report(const Args& a) {
   const std::string dir = a.get("--dir");
   const std::string out = a.get("--out", dir + "/report.html");
   check_output_file("report --out", out);
-  const std::string html = render_report(dir);
+  std::vector<std::string> skipped;
+  const std::string html = render_report(dir, &skipped);
   g_input_accepted = true;
   write_file_atomic(out, {ByteRange{html.data(), html.size()}});
-  std::printf("keel report: wrote %s (%zu KB, self-contained)\n", out.c_str(), html.size() / 1024);
+  for (size_t i = 0; i < skipped.size() && i < 5; ++i) std::fprintf(stderr, "keel report: %s\n", skipped[i].c_str());
+  if (skipped.size() > 5) std::fprintf(stderr, "keel report: ... %zu skipped in all\n", skipped.size());
+  std::printf("keel report: wrote %s (%zu KB, self-contained)%s\n", out.c_str(), html.size() / 1024,
+              skipped.empty() ? "" : (", " + std::to_string(skipped.size()) + " values or lines of metrics.jsonl skipped").c_str());
   return 0;
 }
 

@@ -5,13 +5,15 @@
 #include <charconv>
 #include <tuple>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <functional>
+#include <limits>
 #include <sstream>
 #include <variant>
 
 #include "core/error.h"
+#include "core/fileio.h"
 #include "core/toml_util.h"
 
 namespace keel {
@@ -378,11 +380,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   if (!path.empty()) {
     if (!std::filesystem::exists(path)) throw Error("config file " + path + ": not found");
     if (std::filesystem::is_directory(path)) throw Error("config file " + path + ": is a directory, not a TOML file");
-    std::ifstream in(path);
-    if (!in) throw Error("config file " + path + ": cannot read");
-    std::stringstream text;
-    text << in.rdbuf();
-    c = parse(text.str(), "config file " + path);
+    c = parse(read_text_file(path), "config file " + path);
   }
   for (const std::string& o : overrides) c.set(o);
   return c;
@@ -693,14 +691,31 @@ void Config::resolve(int world_size) {
   require(!train.run_dir.empty(), "train.run_dir", "a directory", "an empty string");
   require(train.sample_tokens >= 0, "train.sample_tokens", ">= 0", s(train.sample_tokens));
   require(train.samples >= 0, "train.samples", ">= 0", s(train.samples));
-  require(optim.lr > 0 && std::isfinite(static_cast<float>(optim.lr)), "optim.lr", "> 0 and within float range",
-          s(optim.lr));
-  require(optim.min_lr_ratio >= 0 && optim.min_lr_ratio <= 1, "optim.min_lr_ratio", "0..1", s(optim.min_lr_ratio));
+  // The optimizer computes in float32: a setting that rounds to 0 (or to a denormal, or to 1 for
+  // a beta) there would silently train nothing, or stop a moment from moving.
+  auto normal_float = [](double v) {
+    const float f = static_cast<float>(v);
+    return std::isfinite(f) && f >= std::numeric_limits<float>::min();
+  };
+  auto g = [](double v) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%.9g", v);
+    return std::string(text);
+  };
+  const std::string normal_floats = " (float32's normal range, " + g(std::numeric_limits<float>::min()) + " to " +
+                                    g(std::numeric_limits<float>::max()) + ")";
+  require(normal_float(optim.lr), "optim.lr", "> 0" + normal_floats, g(optim.lr));
+  require(optim.min_lr_ratio >= 0 && optim.min_lr_ratio <= 1, "optim.min_lr_ratio", "0..1", g(optim.min_lr_ratio));
+  require(optim.min_lr_ratio == 0 || normal_float(optim.lr * optim.min_lr_ratio), "optim.min_lr_ratio",
+          "0, or a final rate optim.lr * min_lr_ratio" + normal_floats, g(optim.min_lr_ratio));
   require(optim.warmup_steps >= 0, "optim.warmup_steps", ">= 0", s(optim.warmup_steps));
-  require(optim.weight_decay >= 0, "optim.weight_decay", ">= 0", s(optim.weight_decay));
-  require(optim.beta1 >= 0 && optim.beta1 < 1, "optim.beta1", "0 <= beta1 < 1", s(optim.beta1));
-  require(optim.beta2 >= 0 && optim.beta2 < 1, "optim.beta2", "0 <= beta2 < 1", s(optim.beta2));
-  require(optim.eps > 0, "optim.eps", "> 0", s(optim.eps));
+  require(optim.weight_decay == 0 || normal_float(optim.weight_decay), "optim.weight_decay", "0, or > 0" + normal_floats,
+          g(optim.weight_decay));
+  require(optim.beta1 >= 0 && static_cast<float>(optim.beta1) < 1, "optim.beta1", "0 <= beta1 < 1 (in float32)",
+          g(optim.beta1));
+  require(optim.beta2 >= 0 && static_cast<float>(optim.beta2) < 1, "optim.beta2", "0 <= beta2 < 1 (in float32)",
+          g(optim.beta2));
+  require(normal_float(optim.eps), "optim.eps", "> 0" + normal_floats, g(optim.eps));
   require(optim.grad_clip >= 0, "optim.grad_clip", ">= 0", s(optim.grad_clip));
   require(optim.freeze_layers >= 0 && optim.freeze_layers <= model.n_layer + 2, "optim.freeze_layers",
           "0.." + s(model.n_layer + 2) + " (layers: embeddings, " + s(model.n_layer) + " blocks, head)",

@@ -14,6 +14,7 @@
 #include <mutex>
 
 #include "core/error.h"
+#include "core/fileio.h"
 
 namespace keel {
 
@@ -64,44 +65,35 @@ class PosixFile final : public WritableFile {
 class PosixEnv final : public Env {
  public:
   std::unique_ptr<WritableFile> create(const std::string& path) override {
-    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    check(fd >= 0, "file " + path + ": cannot create (" + os_error() + ")");
-    return std::make_unique<PosixFile>(path, fd);
+    return std::make_unique<PosixFile>(path, create_regular_file(path).release());
   }
 
   std::vector<char> read(const std::string& path) override {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    check(fd >= 0, "file " + path + ": cannot open (" + os_error() + ")");
-    struct stat st = {};
+    uint64_t size = 0;
+    const FileDescriptor file = open_regular_file(path, "file", &size);
+    const int fd = file.get();
     std::vector<char> out;
-    if (::fstat(fd, &st) == 0 && st.st_size > 0) out.reserve(static_cast<size_t>(st.st_size));
+    out.reserve(static_cast<size_t>(size));
     char buf[1 << 16];
     for (;;) {
       const ssize_t n = ::read(fd, buf, sizeof buf);
       if (n < 0 && errno == EINTR) continue;
-      if (n < 0) {
-        const std::string why = os_error();
-        ::close(fd);
-        throw Error("file " + path + ": read failed (" + why + ")");
-      }
+      if (n < 0) throw Error("file " + path + ": read failed (" + os_error() + ")");
       if (n == 0) break;
       out.insert(out.end(), buf, buf + n);
     }
-    ::close(fd);
     return out;
   }
 
   std::vector<char> read_range(const std::string& path, uint64_t offset, size_t bytes) override {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    check(fd >= 0, "file " + path + ": cannot open (" + os_error() + ")");
+    uint64_t size = 0;
+    const FileDescriptor file = open_regular_file(path, "file", &size);
+    const int fd = file.get();
     // A range past the end is refused before anything is allocated for it (a damaged manifest
     // may claim any size).
-    struct stat st = {};
-    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
-        (offset > static_cast<uint64_t>(st.st_size) || bytes > static_cast<uint64_t>(st.st_size) - offset)) {
-      ::close(fd);
+    if (offset > size || bytes > size - offset) {
       throw Error("file " + path + ": cannot read " + std::to_string(bytes) + " bytes at offset " +
-                  std::to_string(offset) + " (the file ends at " + std::to_string(st.st_size) + ")");
+                  std::to_string(offset) + " (the file ends at " + std::to_string(size) + ")");
     }
     std::vector<char> out(bytes);
     size_t got = 0;
@@ -110,13 +102,11 @@ class PosixEnv final : public Env {
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) {
         const std::string why = n < 0 ? os_error() : "the file ends";
-        ::close(fd);
         throw Error("file " + path + ": cannot read " + std::to_string(bytes) + " bytes at offset " +
                     std::to_string(offset) + " (" + why + " after " + std::to_string(got) + ")");
       }
       got += static_cast<size_t>(n);
     }
-    ::close(fd);
     return out;
   }
 

@@ -4,25 +4,17 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <iterator>
 #include <set>
 
 #include "core/error.h"
+#include "core/fileio.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
 
 namespace keel {
 namespace fs = std::filesystem;
 namespace {
-
-std::string read_text_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  check(in.good(), "corpus file " + path.string() + ": cannot open (" + std::strerror(errno) + ")");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  check(!in.bad(), "corpus file " + path.string() + ": read failed");
-  return text;
-}
 
 bool is_blank(std::string_view text) { return text.find_first_not_of(" \t\n\r\v\f") == std::string_view::npos; }
 
@@ -109,7 +101,7 @@ std::vector<std::string> read_documents(const std::vector<std::string>& paths) {
     const auto status = fs::status(path, ec);
     check(fs::exists(status), "corpus path " + arg + ": expected a file or directory, found none");
     if (fs::is_directory(status)) {
-      for (const fs::path& file : files_in_directory(path, included)) append_documents(read_text_file(file), documents);
+      for (const fs::path& file : files_in_directory(path, included)) append_documents(read_text_file(file.string()), documents);
     } else {
       included.insert(fs::weakly_canonical(path, ec));
       append_documents(read_text_file(path), documents);

@@ -34,10 +34,11 @@ std::string lower(std::string s) {
 }
 
 Rgba decode_png(const std::string& path) {
+  const FileStream file = open_regular_stream(path, "image");
   png_image image;
   std::memset(&image, 0, sizeof image);
   image.version = PNG_IMAGE_VERSION;
-  if (!png_image_begin_read_from_file(&image, path.c_str())) {
+  if (!png_image_begin_read_from_stdio(&image, file.get())) {
     throw Error("image " + path + ": not a readable PNG (" + image.message + ")");
   }
   image.format = PNG_FORMAT_RGBA;
@@ -69,14 +70,19 @@ void jpeg_fail(j_common_ptr info) {
   std::longjmp(e->jump, 1);
 }
 
+// libjpeg's warnings are damaged data it decodes around (a file cut short is padded with grey,
+// bytes between markers are skipped): an image with one is corrupt, like one with an error.
+void jpeg_message(j_common_ptr info, int level) {
+  if (level < 0) jpeg_fail(info);
+}
+
 Rgba decode_jpeg(const std::string& path) {
-  std::unique_ptr<FILE, int (*)(FILE*)> file(std::fopen(path.c_str(), "rb"), &std::fclose);
-  check(file != nullptr, "image " + path + ": cannot open: " + std::strerror(errno));
+  const FileStream file = open_regular_stream(path, "image");
   jpeg_decompress_struct info;
   JpegError err;
   info.err = jpeg_std_error(&err.mgr);
   err.mgr.error_exit = jpeg_fail;
-  err.mgr.output_message = [](j_common_ptr) {};  // warnings: not printed
+  err.mgr.emit_message = jpeg_message;  // (trace messages, level >= 0, are not printed)
   Rgba out;
   std::vector<uint8_t> row;
   if (setjmp(err.jump)) {
@@ -143,6 +149,13 @@ std::vector<Tap> resample_taps(int in, int out) {
     }
   }
   return taps;
+}
+
+// A file name's bytes as text: each byte that is not part of valid UTF-8 becomes U+FFFD. (Names
+// are bytes on Linux; captions are text to tokenize, and the dataset's files are JSON.)
+std::string utf8_text(const std::string& name) {
+  using nlohmann::json;
+  return json::parse(json(name).dump(-1, ' ', false, json::error_handler_t::replace)).get<std::string>();
 }
 
 // A name's words: '-', '_' and '.' as spaces, one space between words.
@@ -240,15 +253,23 @@ ImageDatasetResult build_image_dataset(const ImageDatasetOptions& o) {
   // Every image file once (links as the file they name), by caption: the largest of each.
   std::map<std::string, Found> by_caption;
   std::map<std::string, bool> seen_targets;
-  std::vector<fs::path> files;
+  std::vector<std::pair<fs::path, fs::file_type>> files;  // with the type of what each names
   for (const fs::directory_entry& e : fs::recursive_directory_iterator(o.from, fs::directory_options::skip_permission_denied)) {
     const std::string ext = lower(e.path().extension().string());
     if (ext != ".png" && ext != ".jpg" && ext != ".jpeg") continue;
-    files.push_back(e.path());
+    std::error_code ec;
+    files.emplace_back(e.path(), e.status(ec).type());
   }
   std::sort(files.begin(), files.end());
   const fs::path root = fs::canonical(o.from);
-  for (const fs::path& p : files) {
+  for (const auto& [p, type] : files) {
+    // A FIFO, device or socket (or a directory) with an image's name is not opened: a FIFO
+    // would wait for a writer forever.
+    if (type != fs::file_type::regular && type != fs::file_type::not_found) {
+      if (o.strict) throw Error(not_regular_file_message("image", p.string(), type));
+      result.skipped.push_back(p.lexically_relative(o.from).string() + ": not a regular file (" + file_kind(type) + ")");
+      continue;
+    }
     std::error_code ec;
     const fs::path target = fs::canonical(p, ec);
     if (ec) {
@@ -261,9 +282,9 @@ ImageDatasetResult build_image_dataset(const ImageDatasetOptions& o) {
     // older aliases of the same picture).
     Found f;
     const bool inside = std::mismatch(root.begin(), root.end(), target.begin(), target.end()).first == root.end();
-    f.source = inside ? fs::relative(target, root).string() : fs::relative(p, o.from).string();
-    f.category = target.parent_path() == root ? "" : target.parent_path().filename().string();
-    const std::string words = caption_words(target.stem().string());
+    f.source = utf8_text(inside ? fs::relative(target, root).string() : fs::relative(p, o.from).string());
+    f.category = target.parent_path() == root ? "" : utf8_text(target.parent_path().filename().string());
+    const std::string words = caption_words(utf8_text(target.stem().string()));
     if (words.empty()) {
       result.skipped.push_back(f.source + ": no words in its name for a caption");
       continue;
@@ -314,7 +335,8 @@ ImageDatasetResult build_image_dataset(const ImageDatasetOptions& o) {
                                {"from", fs::absolute(o.from).string()}, {"duplicates", result.duplicates},
                                {"skipped", result.skipped.size()},
                                {"skipped_first", std::vector<std::string>(result.skipped.begin(), result.skipped.begin() + std::min<size_t>(result.skipped.size(), 20))}};
-  const std::string text = meta.dump(2) + "\n";
+  // (Paths in it are kept as they are, but for bytes that are not UTF-8: see utf8_text.)
+  const std::string text = meta.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
   write_file_atomic(o.out + "/meta.json", {ByteRange{text.data(), text.size()}});  // last: a dataset is complete once it exists
   return result;
 }

@@ -7,7 +7,6 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 
 #include "core/error.h"
@@ -39,20 +38,14 @@ void write_token_shard(const std::string& path, const std::vector<uint16_t>& tok
 std::vector<uint16_t> read_token_shard(const std::string& path, int max_token) {
   const std::string where = "shard " + path;
   std::error_code ec;
-  const auto status = std::filesystem::status(path, ec);
-  check(std::filesystem::exists(status), where + ": expected a file, found none");
-  check(std::filesystem::is_regular_file(status),
-        where + ": expected a regular file, found a directory or special file");
-  const uintmax_t file_bytes = std::filesystem::file_size(path, ec);
-  check(!ec, where + ": cannot read its size (" + ec.message() + ")");
-
-  std::ifstream in(path, std::ios::binary);
-  check(in.good(), where + ": cannot open (" + std::strerror(errno) + ")");
+  check(std::filesystem::exists(std::filesystem::status(path, ec)), where + ": expected a file, found none");
+  uint64_t size = 0;
+  const FileStream in = open_regular_stream(path, "shard", &size);
+  const uintmax_t file_bytes = size;
   check(file_bytes >= kHeaderBytes, where + ": expected a " + std::to_string(kHeaderBytes) + "-byte header, found a " +
                                         std::to_string(file_bytes) + "-byte file");
   int32_t header[kHeaderInts];
-  in.read(reinterpret_cast<char*>(header), kHeaderBytes);
-  check(in.good(), where + ": cannot read its header");
+  check(std::fread(header, 1, kHeaderBytes, in.get()) == kHeaderBytes, where + ": cannot read its header");
   check(header[0] == kShardMagic,
         where + ": expected magic " + std::to_string(kShardMagic) + ", found " + std::to_string(header[0]));
   check(header[1] == kShardVersion,
@@ -66,8 +59,8 @@ std::vector<uint16_t> read_token_shard(const std::string& path, int max_token) {
                                           (file_bytes < expected_bytes ? " (truncated)" : " (trailing bytes)"));
 
   std::vector<uint16_t> tokens(static_cast<size_t>(count));
-  in.read(reinterpret_cast<char*>(tokens.data()), static_cast<std::streamsize>(tokens.size() * sizeof(uint16_t)));
-  check(in.good() || tokens.empty(), where + ": cannot read its " + std::to_string(count) + " tokens");
+  check(std::fread(tokens.data(), sizeof(uint16_t), tokens.size(), in.get()) == tokens.size(),
+        where + ": cannot read its " + std::to_string(count) + " tokens");
   if (max_token >= 0) {
     for (size_t i = 0; i < tokens.size(); ++i) {
       if (tokens[i] > max_token)

@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
 #include <queue>
@@ -87,14 +86,6 @@ void for_each_pretoken(std::string_view text, Emit&& emit) {
     emit(text.substr(i, end - i));
     i = end;
   }
-}
-
-std::string read_whole_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  check(in.good(), "tokenizer " + path + ": cannot open (" + std::strerror(errno) + ")");
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  check(!in.bad(), "tokenizer " + path + ": read failed");
-  return bytes;
 }
 
 // Error messages are one line; parser messages may quote the file's own newlines.
@@ -256,7 +247,7 @@ Tokenizer Tokenizer::train(const std::vector<std::string>& documents, int vocab_
 }
 
 Tokenizer Tokenizer::load(const std::string& path) {
-  const std::string bytes = read_whole_file(path);
+  const std::string bytes = read_text_file(path);
   const std::string where = "tokenizer " + path;
   Tokenizer tok;
   tok.origin_ = where;

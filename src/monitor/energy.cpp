@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
+
+#include "core/error.h"
+#include "core/fileio.h"
 
 namespace keel {
 
@@ -14,10 +16,14 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// False when path is not a readable regular file holding a number (a FIFO there is not waited on).
 bool read_u64(const std::string& path, uint64_t* out) {
-  std::ifstream in(path);
   unsigned long long v = 0;
-  if (!(in >> v)) return false;
+  try {
+    if (std::fscanf(open_regular_stream(path).get(), "%llu", &v) != 1) return false;
+  } catch (const Error&) {
+    return false;
+  }
   *out = v;
   return true;
 }

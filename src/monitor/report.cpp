@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -190,27 +189,97 @@ std::string gantt(const json& trace) {
   return o.str();
 }
 
+// The type of each field of a metrics line that the report reads: "number", "string", an object's
+// own fields, or [the fields of an array's objects].
+const json& metrics_line_types() {
+  static const json types = json::parse(R"({
+    "step": "number", "loss": "number", "val_loss": "number", "ms": "number", "tokens_per_s": "number",
+    "samples_per_s": "number", "mfu": "number", "grad_norm_image": "number", "grad_norm_text": "number",
+    "recall_i2t_at1": "number", "recall_i2t_at5": "number", "recall_t2i_at1": "number", "recall_t2i_at5": "number",
+    "val_pairs": "number", "tier_hit_rate": "number", "tier_device_hit_rate": "number", "tier_host_hit_rate": "number",
+    "tier_nvme_hit_rate": "number", "pipeline_bubble": "number", "sync_latency_ms": "number", "sync_jitter": "number",
+    "energy_kwh_per_mtok": "number", "energy_source": "string", "ranks": "number",
+    "sync_layers": [{"layer": "number", "raw_bytes": "number", "wire_bytes": "number", "codec": "string"}],
+    "event": "string", "started": "string", "host": "string", "cpu": "string", "threads_per_rank": "number",
+    "peak_gflops": "number", "peak_how": "string",
+    "model": {"preset": "string", "n_layer": "number", "n_embd": "number", "n_head": "number", "vocab_size": "number",
+              "parameters": "number"},
+    "batch": {"batch_size": "number", "seq_len": "number", "grad_accum": "number", "steps": "number"},
+    "layout": {"ranks": "number", "data": "number", "pipeline": "number", "zero": "number", "codec": "string",
+               "tiers": {"device_mib": "number", "host_mib": "number", "nvme_dir": "string"}}
+  })");
+  return types;
+}
+
+// Removes from object `j` each field the report reads whose value is not of the type `types` gives
+// it, noting each in `skipped` ("WHERE: field 'a.b': expected a number, found a string"): a value
+// written wrong costs that value, not the report of a whole run.
+void drop_mistyped(json& j, const json& types, const std::string& where, const std::string& prefix,
+                   std::vector<std::string>& skipped) {
+  for (auto it = j.begin(); it != j.end();) {
+    const auto type = types.find(it.key());
+    if (type == types.end()) {
+      ++it;
+      continue;
+    }
+    const std::string field = prefix + it.key();
+    json& v = it.value();
+    std::string expected;
+    if (type->is_string()) {
+      expected = type->get<std::string>();
+      if ((expected == "number" && v.is_number()) || (expected == "string" && v.is_string())) expected.clear();
+    } else if (type->is_object()) {
+      if (v.is_object()) drop_mistyped(v, *type, where, field + ".", skipped);
+      else expected = "an object";
+    } else if (v.is_array()) {
+      for (size_t i = 0; i < v.size(); ++i) {
+        if (v[i].is_object()) drop_mistyped(v[i], type->front(), where, field + "[" + std::to_string(i) + "].", skipped);
+      }
+    } else {
+      expected = "an array";
+    }
+    if (expected.empty()) {
+      ++it;
+      continue;
+    }
+    auto a = [](const std::string& type) { return type == "null" ? type : (type[0] == 'a' || type[0] == 'o' ? "an " : "a ") + type; };
+    if (expected == "number" || expected == "string") expected = a(expected);
+    skipped.push_back(where + ": field '" + field + "': expected " + expected + ", found " + a(v.type_name()) + " (" +
+                      v.dump(-1, ' ', false, json::error_handler_t::replace).substr(0, 40) + "); value skipped");
+    it = j.erase(it);
+  }
+}
+
 }  // namespace
 
-std::string render_report(const std::string& run_dir) {
+std::string render_report(const std::string& run_dir, std::vector<std::string>* skipped_values) {
   const std::string metrics_path = run_dir + "/metrics.jsonl";
   check(fs::is_directory(run_dir), "report " + run_dir + ": not a directory");
-  check(fs::is_regular_file(metrics_path), "report " + run_dir + ": not a run directory (no metrics.jsonl)");
+  check(fs::exists(fs::symlink_status(metrics_path)), "report " + run_dir + ": not a run directory (no metrics.jsonl)");
   std::vector<json> steps, evals, events;
+  std::vector<std::string> skipped;
   {
-    std::ifstream in(metrics_path);
-    std::string line;
+    const std::string text = read_text_file(metrics_path);
     int n = 0;
-    while (std::getline(in, line)) {
-      ++n;
+    for (size_t at = 0; at < text.size();) {
+      const size_t end = std::min(text.find('\n', at), text.size());
+      const std::string line = text.substr(at, end - at);
+      const std::string where = metrics_path + " line " + std::to_string(++n);
+      at = end + 1;
       if (line.empty()) continue;
       json j;
       try {
         j = json::parse(line);
       } catch (const json::exception&) {
-        // A run still going may be writing its last line: skip what does not parse yet.
+        // A run still going may be writing its last line: what does not parse there is not yet skipped.
+        if (end < text.size()) skipped.push_back(where + ": not JSON; line skipped");
         continue;
       }
+      if (!j.is_object()) {
+        skipped.push_back(where + ": expected a JSON object, found " + j.dump().substr(0, 40) + "; line skipped");
+        continue;
+      }
+      drop_mistyped(j, metrics_line_types(), where, "", skipped);
       if (j.contains("event")) events.push_back(j);
       else if (j.contains("val_loss")) evals.push_back(j);
       else if (j.contains("loss")) steps.push_back(j);
@@ -218,7 +287,7 @@ std::string render_report(const std::string& run_dir) {
   }
   MonitorConfig thresholds;
   std::string config_text;
-  if (fs::is_regular_file(run_dir + "/config.toml")) {
+  if (fs::exists(fs::symlink_status(run_dir + "/config.toml"))) {
     config_text = read_text_file(run_dir + "/config.toml");
     try {
       thresholds = Config::parse(config_text, run_dir + "/config.toml").monitor;
@@ -324,6 +393,9 @@ std::string render_report(const std::string& run_dir) {
                       escape(steps.back().value("energy_source", "?")) + ")");
   }
   row("events", std::to_string(events.size()) + " (checkpoints, recoveries, alerts)");
+  if (!skipped.empty()) {
+    row("skipped", std::to_string(skipped.size()) + " values or lines of metrics.jsonl (the first: " + escape(skipped.front()) + ")");
+  }
   h << "</table>";
   h << "<h2>Training</h2>";
   h << plot("Loss", {series(steps, "loss", "train", "#4a90d9"), series(evals, "val_loss", "validation", "#e94e3c")}, {},
@@ -354,7 +426,7 @@ std::string render_report(const std::string& run_dir) {
             {{thresholds.max_sync_jitter, "target " + num(thresholds.max_sync_jitter)}}, markers);
   h << layer_bars(layer_bytes, run_line.is_object() ? run_line.value("model", json::object()).value("n_layer", 0) : 0);
   h << plot("Energy (kWh per million tokens)", {series(steps, "energy_kwh_per_mtok", "kWh/Mtok", "#e90")}, {}, markers);
-  if (fs::is_regular_file(run_dir + "/pipeline_trace.json")) {
+  if (fs::exists(fs::symlink_status(run_dir + "/pipeline_trace.json"))) {
     try {
       h << "<h2>Pipeline</h2>" << gantt(json::parse(read_text_file(run_dir + "/pipeline_trace.json")));
     } catch (const json::exception&) {
@@ -371,6 +443,7 @@ std::string render_report(const std::string& run_dir) {
   h << "</table>";
   if (!config_text.empty()) h << "<h2>Configuration</h2><pre>" << escape(config_text) << "</pre>";
   h << "</body></html>\n";
+  if (skipped_values != nullptr) *skipped_values = std::move(skipped);
   return h.str();
 }
 

@@ -6,11 +6,15 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 namespace keel {
 
 // The report's HTML for run directory `run_dir`. Throws keel::Error when it is not a run
-// directory (no metrics.jsonl) or its metrics cannot be read.
-std::string render_report(const std::string& run_dir);
+// directory (no metrics.jsonl) or its metrics cannot be read. A metrics line that is not JSON (but
+// the last, which a run may still be writing), or a value not of its field's type, is left out of
+// the report and noted in `skipped` ("RUN/metrics.jsonl line 7: field 'loss': expected a number,
+// found string ..."); the report says how many.
+std::string render_report(const std::string& run_dir, std::vector<std::string>* skipped = nullptr);
 
 }  // namespace keel

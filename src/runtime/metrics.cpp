@@ -48,6 +48,10 @@ void Metrics::replace_sources(const std::vector<MetricsSource*>& old, const std:
 void Metrics::open(bool keep, int64_t step) {
   if (!world_.is_root()) return;
   const std::string path = config_.train.run_dir + "/metrics.jsonl";
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  // (A FIFO here would block the open for writing until someone read it.)
+  if (fs::exists(st) && !fs::is_regular_file(st)) throw Error(not_regular_file_message("file", path, st.type()));
   if (keep) trim(path, step);
   file_.open(path, keep ? std::ios::app : std::ios::trunc);
   check(file_.good(), "run directory " + config_.train.run_dir + ": cannot write metrics.jsonl");
@@ -55,7 +59,8 @@ void Metrics::open(bool keep, int64_t step) {
 
 void Metrics::log(const json& line) {
   if (!world_.is_root()) return;
-  file_ << line.dump() << '\n';
+  // (Strings from outside, paths and names, may hold bytes that are not UTF-8: each becomes U+FFFD.)
+  file_ << line.dump(-1, ' ', false, json::error_handler_t::replace) << '\n';
   file_.flush();
   if (!line.contains("loss") || line.contains("event")) {
     for (StepLineSink* sink : sinks_) sink->observe_event(line);
