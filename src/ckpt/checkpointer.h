@@ -86,6 +86,8 @@ class Checkpointer {
   // This rank's residuals in `state`: whole (`out`: saved under this layout) or by key (`parts`:
   // another pipeline layout of the same data-parallel ranks); else a note that they are dropped.
   std::string load_residuals(const TrainState& state, std::vector<float>& out, std::vector<GradSync::ResidualPart>& parts);
+  // The run's id once resume decided (RunDirectory::settle_run_id), for its checkpoints.
+  void settle_run_id();
   // Rank 0: one line when the checkpoint's run read another training set than this one.
   void note_other_data(const TrainState& state) const;
 
