@@ -30,14 +30,16 @@ class Checkpointer {
                std::function<void(const nlohmann::json&)> log_event);
   ~Checkpointer();
 
-  // Start-up, on every rank: removes what a crash during a write left (rank 0), then loads the
-  // checkpoint to resume from, if any: train.resume (a directory or a root), the run's own
-  // checkpoints for "auto" or a job restarted by `keel launch` (KEEL_RESTART). A candidate is
-  // used only when every rank loaded it; a rejected one is reported and the next older one
-  // tried. Returns the state loaded, or nullopt for a fresh start (the store's moments and
-  // versions then cleared of anything a failed load wrote). Throws keel::Error when an
-  // explicit train.resume has no usable checkpoint, or when a fresh start would overwrite an
-  // earlier run (RunDirectory::check_fresh_start).
+  // Start-up, on every rank: removes what a crash during one of this run's writes left (rank 0;
+  // other incomplete directories are reported and left alone), then loads the checkpoint to
+  // resume from, if any: train.resume (a directory or a root), the run's own checkpoints for
+  // "auto" or a job restarted by `keel launch` (KEEL_RESTART). A candidate is used only when
+  // every rank loaded it; a rejected one is reported and the next older one tried. Returns the
+  // state loaded, or nullopt for a fresh start (the store's moments and versions then cleared of
+  // anything a failed load wrote); either way the run then has its id. Throws keel::Error when an
+  // explicit train.resume has no usable checkpoint or is another run's checkpoint
+  // (RunDirectory::check_resume_from), or when a fresh start would overwrite an earlier run
+  // (RunDirectory::check_fresh_start).
   std::optional<TrainState> resume();
 
   // A job restarted by `keel launch --max-restarts` (KEEL_RESTART): prints and logs (`event:
