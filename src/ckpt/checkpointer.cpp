@@ -104,14 +104,6 @@ double Checkpointer::buffer_bytes() const {
 std::optional<TrainState> Checkpointer::resume() {
   const TrainConfig& t = config_.train;
   const int world = comm_.size();
-  // A job restarted by `keel launch --max-restarts` continues from its own newest checkpoint when
-  // it has one, whatever train.resume says (that was where the first attempt started).
-  const bool restarted = std::getenv("KEEL_RESTART") != nullptr;
-  const bool has_own = !list_checkpoints(root_).empty() || Env::get().exists(root_ + "/manifest.json");
-  const bool automatic = t.resume == "auto" || (restarted && has_own);
-  const std::string resume = automatic ? root_ : t.resume;
-  std::vector<std::string> candidates;
-  if (!resume.empty() && (!automatic || has_own)) candidates = checkpoint_candidates(resume);
   // A checkpoint directory without a manifest: what a crash during one of this run's writes
   // leaves behind is removed; anything else is left alone (and never used).
   if (comm_.is_root()) {
@@ -125,6 +117,14 @@ std::optional<TrainState> Checkpointer::resume() {
                    "and not used\n", root_.c_str(), name.c_str(), why.c_str());
     }
   }
+  // A job restarted by `keel launch --max-restarts` continues from its own newest checkpoint when
+  // it has one, whatever train.resume says (that was where the first attempt started).
+  const bool restarted = std::getenv("KEEL_RESTART") != nullptr;
+  const bool has_own = !list_checkpoints(root_).empty() || Env::get().exists(root_ + "/manifest.json");
+  const bool automatic = t.resume == "auto" || (restarted && has_own);
+  const std::string resume = automatic ? root_ : t.resume;
+  std::vector<std::string> candidates;
+  if (!resume.empty() && (!automatic || has_own)) candidates = checkpoint_candidates(resume);
   std::string last_why;
   std::vector<std::string> rejections;  // said when an older candidate is used, or with "auto"
   for (size_t i = 0; i < candidates.size(); ++i) {
