@@ -315,7 +315,9 @@ void RunDirectory::check_resume_from(const std::string& resume, const std::strin
   outcome = world_.broadcast(outcome);
   if (outcome == 2) run_id_.clear();
   if (outcome != 1) return;
-  throw Error("train.run_dir " + path_ + ": " + (why.empty() ? std::string("holds another run (see rank 0)") : why));
+  // (Every rank says what was refused: mpirun may end rank 0 before it has printed its line.)
+  throw Error("train.run_dir " + path_ + ": " +
+              (why.empty() ? "holds a run that train.resume=" + resume + " is not of (see rank 0)" : why));
 }
 
 bool RunDirectory::is_own(const std::string& dir) const {
