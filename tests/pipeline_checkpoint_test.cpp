@@ -6,11 +6,14 @@
 // the uninterrupted run's bytes; with data parallelism the sum over replicas rounds in another
 // order, so there the resumed state is checked exactly and the training that follows closely.
 // And `keel launch --max-restarts` recovers a pipelined run from SIGKILL to the uninterrupted bytes.
+// With gradient prediction as well, in the layout that wrote the checkpoint (PredictionCheckpoints).
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -66,6 +69,41 @@ class PipelineCheckpoints : public ::testing::Test {
     }
   }
   static testing::TempDir* dir_;
+  // `keel launch` words for a training run whose log is read while it runs.
+  static std::vector<std::string> launch_words(const std::string& run, const std::string& extra, int max_restarts) {
+    const std::string a = args(run, extra);
+    std::vector<std::string> words = {"launch", "-n", "2"};
+    if (max_restarts > 0) words.insert(words.end(), {"--max-restarts", std::to_string(max_restarts)});
+    words.push_back("--");
+    for (size_t at = 0, next; at < a.size(); at = next + 1) {
+      next = std::min(a.find(' ', at), a.size());
+      if (next > at) words.push_back(a.substr(at, next - at));
+    }
+    return words;
+  }
+  // Polls `job`'s output until it holds `text` (false: the job ended first); a hang guard of 300 s.
+  static bool wait_for(testing::KeelJob& job, const std::string& text) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(300);
+    while (job.running() && job.output().find(text) == std::string::npos) {
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return job.running();
+  }
+  // Run `run` of `extra` with checkpoints every 10 steps under `keel launch --max-restarts 2`,
+  // its second stage SIGKILLed once the checkpoint of step 20 is published: the job recovers and
+  // finishes.
+  static void kill_a_stage_and_recover(const std::string& run, const std::string& extra) {
+    testing::KeelJob job(launch_words(run, extra + "--set train.checkpoint_every=10", 2), at(run + ".log"), {});
+    ASSERT_GT(job.pid(), 0);
+    ASSERT_TRUE(wait_for(job, "keel: checkpoint step-00000020")) << "no kill before the job ended\n" << job.output();
+    const std::vector<pid_t> pids = testing::keel_train_pids(dir_->path() + "/toy.toml");
+    ASSERT_EQ(pids.size(), 2u) << job.output();
+    ASSERT_EQ(::kill(pids[1], SIGKILL), 0);
+    ASSERT_EQ(job.wait(300), 0) << job.output();
+    EXPECT_NE(job.output().find("keel: recovered from failure 1"), std::string::npos) << job.output();
+    EXPECT_NE(job.output().find("training resumes at step"), std::string::npos) << job.output();
+  }
 };
 testing::TempDir* PipelineCheckpoints::dir_ = nullptr;
 
@@ -152,28 +190,163 @@ TEST_F(PipelineCheckpoints, ATiedEmbeddingAcrossStagesResumesExactly) {
 TEST_F(PipelineCheckpoints, ASigkilledStageIsRecoveredToTheUninterruptedBytes) {
   const std::string long_run = "--set parallel.pipeline=2 --set train.steps=60 --set train.log_every=1 ";
   ASSERT_EQ(train(2, "long-ref", long_run).exit_code, 0);
-  const std::string a = args("chaos", long_run + "--set train.checkpoint_every=10");
-  std::vector<std::string> words = {"launch", "-n", "2", "--max-restarts", "2", "--"};
-  for (size_t at = 0, next; at < a.size(); at = next + 1) {
-    next = std::min(a.find(' ', at), a.size());
-    if (next > at) words.push_back(a.substr(at, next - at));
-  }
-  testing::KeelJob job(words, at("chaos.log"), {});
-  ASSERT_GT(job.pid(), 0);
-  // Once its second checkpoint is published, the job loses its second stage.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(300);
-  while (job.running() && job.output().find("keel: checkpoint step-00000020") == std::string::npos) {
-    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "no checkpoint at step 20 (a hang guard)\n" << job.output();
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  ASSERT_TRUE(job.running()) << "the job ended before the kill\n" << job.output();
-  const std::vector<pid_t> pids = testing::keel_train_pids(dir_->path() + "/toy.toml");
-  ASSERT_EQ(pids.size(), 2u) << job.output();
-  ASSERT_EQ(::kill(pids[1], SIGKILL), 0);
-  ASSERT_EQ(job.wait(300), 0) << job.output();
-  EXPECT_NE(job.output().find("keel: recovered from failure 1"), std::string::npos) << job.output();
-  EXPECT_NE(job.output().find("training resumes at step"), std::string::npos) << job.output();
+  ASSERT_NO_FATAL_FAILURE(kill_a_stage_and_recover("chaos", long_run));
   expect_same_state("chaos", "long-ref");
+}
+
+// Gradient prediction (parallel.predict_gradients): a step leaves each stage's last W to the next
+// one, and the predictor keeps a history. A checkpoint runs those W's first (the sums the next
+// step would have made) and saves every rank's prediction state beside the chunks, so a run
+// resumed from any checkpoint, stopped by SIGTERM at any step or SIGKILLed under `keel launch
+// --max-restarts` ends with the bytes of the run never interrupted: parameters, moments and
+// every rank's prediction state. Only the layout that saved the state takes it up; any other is
+// refused in one line.
+class PredictionCheckpoints : public PipelineCheckpoints {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new testing::TempDir("keel-predict-ckpt");
+    testing::write_toy_corpus(dir_->path());
+    testing::write_toy_config(dir_->path(), kSteps);
+  }
+  static std::string layout(const std::string& predictor) {
+    return "--set parallel.pipeline=2 --set parallel.predict_gradients=" + predictor + " ";
+  }
+  // The newest checkpoints of two runs: the same parameters, moments and prediction state of
+  // each of the `ranks` ranks, byte for byte.
+  static void expect_same_prediction_state(const std::string& a, const std::string& b, int ranks = 2) {
+    expect_same_state(a, b);
+    const std::string ca = testing::newest_checkpoint(at(a) + "/ckpt"), cb = testing::newest_checkpoint(at(b) + "/ckpt");
+    for (int rank = 0; rank < ranks; ++rank) {
+      const std::vector<float> x = read_rank_carried(ca, rank), y = read_rank_carried(cb, rank);
+      EXPECT_FALSE(x.empty());
+      EXPECT_TRUE(x == y) << a << " vs " << b << ": prediction state of rank " << rank;
+    }
+  }
+  static void expect_same_losses(const std::string& run, const std::string& ref, size_t from_step) {
+    const std::vector<double> got = losses(run), want = losses(ref);
+    ASSERT_EQ(got.size() + from_step, want.size()) << run;
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], want[from_step + i]) << run << " step " << from_step + i + 1;
+  }
+};
+
+class PredictionResumes : public PredictionCheckpoints, public ::testing::WithParamInterface<std::string> {};
+
+// Every predictor: checkpoints every 2 steps (full and differential) change nothing (the same
+// bytes as the run without them), and a run resumed from each of them ends with the uninterrupted
+// run's bytes after the uninterrupted run's losses.
+TEST_P(PredictionResumes, FromEveryCheckpointToTheUninterruptedBytes) {
+  const std::string p = GetParam();
+  const int steps = 12;
+  const std::string run = layout(p) + "--set train.steps=" + std::to_string(steps) + " ";
+  const testing::CommandResult ref = train(2, p + "-ref", run);
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  const testing::CommandResult periodic =
+      train(2, p + "-periodic", run + "--set train.checkpoint_every=2 --set checkpoint.keep=8");
+  ASSERT_EQ(periodic.exit_code, 0) << periodic.output;
+  const std::vector<std::string> ckpts = list_checkpoints(at(p + "-periodic") + "/ckpt");
+  ASSERT_EQ(ckpts.size(), static_cast<size_t>(steps / 2));
+  std::vector<std::string> kinds;
+  for (const std::string& c : ckpts) {
+    EXPECT_NO_THROW(verify_checkpoint(c)) << c;
+    kinds.push_back(describe_checkpoint(c).kind);
+  }
+  EXPECT_NE(std::find(kinds.begin(), kinds.end(), "full"), kinds.end());
+  EXPECT_NE(std::find(kinds.begin(), kinds.end(), "diff"), kinds.end());
+  expect_same_prediction_state(p + "-periodic", p + "-ref");
+  expect_same_losses(p + "-periodic", p + "-ref", 0);
+  for (int step = 2; step < steps; step += 2) {
+    const std::string resumed = p + "-from-" + std::to_string(step);
+    const std::string from = at(p + "-periodic") + "/ckpt/" + checkpoint_name(step);
+    const testing::CommandResult r = train(2, resumed, run + "--set train.resume=" + from);
+    ASSERT_EQ(r.exit_code, 0) << resumed << "\n" << r.output;
+    EXPECT_NE(r.output.find("resumed from " + from), std::string::npos) << r.output;
+    expect_same_prediction_state(resumed, p + "-ref");
+    expect_same_losses(resumed, p + "-ref", static_cast<size_t>(step));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Predictors, PredictionResumes, ::testing::Values("mean", "previous", "momentum", "lstm"));
+
+// The state is per rank and per element of its stages: another pipeline depth, another predictor,
+// none, or no pipeline is refused in one line naming the keys. A checkpoint without prediction
+// state starts the prediction afresh, as at a first step.
+TEST_F(PredictionCheckpoints, AnotherLayoutIsRefusedInOneLine) {
+  ASSERT_EQ(train(2, "src", layout("lstm") + "--set train.checkpoint_every=8").exit_code, 0);
+  const std::string from = "--set train.resume=" + at("src") + "/ckpt/step-00000008 ";
+  struct Case {
+    int ranks;
+    std::string set, expect;
+  };
+  const std::string same_keys = "resume it with the same parallel.predict_gradients, parallel.pipeline";
+  for (const Case& c : std::vector<Case>{
+           {4, "--set parallel.pipeline=4 --set parallel.predict_gradients=lstm", same_keys},
+           {2, "--set parallel.pipeline=2 --set parallel.schedule=zb-v --set parallel.predict_gradients=lstm", same_keys},
+           {2, "--set parallel.pipeline=2 --set parallel.predict_gradients=momentum", same_keys},
+           {2, "--set parallel.pipeline=2", "which this run has no place for"},
+           {1, "", "which this run has no place for"}}) {
+    const testing::CommandResult r = train(c.ranks, "refused", from + c.set);
+    EXPECT_EQ(r.exit_code, 2) << c.set << "\n" << r.output;
+    const size_t line = r.output.find("checkpoint " + at("src") + "/ckpt/step-00000008: ");
+    ASSERT_NE(line, std::string::npos) << c.set << "\n" << r.output;
+    const std::string message = r.output.substr(line, r.output.find('\n', line) - line);
+    EXPECT_NE(message.find(c.expect), std::string::npos) << c.set << "\n" << r.output;
+    EXPECT_NE(message.find("parallel.predict_gradients = \"lstm\""), std::string::npos) << message;
+    EXPECT_FALSE(std::filesystem::exists(at("refused") + "/ckpt/step-00000016")) << c.set;
+  }
+  ASSERT_EQ(train(2, "plain", "--set parallel.pipeline=2 --set train.checkpoint_every=8").exit_code, 0);
+  const testing::CommandResult fresh =
+      train(2, "fresh", layout("lstm") + "--set train.resume=" + at("plain") + "/ckpt/step-00000008");
+  ASSERT_EQ(fresh.exit_code, 0) << fresh.output;
+  EXPECT_NO_THROW(read_rank_carried(testing::newest_checkpoint(at("fresh") + "/ckpt"), 1));
+}
+
+// Two replicas of two stages: each rank predicts from its own replica's gradients (before the
+// sync), and the grid that saved the state resumes to the uninterrupted bytes.
+TEST_F(PredictionCheckpoints, AsDataTimesPipelineResumesToTheUninterruptedBytes) {
+  const std::string grid = layout("momentum") + "--set parallel.zero=1 --set train.batch_size=1 --set train.steps=8 ";
+  ASSERT_EQ(train(4, "grid-ref", grid).exit_code, 0);
+  const testing::CommandResult periodic = train(4, "grid", grid + "--set train.checkpoint_every=4");
+  ASSERT_EQ(periodic.exit_code, 0) << periodic.output;
+  const testing::CommandResult r =
+      train(4, "grid-from-4", grid + "--set train.resume=" + at("grid") + "/ckpt/" + checkpoint_name(4));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_same_prediction_state("grid", "grid-ref", 4);
+  expect_same_prediction_state("grid-from-4", "grid-ref", 4);
+  expect_same_losses("grid-from-4", "grid-ref", 4);
+}
+
+// SIGTERM to `keel launch` at whatever step it lands: the stop checkpoint holds the prediction
+// state, and the run resumed from it ends with the bytes and losses of the run never stopped.
+TEST_F(PredictionCheckpoints, ASigtermStopAnywhereResumesToTheUninterruptedBytes) {
+  const std::string run = layout("lstm") + "--set train.steps=300 --set train.log_every=1 ";
+  ASSERT_EQ(train(2, "term-ref", run).exit_code, 0);
+  testing::KeelJob job(launch_words("term", run, 0), at("term.log"), {});
+  ASSERT_GT(job.pid(), 0);
+  ASSERT_TRUE(wait_for(job, "step     20")) << "no signal before the job ended\n" << job.output();
+  ASSERT_EQ(::kill(job.pid(), SIGTERM), 0);
+  ASSERT_EQ(job.wait(120), 128 + SIGTERM) << job.output();
+  const std::string out = job.output();
+  const size_t line = out.find("keel: Terminated: stopped after step ");
+  ASSERT_NE(line, std::string::npos) << out;
+  const int stopped = std::atoi(out.c_str() + line + 37);
+  ASSERT_GT(stopped, 0);
+  ASSERT_LT(stopped, 300) << out;
+  const testing::CommandResult r = train(2, "term", run + "--set train.resume=auto");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from " + at("term") + "/ckpt/" + checkpoint_name(stopped)), std::string::npos)
+      << r.output;
+  expect_same_prediction_state("term", "term-ref");
+  expect_same_losses("term", "term-ref", 0);
+}
+
+// A stage SIGKILLed under `keel launch --max-restarts`: the restarted job resumes from its newest
+// checkpoint, prediction state and all, and ends with the uninterrupted run's bytes and losses.
+TEST_F(PredictionCheckpoints, ASigkilledStageIsRecoveredToTheUninterruptedBytes) {
+  const std::string run = layout("lstm") + "--set train.steps=60 --set train.log_every=1 ";
+  ASSERT_EQ(train(2, "kill-ref", run).exit_code, 0);
+  ASSERT_NO_FATAL_FAILURE(kill_a_stage_and_recover("kill", run));
+  expect_same_prediction_state("kill", "kill-ref");
+  expect_same_losses("kill", "kill-ref", 0);
 }
 
 }  // namespace

@@ -261,10 +261,6 @@ TEST_F(PipelineTraining, BadLayoutsAreRefused) {
        "parallel.predict_gradients (with tiers)"},
       {2, "--set parallel.pipeline=2 --set parallel.schedule=interleaved --set parallel.micro_batches=1",
        "needs a multiple of the 2 pipeline ranks"},
-      {2, "--set parallel.pipeline=2 --set parallel.predict_gradients=mean --set train.checkpoint_every=4",
-       "config key 'train.checkpoint_every': not with parallel.predict_gradients"},
-      {2, "--set parallel.pipeline=2 --set parallel.predict_gradients=mean --set train.resume=auto",
-       "config key 'train.resume': not with parallel.predict_gradients"},
   };
   for (const Case& c : cases) {
     const testing::CommandResult r = train(c.ranks, "bad", c.set);

@@ -119,18 +119,31 @@ void read_record(const std::string& root, const Record& rec, float* out, size_t 
   }
 }
 
-// The residual record of rank `rank` in manifest m (nullptr if it saved none).
-const ResidualRecord* residual_record(const Manifest& m, int rank) {
+// The residual (or carried state) record of rank `rank` in manifest m (nullptr if it saved none).
+const ResidualRecord* residual_record(const Manifest& m, int rank, bool carried = false) {
   for (const ManifestRank& r : m.ranks) {
-    if (r.rank == rank && r.residual) return &*r.residual;
+    const std::optional<ResidualRecord>& rec = carried ? r.carried : r.residual;
+    if (r.rank == rank && rec) return &*rec;
   }
   return nullptr;
 }
 
-std::vector<float> read_residual_record(const std::string& root, const ResidualRecord& rec, int rank) {
+const char* rank_record_name(bool carried) { return carried ? "carried step state" : "compression residual"; }
+
+std::vector<float> read_residual_record(const std::string& root, const ResidualRecord& rec, int rank,
+                                        bool carried = false) {
   std::vector<float> out(rec.numel);
-  read_record(root, rec.record, out.data(), out.size(), "compression residual of rank " + std::to_string(rank), true);
+  read_record(root, rec.record, out.data(), out.size(),
+              std::string(rank_record_name(carried)) + " of rank " + std::to_string(rank), true);
   return out;
+}
+
+// Rank `rank`'s residual (or carried state) in checkpoint directory `dir`, verified.
+std::vector<float> read_rank_record(const std::string& dir, int rank, bool carried) {
+  const Manifest m = read_manifest(dir);
+  const ResidualRecord* rec = residual_record(m, rank, carried);
+  check(rec != nullptr, "checkpoint " + dir + ": rank " + std::to_string(rank) + " saved no " + rank_record_name(carried));
+  return read_residual_record(parent_of(dir), *rec, rank, carried);
 }
 
 // Decodes the record of (chunk, plane) of checkpoint `name` into out[0 .. numel), verifying
@@ -260,6 +273,10 @@ TrainState load_one(const std::string& dir, ChunkStore& store, const Config& con
       rs.has_residual = true;
       rs.residual_layout = r.residual->layout;
       rs.residual_keys = r.residual->keys;
+    }
+    if (r.carried) {
+      rs.has_carried = true;
+      rs.carried_layout = r.carried->layout;
     }
     state.ranks.push_back(rs);
   }
@@ -481,9 +498,12 @@ int64_t verify_checkpoint(const std::string& path) {
       }
     }
     for (const ManifestRank& r : m.ranks) {
-      if (!r.residual) continue;
-      read_residual_record(parent_of(dir), *r.residual, r.rank);
-      records++;
+      for (const bool carried : {false, true}) {
+        const std::optional<ResidualRecord>& rec = carried ? r.carried : r.residual;
+        if (!rec) continue;
+        read_residual_record(parent_of(dir), *rec, r.rank, carried);
+        records++;
+      }
     }
   }
   return records;
@@ -516,12 +536,9 @@ CheckpointInfo describe_checkpoint(const std::string& dir) {
   return info;
 }
 
-std::vector<float> read_rank_residual(const std::string& dir, int rank) {
-  const Manifest m = read_manifest(dir);
-  const ResidualRecord* rec = residual_record(m, rank);
-  check(rec != nullptr, "checkpoint " + dir + ": rank " + std::to_string(rank) + " saved no compression residual");
-  return read_residual_record(parent_of(dir), *rec, rank);
-}
+std::vector<float> read_rank_residual(const std::string& dir, int rank) { return read_rank_record(dir, rank, false); }
+
+std::vector<float> read_rank_carried(const std::string& dir, int rank) { return read_rank_record(dir, rank, true); }
 
 std::vector<float> read_checkpoint_plane(const std::string& dir, Plane plane) {
   ManifestCache cache(parent_of(dir));
@@ -572,7 +589,7 @@ bool CheckpointWriter::done() const {
 }
 
 void CheckpointWriter::begin(const std::string& root, int64_t step, const RankState& state, int attempt,
-                             std::vector<float>* residual) {
+                             std::vector<float>* residual, std::vector<float>* carried) {
   check(!in_flight_, "checkpoint writer: begin() while the previous checkpoint is not finished");
   if (thread_.joinable()) thread_.join();
   if (root != root_) base_name_.clear();  // a new root has no base to be differential against
@@ -582,6 +599,8 @@ void CheckpointWriter::begin(const std::string& root, int64_t step, const RankSt
   state_ = state;
   check(!state.has_residual || residual != nullptr, "checkpoint writer: residual announced but not given");
   if (state.has_residual) std::swap(residual_, *residual);
+  check(!state.has_carried || carried != nullptr, "checkpoint writer: carried state announced but not given");
+  if (state.has_carried) std::swap(carried_, *carried);
   full_ = base_name_.empty() || taken_ % config_.full_every == 0;
   taken_++;
   // The snapshot: this rank's flat range of every saved plane, and the chunks' versions. Where
@@ -724,6 +743,14 @@ void CheckpointWriter::write_job() {
       rec.keys = state_.residual_keys;
       part.residual = std::move(rec);
     }
+    if (state_.has_carried) {
+      // The step engine's carried state: the same, whole every time.
+      ResidualRecord rec;
+      rec.record = write_record(carried_.data(), carried_.size(), nullptr);
+      rec.numel = carried_.size();
+      rec.layout = state_.carried_layout;
+      part.carried = std::move(rec);
+    }
     out->sync();
     out->close();
     env.sync_dir(dir);
@@ -734,6 +761,7 @@ void CheckpointWriter::write_job() {
     part.error = e.what();
     part.chunks.clear();
     part.residual.reset();
+    part.carried.reset();
   }
   part.write_ms = ms_since(t0);
   {
@@ -805,8 +833,9 @@ std::string publish_checkpoint(const std::string& root, const std::vector<Checkp
       m.config_toml = config.to_toml();
       std::vector<const ChunkRecords*> records(static_cast<size_t>(n), nullptr);
       for (const CheckpointPart& p : parts) {
-        ManifestRank rank{p.rank, p.data, p.residual};
+        ManifestRank rank{p.rank, p.data, p.residual, p.carried};
         if (p.residual) s.raw_bytes += static_cast<double>(p.residual->numel) * sizeof(float);
+        if (p.carried) s.raw_bytes += static_cast<double>(p.carried->numel) * sizeof(float);
         m.ranks.push_back(std::move(rank));
         m.writers.emplace_back(p.first, p.last);
         for (const auto& [c, recs] : p.chunks) {

@@ -8,10 +8,11 @@
 // directory together with the run's mark, run-<run id>, before any data).
 //
 // The manifest names the format version, step, config and trajectory hashes, the writers' layout,
-// every rank's state (data position; later also compression residuals), and for every chunk its
-// layer, kind, tensors (names and offsets), version, and one record per saved plane (params,
-// AdamW m and v). A record says where the plane's bytes of that chunk live and how they are
-// encoded, with an XXH3 checksum of the stored bytes and of the decoded data:
+// every rank's state (data position, compression residuals, a step engine's carried state:
+// core/carried_state.h), and for every chunk its layer, kind, tensors (names and offsets),
+// version, and one record per saved plane (params, AdamW m and v). A record says where the
+// plane's bytes of that chunk live and how they are encoded, with an XXH3 checksum of the stored
+// bytes and of the decoded data:
 //   raw       the floats as they are;
 //   zstd      compressed;
 //   xor-zstd  XOR against the same chunk's bytes in the previous checkpoint (`base`), compressed.
@@ -48,6 +49,10 @@ struct RankState {
   bool has_residual = false;
   std::string residual_layout;
   std::string residual_keys;  // GradSync::residual_keys: what each bucket's residual covers ("" = unknown)
+  // The state its step engine carries between steps (core/carried_state.h), saved as one record
+  // of floats (read it with read_rank_carried) with the engine's description.
+  bool has_carried = false;
+  std::string carried_layout;
 };
 
 // What a training run needs besides the chunk store to continue exactly where it stopped.
@@ -110,6 +115,10 @@ CheckpointInfo describe_checkpoint(const std::string& dir);
 // when it saved none or they are corrupt.
 std::vector<float> read_rank_residual(const std::string& dir, int rank);
 
+// The carried step state rank `rank` saved in checkpoint directory `dir` (verified). Throws when
+// it saved none or it is corrupt.
+std::vector<float> read_rank_carried(const std::string& dir, int rank);
+
 // Decodes one plane of a checkpoint into a flat array of store.numel() floats (tests, tools).
 std::vector<float> read_checkpoint_plane(const std::string& dir, Plane plane);
 
@@ -159,9 +168,10 @@ class CheckpointWriter {
   // full or differential) and starts writing them under root/checkpoint_name(step, attempt)
   // (every rank must use the same attempt: see next_checkpoint_attempt). With state.has_residual,
   // `residual` holds the rank's compression residuals: the writer takes the vector (swapping in
-  // its previous buffer, so the caller can reuse it) and writes it as one record.
+  // its previous buffer, so the caller can reuse it) and writes it as one record; the same for
+  // `carried` with state.has_carried.
   void begin(const std::string& root, int64_t step, const RankState& state, int attempt = 0,
-             std::vector<float>* residual = nullptr);
+             std::vector<float>* residual = nullptr, std::vector<float>* carried = nullptr);
   const std::string& name() const { return name_; }
   bool in_flight() const { return in_flight_; }
   bool done() const;         // the background write of the current checkpoint finished
@@ -191,7 +201,7 @@ class CheckpointWriter {
   std::string root_, name_, run_id_;
   int64_t step_ = 0;
   RankState state_;
-  std::vector<float> residual_;
+  std::vector<float> residual_, carried_;
   bool in_flight_ = false;
   CheckpointPart part_;
   std::thread thread_;

@@ -132,10 +132,12 @@ std::optional<TrainState> Checkpointer::resume() {
     TrainState state;
     std::vector<float> residual;
     std::vector<GradSync::ResidualPart> residual_parts;
-    std::string residual_note;
+    std::string residual_note, carried_layout;
+    std::vector<float> carried;
     try {
       state = load_checkpoint(candidates[i], *store_, config_, LoadMode::resume, world);
       residual_note = load_residuals(state, residual, residual_parts);
+      load_carried(state, carried_layout, carried);
     } catch (const Error& e) {
       why = e.what();
     }
@@ -146,6 +148,7 @@ std::optional<TrainState> Checkpointer::resume() {
       if (!automatic && !restarted) run_dir_.check_resume_from(resume, candidates[i]);
       for (const std::string& r : rejections) std::fprintf(stderr, "%s\n", r.c_str());
       if (!residual.empty()) sync_->restore_residuals(residual);
+      if (carried_ != nullptr) carried_->restore(carried_layout, carried);
       // Residuals carried by key (another layout): how many of this run's buckets they fill.
       double keyed[3] = {static_cast<double>(sync_->restore_residual_parts(residual_parts)),
                          static_cast<double>(sync_->num_compressed_buckets()), residual_parts.empty() ? 0.0 : 1.0};
@@ -266,6 +269,34 @@ std::string Checkpointer::load_residuals(const TrainState& state, std::vector<fl
          layout + "): error feedback starts from zero";
 }
 
+void Checkpointer::load_carried(const TrainState& state, std::string& layout, std::vector<float>& floats) {
+  layout.clear();
+  floats.clear();
+  const RankState *mine = nullptr, *any = nullptr;
+  for (const RankState& r : state.ranks) {
+    if (r.has_carried && any == nullptr) any = &r;
+    if (r.has_carried && r.rank == comm_.rank()) mine = &r;
+  }
+  if (any == nullptr) return;  // none saved: the engine's state starts afresh
+  // A rank the writer did not have compares the layout of one it had (and is refused: another layout).
+  const std::string& saved = (mine != nullptr ? mine : any)->carried_layout;
+  if (carried_ == nullptr) {
+    std::string what;
+    try {
+      what = nlohmann::json::parse(saved).at("what").get<std::string>();
+    } catch (const nlohmann::json::exception&) {
+      what = "an unreadable description";
+    }
+    throw Error("checkpoint " + state.dir + ": its ranks saved state each step carries into the next (" + what +
+                "), which this run has no place for (another layout or step engine): resume it with the config "
+                "that wrote it");
+  }
+  if (mine != nullptr) floats = read_rank_carried(state.dir, comm_.rank());
+  const std::string why = carried_->check_resume(saved, mine != nullptr ? floats.size() : 0);
+  check(why.empty(), "checkpoint " + state.dir + ": " + why);
+  layout = saved;
+}
+
 void Checkpointer::report_recovery(int64_t step, const std::string& from) {
   const char* restart = std::getenv("KEEL_RESTART");
   if (restart == nullptr || !comm_.is_root()) return;
@@ -360,7 +391,12 @@ void Checkpointer::begin(const std::string& root, int64_t step, const LoaderPosi
     state.residual_layout = sync_->residual_layout();
     state.residual_keys = sync_->residual_keys();
   }
-  writer_->begin(root, step, state, attempt, &residual_scratch_);
+  if (carried_ != nullptr) {
+    carried_scratch_.clear();
+    state.carried_layout = carried_->save(step, carried_scratch_);
+    state.has_carried = true;
+  }
+  writer_->begin(root, step, state, attempt, &residual_scratch_, &carried_scratch_);
   inflight_step_ = step;
   inflight_root_ = root;
   inflight_config_ = config_;  // as of the snapshot (a component may move its state on meanwhile)

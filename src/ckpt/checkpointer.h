@@ -14,6 +14,7 @@
 #include "ckpt/checkpoint.h"
 #include "ckpt/run_directory.h"
 #include "comm/communicator.h"
+#include "core/carried_state.h"
 #include "comm/grad_sync.h"
 #include "comm/zero.h"
 #include "core/config.h"
@@ -30,6 +31,10 @@ class Checkpointer {
                std::function<void(const nlohmann::json&)> log_event);
   ~Checkpointer();
 
+  // Before resume(), and after a re-cut: the state the step engine carries between steps (null:
+  // none), which every checkpoint saves per rank and resume() restores (or refuses in one line
+  // when the checkpoint's was saved in a layout this run cannot take it up in).
+  void set_carried_state(CarriedState* carried) { carried_ = carried; }
   // Start-up, on every rank: removes what a crash during one of this run's writes left (rank 0;
   // other incomplete directories are reported and left alone), then loads the checkpoint to
   // resume from, if any: train.resume (a directory or a root), the run's own checkpoints for
@@ -90,6 +95,9 @@ class Checkpointer {
   std::string load_residuals(const TrainState& state, std::vector<float>& out, std::vector<GradSync::ResidualPart>& parts);
   // The run's id once resume decided (RunDirectory::settle_run_id), for its checkpoints.
   void settle_run_id();
+  // This rank's carried step state in `state` (its description and floats; both empty when the
+  // checkpoint holds none). Throws when this run cannot continue from it.
+  void load_carried(const TrainState& state, std::string& layout, std::vector<float>& floats);
   // Rank 0: one line when the checkpoint's run read another training set than this one.
   void note_other_data(const TrainState& state) const;
 
@@ -116,6 +124,8 @@ class Checkpointer {
   std::chrono::steady_clock::time_point last_timed_;
   bool last_ok_ = true;  // the outcome of the last commit  // rank 0: the clock checkpoints count from
   std::vector<float> residual_scratch_;
+  CarriedState* carried_ = nullptr;
+  std::vector<float> carried_scratch_;
 };
 
 }  // namespace keel

@@ -197,13 +197,14 @@ Manifest parse(const json& j, const std::string& dir) {
     end = c.offset + c.numel;
   }
   if (m.version == 1) {
-    m.ranks.push_back(ManifestRank{0, parse_position(j.at("data")), std::nullopt});
+    m.ranks.push_back(ManifestRank{0, parse_position(j.at("data")), std::nullopt, std::nullopt});
   } else {
     for (const json& r : j.at("ranks")) {
       ManifestRank mr;
       mr.rank = r.at("rank").get<int>();
       mr.data = parse_position(r.at("data"));
       if (r.contains("residual")) mr.residual = parse_residual(r.at("residual"));
+      if (r.contains("carried")) mr.carried = parse_residual(r.at("carried"));
       m.ranks.push_back(std::move(mr));
     }
   }
@@ -211,6 +212,11 @@ Manifest parse(const json& j, const std::string& dir) {
     check(!r.residual || r.residual->numel <= static_cast<uint64_t>(2 * m.numel + 1024),
           "rank " + std::to_string(r.rank) + ": a compression residual of " +
               std::to_string(r.residual ? r.residual->numel : 0) + " floats for a state of " + std::to_string(m.numel));
+    // (Gradient prediction carries up to five arrays the size of a rank's chunks, which may hold a
+    // replica of a tied tensor beside its own, and an LSTM state of 89 floats a chunk.)
+    check(!r.carried || r.carried->numel <= static_cast<uint64_t>(12 * m.numel) + 1024 * m.chunks.size() + 4096,
+          "rank " + std::to_string(r.rank) + ": a carried step state of " +
+              std::to_string(r.carried ? r.carried->numel : 0) + " floats for a state of " + std::to_string(m.numel));
   }
   return m;
 }
@@ -348,6 +354,7 @@ void write_manifest(const std::string& dir, const Manifest& m) {
     json rank = {{"rank", r.rank}, {"data", {{"epoch", r.data.epoch}, {"index", r.data.index}}}};
     if (r.data.offset > 0) rank["data"]["offset"] = r.data.offset;  // (a curriculum's part-read window)
     if (r.residual) rank["residual"] = residual_json(*r.residual);
+    if (r.carried) rank["carried"] = residual_json(*r.carried);
     ranks.push_back(rank);
   }
   json writers = json::array();
@@ -393,8 +400,10 @@ std::string encode_part(const CheckpointPart& p) {
     o.pod(id), o.pod(c.version);
     for (const Record& r : c.planes) o.record(r);
   }
-  o.pod(static_cast<uint8_t>(p.residual.has_value()));
-  if (p.residual) o.record(p.residual->record), o.pod(p.residual->numel), o.str(p.residual->layout), o.str(p.residual->keys);
+  for (const std::optional<ResidualRecord>* r : {&p.residual, &p.carried}) {
+    o.pod(static_cast<uint8_t>(r->has_value()));
+    if (*r) o.record((*r)->record), o.pod((*r)->numel), o.str((*r)->layout), o.str((*r)->keys);
+  }
   o.pod(p.written_bytes), o.pod(p.records), o.pod(p.unchanged), o.pod(p.xor_records), o.pod(p.write_ms);
   return std::move(o.bytes);
 }
@@ -424,13 +433,14 @@ CheckpointPart decode_part(const std::string& bytes) {
     for (Record& r : c.second.planes) r = in.record();
     p.chunks.push_back(std::move(c));
   }
-  if (in.pod<uint8_t>() != 0) {
+  for (std::optional<ResidualRecord>* out : {&p.residual, &p.carried}) {
+    if (in.pod<uint8_t>() == 0) continue;
     ResidualRecord r;
     r.record = in.record();
     r.numel = in.pod<uint64_t>();
     r.layout = in.str();
     r.keys = in.str();
-    p.residual = std::move(r);
+    *out = std::move(r);
   }
   p.written_bytes = in.pod<uint64_t>();
   p.records = in.pod<int>();

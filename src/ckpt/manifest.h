@@ -28,7 +28,8 @@ const char* encoding_name(Encoding e);  // "raw", "zstd", "xor-zstd" (the manife
 // A checksum or hash as the manifest spells it: 16 lower-case hex digits.
 std::string hex64(uint64_t v);
 
-// One stored array of floats: a plane of a chunk, or a rank's compression residuals.
+// One stored array of floats: a plane of a chunk, a rank's compression residuals, or the state
+// its step engine carries from step to step (core/carried_state.h).
 struct Record {
   std::string in;           // the checkpoint (directory name under the root) whose file holds it
   std::string file;         // e.g. "r0.bin"
@@ -40,6 +41,8 @@ struct Record {
   std::string base;         // xor_zstd: the checkpoint whose record of the same plane it XORs
 };
 
+// A rank's own record beside the chunks: compression residuals, or (with the same fields)
+// carried step state, whose `layout` is the step engine's description and `keys` empty.
 struct ResidualRecord {
   Record record;
   uint64_t numel = 0;
@@ -74,6 +77,7 @@ struct ManifestRank {
   int rank = 0;
   LoaderPosition data;
   std::optional<ResidualRecord> residual;
+  std::optional<ResidualRecord> carried;  // the step engine's carried state ("carried")
 };
 
 // The model section as a checkpoint records it (what its shape depends on).
@@ -131,6 +135,7 @@ struct CheckpointPart {
   std::string error;
   std::vector<std::pair<int, ChunkRecords>> chunks;  // by chunk id, ascending
   std::optional<ResidualRecord> residual;
+  std::optional<ResidualRecord> carried;
   uint64_t written_bytes = 0;
   int records = 0, unchanged = 0, xor_records = 0;
   double write_ms = 0;

@@ -158,6 +158,13 @@ void Executor::run_carried() {
   around_(false);
 }
 
+void Executor::run_deferred() {
+  if (deferred_.empty()) return;
+  carried_ = std::move(deferred_);
+  deferred_.clear();
+  run_carried();
+}
+
 void Executor::send_grad(const Instr& in, int slot) {
   // Copied out: the slot may be reused before the previous stage takes the message.
   size_t pick = grad_buffers_.size();

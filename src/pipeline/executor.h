@@ -59,6 +59,10 @@ class Executor {
   // called just before and after the carried W's run, so it can measure what they added.
   void defer_last_weights(std::function<void(bool before)> around) { around_ = std::move(around); }
   bool defers_last_weights() const { return static_cast<bool>(around_); }
+  // Runs the last step's deferred W's now, between steps (before a checkpoint), as the next step
+  // would have run them first: they only add into the gradient plane, which nothing touches
+  // before them, so the sums are the same bytes. The next step then carries none.
+  void run_deferred();
   static int slots_needed(const ScheduleCheck& check, int rank, int deferred_stages) {
     return slots_needed(check, rank) + deferred_stages;
   }

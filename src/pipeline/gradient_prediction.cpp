@@ -1,5 +1,7 @@
 #include "pipeline/gradient_prediction.h"
 
+#include "core/error.h"
+
 namespace keel::pipeline {
 
 GradientPrediction::GradientPrediction(std::string how, ChunkStore& store) : how_(std::move(how)), store_(store) {
@@ -82,6 +84,66 @@ void GradientPrediction::carry(int frozen_layers) {
     if (c.layer >= frozen_layers) break;
     store_.zero_grad_chunk(c.id);
   }
+}
+
+nlohmann::json GradientPrediction::save(std::vector<float>& floats) const {
+  std::span<const float> g = store_.range_view(Plane::grad, 0, store_.numel());
+  floats.insert(floats.end(), g.begin(), g.end());
+  for (const std::vector<float>* v : {&predicted_, &measured_, &momentum_}) floats.insert(floats.end(), v->begin(), v->end());
+  nlohmann::json saved = {{"predict_gradients", how_}, {"numel", store_.numel()}, {"measured", measured_valid_},
+                          {"momentum", !momentum_.empty()}, {"lstm", lstm_ != nullptr}};
+  if (lstm_) {
+    lstm_->save(floats);
+    floats.insert(floats.end(), lstm_mean_.begin(), lstm_mean_.end());
+    floats.insert(floats.end(), lstm_previous_.begin(), lstm_previous_.end());
+    saved["lstm_last_loss"] = lstm_->last_loss();
+  }
+  return saved;
+}
+
+std::string GradientPrediction::check_saved(const nlohmann::json& saved, size_t floats) const {
+  const size_t n = static_cast<size_t>(store_.numel());
+  const std::string how = saved.at("predict_gradients").get<std::string>();
+  if (how != how_ || saved.at("numel").get<size_t>() != n) {
+    return "its gradient prediction state is of parallel.predict_gradients = \"" + how + "\" over " +
+           std::to_string(saved.at("numel").get<size_t>()) + " floats; this rank's is \"" + how_ + "\" over " +
+           std::to_string(n);
+  }
+  // Every field restore() reads (a missing or mistyped one throws: an unreadable description).
+  static_cast<void>(saved.at("measured").get<bool>());
+  const bool momentum = saved.at("momentum").get<bool>(), lstm = saved.at("lstm").get<bool>();
+  if (lstm) static_cast<void>(saved.at("lstm_last_loss").get<double>());
+  const int chunks = static_cast<int>(store_.chunks().size());
+  const size_t want = n * (3 + (momentum ? 1 : 0)) + (lstm ? GradientPredictor::saved_floats(chunks) + 2 * n : 0);
+  if (floats == want) return "";
+  return "its gradient prediction state holds " + std::to_string(floats) + " floats where its description says " +
+         std::to_string(want);
+}
+
+void GradientPrediction::restore(const nlohmann::json& saved, std::span<const float> floats) {
+  const size_t n = static_cast<size_t>(store_.numel());
+  size_t at = 0;
+  auto take = [&](std::vector<float>& into) {
+    into.assign(floats.begin() + static_cast<std::ptrdiff_t>(at), floats.begin() + static_cast<std::ptrdiff_t>(at + n));
+    at += n;
+  };
+  std::vector<float> grads;
+  take(grads);
+  take(predicted_);
+  take(measured_);
+  measured_valid_ = saved.at("measured").get<bool>();
+  momentum_.clear();
+  if (saved.at("momentum").get<bool>()) take(momentum_);
+  lstm_.reset();
+  if (saved.at("lstm").get<bool>()) {
+    lstm_ = std::make_unique<GradientPredictor>(static_cast<int>(store_.chunks().size()));
+    at += lstm_->load(floats.subspan(at));
+    lstm_->set_last_loss(saved.at("lstm_last_loss").get<double>());
+    take(lstm_mean_);
+    take(lstm_previous_);
+  }
+  std::span<float> g = store_.range_view(Plane::grad, 0, store_.numel());
+  std::copy(grads.begin(), grads.end(), g.begin());
 }
 
 }  // namespace keel::pipeline

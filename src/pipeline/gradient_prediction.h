@@ -9,6 +9,8 @@
 #pragma once
 
 #include <memory>
+#include <nlohmann/json.hpp>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -30,6 +32,16 @@ class GradientPrediction {
   // After the update: leaves the prediction's negative in the plane, for the true gradients to
   // correct (frozen layers' chunks, the first `frozen_layers` layers, are cleared instead).
   void carry(int frozen_layers);
+
+  // Its state between steps, for a checkpoint, once the carried W's ran (Executor::run_deferred):
+  // the gradient plane (the prediction's negative plus their true gradients), the prediction,
+  // their measurement, and each predictor's history (momentum's average; the LSTM with its last
+  // blend's mean and previous). save() appends the floats and describes them; restore() takes
+  // back what save() gave, once check_saved() found that it fits: "" or why not (another
+  // predictor or store; a count of floats that is not the description's).
+  nlohmann::json save(std::vector<float>& floats) const;
+  std::string check_saved(const nlohmann::json& saved, size_t floats) const;
+  void restore(const nlohmann::json& saved, std::span<const float> floats);
 
  private:
   std::string how_;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/error.h"
 #include "core/rng.h"
 
 namespace keel::pipeline {
@@ -119,6 +120,62 @@ BlendLstm::Output GradientPredictor::blend(int chunk, std::span<const float> mea
   if (traced_.size() != trace_.size()) traced_.assign(trace_.size(), false);
   traced_[chunk] = true;
   return lstm_.step(state_[chunk], x, trace_[chunk]);
+}
+
+namespace {
+
+// The floats of one chunk's state between steps, in save()'s order: the LSTM state, the trace
+// (input, states before and after, gates, output) and the last fit (whether it was traced
+// follows them as one float).
+template <typename Visit>
+void each_chunk_part(BlendLstm::State& state, BlendLstm::Trace& trace, BlendLstm::Output& fit, Visit visit) {
+  visit(std::span<float>(state.h)), visit(std::span<float>(state.c));
+  visit(std::span<float>(trace.x)), visit(std::span<float>(trace.before.h)), visit(std::span<float>(trace.before.c));
+  visit(std::span<float>(trace.after.h)), visit(std::span<float>(trace.after.c)), visit(std::span<float>(trace.gates));
+  visit(std::span<float>(trace.y)), visit(std::span<float>(fit));
+}
+
+}  // namespace
+
+size_t GradientPredictor::saved_floats(int chunks) {
+  BlendLstm::State state;
+  BlendLstm::Trace trace;
+  BlendLstm::Output fit{};
+  size_t per_chunk = 1;  // (traced)
+  each_chunk_part(state, trace, fit, [&](std::span<float> part) { per_chunk += part.size(); });
+  return kParams + static_cast<size_t>(chunks) * per_chunk;
+}
+
+void GradientPredictor::save(std::vector<float>& out) const {
+  const std::vector<float>& w = lstm_.parameters();
+  out.insert(out.end(), w.begin(), w.end());
+  for (size_t k = 0; k < state_.size(); ++k) {
+    // (each_chunk_part visits mutable parts: copies of this chunk's, read only)
+    BlendLstm::State state = state_[k];
+    BlendLstm::Trace trace = trace_[k];
+    BlendLstm::Output fit = fit_[k];
+    each_chunk_part(state, trace, fit, [&](std::span<float> part) { out.insert(out.end(), part.begin(), part.end()); });
+    out.push_back(k < traced_.size() && traced_[k] ? 1.0f : 0.0f);
+  }
+}
+
+size_t GradientPredictor::load(std::span<const float> in) {
+  size_t at = 0;
+  auto take = [&](std::span<float> part) {
+    check(at + part.size() <= in.size(), "gradient predictor state: " + std::to_string(in.size()) +
+                                             " floats, too few for " + std::to_string(state_.size()) + " chunks");
+    std::copy_n(in.begin() + static_cast<std::ptrdiff_t>(at), part.size(), part.begin());
+    at += part.size();
+  };
+  take(std::span<float>(lstm_.parameters()));
+  traced_.assign(state_.size(), false);
+  for (size_t k = 0; k < state_.size(); ++k) {
+    each_chunk_part(state_[k], trace_[k], fit_[k], take);
+    float traced = 0;
+    take(std::span<float>(&traced, 1));
+    traced_[k] = traced != 0.0f;
+  }
+  return at;
 }
 
 }  // namespace keel::pipeline

@@ -44,6 +44,7 @@ class BlendLstm {
   // compare it with finite differences).
   std::vector<float> gradient(const Trace& trace, const Output& target) const;
   std::vector<float>& parameters() { return w_; }
+  const std::vector<float>& parameters() const { return w_; }
 
  private:
   // w_: gate weights [4H, I + H], gate biases [4H], read-out [2, H], read-out bias [2].
@@ -62,6 +63,14 @@ class GradientPredictor {
   // last measured `previous`.
   BlendLstm::Output blend(int chunk, std::span<const float> mean, std::span<const float> previous);
   double last_loss() const { return last_loss_; }
+  // Its state between steps as floats, appended to `out` (the LSTM's weights, then per chunk its
+  // state, last trace, last fit and whether it was traced: everything the next learn() and
+  // blend() read but last_loss, which travels beside them); load() reads them back from `in` and
+  // returns how many it read (throws when `in` is too short for this predictor's chunks).
+  void save(std::vector<float>& out) const;
+  size_t load(std::span<const float> in);
+  static size_t saved_floats(int chunks);  // what save() appends for `chunks` chunks
+  void set_last_loss(double loss) { last_loss_ = loss; }
 
  private:
   BlendLstm lstm_;

@@ -130,6 +130,55 @@ StepResult PipelineStep::run(int64_t step, double lr) {
   return r;
 }
 
+std::string PipelineStep::stage_words() const {
+  const Schedule& sc = executor_->schedule();
+  std::string words;
+  for (size_t i = 0; i < stages_.size(); ++i) {
+    words += (i ? " " : "") + std::to_string(stages_[i].first) + "-" + std::to_string(stages_[i].last) + "@r" +
+             std::to_string(sc.stage_rank[i]);
+  }
+  return words;
+}
+
+std::string PipelineStep::prediction_layout() const {
+  return "parallel.predict_gradients = \"" + config_.parallel.predict_gradients + "\" on parallel.pipeline = " +
+         std::to_string(groups_.pp().size()) + " x " + std::to_string(groups_.dp().size()) +
+         " data-parallel replica(s), stages (layers@rank) " + stage_words() + ", rank " +
+         std::to_string(groups_.world().rank()) + " holding " + std::to_string(store_.chunks().size()) + " chunks of " +
+         std::to_string(store_.numel()) + " floats";
+}
+
+std::string PipelineStep::save(int64_t steps_done, std::vector<float>& floats) {
+  model_.set_frozen_layers(config_.optim.frozen_at(steps_done));
+  executor_->run_deferred();
+  const json saved = {{"what", prediction_layout()}, {"prediction", prediction_->save(floats)}};
+  return saved.dump();
+}
+
+std::string PipelineStep::check_resume(const std::string& layout, size_t floats) const {
+  if (layout.empty()) return "";  // none saved (a run without prediction): it starts as at a first step
+  std::string saved, fits;
+  try {
+    const json j = json::parse(layout);
+    saved = j.at("what").get<std::string>();
+    fits = prediction_->check_saved(j.at("prediction"), floats);
+  } catch (const json::exception& e) {
+    return std::string("its gradient prediction state has an unreadable description (") + e.what() + ")";
+  }
+  const std::string mine = prediction_layout();
+  if (saved != mine) {
+    return "its gradient prediction state was saved with " + saved + "; this run has " + mine +
+           ": resume it with the same parallel.predict_gradients, parallel.pipeline, parallel.schedule, stage cut "
+           "(parallel.stage_boundaries), data-parallel size and store.chunk_bytes (the predictor's state is per rank "
+           "and per element of its stages)";
+  }
+  return fits;
+}
+
+void PipelineStep::restore(const std::string& layout, const std::vector<float>& floats) {
+  if (!layout.empty()) prediction_->restore(json::parse(layout).at("prediction"), floats);
+}
+
 void PipelineStep::profile(int64_t step) {
   std::vector<double> comm(static_cast<size_t>(model_.num_layers()), 0.0);
   double quickest = -1;
@@ -325,11 +374,7 @@ void PipelineStep::adapt_micro_batches(int64_t step_index) {
 
 void PipelineStep::print_startup() const {
   const Schedule& sc = executor_->schedule();
-  std::string cut;
-  for (size_t i = 0; i < stages_.size(); ++i) {
-    cut += (i ? " " : "") + std::to_string(stages_[i].first) + "-" + std::to_string(stages_[i].last) + "@r" +
-           std::to_string(sc.stage_rank[i]);
-  }
+  const std::string cut = stage_words();
   int peak = 0;
   for (int p : schedule_check_.peak_in_flight) peak = std::max(peak, p);
   std::printf("keel: pipeline of %d ranks x %d data-parallel replica(s), schedule %s, %d stages (layers@rank: %s), "

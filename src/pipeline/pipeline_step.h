@@ -2,7 +2,8 @@
 // communicators, the executor running the schedule's instruction list, the plan (re-made by
 // dynamic micro-batch sizing), gradient prediction and optimizer post-validation, the step's
 // bubble and Chrome trace. (Its checkpoints are the Checkpointer's: each stage writes its chunks
-// in the whole model's layout.)
+// in the whole model's layout; with gradient prediction each rank also saves the state the
+// prediction carries between steps, which only the same layout resumes.)
 #pragma once
 
 #include <functional>
@@ -38,7 +39,7 @@ struct PipelineLayout {
   static PipelineLayout make(const Config& config, int pipeline_rank, std::vector<LayerRange> stages);
 };
 
-class PipelineStep final : public StepEngine, public MetricsSource {
+class PipelineStep final : public StepEngine, public MetricsSource, public CarriedState {
  public:
   PipelineStep(const Config& config, ProcessGroups& groups, PipelineLayout layout, ChunkStore& store, GPT& model,
                DataLoader& data, GradSync& sync, ShardedOptimizer& optimizer,
@@ -48,6 +49,14 @@ class PipelineStep final : public StepEngine, public MetricsSource {
   StepResult run(int64_t step, double lr) override;
   double forward_loss(const Batch& batch) override { return executor_->forward_only(batch); }
   MetricsSource* metrics() override { return this; }
+  CarriedState* carried_state() override { return prediction_ ? this : nullptr; }
+  // Gradient prediction's state at a checkpoint: the deferred W's run first (Executor::
+  // run_deferred, under the next step's frozen layers, as that step would run them), then the
+  // prediction's state is saved, described with the layout it belongs to (the predictor, the
+  // stages and their ranks, the replicas, this rank's store): a resume needs the same layout.
+  std::string save(int64_t steps_done, std::vector<float>& floats) override;
+  std::string check_resume(const std::string& layout, size_t floats) const override;
+  void restore(const std::string& layout, const std::vector<float>& floats) override;
   const LayerCosts* layer_costs() const override { return profiler_ && profiler_->reported() ? &profiler_->costs() : nullptr; }
 
   // The layout line (and its `event: pipeline` record).
@@ -72,6 +81,10 @@ class PipelineStep final : public StepEngine, public MetricsSource {
   void adapt_micro_batches(int64_t step);
   StageTimes measured_stage_times();
   void write_trace(int64_t step, const std::vector<std::string>& timelines);
+  // The stages and their ranks as words, "0-1@r0 2-3@r1" (layers@rank).
+  std::string stage_words() const;
+  // The layout gradient prediction's saved state belongs to, in words: what a resume compares.
+  std::string prediction_layout() const;
 
   const Config& config_;
   ProcessGroups& groups_;

@@ -38,16 +38,6 @@ void resolve_job_config(Config& c, int world_size) {
                 "parallel.post_validate (with ZeRO or tiers)", "true");
     unsupported(c.parallel.predict_gradients == "off" || c.tier.device_mib == 0,
                 "parallel.predict_gradients (with tiers)", "\"" + c.parallel.predict_gradients + "\"");
-    // A step with predicted gradients carries deferred weight gradients into the next one: state
-    // that a checkpoint between the two does not hold.
-    if (c.parallel.predict_gradients != "off") {
-      const bool periodic = c.train.checkpoint_every > 0 || c.train.checkpoint_every_minutes > 0;
-      if (periodic || !c.train.resume.empty()) {
-        throw Error(std::string("config key '") + (periodic ? "train.checkpoint_every" : "train.resume") +
-                    "': not with parallel.predict_gradients = \"" + c.parallel.predict_gradients +
-                    "\" (a step carries deferred weight gradients into the next, which no checkpoint holds)");
-      }
-    }
   }
 }
 

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "comm/grad_sync.h"
+#include "core/carried_state.h"
 #include "core/metrics_source.h"
 #include "data/loader.h"
 #include "model/layer.h"
@@ -37,6 +38,9 @@ class StepEngine {
   virtual double forward_loss(const Batch& batch) = 0;
   // The engine's own figures (a pipeline's bubble), or nullptr.
   virtual MetricsSource* metrics() { return nullptr; }
+  // The state it carries from one step into the next beyond the chunk store's, for checkpoints,
+  // or nullptr when it carries none.
+  virtual CarriedState* carried_state() { return nullptr; }
   // The per-layer costs its profiler last reported (monitor.layer_costs_every), or nullptr before
   // the first report: what a pipeline re-cut decides on.
   virtual const pipeline::LayerCosts* layer_costs() const { return nullptr; }

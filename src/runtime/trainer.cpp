@@ -63,6 +63,7 @@ Trainer::Trainer(Config config, Communicator& comm)
   if (rank_->tiers) hooks_.push_back(rank_->tiers.get());
   // After the tiers: a tiered run's checkpoints stream from them (no snapshot buffers).
   checkpointer_ = std::make_unique<Checkpointer>(config_, comm, *rank_->store, *rank_->sync, peaks_.peak_gflops, log);
+  checkpointer_->set_carried_state(rank_->engine->carried_state());
   resume_or_init();
   if (m.dynamic_window()) {  // after resuming (it goes on with the checkpoint's windows); first of the hooks:
     // its probe passes (the first validation window) come before the step the tiers record as a schedule.
@@ -119,6 +120,7 @@ nlohmann::json Trainer::recut(const std::vector<LayerRange>& from, const std::ve
   std::replace(hooks_.begin(), hooks_.end(), static_cast<StepHook*>(rank_->tiers.get()), static_cast<StepHook*>(next->tiers.get()));
   rank_ = std::move(next);  // the old stages' memory goes back here
   checkpointer_->relayout(*rank_->store, *rank_->sync);
+  checkpointer_->set_carried_state(rank_->engine->carried_state());
   Communicator& world = groups_.world();
   double figures[2] = {static_cast<double>(moved.bytes_sent + residuals.bytes_sent), static_cast<double>(moved.bytes_copied)};
   world.allreduce_sum(figures, 2);
