@@ -23,6 +23,7 @@
 #include "core/fileio.h"
 #include "core/rng.h"
 #include "data/shard.h"
+#include "ckpt/run_directory.h"
 #include "runtime/trainer.h"
 #include "test_util.h"
 
@@ -166,10 +167,10 @@ TEST_F(Checkpoint, RunLeavesCompleteCheckpointsOfTheCurrentFormatThatVerify) {
             (std::vector<std::string>{"step-00000008", "step-00000006", "step-00000004", "step-00000002"}));
   for (int64_t step : {2, 4, 6, 8}) {
     SCOPED_TRACE(at(step));
-    // Only the data and the manifest: no temporary left behind.
+    // Only the run's mark, the data and the manifest: no temporary left behind.
     std::set<std::string> files;
     for (const auto& e : fs::directory_iterator(at(step))) files.insert(e.path().filename().string());
-    EXPECT_EQ(files, (std::set<std::string>{"manifest.json", "r0.bin"}));
+    EXPECT_EQ(files, (std::set<std::string>{run_marker(read_run_id(dir / "run")), "manifest.json", "r0.bin"}));
     const json m = manifest_of(at(step));
     EXPECT_EQ(m.at("format"), "keel-checkpoint");
     EXPECT_EQ(m.at("version"), kCheckpointFormatVersion);
@@ -213,7 +214,7 @@ TEST_F(Checkpoint, RunLeavesCompleteCheckpointsOfTheCurrentFormatThatVerify) {
   for (Plane p : kSaved) EXPECT_TRUE(same_bytes(plane_bytes(at(8), p), store_bytes(store, p))) << plane_name(p);
 }
 
-TEST_F(Checkpoint, DirectoryWithoutManifestIsNotACheckpointAndIsRemovedAtStartUp) {
+TEST_F(Checkpoint, DirectoryWithoutManifestIsNotACheckpointAndTheRunsOwnIsRemovedAtStartUp) {
   std::vector<char> params;
   {
     Trainer t(toy_config(dir.path(), 4));
@@ -221,9 +222,13 @@ TEST_F(Checkpoint, DirectoryWithoutManifestIsNotACheckpointAndIsRemovedAtStartUp
     t.save(root());
     params = store_bytes(t.store(), Plane::param);
   }
-  // What a crash during a write leaves: data, perhaps a temporary manifest, no manifest.
+  // What a crash during one of the run's writes leaves: its mark, data, perhaps a temporary
+  // manifest, no manifest.
+  const std::string run_id = read_run_id(dir / "run");
+  ASSERT_EQ(run_id.size(), 16u);
+  EXPECT_TRUE(fs::is_directory(at(1) + "/" + run_marker(run_id)));
   auto leave_incomplete = [&] {
-    fs::create_directories(at(9));
+    fs::create_directories(at(9) + "/" + run_marker(run_id));
     fs::copy_file(at(1) + "/r0.bin", at(9) + "/r0.bin");
     fs::copy_file(at(1) + "/manifest.json", at(9) + "/manifest.json.tmp");
   };
@@ -232,7 +237,9 @@ TEST_F(Checkpoint, DirectoryWithoutManifestIsNotACheckpointAndIsRemovedAtStartUp
   EXPECT_EQ(names_of(list_checkpoints(root())), std::vector<std::string>{"step-00000001"});
   EXPECT_EQ(testing::newest_checkpoint(root()), at(1));
   EXPECT_THROW(verify_checkpoint(at(9)), Error);
-  remove_incomplete_checkpoints(root());
+  EXPECT_TRUE(remove_interrupted_checkpoints(root(), "0123456789abcdef").removed.empty());  // another run's
+  EXPECT_TRUE(fs::exists(at(9)));
+  EXPECT_EQ(remove_interrupted_checkpoints(root(), run_id).removed, std::vector<std::string>{"step-00000009"});
   EXPECT_FALSE(fs::exists(at(9)));
   EXPECT_TRUE(fs::exists(at(1) + "/manifest.json"));
   EXPECT_TRUE(fs::exists(root() + "/notes"));

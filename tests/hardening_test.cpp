@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "ckpt/checkpoint.h"
+#include "ckpt/run_directory.h"
 #include "core/config.h"
 #include "core/fileio.h"
 #include "model/gpt.h"
@@ -397,6 +398,183 @@ TEST_F(Hardening, CheckpointsByTheClockAreTakenByAllRanksAndResumeExactly) {
       train("clock2", "--set train.steps=60 --set train.eval_every=0 --set train.resume=" + middle, 2);
   ASSERT_EQ(again.exit_code, 0) << again.output;
   EXPECT_TRUE(testing::checkpoint_bytes(root("clock")) == testing::checkpoint_bytes(root("clock2")));
+}
+
+// Another run's checkpoint never deletes this run's work. Run b is run a's twin (same config,
+// hence the same trajectory) but another run: resuming b's checkpoint in a's directory is refused
+// in one line naming both, and nothing of a's changes; train.overwrite moves a aside, whole.
+// Resuming a's own checkpoint, also a copy of it kept elsewhere, goes on as before.
+TEST_F(Hardening, AnotherRunsCheckpointNeverDeletesThisRunsWork) {
+  const std::string args = "--set train.steps=6 --set train.checkpoint_every=2 --set checkpoint.keep=10 ";
+  ASSERT_EQ(train("a", args).exit_code, 0);
+  ASSERT_EQ(train("b", args).exit_code, 0);
+  const std::vector<std::string> mine = step_dirs(root("a"));
+  ASSERT_EQ(mine.size(), 3u);
+  const std::string a_id = read_run_id(dir / "a"), b_id = read_run_id(dir / "b");
+  ASSERT_EQ(a_id.size(), 16u);
+  ASSERT_NE(a_id, b_id);  // two runs of one config are two runs
+  for (const std::string& c : mine) {
+    EXPECT_EQ(nlohmann::json::parse(read_text_file(root("a") + "/" + c + "/manifest.json")).at("run"), a_id);
+  }
+  const std::string metrics = read_text_file(dir / "a/metrics.jsonl"), config = read_text_file(dir / "a/config.toml");
+  const auto state = testing::checkpoint_bytes(root("a"));
+
+  for (int ranks : {0, 2}) {
+    SCOPED_TRACE(ranks);
+    const CommandResult r = train("a", args + "--set train.resume=" + at("b", 2), ranks);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    if (ranks == 0) {
+      EXPECT_EQ(testing::count_lines(r.output), 1) << r.output;
+      EXPECT_EQ(lines_with(r.output, "train.run_dir " + dir / "a" + ": holds run " + a_id + " (3 checkpoint(s)"), 1)
+          << r.output;
+      EXPECT_TRUE(contains(r.output, "train.resume=" + at("b", 2) + " is another run's checkpoint (run " + b_id + ")"))
+          << r.output;
+    } else {  // every rank names both (mpirun may end rank 0 before its line is out)
+      EXPECT_GE(lines_with(r.output, "train.run_dir " + dir / "a" + ": holds "), 1) << r.output;
+      EXPECT_EQ(lines_with(r.output, "train.run_dir " + dir / "a" + ": holds "),
+                lines_with(r.output, "train.resume=" + at("b", 2)))
+          << r.output;
+    }
+    EXPECT_EQ(step_dirs(root("a")), mine);
+    EXPECT_TRUE(testing::checkpoint_bytes(root("a")) == state);
+    EXPECT_EQ(read_text_file(dir / "a/metrics.jsonl"), metrics);
+    EXPECT_EQ(read_text_file(dir / "a/config.toml"), config);
+  }
+
+  // Its own checkpoint, copied elsewhere, is still its own.
+  fs::copy(root("a"), dir / "backup", fs::copy_options::recursive);
+  CommandResult r =
+      train("a", "--set train.steps=8 --set checkpoint.keep=10 --set train.resume=" + dir / "backup/" + checkpoint_name(6));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "resumed from " + dir / "backup/" + checkpoint_name(6) + " at step 6")) << r.output;
+  EXPECT_EQ(read_run_id(dir / "a"), a_id);
+  EXPECT_EQ(nlohmann::json::parse(read_text_file(at("a", 8) + "/manifest.json")).at("run"), a_id);
+  const std::string continued = read_text_file(dir / "a/metrics.jsonl");
+
+  // train.overwrite: a moves aside whole (never deleted), and a new run continues b's checkpoint.
+  r = train("a", args + "--set train.overwrite=true --set train.resume=" + at("b", 2));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "moved to " + dir / "a.old-1")) << r.output;
+  EXPECT_TRUE(contains(r.output, "resumed from " + at("b", 2) + " at step 2")) << r.output;
+  EXPECT_EQ(read_text_file(dir / "a.old-1/metrics.jsonl"), continued);
+  EXPECT_EQ(read_run_id(dir / "a.old-1"), a_id);
+  for (int step : {2, 4, 6, 8}) EXPECT_NO_THROW(verify_checkpoint(dir / "a.old-1/ckpt/" + checkpoint_name(step)));
+  const std::string new_id = read_run_id(dir / "a");
+  EXPECT_NE(new_id, a_id);
+  EXPECT_NE(new_id, b_id);
+  EXPECT_EQ(step_dirs(root("a")), (std::vector<std::string>{checkpoint_name(4), checkpoint_name(6)}));
+}
+
+// Only an incomplete checkpoint known to be this run's interrupted write is removed at start-up:
+// a middle checkpoint whose manifest was lost keeps its data, a file with a checkpoint's name and
+// another run's leftover are left alone; each is said in one line and none is used.
+TEST_F(Hardening, OnlyThisRunsInterruptedWriteIsRemovedAtStartUp) {
+  ASSERT_EQ(train("d", "--set train.checkpoint_every=2 --set checkpoint.keep=10").exit_code, 0);
+  ASSERT_EQ(step_dirs(root("d")).size(), 4u);
+  const std::string id = read_run_id(dir / "d");
+  ASSERT_EQ(id.size(), 16u);
+  fs::remove(at("d", 4) + "/manifest.json");  // lost: the newer checkpoints depend on it
+  const std::vector<char> data = read_file(at("d", 4) + "/r0.bin");
+  write_file(at("d", 10), std::string("a user's notes\n"));
+  auto leave = [&](int64_t step, const std::string& marker) {  // what a crash during a write leaves
+    fs::create_directories(at("d", step) + "/" + marker);
+    fs::copy_file(at("d", 2) + "/r0.bin", at("d", step) + "/r0.bin");
+  };
+  leave(11, run_marker("0123456789abcdef"));
+  leave(12, run_marker(id));
+  const CommandResult r = train("d", "--set train.checkpoint_every=2 --set checkpoint.keep=10 --set train.resume=auto");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(lines_with(r.output, "removed " + at("d", 12) + ": an incomplete checkpoint"), 1) << r.output;
+  EXPECT_FALSE(fs::exists(at("d", 12)));
+  EXPECT_EQ(lines_with(r.output, "keel: left "), 3) << r.output;
+  for (int step : {4, 10, 11}) EXPECT_EQ(lines_with(r.output, "left " + at("d", step) + " alone"), 1) << r.output;
+  EXPECT_EQ(read_file(at("d", 4) + "/r0.bin"), data);
+  EXPECT_EQ(read_text_file(at("d", 10)), "a user's notes\n");
+  EXPECT_TRUE(fs::exists(at("d", 11) + "/r0.bin"));
+  // Step 4 lost, steps 6 and 8 depended on it: the run went on from step 2.
+  EXPECT_TRUE(contains(r.output, "resumed from " + at("d", 2) + " at step 2")) << r.output;
+  EXPECT_NO_THROW(verify_checkpoint(root("d") + "/" + checkpoint_name(8, 1)));
+}
+
+// No output of a keel command replaces a run directory's own files (nor writes under its ckpt/),
+// also through a link; each is refused in one line and the file is untouched. Other files in a
+// run's directory (its report) are fine.
+TEST_F(Hardening, OutputsNeverReplaceARunDirectorysOwnFiles) {
+  ASSERT_EQ(train("o", "").exit_code, 0);
+  const std::string run = dir / "o";
+  ASSERT_EQ(testing::run_keel("export --checkpoint " + root("o") + " --out " + dir / "model.bin").exit_code, 0);
+  fs::create_symlink(run + "/metrics.jsonl", dir / "link.jsonl");
+  auto files = [&] {
+    return read_text_file(run + "/metrics.jsonl") + read_text_file(run + "/config.toml") +
+           read_text_file(run + "/keel-run.json") + read_text_file(run + "/.keel.lock");
+  };
+  const std::string before = files();
+  const auto state = testing::checkpoint_bytes(root("o"));
+  const std::vector<std::string> commands = {
+      "report " + run + " --out " + run + "/metrics.jsonl",
+      "report " + run + " --out " + dir / "link.jsonl",
+      "export --checkpoint " + root("o") + " --out " + run + "/metrics.jsonl",
+      "export --checkpoint " + root("o") + " --out " + run + "/config.toml",
+      "export --checkpoint " + root("o") + " --out " + run + "/keel-run.json",
+      "export --checkpoint " + root("o") + " --out " + run + "/.keel.lock",
+      "export --checkpoint " + root("o") + " --out " + run + "/ckpt/model.bin",
+      "import --llmc " + dir / "model.bin" + " --out " + run + "/ckpt",
+      "tokenize --input " + dir / "toy.toml" + " --out " + run + "/ckpt/data",
+      "data images --from " + dir.path() + " --out " + run + "/ckpt",
+      "schedule --trace " + run + "/config.toml",
+      "simulate --trace " + run + "/metrics.jsonl",
+  };
+  for (const std::string& c : commands) {
+    SCOPED_TRACE(c);
+    const CommandResult r = testing::run_keel(c);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_EQ(testing::count_lines(r.output), 1) << r.output;
+    EXPECT_TRUE(contains(r.output, "run directory " + run + "'s own")) << r.output;
+  }
+  EXPECT_EQ(files(), before);
+  EXPECT_TRUE(testing::checkpoint_bytes(root("o")) == state);
+  EXPECT_EQ(step_dirs(root("o")), std::vector<std::string>{checkpoint_name(8)});
+  const CommandResult report = testing::run_keel("report " + run);
+  EXPECT_EQ(report.exit_code, 0) << report.output;
+  EXPECT_TRUE(fs::exists(run + "/report.html"));
+}
+
+// A run's directory is neither the filesystem root nor inside another run's directory (its ckpt/
+// or anywhere below it): refused in one line, nothing created.
+TEST_F(Hardening, ARunDirectoryIsNeitherTheRootNorInsideAnotherRun) {
+  CommandResult r = testing::run_keel("train --config " + dir / "toy.toml" + " --set train.run_dir=/");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_EQ(testing::count_lines(r.output), 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "train.run_dir /: the filesystem root")) << r.output;
+  EXPECT_FALSE(fs::exists("/keel-run.json"));
+  ASSERT_EQ(train("outer", "").exit_code, 0);
+  for (const std::string& inner : {std::string("outer/ckpt/inner"), std::string("outer/sub/inner")}) {
+    SCOPED_TRACE(inner);
+    r = train(inner, "");
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_EQ(testing::count_lines(r.output), 1) << r.output;
+    EXPECT_TRUE(contains(r.output, "inside the run directory " + dir / "outer" + " (it holds .keel.lock)")) << r.output;
+    EXPECT_FALSE(fs::exists(dir / inner));
+  }
+  EXPECT_EQ(step_dirs(root("outer")), std::vector<std::string>{checkpoint_name(8)});
+}
+
+// A manifest speaks only for its own directory: copied into another step's directory (new, or
+// over that step's own manifest) it fails verification in one line naming both.
+TEST_F(Hardening, AManifestCopiedIntoAnotherStepsDirectoryDoesNotVerify) {
+  ASSERT_EQ(train("m", "--set train.checkpoint_every=2 --set checkpoint.keep=10").exit_code, 0);
+  fs::create_directories(at("m", 10));
+  fs::copy_file(at("m", 8) + "/manifest.json", at("m", 10) + "/manifest.json");
+  fs::copy_file(at("m", 2) + "/manifest.json", at("m", 4) + "/manifest.json", fs::copy_options::overwrite_existing);
+  const CommandResult r = testing::run_keel("checkpoints --dir " + root("m") + " --verify yes");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_GE(lines_with(r.output, "FAILED"), 2) << r.output;  // 10 and 4 (and what depends on 4)
+  EXPECT_EQ(lines_with(r.output, "its manifest is that of " + checkpoint_name(8) + " (step 8), not of " +
+                                     checkpoint_name(10)), 1) << r.output;
+  EXPECT_GE(lines_with(r.output, "its manifest is that of " + checkpoint_name(2) + " (step 2), not of " +
+                                     checkpoint_name(4)), 1) << r.output;
+  EXPECT_THROW(verify_checkpoint(at("m", 10)), Error);
+  EXPECT_NO_THROW(verify_checkpoint(at("m", 2)));
 }
 
 }  // namespace

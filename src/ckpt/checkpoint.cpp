@@ -53,7 +53,17 @@ bool parse_checkpoint_name(const std::string& name, int64_t* step = nullptr, int
   return true;
 }
 
-bool is_checkpoint_name(const std::string& name) { return parse_checkpoint_name(name); }
+// A manifest speaks for the directory it lies in only under its own name: one copied into another
+// step's directory would otherwise pass for that step. (A format-1 root, run_dir/ckpt, has no
+// checkpoint name to match.)
+void check_named_as(const Manifest& m, const std::string& dir) {
+  const std::string name = name_of(dir);
+  int64_t step = 0;
+  if (!parse_checkpoint_name(name, &step)) return;
+  check(m.name == name && m.step == step, "checkpoint " + dir + ": its manifest is that of " + m.name + " (step " +
+                                              std::to_string(m.step) + "), not of " + name +
+                                              ": copied from another checkpoint");
+}
 
 // Manifests of one root by checkpoint name, read once (bases of XOR records, referenced data).
 class ManifestCache {
@@ -65,7 +75,9 @@ class ManifestCache {
     const std::string dir = join(root_, name);
     check(Env::get().exists(dir + "/manifest.json"),
           "checkpoint " + dir + ": missing, but a newer checkpoint depends on it");
-    return cache_.emplace(name, read_manifest(dir)).first->second;
+    Manifest m = read_manifest(dir);
+    check_named_as(m, dir);
+    return cache_.emplace(name, std::move(m)).first->second;
   }
   const std::string& root() const { return root_; }
 
@@ -305,23 +317,32 @@ void needed_by(ManifestCache& cache, const std::string& name, std::set<std::stri
   }
 }
 
-// Keeps the newest `keep` complete checkpoints, the one just published (`published`: even when
-// older ones of a higher step are there) and everything they reference; removes the rest.
-void apply_retention(const std::string& root, int keep, const std::string& published) {
+// Keeps the newest `keep` complete checkpoints of run `run_id`, the one just published
+// (`published`: even when older ones of a higher step are there) and everything they reference;
+// removes that run's others. Only complete checkpoints whose manifest names the run (or names none:
+// written before runs had ids, in this root) are ever removed: another run's checkpoint, one whose
+// manifest cannot be read, a directory without a manifest and a file are not this run's to delete.
+void apply_retention(const std::string& root, int keep, const std::string& published, const std::string& run_id) {
   Env& env = Env::get();
-  const std::vector<std::string> complete = list_checkpoints(root);
   ManifestCache cache(root);
+  std::vector<std::string> own;  // newest first
+  for (const std::string& dir : list_checkpoints(root)) {
+    try {
+      const std::string& writer = cache.get(name_of(dir)).run_id;
+      if (writer.empty() || writer == run_id) own.push_back(name_of(dir));
+    } catch (const Error&) {
+    }
+  }
   std::set<std::string> needed;
   try {
-    for (size_t i = 0; i < complete.size() && static_cast<int>(i) < keep; ++i) needed_by(cache, name_of(complete[i]), needed);
+    for (size_t i = 0; i < own.size() && static_cast<int>(i) < keep; ++i) needed_by(cache, own[i], needed);
     needed_by(cache, published, needed);
   } catch (const Error&) {
     // A kept checkpoint that cannot be resolved is not a reason to delete anything it might need.
     return;
   }
-  for (const std::string& entry : env.list_dir(root)) {
-    if (!is_checkpoint_name(entry) || needed.count(entry) > 0) continue;
-    env.remove(join(root, entry));
+  for (const std::string& name : own) {
+    if (needed.count(name) == 0) env.remove(join(root, name));
   }
 }
 
@@ -363,16 +384,51 @@ std::vector<std::string> list_checkpoints(const std::string& root) {
   return out;
 }
 
-std::vector<std::string> remove_incomplete_checkpoints(const std::string& root) {
+std::string run_marker(const std::string& run_id) { return "run-" + run_id; }
+
+IncompleteCheckpoints remove_interrupted_checkpoints(const std::string& root, const std::string& run_id) {
+  namespace fs = std::filesystem;
   Env& env = Env::get();
-  std::vector<std::string> removed;
+  const std::vector<std::string> complete = list_checkpoints(root);
+  int64_t newest_step = -1;
+  int newest_attempt = 0;
+  if (!complete.empty()) parse_checkpoint_name(name_of(complete.front()), &newest_step, &newest_attempt);
+  IncompleteCheckpoints out;
   for (const std::string& name : env.list_dir(root)) {
-    if (is_checkpoint_name(name) && !env.exists(join(join(root, name), "manifest.json"))) {
-      env.remove(join(root, name));
-      removed.push_back(name);
+    int64_t step = 0;
+    int attempt = 0;
+    const std::string dir = join(root, name);
+    if (!parse_checkpoint_name(name, &step, &attempt) || env.exists(join(dir, "manifest.json"))) continue;
+    // Why it is not positively this run's interrupted write ("" = it is).
+    std::string why;
+    std::error_code ec;
+    if (!fs::is_directory(fs::symlink_status(dir, ec))) {
+      why = "not a directory";
+    } else if (std::make_pair(step, attempt) <= std::make_pair(newest_step, newest_attempt)) {
+      why = "older than the newest complete checkpoint " + name_of(complete.front());
+    } else {
+      const std::vector<std::string> entries = env.list_dir(dir);
+      bool marked = false;
+      for (const std::string& e : entries) {
+        const bool data = e.size() > 5 && e[0] == 'r' && e.ends_with(".bin") &&
+                          std::all_of(e.begin() + 1, e.end() - 4, [](char c) { return c >= '0' && c <= '9'; });
+        if (e.starts_with("run-")) {
+          if (run_id.empty() || e != run_marker(run_id)) why = "written by another run (" + e + ")";
+          marked = true;
+        } else if (!data && e != "manifest.json.tmp" && why.empty()) {
+          why = "holds " + e + ", which no checkpoint writer writes";
+        }
+      }
+      if (why.empty() && !marked && !entries.empty()) why = "no mark of this run's writer (" + run_marker(run_id) + ")";
     }
+    if (!why.empty()) {
+      out.kept.emplace_back(name, why);
+      continue;
+    }
+    env.remove(dir);
+    out.removed.push_back(name);
   }
-  return removed;
+  return out;
 }
 
 std::vector<std::string> checkpoint_candidates(const std::string& path) {
@@ -455,6 +511,7 @@ int64_t verify_checkpoint(const std::string& path) {
 
 CheckpointInfo describe_checkpoint(const std::string& dir) {
   const Manifest m = read_manifest(dir);
+  check_named_as(m, dir);
   CheckpointInfo info;
   info.dir = dir;
   info.name = name_of(dir);
@@ -592,7 +649,9 @@ void CheckpointWriter::write_job() {
     Env& env = Env::get();
     const std::string dir = join(root_, name_);
     const std::string file = "r" + std::to_string(rank_) + ".bin";
-    env.create_dirs(dir);
+    // The directory and the run's mark in it, before any data (one operation): what lets this run
+    // know an incomplete directory as its own interrupted write (remove_interrupted_checkpoints).
+    env.create_dirs(run_id_.empty() ? dir : join(dir, run_marker(run_id_)));
     std::unique_ptr<WritableFile> out = env.create(join(dir, file));
     uint64_t at = 0;
     std::vector<char> packed, packed_xor;
@@ -741,7 +800,7 @@ void CheckpointWriter::committed(bool ok) {
 
 std::string publish_checkpoint(const std::string& root, const std::vector<CheckpointPart>& parts,
                                const ChunkStore& store, const Config& config, int world_size, double peak_gflops,
-                               int keep, CheckpointStats* stats) {
+                               int keep, const std::string& run_id, CheckpointStats* stats) {
   Env& env = Env::get();
   const int n = static_cast<int>(store.chunks().size());
   check(!parts.empty(), "checkpoint: publishing without any rank's part");
@@ -764,6 +823,7 @@ std::string publish_checkpoint(const std::string& root, const std::vector<Checkp
       m.base = parts.front().base;
       m.shape_hash = hex64(config.shape_hash());
       m.trajectory_hash = hex64(config.trajectory_hash(world_size));
+      m.run_id = run_id;
       m.model = ModelShape::of(config.model);
       m.chunk_bytes = config.store.chunk_bytes;
       m.numel = store.numel();
@@ -822,7 +882,7 @@ std::string publish_checkpoint(const std::string& root, const std::vector<Checkp
     } catch (const Error&) {
     }
   } else {
-    apply_retention(root, keep, name);
+    apply_retention(root, keep, name, run_id);
   }
   if (stats != nullptr) *stats = s;
   return failure;
@@ -833,10 +893,9 @@ std::string save_checkpoint(const std::string& root, const ChunkStore& store, co
   CheckpointConfig cc = config.checkpoint;
   cc.async = false;
   CheckpointWriter writer(store, cc, 0, 0, static_cast<int>(store.chunks().size()));
-  remove_incomplete_checkpoints(root);
   writer.begin(root, step, state, next_checkpoint_attempt(root, step));
   const std::string failure =
-      publish_checkpoint(root, {writer.finish()}, store, config, 1, peak_gflops, cc.keep, nullptr);
+      publish_checkpoint(root, {writer.finish()}, store, config, 1, peak_gflops, cc.keep, "", nullptr);
   check(failure.empty(), "checkpoint " + join(root, writer.name()) + ": not written: " + failure);
   writer.committed(true);
   return join(root, writer.name());

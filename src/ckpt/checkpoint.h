@@ -3,7 +3,9 @@
 // A checkpoint root (run_dir/ckpt) holds one directory per checkpoint, step-00000040/ and so on.
 // A checkpoint directory holds r0.bin, r1.bin... (the chunk records each rank wrote) and
 // manifest.json, written last: data first, fsync, then the manifest renamed into place and the
-// directory fsynced. A directory without a manifest is not a checkpoint and is removed.
+// directory fsynced. A directory without a manifest is not a checkpoint: it is never used, and it
+// is removed only when it is positively the run's own interrupted write (the writer creates the
+// directory together with the run's mark, run-<run id>, before any data).
 //
 // The manifest names the format version, step, config and trajectory hashes, the writers' layout,
 // every rank's state (data position, compression residuals, a step engine's carried state:
@@ -158,6 +160,10 @@ class CheckpointWriter {
   CheckpointWriter(const CheckpointWriter&) = delete;
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
 
+  // The run whose checkpoints it writes (RunDirectory::run_id): every checkpoint directory is
+  // created with that run's mark in it, before any data. "" (tools): no mark.
+  void set_run_id(std::string run_id) { run_id_ = std::move(run_id); }
+
   // Snapshots this rank's chunks at `step` (index = checkpoints taken so far in this run decides
   // full or differential) and starts writing them under root/checkpoint_name(step, attempt)
   // (every rank must use the same attempt: see next_checkpoint_attempt). With state.has_residual,
@@ -192,7 +198,7 @@ class CheckpointWriter {
   std::vector<ChunkTarget> targets_;        // per chunk (empty: the store's own layout)
   int64_t taken_ = 0;              // checkpoints begun in this run
   bool full_ = true;
-  std::string root_, name_;
+  std::string root_, name_, run_id_;
   int64_t step_ = 0;
   RankState state_;
   std::vector<float> residual_, carried_;
@@ -204,18 +210,29 @@ class CheckpointWriter {
   bool job_done_ = true;
 };
 
-// Rank 0: assembles the manifest from every rank's part and publishes the checkpoint (manifest
-// written to a temporary name, fsynced, renamed into place, directory fsynced), then applies
-// retention: keeps the newest `keep` checkpoints and every older one they reference, removes the
-// rest and any directory without a manifest. Returns "" on success or why it did not publish
-// (a rank's write failed); the checkpoint directory is then removed.
+// Rank 0: assembles the manifest from every rank's part (recording `run_id`, the run that wrote
+// it) and publishes the checkpoint (manifest written to a temporary name, fsynced, renamed into
+// place, directory fsynced), then applies retention: keeps the run's newest `keep` checkpoints and
+// every older one they reference, and removes the run's others (complete checkpoints whose
+// manifest names this run or no run; nothing else under root). Returns "" on success or why it
+// did not publish (a rank's write failed); the checkpoint directory is then removed.
 std::string publish_checkpoint(const std::string& root, const std::vector<CheckpointPart>& parts,
                                const ChunkStore& store, const Config& config, int world_size, double peak_gflops,
-                               int keep, CheckpointStats* stats);
+                               int keep, const std::string& run_id, CheckpointStats* stats);
 
-// Rank 0 at start-up: removes checkpoint directories under root that have no manifest; returns
-// their names.
-std::vector<std::string> remove_incomplete_checkpoints(const std::string& root);
+// The mark of run `run_id` that its writers create in a checkpoint directory before any data.
+std::string run_marker(const std::string& run_id);
+
+// What start-up found under a checkpoint root that has a checkpoint's name but no manifest.
+struct IncompleteCheckpoints {
+  std::vector<std::string> removed;  // names: the run's own interrupted writes, removed
+  std::vector<std::pair<std::string, std::string>> kept;  // name, why it is not known to be one: left alone
+};
+// Rank 0 at start-up: removes an entry without a manifest only when it is positively an
+// interrupted write of run `run_id`: a directory (not a link), newer than the newest complete
+// checkpoint, holding that run's mark and nothing a writer does not write (rN.bin,
+// manifest.json.tmp), or nothing at all. Everything else is left alone and named in `kept`.
+IncompleteCheckpoints remove_interrupted_checkpoints(const std::string& root, const std::string& run_id);
 
 // Synchronous save of a whole store by one process (tools, tests, single-rank runs): full
 // checkpoint of every chunk into root/checkpoint_name(state.step).

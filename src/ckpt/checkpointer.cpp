@@ -79,6 +79,7 @@ void Checkpointer::make_writer() {
   writer_ = std::make_unique<CheckpointWriter>(*store_, config_.checkpoint, comm_.rank(),
                                                writers_.first_chunk[writer_index_],
                                                writers_.first_chunk[writer_index_ + 1], periodic, std::move(targets));
+  writer_->set_run_id(run_dir_.run_id());
 }
 
 void Checkpointer::relayout(ChunkStore& store, GradSync& sync) {
@@ -103,11 +104,17 @@ double Checkpointer::buffer_bytes() const {
 std::optional<TrainState> Checkpointer::resume() {
   const TrainConfig& t = config_.train;
   const int world = comm_.size();
-  // A checkpoint directory without a manifest is what a crash during a write leaves behind.
+  // A checkpoint directory without a manifest: what a crash during one of this run's writes
+  // leaves behind is removed; anything else is left alone (and never used).
   if (comm_.is_root()) {
-    for (const std::string& name : remove_incomplete_checkpoints(root_)) {
-      std::fprintf(stderr, "keel: removed %s/%s: an incomplete checkpoint (no manifest; a write was interrupted)\n",
-                   root_.c_str(), name.c_str());
+    const IncompleteCheckpoints found = remove_interrupted_checkpoints(root_, run_dir_.run_id());
+    for (const std::string& name : found.removed) {
+      std::fprintf(stderr, "keel: removed %s/%s: an incomplete checkpoint (no manifest; a write of this run was "
+                   "interrupted)\n", root_.c_str(), name.c_str());
+    }
+    for (const auto& [name, why] : found.kept) {
+      std::fprintf(stderr, "keel: left %s/%s alone (no manifest; %s): not known as an interrupted write of this run, "
+                   "and not used\n", root_.c_str(), name.c_str(), why.c_str());
     }
   }
   // A job restarted by `keel launch --max-restarts` continues from its own newest checkpoint when
@@ -136,6 +143,9 @@ std::optional<TrainState> Checkpointer::resume() {
     }
     // Every rank must load the same checkpoint: a candidate is used only if it verified on all ranks.
     if (comm_.allreduce_max(why.empty() ? 0.0 : 1.0) == 0.0) {
+      // Another run's checkpoint never continues in a directory holding a run (a restarted job's
+      // first attempt was checked).
+      if (!automatic && !restarted) run_dir_.check_resume_from(resume, candidates[i]);
       for (const std::string& r : rejections) std::fprintf(stderr, "%s\n", r.c_str());
       if (!residual.empty()) sync_->restore_residuals(residual);
       if (carried_ != nullptr) carried_->restore(carried_layout, carried);
@@ -155,6 +165,7 @@ std::optional<TrainState> Checkpointer::resume() {
       if (!residual_note.empty() && comm_.is_root()) std::fprintf(stderr, "keel: %s\n", residual_note.c_str());
       state.dir = candidates[i];
       note_other_data(state);
+      settle_run_id();
       return state;
     }
     last_why = why.empty() ? "checkpoint " + candidates[i] + ": rejected by another rank" : why;
@@ -181,7 +192,13 @@ std::optional<TrainState> Checkpointer::resume() {
     }
     for (const Chunk& c : store_->chunks()) store_->set_version(c.id, 0);
   }
+  settle_run_id();
   return std::nullopt;
+}
+
+void Checkpointer::settle_run_id() {
+  run_dir_.settle_run_id();
+  writer_->set_run_id(run_dir_.run_id());
 }
 
 void Checkpointer::note_other_data(const TrainState& state) const {
@@ -400,8 +417,7 @@ bool Checkpointer::commit() {
       std::vector<CheckpointPart> parts;
       for (const std::string& bytes : encoded) parts.push_back(decode_part(bytes));
       failure = publish_checkpoint(inflight_root_, parts, whole_ ? *whole_ : *store_, inflight_config_, comm_.size(),
-                                   peak_gflops_,
-                                   config_.checkpoint.keep, &st);
+                                   peak_gflops_, config_.checkpoint.keep, run_dir_.run_id(), &st);
     } catch (const std::exception& e) {
       failure = e.what();
     }

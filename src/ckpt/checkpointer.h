@@ -35,14 +35,16 @@ class Checkpointer {
   // none), which every checkpoint saves per rank and resume() restores (or refuses in one line
   // when the checkpoint's was saved in a layout this run cannot take it up in).
   void set_carried_state(CarriedState* carried) { carried_ = carried; }
-  // Start-up, on every rank: removes what a crash during a write left (rank 0), then loads the
-  // checkpoint to resume from, if any: train.resume (a directory or a root), the run's own
-  // checkpoints for "auto" or a job restarted by `keel launch` (KEEL_RESTART). A candidate is
-  // used only when every rank loaded it; a rejected one is reported and the next older one
-  // tried. Returns the state loaded, or nullopt for a fresh start (the store's moments and
-  // versions then cleared of anything a failed load wrote). Throws keel::Error when an
-  // explicit train.resume has no usable checkpoint, or when a fresh start would overwrite an
-  // earlier run (RunDirectory::check_fresh_start).
+  // Start-up, on every rank: removes what a crash during one of this run's writes left (rank 0;
+  // other incomplete directories are reported and left alone), then loads the checkpoint to
+  // resume from, if any: train.resume (a directory or a root), the run's own checkpoints for
+  // "auto" or a job restarted by `keel launch` (KEEL_RESTART). A candidate is used only when
+  // every rank loaded it; a rejected one is reported and the next older one tried. Returns the
+  // state loaded, or nullopt for a fresh start (the store's moments and versions then cleared of
+  // anything a failed load wrote); either way the run then has its id. Throws keel::Error when an
+  // explicit train.resume has no usable checkpoint or is another run's checkpoint
+  // (RunDirectory::check_resume_from), or when a fresh start would overwrite an earlier run
+  // (RunDirectory::check_fresh_start).
   std::optional<TrainState> resume();
 
   // A job restarted by `keel launch --max-restarts` (KEEL_RESTART): prints and logs (`event:
@@ -91,6 +93,8 @@ class Checkpointer {
   // This rank's residuals in `state`: whole (`out`: saved under this layout) or by key (`parts`:
   // another pipeline layout of the same data-parallel ranks); else a note that they are dropped.
   std::string load_residuals(const TrainState& state, std::vector<float>& out, std::vector<GradSync::ResidualPart>& parts);
+  // The run's id once resume decided (RunDirectory::settle_run_id), for its checkpoints.
+  void settle_run_id();
   // This rank's carried step state in `state` (its description and floats; both empty when the
   // checkpoint holds none). Throws when this run cannot continue from it.
   void load_carried(const TrainState& state, std::string& layout, std::vector<float>& floats);

@@ -136,6 +136,7 @@ Manifest parse(const json& j, const std::string& dir) {
   m.base = j.value("base", "");
   m.shape_hash = j.value("shape_hash", "");
   m.trajectory_hash = j.value("trajectory_hash", "");
+  m.run_id = j.value("run", "");
   m.model = parse_model(j.at("model"));
   m.chunk_bytes = j.at("chunk_bytes").get<int64_t>();
   m.numel = j.at("numel").get<int64_t>();
@@ -366,6 +367,7 @@ void write_manifest(const std::string& dir, const Manifest& m) {
                   {"base", m.base},
                   {"shape_hash", m.shape_hash},
                   {"trajectory_hash", m.trajectory_hash},
+                  {"run", m.run_id},
                   {"model", model_json(m.model)},
                   {"chunk_bytes", m.chunk_bytes},
                   {"numel", m.numel},

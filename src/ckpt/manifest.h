@@ -99,6 +99,9 @@ struct Manifest {
   int64_t step = 0;
   std::string kind = "full", base;          // "full" or "diff" (against `base`)
   std::string shape_hash, trajectory_hash;  // hex; "" where an old manifest has none
+  // The run that wrote it (RunDirectory::run_id): which run directory's checkpoints it belongs to.
+  // "" in manifests written before runs had ids, and in tools' checkpoints (keel import).
+  std::string run_id;
   ModelShape model;
   int64_t chunk_bytes = 0, numel = 0;
   int world = 1, zero = 0;                  // the writers' layout

@@ -24,6 +24,7 @@
 #include "ckpt/checkpoint.h"
 #include "ckpt/llama2c.h"
 #include "ckpt/llmc.h"
+#include "ckpt/run_directory.h"
 #include "core/clock.h"
 #include "comm/communicator.h"
 #include "core/config.h"
@@ -202,6 +203,7 @@ int cmd_tokenize(const Args& a) {
   std::vector<std::string> inputs = a.all("--input");
   if (inputs.empty()) inputs = {kFortunes};
   const std::string out = a.get("--out", "data/fortunes");
+  check_output_path("tokenize --out", out);
   const int vocab = static_cast<int>(a.get_int("--vocab-size", 8192));
   const double val_fraction = a.get_double("--val-fraction", 0.05);
   check(val_fraction > 0 && val_fraction < 1, "option --val-fraction: expected 0 < F < 1, found " + a.get("--val-fraction"));
@@ -457,23 +459,14 @@ int cmd_score(const Args& a) {
   return 0;
 }
 
-// An output file may replace only a regular file, and never one inside a checkpoint directory
-// (its records may be what newer checkpoints point into).
+// An output file may replace only a regular file, and never a run's own file nor one inside a
+// checkpoint directory (its records may be what newer checkpoints point into).
 void check_output_file(const std::string& what, const std::string& out) {
   std::error_code ec;
   const fs::file_status st = fs::status(out, ec);
   check(!fs::exists(st) || fs::is_regular_file(st),
         what + " " + out + ": exists and is not a regular file (a directory, device, pipe or socket): not replaced");
-  for (fs::path dir = fs::weakly_canonical(fs::absolute(out), ec).parent_path(); !dir.empty(); dir = dir.parent_path()) {
-    const fs::path manifest = dir / "manifest.json";
-    if (fs::is_regular_file(manifest, ec)) {
-      std::ifstream in(manifest);
-      const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      check(text.find("\"keel-checkpoint\"") == std::string::npos,
-            what + " " + out + ": inside checkpoint directory " + dir.string() + ": not written there");
-    }
-    if (dir == dir.parent_path()) break;
-  }
+  check_output_path(what, out);
 }
 
 int cmd_export(const Args& a) {
@@ -505,6 +498,7 @@ int cmd_export(const Args& a) {
 int cmd_import(const Args& a) {
   check((a.has("--llmc") != a.has("--llama2c")) && a.has("--out"),
         "import: expected --llmc FILE.bin (GPT-2) or --llama2c FILE.bin (llama), and --out DIR");
+  check_output_path("import --out", a.get("--out"));
   Config config = Config::load("", a.all("--set"));
   const bool llama2c = a.has("--llama2c");
   const std::string from = llama2c ? a.get("--llama2c") : a.get("--llmc");
@@ -586,6 +580,7 @@ int cmd_simulate(const Args& a) {
   o.nodes = static_cast<int>(a.get_int("--nodes", 0));
   o.layer_costs = a.get("--layer-costs", "");
   o.trace = a.get("--trace", "");
+  if (!o.trace.empty()) check_output_file("simulate --trace", o.trace);
   const std::string probe = a.get("--probe", "no");
   check(probe == "yes" || probe == "no", "simulate --probe: expected yes or no, found '" + probe + "'");
   if (probe == "yes") {
@@ -611,6 +606,7 @@ int cmd_simulate(const Args& a) {
 }
 
 int cmd_schedule(const Args& a) {
+  if (a.has("--trace")) check_output_file("schedule --trace", a.get("--trace"));
   Config config = Config::load(a.get("--config", ""), a.all("--set"));
   resolve_job_config(config, config.parallel.pipeline);
   const int width = static_cast<int>(a.get_int("--width", 100));
@@ -727,6 +723,7 @@ int cmd_data_images(const Args& a) {
   const std::string strict = a.get("--strict", "no");
   check(strict == "yes" || strict == "no", "data images --strict: expected yes or no, found '" + strict + "'");
   o.strict = strict == "yes";
+  if (!o.out.empty()) check_output_path("data images --out", o.out);
   check(!o.from.empty(), "data images: missing --from DIR (a directory of named .png/.jpg images, e.g. /usr/share/icons/Tango)");
   const ImageDatasetResult r = build_image_dataset(o);
   g_input_accepted = true;
