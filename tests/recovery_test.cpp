@@ -47,20 +47,17 @@ std::string joined(const std::vector<std::string>& names) {
 
 class Recovery : public ::testing::Test {
  protected:
+  // The uninterrupted job, without memory copies: its final planes, once for every repetition.
   static void SetUpTestSuite() {
-    shared_ = new testing::TempDir("keel-recovery-ref");
-    testing::write_toy_corpus(shared_->path());
-    testing::write_toy_config(shared_->path(), kSteps);
-    // The uninterrupted job, without memory copies.
+    if (!reference_.empty()) return;
+    const testing::TempDir shared("keel-recovery-ref");
+    testing::write_toy_corpus(shared.path());
+    testing::write_toy_config(shared.path(), kSteps);
     const testing::CommandResult r =
-        testing::run_keel("launch -n 2 -- train --config " + *shared_ / "toy.toml" + " --set train.eval_every=0" +
-                          " --set train.checkpoint_every=10 --set train.run_dir=" + *shared_ / "reference");
+        testing::run_keel("launch -n 2 -- train --config " + shared / "toy.toml" + " --set train.eval_every=0" +
+                          " --set train.checkpoint_every=10 --set train.run_dir=" + shared / "reference");
     ASSERT_EQ(r.exit_code, 0) << r.output;
-    for (Plane p : kSavedPlanes) reference_.push_back(testing::checkpoint_bytes(*shared_ / "reference/ckpt", p));
-  }
-  static void TearDownTestSuite() {
-    delete shared_;
-    shared_ = nullptr;
+    for (Plane p : kSavedPlanes) reference_.push_back(testing::checkpoint_bytes(shared / "reference/ckpt", p));
   }
   void SetUp() override {
     ASSERT_EQ(reference_.size(), 3u) << "the reference job failed";
@@ -94,23 +91,24 @@ class Recovery : public ::testing::Test {
           << "plane " << saved_plane_key(kSavedPlanes[i]) << " differs from the uninterrupted job's";
     }
   }
-  // The `event: resume` lines of the run's metrics.
-  std::vector<nlohmann::json> resume_events() {
-    std::vector<nlohmann::json> out;
+  // The run's one `event: resume` line, which must name `source`.
+  nlohmann::json resume_event(const std::string& source) {
+    std::vector<nlohmann::json> events;
     std::ifstream in(dir / "run/metrics.jsonl");
     for (std::string line; std::getline(in, line);) {
       const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-      if (j.is_object() && j.value("event", "") == "resume") out.push_back(j);
+      if (j.is_object() && j.value("event", "") == "resume") events.push_back(j);
     }
-    return out;
+    EXPECT_EQ(events.size(), 1u);
+    if (events.empty()) return nlohmann::json::object();
+    EXPECT_EQ(events.back().value("source", ""), source);
+    return events.back();
   }
 
   testing::TempDir dir{"keel-recovery"};
-  static testing::TempDir* shared_;
   static std::vector<std::vector<char>> reference_;
 };
 
-testing::TempDir* Recovery::shared_ = nullptr;
 std::vector<std::vector<char>> Recovery::reference_;
 
 // (a) The launcher restarts the killed job, which resumes from both ranks' own copies of step 15
@@ -125,10 +123,7 @@ TEST_F(Recovery, RestartResumesFromMemoryWithTheSameBytes) {
   EXPECT_TRUE(contains(r.output, "2 rank(s) from their own copy, 0 from their buddy's")) << r.output;
   EXPECT_TRUE(contains(r.output, "newest disk checkpoint: step 10\n")) << r.output;
   EXPECT_FALSE(contains(r.output, "resumed from disk")) << r.output;
-  const std::vector<nlohmann::json> events = resume_events();
-  ASSERT_EQ(events.size(), 1u);
-  EXPECT_EQ(events[0]["source"], "memory");
-  EXPECT_EQ(events[0]["step"], 15);
+  EXPECT_EQ(resume_event("memory").value("step", -1), 15);
   expect_reference_bytes();
   EXPECT_FALSE(fs::exists(shm())) << "memory copies left after the job succeeded: " << joined(files_in(shm()));
 }
@@ -149,10 +144,7 @@ TEST_F(Recovery, ARankWithoutItsOwnCopyResumesFromItsBuddysCopy) {
               contains(r.output, "keel: resumed from memory (step 14) in "))
       << r.output;
   EXPECT_TRUE(contains(r.output, "1 rank(s) from their own copy, 1 from their buddy's")) << r.output;
-  const std::vector<nlohmann::json> events = resume_events();
-  ASSERT_EQ(events.size(), 1u);
-  EXPECT_EQ(events[0]["source"], "memory");
-  EXPECT_EQ(events[0]["buddy"], 1);
+  EXPECT_EQ(resume_event("memory").value("buddy", -1), 1);
   expect_reference_bytes();
   EXPECT_FALSE(fs::exists(shm())) << joined(files_in(shm()));
 }
@@ -185,10 +177,7 @@ TEST_F(Recovery, BothCopiesOfARankUnusableFallsBackToDisk) {
   EXPECT_TRUE(contains(r.output, "keel: resumed from disk (checkpoint " + dir / "run/ckpt/step-00000010, step 10)"))
       << r.output;
   EXPECT_FALSE(contains(r.output, "resumed from memory")) << r.output;
-  const std::vector<nlohmann::json> events = resume_events();
-  ASSERT_EQ(events.size(), 1u);
-  EXPECT_EQ(events[0]["source"], "disk");
-  EXPECT_EQ(events[0]["step"], 10);
+  EXPECT_EQ(resume_event("disk").value("step", -1), 10);
   expect_reference_bytes();
 }
 
@@ -210,8 +199,19 @@ TEST_F(Recovery, AnotherJobsMemoryCopiesAreNotUsed) {
   EXPECT_TRUE(contains(r.output, "keel: resumed from disk (checkpoint " + dir / "run/ckpt/step-00000010, step 10)"))
       << r.output;
   EXPECT_FALSE(contains(r.output, "resumed from memory")) << r.output;
+  EXPECT_EQ(resume_event("disk").value("step", -1), 10);
   expect_reference_bytes();
   EXPECT_FALSE(fs::exists(shm())) << joined(files_in(shm()));
+}
+
+// (d) The same job id with another trajectory (another seed): its copies are not this run's.
+TEST_F(Recovery, AnotherTrajectorysMemoryCopiesAreNotUsed) {
+  ASSERT_NO_FATAL_FAILURE(kill_after_step_15("job-d-seed"));
+  const testing::CommandResult r =
+      launch(0, "KEEL_JOB_ID=job-d-seed", "--set train.resume=auto --set train.seed=7 --set train.steps=12");
+  EXPECT_TRUE(contains(r.output, "memory copies in " + shm() + " that are not this run's (another trajectory")) << r.output;
+  EXPECT_FALSE(contains(r.output, "resumed from memory")) << r.output;
+  EXPECT_TRUE(files_in(shm()).empty()) << joined(files_in(shm()));
 }
 
 // (e) A bad value is one line and exit 2.

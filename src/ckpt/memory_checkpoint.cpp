@@ -226,21 +226,28 @@ std::string MemoryCheckpoint::read_footer(const std::string& path, int64_t* file
 std::string MemoryCheckpoint::foreign(const std::string& footer_json, int rank) const {
   const json f = json::parse(footer_json, nullptr, false);
   if (f.is_discarded() || !f.is_object()) return "an unreadable footer";
-  if (f.value("format", 0) != kFormat) return "another format";
-  if (f.value("job", "") != job_) return "job " + f.value("job", std::string("?")) + ", this job " + job_;
-  if (f.value("world", 0) != world_size_) return "another world size";
-  if (f.value("rank", -1) != rank) return "another rank";
-  if (f.value("trajectory", "") != trajectory_) return "another trajectory (model, optimizer, seed or tokens per step)";
+  try {
+    if (f.value("format", 0) != kFormat) return "another format";
+    if (f.value("job", "") != job_) return "job " + f.value("job", std::string("?")) + ", this job " + job_;
+    if (f.value("world", 0) != world_size_) return "another world size";
+    if (f.value("rank", -1) != rank) return "another rank";
+    if (f.value("trajectory", "") != trajectory_) return "another trajectory (model, optimizer, seed or tokens per step)";
+  } catch (const json::exception&) {
+    return "a footer with fields of the wrong types";
+  }
   return "";
 }
 
-void MemoryCheckpoint::drop_older(int rank, bool buddy, int64_t newest) {
-  std::vector<int64_t> steps;
+void MemoryCheckpoint::report_failure(const std::string& what) {
+  if (failures_++ > 0) return;  // a full /dev/shm fails every step: said once
+  std::fprintf(stderr, "keel: [rank %d] %s (training goes on; further failures of memory copies are not reported)\n",
+               rank_, what.c_str());
+}
+
+void MemoryCheckpoint::drop_before(int64_t step) {
   for (const Copy& c : list_copies(nullptr)) {
-    if (c.rank == rank && c.buddy == buddy && c.step <= newest) steps.push_back(c.step);
+    if (c.step < step) Env::get().remove(c.path);
   }
-  std::sort(steps.rbegin(), steps.rend());
-  for (size_t i = 2; i < steps.size(); ++i) Env::get().remove(dir_ + "/" + copy_name(rank, steps[i], buddy));
 }
 
 double MemoryCheckpoint::save(int64_t step, const ChunkStore& store, const RankState& state,
@@ -250,6 +257,7 @@ double MemoryCheckpoint::save(int64_t step, const ChunkStore& store, const RankS
   const std::string own = dir_ + "/" + copy_name(rank_, step, false);
   const std::string own_tmp = dir_ + "/" + copy_name(rank_, step, false, true);
   int64_t own_bytes = -1;
+  bool kept = false, buddy_kept = false;  // this step's own copy, and the buddy copy this rank holds
   try {
     env.create_dirs(dir_);
     std::unique_ptr<WritableFile> out = env.create(own_tmp);
@@ -302,11 +310,10 @@ double MemoryCheckpoint::save(int64_t step, const ChunkStore& store, const RankS
     out->close();
     env.rename(own_tmp, own);
     own_bytes = static_cast<int64_t>(at + length) + kTrailerBytes;
-    drop_older(rank_, false, step);
+    kept = true;
   } catch (const std::exception& e) {
     remove_quietly(own_tmp);
-    std::fprintf(stderr, "keel: [rank %d] memory copy of step %lld not kept: %s\n", rank_, static_cast<long long>(step),
-                 e.what());
+    report_failure("memory copy of step " + std::to_string(step) + " not kept: " + e.what());
   }
   if (world_size_ > 1) {
     // The buddy copy: this rank's bytes to rank + 1, rank - 1's to this rank.
@@ -316,8 +323,8 @@ double MemoryCheckpoint::save(int64_t step, const ChunkStore& store, const RankS
       try {
         mine = std::make_unique<MappedFile>(own);
       } catch (const Error& e) {
-        std::fprintf(stderr, "keel: [rank %d] memory copy of step %lld not sent to rank %d: %s\n", rank_,
-                     static_cast<long long>(step), next, e.what());
+        report_failure("memory copy of step " + std::to_string(step) + " not sent to rank " + std::to_string(next) +
+                       ": " + e.what());
       }
     }
     int64_t size_slot = 0;
@@ -347,24 +354,41 @@ double MemoryCheckpoint::save(int64_t step, const ChunkStore& store, const RankS
         if (failure.empty()) {
           out->close();
           env.rename(held_tmp, held);
-          drop_older(prev, true, step);
+          buddy_kept = true;
         }
       } catch (const std::exception& e) {
         failure = e.what();
       }
       if (!failure.empty()) {
         remove_quietly(held_tmp);
-        std::fprintf(stderr, "keel: [rank %d] buddy copy of rank %d's step %lld not kept: %s\n", rank_, prev,
-                     static_cast<long long>(step), failure.c_str());
+        report_failure("buddy copy of rank " + std::to_string(prev) + "'s step " + std::to_string(step) +
+                       " not kept: " + failure);
       }
     }
     for (Communicator::Request& r : sends) exchange_->wait(r);
+    kept = kept && (incoming <= 0 || buddy_kept);
+  }
+  // Once every rank has kept this step (its own copy and the buddy copy it holds), the older
+  // copies are not needed: one generation stays between saves, two while one is written.
+  try {
+    if (exchange_->allreduce_max(kept ? 0.0 : 1.0) == 0) drop_before(step);
+  } catch (const Error& e) {
+    report_failure(std::string("older memory copies not removed: ") + e.what());
   }
   return ms_since(t0);
 }
 
 void MemoryCheckpoint::verify(const char* bytes, int64_t size, const std::string& what, const ChunkStore& store,
                               GradSync& sync) const {
+  try {
+    verify_fields(bytes, size, what, store, sync);
+  } catch (const json::exception& e) {
+    throw Error(what + ": footer field of the wrong type (" + e.what() + ")");
+  }
+}
+
+void MemoryCheckpoint::verify_fields(const char* bytes, int64_t size, const std::string& what, const ChunkStore& store,
+                                     GradSync& sync) const {
   const std::string text = footer_of(bytes, size, what);
   const json f = json::parse(text, nullptr, false);
   check(!f.is_discarded() && f.is_object(), what + ": footer is not JSON");

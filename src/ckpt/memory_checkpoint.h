@@ -13,10 +13,10 @@
 // A copy is written under a temporary name and renamed into place, so a kill during a write never
 // leaves a torn copy under a valid name. Its last bytes are a footer (JSON: job, rank, world,
 // step, trajectory and layout hashes, data position, versions, and where every section lies with
-// the XXH3 checksum of its bytes), the footer's length and checksum and a magic number. Each rank
-// keeps its two newest copies (and the buddy copies of its two newest received): ranks pass a
-// collective every step, so while a rank writes step s every rank has finished step s - N, and a
-// kill at any moment leaves a step that every rank has complete.
+// the XXH3 checksum of its bytes), the footer's length and checksum and a magic number. A rank
+// removes its copies of step s - N (own and buddy) only once every rank has kept step s (a
+// collective at the end of each save), so a kill at any moment leaves a step that every rank has
+// complete, and one generation stays in memory between saves (two while one is written).
 //
 // A copy belongs to one job: KEEL_JOB_ID, which `keel launch` keeps across its restarts (or a
 // user passes to a job restarted by hand with train.resume = auto). Copies of another job, another
@@ -92,18 +92,22 @@ class MemoryCheckpoint {
   // Applies a complete copy (bytes of a file) to the store after verifying it; throws on a mismatch.
   void apply(const char* bytes, int64_t size, const std::string& what, ChunkStore& store, GradSync& sync,
              TrainState* state) const;
-  // Verifies a copy (layout, checksums) without applying it; throws on a mismatch.
+  // Verifies a copy (layout, checksums) without applying it; throws keel::Error on a mismatch.
   void verify(const char* bytes, int64_t size, const std::string& what, const ChunkStore& store, GradSync& sync) const;
-  // Keeps the two newest copies of `rank` (own or buddy) in dir_, removing older ones.
-  void drop_older(int rank, bool buddy, int64_t newest);
+  void verify_fields(const char* bytes, int64_t size, const std::string& what, const ChunkStore& store,
+                     GradSync& sync) const;
+  // One line on stderr for the first copy this process fails to keep or send.
+  void report_failure(const std::string& what);
+  // Removes this rank's copies (own and buddy) of steps before `step`.
+  void drop_before(int64_t step);
 
   const Config& config_;
   Communicator& world_;
   std::unique_ptr<Communicator> exchange_;  // the buddies' transfers, apart from training's collectives
   std::string dir_, job_, trajectory_;
   int rank_ = 0, world_size_ = 1;
-  std::vector<int64_t> kept_own_, kept_buddy_;  // steps of the copies written in this process, oldest first
   std::vector<char> receive_buffer_;
+  int failures_ = 0;
 };
 
 // Where the memory copies of the run in `run_dir` live: /dev/shm/keel-<XXH3 of its canonical path>.

@@ -207,7 +207,9 @@ RunResult run_mpirun(const std::vector<std::string>& argv) {
     }
     return 1;
   };
-  while (read_lines(1000) >= 0) {
+  // mpirun's exit is looked for every 100 ms: a restart (and recovery from memory, in seconds)
+  // waits for it.
+  while (read_lines(100) >= 0) {
     // mpirun may be gone while something it started still holds the pipe.
     if (::waitpid(child, &status, WNOHANG) == child) {
       reaped = true;
