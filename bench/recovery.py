@@ -3,16 +3,17 @@
 
 Runs GPT-2 124M on 2 ranks under `keel launch -n 2 --max-restarts K` and SIGKILLs one rank (of the
 two, at random) at a random step, K times; the recovery time is from the kill to the first step
-the restarted job completes (seen in its metrics.jsonl). Once with memory checkpoints
-(checkpoint.memory_every = 1, no periodic disk checkpoint: every restart resumes from /dev/shm),
-once with disk checkpoints only (train.checkpoint_every = 2: every restart resumes from disk).
+the restarted job completes (seen in its metrics.jsonl). Once with memory checkpoints every
+--every steps (no periodic disk checkpoint: every restart resumes from /dev/shm), once with disk
+checkpoints every --every steps only (every restart resumes from disk); the first step after a
+restart holds no checkpoint either way.
 Each recovery is split by the job's own events into: detect (kill to the launcher reaping mpirun),
 restart (mpirun, process start, MPI, model build: to the state load's start), load (reading and
 verifying the state), first step. Then the cost of memory copies per step: the median step time of
 the same job with checkpoint.memory_every = 1 and without memory copies. Keel's design figure for
 parameter recovery (2.7 s) is printed beside the medians.
 
-Usage: bench/recovery.py [--preset gpt2-124m] [--kills 20] [--cost-steps 12] [--seed 1]
+Usage: bench/recovery.py [--preset gpt2-124m] [--kills 20] [--every 4] [--cost-steps 12] [--seed 1]
 Environment: KEEL (default build/keel).
 """
 import argparse
@@ -179,6 +180,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="gpt2-124m")
     ap.add_argument("--kills", type=int, default=20)
+    ap.add_argument("--every", type=int, default=4)
     ap.add_argument("--cost-steps", type=int, default=12)
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args()
@@ -188,16 +190,17 @@ def main():
         benchutil.write_tokens(os.path.join(work, "train.bin"), n=1 << 18, seed=1)
         benchutil.write_tokens(os.path.join(work, "val.bin"), n=1 << 14, seed=2)
         print(f"{a.preset} on 2 ranks, {a.kills} kills per source; load before: {os.getloadavg()[0]:.1f}", flush=True)
-        memory = kills(work, "memory", a.preset, a.kills, ["checkpoint.memory_every=1", "train.checkpoint_every=0"],
-                       1, rng)
-        disk = kills(work, "disk", a.preset, a.kills, ["checkpoint.memory_every=0", "train.checkpoint_every=2"], 2, rng)
+        memory = kills(work, "memory", a.preset, a.kills,
+                       [f"checkpoint.memory_every={a.every}", "train.checkpoint_every=0"], a.every, rng)
+        disk = kills(work, "disk", a.preset, a.kills, ["checkpoint.memory_every=0", f"train.checkpoint_every={a.every}"],
+                     a.every, rng)
         off_ms, _ = step_cost(work, a.preset, a.cost_steps, 0)
         on_ms, copy_ms = step_cost(work, a.preset, a.cost_steps, 1)
         print()
         benchutil.print_table(["resume from", "kills", "median s", "p90 s", "detect s", "restart+build s", "load s",
                                "first step s"],
-                              [["memory (memory_every=1)"] + summary(memory),
-                               ["disk (checkpoint_every=2)"] + summary(disk),
+                              [[f"memory (memory_every={a.every})"] + summary(memory),
+                               [f"disk (checkpoint_every={a.every})"] + summary(disk),
                                ["Keel design figure", "", f"{DESIGN_RECOVERY_S:.1f}", "", "", "", "", ""]])
         print()
         benchutil.print_table(["checkpoint.memory_every", "median step ms", "memory copy ms/step", "cost per step"],
