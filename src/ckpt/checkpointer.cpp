@@ -68,6 +68,7 @@ Checkpointer::Checkpointer(const Config& config, Communicator& world, ChunkStore
   }
   make_writer();
   last_timed_ = std::chrono::steady_clock::now();
+  if (config.checkpoint.memory_every > 0) memory_ = std::make_unique<MemoryCheckpoint>(config, comm_);
 }
 
 void Checkpointer::make_writer() {
@@ -103,6 +104,13 @@ double Checkpointer::buffer_bytes() const {
 
 std::optional<TrainState> Checkpointer::resume() {
   const TrainConfig& t = config_.train;
+  // When the state load began, and how long it took (`event: resume`; recovery's breakdown).
+  const auto started = std::chrono::system_clock::now();
+  const auto stamp = [&] {
+    resume_event_["started_ns"] =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(started.time_since_epoch()).count();
+    resume_event_["load_s"] = std::chrono::duration<double>(std::chrono::system_clock::now() - started).count();
+  };
   const int world = comm_.size();
   // A checkpoint directory without a manifest: what a crash during one of this run's writes
   // leaves behind is removed; anything else is left alone (and never used).
@@ -123,6 +131,11 @@ std::optional<TrainState> Checkpointer::resume() {
   const bool has_own = !list_checkpoints(root_).empty() || Env::get().exists(root_ + "/manifest.json");
   const bool automatic = t.resume == "auto" || (restarted && has_own);
   const std::string resume = automatic ? root_ : t.resume;
+  if (std::optional<TrainState> state = resume_from_memory(restarted || t.resume == "auto")) {
+    settle_run_id();
+    stamp();
+    return state;
+  }
   std::vector<std::string> candidates;
   if (!resume.empty() && (!automatic || has_own)) candidates = checkpoint_candidates(resume);
   std::string last_why;
@@ -166,6 +179,12 @@ std::optional<TrainState> Checkpointer::resume() {
       state.dir = candidates[i];
       note_other_data(state);
       settle_run_id();
+      if (memory_ && comm_.is_root()) {
+        std::printf("keel: resumed from disk (checkpoint %s, step %lld)\n", state.dir.c_str(),
+                    static_cast<long long>(state.step));
+      }
+      resume_event_ = {{"event", "resume"}, {"source", "disk"}, {"step", state.step}, {"from", state.dir}};
+      stamp();
       return state;
     }
     last_why = why.empty() ? "checkpoint " + candidates[i] + ": rejected by another rank" : why;
@@ -199,6 +218,43 @@ std::optional<TrainState> Checkpointer::resume() {
 void Checkpointer::settle_run_id() {
   run_dir_.settle_run_id();
   writer_->set_run_id(run_dir_.run_id());
+}
+
+std::optional<TrainState> Checkpointer::resume_from_memory(bool eligible) {
+  if (!memory_) return std::nullopt;
+  int64_t disk_step = -1;
+  if (comm_.is_root()) {
+    const std::vector<std::string> own = list_checkpoints(root_);
+    try {
+      if (!own.empty()) disk_step = describe_checkpoint(own.front()).step;
+    } catch (const Error&) {
+      // an unreadable newest checkpoint: the disk resume below reports it
+    }
+  }
+  disk_step = comm_.broadcast(disk_step);
+  std::string why_not;
+  std::optional<MemoryResume> m = memory_->resume(*store_, *sync_, disk_step, eligible, &why_not);
+  const std::string disk = disk_step < 0 ? "none" : "step " + std::to_string(disk_step);
+  if (!m) {
+    if (!why_not.empty() && comm_.is_root()) {
+      std::printf("keel: not resuming from memory: %s (newest disk checkpoint: %s)\n", why_not.c_str(), disk.c_str());
+    }
+    return std::nullopt;
+  }
+  if (comm_.is_root()) {
+    std::printf("keel: resumed from memory (step %lld) in %.2f s: %d rank(s) from their own copy, %d from their "
+                "buddy's, in %s; newest disk checkpoint: %s\n",
+                static_cast<long long>(m->state.step), m->load_s, m->from_own, m->from_buddy, m->where.c_str(),
+                disk.c_str());
+    std::fflush(stdout);
+  }
+  resume_event_ = {{"event", "resume"}, {"source", "memory"},  {"step", m->state.step},  {"from", m->where},
+                   {"own", m->from_own}, {"buddy", m->from_buddy}, {"disk_step", disk_step}};
+  return m->state;
+}
+
+void Checkpointer::remove_memory_copies() {
+  if (memory_) memory_->remove_all();
 }
 
 void Checkpointer::note_other_data(const TrainState& state) const {
@@ -298,6 +354,8 @@ void Checkpointer::load_carried(const TrainState& state, std::string& layout, st
 }
 
 void Checkpointer::report_recovery(int64_t step, const std::string& from) {
+  if (!resume_event_.is_null() && comm_.is_root()) log_event_(resume_event_);
+  resume_event_ = nullptr;
   const char* restart = std::getenv("KEEL_RESTART");
   if (restart == nullptr || !comm_.is_root()) return;
   const char* noticed = std::getenv("KEEL_FAILURE_NOTICED_NS");
@@ -310,7 +368,8 @@ void Checkpointer::report_recovery(int64_t step, const std::string& from) {
               failure != nullptr ? failure : "unknown", seconds, static_cast<long long>(step), source.c_str());
   std::fflush(stdout);
   log_event_({{"event", "recovery"}, {"restart", std::atoi(restart)}, {"failure", failure ? failure : ""},
-              {"recovery_s", seconds}, {"step", step}, {"from", source}});
+              {"recovery_s", seconds}, {"step", step}, {"from", source},
+              {"noticed_ns", noticed != nullptr ? std::atoll(noticed) : 0}, {"resumed_ns", now_ns}});
 }
 
 void Checkpointer::after_step(int64_t steps_done, const LoaderPosition& data) {
@@ -325,6 +384,21 @@ void Checkpointer::after_step(int64_t steps_done, const LoaderPosition& data) {
   const bool by_steps = every > 0 && steps_done % every == 0;
   const bool by_clock = due_by_clock();  // (a collective when timed checkpoints are on)
   if ((by_steps || by_clock) && steps_done != config_.train.steps) begin(root_, steps_done, data);
+  // The memory copy: the same state, to /dev/shm and the buddy rank (the last step's state goes to
+  // disk as the final checkpoint).
+  if (memory_ && steps_done % config_.checkpoint.memory_every == 0 && steps_done != config_.train.steps) {
+    store_->apply_pending();
+    RankState state;
+    state.rank = comm_.rank();
+    state.data = data;
+    if (sync_->residual_size() > 0) {
+      sync_->copy_residuals(memory_residual_);
+      state.has_residual = true;
+      state.residual_layout = sync_->residual_layout();
+      state.residual_keys = sync_->residual_keys();
+    }
+    stall_ms_ += memory_->save(steps_done, *store_, state, memory_residual_);
+  }
 }
 
 bool Checkpointer::due_by_clock() {

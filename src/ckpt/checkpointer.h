@@ -12,6 +12,7 @@
 #include <string>
 
 #include "ckpt/checkpoint.h"
+#include "ckpt/memory_checkpoint.h"
 #include "ckpt/run_directory.h"
 #include "comm/communicator.h"
 #include "core/carried_state.h"
@@ -47,7 +48,8 @@ class Checkpointer {
   // (RunDirectory::check_fresh_start).
   std::optional<TrainState> resume();
 
-  // A job restarted by `keel launch --max-restarts` (KEEL_RESTART): prints and logs (`event:
+  // Logs the resume's source (`event: resume`, once the metrics are open; rank 0). A job
+  // restarted by `keel launch --max-restarts` (KEEL_RESTART): also prints and logs (`event:
   // recovery`) the time from the failure being noticed to now, when training resumes at `step`
   // from checkpoint `from` ("" = from scratch). Rank 0; nothing for a first attempt.
   void report_recovery(int64_t step, const std::string& from);
@@ -65,6 +67,8 @@ class Checkpointer {
   std::string save_final(int64_t steps_done, const LoaderPosition& data);
   // Publishes a checkpoint still being written, if any (before the run stops early).
   void finish_in_flight();
+  // Every rank, once the run's final checkpoint is on disk: its memory copies are not needed again.
+  void remove_memory_copies();
   // A pipeline re-cut: this rank's chunks are now `store`'s (the stages' new layout), its sync
   // `sync`. Publishes a checkpoint in flight first; the next checkpoint is a full one (a
   // differential one needs the same chunks as its base).
@@ -98,6 +102,9 @@ class Checkpointer {
   // This rank's carried step state in `state` (its description and floats; both empty when the
   // checkpoint holds none). Throws when this run cannot continue from it.
   void load_carried(const TrainState& state, std::string& layout, std::vector<float>& floats);
+  // The job's memory copies, when memory checkpoints are on and one is newer than the newest disk
+  // checkpoint (and `eligible`: a restarted job, or train.resume = auto); prints the source.
+  std::optional<TrainState> resume_from_memory(bool eligible);
   // Rank 0: one line when the checkpoint's run read another training set than this one.
   void note_other_data(const TrainState& state) const;
 
@@ -126,6 +133,9 @@ class Checkpointer {
   std::vector<float> residual_scratch_;
   CarriedState* carried_ = nullptr;
   std::vector<float> carried_scratch_;
+  std::unique_ptr<MemoryCheckpoint> memory_;  // checkpoint.memory_every > 0
+  std::vector<float> memory_residual_;
+  nlohmann::json resume_event_;  // what resume() used, logged once the metrics are open
 };
 
 }  // namespace keel

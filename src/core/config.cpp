@@ -139,6 +139,7 @@ std::vector<Field> fields(Config& c) {
       {"checkpoint", "delta", &c.checkpoint.delta},
       {"checkpoint", "compress", &c.checkpoint.compress},
       {"checkpoint", "async", &c.checkpoint.async},
+      {"checkpoint", "memory_every", &c.checkpoint.memory_every},
       {"runtime", "threads", &c.runtime.threads},
       {"runtime", "slow_rank", &c.runtime.slow_rank},
       {"runtime", "slow_factor", &c.runtime.slow_factor},
@@ -723,6 +724,11 @@ void Config::resolve(int world_size) {
   require(optim.freeze_at_step >= 0, "optim.freeze_at_step", ">= 0", s(optim.freeze_at_step));
   require(checkpoint.full_every >= 1, "checkpoint.full_every", ">= 1", s(checkpoint.full_every));
   require(checkpoint.keep >= 1, "checkpoint.keep", ">= 1", s(checkpoint.keep));
+  require(checkpoint.memory_every >= 0, "checkpoint.memory_every", ">= 0 (0 = off)", s(checkpoint.memory_every));
+  // A dynamic window's state rides in the disk checkpoint's config, which a memory copy has not.
+  require(checkpoint.memory_every == 0 || !model.dynamic_window(), "checkpoint.memory_every",
+          "0 with model.attention_window = \"dynamic\" (its state is kept in disk checkpoints only)",
+          s(checkpoint.memory_every));
   require(store.chunk_bytes >= 4096 && store.chunk_bytes % 4096 == 0, "store.chunk_bytes",
           "a multiple of 4096", s(store.chunk_bytes));
   require(runtime.threads >= 0, "runtime.threads", ">= 0", s(runtime.threads));

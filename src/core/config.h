@@ -250,6 +250,10 @@ struct CheckpointConfig {
   bool delta = true;     // changed chunks may be stored as XOR against the previous checkpoint
   bool compress = true;  // zstd where it makes a record smaller
   bool async = true;     // snapshot in memory, write in a background thread while training goes on
+  // Every N steps each rank's state also goes to host memory that outlives the process (/dev/shm)
+  // and to its buddy rank's (ckpt/memory_checkpoint.h): a job restarted by `keel launch
+  // --max-restarts` resumes from there when it is newer than the disk's newest. 0 = off.
+  int memory_every = 0;
 };
 
 struct RuntimeConfig {

@@ -38,6 +38,10 @@ void resolve_job_config(Config& c, int world_size) {
                 "parallel.post_validate (with ZeRO or tiers)", "true");
     unsupported(c.parallel.predict_gradients == "off" || c.tier.device_mib == 0,
                 "parallel.predict_gradients (with tiers)", "\"" + c.parallel.predict_gradients + "\"");
+    // The prediction state a pipeline carries between steps is saved by disk checkpoints only (a
+    // memory copy would resume without it and silently differ).
+    unsupported(c.parallel.predict_gradients == "off" || c.checkpoint.memory_every == 0,
+                "checkpoint.memory_every (with parallel.predict_gradients)", std::to_string(c.checkpoint.memory_every));
   }
 }
 

@@ -207,7 +207,9 @@ RunResult run_mpirun(const std::vector<std::string>& argv) {
     }
     return 1;
   };
-  while (read_lines(1000) >= 0) {
+  // mpirun's exit is looked for every 100 ms: a restart (and recovery from memory, in seconds)
+  // waits for it.
+  while (read_lines(100) >= 0) {
     // mpirun may be gone while something it started still holds the pipe.
     if (::waitpid(child, &status, WNOHANG) == child) {
       reaped = true;
@@ -313,6 +315,12 @@ std::vector<std::string> mpirun_argv(const LaunchOptions& o, int restart) {
     argv.push_back("-x");
     argv.push_back("KEEL_FAULT");
   }
+  // The job's identity, the same in every run of it: memory checkpoints of this job are resumed
+  // from, any other's are not (ckpt/memory_checkpoint.h).
+  if (std::getenv("KEEL_JOB_ID") != nullptr) {
+    argv.push_back("-x");
+    argv.push_back("KEEL_JOB_ID");
+  }
   if (restart > 0) {
     for (const char* name : kRestartVariables) {
       argv.push_back("-x");
@@ -347,6 +355,13 @@ int launch(const LaunchOptions& o) {
   ::setenv("PMIX_MCA_gds", "hash", 0);  // silences harmless PMIx shared-memory warnings
   // The first run is no restart, whatever the caller's environment says.
   for (const char* name : kRestartVariables) ::unsetenv(name);
+  // One identity for every run of this job (a caller's own, e.g. to resume a job by hand).
+  if (std::getenv("KEEL_JOB_ID") == nullptr || *std::getenv("KEEL_JOB_ID") == '\0') {
+    const auto now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            std::chrono::system_clock::now().time_since_epoch())
+                            .count();
+    ::setenv("KEEL_JOB_ID", ("launch-" + std::to_string(now_ns) + "-" + std::to_string(::getpid())).c_str(), 1);
+  }
 
   // SA_RESTART: a forwarded signal must not fail a write of the passed-through output.
   struct sigaction sa = {};

@@ -280,6 +280,7 @@ RunSummary Trainer::run() {
   const std::string dir = nothing_new ? progress_.resumed_from
                                       : checkpointer_->save_final(progress_.steps_done, workload_->position());
   summary.final_checkpoint_written = groups_.world().broadcast(groups_.world().is_root() && dir.empty() ? 0 : 1) != 0;
+  if (summary.final_checkpoint_written) checkpointer_->remove_memory_copies();
   print_end(summary);
   workload_->print_samples(*rank_);
   return summary;
@@ -311,6 +312,7 @@ double Trainer::train_steps(double moments_mb, int* stop_signal) {
 void Trainer::stop(RunSummary& summary) {
   const bool written = !checkpointer_->save_final(progress_.steps_done, workload_->position()).empty();
   summary.final_checkpoint_written = groups_.world().broadcast(groups_.world().is_root() && !written ? 0 : 1) != 0;
+  if (summary.final_checkpoint_written) checkpointer_->remove_memory_copies();
   summary.checkpoint = checkpointer_->newest_verified();
   if (!groups_.world().is_root()) return;
   std::printf("keel: %s: stopped after step %lld; checkpoint %s%s\n", ::strsignal(summary.stop_signal),

@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""Recovery from memory vs from disk: how long a 2-rank job is down after a rank dies.
+
+Runs GPT-2 124M on 2 ranks under `keel launch -n 2 --max-restarts K` and SIGKILLs one rank (of the
+two, at random) at a random step, K times; the recovery time is from the kill to the first step
+the restarted job completes (seen in its metrics.jsonl). Once with memory checkpoints every
+--every steps (no periodic disk checkpoint: every restart resumes from /dev/shm), once with disk
+checkpoints every --every steps only (every restart resumes from disk); the first step after a
+restart holds no checkpoint either way.
+Each recovery is split by the job's own events into: detect (kill to the launcher reaping mpirun),
+restart (mpirun, process start, MPI, model build: to the state load's start), load (reading and
+verifying the state), first step. Then the cost of memory copies per step: the median step time of
+the same job with checkpoint.memory_every = 1 and without memory copies. Keel's design figure for
+parameter recovery (2.7 s) is printed beside the medians.
+
+Usage: bench/recovery.py [--preset gpt2-124m] [--kills 20] [--every 4] [--cost-steps 12] [--seed 1]
+Environment: KEEL (default build/keel).
+"""
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchutil  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEEL = os.environ.get("KEEL", os.path.join(ROOT, "build", "keel"))
+DESIGN_RECOVERY_S = 2.7  # Keel's design figure for parameter recovery
+HANG_S = 900             # a guard against a job that never comes back, not a speed limit
+
+
+def train_args(work, run_dir, preset, steps, extra):
+    args = ["train", "--set", f"model.preset={preset}", "--set", "model.vocab_size=50257",
+            "--set", "model.max_seq_len=64", "--set", "train.batch_size=1", "--set", "train.seq_len=64",
+            "--set", f"train.steps={steps}", "--set", "train.eval_every=0", "--set", "train.eval_batches=1",
+            "--set", "train.sample_tokens=0", "--set", "train.log_every=1", "--set", "runtime.threads=1",
+            "--set", "runtime.peak_gflops=100", "--set", f"data.train={work}/train.bin",
+            "--set", f"data.val={work}/val.bin", "--set", "data.tokenizer=", "--set", f"train.run_dir={run_dir}"]
+    for kv in extra:
+        args += ["--set", kv]
+    return args
+
+
+def env():
+    e = {k: v for k, v in os.environ.items() if k not in benchutil.CLEARED_ENV}
+    e.update(OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+    return e
+
+
+def metrics(run_dir):
+    """The run's metrics lines (a line being written is skipped)."""
+    out = []
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    pass
+    except OSError:
+        pass
+    return out
+
+
+def wait_for(what, ready, job):
+    until = time.time() + HANG_S
+    while time.time() < until:
+        got = ready()
+        if got is not None:
+            return got
+        if job.poll() is not None:
+            sys.exit(f"recovery.py: the job exited ({job.returncode}) while waiting for {what}")
+        time.sleep(0.02)
+    sys.exit(f"recovery.py: no {what} after {HANG_S} s")
+
+
+def rank_pids(run_dir):
+    r = subprocess.run(["pgrep", "-f", f"^{KEEL} train .*train.run_dir={run_dir}( |$)"], capture_output=True, text=True)
+    return sorted(int(p) for p in r.stdout.split())
+
+
+def kills(work, tag, preset, count, extra, first_copy_step, rng):
+    """Kills a rank of one job `count` times; returns one dict per recovery."""
+    run_dir = os.path.join(work, tag)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    log = open(os.path.join(work, tag + ".log"), "w")
+    job = subprocess.Popen([KEEL, "launch", "-n", "2", "--max-restarts", str(count), "--"] +
+                           train_args(work, run_dir, preset, 1000000, extra),
+                           stdout=log, stderr=subprocess.STDOUT, env=env(), start_new_session=True)
+    out = []
+    try:
+        for k in range(count):
+            # The kill comes 1..3 steps after this attempt's first step (the first attempt: after its
+            # first copy).
+            def steps_of_attempt():
+                lines = metrics(run_dir)
+                since = [i for i, l in enumerate(lines) if l.get("event") == "recovery"]
+                start = since[-1] + 1 if since and len(since) == k else 0
+                steps = [l["step"] for l in lines[start:] if "loss" in l and "event" not in l]
+                return steps if len(since) == k else []
+            base = first_copy_step if k == 0 else None
+            target = rng.randint(1, 3)
+
+            def due():
+                steps = steps_of_attempt()
+                if not steps:
+                    return None
+                floor = base if base is not None else steps[0]
+                return True if steps[-1] >= floor + target else None
+            wait_for(f"step {target} of attempt {k + 1}", due, job)
+            pids = wait_for("the ranks", lambda: rank_pids(run_dir) if len(rank_pids(run_dir)) == 2 else None, job)
+            victim = rng.choice(pids)
+            killed_at = time.time()
+            os.kill(victim, signal.SIGKILL)
+
+            def back():
+                lines = metrics(run_dir)
+                rec = [i for i, l in enumerate(lines) if l.get("event") == "recovery"]
+                if len(rec) < k + 1:
+                    return None
+                after = lines[rec[k] + 1:]
+                if any("loss" in l and "event" not in l for l in after):
+                    resume = [l for l in lines[:rec[k] + 1] if l.get("event") == "resume"]
+                    return time.time(), lines[rec[k]], resume[-1] if resume else {}
+                return None
+            first_step_at, recovery, resume = wait_for(f"recovery {k + 1}", back, job)
+            noticed = recovery.get("noticed_ns", 0) / 1e9
+            started = resume.get("started_ns", 0) / 1e9
+            load = resume.get("load_s", 0.0)
+            out.append({"total": first_step_at - killed_at, "detect": noticed - killed_at,
+                        "restart": started - noticed, "load": load, "first_step": first_step_at - started - load,
+                        "source": resume.get("source", "?"), "step": recovery.get("step")})
+            print(f"  {tag} kill {k + 1}/{count}: rank pid {victim}, back in {out[-1]['total']:.2f} s "
+                  f"(from {out[-1]['source']} at step {out[-1]['step']})", flush=True)
+    finally:
+        # A clean stop: the launcher forwards SIGTERM, the ranks checkpoint and exit (and drop
+        # their memory copies).
+        if job.poll() is None:
+            job.send_signal(signal.SIGTERM)
+            try:
+                job.wait(300)
+            except subprocess.TimeoutExpired:
+                os.killpg(job.pid, signal.SIGKILL)
+                job.wait()
+        log.close()
+        for line in metrics(run_dir):
+            if line.get("event") == "resume" and line.get("source") == "memory":
+                shutil.rmtree(line["from"], ignore_errors=True)
+    return out
+
+
+def step_cost(work, preset, steps, memory_every):
+    run_dir = os.path.join(work, f"cost-{memory_every}")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    extra = [f"checkpoint.memory_every={memory_every}", "train.checkpoint_every=0"]
+    benchutil.run_logged([KEEL, "launch", "-n", "2", "--"] + train_args(work, run_dir, preset, steps, extra),
+                         os.path.join(work, f"cost-{memory_every}.log"), ROOT, HANG_S, "recovery.py",
+                         {"OMP_WAIT_POLICY": "PASSIVE"})
+    lines = [l for l in metrics(run_dir) if "loss" in l and "event" not in l and l["step"] > 1]
+    return statistics.median(l["ms"] for l in lines), statistics.median(l.get("ckpt_stall_ms", 0) for l in lines)
+
+
+def summary(rows):
+    totals = sorted(r["total"] for r in rows)
+    p90 = totals[min(len(totals) - 1, int(round(0.9 * (len(totals) - 1))))]
+    med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
+    return [len(rows), f"{statistics.median(totals):.2f}", f"{p90:.2f}", f"{med('detect'):.2f}",
+            f"{med('restart'):.2f}", f"{med('load'):.2f}", f"{med('first_step'):.2f}"]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="gpt2-124m")
+    ap.add_argument("--kills", type=int, default=20)
+    ap.add_argument("--every", type=int, default=4)
+    ap.add_argument("--cost-steps", type=int, default=12)
+    ap.add_argument("--seed", type=int, default=1)
+    a = ap.parse_args()
+    rng = random.Random(a.seed)
+    work = tempfile.mkdtemp(prefix="keel-recovery-")
+    try:
+        benchutil.write_tokens(os.path.join(work, "train.bin"), n=1 << 18, seed=1)
+        benchutil.write_tokens(os.path.join(work, "val.bin"), n=1 << 14, seed=2)
+        print(f"{a.preset} on 2 ranks, {a.kills} kills per source; load before: {os.getloadavg()[0]:.1f}", flush=True)
+        memory = kills(work, "memory", a.preset, a.kills,
+                       [f"checkpoint.memory_every={a.every}", "train.checkpoint_every=0"], a.every, rng)
+        disk = kills(work, "disk", a.preset, a.kills, ["checkpoint.memory_every=0", f"train.checkpoint_every={a.every}"],
+                     a.every, rng)
+        off_ms, _ = step_cost(work, a.preset, a.cost_steps, 0)
+        on_ms, copy_ms = step_cost(work, a.preset, a.cost_steps, 1)
+        print()
+        benchutil.print_table(["resume from", "kills", "median s", "p90 s", "detect s", "restart+build s", "load s",
+                               "first step s"],
+                              [[f"memory (memory_every={a.every})"] + summary(memory),
+                               [f"disk (checkpoint_every={a.every})"] + summary(disk),
+                               ["Keel design figure", "", f"{DESIGN_RECOVERY_S:.1f}", "", "", "", "", ""]])
+        print()
+        benchutil.print_table(["checkpoint.memory_every", "median step ms", "memory copy ms/step", "cost per step"],
+                              [["0 (off)", f"{off_ms:.0f}", "0", ""],
+                               ["1", f"{on_ms:.0f}", f"{copy_ms:.0f}",
+                                f"{on_ms - off_ms:+.0f} ms ({100 * (on_ms / off_ms - 1):+.0f} %)"]])
+        ratio = statistics.median(r["total"] for r in memory) / statistics.median(r["total"] for r in disk)
+        print(f"\nrecovery from memory / from disk (medians): {ratio:.2f}x; load after: {os.getloadavg()[0]:.1f}")
+        if not all(r["source"] == "memory" for r in memory) or not all(r["source"] == "disk" for r in disk):
+            sys.exit("recovery.py: a restart resumed from the other source")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
