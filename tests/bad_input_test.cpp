@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sstream>
 
 #include "core/fileio.h"
 #include "image_files.h"
@@ -341,6 +342,43 @@ TEST_F(BadInput, EvalPrintsJsonWhenThePerplexityOverflows) {
       EXPECT_NEAR(j.at("perplexity").get<double>(), std::exp(loss), 1e-9 * std::exp(loss)) << r.output;
     }
   }
+}
+
+// Prompts for `keel generate`: a FIFO named as the file is refused like every reader's, and "-"
+// reads a pipe on standard input, giving the texts the same prompts in a file give.
+TEST_F(BadInput, GeneratePromptsFromAFileOrStandardInputNeverFromASpecialFile) {
+  // A 290-token tokenizer of a few sentences, and the toy run over its vocabulary.
+  fs::create_directories(dir / "text");
+  for (int i = 0; i < 10; ++i) {
+    testing::write_text(dir / ("text/" + std::to_string(i) + ".txt"), "The cat sat on the mat number " + std::to_string(i) + " and a bird flew by.\n");
+  }
+  const CommandResult tokenized =
+      keel_bounded("tokenize --input " + dir / "text" + " --out " + dir / "tok" + " --vocab-size 290");
+  ASSERT_EQ(tokenized.exit_code, 0) << tokenized.output;
+  const CommandResult trained =
+      train("run", "--set model.vocab_size=290 --set data.tokenizer=" + dir / "tok/tokenizer.json");
+  ASSERT_EQ(trained.exit_code, 0) << trained.output;
+  testing::write_text(dir / "prompts.txt", "The\nA cat\n");
+  const std::string generate = "generate --checkpoint " + dir / "run/ckpt" + " --tokens 6 --seed 5 --prompts ";
+  const CommandResult from_file = keel_bounded(generate + dir / "prompts.txt");
+  ASSERT_EQ(from_file.exit_code, 0) << from_file.output;
+  const CommandResult from_pipe = testing::run_command("cat " + dir / "prompts.txt" + " | timeout -s KILL 120 " +
+                                                       std::string(KEEL_BINARY) + " " + generate + "- 2>/dev/null");
+  ASSERT_EQ(from_pipe.exit_code, 0) << from_pipe.output;
+  // The texts of each line (not its timing).
+  const auto texts = [](const std::string& out) {
+    std::vector<std::string> t;
+    std::istringstream lines(out);
+    for (std::string line; std::getline(lines, line);) {
+      if (line.empty() || line[0] != '{') continue;
+      t.push_back(nlohmann::json::parse(line).at("text").get<std::string>());
+    }
+    return t;
+  };
+  EXPECT_EQ(texts(from_pipe.output).size(), 2u) << from_pipe.output;
+  EXPECT_EQ(texts(from_pipe.output), texts(from_file.output)) << from_file.output;
+  make_special(dir / "fifo.txt", Special::fifo);
+  expect_refused(keel_bounded(generate + dir / "fifo.txt"), dir / "fifo.txt", Special::fifo);
 }
 
 // optim.lr = 1e-50 is 0 in float32, where the optimizer computes: refused, not a run that trains nothing.

@@ -17,6 +17,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <span>
+#include <iostream>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -74,7 +75,7 @@ commands:
   generate  --checkpoint DIR [--prompt TEXT | --prompts FILE] [--tokens N] [--temperature X] [--top-k K]
             [--seed S] [--tokenizer FILE] [--set generate.key=value ...]
             Sample text from a checkpoint, over a KV cache (generate.kv_cache = false: without).
-            --prompts FILE: one prompt per line, one JSON line each (text, prompt tokens, tokens
+            --prompts FILE (or - for standard input): one prompt per line, one JSON line each (text, prompt tokens, tokens
             reused from the cache's shared prefixes, ms), then the cache's summary on stderr.
   score     --checkpoint DIR --documents DIR [--tokenizer FILE] [--set generate.key=value ...]
             Per-document loss of every file under DIR (sorted; longer than the context: scored in
@@ -370,7 +371,17 @@ int cmd_generate(const Args& a) {
   };
   if (a.has("--prompts")) {
     const std::string path = a.get("--prompts");
-    std::istringstream lines(read_text_file(path));
+    // "-": prompts from standard input (a pipe), the one place a stream is asked for by name;
+    // a path must be a regular file (a FIFO there would block, see open_regular_file).
+    std::string text;
+    if (path == "-") {
+      std::ostringstream in;
+      in << std::cin.rdbuf();
+      text = in.str();
+    } else {
+      text = read_text_file(path);
+    }
+    std::istringstream lines(text);
     std::string line;
     int index = 0;
     while (std::getline(lines, line)) {
