@@ -388,15 +388,7 @@ void Checkpointer::after_step(int64_t steps_done, const LoaderPosition& data) {
   // disk as the final checkpoint).
   if (memory_ && steps_done % config_.checkpoint.memory_every == 0 && steps_done != config_.train.steps) {
     store_->apply_pending();
-    RankState state;
-    state.rank = comm_.rank();
-    state.data = data;
-    if (sync_->residual_size() > 0) {
-      sync_->copy_residuals(memory_residual_);
-      state.has_residual = true;
-      state.residual_layout = sync_->residual_layout();
-      state.residual_keys = sync_->residual_keys();
-    }
+    const RankState state = rank_state(data, memory_residual_);
     stall_ms_ += memory_->save(steps_done, *store_, state, memory_residual_);
   }
 }
@@ -450,21 +442,26 @@ double Checkpointer::take_stall_ms() {
   return ms;
 }
 
-void Checkpointer::begin(const std::string& root, int64_t step, const LoaderPosition& data) {
-  const auto t0 = std::chrono::steady_clock::now();
-  store_->apply_pending();  // the checkpoint holds the state after the step's update
-  if (writer_->in_flight()) commit();  // one checkpoint in flight at a time
+RankState Checkpointer::rank_state(const LoaderPosition& data, std::vector<float>& residual) const {
   RankState state;
   state.rank = comm_.rank();
   state.data = data;
-  // Rank 0 names the checkpoint (a later attempt at a step that already has one gets a new name).
-  const int attempt = static_cast<int>(comm_.broadcast(comm_.is_root() ? next_checkpoint_attempt(root, step) : 0));
   if (sync_->residual_size() > 0) {
-    sync_->copy_residuals(residual_scratch_);
+    sync_->copy_residuals(residual);
     state.has_residual = true;
     state.residual_layout = sync_->residual_layout();
     state.residual_keys = sync_->residual_keys();
   }
+  return state;
+}
+
+void Checkpointer::begin(const std::string& root, int64_t step, const LoaderPosition& data) {
+  const auto t0 = std::chrono::steady_clock::now();
+  store_->apply_pending();  // the checkpoint holds the state after the step's update
+  if (writer_->in_flight()) commit();  // one checkpoint in flight at a time
+  RankState state = rank_state(data, residual_scratch_);
+  // Rank 0 names the checkpoint (a later attempt at a step that already has one gets a new name).
+  const int attempt = static_cast<int>(comm_.broadcast(comm_.is_root() ? next_checkpoint_attempt(root, step) : 0));
   if (carried_ != nullptr) {
     carried_scratch_.clear();
     state.carried_layout = carried_->save(step, carried_scratch_);

@@ -105,6 +105,9 @@ class Checkpointer {
   // The job's memory copies, when memory checkpoints are on and one is newer than the newest disk
   // checkpoint (and `eligible`: a restarted job, or train.resume = auto); prints the source.
   std::optional<TrainState> resume_from_memory(bool eligible);
+  // This rank's part of a checkpoint's state (disk or memory): rank, data position and the
+  // compression residuals, copied into `residual`.
+  RankState rank_state(const LoaderPosition& data, std::vector<float>& residual) const;
   // Rank 0: one line when the checkpoint's run read another training set than this one.
   void note_other_data(const TrainState& state) const;
 
