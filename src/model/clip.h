@@ -14,6 +14,7 @@
 #include "comm/communicator.h"
 #include "core/config.h"
 #include "model/contrastive.h"
+#include "model/model_layout.h"
 #include "model/resnet.h"
 #include "model/tower.h"
 #include "model/vit.h"
@@ -50,10 +51,14 @@ struct TowerMask {
   bool text = true;
 };
 
+// Every tensor of the dual encoder (model/model_layout.h), in ClipModel's order: the image tower's
+// (vit_layout or resnet_layout), the text tower's (text_tower_layout), then logit_scale.
+ModelLayout clip_layout(const ClipSpec& spec, const ModelConfig& text);
+
 class ClipModel {
  public:
   // `text` is a resolved model config (the text tower's transformer). Registers every tensor with
-  // `store`, which the caller then finalizes.
+  // `store` (clip_layout's), which the caller then finalizes.
   ClipModel(const ClipSpec& spec, const ModelConfig& text, ChunkStore& store, bool bf16 = false);
   void init_weights(uint64_t seed);
   void allocate(int B, int T);

@@ -17,7 +17,6 @@
 
 namespace keel {
 
-using model_detail::add_tensor;
 using model_detail::Carver;
 using model_detail::OutputLayer;
 using model_detail::attention_floats;
@@ -29,13 +28,9 @@ namespace {
 // ---- layer 0: token + position embedding (llama: token embedding alone; RoPE adds positions) ---
 class Embedding final : public Layer {
  public:
-  Embedding(const ModelConfig& m, ChunkStore& store) : store_(store), m_(m) {
-    const int layer = m.layer_base;
-    wte_ = add_tensor(store, m.tensor_prefix + "wte", {m.padded_vocab_size, m.n_embd}, layer, ChunkKind::embedding, true);
-    if (!m.llama()) {
-      wpe_ = add_tensor(store, m.tensor_prefix + "wpe", {m.max_seq_len, m.n_embd}, layer, ChunkKind::embedding, true);
-    }
-  }
+  // ids: the layer's tensors in model_layout's order (layout::Embedding).
+  Embedding(const ModelConfig& m, ChunkStore& store, const std::vector<TensorId>& ids)
+      : store_(store), m_(m), wte_(ids.at(layout::wte)), wpe_(m.llama() ? -1 : ids.at(layout::wpe)) {}
   const char* name() const override { return "embedding"; }
   int64_t activation_floats(int, int) const override { return 0; }
   int64_t scratch_floats(int, int) const override { return 0; }
@@ -58,7 +53,6 @@ class Embedding final : public Layer {
     float* dwpe = wpe_ >= 0 ? store_.data(wpe_, Plane::grad) : nullptr;
     ops::encoder_backward_weight(store_.data(wte_, Plane::grad), dwpe, dx_out, b.inputs, b.B, b.T, m_.n_embd);
   }
-  TensorId wte() const { return wte_; }
 
  private:
   ChunkStore& store_;
@@ -70,25 +64,24 @@ class Embedding final : public Layer {
 // x_out = res2 + proj(gelu(fc(ln2(res2)))),  res2 = x_in + attn_proj(attention(qkv(ln1(x_in))))
 class Block final : public Layer {
  public:
-  Block(const ModelConfig& m, ChunkStore& store, int layer, bool bf16)
+  // ids: the block's tensors in model_layout's order (layout::Gpt2Block).
+  Block(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, bool bf16)
       : store_(store), m_(m), layer_(m.layer_base + layer), bf16_(bf16) {
-    const std::string p = m.tensor_prefix + "h." + std::to_string(layer - 1) + ".";
-    layer = layer_;  // the store's id from here on
-    const int64_t C = m.n_embd;
-    ln1w_ = add_tensor(store, p + "ln1.w", {C}, layer, ChunkKind::norm, false);
-    ln1b_ = add_tensor(store, p + "ln1.b", {C}, layer, ChunkKind::norm, false);
-    qkvw_ = add_tensor(store, p + "attn.qkv.w", {3 * C, C}, layer, ChunkKind::attention, true);
-    qkvb_ = add_tensor(store, p + "attn.qkv.b", {3 * C}, layer, ChunkKind::attention, false);
-    projw_ = add_tensor(store, p + "attn.proj.w", {C, C}, layer, ChunkKind::attention, true);
-    projb_ = add_tensor(store, p + "attn.proj.b", {C}, layer, ChunkKind::attention, false);
-    ln2w_ = add_tensor(store, p + "ln2.w", {C}, layer, ChunkKind::norm, false);
-    ln2b_ = add_tensor(store, p + "ln2.b", {C}, layer, ChunkKind::norm, false);
-    fcw_ = add_tensor(store, p + "mlp.fc.w", {4 * C, C}, layer, ChunkKind::ffn, true);
-    fcb_ = add_tensor(store, p + "mlp.fc.b", {4 * C}, layer, ChunkKind::ffn, false);
-    fcprojw_ = add_tensor(store, p + "mlp.proj.w", {C, 4 * C}, layer, ChunkKind::ffn, true);
-    fcprojb_ = add_tensor(store, p + "mlp.proj.b", {C}, layer, ChunkKind::ffn, false);
+    check(ids.size() == layout::fc_proj_b + 1, "GPT: block " + std::to_string(layer) + " without its tensors");
+    ln1w_ = ids[layout::ln1_w];
+    ln1b_ = ids[layout::ln1_b];
+    qkvw_ = ids[layout::qkv_w];
+    qkvb_ = ids[layout::qkv_b];
+    projw_ = ids[layout::proj_w];
+    projb_ = ids[layout::proj_b];
+    ln2w_ = ids[layout::ln2_w];
+    ln2b_ = ids[layout::ln2_b];
+    fcw_ = ids[layout::fc_w];
+    fcb_ = ids[layout::fc_b];
+    fcprojw_ = ids[layout::fc_proj_w];
+    fcprojb_ = ids[layout::fc_proj_b];
     check(m.causal || m.attention == "dense", "model: attention that is not causal runs on the dense kernel only");
-    probe_.window = m.window_of(layer - 1);
+    probe_.window = m.window_of(layer_ - 1);
     probe_.mass.assign(static_cast<size_t>(m.n_head) * AttentionProbe::kBuckets, 0.0);
   }
   AttentionProbe* attention_probe() override { return &probe_; }
@@ -230,62 +223,26 @@ GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> r
   validate_model(config, "model");
   check(!store.finalized(), "GPT: the chunk store is already finalized");
   const int L = config.n_layer + 2;
+  local_ = local_layers(config, ranges_);
   if (ranges_.empty()) ranges_.push_back({0, L - 1});
-  local_.assign(L, false);
-  for (const LayerRange& r : ranges_) {
-    check(r.first >= 0 && r.first <= r.last && r.last < L, "GPT: layer range [" + std::to_string(r.first) + ", " +
-                                                               std::to_string(r.last) + "] outside the model's 0.." +
-                                                               std::to_string(L - 1));
-    for (int i = r.first; i <= r.last; ++i) {
-      check(!local_[i], "GPT: layer " + std::to_string(i) + " in two ranges");
-      local_[i] = true;
-    }
-  }
   layers_.resize(L);
   times_ = LayerTimes{std::vector<double>(L, 0.0), std::vector<double>(L, 0.0), std::vector<double>(L, 0.0)};
-  if (config.llama()) {
-    build_llama();
-    return;
-  }
-  // The head is tied to the token embedding: a rank with the head but not the embedding keeps a
-  // replica of wte (same name, same initial values; see TiedGroup).
-  tied_.push_back(TiedGroup{config.tensor_prefix + "wte", 0, {0, L - 1}});
-  TensorId wte = -1;
-  if (local_[0]) {
-    auto embedding = std::make_unique<Embedding>(config, store);
-    wte = embedding->wte();
-    layers_[0] = std::move(embedding);
-  } else if (local_[L - 1]) {
-    TensorSpec replica{config.tensor_prefix + "wte", {config.padded_vocab_size, config.n_embd}, config.layer_base,
-                       ChunkKind::embedding, true};
-    replica.replica = true;
-    wte = store.add(std::move(replica));
-  }
+  // The layout names every tensor; the layers find theirs by index (model/model_layout.h).
+  const ModelLayout layout = model_layout(config, ranges_);
+  const std::vector<TensorId> ids = register_layout(store, layout);
+  tied_ = layout.tied;
+  auto of = [&](int layer) { return layer_tensors(layout, ids, config.layer_base + layer); };
+  if (local_[0]) layers_[0] = std::make_unique<Embedding>(config, store, of(0));
   for (int l = 1; l <= config.n_layer; ++l) {
-    if (local_[l]) layers_[l] = std::make_unique<Block>(config, store, l, bf16_);
+    if (!local_[l]) continue;
+    layers_[l] = config.llama() ? make_llama_block(config, store, l, of(l), bf16_)
+                                : std::make_unique<Block>(config, store, l, of(l), bf16_);
   }
-  if (local_[L - 1]) layers_[L - 1] = make_head(config, store, L - 1, wte, bf16_);
-}
-
-void GPT::build_llama() {
-  const int L = num_layers();
-  const bool tied = config_.tie_embeddings.value_or(false);
-  if (tied) tied_.push_back(TiedGroup{config_.tensor_prefix + "wte", 0, {0, L - 1}});
-  TensorId wte = -1;
-  if (local_[0]) {
-    auto embedding = std::make_unique<Embedding>(config_, store_);  // (no position table for llama)
-    wte = embedding->wte();
-    layers_[0] = std::move(embedding);
-  } else if (tied && local_[L - 1]) {
-    TensorSpec replica{config_.tensor_prefix + "wte", {config_.padded_vocab_size, config_.n_embd}, config_.layer_base,
-                       ChunkKind::embedding, true};
-    replica.replica = true;
-    wte = store_.add(std::move(replica));
+  if (local_[L - 1]) {
+    // A tied head reads wte: the embedding's, or (a rank without it) the replica in the layout.
+    const TensorId wte = tied_.empty() ? -1 : ids[layout.index(config.tensor_prefix + "wte")];
+    layers_[L - 1] = make_head(config, store, L - 1, of(L - 1), wte, bf16_);
   }
-  for (int l = 1; l <= config_.n_layer; ++l) {
-    if (local_[l]) layers_[l] = make_llama_block(config_, store_, l, bf16_);
-  }
-  if (local_[L - 1]) layers_[L - 1] = make_head(config_, store_, L - 1, tied ? wte : -1, bf16_);
 }
 
 GPT::~GPT() = default;

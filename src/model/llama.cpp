@@ -3,13 +3,14 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/error.h"
 #include "kernels/cpu/ops.h"
 #include "model/kv_context.h"
 #include "model/layer_util.h"
+#include "model/model_layout.h"
 
 namespace keel {
 
-using model_detail::add_tensor;
 using model_detail::Carver;
 using model_detail::padded;
 using model_detail::Stash;
@@ -19,17 +20,16 @@ namespace {
 // ---- layers 1..L: RMSNorm, rotary grouped-query attention, RMSNorm, SwiGLU ---------------------
 class LlamaBlock final : public Layer {
  public:
-  LlamaBlock(const ModelConfig& m, ChunkStore& store, int layer, bool bf16)
+  LlamaBlock(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, bool bf16)
       : store_(store), m_(m), layer_(m.layer_base + layer), bf16_(bf16), C_(m.n_embd), QKV_(m.qkv_dim()), H_(m.ffn_hidden) {
-    const std::string p = m.tensor_prefix + "h." + std::to_string(layer - 1) + ".";
-    layer = layer_;  // the store's id from here on
-    attn_norm_ = add_tensor(store, p + "attn_norm.w", {C_}, layer, ChunkKind::norm, false);
-    qkvw_ = add_tensor(store, p + "attn.qkv.w", {QKV_, C_}, layer, ChunkKind::attention, true);
-    projw_ = add_tensor(store, p + "attn.proj.w", {C_, C_}, layer, ChunkKind::attention, true);
-    mlp_norm_ = add_tensor(store, p + "mlp_norm.w", {C_}, layer, ChunkKind::norm, false);
-    gate_up_ = add_tensor(store, p + "mlp.gate_up.w", {2 * H_, C_}, layer, ChunkKind::ffn, true);
-    down_ = add_tensor(store, p + "mlp.proj.w", {C_, H_}, layer, ChunkKind::ffn, true);
-    probe_.window = m.window_of(layer - 1);
+    check(ids.size() == layout::down_w + 1, "GPT: llama block " + std::to_string(layer) + " without its tensors");
+    attn_norm_ = ids[layout::attn_norm_w];
+    qkvw_ = ids[layout::llama_qkv_w];
+    projw_ = ids[layout::llama_proj_w];
+    mlp_norm_ = ids[layout::mlp_norm_w];
+    gate_up_ = ids[layout::gate_up_w];
+    down_ = ids[layout::down_w];
+    probe_.window = m.window_of(layer_ - 1);
     probe_.mass.assign(static_cast<size_t>(m.n_head) * AttentionProbe::kBuckets, 0.0);
   }
   AttentionProbe* attention_probe() override { return &probe_; }
@@ -167,8 +167,9 @@ class LlamaBlock final : public Layer {
 
 }  // namespace
 
-std::unique_ptr<Layer> make_llama_block(const ModelConfig& m, ChunkStore& store, int layer, bool bf16) {
-  return std::make_unique<LlamaBlock>(m, store, layer, bf16);
+std::unique_ptr<Layer> make_llama_block(const ModelConfig& m, ChunkStore& store, int layer,
+                                        const std::vector<TensorId>& ids, bool bf16) {
+  return std::make_unique<LlamaBlock>(m, store, layer, ids, bf16);
 }
 
 }  // namespace keel
