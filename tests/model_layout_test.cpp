@@ -191,21 +191,6 @@ TEST(ModelLayout, ParameterCountsPerLayerAreTheSimulatorsClosedForm) {
   }
 }
 
-ModelConfig text_model(const std::string& family) {
-  Config c;
-  c.model.preset = family == "llama" ? "llama-tiny" : "d4";
-  c.model.family = family;
-  c.model.n_layer = 2;
-  c.model.n_head = 2;
-  c.model.n_kv_head = family == "llama" ? 1 : 0;
-  c.model.n_embd = 16;
-  c.model.vocab_size = 61;
-  c.model.max_seq_len = 8;
-  c.train.seq_len = 8;
-  c.resolve(1);
-  return c.model;
-}
-
 TEST(ModelLayout, ClipLayoutIsWhatTheDualEncoderRegisters) {
   struct Case {
     std::string name, tower, block, text;
@@ -230,16 +215,17 @@ TEST(ModelLayout, ClipLayoutIsWhatTheDualEncoderRegisters) {
     }
     spec.image_size = 32;
     spec.embed_dim = 16;
-    const ModelConfig text = text_model(k.text);
+    const ModelConfig text = k.text == "llama" ? small("llama-tiny", 2, false) : small("tiny");
     const ModelLayout layout = clip_layout(spec, text);
     expect_same_store(layout, [&](ChunkStore& s) { const ClipModel model(spec, text, s); }, k.name);
     // The dual encoder's shape: the image tower's tensors, the text tower's, logit_scale last.
     ChunkStore store(1 << 20);
     ClipModel model(spec, text, store);
     EXPECT_EQ(layout.tensors.back().name, "logit_scale");
+    EXPECT_TRUE(layout.tied.empty());  // no tower's head reads its token embedding
     EXPECT_EQ(layout.tensors.back().layer, model.loss_layer());
     EXPECT_EQ(layout.tensors[layout.index("text.wte")].layer, model.text().first_layer());
-    EXPECT_EQ(layout.tensors[layout.index("text.proj.w")].shape, (std::vector<int64_t>{16, 16}));
+    EXPECT_EQ(layout.tensors[layout.index("text.proj.w")].shape, (std::vector<int64_t>{16, 32}));
     if (k.tower == "vit") {
       EXPECT_EQ(layout.tensors[layout.index("visual.pos")].shape, (std::vector<int64_t>{16 + 1, 32}));
       EXPECT_EQ(layout.tensors[layout.index("visual.h.1.attn.qkv.w")].layer, 2);

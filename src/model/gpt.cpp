@@ -66,20 +66,8 @@ class Block final : public Layer {
  public:
   // ids: the block's tensors in model_layout's order (layout::Gpt2Block).
   Block(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, bool bf16)
-      : store_(store), m_(m), layer_(m.layer_base + layer), bf16_(bf16) {
+      : store_(store), m_(m), layer_(m.layer_base + layer), bf16_(bf16), t_(ids) {
     check(ids.size() == layout::fc_proj_b + 1, "GPT: block " + std::to_string(layer) + " without its tensors");
-    ln1w_ = ids[layout::ln1_w];
-    ln1b_ = ids[layout::ln1_b];
-    qkvw_ = ids[layout::qkv_w];
-    qkvb_ = ids[layout::qkv_b];
-    projw_ = ids[layout::proj_w];
-    projb_ = ids[layout::proj_b];
-    ln2w_ = ids[layout::ln2_w];
-    ln2b_ = ids[layout::ln2_b];
-    fcw_ = ids[layout::fc_w];
-    fcb_ = ids[layout::fc_b];
-    fcprojw_ = ids[layout::fc_proj_w];
-    fcprojb_ = ids[layout::fc_proj_b];
     check(m.causal || m.attention == "dense", "model: attention that is not causal runs on the dense kernel only");
     probe_.window = m.window_of(layer_ - 1);
     probe_.mass.assign(static_cast<size_t>(m.n_head) * AttentionProbe::kBuckets, 0.0);
@@ -129,12 +117,12 @@ class Block final : public Layer {
   void forward(const Batch& b, const float* x, float* x_out) override {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
     const int N = b.B * b.T, C = m_.n_embd;
-    auto P = [&](TensorId id) { return store_.data(id, Plane::param); };
+    auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::Gpt2Block
     const int64_t NC = static_cast<int64_t>(N) * C;
     float* ln1 = ln1_.writable(stage_);
-    ops::layernorm_forward(ln1, ln1_mean_, ln1_rstd_, x, P(ln1w_), P(ln1b_), N, C);
+    ops::layernorm_forward(ln1, ln1_mean_, ln1_rstd_, x, P(layout::ln1_w), P(layout::ln1_b), N, C);
     ln1_.seal(ln1, NC);
-    ops::linear_forward(qkv_, ln1_.read(), P(qkvw_), P(qkvb_), N, C, 3 * C);
+    ops::linear_forward(qkv_, ln1_.read(), P(layout::qkv_w), P(layout::qkv_b), N, C, 3 * C);
     model_detail::probe_attention(probe_, b, qkv_, m_);
     if (b.kv) {
       b.kv->attend(layer_ - 1, qkv_, 3 * C, atty_, b.T, probe_.window);
@@ -144,58 +132,59 @@ class Block final : public Layer {
       ops::flash_attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_head, probe_.window);
     }
     float* attproj = scratch_;  // [N, C], consumed immediately by the residual
-    ops::linear_forward(attproj, atty_, P(projw_), P(projb_), N, C, C);
+    ops::linear_forward(attproj, atty_, P(layout::proj_w), P(layout::proj_b), N, C, C);
     float* ln2 = ln2_.writable(stage_);
-    ops::residual_layernorm_forward(res2_, ln2, ln2_mean_, ln2_rstd_, x, attproj, P(ln2w_), P(ln2b_), N, C);
+    ops::residual_layernorm_forward(res2_, ln2, ln2_mean_, ln2_rstd_, x, attproj, P(layout::ln2_w), P(layout::ln2_b), N,
+                                    C);
     ln2_.seal(ln2, NC);
     float* fch = fch_.writable(stage_);
-    ops::linear_forward(fch, ln2_.read(), P(fcw_), P(fcb_), N, C, 4 * C);
+    ops::linear_forward(fch, ln2_.read(), P(layout::fc_w), P(layout::fc_b), N, C, 4 * C);
     fch_.seal(fch, 4 * NC);
     float* fch_gelu = fch_gelu_.writable(stage_);  // (under bf16: in place over the staged fch)
     ops::gelu_forward(fch_gelu, fch, 4 * NC);
     fch_gelu_.seal(fch_gelu, 4 * NC);
     float* fcproj = scratch_;
-    ops::linear_forward(fcproj, fch_gelu_.read(), P(fcprojw_), P(fcprojb_), N, 4 * C, C);
+    ops::linear_forward(fcproj, fch_gelu_.read(), P(layout::fc_proj_w), P(layout::fc_proj_b), N, 4 * C, C);
     ops::residual_forward(x_out, res2_, fcproj, static_cast<int64_t>(N) * C);
   }
 
   void backward_input(const Batch& b, const float* x_in, const float* dx_out, float* dx_in) override {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
     const int N = b.B * b.T, C = m_.n_embd;
-    auto P = [&](TensorId id) { return store_.data(id, Plane::param); };
+    auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::Gpt2Block
     // MLP branch: d(fcproj out) = dx_out
     float* dfch_gelu = scratch_;
-    ops::linear_backward_input(dfch_gelu, dx_out, P(fcprojw_), N, 4 * C, C, false);
+    ops::linear_backward_input(dfch_gelu, dx_out, P(layout::fc_proj_w), N, 4 * C, C, false);
     float* dfch = dfch_.writable(stage_);
     ops::gelu_backward_input(dfch, dfch_gelu, fch_.read(), static_cast<int64_t>(N) * 4 * C);
     dfch_.seal(dfch, static_cast<int64_t>(N) * 4 * C);
-    ops::linear_backward_input(dln2_, dfch, P(fcw_), N, C, 4 * C, false);
+    ops::linear_backward_input(dln2_, dfch, P(layout::fc_w), N, C, 4 * C, false);
     std::memcpy(dres2_, dx_out, sizeof(float) * N * C);
-    ops::layernorm_backward_input(dres2_, dln2_, res2_, ln2_mean_, ln2_rstd_, P(ln2w_), N, C, true);
+    ops::layernorm_backward_input(dres2_, dln2_, res2_, ln2_mean_, ln2_rstd_, P(layout::ln2_w), N, C, true);
     // Attention branch: d(attproj out) = dres2
     float* datty = scratch_;
-    ops::linear_backward_input(datty, dres2_, P(projw_), N, C, C, false);
+    ops::linear_backward_input(datty, dres2_, P(layout::proj_w), N, C, C, false);
     if (m_.attention == "dense") {
       ops::attention_backward_input(dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head, 0, m_.causal);
     } else {
       ops::flash_attention_backward_input(dqkv_, datty, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_head,
                                           probe_.window);
     }
-    ops::linear_backward_input(dln1_, dqkv_, P(qkvw_), N, C, 3 * C, false);
+    ops::linear_backward_input(dln1_, dqkv_, P(layout::qkv_w), N, C, 3 * C, false);
     std::memcpy(dx_in, dres2_, sizeof(float) * N * C);
-    ops::layernorm_backward_input(dx_in, dln1_, x_in, ln1_mean_, ln1_rstd_, P(ln1w_), N, C, true);
+    ops::layernorm_backward_input(dx_in, dln1_, x_in, ln1_mean_, ln1_rstd_, P(layout::ln1_w), N, C, true);
   }
 
   void backward_weight(const Batch& b, const float* x_in, const float* dx_out) override {
     const PageLease use = store_.use_layer(layer_, {}, {Plane::grad});
     const int N = b.B * b.T, C = m_.n_embd;
-    auto G = [&](TensorId id) { return store_.data(id, Plane::grad); };
-    ops::linear_backward_weight(G(fcprojw_), G(fcprojb_), dx_out, fch_gelu_.read(), N, 4 * C, C);
-    ops::linear_backward_weight(G(fcw_), G(fcb_), dfch_.read(), ln2_.read(), N, C, 4 * C);
-    ops::layernorm_backward_weight(G(ln2w_), G(ln2b_), dln2_, res2_, ln2_mean_, ln2_rstd_, N, C);
-    ops::linear_backward_weight(G(projw_), G(projb_), dres2_, atty_, N, C, C);
-    ops::linear_backward_weight(G(qkvw_), G(qkvb_), dqkv_, ln1_.read(), N, C, 3 * C);
-    ops::layernorm_backward_weight(G(ln1w_), G(ln1b_), dln1_, x_in, ln1_mean_, ln1_rstd_, N, C);
+    auto G = [&](int t) { return store_.data(t_[t], Plane::grad); };
+    ops::linear_backward_weight(G(layout::fc_proj_w), G(layout::fc_proj_b), dx_out, fch_gelu_.read(), N, 4 * C, C);
+    ops::linear_backward_weight(G(layout::fc_w), G(layout::fc_b), dfch_.read(), ln2_.read(), N, C, 4 * C);
+    ops::layernorm_backward_weight(G(layout::ln2_w), G(layout::ln2_b), dln2_, res2_, ln2_mean_, ln2_rstd_, N, C);
+    ops::linear_backward_weight(G(layout::proj_w), G(layout::proj_b), dres2_, atty_, N, C, C);
+    ops::linear_backward_weight(G(layout::qkv_w), G(layout::qkv_b), dqkv_, ln1_.read(), N, C, 3 * C);
+    ops::layernorm_backward_weight(G(layout::ln1_w), G(layout::ln1_b), dln1_, x_in, ln1_mean_, ln1_rstd_, N, C);
   }
 
 
@@ -206,7 +195,7 @@ class Block final : public Layer {
   int layer_;
   bool bf16_;             // stashes in bf16 (Stash)
   AttentionProbe probe_;  // its window (0 = none) and the dynamic window's probe
-  TensorId ln1w_, ln1b_, qkvw_, qkvb_, projw_, projb_, ln2w_, ln2b_, fcw_, fcb_, fcprojw_, fcprojb_;
+  std::vector<TensorId> t_;  // the block's tensors, indexed by layout::Gpt2Block
   int64_t max_N_ = 0, max_att_ = 0;
   // att_: the dense kernel's probabilities [B, NH, T, T], or the blockwise kernel's log-sum-exp [B, NH, T].
   Stash ln1_, ln2_, fch_, fch_gelu_, dfch_;

@@ -21,14 +21,9 @@ namespace {
 class LlamaBlock final : public Layer {
  public:
   LlamaBlock(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, bool bf16)
-      : store_(store), m_(m), layer_(m.layer_base + layer), bf16_(bf16), C_(m.n_embd), QKV_(m.qkv_dim()), H_(m.ffn_hidden) {
+      : store_(store), m_(m), layer_(m.layer_base + layer), bf16_(bf16), C_(m.n_embd), QKV_(m.qkv_dim()), H_(m.ffn_hidden),
+        t_(ids) {
     check(ids.size() == layout::down_w + 1, "GPT: llama block " + std::to_string(layer) + " without its tensors");
-    attn_norm_ = ids[layout::attn_norm_w];
-    qkvw_ = ids[layout::llama_qkv_w];
-    projw_ = ids[layout::llama_proj_w];
-    mlp_norm_ = ids[layout::mlp_norm_w];
-    gate_up_ = ids[layout::gate_up_w];
-    down_ = ids[layout::down_w];
     probe_.window = m.window_of(layer_ - 1);
     probe_.mass.assign(static_cast<size_t>(m.n_head) * AttentionProbe::kBuckets, 0.0);
   }
@@ -74,13 +69,13 @@ class LlamaBlock final : public Layer {
   void forward(const Batch& b, const float* x, float* x_out) override {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
     const int N = b.B * b.T, C = C_, H = H_;
-    auto P = [&](TensorId id) { return store_.data(id, Plane::param); };
+    auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::LlamaBlock
     const float* none = nullptr;
     const int64_t NC = static_cast<int64_t>(N) * C, NH = static_cast<int64_t>(N) * H;
     float* n1 = n1_.writable(stage_);
-    ops::rmsnorm_forward(n1, rstd1_, x, P(attn_norm_), N, C);
+    ops::rmsnorm_forward(n1, rstd1_, x, P(layout::attn_norm_w), N, C);
     n1_.seal(n1, NC);
-    ops::linear_forward(qkv_, n1_.read(), P(qkvw_), none, N, C, QKV_);
+    ops::linear_forward(qkv_, n1_.read(), P(layout::llama_qkv_w), none, N, C, QKV_);
     ops::rope_forward(qkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_base(), b.kv ? b.kv->pos0() : 0,
                       false, m_.rope_position_scale());
     model_detail::probe_attention(probe_, b, qkv_, m_);
@@ -92,38 +87,38 @@ class LlamaBlock final : public Layer {
       ops::flash_attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head, probe_.window);
     }
     float* o = scratch_;  // [N, C], consumed at once by the residual
-    ops::linear_forward(o, atty_, P(projw_), none, N, C, C);
+    ops::linear_forward(o, atty_, P(layout::llama_proj_w), none, N, C, C);
     float* n2 = n2_.writable(stage_);
-    ops::residual_rmsnorm_forward(res2_, n2, rstd2_, x, o, P(mlp_norm_), N, C);
+    ops::residual_rmsnorm_forward(res2_, n2, rstd2_, x, o, P(layout::mlp_norm_w), N, C);
     n2_.seal(n2, NC);
     float* gu = gu_.writable(stage_);
-    ops::linear_forward(gu, n2_.read(), P(gate_up_), none, N, C, 2 * H);
+    ops::linear_forward(gu, n2_.read(), P(layout::gate_up_w), none, N, C, 2 * H);
     gu_.seal(gu, 2 * NH);
     float* h = h_.writable(stage_h_);
     ops::swiglu_forward(h, gu, N, H);
     h_.seal(h, NH);
     float* down = scratch_;
-    ops::linear_forward(down, h_.read(), P(down_), none, N, H, C);
+    ops::linear_forward(down, h_.read(), P(layout::down_w), none, N, H, C);
     ops::residual_forward(x_out, res2_, down, static_cast<int64_t>(N) * C);
   }
 
   void backward_input(const Batch& b, const float* x_in, const float* dx_out, float* dx_in) override {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
     const int N = b.B * b.T, C = C_, H = H_;
-    auto P = [&](TensorId id) { return store_.data(id, Plane::param); };
+    auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::LlamaBlock
     // MLP branch: d(down out) = dx_out
     float* dh = scratch_;
-    ops::linear_backward_input(dh, dx_out, P(down_), N, H, C, false);
+    ops::linear_backward_input(dh, dx_out, P(layout::down_w), N, H, C, false);
     float* dgu = dgu_.writable(stage_);
     ops::swiglu_backward_input(dgu, dh, gu_.read(), N, H);
     dgu_.seal(dgu, static_cast<int64_t>(N) * 2 * H);
-    ops::linear_backward_input(dn2_, dgu, P(gate_up_), N, C, 2 * H, false);
+    ops::linear_backward_input(dn2_, dgu, P(layout::gate_up_w), N, C, 2 * H, false);
     std::memcpy(dres2_, dx_out, sizeof(float) * N * C);
-    ops::rmsnorm_backward_input(dres2_, dn2_, res2_, rstd2_, P(mlp_norm_), N, C, true);
+    ops::rmsnorm_backward_input(dres2_, dn2_, res2_, rstd2_, P(layout::mlp_norm_w), N, C, true);
     // Attention branch: d(o out) = dres2; attention's gradient is w.r.t. the rotated q and k,
     // rotated back before the qkv projection.
     float* datty = scratch_;
-    ops::linear_backward_input(datty, dres2_, P(projw_), N, C, C, false);
+    ops::linear_backward_input(datty, dres2_, P(layout::llama_proj_w), N, C, C, false);
     if (m_.attention == "dense") {
       ops::attention_backward_input(dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
     } else {
@@ -132,22 +127,22 @@ class LlamaBlock final : public Layer {
     }
     ops::rope_forward(dqkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_base(), 0, true,
                       m_.rope_position_scale());
-    ops::linear_backward_input(dn1_, dqkv_, P(qkvw_), N, C, QKV_, false);
+    ops::linear_backward_input(dn1_, dqkv_, P(layout::llama_qkv_w), N, C, QKV_, false);
     std::memcpy(dx_in, dres2_, sizeof(float) * N * C);
-    ops::rmsnorm_backward_input(dx_in, dn1_, x_in, rstd1_, P(attn_norm_), N, C, true);
+    ops::rmsnorm_backward_input(dx_in, dn1_, x_in, rstd1_, P(layout::attn_norm_w), N, C, true);
   }
 
   void backward_weight(const Batch& b, const float* x_in, const float* dx_out) override {
     const PageLease use = store_.use_layer(layer_, {}, {Plane::grad});
     const int N = b.B * b.T, C = C_, H = H_;
-    auto G = [&](TensorId id) { return store_.data(id, Plane::grad); };
+    auto G = [&](int t) { return store_.data(t_[t], Plane::grad); };
     float* none = nullptr;
-    ops::linear_backward_weight(G(down_), none, dx_out, h_.read(), N, H, C);
-    ops::linear_backward_weight(G(gate_up_), none, dgu_.read(), n2_.read(), N, C, 2 * H);
-    ops::rmsnorm_backward_weight(G(mlp_norm_), dn2_, res2_, rstd2_, N, C);
-    ops::linear_backward_weight(G(projw_), none, dres2_, atty_, N, C, C);
-    ops::linear_backward_weight(G(qkvw_), none, dqkv_, n1_.read(), N, C, QKV_);
-    ops::rmsnorm_backward_weight(G(attn_norm_), dn1_, x_in, rstd1_, N, C);
+    ops::linear_backward_weight(G(layout::down_w), none, dx_out, h_.read(), N, H, C);
+    ops::linear_backward_weight(G(layout::gate_up_w), none, dgu_.read(), n2_.read(), N, C, 2 * H);
+    ops::rmsnorm_backward_weight(G(layout::mlp_norm_w), dn2_, res2_, rstd2_, N, C);
+    ops::linear_backward_weight(G(layout::llama_proj_w), none, dres2_, atty_, N, C, C);
+    ops::linear_backward_weight(G(layout::llama_qkv_w), none, dqkv_, n1_.read(), N, C, QKV_);
+    ops::rmsnorm_backward_weight(G(layout::attn_norm_w), dn1_, x_in, rstd1_, N, C);
   }
 
  private:
@@ -157,7 +152,7 @@ class LlamaBlock final : public Layer {
   bool bf16_;  // stashes in bf16 (Stash)
   AttentionProbe probe_;  // its window (0 = none) and the dynamic window's probe
   int C_, QKV_, H_;
-  TensorId attn_norm_, qkvw_, projw_, mlp_norm_, gate_up_, down_;
+  std::vector<TensorId> t_;  // the block's tensors, indexed by layout::LlamaBlock
   Stash n1_, n2_, gu_, h_, dgu_;
   float *qkv_ = nullptr, *att_ = nullptr, *atty_ = nullptr, *res2_ = nullptr, *rstd1_ = nullptr, *rstd2_ = nullptr,
         *dn1_ = nullptr, *dqkv_ = nullptr, *dres2_ = nullptr, *dn2_ = nullptr, *scratch_ = nullptr,

@@ -182,6 +182,7 @@ ModelLayout text_tower_layout(const ModelConfig& text, int layer_base, int embed
   const ModelConfig m = tower_config(text, layer_base);
   const LayerRange body{0, m.n_layer};
   ModelLayout out = model_layout(m, {&body, 1});
+  out.tied.clear();  // the pooling head does not read wte: nothing is tied
   out.append(pool_head_layout(m, embed_dim));
   return out;
 }

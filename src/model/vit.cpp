@@ -282,7 +282,9 @@ ModelLayout vit_layout(const VitSpec& spec) {
   validate_vit(spec);
   ModelLayout out = patch_layout(spec);
   const LayerRange blocks{1, spec.layers};
-  out.append(model_layout(blocks_config(spec), {&blocks, 1}));
+  ModelLayout body = model_layout(blocks_config(spec), {&blocks, 1});
+  body.tied.clear();  // a GPT-2 body's wte group: the tower has no token embedding
+  out.append(body);
   out.append(head_layout(spec));
   return out;
 }
