@@ -67,7 +67,9 @@ ModelLayout model_layout(const ModelConfig& config, std::span<const LayerRange> 
 std::vector<bool> local_layers(const ModelConfig& config, std::span<const LayerRange> ranges);
 
 // Registers `layout`'s tensors with `store` (not finalized), in order. Returns their ids (one per
-// layout tensor). A layout-only store: register_layout(store, layout); store.finalize_layout().
+// layout tensor). A layout-only store: register_layout(store, layout); store.finalize_layout():
+// nothing allocated, its tensors() and chunks() say where each tensor lands (offset, chunks,
+// segments) for that store's chunk size, as the model's own store lays it out.
 std::vector<TensorId> register_layout(ChunkStore& store, const ModelLayout& layout);
 
 // The ids of one layer's tensors, in layout order, from the ids register_layout returned.
