@@ -3,6 +3,8 @@
 
 usage: check_links.py [--root DIR] FILE.md ...   (exit 1 and one line per broken link)
        check_links.py --self-test                (proves the checker finds broken links)
+       check_links.py --config-keys DEFAULT.toml FILE.md ...
+                                                 (every key of DEFAULT.toml, `section.key`, is named in the files)
 
 A link `[text](target)`, an image `![alt](target)` or a reference definition `[ref]: target`
 whose target is not a URL must name a file or directory that exists, relative to the file that
@@ -146,9 +148,31 @@ def self_test():
     return 0
 
 
+def undocumented_keys(default_toml, paths):
+    """Keys of the default config (commented-out ones included) that no page names as `section.key`."""
+    text = "".join(open(p, encoding="utf-8").read() for p in paths)
+    section, missing = None, []
+    with open(default_toml, encoding="utf-8") as f:
+        for line in f:
+            header = re.match(r"^\[(\w+)\]", line)
+            if header:
+                section = header.group(1)
+                continue
+            key = re.match(r"^#?\s*(\w+)\s*=", line)
+            if key and section and f"`{section}.{key.group(1)}`" not in text:
+                missing.append(f"{section}.{key.group(1)}")
+    return missing
+
+
 def main(argv):
     if argv == ["--self-test"]:
         return self_test()
+    if len(argv) >= 3 and argv[0] == "--config-keys":
+        missing = undocumented_keys(argv[1], argv[2:])
+        for key in missing:
+            print(f"config key {key}: expected `{key}` in one of {len(argv) - 2} pages, found it in none")
+        print(f"check_links --config-keys: {len(missing)} undocumented keys")
+        return 1 if missing else 0
     root = os.getcwd()
     if len(argv) >= 2 and argv[0] == "--root":
         root = os.path.abspath(argv[1])
