@@ -7,19 +7,12 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/backward_observer.h"
 #include "data/batch.h"
 
 namespace keel {
 
 class ChunkStore;
-
-// Told about each layer's progress during backward (gradient sync, prefetching, pipelines).
-class BackwardObserver {
- public:
-  virtual ~BackwardObserver() = default;
-  virtual void after_backward_input(int layer) = 0;
-  virtual void after_backward_weight(int layer) = 0;
-};
 
 // An attention layer's window and a probe of where its attention goes (runtime/dynamic_windows.h).
 struct AttentionProbe {
