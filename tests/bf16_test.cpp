@@ -3,7 +3,8 @@
 // operands where the CPU has bf16 instructions), the emulated path, and training in bf16: the
 // same bytes twice, and a final validation loss within 1 % of float32's for both families; and
 // activations kept in bf16 (model/layer_util.h Stash): what they save, and that they change only
-// what they should.
+// what they should; and precision as a value each model carries (model/layer.h MathMode): models of
+// different precisions trained interleaved, or on concurrent threads, each give their own bytes.
 #include "kernels/cpu/bf16.h"
 
 #include <cblas.h>
