@@ -94,12 +94,13 @@ void validate_clip_config(const Config& c) {
   alone(c.optim.freeze_layers == 0, "optim.freeze_layers", std::to_string(c.optim.freeze_layers));
 }
 
-ClipModel::ClipModel(const ClipSpec& spec, const ModelConfig& text, ChunkStore& store, bool bf16)
+ClipModel::ClipModel(const ClipSpec& spec, const ModelConfig& text, ChunkStore& store, MatmulPrecision precision)
     : spec_(spec), store_(store) {
   check(spec.logit_scale_max > 1 && std::isfinite(spec.logit_scale_max),
         "clip.logit_scale_max: expected a finite value above 1, found " + std::to_string(spec.logit_scale_max));
-  image_ = spec.image_tower == "vit" ? make_vit(spec.vit_spec(), store) : make_resnet(spec.resnet_spec(), store);
-  text_ = make_text_tower(text, image_->num_layers(), spec.embed_dim, store, bf16);
+  image_ = spec.image_tower == "vit" ? make_vit(spec.vit_spec(), store, precision)
+                                     : make_resnet(spec.resnet_spec(), store, precision);
+  text_ = make_text_tower(text, image_->num_layers(), spec.embed_dim, store, precision);
   loss_layer_ = text_->first_layer() + text_->num_layers();
   logit_scale_ = store.add(TensorSpec{"logit_scale", {1}, loss_layer_, ChunkKind::head, false});
 }

@@ -63,8 +63,11 @@ struct FeatureGather {
 class ClipModel {
  public:
   // `text` is a resolved model config (the text tower's transformer). Registers every tensor with
-  // `store`, which the caller then finalizes.
-  ClipModel(const ClipSpec& spec, const ModelConfig& text, ChunkStore& store, bool bf16 = false);
+  // `store`, which the caller then finalizes. `precision` (runtime.precision): the arithmetic of
+  // the text tower's products, and of the image tower's unless spec.visual_quant says otherwise
+  // (model/tower.h visual_math); under bf16 the text tower keeps its products' activations in bf16.
+  ClipModel(const ClipSpec& spec, const ModelConfig& text, ChunkStore& store,
+            MatmulPrecision precision = MatmulPrecision::fp32);
   void init_weights(uint64_t seed);
   void allocate(int B, int T);
 

@@ -15,12 +15,13 @@
 
 namespace keel {
 
-// The precision of an image tower's products in its forward or backward pass under
+// The precision of an image tower's products in its forward and backward passes under
 // clip.visual_quant: "bf16" both ways; "int8" forward (a ViT's) and bf16 backward; "none" the
-// process's own. A tower's pass runs under MatmulPrecisionScope(visual_precision(...)).
-inline MatmulPrecision visual_precision(const std::string& quant, bool forward) {
-  if (quant == "int8") return forward ? MatmulPrecision::int8 : MatmulPrecision::bf16;
-  return quant == "bf16" ? MatmulPrecision::bf16 : matmul_precision();
+// process's own (`process`: runtime.precision). The tower holds it from its construction and hands
+// it to every kernel of its passes (its blocks' included).
+inline MathMode visual_math(const std::string& quant, MatmulPrecision process) {
+  if (quant == "int8") return MathMode{MatmulPrecision::int8, MatmulPrecision::bf16};
+  return MathMode::uniform(quant == "bf16" ? MatmulPrecision::bf16 : process);
 }
 
 class Tower {
