@@ -65,8 +65,8 @@ class Embedding final : public Layer {
 class Block final : public Layer {
  public:
   // ids: the block's tensors in model_layout's order (layout::Gpt2Block).
-  Block(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, bool bf16)
-      : store_(store), m_(m), layer_(m.layer_base + layer), bf16_(bf16), t_(ids) {
+  Block(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, bool bf16, MathMode math)
+      : store_(store), m_(m), layer_(m.layer_base + layer), bf16_(bf16), math_(math), t_(ids) {
     check(ids.size() == layout::fc_proj_b + 1, "GPT: block " + std::to_string(layer) + " without its tensors");
     check(m.causal || m.attention == "dense", "model: attention that is not causal runs on the dense kernel only");
     probe_.window = m.window_of(layer_ - 1);
@@ -122,29 +122,30 @@ class Block final : public Layer {
     float* ln1 = ln1_.writable(stage_);
     ops::layernorm_forward(ln1, ln1_mean_, ln1_rstd_, x, P(layout::ln1_w), P(layout::ln1_b), N, C);
     ln1_.seal(ln1, NC);
-    ops::linear_forward(qkv_, ln1_.read(), P(layout::qkv_w), P(layout::qkv_b), N, C, 3 * C);
+    ops::linear_forward(math_.forward, qkv_, ln1_.read(), P(layout::qkv_w), P(layout::qkv_b), N, C, 3 * C);
     model_detail::probe_attention(probe_, b, qkv_, m_);
     if (b.kv) {
-      b.kv->attend(layer_ - 1, qkv_, 3 * C, atty_, b.T, probe_.window);
+      b.kv->attend(math_.forward, layer_ - 1, qkv_, 3 * C, atty_, b.T, probe_.window);
     } else if (m_.attention == "dense") {
-      ops::attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, 0, m_.causal);
+      ops::attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, 0, m_.causal);
     } else {  // att_ holds the rows' log-sum-exp
-      ops::flash_attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_head, probe_.window);
+      ops::flash_attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_head, probe_.window);
     }
     float* attproj = scratch_;  // [N, C], consumed immediately by the residual
-    ops::linear_forward(attproj, atty_, P(layout::proj_w), P(layout::proj_b), N, C, C);
+    ops::linear_forward(math_.forward, attproj, atty_, P(layout::proj_w), P(layout::proj_b), N, C, C);
     float* ln2 = ln2_.writable(stage_);
     ops::residual_layernorm_forward(res2_, ln2, ln2_mean_, ln2_rstd_, x, attproj, P(layout::ln2_w), P(layout::ln2_b), N,
                                     C);
     ln2_.seal(ln2, NC);
     float* fch = fch_.writable(stage_);
-    ops::linear_forward(fch, ln2_.read(), P(layout::fc_w), P(layout::fc_b), N, C, 4 * C);
+    ops::linear_forward(math_.forward, fch, ln2_.read(), P(layout::fc_w), P(layout::fc_b), N, C, 4 * C);
     fch_.seal(fch, 4 * NC);
     float* fch_gelu = fch_gelu_.writable(stage_);  // (under bf16: in place over the staged fch)
     ops::gelu_forward(fch_gelu, fch, 4 * NC);
     fch_gelu_.seal(fch_gelu, 4 * NC);
     float* fcproj = scratch_;
-    ops::linear_forward(fcproj, fch_gelu_.read(), P(layout::fc_proj_w), P(layout::fc_proj_b), N, 4 * C, C);
+    ops::linear_forward(math_.forward, fcproj, fch_gelu_.read(), P(layout::fc_proj_w), P(layout::fc_proj_b), N, 4 * C,
+                        C);
     ops::residual_forward(x_out, res2_, fcproj, static_cast<int64_t>(N) * C);
   }
 
@@ -154,23 +155,23 @@ class Block final : public Layer {
     auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::Gpt2Block
     // MLP branch: d(fcproj out) = dx_out
     float* dfch_gelu = scratch_;
-    ops::linear_backward_input(dfch_gelu, dx_out, P(layout::fc_proj_w), N, 4 * C, C, false);
+    ops::linear_backward_input(math_.backward, dfch_gelu, dx_out, P(layout::fc_proj_w), N, 4 * C, C, false);
     float* dfch = dfch_.writable(stage_);
     ops::gelu_backward_input(dfch, dfch_gelu, fch_.read(), static_cast<int64_t>(N) * 4 * C);
     dfch_.seal(dfch, static_cast<int64_t>(N) * 4 * C);
-    ops::linear_backward_input(dln2_, dfch, P(layout::fc_w), N, C, 4 * C, false);
+    ops::linear_backward_input(math_.backward, dln2_, dfch, P(layout::fc_w), N, C, 4 * C, false);
     std::memcpy(dres2_, dx_out, sizeof(float) * N * C);
     ops::layernorm_backward_input(dres2_, dln2_, res2_, ln2_mean_, ln2_rstd_, P(layout::ln2_w), N, C, true);
     // Attention branch: d(attproj out) = dres2
     float* datty = scratch_;
-    ops::linear_backward_input(datty, dres2_, P(layout::proj_w), N, C, C, false);
+    ops::linear_backward_input(math_.backward, datty, dres2_, P(layout::proj_w), N, C, C, false);
     if (m_.attention == "dense") {
-      ops::attention_backward_input(dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head, 0, m_.causal);
+      ops::attention_backward_input(math_.backward, dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head, 0, m_.causal);
     } else {
-      ops::flash_attention_backward_input(dqkv_, datty, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_head,
-                                          probe_.window);
+      ops::flash_attention_backward_input(math_.backward, dqkv_, datty, atty_, att_, qkv_, b.B, b.T, C, m_.n_head,
+                                          m_.n_head, probe_.window);
     }
-    ops::linear_backward_input(dln1_, dqkv_, P(layout::qkv_w), N, C, 3 * C, false);
+    ops::linear_backward_input(math_.backward, dln1_, dqkv_, P(layout::qkv_w), N, C, 3 * C, false);
     std::memcpy(dx_in, dres2_, sizeof(float) * N * C);
     ops::layernorm_backward_input(dx_in, dln1_, x_in, ln1_mean_, ln1_rstd_, P(layout::ln1_w), N, C, true);
   }
@@ -179,11 +180,13 @@ class Block final : public Layer {
     const PageLease use = store_.use_layer(layer_, {}, {Plane::grad});
     const int N = b.B * b.T, C = m_.n_embd;
     auto G = [&](int t) { return store_.data(t_[t], Plane::grad); };
-    ops::linear_backward_weight(G(layout::fc_proj_w), G(layout::fc_proj_b), dx_out, fch_gelu_.read(), N, 4 * C, C);
-    ops::linear_backward_weight(G(layout::fc_w), G(layout::fc_b), dfch_.read(), ln2_.read(), N, C, 4 * C);
+    ops::linear_backward_weight(math_.backward, G(layout::fc_proj_w), G(layout::fc_proj_b), dx_out, fch_gelu_.read(), N,
+                                4 * C, C);
+    ops::linear_backward_weight(math_.backward, G(layout::fc_w), G(layout::fc_b), dfch_.read(), ln2_.read(), N, C,
+                                4 * C);
     ops::layernorm_backward_weight(G(layout::ln2_w), G(layout::ln2_b), dln2_, res2_, ln2_mean_, ln2_rstd_, N, C);
-    ops::linear_backward_weight(G(layout::proj_w), G(layout::proj_b), dres2_, atty_, N, C, C);
-    ops::linear_backward_weight(G(layout::qkv_w), G(layout::qkv_b), dqkv_, ln1_.read(), N, C, 3 * C);
+    ops::linear_backward_weight(math_.backward, G(layout::proj_w), G(layout::proj_b), dres2_, atty_, N, C, C);
+    ops::linear_backward_weight(math_.backward, G(layout::qkv_w), G(layout::qkv_b), dqkv_, ln1_.read(), N, C, 3 * C);
     ops::layernorm_backward_weight(G(layout::ln1_w), G(layout::ln1_b), dln1_, x_in, ln1_mean_, ln1_rstd_, N, C);
   }
 
@@ -194,6 +197,7 @@ class Block final : public Layer {
   ModelConfig m_;
   int layer_;
   bool bf16_;             // stashes in bf16 (Stash)
+  MathMode math_;         // its products' precision in F and in B, W
   AttentionProbe probe_;  // its window (0 = none) and the dynamic window's probe
   std::vector<TensorId> t_;  // the block's tensors, indexed by layout::Gpt2Block
   int64_t max_N_ = 0, max_att_ = 0;
@@ -207,8 +211,9 @@ class Block final : public Layer {
 
 }  // namespace
 
-GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> ranges, bool bf16_activations)
-    : config_(config), store_(store), ranges_(std::move(ranges)), bf16_(bf16_activations) {
+GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> ranges, bool bf16_activations,
+         MathMode math)
+    : config_(config), store_(store), ranges_(std::move(ranges)), bf16_(bf16_activations), math_(math) {
   validate_model(config, "model");
   check(!store.finalized(), "GPT: the chunk store is already finalized");
   const int L = config.n_layer + 2;
@@ -224,13 +229,13 @@ GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> r
   if (local_[0]) layers_[0] = std::make_unique<Embedding>(config, store, of(0));
   for (int l = 1; l <= config.n_layer; ++l) {
     if (!local_[l]) continue;
-    layers_[l] = config.llama() ? make_llama_block(config, store, l, of(l), bf16_)
-                                : std::make_unique<Block>(config, store, l, of(l), bf16_);
+    layers_[l] = config.llama() ? make_llama_block(config, store, l, of(l), bf16_, math_)
+                                : std::make_unique<Block>(config, store, l, of(l), bf16_, math_);
   }
   if (local_[L - 1]) {
     // A tied head reads wte: the embedding's, or (a rank without it) the replica in the layout.
     const TensorId wte = tied_.empty() ? -1 : ids[layout.index(config.tensor_prefix + "wte")];
-    layers_[L - 1] = make_head(config, store, L - 1, of(L - 1), wte, bf16_);
+    layers_[L - 1] = make_head(config, store, L - 1, of(L - 1), wte, bf16_, math_);
   }
 }
 

@@ -20,8 +20,16 @@ namespace {
 // ---- layers 1..L: RMSNorm, rotary grouped-query attention, RMSNorm, SwiGLU ---------------------
 class LlamaBlock final : public Layer {
  public:
-  LlamaBlock(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, bool bf16)
-      : store_(store), m_(m), layer_(m.layer_base + layer), bf16_(bf16), C_(m.n_embd), QKV_(m.qkv_dim()), H_(m.ffn_hidden),
+  LlamaBlock(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, bool bf16,
+             MathMode math)
+      : store_(store),
+        m_(m),
+        layer_(m.layer_base + layer),
+        bf16_(bf16),
+        math_(math),
+        C_(m.n_embd),
+        QKV_(m.qkv_dim()),
+        H_(m.ffn_hidden),
         t_(ids) {
     check(ids.size() == layout::down_w + 1, "GPT: llama block " + std::to_string(layer) + " without its tensors");
     probe_.window = m.window_of(layer_ - 1);
@@ -75,30 +83,31 @@ class LlamaBlock final : public Layer {
     float* n1 = n1_.writable(stage_);
     ops::rmsnorm_forward(n1, rstd1_, x, P(layout::attn_norm_w), N, C);
     n1_.seal(n1, NC);
-    ops::linear_forward(qkv_, n1_.read(), P(layout::llama_qkv_w), none, N, C, QKV_);
+    ops::linear_forward(math_.forward, qkv_, n1_.read(), P(layout::llama_qkv_w), none, N, C, QKV_);
     ops::rope_forward(qkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_base(), b.kv ? b.kv->pos0() : 0,
                       false, m_.rope_position_scale());
     model_detail::probe_attention(probe_, b, qkv_, m_);
     if (b.kv) {
-      b.kv->attend(layer_ - 1, qkv_, QKV_, atty_, b.T, probe_.window);
+      b.kv->attend(math_.forward, layer_ - 1, qkv_, QKV_, atty_, b.T, probe_.window);
     } else if (m_.attention == "dense") {
-      ops::attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
+      ops::attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
     } else {
-      ops::flash_attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head, probe_.window);
+      ops::flash_attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head,
+                                   probe_.window);
     }
     float* o = scratch_;  // [N, C], consumed at once by the residual
-    ops::linear_forward(o, atty_, P(layout::llama_proj_w), none, N, C, C);
+    ops::linear_forward(math_.forward, o, atty_, P(layout::llama_proj_w), none, N, C, C);
     float* n2 = n2_.writable(stage_);
     ops::residual_rmsnorm_forward(res2_, n2, rstd2_, x, o, P(layout::mlp_norm_w), N, C);
     n2_.seal(n2, NC);
     float* gu = gu_.writable(stage_);
-    ops::linear_forward(gu, n2_.read(), P(layout::gate_up_w), none, N, C, 2 * H);
+    ops::linear_forward(math_.forward, gu, n2_.read(), P(layout::gate_up_w), none, N, C, 2 * H);
     gu_.seal(gu, 2 * NH);
     float* h = h_.writable(stage_h_);
     ops::swiglu_forward(h, gu, N, H);
     h_.seal(h, NH);
     float* down = scratch_;
-    ops::linear_forward(down, h_.read(), P(layout::down_w), none, N, H, C);
+    ops::linear_forward(math_.forward, down, h_.read(), P(layout::down_w), none, N, H, C);
     ops::residual_forward(x_out, res2_, down, static_cast<int64_t>(N) * C);
   }
 
@@ -108,26 +117,26 @@ class LlamaBlock final : public Layer {
     auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::LlamaBlock
     // MLP branch: d(down out) = dx_out
     float* dh = scratch_;
-    ops::linear_backward_input(dh, dx_out, P(layout::down_w), N, H, C, false);
+    ops::linear_backward_input(math_.backward, dh, dx_out, P(layout::down_w), N, H, C, false);
     float* dgu = dgu_.writable(stage_);
     ops::swiglu_backward_input(dgu, dh, gu_.read(), N, H);
     dgu_.seal(dgu, static_cast<int64_t>(N) * 2 * H);
-    ops::linear_backward_input(dn2_, dgu, P(layout::gate_up_w), N, C, 2 * H, false);
+    ops::linear_backward_input(math_.backward, dn2_, dgu, P(layout::gate_up_w), N, C, 2 * H, false);
     std::memcpy(dres2_, dx_out, sizeof(float) * N * C);
     ops::rmsnorm_backward_input(dres2_, dn2_, res2_, rstd2_, P(layout::mlp_norm_w), N, C, true);
     // Attention branch: d(o out) = dres2; attention's gradient is w.r.t. the rotated q and k,
     // rotated back before the qkv projection.
     float* datty = scratch_;
-    ops::linear_backward_input(datty, dres2_, P(layout::llama_proj_w), N, C, C, false);
+    ops::linear_backward_input(math_.backward, datty, dres2_, P(layout::llama_proj_w), N, C, C, false);
     if (m_.attention == "dense") {
-      ops::attention_backward_input(dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
+      ops::attention_backward_input(math_.backward, dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
     } else {
-      ops::flash_attention_backward_input(dqkv_, datty, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head,
-                                          probe_.window);
+      ops::flash_attention_backward_input(math_.backward, dqkv_, datty, atty_, att_, qkv_, b.B, b.T, C, m_.n_head,
+                                          m_.n_kv_head, probe_.window);
     }
     ops::rope_forward(dqkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_base(), 0, true,
                       m_.rope_position_scale());
-    ops::linear_backward_input(dn1_, dqkv_, P(layout::llama_qkv_w), N, C, QKV_, false);
+    ops::linear_backward_input(math_.backward, dn1_, dqkv_, P(layout::llama_qkv_w), N, C, QKV_, false);
     std::memcpy(dx_in, dres2_, sizeof(float) * N * C);
     ops::rmsnorm_backward_input(dx_in, dn1_, x_in, rstd1_, P(layout::attn_norm_w), N, C, true);
   }
@@ -137,11 +146,11 @@ class LlamaBlock final : public Layer {
     const int N = b.B * b.T, C = C_, H = H_;
     auto G = [&](int t) { return store_.data(t_[t], Plane::grad); };
     float* none = nullptr;
-    ops::linear_backward_weight(G(layout::down_w), none, dx_out, h_.read(), N, H, C);
-    ops::linear_backward_weight(G(layout::gate_up_w), none, dgu_.read(), n2_.read(), N, C, 2 * H);
+    ops::linear_backward_weight(math_.backward, G(layout::down_w), none, dx_out, h_.read(), N, H, C);
+    ops::linear_backward_weight(math_.backward, G(layout::gate_up_w), none, dgu_.read(), n2_.read(), N, C, 2 * H);
     ops::rmsnorm_backward_weight(G(layout::mlp_norm_w), dn2_, res2_, rstd2_, N, C);
-    ops::linear_backward_weight(G(layout::llama_proj_w), none, dres2_, atty_, N, C, C);
-    ops::linear_backward_weight(G(layout::llama_qkv_w), none, dqkv_, n1_.read(), N, C, QKV_);
+    ops::linear_backward_weight(math_.backward, G(layout::llama_proj_w), none, dres2_, atty_, N, C, C);
+    ops::linear_backward_weight(math_.backward, G(layout::llama_qkv_w), none, dqkv_, n1_.read(), N, C, QKV_);
     ops::rmsnorm_backward_weight(G(layout::attn_norm_w), dn1_, x_in, rstd1_, N, C);
   }
 
@@ -150,6 +159,7 @@ class LlamaBlock final : public Layer {
   ModelConfig m_;
   int layer_;
   bool bf16_;  // stashes in bf16 (Stash)
+  MathMode math_;         // its products' precision in F and in B, W
   AttentionProbe probe_;  // its window (0 = none) and the dynamic window's probe
   int C_, QKV_, H_;
   std::vector<TensorId> t_;  // the block's tensors, indexed by layout::LlamaBlock
@@ -163,8 +173,8 @@ class LlamaBlock final : public Layer {
 }  // namespace
 
 std::unique_ptr<Layer> make_llama_block(const ModelConfig& m, ChunkStore& store, int layer,
-                                        const std::vector<TensorId>& ids, bool bf16) {
-  return std::make_unique<LlamaBlock>(m, store, layer, ids, bf16);
+                                        const std::vector<TensorId>& ids, bool bf16, MathMode math) {
+  return std::make_unique<LlamaBlock>(m, store, layer, ids, bf16, math);
 }
 
 }  // namespace keel

@@ -20,6 +20,6 @@ namespace keel {
 
 // ids: the block's tensors in model_layout's order (layout::LlamaBlock).
 std::unique_ptr<Layer> make_llama_block(const ModelConfig& m, ChunkStore& store, int layer,
-                                        const std::vector<TensorId>& ids, bool bf16);
+                                        const std::vector<TensorId>& ids, bool bf16, MathMode math);
 
 }  // namespace keel

@@ -52,7 +52,9 @@ void validate_resnet(const ResNetSpec& spec);
 // stem's, each block's (torchvision's order, the shortcut last), the projection.
 ModelLayout resnet_layout(const ResNetSpec& spec);
 
-// Registers the tower's tensors (resnet_layout) with `store` (not yet finalized).
-std::unique_ptr<Tower> make_resnet(const ResNetSpec& spec, ChunkStore& store);
+// Registers the tower's tensors (resnet_layout) with `store` (not yet finalized). `precision`: the
+// process's (runtime.precision), which the tower's products use unless spec.quant says otherwise
+// (visual_math).
+std::unique_ptr<Tower> make_resnet(const ResNetSpec& spec, ChunkStore& store, MatmulPrecision precision);
 
 }  // namespace keel

@@ -16,10 +16,11 @@
 
 namespace keel {
 
-// `text` is a resolved model config; its prefix and layer base are set here. bf16: the
-// transformer keeps its matrix products' activations in bf16 (runtime.precision = "bf16").
+// `text` is a resolved model config; its prefix and layer base are set here. `precision`
+// (runtime.precision): the arithmetic of every product of the tower; under bf16 the transformer
+// also keeps its matrix products' activations in bf16.
 std::unique_ptr<Tower> make_text_tower(const ModelConfig& text, int layer_base, int embed_dim, ChunkStore& store,
-                                       bool bf16 = false);
+                                       MatmulPrecision precision);
 // The tower's tensors (model/model_layout.h): the body's (model_layout over the embedding and the
 // blocks, prefixed "text."), then the pooling head's.
 ModelLayout text_tower_layout(const ModelConfig& text, int layer_base, int embed_dim);

@@ -64,10 +64,15 @@ ModelLayout head_layout(const VitSpec& s) {
 
 class Vit final : public Tower {
  public:
-  Vit(const VitSpec& s, ChunkStore& store)
-      : s_((validate_vit(s), s)), store_(store), P_(s.patches()), PV_(s.patch * s.patch * 3), C_(s.width),
+  Vit(const VitSpec& s, ChunkStore& store, MatmulPrecision precision)
+      : s_((validate_vit(s), s)),
+        store_(store),
+        math_(visual_math(s.quant, precision)),
+        P_(s.patches()),
+        PV_(s.patch * s.patch * 3),
+        C_(s.width),
         patch_ids_(register_layout(store, patch_layout(s))),  // vit_layout's order: these, the blocks, the head
-        body_(blocks_config(s), store, {LayerRange{1, s.layers}}, s.quant == "bf16"),
+        body_(blocks_config(s), store, {LayerRange{1, s.layers}}, s.quant == "bf16", math_),
         head_layer_(s.layer_base + s.layers + 1),
         patch_w_(patch_ids_[patch_w]),
         patch_b_(patch_ids_[patch_b]),
@@ -114,12 +119,11 @@ class Vit final : public Tower {
 
   const float* forward(const ClipBatch& b) override {
     const int K = check_batch(b), T = K + 1;
-    const MatmulPrecisionScope precision(visual_precision(s_.quant, /*forward=*/true));
     patchify(b, K);
     {
       const PageLease use = store_.use_layer(s_.layer_base, {Plane::param});
       // tokens[B*K, C] = patches @ W^T + bias, then the class token and the position rows.
-      ops::linear_forward(tokens_.data(), patches_.data(), P(patch_w_), P(patch_b_), b.B * K, PV_, C_);
+      ops::linear_forward(math_.forward, tokens_.data(), patches_.data(), P(patch_w_), P(patch_b_), b.B * K, PV_, C_);
       float* x = body_.input(0, 1);
       for (int i = 0; i < b.B; ++i) {
         float* row0 = x + static_cast<int64_t>(i) * T * C_;
@@ -139,17 +143,16 @@ class Vit final : public Tower {
     }
     const PageLease use = store_.use_layer(head_layer_, {Plane::param});
     ops::layernorm_forward(normed_.data(), mean_.data(), rstd_.data(), cls_out_.data(), P(normw_), P(normb_), b.B, C_);
-    ops::linear_forward(features_.data(), normed_.data(), P(proj_), static_cast<const float*>(nullptr), b.B, C_,
-                        s_.embed_dim);
+    ops::linear_forward(math_.forward, features_.data(), normed_.data(), P(proj_), static_cast<const float*>(nullptr),
+                        b.B, C_, s_.embed_dim);
     return features_.data();
   }
 
   void backward(const ClipBatch& b, const float* dfeatures, BackwardObserver* observer) override {
     const int K = check_batch(b), T = K + 1, D = s_.embed_dim;
-    const MatmulPrecisionScope precision(visual_precision(s_.quant, /*forward=*/false));
     {
       const PageLease use = store_.use_layer(head_layer_, {Plane::param});
-      ops::linear_backward_input(dnormed_.data(), dfeatures, P(proj_), b.B, C_, D, false);
+      ops::linear_backward_input(math_.backward, dnormed_.data(), dfeatures, P(proj_), b.B, C_, D, false);
       ops::layernorm_backward_input(dcls_out_.data(), dnormed_.data(), cls_out_.data(), mean_.data(), rstd_.data(),
                                     P(normw_), b.B, C_, false);
       float* dy = body_.output_grad(0, s_.layers);  // zero but at each sample's class token
@@ -161,7 +164,8 @@ class Vit final : public Tower {
     if (observer != nullptr) observer->after_backward_input(head_layer_);
     {
       const PageLease use = store_.use_layer(head_layer_, {}, {Plane::grad});
-      ops::linear_backward_weight(G(proj_), static_cast<float*>(nullptr), dfeatures, normed_.data(), b.B, C_, D);
+      ops::linear_backward_weight(math_.backward, G(proj_), static_cast<float*>(nullptr), dfeatures, normed_.data(),
+                                  b.B, C_, D);
       ops::layernorm_backward_weight(G(normw_), G(normb_), dnormed_.data(), cls_out_.data(), mean_.data(), rstd_.data(),
                                      b.B, C_);
     }
@@ -181,7 +185,8 @@ class Vit final : public Tower {
         std::memcpy(&tokens_[static_cast<size_t>(i) * K * C_], dx + (static_cast<int64_t>(i) * T + 1) * C_,
                     sizeof(float) * static_cast<size_t>(K) * C_);
       }
-      ops::linear_backward_weight(G(patch_w_), G(patch_b_), tokens_.data(), patches_.data(), b.B * K, PV_, C_);
+      ops::linear_backward_weight(math_.backward, G(patch_w_), G(patch_b_), tokens_.data(), patches_.data(), b.B * K,
+                                  PV_, C_);
       float* dcls = G(cls_);
       float* dpos = G(pos_);
       for (int i = 0; i < b.B; ++i) {  // sequential over samples: a fixed order
@@ -248,6 +253,7 @@ class Vit final : public Tower {
 
   VitSpec s_;
   ChunkStore& store_;
+  MathMode math_;  // its products' precision in F and in B, W (visual_math), its blocks' included
   int P_, PV_, C_;
   std::vector<TensorId> patch_ids_;
   GPT body_;
@@ -289,6 +295,8 @@ ModelLayout vit_layout(const VitSpec& spec) {
   return out;
 }
 
-std::unique_ptr<Tower> make_vit(const VitSpec& spec, ChunkStore& store) { return std::make_unique<Vit>(spec, store); }
+std::unique_ptr<Tower> make_vit(const VitSpec& spec, ChunkStore& store, MatmulPrecision precision) {
+  return std::make_unique<Vit>(spec, store, precision);
+}
 
 }  // namespace keel
