@@ -277,7 +277,9 @@ LoadedModel load_model(const Args& a, int B, int T) {
   T = std::min(T, lm.config.model.max_seq_len);
   // An imported model's attention kernel by the rule training resolves "auto" with (dense below
   // 256 tokens): an exported Keel model then evaluates with the kernel it trained with.
-  if (lm.config.model.attention == "auto") lm.config.model.attention = T >= 256 ? "blockwise" : "dense";
+  if (lm.config.model.attention == Attention::automatic) {
+    lm.config.model.attention = T >= 256 ? Attention::blockwise : Attention::dense;
+  }
   lm.store = std::make_unique<ChunkStore>(lm.config.store.chunk_bytes);
   lm.model = std::make_unique<GPT>(lm.config.model, *lm.store);
   lm.store->finalize();
@@ -634,7 +636,10 @@ int cmd_schedule(const Args& a) {
   check(config.parallel.stage_memory_mib >= 0,
         "schedule --stage-memory-mib: expected >= 0, found " + std::to_string(config.parallel.stage_memory_mib));
   const bool measured_costs = !config.parallel.layer_costs.empty();
-  const std::string kind = a.get("--partitioner", measured_costs ? "dp" : config.parallel.partitioner);
+  // (--partitioner spells the choices as parallel.partitioner does.)
+  const PartitionerKind kind = a.has("--partitioner") ? parse_enum<PartitionerKind>(a.get("--partitioner"), "parallel.partitioner")
+                               : measured_costs    ? PartitionerKind::dp
+                                                   : config.parallel.partitioner;
   pipeline::PartitionProblem problem = pipeline::problem_for(config);
   if (config.runtime.slow_rank >= 0 && config.runtime.slow_factor > 1) {  // a what-if: that rank that much slower
     problem.rank_slowdown.assign(static_cast<size_t>(p.pipeline), 1.0);
@@ -659,7 +664,7 @@ int cmd_schedule(const Args& a) {
   if (!p.stage_boundaries.empty()) {
     stages = pipeline::startup_cut(config);
     how = "parallel.stage_boundaries";
-  } else if (kind == "qlearning") {
+  } else if (kind == PartitionerKind::qlearning) {
     // The agent's decisions from the static cut: how many it takes to come within 5 % of the
     // exact partitioner's simulated span; the best cut it reached.
     const int decisions = static_cast<int>(a.get_int("--decisions", 50));
@@ -671,7 +676,7 @@ int cmd_schedule(const Args& a) {
           (within < 0 ? "never within 5 % of dp" : "within 5 % of dp after " + std::to_string(within));
   } else {
     stages = partitioner->cut(problem, static_cut);
-    how = kind;
+    how = to_string(kind);
   }
   const pipeline::CutScore chosen = pipeline::score_cut(problem, stages), base = pipeline::score_cut(problem, static_cut);
   const pipeline::Plan plan = pipeline::plan(config, stages, pipeline::micro_batches(config));
@@ -717,7 +722,7 @@ int cmd_schedule(const Args& a) {
               measured_costs ? "ms" : "forward passes", measured_costs ? "measured costs" : "costs from layer FLOPs; messages free",
               pipeline::gantt(t, width).c_str());
   if (a.has("--trace")) {
-    const std::string trace = pipeline::chrome_trace(t, "keel schedule " + p.schedule);
+    const std::string trace = pipeline::chrome_trace(t, std::string("keel schedule ") + to_string(p.schedule));
     write_file_atomic(a.get("--trace"), {ByteRange{trace.data(), trace.size()}});
     std::printf("Chrome trace: %s\n", a.get("--trace").c_str());
   }

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 
+#include "core/config.h"
 #include "kernels/cpu/bf16.h"
 #include "model/layer.h"
 
@@ -31,9 +32,9 @@ struct ClipBatch {
 // The precision of an image tower's products in its forward or backward pass under
 // clip.visual_quant: "bf16" both ways; "int8" forward (a ViT's) and bf16 backward; "none" the
 // process's own. A tower's pass runs under MatmulPrecisionScope(visual_precision(...)).
-inline MatmulPrecision visual_precision(const std::string& quant, bool forward) {
-  if (quant == "int8") return forward ? MatmulPrecision::int8 : MatmulPrecision::bf16;
-  return quant == "bf16" ? MatmulPrecision::bf16 : matmul_precision();
+inline MatmulPrecision visual_precision(VisualQuant quant, bool forward) {
+  if (quant == VisualQuant::int8) return forward ? MatmulPrecision::int8 : MatmulPrecision::bf16;
+  return quant == VisualQuant::bf16 ? MatmulPrecision::bf16 : matmul_precision();
 }
 
 class Tower {
