@@ -242,10 +242,12 @@ TEST(LlamaConfig, PresetsAndTheHiddenSizeRule) {
 }
 
 TEST(LlamaConfig, BadCombinationsAreRefusedInOneLine) {
-  auto refused = [](const std::vector<std::string>& sets) {
-    Config c;
-    for (const std::string& s : sets) c.set(s);
-    return testing::error_of([&] { c.resolve(1); });
+  auto refused = [](const std::vector<std::string>& sets) {  // (a bad family is refused as it is read)
+    return testing::error_of([&] {
+      Config c;
+      for (const std::string& s : sets) c.set(s);
+      c.resolve(1);
+    });
   };
   EXPECT_NE(refused({"model.family=mamba"}).find("model.family: expected \"gpt2\" or \"llama\""), std::string::npos);
   EXPECT_NE(refused({"model.preset=llama-tiny", "model.n_kv_head=3"}).find("model.n_kv_head: expected a divisor of n_head"),
