@@ -28,7 +28,9 @@ void set_flops(benchmark::State& state, double flops_per_iter) {
 void BM_Sgemm1024(benchmark::State& state) {
   const int n = 1024;
   auto a = random_floats(n * n, 1), b = random_floats(n * n, 2), c = random_floats(n * n, 3);
-  for (auto _ : state) keel::gemm<float>(false, false, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
+  for (auto _ : state)
+    keel::gemm<float>(keel::MatmulPrecision::fp32, false, false, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f,
+                      c.data(), n);
   set_flops(state, 2.0 * n * n * n);
 }
 BENCHMARK(BM_Sgemm1024)->Unit(benchmark::kMillisecond);
@@ -38,7 +40,8 @@ void BM_LinearForward(benchmark::State& state) {
   const int OC = static_cast<int>(state.range(0));
   auto inp = random_floats(N * C, 1), w = random_floats(OC * C, 2, 0.02f), bias = random_floats(OC, 3),
        out = std::vector<float>(N * OC);
-  for (auto _ : state) keel::ops::linear_forward(out.data(), inp.data(), w.data(), bias.data(), N, C, OC);
+  for (auto _ : state)
+    keel::ops::linear_forward(keel::MatmulPrecision::fp32, out.data(), inp.data(), w.data(), bias.data(), N, C, OC);
   set_flops(state, 2.0 * N * C * OC);
 }
 BENCHMARK(BM_LinearForward)->Arg(3 * C)->Arg(C)->Arg(4 * C)->Unit(benchmark::kMicrosecond);
@@ -47,14 +50,17 @@ void BM_LinearBackwardWeight(benchmark::State& state) {
   const int OC = static_cast<int>(state.range(0));
   auto inp = random_floats(N * C, 1), dout = random_floats(N * OC, 2), dw = std::vector<float>(OC * C),
        db = std::vector<float>(OC);
-  for (auto _ : state) keel::ops::linear_backward_weight(dw.data(), db.data(), dout.data(), inp.data(), N, C, OC);
+  for (auto _ : state)
+    keel::ops::linear_backward_weight(keel::MatmulPrecision::fp32, dw.data(), db.data(), dout.data(), inp.data(), N, C,
+                                      OC);
   set_flops(state, 2.0 * N * C * OC);
 }
 BENCHMARK(BM_LinearBackwardWeight)->Arg(3 * C)->Arg(4 * C)->Unit(benchmark::kMicrosecond);
 
 void BM_AttentionForward(benchmark::State& state) {
   auto qkv = random_floats(N * 3 * C, 1), out = std::vector<float>(N * C), att = std::vector<float>(B * NH * T * T);
-  for (auto _ : state) keel::ops::attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH);
+  for (auto _ : state)
+    keel::ops::attention_forward(keel::MatmulPrecision::fp32, out.data(), att.data(), qkv.data(), B, T, C, NH);
   set_flops(state, 4.0 * B * T * T * C);
 }
 BENCHMARK(BM_AttentionForward)->Unit(benchmark::kMicrosecond);
@@ -62,8 +68,10 @@ BENCHMARK(BM_AttentionForward)->Unit(benchmark::kMicrosecond);
 void BM_AttentionBackward(benchmark::State& state) {
   auto qkv = random_floats(N * 3 * C, 1), out = std::vector<float>(N * C), att = std::vector<float>(B * NH * T * T);
   auto dout = random_floats(N * C, 2), dqkv = std::vector<float>(N * 3 * C);
-  keel::ops::attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH);
-  for (auto _ : state) keel::ops::attention_backward_input(dqkv.data(), dout.data(), att.data(), qkv.data(), B, T, C, NH);
+  keel::ops::attention_forward(keel::MatmulPrecision::fp32, out.data(), att.data(), qkv.data(), B, T, C, NH);
+  for (auto _ : state)
+    keel::ops::attention_backward_input(keel::MatmulPrecision::fp32, dqkv.data(), dout.data(), att.data(), qkv.data(),
+                                        B, T, C, NH);
   set_flops(state, 8.0 * B * T * T * C);
 }
 BENCHMARK(BM_AttentionBackward)->Unit(benchmark::kMicrosecond);
@@ -78,12 +86,14 @@ void attention_step(benchmark::State& state, bool dense) {
   std::vector<float> att(dense ? static_cast<size_t>(Bn) * heads * Tn * Tn : static_cast<size_t>(Bn) * heads * Tn);
   for (auto _ : state) {
     if (dense) {
-      keel::ops::attention_forward(out.data(), att.data(), qkv.data(), Bn, Tn, Cn, heads);
-      keel::ops::attention_backward_input(dqkv.data(), dout.data(), att.data(), qkv.data(), Bn, Tn, Cn, heads);
+      keel::ops::attention_forward(keel::MatmulPrecision::fp32, out.data(), att.data(), qkv.data(), Bn, Tn, Cn, heads);
+      keel::ops::attention_backward_input(keel::MatmulPrecision::fp32, dqkv.data(), dout.data(), att.data(), qkv.data(),
+                                          Bn, Tn, Cn, heads);
     } else {
-      keel::ops::flash_attention_forward(out.data(), att.data(), qkv.data(), Bn, Tn, Cn, heads, heads, 0);
-      keel::ops::flash_attention_backward_input(dqkv.data(), dout.data(), out.data(), att.data(), qkv.data(), Bn, Tn, Cn,
-                                                heads, heads, 0);
+      keel::ops::flash_attention_forward(keel::MatmulPrecision::fp32, out.data(), att.data(), qkv.data(), Bn, Tn, Cn,
+                                         heads, heads, 0);
+      keel::ops::flash_attention_backward_input(keel::MatmulPrecision::fp32, dqkv.data(), dout.data(), out.data(),
+                                                att.data(), qkv.data(), Bn, Tn, Cn, heads, heads, 0);
     }
   }
   state.counters["tokens"] = Bn * Tn;

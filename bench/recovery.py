@@ -2,16 +2,19 @@
 """Recovery from memory vs from disk: how long a 2-rank job is down after a rank dies.
 
 Runs GPT-2 124M on 2 ranks under `keel launch -n 2 --max-restarts K` and SIGKILLs one rank (of the
-two, at random) at a random step, K times; the recovery time is from the kill to the first step
-the restarted job completes (seen in its metrics.jsonl). Once with memory checkpoints every
---every steps (no periodic disk checkpoint: every restart resumes from /dev/shm), once with disk
-checkpoints every --every steps only (every restart resumes from disk); the first step after a
-restart holds no checkpoint either way.
+two, at random) at a random step, K times. Two times per kill: down, from the kill to training
+resumed (the state restored on every rank and the next step starting: the recovery Keel's design
+figure speaks of), and from the kill to the first step the restarted job completes (down plus one
+step, seen in its metrics.jsonl). Once with memory checkpoints every --every steps (no periodic
+disk checkpoint: every restart resumes from /dev/shm), once with disk checkpoints every --every
+steps only (every restart resumes from disk); the first step after a restart holds no checkpoint
+either way.
 Each recovery is split by the job's own events into: detect (kill to the launcher reaping mpirun),
-restart (mpirun, process start, MPI, model build: to the state load's start), load (reading and
-verifying the state), first step. Then the cost of memory copies per step: the median step time of
-the same job with checkpoint.memory_every = 1 and without memory copies. Keel's design figure for
-parameter recovery (2.7 s) is printed beside the medians.
+mpirun (to the new ranks' process start), start+build (MPI, model build: to the state load's
+start), load (reading and verifying the state), setup (to training resumed), first step. Then the
+cost of memory copies per step: the median step time of the same job with
+checkpoint.memory_every = 1 and without memory copies. Keel's design figure for parameter recovery
+(2.7 s) is printed beside the medians.
 
 Usage: bench/recovery.py [--preset gpt2-124m] [--kills 20] [--every 4] [--cost-steps 12] [--seed 1]
 Environment: KEEL (default build/keel).
@@ -70,8 +73,8 @@ def metrics(run_dir):
     return out
 
 
-def wait_for(what, ready, job):
-    until = time.time() + HANG_S
+def wait_for(what, ready, job, limit_s=HANG_S):
+    until = time.time() + limit_s
     while time.time() < until:
         got = ready()
         if got is not None:
@@ -79,12 +82,25 @@ def wait_for(what, ready, job):
         if job.poll() is not None:
             sys.exit(f"recovery.py: the job exited ({job.returncode}) while waiting for {what}")
         time.sleep(0.02)
-    sys.exit(f"recovery.py: no {what} after {HANG_S} s")
+    sys.exit(f"recovery.py: no {what} after {limit_s} s")
 
 
 def rank_pids(run_dir):
-    r = subprocess.run(["pgrep", "-f", f"^{KEEL} train .*train.run_dir={run_dir}( |$)"], capture_output=True, text=True)
-    return sorted(int(p) for p in r.stdout.split())
+    """The job's ranks: keel processes running `train` with this run_dir (not the launcher, not mpirun).
+    Read from /proc, so that how mpirun spelled the binary's path does not matter."""
+    want = f"train.run_dir={run_dir}"
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if len(argv) > 1 and os.path.basename(argv[0]) == "keel" and argv[1] == "train" and want in argv:
+            pids.append(int(entry))
+    return sorted(pids)
 
 
 def kills(work, tag, preset, count, extra, first_copy_step, rng):
@@ -116,7 +132,13 @@ def kills(work, tag, preset, count, extra, first_copy_step, rng):
                 floor = base if base is not None else steps[0]
                 return True if steps[-1] >= floor + target else None
             wait_for(f"step {target} of attempt {k + 1}", due, job)
-            pids = wait_for("the ranks", lambda: rank_pids(run_dir) if len(rank_pids(run_dir)) == 2 else None, job)
+            try:
+                pids = wait_for("the ranks", lambda: rank_pids(run_dir) if len(rank_pids(run_dir)) == 2 else None, job,
+                                limit_s=60)
+            except SystemExit:
+                print(f"recovery.py: ranks found: {rank_pids(run_dir)}; keel processes:", flush=True)
+                subprocess.run(["pgrep", "-af", "keel"])
+                raise
             victim = rng.choice(pids)
             killed_at = time.time()
             os.kill(victim, signal.SIGKILL)
@@ -133,13 +155,17 @@ def kills(work, tag, preset, count, extra, first_copy_step, rng):
                 return None
             first_step_at, recovery, resume = wait_for(f"recovery {k + 1}", back, job)
             noticed = recovery.get("noticed_ns", 0) / 1e9
+            process = resume.get("process_start_ns", 0) / 1e9
             started = resume.get("started_ns", 0) / 1e9
+            resumed = recovery.get("resumed_ns", 0) / 1e9
             load = resume.get("load_s", 0.0)
-            out.append({"total": first_step_at - killed_at, "detect": noticed - killed_at,
-                        "restart": started - noticed, "load": load, "first_step": first_step_at - started - load,
+            out.append({"total": first_step_at - killed_at, "down": resumed - killed_at, "detect": noticed - killed_at,
+                        "mpirun": process - noticed, "build": started - process, "load": load,
+                        "setup": resumed - started - load, "first_step": first_step_at - resumed,
                         "source": resume.get("source", "?"), "step": recovery.get("step")})
-            print(f"  {tag} kill {k + 1}/{count}: rank pid {victim}, back in {out[-1]['total']:.2f} s "
-                  f"(from {out[-1]['source']} at step {out[-1]['step']})", flush=True)
+            print(f"  {tag} kill {k + 1}/{count}: rank pid {victim}, training resumed after {out[-1]['down']:.2f} s, "
+                  f"first step done after {out[-1]['total']:.2f} s (from {out[-1]['source']} at step {out[-1]['step']})",
+                  flush=True)
     finally:
         # A clean stop: the launcher forwards SIGTERM, the ranks checkpoint and exit (and drop
         # their memory copies).
@@ -169,11 +195,11 @@ def step_cost(work, preset, steps, memory_every):
 
 
 def summary(rows):
-    totals = sorted(r["total"] for r in rows)
-    p90 = totals[min(len(totals) - 1, int(round(0.9 * (len(totals) - 1))))]
+    downs = sorted(r["down"] for r in rows)
+    p90 = downs[min(len(downs) - 1, int(round(0.9 * (len(downs) - 1))))]
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
-    return [len(rows), f"{statistics.median(totals):.2f}", f"{p90:.2f}", f"{med('detect'):.2f}",
-            f"{med('restart'):.2f}", f"{med('load'):.2f}", f"{med('first_step'):.2f}"]
+    return [len(rows), f"{med('down'):.2f}", f"{p90:.2f}", f"{med('total'):.2f}"] + \
+        [f"{med(k):.2f}" for k in ("detect", "mpirun", "build", "load", "setup", "first_step")]
 
 
 def main():
@@ -197,17 +223,20 @@ def main():
         off_ms, _ = step_cost(work, a.preset, a.cost_steps, 0)
         on_ms, copy_ms = step_cost(work, a.preset, a.cost_steps, 1)
         print()
-        benchutil.print_table(["resume from", "kills", "median s", "p90 s", "detect s", "restart+build s", "load s",
-                               "first step s"],
+        benchutil.print_table(["resume from", "kills", "down s (median)", "down p90", "to 1st step done",
+                               "detect", "mpirun", "start+build", "load", "setup", "1st step"],
                               [[f"memory (memory_every={a.every})"] + summary(memory),
                                [f"disk (checkpoint_every={a.every})"] + summary(disk),
-                               ["Keel design figure", "", f"{DESIGN_RECOVERY_S:.1f}", "", "", "", "", ""]])
+                               ["Keel design figure", "", f"{DESIGN_RECOVERY_S:.1f}"] + [""] * 8])
+        print("down: from the kill to training resumed (state restored on every rank, the next step starting); "
+              "detect: kill to the launcher reaping mpirun; mpirun: to the new ranks' start; start+build: to the "
+              "state load's start; setup: after the load, to training resumed")
         print()
         benchutil.print_table(["checkpoint.memory_every", "median step ms", "memory copy ms/step", "cost per step"],
                               [["0 (off)", f"{off_ms:.0f}", "0", ""],
                                ["1", f"{on_ms:.0f}", f"{copy_ms:.0f}",
                                 f"{on_ms - off_ms:+.0f} ms ({100 * (on_ms / off_ms - 1):+.0f} %)"]])
-        ratio = statistics.median(r["total"] for r in memory) / statistics.median(r["total"] for r in disk)
+        ratio = statistics.median(r["down"] for r in memory) / statistics.median(r["down"] for r in disk)
         print(f"\nrecovery from memory / from disk (medians): {ratio:.2f}x; load after: {os.getloadavg()[0]:.1f}")
         if not all(r["source"] == "memory" for r in memory) or not all(r["source"] == "disk" for r in disk):
             sys.exit("recovery.py: a restart resumed from the other source")

@@ -3,17 +3,20 @@
 // operands where the CPU has bf16 instructions), the emulated path, and training in bf16: the
 // same bytes twice, and a final validation loss within 1 % of float32's for both families; and
 // activations kept in bf16 (model/layer_util.h Stash): what they save, and that they change only
-// what they should.
+// what they should; and precision as a value each model carries (model/layer.h MathMode): models of
+// different precisions trained interleaved, or on concurrent threads, each give their own bytes.
 #include "kernels/cpu/bf16.h"
 
-#include <gtest/gtest.h>
-
 #include <cblas.h>
+#include <gtest/gtest.h>
 
 #include <cmath>
 #include <limits>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
+#include <span>
+#include <thread>
 #include <vector>
 
 #include "core/config.h"
@@ -21,6 +24,7 @@
 #include "core/rng.h"
 #include "kernels/cpu/blas.h"
 #include "model/gpt.h"
+#include "optim/adamw.h"
 #include "store/chunk_store.h"
 #include "test_util.h"
 
@@ -150,10 +154,12 @@ TEST(Bf16, OperandsAlreadyInBf16MultiplyAsRoundedFloat32Ones) {
       const int lda = ta ? M : K, ldb = tb ? K : N;
       std::vector<float> want(M * N, 0.5f), got_a(want), got_b(want), got_ab(want);
       gemm_bf16(ta, tb, M, N, K, 1.0f, a.data(), lda, b.data(), ldb, 1.0f, want.data(), N);
-      gemm_operands(ta, tb, M, N, K, 1.0f, Operand::bits(a16.data()), lda, b.data(), ldb, 1.0f, got_a.data(), N);
-      gemm_operands(ta, tb, M, N, K, 1.0f, a.data(), lda, Operand::bits(b16.data()), ldb, 1.0f, got_b.data(), N);
-      gemm_operands(ta, tb, M, N, K, 1.0f, Operand::bits(a16.data()), lda, Operand::bits(b16.data()), ldb, 1.0f,
-                    got_ab.data(), N);
+      gemm_operands(MatmulPrecision::fp32, ta, tb, M, N, K, 1.0f, Operand::bits(a16.data()), lda, b.data(), ldb, 1.0f,
+                    got_a.data(), N);
+      gemm_operands(MatmulPrecision::fp32, ta, tb, M, N, K, 1.0f, a.data(), lda, Operand::bits(b16.data()), ldb, 1.0f,
+                    got_b.data(), N);
+      gemm_operands(MatmulPrecision::fp32, ta, tb, M, N, K, 1.0f, Operand::bits(a16.data()), lda,
+                    Operand::bits(b16.data()), ldb, 1.0f, got_ab.data(), N);
       EXPECT_EQ(want, got_a) << ta << tb;
       EXPECT_EQ(want, got_b) << ta << tb;
       EXPECT_EQ(want, got_ab) << ta << tb;
@@ -183,9 +189,8 @@ struct Pass {
   int64_t block_floats = 0, head_floats = 0;
 };
 Pass bf16_pass(const ModelConfig& m, bool bf16_activations) {
-  set_matmul_precision(MatmulPrecision::bf16);
   ChunkStore store(8192);
-  GPT model(m, store, {}, bf16_activations);
+  GPT model(m, store, {}, bf16_activations, MathMode::uniform(MatmulPrecision::bf16));
   store.finalize();
   model.init_weights(11);
   const int B = 2, T = 16;
@@ -206,7 +211,6 @@ Pass bf16_pass(const ModelConfig& m, bool bf16_activations) {
   }
   out.block_floats = model.layer(1).activation_floats(B, T);
   out.head_floats = model.layer(model.num_layers() - 1).activation_floats(B, T);
-  set_matmul_precision(MatmulPrecision::fp32);
   return out;
 }
 
@@ -242,6 +246,119 @@ TEST(Bf16, ActivationsKeptInBf16ChangeOnlyWhatTheyShouldAndSaveMemory) {
     EXPECT_EQ(f32.block_floats - b16.block_floats, m.llama() ? NC + 5 * NH / 2 : 7 * NC) << family;
     EXPECT_EQ(f32.head_floats - b16.head_floats, NC / 2) << family;
   }
+}
+
+// A small model of one precision training on its own store: each step a forward, a backward and
+// an AdamW update on a fixed batch; the loss and every parameter's bytes after it.
+class Trainee {
+ public:
+  struct Step {
+    float loss = 0;
+    std::vector<float> params;
+  };
+  Trainee(const ModelConfig& m, MathMode math, bool bf16_activations)
+      : store_(8192), model_(m, store_, {}, bf16_activations, math), optimizer_(OptimConfig{}) {
+    store_.finalize();
+    model_.init_weights(11);
+    model_.allocate(kB, kT);
+    store_.zero_grads();
+    Rng rng(5);
+    for (int i = 0; i < kB * kT; ++i) {
+      inputs_.push_back(static_cast<int>(rng.below(m.vocab_size)));
+      targets_.push_back(static_cast<int>(rng.below(m.vocab_size)));
+    }
+  }
+  Step step() {
+    const Batch batch{inputs_.data(), targets_.data(), kB, kT, 1.0f / (kB * kT)};
+    Step out;
+    out.loss = model_.forward(batch);
+    model_.backward(batch);
+    optimizer_.step(store_, 1e-2, ++updates_, 1.0f);
+    const std::span<const float> p = store_.range_view(Plane::param, 0, store_.numel());
+    out.params.assign(p.begin(), p.end());
+    return out;
+  }
+
+ private:
+  static constexpr int kB = 2, kT = 16;
+  ChunkStore store_;
+  GPT model_;
+  AdamW optimizer_;
+  std::vector<int> inputs_, targets_;
+  int64_t updates_ = 0;
+};
+
+constexpr int kTraineeSteps = 3;
+
+// The precisions a process may mix: float32; bf16 as runtime.precision = "bf16" trains (bf16
+// products, activations kept in bf16); an image tower's int8 (int8 forward, bf16 backward), here
+// on a language model's layers.
+struct Mix {
+  const char* name;
+  MathMode math;
+  bool bf16_activations;
+};
+const Mix kMixes[] = {{"fp32", MathMode{}, false},
+                      {"bf16", MathMode::uniform(MatmulPrecision::bf16), true},
+                      {"int8", MathMode{MatmulPrecision::int8, MatmulPrecision::bf16}, false}};
+
+std::vector<Trainee::Step> train_alone(const ModelConfig& m, const Mix& mix) {
+  Trainee t(m, mix.math, mix.bf16_activations);
+  std::vector<Trainee::Step> steps;
+  for (int s = 0; s < kTraineeSteps; ++s) steps.push_back(t.step());
+  return steps;
+}
+
+// Precision is a value each model carries (MathMode, given at construction), not a state of the
+// process: models of three precisions built side by side and trained step by step in turn each
+// give exactly the bytes they give alone. Their first losses differ (the forward products'
+// precision alone decides them: kept activations do not change a loss), so each model's kernels
+// really ran at its own precision; with one process-wide precision, whichever model set it last
+// would have run the others' products too. On a CPU without bf16 instructions the bf16 products are
+// emulated (operands rounded to bf16): different bytes from float32's all the same.
+TEST(Bf16, ModelsOfDifferentPrecisionsInterleavedEachGiveTheirOwnBytes) {
+  for (const std::string family : {"gpt2", "llama"}) {
+    const ModelConfig m = stash_model(family);
+    std::vector<std::vector<Trainee::Step>> alone;
+    for (const Mix& mix : kMixes) alone.push_back(train_alone(m, mix));
+    for (size_t i = 0; i < alone.size(); ++i) {
+      for (size_t j = 0; j < i; ++j) {
+        EXPECT_NE(alone[i][0].loss, alone[j][0].loss) << family << ": " << kMixes[i].name << " vs " << kMixes[j].name;
+      }
+    }
+    std::vector<std::unique_ptr<Trainee>> side_by_side;
+    for (const Mix& mix : kMixes) side_by_side.push_back(std::make_unique<Trainee>(m, mix.math, mix.bf16_activations));
+    for (int s = 0; s < kTraineeSteps; ++s) {
+      for (size_t i = 0; i < side_by_side.size(); ++i) {
+        const Trainee::Step got = side_by_side[i]->step();
+        EXPECT_EQ(got.loss, alone[i][s].loss) << family << " " << kMixes[i].name << " step " << s;
+        EXPECT_EQ(got.params, alone[i][s].params) << family << " " << kMixes[i].name << " step " << s;
+      }
+    }
+  }
+}
+
+// The same models trained at once, each on a thread of its own (each thread's kernels open their
+// own OpenMP regions; bf16 products keep their buffers and oneDNN scratchpads per thread): each
+// gives the bytes it gives alone on a thread.
+TEST(Bf16, ModelsOfDifferentPrecisionsOnConcurrentThreadsEachGiveTheirOwnBytes) {
+  const ModelConfig m = stash_model("gpt2");
+  std::vector<std::vector<Trainee::Step>> alone(std::size(kMixes)), together(std::size(kMixes));
+  for (size_t i = 0; i < std::size(kMixes); ++i) {
+    std::thread([&, i] { alone[i] = train_alone(m, kMixes[i]); }).join();
+  }
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < std::size(kMixes); ++i)
+    threads.emplace_back([&, i] { together[i] = train_alone(m, kMixes[i]); });
+  for (std::thread& t : threads) t.join();
+  for (size_t i = 0; i < std::size(kMixes); ++i) {
+    ASSERT_EQ(together[i].size(), alone[i].size());
+    for (int s = 0; s < kTraineeSteps; ++s) {
+      EXPECT_EQ(together[i][s].loss, alone[i][s].loss) << kMixes[i].name << " step " << s;
+      EXPECT_EQ(together[i][s].params, alone[i][s].params) << kMixes[i].name << " step " << s;
+    }
+  }
+  EXPECT_NE(alone[0][0].loss, alone[1][0].loss);
 }
 
 class Bf16Training : public ::testing::Test {

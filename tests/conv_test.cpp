@@ -50,18 +50,18 @@ TEST_P(ConvShapes, OneDnnMatchesTheDefinition) {
   const auto dy = random_vector<float>(s.out_size(), 3);
   std::vector<float> y(s.out_size()), dx(s.in_size(), 0.5f), dw(s.weight_size(), 0.25f);
   std::vector<double> yd(s.out_size()), dxd(s.in_size(), 0.5), dwd(s.weight_size(), 0.25);
-  ops::conv2d_forward(y.data(), x.data(), w.data(), s);
-  ops::conv2d_forward(yd.data(), widen(x).data(), widen(w).data(), s);
+  ops::conv2d_forward(MatmulPrecision::fp32, y.data(), x.data(), w.data(), s);
+  ops::conv2d_forward(MatmulPrecision::fp32, yd.data(), widen(x).data(), widen(w).data(), s);
   EXPECT_LT(max_rel(y, yd), 1e-5) << s.str();
   // accumulate: dx starts at 0.5 and keeps it
-  ops::conv2d_backward_input(dx.data(), dy.data(), w.data(), s, true);
-  ops::conv2d_backward_input(dxd.data(), widen(dy).data(), widen(w).data(), s, true);
+  ops::conv2d_backward_input(MatmulPrecision::fp32, dx.data(), dy.data(), w.data(), s, true);
+  ops::conv2d_backward_input(MatmulPrecision::fp32, dxd.data(), widen(dy).data(), widen(w).data(), s, true);
   EXPECT_LT(max_rel(dx, dxd), 1e-5) << s.str();
-  ops::conv2d_backward_input(dx.data(), dy.data(), w.data(), s, false);
-  ops::conv2d_backward_input(dxd.data(), widen(dy).data(), widen(w).data(), s, false);
+  ops::conv2d_backward_input(MatmulPrecision::fp32, dx.data(), dy.data(), w.data(), s, false);
+  ops::conv2d_backward_input(MatmulPrecision::fp32, dxd.data(), widen(dy).data(), widen(w).data(), s, false);
   EXPECT_LT(max_rel(dx, dxd), 1e-5) << s.str();
-  ops::conv2d_backward_weight(dw.data(), dy.data(), x.data(), s);  // += onto 0.25
-  ops::conv2d_backward_weight(dwd.data(), widen(dy).data(), widen(x).data(), s);
+  ops::conv2d_backward_weight(MatmulPrecision::fp32, dw.data(), dy.data(), x.data(), s);  // += onto 0.25
+  ops::conv2d_backward_weight(MatmulPrecision::fp32, dwd.data(), widen(dy).data(), widen(x).data(), s);
   EXPECT_LT(max_rel(dw, dwd), 1e-5) << s.str();
 }
 
@@ -80,21 +80,18 @@ TEST_P(ConvShapes, Bf16ProductsEqualTheDefinitionOnRoundedOperands) {
   };
   std::vector<float> y(s.out_size()), dx(s.in_size()), dw(s.weight_size(), 0.0f);
   std::vector<double> yd(s.out_size()), dxd(s.in_size()), dwd(s.weight_size(), 0.0);
-  {
-    MatmulPrecisionScope bf16(MatmulPrecision::bf16);
-    ops::conv2d_forward(y.data(), x.data(), w.data(), s);
-    ops::conv2d_backward_input(dx.data(), dy.data(), w.data(), s, false);
-    ops::conv2d_backward_weight(dw.data(), dy.data(), x.data(), s);
-  }
-  ops::conv2d_forward(yd.data(), rounded(x).data(), rounded(w).data(), s);
-  ops::conv2d_backward_input(dxd.data(), rounded(dy).data(), rounded(w).data(), s, false);
-  ops::conv2d_backward_weight(dwd.data(), rounded(dy).data(), rounded(x).data(), s);
+  ops::conv2d_forward(MatmulPrecision::bf16, y.data(), x.data(), w.data(), s);
+  ops::conv2d_backward_input(MatmulPrecision::bf16, dx.data(), dy.data(), w.data(), s, false);
+  ops::conv2d_backward_weight(MatmulPrecision::bf16, dw.data(), dy.data(), x.data(), s);
+  ops::conv2d_forward(MatmulPrecision::fp32, yd.data(), rounded(x).data(), rounded(w).data(), s);
+  ops::conv2d_backward_input(MatmulPrecision::fp32, dxd.data(), rounded(dy).data(), rounded(w).data(), s, false);
+  ops::conv2d_backward_weight(MatmulPrecision::fp32, dwd.data(), rounded(dy).data(), rounded(x).data(), s);
   EXPECT_LT(max_rel(y, yd), 1e-5) << s.str();
   EXPECT_LT(max_rel(dx, dxd), 1e-5) << s.str();
   EXPECT_LT(max_rel(dw, dwd), 1e-5) << s.str();
   // ... and differ from the float32 products (the switch is real).
   std::vector<float> y32(s.out_size());
-  ops::conv2d_forward(y32.data(), x.data(), w.data(), s);
+  ops::conv2d_forward(MatmulPrecision::fp32, y32.data(), x.data(), w.data(), s);
   EXPECT_NE(y, y32) << s.str();
 }
 
@@ -105,9 +102,9 @@ TEST_P(ConvShapes, FloatPathIsDeterministic) {
   const auto dy = random_vector<float>(s.out_size(), 6);
   auto run = [&] {
     std::vector<float> y(s.out_size()), dx(s.in_size()), dw(s.weight_size(), 0.0f);
-    ops::conv2d_forward(y.data(), x.data(), w.data(), s);
-    ops::conv2d_backward_input(dx.data(), dy.data(), w.data(), s, false);
-    ops::conv2d_backward_weight(dw.data(), dy.data(), x.data(), s);
+    ops::conv2d_forward(MatmulPrecision::fp32, y.data(), x.data(), w.data(), s);
+    ops::conv2d_backward_input(MatmulPrecision::fp32, dx.data(), dy.data(), w.data(), s, false);
+    ops::conv2d_backward_weight(MatmulPrecision::fp32, dw.data(), dy.data(), x.data(), s);
     y.insert(y.end(), dx.begin(), dx.end());
     y.insert(y.end(), dw.begin(), dw.end());
     return y;
@@ -150,12 +147,12 @@ TEST(ConvGradients, ConvolutionMatchesFiniteDifferences) {
   const auto r = random_vector<double>(s.out_size(), 9);
   auto loss = [&] {
     std::vector<double> y(s.out_size());
-    ops::conv2d_forward(y.data(), x.data(), w.data(), s);
+    ops::conv2d_forward(MatmulPrecision::fp32, y.data(), x.data(), w.data(), s);
     return dot(y, r);
   };
   std::vector<double> dx(s.in_size()), dw(s.weight_size(), 0.0);
-  ops::conv2d_backward_input(dx.data(), r.data(), w.data(), s, false);
-  ops::conv2d_backward_weight(dw.data(), r.data(), x.data(), s);
+  ops::conv2d_backward_input(MatmulPrecision::fp32, dx.data(), r.data(), w.data(), s, false);
+  ops::conv2d_backward_weight(MatmulPrecision::fp32, dw.data(), r.data(), x.data(), s);
   for (size_t i = 0; i < x.size(); i += 7) EXPECT_NEAR(dx[i], numeric(loss, x[i]), 1e-6) << "dx " << i;
   for (size_t i = 0; i < w.size(); i += 5) EXPECT_NEAR(dw[i], numeric(loss, w[i]), 1e-6) << "dw " << i;
 }
@@ -229,7 +226,7 @@ TEST(ConvShapesBadInput, ImpossibleShapesAreOneLine) {
   std::vector<float> a(64), b(64), c(64);
   const ops::ConvShape s{1, 2, 2, 1, 1, 5, 5, 1, 0};  // a 5 x 5 kernel on a 2 x 2 image, no padding
   try {
-    ops::conv2d_forward(a.data(), b.data(), c.data(), s);
+    ops::conv2d_forward(MatmulPrecision::fp32, a.data(), b.data(), c.data(), s);
     FAIL() << "no error";
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("impossible shape"), std::string::npos) << e.what();

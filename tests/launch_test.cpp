@@ -98,6 +98,23 @@ TEST(LaunchArgs, ARestartExportsTheFailureAndTrainResumesFromTheNewestCheckpoint
   EXPECT_TRUE(exported(eval_again, "KEEL_RESTART"));
 }
 
+// A rank's death ends the others at once (no SIGTERM, then SIGKILL a second later): most of the time
+// a restart waited for. A caller's own value is passed instead, once.
+TEST(LaunchArgs, ALostRankEndsTheOthersAtOnceUnlessTheCallerSaysOtherwise) {
+  auto values_of = [](const std::vector<std::string>& argv) {
+    std::vector<std::string> values;
+    for (size_t i = 0; i + 2 < argv.size(); ++i) {
+      if (argv[i] == "--mca" && argv[i + 1] == "odls_base_sigkill_timeout") values.push_back(argv[i + 2]);
+    }
+    return values;
+  };
+  LaunchOptions o = parse_launch_args({"-n", "2", "--", "train"});
+  EXPECT_EQ(values_of(mpirun_argv(o, 0)), std::vector<std::string>{"0"});
+  EXPECT_EQ(values_of(mpirun_argv(o, 1)), std::vector<std::string>{"0"});
+  o = parse_launch_args({"-n", "2", "--mca", "odls_base_sigkill_timeout", "5", "--", "train"});
+  EXPECT_EQ(values_of(mpirun_argv(o, 0)), std::vector<std::string>{"5"});
+}
+
 TEST(LaunchArgs, BadInputExits2) {
   testing::TempDir dir("keel-launch-args");
   auto r = run_keel("train --config " + dir / "missing.toml");

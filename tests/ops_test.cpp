@@ -231,9 +231,10 @@ Tensors<T> run_linear(const LinearCase& c) {
   r["dw"] = filled<T>(w.size(), 0);
   if (c.has_bias) r["dbias"] = filled<T>(c.OC, 0);
   T* dbias = c.has_bias ? r["dbias"].data() : nullptr;
-  linear_forward<T>(r["out"].data(), inp.data(), w.data(), c.has_bias ? bias.data() : nullptr, c.N, c.C, c.OC);
-  linear_backward_input<T>(r["dinp"].data(), R.data(), w.data(), c.N, c.C, c.OC, false);
-  linear_backward_weight<T>(r["dw"].data(), dbias, R.data(), inp.data(), c.N, c.C, c.OC);
+  linear_forward<T>(MatmulPrecision::fp32, r["out"].data(), inp.data(), w.data(), c.has_bias ? bias.data() : nullptr,
+                    c.N, c.C, c.OC);
+  linear_backward_input<T>(MatmulPrecision::fp32, r["dinp"].data(), R.data(), w.data(), c.N, c.C, c.OC, false);
+  linear_backward_weight<T>(MatmulPrecision::fp32, r["dw"].data(), dbias, R.data(), inp.data(), c.N, c.C, c.OC);
   return r;
 }
 
@@ -304,8 +305,9 @@ Tensors<T> run_attention(const AttentionCase& c) {
   r["out"] = filled<T>(c.R.size(), kSentinel);
   r["att"] = filled<T>(static_cast<size_t>(c.B) * c.NH * c.Tn * c.Tn, kSentinel);
   r["dqkv"] = filled<T>(qkv.size(), kSentinel);
-  attention_forward<T>(r["out"].data(), r["att"].data(), qkv.data(), c.B, c.Tn, c.C, c.NH);
-  attention_backward_input<T>(r["dqkv"].data(), R.data(), r["att"].data(), qkv.data(), c.B, c.Tn, c.C, c.NH);
+  attention_forward<T>(MatmulPrecision::fp32, r["out"].data(), r["att"].data(), qkv.data(), c.B, c.Tn, c.C, c.NH);
+  attention_backward_input<T>(MatmulPrecision::fp32, r["dqkv"].data(), R.data(), r["att"].data(), qkv.data(), c.B, c.Tn,
+                              c.C, c.NH);
   return r;
 }
 
@@ -445,8 +447,10 @@ Tensors<T> run_gqa(const GqaCase& c) {
   r["out"] = filled<T>(c.R.size(), kSentinel);
   r["att"] = filled<T>(static_cast<size_t>(c.B) * c.NH * c.Tn * c.Tn, kSentinel);
   r["dqkv"] = filled<T>(qkv.size(), kSentinel);
-  attention_forward<T>(r["out"].data(), r["att"].data(), qkv.data(), c.B, c.Tn, c.C(), c.NH, c.NKV);
-  attention_backward_input<T>(r["dqkv"].data(), R.data(), r["att"].data(), qkv.data(), c.B, c.Tn, c.C(), c.NH, c.NKV);
+  attention_forward<T>(MatmulPrecision::fp32, r["out"].data(), r["att"].data(), qkv.data(), c.B, c.Tn, c.C(), c.NH,
+                       c.NKV);
+  attention_backward_input<T>(MatmulPrecision::fp32, r["dqkv"].data(), R.data(), r["att"].data(), qkv.data(), c.B, c.Tn,
+                              c.C(), c.NH, c.NKV);
   return r;
 }
 
@@ -517,7 +521,7 @@ TEST(OpsForward, AttentionDistanceMassBinsTheDenseProbabilities) {
   Rng rng(17);
   const std::vector<double> qkv = normal(rng, static_cast<size_t>(B) * Tn * (C + 2 * NKV * hs), 2.0);
   std::vector<double> out(static_cast<size_t>(B) * Tn * C), att(static_cast<size_t>(B) * NH * Tn * Tn);
-  ops::attention_forward(out.data(), att.data(), qkv.data(), B, Tn, C, NH, NKV);
+  ops::attention_forward(MatmulPrecision::fp32, out.data(), att.data(), qkv.data(), B, Tn, C, NH, NKV);
   std::vector<double> want(NH * K, 0.0), got(NH * K, 0.0);
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < NH; ++h)
@@ -551,7 +555,7 @@ TEST(OpsForward, GroupedQueryAttentionEqualsMultiHeadOnRepeatedKeysAndValues) {
     }
   }
   std::vector<double> mha(c.R.size()), att(static_cast<size_t>(c.B) * c.NH * c.Tn * c.Tn);
-  attention_forward<double>(mha.data(), att.data(), expanded.data(), c.B, c.Tn, C, c.NH);
+  attention_forward<double>(MatmulPrecision::fp32, mha.data(), att.data(), expanded.data(), c.B, c.Tn, C, c.NH);
   EXPECT_TRUE(close("out", run_gqa<double>(c).at("out"), mha, 1e-14));
 }
 
@@ -591,9 +595,10 @@ Tensors<T> run_flash(const FlashCase& c) {
   r["out"] = filled<T>(c.R.size(), kSentinel);
   r["lse"] = filled<T>(static_cast<size_t>(c.B) * c.NH * c.Tn, kSentinel);
   r["dqkv"] = filled<T>(qkv.size(), kSentinel);
-  flash_attention_forward<T>(r["out"].data(), r["lse"].data(), qkv.data(), c.B, c.Tn, c.C(), c.NH, c.NKV, c.window);
-  flash_attention_backward_input<T>(r["dqkv"].data(), R.data(), r["out"].data(), r["lse"].data(), qkv.data(), c.B, c.Tn,
-                                    c.C(), c.NH, c.NKV, c.window);
+  flash_attention_forward<T>(MatmulPrecision::fp32, r["out"].data(), r["lse"].data(), qkv.data(), c.B, c.Tn, c.C(),
+                             c.NH, c.NKV, c.window);
+  flash_attention_backward_input<T>(MatmulPrecision::fp32, r["dqkv"].data(), R.data(), r["out"].data(), r["lse"].data(),
+                                    qkv.data(), c.B, c.Tn, c.C(), c.NH, c.NKV, c.window);
   return r;
 }
 
@@ -645,10 +650,12 @@ TEST(OpsForward, BlockwiseAttentionEqualsDense) {
     EXPECT_TRUE(close("out vs masked dense", flash.at("out"), masked_dense_attention(c), 1e-12));
     if (s.window == 0) {
       std::vector<double> dense(c.R.size()), att(static_cast<size_t>(c.B) * c.NH * c.Tn * c.Tn);
-      attention_forward<double>(dense.data(), att.data(), c.qkv.data(), c.B, c.Tn, c.C(), c.NH, c.NKV);
+      attention_forward<double>(MatmulPrecision::fp32, dense.data(), att.data(), c.qkv.data(), c.B, c.Tn, c.C(), c.NH,
+                                c.NKV);
       EXPECT_TRUE(close("out vs dense", flash.at("out"), dense, 1e-12));
       std::vector<double> ddense(c.qkv.size());
-      attention_backward_input<double>(ddense.data(), c.R.data(), att.data(), c.qkv.data(), c.B, c.Tn, c.C(), c.NH, c.NKV);
+      attention_backward_input<double>(MatmulPrecision::fp32, ddense.data(), c.R.data(), att.data(), c.qkv.data(), c.B,
+                                       c.Tn, c.C(), c.NH, c.NKV);
       EXPECT_TRUE(close("dqkv vs dense", flash.at("dqkv"), ddense, 1e-11));
     }
     const auto f = run_flash<float>(c);
@@ -1023,7 +1030,8 @@ TEST(OpsAccumulate, WeightKernelsAdd) {
     const auto c = make_linear_case(1103, /*has_bias=*/true);
     auto once = run_linear<double>(c);
     auto dw = once.at("dw"), dbias = once.at("dbias");
-    linear_backward_weight<double>(dw.data(), dbias.data(), c.R.data(), c.inp.data(), c.N, c.C, c.OC);
+    linear_backward_weight<double>(MatmulPrecision::fp32, dw.data(), dbias.data(), c.R.data(), c.inp.data(), c.N, c.C,
+                                   c.OC);
     for (double& x : once.at("dw")) x *= 2;
     for (double& x : once.at("dbias")) x *= 2;
     EXPECT_TRUE(close("linear dw", dw, once.at("dw"), kTol));
@@ -1048,7 +1056,7 @@ TEST(OpsAccumulate, InputKernelsAddWhenAsked) {
     const auto c = make_linear_case(1202, /*has_bias=*/true);
     auto once = run_linear<double>(c);
     auto dinp = once.at("dinp");
-    linear_backward_input<double>(dinp.data(), c.R.data(), c.w.data(), c.N, c.C, c.OC, true);
+    linear_backward_input<double>(MatmulPrecision::fp32, dinp.data(), c.R.data(), c.w.data(), c.N, c.C, c.OC, true);
     for (double& x : once.at("dinp")) x *= 2;
     EXPECT_TRUE(close("linear dinp", dinp, once.at("dinp"), kTol));
   }

@@ -6,8 +6,8 @@
 #include <cstdlib>
 #include <map>
 
-#include "core/env.h"
 #include "core/clock.h"
+#include "core/env.h"
 #include "core/error.h"
 #include "model/gpt.h"
 
@@ -110,6 +110,7 @@ std::optional<TrainState> Checkpointer::resume() {
     resume_event_["started_ns"] =
         std::chrono::duration_cast<std::chrono::nanoseconds>(started.time_since_epoch()).count();
     resume_event_["load_s"] = std::chrono::duration<double>(std::chrono::system_clock::now() - started).count();
+    resume_event_["process_start_ns"] = process_start_ns();
   };
   const int world = comm_.size();
   // A checkpoint directory without a manifest: what a crash during one of this run's writes

@@ -72,9 +72,12 @@ bool parse_copy_name(const std::string& name, int* rank, int64_t* step, bool* bu
 }
 
 // A regular file mapped read-only (a FIFO or device in its place is refused, not waited on).
+// `whole`: every page is about to be read, so the page tables are filled in one call
+// (MAP_POPULATE) rather than by one fault per 4 KiB page as the reads go: a 1.5 GB copy is
+// 390,000 faults otherwise, much of a resume's time.
 class MappedFile {
  public:
-  explicit MappedFile(const std::string& path) {
+  explicit MappedFile(const std::string& path, bool whole = false) {
     const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     check(fd >= 0, "memory copy " + path + ": cannot open (" + std::strerror(errno) + ")");
     struct stat st = {};
@@ -83,7 +86,7 @@ class MappedFile {
     check(regular, "memory copy " + path + ": not a regular file");
     size_ = static_cast<int64_t>(st.st_size);
     if (size_ > 0) {
-      void* p = ::mmap(nullptr, static_cast<size_t>(size_), PROT_READ, MAP_SHARED, fd, 0);
+      void* p = ::mmap(nullptr, static_cast<size_t>(size_), PROT_READ, MAP_SHARED | (whole ? MAP_POPULATE : 0), fd, 0);
       ::close(fd);
       check(p != MAP_FAILED, "memory copy " + path + ": cannot map (" + std::strerror(errno) + ")");
       data_ = static_cast<const char*>(p);
@@ -321,7 +324,7 @@ double MemoryCheckpoint::save(int64_t step, const ChunkStore& store, const RankS
     std::unique_ptr<MappedFile> mine;
     if (own_bytes > 0) {
       try {
-        mine = std::make_unique<MappedFile>(own);
+        mine = std::make_unique<MappedFile>(own, /*whole=*/true);
       } catch (const Error& e) {
         report_failure("memory copy of step " + std::to_string(step) + " not sent to rank " + std::to_string(next) +
                        ": " + e.what());
@@ -544,7 +547,7 @@ std::optional<MemoryResume> MemoryCheckpoint::resume(ChunkStore& store, GradSync
     const std::string own_path = find(false);
     if (!own_path.empty()) {
       try {
-        own_file = std::make_unique<MappedFile>(own_path);
+        own_file = std::make_unique<MappedFile>(own_path, /*whole=*/true);
         verify(own_file->data(), own_file->size(), "memory copy " + own_path, store, sync);
         own_error.clear();
       } catch (const Error& e) {
@@ -562,7 +565,7 @@ std::optional<MemoryResume> MemoryCheckpoint::resume(ChunkStore& store, GradSync
     if (world_size_ > 1 && need[static_cast<size_t>(prev)] > 0) {
       const std::string held_path = find(true);
       try {
-        if (!held_path.empty()) held_file = std::make_unique<MappedFile>(held_path);
+        if (!held_path.empty()) held_file = std::make_unique<MappedFile>(held_path, /*whole=*/true);
       } catch (const Error&) {
         held_file.reset();  // the receiver says why it has no copy
       }

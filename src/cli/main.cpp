@@ -37,10 +37,7 @@
 #include "data/tokenizer.h"
 #include "kernels/cpu/blas.h"
 #include "model/gpt.h"
-#include "pipeline/layout.h"
-#include "pipeline/layer_profile.h"
-#include "pipeline/partitioner.h"
-#include "pipeline/schedule.h"
+#include "pipeline/schedule_command.h"
 #include "monitor/report.h"
 #include "runtime/generate.h"
 #include "runtime/job_config.h"
@@ -622,110 +619,24 @@ int cmd_schedule(const Args& a) {
   if (a.has("--trace")) check_output_file("schedule --trace", a.get("--trace"));
   Config config = Config::load(a.get("--config", ""), a.all("--set"));
   resolve_job_config(config, config.parallel.pipeline);
-  const int width = static_cast<int>(a.get_int("--width", 100));
-  check(width >= 20, "schedule --width: expected >= 20, found " + std::to_string(width));
+  pipeline::ScheduleOptions o;
+  o.width = static_cast<int>(a.get_int("--width", 100));
+  check(o.width >= 20, "schedule --width: expected >= 20, found " + std::to_string(o.width));
   const std::string as_json = a.get("--json", "no");
   check(as_json == "yes" || as_json == "no", "schedule --json: expected yes or no, found '" + as_json + "'");
-  const ParallelConfig& p = config.parallel;
-  const int T = config.train.seq_len;
-  // Per-layer F, B, W costs: measured (ms per micro-batch: a file, or a run's metrics.jsonl and
-  // its last layer_costs line) or, by default, the FLOP model in units of one forward pass of the
-  // whole model (B and W each cost about what F does).
+  o.json = as_json == "yes";
   if (a.has("--layer-costs")) config.parallel.layer_costs = a.get("--layer-costs");
   if (a.has("--stage-memory-mib")) config.parallel.stage_memory_mib = a.get_int("--stage-memory-mib", 0);
   check(config.parallel.stage_memory_mib >= 0,
         "schedule --stage-memory-mib: expected >= 0, found " + std::to_string(config.parallel.stage_memory_mib));
-  const bool measured_costs = !config.parallel.layer_costs.empty();
   // (--partitioner spells the choices as parallel.partitioner does.)
-  const PartitionerKind kind = a.has("--partitioner") ? parse_enum<PartitionerKind>(a.get("--partitioner"), "parallel.partitioner")
-                               : measured_costs    ? PartitionerKind::dp
-                                                   : config.parallel.partitioner;
-  pipeline::PartitionProblem problem = pipeline::problem_for(config);
-  if (config.runtime.slow_rank >= 0 && config.runtime.slow_factor > 1) {  // a what-if: that rank that much slower
-    problem.rank_slowdown.assign(static_cast<size_t>(p.pipeline), 1.0);
-    problem.rank_slowdown[static_cast<size_t>(config.runtime.slow_rank % p.pipeline)] = config.runtime.slow_factor;
-  }
-  const pipeline::LayerCosts& measured = problem.costs;
-  const std::unique_ptr<pipeline::Partitioner> partitioner = pipeline::make_partitioner(kind, config.train.seed);
-  const std::vector<LayerRange> static_cut = pipeline::StaticPartitioner().cut(problem, {});
-  // The cut a run had before its load shifted: where the agent starts, scored beside the others.
-  std::vector<LayerRange> start_cut = static_cut;
-  if (a.has("--start-cut")) {
-    const std::string given = a.get("--start-cut");
-    check(!given.empty(), "schedule --start-cut: expected the first layers of stages 1.. (\"3,6\"), found nothing");
-    try {
-      start_cut = pipeline::cut_stages(pipeline::layer_costs(config.model, T), static_cast<int>(static_cut.size()), given);
-    } catch (const Error& e) {
-      throw Error("schedule --start-cut " + given + ": " + e.what());
-    }
-  }
-  std::vector<LayerRange> stages;
-  std::string how;
-  if (!p.stage_boundaries.empty()) {
-    stages = pipeline::startup_cut(config);
-    how = "parallel.stage_boundaries";
-  } else if (kind == PartitionerKind::qlearning) {
-    // The agent's decisions from the static cut: how many it takes to come within 5 % of the
-    // exact partitioner's simulated span; the best cut it reached.
-    const int decisions = static_cast<int>(a.get_int("--decisions", 50));
-    check(decisions >= 1, "schedule --decisions: expected >= 1, found " + std::to_string(decisions));
-    const double optimum = pipeline::score_cut(problem, pipeline::DpPartitioner().cut(problem, {})).span;
-    int within = -1;
-    stages = pipeline::learn_cut(*partitioner, problem, start_cut, decisions, optimum, &within);
-    how = "qlearning, " + std::to_string(decisions) + " decisions" + (a.has("--start-cut") ? " from " + a.get("--start-cut") : "") + ": " +
-          (within < 0 ? "never within 5 % of dp" : "within 5 % of dp after " + std::to_string(within));
-  } else {
-    stages = partitioner->cut(problem, static_cut);
-    how = to_string(kind);
-  }
-  const pipeline::CutScore chosen = pipeline::score_cut(problem, stages), base = pipeline::score_cut(problem, static_cut);
-  const pipeline::Plan plan = pipeline::plan(config, stages, pipeline::micro_batches(config));
+  if (a.has("--partitioner")) o.partitioner = parse_enum<PartitionerKind>(a.get("--partitioner"), "parallel.partitioner");
+  if (a.has("--start-cut")) o.start_cut = a.get("--start-cut");
+  o.decisions = static_cast<int>(a.get_int("--decisions", 50));
+  o.trace = a.get("--trace", "");
+  const pipeline::ScheduleChoice choice = pipeline::choose_schedule(config, o);
   g_input_accepted = true;
-  pipeline::Costs costs;
-  costs.comm = measured.message_ms >= 0 ? measured.message_ms : 0;
-  for (const LayerRange& r : stages) {
-    double cf = 0, cb = 0, cw = 0;
-    for (int i = r.first; i <= r.last; ++i) cf += measured.forward[i], cb += measured.backward_input[i], cw += measured.backward_weight[i];
-    costs.forward.push_back(cf);
-    costs.backward_input.push_back(cb);
-    costs.backward_weight.push_back(cw);
-  }
-  const pipeline::Schedule& schedule = plan.schedule;
-  const pipeline::Timeline t = pipeline::simulate(schedule, costs);
-  if (as_json == "yes") {
-    nlohmann::json out = {{"schedule", pipeline::kind_name(schedule.spec.kind)}, {"ranks", schedule.spec.ranks},
-                          {"partitioner", how}, {"boundaries", pipeline::boundaries_of(stages)},
-                          {"span", chosen.span}, {"static_span", base.span},
-                          {"start_span", pipeline::score_cut(problem, start_cut).span}, {"stage_bytes", chosen.stage_bytes},
-                          {"stages", schedule.num_stages()}, {"micro_batches", schedule.spec.micro},
-                          {"micro_batch", plan.micro_batch}, {"bubble", t.bubble}, {"makespan", t.makespan},
-                          {"rank_bubble", t.rank_bubble}, {"peak_in_flight", plan.check.peak_in_flight},
-                          {"peak_activation_bytes", plan.check.peak_bytes}};
-    std::printf("%s\n", out.dump().c_str());
-    return 0;
-  }
-  std::printf("schedule %s: %d ranks, %d stages, %d micro-batches of %d x %d tokens; valid\n",
-              pipeline::kind_name(schedule.spec.kind), schedule.spec.ranks, schedule.num_stages(), schedule.spec.micro,
-              plan.micro_batch, T);
-  std::printf("cut by %s: boundaries %s, simulated span %.4g (the static FLOP cut %s: %.4g, %+.1f %%)\n", how.c_str(),
-              pipeline::boundaries_of(stages).c_str(), chosen.span, pipeline::boundaries_of(static_cut).c_str(), base.span,
-              100 * (base.span / chosen.span - 1));
-  for (int r = 0; r < schedule.spec.ranks; ++r) {
-    std::string layers;
-    for (int st : schedule.stages_of(r)) {
-      layers += (layers.empty() ? "" : ", ") + std::to_string(stages[st].first) + "-" + std::to_string(stages[st].last);
-    }
-    std::printf("  rank %d: layers %s, at most %d micro-batches in flight (%.1f MB of activations), simulated bubble %.1f%%\n",
-                r, layers.c_str(), plan.check.peak_in_flight[r], plan.check.peak_bytes[r] / 1e6, 100 * t.rank_bubble[r]);
-  }
-  std::printf("simulated bubble %.1f%%, step %.3g %s (%s)\n%s", 100 * t.bubble, t.makespan,
-              measured_costs ? "ms" : "forward passes", measured_costs ? "measured costs" : "costs from layer FLOPs; messages free",
-              pipeline::gantt(t, width).c_str());
-  if (a.has("--trace")) {
-    const std::string trace = pipeline::chrome_trace(t, std::string("keel schedule ") + to_string(p.schedule));
-    write_file_atomic(a.get("--trace"), {ByteRange{trace.data(), trace.size()}});
-    std::printf("Chrome trace: %s\n", a.get("--trace").c_str());
-  }
+  pipeline::print_schedule(config, choice, o);
   return 0;
 }
 

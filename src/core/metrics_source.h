@@ -14,8 +14,8 @@ class MetricsSource {
   virtual ~MetricsSource() = default;
   // Printed to stdout once, before the first step, on rank 0: how the component is set up.
   virtual void print_startup() const {}
-  // Adds this step's fields to the step's metrics.jsonl line (field names are documented in the
-  // README: users' scripts read them). `step_ms` is the step's wall time.
+  // Adds this step's fields to the step's metrics.jsonl line (field names are documented on the
+  // docs/ pages: users' scripts read them). `step_ms` is the step's wall time.
   virtual void add_step_fields(double step_ms, nlohmann::json& line) = 0;
   // This step's fragment of the progress line, without separators ("" = nothing to show).
   virtual std::string progress_fragment(double step_ms) const { return ""; }

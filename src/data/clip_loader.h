@@ -19,10 +19,10 @@
 #include <string>
 #include <vector>
 
+#include "data/batch.h"
 #include "data/images.h"
 #include "data/loader.h"
 #include "data/tokenizer.h"
-#include "model/tower.h"
 
 namespace keel {
 

@@ -92,12 +92,13 @@ void validate_clip_config(const Config& c) {
   alone(c.optim.freeze_layers == 0, "optim.freeze_layers", std::to_string(c.optim.freeze_layers));
 }
 
-ClipModel::ClipModel(const ClipSpec& spec, const ModelConfig& text, ChunkStore& store, bool bf16)
+ClipModel::ClipModel(const ClipSpec& spec, const ModelConfig& text, ChunkStore& store, MatmulPrecision precision)
     : spec_(spec), store_(store) {
   check(spec.logit_scale_max > 1 && std::isfinite(spec.logit_scale_max),
         "clip.logit_scale_max: expected a finite value above 1, found " + std::to_string(spec.logit_scale_max));
-  image_ = spec.image_tower == ImageTower::vit ? make_vit(spec.vit_spec(), store) : make_resnet(spec.resnet_spec(), store);
-  text_ = make_text_tower(text, image_->num_layers(), spec.embed_dim, store, bf16);
+  image_ = spec.image_tower == ImageTower::vit ? make_vit(spec.vit_spec(), store, precision)
+                                     : make_resnet(spec.resnet_spec(), store, precision);
+  text_ = make_text_tower(text, image_->num_layers(), spec.embed_dim, store, precision);
   loss_layer_ = text_->first_layer() + text_->num_layers();
   logit_scale_ = store.add(TensorSpec{"logit_scale", {1}, loss_layer_, ChunkKind::head, false});
 }
@@ -127,9 +128,9 @@ void ClipModel::add_logit_scale_grad(double grad) {
 }
 
 ContrastiveResult ClipModel::train_micro_batch(const ClipBatch& b, float grad_scale, BackwardObserver* observer,
-                                               Communicator* dp, TowerMask backward) {
+                                               const FeatureGather* dp, TowerMask backward) {
   const int D = spec_.embed_dim;
-  const int ranks = dp != nullptr ? dp->size() : 1, first = dp != nullptr ? dp->rank() * b.B : 0;
+  const int ranks = dp != nullptr ? dp->ranks : 1, first = dp != nullptr ? dp->rank * b.B : 0;
   const size_t rows = static_cast<size_t>(b.B) * D, all = rows * ranks;
   all_img_.resize(all);
   all_txt_.resize(all);
@@ -137,11 +138,8 @@ ContrastiveResult ClipModel::train_micro_batch(const ClipBatch& b, float grad_sc
   std::memcpy(all_img_.data() + static_cast<size_t>(first) * D, image_->forward(b), sizeof(float) * rows);
   std::memcpy(all_txt_.data() + static_cast<size_t>(first) * D, text_->forward(b), sizeof(float) * rows);
   if (ranks > 1) {
-    const std::vector<int> counts(ranks, static_cast<int>(rows));
-    std::vector<int> displs(ranks);
-    for (int r = 0; r < ranks; ++r) displs[r] = r * static_cast<int>(rows);
-    dp->allgatherv(all_img_.data(), counts, displs);
-    dp->allgatherv(all_txt_.data(), counts, displs);
+    dp->gather(all_img_.data(), static_cast<int>(rows));
+    dp->gather(all_txt_.data(), static_cast<int>(rows));
   }
   const ContrastiveResult r = contrastive_loss(all_img_.data(), all_txt_.data(), b.B * ranks, D, logit_scale(),
                                                spec_.logit_scale_max, first, b.B, grad_scale, dimg_.data(), dtxt_.data());

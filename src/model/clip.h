@@ -7,11 +7,11 @@
 #pragma once
 
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 
-#include "comm/communicator.h"
 #include "core/config.h"
 #include "model/contrastive.h"
 #include "model/resnet.h"
@@ -50,11 +50,24 @@ struct TowerMask {
   bool text = true;
 };
 
+// How a micro-batch's features meet the other data-parallel ranks' (runtime/clip_step.h makes one
+// over a communicator): this rank's place among `ranks`, and `gather`, which fills a rank-major
+// buffer of ranks x floats_per_rank floats, this rank's already at rank x floats_per_rank, with
+// every other rank's, in place (a collective: every rank calls it).
+struct FeatureGather {
+  int rank = 0;
+  int ranks = 1;
+  std::function<void(float* rows, int floats_per_rank)> gather;
+};
+
 class ClipModel {
  public:
   // `text` is a resolved model config (the text tower's transformer). Registers every tensor with
-  // `store`, which the caller then finalizes.
-  ClipModel(const ClipSpec& spec, const ModelConfig& text, ChunkStore& store, bool bf16 = false);
+  // `store`, which the caller then finalizes. `precision` (runtime.precision): the arithmetic of
+  // the text tower's products, and of the image tower's unless spec.visual_quant says otherwise
+  // (model/tower.h visual_math); under bf16 the text tower keeps its products' activations in bf16.
+  ClipModel(const ClipSpec& spec, const ModelConfig& text, ChunkStore& store,
+            MatmulPrecision precision = MatmulPrecision::fp32);
   void init_weights(uint64_t seed);
   void allocate(int B, int T);
 
@@ -66,7 +79,7 @@ class ClipModel {
   TensorId logit_scale_tensor() const { return logit_scale_; }
   float logit_scale();  // the parameter (log-scale) now
 
-  // One micro-batch: both towers' forward, the features gathered over `dp` (null: this rank holds
+  // One micro-batch: both towers' forward, the features gathered by `dp` (null: this rank holds
   // the whole batch; every rank's micro-batch has the same size), the loss over the gathered
   // batch, the gradients (times grad_scale) for this rank's samples through both towers and into
   // logit_scale. Summed over the ranks (gradient sync), they are the whole batch's: logit_scale's
@@ -74,7 +87,7 @@ class ClipModel {
   // then the text tower's layers, then the image tower's (last to first): store ids descending;
   // a tower outside `backward` is skipped (its layers are not heard of).
   ContrastiveResult train_micro_batch(const ClipBatch& batch, float grad_scale, BackwardObserver* observer = nullptr,
-                                      Communicator* dp = nullptr, TowerMask backward = {});
+                                      const FeatureGather* dp = nullptr, TowerMask backward = {});
   // Features of both towers, normalised, for evaluation: img_out / txt_out [B, D].
   void embed(const ClipBatch& batch, float* img_out, float* txt_out);
   // Adds dlogit_scale (times grad_scale) to the parameter's gradient (under a lease of the loss layer).

@@ -70,8 +70,8 @@ class Embedding final : public Layer {
 // x_out = res2 + proj(gelu(fc(ln2(res2)))),  res2 = x_in + attn_proj(attention(qkv(ln1(x_in))))
 class Block final : public Layer {
  public:
-  Block(const ModelConfig& m, ChunkStore& store, int layer, bool bf16)
-      : store_(store), m_(m), layer_(m.layer_base + layer), bf16_(bf16) {
+  Block(const ModelConfig& m, ChunkStore& store, int layer, bool bf16, MathMode math)
+      : store_(store), m_(m), layer_(m.layer_base + layer), bf16_(bf16), math_(math) {
     const std::string p = m.tensor_prefix + "h." + std::to_string(layer - 1) + ".";
     layer = layer_;  // the store's id from here on
     const int64_t C = m.n_embd;
@@ -141,28 +141,28 @@ class Block final : public Layer {
     float* ln1 = ln1_.writable(stage_);
     ops::layernorm_forward(ln1, ln1_mean_, ln1_rstd_, x, P(ln1w_), P(ln1b_), N, C);
     ln1_.seal(ln1, NC);
-    ops::linear_forward(qkv_, ln1_.read(), P(qkvw_), P(qkvb_), N, C, 3 * C);
+    ops::linear_forward(math_.forward, qkv_, ln1_.read(), P(qkvw_), P(qkvb_), N, C, 3 * C);
     model_detail::probe_attention(probe_, b, qkv_, m_);
     if (b.kv) {
-      b.kv->attend(layer_ - 1, qkv_, 3 * C, atty_, b.T, probe_.window);
+      b.kv->attend(math_.forward, layer_ - 1, qkv_, 3 * C, atty_, b.T, probe_.window);
     } else if (m_.attention == Attention::dense) {
-      ops::attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, 0, m_.causal);
+      ops::attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, 0, m_.causal);
     } else {  // att_ holds the rows' log-sum-exp
-      ops::flash_attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_head, probe_.window);
+      ops::flash_attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_head, probe_.window);
     }
     float* attproj = scratch_;  // [N, C], consumed immediately by the residual
-    ops::linear_forward(attproj, atty_, P(projw_), P(projb_), N, C, C);
+    ops::linear_forward(math_.forward, attproj, atty_, P(projw_), P(projb_), N, C, C);
     float* ln2 = ln2_.writable(stage_);
     ops::residual_layernorm_forward(res2_, ln2, ln2_mean_, ln2_rstd_, x, attproj, P(ln2w_), P(ln2b_), N, C);
     ln2_.seal(ln2, NC);
     float* fch = fch_.writable(stage_);
-    ops::linear_forward(fch, ln2_.read(), P(fcw_), P(fcb_), N, C, 4 * C);
+    ops::linear_forward(math_.forward, fch, ln2_.read(), P(fcw_), P(fcb_), N, C, 4 * C);
     fch_.seal(fch, 4 * NC);
     float* fch_gelu = fch_gelu_.writable(stage_);  // (under bf16: in place over the staged fch)
     ops::gelu_forward(fch_gelu, fch, 4 * NC);
     fch_gelu_.seal(fch_gelu, 4 * NC);
     float* fcproj = scratch_;
-    ops::linear_forward(fcproj, fch_gelu_.read(), P(fcprojw_), P(fcprojb_), N, 4 * C, C);
+    ops::linear_forward(math_.forward, fcproj, fch_gelu_.read(), P(fcprojw_), P(fcprojb_), N, 4 * C, C);
     ops::residual_forward(x_out, res2_, fcproj, static_cast<int64_t>(N) * C);
   }
 
@@ -172,23 +172,23 @@ class Block final : public Layer {
     auto P = [&](TensorId id) { return store_.data(id, Plane::param); };
     // MLP branch: d(fcproj out) = dx_out
     float* dfch_gelu = scratch_;
-    ops::linear_backward_input(dfch_gelu, dx_out, P(fcprojw_), N, 4 * C, C, false);
+    ops::linear_backward_input(math_.backward, dfch_gelu, dx_out, P(fcprojw_), N, 4 * C, C, false);
     float* dfch = dfch_.writable(stage_);
     ops::gelu_backward_input(dfch, dfch_gelu, fch_.read(), static_cast<int64_t>(N) * 4 * C);
     dfch_.seal(dfch, static_cast<int64_t>(N) * 4 * C);
-    ops::linear_backward_input(dln2_, dfch, P(fcw_), N, C, 4 * C, false);
+    ops::linear_backward_input(math_.backward, dln2_, dfch, P(fcw_), N, C, 4 * C, false);
     std::memcpy(dres2_, dx_out, sizeof(float) * N * C);
     ops::layernorm_backward_input(dres2_, dln2_, res2_, ln2_mean_, ln2_rstd_, P(ln2w_), N, C, true);
     // Attention branch: d(attproj out) = dres2
     float* datty = scratch_;
-    ops::linear_backward_input(datty, dres2_, P(projw_), N, C, C, false);
+    ops::linear_backward_input(math_.backward, datty, dres2_, P(projw_), N, C, C, false);
     if (m_.attention == Attention::dense) {
-      ops::attention_backward_input(dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head, 0, m_.causal);
+      ops::attention_backward_input(math_.backward, dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head, 0, m_.causal);
     } else {
-      ops::flash_attention_backward_input(dqkv_, datty, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_head,
-                                          probe_.window);
+      ops::flash_attention_backward_input(math_.backward, dqkv_, datty, atty_, att_, qkv_, b.B, b.T, C, m_.n_head,
+                                          m_.n_head, probe_.window);
     }
-    ops::linear_backward_input(dln1_, dqkv_, P(qkvw_), N, C, 3 * C, false);
+    ops::linear_backward_input(math_.backward, dln1_, dqkv_, P(qkvw_), N, C, 3 * C, false);
     std::memcpy(dx_in, dres2_, sizeof(float) * N * C);
     ops::layernorm_backward_input(dx_in, dln1_, x_in, ln1_mean_, ln1_rstd_, P(ln1w_), N, C, true);
   }
@@ -197,11 +197,11 @@ class Block final : public Layer {
     const PageLease use = store_.use_layer(layer_, {}, {Plane::grad});
     const int N = b.B * b.T, C = m_.n_embd;
     auto G = [&](TensorId id) { return store_.data(id, Plane::grad); };
-    ops::linear_backward_weight(G(fcprojw_), G(fcprojb_), dx_out, fch_gelu_.read(), N, 4 * C, C);
-    ops::linear_backward_weight(G(fcw_), G(fcb_), dfch_.read(), ln2_.read(), N, C, 4 * C);
+    ops::linear_backward_weight(math_.backward, G(fcprojw_), G(fcprojb_), dx_out, fch_gelu_.read(), N, 4 * C, C);
+    ops::linear_backward_weight(math_.backward, G(fcw_), G(fcb_), dfch_.read(), ln2_.read(), N, C, 4 * C);
     ops::layernorm_backward_weight(G(ln2w_), G(ln2b_), dln2_, res2_, ln2_mean_, ln2_rstd_, N, C);
-    ops::linear_backward_weight(G(projw_), G(projb_), dres2_, atty_, N, C, C);
-    ops::linear_backward_weight(G(qkvw_), G(qkvb_), dqkv_, ln1_.read(), N, C, 3 * C);
+    ops::linear_backward_weight(math_.backward, G(projw_), G(projb_), dres2_, atty_, N, C, C);
+    ops::linear_backward_weight(math_.backward, G(qkvw_), G(qkvb_), dqkv_, ln1_.read(), N, C, 3 * C);
     ops::layernorm_backward_weight(G(ln1w_), G(ln1b_), dln1_, x_in, ln1_mean_, ln1_rstd_, N, C);
   }
 
@@ -212,6 +212,7 @@ class Block final : public Layer {
   ModelConfig m_;
   int layer_;
   bool bf16_;             // stashes in bf16 (Stash)
+  MathMode math_;         // its products' precision in F and in B, W
   AttentionProbe probe_;  // its window (0 = none) and the dynamic window's probe
   TensorId ln1w_, ln1b_, qkvw_, qkvb_, projw_, projb_, ln2w_, ln2b_, fcw_, fcb_, fcprojw_, fcprojb_;
   int64_t max_N_ = 0, max_att_ = 0;
@@ -225,8 +226,9 @@ class Block final : public Layer {
 
 }  // namespace
 
-GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> ranges, bool bf16_activations)
-    : config_(config), store_(store), ranges_(std::move(ranges)), bf16_(bf16_activations) {
+GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> ranges, bool bf16_activations,
+         MathMode math)
+    : config_(config), store_(store), ranges_(std::move(ranges)), bf16_(bf16_activations), math_(math) {
   validate_model(config, "model");
   check(!store.finalized(), "GPT: the chunk store is already finalized");
   const int L = config.n_layer + 2;
@@ -262,9 +264,9 @@ GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> r
     wte = store.add(std::move(replica));
   }
   for (int l = 1; l <= config.n_layer; ++l) {
-    if (local_[l]) layers_[l] = std::make_unique<Block>(config, store, l, bf16_);
+    if (local_[l]) layers_[l] = std::make_unique<Block>(config, store, l, bf16_, math_);
   }
-  if (local_[L - 1]) layers_[L - 1] = make_head(config, store, L - 1, wte, bf16_);
+  if (local_[L - 1]) layers_[L - 1] = make_head(config, store, L - 1, wte, bf16_, math_);
 }
 
 void GPT::build_llama() {
@@ -283,9 +285,9 @@ void GPT::build_llama() {
     wte = store_.add(std::move(replica));
   }
   for (int l = 1; l <= config_.n_layer; ++l) {
-    if (local_[l]) layers_[l] = make_llama_block(config_, store_, l, bf16_);
+    if (local_[l]) layers_[l] = make_llama_block(config_, store_, l, bf16_, math_);
   }
-  if (local_[L - 1]) layers_[L - 1] = make_head(config_, store_, L - 1, tied ? wte : -1, bf16_);
+  if (local_[L - 1]) layers_[L - 1] = make_head(config_, store_, L - 1, tied ? wte : -1, bf16_, math_);
 }
 
 GPT::~GPT() = default;

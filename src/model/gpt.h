@@ -43,9 +43,11 @@ class GPT {
   // only its stages' layers; one with the head but not the embedding also holds a copy of the
   // tied token embedding wte. The caller finalizes the store, then calls init_weights or loads
   // state. With bf16_activations (runtime.precision = "bf16") the layers keep the activations
-  // that feed matrix products in bf16, in half the memory (model/layer_util.h Stash).
-  GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> ranges = {},
-      bool bf16_activations = false);
+  // that feed matrix products in bf16, in half the memory (model/layer_util.h Stash). `math`: the
+  // precision of every layer's matrix products (runtime.precision for a trained model; float32
+  // unless given: a model built only for its layout multiplies nothing).
+  GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> ranges = {}, bool bf16_activations = false,
+      MathMode math = {});
   ~GPT();
 
   // GPT-2 initialisation: N(0, 0.02) weights, residual projections scaled by 1/sqrt(2L), zero
@@ -116,6 +118,7 @@ class GPT {
   const std::vector<LayerRange>& ranges() const { return ranges_; }
   Layer& layer(int i) { return *layers_[i]; }
   const ModelConfig& config() const { return config_; }
+  const MathMode& math() const { return math_; }
   ChunkStore& store() { return store_; }
   // Matrix-product FLOPs of one training step (forward + backward) per token at sequence T.
   double train_flops_per_token(int T) const;
@@ -142,6 +145,7 @@ class GPT {
   std::vector<std::unique_ptr<Layer>> layers_;  // null for layers on other ranks
   std::vector<TiedGroup> tied_;
   bool bf16_ = false;  // activations stashed in bf16
+  MathMode math_;      // every layer's matrix products
   int max_B_ = 0, max_T_ = 0;
   int64_t activation_floats_ = 0, slot_floats_ = 0;
   std::unique_ptr<float[]> memory_;

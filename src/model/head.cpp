@@ -14,8 +14,14 @@ namespace {
 
 class Head final : public model_detail::OutputLayer {
  public:
-  Head(const ModelConfig& m, ChunkStore& store, int layer, TensorId tied_wte, bool bf16)
-      : store_(store), m_(m), layer_(m.layer_base + layer), layernorm_(!m.llama()), tied_(tied_wte >= 0), bf16_(bf16) {
+  Head(const ModelConfig& m, ChunkStore& store, int layer, TensorId tied_wte, bool bf16, MathMode math)
+      : store_(store),
+        m_(m),
+        layer_(m.layer_base + layer),
+        layernorm_(!m.llama()),
+        tied_(tied_wte >= 0),
+        bf16_(bf16),
+        math_(math) {
     layer = layer_;  // the store's id
     const std::string& p = m.tensor_prefix;
     if (layernorm_) {
@@ -60,7 +66,8 @@ class Head final : public model_detail::OutputLayer {
       ops::rmsnorm_forward(n, rstd_, x, P(normw_), N, C);
     }
     n_.seal(n, static_cast<int64_t>(N) * C);
-    ops::linear_forward(logits_, n_.read(), P(head_), static_cast<const float*>(nullptr), N, C, m_.padded_vocab_size);
+    ops::linear_forward(math_.forward, logits_, n_.read(), P(head_), static_cast<const float*>(nullptr), N, C,
+                        m_.padded_vocab_size);
     mean_loss_ = model_detail::head_loss(losses_, logits_, b, m_);
   }
   // dx_in = d/dx of grad_scale * sum(losses); logits_ holds d(loss)/d(logits) after forward.
@@ -68,7 +75,7 @@ class Head final : public model_detail::OutputLayer {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
     const PageLease tied = tied_ ? store_.use_layer(m_.layer_base, {Plane::param}) : PageLease();
     const int N = b.B * b.T, C = m_.n_embd;
-    ops::linear_backward_input(dn_, logits_, P(head_), N, C, m_.padded_vocab_size, false);
+    ops::linear_backward_input(math_.backward, dn_, logits_, P(head_), N, C, m_.padded_vocab_size, false);
     if (layernorm_) {
       ops::layernorm_backward_input(dx_in, dn_, x_in, mean_, rstd_, P(normw_), N, C, false);
     } else {
@@ -79,7 +86,8 @@ class Head final : public model_detail::OutputLayer {
     const PageLease use = store_.use_layer(layer_, {}, {Plane::grad});
     const PageLease tied = tied_ ? store_.use_layer(m_.layer_base, {}, {Plane::grad}) : PageLease();
     const int N = b.B * b.T, C = m_.n_embd;
-    ops::linear_backward_weight(G(head_), static_cast<float*>(nullptr), logits_, n_.read(), N, C, m_.padded_vocab_size);
+    ops::linear_backward_weight(math_.backward, G(head_), static_cast<float*>(nullptr), logits_, n_.read(), N, C,
+                                m_.padded_vocab_size);
     if (layernorm_) {
       ops::layernorm_backward_weight(G(normw_), G(normb_), dn_, x_in, mean_, rstd_, N, C);
     } else {
@@ -97,6 +105,7 @@ class Head final : public model_detail::OutputLayer {
   ModelConfig m_;
   int layer_;
   bool layernorm_, tied_, bf16_;
+  MathMode math_;  // its products' precision in F and in B, W
   TensorId normw_ = -1, normb_ = -1, head_ = -1;
   Stash n_;  // the normalised input of the LM head
   float *stage_ = nullptr, *dn_ = nullptr, *mean_ = nullptr, *rstd_ = nullptr, *losses_ = nullptr, *logits_ = nullptr;
@@ -105,8 +114,9 @@ class Head final : public model_detail::OutputLayer {
 
 }  // namespace
 
-std::unique_ptr<Layer> make_head(const ModelConfig& m, ChunkStore& store, int layer, TensorId tied_wte, bool bf16) {
-  return std::make_unique<Head>(m, store, layer, tied_wte, bf16);
+std::unique_ptr<Layer> make_head(const ModelConfig& m, ChunkStore& store, int layer, TensorId tied_wte, bool bf16,
+                                 MathMode math) {
+  return std::make_unique<Head>(m, store, layer, tied_wte, bf16, math);
 }
 
 }  // namespace keel

@@ -13,6 +13,8 @@ namespace keel {
 
 // tied_wte >= 0: the head reads the token embedding (layer 0's, or a replica); else lm_head.w.
 // bf16: the normalised input of the LM head is kept in bf16 (model/layer_util.h Stash).
-std::unique_ptr<Layer> make_head(const ModelConfig& m, ChunkStore& store, int layer, TensorId tied_wte, bool bf16);
+// math: the precision of its products (the LM head's and its input gradient's).
+std::unique_ptr<Layer> make_head(const ModelConfig& m, ChunkStore& store, int layer, TensorId tied_wte, bool bf16,
+                                 MathMode math);
 
 }  // namespace keel

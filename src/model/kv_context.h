@@ -3,6 +3,8 @@
 // the cache pages, shares or tiers its blocks.
 #pragma once
 
+#include "kernels/cpu/bf16.h"
+
 namespace keel {
 
 class KvContext {
@@ -13,8 +15,10 @@ class KvContext {
   // Block `block` (0-based transformer block) of the model: stores the keys and values of the n
   // new tokens (columns C .. of qkv[n, ldq], after RoPE where the family has it) in the cache and
   // writes out[n, C] = causal attention of their queries (columns 0 .. C - 1) over every cached
-  // key up to each one's position, within `window` keys (0 = all).
-  virtual void attend(int block, const float* qkv, int ldq, float* out, int n, int window) = 0;
+  // key up to each one's position, within `window` keys (0 = all), its products at `precision`
+  // (the layer's forward precision).
+  virtual void attend(MatmulPrecision precision, int block, const float* qkv, int ldq, float* out, int n,
+                      int window) = 0;
 };
 
 }  // namespace keel

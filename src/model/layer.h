@@ -7,18 +7,22 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/backward_observer.h"
 #include "data/batch.h"
+#include "kernels/cpu/bf16.h"
 
 namespace keel {
 
 class ChunkStore;
 
-// Told about each layer's progress during backward (gradient sync, prefetching, pipelines).
-class BackwardObserver {
- public:
-  virtual ~BackwardObserver() = default;
-  virtual void after_backward_input(int layer) = 0;
-  virtual void after_backward_weight(int layer) = 0;
+// The arithmetic of a layer's matrix products (kernels/cpu/bf16.h), given at its construction and
+// handed to every kernel it calls: `forward` in F, `backward` in B and W. A language model's layers
+// multiply at runtime.precision both ways; an image tower under clip.visual_quant = "int8"
+// multiplies in int8 forward and bf16 backward (model/tower.h visual_math). The default is float32.
+struct MathMode {
+  MatmulPrecision forward = MatmulPrecision::fp32;
+  MatmulPrecision backward = MatmulPrecision::fp32;
+  static MathMode uniform(MatmulPrecision p) { return MathMode{p, p}; }
 };
 
 // An attention layer's window and a probe of where its attention goes (runtime/dynamic_windows.h).

@@ -19,8 +19,15 @@ namespace {
 // ---- layers 1..L: RMSNorm, rotary grouped-query attention, RMSNorm, SwiGLU ---------------------
 class LlamaBlock final : public Layer {
  public:
-  LlamaBlock(const ModelConfig& m, ChunkStore& store, int layer, bool bf16)
-      : store_(store), m_(m), layer_(m.layer_base + layer), bf16_(bf16), C_(m.n_embd), QKV_(m.qkv_dim()), H_(m.ffn_hidden) {
+  LlamaBlock(const ModelConfig& m, ChunkStore& store, int layer, bool bf16, MathMode math)
+      : store_(store),
+        m_(m),
+        layer_(m.layer_base + layer),
+        bf16_(bf16),
+        math_(math),
+        C_(m.n_embd),
+        QKV_(m.qkv_dim()),
+        H_(m.ffn_hidden) {
     const std::string p = m.tensor_prefix + "h." + std::to_string(layer - 1) + ".";
     layer = layer_;  // the store's id from here on
     attn_norm_ = add_tensor(store, p + "attn_norm.w", {C_}, layer, ChunkKind::norm, false);
@@ -80,30 +87,31 @@ class LlamaBlock final : public Layer {
     float* n1 = n1_.writable(stage_);
     ops::rmsnorm_forward(n1, rstd1_, x, P(attn_norm_), N, C);
     n1_.seal(n1, NC);
-    ops::linear_forward(qkv_, n1_.read(), P(qkvw_), none, N, C, QKV_);
+    ops::linear_forward(math_.forward, qkv_, n1_.read(), P(qkvw_), none, N, C, QKV_);
     ops::rope_forward(qkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_base(), b.kv ? b.kv->pos0() : 0,
                       false, m_.rope_position_scale());
     model_detail::probe_attention(probe_, b, qkv_, m_);
     if (b.kv) {
-      b.kv->attend(layer_ - 1, qkv_, QKV_, atty_, b.T, probe_.window);
+      b.kv->attend(math_.forward, layer_ - 1, qkv_, QKV_, atty_, b.T, probe_.window);
     } else if (m_.attention == Attention::dense) {
-      ops::attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
+      ops::attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
     } else {
-      ops::flash_attention_forward(atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head, probe_.window);
+      ops::flash_attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head,
+                                   probe_.window);
     }
     float* o = scratch_;  // [N, C], consumed at once by the residual
-    ops::linear_forward(o, atty_, P(projw_), none, N, C, C);
+    ops::linear_forward(math_.forward, o, atty_, P(projw_), none, N, C, C);
     float* n2 = n2_.writable(stage_);
     ops::residual_rmsnorm_forward(res2_, n2, rstd2_, x, o, P(mlp_norm_), N, C);
     n2_.seal(n2, NC);
     float* gu = gu_.writable(stage_);
-    ops::linear_forward(gu, n2_.read(), P(gate_up_), none, N, C, 2 * H);
+    ops::linear_forward(math_.forward, gu, n2_.read(), P(gate_up_), none, N, C, 2 * H);
     gu_.seal(gu, 2 * NH);
     float* h = h_.writable(stage_h_);
     ops::swiglu_forward(h, gu, N, H);
     h_.seal(h, NH);
     float* down = scratch_;
-    ops::linear_forward(down, h_.read(), P(down_), none, N, H, C);
+    ops::linear_forward(math_.forward, down, h_.read(), P(down_), none, N, H, C);
     ops::residual_forward(x_out, res2_, down, static_cast<int64_t>(N) * C);
   }
 
@@ -113,26 +121,26 @@ class LlamaBlock final : public Layer {
     auto P = [&](TensorId id) { return store_.data(id, Plane::param); };
     // MLP branch: d(down out) = dx_out
     float* dh = scratch_;
-    ops::linear_backward_input(dh, dx_out, P(down_), N, H, C, false);
+    ops::linear_backward_input(math_.backward, dh, dx_out, P(down_), N, H, C, false);
     float* dgu = dgu_.writable(stage_);
     ops::swiglu_backward_input(dgu, dh, gu_.read(), N, H);
     dgu_.seal(dgu, static_cast<int64_t>(N) * 2 * H);
-    ops::linear_backward_input(dn2_, dgu, P(gate_up_), N, C, 2 * H, false);
+    ops::linear_backward_input(math_.backward, dn2_, dgu, P(gate_up_), N, C, 2 * H, false);
     std::memcpy(dres2_, dx_out, sizeof(float) * N * C);
     ops::rmsnorm_backward_input(dres2_, dn2_, res2_, rstd2_, P(mlp_norm_), N, C, true);
     // Attention branch: d(o out) = dres2; attention's gradient is w.r.t. the rotated q and k,
     // rotated back before the qkv projection.
     float* datty = scratch_;
-    ops::linear_backward_input(datty, dres2_, P(projw_), N, C, C, false);
+    ops::linear_backward_input(math_.backward, datty, dres2_, P(projw_), N, C, C, false);
     if (m_.attention == Attention::dense) {
-      ops::attention_backward_input(dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
+      ops::attention_backward_input(math_.backward, dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
     } else {
-      ops::flash_attention_backward_input(dqkv_, datty, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head,
-                                          probe_.window);
+      ops::flash_attention_backward_input(math_.backward, dqkv_, datty, atty_, att_, qkv_, b.B, b.T, C, m_.n_head,
+                                          m_.n_kv_head, probe_.window);
     }
     ops::rope_forward(dqkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_base(), 0, true,
                       m_.rope_position_scale());
-    ops::linear_backward_input(dn1_, dqkv_, P(qkvw_), N, C, QKV_, false);
+    ops::linear_backward_input(math_.backward, dn1_, dqkv_, P(qkvw_), N, C, QKV_, false);
     std::memcpy(dx_in, dres2_, sizeof(float) * N * C);
     ops::rmsnorm_backward_input(dx_in, dn1_, x_in, rstd1_, P(attn_norm_), N, C, true);
   }
@@ -142,11 +150,11 @@ class LlamaBlock final : public Layer {
     const int N = b.B * b.T, C = C_, H = H_;
     auto G = [&](TensorId id) { return store_.data(id, Plane::grad); };
     float* none = nullptr;
-    ops::linear_backward_weight(G(down_), none, dx_out, h_.read(), N, H, C);
-    ops::linear_backward_weight(G(gate_up_), none, dgu_.read(), n2_.read(), N, C, 2 * H);
+    ops::linear_backward_weight(math_.backward, G(down_), none, dx_out, h_.read(), N, H, C);
+    ops::linear_backward_weight(math_.backward, G(gate_up_), none, dgu_.read(), n2_.read(), N, C, 2 * H);
     ops::rmsnorm_backward_weight(G(mlp_norm_), dn2_, res2_, rstd2_, N, C);
-    ops::linear_backward_weight(G(projw_), none, dres2_, atty_, N, C, C);
-    ops::linear_backward_weight(G(qkvw_), none, dqkv_, n1_.read(), N, C, QKV_);
+    ops::linear_backward_weight(math_.backward, G(projw_), none, dres2_, atty_, N, C, C);
+    ops::linear_backward_weight(math_.backward, G(qkvw_), none, dqkv_, n1_.read(), N, C, QKV_);
     ops::rmsnorm_backward_weight(G(attn_norm_), dn1_, x_in, rstd1_, N, C);
   }
 
@@ -155,6 +163,7 @@ class LlamaBlock final : public Layer {
   ModelConfig m_;
   int layer_;
   bool bf16_;  // stashes in bf16 (Stash)
+  MathMode math_;         // its products' precision in F and in B, W
   AttentionProbe probe_;  // its window (0 = none) and the dynamic window's probe
   int C_, QKV_, H_;
   TensorId attn_norm_, qkvw_, projw_, mlp_norm_, gate_up_, down_;
@@ -167,8 +176,8 @@ class LlamaBlock final : public Layer {
 
 }  // namespace
 
-std::unique_ptr<Layer> make_llama_block(const ModelConfig& m, ChunkStore& store, int layer, bool bf16) {
-  return std::make_unique<LlamaBlock>(m, store, layer, bf16);
+std::unique_ptr<Layer> make_llama_block(const ModelConfig& m, ChunkStore& store, int layer, bool bf16, MathMode math) {
+  return std::make_unique<LlamaBlock>(m, store, layer, bf16, math);
 }
 
 }  // namespace keel

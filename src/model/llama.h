@@ -17,6 +17,6 @@
 
 namespace keel {
 
-std::unique_ptr<Layer> make_llama_block(const ModelConfig& m, ChunkStore& store, int layer, bool bf16);
+std::unique_ptr<Layer> make_llama_block(const ModelConfig& m, ChunkStore& store, int layer, bool bf16, MathMode math);
 
 }  // namespace keel

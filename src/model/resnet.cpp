@@ -59,22 +59,22 @@ class ConvNorm {
   const float* y() const { return y_.data(); }
   float* dy() { return dy_.data(); }
 
-  void forward(const float* x, int B) {
+  void forward(MatmulPrecision precision, const float* x, int B) {
     ops::ConvShape s = shape(B);
-    ops::conv2d_forward(c_.data(), x, P(w_), s);
+    ops::conv2d_forward(precision, c_.data(), x, P(w_), s);
     ops::groupnorm_forward(y_.data(), mean_.data(), rstd_.data(), c_.data(), P(gamma_), P(beta_), B, s.P() * s.Q(),
                            s.K, G_, relu_);
   }
   // dc from dy; then dx (= or +=) the convolution's input gradient (dx null: the images, none wanted).
-  void backward_input(float* dx, bool accumulate, int B) {
+  void backward_input(MatmulPrecision precision, float* dx, bool accumulate, int B) {
     ops::ConvShape s = shape(B);
     ops::groupnorm_backward_input(dc_.data(), dy_.data(), c_.data(), y_.data(), mean_.data(), rstd_.data(), P(gamma_),
                                   B, s.P() * s.Q(), s.K, G_, relu_, false);
-    if (dx != nullptr) ops::conv2d_backward_input(dx, dc_.data(), P(w_), s, accumulate);
+    if (dx != nullptr) ops::conv2d_backward_input(precision, dx, dc_.data(), P(w_), s, accumulate);
   }
-  void backward_weight(const float* x, int B) {
+  void backward_weight(MatmulPrecision precision, const float* x, int B) {
     ops::ConvShape s = shape(B);
-    ops::conv2d_backward_weight(G(w_), dc_.data(), x, s);
+    ops::conv2d_backward_weight(precision, G(w_), dc_.data(), x, s);
     ops::groupnorm_backward_weight(G(gamma_), G(beta_), dy_.data(), c_.data(), y_.data(), mean_.data(), rstd_.data(),
                                    B, s.P() * s.Q(), s.K, G_, relu_);
   }
@@ -102,11 +102,12 @@ class Unit {
  public:
   virtual ~Unit() = default;
   virtual void allocate(int B) = 0;
-  virtual void forward(const float* x, int B) = 0;
+  virtual void forward(MatmulPrecision precision, const float* x, int B) = 0;
   virtual const float* out() const = 0;
   virtual float* dout() = 0;
-  virtual void backward_input(const float* x, float* dx, int B) = 0;  // dx null: no input gradient wanted
-  virtual void backward_weight(const float* x, int B) = 0;
+  virtual void backward_input(MatmulPrecision precision, const float* x, float* dx,
+                              int B) = 0;  // dx null: no input gradient wanted
+  virtual void backward_weight(MatmulPrecision precision, const float* x, int B) = 0;
   virtual double macs_per_sample() const = 0;
   virtual int64_t activation_floats() const = 0;
 };
@@ -127,17 +128,19 @@ class Stem final : public Unit {
     dout_ = buffer(static_cast<int64_t>(B) * P_ * P_ * C_);
     arg_.assign(out_.size(), 0);
   }
-  void forward(const float* x, int B) override {
-    conv_.forward(x, B);
+  void forward(MatmulPrecision precision, const float* x, int B) override {
+    conv_.forward(precision, x, B);
     ops::maxpool_forward(out_.data(), arg_.data(), conv_.y(), B, H_, H_, C_, 3, 2, 1);
   }
   const float* out() const override { return out_.data(); }
   float* dout() override { return dout_.data(); }
-  void backward_input(const float*, float* dx, int B) override {
+  void backward_input(MatmulPrecision precision, const float*, float* dx, int B) override {
     ops::maxpool_backward_input(conv_.dy(), dout_.data(), arg_.data(), B, H_, H_, C_, P_, P_);
-    conv_.backward_input(dx, false, B);
+    conv_.backward_input(precision, dx, false, B);
   }
-  void backward_weight(const float* x, int B) override { conv_.backward_weight(x, B); }
+  void backward_weight(MatmulPrecision precision, const float* x, int B) override {
+    conv_.backward_weight(precision, x, B);
+  }
   double macs_per_sample() const override { return conv_.macs_per_sample(); }
   int64_t activation_floats() const override {
     return conv_.activation_floats() + static_cast<int64_t>(out_.size() * 2 + arg_.size());
@@ -183,43 +186,43 @@ class ResidualBlock final : public Unit {
     out_ = buffer(B * units_.back().out_per_sample());
     dout_ = buffer(B * units_.back().out_per_sample());
   }
-  void forward(const float* x, int B) override {
+  void forward(MatmulPrecision precision, const float* x, int B) override {
     const float* in = x;
     for (ConvNorm& u : units_) {
-      u.forward(in, B);
+      u.forward(precision, in, B);
       in = u.y();
     }
     const float* shortcut = x;
     if (!down_.empty()) {
-      down_[0].forward(x, B);
+      down_[0].forward(precision, x, B);
       shortcut = down_[0].y();
     }
     ops::add_relu_forward(out_.data(), units_.back().y(), shortcut, B * units_.back().out_per_sample());
   }
   const float* out() const override { return out_.data(); }
   float* dout() override { return dout_.data(); }
-  void backward_input(const float* x, float* dx, int B) override {
+  void backward_input(MatmulPrecision precision, const float* x, float* dx, int B) override {
     const int64_t n = B * units_.back().out_per_sample();
     float* dsum = units_.back().dy();  // the gradient of main + shortcut, before the ReLU
     ops::relu_backward(dsum, dout_.data(), out_.data(), n);
     if (!down_.empty()) std::memcpy(down_[0].dy(), dsum, sizeof(float) * static_cast<size_t>(n));
-    for (size_t i = units_.size(); i-- > 1;) units_[i].backward_input(units_[i - 1].dy(), false, B);
-    units_[0].backward_input(dx, false, B);
+    for (size_t i = units_.size(); i-- > 1;) units_[i].backward_input(precision, units_[i - 1].dy(), false, B);
+    units_[0].backward_input(precision, dx, false, B);
     if (!down_.empty()) {
-      down_[0].backward_input(dx, true, B);
+      down_[0].backward_input(precision, dx, true, B);
     } else {
 #pragma omp parallel for simd schedule(static)
       for (int64_t i = 0; i < n; ++i) dx[i] += dsum[i];
     }
     (void)x;
   }
-  void backward_weight(const float* x, int B) override {
+  void backward_weight(MatmulPrecision precision, const float* x, int B) override {
     const float* in = x;
     for (ConvNorm& u : units_) {
-      u.backward_weight(in, B);
+      u.backward_weight(precision, in, B);
       in = u.y();
     }
-    for (ConvNorm& u : down_) u.backward_weight(x, B);
+    for (ConvNorm& u : down_) u.backward_weight(precision, x, B);
   }
   double macs_per_sample() const override {
     double m = 0;
@@ -255,19 +258,20 @@ class PoolProject final : public Unit {
     out_ = buffer(static_cast<int64_t>(B) * D_);
     dout_ = buffer(static_cast<int64_t>(B) * D_);
   }
-  void forward(const float* x, int B) override {
+  void forward(MatmulPrecision precision, const float* x, int B) override {
     ops::avgpool_forward(pooled_.data(), x, B, HW_, C_);
-    ops::linear_forward(out_.data(), pooled_.data(), store_.data(proj_, Plane::param), static_cast<const float*>(nullptr),
-                        B, C_, D_);
+    ops::linear_forward(precision, out_.data(), pooled_.data(), store_.data(proj_, Plane::param),
+                        static_cast<const float*>(nullptr), B, C_, D_);
   }
   const float* out() const override { return out_.data(); }
   float* dout() override { return dout_.data(); }
-  void backward_input(const float*, float* dx, int B) override {
-    ops::linear_backward_input(dpooled_.data(), dout_.data(), store_.data(proj_, Plane::param), B, C_, D_, false);
+  void backward_input(MatmulPrecision precision, const float*, float* dx, int B) override {
+    ops::linear_backward_input(precision, dpooled_.data(), dout_.data(), store_.data(proj_, Plane::param), B, C_, D_,
+                               false);
     ops::avgpool_backward_input(dx, dpooled_.data(), B, HW_, C_);
   }
-  void backward_weight(const float*, int B) override {
-    ops::linear_backward_weight(store_.data(proj_, Plane::grad), static_cast<float*>(nullptr), dout_.data(),
+  void backward_weight(MatmulPrecision precision, const float*, int B) override {
+    ops::linear_backward_weight(precision, store_.data(proj_, Plane::grad), static_cast<float*>(nullptr), dout_.data(),
                                 pooled_.data(), B, C_, D_);
   }
   double macs_per_sample() const override { return static_cast<double>(C_) * D_; }
@@ -284,7 +288,8 @@ class PoolProject final : public Unit {
 
 class ResNet final : public Tower {
  public:
-  ResNet(const ResNetSpec& spec, ChunkStore& store) : spec_(spec), store_(store) {
+  ResNet(const ResNetSpec& spec, ChunkStore& store, MatmulPrecision precision)
+      : spec_(spec), store_(store), math_(visual_math(spec.quant, precision)) {
     validate_resnet(spec);
     check(!store.finalized(), "resnet: the chunk store is already finalized");
     int layer = spec.layer_base;
@@ -340,11 +345,10 @@ class ResNet final : public Tower {
 
   const float* forward(const ClipBatch& b) override {
     check_batch(b);
-    const MatmulPrecisionScope precision(visual_precision(spec_.quant, /*forward=*/true));
     const float* x = b.images;
     for (size_t i = 0; i < units_.size(); ++i) {
       const PageLease use = store_.use_layer(first_layer() + static_cast<int>(i), {Plane::param});
-      units_[i]->forward(x, b.B);
+      units_[i]->forward(math_.forward, x, b.B);
       x = units_[i]->out();
     }
     return x;
@@ -352,19 +356,18 @@ class ResNet final : public Tower {
 
   void backward(const ClipBatch& b, const float* dfeatures, BackwardObserver* observer) override {
     check_batch(b);
-    const MatmulPrecisionScope precision(visual_precision(spec_.quant, /*forward=*/false));
     std::memcpy(units_.back()->dout(), dfeatures, sizeof(float) * static_cast<size_t>(b.B) * spec_.embed_dim);
     for (size_t i = units_.size(); i-- > 0;) {
       const int layer = first_layer() + static_cast<int>(i);
       const float* x = i == 0 ? b.images : units_[i - 1]->out();
       {
         const PageLease use = store_.use_layer(layer, {Plane::param});
-        units_[i]->backward_input(x, i == 0 ? nullptr : units_[i - 1]->dout(), b.B);
+        units_[i]->backward_input(math_.backward, x, i == 0 ? nullptr : units_[i - 1]->dout(), b.B);
       }
       if (observer != nullptr) observer->after_backward_input(layer);
       {
         const PageLease use = store_.use_layer(layer, {}, {Plane::grad});
-        units_[i]->backward_weight(x, b.B);
+        units_[i]->backward_weight(math_.backward, x, b.B);
       }
       if (observer != nullptr) observer->after_backward_weight(layer);
     }
@@ -389,6 +392,7 @@ class ResNet final : public Tower {
 
   ResNetSpec spec_;
   ChunkStore& store_;
+  MathMode math_;  // its products' precision in F and in B, W (visual_math)
   std::vector<std::unique_ptr<Unit>> units_;
   int max_B_ = 0;
 };
@@ -424,8 +428,8 @@ void validate_resnet(const ResNetSpec& s) {
             std::string(to_string(s.quant)) + "\"");
 }
 
-std::unique_ptr<Tower> make_resnet(const ResNetSpec& spec, ChunkStore& store) {
-  return std::make_unique<ResNet>(spec, store);
+std::unique_ptr<Tower> make_resnet(const ResNetSpec& spec, ChunkStore& store, MatmulPrecision precision) {
+  return std::make_unique<ResNet>(spec, store, precision);
 }
 
 }  // namespace keel

@@ -47,7 +47,8 @@ ResNetSpec resnet_preset(ImageTower tower);
 // Checks a spec (one line naming what is wrong).
 void validate_resnet(const ResNetSpec& spec);
 
-// Registers the tower's tensors with `store` (not yet finalized).
-std::unique_ptr<Tower> make_resnet(const ResNetSpec& spec, ChunkStore& store);
+// Registers the tower's tensors with `store` (not yet finalized). `precision`: the process's
+// (runtime.precision), which the tower's products use unless spec.quant says otherwise (visual_math).
+std::unique_ptr<Tower> make_resnet(const ResNetSpec& spec, ChunkStore& store, MatmulPrecision precision);
 
 }  // namespace keel

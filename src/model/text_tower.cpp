@@ -15,11 +15,11 @@ namespace {
 
 class TextTower final : public Tower {
  public:
-  TextTower(const ModelConfig& m, int embed_dim, ChunkStore& store, bool bf16)
+  TextTower(const ModelConfig& m, int embed_dim, ChunkStore& store, MatmulPrecision precision)
       : m_(m),
         store_(store),
         D_(embed_dim),
-        body_(m, store, {LayerRange{0, m.n_layer}}, bf16),
+        body_(m, store, {LayerRange{0, m.n_layer}}, precision == MatmulPrecision::bf16, MathMode::uniform(precision)),
         head_layer_(m.layer_base + m.n_layer + 1) {
     check(embed_dim >= 1 && embed_dim <= 8192, "clip.embed_dim: expected 1..8192, found " + std::to_string(embed_dim));
     const std::string& p = m.tensor_prefix;
@@ -73,7 +73,8 @@ class TextTower final : public Tower {
     } else {
       ops::layernorm_forward(normed_.data(), mean_.data(), rstd_.data(), pooled_.data(), P(normw_), P(normb_), b.B, C);
     }
-    ops::linear_forward(features_.data(), normed_.data(), P(proj_), static_cast<const float*>(nullptr), b.B, C, D_);
+    ops::linear_forward(body_.math().forward, features_.data(), normed_.data(), P(proj_),
+                        static_cast<const float*>(nullptr), b.B, C, D_);
     return features_.data();
   }
 
@@ -82,7 +83,7 @@ class TextTower final : public Tower {
     const int C = m_.n_embd;
     {
       const PageLease use = store_.use_layer(head_layer_, {Plane::param});
-      ops::linear_backward_input(dnormed_.data(), dfeatures, P(proj_), b.B, C, D_, false);
+      ops::linear_backward_input(body_.math().backward, dnormed_.data(), dfeatures, P(proj_), b.B, C, D_, false);
       if (m_.llama()) {
         ops::rmsnorm_backward_input(dpooled_.data(), dnormed_.data(), pooled_.data(), rstd_.data(), P(normw_), b.B, C,
                                     false);
@@ -101,7 +102,8 @@ class TextTower final : public Tower {
     if (observer != nullptr) observer->after_backward_input(head_layer_);
     {
       const PageLease use = store_.use_layer(head_layer_, {}, {Plane::grad});
-      ops::linear_backward_weight(G(proj_), static_cast<float*>(nullptr), dfeatures, normed_.data(), b.B, C, D_);
+      ops::linear_backward_weight(body_.math().backward, G(proj_), static_cast<float*>(nullptr), dfeatures,
+                                  normed_.data(), b.B, C, D_);
       if (m_.llama()) {
         ops::rmsnorm_backward_weight(G(normw_), dnormed_.data(), pooled_.data(), rstd_.data(), b.B, C);
       } else {
@@ -155,10 +157,11 @@ class TextTower final : public Tower {
 
 }  // namespace
 
-std::unique_ptr<Tower> make_text_tower(ModelConfig text, int layer_base, int embed_dim, ChunkStore& store, bool bf16) {
+std::unique_ptr<Tower> make_text_tower(ModelConfig text, int layer_base, int embed_dim, ChunkStore& store,
+                                       MatmulPrecision precision) {
   text.tensor_prefix = "text.";
   text.layer_base = layer_base;
-  return std::make_unique<TextTower>(text, embed_dim, store, bf16);
+  return std::make_unique<TextTower>(text, embed_dim, store, precision);
 }
 
 }  // namespace keel

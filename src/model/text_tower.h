@@ -15,9 +15,10 @@
 
 namespace keel {
 
-// `text` is a resolved model config; its prefix and layer base are set here. bf16: the
-// transformer keeps its matrix products' activations in bf16 (runtime.precision = "bf16").
+// `text` is a resolved model config; its prefix and layer base are set here. `precision`
+// (runtime.precision): the arithmetic of every product of the tower; under bf16 the transformer
+// also keeps its matrix products' activations in bf16.
 std::unique_ptr<Tower> make_text_tower(ModelConfig text, int layer_base, int embed_dim, ChunkStore& store,
-                                       bool bf16 = false);
+                                       MatmulPrecision precision);
 
 }  // namespace keel

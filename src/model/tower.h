@@ -16,25 +16,13 @@
 
 namespace keel {
 
-// One micro-batch of image-caption pairs.
-struct ClipBatch {
-  const float* images = nullptr;  // [B, H, W, 3] channels-last, normalised
-  const int* tokens = nullptr;    // [B, T] caption tokens (padded after each caption's end)
-  const int* lengths = nullptr;   // [B]: caption b's feature is taken at position lengths[b] - 1
-  int B = 0;
-  int T = 0;
-  // A ViT's patch masking (FLIP): the patches each sample keeps, [B, keep], increasing indices;
-  // null: every patch.
-  const int* patch_keep = nullptr;
-  int keep = 0;
-};
-
-// The precision of an image tower's products in its forward or backward pass under
+// The precision of an image tower's products in its forward and backward passes under
 // clip.visual_quant: "bf16" both ways; "int8" forward (a ViT's) and bf16 backward; "none" the
-// process's own. A tower's pass runs under MatmulPrecisionScope(visual_precision(...)).
-inline MatmulPrecision visual_precision(VisualQuant quant, bool forward) {
-  if (quant == VisualQuant::int8) return forward ? MatmulPrecision::int8 : MatmulPrecision::bf16;
-  return quant == VisualQuant::bf16 ? MatmulPrecision::bf16 : matmul_precision();
+// process's own (`process`: runtime.precision). The tower holds it from its construction and hands
+// it to every kernel of its passes (its blocks' included).
+inline MathMode visual_math(VisualQuant quant, MatmulPrecision process) {
+  if (quant == VisualQuant::int8) return MathMode{MatmulPrecision::int8, MatmulPrecision::bf16};
+  return MathMode::uniform(quant == VisualQuant::bf16 ? MatmulPrecision::bf16 : process);
 }
 
 class Tower {

@@ -39,13 +39,18 @@ ModelConfig blocks_config(const VitSpec& s) {
 
 class Vit final : public Tower {
  public:
-  Vit(const VitSpec& s, ChunkStore& store)
-      : s_((validate_vit(s), s)), store_(store), P_(s.patches()), PV_(s.patch * s.patch * 3), C_(s.width),
+  Vit(const VitSpec& s, ChunkStore& store, MatmulPrecision precision)
+      : s_((validate_vit(s), s)),
+        store_(store),
+        math_(visual_math(s.quant, precision)),
+        P_(s.patches()),
+        PV_(s.patch * s.patch * 3),
+        C_(s.width),
         patch_w_(store.add(TensorSpec{s.prefix + "patch.w", {C_, PV_}, s.layer_base, ChunkKind::embedding, true})),
         patch_b_(store.add(TensorSpec{s.prefix + "patch.b", {C_}, s.layer_base, ChunkKind::embedding, false})),
         cls_(store.add(TensorSpec{s.prefix + "cls", {C_}, s.layer_base, ChunkKind::embedding, false})),
         pos_(store.add(TensorSpec{s.prefix + "pos", {P_ + 1, C_}, s.layer_base, ChunkKind::embedding, false})),
-        body_(blocks_config(s), store, {LayerRange{1, s.layers}}, s.quant == VisualQuant::bf16),
+        body_(blocks_config(s), store, {LayerRange{1, s.layers}}, s.quant == VisualQuant::bf16, math_),
         head_layer_(s.layer_base + s.layers + 1) {
     normw_ = store.add(TensorSpec{s.prefix + "lnf.w", {C_}, head_layer_, ChunkKind::norm, false});
     normb_ = store.add(TensorSpec{s.prefix + "lnf.b", {C_}, head_layer_, ChunkKind::norm, false});
@@ -87,12 +92,11 @@ class Vit final : public Tower {
 
   const float* forward(const ClipBatch& b) override {
     const int K = check_batch(b), T = K + 1;
-    const MatmulPrecisionScope precision(visual_precision(s_.quant, /*forward=*/true));
     patchify(b, K);
     {
       const PageLease use = store_.use_layer(s_.layer_base, {Plane::param});
       // tokens[B*K, C] = patches @ W^T + bias, then the class token and the position rows.
-      ops::linear_forward(tokens_.data(), patches_.data(), P(patch_w_), P(patch_b_), b.B * K, PV_, C_);
+      ops::linear_forward(math_.forward, tokens_.data(), patches_.data(), P(patch_w_), P(patch_b_), b.B * K, PV_, C_);
       float* x = body_.input(0, 1);
       for (int i = 0; i < b.B; ++i) {
         float* row0 = x + static_cast<int64_t>(i) * T * C_;
@@ -112,17 +116,16 @@ class Vit final : public Tower {
     }
     const PageLease use = store_.use_layer(head_layer_, {Plane::param});
     ops::layernorm_forward(normed_.data(), mean_.data(), rstd_.data(), cls_out_.data(), P(normw_), P(normb_), b.B, C_);
-    ops::linear_forward(features_.data(), normed_.data(), P(proj_), static_cast<const float*>(nullptr), b.B, C_,
-                        s_.embed_dim);
+    ops::linear_forward(math_.forward, features_.data(), normed_.data(), P(proj_), static_cast<const float*>(nullptr),
+                        b.B, C_, s_.embed_dim);
     return features_.data();
   }
 
   void backward(const ClipBatch& b, const float* dfeatures, BackwardObserver* observer) override {
     const int K = check_batch(b), T = K + 1, D = s_.embed_dim;
-    const MatmulPrecisionScope precision(visual_precision(s_.quant, /*forward=*/false));
     {
       const PageLease use = store_.use_layer(head_layer_, {Plane::param});
-      ops::linear_backward_input(dnormed_.data(), dfeatures, P(proj_), b.B, C_, D, false);
+      ops::linear_backward_input(math_.backward, dnormed_.data(), dfeatures, P(proj_), b.B, C_, D, false);
       ops::layernorm_backward_input(dcls_out_.data(), dnormed_.data(), cls_out_.data(), mean_.data(), rstd_.data(),
                                     P(normw_), b.B, C_, false);
       float* dy = body_.output_grad(0, s_.layers);  // zero but at each sample's class token
@@ -134,7 +137,8 @@ class Vit final : public Tower {
     if (observer != nullptr) observer->after_backward_input(head_layer_);
     {
       const PageLease use = store_.use_layer(head_layer_, {}, {Plane::grad});
-      ops::linear_backward_weight(G(proj_), static_cast<float*>(nullptr), dfeatures, normed_.data(), b.B, C_, D);
+      ops::linear_backward_weight(math_.backward, G(proj_), static_cast<float*>(nullptr), dfeatures, normed_.data(),
+                                  b.B, C_, D);
       ops::layernorm_backward_weight(G(normw_), G(normb_), dnormed_.data(), cls_out_.data(), mean_.data(), rstd_.data(),
                                      b.B, C_);
     }
@@ -154,7 +158,8 @@ class Vit final : public Tower {
         std::memcpy(&tokens_[static_cast<size_t>(i) * K * C_], dx + (static_cast<int64_t>(i) * T + 1) * C_,
                     sizeof(float) * static_cast<size_t>(K) * C_);
       }
-      ops::linear_backward_weight(G(patch_w_), G(patch_b_), tokens_.data(), patches_.data(), b.B * K, PV_, C_);
+      ops::linear_backward_weight(math_.backward, G(patch_w_), G(patch_b_), tokens_.data(), patches_.data(), b.B * K,
+                                  PV_, C_);
       float* dcls = G(cls_);
       float* dpos = G(pos_);
       for (int i = 0; i < b.B; ++i) {  // sequential over samples: a fixed order
@@ -221,6 +226,7 @@ class Vit final : public Tower {
 
   VitSpec s_;
   ChunkStore& store_;
+  MathMode math_;  // its products' precision in F and in B, W (visual_math), its blocks' included
   int P_, PV_, C_;
   TensorId patch_w_, patch_b_, cls_, pos_;
   GPT body_;
@@ -248,6 +254,8 @@ void validate_vit(const VitSpec& s) {
   check(s.embed_dim >= 1 && s.embed_dim <= 8192, key("embed_dim", "1..8192", s.embed_dim));
 }
 
-std::unique_ptr<Tower> make_vit(const VitSpec& spec, ChunkStore& store) { return std::make_unique<Vit>(spec, store); }
+std::unique_ptr<Tower> make_vit(const VitSpec& spec, ChunkStore& store, MatmulPrecision precision) {
+  return std::make_unique<Vit>(spec, store, precision);
+}
 
 }  // namespace keel

@@ -51,6 +51,8 @@ struct VitSpec {
 
 // One line naming the [clip] key that is wrong.
 void validate_vit(const VitSpec& spec);
-std::unique_ptr<Tower> make_vit(const VitSpec& spec, ChunkStore& store);
+// `precision`: the process's (runtime.precision), which the tower's products use unless spec.quant
+// says otherwise (visual_math).
+std::unique_ptr<Tower> make_vit(const VitSpec& spec, ChunkStore& store, MatmulPrecision precision);
 
 }  // namespace keel

@@ -5,7 +5,7 @@
 // never the registry's lock that a scrape's Collect holds). Rank 0 serves the whole job: its step
 // line already holds the job's figures (throughput over all ranks, the largest peak RSS, sync maxima
 // over the data-parallel group). Names follow Prometheus conventions (base units, _total
-// counters); the table is in the README.
+// counters); the list is in docs/monitoring.md.
 #pragma once
 
 #include <map>

@@ -16,6 +16,7 @@
 #include "comm/process_groups.h"
 #include "comm/sharded_optimizer.h"
 #include "core/config.h"
+#include "core/step_engine.h"
 #include "data/loader.h"
 #include "model/gpt.h"
 #include "pipeline/executor.h"
@@ -23,7 +24,6 @@
 #include "pipeline/layer_profile.h"
 #include "pipeline/layout.h"
 #include "pipeline/micro_batching.h"
-#include "runtime/step_engine.h"
 
 namespace keel::pipeline {
 

@@ -11,6 +11,15 @@
 
 namespace keel {
 
+FeatureGather feature_gather(Communicator& dp) {
+  return {dp.rank(), dp.size(), [&dp](float* rows, int floats_per_rank) {
+            const std::vector<int> counts(dp.size(), floats_per_rank);
+            std::vector<int> displs(dp.size());
+            for (int r = 0; r < dp.size(); ++r) displs[r] = r * floats_per_rank;
+            dp.allgatherv(rows, counts, displs);
+          }};
+}
+
 ClipStep::ClipStep(const Config& config, Communicator& dp, ChunkStore& store, ClipModel& model, ClipLoader& data,
                    GradSync& sync, ShardedOptimizer& optimizer)
     : config_(config), dp_(dp), store_(store), model_(model), data_(data), sync_(sync), optimizer_(optimizer) {
@@ -109,6 +118,7 @@ ClipStepResult ClipStep::run_clip(int64_t step, double lr) {
   const int patches = clip.image_tower == ImageTower::vit ? model_.spec().vit_spec().patches() : 0;
   const int keep = std::max(1, static_cast<int>(std::lround(patches * (1.0 - clip.vit_mask))));
   r.trained = plan_step(step);
+  const FeatureGather gather = feature_gather(dp_);
   for (int micro = 0; micro < t.grad_accum; ++micro) {
     const int64_t first = data_.position() + static_cast<int64_t>(dp_.rank()) * t.batch_size;  // in the global order
     ClipBatch batch = data_.next();
@@ -131,7 +141,7 @@ ClipStepResult ClipStep::run_clip(int64_t step, double lr) {
     sync_.begin(micro == t.grad_accum - 1, step);
     // (Each micro-batch's gradient is its loss's, divided over the micro-batches of the step; the
     // ranks' shares sum to it: no 1 / world here, the loss is already over the global batch.)
-    const ContrastiveResult c = model_.train_micro_batch(batch, 1.0f / static_cast<float>(t.grad_accum), &sync_, &dp_,
+    const ContrastiveResult c = model_.train_micro_batch(batch, 1.0f / static_cast<float>(t.grad_accum), &sync_, &gather,
                                                          r.trained);
     loss_sum += c.loss;
     r.accuracy_i2t += c.accuracy_i2t / t.grad_accum;

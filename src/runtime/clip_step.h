@@ -34,14 +34,19 @@
 
 #include <cstdint>
 
+#include "comm/communicator.h"
 #include "comm/grad_sync.h"
 #include "comm/sharded_optimizer.h"
 #include "core/config.h"
+#include "core/step_engine.h"
 #include "data/clip_loader.h"
 #include "model/clip.h"
-#include "runtime/step_engine.h"
 
 namespace keel {
+
+// The data-parallel group's features gathered over `dp` (an all-gather of equal shares); `dp` must
+// outlive it.
+FeatureGather feature_gather(Communicator& dp);
 
 struct ClipStepResult : StepResult {
   double accuracy_i2t = 0, accuracy_t2i = 0;  // in-batch top-1, mean over micro-batches

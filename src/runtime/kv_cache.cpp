@@ -273,7 +273,8 @@ void KvCache::compute(Sequence& s, std::span<const int> tokens) {
   stats_.compute_ms += ms_since(t0);
 }
 
-void KvCache::Sequence::attend(int block, const float* qkv, int ldq, float* out, int n, int window) {
+void KvCache::Sequence::attend(MatmulPrecision precision, int block, const float* qkv, int ldq, float* out, int n,
+                               int window) {
   KvCache& c = cache_;
   const ModelConfig& m = c.model_.config();
   const int kb = c.options_.block_tokens, kv = c.kv_dim_, C = m.n_embd;
@@ -298,7 +299,8 @@ void KvCache::Sequence::attend(int block, const float* qkv, int ldq, float* out,
     std::memcpy(page + static_cast<int64_t>(p % kb) * kv, row + C, sizeof(float) * kv);                     // key
     std::memcpy(page + static_cast<int64_t>(kb + p % kb) * kv, row + C + kv, sizeof(float) * kv);         // value
   }
-  ops::paged_attention_forward(out, qkv, ldq, n, pos0_, pages.data(), kb, m.n_head, m.n_kv_head, m.head_size(), window);
+  ops::paged_attention_forward(precision, out, qkv, ldq, n, pos0_, pages.data(), kb, m.n_head, m.n_kv_head,
+                               m.head_size(), window);
 }
 
 std::string KvCache::summary() const {

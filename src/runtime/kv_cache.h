@@ -88,7 +88,8 @@ class KvCache {
     const std::vector<float>& last_logits() const { return last_logits_; }
     uint64_t reused_tokens() const { return reused_; }
     int pos0() const override { return pos0_; }
-    void attend(int block, const float* qkv, int ldq, float* out, int n, int window) override;
+    void attend(MatmulPrecision precision, int block, const float* qkv, int ldq, float* out, int n,
+                int window) override;
 
    private:
     friend class KvCache;

@@ -331,6 +331,17 @@ std::vector<std::string> mpirun_argv(const LaunchOptions& o, int restart) {
     argv.push_back("--hostfile");
     argv.push_back(o.hostfile);
   }
+  // When a rank dies, mpirun ends the others with SIGTERM and, odls_base_sigkill_timeout seconds
+  // later, SIGKILL; OpenMPI 4.1 takes 2 s for that with its default of 1, the largest part of
+  // detecting a failure. Nothing is lost by ending them at once: a job that lost a rank cannot finish
+  // a step, and an interrupted checkpoint write is never taken for a checkpoint. (A stop the user
+  // asks for reaches the ranks as SIGUSR1/SIGUSR2, not through this.) A --mca of the caller's wins.
+  const bool own_sigkill_timeout = std::any_of(o.mca.begin(), o.mca.end(), [](const auto& kv) {
+    return kv.first == "odls_base_sigkill_timeout";
+  });
+  if (!own_sigkill_timeout) {
+    for (const char* word : {"--mca", "odls_base_sigkill_timeout", "0"}) argv.push_back(word);
+  }
   for (const auto& [k, v] : o.mca) {
     argv.push_back("--mca");
     argv.push_back(k);

@@ -17,12 +17,12 @@
 #include "comm/sync_report.h"
 #include "core/config.h"
 #include "core/metrics_source.h"
+#include "core/step_engine.h"
 #include "data/clip_loader.h"
 #include "data/loader.h"
 #include "model/clip.h"
 #include "model/gpt.h"
 #include "pipeline/pipeline_step.h"
-#include "runtime/step_engine.h"
 #include "store/chunk_store.h"
 #include "store/tiered_memory.h"
 

@@ -6,10 +6,10 @@
 #include "comm/grad_sync.h"
 #include "comm/sharded_optimizer.h"
 #include "core/config.h"
+#include "core/step_engine.h"
 #include "data/loader.h"
 #include "model/gpt.h"
 #include "pipeline/layer_profile.h"
-#include "runtime/step_engine.h"
 
 namespace keel {
 

@@ -57,7 +57,6 @@ Trainer::Trainer(Config config, Communicator& comm)
   auto log = [this](const nlohmann::json& line) { metrics_.log(line); };
   workload_ = make_workload(config_, groups_, log);
   measure_peaks();  // (in float32: the SGEMM reference of matmul_efficiency)
-  set_matmul_precision(config_.runtime.precision == Precision::bf16 ? MatmulPrecision::bf16 : MatmulPrecision::fp32);
   rank_ = workload_->build(std::move(layout));
   for (MetricsSource* source : rank_->sources()) metrics_.add_source(source);
   if (rank_->tiers) hooks_.push_back(rank_->tiers.get());
@@ -94,8 +93,7 @@ Trainer::Trainer(Config config, Communicator& comm)
   metrics_.open(!progress_.resumed_from.empty() || std::getenv("KEEL_RESTART") != nullptr, progress_.steps_done);
 }
 
-// The process goes back to float32 products (a test may build another trainer after this one).
-Trainer::~Trainer() { set_matmul_precision(MatmulPrecision::fp32); }
+Trainer::~Trainer() = default;
 
 void Trainer::resume_or_init() {
   if (const std::optional<TrainState> state = checkpointer_->resume()) {

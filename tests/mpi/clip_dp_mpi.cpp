@@ -96,7 +96,8 @@ TEST(ClipDataParallel, GradientsSummedOverRanksEqualOneRankWithTheWholeBatch) {
   whole.init_weights(5);
   mine.allocate(kB, kT);
   whole.allocate(kB * W, kT);
-  const ContrastiveResult r = mine.train_micro_batch(mine_loader.rows(world.rank() * kB, kB), 1.0f, nullptr, &world);
+  const FeatureGather gather = feature_gather(world);
+  const ContrastiveResult r = mine.train_micro_batch(mine_loader.rows(world.rank() * kB, kB), 1.0f, nullptr, &gather);
   const ContrastiveResult w = whole.train_micro_batch(whole_loader.rows(0, kB * W), 1.0f);
   EXPECT_NEAR(r.loss, w.loss, 1e-6 * w.loss);
   std::span<float> g = mine_store.range_view(Plane::grad, 0, mine_store.numel());

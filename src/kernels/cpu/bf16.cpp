@@ -16,8 +16,6 @@ namespace keel {
 
 namespace {
 
-MatmulPrecision g_precision = MatmulPrecision::fp32;
-
 // Converts rows x cols of src (leading dimension ld) into dst (compact, leading dimension cols).
 // In parallel unless already inside a parallel region.
 template <typename Out, typename In, typename Convert>
@@ -98,9 +96,6 @@ bool bf16_through_onednn() {
 }
 
 }  // namespace
-
-void set_matmul_precision(MatmulPrecision p) { g_precision = p; }
-MatmulPrecision matmul_precision() { return g_precision; }
 
 bool cpu_has_bf16() {
   // Asked once: CPUID is slow (in a virtual machine, a trip to the hypervisor) and the convolutions

@@ -18,27 +18,13 @@
 
 namespace keel {
 
-// int8: dynamic range-based int8 products (kernels/cpu/int8_gemm.h); only ever within a
-// MatmulPrecisionScope (a ViT tower's forward under clip.visual_quant = "int8").
+// The arithmetic of one float matrix product (kernels/cpu/blas.h gemm<float>): float32 (SGEMM),
+// bf16 operands with float32 sums (runtime.precision = "bf16"), or int8 (dynamic range-based int8
+// products, kernels/cpu/int8_gemm.h: an image tower's forward under clip.visual_quant = "int8").
+// It is a value every product is given by its caller, not a state of the process: each layer holds
+// the precision of its passes from its construction (model/layer.h MathMode) and hands it to the
+// kernels, so models of different precisions can run side by side in one process.
 enum class MatmulPrecision { fp32, bf16, int8 };
-
-// The precision of every float GEMM (kernels/cpu/blas.h gemm<float>) in this process: set once,
-// before training, from runtime.precision.
-void set_matmul_precision(MatmulPrecision p);
-MatmulPrecision matmul_precision();
-
-// Another precision for the products of a scope (one tower's pass), restored at its end. The
-// training thread sets it; the threads of a parallel region inside the scope read it.
-class MatmulPrecisionScope {
- public:
-  explicit MatmulPrecisionScope(MatmulPrecision p) : before_(matmul_precision()) { set_matmul_precision(p); }
-  ~MatmulPrecisionScope() { set_matmul_precision(before_); }
-  MatmulPrecisionScope(const MatmulPrecisionScope&) = delete;
-  MatmulPrecisionScope& operator=(const MatmulPrecisionScope&) = delete;
-
- private:
-  MatmulPrecision before_;
-};
 
 // Whether this CPU has bf16 dot-product instructions (CPUID leaf 7 subleaf 1: AVX512_BF16).
 bool cpu_has_bf16();

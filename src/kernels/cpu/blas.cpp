@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <chrono>
+#include <mutex>
 #include <vector>
 
 #include "core/error.h"
@@ -18,11 +19,20 @@ int openblas_get_parallel(void);
 namespace keel {
 
 namespace {
-GemmStats g_stats;  // updated only from the serial part of the program
-}
+// Updated from the serial part of each thread that runs a model: two models on two threads add
+// at once.
+GemmStats g_stats;
+std::mutex g_stats_mutex;
+}  // namespace
 
-GemmStats gemm_stats() { return g_stats; }
-void gemm_stats_reset() { g_stats = GemmStats{}; }
+GemmStats gemm_stats() {
+  const std::lock_guard<std::mutex> lock(g_stats_mutex);
+  return g_stats;
+}
+void gemm_stats_reset() {
+  const std::lock_guard<std::mutex> lock(g_stats_mutex);
+  g_stats = GemmStats{};
+}
 
 namespace {
 
@@ -33,6 +43,7 @@ void counted(int M, int N, int K, Run run) {
   const auto t0 = serial ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
   run();
   if (serial) {
+    const std::lock_guard<std::mutex> lock(g_stats_mutex);
     g_stats.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     g_stats.flops += 2.0 * M * N * K;
     g_stats.calls++;
@@ -42,12 +53,12 @@ void counted(int M, int N, int K, Run run) {
 }  // namespace
 
 template <>
-void gemm<float>(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* A, int lda,
-                 const float* B, int ldb, float beta, float* C, int ldc) {
+void gemm<float>(MatmulPrecision precision, bool trans_a, bool trans_b, int M, int N, int K, float alpha,
+                 const float* A, int lda, const float* B, int ldb, float beta, float* C, int ldc) {
   counted(M, N, K, [&] {
-    if (matmul_precision() == MatmulPrecision::bf16) {
+    if (precision == MatmulPrecision::bf16) {
       gemm_bf16(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-    } else if (matmul_precision() == MatmulPrecision::int8) {
+    } else if (precision == MatmulPrecision::int8) {
       gemm_int8_dynamic(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     } else {
       cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K,
@@ -56,18 +67,18 @@ void gemm<float>(bool trans_a, bool trans_b, int M, int N, int K, float alpha, c
   });
 }
 
-void gemm_operands(bool trans_a, bool trans_b, int M, int N, int K, float alpha, Operand A, int lda, Operand B,
-                   int ldb, float beta, float* C, int ldc) {
+void gemm_operands(MatmulPrecision precision, bool trans_a, bool trans_b, int M, int N, int K, float alpha, Operand A,
+                   int lda, Operand B, int ldb, float beta, float* C, int ldc) {
   if (A.bf16 == nullptr && B.bf16 == nullptr) {
-    gemm<float>(trans_a, trans_b, M, N, K, alpha, A.f32, lda, B.f32, ldb, beta, C, ldc);
+    gemm<float>(precision, trans_a, trans_b, M, N, K, alpha, A.f32, lda, B.f32, ldb, beta, C, ldc);
     return;
   }
   counted(M, N, K, [&] { gemm_bf16(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc); });
 }
 
 template <>
-void gemm<double>(bool trans_a, bool trans_b, int M, int N, int K, double alpha, const double* A, int lda,
-                  const double* B, int ldb, double beta, double* C, int ldc) {
+void gemm<double>(MatmulPrecision, bool trans_a, bool trans_b, int M, int N, int K, double alpha, const double* A,
+                  int lda, const double* B, int ldb, double beta, double* C, int ldc) {
   cblas_dgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K,
               alpha, A, lda, B, ldb, beta, C, ldc);
 }
@@ -83,11 +94,12 @@ std::string check_blas() {
 
 double measure_sgemm_gflops(int n, int repeats) {
   std::vector<float> a(static_cast<size_t>(n) * n, 0.5f), b(a.size(), 0.25f), c(a.size());
-  gemm<float>(false, false, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);  // warm-up
+  // warm-up
+  gemm<float>(MatmulPrecision::fp32, false, false, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
   double best_s = 1e30;
   for (int r = 0; r < repeats; ++r) {
     auto t0 = std::chrono::steady_clock::now();
-    gemm<float>(false, false, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
+    gemm<float>(MatmulPrecision::fp32, false, false, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
     best_s = std::min(best_s, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   return 2.0 * n * n * n / best_s * 1e-9;

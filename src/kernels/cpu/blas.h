@@ -9,16 +9,18 @@
 
 namespace keel {
 
-// Row-major C[M,N] = alpha * op(A) * op(B) + beta * C, op = transpose when trans_* is true.
+// Row-major C[M,N] = alpha * op(A) * op(B) + beta * C, op = transpose when trans_* is true, in
+// the arithmetic `precision` names for float (kernels/cpu/bf16.h). double (the finite-difference
+// references) always multiplies in float64; its callers pass MatmulPrecision::fp32.
 template <typename T>
-void gemm(bool trans_a, bool trans_b, int M, int N, int K, T alpha, const T* A, int lda, const T* B, int ldb,
-          T beta, T* C, int ldc);
+void gemm(MatmulPrecision precision, bool trans_a, bool trans_b, int M, int N, int K, T alpha, const T* A, int lda,
+          const T* B, int ldb, T beta, T* C, int ldc);
 
 // float GEMM whose operands may be bf16 bits (activations stored in bf16, model/layer_util.h):
-// with a bf16 operand, the bf16 product (kernels/cpu/bf16.h) whatever the process's precision;
-// with two float32 operands, gemm<float>.
-void gemm_operands(bool trans_a, bool trans_b, int M, int N, int K, float alpha, Operand A, int lda, Operand B,
-                   int ldb, float beta, float* C, int ldc);
+// with a bf16 operand, the bf16 product (kernels/cpu/bf16.h) whatever `precision` says;
+// with two float32 operands, gemm<float> at `precision`.
+void gemm_operands(MatmulPrecision precision, bool trans_a, bool trans_b, int M, int N, int K, float alpha, Operand A,
+                   int lda, Operand B, int ldb, float beta, float* C, int ldc);
 
 // Time and FLOPs spent in GEMM calls made outside OpenMP parallel regions (the dense layers;
 // attention's per-head products run inside a parallel region and are not counted). For benchmarks.

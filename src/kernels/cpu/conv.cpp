@@ -36,7 +36,7 @@ void check_shape(const ConvShape& s) {
 // One shape's primitives: forward, backward data and backward weights, each with the weights in
 // the layout its implementation chose, and the reorders between those and PyTorch's OIHW.
 //
-// With bf16 products (matmul_precision() == bf16 where the CPU has bf16 instructions) the
+// With bf16 products (a call at MatmulPrecision::bf16 where the CPU has bf16 instructions) the
 // primitives read bf16 activations, weights and output gradients and write float32: forward
 // (src, weights: bf16; dst: f32), backward data (diff_dst, weights: bf16; diff_src: f32), backward
 // weights (src, diff_dst: bf16; diff_weights: f32). The float32 activations and gradients are
@@ -158,8 +158,9 @@ dnnl::memory weights_as(ConvCache& cache, const ConvPrimitives& p, dnnl::reorder
   return out;
 }
 
-// Whether this call's products are bf16 (the precision in effect, where oneDNN runs bf16 here).
-bool use_bf16() { return matmul_precision() == MatmulPrecision::bf16 && cpu_has_bf16(); }
+// Whether a call at `precision` multiplies in bf16 (where oneDNN runs bf16 here; int8 and fp32
+// convolutions run in float32).
+bool use_bf16(MatmulPrecision precision) { return precision == MatmulPrecision::bf16 && cpu_has_bf16(); }
 
 // `x` as the primitive reads it: the float32 array, or its bf16 copy in `buf` (layout `md16`).
 dnnl::memory low(const ConvCache& cache, const ConvPrimitives& p, const dnnl::memory::desc& f32,
@@ -169,10 +170,10 @@ dnnl::memory low(const ConvCache& cache, const ConvPrimitives& p, const dnnl::me
   return wrap(md16, cache, buf.data());
 }
 
-void onednn_forward(float* y, const float* x, const float* w, const ConvShape& s) {
+void onednn_forward(MatmulPrecision precision, float* y, const float* x, const float* w, const ConvShape& s) {
   ConvCache& cache = conv_cache();
   std::lock_guard<std::mutex> lock(cache.mutex);
-  ConvPrimitives& p = primitives(cache, s, use_bf16());
+  ConvPrimitives& p = primitives(cache, s, use_bf16(precision));
   const dnnl::memory weights = weights_as(cache, p, p.to_fwd, p.w_fwd, p.w_fwd_buf, w);
   p.fwd.execute(cache.stream, {{DNNL_ARG_SRC, low(cache, p, p.act_in, p.in16, p.in_buf, x)},
                                {DNNL_ARG_WEIGHTS, weights},
@@ -181,10 +182,10 @@ void onednn_forward(float* y, const float* x, const float* w, const ConvShape& s
   cache.stream.wait();
 }
 
-void onednn_backward_input(float* dx, const float* dy, const float* w, const ConvShape& s) {
+void onednn_backward_input(MatmulPrecision precision, float* dx, const float* dy, const float* w, const ConvShape& s) {
   ConvCache& cache = conv_cache();
   std::lock_guard<std::mutex> lock(cache.mutex);
-  ConvPrimitives& p = primitives(cache, s, use_bf16());
+  ConvPrimitives& p = primitives(cache, s, use_bf16(precision));
   const dnnl::memory weights = weights_as(cache, p, p.to_bwd, p.w_bwd, p.w_bwd_buf, w);
   p.bwd_data.execute(cache.stream, {{DNNL_ARG_DIFF_DST, low(cache, p, p.act_out, p.out16, p.out_buf, dy)},
                                     {DNNL_ARG_WEIGHTS, weights},
@@ -194,9 +195,10 @@ void onednn_backward_input(float* dx, const float* dy, const float* w, const Con
 }
 
 // Overwrites dw_plain of the entry with this call's weight gradient; the caller adds it.
-const float* onednn_backward_weight(const float* dy, const float* x, const ConvShape& s, std::unique_lock<std::mutex>&) {
+const float* onednn_backward_weight(MatmulPrecision precision, const float* dy, const float* x, const ConvShape& s,
+                                    std::unique_lock<std::mutex>&) {
   ConvCache& cache = conv_cache();
-  ConvPrimitives& p = primitives(cache, s, use_bf16());
+  ConvPrimitives& p = primitives(cache, s, use_bf16(precision));
   dnnl::memory plain = wrap(p.w_plain, cache, p.dw_plain.data());
   dnnl::memory grads = p.from_dw ? wrap(p.dw_bwd, cache, p.dw_buf.data()) : plain;
   p.bwd_weights.execute(cache.stream, {{DNNL_ARG_SRC, low(cache, p, p.act_in, p.in16, p.in_buf, x)},
@@ -302,25 +304,26 @@ std::string conv_engine() {
 }
 
 template <typename T>
-void conv2d_forward(T* y, const T* x, const T* w, const ConvShape& s) {
+void conv2d_forward(MatmulPrecision precision, T* y, const T* x, const T* w, const ConvShape& s) {
   check_shape(s);
   if constexpr (std::is_same_v<T, float>) {
-    onednn_forward(y, x, w, s);
+    onednn_forward(precision, y, x, w, s);
   } else {
     direct_forward(y, x, w, s);
   }
 }
 
 template <typename T>
-void conv2d_backward_input(T* dx, const T* dy, const T* w, const ConvShape& s, bool accumulate) {
+void conv2d_backward_input(MatmulPrecision precision, T* dx, const T* dy, const T* w, const ConvShape& s,
+                           bool accumulate) {
   check_shape(s);
   if constexpr (std::is_same_v<T, float>) {
     if (!accumulate) {
-      onednn_backward_input(dx, dy, w, s);
+      onednn_backward_input(precision, dx, dy, w, s);
       return;
     }
     std::vector<float> tmp(static_cast<size_t>(s.in_size()));
-    onednn_backward_input(tmp.data(), dy, w, s);
+    onednn_backward_input(precision, tmp.data(), dy, w, s);
     const int64_t n = s.in_size();
 #pragma omp parallel for simd schedule(static)
     for (int64_t i = 0; i < n; ++i) dx[i] += tmp[i];
@@ -330,12 +333,12 @@ void conv2d_backward_input(T* dx, const T* dy, const T* w, const ConvShape& s, b
 }
 
 template <typename T>
-void conv2d_backward_weight(T* dw, const T* dy, const T* x, const ConvShape& s) {
+void conv2d_backward_weight(MatmulPrecision precision, T* dw, const T* dy, const T* x, const ConvShape& s) {
   check_shape(s);
   if constexpr (std::is_same_v<T, float>) {
     ConvCache& cache = conv_cache();
     std::unique_lock<std::mutex> lock(cache.mutex);
-    const float* g = onednn_backward_weight(dy, x, s, lock);
+    const float* g = onednn_backward_weight(precision, dy, x, s, lock);
     const int64_t n = s.weight_size();
 #pragma omp parallel for simd schedule(static)
     for (int64_t i = 0; i < n; ++i) dw[i] += g[i];
@@ -574,20 +577,20 @@ void avgpool_backward_input(T* dx, const T* dy, int N, int HW, int C) {
   }
 }
 
-#define KEEL_CONV_INSTANTIATE(T)                                                                                    \
-  template void conv2d_forward<T>(T*, const T*, const T*, const ConvShape&);                                       \
-  template void conv2d_backward_input<T>(T*, const T*, const T*, const ConvShape&, bool);                          \
-  template void conv2d_backward_weight<T>(T*, const T*, const T*, const ConvShape&);                               \
-  template void groupnorm_forward<T>(T*, T*, T*, const T*, const T*, const T*, int, int, int, int, bool);          \
+#define KEEL_CONV_INSTANTIATE(T)                                                                                      \
+  template void conv2d_forward<T>(MatmulPrecision, T*, const T*, const T*, const ConvShape&);                         \
+  template void conv2d_backward_input<T>(MatmulPrecision, T*, const T*, const T*, const ConvShape&, bool);            \
+  template void conv2d_backward_weight<T>(MatmulPrecision, T*, const T*, const T*, const ConvShape&);                 \
+  template void groupnorm_forward<T>(T*, T*, T*, const T*, const T*, const T*, int, int, int, int, bool);             \
   template void groupnorm_backward_input<T>(T*, const T*, const T*, const T*, const T*, const T*, const T*, int, int, \
-                                            int, int, bool, bool);                                                 \
+                                            int, int, bool, bool);                                                    \
   template void groupnorm_backward_weight<T>(T*, T*, const T*, const T*, const T*, const T*, const T*, int, int, int, \
-                                             int, bool);                                                           \
-  template void add_relu_forward<T>(T*, const T*, const T*, int64_t);                                              \
-  template void relu_backward<T>(T*, const T*, const T*, int64_t);                                                 \
-  template void maxpool_forward<T>(T*, int32_t*, const T*, int, int, int, int, int, int, int);                     \
-  template void maxpool_backward_input<T>(T*, const T*, const int32_t*, int, int, int, int, int, int);             \
-  template void avgpool_forward<T>(T*, const T*, int, int, int);                                                   \
+                                             int, bool);                                                              \
+  template void add_relu_forward<T>(T*, const T*, const T*, int64_t);                                                 \
+  template void relu_backward<T>(T*, const T*, const T*, int64_t);                                                    \
+  template void maxpool_forward<T>(T*, int32_t*, const T*, int, int, int, int, int, int, int);                        \
+  template void maxpool_backward_input<T>(T*, const T*, const int32_t*, int, int, int, int, int, int);                \
+  template void avgpool_forward<T>(T*, const T*, int, int, int);                                                      \
   template void avgpool_backward_input<T>(T*, const T*, int, int, int);
 
 KEEL_CONV_INSTANTIATE(float)

@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <string>
 
+#include "kernels/cpu/bf16.h"
+
 namespace keel::ops {
 
 // One convolution's geometry: input [N, H, W, C], weights [K, C, R, S], symmetric zero padding,
@@ -34,15 +36,19 @@ struct ConvShape {
 };
 
 // ---- 2-D convolution, no bias ------------------------------------------------------------------
+// float products at `precision` (kernels/cpu/bf16.h): bf16 operands where the CPU has bf16
+// instructions, float32 otherwise (an int8 or fp32 call, or bf16 without the instructions); double
+// callers pass MatmulPrecision::fp32 (direct loops in float64).
 // y[N, P, Q, K] = sum_{c, r, s} x[N, p*stride - pad + r, q*stride - pad + s, c] * w[K, c, r, s]
 template <typename T>
-void conv2d_forward(T* y, const T* x, const T* w, const ConvShape& s);
+void conv2d_forward(MatmulPrecision precision, T* y, const T* x, const T* w, const ConvShape& s);
 // dx[N, H, W, C] (= or +=) the transposed convolution of dy[N, P, Q, K] with w.
 template <typename T>
-void conv2d_backward_input(T* dx, const T* dy, const T* w, const ConvShape& s, bool accumulate);
+void conv2d_backward_input(MatmulPrecision precision, T* dx, const T* dy, const T* w, const ConvShape& s,
+                           bool accumulate);
 // dw[K, C, R, S] += sum over n, p, q of dy[n, p, q, k] * x[n, p*stride - pad + r, q*stride - pad + s, c]
 template <typename T>
-void conv2d_backward_weight(T* dw, const T* dy, const T* x, const ConvShape& s);
+void conv2d_backward_weight(MatmulPrecision precision, T* dw, const T* dy, const T* x, const ConvShape& s);
 
 // ---- group normalisation (eps 1e-5), channels-last ---------------------------------------------
 // x[N, HW, C], G groups of C/G consecutive channels: y = (x - mean) * rstd * gamma[c] + beta[c],

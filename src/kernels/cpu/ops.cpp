@@ -251,25 +251,27 @@ void rmsnorm_backward_weight(T* dw, const T* dout, const T* inp, const T* rstd, 
 // ---- linear ------------------------------------------------------------------------------------
 
 template <typename T>
-void linear_forward(T* out, const T* inp, const T* w, const T* bias, int N, int C, int OC) {
+void linear_forward(MatmulPrecision precision, T* out, const T* inp, const T* w, const T* bias, int N, int C, int OC) {
   if (bias != nullptr) {
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; ++n) std::copy(bias, bias + OC, out + static_cast<int64_t>(n) * OC);
   }
-  gemm<T>(false, true, N, OC, C, T(1), inp, C, w, C, bias != nullptr ? T(1) : T(0), out, OC);
+  gemm<T>(precision, false, true, N, OC, C, T(1), inp, C, w, C, bias != nullptr ? T(1) : T(0), out, OC);
 }
 
 template <typename T>
-void linear_backward_input(T* dinp, const T* dout, const T* w, int N, int C, int OC, bool accumulate) {
-  gemm<T>(false, false, N, C, OC, T(1), dout, OC, w, C, accumulate ? T(1) : T(0), dinp, C);
+void linear_backward_input(MatmulPrecision precision, T* dinp, const T* dout, const T* w, int N, int C, int OC,
+                           bool accumulate) {
+  gemm<T>(precision, false, false, N, C, OC, T(1), dout, OC, w, C, accumulate ? T(1) : T(0), dinp, C);
 }
 
 template <typename T, typename Out, typename In>
-void linear_backward_weight_impl(T* dw, T* dbias, const Out* dout, const In* inp, int N, int C, int OC) {
+void linear_backward_weight_impl(MatmulPrecision precision, T* dw, T* dbias, const Out* dout, const In* inp, int N,
+                                 int C, int OC) {
   if constexpr (std::is_same_v<Out, T> && std::is_same_v<In, T>) {
-    gemm<T>(true, false, OC, C, N, T(1), dout, OC, inp, C, T(1), dw, C);
+    gemm<T>(precision, true, false, OC, C, N, T(1), dout, OC, inp, C, T(1), dw, C);
   } else {
-    gemm_operands(true, false, OC, C, N, 1.0f, as_operand(dout), OC, as_operand(inp), C, 1.0f, dw, C);
+    gemm_operands(precision, true, false, OC, C, N, 1.0f, as_operand(dout), OC, as_operand(inp), C, 1.0f, dw, C);
   }
   if (dbias != nullptr) {
 #pragma omp parallel
@@ -286,31 +288,34 @@ void linear_backward_weight_impl(T* dw, T* dbias, const Out* dout, const In* inp
 }
 
 template <typename T>
-void linear_backward_weight(T* dw, T* dbias, const T* dout, const T* inp, int N, int C, int OC) {
-  linear_backward_weight_impl(dw, dbias, dout, inp, N, C, OC);
+void linear_backward_weight(MatmulPrecision precision, T* dw, T* dbias, const T* dout, const T* inp, int N, int C,
+                            int OC) {
+  linear_backward_weight_impl(precision, dw, dbias, dout, inp, N, C, OC);
 }
 
-void linear_forward(float* out, Operand inp, const float* w, const float* bias, int N, int C, int OC) {
+void linear_forward(MatmulPrecision precision, float* out, Operand inp, const float* w, const float* bias, int N, int C,
+                    int OC) {
   if (inp.bf16 == nullptr) {
-    linear_forward<float>(out, inp.f32, w, bias, N, C, OC);
+    linear_forward<float>(precision, out, inp.f32, w, bias, N, C, OC);
     return;
   }
   if (bias != nullptr) {
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; ++n) std::copy(bias, bias + OC, out + static_cast<int64_t>(n) * OC);
   }
-  gemm_operands(false, true, N, OC, C, 1.0f, inp, C, w, C, bias != nullptr ? 1.0f : 0.0f, out, OC);
+  gemm_operands(precision, false, true, N, OC, C, 1.0f, inp, C, w, C, bias != nullptr ? 1.0f : 0.0f, out, OC);
 }
 
-void linear_backward_weight(float* dw, float* dbias, Operand dout, Operand inp, int N, int C, int OC) {
+void linear_backward_weight(MatmulPrecision precision, float* dw, float* dbias, Operand dout, Operand inp, int N, int C,
+                            int OC) {
   if (dout.bf16 != nullptr && inp.bf16 != nullptr) {
-    linear_backward_weight_impl(dw, dbias, dout.bf16, inp.bf16, N, C, OC);
+    linear_backward_weight_impl(precision, dw, dbias, dout.bf16, inp.bf16, N, C, OC);
   } else if (dout.bf16 != nullptr) {
-    linear_backward_weight_impl(dw, dbias, dout.bf16, inp.f32, N, C, OC);
+    linear_backward_weight_impl(precision, dw, dbias, dout.bf16, inp.f32, N, C, OC);
   } else if (inp.bf16 != nullptr) {
-    linear_backward_weight_impl(dw, dbias, dout.f32, inp.bf16, N, C, OC);
+    linear_backward_weight_impl(precision, dw, dbias, dout.f32, inp.bf16, N, C, OC);
   } else {
-    linear_backward_weight_impl(dw, dbias, dout.f32, inp.f32, N, C, OC);
+    linear_backward_weight_impl(precision, dw, dbias, dout.f32, inp.f32, N, C, OC);
   }
 }
 
@@ -457,7 +462,8 @@ void residual_forward(T* out, const T* a, const T* b, int64_t n) {
 // ---- attention ---------------------------------------------------------------------------------
 
 template <typename T>
-void attention_forward(T* out, T* att, const T* qkv, int B, int Tn, int C, int NH, int NKV, bool causal) {
+void attention_forward(MatmulPrecision precision, T* out, T* att, const T* qkv, int B, int Tn, int C, int NH, int NKV,
+                       bool causal) {
   if (NKV == 0) NKV = NH;
   const int hs = C / NH, group = NH / NKV, kv = NKV * hs;
   const int C3 = C + 2 * kv;  // the row width of qkv
@@ -471,7 +477,7 @@ void attention_forward(T* out, T* att, const T* qkv, int B, int Tn, int C, int N
     const T* k = row + C + g * hs;
     const T* v = row + C + kv + g * hs;
     T* a = att + static_cast<int64_t>(bh) * Tn * Tn;
-    gemm<T>(false, true, Tn, Tn, hs, scale, q, C3, k, C3, T(0), a, Tn);
+    gemm<T>(precision, false, true, Tn, Tn, hs, scale, q, C3, k, C3, T(0), a, Tn);
     for (int i = 0; i < Tn; ++i) {
       T* row = a + static_cast<int64_t>(i) * Tn;
       const int last = causal ? i : Tn - 1;  // the last key this query reads
@@ -489,13 +495,14 @@ void attention_forward(T* out, T* att, const T* qkv, int B, int Tn, int C, int N
       for (int j = 0; j <= last; ++j) row[j] *= inv;
       for (int j = last + 1; j < Tn; ++j) row[j] = T(0);
     }
-    gemm<T>(false, false, Tn, hs, Tn, T(1), a, Tn, v, C3, T(0), out + static_cast<int64_t>(b) * Tn * C + h * hs, C);
+    gemm<T>(precision, false, false, Tn, hs, Tn, T(1), a, Tn, v, C3, T(0),
+            out + static_cast<int64_t>(b) * Tn * C + h * hs, C);
   }
 }
 
 template <typename T>
-void attention_backward_input(T* dqkv, const T* dout, const T* att, const T* qkv, int B, int Tn, int C, int NH,
-                              int NKV, bool causal) {
+void attention_backward_input(MatmulPrecision precision, T* dqkv, const T* dout, const T* att, const T* qkv, int B,
+                              int Tn, int C, int NH, int NKV, bool causal) {
   if (NKV == 0) NKV = NH;
   const int hs = C / NH, group = NH / NKV, kv = NKV * hs;
   const int C3 = C + 2 * kv;
@@ -521,8 +528,8 @@ void attention_backward_input(T* dqkv, const T* dout, const T* att, const T* qkv
       T* dv = dqkv + row + C + kv + g * hs;
       const T* a = att + (static_cast<int64_t>(b) * NH + h) * Tn * Tn;
       const T* d = dout + static_cast<int64_t>(b) * Tn * C + h * hs;
-      gemm<T>(false, true, Tn, Tn, hs, T(1), d, C, v, C3, T(0), datt, Tn);   // datt = dout v^T
-      gemm<T>(true, false, Tn, hs, Tn, T(1), a, Tn, d, C, first, dv, C3);     // dv (+)= att^T dout
+      gemm<T>(precision, false, true, Tn, Tn, hs, T(1), d, C, v, C3, T(0), datt, Tn);  // datt = dout v^T
+      gemm<T>(precision, true, false, Tn, hs, Tn, T(1), a, Tn, d, C, first, dv, C3);   // dv (+)= att^T dout
       for (int i = 0; i < Tn; ++i) {  // softmax backward, in place, then the 1/sqrt(hs) scale
         const T* arow = a + static_cast<int64_t>(i) * Tn;
         T* drow = datt + static_cast<int64_t>(i) * Tn;
@@ -534,8 +541,8 @@ void attention_backward_input(T* dqkv, const T* dout, const T* att, const T* qkv
         for (int j = 0; j <= last; ++j) drow[j] = arow[j] * (drow[j] - dot) * scale;
         for (int j = last + 1; j < Tn; ++j) drow[j] = T(0);
       }
-      gemm<T>(false, false, Tn, hs, Tn, T(1), datt, Tn, k, C3, T(0), dq, C3);  // dq = dpre k
-      gemm<T>(true, false, Tn, hs, Tn, T(1), datt, Tn, q, C3, first, dk, C3);  // dk (+)= dpre^T q
+      gemm<T>(precision, false, false, Tn, hs, Tn, T(1), datt, Tn, k, C3, T(0), dq, C3);  // dq = dpre k
+      gemm<T>(precision, true, false, Tn, hs, Tn, T(1), datt, Tn, q, C3, first, dk, C3);  // dk (+)= dpre^T q
      }
     }
   }
@@ -587,7 +594,8 @@ void online_softmax_tile(T* s, int ld, int rows, int cols, int i0, int j0, int w
 }  // namespace
 
 template <typename T>
-void flash_attention_forward(T* out, T* lse, const T* qkv, int B, int Tn, int C, int NH, int NKV, int window) {
+void flash_attention_forward(MatmulPrecision precision, T* out, T* lse, const T* qkv, int B, int Tn, int C, int NH,
+                             int NKV, int window) {
   if (NKV == 0) NKV = NH;
   const int hs = C / NH, group = NH / NKV, kv = NKV * hs, C3 = C + 2 * kv;
   const T scale = T(1) / std::sqrt(static_cast<T>(hs));
@@ -616,9 +624,9 @@ void flash_attention_forward(T* out, T* lse, const T* qkv, int B, int Tn, int C,
         const int cols = std::min(kBlock, Tn - j0);
         const T* k = row + static_cast<int64_t>(j0) * C3 + C + g * hs;
         const T* v = row + static_cast<int64_t>(j0) * C3 + C + kv + g * hs;
-        gemm<T>(false, true, rows, cols, hs, scale, q, C3, k, C3, T(0), s, kBlock);
+        gemm<T>(precision, false, true, rows, cols, hs, scale, q, C3, k, C3, T(0), s, kBlock);
         online_softmax_tile(s, kBlock, rows, cols, i0, j0, window, m, l, o, hs);
-        gemm<T>(false, false, rows, hs, cols, T(1), s, kBlock, v, C3, T(1), o, hs);  // o += p v
+        gemm<T>(precision, false, false, rows, hs, cols, T(1), s, kBlock, v, C3, T(1), o, hs);  // o += p v
       }
       for (int r = 0; r < rows; ++r) {
         T* dst = out + (static_cast<int64_t>(b) * Tn + i0 + r) * C + h * hs;
@@ -670,8 +678,8 @@ void attention_distance_mass(double* mass, int buckets, const T* qkv, int B, int
 }
 
 template <typename T>
-void paged_attention_forward(T* out, const T* q, int ldq, int n, int pos0, const T* const* blocks, int block_tokens,
-                             int NH, int NKV, int hs, int window) {
+void paged_attention_forward(MatmulPrecision precision, T* out, const T* q, int ldq, int n, int pos0,
+                             const T* const* blocks, int block_tokens, int NH, int NKV, int hs, int window) {
   const int group = NH / NKV, kv = NKV * hs, kb = block_tokens;
   const T scale = T(1) / std::sqrt(static_cast<T>(hs));
   const int q_tiles = (n + kBlock - 1) / kBlock;
@@ -695,9 +703,9 @@ void paged_attention_forward(T* out, const T* q, int ldq, int n, int pos0, const
         const int j0 = blk * kb, cols = std::min(kb, i0 + rows - j0);
         const T* k = blocks[blk] + g * hs;                                  // [kb, kv]: keys
         const T* v = blocks[blk] + static_cast<int64_t>(kb) * kv + g * hs;  // [kb, kv]: values
-        gemm<T>(false, true, rows, cols, hs, scale, qt_rows, ldq, k, kv, T(0), s, kb);
+        gemm<T>(precision, false, true, rows, cols, hs, scale, qt_rows, ldq, k, kv, T(0), s, kb);
         online_softmax_tile(s, kb, rows, cols, i0, j0, window, m, l, o, hs);
-        gemm<T>(false, false, rows, hs, cols, T(1), s, kb, v, kv, T(1), o, hs);
+        gemm<T>(precision, false, false, rows, hs, cols, T(1), s, kb, v, kv, T(1), o, hs);
       }
       for (int r = 0; r < rows; ++r) {
         T* dst = out + static_cast<int64_t>(r0 + r) * NH * hs + h * hs;
@@ -709,8 +717,8 @@ void paged_attention_forward(T* out, const T* q, int ldq, int n, int pos0, const
 }
 
 template <typename T>
-void flash_attention_backward_input(T* dqkv, const T* dout, const T* out, const T* lse, const T* qkv, int B, int Tn,
-                                    int C, int NH, int NKV, int window) {
+void flash_attention_backward_input(MatmulPrecision precision, T* dqkv, const T* dout, const T* out, const T* lse,
+                                    const T* qkv, int B, int Tn, int C, int NH, int NKV, int window) {
   if (NKV == 0) NKV = NH;
   const int hs = C / NH, group = NH / NKV, kv = NKV * hs, C3 = C + 2 * kv;
   const T scale = T(1) / std::sqrt(static_cast<T>(hs));
@@ -756,7 +764,7 @@ void flash_attention_backward_input(T* dqkv, const T* dout, const T* out, const 
             T* dk = dqkv + base + static_cast<int64_t>(j0) * C3 + C + g * hs;
             T* dv = dqkv + base + static_cast<int64_t>(j0) * C3 + C + kv + g * hs;
             // p = exp(q k^T scale - lse), recomputed; zero where masked.
-            gemm<T>(false, true, rows, cols, hs, scale, q, C3, k, C3, T(0), p, kBlock);
+            gemm<T>(precision, false, true, rows, cols, hs, scale, q, C3, k, C3, T(0), p, kBlock);
             for (int r = 0; r < rows; ++r) {
               const int i = i0 + r, lo = window_start(i, window) - j0, hi = i - j0;
               const T m = lse[bh * Tn + i];
@@ -767,8 +775,8 @@ void flash_attention_backward_input(T* dqkv, const T* dout, const T* out, const 
                 prow[c] = c >= lo && c <= hi ? e : T(0);
               }
             }
-            gemm<T>(true, false, cols, hs, rows, T(1), p, kBlock, d, C, T(1), dv, C3);      // dv += p^T dout
-            gemm<T>(false, true, rows, cols, hs, T(1), d, C, v, C3, T(0), dp, kBlock);     // dp = dout v^T
+            gemm<T>(precision, true, false, cols, hs, rows, T(1), p, kBlock, d, C, T(1), dv, C3);  // dv += p^T dout
+            gemm<T>(precision, false, true, rows, cols, hs, T(1), d, C, v, C3, T(0), dp, kBlock);  // dp = dout v^T
             for (int r = 0; r < rows; ++r) {                                              // ds = p (dp - delta) scale
               const T dl = delta[i0 + r];
               T* dprow = dp + r * kBlock;
@@ -776,8 +784,8 @@ void flash_attention_backward_input(T* dqkv, const T* dout, const T* out, const 
 #pragma omp simd
               for (int c = 0; c < cols; ++c) dprow[c] = prow[c] * (dprow[c] - dl) * scale;
             }
-            gemm<T>(false, false, rows, hs, cols, T(1), dp, kBlock, k, C3, T(1), dq, C3);  // dq += ds k
-            gemm<T>(true, false, cols, hs, rows, T(1), dp, kBlock, q, C3, T(1), dk, C3);   // dk += ds^T q
+            gemm<T>(precision, false, false, rows, hs, cols, T(1), dp, kBlock, k, C3, T(1), dq, C3);  // dq += ds k
+            gemm<T>(precision, true, false, cols, hs, rows, T(1), dp, kBlock, q, C3, T(1), dk, C3);   // dk += ds^T q
           }
         }
       }
@@ -818,33 +826,35 @@ void crossentropy_forward(T* losses, T* logits, const int* targets, int N, int V
   }
 }
 
-#define KEEL_INSTANTIATE(T)                                                                                     \
-  template void encoder_forward<T>(T*, const int*, const T*, const T*, int, int, int);                          \
-  template void encoder_backward_weight<T>(T*, T*, const T*, const int*, int, int, int);                        \
-  template void layernorm_forward<T>(T*, T*, T*, const T*, const T*, const T*, int, int);                       \
-  template void residual_layernorm_forward<T>(T*, T*, T*, T*, const T*, const T*, const T*, const T*, int, int); \
-  template void layernorm_backward_input<T>(T*, const T*, const T*, const T*, const T*, const T*, int, int, bool); \
-  template void layernorm_backward_weight<T>(T*, T*, const T*, const T*, const T*, const T*, int, int);         \
-  template void linear_forward<T>(T*, const T*, const T*, const T*, int, int, int);                             \
-  template void linear_backward_input<T>(T*, const T*, const T*, int, int, int, bool);                          \
-  template void linear_backward_weight<T>(T*, T*, const T*, const T*, int, int, int);                           \
-  template void gelu_forward<T>(T*, const T*, int64_t);                                                         \
-  template void gelu_backward_input<T>(T*, const T*, const T*, int64_t);                                        \
-  template void residual_forward<T>(T*, const T*, const T*, int64_t);                                           \
-  template void attention_forward<T>(T*, T*, const T*, int, int, int, int, int, bool);                          \
-  template void attention_backward_input<T>(T*, const T*, const T*, const T*, int, int, int, int, int, bool);   \
-  template void rmsnorm_forward<T>(T*, T*, const T*, const T*, int, int);                                       \
-  template void residual_rmsnorm_forward<T>(T*, T*, T*, const T*, const T*, const T*, int, int);                \
-  template void rmsnorm_backward_input<T>(T*, const T*, const T*, const T*, const T*, int, int, bool);          \
-  template void rmsnorm_backward_weight<T>(T*, const T*, const T*, const T*, int, int);                         \
-  template void swiglu_forward<T>(T*, const T*, int, int);                                                      \
-  template void swiglu_backward_input<T>(T*, const T*, const T*, int, int);                                     \
-  template void rope_forward<T>(T*, int, int, int, int, int, double, int, bool, double);                        \
-  template void flash_attention_forward<T>(T*, T*, const T*, int, int, int, int, int, int);                     \
-  template void attention_distance_mass<T>(double*, int, const T*, int, int, int, int, int, int);                 \
-  template void paged_attention_forward<T>(T*, const T*, int, int, int, const T* const*, int, int, int, int, int); \
-  template void flash_attention_backward_input<T>(T*, const T*, const T*, const T*, const T*, int, int, int, int, int, \
-                                                  int);                                                         \
+#define KEEL_INSTANTIATE(T)                                                                                         \
+  template void encoder_forward<T>(T*, const int*, const T*, const T*, int, int, int);                              \
+  template void encoder_backward_weight<T>(T*, T*, const T*, const int*, int, int, int);                            \
+  template void layernorm_forward<T>(T*, T*, T*, const T*, const T*, const T*, int, int);                           \
+  template void residual_layernorm_forward<T>(T*, T*, T*, T*, const T*, const T*, const T*, const T*, int, int);    \
+  template void layernorm_backward_input<T>(T*, const T*, const T*, const T*, const T*, const T*, int, int, bool);  \
+  template void layernorm_backward_weight<T>(T*, T*, const T*, const T*, const T*, const T*, int, int);             \
+  template void linear_forward<T>(MatmulPrecision, T*, const T*, const T*, const T*, int, int, int);                \
+  template void linear_backward_input<T>(MatmulPrecision, T*, const T*, const T*, int, int, int, bool);             \
+  template void linear_backward_weight<T>(MatmulPrecision, T*, T*, const T*, const T*, int, int, int);              \
+  template void gelu_forward<T>(T*, const T*, int64_t);                                                             \
+  template void gelu_backward_input<T>(T*, const T*, const T*, int64_t);                                            \
+  template void residual_forward<T>(T*, const T*, const T*, int64_t);                                               \
+  template void attention_forward<T>(MatmulPrecision, T*, T*, const T*, int, int, int, int, int, bool);             \
+  template void attention_backward_input<T>(MatmulPrecision, T*, const T*, const T*, const T*, int, int, int, int,  \
+                                            int, bool);                                                             \
+  template void rmsnorm_forward<T>(T*, T*, const T*, const T*, int, int);                                           \
+  template void residual_rmsnorm_forward<T>(T*, T*, T*, const T*, const T*, const T*, int, int);                    \
+  template void rmsnorm_backward_input<T>(T*, const T*, const T*, const T*, const T*, int, int, bool);              \
+  template void rmsnorm_backward_weight<T>(T*, const T*, const T*, const T*, int, int);                             \
+  template void swiglu_forward<T>(T*, const T*, int, int);                                                          \
+  template void swiglu_backward_input<T>(T*, const T*, const T*, int, int);                                         \
+  template void rope_forward<T>(T*, int, int, int, int, int, double, int, bool, double);                            \
+  template void flash_attention_forward<T>(MatmulPrecision, T*, T*, const T*, int, int, int, int, int, int);        \
+  template void attention_distance_mass<T>(double*, int, const T*, int, int, int, int, int, int);                   \
+  template void paged_attention_forward<T>(MatmulPrecision, T*, const T*, int, int, int, const T* const*, int, int, \
+                                           int, int, int);                                                          \
+  template void flash_attention_backward_input<T>(MatmulPrecision, T*, const T*, const T*, const T*, const T*, int, \
+                                                  int, int, int, int, int);                                         \
   template void crossentropy_forward<T>(T*, T*, const int*, int, int, int, T);
 
 KEEL_INSTANTIATE(float)

@@ -1,11 +1,18 @@
-// CPU kernels of the forward and backward passes of both model families (GPT-2, llama). Every op comes as a pair (or triple):
-// `X_forward`, `X_backward_input` (B: gradient w.r.t. the input) and `X_backward_weight`
-// (W: gradient w.r.t. the weights), side by side, with the shapes of every argument above them.
-// All are templated on the scalar (float for training, double for finite-difference tests), use
-// OpenBLAS for matrix products and OpenMP with static schedules elsewhere, so results are
-// bit-identical run to run for a given thread count. `_backward_weight` kernels accumulate (+=)
-// into weight gradients so micro-batches add up; `_backward_input` kernels overwrite unless
-// `accumulate` is set.
+// CPU kernels of the forward and backward passes of both model families (GPT-2, llama). Every op comes as a pair (or
+// triple): `X_forward`, `X_backward_input` (B: gradient w.r.t. the input) and `X_backward_weight` (W: gradient w.r.t.
+// the weights), side by side, with the shapes of every argument above them. All are templated on the scalar (float for
+// training, double for finite-difference tests), use OpenBLAS for matrix products and OpenMP with static schedules
+// elsewhere, so results are bit-identical run to run for a given thread count. `_backward_weight` kernels accumulate
+// (+=) into weight gradients so micro-batches add up; `_backward_input` kernels overwrite unless `accumulate` is set.
+//
+// Kernels that multiply matrices take the arithmetic of their products as their first argument
+// (`precision`, kernels/cpu/bf16.h; the layer's own, model/layer.h MathMode); double callers pass
+// MatmulPrecision::fp32 (float64 products). Attention's products (q k^T and p v per head, run
+// inside the kernel's parallel region, one head per thread) use the same precision as the
+// layer's dense products: a bf16 layer's attention multiplies in bf16 and an int8 image tower's
+// forward attention in int8, as the tower's other products. Nothing else decides a product's
+// precision, so models of different precisions run interleaved or on concurrent threads, each
+// with its own arithmetic.
 #pragma once
 
 #include <cstdint>
@@ -57,19 +64,23 @@ void rmsnorm_backward_weight(T* dw, const T* dout, const T* inp, const T* rstd, 
 // ---- linear: y = x W^T + b, W stored [OC, C] like PyTorch and llm.c ---------------------------
 // out[N, OC] = inp[N, C] @ w[OC, C]^T + bias[OC] (bias may be null)
 template <typename T>
-void linear_forward(T* out, const T* inp, const T* w, const T* bias, int N, int C, int OC);
+void linear_forward(MatmulPrecision precision, T* out, const T* inp, const T* w, const T* bias, int N, int C, int OC);
 // dinp[N, C] (= or +=) dout[N, OC] @ w[OC, C]
 template <typename T>
-void linear_backward_input(T* dinp, const T* dout, const T* w, int N, int C, int OC, bool accumulate);
+void linear_backward_input(MatmulPrecision precision, T* dinp, const T* dout, const T* w, int N, int C, int OC,
+                           bool accumulate);
 // dw[OC, C] += dout[N, OC]^T @ inp[N, C];  dbias[OC] += sum_n dout (dbias may be null)
 template <typename T>
-void linear_backward_weight(T* dw, T* dbias, const T* dout, const T* inp, int N, int C, int OC);
+void linear_backward_weight(MatmulPrecision precision, T* dw, T* dbias, const T* dout, const T* inp, int N, int C,
+                            int OC);
 
 // float32 overloads whose stored operands may be bf16 bits (activations a layer keeps in bf16
 // under runtime.precision = "bf16", model/layer_util.h Stash): the products multiply in bf16,
 // the bias sum widens each value to float32 and sums in float32.
-void linear_forward(float* out, Operand inp, const float* w, const float* bias, int N, int C, int OC);
-void linear_backward_weight(float* dw, float* dbias, Operand dout, Operand inp, int N, int C, int OC);
+void linear_forward(MatmulPrecision precision, float* out, Operand inp, const float* w, const float* bias, int N, int C,
+                    int OC);
+void linear_backward_weight(MatmulPrecision precision, float* dw, float* dbias, Operand dout, Operand inp, int N, int C,
+                            int OC);
 
 // ---- GELU, tanh approximation ------------------------------------------------------------------
 // out[n] = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
@@ -115,12 +126,13 @@ void residual_forward(T* out, const T* a, const T* b, int64_t n);
 // (probabilities, zero above the diagonal) for the backward pass. causal = false: every position
 // attends to every other (an image tower's patches).
 template <typename T>
-void attention_forward(T* out, T* att, const T* qkv, int B, int Tn, int C, int NH, int NKV = 0, bool causal = true);
+void attention_forward(MatmulPrecision precision, T* out, T* att, const T* qkv, int B, int Tn, int C, int NH,
+                       int NKV = 0, bool causal = true);
 // dqkv (overwritten, qkv's shape) from dout[B, T, C], att and qkv of the forward pass. The query
 // heads of a group add into their key/value head's gradient in head order (a fixed order).
 template <typename T>
-void attention_backward_input(T* dqkv, const T* dout, const T* att, const T* qkv, int B, int Tn, int C, int NH,
-                              int NKV = 0, bool causal = true);
+void attention_backward_input(MatmulPrecision precision, T* dqkv, const T* dout, const T* att, const T* qkv, int B,
+                              int Tn, int C, int NH, int NKV = 0, bool causal = true);
 
 // ---- blockwise causal attention (FlashAttention-2's algorithm): no T x T buffer ----------------
 // The same function as attention_forward (qkv's layout, grouped-query heads, NKV = 0 meaning NH),
@@ -129,7 +141,8 @@ void attention_backward_input(T* dqkv, const T* dout, const T* att, const T* qkv
 // keys i - window + 1 .. i only (a sliding window), and tiles wholly outside it are skipped, not
 // masked; window = 0: all keys up to i.
 template <typename T>
-void flash_attention_forward(T* out, T* lse, const T* qkv, int B, int Tn, int C, int NH, int NKV, int window);
+void flash_attention_forward(MatmulPrecision precision, T* out, T* lse, const T* qkv, int B, int Tn, int C, int NH,
+                             int NKV, int window);
 // Where causal attention's probability mass goes by distance (the dynamic window's signal): for
 // the last `rows` query rows of each sequence of qkv (layout as above) and every query head, the
 // full causal softmax (no window) is computed and its mass at distance d = i - j added to
@@ -144,14 +157,14 @@ void attention_distance_mass(double* mass, int buckets, const T* qkv, int B, int
 // (the new tokens' included). out[n, NH * hs] is causal softmax attention, window as above; blocks
 // wholly outside a query tile's window are never read.
 template <typename T>
-void paged_attention_forward(T* out, const T* q, int ldq, int n, int pos0, const T* const* blocks, int block_tokens,
-                             int NH, int NKV, int hs, int window);
+void paged_attention_forward(MatmulPrecision precision, T* out, const T* q, int ldq, int n, int pos0,
+                             const T* const* blocks, int block_tokens, int NH, int NKV, int hs, int window);
 // dqkv (overwritten) from dout, the forward's out and lse, and qkv: each tile's probabilities are
 // recomputed from q, k and lse; delta = rowsum(dout * out) stands for rowsum(dp * p). Tasks are a
 // batch row's key/value head with its query heads in order (a fixed summation order).
 template <typename T>
-void flash_attention_backward_input(T* dqkv, const T* dout, const T* out, const T* lse, const T* qkv, int B, int Tn,
-                                    int C, int NH, int NKV, int window);
+void flash_attention_backward_input(MatmulPrecision precision, T* dqkv, const T* dout, const T* out, const T* lse,
+                                    const T* qkv, int B, int Tn, int C, int NH, int NKV, int window);
 
 // ---- softmax cross-entropy, fused with its gradient --------------------------------------------
 // logits[N, Vp] (only the first V columns are real). losses[n] = -log softmax(logits[n])[targets[n]].

@@ -7,17 +7,17 @@
 #include <cstdint>
 #include <string>
 
-#include "comm/grad_sync.h"
 #include "core/carried_state.h"
 #include "core/metrics_source.h"
-#include "data/loader.h"
-#include "model/layer.h"
+#include "core/sync_stats.h"
 
 namespace keel::pipeline {
 struct LayerCosts;
 }  // namespace keel::pipeline
 
 namespace keel {
+
+struct Batch;
 
 // What a step engine reports about one step; the loop adds time, throughput and memory.
 struct StepResult {
