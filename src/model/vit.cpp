@@ -20,7 +20,7 @@ namespace {
 ModelConfig blocks_config(const VitSpec& s) {
   ModelConfig m;
   m.preset = "vit";
-  m.family = "gpt2";
+  m.family = Family::gpt2;
   m.n_layer = s.layers;
   m.n_head = s.heads;
   m.n_kv_head = s.heads;
@@ -30,7 +30,7 @@ ModelConfig blocks_config(const VitSpec& s) {
   m.padded_vocab_size = 2;
   m.max_seq_len = s.patches() + 1;
   m.tie_embeddings = true;
-  m.attention = "dense";
+  m.attention = Attention::dense;
   m.causal = false;
   m.tensor_prefix = s.prefix;
   m.layer_base = s.layer_base;
@@ -50,7 +50,7 @@ class Vit final : public Tower {
         patch_b_(store.add(TensorSpec{s.prefix + "patch.b", {C_}, s.layer_base, ChunkKind::embedding, false})),
         cls_(store.add(TensorSpec{s.prefix + "cls", {C_}, s.layer_base, ChunkKind::embedding, false})),
         pos_(store.add(TensorSpec{s.prefix + "pos", {P_ + 1, C_}, s.layer_base, ChunkKind::embedding, false})),
-        body_(blocks_config(s), store, {LayerRange{1, s.layers}}, s.quant == "bf16", math_),
+        body_(blocks_config(s), store, {LayerRange{1, s.layers}}, s.quant == VisualQuant::bf16, math_),
         head_layer_(s.layer_base + s.layers + 1) {
     normw_ = store.add(TensorSpec{s.prefix + "lnf.w", {C_}, head_layer_, ChunkKind::norm, false});
     normb_ = store.add(TensorSpec{s.prefix + "lnf.b", {C_}, head_layer_, ChunkKind::norm, false});
@@ -252,8 +252,6 @@ void validate_vit(const VitSpec& s) {
   check(s.width >= 1 && s.width <= 16384, key("vit_width", "1..16384", s.width));
   check(s.heads >= 1 && s.width % s.heads == 0, key("vit_heads", "a divisor of clip.vit_width", s.heads));
   check(s.embed_dim >= 1 && s.embed_dim <= 8192, key("embed_dim", "1..8192", s.embed_dim));
-  check(s.quant == "none" || s.quant == "bf16" || s.quant == "int8",
-        "config key 'clip.visual_quant': expected \"none\", \"bf16\" or \"int8\", found \"" + s.quant + "\"");
 }
 
 std::unique_ptr<Tower> make_vit(const VitSpec& spec, ChunkStore& store, MatmulPrecision precision) {
