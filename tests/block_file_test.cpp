@@ -91,8 +91,8 @@ TEST(BlockFile, RefusesAPathThatExistsOrCannotBeCreated) {
   e = error_of([&] { BlockFile::create(nowhere, kA, IoEngine::automatic); });
   EXPECT_NE(e.find(nowhere), std::string::npos) << e;
   EXPECT_NE(e.find("No such file or directory"), std::string::npos) << e;
-  EXPECT_THROW(parse_io_engine("aio"), Error);
-  EXPECT_EQ(parse_io_engine("io_uring"), IoEngine::io_uring);
+  EXPECT_THROW(parse_enum<IoEngine>("aio", "tier.engine"), Error);
+  EXPECT_EQ(parse_enum<IoEngine>("io_uring", "tier.engine"), IoEngine::io_uring);
 }
 
 // A tmpfs of 1 MiB stands in for a full disk: the reservation fails up front, and the file goes.

@@ -71,9 +71,9 @@ TEST(SyncPolicy, BadPoliciesNameTheKeyAndTheEntry) {
 TEST(SyncPolicy, ChunksGetTheirLayersCodecUnlessTheirKindIsOverridden) {
   Config c;
   c.model.preset = "tiny";
-  c.sync.codec = "hybrid";
+  c.sync.codec = SyncCodec::hybrid;
   c.sync.policy = "0-0:sign1,1-:quant2-topk";
-  c.sync.norm = "none";
+  c.sync.norm = CodecKind::none;
   c.sync.quant2_keep = 0.05;
   resolve_job_config(c, 2);
   ChunkStore store(c.store.chunk_bytes);

@@ -180,7 +180,7 @@ TEST(KvCache, TieredBlocksGiveTheSameBytesAsBlocksInMemory) {
     if (summary) *summary = cache.summary();
     if (cache.tiers() != nullptr) {
       const TierStats& t = cache.tiers()->stats();
-      const TierCounters& home = t.tier[static_cast<int>(opts.tier == "host" ? Tier::host : Tier::nvme)];
+      const TierCounters& home = t.tier[static_cast<int>(opts.tier == KvTier::host ? Tier::host : Tier::nvme)];
       EXPECT_GT(home.bytes_read, 0u) << "blocks were never fetched back: the budget held them all";
       EXPECT_GT(t.evictions, 0u);
       EXPECT_LE(t.peak_device_bytes, opts.device_bytes);
@@ -191,7 +191,7 @@ TEST(KvCache, TieredBlocksGiveTheSameBytesAsBlocksInMemory) {
   testing::TempDir dir;
   o.device_bytes = 160 << 10;  // the blocks of a few layers' passes; the sequence needs 512 KiB
   for (const std::string tier : {"host", "nvme"}) {
-    o.tier = tier;
+    o.tier = parse_enum<KvTier>(tier, "generate.kv_tier");
     o.nvme_dir = dir.path();
     std::string summary;
     const auto tiered = run(o, &summary);

@@ -40,7 +40,7 @@ ModelConfig small_llama(int n_kv_head, bool tied, const std::string& attention =
   c.model.max_seq_len = max_seq_len;
   c.model.ffn_multiple_of = 8;  // 2/3 of 64 = 42, up to 48
   c.model.tie_embeddings = tied;
-  c.model.attention = attention;
+  c.model.attention = parse_enum<Attention>(attention, "model.attention");
   c.train.seq_len = 16;
   c.resolve(1);
   return c.model;
@@ -52,7 +52,7 @@ TEST_P(LlamaReference, LossAndEveryGradientMatchPyTorchFloat64) {
   const LlamaCase& p = GetParam();
   const ModelConfig m = small_llama(p.n_kv_head, p.tied, p.attention, std::max(16, p.T));
   ASSERT_EQ(m.ffn_hidden, 48);
-  ASSERT_EQ(m.attention, p.attention);
+  ASSERT_STREQ(to_string(m.attention), p.attention);
   ChunkStore store(4096);  // small chunks: tensors span several
   GPT model(m, store);
   store.finalize();
@@ -225,7 +225,7 @@ TEST(LlamaConfig, PresetsAndTheHiddenSizeRule) {
   c.model.preset = "tinyllama-1.1b";
   c.train.seq_len = 128;
   c.resolve(1);
-  EXPECT_EQ(c.model.family, "llama");
+  EXPECT_EQ(c.model.family, Family::llama);
   EXPECT_EQ(c.model.n_layer, 22);
   EXPECT_EQ(c.model.n_embd, 2048);
   EXPECT_EQ(c.model.n_head, 32);
@@ -242,10 +242,12 @@ TEST(LlamaConfig, PresetsAndTheHiddenSizeRule) {
 }
 
 TEST(LlamaConfig, BadCombinationsAreRefusedInOneLine) {
-  auto refused = [](const std::vector<std::string>& sets) {
-    Config c;
-    for (const std::string& s : sets) c.set(s);
-    return testing::error_of([&] { c.resolve(1); });
+  auto refused = [](const std::vector<std::string>& sets) {  // (a bad family is refused as it is read)
+    return testing::error_of([&] {
+      Config c;
+      for (const std::string& s : sets) c.set(s);
+      c.resolve(1);
+    });
   };
   EXPECT_NE(refused({"model.family=mamba"}).find("model.family: expected \"gpt2\" or \"llama\""), std::string::npos);
   EXPECT_NE(refused({"model.preset=llama-tiny", "model.n_kv_head=3"}).find("model.n_kv_head: expected a divisor of n_head"),

@@ -22,7 +22,7 @@ namespace {
 int64_t activation_bytes(const std::string& attention, int T) {
   Config c;
   c.model.preset = "llama-tiny";
-  c.model.attention = attention;
+  c.model.attention = parse_enum<Attention>(attention, "model.attention");
   c.model.max_seq_len = T;
   c.model.vocab_size = 64;
   c.train.seq_len = T;

@@ -193,16 +193,20 @@ TEST(ModelLayout, ParameterCountsPerLayerAreTheSimulatorsClosedForm) {
 
 TEST(ModelLayout, ClipLayoutIsWhatTheDualEncoderRegisters) {
   struct Case {
-    std::string name, tower, block, text;
+    std::string name;
+    ImageTower tower;
+    std::string block, text;
     std::vector<int> layers;
   };
-  for (const Case& k : std::vector<Case>{{"resnet basic, gpt2 text", "resnet18", "basic", "gpt2", {1, 1, 1, 1}},
-                                         {"resnet bottleneck, llama text", "resnet50", "bottleneck", "llama", {1, 2, 1, 1}},
-                                         {"vit, gpt2 text", "vit", "", "gpt2", {}},
-                                         {"vit, llama text", "vit", "", "llama", {}}}) {
+  const std::vector<Case> cases{
+      {"resnet basic, gpt2 text", ImageTower::resnet18, "basic", "gpt2", {1, 1, 1, 1}},
+      {"resnet bottleneck, llama text", ImageTower::resnet50, "bottleneck", "llama", {1, 2, 1, 1}},
+      {"vit, gpt2 text", ImageTower::vit, "", "gpt2", {}},
+      {"vit, llama text", ImageTower::vit, "", "llama", {}}};
+  for (const Case& k : cases) {
     ClipSpec spec;
     spec.image_tower = k.tower;
-    if (k.tower == "vit") {
+    if (k.tower == ImageTower::vit) {
       spec.vit.patch = 8;
       spec.vit.layers = 2;
       spec.vit.width = 32;
@@ -226,7 +230,7 @@ TEST(ModelLayout, ClipLayoutIsWhatTheDualEncoderRegisters) {
     EXPECT_EQ(layout.tensors.back().layer, model.loss_layer());
     EXPECT_EQ(layout.tensors[layout.index("text.wte")].layer, model.text().first_layer());
     EXPECT_EQ(layout.tensors[layout.index("text.proj.w")].shape, (std::vector<int64_t>{16, 32}));
-    if (k.tower == "vit") {
+    if (k.tower == ImageTower::vit) {
       EXPECT_EQ(layout.tensors[layout.index("visual.pos")].shape, (std::vector<int64_t>{16 + 1, 32}));
       EXPECT_EQ(layout.tensors[layout.index("visual.h.1.attn.qkv.w")].layer, 2);
     } else if (k.block == "basic") {

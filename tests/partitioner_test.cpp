@@ -227,7 +227,7 @@ TEST(Partitioner, TheAgentIsSeeded) {
     return moves;
   };
   EXPECT_EQ(run(5), run(5));
-  EXPECT_THROW(make_partitioner("greedy", 1), Error);
+  EXPECT_THROW(parse_enum<PartitionerKind>("greedy", "parallel.partitioner"), Error);
 }
 
 TEST(LayerCosts, RoundTripAndBadFilesAreOneLine) {

@@ -247,7 +247,7 @@ Config pipeline_config(int micro) {
   c.train.grad_accum = 4;
   c.train.seq_len = 16;
   c.parallel.pipeline = 2;
-  c.parallel.schedule = "1f1b";
+  c.parallel.schedule = ScheduleKind::one_f_one_b;
   c.parallel.micro_batches = micro;
   return c;
 }

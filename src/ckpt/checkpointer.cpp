@@ -130,9 +130,9 @@ std::optional<TrainState> Checkpointer::resume() {
   // it has one, whatever train.resume says (that was where the first attempt started).
   const bool restarted = std::getenv("KEEL_RESTART") != nullptr;
   const bool has_own = !list_checkpoints(root_).empty() || Env::get().exists(root_ + "/manifest.json");
-  const bool automatic = t.resume == "auto" || (restarted && has_own);
+  const bool automatic = t.resume_auto() || (restarted && has_own);
   const std::string resume = automatic ? root_ : t.resume;
-  if (std::optional<TrainState> state = resume_from_memory(restarted || t.resume == "auto")) {
+  if (std::optional<TrainState> state = resume_from_memory(restarted || t.resume_auto())) {
     settle_run_id();
     stamp();
     return state;

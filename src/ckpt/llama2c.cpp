@@ -69,7 +69,7 @@ ModelConfig read_llama2c_model_config(const std::string& path) {
             ", seq_len " + s(h[6]) + ")");
   Config c;
   c.model.preset = "llama-tiny";
-  c.model.family = "llama";
+  c.model.family = Family::llama;
   c.model.n_embd = h[0];
   c.model.ffn_hidden = h[1];
   c.model.n_layer = h[2];
@@ -118,7 +118,7 @@ void import_llama2c(const std::string& path, ChunkStore& store, const ModelConfi
 }
 
 void export_llama2c(const std::string& path, const ChunkStore& store, const ModelConfig& m) {
-  check(m.llama(), "export " + path + ": llama2.c's format holds llama models; this is a " + m.family + " model");
+  check(m.llama(), "export " + path + ": llama2.c's format holds llama models; this is a " + to_string(m.family.value_or(Family::gpt2)) + " model");
   check(m.rope_theta == kTheta, "export " + path + ": llama2.c's format fixes RoPE's base at 10000; this model has " +
                                     std::to_string(m.rope_theta));
   const int32_t h[7] = {m.n_embd, m.ffn_hidden, m.n_layer, m.n_head, m.n_kv_head,

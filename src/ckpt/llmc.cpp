@@ -64,7 +64,7 @@ ModelConfig read_llmc_model_config(const std::string& path) {
   m.n_head = h[5];
   m.n_embd = h[6];
   m.padded_vocab_size = h[7];
-  m.family = "gpt2";
+  m.family = Family::gpt2;
   m.tie_embeddings = true;
   validate_model(m, "llm.c checkpoint " + path);
   m.n_kv_head = m.n_head;       // (after the sizes are known to be in range: 4C cannot overflow)

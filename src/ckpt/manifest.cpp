@@ -77,8 +77,8 @@ json model_json(const ModelShape& m) {
   json j = {{"n_layer", m.n_layer},       {"n_head", m.n_head},
             {"n_embd", m.n_embd},         {"vocab_size", m.vocab_size},
             {"padded_vocab_size", m.padded_vocab_size}, {"max_seq_len", m.max_seq_len}};
-  if (m.family != "gpt2") {
-    j["family"] = m.family;
+  if (m.family != Family::gpt2) {
+    j["family"] = to_string(m.family);
     j["n_kv_head"] = m.n_kv_head;
     j["ffn_hidden"] = m.ffn_hidden;
     j["rope_theta"] = m.rope_theta;
@@ -95,7 +95,7 @@ ModelShape parse_model(const json& j) {
   m.vocab_size = j.at("vocab_size").get<int>();
   m.padded_vocab_size = j.at("padded_vocab_size").get<int>();
   m.max_seq_len = j.at("max_seq_len").get<int>();
-  m.family = j.value("family", std::string("gpt2"));
+  m.family = parse_enum<Family>(j.value("family", std::string("gpt2")), "model.family");
   m.n_kv_head = j.value("n_kv_head", m.n_head);
   m.ffn_hidden = j.value("ffn_hidden", m.n_embd > 0 && m.n_embd <= 65536 ? 4 * m.n_embd : 0);  // (no overflow)
   m.rope_theta = j.value("rope_theta", 0.0);
@@ -303,7 +303,7 @@ const char* saved_plane_key(Plane p) {
 
 ModelShape ModelShape::of(const ModelConfig& m) {
   ModelShape s{m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.padded_vocab_size, m.max_seq_len};
-  s.family = m.family.empty() ? "gpt2" : m.family;
+  s.family = m.family.value_or(Family::gpt2);
   s.n_kv_head = m.n_kv_head > 0 ? m.n_kv_head : m.n_head;
   s.ffn_hidden = m.ffn_hidden > 0 ? m.ffn_hidden : (m.n_embd > 0 && m.n_embd <= 65536 ? 4 * m.n_embd : 0);
   s.rope_theta = m.rope_theta;

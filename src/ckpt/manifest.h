@@ -84,7 +84,7 @@ struct ManifestRank {
 struct ModelShape {
   int n_layer = 0, n_head = 0, n_embd = 0, vocab_size = 0, padded_vocab_size = 0, max_seq_len = 0;
   // The family and its options (manifests of GPT-2 runs, and those written before llama, omit them).
-  std::string family = "gpt2";
+  Family family = Family::gpt2;
   int n_kv_head = 0, ffn_hidden = 0;
   double rope_theta = 0;
   bool tie_embeddings = true;

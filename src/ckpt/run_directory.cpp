@@ -265,7 +265,7 @@ RunDirectory::~RunDirectory() {
 void RunDirectory::check_fresh_start(bool restarted) {
   // An explicit resume that found nothing has thrown already; a restarted job is this run.
   const bool explicit_fresh = config_.train.resume.empty();
-  if ((!explicit_fresh && config_.train.resume != "auto") || restarted) return;
+  if ((!explicit_fresh && !config_.train.resume_auto()) || restarted) return;
   int64_t outcome = 0;  // 0: nothing in the way; 1: refused; 2: the earlier run moved aside
   std::string why;
   if (world_.is_root()) {

@@ -274,7 +274,9 @@ LoadedModel load_model(const Args& a, int B, int T) {
   T = std::min(T, lm.config.model.max_seq_len);
   // An imported model's attention kernel by the rule training resolves "auto" with (dense below
   // 256 tokens): an exported Keel model then evaluates with the kernel it trained with.
-  if (lm.config.model.attention == "auto") lm.config.model.attention = T >= 256 ? "blockwise" : "dense";
+  if (lm.config.model.attention == Attention::automatic) {
+    lm.config.model.attention = T >= 256 ? Attention::blockwise : Attention::dense;
+  }
   lm.store = std::make_unique<ChunkStore>(lm.config.store.chunk_bytes);
   lm.model = std::make_unique<GPT>(lm.config.model, *lm.store);
   lm.store->finalize();
@@ -627,7 +629,8 @@ int cmd_schedule(const Args& a) {
   if (a.has("--stage-memory-mib")) config.parallel.stage_memory_mib = a.get_int("--stage-memory-mib", 0);
   check(config.parallel.stage_memory_mib >= 0,
         "schedule --stage-memory-mib: expected >= 0, found " + std::to_string(config.parallel.stage_memory_mib));
-  if (a.has("--partitioner")) o.partitioner = a.get("--partitioner");
+  // (--partitioner spells the choices as parallel.partitioner does.)
+  if (a.has("--partitioner")) o.partitioner = parse_enum<PartitionerKind>(a.get("--partitioner"), "parallel.partitioner");
   if (a.has("--start-cut")) o.start_cut = a.get("--start-cut");
   o.decisions = static_cast<int>(a.get_int("--decisions", 50));
   o.trace = a.get("--trace", "");

@@ -14,7 +14,6 @@ namespace {
 // codec has none), u64 n, u64 count of values carried (k), u64 seed (0 where nothing is drawn).
 constexpr uint8_t kFormatVersion = 2;  // 2: quant2-topk's fitted levels, no positions when dense
 constexpr CodecKind kLastKind = CodecKind::randk;
-constexpr const char* kNames[] = {"none", "fp16", "bf16", "sign1", "quant2-topk", "topk", "randk"};
 
 template <class T>
 T load(const uint8_t* p) {
@@ -148,7 +147,7 @@ class FormatCodec : public Codec {
     if (kind_byte > static_cast<uint8_t>(kLastKind))
       fail("not a codec encoding: unknown kind byte " + std::to_string(kind_byte));
     if (kind_byte != static_cast<uint8_t>(kind()))
-      fail(std::string("given a ") + kNames[kind_byte] + " encoding, expected " + codec_name(kind()));
+      fail(std::string("given a ") + codec_name(static_cast<CodecKind>(kind_byte)) + " encoding, expected " + codec_name(kind()));
     const uint8_t version = load<uint8_t>(in + 1);
     if (version != kFormatVersion)
       fail("encoding format version " + std::to_string(version) + ", expected " + std::to_string(kFormatVersion));
@@ -485,19 +484,9 @@ class RandKCodec final : public FormatCodec {
 
 }  // namespace
 
-const char* codec_name(CodecKind kind) {
-  const auto i = static_cast<size_t>(kind);
-  return i <= static_cast<size_t>(kLastKind) ? kNames[i] : "unknown";
-}
+const char* codec_name(CodecKind kind) { return to_string(kind); }
 
-CodecKind parse_codec(const std::string& name) {
-  std::string choices;
-  for (size_t i = 0; i <= static_cast<size_t>(kLastKind); ++i) {
-    if (name == kNames[i]) return static_cast<CodecKind>(i);
-    choices += (i == 0 ? "" : ", ") + std::string(kNames[i]);
-  }
-  throw Error("unknown gradient codec \"" + name + "\" (expected one of: " + choices + ")");
-}
+CodecKind parse_codec(const std::string& name, const std::string& key) { return parse_enum<CodecKind>(name, key); }
 
 size_t codec_keep_count(size_t n, double keep) {
   if (n == 0) return 0;

@@ -37,17 +37,18 @@
 #include <string>
 #include <vector>
 
+#include "core/config.h"
+
 namespace keel {
 
 static_assert(std::endian::native == std::endian::little, "codec formats are little-endian");
 
-enum class CodecKind : uint8_t { none, fp16, bf16, sign1, quant2_topk, topk, randk };
-
+// (CodecKind: core/config.h, the names sync.codec spells.)
 // The codec's name as configs spell it: "none", "fp16", "bf16", "sign1", "quant2-topk", "topk",
 // "randk".
 const char* codec_name(CodecKind kind);
-// The inverse of codec_name. Throws keel::Error naming the value and the valid names.
-CodecKind parse_codec(const std::string& name);
+// The inverse of codec_name. Throws keel::Error naming config key `key`, the value and the valid names.
+CodecKind parse_codec(const std::string& name, const std::string& key = "sync.codec");
 
 struct CodecParams {
   CodecKind kind = CodecKind::none;

@@ -36,7 +36,7 @@ struct CompressionStats {
   double decode_ms = 0;
 };
 
-enum class SumShape { automatic, two_phase, gather };
+// (SumShape: core/config.h, sync.shape.)
 
 class CompressedAllreduce {
  public:

@@ -238,7 +238,7 @@ void GradSync::finish() {
     l.wire_bytes += wire;
     if (raw > codec_share[b.layer]) {
       codec_share[b.layer] = raw;
-      l.codec = codec_name(b.compressed_now ? b.codec.kind : CodecKind::none);
+      l.codec = b.compressed_now ? b.codec.kind : CodecKind::none;
     }
   }
   for (auto& [layer, l] : layers) stats_.layers.push_back(l);

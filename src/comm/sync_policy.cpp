@@ -23,14 +23,6 @@ bool parse_number(const std::string& text, double* out) {
   return true;
 }
 
-CodecKind parse_named_codec(const std::string& name, const std::string& key) {
-  try {
-    return parse_codec(name);
-  } catch (const Error& e) {
-    throw Error("config key '" + key + "': " + e.what());
-  }
-}
-
 }  // namespace
 
 std::string default_sync_policy(int n_layer) {
@@ -59,7 +51,7 @@ std::vector<SyncRule> parse_sync_policy(const std::string& text, const std::stri
     const size_t dash = range.find('-');
     if (dash == std::string::npos) throw bad("no LO-HI range");
     SyncRule r;
-    r.codec = parse_named_codec(trim(e.substr(colon + 1)), key);
+    r.codec = parse_codec(trim(e.substr(colon + 1)), key);
     const std::string lo = trim(range.substr(0, dash)), hi = trim(range.substr(dash + 1));
     r.fraction = lo.find('.') != std::string::npos || hi.find('.') != std::string::npos;
     r.open = hi.empty();
@@ -105,16 +97,10 @@ CodecKind policy_codec(const std::vector<SyncRule>& rules, int block, int n_laye
 }
 
 void validate_sync_config(const SyncConfig& s, int n_layer, int zero) {
-  const bool hybrid = s.codec == "hybrid";
-  if (!hybrid) parse_named_codec(s.codec, "sync.codec");
-  const std::vector<std::pair<const char*, const std::string*>> overrides = {
-      {"sync.embedding", &s.embedding}, {"sync.attention", &s.attention}, {"sync.ffn", &s.ffn},
-      {"sync.norm", &s.norm}, {"sync.head", &s.head}};
-  for (const auto& [key, value] : overrides) {
-    if (!value->empty()) parse_named_codec(*value, key);
-  }
+  const bool hybrid = s.codec == SyncCodec::hybrid;
   if (!s.policy.empty() && !hybrid) {
-    throw Error("config key 'sync.policy': applies only with sync.codec = \"hybrid\" (found codec \"" + s.codec + "\")");
+    throw Error("config key 'sync.policy': applies only with sync.codec = \"hybrid\" (found codec \"" +
+                std::string(to_string(s.codec)) + "\")");
   }
   if (hybrid) {
     const std::vector<SyncRule> rules = parse_sync_policy(s.policy.empty() ? default_sync_policy(n_layer) : s.policy);
@@ -132,15 +118,9 @@ void validate_sync_config(const SyncConfig& s, int n_layer, int zero) {
   check(keep_ok(s.randk_keep), "config key 'sync.randk_keep': expected 0 < keep <= 1, found " + fmt(s.randk_keep));
   check(s.block >= 1, "config key 'sync.block': expected >= 1, found " + std::to_string(s.block));
   check(s.warmup_steps >= 0, "config key 'sync.warmup_steps': expected >= 0, found " + std::to_string(s.warmup_steps));
-  check(s.shape == "auto" || s.shape == "two-phase" || s.shape == "gather",
-        "config key 'sync.shape': expected \"auto\", \"two-phase\" or \"gather\", found \"" + s.shape + "\"");
   check(!sync_compressed(s) || zero < 2,
-        "config key 'sync.codec': compressed sync (\"" + s.codec +
+        "config key 'sync.codec': compressed sync (\"" + std::string(to_string(s.codec)) +
             "\") needs parallel.zero 0 or 1 (ZeRO-2's gradient reduce-scatter is not compressed)");
-}
-
-SumShape sync_sum_shape(const SyncConfig& s) {
-  return s.shape == "two-phase" ? SumShape::two_phase : s.shape == "gather" ? SumShape::gather : SumShape::automatic;
 }
 
 CodecParams sync_codec_params(const SyncConfig& s, CodecKind kind) {
@@ -159,8 +139,8 @@ CodecParams sync_codec_params(const SyncConfig& s, CodecKind kind) {
 
 std::vector<CodecParams> sync_chunk_codecs(const SyncConfig& s, int n_layer, const ChunkStore& store) {
   std::vector<CodecParams> out;
-  const bool hybrid = s.codec == "hybrid";
-  const CodecKind uniform = hybrid ? CodecKind::none : parse_codec(s.codec);
+  const bool hybrid = s.codec == SyncCodec::hybrid;
+  const CodecKind uniform = hybrid ? CodecKind::none : uniform_codec(s.codec);
   std::vector<SyncRule> rules;
   if (hybrid) rules = parse_sync_policy(s.policy.empty() ? default_sync_policy(n_layer) : s.policy);
   for (const Chunk& c : store.chunks()) {
@@ -170,15 +150,15 @@ std::vector<CodecParams> sync_chunk_codecs(const SyncConfig& s, int n_layer, con
         const int block = std::clamp(c.layer - 1, 0, n_layer - 1);
         kind = policy_codec(rules, block, n_layer);
       }
-      const std::string* override_name = nullptr;
+      const std::optional<CodecKind>* override_kind = nullptr;
       switch (c.kind) {
-        case ChunkKind::embedding: override_name = &s.embedding; break;
-        case ChunkKind::attention: override_name = &s.attention; break;
-        case ChunkKind::ffn: override_name = &s.ffn; break;
-        case ChunkKind::norm: override_name = &s.norm; break;
-        case ChunkKind::head: override_name = &s.head; break;
+        case ChunkKind::embedding: override_kind = &s.embedding; break;
+        case ChunkKind::attention: override_kind = &s.attention; break;
+        case ChunkKind::ffn: override_kind = &s.ffn; break;
+        case ChunkKind::norm: override_kind = &s.norm; break;
+        case ChunkKind::head: override_kind = &s.head; break;
       }
-      if (!override_name->empty()) kind = parse_codec(*override_name);
+      if (override_kind->has_value()) kind = **override_kind;
     }
     out.push_back(sync_codec_params(s, kind));
   }

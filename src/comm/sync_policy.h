@@ -38,10 +38,7 @@ CodecKind policy_codec(const std::vector<SyncRule>& rules, int block, int n_laye
 void validate_sync_config(const SyncConfig& sync, int n_layer, int zero);
 
 // True when sync.codec asks for any compression.
-inline bool sync_compressed(const SyncConfig& sync) { return sync.codec != "none"; }
-
-// sync.shape as the collective's SumShape.
-SumShape sync_sum_shape(const SyncConfig& sync);
+inline bool sync_compressed(const SyncConfig& sync) { return sync.codec != SyncCodec::none; }
 
 // The parameters of `kind` under this config (keep ratios, block size).
 CodecParams sync_codec_params(const SyncConfig& sync, CodecKind kind);

@@ -32,7 +32,7 @@ void SyncReport::take(const SyncStats& stats) {
     total.layer = l.layer;
     total.raw_bytes += l.raw_bytes;
     total.wire_bytes += l.wire_bytes;
-    if (l.codec != "none" || total.codec.empty()) total.codec = l.codec;  // the codec once compression started
+    if (l.codec != CodecKind::none) total.codec = l.codec;  // the codec once compression started
   }
   encode_ms_ += stats.encode_ms;
   decode_ms_ += stats.decode_ms;
@@ -44,8 +44,8 @@ void SyncReport::print_startup() const {
               sync_.num_buckets(), config_.parallel.bucket_bytes / 1048576.0, config_.parallel.zero);
   if (!sync_.compression_configured()) return;
   const SyncConfig& sc = config_.sync;
-  const bool hybrid = sc.codec == "hybrid";
-  std::printf("keel: compressed sync \"%s\"%s%s: %d of %d buckets through codecs, error feedback on", sc.codec.c_str(),
+  const bool hybrid = sc.codec == SyncCodec::hybrid;
+  std::printf("keel: compressed sync \"%s\"%s%s: %d of %d buckets through codecs, error feedback on", to_string(sc.codec),
               hybrid ? ", policy " : "",
               hybrid ? (sc.policy.empty() ? default_sync_policy(config_.model.n_layer) : sc.policy).c_str() : "",
               sync_.num_compressed_buckets(), sync_.num_buckets());
@@ -71,7 +71,7 @@ void SyncReport::add_step_fields(double step_ms, nlohmann::json& line) {
   line["sync_codec_share"] = step_ms > 0 ? (s.encode_ms + s.decode_ms) / step_ms : 0.0;
   nlohmann::json layers = nlohmann::json::array();
   for (const LayerSyncStats& l : s.layers) {
-    layers.push_back({{"layer", l.layer}, {"codec", l.codec}, {"raw_bytes", l.raw_bytes}, {"wire_bytes", l.wire_bytes}});
+    layers.push_back({{"layer", l.layer}, {"codec", to_string(l.codec)}, {"raw_bytes", l.raw_bytes}, {"wire_bytes", l.wire_bytes}});
   }
   line["sync_layers"] = layers;
 }
@@ -102,7 +102,7 @@ void SyncReport::print_summary() const {
   for (const auto& [layer, l] : totals_) {
     const std::string name =
         l.layer == 0 ? "embeddings" : l.layer > n_layer ? "final norm" : "block " + std::to_string(l.layer - 1);
-    std::printf("  %-14s %-12s %10.1f %10.2f %7.1fx\n", name.c_str(), l.codec.c_str(), l.raw_bytes / 1e6,
+    std::printf("  %-14s %-12s %10.1f %10.2f %7.1fx\n", name.c_str(), to_string(l.codec), l.raw_bytes / 1e6,
                 l.wire_bytes / 1e6, l.wire_bytes > 0 ? l.raw_bytes * ring / l.wire_bytes : 0.0);
     raw += l.raw_bytes * ring;
     wire += l.wire_bytes;

@@ -20,18 +20,45 @@ namespace keel {
 
 namespace {
 
+// A key holding one of an enum's values (optional: "" = unset), read and written as its spelling.
+struct ChoiceTarget {
+  void* value;
+  void (*assign)(void* value, std::string_view text, const std::string& key);  // throws the enum's error
+  const char* (*print)(const void* value);                                      // "" when unset
+};
+
+template <ConfigEnum E>
+ChoiceTarget choice(E* value) {
+  return {value, [](void* v, std::string_view text, const std::string& key) { *static_cast<E*>(v) = parse_enum<E>(text, key); },
+          [](const void* v) { return to_string(*static_cast<const E*>(v)); }};
+}
+
+template <ConfigEnum E>
+ChoiceTarget choice(std::optional<E>* value) {
+  return {value,
+          [](void* v, std::string_view text, const std::string& key) {
+            auto* o = static_cast<std::optional<E>*>(v);
+            if (text.empty()) o->reset();
+            else *o = parse_enum<E>(text, key);
+          },
+          [](const void* v) {
+            const auto* o = static_cast<const std::optional<E>*>(v);
+            return o->has_value() ? to_string(**o) : "";
+          }};
+}
+
 // One configurable key: where it lives in Config and what type it holds.
 struct Field {
   const char* section;
   const char* key;
   // optional<bool>: unset until the file or the command line sets it (then resolve fills it).
-  std::variant<int*, int64_t*, uint64_t*, double*, std::string*, bool*, std::optional<bool>*> target;
+  std::variant<int*, int64_t*, uint64_t*, double*, std::string*, bool*, std::optional<bool>*, ChoiceTarget> target;
 };
 
 std::vector<Field> fields(Config& c) {
   return {
       {"model", "preset", &c.model.preset},
-      {"model", "family", &c.model.family},
+      {"model", "family", choice(&c.model.family)},
       {"model", "n_layer", &c.model.n_layer},
       {"model", "n_head", &c.model.n_head},
       {"model", "n_embd", &c.model.n_embd},
@@ -43,10 +70,10 @@ std::vector<Field> fields(Config& c) {
       {"model", "ffn_multiple_of", &c.model.ffn_multiple_of},
       {"model", "ffn_dim_multiplier", &c.model.ffn_dim_multiplier},
       {"model", "rope_theta", &c.model.rope_theta},
-      {"model", "rope_scaling", &c.model.rope_scaling},
+      {"model", "rope_scaling", choice(&c.model.rope_scaling)},
       {"model", "rope_factor", &c.model.rope_factor},
       {"model", "tie_embeddings", &c.model.tie_embeddings},
-      {"model", "attention", &c.model.attention},
+      {"model", "attention", choice(&c.model.attention)},
       {"model", "attention_window", &c.model.attention_window},
       {"model", "dynamic_window_mass", &c.model.dynamic_window_mass},
       {"model", "dynamic_window_loss", &c.model.dynamic_window_loss},
@@ -90,10 +117,10 @@ std::vector<Field> fields(Config& c) {
       {"parallel", "bucket_bytes", &c.parallel.bucket_bytes},
       {"parallel", "zero", &c.parallel.zero},
       {"parallel", "pipeline", &c.parallel.pipeline},
-      {"parallel", "schedule", &c.parallel.schedule},
+      {"parallel", "schedule", choice(&c.parallel.schedule)},
       {"parallel", "virtual_stages", &c.parallel.virtual_stages},
       {"parallel", "stage_boundaries", &c.parallel.stage_boundaries},
-      {"parallel", "partitioner", &c.parallel.partitioner},
+      {"parallel", "partitioner", choice(&c.parallel.partitioner)},
       {"parallel", "layer_costs", &c.parallel.layer_costs},
       {"parallel", "stage_memory_mib", &c.parallel.stage_memory_mib},
       {"parallel", "repartition_every", &c.parallel.repartition_every},
@@ -103,37 +130,37 @@ std::vector<Field> fields(Config& c) {
       {"parallel", "activation_mib", &c.parallel.activation_mib},
       {"parallel", "trace", &c.parallel.trace},
       {"parallel", "lookahead", &c.parallel.lookahead},
-      {"parallel", "predict_gradients", &c.parallel.predict_gradients},
+      {"parallel", "predict_gradients", choice(&c.parallel.predict_gradients)},
       {"parallel", "post_validate", &c.parallel.post_validate},
-      {"sync", "codec", &c.sync.codec},
+      {"sync", "codec", choice(&c.sync.codec)},
       {"sync", "policy", &c.sync.policy},
-      {"sync", "embedding", &c.sync.embedding},
-      {"sync", "attention", &c.sync.attention},
-      {"sync", "ffn", &c.sync.ffn},
-      {"sync", "norm", &c.sync.norm},
-      {"sync", "head", &c.sync.head},
+      {"sync", "embedding", choice(&c.sync.embedding)},
+      {"sync", "attention", choice(&c.sync.attention)},
+      {"sync", "ffn", choice(&c.sync.ffn)},
+      {"sync", "norm", choice(&c.sync.norm)},
+      {"sync", "head", choice(&c.sync.head)},
       {"sync", "sign1_keep", &c.sync.sign1_keep},
       {"sync", "quant2_keep", &c.sync.quant2_keep},
       {"sync", "topk_keep", &c.sync.topk_keep},
       {"sync", "randk_keep", &c.sync.randk_keep},
       {"sync", "block", &c.sync.block},
       {"sync", "warmup_steps", &c.sync.warmup_steps},
-      {"sync", "shape", &c.sync.shape},
+      {"sync", "shape", choice(&c.sync.shape)},
       {"tier", "device_mib", &c.tier.device_mib},
       {"tier", "host_mib", &c.tier.host_mib},
       {"tier", "nvme_dir", &c.tier.nvme_dir},
-      {"tier", "engine", &c.tier.engine},
+      {"tier", "engine", choice(&c.tier.engine)},
       {"tier", "lookahead", &c.tier.lookahead},
       {"tier", "prefetch", &c.tier.prefetch},
       {"tier", "defer_update", &c.tier.defer_update},
       {"tier", "verify", &c.tier.verify},
-      {"tier", "embedding", &c.tier.embedding},
-      {"tier", "attention", &c.tier.attention},
-      {"tier", "ffn", &c.tier.ffn},
-      {"tier", "norm", &c.tier.norm},
+      {"tier", "embedding", choice(&c.tier.embedding)},
+      {"tier", "attention", choice(&c.tier.attention)},
+      {"tier", "ffn", choice(&c.tier.ffn)},
+      {"tier", "norm", choice(&c.tier.norm)},
       {"tier", "layers", &c.tier.layers},
-      {"tier", "optimizer", &c.tier.optimizer},
-      {"tier", "policy", &c.tier.policy},
+      {"tier", "optimizer", choice(&c.tier.optimizer)},
+      {"tier", "policy", choice(&c.tier.policy)},
       {"checkpoint", "full_every", &c.checkpoint.full_every},
       {"checkpoint", "keep", &c.checkpoint.keep},
       {"checkpoint", "delta", &c.checkpoint.delta},
@@ -144,7 +171,7 @@ std::vector<Field> fields(Config& c) {
       {"runtime", "slow_rank", &c.runtime.slow_rank},
       {"runtime", "slow_factor", &c.runtime.slow_factor},
       {"runtime", "peak_gflops", &c.runtime.peak_gflops},
-      {"runtime", "precision", &c.runtime.precision},
+      {"runtime", "precision", choice(&c.runtime.precision)},
       {"monitor", "enabled", &c.monitor.enabled},
       {"monitor", "port", &c.monitor.port},
       {"monitor", "bind", &c.monitor.bind},
@@ -161,12 +188,12 @@ std::vector<Field> fields(Config& c) {
       {"generate", "kv_block", &c.generate.kv_block},
       {"generate", "kv_cache_mib", &c.generate.kv_cache_mib},
       {"generate", "kv_device_mib", &c.generate.kv_device_mib},
-      {"generate", "kv_tier", &c.generate.kv_tier},
+      {"generate", "kv_tier", choice(&c.generate.kv_tier)},
       {"generate", "kv_nvme_dir", &c.generate.kv_nvme_dir},
       {"generate", "prefix_reuse", &c.generate.prefix_reuse},
       {"generate", "prefill_chunk", &c.generate.prefill_chunk},
       {"generate", "kv_cache", &c.generate.kv_cache},
-      {"clip", "image_tower", &c.clip.image_tower},
+      {"clip", "image_tower", choice(&c.clip.image_tower)},
       {"clip", "image_width", &c.clip.image_width},
       {"clip", "image_size", &c.clip.image_size},
       {"clip", "embed_dim", &c.clip.embed_dim},
@@ -175,8 +202,8 @@ std::vector<Field> fields(Config& c) {
       {"clip", "vit_width", &c.clip.vit_width},
       {"clip", "vit_heads", &c.clip.vit_heads},
       {"clip", "vit_mask", &c.clip.vit_mask},
-      {"clip", "visual_quant", &c.clip.visual_quant},
-      {"clip", "grad_balance", &c.clip.grad_balance},
+      {"clip", "visual_quant", choice(&c.clip.visual_quant)},
+      {"clip", "grad_balance", choice(&c.clip.grad_balance)},
       {"clip", "image_update_every", &c.clip.image_update_every},
       {"clip", "text_update_every", &c.clip.text_update_every},
       {"clip", "logit_scale_init", &c.clip.logit_scale_init},
@@ -190,6 +217,7 @@ const char* type_name(const Field& f) {
     case 0: case 1: case 2: return "an integer";
     case 3: return "a number";
     case 5: case 6: return "true or false";
+    case 7: return "a string";
     default: return "a string";
   }
 }
@@ -231,17 +259,23 @@ Int parse_int(const std::string& text, const std::string& name) {
   return value;
 }
 
+// A `--set` string value without the quotes around it, if any.
+std::string unquoted(const std::string& text) {
+  if (text.size() >= 2 && (text.front() == '"' || text.front() == '\'') && text.back() == text.front()) {
+    return text.substr(1, text.size() - 2);
+  }
+  return text;
+}
+
 void assign_from_string(const Field& f, const std::string& text) {
   const std::string name = std::string(f.section) + "." + f.key;
   std::visit(
-      [&](auto* p) {
+      [&](auto p) {
         using T = std::remove_pointer_t<decltype(p)>;
-        if constexpr (std::is_same_v<T, std::string>) {
-          std::string v = text;
-          if (v.size() >= 2 && (v.front() == '"' || v.front() == '\'') && v.back() == v.front()) {
-            v = v.substr(1, v.size() - 2);
-          }
-          *p = v;
+        if constexpr (std::is_same_v<T, ChoiceTarget>) {
+          p.assign(p.value, unquoted(text), name);
+        } else if constexpr (std::is_same_v<T, std::string>) {
+          *p = unquoted(text);
         } else if constexpr (std::is_same_v<T, double>) {
           char* end = nullptr;
           errno = 0;
@@ -270,9 +304,16 @@ void assign_from_toml(const Field& f, const toml::node& node, const std::string&
     return Error(where + ": config key '" + name + "' expects " + type_name(f) + ", found " + found.str());
   };
   std::visit(
-      [&](auto* p) {
+      [&](auto p) {
         using T = std::remove_pointer_t<decltype(p)>;
-        if constexpr (std::is_same_v<T, std::string>) {
+        if constexpr (std::is_same_v<T, ChoiceTarget>) {
+          if (!node.is_string()) throw mistyped();
+          try {
+            p.assign(p.value, node.as_string()->get(), name);
+          } catch (const Error& e) {
+            throw Error(where + ": " + e.what());
+          }
+        } else if constexpr (std::is_same_v<T, std::string>) {
           if (!node.is_string()) throw mistyped();
           *p = node.as_string()->get();
         } else if constexpr (std::is_same_v<T, double>) {
@@ -299,11 +340,15 @@ void assign_from_toml(const Field& f, const toml::node& node, const std::string&
 
 std::string toml_value(const Field& f) {
   return std::visit(
-      [](auto* p) -> std::string {
+      [](auto p) -> std::string {
         using T = std::remove_pointer_t<decltype(p)>;
-        if constexpr (std::is_same_v<T, std::string>) {
+        if constexpr (std::is_same_v<T, std::string> || std::is_same_v<T, ChoiceTarget>) {
           std::ostringstream out;
-          out << toml::value<std::string>(*p);
+          if constexpr (std::is_same_v<T, ChoiceTarget>) {
+            out << toml::value<std::string>(p.print(p.value));
+          } else {
+            out << toml::value<std::string>(*p);
+          }
           return out.str();
         } else if constexpr (std::is_same_v<T, double>) {
           char buf[64];
@@ -328,13 +373,22 @@ void require(bool ok, const std::string& key, const std::string& expected, const
 
 }  // namespace
 
+std::string enum_error(const char* format, const std::string& key, std::string_view found) {
+  std::string out = format;
+  for (const auto& [placeholder, value] : {std::pair<std::string, std::string>{"{key}", key}, {"{found}", std::string(found)}}) {
+    for (size_t at = out.find(placeholder); at != std::string::npos; at = out.find(placeholder, at + value.size())) {
+      out.replace(at, placeholder.size(), value);
+    }
+  }
+  return out;
+}
+
 void validate(const GenerateConfig& g) {
   auto s = [](auto v) { return std::to_string(v); };
   require(g.kv_block >= 1 && g.kv_block <= 1024, "generate.kv_block", "1..1024 tokens", s(g.kv_block));
   require(g.kv_cache_mib >= 1, "generate.kv_cache_mib", ">= 1", s(g.kv_cache_mib));
   require(g.kv_device_mib >= 0, "generate.kv_device_mib", ">= 0 (0 = every block in memory)", s(g.kv_device_mib));
-  require(g.kv_tier == "host" || g.kv_tier == "nvme", "generate.kv_tier", "host or nvme", "\"" + g.kv_tier + "\"");
-  require(g.kv_tier != "nvme" || g.kv_device_mib == 0 || !g.kv_nvme_dir.empty(), "generate.kv_nvme_dir",
+  require(g.kv_tier != KvTier::nvme || g.kv_device_mib == 0 || !g.kv_nvme_dir.empty(), "generate.kv_nvme_dir",
           "a directory when generate.kv_tier = nvme", "\"\"");
   require(g.prefill_chunk >= 1, "generate.prefill_chunk", ">= 1", s(g.prefill_chunk));
 }
@@ -352,10 +406,10 @@ const std::vector<ModelPreset>& model_presets() {
       {"gpt2-774m", 36, 20, 1280, 50257, 1024},
       {"gpt2-1.5b", 48, 25, 1600, 50257, 1024},
       // LLaMA-style: name      L   H    C     V     maxT  family  KV  multiple_of  tied
-      {"llama-tiny", 2, 4, 64, 8192, 256, "llama", 2, 32, false},
-      {"llama-d4", 4, 8, 256, 8192, 256, "llama", 4, 64, false},  // the default job's size, GQA 8:4
-      {"llama-110m", 12, 12, 768, 32000, 1024, "llama", 12, 32, true},  // llama2.c's stories110M shape
-      {"tinyllama-1.1b", 22, 32, 2048, 32000, 2048, "llama", 4, 256, false},  // TinyLlama's shape
+      {"llama-tiny", 2, 4, 64, 8192, 256, Family::llama, 2, 32, false},
+      {"llama-d4", 4, 8, 256, 8192, 256, Family::llama, 4, 64, false},  // the default job's size, GQA 8:4
+      {"llama-110m", 12, 12, 768, 32000, 1024, Family::llama, 12, 32, true},  // llama2.c's stories110M shape
+      {"tinyllama-1.1b", 22, 32, 2048, 32000, 2048, Family::llama, 4, 256, false},  // TinyLlama's shape
   };
   return presets;
 }
@@ -437,7 +491,7 @@ std::vector<std::tuple<int, int, int>> parse_windows(const std::string& text, in
 
 double ModelConfig::rope_base() const {
   const double hs = head_size();
-  return rope_scaling == "ntk" && hs > 2 ? rope_theta * std::pow(rope_factor, hs / (hs - 2)) : rope_theta;
+  return rope_scaling == RopeScaling::ntk && hs > 2 ? rope_theta * std::pow(rope_factor, hs / (hs - 2)) : rope_theta;
 }
 
 int ModelConfig::window_of(int block) const {
@@ -537,8 +591,6 @@ void validate_model(const ModelConfig& m, const std::string& where) {
   need(m.max_seq_len >= 1, "model.max_seq_len: expected >= 1, found " + s(m.max_seq_len));
   // (A model section built in code rather than resolved from a config may leave the family, and
   // GPT-2's n_kv_head and ffn_hidden, empty: that is GPT-2.)
-  need(m.family.empty() || m.family == "gpt2" || m.family == "llama",
-       "model.family: expected \"gpt2\" or \"llama\", found \"" + m.family + "\"");
   if (!m.llama()) {
     // GPT-2 has learned positions, a 4C GELU MLP, no grouped-query attention and a tied head.
     need(m.n_kv_head == 0 || m.n_kv_head == m.n_head,
@@ -547,23 +599,19 @@ void validate_model(const ModelConfig& m, const std::string& where) {
     need(m.ffn_multiple_of == 0 && m.ffn_dim_multiplier == 0,
          "model.ffn_multiple_of / ffn_dim_multiplier: llama options, GPT-2's MLP is 4 x n_embd");
     need(m.rope_theta == 0, "model.rope_theta: GPT-2 has learned positions, not rotary embeddings (a llama option)");
-    need(m.rope_scaling == "none", "model.rope_scaling: GPT-2 has learned positions, not rotary embeddings (a llama option)");
+    need(m.rope_scaling == RopeScaling::none, "model.rope_scaling: GPT-2 has learned positions, not rotary embeddings (a llama option)");
     need(m.tie_embeddings.value_or(true), "model.tie_embeddings: GPT-2's head is always tied to the embedding");
   } else {
     need(m.n_kv_head >= 1 && m.n_head % m.n_kv_head == 0,
          "model.n_kv_head: expected a divisor of n_head=" + s(m.n_head) + ", found " + s(m.n_kv_head));
     need(m.ffn_hidden >= 1 && m.ffn_hidden <= (1 << 20), "model.ffn_hidden: expected 1..1048576, found " + s(m.ffn_hidden));
     need(m.rope_theta > 0 && std::isfinite(m.rope_theta), "model.rope_theta: expected > 0");
-    need(m.rope_scaling == "none" || m.rope_scaling == "linear" || m.rope_scaling == "ntk",
-         "model.rope_scaling: expected none, linear or ntk, found \"" + m.rope_scaling + "\"");
     need(m.rope_factor >= 1 && std::isfinite(m.rope_factor), "model.rope_factor: expected >= 1, found " + std::to_string(m.rope_factor));
     need(m.n_embd % m.n_head == 0 && (m.n_embd / m.n_head) % 2 == 0,
          "model.n_head: llama's rotary embedding needs an even head size, found n_embd / n_head = " +
              s(m.n_embd / std::max(1, m.n_head)));
     need(m.tie_embeddings.has_value(), "model.tie_embeddings: not resolved");
   }
-  need(m.attention == "auto" || m.attention == "blockwise" || m.attention == "dense",
-       "model.attention: expected \"auto\", \"blockwise\" or \"dense\", found \"" + m.attention + "\"");
   bool windowed = m.dynamic_window();
   for (const auto& [lo, hi, w] : parse_windows(m.attention_window, m.n_layer)) windowed = windowed || w > 0;  // throws
   need(m.dynamic_window_mass > 0 && m.dynamic_window_mass < 1, "model.dynamic_window_mass: expected 0 < mass < 1, found " +
@@ -583,7 +631,7 @@ void validate_model(const ModelConfig& m, const std::string& where) {
     }
     need(count == m.n_layer, "model.dynamic_windows_state: expected " + s(m.n_layer) + " windows (one per block), found " + s(count));
   }
-  need(!windowed || m.attention == "blockwise",
+  need(!windowed || m.attention == Attention::blockwise,
        "model.attention_window: a window skips tiles of the blockwise kernel; model.attention = \"dense\" has none");
 }
 
@@ -604,15 +652,14 @@ void Config::resolve(int world_size) {
   if (model.padded_vocab_size == 0 && model.vocab_size > 0 && model.vocab_size <= 65536) {
     model.padded_vocab_size = (model.vocab_size + 127) / 128 * 128;
   }
-  if (model.family.empty()) model.family = preset->family;
-  if (model.attention == "auto") {
+  if (!model.family.has_value()) model.family = preset->family;
+  if (model.attention == Attention::automatic) {
     // Measured (kernels_bench, d4's heads, 1024 tokens): dense is 10-20 % faster up to T = 128,
     // even at 256, blockwise faster beyond; only blockwise has windows.
-    const bool windowed = !model.attention_window.empty() && model.attention_window != "0";  // "dynamic" too
-    model.attention = train.longest_seq_len() >= 256 || windowed ? "blockwise" : "dense";
+    model.attention = train.longest_seq_len() >= 256 || model.window_asked() ? Attention::blockwise : Attention::dense;
   }
-  if (model.family == "llama") {
-    const bool llama_preset = std::string(preset->family) == "llama";
+  if (model.family == Family::llama) {
+    const bool llama_preset = preset->family == Family::llama;
     if (model.n_kv_head == 0) model.n_kv_head = llama_preset && preset->n_kv_head > 0 ? preset->n_kv_head : model.n_head;
     if (model.ffn_multiple_of == 0) model.ffn_multiple_of = llama_preset ? preset->ffn_multiple_of : 256;
     require(model.ffn_multiple_of >= 1, "model.ffn_multiple_of", ">= 1", std::to_string(model.ffn_multiple_of));
@@ -624,7 +671,7 @@ void Config::resolve(int world_size) {
     }
     if (model.rope_theta == 0) model.rope_theta = 10000.0;
     if (!model.tie_embeddings.has_value()) model.tie_embeddings = llama_preset ? preset->tie_embeddings : false;
-  } else if (model.family == "gpt2") {
+  } else if (model.family == Family::gpt2) {
     if (model.n_kv_head == 0) model.n_kv_head = model.n_head;
     if (model.ffn_hidden == 0 && model.n_embd > 0 && model.n_embd <= 65536) model.ffn_hidden = 4 * model.n_embd;
     if (!model.tie_embeddings.has_value()) model.tie_embeddings = true;
@@ -735,8 +782,6 @@ void Config::resolve(int world_size) {
   require(runtime.slow_rank >= -1, "runtime.slow_rank", "a world rank or -1", s(runtime.slow_rank));
   require(runtime.slow_factor >= 1 && runtime.slow_factor <= 100, "runtime.slow_factor", "1..100", s(runtime.slow_factor));
   require(runtime.peak_gflops >= 0, "runtime.peak_gflops", ">= 0", s(runtime.peak_gflops));
-  require(runtime.precision == "fp32" || runtime.precision == "bf16", "runtime.precision", "\"fp32\" or \"bf16\"",
-          "\"" + runtime.precision + "\"");
   require(monitor.port >= 0 && monitor.port <= 65535, "monitor.port", "0 (off) or 1..65535", s(monitor.port));
   require(monitor.enabled || monitor.port == 0, "monitor.port", "0 while monitor.enabled = false", s(monitor.port));
   {
@@ -784,7 +829,7 @@ uint64_t Config::trajectory_hash(int world_size) const {
     for (const auto& [step, T] : train.seq_len_steps()) s << ' ' << step << ':' << T;
   }
   if (!data.shuffle) s << ";file order";  // (absent by default: older checkpoints keep their hash)
-  if (model.rope_scaling != "none") s << ";rope " << model.rope_scaling << ',' << model.rope_factor;
+  if (model.rope_scaling != RopeScaling::none) s << ";rope " << to_string(model.rope_scaling) << ',' << model.rope_factor;
   const std::string text = s.str();
   return XXH64(text.data(), text.size(), 0);
 }
@@ -798,8 +843,9 @@ uint64_t Config::shape_hash() const {
       << model.tie_embeddings.value_or(false);
   }
   if (clip.enabled()) {  // a dual encoder's state: both towers and the temperature
-    s << ",clip," << clip.image_tower << ',' << clip.image_width << ',' << clip.image_size << ',' << clip.embed_dim;
-    if (clip.image_tower == "vit") {
+    s << ",clip," << to_string(*clip.image_tower) << ',' << clip.image_width << ',' << clip.image_size << ','
+      << clip.embed_dim;
+    if (clip.image_tower == ImageTower::vit) {
       s << ",vit," << clip.vit_patch << ',' << clip.vit_layers << ',' << clip.vit_width << ',' << clip.vit_heads;
     }
   }

@@ -3,19 +3,181 @@
 // and impossible combinations are errors that name the key; nothing is silently defaulted.
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <iterator>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
+#include "core/error.h"
+
 namespace keel {
+
+// Every configuration choice with a closed set of values is one of these enums, parsed once when
+// the config is read (a TOML file, `--set`) and written back with the same spelling. Each enum's
+// spellings are one table (EnumNames below); to_string and parse_enum read it, and a bad value gets
+// the one-line error of that table, naming the key. Components compare enums, never strings.
+
+enum class Family : uint8_t { gpt2, llama };                 // model.family
+enum class RopeScaling : uint8_t { none, linear, ntk };      // model.rope_scaling
+enum class Attention : uint8_t { automatic, dense, blockwise };  // model.attention ("auto" = resolved to one of the others)
+enum class Precision : uint8_t { fp32, bf16 };               // runtime.precision
+// parallel.schedule: "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v" (pipeline/schedule.h).
+enum class ScheduleKind : uint8_t { gpipe, one_f_one_b, interleaved, zb_h1, zb_h2, zb_v };
+enum class PartitionerKind : uint8_t { static_, dp, qlearning };  // parallel.partitioner
+enum class PredictGradients : uint8_t { off, mean, previous, momentum, lstm };  // parallel.predict_gradients
+// A gradient codec (comm/codec.h): "none", "fp16", "bf16", "sign1", "quant2-topk", "topk", "randk".
+enum class CodecKind : uint8_t { none, fp16, bf16, sign1, quant2_topk, topk, randk };
+// sync.codec: one codec for every chunk, or "hybrid" (a codec per layer depth, from sync.policy).
+// The values shared with CodecKind are equal (uniform_codec).
+enum class SyncCodec : uint8_t { none, fp16, bf16, sign1, quant2_topk, topk, randk, hybrid };
+// sync.shape: how a dense codec's bucket is summed (comm/compressed_allreduce.h).
+enum class SumShape : uint8_t { automatic, two_phase, gather };
+// A memory tier (store/tiers.h): tier.embedding, attention, ffn, norm, optimizer.
+enum class Tier : uint8_t { device = 0, host = 1, nvme = 2 };
+enum class IoEngine : uint8_t { automatic, io_uring, threads };  // tier.engine (store/block_file.h)
+enum class TierPolicy : uint8_t { static_, adaptive };            // tier.policy
+enum class KvTier : uint8_t { host, nvme };                        // generate.kv_tier
+// clip.image_tower ("" = none: a language model run).
+enum class ImageTower : uint8_t { resnet18, resnet34, resnet50, resnet101, resnet152, vit };
+enum class VisualQuant : uint8_t { none, bf16, int8 };  // clip.visual_quant
+enum class GradBalance : uint8_t { none, norm };         // clip.grad_balance
+
+// The spellings of a configuration enum (every value once), and the one-line error for a value
+// that is none of them: `error` with {key} and {found} replaced by the key and the value found.
+template <typename E>
+struct EnumNames;
+
+template <typename E>
+concept ConfigEnum = requires { EnumNames<E>::names; EnumNames<E>::error; };
+
+#define KEEL_ENUM_NAMES(E, ERROR, ...)                                        \
+  template <>                                                                 \
+  struct EnumNames<E> {                                                       \
+    static constexpr std::pair<E, const char*> names[] = {__VA_ARGS__};       \
+    static constexpr const char* error = ERROR;                               \
+  }
+
+KEEL_ENUM_NAMES(Family, "{key}: expected \"gpt2\" or \"llama\", found \"{found}\"",  //
+                {Family::gpt2, "gpt2"}, {Family::llama, "llama"});
+KEEL_ENUM_NAMES(RopeScaling, "{key}: expected none, linear or ntk, found \"{found}\"",  //
+                {RopeScaling::none, "none"}, {RopeScaling::linear, "linear"}, {RopeScaling::ntk, "ntk"});
+KEEL_ENUM_NAMES(Attention, "{key}: expected \"auto\", \"blockwise\" or \"dense\", found \"{found}\"",  //
+                {Attention::automatic, "auto"}, {Attention::dense, "dense"}, {Attention::blockwise, "blockwise"});
+KEEL_ENUM_NAMES(Precision, "config key '{key}': expected \"fp32\" or \"bf16\", found \"{found}\"",  //
+                {Precision::fp32, "fp32"}, {Precision::bf16, "bf16"});
+KEEL_ENUM_NAMES(ScheduleKind, "{key}: expected one of gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, found \"{found}\"",
+                {ScheduleKind::gpipe, "gpipe"}, {ScheduleKind::one_f_one_b, "1f1b"},
+                {ScheduleKind::interleaved, "interleaved"}, {ScheduleKind::zb_h1, "zb-h1"},
+                {ScheduleKind::zb_h2, "zb-h2"}, {ScheduleKind::zb_v, "zb-v"});
+KEEL_ENUM_NAMES(PartitionerKind, "config key '{key}': expected static, dp or qlearning, found \"{found}\"",  //
+                {PartitionerKind::static_, "static"}, {PartitionerKind::dp, "dp"},
+                {PartitionerKind::qlearning, "qlearning"});
+KEEL_ENUM_NAMES(PredictGradients,
+                "config key '{key}': expected off, mean, previous, momentum or lstm, found \"{found}\"",  //
+                {PredictGradients::off, "off"}, {PredictGradients::mean, "mean"},
+                {PredictGradients::previous, "previous"}, {PredictGradients::momentum, "momentum"},
+                {PredictGradients::lstm, "lstm"});
+KEEL_ENUM_NAMES(CodecKind,
+                "config key '{key}': unknown gradient codec \"{found}\" (expected one of: none, fp16, bf16, sign1, "
+                "quant2-topk, topk, randk)",
+                {CodecKind::none, "none"}, {CodecKind::fp16, "fp16"}, {CodecKind::bf16, "bf16"},
+                {CodecKind::sign1, "sign1"}, {CodecKind::quant2_topk, "quant2-topk"}, {CodecKind::topk, "topk"},
+                {CodecKind::randk, "randk"});
+KEEL_ENUM_NAMES(SumShape, "config key '{key}': expected \"auto\", \"two-phase\" or \"gather\", found \"{found}\"",  //
+                {SumShape::automatic, "auto"}, {SumShape::two_phase, "two-phase"}, {SumShape::gather, "gather"});
+KEEL_ENUM_NAMES(Tier, "config key '{key}': unknown tier \"{found}\" (expected one of: device, host, nvme)",  //
+                {Tier::device, "device"}, {Tier::host, "host"}, {Tier::nvme, "nvme"});
+KEEL_ENUM_NAMES(IoEngine,
+                "config key '{key}': unknown I/O engine \"{found}\" (expected one of: auto, io_uring, threads)",  //
+                {IoEngine::automatic, "auto"}, {IoEngine::io_uring, "io_uring"}, {IoEngine::threads, "threads"});
+KEEL_ENUM_NAMES(TierPolicy, "config key '{key}': expected \"static\" or \"adaptive\", found \"{found}\"",  //
+                {TierPolicy::static_, "static"}, {TierPolicy::adaptive, "adaptive"});
+KEEL_ENUM_NAMES(KvTier, "config key '{key}': expected host or nvme, found \"{found}\"",  //
+                {KvTier::host, "host"}, {KvTier::nvme, "nvme"});
+KEEL_ENUM_NAMES(ImageTower,
+                "config key '{key}': expected resnet18, resnet34, resnet50, resnet101, resnet152 or vit (\"\" = a "
+                "language model run), found \"{found}\"",
+                {ImageTower::resnet18, "resnet18"}, {ImageTower::resnet34, "resnet34"},
+                {ImageTower::resnet50, "resnet50"}, {ImageTower::resnet101, "resnet101"},
+                {ImageTower::resnet152, "resnet152"}, {ImageTower::vit, "vit"});
+KEEL_ENUM_NAMES(VisualQuant, "config key '{key}': expected \"none\", \"bf16\" or \"int8\", found \"{found}\"",  //
+                {VisualQuant::none, "none"}, {VisualQuant::bf16, "bf16"}, {VisualQuant::int8, "int8"});
+KEEL_ENUM_NAMES(GradBalance, "config key '{key}': expected \"none\" or \"norm\", found \"{found}\"",  //
+                {GradBalance::none, "none"}, {GradBalance::norm, "norm"});
+#undef KEEL_ENUM_NAMES
+
+// sync.codec's names: the codecs' own, and "hybrid".
+template <>
+struct EnumNames<SyncCodec> {
+  static constexpr auto names = [] {
+    std::array<std::pair<SyncCodec, const char*>, std::size(EnumNames<CodecKind>::names) + 1> out{};
+    size_t i = 0;
+    for (const auto& [kind, name] : EnumNames<CodecKind>::names) out[i++] = {static_cast<SyncCodec>(kind), name};
+    out[i] = {SyncCodec::hybrid, "hybrid"};
+    return out;
+  }();
+  static constexpr const char* error =
+      "config key '{key}': unknown gradient codec \"{found}\" (expected one of: none, fp16, bf16, sign1, quant2-topk, "
+      "topk, randk, hybrid)";
+};
+
+// The config's spelling of `value`.
+template <ConfigEnum E>
+constexpr const char* to_string(E value) {
+  for (const auto& [v, name] : EnumNames<E>::names) {
+    if (v == value) return name;
+  }
+  return "?";
+}
+
+// The value spelled `text`; nullopt if it is none of the enum's names.
+template <ConfigEnum E>
+constexpr std::optional<E> parse_enum(std::string_view text) {
+  for (const auto& [v, name] : EnumNames<E>::names) {
+    if (text == name) return v;
+  }
+  return std::nullopt;
+}
+
+// The enum's error line for `found` as the value of config key `key`.
+std::string enum_error(const char* format, const std::string& key, std::string_view found);
+
+// The value spelled `text` for config key `key`; throws keel::Error with the enum's one-line error.
+template <ConfigEnum E>
+E parse_enum(std::string_view text, const std::string& key) {
+  if (const std::optional<E> v = parse_enum<E>(text)) return *v;
+  throw Error(enum_error(EnumNames<E>::error, key, text));
+}
+
+// In JSON (metrics lines, manifests, `keel simulate --json`) a configuration enum is its spelling.
+template <ConfigEnum E>
+void to_json(nlohmann::json& j, E value) {
+  j = to_string(value);
+}
+
+// Every value of the enum, in its table's order.
+template <ConfigEnum E>
+std::vector<E> enum_values() {
+  std::vector<E> out;
+  for (const auto& [v, name] : EnumNames<E>::names) out.push_back(v);
+  return out;
+}
+
+// sync.codec as the codec of every chunk; requires codec != hybrid.
+constexpr CodecKind uniform_codec(SyncCodec codec) { return static_cast<CodecKind>(codec); }
+static_assert(static_cast<int>(SyncCodec::randk) == static_cast<int>(CodecKind::randk));
 
 struct ModelConfig {
   std::string preset = "d4";  // named size (see model_presets()); explicit keys below override it
   // "gpt2" (learned positions, LayerNorm, GELU MLP, biases, head tied to the embedding) or
-  // "llama" (RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases); "" = the preset's.
-  std::string family;
+  // "llama" (RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases); "" (unset) = the preset's.
+  std::optional<Family> family;
   int n_layer = 0;            // 0 = take from preset
   int n_head = 0;
   int n_embd = 0;
@@ -32,14 +194,14 @@ struct ModelConfig {
   // interpolation: positions divided by rope_factor, so factor x the trained length maps onto the
   // trained angles); "ntk" (the base raised to theta * factor^(hs / (hs - 2)): high frequencies kept,
   // the lowest stretched by the factor).
-  std::string rope_scaling = "none";
+  RopeScaling rope_scaling = RopeScaling::none;
   double rope_factor = 1.0;
   std::optional<bool> tie_embeddings;  // output head = token embedding; GPT-2: always; llama: the preset's
   // Both families. "blockwise": FlashAttention-2's tiles and online softmax, activation memory
   // linear in T; "dense": the T x T probabilities kept (the reference); "auto": blockwise where it
   // is the faster here (train.seq_len >= 256, or any window), dense below (bench/kernels_bench:
   // BM_Attention*). Resolved configs hold "dense" or "blockwise".
-  std::string attention = "auto";
+  Attention attention = Attention::automatic;
   // A sliding window of W keys per query: "" or "0" = none, "W" = every layer, "LO-HI:W,..." =
   // blocks LO..HI (0-based) with window W, the others none.
   std::string attention_window;
@@ -57,11 +219,13 @@ struct ModelConfig {
   // the run in the configuration its checkpoints carry, so that a resumed run goes on with them.
   std::string dynamic_windows_state;
   bool dynamic_window() const { return attention_window == "dynamic"; }
+  // A window is asked for (a size, ranges or "dynamic"; "" and "0" are none).
+  bool window_asked() const { return !attention_window.empty() && attention_window != "0"; }
   // The window of block `block` (0-based), 0 = none; assumes a validated config.
   int window_of(int block) const;
-  bool llama() const { return family == "llama"; }
+  bool llama() const { return family == Family::llama; }
   // RoPE's angles: position * rope_position_scale() * rope_base()^(-2i / hs).
-  double rope_position_scale() const { return rope_scaling == "linear" ? 1.0 / rope_factor : 1.0; }
+  double rope_position_scale() const { return rope_scaling == RopeScaling::linear ? 1.0 / rope_factor : 1.0; }
   double rope_base() const;
   // Where the model sits in a chunk store it shares with other parts of a bigger model (the text
   // tower of a dual encoder): its tensors' names start with tensor_prefix and its layers' store
@@ -94,6 +258,7 @@ struct TrainConfig {
   std::string run_dir = "runs/default";
   std::string resume;         // checkpoint directory to resume from ("" = fresh start; "auto" =
                               // the newest checkpoint of run_dir if there is one, else fresh)
+  bool resume_auto() const { return resume == "auto"; }
   // A fresh start in a run_dir holding an earlier run's checkpoints or metrics is refused unless
   // this is true; then the earlier run is moved aside to run_dir.old-N.
   bool overwrite = false;
@@ -149,14 +314,14 @@ struct ParallelConfig {
   // Pipeline parallelism (pipeline/): the model cut into `pipeline` x virtual_stages stages on as
   // many ranks per data-parallel replica (world = data x pipeline).
   int pipeline = 1;
-  std::string schedule = "1f1b";     // gpipe | 1f1b | interleaved | zb-h1 | zb-h2 | zb-v
+  ScheduleKind schedule = ScheduleKind::one_f_one_b;  // gpipe | 1f1b | interleaved | zb-h1 | zb-h2 | zb-v
   int virtual_stages = 0;            // stages per rank; 0 = the schedule's (interleaved, zb-v: 2; else 1)
   std::string stage_boundaries;      // first layer of stages 1.. ("3,6"); "" = cut by `partitioner`
   // How stages are cut when stage_boundaries is "" (pipeline/partitioner.h): static (the FLOP
   // model's balanced cut) | dp | qlearning, on the per-layer costs in `layer_costs` (a run's
   // metrics.jsonl or a costs file; "" = the FLOP model), every stage within stage_memory_mib
   // (parameters, gradients, moments and activations in flight; 0 = no cap).
-  std::string partitioner = "static";
+  PartitionerKind partitioner = PartitionerKind::static_;
   std::string layer_costs;
   int64_t stage_memory_mib = 0;
   // Re-cut while training (pipeline/repartitioner.h): every `repartition_every` steps (0 = never;
@@ -178,7 +343,7 @@ struct ParallelConfig {
   // off | mean (this step's other micro-batches' mean) | previous (what that micro-batch's W
   // added last step) | momentum (an exponential average, 0.9, of what it added in earlier steps)
   // | lstm (per chunk, a blend of mean and previous from a small LSTM over the chunk's history).
-  std::string predict_gradients = "off";
+  PredictGradients predict_gradients = PredictGradients::off;
   // Zero Bubble's optimizer post-validation: each rank steps its optimizer without waiting for the
   // global gradient norm (no clipping), and redoes the step from a copy if the norm, once summed
   // over the stages, calls for clipping or is not finite. Exact (the same bytes); not with ZeRO.
@@ -190,7 +355,7 @@ struct ParallelConfig {
 struct SyncConfig {
   // none (plain float32 all-reduce) | fp16 | bf16 | sign1 | quant2-topk | topk | randk | hybrid
   // (a codec per layer depth, from `policy`).
-  std::string codec = "none";
+  SyncCodec codec = SyncCodec::none;
   // hybrid: "LO-HI:codec,..." over transformer block indices (0-based, inclusive, "31-" = 31 and
   // deeper), or over depth fractions when a bound has a decimal point ("0-0.34:sign1,...": block
   // b of L sits at b / L, ranges are [LO, HI), the last one includes 1). Embeddings take the
@@ -201,7 +366,7 @@ struct SyncConfig {
   std::string policy;
   // Overrides by chunk kind ("" = what the policy gives the chunk's layer). GPT-2 ties its head
   // to the token embedding, so `embedding` covers the head too.
-  std::string embedding, attention, ffn, norm, head;
+  std::optional<CodecKind> embedding, attention, ffn, norm, head;
   double sign1_keep = 1.0;   // sign1: fraction of values sent (random sparsification); 1 = dense
   double quant2_keep = 1.0;  // quant2-topk: fraction of values sent (the largest |g|); 1 = dense 2-bit
   double topk_keep = 0.05;   // topk: fraction of values sent (the largest |g|)
@@ -213,7 +378,7 @@ struct SyncConfig {
   // rank's encoding, everyone decodes the sum: no second lossy step, (N-1)/(2(N-1)/N) x the
   // bytes), or "auto": gather where it costs no more bytes (2 ranks), else two-phase. Sparse
   // codecs always gather.
-  std::string shape = "auto";
+  SumShape shape = SumShape::automatic;
 };
 
 // Tiered chunk memory (store/tiers.h): where each page (one plane of one chunk) lives between
@@ -222,7 +387,7 @@ struct TierConfig {
   int64_t device_mib = 0;   // the compute tier's budget (DRAM on a CPU build); 0 = tiering off
   int64_t host_mib = 0;     // host DRAM for host-homed pages and NVMe staging buffers
   std::string nvme_dir;     // directory for the NVMe tier's file ("" = no NVMe tier)
-  std::string engine = "auto";  // auto | io_uring | threads
+  IoEngine engine = IoEngine::automatic;  // auto | io_uring | threads
   int lookahead = 16;       // acquires prefetched ahead of the current one
   bool prefetch = true;     // false: fetch on demand only (the naive baseline)
   // Each chunk's optimizer update runs just before the next forward pass first uses the chunk,
@@ -234,13 +399,13 @@ struct TierConfig {
   bool verify = false;
   // Homes by chunk kind (device | host | nvme); the seed's classes: attention and norms hot
   // (device), FFN warm (nvme, prefetched), embeddings cold (host).
-  std::string embedding = "host", attention = "device", ffn = "nvme", norm = "device";
+  Tier embedding = Tier::host, attention = Tier::device, ffn = Tier::nvme, norm = Tier::device;
   std::string layers;       // overrides by layer index, "LO-HI:tier,..." (0 = embeddings, 1.. blocks)
-  std::string optimizer;    // home of the AdamW moments ("" = their chunk's)
+  std::optional<Tier> optimizer;  // home of the AdamW moments ("" (unset) = their chunk's)
   // static: the homes above, demoted (device -> host -> nvme) where a budget is short;
   // adaptive: after the first step, every page re-homed by its measured accesses per step and
   // reuse distance (the NVMe file then has room for every page).
-  std::string policy = "static";
+  TierPolicy policy = TierPolicy::static_;
 };
 
 // Checkpoints (written to run_dir/ckpt every train.checkpoint_every steps and at the end).
@@ -261,7 +426,7 @@ struct RuntimeConfig {
   double peak_gflops = 0;     // MFU's peak for the whole job; 0 = from the CPU (vector units, cores, clock)
   // "fp32", or "bf16": matrix products with bf16 operands and float32 sums (kernels/cpu/bf16.h);
   // master weights, gradients, their reduction and AdamW stay float32.
-  std::string precision = "fp32";
+  Precision precision = Precision::fp32;
   // A documented slowdown for tests and benchmarks of unequal ranks: world rank `slow_rank` (-1 =
   // none) runs each layer's F, B and W `slow_factor` times as long (it sleeps (factor - 1) x the
   // layer's time after each; the bytes are unchanged). A pipeline's partitioners know it: stages
@@ -301,7 +466,7 @@ struct GenerateConfig {
   int kv_block = 64;            // tokens per KV block
   int64_t kv_cache_mib = 1024;  // the cache's pool, all tiers together
   int64_t kv_device_mib = 0;    // 0: every block in memory; else the compute tier's budget for blocks
-  std::string kv_tier = "host"; // home of the blocks beyond kv_device_mib: host | nvme
+  KvTier kv_tier = KvTier::host;  // home of the blocks beyond kv_device_mib: host | nvme
   std::string kv_nvme_dir;      // kv_tier = nvme: directory of the tier's file
   bool prefix_reuse = true;     // share the blocks of common prefixes (a radix tree of blocks)
   int prefill_chunk = 256;      // tokens per model pass over a prompt or document
@@ -315,7 +480,7 @@ void validate(const GenerateConfig& g);
 // come from a `keel data images` dataset and data.tokenizer. Validated by its component
 // (runtime/workload.h validate_clip_config).
 struct ClipConfig {
-  std::string image_tower;  // "" = a language model run; resnet18 | resnet34 | resnet50 | resnet101 | resnet152 | vit
+  std::optional<ImageTower> image_tower;  // "" (unset) = a language model run; resnet18 .. resnet152 | vit
   int image_width = 64;     // the ResNet's stem channels (stages: 1, 2, 4, 8 x; bottlenecks 4 x that out)
   int image_size = 0;       // 0 = the dataset's image size; else it must match it
   int embed_dim = 64;       // the shared embedding's width
@@ -330,11 +495,11 @@ struct ClipConfig {
   // its activations in bf16) or, for a ViT, "int8" (its forward products in int8 with per-token and
   // per-weight-column ranges taken every step; backward in bf16). model/vit.h and model/resnet.h say
   // exactly what.
-  std::string visual_quant = "none";
+  VisualQuant visual_quant = VisualQuant::none;
   // Cross-modal gradient normalisation: "none", or "norm": after the data-parallel sum, each
   // tower's gradient is scaled to the geometric mean of the two towers' norms (the product of the
   // norms kept, the temperature's gradient untouched), before the global norm and clipping.
-  std::string grad_balance = "none";
+  GradBalance grad_balance = GradBalance::none;
   // Tower update cadences: a tower is trained on the steps whose index (0-based) is a multiple of
   // its cadence; on the other steps it runs forward only (no backward, no gradient sync, no AdamW
   // update; its moments' bias correction counts its own updates). 1 = every step.
@@ -343,7 +508,7 @@ struct ClipConfig {
   double logit_scale_init = 2.659260036932778;  // log(1 / 0.07)
   double logit_scale_max = 100.0;               // exp(logit_scale) is clamped here
   std::string dataset;      // a `keel data images` directory (train.img / val.img, .jsonl)
-  bool enabled() const { return !image_tower.empty(); }
+  bool enabled() const { return image_tower.has_value(); }
 };
 
 struct Config {
@@ -388,7 +553,7 @@ struct Config {
 struct ModelPreset {
   const char* name;
   int n_layer, n_head, n_embd, vocab_size, max_seq_len;
-  const char* family = "gpt2";
+  Family family = Family::gpt2;
   int n_kv_head = 0;        // llama: 0 = n_head
   int ffn_multiple_of = 0;  // llama
   bool tie_embeddings = true;

@@ -5,12 +5,14 @@
 #include <string>
 #include <vector>
 
+#include "core/config.h"
+
 namespace keel {
 
 // One layer's share of a step's sync (compressed sync only).
 struct LayerSyncStats {
   int layer = 0;
-  std::string codec;        // the codec of most of its elements this step ("none" during warm-up)
+  CodecKind codec = CodecKind::none;  // the codec of most of its elements this step (none during warm-up)
   double raw_bytes = 0;     // float32 bytes of its gradient
   double wire_bytes = 0;    // bytes this rank sent for it
 };

@@ -34,7 +34,7 @@ ClipSpec clip_spec(const ClipConfig& clip, int dataset_image_size) {
         "config key 'clip.image_size': " + std::to_string(clip.image_size) + ", but the dataset " + clip.dataset +
             " holds images of " + std::to_string(dataset_image_size) + " pixels (0 = the dataset's)");
   ClipSpec s;
-  s.image_tower = clip.image_tower;
+  s.image_tower = *clip.image_tower;
   s.image_width = clip.image_width;
   s.image_size = dataset_image_size;
   s.embed_dim = clip.embed_dim;
@@ -56,12 +56,12 @@ void validate_clip_config(const Config& c) {
   };
   // The towers' specs as the model will have them (the dataset's image size is checked when it is
   // loaded; until then a size each tower accepts).
-  const bool vit = clip.image_tower == "vit";
+  const bool vit = clip.image_tower == ImageTower::vit;
   const ClipSpec spec = clip_spec(clip, clip.image_size != 0 ? clip.image_size : vit ? clip.vit_patch : 64);
   if (vit) {
     validate_vit(spec.vit_spec());
   } else {
-    validate_resnet(spec.resnet_spec());  // (resnet_preset names the towers there are)
+    validate_resnet(spec.resnet_spec());
   }
   check(clip.image_size == 0 || clip.image_size >= 32, key("clip.image_size", "0 (the dataset's) or >= 32",
                                                            std::to_string(clip.image_size)));
@@ -70,8 +70,6 @@ void validate_clip_config(const Config& c) {
   check(std::isfinite(clip.logit_scale_max) && clip.logit_scale_max > 1,
         key("clip.logit_scale_max", "a finite value above 1", std::to_string(clip.logit_scale_max)));
   check(!clip.dataset.empty(), key("clip.dataset", "a `keel data images` directory", "\"\""));
-  check(clip.grad_balance == "none" || clip.grad_balance == "norm",
-        key("clip.grad_balance", "\"none\" or \"norm\"", "\"" + clip.grad_balance + "\""));
   for (const auto& [k, v] : {std::pair<const char*, int>{"clip.image_update_every", clip.image_update_every},
                              {"clip.text_update_every", clip.text_update_every}}) {
     check(v >= 1 && v <= 1000, key(k, "a cadence of 1 .. 1000 steps", std::to_string(v)));
@@ -80,16 +78,16 @@ void validate_clip_config(const Config& c) {
         key("clip.text_update_every", "1 when clip.image_update_every is not (one tower trains every step)",
             std::to_string(clip.text_update_every)));
   check(clip.vit_mask >= 0 && clip.vit_mask <= 0.95, key("clip.vit_mask", "0 .. 0.95", std::to_string(clip.vit_mask)));
-  check(clip.vit_mask == 0 || clip.image_tower == "vit",
+  check(clip.vit_mask == 0 || vit,
         key("clip.vit_mask", "0 unless clip.image_tower = \"vit\" (patch masking)", std::to_string(clip.vit_mask)));
   // Not yet combined with a dual encoder (each a later piece of work, not a silent fallback).
   auto alone = [&](bool ok, const std::string& k, const std::string& found) {
     check(ok, "config key '" + k + "': not yet supported with clip.image_tower (a dual encoder), found " + found);
   };
   alone(c.parallel.pipeline == 1, "parallel.pipeline", std::to_string(c.parallel.pipeline));
-  alone(c.model.attention_window.empty() || c.model.attention_window == "0", "model.attention_window",
+  alone(!c.model.window_asked(), "model.attention_window",
         "\"" + c.model.attention_window + "\"");
-  alone(c.sync.codec == "none", "sync.codec", "\"" + c.sync.codec + "\"");
+  alone(c.sync.codec == SyncCodec::none, "sync.codec", "\"" + std::string(to_string(c.sync.codec)) + "\"");
   alone(c.train.seq_len_schedule.empty(), "train.seq_len_schedule", "\"" + c.train.seq_len_schedule + "\"");
   alone(c.optim.freeze_layers == 0, "optim.freeze_layers", std::to_string(c.optim.freeze_layers));
 }
@@ -106,7 +104,8 @@ ModelLayout loss_layout(int loss_layer) {
 }  // namespace
 
 ModelLayout clip_layout(const ClipSpec& spec, const ModelConfig& text) {
-  ModelLayout out = spec.image_tower == "vit" ? vit_layout(spec.vit_spec()) : resnet_layout(spec.resnet_spec());
+  ModelLayout out =
+      spec.image_tower == ImageTower::vit ? vit_layout(spec.vit_spec()) : resnet_layout(spec.resnet_spec());
   out.append(text_tower_layout(text, out.tensors.back().layer + 1, spec.embed_dim));
   out.append(loss_layout(out.tensors.back().layer + 1));
   return out;
@@ -116,7 +115,7 @@ ClipModel::ClipModel(const ClipSpec& spec, const ModelConfig& text, ChunkStore& 
     : spec_(spec), store_(store) {
   check(spec.logit_scale_max > 1 && std::isfinite(spec.logit_scale_max),
         "clip.logit_scale_max: expected a finite value above 1, found " + std::to_string(spec.logit_scale_max));
-  image_ = spec.image_tower == "vit" ? make_vit(spec.vit_spec(), store, precision)
+  image_ = spec.image_tower == ImageTower::vit ? make_vit(spec.vit_spec(), store, precision)
                                      : make_resnet(spec.resnet_spec(), store, precision);
   text_ = make_text_tower(text, image_->num_layers(), spec.embed_dim, store, precision);
   loss_layer_ = text_->first_layer() + text_->num_layers();

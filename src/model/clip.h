@@ -23,7 +23,7 @@
 namespace keel {
 
 struct ClipSpec {
-  std::string image_tower = "resnet18";  // resnet18 / 34 / 50 / 101 / 152, or vit
+  ImageTower image_tower = ImageTower::resnet18;  // clip.image_tower
   int image_width = 64;                  // the ResNet's stem channels
   int image_size = 64;
   int embed_dim = 64;
@@ -31,7 +31,7 @@ struct ClipSpec {
   double logit_scale_max = 100.0;
   std::optional<ResNetSpec> resnet;  // other stage depths than the named presets' (tests)
   VitSpec vit;                       // image_tower = "vit": patch, layers, width, heads
-  std::string visual_quant = "none";  // clip.visual_quant (either tower's spec gets it)
+  VisualQuant visual_quant = VisualQuant::none;  // clip.visual_quant (either tower's spec gets it)
   ResNetSpec resnet_spec() const;    // the image tower's, layer base 0
   VitSpec vit_spec() const;
 };

@@ -68,7 +68,7 @@ class Block final : public Layer {
   Block(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, bool bf16, MathMode math)
       : store_(store), m_(m), layer_(m.layer_base + layer), bf16_(bf16), math_(math), t_(ids) {
     check(ids.size() == layout::fc_proj_b + 1, "GPT: block " + std::to_string(layer) + " without its tensors");
-    check(m.causal || m.attention == "dense", "model: attention that is not causal runs on the dense kernel only");
+    check(m.causal || m.attention == Attention::dense, "model: attention that is not causal runs on the dense kernel only");
     probe_.window = m.window_of(layer_ - 1);
     probe_.mass.assign(static_cast<size_t>(m.n_head) * AttentionProbe::kBuckets, 0.0);
   }
@@ -126,7 +126,7 @@ class Block final : public Layer {
     model_detail::probe_attention(probe_, b, qkv_, m_);
     if (b.kv) {
       b.kv->attend(math_.forward, layer_ - 1, qkv_, 3 * C, atty_, b.T, probe_.window);
-    } else if (m_.attention == "dense") {
+    } else if (m_.attention == Attention::dense) {
       ops::attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, 0, m_.causal);
     } else {  // att_ holds the rows' log-sum-exp
       ops::flash_attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_head, probe_.window);
@@ -165,7 +165,7 @@ class Block final : public Layer {
     // Attention branch: d(attproj out) = dres2
     float* datty = scratch_;
     ops::linear_backward_input(math_.backward, datty, dres2_, P(layout::proj_w), N, C, C, false);
-    if (m_.attention == "dense") {
+    if (m_.attention == Attention::dense) {
       ops::attention_backward_input(math_.backward, dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head, 0, m_.causal);
     } else {
       ops::flash_attention_backward_input(math_.backward, dqkv_, datty, atty_, att_, qkv_, b.B, b.T, C, m_.n_head,

@@ -59,7 +59,7 @@ class Stash {
 // probabilities, or the blockwise kernel's log-sum-exp per row (linear in T).
 inline int64_t attention_floats(const ModelConfig& m, int B, int T) {
   const int64_t rows = static_cast<int64_t>(B) * m.n_head * T;
-  return m.attention == "dense" ? rows * T : rows;
+  return m.attention == Attention::dense ? rows * T : rows;
 }
 
 // Both heads' loss: cross-entropy of logits[N, Vp] (in place: its gradient when grad_scale != 0)

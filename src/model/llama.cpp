@@ -89,7 +89,7 @@ class LlamaBlock final : public Layer {
     model_detail::probe_attention(probe_, b, qkv_, m_);
     if (b.kv) {
       b.kv->attend(math_.forward, layer_ - 1, qkv_, QKV_, atty_, b.T, probe_.window);
-    } else if (m_.attention == "dense") {
+    } else if (m_.attention == Attention::dense) {
       ops::attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
     } else {
       ops::flash_attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head,
@@ -128,7 +128,7 @@ class LlamaBlock final : public Layer {
     // rotated back before the qkv projection.
     float* datty = scratch_;
     ops::linear_backward_input(math_.backward, datty, dres2_, P(layout::llama_proj_w), N, C, C, false);
-    if (m_.attention == "dense") {
+    if (m_.attention == Attention::dense) {
       ops::attention_backward_input(math_.backward, dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
     } else {
       ops::flash_attention_backward_input(math_.backward, dqkv_, datty, atty_, att_, qkv_, b.B, b.T, C, m_.n_head,

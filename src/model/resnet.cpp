@@ -429,23 +429,15 @@ class ResNet final : public Tower {
 
 }  // namespace
 
-ResNetSpec resnet_preset(const std::string& name) {
+ResNetSpec resnet_preset(ImageTower tower) {
   ResNetSpec s;
-  if (name == "resnet18") {
-    s.layers = {2, 2, 2, 2};
-  } else if (name == "resnet34") {
-    s.layers = {3, 4, 6, 3};
-  } else if (name == "resnet50") {
-    s.block = "bottleneck";
-    s.layers = {3, 4, 6, 3};
-  } else if (name == "resnet101") {
-    s.block = "bottleneck";
-    s.layers = {3, 4, 23, 3};
-  } else if (name == "resnet152") {
-    s.block = "bottleneck";
-    s.layers = {3, 8, 36, 3};
-  } else {
-    throw Error("image tower '" + name + "': expected resnet18, resnet34, resnet50, resnet101, resnet152 or vit");
+  switch (tower) {
+    case ImageTower::resnet18: s.layers = {2, 2, 2, 2}; break;
+    case ImageTower::resnet34: s.layers = {3, 4, 6, 3}; break;
+    case ImageTower::resnet50: s.block = "bottleneck", s.layers = {3, 4, 6, 3}; break;
+    case ImageTower::resnet101: s.block = "bottleneck", s.layers = {3, 4, 23, 3}; break;
+    case ImageTower::resnet152: s.block = "bottleneck", s.layers = {3, 8, 36, 3}; break;
+    case ImageTower::vit: throw Error("image tower 'vit': not a ResNet (expected resnet18, resnet34, resnet50, resnet101 or resnet152)");
   }
   return s;
 }
@@ -461,9 +453,9 @@ void validate_resnet(const ResNetSpec& s) {
   check(s.image_size >= 32 && s.image_size <= 1024,
         "clip.image_size: expected 32..1024 pixels for a ResNet (five halvings), found " + std::to_string(s.image_size));
   check(s.embed_dim >= 1 && s.embed_dim <= 8192, "clip.embed_dim: expected 1..8192, found " + std::to_string(s.embed_dim));
-  check(s.quant == "none" || s.quant == "bf16",
+  check(s.quant != VisualQuant::int8,
         "config key 'clip.visual_quant': expected \"none\" or \"bf16\" for a ResNet (int8 is a ViT's), found \"" +
-            s.quant + "\"");
+            std::string(to_string(s.quant)) + "\"");
 }
 
 ModelLayout resnet_layout(const ResNetSpec& spec) {

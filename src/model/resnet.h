@@ -37,14 +37,14 @@ struct ResNetSpec {
   // clip.visual_quant: "none", or "bf16": the tower's convolutions and projection read bf16
   // activations, weights and gradients (float32 sums and outputs) where the CPU has bf16
   // instructions (kernels/cpu/conv.cpp); int8 is a ViT's only.
-  std::string quant = "none";
+  VisualQuant quant = VisualQuant::none;
   int expansion() const { return block == "bottleneck" ? 4 : 1; }
   int out_channels() const { return 8 * width * expansion(); }
 };
 
 // "resnet18" / "resnet34" (basic blocks) and "resnet50" / "resnet101" / "resnet152" (bottleneck):
-// torchvision's stage depths. Throws naming the known ones.
-ResNetSpec resnet_preset(const std::string& name);
+// torchvision's stage depths. Throws for vit (not a ResNet).
+ResNetSpec resnet_preset(ImageTower tower);
 // Checks a spec (one line naming what is wrong).
 void validate_resnet(const ResNetSpec& spec);
 

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 
+#include "core/config.h"
 #include "kernels/cpu/bf16.h"
 #include "model/layer.h"
 
@@ -19,9 +20,9 @@ namespace keel {
 // clip.visual_quant: "bf16" both ways; "int8" forward (a ViT's) and bf16 backward; "none" the
 // process's own (`process`: runtime.precision). The tower holds it from its construction and hands
 // it to every kernel of its passes (its blocks' included).
-inline MathMode visual_math(const std::string& quant, MatmulPrecision process) {
-  if (quant == "int8") return MathMode{MatmulPrecision::int8, MatmulPrecision::bf16};
-  return MathMode::uniform(quant == "bf16" ? MatmulPrecision::bf16 : process);
+inline MathMode visual_math(VisualQuant quant, MatmulPrecision process) {
+  if (quant == VisualQuant::int8) return MathMode{MatmulPrecision::int8, MatmulPrecision::bf16};
+  return MathMode::uniform(quant == VisualQuant::bf16 ? MatmulPrecision::bf16 : process);
 }
 
 class Tower {

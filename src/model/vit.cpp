@@ -20,7 +20,7 @@ namespace {
 ModelConfig blocks_config(const VitSpec& s) {
   ModelConfig m;
   m.preset = "vit";
-  m.family = "gpt2";
+  m.family = Family::gpt2;
   m.n_layer = s.layers;
   m.n_head = s.heads;
   m.n_kv_head = s.heads;
@@ -30,7 +30,7 @@ ModelConfig blocks_config(const VitSpec& s) {
   m.padded_vocab_size = 2;
   m.max_seq_len = s.patches() + 1;
   m.tie_embeddings = true;
-  m.attention = "dense";
+  m.attention = Attention::dense;
   m.causal = false;
   m.tensor_prefix = s.prefix;
   m.layer_base = s.layer_base;
@@ -72,7 +72,7 @@ class Vit final : public Tower {
         PV_(s.patch * s.patch * 3),
         C_(s.width),
         patch_ids_(register_layout(store, patch_layout(s))),  // vit_layout's order: these, the blocks, the head
-        body_(blocks_config(s), store, {LayerRange{1, s.layers}}, s.quant == "bf16", math_),
+        body_(blocks_config(s), store, {LayerRange{1, s.layers}}, s.quant == VisualQuant::bf16, math_),
         head_layer_(s.layer_base + s.layers + 1),
         patch_w_(patch_ids_[patch_w]),
         patch_b_(patch_ids_[patch_b]),
@@ -280,8 +280,6 @@ void validate_vit(const VitSpec& s) {
   check(s.width >= 1 && s.width <= 16384, key("vit_width", "1..16384", s.width));
   check(s.heads >= 1 && s.width % s.heads == 0, key("vit_heads", "a divisor of clip.vit_width", s.heads));
   check(s.embed_dim >= 1 && s.embed_dim <= 8192, key("embed_dim", "1..8192", s.embed_dim));
-  check(s.quant == "none" || s.quant == "bf16" || s.quant == "int8",
-        "config key 'clip.visual_quant': expected \"none\", \"bf16\" or \"int8\", found \"" + s.quant + "\"");
 }
 
 ModelLayout vit_layout(const VitSpec& spec) {

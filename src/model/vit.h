@@ -43,7 +43,7 @@ struct VitSpec {
   int width = 64;
   int heads = 4;
   int embed_dim = 64;
-  std::string quant = "none";  // "none" | "bf16" | "int8" (clip.visual_quant)
+  VisualQuant quant = VisualQuant::none;  // clip.visual_quant
   std::string prefix = "visual.";
   int layer_base = 0;
   int grid() const { return image_size / patch; }

@@ -4,7 +4,7 @@
 
 namespace keel::pipeline {
 
-GradientPrediction::GradientPrediction(std::string how, ChunkStore& store) : how_(std::move(how)), store_(store) {
+GradientPrediction::GradientPrediction(PredictGradients how, ChunkStore& store) : how_(how), store_(store) {
   const size_t n = static_cast<size_t>(store_.numel());
   predicted_.assign(n, 0.0f);
   measured_.assign(n, 0.0f);
@@ -30,12 +30,12 @@ void GradientPrediction::predict(int micro_batches) {
   // momentum: an exponential average (0.9) of what the W added in earlier steps, started from
   // the first measurement; previous: the last measurement alone; mean (and before any
   // measurement): the step's other micro-batches' mean.
-  if (how_ == "momentum" && measured_valid_) {
+  if (how_ == PredictGradients::momentum && measured_valid_) {
     if (momentum_.empty()) momentum_.assign(measured_.begin(), measured_.end());
     for (size_t i = 0; i < g.size(); ++i) momentum_[i] = 0.9f * momentum_[i] + 0.1f * measured_[i];
   }
   const float share = 1.0f / static_cast<float>(micro_batches - 1);
-  if (how_ == "lstm") {
+  if (how_ == PredictGradients::lstm) {
     // Per chunk: the LSTM's blend a * mean + b * previous (pipeline/gradient_predictor.h), after
     // it learned from how its last blend compared with the W's true gradient, now measured.
     if (!lstm_) {
@@ -65,8 +65,8 @@ void GradientPrediction::predict(int micro_batches) {
     measured_valid_ = false;
     return;
   }
-  const bool history = measured_valid_ && how_ != "mean";
-  const std::vector<float>& past = how_ == "momentum" ? momentum_ : measured_;
+  const bool history = measured_valid_ && how_ != PredictGradients::mean;
+  const std::vector<float>& past = how_ == PredictGradients::momentum ? momentum_ : measured_;
   for (size_t i = 0; i < g.size(); ++i) {
     const float carried = measured_valid_ ? measured_[i] - predicted_[i] : 0.0f;
     const float p = history ? past[i] : (g[i] - carried) * share;
@@ -90,7 +90,7 @@ nlohmann::json GradientPrediction::save(std::vector<float>& floats) const {
   std::span<const float> g = store_.range_view(Plane::grad, 0, store_.numel());
   floats.insert(floats.end(), g.begin(), g.end());
   for (const std::vector<float>* v : {&predicted_, &measured_, &momentum_}) floats.insert(floats.end(), v->begin(), v->end());
-  nlohmann::json saved = {{"predict_gradients", how_}, {"numel", store_.numel()}, {"measured", measured_valid_},
+  nlohmann::json saved = {{"predict_gradients", to_string(how_)}, {"numel", store_.numel()}, {"measured", measured_valid_},
                           {"momentum", !momentum_.empty()}, {"lstm", lstm_ != nullptr}};
   if (lstm_) {
     lstm_->save(floats);
@@ -104,9 +104,9 @@ nlohmann::json GradientPrediction::save(std::vector<float>& floats) const {
 std::string GradientPrediction::check_saved(const nlohmann::json& saved, size_t floats) const {
   const size_t n = static_cast<size_t>(store_.numel());
   const std::string how = saved.at("predict_gradients").get<std::string>();
-  if (how != how_ || saved.at("numel").get<size_t>() != n) {
+  if (parse_enum<PredictGradients>(how) != how_ || saved.at("numel").get<size_t>() != n) {
     return "its gradient prediction state is of parallel.predict_gradients = \"" + how + "\" over " +
-           std::to_string(saved.at("numel").get<size_t>()) + " floats; this rank's is \"" + how_ + "\" over " +
+           std::to_string(saved.at("numel").get<size_t>()) + " floats; this rank's is \"" + to_string(how_) + "\" over " +
            std::to_string(n);
   }
   // Every field restore() reads (a missing or mistyped one throws: an unreadable description).

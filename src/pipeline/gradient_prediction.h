@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "core/config.h"
 #include "pipeline/executor.h"
 #include "pipeline/gradient_predictor.h"
 #include "store/chunk_store.h"
@@ -22,8 +23,8 @@ namespace keel::pipeline {
 
 class GradientPrediction {
  public:
-  // `how`: mean | previous | momentum | lstm.
-  GradientPrediction(std::string how, ChunkStore& store);
+  // `how`: mean | previous | momentum | lstm (not off).
+  GradientPrediction(PredictGradients how, ChunkStore& store);
   // Makes `executor` carry each stage's last W into the next step, measuring what it adds.
   void attach(Executor& executor);
   // Before the sync, with `micro_batches` in the step: adds the prediction of the carried W's
@@ -44,7 +45,7 @@ class GradientPrediction {
   void restore(const nlohmann::json& saved, std::span<const float> floats);
 
  private:
-  std::string how_;
+  PredictGradients how_;
   ChunkStore& store_;
   // Over the grad plane: the prediction added this step, what the carried W's really added, and
   // the plane before they ran.

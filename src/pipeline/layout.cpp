@@ -75,7 +75,7 @@ std::vector<LayerRange> cut_stages(const std::vector<double>& costs, int stages,
 }
 
 int virtual_stages(const ParallelConfig& p) {
-  return p.virtual_stages > 0 ? p.virtual_stages : default_virtual_stages(parse_kind(p.schedule));
+  return p.virtual_stages > 0 ? p.virtual_stages : default_virtual_stages(p.schedule);
 }
 
 int micro_batches(const Config& c) {
@@ -86,47 +86,41 @@ void validate_pipeline_config(const ParallelConfig& p, const TrainConfig& t, int
   auto s = [](auto v) { return std::to_string(v); };
   // (Config::resolve has checked that parallel.pipeline divides the world.)
   (void)world_size;
-  const Kind kind = parse_kind(p.schedule);
+  const Kind kind = p.schedule;
   check(p.virtual_stages >= 0, "config key 'parallel.virtual_stages': expected >= 0, found " + s(p.virtual_stages));
   const int v = virtual_stages(p);
   check(kind != Kind::interleaved || v >= 2 || p.pipeline == 1,
         "config key 'parallel.virtual_stages': the interleaved schedule needs at least 2, found " + s(v));
   check(kind == Kind::interleaved || kind == Kind::zb_v || v == 1,
-        "config key 'parallel.virtual_stages': schedule " + p.schedule + " runs one stage per rank, found " + s(v));
+        "config key 'parallel.virtual_stages': schedule " + std::string(to_string(p.schedule)) + " runs one stage per rank, found " + s(v));
   check(kind != Kind::zb_v || v == 2, "config key 'parallel.virtual_stages': schedule zb-v runs 2 stages per rank, found " + s(v));
   check(p.micro_batches >= 0, "config key 'parallel.micro_batches': expected >= 0, found " + s(p.micro_batches));
-  check(p.predict_gradients == "off" || p.predict_gradients == "mean" || p.predict_gradients == "previous" ||
-            p.predict_gradients == "momentum" || p.predict_gradients == "lstm",
-        "config key 'parallel.predict_gradients': expected off, mean, previous, momentum or lstm, found \"" +
-            p.predict_gradients + "\"");
   check(p.lookahead >= 0, "config key 'parallel.lookahead': expected >= 0, found " + std::to_string(p.lookahead));
   check(p.activation_mib >= 0, "config key 'parallel.activation_mib': expected >= 0, found " + s(p.activation_mib));
-  check(p.partitioner == "static" || p.partitioner == "dp" || p.partitioner == "qlearning",
-        "config key 'parallel.partitioner': expected static, dp or qlearning, found \"" + p.partitioner + "\"");
   check(p.stage_memory_mib >= 0, "config key 'parallel.stage_memory_mib': expected >= 0, found " + s(p.stage_memory_mib));
   check(p.repartition_every >= 0, "config key 'parallel.repartition_every': expected >= 0, found " + s(p.repartition_every));
   check(p.repartition_threshold >= 0 && p.repartition_threshold < 1,
         "config key 'parallel.repartition_threshold': expected a fraction in [0, 1), found " + std::to_string(p.repartition_threshold));
   if (p.pipeline == 1) {
     check(p.repartition_every == 0, "config key 'parallel.repartition_every': re-cutting stages only with parallel.pipeline > 1");
-    check(p.partitioner == "static" && p.layer_costs.empty() && p.stage_memory_mib == 0,
+    check(p.partitioner == PartitionerKind::static_ && p.layer_costs.empty() && p.stage_memory_mib == 0,
           "config key 'parallel.partitioner': cutting stages (partitioner, layer_costs, stage_memory_mib) only with "
           "parallel.pipeline > 1");
     check(p.micro_batches == 0, "config key 'parallel.micro_batches': only with parallel.pipeline > 1 (use train.grad_accum)");
     check(p.stage_boundaries.empty(), "config key 'parallel.stage_boundaries': only with parallel.pipeline > 1");
     check(!p.dynamic_micro_batches, "config key 'parallel.dynamic_micro_batches': only with parallel.pipeline > 1");
-    check(p.predict_gradients == "off", "config key 'parallel.predict_gradients': only with parallel.pipeline > 1");
+    check(p.predict_gradients == PredictGradients::off, "config key 'parallel.predict_gradients': only with parallel.pipeline > 1");
     check(!p.post_validate, "config key 'parallel.post_validate': only with parallel.pipeline > 1");
     return;
   }
   // With re-cuts, stage_boundaries is the first cut and the partitioner makes the later ones.
   check(p.stage_boundaries.empty() || p.layer_costs.empty(),
         "config key 'parallel.stage_boundaries': a fixed cut, not with parallel.layer_costs");
-  check(p.stage_boundaries.empty() || p.repartition_every > 0 || (p.partitioner == "static" && p.stage_memory_mib == 0),
+  check(p.stage_boundaries.empty() || p.repartition_every > 0 || (p.partitioner == PartitionerKind::static_ && p.stage_memory_mib == 0),
         "config key 'parallel.stage_boundaries': a fixed cut, not with parallel.partitioner or stage_memory_mib "
         "(unless parallel.repartition_every re-cuts it)");
   if (p.repartition_every > 0) {
-    check(p.predict_gradients == "off",
+    check(p.predict_gradients == PredictGradients::off,
           "config key 'parallel.repartition_every': not with parallel.predict_gradients (its deferred W's cross the "
           "step boundary a re-cut moves layers at)");
     check(!p.dynamic_micro_batches, "config key 'parallel.repartition_every': not with parallel.dynamic_micro_batches (yet)");
@@ -140,9 +134,9 @@ void validate_pipeline_config(const ParallelConfig& p, const TrainConfig& t, int
   check(sequences % m == 0, "config key 'parallel.micro_batches': " + s(m) + " micro-batches do not divide the " + s(sequences) +
                                 " sequences of a step (train.batch_size " + s(t.batch_size) + " x train.grad_accum " +
                                 s(t.grad_accum) + ")");
-  check(p.predict_gradients == "off" || !p.dynamic_micro_batches,
+  check(p.predict_gradients == PredictGradients::off || !p.dynamic_micro_batches,
         "config key 'parallel.predict_gradients': not with parallel.dynamic_micro_batches (yet)");
-  check(p.predict_gradients == "off" || m >= 2,
+  check(p.predict_gradients == PredictGradients::off || m >= 2,
         "config key 'parallel.predict_gradients': needs at least 2 micro-batches a step, found " + s(m));
   check(kind != Kind::interleaved || m % p.pipeline == 0,
         "config key 'parallel.micro_batches': the interleaved schedule needs a multiple of the " + s(p.pipeline) +
@@ -156,9 +150,9 @@ Plan plan(const Config& config, const std::vector<LayerRange>& stages, int m) {
   const TrainConfig& t = config.train;
   Plan out;
   out.micro_batch = t.batch_size * t.grad_accum / m;
-  out.schedule = make_schedule({parse_kind(p.schedule), p.pipeline, m, virtual_stages(p)});
+  out.schedule = make_schedule({p.schedule, p.pipeline, m, virtual_stages(p)});
   MemoryBound bound;
-  const bool bf16 = config.runtime.precision == "bf16";
+  const bool bf16 = config.runtime.precision == Precision::bf16;
   for (const LayerRange& r : stages) {
     bound.stage_bytes.push_back(GPT::slot_bytes_for(config.model, r, out.micro_batch, t.longest_seq_len(), bf16));
   }
@@ -166,7 +160,7 @@ Plan plan(const Config& config, const std::vector<LayerRange>& stages, int m) {
   const int64_t peak = *std::max_element(out.check.peak_bytes.begin(), out.check.peak_bytes.end());
   const int64_t limit = p.activation_mib << 20;
   check(limit == 0 || peak <= limit,
-        "config key 'parallel.activation_mib': schedule " + p.schedule + " with " + std::to_string(m) +
+        "config key 'parallel.activation_mib': schedule " + std::string(to_string(p.schedule)) + " with " + std::to_string(m) +
             " micro-batches of " + std::to_string(out.micro_batch) + " sequences needs " +
             std::to_string((peak + (1 << 20) - 1) >> 20) + " MiB of activations in flight on some rank, found a bound of " +
             std::to_string(p.activation_mib) + " MiB");
@@ -175,7 +169,7 @@ Plan plan(const Config& config, const std::vector<LayerRange>& stages, int m) {
 
 std::vector<int> allowed_micro_batches(const Config& config) {
   const int sequences = config.train.batch_size * config.train.grad_accum;
-  const bool interleaved = parse_kind(config.parallel.schedule) == Kind::interleaved;
+  const bool interleaved = config.parallel.schedule == Kind::interleaved;
   std::vector<int> out;
   for (int m = 1; m <= sequences; ++m) {
     if (sequences % m == 0 && (!interleaved || m % config.parallel.pipeline == 0)) out.push_back(m);

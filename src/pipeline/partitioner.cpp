@@ -149,7 +149,7 @@ PartitionProblem problem_for(const Config& config, const LayerCosts& measured) {
   const int longest = config.train.longest_seq_len();
   PartitionProblem p;
   p.flops = layer_costs(config.model, T);
-  p.schedule = {parse_kind(par.schedule), par.pipeline, micro_batches(config), virtual_stages(par)};
+  p.schedule = {par.schedule, par.pipeline, micro_batches(config), virtual_stages(par)};
   p.stage_memory_cap = par.stage_memory_mib << 20;
   if (measured.layers() > 0) {
     p.costs = measured;
@@ -177,7 +177,7 @@ PartitionProblem problem_for(const Config& config, const LayerCosts& measured) {
     if (p.costs.param_bytes[i] <= 0) p.costs.param_bytes[i] = params[i];
     if (p.costs.activation_bytes[i] <= 0) {
       p.costs.activation_bytes[i] = static_cast<double>(GPT::slot_bytes_for(config.model, {i, i}, micro_batch, longest,
-                                                                            config.runtime.precision == "bf16"));
+                                                                            config.runtime.precision == Precision::bf16));
     } else {
       p.costs.activation_bytes[i] *= stretch;  // (linear in the length)
     }
@@ -238,21 +238,23 @@ std::vector<LayerRange> startup_cut(const Config& config) {
   const ParallelConfig& par = config.parallel;
   const int S = par.pipeline * virtual_stages(par);
   if (!par.stage_boundaries.empty() ||
-      (par.partitioner == "static" && par.layer_costs.empty() && par.stage_memory_mib == 0)) {
+      (par.partitioner == PartitionerKind::static_ && par.layer_costs.empty() && par.stage_memory_mib == 0)) {
     return cut_stages(layer_costs(config.model, config.train.seq_len), S, par.stage_boundaries);
   }
   const PartitionProblem p = problem_for(config);
   const std::vector<LayerRange> start = StaticPartitioner().cut(p, {});
   const std::unique_ptr<Partitioner> partitioner = make_partitioner(par.partitioner, config.train.seed);
-  if (par.partitioner == "qlearning") return learn_cut(*partitioner, p, start, 50);
+  if (par.partitioner == PartitionerKind::qlearning) return learn_cut(*partitioner, p, start, 50);
   return partitioner->cut(p, start);
 }
 
-std::unique_ptr<Partitioner> make_partitioner(const std::string& kind, uint64_t seed) {
-  if (kind == "static") return std::make_unique<StaticPartitioner>();
-  if (kind == "dp") return std::make_unique<DpPartitioner>();
-  if (kind == "qlearning") return std::make_unique<QLearningPartitioner>(seed);
-  throw Error("config key 'parallel.partitioner': expected static, dp or qlearning, found \"" + kind + "\"");
+std::unique_ptr<Partitioner> make_partitioner(PartitionerKind kind, uint64_t seed) {
+  switch (kind) {
+    case PartitionerKind::static_: return std::make_unique<StaticPartitioner>();
+    case PartitionerKind::dp: return std::make_unique<DpPartitioner>();
+    case PartitionerKind::qlearning: return std::make_unique<QLearningPartitioner>(seed);
+  }
+  throw Error("parallel.partitioner: no such partitioner");
 }
 
 std::vector<LayerRange> StaticPartitioner::cut(const PartitionProblem& p, const std::vector<LayerRange>&) {

@@ -104,8 +104,8 @@ std::vector<LayerRange> learn_cut(Partitioner& agent, const PartitionProblem& p,
 // The cut a config runs at start-up: parallel.stage_boundaries, or its partitioner's.
 std::vector<LayerRange> startup_cut(const Config& config);
 
-// "static", "dp" or "qlearning" (parallel.partitioner); throws naming the key otherwise.
-std::unique_ptr<Partitioner> make_partitioner(const std::string& kind, uint64_t seed);
+// The partitioner parallel.partitioner names (static, dp or qlearning).
+std::unique_ptr<Partitioner> make_partitioner(PartitionerKind kind, uint64_t seed);
 
 class StaticPartitioner final : public Partitioner {
  public:

@@ -71,7 +71,7 @@ PipelineStep::PipelineStep(const Config& config, ProcessGroups& groups, Pipeline
       optimizer_(optimizer),
       log_event_(std::move(log_event)),
       stages_(std::move(layout.stages)) {
-  if (config_.parallel.predict_gradients != "off") prediction_.emplace(config_.parallel.predict_gradients, store_);
+  if (config_.parallel.predict_gradients != PredictGradients::off) prediction_.emplace(config_.parallel.predict_gradients, store_);
   if (config_.monitor.layer_costs_every > 0) {
     profiler_ = std::make_unique<LayerProfiler>(model_, &groups_.pp(), config_.monitor.layer_costs_every, log_event_);
   }
@@ -141,7 +141,7 @@ std::string PipelineStep::stage_words() const {
 }
 
 std::string PipelineStep::prediction_layout() const {
-  return "parallel.predict_gradients = \"" + config_.parallel.predict_gradients + "\" on parallel.pipeline = " +
+  return "parallel.predict_gradients = \"" + std::string(to_string(config_.parallel.predict_gradients)) + "\" on parallel.pipeline = " +
          std::to_string(groups_.pp().size()) + " x " + std::to_string(groups_.dp().size()) +
          " data-parallel replica(s), stages (layers@rank) " + stage_words() + ", rank " +
          std::to_string(groups_.world().rank()) + " holding " + std::to_string(store_.chunks().size()) + " chunks of " +
@@ -313,7 +313,7 @@ void PipelineStep::write_trace(int64_t step, const std::vector<std::string>& tim
   Timeline timeline;
   for (const std::string& p : timelines) timeline.per_rank.push_back(decode_timeline(p));
   const std::string path = config_.train.run_dir + "/pipeline_trace.json";
-  const std::string trace = chrome_trace(timeline, "keel " + config_.parallel.schedule + " step " + std::to_string(step + 1));
+  const std::string trace = chrome_trace(timeline, std::string("keel ") + to_string(config_.parallel.schedule) + " step " + std::to_string(step + 1));
   write_file_atomic(path, {ByteRange{trace.data(), trace.size()}});
   // The same step as a text Gantt chart (replica 0), under the run's summary.
   timeline.per_rank.resize(config_.parallel.pipeline);

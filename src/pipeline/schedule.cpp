@@ -214,24 +214,9 @@ std::string to_string(const Instr& i) {
   return std::string(op_name(i.op)) + " " + str(i.micro) + "@" + str(i.stage) + (send ? " to " : " from ") + str(i.peer);
 }
 
-Kind parse_kind(const std::string& name) {
-  for (Kind k : {Kind::gpipe, Kind::one_f_one_b, Kind::interleaved, Kind::zb_h1, Kind::zb_h2, Kind::zb_v}) {
-    if (name == kind_name(k)) return k;
-  }
-  throw Error("parallel.schedule: expected one of gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, found \"" + name + "\"");
-}
+Kind parse_kind(const std::string& name) { return parse_enum<Kind>(name, "parallel.schedule"); }
 
-const char* kind_name(Kind kind) {
-  switch (kind) {
-    case Kind::gpipe: return "gpipe";
-    case Kind::one_f_one_b: return "1f1b";
-    case Kind::interleaved: return "interleaved";
-    case Kind::zb_h1: return "zb-h1";
-    case Kind::zb_h2: return "zb-h2";
-    case Kind::zb_v: return "zb-v";
-  }
-  return "?";
-}
+const char* kind_name(Kind kind) { return to_string(kind); }
 
 int default_virtual_stages(Kind kind) { return kind == Kind::interleaved || kind == Kind::zb_v ? 2 : 1; }
 

@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "core/config.h"
+
 namespace keel::pipeline {
 
 enum class Op : uint8_t {
@@ -41,8 +43,9 @@ struct Instr {
 };
 std::string to_string(const Instr& i);  // e.g. "F3@1", "B0@2", "recv-act 2@1 from 0"
 
-enum class Kind { gpipe, one_f_one_b, interleaved, zb_h1, zb_h2, zb_v };
-// Parses "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"; throws keel::Error otherwise.
+using Kind = ScheduleKind;  // (core/config.h: parallel.schedule)
+// Parses "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v" (as parallel.schedule does);
+// throws keel::Error otherwise.
 Kind parse_kind(const std::string& name);
 const char* kind_name(Kind kind);
 // Virtual stages per rank a schedule uses when the config says 0: 2 for interleaved and zb-v, else 1.

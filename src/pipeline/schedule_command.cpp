@@ -14,7 +14,7 @@ ScheduleChoice choose_schedule(const Config& config, const ScheduleOptions& o) {
   const int T = config.train.seq_len;
   ScheduleChoice c;
   c.measured_costs = !config.parallel.layer_costs.empty();
-  const std::string kind = o.partitioner.value_or(c.measured_costs ? "dp" : config.parallel.partitioner);
+  const PartitionerKind kind = o.partitioner.value_or(c.measured_costs ? PartitionerKind::dp : config.parallel.partitioner);
   c.problem = problem_for(config);
   PartitionProblem& problem = c.problem;
   if (config.runtime.slow_rank >= 0 && config.runtime.slow_factor > 1) {  // a what-if: that rank that much slower
@@ -37,7 +37,7 @@ ScheduleChoice choose_schedule(const Config& config, const ScheduleOptions& o) {
   if (!p.stage_boundaries.empty()) {
     c.stages = startup_cut(config);
     c.how = "parallel.stage_boundaries";
-  } else if (kind == "qlearning") {
+  } else if (kind == PartitionerKind::qlearning) {
     // The agent's decisions from the static cut: how many it takes to come within 5 % of the
     // exact partitioner's simulated span; the best cut it reached.
     const int decisions = o.decisions;
@@ -49,7 +49,7 @@ ScheduleChoice choose_schedule(const Config& config, const ScheduleOptions& o) {
             ": " + (within < 0 ? "never within 5 % of dp" : "within 5 % of dp after " + std::to_string(within));
   } else {
     c.stages = partitioner->cut(problem, c.static_cut);
-    c.how = kind;
+    c.how = to_string(kind);
   }
   c.chosen = score_cut(problem, c.stages);
   c.base = score_cut(problem, c.static_cut);
@@ -104,7 +104,7 @@ void print_schedule(const Config& config, const ScheduleChoice& c, const Schedul
               c.measured_costs ? "ms" : "forward passes", c.measured_costs ? "measured costs" : "costs from layer FLOPs; messages free",
               gantt(t, o.width).c_str());
   if (!o.trace.empty()) {
-    const std::string trace = chrome_trace(t, "keel schedule " + p.schedule);
+    const std::string trace = chrome_trace(t, std::string("keel schedule ") + to_string(p.schedule));
     write_file_atomic(o.trace, {ByteRange{trace.data(), trace.size()}});
     std::printf("Chrome trace: %s\n", o.trace.c_str());
   }

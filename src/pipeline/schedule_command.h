@@ -17,7 +17,7 @@
 namespace keel::pipeline {
 
 struct ScheduleOptions {
-  std::optional<std::string> partitioner;  // --partitioner (none: dp with measured costs, else parallel.partitioner)
+  std::optional<PartitionerKind> partitioner;  // --partitioner (none: dp with measured costs, else parallel.partitioner)
   std::optional<std::string> start_cut;    // --start-cut "3,6": where the learning agent starts (none: the static cut)
   int decisions = 50;                      // --decisions: the learning agent's
   int width = 100;                         // --width: the Gantt chart's columns

@@ -56,7 +56,7 @@ RankLayout layout_of(const Config& config, const std::vector<LayerRange>& ranges
 
 // Every pipeline rank's layers under `cut` (a rank holds several stages under interleaved / zb-v).
 std::vector<std::vector<LayerRange>> ranges_per_rank(const Config& config, const std::vector<LayerRange>& cut) {
-  const Schedule schedule = make_schedule({parse_kind(config.parallel.schedule), config.parallel.pipeline,
+  const Schedule schedule = make_schedule({config.parallel.schedule, config.parallel.pipeline,
                                            micro_batches(config), virtual_stages(config.parallel)});
   std::vector<std::vector<LayerRange>> out(config.parallel.pipeline);
   for (int p = 0; p < config.parallel.pipeline; ++p) {

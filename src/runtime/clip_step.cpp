@@ -95,7 +95,7 @@ void ClipStep::add_step_fields(double step_ms, nlohmann::json& line) {
     line["trained"] = std::string(last_.trained.image ? "image" : "") +
                       (last_.trained.image && last_.trained.text ? "+" : "") + (last_.trained.text ? "text" : "");
   }
-  if (config_.clip.grad_balance == "norm") {
+  if (config_.clip.grad_balance == GradBalance::norm) {
     line["grad_balance_image"] = last_.image_factor;
     line["grad_balance_text"] = last_.text_factor;
   }
@@ -115,7 +115,7 @@ ClipStepResult ClipStep::run_clip(int64_t step, double lr) {
   ClipStepResult r;
   double loss_sum = 0;
   const ClipConfig& clip = config_.clip;
-  const int patches = clip.image_tower == "vit" ? model_.spec().vit_spec().patches() : 0;
+  const int patches = clip.image_tower == ImageTower::vit ? model_.spec().vit_spec().patches() : 0;
   const int keep = std::max(1, static_cast<int>(std::lround(patches * (1.0 - clip.vit_mask))));
   r.trained = plan_step(step);
   const FeatureGather gather = feature_gather(dp_);
@@ -150,7 +150,7 @@ ClipStepResult ClipStep::run_clip(int64_t step, double lr) {
   sync_.finish();
   r.sync = sync_.stats();
   optimizer_.clear_frozen_grads(step);
-  measure_and_balance(r, config_.clip.grad_balance == "norm");
+  measure_and_balance(r, config_.clip.grad_balance == GradBalance::norm);
   r.loss = loss_sum / t.grad_accum;  // the same on every rank: each computed the global loss
   const bool sharded = optimizer_.norm_is_sharded();
   double squares = optimizer_.local_grad_squares();

@@ -36,11 +36,11 @@ void resolve_job_config(Config& c, int world_size) {
     // Both read and write whole planes outside the chunk store's leases.
     unsupported(!c.parallel.post_validate || (c.parallel.zero == 0 && c.tier.device_mib == 0),
                 "parallel.post_validate (with ZeRO or tiers)", "true");
-    unsupported(c.parallel.predict_gradients == "off" || c.tier.device_mib == 0,
-                "parallel.predict_gradients (with tiers)", "\"" + c.parallel.predict_gradients + "\"");
+    unsupported(c.parallel.predict_gradients == PredictGradients::off || c.tier.device_mib == 0,
+                "parallel.predict_gradients (with tiers)", "\"" + std::string(to_string(c.parallel.predict_gradients)) + "\"");
     // The prediction state a pipeline carries between steps is saved by disk checkpoints only (a
     // memory copy would resume without it and silently differ).
-    unsupported(c.parallel.predict_gradients == "off" || c.checkpoint.memory_every == 0,
+    unsupported(c.parallel.predict_gradients == PredictGradients::off || c.checkpoint.memory_every == 0,
                 "checkpoint.memory_every (with parallel.predict_gradients)", std::to_string(c.checkpoint.memory_every));
   }
 }

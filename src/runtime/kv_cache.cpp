@@ -44,7 +44,6 @@ KvCache::KvCache(GPT& model, const KvCacheOptions& options) : model_(model), opt
   check(options.block_tokens >= 1 && options.block_tokens <= 1024,
         "generate.kv_block: expected 1..1024 tokens, found " + std::to_string(options.block_tokens));
   check(options.prefill_chunk >= 1, "generate.prefill_chunk: expected >= 1, found " + std::to_string(options.prefill_chunk));
-  check(options.tier == "host" || options.tier == "nvme", "generate.kv_tier: expected host or nvme, found \"" + options.tier + "\"");
   layers_ = m.n_layer;
   kv_dim_ = m.kv_dim();
   max_pass_ = std::min(options.prefill_chunk, model.allocated_T());
@@ -67,8 +66,8 @@ KvCache::KvCache(GPT& model, const KvCacheOptions& options) : model_(model), opt
   if (options.device_bytes > 0) {
     TierOptions t;
     t.device_bytes = options.device_bytes;
-    t.host_bytes = options.tier == "host" ? static_cast<int64_t>(slots_) * slot_bytes_ : 0;
-    t.nvme_dir = options.tier == "nvme" ? options.nvme_dir : "";
+    t.host_bytes = options.tier == KvTier::host ? static_cast<int64_t>(slots_) * slot_bytes_ : 0;
+    t.nvme_dir = options.tier == KvTier::nvme ? options.nvme_dir : "";
     t.params_only = true;
     // The passes of a sequence grow by a token each: no step repeats, so no recorded schedule;
     // the cache hints the next layer's blocks itself.
@@ -81,7 +80,7 @@ KvCache::KvCache(GPT& model, const KvCacheOptions& options) : model_(model), opt
                                             " MiB cannot hold one layer's KV blocks of a " +
                                             std::to_string(model.config().max_seq_len) + "-token sequence (" +
                                             std::to_string((need + (1 << 20) - 1) >> 20) + " MiB)");
-    const Tier home = options.tier == "host" ? Tier::host : Tier::nvme;
+    const Tier home = options.tier == KvTier::host ? Tier::host : Tier::nvme;
     tiers_ = std::make_unique<TierManager>(*store_, t, std::vector<Tier>(store_->chunks().size() * kNumPlanes, home));
     residency_ = std::make_unique<TierResidency>(*tiers_, *store_);
     store_->attach_residency(residency_.get());
@@ -318,7 +317,7 @@ std::string KvCache::summary() const {
   std::string out = line;
   if (tiers_) {
     const TierStats& t = tiers_->stats();
-    const Tier home = options_.tier == "host" ? Tier::host : Tier::nvme;
+    const Tier home = options_.tier == KvTier::host ? Tier::host : Tier::nvme;
     const TierCounters& h = t.tier[static_cast<int>(home)];
     std::snprintf(line, sizeof line, "; tiers: device %.1f MiB budget, %s-homed hit rate %.3f, %.1f MiB fetched, %.1f MiB written back, %.1f ms stalled",
                   static_cast<double>(options_.device_bytes) / (1 << 20), tier_name(home), h.hit_rate(),

@@ -46,7 +46,7 @@ struct KvCacheOptions {
   int block_tokens = 64;        // tokens per block
   int64_t cache_bytes = 1LL << 30;  // the pool, all tiers together (rounded down to whole slots)
   int64_t device_bytes = 0;     // 0: every block in memory; else the tier manager's device budget
-  std::string tier = "host";    // home of the blocks beyond device_bytes: host | nvme
+  KvTier tier = KvTier::host;   // home of the blocks beyond device_bytes: host | nvme
   std::string nvme_dir;         // tier = nvme: directory of the tier's file
   bool prefix_reuse = true;     // seal full blocks into the radix tree and reuse them
   int prefill_chunk = 256;      // tokens per model pass when a sequence is extended by many

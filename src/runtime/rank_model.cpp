@@ -24,7 +24,7 @@ void build_optimizer_and_sync(RankModel& r, const Config& config, Communicator& 
     options.codecs = std::move(codecs);
     options.seed = config.train.seed ^ 0x5EEDC0DECull;
     options.warmup_steps = config.sync.warmup_steps;
-    options.shape = sync_sum_shape(config.sync);
+    options.shape = config.sync.shape;
   }
   r.sync = std::make_unique<GradSync>(dp, *r.store, std::move(options));
   r.sync_report = std::make_unique<SyncReport>(config, dp, *r.sync);
@@ -49,7 +49,7 @@ std::unique_ptr<RankModel> RankModel::build(const Config& config, ProcessGroups&
   const bool tiered = tiering_enabled(config.tier);
   Communicator& dp = groups.dp();
   r->store = std::make_unique<ChunkStore>(config.store.chunk_bytes);
-  const bool bf16 = config.runtime.precision == "bf16";
+  const bool bf16 = config.runtime.precision == Precision::bf16;
   r->model = std::make_unique<GPT>(config.model, *r->store, layout ? layout->mine : std::vector<LayerRange>{}, bf16,
                                    MathMode::uniform(bf16 ? MatmulPrecision::bf16 : MatmulPrecision::fp32));
   if (config.runtime.slow_rank == groups.world().rank()) r->model->set_slowdown(config.runtime.slow_factor);
@@ -78,7 +78,7 @@ std::unique_ptr<RankModel> RankModel::build_clip(const Config& config, ProcessGr
   r->store = std::make_unique<ChunkStore>(config.store.chunk_bytes);
   r->clip =
       std::make_unique<ClipModel>(clip_spec(config.clip, train.image_size()), config.model, *r->store,
-                                  config.runtime.precision == "bf16" ? MatmulPrecision::bf16 : MatmulPrecision::fp32);
+                                  config.runtime.precision == Precision::bf16 ? MatmulPrecision::bf16 : MatmulPrecision::fp32);
   r->store->set_huge_page_alignment(tiered);
   r->store->finalize(/*touch_params=*/!tiered);
   // Buckets end at the towers' edges: a tower off its update cadence is held out of the sync.

@@ -191,7 +191,7 @@ void Trainer::print_startup(double moments_mb) {
   std::printf("keel: MFU against a peak of %.1f GFLOP/s (%s); matmul efficiency against SGEMM measured now, "
               "%.1f GFLOP/s\n",
               peaks_.peak_gflops, peaks_.how.c_str(), peaks_.sgemm_gflops);
-  if (config_.runtime.precision == "bf16") {
+  if (config_.runtime.precision == Precision::bf16) {
     std::printf("keel: precision bf16: matrix products with bf16 operands, %s; master weights, gradients and AdamW "
                 "in float32\n",
                 bf16_engine().c_str());
@@ -235,7 +235,7 @@ void Trainer::log_run_event() {
                   {"steps", t.steps}};
   if (!t.seq_len_schedule.empty()) run["batch"]["seq_len_schedule"] = t.seq_len_schedule;
   run["layout"] = {{"ranks", groups_.world().size()}, {"data", groups_.dp().size()}, {"pipeline", p.pipeline},
-                   {"zero", p.zero},                  {"codec", config_.sync.codec}};
+                   {"zero", p.zero},                  {"codec", to_string(config_.sync.codec)}};
   if (config_.tier.device_mib > 0) {
     run["layout"]["tiers"] = {{"device_mib", config_.tier.device_mib},
                               {"host_mib", config_.tier.host_mib},

@@ -193,17 +193,17 @@ class DualEncoder final : public Workload {
     const ClipModel& clip = *rank.clip;
     const ClipConfig& c = config_.clip;
     char tower[160];
-    if (c.image_tower == "vit") {
+    if (c.image_tower == ImageTower::vit) {
       std::snprintf(tower, sizeof tower, "vit image tower (%dx%d patches of %d px, L=%d H=%d C=%d, %d px)",
                     clip.spec().image_size / c.vit_patch, clip.spec().image_size / c.vit_patch, c.vit_patch,
                     c.vit_layers, c.vit_heads, c.vit_width, clip.spec().image_size);
     } else {
-      std::snprintf(tower, sizeof tower, "%s image tower (width %d, %d px)", c.image_tower.c_str(), c.image_width,
+      std::snprintf(tower, sizeof tower, "%s image tower (width %d, %d px)", to_string(*c.image_tower), c.image_width,
                     clip.spec().image_size);
     }
     std::printf("keel: dual encoder: %s + %s text tower L=%d H=%d C=%d V=%d, embedding "
                 "%d (%.2fM parameters, %zu chunks), batch %d pairs x %d x %d ranks, %d threads/rank\n",
-                tower, m.family.c_str(),
+                tower, to_string(m.family.value_or(Family::gpt2)),
                 m.n_layer, m.n_head, m.n_embd, m.vocab_size, config_.clip.embed_dim, rank.store->param_count() / 1e6,
                 rank.store->chunks().size(), t.batch_size, t.grad_accum, groups_.dp().size(), omp_get_max_threads());
     std::printf("keel: image-caption dataset %s: %d train pairs, %d held out; captions of up to %d tokens "
@@ -214,17 +214,17 @@ class DualEncoder final : public Workload {
     auto add = [&](const std::string& s) { switches += (switches.empty() ? "" : "; ") + s; };
     if (c.image_update_every > 1) add("image tower trained every " + std::to_string(c.image_update_every) + " steps");
     if (c.text_update_every > 1) add("text tower trained every " + std::to_string(c.text_update_every) + " steps");
-    if (c.grad_balance != "none") add("gradient balance: " + c.grad_balance);
+    if (c.grad_balance != GradBalance::none) add(std::string("gradient balance: ") + to_string(c.grad_balance));
     if (c.vit_mask > 0) add("FLIP: " + std::to_string(static_cast<int>(std::lround(c.vit_mask * 100))) + "% of patches masked");
-    if (c.visual_quant == "bf16") add("image tower's products in bf16 (" + bf16_engine() + ")");
-    if (c.visual_quant == "int8") add("visual tokens in int8 (" + int8_engine() + "), backward in bf16 (" + bf16_engine() + ")");
+    if (c.visual_quant == VisualQuant::bf16) add("image tower's products in bf16 (" + bf16_engine() + ")");
+    if (c.visual_quant == VisualQuant::int8) add("visual tokens in int8 (" + int8_engine() + "), backward in bf16 (" + bf16_engine() + ")");
     if (!switches.empty()) std::printf("keel: multimodal switches: %s\n", switches.c_str());
   }
 
   nlohmann::json describe(double parameters) const override {
     const ModelConfig& m = config_.model;
     return {{"preset", "clip"},
-            {"image_tower", config_.clip.image_tower},
+            {"image_tower", to_string(*config_.clip.image_tower)},
             {"image_width", config_.clip.image_width},
             {"embed_dim", config_.clip.embed_dim},
             {"n_layer", m.n_layer},

@@ -22,7 +22,7 @@ void print_text(const Config& config, const Cluster& cluster, const StepPredicti
               cluster.devices_per_node, cluster.device.name.c_str(), p.devices);
   std::printf("layout: data %d x pipeline %d x tensor %d (tensor parallelism modelled, not run by Keel), ZeRO-%d, "
               "schedule %s, %d micro-batches of %d sequences, stages cut at %s\n",
-              p.data, p.pipeline, p.tensor, config.parallel.zero, config.parallel.schedule.c_str(), p.micro_batches,
+              p.data, p.pipeline, p.tensor, config.parallel.zero, to_string(config.parallel.schedule), p.micro_batches,
               p.micro_batch, p.cut.empty() ? "(one stage)" : p.cut.c_str());
   std::printf("step %.1f ms: compute %.1f, bubble %.1f (%.1f %%), tensor comm %.1f (inside compute), pipeline messages "
               "%.1f, data-parallel sync %.1f on the wire (%.0f %% of float32's bytes) + %.1f codecs, %.1f exposed, optimizer %.1f, "
@@ -87,8 +87,8 @@ int search_command(const SimulateOptions& o, const Config& config, const Cluster
     const StepPrediction& p = c.prediction;
     if (o.json) {
       const nlohmann::json j = {{"rank", i + 1}, {"tensor", c.tensor}, {"pipeline", c.pipeline}, {"data", p.data},
-                                {"zero", c.zero}, {"schedule", c.schedule}, {"micro_batches", c.micro_batches},
-                                {"micro_batch", p.micro_batch}, {"codec", c.codec}, {"recompute", c.recompute},
+                                {"zero", c.zero}, {"schedule", to_string(c.schedule)}, {"micro_batches", c.micro_batches},
+                                {"micro_batch", p.micro_batch}, {"codec", to_string(c.codec)}, {"recompute", c.recompute},
                                 {"tiers", c.tiers}, {"tier_stall_ms", p.tiers.stall_ms + p.tiers.host_optimizer_ms},
                                 {"step_ms", p.step_ms}, {"compute_ms", p.compute_ms}, {"bubble_ms", p.bubble_ms},
                                 {"sync_exposed_ms", p.sync_exposed_ms}, {"optimizer_ms", p.optimizer_ms},
@@ -132,7 +132,7 @@ int simulate_command(const SimulateOptions& o) {
   if (o.json) {
     const nlohmann::json j = {
         {"cluster", cluster.name}, {"devices", p.devices}, {"data", p.data}, {"pipeline", p.pipeline},
-        {"tensor", p.tensor}, {"zero", config.parallel.zero}, {"schedule", config.parallel.schedule},
+        {"tensor", p.tensor}, {"zero", config.parallel.zero}, {"schedule", to_string(config.parallel.schedule)},
         {"micro_batches", p.micro_batches}, {"micro_batch", p.micro_batch}, {"sequences", p.sequences},
         {"cut", p.cut}, {"step_ms", p.step_ms}, {"span_ms", p.span_ms}, {"compute_ms", p.compute_ms},
         {"bubble_ms", p.bubble_ms}, {"bubble", p.bubble}, {"tensor_comm_ms", p.tensor_comm_ms},

@@ -11,8 +11,8 @@ namespace keel::sim {
 std::string Candidate::describe() const {
   char s[200];
   std::snprintf(s, sizeof s, "TP %d x PP %d x DP %d, ZeRO-%d, %s, %d micro-batches of %d, sync %s%s%s", tensor, pipeline,
-                prediction.data, zero, pipeline > 1 ? schedule.c_str() : "one stage", micro_batches,
-                prediction.micro_batch, codec.c_str(), recompute ? ", recompute" : "", tiers ? ", memory tiers" : "");
+                prediction.data, zero, pipeline > 1 ? to_string(schedule) : "one stage", micro_batches,
+                prediction.micro_batch, to_string(codec), recompute ? ", recompute" : "", tiers ? ", memory tiers" : "");
   return s;
 }
 
@@ -43,14 +43,15 @@ SearchResult search_layouts(const Config& base, const Cluster& cluster) {
       const int dp = cluster.devices() / tp / pp;
       if (sequences % dp != 0) continue;
       const int per_replica = static_cast<int>(sequences / dp);
-      const std::vector<std::string> schedules =
-          pp == 1 ? std::vector<std::string>{"1f1b"} : std::vector<std::string>{"1f1b", "interleaved", "zb-h1", "zb-v"};
+      using S = ScheduleKind;
+      const std::vector<S> schedules =
+          pp == 1 ? std::vector<S>{S::one_f_one_b} : std::vector<S>{S::one_f_one_b, S::interleaved, S::zb_h1, S::zb_v};
       for (int m : divisors(per_replica)) {
         if (per_replica / m > 16) continue;
-        for (const std::string& schedule : schedules) {
+        for (const ScheduleKind schedule : schedules) {
           for (int zero = 0; zero <= 2; ++zero) {
-            for (const char* codec : {"none", "hybrid"}) {
-              if (zero == 2 && std::string(codec) != "none") continue;  // Keel: no codecs with ZeRO-2
+            for (const SyncCodec codec : {SyncCodec::none, SyncCodec::hybrid}) {
+              if (zero == 2 && codec != SyncCodec::none) continue;  // Keel: no codecs with ZeRO-2
               for (bool recompute : {false, true}) {
                 Config c = base;
                 c.parallel.pipeline = pp;

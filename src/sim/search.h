@@ -13,7 +13,8 @@ namespace keel::sim {
 
 struct Candidate {
   int tensor = 1, pipeline = 1, zero = 0, micro_batches = 1;
-  std::string schedule, codec;
+  ScheduleKind schedule = ScheduleKind::one_f_one_b;
+  SyncCodec codec = SyncCodec::none;
   bool recompute = false;
   bool tiers = false;  // memory tiers (tried where the layout does not fit device memory alone)
   StepPrediction prediction;

@@ -104,7 +104,7 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
     const double encoded = static_cast<double>(codec->max_encoded_bytes(static_cast<size_t>(c.numel))) / tp;
     const bool sparse = codec->data_dependent_positions() || p.kind == CodecKind::randk ||
                         (p.kind == CodecKind::sign1 && p.keep < 1.0);
-    const bool two_phase = !sparse && (config.sync.shape == "two-phase" || (config.sync.shape == "auto" && ranks > 2));
+    const bool two_phase = !sparse && (config.sync.shape == SumShape::two_phase || (config.sync.shape == SumShape::automatic && ranks > 2));
     const double sent = two_phase ? 2 * (n - 1) / n * encoded : (n - 1) * encoded;
     out.wire_bytes += sent;
     const int k = static_cast<int>(p.kind);
@@ -175,7 +175,7 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   r.micro_batches = pipeline::micro_batches(config);
   r.micro_batch = t.batch_size * t.grad_accum / r.micro_batches;
   r.sequences = static_cast<int64_t>(t.batch_size) * t.grad_accum * D;
-  const bool bf16 = config.runtime.precision == "bf16";
+  const bool bf16 = config.runtime.precision == Precision::bf16;
   const double peak = (bf16 ? cluster.device.tflops_bf16 : cluster.device.tflops_fp32) * 1e12;
   const double rate = peak * cluster.device.matmul_efficiency;  // FLOP/s a device reaches
   const double act_bytes = bf16 ? 2 : 4;                        // an activation element between devices
@@ -230,7 +230,7 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   const double pp_lat = pp_across ? cluster.network.latency_us : cluster.intra.latency_us;
   costs.comm = P > 1 ? activation / TP / (pp_gbps * 1e9) * 1e3 + pp_lat * 1e-3 : 0.0;
   const pipeline::Schedule schedule =
-      pipeline::make_schedule({pipeline::parse_kind(par.schedule), P, r.micro_batches, pipeline::virtual_stages(par)});
+      pipeline::make_schedule({par.schedule, P, r.micro_batches, pipeline::virtual_stages(par)});
 
   // Data-parallel sync and the optimizer, on the rank with the most parameters.
   const std::vector<double> params = layer_params(m);

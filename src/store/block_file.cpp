@@ -243,21 +243,7 @@ class ThreadFile final : public BlockFile {
 
 }  // namespace
 
-const char* io_engine_name(IoEngine e) {
-  switch (e) {
-    case IoEngine::automatic: return "auto";
-    case IoEngine::io_uring: return "io_uring";
-    case IoEngine::threads: return "threads";
-  }
-  return "?";
-}
-
-IoEngine parse_io_engine(const std::string& name) {
-  if (name == "auto") return IoEngine::automatic;
-  if (name == "io_uring") return IoEngine::io_uring;
-  if (name == "threads") return IoEngine::threads;
-  throw Error("unknown I/O engine \"" + name + "\" (expected one of: auto, io_uring, threads)");
-}
+const char* io_engine_name(IoEngine e) { return to_string(e); }
 
 void BlockFile::check_request(const void* buf, size_t bytes, uint64_t offset) const {
   check(reinterpret_cast<uintptr_t>(buf) % kAlign == 0 && bytes % kAlign == 0 && offset % kAlign == 0 && bytes > 0,

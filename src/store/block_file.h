@@ -15,11 +15,12 @@
 #include <memory>
 #include <string>
 
+#include "core/config.h"
+
 namespace keel {
 
-enum class IoEngine { automatic, io_uring, threads };
-const char* io_engine_name(IoEngine e);
-IoEngine parse_io_engine(const std::string& name);  // "auto" | "io_uring" | "threads"
+// (IoEngine: core/config.h, tier.engine.)
+const char* io_engine_name(IoEngine e);  // "auto" | "io_uring" | "threads"
 
 class BlockFile {
  public:

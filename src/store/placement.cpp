@@ -34,7 +34,7 @@ std::vector<LayerRule> parse_layer_rules(const std::string& text) {
     const size_t dash = range.find('-');
     if (dash == std::string::npos) throw bad("no LO-HI range");
     LayerRule r;
-    r.tier = parse_tier(trim(e.substr(colon + 1)), "tier.layers");
+    r.tier = parse_enum<Tier>(trim(e.substr(colon + 1)), "tier.layers");
     try {
       size_t used = 0;
       const std::string lo = trim(range.substr(0, dash)), hi = trim(range.substr(dash + 1));
@@ -56,13 +56,6 @@ std::vector<LayerRule> parse_layer_rules(const std::string& text) {
 
 }  // namespace
 
-Tier parse_tier(const std::string& name, const std::string& key) {
-  if (name == "device") return Tier::device;
-  if (name == "host") return Tier::host;
-  if (name == "nvme") return Tier::nvme;
-  throw Error("config key '" + key + "': unknown tier \"" + name + "\" (expected one of: device, host, nvme)");
-}
-
 bool tiering_enabled(const TierConfig& t) { return t.device_mib > 0; }
 
 void validate_tier_config(const TierConfig& t, int n_layer, int world_size, int zero) {
@@ -72,20 +65,9 @@ void validate_tier_config(const TierConfig& t, int n_layer, int world_size, int 
   require(t.device_mib >= 0, "tier.device_mib", ">= 0 (0 = tiering off)", std::to_string(t.device_mib));
   require(t.host_mib >= 0, "tier.host_mib", ">= 0", std::to_string(t.host_mib));
   require(t.lookahead >= 0, "tier.lookahead", ">= 0", std::to_string(t.lookahead));
-  try {
-    parse_io_engine(t.engine);
-  } catch (const Error& e) {
-    throw Error(std::string("config key 'tier.engine': ") + e.what());
-  }
-  parse_tier(t.embedding, "tier.embedding");
-  parse_tier(t.attention, "tier.attention");
-  parse_tier(t.ffn, "tier.ffn");
-  parse_tier(t.norm, "tier.norm");
-  if (!t.optimizer.empty()) parse_tier(t.optimizer, "tier.optimizer");
   for (const LayerRule& r : parse_layer_rules(t.layers)) {
     require(r.lo <= n_layer + 1, "tier.layers", "layers 0.." + std::to_string(n_layer + 1), std::to_string(r.lo));
   }
-  require(t.policy == "static" || t.policy == "adaptive", "tier.policy", "\"static\" or \"adaptive\"", "\"" + t.policy + "\"");
   if (tiering_enabled(t) && world_size > 1) {
     require(zero <= 2, "parallel.zero", "0, 1 or 2", std::to_string(zero));
   }
@@ -96,11 +78,11 @@ TierOptions tier_options(const TierConfig& t) {
   o.device_bytes = t.device_mib << 20;
   o.host_bytes = t.host_mib << 20;
   o.nvme_dir = t.nvme_dir;
-  o.engine = parse_io_engine(t.engine);
+  o.engine = t.engine;
   o.lookahead = t.lookahead;
   o.prefetch = t.prefetch;
   o.verify = t.verify;
-  o.adaptive = t.policy == "adaptive";
+  o.adaptive = t.policy == TierPolicy::adaptive;
   return o;
 }
 
@@ -117,16 +99,16 @@ Placement place_pages(const TierConfig& t, const ChunkStore& store) {
     Tier home = Tier::device;
     switch (ch.kind) {
       case ChunkKind::embedding:
-      case ChunkKind::head: home = parse_tier(t.embedding, "tier.embedding"); break;
-      case ChunkKind::attention: home = parse_tier(t.attention, "tier.attention"); break;
-      case ChunkKind::ffn: home = parse_tier(t.ffn, "tier.ffn"); break;
-      case ChunkKind::norm: home = parse_tier(t.norm, "tier.norm"); break;
+      case ChunkKind::head: home = t.embedding; break;
+      case ChunkKind::attention: home = t.attention; break;
+      case ChunkKind::ffn: home = t.ffn; break;
+      case ChunkKind::norm: home = t.norm; break;
     }
     for (const LayerRule& r : rules)
       if (ch.layer >= r.lo && (r.hi < 0 || ch.layer <= r.hi)) home = r.tier;
     for (int p = 0; p < kNumPlanes; ++p) {
       const bool moment = p >= static_cast<int>(Plane::adam_m);
-      out.homes[c * kNumPlanes + p] = moment && !t.optimizer.empty() ? parse_tier(t.optimizer, "tier.optimizer") : home;
+      out.homes[c * kNumPlanes + p] = moment && t.optimizer.has_value() ? *t.optimizer : home;
     }
   }
   // The largest set one operation pins: a layer's parameters (or gradients), plus the

@@ -15,8 +15,6 @@ namespace keel {
 
 // Checks the [tier] section; throws keel::Error("config key 'tier.X': ...") on a bad value.
 void validate_tier_config(const TierConfig& t, int n_layer, int world_size, int zero);
-// "device" | "host" | "nvme"; throws naming `key` otherwise.
-Tier parse_tier(const std::string& name, const std::string& key);
 bool tiering_enabled(const TierConfig& t);
 
 struct Placement {

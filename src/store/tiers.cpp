@@ -20,14 +20,7 @@
 
 namespace keel {
 
-const char* tier_name(Tier t) {
-  switch (t) {
-    case Tier::device: return "device";
-    case Tier::host: return "host";
-    case Tier::nvme: return "nvme";
-  }
-  return "?";
-}
+const char* tier_name(Tier t) { return to_string(t); }
 
 struct TierManager::Transfer {
   uint64_t ticket = 0;

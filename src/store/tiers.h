@@ -33,12 +33,13 @@
 #include <string>
 #include <vector>
 
+#include "core/config.h"
 #include "store/block_file.h"
 #include "store/chunk_store.h"
 
 namespace keel {
 
-enum class Tier : uint8_t { device = 0, host = 1, nvme = 2 };
+// (Tier: core/config.h, the names tier.* spell.)
 inline constexpr int kNumTiers = 3;
 const char* tier_name(Tier t);
 

@@ -26,7 +26,7 @@ constexpr int kT = 8, kSize = 32, kB = 2;  // per rank
 Config tiny_config() {
   Config c;
   c.model.preset = "d4";
-  c.model.family = "gpt2";
+  c.model.family = Family::gpt2;
   c.model.n_layer = 2;
   c.model.n_head = 2;
   c.model.n_embd = 16;
@@ -189,7 +189,7 @@ TEST(ClipDataParallel, GradientBalanceGivesBothTowersTheGeometricMeanOfTheirNorm
   for (int zero : {0, 1, 2}) {
     Config c = tiny_config();
     c.parallel.zero = zero;
-    c.clip.grad_balance = "norm";
+    c.clip.grad_balance = GradBalance::norm;
     c.optim.lr = 0;  // the same weights every step: the balance's figures comparable step by step
     c.optim.grad_clip = 0;
     std::vector<float> unused;
