@@ -9,7 +9,7 @@
 #include "core/clock.h"
 #include "core/env.h"
 #include "core/error.h"
-#include "model/gpt.h"
+#include "model/model_layout.h"
 
 namespace keel {
 
@@ -63,7 +63,7 @@ Checkpointer::Checkpointer(const Config& config, Communicator& world, ChunkStore
       root_(config.train.run_dir + "/ckpt") {
   if (config.parallel.pipeline > 1) {
     whole_ = std::make_unique<ChunkStore>(config.store.chunk_bytes);
-    const GPT model(config.model, *whole_);  // registers the tensors; nothing allocated
+    register_layout(*whole_, model_layout(config.model));  // the whole model's tensors; nothing allocated
     whole_->finalize_layout();
   }
   make_writer();

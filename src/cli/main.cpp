@@ -517,7 +517,7 @@ int cmd_import(const Args& a) {
   config.train.seq_len = std::min(config.train.seq_len, m.max_seq_len);
   resolve_job_config(config);
   ChunkStore store(config.store.chunk_bytes);
-  GPT model(config.model, store);
+  register_layout(store, model_layout(config.model));  // the weights only: no layers needed
   store.finalize();
   if (llama2c) import_llama2c(from, store, config.model);
   else import_llmc(from, store, config.model);

@@ -92,6 +92,25 @@ void validate_clip_config(const Config& c) {
   alone(c.optim.freeze_layers == 0, "optim.freeze_layers", std::to_string(c.optim.freeze_layers));
 }
 
+namespace {
+
+// The loss layer's one tensor: the temperature's log-scale.
+ModelLayout loss_layout(int loss_layer) {
+  ModelLayout out;
+  out.tensors.push_back(TensorSpec{"logit_scale", {1}, loss_layer, ChunkKind::head, false});
+  return out;
+}
+
+}  // namespace
+
+ModelLayout clip_layout(const ClipSpec& spec, const ModelConfig& text) {
+  ModelLayout out =
+      spec.image_tower == ImageTower::vit ? vit_layout(spec.vit_spec()) : resnet_layout(spec.resnet_spec());
+  out.append(text_tower_layout(text, out.tensors.back().layer + 1, spec.embed_dim));
+  out.append(loss_layout(out.tensors.back().layer + 1));
+  return out;
+}
+
 ClipModel::ClipModel(const ClipSpec& spec, const ModelConfig& text, ChunkStore& store, MatmulPrecision precision)
     : spec_(spec), store_(store) {
   check(spec.logit_scale_max > 1 && std::isfinite(spec.logit_scale_max),
@@ -100,7 +119,7 @@ ClipModel::ClipModel(const ClipSpec& spec, const ModelConfig& text, ChunkStore& 
                                      : make_resnet(spec.resnet_spec(), store, precision);
   text_ = make_text_tower(text, image_->num_layers(), spec.embed_dim, store, precision);
   loss_layer_ = text_->first_layer() + text_->num_layers();
-  logit_scale_ = store.add(TensorSpec{"logit_scale", {1}, loss_layer_, ChunkKind::head, false});
+  logit_scale_ = register_layout(store, loss_layout(loss_layer_)).front();  // clip_layout's last tensor
 }
 
 void ClipModel::init_weights(uint64_t seed) {

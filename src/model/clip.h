@@ -14,6 +14,7 @@
 
 #include "core/config.h"
 #include "model/contrastive.h"
+#include "model/model_layout.h"
 #include "model/resnet.h"
 #include "model/tower.h"
 #include "model/vit.h"
@@ -50,6 +51,10 @@ struct TowerMask {
   bool text = true;
 };
 
+// Every tensor of the dual encoder (model/model_layout.h), in ClipModel's order: the image tower's
+// (vit_layout or resnet_layout), the text tower's (text_tower_layout), then logit_scale.
+ModelLayout clip_layout(const ClipSpec& spec, const ModelConfig& text);
+
 // How a micro-batch's features meet the other data-parallel ranks' (runtime/clip_step.h makes one
 // over a communicator): this rank's place among `ranks`, and `gather`, which fills a rank-major
 // buffer of ranks x floats_per_rank floats, this rank's already at rank x floats_per_rank, with
@@ -63,9 +68,10 @@ struct FeatureGather {
 class ClipModel {
  public:
   // `text` is a resolved model config (the text tower's transformer). Registers every tensor with
-  // `store`, which the caller then finalizes. `precision` (runtime.precision): the arithmetic of
-  // the text tower's products, and of the image tower's unless spec.visual_quant says otherwise
-  // (model/tower.h visual_math); under bf16 the text tower keeps its products' activations in bf16.
+  // `store` (clip_layout's), which the caller then finalizes. `precision` (runtime.precision): the
+  // arithmetic of the text tower's products, and of the image tower's unless spec.visual_quant says
+  // otherwise (model/tower.h visual_math); under bf16 the text tower keeps its products' activations
+  // in bf16.
   ClipModel(const ClipSpec& spec, const ModelConfig& text, ChunkStore& store,
             MatmulPrecision precision = MatmulPrecision::fp32);
   void init_weights(uint64_t seed);

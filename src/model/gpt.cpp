@@ -17,7 +17,6 @@
 
 namespace keel {
 
-using model_detail::add_tensor;
 using model_detail::Carver;
 using model_detail::OutputLayer;
 using model_detail::attention_floats;
@@ -29,13 +28,9 @@ namespace {
 // ---- layer 0: token + position embedding (llama: token embedding alone; RoPE adds positions) ---
 class Embedding final : public Layer {
  public:
-  Embedding(const ModelConfig& m, ChunkStore& store) : store_(store), m_(m) {
-    const int layer = m.layer_base;
-    wte_ = add_tensor(store, m.tensor_prefix + "wte", {m.padded_vocab_size, m.n_embd}, layer, ChunkKind::embedding, true);
-    if (!m.llama()) {
-      wpe_ = add_tensor(store, m.tensor_prefix + "wpe", {m.max_seq_len, m.n_embd}, layer, ChunkKind::embedding, true);
-    }
-  }
+  // ids: the layer's tensors in model_layout's order (layout::Embedding).
+  Embedding(const ModelConfig& m, ChunkStore& store, const std::vector<TensorId>& ids)
+      : store_(store), m_(m), wte_(ids.at(layout::wte)), wpe_(m.llama() ? -1 : ids.at(layout::wpe)) {}
   const char* name() const override { return "embedding"; }
   int64_t activation_floats(int, int) const override { return 0; }
   int64_t scratch_floats(int, int) const override { return 0; }
@@ -58,7 +53,6 @@ class Embedding final : public Layer {
     float* dwpe = wpe_ >= 0 ? store_.data(wpe_, Plane::grad) : nullptr;
     ops::encoder_backward_weight(store_.data(wte_, Plane::grad), dwpe, dx_out, b.inputs, b.B, b.T, m_.n_embd);
   }
-  TensorId wte() const { return wte_; }
 
  private:
   ChunkStore& store_;
@@ -70,25 +64,12 @@ class Embedding final : public Layer {
 // x_out = res2 + proj(gelu(fc(ln2(res2)))),  res2 = x_in + attn_proj(attention(qkv(ln1(x_in))))
 class Block final : public Layer {
  public:
-  Block(const ModelConfig& m, ChunkStore& store, int layer, bool bf16, MathMode math)
-      : store_(store), m_(m), layer_(m.layer_base + layer), bf16_(bf16), math_(math) {
-    const std::string p = m.tensor_prefix + "h." + std::to_string(layer - 1) + ".";
-    layer = layer_;  // the store's id from here on
-    const int64_t C = m.n_embd;
-    ln1w_ = add_tensor(store, p + "ln1.w", {C}, layer, ChunkKind::norm, false);
-    ln1b_ = add_tensor(store, p + "ln1.b", {C}, layer, ChunkKind::norm, false);
-    qkvw_ = add_tensor(store, p + "attn.qkv.w", {3 * C, C}, layer, ChunkKind::attention, true);
-    qkvb_ = add_tensor(store, p + "attn.qkv.b", {3 * C}, layer, ChunkKind::attention, false);
-    projw_ = add_tensor(store, p + "attn.proj.w", {C, C}, layer, ChunkKind::attention, true);
-    projb_ = add_tensor(store, p + "attn.proj.b", {C}, layer, ChunkKind::attention, false);
-    ln2w_ = add_tensor(store, p + "ln2.w", {C}, layer, ChunkKind::norm, false);
-    ln2b_ = add_tensor(store, p + "ln2.b", {C}, layer, ChunkKind::norm, false);
-    fcw_ = add_tensor(store, p + "mlp.fc.w", {4 * C, C}, layer, ChunkKind::ffn, true);
-    fcb_ = add_tensor(store, p + "mlp.fc.b", {4 * C}, layer, ChunkKind::ffn, false);
-    fcprojw_ = add_tensor(store, p + "mlp.proj.w", {C, 4 * C}, layer, ChunkKind::ffn, true);
-    fcprojb_ = add_tensor(store, p + "mlp.proj.b", {C}, layer, ChunkKind::ffn, false);
+  // ids: the block's tensors in model_layout's order (layout::Gpt2Block).
+  Block(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, bool bf16, MathMode math)
+      : store_(store), m_(m), layer_(m.layer_base + layer), bf16_(bf16), math_(math), t_(ids) {
+    check(ids.size() == layout::fc_proj_b + 1, "GPT: block " + std::to_string(layer) + " without its tensors");
     check(m.causal || m.attention == Attention::dense, "model: attention that is not causal runs on the dense kernel only");
-    probe_.window = m.window_of(layer - 1);
+    probe_.window = m.window_of(layer_ - 1);
     probe_.mass.assign(static_cast<size_t>(m.n_head) * AttentionProbe::kBuckets, 0.0);
   }
   AttentionProbe* attention_probe() override { return &probe_; }
@@ -136,12 +117,12 @@ class Block final : public Layer {
   void forward(const Batch& b, const float* x, float* x_out) override {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
     const int N = b.B * b.T, C = m_.n_embd;
-    auto P = [&](TensorId id) { return store_.data(id, Plane::param); };
+    auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::Gpt2Block
     const int64_t NC = static_cast<int64_t>(N) * C;
     float* ln1 = ln1_.writable(stage_);
-    ops::layernorm_forward(ln1, ln1_mean_, ln1_rstd_, x, P(ln1w_), P(ln1b_), N, C);
+    ops::layernorm_forward(ln1, ln1_mean_, ln1_rstd_, x, P(layout::ln1_w), P(layout::ln1_b), N, C);
     ln1_.seal(ln1, NC);
-    ops::linear_forward(math_.forward, qkv_, ln1_.read(), P(qkvw_), P(qkvb_), N, C, 3 * C);
+    ops::linear_forward(math_.forward, qkv_, ln1_.read(), P(layout::qkv_w), P(layout::qkv_b), N, C, 3 * C);
     model_detail::probe_attention(probe_, b, qkv_, m_);
     if (b.kv) {
       b.kv->attend(math_.forward, layer_ - 1, qkv_, 3 * C, atty_, b.T, probe_.window);
@@ -151,58 +132,62 @@ class Block final : public Layer {
       ops::flash_attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_head, probe_.window);
     }
     float* attproj = scratch_;  // [N, C], consumed immediately by the residual
-    ops::linear_forward(math_.forward, attproj, atty_, P(projw_), P(projb_), N, C, C);
+    ops::linear_forward(math_.forward, attproj, atty_, P(layout::proj_w), P(layout::proj_b), N, C, C);
     float* ln2 = ln2_.writable(stage_);
-    ops::residual_layernorm_forward(res2_, ln2, ln2_mean_, ln2_rstd_, x, attproj, P(ln2w_), P(ln2b_), N, C);
+    ops::residual_layernorm_forward(res2_, ln2, ln2_mean_, ln2_rstd_, x, attproj, P(layout::ln2_w), P(layout::ln2_b), N,
+                                    C);
     ln2_.seal(ln2, NC);
     float* fch = fch_.writable(stage_);
-    ops::linear_forward(math_.forward, fch, ln2_.read(), P(fcw_), P(fcb_), N, C, 4 * C);
+    ops::linear_forward(math_.forward, fch, ln2_.read(), P(layout::fc_w), P(layout::fc_b), N, C, 4 * C);
     fch_.seal(fch, 4 * NC);
     float* fch_gelu = fch_gelu_.writable(stage_);  // (under bf16: in place over the staged fch)
     ops::gelu_forward(fch_gelu, fch, 4 * NC);
     fch_gelu_.seal(fch_gelu, 4 * NC);
     float* fcproj = scratch_;
-    ops::linear_forward(math_.forward, fcproj, fch_gelu_.read(), P(fcprojw_), P(fcprojb_), N, 4 * C, C);
+    ops::linear_forward(math_.forward, fcproj, fch_gelu_.read(), P(layout::fc_proj_w), P(layout::fc_proj_b), N, 4 * C,
+                        C);
     ops::residual_forward(x_out, res2_, fcproj, static_cast<int64_t>(N) * C);
   }
 
   void backward_input(const Batch& b, const float* x_in, const float* dx_out, float* dx_in) override {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
     const int N = b.B * b.T, C = m_.n_embd;
-    auto P = [&](TensorId id) { return store_.data(id, Plane::param); };
+    auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::Gpt2Block
     // MLP branch: d(fcproj out) = dx_out
     float* dfch_gelu = scratch_;
-    ops::linear_backward_input(math_.backward, dfch_gelu, dx_out, P(fcprojw_), N, 4 * C, C, false);
+    ops::linear_backward_input(math_.backward, dfch_gelu, dx_out, P(layout::fc_proj_w), N, 4 * C, C, false);
     float* dfch = dfch_.writable(stage_);
     ops::gelu_backward_input(dfch, dfch_gelu, fch_.read(), static_cast<int64_t>(N) * 4 * C);
     dfch_.seal(dfch, static_cast<int64_t>(N) * 4 * C);
-    ops::linear_backward_input(math_.backward, dln2_, dfch, P(fcw_), N, C, 4 * C, false);
+    ops::linear_backward_input(math_.backward, dln2_, dfch, P(layout::fc_w), N, C, 4 * C, false);
     std::memcpy(dres2_, dx_out, sizeof(float) * N * C);
-    ops::layernorm_backward_input(dres2_, dln2_, res2_, ln2_mean_, ln2_rstd_, P(ln2w_), N, C, true);
+    ops::layernorm_backward_input(dres2_, dln2_, res2_, ln2_mean_, ln2_rstd_, P(layout::ln2_w), N, C, true);
     // Attention branch: d(attproj out) = dres2
     float* datty = scratch_;
-    ops::linear_backward_input(math_.backward, datty, dres2_, P(projw_), N, C, C, false);
+    ops::linear_backward_input(math_.backward, datty, dres2_, P(layout::proj_w), N, C, C, false);
     if (m_.attention == Attention::dense) {
       ops::attention_backward_input(math_.backward, dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head, 0, m_.causal);
     } else {
       ops::flash_attention_backward_input(math_.backward, dqkv_, datty, atty_, att_, qkv_, b.B, b.T, C, m_.n_head,
                                           m_.n_head, probe_.window);
     }
-    ops::linear_backward_input(math_.backward, dln1_, dqkv_, P(qkvw_), N, C, 3 * C, false);
+    ops::linear_backward_input(math_.backward, dln1_, dqkv_, P(layout::qkv_w), N, C, 3 * C, false);
     std::memcpy(dx_in, dres2_, sizeof(float) * N * C);
-    ops::layernorm_backward_input(dx_in, dln1_, x_in, ln1_mean_, ln1_rstd_, P(ln1w_), N, C, true);
+    ops::layernorm_backward_input(dx_in, dln1_, x_in, ln1_mean_, ln1_rstd_, P(layout::ln1_w), N, C, true);
   }
 
   void backward_weight(const Batch& b, const float* x_in, const float* dx_out) override {
     const PageLease use = store_.use_layer(layer_, {}, {Plane::grad});
     const int N = b.B * b.T, C = m_.n_embd;
-    auto G = [&](TensorId id) { return store_.data(id, Plane::grad); };
-    ops::linear_backward_weight(math_.backward, G(fcprojw_), G(fcprojb_), dx_out, fch_gelu_.read(), N, 4 * C, C);
-    ops::linear_backward_weight(math_.backward, G(fcw_), G(fcb_), dfch_.read(), ln2_.read(), N, C, 4 * C);
-    ops::layernorm_backward_weight(G(ln2w_), G(ln2b_), dln2_, res2_, ln2_mean_, ln2_rstd_, N, C);
-    ops::linear_backward_weight(math_.backward, G(projw_), G(projb_), dres2_, atty_, N, C, C);
-    ops::linear_backward_weight(math_.backward, G(qkvw_), G(qkvb_), dqkv_, ln1_.read(), N, C, 3 * C);
-    ops::layernorm_backward_weight(G(ln1w_), G(ln1b_), dln1_, x_in, ln1_mean_, ln1_rstd_, N, C);
+    auto G = [&](int t) { return store_.data(t_[t], Plane::grad); };
+    ops::linear_backward_weight(math_.backward, G(layout::fc_proj_w), G(layout::fc_proj_b), dx_out, fch_gelu_.read(), N,
+                                4 * C, C);
+    ops::linear_backward_weight(math_.backward, G(layout::fc_w), G(layout::fc_b), dfch_.read(), ln2_.read(), N, C,
+                                4 * C);
+    ops::layernorm_backward_weight(G(layout::ln2_w), G(layout::ln2_b), dln2_, res2_, ln2_mean_, ln2_rstd_, N, C);
+    ops::linear_backward_weight(math_.backward, G(layout::proj_w), G(layout::proj_b), dres2_, atty_, N, C, C);
+    ops::linear_backward_weight(math_.backward, G(layout::qkv_w), G(layout::qkv_b), dqkv_, ln1_.read(), N, C, 3 * C);
+    ops::layernorm_backward_weight(G(layout::ln1_w), G(layout::ln1_b), dln1_, x_in, ln1_mean_, ln1_rstd_, N, C);
   }
 
 
@@ -214,7 +199,7 @@ class Block final : public Layer {
   bool bf16_;             // stashes in bf16 (Stash)
   MathMode math_;         // its products' precision in F and in B, W
   AttentionProbe probe_;  // its window (0 = none) and the dynamic window's probe
-  TensorId ln1w_, ln1b_, qkvw_, qkvb_, projw_, projb_, ln2w_, ln2b_, fcw_, fcb_, fcprojw_, fcprojb_;
+  std::vector<TensorId> t_;  // the block's tensors, indexed by layout::Gpt2Block
   int64_t max_N_ = 0, max_att_ = 0;
   // att_: the dense kernel's probabilities [B, NH, T, T], or the blockwise kernel's log-sum-exp [B, NH, T].
   Stash ln1_, ln2_, fch_, fch_gelu_, dfch_;
@@ -232,62 +217,26 @@ GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> r
   validate_model(config, "model");
   check(!store.finalized(), "GPT: the chunk store is already finalized");
   const int L = config.n_layer + 2;
+  local_ = local_layers(config, ranges_);
   if (ranges_.empty()) ranges_.push_back({0, L - 1});
-  local_.assign(L, false);
-  for (const LayerRange& r : ranges_) {
-    check(r.first >= 0 && r.first <= r.last && r.last < L, "GPT: layer range [" + std::to_string(r.first) + ", " +
-                                                               std::to_string(r.last) + "] outside the model's 0.." +
-                                                               std::to_string(L - 1));
-    for (int i = r.first; i <= r.last; ++i) {
-      check(!local_[i], "GPT: layer " + std::to_string(i) + " in two ranges");
-      local_[i] = true;
-    }
-  }
   layers_.resize(L);
   times_ = LayerTimes{std::vector<double>(L, 0.0), std::vector<double>(L, 0.0), std::vector<double>(L, 0.0)};
-  if (config.llama()) {
-    build_llama();
-    return;
-  }
-  // The head is tied to the token embedding: a rank with the head but not the embedding keeps a
-  // replica of wte (same name, same initial values; see TiedGroup).
-  tied_.push_back(TiedGroup{config.tensor_prefix + "wte", 0, {0, L - 1}});
-  TensorId wte = -1;
-  if (local_[0]) {
-    auto embedding = std::make_unique<Embedding>(config, store);
-    wte = embedding->wte();
-    layers_[0] = std::move(embedding);
-  } else if (local_[L - 1]) {
-    TensorSpec replica{config.tensor_prefix + "wte", {config.padded_vocab_size, config.n_embd}, config.layer_base,
-                       ChunkKind::embedding, true};
-    replica.replica = true;
-    wte = store.add(std::move(replica));
-  }
+  // The layout names every tensor; the layers find theirs by index (model/model_layout.h).
+  const ModelLayout layout = model_layout(config, ranges_);
+  const std::vector<TensorId> ids = register_layout(store, layout);
+  tied_ = layout.tied;
+  auto of = [&](int layer) { return layer_tensors(layout, ids, config.layer_base + layer); };
+  if (local_[0]) layers_[0] = std::make_unique<Embedding>(config, store, of(0));
   for (int l = 1; l <= config.n_layer; ++l) {
-    if (local_[l]) layers_[l] = std::make_unique<Block>(config, store, l, bf16_, math_);
+    if (!local_[l]) continue;
+    layers_[l] = config.llama() ? make_llama_block(config, store, l, of(l), bf16_, math_)
+                                : std::make_unique<Block>(config, store, l, of(l), bf16_, math_);
   }
-  if (local_[L - 1]) layers_[L - 1] = make_head(config, store, L - 1, wte, bf16_, math_);
-}
-
-void GPT::build_llama() {
-  const int L = num_layers();
-  const bool tied = config_.tie_embeddings.value_or(false);
-  if (tied) tied_.push_back(TiedGroup{config_.tensor_prefix + "wte", 0, {0, L - 1}});
-  TensorId wte = -1;
-  if (local_[0]) {
-    auto embedding = std::make_unique<Embedding>(config_, store_);  // (no position table for llama)
-    wte = embedding->wte();
-    layers_[0] = std::move(embedding);
-  } else if (tied && local_[L - 1]) {
-    TensorSpec replica{config_.tensor_prefix + "wte", {config_.padded_vocab_size, config_.n_embd}, config_.layer_base,
-                       ChunkKind::embedding, true};
-    replica.replica = true;
-    wte = store_.add(std::move(replica));
+  if (local_[L - 1]) {
+    // A tied head reads wte: the embedding's, or (a rank without it) the replica in the layout.
+    const TensorId wte = tied_.empty() ? -1 : ids[layout.index(config.tensor_prefix + "wte")];
+    layers_[L - 1] = make_head(config, store, L - 1, of(L - 1), wte, bf16_, math_);
   }
-  for (int l = 1; l <= config_.n_layer; ++l) {
-    if (local_[l]) layers_[l] = make_llama_block(config_, store_, l, bf16_, math_);
-  }
-  if (local_[L - 1]) layers_[L - 1] = make_head(config_, store_, L - 1, tied ? wte : -1, bf16_, math_);
 }
 
 GPT::~GPT() = default;

@@ -15,31 +15,16 @@
 
 #include "core/config.h"
 #include "model/layer.h"
+#include "model/model_layout.h"
 #include "store/chunk_store.h"
 
 namespace keel {
 
-// Layers first..last (inclusive) of the model: one pipeline stage.
-struct LayerRange {
-  int first = 0, last = 0;
-};
-
-// Parameters shared by several layers: one tensor, whose chunks belong to `home` (the layer the
-// store files it under), read and written by every layer in `layers`. A rank holding some of
-// `layers` but not `home` keeps a replica (TensorSpec::replica) of the same name and initial
-// values; whoever splits the model (a pipeline) sums the copies' gradients over the ranks that
-// hold one, hints and leases `home`'s chunks beside the layers that use them, and holds back
-// `home`'s gradient sync until the sum is done.
-struct TiedGroup {
-  std::string tensor;
-  int home = 0;
-  std::vector<int> layers;
-};
-
 class GPT {
  public:
   // Registers the parameter tensors of the layers in `ranges` (default: the whole model) with
-  // `store` (which must not be finalized yet) in llm.c's per-layer order. A pipeline rank holds
+  // `store` (which must not be finalized yet): exactly model_layout(config, ranges), in its order
+  // (llm.c's per-layer order), and builds the layers over them. A pipeline rank holds
   // only its stages' layers; one with the head but not the embedding also holds a copy of the
   // tied token embedding wte. The caller finalizes the store, then calls init_weights or loads
   // state. With bf16_activations (runtime.precision = "bf16") the layers keep the activations
@@ -134,7 +119,6 @@ class GPT {
   int allocated_T() const { return max_T_; }
 
  private:
-  void build_llama();  // the llama family's layers (model/llama.h)
   void bind(int slot, int layer);
   void check_batch(const Batch& batch, int slot) const;
 

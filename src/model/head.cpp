@@ -1,11 +1,12 @@
 #include "model/head.h"
 
+#include "core/error.h"
 #include "kernels/cpu/ops.h"
+#include "model/model_layout.h"
 #include "model/layer_util.h"
 
 namespace keel {
 
-using model_detail::add_tensor;
 using model_detail::Carver;
 using model_detail::padded;
 using model_detail::Stash;
@@ -14,7 +15,8 @@ namespace {
 
 class Head final : public model_detail::OutputLayer {
  public:
-  Head(const ModelConfig& m, ChunkStore& store, int layer, TensorId tied_wte, bool bf16, MathMode math)
+  Head(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, TensorId tied_wte,
+       bool bf16, MathMode math)
       : store_(store),
         m_(m),
         layer_(m.layer_base + layer),
@@ -22,16 +24,10 @@ class Head final : public model_detail::OutputLayer {
         tied_(tied_wte >= 0),
         bf16_(bf16),
         math_(math) {
-    layer = layer_;  // the store's id
-    const std::string& p = m.tensor_prefix;
-    if (layernorm_) {
-      normw_ = add_tensor(store, p + "lnf.w", {m.n_embd}, layer, ChunkKind::norm, false);
-      normb_ = add_tensor(store, p + "lnf.b", {m.n_embd}, layer, ChunkKind::norm, false);
-    } else {
-      normw_ = add_tensor(store, p + "norm.w", {m.n_embd}, layer, ChunkKind::norm, false);
-    }
-    head_ = tied_ ? tied_wte
-                  : add_tensor(store, p + "lm_head.w", {m.padded_vocab_size, m.n_embd}, layer, ChunkKind::embedding, true);
+    check(ids.size() == (layernorm_ || !tied_ ? 2u : 1u), "GPT: the head without its tensors");
+    normw_ = ids[layout::norm_w];
+    if (layernorm_) normb_ = ids[layout::norm_b];
+    head_ = tied_ ? tied_wte : ids[layout::lm_head_w];
   }
   const char* name() const override { return "head"; }
   int64_t activation_floats(int B, int T) const override {
@@ -114,9 +110,9 @@ class Head final : public model_detail::OutputLayer {
 
 }  // namespace
 
-std::unique_ptr<Layer> make_head(const ModelConfig& m, ChunkStore& store, int layer, TensorId tied_wte, bool bf16,
-                                 MathMode math) {
-  return std::make_unique<Head>(m, store, layer, tied_wte, bf16, math);
+std::unique_ptr<Layer> make_head(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids,
+                                 TensorId tied_wte, bool bf16, MathMode math) {
+  return std::make_unique<Head>(m, store, layer, ids, tied_wte, bf16, math);
 }
 
 }  // namespace keel

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "core/config.h"
 #include "model/layer.h"
@@ -11,10 +12,11 @@
 
 namespace keel {
 
-// tied_wte >= 0: the head reads the token embedding (layer 0's, or a replica); else lm_head.w.
-// bf16: the normalised input of the LM head is kept in bf16 (model/layer_util.h Stash).
-// math: the precision of its products (the LM head's and its input gradient's).
-std::unique_ptr<Layer> make_head(const ModelConfig& m, ChunkStore& store, int layer, TensorId tied_wte, bool bf16,
-                                 MathMode math);
+// ids: the head layer's tensors in model_layout's order (layout::Head). tied_wte >= 0: the head
+// reads the token embedding (layer 0's, or a replica); else lm_head.w. bf16: the normalised input
+// of the LM head is kept in bf16 (model/layer_util.h Stash). math: the precision of its products
+// (the LM head's and its input gradient's).
+std::unique_ptr<Layer> make_head(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids,
+                                 TensorId tied_wte, bool bf16, MathMode math);
 
 }  // namespace keel

@@ -1,5 +1,5 @@
-// What the layers of both model families share: carving activation memory, registering tensors,
-// and the output layer's interface (the loss and the logits of the last forward).
+// What the layers of both model families share: carving activation memory, and the output layer's
+// interface (the loss and the logits of the last forward).
 #pragma once
 
 #include <algorithm>
@@ -54,11 +54,6 @@ class Stash {
   float* p_ = nullptr;
   bool bf16_ = false;
 };
-
-inline TensorId add_tensor(ChunkStore& store, const std::string& name, std::vector<int64_t> shape, int layer,
-                           ChunkKind kind, bool decay) {
-  return store.add(TensorSpec{name, std::move(shape), layer, kind, decay});
-}
 
 // Floats an attention layer keeps per micro-batch beside its output: the dense kernel's T x T
 // probabilities, or the blockwise kernel's log-sum-exp per row (linear in T).

@@ -3,13 +3,14 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/error.h"
 #include "kernels/cpu/ops.h"
 #include "model/kv_context.h"
 #include "model/layer_util.h"
+#include "model/model_layout.h"
 
 namespace keel {
 
-using model_detail::add_tensor;
 using model_detail::Carver;
 using model_detail::padded;
 using model_detail::Stash;
@@ -19,7 +20,8 @@ namespace {
 // ---- layers 1..L: RMSNorm, rotary grouped-query attention, RMSNorm, SwiGLU ---------------------
 class LlamaBlock final : public Layer {
  public:
-  LlamaBlock(const ModelConfig& m, ChunkStore& store, int layer, bool bf16, MathMode math)
+  LlamaBlock(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, bool bf16,
+             MathMode math)
       : store_(store),
         m_(m),
         layer_(m.layer_base + layer),
@@ -27,16 +29,10 @@ class LlamaBlock final : public Layer {
         math_(math),
         C_(m.n_embd),
         QKV_(m.qkv_dim()),
-        H_(m.ffn_hidden) {
-    const std::string p = m.tensor_prefix + "h." + std::to_string(layer - 1) + ".";
-    layer = layer_;  // the store's id from here on
-    attn_norm_ = add_tensor(store, p + "attn_norm.w", {C_}, layer, ChunkKind::norm, false);
-    qkvw_ = add_tensor(store, p + "attn.qkv.w", {QKV_, C_}, layer, ChunkKind::attention, true);
-    projw_ = add_tensor(store, p + "attn.proj.w", {C_, C_}, layer, ChunkKind::attention, true);
-    mlp_norm_ = add_tensor(store, p + "mlp_norm.w", {C_}, layer, ChunkKind::norm, false);
-    gate_up_ = add_tensor(store, p + "mlp.gate_up.w", {2 * H_, C_}, layer, ChunkKind::ffn, true);
-    down_ = add_tensor(store, p + "mlp.proj.w", {C_, H_}, layer, ChunkKind::ffn, true);
-    probe_.window = m.window_of(layer - 1);
+        H_(m.ffn_hidden),
+        t_(ids) {
+    check(ids.size() == layout::down_w + 1, "GPT: llama block " + std::to_string(layer) + " without its tensors");
+    probe_.window = m.window_of(layer_ - 1);
     probe_.mass.assign(static_cast<size_t>(m.n_head) * AttentionProbe::kBuckets, 0.0);
   }
   AttentionProbe* attention_probe() override { return &probe_; }
@@ -81,13 +77,13 @@ class LlamaBlock final : public Layer {
   void forward(const Batch& b, const float* x, float* x_out) override {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
     const int N = b.B * b.T, C = C_, H = H_;
-    auto P = [&](TensorId id) { return store_.data(id, Plane::param); };
+    auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::LlamaBlock
     const float* none = nullptr;
     const int64_t NC = static_cast<int64_t>(N) * C, NH = static_cast<int64_t>(N) * H;
     float* n1 = n1_.writable(stage_);
-    ops::rmsnorm_forward(n1, rstd1_, x, P(attn_norm_), N, C);
+    ops::rmsnorm_forward(n1, rstd1_, x, P(layout::attn_norm_w), N, C);
     n1_.seal(n1, NC);
-    ops::linear_forward(math_.forward, qkv_, n1_.read(), P(qkvw_), none, N, C, QKV_);
+    ops::linear_forward(math_.forward, qkv_, n1_.read(), P(layout::llama_qkv_w), none, N, C, QKV_);
     ops::rope_forward(qkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_base(), b.kv ? b.kv->pos0() : 0,
                       false, m_.rope_position_scale());
     model_detail::probe_attention(probe_, b, qkv_, m_);
@@ -100,38 +96,38 @@ class LlamaBlock final : public Layer {
                                    probe_.window);
     }
     float* o = scratch_;  // [N, C], consumed at once by the residual
-    ops::linear_forward(math_.forward, o, atty_, P(projw_), none, N, C, C);
+    ops::linear_forward(math_.forward, o, atty_, P(layout::llama_proj_w), none, N, C, C);
     float* n2 = n2_.writable(stage_);
-    ops::residual_rmsnorm_forward(res2_, n2, rstd2_, x, o, P(mlp_norm_), N, C);
+    ops::residual_rmsnorm_forward(res2_, n2, rstd2_, x, o, P(layout::mlp_norm_w), N, C);
     n2_.seal(n2, NC);
     float* gu = gu_.writable(stage_);
-    ops::linear_forward(math_.forward, gu, n2_.read(), P(gate_up_), none, N, C, 2 * H);
+    ops::linear_forward(math_.forward, gu, n2_.read(), P(layout::gate_up_w), none, N, C, 2 * H);
     gu_.seal(gu, 2 * NH);
     float* h = h_.writable(stage_h_);
     ops::swiglu_forward(h, gu, N, H);
     h_.seal(h, NH);
     float* down = scratch_;
-    ops::linear_forward(math_.forward, down, h_.read(), P(down_), none, N, H, C);
+    ops::linear_forward(math_.forward, down, h_.read(), P(layout::down_w), none, N, H, C);
     ops::residual_forward(x_out, res2_, down, static_cast<int64_t>(N) * C);
   }
 
   void backward_input(const Batch& b, const float* x_in, const float* dx_out, float* dx_in) override {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
     const int N = b.B * b.T, C = C_, H = H_;
-    auto P = [&](TensorId id) { return store_.data(id, Plane::param); };
+    auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::LlamaBlock
     // MLP branch: d(down out) = dx_out
     float* dh = scratch_;
-    ops::linear_backward_input(math_.backward, dh, dx_out, P(down_), N, H, C, false);
+    ops::linear_backward_input(math_.backward, dh, dx_out, P(layout::down_w), N, H, C, false);
     float* dgu = dgu_.writable(stage_);
     ops::swiglu_backward_input(dgu, dh, gu_.read(), N, H);
     dgu_.seal(dgu, static_cast<int64_t>(N) * 2 * H);
-    ops::linear_backward_input(math_.backward, dn2_, dgu, P(gate_up_), N, C, 2 * H, false);
+    ops::linear_backward_input(math_.backward, dn2_, dgu, P(layout::gate_up_w), N, C, 2 * H, false);
     std::memcpy(dres2_, dx_out, sizeof(float) * N * C);
-    ops::rmsnorm_backward_input(dres2_, dn2_, res2_, rstd2_, P(mlp_norm_), N, C, true);
+    ops::rmsnorm_backward_input(dres2_, dn2_, res2_, rstd2_, P(layout::mlp_norm_w), N, C, true);
     // Attention branch: d(o out) = dres2; attention's gradient is w.r.t. the rotated q and k,
     // rotated back before the qkv projection.
     float* datty = scratch_;
-    ops::linear_backward_input(math_.backward, datty, dres2_, P(projw_), N, C, C, false);
+    ops::linear_backward_input(math_.backward, datty, dres2_, P(layout::llama_proj_w), N, C, C, false);
     if (m_.attention == Attention::dense) {
       ops::attention_backward_input(math_.backward, dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
     } else {
@@ -140,22 +136,22 @@ class LlamaBlock final : public Layer {
     }
     ops::rope_forward(dqkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_base(), 0, true,
                       m_.rope_position_scale());
-    ops::linear_backward_input(math_.backward, dn1_, dqkv_, P(qkvw_), N, C, QKV_, false);
+    ops::linear_backward_input(math_.backward, dn1_, dqkv_, P(layout::llama_qkv_w), N, C, QKV_, false);
     std::memcpy(dx_in, dres2_, sizeof(float) * N * C);
-    ops::rmsnorm_backward_input(dx_in, dn1_, x_in, rstd1_, P(attn_norm_), N, C, true);
+    ops::rmsnorm_backward_input(dx_in, dn1_, x_in, rstd1_, P(layout::attn_norm_w), N, C, true);
   }
 
   void backward_weight(const Batch& b, const float* x_in, const float* dx_out) override {
     const PageLease use = store_.use_layer(layer_, {}, {Plane::grad});
     const int N = b.B * b.T, C = C_, H = H_;
-    auto G = [&](TensorId id) { return store_.data(id, Plane::grad); };
+    auto G = [&](int t) { return store_.data(t_[t], Plane::grad); };
     float* none = nullptr;
-    ops::linear_backward_weight(math_.backward, G(down_), none, dx_out, h_.read(), N, H, C);
-    ops::linear_backward_weight(math_.backward, G(gate_up_), none, dgu_.read(), n2_.read(), N, C, 2 * H);
-    ops::rmsnorm_backward_weight(G(mlp_norm_), dn2_, res2_, rstd2_, N, C);
-    ops::linear_backward_weight(math_.backward, G(projw_), none, dres2_, atty_, N, C, C);
-    ops::linear_backward_weight(math_.backward, G(qkvw_), none, dqkv_, n1_.read(), N, C, QKV_);
-    ops::rmsnorm_backward_weight(G(attn_norm_), dn1_, x_in, rstd1_, N, C);
+    ops::linear_backward_weight(math_.backward, G(layout::down_w), none, dx_out, h_.read(), N, H, C);
+    ops::linear_backward_weight(math_.backward, G(layout::gate_up_w), none, dgu_.read(), n2_.read(), N, C, 2 * H);
+    ops::rmsnorm_backward_weight(G(layout::mlp_norm_w), dn2_, res2_, rstd2_, N, C);
+    ops::linear_backward_weight(math_.backward, G(layout::llama_proj_w), none, dres2_, atty_, N, C, C);
+    ops::linear_backward_weight(math_.backward, G(layout::llama_qkv_w), none, dqkv_, n1_.read(), N, C, QKV_);
+    ops::rmsnorm_backward_weight(G(layout::attn_norm_w), dn1_, x_in, rstd1_, N, C);
   }
 
  private:
@@ -166,7 +162,7 @@ class LlamaBlock final : public Layer {
   MathMode math_;         // its products' precision in F and in B, W
   AttentionProbe probe_;  // its window (0 = none) and the dynamic window's probe
   int C_, QKV_, H_;
-  TensorId attn_norm_, qkvw_, projw_, mlp_norm_, gate_up_, down_;
+  std::vector<TensorId> t_;  // the block's tensors, indexed by layout::LlamaBlock
   Stash n1_, n2_, gu_, h_, dgu_;
   float *qkv_ = nullptr, *att_ = nullptr, *atty_ = nullptr, *res2_ = nullptr, *rstd1_ = nullptr, *rstd2_ = nullptr,
         *dn1_ = nullptr, *dqkv_ = nullptr, *dres2_ = nullptr, *dn2_ = nullptr, *scratch_ = nullptr,
@@ -176,8 +172,9 @@ class LlamaBlock final : public Layer {
 
 }  // namespace
 
-std::unique_ptr<Layer> make_llama_block(const ModelConfig& m, ChunkStore& store, int layer, bool bf16, MathMode math) {
-  return std::make_unique<LlamaBlock>(m, store, layer, bf16, math);
+std::unique_ptr<Layer> make_llama_block(const ModelConfig& m, ChunkStore& store, int layer,
+                                        const std::vector<TensorId>& ids, bool bf16, MathMode math) {
+  return std::make_unique<LlamaBlock>(m, store, layer, ids, bf16, math);
 }
 
 }  // namespace keel

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "core/config.h"
 #include "model/layer.h"
@@ -17,6 +18,8 @@
 
 namespace keel {
 
-std::unique_ptr<Layer> make_llama_block(const ModelConfig& m, ChunkStore& store, int layer, bool bf16, MathMode math);
+// ids: the block's tensors in model_layout's order (layout::LlamaBlock).
+std::unique_ptr<Layer> make_llama_block(const ModelConfig& m, ChunkStore& store, int layer,
+                                        const std::vector<TensorId>& ids, bool bf16, MathMode math);
 
 }  // namespace keel

@@ -15,29 +15,73 @@ namespace {
 
 int groups_for(int channels) { return std::min(32, channels); }
 
+// The residual blocks in order: torchvision's names, channels and strides, and whether the block
+// has the shortcut convolution (where its shape changes). resnet_layout and the tower walk this.
+struct BlockPlan {
+  std::string name;  // "layer{stage}.{i}"
+  int in_channels = 0, planes = 0, out_channels = 0, stride = 1;
+  bool shortcut = false;
+};
+
+std::vector<BlockPlan> block_plan(const ResNetSpec& spec) {
+  std::vector<BlockPlan> out;
+  int channels = spec.width;
+  for (int stage = 0; stage < 4; ++stage) {
+    const int planes = spec.width << stage;
+    for (int i = 0; i < spec.layers[stage]; ++i) {
+      BlockPlan b;
+      b.name = "layer" + std::to_string(stage + 1) + "." + std::to_string(i);
+      b.in_channels = channels;
+      b.planes = planes;
+      b.out_channels = planes * spec.expansion();
+      b.stride = stage > 0 && i == 0 ? 2 : 1;
+      b.shortcut = b.stride != 1 || b.in_channels != b.out_channels;
+      channels = b.out_channels;
+      out.push_back(std::move(b));
+    }
+  }
+  return out;
+}
+
 std::vector<float> buffer(int64_t n) { return std::vector<float>(static_cast<size_t>(std::max<int64_t>(n, 1))); }
+
+// The tower's tensor ids in resnet_layout's order, taken one by one as the units are built (each
+// convolution and norm, then the projection: the order resnet_layout lists them in).
+class TensorCursor {
+ public:
+  TensorCursor(const ChunkStore& store, std::vector<TensorId> ids) : store_(store), ids_(std::move(ids)) {}
+  TensorId take() {
+    check(next_ < ids_.size(), "resnet: the tower asks for more tensors than its layout lists");
+    return ids_[next_++];
+  }
+  const TensorSpec& spec(TensorId id) const { return store_.tensors()[id].spec; }
+  bool done() const { return next_ == ids_.size(); }
+
+ private:
+  const ChunkStore& store_;
+  std::vector<TensorId> ids_;
+  size_t next_ = 0;
+};
 
 // A convolution without bias and the GroupNorm after it (with the ReLU fused where the unit has
 // one). Keeps for the backward pass: the convolution's output c (GroupNorm's input), the norm's
 // output y and statistics; the gradient dy of y is written here by whoever consumes y.
 class ConvNorm {
  public:
-  ConvNorm(ChunkStore& store, const std::string& conv, const std::string& norm, int layer, int C, int K, int kernel,
-           int stride, int H, bool relu)
-      : store_(store), relu_(relu) {
+  // The convolution's weight [K, C, kernel, kernel], then the norm's weight and bias, from `t`.
+  ConvNorm(ChunkStore& store, TensorCursor& t, int stride, int H, bool relu)
+      : store_(store), relu_(relu), w_(t.take()), gamma_(t.take()), beta_(t.take()) {
+    const std::vector<int64_t>& w = t.spec(w_).shape;
     s_.H = s_.W = H;
-    s_.C = C;
-    s_.K = K;
-    s_.R = s_.S = kernel;
+    s_.K = static_cast<int>(w[0]);
+    s_.C = static_cast<int>(w[1]);
+    s_.R = s_.S = static_cast<int>(w[2]);
     s_.stride = stride;
-    s_.pad = kernel / 2;
+    s_.pad = s_.R / 2;
     s_.N = 1;
-    G_ = groups_for(K);
-    check(K % G_ == 0, "resnet: " + norm + ": " + std::to_string(K) + " channels do not split into " +
-                           std::to_string(G_) + " groups");
-    w_ = store.add(TensorSpec{conv, {K, C, kernel, kernel}, layer, ChunkKind::ffn, true});
-    gamma_ = store.add(TensorSpec{norm + ".weight", {K}, layer, ChunkKind::norm, false});
-    beta_ = store.add(TensorSpec{norm + ".bias", {K}, layer, ChunkKind::norm, false});
+    G_ = groups_for(s_.K);
+    check(s_.K % G_ == 0, "resnet: " + t.spec(gamma_).name + ": " + std::to_string(s_.K) +
+                              " channels do not split into " + std::to_string(G_) + " groups");
   }
   int out_size() const { return s_.P(); }
   int channels() const { return s_.K; }
@@ -91,8 +135,8 @@ class ConvNorm {
   ChunkStore& store_;
   bool relu_;
   ops::ConvShape s_;
-  int G_ = 1;
   TensorId w_ = -1, gamma_ = -1, beta_ = -1;
+  int G_ = 1;
   std::vector<float> c_, y_, dy_, dc_, mean_, rstd_;
 };
 
@@ -115,9 +159,8 @@ class Unit {
 // conv1 7 x 7 / 2 -> GroupNorm -> ReLU -> max pool 3 x 3 / 2.
 class Stem final : public Unit {
  public:
-  Stem(ChunkStore& store, const ResNetSpec& spec, int layer)
-      : conv_(store, spec.prefix + "conv1.weight", spec.prefix + "bn1", layer, 3, spec.width, 7, 2, spec.image_size,
-              true),
+  Stem(ChunkStore& store, TensorCursor& t, const ResNetSpec& spec)
+      : conv_(store, t, 2, spec.image_size, true),
         H_(conv_.out_size()),
         C_(spec.width),
         P_(ops::pool_out(H_, 3, 2, 1)) {}
@@ -158,24 +201,20 @@ class Stem final : public Unit {
 // out = ReLU(main + shortcut).
 class ResidualBlock final : public Unit {
  public:
-  ResidualBlock(ChunkStore& store, const ResNetSpec& spec, int layer, const std::string& name, int in_channels,
-                int planes, int stride, int H) {
-    const std::string p = spec.prefix + name + ".";
-    const int out_channels = planes * spec.expansion();
+  // `shortcut`: the block has the downsampling convolution (resnet_layout lists it last).
+  ResidualBlock(ChunkStore& store, TensorCursor& t, const ResNetSpec& spec, int in_channels, int stride, int H,
+                bool shortcut) {
     if (spec.block == "bottleneck") {
-      units_.emplace_back(store, p + "conv1.weight", p + "bn1", layer, in_channels, planes, 1, 1, H, true);
-      units_.emplace_back(store, p + "conv2.weight", p + "bn2", layer, planes, planes, 3, stride, H, true);
+      units_.emplace_back(store, t, 1, H, true);
+      units_.emplace_back(store, t, stride, H, true);
       const int H2 = units_.back().out_size();
-      units_.emplace_back(store, p + "conv3.weight", p + "bn3", layer, planes, out_channels, 1, 1, H2, false);
+      units_.emplace_back(store, t, 1, H2, false);
     } else {
-      units_.emplace_back(store, p + "conv1.weight", p + "bn1", layer, in_channels, planes, 3, stride, H, true);
+      units_.emplace_back(store, t, stride, H, true);
       const int H2 = units_.back().out_size();
-      units_.emplace_back(store, p + "conv2.weight", p + "bn2", layer, planes, out_channels, 3, 1, H2, false);
+      units_.emplace_back(store, t, 1, H2, false);
     }
-    if (stride != 1 || in_channels != out_channels) {
-      down_.emplace_back(store, p + "downsample.0.weight", p + "downsample.1", layer, in_channels, out_channels, 1,
-                         stride, H, false);
-    }
+    if (shortcut) down_.emplace_back(store, t, stride, H, false);
     out_size_ = units_.back().out_size();
     in_floats_ = static_cast<int64_t>(H) * H * in_channels;
   }
@@ -248,10 +287,8 @@ class ResidualBlock final : public Unit {
 // Global average pool -> projection (no bias) into the shared embedding: features[B, D].
 class PoolProject final : public Unit {
  public:
-  PoolProject(ChunkStore& store, const ResNetSpec& spec, int layer, int H)
-      : store_(store), HW_(H * H), C_(spec.out_channels()), D_(spec.embed_dim) {
-    proj_ = store.add(TensorSpec{spec.prefix + "proj.weight", {D_, C_}, layer, ChunkKind::head, true});
-  }
+  PoolProject(ChunkStore& store, TensorCursor& t, const ResNetSpec& spec, int H)
+      : store_(store), HW_(H * H), C_(spec.out_channels()), D_(spec.embed_dim), proj_(t.take()) {}
   void allocate(int B) override {
     pooled_ = buffer(static_cast<int64_t>(B) * C_);
     dpooled_ = buffer(static_cast<int64_t>(B) * C_);
@@ -282,7 +319,7 @@ class PoolProject final : public Unit {
  private:
   ChunkStore& store_;
   int HW_, C_, D_;
-  TensorId proj_ = -1;
+  TensorId proj_;
   std::vector<float> pooled_, dpooled_, out_, dout_;
 };
 
@@ -292,24 +329,17 @@ class ResNet final : public Tower {
       : spec_(spec), store_(store), math_(visual_math(spec.quant, precision)) {
     validate_resnet(spec);
     check(!store.finalized(), "resnet: the chunk store is already finalized");
-    int layer = spec.layer_base;
-    auto stem = std::make_unique<Stem>(store, spec, layer++);
+    TensorCursor t(store, register_layout(store, resnet_layout(spec)));
+    auto stem = std::make_unique<Stem>(store, t, spec);
     int H = stem->out_size();
     units_.push_back(std::move(stem));
-    int channels = spec.width;
-    for (int stage = 0; stage < 4; ++stage) {
-      const int planes = spec.width << stage;
-      for (int i = 0; i < spec.layers[stage]; ++i) {
-        const int stride = stage > 0 && i == 0 ? 2 : 1;
-        auto block = std::make_unique<ResidualBlock>(store, spec, layer++,
-                                                     "layer" + std::to_string(stage + 1) + "." + std::to_string(i),
-                                                     channels, planes, stride, H);
-        H = block->out_size();
-        channels = planes * spec.expansion();
-        units_.push_back(std::move(block));
-      }
+    for (const BlockPlan& b : block_plan(spec)) {
+      auto block = std::make_unique<ResidualBlock>(store, t, spec, b.in_channels, b.stride, H, b.shortcut);
+      H = block->out_size();
+      units_.push_back(std::move(block));
     }
-    units_.push_back(std::make_unique<PoolProject>(store, spec, layer++, H));
+    units_.push_back(std::make_unique<PoolProject>(store, t, spec, H));
+    check(t.done(), "resnet: the tower uses fewer tensors than its layout lists");
   }
   const char* name() const override { return "resnet"; }
   int first_layer() const override { return spec_.layer_base; }
@@ -426,6 +456,35 @@ void validate_resnet(const ResNetSpec& s) {
   check(s.quant != VisualQuant::int8,
         "config key 'clip.visual_quant': expected \"none\" or \"bf16\" for a ResNet (int8 is a ViT's), found \"" +
             std::string(to_string(s.quant)) + "\"");
+}
+
+ModelLayout resnet_layout(const ResNetSpec& spec) {
+  validate_resnet(spec);
+  ModelLayout out;
+  const std::string& p = spec.prefix;
+  // A convolution without bias [K, C, kernel, kernel] and its GroupNorm.
+  auto conv_norm = [&](const std::string& conv, const std::string& norm, int layer, int C, int K, int kernel) {
+    out.tensors.push_back(TensorSpec{p + conv, {K, C, kernel, kernel}, layer, ChunkKind::ffn, true});
+    out.tensors.push_back(TensorSpec{p + norm + ".weight", {K}, layer, ChunkKind::norm, false});
+    out.tensors.push_back(TensorSpec{p + norm + ".bias", {K}, layer, ChunkKind::norm, false});
+  };
+  int layer = spec.layer_base;
+  conv_norm("conv1.weight", "bn1", layer++, 3, spec.width, 7);  // the stem
+  for (const BlockPlan& b : block_plan(spec)) {
+    const std::string n = b.name + ".";
+    if (spec.block == "bottleneck") {
+      conv_norm(n + "conv1.weight", n + "bn1", layer, b.in_channels, b.planes, 1);
+      conv_norm(n + "conv2.weight", n + "bn2", layer, b.planes, b.planes, 3);
+      conv_norm(n + "conv3.weight", n + "bn3", layer, b.planes, b.out_channels, 1);
+    } else {
+      conv_norm(n + "conv1.weight", n + "bn1", layer, b.in_channels, b.planes, 3);
+      conv_norm(n + "conv2.weight", n + "bn2", layer, b.planes, b.out_channels, 3);
+    }
+    if (b.shortcut) conv_norm(n + "downsample.0.weight", n + "downsample.1", layer, b.in_channels, b.out_channels, 1);
+    layer++;
+  }
+  out.tensors.push_back(TensorSpec{p + "proj.weight", {spec.embed_dim, spec.out_channels()}, layer, ChunkKind::head, true});
+  return out;
 }
 
 std::unique_ptr<Tower> make_resnet(const ResNetSpec& spec, ChunkStore& store, MatmulPrecision precision) {

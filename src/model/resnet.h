@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "model/model_layout.h"
 #include "model/tower.h"
 #include "store/chunk_store.h"
 
@@ -47,8 +48,13 @@ ResNetSpec resnet_preset(ImageTower tower);
 // Checks a spec (one line naming what is wrong).
 void validate_resnet(const ResNetSpec& spec);
 
-// Registers the tower's tensors with `store` (not yet finalized). `precision`: the process's
-// (runtime.precision), which the tower's products use unless spec.quant says otherwise (visual_math).
+// The tower's tensors (model/model_layout.h), checked as validate_resnet checks the spec: the
+// stem's, each block's (torchvision's order, the shortcut last), the projection.
+ModelLayout resnet_layout(const ResNetSpec& spec);
+
+// Registers the tower's tensors (resnet_layout) with `store` (not yet finalized). `precision`: the
+// process's (runtime.precision), which the tower's products use unless spec.quant says otherwise
+// (visual_math).
 std::unique_ptr<Tower> make_resnet(const ResNetSpec& spec, ChunkStore& store, MatmulPrecision precision);
 
 }  // namespace keel

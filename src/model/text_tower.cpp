@@ -13,6 +13,32 @@ namespace keel {
 
 namespace {
 
+// The pooling head's tensors (layer layer_base + n_layer + 1): the final norm, then the projection.
+ModelLayout pool_head_layout(const ModelConfig& m, int embed_dim) {
+  const std::string& p = m.tensor_prefix;
+  const int64_t C = m.n_embd;
+  const int layer = m.layer_base + m.n_layer + 1;
+  ModelLayout out;
+  if (m.llama()) {
+    out.tensors.push_back(TensorSpec{p + "norm.w", {C}, layer, ChunkKind::norm, false});
+  } else {
+    out.tensors.push_back(TensorSpec{p + "lnf.w", {C}, layer, ChunkKind::norm, false});
+    out.tensors.push_back(TensorSpec{p + "lnf.b", {C}, layer, ChunkKind::norm, false});
+  }
+  out.tensors.push_back(TensorSpec{p + "proj.w", {embed_dim, C}, layer, ChunkKind::head, true});
+  return out;
+}
+
+ModelConfig tower_config(ModelConfig text, int layer_base) {
+  text.tensor_prefix = "text.";
+  text.layer_base = layer_base;
+  return text;
+}
+
+void check_embed_dim(int embed_dim) {
+  check(embed_dim >= 1 && embed_dim <= 8192, "clip.embed_dim: expected 1..8192, found " + std::to_string(embed_dim));
+}
+
 class TextTower final : public Tower {
  public:
   TextTower(const ModelConfig& m, int embed_dim, ChunkStore& store, MatmulPrecision precision)
@@ -21,16 +47,12 @@ class TextTower final : public Tower {
         D_(embed_dim),
         body_(m, store, {LayerRange{0, m.n_layer}}, precision == MatmulPrecision::bf16, MathMode::uniform(precision)),
         head_layer_(m.layer_base + m.n_layer + 1) {
-    check(embed_dim >= 1 && embed_dim <= 8192, "clip.embed_dim: expected 1..8192, found " + std::to_string(embed_dim));
-    const std::string& p = m.tensor_prefix;
-    const int64_t C = m.n_embd;
-    if (m.llama()) {
-      normw_ = store.add(TensorSpec{p + "norm.w", {C}, head_layer_, ChunkKind::norm, false});
-    } else {
-      normw_ = store.add(TensorSpec{p + "lnf.w", {C}, head_layer_, ChunkKind::norm, false});
-      normb_ = store.add(TensorSpec{p + "lnf.b", {C}, head_layer_, ChunkKind::norm, false});
-    }
-    proj_ = store.add(TensorSpec{p + "proj.w", {D_, C}, head_layer_, ChunkKind::head, true});
+    check_embed_dim(embed_dim);
+    // text_tower_layout's order: the body's tensors (registered by body_), then the head's.
+    const std::vector<TensorId> head = register_layout(store, pool_head_layout(m, D_));
+    normw_ = head.front();
+    if (!m.llama()) normb_ = head[1];
+    proj_ = head.back();
   }
   const char* name() const override { return "text"; }
   int first_layer() const override { return m_.layer_base; }
@@ -157,11 +179,19 @@ class TextTower final : public Tower {
 
 }  // namespace
 
-std::unique_ptr<Tower> make_text_tower(ModelConfig text, int layer_base, int embed_dim, ChunkStore& store,
+ModelLayout text_tower_layout(const ModelConfig& text, int layer_base, int embed_dim) {
+  check_embed_dim(embed_dim);
+  const ModelConfig m = tower_config(text, layer_base);
+  const LayerRange body{0, m.n_layer};
+  ModelLayout out = model_layout(m, {&body, 1});
+  out.tied.clear();  // the pooling head does not read wte: nothing is tied
+  out.append(pool_head_layout(m, embed_dim));
+  return out;
+}
+
+std::unique_ptr<Tower> make_text_tower(const ModelConfig& text, int layer_base, int embed_dim, ChunkStore& store,
                                        MatmulPrecision precision) {
-  text.tensor_prefix = "text.";
-  text.layer_base = layer_base;
-  return std::make_unique<TextTower>(text, embed_dim, store, precision);
+  return std::make_unique<TextTower>(tower_config(text, layer_base), embed_dim, store, precision);
 }
 
 }  // namespace keel

@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "core/config.h"
+#include "model/model_layout.h"
 #include "model/tower.h"
 #include "store/chunk_store.h"
 
@@ -18,7 +19,10 @@ namespace keel {
 // `text` is a resolved model config; its prefix and layer base are set here. `precision`
 // (runtime.precision): the arithmetic of every product of the tower; under bf16 the transformer
 // also keeps its matrix products' activations in bf16.
-std::unique_ptr<Tower> make_text_tower(ModelConfig text, int layer_base, int embed_dim, ChunkStore& store,
+std::unique_ptr<Tower> make_text_tower(const ModelConfig& text, int layer_base, int embed_dim, ChunkStore& store,
                                        MatmulPrecision precision);
+// The tower's tensors (model/model_layout.h): the body's (model_layout over the embedding and the
+// blocks, prefixed "text."), then the pooling head's.
+ModelLayout text_tower_layout(const ModelConfig& text, int layer_base, int embed_dim);
 
 }  // namespace keel

@@ -37,6 +37,31 @@ ModelConfig blocks_config(const VitSpec& s) {
   return m;
 }
 
+// The tower's own tensors before the blocks (layer_base: the patch embedding) and after them (the
+// head), in this order.
+enum PatchTensor : int { patch_w, patch_b, cls, pos };
+enum HeadTensor : int { lnf_w, lnf_b, proj_w };
+
+ModelLayout patch_layout(const VitSpec& s) {
+  const int64_t C = s.width;
+  ModelLayout out;
+  out.tensors = {TensorSpec{s.prefix + "patch.w", {C, s.patch * s.patch * 3}, s.layer_base, ChunkKind::embedding, true},
+                 TensorSpec{s.prefix + "patch.b", {C}, s.layer_base, ChunkKind::embedding, false},
+                 TensorSpec{s.prefix + "cls", {C}, s.layer_base, ChunkKind::embedding, false},
+                 TensorSpec{s.prefix + "pos", {s.patches() + 1, C}, s.layer_base, ChunkKind::embedding, false}};
+  return out;
+}
+
+ModelLayout head_layout(const VitSpec& s) {
+  const int64_t C = s.width;
+  const int layer = s.layer_base + s.layers + 1;
+  ModelLayout out;
+  out.tensors = {TensorSpec{s.prefix + "lnf.w", {C}, layer, ChunkKind::norm, false},
+                 TensorSpec{s.prefix + "lnf.b", {C}, layer, ChunkKind::norm, false},
+                 TensorSpec{s.prefix + "proj.w", {s.embed_dim, C}, layer, ChunkKind::head, true}};
+  return out;
+}
+
 class Vit final : public Tower {
  public:
   Vit(const VitSpec& s, ChunkStore& store, MatmulPrecision precision)
@@ -46,15 +71,17 @@ class Vit final : public Tower {
         P_(s.patches()),
         PV_(s.patch * s.patch * 3),
         C_(s.width),
-        patch_w_(store.add(TensorSpec{s.prefix + "patch.w", {C_, PV_}, s.layer_base, ChunkKind::embedding, true})),
-        patch_b_(store.add(TensorSpec{s.prefix + "patch.b", {C_}, s.layer_base, ChunkKind::embedding, false})),
-        cls_(store.add(TensorSpec{s.prefix + "cls", {C_}, s.layer_base, ChunkKind::embedding, false})),
-        pos_(store.add(TensorSpec{s.prefix + "pos", {P_ + 1, C_}, s.layer_base, ChunkKind::embedding, false})),
+        patch_ids_(register_layout(store, patch_layout(s))),  // vit_layout's order: these, the blocks, the head
         body_(blocks_config(s), store, {LayerRange{1, s.layers}}, s.quant == VisualQuant::bf16, math_),
-        head_layer_(s.layer_base + s.layers + 1) {
-    normw_ = store.add(TensorSpec{s.prefix + "lnf.w", {C_}, head_layer_, ChunkKind::norm, false});
-    normb_ = store.add(TensorSpec{s.prefix + "lnf.b", {C_}, head_layer_, ChunkKind::norm, false});
-    proj_ = store.add(TensorSpec{s.prefix + "proj.w", {s.embed_dim, C_}, head_layer_, ChunkKind::head, true});
+        head_layer_(s.layer_base + s.layers + 1),
+        patch_w_(patch_ids_[patch_w]),
+        patch_b_(patch_ids_[patch_b]),
+        cls_(patch_ids_[cls]),
+        pos_(patch_ids_[pos]) {
+    const std::vector<TensorId> head = register_layout(store, head_layout(s));
+    normw_ = head[lnf_w];
+    normb_ = head[lnf_b];
+    proj_ = head[proj_w];
   }
   const char* name() const override { return "vit"; }
   int first_layer() const override { return s_.layer_base; }
@@ -228,9 +255,10 @@ class Vit final : public Tower {
   ChunkStore& store_;
   MathMode math_;  // its products' precision in F and in B, W (visual_math), its blocks' included
   int P_, PV_, C_;
-  TensorId patch_w_, patch_b_, cls_, pos_;
+  std::vector<TensorId> patch_ids_;
   GPT body_;
   int head_layer_;
+  TensorId patch_w_, patch_b_, cls_, pos_;
   TensorId normw_ = -1, normb_ = -1, proj_ = -1;
   int max_B_ = 0;
   std::vector<float> patches_, tokens_, cls_out_, normed_, dnormed_, dcls_out_, mean_, rstd_, features_;
@@ -252,6 +280,17 @@ void validate_vit(const VitSpec& s) {
   check(s.width >= 1 && s.width <= 16384, key("vit_width", "1..16384", s.width));
   check(s.heads >= 1 && s.width % s.heads == 0, key("vit_heads", "a divisor of clip.vit_width", s.heads));
   check(s.embed_dim >= 1 && s.embed_dim <= 8192, key("embed_dim", "1..8192", s.embed_dim));
+}
+
+ModelLayout vit_layout(const VitSpec& spec) {
+  validate_vit(spec);
+  ModelLayout out = patch_layout(spec);
+  const LayerRange blocks{1, spec.layers};
+  ModelLayout body = model_layout(blocks_config(spec), {&blocks, 1});
+  body.tied.clear();  // a GPT-2 body's wte group: the tower has no token embedding
+  out.append(body);
+  out.append(head_layout(spec));
+  return out;
 }
 
 std::unique_ptr<Tower> make_vit(const VitSpec& spec, ChunkStore& store, MatmulPrecision precision) {

@@ -30,6 +30,7 @@
 #include <memory>
 #include <string>
 
+#include "model/model_layout.h"
 #include "model/tower.h"
 #include "store/chunk_store.h"
 
@@ -51,8 +52,12 @@ struct VitSpec {
 
 // One line naming the [clip] key that is wrong.
 void validate_vit(const VitSpec& spec);
-// `precision`: the process's (runtime.precision), which the tower's products use unless spec.quant
-// says otherwise (visual_math).
+// The tower's tensors (model/model_layout.h), the spec checked as validate_vit does: the patch
+// embedding's, the blocks' (a GPT-2 body's, model_layout), the head's.
+ModelLayout vit_layout(const VitSpec& spec);
+// Registers the tower's tensors (vit_layout) with `store` (not yet finalized). `precision`: the
+// process's (runtime.precision), which the tower's products use unless spec.quant says otherwise
+// (visual_math).
 std::unique_ptr<Tower> make_vit(const VitSpec& spec, ChunkStore& store, MatmulPrecision precision);
 
 }  // namespace keel

@@ -167,7 +167,7 @@ PartitionProblem problem_for(const Config& config, const LayerCosts& measured) {
   }
   // Bytes the costs do not carry: the model's (a registry of its tensors, nothing allocated).
   ChunkStore registry(config.store.chunk_bytes);
-  const GPT model(config.model, registry);
+  register_layout(registry, model_layout(config.model));
   registry.finalize_layout();
   std::vector<double> params(static_cast<size_t>(L), 0.0);
   for (const Chunk& c : registry.chunks()) params[c.layer] += static_cast<double>(c.numel) * sizeof(float);

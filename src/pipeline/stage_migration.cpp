@@ -9,7 +9,7 @@
 
 #include "comm/zero.h"
 #include "core/error.h"
-#include "model/gpt.h"
+#include "model/model_layout.h"
 #include "pipeline/layout.h"
 #include "store/placement.h"
 
@@ -37,9 +37,7 @@ struct RankLayout {
 RankLayout layout_of(const Config& config, const std::vector<LayerRange>& ranges, int shard_ranks) {
   RankLayout l;
   l.store = std::make_unique<ChunkStore>(config.store.chunk_bytes);
-  {
-    const GPT model(config.model, *l.store, ranges, config.runtime.precision == Precision::bf16);  // registers the tensors
-  }
+  register_layout(*l.store, model_layout(config.model, ranges));
   l.store->set_huge_page_alignment(tiering_enabled(config.tier));  // as RankModel::build lays out its store
   l.store->finalize_layout();
   l.shards = ChunkPartition::balanced(*l.store, shard_ranks);

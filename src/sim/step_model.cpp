@@ -65,7 +65,7 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
     for (int i = r.first; i <= r.last; ++i) bytes += params[static_cast<size_t>(i)] * sizeof(float);
   }
   ChunkStore registry(std::max<int64_t>(config.store.chunk_bytes, static_cast<int64_t>(bytes / 4096) / 4096 * 4096));
-  const GPT model(config.model, registry, ranges);
+  register_layout(registry, model_layout(config.model, ranges));
   registry.finalize_layout();
   const std::vector<CodecParams> codecs =
       compressed ? sync_chunk_codecs(config.sync, config.model.n_layer, registry) : std::vector<CodecParams>{};

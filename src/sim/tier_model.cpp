@@ -6,7 +6,7 @@
 #include <set>
 
 #include "core/error.h"
-#include "model/gpt.h"
+#include "model/model_layout.h"
 #include "sim/step_model.h"
 #include "store/chunk_store.h"
 #include "store/placement.h"
@@ -64,7 +64,7 @@ TierPrediction predict_tiers(const Config& config, const Cluster& cluster, const
     for (int i = r.first; i <= r.last; ++i) bytes += params[static_cast<size_t>(i)] * sizeof(float);
   }
   ChunkStore store(std::max<int64_t>(config.store.chunk_bytes, static_cast<int64_t>(bytes / std::max(in.max_chunks, 1)) / 4096 * 4096));
-  const GPT model(m, store, mine);
+  register_layout(store, model_layout(m, mine));
   store.finalize_layout();
   const auto& chunks = store.chunks();
   const int n = static_cast<int>(chunks.size());

@@ -1,0 +1,114 @@
+#include "model/model_layout.h"
+
+#include "core/error.h"
+
+namespace keel {
+
+int ModelLayout::index(const std::string& name) const {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].name == name) return static_cast<int>(i);
+  }
+  throw Error("model layout: no tensor named " + name);
+}
+
+void ModelLayout::append(const ModelLayout& part) {
+  check(part.tensors.empty() || tensors.empty() || tensors.back().layer <= part.tensors.front().layer,
+        "model layout: " + (part.tensors.empty() ? std::string() : part.tensors.front().name) +
+            " appended out of layer order");
+  tensors.insert(tensors.end(), part.tensors.begin(), part.tensors.end());
+  tied.insert(tied.end(), part.tied.begin(), part.tied.end());
+}
+
+std::vector<bool> local_layers(const ModelConfig& config, std::span<const LayerRange> ranges) {
+  const int L = config.n_layer + 2;
+  if (ranges.empty()) return std::vector<bool>(L, true);
+  std::vector<bool> local(L, false);
+  for (const LayerRange& r : ranges) {
+    check(r.first >= 0 && r.first <= r.last && r.last < L, "GPT: layer range [" + std::to_string(r.first) + ", " +
+                                                               std::to_string(r.last) + "] outside the model's 0.." +
+                                                               std::to_string(L - 1));
+    for (int i = r.first; i <= r.last; ++i) {
+      check(!local[i], "GPT: layer " + std::to_string(i) + " in two ranges");
+      local[i] = true;
+    }
+  }
+  return local;
+}
+
+ModelLayout model_layout(const ModelConfig& m, std::span<const LayerRange> ranges) {
+  const std::vector<bool> local = local_layers(m, ranges);
+  const int L = m.n_layer + 2;
+  const std::string& prefix = m.tensor_prefix;
+  const int64_t C = m.n_embd, Vp = m.padded_vocab_size;
+  ModelLayout out;
+  auto add = [&](const std::string& name, std::vector<int64_t> shape, int layer, ChunkKind kind, bool decay) {
+    out.tensors.push_back(TensorSpec{prefix + name, std::move(shape), m.layer_base + layer, kind, decay});
+  };
+  // GPT-2's head is always tied to the token embedding; llama's when model.tie_embeddings says so.
+  const bool tied = !m.llama() || m.tie_embeddings.value_or(false);
+  if (tied) out.tied.push_back(TiedGroup{prefix + "wte", 0, {0, L - 1}});
+
+  // layer 0: the token embedding (and GPT-2's position table)
+  if (local[0]) {
+    add("wte", {Vp, C}, 0, ChunkKind::embedding, true);
+    if (!m.llama()) add("wpe", {m.max_seq_len, C}, 0, ChunkKind::embedding, true);
+  } else if (tied && local[L - 1]) {
+    add("wte", {Vp, C}, 0, ChunkKind::embedding, true);  // the head's replica (TiedGroup)
+    out.tensors.back().replica = true;
+  }
+  // layers 1..n_layer: the blocks
+  for (int l = 1; l <= m.n_layer; ++l) {
+    if (!local[l]) continue;
+    const std::string p = "h." + std::to_string(l - 1) + ".";
+    if (m.llama()) {
+      const int64_t H = m.ffn_hidden;
+      add(p + "attn_norm.w", {C}, l, ChunkKind::norm, false);
+      add(p + "attn.qkv.w", {m.qkv_dim(), C}, l, ChunkKind::attention, true);
+      add(p + "attn.proj.w", {C, C}, l, ChunkKind::attention, true);
+      add(p + "mlp_norm.w", {C}, l, ChunkKind::norm, false);
+      add(p + "mlp.gate_up.w", {2 * H, C}, l, ChunkKind::ffn, true);
+      add(p + "mlp.proj.w", {C, H}, l, ChunkKind::ffn, true);
+    } else {
+      add(p + "ln1.w", {C}, l, ChunkKind::norm, false);
+      add(p + "ln1.b", {C}, l, ChunkKind::norm, false);
+      add(p + "attn.qkv.w", {3 * C, C}, l, ChunkKind::attention, true);
+      add(p + "attn.qkv.b", {3 * C}, l, ChunkKind::attention, false);
+      add(p + "attn.proj.w", {C, C}, l, ChunkKind::attention, true);
+      add(p + "attn.proj.b", {C}, l, ChunkKind::attention, false);
+      add(p + "ln2.w", {C}, l, ChunkKind::norm, false);
+      add(p + "ln2.b", {C}, l, ChunkKind::norm, false);
+      add(p + "mlp.fc.w", {4 * C, C}, l, ChunkKind::ffn, true);
+      add(p + "mlp.fc.b", {4 * C}, l, ChunkKind::ffn, false);
+      add(p + "mlp.proj.w", {C, 4 * C}, l, ChunkKind::ffn, true);
+      add(p + "mlp.proj.b", {C}, l, ChunkKind::ffn, false);
+    }
+  }
+  // layer n_layer + 1: the final norm and (untied) the LM head
+  if (local[L - 1]) {
+    if (m.llama()) {
+      add("norm.w", {C}, L - 1, ChunkKind::norm, false);
+    } else {
+      add("lnf.w", {C}, L - 1, ChunkKind::norm, false);
+      add("lnf.b", {C}, L - 1, ChunkKind::norm, false);
+    }
+    if (!tied) add("lm_head.w", {Vp, C}, L - 1, ChunkKind::embedding, true);
+  }
+  return out;
+}
+
+std::vector<TensorId> register_layout(ChunkStore& store, const ModelLayout& layout) {
+  std::vector<TensorId> ids;
+  ids.reserve(layout.tensors.size());
+  for (const TensorSpec& spec : layout.tensors) ids.push_back(store.add(spec));
+  return ids;
+}
+
+std::vector<TensorId> layer_tensors(const ModelLayout& layout, std::span<const TensorId> ids, int store_layer) {
+  std::vector<TensorId> out;
+  for (size_t i = 0; i < layout.tensors.size(); ++i) {
+    if (layout.tensors[i].layer == store_layer) out.push_back(ids[i]);
+  }
+  return out;
+}
+
+}  // namespace keel

@@ -1,0 +1,278 @@
+// The model layout (model/model_layout.h): for both decoder families (tied and untied heads,
+// grouped-query attention), pipeline stages (a head stage holding the wte replica) and the CLIP
+// towers, the layout is exactly what the built model registers with its chunk store — names,
+// shapes, layers, kinds, decay, replica flags, and the chunks they land in — and the code outside
+// src/model/ asks the layout instead of building a model to learn it.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
+
+#include "core/config.h"
+#include "model/clip.h"
+#include "model/gpt.h"
+#include "model/model_layout.h"
+#include "sim/step_model.h"
+#include "test_util.h"
+
+namespace keel {
+namespace {
+
+ModelConfig small(const std::string& preset, int n_kv_head = 0, std::optional<bool> tied = std::nullopt) {
+  Config c;
+  c.model.preset = preset;
+  c.model.n_layer = 3;
+  c.model.n_head = 4;
+  c.model.n_embd = 32;
+  c.model.vocab_size = 61;
+  c.model.max_seq_len = 16;
+  if (preset.rfind("llama", 0) == 0) {
+    c.model.n_kv_head = n_kv_head;
+    c.model.ffn_multiple_of = 8;
+    c.model.tie_embeddings = tied;
+  }
+  c.train.seq_len = 16;
+  c.resolve(1);
+  return c.model;
+}
+
+// Two layout-only stores, one from the layout and one from what `build` registers, compared
+// tensor by tensor and chunk by chunk (small chunks: tensors span several, chunks hold several).
+void expect_same_store(const ModelLayout& layout, const std::function<void(ChunkStore&)>& build,
+                       const std::string& what) {
+  for (int64_t chunk_bytes : {int64_t{4096}, int64_t{1} << 20}) {
+    SCOPED_TRACE(what + ", chunks of " + std::to_string(chunk_bytes) + " bytes");
+    ChunkStore from_layout(chunk_bytes), from_model(chunk_bytes);
+    const std::vector<TensorId> ids = register_layout(from_layout, layout);
+    build(from_model);
+    from_layout.finalize_layout();
+    from_model.finalize_layout();
+    ASSERT_EQ(ids.size(), layout.tensors.size());
+    ASSERT_EQ(from_model.tensors().size(), layout.tensors.size());
+    for (size_t i = 0; i < layout.tensors.size(); ++i) {
+      const TensorSpec& want = layout.tensors[i];
+      const TensorInfo& got = from_model.tensors()[i];
+      EXPECT_EQ(ids[i], static_cast<TensorId>(i));
+      EXPECT_EQ(got.spec.name, want.name) << i;
+      EXPECT_EQ(got.spec.shape, want.shape) << want.name;
+      EXPECT_EQ(got.spec.layer, want.layer) << want.name;
+      EXPECT_EQ(got.spec.kind, want.kind) << want.name;
+      EXPECT_EQ(got.spec.decay, want.decay) << want.name;
+      EXPECT_EQ(got.spec.replica, want.replica) << want.name;
+      EXPECT_EQ(got.offset, from_layout.tensors()[i].offset) << want.name;
+      EXPECT_EQ(got.numel, from_layout.tensors()[i].numel) << want.name;
+    }
+    ASSERT_EQ(from_model.chunks().size(), from_layout.chunks().size());
+    for (size_t c = 0; c < from_model.chunks().size(); ++c) {
+      const Chunk &a = from_model.chunks()[c], &b = from_layout.chunks()[c];
+      EXPECT_EQ(a.layer, b.layer) << c;
+      EXPECT_EQ(a.kind, b.kind) << c;
+      EXPECT_EQ(a.offset, b.offset) << c;
+      EXPECT_EQ(a.numel, b.numel) << c;
+      EXPECT_EQ(a.replica, b.replica) << c;
+      ASSERT_EQ(a.segments.size(), b.segments.size()) << c;
+      for (size_t k = 0; k < a.segments.size(); ++k) {
+        EXPECT_EQ(a.segments[k].tensor, b.segments[k].tensor);
+        EXPECT_EQ(a.segments[k].offset, b.segments[k].offset);
+        EXPECT_EQ(a.segments[k].numel, b.segments[k].numel);
+        EXPECT_EQ(a.segments[k].tensor_offset, b.segments[k].tensor_offset);
+      }
+    }
+    EXPECT_EQ(from_model.numel(), from_layout.numel());
+  }
+}
+
+struct DecoderCase {
+  std::string name;
+  ModelConfig model;
+};
+
+std::vector<DecoderCase> decoders() {
+  return {{"gpt2 tiny", small("tiny")},
+          {"llama GQA untied", small("llama-tiny", 2, false)},
+          {"llama GQA tied", small("llama-tiny", 2, true)},
+          {"llama MHA untied", small("llama-tiny", 4, false)}};
+}
+
+// Every pipeline cut of the 5 layers (embedding, 3 blocks, head) into stages, as a rank holding
+// several (interleaved schedules) would too.
+std::vector<std::vector<LayerRange>> stage_sets() {
+  return {{{0, 4}},          {{0, 0}},         {{1, 3}},         {{4, 4}},
+          {{3, 4}},          {{0, 1}, {3, 4}}, {{1, 2}, {4, 4}}, {{0, 0}, {2, 2}}};
+}
+
+TEST(ModelLayout, DecoderLayoutIsWhatTheModelRegisters) {
+  for (const DecoderCase& d : decoders()) {
+    expect_same_store(model_layout(d.model), [&](ChunkStore& s) { const GPT model(d.model, s); }, d.name + ", whole");
+    for (const std::vector<LayerRange>& ranges : stage_sets()) {
+      std::string what = d.name + ", layers";
+      for (const LayerRange& r : ranges) what += " " + std::to_string(r.first) + ".." + std::to_string(r.last);
+      for (bool bf16 : {false, true}) {
+        expect_same_store(model_layout(d.model, ranges),
+                          [&](ChunkStore& s) { const GPT model(d.model, s, ranges, bf16); }, what);
+      }
+    }
+  }
+}
+
+TEST(ModelLayout, TiedHeadsAndReplicas) {
+  const LayerRange head_only{4, 4}, with_embedding{0, 4}, first{0, 0};
+  for (const DecoderCase& d : decoders()) {
+    SCOPED_TRACE(d.name);
+    const ModelConfig& m = d.model;
+    const bool tied = !m.llama() || m.tie_embeddings.value_or(false);
+    ChunkStore store(1 << 20);
+    const GPT model(m, store);
+    const ModelLayout whole = model_layout(m);
+    ASSERT_EQ(whole.tied.size(), model.tied_groups().size());
+    ASSERT_EQ(whole.tied.size(), tied ? 1u : 0u);
+    if (tied) {
+      EXPECT_EQ(whole.tied[0].tensor, "wte");
+      EXPECT_EQ(whole.tied[0].home, 0);
+      EXPECT_EQ(whole.tied[0].layers, (std::vector<int>{0, 4}));
+      EXPECT_EQ(model.tied_groups()[0].layers, whole.tied[0].layers);
+    }
+    // A stage with the head but not the embedding: the replica of wte, first, filed under layer 0.
+    const ModelLayout head = model_layout(m, {&head_only, 1});
+    ASSERT_FALSE(head.tensors.empty());
+    if (tied) {
+      EXPECT_EQ(head.tensors[0].name, "wte");
+      EXPECT_TRUE(head.tensors[0].replica);
+      EXPECT_EQ(head.tensors[0].layer, 0);
+      EXPECT_EQ(head.tensors[0].shape, (std::vector<int64_t>{m.padded_vocab_size, m.n_embd}));
+      EXPECT_THROW(head.index("lm_head.w"), Error);
+    } else {
+      EXPECT_THROW(head.index("wte"), Error);
+      EXPECT_EQ(head.tensors[head.index("lm_head.w")].shape, (std::vector<int64_t>{m.padded_vocab_size, m.n_embd}));
+    }
+    for (const LayerRange* r : {&with_embedding, &first}) {
+      for (const TensorSpec& t : model_layout(m, {r, 1}).tensors) EXPECT_FALSE(t.replica) << t.name;
+    }
+    // Grouped-query attention: q, then n_kv_head keys and values of head size C / n_head.
+    const TensorSpec& qkv = whole.tensors[whole.index("h.0.attn.qkv.w")];
+    const int64_t hs = m.n_embd / m.n_head;
+    EXPECT_EQ(qkv.shape, (std::vector<int64_t>{m.n_embd + 2 * m.n_kv_head * hs, m.n_embd}));
+  }
+}
+
+// A pipeline's stages, together, hold every tensor of the whole model once (replicas aside), in
+// the whole model's order.
+TEST(ModelLayout, StagesPartitionTheWholeModel) {
+  for (const DecoderCase& d : decoders()) {
+    const ModelLayout whole = model_layout(d.model);
+    std::vector<std::string> stages;
+    for (const LayerRange& r : {LayerRange{0, 1}, LayerRange{2, 3}, LayerRange{4, 4}}) {
+      for (const TensorSpec& t : model_layout(d.model, {&r, 1}).tensors) {
+        if (!t.replica) stages.push_back(t.name);
+      }
+    }
+    std::vector<std::string> names;
+    for (const TensorSpec& t : whole.tensors) names.push_back(t.name);
+    EXPECT_EQ(stages, names) << d.name;
+  }
+}
+
+// The simulator's closed-form parameter counts per layer are the layout's (the whole model's,
+// never allocated: a 124M- and a 110M-parameter model).
+TEST(ModelLayout, ParameterCountsPerLayerAreTheSimulatorsClosedForm) {
+  for (const std::string set : {"model.preset=gpt2-124m", "model.preset=llama-110m", "model.preset=llama-d4"}) {
+    Config c = Config::load("", {set});
+    c.resolve(1);
+    const ModelLayout layout = model_layout(c.model);
+    std::vector<double> per_layer(static_cast<size_t>(c.model.n_layer + 2), 0.0);
+    for (const TensorSpec& t : layout.tensors) {
+      double n = 1;
+      for (int64_t d : t.shape) n *= static_cast<double>(d);
+      per_layer.at(static_cast<size_t>(t.layer)) += n;
+    }
+    EXPECT_EQ(per_layer, sim::layer_params(c.model)) << set;
+  }
+}
+
+TEST(ModelLayout, ClipLayoutIsWhatTheDualEncoderRegisters) {
+  struct Case {
+    std::string name;
+    ImageTower tower;
+    std::string block, text;
+    std::vector<int> layers;
+  };
+  const std::vector<Case> cases{
+      {"resnet basic, gpt2 text", ImageTower::resnet18, "basic", "gpt2", {1, 1, 1, 1}},
+      {"resnet bottleneck, llama text", ImageTower::resnet50, "bottleneck", "llama", {1, 2, 1, 1}},
+      {"vit, gpt2 text", ImageTower::vit, "", "gpt2", {}},
+      {"vit, llama text", ImageTower::vit, "", "llama", {}}};
+  for (const Case& k : cases) {
+    ClipSpec spec;
+    spec.image_tower = k.tower;
+    if (k.tower == ImageTower::vit) {
+      spec.vit.patch = 8;
+      spec.vit.layers = 2;
+      spec.vit.width = 32;
+      spec.vit.heads = 2;
+    } else {
+      spec.resnet = ResNetSpec{};
+      spec.resnet->block = k.block;
+      spec.resnet->layers = k.layers;
+      spec.image_width = 8;
+    }
+    spec.image_size = 32;
+    spec.embed_dim = 16;
+    const ModelConfig text = k.text == "llama" ? small("llama-tiny", 2, false) : small("tiny");
+    const ModelLayout layout = clip_layout(spec, text);
+    expect_same_store(layout, [&](ChunkStore& s) { const ClipModel model(spec, text, s); }, k.name);
+    // The dual encoder's shape: the image tower's tensors, the text tower's, logit_scale last.
+    ChunkStore store(1 << 20);
+    ClipModel model(spec, text, store);
+    EXPECT_EQ(layout.tensors.back().name, "logit_scale");
+    EXPECT_TRUE(layout.tied.empty());  // no tower's head reads its token embedding
+    EXPECT_EQ(layout.tensors.back().layer, model.loss_layer());
+    EXPECT_EQ(layout.tensors[layout.index("text.wte")].layer, model.text().first_layer());
+    EXPECT_EQ(layout.tensors[layout.index("text.proj.w")].shape, (std::vector<int64_t>{16, 32}));
+    if (k.tower == ImageTower::vit) {
+      EXPECT_EQ(layout.tensors[layout.index("visual.pos")].shape, (std::vector<int64_t>{16 + 1, 32}));
+      EXPECT_EQ(layout.tensors[layout.index("visual.h.1.attn.qkv.w")].layer, 2);
+    } else if (k.block == "basic") {
+      // torchvision's names; stage 2's first block changes the shape: a shortcut convolution.
+      EXPECT_EQ(layout.tensors[layout.index("visual.layer2.0.downsample.0.weight")].shape,
+                (std::vector<int64_t>{16, 8, 1, 1}));
+      EXPECT_THROW(layout.index("visual.layer1.0.downsample.0.weight"), Error);
+    } else {
+      EXPECT_EQ(layout.tensors[layout.index("visual.layer1.0.downsample.0.weight")].shape,
+                (std::vector<int64_t>{32, 8, 1, 1}));
+      EXPECT_EQ(layout.tensors[layout.index("visual.proj.weight")].shape, (std::vector<int64_t>{16, 8 * 8 * 4}));
+    }
+  }
+}
+
+TEST(ModelLayout, BadRangesAreOneLine) {
+  const ModelConfig m = small("tiny");
+  const std::vector<LayerRange> twice = {{0, 2}, {2, 4}}, outside = {{0, 5}};
+  EXPECT_EQ(testing::error_of([&] { model_layout(m, twice); }), "GPT: layer 2 in two ranges");
+  EXPECT_EQ(testing::error_of([&] { model_layout(m, outside); }), "GPT: layer range [0, 5] outside the model's 0..4");
+}
+
+// Outside src/model/, a GPT is built only where its layers run (a rank's model, a loaded model
+// for evaluation and generation); everyone else asks model_layout.
+TEST(ModelLayout, NoModelIsBuiltOutsideTheModelFolderForItsLayout) {
+  const std::filesystem::path src = std::filesystem::path(KEEL_SOURCE_DIR) / "src";
+  const std::regex built(R"(\bGPT\s*>\s*\(|\bGPT\s+\w+\s*[\({]|\bGPT\s*\()");
+  std::map<std::string, int> found;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(src)) {
+    if (!entry.is_regular_file()) continue;
+    const std::string rel = std::filesystem::relative(entry.path(), src).string();
+    if (rel.rfind("model/", 0) == 0) continue;
+    std::ifstream in(entry.path());
+    std::string line;
+    while (std::getline(in, line)) {
+      const std::string code = line.substr(0, line.find("//"));
+      if (std::regex_search(code, built)) found[rel]++;
+    }
+  }
+  const std::map<std::string, int> running = {{"cli/main.cpp", 1}, {"runtime/rank_model.cpp", 1}};
+  EXPECT_EQ(found, running);
+}
+
+}  // namespace
+}  // namespace keel
