@@ -5,7 +5,10 @@
 
 #include <gtest/gtest.h>
 
+#include <omp.h>
+
 #include <cstring>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "ckpt/checkpoint.h"
@@ -13,6 +16,7 @@
 #include "core/fileio.h"
 #include "core/rng.h"
 #include "data/shard.h"
+#include "kernels/cpu/float_mode.h"
 #include "test_util.h"
 
 namespace keel {
@@ -62,6 +66,68 @@ TEST(Trainer, SameSeedSameBytes) {
     Trainer t(toy_config(dir.path(), 8));
     for (int i = 0; i < 8; ++i) t.step();
     b = params_of(t);
+  }
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)));
+}
+
+// What each thread of the OpenMP pool (a team of omp_get_max_threads()) finds: its FTZ/DAZ mode
+// and a denormal (1e-39 x 2) as it computes it. A std::thread started now inherits the caller's.
+struct FloatModes {
+  std::vector<int> flushing, denormal_kept;
+  bool new_thread_flushing = false;
+};
+FloatModes float_modes() {
+  FloatModes m;
+  const int n = omp_get_max_threads();
+  m.flushing.assign(n, -1);
+  m.denormal_kept.assign(n, -1);
+#pragma omp parallel num_threads(n)
+  {
+    volatile float tiny = 1e-39f;  // below 2^-126: a denormal
+    const float twice = tiny * 2.0f;
+    m.flushing[omp_get_thread_num()] = flush_denormals_on() ? 1 : 0;
+    m.denormal_kept[omp_get_thread_num()] = twice != 0.0f ? 1 : 0;
+  }
+  std::thread t([&] { m.new_thread_flushing = flush_denormals_on(); });
+  t.join();
+  return m;
+}
+
+TEST(Trainer, FlushesDenormalsOnEveryComputingThreadAndRestoresAfter) {
+  testing::TempDir dir;
+  write_toy_shards(dir.path());
+  set_flush_denormals(false);  // the process's IEEE default, whatever ran before
+  for (const bool flush : {true, false}) {
+    Config c = toy_config(dir.path(), 2);
+    c.runtime.threads = 2;  // a pool of more than the calling thread, on any machine
+    c.runtime.flush_denormals = flush;
+    {
+      Trainer t(c);
+      t.step();
+      const FloatModes m = float_modes();
+      ASSERT_EQ(2u, m.flushing.size());
+      for (size_t i = 0; i < m.flushing.size(); ++i) {
+        EXPECT_EQ(flush ? 1 : 0, m.flushing[i]) << "pool thread " << i << ", flush_denormals=" << flush;
+        EXPECT_EQ(flush ? 0 : 1, m.denormal_kept[i]) << "pool thread " << i << ", flush_denormals=" << flush;
+      }
+      EXPECT_EQ(flush, m.new_thread_flushing);
+    }
+    const FloatModes after = float_modes();  // the trainer gave the process its mode back
+    for (size_t i = 0; i < after.flushing.size(); ++i) EXPECT_EQ(0, after.flushing[i]) << "thread " << i;
+  }
+}
+
+TEST(Trainer, SameSeedSameBytesWithoutFlushingDenormals) {
+  testing::TempDir dir;
+  write_toy_shards(dir.path());
+  std::vector<float> a, b;
+  for (std::vector<float>* out : {&a, &b}) {
+    Config c = toy_config(dir.path(), 8);
+    c.runtime.flush_denormals = false;
+    Trainer t(c);
+    for (int i = 0; i < 8; ++i) t.step();
+    *out = params_of(t);
   }
   ASSERT_EQ(a.size(), b.size());
   EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)));

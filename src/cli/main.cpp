@@ -36,6 +36,7 @@
 #include "data/images.h"
 #include "data/tokenizer.h"
 #include "kernels/cpu/blas.h"
+#include "kernels/cpu/float_mode.h"
 #include "model/gpt.h"
 #include "pipeline/schedule_command.h"
 #include "monitor/report.h"
@@ -277,6 +278,8 @@ LoadedModel load_model(const Args& a, int B, int T) {
   if (lm.config.model.attention == Attention::automatic) {
     lm.config.model.attention = T >= 256 ? Attention::blockwise : Attention::dense;
   }
+  // The command computes with the model's own setting (its run's, or the default for an import).
+  set_flush_denormals(lm.config.runtime.flush_denormals);
   lm.store = std::make_unique<ChunkStore>(lm.config.store.chunk_bytes);
   lm.model = std::make_unique<GPT>(lm.config.model, *lm.store);
   lm.store->finalize();
@@ -738,12 +741,9 @@ int run(int argc, char** argv) {
 }  // namespace keel
 
 int main(int argc, char** argv) {
-  // OpenMP threads that spin while waiting halve throughput on a busy 2-core machine
-  // (PERF-NOTES.md). libgomp reads the policy when it loads, so set it and re-execute once.
-  if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
-    ::setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
-    ::execv("/proc/self/exe", argv);  // returns only on failure: then run as we are
-  }
+  // The OpenMP wait policy and OpenBLAS's kernels are read when those libraries load: set them,
+  // and re-execute once where needed (kernels/cpu/blas.h).
+  keel::prepare_compute_environment(argv);
   std::string message;
   int code = 1;
   try {

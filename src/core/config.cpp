@@ -172,6 +172,7 @@ std::vector<Field> fields(Config& c) {
       {"runtime", "slow_factor", &c.runtime.slow_factor},
       {"runtime", "peak_gflops", &c.runtime.peak_gflops},
       {"runtime", "precision", choice(&c.runtime.precision)},
+      {"runtime", "flush_denormals", &c.runtime.flush_denormals},
       {"monitor", "enabled", &c.monitor.enabled},
       {"monitor", "port", &c.monitor.port},
       {"monitor", "bind", &c.monitor.bind},

@@ -427,6 +427,10 @@ struct RuntimeConfig {
   // "fp32", or "bf16": matrix products with bf16 operands and float32 sums (kernels/cpu/bf16.h);
   // master weights, gradients, their reduction and AdamW stay float32.
   Precision precision = Precision::fp32;
+  // Flush-to-zero and denormals-are-zero on every thread that computes (kernels/cpu/float_mode.h):
+  // float32 values below 2^-126 (denormals, which appear in gradients and moments as a model
+  // trains) become zero instead of taking the CPU's slow microcoded path. false = IEEE denormals.
+  bool flush_denormals = true;
   // A documented slowdown for tests and benchmarks of unequal ranks: world rank `slow_rank` (-1 =
   // none) runs each layer's F, B and W `slow_factor` times as long (it sleeps (factor - 1) x the
   // layer's time after each; the bytes are unchanged). A pipeline's partitioners know it: stages

@@ -77,6 +77,25 @@ std::pair<double, std::string> clock_ghz() {
 
 }  // namespace
 
+std::string vector_kernel_family() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  __get_cpuid(0, &a, &b, &c, &d);
+  const bool amd = b == 0x68747541;  // "Auth"enticAMD
+  __get_cpuid(1, &a, &b, &c, &d);
+  const bool fma = (c >> 12) & 1;
+  if (__get_cpuid_max(0, nullptr) < 7) return "";
+  unsigned b7 = 0, c7 = 0, d7 = 0, a71 = 0, b71 = 0, c71 = 0, d71 = 0;
+  __cpuid_count(7, 0, a, b7, c7, d7);
+  __cpuid_count(7, 1, a71, b71, c71, d71);
+  const bool avx2 = (b7 >> 5) & 1;
+  const bool avx512 = ((b7 >> 16) & 1) && ((b7 >> 17) & 1) && ((b7 >> 28) & 1) && ((b7 >> 30) & 1) &&
+                      ((b7 >> 31) & 1);  // F, DQ, CD, BW, VL
+  const bool avx512_bf16 = (a71 >> 5) & 1;
+  if (avx512 && !amd) return avx512_bf16 ? "Cooperlake" : "SkylakeX";
+  if (avx2 && fma) return amd ? "Zen" : "Haswell";
+  return "";
+}
+
 int online_cpus() {
   const long n = ::sysconf(_SC_NPROCESSORS_ONLN);
   return n > 0 ? static_cast<int>(n) : 1;

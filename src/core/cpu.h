@@ -26,4 +26,9 @@ int online_cpus();
 // The CPU's model name as /proc/cpuinfo gives it ("unknown CPU" where it gives none).
 std::string cpu_model_name();
 
+// The OpenBLAS kernel family (an OPENBLAS_CORETYPE name) this CPU's vector units call for, from
+// CPUID: "Cooperlake" (AVX-512 with bf16 dot products), "SkylakeX" (AVX-512 F/CD/BW/DQ/VL), "Zen"
+// (an AMD CPU with AVX2 and FMA), "Haswell" (AVX2 and FMA), or "" (nothing past SSE/AVX).
+std::string vector_kernel_family();
+
 }  // namespace keel

@@ -48,6 +48,7 @@ double peak_rss_mb() {
 Trainer::Trainer(Config config, Communicator& comm)
     : config_(std::move(config)), groups_(comm, config_.parallel.pipeline), metrics_(config_, comm) {
   if (config_.runtime.threads > 0) omp_set_num_threads(config_.runtime.threads);
+  float_mode_.emplace(config_.runtime.flush_denormals);
   check_blas();
   const ModelConfig& m = config_.model;
   const TrainConfig& t = config_.train;
@@ -189,8 +190,8 @@ void Trainer::print_startup(double moments_mb) {
   if (!groups_.world().is_root()) return;
   workload_->print_startup(*rank_);
   std::printf("keel: MFU against a peak of %.1f GFLOP/s (%s); matmul efficiency against SGEMM measured now, "
-              "%.1f GFLOP/s\n",
-              peaks_.peak_gflops, peaks_.how.c_str(), peaks_.sgemm_gflops);
+              "%.1f GFLOP/s (OpenBLAS kernels %s)\n",
+              peaks_.peak_gflops, peaks_.how.c_str(), peaks_.sgemm_gflops, blas_core().c_str());
   if (config_.runtime.precision == Precision::bf16) {
     std::printf("keel: precision bf16: matrix products with bf16 operands, %s; master weights, gradients and AdamW "
                 "in float32\n",
@@ -227,6 +228,7 @@ void Trainer::log_run_event() {
                         {"started", started},
                         {"host", host},
                         {"cpu", cpu_model_name()},
+                        {"blas_core", blas_core()},
                         {"threads_per_rank", omp_get_max_threads()},
                         {"peak_gflops", peaks_.peak_gflops},
                         {"peak_how", peaks_.how}};

@@ -21,6 +21,7 @@
 #include "core/step_hook.h"
 #include "data/loader.h"
 #include "data/tokenizer.h"
+#include "kernels/cpu/float_mode.h"
 #include "model/gpt.h"
 #include "runtime/metrics.h"
 #include "runtime/rank_model.h"
@@ -101,6 +102,9 @@ class Trainer {
   };
 
   Config config_;
+  // runtime.flush_denormals for this trainer's lifetime (set on the pool once its size is known);
+  // declared early so that it outlives every thread and kernel of the trainer.
+  std::optional<FlushDenormalsScope> float_mode_;
   ProcessGroups groups_;
   // The data and what each rank builds from it: a language model or a dual encoder.
   std::unique_ptr<Workload> workload_;

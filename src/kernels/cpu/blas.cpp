@@ -3,16 +3,23 @@
 #include <cblas.h>
 #include <omp.h>
 
+#include <unistd.h>
+
 #include <chrono>
+#include <cstdlib>
+#include <set>
+#include <string>
 #include <mutex>
 #include <vector>
 
+#include "core/cpu.h"
 #include "core/error.h"
 #include "kernels/cpu/bf16.h"
 #include "kernels/cpu/int8_gemm.h"
 
 extern "C" {
 char* openblas_get_config(void);
+char* openblas_get_corename(void);
 int openblas_get_parallel(void);
 }
 
@@ -90,6 +97,30 @@ std::string check_blas() {
                            std::string(parallel == 1 ? "the pthreads build" : "a sequential build") + " (" +
                            config + "); run scripts/setup.sh");
   return config;
+}
+
+std::string blas_core() {
+  const char* forced = std::getenv("OPENBLAS_CORETYPE");
+  return std::string(openblas_get_corename()) + (forced != nullptr && *forced != '\0' ? " (OPENBLAS_CORETYPE)" : "");
+}
+
+void prepare_compute_environment(char** argv) {
+  bool changed = false;
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
+    ::setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+    changed = true;
+  }
+  // OpenBLAS's kernels for CPUs without AVX2 (what it falls back to on a CPU it does not know).
+  static const std::set<std::string> kOlder = {"Katmai",  "Coppermine", "Northwood", "Prescott", "Banias",
+                                               "Atom",    "Core2",      "Penryn",    "Dunnington", "Nehalem",
+                                               "Opteron", "Opteron(SSE3)", "Barcelona", "Nano", "Sandybridge",
+                                               "Bobcat",  "Bulldozer",  "Piledriver"};
+  const std::string family = vector_kernel_family();
+  if (std::getenv("OPENBLAS_CORETYPE") == nullptr && !family.empty() && kOlder.count(openblas_get_corename()) > 0) {
+    ::setenv("OPENBLAS_CORETYPE", family.c_str(), 1);
+    changed = true;
+  }
+  if (changed) ::execv("/proc/self/exe", argv);  // returns only on failure: then run as we are
 }
 
 double measure_sgemm_gflops(int n, int repeats) {

@@ -36,6 +36,22 @@ void gemm_stats_reset();
 // build is 40x slower or fights our OpenMP threads). Returns OpenBLAS's configuration string.
 std::string check_blas();
 
+// The kernels OpenBLAS runs on (its core name, e.g. "SkylakeX"), and whether Keel chose them
+// (OPENBLAS_CORETYPE, set by prepare_compute_environment) or OpenBLAS did.
+std::string blas_core();
+
+// Sets what the OpenMP runtime and OpenBLAS read only when they load, and re-executes the process
+// once (execv of /proc/self/exe with the same argv) when anything was set; call it first thing in
+// main (keel's, and the tests'):
+//   - OMP_WAIT_POLICY=PASSIVE unless the environment names a policy (threads that spin while
+//     waiting halve throughput on a busy machine);
+//   - OPENBLAS_CORETYPE, unless set, when OpenBLAS chose kernels older than the CPU's vector
+//     units (core/cpu.h vector_kernel_family): OpenBLAS 0.3.21 runs its SSE3 "Prescott" kernels on
+//     CPUs it does not know (seen: an Intel Xeon of family 6, model 207, with AVX-512 and bf16,
+//     SGEMM 6.5 GFLOP/s on one core against 37 with its SkylakeX kernels).
+// Returns only when nothing needed setting (or the re-execution failed: then it runs as it is).
+void prepare_compute_environment(char** argv);
+
 // Measures single-precision GEMM throughput (GFLOP/s) on an n^3 product with the current threads.
 double measure_sgemm_gflops(int n = 1024, int repeats = 3);
 

@@ -1,0 +1,45 @@
+// The compute environment every Keel process starts with (kernels/cpu/blas.h
+// prepare_compute_environment, run by keel's main and by every test program's): a passive OpenMP
+// wait policy, and OpenBLAS kernels that use the CPU's vector units.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "core/cpu.h"
+#include "kernels/cpu/blas.h"
+#include "test_util.h"
+
+namespace keel {
+namespace {
+
+TEST(ComputeEnvironment, OpenBlasRunsKernelsForThisCpusVectorUnits) {
+  const std::string family = vector_kernel_family();
+  const std::string core = blas_core();
+  if (family.empty()) GTEST_SKIP() << "a CPU without AVX2: OpenBLAS's own choice (" << core << ") stands";
+  // An SSE-era kernel on a CPU with AVX2 or AVX-512 is what prepare_compute_environment replaces.
+  for (const char* old : {"Prescott", "Core2", "Penryn", "Dunnington", "Nehalem", "Atom", "Sandybridge"}) {
+    EXPECT_EQ(core.rfind(old, 0), std::string::npos) << "OpenBLAS runs " << core << " on a CPU with " << family;
+  }
+}
+
+TEST(ComputeEnvironment, OpenMpWaitsPassivelyUnlessTold) {
+  const char* policy = std::getenv("OMP_WAIT_POLICY");
+  ASSERT_NE(policy, nullptr);
+}
+
+// keel itself starts the same way: its run event names the kernels this process runs.
+TEST(ComputeEnvironment, KeelRunsTheSameKernelsAsThisProcess) {
+  testing::TempDir dir("keel-compute-env");
+  testing::write_toy_shards(dir.path());
+  const auto r = testing::run_keel("train --set model.preset=tiny --set model.vocab_size=64 --set train.steps=1 "
+                                   "--set train.batch_size=2 --set train.seq_len=16 --set train.eval_every=0 "
+                                   "--set train.eval_batches=1 --set train.sample_tokens=0 --set data.tokenizer= "
+                                   "--set data.train=" + dir / "train.bin" + " --set data.val=" + dir / "val.bin" +
+                                   " --set train.run_dir=" + dir / "run");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("(OpenBLAS kernels " + blas_core() + ")"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace keel
