@@ -1,9 +1,8 @@
 // The compute environment every Keel process starts with (kernels/cpu/blas.h
-// prepare_compute_environment, run by keel's main and by every test program's): a passive OpenMP
-// wait policy, and OpenBLAS kernels that use the CPU's vector units.
+// prepare_compute_environment, run by keel's main and by every test program's): OpenBLAS kernels
+// that use the CPU's vector units, the same in the keel binary as in a test's own process.
 #include <gtest/gtest.h>
 
-#include <cstdlib>
 #include <string>
 
 #include "core/cpu.h"
@@ -21,11 +20,6 @@ TEST(ComputeEnvironment, OpenBlasRunsKernelsForThisCpusVectorUnits) {
   for (const char* old : {"Prescott", "Core2", "Penryn", "Dunnington", "Nehalem", "Atom", "Sandybridge"}) {
     EXPECT_EQ(core.rfind(old, 0), std::string::npos) << "OpenBLAS runs " << core << " on a CPU with " << family;
   }
-}
-
-TEST(ComputeEnvironment, OpenMpWaitsPassivelyUnlessTold) {
-  const char* policy = std::getenv("OMP_WAIT_POLICY");
-  ASSERT_NE(policy, nullptr);
 }
 
 // keel itself starts the same way: its run event names the kernels this process runs.
