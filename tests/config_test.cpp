@@ -60,6 +60,11 @@ TEST(Config, UnknownKeyNamesTheKeyAndTheKnownOnes) {
   EXPECT_NE(msg.find("bad.toml"), std::string::npos) << msg;
   EXPECT_NE(msg.find("batch_size"), std::string::npos) << msg;
   EXPECT_NE(error_of([] { Config::load("", {"nosuch.key=1"}); }).find("[nosuch]"), std::string::npos);
+  // The unknown section's error lists every section there is, not a hand-kept subset.
+  const std::string sections = error_of([] { Config::load("", {"nosuch.key=1"}); });
+  for (const char* s : {"[model]", "[clip]", "[monitor]", "[generate]", "[store]", "[runtime]"}) {
+    EXPECT_NE(sections.find(s), std::string::npos) << s << " missing from: " << sections;
+  }
 }
 
 TEST(Config, MistypedValues) {

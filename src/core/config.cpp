@@ -242,8 +242,12 @@ Field find_field(Config& c, const std::string& section, const std::string& key, 
     }
   }
   if (!section_known) {
-    throw Error(where + ": unknown config section [" + section +
-                "] (expected one of: model, train, optim, data, store, parallel, sync, tier, checkpoint, runtime)");
+    std::string sections;  // every section the fields name, in their order
+    for (const Field& f : fields(c)) {
+      const std::string name = f.section;
+      if (sections.find("[" + name + "]") == std::string::npos) sections += (sections.empty() ? "" : ", ") + ("[" + name + "]");
+    }
+    throw Error(where + ": unknown config section [" + section + "] (expected one of: " + sections + ")");
   }
   throw Error(where + ": unknown config key '" + section + "." + key + "' (known keys in [" + section +
               "]: " + known_keys(c, section) + ")");
