@@ -272,6 +272,15 @@ TEST_F(RecomputeTraining, TwoStagePipelineOneFOneBAndZeroBubble) {
   }
 }
 
+// Parameters paged through memory tiers: a recomputed forward leases its layer's parameters as a
+// forward does (tier.verify checks every page the tiers move).
+TEST_F(RecomputeTraining, OverMemoryTiers) {
+  std::filesystem::create_directories(dir_->path() + "/nvme");
+  const std::string tiers = "--set tier.device_mib=2 --set tier.host_mib=1 --set tier.verify=true --set tier.nvme_dir=" +
+                            dir_->path() + "/nvme";
+  expect_same_bytes(0, "tiers-full", "tiers-none", tiers, "--set train.recompute=full");
+}
+
 TEST_F(RecomputeTraining, BadInputIsOneLine) {
   struct Bad {
     std::string set, expect;
