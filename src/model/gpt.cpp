@@ -95,17 +95,12 @@ class Block final : public Layer {
     run_forward(b, x, x_out, true);
   }
 
-  // Selective: attention (probabilities or log-sum-exp, and its output rows) from the kept qkv,
-  // and, in float32, GELU from the kept fch (under bf16 the kept fch is rounded, so GELU's output
-  // is kept instead). Full: the whole forward, its output into the shared set's sink.
+  // Selective: attention's probabilities (or log-sum-exp) and output rows, and GELU.
   void recompute(const Batch& b, const float* x_in) override {
-    if (mode_ == Recompute::full) {
-      const PageLease use = store_.use_layer(layer_, {Plane::param});
-      run_forward(b, x_in, sink_, false);
-      return;
-    }
-    attend(b);
-    if (!bf16_) ops::gelu_forward(fch_gelu_.writable(stage_), fch_.writable(stage_), static_cast<int64_t>(b.B) * b.T * 4 * m_.n_embd);
+    const int64_t n = static_cast<int64_t>(b.B) * b.T * 4 * m_.n_embd;
+    model_detail::recompute_block(
+        mode_, bf16_, store_, layer_, [&] { run_forward(b, x_in, sink_, false); }, [&] { attend(b); },
+        [&] { ops::gelu_forward(fch_gelu_.writable(stage_), fch_.writable(stage_), n); });
   }
 
   // The forward pass under the caller's parameter lease; `first`: the micro-batch's forward

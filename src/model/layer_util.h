@@ -41,6 +41,23 @@ struct RecomputeCarver {
   Carver& at(bool recomputed) { return recomputed ? shared : kept; }
 };
 
+// Both families' Layer::recompute. Full: the block's whole forward again under its layer's
+// parameter lease (`forward_again`, its output into the shared set's sink). Selective: attention
+// from the kept q/k/v (`attend`), then, in float32, the MLP's activation from its kept input
+// (`activation`; under bf16 that input is kept rounded, so the block keeps the activation's
+// output instead: recomputing it from rounded rows would change the bytes).
+template <typename ForwardAgain, typename Attend, typename Activation>
+void recompute_block(Recompute mode, bool bf16, ChunkStore& store, int layer, ForwardAgain forward_again, Attend attend,
+                     Activation activation) {
+  if (mode == Recompute::full) {
+    const PageLease use = store.use_layer(layer, {Plane::param});
+    forward_again();
+    return;
+  }
+  attend();
+  if (!bf16) activation();
+}
+
 // What a block's carve(RecomputeCarver&, B, T) takes from each, counted on a copy of the block
 // (its own pointers stay bound): its activation_floats and recomputed_floats.
 template <typename BlockType>

@@ -61,17 +61,11 @@ class LlamaBlock final : public Layer {
     run_forward(b, x, x_out, true);
   }
 
-  // Selective: attention from the kept (rotated) qkv and, in float32, SwiGLU from the kept
-  // gate_up (under bf16 the kept gate_up is rounded, so SwiGLU's output is kept instead). Full:
-  // the whole forward, its output into the shared set's sink.
+  // Selective: attention from the kept (rotated) qkv, and SwiGLU from the kept gate_up.
   void recompute(const Batch& b, const float* x_in) override {
-    if (mode_ == Recompute::full) {
-      const PageLease use = store_.use_layer(layer_, {Plane::param});
-      run_forward(b, x_in, sink_, false);
-      return;
-    }
-    attend(b);
-    if (!bf16_) ops::swiglu_forward(h_.writable(stage_h_), gu_.writable(stage_), b.B * b.T, H_);
+    model_detail::recompute_block(
+        mode_, bf16_, store_, layer_, [&] { run_forward(b, x_in, sink_, false); }, [&] { attend(b); },
+        [&] { ops::swiglu_forward(h_.writable(stage_h_), gu_.writable(stage_), b.B * b.T, H_); });
   }
 
   // The forward pass under the caller's parameter lease; `first`: the micro-batch's forward
