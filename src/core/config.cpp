@@ -97,6 +97,8 @@ std::vector<Field> fields(Config& c) {
       {"train", "sample_tokens", &c.train.sample_tokens},
       {"train", "samples", &c.train.samples},
       {"train", "seq_len_schedule", &c.train.seq_len_schedule},
+      {"train", "recompute", choice(&c.train.recompute)},
+      {"train", "recompute_layers", &c.train.recompute_layers},
       {"optim", "lr", &c.optim.lr},
       {"optim", "min_lr_ratio", &c.optim.min_lr_ratio},
       {"optim", "warmup_steps", &c.optim.warmup_steps},
@@ -459,6 +461,13 @@ void Config::set(const std::string& assignment) {
 
 namespace {
 
+// A whole non-negative decimal number: the text's value, or -1.
+int non_negative(const std::string& s) {
+  int v = 0;
+  const auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  return s.empty() || ec != std::errc() || p != s.data() + s.size() || v < 0 ? -1 : v;
+}
+
 // model.attention_window as (first block, last block, window) ranges; throws Error naming the key.
 std::vector<std::tuple<int, int, int>> parse_windows(const std::string& text, int n_layer) {
   std::vector<std::tuple<int, int, int>> out;
@@ -467,9 +476,8 @@ std::vector<std::tuple<int, int, int>> parse_windows(const std::string& text, in
                  std::to_string(n_layer - 1) + ", W >= 0), found \"" + text + "\": " + why);
   };
   auto number = [&](const std::string& s) {
-    int v = 0;
-    const auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-    if (ec != std::errc() || p != s.data() + s.size() || v < 0) throw bad("'" + s + "' is not a count");
+    const int v = non_negative(s);
+    if (v < 0) throw bad("'" + s + "' is not a count");
     return v;
   };
   if (text.empty()) return out;
@@ -513,6 +521,32 @@ int ModelConfig::window_of(int block) const {
     if (block >= lo && block <= hi) w = window;
   }
   return w;
+}
+
+RecomputePlan recompute_plan(const TrainConfig& train, int n_layer) {
+  const std::string& text = train.recompute_layers;
+  auto bad = [&](const std::string& why) {
+    return Error("config key 'train.recompute_layers': expected \"all\" or \"LO-HI\" (blocks 0.." +
+                 std::to_string(n_layer - 1) + "), found \"" + text + "\": " + why);
+  };
+  auto number = [&](const std::string& s) {
+    const int v = non_negative(s);
+    if (v < 0) throw bad("'" + s + "' is not a block");
+    return v;
+  };
+  RecomputePlan plan;
+  plan.mode = train.recompute;
+  if (text == "all") {
+    plan.last_block = n_layer - 1;
+    return plan;
+  }
+  const size_t dash = text.find('-');
+  if (dash == std::string::npos) throw bad("no '-'");
+  plan.first_block = number(text.substr(0, dash));
+  plan.last_block = number(text.substr(dash + 1));
+  if (plan.first_block > plan.last_block) throw bad("the range is empty");
+  if (plan.last_block >= n_layer) throw bad("the model has " + std::to_string(n_layer) + " blocks");
+  return plan;
 }
 
 std::vector<std::pair<int64_t, int>> TrainConfig::seq_len_steps() const {
@@ -733,6 +767,7 @@ void Config::resolve(int world_size) {
             s(T));
   }
   require(train.grad_accum >= 1, "train.grad_accum", ">= 1", s(train.grad_accum));
+  recompute_plan(train, model.n_layer);  // throws on a range outside the model
   require(train.steps >= 0, "train.steps", ">= 0", s(train.steps));
   require(train.log_every >= 1, "train.log_every", ">= 1", s(train.log_every));
   require(train.eval_every >= 0, "train.eval_every", ">= 0", s(train.eval_every));

@@ -27,6 +27,7 @@ enum class Family : uint8_t { gpt2, llama };                 // model.family
 enum class RopeScaling : uint8_t { none, linear, ntk };      // model.rope_scaling
 enum class Attention : uint8_t { automatic, dense, blockwise };  // model.attention ("auto" = resolved to one of the others)
 enum class Precision : uint8_t { fp32, bf16 };               // runtime.precision
+enum class Recompute : uint8_t { none, selective, full };      // train.recompute
 // parallel.schedule: "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v" (pipeline/schedule.h).
 enum class ScheduleKind : uint8_t { gpipe, one_f_one_b, interleaved, zb_h1, zb_h2, zb_v };
 enum class PartitionerKind : uint8_t { static_, dp, qlearning };  // parallel.partitioner
@@ -69,6 +70,8 @@ KEEL_ENUM_NAMES(RopeScaling, "{key}: expected none, linear or ntk, found \"{foun
                 {RopeScaling::none, "none"}, {RopeScaling::linear, "linear"}, {RopeScaling::ntk, "ntk"});
 KEEL_ENUM_NAMES(Attention, "{key}: expected \"auto\", \"blockwise\" or \"dense\", found \"{found}\"",  //
                 {Attention::automatic, "auto"}, {Attention::dense, "dense"}, {Attention::blockwise, "blockwise"});
+KEEL_ENUM_NAMES(Recompute, "config key '{key}': expected \"none\", \"selective\" or \"full\", found \"{found}\"",  //
+                {Recompute::none, "none"}, {Recompute::selective, "selective"}, {Recompute::full, "full"});
 KEEL_ENUM_NAMES(Precision, "config key '{key}': expected \"fp32\" or \"bf16\", found \"{found}\"",  //
                 {Precision::fp32, "fp32"}, {Precision::bf16, "bf16"});
 KEEL_ENUM_NAMES(ScheduleKind, "{key}: expected one of gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, found \"{found}\"",
@@ -269,6 +272,13 @@ struct TrainConfig {
   // length divides the longest: the data loader cuts its windows at the longest and reads each in
   // parts at a shorter length (data/loader.h). "" = seq_len throughout.
   std::string seq_len_schedule;
+  // Activation recomputation (model/gpt.h): "none" keeps every block's activations from forward to
+  // backward; "selective" keeps each block's matrix-product inputs and recomputes attention and the
+  // MLP's activation function in backward; "full" keeps only each block's input and runs the
+  // block's forward again in backward. recompute_layers: the blocks it applies to, "all" or
+  // "LO-HI" (0-based, inclusive, as model.attention_window numbers them).
+  Recompute recompute = Recompute::none;
+  std::string recompute_layers = "all";
 
   // The schedule parsed (empty without one); throws keel::Error naming train.seq_len_schedule.
   std::vector<std::pair<int64_t, int>> seq_len_steps() const;
@@ -276,6 +286,19 @@ struct TrainConfig {
   int longest_seq_len() const;         // what activations, memory caps and the loader's windows are sized for
   std::string describe_seq_lens() const;  // "64 in steps 1-30, 128 from step 31 (...)" (1-based, as progress lines)
 };
+
+// What train.recompute asks of a model: the mode and the blocks (0-based, inclusive) it applies to.
+struct RecomputePlan {
+  Recompute mode = Recompute::none;
+  int first_block = 0, last_block = -1;
+  // The mode of model layer `layer` (0 = embedding, 1..n_layer = blocks): none outside the blocks.
+  Recompute at_layer(int layer) const {
+    return layer - 1 >= first_block && layer - 1 <= last_block ? mode : Recompute::none;
+  }
+};
+// train.recompute and train.recompute_layers for a model of n_layer blocks; throws keel::Error
+// naming train.recompute_layers when the range is malformed or outside the model.
+RecomputePlan recompute_plan(const TrainConfig& train, int n_layer);
 
 struct OptimConfig {
   double lr = 3e-3;

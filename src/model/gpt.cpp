@@ -65,8 +65,9 @@ class Embedding final : public Layer {
 class Block final : public Layer {
  public:
   // ids: the block's tensors in model_layout's order (layout::Gpt2Block).
-  Block(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, bool bf16, MathMode math)
-      : store_(store), m_(m), layer_(m.layer_base + layer), bf16_(bf16), math_(math), t_(ids) {
+  Block(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, bool bf16, MathMode math,
+        Recompute recompute)
+      : store_(store), m_(m), layer_(m.layer_base + layer), bf16_(bf16), math_(math), mode_(recompute), t_(ids) {
     check(ids.size() == layout::fc_proj_b + 1, "GPT: block " + std::to_string(layer) + " without its tensors");
     check(m.causal || m.attention == Attention::dense, "model: attention that is not causal runs on the dense kernel only");
     probe_.window = m.window_of(layer_ - 1);
@@ -75,47 +76,36 @@ class Block final : public Layer {
   AttentionProbe* attention_probe() override { return &probe_; }
   const char* name() const override { return "block"; }
 
-  int64_t activation_floats(int B, int T) const override {
-    const int64_t N = static_cast<int64_t>(B) * T, C = m_.n_embd;
-    auto S = [&](int64_t n) { return padded(Stash::floats(n, bf16_)); };
-    // forward: ln1, qkv, att, atty, res2, ln2, fch, fch_gelu, 4 row stats
-    // backward kept for W: dln1, dqkv, dres2, dln2, dfch
-    return S(N * C) * 2 + padded(N * C) * 2 + padded(N * 3 * C) + padded(attention_floats(m_, B, T)) +
-           S(N * 4 * C) * 2 + padded(N) * 4 + padded(N * C) * 3 + padded(N * 3 * C) + S(N * 4 * C);
-  }
+  int64_t activation_floats(int B, int T) const override { return model_detail::carved(*this, B, T).kept.used(); }
+  int64_t recomputed_floats(int B, int T) const override { return model_detail::carved(*this, B, T).shared.used(); }
+  void set_recomputed(float* shared) override { shared_ = shared; }
   int64_t scratch_floats(int B, int T) const override {
     // dfch_gelu (also datty); under bf16 also the staging of the stashed tensors
     return padded(static_cast<int64_t>(B) * T * 4 * m_.n_embd) * (bf16_ ? 2 : 1);
   }
   void bind(float* activations, float* scratch, int B, int T) override {
-    // Sized for the allocation's B x T; kernels index with the micro-batch's actual B and T.
-    max_N_ = static_cast<int64_t>(B) * T;
-    max_att_ = attention_floats(m_, B, T);
-    Carver a(activations);
-    const int64_t N = max_N_, C = m_.n_embd;
-    ln1_.carve(a, N * C, bf16_);
-    qkv_ = a.take(N * 3 * C);
-    att_ = a.take(max_att_);
-    atty_ = a.take(N * C);
-    res2_ = a.take(N * C);
-    ln2_.carve(a, N * C, bf16_);
-    fch_.carve(a, N * 4 * C, bf16_);
-    fch_gelu_.carve(a, N * 4 * C, bf16_);
-    ln1_mean_ = a.take(N);
-    ln1_rstd_ = a.take(N);
-    ln2_mean_ = a.take(N);
-    ln2_rstd_ = a.take(N);
-    dln1_ = a.take(N * C);
-    dqkv_ = a.take(N * 3 * C);
-    dres2_ = a.take(N * C);
-    dln2_ = a.take(N * C);
-    dfch_.carve(a, N * 4 * C, bf16_);
+    model_detail::RecomputeCarver a{Carver(activations), Carver(shared_)};
+    carve(a, B, T);
     scratch_ = scratch;
-    stage_ = scratch + padded(N * 4 * C);
+    stage_ = scratch + padded(static_cast<int64_t>(B) * T * 4 * m_.n_embd);
   }
 
   void forward(const Batch& b, const float* x, float* x_out) override {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
+    run_forward(b, x, x_out, true);
+  }
+
+  // Selective: attention's probabilities (or log-sum-exp) and output rows, and GELU.
+  void recompute(const Batch& b, const float* x_in) override {
+    const int64_t n = static_cast<int64_t>(b.B) * b.T * 4 * m_.n_embd;
+    model_detail::recompute_block(
+        mode_, bf16_, store_, layer_, [&] { run_forward(b, x_in, sink_, false); }, [&] { attend(b); },
+        [&] { ops::gelu_forward(fch_gelu_.writable(stage_), fch_.writable(stage_), n); });
+  }
+
+  // The forward pass under the caller's parameter lease; `first`: the micro-batch's forward
+  // (probes attention), not its recomputation.
+  void run_forward(const Batch& b, const float* x, float* x_out, bool first) {
     const int N = b.B * b.T, C = m_.n_embd;
     auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::Gpt2Block
     const int64_t NC = static_cast<int64_t>(N) * C;
@@ -123,14 +113,8 @@ class Block final : public Layer {
     ops::layernorm_forward(ln1, ln1_mean_, ln1_rstd_, x, P(layout::ln1_w), P(layout::ln1_b), N, C);
     ln1_.seal(ln1, NC);
     ops::linear_forward(math_.forward, qkv_, ln1_.read(), P(layout::qkv_w), P(layout::qkv_b), N, C, 3 * C);
-    model_detail::probe_attention(probe_, b, qkv_, m_);
-    if (b.kv) {
-      b.kv->attend(math_.forward, layer_ - 1, qkv_, 3 * C, atty_, b.T, probe_.window);
-    } else if (m_.attention == Attention::dense) {
-      ops::attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, 0, m_.causal);
-    } else {  // att_ holds the rows' log-sum-exp
-      ops::flash_attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_head, probe_.window);
-    }
+    if (first) model_detail::probe_attention(probe_, b, qkv_, m_);
+    attend(b);
     float* attproj = scratch_;  // [N, C], consumed immediately by the residual
     ops::linear_forward(math_.forward, attproj, atty_, P(layout::proj_w), P(layout::proj_b), N, C, C);
     float* ln2 = ln2_.writable(stage_);
@@ -147,6 +131,18 @@ class Block final : public Layer {
     ops::linear_forward(math_.forward, fcproj, fch_gelu_.read(), P(layout::fc_proj_w), P(layout::fc_proj_b), N, 4 * C,
                         C);
     ops::residual_forward(x_out, res2_, fcproj, static_cast<int64_t>(N) * C);
+  }
+
+  // atty_ (and att_) from qkv_.
+  void attend(const Batch& b) {
+    const int C = m_.n_embd;
+    if (b.kv) {
+      b.kv->attend(math_.forward, layer_ - 1, qkv_, 3 * C, atty_, b.T, probe_.window);
+    } else if (m_.attention == Attention::dense) {
+      ops::attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, 0, m_.causal);
+    } else {  // att_ holds the rows' log-sum-exp
+      ops::flash_attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_head, probe_.window);
+    }
   }
 
   void backward_input(const Batch& b, const float* x_in, const float* dx_out, float* dx_in) override {
@@ -190,17 +186,46 @@ class Block final : public Layer {
     ops::layernorm_backward_weight(G(layout::ln1_w), G(layout::ln1_b), dln1_, x_in, ln1_mean_, ln1_rstd_, N, C);
   }
 
+ public:
+  // Carves the block's tensors for micro-batches of up to B x T (kernels index with the actual B
+  // and T): what the mode keeps into a.kept, what it recomputes into a.shared. Selective
+  // recomputes attention's tensors and (float32) the GELU output; full everything. What B keeps
+  // for W is in the shared set under either (W follows B at once but in zero-bubble schedules,
+  // where W recomputes and re-runs B: GPT::backward_weight).
+  void carve(model_detail::RecomputeCarver& a, int B, int T) {
+    const int64_t N = static_cast<int64_t>(B) * T, C = m_.n_embd;
+    const bool full = mode_ == Recompute::full, any = mode_ != Recompute::none;
+    ln1_.carve(a.at(full), N * C, bf16_);
+    qkv_ = a.at(full).take(N * 3 * C);
+    att_ = a.at(any).take(attention_floats(m_, B, T));
+    atty_ = a.at(any).take(N * C);
+    res2_ = a.at(full).take(N * C);
+    ln2_.carve(a.at(full), N * C, bf16_);
+    fch_.carve(a.at(full), N * 4 * C, bf16_);
+    fch_gelu_.carve(a.at(full || (any && !bf16_)), N * 4 * C, bf16_);
+    ln1_mean_ = a.at(full).take(N);
+    ln1_rstd_ = a.at(full).take(N);
+    ln2_mean_ = a.at(full).take(N);
+    ln2_rstd_ = a.at(full).take(N);
+    dln1_ = a.at(any).take(N * C);
+    dqkv_ = a.at(any).take(N * 3 * C);
+    dres2_ = a.at(any).take(N * C);
+    dln2_ = a.at(any).take(N * C);
+    dfch_.carve(a.at(any), N * 4 * C, bf16_);
+    sink_ = full ? a.shared.take(N * C) : nullptr;
+  }
 
  private:
-
   ChunkStore& store_;
   ModelConfig m_;
   int layer_;
   bool bf16_;             // stashes in bf16 (Stash)
   MathMode math_;         // its products' precision in F and in B, W
+  Recompute mode_;        // train.recompute for this block
   AttentionProbe probe_;  // its window (0 = none) and the dynamic window's probe
   std::vector<TensorId> t_;  // the block's tensors, indexed by layout::Gpt2Block
-  int64_t max_N_ = 0, max_att_ = 0;
+  float* shared_ = nullptr;  // the shared recomputed set (Layer::set_recomputed)
+  float* sink_ = nullptr;    // full: the recomputed forward's output (its bytes are already x_out)
   // att_: the dense kernel's probabilities [B, NH, T, T], or the blockwise kernel's log-sum-exp [B, NH, T].
   Stash ln1_, ln2_, fch_, fch_gelu_, dfch_;
   float *qkv_ = nullptr, *att_ = nullptr, *atty_ = nullptr, *res2_ = nullptr, *ln1_mean_ = nullptr,
@@ -212,8 +237,13 @@ class Block final : public Layer {
 }  // namespace
 
 GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> ranges, bool bf16_activations,
-         MathMode math)
-    : config_(config), store_(store), ranges_(std::move(ranges)), bf16_(bf16_activations), math_(math) {
+         MathMode math, RecomputePlan recompute)
+    : config_(config),
+      store_(store),
+      ranges_(std::move(ranges)),
+      bf16_(bf16_activations),
+      recompute_(recompute),
+      math_(math) {
   validate_model(config, "model");
   check(!store.finalized(), "GPT: the chunk store is already finalized");
   const int L = config.n_layer + 2;
@@ -229,8 +259,9 @@ GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> r
   if (local_[0]) layers_[0] = std::make_unique<Embedding>(config, store, of(0));
   for (int l = 1; l <= config.n_layer; ++l) {
     if (!local_[l]) continue;
-    layers_[l] = config.llama() ? make_llama_block(config, store, l, of(l), bf16_, math_)
-                                : std::make_unique<Block>(config, store, l, of(l), bf16_, math_);
+    const Recompute mode = recompute_.at_layer(l);
+    layers_[l] = config.llama() ? make_llama_block(config, store, l, of(l), bf16_, math_, mode)
+                                : std::make_unique<Block>(config, store, l, of(l), bf16_, math_, mode);
   }
   if (local_[L - 1]) {
     // A tied head reads wte: the embedding's, or (a rank without it) the replica in the layout.
@@ -301,11 +332,20 @@ void GPT::allocate(int B, int T, int slots) {
     if (io[i]) slot += 2 * padded(N * C);
   }
   slot_floats_ = slot;
-  activation_floats_ = padded(scratch) + slots * slot;
+  recomputed_floats_ = recomputed_floats_for(B, T);
+  activation_floats_ = padded(scratch) + recomputed_floats_ + slots * slot;
   memory_.reset(new float[activation_floats_]);
   std::memset(memory_.get(), 0, sizeof(float) * activation_floats_);
   Carver carve(memory_.get());
   scratch_ = carve.take(scratch);
+  if (recomputed_floats_ > 0) {
+    float* set = carve.take(recomputed_floats_ - padded(N * C));
+    recompute_sink_ = carve.take(N * C);
+    for (int i = 0; i < L; ++i) {
+      if (layers_[i]) layers_[i]->set_recomputed(set);
+    }
+  }
+  shared_owner_ = SharedOwner{};
   act_.assign(slots, std::vector<float*>(L, nullptr));
   x_.assign(slots, std::vector<float*>(L, nullptr));
   dx_.assign(slots, std::vector<float*>(L, nullptr));
@@ -324,9 +364,10 @@ void GPT::allocate(int B, int T, int slots) {
   }
 }
 
-int64_t GPT::slot_bytes_for(const ModelConfig& config, const LayerRange& range, int B, int T, bool bf16_activations) {
+int64_t GPT::slot_bytes_for(const ModelConfig& config, const LayerRange& range, int B, int T, bool bf16_activations,
+                            RecomputePlan recompute) {
   ChunkStore registry(1 << 20);  // holds tensor specs only: never finalized, so nothing is allocated
-  const GPT stage(config, registry, {range}, bf16_activations);
+  const GPT stage(config, registry, {range}, bf16_activations, {}, recompute);
   const int64_t N = static_cast<int64_t>(B) * T;
   int64_t floats = range.first > 0 ? 2 * padded(N * config.n_embd) : 0;
   for (int i = range.first; i <= range.last; ++i) {
@@ -335,10 +376,31 @@ int64_t GPT::slot_bytes_for(const ModelConfig& config, const LayerRange& range, 
   return floats * static_cast<int64_t>(sizeof(float));
 }
 
+int64_t GPT::recomputed_floats_for(int B, int T) const {
+  int64_t shared = 0;
+  for (const std::unique_ptr<Layer>& layer : layers_) {
+    if (layer) shared = std::max(shared, padded(layer->recomputed_floats(B, T)));
+  }
+  return shared > 0 ? shared + padded(static_cast<int64_t>(B) * T * config_.n_embd) : 0;
+}
+
+int64_t GPT::recomputed_bytes_for(const ModelConfig& config, const LayerRange& range, int B, int T,
+                                  bool bf16_activations, RecomputePlan recompute) {
+  ChunkStore registry(1 << 20);  // (as slot_bytes_for)
+  const GPT stage(config, registry, {range}, bf16_activations, {}, recompute);
+  return stage.recomputed_floats_for(B, T) * static_cast<int64_t>(sizeof(float));
+}
+
 void GPT::bind(int slot, int layer) {
   if (bound_[layer] == slot) return;
   layers_[layer]->bind(act_[slot][layer], scratch_, max_B_, max_T_);
   bound_[layer] = slot;
+}
+
+void GPT::rebuild(int slot, int i, const Batch& batch) {
+  if (shared_owner_.slot == slot && shared_owner_.layer == i) return;
+  layers_[i]->recompute(batch, input(slot, i));
+  shared_owner_ = SharedOwner{slot, i, false};
 }
 
 void GPT::check_batch(const Batch& batch, int slot) const {
@@ -369,6 +431,7 @@ float GPT::forward(const LayerRange& range, int slot, const Batch& batch) {
     const auto t0 = std::chrono::steady_clock::now();
     layers_[i]->forward(batch, i == 0 ? nullptr : x[i - 1], x[i]);
     times_.forward[i] += timed(t0);
+    if (recompute_.at_layer(i) != Recompute::none) shared_owner_ = SharedOwner{slot, i, false};
   }
   return range.last == num_layers() - 1 ? static_cast<OutputLayer&>(*layers_.back()).mean_loss() : 0.0f;
 }
@@ -379,7 +442,10 @@ void GPT::backward_input(const LayerRange& range, int slot, const Batch& batch, 
     if (i >= frozen_) {  // below a frozen layer every layer is frozen: no gradient is wanted there
       bind(slot, i);
       const auto t0 = std::chrono::steady_clock::now();
+      const bool recomputing = recompute_.at_layer(i) != Recompute::none;
+      if (recomputing) rebuild(slot, i, batch);
       layers_[i]->backward_input(batch, input(slot, i), output_grad(slot, i), i == 0 ? nullptr : dx_[slot][i - 1]);
+      if (recomputing) shared_owner_.backward = true;
       times_.backward_input[i] += timed(t0);
     }
     if (observer != nullptr) observer->after_backward_input(config_.layer_base + i);
@@ -392,10 +458,25 @@ void GPT::backward_weight(const LayerRange& range, int slot, const Batch& batch,
     if (i >= frozen_) {
       bind(slot, i);
       const auto t0 = std::chrono::steady_clock::now();
+      const SharedOwner mine{slot, i, true};
+      if (recompute_.at_layer(i) != Recompute::none &&
+          (shared_owner_.slot != slot || shared_owner_.layer != i || !shared_owner_.backward)) {
+        rebuild(slot, i, batch);
+        layers_[i]->backward_input(batch, input(slot, i), output_grad(slot, i), recompute_sink_);
+        shared_owner_ = mine;
+      }
       layers_[i]->backward_weight(batch, input(slot, i), output_grad(slot, i));
       times_.backward_weight[i] += timed(t0);
     }
     if (observer != nullptr) observer->after_backward_weight(config_.layer_base + i);
+  }
+}
+
+void GPT::backward(const LayerRange& range, int slot, const Batch& batch, BackwardObserver* input_observer,
+                   BackwardObserver* weight_observer) {
+  for (int i = range.last; i >= range.first; --i) {
+    backward_input(LayerRange{i, i}, slot, batch, input_observer);
+    backward_weight(LayerRange{i, i}, slot, batch, weight_observer);
   }
 }
 
@@ -407,10 +488,7 @@ void GPT::backward(const Batch& batch, bool defer_weight_grads, BackwardObserver
     backward_weight(LayerRange{0, L - 1}, 0, batch, observer);
     return;
   }
-  for (int i = L - 1; i >= 0; --i) {
-    backward_input(LayerRange{i, i}, 0, batch, observer);
-    backward_weight(LayerRange{i, i}, 0, batch, observer);
-  }
+  backward(LayerRange{0, L - 1}, 0, batch, observer, observer);
 }
 
 GPT::LayerTimes GPT::take_layer_times() {

@@ -30,9 +30,10 @@ class GPT {
   // state. With bf16_activations (runtime.precision = "bf16") the layers keep the activations
   // that feed matrix products in bf16, in half the memory (model/layer_util.h Stash). `math`: the
   // precision of every layer's matrix products (runtime.precision for a trained model; float32
-  // unless given: a model built only for its layout multiplies nothing).
+  // unless given: a model built only for its layout multiplies nothing). `recompute`: which blocks
+  // recompute their activations in backward and how (train.recompute; below).
   GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> ranges = {}, bool bf16_activations = false,
-      MathMode math = {});
+      MathMode math = {}, RecomputePlan recompute = {});
   ~GPT();
 
   // GPT-2 initialisation: N(0, 0.02) weights, residual projections scaled by 1/sqrt(2L), zero
@@ -42,6 +43,15 @@ class GPT {
 
   // Allocates activations for micro-batches of up to B x T tokens (T <= max_seq_len), `slots`
   // sets of them: a pipeline stage keeps several micro-batches between F and W.
+  //
+  // Activation recomputation: a recomputing block keeps in its slot only what its mode keeps
+  // (selective: its matrix-product inputs; full: nothing but its input, the previous layer's
+  // output) and rebuilds the rest in one set shared by every slot and block, which holds one
+  // (slot, layer)'s at a time. backward_input rebuilds it unless it is already that one's (the
+  // last forward's), then keeps its W operands there; backward_weight finds them when it follows
+  // its B at once (backward, the executor's B then W) and otherwise (a zero-bubble schedule's
+  // deferred W) rebuilds them, re-running B into a scratch gradient. Every pass runs the same
+  // kernels in the same order: the same bytes as without recomputation.
   void allocate(int B, int T, int slots = 1);
 
   // Forward pass through all layers (the whole model, slot 0). Returns the mean loss over B*T
@@ -64,6 +74,11 @@ class GPT {
   float forward(const LayerRange& range, int slot, const Batch& batch);
   void backward_input(const LayerRange& range, int slot, const Batch& batch, BackwardObserver* observer = nullptr);
   void backward_weight(const LayerRange& range, int slot, const Batch& batch, BackwardObserver* observer = nullptr);
+  // B then W of each layer of the range in turn, last to first: the same bytes as backward_input
+  // then backward_weight of the range, without rebuilding recomputed activations twice.
+  void backward(const LayerRange& range, int slot, const Batch& batch, BackwardObserver* input_observer,
+                BackwardObserver* weight_observer);
+  bool recomputes() const { return recomputed_floats_ > 0; }
   float* input(int slot, int layer) { return layer == 0 ? nullptr : x_[slot][layer - 1]; }
   float* output(int slot, int layer) { return x_[slot][layer]; }
   float* input_grad(int slot, int layer) { return layer == 0 ? nullptr : dx_[slot][layer - 1]; }
@@ -108,10 +123,16 @@ class GPT {
   // Matrix-product FLOPs of one training step (forward + backward) per token at sequence T.
   double train_flops_per_token(int T) const;
   int64_t activation_bytes() const { return activation_floats_ * static_cast<int64_t>(sizeof(float)); }
+  // Of those, the set recomputing blocks share (0 without recomputation; model/layer.h).
+  int64_t recomputed_bytes() const { return recomputed_floats_ * static_cast<int64_t>(sizeof(float)); }
   // Bytes one micro-batch of B x T keeps in flight on `range` (activations, outputs and their
   // gradients): what a pipeline stage's slot costs, computed without building the stage.
   static int64_t slot_bytes_for(const ModelConfig& config, const LayerRange& range, int B, int T,
-                                bool bf16_activations = false);
+                                bool bf16_activations = false, RecomputePlan recompute = {});
+  // Bytes of the set the recomputing blocks of `range` share (0 without recomputation), computed
+  // without building the stage.
+  static int64_t recomputed_bytes_for(const ModelConfig& config, const LayerRange& range, int B, int T,
+                                      bool bf16_activations, RecomputePlan recompute);
   // Bytes of one slot (one micro-batch in flight on this rank's layers).
   int64_t slot_bytes() const { return slot_floats_ * static_cast<int64_t>(sizeof(float)); }
   int slots() const { return static_cast<int>(act_.size()); }
@@ -120,6 +141,11 @@ class GPT {
 
  private:
   void bind(int slot, int layer);
+  // Floats of the shared recomputed set for micro-batches of up to B x T: the largest block's and
+  // a re-run B's input gradient [B, T, C]; 0 without recomputation.
+  int64_t recomputed_floats_for(int B, int T) const;
+  // Recomputation: rebuilds layer i's shared set for `slot` unless it holds that one's.
+  void rebuild(int slot, int i, const Batch& batch);
   void check_batch(const Batch& batch, int slot) const;
 
   ModelConfig config_;
@@ -129,9 +155,17 @@ class GPT {
   std::vector<std::unique_ptr<Layer>> layers_;  // null for layers on other ranks
   std::vector<TiedGroup> tied_;
   bool bf16_ = false;  // activations stashed in bf16
+  RecomputePlan recompute_;
   MathMode math_;      // every layer's matrix products
   int max_B_ = 0, max_T_ = 0;
-  int64_t activation_floats_ = 0, slot_floats_ = 0;
+  int64_t activation_floats_ = 0, slot_floats_ = 0, recomputed_floats_ = 0;
+  // Whose activations the shared recomputed set holds: (slot, layer) of the last forward or
+  // rebuild, and whether that one's B has kept its W operands there since.
+  struct SharedOwner {
+    int slot = -1, layer = -1;
+    bool backward = false;
+  } shared_owner_;
+  float* recompute_sink_ = nullptr;  // a re-run B's input gradient [B, T, C] (its bytes are already kept)
   std::unique_ptr<float[]> memory_;
   float* scratch_ = nullptr;
   // [slot][layer]: the layer's activations, its output x [B, T, C] and the output's gradient.

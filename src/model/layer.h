@@ -51,6 +51,18 @@ class Layer {
   // of micro-batches in flight (cheap: it only carves pointers).
   virtual void bind(float* activations, float* scratch, int B, int T) = 0;
 
+  // Activation recomputation (train.recompute; the blocks implement it, the other layers keep
+  // everything): floats of the set the layer rebuilds in backward instead of keeping per
+  // micro-batch. One such set is shared by every slot and every recomputing layer (it holds one
+  // layer's at a time: GPT tracks whose), given once by set_recomputed before any bind. It holds
+  // what forward wrote there and what backward_input keeps for backward_weight.
+  virtual int64_t recomputed_floats(int /*B*/, int /*T*/) const { return 0; }
+  virtual void set_recomputed(float* /*shared*/) {}
+  // Rewrites the shared set as the forward of this micro-batch left it, from what the layer keeps
+  // and x_in, with the forward's kernels in the forward's order (the same bytes). Takes the
+  // parameter lease a forward takes when it multiplies.
+  virtual void recompute(const Batch& /*batch*/, const float* /*x_in*/) {}
+
   // x_out[B, T, C] from x_in[B, T, C]. The embedding reads batch.inputs instead of x_in; the
   // head reads batch.targets and writes losses instead of x_out.
   virtual void forward(const Batch& batch, const float* x_in, float* x_out) = 0;

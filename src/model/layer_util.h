@@ -16,19 +16,57 @@ namespace keel::model_detail {
 
 inline int64_t padded(int64_t n) { return (n + 15) / 16 * 16; }
 
-// Carves named slices out of one allocation, 64-byte aligned.
+// Carves named slices out of one allocation, 64-byte aligned. Over no allocation (null) it only
+// counts: used() is what the slices need.
 class Carver {
  public:
-  explicit Carver(float* base) : cursor_(base) {}
+  explicit Carver(float* base) : base_(base) {}
   float* take(int64_t n) {
-    float* p = cursor_;
-    cursor_ += padded(n);
+    float* p = base_ ? base_ + used_ : nullptr;
+    used_ += padded(n);
     return p;
   }
+  int64_t used() const { return used_; }
 
  private:
-  float* cursor_;
+  float* base_;
+  int64_t used_ = 0;
 };
+
+// Where a block carves each tensor under activation recomputation (train.recompute): into the
+// micro-batch's own activations (kept from forward to backward) or into the set shared by every
+// slot and recomputing layer (rebuilt in backward by Layer::recompute).
+struct RecomputeCarver {
+  Carver kept, shared;
+  Carver& at(bool recomputed) { return recomputed ? shared : kept; }
+};
+
+// Both families' Layer::recompute. Full: the block's whole forward again under its layer's
+// parameter lease (`forward_again`, its output into the shared set's sink). Selective: attention
+// from the kept q/k/v (`attend`), then, in float32, the MLP's activation from its kept input
+// (`activation`; under bf16 that input is kept rounded, so the block keeps the activation's
+// output instead: recomputing it from rounded rows would change the bytes).
+template <typename ForwardAgain, typename Attend, typename Activation>
+void recompute_block(Recompute mode, bool bf16, ChunkStore& store, int layer, ForwardAgain forward_again, Attend attend,
+                     Activation activation) {
+  if (mode == Recompute::full) {
+    const PageLease use = store.use_layer(layer, {Plane::param});
+    forward_again();
+    return;
+  }
+  attend();
+  if (!bf16) activation();
+}
+
+// What a block's carve(RecomputeCarver&, B, T) takes from each, counted on a copy of the block
+// (its own pointers stay bound): its activation_floats and recomputed_floats.
+template <typename BlockType>
+RecomputeCarver carved(const BlockType& block, int B, int T) {
+  BlockType sizing(block);
+  RecomputeCarver a{Carver(nullptr), Carver(nullptr)};
+  sizing.carve(a, B, T);
+  return a;
+}
 
 // An activation a layer keeps from forward (or B) for a later pass: float32, or, when the model
 // stores activations in bf16 (runtime.precision = "bf16"), bf16 bits in half the memory. Kept in

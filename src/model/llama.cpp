@@ -21,12 +21,13 @@ namespace {
 class LlamaBlock final : public Layer {
  public:
   LlamaBlock(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, bool bf16,
-             MathMode math)
+             MathMode math, Recompute recompute)
       : store_(store),
         m_(m),
         layer_(m.layer_base + layer),
         bf16_(bf16),
         math_(math),
+        mode_(recompute),
         C_(m.n_embd),
         QKV_(m.qkv_dim()),
         H_(m.ffn_hidden),
@@ -38,14 +39,9 @@ class LlamaBlock final : public Layer {
   AttentionProbe* attention_probe() override { return &probe_; }
   const char* name() const override { return "block"; }
 
-  int64_t activation_floats(int B, int T) const override {
-    const int64_t N = static_cast<int64_t>(B) * T;
-    auto S = [&](int64_t n) { return padded(Stash::floats(n, bf16_)); };
-    // forward: n1, qkv (rotated), att, atty, res2, n2, gate_up, h, 2 row stats;
-    // backward kept for W: dn1, dqkv, dres2, dn2, dgate_up
-    return S(N * C_) * 2 + padded(N * C_) * 3 + padded(N * QKV_) + padded(model_detail::attention_floats(m_, B, T)) +
-           S(N * 2 * H_) + S(N * H_) + padded(N) * 2 + padded(N * C_) * 3 + padded(N * QKV_) + S(N * 2 * H_);
-  }
+  int64_t activation_floats(int B, int T) const override { return model_detail::carved(*this, B, T).kept.used(); }
+  int64_t recomputed_floats(int B, int T) const override { return model_detail::carved(*this, B, T).shared.used(); }
+  void set_recomputed(float* shared) override { shared_ = shared; }
   int64_t scratch_floats(int B, int T) const override {
     const int64_t N = static_cast<int64_t>(B) * T;
     // o / down outputs, dh, datty; under bf16 also the staging of gate_up and h (side by side)
@@ -53,22 +49,8 @@ class LlamaBlock final : public Layer {
   }
   void bind(float* activations, float* scratch, int B, int T) override {
     const int64_t N = static_cast<int64_t>(B) * T;
-    Carver a(activations);
-    n1_.carve(a, N * C_, bf16_);
-    qkv_ = a.take(N * QKV_);
-    att_ = a.take(model_detail::attention_floats(m_, B, T));  // probabilities, or log-sum-exp
-    atty_ = a.take(N * C_);
-    res2_ = a.take(N * C_);
-    n2_.carve(a, N * C_, bf16_);
-    gu_.carve(a, N * 2 * H_, bf16_);
-    h_.carve(a, N * H_, bf16_);
-    rstd1_ = a.take(N);
-    rstd2_ = a.take(N);
-    dn1_ = a.take(N * C_);
-    dqkv_ = a.take(N * QKV_);
-    dres2_ = a.take(N * C_);
-    dn2_ = a.take(N * C_);
-    dgu_.carve(a, N * 2 * H_, bf16_);
+    model_detail::RecomputeCarver a{Carver(activations), Carver(shared_)};
+    carve(a, B, T);
     scratch_ = scratch;
     stage_ = scratch + padded(N * std::max(C_, H_));
     stage_h_ = stage_ + padded(N * 2 * H_);
@@ -76,6 +58,19 @@ class LlamaBlock final : public Layer {
 
   void forward(const Batch& b, const float* x, float* x_out) override {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
+    run_forward(b, x, x_out, true);
+  }
+
+  // Selective: attention from the kept (rotated) qkv, and SwiGLU from the kept gate_up.
+  void recompute(const Batch& b, const float* x_in) override {
+    model_detail::recompute_block(
+        mode_, bf16_, store_, layer_, [&] { run_forward(b, x_in, sink_, false); }, [&] { attend(b); },
+        [&] { ops::swiglu_forward(h_.writable(stage_h_), gu_.writable(stage_), b.B * b.T, H_); });
+  }
+
+  // The forward pass under the caller's parameter lease; `first`: the micro-batch's forward
+  // (probes attention), not its recomputation.
+  void run_forward(const Batch& b, const float* x, float* x_out, bool first) {
     const int N = b.B * b.T, C = C_, H = H_;
     auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::LlamaBlock
     const float* none = nullptr;
@@ -86,15 +81,8 @@ class LlamaBlock final : public Layer {
     ops::linear_forward(math_.forward, qkv_, n1_.read(), P(layout::llama_qkv_w), none, N, C, QKV_);
     ops::rope_forward(qkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_base(), b.kv ? b.kv->pos0() : 0,
                       false, m_.rope_position_scale());
-    model_detail::probe_attention(probe_, b, qkv_, m_);
-    if (b.kv) {
-      b.kv->attend(math_.forward, layer_ - 1, qkv_, QKV_, atty_, b.T, probe_.window);
-    } else if (m_.attention == Attention::dense) {
-      ops::attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
-    } else {
-      ops::flash_attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head,
-                                   probe_.window);
-    }
+    if (first) model_detail::probe_attention(probe_, b, qkv_, m_);
+    attend(b);
     float* o = scratch_;  // [N, C], consumed at once by the residual
     ops::linear_forward(math_.forward, o, atty_, P(layout::llama_proj_w), none, N, C, C);
     float* n2 = n2_.writable(stage_);
@@ -109,6 +97,18 @@ class LlamaBlock final : public Layer {
     float* down = scratch_;
     ops::linear_forward(math_.forward, down, h_.read(), P(layout::down_w), none, N, H, C);
     ops::residual_forward(x_out, res2_, down, static_cast<int64_t>(N) * C);
+  }
+
+  // atty_ (and att_) from the rotated qkv_.
+  void attend(const Batch& b) {
+    if (b.kv) {
+      b.kv->attend(math_.forward, layer_ - 1, qkv_, QKV_, atty_, b.T, probe_.window);
+    } else if (m_.attention == Attention::dense) {
+      ops::attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, C_, m_.n_head, m_.n_kv_head);
+    } else {
+      ops::flash_attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, C_, m_.n_head, m_.n_kv_head,
+                                   probe_.window);
+    }
   }
 
   void backward_input(const Batch& b, const float* x_in, const float* dx_out, float* dx_in) override {
@@ -154,12 +154,37 @@ class LlamaBlock final : public Layer {
     ops::rmsnorm_backward_weight(G(layout::attn_norm_w), dn1_, x_in, rstd1_, N, C);
   }
 
+ public:
+  // Carves the block's tensors for micro-batches of up to B x T: what the mode keeps into
+  // a.kept, what it recomputes into a.shared (as GPT-2's block: model/gpt.cpp Block::carve).
+  void carve(model_detail::RecomputeCarver& a, int B, int T) {
+    const int64_t N = static_cast<int64_t>(B) * T;
+    const bool full = mode_ == Recompute::full, any = mode_ != Recompute::none;
+    n1_.carve(a.at(full), N * C_, bf16_);
+    qkv_ = a.at(full).take(N * QKV_);
+    att_ = a.at(any).take(model_detail::attention_floats(m_, B, T));  // probabilities, or log-sum-exp
+    atty_ = a.at(any).take(N * C_);
+    res2_ = a.at(full).take(N * C_);
+    n2_.carve(a.at(full), N * C_, bf16_);
+    gu_.carve(a.at(full), N * 2 * H_, bf16_);
+    h_.carve(a.at(full || (any && !bf16_)), N * H_, bf16_);
+    rstd1_ = a.at(full).take(N);
+    rstd2_ = a.at(full).take(N);
+    dn1_ = a.at(any).take(N * C_);
+    dqkv_ = a.at(any).take(N * QKV_);
+    dres2_ = a.at(any).take(N * C_);
+    dn2_ = a.at(any).take(N * C_);
+    dgu_.carve(a.at(any), N * 2 * H_, bf16_);
+    sink_ = full ? a.shared.take(N * C_) : nullptr;
+  }
+
  private:
   ChunkStore& store_;
   ModelConfig m_;
   int layer_;
   bool bf16_;  // stashes in bf16 (Stash)
   MathMode math_;         // its products' precision in F and in B, W
+  Recompute mode_;        // train.recompute for this block
   AttentionProbe probe_;  // its window (0 = none) and the dynamic window's probe
   int C_, QKV_, H_;
   std::vector<TensorId> t_;  // the block's tensors, indexed by layout::LlamaBlock
@@ -167,14 +192,17 @@ class LlamaBlock final : public Layer {
   float *qkv_ = nullptr, *att_ = nullptr, *atty_ = nullptr, *res2_ = nullptr, *rstd1_ = nullptr, *rstd2_ = nullptr,
         *dn1_ = nullptr, *dqkv_ = nullptr, *dres2_ = nullptr, *dn2_ = nullptr, *scratch_ = nullptr,
         *stage_ = nullptr, *stage_h_ = nullptr;
+  float* shared_ = nullptr;  // the shared recomputed set (Layer::set_recomputed)
+  float* sink_ = nullptr;    // full: the recomputed forward's output (its bytes are already x_out)
 };
 
 
 }  // namespace
 
 std::unique_ptr<Layer> make_llama_block(const ModelConfig& m, ChunkStore& store, int layer,
-                                        const std::vector<TensorId>& ids, bool bf16, MathMode math) {
-  return std::make_unique<LlamaBlock>(m, store, layer, ids, bf16, math);
+                                        const std::vector<TensorId>& ids, bool bf16, MathMode math,
+                                        Recompute recompute) {
+  return std::make_unique<LlamaBlock>(m, store, layer, ids, bf16, math, recompute);
 }
 
 }  // namespace keel

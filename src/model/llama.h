@@ -18,8 +18,10 @@
 
 namespace keel {
 
-// ids: the block's tensors in model_layout's order (layout::LlamaBlock).
+// ids: the block's tensors in model_layout's order (layout::LlamaBlock). recompute: train.recompute
+// for this block (model/layer.h Layer::recompute).
 std::unique_ptr<Layer> make_llama_block(const ModelConfig& m, ChunkStore& store, int layer,
-                                        const std::vector<TensorId>& ids, bool bf16, MathMode math);
+                                        const std::vector<TensorId>& ids, bool bf16, MathMode math,
+                                        Recompute recompute = Recompute::none);
 
 }  // namespace keel

@@ -229,6 +229,15 @@ void Executor::record(Op op, std::chrono::steady_clock::time_point start, std::c
   timeline_.push_back(iv);
 }
 
+bool Executor::weight_follows(size_t i) const {
+  const std::vector<Instr>& list = schedule_.per_rank[rank_];
+  for (size_t k = i + 1; k < list.size(); ++k) {
+    if (!is_compute(list[k].op)) continue;
+    return list[k].op == Op::backward_weight && list[k].micro == list[i].micro && list[k].stage == list[i].stage;
+  }
+  return false;
+}
+
 double Executor::run_step(const std::vector<Batch>& micro, BackwardObserver* sync) {
   check(schedule_.spec.micro <= kMaxMicro, "pipeline: at most " + std::to_string(kMaxMicro) + " micro-batches a step");
   check(static_cast<int>(micro.size()) == schedule_.spec.micro,
@@ -239,6 +248,7 @@ double Executor::run_step(const std::vector<Batch>& micro, BackwardObserver* syn
   deferred_.clear();
   receives_.clear();
   early_.clear();
+  fused_.clear();
   timeline_.clear();
   messages_.clear();
   stats_ = ExecutorStats{};
@@ -294,7 +304,13 @@ double Executor::run_step(const std::vector<Batch>& micro, BackwardObserver* syn
       }
       case Op::backward_input: {
         const int slot = slot_of(in.micro, in.stage, false);
-        model_.backward_input(r, slot, micro[in.micro], sync);
+        if (model_.recomputes() && weight_follows(i) && !(around_ && in.micro == last_micro)) {
+          if (!carried_.empty()) run_carried();  // (as W below: before any of this step's)
+          model_.backward(r, slot, micro[in.micro], sync, in.micro == last_micro ? last_weights.get() : nullptr);
+          fused_.insert({in.micro, in.stage});
+        } else {
+          model_.backward_input(r, slot, micro[in.micro], sync);
+        }
         if (in.stage > 0 && schedule_.stage_rank[in.stage - 1] == rank_) {
           std::memcpy(model_.output_grad(slot_of(in.micro, in.stage - 1, false), stages_[in.stage - 1].last),
                       model_.input_grad(slot, r.first), message_floats() * sizeof(float));
@@ -305,6 +321,10 @@ double Executor::run_step(const std::vector<Batch>& micro, BackwardObserver* syn
         // Carried W's accumulate before any of this step's: the same sums whenever they ran.
         if (!carried_.empty()) run_carried();
         const int slot = slot_of(in.micro, in.stage, false);
+        if (fused_.erase({in.micro, in.stage}) > 0) {  // ran with its B
+          release(in.micro, in.stage);
+          break;
+        }
         if (around_ && in.micro == last_micro) {  // left for the next step; its slot stays taken
           deferred_.push_back({in.stage, slot, micro[in.micro]});
           slot_.erase({in.micro, in.stage});

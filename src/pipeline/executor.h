@@ -112,7 +112,14 @@ class Executor {
   std::function<void(const std::vector<LayerHint>&)> hook_;
   std::function<void(bool)> around_;
   std::vector<Deferred> deferred_;  // W's of this step left for the next
+  // True when the next compute instruction after list position i (a B) is the W of its micro-batch
+  // and stage.
+  bool weight_follows(size_t i) const;
   std::vector<Deferred> carried_;   // W's of the previous step still to run
+  // (micro, stage) whose W ran with its B: a model that recomputes activations runs B then W of each
+  // layer in turn when the schedule puts the W right after the B (GPT::backward), so that W finds
+  // the layer's rebuilt activations still there.
+  std::set<std::pair<int, int>> fused_;
   const std::vector<Batch>* micro_ = nullptr;
   std::vector<int> free_slots_;
   std::map<std::pair<int, int>, int> slot_;  // (micro, stage) -> slot

@@ -154,7 +154,8 @@ Plan plan(const Config& config, const std::vector<LayerRange>& stages, int m) {
   MemoryBound bound;
   const bool bf16 = config.runtime.precision == Precision::bf16;
   for (const LayerRange& r : stages) {
-    bound.stage_bytes.push_back(GPT::slot_bytes_for(config.model, r, out.micro_batch, t.longest_seq_len(), bf16));
+    bound.stage_bytes.push_back(GPT::slot_bytes_for(config.model, r, out.micro_batch, t.longest_seq_len(), bf16,
+                                                    recompute_plan(t, config.model.n_layer)));
   }
   out.check = validate(out.schedule, bound);
   const int64_t peak = *std::max_element(out.check.peak_bytes.begin(), out.check.peak_bytes.end());

@@ -176,8 +176,9 @@ PartitionProblem problem_for(const Config& config, const LayerCosts& measured) {
   for (int i = 0; i < L; ++i) {
     if (p.costs.param_bytes[i] <= 0) p.costs.param_bytes[i] = params[i];
     if (p.costs.activation_bytes[i] <= 0) {
-      p.costs.activation_bytes[i] = static_cast<double>(GPT::slot_bytes_for(config.model, {i, i}, micro_batch, longest,
-                                                                            config.runtime.precision == Precision::bf16));
+      p.costs.activation_bytes[i] = static_cast<double>(
+          GPT::slot_bytes_for(config.model, {i, i}, micro_batch, longest, config.runtime.precision == Precision::bf16,
+                              recompute_plan(config.train, config.model.n_layer)));
     } else {
       p.costs.activation_bytes[i] *= stretch;  // (linear in the length)
     }

@@ -51,7 +51,8 @@ std::unique_ptr<RankModel> RankModel::build(const Config& config, ProcessGroups&
   r->store = std::make_unique<ChunkStore>(config.store.chunk_bytes);
   const bool bf16 = config.runtime.precision == Precision::bf16;
   r->model = std::make_unique<GPT>(config.model, *r->store, layout ? layout->mine : std::vector<LayerRange>{}, bf16,
-                                   MathMode::uniform(bf16 ? MatmulPrecision::bf16 : MatmulPrecision::fp32));
+                                   MathMode::uniform(bf16 ? MatmulPrecision::bf16 : MatmulPrecision::fp32),
+                                   recompute_plan(config.train, config.model.n_layer));
   if (config.runtime.slow_rank == groups.world().rank()) r->model->set_slowdown(config.runtime.slow_factor);
   r->store->set_huge_page_alignment(tiered);
   r->store->finalize(/*touch_params=*/!tiered);

@@ -87,6 +87,11 @@ class LanguageModel final : public Workload {
                 rank.store->chunks().size(), t.batch_size, t.seq_len, t.grad_accum, groups_.dp().size(),
                 omp_get_max_threads());
     if (!t.seq_len_schedule.empty()) std::printf("keel: sequence-length curriculum: %s\n", t.describe_seq_lens().c_str());
+    const GPT& g = *rank.model;
+    std::printf("keel: activations (train.recompute = %s, blocks %s): %.1f MB per micro-batch in flight x %d, "
+                "%.1f MB recomputed set, %.1f MB in all\n",
+                to_string(t.recompute), t.recompute_layers.c_str(), g.slot_bytes() / 1e6, g.slots(),
+                g.recomputed_bytes() / 1e6, g.activation_bytes() / 1e6);
     std::printf("keel: train %s (%llu tokens), val %s (%llu tokens), run dir %s\n", config_.data.train.c_str(),
                 static_cast<unsigned long long>(train_->num_tokens()), config_.data.val.c_str(),
                 static_cast<unsigned long long>(val_->num_tokens()), t.run_dir.c_str());

@@ -193,13 +193,24 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   }
   pipeline::Costs costs;
   double tp_per_rank_max = 0;
+  // Activation recomputation (train.recompute, or every block in full with --recompute): a
+  // recomputing block's B runs its forward again (full) or its attention (selective: attention's
+  // share of the forward's FLOPs); a zero-bubble schedule's W, which does not follow its B,
+  // rebuilds that and runs B again (GPT::backward_weight).
+  RecomputePlan recompute = recompute_plan(t, m.n_layer);
+  if (layout.recompute && recompute.mode == Recompute::none) recompute = RecomputePlan{Recompute::full, 0, m.n_layer - 1};
+  const bool w_apart = par.schedule == ScheduleKind::zb_h1 || par.schedule == ScheduleKind::zb_h2 ||
+                       par.schedule == ScheduleKind::zb_v;
+  const double attention_share = m.n_layer > 0 ? 4.0 * T * m.n_embd / flops[1] : 0.0;
   // Each layer's F, B (with its recomputed F) and W per micro-batch, tensor all-reduces included:
   // the sync's overlap and the tier model follow them layer by layer.
   const size_t layers = static_cast<size_t>(m.n_layer + 2);
   std::vector<double> layer_f(layers, 0.0), layer_b(layers, 0.0), layer_w(layers, 0.0);
   for (const LayerRange& s : stages) {
     double f = 0, b = 0, w = 0;
+    double stage_f = 0, stage_b = 0, stage_w = 0;  // the layers' below, summed
     int blocks = 0;
+    double tp_again = 0;  // the all-reduces of recomputed F's (and re-run B's)
     for (int i = s.first; i <= s.last; ++i) {
       const double f_before = f, b_before = b, w_before = w;
       if (measured.layers() > 0) {
@@ -214,15 +225,25 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
       }
       const bool block = i >= 1 && i <= m.n_layer;
       blocks += block;
-      layer_f[static_cast<size_t>(i)] = f - f_before + (block ? 2 * tp_ar : 0.0);
-      layer_b[static_cast<size_t>(i)] = b - b_before + (layout.recompute ? layer_f[static_cast<size_t>(i)] : 0.0) + (block ? 2 * tp_ar : 0.0);
-      layer_w[static_cast<size_t>(i)] = w - w_before;
+      const Recompute mode = recompute.at_layer(i);
+      if (block && mode != Recompute::none) {
+        tp_again += (mode == Recompute::full ? 2 * tp_ar : 0.0) +
+                    (w_apart ? 2 * tp_ar + (mode == Recompute::full ? 2 * tp_ar : 0.0) : 0.0);
+      }
+      const double layer_fi = f - f_before + (block ? 2 * tp_ar : 0.0);
+      const double again = mode == Recompute::full ? layer_fi : mode == Recompute::selective ? (f - f_before) * attention_share : 0.0;
+      const double layer_bi = b - b_before + (block ? 2 * tp_ar : 0.0);
+      layer_f[static_cast<size_t>(i)] = layer_fi;
+      layer_b[static_cast<size_t>(i)] = layer_bi + again;
+      layer_w[static_cast<size_t>(i)] = w - w_before + (w_apart && mode != Recompute::none ? again + layer_bi : 0.0);
+      stage_f += layer_f[static_cast<size_t>(i)], stage_b += layer_b[static_cast<size_t>(i)];
+      stage_w += layer_w[static_cast<size_t>(i)];
     }
     const double tp = 2 * blocks * tp_ar;  // two all-reduces per block in F, two in B
-    costs.forward.push_back(f + tp);
-    costs.backward_input.push_back(b + tp + (layout.recompute ? f + tp : 0.0));
-    costs.backward_weight.push_back(w);
-    tp_per_rank_max = std::max(tp_per_rank_max, (layout.recompute ? 3 : 2) * tp * r.micro_batches);
+    costs.forward.push_back(stage_f);
+    costs.backward_input.push_back(stage_b);
+    costs.backward_weight.push_back(stage_w);
+    tp_per_rank_max = std::max(tp_per_rank_max, (2 * tp + tp_again) * r.micro_batches);
   }
   // A stage boundary crosses nodes once a stage's tensor x data devices fill one.
   const bool pp_across = TP * D >= cluster.devices_per_node && P > 1;
@@ -313,18 +334,19 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   r.memory.params_gib = most * 4 / kGiB;
   r.memory.grads_gib = most * 4 * (par.zero >= 2 ? 1.0 / D : 1.0) / kGiB;
   r.memory.optimizer_gib = most * 8 * shard / kGiB;
-  const pipeline::Plan plan = pipeline::plan(config, stages, r.micro_batches);
+  // Activations as Keel lays them out under the recomputation asked: the slots in flight (each
+  // keeping what its blocks' mode keeps) and the one set the recomputing blocks share.
+  Config laid_out = config;
+  laid_out.train.recompute = recompute.mode;
+  laid_out.train.recompute_layers = std::to_string(recompute.first_block) + "-" + std::to_string(recompute.last_block);
+  if (recompute.mode == Recompute::none) laid_out.train.recompute_layers = "all";
+  const pipeline::Plan plan = pipeline::plan(laid_out, stages, r.micro_batches);
   double in_flight = static_cast<double>(*std::max_element(plan.check.peak_bytes.begin(), plan.check.peak_bytes.end()));
-  if (layout.recompute) {
-    // Recomputation keeps each block's input per micro-batch in flight, and one block's full
-    // working set while it recomputes and runs backward.
-    int most_blocks = 0, most_in_flight = 0;
-    for (const LayerRange& s : stages) most_blocks = std::max(most_blocks, std::min(s.last, m.n_layer) - std::max(s.first, 1) + 1);
-    for (int k : plan.check.peak_in_flight) most_in_flight = std::max(most_in_flight, k);
-    const LayerRange one_block{1, 1};
-    in_flight = static_cast<double>(most_in_flight) * most_blocks * tokens * m.n_embd * sizeof(float) +
-                static_cast<double>(GPT::slot_bytes_for(m, one_block, r.micro_batch, T));
+  double shared = 0;
+  for (const LayerRange& s : stages) {
+    shared = std::max(shared, static_cast<double>(GPT::recomputed_bytes_for(m, s, r.micro_batch, T, bf16, recompute)));
   }
+  in_flight += shared;
   r.memory.activations_gib = in_flight / TP / kGiB;
   r.fits = r.memory.total_gib() <= cluster.device.memory_gib;
   if (layout.tiers || tiering_enabled(config.tier)) {

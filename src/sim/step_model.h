@@ -10,8 +10,10 @@
 //    stays in a node, a data group does while tensor x data fits one.
 //  * Compute: each layer's forward FLOPs per token (pipeline/layout.h layer_costs, the FLOP model
 //    the static partitioner cuts by), at the device's peak for the run's precision times its
-//    matmul_efficiency; B and W each cost what F does (Keel's split of backward), plus one more
-//    F with activation recomputation; each block's elementwise work (36 values of the width per
+//    matmul_efficiency; B and W each cost what F does (Keel's split of backward); with activation
+//    recomputation (train.recompute, or --recompute: full on every block) B runs a recomputing
+//    block's F again (full) or its attention's share of it (selective), and a zero-bubble
+//    schedule's W, apart from its B, rebuilds that and runs B again; each block's elementwise work (36 values of the width per
 //    token in F, twice that in B) at the device's memory bandwidth. Or each layer's F, B, W as a Keel run measured them
 //    (SimLayout::layer_costs), for a cluster of the machine that measured them.
 //  * The pipeline: Keel's schedule (pipeline/schedule.h make_schedule) replayed by Keel's schedule
@@ -32,7 +34,8 @@
 //    to failures (half a checkpoint interval and a restart per failure, at the cluster's rate).
 //  * Memory per device: Keel's planes (float32 parameters and gradients, AdamW moments; ZeRO
 //    shards), activations in flight as Keel lays them out (GPT::slot_bytes_for times the
-//    schedule's proven peak in flight), each divided over the tensor group.
+//    schedule's proven peak in flight, under the recomputation asked, and the set recomputing
+//    blocks share), each divided over the tensor group.
 //  * Compressed sync (sync.codec, HybridGC): each chunk's codec by Keel's policy, its encoded size
 //    by the codec itself, and CompressedAllreduce's shape (two-phase or gather) give the bytes
 //    sent (sync_wire_ratio); the codecs' compute at the cluster file's [codecs] rates (measured
@@ -57,7 +60,7 @@ namespace keel::sim {
 
 struct SimLayout {
   int tensor = 1;          // tensor-parallel degree (modelled only)
-  bool recompute = false;  // activation recomputation: backward runs the forward again
+  bool recompute = false;  // full activation recomputation of every block (where train.recompute is "none")
   // Measured per-layer F, B, W (ms per micro-batch of this config's size, on one device: a run's
   // metrics.jsonl layer_costs line, pipeline/layer_profile.h) in place of the FLOP model at the
   // device's peak; their sequence length is carried to the config's by the FLOP model. Empty:
