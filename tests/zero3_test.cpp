@@ -110,7 +110,8 @@ TEST_F(Zero3, LlamaAndBf16ProductsTrainAsWithoutSharding) {
 }
 
 // A rank holds its own shard between layers, and its shard plus the gathered layers at the most:
-// measured (resident pages), against the partition's accounting.
+// measured (resident pages), against the partition's accounting; on the recorded schedule the
+// next layer's broadcasts start ahead.
 TEST_F(Zero3, ParameterBytesAreTheShardPlusTheLayersInFlight) {
   for (const char* keep : {"none", "all"}) {
     const std::string run = std::string("mem_") + keep;
@@ -125,6 +126,7 @@ TEST_F(Zero3, ParameterBytesAreTheShardPlusTheLayersInFlight) {
       const auto peak = s["zero3_param_peak_resident_bytes"].get<std::vector<int64_t>>();
       const auto in_flight = s["zero3_in_flight_peak_bytes"].get<std::vector<int64_t>>();
       const auto received = s["zero3_gathered_bytes"].get<std::vector<int64_t>>();
+      const auto ahead = s["zero3_ahead_peak_bytes"].get<std::vector<int64_t>>();
       ASSERT_EQ(shard.size(), 2u) << s.dump();
       const int64_t whole = shard[0] + shard[1];
       for (int rank = 0; rank < 2; ++rank) {
@@ -139,6 +141,11 @@ TEST_F(Zero3, ParameterBytesAreTheShardPlusTheLayersInFlight) {
           EXPECT_GT(in_flight[rank], 0);
           EXPECT_LT(in_flight[rank], others);
         }
+        // From the third step on, the leases follow the last step's record: layers arrive ahead.
+        if (s["step"].get<int>() >= 3) {
+          EXPECT_GT(ahead[rank], 0);
+        }
+        EXPECT_LE(ahead[rank], others);
         // Kept, every other rank's chunk arrives once a step (the first step's with the evaluation
         // before it); otherwise at least once for forward and again for backward.
         if (std::string(keep) == "all") {
@@ -184,6 +191,35 @@ TEST_F(Zero3, CheckpointsResumeExactlyUnderEveryZeroAndRankCount) {
 
 // Samples at the end of a ZeRO-3 run (rank 0 alone runs the model: the whole model gathered
 // first), and `keel eval` / `keel generate` on one process from its checkpoint: as from ZeRO-0's.
+// A rank SIGKILLed while writing a checkpoint (KEEL_FAULT kills it at a file operation) is
+// recovered by `keel launch --max-restarts` from the last checkpoint, sharded again, to the
+// uninterrupted run's bytes: parameters and both moments.
+TEST_F(Zero3, AKilledRankIsRecoveredToTheUninterruptedBytes) {
+  const std::string job = "launch -n 2 --max-restarts 1 -- train --config " + dir / "toy.toml" +
+                          " --set train.batch_size=4 --set train.steps=12 --set parallel.zero=3 --set train.run_dir=";
+  auto reference = run_keel(job + dir / "reference --set train.checkpoint_every=0");
+  ASSERT_EQ(reference.exit_code, 0) << reference.output;
+  // Rank 1's operations per checkpoint: create_dirs, create r1.bin, one append per chunk and
+  // plane, sync, close, sync_dir. Killed at its fourth append of the second checkpoint (step 8).
+  const auto manifest =
+      nlohmann::json::parse(read_text_file(testing::newest_checkpoint(dir / "reference/ckpt") + "/manifest.json"));
+  const auto& writers = manifest.at("layout").at("writers");
+  ASSERT_EQ(writers.size(), 2u);
+  const int chunks = writers[1][1].get<int>() - writers[1][0].get<int>();
+  const int op = (3 * chunks + 5) + 2 + 4;
+  const std::string fault =
+      "KEEL_FAULT=kill:op=" + std::to_string(op) + ":path=ckpt/step-:rank=1:once=" + dir / "fault.spent";
+  auto killed = testing::run_command(fault + " " + std::string(KEEL_BINARY) + " " + job + dir / "killed" +
+                                     " --set train.checkpoint_every=4");
+  ASSERT_EQ(killed.exit_code, 0) << killed.output;
+  EXPECT_NE(killed.output.find("restart 1 of 1"), std::string::npos) << killed.output;
+  EXPECT_NE(killed.output.find("resumed from"), std::string::npos) << killed.output;
+  for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+    EXPECT_EQ(testing::checkpoint_bytes(dir / "killed/ckpt", plane), testing::checkpoint_bytes(dir / "reference/ckpt", plane))
+        << static_cast<int>(plane);
+  }
+}
+
 TEST_F(Zero3, SamplesEvaluatesAndGeneratesFromAZero3Checkpoint) {
   std::filesystem::create_directories(dir / "text");
   for (int i = 0; i < 10; ++i) {

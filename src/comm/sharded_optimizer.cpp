@@ -78,7 +78,10 @@ float ShardedOptimizer::clip_for(double norm) const {
 
 void ShardedOptimizer::step(double lr, int64_t t, float clip) {
   if (store_.residency().always_present()) {
-    // Whole planes: AdamW over this rank's shard, then (ZeRO) one all-gather of the parameters.
+    // Whole planes: AdamW over this rank's shard, then (ZeRO-1/2) one all-gather of the
+    // parameters. Under ZeRO-3 the copies of other ranks' parameters gathered this step are
+    // dropped first (every broadcast of them finished: the owners' update makes them stale).
+    if (params_) params_->drop_gathered();
     adamw_.step(store_, lr, t, clip, counts());
     if (zero_ > 0) gather_parameters(t);
     return;
@@ -143,6 +146,7 @@ void ShardedOptimizer::add_step_fields(double, nlohmann::json& line) {
                          static_cast<double>(store_.resident_bytes(Plane::param)),
                          static_cast<double>(peaks.resident_bytes),
                          static_cast<double>(peaks.gathered_bytes),
+                         static_cast<double>(peaks.ahead_bytes),
                          static_cast<double>(peaks.received_bytes),
                          static_cast<double>(store_.resident_bytes(Plane::grad)),
                          static_cast<double>(store_.plane_bytes(Plane::adam_m) + store_.plane_bytes(Plane::adam_v))};
@@ -153,7 +157,8 @@ void ShardedOptimizer::add_step_fields(double, nlohmann::json& line) {
   dp_.allreduce_sum(all.data(), all.size());
   const char* names[kFigures] = {"zero3_param_shard_bytes",     "zero3_param_resident_bytes",
                                  "zero3_param_peak_resident_bytes", "zero3_in_flight_peak_bytes",
-                                 "zero3_gathered_bytes",        "zero3_grad_resident_bytes",
+                                 "zero3_ahead_peak_bytes",      "zero3_gathered_bytes",
+                                 "zero3_grad_resident_bytes",
                                  "zero3_moment_bytes"};
   for (int f = 0; f < kFigures; ++f) {
     std::vector<int64_t> per_rank(static_cast<size_t>(n));
@@ -171,10 +176,6 @@ void ShardedOptimizer::gather_parameters(int64_t t) {
   // already discarded the rest; under ZeRO-1 clear it here for the next step (kept mapped: the
   // next backward writes all of it again).
   const int r = dp_.rank();
-  if (zero_ == 3) {
-    // The parameters stay with their owners: the copies gathered this step are stale now.
-    params_->drop_gathered();
-  }
   if (zero_ == 1) {
     std::span<float> grads = store_.range_view(Plane::grad, 0, store_.numel());
     std::fill(grads.begin(), grads.begin() + partition_.begin[r], 0.0f);

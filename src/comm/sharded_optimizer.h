@@ -92,7 +92,7 @@ class ShardedOptimizer final : public MetricsSource {
 
  private:
   // ZeRO without tiers: after this rank updated its shard, every rank receives every parameter
-  // (ZeRO-1/2), or drops the copies of other ranks' parameters it gathered (ZeRO-3).
+  // (ZeRO-1/2; under ZeRO-3 they stay with their owners).
   void gather_parameters(int64_t t);
   void update_chunk(int chunk);
   const std::vector<int64_t>* counts() const { return counts_.empty() ? nullptr : &counts_; }

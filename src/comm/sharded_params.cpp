@@ -67,6 +67,9 @@ void ShardedParams::drop_gathered() {
   check(std::all_of(pins_.begin(), pins_.end(), [](int p) { return p == 0; }),
         "ZeRO-3: parameters dropped while a layer still uses them");
   if (!sharded_) return;
+  wait_ahead();
+  last_round_ = std::move(this_round_);
+  this_round_.clear();
   for (int c = 0; c < static_cast<int>(gathered_.size()); ++c) {
     if (gathered_[c]) give_back(c);
   }
@@ -75,15 +78,40 @@ void ShardedParams::drop_gathered() {
 
 void ShardedParams::gather_whole() {
   if (!sharded_) return;
+  wait_ahead();
   std::vector<PageRef> all;
   for (int c = 0; c < static_cast<int>(gathered_.size()); ++c) all.push_back({c, Plane::param});
   gather(all);
   whole_ = true;
 }
 
+void ShardedParams::wait_ahead() {
+  for (Communicator::Request& r : ahead_) comm_->wait(r);
+  ahead_.clear();
+  ahead_bytes_ = 0;
+}
+
+void ShardedParams::start_ahead(const std::vector<int>& chunks) {
+  for (int c : chunks) {
+    if (gathered_[c]) continue;
+    gathered_[c] = 1;
+    const int64_t n = extent(c);
+    if (!own(c)) {
+      gathered_bytes_ += n * static_cast<int64_t>(sizeof(float));
+      peaks_.received_bytes += n * static_cast<int64_t>(sizeof(float));
+      ahead_bytes_ += n * static_cast<int64_t>(sizeof(float));
+    }
+    float* at = store_.range_view(Plane::param, store_.chunks()[c].offset, n).data();
+    ahead_.push_back(comm_->ibroadcast(at, static_cast<size_t>(n), owners_.owner(c)));
+  }
+  peaks_.ahead_bytes = std::max(peaks_.ahead_bytes, ahead_bytes_);
+}
+
 void ShardedParams::gather(std::span<const PageRef> pages) {
   // Every rank reaches here with the same pages and the same gathered_ flags: the same
-  // broadcasts, started together (one per chunk, from its owner) and then waited for.
+  // broadcasts, started together (one per chunk, from its owner) and then waited for. The ones
+  // started ahead were started in the same order on every rank, and are all waited for first.
+  wait_ahead();
   std::vector<Communicator::Request> requests;
   for (const PageRef& p : pages) {
     if (p.plane != Plane::param || gathered_[p.chunk]) continue;
@@ -97,7 +125,7 @@ void ShardedParams::gather(std::span<const PageRef> pages) {
     requests.push_back(comm_->ibroadcast(at, static_cast<size_t>(n), owners_.owner(p.chunk)));
   }
   for (Communicator::Request& r : requests) comm_->wait(r);
-  if (!requests.empty()) note_peaks();
+  note_peaks();
 }
 
 void ShardedParams::note_peaks() {
@@ -134,7 +162,17 @@ void ShardedParams::acquire(std::span<const PageRef> pages) {
 }
 
 void ShardedParams::acquire_layer(std::span<const PageRef> pages) {
-  if (sharded_) gather(pages);
+  std::vector<int> chunks;
+  for (const PageRef& p : pages) {
+    if (p.plane == Plane::param) chunks.push_back(p.chunk);
+  }
+  if (sharded_ && !chunks.empty()) {
+    gather(pages);
+    // On the recorded schedule: the lease that came next last round, broadcast ahead.
+    const size_t at = this_round_.size();
+    if (!whole_ && at + 1 < last_round_.size() && last_round_[at] == chunks) start_ahead(last_round_[at + 1]);
+    this_round_.push_back(std::move(chunks));
+  }
   for (const PageRef& p : pages) {
     if (p.plane == Plane::param) pins_[p.chunk]++;
   }

@@ -4,7 +4,10 @@
 //
 // A layer's lease (ChunkStore::use_layer, Residency::acquire_layer) gathers the layer's chunks it
 // does not hold: every rank takes the same layer leases in the same order (forward, backward,
-// evaluation), so the owners' broadcasts match on every rank. When the last lease of a chunk
+// evaluation), so the owners' broadcasts match on every rank. The leases between two optimizer
+// steps are recorded; in the next such round, when a lease is the one recorded at the same place,
+// the recorded next lease's chunks are broadcast ahead (non-blocking, progressed by every MPI test
+// until that lease waits for them: the gradient sync's tests between backward's layers drive them). When the last lease of a chunk
 // ends, another rank's chunk is given back (zeroed, MADV_DONTNEED, as ZeRO-2's gradient discard
 // does) unless `parallel.zero3_keep` keeps it until the optimizer step. A rank's parameter memory
 // is therefore its own shard plus the layers in flight; both are measured (mincore), not assumed.
@@ -49,10 +52,11 @@ class ShardedParams final : public Residency {
   int64_t shard_bytes() const { return shard_bytes_; }  // its own chunks' parameter pages
   int64_t whole_bytes() const;                          // the whole parameter plane
   int64_t gathered_bytes() const { return gathered_bytes_; }  // other ranks' pages held now
-  // Largest gathered_bytes() and largest measured resident parameter bytes (taken after each
-  // gather) since the last call; received bytes since the last call.
+  // Since the last call: the largest gathered_bytes() and resident parameter bytes measured
+  // (mincore) at the same moments, after each lease's gather and before the next broadcast ahead
+  // starts; the most bytes broadcast ahead at once; the bytes received.
   struct Peaks {
-    int64_t gathered_bytes = 0, resident_bytes = 0, received_bytes = 0;
+    int64_t gathered_bytes = 0, resident_bytes = 0, ahead_bytes = 0, received_bytes = 0;
   };
   Peaks take_peaks();
   // The largest any one layer's lease (or the head's with the tied embedding) gathers from others:
@@ -81,6 +85,9 @@ class ShardedParams final : public Residency {
   // The flat range a chunk's pages span: from its start to the next chunk's (alignment included).
   int64_t extent(int chunk) const;
   void gather(std::span<const PageRef> pages);
+  // Starts the broadcasts of these chunks that are not gathered (the recorded next lease's).
+  void start_ahead(const std::vector<int>& chunks);
+  void wait_ahead();
   void give_back(int chunk);
   void note_peaks();
 
@@ -97,6 +104,11 @@ class ShardedParams final : public Residency {
   // that owners join the broadcasts the others wait for), and the layer leases holding it.
   std::vector<uint8_t> gathered_;
   std::vector<int> pins_;
+  // The layer leases' parameter chunks, in order: this round's and the last round's (a round ends
+  // at the optimizer step). The broadcasts started ahead, and their bytes.
+  std::vector<std::vector<int>> this_round_, last_round_;
+  std::vector<Communicator::Request> ahead_;
+  int64_t ahead_bytes_ = 0;
   int64_t shard_bytes_ = 0, gathered_bytes_ = 0;
   Peaks peaks_;
 };
