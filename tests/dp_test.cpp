@@ -33,9 +33,7 @@ class DataParallel : public ::testing::Test {
   }
   // Trains with `ranks` ranks (0 = plain `keel train`, no MPI) and per-rank batch b into run_dir.
   testing::CommandResult train(int ranks, int b, const std::string& run, const std::string& extra = "") {
-    const std::string args = "train --config " + dir / "toy.toml" + " --set train.batch_size=" + std::to_string(b) +
-                             " --set train.run_dir=" + dir / run + " " + extra;
-    return run_keel(ranks == 0 ? args : "launch -n " + std::to_string(ranks) + " -- " + args);
+    return run_keel(testing::toy_train_args(dir, ranks, b, run, extra));
   }
   std::vector<double> losses(const std::string& run) {
     std::vector<double> out;

@@ -91,18 +91,22 @@ void ShardedParams::wait_ahead() {
   ahead_bytes_ = 0;
 }
 
+Communicator::Request ShardedParams::start_gather(int chunk) {
+  gathered_[chunk] = 1;
+  const int64_t n = extent(chunk);
+  if (!own(chunk)) {
+    gathered_bytes_ += n * static_cast<int64_t>(sizeof(float));
+    peaks_.received_bytes += n * static_cast<int64_t>(sizeof(float));
+  }
+  float* at = store_.range_view(Plane::param, store_.chunks()[chunk].offset, n).data();
+  return comm_->ibroadcast(at, static_cast<size_t>(n), owners_.owner(chunk));
+}
+
 void ShardedParams::start_ahead(const std::vector<int>& chunks) {
   for (int c : chunks) {
     if (gathered_[c]) continue;
-    gathered_[c] = 1;
-    const int64_t n = extent(c);
-    if (!own(c)) {
-      gathered_bytes_ += n * static_cast<int64_t>(sizeof(float));
-      peaks_.received_bytes += n * static_cast<int64_t>(sizeof(float));
-      ahead_bytes_ += n * static_cast<int64_t>(sizeof(float));
-    }
-    float* at = store_.range_view(Plane::param, store_.chunks()[c].offset, n).data();
-    ahead_.push_back(comm_->ibroadcast(at, static_cast<size_t>(n), owners_.owner(c)));
+    if (!own(c)) ahead_bytes_ += extent(c) * static_cast<int64_t>(sizeof(float));
+    ahead_.push_back(start_gather(c));
   }
   peaks_.ahead_bytes = std::max(peaks_.ahead_bytes, ahead_bytes_);
 }
@@ -114,15 +118,7 @@ void ShardedParams::gather(std::span<const PageRef> pages) {
   wait_ahead();
   std::vector<Communicator::Request> requests;
   for (const PageRef& p : pages) {
-    if (p.plane != Plane::param || gathered_[p.chunk]) continue;
-    gathered_[p.chunk] = 1;
-    const int64_t n = extent(p.chunk);
-    if (!own(p.chunk)) {
-      gathered_bytes_ += n * static_cast<int64_t>(sizeof(float));
-      peaks_.received_bytes += n * static_cast<int64_t>(sizeof(float));
-    }
-    float* at = store_.range_view(Plane::param, store_.chunks()[p.chunk].offset, n).data();
-    requests.push_back(comm_->ibroadcast(at, static_cast<size_t>(n), owners_.owner(p.chunk)));
+    if (p.plane == Plane::param && !gathered_[p.chunk]) requests.push_back(start_gather(p.chunk));
   }
   for (Communicator::Request& r : requests) comm_->wait(r);
   note_peaks();

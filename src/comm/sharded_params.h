@@ -85,6 +85,8 @@ class ShardedParams final : public Residency {
   // The flat range a chunk's pages span: from its start to the next chunk's (alignment included).
   int64_t extent(int chunk) const;
   void gather(std::span<const PageRef> pages);
+  // Marks a chunk gathered and starts its broadcast from its owner (every rank alike).
+  Communicator::Request start_gather(int chunk);
   // Starts the broadcasts of these chunks that are not gathered (the recorded next lease's).
   void start_ahead(const std::vector<int>& chunks);
   void wait_ahead();
