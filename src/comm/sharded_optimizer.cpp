@@ -40,11 +40,11 @@ void ShardedOptimizer::print_startup() const {
                 "gradient and moment\n");
   }
   if (!params_) return;
-  std::printf("keel: ZeRO-3 over %d ranks: parameters %.1f MB per rank (its shard) of %.1f MB, plus the layers in "
-              "flight (up to %.1f MB gathered at once with zero3_keep = \"%s\"%s); gradients reduce-scattered, "
-              "moments sharded\n",
-              dp_.size(), params_->shard_bytes() / 1e6, params_->whole_bytes() / 1e6,
-              params_->largest_layer_gather_bytes() / 1e6, to_string(config_.parallel.zero3_keep),
+  std::printf("keel: ZeRO-3 over %d ranks: parameters up to %.1f MB per rank (its shard) of %.1f MB, plus the layers "
+              "in flight (up to %.1f MB in use at once with zero3_keep = \"%s\"%s, and the next one's broadcast "
+              "ahead); gradients reduce-scattered, moments sharded\n",
+              dp_.size(), params_->group_max_shard_bytes() / 1e6, params_->whole_bytes() / 1e6,
+              params_->group_max_layer_gather_bytes() / 1e6, to_string(config_.parallel.zero3_keep),
               config_.parallel.zero3_keep == Zero3Keep::none ? "" : ", more while kept");
 }
 

@@ -33,6 +33,10 @@ ShardedParams::ShardedParams(Communicator& dp, ChunkStore& store, const ChunkPar
   last_layer_ = n > 0 ? store_.chunks().back().layer : 0;
   gathered_.assign(static_cast<size_t>(n), 1);  // until shed(): the whole model, drawn or loaded
   pins_.assign(static_cast<size_t>(n), 0);
+  double figures[2] = {static_cast<double>(shard_bytes_), static_cast<double>(largest_layer_gather_bytes())};
+  comm_->allreduce_max(figures, 2);
+  group_max_[0] = static_cast<int64_t>(figures[0]);
+  group_max_[1] = static_cast<int64_t>(figures[1]);
   store_.attach_residency(this);
 }
 

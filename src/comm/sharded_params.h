@@ -36,6 +36,7 @@ class ShardedParams final : public Residency {
  public:
   // Attaches itself to `store` (finalized, its own residency attached) for `owners`' rank `dp.rank()`.
   // Until shed(), every page is present (the weights are drawn or loaded whole on every rank).
+  // Collective over `dp` (the group's figures).
   ShardedParams(Communicator& dp, ChunkStore& store, const ChunkPartition& owners, Zero3Keep keep);
   ~ShardedParams() override;  // gives the store back its own residency
 
@@ -60,8 +61,11 @@ class ShardedParams final : public Residency {
   };
   Peaks take_peaks();
   // The largest any one layer's lease (or the head's with the tied embedding) gathers from others:
-  // what keep = "none" holds in flight at most (the start-up line's figure).
+  // what keep = "none" holds in flight at most, without what is broadcast ahead.
   int64_t largest_layer_gather_bytes() const;
+  // The largest shard and largest_layer_gather_bytes() over the group (the start-up line's).
+  int64_t group_max_shard_bytes() const { return group_max_[0]; }
+  int64_t group_max_layer_gather_bytes() const { return group_max_[1]; }
 
   // Residency.
   bool always_present() const override { return true; }  // this rank's shard, which whole-plane work reads
@@ -112,6 +116,7 @@ class ShardedParams final : public Residency {
   std::vector<Communicator::Request> ahead_;
   int64_t ahead_bytes_ = 0;
   int64_t shard_bytes_ = 0, gathered_bytes_ = 0;
+  int64_t group_max_[2] = {};
   Peaks peaks_;
 };
 
