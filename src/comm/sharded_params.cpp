@@ -91,8 +91,20 @@ void ShardedParams::gather_whole() {
 
 void ShardedParams::wait_ahead() {
   for (Communicator::Request& r : ahead_) comm_->wait(r);
+  written(ahead_chunks_);
   ahead_.clear();
+  ahead_chunks_.clear();
   ahead_bytes_ = 0;
+}
+
+void ShardedParams::written(const std::vector<int>& chunks) {
+  // A gather wrote these pages (other ranks' chunks): their version moves on, so that whatever
+  // was derived from their earlier bytes (a bf16 copy) is known stale.
+  std::vector<PageRef> pages;
+  for (int c : chunks) {
+    if (!own(c)) pages.push_back({c, Plane::param});
+  }
+  if (!pages.empty()) inner_.release(pages, /*modified=*/true);
 }
 
 Communicator::Request ShardedParams::start_gather(int chunk) {
@@ -111,6 +123,7 @@ void ShardedParams::start_ahead(const std::vector<int>& chunks) {
     if (gathered_[c]) continue;
     if (!own(c)) ahead_bytes_ += extent(c) * static_cast<int64_t>(sizeof(float));
     ahead_.push_back(start_gather(c));
+    ahead_chunks_.push_back(c);
   }
   peaks_.ahead_bytes = std::max(peaks_.ahead_bytes, ahead_bytes_);
 }
@@ -121,10 +134,15 @@ void ShardedParams::gather(std::span<const PageRef> pages) {
   // started ahead were started in the same order on every rank, and are all waited for first.
   wait_ahead();
   std::vector<Communicator::Request> requests;
+  std::vector<int> chunks;
   for (const PageRef& p : pages) {
-    if (p.plane == Plane::param && !gathered_[p.chunk]) requests.push_back(start_gather(p.chunk));
+    if (p.plane == Plane::param && !gathered_[p.chunk]) {
+      requests.push_back(start_gather(p.chunk));
+      chunks.push_back(p.chunk);
+    }
   }
   for (Communicator::Request& r : requests) comm_->wait(r);
+  written(chunks);
   note_peaks();
 }
 

@@ -94,6 +94,7 @@ class ShardedParams final : public Residency {
   // Starts the broadcasts of these chunks that are not gathered (the recorded next lease's).
   void start_ahead(const std::vector<int>& chunks);
   void wait_ahead();
+  void written(const std::vector<int>& chunks);
   void give_back(int chunk);
   void note_peaks();
 
@@ -114,6 +115,7 @@ class ShardedParams final : public Residency {
   // at the optimizer step). The broadcasts started ahead, and their bytes.
   std::vector<std::vector<int>> this_round_, last_round_;
   std::vector<Communicator::Request> ahead_;
+  std::vector<int> ahead_chunks_;
   int64_t ahead_bytes_ = 0;
   int64_t shard_bytes_ = 0, gathered_bytes_ = 0;
   int64_t group_max_[2] = {};
