@@ -15,22 +15,16 @@
 #include "core/fileio.h"
 #include "runtime/job_config.h"
 #include "test_util.h"
+#include "toy_runs.h"
 
 namespace keel {
 namespace {
 
 using testing::run_keel;
 
-class Zero3 : public ::testing::Test {
+class Zero3 : public testing::ToyRuns {
  protected:
-  void SetUp() override {
-    testing::write_toy_corpus(dir.path());
-    testing::write_toy_config(dir.path(), 20);
-  }
-  // Trains with `ranks` ranks (0 = plain `keel train`, no MPI) and per-rank batch b into run_dir.
-  testing::CommandResult train(int ranks, int b, const std::string& run, const std::string& extra = "") {
-    return run_keel(testing::toy_train_args(dir, ranks, b, run, extra));
-  }
+  Zero3() : ToyRuns("keel-zero3") {}
   std::vector<nlohmann::json> step_lines(const std::string& run) { return testing::step_lines(dir / (run + "/metrics.jsonl")); }
   std::vector<double> losses(const std::string& run) { return testing::step_losses(dir / (run + "/metrics.jsonl")); }
   std::vector<char> param_bytes(const std::string& run) { return testing::checkpoint_bytes(dir / (run + "/ckpt")); }
@@ -42,7 +36,6 @@ class Zero3 : public ::testing::Test {
       EXPECT_LT(d, 1e-5) << run << ": " << name;
     }
   }
-  testing::TempDir dir{"keel-zero3"};
 };
 
 TEST_F(Zero3, NRanksTrainWhatOneRankTrainsWithTheWholeBatch) {
