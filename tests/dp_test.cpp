@@ -16,6 +16,7 @@
 #include "core/rng.h"
 #include "data/shard.h"
 #include "test_util.h"
+#include "toy_runs.h"
 
 extern char** environ;
 
@@ -24,19 +25,9 @@ namespace {
 
 using testing::run_keel;
 
-class DataParallel : public ::testing::Test {
+class DataParallel : public testing::ToyRuns {
  protected:
-  void SetUp() override {
-    // A learnable stream with a little noise, vocabulary 64.
-    testing::write_toy_corpus(dir.path());
-    testing::write_toy_config(dir.path(), 20);
-  }
-  // Trains with `ranks` ranks (0 = plain `keel train`, no MPI) and per-rank batch b into run_dir.
-  testing::CommandResult train(int ranks, int b, const std::string& run, const std::string& extra = "") {
-    const std::string args = "train --config " + dir / "toy.toml" + " --set train.batch_size=" + std::to_string(b) +
-                             " --set train.run_dir=" + dir / run + " " + extra;
-    return run_keel(ranks == 0 ? args : "launch -n " + std::to_string(ranks) + " -- " + args);
-  }
+  DataParallel() : ToyRuns("keel-dp") {}
   std::vector<double> losses(const std::string& run) {
     std::vector<double> out;
     const std::string text = read_text_file(dir / (run + "/metrics.jsonl"));
@@ -52,7 +43,6 @@ class DataParallel : public ::testing::Test {
   std::map<std::string, double> weight_distance(const std::string& a, const std::string& b) {
     return testing::weight_distance(dir / (a + "/ckpt"), dir / (b + "/ckpt"));
   }
-  testing::TempDir dir{"keel-dp"};
 };
 
 TEST_F(DataParallel, NRanksWithBatchBEqualOneRankWithBatchNB) {

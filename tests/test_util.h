@@ -31,6 +31,7 @@
 #include "core/rng.h"
 #include "data/shard.h"
 #include "model/gpt.h"
+#include "runtime/job_config.h"
 #include "store/chunk_store.h"
 
 extern char** environ;
@@ -77,6 +78,19 @@ inline std::vector<char> checkpoint_bytes(const std::string& root, Plane plane =
   const std::vector<float> v = read_checkpoint_plane(newest_checkpoint(root), plane);
   const char* p = reinterpret_cast<const char*>(v.data());
   return std::vector<char>(p, p + v.size() * sizeof(float));
+}
+
+// Every step line of a run's metrics.jsonl (the lines with a training loss), in order.
+inline std::vector<nlohmann::json> step_lines(const std::string& metrics_jsonl) {
+  std::vector<nlohmann::json> out;
+  const std::string text = read_text_file(metrics_jsonl);
+  for (size_t at = 0; at < text.size();) {
+    const size_t end = std::min(text.find('\n', at), text.size());
+    nlohmann::json j = nlohmann::json::parse(text.substr(at, end - at));
+    if (j.contains("loss") && !j.contains("event")) out.push_back(std::move(j));
+    at = end + 1;
+  }
+  return out;
 }
 
 // The training loss of every step line of a run's metrics.jsonl, in order.
@@ -218,6 +232,27 @@ inline void write_toy_config(const std::string& dir, int steps) {
              "\neval_batches = 2\nsample_tokens = 0\nlog_every = 100\n[optim]\nlr = 3e-3\nwarmup_steps = 5\n"
              "[data]\ntrain = \"" + dir + "/train.bin\"\nval = \"" + dir + "/val.bin\"\ntokenizer = \"\"\n"
              "[runtime]\npeak_gflops = 100\n[parallel]\nbucket_bytes = 65536\n");
+}
+
+// Why a job of `world` ranks refuses the configuration `sets` (key=value overrides of the
+// built-in defaults): the error resolve_job_config throws, or "" when it accepts it.
+inline std::string config_refusal(const std::vector<std::string>& sets, int world) {
+  try {
+    Config c = Config::load("", sets);
+    resolve_job_config(c, world);
+    return "";
+  } catch (const Error& e) {
+    return e.what();
+  }
+}
+
+// The arguments of `keel` that train the toy model (write_toy_config) in dir with `ranks` ranks
+// (0 = plain `keel train`, no MPI) and per-rank batch b into dir/run.
+inline std::string toy_train_args(const TempDir& dir, int ranks, int b, const std::string& run,
+                                  const std::string& extra = "") {
+  const std::string args = "train --config " + dir / "toy.toml" + " --set train.batch_size=" + std::to_string(b) +
+                           " --set train.run_dir=" + dir / run + " " + extra;
+  return ranks == 0 ? args : "launch -n " + std::to_string(ranks) + " -- " + args;
 }
 
 // Process ids of the running `keel train --config CONFIG` processes (the ranks of a job), ascending.

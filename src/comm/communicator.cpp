@@ -147,6 +147,15 @@ void Communicator::broadcast(float* data, size_t count, int root) {
   mpi_check(MPI_Bcast(data, static_cast<int>(count), MPI_FLOAT, root, comm_), "broadcast");
 }
 
+Communicator::Request Communicator::ibroadcast(float* data, size_t count, int root) {
+  Request r;
+  if (!uses_mpi_ || count == 0) return r;
+  check(count <= std::numeric_limits<int>::max(), "broadcast too large for one MPI call");
+  r.done = false;
+  mpi_check(MPI_Ibcast(data, static_cast<int>(count), MPI_FLOAT, root, comm_, &r.handle), "ibroadcast");
+  return r;
+}
+
 void Communicator::gatherv_to_root(const float* send, float* root_buffer, const std::vector<int>& counts,
                                    const std::vector<int>& displs) {
   if (!uses_mpi_) return;

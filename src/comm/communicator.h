@@ -75,6 +75,8 @@ class Communicator {
   void allgatherv(float* data, const std::vector<int>& counts, const std::vector<int>& displs);
   // `count` floats from rank `root` to every rank, in place.
   void broadcast(float* data, size_t count, int root);
+  // A non-blocking broadcast of `count` floats from `root` (ZeRO-3's gather of a chunk).
+  Request ibroadcast(float* data, size_t count, int root);
   // Gathers to rank 0: rank r's `send` (counts[r] floats) lands at root_buffer[displs[r]] on rank 0
   // (root_buffer is used on rank 0 only; rank 0's own part must already be in place there).
   void gatherv_to_root(const float* send, float* root_buffer, const std::vector<int>& counts,

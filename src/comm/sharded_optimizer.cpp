@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <string>
 
+#include "comm/sharded_params.h"
+
 namespace keel {
 
 ShardedOptimizer::ShardedOptimizer(const Config& config, Communicator& dp, ChunkStore& store)
@@ -15,19 +17,48 @@ ShardedOptimizer::ShardedOptimizer(const Config& config, Communicator& dp, Chunk
   if (zero_ > 0) store_.shard_moments(partition_.first_chunk[dp.rank()], partition_.first_chunk[dp.rank() + 1]);
   // The deferred chunk updates (used where the store's pages move; see step).
   store_.set_updater([this](int chunk) { update_chunk(chunk); });
+  if (zero_ == 3) params_ = std::make_unique<ShardedParams>(dp, store_, partition_, config.parallel.zero3_keep);
+}
+
+ShardedOptimizer::~ShardedOptimizer() = default;
+
+void ShardedOptimizer::weights_settled() {
+  if (params_) params_->shed();
+}
+
+void ShardedOptimizer::gather_whole_model() {
+  if (params_) params_->gather_whole();
+}
+
+int64_t ShardedOptimizer::param_bytes_held() const {
+  return params_ ? params_->shard_bytes() : store_.plane_bytes(Plane::param);
+}
+
+void ShardedOptimizer::print_startup() const {
+  if (config_.parallel.zero == 3 && dp_.size() == 1) {
+    std::printf("keel: parallel.zero = 3 on one data-parallel rank shards nothing: it holds every parameter, "
+                "gradient and moment\n");
+  }
+  if (!params_) return;
+  std::printf("keel: ZeRO-3 over %d ranks: parameters up to %.1f MB per rank (its shard) of %.1f MB, plus the layers "
+              "in flight (up to %.1f MB in use at once with zero3_keep = \"%s\"%s, and the next one's broadcast "
+              "ahead); gradients reduce-scattered, moments sharded\n",
+              dp_.size(), params_->group_max_shard_bytes() / 1e6, params_->whole_bytes() / 1e6,
+              params_->group_max_layer_gather_bytes() / 1e6, to_string(config_.parallel.zero3_keep),
+              config_.parallel.zero3_keep == Zero3Keep::none ? "" : ", more while kept");
 }
 
 void ShardedOptimizer::clear_frozen_grads(int64_t step) {
   const auto [own_first, own_last] = own_chunks();
   for (const Chunk& c : store_.chunks()) {
     if (c.layer >= config_.optim.frozen_at(step)) break;
-    if (zero_ == 2 && (c.id < own_first || c.id >= own_last)) continue;
+    if (zero_ >= 2 && (c.id < own_first || c.id >= own_last)) continue;
     store_.zero_grad_chunk(c.id);
   }
 }
 
 double ShardedOptimizer::local_grad_squares() const {
-  const auto [own_first, own_last] = zero_ == 2 ? own_chunks() : std::pair<int, int>{0, -1};
+  const auto [own_first, own_last] = zero_ >= 2 ? own_chunks() : std::pair<int, int>{0, -1};
   if (counts_.empty()) return grad_sum_squares(store_, own_first, own_last);
   // Held layers' gradients (accumulating towards a later update, or none) are not this step's.
   const int last = own_last < 0 ? static_cast<int>(store_.chunks().size()) : own_last;
@@ -47,7 +78,10 @@ float ShardedOptimizer::clip_for(double norm) const {
 
 void ShardedOptimizer::step(double lr, int64_t t, float clip) {
   if (store_.residency().always_present()) {
-    // Whole planes: AdamW over this rank's shard, then (ZeRO) one all-gather of the parameters.
+    // Whole planes: AdamW over this rank's shard, then (ZeRO-1/2) one all-gather of the
+    // parameters. Under ZeRO-3 the copies of other ranks' parameters gathered this step are
+    // dropped first (every broadcast of them finished: the owners' update makes them stale).
+    if (params_) params_->drop_gathered();
     adamw_.step(store_, lr, t, clip, counts());
     if (zero_ > 0) gather_parameters(t);
     return;
@@ -103,7 +137,35 @@ bool ShardedOptimizer::accept(int64_t step, double loss, double grad_norm) {
   return false;
 }
 
-void ShardedOptimizer::add_step_fields(double, nlohmann::json& line) { line["skipped_steps"] = skipped_; }
+void ShardedOptimizer::add_step_fields(double, nlohmann::json& line) {
+  line["skipped_steps"] = skipped_;
+  if (!params_) return;
+  // Every rank's figures, measured on that rank (resident pages by mincore), in rank order.
+  const ShardedParams::Peaks peaks = params_->take_peaks();
+  const double mine[] = {static_cast<double>(params_->shard_bytes()),
+                         static_cast<double>(store_.resident_bytes(Plane::param)),
+                         static_cast<double>(peaks.resident_bytes),
+                         static_cast<double>(peaks.gathered_bytes),
+                         static_cast<double>(peaks.ahead_bytes),
+                         static_cast<double>(peaks.received_bytes),
+                         static_cast<double>(store_.resident_bytes(Plane::grad)),
+                         static_cast<double>(store_.plane_bytes(Plane::adam_m) + store_.plane_bytes(Plane::adam_v))};
+  constexpr int kFigures = sizeof mine / sizeof mine[0];
+  const int n = dp_.size();
+  std::vector<double> all(static_cast<size_t>(kFigures * n), 0.0);
+  std::copy(std::begin(mine), std::end(mine), all.begin() + static_cast<ptrdiff_t>(kFigures * dp_.rank()));
+  dp_.allreduce_sum(all.data(), all.size());
+  const char* names[kFigures] = {"zero3_param_shard_bytes",     "zero3_param_resident_bytes",
+                                 "zero3_param_peak_resident_bytes", "zero3_in_flight_peak_bytes",
+                                 "zero3_ahead_peak_bytes",      "zero3_gathered_bytes",
+                                 "zero3_grad_resident_bytes",
+                                 "zero3_moment_bytes"};
+  for (int f = 0; f < kFigures; ++f) {
+    std::vector<int64_t> per_rank(static_cast<size_t>(n));
+    for (int r = 0; r < n; ++r) per_rank[static_cast<size_t>(r)] = static_cast<int64_t>(all[static_cast<size_t>(r * kFigures + f)]);
+    line[names[f]] = per_rank;
+  }
+}
 
 std::string ShardedOptimizer::progress_fragment(double) const {
   return skipped_ > 0 ? std::to_string(skipped_) + " step(s) skipped (not finite)" : "";
@@ -119,7 +181,9 @@ void ShardedOptimizer::gather_parameters(int64_t t) {
     std::fill(grads.begin(), grads.begin() + partition_.begin[r], 0.0f);
     std::fill(grads.begin() + partition_.begin[r + 1], grads.end(), 0.0f);
   }
-  dp_.allgatherv(store_.range_view(Plane::param, 0, store_.numel()).data(), partition_.counts(), partition_.displs());
+  if (zero_ != 3) {
+    dp_.allgatherv(store_.range_view(Plane::param, 0, store_.numel()).data(), partition_.counts(), partition_.displs());
+  }
   // The chunks other ranks updated moved to the same version as this rank's.
   const auto [own_first, own_last] = own_chunks();
   for (const Chunk& c : store_.chunks()) {

@@ -1,9 +1,11 @@
 // The optimizer step of data-parallel training, with ZeRO's sharding: which rank owns which
 // chunks' moments (ZeRO-1) and reduced gradients (ZeRO-2), this rank's share of the global
 // gradient norm, the AdamW update of the owned chunks, and what follows it (the updated
-// parameters reach every rank). With memory tiers the update runs chunk by chunk through the
+// parameters reach every rank; under ZeRO-3 they stay with their owner, comm/sharded_params.h). With memory tiers the update runs chunk by chunk through the
 // store's updater, deferred into the next forward pass (tier.defer_update).
 #pragma once
+
+#include <memory>
 
 #include "comm/communicator.h"
 #include "comm/zero.h"
@@ -15,6 +17,8 @@
 
 namespace keel {
 
+class ShardedParams;  // comm/sharded_params.h
+
 // A step whose loss or gradient norm is not finite, past what optim.skip_nonfinite_steps allows:
 // the run stops (the weights are as the last good step left them).
 class NonFiniteStep : public Error {
@@ -25,14 +29,16 @@ class NonFiniteStep : public Error {
 class ShardedOptimizer final : public MetricsSource {
  public:
   // `dp`: the data-parallel group (the world without a pipeline, a stage's replicas with one).
-  // Shards the store's moments (before anything loads or initialises them) under ZeRO.
+  // Shards the store's moments (before anything loads or initialises them) under ZeRO; under
+  // ZeRO-3 attaches the sharded parameters to the store as its residency.
   ShardedOptimizer(const Config& config, Communicator& dp, ChunkStore& store);
+  ~ShardedOptimizer() override;
 
   // ZeRO stage in effect (0 on a group of one).
   int zero() const { return zero_; }
   const ChunkPartition& partition() const { return partition_; }
   // Owners of the reduced gradients for GradSync (ZeRO-2), else nullptr.
-  const ChunkPartition* scatter_to() const { return zero_ == 2 ? &partition_ : nullptr; }
+  const ChunkPartition* scatter_to() const { return zero_ >= 2 ? &partition_ : nullptr; }
   // Chunks [first, last) this rank updates.
   std::pair<int, int> own_chunks() const { return store_.moment_chunks(); }
 
@@ -43,7 +49,7 @@ class ShardedOptimizer final : public MetricsSource {
   // (the caller sums the shares over the group); replicas of tied tensors are counted at home.
   double local_grad_squares() const;
   // Whether the group's shares must be summed to get the norm (ZeRO-2).
-  bool norm_is_sharded() const { return zero_ == 2; }
+  bool norm_is_sharded() const { return zero_ >= 2; }
   // The clipping factor for a global norm (1 when no clipping is needed).
   float clip_for(double norm) const;
 
@@ -56,6 +62,14 @@ class ShardedOptimizer final : public MetricsSource {
   // the layer is held (its parameters, moments, gradient and version stay as they are; it is not
   // counted in the gradient norm). Layers past the end, or an empty vector: the step's own t.
   void set_update_counts(std::vector<int64_t> counts_by_layer) { counts_ = std::move(counts_by_layer); }
+  // Every rank, once the weights were drawn or loaded whole (start-up, resume): under ZeRO-3 the
+  // other ranks' parameters go back to the operating system; otherwise nothing.
+  void weights_settled();
+  // Collective: under ZeRO-3 every parameter gathered on every rank until the next step (one rank
+  // about to run the model alone: samples); otherwise nothing.
+  void gather_whole_model();
+  // The parameter bytes a rank holds between layers: the whole plane, or under ZeRO-3 its shard.
+  int64_t param_bytes_held() const;
   // The plain AdamW step over every owned chunk, now (pipeline post-validation redoes it).
   void step_now(double lr, int64_t t, float clip) { adamw_.step(store_, lr, t, clip, counts()); }
 
@@ -70,11 +84,15 @@ class ShardedOptimizer final : public MetricsSource {
   void carry_counts(const ShardedOptimizer& before) { skipped_ = before.skipped_; }
 
   // Metrics: skipped_steps (the run's total) in every line; the progress line names them.
+  // Under ZeRO-3 also every rank's parameter, gradient and moment bytes (collective: every rank
+  // adds its step's fields) and the start-up line of what a rank holds.
   void add_step_fields(double step_ms, nlohmann::json& line) override;
+  void print_startup() const override;
   std::string progress_fragment(double step_ms) const override;
 
  private:
-  // ZeRO without tiers: after this rank updated its shard, every rank receives every parameter.
+  // ZeRO without tiers: after this rank updated its shard, every rank receives every parameter
+  // (ZeRO-1/2; under ZeRO-3 they stay with their owners).
   void gather_parameters(int64_t t);
   void update_chunk(int chunk);
   const std::vector<int64_t>* counts() const { return counts_.empty() ? nullptr : &counts_; }
@@ -90,6 +108,7 @@ class ShardedOptimizer final : public MetricsSource {
   AdamW adamw_;
   int zero_ = 0;
   ChunkPartition partition_;
+  std::unique_ptr<ShardedParams> params_;  // ZeRO-3
   int64_t skipped_ = 0;
   std::vector<int64_t> counts_;
   struct Deferred {  // the update deferred into the next forward pass

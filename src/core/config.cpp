@@ -118,6 +118,7 @@ std::vector<Field> fields(Config& c) {
       {"parallel", "data", &c.parallel.data},
       {"parallel", "bucket_bytes", &c.parallel.bucket_bytes},
       {"parallel", "zero", &c.parallel.zero},
+      {"parallel", "zero3_keep", choice(&c.parallel.zero3_keep)},
       {"parallel", "pipeline", &c.parallel.pipeline},
       {"parallel", "schedule", choice(&c.parallel.schedule)},
       {"parallel", "virtual_stages", &c.parallel.virtual_stages},
@@ -739,7 +740,7 @@ void Config::resolve(int world_size) {
   require(data_ranks * pp == world_size, "parallel.data",
           "a layout that fits the " + s(world_size) + " rank(s) of this job (data x pipeline " + s(pp) + ")",
           s(parallel.data) + " data-parallel ranks");
-  require(parallel.zero >= 0 && parallel.zero <= 2, "parallel.zero", "0, 1 or 2", s(parallel.zero));
+  require(parallel.zero >= 0 && parallel.zero <= 3, "parallel.zero", "0, 1, 2 or 3", s(parallel.zero));
   require(parallel.bucket_bytes >= 4096, "parallel.bucket_bytes", ">= 4096", s(parallel.bucket_bytes));
   require(train.global_batch_size >= 0, "train.global_batch_size", ">= 0", s(train.global_batch_size));
   if (train.global_batch_size > 0) {

@@ -31,6 +31,7 @@ enum class Recompute : uint8_t { none, selective, full };      // train.recomput
 // parallel.schedule: "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v" (pipeline/schedule.h).
 enum class ScheduleKind : uint8_t { gpipe, one_f_one_b, interleaved, zb_h1, zb_h2, zb_v };
 enum class PartitionerKind : uint8_t { static_, dp, qlearning };  // parallel.partitioner
+enum class Zero3Keep : uint8_t { none, last, all };             // parallel.zero3_keep
 enum class PredictGradients : uint8_t { off, mean, previous, momentum, lstm };  // parallel.predict_gradients
 // A gradient codec (comm/codec.h): "none", "fp16", "bf16", "sign1", "quant2-topk", "topk", "randk".
 enum class CodecKind : uint8_t { none, fp16, bf16, sign1, quant2_topk, topk, randk };
@@ -78,6 +79,8 @@ KEEL_ENUM_NAMES(ScheduleKind, "{key}: expected one of gpipe, 1f1b, interleaved, 
                 {ScheduleKind::gpipe, "gpipe"}, {ScheduleKind::one_f_one_b, "1f1b"},
                 {ScheduleKind::interleaved, "interleaved"}, {ScheduleKind::zb_h1, "zb-h1"},
                 {ScheduleKind::zb_h2, "zb-h2"}, {ScheduleKind::zb_v, "zb-v"});
+KEEL_ENUM_NAMES(Zero3Keep, "config key '{key}': expected \"none\", \"last\" or \"all\", found \"{found}\"",  //
+                {Zero3Keep::none, "none"}, {Zero3Keep::last, "last"}, {Zero3Keep::all, "all"});
 KEEL_ENUM_NAMES(PartitionerKind, "config key '{key}': expected static, dp or qlearning, found \"{found}\"",  //
                 {PartitionerKind::static_, "static"}, {PartitionerKind::dp, "dp"},
                 {PartitionerKind::qlearning, "qlearning"});
@@ -333,7 +336,12 @@ struct ParallelConfig {
   int data = 0;                      // data-parallel ranks; 0 = the whole MPI world
   int64_t bucket_bytes = 8 << 20;    // gradient all-reduce bucket size
   int zero = 0;                      // 0: replicate everything; 1: shard AdamW moments by chunk;
-                                     // 2: also reduce-scatter gradients to their owners
+                                     // 2: also reduce-scatter gradients to their owners;
+                                     // 3: also shard the parameters (comm/sharded_params.h)
+  // ZeRO-3: which gathered layers stay from their forward to their backward (none: every layer is
+  // gathered again for its backward; last: the model's last layer stays; all: every layer stays
+  // until the optimizer step).
+  Zero3Keep zero3_keep = Zero3Keep::none;
   // Pipeline parallelism (pipeline/): the model cut into `pipeline` x virtual_stages stages on as
   // many ranks per data-parallel replica (world = data x pipeline).
   int pipeline = 1;

@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "comm/sharded_params.h"
 #include "comm/sync_policy.h"
 #include "core/error.h"
 #include "model/clip.h"
@@ -14,6 +15,7 @@ void resolve_job_config(Config& c, int world_size) {
   c.resolve(world_size);
   const int pp = c.parallel.pipeline;
   const int data_ranks = world_size / pp;
+  validate_zero3_config(c, data_ranks);  // first: its refusals name what ZeRO-3 does not combine with
   pipeline::validate_pipeline_config(c.parallel, c.train, c.model.n_layer, world_size);
   validate_sync_config(c.sync, c.model.n_layer, data_ranks > 1 ? c.parallel.zero : 0);
   validate_tier_config(c.tier, c.model.n_layer, data_ranks, c.parallel.zero);

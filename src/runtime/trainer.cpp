@@ -101,9 +101,10 @@ void Trainer::resume_or_init() {
     progress_.resumed_from = state->dir;
     progress_.steps_done = state->step;
     workload_->set_position(state->data);
-    return;
+  } else {
+    workload_->init_weights(*rank_, config_.train.seed);
   }
-  workload_->init_weights(*rank_, config_.train.seed);
+  rank_->optimizer->weights_settled();  // ZeRO-3: from here on a rank holds its own shard
 }
 
 nlohmann::json Trainer::recut(const std::vector<LayerRange>& from, const std::vector<LayerRange>& to) {
@@ -200,7 +201,7 @@ void Trainer::print_startup(double moments_mb) {
   metrics_.print_startup();
   std::printf("keel: memory per rank: params %.1f MB, grads %.1f MB, AdamW moments %.1f MB, activations %.1f MB, "
               "checkpoint buffers %.1f MB\n",
-              rank_->store->plane_bytes(Plane::param) / 1e6, rank_->store->plane_bytes(Plane::grad) / 1e6, moments_mb,
+              rank_->optimizer->param_bytes_held() / 1e6, rank_->store->plane_bytes(Plane::grad) / 1e6, moments_mb,
               workload_->activation_bytes(*rank_) / 1e6, checkpointer_->buffer_bytes() / 1e6);
   if (!progress_.resumed_from.empty()) {
     std::printf("keel: resumed from %s at step %lld\n", progress_.resumed_from.c_str(),

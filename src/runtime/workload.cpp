@@ -110,10 +110,9 @@ class LanguageModel final : public Workload {
 
   void print_samples(RankModel& rank) override {
     const Tokenizer* tok = tokenizer_ ? &*tokenizer_ : nullptr;
-    if (!groups_.world().is_root() || !rank.model->whole() || !tok || !tok->can_encode() ||
-        config_.train.sample_tokens == 0) {
-      return;
-    }
+    if (!rank.model->whole() || !tok || !tok->can_encode() || config_.train.sample_tokens == 0) return;
+    rank.optimizer->gather_whole_model();  // ZeRO-3 (every rank): rank 0 runs the model alone
+    if (!groups_.world().is_root()) return;
     Rng rng(config_.train.seed ^ 0xC0FFEEull);
     SampleOptions options;
     options.max_new_tokens = config_.train.sample_tokens;

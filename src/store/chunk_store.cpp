@@ -259,6 +259,18 @@ int64_t ChunkStore::plane_bytes(Plane plane) const {
   return (plane_end_[i] - plane_begin_[i]) * static_cast<int64_t>(sizeof(float));
 }
 
+int64_t ChunkStore::resident_bytes(Plane plane, int64_t offset, int64_t numel) const {
+  if (layout_only_ || numel <= 0) return 0;
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(plane_at(plane, offset, numel)) / page * page;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(plane_at(plane, offset, numel) + numel) + page - 1) / page * page;
+  std::vector<unsigned char> in_core((end - begin) / page);
+  check(::mincore(reinterpret_cast<void*>(begin), end - begin, in_core.data()) == 0, "chunk store: mincore failed");
+  int64_t pages = 0;
+  for (unsigned char c : in_core) pages += c & 1;
+  return pages * static_cast<int64_t>(page);
+}
+
 float* ChunkStore::plane_at(Plane plane, int64_t offset, int64_t numel) const {
   const int i = static_cast<int>(plane);
   if (offset < plane_begin_[i] || offset + numel > plane_end_[i]) {
@@ -285,15 +297,19 @@ double sum_squares(std::span<const float> g) {
   return total;
 }
 
-PageLease::PageLease(Residency* residency, std::vector<PageRef> read, std::vector<PageRef> written)
-    : residency_(residency), read_(std::move(read)), written_(std::move(written)) {
+PageLease::PageLease(Residency* residency, std::vector<PageRef> read, std::vector<PageRef> written, bool layer)
+    : residency_(residency), read_(std::move(read)), written_(std::move(written)), layer_(layer) {
   std::vector<PageRef> all = read_;
   all.insert(all.end(), written_.begin(), written_.end());
-  residency_->acquire(all);
+  if (layer) {
+    residency_->acquire_layer(all);
+  } else {
+    residency_->acquire(all);
+  }
 }
 
 PageLease::PageLease(PageLease&& o) noexcept
-    : residency_(o.residency_), read_(std::move(o.read_)), written_(std::move(o.written_)) {
+    : residency_(o.residency_), read_(std::move(o.read_)), written_(std::move(o.written_)), layer_(o.layer_) {
   o.residency_ = nullptr;
 }
 
@@ -303,6 +319,7 @@ PageLease& PageLease::operator=(PageLease&& o) noexcept {
     residency_ = o.residency_;
     read_ = std::move(o.read_);
     written_ = std::move(o.written_);
+    layer_ = o.layer_;
     o.residency_ = nullptr;
   }
   return *this;
@@ -312,8 +329,13 @@ PageLease::~PageLease() { end(); }
 
 void PageLease::end() {
   if (residency_ == nullptr) return;
-  if (!read_.empty()) residency_->release(read_, false);
-  if (!written_.empty()) residency_->release(written_, true);
+  if (layer_) {
+    if (!read_.empty()) residency_->release_layer(read_, false);
+    if (!written_.empty()) residency_->release_layer(written_, true);
+  } else {
+    if (!read_.empty()) residency_->release(read_, false);
+    if (!written_.empty()) residency_->release(written_, true);
+  }
   residency_ = nullptr;
 }
 
@@ -354,7 +376,7 @@ PageLease ChunkStore::use_layer(int layer, std::initializer_list<Plane> read, st
     for (Plane p : read) r.push_back({c, p});
     for (Plane p : write) w.push_back({c, p});
   }
-  return PageLease(residency_, std::move(r), std::move(w));
+  return PageLease(residency_, std::move(r), std::move(w), /*layer=*/true);
 }
 
 PageLease ChunkStore::use_range(Plane plane, int64_t offset, int64_t numel, bool write) {

@@ -88,7 +88,8 @@ double sum_squares(std::span<const float> v);
 class PageLease {
  public:
   PageLease() = default;
-  PageLease(Residency* residency, std::vector<PageRef> read, std::vector<PageRef> written);
+  // `layer`: a layer's pass (Residency::acquire_layer), else one rank's own acquire.
+  PageLease(Residency* residency, std::vector<PageRef> read, std::vector<PageRef> written, bool layer = false);
   PageLease(PageLease&& o) noexcept;
   PageLease& operator=(PageLease&& o) noexcept;
   ~PageLease();
@@ -100,6 +101,7 @@ class PageLease {
  private:
   Residency* residency_ = nullptr;
   std::vector<PageRef> read_, written_;
+  bool layer_ = false;
 };
 
 class ChunkStore {
@@ -130,6 +132,12 @@ class ChunkStore {
   std::pair<int, int> moment_chunks() const { return {moment_chunk_begin_, moment_chunk_end_}; }
   // Bytes allocated per plane, for memory reports.
   int64_t plane_bytes(Plane plane) const;
+  // Bytes of the plane's elements [offset, offset + numel) that the operating system holds in
+  // memory now (mincore over its pages; whole pages, rounded outwards). A measurement, not an
+  // accounting: a page given back (discard) is not counted until written again.
+  int64_t resident_bytes(Plane plane, int64_t offset, int64_t numel) const;
+  int64_t resident_bytes(Plane plane) const { return resident_bytes(plane, plane_begin_[static_cast<int>(plane)],
+                                                                    plane_end_[static_cast<int>(plane)] - plane_begin_[static_cast<int>(plane)]); }
 
   // Announces that `layer` is about to be used (forward, backward or update) in the planes
   // given, and counts the access. The layer's pages in those planes are acquired from the

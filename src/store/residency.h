@@ -7,9 +7,10 @@
 // memory can do (always_present, updates_at_home), so a new kind of memory (device memory with a
 // host copy, a remote tier) is a new implementation and no caller changes.
 //
-// Two implementations exist: the store's own (every page always present in its planes: leases
-// cost nothing but a version count) and the memory tiers (store/tiered_memory.h: pages fetched
-// from host DRAM or NVMe files ahead of use, evicted after, every copy versioned).
+// Three implementations exist: the store's own (every page always present in its planes: leases
+// cost nothing but a version count), the memory tiers (store/tiered_memory.h: pages fetched
+// from host DRAM or NVMe files ahead of use, evicted after, every copy versioned) and ZeRO-3's
+// sharded parameters (comm/sharded_params.h: a parameter page's home is its owning rank).
 #pragma once
 
 #include <cstddef>
@@ -42,8 +43,15 @@ class Residency {
   // Makes `pages` present with their newest bytes and keeps them so until release(). Throws
   // keel::Error if they cannot all be present at once.
   virtual void acquire(std::span<const PageRef> pages) = 0;
+  // The same, on behalf of one layer's pass (a forward, a backward): every rank of a data-parallel
+  // group takes these leases for the same layers in the same order, so a residency whose pages
+  // live on other ranks (ZeRO-3's sharded parameters) may communicate collectively here. Every
+  // other acquire is one rank's own (an optimizer's chunk, a checkpoint's write) and must not.
+  virtual void acquire_layer(std::span<const PageRef> pages) { acquire(pages); }
   // Ends an acquire; `modified`: the pages' bytes were written (their version moves on).
   virtual void release(std::span<const PageRef> pages, bool modified) = 0;
+  // Ends an acquire_layer (local: no rank waits for another here).
+  virtual void release_layer(std::span<const PageRef> pages, bool modified) { release(pages, modified); }
   // These pages will be acquired soon, nearest first. Returns the fetches the hint started.
   virtual int hint(std::span<const PageRef> pages) = 0;
   // The page's version: it moves on with every release that modified the page (and every zero

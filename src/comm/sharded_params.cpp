@@ -1,0 +1,209 @@
+#include "comm/sharded_params.h"
+
+#include <algorithm>
+#include <string>
+
+#include "core/error.h"
+#include "store/placement.h"
+
+namespace keel {
+
+void validate_zero3_config(const Config& c, int data_ranks) {
+  if (c.parallel.zero != 3 || data_ranks < 2) return;
+  // Each of these is later work, refused rather than silently replicated.
+  auto refuse = [](bool refused, const std::string& key, const std::string& found) {
+    if (refused) {
+      throw Error("config key '" + key + "': expected its default with parallel.zero = 3 (not yet supported together), "
+                  "found " + found);
+    }
+  };
+  refuse(c.parallel.pipeline > 1, "parallel.pipeline", std::to_string(c.parallel.pipeline));
+  refuse(tiering_enabled(c.tier), "tier.device_mib", std::to_string(c.tier.device_mib));
+  refuse(c.sync.codec != SyncCodec::none, "sync.codec", "\"" + std::string(to_string(c.sync.codec)) + "\"");
+  refuse(c.clip.enabled(), "[clip]", "a dual encoder");
+  refuse(c.checkpoint.memory_every > 0, "checkpoint.memory_every", std::to_string(c.checkpoint.memory_every));
+}
+
+ShardedParams::ShardedParams(Communicator& dp, ChunkStore& store, const ChunkPartition& owners, Zero3Keep keep)
+    : comm_(dp.duplicate()), store_(store), inner_(store.residency()), owners_(owners), keep_(keep) {
+  const int n = static_cast<int>(store_.chunks().size());
+  own_first_ = owners_.first_chunk[dp.rank()];
+  own_last_ = owners_.first_chunk[dp.rank() + 1];
+  shard_bytes_ = owners_.size(dp.rank()) * static_cast<int64_t>(sizeof(float));
+  last_layer_ = n > 0 ? store_.chunks().back().layer : 0;
+  gathered_.assign(static_cast<size_t>(n), 1);  // until shed(): the whole model, drawn or loaded
+  pins_.assign(static_cast<size_t>(n), 0);
+  double figures[2] = {static_cast<double>(shard_bytes_), static_cast<double>(largest_layer_gather_bytes())};
+  comm_->allreduce_max(figures, 2);
+  group_max_[0] = static_cast<int64_t>(figures[0]);
+  group_max_[1] = static_cast<int64_t>(figures[1]);
+  store_.attach_residency(this);
+}
+
+ShardedParams::~ShardedParams() { store_.attach_residency(nullptr); }
+
+int64_t ShardedParams::extent(int chunk) const {
+  const std::vector<Chunk>& chunks = store_.chunks();
+  const int64_t end = chunk + 1 < static_cast<int>(chunks.size()) ? chunks[chunk + 1].offset : store_.numel();
+  return end - chunks[chunk].offset;
+}
+
+int64_t ShardedParams::whole_bytes() const { return store_.numel() * static_cast<int64_t>(sizeof(float)); }
+
+void ShardedParams::give_back(int chunk) {
+  gathered_[chunk] = 0;
+  if (own(chunk)) return;  // its home: the bytes stay
+  inner_.discard(Plane::param, store_.chunks()[chunk].offset, extent(chunk));
+  gathered_bytes_ -= extent(chunk) * static_cast<int64_t>(sizeof(float));
+}
+
+void ShardedParams::shed() {
+  for (int c = 0; c < static_cast<int>(gathered_.size()); ++c) {
+    if (!own(c)) inner_.discard(Plane::param, store_.chunks()[c].offset, extent(c));
+    gathered_[c] = 0;
+  }
+  gathered_bytes_ = 0;
+  sharded_ = true;
+  whole_ = false;
+}
+
+void ShardedParams::drop_gathered() {
+  check(std::all_of(pins_.begin(), pins_.end(), [](int p) { return p == 0; }),
+        "ZeRO-3: parameters dropped while a layer still uses them");
+  if (!sharded_) return;
+  wait_ahead();
+  last_round_ = std::move(this_round_);
+  this_round_.clear();
+  for (int c = 0; c < static_cast<int>(gathered_.size()); ++c) {
+    if (gathered_[c]) give_back(c);
+  }
+  whole_ = false;
+}
+
+void ShardedParams::gather_whole() {
+  if (!sharded_) return;
+  wait_ahead();
+  std::vector<PageRef> all;
+  for (int c = 0; c < static_cast<int>(gathered_.size()); ++c) all.push_back({c, Plane::param});
+  gather(all);
+  whole_ = true;
+}
+
+void ShardedParams::wait_ahead() {
+  for (Communicator::Request& r : ahead_) comm_->wait(r);
+  written(ahead_chunks_);
+  ahead_.clear();
+  ahead_chunks_.clear();
+  ahead_bytes_ = 0;
+}
+
+void ShardedParams::written(const std::vector<int>& chunks) {
+  // A gather wrote these pages (other ranks' chunks): their version moves on, so that whatever
+  // was derived from their earlier bytes (a bf16 copy) is known stale.
+  std::vector<PageRef> pages;
+  for (int c : chunks) {
+    if (!own(c)) pages.push_back({c, Plane::param});
+  }
+  if (!pages.empty()) inner_.release(pages, /*modified=*/true);
+}
+
+Communicator::Request ShardedParams::start_gather(int chunk) {
+  gathered_[chunk] = 1;
+  const int64_t n = extent(chunk);
+  if (!own(chunk)) {
+    gathered_bytes_ += n * static_cast<int64_t>(sizeof(float));
+    peaks_.received_bytes += n * static_cast<int64_t>(sizeof(float));
+  }
+  float* at = store_.range_view(Plane::param, store_.chunks()[chunk].offset, n).data();
+  return comm_->ibroadcast(at, static_cast<size_t>(n), owners_.owner(chunk));
+}
+
+void ShardedParams::start_ahead(const std::vector<int>& chunks) {
+  for (int c : chunks) {
+    if (gathered_[c]) continue;
+    if (!own(c)) ahead_bytes_ += extent(c) * static_cast<int64_t>(sizeof(float));
+    ahead_.push_back(start_gather(c));
+    ahead_chunks_.push_back(c);
+  }
+  peaks_.ahead_bytes = std::max(peaks_.ahead_bytes, ahead_bytes_);
+}
+
+void ShardedParams::gather(std::span<const PageRef> pages) {
+  // Every rank reaches here with the same pages and the same gathered_ flags: the same
+  // broadcasts, started together (one per chunk, from its owner) and then waited for. The ones
+  // started ahead were started in the same order on every rank, and are all waited for first.
+  wait_ahead();
+  std::vector<Communicator::Request> requests;
+  std::vector<int> chunks;
+  for (const PageRef& p : pages) {
+    if (p.plane == Plane::param && !gathered_[p.chunk]) {
+      requests.push_back(start_gather(p.chunk));
+      chunks.push_back(p.chunk);
+    }
+  }
+  for (Communicator::Request& r : requests) comm_->wait(r);
+  written(chunks);
+  note_peaks();
+}
+
+void ShardedParams::note_peaks() {
+  peaks_.gathered_bytes = std::max(peaks_.gathered_bytes, gathered_bytes_);
+  peaks_.resident_bytes = std::max(peaks_.resident_bytes, store_.resident_bytes(Plane::param));
+}
+
+ShardedParams::Peaks ShardedParams::take_peaks() {
+  Peaks out = peaks_;
+  peaks_ = {};
+  return out;
+}
+
+int64_t ShardedParams::largest_layer_gather_bytes() const {
+  std::vector<int64_t> by_layer(static_cast<size_t>(last_layer_ + 1), 0);
+  for (const Chunk& c : store_.chunks()) {
+    if (!own(c.id)) by_layer[static_cast<size_t>(c.layer)] += extent(c.id) * static_cast<int64_t>(sizeof(float));
+  }
+  // The head's lease holds the tied embedding's (layer 0) at the same time.
+  const int64_t largest = *std::max_element(by_layer.begin(), by_layer.end());
+  return std::max(largest, by_layer.front() + by_layer.back());
+}
+
+void ShardedParams::acquire(std::span<const PageRef> pages) {
+  // One rank's own use (the optimizer's chunk, a checkpoint's, drawing or loading the weights):
+  // another rank's parameters are here only while gathered.
+  for (const PageRef& p : pages) {
+    if (p.plane == Plane::param && sharded_ && !own(p.chunk) && !gathered_[p.chunk]) {
+      throw Error("ZeRO-3: chunk " + std::to_string(p.chunk) + "'s parameters live on data-parallel rank " +
+                  std::to_string(owners_.owner(p.chunk)) + ", and this rank used them outside a layer's pass");
+    }
+  }
+  inner_.acquire(pages);
+}
+
+void ShardedParams::acquire_layer(std::span<const PageRef> pages) {
+  std::vector<int> chunks;
+  for (const PageRef& p : pages) {
+    if (p.plane == Plane::param) chunks.push_back(p.chunk);
+  }
+  if (sharded_ && !chunks.empty()) {
+    gather(pages);
+    // On the recorded schedule: the lease that came next last round, broadcast ahead.
+    const size_t at = this_round_.size();
+    if (!whole_ && at + 1 < last_round_.size() && last_round_[at] == chunks) start_ahead(last_round_[at + 1]);
+    this_round_.push_back(std::move(chunks));
+  }
+  for (const PageRef& p : pages) {
+    if (p.plane == Plane::param) pins_[p.chunk]++;
+  }
+  inner_.acquire(pages);
+}
+
+void ShardedParams::release_layer(std::span<const PageRef> pages, bool modified) {
+  inner_.release(pages, modified);
+  for (const PageRef& p : pages) {
+    if (p.plane != Plane::param || --pins_[p.chunk] > 0 || !sharded_ || whole_) continue;
+    const bool kept = keep_ == Zero3Keep::all || (keep_ == Zero3Keep::last && store_.chunks()[p.chunk].layer == last_layer_);
+    if (!kept) give_back(p.chunk);
+  }
+}
+
+}  // namespace keel

@@ -1,0 +1,125 @@
+// ZeRO-3: sharded parameters as residency. Each parameter page (one chunk's parameter plane) has
+// its home on the chunk's owner in the data-parallel group (the same ChunkPartition that owns
+// the chunk's moments and reduced gradient); other ranks hold it only while a layer uses it.
+//
+// A layer's lease (ChunkStore::use_layer, Residency::acquire_layer) gathers the layer's chunks it
+// does not hold: every rank takes the same layer leases in the same order (forward, backward,
+// evaluation), so the owners' broadcasts match on every rank. The leases between two optimizer
+// steps are recorded; in the next such round, when a lease is the one recorded at the same place,
+// the recorded next lease's chunks are broadcast ahead (non-blocking, progressed by every MPI test
+// until that lease waits for them: the gradient sync's tests between backward's layers drive them). When the last lease of a chunk
+// ends, another rank's chunk is given back (zeroed, MADV_DONTNEED, as ZeRO-2's gradient discard
+// does) unless `parallel.zero3_keep` keeps it until the optimizer step. A rank's parameter memory
+// is therefore its own shard plus the layers in flight; both are measured (mincore), not assumed.
+//
+// Every other plane behaves as the store's own residency (always present; gradients are
+// reduce-scattered to the owners by GradSync, moments sharded by the optimizer).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "comm/zero.h"
+#include "core/config.h"
+#include "store/chunk_store.h"
+
+namespace keel {
+
+// ZeRO-3's combinations, checked with the job's configuration: one line naming the key for each
+// that is refused. `data_ranks`: the data-parallel group's size.
+void validate_zero3_config(const Config& c, int data_ranks);
+
+class ShardedParams final : public Residency {
+ public:
+  // Attaches itself to `store` (finalized, its own residency attached) for `owners`' rank `dp.rank()`.
+  // Until shed(), every page is present (the weights are drawn or loaded whole on every rank).
+  // Collective over `dp` (the group's figures).
+  ShardedParams(Communicator& dp, ChunkStore& store, const ChunkPartition& owners, Zero3Keep keep);
+  ~ShardedParams() override;  // gives the store back its own residency
+
+  // After the weights were drawn or loaded on every rank: the pages of other ranks' chunks go back
+  // to the operating system. From here on they are present only under a layer's lease. Local.
+  void shed();
+  // After the owners updated their chunks (the optimizer step): every gathered copy of another
+  // rank's chunk is dropped (stale). Requires no layer lease open. Local.
+  void drop_gathered();
+  // Collective: every chunk gathered and kept until drop_gathered() (a sample drawn on one rank).
+  void gather_whole();
+
+  // Figures of this rank, in bytes.
+  int64_t shard_bytes() const { return shard_bytes_; }  // its own chunks' parameter pages
+  int64_t whole_bytes() const;                          // the whole parameter plane
+  int64_t gathered_bytes() const { return gathered_bytes_; }  // other ranks' pages held now
+  // Since the last call: the largest gathered_bytes() and resident parameter bytes measured
+  // (mincore) at the same moments, after each lease's gather and before the next broadcast ahead
+  // starts; the most bytes broadcast ahead at once; the bytes received.
+  struct Peaks {
+    int64_t gathered_bytes = 0, resident_bytes = 0, ahead_bytes = 0, received_bytes = 0;
+  };
+  Peaks take_peaks();
+  // The largest any one layer's lease (or the head's with the tied embedding) gathers from others:
+  // what keep = "none" holds in flight at most, without what is broadcast ahead.
+  int64_t largest_layer_gather_bytes() const;
+  // The largest shard and largest_layer_gather_bytes() over the group (the start-up line's).
+  int64_t group_max_shard_bytes() const { return group_max_[0]; }
+  int64_t group_max_layer_gather_bytes() const { return group_max_[1]; }
+
+  // Residency.
+  bool always_present() const override { return true; }  // this rank's shard, which whole-plane work reads
+  void acquire(std::span<const PageRef> pages) override;
+  void acquire_layer(std::span<const PageRef> pages) override;
+  void release(std::span<const PageRef> pages, bool modified) override { inner_.release(pages, modified); }
+  void release_layer(std::span<const PageRef> pages, bool modified) override;
+  int hint(std::span<const PageRef>) override { return 0; }
+  uint64_t version(PageRef p) const override { return inner_.version(p); }
+  void zero(PageRef p, bool zeroed_in_place) override { inner_.zero(p, zeroed_in_place); }
+  void discard(Plane plane, int64_t offset, int64_t numel) override { inner_.discard(plane, offset, numel); }
+  bool updates_at_home(PageRef p) const override { return inner_.updates_at_home(p); }
+  void update_at_home(PageRef p, const std::function<void(float*, size_t)>& update) override {
+    inner_.update_at_home(p, update);
+  }
+  bool known_sum_squares(PageRef p, double* out) const override { return inner_.known_sum_squares(p, out); }
+  void step_shape_changed() override {}
+
+ private:
+  bool own(int chunk) const { return chunk >= own_first_ && chunk < own_last_; }
+  // The flat range a chunk's pages span: from its start to the next chunk's (alignment included).
+  int64_t extent(int chunk) const;
+  void gather(std::span<const PageRef> pages);
+  // Marks a chunk gathered and starts its broadcast from its owner (every rank alike).
+  Communicator::Request start_gather(int chunk);
+  // Starts the broadcasts of these chunks that are not gathered (the recorded next lease's).
+  void start_ahead(const std::vector<int>& chunks);
+  void wait_ahead();
+  void written(const std::vector<int>& chunks);
+  void give_back(int chunk);
+  void note_peaks();
+
+  std::unique_ptr<Communicator> comm_;  // its own: gathers never interleave with other collectives
+  ChunkStore& store_;
+  Residency& inner_;  // the store's own (every page present at its address)
+  ChunkPartition owners_;
+  Zero3Keep keep_;
+  int own_first_ = 0, own_last_ = 0;
+  int last_layer_ = 0;
+  bool sharded_ = false;  // shed() done
+  bool whole_ = false;    // gather_whole() holds every chunk
+  // Per chunk, the same on every rank: whether its pages are gathered (own chunks included, so
+  // that owners join the broadcasts the others wait for), and the layer leases holding it.
+  std::vector<uint8_t> gathered_;
+  std::vector<int> pins_;
+  // The layer leases' parameter chunks, in order: this round's and the last round's (a round ends
+  // at the optimizer step). The broadcasts started ahead, and their bytes.
+  std::vector<std::vector<int>> this_round_, last_round_;
+  std::vector<Communicator::Request> ahead_;
+  std::vector<int> ahead_chunks_;
+  int64_t ahead_bytes_ = 0;
+  int64_t shard_bytes_ = 0, gathered_bytes_ = 0;
+  int64_t group_max_[2] = {};
+  Peaks peaks_;
+};
+
+}  // namespace keel

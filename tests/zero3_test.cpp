@@ -1,0 +1,262 @@
+// ZeRO-3 (parallel.zero = 3, comm/sharded_params.h) through the keel binary over OpenMPI: N ranks
+// train what one rank trains with the whole batch, with gradient accumulation and every
+// zero3_keep; checkpoints resume exactly under ZeRO 0..3 and on another rank count, and evaluate
+// and generate on one process; a rank's parameter memory, measured, is its shard plus the layers
+// in flight; one rank shards nothing (said so); combinations not supported are refused in one line.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "core/config.h"
+#include "core/error.h"
+#include "core/fileio.h"
+#include "runtime/job_config.h"
+#include "test_util.h"
+#include "toy_runs.h"
+
+namespace keel {
+namespace {
+
+using testing::run_keel;
+
+class Zero3 : public testing::ToyRuns {
+ protected:
+  Zero3() : ToyRuns("keel-zero3") {}
+  std::vector<nlohmann::json> step_lines(const std::string& run) { return testing::step_lines(dir / (run + "/metrics.jsonl")); }
+  std::vector<double> losses(const std::string& run) { return testing::step_losses(dir / (run + "/metrics.jsonl")); }
+  std::vector<char> param_bytes(const std::string& run) { return testing::checkpoint_bytes(dir / (run + "/ckpt")); }
+  void expect_same_training(const std::string& reference, const std::string& run) {
+    const std::vector<double> want = losses(reference), got = losses(run);
+    ASSERT_EQ(got.size(), want.size()) << run;
+    for (size_t s = 0; s < got.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-5 * want[s]) << run << " step " << s + 1;
+    for (const auto& [name, d] : testing::weight_distance(dir / (reference + "/ckpt"), dir / (run + "/ckpt"))) {
+      EXPECT_LT(d, 1e-5) << run << ": " << name;
+    }
+  }
+};
+
+TEST_F(Zero3, NRanksTrainWhatOneRankTrainsWithTheWholeBatch) {
+  ASSERT_EQ(train(0, 8, "one").exit_code, 0);
+  ASSERT_EQ(losses("one").size(), 20u);
+  for (int n : {2, 4}) {
+    const std::string run = "z3n" + std::to_string(n);
+    auto r = train(n, 8 / n, run, "--set parallel.zero=3");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("ZeRO-3 over " + std::to_string(n) + " ranks"), std::string::npos) << r.output;
+    expect_same_training("one", run);
+  }
+  // Keeping gathered layers until backward changes what is communicated, not what is computed.
+  for (const char* keep : {"last", "all"}) {
+    const std::string run = std::string("keep_") + keep;
+    auto r = train(2, 4, run, std::string("--set parallel.zero=3 --set parallel.zero3_keep=") + keep);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(param_bytes(run), param_bytes("z3n2")) << keep;
+    EXPECT_EQ(losses(run), losses("z3n2")) << keep;
+  }
+}
+
+TEST_F(Zero3, GradientAccumulation) {
+  ASSERT_EQ(train(0, 8, "acc1", "--set train.grad_accum=2").exit_code, 0);
+  auto r = train(2, 4, "acc2", "--set train.grad_accum=2 --set parallel.zero=3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_same_training("acc1", "acc2");
+}
+
+// llama (untied head, RMSNorm, SwiGLU, RoPE) and bf16 products: ZeRO-3 gives the bytes ZeRO-0 gives
+// on the same ranks, and llama's ranks train what one rank trains with the whole batch.
+TEST_F(Zero3, LlamaAndBf16ProductsTrainAsWithoutSharding) {
+  const std::string llama = "--set model.preset=llama-tiny --set model.vocab_size=64 --set model.max_seq_len=32 "
+                            "--set train.steps=8 ";
+  ASSERT_EQ(train(0, 8, "llama1", llama).exit_code, 0);
+  for (int zero : {0, 3}) {
+    auto r = train(2, 4, "llama2z" + std::to_string(zero), llama + "--set parallel.zero=" + std::to_string(zero));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+  }
+  EXPECT_EQ(param_bytes("llama2z3"), param_bytes("llama2z0"));
+  expect_same_training("llama1", "llama2z3");
+  for (int zero : {0, 3}) {
+    auto r = train(2, 4, "bf16z" + std::to_string(zero),
+                   "--set train.steps=8 --set runtime.precision=bf16 --set parallel.zero=" + std::to_string(zero));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+  }
+  EXPECT_EQ(param_bytes("bf16z3"), param_bytes("bf16z0"));
+  EXPECT_EQ(losses("bf16z3"), losses("bf16z0"));
+}
+
+// A rank holds its own shard between layers, and its shard plus the gathered layers at the most:
+// measured (resident pages), against the partition's accounting; on the recorded schedule the
+// next layer's broadcasts start ahead.
+TEST_F(Zero3, ParameterBytesAreTheShardPlusTheLayersInFlight) {
+  for (const char* keep : {"none", "all"}) {
+    const std::string run = std::string("mem_") + keep;
+    auto r = train(2, 4, run,
+                   std::string("--set train.steps=4 --set parallel.zero=3 --set parallel.zero3_keep=") + keep);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const std::vector<nlohmann::json> steps = step_lines(run);
+    ASSERT_EQ(steps.size(), 4u);
+    for (const nlohmann::json& s : steps) {
+      const auto shard = s["zero3_param_shard_bytes"].get<std::vector<int64_t>>();
+      const auto resident = s["zero3_param_resident_bytes"].get<std::vector<int64_t>>();
+      const auto peak = s["zero3_param_peak_resident_bytes"].get<std::vector<int64_t>>();
+      const auto in_flight = s["zero3_in_flight_peak_bytes"].get<std::vector<int64_t>>();
+      const auto received = s["zero3_gathered_bytes"].get<std::vector<int64_t>>();
+      const auto ahead = s["zero3_ahead_peak_bytes"].get<std::vector<int64_t>>();
+      ASSERT_EQ(shard.size(), 2u) << s.dump();
+      const int64_t whole = shard[0] + shard[1];
+      for (int rank = 0; rank < 2; ++rank) {
+        SCOPED_TRACE(std::string(keep) + " step " + s["step"].dump() + " rank " + std::to_string(rank));
+        EXPECT_GT(shard[rank], 0);
+        EXPECT_EQ(resident[rank], shard[rank]);  // between steps: its own shard only
+        EXPECT_EQ(peak[rank], shard[rank] + in_flight[rank]);
+        const int64_t others = whole - shard[rank];
+        if (std::string(keep) == "all") {
+          EXPECT_EQ(in_flight[rank], others);  // every other rank's layer at once
+        } else {
+          EXPECT_GT(in_flight[rank], 0);
+          EXPECT_LT(in_flight[rank], others);
+        }
+        // From the third step on, the leases follow the last step's record: layers arrive ahead.
+        if (s["step"].get<int>() >= 3) {
+          EXPECT_GT(ahead[rank], 0);
+        }
+        EXPECT_LE(ahead[rank], others);
+        // Kept, every other rank's chunk arrives once a step (the first step's with the evaluation
+        // before it); otherwise at least once for forward and again for backward.
+        if (std::string(keep) == "all") {
+          EXPECT_EQ(received[rank], others);
+        } else {
+          EXPECT_GE(received[rank], 2 * others);
+        }
+      }
+    }
+  }
+}
+
+TEST_F(Zero3, CheckpointsResumeExactlyUnderEveryZeroAndRankCount) {
+  ASSERT_EQ(train(2, 4, "straight", "--set parallel.zero=3 --set train.steps=12").exit_code, 0);
+  ASSERT_EQ(train(2, 4, "half3", "--set parallel.zero=3 --set train.steps=6").exit_code, 0);
+  ASSERT_EQ(train(2, 4, "half1", "--set parallel.zero=1 --set train.steps=6").exit_code, 0);
+  // ZeRO-3's checkpoint resumed under ZeRO 0, 1, 2 and 3, and ZeRO-1's under ZeRO-3: the same bytes.
+  for (int zero : {0, 1, 2, 3}) {
+    const std::string run = "from3z" + std::to_string(zero);
+    auto r = train(2, 4, run,
+                   "--set parallel.zero=" + std::to_string(zero) + " --set train.steps=12 --set train.resume=" +
+                       dir / "half3/ckpt");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(param_bytes(run), param_bytes("straight")) << run;
+    EXPECT_EQ(testing::checkpoint_bytes(dir / (run + "/ckpt"), Plane::adam_v),
+              testing::checkpoint_bytes(dir / "straight/ckpt", Plane::adam_v))
+        << run;
+  }
+  auto r = train(2, 4, "from1", "--set parallel.zero=3 --set train.steps=12 --set train.resume=" + dir / "half1/ckpt");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(param_bytes("from1"), param_bytes("straight"));
+  // On 4 ranks (batch 2 each: the same global batch), and on one process.
+  r = train(4, 2, "on4", "--set parallel.zero=3 --set train.steps=12 --set train.resume=" + dir / "half3/ckpt");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = train(0, 8, "on1", "--set train.steps=12 --set train.resume=" + dir / "half3/ckpt");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* run : {"on4", "on1"}) {
+    for (const auto& [name, d] : testing::weight_distance(dir / "straight/ckpt", dir / (std::string(run) + "/ckpt"))) {
+      EXPECT_LT(d, 1e-5) << run << ": " << name;
+    }
+  }
+}
+
+// Samples at the end of a ZeRO-3 run (rank 0 alone runs the model: the whole model gathered
+// first), and `keel eval` / `keel generate` on one process from its checkpoint: as from ZeRO-0's.
+// A rank SIGKILLed while writing a checkpoint (KEEL_FAULT kills it at a file operation) is
+// recovered by `keel launch --max-restarts` from the last checkpoint, sharded again, to the
+// uninterrupted run's bytes: parameters and both moments.
+TEST_F(Zero3, AKilledRankIsRecoveredToTheUninterruptedBytes) {
+  const std::string job = "launch -n 2 --max-restarts 1 -- train --config " + dir / "toy.toml" +
+                          " --set train.batch_size=4 --set train.steps=12 --set parallel.zero=3 --set train.run_dir=";
+  auto reference = run_keel(job + dir / "reference --set train.checkpoint_every=0");
+  ASSERT_EQ(reference.exit_code, 0) << reference.output;
+  // Rank 1's operations per checkpoint: create_dirs, create r1.bin, one append per chunk and
+  // plane, sync, close, sync_dir. Killed at its fourth append of the second checkpoint (step 8).
+  const auto manifest =
+      nlohmann::json::parse(read_text_file(testing::newest_checkpoint(dir / "reference/ckpt") + "/manifest.json"));
+  const auto& writers = manifest.at("layout").at("writers");
+  ASSERT_EQ(writers.size(), 2u);
+  const int chunks = writers[1][1].get<int>() - writers[1][0].get<int>();
+  const int op = (3 * chunks + 5) + 2 + 4;
+  const std::string fault =
+      "KEEL_FAULT=kill:op=" + std::to_string(op) + ":path=ckpt/step-:rank=1:once=" + dir / "fault.spent";
+  auto killed = testing::run_command(fault + " " + std::string(KEEL_BINARY) + " " + job + dir / "killed" +
+                                     " --set train.checkpoint_every=4");
+  ASSERT_EQ(killed.exit_code, 0) << killed.output;
+  EXPECT_NE(killed.output.find("restart 1 of 1"), std::string::npos) << killed.output;
+  EXPECT_NE(killed.output.find("resumed from"), std::string::npos) << killed.output;
+  for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+    EXPECT_EQ(testing::checkpoint_bytes(dir / "killed/ckpt", plane), testing::checkpoint_bytes(dir / "reference/ckpt", plane))
+        << static_cast<int>(plane);
+  }
+}
+
+TEST_F(Zero3, SamplesEvaluatesAndGeneratesFromAZero3Checkpoint) {
+  std::filesystem::create_directories(dir / "text");
+  for (int i = 0; i < 10; ++i) {
+    testing::write_text(dir / ("text/" + std::to_string(i) + ".txt"),
+                        "The cat sat on the mat number " + std::to_string(i) + " and a bird flew by.\n");
+  }
+  const auto tokenized = run_keel("tokenize --input " + dir / "text" + " --out " + dir / "tok" + " --vocab-size 290");
+  ASSERT_EQ(tokenized.exit_code, 0) << tokenized.output;
+  const std::string text = "--set train.steps=6 --set model.vocab_size=290 --set train.sample_tokens=8 --set "
+                           "data.tokenizer=" + dir / "tok/tokenizer.json --set parallel.zero=";
+  auto z3 = train(2, 4, "z3", text + "3");
+  ASSERT_EQ(z3.exit_code, 0) << z3.output;
+  auto z0 = train(2, 4, "z0", text + "0");
+  ASSERT_EQ(z0.exit_code, 0) << z0.output;
+  ASSERT_EQ(param_bytes("z3"), param_bytes("z0"));
+  const auto samples = [](const std::string& out) { return out.substr(out.find("samples (")); };
+  ASSERT_NE(z3.output.find("--- sample 1 ---"), std::string::npos) << z3.output;
+  EXPECT_EQ(samples(z3.output), samples(z0.output));
+  const std::string eval = " --data " + dir / "val.bin" + " --batch 2 --seq 16 --batches 3";
+  auto a = run_keel("eval --checkpoint " + dir / "z3/ckpt" + eval);
+  auto b = run_keel("eval --checkpoint " + dir / "z0/ckpt" + eval);
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_EQ(nlohmann::json::parse(a.output)["loss"], nlohmann::json::parse(b.output)["loss"]);
+  const std::string gen = " --tokens 8 --seed 5 --prompt 'The cat'";
+  auto g = run_keel("generate --checkpoint " + dir / "z3/ckpt" + gen);
+  auto h = run_keel("generate --checkpoint " + dir / "z0/ckpt" + gen);
+  ASSERT_EQ(g.exit_code, 0) << g.output;
+  EXPECT_EQ(g.output, h.output);
+}
+
+TEST_F(Zero3, OneRankShardsNothingAndSaysSo) {
+  ASSERT_EQ(train(0, 4, "z0", "--set train.steps=4").exit_code, 0);
+  auto r = train(0, 4, "z3", "--set train.steps=4 --set parallel.zero=3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("parallel.zero = 3 on one data-parallel rank shards nothing"), std::string::npos) << r.output;
+  EXPECT_EQ(param_bytes("z3"), param_bytes("z0"));
+}
+
+TEST_F(Zero3, CombinationsNotSupportedAreRefusedInOneLine) {
+  auto refused = [](const std::vector<std::string>& sets, const std::string& needle, int world = 2) {
+    const std::string why = testing::config_refusal(sets, world);
+    EXPECT_NE(why.find(needle), std::string::npos) << (why.empty() ? "accepted: " + sets.back() : why);
+    EXPECT_EQ(why.find('\n'), std::string::npos) << why;
+  };
+  refused({"parallel.zero=3", "tier.device_mib=64"}, "config key 'tier.device_mib': expected its default with parallel.zero = 3");
+  refused({"parallel.zero=3", "sync.codec=sign1"}, "config key 'sync.codec': expected its default with parallel.zero = 3");
+  refused({"parallel.zero=3", "parallel.pipeline=2"}, "config key 'parallel.pipeline'", 4);
+  refused({"parallel.zero=3", "checkpoint.memory_every=2"}, "checkpoint.memory_every");
+  refused({"parallel.zero=4"}, "config key 'parallel.zero': expected 0, 1, 2 or 3, found 4");
+  refused({"parallel.zero=3", "parallel.zero3_keep=some"}, "expected \"none\", \"last\" or \"all\", found \"some\"");
+  // Allowed where nothing is sharded: one data-parallel rank (a pipeline's stage alone).
+  Config c = Config::load("", {"parallel.zero=3", "parallel.pipeline=2"});
+  EXPECT_NO_THROW(resolve_job_config(c, 2));
+  // Through the binary: one line, non-zero exit.
+  auto r = train(2, 4, "x", "--set parallel.zero=3 --set sync.codec=sign1");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("config key 'sync.codec': expected its default with parallel.zero = 3"), std::string::npos)
+      << r.output;
+}
+
+}  // namespace
+}  // namespace keel
