@@ -341,7 +341,8 @@ const uint16_t* ChunkStore::bf16_params(TensorId id) {
 }
 
 uint16_t* ChunkStore::bf16_chunk_to_write(int chunk) {
-  if (!bf16_copies_on_ || bf16_copies_.empty() || !bf16_copies_[static_cast<size_t>(chunk)].feeds_products) {
+  if (!bf16_copies_on_ || bf16_copies_.empty() || !bf16_copies_[static_cast<size_t>(chunk)].feeds_products ||
+      !residency_->always_present()) {
     return nullptr;
   }
   return reinterpret_cast<uint16_t*>(bf16_plane_.data) + chunks_[chunk].offset;
