@@ -65,6 +65,28 @@ TEST_F(DataParallel, NRanksWithBatchBEqualOneRankWithBatchNB) {
   }
 }
 
+// Under bf16 the layers read the store's bf16 copies of the weights (ChunkStore::bf16_params).
+// With ZeRO a rank's AdamW writes the copies of its own chunks only; the others' parameters
+// arrive by all-gather and their copies must be remade from them: ZeRO-1 and ZeRO-2 train what
+// ZeRO-0 trains. (With copies left at the weights they were first made from, the other rank's
+// half of every product would multiply the initial weights.)
+TEST_F(DataParallel, Bf16WeightCopiesFollowTheParametersZeroGathers) {
+  const std::string bf16 = "--set runtime.precision=bf16 --set train.steps=8 ";
+  ASSERT_EQ(train(2, 4, "bf16z0", bf16 + "--set parallel.zero=0").exit_code, 0);
+  const std::vector<double> reference = losses("bf16z0");
+  ASSERT_EQ(reference.size(), 8u);
+  for (int zero : {1, 2}) {
+    const std::string run = "bf16z" + std::to_string(zero);
+    auto r = train(2, 4, run, bf16 + "--set parallel.zero=" + std::to_string(zero));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const std::vector<double> got = losses(run);
+    ASSERT_EQ(got.size(), reference.size());
+    for (size_t s = 0; s < got.size(); ++s) {
+      EXPECT_NEAR(got[s], reference[s], 1e-5 * reference[s]) << run << " step " << s + 1;
+    }
+  }
+}
+
 TEST_F(DataParallel, ZeroShardsTheOptimizerStateAndResumesExactly) {
   ASSERT_EQ(train(2, 4, "straight", "--set parallel.zero=1 --set train.steps=12").exit_code, 0);
   ASSERT_EQ(train(2, 4, "half", "--set parallel.zero=1 --set train.steps=6").exit_code, 0);

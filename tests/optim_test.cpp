@@ -214,9 +214,9 @@ TEST_F(AdamW, NoDecayOnBiasesAndNorms) {
 
 class GradNorm : public TinyTraining {};
 
-// The sum of squares is summed in per-thread partials, so its bits may differ between thread
-// counts, but never between runs with the same count; and it is the double-precision sum.
-TEST_F(GradNorm, SameBitsEveryRunAndExactSum) {
+// The sum of squares is summed in an order fixed by the data's length (blocks, lanes), so its bits
+// are the same every run and whatever the thread count; and it is the double-precision sum.
+TEST_F(GradNorm, SameBitsEveryRunAndAnyThreadCountAndExactSum) {
   gradients();
   const int threads_before = omp_get_max_threads();
   omp_set_num_threads(2);
@@ -229,6 +229,31 @@ TEST_F(GradNorm, SameBitsEveryRunAndExactSum) {
   for (float g : plane(Plane::grad)) reference += static_cast<long double>(g) * g;
   EXPECT_GT(reference, 0);
   EXPECT_NEAR(first, static_cast<double>(reference), 1e-12 * static_cast<double>(reference));
+}
+
+// sum_squares on lengths around its block and lane sizes: one thread and three give the same bits
+// (the partials of one thread per range, as before, differ in their last bits here), and each is
+// the exact sum to double precision.
+TEST(SumSquares, SameBitsForOneThreadAndThreeAndNearTheExactSum) {
+  const int threads_before = omp_get_max_threads();
+  for (const int64_t n : {int64_t{0}, int64_t{1}, int64_t{15}, int64_t{17}, int64_t{4095}, int64_t{4097},
+                          int64_t{3 * 4096 + 5}, int64_t{100003}}) {
+    std::vector<float> v(static_cast<size_t>(n));
+    uint32_t x = 12345;
+    for (float& f : v) {
+      x = x * 1664525u + 1013904223u;
+      f = (static_cast<float>(x >> 8) / 16777216.0f - 0.5f) * (1.0f + static_cast<float>(x & 7) * 100.0f);
+    }
+    omp_set_num_threads(1);
+    const double one = sum_squares(v);
+    omp_set_num_threads(3);
+    const double three = sum_squares(v);
+    omp_set_num_threads(threads_before);
+    EXPECT_EQ(0, std::memcmp(&one, &three, sizeof(double))) << n;
+    long double reference = 0;
+    for (float f : v) reference += static_cast<long double>(f) * f;
+    EXPECT_NEAR(one, static_cast<double>(reference), 1e-13 * static_cast<double>(reference)) << n;
+  }
 }
 
 }  // namespace

@@ -5,10 +5,14 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <map>
 
 #include "core/error.h"
+#include "kernels/cpu/bf16.h"
 #include "model/gpt.h"
+#include "optim/adamw.h"
 
 namespace keel {
 namespace {
@@ -151,6 +155,69 @@ TEST(ChunkStore, DiscardZeroesTheRangeAndReturnsItsPages) {
   g[lo + 5000] = 2.0f;
   EXPECT_EQ(g[lo + 5000], 2.0f);
   EXPECT_THROW(store.discard(Plane::grad, -1, 10), Error);
+}
+
+// The bf16 copy of a tensor's parameters is to_bf16 of their current values whatever wrote them:
+// the optimizer (which writes the copy in its own pass), a write under a lease, a version set
+// from outside (a checkpoint's) after a write without a lease; never a copy made before.
+TEST(ChunkStore, Bf16CopiesFollowEveryWriteOfTheParameters) {
+  ChunkStore store(4096);
+  const TensorId w = store.add(TensorSpec{"w", {40, 50}, 0, ChunkKind::ffn, true});  // spans chunks
+  const TensorId b = store.add(TensorSpec{"b", {50}, 0, ChunkKind::ffn, false});
+  store.finalize();
+  auto set = [&](TensorId id, float scale) {
+    std::span<float> p = store.view(id, Plane::param);
+    for (size_t i = 0; i < p.size(); ++i) p[i] = scale * std::sin(0.37f * static_cast<float>(i) + 0.1f);
+  };
+  auto expect_current = [&](const std::string& when) {
+    const uint16_t* bits = store.bf16_params(w);
+    ASSERT_NE(bits, nullptr) << when;
+    const std::span<const float> p = store.view(w, Plane::param);
+    for (size_t i = 0; i < p.size(); ++i) ASSERT_EQ(bits[i], to_bf16(p[i])) << when << ": element " << i;
+  };
+  ASSERT_GT(store.chunks().size(), 1u);
+  set(w, 1.0f);
+  set(b, 1.0f);
+  expect_current("first use");
+
+  // AdamW writes the copy of the chunks that feed products in its own pass: the plane holds the
+  // new bits before anything asks for them.
+  for (float& g : store.range_view(Plane::grad, 0, store.numel())) g = 0.5f;
+  AdamW(OptimConfig{}).step(store, 1e-2, 1, 1.0f);
+  const std::span<const float> p = store.view(w, Plane::param);
+  const int64_t first = store.tensors()[w].offset;
+  for (const Chunk& c : store.chunks()) {
+    const bool holds_w =
+        std::any_of(c.segments.begin(), c.segments.end(), [&](const Segment& s) { return s.tensor == w; });
+    const uint16_t* plane = store.bf16_chunk_to_write(c.id);
+    EXPECT_EQ(plane != nullptr, holds_w) << "chunk " << c.id << ": a copy kept only where a product reads one";
+    if (plane == nullptr) continue;
+    for (const Segment& s : c.segments) {
+      if (s.tensor != w) continue;
+      for (int64_t i = 0; i < s.numel; ++i) {
+        ASSERT_EQ(plane[s.offset - c.offset + i], to_bf16(p[s.offset - first + i])) << "chunk " << c.id << " " << i;
+      }
+    }
+  }
+  expect_current("after an optimizer step");
+
+  {  // a write under a lease
+    const PageLease use = store.use_tensor(w, {}, {Plane::param});
+    set(w, 2.0f);
+  }
+  expect_current("after a write under a lease");
+
+  // A write without a lease, then the chunks' versions set to what they were (a checkpoint
+  // loaded at the copy's own version).
+  set(w, 3.0f);
+  for (const Chunk& c : store.chunks()) store.set_version(c.id, c.version);
+  expect_current("after set_version");
+
+  store.discard(Plane::param, 0, store.numel());
+  expect_current("after a discard");
+
+  store.set_bf16_copies(false);
+  EXPECT_EQ(store.bf16_params(w), nullptr);
 }
 
 }  // namespace

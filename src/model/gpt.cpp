@@ -108,27 +108,28 @@ class Block final : public Layer {
   void run_forward(const Batch& b, const float* x, float* x_out, bool first) {
     const int N = b.B * b.T, C = m_.n_embd;
     auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::Gpt2Block
+    auto W = [&](int t) { return model_detail::weight_operand(store_, t_[t], math_.forward); };
     const int64_t NC = static_cast<int64_t>(N) * C;
     float* ln1 = ln1_.writable(stage_);
     ops::layernorm_forward(ln1, ln1_mean_, ln1_rstd_, x, P(layout::ln1_w), P(layout::ln1_b), N, C);
     ln1_.seal(ln1, NC);
-    ops::linear_forward(math_.forward, qkv_, ln1_.read(), P(layout::qkv_w), P(layout::qkv_b), N, C, 3 * C);
+    ops::linear_forward(math_.forward, qkv_, ln1_.read(), W(layout::qkv_w), P(layout::qkv_b), N, C, 3 * C);
     if (first) model_detail::probe_attention(probe_, b, qkv_, m_);
     attend(b);
     float* attproj = scratch_;  // [N, C], consumed immediately by the residual
-    ops::linear_forward(math_.forward, attproj, atty_, P(layout::proj_w), P(layout::proj_b), N, C, C);
+    ops::linear_forward(math_.forward, attproj, atty_, W(layout::proj_w), P(layout::proj_b), N, C, C);
     float* ln2 = ln2_.writable(stage_);
     ops::residual_layernorm_forward(res2_, ln2, ln2_mean_, ln2_rstd_, x, attproj, P(layout::ln2_w), P(layout::ln2_b), N,
                                     C);
     ln2_.seal(ln2, NC);
     float* fch = fch_.writable(stage_);
-    ops::linear_forward(math_.forward, fch, ln2_.read(), P(layout::fc_w), P(layout::fc_b), N, C, 4 * C);
+    ops::linear_forward(math_.forward, fch, ln2_.read(), W(layout::fc_w), P(layout::fc_b), N, C, 4 * C);
     fch_.seal(fch, 4 * NC);
     float* fch_gelu = fch_gelu_.writable(stage_);  // (under bf16: in place over the staged fch)
     ops::gelu_forward(fch_gelu, fch, 4 * NC);
     fch_gelu_.seal(fch_gelu, 4 * NC);
     float* fcproj = scratch_;
-    ops::linear_forward(math_.forward, fcproj, fch_gelu_.read(), P(layout::fc_proj_w), P(layout::fc_proj_b), N, 4 * C,
+    ops::linear_forward(math_.forward, fcproj, fch_gelu_.read(), W(layout::fc_proj_w), P(layout::fc_proj_b), N, 4 * C,
                         C);
     ops::residual_forward(x_out, res2_, fcproj, static_cast<int64_t>(N) * C);
   }
@@ -149,25 +150,26 @@ class Block final : public Layer {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
     const int N = b.B * b.T, C = m_.n_embd;
     auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::Gpt2Block
+    auto W = [&](int t) { return model_detail::weight_operand(store_, t_[t], math_.backward); };
     // MLP branch: d(fcproj out) = dx_out
     float* dfch_gelu = scratch_;
-    ops::linear_backward_input(math_.backward, dfch_gelu, dx_out, P(layout::fc_proj_w), N, 4 * C, C, false);
+    ops::linear_backward_input(math_.backward, dfch_gelu, dx_out, W(layout::fc_proj_w), N, 4 * C, C, false);
     float* dfch = dfch_.writable(stage_);
     ops::gelu_backward_input(dfch, dfch_gelu, fch_.read(), static_cast<int64_t>(N) * 4 * C);
     dfch_.seal(dfch, static_cast<int64_t>(N) * 4 * C);
-    ops::linear_backward_input(math_.backward, dln2_, dfch, P(layout::fc_w), N, C, 4 * C, false);
+    ops::linear_backward_input(math_.backward, dln2_, dfch, W(layout::fc_w), N, C, 4 * C, false);
     std::memcpy(dres2_, dx_out, sizeof(float) * N * C);
     ops::layernorm_backward_input(dres2_, dln2_, res2_, ln2_mean_, ln2_rstd_, P(layout::ln2_w), N, C, true);
     // Attention branch: d(attproj out) = dres2
     float* datty = scratch_;
-    ops::linear_backward_input(math_.backward, datty, dres2_, P(layout::proj_w), N, C, C, false);
+    ops::linear_backward_input(math_.backward, datty, dres2_, W(layout::proj_w), N, C, C, false);
     if (m_.attention == Attention::dense) {
       ops::attention_backward_input(math_.backward, dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head, 0, m_.causal);
     } else {
       ops::flash_attention_backward_input(math_.backward, dqkv_, datty, atty_, att_, qkv_, b.B, b.T, C, m_.n_head,
                                           m_.n_head, probe_.window);
     }
-    ops::linear_backward_input(math_.backward, dln1_, dqkv_, P(layout::qkv_w), N, C, 3 * C, false);
+    ops::linear_backward_input(math_.backward, dln1_, dqkv_, W(layout::qkv_w), N, C, 3 * C, false);
     std::memcpy(dx_in, dres2_, sizeof(float) * N * C);
     ops::layernorm_backward_input(dx_in, dln1_, x_in, ln1_mean_, ln1_rstd_, P(layout::ln1_w), N, C, true);
   }

@@ -62,7 +62,8 @@ class Head final : public model_detail::OutputLayer {
       ops::rmsnorm_forward(n, rstd_, x, P(normw_), N, C);
     }
     n_.seal(n, static_cast<int64_t>(N) * C);
-    ops::linear_forward(math_.forward, logits_, n_.read(), P(head_), static_cast<const float*>(nullptr), N, C,
+    const Operand head = model_detail::weight_operand(store_, head_, math_.forward);
+    ops::linear_forward(math_.forward, logits_, n_.read(), head, static_cast<const float*>(nullptr), N, C,
                         m_.padded_vocab_size);
     mean_loss_ = model_detail::head_loss(losses_, logits_, b, m_);
   }
@@ -71,7 +72,8 @@ class Head final : public model_detail::OutputLayer {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
     const PageLease tied = tied_ ? store_.use_layer(m_.layer_base, {Plane::param}) : PageLease();
     const int N = b.B * b.T, C = m_.n_embd;
-    ops::linear_backward_input(math_.backward, dn_, logits_, P(head_), N, C, m_.padded_vocab_size, false);
+    const Operand head = model_detail::weight_operand(store_, head_, math_.backward);
+    ops::linear_backward_input(math_.backward, dn_, logits_, head, N, C, m_.padded_vocab_size, false);
     if (layernorm_) {
       ops::layernorm_backward_input(dx_in, dn_, x_in, mean_, rstd_, P(normw_), N, C, false);
     } else {

@@ -16,6 +16,16 @@ namespace keel::model_detail {
 
 inline int64_t padded(int64_t n) { return (n + 15) / 16 * 16; }
 
+// A weight as the operand of a product at `precision`: under bf16 the store's bf16 copy of it
+// (ChunkStore::bf16_params: converted once per update, read in place), else its float32
+// parameters. Requires the weight's parameter pages leased.
+inline Operand weight_operand(ChunkStore& store, TensorId id, MatmulPrecision precision) {
+  if (precision == MatmulPrecision::bf16) {
+    if (const uint16_t* bits = store.bf16_params(id)) return Operand::bits(bits);
+  }
+  return Operand(store.data(id, Plane::param));
+}
+
 // Carves named slices out of one allocation, 64-byte aligned. Over no allocation (null) it only
 // counts: used() is what the slices need.
 class Carver {

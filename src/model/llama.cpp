@@ -73,29 +73,30 @@ class LlamaBlock final : public Layer {
   void run_forward(const Batch& b, const float* x, float* x_out, bool first) {
     const int N = b.B * b.T, C = C_, H = H_;
     auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::LlamaBlock
+    auto W = [&](int t) { return model_detail::weight_operand(store_, t_[t], math_.forward); };
     const float* none = nullptr;
     const int64_t NC = static_cast<int64_t>(N) * C, NH = static_cast<int64_t>(N) * H;
     float* n1 = n1_.writable(stage_);
     ops::rmsnorm_forward(n1, rstd1_, x, P(layout::attn_norm_w), N, C);
     n1_.seal(n1, NC);
-    ops::linear_forward(math_.forward, qkv_, n1_.read(), P(layout::llama_qkv_w), none, N, C, QKV_);
+    ops::linear_forward(math_.forward, qkv_, n1_.read(), W(layout::llama_qkv_w), none, N, C, QKV_);
     ops::rope_forward(qkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_base(), b.kv ? b.kv->pos0() : 0,
                       false, m_.rope_position_scale());
     if (first) model_detail::probe_attention(probe_, b, qkv_, m_);
     attend(b);
     float* o = scratch_;  // [N, C], consumed at once by the residual
-    ops::linear_forward(math_.forward, o, atty_, P(layout::llama_proj_w), none, N, C, C);
+    ops::linear_forward(math_.forward, o, atty_, W(layout::llama_proj_w), none, N, C, C);
     float* n2 = n2_.writable(stage_);
     ops::residual_rmsnorm_forward(res2_, n2, rstd2_, x, o, P(layout::mlp_norm_w), N, C);
     n2_.seal(n2, NC);
     float* gu = gu_.writable(stage_);
-    ops::linear_forward(math_.forward, gu, n2_.read(), P(layout::gate_up_w), none, N, C, 2 * H);
+    ops::linear_forward(math_.forward, gu, n2_.read(), W(layout::gate_up_w), none, N, C, 2 * H);
     gu_.seal(gu, 2 * NH);
     float* h = h_.writable(stage_h_);
     ops::swiglu_forward(h, gu, N, H);
     h_.seal(h, NH);
     float* down = scratch_;
-    ops::linear_forward(math_.forward, down, h_.read(), P(layout::down_w), none, N, H, C);
+    ops::linear_forward(math_.forward, down, h_.read(), W(layout::down_w), none, N, H, C);
     ops::residual_forward(x_out, res2_, down, static_cast<int64_t>(N) * C);
   }
 
@@ -115,19 +116,20 @@ class LlamaBlock final : public Layer {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
     const int N = b.B * b.T, C = C_, H = H_;
     auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::LlamaBlock
+    auto W = [&](int t) { return model_detail::weight_operand(store_, t_[t], math_.backward); };
     // MLP branch: d(down out) = dx_out
     float* dh = scratch_;
-    ops::linear_backward_input(math_.backward, dh, dx_out, P(layout::down_w), N, H, C, false);
+    ops::linear_backward_input(math_.backward, dh, dx_out, W(layout::down_w), N, H, C, false);
     float* dgu = dgu_.writable(stage_);
     ops::swiglu_backward_input(dgu, dh, gu_.read(), N, H);
     dgu_.seal(dgu, static_cast<int64_t>(N) * 2 * H);
-    ops::linear_backward_input(math_.backward, dn2_, dgu, P(layout::gate_up_w), N, C, 2 * H, false);
+    ops::linear_backward_input(math_.backward, dn2_, dgu, W(layout::gate_up_w), N, C, 2 * H, false);
     std::memcpy(dres2_, dx_out, sizeof(float) * N * C);
     ops::rmsnorm_backward_input(dres2_, dn2_, res2_, rstd2_, P(layout::mlp_norm_w), N, C, true);
     // Attention branch: d(o out) = dres2; attention's gradient is w.r.t. the rotated q and k,
     // rotated back before the qkv projection.
     float* datty = scratch_;
-    ops::linear_backward_input(math_.backward, datty, dres2_, P(layout::llama_proj_w), N, C, C, false);
+    ops::linear_backward_input(math_.backward, datty, dres2_, W(layout::llama_proj_w), N, C, C, false);
     if (m_.attention == Attention::dense) {
       ops::attention_backward_input(math_.backward, dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
     } else {
@@ -136,7 +138,7 @@ class LlamaBlock final : public Layer {
     }
     ops::rope_forward(dqkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_base(), 0, true,
                       m_.rope_position_scale());
-    ops::linear_backward_input(math_.backward, dn1_, dqkv_, P(layout::llama_qkv_w), N, C, QKV_, false);
+    ops::linear_backward_input(math_.backward, dn1_, dqkv_, W(layout::llama_qkv_w), N, C, QKV_, false);
     std::memcpy(dx_in, dres2_, sizeof(float) * N * C);
     ops::rmsnorm_backward_input(dx_in, dn1_, x_in, rstd1_, P(layout::attn_norm_w), N, C, true);
   }

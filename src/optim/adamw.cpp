@@ -4,6 +4,7 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels/cpu/bf16.h"
 
 namespace keel {
 
@@ -37,22 +38,43 @@ void AdamW::step_chunk(ChunkStore& store, int chunk, double lr, int64_t t, float
   const float c1 = static_cast<float>(1.0 / (1.0 - std::pow(config_.beta1, static_cast<double>(t))));
   const float c2 = static_cast<float>(1.0 / (1.0 - std::pow(config_.beta2, static_cast<double>(t))));
   const float eps = static_cast<float>(config_.eps), lrf = static_cast<float>(lr);
-  // p, g, m, v point at the chunk's first element.
+  // The chunk's bf16 copy of its parameters, where the products read one (ChunkStore::bf16_params):
+  // written in the same pass as the parameters, from the values in registers.
+  uint16_t* bits = store.bf16_chunk_to_write(chunk);
+  // p, g, m, v (and bits) point at the chunk's first element.
   auto update = [&](float* p, float* g, float* m, float* v) {
     for (const Segment& s : c.segments) {
       const bool decay = store.tensors()[s.tensor].spec.decay;
       const float wd = decay ? static_cast<float>(config_.weight_decay) : 0.0f;
       const int64_t begin = s.offset - c.offset, end = begin + s.numel;
-#pragma omp parallel for simd schedule(static)
-      for (int64_t i = begin; i < end; ++i) {
+      auto step_element = [&](int64_t i) {
         const float gi = g[i] * grad_scale;
         g[i] = 0.0f;
         const float mi = b1 * m[i] + (1.0f - b1) * gi;
         const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
         m[i] = mi;
         v[i] = vi;
-        p[i] -= lrf * ((mi * c1) / (std::sqrt(vi * c2) + eps) + wd * p[i]);
+        const float pi = p[i] - lrf * ((mi * c1) / (std::sqrt(vi * c2) + eps) + wd * p[i]);
+        p[i] = pi;
+        return pi;
+      };
+      if (bits != nullptr) {
+#pragma omp parallel for simd schedule(static)
+        for (int64_t i = begin; i < end; ++i) bits[i] = to_bf16(step_element(i));
+      } else {
+#pragma omp parallel for simd schedule(static)
+        for (int64_t i = begin; i < end; ++i) step_element(i);
       }
+    }
+    // Alignment padding between segments: zero parameters, zero bits (as the lazy conversion
+    // writes them), so that a copy written here is the whole chunk's, like one made on use.
+    if (bits != nullptr) {
+      int64_t at = 0;
+      for (const Segment& s : c.segments) {
+        std::fill(bits + at, bits + (s.offset - c.offset), uint16_t{0});
+        at = s.offset - c.offset + s.numel;
+      }
+      std::fill(bits + at, bits + c.numel, uint16_t{0});
     }
   };
   Residency& memory = store.residency();
@@ -77,6 +99,7 @@ void AdamW::step_chunk(ChunkStore& store, int chunk, double lr, int64_t t, float
   // declared zero rather than written back.
   memory.zero({chunk, Plane::grad}, /*zeroed_in_place=*/true);
   store.bump_version(chunk);
+  if (bits != nullptr) store.bf16_written(chunk);
 }
 
 void AdamW::step(ChunkStore& store, double lr, int64_t t, float grad_scale, const std::vector<int64_t>* counts) {

@@ -10,6 +10,7 @@
 #include <omp.h>
 
 #include "core/error.h"
+#include "kernels/cpu/bf16.h"
 
 namespace keel {
 
@@ -280,21 +281,90 @@ float* ChunkStore::plane_at(Plane plane, int64_t offset, int64_t numel) const {
   return planes_[i].get() + (offset - plane_begin_[i]);
 }
 
+namespace {
+
+constexpr int64_t kSquaresBlock = 4096;
+constexpr int kSquaresLanes = 16;
+
+// One block of sum_squares (at most kSquaresBlock elements): lane j sums elements j, j + 16, ...
+// (independent chains: the compiler keeps the lanes in vector registers), the tail goes to the
+// lanes in the same way, and the lanes are added pairwise.
+double block_sum_squares(const float* x, int64_t n) {
+  double lane[kSquaresLanes] = {};
+  int64_t i = 0;
+  for (; i + kSquaresLanes <= n; i += kSquaresLanes) {
+#pragma omp simd
+    for (int j = 0; j < kSquaresLanes; ++j) lane[j] += static_cast<double>(x[i + j]) * x[i + j];
+  }
+  for (int j = 0; i + j < n; ++j) lane[j] += static_cast<double>(x[i + j]) * x[i + j];
+  for (int width = kSquaresLanes / 2; width >= 1; width /= 2) {
+    for (int j = 0; j < width; ++j) lane[j] += lane[j + width];
+  }
+  return lane[0];
+}
+
+}  // namespace
+
 double sum_squares(std::span<const float> g) {
-  const int threads = omp_get_max_threads();
-  std::vector<double> partial(static_cast<size_t>(threads), 0.0);
   const int64_t n = static_cast<int64_t>(g.size());
-#pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t begin = n * t / nt, end = n * (t + 1) / nt;
-    double s = 0;
-    for (int64_t i = begin; i < end; ++i) s += static_cast<double>(g[i]) * g[i];
-    partial[static_cast<size_t>(t)] = s;
+  const int64_t blocks = (n + kSquaresBlock - 1) / kSquaresBlock;
+  if (blocks <= 1) return block_sum_squares(g.data(), n);
+  std::vector<double> partial(static_cast<size_t>(blocks));
+  const bool outer = !omp_in_parallel();
+#pragma omp parallel for schedule(static) if (outer)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t begin = b * kSquaresBlock;
+    partial[static_cast<size_t>(b)] = block_sum_squares(g.data() + begin, std::min(kSquaresBlock, n - begin));
   }
   double total = 0;
   for (double p : partial) total += p;
   return total;
+}
+
+void ChunkStore::set_version(int chunk, uint64_t version) {
+  chunks_[chunk].version = version;
+  if (!bf16_copies_.empty()) forget_bf16(chunk);
+}
+
+bool ChunkStore::bf16_current(int chunk) const {
+  const Bf16Copy& b = bf16_copies_[static_cast<size_t>(chunk)];
+  return b.made && b.version == chunks_[chunk].version && b.page_version == residency_->version({chunk, Plane::param});
+}
+
+const uint16_t* ChunkStore::bf16_params(TensorId id) {
+  if (!bf16_copies_on_ || layout_only_ || !residency_->always_present()) return nullptr;
+  if (bf16_plane_.data == nullptr) {
+    bf16_plane_ = Mapping(static_cast<size_t>(numel_) * sizeof(uint16_t));
+    bf16_copies_.assign(chunks_.size(), Bf16Copy{});
+  }
+  uint16_t* bits = reinterpret_cast<uint16_t*>(bf16_plane_.data);
+  const TensorInfo& t = tensors_.at(id);
+  // The chunks are in flat order: the first one that ends past the tensor's start holds it.
+  auto c = std::upper_bound(chunks_.begin(), chunks_.end(), t.offset,
+                            [](int64_t offset, const Chunk& k) { return offset < k.offset + k.numel; });
+  for (; c != chunks_.end() && c->offset < t.offset + t.numel; ++c) {
+    Bf16Copy& b = bf16_copies_[static_cast<size_t>(c->id)];
+    b.feeds_products = true;
+    if (bf16_current(c->id)) continue;
+    to_bf16(bits + c->offset, plane_at(Plane::param, c->offset, c->numel), c->numel);
+    bf16_written(c->id);
+  }
+  return bits + t.offset;
+}
+
+uint16_t* ChunkStore::bf16_chunk_to_write(int chunk) {
+  if (!bf16_copies_on_ || bf16_copies_.empty() || !bf16_copies_[static_cast<size_t>(chunk)].feeds_products ||
+      !residency_->always_present()) {
+    return nullptr;
+  }
+  return reinterpret_cast<uint16_t*>(bf16_plane_.data) + chunks_[chunk].offset;
+}
+
+void ChunkStore::bf16_written(int chunk) {
+  Bf16Copy& b = bf16_copies_[static_cast<size_t>(chunk)];
+  b.made = true;
+  b.version = chunks_[chunk].version;
+  b.page_version = residency_->version({chunk, Plane::param});
 }
 
 PageLease::PageLease(Residency* residency, std::vector<PageRef> read, std::vector<PageRef> written, bool layer)
@@ -456,7 +526,12 @@ void ChunkStore::prefer_huge_pages() {
 void ChunkStore::zero_grad_chunk(int chunk) { residency_->zero({chunk, Plane::grad}, /*zeroed_in_place=*/false); }
 
 void ChunkStore::discard(Plane plane, int64_t offset, int64_t numel) {
-  if (numel > 0) residency_->discard(plane, offset, numel);
+  if (numel <= 0) return;
+  residency_->discard(plane, offset, numel);
+  if (plane != Plane::param || bf16_copies_.empty()) return;
+  for (const Chunk& c : chunks_) {
+    if (c.offset < offset + numel && c.offset + c.numel > offset) forget_bf16(c.id);
+  }
 }
 
 void ChunkStore::zero_and_release(Plane plane, int64_t offset, int64_t numel) {

@@ -78,8 +78,11 @@ using TensorId = int;
 
 class ChunkStore;
 
-// Sum of squares of `v` in double, in a fixed order (each thread sums a fixed contiguous range;
-// partials are combined in thread order): the same bytes give the same sum whatever the timing.
+// Sum of squares of `v` in double, in an order fixed by the length alone: blocks of 4096
+// elements, each summed in 16 interleaved lanes (lane j takes the elements j, j + 16, ...) that
+// are then added pairwise, the block sums added in block order. Each square of a float is exact in
+// double, so the result is the same whatever the thread count, the timing or the vector width
+// the compiler chose (with or without fused multiply-add).
 double sum_squares(std::span<const float> v);
 
 // The pages one operation uses, acquired from the store's residency while the lease lives
@@ -187,7 +190,34 @@ class ChunkStore {
   }
 
   void bump_version(int chunk) { chunks_[chunk].version++; }
-  void set_version(int chunk, uint64_t version) { chunks_[chunk].version = version; }
+  // Also forgets the chunk's bf16 copy: a version set from outside (a checkpoint, a migration)
+  // may repeat one the copy was made at, with other bytes.
+  void set_version(int chunk, uint64_t version);
+
+  // bf16 copies of parameters, for the layers whose products run in bf16 (oneDNN reads them in
+  // place instead of rounding the float32 weights on every product). A copy is made per chunk
+  // and tagged with the chunk's version and its parameter page's residency version; it is used
+  // only while both are unchanged, so a copy is never stale: the optimizer moves the version,
+  // writes under a lease move the page version, and set_version and discard forget the copy.
+  // Parameters written with neither (a model's initialisation, a weight import) must be written
+  // before the first bf16 product. Copies are kept only where every page stays present (the
+  // store's own residency); with memory tiers bf16_params returns nullptr and the products
+  // round the float32 weights as they go. Derived state: never checkpointed.
+  //
+  // The bits of tensor `id`'s parameters, current (chunks whose copy is stale are converted
+  // now), or nullptr where copies are not kept. Requires the tensor's parameter pages leased.
+  // Marks the tensor's chunks as feeding products: the optimizer then writes their copies as it
+  // updates them. Called from the thread that runs the layers (not thread-safe).
+  const uint16_t* bf16_params(TensorId id);
+  // Whether copies are kept (by default yes). Off: bf16_params returns nullptr and the products
+  // round the float32 weights as they go; the arithmetic is the same, the bytes too (tests and
+  // benches compare the two).
+  void set_bf16_copies(bool on) { bf16_copies_on_ = on; }
+  // Where the optimizer writes chunk `chunk`'s copy in the pass that updates its parameters
+  // (nullptr when the chunk has no copy to keep). Once written and the chunk's version and page
+  // moved on, bf16_written(chunk) tags the copy as current.
+  uint16_t* bf16_chunk_to_write(int chunk);
+  void bf16_written(int chunk);
   // Zeroes the gradient plane of every chunk.
   void zero_grads();
   // Zeroes one chunk's gradient (Residency::zero: where pages move, declared zero, nothing
@@ -256,6 +286,19 @@ class ChunkStore {
   // Zeroes [offset, offset + numel) of a plane and gives the whole OS pages inside back.
   void zero_and_release(Plane plane, int64_t offset, int64_t numel);
   void apply_pending(int chunk) const;
+  // The bf16 copies (bf16_params): one plane of 16-bit elements in the param plane's layout,
+  // mapped on first use; per chunk, whether a tensor in it feeds products and the versions its
+  // copy was made at.
+  struct Bf16Copy {
+    bool feeds_products = false;
+    bool made = false;
+    uint64_t version = 0, page_version = 0;
+  };
+  Mapping bf16_plane_;
+  bool bf16_copies_on_ = true;
+  std::vector<Bf16Copy> bf16_copies_;
+  bool bf16_current(int chunk) const;
+  void forget_bf16(int chunk) { bf16_copies_[static_cast<size_t>(chunk)].made = false; }
   // Deferred updates (mutable: const leases trigger them too).
   mutable std::vector<uint8_t> pending_;
   std::function<void(int)> updater_;

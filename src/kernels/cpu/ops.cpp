@@ -293,10 +293,10 @@ void linear_backward_weight(MatmulPrecision precision, T* dw, T* dbias, const T*
   linear_backward_weight_impl(precision, dw, dbias, dout, inp, N, C, OC);
 }
 
-void linear_forward(MatmulPrecision precision, float* out, Operand inp, const float* w, const float* bias, int N, int C,
+void linear_forward(MatmulPrecision precision, float* out, Operand inp, Operand w, const float* bias, int N, int C,
                     int OC) {
-  if (inp.bf16 == nullptr) {
-    linear_forward<float>(precision, out, inp.f32, w, bias, N, C, OC);
+  if (inp.bf16 == nullptr && w.bf16 == nullptr) {
+    linear_forward<float>(precision, out, inp.f32, w.f32, bias, N, C, OC);
     return;
   }
   if (bias != nullptr) {
@@ -304,6 +304,15 @@ void linear_forward(MatmulPrecision precision, float* out, Operand inp, const fl
     for (int n = 0; n < N; ++n) std::copy(bias, bias + OC, out + static_cast<int64_t>(n) * OC);
   }
   gemm_operands(precision, false, true, N, OC, C, 1.0f, inp, C, w, C, bias != nullptr ? 1.0f : 0.0f, out, OC);
+}
+
+void linear_backward_input(MatmulPrecision precision, float* dinp, const float* dout, Operand w, int N, int C, int OC,
+                           bool accumulate) {
+  if (w.bf16 == nullptr) {
+    linear_backward_input<float>(precision, dinp, dout, w.f32, N, C, OC, accumulate);
+    return;
+  }
+  gemm_operands(precision, false, false, N, C, OC, 1.0f, dout, OC, w, C, accumulate ? 1.0f : 0.0f, dinp, C);
 }
 
 void linear_backward_weight(MatmulPrecision precision, float* dw, float* dbias, Operand dout, Operand inp, int N, int C,

@@ -75,10 +75,14 @@ void linear_backward_weight(MatmulPrecision precision, T* dw, T* dbias, const T*
                             int OC);
 
 // float32 overloads whose stored operands may be bf16 bits (activations a layer keeps in bf16
-// under runtime.precision = "bf16", model/layer_util.h Stash): the products multiply in bf16,
+// under runtime.precision = "bf16", model/layer_util.h Stash, and weights' bf16 copies): the products multiply in bf16,
 // the bias sum widens each value to float32 and sums in float32.
-void linear_forward(MatmulPrecision precision, float* out, Operand inp, const float* w, const float* bias, int N, int C,
+void linear_forward(MatmulPrecision precision, float* out, Operand inp, Operand w, const float* bias, int N, int C,
                     int OC);
+// The same for the input gradient, with the weight possibly in bf16 (the store's bf16 copy of it,
+// store/chunk_store.h ChunkStore::bf16_params).
+void linear_backward_input(MatmulPrecision precision, float* dinp, const float* dout, Operand w, int N, int C, int OC,
+                           bool accumulate);
 void linear_backward_weight(MatmulPrecision precision, float* dw, float* dbias, Operand dout, Operand inp, int N, int C,
                             int OC);
 
