@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -11,6 +12,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/cpu/ops.h"
 #include "kernels/cpu/vmath.h"
 
 namespace keel::ops {
@@ -22,6 +24,40 @@ bool blockwise_attention_vectorized(MatmulPrecision precision, int head_size) {
   if (!avx512) return false;
   if (precision == MatmulPrecision::fp32) return true;
   return precision == MatmulPrecision::bf16 && cpu_has_bf16();
+}
+
+AttentionTiming time_attention(bool dense, MatmulPrecision precision, int B, int Tn, int C, int NH, int NKV,
+                               int window, int repeats) {
+  const int kv = (NKV == 0 ? NH : NKV) * (C / NH), C3 = C + 2 * kv;
+  std::vector<float> qkv(static_cast<size_t>(B) * Tn * C3), out(static_cast<size_t>(B) * Tn * C), dout(out.size()),
+      dqkv(qkv.size());
+  // A fixed pattern in [-1, 1) (no generator needed: the values only have to be ordinary floats).
+  for (size_t i = 0; i < qkv.size(); ++i) qkv[i] = static_cast<float>((i * 2654435761u) % 2000) / 1000.0f - 1.0f;
+  for (size_t i = 0; i < dout.size(); ++i) dout[i] = static_cast<float>((i * 40503u) % 2000) / 100000.0f - 0.01f;
+  std::vector<float> saved(dense ? static_cast<size_t>(B) * NH * Tn * Tn : static_cast<size_t>(B) * NH * Tn);
+  using clock = std::chrono::steady_clock;
+  auto ms = [](clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); };
+  AttentionTiming best{std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity()};
+  for (int r = 0; r <= repeats; ++r) {
+    const auto t0 = clock::now();
+    if (dense) {
+      attention_forward(precision, out.data(), saved.data(), qkv.data(), B, Tn, C, NH, NKV);
+    } else {
+      flash_attention_forward(precision, out.data(), saved.data(), qkv.data(), B, Tn, C, NH, NKV, window);
+    }
+    const auto t1 = clock::now();
+    if (dense) {
+      attention_backward_input(precision, dqkv.data(), dout.data(), saved.data(), qkv.data(), B, Tn, C, NH, NKV);
+    } else {
+      flash_attention_backward_input(precision, dqkv.data(), dout.data(), out.data(), saved.data(), qkv.data(), B, Tn,
+                                     C, NH, NKV, window);
+    }
+    const auto t2 = clock::now();
+    if (r == 0) continue;  // the untimed pass: first touch of the buffers, the threads' scratch
+    best.forward_ms = std::min(best.forward_ms, ms(t1 - t0));
+    best.backward_ms = std::min(best.backward_ms, ms(t2 - t1));
+  }
+  return best;
 }
 
 }  // namespace keel::ops
@@ -72,20 +108,18 @@ inline uint64_t column_mask(int lo, int hi) {
   return to_hi & ~((uint64_t{1} << lo) - 1);
 }
 
-// Horizontal max and sum of 16 lanes, in lane order (a fixed order).
+// Horizontal max and sum of 16 lanes, halving the vector each step (a fixed order).
 inline float lanes_max(__m512 v) {
-  alignas(64) float a[16];
-  _mm512_store_ps(a, v);
-  float m = a[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, a[i]);
-  return m;
+  const __m256 a = _mm256_max_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  __m128 b = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  b = _mm_max_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_max_ss(b, _mm_movehdup_ps(b)));
 }
 inline float lanes_sum(__m512 v) {
-  alignas(64) float a[16];
-  _mm512_store_ps(a, v);
-  float s = a[0];
-  for (int i = 1; i < 16; ++i) s += a[i];
-  return s;
+  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
 }
 
 inline uint32_t load_pair(const uint16_t* p) {

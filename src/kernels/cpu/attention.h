@@ -27,4 +27,15 @@ void blockwise_attention_backward_vector(MatmulPrecision precision, float* dqkv,
                                          const float* lse, const float* qkv, int B, int Tn, int C, int NH, int NKV,
                                          int window);
 
+// Milliseconds of one forward and one backward pass of causal attention over B rows of Tn tokens
+// (qkv's layout as ops.h; synthetic data), dense (attention_forward / _backward_input) or blockwise
+// (flash_attention_*, window as there), with the caller's threads: the least of `repeats` timed
+// passes after one untimed. The measurement behind model.attention = "auto" and the attention bench.
+struct AttentionTiming {
+  double forward_ms = 0, backward_ms = 0;
+  double total_ms() const { return forward_ms + backward_ms; }
+};
+AttentionTiming time_attention(bool dense, MatmulPrecision precision, int B, int Tn, int C, int NH, int NKV,
+                               int window, int repeats);
+
 }  // namespace keel::ops
