@@ -40,6 +40,7 @@
 #include "model/gpt.h"
 #include "pipeline/schedule_command.h"
 #include "monitor/report.h"
+#include "runtime/attention_choice.h"
 #include "runtime/generate.h"
 #include "runtime/job_config.h"
 #include "runtime/kv_cache.h"
@@ -215,10 +216,27 @@ int cmd_tokenize(const Args& a) {
   return 0;
 }
 
+// model.attention = "auto" without a window: rank 0 measures which kernel is the faster for this
+// job (runtime/attention_choice.h) and says so; every rank takes its decision.
+void choose_auto_attention(Config& config, Communicator& comm) {
+  AttentionChoice choice;
+  if (comm.is_root()) choice = choose_attention(config);
+  config.model.attention = comm.broadcast(static_cast<int64_t>(choice.kernel)) == static_cast<int64_t>(Attention::dense)
+                               ? Attention::dense
+                               : Attention::blockwise;
+  if (comm.is_root()) {
+    std::printf("keel train: attention = auto: %s (%s)\n",
+                config.model.attention == Attention::dense ? "dense" : "blockwise", choice.reason.c_str());
+    std::fflush(stdout);
+  }
+}
+
 int cmd_train(const Args& a) {
   Communicator& comm = Communicator::world();
   Config config = Config::load(a.get("--config"), a.all("--set"));
+  const bool auto_attention = config.model.attention == Attention::automatic;
   resolve_job_config(config, comm.size());
+  if (auto_attention && !config.model.window_asked() && !config.clip.enabled()) choose_auto_attention(config, comm);
   // The default job tokenizes the default corpus on first use (rank 0; the others wait).
   const DataConfig defaults;
   if (comm.is_root() && !config.clip.enabled() && !fs::exists(config.data.train) && config.data.train == defaults.train &&
