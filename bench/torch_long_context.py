@@ -160,11 +160,10 @@ def attention_only(a):
     v = torch.randn(a.batch, kv, a.seq, hs, generator=g).to(dtype).requires_grad_()
     dout = (torch.randn(a.batch, a.heads, a.seq, hs, generator=g) * 0.01).to(dtype)
     ctx = make_context(a.attention, a.seq, a.window, hs)
-    gqa = {}
-    if kv != a.heads and a.attention == "sdpa":
-        import inspect
-        if "enable_gqa" in inspect.signature(F.scaled_dot_product_attention).parameters:
-            gqa = {"enable_gqa": True}
+    gqa = {}  # grouped-query SDPA (PyTorch >= 2.5) reads k and v as they are; older ones get copies
+    major_minor = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if kv != a.heads and a.attention == "sdpa" and major_minor >= (2, 5):
+        gqa = {"enable_gqa": True}
 
     def forward():
         kk, vv = k, v
