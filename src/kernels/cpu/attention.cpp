@@ -240,15 +240,26 @@ void scores(float* s, const uint16_t* a, const uint16_t* bt, int hs, float scale
   }
 }
 
-// out[64][16 NV] (row stride ldo) += sum over k < 64 of A(i, k) bm[k][.] (row stride ldb), where
-// A(i, k) = a[i * sa_i + k * sa_k]: a row-major tile (sa_i 64, sa_k 1) or its transpose (1, 64).
-template <int RB, int NV>
-void accumulate_block(float* out, int64_t ldo, const float* a, int64_t sa_i, int64_t sa_k, const float* bm,
-                      int64_t ldb) {
+// out[64][16 NV] (row stride ldo) += A B, RB rows at a time held in registers: `add(i0, acc)` adds
+// rows i0.. of the product into acc[RB][NV].
+template <int RB, int NV, typename Add>
+inline void accumulate_rows(float* out, int64_t ldo, Add add) {
   for (int i0 = 0; i0 < kTile; i0 += RB) {
     __m512 acc[RB][NV];
     for (int rr = 0; rr < RB; ++rr)
       for (int v = 0; v < NV; ++v) acc[rr][v] = _mm512_loadu_ps(out + (i0 + rr) * ldo + 16 * v);
+    add(i0, acc);
+    for (int rr = 0; rr < RB; ++rr)
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + (i0 + rr) * ldo + 16 * v, acc[rr][v]);
+  }
+}
+
+// out[64][16 NV] += sum over k < 64 of A(i, k) bm[k][.] (row stride ldb), where
+// A(i, k) = a[i * sa_i + k * sa_k]: a row-major tile (sa_i 64, sa_k 1) or its transpose (1, 64).
+template <int RB, int NV>
+void accumulate_block(float* out, int64_t ldo, const float* a, int64_t sa_i, int64_t sa_k, const float* bm,
+                      int64_t ldb) {
+  accumulate_rows<RB, NV>(out, ldo, [&](int i0, __m512 (&acc)[RB][NV]) __attribute__((always_inline)) {
     const float* ai = a + i0 * sa_i;
     for (int k = 0; k < kTile; ++k) {
       __m512 b[NV];
@@ -259,19 +270,14 @@ void accumulate_block(float* out, int64_t ldo, const float* a, int64_t sa_i, int
         for (int v = 0; v < NV; ++v) acc[rr][v] = _mm512_fmadd_ps(x, b[v], acc[rr][v]);
       }
     }
-    for (int rr = 0; rr < RB; ++rr)
-      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + (i0 + rr) * ldo + 16 * v, acc[rr][v]);
-  }
+  });
 }
 // The same with bf16 operands: A's pairs (i; 2 k2, 2 k2 + 1) are a[i * sa_i + k2 * sa_k] (32-bit
 // words), bm[32][ldb][2] holds rows 2 k2 and 2 k2 + 1 of B interleaved.
 template <int RB, int NV>
 void accumulate_block(float* out, int64_t ldo, const uint32_t* a, int64_t sa_i, int64_t sa_k, const uint16_t* bm,
                       int64_t ldb) {
-  for (int i0 = 0; i0 < kTile; i0 += RB) {
-    __m512 acc[RB][NV];
-    for (int rr = 0; rr < RB; ++rr)
-      for (int v = 0; v < NV; ++v) acc[rr][v] = _mm512_loadu_ps(out + (i0 + rr) * ldo + 16 * v);
+  accumulate_rows<RB, NV>(out, ldo, [&](int i0, __m512 (&acc)[RB][NV]) __attribute__((always_inline)) {
     const uint32_t* ai = a + i0 * sa_i;
     for (int k2 = 0; k2 < kTile / 2; ++k2) {
       __m512i b[NV];
@@ -282,9 +288,7 @@ void accumulate_block(float* out, int64_t ldo, const uint32_t* a, int64_t sa_i, 
         for (int v = 0; v < NV; ++v) acc[rr][v] = bf16_dot(acc[rr][v], x, b[v]);
       }
     }
-    for (int rr = 0; rr < RB; ++rr)
-      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + (i0 + rr) * ldo + 16 * v, acc[rr][v]);
-  }
+  });
 }
 
 // out[64][hs] += A bm over all hs columns, in blocks of at most 64 columns (A, bm as above; bm's
