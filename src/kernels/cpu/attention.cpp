@@ -189,13 +189,24 @@ void tile_to_bf16_row_pairs(uint16_t* dst, const float* src) {
 
 // ---- micro-kernels ---------------------------------------------------------------------------
 
-// s[64][64] = scale * a[64][hs] bt, bt[hs][64] a packed tile (a's rows broadcast, bt's rows vectors).
-void scores(float* s, const float* a, const float* bt, int hs, float scale) {
+// s[64][64] = scale * (a tile's rows times a packed tile), 4 rows at a time in registers:
+// `add(r0, acc)` adds rows r0..r0+3 of the product into acc[4][4] (4 vectors of 16 keys a row).
+template <typename Add>
+inline void score_rows(float* s, float scale, Add add) {
   const __m512 sc = _mm512_set1_ps(scale);
   for (int r0 = 0; r0 < kTile; r0 += 4) {
     __m512 acc[4][4];
     for (auto& row : acc)
       for (auto& v : row) v = _mm512_setzero_ps();
+    add(r0, acc);
+    for (int rr = 0; rr < 4; ++rr)
+      for (int v = 0; v < 4; ++v) _mm512_storeu_ps(s + (r0 + rr) * kTile + 16 * v, _mm512_mul_ps(acc[rr][v], sc));
+  }
+}
+
+// s[64][64] = scale * a[64][hs] bt, bt[hs][64] a packed tile (a's rows broadcast, bt's rows vectors).
+void scores(float* s, const float* a, const float* bt, int hs, float scale) {
+  score_rows(s, scale, [&](int r0, __m512 (&acc)[4][4]) __attribute__((always_inline)) {
     const float* ar = a + r0 * hs;
     for (int d = 0; d < hs; ++d) {
       const float* b = bt + d * kTile;
@@ -210,17 +221,11 @@ void scores(float* s, const float* a, const float* bt, int hs, float scale) {
         acc[rr][3] = _mm512_fmadd_ps(x, b3, acc[rr][3]);
       }
     }
-    for (int rr = 0; rr < 4; ++rr)
-      for (int v = 0; v < 4; ++v) _mm512_storeu_ps(s + (r0 + rr) * kTile + 16 * v, _mm512_mul_ps(acc[rr][v], sc));
-  }
+  });
 }
 // The same with bf16 operands: a[64][hs] row-major, bt[hs/2][64][2].
 void scores(float* s, const uint16_t* a, const uint16_t* bt, int hs, float scale) {
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int r0 = 0; r0 < kTile; r0 += 4) {
-    __m512 acc[4][4];
-    for (auto& row : acc)
-      for (auto& v : row) v = _mm512_setzero_ps();
+  score_rows(s, scale, [&](int r0, __m512 (&acc)[4][4]) __attribute__((always_inline)) {
     const uint16_t* ar = a + r0 * hs;
     for (int d2 = 0; d2 < hs / 2; ++d2) {
       const uint16_t* b = bt + d2 * kTile * 2;
@@ -235,9 +240,7 @@ void scores(float* s, const uint16_t* a, const uint16_t* bt, int hs, float scale
         acc[rr][3] = bf16_dot(acc[rr][3], x, b3);
       }
     }
-    for (int rr = 0; rr < 4; ++rr)
-      for (int v = 0; v < 4; ++v) _mm512_storeu_ps(s + (r0 + rr) * kTile + 16 * v, _mm512_mul_ps(acc[rr][v], sc));
-  }
+  });
 }
 
 // out[64][16 NV] (row stride ldo) += A B, RB rows at a time held in registers: `add(i0, acc)` adds
