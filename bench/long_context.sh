@@ -21,21 +21,32 @@
 # interleaved over REPEATS rounds and the best tokens/s of each is kept (its peak RSS shown).
 # At the defaults (4 lengths, 2 rounds) it takes about half an hour on 2 busy cores; the 32768
 # runs are most of it.
+# Before the training steps, attention alone (LONG_CONTEXT_PARTS="attention train", the default;
+# either alone): one forward + backward of one layer's attention, same heads, batch 1, float32 and
+# bf16, causal and windowed, Keel's kernels (build/bench/keel_bench_attention: blockwise, and dense
+# where its T x T planes fit) against the current PyTorch's scaled_dot_product_attention (bf16
+# tensors for bf16; the window as an explicit boolean band mask, which sends PyTorch to its
+# T x T path) and PyTorch 1.13's explicit attention where it fits; the least of the timed passes,
+# interleaved over REPEATS rounds, and the ratio Keel blockwise / best PyTorch.
 # Usage (from the repository root, after scripts/build.sh):
 #   bench/long_context.sh [T_LIST] [REPEATS]        e.g. bench/long_context.sh "2048 4096" 1
 # Environment: KEEL_BENCH_TRAIN (binary; default build/bench/keel_bench_train),
 #   LONG_CONTEXT_TIMEOUT (seconds per run; default 900), LONG_CONTEXT_MEM_GIB (default 16),
-#   LONG_CONTEXT_WINDOW (window of the windowed variant; default 1024).
+#   LONG_CONTEXT_WINDOW (window of the windowed variant; default 1024),
+#   KEEL_BENCH_ATTENTION (binary; default build/bench/keel_bench_attention), LONG_CONTEXT_PARTS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-read -r -a Ts <<< "$(echo "${1:-2048 8192 16384 32768}" | tr ',' ' ')"
+read -r -a Ts <<< "$(echo "${1:-4096 8192 16384 32768}" | tr ',' ' ')"
 repeats=${2:-2}
 K=${KEEL_BENCH_TRAIN:-build/bench/keel_bench_train}
 limit_s=${LONG_CONTEXT_TIMEOUT:-900}
 mem_gib=${LONG_CONTEXT_MEM_GIB:-16}
 W=${LONG_CONTEXT_WINDOW:-1024}
 L=2 C=128 NH=4 NKV=2 H=352 V=512 B=1 THREADS=2
+KA=${KEEL_BENCH_ATTENTION:-build/bench/keel_bench_attention}
+parts=${LONG_CONTEXT_PARTS:-attention train}
 [ -x "$K" ] || { echo "no Keel binary at $K (set KEEL_BENCH_TRAIN or run scripts/build.sh)" >&2; exit 1; }
+[ -x "$KA" ] || { echo "no Keel binary at $KA (set KEEL_BENCH_ATTENTION or run scripts/build.sh)" >&2; exit 1; }
 tuned=(env OMP_WAIT_POLICY=PASSIVE OPENBLAS_NUM_THREADS=2
        GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736)
 peers=(/usr/bin/python3)
@@ -58,11 +69,13 @@ steps_for() { if [ "$1" -le 8192 ]; then echo 2; else echo 1; fi; }
 estimate_gib() {
   awk -v kind="$1" -v T="$2" -v L=$L -v B=$B -v NH=$NH -v th=$THREADS 'BEGIN {
     tt = T * T
-    if (kind == "keel-dense")             q = (L * B * NH + th + 2) * 4 * tt
+    if (kind ~ /^att-/) L = 1             # attention alone: one layer
+    if (kind ~ /keel-dense$/)             q = (L * B * NH + th + 2) * 4 * tt
+    else if (kind == "att-torch-explicit") q = 2 * (L + 3) * B * NH * 4 * tt + 4 * tt
     else if (kind == "torch-explicit")    q = 2 * (L + 3) * B * NH * 4 * tt + 4 * tt
-    else if (kind == "torch-sdpa-window") q = 10 * tt
+    else if (kind ~ /torch-sdpa-window$/) q = 10 * tt + ((kind ~ /^att-/) ? 3 * B * NH * 4 * tt : 0)
     else                                  q = 0
-    base = (kind ~ /^keel/) ? 40e6 + 40e3 * B * T : 750e6 + 50e3 * B * T
+    base = (kind ~ /keel/) ? 40e6 + 40e3 * B * T : 750e6 + 50e3 * B * T
     printf "%.1f", (q + base) / 2^30 }'
 }
 
@@ -113,13 +126,50 @@ torch() {  # T PYTHON TAG VARIANT(causal|windowed)
     --threads $THREADS
 }
 
+# Attention alone: NAME KIND T PRECISION VARIANT(causal|windowed) -> the record file, as run_one.
+attention_keel() {  # T PRECISION VARIANT KIND(blockwise|dense)
+  local T=$1 p=$2 variant=$3 kind=$4 window=0
+  [ "$variant" = windowed ] && window=$W
+  run_one "att-keel-$kind-$T-$p-$variant" "att-keel-$kind" "$T" env OMP_WAIT_POLICY=PASSIVE "$KA" --kind "$kind" \
+    --precision "$p" --batch $B --seq "$T" --heads $NH --kv-heads $NKV --head-size $((C / NH)) --window $window \
+    --repeats "$(steps_for "$T")" --threads $THREADS
+}
+attention_torch() {  # T PYTHON TAG PRECISION VARIANT
+  local T=$1 py=$2 tag=$3 p=$4 variant=$5 attention=explicit window=0 kind=att-torch-explicit
+  [ "$tag" != pt113 ] && attention=sdpa kind=att-torch-sdpa
+  [ "$variant" = windowed ] && window=$W
+  [ "$variant" = windowed ] && [ "$attention" = sdpa ] && kind=att-torch-sdpa-window
+  run_one "att-$tag-$T-$p-$variant" "$kind" "$T" "${tuned[@]}" "$py" bench/torch_long_context.py --attention-only \
+    --layers 1 --channels $C --heads $NH --kv-heads $NKV --ffn-hidden $H --vocab $V --batch $B --seq "$T" \
+    --window "$window" --attention $attention --precision "$p" --steps "$(steps_for "$T")" --warmup-steps 1 \
+    --threads $THREADS
+}
+
 versions=()
 for p in "${peers[@]}"; do versions+=("$("$p" -c 'import torch; print(torch.__version__)' 2>/dev/null)"); done
 echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//'), $(nproc) cores;" \
      "memory limit per run $mem_gib GiB; timeout $limit_s s; window $W; T: ${Ts[*]}; repeats: $repeats"
 echo "peers: ${peers[*]} (torch ${versions[*]})"
+echo "load before: $(uptime | sed 's/.*load average: //')"
 for r in $(seq 1 "$repeats"); do
-  echo "--- round $r of $repeats"
+  [[ " $parts " == *" attention "* ]] || break
+  echo "--- attention alone, round $r of $repeats"
+  for T in "${Ts[@]}"; do
+    for p in fp32 bf16; do
+      for variant in causal windowed; do
+        attention_keel "$T" "$p" "$variant" blockwise
+        [ "$variant" = causal ] && attention_keel "$T" "$p" "$variant" dense
+        for i in "${!peers[@]}"; do
+          tag=pt113; [ "$i" -gt 0 ] && tag=ptcur
+          attention_torch "$T" "${peers[$i]}" "$tag" "$p" "$variant"
+        done
+      done
+    done
+  done
+done
+for r in $(seq 1 "$repeats"); do
+  [[ " $parts " == *" train "* ]] || break
+  echo "--- training steps, round $r of $repeats"
   for T in "${Ts[@]}"; do
     for variant in dense blockwise windowed; do keel "$T" "$variant"; done
     for i in "${!peers[@]}"; do
@@ -137,7 +187,10 @@ for line in open(path):
     name, _, rest = line.rstrip("\n").partition(" ")
     if rest.startswith("{"):
         j = json.loads(rest)
-        if name not in best or j["tokens_per_s"] > best[name]["tokens_per_s"]:
+        # attention alone: the least ms; training: the most tokens/s
+        better = (name not in best or (j["ms"] < best[name]["ms"] if name.startswith("att-")
+                                       else j["tokens_per_s"] > best[name]["tokens_per_s"]))
+        if better:
             best[name] = j
     else:
         status.setdefault(name, rest)
@@ -160,6 +213,35 @@ def tps(name):
 
 def ratio(a, b, missing):
     return f"{a / b:.2f}x" if a and b else missing
+
+def att_ms(name):
+    return best[name]["ms"] if name in best else None
+
+att_names = [n for n in list(best) + list(status) if n.startswith("att-")]
+if att_names:
+    print()
+    print("attention alone: one layer's forward + backward, ms (least of the passes); ratio = best PyTorch ms / Keel blockwise ms")
+    print(f"{'T':>6s} {'prec':4s} {'variant':8s} {'keel blk':>9s} {'keel dense':>10s} {'pt 1.13':>9s} {'pt cur':>9s} {'keel/best pt':>12s}")
+    att_Ts = sorted({int(n.split("-")[-3]) for n in att_names})
+    for T in att_Ts:
+        for p in ("fp32", "bf16"):
+            for variant in ("causal", "windowed"):
+                def cell(name):
+                    if name in best:
+                        return f"{best[name]['ms']:.0f}"
+                    s = status.get(name, "")
+                    return "skip" if s.startswith("SKIP") else ("timeout" if s.startswith("TIMEOUT") else ("failed" if s.startswith("FAIL") else "-"))
+                k = f"att-keel-blockwise-{T}-{p}-{variant}"
+                d = f"att-keel-dense-{T}-{p}-{variant}"
+                peers_ms = [att_ms(f"att-{tag}-{T}-{p}-{variant}") for tag in ("pt113", "ptcur")]
+                peers_ms = [x for x in peers_ms if x]
+                r = f"{min(peers_ms) / att_ms(k):.2f}x" if peers_ms and att_ms(k) else "-"
+                print(f"{T:6d} {p:4s} {variant:8s} {cell(k):>9s} {cell(d):>10s} {cell(f'att-pt113-{T}-{p}-{variant}'):>9s} "
+                      f"{cell(f'att-ptcur-{T}-{p}-{variant}'):>9s} {r:>12s}")
+best = {n: j for n, j in best.items() if not n.startswith("att-")}
+status = {n: s for n, s in status.items() if not n.startswith("att-")}
+if not best and not status:
+    sys.exit(0)
 
 Ts = sorted({int(n.split("-")[1]) for n in list(best) + list(status)})
 tags = ["pt113", "ptcur"][:len(versions)]
@@ -192,3 +274,4 @@ if notes:
     print("runs without a result:")
     print("\n".join(notes))
 PY
+echo "load after: $(uptime | sed 's/.*load average: //')"

@@ -146,6 +146,57 @@ def make_context(attention, T, window, hs):
     return ctx
 
 
+def attention_only(a):
+    """Times attention alone, forward + backward, as keel_bench_attention does Keel's kernels: q of
+    --heads heads, k and v of --kv-heads (expanded to --heads where PyTorch has no grouped-query
+    SDPA), [B, heads, T, hs] each, --precision's dtype (bf16 tensors: SDPA's bf16 kernel), causal,
+    or a sliding window as an explicit boolean band mask. The least of --steps timed passes."""
+    hs = a.channels // a.heads
+    kv = a.kv_heads or a.heads
+    dtype = torch.bfloat16 if a.precision == "bf16" else torch.float32
+    g = torch.Generator().manual_seed(a.seed)
+    q = torch.randn(a.batch, a.heads, a.seq, hs, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(a.batch, kv, a.seq, hs, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(a.batch, kv, a.seq, hs, generator=g).to(dtype).requires_grad_()
+    dout = (torch.randn(a.batch, a.heads, a.seq, hs, generator=g) * 0.01).to(dtype)
+    ctx = make_context(a.attention, a.seq, a.window, hs)
+    gqa = {}  # grouped-query SDPA (PyTorch >= 2.5) reads k and v as they are; older ones get copies
+    major_minor = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if kv != a.heads and a.attention == "sdpa" and major_minor >= (2, 5):
+        gqa = {"enable_gqa": True}
+
+    def forward():
+        kk, vv = k, v
+        if kv != a.heads and not gqa:
+            kk = k.repeat_interleave(a.heads // kv, dim=1)
+            vv = v.repeat_interleave(a.heads // kv, dim=1)
+        if a.attention == "sdpa":
+            if a.window:
+                return F.scaled_dot_product_attention(q, kk, vv, attn_mask=ctx["mask"], **gqa)
+            return F.scaled_dot_product_attention(q, kk, vv, is_causal=True, **gqa)
+        qf, kf, vf = (t.reshape(-1, a.seq, hs) for t in (q, kk, vv))
+        att = torch.baddbmm(ctx["mask"].to(dtype), qf, kf.transpose(1, 2), alpha=1.0 / math.sqrt(hs)).softmax(dim=-1)
+        return torch.bmm(att, vf).view_as(q)
+
+    best_f = best_b = float("inf")
+    for i in range(a.warmup_steps + a.steps):
+        q.grad = k.grad = v.grad = None
+        t0 = time.perf_counter()
+        out = forward()
+        t1 = time.perf_counter()
+        out.backward(dout)
+        t2 = time.perf_counter()
+        if i >= a.warmup_steps:
+            best_f, best_b = min(best_f, t1 - t0), min(best_b, t2 - t1)
+    print(json.dumps({
+        "kind": a.attention, "precision": a.precision, "seq": a.seq, "window": a.window,
+        "forward_ms": round(1000 * best_f, 2), "backward_ms": round(1000 * best_b, 2),
+        "ms": round(1000 * (best_f + best_b), 2), "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }))
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser(description="PyTorch llama long-context training benchmark (peer of Keel's)")
     ap.add_argument("--layers", type=int, required=True)
@@ -162,6 +213,11 @@ def main():
     ap.add_argument("--warmup-steps", type=int, default=1, help="untimed steps before timing")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads; default: torch's")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--attention-only", action="store_true",
+                    help="time attention alone (forward + backward), not training steps")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                    help="--attention-only: the tensors' dtype; training: bf16 autocast")
+    ap.add_argument("--flush-denormal", type=int, default=1, help="torch.set_flush_denormal (1 = on)")
     a = ap.parse_args()
     kv = a.kv_heads or a.heads
     if (a.channels % a.heads or (a.channels // a.heads) % 2 or a.heads % kv or a.window < 0
@@ -174,6 +230,9 @@ def main():
 
     if a.threads:
         torch.set_num_threads(a.threads)
+    torch.set_flush_denormal(bool(a.flush_denormal))
+    if a.attention_only:
+        return attention_only(a)
     torch.manual_seed(a.seed)
     model = Llama(a.layers, a.channels, a.heads, kv, a.ffn_hidden, a.vocab)
     opt = make_optimizer(model)
@@ -187,7 +246,8 @@ def main():
 
     def step(i):
         idx, targets = data[i, :, :-1], data[i, :, 1:]
-        loss = model(idx, targets, ctx)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.precision == "bf16"):
+            loss = model(idx, targets, ctx)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -211,6 +271,7 @@ def main():
         "torch": torch.__version__,
         "attention": a.attention,
         "window": a.window,
+        "precision": a.precision,
     }))
     return 0
 

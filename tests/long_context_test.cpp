@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "core/config.h"
@@ -13,6 +15,7 @@
 #include "core/rng.h"
 #include "data/shard.h"
 #include "model/gpt.h"
+#include "runtime/attention_choice.h"
 #include "runtime/dynamic_windows.h"
 #include "test_util.h"
 
@@ -71,6 +74,98 @@ TEST_F(LongContextTraining, BlockwiseAndDenseTrainTheSameAt2048Tokens) {
   ASSERT_EQ(a.size(), 3u);
   ASSERT_EQ(b.size(), 3u);
   for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-4 * b[i]) << "step " << i + 1;
+}
+
+// bf16 products through blockwise attention (kernels/cpu/attention.h), both families: GPT-2 (tiny,
+// 4 heads of 16) and llama (llama-tiny: grouped keys, 4 query heads on 2 key/value heads, RoPE), at
+// 512 tokens. Each trains to finite losses within bf16's precision of its float32 run and not
+// equal to it (the products did run in bf16), and twice gives the same bytes.
+TEST_F(LongContextTraining, BothFamiliesTrainInBf16WithBlockwiseAttention) {
+  for (const std::string preset : {"tiny", "llama-tiny"}) {
+    SCOPED_TRACE(preset);
+    const std::string common = "--set model.preset=" + preset + " --set model.attention=blockwise";
+    for (const std::string run : {"bf16-a", "bf16-b", "fp32"}) {
+      const std::string precision = run == "fp32" ? "fp32" : "bf16";
+      const testing::CommandResult r = train(preset + "-" + run, 512, common + " --set runtime.precision=" + precision);
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+    }
+    const std::vector<double> a = losses(preset + "-bf16-a"), b = losses(preset + "-bf16-b"), f = losses(preset + "-fp32");
+    ASSERT_EQ(a.size(), 3u);
+    ASSERT_EQ(f.size(), 3u);
+    EXPECT_EQ(a, b);
+    EXPECT_EQ(testing::checkpoint_bytes(dir / (preset + "-bf16-a/ckpt")),
+              testing::checkpoint_bytes(dir / (preset + "-bf16-b/ckpt")));
+    EXPECT_NE(a, f);
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_TRUE(std::isfinite(a[i]));
+      EXPECT_NEAR(a[i], f[i], 2e-2 * f[i]) << "step " << i + 1;
+    }
+  }
+}
+
+// model.attention = "auto" (runtime/attention_choice.h): the faster of two measurements, ties to
+// blockwise; no measurement where dense cannot fit; a decision measured once is cached per machine
+// and shape and taken again from the cache (so reruns and resumes keep their kernel); `keel train`
+// says which it chose, and runs with it.
+TEST(AttentionChoice, AutoTakesTheMeasuredFasterKernelAndKeepsItsDecision) {
+  EXPECT_EQ(faster_attention(1.0, 2.0), Attention::dense);
+  EXPECT_EQ(faster_attention(2.0, 1.0), Attention::blockwise);
+  EXPECT_EQ(faster_attention(1.0, 1.01), Attention::blockwise);  // within 2 %: the linear-memory kernel
+
+  testing::TempDir cache("keel-attention-cache");
+  const char* saved = std::getenv("XDG_CACHE_HOME");
+  const std::string saved_value = saved != nullptr ? saved : "";
+  ::setenv("XDG_CACHE_HOME", cache.path().c_str(), 1);
+  auto config_at = [](int T) {
+    Config c;
+    c.model.preset = "llama-tiny";
+    c.model.vocab_size = 64;
+    c.model.max_seq_len = T;
+    c.train.seq_len = T;
+    c.train.batch_size = 1;
+    c.runtime.threads = 2;
+    c.resolve(1);
+    return c;
+  };
+  // 65,536 tokens: dense would keep 2 layers x 4 heads x T^2 floats = 128 GiB; not measured, not cached.
+  const AttentionChoice huge = choose_attention(config_at(65536));
+  EXPECT_EQ(huge.kernel, Attention::blockwise);
+  EXPECT_NE(huge.reason.find("dense would keep 128.0 GiB"), std::string::npos) << huge.reason;
+  EXPECT_FALSE(std::filesystem::exists(cache / "keel"));
+
+  const AttentionChoice first = choose_attention(config_at(256));
+  EXPECT_NE(first.reason.find("measured at 256 tokens, 2 heads of 16, fp32, 2 threads: dense "), std::string::npos)
+      << first.reason;
+  std::vector<std::filesystem::path> files;
+  for (const auto& e : std::filesystem::directory_iterator(cache / "keel")) files.push_back(e.path());
+  ASSERT_EQ(files.size(), 1u);
+  const AttentionChoice again = choose_attention(config_at(256));
+  EXPECT_EQ(again.kernel, first.kernel);
+  EXPECT_NE(again.reason.find("measured earlier on this machine"), std::string::npos) << again.reason;
+  // The cache decides: the other kernel written there is what the next run takes.
+  std::string line = read_text_file(files[0].string());
+  const bool was_dense = line.rfind("dense ", 0) == 0;
+  line = (was_dense ? "blockwise" : "dense") + line.substr(line.find(' '));
+  testing::write_text(files[0].string(), line);
+  EXPECT_EQ(choose_attention(config_at(256)).kernel, was_dense ? Attention::blockwise : Attention::dense);
+
+  // The command: says which it chose and trains with it (its config.toml holds the kernel).
+  testing::TempDir dir("keel-attention-auto");
+  testing::write_toy_corpus(dir.path());
+  testing::write_toy_config(dir.path(), 1);
+  const testing::CommandResult r = testing::run_keel(
+      "train --config " + dir / "toy.toml" + " --set train.run_dir=" + dir / "run" +
+      " --set model.max_seq_len=256 --set train.seq_len=256 --set train.batch_size=1 --set train.eval_every=0");
+  ::setenv("XDG_CACHE_HOME", saved_value.c_str(), 1);
+  if (saved == nullptr) ::unsetenv("XDG_CACHE_HOME");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const size_t at = r.output.find("keel train: attention = auto: ");
+  ASSERT_NE(at, std::string::npos) << r.output;
+  const std::string chosen = r.output.substr(at + 30, r.output.find(' ', at + 30) - at - 30);
+  ASSERT_TRUE(chosen == "dense" || chosen == "blockwise") << r.output;
+  EXPECT_NE(r.output.find("measured at 256 tokens", at), std::string::npos) << r.output;
+  const std::string config = read_text_file(dir / "run/config.toml");
+  EXPECT_NE(config.find("attention = '" + chosen + "'"), std::string::npos) << config;
 }
 
 // A sliding window of 128 keys at 4,096 tokens: trains, and differs from full attention.

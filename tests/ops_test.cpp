@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -589,15 +590,15 @@ FlashCase make_flash_case(uint64_t seed, int Tn, int NH, int NKV, int hs, int wi
 }
 
 template <typename T>
-Tensors<T> run_flash(const FlashCase& c) {
+Tensors<T> run_flash(const FlashCase& c, MatmulPrecision precision = MatmulPrecision::fp32) {
   auto qkv = cast<T>(c.qkv), R = cast<T>(c.R);
   Tensors<T> r;
   r["out"] = filled<T>(c.R.size(), kSentinel);
   r["lse"] = filled<T>(static_cast<size_t>(c.B) * c.NH * c.Tn, kSentinel);
   r["dqkv"] = filled<T>(qkv.size(), kSentinel);
-  flash_attention_forward<T>(MatmulPrecision::fp32, r["out"].data(), r["lse"].data(), qkv.data(), c.B, c.Tn, c.C(),
-                             c.NH, c.NKV, c.window);
-  flash_attention_backward_input<T>(MatmulPrecision::fp32, r["dqkv"].data(), R.data(), r["out"].data(), r["lse"].data(),
+  flash_attention_forward<T>(precision, r["out"].data(), r["lse"].data(), qkv.data(), c.B, c.Tn, c.C(), c.NH, c.NKV,
+                             c.window);
+  flash_attention_backward_input<T>(precision, r["dqkv"].data(), R.data(), r["out"].data(), r["lse"].data(),
                                     qkv.data(), c.B, c.Tn, c.C(), c.NH, c.NKV, c.window);
   return r;
 }
@@ -674,18 +675,140 @@ TEST(OpsGradient, BlockwiseAttentionMatchesFiniteDifferences) {
   }
 }
 
+// Head sizes of real models (multiples of 16: kernels/cpu/attention.h's vector path where the CPU
+// has AVX-512), lengths off the 64-row tile, windows, grouped heads: float against the double
+// kernel, which the test above holds to dense attention.
+TEST(OpsForward, BlockwiseAttentionAtModelHeadSizesEqualsDouble) {
+  struct Shape { int T, NH, NKV, hs, window; };
+  for (const Shape s : {Shape{1, 2, 2, 32, 0}, Shape{100, 4, 2, 32, 0}, Shape{193, 2, 1, 64, 0}, Shape{130, 2, 2, 48, 0},
+                        Shape{200, 4, 4, 32, 70}, Shape{256, 2, 1, 128, 64}, Shape{77, 2, 2, 16, 1}}) {
+    SCOPED_TRACE("T " + std::to_string(s.T) + " heads " + std::to_string(s.NH) + "/" + std::to_string(s.NKV) + " hs " +
+                 std::to_string(s.hs) + " window " + std::to_string(s.window));
+    const FlashCase c = make_flash_case(800 + s.T, s.T, s.NH, s.NKV, s.hs, s.window, 2);
+    const auto want = run_flash<double>(c);
+    const auto f = run_flash<float>(c);
+    EXPECT_TRUE(close("out", f.at("out"), want.at("out"), 2e-5));
+    EXPECT_TRUE(close("lse", f.at("lse"), want.at("lse"), 2e-6));
+    EXPECT_TRUE(close("dqkv", f.at("dqkv"), want.at("dqkv"), 2e-4));
+  }
+}
+
+// Blockwise attention's definition under bf16 products (kernels/cpu/attention.h), in double: q, k
+// and v rounded to bf16, the scores' sums exact; each key tile's probabilities exp(s - m_t), m_t the
+// row's running maximum after tile t, rounded to bf16 where they multiply v; the row sums and the
+// rescaling unrounded. `slack` per output element gathers the terms whose rounding a float32
+// perturbation could flip (a probability within 1e-5 relative of a bf16 rounding boundary): either
+// rounding is the definition's, to float32 precision.
+struct Bf16Definition {
+  std::vector<double> out, lse, slack;
+};
+Bf16Definition blockwise_bf16_definition(const FlashCase& c) {
+  const int C = c.C(), kvd = c.NKV * c.hs, C3 = C + 2 * kvd, group = c.NH / c.NKV, tile = 64;
+  auto r = [](double x) { return static_cast<double>(round_to_bf16(static_cast<float>(x))); };
+  Bf16Definition d{std::vector<double>(c.R.size(), 0.0), std::vector<double>(static_cast<size_t>(c.B) * c.NH * c.Tn),
+                   std::vector<double>(c.R.size(), 0.0)};
+  const double inf = std::numeric_limits<double>::infinity();
+  for (int b = 0; b < c.B; ++b) {
+    for (int h = 0; h < c.NH; ++h) {
+      const int g = h / group;
+      for (int i = 0; i < c.Tn; ++i) {
+        const int lo = c.window > 0 ? std::max(0, i - c.window + 1) : 0;
+        const double* q = &c.qkv[(b * c.Tn + i) * C3 + h * c.hs];
+        double m = -inf, l = 0;
+        std::vector<double> acc(c.hs, 0.0), slack(c.hs, 0.0);
+        for (int t = lo / tile; t <= i / tile; ++t) {
+          const int j0 = std::max(lo, t * tile), j1 = std::min(i, t * tile + tile - 1);
+          std::vector<double> s(j1 - j0 + 1);
+          double m_t = m;
+          for (int j = j0; j <= j1; ++j) {
+            const double* k = &c.qkv[(b * c.Tn + j) * C3 + C + g * c.hs];
+            double dot = 0;
+            for (int e = 0; e < c.hs; ++e) dot += r(q[e]) * r(k[e]);
+            s[j - j0] = dot / std::sqrt(static_cast<double>(c.hs));
+            m_t = std::max(m_t, s[j - j0]);
+          }
+          const double correction = m == -inf ? 0.0 : std::exp(m - m_t);
+          l *= correction;
+          for (int e = 0; e < c.hs; ++e) acc[e] *= correction, slack[e] *= correction;
+          for (int j = j0; j <= j1; ++j) {
+            const double p = std::exp(s[j - j0] - m_t);
+            const float pf = static_cast<float>(p);
+            const bool ambiguous = round_to_bf16(pf * (1 + 1e-5f)) != round_to_bf16(pf * (1 - 1e-5f));
+            l += p;
+            const double* v = &c.qkv[(b * c.Tn + j) * C3 + C + kvd + g * c.hs];
+            for (int e = 0; e < c.hs; ++e) {
+              acc[e] += r(p) * r(v[e]);
+              if (ambiguous) slack[e] += p / 128 * std::abs(r(v[e]));  // one bf16 step of p
+            }
+          }
+          m = m_t;
+        }
+        for (int e = 0; e < c.hs; ++e) {
+          d.out[(b * c.Tn + i) * C + h * c.hs + e] = acc[e] / l;
+          d.slack[(b * c.Tn + i) * C + h * c.hs + e] = slack[e] / l;
+        }
+        d.lse[(static_cast<size_t>(b) * c.NH + h) * c.Tn + i] = m + std::log(l);
+      }
+    }
+  }
+  return d;
+}
+
+// Under bf16 products the forward equals its definition on bf16-rounded operands within float32
+// summation-order tolerance; the backward (bf16 products of its own) stays within bf16's
+// precision of the float64 gradient.
+TEST(OpsForward, BlockwiseAttentionInBf16EqualsItsDefinition) {
+  struct Shape { int T, NH, NKV, hs, window; };
+  for (const Shape s : {Shape{150, 4, 2, 32, 0}, Shape{200, 2, 2, 64, 0}, Shape{130, 4, 1, 32, 50}, Shape{64, 2, 2, 16, 0}}) {
+    SCOPED_TRACE("T " + std::to_string(s.T) + " heads " + std::to_string(s.NH) + "/" + std::to_string(s.NKV) + " hs " +
+                 std::to_string(s.hs) + " window " + std::to_string(s.window));
+    const FlashCase c = make_flash_case(900 + s.T, s.T, s.NH, s.NKV, s.hs, s.window, 2);
+    const Bf16Definition want = blockwise_bf16_definition(c);
+    const auto got = run_flash<float>(c, MatmulPrecision::bf16);
+    double scale = 0;
+    for (const double x : want.out) scale = std::max(scale, std::abs(x));
+    size_t outside = 0, slack_used = 0, worst = 0;
+    double worst_excess = -1;
+    for (size_t i = 0; i < want.out.size(); ++i) {
+      const double err = std::abs(got.at("out")[i] - want.out[i]), allowed = 2e-5 * scale + 1.01 * want.slack[i];
+      if (err > 2e-5 * scale) ++slack_used;
+      if (err > allowed) ++outside;
+      if (err - allowed > worst_excess) worst_excess = err - allowed, worst = i;
+    }
+    EXPECT_EQ(outside, 0u) << "worst at [" << worst << "]: got " << got.at("out")[worst] << ", defined "
+                           << want.out[worst] << " (slack " << want.slack[worst] << ")";
+    EXPECT_LE(slack_used, want.out.size() / 100) << "elements off by more than float32 tolerance";
+    EXPECT_TRUE(close("lse", got.at("lse"), want.lse, 2e-6));
+    const auto exact = run_flash<double>(c);
+    EXPECT_TRUE(close("dqkv (bf16 vs float64)", got.at("dqkv"), exact.at("dqkv"), 3e-2));
+    EXPECT_FALSE(close("dqkv (bf16 vs float64)", got.at("dqkv"), exact.at("dqkv"), 1e-5)) << "no bf16 rounding seen";
+  }
+}
+
 TEST(OpsDeterminism, BlockwiseAttentionIsBitIdenticalAcrossThreadCounts) {
-  const FlashCase c = make_flash_case(761, 150, 4, 2, 8, 0, 2);
-  Tensors<float> one, two;
-  {
-    Threads t(1);
-    one = run_flash<float>(c);
+  for (const int hs : {8, 32}) {
+    for (const MatmulPrecision precision : {MatmulPrecision::fp32, MatmulPrecision::bf16}) {
+      SCOPED_TRACE("hs " + std::to_string(hs) + (precision == MatmulPrecision::bf16 ? " bf16" : " fp32"));
+      const FlashCase c = make_flash_case(761, 150, 4, 2, hs, 0, 2);
+      Tensors<float> one, two, three;
+      {
+        Threads t(1);
+        one = run_flash<float>(c, precision);
+      }
+      {
+        Threads t(2);
+        two = run_flash<float>(c, precision);
+      }
+      {
+        Threads t(3);
+        three = run_flash<float>(c, precision);
+      }
+      for (const auto& [name, v] : one) {
+        EXPECT_TRUE(bit_identical(name, v, two.at(name)));
+        EXPECT_TRUE(bit_identical(name, v, three.at(name)));
+      }
+    }
   }
-  {
-    Threads t(2);
-    two = run_flash<float>(c);
-  }
-  for (const auto& [name, v] : one) EXPECT_TRUE(bit_identical(name, v, two.at(name)));
 }
 
 // ---- gradients against finite differences (double) ---------------------------------------------

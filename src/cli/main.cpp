@@ -40,6 +40,7 @@
 #include "model/gpt.h"
 #include "pipeline/schedule_command.h"
 #include "monitor/report.h"
+#include "runtime/attention_choice.h"
 #include "runtime/generate.h"
 #include "runtime/job_config.h"
 #include "runtime/kv_cache.h"
@@ -215,10 +216,29 @@ int cmd_tokenize(const Args& a) {
   return 0;
 }
 
+// model.attention = "auto" without a window: rank 0 measures which kernel is the faster for this
+// job (runtime/attention_choice.h); every rank takes its decision. Returns the line that says so
+// (rank 0), printed once the run has started: a job refused later still says one line only.
+std::string choose_auto_attention(Config& config, Communicator& comm) {
+  AttentionChoice choice;
+  if (comm.is_root()) choice = choose_attention(config);
+  config.model.attention = comm.broadcast(static_cast<int64_t>(choice.kernel)) == static_cast<int64_t>(Attention::dense)
+                               ? Attention::dense
+                               : Attention::blockwise;
+  if (!comm.is_root()) return "";
+  return std::string("keel train: attention = auto: ") +
+         (config.model.attention == Attention::dense ? "dense" : "blockwise") + " (" + choice.reason + ")\n";
+}
+
 int cmd_train(const Args& a) {
   Communicator& comm = Communicator::world();
   Config config = Config::load(a.get("--config"), a.all("--set"));
+  const bool auto_attention = config.model.attention == Attention::automatic;
   resolve_job_config(config, comm.size());
+  std::string attention_line;
+  if (auto_attention && !config.model.window_asked() && !config.clip.enabled()) {
+    attention_line = choose_auto_attention(config, comm);
+  }
   // The default job tokenizes the default corpus on first use (rank 0; the others wait).
   const DataConfig defaults;
   if (comm.is_root() && !config.clip.enabled() && !fs::exists(config.data.train) && config.data.train == defaults.train &&
@@ -230,6 +250,8 @@ int cmd_train(const Args& a) {
   comm.barrier();
   Trainer trainer(config, comm);
   g_input_accepted = true;
+  std::fputs(attention_line.c_str(), stdout);
+  std::fflush(stdout);
   const RunSummary summary = trainer.run();
   // Stopped by SIGTERM / SIGINT after its checkpoint: the conventional status. The final state not
   // saved (a full disk?): not success, and not worth a blind restart.

@@ -694,8 +694,9 @@ void Config::resolve(int world_size) {
   }
   if (!model.family.has_value()) model.family = preset->family;
   if (model.attention == Attention::automatic) {
-    // Measured (kernels_bench, d4's heads, 1024 tokens): dense is 10-20 % faster up to T = 128,
-    // even at 256, blockwise faster beyond; only blockwise has windows.
+    // Where nothing measures (config checks, the simulator, imports): dense up to 255 tokens,
+    // blockwise from 256 (kernels_bench on the 2-core Xeon, 2026-12); only blockwise has windows.
+    // `keel train` measures instead (runtime/attention_choice.h) and replaces this resolution.
     model.attention = train.longest_seq_len() >= 256 || model.window_asked() ? Attention::blockwise : Attention::dense;
   }
   if (model.family == Family::llama) {

@@ -204,9 +204,10 @@ struct ModelConfig {
   double rope_factor = 1.0;
   std::optional<bool> tie_embeddings;  // output head = token embedding; GPT-2: always; llama: the preset's
   // Both families. "blockwise": FlashAttention-2's tiles and online softmax, activation memory
-  // linear in T; "dense": the T x T probabilities kept (the reference); "auto": blockwise where it
-  // is the faster here (train.seq_len >= 256, or any window), dense below (bench/kernels_bench:
-  // BM_Attention*). Resolved configs hold "dense" or "blockwise".
+  // linear in T; "dense": the T x T probabilities kept (the reference); "auto": with a window,
+  // blockwise; else `keel train` measures both at the job's shape on this machine and takes the
+  // faster (runtime/attention_choice.h, cached per machine and shape); elsewhere blockwise from
+  // train.seq_len 256, dense below. Resolved configs hold "dense" or "blockwise".
   Attention attention = Attention::automatic;
   // A sliding window of W keys per query: "" or "0" = none, "W" = every layer, "LO-HI:W,..." =
   // blocks LO..HI (0-based) with window W, the others none.

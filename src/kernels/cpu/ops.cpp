@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/cpu/attention.h"
 #include "kernels/cpu/blas.h"
 #include "kernels/cpu/vmath.h"
 
@@ -605,6 +606,12 @@ void online_softmax_tile(T* s, int ld, int rows, int cols, int i0, int j0, int w
 template <typename T>
 void flash_attention_forward(MatmulPrecision precision, T* out, T* lse, const T* qkv, int B, int Tn, int C, int NH,
                              int NKV, int window) {
+  if constexpr (std::is_same_v<T, float>) {  // the vector path where the CPU and head size allow it
+    if (blockwise_attention_vectorized(precision, C / NH)) {
+      blockwise_attention_forward_vector(precision, out, lse, qkv, B, Tn, C, NH, NKV, window);
+      return;
+    }
+  }
   if (NKV == 0) NKV = NH;
   const int hs = C / NH, group = NH / NKV, kv = NKV * hs, C3 = C + 2 * kv;
   const T scale = T(1) / std::sqrt(static_cast<T>(hs));
@@ -728,6 +735,12 @@ void paged_attention_forward(MatmulPrecision precision, T* out, const T* q, int 
 template <typename T>
 void flash_attention_backward_input(MatmulPrecision precision, T* dqkv, const T* dout, const T* out, const T* lse,
                                     const T* qkv, int B, int Tn, int C, int NH, int NKV, int window) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (blockwise_attention_vectorized(precision, C / NH)) {
+      blockwise_attention_backward_vector(precision, dqkv, dout, out, lse, qkv, B, Tn, C, NH, NKV, window);
+      return;
+    }
+  }
   if (NKV == 0) NKV = NH;
   const int hs = C / NH, group = NH / NKV, kv = NKV * hs, C3 = C + 2 * kv;
   const T scale = T(1) / std::sqrt(static_cast<T>(hs));

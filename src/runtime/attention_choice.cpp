@@ -1,0 +1,118 @@
+#include "runtime/attention_choice.h"
+
+#include <fcntl.h>
+#include <omp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <sstream>
+
+#include "core/cpu.h"
+#include "kernels/cpu/attention.h"
+
+namespace keel {
+
+namespace {
+
+std::string cache_directory() {
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg != nullptr && *xdg != '\0') return std::string(xdg) + "/keel";
+  if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0') return std::string(home) + "/.cache/keel";
+  return "";
+}
+
+std::string format_ms(double ms) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f", ms);
+  return buf;
+}
+
+// "dense|blockwise DENSE_MS BLOCKWISE_MS KEY" from a cache file whose key is `key`.
+bool read_cached(const std::string& path, const std::string& key, AttentionChoice* choice) {
+  std::ifstream in(path);
+  std::string kernel, dense_ms, blockwise_ms, line_key;
+  if (!(in >> kernel >> dense_ms >> blockwise_ms) || !std::getline(in >> std::ws, line_key) || line_key != key) return false;
+  if (kernel != "dense" && kernel != "blockwise") return false;
+  choice->kernel = kernel == "dense" ? Attention::dense : Attention::blockwise;
+  choice->reason = "measured earlier on this machine (dense " + dense_ms + " ms, blockwise " + blockwise_ms +
+                   " ms; " + path + ")";
+  return true;
+}
+
+}  // namespace
+
+Attention faster_attention(double dense_ms, double blockwise_ms) {
+  return dense_ms < 0.98 * blockwise_ms ? Attention::dense : Attention::blockwise;
+}
+
+AttentionChoice choose_attention(const Config& config) {
+  const ModelConfig& m = config.model;
+  const int T = config.train.longest_seq_len(), NH = m.n_head, NKV = m.n_kv_head > 0 ? m.n_kv_head : m.n_head;
+  const int hs = m.n_embd / NH, group = NH / NKV;
+  const int threads = config.runtime.threads > 0 ? config.runtime.threads : omp_get_max_threads();
+  const bool bf16 = config.runtime.precision == Precision::bf16;
+  AttentionChoice choice;
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  const double dense_bytes = 4.0 * m.n_layer * config.train.batch_size * NH * static_cast<double>(T) * T;
+  const double memory_bytes = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGE_SIZE));
+  if (dense_bytes > 0.5 * memory_bytes) {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "dense would keep %.1f GiB of probabilities, over half of this machine's %.1f GiB",
+                  dense_bytes / gib, memory_bytes / gib);
+    choice.reason = buf;
+    return choice;
+  }
+  // The probe: one batch row, whole key/value groups, at least as many query heads as threads
+  // where the model has them (both kernels parallelise over heads).
+  const int probe_kv = std::max(1, std::min(NKV, (threads + group - 1) / group));
+  const int probe_heads = probe_kv * group;
+  std::ostringstream key;
+  key << cpu_model_name() << " | threads " << threads << " | " << (bf16 ? "bf16" : "fp32") << " | T " << T << " | heads "
+      << probe_heads << "/" << probe_kv << " x " << hs;
+  const std::string dir = cache_directory();
+  const std::string path =
+      dir.empty() ? "" : dir + "/attention-" + std::to_string(std::hash<std::string>{}(key.str()) % 1000000007ull) + ".txt";
+  if (!path.empty() && read_cached(path, key.str(), &choice)) return choice;
+
+  const MatmulPrecision precision = bf16 ? MatmulPrecision::bf16 : MatmulPrecision::fp32;
+  const int saved_threads = omp_get_max_threads();
+  omp_set_num_threads(threads);
+  const int repeats = T >= 4096 ? 1 : T >= 1024 ? 2 : 5;
+  const double dense_ms = ops::time_attention(true, precision, 1, T, probe_heads * hs, probe_heads, probe_kv, 0, repeats).total_ms();
+  const double blockwise_ms =
+      ops::time_attention(false, precision, 1, T, probe_heads * hs, probe_heads, probe_kv, 0, repeats).total_ms();
+  omp_set_num_threads(saved_threads);
+  choice.kernel = faster_attention(dense_ms, blockwise_ms);
+  choice.reason = "measured at " + std::to_string(T) + " tokens, " + std::to_string(probe_heads) + " heads of " +
+                  std::to_string(hs) + ", " + (bf16 ? "bf16" : "fp32") + ", " + std::to_string(threads) +
+                  " threads: dense " + format_ms(dense_ms) + " ms, blockwise " + format_ms(blockwise_ms) + " ms";
+  if (path.empty()) return choice;
+  // The first decision written wins (written whole to a private file, then linked into place, which
+  // fails where a file is already there): a run that lost the race takes the winner's.
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  const std::string line = std::string(choice.kernel == Attention::dense ? "dense" : "blockwise") + " " +
+                           format_ms(dense_ms) + " " + format_ms(blockwise_ms) + " " + key.str() + "\n";
+  const std::string mine = path + "." + std::to_string(::getpid()) + ".tmp";
+  bool written = false;
+  if (const int fd = ::open(mine.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644); fd >= 0) {
+    written = ::write(fd, line.data(), line.size()) == static_cast<ssize_t>(line.size());
+    written = ::close(fd) == 0 && written;
+  }
+  const bool linked = written && ::link(mine.c_str(), path.c_str()) == 0;
+  std::filesystem::remove(mine, ec);
+  if (linked) {
+    choice.reason += " (cached in " + path + ")";
+  } else if (AttentionChoice earlier; read_cached(path, key.str(), &earlier)) {
+    return earlier;
+  } else {
+    choice.reason += " (not cached: " + path + " could not be written)";
+  }
+  return choice;
+}
+
+}  // namespace keel
