@@ -185,8 +185,11 @@ def kills(work, tag, preset, count, extra, first_copy_step, rng):
                         "mpirun": process - noticed, "build": started - process, "load": load,
                         "setup": resumed - started - load, "first_step": first_step_at - resumed,
                         "source": resume.get("source", "?"), "step": recovery.get("step")})
-            print(f"  {tag} kill {k + 1}/{count}: rank pid {victim}, training resumed after {out[-1]['down']:.2f} s, "
-                  f"first step done after {out[-1]['total']:.2f} s (from {out[-1]['source']} at step {out[-1]['step']})",
+            r = out[-1]
+            print(f"  {tag} kill {k + 1}/{count}: rank pid {victim}, training resumed after {r['down']:.2f} s, "
+                  f"first step done after {r['total']:.2f} s (from {r['source']} at step {r['step']}; detect "
+                  f"{r['detect']:.2f}, mpirun {r['mpirun']:.2f}, start+build {r['build']:.2f}, load {r['load']:.2f}, "
+                  f"setup {r['setup']:.2f}, 1st step {r['first_step']:.2f}; load average {os.getloadavg()[0]:.1f})",
                   flush=True)
     finally:
         # A clean stop: the launcher forwards SIGTERM, the ranks checkpoint and exit (and drop
