@@ -130,6 +130,30 @@ TEST(LaunchArgs, WithoutAnRdmaDeviceTheRanksSkipProbingRdmaTransports) {
   EXPECT_EQ(mca_values(mpirun_argv(o, 0), "pml"), std::vector<std::string>{"ucx"});
 }
 
+// A restarted rank takes the SGEMM rate an earlier start measured on this host (its start-up is
+// down time); a first start measures and keeps it.
+TEST(LaunchArgs, ARestartReusesTheSgemmRateAFirstStartMeasured) {
+  const std::string cache = "/dev/shm/keel-sgemm.json";
+  ::unsetenv("KEEL_RESTART");
+  const double measured = sgemm_reference_gflops();
+  ASSERT_GT(measured, 0);
+  ASSERT_TRUE(fs::is_regular_file(cache));
+  nlohmann::json kept = nlohmann::json::parse(read_text_file(cache));
+  std::string key;
+  for (const auto& [k, v] : kept.items()) {
+    if (v.is_number() && v.get<double>() == measured) key = k;
+  }
+  ASSERT_FALSE(key.empty()) << kept.dump();
+  kept[key] = 12345.0;  // no CPU here measures this: only the cache can say it
+  const std::string text = kept.dump();
+  write_file_atomic(cache, {{text.data(), text.size()}});
+  ::setenv("KEEL_RESTART", "1", 1);
+  EXPECT_EQ(sgemm_reference_gflops(), 12345.0);
+  ::unsetenv("KEEL_RESTART");
+  EXPECT_NE(sgemm_reference_gflops(), 12345.0);  // a first start measures (and keeps its own rate)
+  EXPECT_NE(nlohmann::json::parse(read_text_file(cache))[key].get<double>(), 12345.0);
+}
+
 TEST(LaunchArgs, BadInputExits2) {
   testing::TempDir dir("keel-launch-args");
   auto r = run_keel("train --config " + dir / "missing.toml");

@@ -1,9 +1,9 @@
 #include "runtime/launcher.h"
 
+#include <omp.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
-#include <omp.h>
 #include <unistd.h>
 
 #include <algorithm>
