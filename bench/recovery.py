@@ -11,12 +11,14 @@ steps only (every restart resumes from disk); the first step after a restart hol
 either way.
 Each recovery is split by the job's own events into: detect (kill to the launcher reaping mpirun),
 mpirun (to the new ranks' process start), start+build (MPI, model build: to the state load's
-start), load (reading and verifying the state), setup (to training resumed), first step. Then the
-cost of memory copies per step: the median step time of the same job with
-checkpoint.memory_every = 1 and without memory copies. Keel's design figure for parameter recovery
-(2.7 s) is printed beside the medians.
+start), load (reading and verifying the state), setup (to training resumed), first step; medians
+over the kills (and the p90 of down), memory and disk side by side. Then the cost of memory copies
+per step: the median step time of jobs with checkpoint.memory_every = 1 and without memory copies,
+alternating (off, on, off, on) so that the machine's load falls on both alike. Keel's design
+figure for parameter recovery (2.7 s) is printed beside the medians.
 
-Usage: bench/recovery.py [--preset gpt2-124m] [--kills 20] [--every 4] [--cost-steps 12] [--seed 1]
+Usage: bench/recovery.py [--preset gpt2-124m] [--kills 20] [--every 4] [--sources memory,disk]
+                         [--cost-steps 8] [--cost-rounds 2] [--seed 1]
 Environment: KEEL (default build/keel).
 """
 import argparse
@@ -103,6 +105,22 @@ def rank_pids(run_dir):
     return sorted(pids)
 
 
+def newest_checkpoint_step(run_dir):
+    """The step of the newest complete disk checkpoint (its manifest published), -1 when none."""
+    newest = -1
+    try:
+        names = os.listdir(os.path.join(run_dir, "ckpt"))
+    except OSError:
+        return newest
+    for name in names:
+        if name.startswith("step-") and os.path.exists(os.path.join(run_dir, "ckpt", name, "manifest.json")):
+            try:
+                newest = max(newest, int(name[5:].split(".")[0]))
+            except ValueError:
+                pass
+    return newest
+
+
 def kills(work, tag, preset, count, extra, first_copy_step, rng):
     """Kills a rank of one job `count` times; returns one dict per recovery."""
     run_dir = os.path.join(work, tag)
@@ -130,6 +148,10 @@ def kills(work, tag, preset, count, extra, first_copy_step, rng):
                 if not steps:
                     return None
                 floor = base if base is not None else steps[0]
+                # A disk checkpoint is written in the background: the first kill waits until one is
+                # complete (a restart without one would start from step 0, not recover).
+                if tag == "disk" and newest_checkpoint_step(run_dir) < first_copy_step:
+                    return None
                 return True if steps[-1] >= floor + target else None
             wait_for(f"step {target} of attempt {k + 1}", due, job)
             try:
@@ -163,8 +185,11 @@ def kills(work, tag, preset, count, extra, first_copy_step, rng):
                         "mpirun": process - noticed, "build": started - process, "load": load,
                         "setup": resumed - started - load, "first_step": first_step_at - resumed,
                         "source": resume.get("source", "?"), "step": recovery.get("step")})
-            print(f"  {tag} kill {k + 1}/{count}: rank pid {victim}, training resumed after {out[-1]['down']:.2f} s, "
-                  f"first step done after {out[-1]['total']:.2f} s (from {out[-1]['source']} at step {out[-1]['step']})",
+            r = out[-1]
+            print(f"  {tag} kill {k + 1}/{count}: rank pid {victim}, training resumed after {r['down']:.2f} s, "
+                  f"first step done after {r['total']:.2f} s (from {r['source']} at step {r['step']}; detect "
+                  f"{r['detect']:.2f}, mpirun {r['mpirun']:.2f}, start+build {r['build']:.2f}, load {r['load']:.2f}, "
+                  f"setup {r['setup']:.2f}, 1st step {r['first_step']:.2f}; load average {os.getloadavg()[0]:.1f})",
                   flush=True)
     finally:
         # A clean stop: the launcher forwards SIGTERM, the ranks checkpoint and exit (and drop
@@ -183,15 +208,31 @@ def kills(work, tag, preset, count, extra, first_copy_step, rng):
     return out
 
 
-def step_cost(work, preset, steps, memory_every):
-    run_dir = os.path.join(work, f"cost-{memory_every}")
+def step_cost(work, preset, steps, memory_every, round_):
+    """One job of `steps` steps: its steps' times and memory-copy stalls (ms), the first step left out."""
+    run_dir = os.path.join(work, f"cost-{memory_every}-{round_}")
     shutil.rmtree(run_dir, ignore_errors=True)
     extra = [f"checkpoint.memory_every={memory_every}", "train.checkpoint_every=0"]
     benchutil.run_logged([KEEL, "launch", "-n", "2", "--"] + train_args(work, run_dir, preset, steps, extra),
-                         os.path.join(work, f"cost-{memory_every}.log"), ROOT, HANG_S, "recovery.py",
+                         os.path.join(work, f"cost-{memory_every}-{round_}.log"), ROOT, HANG_S, "recovery.py",
                          {"OMP_WAIT_POLICY": "PASSIVE"})
     lines = [l for l in metrics(run_dir) if "loss" in l and "event" not in l and l["step"] > 1]
-    return statistics.median(l["ms"] for l in lines), statistics.median(l.get("ckpt_stall_ms", 0) for l in lines)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return [l["ms"] for l in lines], [l.get("ckpt_stall_ms", 0) for l in lines]
+
+
+def interleaved_cost(work, preset, steps, rounds):
+    """Step times without and with memory copies every step, the jobs alternating (off, on, off,
+    on, ...) so that the machine's load falls on both alike; medians over every step of every round."""
+    off, on, stall = [], [], []
+    for r in range(rounds):
+        off += step_cost(work, preset, steps, 0, r)[0]
+        times, stalls = step_cost(work, preset, steps, 1, r)
+        on += times
+        stall += stalls
+        print(f"  cost round {r + 1}/{rounds}: step {statistics.median(off):.0f} ms without memory copies, "
+              f"{statistics.median(on):.0f} ms with (load {os.getloadavg()[0]:.1f})", flush=True)
+    return statistics.median(off), statistics.median(on), statistics.median(stall)
 
 
 def summary(rows):
@@ -207,39 +248,53 @@ def main():
     ap.add_argument("--preset", default="gpt2-124m")
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--every", type=int, default=4)
-    ap.add_argument("--cost-steps", type=int, default=12)
+    ap.add_argument("--sources", default="memory,disk", help="which recoveries to measure: memory, disk or both")
+    ap.add_argument("--cost-steps", type=int, default=8, help="steps per job of the per-step cost (0: not measured)")
+    ap.add_argument("--cost-rounds", type=int, default=2, help="jobs without and with memory copies, alternating")
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args()
+    sources = [x for x in a.sources.split(",") if x]
+    if not sources or any(x not in ("memory", "disk") for x in sources):
+        sys.exit(f"recovery.py: --sources: expected memory, disk or memory,disk, found '{a.sources}'")
     rng = random.Random(a.seed)
     work = tempfile.mkdtemp(prefix="keel-recovery-")
     try:
         benchutil.write_tokens(os.path.join(work, "train.bin"), n=1 << 18, seed=1)
         benchutil.write_tokens(os.path.join(work, "val.bin"), n=1 << 14, seed=2)
         print(f"{a.preset} on 2 ranks, {a.kills} kills per source; load before: {os.getloadavg()[0]:.1f}", flush=True)
-        memory = kills(work, "memory", a.preset, a.kills,
-                       [f"checkpoint.memory_every={a.every}", "train.checkpoint_every=0"], a.every, rng)
-        disk = kills(work, "disk", a.preset, a.kills, ["checkpoint.memory_every=0", f"train.checkpoint_every={a.every}"],
-                     a.every, rng)
-        off_ms, _ = step_cost(work, a.preset, a.cost_steps, 0)
-        on_ms, copy_ms = step_cost(work, a.preset, a.cost_steps, 1)
+        measured = {}
+        for source in sources:
+            extra = ([f"checkpoint.memory_every={a.every}", "train.checkpoint_every=0"] if source == "memory" else
+                     ["checkpoint.memory_every=0", f"train.checkpoint_every={a.every}"])
+            measured[source] = kills(work, source, a.preset, a.kills, extra, a.every, rng)
+            print(f"  load after the {source} kills: {os.getloadavg()[0]:.1f}", flush=True)
+        cost = interleaved_cost(work, a.preset, a.cost_steps, a.cost_rounds) if a.cost_steps > 0 else None
         print()
+        names = {"memory": f"memory (memory_every={a.every})", "disk": f"disk (checkpoint_every={a.every})"}
         benchutil.print_table(["resume from", "kills", "down s (median)", "down p90", "to 1st step done",
                                "detect", "mpirun", "start+build", "load", "setup", "1st step"],
-                              [[f"memory (memory_every={a.every})"] + summary(memory),
-                               [f"disk (checkpoint_every={a.every})"] + summary(disk),
-                               ["Keel design figure", "", f"{DESIGN_RECOVERY_S:.1f}"] + [""] * 8])
+                              [[names[x]] + summary(measured[x]) for x in sources] +
+                              [["Keel design figure", "", f"{DESIGN_RECOVERY_S:.1f}"] + [""] * 8])
         print("down: from the kill to training resumed (state restored on every rank, the next step starting); "
               "detect: kill to the launcher reaping mpirun; mpirun: to the new ranks' start; start+build: to the "
-              "state load's start; setup: after the load, to training resumed")
-        print()
-        benchutil.print_table(["checkpoint.memory_every", "median step ms", "memory copy ms/step", "cost per step"],
-                              [["0 (off)", f"{off_ms:.0f}", "0", ""],
-                               ["1", f"{on_ms:.0f}", f"{copy_ms:.0f}",
-                                f"{on_ms - off_ms:+.0f} ms ({100 * (on_ms / off_ms - 1):+.0f} %)"]])
-        ratio = statistics.median(r["down"] for r in memory) / statistics.median(r["down"] for r in disk)
-        print(f"\nrecovery from memory / from disk (medians): {ratio:.2f}x; load after: {os.getloadavg()[0]:.1f}")
-        if not all(r["source"] == "memory" for r in memory) or not all(r["source"] == "disk" for r in disk):
-            sys.exit("recovery.py: a restart resumed from the other source")
+              "state load's start; setup: after the load, to training resumed; medians over the kills")
+        if cost is not None:
+            off_ms, on_ms, copy_ms = cost
+            print()
+            benchutil.print_table(["checkpoint.memory_every", "median step ms", "memory copy ms/step", "cost per step"],
+                                  [["0 (off)", f"{off_ms:.0f}", "0", ""],
+                                   ["1", f"{on_ms:.0f}", f"{copy_ms:.0f}",
+                                    f"{on_ms - off_ms:+.0f} ms ({100 * (on_ms / off_ms - 1):+.0f} %)"]])
+            print(f"(a copy every N steps costs about 1/N of this per step; {a.cost_rounds} alternating rounds of "
+                  f"{a.cost_steps} steps each)")
+        if len(sources) == 2:
+            ratio = (statistics.median(r["down"] for r in measured["memory"]) /
+                     statistics.median(r["down"] for r in measured["disk"]))
+            print(f"\nrecovery from memory / from disk (median down times): {ratio:.2f}x")
+        print(f"load after: {os.getloadavg()[0]:.1f}")
+        wrong = [r for x in sources for r in measured[x] if r["source"] != x]
+        if wrong:
+            sys.exit(f"recovery.py: {len(wrong)} restart(s) resumed from another source than the one measured")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -98,21 +98,60 @@ TEST(LaunchArgs, ARestartExportsTheFailureAndTrainResumesFromTheNewestCheckpoint
   EXPECT_TRUE(exported(eval_again, "KEEL_RESTART"));
 }
 
+// The values mpirun's command line gives MCA parameter `key`, in order.
+std::vector<std::string> mca_values(const std::vector<std::string>& argv, const std::string& key) {
+  std::vector<std::string> values;
+  for (size_t i = 0; i + 2 < argv.size(); ++i) {
+    if (argv[i] == "--mca" && argv[i + 1] == key) values.push_back(argv[i + 2]);
+  }
+  return values;
+}
+
 // A rank's death ends the others at once (no SIGTERM, then SIGKILL a second later): most of the time
 // a restart waited for. A caller's own value is passed instead, once.
 TEST(LaunchArgs, ALostRankEndsTheOthersAtOnceUnlessTheCallerSaysOtherwise) {
-  auto values_of = [](const std::vector<std::string>& argv) {
-    std::vector<std::string> values;
-    for (size_t i = 0; i + 2 < argv.size(); ++i) {
-      if (argv[i] == "--mca" && argv[i + 1] == "odls_base_sigkill_timeout") values.push_back(argv[i + 2]);
-    }
-    return values;
-  };
   LaunchOptions o = parse_launch_args({"-n", "2", "--", "train"});
-  EXPECT_EQ(values_of(mpirun_argv(o, 0)), std::vector<std::string>{"0"});
-  EXPECT_EQ(values_of(mpirun_argv(o, 1)), std::vector<std::string>{"0"});
+  EXPECT_EQ(mca_values(mpirun_argv(o, 0), "odls_base_sigkill_timeout"), std::vector<std::string>{"0"});
+  EXPECT_EQ(mca_values(mpirun_argv(o, 1), "odls_base_sigkill_timeout"), std::vector<std::string>{"0"});
   o = parse_launch_args({"-n", "2", "--mca", "odls_base_sigkill_timeout", "5", "--", "train"});
-  EXPECT_EQ(values_of(mpirun_argv(o, 0)), std::vector<std::string>{"5"});
+  EXPECT_EQ(mca_values(mpirun_argv(o, 0), "odls_base_sigkill_timeout"), std::vector<std::string>{"5"});
+}
+
+// Without an RDMA device the ranks use ob1 (UCX's and libfabric's probing is time a restart spends
+// down); with one, OpenMPI chooses. A caller's own pml is passed instead, once.
+TEST(LaunchArgs, WithoutAnRdmaDeviceTheRanksSkipProbingRdmaTransports) {
+  LaunchOptions o = parse_launch_args({"-n", "2", "--", "train"});
+  const std::vector<std::string> expected =
+      rdma_devices_present() ? std::vector<std::string>{} : std::vector<std::string>{"ob1"};
+  EXPECT_EQ(mca_values(mpirun_argv(o, 0), "pml"), expected);
+  EXPECT_EQ(mca_values(mpirun_argv(o, 1), "pml"), expected);
+  EXPECT_EQ(rdma_devices_present(), fs::exists("/sys/class/infiniband") && !fs::is_empty("/sys/class/infiniband"));
+  o = parse_launch_args({"-n", "2", "--mca", "pml", "ucx", "--", "train"});
+  EXPECT_EQ(mca_values(mpirun_argv(o, 0), "pml"), std::vector<std::string>{"ucx"});
+}
+
+// A restarted rank takes the SGEMM rate an earlier start measured on this host (its start-up is
+// down time); a first start measures and keeps it.
+TEST(LaunchArgs, ARestartReusesTheSgemmRateAFirstStartMeasured) {
+  const std::string cache = "/dev/shm/keel-sgemm.json";
+  ::unsetenv("KEEL_RESTART");
+  const double measured = sgemm_reference_gflops();
+  ASSERT_GT(measured, 0);
+  ASSERT_TRUE(fs::is_regular_file(cache));
+  nlohmann::json kept = nlohmann::json::parse(read_text_file(cache));
+  std::string key;
+  for (const auto& [k, v] : kept.items()) {
+    if (v.is_number() && v.get<double>() == measured) key = k;
+  }
+  ASSERT_FALSE(key.empty()) << kept.dump();
+  kept[key] = 12345.0;  // no CPU here measures this: only the cache can say it
+  const std::string text = kept.dump();
+  write_file_atomic(cache, {{text.data(), text.size()}});
+  ::setenv("KEEL_RESTART", "1", 1);
+  EXPECT_EQ(sgemm_reference_gflops(), 12345.0);
+  ::unsetenv("KEEL_RESTART");
+  EXPECT_NE(sgemm_reference_gflops(), 12345.0);  // a first start measures (and keeps its own rate)
+  EXPECT_NE(nlohmann::json::parse(read_text_file(cache))[key].get<double>(), 12345.0);
 }
 
 TEST(LaunchArgs, BadInputExits2) {

@@ -181,6 +181,38 @@ TEST_F(Recovery, BothCopiesOfARankUnusableFallsBackToDisk) {
   expect_reference_bytes();
 }
 
+// (c') A copy is verified as it is restored (one pass): when rank 1's copies turn out corrupt
+// halfway, rank 0 has restored its planes and rank 1 half of its own. Without a disk checkpoint
+// the job starts from step 0, and what the copies wrote is gone: it ends with the bytes of a job
+// never killed.
+TEST_F(Recovery, ACopyFoundCorruptHalfwayLeavesNothingInTheStore) {
+  ASSERT_NO_FATAL_FAILURE(kill_after_step_15("job-c2"));
+  int flipped = 0;
+  for (const std::string& name : files_in(shm())) {
+    const std::string path = shm() + "/" + name;
+    if (name.rfind("r1-step-", 0) != 0 && name.rfind("buddy-r1-step-", 0) != 0) continue;
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    const std::streamoff middle = static_cast<std::streamoff>(fs::file_size(path) / 2);
+    f.seekg(middle);
+    char c = 0;
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 0x40);
+    f.seekp(middle);
+    f.write(&c, 1);
+    flipped++;
+  }
+  ASSERT_GE(flipped, 2) << joined(files_in(shm()));
+  fs::remove_all(dir / "run/ckpt");
+  const testing::CommandResult r = launch(2, "KEEL_JOB_ID=job-c2", "--set train.resume=auto");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "[rank 1] memory copy of step 1")) << r.output;
+  EXPECT_TRUE(contains(r.output, "is corrupt (checksum")) << r.output;
+  EXPECT_TRUE(contains(r.output, "keel: not resuming from memory: ")) << r.output;
+  EXPECT_FALSE(contains(r.output, "resumed from")) << r.output;
+  expect_reference_bytes();
+  EXPECT_FALSE(fs::exists(shm())) << joined(files_in(shm()));
+}
+
 // (d) Copies another job left (another KEEL_JOB_ID) are never used: reported in one line and
 // removed; the job resumes from disk.
 TEST_F(Recovery, AnotherJobsMemoryCopiesAreNotUsed) {

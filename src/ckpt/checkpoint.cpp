@@ -468,6 +468,15 @@ Config read_checkpoint_config(const std::string& path) {
   return c;
 }
 
+void clear_loaded_state(ChunkStore& store) {
+  const auto [first, last] = store.moment_chunks();
+  for (int c = first; c < last; ++c) {
+    const Chunk& chunk = store.chunks()[c];
+    for (Plane p : {Plane::adam_m, Plane::adam_v}) store.discard(p, chunk.offset, chunk.numel);
+  }
+  for (const Chunk& c : store.chunks()) store.set_version(c.id, 0);
+}
+
 TrainState load_checkpoint(const std::string& path, ChunkStore& store, const Config& config, LoadMode mode,
                            int world_size, const std::function<void(const std::string&)>& rejected) {
   const std::vector<std::string> candidates = checkpoint_candidates(path);

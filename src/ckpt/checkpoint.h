@@ -96,6 +96,11 @@ TrainState load_checkpoint(const std::string& path, ChunkStore& store, const Con
                            int world_size = 1,
                            const std::function<void(const std::string&)>& rejected = nullptr);
 
+// Undoes what a failed load wrote into a store (a load verifies as it writes): its AdamW moments
+// back to zero and every chunk's version to 0. Its parameters are left for the caller to load or
+// initialise.
+void clear_loaded_state(ChunkStore& store);
+
 // Checks every record of a checkpoint (or of each checkpoint of a root) without a store: throws
 // on the first problem. Returns the number of records verified.
 int64_t verify_checkpoint(const std::string& dir);

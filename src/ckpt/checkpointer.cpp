@@ -66,20 +66,24 @@ Checkpointer::Checkpointer(const Config& config, Communicator& world, ChunkStore
     register_layout(*whole_, model_layout(config.model));  // the whole model's tensors; nothing allocated
     whole_->finalize_layout();
   }
-  make_writer();
+  make_writer(/*at_restart=*/std::getenv("KEEL_RESTART") != nullptr);
   last_timed_ = std::chrono::steady_clock::now();
   if (config.checkpoint.memory_every > 0) memory_ = std::make_unique<MemoryCheckpoint>(config, comm_);
 }
 
-void Checkpointer::make_writer() {
+void Checkpointer::make_writer(bool at_restart) {
   // A stage's chunks are written by its replicas (the ZeRO shards of its moments, when sharded).
   writers_ = ChunkPartition::balanced(*store_, comm_.size() / std::max(1, config_.parallel.pipeline));
   std::vector<ChunkTarget> targets;
   if (whole_) targets = whole_model_targets(*store_, *whole_);
+  // A run that checkpoints periodically touches its snapshot buffers now, not in its first
+  // checkpoints' steps; a restarted job does not: its start-up is down time (up to 1.5 GB per
+  // rank to fault in for GPT-2 124M), and its first checkpoint allocates them.
   const bool periodic = config_.train.checkpoint_every > 0 || config_.train.checkpoint_every_minutes > 0;
   writer_ = std::make_unique<CheckpointWriter>(*store_, config_.checkpoint, comm_.rank(),
                                                writers_.first_chunk[writer_index_],
-                                               writers_.first_chunk[writer_index_ + 1], periodic, std::move(targets));
+                                               writers_.first_chunk[writer_index_ + 1], periodic && !at_restart,
+                                               std::move(targets));
   writer_->set_run_id(run_dir_.run_id());
 }
 
@@ -205,12 +209,7 @@ std::optional<TrainState> Checkpointer::resume() {
   if (!candidates.empty()) {
     if (comm_.is_root()) std::fprintf(stderr, "keel: no usable checkpoint under %s: starting from step 0\n", resume.c_str());
     // A failed load may have written into the store: start from a clean state.
-    const auto [first, last] = store_->moment_chunks();
-    for (int c = first; c < last; ++c) {
-      const Chunk& chunk = store_->chunks()[c];
-      for (Plane p : {Plane::adam_m, Plane::adam_v}) store_->discard(p, chunk.offset, chunk.numel);
-    }
-    for (const Chunk& c : store_->chunks()) store_->set_version(c.id, 0);
+    clear_loaded_state(*store_);
   }
   settle_run_id();
   return std::nullopt;

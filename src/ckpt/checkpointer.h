@@ -87,8 +87,9 @@ class Checkpointer {
 
  private:
   void begin(const std::string& root, int64_t step, const LoaderPosition& data);
-  // The writers' partition and this rank's writer for the store's chunks.
-  void make_writer();
+  // The writers' partition and this rank's writer for the store's chunks; `at_restart`: this
+  // process is a restarted job's (KEEL_RESTART).
+  void make_writer(bool at_restart = false);
   bool commit();
   // Whether a checkpoint by the clock is due after this step (rank 0 decides).
   bool due_by_clock();

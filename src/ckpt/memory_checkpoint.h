@@ -27,6 +27,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <nlohmann/json.hpp>
 #include <vector>
 
 #include "ckpt/checkpoint.h"
@@ -67,7 +68,8 @@ class MemoryCheckpoint {
   // the newest step newer than `disk_step` (-1: no disk checkpoint) for which every rank has a
   // complete copy of this job, own or its buddy's, whose checksums verify; its planes, versions
   // and residuals are in `store` and `sync` when it returns one. Otherwise, or when no step
-  // qualifies, returns nullopt (why: `why_not`) and nothing was written to the store. Copies of
+  // qualifies, returns nullopt (why: `why_not`) and the store holds nothing of a copy: its moments
+  // are zero and its versions 0 (its parameters are the caller's to load or initialise). Copies of
   // another job, trajectory or world size are removed and reported in one line (rank 0).
   std::optional<MemoryResume> resume(ChunkStore& store, GradSync& sync, int64_t disk_step, bool eligible,
                                      std::string* why_not);
@@ -89,13 +91,22 @@ class MemoryCheckpoint {
   std::string read_footer(const std::string& path, int64_t* file_bytes) const;
   // Whether a footer is of this job (else why not, for the stale report).
   std::string foreign(const std::string& footer_json, int rank) const;
-  // Applies a complete copy (bytes of a file) to the store after verifying it; throws on a mismatch.
-  void apply(const char* bytes, int64_t size, const std::string& what, ChunkStore& store, GradSync& sync,
-             TrainState* state) const;
-  // Verifies a copy (layout, checksums) without applying it; throws keel::Error on a mismatch.
-  void verify(const char* bytes, int64_t size, const std::string& what, const ChunkStore& store, GradSync& sync) const;
-  void verify_fields(const char* bytes, int64_t size, const std::string& what, const ChunkStore& store,
-                     GradSync& sync) const;
+  // What restore() read besides the planes: set on the store once every rank has restored.
+  struct Restored {
+    TrainState state;
+    std::vector<uint64_t> versions;
+    std::vector<float> residual;
+  };
+  // Restores a complete copy (the bytes of a file) into the store's planes in one pass: its footer
+  // is checked against this run (job, layout, every section's place and size) before anything is
+  // written, then each section is copied into its plane and its checksum taken from the copy as it
+  // is made. Throws keel::Error naming `what` on a mismatch; `*written` says whether planes were
+  // written (they hold part of the copy then).
+  void restore(const char* bytes, int64_t size, const std::string& what, ChunkStore& store, GradSync& sync,
+               Restored* out, bool* written) const;
+  // The footer of a copy, checked as restore() does before writing; throws keel::Error naming `what`.
+  nlohmann::json checked_footer(const char* bytes, int64_t size, const std::string& what, const ChunkStore& store,
+                                GradSync& sync) const;
   // One line on stderr for the first copy this process fails to keep or send.
   void report_failure(const std::string& what);
   // Removes this rank's copies (own and buddy) of steps before `step`.

@@ -32,6 +32,10 @@ struct LaunchOptions {
 // number >= 0) or a missing subcommand.
 LaunchOptions parse_launch_args(const std::vector<std::string>& args);
 
+// Whether this host has an RDMA device (/sys/class/infiniband lists one: InfiniBand, RoCE, EFA).
+// Without one, mpirun_argv selects OpenMPI's ob1 messaging layer (unless the caller's --mca pml).
+bool rdma_devices_present();
+
 // The mpirun command line for attempt `restart` of these options (0 = the first run). A restart
 // (restart >= 1) also exports KEEL_RESTART, KEEL_FAILURE_NOTICED_NS and KEEL_FAILURE to every
 // rank (launch() sets their values); a restarted `keel train` sees KEEL_RESTART and continues
@@ -53,5 +57,11 @@ std::vector<std::string> mpirun_argv(const LaunchOptions& options, int restart =
 // with no rank killed by a signal (bad input fails the same way again), or when mpirun could not
 // be run. Each decision is one line on stderr beginning "keel: launch: ".
 int launch(const LaunchOptions& options);
+
+// matmul_efficiency's reference: this process's SGEMM rate, measured now. A rank of a restarted
+// job (KEEL_RESTART), whose start-up is the job's down time, takes instead the rate a start
+// measured on this host with the same CPU, OpenBLAS kernels and thread count (kept in
+// /dev/shm/keel-sgemm.json); missing or unreadable, it is measured.
+double sgemm_reference_gflops();
 
 }  // namespace keel

@@ -27,6 +27,7 @@
 #include "pipeline/stage_migration.h"
 #include "runtime/dynamic_windows.h"
 #include "runtime/generate.h"
+#include "runtime/launcher.h"
 #include "runtime/single_stage_step.h"
 #include "runtime/stop_signal.h"
 #include "store/placement.h"
@@ -143,8 +144,8 @@ void Trainer::measure_peaks() {
   std::snprintf(how, sizeof how, "%s", configured > 0 ? "runtime.peak_gflops" : peak.how.c_str());
   peaks_.how = how;
   if (configured <= 0 && world.size() > 1) peaks_.how += " per rank, " + std::to_string(world.size()) + " ranks";
-  // matmul_efficiency's reference: rank 0's SGEMM rate, now, times the ranks.
-  peaks_.sgemm_gflops = world.allreduce_max(world.is_root() ? measure_sgemm_gflops() : 0.0) * world.size();
+  // matmul_efficiency's reference: rank 0's SGEMM rate (a restart's: an earlier start's), times the ranks.
+  peaks_.sgemm_gflops = world.allreduce_max(world.is_root() ? sgemm_reference_gflops() : 0.0) * world.size();
 }
 
 StepStats Trainer::step(const StopSignals* signals) {
