@@ -13,7 +13,7 @@ H4, batch 16 x 128, the fortunes BPE of 8192 tokens); "124m" is GPT-2 124M's sha
 (`model.preset=gpt2-124m`, batch 4 x 64) on the same shards, so with the same 8192-token
 vocabulary.
 
-Engines, interleaved within each repeat (keel, then every peer), each at its best:
+Engines, interleaved within each repeat (keel, every peer, keel-noflush), each at its best:
   keel         `keel train` (build/keel) with the default job's settings; step times from its
                run directory's metrics.jsonl ("ms" of each step line), the validation loss from
                its last "val_loss" line.
@@ -186,7 +186,9 @@ def keel_run(a, model, engine, precision, work, rep):
             if j.get("event") == "run":
                 params = j["model"]["parameters"]
     shutil.rmtree(run_dir, ignore_errors=True)
-    return {"step_ms": step_ms, "val_loss": val_loss, "params": params, "peak_rss_mb": rss}
+    with open(log) as f:  # Keel's start-up line naming its bf16 engine, where it runs in bf16
+        engine_line = next((l.strip() for l in f if l.startswith("keel: precision")), "keel train")
+    return {"step_ms": step_ms, "val_loss": val_loss, "params": params, "peak_rss_mb": rss, "note": engine_line}
 
 
 def torch_run(a, model, py, precision, compile_ok, work, rep, job, coretype):
@@ -258,17 +260,18 @@ def measure(a):
               "steps": a.steps, "precision": a.precision}
     runs = [header]
     precisions = ["fp32", "bf16"] if a.precision == "bf16" else ["fp32"]
-    engines = ["keel"] + (["keel-noflush"] if a.denormals else [])
     for model in a.models:
         for rep in range(1, a.repeats + 1):
-            plan = [(e, p) for p in precisions for e in engines] + [(pe, p) for p in precisions for pe in peers]
+            # The contrast without flushing last: a bench cut short keeps the comparison with the peers.
+            plan = ([("keel", p) for p in precisions] + [(pe, p) for p in precisions for pe in peers] +
+                    ([("keel-noflush", "fp32")] if a.denormals else []))
             for engine, precision in plan:
                 before = load_avg()
                 if isinstance(engine, str):
                     name = engine if precision == "fp32" else engine + "-bf16"
                     print("  [%s %d/%d] %s ..." % (model, rep, a.repeats, name), file=sys.stderr, flush=True)
                     r = keel_run(a, model, engine, precision, a.work, rep)
-                    r.update(impl="keel", note="keel train")
+                    r.update(impl="keel")
                 else:
                     py, version, has_compile = engine
                     name = "torch-%s%s" % (version, "" if precision == "fp32" else "-autocast-bf16")
