@@ -33,8 +33,9 @@ With --precision bf16 (bench/bf16_speed.sh --steady) every engine runs in float3
 Keel with runtime.precision=bf16, PyTorch under torch.autocast("cpu", dtype=torch.bfloat16).
 
 Prints, per model, a table of every engine's best run (lowest steady median; every run's steady
-median beside it shows the noise between repeats), Keel's ratio to each, the load average before
-and after each run, and the verdicts (issue 38: Keel fp32 >= 1.3x the best PyTorch at steady
+median beside it shows the noise between repeats), the median CPU time of the last 50 steps (all
+threads; on a shared machine less sensitive than wall time to other load), Keel's ratio to each
+(by wall time, then by CPU time), the load average before and after each run, and the verdicts (issue 38: Keel fp32 >= 1.3x the best PyTorch at steady
 state; the default job's steady median within 10 % of its early one). Exits 0 whatever the
 verdicts, non-zero when a run fails or a file is missing.
 
@@ -52,6 +53,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -172,7 +174,8 @@ def keel_run(a, model, engine, precision, work, rep):
         sets.append("runtime.flush_denormals=false")
     cmd = [a.keel, "train"] + [x for s in sets for x in ("--set", s)]
     log = run_dir + ".log"
-    if run(cmd, clean_env(), log, engine) != 0:
+    rc, cpu_at_step = run_sampling_cpu(cmd, clean_env(), log, os.path.join(run_dir, "metrics.jsonl"))
+    if rc != 0:
         fail(engine, cmd, log)
     step_ms, val_loss, params, rss = [], None, None, 0.0
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -188,7 +191,52 @@ def keel_run(a, model, engine, precision, work, rep):
     shutil.rmtree(run_dir, ignore_errors=True)
     with open(log) as f:  # Keel's start-up line naming its bf16 engine, where it runs in bf16
         engine_line = next((l.strip() for l in f if l.startswith("keel: precision")), "keel train")
-    return {"step_ms": step_ms, "val_loss": val_loss, "params": params, "peak_rss_mb": rss, "note": engine_line}
+    steps = sorted(cpu_at_step)
+    step_cpu_ms = [cpu_at_step[b] - cpu_at_step[a_] for a_, b in zip(steps, steps[1:]) if b == a_ + 1]
+    if len(step_cpu_ms) == len(step_ms) - 1:  # step 1's start is not seen: its CPU time is unknown
+        step_cpu_ms = [float("nan")] + step_cpu_ms
+    else:
+        step_cpu_ms = []
+    return {"step_ms": step_ms, "step_cpu_ms": step_cpu_ms, "val_loss": val_loss, "params": params,
+            "peak_rss_mb": rss, "note": engine_line}
+
+
+def process_cpu_ms(pid):
+    """CPU time (user + system, all threads) of a running process, from /proc."""
+    with open("/proc/%d/stat" % pid) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * 1000.0 / os.sysconf("SC_CLK_TCK")
+
+
+def run_sampling_cpu(cmd, env, log_path, metrics_path):
+    """Runs `keel train`, reading its metrics.jsonl as it grows: at each new step line, the
+    process's CPU time so far (sampled every 20 ms, at /proc's 10 ms resolution). Returns (exit
+    code, {step: CPU ms}). CPU time per step is less sensitive than wall time to other load."""
+    cpu_at_step, pos, buf = {}, 0, b""
+    with open(log_path, "w") as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        while True:
+            finished = p.poll() is not None
+            try:
+                cpu = process_cpu_ms(p.pid)
+            except (OSError, IndexError, ValueError):
+                cpu = None
+            try:
+                with open(metrics_path, "rb") as f:
+                    f.seek(pos)
+                    chunk = f.read()
+                    pos += len(chunk)
+                buf += chunk
+            except FileNotFoundError:
+                pass
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                j = json.loads(line)
+                if cpu is not None and not finished and "event" not in j and "loss" in j and "ms" in j:
+                    cpu_at_step[j["step"]] = cpu
+            if finished:
+                return p.returncode, cpu_at_step
+            time.sleep(0.02)
 
 
 def torch_run(a, model, py, precision, compile_ok, work, rep, job, coretype):
@@ -223,7 +271,7 @@ def parse_peer(log):
     with open(log) as f:
         lines = [l for l in f.read().splitlines() if l.strip()]
     r = json.loads(lines[-1])
-    return {"step_ms": r["step_ms"], "val_loss": r.get("val_loss"), "params": r["params"],
+    return {"step_ms": r["step_ms"], "step_cpu_ms": r.get("step_cpu_ms", []), "val_loss": r.get("val_loss"), "params": r["params"],
             "peak_rss_mb": r["peak_rss_mb"], "torch": r["torch"]}
 
 
@@ -310,6 +358,8 @@ def report(runs):
             n = len(r["step_ms"])
             r["steady"] = median_window(r["step_ms"], n - STEADY + 1, n)
             r["early"] = median_window(r["step_ms"], *EARLY)
+            cpu = r.get("step_cpu_ms") or []
+            r["steady_cpu"] = median_window(cpu, len(cpu) - STEADY + 1, len(cpu)) if cpu else float("nan")
             steadies.setdefault(r["engine"], []).append(r["steady"])
             if r["engine"] not in best or r["steady"] < best[r["engine"]]["steady"]:
                 best[r["engine"]] = r
@@ -317,15 +367,16 @@ def report(runs):
         print()
         print("=== %s: %d steps, best of %d interleaved runs, 2 threads each ==="
               % (m["title"], len(rs[0]["step_ms"]), max(r["rep"] for r in rs)))
-        print("%-28s %9s %9s %7s %9s %9s %8s %10s  %-22s %s"
-              % ("engine", "early ms", "steady ms", "st/ea", "tok/s", "val loss", "RSS MB", "Keel fp32/", "all runs' steady ms",
-                 "load before/after; how"))
+        print("%-28s %9s %9s %7s %9s %9s %9s %8s %11s  %-22s %s"
+              % ("engine", "early ms", "steady ms", "st/ea", "tok/s", "CPU ms", "val loss", "RSS MB", "Keel fp32/",
+                 "all runs' steady ms", "load before/after; how"))
         keel = best.get("keel")
         for name, r in best.items():
             tps = m["B"] * m["T"] * 1000.0 / r["steady"]
-            ratio = "%.2fx" % (r["steady"] / keel["steady"]) if keel and name != "keel" else ""
-            print("%-28s %9.1f %9.1f %7.2f %9.1f %9s %8.0f %10s  %-22s %.1f/%.1f; %s"
-                  % (name, r["early"], r["steady"], r["steady"] / r["early"], tps,
+            ratio = ("%.2fx %.2fx" % (r["steady"] / keel["steady"], r["steady_cpu"] / keel["steady_cpu"])
+                     if keel and name != "keel" else "")
+            print("%-28s %9.1f %9.1f %7.2f %9.1f %9.1f %9s %8.0f %11s  %-22s %.1f/%.1f; %s"
+                  % (name, r["early"], r["steady"], r["steady"] / r["early"], tps, r["steady_cpu"],
                      "%.4f" % r["val_loss"] if r["val_loss"] is not None else "-", r["peak_rss_mb"], ratio,
                      " ".join("%.1f" % x for x in steadies[name]), r["load_before"], r["load_after"], r["note"]))
         params = {name: r["params"] for name, r in best.items() if r["params"]}
@@ -338,10 +389,11 @@ def report(runs):
                 continue
             top = min(peers, key=lambda r: r["steady"])
             ratio = top["steady"] / k["steady"]
-            verdicts.append("%-4s  %-10s Keel %s >= 1.3x the best PyTorch %s at steady state: %.2fx (%.1f vs %s %.1f ms/step)"
+            verdicts.append("%-4s  %-10s Keel %s >= 1.3x the best PyTorch %s at steady state: %.2fx (%.1f vs %s %.1f ms/step;"
+                            " CPU time per step %.2fx)"
                             % ("PASS" if ratio >= 1.3 else "MISS", model, precision,
                                "fp32" if precision == "fp32" else "autocast(bf16)", ratio, k["steady"],
-                               top["engine"], top["steady"]))
+                               top["engine"], top["steady"], top["steady_cpu"] / k["steady_cpu"]))
         if "keel" in best and "keel-bf16" in best:
             verdicts.append("INFO  %-10s Keel bf16 / fp32 at steady state: %.2fx"
                             % (model, best["keel"]["steady"] / best["keel-bf16"]["steady"]))

@@ -18,7 +18,9 @@ VAL.bin adds the validation loss at the end (the first --eval-batches windows).
 
 Prints one JSON line:
   {"tokens_per_s", "ms_per_step", "peak_rss_mb", "params", "final_loss", "threads", ...}
-with --data also "step_ms" (every timed step's milliseconds) and "val_loss".
+with --data also "step_ms" (every timed step's milliseconds), "step_cpu_ms" (the CPU time of all
+the process's threads in each step: less sensitive than wall time to other load on the machine)
+and "val_loss".
 
 Example (small shape):
   bench/torch_gpt2_train.py --layers 4 --channels 256 --heads 4 --batch 8 --seq 128 --steps 5
@@ -245,12 +247,13 @@ def main():
 
     for i in range(a.warmup_steps):
         step(i)
-    step_ms = []
+    step_ms, step_cpu_ms = [], []
     t0 = time.perf_counter()
     for i in range(a.warmup_steps, total):
-        t_step = time.perf_counter()
+        t_step, cpu_step = time.perf_counter(), time.process_time()
         loss = step(i)
         step_ms.append(1000.0 * (time.perf_counter() - t_step))
+        step_cpu_ms.append(1000.0 * (time.process_time() - cpu_step))  # all threads' CPU time
         if a.ckpt_every and (i + 1 - a.warmup_steps) % a.ckpt_every == 0:
             save(i)
     elapsed = time.perf_counter() - t0
@@ -259,6 +262,7 @@ def main():
     result = {}
     if a.data:
         result["step_ms"] = [round(x, 2) for x in step_ms]
+        result["step_cpu_ms"] = [round(x, 2) for x in step_cpu_ms]
     if a.val:
         val = read_shard(a.val)
         windows = min(a.eval_batches * a.batch, (val.numel() - 1) // a.seq)
