@@ -311,7 +311,7 @@ def measure(a):
     for model in a.models:
         for rep in range(1, a.repeats + 1):
             # The contrast without flushing last: a bench cut short keeps the comparison with the peers.
-            plan = ([("keel", p) for p in precisions] + [(pe, p) for p in precisions for pe in peers] +
+            plan = ([("keel", p) for p in precisions if not a.no_keel] + [(pe, p) for p in precisions for pe in peers] +
                     ([("keel-noflush", "fp32")] if a.denormals else []))
             for engine, precision in plan:
                 before = load_avg()
@@ -340,7 +340,10 @@ def measure(a):
 
 
 def report(runs):
-    header = next(r for r in runs if r.get("header"))
+    headers = [r for r in runs if r.get("header")]
+    if not headers:
+        sys.exit("steady_state.py: no header line among the runs: not written by --out")
+    header = dict(headers[0], peers=[p for h in headers for p in h["peers"]])
     runs = [r for r in runs if not r.get("header")]
     print("cpu: %s; matrix engine: %s" % (header["cpu"], header["matrix_engine"]))
     print("OpenBLAS (Debian's) picks %s%s" % (header["openblas_core"], "; the peers run with OPENBLAS_CORETYPE=%s"
@@ -418,17 +421,22 @@ def main():
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                     help="bf16: every engine in float32 and in bf16 (Keel's bf16 products, PyTorch's autocast)")
     ap.add_argument("--denormals", action="store_true", help="also Keel with runtime.flush_denormals=false")
+    ap.add_argument("--no-keel", action="store_true",
+                    help="leave out Keel's runs (with --denormals, only the one without flushing): to run the engines "
+                         "as separate processes and print them together with --report FILE,FILE,...")
     ap.add_argument("--peers", default=None,
                     help="Pythons with torch, comma-separated (default: /usr/bin/python3 and bench/.venv/bin/python)")
     ap.add_argument("--out", help="write every run's JSON line here (after each run)")
-    ap.add_argument("--report", help="measure nothing; print the tables from a file written by --out")
+    ap.add_argument("--report", help="measure nothing; print the tables from files written by --out (comma-separated)")
     a = ap.parse_args()
     if a.report:
-        try:
-            with open(a.report) as f:
-                runs = [json.loads(l) for l in f if l.strip()]
-        except (OSError, ValueError) as e:
-            sys.exit("steady_state.py: --report %s: expected the JSON lines of --out, %s" % (a.report, e))
+        runs = []
+        for path in a.report.split(","):
+            try:
+                with open(path) as f:
+                    runs += [json.loads(l) for l in f if l.strip()]
+            except (OSError, ValueError) as e:
+                sys.exit("steady_state.py: --report %s: expected the JSON lines of --out, %s" % (path, e))
         report(runs)
         return 0
     if a.steps < 90:
