@@ -343,7 +343,8 @@ def report(runs):
     headers = [r for r in runs if r.get("header")]
     if not headers:
         sys.exit("steady_state.py: no header line among the runs: not written by --out")
-    header = dict(headers[0], peers=[p for h in headers for p in h["peers"]])
+    peers = {(p["python"], p["torch"]): p for h in headers for p in h["peers"]}
+    header = dict(headers[0], peers=list(peers.values()))
     runs = [r for r in runs if not r.get("header")]
     print("cpu: %s; matrix engine: %s" % (header["cpu"], header["matrix_engine"]))
     print("OpenBLAS (Debian's) picks %s%s" % (header["openblas_core"], "; the peers run with OPENBLAS_CORETYPE=%s"
