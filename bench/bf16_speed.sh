@@ -8,9 +8,18 @@
 # the best tokens/s of each is kept. Batch 4 x 128 tokens, vocabulary 50304 (GPT-2) / 32000.
 # The first line says which bf16 engine Keel has here: oneDNN's bf16 matmul where the CPU has
 # AVX512_BF16, otherwise emulation (bf16's numbers without its speed).
+# This is the from-initialisation mode (random tokens, a few steps: quick). --steady runs the
+# steady-state mode instead (bench/steady_state.py --precision bf16): `keel train` and PyTorch
+# (float32 and autocast(bf16), 1.13 and bench/.venv's, each at its best) on the fortunes shards,
+# GPT-2 124M's shape at batch 4 x 64, STEPS steps (default 300), the median of the last 50.
 # Usage: bench/bf16_speed.sh [STEPS] [REPEATS]   (from the repository root, after scripts/build.sh)
+#        bench/bf16_speed.sh --steady [STEPS] [REPEATS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [[ "${1:-}" == --steady ]]; then
+  exec /usr/bin/python3 bench/steady_state.py --precision bf16 --only 124m --steps "${2:-300}" --repeats "${3:-1}"
+fi
+echo "mode: from initialisation (random tokens, ${1:-4} timed steps after 1); --steady for training as it is run"
 steps=${1:-4}
 repeats=${2:-2}
 K=build/bench/keel_bench_train
@@ -18,6 +27,9 @@ grep -q avx512_bf16 /proc/cpuinfo && echo "cpu: $(grep -m1 'model name' /proc/cp
   || echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2) has NO avx512_bf16: Keel's bf16 is emulated here"
 tuned=(env OMP_WAIT_POLICY=PASSIVE OPENBLAS_NUM_THREADS=2
        GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736)
+# The kernels Keel picks for itself where Debian's OpenBLAS falls back to older ones.
+coretype=$(cd bench && /usr/bin/python3 -c 'import steady_state; print(steady_state.openblas_coretype()[1] or "")')
+[[ -n "${OPENBLAS_CORETYPE:-}" || -z "$coretype" ]] || tuned+=(OPENBLAS_CORETYPE=$coretype)
 peers=(/usr/bin/python3)
 [ -x bench/.venv/bin/python ] && peers+=(bench/.venv/bin/python)
 out=$(mktemp)
@@ -31,7 +43,7 @@ keel() {  # NAME PRESET PRECISION
 torch() {  # NAME PYTHON [--bf16]
   local line
   line=$("${tuned[@]}" "$2" bench/torch_gpt2_train.py --layers 12 --channels 768 --heads 12 --vocab 50304 \
-         --batch 4 --seq 128 --steps "$steps" --warmup-steps 1 --threads 2 ${3:-} 2>/dev/null | tail -1)
+         --batch 4 --seq 128 --steps "$steps" --warmup-steps 1 --threads 2 --flush-denormal ${3:-} 2>/dev/null | tail -1)
   echo "$1 $line" >> "$out"
 }
 for r in $(seq 1 "$repeats"); do

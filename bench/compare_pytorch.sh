@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# Keel vs PyTorch, side by side, on this machine, in one invocation.
+# Keel vs PyTorch, side by side, on this machine, in one invocation. Two modes:
 #
-# For GPT-2 124M (L12 C768 H12, B=4, T=64) and a small GPT (L4 C256 H4, B=8, T=128), both with
+# --steady (the mode the README's headline quotes): bench/steady_state.py. `keel train` as users
+# run it against PyTorch 1.13 and the current PyTorch (bench/.venv), each at its best, on the
+# fortunes shards the default job trains on, 300 steps, the median of the last 50 steps; the
+# default job's model (d4) and GPT-2 124M's shape. See that script's docstring.
+#
+# Without --steady, from initialisation (quick): for GPT-2 124M (L12 C768 H12, B=4, T=64) and a small GPT (L4 C256 H4, B=8, T=128), both with
 # vocab 50304, runs three trainers on random tokens and times whole optimizer steps:
 #   keel   build/bench/keel_bench_train, runtime.threads=2
 #   stock  bench/torch_gpt2_train.py --threads 2, default environment
-#   tuned  bench/torch_gpt2_train.py --threads 2 with OMP_WAIT_POLICY=PASSIVE,
-#          OPENBLAS_NUM_THREADS=2 and GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736
+#   tuned  bench/torch_gpt2_train.py --threads 2 --flush-denormal with OMP_WAIT_POLICY=PASSIVE,
+#          OPENBLAS_NUM_THREADS=2, GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736
+#          and OPENBLAS_CORETYPE where Debian's OpenBLAS falls back to older kernels than the CPU's
 # Runs are interleaved (keel, stock, tuned, keel, stock, tuned, ...) and repeated R times; the
 # run with the best tokens/s of each trainer is reported, so machine noise hurts all three alike.
 # Prints a table per model and a PASS/MISS line per target. Exits 0 whatever the verdicts;
@@ -14,12 +20,16 @@
 #
 # Usage: bench/compare_pytorch.sh [--steps N] [--warmup N] [--repeats R] [--only small|124m] [--out FILE]
 #        bench/compare_pytorch.sh --report FILE
+#        bench/compare_pytorch.sh --steady [--steps N] [--repeats R] [--only d4|124m] [--denormals] [--out FILE]
+#        bench/compare_pytorch.sh --steady --report FILE
 #   --steps N     timed steps per run (default: 6 for 124M, 10 for small)
 #   --warmup N    untimed steps before timing (default 2)
 #   --repeats R   runs of each trainer per model; best tokens/s is kept (default 2)
 #   --only M      run one model only: small or 124m
 #   --out FILE    also write every run's raw JSON line (tagged with model, impl, rep) to FILE
 #   --report FILE run nothing; print the tables and verdicts again from a file written by --out
+#   --steady      steady state (steps default 300, repeats default 1); --denormals adds Keel with
+#                 runtime.flush_denormals=false
 # Environment: KEEL_BENCH (default build/bench/keel_bench_train), PYTHON (default /usr/bin/python3).
 set -euo pipefail
 
@@ -28,8 +38,13 @@ KEEL_BENCH=${KEEL_BENCH:-$ROOT/build/bench/keel_bench_train}
 PYTHON=${PYTHON:-/usr/bin/python3}
 PEER=$ROOT/bench/torch_gpt2_train.py
 
-steps="" warmup=2 repeats=2 only="" out="" report=""
+steps="" warmup=2 repeats=2 only="" out="" report="" steady=""
 usage() { sed -n '/^# Usage:/,/^# Environment:/p' "$0" | sed 's/^# \{0,1\}//'; }
+if [[ " $* " == *" --steady "* ]]; then  # the steady-state mode has its own runner
+  args=()
+  for a in "$@"; do [[ $a == --steady ]] || args+=("$a"); done
+  exec "$PYTHON" "$ROOT/bench/steady_state.py" "${args[@]}"
+fi
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --steps)   steps=${2:?}; shift 2 ;;
@@ -66,6 +81,10 @@ raw=$work/raw.jsonl
 CLEAN_ENV=(env -u OMP_WAIT_POLICY -u OMP_NUM_THREADS -u OPENBLAS_NUM_THREADS -u GLIBC_TUNABLES -u MKL_NUM_THREADS)
 TUNED_ENV=(OMP_WAIT_POLICY=PASSIVE OPENBLAS_NUM_THREADS=2
            GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736)
+# The kernels Keel picks for itself where Debian's OpenBLAS falls back to older ones (an exported
+# OPENBLAS_CORETYPE is kept, for every run alike).
+coretype=$(cd "$ROOT/bench" && "$PYTHON" -c 'import steady_state; print(steady_state.openblas_coretype()[1] or "")')
+[[ -n "${OPENBLAS_CORETYPE:-}" || -z "$coretype" ]] || TUNED_ENV+=(OPENBLAS_CORETYPE=$coretype)
 
 # run_one MODEL IMPL REP CMD...: runs CMD, takes the last line of its stdout as the result,
 # tags it and appends it to $raw. Any failure stops the script.
@@ -108,7 +127,7 @@ for model in "${models[@]}"; do
   for ((rep = 1; rep <= repeats; rep++)); do
     run_one "$model" keel  "$rep" "${CLEAN_ENV[@]}" "${keel[@]}"
     run_one "$model" stock "$rep" "${CLEAN_ENV[@]}" "${peer[@]}"
-    run_one "$model" tuned "$rep" "${CLEAN_ENV[@]}" "${TUNED_ENV[@]}" "${peer[@]}"
+    run_one "$model" tuned "$rep" "${CLEAN_ENV[@]}" "${TUNED_ENV[@]}" "${peer[@]}" --flush-denormal
   done
 done
 if [[ -n "$report" ]]; then raw=$report; else echo >&2; fi
@@ -139,7 +158,7 @@ for model in [m for m in SHAPES if any(r["model"] == m for r in runs)]:
         alltps[impl] = [r["tokens_per_s"] for r in rs]
     repeats = len(alltps["keel"])
     k, s, t = best["keel"], best["stock"], best["tuned"]
-    print("=== %s (%s): %d timed + %d warm-up steps, best of %d interleaved runs, 2 threads each ==="
+    print("=== %s (%s), from initialisation on random tokens: %d timed + %d warm-up steps, best of %d interleaved runs, 2 threads each ==="
           % (name, shape, k["steps"], k["warmup_steps"], repeats))
     print("%-15s %10s %10s %12s %9s" % ("", "tokens/s", "ms/step", "peak RSS MB", "Keel/peer"))
     for impl in ("keel", "stock", "tuned"):

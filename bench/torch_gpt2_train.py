@@ -3,13 +3,24 @@
 
 Trains the same architecture Keel trains (GPT-2: learned positions, pre-LN,
 fused qkv, tanh GELU, tied head) with AdamW and global grad-norm clipping on
-random tokens, and times whole optimizer steps. Written the way a competent
-PyTorch user would write it for speed, so the comparison is fair to PyTorch:
-fused qkv projection, batched attention, torch.nn.functional ops, foreach
-AdamW. torch.compile is not used (not available in PyTorch 1.13).
+random tokens, or on a token shard (--data), and times whole optimizer steps.
+Written the way a competent PyTorch user would write it for speed, so the
+comparison is fair to PyTorch: fused qkv projection, batched attention,
+torch.nn.functional ops, foreach AdamW; --compile wraps the model in
+torch.compile (PyTorch 2.x; inductor needs a C++ compiler) and
+--flush-denormal calls torch.set_flush_denormal(True).
+
+Steady state (bench/steady_state.py): --data TRAIN.bin trains on random windows
+of an llm.c token shard (what `keel train` reads) with Keel's learning-rate
+schedule (--lr, linear warm-up over --lr-warmup steps, cosine to
+--min-lr-ratio x lr over the rest) and records every step's time; --val
+VAL.bin adds the validation loss at the end (the first --eval-batches windows).
 
 Prints one JSON line:
-  {"tokens_per_s", "ms_per_step", "peak_rss_mb", "params", "final_loss", "threads"}
+  {"tokens_per_s", "ms_per_step", "peak_rss_mb", "params", "final_loss", "threads", ...}
+with --data also "step_ms" (every timed step's milliseconds), "step_cpu_ms" (the CPU time of all
+the process's threads in each step: less sensitive than wall time to other load on the machine)
+and "val_loss".
 
 Example (small shape):
   bench/torch_gpt2_train.py --layers 4 --channels 256 --heads 4 --batch 8 --seq 128 --steps 5
@@ -89,15 +100,45 @@ class GPT2(nn.Module):
         return F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T))
 
 
-def make_optimizer(model):
-    # Weight decay on 2-D weights (matrices and embeddings) only, as in GPT-2/llm.c.
+def make_optimizer(model, lr=1e-4, weight_decay=0.1):
+    # Weight decay on 2-D weights (matrices and embeddings) only, as in GPT-2/llm.c and Keel.
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    kwargs = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
+    kwargs = dict(lr=lr, betas=(0.9, 0.95), eps=1e-8)
     if "foreach" in inspect.signature(torch.optim.AdamW).parameters:
         kwargs["foreach"] = True  # multi-tensor kernels: far fewer Python-level ops
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}], **kwargs)
+
+
+def learning_rate(a, step, total_steps):
+    """Keel's schedule (src/optim/adamw.cpp): linear warm-up, then cosine to min_lr_ratio x lr."""
+    if step < a.lr_warmup:
+        return a.lr * (step + 1) / a.lr_warmup
+    min_lr = a.lr * a.min_lr_ratio
+    decay_steps = total_steps - a.lr_warmup
+    if decay_steps <= 0:
+        return a.lr
+    progress = min(1.0, (step - a.lr_warmup) / decay_steps)
+    return min_lr + 0.5 * (a.lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def read_shard(path):
+    """The tokens of an llm.c token shard (256 int32 header: magic 20240520, version, count; then
+    uint16 tokens) as an int64 tensor. Exits with one line naming the file when it is not one."""
+    import struct
+    with open(path, "rb") as f:
+        head = f.read(1024)
+        if len(head) < 1024:
+            sys.exit("%s: expected an llm.c token shard (1024-byte header), found %d bytes" % (path, len(head)))
+        magic, version, count = struct.unpack("<3i", head[:12])
+        if magic != 20240520 or version != 1:
+            sys.exit("%s: expected an llm.c token shard (magic 20240520, version 1), found magic %d version %d"
+                     % (path, magic, version))
+        body = f.read()
+    if len(body) != 2 * count:
+        sys.exit("%s: header says %d tokens, found %d bytes of tokens" % (path, count, len(body)))
+    return torch.frombuffer(bytearray(body), dtype=torch.int16).to(torch.int64) & 0xFFFF
 
 
 def main():
@@ -119,6 +160,15 @@ def main():
     ap.add_argument("--ckpt-every", type=int, default=0,
                     help="torch.save model and optimizer state every N timed steps (0 = never)")
     ap.add_argument("--ckpt-dir", default=None, help="where --ckpt-every writes (required with it)")
+    ap.add_argument("--data", default=None, help="llm.c token shard to train on (random windows); default random tokens")
+    ap.add_argument("--val", default=None, help="llm.c token shard for the validation loss at the end (with --data)")
+    ap.add_argument("--eval-batches", type=int, default=16, help="validation windows of batch x seq (with --val)")
+    ap.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
+    ap.add_argument("--lr-warmup", type=int, default=0, help="linear warm-up steps; 0 = constant --lr")
+    ap.add_argument("--min-lr-ratio", type=float, default=1.0, help="cosine decay to this x lr after warm-up")
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--flush-denormal", action="store_true", help="torch.set_flush_denormal(True)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (PyTorch 2.x)")
     a = ap.parse_args()
     if a.ckpt_every and not a.ckpt_dir:
         print("error: --ckpt-every needs --ckpt-dir", file=sys.stderr)
@@ -128,26 +178,51 @@ def main():
         print("error: need positive sizes, channels divisible by heads, seq <= max-seq", file=sys.stderr)
         return 1
 
+    if a.val and not a.data:
+        print("error: --val needs --data", file=sys.stderr)
+        return 1
+    if a.compile and not hasattr(torch, "compile"):
+        print("error: --compile needs PyTorch 2.x (this is %s)" % torch.__version__, file=sys.stderr)
+        return 1
+
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.flush_denormal and not torch.set_flush_denormal(True):
+        print("error: torch.set_flush_denormal(True): this CPU does not support flushing", file=sys.stderr)
+        return 1
     torch.manual_seed(a.seed)
     model = GPT2(a.layers, a.channels, a.heads, a.vocab, max_seq)
-    opt = make_optimizer(model)
+    lr = a.lr if a.lr_warmup == 0 else learning_rate(a, 0, a.warmup_steps + a.steps)
+    opt = make_optimizer(model, lr, a.weight_decay)
     params = list(model.parameters())
     n_params = sum(p.numel() for p in params)
+    forward = torch.compile(model) if a.compile else model
 
-    # All batches made up front so the timed loop does no data work.
+    # All batches made up front so the timed loop does no data work: random tokens, or random
+    # windows of the shard (as Keel's shuffled loader reads it: B windows of T+1 tokens).
     total = a.warmup_steps + a.steps
-    data = torch.randint(0, a.vocab, (total, a.batch, a.seq + 1),
-                         generator=torch.Generator().manual_seed(a.seed + 1))
+    gen = torch.Generator().manual_seed(a.seed + 1)
+    if a.data:
+        tokens = read_shard(a.data)
+        if int(tokens.max()) >= a.vocab:
+            sys.exit("%s: token %d is outside the vocabulary of %d (--vocab)" % (a.data, int(tokens.max()), a.vocab))
+        if tokens.numel() < a.seq + 1:
+            sys.exit("%s: %d tokens, fewer than one window of %d" % (a.data, tokens.numel(), a.seq + 1))
+        starts = torch.randint(0, tokens.numel() - a.seq, (total, a.batch), generator=gen)
+        data = tokens[starts.unsqueeze(-1) + torch.arange(a.seq + 1)]
+    else:
+        data = torch.randint(0, a.vocab, (total, a.batch, a.seq + 1), generator=gen)
 
     def step(i):
         idx, targets = data[i, :, :-1], data[i, :, 1:]
+        if a.lr_warmup:
+            for group in opt.param_groups:
+                group["lr"] = learning_rate(a, i, total)
         if a.bf16:
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(idx, targets)
+                loss = forward(idx, targets)
         else:
-            loss = model(idx, targets)
+            loss = forward(idx, targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -172,13 +247,34 @@ def main():
 
     for i in range(a.warmup_steps):
         step(i)
+    step_ms, step_cpu_ms = [], []
     t0 = time.perf_counter()
     for i in range(a.warmup_steps, total):
+        t_step, cpu_step = time.perf_counter(), time.process_time()
         loss = step(i)
+        step_ms.append(1000.0 * (time.perf_counter() - t_step))
+        step_cpu_ms.append(1000.0 * (time.process_time() - cpu_step))  # all threads' CPU time
         if a.ckpt_every and (i + 1 - a.warmup_steps) % a.ckpt_every == 0:
             save(i)
     elapsed = time.perf_counter() - t0
     final_loss = loss.item()  # after timing; CPU ops are synchronous anyway
+
+    result = {}
+    if a.data:
+        result["step_ms"] = [round(x, 2) for x in step_ms]
+        result["step_cpu_ms"] = [round(x, 2) for x in step_cpu_ms]
+    if a.val:
+        val = read_shard(a.val)
+        windows = min(a.eval_batches * a.batch, (val.numel() - 1) // a.seq)
+        if windows < 1:
+            sys.exit("%s: %d tokens, fewer than one window of %d" % (a.val, val.numel(), a.seq + 1))
+        with torch.no_grad():
+            losses = []
+            for b0 in range(0, windows, a.batch):
+                starts = torch.arange(b0, min(b0 + a.batch, windows)) * a.seq
+                w = val[starts.unsqueeze(-1) + torch.arange(a.seq + 1)]
+                losses.append(model(w[:, :-1], w[:, 1:]).item() * w.shape[0])
+        result["val_loss"] = round(sum(losses) / windows, 6)
 
     print(json.dumps({
         "tokens_per_s": round(a.batch * a.seq * a.steps / elapsed, 1),
@@ -192,6 +288,9 @@ def main():
         "ckpt_count": len(save_ms),
         "ckpt_ms_mean": round(sum(save_ms) / len(save_ms), 2) if save_ms else 0,
         "ckpt_bytes": save_bytes,
+        "flush_denormal": a.flush_denormal,
+        "compiled": a.compile,
+        **result,
     }))
     return 0
 
