@@ -133,7 +133,9 @@ TEST(LaunchArgs, WithoutAnRdmaDeviceTheRanksSkipProbingRdmaTransports) {
 // A restarted rank takes the SGEMM rate an earlier start measured on this host (its start-up is
 // down time); a first start measures and keeps it.
 TEST(LaunchArgs, ARestartReusesTheSgemmRateAFirstStartMeasured) {
-  const std::string cache = "/dev/shm/keel-sgemm.json";
+  testing::TempDir dir("keel-sgemm-cache");  // this test's own cache, not the host's
+  const std::string cache = dir / "keel-sgemm.json";
+  ::setenv("KEEL_SGEMM_CACHE", cache.c_str(), 1);
   ::unsetenv("KEEL_RESTART");
   const double measured = sgemm_reference_gflops();
   ASSERT_GT(measured, 0);
@@ -152,6 +154,7 @@ TEST(LaunchArgs, ARestartReusesTheSgemmRateAFirstStartMeasured) {
   ::unsetenv("KEEL_RESTART");
   EXPECT_NE(sgemm_reference_gflops(), 12345.0);  // a first start measures (and keeps its own rate)
   EXPECT_NE(nlohmann::json::parse(read_text_file(cache))[key].get<double>(), 12345.0);
+  ::unsetenv("KEEL_SGEMM_CACHE");
 }
 
 TEST(LaunchArgs, BadInputExits2) {

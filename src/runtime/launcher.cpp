@@ -42,8 +42,12 @@ void forward_signal(int sig) {
 // The variables a restarted job finds in its ranks' environment (exported with mpirun -x).
 constexpr const char* kRestartVariables[] = {"KEEL_RESTART", "KEEL_FAILURE_NOTICED_NS", "KEEL_FAILURE"};
 
-// The SGEMM rates measured on this host, by CPU, kernels and threads (sgemm_reference_gflops).
-constexpr const char* kSgemmCache = "/dev/shm/keel-sgemm.json";
+// The SGEMM rates measured on this host, by CPU, kernels and threads (sgemm_reference_gflops);
+// KEEL_SGEMM_CACHE names another file (tests keep theirs apart from a host's real runs).
+std::string sgemm_cache_path() {
+  const char* path = std::getenv("KEEL_SGEMM_CACHE");
+  return path != nullptr && *path != '\0' ? path : "/dev/shm/keel-sgemm.json";
+}
 
 
 int parse_count(const std::string& text) {
@@ -375,10 +379,11 @@ std::vector<std::string> mpirun_argv(const LaunchOptions& o, int restart) {
 double sgemm_reference_gflops() {
   const std::string key = cpu_model_name() + ", OpenBLAS " + blas_core() + ", " + std::to_string(omp_get_max_threads()) +
                           " threads";
+  const std::string cache_path = sgemm_cache_path();
   nlohmann::json cache = nlohmann::json::object();
   try {
-    if (std::filesystem::is_regular_file(kSgemmCache)) {
-      const std::vector<char> bytes = read_file(kSgemmCache);
+    if (std::filesystem::is_regular_file(cache_path)) {
+      const std::vector<char> bytes = read_file(cache_path);
       cache = nlohmann::json::parse(bytes.begin(), bytes.end(), nullptr, false);
       if (!cache.is_object()) cache = nlohmann::json::object();
     }
@@ -392,7 +397,7 @@ double sgemm_reference_gflops() {
   try {
     cache[key] = gflops;
     const std::string text = cache.dump();
-    write_file_atomic(kSgemmCache, {{text.data(), text.size()}});
+    write_file_atomic(cache_path, {{text.data(), text.size()}});
   } catch (const std::exception&) {
     // not kept: a restart measures again
   }

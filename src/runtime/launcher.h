@@ -61,7 +61,7 @@ int launch(const LaunchOptions& options);
 // matmul_efficiency's reference: this process's SGEMM rate, measured now. A rank of a restarted
 // job (KEEL_RESTART), whose start-up is the job's down time, takes instead the rate a start
 // measured on this host with the same CPU, OpenBLAS kernels and thread count (kept in
-// /dev/shm/keel-sgemm.json); missing or unreadable, it is measured.
+// /dev/shm/keel-sgemm.json, or the file KEEL_SGEMM_CACHE names); missing or unreadable, it is measured.
 double sgemm_reference_gflops();
 
 }  // namespace keel
