@@ -268,6 +268,9 @@ TEST_F(Launch, KilledRankIsRestartedFromTheNewestCheckpointAndReplaysExactly) {
   EXPECT_TRUE(contains(out, "was killed by signal 9 (Killed); restart 1 of 2 from the newest checkpoint\n")) << out;
   EXPECT_TRUE(contains(out, "keel: launch: job succeeded after 1 restart(s)\n")) << out;
   EXPECT_FALSE(contains(out, "failure 2:")) << out;
+  // The first start measures the SGEMM reference; the restart says it took the rate kept from a start.
+  EXPECT_TRUE(contains(out, "matmul efficiency against SGEMM measured now")) << out;
+  EXPECT_TRUE(contains(out, "matmul efficiency against SGEMM as an earlier start on this host measured it")) << out;
   // The second run resumed from a checkpoint (a fresh start would truncate the metrics) and
   // logged its recovery.
   const std::string metrics = read_text_file(dir / "killed/metrics.jsonl");

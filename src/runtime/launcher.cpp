@@ -376,7 +376,8 @@ std::vector<std::string> mpirun_argv(const LaunchOptions& o, int restart) {
   return argv;
 }
 
-double sgemm_reference_gflops() {
+double sgemm_reference_gflops(bool* cached) {
+  if (cached != nullptr) *cached = false;
   const std::string key = cpu_model_name() + ", OpenBLAS " + blas_core() + ", " + std::to_string(omp_get_max_threads()) +
                           " threads";
   const std::string cache_path = sgemm_cache_path();
@@ -391,6 +392,7 @@ double sgemm_reference_gflops() {
     cache = nlohmann::json::object();
   }
   if (std::getenv("KEEL_RESTART") != nullptr && cache.contains(key) && cache[key].is_number() && cache[key].get<double>() > 0) {
+    if (cached != nullptr) *cached = true;
     return cache[key].get<double>();
   }
   const double gflops = measure_sgemm_gflops();

@@ -62,6 +62,7 @@ int launch(const LaunchOptions& options);
 // job (KEEL_RESTART), whose start-up is the job's down time, takes instead the rate a start
 // measured on this host with the same CPU, OpenBLAS kernels and thread count (kept in
 // /dev/shm/keel-sgemm.json, or the file KEEL_SGEMM_CACHE names); missing or unreadable, it is measured.
-double sgemm_reference_gflops();
+// `cached` (optional) says which of the two it was.
+double sgemm_reference_gflops(bool* cached = nullptr);
 
 }  // namespace keel

@@ -99,6 +99,7 @@ class Trainer {
     double peak_gflops = 0;   // MFU's denominator: the hardware (or runtime.peak_gflops)
     double sgemm_gflops = 0;  // matmul_efficiency's: SGEMM measured at start-up, over the ranks
     std::string how;
+    std::string sgemm_how;  // where sgemm_gflops came from (rank 0's words)
   };
 
   Config config_;
