@@ -147,7 +147,11 @@ void ShardedParams::gather(std::span<const PageRef> pages) {
 }
 
 void ShardedParams::note_peaks() {
-  peaks_.gathered_bytes = std::max(peaks_.gathered_bytes, gathered_bytes_);
+  // After a gather's waits a rank's resident parameters are its shard plus what is gathered, so
+  // their peak can only move where the gathered bytes reach a new level: measure (mincore over the
+  // whole plane) there only, not after every layer.
+  if (gathered_bytes_ <= peaks_.gathered_bytes && peaks_.resident_bytes > 0) return;
+  peaks_.gathered_bytes = gathered_bytes_;
   peaks_.resident_bytes = std::max(peaks_.resident_bytes, store_.resident_bytes(Plane::param));
 }
 
