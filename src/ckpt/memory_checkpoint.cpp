@@ -208,7 +208,7 @@ std::string memory_layout_hash(const ChunkStore& store) {
 }
 
 MemoryCheckpoint::MemoryCheckpoint(const Config& config, Communicator& world)
-    : config_(config), world_(world), rank_(world.rank()), world_size_(world.size()) {
+    : world_(world), rank_(world.rank()), world_size_(world.size()) {
   exchange_ = world.duplicate();
   const char* job = std::getenv("KEEL_JOB_ID");
   // Without a launcher's job id, rank 0's clock names this job (every rank the same).

@@ -112,7 +112,6 @@ class MemoryCheckpoint {
   // Removes this rank's copies (own and buddy) of steps before `step`.
   void drop_before(int64_t step);
 
-  const Config& config_;
   Communicator& world_;
   std::unique_ptr<Communicator> exchange_;  // the buddies' transfers, apart from training's collectives
   std::string dir_, job_, trajectory_;

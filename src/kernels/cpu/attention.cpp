@@ -64,6 +64,10 @@ AttentionTiming time_attention(bool dense, MatmulPrecision precision, int B, int
 
 // Everything below runs only where blockwise_attention_vectorized said so: it may use AVX-512 and
 // AVX512_BF16 whatever the build's -march.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma"))), \
+                             apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma")
 // GCC 12's AVX-512 intrinsics start from _mm512_undefined_ps(), which its flow analysis reports as
@@ -71,6 +75,7 @@ AttentionTiming time_attention(bool dense, MatmulPrecision precision, int B, int
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 
 namespace keel::ops {
 
@@ -609,5 +614,9 @@ void blockwise_attention_backward_vector(MatmulPrecision precision, float* dqkv,
 
 }  // namespace keel::ops
 
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
+#endif
