@@ -158,17 +158,12 @@ void receive_pieces(Communicator& c, int peer, int64_t size, std::vector<char>& 
 
 // Copies `n` bytes and returns the XXH3 checksum of the copy, taken block by block while the block
 // is still in cache: the source is read once (a verify pass before the copy would read 1.5 GB
-// twice for GPT-2 124M). The destination's pages are faulted in with one call first
-// (MADV_POPULATE_WRITE, Linux 5.14+; elsewhere the copy faults them page by page): a restarted
-// process's planes are fresh memory, and one fault per 4 KiB page costs more than the copy.
+// twice for GPT-2 124M). The destination's pages are faulted in with one call first (where the
+// kernel cannot, the copy faults them page by page): a restarted process's planes are fresh memory,
+// and one fault per 4 KiB page costs more than the copy.
 uint64_t copy_and_checksum(char* to, const char* from, size_t n) {
   if (n == 0) return checksum(to, 0);
-#ifdef MADV_POPULATE_WRITE
-  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  const uintptr_t first = reinterpret_cast<uintptr_t>(to) / page * page;
-  const uintptr_t last = (reinterpret_cast<uintptr_t>(to) + n + page - 1) / page * page;
-  ::madvise(reinterpret_cast<void*>(first), last - first, MADV_POPULATE_WRITE);  // a hint: a failure faults later
-#endif
+  populate_for_write(to, n);  // a hint: where it fails, the copy faults the pages in
   const std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> state(XXH3_createState(), XXH3_freeState);
   check(state != nullptr && XXH3_64bits_reset(state.get()) == XXH_OK, "memory copy: cannot start a checksum");
   constexpr size_t kBlockBytes = size_t{256} << 10;
