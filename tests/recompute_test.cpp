@@ -288,9 +288,9 @@ TEST_F(RecomputeTraining, BadInputIsOneLine) {
   for (const Bad& b : {Bad{"train.recompute=partial", "config key 'train.recompute': expected \"none\", \"selective\" or "
                                                       "\"full\", found \"partial\""},
                        Bad{"train.recompute_layers=2-4", "config key 'train.recompute_layers': expected \"all\" or "
-                                                         "\"LO-HI\" (blocks 0..3), found \"2-4\": the model has 4 blocks"},
-                       Bad{"train.recompute_layers=3-1", "found \"3-1\": the range is empty"},
-                       Bad{"train.recompute_layers=some", "found \"some\": no '-'"}}) {
+                                                         "\"LO-HI\" (blocks 0..3), found \"2-4\": blocks 2-4 outside 0..3"},
+                       Bad{"train.recompute_layers=3-1", "found \"3-1\": the range 3-1 is empty"},
+                       Bad{"train.recompute_layers=some", "found \"some\": 'some' is not LO-HI"}}) {
     const testing::CommandResult r = train(0, "bad", "--set train.recompute=full --set " + b.set);
     EXPECT_NE(r.exit_code, 0) << b.set;
     EXPECT_NE(r.output.find(b.expect), std::string::npos) << b.set << ": " << r.output;

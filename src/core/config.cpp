@@ -469,6 +469,18 @@ int non_negative(const std::string& s) {
   return s.empty() || ec != std::errc() || p != s.data() + s.size() || v < 0 ? -1 : v;
 }
 
+// "LO-HI" as blocks (LO, HI) of a model of n_layer blocks; throws what `bad` makes of the reason.
+template <typename Bad>
+std::pair<int, int> block_range(const std::string& text, int n_layer, const Bad& bad) {
+  const size_t dash = text.find('-');
+  if (dash == std::string::npos) throw bad("'" + text + "' is not LO-HI");
+  const int lo = non_negative(text.substr(0, dash)), hi = non_negative(text.substr(dash + 1));
+  if (lo < 0 || hi < 0) throw bad("'" + text + "' is not a range of blocks");
+  if (lo > hi) throw bad("the range " + text + " is empty");
+  if (hi >= n_layer) throw bad("blocks " + text + " outside 0.." + std::to_string(n_layer - 1));
+  return {lo, hi};
+}
+
 // model.attention_window as (first block, last block, window) ranges; throws Error naming the key.
 std::vector<std::tuple<int, int, int>> parse_windows(const std::string& text, int n_layer) {
   std::vector<std::tuple<int, int, int>> out;
@@ -491,10 +503,9 @@ std::vector<std::tuple<int, int, int>> parse_windows(const std::string& text, in
   while (at <= text.size()) {
     const size_t end = std::min(text.find(',', at), text.size());
     const std::string part = text.substr(at, end - at);
-    const size_t colon = part.find(':'), dash = part.find('-');
-    if (colon == std::string::npos || dash == std::string::npos || dash > colon) throw bad("'" + part + "' is not LO-HI:W");
-    const int lo = number(part.substr(0, dash)), hi = number(part.substr(dash + 1, colon - dash - 1));
-    if (lo > hi || hi >= n_layer) throw bad("blocks " + part.substr(0, colon) + " outside 0.." + std::to_string(n_layer - 1));
+    const size_t colon = part.find(':');
+    if (colon == std::string::npos) throw bad("'" + part + "' is not LO-HI:W");
+    const auto [lo, hi] = block_range(part.substr(0, colon), n_layer, bad);
     out.emplace_back(lo, hi, number(part.substr(colon + 1)));
     at = end + 1;
   }
@@ -530,23 +541,13 @@ RecomputePlan recompute_plan(const TrainConfig& train, int n_layer) {
     return Error("config key 'train.recompute_layers': expected \"all\" or \"LO-HI\" (blocks 0.." +
                  std::to_string(n_layer - 1) + "), found \"" + text + "\": " + why);
   };
-  auto number = [&](const std::string& s) {
-    const int v = non_negative(s);
-    if (v < 0) throw bad("'" + s + "' is not a block");
-    return v;
-  };
   RecomputePlan plan;
   plan.mode = train.recompute;
   if (text == "all") {
     plan.last_block = n_layer - 1;
     return plan;
   }
-  const size_t dash = text.find('-');
-  if (dash == std::string::npos) throw bad("no '-'");
-  plan.first_block = number(text.substr(0, dash));
-  plan.last_block = number(text.substr(dash + 1));
-  if (plan.first_block > plan.last_block) throw bad("the range is empty");
-  if (plan.last_block >= n_layer) throw bad("the model has " + std::to_string(n_layer) + " blocks");
+  std::tie(plan.first_block, plan.last_block) = block_range(text, n_layer, bad);
   return plan;
 }
 
