@@ -168,6 +168,21 @@ TEST(LaunchArgs, BadInputExits2) {
   EXPECT_EQ(r.exit_code, 2) << r.output;
 }
 
+// A training job's bad configuration is refused by `keel launch` itself, before any rank starts:
+// one line naming the key (not one per rank and MPI's abort messages), exit 2.
+TEST(LaunchArgs, ABadTrainingConfigIsOneLineBeforeAnyRankStarts) {
+  for (const auto& [args, says] :
+       std::vector<std::pair<std::string, std::string>>{
+           {"--set train.steps=nope", "keel: config key 'train.steps' expects an integer, found 'nope'\n"},
+           {"--set parallel.pipeline=2", "config key 'parallel.pipeline': expected a divisor of the 3 rank(s)"},
+           {"--bogus 1", "keel: train: unknown option --bogus"}}) {
+    const auto r = run_keel("launch -n 3 -- train " + args);
+    EXPECT_EQ(r.exit_code, 2) << args << ": " << r.output;
+    EXPECT_TRUE(contains(r.output, says)) << args << ": " << r.output;
+    EXPECT_EQ(testing::count_lines(r.output), 1) << args << ": " << r.output;
+  }
+}
+
 // --- restarting a running job ---------------------------------------------------------------------
 
 // A `keel launch` running in the background, its stdout and stderr going to a log file; `args`

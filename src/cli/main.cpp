@@ -704,6 +704,19 @@ int run(int argc, char** argv) {
     }
     LaunchOptions o = parse_launch_args(std::vector<std::string>(argv + 2, argv + argc));
     o.keel_binary = fs::read_symlink("/proc/self/exe").string();
+    // A training job's configuration is checked here, once, for the rank count asked for: a bad
+    // key is one line before any rank starts, not one line per rank and MPI's abort chatter.
+    if (!o.command.empty() && o.command[0] == "train") {
+      std::vector<std::string> words = {argv[0]};
+      words.insert(words.end(), o.command.begin(), o.command.end());
+      std::vector<char*> pointers;
+      for (std::string& w : words) pointers.push_back(w.data());
+      const Args a(static_cast<int>(pointers.size()), pointers.data(), 2, {"--config", "--set"});
+      if (!a.help) {
+        Config config = Config::load(a.get("--config"), a.all("--set"));
+        resolve_job_config(config, o.ranks);
+      }
+    }
     g_input_accepted = true;
     return launch(o);
   }
