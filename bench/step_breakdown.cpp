@@ -39,6 +39,7 @@
 #include "data/shard.h"
 #include "kernels/cpu/bf16.h"
 #include "kernels/cpu/blas.h"
+#include "kernels/cpu/gemm_probe.h"
 #include "kernels/cpu/ops.h"
 #include "optim/adamw.h"
 #include "runtime/job_config.h"
@@ -50,33 +51,6 @@ namespace {
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-// GFLOP/s of an n^3 product at `precision`, the best of `repeats` (bf16: operands already bf16).
-double gemm_probe_gflops(MatmulPrecision precision, int n, int repeats) {
-  std::vector<float> a(static_cast<size_t>(n) * n), b(a.size()), c(a.size());
-  Rng rng(3);
-  for (float& x : a) x = static_cast<float>(rng.normal());
-  for (float& x : b) x = static_cast<float>(rng.normal());
-  std::vector<uint16_t> a16(a.size()), b16(b.size());
-  to_bf16(a16.data(), a.data(), static_cast<int64_t>(a.size()));
-  to_bf16(b16.data(), b.data(), static_cast<int64_t>(b.size()));
-  auto once = [&] {
-    if (precision == MatmulPrecision::bf16) {
-      gemm_bf16(false, false, n, n, n, 1.0f, Operand::bits(a16.data()), n, Operand::bits(b16.data()), n, 0.0f,
-                c.data(), n);
-    } else {
-      gemm<float>(precision, false, false, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
-    }
-  };
-  once();
-  double best = 0;
-  for (int r = 0; r < repeats; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-    once();
-    best = std::max(best, 2.0 * n * n * n / seconds_since(t0) * 1e-9);
-  }
-  return best;
 }
 
 // Memory bandwidth (GB/s) of a triad a = b + s c over three arrays of `mb` MB, the best of `repeats`.
@@ -192,7 +166,7 @@ int main(int argc, char** argv) {
       optimizer_s = std::min(optimizer_s, seconds_since(o0));
     }
     std::filesystem::remove_all(dir);
-    const double gemm_probe = gemm_probe_gflops(precision, 1024, 3);
+    const double gemm_probe = measure_gemm_gflops(precision, 1024, 3);
     const double bandwidth = bandwidth_probe_gbs(256, 3);
 
     const double C = m.n_embd, N = static_cast<double>(B) * T, L = m.n_layer;

@@ -103,14 +103,20 @@ TEST_F(LongContextTraining, BothFamiliesTrainInBf16WithBlockwiseAttention) {
   }
 }
 
-// model.attention = "auto" (runtime/attention_choice.h): the faster of two measurements, ties to
-// blockwise; no measurement where dense cannot fit; a decision measured once is cached per machine
-// and shape and taken again from the cache (so reruns and resumes keep their kernel); `keel train`
-// says which it chose, and runs with it.
+// model.attention = "auto" (runtime/attention_choice.h): the faster of two measurements where they
+// differ by more than 10 %, else the length rule; no measurement where dense cannot fit; a decision
+// measured once is cached per machine and shape and taken again from the cache (so reruns keep
+// their kernel); `keel train` says which it chose, and runs with it.
 TEST(AttentionChoice, AutoTakesTheMeasuredFasterKernelAndKeepsItsDecision) {
-  EXPECT_EQ(faster_attention(1.0, 2.0), Attention::dense);
-  EXPECT_EQ(faster_attention(2.0, 1.0), Attention::blockwise);
-  EXPECT_EQ(faster_attention(1.0, 1.01), Attention::blockwise);  // within 2 %: the linear-memory kernel
+  for (const int T : {32, 255, 256, 4096}) {
+    EXPECT_EQ(faster_attention(1.0, 1.2, T), Attention::dense) << T;
+    EXPECT_EQ(faster_attention(1.2, 1.0, T), Attention::blockwise) << T;
+    // Within 10 % either way (a tie on a busy machine): by length, whichever measured faster.
+    for (const auto& [dense_ms, blockwise_ms] : {std::pair{1.0, 1.09}, {1.09, 1.0}, {1.0, 1.0}}) {
+      EXPECT_EQ(faster_attention(dense_ms, blockwise_ms, T), T >= 256 ? Attention::blockwise : Attention::dense)
+          << T << ": " << dense_ms << " vs " << blockwise_ms;
+    }
+  }
 
   testing::TempDir cache("keel-attention-cache");
   const char* saved = std::getenv("XDG_CACHE_HOME");
@@ -127,6 +133,8 @@ TEST(AttentionChoice, AutoTakesTheMeasuredFasterKernelAndKeepsItsDecision) {
     c.resolve(1);
     return c;
   };
+  // The rule is the resolution's where nothing measures.
+  for (const int T : {255, 256}) EXPECT_EQ(config_at(T).model.attention, attention_by_length(T)) << T;
   // 65,536 tokens: dense would keep 2 layers x 4 heads x T^2 floats = 128 GiB; not measured, not cached.
   const AttentionChoice huge = choose_attention(config_at(65536));
   EXPECT_EQ(huge.kernel, Attention::blockwise);
@@ -166,6 +174,45 @@ TEST(AttentionChoice, AutoTakesTheMeasuredFasterKernelAndKeepsItsDecision) {
   EXPECT_NE(r.output.find("measured at 256 tokens", at), std::string::npos) << r.output;
   const std::string config = read_text_file(dir / "run/config.toml");
   EXPECT_NE(config.find("attention = '" + chosen + "'"), std::string::npos) << config;
+}
+
+// A resumed run keeps the kernel its checkpoint was trained with (recorded in the manifest's
+// config), whatever a measurement or the length rule would pick now: from its own run directory
+// (train.resume = auto) and from another (as on another machine), and says so.
+TEST(AttentionChoice, AResumeKeepsTheKernelItsCheckpointRanWith) {
+  testing::TempDir dir("keel-attention-resume");
+  testing::write_toy_corpus(dir.path());
+  testing::write_toy_config(dir.path(), 2);
+  const char* saved = std::getenv("XDG_CACHE_HOME");
+  const std::string saved_value = saved != nullptr ? saved : "";
+  ::setenv("XDG_CACHE_HOME", (dir / "cache").c_str(), 1);
+  // 32 tokens: the length rule says dense; the run trains with blockwise.
+  const testing::CommandResult first =
+      testing::run_keel(testing::toy_train_args(dir, 0, 4, "run", "--set model.attention=blockwise --set train.eval_every=0"));
+  auto resumed = [&](const std::string& run, const std::string& extra) {
+    return testing::run_keel(testing::toy_train_args(
+        dir, 0, 4, run, "--set model.attention=auto --set train.steps=3 --set train.eval_every=0 " + extra));
+  };
+  const testing::CommandResult other = resumed("other", "--set train.resume=" + dir / "run/ckpt");
+  const testing::CommandResult own = resumed("run", "--set train.resume=auto");
+  const testing::CommandResult fresh = resumed("fresh", "");
+  ::setenv("XDG_CACHE_HOME", saved_value.c_str(), 1);
+  if (saved == nullptr) ::unsetenv("XDG_CACHE_HOME");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  for (const auto& [r, run] : {std::pair{&own, "run"}, {&other, "other"}}) {
+    ASSERT_EQ(r->exit_code, 0) << r->output;
+    EXPECT_NE(r->output.find("keel train: attention = auto: blockwise (as recorded in checkpoint " +
+                             dir / "run/ckpt/step-00000002" + ", which this run resumes)"),
+              std::string::npos)
+        << r->output;
+    EXPECT_NE(r->output.find("resumed from"), std::string::npos) << r->output;
+    const std::string config = read_text_file(dir / (std::string(run) + "/config.toml"));
+    EXPECT_NE(config.find("attention = 'blockwise'"), std::string::npos) << config;
+  }
+  // Nothing to resume: measured.
+  ASSERT_EQ(fresh.exit_code, 0) << fresh.output;
+  EXPECT_NE(fresh.output.find("keel train: attention = auto: "), std::string::npos) << fresh.output;
+  EXPECT_NE(fresh.output.find("measured at 32 tokens"), std::string::npos) << fresh.output;
 }
 
 // A sliding window of 128 keys at 4,096 tokens: trains, and differs from full attention.

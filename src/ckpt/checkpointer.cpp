@@ -106,6 +106,24 @@ double Checkpointer::buffer_bytes() const {
   return copies * 3.0 * static_cast<double>(writers_.size(writer_index_)) * sizeof(float);
 }
 
+ResumeSource resume_source(const Config& config) {
+  ResumeSource source;
+  const std::string root = config.train.run_dir + "/ckpt";
+  const bool restarted = std::getenv("KEEL_RESTART") != nullptr;
+  source.has_own = !list_checkpoints(root).empty() || Env::get().exists(root + "/manifest.json");
+  source.automatic = config.train.resume_auto() || (restarted && source.has_own);
+  if (!source.automatic) {
+    source.path = config.train.resume;
+  } else if (source.has_own) {
+    source.path = root;
+  }
+  return source;
+}
+
+std::vector<std::string> ResumeSource::candidates() const {
+  return path.empty() ? std::vector<std::string>{} : checkpoint_candidates(path);
+}
+
 std::optional<TrainState> Checkpointer::resume() {
   const TrainConfig& t = config_.train;
   // When the state load began, and how long it took (`event: resume`; recovery's breakdown).
@@ -133,16 +151,15 @@ std::optional<TrainState> Checkpointer::resume() {
   // A job restarted by `keel launch --max-restarts` continues from its own newest checkpoint when
   // it has one, whatever train.resume says (that was where the first attempt started).
   const bool restarted = std::getenv("KEEL_RESTART") != nullptr;
-  const bool has_own = !list_checkpoints(root_).empty() || Env::get().exists(root_ + "/manifest.json");
-  const bool automatic = t.resume_auto() || (restarted && has_own);
-  const std::string resume = automatic ? root_ : t.resume;
+  const ResumeSource source = resume_source(config_);
+  const bool automatic = source.automatic;
+  const std::string& resume = source.path;
   if (std::optional<TrainState> state = resume_from_memory(restarted || t.resume_auto())) {
     settle_run_id();
     stamp();
     return state;
   }
-  std::vector<std::string> candidates;
-  if (!resume.empty() && (!automatic || has_own)) candidates = checkpoint_candidates(resume);
+  const std::vector<std::string> candidates = source.candidates();
   std::string last_why;
   std::vector<std::string> rejections;  // said when an older candidate is used, or with "auto"
   for (size_t i = 0; i < candidates.size(); ++i) {

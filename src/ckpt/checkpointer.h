@@ -24,6 +24,19 @@
 
 namespace keel {
 
+// Where a run resumes from (Checkpointer::resume): train.resume (a checkpoint directory or a
+// root), or the run's own checkpoints (run_dir/ckpt) for train.resume = "auto" or a job restarted
+// by `keel launch` (KEEL_RESTART) that has some.
+struct ResumeSource {
+  bool automatic = false;  // the run's own checkpoints ("auto", or a restart that has some)
+  bool has_own = false;    // the run's own root holds a checkpoint
+  std::string path;        // the directory or root to try; "" = a fresh start
+  // The checkpoints to try, newest first (checkpoint_candidates; throws where an explicit
+  // train.resume has none); empty for a fresh start.
+  std::vector<std::string> candidates() const;
+};
+ResumeSource resume_source(const Config& config);
+
 class Checkpointer {
  public:
   // Takes the run directory (one run at a time: see RunDirectory; throws when another run holds

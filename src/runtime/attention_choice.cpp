@@ -12,6 +12,8 @@
 #include <functional>
 #include <sstream>
 
+#include "ckpt/checkpoint.h"
+#include "ckpt/checkpointer.h"
 #include "core/cpu.h"
 #include "kernels/cpu/attention.h"
 
@@ -45,8 +47,33 @@ bool read_cached(const std::string& path, const std::string& key, AttentionChoic
 
 }  // namespace
 
-Attention faster_attention(double dense_ms, double blockwise_ms) {
-  return dense_ms < 0.98 * blockwise_ms ? Attention::dense : Attention::blockwise;
+Attention attention_by_length(int seq_len) { return seq_len >= 256 ? Attention::blockwise : Attention::dense; }
+
+Attention faster_attention(double dense_ms, double blockwise_ms, int seq_len) {
+  if (dense_ms * 1.1 < blockwise_ms) return Attention::dense;
+  if (blockwise_ms * 1.1 < dense_ms) return Attention::blockwise;
+  return attention_by_length(seq_len);
+}
+
+std::optional<Attention> recorded_attention(const Config& config, std::string* from) {
+  std::vector<std::string> candidates;
+  try {
+    candidates = resume_source(config).candidates();
+  } catch (const std::exception&) {
+    return std::nullopt;  // no checkpoint there: the resume itself says so
+  }
+  // The newest checkpoint whose manifest reads (an unreadable one is rejected by the resume, which
+  // then takes the next older one; the checkpoints of one run share their kernel).
+  for (const std::string& dir : candidates) {
+    try {
+      const Attention kernel = read_checkpoint_config(dir).model.attention;
+      if (kernel != Attention::dense && kernel != Attention::blockwise) continue;
+      if (from != nullptr) *from = dir;
+      return kernel;
+    } catch (const std::exception&) {
+    }
+  }
+  return std::nullopt;
 }
 
 AttentionChoice choose_attention(const Config& config) {
@@ -64,6 +91,12 @@ AttentionChoice choose_attention(const Config& config) {
     std::snprintf(buf, sizeof buf, "dense would keep %.1f GiB of probabilities, over half of this machine's %.1f GiB",
                   dense_bytes / gib, memory_bytes / gib);
     choice.reason = buf;
+    return choice;
+  }
+  std::string checkpoint;
+  if (const std::optional<Attention> recorded = recorded_attention(config, &checkpoint)) {
+    choice.kernel = *recorded;
+    choice.reason = "as recorded in checkpoint " + checkpoint + ", which this run resumes";
     return choice;
   }
   // The probe: one batch row, whole key/value groups, at least as many query heads as threads
@@ -86,10 +119,13 @@ AttentionChoice choose_attention(const Config& config) {
   const double blockwise_ms =
       ops::time_attention(false, precision, 1, T, probe_heads * hs, probe_heads, probe_kv, 0, repeats).total_ms();
   omp_set_num_threads(saved_threads);
-  choice.kernel = faster_attention(dense_ms, blockwise_ms);
+  choice.kernel = faster_attention(dense_ms, blockwise_ms, T);
   choice.reason = "measured at " + std::to_string(T) + " tokens, " + std::to_string(probe_heads) + " heads of " +
                   std::to_string(hs) + ", " + (bf16 ? "bf16" : "fp32") + ", " + std::to_string(threads) +
-                  " threads: dense " + format_ms(dense_ms) + " ms, blockwise " + format_ms(blockwise_ms) + " ms";
+                  " threads: dense " + format_ms(dense_ms) + " ms, blockwise " + format_ms(blockwise_ms) + " ms" +
+                  (std::max(dense_ms, blockwise_ms) <= 1.1 * std::min(dense_ms, blockwise_ms)
+                       ? ", within 10 %: by length"
+                       : "");
   if (path.empty()) return choice;
   // The first decision written wins (written whole to a private file, then linked into place, which
   // fails where a file is already there): a run that lost the race takes the winner's.

@@ -6,6 +6,7 @@
 // bytes without measuring again.
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include "core/config.h"
@@ -17,11 +18,25 @@ struct AttentionChoice {
   std::string reason;  // one line: what was measured (or why nothing needed measuring), and where it is cached
 };
 
-// The faster of two measured passes; within 2 % of each other, blockwise (its memory is linear in T).
-Attention faster_attention(double dense_ms, double blockwise_ms);
+// The rule where nothing measures (core/config.cpp's resolution of "auto", the same rule): dense
+// below 256 tokens, blockwise from 256.
+Attention attention_by_length(int seq_len);
+
+// The decision from two measured passes at `seq_len` tokens: the faster kernel where one is more than
+// 10 % faster than the other; closer than that the measurement is within the noise of a busy machine,
+// and the length rule decides (attention_by_length), so that runs that measure anew agree.
+Attention faster_attention(double dense_ms, double blockwise_ms, int seq_len);
+
+// The kernel the checkpoint this job will resume from ran with (its manifest's resolved config),
+// if there is one: train.resume (a checkpoint or a root: its newest), or the run's own checkpoints
+// with train.resume = "auto" or on a restart (KEEL_RESTART). A resumed run keeps the kernel it was
+// trained with (its bytes depend on it), on this machine or another. `from` receives the
+// checkpoint's directory.
+std::optional<Attention> recorded_attention(const Config& config, std::string* from);
 
 // Decides for `config`, resolved, whose model.attention was asked as "auto" and which has no window
-// (a window runs blockwise only). Measures one layer's attention on synthetic data at the job's
+// (a window runs blockwise only). A run resuming from a checkpoint takes the kernel recorded there
+// (recorded_attention) unless dense no longer fits (below). Else measures one layer's attention on synthetic data at the job's
 // longest sequence, with a batch row of min(heads, threads) query heads (their key/value heads
 // with them), unless the dense kernel's probabilities for the whole model would take more than half
 // of this machine's memory (then blockwise, unmeasured). The result is kept in

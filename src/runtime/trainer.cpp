@@ -18,6 +18,7 @@
 #include "core/fileio.h"
 #include "kernels/cpu/bf16.h"
 #include "kernels/cpu/blas.h"
+#include "kernels/cpu/gemm_probe.h"
 #include "monitor/alerts.h"
 #include "monitor/endpoint.h"
 #include "monitor/energy.h"
@@ -148,6 +149,9 @@ void Trainer::measure_peaks() {
   bool cached = false;
   peaks_.sgemm_gflops = world.allreduce_max(world.is_root() ? sgemm_reference_gflops(&cached) : 0.0) * world.size();
   peaks_.sgemm_how = cached ? "SGEMM as an earlier start on this host measured it" : "SGEMM measured now";
+  if (world.is_root() && config_.runtime.precision == Precision::bf16) {
+    peaks_.bf16_gflops = measure_gemm_gflops(MatmulPrecision::bf16);
+  }
 }
 
 StepStats Trainer::step(const StopSignals* signals) {
@@ -197,9 +201,13 @@ void Trainer::print_startup(double moments_mb) {
               "%.1f GFLOP/s (OpenBLAS kernels %s)\n",
               peaks_.peak_gflops, peaks_.how.c_str(), peaks_.sgemm_how.c_str(), peaks_.sgemm_gflops, blas_core().c_str());
   if (config_.runtime.precision == Precision::bf16) {
-    std::printf("keel: precision bf16: matrix products with bf16 operands, %s; master weights, gradients and AdamW "
-                "in float32\n",
-                bf16_engine().c_str());
+    const double sgemm_gflops = peaks_.sgemm_gflops / groups_.world().size();  // rank 0's
+    std::printf("keel: precision bf16: matrix products with bf16 operands, %s: probe %.1f GFLOP/s, SGEMM %.1f; "
+                "master weights, gradients and AdamW in float32\n",
+                bf16_engine().c_str(), peaks_.bf16_gflops, sgemm_gflops);
+    if (const std::string warning = bf16_slower_warning(peaks_.bf16_gflops, sgemm_gflops); !warning.empty()) {
+      std::printf("%s\n", warning.c_str());
+    }
   }
   metrics_.print_startup();
   std::printf("keel: memory per rank: params %.1f MB, grads %.1f MB, AdamW moments %.1f MB, activations %.1f MB, "

@@ -98,6 +98,7 @@ class Trainer {
   struct Peaks {
     double peak_gflops = 0;   // MFU's denominator: the hardware (or runtime.peak_gflops)
     double sgemm_gflops = 0;  // matmul_efficiency's: SGEMM measured at start-up, over the ranks
+    double bf16_gflops = 0;   // under bf16: rank 0's bf16 product probe (kernels/cpu/gemm_probe.h)
     std::string how;
     std::string sgemm_how;  // where sgemm_gflops came from (rank 0's words)
   };
