@@ -141,13 +141,23 @@ TEST(AttentionChoice, AutoTakesTheMeasuredFasterKernelAndKeepsItsDecision) {
   EXPECT_NE(huge.reason.find("dense would keep 128.0 GiB"), std::string::npos) << huge.reason;
   EXPECT_FALSE(std::filesystem::exists(cache / "keel"));
 
-  const AttentionChoice first = choose_attention(config_at(256));
-  EXPECT_NE(first.reason.find("measured at 256 tokens, 2 heads of 16, fp32, 2 threads: dense "), std::string::npos)
+  // Shorter than kMeasuredFromTokens: the rule, unmeasured, nothing cached.
+  for (const int T : {255, 256, kMeasuredFromTokens - 1}) {
+    const AttentionChoice short_job = choose_attention(config_at(T));
+    EXPECT_EQ(short_job.kernel, attention_by_length(T)) << T;
+    EXPECT_NE(short_job.reason.find("by length (" + std::to_string(T) + " tokens: measured only from 512)"),
+              std::string::npos)
+        << short_job.reason;
+  }
+  EXPECT_FALSE(std::filesystem::exists(cache / "keel"));
+
+  const AttentionChoice first = choose_attention(config_at(512));
+  EXPECT_NE(first.reason.find("measured at 512 tokens, 2 heads of 16, fp32, 2 threads: dense "), std::string::npos)
       << first.reason;
   std::vector<std::filesystem::path> files;
   for (const auto& e : std::filesystem::directory_iterator(cache / "keel")) files.push_back(e.path());
   ASSERT_EQ(files.size(), 1u);
-  const AttentionChoice again = choose_attention(config_at(256));
+  const AttentionChoice again = choose_attention(config_at(512));
   EXPECT_EQ(again.kernel, first.kernel);
   EXPECT_NE(again.reason.find("measured earlier on this machine"), std::string::npos) << again.reason;
   // The cache decides: the other kernel written there is what the next run takes.
@@ -155,7 +165,7 @@ TEST(AttentionChoice, AutoTakesTheMeasuredFasterKernelAndKeepsItsDecision) {
   const bool was_dense = line.rfind("dense ", 0) == 0;
   line = (was_dense ? "blockwise" : "dense") + line.substr(line.find(' '));
   testing::write_text(files[0].string(), line);
-  EXPECT_EQ(choose_attention(config_at(256)).kernel, was_dense ? Attention::blockwise : Attention::dense);
+  EXPECT_EQ(choose_attention(config_at(512)).kernel, was_dense ? Attention::blockwise : Attention::dense);
 
   // The command: says which it chose and trains with it (its config.toml holds the kernel).
   testing::TempDir dir("keel-attention-auto");
@@ -163,7 +173,7 @@ TEST(AttentionChoice, AutoTakesTheMeasuredFasterKernelAndKeepsItsDecision) {
   testing::write_toy_config(dir.path(), 1);
   const testing::CommandResult r = testing::run_keel(
       "train --config " + dir / "toy.toml" + " --set train.run_dir=" + dir / "run" +
-      " --set model.max_seq_len=256 --set train.seq_len=256 --set train.batch_size=1 --set train.eval_every=0");
+      " --set model.max_seq_len=512 --set train.seq_len=512 --set train.batch_size=1 --set train.eval_every=0");
   ::setenv("XDG_CACHE_HOME", saved_value.c_str(), 1);
   if (saved == nullptr) ::unsetenv("XDG_CACHE_HOME");
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -171,7 +181,7 @@ TEST(AttentionChoice, AutoTakesTheMeasuredFasterKernelAndKeepsItsDecision) {
   ASSERT_NE(at, std::string::npos) << r.output;
   const std::string chosen = r.output.substr(at + 30, r.output.find(' ', at + 30) - at - 30);
   ASSERT_TRUE(chosen == "dense" || chosen == "blockwise") << r.output;
-  EXPECT_NE(r.output.find("measured at 256 tokens", at), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("measured at 512 tokens", at), std::string::npos) << r.output;
   const std::string config = read_text_file(dir / "run/config.toml");
   EXPECT_NE(config.find("attention = '" + chosen + "'"), std::string::npos) << config;
 }
@@ -209,10 +219,10 @@ TEST(AttentionChoice, AResumeKeepsTheKernelItsCheckpointRanWith) {
     const std::string config = read_text_file(dir / (std::string(run) + "/config.toml"));
     EXPECT_NE(config.find("attention = 'blockwise'"), std::string::npos) << config;
   }
-  // Nothing to resume: measured.
+  // Nothing to resume: the length rule at 32 tokens (dense; the recorded blockwise was not the rule's).
   ASSERT_EQ(fresh.exit_code, 0) << fresh.output;
-  EXPECT_NE(fresh.output.find("keel train: attention = auto: "), std::string::npos) << fresh.output;
-  EXPECT_NE(fresh.output.find("measured at 32 tokens"), std::string::npos) << fresh.output;
+  EXPECT_NE(fresh.output.find("keel train: attention = auto: dense (by length (32 tokens"), std::string::npos)
+      << fresh.output;
 }
 
 // A sliding window of 128 keys at 4,096 tokens: trains, and differs from full attention.

@@ -99,6 +99,16 @@ AttentionChoice choose_attention(const Config& config) {
     choice.reason = "as recorded in checkpoint " + checkpoint + ", which this run resumes";
     return choice;
   }
+  // Below kMeasuredFromTokens the rule decides, unmeasured: attention is a small part of such a
+  // step whichever kernel runs it, and a measurement there would make a job's bytes depend on its
+  // thread count and machine (a one-rank run and the same job on a pipeline's ranks, with fewer
+  // threads each, could measure differently and train different bytes from one seed).
+  if (T < kMeasuredFromTokens) {
+    choice.kernel = attention_by_length(T);
+    choice.reason = "by length (" + std::to_string(T) + " tokens: measured only from " +
+                    std::to_string(kMeasuredFromTokens) + ")";
+    return choice;
+  }
   // The probe: one batch row, whole key/value groups, at least as many query heads as threads
   // where the model has them (both kernels parallelise over heads).
   const int probe_kv = std::max(1, std::min(NKV, (threads + group - 1) / group));

@@ -18,6 +18,9 @@ struct AttentionChoice {
   std::string reason;  // one line: what was measured (or why nothing needed measuring), and where it is cached
 };
 
+// Jobs shorter than this are decided by the length rule without measuring (see choose_attention).
+constexpr int kMeasuredFromTokens = 512;
+
 // The rule where nothing measures (core/config.cpp's resolution of "auto", the same rule): dense
 // below 256 tokens, blockwise from 256.
 Attention attention_by_length(int seq_len);
@@ -36,7 +39,8 @@ std::optional<Attention> recorded_attention(const Config& config, std::string* f
 
 // Decides for `config`, resolved, whose model.attention was asked as "auto" and which has no window
 // (a window runs blockwise only). A run resuming from a checkpoint takes the kernel recorded there
-// (recorded_attention) unless dense no longer fits (below). Else measures one layer's attention on synthetic data at the job's
+// (recorded_attention) unless dense no longer fits (below). A job shorter than kMeasuredFromTokens
+// takes the length rule. Else measures one layer's attention on synthetic data at the job's
 // longest sequence, with a batch row of min(heads, threads) query heads (their key/value heads
 // with them), unless the dense kernel's probabilities for the whole model would take more than half
 // of this machine's memory (then blockwise, unmeasured). The result is kept in
