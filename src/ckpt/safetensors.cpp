@@ -194,6 +194,7 @@ float bfloat16_to_float(uint16_t bits) { return std::bit_cast<float>(static_cast
 std::vector<float> SafetensorsFile::read_float32(const SafetensorsTensor& t) const {
   const char* src = map_ + header_.data_offset + t.begin;
   std::vector<float> out(static_cast<size_t>(t.numel()));
+  if (out.empty() && (t.dtype == "F32" || t.dtype == "BF16" || t.dtype == "F16")) return out;  // (memcpy's null)
   if (t.dtype == "F32") {
     std::memcpy(out.data(), src, out.size() * sizeof(float));
   } else if (t.dtype == "BF16" || t.dtype == "F16") {
