@@ -250,12 +250,19 @@ std::string choose_auto_attention(Config& config, Communicator& comm) {
          (config.model.attention == Attention::dense ? "dense" : "blockwise") + " (" + choice.reason + ")\n";
 }
 
-int cmd_train(const Args& a) {
-  Communicator& comm = Communicator::world();
+// A training job's configuration as `--config` and `--set` give it, with the model shape of a
+// train.init = "hf:DIR" checkpoint filled in (not yet resolved).
+Config load_train_config(const Args& a) {
   Config config = Config::load(a.get("--config"), a.all("--set"));
   if (const std::string hf = config.train.init_hf_dir(); !hf.empty() && !config.clip.enabled()) {
     take_hf_model_shape(config.model, read_hf_model_config(hf), hf);
   }
+  return config;
+}
+
+int cmd_train(const Args& a) {
+  Communicator& comm = Communicator::world();
+  Config config = load_train_config(a);
   const bool auto_attention = config.model.attention == Attention::automatic;
   resolve_job_config(config, comm.size());
   std::string attention_line;
