@@ -10,7 +10,7 @@ out=fuzz/corpus
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 rm -rf "$out"
-mkdir -p "$out"/{fuzz_config,fuzz_shard,fuzz_tokenizer,fuzz_llmc,fuzz_checkpoint,fuzz_image,fuzz_http}
+mkdir -p "$out"/{fuzz_config,fuzz_shard,fuzz_tokenizer,fuzz_llmc,fuzz_checkpoint,fuzz_image,fuzz_http,fuzz_safetensors,fuzz_hf_tokenizer}
 
 cp configs/default.toml "$out/fuzz_config/default.toml"
 cp configs/gpt2-124m-llmc.toml "$out/fuzz_config/gpt2-124m-llmc.toml" 2>/dev/null || true
@@ -74,3 +74,22 @@ trash=/usr/share/icons/Tango/32x32/places/user-trash.png
 "$tmp/mkjpg" "$trash" "$out/fuzz_image/user-trash.jpg" 80 0 0
 "$tmp/mkjpg" "$trash" "$out/fuzz_image/user-trash-gray.jpg" 60 1 0
 "$tmp/mkjpg" "$trash" "$out/fuzz_image/user-trash-progressive.jpg" 70 0 1
+
+# safetensors: a shard transformers wrote (tests/reference/hf), and a file of every float dtype Keel
+# reads beside others it refuses to read as float (I64), an empty tensor and metadata.
+cp tests/reference/hf/llama/model-00003-of-00003.safetensors "$out/fuzz_safetensors/llama_shard.safetensors"
+python3 - "$out/fuzz_safetensors/mixed.safetensors" <<'PY'
+import json, struct, sys
+tensors = [("a", "F32", [2, 3], struct.pack("<6f", *range(6))), ("b", "BF16", [2], bytes.fromhex("c03f00c0")),
+           ("c", "F16", [3], bytes.fromhex("0038ff7b0100")), ("e", "F32", [0, 4], b""),
+           ("i", "I64", [2], struct.pack("<2q", 1, 2))]
+header, data = {"__metadata__": {"format": "pt"}}, b""
+for name, dtype, shape, raw in tensors:
+    header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(data), len(data) + len(raw)]}
+    data += raw
+text = json.dumps(header).encode()
+text += b" " * (-len(text) % 8)
+open(sys.argv[1], "wb").write(struct.pack("<Q", len(text)) + text + data)
+PY
+# tokenizer.json: the three shapes tests/reference/make_hf_fixtures.py trains (GPT-2, Llama 3, Llama 2).
+cp tests/reference/hf/tokenizers/{gpt2,llama3,llama2}.json "$out/fuzz_hf_tokenizer/"

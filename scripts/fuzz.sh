@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-30}
-targets=(fuzz_config fuzz_shard fuzz_tokenizer fuzz_llmc fuzz_checkpoint fuzz_image fuzz_http)
+targets=(fuzz_config fuzz_shard fuzz_tokenizer fuzz_llmc fuzz_checkpoint fuzz_image fuzz_http fuzz_safetensors fuzz_hf_tokenizer)
 # -O1 and line tables only (as libFuzzer's documentation builds): reports keep file:line, and the
 # build, most of this script's time in CI, is shorter.
 # (BUILD_TESTING is left as the tree has it: scripts/test.sh builds the sanitized unit tests here.)

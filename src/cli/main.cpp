@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <span>
 #include <iostream>
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "ckpt/checkpoint.h"
+#include "ckpt/hf.h"
 #include "ckpt/llama2c.h"
 #include "ckpt/llmc.h"
 #include "ckpt/run_directory.h"
@@ -34,6 +36,7 @@
 #include "data/corpus.h"
 #include "data/loader.h"
 #include "data/images.h"
+#include "data/hf_tokenizer.h"
 #include "data/tokenizer.h"
 #include "kernels/cpu/blas.h"
 #include "kernels/cpu/float_mode.h"
@@ -65,10 +68,11 @@ commands:
             --max-restarts R: when the job fails, run it again up to R times (default 0); a
             train job continues from the newest checkpoint in its run_dir. Not restarted: a
             job refused its input (exit 2) or stopped with Ctrl-C / SIGTERM.
-  tokenize  [--input PATH ...] [--out DIR] [--vocab-size N] [--val-fraction F] [--seed S]
+  tokenize  [--input PATH ...] [--out DIR] [--vocab-size N | --tokenizer tokenizer.json] [--val-fraction F] [--seed S]
             Train a byte-level BPE tokenizer and write DIR/{tokenizer.json,train.bin,val.bin}
+            (--tokenizer: encode with a Hugging Face tokenizer.json instead; uint32 shards above 65,536 tokens)
             (llm.c shard format). Default input: /usr/share/games/fortunes.
-  eval      --checkpoint DIR | --llmc FILE.bin | --llama2c FILE.bin  [--data SHARD] [--batch B] [--seq T] [--batches N]
+  eval      --checkpoint DIR | --llmc FILE.bin | --llama2c FILE.bin | --hf DIR  [--data SHARD] [--batch B] [--seq T] [--batches N]
             [--set model.rope_scaling=linear|ntk --set model.rope_factor=F --set model.max_seq_len=T]
             Validation loss and perplexity; a llama model past its trained length with RoPE scaling.
   generate  --checkpoint DIR [--prompt TEXT | --prompts FILE] [--tokens N] [--temperature X] [--top-k K]
@@ -83,9 +87,12 @@ commands:
             per document, then a summary line (reuse hits, tokens reused, time saved).
   export    --checkpoint DIR --out FILE.bin [--format llmc|llama2c]
             Write the model in llm.c's GPT-2 format or llama2.c's format (default: the family's).
+  export    --checkpoint DIR --hf OUT_DIR
+            Write the model as a Hugging Face directory (model.safetensors, config.json).
   export    --tokenizer FILE.json --out tokenizer.bin   A Keel tokenizer as llama2.c's tokenizer.bin.
-  import    --llmc FILE.bin | --llama2c FILE.bin  --out DIR [--set section.key=value ...]
-            Make a Keel checkpoint from an llm.c GPT-2 model or a llama2.c model.
+  import    --llmc FILE.bin | --llama2c FILE.bin | --hf DIR  --out DIR [--set section.key=value ...]
+            Make a Keel checkpoint from an llm.c GPT-2 model, a llama2.c model or a Hugging Face
+            GPT2LMHeadModel / LlamaForCausalLM directory (config.json, safetensors).
   schedule  [--config FILE.toml] [--set section.key=value ...] [--trace FILE.json] [--width N]
             [--layer-costs FILE.json] [--json yes]
             Validate and simulate the pipeline schedule a config would run (parallel.pipeline,
@@ -208,6 +215,19 @@ int cmd_tokenize(const Args& a) {
   const double val_fraction = a.get_double("--val-fraction", 0.05);
   check(val_fraction > 0 && val_fraction < 1, "option --val-fraction: expected 0 < F < 1, found " + a.get("--val-fraction"));
   std::vector<std::string> docs = read_documents(inputs);
+  if (a.has("--tokenizer")) {  // a Hugging Face tokenizer.json: encode with it, train nothing
+    check(!a.has("--vocab-size"), "tokenize: --vocab-size sizes a trained tokenizer; --tokenizer FILE brings its own");
+    const HfTokenizer tok = HfTokenizer::load(a.get("--tokenizer"));
+    check(tok.document_token() >= 0, "tokenizer " + a.get("--tokenizer") +
+                                          ": no token to start documents with (expected a post_processor that puts a "
+                                          "special token first, or an added token <|endoftext|>)");
+    const DocumentEncoder encoder{[&](std::string_view text) { return tok.encode(text); }, tok.document_token(),
+                                  tok.vocab_size()};
+    const TokenizeResult r = encode_corpus(docs, out, encoder, val_fraction, static_cast<uint64_t>(a.get_int("--seed", 1337)));
+    std::printf("keel tokenize: wrote %s/{train.bin,val.bin} (%s tokens, vocabulary %d): %zu train tokens, %zu val tokens\n",
+                out.c_str(), r.vocab_size > 65536 ? "uint32" : "uint16", r.vocab_size, r.train_tokens, r.val_tokens);
+    return 0;
+  }
   std::printf("keel tokenize: %zu documents, training a %d-token byte-level BPE...\n", docs.size(), vocab);
   std::fflush(stdout);
   TokenizeResult r = tokenize_corpus(docs, out, vocab, val_fraction, static_cast<uint64_t>(a.get_int("--seed", 1337)));
@@ -230,9 +250,19 @@ std::string choose_auto_attention(Config& config, Communicator& comm) {
          (config.model.attention == Attention::dense ? "dense" : "blockwise") + " (" + choice.reason + ")\n";
 }
 
+// A training job's configuration as `--config` and `--set` give it, with the model shape of a
+// train.init = "hf:DIR" checkpoint filled in (not yet resolved).
+Config load_train_config(const Args& a) {
+  Config config = Config::load(a.get("--config"), a.all("--set"));
+  if (const std::string hf = config.train.init_hf_dir(); !hf.empty() && !config.clip.enabled()) {
+    take_hf_model_shape(config.model, read_hf_model_config(hf), hf);
+  }
+  return config;
+}
+
 int cmd_train(const Args& a) {
   Communicator& comm = Communicator::world();
-  Config config = Config::load(a.get("--config"), a.all("--set"));
+  Config config = load_train_config(a);
   const bool auto_attention = config.model.attention == Attention::automatic;
   resolve_job_config(config, comm.size());
   std::string attention_line;
@@ -259,21 +289,43 @@ int cmd_train(const Args& a) {
   return summary.final_checkpoint_written ? 0 : kFinalCheckpointNotWritten;
 }
 
-// Builds a model from a checkpoint (or llm.c file) for evaluation and generation.
+// A model of another project's format named on the command line: --llmc FILE.bin (llm.c's GPT-2),
+// --llama2c FILE.bin (llama2.c's run.c format) or --hf DIR (Hugging Face safetensors + config.json).
+struct ForeignModel {
+  std::string flag, path;
+};
+std::optional<ForeignModel> foreign_model(const Args& a) {
+  for (const char* flag : {"--llmc", "--llama2c", "--hf"}) {
+    if (a.has(flag)) return ForeignModel{flag, a.get(flag)};
+  }
+  return std::nullopt;
+}
+ModelConfig read_foreign_config(const ForeignModel& f) {
+  if (f.flag == "--llmc") return read_llmc_model_config(f.path);
+  if (f.flag == "--llama2c") return read_llama2c_model_config(f.path);
+  return read_hf_model_config(f.path);
+}
+void import_foreign(const ForeignModel& f, ChunkStore& store, const ModelConfig& model) {
+  if (f.flag == "--llmc") import_llmc(f.path, store, model);
+  else if (f.flag == "--llama2c") import_llama2c(f.path, store, model);
+  else import_hf(f.path, store, model);
+}
+
+// Builds a model from a checkpoint (or another project's model) for evaluation and generation.
 struct LoadedModel {
   Config config;
   std::unique_ptr<ChunkStore> store;
   std::unique_ptr<GPT> model;
 };
 
-LoadedModel load_model(const Args& a, int B, int T) {
+// imports = false: --llmc, --llama2c and --hf name outputs (export), the model is --checkpoint's.
+LoadedModel load_model(const Args& a, int B, int T, bool imports = true) {
   LoadedModel lm;
-  if (a.has("--llmc")) {
-    lm.config.model = read_llmc_model_config(a.get("--llmc"));
-  } else if (a.has("--llama2c")) {
-    lm.config.model = read_llama2c_model_config(a.get("--llama2c"));
+  const std::optional<ForeignModel> foreign = imports ? foreign_model(a) : std::nullopt;
+  if (foreign) {
+    lm.config.model = read_foreign_config(*foreign);
   } else {
-    check(a.has("--checkpoint"), "missing --checkpoint DIR (or --llmc FILE.bin, --llama2c FILE.bin)");
+    check(a.has("--checkpoint"), "missing --checkpoint DIR (or --llmc FILE.bin, --llama2c FILE.bin, --hf DIR)");
     lm.config = read_checkpoint_config(a.get("--checkpoint"));
   }
   // A trained model takes generate.* keys, and a llama model (no position table) RoPE's scaling
@@ -306,10 +358,8 @@ LoadedModel load_model(const Args& a, int B, int T) {
   lm.model = std::make_unique<GPT>(lm.config.model, *lm.store);
   lm.store->finalize();
   lm.model->allocate(B, T);
-  if (a.has("--llmc")) {
-    import_llmc(a.get("--llmc"), *lm.store, lm.config.model);
-  } else if (a.has("--llama2c")) {
-    import_llama2c(a.get("--llama2c"), *lm.store, lm.config.model);
+  if (foreign) {
+    import_foreign(*foreign, *lm.store, lm.config.model);
   } else {
     Config load = saved;  // the checkpoint's shape
     load_checkpoint(a.get("--checkpoint"), *lm.store, load, LoadMode::params);
@@ -512,6 +562,15 @@ int cmd_export(const Args& a) {
     std::printf("keel export: wrote %s (llama2.c tokenizer.bin)\n", a.get("--out").c_str());
     return 0;
   }
+  if (a.has("--hf")) {  // a Hugging Face directory: model.safetensors + config.json
+    check(a.has("--checkpoint") && !a.has("--out") && !a.has("--format"), "export: expected --checkpoint DIR --hf OUT_DIR");
+    check_output_path("export --hf", a.get("--hf"));
+    LoadedModel lm = load_model(a, 1, 1, false);
+    export_hf(a.get("--hf"), *lm.store, lm.config.model);
+    std::printf("keel export: wrote %s/{model.safetensors,config.json} (%s)\n", a.get("--hf").c_str(),
+                lm.config.model.llama() ? "LlamaForCausalLM" : "GPT2LMHeadModel");
+    return 0;
+  }
   check(a.has("--checkpoint") && a.has("--out"), "export: expected --checkpoint DIR --out FILE.bin [--format llmc|llama2c]");
   const std::string format = a.get("--format", "");
   check(format.empty() || format == "llmc" || format == "llama2c",
@@ -531,21 +590,20 @@ int cmd_export(const Args& a) {
 }
 
 int cmd_import(const Args& a) {
-  check((a.has("--llmc") != a.has("--llama2c")) && a.has("--out"),
-        "import: expected --llmc FILE.bin (GPT-2) or --llama2c FILE.bin (llama), and --out DIR");
+  const int sources = a.has("--llmc") + a.has("--llama2c") + a.has("--hf");
+  check(sources == 1 && a.has("--out"),
+        "import: expected one of --llmc FILE.bin (GPT-2), --llama2c FILE.bin (llama) or --hf DIR (Hugging Face), and --out DIR");
   check_output_path("import --out", a.get("--out"));
   Config config = Config::load("", a.all("--set"));
-  const bool llama2c = a.has("--llama2c");
-  const std::string from = llama2c ? a.get("--llama2c") : a.get("--llmc");
-  const ModelConfig m = llama2c ? read_llama2c_model_config(from) : read_llmc_model_config(from);
+  const ForeignModel from = *foreign_model(a);
+  const ModelConfig m = read_foreign_config(from);
   config.model = m;
   config.train.seq_len = std::min(config.train.seq_len, m.max_seq_len);
   resolve_job_config(config);
   ChunkStore store(config.store.chunk_bytes);
   register_layout(store, model_layout(config.model));  // the weights only: no layers needed
   store.finalize();
-  if (llama2c) import_llama2c(from, store, config.model);
-  else import_llmc(from, store, config.model);
+  import_foreign(from, store, config.model);
   const std::string dir = save_checkpoint(a.get("--out"), store, config, RankState{}, 0);
   std::printf("keel import: wrote checkpoint %s\n", dir.c_str());
   return 0;
@@ -733,13 +791,13 @@ int run(int argc, char** argv) {
   }
   const std::map<std::string, std::vector<std::string>> options = {
       {"train", {"--config", "--set"}},
-      {"tokenize", {"--input", "--out", "--vocab-size", "--val-fraction", "--seed"}},
-      {"eval", {"--checkpoint", "--llmc", "--llama2c", "--data", "--batch", "--seq", "--batches", "--set"}},
-      {"generate", {"--checkpoint", "--llmc", "--llama2c", "--prompt", "--prompts", "--tokens", "--temperature", "--top-k",
+      {"tokenize", {"--input", "--out", "--vocab-size", "--val-fraction", "--seed", "--tokenizer"}},
+      {"eval", {"--checkpoint", "--llmc", "--llama2c", "--hf", "--data", "--batch", "--seq", "--batches", "--set"}},
+      {"generate", {"--checkpoint", "--llmc", "--llama2c", "--hf", "--prompt", "--prompts", "--tokens", "--temperature", "--top-k",
                     "--seed", "--tokenizer", "--samples", "--set"}},
-      {"score", {"--checkpoint", "--llmc", "--llama2c", "--documents", "--tokenizer", "--set"}},
-      {"export", {"--checkpoint", "--out", "--format", "--tokenizer"}},
-      {"import", {"--llmc", "--llama2c", "--out", "--set"}},
+      {"score", {"--checkpoint", "--llmc", "--llama2c", "--hf", "--documents", "--tokenizer", "--set"}},
+      {"export", {"--checkpoint", "--out", "--format", "--tokenizer", "--hf"}},
+      {"import", {"--llmc", "--llama2c", "--hf", "--out", "--set"}},
       {"checkpoints", {"--dir", "--verify"}},
       {"report", {"--dir", "--out"}},
       {"simulate", {"--config", "--set", "--cluster", "--nodes", "--layer-costs", "--tensor", "--recompute", "--tiers", "--overlap-sync", "--trace", "--json", "--probe", "--search", "--top"}},

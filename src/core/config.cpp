@@ -93,6 +93,7 @@ std::vector<Field> fields(Config& c) {
       {"train", "checkpoint_every_minutes", &c.train.checkpoint_every_minutes},
       {"train", "run_dir", &c.train.run_dir},
       {"train", "resume", &c.train.resume},
+      {"train", "init", &c.train.init},
       {"train", "overwrite", &c.train.overwrite},
       {"train", "sample_tokens", &c.train.sample_tokens},
       {"train", "samples", &c.train.samples},
@@ -418,6 +419,11 @@ const std::vector<ModelPreset>& model_presets() {
       {"llama-d4", 4, 8, 256, 8192, 256, Family::llama, 4, 64, false},  // the default job's size, GQA 8:4
       {"llama-110m", 12, 12, 768, 32000, 1024, Family::llama, 12, 32, true},  // llama2.c's stories110M shape
       {"tinyllama-1.1b", 22, 32, 2048, 32000, 2048, Family::llama, 4, 256, false},  // TinyLlama's shape
+      // Llama 3's shape: a 128,256-token vocabulary (uint32 token shards), GQA 4:1, rotary base 500000.
+      //                         L   H    C      V      maxT  family        KV  multiple_of  tied  multiplier  theta
+      {"llama3-tiny", 2, 4, 64, 128256, 256, Family::llama, 1, 32, true, 0, 500000},
+      {"llama3-1b", 16, 32, 2048, 128256, 2048, Family::llama, 8, 256, true, 1.5, 500000},  // Llama 3.2 1B's shape
+      {"llama3-8b", 32, 32, 4096, 128256, 2048, Family::llama, 8, 1024, false, 1.3, 500000},  // Llama 3 8B's shape
   };
   return presets;
 }
@@ -625,8 +631,8 @@ void validate_model(const ModelConfig& m, const std::string& where) {
   need(m.n_embd >= 1 && m.n_embd <= 65536, "model.n_embd: expected 1..65536, found " + s(m.n_embd));
   need(m.n_embd % m.n_head == 0, "model.n_head: expected a divisor of n_embd=" + s(m.n_embd) + ", found " +
                                      s(m.n_head));
-  need(m.vocab_size >= 2 && m.vocab_size <= 65536,
-       "model.vocab_size: expected 2..65536 (tokens are uint16), found " + s(m.vocab_size));
+  need(m.vocab_size >= 2 && m.vocab_size <= kMaxVocabSize,
+       "model.vocab_size: expected 2..16777216, found " + s(m.vocab_size));
   need(m.padded_vocab_size >= m.vocab_size,
        "model.padded_vocab_size: expected >= vocab_size=" + s(m.vocab_size) + ", found " + s(m.padded_vocab_size));
   need(m.max_seq_len >= 1, "model.max_seq_len: expected >= 1, found " + s(m.max_seq_len));
@@ -689,8 +695,8 @@ void Config::resolve(int world_size) {
   if (model.n_embd == 0) model.n_embd = preset->n_embd;
   if (model.vocab_size == 0) model.vocab_size = preset->vocab_size;
   if (model.max_seq_len == 0) model.max_seq_len = std::max(preset->max_seq_len, train.seq_len);
-  // Padded only from a vocabulary validate_model accepts (2..65536); a larger one is reported there, not overflowed here.
-  if (model.padded_vocab_size == 0 && model.vocab_size > 0 && model.vocab_size <= 65536) {
+  // Padded only from a vocabulary validate_model accepts; a larger one is reported there, not overflowed here.
+  if (model.padded_vocab_size == 0 && model.vocab_size > 0 && model.vocab_size <= kMaxVocabSize) {
     model.padded_vocab_size = (model.vocab_size + 127) / 128 * 128;
   }
   if (!model.family.has_value()) model.family = preset->family;
@@ -708,10 +714,11 @@ void Config::resolve(int world_size) {
     require(model.ffn_dim_multiplier >= 0 && model.ffn_dim_multiplier <= 64, "model.ffn_dim_multiplier",
             "0 (none) .. 64", std::to_string(model.ffn_dim_multiplier));
     require(model.n_embd >= 1 && model.n_embd <= 65536, "model.n_embd", "1..65536", std::to_string(model.n_embd));
+    if (model.ffn_dim_multiplier == 0 && llama_preset) model.ffn_dim_multiplier = preset->ffn_dim_multiplier;
     if (model.ffn_hidden == 0) {
       model.ffn_hidden = llama_ffn_hidden(model.n_embd, model.ffn_multiple_of, model.ffn_dim_multiplier);
     }
-    if (model.rope_theta == 0) model.rope_theta = 10000.0;
+    if (model.rope_theta == 0) model.rope_theta = llama_preset && preset->rope_theta > 0 ? preset->rope_theta : 10000.0;
     if (!model.tie_embeddings.has_value()) model.tie_embeddings = llama_preset ? preset->tie_embeddings : false;
   } else if (model.family == Family::gpt2) {
     if (model.n_kv_head == 0) model.n_kv_head = model.n_head;
@@ -780,6 +787,10 @@ void Config::resolve(int world_size) {
           "train.checkpoint_every_minutes", ">= 0", s(train.checkpoint_every_minutes));
   require(optim.skip_nonfinite_steps >= 0, "optim.skip_nonfinite_steps", ">= 0", s(optim.skip_nonfinite_steps));
   require(!train.run_dir.empty(), "train.run_dir", "a directory", "an empty string");
+  require(train.init.empty() || !train.init_hf_dir().empty(), "train.init",
+          "\"\" or \"hf:DIR\" (a Hugging Face checkpoint directory)", "\"" + train.init + "\"");
+  require(train.init.empty() || !clip.enabled(), "train.init", "\"\" for a dual encoder (hf: holds language models)",
+          "\"" + train.init + "\"");
   require(train.sample_tokens >= 0, "train.sample_tokens", ">= 0", s(train.sample_tokens));
   require(train.samples >= 0, "train.samples", ">= 0", s(train.samples));
   // The optimizer computes in float32: a setting that rounds to 0 (or to a denormal, or to 1 for

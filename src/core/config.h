@@ -267,6 +267,12 @@ struct TrainConfig {
   std::string resume;         // checkpoint directory to resume from ("" = fresh start; "auto" =
                               // the newest checkpoint of run_dir if there is one, else fresh)
   bool resume_auto() const { return resume == "auto"; }
+  // A fresh run's weights: "" = random from seed; "hf:DIR" = a Hugging Face checkpoint directory
+  // (config.json + safetensors), whose config.json fills the model section's unset shape keys (a
+  // key set to another value is refused). A resumed run takes its checkpoint's weights instead.
+  std::string init;
+  // DIR of init = "hf:DIR" ("" when init is "").
+  std::string init_hf_dir() const { return init.rfind("hf:", 0) == 0 ? init.substr(3) : std::string(); }
   // A fresh start in a run_dir holding an earlier run's checkpoints or metrics is refused unless
   // this is true; then the earlier run is moved aside to run_dir.old-N.
   bool overwrite = false;
@@ -594,8 +600,13 @@ struct ModelPreset {
   int n_kv_head = 0;        // llama: 0 = n_head
   int ffn_multiple_of = 0;  // llama
   bool tie_embeddings = true;
+  double ffn_dim_multiplier = 0;  // llama: 0 = none
+  double rope_theta = 0;          // llama: 0 = 10000
 };
 const std::vector<ModelPreset>& model_presets();
+
+// The largest vocabulary a model may have (token shards hold uint32 ids above 65,536: data/shard.h).
+inline constexpr int kMaxVocabSize = 1 << 24;
 
 // Validates the model section alone (used also for checkpoints read from disk).
 void validate_model(const ModelConfig& m, const std::string& where);

@@ -28,7 +28,7 @@ fs::file_type type_of(mode_t mode) {
 }
 
 // Writes ranges to a new file at path and fsyncs it; on failure removes it and rethrows.
-void write_new_file(Env& env, const std::string& path, std::initializer_list<ByteRange> ranges) {
+void write_new_file(Env& env, const std::string& path, std::span<const ByteRange> ranges) {
   std::unique_ptr<WritableFile> file = env.create(path);
   try {
     for (const ByteRange& r : ranges) file->append(r.data, r.bytes);
@@ -47,10 +47,15 @@ void write_new_file(Env& env, const std::string& path, std::initializer_list<Byt
 }  // namespace
 
 void write_file(const std::string& path, const void* data, size_t bytes) {
-  write_new_file(Env::get(), path, {ByteRange{data, bytes}});
+  const ByteRange range{data, bytes};
+  write_new_file(Env::get(), path, std::span<const ByteRange>(&range, 1));
 }
 
 void write_file_atomic(const std::string& path, std::initializer_list<ByteRange> ranges) {
+  write_file_atomic(path, std::span<const ByteRange>(ranges.begin(), ranges.size()));
+}
+
+void write_file_atomic(const std::string& path, std::span<const ByteRange> ranges) {
   Env& env = Env::get();
   const std::string tmp = path + ".tmp";
   write_new_file(env, tmp, ranges);

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <initializer_list>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,8 @@ struct ByteRange {
 // Writes the ranges in order to path.tmp, fsyncs it and renames it over path, so path holds either
 // its old content or all of the new. On failure path.tmp is removed and the error names path.
 void write_file_atomic(const std::string& path, std::initializer_list<ByteRange> ranges);
+// The same for a number of ranges known only at run time.
+void write_file_atomic(const std::string& path, std::span<const ByteRange> ranges);
 // A file descriptor, closed when it dies.
 class FileDescriptor {
  public:

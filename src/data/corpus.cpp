@@ -110,15 +110,15 @@ std::vector<std::string> read_documents(const std::vector<std::string>& paths) {
   return documents;
 }
 
-TokenizeResult tokenize_corpus(const std::vector<std::string>& documents, const std::string& out_dir, int vocab_size,
-                               double val_fraction, uint64_t seed) {
-  check(documents.size() >= 2,
-        "corpus: expected at least 2 documents (one per split), found " + std::to_string(documents.size()));
+namespace {
+
+// Which documents go to validation: those whose hash of (index, seed) falls below val_fraction;
+// each split gets at least one.
+std::vector<char> validation_documents(size_t n, double val_fraction, uint64_t seed) {
+  check(n >= 2, "corpus: expected at least 2 documents (one per split), found " + std::to_string(n));
   check(val_fraction > 0.0 && val_fraction < 1.0,
         "corpus: expected val_fraction in (0, 1), found " + std::to_string(val_fraction));
-
   // Split by document, so no document straddles train and validation.
-  const size_t n = documents.size();
   std::vector<double> u(n);
   std::vector<char> is_val(n);
   size_t val_count = 0;
@@ -129,33 +129,54 @@ TokenizeResult tokenize_corpus(const std::vector<std::string>& documents, const 
   }
   if (val_count == 0) is_val[std::min_element(u.begin(), u.end()) - u.begin()] = 1;
   if (val_count == n) is_val[std::max_element(u.begin(), u.end()) - u.begin()] = 0;
+  return is_val;
+}
 
-  // The tokenizer sees only training text, so validation loss measures unseen text.
-  std::vector<std::string> train_documents;
-  for (size_t i = 0; i < n; ++i)
-    if (!is_val[i]) train_documents.push_back(documents[i]);
-  const Tokenizer tokenizer = Tokenizer::train(train_documents, vocab_size);
-  train_documents.clear();
-
+// Encodes every document as [document_token, ids...] into its split and writes out_dir/train.bin
+// and out_dir/val.bin (creating out_dir).
+TokenizeResult write_splits(const std::vector<std::string>& documents, const std::vector<char>& is_val,
+                            const std::string& out_dir, const DocumentEncoder& encoder) {
+  const size_t n = documents.size();
   std::vector<std::vector<int>> encoded(n);
 #pragma omp parallel for schedule(dynamic, 64)
-  for (size_t i = 0; i < n; ++i) encoded[i] = tokenizer.encode(documents[i]);
+  for (size_t i = 0; i < n; ++i) encoded[i] = encoder.encode(documents[i]);
 
-  std::vector<uint16_t> train_tokens, val_tokens;
+  std::vector<uint32_t> train_tokens, val_tokens;
   for (size_t i = 0; i < n; ++i) {
-    std::vector<uint16_t>& out = is_val[i] ? val_tokens : train_tokens;
-    out.push_back(static_cast<uint16_t>(tokenizer.eot_token()));
-    for (int id : encoded[i]) out.push_back(static_cast<uint16_t>(id));  // ids < vocab_size <= 65536
+    std::vector<uint32_t>& out = is_val[i] ? val_tokens : train_tokens;
+    out.push_back(static_cast<uint32_t>(encoder.document_token));
+    for (int id : encoded[i]) out.push_back(static_cast<uint32_t>(id));
   }
-
   std::error_code ec;
   fs::create_directories(out_dir, ec);
   check(!ec, "corpus output directory " + out_dir + ": cannot create (" + ec.message() + ")");
   const fs::path dir(out_dir);
-  tokenizer.save((dir / "tokenizer.json").string());
-  write_token_shard((dir / "train.bin").string(), train_tokens);
-  write_token_shard((dir / "val.bin").string(), val_tokens);
-  return {train_tokens.size(), val_tokens.size(), n, tokenizer.vocab_size()};
+  write_tokens((dir / "train.bin").string(), train_tokens, encoder.vocab_size);
+  write_tokens((dir / "val.bin").string(), val_tokens, encoder.vocab_size);
+  return {train_tokens.size(), val_tokens.size(), n, encoder.vocab_size};
+}
+
+}  // namespace
+
+TokenizeResult tokenize_corpus(const std::vector<std::string>& documents, const std::string& out_dir, int vocab_size,
+                               double val_fraction, uint64_t seed) {
+  const std::vector<char> is_val = validation_documents(documents.size(), val_fraction, seed);
+  // The tokenizer sees only training text, so validation loss measures unseen text.
+  std::vector<std::string> train_documents;
+  for (size_t i = 0; i < documents.size(); ++i)
+    if (!is_val[i]) train_documents.push_back(documents[i]);
+  const Tokenizer tokenizer = Tokenizer::train(train_documents, vocab_size);
+  train_documents.clear();
+  const DocumentEncoder encoder{[&](std::string_view text) { return tokenizer.encode(text); }, tokenizer.eot_token(),
+                                tokenizer.vocab_size()};
+  const TokenizeResult result = write_splits(documents, is_val, out_dir, encoder);
+  tokenizer.save((fs::path(out_dir) / "tokenizer.json").string());
+  return result;
+}
+
+TokenizeResult encode_corpus(const std::vector<std::string>& documents, const std::string& out_dir,
+                             const DocumentEncoder& encoder, double val_fraction, uint64_t seed) {
+  return write_splits(documents, validation_documents(documents.size(), val_fraction, seed), out_dir, encoder);
 }
 
 }  // namespace keel

@@ -4,7 +4,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace keel {
@@ -32,5 +34,17 @@ struct TokenizeResult {
 // Deterministic: the same inputs give byte-identical files.
 TokenizeResult tokenize_corpus(const std::vector<std::string>& documents, const std::string& out_dir, int vocab_size,
                                double val_fraction, uint64_t seed);
+
+// A tokenizer given rather than trained (a Hugging Face tokenizer.json): each document becomes
+// [document_token, encode(document)...].
+struct DocumentEncoder {
+  std::function<std::vector<int>(std::string_view)> encode;
+  int document_token = 0;
+  int vocab_size = 0;
+};
+// The same split and shards with `encoder` (nothing trained, no tokenizer written): out_dir/train.bin
+// and out_dir/val.bin, uint32 tokens when the vocabulary exceeds 65,536 (data/shard.h).
+TokenizeResult encode_corpus(const std::vector<std::string>& documents, const std::string& out_dir,
+                             const DocumentEncoder& encoder, double val_fraction, uint64_t seed);
 
 }  // namespace keel

@@ -9,7 +9,7 @@ namespace keel {
 DataLoader::DataLoader(const std::string& path, int B, int T, int vocab_size, bool shuffle, uint64_t seed, int rank,
                        int world)
     : path_(path), B_(B), T_(T), rank_(rank), world_(world), shuffle_(shuffle), seed_(seed) {
-  tokens_ = read_token_shard(path, vocab_size - 1);
+  tokens_ = read_tokens(path, vocab_size - 1);
   const uint64_t window = static_cast<uint64_t>(world) * B * T;
   check(tokens_.size() >= window + 1, "shard " + path + ": expected at least " + std::to_string(window + 1) +
                                           " tokens for one " + std::to_string(world * B) + "x" + std::to_string(T) +
@@ -32,7 +32,7 @@ void DataLoader::make_order(uint64_t epoch) {
 
 void DataLoader::fill(uint64_t w, uint64_t offset, int T) {
   const uint64_t local = static_cast<uint64_t>(B_) * T;
-  const uint16_t* src = tokens_.data() + w * static_cast<uint64_t>(B_) * T_ * world_ + offset + local * rank_;
+  const uint32_t* src = tokens_.data() + w * static_cast<uint64_t>(B_) * T_ * world_ + offset + local * rank_;
   for (uint64_t i = 0; i < local; ++i) {
     inputs_[i] = src[i];
     targets_[i] = src[i + 1];

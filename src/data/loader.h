@@ -1,4 +1,4 @@
-// Deterministic batches from an llm.c token shard. The shard is cut into non-overlapping global
+// Deterministic batches from an llm.c token shard (uint16 or uint32 tokens). The shard is cut into non-overlapping global
 // windows of world*B*T (+1) tokens; an epoch visits every window once, in an order drawn from
 // (seed, epoch) when shuffling, or in file order when not. Data-parallel rank r reads sequences
 // r*B .. r*B+B-1 of each global window, so N ranks with batch B see exactly the batch one rank
@@ -58,7 +58,7 @@ class DataLoader {
   int rank_, world_;
   bool shuffle_;
   uint64_t seed_;
-  std::vector<uint16_t> tokens_;
+  std::vector<uint32_t> tokens_;  // uint16 shards widened
   uint64_t num_windows_ = 0;
   std::vector<uint64_t> order_;
   uint64_t order_epoch_ = UINT64_MAX;

@@ -12,6 +12,7 @@
 #include <ctime>
 #include <filesystem>
 
+#include "ckpt/hf.h"
 #include "comm/sync_policy.h"
 #include "core/cpu.h"
 #include "core/error.h"
@@ -105,6 +106,8 @@ void Trainer::resume_or_init() {
     workload_->set_position(state->data);
   } else {
     workload_->init_weights(*rank_, config_.train.seed);
+    // Each rank fills the tensors it holds (its stages'; all of them before ZeRO-3 settles).
+    if (const std::string hf = config_.train.init_hf_dir(); !hf.empty()) import_hf(hf, *rank_->store, config_.model);
   }
   rank_->optimizer->weights_settled();  // ZeRO-3: from here on a rank holds its own shard
 }

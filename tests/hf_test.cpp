@@ -1,0 +1,549 @@
+// Hugging Face checkpoints and tokenizers: the safetensors reader against hand-made files (every
+// rule of the header, one line per refusal), and Keel's import of models transformers saved
+// (tests/reference/make_hf_fixtures.py wrote tests/reference/hf/): its logits and loss against
+// transformers' float64 forward pass, F16 / BF16 files, sharded ones, export -> import bit-exact,
+// the CLI's refusal of bad directories, training from one (train.init = "hf:DIR"); tokenizer.json
+// files of three shapes against the ids the `tokenizers` library gave; uint32 token shards and a
+// 128,256-token model that trains on them.
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "ckpt/hf.h"
+#include "ckpt/safetensors.h"
+#include "core/fileio.h"
+#include "data/hf_tokenizer.h"
+#include "data/loader.h"
+#include "data/shard.h"
+#include "model/gpt.h"
+#include "test_util.h"
+
+namespace keel {
+namespace {
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+// A safetensors file's bytes: the header length, `header` as written, then `data_bytes` zero bytes.
+std::string safetensors_bytes(const std::string& header, size_t data_bytes, int64_t claimed_length = -1) {
+  std::string out(8, '\0');
+  const uint64_t n = claimed_length >= 0 ? static_cast<uint64_t>(claimed_length) : header.size();
+  std::memcpy(out.data(), &n, 8);
+  return out + header + std::string(data_bytes, '\0');
+}
+
+std::string parse_error(const std::string& bytes) {
+  return testing::error_of([&] { parse_safetensors({bytes.data(), bytes.size()}, "f.safetensors"); });
+}
+
+TEST(Safetensors, ParsesAValidHeader) {
+  const std::string bytes = safetensors_bytes(
+      R"({"__metadata__":{"format":"pt"},"b":{"dtype":"BF16","shape":[3],"data_offsets":[8,14]},)"
+      R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"e":{"dtype":"I64","shape":[0],"data_offsets":[14,14]}}  )",
+      14);
+  const SafetensorsHeader h = parse_safetensors({bytes.data(), bytes.size()}, "f");
+  ASSERT_EQ(h.tensors.size(), 3u);
+  EXPECT_EQ(h.tensors[0].name, "a");  // offset order
+  EXPECT_EQ(h.find("b")->dtype, "BF16");
+  EXPECT_EQ(h.find("b")->shape, std::vector<int64_t>{3});
+  EXPECT_EQ(h.metadata.at("format"), "pt");
+}
+
+TEST(Safetensors, RefusesEachBrokenRuleInOneLineNamingTheField) {
+  const std::string ok_tensor = R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]})";
+  const struct {
+    std::string bytes, expected;
+  } cases[] = {
+      {std::string("\x05\0\0", 3), "expected an 8-byte header length"},
+      {safetensors_bytes("{" + ok_tensor + "}", 8, 1000), "header length 1000 exceeds"},
+      {safetensors_bytes("{" + ok_tensor, 8), "header is not valid JSON"},
+      {safetensors_bytes("[1]", 0), "begin with '{'"},
+      {safetensors_bytes(R"({"a":{"dtype":"F33","shape":[2],"data_offsets":[0,8]}})", 8), "field dtype: expected one of"},
+      {safetensors_bytes(R"({"a":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", 8), "field shape: expected non-negative"},
+      {safetensors_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,16]}})", 8), "field data_offsets: expected 0 <= begin <= end <= 8"},
+      {safetensors_bytes(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8), "expected 3 x 4 bytes"},
+      {safetensors_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8),
+       "overlapping tensors"},
+      {safetensors_bytes(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8), "leaving a gap after byte 0"},
+      {safetensors_bytes("{" + ok_tensor + "}", 12), "(trailing bytes)"},
+      {safetensors_bytes("{" + ok_tensor + "," + ok_tensor + "}", 8), "named twice"},
+      {safetensors_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":1}})", 8), "unexpected field \"x\""},
+      {safetensors_bytes(R"({"__metadata__":{"k":1}})", 0), "field __metadata__.k: expected a string"},
+  };
+  for (const auto& c : cases) {
+    const std::string e = parse_error(c.bytes);
+    EXPECT_NE(e.find(c.expected), std::string::npos) << "expected '" << c.expected << "', got: " << e;
+    EXPECT_NE(e.find("f.safetensors"), std::string::npos) << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  }
+}
+
+TEST(Safetensors, HalfAndBfloat16WidenExactly) {
+  EXPECT_EQ(half_to_float(0x3c00), 1.0f);
+  EXPECT_EQ(half_to_float(0xc000), -2.0f);
+  EXPECT_EQ(half_to_float(0x7bff), 65504.0f);
+  EXPECT_EQ(half_to_float(0x0001), std::ldexp(1.0f, -24));  // the smallest subnormal
+  EXPECT_EQ(half_to_float(0x03ff), std::ldexp(1023.0f, -24));
+  EXPECT_EQ(half_to_float(0x8000), -0.0f);
+  EXPECT_TRUE(std::signbit(half_to_float(0x8000)));
+  EXPECT_EQ(half_to_float(0x7c00), INFINITY);
+  EXPECT_TRUE(std::isnan(half_to_float(0x7e00)));
+  EXPECT_EQ(bfloat16_to_float(0x3f80), 1.0f);
+  EXPECT_EQ(bfloat16_to_float(0xc0a0), -5.0f);
+  // Every half against the format's definition, evaluated in double.
+  for (uint32_t bits = 0; bits < 0x10000; ++bits) {
+    const int sign = bits >> 15, exponent = (bits >> 10) & 0x1f, mantissa = bits & 0x3ff;
+    const float got = half_to_float(static_cast<uint16_t>(bits));
+    if (exponent == 0x1f) {
+      EXPECT_TRUE(mantissa ? std::isnan(got) : std::isinf(got)) << bits;
+      continue;
+    }
+    const double magnitude = exponent == 0 ? std::ldexp(mantissa, -24) : std::ldexp(1024 + mantissa, exponent - 25);
+    ASSERT_EQ(got, static_cast<float>(sign ? -magnitude : magnitude)) << bits;
+    ASSERT_EQ(std::signbit(got), sign == 1) << bits;
+  }
+}
+
+TEST(Safetensors, WriteThenReadGivesTheSameValues) {
+  testing::TempDir dir("keel-safetensors");
+  const std::vector<float> a = {1.5f, -2.0f, 3.25f, 0.0f, 7.0f, 1e-30f};
+  const std::vector<float> b = {42.0f};
+  write_safetensors(dir / "x.safetensors", {{"a", {2, 3}, a}, {"b", {}, b}}, {{"format", "pt"}});
+  const SafetensorsFile f(dir / "x.safetensors");
+  EXPECT_EQ(f.header().data_offset % 8, 0u);
+  EXPECT_EQ(f.read_float32(*f.header().find("a")), a);
+  EXPECT_EQ(f.read_float32(*f.header().find("b")), b);
+  EXPECT_EQ(f.header().find("a")->shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(f.header().metadata.at("format"), "pt");
+}
+
+// --- models saved by transformers ---------------------------------------------------------------
+
+std::string fixture(const std::string& name) { return testing::source_path("tests/reference/hf/" + name); }
+
+struct Imported {
+  ModelConfig config;
+  std::unique_ptr<ChunkStore> store;
+  std::unique_ptr<GPT> model;
+};
+
+Imported import_fixture(const std::string& dir) {
+  Imported m;
+  m.config = read_hf_model_config(dir);
+  m.store = std::make_unique<ChunkStore>(4096);
+  m.model = std::make_unique<GPT>(m.config, *m.store);
+  m.store->finalize();
+  import_hf(dir, *m.store, m.config);
+  return m;
+}
+
+std::vector<float> params(const ChunkStore& store) {
+  const std::span<const float> p = store.range_view(Plane::param, 0, store.numel());
+  return {p.begin(), p.end()};
+}
+
+class HfModel : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(HfModel, LogitsAndLossEqualTransformers) {
+  const std::string name = GetParam();
+  Imported m = import_fixture(fixture(name));
+  const json want = json::parse(read_text_file(fixture("expected.json"))).at(name);
+  const int B = want.at("B"), T = want.at("T");
+  const std::vector<int> inputs = want.at("inputs"), targets = want.at("targets");
+  const std::vector<double> logits = want.at("logits");
+  m.model->allocate(B, T);
+  const float loss = m.model->forward(Batch{inputs.data(), targets.data(), B, T, 0.0f});
+  EXPECT_NEAR(loss, want.at("loss").get<double>(), 1e-5);
+  const float* got = m.model->logits();
+  const int V = m.config.vocab_size, Vp = m.config.padded_vocab_size;
+  double worst = 0;
+  for (int i = 0; i < B * T; ++i) {
+    for (int v = 0; v < V; ++v) worst = std::max(worst, std::abs(got[i * Vp + v] - logits[i * V + v]));
+  }
+  EXPECT_LT(worst, 1e-5) << name;
+}
+
+TEST_P(HfModel, ExportThenImportIsBitExact) {
+  const std::string name = GetParam();
+  const Imported m = import_fixture(fixture(name));
+  testing::TempDir dir("keel-hf-export");
+  export_hf(dir / "out", *m.store, m.config);
+  const Imported again = import_fixture(dir / "out");
+  EXPECT_EQ(again.config.n_kv_head, m.config.n_kv_head);
+  EXPECT_EQ(again.config.rope_theta, m.config.rope_theta);
+  EXPECT_EQ(again.config.tie_embeddings, m.config.tie_embeddings);
+  EXPECT_EQ(again.config.max_seq_len, m.config.max_seq_len);
+  const std::vector<float> a = params(*m.store), b = params(*again.store);
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)));
+  // The exported tensors are the original file's, value for value (the permutations undone).
+  const SafetensorsCheckpoint original(fixture(name)), exported(dir / "out");
+  ASSERT_EQ(original.names(), exported.names());
+  for (const std::string& t : original.names()) {
+    const auto x = original.find(t), y = exported.find(t);
+    EXPECT_EQ(x.tensor->shape, y.tensor->shape) << t;
+    EXPECT_EQ(x.file->read_float32(*x.tensor), y.file->read_float32(*y.tensor)) << t;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, HfModel, ::testing::Values("gpt2", "llama"));
+
+// The F16 and BF16 files hold the F32 weights rounded (to nearest even): imported, each weight is
+// its F32 original rounded the same way.
+TEST(HfModelDtypes, HalfAndBfloat16FilesImportAsTheRoundedWeights) {
+  const struct {
+    const char* f32;
+    const char* narrow;
+    float (*round)(float);
+  } cases[] = {
+      {"gpt2", "gpt2_f16", [](float x) {
+         // To the nearest half (ties to even: nearbyint's default mode), spacing 2^(e - 10), subnormal below 2^-14.
+         if (x == 0.0f) return x;
+         int exponent = 0;
+         std::frexp(x, &exponent);  // |x| in [2^(exponent - 1), 2^exponent)
+         const int e = std::max(exponent - 1, -14);
+         const double step = std::ldexp(1.0, e - 10);
+         return static_cast<float>(std::nearbyint(x / step) * step);
+       }},
+      {"llama", "llama_bf16", [](float x) {
+         const uint32_t u = std::bit_cast<uint32_t>(x);
+         return std::bit_cast<float>((u + 0x7fff + ((u >> 16) & 1)) & 0xffff0000u);
+       }},
+  };
+  for (const auto& c : cases) {
+    const Imported wide = import_fixture(fixture(c.f32)), narrow = import_fixture(fixture(c.narrow));
+    const std::vector<float> a = params(*wide.store), b = params(*narrow.store);
+    ASSERT_EQ(a.size(), b.size());
+    size_t differ = 0;
+    for (size_t i = 0; i < a.size(); ++i) differ += c.round(a[i]) != b[i];
+    EXPECT_EQ(differ, 0u) << c.narrow;
+  }
+}
+
+// --- the CLI with bad directories ----------------------------------------------------------------
+
+// Copies a fixture into `dir`/name (writable) and returns its path.
+std::string copy_fixture(const testing::TempDir& dir, const std::string& name) {
+  const std::string to = dir / name;
+  fs::copy(fixture(name), to, fs::copy_options::recursive);
+  for (const auto& e : fs::directory_iterator(to)) fs::permissions(e.path(), fs::perms::owner_write, fs::perm_options::add);
+  return to;
+}
+
+// Rewrites the header of `path` (a safetensors file) through `edit`, keeping the data section.
+void edit_header(const std::string& path, const std::function<void(json&)>& edit) {
+  const std::vector<char> bytes = read_file(path);
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  json h = json::parse(std::string(bytes.data() + 8, n));
+  edit(h);
+  const std::string text = h.dump();
+  const uint64_t m = text.size();
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(&m), 8);
+  out.write(text.data(), static_cast<std::streamsize>(text.size()));
+  out.write(bytes.data() + 8 + n, static_cast<std::streamsize>(bytes.size() - 8 - n));
+}
+
+TEST(HfCli, ImportsEvaluatesAndExports) {
+  testing::TempDir dir("keel-hf-cli");
+  const testing::CommandResult imported = testing::run_keel("import --hf " + fixture("llama") + " --out " + (dir / "ckpt"));
+  ASSERT_EQ(imported.exit_code, 0) << imported.output;
+  const testing::CommandResult exported = testing::run_keel("export --checkpoint " + (dir / "ckpt") + " --hf " + (dir / "back"));
+  ASSERT_EQ(exported.exit_code, 0) << exported.output;
+  const SafetensorsCheckpoint original(fixture("llama")), back(dir / "back");
+  for (const std::string& t : original.names()) {
+    const auto x = original.find(t), y = back.find(t);
+    ASSERT_NE(y.tensor, nullptr) << t;
+    EXPECT_EQ(x.file->read_float32(*x.tensor), y.file->read_float32(*y.tensor)) << t;
+  }
+}
+
+TEST(HfCli, BadDirectoriesAreRefusedInOneLineNamingFileAndField) {
+  testing::TempDir dir("keel-hf-bad");
+  struct Case {
+    std::string fixture, expected;
+    std::function<void(const std::string&)> damage;
+  };
+  const std::vector<Case> cases = {
+      {"gpt2", "model.safetensors: header length",
+       [](const std::string& d) { fs::resize_file(d + "/model.safetensors", 100); }},
+      {"gpt2", "field data_offsets", [](const std::string& d) {
+         edit_header(d + "/model.safetensors", [](json& h) { h["transformer.ln_f.bias"]["data_offsets"][1] = 1u << 30; });
+       }},
+      {"gpt2", "overlapping tensors", [](const std::string& d) {
+         edit_header(d + "/model.safetensors", [](json& h) {  // 4 bytes into the tensor before it
+           json& offsets = h["transformer.ln_f.bias"]["data_offsets"];
+           offsets = {offsets[0].get<uint64_t>() - 4, offsets[1].get<uint64_t>() - 4};
+         });
+       }},
+      {"gpt2", "field dtype: expected one of", [](const std::string& d) {
+         edit_header(d + "/model.safetensors", [](json& h) { h["transformer.ln_f.bias"]["dtype"] = "F24"; });
+       }},
+      {"gpt2", "field dtype: expected F32, BF16 or F16, found I32", [](const std::string& d) {
+         edit_header(d + "/model.safetensors", [](json& h) { h["transformer.ln_f.bias"]["dtype"] = "I32"; });
+       }},
+      {"llama", "tensor \"model.norm.weight\": field shape: expected [32] (from config.json), found [4, 8]",
+       [](const std::string& d) {
+         const json index = json::parse(read_text_file(d + "/model.safetensors.index.json"));
+         const std::string file = index["weight_map"]["model.norm.weight"];
+         edit_header(d + "/" + file, [](json& h) { h["model.norm.weight"]["shape"] = {4, 8}; });
+       }},
+      {"llama", "config.json: field architectures: expected GPT2LMHeadModel or LlamaForCausalLM, found MistralForCausalLM",
+       [](const std::string& d) {
+         json c = json::parse(read_text_file(d + "/config.json"));
+         c["architectures"] = {"MistralForCausalLM"};
+         testing::write_text(d + "/config.json", c.dump());
+       }},
+      {"llama", "config.json: field rms_norm_eps: expected 1e-05", [](const std::string& d) {
+         json c = json::parse(read_text_file(d + "/config.json"));
+         c["rms_norm_eps"] = 1e-6;
+         testing::write_text(d + "/config.json", c.dump());
+       }},
+      {"llama", "model.safetensors.index.json: field weight_map.lm_head.weight: tensor not found", [](const std::string& d) {
+         json c = json::parse(read_text_file(d + "/model.safetensors.index.json"));
+         c["weight_map"]["lm_head.weight"] = c["weight_map"]["model.embed_tokens.weight"];  // (another shard)
+         testing::write_text(d + "/model.safetensors.index.json", c.dump());
+       }},
+      {"gpt2", "tensor \"transformer.h.0.attn.c_attn.extra\" is not part of the model", [](const std::string& d) {
+         // A tensor the architecture does not have (an empty one: the data section stays covered).
+         edit_header(d + "/model.safetensors", [](json& h) {
+           h["transformer.h.0.attn.c_attn.extra"] = h["transformer.h.0.attn.c_attn.bias"];
+           h["transformer.h.0.attn.c_attn.extra"]["shape"] = {0};
+           h["transformer.h.0.attn.c_attn.extra"]["data_offsets"] = {0, 0};
+         });
+       }},
+  };
+  int i = 0;
+  for (const Case& c : cases) {
+    testing::TempDir one("keel-hf-bad-case");
+    const std::string d = copy_fixture(one, c.fixture);
+    c.damage(d);
+    const std::string out = dir / ("out" + std::to_string(i++));
+    const testing::CommandResult r = testing::run_keel("import --hf " + d + " --out " + out);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find(c.expected), std::string::npos) << "expected '" << c.expected << "' in: " << r.output;
+    EXPECT_EQ(testing::count_lines(r.output), 1) << r.output;
+    EXPECT_FALSE(fs::exists(out)) << c.expected;
+  }
+}
+
+// --- tokenizer.json --------------------------------------------------------------------------------
+
+std::string from_hex(const std::string& hex) {
+  std::string out;
+  for (size_t i = 0; i + 1 < hex.size(); i += 2) out += static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16));
+  return out;
+}
+
+class HfTokenizerShapes : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(HfTokenizerShapes, IdsEqualTheTokenizersLibrary) {
+  const std::string name = GetParam();
+  const HfTokenizer tok = HfTokenizer::load(fixture("tokenizers/" + name + ".json"));
+  const json want = json::parse(read_text_file(fixture("tokenizers/expected.json")));
+  const json& ids = want.at("ids").at(name);
+  for (const auto& [licence, sha] : want.at("licences").items()) {
+    const std::string text = read_text_file("/usr/share/common-licenses/" + licence);
+    EXPECT_EQ(tok.encode(text), ids.at(licence).get<std::vector<int>>())
+        << name << " on " << licence << " (expected.json was made from the file of sha256 " << sha << ")";
+  }
+  const std::vector<std::string> hostile = want.at("hostile");
+  for (size_t i = 0; i < hostile.size(); ++i) {
+    EXPECT_EQ(tok.encode(from_hex(hostile[i])), ids.at("hostile/" + std::to_string(i)).get<std::vector<int>>())
+        << name << " on hostile text " << i;
+  }
+  EXPECT_EQ(tok.document_token(), ids.at("document_token")[0].get<int>());
+}
+
+TEST_P(HfTokenizerShapes, DecodeGivesTheTextBack) {
+  const std::string name = GetParam();
+  const HfTokenizer tok = HfTokenizer::load(fixture("tokenizers/" + name + ".json"));
+  const json want = json::parse(read_text_file(fixture("tokenizers/expected.json")));
+  std::vector<std::string> texts = {read_text_file("/usr/share/common-licenses/GPL-3")};
+  const std::vector<std::string> hostile = want.at("hostile");
+  for (size_t i = 0; i < hostile.size(); ++i) {
+    if (i != 8) texts.push_back(utf8_replace_invalid(from_hex(hostile[i])));  // (8 holds special tokens' text)
+  }
+  for (const std::string& text : texts) EXPECT_EQ(tok.decode(tok.encode(text)), text) << name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, HfTokenizerShapes, ::testing::Values("gpt2", "llama3", "llama2"));
+
+TEST(HfTokenizer, InvalidUtf8IsReplacedAsPythonReplacesIt) {
+  const std::string r = "\xEF\xBF\xBD";
+  EXPECT_EQ(utf8_replace_invalid("caf\xC3\xA9 \xF0\x9F\x98\x80"), "caf\xC3\xA9 \xF0\x9F\x98\x80");
+  EXPECT_EQ(utf8_replace_invalid("a\xFF" "b"), "a" + r + "b");
+  EXPECT_EQ(utf8_replace_invalid("\xE2\x82 x"), r + " x");           // a truncated sequence: one
+  EXPECT_EQ(utf8_replace_invalid("\xED\xA0\x80"), r + r + r);        // a surrogate: each byte
+  EXPECT_EQ(utf8_replace_invalid("\xC0\xAF"), r + r);                // an overlong form: each byte
+  EXPECT_EQ(utf8_replace_invalid("\xF0\x9F\x98"), r);                // cut at the end
+  EXPECT_EQ(utf8_replace_invalid("\xF4\x90\x80\x80"), r + r + r + r);  // above U+10FFFF
+}
+
+TEST(HfTokenizer, UnsupportedFilesAreRefusedInOneLineNamingTheField) {
+  testing::TempDir dir("keel-hf-tok");
+  const json good = json::parse(read_text_file(fixture("tokenizers/gpt2.json")));
+  const struct {
+    std::function<void(json&)> damage;
+    std::string expected;
+  } cases[] = {
+      {[](json& j) { j["model"]["type"] = "WordPiece"; }, "field model.type: expected \"BPE\", found \"WordPiece\""},
+      {[](json& j) { j["model"]["dropout"] = 0.1; }, "field model.dropout: expected null"},
+      {[](json& j) { j["pre_tokenizer"] = {{"type", "Whitespace"}}; }, "field pre_tokenizer.type: expected Sequence, Split or ByteLevel"},
+      {[](json& j) { j["normalizer"] = {{"type", "Lowercase"}}; }, "field normalizer.type"},
+      {[](json& j) { j["added_tokens"][0]["lstrip"] = true; }, "field added_tokens[0].lstrip: expected false"},
+      {[](json& j) { j["model"]["merges"][0] = {"Ġ", "not-a-token"}; }, "field model.merges[0]"},
+      {[](json& j) { j["pre_tokenizer"] = {{"type", "Split"}, {"pattern", {{"Regex", "(unclosed"}}}, {"behavior", "Isolated"}}; },
+       "field pre_tokenizer.pattern: pattern \"(unclosed\" does not compile"},
+      {[](json& j) { j.erase("model"); }, "field model: expected the tokenizer's model"},
+  };
+  int i = 0;
+  for (const auto& c : cases) {
+    json j = good;
+    c.damage(j);
+    const std::string path = dir / ("t" + std::to_string(i++) + ".json");
+    testing::write_text(path, j.dump());
+    const std::string e = testing::error_of([&] { HfTokenizer::load(path); });
+    EXPECT_NE(e.find(c.expected), std::string::npos) << "expected '" << c.expected << "', got: " << e;
+    EXPECT_NE(e.find(path), std::string::npos) << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  }
+  // The CLI: exit 2, one line, no shard written.
+  testing::write_text(dir / "doc.txt", "some text\n%\nmore text\n");
+  const testing::CommandResult r =
+      testing::run_keel("tokenize --tokenizer " + (dir / "t0.json") + " --input " + (dir / "doc.txt") + " --out " + (dir / "out"));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_EQ(testing::count_lines(r.output), 1) << r.output;
+  EXPECT_FALSE(fs::exists(dir / "out/train.bin"));
+}
+
+TEST(HfTokenizer, TokenizeWritesShardsOfTheTokenizersIds) {
+  testing::TempDir dir("keel-hf-tokenize");
+  const std::string licences = "/usr/share/common-licenses/";
+  const testing::CommandResult r = testing::run_keel("tokenize --tokenizer " + fixture("tokenizers/llama2.json") + " --input " +
+                                                     licences + "GPL-3 --input " + licences + "MPL-2.0 --out " + dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const HfTokenizer tok = HfTokenizer::load(fixture("tokenizers/llama2.json"));
+  std::vector<uint32_t> all = read_tokens(dir / "train.bin");
+  const std::vector<uint32_t> val = read_tokens(dir / "val.bin");
+  all.insert(all.end(), val.begin(), val.end());
+  // One document per file (not fortune format), each [<s>, ids...], in one split or the other.
+  for (const std::string f : {"GPL-3", "MPL-2.0"}) {
+    std::vector<uint32_t> doc = {static_cast<uint32_t>(tok.document_token())};
+    for (int id : tok.encode(read_text_file(licences + f))) doc.push_back(static_cast<uint32_t>(id));
+    EXPECT_NE(std::search(all.begin(), all.end(), doc.begin(), doc.end()), all.end()) << f;
+  }
+  EXPECT_EQ(all.size(), 2 + tok.encode(read_text_file(licences + "GPL-3")).size() +
+                            tok.encode(read_text_file(licences + "MPL-2.0")).size());
+}
+
+// --- uint32 token shards and a Llama 3-sized vocabulary --------------------------------------------
+
+TEST(TokenShards, Uint32ShardsRoundTripAndTheWidthFollowsTheVocabulary) {
+  testing::TempDir dir("keel-shard32");
+  const std::vector<uint32_t> tokens = {0, 1, 65535, 65536, 128255, 7};
+  write_tokens(dir / "wide.bin", tokens, 128256);
+  EXPECT_EQ(fs::file_size(dir / "wide.bin"), 1024 + 4 * tokens.size());
+  EXPECT_EQ(read_tokens(dir / "wide.bin"), tokens);
+  const std::vector<char> bytes = read_file(dir / "wide.bin");
+  int32_t header[3];
+  std::memcpy(header, bytes.data(), sizeof header);
+  EXPECT_EQ(header[0], 20240801);  // llm.c's Llama 3 shards
+  EXPECT_EQ(header[1], 7);
+  EXPECT_EQ(header[2], 6);
+  const std::vector<uint32_t> narrow = {0, 1, 65535, 9};
+  write_tokens(dir / "narrow.bin", narrow, 65536);
+  EXPECT_EQ(fs::file_size(dir / "narrow.bin"), 1024 + 2 * narrow.size());
+  EXPECT_EQ(read_tokens(dir / "narrow.bin"), narrow);
+  EXPECT_EQ(read_token_shard(dir / "narrow.bin"), (std::vector<uint16_t>{0, 1, 65535, 9}));
+  // Refusals: a uint32 shard where uint16 is read, a token past the limit, one outside the vocabulary.
+  std::string e = testing::error_of([&] { read_token_shard(dir / "wide.bin"); });
+  EXPECT_NE(e.find("holds uint32 tokens (magic 20240801)"), std::string::npos) << e;
+  e = testing::error_of([&] { read_tokens(dir / "wide.bin", 100000); });
+  EXPECT_NE(e.find("expected tokens at most 100000, found 128255 at position 4"), std::string::npos) << e;
+  e = testing::error_of([&] { write_tokens(dir / "bad.bin", {70000}, 65536); });
+  EXPECT_NE(e.find("outside the vocabulary of 65536"), std::string::npos) << e;
+  EXPECT_FALSE(fs::exists(dir / "bad.bin"));
+  // Truncated by one token.
+  std::ofstream(dir / "short.bin", std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size() - 4));
+  e = testing::error_of([&] { read_tokens(dir / "short.bin"); });
+  EXPECT_NE(e.find("(truncated)"), std::string::npos) << e;
+}
+
+TEST(TokenShards, Llama3PresetTrainsOnUint32Shards) {
+  testing::TempDir dir("keel-llama3");
+  // A toy language over ids above 65,536: the model must learn which follows which.
+  std::vector<uint32_t> train, val;
+  for (int i = 0; i < 6000; ++i) train.push_back(100000 + static_cast<uint32_t>((i * 7) % 13) * 2000);
+  for (int i = 0; i < 1500; ++i) val.push_back(100000 + static_cast<uint32_t>((i * 7) % 13) * 2000);
+  write_tokens(dir / "train.bin", train, 128256);
+  write_tokens(dir / "val.bin", val, 128256);
+  const testing::CommandResult r = testing::run_keel(
+      "train --set model.preset=llama3-tiny --set train.seq_len=32 --set train.batch_size=4 --set train.steps=30 "
+      "--set optim.lr=3e-3 --set optim.warmup_steps=2 --set train.eval_every=0 --set train.eval_batches=2 "
+      "--set train.sample_tokens=0 --set data.tokenizer= --set data.train=" + (dir / "train.bin") +
+      " --set data.val=" + (dir / "val.bin") + " --set train.run_dir=" + (dir / "run"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::vector<nlohmann::json> evals = [&] {
+    std::vector<nlohmann::json> out;
+    std::ifstream in(dir / "run/metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const json j = json::parse(line);
+      if (j.contains("val_loss")) out.push_back(j);
+    }
+    return out;
+  }();
+  ASSERT_GE(evals.size(), 2u);
+  const Config saved = [&] {
+    Config c;
+    c.model.preset = "llama3-tiny";
+    c.resolve(1);
+    return c;
+  }();
+  EXPECT_EQ(saved.model.vocab_size, 128256);
+  EXPECT_EQ(saved.model.rope_theta, 500000.0);
+  // From the uniform guess (ln 128256 = 11.76) to well below it.
+  EXPECT_GT(evals.front()["val_loss"].get<double>(), 11.0);
+  EXPECT_LT(evals.back()["val_loss"].get<double>(), 0.5 * evals.front()["val_loss"].get<double>());
+}
+
+// --- train.init = "hf:DIR" -----------------------------------------------------------------------
+
+TEST(HfTrainInit, StartsFromTheCheckpointsWeights) {
+  testing::TempDir dir("keel-hf-init");
+  std::vector<uint32_t> tokens;
+  for (int i = 0; i < 3000; ++i) tokens.push_back(static_cast<uint32_t>((i * 37) % 300));
+  write_tokens(dir / "train.bin", tokens, 300);
+  write_tokens(dir / "val.bin", tokens, 300);
+  const std::string data = " --set data.tokenizer= --set data.train=" + (dir / "train.bin") + " --set data.val=" + (dir / "val.bin");
+  const testing::CommandResult eval = testing::run_keel("eval --hf " + fixture("llama") + " --data " + (dir / "val.bin") +
+                                                        " --batch 4 --seq 32 --batches 2");
+  ASSERT_EQ(eval.exit_code, 0) << eval.output;
+  const double want = json::parse(eval.output.substr(eval.output.find('{'))).at("loss").get<double>();
+  const testing::CommandResult r = testing::run_keel(
+      "train --set train.init=hf:" + fixture("llama") + " --set train.seq_len=32 --set train.batch_size=4 "
+      "--set train.steps=1 --set train.eval_batches=2 --set train.sample_tokens=0 --set train.run_dir=" + (dir / "run") + data);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream in(dir / "run/metrics.jsonl");
+  double first = NAN;
+  for (std::string line; std::getline(in, line) && std::isnan(first);) {
+    const json j = json::parse(line);
+    if (j.contains("val_loss")) first = j["val_loss"].get<double>();
+  }
+  EXPECT_NEAR(first, want, 1e-5 * want);  // the step-0 evaluation is the HF model's
+  // A model key set against the checkpoint's config.json: one line.
+  const testing::CommandResult bad = testing::run_keel("train --set train.init=hf:" + fixture("llama") +
+                                                       " --set model.n_layer=3 --set train.run_dir=" + (dir / "run2") + data);
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("model.n_layer = 3 disagrees with train.init = hf:"), std::string::npos) << bad.output;
+  EXPECT_EQ(testing::count_lines(bad.output), 1) << bad.output;
+}
+
+}  // namespace
+}  // namespace keel
