@@ -11,6 +11,7 @@ packages=(
   libgtest-dev libbenchmark-dev         # tests and micro-benchmarks
   libtomlplusplus-dev nlohmann-json3-dev # configs (TOML) and JSON lines / manifests
   libzstd-dev libxxhash-dev             # compression and checksums for checkpoints
+  libicu-dev                            # Unicode regular expressions: tokenizer.json's pre-tokenizer patterns
   liburing-dev                          # asynchronous O_DIRECT I/O for the NVMe memory tier
   prometheus-cpp-dev prometheus         # the metrics endpoint; a real Prometheus server in its test
   chromium                              # a real browser opens `keel report` in its test

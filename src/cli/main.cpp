@@ -771,7 +771,7 @@ int run(int argc, char** argv) {
       for (std::string& w : words) pointers.push_back(w.data());
       const Args a(static_cast<int>(pointers.size()), pointers.data(), 2, {"--config", "--set"});
       if (!a.help) {
-        Config config = Config::load(a.get("--config"), a.all("--set"));
+        Config config = load_train_config(a);
         resolve_job_config(config, o.ranks);
       }
     }
