@@ -164,6 +164,7 @@ std::optional<TrainState> Checkpointer::resume() {
       // Another run's checkpoint never continues in a directory holding a run (a restarted job's
       // first attempt was checked).
       if (!automatic && !restarted) run_dir_.check_resume_from(resume, candidates[i]);
+      if (whole_state_ != nullptr) whole_state_->scatter();
       for (const std::string& r : rejections) std::fprintf(stderr, "%s\n", r.c_str());
       if (!residual.empty()) sync_->restore_residuals(residual);
       if (carried_ != nullptr) carried_->restore(carried_layout, carried);
@@ -459,6 +460,7 @@ void Checkpointer::begin(const std::string& root, int64_t step, const LoaderPosi
   const auto t0 = std::chrono::steady_clock::now();
   store_->apply_pending();  // the checkpoint holds the state after the step's update
   if (writer_->in_flight()) commit();  // one checkpoint in flight at a time
+  if (whole_state_ != nullptr) whole_state_->gather();  // (every rank: a collective over the tensor group)
   RankState state = rank_state(data, residual_scratch_);
   // Rank 0 names the checkpoint (a later attempt at a step that already has one gets a new name).
   const int attempt = static_cast<int>(comm_.broadcast(comm_.is_root() ? next_checkpoint_attempt(root, step) : 0));
