@@ -57,6 +57,22 @@ TEST_F(TensorParallel, TensorRanksTrainWhatOneRankTrains) {
   }
 }
 
+// llama: grouped-query attention with its key/value heads split (4 heads, 2 KV heads), the fused
+// gate_up split so each rank holds matching gate and up rows, an untied LM head split by vocabulary.
+TEST_F(TensorParallel, LlamaTensorRanksTrainWhatOneRankTrains) {
+  const std::string llama = "--set model.family=llama --set model.n_kv_head=2 --set model.tie_embeddings=false ";
+  ASSERT_EQ(train(0, 8, "one", llama).exit_code, 0);
+  ASSERT_EQ(losses("one").size(), 20u);
+  for (const auto& [ranks, batch, tensor] : {std::tuple{2, 8, 2}, std::tuple{4, 4, 2}}) {
+    const std::string run = "d" + std::to_string(ranks / tensor) + "t" + std::to_string(tensor);
+    auto r = train(ranks, batch, run, llama + "--set parallel.tensor=" + std::to_string(tensor));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    expect_same_training("one", run);
+    const auto distance = testing::weight_distance(dir / "one/ckpt", dir / (run + "/ckpt"));
+    EXPECT_TRUE(distance.contains("h.0.mlp.gate_up.w") && distance.contains("lm_head.w")) << run;
+  }
+}
+
 // The checkpoint is the whole model's (gathered from the shards): a T = 2 run resumed on T = 2
 // continues to the bytes of the uninterrupted run, and one rank and two tensor ranks take up each
 // other's checkpoints.

@@ -1,6 +1,8 @@
 #include "comm/tensor_parallel.h"
 
 #include <algorithm>
+#include <bit>
+#include <cstdint>
 #include <span>
 
 #include "core/error.h"
@@ -25,8 +27,6 @@ void validate_tensor_parallel_config(const Config& c) {
                            "are not split over ranks), found " + found);
   const std::string problem = tensor_parallel_problem(c.model, T);
   check(problem.empty(), "config key 'parallel.tensor': " + problem + ", found " + found);
-  check(!c.model.llama(), "config key 'parallel.tensor': expected 1 for model.family = \"llama\" (tensor parallelism "
-                          "splits GPT-2 models so far), found " + found);
   // Not yet combined with tensor parallelism (each a later piece of work, not a silent fallback).
   auto not_yet = [&](bool ok, const std::string& key, const std::string& value) {
     check(ok, "config key '" + key + "': expected its default with parallel.tensor > 1 (not yet supported together), "
@@ -85,6 +85,22 @@ void WholeModelState::gather() {
       for (int r = 0; r < T; ++r) place_shard(shard, TensorPlace{r, T}, buffer_.data() + displs[r], whole.data());
     }
   }
+  // Replicated tensors (norms, biases of row-parallel products, the position table) see the same
+  // gradients on every rank of the group by construction, hence the same updates: checked here,
+  // at every checkpoint, on a hash of their bits (two 32-bit halves: exact in double).
+  uint64_t hash = 1469598103934665603ull;
+  for (size_t k = 0; k < layout.tensors.size(); ++k) {
+    if (layout.shards[k].split()) continue;
+    for (float v : std::as_const(shards).view(model_.tensor_ids()[k], Plane::param)) {
+      hash = (hash ^ std::bit_cast<uint32_t>(v)) * 1099511628211ull;
+    }
+  }
+  double halves[4] = {static_cast<double>(hash >> 32), static_cast<double>(hash & 0xffffffffu),
+                      -static_cast<double>(hash >> 32), -static_cast<double>(hash & 0xffffffffu)};
+  tensor_.allreduce_max(halves, 4);
+  check(halves[0] == -halves[2] && halves[1] == -halves[3],
+        "tensor parallelism: the replicated parameters (norms, biases, position table) differ between the ranks of a "
+        "tensor group");
   uint64_t version = 0;
   for (const Chunk& c : shards.chunks()) version = std::max(version, c.version);
   for (const Chunk& c : whole_->chunks()) whole_->set_version(c.id, version);

@@ -52,6 +52,7 @@ class WholeModelState {
   WholeModelState(const Config& config, Communicator& tensor, GPT& model);
   ChunkStore& store() { return *whole_; }
   // Fills the whole store from the group's shards (all-gathers; collective over the group).
+  // Throws keel::Error when the replicated parameters differ between the group's ranks.
   void gather();
   // Slices the whole store (as a checkpoint loaded it) into this rank's shards.
   void scatter();

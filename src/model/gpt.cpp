@@ -314,13 +314,11 @@ GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> r
   const std::vector<TensorId>& ids = ids_;
   tied_ = layout.tied;
   auto of = [&](int layer) { return layer_tensors(layout, ids, config.layer_base + layer); };
-  check(!tensor || !config.llama(), "config key 'parallel.tensor': expected 1 for model.family = \"llama\" (tensor "
-                                    "parallelism splits GPT-2 models so far), found " + std::to_string(tensor ? tensor->size() : 1));
   if (local_[0]) layers_[0] = std::make_unique<Embedding>(config, store, of(0), tensor);
   for (int l = 1; l <= config.n_layer; ++l) {
     if (!local_[l]) continue;
     const Recompute mode = recompute_.at_layer(l);
-    layers_[l] = config.llama() ? make_llama_block(config, store, l, of(l), bf16_, math_, mode)
+    layers_[l] = config.llama() ? make_llama_block(config, store, l, of(l), bf16_, math_, mode, tensor)
                                 : std::make_unique<Block>(config, store, l, of(l), bf16_, math_, mode, tensor);
   }
   if (local_[L - 1]) {
