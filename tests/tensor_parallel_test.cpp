@@ -73,6 +73,40 @@ TEST_F(TensorParallel, LlamaTensorRanksTrainWhatOneRankTrains) {
   }
 }
 
+// Composition: activation recomputation (full and selective: a recomputed forward repeats its
+// all-reduces on every rank) trains what one rank trains with the same setting; the final
+// evaluation runs, and one process evaluates the checkpoint (the whole model's layout).
+TEST_F(TensorParallel, ComposesWithRecomputationAndEval) {
+  for (const std::string setting : {"full", "selective"}) {
+    const std::string extra = "--set train.steps=8 --set train.recompute=" + setting + " ";
+    ASSERT_EQ(train(0, 8, "one" + setting, extra).exit_code, 0);
+    auto r = train(2, 8, "t2" + setting, extra + "--set parallel.tensor=2");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("val loss"), std::string::npos) << r.output;
+    expect_same_training("one" + setting, "t2" + setting);
+  }
+  auto e = run_keel("eval --checkpoint " + dir / "t2full/ckpt" + " --data " + dir / "val.bin" + " --batch 2 --seq 32");
+  EXPECT_EQ(e.exit_code, 0) << e.output;
+  EXPECT_NE(e.output.find("loss"), std::string::npos) << e.output;
+}
+
+// bf16 products: each rank multiplies its shard's bf16 copies of the weights with the same bf16
+// inputs as one rank, but a row-parallel product's float32 partial sums are added in another
+// order, and the differences, once in the weights, change their bf16 rounding: the trajectory
+// agrees to bf16's precision, not float32's (losses within 1e-4 relative over 8 steps, weights
+// within 1e-2).
+TEST_F(TensorParallel, Bf16TrainsWhatOneRankTrainsToBf16Precision) {
+  const std::string bf16 = "--set train.steps=8 --set runtime.precision=bf16 ";
+  ASSERT_EQ(train(0, 8, "one", bf16).exit_code, 0);
+  auto r = train(2, 8, "t2", bf16 + "--set parallel.tensor=2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::vector<double> want = losses("one"), got = losses("t2");
+  ASSERT_EQ(got.size(), 8u);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t s = 0; s < got.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-4 * want[s]) << "step " << s + 1;
+  for (const auto& [name, d] : testing::weight_distance(dir / "one/ckpt", dir / "t2/ckpt")) EXPECT_LT(d, 1e-2) << name;
+}
+
 // The checkpoint is the whole model's (gathered from the shards): a T = 2 run resumed on T = 2
 // continues to the bytes of the uninterrupted run, and one rank and two tensor ranks take up each
 // other's checkpoints.
