@@ -19,17 +19,6 @@ using testing::run_keel;
 class TensorParallel : public testing::ToyRuns {
  protected:
   TensorParallel() : ToyRuns("keel-tp") {}
-  std::vector<double> losses(const std::string& run) {
-    std::vector<double> out;
-    const std::string text = read_text_file(dir / (run + "/metrics.jsonl"));
-    for (size_t start = 0; start < text.size();) {
-      const size_t end = text.find('\n', start);
-      auto j = nlohmann::json::parse(text.substr(start, end - start));
-      if (j.contains("loss")) out.push_back(j["loss"]);
-      start = end + 1;
-    }
-    return out;
-  }
   // Losses within 1e-5 relative of `reference`'s, step by step, and weights within 1e-5.
   void expect_same_training(const std::string& reference, const std::string& run) {
     const std::vector<double> want = losses(reference), got = losses(run);

@@ -89,16 +89,8 @@ class Block final : public Layer {
   // (row-parallel, their outputs all-reduced), and the norms and those projections' biases whole.
   Block(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, bool bf16, MathMode math,
         Recompute recompute, TensorGroup* tensor)
-      : store_(store),
-        m_(m),
-        layer_(m.layer_base + layer),
-        bf16_(bf16),
-        math_(math),
-        mode_(recompute),
-        t_(ids),
-        tp_(tensor),
-        A_(m.n_embd / (tensor ? tensor->size() : 1)),
-        NH_(m.n_head / (tensor ? tensor->size() : 1)),
+      : store_(store), m_(m), layer_(m.layer_base + layer), bf16_(bf16), math_(math), mode_(recompute), t_(ids),
+        tp_(tensor), A_(m.n_embd / (tensor ? tensor->size() : 1)), NH_(m.n_head / (tensor ? tensor->size() : 1)),
         F_(4 * A_) {
     check(ids.size() == layout::fc_proj_b + 1, "GPT: block " + std::to_string(layer) + " without its tensors");
     check(m.causal || m.attention == Attention::dense, "model: attention that is not causal runs on the dense kernel only");
