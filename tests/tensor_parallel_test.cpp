@@ -111,10 +111,13 @@ TEST_F(TensorParallel, CheckpointsHoldTheWholeModelAndResumeOnAnyTensorSize) {
   // T = 2's checkpoint on one rank, and one rank's on T = 2: the one-rank run's weights.
   ASSERT_EQ(train(0, 8, "one", "--set train.steps=12").exit_code, 0);
   ASSERT_EQ(train(0, 8, "one_half", "--set train.steps=6").exit_code, 0);
+  // (The data position carries over: a replica reads windows of train.batch_size sequences either way.)
   r = train(0, 8, "on_one", "--set train.steps=12 --set train.resume=" + dir / "half/ckpt");
   ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("resuming with data windows"), std::string::npos) << r.output;
   r = train(2, 8, "on_two", t2 + "--set train.steps=12 --set train.resume=" + dir / "one_half/ckpt");
   ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("resuming with data windows"), std::string::npos) << r.output;
   for (const char* run : {"on_one", "on_two", "straight"}) {
     for (const auto& [name, d] : testing::weight_distance(dir / "one/ckpt", dir / (std::string(run) + "/ckpt"))) {
       EXPECT_LT(d, 1e-5) << run << ": " << name;
