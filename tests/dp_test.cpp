@@ -28,17 +28,6 @@ using testing::run_keel;
 class DataParallel : public testing::ToyRuns {
  protected:
   DataParallel() : ToyRuns("keel-dp") {}
-  std::vector<double> losses(const std::string& run) {
-    std::vector<double> out;
-    const std::string text = read_text_file(dir / (run + "/metrics.jsonl"));
-    for (size_t start = 0; start < text.size();) {
-      const size_t end = text.find('\n', start);
-      auto j = nlohmann::json::parse(text.substr(start, end - start));
-      if (j.contains("loss")) out.push_back(j["loss"]);
-      start = end + 1;
-    }
-    return out;
-  }
   std::vector<char> param_bytes(const std::string& run) { return testing::checkpoint_bytes(dir / (run + "/ckpt")); }
   std::map<std::string, double> weight_distance(const std::string& a, const std::string& b) {
     return testing::weight_distance(dir / (a + "/ckpt"), dir / (b + "/ckpt"));

@@ -4,7 +4,11 @@
 
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
+
+#include "core/fileio.h"
 
 #include "test_util.h"
 
@@ -22,6 +26,18 @@ class ToyRuns : public ::testing::Test {
   // Trains with `ranks` ranks (0 = plain `keel train`, no MPI) and per-rank batch b into dir/run.
   CommandResult train(int ranks, int b, const std::string& run, const std::string& extra = "") {
     return run_keel(toy_train_args(dir, ranks, b, run, extra));
+  }
+  // The loss of every step run `run` logged (its metrics.jsonl), in order.
+  std::vector<double> losses(const std::string& run) {
+    std::vector<double> out;
+    const std::string text = read_text_file(dir / (run + "/metrics.jsonl"));
+    for (size_t start = 0; start < text.size();) {
+      const size_t end = text.find('\n', start);
+      auto j = nlohmann::json::parse(text.substr(start, end - start));
+      if (j.contains("loss")) out.push_back(j["loss"]);
+      start = end + 1;
+    }
+    return out;
   }
   TempDir dir;
 };

@@ -460,6 +460,7 @@ Config read_checkpoint_config(const std::string& path) {
   // The writer's layout (ranks, pipeline, global batch) does not constrain a reader of the model.
   c.parallel.data = 0;
   c.parallel.pipeline = 1;
+  c.parallel.tensor = 1;  // (a tensor-parallel run's checkpoint holds the whole model's layout)
   c.parallel.micro_batches = 0;
   c.parallel.stage_boundaries.clear();
   c.parallel.virtual_stages = 0;

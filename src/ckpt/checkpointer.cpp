@@ -181,6 +181,7 @@ std::optional<TrainState> Checkpointer::resume() {
       // Another run's checkpoint never continues in a directory holding a run (a restarted job's
       // first attempt was checked).
       if (!automatic && !restarted) run_dir_.check_resume_from(resume, candidates[i]);
+      if (whole_state_ != nullptr) whole_state_->scatter();
       for (const std::string& r : rejections) std::fprintf(stderr, "%s\n", r.c_str());
       if (!residual.empty()) sync_->restore_residuals(residual);
       if (carried_ != nullptr) carried_->restore(carried_layout, carried);
@@ -284,10 +285,12 @@ void Checkpointer::note_other_data(const TrainState& state) const {
   }
   // The loader's position counts windows of (data ranks x batch) sequences: in windows of
   // another width the same position is another place in the stream.
-  const int64_t theirs_wide = static_cast<int64_t>(writer.train.batch_size) *
-                              (static_cast<int64_t>(state.ranks.size()) / std::max(1, writer.parallel.pipeline));
-  const int64_t ours_wide =
-      static_cast<int64_t>(config_.train.batch_size) * (comm_.size() / std::max(1, config_.parallel.pipeline));
+  // (A replica spans pipeline x tensor ranks.)
+  const int64_t theirs_wide =
+      static_cast<int64_t>(writer.train.batch_size) *
+      (static_cast<int64_t>(state.ranks.size()) / std::max(1, writer.parallel.pipeline * writer.parallel.tensor));
+  const int64_t ours_wide = static_cast<int64_t>(config_.train.batch_size) *
+                            (comm_.size() / std::max(1, config_.parallel.pipeline * config_.parallel.tensor));
   if (theirs_wide != ours_wide) {
     std::fprintf(stderr,
                  "keel: resuming with data windows of %lld sequences (data ranks x train.batch_size) where the "
@@ -476,6 +479,7 @@ void Checkpointer::begin(const std::string& root, int64_t step, const LoaderPosi
   const auto t0 = std::chrono::steady_clock::now();
   store_->apply_pending();  // the checkpoint holds the state after the step's update
   if (writer_->in_flight()) commit();  // one checkpoint in flight at a time
+  if (whole_state_ != nullptr) whole_state_->gather();  // (every rank: a collective over the tensor group)
   RankState state = rank_state(data, residual_scratch_);
   // Rank 0 names the checkpoint (a later attempt at a step that already has one gets a new name).
   const int attempt = static_cast<int>(comm_.broadcast(comm_.is_root() ? next_checkpoint_attempt(root, step) : 0));

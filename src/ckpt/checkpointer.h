@@ -17,6 +17,7 @@
 #include "comm/communicator.h"
 #include "core/carried_state.h"
 #include "comm/grad_sync.h"
+#include "comm/tensor_parallel.h"
 #include "comm/zero.h"
 #include "core/config.h"
 #include "data/loader.h"
@@ -49,6 +50,10 @@ class Checkpointer {
   // none), which every checkpoint saves per rank and resume() restores (or refuses in one line
   // when the checkpoint's was saved in a layout this run cannot take it up in).
   void set_carried_state(CarriedState* carried) { carried_ = carried; }
+  // Tensor parallelism: the store given at construction is `whole`'s (the whole model's layout,
+  // identical on every rank, written by all ranks as data-parallel ranks write theirs); each
+  // checkpoint gathers the shards into it first, and a loaded one is sliced back into them.
+  void set_whole_state(WholeModelState* whole) { whole_state_ = whole; }
   // Start-up, on every rank: removes what a crash during one of this run's writes left (rank 0;
   // other incomplete directories are reported and left alone), then loads the checkpoint to
   // resume from, if any: train.resume (a directory or a root), the run's own checkpoints for
@@ -149,6 +154,7 @@ class Checkpointer {
   bool last_ok_ = true;  // the outcome of the last commit  // rank 0: the clock checkpoints count from
   std::vector<float> residual_scratch_;
   CarriedState* carried_ = nullptr;
+  WholeModelState* whole_state_ = nullptr;
   std::vector<float> carried_scratch_;
   std::unique_ptr<MemoryCheckpoint> memory_;  // checkpoint.memory_every > 0
   std::vector<float> memory_residual_;

@@ -121,6 +121,7 @@ std::vector<Field> fields(Config& c) {
       {"parallel", "zero", &c.parallel.zero},
       {"parallel", "zero3_keep", choice(&c.parallel.zero3_keep)},
       {"parallel", "pipeline", &c.parallel.pipeline},
+      {"parallel", "tensor", &c.parallel.tensor},
       {"parallel", "schedule", choice(&c.parallel.schedule)},
       {"parallel", "virtual_stages", &c.parallel.virtual_stages},
       {"parallel", "stage_boundaries", &c.parallel.stage_boundaries},
@@ -741,13 +742,19 @@ void Config::resolve(int world_size) {
   auto s = [](auto v) { return std::to_string(v); };
   // The layout's arithmetic (the pipeline section's own checks run with it, in resolve_job_config).
   require(parallel.pipeline >= 1, "parallel.pipeline", ">= 1", s(parallel.pipeline));
+  require(parallel.tensor >= 1, "parallel.tensor", ">= 1", s(parallel.tensor));
   require(world_size % parallel.pipeline == 0, "parallel.pipeline",
-          "a divisor of the " + s(world_size) + " rank(s) of this job (world = data x pipeline)", s(parallel.pipeline));
-  const int pp = parallel.pipeline;
+          "a divisor of the " + s(world_size) + " rank(s) of this job (world = data x pipeline x tensor)", s(parallel.pipeline));
+  require(world_size % (parallel.pipeline * parallel.tensor) == 0, "parallel.tensor",
+          "pipeline x tensor (" + s(parallel.pipeline) + " x " + s(parallel.tensor) + ") dividing the " + s(world_size) +
+              " rank(s) of this job (world = data x pipeline x tensor)",
+          s(parallel.tensor));
+  const int pp = parallel.pipeline * parallel.tensor;  // ranks per data-parallel replica
   const int data_ranks = parallel.data == 0 ? world_size / pp : parallel.data;
   require(parallel.data >= 0, "parallel.data", ">= 0", s(parallel.data));
   require(data_ranks * pp == world_size, "parallel.data",
-          "a layout that fits the " + s(world_size) + " rank(s) of this job (data x pipeline " + s(pp) + ")",
+          "a layout that fits the " + s(world_size) + " rank(s) of this job (data x pipeline " + s(parallel.pipeline) +
+              " x tensor " + s(parallel.tensor) + ")",
           s(parallel.data) + " data-parallel ranks");
   require(parallel.zero >= 0 && parallel.zero <= 3, "parallel.zero", "0, 1, 2 or 3", s(parallel.zero));
   require(parallel.bucket_bytes >= 4096, "parallel.bucket_bytes", ">= 4096", s(parallel.bucket_bytes));
@@ -876,7 +883,8 @@ uint64_t Config::trajectory_hash(int world_size) const {
   s << shape_hash() << ';' << optim.lr << ',' << optim.min_lr_ratio << ',' << optim.warmup_steps << ','
     << optim.weight_decay << ',' << optim.beta1 << ',' << optim.beta2 << ',' << optim.eps << ',' << optim.grad_clip
     << ',' << optim.freeze_layers << ';' << train.seed << ',' << train.seq_len << ','
-    << static_cast<int64_t>(train.batch_size) * (world_size / std::max(1, parallel.pipeline)) * train.grad_accum;
+    << static_cast<int64_t>(train.batch_size) * (world_size / std::max(1, parallel.pipeline * parallel.tensor)) *
+           train.grad_accum;
   if (optim.freeze_at_step > 0) s << ";freeze at " << optim.freeze_at_step;
   if (!train.seq_len_schedule.empty()) {
     s << ";lengths";

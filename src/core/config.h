@@ -351,8 +351,12 @@ struct ParallelConfig {
   // until the optimizer step).
   Zero3Keep zero3_keep = Zero3Keep::none;
   // Pipeline parallelism (pipeline/): the model cut into `pipeline` x virtual_stages stages on as
-  // many ranks per data-parallel replica (world = data x pipeline).
+  // many ranks per data-parallel replica (world = data x pipeline x tensor).
   int pipeline = 1;
+  // Tensor parallelism (comm/tensor_parallel.h): every layer split over `tensor` ranks (attention
+  // heads, MLP hidden units, vocabulary), world = data x pipeline x tensor, a tensor group's ranks
+  // consecutive. 1 = none.
+  int tensor = 1;
   ScheduleKind schedule = ScheduleKind::one_f_one_b;  // gpipe | 1f1b | interleaved | zb-h1 | zb-h2 | zb-v
   int virtual_stages = 0;            // stages per rank; 0 = the schedule's (interleaved, zb-v: 2; else 1)
   std::string stage_boundaries;      // first layer of stages 1.. ("3,6"); "" = cut by `partitioner`
@@ -589,7 +593,7 @@ struct Config {
   // Hash of what determines the training trajectory regardless of layout: the shape, the
   // optimizer, the seed and the tokens per step (not the number of steps: a run may be extended).
   // A checkpoint resumes only a run with the same. Tokens per step count the data-parallel
-  // replicas: world_size / parallel.pipeline of them.
+  // replicas: world_size / (parallel.pipeline x parallel.tensor) of them.
   uint64_t trajectory_hash(int world_size) const;
 };
 

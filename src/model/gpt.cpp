@@ -5,6 +5,8 @@
 #include <thread>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <numeric>
 
 #include "core/clock.h"
 #include "core/error.h"
@@ -19,7 +21,6 @@ namespace keel {
 
 using model_detail::Carver;
 using model_detail::OutputLayer;
-using model_detail::attention_floats;
 using model_detail::padded;
 using model_detail::Stash;
 
@@ -29,8 +30,14 @@ namespace {
 class Embedding final : public Layer {
  public:
   // ids: the layer's tensors in model_layout's order (layout::Embedding).
-  Embedding(const ModelConfig& m, ChunkStore& store, const std::vector<TensorId>& ids)
-      : store_(store), m_(m), wte_(ids.at(layout::wte)), wpe_(m.llama() ? -1 : ids.at(layout::wpe)) {}
+  // tensor: the tensor group (null: unsplit); wte then holds its rows of the vocabulary.
+  Embedding(const ModelConfig& m, ChunkStore& store, const std::vector<TensorId>& ids, TensorGroup* tensor)
+      : store_(store), m_(m), wte_(ids.at(layout::wte)), wpe_(m.llama() ? -1 : ids.at(layout::wpe)), tp_(tensor) {
+    if (tp_) {
+      rows_ = m.padded_vocab_size / tp_->size();
+      vocab_begin_ = tp_->rank() * rows_;
+    }
+  }
   const char* name() const override { return "embedding"; }
   int64_t activation_floats(int, int) const override { return 0; }
   int64_t scratch_floats(int, int) const override { return 0; }
@@ -44,6 +51,12 @@ class Embedding final : public Layer {
       throw Error("the model's position table ends at " + std::to_string(m_.max_seq_len) + " tokens: position " +
                   std::to_string(pos0 + b.T - 1) + " asked for");
     }
+    if (tp_) {
+      vocab_parallel_embedding_forward(*tp_, x_out, b, store_.data(wte_, Plane::param),
+                                       wpe_ >= 0 ? store_.data(wpe_, Plane::param) : nullptr, pos0, rows_, vocab_begin_,
+                                       m_.n_embd);
+      return;
+    }
     const float* wpe = wpe_ >= 0 ? store_.data(wpe_, Plane::param) + static_cast<int64_t>(pos0) * m_.n_embd : nullptr;
     ops::encoder_forward(x_out, b.inputs, store_.data(wte_, Plane::param), wpe, b.B, b.T, m_.n_embd);
   }
@@ -51,6 +64,10 @@ class Embedding final : public Layer {
   void backward_weight(const Batch& b, const float*, const float* dx_out) override {
     const PageLease use = store_.use_layer(m_.layer_base, {}, {Plane::grad});
     float* dwpe = wpe_ >= 0 ? store_.data(wpe_, Plane::grad) : nullptr;
+    if (tp_) {
+      vocab_parallel_embedding_backward(store_.data(wte_, Plane::grad), dwpe, dx_out, b, rows_, vocab_begin_, m_.n_embd);
+      return;
+    }
     ops::encoder_backward_weight(store_.data(wte_, Plane::grad), dwpe, dx_out, b.inputs, b.B, b.T, m_.n_embd);
   }
 
@@ -58,6 +75,8 @@ class Embedding final : public Layer {
   ChunkStore& store_;
   ModelConfig m_;
   TensorId wte_, wpe_ = -1;  // wpe_ < 0: no position table
+  TensorGroup* tp_ = nullptr;
+  int rows_ = 0, vocab_begin_ = 0;  // tensor parallel: this rank's vocabulary rows
 };
 
 // ---- layers 1..L: transformer block ------------------------------------------------------------
@@ -65,9 +84,14 @@ class Embedding final : public Layer {
 class Block final : public Layer {
  public:
   // ids: the block's tensors in model_layout's order (layout::Gpt2Block).
+  // tensor: the tensor group (null: unsplit), over which the block holds its heads' q, k, v rows
+  // and its share of fc's (column-parallel), the matching columns of both output projections
+  // (row-parallel, their outputs all-reduced), and the norms and those projections' biases whole.
   Block(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, bool bf16, MathMode math,
-        Recompute recompute)
-      : store_(store), m_(m), layer_(m.layer_base + layer), bf16_(bf16), math_(math), mode_(recompute), t_(ids) {
+        Recompute recompute, TensorGroup* tensor)
+      : store_(store), m_(m), layer_(m.layer_base + layer), bf16_(bf16), math_(math), mode_(recompute), t_(ids),
+        tp_(tensor), A_(m.n_embd / (tensor ? tensor->size() : 1)), NH_(m.n_head / (tensor ? tensor->size() : 1)),
+        F_(4 * A_) {
     check(ids.size() == layout::fc_proj_b + 1, "GPT: block " + std::to_string(layer) + " without its tensors");
     check(m.causal || m.attention == Attention::dense, "model: attention that is not causal runs on the dense kernel only");
     probe_.window = m.window_of(layer_ - 1);
@@ -97,7 +121,7 @@ class Block final : public Layer {
 
   // Selective: attention's probabilities (or log-sum-exp) and output rows, and GELU.
   void recompute(const Batch& b, const float* x_in) override {
-    const int64_t n = static_cast<int64_t>(b.B) * b.T * 4 * m_.n_embd;
+    const int64_t n = static_cast<int64_t>(b.B) * b.T * F_;
     model_detail::recompute_block(
         mode_, bf16_, store_, layer_, [&] { run_forward(b, x_in, sink_, false); }, [&] { attend(b); },
         [&] { ops::gelu_forward(fch_gelu_.writable(stage_), fch_.writable(stage_), n); });
@@ -113,36 +137,53 @@ class Block final : public Layer {
     float* ln1 = ln1_.writable(stage_);
     ops::layernorm_forward(ln1, ln1_mean_, ln1_rstd_, x, P(layout::ln1_w), P(layout::ln1_b), N, C);
     ln1_.seal(ln1, NC);
-    ops::linear_forward(math_.forward, qkv_, ln1_.read(), W(layout::qkv_w), P(layout::qkv_b), N, C, 3 * C);
+    ops::linear_forward(math_.forward, qkv_, ln1_.read(), W(layout::qkv_w), P(layout::qkv_b), N, C, 3 * A_);
     if (first) model_detail::probe_attention(probe_, b, qkv_, m_);
     attend(b);
     float* attproj = scratch_;  // [N, C], consumed immediately by the residual
-    ops::linear_forward(math_.forward, attproj, atty_, W(layout::proj_w), P(layout::proj_b), N, C, C);
+    row_parallel_forward(attproj, atty_, W(layout::proj_w), P(layout::proj_b), N, A_);
     float* ln2 = ln2_.writable(stage_);
     ops::residual_layernorm_forward(res2_, ln2, ln2_mean_, ln2_rstd_, x, attproj, P(layout::ln2_w), P(layout::ln2_b), N,
                                     C);
     ln2_.seal(ln2, NC);
     float* fch = fch_.writable(stage_);
-    ops::linear_forward(math_.forward, fch, ln2_.read(), W(layout::fc_w), P(layout::fc_b), N, C, 4 * C);
-    fch_.seal(fch, 4 * NC);
+    const int64_t NF = static_cast<int64_t>(N) * F_;
+    ops::linear_forward(math_.forward, fch, ln2_.read(), W(layout::fc_w), P(layout::fc_b), N, C, F_);
+    fch_.seal(fch, NF);
     float* fch_gelu = fch_gelu_.writable(stage_);  // (under bf16: in place over the staged fch)
-    ops::gelu_forward(fch_gelu, fch, 4 * NC);
-    fch_gelu_.seal(fch_gelu, 4 * NC);
+    ops::gelu_forward(fch_gelu, fch, NF);
+    fch_gelu_.seal(fch_gelu, NF);
     float* fcproj = scratch_;
-    ops::linear_forward(math_.forward, fcproj, fch_gelu_.read(), W(layout::fc_proj_w), P(layout::fc_proj_b), N, 4 * C,
-                        C);
+    row_parallel_forward(fcproj, fch_gelu_.read(), W(layout::fc_proj_w), P(layout::fc_proj_b), N, F_);
     ops::residual_forward(x_out, res2_, fcproj, static_cast<int64_t>(N) * C);
   }
 
-  // atty_ (and att_) from qkv_.
-  void attend(const Batch& b) {
+  // out[N, C] = in[N, K] . w[C, K]^T + bias: a row-parallel product (K: this rank's share of the
+  // input columns) whose partial sums are all-reduced over the tensor group before the bias (kept
+  // whole on every rank) is added once.
+  void row_parallel_forward(float* out, Operand in, Operand w, const float* bias, int N, int K) {
     const int C = m_.n_embd;
+    if (!tp_) {
+      ops::linear_forward(math_.forward, out, in, w, bias, N, K, C);
+      return;
+    }
+    ops::linear_forward(math_.forward, out, in, w, static_cast<const float*>(nullptr), N, K, C);
+    tp_->allreduce_sum(out, static_cast<int64_t>(N) * C);
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; ++n) {
+      float* row = out + static_cast<int64_t>(n) * C;
+      for (int c = 0; c < C; ++c) row[c] += bias[c];
+    }
+  }
+
+  // atty_ (and att_) from qkv_: this rank's NH_ heads (A_ columns of q, k and v each).
+  void attend(const Batch& b) {
     if (b.kv) {
-      b.kv->attend(math_.forward, layer_ - 1, qkv_, 3 * C, atty_, b.T, probe_.window);
+      b.kv->attend(math_.forward, layer_ - 1, qkv_, 3 * A_, atty_, b.T, probe_.window);
     } else if (m_.attention == Attention::dense) {
-      ops::attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, 0, m_.causal);
+      ops::attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, A_, NH_, 0, m_.causal);
     } else {  // att_ holds the rows' log-sum-exp
-      ops::flash_attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_head, probe_.window);
+      ops::flash_attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, A_, NH_, NH_, probe_.window);
     }
   }
 
@@ -153,23 +194,25 @@ class Block final : public Layer {
     auto W = [&](int t) { return model_detail::weight_operand(store_, t_[t], math_.backward); };
     // MLP branch: d(fcproj out) = dx_out
     float* dfch_gelu = scratch_;
-    ops::linear_backward_input(math_.backward, dfch_gelu, dx_out, W(layout::fc_proj_w), N, 4 * C, C, false);
+    ops::linear_backward_input(math_.backward, dfch_gelu, dx_out, W(layout::fc_proj_w), N, F_, C, false);
     float* dfch = dfch_.writable(stage_);
-    ops::gelu_backward_input(dfch, dfch_gelu, fch_.read(), static_cast<int64_t>(N) * 4 * C);
-    dfch_.seal(dfch, static_cast<int64_t>(N) * 4 * C);
-    ops::linear_backward_input(math_.backward, dln2_, dfch, W(layout::fc_w), N, C, 4 * C, false);
+    ops::gelu_backward_input(dfch, dfch_gelu, fch_.read(), static_cast<int64_t>(N) * F_);
+    dfch_.seal(dfch, static_cast<int64_t>(N) * F_);
+    ops::linear_backward_input(math_.backward, dln2_, dfch, W(layout::fc_w), N, C, F_, false);
+    if (tp_) tp_->allreduce_sum(dln2_, static_cast<int64_t>(N) * C);  // the column-parallel input's gradient
     std::memcpy(dres2_, dx_out, sizeof(float) * N * C);
     ops::layernorm_backward_input(dres2_, dln2_, res2_, ln2_mean_, ln2_rstd_, P(layout::ln2_w), N, C, true);
     // Attention branch: d(attproj out) = dres2
     float* datty = scratch_;
-    ops::linear_backward_input(math_.backward, datty, dres2_, W(layout::proj_w), N, C, C, false);
+    ops::linear_backward_input(math_.backward, datty, dres2_, W(layout::proj_w), N, A_, C, false);
     if (m_.attention == Attention::dense) {
-      ops::attention_backward_input(math_.backward, dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head, 0, m_.causal);
+      ops::attention_backward_input(math_.backward, dqkv_, datty, att_, qkv_, b.B, b.T, A_, NH_, 0, m_.causal);
     } else {
-      ops::flash_attention_backward_input(math_.backward, dqkv_, datty, atty_, att_, qkv_, b.B, b.T, C, m_.n_head,
-                                          m_.n_head, probe_.window);
+      ops::flash_attention_backward_input(math_.backward, dqkv_, datty, atty_, att_, qkv_, b.B, b.T, A_, NH_, NH_,
+                                          probe_.window);
     }
-    ops::linear_backward_input(math_.backward, dln1_, dqkv_, W(layout::qkv_w), N, C, 3 * C, false);
+    ops::linear_backward_input(math_.backward, dln1_, dqkv_, W(layout::qkv_w), N, C, 3 * A_, false);
+    if (tp_) tp_->allreduce_sum(dln1_, static_cast<int64_t>(N) * C);
     std::memcpy(dx_in, dres2_, sizeof(float) * N * C);
     ops::layernorm_backward_input(dx_in, dln1_, x_in, ln1_mean_, ln1_rstd_, P(layout::ln1_w), N, C, true);
   }
@@ -179,12 +222,11 @@ class Block final : public Layer {
     const int N = b.B * b.T, C = m_.n_embd;
     auto G = [&](int t) { return store_.data(t_[t], Plane::grad); };
     ops::linear_backward_weight(math_.backward, G(layout::fc_proj_w), G(layout::fc_proj_b), dx_out, fch_gelu_.read(), N,
-                                4 * C, C);
-    ops::linear_backward_weight(math_.backward, G(layout::fc_w), G(layout::fc_b), dfch_.read(), ln2_.read(), N, C,
-                                4 * C);
+                                F_, C);
+    ops::linear_backward_weight(math_.backward, G(layout::fc_w), G(layout::fc_b), dfch_.read(), ln2_.read(), N, C, F_);
     ops::layernorm_backward_weight(G(layout::ln2_w), G(layout::ln2_b), dln2_, res2_, ln2_mean_, ln2_rstd_, N, C);
-    ops::linear_backward_weight(math_.backward, G(layout::proj_w), G(layout::proj_b), dres2_, atty_, N, C, C);
-    ops::linear_backward_weight(math_.backward, G(layout::qkv_w), G(layout::qkv_b), dqkv_, ln1_.read(), N, C, 3 * C);
+    ops::linear_backward_weight(math_.backward, G(layout::proj_w), G(layout::proj_b), dres2_, atty_, N, A_, C);
+    ops::linear_backward_weight(math_.backward, G(layout::qkv_w), G(layout::qkv_b), dqkv_, ln1_.read(), N, C, 3 * A_);
     ops::layernorm_backward_weight(G(layout::ln1_w), G(layout::ln1_b), dln1_, x_in, ln1_mean_, ln1_rstd_, N, C);
   }
 
@@ -198,22 +240,23 @@ class Block final : public Layer {
     const int64_t N = static_cast<int64_t>(B) * T, C = m_.n_embd;
     const bool full = mode_ == Recompute::full, any = mode_ != Recompute::none;
     ln1_.carve(a.at(full), N * C, bf16_);
-    qkv_ = a.at(full).take(N * 3 * C);
-    att_ = a.at(any).take(attention_floats(m_, B, T));
-    atty_ = a.at(any).take(N * C);
+    qkv_ = a.at(full).take(N * 3 * A_);
+    const int64_t rows = static_cast<int64_t>(B) * NH_ * T;  // attention_floats over this rank's heads
+    att_ = a.at(any).take(m_.attention == Attention::dense ? rows * T : rows);
+    atty_ = a.at(any).take(N * A_);
     res2_ = a.at(full).take(N * C);
     ln2_.carve(a.at(full), N * C, bf16_);
-    fch_.carve(a.at(full), N * 4 * C, bf16_);
-    fch_gelu_.carve(a.at(full || (any && !bf16_)), N * 4 * C, bf16_);
+    fch_.carve(a.at(full), N * F_, bf16_);
+    fch_gelu_.carve(a.at(full || (any && !bf16_)), N * F_, bf16_);
     ln1_mean_ = a.at(full).take(N);
     ln1_rstd_ = a.at(full).take(N);
     ln2_mean_ = a.at(full).take(N);
     ln2_rstd_ = a.at(full).take(N);
     dln1_ = a.at(any).take(N * C);
-    dqkv_ = a.at(any).take(N * 3 * C);
+    dqkv_ = a.at(any).take(N * 3 * A_);
     dres2_ = a.at(any).take(N * C);
     dln2_ = a.at(any).take(N * C);
-    dfch_.carve(a.at(any), N * 4 * C, bf16_);
+    dfch_.carve(a.at(any), N * F_, bf16_);
     sink_ = full ? a.shared.take(N * C) : nullptr;
   }
 
@@ -226,6 +269,8 @@ class Block final : public Layer {
   Recompute mode_;        // train.recompute for this block
   AttentionProbe probe_;  // its window (0 = none) and the dynamic window's probe
   std::vector<TensorId> t_;  // the block's tensors, indexed by layout::Gpt2Block
+  TensorGroup* tp_;          // null: unsplit
+  int A_, NH_, F_;           // this rank's attention columns (of q, k, v each), heads and MLP units
   float* shared_ = nullptr;  // the shared recomputed set (Layer::set_recomputed)
   float* sink_ = nullptr;    // full: the recomputed forward's output (its bytes are already x_out)
   // att_: the dense kernel's probabilities [B, NH, T, T], or the blockwise kernel's log-sum-exp [B, NH, T].
@@ -239,13 +284,14 @@ class Block final : public Layer {
 }  // namespace
 
 GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> ranges, bool bf16_activations,
-         MathMode math, RecomputePlan recompute)
+         MathMode math, RecomputePlan recompute, TensorGroup* tensor)
     : config_(config),
       store_(store),
       ranges_(std::move(ranges)),
       bf16_(bf16_activations),
       recompute_(recompute),
-      math_(math) {
+      math_(math),
+      tensor_(tensor) {
   validate_model(config, "model");
   check(!store.finalized(), "GPT: the chunk store is already finalized");
   const int L = config.n_layer + 2;
@@ -254,21 +300,23 @@ GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> r
   layers_.resize(L);
   times_ = LayerTimes{std::vector<double>(L, 0.0), std::vector<double>(L, 0.0), std::vector<double>(L, 0.0)};
   // The layout names every tensor; the layers find theirs by index (model/model_layout.h).
-  const ModelLayout layout = model_layout(config, ranges_);
-  const std::vector<TensorId> ids = register_layout(store, layout);
+  layout_ = model_layout(config, ranges_, tensor ? TensorPlace{tensor->rank(), tensor->size()} : TensorPlace{});
+  const ModelLayout& layout = layout_;
+  ids_ = register_layout(store, layout);
+  const std::vector<TensorId>& ids = ids_;
   tied_ = layout.tied;
   auto of = [&](int layer) { return layer_tensors(layout, ids, config.layer_base + layer); };
-  if (local_[0]) layers_[0] = std::make_unique<Embedding>(config, store, of(0));
+  if (local_[0]) layers_[0] = std::make_unique<Embedding>(config, store, of(0), tensor);
   for (int l = 1; l <= config.n_layer; ++l) {
     if (!local_[l]) continue;
     const Recompute mode = recompute_.at_layer(l);
-    layers_[l] = config.llama() ? make_llama_block(config, store, l, of(l), bf16_, math_, mode)
-                                : std::make_unique<Block>(config, store, l, of(l), bf16_, math_, mode);
+    layers_[l] = config.llama() ? make_llama_block(config, store, l, of(l), bf16_, math_, mode, tensor)
+                                : std::make_unique<Block>(config, store, l, of(l), bf16_, math_, mode, tensor);
   }
   if (local_[L - 1]) {
     // A tied head reads wte: the embedding's, or (a rank without it) the replica in the layout.
     const TensorId wte = tied_.empty() ? -1 : ids[layout.index(config.tensor_prefix + "wte")];
-    layers_[L - 1] = make_head(config, store, L - 1, of(L - 1), wte, bf16_, math_);
+    layers_[L - 1] = make_head(config, store, L - 1, of(L - 1), wte, bf16_, math_, tensor);
   }
 }
 
@@ -284,9 +332,10 @@ void GPT::init_weights(uint64_t seed) {
   check(store_.finalized(), "GPT::init_weights: the chunk store is not finalized");
   const double residual_std = 0.02 / std::sqrt(2.0 * config_.n_layer);
   const std::string& prefix = config_.tensor_prefix;  // a shared store: only this model's tensors
-  for (int id = 0; id < static_cast<int>(store_.tensors().size()); ++id) {
+  for (size_t k = 0; k < layout_.tensors.size(); ++k) {
+    const TensorId id = ids_[k];
     const TensorSpec& spec = store_.tensors()[id].spec;
-    if (spec.name.compare(0, prefix.size(), prefix) != 0) continue;
+    const TensorShard& shard = layout_.shards[k];
     const PageLease use = store_.use_tensor(id, {}, {Plane::param});  // with tiers: fetched, then written home
     std::span<float> w = store_.view(id, Plane::param);
     const std::string n = spec.name.substr(prefix.size());
@@ -301,11 +350,19 @@ void GPT::init_weights(uint64_t seed) {
     } else {
       Rng rng(seed ^ hash_name(spec.name));
       const double std = (ends_with("attn.proj.w") || ends_with("mlp.proj.w")) ? residual_std : 0.02;
+      // A tensor shard draws the whole tensor's stream and keeps its part: the same weights as
+      // the whole model's, on any number of tensor ranks.
+      std::vector<float> whole(shard.split() ? static_cast<size_t>(std::accumulate(shard.whole_shape.begin(),
+                                                                                    shard.whole_shape.end(), int64_t{1},
+                                                                                    std::multiplies<>()))
+                                             : 0);
+      std::span<float> drawn = shard.split() ? std::span<float>(whole) : w;
       // Only real vocabulary rows of wte (and of an untied head) are drawn; padded rows stay zero.
       const int64_t used = n == "wte" || n == "lm_head.w" ? static_cast<int64_t>(config_.vocab_size) * config_.n_embd
-                                                          : static_cast<int64_t>(w.size());
-      for (int64_t i = 0; i < used; ++i) w[i] = static_cast<float>(rng.normal() * std);
-      std::fill(w.begin() + used, w.end(), 0.0f);
+                                                          : static_cast<int64_t>(drawn.size());
+      for (int64_t i = 0; i < used; ++i) drawn[i] = static_cast<float>(rng.normal() * std);
+      std::fill(drawn.begin() + used, drawn.end(), 0.0f);
+      if (shard.split()) slice_shard(shard, layout_.place, whole.data(), w.data());
     }
   }
 }

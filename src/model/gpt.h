@@ -16,6 +16,7 @@
 #include "core/config.h"
 #include "model/layer.h"
 #include "model/model_layout.h"
+#include "model/tensor_group.h"
 #include "store/chunk_store.h"
 
 namespace keel {
@@ -31,9 +32,11 @@ class GPT {
   // that feed matrix products in bf16, in half the memory (model/layer_util.h Stash). `math`: the
   // precision of every layer's matrix products (runtime.precision for a trained model; float32
   // unless given: a model built only for its layout multiplies nothing). `recompute`: which blocks
-  // recompute their activations in backward and how (train.recompute; below).
+  // recompute their activations in backward and how (train.recompute; below). `tensor`: the
+  // tensor group (parallel.tensor; null: unsplit): the rank registers and computes its shard of
+  // every layer (model_layout's place), all-reducing over the group (model/tensor_group.h).
   GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> ranges = {}, bool bf16_activations = false,
-      MathMode math = {}, RecomputePlan recompute = {});
+      MathMode math = {}, RecomputePlan recompute = {}, TensorGroup* tensor = nullptr);
   ~GPT();
 
   // GPT-2 initialisation: N(0, 0.02) weights, residual projections scaled by 1/sqrt(2L), zero
@@ -120,6 +123,10 @@ class GPT {
   const ModelConfig& config() const { return config_; }
   const MathMode& math() const { return math_; }
   ChunkStore& store() { return store_; }
+  // The layout this rank registered (its shards' shapes and splits) and the store's ids of its tensors.
+  const ModelLayout& layout() const { return layout_; }
+  const std::vector<TensorId>& tensor_ids() const { return ids_; }
+  TensorGroup* tensor_group() const { return tensor_; }
   // Matrix-product FLOPs of one training step (forward + backward) per token at sequence T.
   double train_flops_per_token(int T) const;
   int64_t activation_bytes() const { return activation_floats_ * static_cast<int64_t>(sizeof(float)); }
@@ -157,6 +164,9 @@ class GPT {
   bool bf16_ = false;  // activations stashed in bf16
   RecomputePlan recompute_;
   MathMode math_;      // every layer's matrix products
+  TensorGroup* tensor_ = nullptr;
+  ModelLayout layout_;
+  std::vector<TensorId> ids_;  // per layout_ tensor
   int max_B_ = 0, max_T_ = 0;
   int64_t activation_floats_ = 0, slot_floats_ = 0, recomputed_floats_ = 0;
   // Whose activations the shared recomputed set holds: (slot, layer) of the last forward or

@@ -16,14 +16,17 @@ namespace {
 class Head final : public model_detail::OutputLayer {
  public:
   Head(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, TensorId tied_wte,
-       bool bf16, MathMode math)
+       bool bf16, MathMode math, TensorGroup* tensor)
       : store_(store),
         m_(m),
         layer_(m.layer_base + layer),
         layernorm_(!m.llama()),
         tied_(tied_wte >= 0),
         bf16_(bf16),
-        math_(math) {
+        math_(math),
+        tp_(tensor),
+        rows_(m.padded_vocab_size / (tensor ? tensor->size() : 1)),
+        vocab_begin_(tensor ? tensor->rank() * rows_ : 0) {
     check(ids.size() == (layernorm_ || !tied_ ? 2u : 1u), "GPT: the head without its tensors");
     normw_ = ids[layout::norm_w];
     if (layernorm_) normb_ = ids[layout::norm_b];
@@ -34,7 +37,7 @@ class Head final : public model_detail::OutputLayer {
     const int64_t N = static_cast<int64_t>(B) * T;
     // normalised x and its gradient; row stats (LayerNorm: mean and rstd; RMSNorm: rstd); losses; logits
     return padded(Stash::floats(N * m_.n_embd, bf16_)) + padded(N * m_.n_embd) + padded(N) * (layernorm_ ? 3 : 2) +
-           padded(N * m_.padded_vocab_size);
+           padded(N * rows_);
   }
   int64_t scratch_floats(int B, int T) const override {
     return bf16_ ? padded(static_cast<int64_t>(B) * T * m_.n_embd) : 0;  // under bf16: the staging of n
@@ -48,7 +51,7 @@ class Head final : public model_detail::OutputLayer {
     mean_ = layernorm_ ? a.take(N) : nullptr;
     rstd_ = a.take(N);
     losses_ = a.take(N);
-    logits_ = a.take(N * m_.padded_vocab_size);
+    logits_ = a.take(N * rows_);
   }
 
   void forward(const Batch& b, const float* x, float*) override {
@@ -63,9 +66,16 @@ class Head final : public model_detail::OutputLayer {
     }
     n_.seal(n, static_cast<int64_t>(N) * C);
     const Operand head = model_detail::weight_operand(store_, head_, math_.forward);
-    ops::linear_forward(math_.forward, logits_, n_.read(), head, static_cast<const float*>(nullptr), N, C,
-                        m_.padded_vocab_size);
-    mean_loss_ = model_detail::head_loss(losses_, logits_, b, m_);
+    ops::linear_forward(math_.forward, logits_, n_.read(), head, static_cast<const float*>(nullptr), N, C, rows_);
+    if (!tp_) {
+      mean_loss_ = model_detail::head_loss(losses_, logits_, b, m_);
+    } else if (b.targets != nullptr) {  // this rank's vocabulary rows of the logits only
+      vocab_parallel_crossentropy(*tp_, losses_, logits_, b.targets, N, rows_, vocab_begin_, m_.vocab_size,
+                                  b.grad_scale);
+      mean_loss_ = model_detail::mean_loss(losses_, N);
+    } else {
+      mean_loss_ = 0.0f;
+    }
   }
   // dx_in = d/dx of grad_scale * sum(losses); logits_ holds d(loss)/d(logits) after forward.
   void backward_input(const Batch& b, const float* x_in, const float*, float* dx_in) override {
@@ -73,7 +83,8 @@ class Head final : public model_detail::OutputLayer {
     const PageLease tied = tied_ ? store_.use_layer(m_.layer_base, {Plane::param}) : PageLease();
     const int N = b.B * b.T, C = m_.n_embd;
     const Operand head = model_detail::weight_operand(store_, head_, math_.backward);
-    ops::linear_backward_input(math_.backward, dn_, logits_, head, N, C, m_.padded_vocab_size, false);
+    ops::linear_backward_input(math_.backward, dn_, logits_, head, N, C, rows_, false);
+    if (tp_) tp_->allreduce_sum(dn_, static_cast<int64_t>(N) * C);  // the vocabulary shards' parts
     if (layernorm_) {
       ops::layernorm_backward_input(dx_in, dn_, x_in, mean_, rstd_, P(normw_), N, C, false);
     } else {
@@ -84,8 +95,7 @@ class Head final : public model_detail::OutputLayer {
     const PageLease use = store_.use_layer(layer_, {}, {Plane::grad});
     const PageLease tied = tied_ ? store_.use_layer(m_.layer_base, {}, {Plane::grad}) : PageLease();
     const int N = b.B * b.T, C = m_.n_embd;
-    ops::linear_backward_weight(math_.backward, G(head_), static_cast<float*>(nullptr), logits_, n_.read(), N, C,
-                                m_.padded_vocab_size);
+    ops::linear_backward_weight(math_.backward, G(head_), static_cast<float*>(nullptr), logits_, n_.read(), N, C, rows_);
     if (layernorm_) {
       ops::layernorm_backward_weight(G(normw_), G(normb_), dn_, x_in, mean_, rstd_, N, C);
     } else {
@@ -104,6 +114,8 @@ class Head final : public model_detail::OutputLayer {
   int layer_;
   bool layernorm_, tied_, bf16_;
   MathMode math_;  // its products' precision in F and in B, W
+  TensorGroup* tp_;              // null: unsplit
+  int rows_, vocab_begin_;       // the vocabulary rows of the head this rank holds
   TensorId normw_ = -1, normb_ = -1, head_ = -1;
   Stash n_;  // the normalised input of the LM head
   float *stage_ = nullptr, *dn_ = nullptr, *mean_ = nullptr, *rstd_ = nullptr, *losses_ = nullptr, *logits_ = nullptr;
@@ -113,8 +125,8 @@ class Head final : public model_detail::OutputLayer {
 }  // namespace
 
 std::unique_ptr<Layer> make_head(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids,
-                                 TensorId tied_wte, bool bf16, MathMode math) {
-  return std::make_unique<Head>(m, store, layer, ids, tied_wte, bf16, math);
+                                 TensorId tied_wte, bool bf16, MathMode math, TensorGroup* tensor) {
+  return std::make_unique<Head>(m, store, layer, ids, tied_wte, bf16, math, tensor);
 }
 
 }  // namespace keel

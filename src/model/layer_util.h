@@ -110,15 +110,20 @@ inline int64_t attention_floats(const ModelConfig& m, int B, int T) {
   return m.attention == Attention::dense ? rows * T : rows;
 }
 
+// The mean of N tokens' losses, summed in a fixed order (sequential).
+inline float mean_loss(const float* losses, int N) {
+  double sum = 0;
+  for (int n = 0; n < N; ++n) sum += losses[n];
+  return static_cast<float>(sum / N);
+}
+
 // Both heads' loss: cross-entropy of logits[N, Vp] (in place: its gradient when grad_scale != 0)
 // and the mean over the N tokens, summed in a fixed order. 0 without targets.
 inline float head_loss(float* losses, float* logits, const Batch& b, const ModelConfig& m) {
   if (b.targets == nullptr) return 0.0f;
   const int N = b.B * b.T;
   ops::crossentropy_forward(losses, logits, b.targets, N, m.vocab_size, m.padded_vocab_size, b.grad_scale);
-  double sum = 0;  // sequential: a fixed summation order
-  for (int n = 0; n < N; ++n) sum += losses[n];
-  return static_cast<float>(sum / N);
+  return mean_loss(losses, N);
 }
 
 // Both families' blocks: while armed (runtime/dynamic_windows.h), where a training pass's

@@ -21,16 +21,20 @@ namespace {
 class LlamaBlock final : public Layer {
  public:
   LlamaBlock(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, bool bf16,
-             MathMode math, Recompute recompute)
+             MathMode math, Recompute recompute, TensorGroup* tensor)
       : store_(store),
         m_(m),
         layer_(m.layer_base + layer),
         bf16_(bf16),
         math_(math),
         mode_(recompute),
+        tp_(tensor),
         C_(m.n_embd),
-        QKV_(m.qkv_dim()),
-        H_(m.ffn_hidden),
+        A_(m.n_embd / parts()),
+        NH_(m.n_head / parts()),
+        KVH_(m.n_kv_head / parts()),
+        QKV_(m.qkv_dim() / parts()),
+        H_(m.ffn_hidden / parts()),
         t_(ids) {
     check(ids.size() == layout::down_w + 1, "GPT: llama block " + std::to_string(layer) + " without its tensors");
     probe_.window = m.window_of(layer_ - 1);
@@ -80,12 +84,13 @@ class LlamaBlock final : public Layer {
     ops::rmsnorm_forward(n1, rstd1_, x, P(layout::attn_norm_w), N, C);
     n1_.seal(n1, NC);
     ops::linear_forward(math_.forward, qkv_, n1_.read(), W(layout::llama_qkv_w), none, N, C, QKV_);
-    ops::rope_forward(qkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_base(), b.kv ? b.kv->pos0() : 0,
-                      false, m_.rope_position_scale());
+    ops::rope_forward(qkv_, b.B, b.T, NH_, KVH_, m_.head_size(), m_.rope_base(), b.kv ? b.kv->pos0() : 0, false,
+                      m_.rope_position_scale());
     if (first) model_detail::probe_attention(probe_, b, qkv_, m_);
     attend(b);
     float* o = scratch_;  // [N, C], consumed at once by the residual
-    ops::linear_forward(math_.forward, o, atty_, W(layout::llama_proj_w), none, N, C, C);
+    ops::linear_forward(math_.forward, o, atty_, W(layout::llama_proj_w), none, N, A_, C);
+    reduce(o, NC);  // row-parallel: the heads' parts of the output
     float* n2 = n2_.writable(stage_);
     ops::residual_rmsnorm_forward(res2_, n2, rstd2_, x, o, P(layout::mlp_norm_w), N, C);
     n2_.seal(n2, NC);
@@ -97,6 +102,7 @@ class LlamaBlock final : public Layer {
     h_.seal(h, NH);
     float* down = scratch_;
     ops::linear_forward(math_.forward, down, h_.read(), W(layout::down_w), none, N, H, C);
+    reduce(down, NC);
     ops::residual_forward(x_out, res2_, down, static_cast<int64_t>(N) * C);
   }
 
@@ -105,10 +111,9 @@ class LlamaBlock final : public Layer {
     if (b.kv) {
       b.kv->attend(math_.forward, layer_ - 1, qkv_, QKV_, atty_, b.T, probe_.window);
     } else if (m_.attention == Attention::dense) {
-      ops::attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, C_, m_.n_head, m_.n_kv_head);
+      ops::attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, A_, NH_, KVH_);
     } else {
-      ops::flash_attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, C_, m_.n_head, m_.n_kv_head,
-                                   probe_.window);
+      ops::flash_attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, A_, NH_, KVH_, probe_.window);
     }
   }
 
@@ -124,21 +129,22 @@ class LlamaBlock final : public Layer {
     ops::swiglu_backward_input(dgu, dh, gu_.read(), N, H);
     dgu_.seal(dgu, static_cast<int64_t>(N) * 2 * H);
     ops::linear_backward_input(math_.backward, dn2_, dgu, W(layout::gate_up_w), N, C, 2 * H, false);
+    reduce(dn2_, static_cast<int64_t>(N) * C);  // the column-parallel input's gradient
     std::memcpy(dres2_, dx_out, sizeof(float) * N * C);
     ops::rmsnorm_backward_input(dres2_, dn2_, res2_, rstd2_, P(layout::mlp_norm_w), N, C, true);
     // Attention branch: d(o out) = dres2; attention's gradient is w.r.t. the rotated q and k,
     // rotated back before the qkv projection.
     float* datty = scratch_;
-    ops::linear_backward_input(math_.backward, datty, dres2_, W(layout::llama_proj_w), N, C, C, false);
+    ops::linear_backward_input(math_.backward, datty, dres2_, W(layout::llama_proj_w), N, A_, C, false);
     if (m_.attention == Attention::dense) {
-      ops::attention_backward_input(math_.backward, dqkv_, datty, att_, qkv_, b.B, b.T, C, m_.n_head, m_.n_kv_head);
+      ops::attention_backward_input(math_.backward, dqkv_, datty, att_, qkv_, b.B, b.T, A_, NH_, KVH_);
     } else {
-      ops::flash_attention_backward_input(math_.backward, dqkv_, datty, atty_, att_, qkv_, b.B, b.T, C, m_.n_head,
-                                          m_.n_kv_head, probe_.window);
+      ops::flash_attention_backward_input(math_.backward, dqkv_, datty, atty_, att_, qkv_, b.B, b.T, A_, NH_, KVH_,
+                                          probe_.window);
     }
-    ops::rope_forward(dqkv_, b.B, b.T, m_.n_head, m_.n_kv_head, m_.head_size(), m_.rope_base(), 0, true,
-                      m_.rope_position_scale());
+    ops::rope_forward(dqkv_, b.B, b.T, NH_, KVH_, m_.head_size(), m_.rope_base(), 0, true, m_.rope_position_scale());
     ops::linear_backward_input(math_.backward, dn1_, dqkv_, W(layout::llama_qkv_w), N, C, QKV_, false);
+    reduce(dn1_, static_cast<int64_t>(N) * C);
     std::memcpy(dx_in, dres2_, sizeof(float) * N * C);
     ops::rmsnorm_backward_input(dx_in, dn1_, x_in, rstd1_, P(layout::attn_norm_w), N, C, true);
   }
@@ -151,7 +157,7 @@ class LlamaBlock final : public Layer {
     ops::linear_backward_weight(math_.backward, G(layout::down_w), none, dx_out, h_.read(), N, H, C);
     ops::linear_backward_weight(math_.backward, G(layout::gate_up_w), none, dgu_.read(), n2_.read(), N, C, 2 * H);
     ops::rmsnorm_backward_weight(G(layout::mlp_norm_w), dn2_, res2_, rstd2_, N, C);
-    ops::linear_backward_weight(math_.backward, G(layout::llama_proj_w), none, dres2_, atty_, N, C, C);
+    ops::linear_backward_weight(math_.backward, G(layout::llama_proj_w), none, dres2_, atty_, N, A_, C);
     ops::linear_backward_weight(math_.backward, G(layout::llama_qkv_w), none, dqkv_, n1_.read(), N, C, QKV_);
     ops::rmsnorm_backward_weight(G(layout::attn_norm_w), dn1_, x_in, rstd1_, N, C);
   }
@@ -164,8 +170,9 @@ class LlamaBlock final : public Layer {
     const bool full = mode_ == Recompute::full, any = mode_ != Recompute::none;
     n1_.carve(a.at(full), N * C_, bf16_);
     qkv_ = a.at(full).take(N * QKV_);
-    att_ = a.at(any).take(model_detail::attention_floats(m_, B, T));  // probabilities, or log-sum-exp
-    atty_ = a.at(any).take(N * C_);
+    const int64_t rows = static_cast<int64_t>(B) * NH_ * T;  // this rank's heads: probabilities, or log-sum-exp
+    att_ = a.at(any).take(m_.attention == Attention::dense ? rows * T : rows);
+    atty_ = a.at(any).take(N * A_);
     res2_ = a.at(full).take(N * C_);
     n2_.carve(a.at(full), N * C_, bf16_);
     gu_.carve(a.at(full), N * 2 * H_, bf16_);
@@ -188,7 +195,16 @@ class LlamaBlock final : public Layer {
   MathMode math_;         // its products' precision in F and in B, W
   Recompute mode_;        // train.recompute for this block
   AttentionProbe probe_;  // its window (0 = none) and the dynamic window's probe
-  int C_, QKV_, H_;
+  // Tensor parallel (tp_ not null): the block holds its heads' q, k, v rows (its KV heads' too) and
+  // its units' gate and up rows (column-parallel), the matching columns of the output and down
+  // projections (row-parallel, their outputs all-reduced), the norms whole.
+  TensorGroup* tp_;
+  int parts() const { return tp_ ? tp_->size() : 1; }
+  void reduce(float* data, int64_t count) {
+    if (tp_) tp_->allreduce_sum(data, count);
+  }
+  // The residual width, this rank's attention columns (q), heads, KV heads, qkv rows and MLP units.
+  int C_, A_, NH_, KVH_, QKV_, H_;
   std::vector<TensorId> t_;  // the block's tensors, indexed by layout::LlamaBlock
   Stash n1_, n2_, gu_, h_, dgu_;
   float *qkv_ = nullptr, *att_ = nullptr, *atty_ = nullptr, *res2_ = nullptr, *rstd1_ = nullptr, *rstd2_ = nullptr,
@@ -203,8 +219,8 @@ class LlamaBlock final : public Layer {
 
 std::unique_ptr<Layer> make_llama_block(const ModelConfig& m, ChunkStore& store, int layer,
                                         const std::vector<TensorId>& ids, bool bf16, MathMode math,
-                                        Recompute recompute) {
-  return std::make_unique<LlamaBlock>(m, store, layer, ids, bf16, math, recompute);
+                                        Recompute recompute, TensorGroup* tensor) {
+  return std::make_unique<LlamaBlock>(m, store, layer, ids, bf16, math, recompute, tensor);
 }
 
 }  // namespace keel

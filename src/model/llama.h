@@ -14,14 +14,16 @@
 
 #include "core/config.h"
 #include "model/layer.h"
+#include "model/tensor_group.h"
 #include "store/chunk_store.h"
 
 namespace keel {
 
 // ids: the block's tensors in model_layout's order (layout::LlamaBlock). recompute: train.recompute
-// for this block (model/layer.h Layer::recompute).
+// for this block (model/layer.h Layer::recompute). tensor: the tensor group (null: unsplit): the
+// block holds its shard (model_layout's place) and all-reduces over the group (model/tensor_group.h).
 std::unique_ptr<Layer> make_llama_block(const ModelConfig& m, ChunkStore& store, int layer,
                                         const std::vector<TensorId>& ids, bool bf16, MathMode math,
-                                        Recompute recompute = Recompute::none);
+                                        Recompute recompute = Recompute::none, TensorGroup* tensor = nullptr);
 
 }  // namespace keel

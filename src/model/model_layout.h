@@ -1,8 +1,8 @@
 // The layout of a model: every parameter tensor it has (name, shape, store layer, chunk kind,
 // weight decay, replica flag) in the order the model registers them with its chunk store, as a
 // pure function of the model's configuration and of the rank's place in the parallel layout (its
-// pipeline layers now; a tensor or expert shard is a further argument of the same function when
-// those arrive). Nothing is allocated and no layer is built: checkpoints, stage migration, the
+// pipeline layers and its tensor shard; an expert shard is a further argument of the same function
+// when it arrives). Nothing is allocated and no layer is built: checkpoints, stage migration, the
 // partitioner, the simulator and the CLI learn the layout here, and the models register exactly
 // these tensors, in this order (same order, same chunks: checkpoints and hashes follow).
 //
@@ -37,10 +37,35 @@ struct TiedGroup {
   std::vector<int> layers;
 };
 
+// This rank's place in its tensor group (parallel.tensor): shard `rank` of `size` of every split
+// tensor. {0, 1}: the whole model.
+struct TensorPlace {
+  int rank = 0, size = 1;
+};
+
+// How one tensor of the layout is split over the tensor group: along dimension `dim` (-1:
+// replicated, every rank holds it whole), whose whole extent is the sum of `blocks`, each block
+// split evenly in rank order (a fused qkv: q, k and v rows each split, so a rank's shard holds the
+// q, k and v rows of its own heads, in that order). `whole_shape`: the whole model's shape.
+struct TensorShard {
+  int dim = -1;
+  std::vector<int64_t> whole_shape;
+  std::vector<int64_t> blocks;
+  bool split() const { return dim >= 0; }
+};
+
+// Copies between a whole tensor and shard `place` of it (TensorShard's order): slice_shard reads
+// the shard out of `whole`; place_shard writes it into its place in `whole`. A replicated tensor
+// is copied whole.
+void slice_shard(const TensorShard& shard, TensorPlace place, const float* whole, float* out);
+void place_shard(const TensorShard& shard, TensorPlace place, const float* in, float* whole);
+
 struct ModelLayout {
   // In registration order (store layers non-decreasing). Layer ids are the store's (the model's
-  // layer index plus ModelConfig::layer_base).
+  // layer index plus ModelConfig::layer_base). A tensor-parallel rank's shapes are its shard's.
   std::vector<TensorSpec> tensors;
+  std::vector<TensorShard> shards;  // per tensor: how it is split over the tensor group
+  TensorPlace place;
   std::vector<TiedGroup> tied;
   // Index in `tensors` of the tensor named `name`; throws keel::Error naming it when absent.
   int index(const std::string& name) const;
@@ -62,7 +87,14 @@ enum Head : int { norm_w, norm_b, lm_head_w = 1 };  // lm_head_w: llama's untied
 // 0..n_layer+1): the embedding, the blocks, the head, each when its layer is in a range; a rank
 // with the head but not the embedding of a tied model holds the wte replica (TiedGroup), filed
 // under the embedding's layer. Ranges are checked (inside the model, no layer twice): one line.
-ModelLayout model_layout(const ModelConfig& config, std::span<const LayerRange> ranges = {});
+// `place`: the tensor shard (Megatron's layout): column-parallel qkv, fc and gate_up (rows split:
+// heads, hidden units), row-parallel attention and MLP output projections (columns split), the
+// token embedding and LM head split by vocabulary rows; norms, the position table and the biases
+// of row-parallel products replicated. A size that does not divide is refused in one line.
+ModelLayout model_layout(const ModelConfig& config, std::span<const LayerRange> ranges = {}, TensorPlace place = {});
+// Why `config`'s model cannot be split over `tensor` ranks ("" when it can): heads, key/value
+// heads, MLP hidden units and the padded vocabulary must divide evenly.
+std::string tensor_parallel_problem(const ModelConfig& config, int tensor);
 // Which of the decoder's layers `ranges` hold (empty: all), checked as model_layout checks them.
 std::vector<bool> local_layers(const ModelConfig& config, std::span<const LayerRange> ranges);
 

@@ -4,6 +4,7 @@
 
 #include "comm/sharded_params.h"
 #include "comm/sync_policy.h"
+#include "comm/tensor_parallel.h"
 #include "core/error.h"
 #include "model/clip.h"
 #include "pipeline/layout.h"
@@ -14,11 +15,12 @@ namespace keel {
 void resolve_job_config(Config& c, int world_size) {
   c.resolve(world_size);
   const int pp = c.parallel.pipeline;
-  const int data_ranks = world_size / pp;
+  const int data_ranks = world_size / (pp * c.parallel.tensor);
   validate_zero3_config(c, data_ranks);  // first: its refusals name what ZeRO-3 does not combine with
   pipeline::validate_pipeline_config(c.parallel, c.train, c.model.n_layer, world_size);
   validate_sync_config(c.sync, c.model.n_layer, data_ranks > 1 ? c.parallel.zero : 0);
   validate_tier_config(c.tier, c.model.n_layer, data_ranks, c.parallel.zero);
+  validate_tensor_parallel_config(c);  // (before the dual encoder's checks: a CLIP run is refused first)
   validate_clip_config(c);
   check(c.runtime.slow_rank < world_size, "config key 'runtime.slow_rank': expected a world rank below " +
                                               std::to_string(world_size) + " or -1, found " + std::to_string(c.runtime.slow_rank));

@@ -49,10 +49,11 @@ std::unique_ptr<RankModel> RankModel::build(const Config& config, ProcessGroups&
   const bool tiered = tiering_enabled(config.tier);
   Communicator& dp = groups.dp();
   r->store = std::make_unique<ChunkStore>(config.store.chunk_bytes);
+  if (groups.tp() != nullptr) r->tensor_group = std::make_unique<MpiTensorGroup>(*groups.tp());
   const bool bf16 = config.runtime.precision == Precision::bf16;
   r->model = std::make_unique<GPT>(config.model, *r->store, layout ? layout->mine : std::vector<LayerRange>{}, bf16,
                                    MathMode::uniform(bf16 ? MatmulPrecision::bf16 : MatmulPrecision::fp32),
-                                   recompute_plan(config.train, config.model.n_layer));
+                                   recompute_plan(config.train, config.model.n_layer), r->tensor_group.get());
   if (config.runtime.slow_rank == groups.world().rank()) r->model->set_slowdown(config.runtime.slow_factor);
   r->store->set_huge_page_alignment(tiered);
   r->store->finalize(/*touch_params=*/!tiered);
@@ -60,12 +61,13 @@ std::unique_ptr<RankModel> RankModel::build(const Config& config, ProcessGroups&
   build_optimizer_and_sync(*r, config, dp,
                            compressed ? sync_chunk_codecs(config.sync, config.model.n_layer, *r->store)
                                       : std::vector<CodecParams>{});
+  if (groups.tp() != nullptr) r->whole_state = std::make_unique<WholeModelState>(config, *groups.tp(), *r->model);
   if (layout) {
     r->engine = std::make_unique<pipeline::PipelineStep>(config, groups, std::move(*layout), *r->store, *r->model,
                                                          train, *r->sync, *r->optimizer, log_event);
   } else {
     r->engine = std::make_unique<SingleStageStep>(config, dp, *r->store, *r->model, train, *r->sync, *r->optimizer,
-                                                  log_event);
+                                                  log_event, groups.tp());
   }
   attach_tiers(*r, config, groups);
   return r;

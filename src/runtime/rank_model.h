@@ -15,6 +15,7 @@
 #include "comm/process_groups.h"
 #include "comm/sharded_optimizer.h"
 #include "comm/sync_report.h"
+#include "comm/tensor_parallel.h"
 #include "core/config.h"
 #include "core/metrics_source.h"
 #include "core/step_engine.h"
@@ -32,6 +33,7 @@ struct RankModel {
   // Declared in construction order; destroyed in reverse: the tiers drain their transfers into
   // the store before it goes, everything holding leases goes before the tiers.
   std::unique_ptr<ChunkStore> store;
+  std::unique_ptr<MpiTensorGroup> tensor_group;  // parallel.tensor > 1: the model's tensor group
   std::unique_ptr<GPT> model;       // a language model's layers (null for a dual encoder)
   std::unique_ptr<ClipModel> clip;  // a dual encoder's towers (null for a language model)
   std::unique_ptr<ShardedOptimizer> optimizer;
@@ -39,6 +41,8 @@ struct RankModel {
   std::unique_ptr<SyncReport> sync_report;
   std::unique_ptr<StepEngine> engine;
   std::unique_ptr<TieredMemory> tiers;  // null without tiers
+  // parallel.tensor > 1: the whole model's parameters and moments, for checkpoints.
+  std::unique_ptr<WholeModelState> whole_state;
 
   // The layers this rank holds under `layout` (none: the whole model) and everything on them.
   // Nothing initialised: the weights are drawn, loaded or moved in by the caller.

@@ -2,12 +2,21 @@
 
 #include <cmath>
 
+#include "comm/tensor_parallel.h"
+
 namespace keel {
 
 SingleStageStep::SingleStageStep(const Config& config, Communicator& dp, ChunkStore& store, GPT& model,
                                  DataLoader& data, GradSync& sync, ShardedOptimizer& optimizer,
-                                 std::function<void(const nlohmann::json&)> log_event)
-    : config_(config), dp_(dp), store_(store), model_(model), data_(data), sync_(sync), optimizer_(optimizer) {
+                                 std::function<void(const nlohmann::json&)> log_event, Communicator* tensor)
+    : config_(config),
+      dp_(dp),
+      tp_(tensor),
+      store_(store),
+      model_(model),
+      data_(data),
+      sync_(sync),
+      optimizer_(optimizer) {
   model_.allocate(config.train.batch_size, config.train.longest_seq_len());
   if (config.monitor.layer_costs_every > 0) {
     profiler_ = std::make_unique<pipeline::LayerProfiler>(model, nullptr, config.monitor.layer_costs_every,
@@ -45,7 +54,8 @@ StepResult SingleStageStep::run(int64_t step, double lr) {
   double sums[2] = {loss_sum, sharded ? optimizer_.local_grad_squares() : 0.0};
   if (world > 1) dp_.allreduce_sum(sums, 2);
   r.loss = sums[0] / world / t.grad_accum;
-  r.grad_norm = std::sqrt(sharded ? sums[1] : optimizer_.local_grad_squares());
+  // Tensor parallel: the group's shards make the whole model's norm (comm/tensor_parallel.h).
+  r.grad_norm = std::sqrt(sharded ? sums[1] : tp_ ? tensor_grad_squares(model_, *tp_) : optimizer_.local_grad_squares());
   if (optimizer_.accept(step, r.loss, r.grad_norm)) optimizer_.step(lr, step + 1, optimizer_.clip_for(r.grad_norm));
   if (profiler_) profiler_->after_step(step + 1, T, t.batch_size, t.grad_accum, nullptr, -1);
   return r;

@@ -49,7 +49,7 @@ double peak_rss_mb() {
 }  // namespace
 
 Trainer::Trainer(Config config, Communicator& comm)
-    : config_(std::move(config)), groups_(comm, config_.parallel.pipeline), metrics_(config_, comm) {
+    : config_(std::move(config)), groups_(comm, config_.parallel.pipeline, config_.parallel.tensor), metrics_(config_, comm) {
   if (config_.runtime.threads > 0) omp_set_num_threads(config_.runtime.threads);
   float_mode_.emplace(config_.runtime.flush_denormals);
   check_blas();
@@ -65,8 +65,10 @@ Trainer::Trainer(Config config, Communicator& comm)
   for (MetricsSource* source : rank_->sources()) metrics_.add_source(source);
   if (rank_->tiers) hooks_.push_back(rank_->tiers.get());
   // After the tiers: a tiered run's checkpoints stream from them (no snapshot buffers).
-  checkpointer_ = std::make_unique<Checkpointer>(config_, comm, *rank_->store, *rank_->sync, peaks_.peak_gflops, log);
+  ChunkStore& written = rank_->whole_state ? rank_->whole_state->store() : *rank_->store;  // tensor parallel: whole
+  checkpointer_ = std::make_unique<Checkpointer>(config_, comm, written, *rank_->sync, peaks_.peak_gflops, log);
   checkpointer_->set_carried_state(rank_->engine->carried_state());
+  checkpointer_->set_whole_state(rank_->whole_state.get());
   resume_or_init();
   if (m.dynamic_window()) {  // after resuming (it goes on with the checkpoint's windows); first of the hooks:
     // its probe passes (the first validation window) come before the step the tiers record as a schedule.

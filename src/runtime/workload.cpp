@@ -71,7 +71,9 @@ class LanguageModel final : public Workload {
     for (int i = 0; i < batches; ++i) sum += rank.engine->forward_loss(val_->window(i, T));
     // With a pipeline only the last stage's ranks hold losses.
     Evaluation e;
-    e.loss = groups_.world().allreduce_sum(sum) / (static_cast<double>(batches) * groups_.dp().size());
+    // (every rank of a tensor group holds its replica's loss)
+    e.loss = groups_.world().allreduce_sum(sum) /
+             (static_cast<double>(batches) * groups_.dp().size() * groups_.tensor_size());
     char text[96];
     std::snprintf(text, sizeof text, "val loss %.4f | val ppl %.2f", e.loss, std::exp(e.loss));
     e.fields = {{"val_loss", e.loss}, {"val_ppl", std::exp(e.loss)}};
@@ -87,6 +89,12 @@ class LanguageModel final : public Workload {
                 rank.store->chunks().size(), t.batch_size, t.seq_len, t.grad_accum, groups_.dp().size(),
                 omp_get_max_threads());
     if (!t.seq_len_schedule.empty()) std::printf("keel: sequence-length curriculum: %s\n", t.describe_seq_lens().c_str());
+    if (rank.whole_state) {
+      std::printf("keel: tensor parallel over %d ranks (data %d x pipeline %d x tensor %d): %.2fM of the model's %.2fM "
+                  "parameters on each\n",
+                  groups_.tensor_size(), groups_.dp().size(), config_.parallel.pipeline, groups_.tensor_size(),
+                  rank.store->param_count() / 1e6, rank.whole_state->store().param_count() / 1e6);
+    }
     const GPT& g = *rank.model;
     std::printf("keel: activations (train.recompute = %s, blocks %s): %.1f MB per micro-batch in flight x %d, "
                 "%.1f MB recomputed set, %.1f MB in all\n",
@@ -111,6 +119,13 @@ class LanguageModel final : public Workload {
   void print_samples(RankModel& rank) override {
     const Tokenizer* tok = tokenizer_ ? &*tokenizer_ : nullptr;
     if (!rank.model->whole() || !tok || !tok->can_encode() || config_.train.sample_tokens == 0) return;
+    if (groups_.tensor_size() > 1) {
+      if (groups_.world().is_root()) {
+        std::printf("keel: no text samples with parallel.tensor > 1 (generation runs one rank's whole model: "
+                    "`keel generate` from the checkpoint)\n");
+      }
+      return;
+    }
     rank.optimizer->gather_whole_model();  // ZeRO-3 (every rank): rank 0 runs the model alone
     if (!groups_.world().is_root()) return;
     Rng rng(config_.train.seed ^ 0xC0FFEEull);

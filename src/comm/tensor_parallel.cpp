@@ -1,0 +1,123 @@
+#include "comm/tensor_parallel.h"
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <span>
+
+#include "core/error.h"
+#include "model/model_layout.h"
+#include "store/placement.h"
+
+namespace keel {
+
+void MpiTensorGroup::allreduce_sum(float* data, int64_t count) { comm_.allreduce_sum(data, static_cast<size_t>(count)); }
+
+void MpiTensorGroup::allreduce_max(float* data, int64_t count) {
+  scratch_.assign(data, data + count);
+  comm_.allreduce_max(scratch_.data(), static_cast<size_t>(count));
+  std::copy(scratch_.begin(), scratch_.end(), data);  // (maxima of floats: exact in double)
+}
+
+void validate_tensor_parallel_config(const Config& c) {
+  const int T = c.parallel.tensor;
+  if (T <= 1) return;
+  const std::string found = std::to_string(T);
+  check(!c.clip.enabled(), "config key 'parallel.tensor': expected 1 with clip.image_tower (a dual encoder's towers "
+                           "are not split over ranks), found " + found);
+  const std::string problem = tensor_parallel_problem(c.model, T);
+  check(problem.empty(), "config key 'parallel.tensor': " + problem + ", found " + found);
+  // Not yet combined with tensor parallelism (each a later piece of work, not a silent fallback).
+  auto not_yet = [&](bool ok, const std::string& key, const std::string& value) {
+    check(ok, "config key '" + key + "': expected its default with parallel.tensor > 1 (not yet supported together), "
+              "found " + value);
+  };
+  not_yet(c.parallel.pipeline == 1, "parallel.pipeline", std::to_string(c.parallel.pipeline));
+  not_yet(c.parallel.zero == 0, "parallel.zero", std::to_string(c.parallel.zero));
+  not_yet(c.sync.codec == SyncCodec::none, "sync.codec", "\"" + std::string(to_string(c.sync.codec)) + "\"");
+  not_yet(!tiering_enabled(c.tier), "tier.device_mib", std::to_string(c.tier.device_mib));
+  not_yet(c.checkpoint.memory_every == 0, "checkpoint.memory_every", std::to_string(c.checkpoint.memory_every));
+  not_yet(!c.model.dynamic_window(), "model.attention_window", "\"" + c.model.attention_window + "\"");
+}
+
+double tensor_grad_squares(GPT& model, Communicator& tensor) {
+  ChunkStore& store = model.store();
+  const ModelLayout& layout = model.layout();
+  double sums[2] = {0, 0};  // split tensors (this rank's shard), replicated ones
+  for (size_t k = 0; k < layout.tensors.size(); ++k) {
+    if (layout.tensors[k].replica) continue;  // counted at home
+    const PageLease use = store.use_tensor(model.tensor_ids()[k], {Plane::grad});
+    double s = 0;
+    for (float g : store.view(model.tensor_ids()[k], Plane::grad)) s += static_cast<double>(g) * g;
+    sums[layout.shards[k].split() ? 0 : 1] += s;
+  }
+  return tensor.allreduce_sum(sums[0]) + sums[1];
+}
+
+WholeModelState::WholeModelState(const Config& config, Communicator& tensor, GPT& model)
+    : tensor_(tensor), model_(model), whole_(std::make_unique<ChunkStore>(config.store.chunk_bytes)) {
+  check(model.whole(), "tensor parallelism: the whole model's state of a pipeline stage");
+  whole_ids_ = register_layout(*whole_, model_layout(config.model));
+  whole_->finalize(/*touch_params=*/false);
+}
+
+void WholeModelState::gather() {
+  ChunkStore& shards = model_.store();
+  shards.apply_pending();
+  const ModelLayout& layout = model_.layout();
+  const int T = tensor_.size();
+  for (size_t k = 0; k < layout.tensors.size(); ++k) {
+    const TensorShard& shard = layout.shards[k];
+    const TensorId mine = model_.tensor_ids()[k];
+    for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+      std::span<const float> part = std::as_const(shards).view(mine, plane);
+      std::span<float> whole = whole_->view(whole_ids_[k], plane);
+      if (!shard.split()) {
+        std::copy(part.begin(), part.end(), whole.begin());
+        continue;
+      }
+      const int n = static_cast<int>(part.size());
+      buffer_.resize(static_cast<size_t>(n) * T);
+      std::copy(part.begin(), part.end(), buffer_.begin() + static_cast<int64_t>(n) * tensor_.rank());
+      std::vector<int> counts(T, n), displs(T);
+      for (int r = 0; r < T; ++r) displs[r] = r * n;
+      tensor_.allgatherv(buffer_.data(), counts, displs);
+      for (int r = 0; r < T; ++r) place_shard(shard, TensorPlace{r, T}, buffer_.data() + displs[r], whole.data());
+    }
+  }
+  // Replicated tensors (norms, biases of row-parallel products, the position table) see the same
+  // gradients on every rank of the group by construction, hence the same updates: checked here,
+  // at every checkpoint, on a hash of their bits (two 32-bit halves: exact in double).
+  uint64_t hash = 1469598103934665603ull;
+  for (size_t k = 0; k < layout.tensors.size(); ++k) {
+    if (layout.shards[k].split()) continue;
+    for (float v : std::as_const(shards).view(model_.tensor_ids()[k], Plane::param)) {
+      hash = (hash ^ std::bit_cast<uint32_t>(v)) * 1099511628211ull;
+    }
+  }
+  double halves[4] = {static_cast<double>(hash >> 32), static_cast<double>(hash & 0xffffffffu),
+                      -static_cast<double>(hash >> 32), -static_cast<double>(hash & 0xffffffffu)};
+  tensor_.allreduce_max(halves, 4);
+  check(halves[0] == -halves[2] && halves[1] == -halves[3],
+        "tensor parallelism: the replicated parameters (norms, biases, position table) differ between the ranks of a "
+        "tensor group");
+  uint64_t version = 0;
+  for (const Chunk& c : shards.chunks()) version = std::max(version, c.version);
+  for (const Chunk& c : whole_->chunks()) whole_->set_version(c.id, version);
+}
+
+void WholeModelState::scatter() {
+  ChunkStore& shards = model_.store();
+  const ModelLayout& layout = model_.layout();
+  for (size_t k = 0; k < layout.tensors.size(); ++k) {
+    for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+      std::span<const float> whole = std::as_const(*whole_).view(whole_ids_[k], plane);
+      slice_shard(layout.shards[k], layout.place, whole.data(), shards.view(model_.tensor_ids()[k], plane).data());
+    }
+  }
+  uint64_t version = 0;
+  for (const Chunk& c : whole_->chunks()) version = std::max(version, c.version);
+  for (const Chunk& c : shards.chunks()) shards.set_version(c.id, version);
+}
+
+}  // namespace keel

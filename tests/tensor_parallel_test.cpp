@@ -1,0 +1,167 @@
+// Tensor parallelism (parallel.tensor) over OpenMPI, through the keel binary as a user runs it:
+// T ranks splitting every layer train what one rank trains with the same batch (losses within
+// 1e-5 relative over 20 steps, weights within 1e-5), alone and beside data parallelism; the
+// checkpoints hold the whole model's layout, so a run resumes on another tensor size; layouts and
+// models that cannot be split are refused in one line.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "core/fileio.h"
+#include "test_util.h"
+#include "toy_runs.h"
+
+namespace keel {
+namespace {
+
+using testing::run_keel;
+
+class TensorParallel : public testing::ToyRuns {
+ protected:
+  TensorParallel() : ToyRuns("keel-tp") {}
+  // Losses within 1e-5 relative of `reference`'s, step by step, and weights within 1e-5.
+  void expect_same_training(const std::string& reference, const std::string& run) {
+    const std::vector<double> want = losses(reference), got = losses(run);
+    ASSERT_EQ(got.size(), want.size()) << run;
+    for (size_t s = 0; s < got.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-5 * want[s]) << run << " step " << s + 1;
+    const auto distance = testing::weight_distance(dir / (reference + "/ckpt"), dir / (run + "/ckpt"));
+    EXPECT_FALSE(distance.empty());
+    for (const auto& [name, d] : distance) EXPECT_LT(d, 1e-5) << run << ": " << name;
+  }
+};
+
+TEST_F(TensorParallel, TensorRanksTrainWhatOneRankTrains) {
+  ASSERT_EQ(train(0, 8, "one").exit_code, 0);
+  ASSERT_EQ(losses("one").size(), 20u);
+  // T = 2 and T = 4 (oversubscribed) with the whole batch; data 2 x tensor 2 with half of it each.
+  for (const auto& [ranks, batch, tensor] : {std::tuple{2, 8, 2}, std::tuple{4, 8, 4}, std::tuple{4, 4, 2}}) {
+    const std::string run = "d" + std::to_string(ranks / tensor) + "t" + std::to_string(tensor);
+    auto r = train(ranks, batch, run, "--set parallel.tensor=" + std::to_string(tensor));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("tensor parallel over " + std::to_string(tensor) + " ranks (data " +
+                            std::to_string(ranks / tensor) + " x pipeline 1 x tensor " + std::to_string(tensor) + ")"),
+              std::string::npos)
+        << r.output;
+    expect_same_training("one", run);
+  }
+}
+
+// llama: grouped-query attention with its key/value heads split (4 heads, 2 KV heads), the fused
+// gate_up split so each rank holds matching gate and up rows, an untied LM head split by vocabulary.
+TEST_F(TensorParallel, LlamaTensorRanksTrainWhatOneRankTrains) {
+  const std::string llama = "--set model.family=llama --set model.n_kv_head=2 --set model.tie_embeddings=false ";
+  ASSERT_EQ(train(0, 8, "one", llama).exit_code, 0);
+  ASSERT_EQ(losses("one").size(), 20u);
+  for (const auto& [ranks, batch, tensor] : {std::tuple{2, 8, 2}, std::tuple{4, 4, 2}}) {
+    const std::string run = "d" + std::to_string(ranks / tensor) + "t" + std::to_string(tensor);
+    auto r = train(ranks, batch, run, llama + "--set parallel.tensor=" + std::to_string(tensor));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    expect_same_training("one", run);
+    const auto distance = testing::weight_distance(dir / "one/ckpt", dir / (run + "/ckpt"));
+    EXPECT_TRUE(distance.contains("h.0.mlp.gate_up.w") && distance.contains("lm_head.w")) << run;
+  }
+}
+
+// Composition: activation recomputation (full and selective: a recomputed forward repeats its
+// all-reduces on every rank) trains what one rank trains with the same setting; the final
+// evaluation runs, and one process evaluates the checkpoint (the whole model's layout).
+TEST_F(TensorParallel, ComposesWithRecomputationAndEval) {
+  for (const std::string setting : {"full", "selective"}) {
+    const std::string extra = "--set train.steps=8 --set train.recompute=" + setting + " ";
+    ASSERT_EQ(train(0, 8, "one" + setting, extra).exit_code, 0);
+    auto r = train(2, 8, "t2" + setting, extra + "--set parallel.tensor=2");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("val loss"), std::string::npos) << r.output;
+    expect_same_training("one" + setting, "t2" + setting);
+  }
+  auto e = run_keel("eval --checkpoint " + dir / "t2full/ckpt" + " --data " + dir / "val.bin" + " --batch 2 --seq 32");
+  EXPECT_EQ(e.exit_code, 0) << e.output;
+  EXPECT_NE(e.output.find("loss"), std::string::npos) << e.output;
+}
+
+// bf16 products: each rank multiplies its shard's bf16 copies of the weights with the same bf16
+// inputs as one rank, but a row-parallel product's float32 partial sums are added in another
+// order, and the differences, once in the weights, change their bf16 rounding: the trajectory
+// agrees to bf16's precision, not float32's (losses within 1e-4 relative over 8 steps, weights
+// within 1e-2).
+TEST_F(TensorParallel, Bf16TrainsWhatOneRankTrainsToBf16Precision) {
+  const std::string bf16 = "--set train.steps=8 --set runtime.precision=bf16 ";
+  ASSERT_EQ(train(0, 8, "one", bf16).exit_code, 0);
+  auto r = train(2, 8, "t2", bf16 + "--set parallel.tensor=2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::vector<double> want = losses("one"), got = losses("t2");
+  ASSERT_EQ(got.size(), 8u);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t s = 0; s < got.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-4 * want[s]) << "step " << s + 1;
+  for (const auto& [name, d] : testing::weight_distance(dir / "one/ckpt", dir / "t2/ckpt")) EXPECT_LT(d, 1e-2) << name;
+}
+
+// The checkpoint is the whole model's (gathered from the shards): a T = 2 run resumed on T = 2
+// continues to the bytes of the uninterrupted run, and one rank and two tensor ranks take up each
+// other's checkpoints.
+TEST_F(TensorParallel, CheckpointsHoldTheWholeModelAndResumeOnAnyTensorSize) {
+  const std::string t2 = "--set parallel.tensor=2 ";
+  ASSERT_EQ(train(2, 8, "straight", t2 + "--set train.steps=12").exit_code, 0);
+  ASSERT_EQ(train(2, 8, "half", t2 + "--set train.steps=6").exit_code, 0);
+  auto r = train(2, 8, "resumed", t2 + "--set train.steps=12 --set train.resume=" + dir / "half/ckpt");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(testing::checkpoint_bytes(dir / "straight/ckpt"), testing::checkpoint_bytes(dir / "resumed/ckpt"));
+  EXPECT_EQ(testing::checkpoint_bytes(dir / "straight/ckpt", Plane::adam_v),
+            testing::checkpoint_bytes(dir / "resumed/ckpt", Plane::adam_v));
+  // T = 2's checkpoint on one rank, and one rank's on T = 2: the one-rank run's weights.
+  ASSERT_EQ(train(0, 8, "one", "--set train.steps=12").exit_code, 0);
+  ASSERT_EQ(train(0, 8, "one_half", "--set train.steps=6").exit_code, 0);
+  // (The data position carries over: a replica reads windows of train.batch_size sequences either way.)
+  r = train(0, 8, "on_one", "--set train.steps=12 --set train.resume=" + dir / "half/ckpt");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("resuming with data windows"), std::string::npos) << r.output;
+  r = train(2, 8, "on_two", t2 + "--set train.steps=12 --set train.resume=" + dir / "one_half/ckpt");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("resuming with data windows"), std::string::npos) << r.output;
+  for (const char* run : {"on_one", "on_two", "straight"}) {
+    for (const auto& [name, d] : testing::weight_distance(dir / "one/ckpt", dir / (std::string(run) + "/ckpt"))) {
+      EXPECT_LT(d, 1e-5) << run << ": " << name;
+    }
+  }
+}
+
+TEST_F(TensorParallel, LayoutsAndModelsThatCannotBeSplitAreRefusedInOneLine) {
+  auto refused = [](const testing::CommandResult& r, const std::string& needle) {
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find(needle), std::string::npos) << r.output;
+  };
+  // The toy model: 4 heads, 256 MLP units, vocabulary 64 padded to 128.
+  refused(train(3, 8, "x", "--set parallel.tensor=3"), "config key 'parallel.tensor': expected a divisor of the "
+                                                       "model's attention heads, model.n_head (4), found 3");
+  refused(train(3, 8, "x", "--set parallel.tensor=2"), "config key 'parallel.tensor': expected pipeline x tensor (1 x 2) "
+                                                       "dividing the 3 rank(s) of this job");
+  refused(train(4, 8, "x", "--set parallel.tensor=2 --set parallel.data=1"), "parallel.data");
+  refused(train(2, 8, "x", "--set parallel.tensor=2 --set parallel.zero=1"),
+          "config key 'parallel.zero': expected its default with parallel.tensor > 1 (not yet supported together), "
+          "found 1");
+  refused(train(2, 8, "x", "--set parallel.tensor=2 --set parallel.pipeline=2"), "parallel.tensor");
+  // Configurations alone (no job started): the hidden size, key/value heads, vocabulary, a dual encoder, llama.
+  auto refusal = [](std::vector<std::string> sets, int world) { return testing::config_refusal(sets, world); };
+  EXPECT_NE(refusal({"model.preset=tiny", "model.n_head=4", "model.n_embd=64", "parallel.tensor=8"}, 8)
+                .find("expected a divisor of the model's attention heads, model.n_head (4), found 8"),
+            std::string::npos);
+  auto refuses = [&](std::vector<std::string> sets, int world, const std::string& needle) {
+    const std::string why = refusal(sets, world);
+    EXPECT_NE(why.find(needle), std::string::npos) << why;
+  };
+  // 3 heads of 16: the vocabulary (64, padded to 128 rows) does not split in 3.
+  refuses({"model.preset=tiny", "model.vocab_size=64", "model.n_head=3", "model.n_embd=48", "parallel.tensor=3"}, 3,
+          "config key 'parallel.tensor': expected a divisor of the model's padded vocabulary, model.vocab_size rounded "
+          "up (128), found 3");
+  refuses({"model.family=llama", "model.preset=tiny", "model.n_head=4", "model.n_kv_head=1", "model.n_embd=64",
+           "parallel.tensor=2"}, 2, "key/value heads, model.n_kv_head (1), found 2");
+  refuses({"model.family=llama", "model.preset=tiny", "model.n_head=4", "model.n_embd=64", "model.ffn_hidden=171",
+           "parallel.tensor=2"}, 2, "MLP hidden units (171), found 2");
+  refuses({"model.preset=tiny", "parallel.tensor=2", "clip.image_tower=resnet18"}, 2,
+          "config key 'parallel.tensor': expected 1 with clip.image_tower");
+  EXPECT_EQ(refusal({"model.preset=tiny", "parallel.tensor=2"}, 2), "");
+  EXPECT_EQ(refusal({"model.preset=tiny", "parallel.tensor=2"}, 4), "");  // data 2 x tensor 2
+}
+
+}  // namespace
+}  // namespace keel
