@@ -14,7 +14,6 @@
 #include <netinet/in.h>
 #include <unistd.h>
 
-#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -168,12 +167,7 @@ class SlurmCluster {
   // Polls `ready` every 50 ms for up to `seconds` (a bound on a hang, not a timing assertion).
   template <typename Ready>
   static bool poll(Ready ready, double seconds = 60) {
-    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-    while (!ready()) {
-      if (std::chrono::steady_clock::now() >= until) return false;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    return true;
+    return testing::poll_until(ready, seconds, 50);
   }
 
   // A daemon in the foreground, its output in dir/NAME.out, ended with this process.
@@ -287,7 +281,8 @@ class Slurm : public ::testing::Test {
 };
 
 // Two ranks, data-parallel: Slurm's tasks are the ranks of one job (trained alone, each task
-// would end with other weights), under srun and under sbatch as under keel launch.
+// would end with other weights), under srun and under sbatch as under keel launch, and keel
+// launch itself inside an sbatch allocation.
 TEST_F(Slurm, DataParallelJobUnderSrunAndSbatchEqualsKeelLaunch) {
   const std::string toy = "train --config " + dir / "toy.toml" + " ";
   auto launched = testing::run_keel("launch -n 2 -- " + toy + run_args("launch"));
@@ -302,18 +297,27 @@ TEST_F(Slurm, DataParallelJobUnderSrunAndSbatchEqualsKeelLaunch) {
   expect_same_job("launch", "sbatch");
   EXPECT_EQ(layout("sbatch")["ranks"], 2) << layout("sbatch").dump();
   EXPECT_EQ(layout("sbatch")["data"], 2) << layout("sbatch").dump();
+
+  // keel launch inside an allocation: its ranks are mpirun's, whatever SLURM_* they inherit.
+  r = run_command(cluster.env() + "sbatch --wait --ntasks=2 --output=" + dir / "inside.out" + " --wrap '" +
+                  KEEL_BINARY + " launch -n 2 -- " + toy + run_args("inside") + "'");
+  ASSERT_EQ(r.exit_code, 0) << r.output << read_text_file(dir / "inside.out");
+  expect_same_job("launch", "inside");
 }
 
-// Data 2 x pipeline 2: four tasks, rank r = task r.
+// Data 2 x pipeline 2: four tasks, rank r = task r (rank = replica x 2 + stage), under srun and sbatch.
 // (Data x tensor joins here once the mesh has its tensor dimension: the same three runs with
 // --set parallel.tensor=2.)
-TEST_F(Slurm, DataTimesPipelineJobUnderSrunEqualsKeelLaunch) {
+TEST_F(Slurm, DataTimesPipelineJobUnderSrunAndSbatchEqualsKeelLaunch) {
   const std::string layout = "--set parallel.pipeline=2 --set parallel.data=2";
   auto launched = testing::run_keel("launch -n 4 -- train --config " + dir / "toy.toml" + " " + run_args("launch", layout));
   ASSERT_EQ(launched.exit_code, 0) << launched.output;
   auto r = run_command(srun_command(4, run_args("srun", layout)));
   ASSERT_EQ(r.exit_code, 0) << r.output << cluster.log("slurmd.log");
   expect_same_job("launch", "srun");
+  r = run_sbatch("sbatch", 4, run_args("sbatch", layout));
+  ASSERT_EQ(r.exit_code, 0) << r.output << cluster.log("slurmctld.log");
+  expect_same_job("launch", "sbatch");
 }
 
 // A step or allocation whose task count does not fit parallel.data x parallel.pipeline: one line
