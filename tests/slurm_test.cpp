@@ -339,6 +339,13 @@ TEST_F(Slurm, TaskCountNotFittingTheLayoutIsRefusedInOneLine) {
   EXPECT_TRUE(contains(odd[0], "step of 3 tasks (SLURM_STEP_NUM_TASKS): expected a multiple of parallel.pipeline = 2"))
       << odd[0];
   EXPECT_FALSE(fs::exists(dir / "odd/metrics.jsonl"));
+
+  // Any other refusal for the step's world size is said once too.
+  r = run_command(srun_command(2, run_args("slow", "--set runtime.slow_rank=2")));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  const std::vector<std::string> slow = keel_lines(r.output);
+  ASSERT_EQ(slow.size(), 1u) << r.output;
+  EXPECT_TRUE(contains(slow[0], "config key 'runtime.slow_rank': expected a world rank below 2")) << slow[0];
 }
 
 // Without PMIx each task would train a job of its own (or fail inside MPI_Init): refused in one line.
@@ -361,7 +368,8 @@ TEST_F(Slurm, StepWithoutPmixIsRefusedInOneLine) {
   EXPECT_EQ(r.exit_code, 2) << r.output;
   const std::string out = read_text_file(dir / "alone.out");
   EXPECT_EQ(testing::count_lines(out), 1) << out;
-  EXPECT_TRUE(contains(out, "keel train runs as the batch script itself, one process in an allocation of 2 tasks"))
+  EXPECT_TRUE(contains(out, "keel train runs outside a job step (as the batch script, or in an salloc shell), one "
+                            "process in an allocation of 2 tasks (SLURM_NTASKS); start it with srun --mpi=pmix"))
       << out;
 }
 

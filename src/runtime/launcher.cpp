@@ -21,6 +21,7 @@
 #include "core/error.h"
 #include "core/fileio.h"
 #include "kernels/cpu/blas.h"
+#include "runtime/job_config.h"
 
 namespace keel {
 
@@ -411,8 +412,8 @@ void check_slurm_train_start(const SlurmTask& s, const Config& config) {
   if (s.job_id.empty() || s.under_mpirun) return;
   const std::string job = "Slurm job " + s.job_id;
   if (s.step_tasks == 0) {
-    check(s.job_tasks <= 1, job + ": keel train runs as the batch script itself, one process in an allocation of " +
-                                std::to_string(s.job_tasks) +
+    check(s.job_tasks <= 1, job + ": keel train runs outside a job step (as the batch script, or in an salloc shell), "
+                                "one process in an allocation of " + std::to_string(s.job_tasks) +
                                 " tasks (SLURM_NTASKS); start it with srun --mpi=pmix keel train ... (scripts/keel.sbatch)");
     return;
   }
@@ -437,6 +438,9 @@ void check_slurm_train_start(const SlurmTask& s, const Config& config) {
           step + ": expected a multiple of parallel.pipeline = " + std::to_string(replica_ranks) +
               " tasks (world = data x pipeline); start srun with -n a multiple of " + std::to_string(replica_ranks));
   }
+  // Every other refusal for this world size, said here once rather than by every rank.
+  Config resolved = config;
+  resolve_job_config(resolved, s.step_tasks);
   ::setenv("PMIX_MCA_gds", "hash", 0);  // silences harmless PMIx shared-memory warnings (as keel launch)
   // As keel launch: without an RDMA device UCX and libfabric only slow MPI_Init down.
   if (!rdma_devices_present()) ::setenv("OMPI_MCA_pml", "ob1", 0);

@@ -85,10 +85,11 @@ SlurmTask slurm_task();
 //   - an srun step of several tasks without PMIx (srun --mpi=none or pmi2: OpenMPI 4 as Debian
 //     builds it, and OpenMPI 5 always, join a Slurm step through PMIx only; without it each task
 //     would train alone);
-//   - `keel train` run as the batch script itself in an allocation of several tasks (one process,
-//     where srun would start them all);
+//   - `keel train` run outside a job step (the batch script itself, an salloc shell) in an
+//     allocation of several tasks (one process, where srun would start them all);
 //   - a step whose task count does not fit the configured layout (parallel.data x
-//     parallel.pipeline), named with the srun option that fixes it.
+//     parallel.pipeline), named with the srun option that fixes it;
+//   - whatever else resolve_job_config refuses for a world of the step's tasks.
 // Also sets what `keel launch` passes to its ranks where the caller has not (PMIX_MCA_gds=hash;
 // OpenMPI's ob1 messaging without an RDMA device). Does nothing outside Slurm or under mpirun.
 void check_slurm_train_start(const SlurmTask& slurm, const Config& config);
