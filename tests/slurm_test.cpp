@@ -14,6 +14,7 @@
 #include <netinet/in.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -82,6 +83,7 @@ class SlurmCluster {
 
   // Starts the daemons and waits until sinfo shows the node idle; "" on success, else what failed.
   std::string start() {
+    end_leftovers();
     const std::string munge = dir_ + "/munge";
     fs::create_directories(munge);
     fs::permissions(munge, fs::perms::owner_all);
@@ -131,7 +133,7 @@ class SlurmCluster {
   }
 
   // The environment prefix of a command that talks to this cluster.
-  std::string env() const { return "SLURM_CONF=" + conf() + " "; }
+  std::string env() const { return "SLURM_CONF=" + conf() + " " + owner_mark() + " "; }
 
   // Ends every job, then the daemons, and removes nothing (the caller's TempDir does).
   void stop() {
@@ -170,15 +172,58 @@ class SlurmCluster {
     return testing::poll_until(ready, seconds, 50);
   }
 
+  // Every process of this cluster carries this in its environment: the daemons, and through the
+  // commands' environment (env()) sbatch, srun and the job's tasks. (slurmstepd overwrites its
+  // environment with its title; it is known by its log, open in the cluster's directory.)
+  static std::string owner_mark() { return "KEEL_SLURM_TEST_OWNER=" + std::to_string(::getpid()); }
+
+  // A test process killed outright (a ctest timeout) cannot stop its cluster: its daemons die with
+  // it (PR_SET_PDEATHSIG), but sbatch, srun, slurmstepd and the job's tasks, and the state
+  // directory, stay. Ends every process of a cluster whose owner no longer runs, and removes its
+  // directory (TempDir's: /tmp/keel-slurm-PID-N).
+  static void end_leftovers() {
+    auto gone = [](const std::string& pid) {
+      return !pid.empty() && pid.find_first_not_of("0123456789") == std::string::npos && ::kill(std::stoi(pid), 0) != 0 &&
+             errno == ESRCH;
+    };
+    const std::string mark = "KEEL_SLURM_TEST_OWNER=", dir = (fs::temp_directory_path() / "keel-slurm-").string();
+    // The owner a process belongs to, by its environment or by a file it holds open; "" = none.
+    auto owner = [&](const fs::path& proc) -> std::string {
+      std::ifstream in(proc / "environ", std::ios::binary);
+      for (std::string var; std::getline(in, var, '\0');) {
+        if (var.starts_with(mark)) return var.substr(mark.size());
+      }
+      std::error_code ec;
+      for (const fs::directory_entry& fd : fs::directory_iterator(proc / "fd", ec)) {
+        const std::string target = fs::read_symlink(fd.path(), ec).string();
+        if (!ec && target.starts_with(dir)) return target.substr(dir.size(), target.find('-', dir.size()) - dir.size());
+      }
+      return "";
+    };
+    std::error_code ec;
+    for (const fs::directory_entry& e : fs::directory_iterator("/proc", ec)) {
+      const std::string pid = e.path().filename();
+      if (pid.find_first_not_of("0123456789") == std::string::npos && gone(owner(e.path()))) ::kill(std::stoi(pid), SIGKILL);
+    }
+    for (const fs::directory_entry& e : fs::directory_iterator(fs::temp_directory_path(), ec)) {
+      const std::string path = e.path().string();
+      if (path.starts_with(dir) && gone(path.substr(dir.size(), path.find('-', dir.size()) - dir.size()))) {
+        fs::remove_all(e.path(), ec);
+      }
+    }
+  }
+
   // A daemon in the foreground, its output in dir/NAME.out, ended with this process.
   pid_t spawn(const std::vector<std::string>& args) {
     const std::string out = dir_ + "/" + args[0] + ".out";
     const pid_t parent = ::getpid();
+    const std::string mark = owner_mark();
     const pid_t child = ::fork();
     if (child == 0) {
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (::getppid() != parent) ::_exit(1);
       ::setsid();
+      ::putenv(const_cast<char*>(mark.c_str()));
       std::FILE* f = std::fopen(out.c_str(), "w");
       if (f != nullptr) {
         ::dup2(::fileno(f), STDOUT_FILENO);
