@@ -16,6 +16,7 @@ packages=(
   prometheus-cpp-dev prometheus         # the metrics endpoint; a real Prometheus server in its test
   chromium                              # a real browser opens `keel report` in its test
   openmpi-bin libopenmpi-dev            # the distributed engine: every byte between ranks
+  slurm-wlm munge                       # Slurm (slurmctld, slurmd, srun, sbatch; its PMIx plugin) and its authentication: slurm_test starts a real one
   iproute2 procps                       # network namespaces for multi-host tests; pgrep
   fortunes fortunes-min                 # the default training corpus: real English text
   libpng-dev libjpeg-dev                # image decoding for image-caption datasets (keel data images)

@@ -155,6 +155,18 @@ struct CommandResult {
   std::string output;  // stdout and stderr together
 };
 
+// Calls `ready` every `every_ms` until it returns true (then true) or `seconds` have passed (then
+// false): a bound on a hang, never a timing assertion.
+template <typename Ready>
+bool poll_until(Ready ready, double seconds, int every_ms = 20) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (!ready()) {
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(every_ms));
+  }
+  return true;
+}
+
 // Runs a shell command, capturing its output.
 inline CommandResult run_command(const std::string& command) {
   CommandResult r;

@@ -261,6 +261,16 @@ Config load_train_config(const Args& a) {
 }
 
 int cmd_train(const Args& a) {
+  // A task of a Slurm job: what would fail inside MPI_Init or train the wrong job is refused before
+  // MPI is joined, said once (by task 0) while every task exits 2.
+  if (const SlurmTask slurm = slurm_task(); !slurm.job_id.empty()) {
+    try {
+      check_slurm_train_start(slurm, Config::load(a.get("--config"), a.all("--set")));
+    } catch (const Error&) {
+      if (slurm.task != 0 && !slurm.under_mpirun) return kRefusedInputExit;
+      throw;
+    }
+  }
   Communicator& comm = Communicator::world();
   Config config = load_train_config(a);
   const bool auto_attention = config.model.attention == Attention::automatic;

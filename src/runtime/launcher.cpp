@@ -16,10 +16,12 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "core/config.h"
 #include "core/cpu.h"
 #include "core/error.h"
 #include "core/fileio.h"
 #include "kernels/cpu/blas.h"
+#include "runtime/job_config.h"
 
 namespace keel {
 
@@ -374,6 +376,74 @@ std::vector<std::string> mpirun_argv(const LaunchOptions& o, int restart) {
   argv.push_back(o.keel_binary);
   argv.insert(argv.end(), o.command.begin(), o.command.end());
   return argv;
+}
+
+namespace {
+
+// An integer Slurm variable, 0 when absent or not a number.
+int slurm_count(const char* name) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return 0;
+  char* end = nullptr;
+  const long n = std::strtol(text, &end, 10);
+  return *end == '\0' && n >= 0 && n <= 1 << 24 ? static_cast<int>(n) : 0;
+}
+
+std::string env_or_empty(const char* name) {
+  const char* text = std::getenv(name);
+  return text != nullptr ? text : "";
+}
+
+}  // namespace
+
+SlurmTask slurm_task() {
+  SlurmTask s;
+  s.step_tasks = slurm_count("SLURM_STEP_NUM_TASKS");
+  s.task = slurm_count("SLURM_PROCID");
+  s.job_tasks = slurm_count("SLURM_NTASKS");
+  s.job_id = env_or_empty("SLURM_JOB_ID");
+  s.mpi = env_or_empty("SLURM_MPI_TYPE");
+  s.pmix = std::getenv("PMIX_RANK") != nullptr;
+  s.under_mpirun = std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr;
+  return s;
+}
+
+void check_slurm_train_start(const SlurmTask& s, const Config& config) {
+  if (s.job_id.empty() || s.under_mpirun) return;
+  const std::string job = "Slurm job " + s.job_id;
+  if (s.step_tasks == 0) {
+    check(s.job_tasks <= 1, job + ": keel train runs outside a job step (as the batch script, or in an salloc shell), "
+                                "one process in an allocation of " + std::to_string(s.job_tasks) +
+                                " tasks (SLURM_NTASKS); start it with srun --mpi=pmix keel train ... (scripts/keel.sbatch)");
+    return;
+  }
+  const std::string step = job + ", step of " + std::to_string(s.step_tasks) + " tasks (SLURM_STEP_NUM_TASKS)";
+  check(s.step_tasks == 1 || s.pmix,
+        step + ": expected srun --mpi=pmix, found --mpi=" + (s.mpi.empty() ? std::string("none") : s.mpi) +
+            " (OpenMPI joins a Slurm step through PMIx only; without it every task would train alone); run "
+            "srun --mpi=pmix, or set MpiDefault=pmix in slurm.conf");
+  // The ranks of one model replica: pipeline stages.
+  // (data x tensor joins here: a replica is parallel.pipeline x parallel.tensor ranks once the
+  // mesh has its tensor dimension.)
+  const int replica_ranks = std::max(1, config.parallel.pipeline);
+  const std::string layout = "parallel.data = " + std::to_string(config.parallel.data) +
+                             " x parallel.pipeline = " + std::to_string(config.parallel.pipeline);
+  if (config.parallel.data > 0) {
+    const int ranks = config.parallel.data * replica_ranks;
+    check(ranks == s.step_tasks, step + ": the configured layout " + layout + " needs " + std::to_string(ranks) +
+                                     " tasks; start srun with -n " + std::to_string(ranks) +
+                                     " (sbatch --ntasks), or set parallel.data = 0 (the whole step)");
+  } else {
+    check(s.step_tasks % replica_ranks == 0,
+          step + ": expected a multiple of parallel.pipeline = " + std::to_string(replica_ranks) +
+              " tasks (world = data x pipeline); start srun with -n a multiple of " + std::to_string(replica_ranks));
+  }
+  // Every other refusal for this world size, said here once rather than by every rank.
+  Config resolved = config;
+  resolve_job_config(resolved, s.step_tasks);
+  ::setenv("PMIX_MCA_gds", "hash", 0);  // silences harmless PMIx shared-memory warnings (as keel launch)
+  // As keel launch: without an RDMA device UCX and libfabric only slow MPI_Init down.
+  if (!rdma_devices_present()) ::setenv("OMPI_MCA_pml", "ob1", 0);
 }
 
 double sgemm_reference_gflops(bool* cached) {

@@ -9,6 +9,8 @@
 
 namespace keel {
 
+struct Config;
+
 // Exit codes of `keel` that a supervisor must not answer with a restart: the input was refused
 // before training started, the run ended without its final checkpoint (a restart would
 // recompute from the last one and, until the cause such as a full disk is fixed, fail alike), or
@@ -57,6 +59,40 @@ std::vector<std::string> mpirun_argv(const LaunchOptions& options, int restart =
 // with no rank killed by a signal (bad input fails the same way again), or when mpirun could not
 // be run. Each decision is one line on stderr beginning "keel: launch: ".
 int launch(const LaunchOptions& options);
+
+// --- Slurm -------------------------------------------------------------------------------------
+// Under `srun --mpi=pmix` every task of the job step is one rank: Slurm's PMIx plugin makes the
+// step's task id (SLURM_PROCID) the MPI rank and its task count (SLURM_STEP_NUM_TASKS) the world
+// size, so Keel's rank r is Slurm's task r, and with Slurm's default block distribution ranks
+// r, r+1, ... fill one node before the next (the innermost group of the mesh shares a host).
+// A process started by mpirun (`keel launch`, also inside an allocation) is OpenMPI's rank and
+// takes nothing from Slurm's variables, which it inherits from the batch script unchanged.
+
+// What Slurm says about the process it started, from its environment.
+struct SlurmTask {
+  int step_tasks = 0;       // SLURM_STEP_NUM_TASKS: tasks of the srun job step; 0 = not in a step
+  int task = 0;             // SLURM_PROCID: this task's number in the step (the batch script: 0)
+  int job_tasks = 0;        // SLURM_NTASKS: tasks of the job's allocation; 0 = not in a Slurm job
+  std::string job_id;       // SLURM_JOB_ID
+  std::string mpi;          // SLURM_MPI_TYPE: srun --mpi (pmix, pmi2, none)
+  bool pmix = false;        // PMIX_RANK is set: the step offers PMIx, which OpenMPI joins
+  bool under_mpirun = false;  // OMPI_COMM_WORLD_SIZE is set: started by mpirun, not by srun
+};
+SlurmTask slurm_task();
+
+// For `keel train` in a Slurm job, before MPI is joined: refuses (keel::Error, one line) a start
+// that would fail inside MPI_Init or silently train the wrong job:
+//   - an srun step of several tasks without PMIx (srun --mpi=none or pmi2: OpenMPI 4 as Debian
+//     builds it, and OpenMPI 5 always, join a Slurm step through PMIx only; without it each task
+//     would train alone);
+//   - `keel train` run outside a job step (the batch script itself, an salloc shell) in an
+//     allocation of several tasks (one process, where srun would start them all);
+//   - a step whose task count does not fit the configured layout (parallel.data x
+//     parallel.pipeline), named with the srun option that fixes it;
+//   - whatever else resolve_job_config refuses for a world of the step's tasks.
+// Also sets what `keel launch` passes to its ranks where the caller has not (PMIX_MCA_gds=hash;
+// OpenMPI's ob1 messaging without an RDMA device). Does nothing outside Slurm or under mpirun.
+void check_slurm_train_start(const SlurmTask& slurm, const Config& config);
 
 // matmul_efficiency's reference: this process's SGEMM rate, measured now. A rank of a restarted
 // job (KEEL_RESTART), whose start-up is the job's down time, takes instead the rate a start
