@@ -135,6 +135,41 @@ TEST_F(Zero3, ParameterBytesAreTheShardPlusTheLayersInFlight) {
   }
 }
 
+// Start-up draws (or loads) a rank's own chunks only: before the first step its parameter pages
+// are its shard (mincore), and its peak resident set grows with the model by its share, not by the
+// whole model (two depths of one width: the 8 extra layers' parameters dwarf what else grows).
+TEST_F(Zero3, StartUpHoldsTheShardNotTheWholeModel) {
+  const std::string wide = "--set model.n_embd=512 --set train.seq_len=16 --set train.steps=1 --set train.eval_batches=1 "
+                           "--set parallel.zero=3 --set model.n_layer=";
+  std::map<int, std::vector<int64_t>> peak, whole;
+  for (int layers : {8, 16}) {
+    const std::string run = "wide" + std::to_string(layers);
+    auto r = train(2, 1, run, wide + std::to_string(layers));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const nlohmann::json first = step_lines(run).at(0);
+    const auto shard = first["zero3_param_shard_bytes"].get<std::vector<int64_t>>();
+    const auto resident = first["zero3_startup_param_resident_bytes"].get<std::vector<int64_t>>();
+    ASSERT_EQ(shard.size(), 2u);
+    EXPECT_EQ(resident, shard) << run;
+    peak[layers] = first["zero3_startup_peak_rss_bytes"].get<std::vector<int64_t>>();
+    whole[layers] = {shard[0] + shard[1], shard[0], shard[1]};
+  }
+  const int64_t added = whole[16][0] - whole[8][0];
+  ASSERT_GT(added, 90'000'000);
+  for (int rank = 0; rank < 2; ++rank) {
+    const int64_t share = whole[16][rank + 1] - whole[8][rank + 1];
+    const int64_t grown = peak[16][rank] - peak[8][rank];
+    EXPECT_GE(grown, share / 2) << "rank " << rank;  // the shard's pages are resident: measured
+    EXPECT_LT(grown, share + added / 4) << "rank " << rank << ": its share " << share << " of " << added;
+  }
+  // Resumed from a checkpoint: only the rank's own chunks are loaded.
+  auto r = train(2, 1, "wide_resumed", wide + "16 --set train.steps=2 --set train.resume=" + dir / "wide16/ckpt");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const nlohmann::json first = step_lines("wide_resumed").at(0);
+  EXPECT_EQ(first["zero3_startup_param_resident_bytes"], first["zero3_param_shard_bytes"]);
+  EXPECT_EQ(first["step"].get<int>(), 2);
+}
+
 TEST_F(Zero3, CheckpointsResumeExactlyUnderEveryZeroAndRankCount) {
   ASSERT_EQ(train(2, 4, "straight", "--set parallel.zero=3 --set train.steps=12").exit_code, 0);
   ASSERT_EQ(train(2, 4, "half3", "--set parallel.zero=3 --set train.steps=6").exit_code, 0);

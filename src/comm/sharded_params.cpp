@@ -31,7 +31,10 @@ ShardedParams::ShardedParams(Communicator& dp, ChunkStore& store, const ChunkPar
   own_last_ = owners_.first_chunk[dp.rank() + 1];
   shard_bytes_ = owners_.size(dp.rank()) * static_cast<int64_t>(sizeof(float));
   last_layer_ = n > 0 ? store_.chunks().back().layer : 0;
-  gathered_.assign(static_cast<size_t>(n), 1);  // until shed(): the whole model, drawn or loaded
+  // From the start a rank holds its own chunks only: the weights are drawn or loaded into them
+  // alone (ChunkStore::home_params), never whole.
+  store_.home_params(own_first_, own_last_);
+  gathered_.assign(static_cast<size_t>(n), 0);
   pins_.assign(static_cast<size_t>(n), 0);
   double figures[2] = {static_cast<double>(shard_bytes_), static_cast<double>(largest_layer_gather_bytes())};
   comm_->allreduce_max(figures, 2);
@@ -57,20 +60,15 @@ void ShardedParams::give_back(int chunk) {
   gathered_bytes_ -= extent(chunk) * static_cast<int64_t>(sizeof(float));
 }
 
-void ShardedParams::shed() {
-  for (int c = 0; c < static_cast<int>(gathered_.size()); ++c) {
-    if (!own(c)) inner_.discard(Plane::param, store_.chunks()[c].offset, extent(c));
-    gathered_[c] = 0;
-  }
-  gathered_bytes_ = 0;
-  sharded_ = true;
-  whole_ = false;
+void ShardedParams::settled() {
+  check(gathered_bytes_ == 0, "ZeRO-3: other ranks' parameters gathered before the weights were settled");
+  started_ = true;
 }
 
 void ShardedParams::drop_gathered() {
   check(std::all_of(pins_.begin(), pins_.end(), [](int p) { return p == 0; }),
         "ZeRO-3: parameters dropped while a layer still uses them");
-  if (!sharded_) return;
+  if (!started_) return;
   wait_ahead();
   last_round_ = std::move(this_round_);
   this_round_.clear();
@@ -81,7 +79,7 @@ void ShardedParams::drop_gathered() {
 }
 
 void ShardedParams::gather_whole() {
-  if (!sharded_) return;
+  if (!started_) return;
   wait_ahead();
   std::vector<PageRef> all;
   for (int c = 0; c < static_cast<int>(gathered_.size()); ++c) all.push_back({c, Plane::param});
@@ -175,7 +173,7 @@ void ShardedParams::acquire(std::span<const PageRef> pages) {
   // One rank's own use (the optimizer's chunk, a checkpoint's, drawing or loading the weights):
   // another rank's parameters are here only while gathered.
   for (const PageRef& p : pages) {
-    if (p.plane == Plane::param && sharded_ && !own(p.chunk) && !gathered_[p.chunk]) {
+    if (p.plane == Plane::param && !own(p.chunk) && !gathered_[p.chunk]) {
       throw Error("ZeRO-3: chunk " + std::to_string(p.chunk) + "'s parameters live on data-parallel rank " +
                   std::to_string(owners_.owner(p.chunk)) + ", and this rank used them outside a layer's pass");
     }
@@ -188,7 +186,7 @@ void ShardedParams::acquire_layer(std::span<const PageRef> pages) {
   for (const PageRef& p : pages) {
     if (p.plane == Plane::param) chunks.push_back(p.chunk);
   }
-  if (sharded_ && !chunks.empty()) {
+  if (!chunks.empty()) {
     gather(pages);
     // On the recorded schedule: the lease that came next last round, broadcast ahead.
     const size_t at = this_round_.size();
@@ -204,7 +202,7 @@ void ShardedParams::acquire_layer(std::span<const PageRef> pages) {
 void ShardedParams::release_layer(std::span<const PageRef> pages, bool modified) {
   inner_.release(pages, modified);
   for (const PageRef& p : pages) {
-    if (p.plane != Plane::param || --pins_[p.chunk] > 0 || !sharded_ || whole_) continue;
+    if (p.plane != Plane::param || --pins_[p.chunk] > 0 || whole_) continue;
     const bool kept = keep_ == Zero3Keep::all || (keep_ == Zero3Keep::last && store_.chunks()[p.chunk].layer == last_layer_);
     if (!kept) give_back(p.chunk);
   }

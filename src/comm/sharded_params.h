@@ -34,15 +34,16 @@ void validate_zero3_config(const Config& c, int data_ranks);
 
 class ShardedParams final : public Residency {
  public:
-  // Attaches itself to `store` (finalized, its own residency attached) for `owners`' rank `dp.rank()`.
-  // Until shed(), every page is present (the weights are drawn or loaded whole on every rank).
-  // Collective over `dp` (the group's figures).
+  // Attaches itself to `store` (finalized, its own residency attached, the parameter plane not
+  // touched) for `owners`' rank `dp.rank()`, and makes the rank's own chunks the store's parameter
+  // home (ChunkStore::home_params): the weights are drawn or loaded into them alone, and another
+  // rank's chunk is present only under a layer's lease. Collective over `dp` (the group's figures).
   ShardedParams(Communicator& dp, ChunkStore& store, const ChunkPartition& owners, Zero3Keep keep);
   ~ShardedParams() override;  // gives the store back its own residency
 
-  // After the weights were drawn or loaded on every rank: the pages of other ranks' chunks go back
-  // to the operating system. From here on they are present only under a layer's lease. Local.
-  void shed();
+  // After the weights were drawn or loaded on every rank: the leases recorded from here on are
+  // the training's (the schedule that broadcasts ahead). Local.
+  void settled();
   // After the owners updated their chunks (the optimizer step): every gathered copy of another
   // rank's chunk is dropped (stale). Requires no layer lease open. Local.
   void drop_gathered();
@@ -105,7 +106,7 @@ class ShardedParams final : public Residency {
   Zero3Keep keep_;
   int own_first_ = 0, own_last_ = 0;
   int last_layer_ = 0;
-  bool sharded_ = false;  // shed() done
+  bool started_ = false;  // settled() done
   bool whole_ = false;    // gather_whole() holds every chunk
   // Per chunk, the same on every rank: whether its pages are gathered (own chunks included, so
   // that owners join the broadcasts the others wait for), and the layer leases holding it.
