@@ -58,6 +58,22 @@ TEST_F(Zero3, NRanksTrainWhatOneRankTrainsWithTheWholeBatch) {
   }
 }
 
+// The progress thread (parallel.zero3_progress_thread) moves when the broadcasts ahead complete,
+// never what they carry: the same bytes with it and without it, on 2 and 4 ranks.
+TEST_F(Zero3, TheProgressThreadChangesNoBytes) {
+  for (int n : {2, 4}) {
+    const std::string steps = "--set train.steps=6 --set parallel.zero=3 --set parallel.zero3_progress_thread=";
+    const std::string on = "thread_on" + std::to_string(n), off = "thread_off" + std::to_string(n);
+    auto r = train(n, 8 / n, on, steps + "true");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    r = train(n, 8 / n, off, steps + "false");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(param_bytes(on), param_bytes(off)) << n;
+    EXPECT_EQ(losses(on), losses(off)) << n;
+    EXPECT_GT(step_lines(on).back()["zero3_ahead_peak_bytes"].get<std::vector<int64_t>>().at(0), 0) << n;
+  }
+}
+
 TEST_F(Zero3, GradientAccumulation) {
   ASSERT_EQ(train(0, 8, "acc1", "--set train.grad_accum=2").exit_code, 0);
   auto r = train(2, 4, "acc2", "--set train.grad_accum=2 --set parallel.zero=3");

@@ -19,7 +19,8 @@ ShardedOptimizer::ShardedOptimizer(const Config& config, Communicator& dp, Chunk
   if (zero_ > 0) store_.shard_moments(partition_.first_chunk[dp.rank()], partition_.first_chunk[dp.rank() + 1]);
   // The deferred chunk updates (used where the store's pages move; see step).
   store_.set_updater([this](int chunk) { update_chunk(chunk); });
-  if (zero_ == 3) params_ = std::make_unique<ShardedParams>(dp, store_, partition_, config.parallel.zero3_keep);
+  if (zero_ == 3) params_ = std::make_unique<ShardedParams>(dp, store_, partition_, config.parallel.zero3_keep,
+                                                        config.parallel.zero3_progress_thread);
 }
 
 ShardedOptimizer::~ShardedOptimizer() = default;

@@ -1,6 +1,7 @@
 #include "comm/sharded_params.h"
 
 #include <algorithm>
+#include <chrono>
 #include <string>
 
 #include "core/error.h"
@@ -24,7 +25,8 @@ void validate_zero3_config(const Config& c, int data_ranks) {
   refuse(c.checkpoint.memory_every > 0, "checkpoint.memory_every", std::to_string(c.checkpoint.memory_every));
 }
 
-ShardedParams::ShardedParams(Communicator& dp, ChunkStore& store, const ChunkPartition& owners, Zero3Keep keep)
+ShardedParams::ShardedParams(Communicator& dp, ChunkStore& store, const ChunkPartition& owners, Zero3Keep keep,
+                             bool progress_thread)
     : comm_(dp.duplicate()), store_(store), inner_(store.residency()), owners_(owners), keep_(keep) {
   const int n = static_cast<int>(store_.chunks().size());
   own_first_ = owners_.first_chunk[dp.rank()];
@@ -41,9 +43,35 @@ ShardedParams::ShardedParams(Communicator& dp, ChunkStore& store, const ChunkPar
   group_max_[0] = static_cast<int64_t>(figures[0]);
   group_max_[1] = static_cast<int64_t>(figures[1]);
   store_.attach_residency(this);
+  if (progress_thread && dp.size() > 1 && Communicator::threads_may_call()) progress_ = std::thread([this] { progress_loop(); });
 }
 
-ShardedParams::~ShardedParams() { store_.attach_residency(nullptr); }
+ShardedParams::~ShardedParams() {
+  if (progress_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_one();
+    progress_.join();
+  }
+  store_.attach_residency(nullptr);
+}
+
+void ShardedParams::progress_loop() {
+  // Tests only (MPI_Test on this object's own communicator); every broadcast is started and
+  // finally waited for by the main thread, in the same order on every rank.
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!stop_) {
+    bool pending = false;
+    for (Communicator::Request& r : ahead_) pending = !comm_->test(r) || pending;
+    if (pending) {
+      wake_.wait_for(lock, std::chrono::microseconds(200));
+    } else {
+      wake_.wait(lock);
+    }
+  }
+}
 
 int64_t ShardedParams::extent(int chunk) const {
   const std::vector<Chunk>& chunks = store_.chunks();
@@ -88,9 +116,13 @@ void ShardedParams::gather_whole() {
 }
 
 void ShardedParams::wait_ahead() {
-  for (Communicator::Request& r : ahead_) comm_->wait(r);
+  std::vector<Communicator::Request> ahead;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ahead.swap(ahead_);
+  }
+  for (Communicator::Request& r : ahead) comm_->wait(r);
   written(ahead_chunks_);
-  ahead_.clear();
   ahead_chunks_.clear();
   ahead_bytes_ = 0;
 }
@@ -117,12 +149,16 @@ Communicator::Request ShardedParams::start_gather(int chunk) {
 }
 
 void ShardedParams::start_ahead(const std::vector<int>& chunks) {
-  for (int c : chunks) {
-    if (gathered_[c]) continue;
-    if (!own(c)) ahead_bytes_ += extent(c) * static_cast<int64_t>(sizeof(float));
-    ahead_.push_back(start_gather(c));
-    ahead_chunks_.push_back(c);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (int c : chunks) {
+      if (gathered_[c]) continue;
+      if (!own(c)) ahead_bytes_ += extent(c) * static_cast<int64_t>(sizeof(float));
+      ahead_.push_back(start_gather(c));
+      ahead_chunks_.push_back(c);
+    }
   }
+  wake_.notify_one();
   peaks_.ahead_bytes = std::max(peaks_.ahead_bytes, ahead_bytes_);
 }
 
