@@ -58,6 +58,22 @@ TEST_F(Zero3, NRanksTrainWhatOneRankTrainsWithTheWholeBatch) {
   }
 }
 
+// The progress thread (parallel.zero3_progress_thread) moves when the broadcasts ahead complete,
+// never what they carry: the same bytes with it and without it, on 2 and 4 ranks.
+TEST_F(Zero3, TheProgressThreadChangesNoBytes) {
+  for (int n : {2, 4}) {
+    const std::string steps = "--set train.steps=6 --set parallel.zero=3 --set parallel.zero3_progress_thread=";
+    const std::string on = "thread_on" + std::to_string(n), off = "thread_off" + std::to_string(n);
+    auto r = train(n, 8 / n, on, steps + "true");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    r = train(n, 8 / n, off, steps + "false");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(param_bytes(on), param_bytes(off)) << n;
+    EXPECT_EQ(losses(on), losses(off)) << n;
+    EXPECT_GT(step_lines(on).back()["zero3_ahead_peak_bytes"].get<std::vector<int64_t>>().at(0), 0) << n;
+  }
+}
+
 TEST_F(Zero3, GradientAccumulation) {
   ASSERT_EQ(train(0, 8, "acc1", "--set train.grad_accum=2").exit_code, 0);
   auto r = train(2, 4, "acc2", "--set train.grad_accum=2 --set parallel.zero=3");
@@ -133,6 +149,41 @@ TEST_F(Zero3, ParameterBytesAreTheShardPlusTheLayersInFlight) {
       }
     }
   }
+}
+
+// Start-up draws (or loads) a rank's own chunks only: before the first step its parameter pages
+// are its shard (mincore), and its peak resident set grows with the model by its share, not by the
+// whole model (two depths of one width: the 8 extra layers' parameters dwarf what else grows).
+TEST_F(Zero3, StartUpHoldsTheShardNotTheWholeModel) {
+  const std::string wide = "--set model.n_embd=512 --set train.seq_len=16 --set train.steps=1 --set train.eval_batches=1 "
+                           "--set parallel.zero=3 --set model.n_layer=";
+  std::map<int, std::vector<int64_t>> peak, whole;
+  for (int layers : {8, 16}) {
+    const std::string run = "wide" + std::to_string(layers);
+    auto r = train(2, 1, run, wide + std::to_string(layers));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const nlohmann::json first = step_lines(run).at(0);
+    const auto shard = first["zero3_param_shard_bytes"].get<std::vector<int64_t>>();
+    const auto resident = first["zero3_startup_param_resident_bytes"].get<std::vector<int64_t>>();
+    ASSERT_EQ(shard.size(), 2u);
+    EXPECT_EQ(resident, shard) << run;
+    peak[layers] = first["zero3_startup_peak_rss_bytes"].get<std::vector<int64_t>>();
+    whole[layers] = {shard[0] + shard[1], shard[0], shard[1]};
+  }
+  const int64_t added = whole[16][0] - whole[8][0];
+  ASSERT_GT(added, 90'000'000);
+  for (int rank = 0; rank < 2; ++rank) {
+    const int64_t share = whole[16][rank + 1] - whole[8][rank + 1];
+    const int64_t grown = peak[16][rank] - peak[8][rank];
+    EXPECT_GE(grown, share / 2) << "rank " << rank;  // the shard's pages are resident: measured
+    EXPECT_LT(grown, share + added / 4) << "rank " << rank << ": its share " << share << " of " << added;
+  }
+  // Resumed from a checkpoint: only the rank's own chunks are loaded.
+  auto r = train(2, 1, "wide_resumed", wide + "16 --set train.steps=2 --set train.resume=" + dir / "wide16/ckpt");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const nlohmann::json first = step_lines("wide_resumed").at(0);
+  EXPECT_EQ(first["zero3_startup_param_resident_bytes"], first["zero3_param_shard_bytes"]);
+  EXPECT_EQ(first["step"].get<int>(), 2);
 }
 
 TEST_F(Zero3, CheckpointsResumeExactlyUnderEveryZeroAndRankCount) {

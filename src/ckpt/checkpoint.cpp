@@ -288,7 +288,8 @@ TrainState load_one(const std::string& dir, ChunkStore& store, const Config& con
   for (int i = 0; i < kNumSavedPlanes; ++i) {
     const Plane p = kSavedPlanes[i];
     if (mode == LoadMode::params && p != Plane::param) continue;
-    const auto [first, last] = p == Plane::param ? std::pair<int, int>{0, n} : store.moment_chunks();
+    // Only what this store is the home of (ZeRO: a rank's moment shard; ZeRO-3: its parameter shard too).
+    const auto [first, last] = p == Plane::param ? store.param_chunks() : store.moment_chunks();
     if (!same_chunks) {
       const std::vector<uint64_t> v = load_by_tensor(cache, name, dir, store, i, first, last);
       if (p == Plane::param) versions = v;

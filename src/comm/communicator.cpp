@@ -39,14 +39,21 @@ Communicator& Communicator::world() {
 
 Communicator::Communicator() {
   if (!launched_by_mpi()) return;
+  // MULTIPLE where the library gives it (ZeRO-3's progress thread tests its broadcasts while the
+  // main thread computes and communicates); every other call comes from the main thread.
   int provided = 0;
-  mpi_check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided), "init");
+  mpi_check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided), "init");
   // Errors come back as codes (turned into keel::Error) instead of aborting the job silently.
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   uses_mpi_ = true;
   comm_ = MPI_COMM_WORLD;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
   MPI_Comm_size(MPI_COMM_WORLD, &size_);
+}
+
+bool Communicator::threads_may_call() {
+  int provided = 0;
+  return world().uses_mpi() && MPI_Query_thread(&provided) == MPI_SUCCESS && provided == MPI_THREAD_MULTIPLE;
 }
 
 Communicator::Communicator(MPI_Comm comm, int rank, int size)

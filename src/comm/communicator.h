@@ -23,6 +23,9 @@ class Communicator {
   int size() const { return size_; }
   bool is_root() const { return rank_ == 0; }
   bool uses_mpi() const { return uses_mpi_; }
+  // Whether MPI lets any thread call it at any time (MPI_THREAD_MULTIPLE was granted): a second
+  // thread may then test requests while the main thread makes other calls. Requested at start-up.
+  static bool threads_may_call();
 
   // A communicator over the same ranks whose collectives are independent of this one's (MPI_Comm_dup;
   // a world of one without MPI stays one). MPI orders the non-blocking collectives of one

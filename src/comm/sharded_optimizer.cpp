@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <string>
 
+#include <sys/resource.h>
+
 #include "comm/sharded_params.h"
 
 namespace keel {
@@ -17,13 +19,20 @@ ShardedOptimizer::ShardedOptimizer(const Config& config, Communicator& dp, Chunk
   if (zero_ > 0) store_.shard_moments(partition_.first_chunk[dp.rank()], partition_.first_chunk[dp.rank() + 1]);
   // The deferred chunk updates (used where the store's pages move; see step).
   store_.set_updater([this](int chunk) { update_chunk(chunk); });
-  if (zero_ == 3) params_ = std::make_unique<ShardedParams>(dp, store_, partition_, config.parallel.zero3_keep);
+  if (zero_ == 3) params_ = std::make_unique<ShardedParams>(dp, store_, partition_, config.parallel.zero3_keep,
+                                                        config.parallel.zero3_progress_thread);
 }
 
 ShardedOptimizer::~ShardedOptimizer() = default;
 
 void ShardedOptimizer::weights_settled() {
-  if (params_) params_->shed();
+  if (!params_) return;
+  params_->settled();
+  // What start-up left resident, measured before any step: the parameter plane's pages (mincore)
+  // and the process's peak resident set so far.
+  struct rusage usage;
+  getrusage(RUSAGE_SELF, &usage);
+  startup_ = {store_.resident_bytes(Plane::param), static_cast<int64_t>(usage.ru_maxrss) * 1024};
 }
 
 void ShardedOptimizer::gather_whole_model() {
@@ -149,7 +158,9 @@ void ShardedOptimizer::add_step_fields(double, nlohmann::json& line) {
                          static_cast<double>(peaks.ahead_bytes),
                          static_cast<double>(peaks.received_bytes),
                          static_cast<double>(store_.resident_bytes(Plane::grad)),
-                         static_cast<double>(store_.plane_bytes(Plane::adam_m) + store_.plane_bytes(Plane::adam_v))};
+                         static_cast<double>(store_.plane_bytes(Plane::adam_m) + store_.plane_bytes(Plane::adam_v)),
+                         static_cast<double>(startup_.param_resident_bytes),
+                         static_cast<double>(startup_.peak_rss_bytes)};
   constexpr int kFigures = sizeof mine / sizeof mine[0];
   const int n = dp_.size();
   std::vector<double> all(static_cast<size_t>(kFigures * n), 0.0);
@@ -159,7 +170,9 @@ void ShardedOptimizer::add_step_fields(double, nlohmann::json& line) {
                                  "zero3_param_peak_resident_bytes", "zero3_in_flight_peak_bytes",
                                  "zero3_ahead_peak_bytes",      "zero3_gathered_bytes",
                                  "zero3_grad_resident_bytes",
-                                 "zero3_moment_bytes"};
+                                 "zero3_moment_bytes",
+                                 "zero3_startup_param_resident_bytes",
+                                 "zero3_startup_peak_rss_bytes"};
   for (int f = 0; f < kFigures; ++f) {
     std::vector<int64_t> per_rank(static_cast<size_t>(n));
     for (int r = 0; r < n; ++r) per_rank[static_cast<size_t>(r)] = static_cast<int64_t>(all[static_cast<size_t>(r * kFigures + f)]);

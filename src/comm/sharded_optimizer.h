@@ -62,8 +62,9 @@ class ShardedOptimizer final : public MetricsSource {
   // the layer is held (its parameters, moments, gradient and version stay as they are; it is not
   // counted in the gradient norm). Layers past the end, or an empty vector: the step's own t.
   void set_update_counts(std::vector<int64_t> counts_by_layer) { counts_ = std::move(counts_by_layer); }
-  // Every rank, once the weights were drawn or loaded whole (start-up, resume): under ZeRO-3 the
-  // other ranks' parameters go back to the operating system; otherwise nothing.
+  // Every rank, once the weights were drawn or loaded (start-up, resume; under ZeRO-3 a rank's
+  // own chunks only): under ZeRO-3 the start-up's resident parameters and peak resident set are
+  // measured (metrics.jsonl's zero3_startup_*); otherwise nothing.
   void weights_settled();
   // Collective: under ZeRO-3 every parameter gathered on every rank until the next step (one rank
   // about to run the model alone: samples); otherwise nothing.
@@ -109,6 +110,9 @@ class ShardedOptimizer final : public MetricsSource {
   int zero_ = 0;
   ChunkPartition partition_;
   std::unique_ptr<ShardedParams> params_;  // ZeRO-3
+  struct Startup {  // ZeRO-3: measured once the weights were drawn or loaded (weights_settled)
+    int64_t param_resident_bytes = 0, peak_rss_bytes = 0;
+  } startup_;
   int64_t skipped_ = 0;
   std::vector<int64_t> counts_;
   struct Deferred {  // the update deferred into the next forward pass

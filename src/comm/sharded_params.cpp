@@ -1,6 +1,7 @@
 #include "comm/sharded_params.h"
 
 #include <algorithm>
+#include <chrono>
 #include <string>
 
 #include "core/error.h"
@@ -24,23 +25,53 @@ void validate_zero3_config(const Config& c, int data_ranks) {
   refuse(c.checkpoint.memory_every > 0, "checkpoint.memory_every", std::to_string(c.checkpoint.memory_every));
 }
 
-ShardedParams::ShardedParams(Communicator& dp, ChunkStore& store, const ChunkPartition& owners, Zero3Keep keep)
+ShardedParams::ShardedParams(Communicator& dp, ChunkStore& store, const ChunkPartition& owners, Zero3Keep keep,
+                             bool progress_thread)
     : comm_(dp.duplicate()), store_(store), inner_(store.residency()), owners_(owners), keep_(keep) {
   const int n = static_cast<int>(store_.chunks().size());
   own_first_ = owners_.first_chunk[dp.rank()];
   own_last_ = owners_.first_chunk[dp.rank() + 1];
   shard_bytes_ = owners_.size(dp.rank()) * static_cast<int64_t>(sizeof(float));
   last_layer_ = n > 0 ? store_.chunks().back().layer : 0;
-  gathered_.assign(static_cast<size_t>(n), 1);  // until shed(): the whole model, drawn or loaded
+  // From the start a rank holds its own chunks only: the weights are drawn or loaded into them
+  // alone (ChunkStore::home_params), never whole.
+  store_.home_params(own_first_, own_last_);
+  gathered_.assign(static_cast<size_t>(n), 0);
   pins_.assign(static_cast<size_t>(n), 0);
   double figures[2] = {static_cast<double>(shard_bytes_), static_cast<double>(largest_layer_gather_bytes())};
   comm_->allreduce_max(figures, 2);
   group_max_[0] = static_cast<int64_t>(figures[0]);
   group_max_[1] = static_cast<int64_t>(figures[1]);
   store_.attach_residency(this);
+  if (progress_thread && dp.size() > 1 && Communicator::threads_may_call()) progress_ = std::thread([this] { progress_loop(); });
 }
 
-ShardedParams::~ShardedParams() { store_.attach_residency(nullptr); }
+ShardedParams::~ShardedParams() {
+  if (progress_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_one();
+    progress_.join();
+  }
+  store_.attach_residency(nullptr);
+}
+
+void ShardedParams::progress_loop() {
+  // Tests only (MPI_Test on this object's own communicator); every broadcast is started and
+  // finally waited for by the main thread, in the same order on every rank.
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!stop_) {
+    bool pending = false;
+    for (Communicator::Request& r : ahead_) pending = !comm_->test(r) || pending;
+    if (pending) {
+      wake_.wait_for(lock, std::chrono::microseconds(200));
+    } else {
+      wake_.wait(lock);
+    }
+  }
+}
 
 int64_t ShardedParams::extent(int chunk) const {
   const std::vector<Chunk>& chunks = store_.chunks();
@@ -57,20 +88,15 @@ void ShardedParams::give_back(int chunk) {
   gathered_bytes_ -= extent(chunk) * static_cast<int64_t>(sizeof(float));
 }
 
-void ShardedParams::shed() {
-  for (int c = 0; c < static_cast<int>(gathered_.size()); ++c) {
-    if (!own(c)) inner_.discard(Plane::param, store_.chunks()[c].offset, extent(c));
-    gathered_[c] = 0;
-  }
-  gathered_bytes_ = 0;
-  sharded_ = true;
-  whole_ = false;
+void ShardedParams::settled() {
+  check(gathered_bytes_ == 0, "ZeRO-3: other ranks' parameters gathered before the weights were settled");
+  started_ = true;
 }
 
 void ShardedParams::drop_gathered() {
   check(std::all_of(pins_.begin(), pins_.end(), [](int p) { return p == 0; }),
         "ZeRO-3: parameters dropped while a layer still uses them");
-  if (!sharded_) return;
+  if (!started_) return;
   wait_ahead();
   last_round_ = std::move(this_round_);
   this_round_.clear();
@@ -81,7 +107,7 @@ void ShardedParams::drop_gathered() {
 }
 
 void ShardedParams::gather_whole() {
-  if (!sharded_) return;
+  if (!started_) return;
   wait_ahead();
   std::vector<PageRef> all;
   for (int c = 0; c < static_cast<int>(gathered_.size()); ++c) all.push_back({c, Plane::param});
@@ -90,9 +116,13 @@ void ShardedParams::gather_whole() {
 }
 
 void ShardedParams::wait_ahead() {
-  for (Communicator::Request& r : ahead_) comm_->wait(r);
+  std::vector<Communicator::Request> ahead;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ahead.swap(ahead_);
+  }
+  for (Communicator::Request& r : ahead) comm_->wait(r);
   written(ahead_chunks_);
-  ahead_.clear();
   ahead_chunks_.clear();
   ahead_bytes_ = 0;
 }
@@ -119,12 +149,16 @@ Communicator::Request ShardedParams::start_gather(int chunk) {
 }
 
 void ShardedParams::start_ahead(const std::vector<int>& chunks) {
-  for (int c : chunks) {
-    if (gathered_[c]) continue;
-    if (!own(c)) ahead_bytes_ += extent(c) * static_cast<int64_t>(sizeof(float));
-    ahead_.push_back(start_gather(c));
-    ahead_chunks_.push_back(c);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (int c : chunks) {
+      if (gathered_[c]) continue;
+      if (!own(c)) ahead_bytes_ += extent(c) * static_cast<int64_t>(sizeof(float));
+      ahead_.push_back(start_gather(c));
+      ahead_chunks_.push_back(c);
+    }
   }
+  wake_.notify_one();
   peaks_.ahead_bytes = std::max(peaks_.ahead_bytes, ahead_bytes_);
 }
 
@@ -175,7 +209,7 @@ void ShardedParams::acquire(std::span<const PageRef> pages) {
   // One rank's own use (the optimizer's chunk, a checkpoint's, drawing or loading the weights):
   // another rank's parameters are here only while gathered.
   for (const PageRef& p : pages) {
-    if (p.plane == Plane::param && sharded_ && !own(p.chunk) && !gathered_[p.chunk]) {
+    if (p.plane == Plane::param && !own(p.chunk) && !gathered_[p.chunk]) {
       throw Error("ZeRO-3: chunk " + std::to_string(p.chunk) + "'s parameters live on data-parallel rank " +
                   std::to_string(owners_.owner(p.chunk)) + ", and this rank used them outside a layer's pass");
     }
@@ -188,7 +222,7 @@ void ShardedParams::acquire_layer(std::span<const PageRef> pages) {
   for (const PageRef& p : pages) {
     if (p.plane == Plane::param) chunks.push_back(p.chunk);
   }
-  if (sharded_ && !chunks.empty()) {
+  if (!chunks.empty()) {
     gather(pages);
     // On the recorded schedule: the lease that came next last round, broadcast ahead.
     const size_t at = this_round_.size();
@@ -204,7 +238,7 @@ void ShardedParams::acquire_layer(std::span<const PageRef> pages) {
 void ShardedParams::release_layer(std::span<const PageRef> pages, bool modified) {
   inner_.release(pages, modified);
   for (const PageRef& p : pages) {
-    if (p.plane != Plane::param || --pins_[p.chunk] > 0 || !sharded_ || whole_) continue;
+    if (p.plane != Plane::param || --pins_[p.chunk] > 0 || whole_) continue;
     const bool kept = keep_ == Zero3Keep::all || (keep_ == Zero3Keep::last && store_.chunks()[p.chunk].layer == last_layer_);
     if (!kept) give_back(p.chunk);
   }

@@ -6,8 +6,12 @@
 // does not hold: every rank takes the same layer leases in the same order (forward, backward,
 // evaluation), so the owners' broadcasts match on every rank. The leases between two optimizer
 // steps are recorded; in the next such round, when a lease is the one recorded at the same place,
-// the recorded next lease's chunks are broadcast ahead (non-blocking, progressed by every MPI test
-// until that lease waits for them: the gradient sync's tests between backward's layers drive them). When the last lease of a chunk
+// the recorded next lease's chunks are broadcast ahead (non-blocking). MPI moves a non-blocking
+// broadcast only inside MPI calls, and forward makes none between two layers' leases: a progress
+// thread of the rank tests the broadcasts ahead every 200 us while the layers compute, until the
+// lease that needs them claims them (where MPI grants MPI_THREAD_MULTIPLE and
+// parallel.zero3_progress_thread is on; otherwise the gradient sync's tests between backward's
+// layers are what drives them). When the last lease of a chunk
 // ends, another rank's chunk is given back (zeroed, MADV_DONTNEED, as ZeRO-2's gradient discard
 // does) unless `parallel.zero3_keep` keeps it until the optimizer step. A rank's parameter memory
 // is therefore its own shard plus the layers in flight; both are measured (mincore), not assumed.
@@ -16,9 +20,12 @@
 // reduce-scattered to the owners by GradSync, moments sharded by the optimizer).
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <span>
+#include <thread>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -34,15 +41,18 @@ void validate_zero3_config(const Config& c, int data_ranks);
 
 class ShardedParams final : public Residency {
  public:
-  // Attaches itself to `store` (finalized, its own residency attached) for `owners`' rank `dp.rank()`.
-  // Until shed(), every page is present (the weights are drawn or loaded whole on every rank).
-  // Collective over `dp` (the group's figures).
-  ShardedParams(Communicator& dp, ChunkStore& store, const ChunkPartition& owners, Zero3Keep keep);
-  ~ShardedParams() override;  // gives the store back its own residency
+  // Attaches itself to `store` (finalized, its own residency attached, the parameter plane not
+  // touched) for `owners`' rank `dp.rank()`, and makes the rank's own chunks the store's parameter
+  // home (ChunkStore::home_params): the weights are drawn or loaded into them alone, and another
+  // rank's chunk is present only under a layer's lease. Collective over `dp` (the group's figures).
+  // `progress_thread`: test the broadcasts ahead from a thread of its own (where MPI allows it).
+  ShardedParams(Communicator& dp, ChunkStore& store, const ChunkPartition& owners, Zero3Keep keep,
+                bool progress_thread);
+  ~ShardedParams() override;  // stops the progress thread; gives the store back its own residency
 
-  // After the weights were drawn or loaded on every rank: the pages of other ranks' chunks go back
-  // to the operating system. From here on they are present only under a layer's lease. Local.
-  void shed();
+  // After the weights were drawn or loaded on every rank: the leases recorded from here on are
+  // the training's (the schedule that broadcasts ahead). Local.
+  void settled();
   // After the owners updated their chunks (the optimizer step): every gathered copy of another
   // rank's chunk is dropped (stale). Requires no layer lease open. Local.
   void drop_gathered();
@@ -97,6 +107,7 @@ class ShardedParams final : public Residency {
   void written(const std::vector<int>& chunks);
   void give_back(int chunk);
   void note_peaks();
+  void progress_loop();
 
   std::unique_ptr<Communicator> comm_;  // its own: gathers never interleave with other collectives
   ChunkStore& store_;
@@ -105,7 +116,7 @@ class ShardedParams final : public Residency {
   Zero3Keep keep_;
   int own_first_ = 0, own_last_ = 0;
   int last_layer_ = 0;
-  bool sharded_ = false;  // shed() done
+  bool started_ = false;  // settled() done
   bool whole_ = false;    // gather_whole() holds every chunk
   // Per chunk, the same on every rank: whether its pages are gathered (own chunks included, so
   // that owners join the broadcasts the others wait for), and the layer leases holding it.
@@ -114,7 +125,13 @@ class ShardedParams final : public Residency {
   // The layer leases' parameter chunks, in order: this round's and the last round's (a round ends
   // at the optimizer step). The broadcasts started ahead, and their bytes.
   std::vector<std::vector<int>> this_round_, last_round_;
+  // The broadcasts started ahead: shared with the progress thread (which tests them) under mutex_
+  // until wait_ahead() takes them back.
   std::vector<Communicator::Request> ahead_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  std::thread progress_;  // not started without MPI_THREAD_MULTIPLE or with the key off
   std::vector<int> ahead_chunks_;
   int64_t ahead_bytes_ = 0;
   int64_t shard_bytes_ = 0, gathered_bytes_ = 0;

@@ -120,6 +120,7 @@ std::vector<Field> fields(Config& c) {
       {"parallel", "bucket_bytes", &c.parallel.bucket_bytes},
       {"parallel", "zero", &c.parallel.zero},
       {"parallel", "zero3_keep", choice(&c.parallel.zero3_keep)},
+      {"parallel", "zero3_progress_thread", &c.parallel.zero3_progress_thread},
       {"parallel", "pipeline", &c.parallel.pipeline},
       {"parallel", "tensor", &c.parallel.tensor},
       {"parallel", "schedule", choice(&c.parallel.schedule)},

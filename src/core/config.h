@@ -350,6 +350,9 @@ struct ParallelConfig {
   // gathered again for its backward; last: the model's last layer stays; all: every layer stays
   // until the optimizer step).
   Zero3Keep zero3_keep = Zero3Keep::none;
+  // ZeRO-3: a thread of each rank tests the broadcasts started ahead while the layers compute
+  // (forward makes no MPI call between two layers' leases); off, they progress only inside MPI calls.
+  bool zero3_progress_thread = true;
   // Pipeline parallelism (pipeline/): the model cut into `pipeline` x virtual_stages stages on as
   // many ranks per data-parallel replica (world = data x pipeline x tensor).
   int pipeline = 1;

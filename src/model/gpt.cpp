@@ -332,37 +332,54 @@ void GPT::init_weights(uint64_t seed) {
   check(store_.finalized(), "GPT::init_weights: the chunk store is not finalized");
   const double residual_std = 0.02 / std::sqrt(2.0 * config_.n_layer);
   const std::string& prefix = config_.tensor_prefix;  // a shared store: only this model's tensors
+  // Only the elements whose home is this store are written (ZeRO-3: this rank's shard; the whole
+  // model otherwise). Each tensor's values come from its own stream, so a rank holding part of a
+  // tensor draws the values before its part and drops them: every element gets the value one
+  // rank holding the whole model gives it.
+  const auto [home_first, home_last] = store_.param_home_elements();
   for (size_t k = 0; k < layout_.tensors.size(); ++k) {
     const TensorId id = ids_[k];
-    const TensorSpec& spec = store_.tensors()[id].spec;
+    const TensorInfo& info = store_.tensors()[id];
+    const TensorSpec& spec = info.spec;
     const TensorShard& shard = layout_.shards[k];
-    const PageLease use = store_.use_tensor(id, {}, {Plane::param});  // with tiers: fetched, then written home
-    std::span<float> w = store_.view(id, Plane::param);
+    const int64_t lo = std::clamp<int64_t>(home_first - info.offset, 0, info.numel);
+    const int64_t hi = std::clamp<int64_t>(home_last - info.offset, 0, info.numel);
+    if (lo >= hi) continue;
+    // A tensor shard is wholly home (ZeRO-3 is not combined with tensor parallelism).
+    check(!shard.split() || (lo == 0 && hi == info.numel), "GPT::init_weights: a tensor shard partly home: " + spec.name);
+    // With tiers: fetched, then written home.
+    const PageLease use = store_.use_range(Plane::param, info.offset + lo, hi - lo, /*write=*/true);
+    std::span<float> w = store_.range_view(Plane::param, info.offset, info.numel);
     const std::string n = spec.name.substr(prefix.size());
     auto ends_with = [&](const char* suffix) {
       const size_t k = std::strlen(suffix);
       return n.size() >= k && n.compare(n.size() - k, k, suffix) == 0;
     };
     if (spec.kind == ChunkKind::norm) {
-      std::fill(w.begin(), w.end(), ends_with(".w") ? 1.0f : 0.0f);
+      std::fill(w.begin() + lo, w.begin() + hi, ends_with(".w") ? 1.0f : 0.0f);
     } else if (spec.shape.size() == 1) {
-      std::fill(w.begin(), w.end(), 0.0f);  // biases
+      std::fill(w.begin() + lo, w.begin() + hi, 0.0f);  // biases
+    } else if (shard.split()) {
+      // A tensor shard draws the whole tensor's stream and keeps its part: the same weights as
+      // the whole model's, on any number of tensor ranks.
+      Rng rng(seed ^ hash_name(spec.name));
+      const double std = (ends_with("attn.proj.w") || ends_with("mlp.proj.w")) ? residual_std : 0.02;
+      std::vector<float> whole(static_cast<size_t>(
+          std::accumulate(shard.whole_shape.begin(), shard.whole_shape.end(), int64_t{1}, std::multiplies<>())));
+      // Only real vocabulary rows of wte (and of an untied head) are drawn; padded rows stay zero.
+      const int64_t used = n == "wte" || n == "lm_head.w" ? static_cast<int64_t>(config_.vocab_size) * config_.n_embd
+                                                          : static_cast<int64_t>(whole.size());
+      for (int64_t i = 0; i < used; ++i) whole[i] = static_cast<float>(rng.normal() * std);
+      std::fill(whole.begin() + used, whole.end(), 0.0f);
+      slice_shard(shard, layout_.place, whole.data(), w.data());
     } else {
       Rng rng(seed ^ hash_name(spec.name));
       const double std = (ends_with("attn.proj.w") || ends_with("mlp.proj.w")) ? residual_std : 0.02;
-      // A tensor shard draws the whole tensor's stream and keeps its part: the same weights as
-      // the whole model's, on any number of tensor ranks.
-      std::vector<float> whole(shard.split() ? static_cast<size_t>(std::accumulate(shard.whole_shape.begin(),
-                                                                                    shard.whole_shape.end(), int64_t{1},
-                                                                                    std::multiplies<>()))
-                                             : 0);
-      std::span<float> drawn = shard.split() ? std::span<float>(whole) : w;
-      // Only real vocabulary rows of wte (and of an untied head) are drawn; padded rows stay zero.
       const int64_t used = n == "wte" || n == "lm_head.w" ? static_cast<int64_t>(config_.vocab_size) * config_.n_embd
-                                                          : static_cast<int64_t>(drawn.size());
-      for (int64_t i = 0; i < used; ++i) drawn[i] = static_cast<float>(rng.normal() * std);
-      std::fill(drawn.begin() + used, drawn.end(), 0.0f);
-      if (shard.split()) slice_shard(shard, layout_.place, whole.data(), w.data());
+                                                          : static_cast<int64_t>(w.size());
+      for (int64_t i = 0; i < std::min(lo, used); ++i) rng.normal();  // another rank's part
+      for (int64_t i = lo; i < std::min(hi, used); ++i) w[i] = static_cast<float>(rng.normal() * std);
+      if (hi > used) std::fill(w.begin() + std::max(lo, used), w.begin() + hi, 0.0f);
     }
   }
 }

@@ -56,7 +56,9 @@ std::unique_ptr<RankModel> RankModel::build(const Config& config, ProcessGroups&
                                    recompute_plan(config.train, config.model.n_layer), r->tensor_group.get());
   if (config.runtime.slow_rank == groups.world().rank()) r->model->set_slowdown(config.runtime.slow_factor);
   r->store->set_huge_page_alignment(tiered);
-  r->store->finalize(/*touch_params=*/!tiered);
+  // Under ZeRO-3 a rank only ever writes its own shard's pages (the rest arrive under leases).
+  const bool zero3 = config.parallel.zero == 3 && dp.size() > 1;
+  r->store->finalize(/*touch_params=*/!tiered && !zero3);
   const bool compressed = dp.size() > 1 && sync_compressed(config.sync);
   build_optimizer_and_sync(*r, config, dp,
                            compressed ? sync_chunk_codecs(config.sync, config.model.n_layer, *r->store)

@@ -160,6 +160,8 @@ void ChunkStore::finalize_layout() {
   layout_only_ = true;
   moment_chunk_begin_ = 0;
   moment_chunk_end_ = static_cast<int>(chunks_.size());
+  param_chunk_begin_ = 0;
+  param_chunk_end_ = moment_chunk_end_;
 }
 
 void ChunkStore::lay_out() {
@@ -244,6 +246,8 @@ void ChunkStore::finalize(bool touch_params) {
   }
   moment_chunk_begin_ = 0;
   moment_chunk_end_ = static_cast<int>(chunks_.size());
+  param_chunk_begin_ = 0;
+  param_chunk_end_ = moment_chunk_end_;
   finalized_ = true;
   pending_.assign(chunks_.size(), 0);
   static_cast<PresentPlanes*>(own_residency_.get())->size_for(chunks_.size());
@@ -268,6 +272,19 @@ void ChunkStore::shard_moments(int chunk_begin, int chunk_end) {
   }
   moment_chunk_begin_ = chunk_begin;
   moment_chunk_end_ = chunk_end;
+}
+
+void ChunkStore::home_params(int chunk_begin, int chunk_end) {
+  check(finalized_ && 0 <= chunk_begin && chunk_begin <= chunk_end && chunk_end <= static_cast<int>(chunks_.size()),
+        "chunk store: bad parameter home [" + std::to_string(chunk_begin) + ", " + std::to_string(chunk_end) + ")");
+  param_chunk_begin_ = chunk_begin;
+  param_chunk_end_ = chunk_end;
+}
+
+std::pair<int64_t, int64_t> ChunkStore::param_home_elements() const {
+  const int n = static_cast<int>(chunks_.size());
+  return {param_chunk_begin_ < n ? chunks_[param_chunk_begin_].offset : numel_,
+          param_chunk_end_ < n ? chunks_[param_chunk_end_].offset : numel_};
 }
 
 int64_t ChunkStore::plane_bytes(Plane plane) const {

@@ -138,6 +138,14 @@ class ChunkStore {
   void shard_moments(int chunk_begin, int chunk_end);
   // Chunks [begin, end) whose moments this store holds (all chunks unless sharded).
   std::pair<int, int> moment_chunks() const { return {moment_chunk_begin_, moment_chunk_end_}; }
+  // The parameters of chunks [begin, end) have their home in this store (ZeRO-3: this rank's
+  // shard; the other chunks' parameters are here only while a layer uses them, and their pages are
+  // never touched otherwise). Drawing and loading the weights write only these, so a rank's start-up
+  // holds its shard, never the whole model. Requires finalize(). All chunks unless set.
+  void home_params(int chunk_begin, int chunk_end);
+  std::pair<int, int> param_chunks() const { return {param_chunk_begin_, param_chunk_end_}; }
+  // Elements [first, last) of the flat space that param_chunks() span (alignment gaps included).
+  std::pair<int64_t, int64_t> param_home_elements() const;
   // Bytes allocated per plane, for memory reports.
   int64_t plane_bytes(Plane plane) const;
   // Bytes of the plane's elements [offset, offset + numel) that the operating system holds in
@@ -283,6 +291,7 @@ class ChunkStore {
   int64_t plane_begin_[kNumPlanes] = {};  // flat offset of each allocation's first element
   int64_t plane_end_[kNumPlanes] = {};
   int moment_chunk_begin_ = 0, moment_chunk_end_ = 0;
+  int param_chunk_begin_ = 0, param_chunk_end_ = 0;
   bool layout_only_ = false;  // finalize_layout: nothing allocated
   // The store's own residency (every page present) and the one in use.
   friend class PresentPlanes;

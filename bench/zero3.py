@@ -1,0 +1,214 @@
+#!/usr/bin/env -S /usr/bin/python3
+"""ZeRO-3 side by side (issue 39 item 5), on this machine, 2 ranks, random tokens.
+
+Parts (--part, default all; each figure is printed with the load average it was taken under):
+  overlap  Keel ZeRO-2 against ZeRO-3 with and without parallel.zero3_progress_thread (the
+           thread that drives the broadcasts started ahead while forward's layers compute), at
+           one model (--preset, default "small"), interleaved, --repeats times: median ms per step
+           (the steps after the first two), peak RSS per rank.
+  fsdp     Keel ZeRO-3 against PyTorch FSDP2 (`fully_shard` on every block and the root, gloo, the
+           current PyTorch in bench/.venv) at one GPT-2-shaped model both run (--preset's shape),
+           interleaved, --repeats times: peak RSS per rank and tokens/s.
+  largest  Keel ZeRO-3 at --large (default tinyllama-1.1b: 17.6 GB of float32 state) on 2 ranks:
+           whether it takes --large-steps optimizer steps, its peak RSS per rank (start-up and
+           after the steps), tokens/s, the parameters gathered per step.
+
+Usage: bench/zero3.py [--part overlap,fsdp,largest] [--repeats 3] [--preset small] [--steps 6]
+Environment: KEEL (the binary; default build/keel).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+# model.preset -> (layers, heads, channels) of Keel's presets used here (src/core/config.cpp).
+SHAPES = {"tiny": (2, 2, 64), "small": (4, 4, 256), "gpt2-124m": (12, 12, 768)}
+
+
+def load():
+    return "%.1f" % os.getloadavg()[0]
+
+
+def keel_run(work, name, preset, steps, zero, extra=(), vocab=None, batch=2, seq=64):
+    """One `keel launch -n 2` training run; returns its step lines and the run's wall seconds."""
+    keel = os.environ.get("KEEL", os.path.join(ROOT, "build", "keel"))
+    run_dir = os.path.join(work, name)
+    cmd = [keel, "launch", "-n", "2", "--", "train", "--set", "model.preset=" + preset,
+           "--set", "model.max_seq_len=%d" % seq, "--set", "train.batch_size=%d" % batch,
+           "--set", "train.seq_len=%d" % seq, "--set", "train.steps=%d" % steps, "--set", "train.eval_batches=1",
+           "--set", "train.eval_every=0", "--set", "train.sample_tokens=0", "--set", "train.checkpoint_every=0",
+           "--set", "runtime.peak_gflops=100", "--set", "parallel.zero=%d" % zero,
+           "--set", "data.train=" + os.path.join(work, "train.bin"), "--set", "data.val=" + os.path.join(work, "val.bin"),
+           "--set", "data.tokenizer=", "--set", "train.run_dir=" + run_dir]
+    if vocab:
+        cmd += ["--set", "model.vocab_size=%d" % vocab]
+    for e in extra:
+        cmd += ["--set", e]
+    t0 = time.time()
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if r.returncode != 0:
+        sys.exit("keel run %s failed:\n%s" % (name, r.stdout[-3000:]))
+    lines = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl")) if '"loss"' in l]
+    return lines, time.time() - t0
+
+
+def steady_ms(lines):
+    ms = [l["ms"] for l in lines[2:]] or [l["ms"] for l in lines]
+    return statistics.median(ms)
+
+
+def part_overlap(a, work):
+    print("\n== overlap: Keel ZeRO-2 vs ZeRO-3 (progress thread on / off), %s, 2 ranks ==" % a.preset)
+    runs = {"zero2": (2, ()), "zero3 thread": (3, ("parallel.zero3_progress_thread=true",)),
+            "zero3 no thread": (3, ("parallel.zero3_progress_thread=false",))}
+    ms = {k: [] for k in runs}
+    rss = {}
+    for rep in range(a.repeats):
+        for k, (zero, extra) in runs.items():
+            lines, _ = keel_run(work, "ov_%d_%s" % (rep, k.replace(" ", "_")), a.preset, a.steps, zero, extra)
+            ms[k].append(steady_ms(lines))
+            rss[k] = lines[-1]["peak_rss_mb"]
+            print("  rep %d %-16s %8.0f ms/step  peak RSS %6.0f MB (max over ranks)  load %s"
+                  % (rep, k, ms[k][-1], rss[k], load()), flush=True)
+    base = statistics.median(ms["zero2"])
+    for k in runs:
+        m = statistics.median(ms[k])
+        print("  %-16s median %8.0f ms/step  %.2fx ZeRO-2" % (k, m, m / base))
+
+
+FSDP_WORKER = r'''
+import json, os, resource, sys, time
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+sys.path.insert(0, sys.argv[1])
+from torch_gpt2_train import GPT2, make_optimizer
+from torch.distributed.fsdp import fully_shard
+
+def worker(rank, a, port, q):
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(a["threads"])
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = GPT2(a["layers"], a["channels"], a["heads"], a["vocab"], a["seq"])
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = make_optimizer(model)
+    data = torch.randint(0, a["vocab"], (a["steps"], a["batch"], a["seq"] + 1), generator=torch.Generator().manual_seed(1 + rank))
+    times = []
+    for i in range(a["steps"]):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = model(data[i, :, :-1], data[i, :, 1:])
+        loss.backward()
+        opt.step()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
+    allr = [torch.zeros_like(rss) for _ in range(2)]
+    dist.all_gather(allr, rss)
+    if rank == 0:
+        steady = sorted(times[2:] or times)[len(times[2:] or times) // 2]
+        q.put({"ms_per_step": 1000 * steady, "tokens_per_s": 2 * a["batch"] * a["seq"] / steady,
+               "peak_rss_mb_per_rank": [float(x.item()) for x in allr], "loss": float(loss.item())})
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+if __name__ == "__main__":
+    import socket
+    a = json.loads(sys.argv[2])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    q = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(worker, args=(a, port, q), nprocs=2, join=True)
+    print(json.dumps(q.get()))
+'''
+
+
+def part_fsdp(a, work):
+    layers, heads, channels = SHAPES[a.preset]
+    vocab, batch, seq = 50257, 2, 64
+    print("\n== fsdp: Keel ZeRO-3 vs PyTorch FSDP2 (fully_shard, gloo), %s shape (%d layers, %d channels), "
+          "2 ranks x batch %d x %d tokens ==" % (a.preset, layers, channels, batch, seq))
+    py = os.path.join(HERE, ".venv", "bin", "python")
+    if not os.path.exists(py):
+        print("  skipped: bench/.venv (PyTorch with torch.distributed.fsdp.fully_shard) not found")
+        return
+    worker = os.path.join(work, "fsdp_worker.py")
+    with open(worker, "w") as f:
+        f.write(FSDP_WORKER)
+    spec = {"layers": layers, "channels": channels, "heads": heads, "vocab": vocab, "seq": seq, "batch": batch,
+            "steps": a.steps, "threads": max(1, (os.cpu_count() or 2) // 2)}
+    for rep in range(a.repeats):
+        lines, _ = keel_run(work, "fs_%d" % rep, a.preset, a.steps, 3, (), batch=batch, seq=seq)
+        keel_ms = steady_ms(lines)
+        keel_rss = max(lines[-1]["peak_rss_mb"], 0)
+        keel_z3 = lines[-1].get("zero3_param_peak_resident_bytes")
+        print("  rep %d keel ZeRO-3 %8.0f ms/step %8.0f tokens/s  peak RSS %6.0f MB (max over ranks)  load %s"
+              % (rep, keel_ms, 2 * batch * seq * 1000 / keel_ms, keel_rss, load()), flush=True)
+        if keel_z3:
+            print("         parameters resident at their peak per rank: %s MB" % [round(x / 1e6) for x in keel_z3])
+        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+        r = subprocess.run([py, worker, HERE, json.dumps(spec)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, env=env)
+        if r.returncode != 0:
+            print("  FSDP2 run failed:\n" + r.stdout[-2000:])
+            return
+        t = json.loads(r.stdout.strip().splitlines()[-1])
+        print("  rep %d FSDP2      %8.0f ms/step %8.0f tokens/s  peak RSS per rank %s MB  load %s"
+              % (rep, t["ms_per_step"], t["tokens_per_s"], [round(x) for x in t["peak_rss_mb_per_rank"]], load()),
+              flush=True)
+
+
+def part_largest(a, work):
+    layers = ("model.n_layer=%d" % a.large_layers,) if a.large_layers else ()
+    print("\n== largest: Keel ZeRO-3, %s%s, 2 ranks, batch 1 x %d tokens, %d steps ==" % (
+        a.large, " with %d layers" % a.large_layers if a.large_layers else "", a.large_seq, a.large_steps))
+    free_gb = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    print("  memory available before: %.1f GiB  load %s" % (free_gb, load()), flush=True)
+    lines, wall = keel_run(work, "large", a.large, a.large_steps, 3, layers,
+                           batch=1, seq=a.large_seq, vocab=32000 if "llama" in a.large else None)
+    last = lines[-1]
+    print("  took %d optimizer steps in %.0f s (wall, start-up included)  load %s" % (len(lines), wall, load()))
+    print("  start-up peak RSS per rank: %s MB" % [round(x / 1e6) for x in last["zero3_startup_peak_rss_bytes"]])
+    print("  peak RSS (max over ranks) after the steps: %.0f MB" % last["peak_rss_mb"])
+    print("  parameter shard per rank: %s MB; gathered per step: %s MB; moments per rank: %s MB"
+          % ([round(x / 1e6) for x in last["zero3_param_shard_bytes"]], [round(x / 1e6) for x in last["zero3_gathered_bytes"]],
+             [round(x / 1e6) for x in last["zero3_moment_bytes"]]))
+    print("  ms per step (last): %.0f; tokens/s: %.2f" % (last["ms"], 2 * a.large_seq * 1000 / last["ms"]))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--part", default="overlap,fsdp,largest")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--preset", default="small", choices=sorted(SHAPES))
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--large", default="tinyllama-1.1b")
+    ap.add_argument("--large-steps", type=int, default=2)
+    ap.add_argument("--large-seq", type=int, default=64)
+    ap.add_argument("--large-layers", type=int, default=0, help="--large with this many layers (0: the preset's)")
+    a = ap.parse_args()
+    from benchutil import write_tokens
+    with tempfile.TemporaryDirectory(prefix="keel-zero3-bench.") as work:
+        write_tokens(os.path.join(work, "train.bin"), n=200000, vocab=32000)
+        write_tokens(os.path.join(work, "val.bin"), n=20000, vocab=32000)
+        print("uptime: %s" % subprocess.run(["uptime"], stdout=subprocess.PIPE, text=True).stdout.strip())
+        for part in a.part.split(","):
+            {"overlap": part_overlap, "fsdp": part_fsdp, "largest": part_largest}[part](a, work)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
