@@ -52,8 +52,10 @@
 #include <vector>
 
 #include "core/config.h"
+#include "model/model_layout.h"
 #include "pipeline/schedule.h"
 #include "sim/cluster.h"
+#include "sim/stack.h"
 #include "sim/tier_model.h"
 
 namespace keel::sim {
@@ -74,6 +76,10 @@ struct SimLayout {
   // it starts after the backward (a peer that reduces gradients at the end of the step, as
   // Megatron-LM's 2021 runs did; `keel simulate --overlap-sync no`).
   bool overlap_sync = true;
+  // The software stack whose run is predicted (sim/stack.h; `keel simulate --stack`): its kernels'
+  // share of the GEMM rates, gradient reduction (bytes, buckets, overlap, collective algorithm)
+  // and memory layout. Default: Keel's own.
+  StackProfile stack{};
 };
 
 struct MemoryPerDevice {
@@ -91,6 +97,8 @@ struct StepPrediction {
   // span; sync: the data-parallel sync left exposed after overlap).
   double step_ms = 0, span_ms = 0, compute_ms = 0, bubble_ms = 0, tensor_comm_ms = 0, pipeline_comm_ms = 0;
   double sync_ms = 0, sync_codec_ms = 0, sync_exposed_ms = 0, optimizer_ms = 0, variability_ms = 0;
+  std::string stack = "keel";           // the software stack predicted
+  std::string sync_algorithm = "none";  // the data-parallel all-reduce's algorithm (sim/collective.h)
   double bubble = 0;              // the schedule's idle share
   double sync_wire_ratio = 1;     // bytes sent over what a ring all-reduce of float32 gradients sends (HybridGC)
   double samples_per_s = 0, tokens_per_s = 0;
@@ -106,6 +114,20 @@ struct StepPrediction {
 
 // `config` resolved for cluster.devices() / layout.tensor ranks (resolve_job_config).
 StepPrediction predict_step(const Config& config, const Cluster& cluster, const SimLayout& layout);
+
+// Milliseconds of layer `i`'s forward (0 the embedding, 1..n_layer the blocks, n_layer + 1 the
+// head) on one device for `tokens` tokens in sequences of T, split over `tp` tensor ranks: each
+// matrix product at the device's share of `peak` FLOP/s for its shape (Device::gemm_share at its
+// smallest dimension, never faster than its bytes through device memory) times the stack's
+// kernel_efficiency; the layer's other FLOPs at the share of the largest shape.
+double layer_forward_ms(const ModelConfig& m, int i, double tokens, int T, int tp, const Device& device, double peak,
+                        double act_bytes, double kernel_efficiency);
+
+// Activation bytes one device holds under Megatron-LM's layout (Korthikanti et al. 2022): per block
+// and micro-batch, by recomputation mode, sequence parallelism and fused attention; `in_flight`
+// micro-batches on the busiest of `stages`; plus the head's float32 logits.
+double megatron_activation_bytes(const ModelConfig& m, const std::vector<LayerRange>& stages, Recompute mode, int micro_batch,
+                                 int T, int tp, int in_flight, bool sequence_parallel, bool flash);
 
 // Parameters per layer (embedding, blocks, head) as Keel's model registers them: GPT-2's tied
 // head holds none of its own.
