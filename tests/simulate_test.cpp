@@ -427,6 +427,7 @@ TEST(Simulate, BadInputIsOneLine) {
       {good, "--stack megatron-2021 --stacks " + bad_stacks,
        "stack.megatron-2021: key 'collective': expected \"ring\", \"nccl\" or \"hierarchical\", found \"mpi\""},
       {good, "--vocab 1", "simulate --vocab: expected >= 2, found 1"},
+      {good, "--tiers yes --stack torchtitan --stacks " + testing::source_path("configs/sim/stacks.toml"), "no --stack with it"},
       {good, "--search yes --stack torchtitan --stacks " + testing::source_path("configs/sim/stacks.toml"), "no --stack or --vocab with it"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {

@@ -121,6 +121,7 @@ int simulate_command(const SimulateOptions& o) {
   check(o.tensor >= 1, "simulate --tensor: expected >= 1, found " + std::to_string(o.tensor));
   Config config = Config::load(o.config, o.sets);
   const StackProfile stack = StackProfile::load(o.stacks, o.stack);
+  check(!o.tiers || o.stack == "keel", "simulate --tiers: replays Keel's tier manager over Keel's planes (no --stack with it)");
   check(!o.search || (o.stack == "keel" && o.vocab == 0), "simulate --search: ranks Keel's layouts (no --stack or --vocab with it)");
   if (o.search) return search_command(o, config, cluster);
   resolve_job_config(config, cluster.devices() / o.tensor);
