@@ -391,6 +391,13 @@ TEST(Simulate, BadInputIsOneLine) {
   stacks_text.replace(stacks_text.find("collective = \"nccl\""), 20, "collective = \"mpi\"");
   const std::string bad_stacks = dir.path() + "/stacks.toml";
   testing::write_text(bad_stacks, stacks_text);
+  const std::string original = read_text_file(testing::source_path("configs/sim/stacks.toml"));
+  std::string short_text = original, extra_text = original;
+  short_text.erase(short_text.find("flash_attention = false"), 23);
+  extra_text.insert(extra_text.find("flash_attention = false"), "bucket_size = 3\n");
+  const std::string short_stacks = dir.path() + "/short.toml", extra_stacks = dir.path() + "/extra.toml";
+  testing::write_text(short_stacks, short_text);
+  testing::write_text(extra_stacks, extra_text);
   const std::vector<Case> cases = {
       {edit("hbm_gbps = 2039", ""), "", "missing key 'device.hbm_gbps'"},
       {edit("hbm_gbps = 2039", "hbm_gbps = -1"), "", "key 'device.hbm_gbps': expected > 0"},
@@ -426,6 +433,8 @@ TEST(Simulate, BadInputIsOneLine) {
       {good, "--stack torchtitan --stacks /nonexistent.toml", "file /nonexistent.toml"},
       {good, "--stack megatron-2021 --stacks " + bad_stacks,
        "stack.megatron-2021: key 'collective': expected \"ring\", \"nccl\" or \"hierarchical\", found \"mpi\""},
+      {good, "--stack megatron-2021 --stacks " + short_stacks, "stack.megatron-2021: key 'flash_attention': expected true or false"},
+      {good, "--stack megatron-2021 --stacks " + extra_stacks, "stack.megatron-2021: unknown key 'bucket_size'"},
       {good, "--vocab 1", "simulate --vocab: expected >= 2, found 1"},
       {good, "--tiers yes --stack torchtitan --stacks " + testing::source_path("configs/sim/stacks.toml"), "no --stack with it"},
       {good, "--search yes --stack torchtitan --stacks " + testing::source_path("configs/sim/stacks.toml"), "no --stack or --vocab with it"},

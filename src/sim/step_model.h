@@ -8,23 +8,30 @@
 //    with two all-reduces of a micro-batch's activations in its forward and two in its backward,
 //    inside a node. Ranks are placed tensor-fastest, then data, then pipeline: a tensor group
 //    stays in a node, a data group does while tensor x data fits one.
-//  * Compute: each layer's forward FLOPs per token (pipeline/layout.h layer_costs, the FLOP model
-//    the static partitioner cuts by), at the device's peak for the run's precision times its
-//    matmul_efficiency; B and W each cost what F does (Keel's split of backward); with activation
-//    recomputation (train.recompute, or --recompute: full on every block) B runs a recomputing
-//    block's F again (full) or its attention's share of it (selective), and a zero-bubble
-//    schedule's W, apart from its B, rebuilds that and runs B again; each block's elementwise work (36 values of the width per
-//    token in F, twice that in B) at the device's memory bandwidth. Or each layer's F, B, W as a Keel run measured them
+//  * Compute: each layer's matrix products (qkv, the attention's batched products per head, the
+//    projection, the MLP's; the head's vocabulary product) at the device's share of the peak for
+//    their shapes (Device::gemm_share at the smallest dimension; a roofline below: never faster
+//    than the bytes through device memory), times the stack's kernel_efficiency; the rest of the
+//    layer's FLOPs (pipeline/layout.h layer_costs, the FLOP model the static partitioner cuts by)
+//    at the largest shape's share. B and W each cost what F does (Keel's split of backward); with
+//    activation recomputation (train.recompute, or --recompute: full on every block) B runs a
+//    recomputing block's F again (full) or its attention's share of it (selective), and a
+//    zero-bubble schedule's W, apart from its B, rebuilds that and runs B again; each block's
+//    elementwise work (the stack's elementwise_values of the width per token in F, twice that in
+//    B) at the device's memory bandwidth. Or each layer's F, B, W as a Keel run measured them
 //    (SimLayout::layer_costs), for a cluster of the machine that measured them.
 //  * The pipeline: Keel's schedule (pipeline/schedule.h make_schedule) replayed by Keel's schedule
 //    simulator on those stage costs, a message between stages costing its bytes over the link
 //    that joins them (NVLink inside a node, the device's NIC share across nodes) plus latency:
 //    bubble included.
-//  * Data-parallel sync: each device's float32 gradients as Keel's GradSync buckets them (by
-//    layer and codec, bucket_bytes each, a latency-bound round trip per ring step), a ring's
-//    2 (N-1)/N of the bytes over the data group's slowest link (ZeRO-2 reduce-scatters: half of
-//    it; ZeRO-1 all-reduces like ZeRO-0; both all-gather the parameters after the optimizer,
-//    exposed). Overlap follows
+//  * Data-parallel sync: each device's gradients (the stack's bytes per element) as Keel's GradSync
+//    buckets them (by layer and codec; the stack's bucket size, else bucket_bytes), each bucket by
+//    the stack's collective algorithm (sim/collective.h: Keel's flat ring over the data group's
+//    slowest link, or NCCL's ring or tree) (ZeRO-2 and -3 reduce-scatter: half of it; ZeRO-1
+//    all-reduces like ZeRO-0; ZeRO-1 and -2 all-gather the parameters after the optimizer,
+//    exposed; ZeRO-3 gathers each layer's parameters for every micro-batch's forward and backward
+//    and reduce-scatters every micro-batch's gradients, exposed where they outlast the compute).
+//    Overlap (where the stack overlaps its reduction) follows
 //    the last micro-batch's backward layer by layer: a layer's collectives queue on the link once
 //    its W is done (GPT-2's tied embedding completes last); what runs past the backward is exposed.
 //    With a pipeline, GPT-2's tied embedding is summed between its first and last stage every
@@ -32,10 +39,11 @@
 //  * Variability: the step waits for its slowest device: jitter as the expected maximum of the
 //    devices' normal spread, stragglers as their slowdown. Reliability: the share of time lost
 //    to failures (half a checkpoint interval and a restart per failure, at the cluster's rate).
-//  * Memory per device: Keel's planes (float32 parameters and gradients, AdamW moments; ZeRO
-//    shards), activations in flight as Keel lays them out (GPT::slot_bytes_for times the
-//    schedule's proven peak in flight, under the recomputation asked, and the set recomputing
-//    blocks share), each divided over the tensor group.
+//  * Memory per device: the stack's bytes per parameter (Keel: float32 parameters and gradients,
+//    AdamW moments; ZeRO shards the state at 1, gradients at 2, parameters at 3), activations in
+//    flight as Keel lays them out (GPT::slot_bytes_for times the schedule's proven peak in flight,
+//    under the recomputation asked, and the set recomputing blocks share) or, for a stack laid out
+//    as Megatron-LM, by megatron_activation_bytes; each divided over the tensor group.
 //  * Compressed sync (sync.codec, HybridGC): each chunk's codec by Keel's policy, its encoded size
 //    by the codec itself, and CompressedAllreduce's shape (two-phase or gather) give the bytes
 //    sent (sync_wire_ratio); the codecs' compute at the cluster file's [codecs] rates (measured
