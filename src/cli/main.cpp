@@ -105,7 +105,8 @@ commands:
             [--json yes] [--stack NAME [--stacks FILE.toml]] [--vocab N]
             Predict one training step of the config on a described cluster (configs/clusters/):
             data x pipeline (the config's) x tensor (modelled only) layout, Keel's schedule and
-            stage cut on its schedule simulator, ring collectives over the cluster's links: the
+            stage cut on its schedule simulator, collectives over the cluster's links, GEMMs at the
+            device's published rate for their shapes: the
             step's breakdown, samples/s, MFU, memory per device; --trace: a Chrome trace of it;
             --layer-costs: per-layer F, B, W a run measured instead of the FLOP model.
             --tiers yes: pages homed on device, host and NVMe by Keel's placement, the step's
