@@ -126,6 +126,10 @@ def main():
                                      "train.grad_accum=%d" % (PER_GPU * TP)]
         base = simulate(a.cluster, nodes, base_sets + ["tier.prefetch=false"])
         base_prefetch = simulate(a.cluster, nodes, base_sets + ["tier.prefetch=true"])
+        # The baseline ZeRO-3 allows: parameters sharded over the data ranks too (Keel's float32
+        # planes, gathered per layer for every micro-batch), on the devices alone.
+        zero3_sets = [x.replace("parallel.zero=2", "parallel.zero=3") for x in base_sets]
+        base_zero3 = simulate(a.cluster, nodes, zero3_sets, tiers=False)
         best, best_pp = None, None
         for pp in PIPELINES:
             if (gpus // TP) % pp or 2 * pp > L + 2:
@@ -156,10 +160,10 @@ def main():
                 ab[name + " error"] = j["error"]
         sets, _ = keel_sets(model, gpus, best_pp)
         ab["no tiers"] = simulate(a.cluster, nodes, sets, tiers=False)
-        ablation_rows.append((nodes, best_pp, best, ab, base, base_prefetch))
+        ablation_rows.append((nodes, best_pp, best, ab, base, base_prefetch, base_zero3))
 
     print("\n== where Keel's step goes, and each mechanism turned off (samples/s; ratio to Keel's layout) ==")
-    for nodes, pp, j, ab, base, base_prefetch in ablation_rows:
+    for nodes, pp, j, ab, base, base_prefetch, base_zero3 in ablation_rows:
         bt = base.get("tiers") or {}
         if "step_ms" in base:
             print("%d nodes, baseline TP %d x DP %d: step %.0f s = compute %.0f + sync exposed %.0f + tier stall %.0f (s); "
@@ -171,6 +175,12 @@ def main():
             print("   the same baseline with Keel's tier prefetch: %s samples/s (%.2fx the baseline); Keel's layout is %.1fx that" % (
                 fmt(base_prefetch["samples_per_s"]), base_prefetch["samples_per_s"] / base["samples_per_s"],
                 j["samples_per_s"] / base_prefetch["samples_per_s"]))
+        if "step_ms" in base_zero3:
+            print("   the baseline with ZeRO-3 (parameters sharded over the data ranks), no tiers: %s samples/s, step %.0f s "
+                  "(sync exposed %.0f s), %.0f GiB per GPU (%s); Keel's layout is %.2fx that" % (
+                      fmt(base_zero3["samples_per_s"]), base_zero3["step_ms"] / 1e3, base_zero3["sync_exposed_ms"] / 1e3,
+                      base_zero3["memory_gib"]["total"], "fits" if base_zero3["fits"] else "does not fit 80",
+                      j["samples_per_s"] / base_zero3["samples_per_s"]))
         t = j.get("tiers") or {}
         print("%d nodes, Keel's layout PP %d x DP %d: step %.0f s = compute %.0f + bubble %.0f + sync exposed %.0f + "
               "tier stall %.0f (s); MFU %.3f %%; per step %.0f GiB from host, %.0f GiB from NVMe per GPU" % (

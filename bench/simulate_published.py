@@ -1,25 +1,24 @@
 #!/usr/bin/env python3
-"""`keel simulate` against published training runs: Megatron-LM's weak-scaling table (Narayanan et
-al., SC'21, Table 1: GPT models from 1.7B to 1T parameters on 32 to 3,072 A100s) and llm.c's GPT-2
-1.5B on one 8xH100 node. Only `keel simulate` runs (seconds); nothing here trains.
+"""`keel simulate --stack` against published training runs (configs/sim/published_runs.toml: each
+run's stack, cluster, model, layout, published throughput and source). Only `keel simulate` runs
+(seconds); nothing here trains.
 
-Each published run is simulated on configs/clusters/dgx-a100.toml (or dgx-h100.toml) with its
-layout: tensor x pipeline x data, global batch, sequence length, bf16, and Megatron's full
-activation recomputation. The comparison is in throughput: a published TFLOP/s per GPU is turned
-into a step time through the publisher's own FLOP count (Megatron: 96 B s l h^2 (1 + s / 6h +
-V / 16 l h), which counts the recomputed forward; llm.c: 6 N tokens), and the simulated step's
-throughput is turned back into that unit, so both sides count the same FLOPs. Target: each row
-within 15 %.
+Each run is simulated with its stack's profile (configs/sim/stacks.toml) on its cluster file. The
+comparison is per GPU in the publisher's unit: Megatron's TFLOP/s (96 B s l h^2 (1 + s / 6h +
+V / 16 l h), the recomputed forward counted) or tokens per second per GPU.
 
-The data-parallel gradient reduction runs after the backward pass (`--overlap-sync no`), as
-Megatron-LM's 2021 code did; the same rows with Keel's overlapped sync are printed beside.
+Modes:
+  (default, --validate)  every run; fitting rows (role = "fit", one per stack: the run its
+                         kernel_efficiency was fitted to) and validation rows printed apart, each
+                         with its error; each prediction with its range over the settings the run
+                         did not publish (its `assumed` list: micro-batch, schedule, network) and
+                         the stack's [keel]-sourced assumption (elementwise traffic, x 0.5 .. x 2).
+                         Target: each validation run within 15 %.
+  --fit                  for each stack, the kernel_efficiency that makes its fitting row's
+                         prediction equal the published figure (bisection); prints the values to
+                         write into configs/sim/stacks.toml. Nothing is written.
 
-What is assumed, not published in the table: micro-batches of 1 sequence on pipelined rows (of 4
-on the others), Keel's 1F1B schedule (the table's runs used Megatron's interleaved schedule where
-it helped), and the cluster files' matmul_efficiency (the share of the bf16 peak a large product
-reaches; an assumption of each file).
-
-Usage: bench/simulate_published.py [--cluster-a100 FILE] [--cluster-h100 FILE] [--json yes]
+Usage: bench/simulate_published.py [--fit] [--runs FILE] [--stacks FILE] [--only NAME] [--json yes]
 Environment: KEEL (default build/keel).
 """
 import argparse
@@ -27,26 +26,13 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEEL = os.environ.get("KEEL", os.path.join(ROOT, "build", "keel"))
 TARGET = 0.15
-
-# Narayanan et al., SC'21, Table 1: parameters (billions), heads, hidden, layers, tensor, pipeline,
-# GPUs, global batch, achieved TFLOP/s per GPU. Sequence length 2048, vocabulary 51,200.
-MEGATRON = [
-    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
-    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
-    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
-    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
-]
-SEQ, VOCAB = 2048, 51200
+GPUS_PER_NODE = 8
 
 
 def megatron_flops(batch, s, l, h, V):
@@ -54,82 +40,193 @@ def megatron_flops(batch, s, l, h, V):
     return 96.0 * batch * s * l * h * h * (1 + s / (6.0 * h) + V / (16.0 * l * h))
 
 
-def simulate(cluster, nodes, tensor, recompute, sets, overlap=True):
-    cmd = [KEEL, "simulate", "--cluster", cluster, "--nodes", str(nodes), "--tensor", str(tensor),
-           "--recompute", "yes" if recompute else "no", "--overlap-sync", "yes" if overlap else "no", "--json", "yes"]
+def toml_value(v):
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"%s"' % v
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def write_toml(tables, path):
+    """A two-level TOML file ({section: {key: value}}, section names may be dotted)."""
+    with open(path, "w") as f:
+        for section, keys in tables.items():
+            f.write("[%s]\n" % section)
+            for k, v in keys.items():
+                f.write("%s = %s\n" % (k, toml_value(v)))
+            f.write("\n")
+
+
+class Variant:
+    """One simulation's inputs apart from the run: stack and cluster overrides, layout changes."""
+
+    def __init__(self, label="", stack=None, cluster=None, micro_batch=None, schedule=None):
+        self.label, self.stack, self.cluster = label, stack or {}, cluster or {}
+        self.micro_batch, self.schedule = micro_batch, schedule
+
+
+def simulate(run, stacks, variant, tmp):
+    stack = dict(stacks["stack"][run["stack"]])
+    stack.update(variant.stack)
+    stacks_file = os.path.join(tmp, "stacks.toml")
+    write_toml({"stack." + run["stack"]: stack}, stacks_file)
+    cluster_path = os.path.join(ROOT, "configs", "clusters", run["cluster"] + ".toml")
+    if variant.cluster:
+        with open(cluster_path, "rb") as f:
+            c = tomllib.load(f)
+        for k, v in variant.cluster.items():
+            section, key = k.split(".")
+            c[section][key] = v
+        cluster_path = os.path.join(tmp, "cluster.toml")
+        write_toml(c, cluster_path)
+    gpus, tp, pp = run["gpus"], run["tensor"], run["pipeline"]
+    dp = gpus // (tp * pp)
+    per_replica = run["global_batch"] // dp
+    mb = variant.micro_batch or run["micro_batch"]
+    if per_replica % mb:
+        return None
+    llama = run["family"] == "llama"
+    sets = ["model.preset=%s" % ("llama-110m" if llama else "gpt2-124m"), "model.n_layer=%d" % run["layers"],
+            "model.n_embd=%d" % run["hidden"], "model.n_head=%d" % run["heads"],
+            "model.max_seq_len=%d" % run["seq"], "train.seq_len=%d" % run["seq"], "runtime.precision=bf16",
+            "data.tokenizer=", "parallel.pipeline=%d" % pp, "parallel.zero=%d" % run["zero"],
+            "train.batch_size=%d" % mb, "train.grad_accum=%d" % (per_replica // mb),
+            "train.recompute=%s" % run["recompute"]]
+    if llama:
+        sets += ["model.n_kv_head=%d" % run["kv_heads"], "model.ffn_hidden=%d" % run["ffn"]]
+    schedule = variant.schedule or "1f1b"
+    if pp > 1:
+        sets += ["parallel.schedule=%s" % schedule]
+        if schedule == "interleaved":
+            sets += ["parallel.virtual_stages=2"]
+    nodes = max(1, gpus // GPUS_PER_NODE)
+    cmd = [KEEL, "simulate", "--cluster", cluster_path, "--nodes", str(nodes), "--tensor", str(tp),
+           "--stack", run["stack"], "--stacks", stacks_file, "--vocab", str(run["vocab"]), "--json", "yes"]
     for s in sets:
         cmd += ["--set", s]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     line = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
     if not line.startswith("{"):
+        if variant.label:
+            return None  # a variant Keel's layout rules refuse (e.g. a schedule's constraints)
         sys.exit("simulate_published.py: %s\n%s" % (" ".join(cmd), (p.stdout + p.stderr).strip()[-2000:]))
     j = json.loads(line)
+    if "published" not in run:
+        pass
+    if "tflops_megatron" in run:
+        flops = megatron_flops(run["global_batch"], run["seq"], run["layers"], run["hidden"], run["vocab"])
+        j["predicted"] = flops / (j["step_ms"] * 1e-3) / gpus / 1e12
+    else:
+        j["predicted"] = j["tokens_per_s"] / gpus
     return j
 
 
-def model_sets(layers, hidden, heads, seq, vocab):
-    return ["model.preset=gpt2-124m", "model.n_layer=%d" % layers, "model.n_embd=%d" % hidden,
-            "model.n_head=%d" % heads, "model.vocab_size=%d" % vocab, "model.padded_vocab_size=%d" % vocab,
-            "model.max_seq_len=%d" % seq, "train.seq_len=%d" % seq, "runtime.precision=bf16",
-            "model.attention=blockwise", "data.tokenizer="]
+def published(run):
+    return run["tflops_megatron"] if "tflops_megatron" in run else run["tokens_per_gpu_s"]
+
+
+def unit(run):
+    return "TFLOP/s" if "tflops_megatron" in run else "tok/s"
+
+
+def variants(run, stack):
+    """The settings the run did not publish, each varied alone."""
+    out = [Variant("elementwise x0.5", stack={"elementwise_values": stack["elementwise_values"] * 0.5}),
+           Variant("elementwise x2", stack={"elementwise_values": stack["elementwise_values"] * 2})]
+    if stack["bucket_mb"] < 1e5 and run["gpus"] > GPUS_PER_NODE:
+        out += [Variant("bucket x0.25", stack={"bucket_mb": stack["bucket_mb"] / 4}),
+                Variant("bucket x4", stack={"bucket_mb": stack["bucket_mb"] * 4})]
+    for a in run.get("assumed", []):
+        if a == "micro_batch":
+            for mb in (1, 2, 4, 8):
+                if mb != run["micro_batch"]:
+                    out.append(Variant("micro-batch %d" % mb, micro_batch=mb))
+        elif a == "schedule" and run["pipeline"] > 1:
+            out.append(Variant("interleaved x2", schedule="interleaved"))
+        elif a == "network" and run["gpus"] > GPUS_PER_NODE:
+            out.append(Variant("4 NICs per node", cluster={"network.nics_per_node": 4, "network.topology": "fat-tree"}))
+            out.append(Variant("1 NIC per node", cluster={"network.nics_per_node": 1, "network.topology": "fat-tree"}))
+    return out
+
+
+def fit(runs, stacks, tmp, only):
+    for run in runs:
+        if run["role"] != "fit" or (only and run["stack"] != only):
+            continue
+        lo, hi = 0.05, 1.0
+        for _ in range(14):
+            mid = (lo + hi) / 2
+            j = simulate(run, stacks, Variant(stack={"kernel_efficiency": mid}), tmp)
+            if j["predicted"] < published(run):
+                lo = mid
+            else:
+                hi = mid
+        k = round((lo + hi) / 2, 3)
+        j = simulate(run, stacks, Variant(stack={"kernel_efficiency": k}), tmp)
+        print("[stack.%s] kernel_efficiency = %.3f   # fitted to %s: %.1f %s predicted against %.1f published" % (
+            run["stack"], k, run["name"], j["predicted"], unit(run), published(run)))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cluster-a100", default=os.path.join(ROOT, "configs", "clusters", "dgx-a100.toml"))
-    ap.add_argument("--cluster-h100", default=os.path.join(ROOT, "configs", "clusters", "dgx-h100.toml"))
+    ap.add_argument("--runs", default=os.path.join(ROOT, "configs", "sim", "published_runs.toml"))
+    ap.add_argument("--stacks", default=os.path.join(ROOT, "configs", "sim", "stacks.toml"))
+    ap.add_argument("--fit", action="store_true")
+    ap.add_argument("--validate", action="store_true", help="(the default)")
+    ap.add_argument("--only", default="", help="one stack's runs")
     ap.add_argument("--json", default="no")
     a = ap.parse_args()
-    rows = []
-    print("== Megatron-LM, Narayanan et al. SC'21 Table 1, on %s (bf16, full recomputation, 1F1B) ==" %
-          os.path.relpath(a.cluster_a100, ROOT))
-    print("%8s %4s %4s %5s %6s %10s %12s %8s %12s %8s %8s %7s %6s" % (
-        "params", "TP", "PP", "DP", "GPUs", "published", "Megatron's", "error", "Keel's sync", "error", "bubble", "sync",
-        "GiB"))
-    worst = worst_keel = 0.0
-    for (pb, heads, h, l, tp, pp, gpus, batch, tflops) in MEGATRON:
-        dp = gpus // (tp * pp)
-        per_replica = batch // dp
-        mb = 1 if pp > 1 else min(4, per_replica)
-        sets = model_sets(l, h, heads, SEQ, VOCAB) + [
-            "parallel.pipeline=%d" % pp, "parallel.schedule=1f1b", "parallel.zero=0",
-            "train.batch_size=%d" % mb, "train.grad_accum=%d" % (per_replica // mb)]
-        # Megatron-LM's 2021 runs reduced the data-parallel gradients after the backward pass (its
-        # overlapped reduction came later): the peer as it ran. Keel's GradSync overlaps it.
-        j = simulate(a.cluster_a100, gpus // 8, tp, True, sets, overlap=False)
-        k = simulate(a.cluster_a100, gpus // 8, tp, True, sets, overlap=True)
-        flops = megatron_flops(batch, SEQ, l, h, VOCAB)
-        sim_tflops = flops / (j["step_ms"] * 1e-3) / gpus / 1e12
-        keel_tflops = flops / (k["step_ms"] * 1e-3) / gpus / 1e12
-        err, err_keel = sim_tflops / tflops - 1, keel_tflops / tflops - 1
-        worst, worst_keel = max(worst, abs(err)), max(worst_keel, abs(err_keel))
-        rows.append({"source": "megatron", "params_b": pb, "tensor": tp, "pipeline": pp, "data": dp, "gpus": gpus,
-                     "published_tflops": tflops, "simulated_tflops": sim_tflops, "error": err,
-                     "simulated_tflops_overlapped": keel_tflops, "error_overlapped": err_keel, "sim": j})
-        print("%7.1fB %4d %4d %5d %6d %8.0f TF %10.1f TF %+7.1f%% %10.1f TF %+7.1f%% %7.1f%% %5.0fms %6.1f%s" % (
-            pb, tp, pp, dp, gpus, tflops, sim_tflops, 100 * err, keel_tflops, 100 * err_keel, 100 * j["bubble"],
-            j["sync_exposed_ms"], j["memory_gib"]["total"], "" if j["fits"] else " (does not fit)"))
-    print("%s: worst row %.1f %% with the sync after the backward, as Megatron-LM ran (target within %.0f %%); "
-          "%.1f %% with Keel's overlapped sync" % ("PASS" if worst <= TARGET else "MISS", 100 * worst, 100 * TARGET,
-                                                   100 * worst_keel))
-
-    # llm.c: GPT-2 1.5B (L48 C1600 H25), 1,048,576 tokens per step (T 1024), on one 8xH100 node: 32B
-    # tokens in about 24 hours (karpathy/llm.c discussion 677), i.e. about 370k tokens/s.
-    print("\n== llm.c GPT-2 1.5B on 8xH100 (%s, bf16, ZeRO-1, no recomputation) ==" % os.path.relpath(a.cluster_h100, ROOT))
-    tokens_s = 32e9 / (24 * 3600)
-    sets = model_sets(48, 1600, 25, 1024, 50257) + ["model.padded_vocab_size=50304", "parallel.zero=1",
-                                                    "train.batch_size=16", "train.grad_accum=8"]
-    j = simulate(a.cluster_h100, 1, 1, False, sets)
-    err = j["tokens_per_s"] / tokens_s - 1
-    rows.append({"source": "llm.c", "published_tokens_per_s": tokens_s, "simulated_tokens_per_s": j["tokens_per_s"],
-                 "error": err, "sim": j})
-    print("published %.0f tokens/s, simulated %.0f (%+.1f %%), MFU %.1f %%, %.1f GiB per GPU%s" % (
-        tokens_s, j["tokens_per_s"], 100 * err, 100 * j["mfu"], j["memory_gib"]["total"],
-        "" if j["fits"] else " (does not fit)"))
-    print("%s: within %.0f %%" % ("PASS" if abs(err) <= TARGET else "MISS", 100 * TARGET))
-    if a.json == "yes":
-        for r in rows:
-            print(json.dumps(r))
+    with open(a.runs, "rb") as f:
+        runs = tomllib.load(f)["run"]
+    with open(a.stacks, "rb") as f:
+        stacks = tomllib.load(f)
+    for r in runs:
+        if r["stack"] not in stacks["stack"]:
+            sys.exit("simulate_published.py: run %s: stack '%s' not in %s" % (r["name"], r["stack"], a.stacks))
+    with tempfile.TemporaryDirectory() as tmp:
+        if a.fit:
+            fit(runs, stacks, tmp, a.only)
+            return
+        rows = []
+        for role in ("fit", "validate"):
+            print("\n== %s rows ==" % ("fitting (each stack's kernel_efficiency was fitted to its row)" if role == "fit"
+                                        else "validation (predicted; nothing fitted to them)"))
+            print("%-24s %-18s %-9s %5s %-10s %10s %10s %8s  %-17s %6s %5s  %s" % (
+                "run", "stack", "cluster", "GPUs", "TPxPPxDP", "published", "predicted", "error", "range (assumed)",
+                "sync", "GiB", "all-reduce"))
+            for run in runs:
+                if run["role"] != role or (a.only and run["stack"] != a.only):
+                    continue
+                stack = stacks["stack"][run["stack"]]
+                j = simulate(run, stacks, Variant(), tmp)
+                err = j["predicted"] / published(run) - 1
+                errs = [err]
+                for v in variants(run, stack):
+                    jv = simulate(run, stacks, v, tmp)
+                    if jv is not None:
+                        errs.append(jv["predicted"] / published(run) - 1)
+                dp = run["gpus"] // (run["tensor"] * run["pipeline"])
+                print("%-24s %-18s %-9s %5d %-10s %10.1f %10.1f %+7.1f%%  %+6.1f..%+6.1f%% %5.0fms %5.1f  %s%s" % (
+                    run["name"], run["stack"], run["cluster"], run["gpus"], "%dx%dx%d" % (run["tensor"], run["pipeline"], dp),
+                    published(run), j["predicted"], 100 * err, 100 * min(errs), 100 * max(errs), j["sync_exposed_ms"],
+                    j["memory_gib"]["total"], j["sync_algorithm"], "" if j["fits"] else " (does not fit)"))
+                rows.append({"run": run["name"], "stack": run["stack"], "role": role, "published": published(run),
+                             "unit": unit(run), "predicted": j["predicted"], "error": err, "error_min": min(errs),
+                             "error_max": max(errs), "fits": j["fits"], "source": run["source"]})
+        val = [r for r in rows if r["role"] == "validate"]
+        within = [r for r in val if abs(r["error"]) <= TARGET]
+        stacks_seen = sorted({r["stack"] for r in val})
+        if val:
+            print("\nvalidation: %d of %d runs within %.0f %% (%d stacks: %s); worst %+.1f %%; median |error| %.1f %%" % (
+                len(within), len(val), 100 * TARGET, len(stacks_seen), ", ".join(stacks_seen),
+                100 * max((r["error"] for r in val), key=abs),
+                100 * sorted(abs(r["error"]) for r in val)[len(val) // 2]))
+        if a.json == "yes":
+            for r in rows:
+                print(json.dumps(r))
 
 
 if __name__ == "__main__":

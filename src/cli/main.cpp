@@ -109,15 +109,19 @@ commands:
             line instead of text.
   simulate  --cluster CLUSTER.toml [--nodes N] [--config FILE.toml] [--set section.key=value ...] [--tensor N]
             [--recompute yes] [--tiers yes] [--overlap-sync no] [--layer-costs RUN/metrics.jsonl] [--trace FILE.json]
-            [--json yes]
+            [--json yes] [--stack NAME [--stacks FILE.toml]] [--vocab N]
             Predict one training step of the config on a described cluster (configs/clusters/):
             data x pipeline (the config's) x tensor (modelled only) layout, Keel's schedule and
-            stage cut on its schedule simulator, ring collectives over the cluster's links: the
+            stage cut on its schedule simulator, collectives over the cluster's links, GEMMs at the
+            device's published rate for their shapes: the
             step's breakdown, samples/s, MFU, memory per device; --trace: a Chrome trace of it;
             --layer-costs: per-layer F, B, W a run measured instead of the FLOP model.
             --tiers yes: pages homed on device, host and NVMe by Keel's placement, the step's
             transfers, stalls and hit rates under the tier manager's policy. --overlap-sync no:
             the data-parallel sync after the backward, not under it (a peer that does so).
+            --stack NAME: another software stack's run (configs/sim/stacks.toml, or --stacks FILE):
+            its kernels' share of the GEMM rates, gradient reduction and memory layout (default
+            keel). --vocab N: the model's vocabulary, any size (the simulator tokenizes nothing).
             --search yes [--top N]: the N fastest layouts (tensor x pipeline x data, ZeRO,
             schedule, micro-batches, sync codec, recomputation, memory tiers where device memory
             alone is short) with their breakdowns, for the config's model and step.
@@ -705,6 +709,9 @@ int cmd_simulate(const Args& a) {
   check(overlap == "yes" || overlap == "no", "simulate --overlap-sync: expected yes or no, found '" + overlap + "'");
   o.overlap_sync = overlap == "yes";
   o.json = json == "yes";
+  o.stack = a.get("--stack", "keel");
+  o.stacks = a.get("--stacks", o.stack == "keel" ? "" : "configs/sim/stacks.toml");
+  o.vocab = static_cast<int>(a.get_int("--vocab", 0));
   return sim::simulate_command(o);
 }
 
@@ -810,7 +817,7 @@ int run(int argc, char** argv) {
       {"import", {"--llmc", "--llama2c", "--hf", "--out", "--set"}},
       {"checkpoints", {"--dir", "--verify"}},
       {"report", {"--dir", "--out"}},
-      {"simulate", {"--config", "--set", "--cluster", "--nodes", "--layer-costs", "--tensor", "--recompute", "--tiers", "--overlap-sync", "--trace", "--json", "--probe", "--search", "--top"}},
+      {"simulate", {"--config", "--set", "--cluster", "--nodes", "--layer-costs", "--tensor", "--recompute", "--tiers", "--overlap-sync", "--trace", "--json", "--probe", "--search", "--top", "--stack", "--stacks", "--vocab"}},
       {"schedule", {"--config", "--set", "--trace", "--width", "--layer-costs", "--json", "--partitioner", "--decisions",
                     "--stage-memory-mib", "--start-cut"}},
   };

@@ -50,7 +50,7 @@ std::vector<Key> keys(Cluster& c) {
       num("device", "tflops_fp32", &c.device.tflops_fp32, true, 0, 1e6, true),
       num("device", "memory_gib", &c.device.memory_gib, true, 0, 1e6, true),
       num("device", "hbm_gbps", &c.device.hbm_gbps, true, 0, 1e7, true),
-      num("device", "matmul_efficiency", &c.device.matmul_efficiency, true, 0, 1, true),
+      num("device", "matmul_efficiency", &c.device.matmul_efficiency, false, 0, 1, true),
       num("device", "step_overhead_ms", &c.device.step_overhead_ms, false, -1e6, 1e6, false),
       num("host", "memory_gib", &c.host.memory_gib, true, 0, 1e7, true),
       num("host", "pcie_gbps", &c.host.pcie_gbps, true, 0, 1e6, true),
@@ -88,7 +88,39 @@ std::string number(double x) {
   return s.str();
 }
 
+// [[min_dim, share], ...]: dimensions increasing, shares in (0, 1].
+std::vector<std::pair<double, double>> gemm_points(const toml::node& node, const std::string& where) {
+  const toml::array* a = node.as_array();
+  check(a != nullptr && !a->empty(), where + ": expected an array of [smallest dimension, share] pairs");
+  std::vector<std::pair<double, double>> out;
+  for (const toml::node& item : *a) {
+    const toml::array* pair = item.as_array();
+    const std::optional<double> d = pair && pair->size() == 2 ? (*pair)[0].value<double>() : std::nullopt;
+    const std::optional<double> e = pair && pair->size() == 2 ? (*pair)[1].value<double>() : std::nullopt;
+    check(d && e && std::isfinite(*d) && std::isfinite(*e), where + ": expected [smallest dimension, share] pairs of numbers");
+    check(*d >= 1 && (out.empty() || *d > out.back().first),
+          where + ": expected dimensions >= 1 and increasing, found " + number(*d));
+    check(*e > 0 && *e <= 1, where + ": expected shares in (0, 1], found " + number(*e));
+    out.emplace_back(*d, *e);
+  }
+  return out;
+}
+
 }  // namespace
+
+double Device::gemm_share(double min_dim) const {
+  if (gemm_efficiency.empty()) return matmul_efficiency;
+  if (min_dim <= gemm_efficiency.front().first) return gemm_efficiency.front().second;
+  for (size_t i = 1; i < gemm_efficiency.size(); ++i) {
+    const auto& [d1, e1] = gemm_efficiency[i];
+    if (min_dim <= d1) {
+      const auto& [d0, e0] = gemm_efficiency[i - 1];
+      const double w = std::log2(min_dim / d0) / std::log2(d1 / d0);
+      return e0 + w * (e1 - e0);
+    }
+  }
+  return gemm_efficiency.back().second;
+}
 
 double Network::device_gbps(int devices_per_node) const {
   return gbit / 8.0 * nics_per_node / devices_per_node / oversubscription;
@@ -116,6 +148,10 @@ Cluster Cluster::parse(const std::string& toml_text, const std::string& what) {
                  "reliability, codecs)");
     for (auto&& [key, node] : *section_node.as_table()) {
       const std::string full = section + "." + std::string(key.str());
+      if (full == "device.gemm_efficiency") {
+        c.device.gemm_efficiency = gemm_points(node, what + ": key '" + full + "'");
+        continue;
+      }
       const auto it = by_name.find(full);
       check(it != by_name.end(), what + ": unknown key '" + full + "'");
       Key& k = *it->second;
@@ -150,6 +186,8 @@ Cluster Cluster::parse(const std::string& toml_text, const std::string& what) {
   check(c.network.topology != "rail" || c.network.nics_per_node == c.devices_per_node,
         what + ": key 'network.nics_per_node': a rail topology has one NIC per device (" +
             std::to_string(c.devices_per_node) + "), found " + std::to_string(c.network.nics_per_node));
+  check(!c.device.gemm_efficiency.empty() || c.device.matmul_efficiency > 0,
+        what + ": missing key 'device.matmul_efficiency' (or 'device.gemm_efficiency')");
   check(c.host.nvme_drives == 0 || c.host.nvme_gbps > 0,
         what + ": key 'host.nvme_gbps': expected > 0 with " + std::to_string(c.host.nvme_drives) + " NVMe drives");
   return c;

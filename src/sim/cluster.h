@@ -6,6 +6,8 @@
 #pragma once
 
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace keel::sim {
 
@@ -15,7 +17,14 @@ struct Device {
   double tflops_fp32 = 0;        // dense peak, float32 matrix products
   double memory_gib = 0;         // device memory
   double hbm_gbps = 0;           // device memory bandwidth, GB/s
+  // The share of the peak a matrix product reaches, by shape: points (smallest of M, N, K; share),
+  // increasing in the dimension, interpolated in log2 of it and held beyond the ends
+  // (`gemm_efficiency = [[256, 0.40], ...]`, from published GEMM benchmarks of the device). Where
+  // a file gives none, matmul_efficiency applies to every shape (then required).
+  std::vector<std::pair<double, double>> gemm_efficiency;
   double matmul_efficiency = 0;  // share of the peak a large product reaches (0..1]
+  // The share of the peak reached by a product whose smallest dimension is `min_dim`.
+  double gemm_share(double min_dim) const;
   // Per step, what the model leaves out (data loading, the loss, the gradient norm, logging), as a
   // profiling run on the machine measured it: its step beyond its own prediction (negative where
   // the run's smoothed layer costs overstate its steps). Default 0.

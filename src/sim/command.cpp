@@ -24,6 +24,7 @@ void print_text(const Config& config, const Cluster& cluster, const StepPredicti
               "schedule %s, %d micro-batches of %d sequences, stages cut at %s\n",
               p.data, p.pipeline, p.tensor, config.parallel.zero, to_string(config.parallel.schedule), p.micro_batches,
               p.micro_batch, p.cut.empty() ? "(one stage)" : p.cut.c_str());
+  std::printf("software stack: %s; data-parallel all-reduce: %s\n", p.stack.c_str(), p.sync_algorithm.c_str());
   std::printf("step %.1f ms: compute %.1f, bubble %.1f (%.1f %%), tensor comm %.1f (inside compute), pipeline messages "
               "%.1f, data-parallel sync %.1f on the wire (%.0f %% of float32's bytes) + %.1f codecs, %.1f exposed, optimizer %.1f, "
               "slowest device +%.1f\n",
@@ -119,10 +120,23 @@ int simulate_command(const SimulateOptions& o) {
   if (o.nodes > 0) cluster.nodes = o.nodes;
   check(o.tensor >= 1, "simulate --tensor: expected >= 1, found " + std::to_string(o.tensor));
   Config config = Config::load(o.config, o.sets);
+  const StackProfile stack = StackProfile::load(o.stacks, o.stack);
+  check(!o.tiers || o.stack == "keel", "simulate --tiers: replays Keel's tier manager over Keel's planes (no --stack with it)");
+  check(!o.search || (o.stack == "keel" && o.vocab == 0), "simulate --search: ranks Keel's layouts (no --stack or --vocab with it)");
   if (o.search) return search_command(o, config, cluster);
   resolve_job_config(config, cluster.devices() / o.tensor);
+  // The simulator tokenizes nothing: a vocabulary of any size (Keel's uint16 token shards cap a
+  // trained one at 65,536), padded to a multiple of 128 as Keel pads; set once the config is resolved (whose
+  // validation holds a trained vocabulary to that cap).
+  check(o.vocab >= 0, "simulate --vocab: expected >= 2, found " + std::to_string(o.vocab));
+  if (o.vocab > 0) {
+    check(o.vocab >= 2, "simulate --vocab: expected >= 2, found " + std::to_string(o.vocab));
+    config.model.vocab_size = o.vocab;
+    config.model.padded_vocab_size = (static_cast<int64_t>(o.vocab) + 127) / 128 * 128;
+  }
   SimLayout layout{o.tensor, o.recompute, o.layer_costs, o.tiers};
   layout.overlap_sync = o.overlap_sync;
+  layout.stack = stack;
   const StepPrediction p = predict_step(config, cluster, layout);
   if (!o.trace.empty()) {
     const std::string trace = pipeline::chrome_trace(p.timeline, "keel simulate: " + config.model.preset + " on " + cluster.name);
@@ -137,7 +151,7 @@ int simulate_command(const SimulateOptions& o) {
         {"cut", p.cut}, {"step_ms", p.step_ms}, {"span_ms", p.span_ms}, {"compute_ms", p.compute_ms},
         {"bubble_ms", p.bubble_ms}, {"bubble", p.bubble}, {"tensor_comm_ms", p.tensor_comm_ms},
         {"pipeline_comm_ms", p.pipeline_comm_ms}, {"sync_ms", p.sync_ms}, {"sync_codec_ms", p.sync_codec_ms}, {"sync_exposed_ms", p.sync_exposed_ms}, {"sync_wire_ratio", p.sync_wire_ratio},
-        {"optimizer_ms", p.optimizer_ms}, {"variability_ms", p.variability_ms}, {"samples_per_s", p.samples_per_s},
+        {"optimizer_ms", p.optimizer_ms}, {"stack", stack.name}, {"sync_algorithm", p.sync_algorithm}, {"variability_ms", p.variability_ms}, {"samples_per_s", p.samples_per_s},
         {"tokens_per_s", p.tokens_per_s}, {"model_tflops_per_device", p.model_tflops_per_device}, {"mfu", p.mfu},
         {"goodput", p.goodput},
         {"memory_gib", {{"params", mem.params_gib}, {"grads", mem.grads_gib}, {"optimizer", mem.optimizer_gib},

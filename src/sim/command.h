@@ -21,6 +21,9 @@ struct SimulateOptions {
   bool json = false;                 // --json yes
   bool search = false;               // --search yes: rank the layouts instead (sim/search.h)
   int top = 5;                       // --top N: how many of them to show
+  std::string stack = "keel";        // --stack NAME: the software stack whose run is predicted (sim/stack.h)
+  std::string stacks;                // --stacks FILE: where NAME is defined ("" with the built-in keel)
+  int vocab = 0;                     // --vocab N: the model's vocabulary instead of the config's (0: the config's)
 };
 
 // Returns the exit status; throws keel::Error on bad input (one line, naming it).

@@ -7,6 +7,7 @@
 #include "comm/sync_policy.h"
 #include "core/error.h"
 #include "model/gpt.h"
+#include "sim/collective.h"
 #include "pipeline/layer_profile.h"
 #include "pipeline/layout.h"
 #include "pipeline/partitioner.h"
@@ -17,10 +18,6 @@ namespace keel::sim {
 namespace {
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
-// Values per token a block's elementwise work (norms, activation, residual adds, biases) reads and
-// writes in its forward, in units of the model width: two norms 4, the activation 8, two residual
-// adds 6, biases 18 (qkv, projections, the MLP's two). Its backward moves twice that.
-constexpr double kElementwiseValues = 36;
 
 // Milliseconds of a ring all-reduce of `bytes` over `ranks` (each sends and receives 2 (n-1)/n of
 // it, in 2 (n-1) latency-bound rounds); `fraction` 0.5 for a reduce-scatter or an all-gather alone.
@@ -47,15 +44,26 @@ struct SyncCost {
   // complete; and what only runs after the optimizer (ZeRO's all-gather of parameters).
   std::vector<double> layer_ms;
   double after_ms = 0;
+  // ZeRO-3: the parameters' gathers before each layer's forward and backward, which prefetching
+  // hides under compute; what outlasts the compute is exposed.
+  double gather_ms = 0;
+  std::string algorithm = "none";  // the algorithm of the whole gradient's all-reduce
 };
 
-SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, int tp, int ranks, double gbps,
-                   double latency_us, const CodecRates& rates) {
+SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, int tp, const CollectiveGroup& group,
+                   const StackProfile& stack, const CodecRates& rates) {
   SyncCost out;
   out.layer_ms.assign(static_cast<size_t>(config.model.n_layer + 2), 0.0);
+  const int ranks = group.ranks;
   if (ranks <= 1) return out;
   const double n = ranks;
-  const int64_t bucket = std::max<int64_t>(config.parallel.bucket_bytes, 1);
+  const bool flat = stack.collective == CollectiveKind::ring;
+  const double gbps = group.nodes() <= 1 ? group.intra_gbps : group.device_gbps;
+  const double latency_us = group.nodes() <= 1 ? group.intra_latency_us : group.inter_latency_us;
+  const int64_t bucket = stack.bucket_mb > 0 ? static_cast<int64_t>(stack.bucket_mb * 1e6)
+                                             : std::max<int64_t>(config.parallel.bucket_bytes, 1);
+  // Bytes on the wire per float32 byte of gradient (a stack reducing bf16 gradients sends half).
+  const double wire = stack.grad_reduce_bytes / sizeof(float);
   // A registry of the rank's tensors (nothing allocated), in the config's chunks; a large model's
   // at no fewer bytes than give 4,096 of them (codec sizes are linear in elements but a header).
   const bool compressed = sync_compressed(config.sync);
@@ -70,7 +78,7 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
   const std::vector<CodecParams> codecs =
       compressed ? sync_chunk_codecs(config.sync, config.model.n_layer, registry) : std::vector<CodecParams>{};
   // GradSync's buckets: consecutive chunks of one layer and codec, up to bucket_bytes each.
-  double run_bytes = 0;
+  double run_bytes = 0, run_plain = 0;
   int run_layer = -1;
   CodecKind run_kind = CodecKind::none;
   // Each bucket's collective pays its rounds' latency: 2 (N-1) for a ring (two-phase and the
@@ -78,26 +86,36 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
   const double round_ms = 2 * (n - 1) * latency_us * 1e-3;
   const size_t last = out.layer_ms.size() - 1;
   auto layer_of = [&](int chunk_layer) { return std::min(static_cast<size_t>(std::max(chunk_layer, 0)), last); };
-  // ZeRO-2 reduce-scatters the gradients (half a ring, under backward); ZeRO-1 all-reduces them
-  // as ZeRO-0 does (GradSync scatters only for ZeRO-2). Both then all-gather the updated
-  // parameters after the optimizer (half a ring, exposed).
-  const double plain_overlap = config.parallel.zero == 2 ? 0.5 : 1.0;
+  // ZeRO-2 and -3 reduce-scatter the gradients (half a ring, under backward); ZeRO-1 all-reduces
+  // them as ZeRO-0 does (GradSync scatters only for ZeRO-2). ZeRO-1 and -2 then all-gather the
+  // updated parameters after the optimizer (half a ring, exposed); ZeRO-3 gathers each layer's
+  // parameters before its forward and again before its backward (gather_ms, prefetched).
+  const double plain_overlap = config.parallel.zero >= 2 ? 0.5 : 1.0;
   auto close_run = [&] {
     if (run_bytes <= 0) return;
-    const double lat = std::ceil(run_bytes / static_cast<double>(bucket)) * round_ms;
-    out.layer_ms[layer_of(run_layer)] += lat;
-    run_bytes = 0;
+    const double buckets = std::ceil(run_bytes / static_cast<double>(bucket));
+    if (flat) {
+      out.layer_ms[layer_of(run_layer)] += buckets * round_ms;
+    } else if (run_plain > 0) {  // the stack's algorithm per bucket, bandwidth and latency together
+      out.layer_ms[layer_of(run_layer)] +=
+          buckets * allreduce(run_plain * wire / buckets, group, stack.collective, plain_overlap).ms;
+    }
+    run_bytes = 0, run_plain = 0;
   };
   for (const Chunk& c : registry.chunks()) {
     const double raw = static_cast<double>(c.numel) * sizeof(float) / tp;
     out.raw_bytes += raw;
     const CodecParams p = compressed ? codecs[static_cast<size_t>(c.id)] : CodecParams{};
-    if (compressed && (c.layer != run_layer || p.kind != run_kind)) close_run();
+    if ((compressed || !flat) && (c.layer != run_layer || p.kind != run_kind)) close_run();
     run_layer = c.layer, run_kind = p.kind, run_bytes += raw;
     if (p.kind == CodecKind::none) {
-      const double sent = plain_overlap * 2 * (n - 1) / n * raw;
+      const double sent = plain_overlap * 2 * (n - 1) / n * raw * wire;
       out.wire_bytes += sent;
-      out.layer_ms[layer_of(c.layer)] += sent / (gbps * 1e9) * 1e3;
+      if (flat) {
+        out.layer_ms[layer_of(c.layer)] += sent / (gbps * 1e9) * 1e3;
+      } else {
+        run_plain += raw;
+      }
       continue;
     }
     const std::unique_ptr<Codec> codec = Codec::make(p);
@@ -115,12 +133,19 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
     out.layer_ms[layer_of(c.layer)] += sent / (gbps * 1e9) * 1e3;
   }
   close_run();
-  if (config.parallel.zero > 0) {  // every parameter's float32 bytes, gathered after the optimizer
-    const double gather = (n - 1) / n * out.raw_bytes;
-    out.after_ms = gather / (gbps * 1e9) * 1e3 + std::ceil(out.raw_bytes / static_cast<double>(bucket)) * (n - 1) * latency_us * 1e-3;
+  out.algorithm = to_string(allreduce(out.raw_bytes * wire, group, stack.collective).algorithm);
+  const double param_wire = stack.param_bytes / sizeof(float);  // a gathered parameter's bytes per float32 byte
+  if (config.parallel.zero == 1 || config.parallel.zero == 2) {  // every parameter, gathered after the optimizer
+    const double gather = (n - 1) / n * out.raw_bytes * param_wire;
+    out.after_ms = flat ? gather / (gbps * 1e9) * 1e3 + std::ceil(out.raw_bytes / static_cast<double>(bucket)) * (n - 1) * latency_us * 1e-3
+                        : allreduce(out.raw_bytes * param_wire, group, stack.collective, 0.5).ms;
     out.wire_bytes += gather;
+  } else if (config.parallel.zero >= 3) {  // two gathers per step, one per layer each
+    const double layers = static_cast<double>(out.layer_ms.size());
+    out.gather_ms = 2 * layers * allreduce(out.raw_bytes * param_wire / layers, group, stack.collective, 0.5).ms;
+    out.wire_bytes += 2 * (n - 1) / n * out.raw_bytes * param_wire;
   }
-  out.ms = out.after_ms;
+  out.ms = out.after_ms + out.gather_ms;
   for (double ms : out.layer_ms) out.ms += ms;
   return out;
 }
@@ -140,6 +165,66 @@ double checkpoint_share(const Cluster& cluster, double bytes) {
 }
 
 }  // namespace
+
+// Milliseconds of layer `i`'s forward on one device for `tokens` tokens (sequences of T) split
+// over `tp` tensor ranks: each matrix product at the device's share of the peak for its shape
+// (Device::gemm_share at its smallest dimension; a roofline: never faster than its operands' and
+// result's bytes through device memory), times the stack's kernel efficiency. A block's products:
+// qkv, the attention's two batched products per head (T x T x head size), the output projection,
+// the MLP's two (GPT-2) or three (LLaMA); the head's vocabulary product; the rest of the layer's
+// FLOPs (pipeline/layout.h layer_costs) at the largest shape's share.
+double layer_forward_ms(const ModelConfig& m, int i, double tokens, int T, int tp, const Device& device, double peak,
+                        double act_bytes, double kernel_efficiency) {
+  const std::vector<double> flops = pipeline::layer_costs(m, T);
+  const double total = flops[static_cast<size_t>(i)] * tokens / tp;  // FLOPs
+  if (device.gemm_efficiency.empty()) return total / (peak * device.matmul_efficiency * kernel_efficiency) * 1e3;
+  double ms = 0, counted = 0;
+  auto gemm = [&](double M, double N, double K, double count) {
+    const double f = 2 * M * N * K * count;
+    const double compute = f / (peak * device.gemm_share(std::min({M, N, K})) * kernel_efficiency);
+    const double memory = (M * K + K * N + M * N) * act_bytes * count / (device.hbm_gbps * 1e9);
+    ms += std::max(compute, memory) * 1e3, counted += f;
+  };
+  const double C = m.n_embd, V = m.padded_vocab_size, hs = m.head_size();
+  if (i >= 1 && i <= m.n_layer) {
+    const double qkv = m.llama() ? m.qkv_dim() : 3 * C, ffn = m.llama() ? m.ffn_hidden : 4 * C;
+    gemm(tokens, qkv / tp, C, 1);
+    const double heads = static_cast<double>(m.n_head) / tp * tokens / T;  // (sequence, head) pairs
+    gemm(T, T, hs, heads), gemm(T, hs, T, heads);
+    gemm(tokens, C, C / tp, 1);
+    gemm(tokens, ffn / tp, C, m.llama() ? 2 : 1);
+    gemm(tokens, C, ffn / tp, 1);
+  } else if (i == m.n_layer + 1) {
+    gemm(tokens, V / tp, C, 1);
+  }
+  const double rest = std::max(0.0, total - counted);
+  return ms + rest / (peak * device.gemm_share(1e9) * kernel_efficiency) * 1e3;
+}
+
+// Bytes of activations one device of a stack laid out as Megatron-LM lays them holds: per block
+// and micro-batch s b h (10 + 24 / t + 5 a s / (h t)) in 16-bit values (Korthikanti et al. 2022,
+// "Reducing Activation Recomputation in Large Transformer Models", eq. 2), 34 / t + 5 a s / (h t)
+// with sequence parallelism (eq. 4); the attention scores' 5 a s / (h t) not kept with a fused
+// (flash) attention or selective recomputation (eq. 6); 2 s b h (/ t with sequence parallelism)
+// per block with full recomputation, plus one block's full set while it is recomputed; `in_flight`
+// micro-batches on the busiest stage (1F1B: the pipeline degree); the head's float32 logits.
+double megatron_activation_bytes(const ModelConfig& m, const std::vector<LayerRange>& stages, Recompute mode, int micro_batch,
+                                 int T, int tp, int in_flight, bool sequence_parallel, bool flash) {
+  const double s = T, b = micro_batch, h = m.n_embd, a = m.n_head, t = tp;
+  const double scores = flash ? 0.0 : 5 * a * s / (h * t);
+  const double kept = sequence_parallel ? 34 / t : 10 + 24 / t;
+  const double whole = kept + scores;
+  const double per_block = mode == Recompute::full ? (sequence_parallel ? 2 / t : 2.0) : mode == Recompute::selective ? kept : whole;
+  int blocks = 0;
+  for (const LayerRange& r : stages) {
+    int n = 0;
+    for (int i = r.first; i <= r.last; ++i) n += i >= 1 && i <= m.n_layer;
+    blocks = std::max(blocks, n);
+  }
+  double bytes = s * b * h * per_block * blocks * in_flight;
+  if (mode == Recompute::full) bytes += s * b * h * whole;
+  return bytes + s * b * m.padded_vocab_size / t * 4;
+}
 
 std::vector<double> layer_params(const ModelConfig& m) {
   const double C = m.n_embd, Vp = m.padded_vocab_size;
@@ -177,7 +262,7 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   r.sequences = static_cast<int64_t>(t.batch_size) * t.grad_accum * D;
   const bool bf16 = config.runtime.precision == Precision::bf16;
   const double peak = (bf16 ? cluster.device.tflops_bf16 : cluster.device.tflops_fp32) * 1e12;
-  const double rate = peak * cluster.device.matmul_efficiency;  // FLOP/s a device reaches
+  const StackProfile& stack = layout.stack;
   const double act_bytes = bf16 ? 2 : 4;                        // an activation element between devices
 
   // Stages and their per-micro-batch costs.
@@ -216,10 +301,10 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
       if (measured.layers() > 0) {
         f += measured.forward[i] / TP, b += measured.backward_input[i] / TP, w += measured.backward_weight[i] / TP;
       } else {
-        const double ms = flops[i] * tokens / TP / rate * 1e3;
+        const double ms = layer_forward_ms(m, i, tokens, T, TP, cluster.device, peak, act_bytes, stack.kernel_efficiency);
         f += ms, b += ms, w += ms;
         if (i >= 1 && i <= m.n_layer) {  // a block's elementwise passes, bound by device memory
-          const double pass = kElementwiseValues * m.n_embd * tokens * act_bytes / TP / (cluster.device.hbm_gbps * 1e9) * 1e3;
+          const double pass = stack.elementwise_values * m.n_embd * tokens * act_bytes / TP / (cluster.device.hbm_gbps * 1e9) * 1e3;
           f += pass, b += 2 * pass;
         }
       }
@@ -267,14 +352,22 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   for (int p = 0; p < P; ++p) {
     if (rank_params[p] > most) most = rank_params[p], most_rank = p;
   }
-  const bool dp_inside = TP * D <= cluster.devices_per_node;
-  const double dp_gbps = dp_inside ? cluster.intra.gbps : cluster.network.device_gbps(cluster.devices_per_node);
-  const double dp_lat = dp_inside ? cluster.intra.latency_us : cluster.network.latency_us;
+  // The data group: ranks are placed tensor-fastest, so a node holds devices_per_node / TP of its
+  // members (all of them while tensor x data fits a node); the node's NICs are shared by the
+  // groups with members in it.
+  CollectiveGroup group;
+  group.ranks = D;
+  group.per_node = std::min(D, std::max(1, cluster.devices_per_node / TP));
+  group.intra_gbps = cluster.intra.gbps, group.intra_latency_us = cluster.intra.latency_us;
+  group.device_gbps = cluster.network.device_gbps(cluster.devices_per_node);
+  group.node_gbps = group.device_gbps * group.per_node, group.inter_latency_us = cluster.network.latency_us;
   std::vector<LayerRange> heaviest;
   for (size_t s = 0; s < stages.size(); ++s) {
     if (schedule.stage_rank[s] == most_rank) heaviest.push_back(stages[s]);
   }
-  const SyncCost sync = sync_cost(config, heaviest, TP, D, dp_gbps, dp_lat, cluster.codecs);
+  const SyncCost sync = sync_cost(config, heaviest, TP, group, stack, cluster.codecs);
+  r.sync_algorithm = sync.algorithm;
+  r.stack = stack.name;
   r.sync_wire_ratio = sync.raw_bytes > 0 && D > 1 ? sync.wire_bytes / (2 * (D - 1.0) / D * sync.raw_bytes) : 1.0;
   r.sync_ms = sync.ms;
   r.sync_codec_ms = sync.codec_ms;
@@ -286,6 +379,7 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   // collectives queue on the link once its W is done (GradSync starts a bucket as soon as its
   // chunks' gradients are complete; a tied embedding's only at the very end); what runs past the
   // end of backward is exposed, and ZeRO's all-gather after the optimizer is exposed whole.
+  const bool overlap = layout.overlap_sync && stack.overlap_grad_reduce;
   double bw_end = 0, link_free = 0;
   std::vector<bool> visited(sync.layer_ms.size(), false);
   for (size_t s = stages.size(); s-- > 0;) {
@@ -295,13 +389,13 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
       visited[static_cast<size_t>(i)] = true;
       const double ms = sync.layer_ms[static_cast<size_t>(i)];
       // (overlap_sync false: every collective waits for the end of backward)
-      if (ms > 0 && layout.overlap_sync) link_free = std::max(link_free, bw_end) + ms;
+      if (ms > 0 && overlap) link_free = std::max(link_free, bw_end) + ms;
     }
   }
   for (size_t i = 0; i < visited.size(); ++i) {
     // Gradients of layers this rank holds only as replicas (GPT-2's tied embedding on the head
     // stage) are complete at the end of its backward.
-    const bool late = !visited[i] || !layout.overlap_sync;
+    const bool late = !visited[i] || !overlap;
     if (late && sync.layer_ms[i] > 0) link_free = std::max(link_free, bw_end) + sync.layer_ms[i];
   }
   r.sync_exposed_ms = std::max(0.0, link_free - bw_end) + sync.after_ms + r.sync_codec_ms;
@@ -326,28 +420,45 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   }
   r.span_ms = span_end;
   r.compute_ms = busiest;
+  if (sync.gather_ms > 0) {
+    // ZeRO-3 gathers each layer's parameters for every micro-batch's forward and backward, and
+    // reduce-scatters every micro-batch's gradients (the last one's is costed above): prefetched
+    // under the compute, exposed where they outlast it.
+    double layers_ms = 0;
+    for (double ms : sync.layer_ms) layers_ms += ms;
+    const double more = sync.gather_ms * r.micro_batches + layers_ms * (r.micro_batches - 1);
+    r.sync_ms += more - sync.gather_ms;
+    r.sync_exposed_ms += std::max(0.0, more - busiest);
+  }
   r.bubble = r.timeline.bubble;
   r.bubble_ms = std::max(0.0, r.span_ms - r.compute_ms);
   r.tensor_comm_ms = tp_per_rank_max;
   r.pipeline_comm_ms = P > 1 ? 2.0 * r.micro_batches * costs.comm : 0.0;
-  // Memory of the rank with the most parameters: Keel's float32 planes, activations in flight.
-  r.memory.params_gib = most * 4 / kGiB;
-  r.memory.grads_gib = most * 4 * (par.zero >= 2 ? 1.0 / D : 1.0) / kGiB;
-  r.memory.optimizer_gib = most * 8 * shard / kGiB;
-  // Activations as Keel lays them out under the recomputation asked: the slots in flight (each
-  // keeping what its blocks' mode keeps) and the one set the recomputing blocks share.
-  Config laid_out = config;
-  laid_out.train.recompute = recompute.mode;
-  laid_out.train.recompute_layers = std::to_string(recompute.first_block) + "-" + std::to_string(recompute.last_block);
-  if (recompute.mode == Recompute::none) laid_out.train.recompute_layers = "all";
-  const pipeline::Plan plan = pipeline::plan(laid_out, stages, r.micro_batches);
-  double in_flight = static_cast<double>(*std::max_element(plan.check.peak_bytes.begin(), plan.check.peak_bytes.end()));
-  double shared = 0;
-  for (const LayerRange& s : stages) {
-    shared = std::max(shared, static_cast<double>(GPT::recomputed_bytes_for(m, s, r.micro_batch, T, bf16, recompute)));
+  // Memory of the rank with the most parameters: the stack's bytes per parameter (Keel's float32
+  // planes), sharded by ZeRO's stage; activations in flight.
+  r.memory.params_gib = most * stack.param_bytes * (par.zero >= 3 ? 1.0 / D : 1.0) / kGiB;
+  r.memory.grads_gib = most * stack.grad_bytes * (par.zero >= 2 ? 1.0 / D : 1.0) / kGiB;
+  r.memory.optimizer_gib = most * stack.state_bytes * shard / kGiB;
+  double in_flight = 0;
+  if (stack.keel_activations) {
+    // Activations as Keel lays them out under the recomputation asked: the slots in flight (each
+    // keeping what its blocks' mode keeps) and the one set the recomputing blocks share.
+    Config laid_out = config;
+    laid_out.train.recompute = recompute.mode;
+    laid_out.train.recompute_layers = std::to_string(recompute.first_block) + "-" + std::to_string(recompute.last_block);
+    if (recompute.mode == Recompute::none) laid_out.train.recompute_layers = "all";
+    const pipeline::Plan plan = pipeline::plan(laid_out, stages, r.micro_batches);
+    in_flight = static_cast<double>(*std::max_element(plan.check.peak_bytes.begin(), plan.check.peak_bytes.end()));
+    double shared = 0;
+    for (const LayerRange& s : stages) {
+      shared = std::max(shared, static_cast<double>(GPT::recomputed_bytes_for(m, s, r.micro_batch, T, bf16, recompute)));
+    }
+    in_flight = (in_flight + shared) / TP;
+  } else {
+    in_flight = megatron_activation_bytes(m, stages, recompute.mode, r.micro_batch, T, TP, std::min(r.micro_batches, P),
+                                          stack.sequence_parallel, stack.flash_attention);
   }
-  in_flight += shared;
-  r.memory.activations_gib = in_flight / TP / kGiB;
+  r.memory.activations_gib = in_flight / kGiB;
   r.fits = r.memory.total_gib() <= cluster.device.memory_gib;
   if (layout.tiers || tiering_enabled(config.tier)) {
     // Memory tiers: the rank's pages placed by Keel's placement within what the device leaves

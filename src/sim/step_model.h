@@ -8,23 +8,30 @@
 //    with two all-reduces of a micro-batch's activations in its forward and two in its backward,
 //    inside a node. Ranks are placed tensor-fastest, then data, then pipeline: a tensor group
 //    stays in a node, a data group does while tensor x data fits one.
-//  * Compute: each layer's forward FLOPs per token (pipeline/layout.h layer_costs, the FLOP model
-//    the static partitioner cuts by), at the device's peak for the run's precision times its
-//    matmul_efficiency; B and W each cost what F does (Keel's split of backward); with activation
-//    recomputation (train.recompute, or --recompute: full on every block) B runs a recomputing
-//    block's F again (full) or its attention's share of it (selective), and a zero-bubble
-//    schedule's W, apart from its B, rebuilds that and runs B again; each block's elementwise work (36 values of the width per
-//    token in F, twice that in B) at the device's memory bandwidth. Or each layer's F, B, W as a Keel run measured them
+//  * Compute: each layer's matrix products (qkv, the attention's batched products per head, the
+//    projection, the MLP's; the head's vocabulary product) at the device's share of the peak for
+//    their shapes (Device::gemm_share at the smallest dimension; a roofline below: never faster
+//    than the bytes through device memory), times the stack's kernel_efficiency; the rest of the
+//    layer's FLOPs (pipeline/layout.h layer_costs, the FLOP model the static partitioner cuts by)
+//    at the largest shape's share. B and W each cost what F does (Keel's split of backward); with
+//    activation recomputation (train.recompute, or --recompute: full on every block) B runs a
+//    recomputing block's F again (full) or its attention's share of it (selective), and a
+//    zero-bubble schedule's W, apart from its B, rebuilds that and runs B again; each block's
+//    elementwise work (the stack's elementwise_values of the width per token in F, twice that in
+//    B) at the device's memory bandwidth. Or each layer's F, B, W as a Keel run measured them
 //    (SimLayout::layer_costs), for a cluster of the machine that measured them.
 //  * The pipeline: Keel's schedule (pipeline/schedule.h make_schedule) replayed by Keel's schedule
 //    simulator on those stage costs, a message between stages costing its bytes over the link
 //    that joins them (NVLink inside a node, the device's NIC share across nodes) plus latency:
 //    bubble included.
-//  * Data-parallel sync: each device's float32 gradients as Keel's GradSync buckets them (by
-//    layer and codec, bucket_bytes each, a latency-bound round trip per ring step), a ring's
-//    2 (N-1)/N of the bytes over the data group's slowest link (ZeRO-2 reduce-scatters: half of
-//    it; ZeRO-1 all-reduces like ZeRO-0; both all-gather the parameters after the optimizer,
-//    exposed). Overlap follows
+//  * Data-parallel sync: each device's gradients (the stack's bytes per element) as Keel's GradSync
+//    buckets them (by layer and codec; the stack's bucket size, else bucket_bytes), each bucket by
+//    the stack's collective algorithm (sim/collective.h: Keel's flat ring over the data group's
+//    slowest link, or NCCL's ring or tree) (ZeRO-2 and -3 reduce-scatter: half of it; ZeRO-1
+//    all-reduces like ZeRO-0; ZeRO-1 and -2 all-gather the parameters after the optimizer,
+//    exposed; ZeRO-3 gathers each layer's parameters for every micro-batch's forward and backward
+//    and reduce-scatters every micro-batch's gradients, exposed where they outlast the compute).
+//    Overlap (where the stack overlaps its reduction) follows
 //    the last micro-batch's backward layer by layer: a layer's collectives queue on the link once
 //    its W is done (GPT-2's tied embedding completes last); what runs past the backward is exposed.
 //    With a pipeline, GPT-2's tied embedding is summed between its first and last stage every
@@ -32,10 +39,11 @@
 //  * Variability: the step waits for its slowest device: jitter as the expected maximum of the
 //    devices' normal spread, stragglers as their slowdown. Reliability: the share of time lost
 //    to failures (half a checkpoint interval and a restart per failure, at the cluster's rate).
-//  * Memory per device: Keel's planes (float32 parameters and gradients, AdamW moments; ZeRO
-//    shards), activations in flight as Keel lays them out (GPT::slot_bytes_for times the
-//    schedule's proven peak in flight, under the recomputation asked, and the set recomputing
-//    blocks share), each divided over the tensor group.
+//  * Memory per device: the stack's bytes per parameter (Keel: float32 parameters and gradients,
+//    AdamW moments; ZeRO shards the state at 1, gradients at 2, parameters at 3), activations in
+//    flight as Keel lays them out (GPT::slot_bytes_for times the schedule's proven peak in flight,
+//    under the recomputation asked, and the set recomputing blocks share) or, for a stack laid out
+//    as Megatron-LM, by megatron_activation_bytes; each divided over the tensor group.
 //  * Compressed sync (sync.codec, HybridGC): each chunk's codec by Keel's policy, its encoded size
 //    by the codec itself, and CompressedAllreduce's shape (two-phase or gather) give the bytes
 //    sent (sync_wire_ratio); the codecs' compute at the cluster file's [codecs] rates (measured
@@ -52,8 +60,10 @@
 #include <vector>
 
 #include "core/config.h"
+#include "model/model_layout.h"
 #include "pipeline/schedule.h"
 #include "sim/cluster.h"
+#include "sim/stack.h"
 #include "sim/tier_model.h"
 
 namespace keel::sim {
@@ -74,6 +84,10 @@ struct SimLayout {
   // it starts after the backward (a peer that reduces gradients at the end of the step, as
   // Megatron-LM's 2021 runs did; `keel simulate --overlap-sync no`).
   bool overlap_sync = true;
+  // The software stack whose run is predicted (sim/stack.h; `keel simulate --stack`): its kernels'
+  // share of the GEMM rates, gradient reduction (bytes, buckets, overlap, collective algorithm)
+  // and memory layout. Default: Keel's own.
+  StackProfile stack{};
 };
 
 struct MemoryPerDevice {
@@ -91,6 +105,8 @@ struct StepPrediction {
   // span; sync: the data-parallel sync left exposed after overlap).
   double step_ms = 0, span_ms = 0, compute_ms = 0, bubble_ms = 0, tensor_comm_ms = 0, pipeline_comm_ms = 0;
   double sync_ms = 0, sync_codec_ms = 0, sync_exposed_ms = 0, optimizer_ms = 0, variability_ms = 0;
+  std::string stack = "keel";           // the software stack predicted
+  std::string sync_algorithm = "none";  // the data-parallel all-reduce's algorithm (sim/collective.h)
   double bubble = 0;              // the schedule's idle share
   double sync_wire_ratio = 1;     // bytes sent over what a ring all-reduce of float32 gradients sends (HybridGC)
   double samples_per_s = 0, tokens_per_s = 0;
@@ -106,6 +122,20 @@ struct StepPrediction {
 
 // `config` resolved for cluster.devices() / layout.tensor ranks (resolve_job_config).
 StepPrediction predict_step(const Config& config, const Cluster& cluster, const SimLayout& layout);
+
+// Milliseconds of layer `i`'s forward (0 the embedding, 1..n_layer the blocks, n_layer + 1 the
+// head) on one device for `tokens` tokens in sequences of T, split over `tp` tensor ranks: each
+// matrix product at the device's share of `peak` FLOP/s for its shape (Device::gemm_share at its
+// smallest dimension, never faster than its bytes through device memory) times the stack's
+// kernel_efficiency; the layer's other FLOPs at the share of the largest shape.
+double layer_forward_ms(const ModelConfig& m, int i, double tokens, int T, int tp, const Device& device, double peak,
+                        double act_bytes, double kernel_efficiency);
+
+// Activation bytes one device holds under Megatron-LM's layout (Korthikanti et al. 2022): per block
+// and micro-batch, by recomputation mode, sequence parallelism and fused attention; `in_flight`
+// micro-batches on the busiest of `stages`; plus the head's float32 logits.
+double megatron_activation_bytes(const ModelConfig& m, const std::vector<LayerRange>& stages, Recompute mode, int micro_batch,
+                                 int T, int tp, int in_flight, bool sequence_parallel, bool flash);
 
 // Parameters per layer (embedding, blocks, head) as Keel's model registers them: GPT-2's tied
 // head holds none of its own.
