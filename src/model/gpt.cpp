@@ -337,11 +337,16 @@ void GPT::init_weights(uint64_t seed) {
   // tensor draws the values before its part and drops them: every element gets the value one
   // rank holding the whole model gives it.
   const auto [home_first, home_last] = store_.param_home_elements();
-  for (size_t k = 0; k < layout_.tensors.size(); ++k) {
-    const TensorId id = ids_[k];
+  // Every tensor of this model's prefix: the layout's, and any a tower adds to it (a CLIP text
+  // tower's head norm), which are never tensor shards.
+  std::vector<const TensorShard*> shard_of(store_.tensors().size(), nullptr);
+  for (size_t k = 0; k < layout_.tensors.size(); ++k) shard_of[ids_[k]] = &layout_.shards[k];
+  const TensorShard whole_tensor;
+  for (int id = 0; id < static_cast<int>(store_.tensors().size()); ++id) {
     const TensorInfo& info = store_.tensors()[id];
     const TensorSpec& spec = info.spec;
-    const TensorShard& shard = layout_.shards[k];
+    if (spec.name.compare(0, prefix.size(), prefix) != 0) continue;
+    const TensorShard& shard = shard_of[id] != nullptr ? *shard_of[id] : whole_tensor;
     const int64_t lo = std::clamp<int64_t>(home_first - info.offset, 0, info.numel);
     const int64_t hi = std::clamp<int64_t>(home_last - info.offset, 0, info.numel);
     if (lo >= hi) continue;
