@@ -350,8 +350,13 @@ void GPT::init_weights(uint64_t seed) {
     const int64_t lo = std::clamp<int64_t>(home_first - info.offset, 0, info.numel);
     const int64_t hi = std::clamp<int64_t>(home_last - info.offset, 0, info.numel);
     if (lo >= hi) continue;
-    // A tensor shard is wholly home (ZeRO-3 is not combined with tensor parallelism).
-    check(!shard.split() || (lo == 0 && hi == info.numel), "GPT::init_weights: a tensor shard partly home: " + spec.name);
+    // A part of a tensor split over tensor ranks (one tensor rank holds its tensors whole).
+    const int64_t whole_numel =
+        shard.split() ? std::accumulate(shard.whole_shape.begin(), shard.whole_shape.end(), int64_t{1}, std::multiplies<>())
+                      : info.numel;
+    const bool tensor_part = whole_numel > info.numel;
+    // A tensor part is wholly home (ZeRO-3 is not combined with tensor parallelism).
+    check(!tensor_part || (lo == 0 && hi == info.numel), "GPT::init_weights: a tensor shard partly home: " + spec.name);
     // With tiers: fetched, then written home.
     const PageLease use = store_.use_range(Plane::param, info.offset + lo, hi - lo, /*write=*/true);
     std::span<float> w = store_.range_view(Plane::param, info.offset, info.numel);
@@ -364,13 +369,12 @@ void GPT::init_weights(uint64_t seed) {
       std::fill(w.begin() + lo, w.begin() + hi, ends_with(".w") ? 1.0f : 0.0f);
     } else if (spec.shape.size() == 1) {
       std::fill(w.begin() + lo, w.begin() + hi, 0.0f);  // biases
-    } else if (shard.split()) {
+    } else if (tensor_part) {
       // A tensor shard draws the whole tensor's stream and keeps its part: the same weights as
       // the whole model's, on any number of tensor ranks.
       Rng rng(seed ^ hash_name(spec.name));
       const double std = (ends_with("attn.proj.w") || ends_with("mlp.proj.w")) ? residual_std : 0.02;
-      std::vector<float> whole(static_cast<size_t>(
-          std::accumulate(shard.whole_shape.begin(), shard.whole_shape.end(), int64_t{1}, std::multiplies<>())));
+      std::vector<float> whole(static_cast<size_t>(whole_numel));
       // Only real vocabulary rows of wte (and of an untied head) are drawn; padded rows stay zero.
       const int64_t used = n == "wte" || n == "lm_head.w" ? static_cast<int64_t>(config_.vocab_size) * config_.n_embd
                                                           : static_cast<int64_t>(whole.size());
