@@ -66,8 +66,10 @@ TEST_F(Zero3, TheProgressThreadChangesNoBytes) {
     const std::string on = "thread_on" + std::to_string(n), off = "thread_off" + std::to_string(n);
     auto r = train(n, 8 / n, on, steps + "true");
     ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("broadcast ahead, driven by a progress thread)"), std::string::npos) << r.output;
     r = train(n, 8 / n, off, steps + "false");
     ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("broadcast ahead, driven by MPI calls only)"), std::string::npos) << r.output;
     EXPECT_EQ(param_bytes(on), param_bytes(off)) << n;
     EXPECT_EQ(losses(on), losses(off)) << n;
     EXPECT_GT(step_lines(on).back()["zero3_ahead_peak_bytes"].get<std::vector<int64_t>>().at(0), 0) << n;

@@ -275,8 +275,9 @@ int cmd_train(const Args& a) {
       throw;
     }
   }
-  Communicator& comm = Communicator::world();
   Config config = load_train_config(a);
+  if (config.parallel.zero == 3 && config.parallel.zero3_progress_thread) Communicator::request_threads();
+  Communicator& comm = Communicator::world();
   const bool auto_attention = config.model.attention == Attention::automatic;
   resolve_job_config(config, comm.size());
   std::string attention_line;

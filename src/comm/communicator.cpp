@@ -39,10 +39,12 @@ Communicator& Communicator::world() {
 
 Communicator::Communicator() {
   if (!launched_by_mpi()) return;
-  // MULTIPLE where the library gives it (ZeRO-3's progress thread tests its broadcasts while the
-  // main thread computes and communicates); every other call comes from the main thread.
+  // MULTIPLE where a job asked for it and the library gives it (ZeRO-3's progress thread tests its
+  // broadcasts while the main thread computes and communicates); else every call comes from the
+  // main thread.
   int provided = 0;
-  mpi_check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided), "init");
+  mpi_check(MPI_Init_thread(nullptr, nullptr, threads_requested_ ? MPI_THREAD_MULTIPLE : MPI_THREAD_FUNNELED, &provided),
+            "init");
   // Errors come back as codes (turned into keel::Error) instead of aborting the job silently.
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   uses_mpi_ = true;

@@ -24,8 +24,11 @@ class Communicator {
   bool is_root() const { return rank_ == 0; }
   bool uses_mpi() const { return uses_mpi_; }
   // Whether MPI lets any thread call it at any time (MPI_THREAD_MULTIPLE was granted): a second
-  // thread may then test requests while the main thread makes other calls. Requested at start-up.
+  // thread may then test requests while the main thread makes other calls.
   static bool threads_may_call();
+  // Asks, before world()'s first call, for MPI_THREAD_MULTIPLE instead of MPI_THREAD_FUNNELED
+  // (only a job with a thread that calls MPI pays for the library's locking).
+  static void request_threads() { threads_requested_ = true; }
 
   // A communicator over the same ranks whose collectives are independent of this one's (MPI_Comm_dup;
   // a world of one without MPI stays one). MPI orders the non-blocking collectives of one
@@ -93,6 +96,7 @@ class Communicator {
   void barrier();
 
  private:
+  static inline bool threads_requested_ = false;
   Communicator();
   Communicator(MPI_Comm comm, int rank, int size);
   Communicator(const Communicator&) = default;

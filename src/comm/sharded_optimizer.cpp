@@ -51,10 +51,13 @@ void ShardedOptimizer::print_startup() const {
   if (!params_) return;
   std::printf("keel: ZeRO-3 over %d ranks: parameters up to %.1f MB per rank (its shard) of %.1f MB, plus the layers "
               "in flight (up to %.1f MB in use at once with zero3_keep = \"%s\"%s, and the next one's broadcast "
-              "ahead); gradients reduce-scattered, moments sharded\n",
+              "ahead, %s); gradients reduce-scattered, moments sharded\n",
               dp_.size(), params_->group_max_shard_bytes() / 1e6, params_->whole_bytes() / 1e6,
               params_->group_max_layer_gather_bytes() / 1e6, to_string(config_.parallel.zero3_keep),
-              config_.parallel.zero3_keep == Zero3Keep::none ? "" : ", more while kept");
+              config_.parallel.zero3_keep == Zero3Keep::none ? "" : ", more while kept",
+              params_->progress_thread_running() ? "driven by a progress thread"
+              : config_.parallel.zero3_progress_thread ? "driven by MPI calls only: MPI_THREAD_MULTIPLE not granted"
+                                                        : "driven by MPI calls only");
 }
 
 void ShardedOptimizer::clear_frozen_grads(int64_t step) {

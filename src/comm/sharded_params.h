@@ -109,6 +109,12 @@ class ShardedParams final : public Residency {
   void note_peaks();
   void progress_loop();
 
+ public:
+  // Whether a thread of this rank tests the broadcasts ahead (else only MPI calls move them).
+  bool progress_thread_running() const { return progress_.joinable(); }
+
+ private:
+
   std::unique_ptr<Communicator> comm_;  // its own: gathers never interleave with other collectives
   ChunkStore& store_;
   Residency& inner_;  // the store's own (every page present at its address)
