@@ -373,7 +373,7 @@ TEST_F(Slurm, TaskCountNotFittingTheLayoutIsRefusedInOneLine) {
   const std::vector<std::string> lines = keel_lines(r.output);
   ASSERT_EQ(lines.size(), 1u) << r.output;
   EXPECT_TRUE(contains(lines[0], "step of 3 tasks (SLURM_STEP_NUM_TASKS): the configured layout parallel.data = 2 x "
-                                 "parallel.pipeline = 1 needs 2 tasks; start srun with -n 2"))
+                                 "parallel.pipeline = 1 x parallel.tensor = 1 needs 2 tasks; start srun with -n 2"))
       << lines[0];
   EXPECT_FALSE(fs::exists(dir / "three/metrics.jsonl"));
 
@@ -381,9 +381,17 @@ TEST_F(Slurm, TaskCountNotFittingTheLayoutIsRefusedInOneLine) {
   EXPECT_EQ(r.exit_code, 2) << r.output;
   const std::vector<std::string> odd = keel_lines(r.output);
   ASSERT_EQ(odd.size(), 1u) << r.output;
-  EXPECT_TRUE(contains(odd[0], "step of 3 tasks (SLURM_STEP_NUM_TASKS): expected a multiple of parallel.pipeline = 2"))
+  EXPECT_TRUE(contains(odd[0], "step of 3 tasks (SLURM_STEP_NUM_TASKS): expected a multiple of parallel.pipeline x "
+                               "parallel.tensor = 2"))
       << odd[0];
   EXPECT_FALSE(fs::exists(dir / "odd/metrics.jsonl"));
+
+  // A replica is pipeline x tensor ranks.
+  r = run_command(srun_command(3, run_args("tensor", "--set parallel.tensor=2")));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  const std::vector<std::string> tensor = keel_lines(r.output);
+  ASSERT_EQ(tensor.size(), 1u) << r.output;
+  EXPECT_TRUE(contains(tensor[0], "expected a multiple of parallel.pipeline x parallel.tensor = 2 tasks")) << tensor[0];
 
   // Any other refusal for the step's world size is said once too.
   r = run_command(srun_command(2, run_args("slow", "--set runtime.slow_rank=2")));

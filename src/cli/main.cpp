@@ -269,7 +269,7 @@ int cmd_train(const Args& a) {
   // MPI is joined, said once (by task 0) while every task exits 2.
   if (const SlurmTask slurm = slurm_task(); !slurm.job_id.empty()) {
     try {
-      check_slurm_train_start(slurm, Config::load(a.get("--config"), a.all("--set")));
+      check_slurm_train_start(slurm, load_train_config(a));
     } catch (const Error&) {
       if (slurm.task != 0 && !slurm.under_mpirun) return kRefusedInputExit;
       throw;

@@ -422,12 +422,11 @@ void check_slurm_train_start(const SlurmTask& s, const Config& config) {
         step + ": expected srun --mpi=pmix, found --mpi=" + (s.mpi.empty() ? std::string("none") : s.mpi) +
             " (OpenMPI joins a Slurm step through PMIx only; without it every task would train alone); run "
             "srun --mpi=pmix, or set MpiDefault=pmix in slurm.conf");
-  // The ranks of one model replica: pipeline stages.
-  // (data x tensor joins here: a replica is parallel.pipeline x parallel.tensor ranks once the
-  // mesh has its tensor dimension.)
-  const int replica_ranks = std::max(1, config.parallel.pipeline);
+  // The ranks of one model replica: its pipeline stages times each stage's tensor ranks.
+  const int replica_ranks = std::max(1, config.parallel.pipeline) * std::max(1, config.parallel.tensor);
   const std::string layout = "parallel.data = " + std::to_string(config.parallel.data) +
-                             " x parallel.pipeline = " + std::to_string(config.parallel.pipeline);
+                             " x parallel.pipeline = " + std::to_string(config.parallel.pipeline) +
+                             " x parallel.tensor = " + std::to_string(config.parallel.tensor);
   if (config.parallel.data > 0) {
     const int ranks = config.parallel.data * replica_ranks;
     check(ranks == s.step_tasks, step + ": the configured layout " + layout + " needs " + std::to_string(ranks) +
@@ -435,8 +434,9 @@ void check_slurm_train_start(const SlurmTask& s, const Config& config) {
                                      " (sbatch --ntasks), or set parallel.data = 0 (the whole step)");
   } else {
     check(s.step_tasks % replica_ranks == 0,
-          step + ": expected a multiple of parallel.pipeline = " + std::to_string(replica_ranks) +
-              " tasks (world = data x pipeline); start srun with -n a multiple of " + std::to_string(replica_ranks));
+          step + ": expected a multiple of parallel.pipeline x parallel.tensor = " + std::to_string(replica_ranks) +
+              " tasks (world = data x pipeline x tensor); start srun with -n a multiple of " +
+              std::to_string(replica_ranks));
   }
   // Every other refusal for this world size, said here once rather than by every rank.
   Config resolved = config;
