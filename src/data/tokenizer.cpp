@@ -22,7 +22,7 @@ namespace {
 
 constexpr uint32_t kLlmcTokenizerMagic = 20240328;
 constexpr int kByteTokens = 256;
-constexpr int kMaxVocabSize = 65536;  // token ids must fit the uint16 shards
+constexpr int kMaxBpeVocabSize = 65536;  // Keel's own BPE: ids fit the uint16 shards (tokenizer.json ones may be wider)
 
 uint64_t pack_pair(int left, int right) {
   return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) | static_cast<uint32_t>(right);
@@ -140,7 +140,7 @@ void Tokenizer::build_from_merges(int vocab_size) {
 }
 
 Tokenizer Tokenizer::train(const std::vector<std::string>& documents, int vocab_size, bool at_most) {
-  check(vocab_size >= kByteTokens + 1 && vocab_size <= kMaxVocabSize,
+  check(vocab_size >= kByteTokens + 1 && vocab_size <= kMaxBpeVocabSize,
         "tokenizer training: expected vocab_size in [257, 65536], found " + std::to_string(vocab_size));
   const int merges_wanted = vocab_size - kByteTokens - 1;
 
@@ -270,7 +270,7 @@ Tokenizer Tokenizer::load(const std::string& path) {
           where + ": expected llm.c tokenizer version 1 or 2, found " + std::to_string(header[1]));
     const uint32_t vocab_size = header[2];
     const uint32_t eot = header[1] == 1 ? 50256 : header[3];
-    check(vocab_size >= 1 && vocab_size <= static_cast<uint32_t>(kMaxVocabSize),
+    check(vocab_size >= 1 && vocab_size <= static_cast<uint32_t>(kMaxBpeVocabSize),
           where + ": expected vocab size in [1, 65536], found " + std::to_string(vocab_size));
     check(eot < vocab_size, where + ": expected end-of-text token below vocab size " + std::to_string(vocab_size) +
                                 ", found " + std::to_string(eot));
@@ -315,7 +315,7 @@ Tokenizer Tokenizer::load(const std::string& path) {
         where + ": expected version 1, found " + one_line(version.dump()));
   const auto& vocab_json = field("vocab_size");
   check(vocab_json.is_number_integer() && vocab_json.get<int64_t>() >= kByteTokens + 1 &&
-            vocab_json.get<int64_t>() <= kMaxVocabSize,
+            vocab_json.get<int64_t>() <= kMaxBpeVocabSize,
         where + ": expected vocab_size in [257, 65536], found " + one_line(vocab_json.dump()));
   const int vocab_size = static_cast<int>(vocab_json.get<int64_t>());
   const auto& eot_json = field("eot");
@@ -434,7 +434,7 @@ bool Tokenizer::load_llama2c(const std::string& bytes, const std::string& where,
     scores.push_back(score);
     pos += static_cast<size_t>(len);
   }
-  if (pieces.size() < 3 || pieces.size() > static_cast<size_t>(kMaxVocabSize)) return false;
+  if (pieces.size() < 3 || pieces.size() > static_cast<size_t>(kMaxBpeVocabSize)) return false;
   tok.token_bytes_.assign(pieces.size(), "");
   tok.piece_id_.clear();
   for (size_t id = 0; id < pieces.size(); ++id) {
