@@ -310,10 +310,42 @@ TEST_F(BadInput, ReportSkipsMistypedMetricsValuesAndSaysWhich) {
     EXPECT_TRUE(contains(r.output, said)) << said << "\n" << r.output;
   }
   EXPECT_FALSE(contains(r.output, at + std::to_string(lines + 4))) << r.output;
-  EXPECT_TRUE(contains(r.output, "5 values or lines of metrics.jsonl skipped")) << r.output;
+  EXPECT_TRUE(contains(r.output, "5 values or lines skipped")) << r.output;
   const std::string html = read_text_file(dir / "report.html");
   EXPECT_TRUE(contains(html, "<h2>Training</h2>"));
   EXPECT_TRUE(contains(html, "5 values or lines of metrics.jsonl"));
+}
+
+// A pipeline trace is read like any other file: a pid of 2^31 - 1 costs one row of the chart, not
+// two billion (the report once drew a row per pid up to the largest); events whose pid, ts or dur
+// is not a number are skipped and counted; a trace that is not JSON costs the chart only.
+TEST_F(BadInput, ReportDrawsAHostilePipelineTraceInBoundedSpace) {
+  ASSERT_EQ(train("run").exit_code, 0);
+  const std::string trace = dir / "run/pipeline_trace.json";
+  testing::write_text(trace, R"({"traceEvents": [
+    {"ph": "X", "name": "F0", "pid": 2147483647, "ts": 0, "dur": 10},
+    {"ph": "X", "name": "B0", "pid": 0, "ts": 10, "dur": 20},
+    {"ph": "X", "name": "W0", "pid": -5, "ts": 30, "dur": 5},
+    {"ph": "X", "name": "F1", "pid": "one", "ts": 0, "dur": 10},
+    {"ph": "X", "name": "F2", "pid": 1, "ts": "late", "dur": 10},
+    {"ph": "X", "name": 7, "pid": 1, "ts": 3, "dur": -1},
+    "not an event", 42]})");
+  CommandResult r = keel_bounded("report --dir " + dir / "run" + " --out " + dir / "report.html");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "pipeline_trace.json: 3 events without a numeric pid, ts or dur; skipped")) << r.output;
+  std::string html = read_text_file(dir / "report.html");
+  EXPECT_LT(html.size(), 1u << 20);
+  EXPECT_TRUE(contains(html, "Pipeline step"));
+  for (const char* row : {">rank -5<", ">rank 0<", ">rank 2147483647<"}) EXPECT_TRUE(contains(html, row)) << row;
+  EXPECT_FALSE(contains(html, ">rank 1<"));
+
+  testing::write_text(trace, "{\"traceEvents\": [");
+  r = keel_bounded("report --dir " + dir / "run" + " --out " + dir / "report.html");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "pipeline_trace.json: not a JSON trace; no pipeline chart")) << r.output;
+  html = read_text_file(dir / "report.html");
+  EXPECT_TRUE(contains(html, "<h2>Training</h2>"));
+  EXPECT_FALSE(contains(html, "Pipeline step"));
 }
 
 // `keel eval` prints JSON, also when the perplexity, e^loss, is past the largest double: a model

@@ -675,7 +675,7 @@ int cmd_report(const Args& a) {
   for (size_t i = 0; i < skipped.size() && i < 5; ++i) std::fprintf(stderr, "keel report: %s\n", skipped[i].c_str());
   if (skipped.size() > 5) std::fprintf(stderr, "keel report: ... %zu skipped in all\n", skipped.size());
   std::printf("keel report: wrote %s (%zu KB, self-contained)%s\n", out.c_str(), html.size() / 1024,
-              skipped.empty() ? "" : (", " + std::to_string(skipped.size()) + " values or lines of metrics.jsonl skipped").c_str());
+              skipped.empty() ? "" : (", " + std::to_string(skipped.size()) + " values or lines skipped").c_str());
   return 0;
 }
 

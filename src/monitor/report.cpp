@@ -153,37 +153,52 @@ std::string layer_bars(const std::map<int, LayerBytes>& layers, int n_layer) {
 }
 
 // The pipeline's Gantt chart from a Chrome trace (complete "X" events, one row per pid: a rank).
-std::string gantt(const json& trace) {
+// The trace is a file like any other: an event whose pid, ts or dur is not a number is skipped (and
+// counted in `skipped`), and the rows are the pids that occur, in order, so a pid of 2^31 costs one
+// row, not two billion.
+std::string gantt(const json& trace, int* skipped) {
   const json& events = trace.is_object() ? trace.value("traceEvents", json::array()) : trace;
+  if (!events.is_array()) return "";
   double t0 = 1e300, t1 = -1e300;
-  int rows = 0;
+  std::vector<const json*> bars;
+  std::map<int64_t, int> rows;  // pid -> row
   for (const json& e : events) {
-    if (e.value("ph", "") != "X") continue;
-    const double ts = e.value("ts", 0.0), dur = e.value("dur", 0.0);
-    t0 = std::min(t0, ts), t1 = std::max(t1, ts + dur);
-    rows = std::max(rows, e.value("pid", 0) + 1);
+    if (!e.is_object() || !e.contains("ph") || e.at("ph") != "X") continue;
+    const json* pid = e.contains("pid") ? &e.at("pid") : nullptr;
+    const json* ts = e.contains("ts") ? &e.at("ts") : nullptr;
+    const json* dur = e.contains("dur") ? &e.at("dur") : nullptr;
+    if (pid == nullptr || !pid->is_number_integer() || ts == nullptr || !ts->is_number() || dur == nullptr ||
+        !dur->is_number() || !std::isfinite(ts->get<double>()) || !std::isfinite(dur->get<double>()) ||
+        dur->get<double>() < 0) {
+      ++*skipped;
+      continue;
+    }
+    rows.emplace(pid->get<int64_t>(), 0);
+    t0 = std::min(t0, ts->get<double>()), t1 = std::max(t1, ts->get<double>() + dur->get<double>());
+    bars.push_back(&e);
   }
-  if (rows == 0 || t1 <= t0) return "";
+  if (bars.empty() || !(t1 > t0)) return "";
+  int next = 0;
+  for (auto& [pid, row] : rows) row = next++;
   constexpr double W = 900, L = 60, RowH = 22;
-  const double H = 30 + rows * RowH;
+  const double H = 30 + static_cast<double>(rows.size()) * RowH;
   std::ostringstream o;
   o << "<svg class=\"plot\" xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H << "\">";
   o << "<rect x=\"0\" y=\"0\" width=\"" << W << "\" height=\"" << H << "\" fill=\"#fff\"/>";
   o << "<text x=\"" << L << "\" y=\"16\" font-size=\"13\" font-weight=\"bold\">Pipeline step (last traced step)</text>";
   const std::map<char, const char*> colors = {{'F', "#4a90d9"}, {'B', "#e94e3c"}, {'W', "#50b86c"}};
-  for (const json& e : events) {
-    if (e.value("ph", "") != "X") continue;
-    const int row = e.value("pid", 0);
-    const double x = L + (e.value("ts", 0.0) - t0) / (t1 - t0) * (W - L - 10);
-    const double w = std::max(0.5, e.value("dur", 0.0) / (t1 - t0) * (W - L - 10));
-    const std::string name = e.value("name", "");
+  for (const json* e : bars) {
+    const int row = rows.at(e->at("pid").get<int64_t>());
+    const double x = L + (e->at("ts").get<double>() - t0) / (t1 - t0) * (W - L - 10);
+    const double w = std::max(0.5, e->at("dur").get<double>() / (t1 - t0) * (W - L - 10));
+    const std::string name = e->contains("name") && e->at("name").is_string() ? e->at("name").get<std::string>() : "";
     const auto c = colors.find(name.empty() ? '?' : name[0]);
     o << "<rect x=\"" << num(x, "%.1f") << "\" y=\"" << 24 + row * RowH << "\" width=\"" << num(w, "%.1f")
       << "\" height=\"" << RowH - 4 << "\" fill=\"" << (c == colors.end() ? "#aaa" : c->second) << "\"><title>"
       << escape(name) << "</title></rect>";
   }
-  for (int r = 0; r < rows; ++r) {
-    o << "<text x=\"4\" y=\"" << 38 + r * RowH << "\" font-size=\"11\">rank " << r << "</text>";
+  for (const auto& [pid, row] : rows) {
+    o << "<text x=\"4\" y=\"" << 38 + row * RowH << "\" font-size=\"11\">rank " << pid << "</text>";
   }
   o << "</svg>";
   return o.str();
@@ -428,8 +443,14 @@ std::string render_report(const std::string& run_dir, std::vector<std::string>* 
   h << plot("Energy (kWh per million tokens)", {series(steps, "energy_kwh_per_mtok", "kWh/Mtok", "#e90")}, {}, markers);
   if (fs::exists(fs::symlink_status(run_dir + "/pipeline_trace.json"))) {
     try {
-      h << "<h2>Pipeline</h2>" << gantt(json::parse(read_text_file(run_dir + "/pipeline_trace.json")));
+      int skipped_events = 0;
+      h << "<h2>Pipeline</h2>" << gantt(json::parse(read_text_file(run_dir + "/pipeline_trace.json")), &skipped_events);
+      if (skipped_events > 0) {
+        skipped.push_back(run_dir + "/pipeline_trace.json: " + std::to_string(skipped_events) +
+                          " events without a numeric pid, ts or dur; skipped");
+      }
     } catch (const json::exception&) {
+      skipped.push_back(run_dir + "/pipeline_trace.json: not a JSON trace; no pipeline chart");
     }
   }
   h << "<h2>Events</h2><table><tr><th>step</th><th>event</th><th>details</th></tr>";
