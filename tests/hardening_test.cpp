@@ -465,6 +465,44 @@ TEST_F(Hardening, AnotherRunsCheckpointNeverDeletesThisRunsWork) {
   EXPECT_EQ(step_dirs(root("a")), (std::vector<std::string>{checkpoint_name(4), checkpoint_name(6)}));
 }
 
+// Another run's checkpoint copied into this run's ckpt/ is not taken by train.resume = "auto" (nor
+// by a restarted job), even when it is the newest there: "auto" skips it in one line and resumes
+// this run's own newest, the copy is left in place, and the run continues its own trajectory (the
+// same bytes as resuming its own checkpoint by name).
+TEST_F(Hardening, ResumeAutoSkipsAnotherRunsCheckpointCopiedIntoThisRun) {
+  const std::string args = "--set train.checkpoint_every=2 --set checkpoint.keep=10 ";
+  ASSERT_EQ(train("a", args + "--set train.steps=4").exit_code, 0);
+  ASSERT_EQ(train("b", args + "--set train.steps=6").exit_code, 0);
+  const std::string a_id = read_run_id(dir / "a"), b_id = read_run_id(dir / "b");
+  fs::copy(at("b", 6), at("a", 6), fs::copy_options::recursive);
+  fs::copy(dir / "a", dir / "a2", fs::copy_options::recursive);
+  fs::remove_all(at("a2", 6));
+  fs::remove(dir / "a2/.keel.lock");
+
+  for (int ranks : {0, 2}) {
+    SCOPED_TRACE(ranks);
+    const std::string run = ranks == 0 ? "a" : "a2";
+    if (ranks == 2) fs::copy(at("b", 6), at(run, 6), fs::copy_options::recursive);
+    const std::string run_id = read_run_id(dir / run);
+    const CommandResult r = train(run, args + "--set train.steps=8 --set train.resume=auto", ranks);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(lines_with(r.output, "keel: checkpoint skipped: checkpoint " + at(run, 6) + ": written by run " + b_id +
+                                       ", not by this directory's run " + run_id),
+              1)
+        << r.output;
+    EXPECT_TRUE(contains(r.output, "resumed from " + at(run, 4) + " at step 4")) << r.output;
+    EXPECT_EQ(nlohmann::json::parse(read_text_file(at(run, 6) + "/manifest.json")).at("run"), b_id);  // left alone
+    EXPECT_EQ(nlohmann::json::parse(read_text_file(at(run, 8) + "/manifest.json")).at("run"), run_id);
+  }
+  // "auto" continued a's own trajectory: the same bytes as resuming a's step 4 by name.
+  fs::copy(dir / "a2", dir / "a3", fs::copy_options::recursive);
+  fs::remove(dir / "a3/.keel.lock");
+  for (int step : {6, 8}) fs::remove_all(at("a3", step));
+  ASSERT_EQ(train("a3", args + "--set train.steps=8 --set train.resume=" + at("a3", 4)).exit_code, 0);
+  EXPECT_TRUE(testing::checkpoint_bytes(root("a3")) == testing::checkpoint_bytes(root("a")));  // both newest: step 8
+  EXPECT_NE(a_id, b_id);
+}
+
 // Only an incomplete checkpoint known to be this run's interrupted write is removed at start-up:
 // a middle checkpoint whose manifest was lost keeps its data, a file with a checkpoint's name and
 // another run's leftover are left alone; each is said in one line and none is used.

@@ -169,6 +169,18 @@ std::optional<TrainState> Checkpointer::resume() {
     std::vector<GradSync::ResidualPart> residual_parts;
     std::string residual_note, carried_layout;
     std::vector<float> carried;
+    // Another run's checkpoint found among this run's own (copied into its ckpt/) is never taken
+    // by "auto" or a restart: that would continue the other run's trajectory under this one's name.
+    if (automatic || restarted) {
+      const std::string writer = run_dir_.foreign_writer(candidates[i]);
+      if (!writer.empty()) {
+        last_why = "checkpoint " + candidates[i] + ": written by run " + writer + ", not by this directory's run " +
+                   run_dir_.run_id() + " (another run's checkpoint is resumed only by naming it in train.resume, " +
+                   "into its own train.run_dir); not resumed";
+        if (comm_.is_root()) rejections.push_back("keel: checkpoint skipped: " + last_why);
+        continue;
+      }
+    }
     try {
       state = load_checkpoint(candidates[i], *store_, config_, LoadMode::resume, world);
       residual_note = load_residuals(state, residual, residual_parts);

@@ -362,6 +362,16 @@ void RunDirectory::settle_run_id() {
   check(!run_id_.empty(), "train.run_dir " + path_ + ": cannot record the run's id (" + (why.empty() ? "see rank 0" : why) + ")");
 }
 
+std::string RunDirectory::foreign_writer(const std::string& checkpoint) const {
+  uint64_t writer = 0;
+  if (world_.is_root() && !run_id_.empty()) {
+    const std::string w = writer_of(checkpoint);
+    if (is_run_id(w) && w != run_id_) writer = std::stoull(w, nullptr, 16);
+  }
+  writer = static_cast<uint64_t>(world_.broadcast(static_cast<int64_t>(writer)));
+  return writer == 0 ? "" : hex64(writer);
+}
+
 void RunDirectory::share_run_id(const std::string& id) {
   const uint64_t mine = id.empty() ? 0 : std::stoull(id, nullptr, 16);
   const uint64_t shared = static_cast<uint64_t>(world_.broadcast(static_cast<int64_t>(mine)));

@@ -67,6 +67,12 @@ class RunDirectory {
   // moves that run aside instead (rank 0) and says where.
   void check_resume_from(const std::string& resume, const std::string& checkpoint);
 
+  // Every rank: for a checkpoint that `train.resume = "auto"` or a restarted job found under this
+  // directory's ckpt/, the run that wrote it when that is not this directory's run (its manifest
+  // names another run id), else "" (this run's, or one that names no run). Such a copy is never
+  // resumed automatically: another run's checkpoint continues only when named in train.resume.
+  std::string foreign_writer(const std::string& checkpoint) const;
+
   // Once resume has decided: a run without an id (a new directory, or one whose run was moved
   // aside) gets a new one, recorded in keel-run.json (rank 0); every rank learns it. Throws on
   // every rank when it cannot be recorded.
