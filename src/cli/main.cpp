@@ -37,6 +37,7 @@
 #include "data/loader.h"
 #include "data/images.h"
 #include "data/hf_tokenizer.h"
+#include "data/text_codec.h"
 #include "data/tokenizer.h"
 #include "kernels/cpu/blas.h"
 #include "kernels/cpu/float_mode.h"
@@ -415,14 +416,22 @@ int cmd_eval(const Args& a) {
   return 0;
 }
 
-// The tokenizer a command reads text with: --tokenizer, else the checkpoint's.
-Tokenizer load_tokenizer(const Args& a, const LoadedModel& lm, const char* cmd) {
-  const std::string tok_path = a.get("--tokenizer", lm.config.data.tokenizer);
+// The tokenizer a command reads text with: --tokenizer; else a Hugging Face model's own
+// tokenizer.json (--hf DIR, or a checkpoint trained from train.init = "hf:DIR") unless the
+// checkpoint's data.tokenizer is itself a tokenizer.json; else the checkpoint's data.tokenizer.
+TextCodec load_tokenizer(const Args& a, const LoadedModel& lm, const char* cmd) {
+  const std::string hf_dir = a.has("--hf") ? a.get("--hf") : lm.config.train.init_hf_dir();
+  const std::string tok_path =
+      a.has("--tokenizer") ? a.get("--tokenizer") : TextCodec::choose_path(lm.config.data.tokenizer, hf_dir);
   check(!tok_path.empty(), std::string(cmd) + ": no tokenizer (pass --tokenizer FILE)");
-  Tokenizer tok = Tokenizer::load(tok_path);
+  TextCodec tok = TextCodec::load(tok_path);
   check(tok.vocab_size() <= lm.config.model.vocab_size,
         "tokenizer " + tok_path + ": vocabulary " + std::to_string(tok.vocab_size()) + " exceeds the model's " +
             std::to_string(lm.config.model.vocab_size));
+  check(tok.document_token() >= 0, "tokenizer " + tok_path +
+                                       ": no token to start documents with (expected a post_processor that puts a "
+                                       "special token first, or an added token <|endoftext|>)");
+  check(tok.can_encode(), "tokenizer " + tok_path + ": cannot encode text (an llm.c decoding table)");
   return tok;
 }
 
@@ -444,10 +453,10 @@ int cmd_generate(const Args& a) {
   const GenerateConfig& g = lm.config.generate;
   const int context = std::min(lm.config.model.max_seq_len, g.kv_cache ? lm.config.model.max_seq_len : 1024);
   if (g.kv_cache) lm.model->allocate(1, std::min(g.prefill_chunk, context));
-  Tokenizer tok = load_tokenizer(a, lm, "generate");
-  o.stop_token = tok.eot_token();
+  const TextCodec tok = load_tokenizer(a, lm, "generate");
+  o.stop_token = tok.document_token();
   auto encode = [&](const std::string& text) {
-    std::vector<int> prompt = {tok.eot_token()};
+    std::vector<int> prompt = {tok.document_token()};
     std::vector<int> ids = tok.encode(text);
     prompt.insert(prompt.end(), ids.begin(), ids.end());
     return prompt;
@@ -516,12 +525,12 @@ int cmd_score(const Args& a) {
   const GenerateConfig& g = lm.config.generate;
   const int context = lm.config.model.max_seq_len;
   lm.model->allocate(1, std::min(g.prefill_chunk, context));
-  Tokenizer tok = load_tokenizer(a, lm, "score");
+  const TextCodec tok = load_tokenizer(a, lm, "score");
   KvCache cache(*lm.model, KvCacheOptions::from(g));
   double total_nll = 0, total_ms = 0;
   uint64_t total_targets = 0, total_tokens = 0, total_reused = 0;
   for (const std::string& file : files) {
-    std::vector<int> tokens = {tok.eot_token()};
+    std::vector<int> tokens = {tok.document_token()};
     const std::vector<int> ids = tok.encode(read_text_file(file));
     tokens.insert(tokens.end(), ids.begin(), ids.end());
     const auto t0 = std::chrono::steady_clock::now();
@@ -619,6 +628,12 @@ int cmd_import(const Args& a) {
   register_layout(store, model_layout(config.model));  // the weights only: no layers needed
   store.finalize();
   import_foreign(from, store, config.model);
+  // A Hugging Face directory's own tokenizer.json becomes the checkpoint's data.tokenizer:
+  // `keel generate` and `keel score` read text with it.
+  if (from.flag == "--hf" && config.data.tokenizer == DataConfig{}.tokenizer &&
+      fs::is_regular_file(fs::path(from.path) / "tokenizer.json")) {
+    config.data.tokenizer = fs::absolute(fs::path(from.path) / "tokenizer.json").lexically_normal().string();
+  }
   const std::string dir = save_checkpoint(a.get("--out"), store, config, RankState{}, 0);
   std::printf("keel import: wrote checkpoint %s\n", dir.c_str());
   return 0;
