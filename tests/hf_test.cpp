@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 #include "ckpt/hf.h"
@@ -605,6 +606,61 @@ TEST(HfText, GreedyGenerationDecodesWithTheTokenizer) {
       testing::run_keel("generate --hf " + fixture("llama") + " --tokenizer " + fixture("tokenizers/llama2.json") + common);
   EXPECT_EQ(big.exit_code, 2) << big.output;
   EXPECT_NE(big.output.find("tokenizers/llama2.json: vocabulary 959 exceeds the model's 300"), std::string::npos) << big.output;
+}
+
+}  // namespace
+}  // namespace keel
+
+namespace keel {
+namespace {
+
+TEST(HfCli, ExportCutsShardsAboveMaxShardSizeAndImportReadsThemBitExact) {
+  testing::TempDir dir("keel-hf-shards");
+  ASSERT_EQ(testing::run_keel("import --hf " + fixture("llama") + " --out " + (dir / "ckpt")).exit_code, 0);
+  // 20 KB: the llama fixture's 21 tensors (151,168 bytes of float32) in several shards, its 38,400-byte
+  // embedding alone in one.
+  const testing::CommandResult r =
+      testing::run_keel("export --checkpoint " + (dir / "ckpt") + " --hf " + (dir / "back") + " --max-shard-size 20KB");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ASSERT_TRUE(fs::exists(dir / "back/model.safetensors.index.json"));
+  EXPECT_FALSE(fs::exists(dir / "back/model.safetensors"));
+  const json index = json::parse(read_text_file(dir / "back/model.safetensors.index.json"));
+  std::set<std::string> files;
+  for (const auto& [tensor, file] : index.at("weight_map").items()) files.insert(file.get<std::string>());
+  EXPECT_GE(files.size(), 4u);
+  uint64_t total = 0;
+  for (const std::string& f : files) {
+    const std::vector<char> bytes = read_file((dir / "back") + "/" + f);
+    const SafetensorsHeader h = parse_safetensors({bytes.data(), bytes.size()}, f);
+    uint64_t data = 0;
+    for (const SafetensorsTensor& t : h.tensors) data += t.end - t.begin;
+    EXPECT_TRUE(data <= 20000 || h.tensors.size() == 1) << f;  // over the limit only alone
+    total += data;
+  }
+  EXPECT_EQ(index.at("metadata").at("total_size").get<uint64_t>(), total);
+  // Read back: the same tensors, bit for bit, and a one-file export replaces the shards' index.
+  const SafetensorsCheckpoint original(fixture("llama")), back(dir / "back");
+  EXPECT_EQ(original.names(), back.names());
+  for (const std::string& t : original.names()) {
+    const auto x = original.find(t), y = back.find(t);
+    ASSERT_NE(y.tensor, nullptr) << t;
+    EXPECT_EQ(x.file->read_float32(*x.tensor), y.file->read_float32(*y.tensor)) << t;
+  }
+  ASSERT_EQ(testing::run_keel("import --hf " + (dir / "back") + " --out " + (dir / "again")).exit_code, 0);
+  ASSERT_EQ(testing::run_keel("export --checkpoint " + (dir / "again") + " --hf " + (dir / "back")).exit_code, 0);
+  EXPECT_TRUE(fs::exists(dir / "back/model.safetensors"));
+  EXPECT_FALSE(fs::exists(dir / "back/model.safetensors.index.json"));
+  const SafetensorsCheckpoint one(dir / "back");
+  for (const std::string& t : original.names()) {
+    const auto x = original.find(t), y = one.find(t);
+    ASSERT_NE(y.tensor, nullptr) << t;
+    EXPECT_EQ(x.file->read_float32(*x.tensor), y.file->read_float32(*y.tensor)) << t;
+  }
+  const testing::CommandResult bad =
+      testing::run_keel("export --checkpoint " + (dir / "ckpt") + " --hf " + (dir / "x") + " --max-shard-size 5XB");
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("option --max-shard-size: expected a size"), std::string::npos) << bad.output;
+  EXPECT_EQ(testing::count_lines(bad.output), 1) << bad.output;
 }
 
 }  // namespace

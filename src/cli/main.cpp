@@ -88,8 +88,9 @@ commands:
             per document, then a summary line (reuse hits, tokens reused, time saved).
   export    --checkpoint DIR --out FILE.bin [--format llmc|llama2c]
             Write the model in llm.c's GPT-2 format or llama2.c's format (default: the family's).
-  export    --checkpoint DIR --hf OUT_DIR
-            Write the model as a Hugging Face directory (model.safetensors, config.json).
+  export    --checkpoint DIR --hf OUT_DIR [--max-shard-size SIZE]
+            Write the model as a Hugging Face directory (model.safetensors, config.json); above
+            SIZE (default 5GB, as transformers) shards named by model.safetensors.index.json.
   export    --tokenizer FILE.json --out tokenizer.bin   A Keel tokenizer as llama2.c's tokenizer.bin.
   import    --llmc FILE.bin | --llama2c FILE.bin | --hf DIR  --out DIR [--set section.key=value ...]
             Make a Keel checkpoint from an llm.c GPT-2 model, a llama2.c model or a Hugging Face
@@ -578,6 +579,28 @@ void check_output_file(const std::string& what, const std::string& out) {
   check_output_path(what, out);
 }
 
+// A size as transformers' max_shard_size takes it: bytes, or a number with KB, MB or GB (decimal:
+// 1 GB = 1e9 bytes) or KiB, MiB, GiB; at least one byte.
+uint64_t parse_byte_size(const std::string& flag, const std::string& text) {
+  static const std::vector<std::pair<std::string, double>> units = {{"KiB", 1024.0}, {"MiB", 1048576.0},
+                                                                    {"GiB", 1073741824.0}, {"KB", 1e3},
+                                                                    {"MB", 1e6}, {"GB", 1e9}, {"B", 1.0}};
+  double scale = 1.0;
+  std::string number = text;
+  for (const auto& [suffix, bytes] : units) {
+    if (number.size() > suffix.size() && number.compare(number.size() - suffix.size(), suffix.size(), suffix) == 0) {
+      number.resize(number.size() - suffix.size());
+      scale = bytes;
+      break;
+    }
+  }
+  char* end = nullptr;
+  const double x = std::strtod(number.c_str(), &end);
+  check(!number.empty() && *end == '\0' && std::isfinite(x) && x * scale >= 1.0 && x * scale < 1.8e19,
+        "option " + flag + ": expected a size such as 5GB, 500MB or 100000 (bytes), found '" + text + "'");
+  return static_cast<uint64_t>(x * scale);
+}
+
 int cmd_export(const Args& a) {
   if (a.has("--tokenizer")) {  // a Keel tokenizer as llama2.c's tokenizer.bin
     check(!a.has("--checkpoint") && a.has("--out"), "export: expected --tokenizer FILE.json --out tokenizer.bin");
@@ -589,9 +612,13 @@ int cmd_export(const Args& a) {
   if (a.has("--hf")) {  // a Hugging Face directory: model.safetensors + config.json
     check(a.has("--checkpoint") && !a.has("--out") && !a.has("--format"), "export: expected --checkpoint DIR --hf OUT_DIR");
     check_output_path("export --hf", a.get("--hf"));
+    const uint64_t max_shard = a.has("--max-shard-size") ? parse_byte_size("--max-shard-size", a.get("--max-shard-size"))
+                                                          : kDefaultHfMaxShardBytes;
     LoadedModel lm = load_model(a, 1, 1, false);
-    export_hf(a.get("--hf"), *lm.store, lm.config.model);
-    std::printf("keel export: wrote %s/{model.safetensors,config.json} (%s)\n", a.get("--hf").c_str(),
+    export_hf(a.get("--hf"), *lm.store, lm.config.model, max_shard);
+    std::printf("keel export: wrote %s/{%s,config.json} (%s)\n", a.get("--hf").c_str(),
+                fs::exists(fs::path(a.get("--hf")) / "model.safetensors.index.json") ? "model.safetensors.index.json,shards"
+                                                                                    : "model.safetensors",
                 lm.config.model.llama() ? "LlamaForCausalLM" : "GPT2LMHeadModel");
     return 0;
   }
@@ -829,7 +856,7 @@ int run(int argc, char** argv) {
       {"generate", {"--checkpoint", "--llmc", "--llama2c", "--hf", "--prompt", "--prompts", "--tokens", "--temperature", "--top-k",
                     "--seed", "--tokenizer", "--samples", "--set"}},
       {"score", {"--checkpoint", "--llmc", "--llama2c", "--hf", "--documents", "--tokenizer", "--set"}},
-      {"export", {"--checkpoint", "--out", "--format", "--tokenizer", "--hf"}},
+      {"export", {"--max-shard-size", "--checkpoint", "--out", "--format", "--tokenizer", "--hf"}},
       {"import", {"--llmc", "--llama2c", "--hf", "--out", "--set"}},
       {"checkpoints", {"--dir", "--verify"}},
       {"report", {"--dir", "--out"}},
