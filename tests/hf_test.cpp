@@ -13,6 +13,8 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
 
 #include "ckpt/hf.h"
 #include "ckpt/safetensors.h"
@@ -542,6 +544,122 @@ TEST(HfTrainInit, StartsFromTheCheckpointsWeights) {
                                                        " --set model.n_layer=3 --set train.run_dir=" + (dir / "run2") + data);
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
   EXPECT_NE(bad.output.find("model.n_layer = 3 disagrees with train.init = hf:"), std::string::npos) << bad.output;
+  EXPECT_EQ(testing::count_lines(bad.output), 1) << bad.output;
+}
+
+}  // namespace
+}  // namespace keel
+
+// --- generate and score through a model's own tokenizer.json -------------------------------------
+
+namespace keel {
+namespace {
+
+// llama_text/ is the llama fixture with a 300-token tokenizer.json of Llama 2's shape; what
+// transformers and tokenizers gave through it is llama_text_expected.json.
+json text_expected() { return json::parse(read_text_file(fixture("llama_text_expected.json"))); }
+
+// The first JSON object line of a command's output.
+json first_json_line(const std::string& output) {
+  std::istringstream in(output);
+  for (std::string line; std::getline(in, line);) {
+    if (!line.empty() && line[0] == '{') return json::parse(line);
+  }
+  return json();
+}
+
+TEST(HfText, ScoreReadsTheDirectorysTokenizer) {
+  testing::TempDir dir("keel-hf-score");
+  const json want = text_expected();
+  const std::string licence = "/usr/share/common-licenses/GPL-3";
+  fs::create_directories(dir / "docs");
+  fs::copy_file(licence, dir / "docs/GPL-3");
+  // --hf DIR takes DIR/tokenizer.json; an imported checkpoint keeps it as data.tokenizer.
+  ASSERT_EQ(testing::run_keel("import --hf " + fixture("llama_text") + " --out " + (dir / "ckpt")).exit_code, 0);
+  for (const std::string& model : {"--hf " + fixture("llama_text"), "--checkpoint " + (dir / "ckpt")}) {
+    const testing::CommandResult r = testing::run_keel("score " + model + " --documents " + (dir / "docs"));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const json doc = first_json_line(r.output);
+    EXPECT_EQ(doc.at("tokens").get<int64_t>(), want.at("tokens").get<int64_t>()) << model;
+    EXPECT_NEAR(doc.at("loss").get<double>(), want.at("loss").get<double>(), 1e-5) << model;
+  }
+}
+
+TEST(HfText, GreedyGenerationDecodesWithTheTokenizer) {
+  testing::TempDir dir("keel-hf-generate");
+  const json want = text_expected();
+  {
+    std::ofstream(dir / "prompts.txt") << want.at("prompt").get<std::string>() << "\n";
+  }
+  const std::string common = " --prompts " + (dir / "prompts.txt") + " --temperature 0 --tokens " +
+                             "24";
+  // Explicitly, and picked up from --hf DIR.
+  for (const std::string& model : {"--hf " + fixture("llama") + " --tokenizer " + fixture("llama_text/tokenizer.json"),
+                                  "--hf " + fixture("llama_text")}) {
+    const testing::CommandResult r = testing::run_keel("generate " + model + common);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const json out = first_json_line(r.output);
+    EXPECT_EQ(out.at("text").get<std::string>(), want.at("text").get<std::string>()) << model;
+  }
+  // A tokenizer larger than the model's vocabulary: one line naming it.
+  const testing::CommandResult big =
+      testing::run_keel("generate --hf " + fixture("llama") + " --tokenizer " + fixture("tokenizers/llama2.json") + common);
+  EXPECT_EQ(big.exit_code, 2) << big.output;
+  EXPECT_NE(big.output.find("tokenizers/llama2.json: vocabulary 959 exceeds the model's 300"), std::string::npos) << big.output;
+}
+
+}  // namespace
+}  // namespace keel
+
+namespace keel {
+namespace {
+
+TEST(HfCli, ExportCutsShardsAboveMaxShardSizeAndImportReadsThemBitExact) {
+  testing::TempDir dir("keel-hf-shards");
+  ASSERT_EQ(testing::run_keel("import --hf " + fixture("llama") + " --out " + (dir / "ckpt")).exit_code, 0);
+  // 20 KB: the llama fixture's 21 tensors (151,168 bytes of float32) in several shards, its 38,400-byte
+  // embedding alone in one.
+  const testing::CommandResult r =
+      testing::run_keel("export --checkpoint " + (dir / "ckpt") + " --hf " + (dir / "back") + " --max-shard-size 20KB");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ASSERT_TRUE(fs::exists(dir / "back/model.safetensors.index.json"));
+  EXPECT_FALSE(fs::exists(dir / "back/model.safetensors"));
+  const json index = json::parse(read_text_file(dir / "back/model.safetensors.index.json"));
+  std::set<std::string> files;
+  for (const auto& [tensor, file] : index.at("weight_map").items()) files.insert(file.get<std::string>());
+  EXPECT_GE(files.size(), 4u);
+  uint64_t total = 0;
+  for (const std::string& f : files) {
+    const std::vector<char> bytes = read_file((dir / "back") + "/" + f);
+    const SafetensorsHeader h = parse_safetensors({bytes.data(), bytes.size()}, f);
+    uint64_t data = 0;
+    for (const SafetensorsTensor& t : h.tensors) data += t.end - t.begin;
+    EXPECT_TRUE(data <= 20000 || h.tensors.size() == 1) << f;  // over the limit only alone
+    total += data;
+  }
+  EXPECT_EQ(index.at("metadata").at("total_size").get<uint64_t>(), total);
+  // Read back: the same tensors, bit for bit, and a one-file export replaces the shards' index.
+  const SafetensorsCheckpoint original(fixture("llama")), back(dir / "back");
+  EXPECT_EQ(original.names(), back.names());
+  for (const std::string& t : original.names()) {
+    const auto x = original.find(t), y = back.find(t);
+    ASSERT_NE(y.tensor, nullptr) << t;
+    EXPECT_EQ(x.file->read_float32(*x.tensor), y.file->read_float32(*y.tensor)) << t;
+  }
+  ASSERT_EQ(testing::run_keel("import --hf " + (dir / "back") + " --out " + (dir / "again")).exit_code, 0);
+  ASSERT_EQ(testing::run_keel("export --checkpoint " + (dir / "again") + " --hf " + (dir / "back")).exit_code, 0);
+  EXPECT_TRUE(fs::exists(dir / "back/model.safetensors"));
+  EXPECT_FALSE(fs::exists(dir / "back/model.safetensors.index.json"));
+  const SafetensorsCheckpoint one(dir / "back");
+  for (const std::string& t : original.names()) {
+    const auto x = original.find(t), y = one.find(t);
+    ASSERT_NE(y.tensor, nullptr) << t;
+    EXPECT_EQ(x.file->read_float32(*x.tensor), y.file->read_float32(*y.tensor)) << t;
+  }
+  const testing::CommandResult bad =
+      testing::run_keel("export --checkpoint " + (dir / "ckpt") + " --hf " + (dir / "x") + " --max-shard-size 5XB");
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("option --max-shard-size: expected a size"), std::string::npos) << bad.output;
   EXPECT_EQ(testing::count_lines(bad.output), 1) << bad.output;
 }
 

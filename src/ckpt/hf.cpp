@@ -307,7 +307,8 @@ void import_hf(const std::string& dir, ChunkStore& store, const ModelConfig& mod
   }
 }
 
-void export_hf(const std::string& dir, const ChunkStore& store, const ModelConfig& m) {
+void export_hf(const std::string& dir, const ChunkStore& store, const ModelConfig& m, uint64_t max_shard_bytes) {
+  check(max_shard_bytes > 0, "export --hf " + dir + ": --max-shard-size: expected a positive size");
   check(m.rope_scaling == RopeScaling::none, "export --hf " + dir + ": model.rope_scaling = " + to_string(m.rope_scaling) +
                                                  " has no equivalent written here (expected none)");
   std::error_code ec;
@@ -367,7 +368,32 @@ void export_hf(const std::string& dir, const ChunkStore& store, const ModelConfi
               {"tie_word_embeddings", true},
               {"torch_dtype", "float32"}};
   }
-  write_safetensors((fs::path(dir) / "model.safetensors").string(), out, {{"format", "pt"}});
+  // Shards: tensors in order, a new shard when the next tensor would overflow the current one.
+  std::vector<std::vector<SafetensorsOut>> shards(1);
+  uint64_t shard_bytes = 0, total_bytes = 0;
+  for (const SafetensorsOut& t : out) {
+    const uint64_t bytes = t.values.size_bytes();
+    if (!shards.back().empty() && shard_bytes + bytes > max_shard_bytes) shards.emplace_back(), shard_bytes = 0;
+    shards.back().push_back(t);
+    shard_bytes += bytes, total_bytes += bytes;
+  }
+  const fs::path single = fs::path(dir) / "model.safetensors", index = fs::path(dir) / "model.safetensors.index.json";
+  if (shards.size() == 1) {
+    write_safetensors(single.string(), out, {{"format", "pt"}});
+    fs::remove(index, ec);
+  } else {
+    json weight_map = json::object();
+    const size_t n = shards.size();
+    for (size_t i = 0; i < n; ++i) {
+      char name[64];
+      std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", i + 1, n);
+      write_safetensors((fs::path(dir) / name).string(), shards[i], {{"format", "pt"}});
+      for (const SafetensorsOut& t : shards[i]) weight_map[t.name] = name;
+    }
+    const std::string index_text = json{{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}}.dump(2) + "\n";
+    write_file_atomic(index.string(), {ByteRange{index_text.data(), index_text.size()}});
+    fs::remove(single, ec);
+  }
   const std::string text = config.dump(2) + "\n";
   write_file_atomic((fs::path(dir) / "config.json").string(), {ByteRange{text.data(), text.size()}});
 }

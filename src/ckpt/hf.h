@@ -13,6 +13,7 @@
 // Keel's RMSNorm and LayerNorm use eps 1e-5 and GPT-2's GELU is the tanh form: config.json must say so.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "core/config.h"
@@ -36,8 +37,17 @@ void take_hf_model_shape(ModelConfig& model, const ModelConfig& hf, const std::s
 // float32. A tensor the architecture does not have is refused (its weights would be lost silently).
 void import_hf(const std::string& dir, ChunkStore& store, const ModelConfig& model);
 
-// Writes `store`'s weights as DIR/model.safetensors (F32) and DIR/config.json in the layout above
-// (DIR is created; each file written atomically).
-void export_hf(const std::string& dir, const ChunkStore& store, const ModelConfig& model);
+// transformers' default shard size for save_pretrained (decimal: 5 GB = 5e9 bytes).
+inline constexpr uint64_t kDefaultHfMaxShardBytes = 5'000'000'000ull;
+
+// Writes `store`'s weights (F32) and DIR/config.json in the layout above (DIR is created; each file
+// written atomically): one DIR/model.safetensors when the tensors' bytes fit in `max_shard_bytes`,
+// else shards DIR/model-0000i-of-0000N.safetensors of at most that many tensor bytes each (a tensor
+// larger than the limit alone in its shard; tensors in export order, a new shard when the next one
+// would overflow, as transformers cuts them) named by DIR/model.safetensors.index.json ({"metadata":
+// {"total_size": bytes}, "weight_map": {tensor: file}}). The other form's file left by an earlier
+// export (model.safetensors or the index) is removed, so the directory reads back as written.
+void export_hf(const std::string& dir, const ChunkStore& store, const ModelConfig& model,
+               uint64_t max_shard_bytes = kDefaultHfMaxShardBytes);
 
 }  // namespace keel

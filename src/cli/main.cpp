@@ -37,6 +37,7 @@
 #include "data/loader.h"
 #include "data/images.h"
 #include "data/hf_tokenizer.h"
+#include "data/text_codec.h"
 #include "data/tokenizer.h"
 #include "kernels/cpu/blas.h"
 #include "kernels/cpu/float_mode.h"
@@ -87,8 +88,9 @@ commands:
             per document, then a summary line (reuse hits, tokens reused, time saved).
   export    --checkpoint DIR --out FILE.bin [--format llmc|llama2c]
             Write the model in llm.c's GPT-2 format or llama2.c's format (default: the family's).
-  export    --checkpoint DIR --hf OUT_DIR
-            Write the model as a Hugging Face directory (model.safetensors, config.json).
+  export    --checkpoint DIR --hf OUT_DIR [--max-shard-size SIZE]
+            Write the model as a Hugging Face directory (model.safetensors, config.json); above
+            SIZE (default 5GB, as transformers) shards named by model.safetensors.index.json.
   export    --tokenizer FILE.json --out tokenizer.bin   A Keel tokenizer as llama2.c's tokenizer.bin.
   import    --llmc FILE.bin | --llama2c FILE.bin | --hf DIR  --out DIR [--set section.key=value ...]
             Make a Keel checkpoint from an llm.c GPT-2 model, a llama2.c model or a Hugging Face
@@ -415,14 +417,22 @@ int cmd_eval(const Args& a) {
   return 0;
 }
 
-// The tokenizer a command reads text with: --tokenizer, else the checkpoint's.
-Tokenizer load_tokenizer(const Args& a, const LoadedModel& lm, const char* cmd) {
-  const std::string tok_path = a.get("--tokenizer", lm.config.data.tokenizer);
+// The tokenizer a command reads text with: --tokenizer; else a Hugging Face model's own
+// tokenizer.json (--hf DIR, or a checkpoint trained from train.init = "hf:DIR") unless the
+// checkpoint's data.tokenizer is itself a tokenizer.json; else the checkpoint's data.tokenizer.
+TextCodec load_tokenizer(const Args& a, const LoadedModel& lm, const char* cmd) {
+  const std::string hf_dir = a.has("--hf") ? a.get("--hf") : lm.config.train.init_hf_dir();
+  const std::string tok_path =
+      a.has("--tokenizer") ? a.get("--tokenizer") : TextCodec::choose_path(lm.config.data.tokenizer, hf_dir);
   check(!tok_path.empty(), std::string(cmd) + ": no tokenizer (pass --tokenizer FILE)");
-  Tokenizer tok = Tokenizer::load(tok_path);
+  TextCodec tok = TextCodec::load(tok_path);
   check(tok.vocab_size() <= lm.config.model.vocab_size,
         "tokenizer " + tok_path + ": vocabulary " + std::to_string(tok.vocab_size()) + " exceeds the model's " +
             std::to_string(lm.config.model.vocab_size));
+  check(tok.document_token() >= 0, "tokenizer " + tok_path +
+                                       ": no token to start documents with (expected a post_processor that puts a "
+                                       "special token first, or an added token <|endoftext|>)");
+  check(tok.can_encode(), "tokenizer " + tok_path + ": cannot encode text (an llm.c decoding table)");
   return tok;
 }
 
@@ -444,10 +454,10 @@ int cmd_generate(const Args& a) {
   const GenerateConfig& g = lm.config.generate;
   const int context = std::min(lm.config.model.max_seq_len, g.kv_cache ? lm.config.model.max_seq_len : 1024);
   if (g.kv_cache) lm.model->allocate(1, std::min(g.prefill_chunk, context));
-  Tokenizer tok = load_tokenizer(a, lm, "generate");
-  o.stop_token = tok.eot_token();
+  const TextCodec tok = load_tokenizer(a, lm, "generate");
+  o.stop_token = tok.document_token();
   auto encode = [&](const std::string& text) {
-    std::vector<int> prompt = {tok.eot_token()};
+    std::vector<int> prompt = {tok.document_token()};
     std::vector<int> ids = tok.encode(text);
     prompt.insert(prompt.end(), ids.begin(), ids.end());
     return prompt;
@@ -516,12 +526,12 @@ int cmd_score(const Args& a) {
   const GenerateConfig& g = lm.config.generate;
   const int context = lm.config.model.max_seq_len;
   lm.model->allocate(1, std::min(g.prefill_chunk, context));
-  Tokenizer tok = load_tokenizer(a, lm, "score");
+  const TextCodec tok = load_tokenizer(a, lm, "score");
   KvCache cache(*lm.model, KvCacheOptions::from(g));
   double total_nll = 0, total_ms = 0;
   uint64_t total_targets = 0, total_tokens = 0, total_reused = 0;
   for (const std::string& file : files) {
-    std::vector<int> tokens = {tok.eot_token()};
+    std::vector<int> tokens = {tok.document_token()};
     const std::vector<int> ids = tok.encode(read_text_file(file));
     tokens.insert(tokens.end(), ids.begin(), ids.end());
     const auto t0 = std::chrono::steady_clock::now();
@@ -569,6 +579,28 @@ void check_output_file(const std::string& what, const std::string& out) {
   check_output_path(what, out);
 }
 
+// A size as transformers' max_shard_size takes it: bytes, or a number with KB, MB or GB (decimal:
+// 1 GB = 1e9 bytes) or KiB, MiB, GiB; at least one byte.
+uint64_t parse_byte_size(const std::string& flag, const std::string& text) {
+  static const std::vector<std::pair<std::string, double>> units = {{"KiB", 1024.0}, {"MiB", 1048576.0},
+                                                                    {"GiB", 1073741824.0}, {"KB", 1e3},
+                                                                    {"MB", 1e6}, {"GB", 1e9}, {"B", 1.0}};
+  double scale = 1.0;
+  std::string number = text;
+  for (const auto& [suffix, bytes] : units) {
+    if (number.size() > suffix.size() && number.compare(number.size() - suffix.size(), suffix.size(), suffix) == 0) {
+      number.resize(number.size() - suffix.size());
+      scale = bytes;
+      break;
+    }
+  }
+  char* end = nullptr;
+  const double x = std::strtod(number.c_str(), &end);
+  check(!number.empty() && *end == '\0' && std::isfinite(x) && x * scale >= 1.0 && x * scale < 1.8e19,
+        "option " + flag + ": expected a size such as 5GB, 500MB or 100000 (bytes), found '" + text + "'");
+  return static_cast<uint64_t>(x * scale);
+}
+
 int cmd_export(const Args& a) {
   if (a.has("--tokenizer")) {  // a Keel tokenizer as llama2.c's tokenizer.bin
     check(!a.has("--checkpoint") && a.has("--out"), "export: expected --tokenizer FILE.json --out tokenizer.bin");
@@ -580,9 +612,13 @@ int cmd_export(const Args& a) {
   if (a.has("--hf")) {  // a Hugging Face directory: model.safetensors + config.json
     check(a.has("--checkpoint") && !a.has("--out") && !a.has("--format"), "export: expected --checkpoint DIR --hf OUT_DIR");
     check_output_path("export --hf", a.get("--hf"));
+    const uint64_t max_shard = a.has("--max-shard-size") ? parse_byte_size("--max-shard-size", a.get("--max-shard-size"))
+                                                          : kDefaultHfMaxShardBytes;
     LoadedModel lm = load_model(a, 1, 1, false);
-    export_hf(a.get("--hf"), *lm.store, lm.config.model);
-    std::printf("keel export: wrote %s/{model.safetensors,config.json} (%s)\n", a.get("--hf").c_str(),
+    export_hf(a.get("--hf"), *lm.store, lm.config.model, max_shard);
+    std::printf("keel export: wrote %s/{%s,config.json} (%s)\n", a.get("--hf").c_str(),
+                fs::exists(fs::path(a.get("--hf")) / "model.safetensors.index.json") ? "model.safetensors.index.json,shards"
+                                                                                    : "model.safetensors",
                 lm.config.model.llama() ? "LlamaForCausalLM" : "GPT2LMHeadModel");
     return 0;
   }
@@ -619,6 +655,12 @@ int cmd_import(const Args& a) {
   register_layout(store, model_layout(config.model));  // the weights only: no layers needed
   store.finalize();
   import_foreign(from, store, config.model);
+  // A Hugging Face directory's own tokenizer.json becomes the checkpoint's data.tokenizer:
+  // `keel generate` and `keel score` read text with it.
+  if (from.flag == "--hf" && config.data.tokenizer == DataConfig{}.tokenizer &&
+      fs::is_regular_file(fs::path(from.path) / "tokenizer.json")) {
+    config.data.tokenizer = fs::absolute(fs::path(from.path) / "tokenizer.json").lexically_normal().string();
+  }
   const std::string dir = save_checkpoint(a.get("--out"), store, config, RankState{}, 0);
   std::printf("keel import: wrote checkpoint %s\n", dir.c_str());
   return 0;
@@ -814,7 +856,7 @@ int run(int argc, char** argv) {
       {"generate", {"--checkpoint", "--llmc", "--llama2c", "--hf", "--prompt", "--prompts", "--tokens", "--temperature", "--top-k",
                     "--seed", "--tokenizer", "--samples", "--set"}},
       {"score", {"--checkpoint", "--llmc", "--llama2c", "--hf", "--documents", "--tokenizer", "--set"}},
-      {"export", {"--checkpoint", "--out", "--format", "--tokenizer", "--hf"}},
+      {"export", {"--max-shard-size", "--checkpoint", "--out", "--format", "--tokenizer", "--hf"}},
       {"import", {"--llmc", "--llama2c", "--hf", "--out", "--set"}},
       {"checkpoints", {"--dir", "--verify"}},
       {"report", {"--dir", "--out"}},

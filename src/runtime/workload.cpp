@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "data/clip_loader.h"
+#include "data/text_codec.h"
 #include "data/tokenizer.h"
 #include "kernels/cpu/bf16.h"
 #include "kernels/cpu/int8_gemm.h"
@@ -32,10 +33,12 @@ class LanguageModel final : public Workload {
       : config_(config), groups_(groups), log_(std::move(log)) {
     const ModelConfig& m = config.model;
     const TrainConfig& t = config.train;
-    if (!config.data.tokenizer.empty() && fs::exists(config.data.tokenizer)) {
-      tokenizer_ = Tokenizer::load(config.data.tokenizer);
+    // Text samples read with a Hugging Face start's own tokenizer.json, else data.tokenizer.
+    const std::string tokenizer = TextCodec::choose_path(config.data.tokenizer, config.train.init_hf_dir());
+    if (!tokenizer.empty() && fs::exists(tokenizer)) {
+      tokenizer_ = TextCodec::load(tokenizer);
       check(m.vocab_size >= tokenizer_->vocab_size(),
-            "model.vocab_size: expected at least the vocabulary of tokenizer " + config.data.tokenizer + " (" +
+            "model.vocab_size: expected at least the vocabulary of tokenizer " + tokenizer + " (" +
                 std::to_string(tokenizer_->vocab_size()) + "), found " + std::to_string(m.vocab_size));
     }
     Communicator& dp = groups.dp();
@@ -117,8 +120,10 @@ class LanguageModel final : public Workload {
   }
 
   void print_samples(RankModel& rank) override {
-    const Tokenizer* tok = tokenizer_ ? &*tokenizer_ : nullptr;
-    if (!rank.model->whole() || !tok || !tok->can_encode() || config_.train.sample_tokens == 0) return;
+    const TextCodec* tok = tokenizer_ ? &*tokenizer_ : nullptr;
+    if (!rank.model->whole() || !tok || !tok->can_encode() || tok->document_token() < 0 || config_.train.sample_tokens == 0) {
+      return;
+    }
     if (groups_.tensor_size() > 1) {
       if (groups_.world().is_root()) {
         std::printf("keel: no text samples with parallel.tensor > 1 (generation runs one rank's whole model: "
@@ -131,10 +136,10 @@ class LanguageModel final : public Workload {
     Rng rng(config_.train.seed ^ 0xC0FFEEull);
     SampleOptions options;
     options.max_new_tokens = config_.train.sample_tokens;
-    options.stop_token = tok->eot_token();
+    options.stop_token = tok->document_token();
     std::printf("samples (temperature %.1f, top-k %d):\n", options.temperature, options.top_k);
     for (int i = 0; i < config_.train.samples; ++i) {
-      const std::vector<int> prompt = {tok->eot_token()};
+      const std::vector<int> prompt = {tok->document_token()};
       std::vector<int> out = generate(*rank.model, config_.train.longest_seq_len(), prompt, options, rng);
       std::string text = tok->decode(std::vector<int>(out.begin() + 1, out.end()));
       std::printf("--- sample %d ---\n%s\n", i + 1, text.c_str());
@@ -146,7 +151,7 @@ class LanguageModel final : public Workload {
   const Config& config_;
   ProcessGroups& groups_;
   LogEvent log_;
-  std::optional<Tokenizer> tokenizer_;
+  std::optional<TextCodec> tokenizer_;
   std::unique_ptr<DataLoader> train_, val_;
 };
 

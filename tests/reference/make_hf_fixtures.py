@@ -16,6 +16,9 @@ Run by hand with transformers, safetensors and torch from PyPI (bench/.venv):
                  shapes of GPT-2's (byte-level BPE, GPT-2's pattern), Llama 3's (its Split pattern,
                  byte-level, ignore_merges, <|begin_of_text|>) and Llama 2's / TinyLlama's
                  (SentencePiece-style: ▁, byte fallback <0xXX>, <unk> <s> </s>)
+  llama_text/  llama/'s files and a 300-token tokenizer.json of Llama 2's shape; llama_text_expected.json:
+               `keel score`'s token count and loss on GPL-3 and greedy `keel generate`'s text through it
+               (--text-only writes these alone)
   tokenizers/expected.json  their ids (encode without special tokens) of three licences of
                  /usr/share/common-licenses (with each file's sha256) and of hostile texts (given as hex:
                  invalid UTF-8, decoded as Python decodes it with errors="replace", control
@@ -90,37 +93,12 @@ HOSTILE = [
 ]
 
 
-def train_tokenizers():
-    """Three small tokenizers trained on the licences, in the three shapes Keel reads."""
-    files = [os.path.join("/usr/share/common-licenses", f) for f in LICENCES]
-    out = {}
-    gpt2 = Tokenizer(models.BPE())
-    gpt2.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    gpt2.decoder = decoders.ByteLevel()
-    gpt2.post_processor = processors.ByteLevel(trim_offsets=False)
-    gpt2.train(files, trainers.BpeTrainer(vocab_size=700, special_tokens=["<|endoftext|>"], show_progress=False,
-                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    out["gpt2"] = gpt2
-
-    llama3 = Tokenizer(models.BPE(ignore_merges=True))
-    llama3.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
-    llama3.decoder = decoders.ByteLevel()
-    llama3.train(files, trainers.BpeTrainer(vocab_size=800, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
-                                            show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    bos = llama3.token_to_id("<|begin_of_text|>")
-    llama3.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B",
-                                      special_tokens=[("<|begin_of_text|>", bos)])])
-    out["llama3"] = llama3
-
+def sentencepiece_style(files, vocab_size, **trainer_options):
     # Llama 2 / TinyLlama: <unk> <s> </s>, the 256 byte tokens, then the learned pieces; spaces are ▁
     # (prepended and replaced by the normalizer), no pre-tokenizer, byte fallback for unknown characters.
     sp = Tokenizer(models.BPE(unk_token="<unk>"))
     sp.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    sp.train(files, trainers.BpeTrainer(vocab_size=700, show_progress=False, max_token_length=16))
+    sp.train(files, trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False, max_token_length=16, **trainer_options))
     learned = json.loads(sp.to_str())["model"]
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     for b in range(256):
@@ -147,7 +125,36 @@ def train_tokenizers():
                   "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
                   "vocab": vocab, "merges": learned["merges"]},
     }
-    out["llama2"] = Tokenizer.from_str(json.dumps(spec))
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+def train_tokenizers():
+    """Three small tokenizers trained on the licences, in the three shapes Keel reads."""
+    files = [os.path.join("/usr/share/common-licenses", f) for f in LICENCES]
+    out = {}
+    gpt2 = Tokenizer(models.BPE())
+    gpt2.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    gpt2.decoder = decoders.ByteLevel()
+    gpt2.post_processor = processors.ByteLevel(trim_offsets=False)
+    gpt2.train(files, trainers.BpeTrainer(vocab_size=700, special_tokens=["<|endoftext|>"], show_progress=False,
+                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    out["gpt2"] = gpt2
+
+    llama3 = Tokenizer(models.BPE(ignore_merges=True))
+    llama3.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    llama3.decoder = decoders.ByteLevel()
+    llama3.train(files, trainers.BpeTrainer(vocab_size=800, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+                                            show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bos = llama3.token_to_id("<|begin_of_text|>")
+    llama3.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B",
+                                      special_tokens=[("<|begin_of_text|>", bos)])])
+    out["llama3"] = llama3
+
+    out["llama2"] = sentencepiece_style(files, 700)
     return out
 
 
@@ -173,7 +180,49 @@ def tokenizer_fixtures():
         f.write("\n")
 
 
+def text_fixture():
+    """llama_text/: the llama fixture's weights with a 300-token tokenizer.json of Llama 2's shape, and
+    what `keel score` and greedy `keel generate` must give through it: the ids of GPL-3 with <s> first,
+    its loss over consecutive windows of the model's 64 positions (each window scored alone), and the
+    text of 24 greedy tokens after a prompt (stopping at <s>, the document token), decoded by the library."""
+    path = os.path.join(OUT, "llama_text")
+    shutil.rmtree(path, ignore_errors=True)
+    shutil.copytree(os.path.join(OUT, "llama"), path)
+    files = [os.path.join("/usr/share/common-licenses", f) for f in LICENCES]
+    tok = sentencepiece_style(files, V - 259, limit_alphabet=24)  # 259 = <unk> <s> </s> and the byte tokens
+    tok.save(os.path.join(path, "tokenizer.json"))
+    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    model = LlamaForCausalLM.from_pretrained(path, attn_implementation="eager").to(torch.float64).eval()
+    text = open("/usr/share/common-licenses/GPL-3", "rb").read().decode("utf-8", errors="replace")
+    ids = [1] + tok.encode(text, add_special_tokens=False).ids
+    nll, targets = 0.0, 0
+    with torch.no_grad():
+        for w in range(0, len(ids), 64):
+            window = torch.tensor([ids[w:w + 64]])
+            if window.shape[1] < 2:
+                break
+            logits = model(input_ids=window).logits[0]
+            nll += torch.nn.functional.cross_entropy(logits[:-1], window[0, 1:], reduction="sum").item()
+            targets += window.shape[1] - 1
+        prompt = "This License"
+        seq = [1] + tok.encode(prompt, add_special_tokens=False).ids
+        for _ in range(24):
+            nxt = int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax())
+            seq.append(nxt)
+            if nxt == 1:
+                break
+    out = {"document": "GPL-3", "sha256": hashlib.sha256(open("/usr/share/common-licenses/GPL-3", "rb").read()).hexdigest(),
+           "tokens": len(ids), "loss": nll / targets, "prompt": prompt, "generated": seq,
+           "text": tok.decode(seq[1:], skip_special_tokens=True)}
+    with open(os.path.join(OUT, "llama_text_expected.json"), "w") as f:
+        json.dump(out, f)
+        f.write("\n")
+
+
 def main():
+    if sys.argv[1:] == ["--text-only"]:  # llama_text/ alone, from the committed llama/
+        text_fixture()
+        return
     torch.manual_seed(0)
     os.makedirs(OUT, exist_ok=True)
     out = {}
@@ -200,6 +249,7 @@ def main():
         json.dump(out, f)
         f.write("\n")
     tokenizer_fixtures()
+    text_fixture()
     print("wrote", OUT, file=sys.stderr)
 
 
