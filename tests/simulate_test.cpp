@@ -351,7 +351,7 @@ TEST(Simulate, MemoryWithZero3AndBf16) {
   const std::string stacks = dir.path() + "/stacks.toml";
   testing::write_text(stacks, "[stack.s]\nkernel_efficiency = 0.5\noverlap_grad_reduce = true\ngrad_reduce_bytes = 2\n"
                               "bucket_mb = 25\ncollective = \"nccl\"\nparam_bytes = 2\ngrad_bytes = 4\nstate_bytes = 12\n"
-                              "activations = \"megatron\"\nsequence_parallel = false\nflash_attention = false\nelementwise_values = 36\n");
+                              "activations = \"megatron\"\nsequence_parallel = false\nflash_attention = false\nelementwise_values = 36\nscore_bytes_forward = 9\nscore_bytes_backward = 11\n");
   const std::string model = "--set model.preset=gpt2-124m --set model.n_layer=4 --set model.n_embd=1024 --set model.n_head=16 "
                             "--set model.max_seq_len=1024 --set train.seq_len=1024 --set runtime.precision=bf16 --set data.tokenizer= "
                             "--set train.batch_size=2 --set train.recompute=none --vocab 128000 --stack s --stacks " + stacks;

@@ -38,6 +38,13 @@ struct StackProfile {
   // Per token and block, the elementwise values read and written in the forward (norms,
   // activation, residual adds, biases), in units of the model width, at memory bandwidth.
   double elementwise_values = 36;
+  // Per attention-score element ([b, a, T, T] per block), the bytes an unfused attention's
+  // softmax, mask and dropout kernels read and write at memory bandwidth, in the forward and in
+  // the backward (Megatron-LM 2021: fused scale-mask-softmax, 2 + 2, then torch dropout, 2 + 2 +
+  // a 1-byte mask; backward: dropout 2 + 1 + 2, softmax 2 + 2 + 2). 0 with a flash kernel, whose
+  // scores never reach memory. Keel's built-in profile: 0 (its attention is calibrated whole on
+  // this machine, bench/simulate_calibration.py).
+  double score_bytes_forward = 0, score_bytes_backward = 0;
 
   // The named stack of a stacks file ("keel" without a file: the built-in). Throws keel::Error
   // naming the file and the key.

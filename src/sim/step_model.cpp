@@ -306,6 +306,12 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
         if (i >= 1 && i <= m.n_layer) {  // a block's elementwise passes, bound by device memory
           const double pass = stack.elementwise_values * m.n_embd * tokens * act_bytes / TP / (cluster.device.hbm_gbps * 1e9) * 1e3;
           f += pass, b += 2 * pass;
+          // An unfused attention's score passes (softmax, mask, dropout): a / TP heads of T x T
+          // scores per sequence, at memory bandwidth. The share that grows with T / C: what makes
+          // small models at sequence 2048 slower per FLOP than large ones (Megatron-LM 2021).
+          const double scores = static_cast<double>(m.n_head) / TP * tokens * T;
+          f += scores * stack.score_bytes_forward / (cluster.device.hbm_gbps * 1e9) * 1e3;
+          b += scores * stack.score_bytes_backward / (cluster.device.hbm_gbps * 1e9) * 1e3;
         }
       }
       const bool block = i >= 1 && i <= m.n_layer;
