@@ -73,6 +73,14 @@ std::vector<Field> fields(Config& c) {
       {"model", "rope_scaling", choice(&c.model.rope_scaling)},
       {"model", "rope_factor", &c.model.rope_factor},
       {"model", "tie_embeddings", &c.model.tie_embeddings},
+      {"model", "moe_experts", &c.model.moe_experts},
+      {"model", "moe_top_k", &c.model.moe_top_k},
+      {"model", "moe_shared_experts", &c.model.moe_shared_experts},
+      {"model", "moe_every", &c.model.moe_every},
+      {"model", "moe_hidden", &c.model.moe_hidden},
+      {"model", "moe_aux_weight", &c.model.moe_aux_weight},
+      {"model", "moe_balance", choice(&c.model.moe_balance)},
+      {"model", "moe_capacity", &c.model.moe_capacity},
       {"model", "attention", choice(&c.model.attention)},
       {"model", "attention_window", &c.model.attention_window},
       {"model", "dynamic_window_mass", &c.model.dynamic_window_mass},
@@ -426,6 +434,10 @@ const std::vector<ModelPreset>& model_presets() {
       {"llama3-tiny", 2, 4, 64, 128256, 256, Family::llama, 1, 32, true, 0, 500000},
       {"llama3-1b", 16, 32, 2048, 128256, 2048, Family::llama, 8, 256, true, 1.5, 500000},  // Llama 3.2 1B's shape
       {"llama3-8b", 32, 32, 4096, 128256, 2048, Family::llama, 8, 1024, false, 1.3, 500000},  // Llama 3 8B's shape
+      // Mixtures of experts (model/moe.h):          L  H  C    V     maxT  family        KV mult tied mul theta E  k shared hidden
+      {"llama-moe-tiny", 2, 4, 64, 8192, 256, Family::llama, 2, 32, false, 0, 0, 4, 2, 1, 64},  // for tests
+      // llama-d4's size with 8 experts, top-2, each half llama-d4's MLP: active MLP units = the dense model's
+      {"llama-moe-d4", 4, 8, 256, 8192, 256, Family::llama, 4, 64, false, 0, 0, 8, 2, 0, 352},
   };
   return presets;
 }
@@ -623,6 +635,38 @@ int llama_ffn_hidden(int n_embd, int multiple_of, double multiplier) {
   return static_cast<int>((hidden + multiple_of - 1) / multiple_of * multiple_of);
 }
 
+namespace {
+
+// The model.moe_* keys of a resolved llama model section.
+template <typename Need>
+void validate_moe(const ModelConfig& m, Need need) {
+  auto s = [](auto v) { return std::to_string(v); };
+  need(m.moe_experts >= 0 && m.moe_experts <= 4096, "model.moe_experts: expected 0 (dense) .. 4096, found " + s(m.moe_experts));
+  if (!m.moe()) {
+    need(m.moe_top_k == 0 && m.moe_shared_experts <= 0 && m.moe_every == 0 && m.moe_hidden == 0 && m.moe_capacity == 0 &&
+             m.moe_balance == MoeBalance::aux,
+         "model.moe_experts: the model.moe_* keys need model.moe_experts > 0 (a mixture of experts), found 0");
+    return;
+  }
+  need(m.moe_top_k >= 1 && m.moe_top_k <= m.moe_experts,
+       "model.moe_top_k: expected 1..moe_experts=" + s(m.moe_experts) + " experts per token, found " + s(m.moe_top_k));
+  need(m.moe_shared_experts >= 0 && m.moe_shared_experts <= 64,
+       "model.moe_shared_experts: expected 0..64, found " + s(m.moe_shared_experts));
+  need(m.moe_every >= 1 && m.n_layer % m.moe_every == 0,
+       "model.moe_every: expected a divisor of n_layer=" + s(m.n_layer) + " (every moe_every-th block is MoE), found " +
+           s(m.moe_every));
+  need(m.moe_hidden >= 1 && m.moe_hidden <= (1 << 20), "model.moe_hidden: expected 1..1048576, found " + s(m.moe_hidden));
+  need(m.moe_aux_weight >= 0 && std::isfinite(m.moe_aux_weight),
+       "model.moe_aux_weight: expected a finite weight >= 0, found " + std::to_string(m.moe_aux_weight));
+  need(m.moe_capacity == 0 || (m.moe_capacity > 0 && m.moe_capacity <= 1024),
+       "model.moe_capacity: expected 0 (dropless) or a capacity factor in (0, 1024], found " + std::to_string(m.moe_capacity));
+  need(m.moe_balance == MoeBalance::aux,
+       "model.moe_balance: \"bias\" (auxiliary-loss-free balancing) is not built yet: its per-expert loads would have to "
+       "be summed over the data-parallel ranks between steps and the bias checkpointed; use \"aux\"");
+}
+
+}  // namespace
+
 void validate_model(const ModelConfig& m, const std::string& where) {
   auto need = [&](bool ok, const std::string& what) {
     if (!ok) throw Error(where + ": " + what);
@@ -650,6 +694,10 @@ void validate_model(const ModelConfig& m, const std::string& where) {
     need(m.rope_theta == 0, "model.rope_theta: GPT-2 has learned positions, not rotary embeddings (a llama option)");
     need(m.rope_scaling == RopeScaling::none, "model.rope_scaling: GPT-2 has learned positions, not rotary embeddings (a llama option)");
     need(m.tie_embeddings.value_or(true), "model.tie_embeddings: GPT-2's head is always tied to the embedding");
+    need(m.moe_experts == 0 && m.moe_top_k == 0 && m.moe_shared_experts <= 0 && m.moe_every == 0 && m.moe_hidden == 0 &&
+             m.moe_capacity == 0,
+         "model.moe_experts: a mixture of experts is a llama option (GPT-2 has no MoE blocks; "
+         "model.moe_* keys need model.family = \"llama\")");
   } else {
     need(m.n_kv_head >= 1 && m.n_head % m.n_kv_head == 0,
          "model.n_kv_head: expected a divisor of n_head=" + s(m.n_head) + ", found " + s(m.n_kv_head));
@@ -660,6 +708,7 @@ void validate_model(const ModelConfig& m, const std::string& where) {
          "model.n_head: llama's rotary embedding needs an even head size, found n_embd / n_head = " +
              s(m.n_embd / std::max(1, m.n_head)));
     need(m.tie_embeddings.has_value(), "model.tie_embeddings: not resolved");
+    validate_moe(m, need);
   }
   bool windowed = m.dynamic_window();
   for (const auto& [lo, hi, w] : parse_windows(m.attention_window, m.n_layer)) windowed = windowed || w > 0;  // throws
@@ -722,6 +771,14 @@ void Config::resolve(int world_size) {
     }
     if (model.rope_theta == 0) model.rope_theta = llama_preset && preset->rope_theta > 0 ? preset->rope_theta : 10000.0;
     if (!model.tie_embeddings.has_value()) model.tie_embeddings = llama_preset ? preset->tie_embeddings : false;
+    if (model.moe_experts == 0 && llama_preset) model.moe_experts = preset->moe_experts;
+    if (model.moe()) {
+      const bool moe_preset = llama_preset && preset->moe_experts > 0;
+      if (model.moe_top_k == 0) model.moe_top_k = moe_preset ? preset->moe_top_k : std::min(2, model.moe_experts);
+      if (model.moe_shared_experts < 0) model.moe_shared_experts = moe_preset ? preset->moe_shared_experts : 0;
+      if (model.moe_every == 0) model.moe_every = 1;
+      if (model.moe_hidden == 0) model.moe_hidden = moe_preset ? preset->moe_hidden : model.ffn_hidden;
+    }
   } else if (model.family == Family::gpt2) {
     if (model.n_kv_head == 0) model.n_kv_head = model.n_head;
     if (model.ffn_hidden == 0 && model.n_embd > 0 && model.n_embd <= 65536) model.ffn_hidden = 4 * model.n_embd;
@@ -758,6 +815,17 @@ void Config::resolve(int world_size) {
               " x tensor " + s(parallel.tensor) + ")",
           s(parallel.data) + " data-parallel ranks");
   require(parallel.zero >= 0 && parallel.zero <= 3, "parallel.zero", "0, 1, 2 or 3", s(parallel.zero));
+  if (model.moe()) {
+    // What a mixture of experts does not combine with yet (docs/architecture.md, "Mixture of experts").
+    const std::string moe = " with model.moe_experts > 0 (not built yet for a mixture of experts)";
+    require(parallel.tensor == 1, "parallel.tensor", "1" + moe, s(parallel.tensor));
+    require(parallel.pipeline == 1, "parallel.pipeline", "1" + moe, s(parallel.pipeline));
+    require(parallel.zero <= 2, "parallel.zero", "0, 1 or 2" + moe, s(parallel.zero));
+    require(train.recompute == Recompute::none, "train.recompute", "\"none\"" + moe,
+            std::string("\"") + to_string(train.recompute) + "\"");
+    require(tier.device_mib == 0, "tier.device_mib", "0 (tiering off)" + moe, std::to_string(tier.device_mib));
+    require(!clip.enabled(), "model.moe_experts", "0 in a dual encoder's text tower", s(model.moe_experts));
+  }
   require(parallel.bucket_bytes >= 4096, "parallel.bucket_bytes", ">= 4096", s(parallel.bucket_bytes));
   require(train.global_batch_size >= 0, "train.global_batch_size", ">= 0", s(train.global_batch_size));
   if (train.global_batch_size > 0) {
@@ -892,6 +960,7 @@ uint64_t Config::trajectory_hash(int world_size) const {
     for (const auto& [step, T] : train.seq_len_steps()) s << ' ' << step << ':' << T;
   }
   if (!data.shuffle) s << ";file order";  // (absent by default: older checkpoints keep their hash)
+  if (model.moe()) s << ";moe " << model.moe_aux_weight << ',' << model.moe_capacity;
   if (model.rope_scaling != RopeScaling::none) s << ";rope " << to_string(model.rope_scaling) << ',' << model.rope_factor;
   const std::string text = s.str();
   return XXH64(text.data(), text.size(), 0);
@@ -904,6 +973,10 @@ uint64_t Config::shape_hash() const {
   if (model.llama()) {  // (GPT-2 configs keep the hash they always had)
     s << ",llama," << model.n_kv_head << ',' << model.ffn_hidden << ',' << model.rope_theta << ','
       << model.tie_embeddings.value_or(false);
+    if (model.moe()) {  // (dense configs keep their hash)
+      s << ",moe," << model.moe_experts << ',' << model.moe_top_k << ',' << model.moe_shared_experts << ','
+        << model.moe_every << ',' << model.moe_hidden;
+    }
   }
   if (clip.enabled()) {  // a dual encoder's state: both towers and the temperature
     s << ",clip," << to_string(*clip.image_tower) << ',' << clip.image_width << ',' << clip.image_size << ','

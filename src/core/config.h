@@ -25,6 +25,7 @@ namespace keel {
 
 enum class Family : uint8_t { gpt2, llama };                 // model.family
 enum class RopeScaling : uint8_t { none, linear, ntk };      // model.rope_scaling
+enum class MoeBalance : uint8_t { aux, bias };                // model.moe_balance
 enum class Attention : uint8_t { automatic, dense, blockwise };  // model.attention ("auto" = resolved to one of the others)
 enum class Precision : uint8_t { fp32, bf16 };               // runtime.precision
 enum class Recompute : uint8_t { none, selective, full };      // train.recompute
@@ -69,6 +70,8 @@ KEEL_ENUM_NAMES(Family, "{key}: expected \"gpt2\" or \"llama\", found \"{found}\
                 {Family::gpt2, "gpt2"}, {Family::llama, "llama"});
 KEEL_ENUM_NAMES(RopeScaling, "{key}: expected none, linear or ntk, found \"{found}\"",  //
                 {RopeScaling::none, "none"}, {RopeScaling::linear, "linear"}, {RopeScaling::ntk, "ntk"});
+KEEL_ENUM_NAMES(MoeBalance, "config key '{key}': expected \"aux\" or \"bias\", found \"{found}\"",  //
+                {MoeBalance::aux, "aux"}, {MoeBalance::bias, "bias"});
 KEEL_ENUM_NAMES(Attention, "{key}: expected \"auto\", \"blockwise\" or \"dense\", found \"{found}\"",  //
                 {Attention::automatic, "auto"}, {Attention::dense, "dense"}, {Attention::blockwise, "blockwise"});
 KEEL_ENUM_NAMES(Recompute, "config key '{key}': expected \"none\", \"selective\" or \"full\", found \"{found}\"",  //
@@ -203,6 +206,27 @@ struct ModelConfig {
   RopeScaling rope_scaling = RopeScaling::none;
   double rope_factor = 1.0;
   std::optional<bool> tie_embeddings;  // output head = token embedding; GPT-2: always; llama: the preset's
+  // Mixture of experts (llama only; model/moe.h). moe_experts routed experts (0 = the preset's; a
+  // dense preset has none): every moe_every-th block (blocks moe_every-1, 2 moe_every-1, ...)
+  // replaces its SwiGLU MLP by a softmax router choosing moe_top_k experts per token (0 = the
+  // preset's, else 2), each a SwiGLU MLP of moe_hidden units (0 = the preset's, else ffn_hidden),
+  // weighted by its router probability, plus moe_shared_experts experts every token passes
+  // through. Balancing: "aux" adds moe_aux_weight x the Switch/GShard loss E sum_i f_i P_i, taken
+  // per sequence and averaged over the step's sequences (so data-parallel ranks and micro-batches
+  // add up to one rank's whole batch); "bias" (DeepSeek's auxiliary-loss-free) is refused for now.
+  // moe_capacity: 0 = dropless; c > 0 = each expert takes at most ceil(c T k / E) of a sequence's
+  // T tokens (earlier positions first), the others dropped from it (counted).
+  int moe_experts = 0;
+  int moe_top_k = 0;
+  int moe_shared_experts = -1;  // -1 = the preset's (0 for a dense preset)
+  int moe_every = 0;            // 0 = the preset's, else 1
+  int moe_hidden = 0;
+  double moe_aux_weight = 0.01;
+  MoeBalance moe_balance = MoeBalance::aux;
+  double moe_capacity = 0;
+  bool moe() const { return moe_experts > 0; }
+  // Block `block` (0-based) is a mixture of experts; assumes a resolved config.
+  bool moe_block(int block) const { return moe() && moe_every > 0 && (block + 1) % moe_every == 0; }
   // Both families. "blockwise": FlashAttention-2's tiles and online softmax, activation memory
   // linear in T; "dense": the T x T probabilities kept (the reference); "auto": with a window,
   // blockwise; else `keel train` measures both at the job's shape on this machine and takes the
@@ -609,6 +633,7 @@ struct ModelPreset {
   bool tie_embeddings = true;
   double ffn_dim_multiplier = 0;  // llama: 0 = none
   double rope_theta = 0;          // llama: 0 = 10000
+  int moe_experts = 0, moe_top_k = 0, moe_shared_experts = 0, moe_hidden = 0;  // llama: 0 experts = dense
 };
 const std::vector<ModelPreset>& model_presets();
 

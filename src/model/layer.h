@@ -14,6 +14,7 @@
 namespace keel {
 
 class ChunkStore;
+struct MoeStats;
 
 // The arithmetic of a layer's matrix products (kernels/cpu/bf16.h), given at its construction and
 // handed to every kernel it calls: `forward` in F, `backward` in B and W. A language model's layers
@@ -76,6 +77,8 @@ class Layer {
   virtual void backward_weight(const Batch& batch, const float* x_in, const float* dx_out) = 0;
   // Attention layers: their window and probe (null for the others).
   virtual AttentionProbe* attention_probe() { return nullptr; }
+  // Mixture-of-experts blocks: what their router measured (model/moe.h; null for the others).
+  virtual MoeStats* moe_stats() { return nullptr; }
 };
 
 }  // namespace keel

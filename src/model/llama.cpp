@@ -8,6 +8,7 @@
 #include "model/kv_context.h"
 #include "model/layer_util.h"
 #include "model/model_layout.h"
+#include "model/moe.h"
 
 namespace keel {
 
@@ -36,11 +37,16 @@ class LlamaBlock final : public Layer {
         QKV_(m.qkv_dim() / parts()),
         H_(m.ffn_hidden / parts()),
         t_(ids) {
-    check(ids.size() == layout::down_w + 1, "GPT: llama block " + std::to_string(layer) + " without its tensors");
+    if (m.moe_block(layer - 1)) {
+      moe_ = std::make_shared<MoeFeedForward>(m, store, layer_, ids, math);
+    } else {
+      check(ids.size() == layout::down_w + 1, "GPT: llama block " + std::to_string(layer) + " without its tensors");
+    }
     probe_.window = m.window_of(layer_ - 1);
     probe_.mass.assign(static_cast<size_t>(m.n_head) * AttentionProbe::kBuckets, 0.0);
   }
   AttentionProbe* attention_probe() override { return &probe_; }
+  MoeStats* moe_stats() override { return moe_ ? &moe_->stats() : nullptr; }
   const char* name() const override { return "block"; }
 
   int64_t activation_floats(int B, int T) const override { return model_detail::carved(*this, B, T).kept.used(); }
@@ -94,6 +100,12 @@ class LlamaBlock final : public Layer {
     float* n2 = n2_.writable(stage_);
     ops::residual_rmsnorm_forward(res2_, n2, rstd2_, x, o, P(layout::mlp_norm_w), N, C);
     n2_.seal(n2, NC);
+    if (moe_) {  // a mixture of experts in place of the MLP (model/moe.h); n2 kept in float32
+      float* down = scratch_;
+      moe_->forward(moe_act_, b, n2, down);
+      ops::residual_forward(x_out, res2_, down, NC);
+      return;
+    }
     float* gu = gu_.writable(stage_);
     ops::linear_forward(math_.forward, gu, n2_.read(), W(layout::gate_up_w), none, N, C, 2 * H);
     gu_.seal(gu, 2 * NH);
@@ -123,13 +135,17 @@ class LlamaBlock final : public Layer {
     auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::LlamaBlock
     auto W = [&](int t) { return model_detail::weight_operand(store_, t_[t], math_.backward); };
     // MLP branch: d(down out) = dx_out
-    float* dh = scratch_;
-    ops::linear_backward_input(math_.backward, dh, dx_out, W(layout::down_w), N, H, C, false);
-    float* dgu = dgu_.writable(stage_);
-    ops::swiglu_backward_input(dgu, dh, gu_.read(), N, H);
-    dgu_.seal(dgu, static_cast<int64_t>(N) * 2 * H);
-    ops::linear_backward_input(math_.backward, dn2_, dgu, W(layout::gate_up_w), N, C, 2 * H, false);
-    reduce(dn2_, static_cast<int64_t>(N) * C);  // the column-parallel input's gradient
+    if (moe_) {
+      moe_->backward_input(moe_act_, b, dx_out, dn2_);
+    } else {
+      float* dh = scratch_;
+      ops::linear_backward_input(math_.backward, dh, dx_out, W(layout::down_w), N, H, C, false);
+      float* dgu = dgu_.writable(stage_);
+      ops::swiglu_backward_input(dgu, dh, gu_.read(), N, H);
+      dgu_.seal(dgu, static_cast<int64_t>(N) * 2 * H);
+      ops::linear_backward_input(math_.backward, dn2_, dgu, W(layout::gate_up_w), N, C, 2 * H, false);
+      reduce(dn2_, static_cast<int64_t>(N) * C);  // the column-parallel input's gradient
+    }
     std::memcpy(dres2_, dx_out, sizeof(float) * N * C);
     ops::rmsnorm_backward_input(dres2_, dn2_, res2_, rstd2_, P(layout::mlp_norm_w), N, C, true);
     // Attention branch: d(o out) = dres2; attention's gradient is w.r.t. the rotated q and k,
@@ -154,8 +170,12 @@ class LlamaBlock final : public Layer {
     const int N = b.B * b.T, C = C_, H = H_;
     auto G = [&](int t) { return store_.data(t_[t], Plane::grad); };
     float* none = nullptr;
-    ops::linear_backward_weight(math_.backward, G(layout::down_w), none, dx_out, h_.read(), N, H, C);
-    ops::linear_backward_weight(math_.backward, G(layout::gate_up_w), none, dgu_.read(), n2_.read(), N, C, 2 * H);
+    if (moe_) {
+      moe_->backward_weight(moe_act_, b, n2_.read().f32, dx_out);
+    } else {
+      ops::linear_backward_weight(math_.backward, G(layout::down_w), none, dx_out, h_.read(), N, H, C);
+      ops::linear_backward_weight(math_.backward, G(layout::gate_up_w), none, dgu_.read(), n2_.read(), N, C, 2 * H);
+    }
     ops::rmsnorm_backward_weight(G(layout::mlp_norm_w), dn2_, res2_, rstd2_, N, C);
     ops::linear_backward_weight(math_.backward, G(layout::llama_proj_w), none, dres2_, atty_, N, A_, C);
     ops::linear_backward_weight(math_.backward, G(layout::llama_qkv_w), none, dqkv_, n1_.read(), N, C, QKV_);
@@ -174,16 +194,18 @@ class LlamaBlock final : public Layer {
     att_ = a.at(any).take(m_.attention == Attention::dense ? rows * T : rows);
     atty_ = a.at(any).take(N * A_);
     res2_ = a.at(full).take(N * C_);
-    n2_.carve(a.at(full), N * C_, bf16_);
-    gu_.carve(a.at(full), N * 2 * H_, bf16_);
-    h_.carve(a.at(full || (any && !bf16_)), N * H_, bf16_);
+    n2_.carve(a.at(full), N * C_, bf16_ && !moe_);  // a mixture of experts gathers rows of it: float32
+    const int64_t NH = moe_ ? 0 : N * H_;             // (no dense MLP in a mixture-of-experts block)
+    gu_.carve(a.at(full), 2 * NH, bf16_);
+    h_.carve(a.at(full || (any && !bf16_)), NH, bf16_);
     rstd1_ = a.at(full).take(N);
     rstd2_ = a.at(full).take(N);
     dn1_ = a.at(any).take(N * C_);
     dqkv_ = a.at(any).take(N * QKV_);
     dres2_ = a.at(any).take(N * C_);
     dn2_ = a.at(any).take(N * C_);
-    dgu_.carve(a.at(any), N * 2 * H_, bf16_);
+    dgu_.carve(a.at(any), 2 * NH, bf16_);
+    if (moe_) moe_act_ = moe_->carve(a.kept, B, T);  // (train.recompute refuses MoE: all kept)
     sink_ = full ? a.shared.take(N * C_) : nullptr;
   }
 
@@ -207,6 +229,10 @@ class LlamaBlock final : public Layer {
   int C_, A_, NH_, KVH_, QKV_, H_;
   std::vector<TensorId> t_;  // the block's tensors, indexed by layout::LlamaBlock
   Stash n1_, n2_, gu_, h_, dgu_;
+  // A mixture-of-experts block's experts (null: the dense MLP), shared by the copies that size
+  // activations (model_detail::carved), and the micro-batch's activations of them.
+  std::shared_ptr<MoeFeedForward> moe_;
+  MoeActivations moe_act_;
   float *qkv_ = nullptr, *att_ = nullptr, *atty_ = nullptr, *res2_ = nullptr, *rstd1_ = nullptr, *rstd2_ = nullptr,
         *dn1_ = nullptr, *dqkv_ = nullptr, *dres2_ = nullptr, *dn2_ = nullptr, *scratch_ = nullptr,
         *stage_ = nullptr, *stage_h_ = nullptr;

@@ -139,6 +139,17 @@ ModelLayout model_layout(const ModelConfig& m, std::span<const LayerRange> range
       add(p + "attn.qkv.w", {m.qkv_dim(), C}, l, ChunkKind::attention, true, 0, {C, KV, KV});
       add(p + "attn.proj.w", {C, C}, l, ChunkKind::attention, true, 1);
       add(p + "mlp_norm.w", {C}, l, ChunkKind::norm, false);
+      if (m.moe_block(l - 1)) {  // a mixture of experts (model/moe.h; not split over tensor ranks)
+        const int64_t E = m.moe_experts, Hm = m.moe_hidden, S = static_cast<int64_t>(m.moe_shared_experts) * Hm;
+        add(p + "moe.router.w", {E, C}, l, ChunkKind::ffn, true);
+        add(p + "moe.experts_mlp.gate_up.w", {E, 2 * Hm, C}, l, ChunkKind::ffn, true);
+        add(p + "moe.experts_mlp.proj.w", {E, C, Hm}, l, ChunkKind::ffn, true);
+        if (S > 0) {
+          add(p + "moe.shared_mlp.gate_up.w", {2 * S, C}, l, ChunkKind::ffn, true);
+          add(p + "moe.shared_mlp.proj.w", {C, S}, l, ChunkKind::ffn, true);
+        }
+        continue;
+      }
       add(p + "mlp.gate_up.w", {2 * H, C}, l, ChunkKind::ffn, true, 0, {H, H});
       add(p + "mlp.proj.w", {C, H}, l, ChunkKind::ffn, true, 1);
     } else {

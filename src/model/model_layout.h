@@ -78,6 +78,10 @@ namespace layout {
 enum Embedding : int { wte, wpe };  // wpe: GPT-2 only
 enum Gpt2Block : int { ln1_w, ln1_b, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b, fc_w, fc_b, fc_proj_w, fc_proj_b };
 enum LlamaBlock : int { attn_norm_w, llama_qkv_w, llama_proj_w, mlp_norm_w, gate_up_w, down_w };
+// A llama block that is a mixture of experts (ModelConfig::moe_block): the same first four, then
+// the router [E, C], the experts' gate_up [E, 2 Hm, C] and proj [E, C, Hm], and with shared
+// experts their fused gate_up [2 S Hm, C] and proj [C, S Hm].
+enum MoeBlock : int { moe_router_w = mlp_norm_w + 1, experts_gate_up_w, experts_down_w, shared_gate_up_w, shared_down_w };
 // The head: GPT-2 norm_w, norm_b; llama norm_w, then lm_head_w unless tied (the tied head reads
 // wte: the embedding's, or on a rank without the embedding a replica registered just before).
 enum Head : int { norm_w, norm_b, lm_head_w = 1 };  // lm_head_w: llama's untied head, after norm_w

@@ -1,0 +1,82 @@
+// A llama block's mixture of experts (model.moe_experts > 0, every model.moe_every-th block): in
+// place of the SwiGLU MLP, out = sum_j p[choice j] expert_{choice j}(x) + shared(x), where p =
+// softmax(x Wr^T) over the E routed experts, the k most probable chosen per token (their weights
+// the probabilities themselves, not renormalised), each expert a SwiGLU MLP of moe_hidden units,
+// `shared` one SwiGLU MLP of moe_shared_experts x moe_hidden units every token passes through.
+//
+// The experts' products are grouped: the micro-batch's (token, choice) pairs are sorted by expert
+// (kernels/cpu/moe.h plan_routing), the tokens gathered in that order, and each expert multiplies
+// all of its rows in one product. Dropless by default; with model.moe_capacity an expert takes at
+// most ceil(c T k / E) of a sequence's pairs and the rest are dropped (the token keeps its other
+// choices and the residual). Balancing: the Switch/GShard loss, per sequence, weighted by
+// model.moe_aux_weight, enters the router's gradient directly (its value is reported in
+// MoeStats, not added to the cross-entropy the head reports).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/config.h"
+#include "data/batch.h"
+#include "model/layer.h"
+#include "model/layer_util.h"
+#include "store/chunk_store.h"
+
+namespace keel {
+
+// What a mixture-of-experts block measured over the training micro-batches since the last
+// reset (runtime/metrics reads and resets them once per optimizer step).
+struct MoeStats {
+  int layer = 0;                     // the store's layer of the block
+  std::vector<double> tokens;        // per routed expert: (token, choice) pairs routed to it (dropped ones too)
+  double pairs = 0;                  // all (token, choice) pairs
+  double dropped = 0;                // pairs over capacity (0 dropless)
+  double entropy_sum = 0;            // sum over tokens of the router's entropy (nats)
+  double token_count = 0;            // tokens
+  double aux_sum = 0, sequences = 0; // the balancing loss summed over sequences, and their count
+  void reset() {
+    std::fill(tokens.begin(), tokens.end(), 0.0);
+    pairs = dropped = entropy_sum = token_count = aux_sum = sequences = 0;
+  }
+};
+
+// What a mixture of experts keeps per micro-batch (ints stored in float slots): router
+// probabilities [N, E]; the routing plan's choice and slot [N, k], rows [N k], offsets [E + 1];
+// the sorted rows' inputs [M, C], gate_up [M, 2 Hm], hidden [M, Hm], outputs [M, C]; the shared
+// MLP's gate_up [N, 2 S] and hidden [N, S]; from B for W: dgate_up [M, 2 Hm], dye [M, C], the
+// router's dlogits [N, E], the shared dgate_up [N, 2 S]; and B's working rows.
+struct MoeActivations {
+  float *probs = nullptr, *xs = nullptr, *gu = nullptr, *h = nullptr, *ye = nullptr, *dgu = nullptr, *dye = nullptr,
+        *dh = nullptr, *dlogits = nullptr, *tmp = nullptr, *gus = nullptr, *hs = nullptr, *dgus = nullptr;
+  int32_t *choice = nullptr, *slot = nullptr, *rows = nullptr, *offsets = nullptr;
+};
+
+class MoeFeedForward {
+ public:
+  // ids: the block's tensors (layout::MoeBlock order); `layer`: the store's layer.
+  MoeFeedForward(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, MathMode math);
+
+  // Carves what it keeps from forward to backward for micro-batches of up to B x T tokens (over
+  // a counting Carver: null pointers, only the size).
+  MoeActivations carve(model_detail::Carver& kept, int B, int T) const;
+  // out[N, C] (overwritten) from x[N, C] (the block's normalised residual), under the caller's
+  // parameter lease. A training micro-batch (grad_scale != 0) is counted in stats().
+  void forward(const MoeActivations& a, const Batch& b, const float* x, float* out);
+  // dx[N, C] (overwritten) from dout[N, C]; keeps what backward_weight needs. The balancing loss's
+  // gradient (moe_aux_weight / sequences of the step x each sequence's loss) joins the router's here.
+  void backward_input(const MoeActivations& a, const Batch& b, const float* dout, float* dx);
+  // Accumulates the router's, the experts' and the shared experts' weight gradients.
+  void backward_weight(const MoeActivations& a, const Batch& b, const float* x, const float* dout);
+  MoeStats& stats() { return stats_; }
+
+ private:
+  ChunkStore& store_;
+  int layer_;
+  MathMode math_;
+  int C_, E_, K_, Hm_, S_;  // width, experts, top-k, expert units, shared units (0: none)
+  double capacity_factor_, aux_weight_;
+  std::vector<TensorId> t_;
+  MoeStats stats_;
+};
+
+}  // namespace keel
