@@ -156,6 +156,12 @@ void Communicator::broadcast(float* data, size_t count, int root) {
   mpi_check(MPI_Bcast(data, static_cast<int>(count), MPI_FLOAT, root, comm_), "broadcast");
 }
 
+void Communicator::broadcast(uint16_t* data, size_t count, int root) {
+  if (!uses_mpi_) return;
+  check(count <= std::numeric_limits<int>::max(), "broadcast too large for one MPI call");
+  mpi_check(MPI_Bcast(data, static_cast<int>(count), MPI_UINT16_T, root, comm_), "broadcast");
+}
+
 Communicator::Request Communicator::ibroadcast(float* data, size_t count, int root) {
   Request r;
   if (!uses_mpi_ || count == 0) return r;

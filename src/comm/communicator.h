@@ -81,6 +81,8 @@ class Communicator {
   void allgatherv(float* data, const std::vector<int>& counts, const std::vector<int>& displs);
   // `count` floats from rank `root` to every rank, in place.
   void broadcast(float* data, size_t count, int root);
+  // `count` bf16 values (their bits) from rank `root` to every rank, in place.
+  void broadcast(uint16_t* data, size_t count, int root);
   // A non-blocking broadcast of `count` floats from `root` (ZeRO-3's gather of a chunk).
   Request ibroadcast(float* data, size_t count, int root);
   // Gathers to rank 0: rank r's `send` (counts[r] floats) lands at root_buffer[displs[r]] on rank 0
