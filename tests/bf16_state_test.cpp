@@ -99,6 +99,27 @@ TEST_F(Bf16State, NRanksTrainWhatOneRankTrainsWithTheWholeBatch) {
   for (size_t s = 0; s < got.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-3 * want[s]) << "four step " << s + 1;
 }
 
+// The llama family (untied head, RMSNorm, SwiGLU), with gradient accumulation (two micro-batches
+// summed in bf16) and bf16 products: close to float32 state on one rank, and 2 ranks under ZeRO-1
+// close to one rank with the whole batch (tolerances as above).
+TEST_F(Bf16State, LlamaWithAccumulationAndBf16Products) {
+  const std::string llama = "--set model.preset=llama-tiny --set model.vocab_size=64 --set model.max_seq_len=32 "
+                            "--set train.steps=10 --set train.grad_accum=2 --set runtime.precision=bf16 ";
+  ASSERT_EQ(train(0, 8, "fp32", llama).exit_code, 0);
+  auto r = train(0, 8, "one", llama + kBf16);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = train(2, 4, "two", llama + kBf16 + "--set parallel.zero=1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::vector<double> fp32 = losses("fp32"), one = losses("one"), two = losses("two");
+  ASSERT_EQ(fp32.size(), 10u);
+  ASSERT_EQ(one.size(), 10u);
+  ASSERT_EQ(two.size(), 10u);
+  for (size_t s = 0; s < one.size(); ++s) {
+    EXPECT_NEAR(one[s], fp32[s], 0.01 * fp32[s]) << "step " << s + 1;
+    EXPECT_NEAR(two[s], one[s], 1e-3 * one[s]) << "step " << s + 1;
+  }
+}
+
 TEST_F(Bf16State, SameSeedSameBytes) {
   for (const char* run : {"a", "b"}) ASSERT_EQ(train(0, 8, run, kBf16 + "--set train.steps=8").exit_code, 0);
   EXPECT_EQ(param_bytes("a"), param_bytes("b"));
