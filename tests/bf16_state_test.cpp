@@ -84,6 +84,10 @@ TEST_F(Bf16State, NRanksTrainWhatOneRankTrainsWithTheWholeBatch) {
     // Gradients summed on their bf16 bits: 2 bytes an element on the wire.
     EXPECT_EQ(last["sync_payload_bytes"].get<double>(), static_cast<double>(last["bf16_grad_bytes"].get<int64_t>()))
         << run;
+    // A ring on 2 ranks sends (N-1)/N of the payload (reduce-scatter) or twice that (all-reduce),
+    // half of what float32 gradients would send.
+    EXPECT_EQ(last["sync_sent_bytes"].get<double>(), last["sync_payload_bytes"].get<double>() * (zero == 2 ? 0.5 : 1.0))
+        << run;
     if (zero > 0) {
       // Masters only for this rank's shard; the owners broadcast bf16 bits.
       EXPECT_LT(last["bf16_master_bytes"].get<int64_t>(), 2 * last["bf16_param_bytes"].get<int64_t>()) << run;

@@ -250,13 +250,14 @@ void GradSync::finish() {
   const double n = comm_.size();
   // Ring algorithms: all-reduce sends 2 (N-1)/N of the payload, reduce-scatter (N-1)/N.
   const double ring = (scatter_to_ != nullptr ? 1.0 : 2.0) * (n - 1) / n;
-  stats_.uncompressed_bytes = stats_.payload_bytes * ring;
+  // (bf16 gradients: the payload is 2 bytes an element; a plain float32 ring would send twice that.)
+  stats_.uncompressed_bytes = stats_.payload_bytes * ring * (bf16_ != nullptr ? 2.0 : 1.0);
   std::map<int, LayerSyncStats> layers;
   std::map<int, double> codec_share;  // raw bytes of the layer's largest codec so far
   for (const Bucket& b : buckets_) {
     if (b.held_now) continue;
     const double raw = static_cast<double>(b.numel) * sizeof(float);
-    double wire = raw * ring;
+    double wire = raw * ring * (bf16_ != nullptr ? 0.5 : 1.0);
     if (b.compressed_now) {
       const CompressionStats& cs = b.reducer->stats();
       wire = cs.wire_bytes;
