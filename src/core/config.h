@@ -474,7 +474,8 @@ struct RuntimeConfig {
   int threads = 0;            // OpenMP/BLAS threads; 0 = all cores
   double peak_gflops = 0;     // MFU's peak for the whole job; 0 = from the CPU (vector units, cores, clock)
   // "fp32", or "bf16": matrix products with bf16 operands and float32 sums (kernels/cpu/bf16.h);
-  // master weights, gradients, their reduction and AdamW stay float32.
+  // master weights, gradients, their reduction and AdamW stay float32 (the state's own dtype:
+  // param_dtype / grad_dtype below).
   Precision precision = Precision::fp32;
   // The training state's element type (store/bf16_state.h). "bf16" param_dtype: the model's
   // working parameters held as bf16 (half the bytes), float32 master weights only where the
