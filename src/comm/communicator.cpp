@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "core/error.h"
+#include "kernels/cpu/bf16.h"
 
 namespace keel {
 
@@ -144,6 +145,46 @@ Communicator::Request Communicator::ireduce_scatter_sum(float* data, const std::
   return r;
 }
 
+namespace {
+
+// MPI's reduction of bf16 bits: a + b in float32, rounded to bf16. Commutative (float addition
+// is), so MPI may order the operands as it likes and every rank still gets the same bits.
+void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
+  const uint16_t* a = static_cast<const uint16_t*>(in);
+  uint16_t* b = static_cast<uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = to_bf16(from_bf16(a[i]) + from_bf16(b[i]));
+}
+
+MPI_Op bf16_sum_op() {
+  static MPI_Op op = [] {
+    MPI_Op made;
+    mpi_check(MPI_Op_create(&bf16_sum, /*commute=*/1, &made), "MPI_Op_create (bf16 sum)");
+    return made;
+  }();
+  return op;
+}
+
+}  // namespace
+
+Communicator::Request Communicator::iallreduce_sum_bf16(uint16_t* data, size_t count) {
+  Request r;
+  if (!uses_mpi_ || count == 0) return r;
+  check(count <= std::numeric_limits<int>::max(), "gradient bucket too large for one MPI call");
+  r.done = false;
+  mpi_check(MPI_Iallreduce(MPI_IN_PLACE, data, static_cast<int>(count), MPI_UINT16_T, bf16_sum_op(), comm_, &r.handle),
+            "iallreduce (bf16)");
+  return r;
+}
+
+Communicator::Request Communicator::ireduce_scatter_sum_bf16(uint16_t* data, const std::vector<int>& counts) {
+  Request r;
+  if (!uses_mpi_) return r;
+  r.done = false;
+  mpi_check(MPI_Ireduce_scatter(MPI_IN_PLACE, data, counts.data(), MPI_UINT16_T, bf16_sum_op(), comm_, &r.handle),
+            "ireduce_scatter (bf16)");
+  return r;
+}
+
 void Communicator::allgatherv(float* data, const std::vector<int>& counts, const std::vector<int>& displs) {
   if (!uses_mpi_) return;
   mpi_check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, data, counts.data(), displs.data(), MPI_FLOAT,
@@ -154,6 +195,12 @@ void Communicator::allgatherv(float* data, const std::vector<int>& counts, const
 void Communicator::broadcast(float* data, size_t count, int root) {
   if (!uses_mpi_) return;
   mpi_check(MPI_Bcast(data, static_cast<int>(count), MPI_FLOAT, root, comm_), "broadcast");
+}
+
+void Communicator::broadcast(uint16_t* data, size_t count, int root) {
+  if (!uses_mpi_) return;
+  check(count <= std::numeric_limits<int>::max(), "broadcast too large for one MPI call");
+  mpi_check(MPI_Bcast(data, static_cast<int>(count), MPI_UINT16_T, root, comm_), "broadcast");
 }
 
 Communicator::Request Communicator::ibroadcast(float* data, size_t count, int root) {

@@ -63,6 +63,11 @@ class Communicator {
   // A non-blocking in-place reduce-scatter of data[0 .. sum(counts)): rank r receives the sum of
   // its counts[r] elements, placed at data[0 .. counts[r]) (MPI's in-place convention).
   Request ireduce_scatter_sum(float* data, const std::vector<int>& counts);
+  // The same two on bf16 values (their bits; bf16 gradients, store/bf16_state.h): each addition
+  // in float32, its result rounded to bf16 (nearest even). Deterministic for a given world size
+  // and layout, like the float32 sums; half the bytes on the wire.
+  Request iallreduce_sum_bf16(uint16_t* data, size_t count);
+  Request ireduce_scatter_sum_bf16(uint16_t* data, const std::vector<int>& counts);
   // Non-blocking exchanges of bytes (compressed gradients): rank r sends send[send_displs[j] ..
   // + send_counts[j]) to rank j and receives rank j's into recv[recv_displs[j] ..).
   Request ialltoallv(const uint8_t* send, const std::vector<int>& send_counts, const std::vector<int>& send_displs,
@@ -81,6 +86,8 @@ class Communicator {
   void allgatherv(float* data, const std::vector<int>& counts, const std::vector<int>& displs);
   // `count` floats from rank `root` to every rank, in place.
   void broadcast(float* data, size_t count, int root);
+  // `count` bf16 values (their bits) from rank `root` to every rank, in place.
+  void broadcast(uint16_t* data, size_t count, int root);
   // A non-blocking broadcast of `count` floats from `root` (ZeRO-3's gather of a chunk).
   Request ibroadcast(float* data, size_t count, int root);
   // Gathers to rank 0: rank r's `send` (counts[r] floats) lands at root_buffer[displs[r]] on rank 0

@@ -22,7 +22,8 @@ bool same_codec(const CodecParams& a, const CodecParams& b) {
 }  // namespace
 
 GradSync::GradSync(Communicator& comm, ChunkStore& store, GradSyncOptions options)
-    : comm_(comm), store_(store), options_(std::move(options)), scatter_to_(options_.scatter_to) {
+    : comm_(comm), store_(store), options_(std::move(options)), scatter_to_(options_.scatter_to), bf16_(options_.bf16) {
+  check(bf16_ == nullptr || options_.codecs.empty(), "gradient sync: bf16 gradients with a codec");
   const std::vector<Chunk>& chunks = store.chunks();
   const bool compression = !options_.codecs.empty();
   check(!compression || options_.codecs.size() == chunks.size(), "gradient sync: one codec per chunk expected");
@@ -123,6 +124,22 @@ void GradSync::complete(Bucket& b) {
 
 void GradSync::settle(Bucket& b) {
   b.settled = true;
+  if (bf16_ != nullptr) {
+    if (scatter_to_ != nullptr) {
+      uint16_t* base = bf16_->bits(Plane::grad, b.offset);
+      if (b.own_count > 0 && b.own_offset != b.offset) {
+        std::memmove(base + (b.own_offset - b.offset), base, static_cast<size_t>(b.own_count) * sizeof(uint16_t));
+      }
+      const int64_t own_end = b.own_count > 0 ? b.own_offset + b.own_count : b.offset;
+      const int64_t own_begin = b.own_count > 0 ? b.own_offset : b.offset;
+      store_.discard(Plane::grad, b.offset, own_begin - b.offset);
+      store_.discard(Plane::grad, own_end, b.offset + b.numel - own_end);
+    }
+    for (const Chunk& c : store_.chunks()) {  // the sums are new bytes of these pages
+      if (c.offset < b.offset + b.numel && c.offset + c.numel > b.offset) bf16_->bits_written({c.id, Plane::grad});
+    }
+    return;
+  }
   if (b.compressed_now) {
     for (const auto& [begin, end] : b.gaps) {
       std::span<float> g = store_.range_view(Plane::grad, begin, end - begin);
@@ -170,6 +187,23 @@ void GradSync::after_backward_weight(int layer) {
         pinned -= buckets_[i].numel * 4;
       }
     }
+    if (bf16_ != nullptr) {  // bf16 gradients: the bits are summed in place (every W of the bucket is done)
+      uint16_t* bits = bf16_->bits(Plane::grad, b.offset);
+      if (scatter_to_ == nullptr) {
+        b.request = comm_.iallreduce_sum_bf16(bits, static_cast<size_t>(b.numel));
+      } else {
+        const std::vector<int> counts = scatter_to_->intersect(b.offset, b.numel);
+        b.own_offset = std::max(b.offset, scatter_to_->begin[comm_.rank()]);
+        b.own_count = counts[comm_.rank()];
+        b.request = comm_.ireduce_scatter_sum_bf16(bits, counts);
+      }
+      b.compressed_now = false;
+      b.settled = false;
+      stats_.payload_bytes += static_cast<double>(b.numel) * sizeof(uint16_t);
+      stats_.buckets++;
+      next_++;
+      continue;
+    }
     // With memory tiers the bucket's gradient pages stay present until its sum is in place.
     b.lease = store_.use_range(Plane::grad, b.offset, b.numel, /*write=*/true);
     float* data = store_.range_view(Plane::grad, b.offset, b.numel).data();
@@ -216,13 +250,14 @@ void GradSync::finish() {
   const double n = comm_.size();
   // Ring algorithms: all-reduce sends 2 (N-1)/N of the payload, reduce-scatter (N-1)/N.
   const double ring = (scatter_to_ != nullptr ? 1.0 : 2.0) * (n - 1) / n;
-  stats_.uncompressed_bytes = stats_.payload_bytes * ring;
+  // (bf16 gradients: the payload is 2 bytes an element; a plain float32 ring would send twice that.)
+  stats_.uncompressed_bytes = stats_.payload_bytes * ring * (bf16_ != nullptr ? 2.0 : 1.0);
   std::map<int, LayerSyncStats> layers;
   std::map<int, double> codec_share;  // raw bytes of the layer's largest codec so far
   for (const Bucket& b : buckets_) {
     if (b.held_now) continue;
     const double raw = static_cast<double>(b.numel) * sizeof(float);
-    double wire = raw * ring;
+    double wire = raw * ring * (bf16_ != nullptr ? 0.5 : 1.0);
     if (b.compressed_now) {
       const CompressionStats& cs = b.reducer->stats();
       wire = cs.wire_bytes;

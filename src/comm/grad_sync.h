@@ -30,6 +30,7 @@
 #include "comm/zero.h"
 #include "core/backward_observer.h"
 #include "core/sync_stats.h"
+#include "store/bf16_state.h"
 #include "store/chunk_store.h"
 
 namespace keel {
@@ -46,6 +47,9 @@ struct GradSyncOptions {
   // Layers where a bucket must start: no bucket holds chunks of layers on both sides of one
   // (a dual encoder's towers, so that a tower's buckets can be held alone: set_held).
   std::vector<int> cut_layers;
+  // Gradients held in bf16 (runtime.grad_dtype, store/bf16_state.h): buckets are summed on their
+  // bf16 bits in place (half the bytes), without leasing float32 pages. Not with codecs.
+  Bf16State* bf16 = nullptr;
 };
 
 class GradSync final : public BackwardObserver {
@@ -133,6 +137,7 @@ class GradSync final : public BackwardObserver {
   ChunkStore& store_;
   GradSyncOptions options_;
   const ChunkPartition* scatter_to_;
+  Bf16State* bf16_ = nullptr;  // bf16 gradients: buckets summed on their bits
   std::vector<Bucket> buckets_;  // in backward order
   int64_t step_ = 0;
   size_t next_ = 0;              // next bucket to start

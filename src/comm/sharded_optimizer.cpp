@@ -8,6 +8,8 @@
 #include <sys/resource.h>
 
 #include "comm/sharded_params.h"
+#include "kernels/cpu/bf16.h"
+#include "store/bf16_state.h"
 
 namespace keel {
 
@@ -21,11 +23,19 @@ ShardedOptimizer::ShardedOptimizer(const Config& config, Communicator& dp, Chunk
   store_.set_updater([this](int chunk) { update_chunk(chunk); });
   if (zero_ == 3) params_ = std::make_unique<ShardedParams>(dp, store_, partition_, config.parallel.zero3_keep,
                                                         config.parallel.zero3_progress_thread);
+  const bool bf16_params = config.runtime.param_dtype == StateDtype::bf16;
+  const bool bf16_grads = config.runtime.grad_dtype == StateDtype::bf16;
+  if ((bf16_params || bf16_grads) && !params_) {
+    // Masters where the moments are: the chunks this rank updates (validate_bf16_state_config
+    // refused what this does not combine with).
+    bf16_ = std::make_unique<Bf16State>(store_, bf16_params, bf16_grads, store_.moment_chunks());
+  }
 }
 
 ShardedOptimizer::~ShardedOptimizer() = default;
 
 void ShardedOptimizer::weights_settled() {
+  if (bf16_) bf16_->settle();  // from here on the bf16 bits and the masters are the state
   if (!params_) return;
   params_->settled();
   // What start-up left resident, measured before any step: the parameter plane's pages (mincore)
@@ -40,10 +50,25 @@ void ShardedOptimizer::gather_whole_model() {
 }
 
 int64_t ShardedOptimizer::param_bytes_held() const {
+  if (bf16_ && bf16_->holds(Plane::param)) return bf16_->held_bytes(Plane::param);
   return params_ ? params_->shard_bytes() : store_.plane_bytes(Plane::param);
 }
 
+int64_t ShardedOptimizer::grad_bytes_held() const {
+  return bf16_ && bf16_->holds(Plane::grad) ? bf16_->held_bytes(Plane::grad) : store_.plane_bytes(Plane::grad);
+}
+
+int64_t ShardedOptimizer::master_bytes_held() const { return bf16_ ? bf16_->master_bytes() : 0; }
+
 void ShardedOptimizer::print_startup() const {
+  if (bf16_) {
+    std::printf("keel: bf16 training state: parameters %s, gradients %s; %.1f MB bf16 parameters, %.1f MB bf16 "
+                "gradients, %.1f MB float32 master weights (%s), AdamW moments float32%s\n",
+                bf16_->holds(Plane::param) ? "bf16" : "float32", bf16_->holds(Plane::grad) ? "bf16" : "float32",
+                bf16_->held_bytes(Plane::param) / 1e6, bf16_->held_bytes(Plane::grad) / 1e6, bf16_->master_bytes() / 1e6,
+                zero_ > 0 ? "this rank's ZeRO shard" : "every chunk: this rank updates all",
+                cpu_has_bf16() ? "" : "; warning: this CPU has no bf16 instructions: conversions run in scalar code");
+  }
   if (config_.parallel.zero == 3 && dp_.size() == 1) {
     std::printf("keel: parallel.zero = 3 on one data-parallel rank shards nothing: it holds every parameter, "
                 "gradient and moment\n");
@@ -123,6 +148,15 @@ void ShardedOptimizer::update_chunk(int chunk) {
     store_.bump_version(chunk);
   }
   const int owner = partition_.owner(chunk);
+  if (bf16_ && bf16_->holds(Plane::param)) {
+    // bf16 working parameters: the owner's bits (rounded from its master by the update) are what
+    // every rank computes with; they travel as they are, half the bytes of float32.
+    const Chunk& c = store_.chunks()[chunk];
+    dp_.broadcast(bf16_->bits(Plane::param, c.offset), static_cast<size_t>(c.numel), owner);
+    if (!own) bf16_->bits_written({chunk, Plane::param});
+    bf16_broadcast_bytes_ += c.numel * 2;
+    return;
+  }
   const PageLease use = store_.use_chunk(chunk, {}, {Plane::param});
   std::span<float> p = store_.chunk_view(chunk, Plane::param);
   dp_.broadcast(p.data(), p.size(), owner);
@@ -151,6 +185,17 @@ bool ShardedOptimizer::accept(int64_t step, double loss, double grad_norm) {
 
 void ShardedOptimizer::add_step_fields(double, nlohmann::json& line) {
   line["skipped_steps"] = skipped_;
+  if (bf16_) {
+    // This rank's (rank 0's in the line) bf16 state: bytes held, and the float32 pages of the
+    // parameter and gradient planes resident now (mincore: the leased pages only, between steps none).
+    line["bf16_param_bytes"] = bf16_->held_bytes(Plane::param);
+    line["bf16_grad_bytes"] = bf16_->held_bytes(Plane::grad);
+    line["bf16_master_bytes"] = bf16_->master_bytes();
+    line["bf16_float_param_resident_bytes"] = store_.resident_bytes(Plane::param);
+    line["bf16_float_grad_resident_bytes"] = store_.resident_bytes(Plane::grad);
+    line["bf16_param_broadcast_bytes"] = bf16_broadcast_bytes_;
+    bf16_broadcast_bytes_ = 0;
+  }
   if (!params_) return;
   // Every rank's figures, measured on that rank (resident pages by mincore), in rank order.
   const ShardedParams::Peaks peaks = params_->take_peaks();

@@ -18,6 +18,7 @@
 namespace keel {
 
 class ShardedParams;  // comm/sharded_params.h
+class Bf16State;      // store/bf16_state.h
 
 // A step whose loss or gradient norm is not finite, past what optim.skip_nonfinite_steps allows:
 // the run stops (the weights are as the last good step left them).
@@ -69,8 +70,15 @@ class ShardedOptimizer final : public MetricsSource {
   // Collective: under ZeRO-3 every parameter gathered on every rank until the next step (one rank
   // about to run the model alone: samples); otherwise nothing.
   void gather_whole_model();
-  // The parameter bytes a rank holds between layers: the whole plane, or under ZeRO-3 its shard.
+  // The parameter bytes a rank holds between layers: the whole plane, under ZeRO-3 its shard,
+  // under bf16 state the bf16 working copy (2 bytes a parameter; masters: master_bytes_held).
   int64_t param_bytes_held() const;
+  // The gradient bytes a rank holds: the plane, or its bf16 bits under grad_dtype = "bf16".
+  int64_t grad_bytes_held() const;
+  // The float32 master weights a rank holds beside bf16 working parameters (its ZeRO shard's).
+  int64_t master_bytes_held() const;
+  // The bf16 training state, where one is held (else nullptr).
+  Bf16State* bf16_state() const { return bf16_.get(); }
   // The plain AdamW step over every owned chunk, now (pipeline post-validation redoes it).
   void step_now(double lr, int64_t t, float clip) { adamw_.step(store_, lr, t, clip, counts()); }
 
@@ -110,6 +118,8 @@ class ShardedOptimizer final : public MetricsSource {
   int zero_ = 0;
   ChunkPartition partition_;
   std::unique_ptr<ShardedParams> params_;  // ZeRO-3
+  std::unique_ptr<Bf16State> bf16_;        // runtime.param_dtype / grad_dtype = "bf16"
+  int64_t bf16_broadcast_bytes_ = 0;       // bf16 parameters the owners broadcast since the last line
   struct Startup {  // ZeRO-3: measured once the weights were drawn or loaded (weights_settled)
     int64_t param_resident_bytes = 0, peak_rss_bytes = 0;
   } startup_;

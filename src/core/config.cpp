@@ -186,6 +186,8 @@ std::vector<Field> fields(Config& c) {
       {"runtime", "slow_factor", &c.runtime.slow_factor},
       {"runtime", "peak_gflops", &c.runtime.peak_gflops},
       {"runtime", "precision", choice(&c.runtime.precision)},
+      {"runtime", "param_dtype", choice(&c.runtime.param_dtype)},
+      {"runtime", "grad_dtype", choice(&c.runtime.grad_dtype)},
       {"runtime", "flush_denormals", &c.runtime.flush_denormals},
       {"monitor", "enabled", &c.monitor.enabled},
       {"monitor", "port", &c.monitor.port},

@@ -28,6 +28,7 @@ enum class RopeScaling : uint8_t { none, linear, ntk };      // model.rope_scali
 enum class MoeBalance : uint8_t { aux, bias };                // model.moe_balance
 enum class Attention : uint8_t { automatic, dense, blockwise };  // model.attention ("auto" = resolved to one of the others)
 enum class Precision : uint8_t { fp32, bf16 };               // runtime.precision
+enum class StateDtype : uint8_t { fp32, bf16 };              // runtime.param_dtype, runtime.grad_dtype
 enum class Recompute : uint8_t { none, selective, full };      // train.recompute
 // parallel.schedule: "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v" (pipeline/schedule.h).
 enum class ScheduleKind : uint8_t { gpipe, one_f_one_b, interleaved, zb_h1, zb_h2, zb_v };
@@ -78,6 +79,8 @@ KEEL_ENUM_NAMES(Recompute, "config key '{key}': expected \"none\", \"selective\"
                 {Recompute::none, "none"}, {Recompute::selective, "selective"}, {Recompute::full, "full"});
 KEEL_ENUM_NAMES(Precision, "config key '{key}': expected \"fp32\" or \"bf16\", found \"{found}\"",  //
                 {Precision::fp32, "fp32"}, {Precision::bf16, "bf16"});
+KEEL_ENUM_NAMES(StateDtype, "config key '{key}': expected \"fp32\" or \"bf16\", found \"{found}\"",  //
+                {StateDtype::fp32, "fp32"}, {StateDtype::bf16, "bf16"});
 KEEL_ENUM_NAMES(ScheduleKind, "{key}: expected one of gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, found \"{found}\"",
                 {ScheduleKind::gpipe, "gpipe"}, {ScheduleKind::one_f_one_b, "1f1b"},
                 {ScheduleKind::interleaved, "interleaved"}, {ScheduleKind::zb_h1, "zb-h1"},
@@ -495,8 +498,15 @@ struct RuntimeConfig {
   int threads = 0;            // OpenMP/BLAS threads; 0 = all cores
   double peak_gflops = 0;     // MFU's peak for the whole job; 0 = from the CPU (vector units, cores, clock)
   // "fp32", or "bf16": matrix products with bf16 operands and float32 sums (kernels/cpu/bf16.h);
-  // master weights, gradients, their reduction and AdamW stay float32.
+  // master weights, gradients, their reduction and AdamW stay float32 (the state's own dtype:
+  // param_dtype / grad_dtype below).
   Precision precision = Precision::fp32;
+  // The training state's element type (store/bf16_state.h). "bf16" param_dtype: the model's
+  // working parameters held as bf16 (half the bytes), float32 master weights only where the
+  // optimizer updates them (this rank's ZeRO shard); "bf16" grad_dtype: gradients accumulated,
+  // held and reduced across data-parallel ranks as bf16. "fp32": float32, as the chunk store holds.
+  StateDtype param_dtype = StateDtype::fp32;
+  StateDtype grad_dtype = StateDtype::fp32;
   // Flush-to-zero and denormals-are-zero on every thread that computes (kernels/cpu/float_mode.h):
   // float32 values below 2^-126 (denormals, which appear in gradients and moments as a model
   // trains) become zero instead of taking the CPU's slow microcoded path. false = IEEE denormals.

@@ -18,7 +18,7 @@ struct LayerSyncStats {
 };
 
 struct SyncStats {
-  double payload_bytes = 0;     // gradient bytes all-reduced by this rank this step (float32)
+  double payload_bytes = 0;     // gradient bytes all-reduced by this rank this step (float32, or bf16's 2 bytes)
   // Bytes this rank puts on the wire: what the compressed collectives sent, plus for plain
   // buckets the ring all-reduce's 2 (N-1)/N of the payload (reduce-scatter: (N-1)/N).
   double sent_bytes = 0;

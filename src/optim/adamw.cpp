@@ -79,7 +79,16 @@ void AdamW::step_chunk(ChunkStore& store, int chunk, double lr, int64_t t, float
   };
   Residency& memory = store.residency();
   const PageRef m_page{chunk, Plane::adam_m}, v_page{chunk, Plane::adam_v};
-  if (memory.updates_at_home(m_page) && memory.updates_at_home(v_page)) {
+  if (memory.updates_at_home({chunk, Plane::param})) {
+    // Parameters whose home is not the compute address (bf16 state's float32 master weights,
+    // store/bf16_state.h): updated where they live, which also writes the working copy.
+    PageLease use = store.use_chunk(chunk, {Plane::grad}, {Plane::adam_m, Plane::adam_v});
+    float* g = store.chunk_view(chunk, Plane::grad).data();
+    float* m = store.chunk_view(chunk, Plane::adam_m).data();
+    float* v = store.chunk_view(chunk, Plane::adam_v).data();
+    memory.update_at_home({chunk, Plane::param}, [&](float* p, size_t) { update(p, g, m, v); });
+    use.end();
+  } else if (memory.updates_at_home(m_page) && memory.updates_at_home(v_page)) {
     // Moments that live off the compute tier (host DRAM) are updated there, in place
     // (ZeRO-Offload's CPU optimizer step): they never travel to the compute tier and back.
     PageLease use = store.use_chunk(chunk, {Plane::grad}, {Plane::param});

@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "model/clip.h"
 #include "pipeline/layout.h"
+#include "store/bf16_state.h"
 #include "store/placement.h"
 
 namespace keel {
@@ -16,6 +17,7 @@ void resolve_job_config(Config& c, int world_size) {
   c.resolve(world_size);
   const int pp = c.parallel.pipeline;
   const int data_ranks = world_size / (pp * c.parallel.tensor);
+  validate_bf16_state_config(c, data_ranks);  // first: it refuses combinations by its own keys
   validate_zero3_config(c, data_ranks);  // first: its refusals name what ZeRO-3 does not combine with
   pipeline::validate_pipeline_config(c.parallel, c.train, c.model.n_layer, world_size);
   validate_sync_config(c.sync, c.model.n_layer, data_ranks > 1 ? c.parallel.zero : 0);

@@ -19,6 +19,7 @@ void build_optimizer_and_sync(RankModel& r, const Config& config, Communicator& 
   GradSyncOptions options;
   options.bucket_bytes = config.parallel.bucket_bytes;
   options.scatter_to = r.optimizer->scatter_to();
+  if (Bf16State* state = r.optimizer->bf16_state(); state != nullptr && state->holds(Plane::grad)) options.bf16 = state;
   options.cut_layers = std::move(cut_layers);
   if (!codecs.empty()) {
     options.codecs = std::move(codecs);

@@ -215,9 +215,12 @@ void Trainer::print_startup(double moments_mb) {
     }
   }
   metrics_.print_startup();
-  std::printf("keel: memory per rank: params %.1f MB, grads %.1f MB, AdamW moments %.1f MB, activations %.1f MB, "
+  const int64_t masters = rank_->optimizer->master_bytes_held();  // bf16 state's float32 masters
+  char master_part[64] = "";
+  if (masters > 0) std::snprintf(master_part, sizeof master_part, " (bf16), float32 master weights %.1f MB", masters / 1e6);
+  std::printf("keel: memory per rank: params %.1f MB%s, grads %.1f MB, AdamW moments %.1f MB, activations %.1f MB, "
               "checkpoint buffers %.1f MB\n",
-              rank_->optimizer->param_bytes_held() / 1e6, rank_->store->plane_bytes(Plane::grad) / 1e6, moments_mb,
+              rank_->optimizer->param_bytes_held() / 1e6, master_part, rank_->optimizer->grad_bytes_held() / 1e6, moments_mb,
               workload_->activation_bytes(*rank_) / 1e6, checkpointer_->buffer_bytes() / 1e6);
   if (!progress_.resumed_from.empty()) {
     std::printf("keel: resumed from %s at step %lld\n", progress_.resumed_from.c_str(),

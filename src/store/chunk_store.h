@@ -295,6 +295,7 @@ class ChunkStore {
   bool layout_only_ = false;  // finalize_layout: nothing allocated
   // The store's own residency (every page present) and the one in use.
   friend class PresentPlanes;
+  friend class Bf16State;
   std::unique_ptr<Residency> own_residency_;
   Residency* residency_ = nullptr;
   // Zeroes [offset, offset + numel) of a plane and gives the whole OS pages inside back.

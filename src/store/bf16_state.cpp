@@ -1,0 +1,156 @@
+#include "store/bf16_state.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "core/error.h"
+#include "kernels/cpu/bf16.h"
+
+namespace keel {
+
+void validate_bf16_state_config(const Config& c, int data_ranks) {
+  const bool params = c.runtime.param_dtype == StateDtype::bf16, grads = c.runtime.grad_dtype == StateDtype::bf16;
+  if (!params && !grads) return;
+  const std::string key = params ? "runtime.param_dtype" : "runtime.grad_dtype";
+  auto refuse = [&](bool bad, const std::string& what) {
+    if (bad) throw Error("config key '" + key + "': \"bf16\" is not combined with " + what + " (not yet supported); use \"fp32\"");
+  };
+  refuse(c.clip.enabled(), "a dual encoder ([clip])");
+  refuse(data_ranks > 1 && c.parallel.zero == 3, "parallel.zero = 3");
+  refuse(c.tier.device_mib > 0, "memory tiers (tier.device_mib > 0)");
+  refuse(c.parallel.pipeline > 1, "parallel.pipeline > 1");
+  refuse(c.parallel.tensor > 1, "parallel.tensor > 1");
+  refuse(c.sync.codec != SyncCodec::none, "sync.codec (compressed gradient sync)");
+  refuse(c.parallel.post_validate, "parallel.post_validate");
+  refuse(c.parallel.predict_gradients != PredictGradients::off, "parallel.predict_gradients");
+  refuse(c.checkpoint.memory_every > 0, "checkpoint.memory_every (memory checkpoints)");
+}
+
+Bf16State::Bf16State(ChunkStore& store, bool params, bool grads, std::pair<int, int> master_chunks)
+    : store_(store), params_(params), grads_(grads), master_chunks_(master_chunks) {
+  check(store.finalized(), "bf16 state: a chunk store not finalized");
+  const size_t chunks = store.chunks().size();
+  leases_.assign(chunks * kNumPlanes, 0);
+  versions_.assign(chunks * kNumPlanes, 0);
+  store_.attach_residency(this);
+}
+
+Bf16State::~Bf16State() { store_.attach_residency(nullptr); }
+
+float* Bf16State::master_of(int chunk) { return master_.data() + (store_.chunks()[chunk].offset - master_begin_); }
+
+void Bf16State::settle() {
+  check(!settled_, "bf16 state: settled twice");
+  const std::vector<Chunk>& chunks = store_.chunks();
+  if (params_) {
+    param_bits_.assign(static_cast<size_t>(store_.numel()), 0);
+    if (master_chunks_.first < master_chunks_.second) {
+      const Chunk& first = chunks[master_chunks_.first];
+      const Chunk& last = chunks[master_chunks_.second - 1];
+      master_begin_ = first.offset;
+      master_.assign(static_cast<size_t>(last.offset + last.numel - first.offset), 0.0f);
+    }
+  }
+  if (grads_) grad_bits_.assign(static_cast<size_t>(store_.numel()), 0);
+  settled_ = true;
+  for (const Chunk& c : chunks) {
+    for (Plane plane : {Plane::param, Plane::grad}) {
+      if (!holds(plane)) continue;
+      store_page({c.id, plane});
+      give_back({c.id, plane});
+    }
+  }
+}
+
+void Bf16State::store_page(PageRef p) {
+  const Chunk& c = store_.chunks()[p.chunk];
+  const float* f = store_.chunk_view(p.chunk, p.plane).data();
+  uint16_t* b = bits(p.plane, c.offset);
+  if (p.plane == Plane::param && owned(p.chunk)) std::memcpy(master_of(p.chunk), f, static_cast<size_t>(c.numel) * 4);
+  to_bf16(b, f, c.numel);
+}
+
+void Bf16State::give_back(PageRef p) {
+  const Chunk& c = store_.chunks()[p.chunk];
+  store_.zero_and_release(p.plane, c.offset, c.numel);
+}
+
+void Bf16State::take(std::span<const PageRef> pages, bool layer) {
+  if (!settled_) return;  // the float32 planes are the state until settle()
+  for (const PageRef& p : pages) {
+    if (!holds(p.plane) || leases_[index(p)]++ > 0) continue;
+    const Chunk& c = store_.chunks()[p.chunk];
+    float* f = store_.chunk_view(p.chunk, p.plane).data();
+    if (!layer && p.plane == Plane::param && owned(p.chunk)) {
+      std::memcpy(f, master_of(p.chunk), static_cast<size_t>(c.numel) * 4);
+      continue;
+    }
+    const uint16_t* b = bits(p.plane, c.offset);
+#pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < c.numel; ++i) f[i] = from_bf16(b[i]);
+  }
+}
+
+void Bf16State::release(std::span<const PageRef> pages, bool modified) {
+  for (const PageRef& p : pages) {
+    if (modified) versions_[index(p)]++;
+    if (!settled_ || !holds(p.plane)) continue;
+    int& open = leases_[index(p)];
+    check(open > 0, "bf16 state: a page released that was not acquired");
+    // Written pages are stored when their last lease ends (the float32 page holds every write).
+    if (modified) store_page(p);
+    if (--open == 0) give_back(p);
+  }
+}
+
+void Bf16State::zero(PageRef p, bool zeroed_in_place) {
+  versions_[index(p)]++;
+  const Chunk& c = store_.chunks()[p.chunk];
+  if (settled_ && holds(p.plane)) {
+    uint16_t* b = bits(p.plane, c.offset);
+    std::fill(b, b + c.numel, uint16_t{0});
+    if (p.plane == Plane::param && owned(p.chunk)) std::fill(master_of(p.chunk), master_of(p.chunk) + c.numel, 0.0f);
+    if (leases_[index(p)] == 0) return;  // no float32 page to clear
+  }
+  if (!zeroed_in_place) {
+    std::span<float> v = store_.chunk_view(p.chunk, p.plane);
+    std::fill(v.begin(), v.end(), 0.0f);
+  }
+}
+
+void Bf16State::discard(Plane plane, int64_t offset, int64_t numel) {
+  store_.zero_and_release(plane, offset, numel);
+  for (const Chunk& c : store_.chunks()) {
+    if (c.offset >= offset + numel || c.offset + c.numel <= offset) continue;
+    versions_[index({c.id, plane})]++;
+  }
+  if (!settled_ || !holds(plane)) return;
+  uint16_t* b = bits(plane, offset);
+  std::fill(b, b + numel, uint16_t{0});
+  if (plane != Plane::param || master_.empty()) return;
+  const int64_t lo = std::max(offset, master_begin_);
+  const int64_t hi = std::min(offset + numel, master_begin_ + static_cast<int64_t>(master_.size()));
+  if (lo < hi) std::fill(master_.begin() + (lo - master_begin_), master_.begin() + (hi - master_begin_), 0.0f);
+}
+
+void Bf16State::update_at_home(PageRef p, const std::function<void(float* data, size_t n)>& update) {
+  versions_[index(p)]++;
+  const Chunk& c = store_.chunks()[p.chunk];
+  if (!updates_at_home(p)) {
+    std::span<float> v = store_.chunk_view(p.chunk, p.plane);
+    update(v.data(), v.size());
+    return;
+  }
+  float* m = master_of(p.chunk);
+  update(m, static_cast<size_t>(c.numel));
+  to_bf16(bits(Plane::param, c.offset), m, c.numel);
+  // A float32 page leased meanwhile (none is, in the optimizer's pass) would be stale: refresh it.
+  if (leases_[index(p)] > 0) {
+    float* f = store_.chunk_view(p.chunk, Plane::param).data();
+    const uint16_t* b = bits(Plane::param, c.offset);
+    for (int64_t i = 0; i < c.numel; ++i) f[i] = from_bf16(b[i]);
+  }
+}
+
+}  // namespace keel

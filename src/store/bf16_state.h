@@ -1,0 +1,107 @@
+// bf16 training state (runtime.param_dtype / runtime.grad_dtype = "bf16") as residency: the
+// model's working parameters and its gradients are held as bf16 bits, 2 bytes an element instead
+// of the chunk store's 4, and a chunk's float32 page exists only while an operation leases it.
+//
+// Where each copy lives:
+//   - bf16 bits of every chunk's parameters (param_dtype) and gradients (grad_dtype), always held:
+//     the working state. A layer's lease widens the bits of its pages into the store's float32
+//     planes at their usual addresses (the kernels are unchanged: they read and write float32);
+//     when the last lease of a page ends, a written page is rounded back into the bits (round to
+//     nearest even) and the float32 page is given back (zeroed, MADV_DONTNEED).
+//   - float32 master weights of the chunks this rank updates (all of them without ZeRO; its
+//     ZeRO-1/2 shard otherwise, the moments' chunks: the distributed-optimizer layout), held here
+//     beside the bits. AdamW updates a master in place (update_at_home) and rounds it into the
+//     bits in the same pass. Every other rank's copy of the chunk is its bits.
+//   - A lease that is not a layer's (a checkpoint's write, a ZeRO owner's broadcast) widens an
+//     owned parameter page from its master, so checkpoints hold float32 masters; a layer's lease
+//     always reads the bits, so every rank computes with the same bf16 weights.
+//   - A write to an owned parameter page under any lease (a loaded checkpoint) sets the master to
+//     the written float32 values exactly (resume is exact) and the bits to their rounding.
+// Gradients accumulate in bf16: every micro-batch's backward widens the page, adds in float32,
+// and rounds once when the lease ends (PyTorch's bf16 .grad behaves so). Moments stay float32 in
+// the store's planes (sharded by ZeRO-1/2 as before).
+//
+// Until settle() the float32 planes are the state (a model's initialisation and a checkpoint's
+// load write them in place, leased or not); settle() turns them into bits and masters and gives
+// the float32 pages back. Not combined with ZeRO-3, memory tiers, pipelines or tensor parallelism
+// (validate_bf16_state_config refuses them in one line each).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "core/config.h"
+#include "store/chunk_store.h"
+
+namespace keel {
+
+// bf16 state's combinations, checked with the job's configuration: one line naming the key for
+// each that is refused (nothing to check when both dtypes are fp32).
+void validate_bf16_state_config(const Config& c, int data_ranks);
+
+class Bf16State final : public Residency {
+ public:
+  // Attaches itself to `store` (finalized, its own residency attached). `params`, `grads`: the
+  // planes held in bf16. `master_chunks`: the chunks [first, last) whose float32 masters this rank
+  // keeps (the chunks it updates). Holds nothing until settle().
+  Bf16State(ChunkStore& store, bool params, bool grads, std::pair<int, int> master_chunks);
+  ~Bf16State() override;  // gives the store back its own residency
+
+  // The float32 planes as written so far (drawn, imported or loaded weights; zero gradients)
+  // become the state: masters copied, bits rounded, the float32 pages given back. Once, after the
+  // weights are in place and before the first step.
+  void settle();
+  bool settled() const { return settled_; }
+
+  // Whether `plane` is held in bf16.
+  bool holds(Plane plane) const {
+    return (plane == Plane::param && params_) || (plane == Plane::grad && grads_);
+  }
+  // The bits of elements [offset, ...) of a held plane (every element has one, alignment gaps
+  // included). They are current while no lease of the page is open.
+  uint16_t* bits(Plane plane, int64_t offset) { return bits_of(plane).data() + offset; }
+  // The bits of chunk `chunk` in `plane` were written from outside (a ZeRO owner's broadcast, a
+  // reduction in bf16): its version moves on. Requires no lease of the page open.
+  void bits_written(PageRef p) { versions_[index(p)]++; }
+  // Bytes held: bf16 bits of a plane (0 when not held), and this rank's float32 masters.
+  int64_t held_bytes(Plane plane) const { return holds(plane) ? static_cast<int64_t>(bits_of(plane).size()) * 2 : 0; }
+  int64_t master_bytes() const { return static_cast<int64_t>(master_.size()) * 4; }
+
+  bool always_present() const override { return false; }
+  void acquire(std::span<const PageRef> pages) override { take(pages, /*layer=*/false); }
+  void acquire_layer(std::span<const PageRef> pages) override { take(pages, /*layer=*/true); }
+  void release(std::span<const PageRef> pages, bool modified) override;
+  int hint(std::span<const PageRef>) override { return 0; }
+  uint64_t version(PageRef p) const override { return versions_.at(index(p)); }
+  void zero(PageRef p, bool zeroed_in_place) override;
+  void discard(Plane plane, int64_t offset, int64_t numel) override;
+  bool updates_at_home(PageRef p) const override { return settled_ && params_ && p.plane == Plane::param && owned(p.chunk); }
+  void update_at_home(PageRef p, const std::function<void(float* data, size_t n)>& update) override;
+  bool known_sum_squares(PageRef, double*) const override { return false; }
+  void step_shape_changed() override {}
+
+ private:
+  static size_t index(PageRef p) { return static_cast<size_t>(p.chunk) * kNumPlanes + static_cast<size_t>(p.plane); }
+  bool owned(int chunk) const { return chunk >= master_chunks_.first && chunk < master_chunks_.second; }
+  std::vector<uint16_t>& bits_of(Plane plane) { return plane == Plane::param ? param_bits_ : grad_bits_; }
+  const std::vector<uint16_t>& bits_of(Plane plane) const { return plane == Plane::param ? param_bits_ : grad_bits_; }
+  float* master_of(int chunk);
+  void take(std::span<const PageRef> pages, bool layer);
+  // The page's float32 values into its bits (and, for an owned parameter page, its master).
+  void store_page(PageRef p);
+  void give_back(PageRef p);  // the float32 page zeroed and its memory returned
+
+  ChunkStore& store_;
+  bool params_ = false, grads_ = false;
+  std::pair<int, int> master_chunks_;
+  int64_t master_begin_ = 0;  // flat offset of the first master element
+  bool settled_ = false;
+  std::vector<uint16_t> param_bits_, grad_bits_;
+  std::vector<float> master_;
+  std::vector<int> leases_;  // open leases per page
+  std::vector<uint64_t> versions_;
+};
+
+}  // namespace keel
