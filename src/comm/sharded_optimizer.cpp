@@ -43,6 +43,19 @@ int64_t ShardedOptimizer::param_bytes_held() const {
   return params_ ? params_->shard_bytes() : store_.plane_bytes(Plane::param);
 }
 
+std::string ShardedOptimizer::sharded_memory_fragment() const {
+  if (!params_) return "";
+  // A rank's gradient shard is its parameter shard's chunks (one partition); the other chunks'
+  // gradients are resident only while their bucket is being reduce-scattered (then discarded).
+  char text[320];
+  std::snprintf(text, sizeof text,
+                "params %.1f MB (its shard) + up to %.1f MB of other ranks' layers in flight, grads %.1f MB (its "
+                "shard) + the buckets being reduce-scattered (%.1f MB each)",
+                params_->group_max_shard_bytes() / 1e6, params_->group_max_layer_gather_bytes() / 1e6,
+                params_->group_max_shard_bytes() / 1e6, config_.parallel.bucket_bytes / 1e6);
+  return text;
+}
+
 void ShardedOptimizer::print_startup() const {
   if (config_.parallel.zero == 3 && dp_.size() == 1) {
     std::printf("keel: parallel.zero = 3 on one data-parallel rank shards nothing: it holds every parameter, "

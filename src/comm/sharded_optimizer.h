@@ -71,6 +71,9 @@ class ShardedOptimizer final : public MetricsSource {
   void gather_whole_model();
   // The parameter bytes a rank holds between layers: the whole plane, or under ZeRO-3 its shard.
   int64_t param_bytes_held() const;
+  // Under ZeRO-3, the start-up's "memory per rank" figures of parameters and gradients as a rank
+  // holds them (its shard, the largest over the group, plus what is in flight); "" otherwise.
+  std::string sharded_memory_fragment() const;
   // The plain AdamW step over every owned chunk, now (pipeline post-validation redoes it).
   void step_now(double lr, int64_t t, float clip) { adamw_.step(store_, lr, t, clip, counts()); }
 

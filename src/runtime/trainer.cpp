@@ -215,10 +215,14 @@ void Trainer::print_startup(double moments_mb) {
     }
   }
   metrics_.print_startup();
-  std::printf("keel: memory per rank: params %.1f MB, grads %.1f MB, AdamW moments %.1f MB, activations %.1f MB, "
-              "checkpoint buffers %.1f MB\n",
-              rank_->optimizer->param_bytes_held() / 1e6, rank_->store->plane_bytes(Plane::grad) / 1e6, moments_mb,
-              workload_->activation_bytes(*rank_) / 1e6, checkpointer_->buffer_bytes() / 1e6);
+  // Under ZeRO-3 the parameters and gradients a rank holds are its shard plus what is in flight.
+  const std::string sharded = rank_->optimizer->sharded_memory_fragment();
+  char held[160];
+  std::snprintf(held, sizeof held, "params %.1f MB, grads %.1f MB", rank_->optimizer->param_bytes_held() / 1e6,
+                rank_->store->plane_bytes(Plane::grad) / 1e6);
+  std::printf("keel: memory per rank: %s, AdamW moments %.1f MB, activations %.1f MB, checkpoint buffers %.1f MB\n",
+              sharded.empty() ? held : sharded.c_str(), moments_mb, workload_->activation_bytes(*rank_) / 1e6,
+              checkpointer_->buffer_bytes() / 1e6);
   if (!progress_.resumed_from.empty()) {
     std::printf("keel: resumed from %s at step %lld\n", progress_.resumed_from.c_str(),
                 static_cast<long long>(progress_.steps_done));
