@@ -46,6 +46,10 @@ TEST_F(Zero3, NRanksTrainWhatOneRankTrainsWithTheWholeBatch) {
     auto r = train(n, 8 / n, run, "--set parallel.zero=3");
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("ZeRO-3 over " + std::to_string(n) + " ranks"), std::string::npos) << r.output;
+    // The memory line gives what a rank holds: its shard and what is in flight, not the whole model.
+    EXPECT_NE(r.output.find("keel: memory per rank: params "), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(" MB (its shard) + up to "), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("grads "), std::string::npos) << r.output;
     expect_same_training("one", run);
   }
   // Keeping gathered layers until backward changes what is communicated, not what is computed.
