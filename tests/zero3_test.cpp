@@ -46,6 +46,10 @@ TEST_F(Zero3, NRanksTrainWhatOneRankTrainsWithTheWholeBatch) {
     auto r = train(n, 8 / n, run, "--set parallel.zero=3");
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("ZeRO-3 over " + std::to_string(n) + " ranks"), std::string::npos) << r.output;
+    // The memory line gives what a rank holds: its shard and what is in flight, not the whole model.
+    EXPECT_NE(r.output.find("keel: memory per rank: params "), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(" MB (its shard) + up to "), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("grads "), std::string::npos) << r.output;
     expect_same_training("one", run);
   }
   // Keeping gathered layers until backward changes what is communicated, not what is computed.
@@ -216,6 +220,39 @@ TEST_F(Zero3, CheckpointsResumeExactlyUnderEveryZeroAndRankCount) {
     for (const auto& [name, d] : testing::weight_distance(dir / "straight/ckpt", dir / (std::string(run) + "/ckpt"))) {
       EXPECT_LT(d, 1e-5) << run << ": " << name;
     }
+  }
+}
+
+// A ZeRO-3 rank's checkpoints stream from its own chunks (no snapshot copy of its range: under
+// ZeRO-3 that copy is most of what the rank holds), full and differential alike, and resume
+// exactly: from a differential one under ZeRO-0, from a full one under ZeRO-3 on 4 ranks.
+TEST_F(Zero3, CheckpointsStreamWithoutASnapshotAndResumeExactly) {
+  const std::string every = " --set train.steps=12 --set train.checkpoint_every=2 --set checkpoint.full_every=3 "
+                            "--set checkpoint.keep=10";
+  auto r = train(2, 4, "streamed", "--set parallel.zero=3" + every);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("checkpoint buffers 0.0 MB"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(": differential,"), std::string::npos) << r.output;
+  auto z2 = train(2, 4, "snapshot", "--set parallel.zero=2" + every);
+  ASSERT_EQ(z2.exit_code, 0) << z2.output;
+  EXPECT_EQ(z2.output.find("checkpoint buffers 0.0 MB"), std::string::npos) << z2.output;  // ZeRO-2 snapshots
+  for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+    EXPECT_EQ(testing::checkpoint_bytes(dir / "streamed/ckpt", plane), testing::checkpoint_bytes(dir / "snapshot/ckpt", plane))
+        << static_cast<int>(plane);
+  }
+  // Step 6's checkpoint is the third (differential: its unchanged chunks point into older ones).
+  const std::string step6 = dir / "streamed/ckpt/step-00000006";
+  const auto manifest = nlohmann::json::parse(read_text_file(step6 + "/manifest.json"));
+  ASSERT_NE(manifest.value("base", ""), "") << manifest.dump().substr(0, 400);
+  r = train(2, 4, "from6z0", "--set parallel.zero=0 --set train.steps=12 --set train.resume=" + step6);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = train(4, 2, "from6on4", "--set parallel.zero=3 --set train.steps=12 --set train.resume=" + step6);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(param_bytes("from6z0"), param_bytes("streamed"));
+  EXPECT_EQ(testing::checkpoint_bytes(dir / "from6z0/ckpt", Plane::adam_v),
+            testing::checkpoint_bytes(dir / "streamed/ckpt", Plane::adam_v));
+  for (const auto& [name, d] : testing::weight_distance(dir / "streamed/ckpt", dir / "from6on4/ckpt")) {
+    EXPECT_LT(d, 1e-5) << name;
   }
 }
 

@@ -574,8 +574,14 @@ std::vector<float> read_checkpoint_plane(const std::string& dir, Plane plane) {
 // Writing
 
 CheckpointWriter::CheckpointWriter(const ChunkStore& store, const CheckpointConfig& config, int rank, int first_chunk,
-                                   int last_chunk, bool preallocate, std::vector<ChunkTarget> targets)
-    : store_(store), config_(config), rank_(rank), first_(first_chunk), last_(last_chunk), targets_(std::move(targets)) {
+                                   int last_chunk, bool preallocate, std::vector<ChunkTarget> targets, bool stream)
+    : store_(store),
+      config_(config),
+      rank_(rank),
+      first_(first_chunk),
+      last_(last_chunk),
+      stream_(stream),
+      targets_(std::move(targets)) {
   const int n = static_cast<int>(store.chunks().size());
   check(0 <= first_ && first_ <= last_ && last_ <= n, "checkpoint writer: bad chunk range");
   check(targets_.empty() || targets_.size() == static_cast<size_t>(n), "checkpoint writer: targets for another store");
@@ -584,7 +590,7 @@ CheckpointWriter::CheckpointWriter(const ChunkStore& store, const CheckpointConf
   begin_offset_ = first_ < n ? store.chunks()[first_].offset : store.numel();
   const int64_t end = last_ < n ? store.chunks()[last_].offset : store.numel();
   numel_ = end - begin_offset_;
-  if (preallocate && store.residency().always_present()) {  // where pages move, checkpoints stream
+  if (preallocate && !streams()) {  // where pages move (or under ZeRO-3), checkpoints stream
     snapshot_.assign(static_cast<size_t>(numel_) * 3, 0.0f);
     if (config_.delta && config_.full_every > 1) base_.assign(snapshot_.size(), 0.0f);
   }
@@ -615,10 +621,11 @@ void CheckpointWriter::begin(const std::string& root, int64_t step, const RankSt
   full_ = base_name_.empty() || taken_ % config_.full_every == 0;
   taken_++;
   // The snapshot: this rank's flat range of every saved plane, and the chunks' versions. Where
-  // the store's pages move (memory tiers) there is none (the state does not fit in memory by
-  // design): the write streams chunk by chunk under leases, synchronously, and changed chunks are
-  // stored whole (no XOR against a base copy, which would need the memory too).
-  streaming_ = !store_.residency().always_present();
+  // the store's pages move (memory tiers), or under ZeRO-3, there is none (the state does not fit
+  // in memory twice by design): the write streams chunk by chunk under leases, synchronously (a
+  // rank holds its own chunks, what it writes, plus one chunk's encoding buffer), and changed
+  // chunks are stored whole (no XOR against a base copy, which would need the memory too).
+  streaming_ = streams();
   if (!streaming_) {
     snapshot_.resize(static_cast<size_t>(numel_) * 3);
     for (int i = 0; i < 3; ++i) {

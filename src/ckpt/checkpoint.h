@@ -150,7 +150,7 @@ struct ChunkTarget {
 // partition of the store (every chunk is written by exactly one rank): begin() waits for the
 // previous write, copies the chunks' planes into a snapshot buffer and returns; a background
 // thread encodes and writes them (or begin() writes them itself when async is off; with memory
-// tiers begin() streams the chunks from their tiers itself, with no snapshot). Publishing
+// tiers, or under ZeRO-3, begin() streams the chunks from the store itself, with no snapshot). Publishing
 // needs every rank's part: the checkpointer gathers the parts (finish()) to rank 0, which calls
 // publish_checkpoint and tells every rank the outcome through committed().
 class CheckpointWriter {
@@ -159,8 +159,13 @@ class CheckpointWriter {
   // first checkpoints' steps (for runs that checkpoint periodically). `targets`, when given, say
   // where each of the store's chunks goes in the checkpoint's layout (a pipeline stage's chunks
   // are the whole model's chunks of its layers).
+  // `stream`: always write as with memory tiers, chunk by chunk from the store under leases,
+  // synchronously, with no snapshot (ZeRO-3: a rank's range of parameters and moments is most of
+  // what it holds, and a copy of it would not fit beside it).
   CheckpointWriter(const ChunkStore& store, const CheckpointConfig& config, int rank, int first_chunk, int last_chunk,
-                   bool preallocate = false, std::vector<ChunkTarget> targets = {});
+                   bool preallocate = false, std::vector<ChunkTarget> targets = {}, bool stream = false);
+  // Whether its checkpoints stream (no snapshot buffers): memory tiers, or asked to.
+  bool streams() const { return stream_ || !store_.residency().always_present(); }
   ~CheckpointWriter();
   CheckpointWriter(const CheckpointWriter&) = delete;
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
@@ -195,7 +200,8 @@ class CheckpointWriter {
   int64_t begin_offset_ = 0, numel_ = 0;  // flat range of this rank's chunks
   // Snapshot and, for XOR deltas, the bytes of the last committed checkpoint; planes back to back.
   std::vector<float> snapshot_, base_;
-  bool streaming_ = false;  // memory tiers: no snapshot, written chunk by chunk from the tiers
+  bool stream_ = false;     // asked to stream (ZeRO-3)
+  bool streaming_ = false;  // this checkpoint: no snapshot, written chunk by chunk from the store
   std::vector<uint64_t> snapshot_versions_, base_versions_;
   std::string base_name_;          // the last committed checkpoint ("" = none: next one is full)
   std::vector<ChunkRecords> base_records_;  // its records of this rank's chunks [first, last)

@@ -80,10 +80,15 @@ void Checkpointer::make_writer(bool at_restart) {
   // checkpoints' steps; a restarted job does not: its start-up is down time (up to 1.5 GB per
   // rank to fault in for GPT-2 124M), and its first checkpoint allocates them.
   const bool periodic = config_.train.checkpoint_every > 0 || config_.train.checkpoint_every_minutes > 0;
+  // Under ZeRO-3 a rank's chunks (parameters and both moments) are most of what it holds: a
+  // snapshot copy of them would not fit beside them (tinyllama-1.1b on 2 ranks: 6.6 GB more per
+  // rank), so its checkpoints stream from the store, chunk by chunk.
+  const int data_ranks = comm_.size() / std::max(1, config_.parallel.pipeline * config_.parallel.tensor);
+  const bool stream = config_.parallel.zero == 3 && data_ranks > 1;
   writer_ = std::make_unique<CheckpointWriter>(*store_, config_.checkpoint, comm_.rank(),
                                                writers_.first_chunk[writer_index_],
                                                writers_.first_chunk[writer_index_ + 1], periodic && !at_restart,
-                                               std::move(targets));
+                                               std::move(targets), stream);
   writer_->set_run_id(run_dir_.run_id());
 }
 
@@ -99,8 +104,9 @@ Checkpointer::~Checkpointer() = default;
 std::string Checkpointer::last_name() const { return writer_->name(); }
 
 double Checkpointer::buffer_bytes() const {
-  // Where the store's pages move (tiers), checkpoints stream under leases: no snapshot buffers.
-  const int copies = !store_->residency().always_present()                         ? 0
+  // Where the store's pages move (tiers), and under ZeRO-3, checkpoints stream under leases: no
+  // snapshot buffers.
+  const int copies = writer_->streams()                                             ? 0
                      : config_.checkpoint.delta && config_.checkpoint.full_every > 1 ? 2
                                                                                      : 1;
   return copies * 3.0 * static_cast<double>(writers_.size(writer_index_)) * sizeof(float);

@@ -60,6 +60,19 @@ int64_t ShardedOptimizer::grad_bytes_held() const {
 
 int64_t ShardedOptimizer::master_bytes_held() const { return bf16_ ? bf16_->master_bytes() : 0; }
 
+std::string ShardedOptimizer::sharded_memory_fragment() const {
+  if (!params_) return "";
+  // A rank's gradient shard is its parameter shard's chunks (one partition); the other chunks'
+  // gradients are resident only while their bucket is being reduce-scattered (then discarded).
+  char text[320];
+  std::snprintf(text, sizeof text,
+                "params %.1f MB (its shard) + up to %.1f MB of other ranks' layers in flight, grads %.1f MB (its "
+                "shard) + the buckets being reduce-scattered (%.1f MB each)",
+                params_->group_max_shard_bytes() / 1e6, params_->group_max_layer_gather_bytes() / 1e6,
+                params_->group_max_shard_bytes() / 1e6, config_.parallel.bucket_bytes / 1e6);
+  return text;
+}
+
 void ShardedOptimizer::print_startup() const {
   if (bf16_) {
     std::printf("keel: bf16 training state: parameters %s, gradients %s; %.1f MB bf16 parameters, %.1f MB bf16 "

@@ -79,6 +79,9 @@ class ShardedOptimizer final : public MetricsSource {
   int64_t master_bytes_held() const;
   // The bf16 training state, where one is held (else nullptr).
   Bf16State* bf16_state() const { return bf16_.get(); }
+  // Under ZeRO-3, the start-up's "memory per rank" figures of parameters and gradients as a rank
+  // holds them (its shard, the largest over the group, plus what is in flight); "" otherwise.
+  std::string sharded_memory_fragment() const;
   // The plain AdamW step over every owned chunk, now (pipeline post-validation redoes it).
   void step_now(double lr, int64_t t, float clip) { adamw_.step(store_, lr, t, clip, counts()); }
 

@@ -215,13 +215,18 @@ void Trainer::print_startup(double moments_mb) {
     }
   }
   metrics_.print_startup();
+  // Under ZeRO-3 the parameters and gradients a rank holds are its shard plus what is in flight;
+  // under bf16 state its bf16 working copy beside the float32 masters of its shard.
+  const std::string sharded = rank_->optimizer->sharded_memory_fragment();
   const int64_t masters = rank_->optimizer->master_bytes_held();  // bf16 state's float32 masters
   char master_part[64] = "";
   if (masters > 0) std::snprintf(master_part, sizeof master_part, " (bf16), float32 master weights %.1f MB", masters / 1e6);
-  std::printf("keel: memory per rank: params %.1f MB%s, grads %.1f MB, AdamW moments %.1f MB, activations %.1f MB, "
-              "checkpoint buffers %.1f MB\n",
-              rank_->optimizer->param_bytes_held() / 1e6, master_part, rank_->optimizer->grad_bytes_held() / 1e6, moments_mb,
-              workload_->activation_bytes(*rank_) / 1e6, checkpointer_->buffer_bytes() / 1e6);
+  char held[224];
+  std::snprintf(held, sizeof held, "params %.1f MB%s, grads %.1f MB", rank_->optimizer->param_bytes_held() / 1e6,
+                master_part, rank_->optimizer->grad_bytes_held() / 1e6);
+  std::printf("keel: memory per rank: %s, AdamW moments %.1f MB, activations %.1f MB, checkpoint buffers %.1f MB\n",
+              sharded.empty() ? held : sharded.c_str(), moments_mb, workload_->activation_bytes(*rank_) / 1e6,
+              checkpointer_->buffer_bytes() / 1e6);
   if (!progress_.resumed_from.empty()) {
     std::printf("keel: resumed from %s at step %lld\n", progress_.resumed_from.c_str(),
                 static_cast<long long>(progress_.steps_done));
