@@ -1,4 +1,4 @@
-// Data parallelism across "hosts": scripts/netns.sh puts each rank in its own network namespace on a
+// Data and tensor parallelism across "hosts": scripts/netns.sh puts each rank in its own network namespace on a
 // private bridge, with OpenMPI's rsh launcher and TCP as between real machines. The job must give the
 // same bytes as `keel launch -n 2` on one host, its ranks must really sit in different namespaces and
 // its gradients must really cross the veth links, also through a rate-shaped link. Needs root and
@@ -202,6 +202,32 @@ TEST_F(AcrossNamespaces, RateShapedLinkGivesTheSameBytes) {
   EXPECT_NE(qdisc.output.find("tbf"), std::string::npos) << qdisc.output;
   EXPECT_NE(qdisc.output.find("100Mbit"), std::string::npos) << qdisc.output;
   train_across(ns, "shaped");
+}
+
+// Tensor parallelism across the namespaces: a T = 2 job with its two tensor ranks on two "hosts"
+// (every layer's all-reduces over TCP through the bridge) gives the bytes and losses of the same job
+// under plain `keel launch -n 2`, and each host's link carries at least the forward all-reduces of
+// one layer per step (two of batch x seq x n_embd floats: a lower bound, the backward's and the
+// other layers' come on top).
+TEST_F(AcrossNamespaces, TensorRanksOnTwoHostsGiveTheSameBytesAsOneHost) {
+  const std::string tensor = " --set parallel.tensor=2";
+  const CommandResult plain = testing::run_keel("launch -n 2 -- " + train_args("plain") + tensor);
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  Namespaces ns("2");
+  ASSERT_EQ(ns.up().exit_code, 0) << ns.up().output;
+  const long long before0 = ns.sent_by(0), before1 = ns.sent_by(1);
+  const CommandResult r = ns.script("run -n 2 -- " + train_args("hosts") + tensor);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("tensor parallel over 2 ranks (data 1 x pipeline 1 x tensor 2)"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(param_bytes("plain"), param_bytes("hosts"));
+  EXPECT_EQ(column("plain", "loss"), column("hosts", "loss"));
+  ASSERT_EQ(column("hosts", "loss").size(), 10u);
+  const long long sent0 = ns.sent_by(0) - before0, sent1 = ns.sent_by(1) - before1;
+  const long long floor = 10LL * 2 * 4 * 32 * 64 * static_cast<long long>(sizeof(float));  // toy: batch 4, seq 32, n_embd 64
+  std::printf("tensor ranks: bytes onto the bridge: host 0 %lld, host 1 %lld (floor %lld)\n", sent0, sent1, floor);
+  EXPECT_GE(sent0, floor);
+  EXPECT_GE(sent1, floor);
 }
 
 // --delay adds netem where the kernel has it; where it does not, up fails with a line that says so

@@ -351,12 +351,26 @@ TEST_F(Slurm, DataParallelJobUnderSrunAndSbatchEqualsKeelLaunch) {
 }
 
 // Data 2 x pipeline 2: four tasks, rank r = task r (rank = replica x 2 + stage), under srun and sbatch.
-// (Data x tensor joins here once the mesh has its tensor dimension: the same three runs with
-// --set parallel.tensor=2.)
 TEST_F(Slurm, DataTimesPipelineJobUnderSrunAndSbatchEqualsKeelLaunch) {
   const std::string layout = "--set parallel.pipeline=2 --set parallel.data=2";
   auto launched = testing::run_keel("launch -n 4 -- train --config " + dir / "toy.toml" + " " + run_args("launch", layout));
   ASSERT_EQ(launched.exit_code, 0) << launched.output;
+  auto r = run_command(srun_command(4, run_args("srun", layout)));
+  ASSERT_EQ(r.exit_code, 0) << r.output << cluster.log("slurmd.log");
+  expect_same_job("launch", "srun");
+  r = run_sbatch("sbatch", 4, run_args("sbatch", layout));
+  ASSERT_EQ(r.exit_code, 0) << r.output << cluster.log("slurmctld.log");
+  expect_same_job("launch", "sbatch");
+}
+
+// Data 2 x tensor 2: four tasks, tensor innermost (rank = replica x 2 + tensor rank), under srun and
+// sbatch as under keel launch: same layout, losses and final (whole-layout) checkpoint bytes.
+TEST_F(Slurm, DataTimesTensorJobUnderSrunAndSbatchEqualsKeelLaunch) {
+  const std::string layout = "--set parallel.tensor=2 --set parallel.data=2";
+  auto launched = testing::run_keel("launch -n 4 -- train --config " + dir / "toy.toml" + " " + run_args("launch", layout));
+  ASSERT_EQ(launched.exit_code, 0) << launched.output;
+  EXPECT_EQ(this->layout("launch")["tensor"], 2) << this->layout("launch").dump();
+  EXPECT_EQ(this->layout("launch")["data"], 2) << this->layout("launch").dump();
   auto r = run_command(srun_command(4, run_args("srun", layout)));
   ASSERT_EQ(r.exit_code, 0) << r.output << cluster.log("slurmd.log");
   expect_same_job("launch", "srun");

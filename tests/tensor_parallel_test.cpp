@@ -5,6 +5,10 @@
 // models that cannot be split are refused in one line.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+
 #include <nlohmann/json.hpp>
 
 #include "core/fileio.h"
@@ -79,6 +83,51 @@ TEST_F(TensorParallel, ComposesWithRecomputationAndEval) {
   EXPECT_NE(e.output.find("loss"), std::string::npos) << e.output;
 }
 
+// Dynamic attention windows: each tensor rank probes its own heads and the masses are summed over
+// the group, so T = 2 takes the windows one rank takes (the same "attention_windows" events, some
+// window below the sequence length) and trains what one rank trains; GPT-2 and llama (grouped-query
+// attention: each rank's query heads with its key/value heads).
+TEST_F(TensorParallel, DynamicWindowsDecideAndTrainAsOneRank) {
+  const std::string dyn = "--set model.attention_window=dynamic --set model.dynamic_window_every=5 "
+                          "--set model.dynamic_window_min=4 --set model.dynamic_window_loss=0.05 ";
+  auto windows = [&](const std::string& run) {
+    std::vector<nlohmann::json> out;
+    const std::string text = read_text_file(dir / (run + "/metrics.jsonl"));
+    for (size_t at = 0; at < text.size();) {
+      const size_t end = std::min(text.find('\n', at), text.size());
+      const nlohmann::json j = nlohmann::json::parse(text.substr(at, end - at));
+      if (j.value("event", "") == "attention_windows") out.push_back(j);
+      at = end + 1;
+    }
+    return out;
+  };
+  const std::string llama = "--set model.family=llama --set model.n_kv_head=2 --set model.tie_embeddings=false ";
+  for (const std::string family : {"gpt", "llama"}) {
+    const std::string extra = dyn + (family == "llama" ? llama : "");
+    ASSERT_EQ(train(0, 8, family + "one", extra).exit_code, 0);
+    auto r = train(2, 8, family + "t2", extra + "--set parallel.tensor=2");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    expect_same_training(family + "one", family + "t2");
+    const std::vector<nlohmann::json> want = windows(family + "one"), got = windows(family + "t2");
+    ASSERT_FALSE(want.empty()) << family;
+    ASSERT_EQ(got.size(), want.size()) << family;
+    bool narrowed = false;
+    for (size_t e = 0; e < want.size(); ++e) {
+      EXPECT_EQ(got[e]["step"], want[e]["step"]) << family;
+      EXPECT_EQ(got[e]["windows"], want[e]["windows"]) << family << " step " << want[e]["step"];
+      for (int w : want[e]["windows"].get<std::vector<int>>()) narrowed |= w > 0 && w < 32;
+      // The mass the windows leave out, read from all heads' sums (one rank's heads alone differ).
+      const auto out_want = want[e]["outside_mass"].get<std::vector<double>>();
+      const auto out_got = got[e]["outside_mass"].get<std::vector<double>>();
+      ASSERT_EQ(out_got.size(), out_want.size()) << family;
+      for (size_t b = 0; b < out_want.size(); ++b) {
+        EXPECT_NEAR(out_got[b], out_want[b], 1e-5 * std::abs(out_want[b]) + 1e-9) << family << " block " << b;
+      }
+    }
+    EXPECT_TRUE(narrowed) << family << ": no window below the sequence length (32)";
+  }
+}
+
 // bf16 products: each rank multiplies its shard's bf16 copies of the weights with the same bf16
 // inputs as one rank, but a row-parallel product's float32 partial sums are added in another
 // order, and the differences, once in the weights, change their bf16 rounding: the trajectory
@@ -122,6 +171,54 @@ TEST_F(TensorParallel, CheckpointsHoldTheWholeModelAndResumeOnAnyTensorSize) {
     for (const auto& [name, d] : testing::weight_distance(dir / "one/ckpt", dir / (std::string(run) + "/ckpt"))) {
       EXPECT_LT(d, 1e-5) << run << ": " << name;
     }
+  }
+}
+
+// A tensor rank SIGKILLed in the middle of writing the second checkpoint (KEEL_FAULT kills rank 0,
+// which writes the gathered whole model, at the third file operation under ckpt/step-00000008) is
+// recovered by `keel launch --max-restarts` from the step-4 checkpoint, split over the tensor ranks
+// again, to the uninterrupted run's bytes: parameters and both moments.
+TEST_F(TensorParallel, AKilledTensorRankIsRecoveredToTheUninterruptedBytes) {
+  const std::string job = "launch -n 2 --max-restarts 1 -- train --config " + dir / "toy.toml" +
+                          " --set train.batch_size=8 --set train.steps=12 --set parallel.tensor=2 --set train.run_dir=";
+  auto reference = run_keel(job + dir / "reference --set train.checkpoint_every=4");
+  ASSERT_EQ(reference.exit_code, 0) << reference.output;
+  const std::string fault = "KEEL_FAULT=kill:op=3:path=ckpt/step-00000008:rank=0:once=" + dir / "fault.spent";
+  auto killed = testing::run_command(fault + " " + std::string(KEEL_BINARY) + " " + job + dir / "killed" +
+                                     " --set train.checkpoint_every=4");
+  ASSERT_EQ(killed.exit_code, 0) << killed.output;
+  EXPECT_TRUE(std::filesystem::exists(dir / "fault.spent")) << killed.output;
+  EXPECT_NE(killed.output.find("restart 1 of 1"), std::string::npos) << killed.output;
+  EXPECT_NE(killed.output.find("resumed from"), std::string::npos) << killed.output;
+  for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+    EXPECT_EQ(testing::checkpoint_bytes(dir / "killed/ckpt", plane), testing::checkpoint_bytes(dir / "reference/ckpt", plane))
+        << static_cast<int>(plane);
+  }
+  EXPECT_EQ(losses("killed"), losses("reference"));
+}
+
+// Memory copies (checkpoint.memory_every): each tensor rank copies its own shard (and its buddy's)
+// to /dev/shm every step; rank 1 SIGKILLed after step 15 (KEEL_FAULT, at its buddy copy of step 15)
+// is recovered by `keel launch --max-restarts` from both ranks' own copies of step 15 (newer than
+// the disk's step 10) to the uninterrupted run's bytes: parameters and both moments.
+TEST_F(TensorParallel, MemoryCopiesRecoverAKilledTensorRankToTheUninterruptedBytes) {
+  const std::string job = "launch -n 2 --max-restarts 1 -- train --config " + dir / "toy.toml" +
+                          " --set train.batch_size=8 --set train.steps=20 --set train.eval_every=0"
+                          " --set train.checkpoint_every=10 --set parallel.tensor=2 --set train.run_dir=";
+  auto reference = run_keel(job + dir / "reference");
+  ASSERT_EQ(reference.exit_code, 0) << reference.output;
+  const std::string fault = "KEEL_FAULT=kill:op=1:path=buddy-r0-step-00000015.bin:rank=1:once=" + dir / "killed.spent";
+  auto killed = testing::run_command(fault + " " + std::string(KEEL_BINARY) + " " + job + dir / "killed" +
+                                     " --set checkpoint.memory_every=1");
+  ASSERT_EQ(killed.exit_code, 0) << killed.output;
+  EXPECT_TRUE(std::filesystem::exists(dir / "killed.spent")) << killed.output;
+  EXPECT_NE(killed.output.find("restart 1 of 1"), std::string::npos) << killed.output;
+  EXPECT_NE(killed.output.find("keel: resumed from memory (step 15) in "), std::string::npos) << killed.output;
+  EXPECT_NE(killed.output.find("2 rank(s) from their own copy, 0 from their buddy's"), std::string::npos)
+      << killed.output;
+  for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+    EXPECT_EQ(testing::checkpoint_bytes(dir / "killed/ckpt", plane), testing::checkpoint_bytes(dir / "reference/ckpt", plane))
+        << static_cast<int>(plane);
   }
 }
 

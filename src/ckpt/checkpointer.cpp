@@ -284,6 +284,7 @@ std::optional<TrainState> Checkpointer::resume_from_memory(bool eligible) {
                 disk.c_str());
     std::fflush(stdout);
   }
+  if (whole_state_ != nullptr) whole_state_->scatter();  // the whole model's copy into this rank's shards
   resume_event_ = {{"event", "resume"}, {"source", "memory"},  {"step", m->state.step},  {"from", m->where},
                    {"own", m->from_own}, {"buddy", m->from_buddy}, {"disk_step", disk_step}};
   return m->state;
@@ -426,6 +427,9 @@ void Checkpointer::after_step(int64_t steps_done, const LoaderPosition& data) {
   // disk as the final checkpoint).
   if (memory_ && steps_done % config_.checkpoint.memory_every == 0 && steps_done != config_.train.steps) {
     store_->apply_pending();
+    // Tensor parallel: the copy is of the whole model's state, as the disk's (every rank of the
+    // tensor group gathers: a collective; a disk checkpoint begun this step gathered already).
+    if (whole_state_ != nullptr && !(by_steps || by_clock)) whole_state_->gather();
     const RankState state = rank_state(data, memory_residual_);
     stall_ms_ += memory_->save(steps_done, *store_, state, memory_residual_);
   }

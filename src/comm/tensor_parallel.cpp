@@ -36,8 +36,6 @@ void validate_tensor_parallel_config(const Config& c) {
   not_yet(c.parallel.zero == 0, "parallel.zero", std::to_string(c.parallel.zero));
   not_yet(c.sync.codec == SyncCodec::none, "sync.codec", "\"" + std::string(to_string(c.sync.codec)) + "\"");
   not_yet(!tiering_enabled(c.tier), "tier.device_mib", std::to_string(c.tier.device_mib));
-  not_yet(c.checkpoint.memory_every == 0, "checkpoint.memory_every", std::to_string(c.checkpoint.memory_every));
-  not_yet(!c.model.dynamic_window(), "model.attention_window", "\"" + c.model.attention_window + "\"");
 }
 
 double tensor_grad_squares(GPT& model, Communicator& tensor) {

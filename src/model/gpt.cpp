@@ -138,7 +138,7 @@ class Block final : public Layer {
     ops::layernorm_forward(ln1, ln1_mean_, ln1_rstd_, x, P(layout::ln1_w), P(layout::ln1_b), N, C);
     ln1_.seal(ln1, NC);
     ops::linear_forward(math_.forward, qkv_, ln1_.read(), W(layout::qkv_w), P(layout::qkv_b), N, C, 3 * A_);
-    if (first) model_detail::probe_attention(probe_, b, qkv_, m_);
+    if (first) model_detail::probe_attention(probe_, b, qkv_, A_, NH_, NH_, tp_ ? tp_->rank() * NH_ : 0);
     attend(b);
     float* attproj = scratch_;  // [N, C], consumed immediately by the residual
     row_parallel_forward(attproj, atty_, W(layout::proj_w), P(layout::proj_b), N, A_);

@@ -127,11 +127,15 @@ inline float head_loss(float* losses, float* logits, const Batch& b, const Model
 }
 
 // Both families' blocks: while armed (runtime/dynamic_windows.h), where a training pass's
-// attention mass goes by distance, from its qkv (after RoPE: the scores attention uses).
-inline void probe_attention(AttentionProbe& probe, const Batch& b, const float* qkv, const ModelConfig& m) {
+// attention mass goes by distance, from its qkv (after RoPE: the scores attention uses). qkv holds
+// this rank's heads: NH query heads (C columns) and NKV key/value heads, the model's heads
+// head0 .. head0 + NH - 1 (all of them, head0 = 0, without tensor parallelism); their mass goes to
+// those heads' rows of probe.mass, the other rows stay zero (DynamicWindows sums them over the
+// tensor group).
+inline void probe_attention(AttentionProbe& probe, const Batch& b, const float* qkv, int C, int NH, int NKV, int head0) {
   if (!probe.armed || b.kv != nullptr) return;
-  ops::attention_distance_mass(probe.mass.data(), AttentionProbe::kBuckets, qkv, b.B, b.T, m.n_embd, m.n_head,
-                               m.n_kv_head, AttentionProbe::kRows);
+  ops::attention_distance_mass(probe.mass.data() + static_cast<int64_t>(head0) * AttentionProbe::kBuckets,
+                               AttentionProbe::kBuckets, qkv, b.B, b.T, C, NH, NKV, AttentionProbe::kRows);
   probe.rows += static_cast<double>(b.B) * std::min(AttentionProbe::kRows, b.T);
 }
 

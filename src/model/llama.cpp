@@ -92,7 +92,7 @@ class LlamaBlock final : public Layer {
     ops::linear_forward(math_.forward, qkv_, n1_.read(), W(layout::llama_qkv_w), none, N, C, QKV_);
     ops::rope_forward(qkv_, b.B, b.T, NH_, KVH_, m_.head_size(), m_.rope_base(), b.kv ? b.kv->pos0() : 0, false,
                       m_.rope_position_scale());
-    if (first) model_detail::probe_attention(probe_, b, qkv_, m_);
+    if (first) model_detail::probe_attention(probe_, b, qkv_, A_, NH_, KVH_, tp_ ? tp_->rank() * NH_ : 0);
     attend(b);
     float* o = scratch_;  // [N, C], consumed at once by the residual
     ops::linear_forward(math_.forward, o, atty_, W(layout::llama_proj_w), none, N, A_, C);

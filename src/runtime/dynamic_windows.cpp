@@ -13,8 +13,9 @@
 namespace keel {
 
 DynamicWindows::DynamicWindows(Config& config, Communicator& dp, GPT& model, const std::string& resumed_from,
-                               std::function<double()> probe_loss, std::function<void(const nlohmann::json&)> log)
-    : config_(config), dp_(dp), probe_loss_(std::move(probe_loss)), log_(std::move(log)) {
+                               std::function<double()> probe_loss, std::function<void(const nlohmann::json&)> log,
+                               Communicator* tensor)
+    : config_(config), dp_(dp), tp_(tensor), probe_loss_(std::move(probe_loss)), log_(std::move(log)) {
   check(model.whole(), "model.attention_window = \"dynamic\": the whole model must be on each rank");
   if (!resumed_from.empty()) {
     config_.model.dynamic_windows_state = read_checkpoint_config(resumed_from).model.dynamic_windows_state;
@@ -90,8 +91,10 @@ void DynamicWindows::before_step(int64_t step) {
   for (AttentionProbe* p : probes_) {
     p->armed = false;
     all.insert(all.end(), p->mass.begin(), p->mass.end());
-    all.push_back(p->rows);
+    // (Tensor ranks probe the same rows, each for its own heads: their rows counted once.)
+    all.push_back(tp_ == nullptr || tp_->is_root() ? p->rows : 0.0);
   }
+  if (tp_ != nullptr && tp_->size() > 1) tp_->allreduce_sum(all.data(), all.size());
   if (dp_.size() > 1) dp_.allreduce_sum(all.data(), all.size());
   const size_t per = static_cast<size_t>(heads) * AttentionProbe::kBuckets + 1;
   const ModelConfig& m = config_.model;

@@ -8,7 +8,8 @@
 // computes, for the last AttentionProbe::kRows query rows of every sequence, the full causal
 // softmax and adds its probability mass at each distance, in power-of-two buckets, per head
 // (ops::attention_distance_mass: a small fraction of the pass). The sums are added over the
-// data-parallel ranks, so every replica decides the same. A decision reads only the weights
+// tensor group (each rank probes its own heads) and then the data-parallel ranks, so every rank
+// decides the same. A decision reads only the weights
 // before the step and the fixed batch, so a run resumed at any step decides as the original did.
 //
 // Rule. After the probed step, for a tolerance eps falling from 0.5 by halves down to
@@ -50,9 +51,13 @@ class DynamicWindows final : public MetricsSource, public StepHook {
   // configuration: its model.dynamic_windows_state is kept current. `resumed_from`: the
   // checkpoint a resumed run loaded ("" = a fresh start), whose windows it goes on with.
   // `probe_loss`: the loss on the probe batch (each rank's first validation window, averaged
-  // over the ranks: the same on every rank) with the windows the blocks have now.
+  // over the ranks: the same on every rank) with the windows the blocks have now. `tensor`: the
+  // tensor group (parallel.tensor > 1; null without), whose ranks each probe their own heads: the
+  // heads' masses are summed over it (each head's from the one rank that holds it: exact), so every
+  // tensor rank decides from all heads, as one rank does.
   DynamicWindows(Config& config, Communicator& dp, GPT& model, const std::string& resumed_from,
-                 std::function<double()> probe_loss, std::function<void(const nlohmann::json&)> log);
+                 std::function<double()> probe_loss, std::function<void(const nlohmann::json&)> log,
+                 Communicator* tensor = nullptr);
 
   // Every dynamic_window_every steps (from that step on), before the step: probe and decide.
   void before_step(int64_t step) override;
@@ -72,6 +77,7 @@ class DynamicWindows final : public MetricsSource, public StepHook {
   double loss_with(const std::vector<int>& windows);
   Config& config_;
   Communicator& dp_;
+  Communicator* tp_;  // null: no tensor group
   std::vector<AttentionProbe*> probes_;  // per block
   std::vector<int> windows_;
   std::vector<double> outside_;  // per block: the mass its window left out at the last probe

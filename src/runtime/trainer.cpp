@@ -73,7 +73,7 @@ Trainer::Trainer(Config config, Communicator& comm)
   if (m.dynamic_window()) {  // after resuming (it goes on with the checkpoint's windows); first of the hooks:
     // its probe passes (the first validation window) come before the step the tiers record as a schedule.
     hooks_.insert(hooks_.begin(), metrics_.adopt(std::make_unique<DynamicWindows>(
-                                      config_, dp, *rank_->model, progress_.resumed_from, [this] { return evaluate(1); }, log)));
+                                      config_, dp, *rank_->model, progress_.resumed_from, [this] { return evaluate(1); }, log, groups_.tp())));
   }
   // Monitoring: energy per step and token, alerts on the operating targets ([monitor]).
   if (config_.monitor.enabled) {
@@ -263,6 +263,7 @@ void Trainer::log_run_event() {
   if (!t.seq_len_schedule.empty()) run["batch"]["seq_len_schedule"] = t.seq_len_schedule;
   run["layout"] = {{"ranks", groups_.world().size()}, {"data", groups_.dp().size()}, {"pipeline", p.pipeline},
                    {"zero", p.zero},                  {"codec", to_string(config_.sync.codec)}};
+  if (p.tensor > 1) run["layout"]["tensor"] = p.tensor;  // (absent where 1: earlier runs' "run" events unchanged)
   if (config_.tier.device_mib > 0) {
     run["layout"]["tiers"] = {{"device_mib", config_.tier.device_mib},
                               {"host_mib", config_.tier.host_mib},
