@@ -75,11 +75,13 @@ commands:
   eval      --checkpoint DIR | --llmc FILE.bin | --llama2c FILE.bin | --hf DIR  [--data SHARD] [--batch B] [--seq T] [--batches N]
             [--set model.rope_scaling=linear|ntk --set model.rope_factor=F --set model.max_seq_len=T]
             Validation loss and perplexity; a llama model past its trained length with RoPE scaling.
-  generate  --checkpoint DIR [--prompt TEXT | --prompts FILE] [--tokens N] [--temperature X] [--top-k K]
+  generate  --checkpoint DIR [--prompt TEXT | --prompts FILE [--batch B]] [--tokens N] [--temperature X] [--top-k K]
             [--seed S] [--tokenizer FILE] [--set generate.key=value ...]
             Sample text from a checkpoint, over a KV cache (generate.kv_cache = false: without).
             --prompts FILE (or - for standard input): one prompt per line, one JSON line each (text, prompt tokens, tokens
-            reused from the cache's shared prefixes, ms), then the cache's summary on stderr.
+            reused from the cache's shared prefixes, ms since the start), in prompt order, then the cache's summary
+            on stderr. --batch B: B prompts at a time over the cache (continuous batching); prompt i samples
+            with seed S + i whatever B.
   score     --checkpoint DIR --documents DIR [--tokenizer FILE] [--set generate.key=value ...]
             Per-document loss of every file under DIR (sorted; longer than the context: scored in
             consecutive windows), through the KV cache: documents that share a prefix (whole
@@ -460,6 +462,9 @@ int cmd_generate(const Args& a) {
   };
   if (a.has("--prompts")) {
     const std::string path = a.get("--prompts");
+    const int batch = static_cast<int>(a.get_int("--batch", 1));
+    check(batch >= 1, "generate: --batch expected >= 1, found " + std::to_string(batch));
+    check(cache || batch == 1, "generate: --batch above 1 needs the KV cache (generate.kv_cache = true)");
     // "-": prompts from standard input (a pipe), the one place a stream is asked for by name;
     // a path must be a regular file (a FIFO there would block, see open_regular_file).
     std::string text;
@@ -472,20 +477,49 @@ int cmd_generate(const Args& a) {
     }
     std::istringstream lines(text);
     std::string line;
-    int index = 0;
+    std::vector<std::vector<int>> prompts;
     while (std::getline(lines, line)) {
       if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-      const std::vector<int> prompt = encode(line);
-      uint64_t reused = 0;
-      const auto t0 = std::chrono::steady_clock::now();
-      const std::vector<int> out = run(prompt, &reused);
-      const double ms = ms_since(t0);
-      std::printf("{\"prompt\": %d, \"prompt_tokens\": %zu, \"reused_tokens\": %llu, \"new_tokens\": %zu, \"ms\": %.1f, \"text\": %s}\n",
-                  index++, prompt.size(), static_cast<unsigned long long>(reused), out.size() - prompt.size(), ms,
-                  json_string(tok.decode(std::vector<int>(out.begin() + 1, out.end()))).c_str());
-      std::fflush(stdout);
+      prompts.push_back(encode(line));
+      check(static_cast<int>(prompts.back().size()) <= context,
+            "generate: --prompts " + path + ": prompt " + std::to_string(prompts.size() - 1) + " (" +
+                std::to_string(prompts.back().size()) + " tokens) is longer than the model's context of " +
+                std::to_string(context) + " tokens");
     }
-    check(index > 0, "generate: --prompts " + path + " holds no prompt (one per line)");
+    check(!prompts.empty(), "generate: --prompts " + path + " holds no prompt (one per line)");
+    // Prompt i samples with Rng(--seed + i) (runtime/generate.h prompt_seed), whatever --batch.
+    const uint64_t seed = static_cast<uint64_t>(a.get_int("--seed", 42));
+    const auto t0 = std::chrono::steady_clock::now();
+    uint64_t new_tokens = 0;
+    // Printed in prompt order: a prompt that finishes early waits for those before it.
+    std::map<int, std::string> ready;
+    int printed = 0;
+    auto finished = [&](int index, const std::vector<int>& out, uint64_t reused) {
+      const size_t n = prompts[index].size();
+      new_tokens += out.size() - n;
+      char head[256];
+      std::snprintf(head, sizeof head,
+                    "{\"prompt\": %d, \"prompt_tokens\": %zu, \"reused_tokens\": %llu, \"new_tokens\": %zu, \"ms\": %.1f, \"text\": ",
+                    index, n, static_cast<unsigned long long>(reused), out.size() - n, ms_since(t0));
+      ready[index] = head + json_string(tok.decode(std::vector<int>(out.begin() + 1, out.end()))) + "}";
+      for (auto it = ready.find(printed); it != ready.end(); it = ready.find(printed)) {
+        std::printf("%s\n", it->second.c_str());
+        ready.erase(it);
+        ++printed;
+      }
+      std::fflush(stdout);
+    };
+    if (cache) {
+      generate_batched(*cache, context, prompts, batch, o, seed, finished);
+    } else {
+      for (int i = 0; i < static_cast<int>(prompts.size()); ++i) {
+        Rng own(prompt_seed(seed, i));
+        finished(i, generate(*lm.model, context, prompts[i], o, own), 0);
+      }
+    }
+    const double ms = ms_since(t0);
+    std::fprintf(stderr, "keel generate: %zu prompts, batch %d: %llu new tokens in %.1f ms (%.1f tokens/s)\n", prompts.size(),
+                 batch, static_cast<unsigned long long>(new_tokens), ms, ms > 0 ? 1000.0 * static_cast<double>(new_tokens) / ms : 0.0);
     if (cache) std::fprintf(stderr, "keel generate: %s\n", cache->summary().c_str());
     return 0;
   }
@@ -811,7 +845,7 @@ int run(int argc, char** argv) {
       {"train", {"--config", "--set"}},
       {"tokenize", {"--input", "--out", "--vocab-size", "--val-fraction", "--seed", "--tokenizer"}},
       {"eval", {"--checkpoint", "--llmc", "--llama2c", "--hf", "--data", "--batch", "--seq", "--batches", "--set"}},
-      {"generate", {"--checkpoint", "--llmc", "--llama2c", "--hf", "--prompt", "--prompts", "--tokens", "--temperature", "--top-k",
+      {"generate", {"--checkpoint", "--llmc", "--llama2c", "--hf", "--prompt", "--prompts", "--batch", "--tokens", "--temperature", "--top-k",
                     "--seed", "--tokenizer", "--samples", "--set"}},
       {"score", {"--checkpoint", "--llmc", "--llama2c", "--hf", "--documents", "--tokenizer", "--set"}},
       {"export", {"--checkpoint", "--out", "--format", "--tokenizer", "--hf"}},
