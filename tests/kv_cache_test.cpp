@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <set>
 #include <sstream>
@@ -376,6 +377,66 @@ TEST(KvCache, ScoresTheLicencesWithReuse) {
   EXPECT_GT(summary.at("reused_tokens").get<int64_t>(), 5000);
   EXPECT_GT(summary.at("saved_ms").get<double>(), 0.0);
   std::printf("%s\n", summary.dump().c_str());
+  // --batch 5: windows scored side by side give each document the same loss.
+  const testing::CommandResult s5 = testing::run_keel("score --checkpoint " + ckpt +
+                                                      " --documents /usr/share/common-licenses --set generate.kv_block=32 --batch 5");
+  ASSERT_EQ(s5.exit_code, 0) << s5.output;
+  std::istringstream lines5(s5.output);
+  size_t compared = 0;
+  for (std::string line; std::getline(lines5, line);) {
+    if (line.empty() || line[0] != '{') continue;
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains("event")) continue;
+    const nlohmann::json& one = docs.at(std::filesystem::path(j.at("document").get<std::string>()).filename().string());
+    EXPECT_EQ(j.at("tokens"), one.at("tokens"));
+    EXPECT_NEAR(j.at("loss").get<double>(), one.at("loss").get<double>(), 1e-5) << line;
+    ++compared;
+  }
+  EXPECT_EQ(compared, docs.size());
+  // keel generate --prompts --batch: each prompt's sampled text whatever the batch.
+  {
+    std::ofstream prompts(d + "/prompts.txt");
+    for (const char* p : {"This License", "the GNU General Public License", "You may", "Copyright (C) 2007 Free Software",
+                          "Permission is granted", "THE SOFTWARE"}) {
+      prompts << p << "\n";
+    }
+  }
+  std::vector<std::string> texts;
+  for (int batch : {1, 4, 6}) {
+    const testing::CommandResult g = testing::run_keel("generate --checkpoint " + ckpt + " --prompts " + d +
+                                                       "/prompts.txt --tokens 12 --temperature 0.9 --top-k 5 --batch " + std::to_string(batch));
+    ASSERT_EQ(g.exit_code, 0) << g.output;
+    std::istringstream glines(g.output);
+    std::string all;
+    int index = 0;
+    for (std::string line; std::getline(glines, line);) {
+      if (line.empty() || line[0] != '{') continue;
+      const nlohmann::json j = nlohmann::json::parse(line);
+      EXPECT_EQ(j.at("prompt").get<int>(), index++);
+      all += j.at("text").get<std::string>() + "\n";
+    }
+    EXPECT_EQ(index, 6) << g.output;
+    texts.push_back(all);
+  }
+  EXPECT_EQ(texts[1], texts[0]);
+  EXPECT_EQ(texts[2], texts[0]);
+  {
+    std::ofstream empty(d + "/empty.txt");
+  }
+  const testing::CommandResult no_prompt = testing::run_keel("generate --checkpoint " + ckpt + " --prompts " + d + "/empty.txt");
+  EXPECT_NE(no_prompt.exit_code, 0);
+  EXPECT_NE(no_prompt.output.find("holds no prompt"), std::string::npos) << no_prompt.output;
+  const testing::CommandResult zero = testing::run_keel("generate --checkpoint " + ckpt + " --prompts " + d + "/prompts.txt --batch 0");
+  EXPECT_NE(zero.exit_code, 0);
+  EXPECT_NE(zero.output.find("--batch expected >= 1"), std::string::npos) << zero.output;
+  {
+    std::ofstream longer(d + "/long.txt");
+    for (int i = 0; i < 200; ++i) longer << "the GNU General Public License ";
+    longer << "\n";
+  }
+  const testing::CommandResult too_long = testing::run_keel("generate --checkpoint " + ckpt + " --prompts " + d + "/long.txt");
+  EXPECT_NE(too_long.exit_code, 0);
+  EXPECT_NE(too_long.output.find("is longer than the model's context of 256 tokens"), std::string::npos) << too_long.output;
   // Bad input: one line, non-zero exit.
   const testing::CommandResult bad = testing::run_keel("score --checkpoint " + ckpt + " --documents " + d + "/missing");
   EXPECT_NE(bad.exit_code, 0);
