@@ -6,7 +6,7 @@ static batches with left padding) on the same model (Keel's checkpoint exported 
 
   bench/.venv/bin/python bench/batched_generation.py [--steps 10] [--tokens 64] [--prompts 32]
 
-The model: llama-d4 with a 512-token BPE, trained briefly on /usr/share/common-licenses (speed,
+The model: llama-d4 with a 512-token BPE (model.vocab_size = 512: every sampled id decodes), trained briefly on /usr/share/common-licenses (speed,
 not quality, is measured), context 1024. The prompts: the first lines of 40+ characters of the
 licences (up to 200 characters each), so their lengths differ. Greedy. Keel's figure is its own
 count of new tokens over the generation's time (model load excluded: the `tokens/s` line on
@@ -44,7 +44,7 @@ def main():
     load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as d:
         run("tokenize", "--input", LICENCES, "--out", f"{d}/data", "--vocab-size", "512", env=env)
-        run("train", "--set", "model.preset=llama-d4", "--set", "model.max_seq_len=1024", "--set", "train.seq_len=256",
+        run("train", "--set", "model.preset=llama-d4", "--set", "model.vocab_size=512", "--set", "model.max_seq_len=1024", "--set", "train.seq_len=256",
             "--set", "train.batch_size=4", "--set", f"train.steps={args.steps}", "--set", "train.sample_tokens=0",
             "--set", "train.eval_every=0", "--set", "train.eval_batches=1", "--set", f"data.train={d}/data/train.bin",
             "--set", f"data.val={d}/data/val.bin", "--set", f"data.tokenizer={d}/data/tokenizer.json",
@@ -89,7 +89,7 @@ def main():
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(2)
-        model = AutoModelForCausalLM.from_pretrained(f"{d}/hf", torch_dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(f"{d}/hf", dtype=torch.float32).eval()
         vocab = model.config.vocab_size
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(1, vocab, (n,), generator=g) for n in lengths]
