@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <set>
 #include <sstream>
@@ -31,7 +32,8 @@ struct Model {
 
 // A model whose logits are far from uniform (weights scaled up), so greedy choices have margins
 // well above float rounding.
-Model make_model(const std::string& preset, const std::string& window = "", int n_kv_head = 0, int T = 96) {
+Model make_model(const std::string& preset, const std::string& window = "", int n_kv_head = 0, int T = 96,
+                 bool bf16 = false) {
   Config c;
   c.model.preset = preset;
   c.model.vocab_size = 96;
@@ -43,7 +45,9 @@ Model make_model(const std::string& preset, const std::string& window = "", int 
   Model m;
   m.config = c.model;
   m.store = std::make_unique<ChunkStore>(1 << 20);
-  m.gpt = std::make_unique<GPT>(m.config, *m.store);
+  m.gpt = bf16 ? std::make_unique<GPT>(m.config, *m.store, std::vector<LayerRange>{}, false,
+                                       MathMode::uniform(MatmulPrecision::bf16))
+              : std::make_unique<GPT>(m.config, *m.store);
   m.store->finalize();
   m.gpt->init_weights(11);
   for (float& w : m.store->range_view(Plane::param, 0, m.store->numel())) w *= 4.0f;
@@ -120,6 +124,111 @@ TEST_P(KvCacheModels, GreedyCachedGenerationGivesTheUncachedTokens) {
   EXPECT_EQ(cached, uncached);
   // Not a degenerate repetition: the model's choices vary.
   EXPECT_GT(std::set<int>(uncached.begin() + 13, uncached.end()).size(), 5u);
+}
+
+// Packed passes (several sequences side by side, KvCache::extend_many) leave each sequence as
+// extending it alone does: the same log-likelihoods and last logits, to within float rounding.
+TEST_P(KvCacheModels, PackedPassesMatchSequencesAlone) {
+  const Case& k = GetParam();
+  Model m = make_model(k.preset, k.window, k.n_kv_head);
+  std::vector<std::vector<int>> docs;
+  for (int i = 0; i < 5; ++i) docs.push_back(random_tokens(7 + 17 * i, 96, 20 + i));
+  for (int chunk : {5, 96}) {
+    KvCacheOptions o;
+    o.block_tokens = 16;
+    o.prefill_chunk = chunk;
+    o.cache_bytes = 64 << 20;
+    KvCache alone(*m.gpt, o), packed(*m.gpt, o);
+    std::vector<std::unique_ptr<KvCache::Sequence>> a, p;
+    std::vector<KvCache::Extension> ext;
+    for (const auto& d : docs) {
+      a.push_back(alone.open());
+      alone.extend(*a.back(), d);
+      p.push_back(packed.open());
+      ext.push_back(KvCache::Extension{p.back().get(), d});
+    }
+    packed.extend_many(ext);
+    for (size_t i = 0; i < docs.size(); ++i) {
+      ASSERT_EQ(p[i]->tokens(), docs[i]);
+      for (size_t t = 1; t < docs[i].size(); ++t) {
+        ASSERT_NEAR(p[i]->nll()[t], a[i]->nll()[t], 2e-4 * (1 + std::abs(a[i]->nll()[t]))) << "chunk " << chunk << " doc " << i;
+      }
+      for (int v = 0; v < 96; ++v) ASSERT_NEAR(p[i]->last_logits()[v], a[i]->last_logits()[v], 2e-4 * (1 + std::abs(a[i]->last_logits()[v])));
+    }
+    // One token more for each, side by side (a decode step), as alone.
+    ext.clear();
+    const std::vector<int> more = random_tokens(5, 96, 9);
+    for (size_t i = 0; i < docs.size(); ++i) {
+      alone.extend(*a[i], std::span<const int>(&more[i], 1));
+      ext.push_back(KvCache::Extension{p[i].get(), std::span<const int>(&more[i], 1)});
+    }
+    packed.extend_many(ext);
+    for (size_t i = 0; i < docs.size(); ++i) {
+      const size_t t = docs[i].size();
+      ASSERT_NEAR(p[i]->nll()[t], a[i]->nll()[t], 2e-4 * (1 + std::abs(a[i]->nll()[t])));
+      for (int v = 0; v < 96; ++v) ASSERT_NEAR(p[i]->last_logits()[v], a[i]->last_logits()[v], 2e-4 * (1 + std::abs(a[i]->last_logits()[v])));
+    }
+  }
+}
+
+// Batched generation (continuous batching) gives each prompt the tokens generate_cached gives it
+// alone with Rng(prompt_seed(seed, i)): greedy and sampled, float32 and bf16, batches smaller and
+// larger than the prompt count, prompts of different lengths that stop at different times and
+// run past the context (so that sequences start again from their most recent half).
+TEST_P(KvCacheModels, BatchedGenerationGivesEachPromptItsTokensAlone) {
+  const Case& k = GetParam();
+  for (bool bf16 : {false, true}) {
+    Model m = make_model(k.preset, k.window, k.n_kv_head, 96, bf16);
+    std::vector<std::vector<int>> prompts;
+    for (int i = 0; i < 7; ++i) prompts.push_back(random_tokens(3 + 6 * i, 96, 40 + i));
+    const int context = 48;
+    for (double temperature : {0.0, 0.9}) {
+      SampleOptions o;
+      o.max_new_tokens = 30;
+      o.temperature = temperature;
+      o.top_k = 20;
+      o.stop_token = 7;
+      KvCacheOptions ko;
+      ko.block_tokens = 16;
+      ko.cache_bytes = 32 << 20;
+      std::vector<std::vector<int>> want;
+      {
+        KvCache cache(*m.gpt, ko);
+        for (int i = 0; i < 7; ++i) {
+          Rng rng(prompt_seed(5, i));
+          want.push_back(generate_cached(cache, context, prompts[i], o, rng));
+        }
+      }
+      std::set<size_t> lengths;
+      for (const auto& w : want) lengths.insert(w.size());
+      EXPECT_GT(lengths.size(), 2u) << "the prompts should finish at different lengths";
+      for (int batch : {1, 3, 7, 16}) {
+        KvCache cache(*m.gpt, ko);
+        std::vector<std::vector<int>> got(7);
+        std::vector<int> order;
+        generate_batched(cache, context, prompts, batch, o, 5, [&](int i, const std::vector<int>& t, uint64_t) {
+          got.at(i) = t;
+          order.push_back(i);
+        });
+        ASSERT_EQ(order.size(), 7u);
+        for (int i = 0; i < 7; ++i) {
+          EXPECT_EQ(got[i], want[i]) << "prompt " << i << " batch " << batch << " temperature " << temperature << " bf16 " << bf16;
+        }
+      }
+    }
+  }
+}
+
+TEST(KvCache, BatchedGenerationRefusesBadInput) {
+  Model m = make_model("tiny");
+  KvCacheOptions ko;
+  ko.cache_bytes = 16 << 20;
+  KvCache cache(*m.gpt, ko);
+  SampleOptions o;
+  auto none = [](int, const std::vector<int>&, uint64_t) {};
+  EXPECT_THROW(generate_batched(cache, 48, {random_tokens(5, 96, 1)}, 0, o, 1, none), Error);
+  EXPECT_THROW(generate_batched(cache, 48, {random_tokens(49, 96, 1)}, 2, o, 1, none), Error);
+  EXPECT_THROW(generate_batched(cache, 48, {std::vector<int>{}}, 2, o, 1, none), Error);
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, KvCacheModels,
@@ -268,6 +377,66 @@ TEST(KvCache, ScoresTheLicencesWithReuse) {
   EXPECT_GT(summary.at("reused_tokens").get<int64_t>(), 5000);
   EXPECT_GT(summary.at("saved_ms").get<double>(), 0.0);
   std::printf("%s\n", summary.dump().c_str());
+  // --batch 5: windows scored side by side give each document the same loss.
+  const testing::CommandResult s5 = testing::run_keel("score --checkpoint " + ckpt +
+                                                      " --documents /usr/share/common-licenses --set generate.kv_block=32 --batch 5");
+  ASSERT_EQ(s5.exit_code, 0) << s5.output;
+  std::istringstream lines5(s5.output);
+  size_t compared = 0;
+  for (std::string line; std::getline(lines5, line);) {
+    if (line.empty() || line[0] != '{') continue;
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains("event")) continue;
+    const nlohmann::json& one = docs.at(std::filesystem::path(j.at("document").get<std::string>()).filename().string());
+    EXPECT_EQ(j.at("tokens"), one.at("tokens"));
+    EXPECT_NEAR(j.at("loss").get<double>(), one.at("loss").get<double>(), 1e-5) << line;
+    ++compared;
+  }
+  EXPECT_EQ(compared, docs.size());
+  // keel generate --prompts --batch: each prompt's sampled text whatever the batch.
+  {
+    std::ofstream prompts(d + "/prompts.txt");
+    for (const char* p : {"This License", "the GNU General Public License", "You may", "Copyright (C) 2007 Free Software",
+                          "Permission is granted", "THE SOFTWARE"}) {
+      prompts << p << "\n";
+    }
+  }
+  std::vector<std::string> texts;
+  for (int batch : {1, 4, 6}) {
+    const testing::CommandResult g = testing::run_keel("generate --checkpoint " + ckpt + " --prompts " + d +
+                                                       "/prompts.txt --tokens 12 --temperature 0.9 --top-k 5 --batch " + std::to_string(batch));
+    ASSERT_EQ(g.exit_code, 0) << g.output;
+    std::istringstream glines(g.output);
+    std::string all;
+    int index = 0;
+    for (std::string line; std::getline(glines, line);) {
+      if (line.empty() || line[0] != '{') continue;
+      const nlohmann::json j = nlohmann::json::parse(line);
+      EXPECT_EQ(j.at("prompt").get<int>(), index++);
+      all += j.at("text").get<std::string>() + "\n";
+    }
+    EXPECT_EQ(index, 6) << g.output;
+    texts.push_back(all);
+  }
+  EXPECT_EQ(texts[1], texts[0]);
+  EXPECT_EQ(texts[2], texts[0]);
+  {
+    std::ofstream empty(d + "/empty.txt");
+  }
+  const testing::CommandResult no_prompt = testing::run_keel("generate --checkpoint " + ckpt + " --prompts " + d + "/empty.txt");
+  EXPECT_NE(no_prompt.exit_code, 0);
+  EXPECT_NE(no_prompt.output.find("holds no prompt"), std::string::npos) << no_prompt.output;
+  const testing::CommandResult zero = testing::run_keel("generate --checkpoint " + ckpt + " --prompts " + d + "/prompts.txt --batch 0");
+  EXPECT_NE(zero.exit_code, 0);
+  EXPECT_NE(zero.output.find("--batch expected >= 1"), std::string::npos) << zero.output;
+  {
+    std::ofstream longer(d + "/long.txt");
+    for (int i = 0; i < 200; ++i) longer << "the GNU General Public License ";
+    longer << "\n";
+  }
+  const testing::CommandResult too_long = testing::run_keel("generate --checkpoint " + ckpt + " --prompts " + d + "/long.txt");
+  EXPECT_NE(too_long.exit_code, 0);
+  EXPECT_NE(too_long.output.find("is longer than the model's context of 256 tokens"), std::string::npos) << too_long.output;
   // Bad input: one line, non-zero exit.
   const testing::CommandResult bad = testing::run_keel("score --checkpoint " + ckpt + " --documents " + d + "/missing");
   EXPECT_NE(bad.exit_code, 0);

@@ -76,16 +76,19 @@ commands:
   eval      --checkpoint DIR | --llmc FILE.bin | --llama2c FILE.bin | --hf DIR  [--data SHARD] [--batch B] [--seq T] [--batches N]
             [--set model.rope_scaling=linear|ntk --set model.rope_factor=F --set model.max_seq_len=T]
             Validation loss and perplexity; a llama model past its trained length with RoPE scaling.
-  generate  --checkpoint DIR [--prompt TEXT | --prompts FILE] [--tokens N] [--temperature X] [--top-k K]
+  generate  --checkpoint DIR [--prompt TEXT | --prompts FILE [--batch B]] [--tokens N] [--temperature X] [--top-k K]
             [--seed S] [--tokenizer FILE] [--set generate.key=value ...]
             Sample text from a checkpoint, over a KV cache (generate.kv_cache = false: without).
             --prompts FILE (or - for standard input): one prompt per line, one JSON line each (text, prompt tokens, tokens
-            reused from the cache's shared prefixes, ms), then the cache's summary on stderr.
-  score     --checkpoint DIR --documents DIR [--tokenizer FILE] [--set generate.key=value ...]
+            reused from the cache's shared prefixes, ms since the start), in prompt order, then the cache's summary
+            on stderr. --batch B: B prompts at a time over the cache (continuous batching); prompt i samples
+            with seed S + i whatever B.
+  score     --checkpoint DIR --documents DIR [--batch B] [--tokenizer FILE] [--set generate.key=value ...]
             Per-document loss of every file under DIR (sorted; longer than the context: scored in
             consecutive windows), through the KV cache: documents that share a prefix (whole
             blocks of generate.kv_block tokens) reuse its keys, values and losses. One JSON line
-            per document, then a summary line (reuse hits, tokens reused, time saved).
+            per document, then a summary line (reuse hits, tokens reused, time saved). --batch B: B
+            windows scored side by side in each pass.
   export    --checkpoint DIR --out FILE.bin [--format llmc|llama2c]
             Write the model in llm.c's GPT-2 format or llama2.c's format (default: the family's).
   export    --checkpoint DIR --hf OUT_DIR [--max-shard-size SIZE]
@@ -470,6 +473,9 @@ int cmd_generate(const Args& a) {
   };
   if (a.has("--prompts")) {
     const std::string path = a.get("--prompts");
+    const int batch = static_cast<int>(a.get_int("--batch", 1));
+    check(batch >= 1, "generate: --batch expected >= 1, found " + std::to_string(batch));
+    check(cache || batch == 1, "generate: --batch above 1 needs the KV cache (generate.kv_cache = true)");
     // "-": prompts from standard input (a pipe), the one place a stream is asked for by name;
     // a path must be a regular file (a FIFO there would block, see open_regular_file).
     std::string text;
@@ -482,20 +488,49 @@ int cmd_generate(const Args& a) {
     }
     std::istringstream lines(text);
     std::string line;
-    int index = 0;
+    std::vector<std::vector<int>> prompts;
     while (std::getline(lines, line)) {
       if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-      const std::vector<int> prompt = encode(line);
-      uint64_t reused = 0;
-      const auto t0 = std::chrono::steady_clock::now();
-      const std::vector<int> out = run(prompt, &reused);
-      const double ms = ms_since(t0);
-      std::printf("{\"prompt\": %d, \"prompt_tokens\": %zu, \"reused_tokens\": %llu, \"new_tokens\": %zu, \"ms\": %.1f, \"text\": %s}\n",
-                  index++, prompt.size(), static_cast<unsigned long long>(reused), out.size() - prompt.size(), ms,
-                  json_string(tok.decode(std::vector<int>(out.begin() + 1, out.end()))).c_str());
-      std::fflush(stdout);
+      prompts.push_back(encode(line));
+      check(static_cast<int>(prompts.back().size()) <= context,
+            "generate: --prompts " + path + ": prompt " + std::to_string(prompts.size() - 1) + " (" +
+                std::to_string(prompts.back().size()) + " tokens) is longer than the model's context of " +
+                std::to_string(context) + " tokens");
     }
-    check(index > 0, "generate: --prompts " + path + " holds no prompt (one per line)");
+    check(!prompts.empty(), "generate: --prompts " + path + " holds no prompt (one per line)");
+    // Prompt i samples with Rng(--seed + i) (runtime/generate.h prompt_seed), whatever --batch.
+    const uint64_t seed = static_cast<uint64_t>(a.get_int("--seed", 42));
+    const auto t0 = std::chrono::steady_clock::now();
+    uint64_t new_tokens = 0;
+    // Printed in prompt order: a prompt that finishes early waits for those before it.
+    std::map<int, std::string> ready;
+    int printed = 0;
+    auto finished = [&](int index, const std::vector<int>& out, uint64_t reused) {
+      const size_t n = prompts[index].size();
+      new_tokens += out.size() - n;
+      char head[256];
+      std::snprintf(head, sizeof head,
+                    "{\"prompt\": %d, \"prompt_tokens\": %zu, \"reused_tokens\": %llu, \"new_tokens\": %zu, \"ms\": %.1f, \"text\": ",
+                    index, n, static_cast<unsigned long long>(reused), out.size() - n, ms_since(t0));
+      ready[index] = head + json_string(tok.decode(std::vector<int>(out.begin() + 1, out.end()))) + "}";
+      for (auto it = ready.find(printed); it != ready.end(); it = ready.find(printed)) {
+        std::printf("%s\n", it->second.c_str());
+        ready.erase(it);
+        ++printed;
+      }
+      std::fflush(stdout);
+    };
+    if (cache) {
+      generate_batched(*cache, context, prompts, batch, o, seed, finished);
+    } else {
+      for (int i = 0; i < static_cast<int>(prompts.size()); ++i) {
+        Rng own(prompt_seed(seed, i));
+        finished(i, generate(*lm.model, context, prompts[i], o, own), 0);
+      }
+    }
+    const double ms = ms_since(t0);
+    std::fprintf(stderr, "keel generate: %zu prompts, batch %d: %llu new tokens in %.1f ms (%.1f tokens/s)\n", prompts.size(),
+                 batch, static_cast<unsigned long long>(new_tokens), ms, ms > 0 ? 1000.0 * static_cast<double>(new_tokens) / ms : 0.0);
     if (cache) std::fprintf(stderr, "keel generate: %s\n", cache->summary().c_str());
     return 0;
   }
@@ -530,30 +565,72 @@ int cmd_score(const Args& a) {
   KvCache cache(*lm.model, KvCacheOptions::from(g));
   double total_nll = 0, total_ms = 0;
   uint64_t total_targets = 0, total_tokens = 0, total_reused = 0;
-  for (const std::string& file : files) {
-    std::vector<int> tokens = {tok.document_token()};
-    const std::vector<int> ids = tok.encode(read_text_file(file));
-    tokens.insert(tokens.end(), ids.begin(), ids.end());
-    const auto t0 = std::chrono::steady_clock::now();
+  const int batch = static_cast<int>(a.get_int("--batch", 1));
+  check(batch >= 1, "score: --batch expected >= 1, found " + std::to_string(batch));
+  // The documents' windows (consecutive, `context` tokens each), scored `batch` at a time side by
+  // side (KvCache::extend_many); a document is printed once its last window is scored.
+  struct Doc {
+    std::vector<int> tokens;
     double nll = 0;
     uint64_t targets = 0, reused = 0;
-    for (size_t w = 0; w < tokens.size(); w += static_cast<size_t>(context)) {  // consecutive windows
-      const size_t n = std::min(tokens.size() - w, static_cast<size_t>(context));
+    size_t windows = 0, scored = 0;
+    std::chrono::steady_clock::time_point start;
+    bool started = false;
+  };
+  std::vector<Doc> docs(files.size());
+  struct Window {
+    size_t doc, at, n;
+  };
+  std::vector<Window> windows;
+  for (size_t d = 0; d < files.size(); ++d) {
+    docs[d].tokens = {tok.document_token()};
+    const std::vector<int> ids = tok.encode(read_text_file(files[d]));
+    docs[d].tokens.insert(docs[d].tokens.end(), ids.begin(), ids.end());
+    for (size_t w = 0; w < docs[d].tokens.size(); w += static_cast<size_t>(context)) {
+      const size_t n = std::min(docs[d].tokens.size() - w, static_cast<size_t>(context));
       if (n < 2) break;
-      auto seq = cache.open();
-      cache.extend(*seq, std::span<const int>(tokens).subspan(w, n));
-      for (size_t p = 1; p < n; ++p) nll += seq->nll()[p];
-      targets += n - 1;
-      reused += seq->reused_tokens();
+      windows.push_back(Window{d, w, n});
+      docs[d].windows++;
     }
-    const double ms = ms_since(t0);
-    check(targets > 0, "score: " + file + " holds too little text to score");
-    check(std::isfinite(nll), "score: the loss is not finite on " + file);
-    std::printf("{\"document\": %s, \"tokens\": %zu, \"loss\": %.6f, \"reused_tokens\": %llu, \"ms\": %.1f}\n",
-                json_string(file).c_str(), tokens.size(), nll / static_cast<double>(targets),
-                static_cast<unsigned long long>(reused), ms);
-    std::fflush(stdout);
-    total_nll += nll, total_targets += targets, total_tokens += tokens.size(), total_reused += reused, total_ms += ms;
+  }
+  size_t next_print = 0;
+  auto print_ready = [&]() {
+    for (; next_print < docs.size() && docs[next_print].scored == docs[next_print].windows; ++next_print) {
+      Doc& doc = docs[next_print];
+      const std::string& file = files[next_print];
+      const double ms = doc.started ? ms_since(doc.start) : 0.0;
+      check(doc.targets > 0, "score: " + file + " holds too little text to score");
+      check(std::isfinite(doc.nll), "score: the loss is not finite on " + file);
+      std::printf("{\"document\": %s, \"tokens\": %zu, \"loss\": %.6f, \"reused_tokens\": %llu, \"ms\": %.1f}\n",
+                  json_string(file).c_str(), doc.tokens.size(), doc.nll / static_cast<double>(doc.targets),
+                  static_cast<unsigned long long>(doc.reused), ms);
+      std::fflush(stdout);
+      total_nll += doc.nll, total_targets += doc.targets, total_tokens += doc.tokens.size(), total_reused += doc.reused;
+      total_ms += ms;
+    }
+  };
+  print_ready();  // documents too short for a window: refused in order
+  for (size_t g = 0; g < windows.size(); g += static_cast<size_t>(batch)) {
+    const size_t end = std::min(windows.size(), g + static_cast<size_t>(batch));
+    std::vector<std::unique_ptr<KvCache::Sequence>> seqs;
+    std::vector<KvCache::Extension> ext;
+    for (size_t i = g; i < end; ++i) {
+      Doc& doc = docs[windows[i].doc];
+      if (!doc.started) doc.start = std::chrono::steady_clock::now(), doc.started = true;
+      seqs.push_back(cache.open());
+      ext.push_back(KvCache::Extension{seqs.back().get(), std::span<const int>(doc.tokens).subspan(windows[i].at, windows[i].n)});
+    }
+    cache.extend_many(ext);
+    for (size_t i = g; i < end; ++i) {
+      Doc& doc = docs[windows[i].doc];
+      const KvCache::Sequence& seq = *seqs[i - g];
+      for (size_t p = 1; p < windows[i].n; ++p) doc.nll += seq.nll()[p];
+      doc.targets += windows[i].n - 1;
+      doc.reused += seq.reused_tokens();
+      doc.scored++;
+    }
+    seqs.clear();
+    print_ready();
   }
   const KvCacheStats& st = cache.stats();
   // Time saved: the reused tokens at the measured cost of a computed one.
@@ -853,9 +930,9 @@ int run(int argc, char** argv) {
       {"train", {"--config", "--set"}},
       {"tokenize", {"--input", "--out", "--vocab-size", "--val-fraction", "--seed", "--tokenizer"}},
       {"eval", {"--checkpoint", "--llmc", "--llama2c", "--hf", "--data", "--batch", "--seq", "--batches", "--set"}},
-      {"generate", {"--checkpoint", "--llmc", "--llama2c", "--hf", "--prompt", "--prompts", "--tokens", "--temperature", "--top-k",
+      {"generate", {"--checkpoint", "--llmc", "--llama2c", "--hf", "--prompt", "--prompts", "--batch", "--tokens", "--temperature", "--top-k",
                     "--seed", "--tokenizer", "--samples", "--set"}},
-      {"score", {"--checkpoint", "--llmc", "--llama2c", "--hf", "--documents", "--tokenizer", "--set"}},
+      {"score", {"--checkpoint", "--llmc", "--llama2c", "--hf", "--documents", "--batch", "--tokenizer", "--set"}},
       {"export", {"--max-shard-size", "--checkpoint", "--out", "--format", "--tokenizer", "--hf"}},
       {"import", {"--llmc", "--llama2c", "--hf", "--out", "--set"}},
       {"checkpoints", {"--dir", "--verify"}},

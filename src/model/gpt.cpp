@@ -47,14 +47,29 @@ class Embedding final : public Layer {
   void forward(const Batch& b, const float*, float* x_out) override {
     const PageLease use = store_.use_layer(m_.layer_base, {Plane::param});
     const int pos0 = b.kv ? b.kv->pos0() : 0;
-    if (wpe_ >= 0 && pos0 + b.T > m_.max_seq_len) {
+    const bool packed = b.kv != nullptr && b.kv->positions() != nullptr;  // checked row by row below
+    if (wpe_ >= 0 && !packed && pos0 + b.T > m_.max_seq_len) {
       throw Error("the model's position table ends at " + std::to_string(m_.max_seq_len) + " tokens: position " +
                   std::to_string(pos0 + b.T - 1) + " asked for");
     }
     if (tp_) {
+      check(!b.kv || b.kv->positions() == nullptr, "model: a packed KV-cached pass over a tensor-parallel embedding is not built");
       vocab_parallel_embedding_forward(*tp_, x_out, b, store_.data(wte_, Plane::param),
                                        wpe_ >= 0 ? store_.data(wpe_, Plane::param) : nullptr, pos0, rows_, vocab_begin_,
                                        m_.n_embd);
+      return;
+    }
+    if (const int* pos = b.kv ? b.kv->positions() : nullptr) {  // a packed pass: each row at its own position
+      check(b.B == 1, "model: a packed KV-cached pass runs as one batch row");
+      const int C = m_.n_embd;
+      for (int r = 0; r < b.T; ++r) {
+        if (wpe_ >= 0 && pos[r] >= m_.max_seq_len) {
+          throw Error("the model's position table ends at " + std::to_string(m_.max_seq_len) + " tokens: position " +
+                      std::to_string(pos[r]) + " asked for");
+        }
+        const float* wpe = wpe_ >= 0 ? store_.data(wpe_, Plane::param) + static_cast<int64_t>(pos[r]) * C : nullptr;
+        ops::encoder_forward(x_out + static_cast<int64_t>(r) * C, b.inputs + r, store_.data(wte_, Plane::param), wpe, 1, 1, C);
+      }
       return;
     }
     const float* wpe = wpe_ >= 0 ? store_.data(wpe_, Plane::param) + static_cast<int64_t>(pos0) * m_.n_embd : nullptr;

@@ -12,6 +12,9 @@ class KvContext {
   virtual ~KvContext() = default;
   // Position of the first new token (the batch's T tokens are positions pos0 .. pos0 + T - 1).
   virtual int pos0() const = 0;
+  // A packed pass (several sequences' new tokens side by side in one pass of T rows, batched
+  // generation): the position of each of the T rows. Null (the default): rows pos0 .. pos0 + T - 1.
+  virtual const int* positions() const { return nullptr; }
   // Block `block` (0-based transformer block) of the model: stores the keys and values of the n
   // new tokens (columns C .. of qkv[n, ldq], after RoPE where the family has it) in the cache and
   // writes out[n, C] = causal attention of their queries (columns 0 .. C - 1) over every cached

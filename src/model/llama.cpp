@@ -90,8 +90,15 @@ class LlamaBlock final : public Layer {
     ops::rmsnorm_forward(n1, rstd1_, x, P(layout::attn_norm_w), N, C);
     n1_.seal(n1, NC);
     ops::linear_forward(math_.forward, qkv_, n1_.read(), W(layout::llama_qkv_w), none, N, C, QKV_);
-    ops::rope_forward(qkv_, b.B, b.T, NH_, KVH_, m_.head_size(), m_.rope_base(), b.kv ? b.kv->pos0() : 0, false,
-                      m_.rope_position_scale());
+    if (const int* pos = b.kv ? b.kv->positions() : nullptr) {  // a packed pass: each row at its own position
+      for (int r = 0; r < N; ++r) {
+        ops::rope_forward(qkv_ + static_cast<int64_t>(r) * QKV_, 1, 1, NH_, KVH_, m_.head_size(), m_.rope_base(), pos[r],
+                          false, m_.rope_position_scale());
+      }
+    } else {
+      ops::rope_forward(qkv_, b.B, b.T, NH_, KVH_, m_.head_size(), m_.rope_base(), b.kv ? b.kv->pos0() : 0, false,
+                        m_.rope_position_scale());
+    }
     if (first) model_detail::probe_attention(probe_, b, qkv_, A_, NH_, KVH_, tp_ ? tp_->rank() * NH_ : 0);
     attend(b);
     float* o = scratch_;  // [N, C], consumed at once by the residual

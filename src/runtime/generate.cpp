@@ -71,4 +71,81 @@ std::vector<int> generate_cached(KvCache& cache, int context, std::vector<int> p
   return prompt;
 }
 
+void generate_batched(KvCache& cache, int context, const std::vector<std::vector<int>>& prompts, int batch,
+                      const SampleOptions& o, uint64_t seed,
+                      const std::function<void(int, const std::vector<int>&, uint64_t)>& done) {
+  check(batch >= 1, "generate: --batch expected >= 1, found " + std::to_string(batch));
+  check(context >= 2, "generate: a context of at least 2 tokens is needed, found " + std::to_string(context));
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    check(!prompts[i].empty(), "generate: prompt " + std::to_string(i) + " encodes to no tokens");
+    check(static_cast<int>(prompts[i].size()) <= context, "generate: prompt " + std::to_string(i) + " (" +
+                                                              std::to_string(prompts[i].size()) +
+                                                              " tokens) is longer than the context of " +
+                                                              std::to_string(context) + " tokens");
+  }
+  struct Running {
+    int index = -1;
+    std::vector<int> tokens;  // the prompt, then what was sampled
+    std::unique_ptr<KvCache::Sequence> seq;
+    Rng rng;
+    int made = 0;
+    uint64_t reused = 0;
+    std::vector<int> pending;  // to append in the next pass
+    bool first = true;         // pending is the prompt
+  };
+  std::vector<Running> running;
+  size_t next_prompt = 0;
+  std::vector<KvCache::Extension> pass;
+  while (true) {
+    // Admit prompts into free places.
+    while (static_cast<int>(running.size()) < batch && next_prompt < prompts.size()) {
+      Running r;
+      r.index = static_cast<int>(next_prompt);
+      r.tokens = prompts[next_prompt];
+      r.seq = cache.open();
+      r.rng = Rng(prompt_seed(seed, r.index));
+      r.pending = r.tokens;
+      ++next_prompt;
+      running.push_back(std::move(r));
+    }
+    if (running.empty()) break;
+    pass.clear();
+    for (Running& r : running) pass.push_back(KvCache::Extension{r.seq.get(), r.pending});
+    cache.extend_many(pass);
+    // Sample each sequence's next token; finished ones leave, in prompt order of their places.
+    std::vector<Running> still;
+    for (Running& r : running) {
+      if (r.first) {
+        r.reused = r.seq->reused_tokens();
+        r.first = false;
+      }
+      bool finished = o.max_new_tokens == 0;
+      if (!finished) {
+        const std::vector<float>& logits = r.seq->last_logits();
+        const int next = sample_next(logits.data(), static_cast<int>(logits.size()), o, r.rng);
+        r.tokens.push_back(next);
+        ++r.made;
+        finished = next == o.stop_token || r.made == o.max_new_tokens;
+        if (!finished) {
+          if (r.seq->length() + 1 > context) {  // full: start again from the most recent half (as generate_cached)
+            r.seq.reset();
+            r.seq = cache.open();
+            const size_t keep = static_cast<size_t>(context / 2);
+            r.pending.assign(r.tokens.end() - static_cast<std::ptrdiff_t>(keep), r.tokens.end());
+          } else {
+            r.pending.assign(1, next);
+          }
+        }
+      }
+      if (finished) {
+        r.seq.reset();  // its blocks go back to the pool before the next prompt takes its place
+        done(r.index, r.tokens, r.reused);
+      } else {
+        still.push_back(std::move(r));
+      }
+    }
+    running = std::move(still);
+  }
+}
+
 }  // namespace keel

@@ -2,6 +2,7 @@
 // re-running the whole window for every new token or over a KV cache (runtime/kv_cache.h).
 #pragma once
 
+#include <functional>
 #include <vector>
 
 #include "core/rng.h"
@@ -29,6 +30,19 @@ std::vector<int> generate(GPT& model, int allocated_T, std::vector<int> prompt, 
 // given, receives the prompt tokens taken from the cache.
 std::vector<int> generate_cached(KvCache& cache, int context, std::vector<int> prompt, const SampleOptions& options,
                                  Rng& rng, uint64_t* reused = nullptr);
+
+// Batched generation over a KV cache (continuous batching): up to `batch` sequences at once, each
+// step one pass over every running sequence's next token (new prompts' prefills packed beside
+// them, KvCache::extend_many); a finished sequence's place goes to the next prompt at once.
+// Prompt i samples with its own Rng(prompt_seed(seed, i)), so that it gets the tokens
+// generate_cached gives it alone with that rng, whatever the batch and the other prompts (to
+// within float rounding of the packed passes). `done(i, tokens, reused)` is called as prompt i
+// finishes (prompts finish out of order). Prompts must be non-empty and at most `context` tokens.
+void generate_batched(KvCache& cache, int context, const std::vector<std::vector<int>>& prompts, int batch,
+                      const SampleOptions& options, uint64_t seed,
+                      const std::function<void(int index, const std::vector<int>& tokens, uint64_t reused)>& done);
+// The seed of prompt `index` in a batched run seeded `seed`: seed + index.
+inline uint64_t prompt_seed(uint64_t seed, int index) { return seed + static_cast<uint64_t>(index); }
 
 // The next token from logits[V]: greedy at temperature 0, else sampled from the top-k (ties broken
 // by token id).

@@ -210,6 +210,42 @@ void KvCache::seal(Sequence& s, int block, const float* logits_row) {
 
 void KvCache::extend(Sequence& s, std::span<const int> tokens) {
   check(!tokens.empty(), "KV cache: extend by no tokens");
+  size_t at = reuse(s, tokens);
+  while (at < tokens.size()) {
+    const size_t n = std::min<size_t>(tokens.size() - at, static_cast<size_t>(max_pass_));
+    compute(s, tokens.subspan(at, n));
+    at += n;
+  }
+}
+
+void KvCache::extend_many(std::span<const Extension> extensions) {
+  std::vector<size_t> at(extensions.size());
+  for (size_t i = 0; i < extensions.size(); ++i) {
+    check(!extensions[i].tokens.empty(), "KV cache: extend by no tokens");
+    for (size_t j = 0; j < i; ++j) check(extensions[j].sequence != extensions[i].sequence, "KV cache: a sequence extended twice in one pass");
+    at[i] = reuse(*extensions[i].sequence, extensions[i].tokens);
+  }
+  // Passes of up to max_pass_ rows: each sequence's remaining tokens in order, the sequences in turn.
+  size_t next = 0;
+  while (true) {
+    std::vector<Extension> pass;
+    int rows = 0;
+    for (size_t k = 0; k < extensions.size() && rows < max_pass_; ++k) {
+      const size_t i = (next + k) % extensions.size();
+      const size_t left = extensions[i].tokens.size() - at[i];
+      if (left == 0) continue;
+      const size_t n = std::min<size_t>(left, static_cast<size_t>(max_pass_ - rows));
+      pass.push_back(Extension{extensions[i].sequence, extensions[i].tokens.subspan(at[i], n)});
+      at[i] += n;
+      rows += static_cast<int>(n);
+      if (at[i] < extensions[i].tokens.size()) next = i;  // a sequence cut short opens the next pass
+    }
+    if (pass.empty()) break;
+    compute_packed(pass);
+  }
+}
+
+size_t KvCache::reuse(Sequence& s, std::span<const int> tokens) {
   const int kb = options_.block_tokens;
   size_t at = 0;
   // Whole blocks from the radix tree while the sequence ends on a block boundary.
@@ -235,11 +271,75 @@ void KvCache::extend(Sequence& s, std::span<const int> tokens) {
       at += kb;
     }
   }
-  while (at < tokens.size()) {
-    const size_t n = std::min<size_t>(tokens.size() - at, static_cast<size_t>(max_pass_));
-    compute(s, tokens.subspan(at, n));
-    at += n;
+  return at;
+}
+
+void KvCache::compute_packed(std::span<const Extension> parts) {
+  if (parts.size() == 1) {  // one sequence: the plain pass
+    compute(*parts[0].sequence, parts[0].tokens);
+    return;
   }
+  const auto t0 = std::chrono::steady_clock::now();
+  const int kb = options_.block_tokens;
+  const int V = model_.config().vocab_size, Vp = model_.config().padded_vocab_size;
+  Packed packed;
+  packed.parts.assign(parts.begin(), parts.end());
+  packed.out_stride = model_.config().n_embd;
+  std::vector<int> inputs, p0s;
+  for (const Extension& e : parts) {
+    Sequence& s = *e.sequence;
+    const int p0 = s.length(), n = static_cast<int>(e.tokens.size());
+    p0s.push_back(p0);
+    s.nll_.push_back(p0 == 0 ? 0.0f : nll_of(s.last_logits_.data(), V, e.tokens[0]));
+    s.tokens_.insert(s.tokens_.end(), e.tokens.begin(), e.tokens.end());
+    while (static_cast<int>(s.slots_.size()) * kb < p0 + n) {
+      s.slots_.push_back(take_slot());
+      s.nodes_.push_back(-1);
+    }
+    inputs.insert(inputs.end(), e.tokens.begin(), e.tokens.end());
+    for (int r = 0; r < n; ++r) packed.pos.push_back(p0 + r);
+  }
+  check(static_cast<int>(inputs.size()) <= max_pass_, "KV cache: a packed pass longer than prefill_chunk");
+  if (tiers_) tiers_->begin_step(false);
+  model_.forward(Batch{inputs.data(), nullptr, 1, static_cast<int>(inputs.size()), 0.0f, &packed});
+  const float* logits = model_.logits();
+  int row = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    Sequence& s = *parts[i].sequence;
+    const std::span<const int> tokens = parts[i].tokens;
+    const int p0 = p0s[i], n = static_cast<int>(tokens.size());
+    const float* mine = logits + static_cast<int64_t>(row) * Vp;
+    for (int r = 0; r + 1 < n; ++r) {
+      s.nll_.push_back(nll_of(mine + static_cast<int64_t>(r) * Vp, V, tokens[r + 1]));
+    }
+    const float* last = mine + static_cast<int64_t>(n - 1) * Vp;
+    s.last_logits_.assign(last, last + V);
+    if (options_.prefix_reuse) {
+      for (int b = p0 / kb; b < (p0 + n) / kb; ++b) {
+        if (s.nodes_[b] >= 0) continue;
+        if (b > 0 && s.nodes_[b - 1] < 0) break;  // sealed blocks extend sealed blocks only
+        seal(s, b, mine + static_cast<int64_t>((b + 1) * kb - 1 - p0) * Vp);
+      }
+    }
+    row += n;
+    stats_.tokens += n;
+    stats_.computed_tokens += n;
+  }
+  stats_.compute_ms += ms_since(t0);
+}
+
+void KvCache::Packed::attend(MatmulPrecision precision, int block, const float* qkv, int ldq, float* out, int n,
+                             int window) {
+  int row = 0;
+  for (const Extension& e : parts) {
+    Sequence& s = *e.sequence;
+    const int m = static_cast<int>(e.tokens.size());
+    s.pos0_ = pos[row];
+    s.attend(precision, block, qkv + static_cast<int64_t>(row) * ldq, ldq, out + static_cast<int64_t>(row) * out_stride, m,
+             window);
+    row += m;
+  }
+  check(row == n, "KV cache: a packed pass's rows do not match its parts");
 }
 
 void KvCache::compute(Sequence& s, std::span<const int> tokens) {

@@ -104,6 +104,18 @@ class KvCache {
   };
 
   std::unique_ptr<Sequence> open();
+  // What extend_many() appends to one sequence.
+  struct Extension {
+    Sequence* sequence;
+    std::span<const int> tokens;  // non-empty
+  };
+  // Appends to several distinct sequences at once (batched generation): each first takes whole
+  // blocks from the radix tree as extend() does, then their remaining tokens are packed side by
+  // side into passes of up to prefill_chunk tokens in all (a sequence's tokens in order, split
+  // over passes when they do not fit), so that B sequences' next tokens cost one pass of B rows.
+  // Each sequence ends as extend() would leave it, to within float rounding (each row is the same
+  // products over the same cached keys).
+  void extend_many(std::span<const Extension> extensions);
   // Appends `tokens` (non-empty) to the sequence: whole blocks found in the radix tree are taken
   // from it (while the sequence ends on a block boundary), the rest is computed in passes of up
   // to prefill_chunk tokens. Throws keel::Error when the pool has no free slot left, or the
@@ -136,6 +148,18 @@ class KvCache {
   void release_node(int node);
   void seal(Sequence& s, int block, const float* logits_row);
   void compute(Sequence& s, std::span<const int> tokens);
+  size_t reuse(Sequence& s, std::span<const int> tokens);
+  void compute_packed(std::span<const Extension> parts);
+  // The context of a packed pass: each part's rows attend over their own sequence's blocks.
+  class Packed final : public KvContext {
+   public:
+    std::vector<Extension> parts;
+    std::vector<int> pos;  // per row
+    int pos0() const override { return pos.empty() ? 0 : pos[0]; }
+    const int* positions() const override { return pos.data(); }
+    void attend(MatmulPrecision precision, int block, const float* qkv, int ldq, float* out, int n, int window) override;
+    int out_stride = 0;
+  };
   int chunk_of(int layer, int slot) const { return layer * slots_ + slot; }
   void close(Sequence& s);
 
