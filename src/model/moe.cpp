@@ -13,7 +13,6 @@ namespace keel {
 MoeFeedForward::MoeFeedForward(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids,
                                MathMode math)
     : store_(store),
-      layer_(layer),
       math_(math),
       C_(m.n_embd),
       E_(m.moe_experts),

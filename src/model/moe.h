@@ -71,7 +71,6 @@ class MoeFeedForward {
 
  private:
   ChunkStore& store_;
-  int layer_;
   MathMode math_;
   int C_, E_, K_, Hm_, S_;  // width, experts, top-k, expert units, shared units (0: none)
   double capacity_factor_, aux_weight_;
