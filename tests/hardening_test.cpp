@@ -486,7 +486,7 @@ TEST_F(Hardening, ResumeAutoSkipsAnotherRunsCheckpointCopiedIntoThisRun) {
     const std::string run_id = read_run_id(dir / run);
     const CommandResult r = train(run, args + "--set train.steps=8 --set train.resume=auto", ranks);
     ASSERT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_EQ(lines_with(r.output, "keel: checkpoint skipped: checkpoint " + at(run, 6) + ": written by run " + b_id +
+    EXPECT_EQ(lines_with(r.output, "keel: checkpoint rejected: checkpoint " + at(run, 6) + ": written by run " + b_id +
                                        ", not by this directory's run " + run_id),
               1)
         << r.output;

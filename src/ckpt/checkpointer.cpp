@@ -183,7 +183,7 @@ std::optional<TrainState> Checkpointer::resume() {
         last_why = "checkpoint " + candidates[i] + ": written by run " + writer + ", not by this directory's run " +
                    run_dir_.run_id() + " (another run's checkpoint is resumed only by naming it in train.resume, " +
                    "into its own train.run_dir); not resumed";
-        if (comm_.is_root()) rejections.push_back("keel: checkpoint skipped: " + last_why);
+        if (comm_.is_root()) rejections.push_back("keel: checkpoint rejected: " + last_why);
         continue;
       }
     }
