@@ -69,6 +69,10 @@ std::string clip(const json& j) {
   return s.size() > 60 ? s.substr(0, 57) + "..." : s;
 }
 
+// Field `key` of object `o` for a message, clipped ("none" when absent). A message is built before
+// the check that needs it decides: a const json's operator[] on a missing key is undefined.
+std::string clip_field(const json& o, const char* key) { return o.contains(key) ? clip(o.at(key)) : "none"; }
+
 // A compiled pattern of the file, run by ICU. \s and \S take Oniguruma's Unicode meaning.
 class Pattern {
  public:
@@ -333,9 +337,9 @@ void HfTokenizer::Impl::read_model(const json& m) {
   const std::string type = m.value("type", std::string("BPE"));
   check(type == "BPE", at + ".type: expected \"BPE\", found \"" + type + "\" (unsupported model type)");
   check(!m.contains("dropout") || m["dropout"].is_null() || (m["dropout"].is_number() && m["dropout"].get<double>() == 0),
-        at + ".dropout: expected null (dropout is for training), found " + clip(m["dropout"]));
+        at + ".dropout: expected null (dropout is for training), found " + clip_field(m, "dropout"));
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
-    check(!m.contains(key) || m[key].is_null() || m[key] == "", at + "." + key + ": expected null, found " + clip(m[key]));
+    check(!m.contains(key) || m[key].is_null() || m[key] == "", at + "." + key + ": expected null, found " + clip_field(m, key));
   }
   byte_fallback = m.value("byte_fallback", false);
   fuse_unk = m.value("fuse_unk", false);
