@@ -207,9 +207,11 @@ void Trainer::print_startup(double moments_mb) {
               peaks_.peak_gflops, peaks_.how.c_str(), peaks_.sgemm_how.c_str(), peaks_.sgemm_gflops, blas_core().c_str());
   if (config_.runtime.precision == Precision::bf16) {
     const double sgemm_gflops = peaks_.sgemm_gflops / groups_.world().size();  // rank 0's
-    std::printf("keel: precision bf16: matrix products with bf16 operands, %s: probe %.1f GFLOP/s, SGEMM %.1f; "
-                "master weights, gradients and AdamW in float32\n",
-                bf16_engine().c_str(), peaks_.bf16_gflops, sgemm_gflops);
+    // (The training state's dtypes, runtime.param_dtype / grad_dtype, are said by the bf16-state line.)
+    const bool fp32_state = config_.runtime.param_dtype == StateDtype::fp32 && config_.runtime.grad_dtype == StateDtype::fp32;
+    std::printf("keel: precision bf16: matrix products with bf16 operands, %s: probe %.1f GFLOP/s, SGEMM %.1f; %s\n",
+                bf16_engine().c_str(), peaks_.bf16_gflops, sgemm_gflops,
+                fp32_state ? "master weights, gradients and AdamW in float32" : "training state: see the bf16 state line");
     if (const std::string warning = bf16_slower_warning(peaks_.bf16_gflops, sgemm_gflops); !warning.empty()) {
       std::printf("%s\n", warning.c_str());
     }
