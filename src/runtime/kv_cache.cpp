@@ -280,50 +280,25 @@ void KvCache::compute_packed(std::span<const Extension> parts) {
     return;
   }
   const auto t0 = std::chrono::steady_clock::now();
-  const int kb = options_.block_tokens;
-  const int V = model_.config().vocab_size, Vp = model_.config().padded_vocab_size;
+  const int Vp = model_.config().padded_vocab_size;
   Packed packed;
   packed.parts.assign(parts.begin(), parts.end());
   packed.out_stride = model_.config().n_embd;
   std::vector<int> inputs, p0s;
   for (const Extension& e : parts) {
-    Sequence& s = *e.sequence;
-    const int p0 = s.length(), n = static_cast<int>(e.tokens.size());
+    const int p0 = begin_extension(*e.sequence, e.tokens);
     p0s.push_back(p0);
-    s.nll_.push_back(p0 == 0 ? 0.0f : nll_of(s.last_logits_.data(), V, e.tokens[0]));
-    s.tokens_.insert(s.tokens_.end(), e.tokens.begin(), e.tokens.end());
-    while (static_cast<int>(s.slots_.size()) * kb < p0 + n) {
-      s.slots_.push_back(take_slot());
-      s.nodes_.push_back(-1);
-    }
     inputs.insert(inputs.end(), e.tokens.begin(), e.tokens.end());
-    for (int r = 0; r < n; ++r) packed.pos.push_back(p0 + r);
+    for (int r = 0; r < static_cast<int>(e.tokens.size()); ++r) packed.pos.push_back(p0 + r);
   }
   check(static_cast<int>(inputs.size()) <= max_pass_, "KV cache: a packed pass longer than prefill_chunk");
   if (tiers_) tiers_->begin_step(false);
   model_.forward(Batch{inputs.data(), nullptr, 1, static_cast<int>(inputs.size()), 0.0f, &packed});
   const float* logits = model_.logits();
-  int row = 0;
+  int64_t row = 0;
   for (size_t i = 0; i < parts.size(); ++i) {
-    Sequence& s = *parts[i].sequence;
-    const std::span<const int> tokens = parts[i].tokens;
-    const int p0 = p0s[i], n = static_cast<int>(tokens.size());
-    const float* mine = logits + static_cast<int64_t>(row) * Vp;
-    for (int r = 0; r + 1 < n; ++r) {
-      s.nll_.push_back(nll_of(mine + static_cast<int64_t>(r) * Vp, V, tokens[r + 1]));
-    }
-    const float* last = mine + static_cast<int64_t>(n - 1) * Vp;
-    s.last_logits_.assign(last, last + V);
-    if (options_.prefix_reuse) {
-      for (int b = p0 / kb; b < (p0 + n) / kb; ++b) {
-        if (s.nodes_[b] >= 0) continue;
-        if (b > 0 && s.nodes_[b - 1] < 0) break;  // sealed blocks extend sealed blocks only
-        seal(s, b, mine + static_cast<int64_t>((b + 1) * kb - 1 - p0) * Vp);
-      }
-    }
-    row += n;
-    stats_.tokens += n;
-    stats_.computed_tokens += n;
+    finish_extension(*parts[i].sequence, parts[i].tokens, p0s[i], logits + row * Vp);
+    row += static_cast<int64_t>(parts[i].tokens.size());
   }
   stats_.compute_ms += ms_since(t0);
 }
@@ -342,22 +317,22 @@ void KvCache::Packed::attend(MatmulPrecision precision, int block, const float* 
   check(row == n, "KV cache: a packed pass's rows do not match its parts");
 }
 
-void KvCache::compute(Sequence& s, std::span<const int> tokens) {
-  const auto t0 = std::chrono::steady_clock::now();
+int KvCache::begin_extension(Sequence& s, std::span<const int> tokens) {
   const int kb = options_.block_tokens, n = static_cast<int>(tokens.size());
-  const int V = model_.config().vocab_size, Vp = model_.config().padded_vocab_size;
   const int p0 = s.length();
   // The first new token's log-likelihood comes from the logits after the last one.
-  s.nll_.push_back(p0 == 0 ? 0.0f : nll_of(s.last_logits_.data(), V, tokens[0]));
+  s.nll_.push_back(p0 == 0 ? 0.0f : nll_of(s.last_logits_.data(), model_.config().vocab_size, tokens[0]));
   s.tokens_.insert(s.tokens_.end(), tokens.begin(), tokens.end());
   while (static_cast<int>(s.slots_.size()) * kb < p0 + n) {
     s.slots_.push_back(take_slot());
     s.nodes_.push_back(-1);
   }
-  s.pos0_ = p0;
-  if (tiers_) tiers_->begin_step(false);
-  model_.forward(Batch{s.tokens_.data() + p0, nullptr, 1, n, 0.0f, &s});
-  const float* logits = model_.logits();
+  return p0;
+}
+
+void KvCache::finish_extension(Sequence& s, std::span<const int> tokens, int p0, const float* logits) {
+  const int kb = options_.block_tokens, n = static_cast<int>(tokens.size());
+  const int V = model_.config().vocab_size, Vp = model_.config().padded_vocab_size;
   for (int r = 0; r + 1 < n; ++r) s.nll_.push_back(nll_of(logits + static_cast<int64_t>(r) * Vp, V, tokens[r + 1]));
   const float* last = logits + static_cast<int64_t>(n - 1) * Vp;
   s.last_logits_.assign(last, last + V);
@@ -370,6 +345,15 @@ void KvCache::compute(Sequence& s, std::span<const int> tokens) {
   }
   stats_.tokens += n;
   stats_.computed_tokens += n;
+}
+
+void KvCache::compute(Sequence& s, std::span<const int> tokens) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const int p0 = begin_extension(s, tokens);
+  s.pos0_ = p0;
+  if (tiers_) tiers_->begin_step(false);
+  model_.forward(Batch{s.tokens_.data() + p0, nullptr, 1, static_cast<int>(tokens.size()), 0.0f, &s});
+  finish_extension(s, tokens, p0, model_.logits());
   stats_.compute_ms += ms_since(t0);
 }
 

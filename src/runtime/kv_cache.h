@@ -148,6 +148,12 @@ class KvCache {
   void release_node(int node);
   void seal(Sequence& s, int block, const float* logits_row);
   void compute(Sequence& s, std::span<const int> tokens);
+  // Before a pass computes `tokens` of `s` (alone or packed): the first token's log-likelihood from
+  // the logits after the last one, the tokens recorded, blocks taken. Returns the first position.
+  int begin_extension(Sequence& s, std::span<const int> tokens);
+  // After it: the log-likelihoods from the pass's rows `logits` (`s`'s, first at position p0), the
+  // last row's logits kept, full blocks sealed for reuse, the statistics counted.
+  void finish_extension(Sequence& s, std::span<const int> tokens, int p0, const float* logits);
   size_t reuse(Sequence& s, std::span<const int> tokens);
   void compute_packed(std::span<const Extension> parts);
   // The context of a packed pass: each part's rows attend over their own sequence's blocks.
