@@ -195,6 +195,7 @@ TEST_P(HfModel, ExportThenImportIsBitExact) {
 
 INSTANTIATE_TEST_SUITE_P(Models, HfModel, ::testing::Values("gpt2", "llama"));
 
+
 // The F16 and BF16 files hold the F32 weights rounded (to nearest even): imported, each weight is
 // its F32 original rounded the same way.
 TEST(HfModelDtypes, HalfAndBfloat16FilesImportAsTheRoundedWeights) {
@@ -335,6 +336,115 @@ TEST(HfCli, BadDirectoriesAreRefusedInOneLineNamingFileAndField) {
   }
 }
 
+// Rope scaling as transformers 5 writes it (rope_parameters), "llama3" (per-frequency) and "linear":
+// Keel's logits over 32 positions (past llama3's original_max_position_embeddings of 16) equal
+// transformers'; without the scaling they would not.
+class HfRope : public ::testing::TestWithParam<const char*> {};
+
+double worst_logit_error(Imported& m, const json& want) {
+  const int B = want.at("B"), T = want.at("T");
+  const std::vector<int> inputs = want.at("inputs"), targets = want.at("targets");
+  const std::vector<double> logits = want.at("logits");
+  m.model->allocate(B, T);
+  m.model->forward(Batch{inputs.data(), targets.data(), B, T, 0.0f});
+  const float* got = m.model->logits();
+  const int V = m.config.vocab_size, Vp = m.config.padded_vocab_size;
+  double worst = 0;
+  for (int i = 0; i < B * T; ++i) {
+    for (int v = 0; v < V; ++v) worst = std::max(worst, std::abs(got[i * Vp + v] - logits[i * V + v]));
+  }
+  return worst;
+}
+
+TEST_P(HfRope, LogitsEqualTransformers) {
+  const std::string name = GetParam();
+  const json want = json::parse(read_text_file(fixture("rope_expected.json"))).at(name);
+  Imported m = import_fixture(fixture(name));
+  EXPECT_EQ(m.config.rope_scaling, name == "llama_rope_llama3" ? RopeScaling::llama3 : RopeScaling::linear);
+  EXPECT_LT(worst_logit_error(m, want), 1e-5) << name;
+  // The same weights with plain RoPE: far off.
+  testing::TempDir dir("keel-hf-rope");
+  const std::string plain = copy_fixture(dir, name);
+  json c = json::parse(read_text_file(plain + "/config.json"));
+  c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", c["rope_parameters"]["rope_theta"]}};
+  testing::write_text(plain + "/config.json", c.dump());
+  Imported p = import_fixture(plain);
+  EXPECT_EQ(p.config.rope_scaling, RopeScaling::none);
+  EXPECT_GT(worst_logit_error(p, want), 1e-2) << name;
+}
+
+// Older files: rope_scaling ({"type": ...} or {"rope_type": ...}) beside rope_theta read the same.
+TEST_P(HfRope, OlderRopeScalingKeyReadsTheSame) {
+  const std::string name = GetParam();
+  const ModelConfig want = read_hf_model_config(fixture(name));
+  for (const char* type_key : {"type", "rope_type"}) {
+    testing::TempDir dir("keel-hf-rope-old");
+    const std::string d = copy_fixture(dir, name);
+    json c = json::parse(read_text_file(d + "/config.json"));
+    json rs = c["rope_parameters"];
+    c["rope_theta"] = rs["rope_theta"];
+    rs.erase("rope_theta");
+    rs.erase("rope_type");
+    rs[type_key] = name == "llama_rope_llama3" ? "llama3" : "linear";
+    c.erase("rope_parameters");
+    c["rope_scaling"] = rs;
+    testing::write_text(d + "/config.json", c.dump());
+    const ModelConfig got = read_hf_model_config(d);
+    EXPECT_EQ(got.rope_scaling, want.rope_scaling) << type_key;
+    EXPECT_EQ(got.rope_factor, want.rope_factor) << type_key;
+    EXPECT_EQ(got.rope_theta, want.rope_theta) << type_key;
+    EXPECT_EQ(got.rope_frequencies(), want.rope_frequencies()) << type_key;
+  }
+}
+
+// Export writes rope_parameters back: the directory imports to the same model, bit for bit.
+TEST_P(HfRope, ExportThenImportKeepsTheScaling) {
+  const std::string name = GetParam();
+  const Imported m = import_fixture(fixture(name));
+  testing::TempDir dir("keel-hf-rope-export");
+  export_hf(dir / "out", *m.store, m.config);
+  const json c = json::parse(read_text_file(dir / "out/config.json"));
+  EXPECT_EQ(c.at("rope_parameters").at("rope_type"), name == "llama_rope_llama3" ? "llama3" : "linear");
+  const Imported again = import_fixture(dir / "out");
+  EXPECT_EQ(again.config.rope_frequencies(), m.config.rope_frequencies());
+  EXPECT_EQ(again.config.rope_scaling, m.config.rope_scaling);
+  EXPECT_EQ(again.config.rope_factor, m.config.rope_factor);
+  const std::vector<float> a = params(*m.store), b = params(*again.store);
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Scaling, HfRope, ::testing::Values("llama_rope_llama3", "llama_rope_linear"));
+
+TEST(HfRopeBad, UnsupportedRopeTypesAreRefusedNamingTheField) {
+  testing::TempDir dir("keel-hf-rope-bad");
+  const std::string d = copy_fixture(dir, "llama_rope_llama3");
+  const json good = json::parse(read_text_file(d + "/config.json"));
+  const struct {
+    std::function<void(json&)> damage;
+    std::string expected;
+  } cases[] = {
+      {[](json& c) { c["rope_parameters"]["rope_type"] = "yarn"; },
+       "field rope_parameters.rope_type: expected \"default\", \"linear\" or \"llama3\", found \"yarn\""},
+      {[](json& c) { c["rope_parameters"].erase("low_freq_factor"); }, "field rope_parameters.low_freq_factor: expected a number"},
+      {[](json& c) { c["rope_parameters"]["factor"] = 0.5; }, "field rope_parameters.factor: expected >= 1"},
+      {[](json& c) { c["rope_parameters"]["attention_factor"] = 2.0; }, "field rope_parameters.attention_factor: expected 1"},
+      {[](json& c) {
+         c.erase("rope_parameters");
+         c["rope_scaling"] = {{"type", "dynamic"}, {"factor", 2.0}};
+       },
+       "field rope_scaling.rope_type: expected \"default\", \"linear\" or \"llama3\", found \"dynamic\""},
+  };
+  for (const auto& c : cases) {
+    json j = good;
+    c.damage(j);
+    testing::write_text(d + "/config.json", j.dump());
+    const std::string e = testing::error_of([&] { read_hf_model_config(d); });
+    EXPECT_NE(e.find(c.expected), std::string::npos) << "expected '" << c.expected << "', got: " << e;
+    EXPECT_NE(e.find("config.json"), std::string::npos) << e;
+  }
+}
+
 // --- tokenizer.json --------------------------------------------------------------------------------
 
 std::string from_hex(const std::string& hex) {
@@ -377,6 +487,59 @@ TEST_P(HfTokenizerShapes, DecodeGivesTheTextBack) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, HfTokenizerShapes, ::testing::Values("gpt2", "llama3", "llama2"));
 
+// The features newer tokenizer.json files use (tests/reference/hf/tokenizers/features/: the
+// Metaspace pre-tokenizer's prepend schemes and split, ByteLevel's add_prefix_space, added tokens'
+// lstrip, rstrip, single_word and normalized): the library's ids and its decoding of them.
+class HfTokenizerFeatures : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(HfTokenizerFeatures, IdsAndDecodingEqualTheTokenizersLibrary) {
+  const std::string name = GetParam();
+  const HfTokenizer tok = HfTokenizer::load(fixture("tokenizers/features/" + name + ".json"));
+  const json want = json::parse(read_text_file(fixture("tokenizers/features_expected.json")));
+  const json& ids = want.at("ids").at(name);
+  for (const auto& [licence, sha] : want.at("licences").items()) {
+    const std::string text = read_text_file("/usr/share/common-licenses/" + licence);
+    EXPECT_EQ(tok.encode(text), ids.at(licence).get<std::vector<int>>())
+        << name << " on " << licence << " (features_expected.json was made from the file of sha256 " << sha << ")";
+  }
+  const std::vector<std::string> hostile = want.at("hostile");
+  for (size_t i = 0; i < hostile.size(); ++i) {
+    const std::string key = "hostile/" + std::to_string(i);
+    const std::vector<int> got = tok.encode(from_hex(hostile[i]));
+    EXPECT_EQ(got, ids.at(key).get<std::vector<int>>()) << name << " on hostile text " << i;
+    EXPECT_EQ(tok.decode(ids.at(key).get<std::vector<int>>()), want.at("decoded").at(name).at(key).get<std::string>())
+        << name << " decoding hostile text " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Features, HfTokenizerFeatures,
+                         ::testing::Values("metaspace_first", "metaspace_always_split", "metaspace_never_split",
+                                           "gpt2_prefix_space", "added_options", "added_normalized"));
+
+// The fuzz target's inputs (its seed corpus and the inputs that once failed) through the reader as
+// fuzz_hf_tokenizer runs them: read or refused with a keel::Error, ids inside the vocabulary.
+TEST(HfTokenizer, FuzzInputsAreReadOrRefusedCleanly) {
+  int files = 0;
+  for (const std::string dir : {"fuzz/corpus/fuzz_hf_tokenizer", "fuzz/regressions/fuzz_hf_tokenizer",
+                                "tests/reference/hf/tokenizers/features"}) {
+    for (const auto& entry : fs::directory_iterator(testing::source_path(dir))) {
+      ++files;
+      const std::string text = read_text_file(entry.path().string());
+      try {
+        const HfTokenizer t = HfTokenizer::parse(text, "fuzz");
+        for (const char* s : {"Hello, world! It's 42.", "\xff\xfe \xe2\x82 caf\xc3\xa9 \xf0\x9f\x98\x80", "  \n\t<s>x"}) {
+          const std::vector<int> ids = t.encode(s);
+          for (int id : ids) EXPECT_TRUE(id >= 0 && id < t.vocab_size()) << entry.path() << ": id " << id;
+          t.decode(ids);
+        }
+      } catch (const Error& e) {
+        EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << entry.path();
+      }
+    }
+  }
+  EXPECT_GE(files, 10);
+}
+
 TEST(HfTokenizer, InvalidUtf8IsReplacedAsPythonReplacesIt) {
   const std::string r = "\xEF\xBF\xBD";
   EXPECT_EQ(utf8_replace_invalid("caf\xC3\xA9 \xF0\x9F\x98\x80"), "caf\xC3\xA9 \xF0\x9F\x98\x80");
@@ -397,9 +560,14 @@ TEST(HfTokenizer, UnsupportedFilesAreRefusedInOneLineNamingTheField) {
   } cases[] = {
       {[](json& j) { j["model"]["type"] = "WordPiece"; }, "field model.type: expected \"BPE\", found \"WordPiece\""},
       {[](json& j) { j["model"]["dropout"] = 0.1; }, "field model.dropout: expected null"},
-      {[](json& j) { j["pre_tokenizer"] = {{"type", "Whitespace"}}; }, "field pre_tokenizer.type: expected Sequence, Split or ByteLevel"},
+      {[](json& j) { j["pre_tokenizer"] = {{"type", "Whitespace"}}; },
+       "field pre_tokenizer.type: expected Sequence, Split, ByteLevel or Metaspace"},
+      {[](json& j) { j["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", "\u2581"}, {"prepend_scheme", "sometimes"}}; },
+       "field pre_tokenizer.prepend_scheme: expected always, first or never"},
+      {[](json& j) { j["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", "ab"}}; },
+       "field pre_tokenizer.replacement: expected one character"},
       {[](json& j) { j["normalizer"] = {{"type", "Lowercase"}}; }, "field normalizer.type"},
-      {[](json& j) { j["added_tokens"][0]["lstrip"] = true; }, "field added_tokens[0].lstrip: expected false"},
+      {[](json& j) { j["added_tokens"][0]["lstrip"] = "yes"; }, "field added_tokens[0].lstrip: expected true or false"},
       {[](json& j) { j["model"]["merges"][0] = {"Ġ", "not-a-token"}; }, "field model.merges[0]"},
       {[](json& j) { j["pre_tokenizer"] = {{"type", "Split"}, {"pattern", {{"Regex", "(unclosed"}}}, {"behavior", "Isolated"}}; },
        "field pre_tokenizer.pattern: pattern \"(unclosed\" does not compile"},
@@ -606,6 +774,69 @@ TEST(HfText, GreedyGenerationDecodesWithTheTokenizer) {
       testing::run_keel("generate --hf " + fixture("llama") + " --tokenizer " + fixture("tokenizers/llama2.json") + common);
   EXPECT_EQ(big.exit_code, 2) << big.output;
   EXPECT_NE(big.output.find("tokenizers/llama2.json: vocabulary 959 exceeds the model's 300"), std::string::npos) << big.output;
+}
+
+// Generation ends at the model's eos_token_id as transformers finds it: generation_config.json,
+// else config.json, else tokenizer_config.json's eos_token; `keel import` records it
+// (generate.stop_tokens), export writes it back. The fixture's greedy continuation is
+// llama_text_expected.json's; the eos is made one of its first tokens.
+TEST(HfText, GenerationStopsAtTheModelsEosToken) {
+  testing::TempDir dir("keel-hf-eos");
+  const json want = text_expected();
+  const std::vector<int> seq = want.at("generated");
+  const HfTokenizer tok = HfTokenizer::load(fixture("llama_text/tokenizer.json"));
+  const int prompt_tokens = 1 + static_cast<int>(tok.encode(want.at("prompt").get<std::string>()).size());
+  {
+    std::ofstream(dir / "prompts.txt") << want.at("prompt").get<std::string>() << "\n";
+  }
+  const std::string common = " --prompts " + (dir / "prompts.txt") + " --temperature 0 --tokens 24";
+  auto new_tokens = [&](const std::string& model) {
+    const testing::CommandResult r = testing::run_keel("generate " + model + common);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    const json out = first_json_line(r.output);
+    if (out.is_null()) return -1;
+    const int n = out.at("new_tokens").get<int>();
+    // The text is the greedy tokens up to and with the eos, decoded.
+    EXPECT_EQ(out.at("text").get<std::string>(),
+              tok.decode(std::vector<int>(seq.begin() + 1, seq.begin() + prompt_tokens + n)))
+        << model;
+    return n;
+  };
+  const int second = seq[prompt_tokens + 1], third = seq[prompt_tokens + 2];
+  const std::string d = copy_fixture(dir, "llama_text");
+  json config = json::parse(read_text_file(d + "/config.json"));
+  config["eos_token_id"] = second;
+  testing::write_text(d + "/config.json", config.dump());
+  EXPECT_EQ(new_tokens("--hf " + d), 2);  // config.json
+  testing::write_text(d + "/generation_config.json", json{{"eos_token_id", {third, 299}}}.dump());
+  EXPECT_EQ(new_tokens("--hf " + d), 3);  // generation_config.json first
+  // Imported: recorded in the checkpoint; exported: config.json's eos_token_id.
+  ASSERT_EQ(testing::run_keel("import --hf " + d + " --out " + (dir / "ckpt")).exit_code, 0);
+  EXPECT_EQ(new_tokens("--checkpoint " + (dir / "ckpt")), 3);
+  EXPECT_EQ(new_tokens("--checkpoint " + (dir / "ckpt") + " --set generate.stop_tokens=" + std::to_string(second)), 2);
+  ASSERT_EQ(testing::run_keel("export --checkpoint " + (dir / "ckpt") + " --hf " + (dir / "back")).exit_code, 0);
+  EXPECT_EQ(json::parse(read_text_file(dir / "back/config.json")).at("eos_token_id"), json({third, 299}));
+  // Neither config names one: tokenizer_config.json's eos_token (its text) in tokenizer.json.
+  fs::remove(d + "/generation_config.json");
+  config.erase("eos_token_id");
+  testing::write_text(d + "/config.json", config.dump());
+  const json tj = json::parse(read_text_file(d + "/tokenizer.json"));
+  std::string first_text;
+  for (const auto& [text, id] : tj.at("model").at("vocab").items()) {
+    if (id.get<int>() == seq[prompt_tokens]) first_text = text;
+  }
+  ASSERT_FALSE(first_text.empty());
+  testing::write_text(d + "/tokenizer_config.json", json{{"eos_token", {{"content", first_text}}}}.dump());
+  EXPECT_EQ(new_tokens("--hf " + d), 1);
+  // None at all: the 24 tokens, as before.
+  fs::remove(d + "/tokenizer_config.json");
+  EXPECT_EQ(new_tokens("--hf " + d), 24);
+  // A bad value: one line naming the file and field.
+  testing::write_text(d + "/generation_config.json", R"({"eos_token_id": "two"})");
+  const testing::CommandResult bad = testing::run_keel("generate --hf " + d + common);
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("generation_config.json: field eos_token_id: expected token ids"), std::string::npos) << bad.output;
+  EXPECT_EQ(testing::count_lines(bad.output), 1) << bad.output;
 }
 
 }  // namespace

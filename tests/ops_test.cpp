@@ -505,6 +505,30 @@ TEST(Ops, RopePositionScaleMultipliesPositions) {
   for (int j = 0; j < width; ++j) EXPECT_NEAR(a[j], b[j], 1e-12) << j;
 }
 
+// Rows at positions of their own (a packed pass of several sequences) in one call: each row as
+// a call for that row alone at its position, bit for bit, in any order of positions; the
+// frequencies given explicitly as theta's are the theta call's.
+TEST(Ops, RopePositionsArrayRotatesEachRowAtItsPosition) {
+  const int NH = 4, NKV = 2, hs = 8, width = (NH + 2 * NKV) * hs, rows = 6;
+  const std::vector<int> positions = {7, 0, 3, 63, 3, 12};
+  std::vector<float> packed(rows * width);
+  Rng rng(9);
+  for (float& x : packed) x = static_cast<float>(rng.normal());
+  std::vector<float> alone = packed;
+  std::vector<double> freq(hs / 2);
+  for (int i = 0; i < hs / 2; ++i) freq[i] = std::pow(50000.0, -2.0 * i / hs);
+  ops::rope_forward(packed.data(), 1, rows, NH, NKV, hs, freq, 0, positions.data(), false, 0.5);
+  for (int r = 0; r < rows; ++r) {
+    ops::rope_forward(alone.data() + r * width, 1, 1, NH, NKV, hs, 50000.0, positions[r], false, 0.5);
+  }
+  EXPECT_EQ(0, std::memcmp(packed.data(), alone.data(), packed.size() * sizeof(float)));
+  // The inverse rotation with the same positions gives the input back (to rounding).
+  std::vector<float> back = packed;
+  ops::rope_forward(back.data(), 2, rows / 2, NH, NKV, hs, freq, 0, positions.data(), true, 0.5);
+  Rng again(9);
+  for (float x : back) EXPECT_NEAR(x, static_cast<float>(again.normal()), 1e-5);
+}
+
 TEST(OpsGradient, GroupedQueryAttentionMatchesFiniteDifferences) {
   for (int nkv : {1, 2, 4}) {
     SCOPED_TRACE("n_kv_head " + std::to_string(nkv));

@@ -200,20 +200,50 @@ ModelConfig read_hf_model_config(const std::string& dir) {
     const json& tie = j.contains("tie_word_embeddings") ? j["tie_word_embeddings"] : json(true);  // transformers' default
     check(tie.is_boolean(), where + ": field tie_word_embeddings: expected true or false, found " + tie.dump());
     c.model.tie_embeddings = tie.get<bool>();
-    // The rotary base: rope_theta (with rope_scaling null), or rope_parameters (newer transformers).
+    // The rotary base and its scaling: rope_parameters (transformers 5: rope_type, rope_theta and the
+    // type's keys), else rope_scaling (older files: type or rope_type, and the type's keys) beside
+    // rope_theta. Types "default", "linear" (factor) and "llama3" (factor, low_freq_factor,
+    // high_freq_factor, original_max_position_embeddings); another is refused.
     double theta = 10000.0;
-    if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) {
-      const json& rp = j["rope_parameters"];
-      check(rp.is_object(), where + ": field rope_parameters: expected an object, found " + rp.dump());
-      check(!rp.contains("rope_type") || rp["rope_type"] == "default",
-            where + ": field rope_parameters.rope_type: expected \"default\" (Keel's rotary embedding), found " +
-                (rp.contains("rope_type") ? rp["rope_type"].dump() : std::string()));
-      if (rp.contains("rope_theta")) theta = number(rp["rope_theta"], "rope_parameters.rope_theta");
-    }
     if (j.contains("rope_theta")) theta = number(j["rope_theta"], "rope_theta");
-    check(!j.contains("rope_scaling") || j["rope_scaling"].is_null(),
-          where + ": field rope_scaling: expected null (Keel's plain rotary embedding), found " +
-              (j.contains("rope_scaling") ? j["rope_scaling"].dump() : std::string()));
+    const char* rope_key = j.contains("rope_parameters") && !j["rope_parameters"].is_null() ? "rope_parameters"
+                           : j.contains("rope_scaling") && !j["rope_scaling"].is_null()   ? "rope_scaling"
+                                                                                            : nullptr;
+    if (rope_key != nullptr) {
+      const json& rp = j[rope_key];
+      const std::string key = rope_key;
+      check(rp.is_object(), where + ": field " + key + ": expected an object, found " + rp.dump());
+      const json type = rp.contains("rope_type") ? rp["rope_type"] : rp.contains("type") ? rp["type"] : json("default");
+      // (A message reads a field with value(): a const json's operator[] on a missing key is undefined.)
+      auto param = [&](const char* name, std::optional<double> fallback) {
+        if (!rp.contains(name) || rp[name].is_null()) {
+          check(fallback.has_value(), where + ": field " + key + "." + name + ": expected a number, found none");
+          return *fallback;
+        }
+        return number(rp[name], key + "." + name);
+      };
+      if (rp.contains("rope_theta")) theta = number(rp["rope_theta"], key + ".rope_theta");
+      if (type == "linear" || type == "llama3") {
+        c.model.rope_scaling = type == "linear" ? RopeScaling::linear : RopeScaling::llama3;
+        c.model.rope_factor = param("factor", std::nullopt);
+        check(c.model.rope_factor >= 1, where + ": field " + key + ".factor: expected >= 1, found " + rp.value("factor", json()).dump());
+        if (type == "llama3") {
+          c.model.rope_low_freq_factor = param("low_freq_factor", std::nullopt);
+          c.model.rope_high_freq_factor = param("high_freq_factor", std::nullopt);
+          const double old_len = param("original_max_position_embeddings", std::nullopt);
+          check(old_len >= 1 && old_len <= (1 << 30) && old_len == std::floor(old_len),
+                where + ": field " + key + ".original_max_position_embeddings: expected a positive integer, found " +
+                    rp.value("original_max_position_embeddings", json()).dump());
+          c.model.rope_original_max_seq_len = static_cast<int>(old_len);
+        }
+        check(param("attention_factor", 1.0) == 1.0,
+              where + ": field " + key + ".attention_factor: expected 1 (Keel does not scale the rotated features), found " +
+                  rp.value("attention_factor", json()).dump());
+      } else {
+        check(type == "default", where + ": field " + key + ".rope_type: expected \"default\", \"linear\" or \"llama3\", found " +
+                                     type.dump() + " (unsupported)");
+      }
+    }
     c.model.rope_theta = theta;
     check(c.model.n_head >= 1 && c.model.n_embd % c.model.n_head == 0,
           where + ": field num_attention_heads: expected a divisor of hidden_size " + std::to_string(c.model.n_embd) +
@@ -226,6 +256,63 @@ ModelConfig read_hf_model_config(const std::string& dir) {
     throw Error(where + ": " + e.what());
   }
   return c.model;
+}
+
+std::vector<int> read_hf_eos_tokens(const std::string& dir) {
+  const fs::path root(dir);
+  auto parse = [&](const fs::path& path) {
+    try {
+      return json::parse(read_text_file(path.string()));
+    } catch (const json::exception& e) {
+      std::string what = e.what();
+      std::replace(what.begin(), what.end(), '\n', ' ');
+      throw Error("hf checkpoint " + path.string() + ": not valid JSON: " + what);
+    }
+  };
+  // eos_token_id of a config file: an id or a list of ids; absent or null: none.
+  auto ids = [&](const fs::path& path, std::vector<int>& out) {
+    if (!fs::is_regular_file(path)) return false;
+    const json j = parse(path);
+    if (!j.is_object() || !j.contains("eos_token_id") || j["eos_token_id"].is_null()) return false;
+    const json& e = j["eos_token_id"];
+    const json list = e.is_array() ? e : json::array({e});
+    for (const json& id : list) {
+      check(id.is_number_unsigned() && id.get<uint64_t>() < static_cast<uint64_t>(kMaxVocabSize),
+            "hf checkpoint " + path.string() + ": field eos_token_id: expected token ids, found " + e.dump());
+      if (std::find(out.begin(), out.end(), id.get<int>()) == out.end()) out.push_back(id.get<int>());
+    }
+    return !out.empty();
+  };
+  std::vector<int> out;
+  if (ids(root / "generation_config.json", out) || ids(root / "config.json", out)) return out;
+  // tokenizer_config.json's eos_token (its text, or {"content": text}), looked up in tokenizer.json.
+  const fs::path tc = root / "tokenizer_config.json", tok = root / "tokenizer.json";
+  if (!fs::is_regular_file(tc) || !fs::is_regular_file(tok)) return out;
+  const json c = parse(tc);
+  if (!c.is_object() || !c.contains("eos_token") || c["eos_token"].is_null()) return out;
+  const json& e = c["eos_token"];
+  const json text = e.is_object() && e.contains("content") ? e["content"] : e;
+  check(text.is_string(), "hf checkpoint " + tc.string() + ": field eos_token: expected a token's text, found " + e.dump());
+  const json t = parse(tok);
+  if (t.is_object() && t.contains("added_tokens") && t["added_tokens"].is_array()) {
+    for (const json& a : t["added_tokens"]) {
+      if (a.is_object() && a.value("content", json()) == text && a.contains("id") && a["id"].is_number_unsigned()) {
+        return {a["id"].get<int>()};
+      }
+    }
+  }
+  if (t.is_object() && t.contains("model") && t["model"].is_object() && t["model"].contains("vocab") &&
+      t["model"]["vocab"].is_object() && t["model"]["vocab"].contains(text.get<std::string>())) {
+    const json& id = t["model"]["vocab"][text.get<std::string>()];
+    if (id.is_number_unsigned()) return {id.get<int>()};
+  }
+  throw Error("hf checkpoint " + tc.string() + ": field eos_token: " + text.dump() + " is not a token of " + tok.string());
+}
+
+std::string stop_tokens_text(const std::vector<int>& ids) {
+  std::string out;
+  for (int id : ids) out += (out.empty() ? "" : ",") + std::to_string(id);
+  return out;
 }
 
 void take_hf_model_shape(ModelConfig& model, const ModelConfig& hf, const std::string& dir) {
@@ -248,6 +335,13 @@ void take_hf_model_shape(ModelConfig& model, const ModelConfig& hf, const std::s
     take(model.n_kv_head, hf.n_kv_head, "n_kv_head", 0);
     take(model.ffn_hidden, hf.ffn_hidden, "ffn_hidden", 0);
     take(model.rope_theta, hf.rope_theta, "rope_theta", 0.0);
+    if (model.rope_scaling == RopeScaling::none && hf.rope_scaling != RopeScaling::none) {
+      model.rope_scaling = hf.rope_scaling;
+      model.rope_factor = hf.rope_factor;
+      model.rope_low_freq_factor = hf.rope_low_freq_factor;
+      model.rope_high_freq_factor = hf.rope_high_freq_factor;
+      model.rope_original_max_seq_len = hf.rope_original_max_seq_len;
+    }
     check(!model.tie_embeddings.has_value() || model.tie_embeddings == hf.tie_embeddings,
           "model.tie_embeddings disagrees with " + from);
     model.tie_embeddings = hf.tie_embeddings;
@@ -307,10 +401,11 @@ void import_hf(const std::string& dir, ChunkStore& store, const ModelConfig& mod
   }
 }
 
-void export_hf(const std::string& dir, const ChunkStore& store, const ModelConfig& m, uint64_t max_shard_bytes) {
+void export_hf(const std::string& dir, const ChunkStore& store, const ModelConfig& m, uint64_t max_shard_bytes,
+               const std::vector<int>& eos) {
   check(max_shard_bytes > 0, "export --hf " + dir + ": --max-shard-size: expected a positive size");
-  check(m.rope_scaling == RopeScaling::none, "export --hf " + dir + ": model.rope_scaling = " + to_string(m.rope_scaling) +
-                                                 " has no equivalent written here (expected none)");
+  check(m.rope_scaling != RopeScaling::ntk, "export --hf " + dir + ": model.rope_scaling = ntk has no equivalent in "
+                                            "transformers (expected none, linear or llama3)");
   std::error_code ec;
   fs::create_directories(dir, ec);
   check(!ec && fs::is_directory(dir), "export --hf " + dir + ": cannot create the directory: " + ec.message());
@@ -346,6 +441,7 @@ void export_hf(const std::string& dir, const ChunkStore& store, const ModelConfi
               {"max_position_embeddings", m.max_seq_len},
               {"rope_theta", m.rope_theta},
               {"rope_scaling", nullptr},
+              {"eos_token_id", eos.empty() ? json(nullptr) : eos.size() == 1 ? json(eos[0]) : json(eos)},
               {"rms_norm_eps", kNormEps},
               {"hidden_act", "silu"},
               {"attention_bias", false},
@@ -367,6 +463,17 @@ void export_hf(const std::string& dir, const ChunkStore& store, const ModelConfi
               {"scale_attn_weights", true},
               {"tie_word_embeddings", true},
               {"torch_dtype", "float32"}};
+    if (!eos.empty()) config["eos_token_id"] = eos.size() == 1 ? json(eos[0]) : json(eos);
+  }
+  if (m.llama() && m.rope_scaling != RopeScaling::none) {  // written as transformers 5 writes it
+    json rp = {{"rope_type", to_string(m.rope_scaling)}, {"rope_theta", m.rope_theta}, {"factor", m.rope_factor}};
+    if (m.rope_scaling == RopeScaling::llama3) {
+      rp["low_freq_factor"] = m.rope_low_freq_factor;
+      rp["high_freq_factor"] = m.rope_high_freq_factor;
+      rp["original_max_position_embeddings"] = m.rope_original_max_seq_len;
+    }
+    config.erase("rope_scaling");
+    config["rope_parameters"] = rp;
   }
   // Shards: tensors in order, a new shard when the next tensor would overflow the current one.
   std::vector<std::vector<SafetensorsOut>> shards(1);

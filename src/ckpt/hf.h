@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/config.h"
 #include "store/chunk_store.h"
@@ -25,6 +26,14 @@ namespace keel {
 // a field Keel cannot represent, or an unsupported architecture, is one line naming config.json and
 // the field. Imports keep the position table's length (max_position_embeddings, n_positions).
 ModelConfig read_hf_model_config(const std::string& dir);
+
+// The tokens that end a generated text, as transformers' generate() finds them: eos_token_id (an
+// id or a list) of DIR/generation_config.json, else of DIR/config.json, else the id in
+// DIR/tokenizer.json of DIR/tokenizer_config.json's eos_token; empty when none names one.
+std::vector<int> read_hf_eos_tokens(const std::string& dir);
+
+// The same as generate.stop_tokens's text: "2", "128001,128009", "" for none.
+std::string stop_tokens_text(const std::vector<int>& ids);
 
 // train.init = "hf:DIR": fills `model`'s unset shape keys (family, sizes, heads, rotary base, tie)
 // from `hf` (read_hf_model_config(DIR)); a key the config sets to another value is refused in one
@@ -47,7 +56,8 @@ inline constexpr uint64_t kDefaultHfMaxShardBytes = 5'000'000'000ull;
 // would overflow, as transformers cuts them) named by DIR/model.safetensors.index.json ({"metadata":
 // {"total_size": bytes}, "weight_map": {tensor: file}}). The other form's file left by an earlier
 // export (model.safetensors or the index) is removed, so the directory reads back as written.
+// config.json's eos_token_id is `eos` (an id, a list, or null when empty).
 void export_hf(const std::string& dir, const ChunkStore& store, const ModelConfig& model,
-               uint64_t max_shard_bytes = kDefaultHfMaxShardBytes);
+               uint64_t max_shard_bytes = kDefaultHfMaxShardBytes, const std::vector<int>& eos = {});
 
 }  // namespace keel

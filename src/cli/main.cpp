@@ -265,6 +265,8 @@ Config load_train_config(const Args& a) {
   Config config = Config::load(a.get("--config"), a.all("--set"));
   if (const std::string hf = config.train.init_hf_dir(); !hf.empty() && !config.clip.enabled()) {
     take_hf_model_shape(config.model, read_hf_model_config(hf), hf);
+    // The model's eos_token_id ends its generated text (training's samples, `keel generate`).
+    if (config.generate.stop_tokens.empty()) config.generate.stop_tokens = stop_tokens_text(read_hf_eos_tokens(hf));
   }
   return config;
 }
@@ -459,6 +461,12 @@ int cmd_generate(const Args& a) {
   if (g.kv_cache) lm.model->allocate(1, std::min(g.prefill_chunk, context));
   const TextCodec tok = load_tokenizer(a, lm, "generate");
   o.stop_token = tok.document_token();
+  // generate.stop_tokens (an imported model's eos_token_id), else a Hugging Face model's own.
+  std::string stops = lm.config.generate.stop_tokens;
+  if (const std::string hf = a.has("--hf") ? a.get("--hf") : lm.config.train.init_hf_dir(); stops.empty() && !hf.empty()) {
+    stops = stop_tokens_text(read_hf_eos_tokens(hf));
+  }
+  o.stop_tokens = stop_token_ids(stops);
   auto encode = [&](const std::string& text) {
     std::vector<int> prompt = {tok.document_token()};
     std::vector<int> ids = tok.encode(text);
@@ -692,7 +700,7 @@ int cmd_export(const Args& a) {
     const uint64_t max_shard = a.has("--max-shard-size") ? parse_byte_size("--max-shard-size", a.get("--max-shard-size"))
                                                           : kDefaultHfMaxShardBytes;
     LoadedModel lm = load_model(a, 1, 1, false);
-    export_hf(a.get("--hf"), *lm.store, lm.config.model, max_shard);
+    export_hf(a.get("--hf"), *lm.store, lm.config.model, max_shard, stop_token_ids(lm.config.generate.stop_tokens));
     std::printf("keel export: wrote %s/{%s,config.json} (%s)\n", a.get("--hf").c_str(),
                 fs::exists(fs::path(a.get("--hf")) / "model.safetensors.index.json") ? "model.safetensors.index.json,shards"
                                                                                     : "model.safetensors",
@@ -737,6 +745,10 @@ int cmd_import(const Args& a) {
   if (from.flag == "--hf" && config.data.tokenizer == DataConfig{}.tokenizer &&
       fs::is_regular_file(fs::path(from.path) / "tokenizer.json")) {
     config.data.tokenizer = fs::absolute(fs::path(from.path) / "tokenizer.json").lexically_normal().string();
+  }
+  // Its eos_token_id ends generated text (generate.stop_tokens; a --set value stays).
+  if (from.flag == "--hf" && config.generate.stop_tokens.empty()) {
+    config.generate.stop_tokens = stop_tokens_text(read_hf_eos_tokens(from.path));
   }
   const std::string dir = save_checkpoint(a.get("--out"), store, config, RankState{}, 0);
   std::printf("keel import: wrote checkpoint %s\n", dir.c_str());

@@ -72,6 +72,9 @@ std::vector<Field> fields(Config& c) {
       {"model", "rope_theta", &c.model.rope_theta},
       {"model", "rope_scaling", choice(&c.model.rope_scaling)},
       {"model", "rope_factor", &c.model.rope_factor},
+      {"model", "rope_low_freq_factor", &c.model.rope_low_freq_factor},
+      {"model", "rope_high_freq_factor", &c.model.rope_high_freq_factor},
+      {"model", "rope_original_max_seq_len", &c.model.rope_original_max_seq_len},
       {"model", "tie_embeddings", &c.model.tie_embeddings},
       {"model", "moe_experts", &c.model.moe_experts},
       {"model", "moe_top_k", &c.model.moe_top_k},
@@ -210,6 +213,7 @@ std::vector<Field> fields(Config& c) {
       {"generate", "prefix_reuse", &c.generate.prefix_reuse},
       {"generate", "prefill_chunk", &c.generate.prefill_chunk},
       {"generate", "kv_cache", &c.generate.kv_cache},
+      {"generate", "stop_tokens", &c.generate.stop_tokens},
       {"clip", "image_tower", choice(&c.clip.image_tower)},
       {"clip", "image_width", &c.clip.image_width},
       {"clip", "image_size", &c.clip.image_size},
@@ -412,6 +416,18 @@ void validate(const GenerateConfig& g) {
   require(g.kv_tier != KvTier::nvme || g.kv_device_mib == 0 || !g.kv_nvme_dir.empty(), "generate.kv_nvme_dir",
           "a directory when generate.kv_tier = nvme", "\"\"");
   require(g.prefill_chunk >= 1, "generate.prefill_chunk", ">= 1", s(g.prefill_chunk));
+  // "" or ids "N,N,...": digits between commas, each below 2^24 (kMaxVocabSize).
+  bool ids = true;
+  for (size_t at = 0; ids && !g.stop_tokens.empty() && at <= g.stop_tokens.size();) {
+    size_t end = g.stop_tokens.find(',', at);
+    if (end == std::string::npos) end = g.stop_tokens.size();
+    const std::string id = g.stop_tokens.substr(at, end - at);
+    ids = !id.empty() && id.size() <= 8 && id.find_first_not_of("0123456789") == std::string::npos &&
+          std::stol(id) < kMaxVocabSize;
+    at = end + 1;
+  }
+  require(ids, "generate.stop_tokens", "token ids separated by commas (\"2\", \"128001,128009\") or \"\"",
+          "\"" + g.stop_tokens + "\"");
 }
 
 const std::vector<ModelPreset>& model_presets() {
@@ -539,6 +555,27 @@ std::vector<std::tuple<int, int, int>> parse_windows(const std::string& text, in
 double ModelConfig::rope_base() const {
   const double hs = head_size();
   return rope_scaling == RopeScaling::ntk && hs > 2 ? rope_theta * std::pow(rope_factor, hs / (hs - 2)) : rope_theta;
+}
+
+std::vector<double> ModelConfig::rope_frequencies() const {
+  const int hs = head_size(), half = hs / 2;
+  std::vector<double> f(static_cast<size_t>(std::max(half, 0)));
+  const double base = rope_base();
+  for (int i = 0; i < half; ++i) f[i] = std::pow(base, -2.0 * i / hs);
+  if (rope_scaling == RopeScaling::llama3) {  // transformers' _compute_llama3_parameters
+    const double pi = 3.14159265358979323846, old_len = rope_original_max_seq_len;
+    const double low_wavelen = old_len / rope_low_freq_factor, high_wavelen = old_len / rope_high_freq_factor;
+    for (double& x : f) {
+      const double wavelen = 2 * pi / x;
+      if (wavelen > low_wavelen) {
+        x /= rope_factor;
+      } else if (wavelen >= high_wavelen) {
+        const double smooth = (old_len / wavelen - rope_low_freq_factor) / (rope_high_freq_factor - rope_low_freq_factor);
+        x = (1 - smooth) * x / rope_factor + smooth * x;
+      }
+    }
+  }
+  return f;
 }
 
 int ModelConfig::window_of(int block) const {
@@ -706,6 +743,14 @@ void validate_model(const ModelConfig& m, const std::string& where) {
     need(m.ffn_hidden >= 1 && m.ffn_hidden <= (1 << 20), "model.ffn_hidden: expected 1..1048576, found " + s(m.ffn_hidden));
     need(m.rope_theta > 0 && std::isfinite(m.rope_theta), "model.rope_theta: expected > 0");
     need(m.rope_factor >= 1 && std::isfinite(m.rope_factor), "model.rope_factor: expected >= 1, found " + std::to_string(m.rope_factor));
+    if (m.rope_scaling == RopeScaling::llama3) {
+      need(m.rope_low_freq_factor > 0 && m.rope_high_freq_factor > m.rope_low_freq_factor &&
+               std::isfinite(m.rope_high_freq_factor),
+           "model.rope_high_freq_factor: expected above rope_low_freq_factor (> 0), found " +
+               std::to_string(m.rope_high_freq_factor) + " and " + std::to_string(m.rope_low_freq_factor));
+      need(m.rope_original_max_seq_len >= 1, "model.rope_original_max_seq_len: expected >= 1, found " +
+                                                  s(m.rope_original_max_seq_len));
+    }
     need(m.n_embd % m.n_head == 0 && (m.n_embd / m.n_head) % 2 == 0,
          "model.n_head: llama's rotary embedding needs an even head size, found n_embd / n_head = " +
              s(m.n_embd / std::max(1, m.n_head)));
@@ -964,6 +1009,9 @@ uint64_t Config::trajectory_hash(int world_size) const {
   if (!data.shuffle) s << ";file order";  // (absent by default: older checkpoints keep their hash)
   if (model.moe()) s << ";moe " << model.moe_aux_weight << ',' << model.moe_capacity;
   if (model.rope_scaling != RopeScaling::none) s << ";rope " << to_string(model.rope_scaling) << ',' << model.rope_factor;
+  if (model.rope_scaling == RopeScaling::llama3) {
+    s << ',' << model.rope_low_freq_factor << ',' << model.rope_high_freq_factor << ',' << model.rope_original_max_seq_len;
+  }
   const std::string text = s.str();
   return XXH64(text.data(), text.size(), 0);
 }

@@ -24,7 +24,7 @@ namespace keel {
 // the one-line error of that table, naming the key. Components compare enums, never strings.
 
 enum class Family : uint8_t { gpt2, llama };                 // model.family
-enum class RopeScaling : uint8_t { none, linear, ntk };      // model.rope_scaling
+enum class RopeScaling : uint8_t { none, linear, ntk, llama3 };  // model.rope_scaling
 enum class MoeBalance : uint8_t { aux, bias };                // model.moe_balance
 enum class Attention : uint8_t { automatic, dense, blockwise };  // model.attention ("auto" = resolved to one of the others)
 enum class Precision : uint8_t { fp32, bf16 };               // runtime.precision
@@ -69,8 +69,9 @@ concept ConfigEnum = requires { EnumNames<E>::names; EnumNames<E>::error; };
 
 KEEL_ENUM_NAMES(Family, "{key}: expected \"gpt2\" or \"llama\", found \"{found}\"",  //
                 {Family::gpt2, "gpt2"}, {Family::llama, "llama"});
-KEEL_ENUM_NAMES(RopeScaling, "{key}: expected none, linear or ntk, found \"{found}\"",  //
-                {RopeScaling::none, "none"}, {RopeScaling::linear, "linear"}, {RopeScaling::ntk, "ntk"});
+KEEL_ENUM_NAMES(RopeScaling, "{key}: expected none, linear, ntk or llama3, found \"{found}\"",  //
+                {RopeScaling::none, "none"}, {RopeScaling::linear, "linear"}, {RopeScaling::ntk, "ntk"},
+                {RopeScaling::llama3, "llama3"});
 KEEL_ENUM_NAMES(MoeBalance, "config key '{key}': expected \"aux\" or \"bias\", found \"{found}\"",  //
                 {MoeBalance::aux, "aux"}, {MoeBalance::bias, "bias"});
 KEEL_ENUM_NAMES(Attention, "{key}: expected \"auto\", \"blockwise\" or \"dense\", found \"{found}\"",  //
@@ -205,9 +206,15 @@ struct ModelConfig {
   // Past the trained length (docs/architecture.md, "Long context"): "none"; "linear" (position
   // interpolation: positions divided by rope_factor, so factor x the trained length maps onto the
   // trained angles); "ntk" (the base raised to theta * factor^(hs / (hs - 2)): high frequencies kept,
-  // the lowest stretched by the factor).
+  // the lowest stretched by the factor); "llama3" (Llama 3.1's per-frequency rule, as transformers'
+  // rope_type "llama3": frequencies whose wavelength exceeds rope_original_max_seq_len /
+  // rope_low_freq_factor divided by rope_factor, those below rope_original_max_seq_len /
+  // rope_high_freq_factor kept, the ones between interpolated smoothly).
   RopeScaling rope_scaling = RopeScaling::none;
   double rope_factor = 1.0;
+  double rope_low_freq_factor = 1.0;   // rope_scaling = llama3
+  double rope_high_freq_factor = 4.0;  // rope_scaling = llama3
+  int rope_original_max_seq_len = 8192;  // rope_scaling = llama3: the length the model was trained at
   std::optional<bool> tie_embeddings;  // output head = token embedding; GPT-2: always; llama: the preset's
   // Mixture of experts (llama only; model/moe.h). moe_experts routed experts (0 = the preset's; a
   // dense preset has none): every moe_every-th block (blocks moe_every-1, 2 moe_every-1, ...)
@@ -262,6 +269,9 @@ struct ModelConfig {
   // RoPE's angles: position * rope_position_scale() * rope_base()^(-2i / hs).
   double rope_position_scale() const { return rope_scaling == RopeScaling::linear ? 1.0 / rope_factor : 1.0; }
   double rope_base() const;
+  // The hs / 2 frequencies of RoPE's pairs: rope_base()^(-2i / hs), each then scaled by the llama3
+  // rule when rope_scaling = llama3 (angle = position * rope_position_scale() * frequency[i]).
+  std::vector<double> rope_frequencies() const;
   // Where the model sits in a chunk store it shares with other parts of a bigger model (the text
   // tower of a dual encoder): its tensors' names start with tensor_prefix and its layers' store
   // ids with layer_base. Set by the code that builds such a model, never by a config file; a
@@ -555,6 +565,9 @@ struct GenerateConfig {
   bool prefix_reuse = true;     // share the blocks of common prefixes (a radix tree of blocks)
   int prefill_chunk = 256;      // tokens per model pass over a prompt or document
   bool kv_cache = true;         // false: generate re-runs the whole window for every token
+  // Token ids, comma-separated, that also end a generated text besides the tokenizer's document
+  // token: a Hugging Face model's eos_token_id ("keel import --hf" records it); "" = none.
+  std::string stop_tokens;
 };
 // Throws keel::Error naming the key of the first invalid value.
 void validate(const GenerateConfig& g);

@@ -1,6 +1,7 @@
 #include "data/hf_tokenizer.h"
 
 #include <unicode/normalizer2.h>
+#include <unicode/uchar.h>
 #include <unicode/regex.h>
 #include <unicode/unistr.h>
 #include <unicode/utext.h>
@@ -10,6 +11,7 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <queue>
+#include <tuple>
 #include <unordered_map>
 
 #include "core/error.h"
@@ -122,8 +124,9 @@ class Pattern {
 
 enum class Behavior { removed, isolated, merged_with_previous, merged_with_next, contiguous };
 
-// Cuts s by the matches as the library's Split does for `behavior`.
-std::vector<std::string> split(const std::string& s, const std::vector<std::pair<size_t, size_t>>& found, Behavior behavior) {
+// Cuts s by the matches as the library's Split does for `behavior`: the pieces' [begin, end).
+std::vector<std::pair<size_t, size_t>> split(const std::string& s, const std::vector<std::pair<size_t, size_t>>& found,
+                                             Behavior behavior) {
   // (begin, end, is_match) covering s
   std::vector<std::tuple<size_t, size_t, bool>> parts;
   size_t at = 0;
@@ -168,11 +171,38 @@ std::vector<std::string> split(const std::string& s, const std::vector<std::pair
       }
       break;
   }
-  std::vector<std::string> pieces;
+  std::vector<std::pair<size_t, size_t>> pieces;
   for (const auto& [b, e] : out) {
-    if (e > b) pieces.push_back(s.substr(b, e - b));
+    if (e > b) pieces.emplace_back(b, e);
   }
   return pieces;
+}
+
+// The code point of the UTF-8 character at s[i] (s valid UTF-8).
+uint32_t code_point(std::string_view s, size_t i) {
+  const auto c = static_cast<unsigned char>(s[i]);
+  const size_t n = char_length(s, i);
+  uint32_t cp = n == 1 ? c : n == 2 ? c & 0x1F : n == 3 ? c & 0x0F : c & 0x07;
+  for (size_t k = 1; k < n; ++k) cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3F);
+  return cp;
+}
+
+// The start of the UTF-8 character that ends at s[end - 1].
+size_t previous_char(std::string_view s, size_t end) {
+  size_t i = end - 1;
+  while (i > 0 && (static_cast<unsigned char>(s[i]) & 0xC0) == 0x80) --i;
+  return i;
+}
+
+// \s and \w of the library's (Rust) regex crate: White_Space; Alphabetic, marks, decimal digits,
+// connector punctuation and the joiners.
+bool is_space(uint32_t cp) { return u_hasBinaryProperty(static_cast<UChar32>(cp), UCHAR_WHITE_SPACE); }
+bool is_word(uint32_t cp) {
+  const auto c = static_cast<UChar32>(cp);
+  const int8_t type = u_charType(c);
+  return u_hasBinaryProperty(c, UCHAR_ALPHABETIC) || type == U_NON_SPACING_MARK || type == U_ENCLOSING_MARK ||
+         type == U_COMBINING_SPACING_MARK || type == U_DECIMAL_DIGIT_NUMBER || type == U_CONNECTOR_PUNCTUATION ||
+         u_hasBinaryProperty(c, UCHAR_JOIN_CONTROL);
 }
 
 struct Normalizer {
@@ -182,9 +212,21 @@ struct Normalizer {
 };
 
 struct PreTokenizer {
-  enum class Kind { split, byte_level } kind;
+  enum class Kind { split, byte_level, metaspace } kind;
   std::shared_ptr<Pattern> pattern;  // split; byte_level with use_regex: GPT-2's
   Behavior behavior = Behavior::isolated;
+  bool add_prefix_space = false;  // byte_level: a space before each piece that has none
+  std::string replacement = {};   // metaspace: the character spaces become
+  enum class Prepend { always, first, never } prepend = Prepend::always;  // metaspace
+  bool split_pieces = true;  // metaspace: split before each replacement character
+};
+
+// An added token: matched in the text before the normalizer (normalized = false) or in the
+// normalizer's output (its `pattern` then the normalized content), with the library's options.
+struct AddedToken {
+  std::string content, pattern;
+  int id = 0;
+  bool lstrip = false, rstrip = false, single_word = false, normalized = false, special = false;
 };
 
 struct Decoder {
@@ -214,9 +256,10 @@ struct HfTokenizer::Impl {
   std::unordered_map<std::string, int> vocab;
   std::vector<std::string> id_token;  // id -> its string ("" where no token has the id)
   std::unordered_map<uint64_t, std::pair<int, int>> merges;  // packed (left, right) -> (rank, merged id)
-  std::vector<std::pair<std::string, int>> added;           // content -> id
+  std::vector<AddedToken> added;                            // as the file lists them
+  std::vector<const AddedToken*> raw_added, normalized_added;  // each longest pattern first
+  std::string raw_first_bytes, normalized_first_bytes;        // bytes that may start one's pattern
   std::vector<bool> special;                                // id -> an added special token
-  std::string added_first_bytes;                            // bytes that may start an added token
   std::vector<Normalizer> normalizers;
   std::vector<PreTokenizer> pre_tokenizers;
   bool byte_level = false;  // a ByteLevel pre-tokenizer maps bytes to characters
@@ -232,7 +275,12 @@ struct HfTokenizer::Impl {
   void read_decoder(const json& d, const std::string& at);
   void read_model(const json& m);
   void read_post_processor(const json& p);
-  void encode_segment(const std::string& text, std::vector<int>& out) const;
+  std::string normalize(const std::string& text) const;
+  // The pieces of `text` (split by the added tokens of `tokens`): (id, -1 for text), [begin, end).
+  std::vector<std::tuple<int, size_t, size_t>> find_added(const std::string& text, const std::vector<const AddedToken*>& tokens,
+                                                          const std::string& first_bytes) const;
+  // Pre-tokenizes and encodes a piece of normalized text; `first`: it starts the input.
+  void encode_piece(const std::string& text, bool first, std::vector<int>& out) const;
   void bpe(const std::string& word, std::vector<int>& out) const;
 };
 
@@ -287,14 +335,38 @@ void HfTokenizer::Impl::read_pre_tokenizer(const json& p, const std::string& at)
     check(p.contains("pattern"), where + ": field " + at + ".pattern: expected a pattern, found none");
     pre_tokenizers.push_back({PreTokenizer::Kind::split, read_pattern(p["pattern"], where + ": field " + at + ".pattern"), it->second});
   } else if (type == "ByteLevel") {
-    check(!p.value("add_prefix_space", false),
-          where + ": field " + at + ".add_prefix_space: expected false (a prefix space is not supported)");
     PreTokenizer t{PreTokenizer::Kind::byte_level, nullptr};
+    check(!p.contains("add_prefix_space") || p["add_prefix_space"].is_boolean(),
+          where + ": field " + at + ".add_prefix_space: expected true or false, found " + clip_field(p, "add_prefix_space"));
+    t.add_prefix_space = p.value("add_prefix_space", false);
     if (p.value("use_regex", true)) t.pattern = std::make_shared<Pattern>(kGpt2Pattern, false, where);
     pre_tokenizers.push_back(t);
     byte_level = true;
+  } else if (type == "Metaspace") {
+    PreTokenizer t{PreTokenizer::Kind::metaspace, nullptr};
+    t.replacement = string_field(p, "replacement", where + ": field " + at);
+    check(!t.replacement.empty() && utf8_replace_invalid(t.replacement) == t.replacement &&
+              char_length(t.replacement, 0) == t.replacement.size(),
+          where + ": field " + at + ".replacement: expected one character, found " + clip(p["replacement"]));
+    const std::string scheme = p.contains("prepend_scheme") ? string_field(p, "prepend_scheme", where + ": field " + at) : "always";
+    check(scheme == "always" || scheme == "first" || scheme == "never",
+          where + ": field " + at + ".prepend_scheme: expected always, first or never, found \"" + scheme + "\"");
+    t.prepend = scheme == "always" ? PreTokenizer::Prepend::always
+                : scheme == "first" ? PreTokenizer::Prepend::first
+                                    : PreTokenizer::Prepend::never;
+    // (Older files: add_prefix_space = false is prepend_scheme never, as the library reads them.)
+    if (p.contains("add_prefix_space") && p["add_prefix_space"] == false) {
+      check(scheme == "never" || !p.contains("prepend_scheme"),
+            where + ": field " + at + ".add_prefix_space: false does not match prepend_scheme \"" + scheme + "\"");
+      t.prepend = PreTokenizer::Prepend::never;
+    }
+    check(!p.contains("split") || p["split"].is_null() || p["split"].is_boolean(),
+          where + ": field " + at + ".split: expected true or false, found " + clip_field(p, "split"));
+    t.split_pieces = p.contains("split") && p["split"].is_boolean() ? p["split"].get<bool>() : true;
+    pre_tokenizers.push_back(t);
   } else {
-    throw Error(where + ": field " + at + ".type: expected Sequence, Split or ByteLevel, found \"" + type + "\" (unsupported)");
+    throw Error(where + ": field " + at + ".type: expected Sequence, Split, ByteLevel or Metaspace, found \"" + type +
+                "\" (unsupported)");
   }
 }
 
@@ -323,7 +395,8 @@ void HfTokenizer::Impl::read_decoder(const json& d, const std::string& at) {
     decoders.push_back(s);
   } else if (type == "Metaspace") {
     Decoder m{Decoder::Kind::metaspace, string_field(d, "replacement", at)};
-    m.prepend = d.value("prepend_scheme", std::string("always")) != "never";
+    check(!m.a.empty(), where + ": field " + at + ".replacement: expected one character");
+    m.prepend = d.value("prepend_scheme", std::string("always")) != "never" && d.value("add_prefix_space", true);
     decoders.push_back(m);
   } else {
     throw Error(where + ": field " + at + ".type: expected Sequence, ByteLevel, Replace, ByteFallback, Fuse, Strip or "
@@ -414,20 +487,24 @@ void HfTokenizer::Impl::read(const json& j) {
             where + ": field " + at + ".id: expected an id in [0, 16777216)");
       const std::string content = string_field(t, "content", where + ": field " + at);
       check(!content.empty(), where + ": field " + at + ".content: expected a non-empty string");
-      for (const char* flag : {"lstrip", "rstrip", "single_word"}) {
-        check(!t.value(flag, false), where + ": field " + at + "." + flag + ": expected false (not supported)");
+      AddedToken a;
+      a.content = content;
+      a.id = static_cast<int>(t["id"].get<uint64_t>());
+      for (auto [flag, value] : {std::pair<const char*, bool*>{"lstrip", &a.lstrip}, {"rstrip", &a.rstrip},
+                                 {"single_word", &a.single_word}, {"special", &a.special}, {"normalized", &a.normalized}}) {
+        check(!t.contains(flag) || t[flag].is_boolean(),
+              where + ": field " + at + "." + flag + ": expected true or false, found " + clip_field(t, flag));
       }
-      const int id = static_cast<int>(t["id"].get<uint64_t>());
-      added.emplace_back(content, id);
-      if (added_first_bytes.find(content[0]) == std::string::npos) added_first_bytes += content[0];
-      vocab.emplace(content, id);
-      if (t.value("special", false)) {
-        if (special.size() <= static_cast<size_t>(id)) special.resize(id + 1);
-        special[id] = true;
+      a.lstrip = t.value("lstrip", false), a.rstrip = t.value("rstrip", false), a.single_word = t.value("single_word", false);
+      a.special = t.value("special", false);
+      a.normalized = t.value("normalized", !a.special);  // the library's default
+      vocab.emplace(content, a.id);
+      if (a.special) {
+        if (special.size() <= static_cast<size_t>(a.id)) special.resize(a.id + 1);
+        special[a.id] = true;
       }
+      added.push_back(a);
     }
-    // Longest first: among matches starting at one place, the longest wins.
-    std::stable_sort(added.begin(), added.end(), [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
   }
   int size = 0;
   for (const auto& [token, id] : vocab) size = std::max(size, id + 1);
@@ -435,9 +512,21 @@ void HfTokenizer::Impl::read(const json& j) {
   for (const auto& [token, id] : vocab) {
     if (id_token[id].empty()) id_token[id] = token;
   }
-  for (const auto& [content, id] : added) id_token[id] = content;  // an added token's text is its content
   special.resize(size);
   if (j.contains("normalizer")) read_normalizer(j["normalizer"], "normalizer");
+  // A normalized added token is matched as the normalizer writes it, and decodes to that.
+  for (AddedToken& a : added) {
+    a.pattern = a.normalized ? normalize(a.content) : a.content;
+    if (a.pattern.empty()) a.pattern = a.content;
+    id_token[a.id] = a.pattern;
+    (a.normalized ? normalized_added : raw_added).push_back(&a);
+    std::string& first = a.normalized ? normalized_first_bytes : raw_first_bytes;
+    if (first.find(a.pattern[0]) == std::string::npos) first += a.pattern[0];
+  }
+  // Longest first: among matches starting at one place, the longest wins.
+  for (auto* list : {&raw_added, &normalized_added}) {
+    std::stable_sort(list->begin(), list->end(), [](const AddedToken* a, const AddedToken* b) { return a->pattern.size() > b->pattern.size(); });
+  }
   if (j.contains("pre_tokenizer")) read_pre_tokenizer(j["pre_tokenizer"], "pre_tokenizer");
   if (j.contains("decoder") && !j["decoder"].is_null()) {
     read_decoder(j["decoder"], "decoder");
@@ -445,8 +534,8 @@ void HfTokenizer::Impl::read(const json& j) {
   }
   if (j.contains("post_processor")) read_post_processor(j["post_processor"]);
   if (document_token < 0) {
-    for (const auto& [content, id] : added) {
-      if (content == "<|endoftext|>") document_token = id;
+    for (const AddedToken& a : added) {
+      if (a.content == "<|endoftext|>") document_token = a.id;
     }
   }
 }
@@ -528,7 +617,7 @@ void HfTokenizer::Impl::bpe(const std::string& word, std::vector<int>& out) cons
   for (int i = n > 0 ? 0 : -1; i >= 0; i = next[i]) out.push_back(ids[i]);
 }
 
-void HfTokenizer::Impl::encode_segment(const std::string& text, std::vector<int>& out) const {
+std::string HfTokenizer::Impl::normalize(const std::string& text) const {
   std::string s = text;
   for (const Normalizer& n : normalizers) {
     if (n.kind == Normalizer::Kind::prepend) {
@@ -552,24 +641,95 @@ void HfTokenizer::Impl::encode_segment(const std::string& text, std::vector<int>
       u.toUTF8String(s);
     }
   }
-  std::vector<std::string> pieces = {s};
+  return s;
+}
+
+std::vector<std::tuple<int, size_t, size_t>> HfTokenizer::Impl::find_added(const std::string& text,
+                                                                           const std::vector<const AddedToken*>& tokens,
+                                                                           const std::string& first_bytes) const {
+  std::vector<std::tuple<int, size_t, size_t>> out;
+  size_t from = 0;  // the end of the last piece
+  // Leftmost-longest matches, each search starting where the last match (before its strips) ended.
+  for (size_t i = 0; i < text.size();) {
+    const AddedToken* a = nullptr;
+    if (first_bytes.find(text[i]) != std::string::npos) {
+      const auto it = std::find_if(tokens.begin(), tokens.end(),
+                                   [&](const AddedToken* t) { return text.compare(i, t->pattern.size(), t->pattern) == 0; });
+      if (it != tokens.end()) a = *it;
+    }
+    if (a == nullptr) {
+      ++i;
+      continue;
+    }
+    size_t start = i, stop = i + a->pattern.size();
+    i = stop;
+    if (a->single_word) {  // no word character touching either end
+      const bool word_before = start > 0 && is_word(code_point(text, previous_char(text, start)));
+      const bool word_after = stop < text.size() && is_word(code_point(text, stop));
+      if (word_before || word_after) continue;
+    }
+    if (a->lstrip) {  // the whitespace before it, not taken by the last piece
+      size_t b = start;
+      while (b > 0 && is_space(code_point(text, previous_char(text, b)))) b = previous_char(text, b);
+      start = std::max(b, from);
+    }
+    if (a->rstrip) {
+      while (stop < text.size() && is_space(code_point(text, stop))) stop += char_length(text, stop);
+    }
+    if (from < start) out.emplace_back(-1, from, start);
+    out.emplace_back(a->id, start, stop);
+    from = stop;
+  }
+  if (from < text.size()) out.emplace_back(-1, from, text.size());
+  return out;
+}
+
+void HfTokenizer::Impl::encode_piece(const std::string& text, bool first, std::vector<int>& out) const {
+  std::vector<std::pair<std::string, bool>> pieces = {{text, first}};  // (piece, starts the input)
   for (const PreTokenizer& p : pre_tokenizers) {
-    std::vector<std::string> next;
-    for (const std::string& piece : pieces) {
-      std::vector<std::string> parts =
-          p.pattern ? split(piece, p.pattern->matches(piece), p.behavior) : std::vector<std::string>{piece};
-      if (p.kind == PreTokenizer::Kind::byte_level) {
-        for (std::string& part : parts) {
-          std::string mapped;
-          for (unsigned char b : part) mapped += byte_chars()[b];
-          part = std::move(mapped);
+    std::vector<std::pair<std::string, bool>> next;
+    for (auto& [piece, starts] : pieces) {
+      std::string s = piece;
+      std::vector<std::pair<size_t, size_t>> parts;
+      if (p.kind == PreTokenizer::Kind::metaspace) {
+        std::string r;  // spaces as the replacement
+        for (char c : s) {
+          if (c == ' ') r += p.replacement;
+          else r += c;
+        }
+        s = std::move(r);
+        const bool prepend = p.prepend == PreTokenizer::Prepend::always || (p.prepend == PreTokenizer::Prepend::first && starts);
+        if (prepend && s.compare(0, p.replacement.size(), p.replacement) != 0) s = p.replacement + s;
+        if (p.split_pieces) {
+          std::vector<std::pair<size_t, size_t>> found;
+          for (size_t at = s.find(p.replacement); at != std::string::npos; at = s.find(p.replacement, at + p.replacement.size())) {
+            found.emplace_back(at, at + p.replacement.size());
+          }
+          parts = split(s, found, Behavior::merged_with_next);
+        } else if (!s.empty()) {
+          parts = {{0, s.size()}};
+        }
+      } else {
+        if (p.kind == PreTokenizer::Kind::byte_level && p.add_prefix_space && !s.empty() && s[0] != ' ') s = " " + s;
+        if (p.pattern) {
+          parts = split(s, p.pattern->matches(s), p.behavior);
+        } else if (!s.empty()) {
+          parts = {{0, s.size()}};
         }
       }
-      for (std::string& part : parts) next.push_back(std::move(part));
+      for (const auto& [b, e] : parts) {
+        std::string part = s.substr(b, e - b);
+        if (p.kind == PreTokenizer::Kind::byte_level) {
+          std::string mapped;
+          for (unsigned char c : part) mapped += byte_chars()[c];
+          part = std::move(mapped);
+        }
+        next.emplace_back(std::move(part), starts && b == 0);
+      }
     }
     pieces = std::move(next);
   }
-  for (const std::string& piece : pieces) bpe(piece, out);
+  for (const auto& [piece, starts] : pieces) bpe(piece, out);
 }
 
 HfTokenizer::HfTokenizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -602,22 +762,18 @@ std::vector<int> HfTokenizer::encode(std::string_view raw) const {
   const Impl& t = *impl_;
   const std::string text = utf8_replace_invalid(raw);
   std::vector<int> out;
-  size_t from = 0;  // start of the text not yet encoded
-  for (size_t i = 0; i < text.size();) {
-    if (t.added_first_bytes.find(text[i]) != std::string::npos) {
-      const auto it = std::find_if(t.added.begin(), t.added.end(),
-                                   [&](const auto& a) { return text.compare(i, a.first.size(), a.first) == 0; });
-      if (it != t.added.end()) {
-        t.encode_segment(text.substr(from, i - from), out);
-        out.push_back(it->second);
-        i += it->first.size();
-        from = i;
-        continue;
-      }
+  // The added tokens matched in the text, then those matched in each other piece's normalized text.
+  for (const auto& [id, b, e] : t.find_added(text, t.raw_added, t.raw_first_bytes)) {
+    if (id >= 0) {
+      out.push_back(id);
+      continue;
     }
-    ++i;
+    const std::string normalized = t.normalize(text.substr(b, e - b));
+    for (const auto& [id2, b2, e2] : t.find_added(normalized, t.normalized_added, t.normalized_first_bytes)) {
+      if (id2 >= 0) out.push_back(id2);
+      else t.encode_piece(normalized.substr(b2, e2 - b2), b == 0 && b2 == 0, out);
+    }
   }
-  t.encode_segment(text.substr(from), out);
   return out;
 }
 
@@ -704,9 +860,12 @@ std::string HfTokenizer::decode(const std::vector<int>& ids) const {
         break;
       case Decoder::Kind::metaspace:
         for (size_t i = 0; i < tokens.size(); ++i) {
+          // Each replacement character is a space, in the first token none (with a prepend scheme).
+          const std::string space = i == 0 && d.prepend ? "" : " ";
           std::string token = tokens[i];
-          for (size_t at = token.find(d.a); at != std::string::npos; at = token.find(d.a, at + 1)) token.replace(at, d.a.size(), " ");
-          if (i == 0 && d.prepend && !token.empty() && token[0] == ' ') token.erase(0, 1);
+          for (size_t at = token.find(d.a); at != std::string::npos; at = token.find(d.a, at + space.size())) {
+            token.replace(at, d.a.size(), space);
+          }
           next.push_back(token);
         }
         break;

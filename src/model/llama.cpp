@@ -36,7 +36,8 @@ class LlamaBlock final : public Layer {
         KVH_(m.n_kv_head / parts()),
         QKV_(m.qkv_dim() / parts()),
         H_(m.ffn_hidden / parts()),
-        t_(ids) {
+        t_(ids),
+        rope_freq_(m.rope_frequencies()) {
     if (m.moe_block(layer - 1)) {
       moe_ = std::make_shared<MoeFeedForward>(m, store, layer_, ids, math);
     } else {
@@ -90,15 +91,9 @@ class LlamaBlock final : public Layer {
     ops::rmsnorm_forward(n1, rstd1_, x, P(layout::attn_norm_w), N, C);
     n1_.seal(n1, NC);
     ops::linear_forward(math_.forward, qkv_, n1_.read(), W(layout::llama_qkv_w), none, N, C, QKV_);
-    if (const int* pos = b.kv ? b.kv->positions() : nullptr) {  // a packed pass: each row at its own position
-      for (int r = 0; r < N; ++r) {
-        ops::rope_forward(qkv_ + static_cast<int64_t>(r) * QKV_, 1, 1, NH_, KVH_, m_.head_size(), m_.rope_base(), pos[r],
-                          false, m_.rope_position_scale());
-      }
-    } else {
-      ops::rope_forward(qkv_, b.B, b.T, NH_, KVH_, m_.head_size(), m_.rope_base(), b.kv ? b.kv->pos0() : 0, false,
-                        m_.rope_position_scale());
-    }
+    // (A packed pass: each row at its own position, b.kv->positions().)
+    ops::rope_forward(qkv_, b.B, b.T, NH_, KVH_, m_.head_size(), rope_freq_, b.kv ? b.kv->pos0() : 0,
+                      b.kv ? b.kv->positions() : nullptr, false, m_.rope_position_scale());
     if (first) model_detail::probe_attention(probe_, b, qkv_, A_, NH_, KVH_, tp_ ? tp_->rank() * NH_ : 0);
     attend(b);
     float* o = scratch_;  // [N, C], consumed at once by the residual
@@ -165,7 +160,7 @@ class LlamaBlock final : public Layer {
       ops::flash_attention_backward_input(math_.backward, dqkv_, datty, atty_, att_, qkv_, b.B, b.T, A_, NH_, KVH_,
                                           probe_.window);
     }
-    ops::rope_forward(dqkv_, b.B, b.T, NH_, KVH_, m_.head_size(), m_.rope_base(), 0, true, m_.rope_position_scale());
+    ops::rope_forward(dqkv_, b.B, b.T, NH_, KVH_, m_.head_size(), rope_freq_, 0, nullptr, true, m_.rope_position_scale());
     ops::linear_backward_input(math_.backward, dn1_, dqkv_, W(layout::llama_qkv_w), N, C, QKV_, false);
     reduce(dn1_, static_cast<int64_t>(N) * C);
     std::memcpy(dx_in, dres2_, sizeof(float) * N * C);
@@ -235,6 +230,7 @@ class LlamaBlock final : public Layer {
   // The residual width, this rank's attention columns (q), heads, KV heads, qkv rows and MLP units.
   int C_, A_, NH_, KVH_, QKV_, H_;
   std::vector<TensorId> t_;  // the block's tensors, indexed by layout::LlamaBlock
+  std::vector<double> rope_freq_;  // RoPE's pair frequencies (ModelConfig::rope_frequencies)
   Stash n1_, n2_, gu_, h_, dgu_;
   // A mixture-of-experts block's experts (null: the dense MLP), shared by the copies that size
   // activations (model_detail::carved), and the micro-batch's activations of them.

@@ -31,6 +31,17 @@ int sample_next(const float* logits, int V, const SampleOptions& o, Rng& rng) {
   return order[k - 1];
 }
 
+std::vector<int> stop_token_ids(const std::string& text) {
+  std::vector<int> ids;
+  for (size_t at = 0; !text.empty() && at <= text.size();) {
+    size_t end = text.find(',', at);
+    if (end == std::string::npos) end = text.size();
+    ids.push_back(std::stoi(text.substr(at, end - at)));
+    at = end + 1;
+  }
+  return ids;
+}
+
 std::vector<int> generate(GPT& model, int allocated_T, std::vector<int> prompt, const SampleOptions& o, Rng& rng) {
   check(!prompt.empty(), "generate: the prompt encodes to no tokens");
   const int V = model.config().vocab_size, Vp = model.config().padded_vocab_size;
@@ -40,7 +51,7 @@ std::vector<int> generate(GPT& model, int allocated_T, std::vector<int> prompt, 
     model.forward(Batch{context, nullptr, 1, T, 0.0f});
     const int next = sample_next(model.logits() + static_cast<int64_t>(T - 1) * Vp, V, o, rng);
     prompt.push_back(next);
-    if (next == o.stop_token) break;
+    if (o.stops(next)) break;
   }
   return prompt;
 }
@@ -57,7 +68,7 @@ std::vector<int> generate_cached(KvCache& cache, int context, std::vector<int> p
     const std::vector<float>& logits = seq->last_logits();
     const int next = sample_next(logits.data(), static_cast<int>(logits.size()), o, rng);
     prompt.push_back(next);
-    if (next == o.stop_token || i + 1 == o.max_new_tokens) break;
+    if (o.stops(next) || i + 1 == o.max_new_tokens) break;
     if (seq->length() + 1 > context) {  // full: start again from the most recent half
       seq.reset();
       seq = cache.open();
@@ -125,7 +136,7 @@ void generate_batched(KvCache& cache, int context, const std::vector<std::vector
         const int next = sample_next(logits.data(), static_cast<int>(logits.size()), o, r.rng);
         r.tokens.push_back(next);
         ++r.made;
-        finished = next == o.stop_token || r.made == o.max_new_tokens;
+        finished = o.stops(next) || r.made == o.max_new_tokens;
         if (!finished) {
           if (r.seq->length() + 1 > context) {  // full: start again from the most recent half (as generate_cached)
             r.seq.reset();

@@ -2,7 +2,9 @@
 // re-running the whole window for every new token or over a KV cache (runtime/kv_cache.h).
 #pragma once
 
+#include <algorithm>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "core/rng.h"
@@ -16,7 +18,14 @@ struct SampleOptions {
   double temperature = 0.8;  // 0 = greedy
   int top_k = 40;            // 0 = whole vocabulary
   int stop_token = -1;       // stop after emitting this token (e.g. end-of-text); -1 = never
+  std::vector<int> stop_tokens;  // ... or one of these (generate.stop_tokens: a model's eos_token_id)
+  bool stops(int token) const {
+    return token == stop_token || std::find(stop_tokens.begin(), stop_tokens.end(), token) != stop_tokens.end();
+  }
 };
+
+// generate.stop_tokens's ids ("2,5" -> {2, 5}; "" -> none; the text validated by validate()).
+std::vector<int> stop_token_ids(const std::string& text);
 
 // Extends `prompt` (non-empty) by up to max_new_tokens tokens. The model must be allocated for
 // at least one sequence; contexts longer than its allocated length keep the most recent tokens.

@@ -137,6 +137,7 @@ class LanguageModel final : public Workload {
     SampleOptions options;
     options.max_new_tokens = config_.train.sample_tokens;
     options.stop_token = tok->document_token();
+    options.stop_tokens = stop_token_ids(config_.generate.stop_tokens);
     std::printf("samples (temperature %.1f, top-k %d):\n", options.temperature, options.top_k);
     for (int i = 0; i < config_.train.samples; ++i) {
       const std::vector<int> prompt = {tok->document_token()};

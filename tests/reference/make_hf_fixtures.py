@@ -16,9 +16,19 @@ Run by hand with transformers, safetensors and torch from PyPI (bench/.venv):
                  shapes of GPT-2's (byte-level BPE, GPT-2's pattern), Llama 3's (its Split pattern,
                  byte-level, ignore_merges, <|begin_of_text|>) and Llama 2's / TinyLlama's
                  (SentencePiece-style: ▁, byte fallback <0xXX>, <unk> <s> </s>)
+  llama_rope_llama3/, llama_rope_linear/  (--rope writes these alone) LlamaForCausalLM with rope
+               scaling as transformers 5 writes it (rope_parameters: rope_type "llama3" with factor 4,
+               low / high_freq_factor 1 / 4, original_max_position_embeddings 16; rope_type "linear"
+               with factor 2); rope_expected.json: their logits over 2 x 32 tokens, as expected.json
   llama_text/  llama/'s files and a 300-token tokenizer.json of Llama 2's shape; llama_text_expected.json:
                `keel score`'s token count and loss on GPL-3 and greedy `keel generate`'s text through it
                (--text-only writes these alone)
+  tokenizers/features/*.json, tokenizers/features_expected.json  (--tokenizer-features writes these
+                 alone, from the committed gpt2.json and llama2.json): the same vocabularies with the
+                 features newer files use: the Metaspace pre-tokenizer (prepend_scheme first / always /
+                 never, split), ByteLevel's add_prefix_space, added tokens with lstrip, rstrip,
+                 single_word and normalized; the ids the library gives on the licences, the hostile
+                 texts and texts aimed at those features, and the library's decoding of them
   tokenizers/expected.json  their ids (encode without special tokens) of three licences of
                  /usr/share/common-licenses (with each file's sha256) and of hostile texts (given as hex:
                  invalid UTF-8, decoded as Python decodes it with errors="replace", control
@@ -30,7 +40,7 @@ import os
 import shutil
 import sys
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
@@ -219,7 +229,113 @@ def text_fixture():
         f.write("\n")
 
 
+FEATURE_TEXTS = [
+    b"a <mask> b<mask>c  <mask>\n\t<mask>  end <mask>",
+    b"License Licenses theLicense License. (License) _License License_ 1License License1 \xc3\xa9License",
+    b"see the License; the  License, The License, the License\nthe License",
+    b"<sep>x  <sep> y\t<sep>\n<sep>",
+    b"copy copyright copy. xcopy copy",
+    b"<s>Hello</s> world<s>  <unk> </s>",
+    "  two leading spaces and\u3000ideographic\u3000 space".encode(),
+    "\u2581already\u2581metaspace \u2581\u2581 x".encode(),
+]
+
+
+def feature_tokenizers():
+    """Variants of the committed gpt2.json and llama2.json (their vocabularies and merges) with the
+    features newer tokenizer.json files use, as the library writes them back."""
+    path = os.path.join(OUT, "tokenizers")
+    gpt2 = json.load(open(os.path.join(path, "gpt2.json")))
+    llama2 = json.load(open(os.path.join(path, "llama2.json")))
+    out = {}
+    decoder_ms = lambda scheme: {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": scheme, "split": True}
+    # Llama 2 / TinyLlama as transformers converts them now: no normalizer, Metaspace "first", no split.
+    for name, scheme, split, decoder in [
+            ("metaspace_first", "first", False, llama2["decoder"]),
+            ("metaspace_always_split", "always", True, decoder_ms("always")),
+            ("metaspace_never_split", "never", True, decoder_ms("never"))]:
+        t = json.loads(json.dumps(llama2))
+        t["normalizer"] = None
+        t["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": scheme, "split": split}
+        t["decoder"] = decoder
+        out[name] = Tokenizer.from_str(json.dumps(t))
+    t = json.loads(json.dumps(gpt2))
+    t["pre_tokenizer"]["add_prefix_space"] = True
+    out["gpt2_prefix_space"] = Tokenizer.from_str(json.dumps(t))
+    # Added tokens' options on a byte-level vocabulary (matched on the raw text) ...
+    tok = Tokenizer.from_str(json.dumps(gpt2))
+    tok.add_tokens([AddedToken("<mask>", lstrip=True, rstrip=True, special=True, normalized=False),
+                    AddedToken("License", single_word=True, normalized=False),
+                    AddedToken("<sep>", lstrip=True, normalized=False),
+                    AddedToken("copy", single_word=True, rstrip=True, normalized=False)])
+    out["added_options"] = tok
+    # ... and on Llama 2's, whose normalizer (Prepend, Replace) the normalized ones are matched after.
+    tok = Tokenizer.from_str(json.dumps(llama2))
+    tok.add_tokens([AddedToken("the License", normalized=True),
+                    AddedToken("<sep>", lstrip=True, rstrip=True, normalized=False, special=True),
+                    AddedToken("copy", single_word=True, normalized=True),
+                    AddedToken("Hello", normalized=True, lstrip=True)])
+    out["added_normalized"] = tok
+    return out
+
+
+def tokenizer_feature_fixtures():
+    path = os.path.join(OUT, "tokenizers")
+    os.makedirs(os.path.join(path, "features"), exist_ok=True)
+    hostile = HOSTILE + FEATURE_TEXTS
+    expected = {"licences": {}, "hostile": [h.hex() for h in hostile], "ids": {}, "decoded": {}}
+    texts = {}
+    for f in LICENCES:
+        raw = open(os.path.join("/usr/share/common-licenses", f), "rb").read()
+        expected["licences"][f] = hashlib.sha256(raw).hexdigest()
+        texts[f] = raw.decode("utf-8", errors="replace")
+    for i, h in enumerate(hostile):
+        texts["hostile/%d" % i] = h.decode("utf-8", errors="replace")
+    for name, tok in feature_tokenizers().items():
+        tok.save(os.path.join(path, "features", name + ".json"))
+        tok = Tokenizer.from_file(os.path.join(path, "features", name + ".json"))  # what Keel reads
+        expected["ids"][name] = {k: tok.encode(t, add_special_tokens=False).ids for k, t in texts.items()}
+        expected["decoded"][name] = {k: tok.decode(ids) for k, ids in expected["ids"][name].items() if k.startswith("hostile/")}
+    with open(os.path.join(path, "features_expected.json"), "w") as f:
+        json.dump(expected, f, separators=(",", ":"))
+        f.write("\n")
+
+
+def rope_fixtures():
+    out = {}
+    for name, seed, rope in [
+            ("llama_rope_llama3", 5, {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 4.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+            ("llama_rope_linear", 7, {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})]:
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=V,
+                                             max_position_embeddings=64, rope_parameters=rope, rms_norm_eps=1e-5,
+                                             tie_word_embeddings=False, attn_implementation="eager"))
+        model.eval()
+        randomize(model, seed)
+        save(model, name)
+        g = torch.Generator().manual_seed(seed + 1)
+        tokens = torch.randint(0, V, (B, 33), generator=g)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        m64 = model.to(torch.float64)
+        with torch.no_grad():
+            logits = m64(input_ids=inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
+        out[name] = {"B": B, "T": 32, "inputs": inputs.flatten().tolist(), "targets": targets.flatten().tolist(),
+                     "loss": loss.item(), "logits": [round(x, 9) for x in logits.flatten().tolist()]}
+    with open(os.path.join(OUT, "rope_expected.json"), "w") as f:
+        json.dump(out, f)
+        f.write("\n")
+
+
 def main():
+    if sys.argv[1:] == ["--rope"]:  # llama_rope_*/ alone
+        rope_fixtures()
+        return
+    if sys.argv[1:] == ["--tokenizer-features"]:  # tokenizers/features* alone, from the committed files
+        tokenizer_feature_fixtures()
+        return
     if sys.argv[1:] == ["--text-only"]:  # llama_text/ alone, from the committed llama/
         text_fixture()
         return
@@ -249,6 +365,8 @@ def main():
         json.dump(out, f)
         f.write("\n")
     tokenizer_fixtures()
+    tokenizer_feature_fixtures()
+    rope_fixtures()
     text_fixture()
     print("wrote", OUT, file=sys.stderr)
 

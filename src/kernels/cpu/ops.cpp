@@ -418,39 +418,49 @@ void swiglu_backward_input(float* dinp, const float* dout, Operand inp, int N, i
 // ---- RoPE --------------------------------------------------------------------------------------
 
 template <typename T>
-void rope_forward(T* qkv, int B, int Tn, int NH, int NKV, int hs, double theta, int pos0, bool inverse,
-                  double position_scale) {
+void rope_forward(T* qkv, int B, int Tn, int NH, int NKV, int hs, const std::vector<double>& freq, int pos0,
+                  const int* positions, bool inverse, double position_scale) {
   const int C = NH * hs, width = C + 2 * NKV * hs, half = hs / 2;
-  // The angles in double, one table for every batch row and head, kept for the next call with the
-  // same shape (every block of a step, forward and backward, asks for the same one).
-  // (The backward's inverse rotation negates the sines as it reads them: exact.)
+  const int64_t rows = static_cast<int64_t>(B) * Tn;
+  // The positions asked for: [lo, hi).
+  int lo = pos0, hi = pos0 + Tn;
+  if (positions != nullptr) {
+    lo = rows > 0 ? positions[0] : 0, hi = lo;
+    for (int64_t r = 0; r < rows; ++r) lo = std::min(lo, positions[r]), hi = std::max(hi, positions[r] + 1);
+  }
+  // The angles in double, one table of positions [table.lo, table.hi) for every batch row and head,
+  // kept for the next call within it with the same frequencies (every block of a step, forward and
+  // backward, asks for the same one). (The backward's inverse rotation negates the sines as it
+  // reads them: exact.)
   struct Table {
-    int Tn = -1, hs = 0, pos0 = 0;
-    double theta = 0, scale = 0;
+    int lo = 0, hi = 0;
+    double scale = 0;
+    std::vector<double> freq;
     std::vector<T> cos, sin;
   };
   static thread_local Table table;
-  if (table.Tn != Tn || table.hs != hs || table.pos0 != pos0 || table.theta != theta || table.scale != position_scale) {
-    table.cos.resize(static_cast<size_t>(Tn) * half);
-    table.sin.resize(static_cast<size_t>(Tn) * half);
-    for (int t = 0; t < Tn; ++t) {
+  if (lo < table.lo || hi > table.hi || table.scale != position_scale || table.freq != freq) {
+    table.cos.resize(static_cast<size_t>(hi - lo) * half);
+    table.sin.resize(static_cast<size_t>(hi - lo) * half);
+    for (int p = lo; p < hi; ++p) {
       for (int i = 0; i < half; ++i) {
-        const double angle = (pos0 + t) * position_scale * std::pow(theta, -2.0 * i / hs);
-        table.cos[static_cast<size_t>(t) * half + i] = static_cast<T>(std::cos(angle));
-        table.sin[static_cast<size_t>(t) * half + i] = static_cast<T>(std::sin(angle));
+        const double angle = p * position_scale * freq[i];
+        table.cos[static_cast<size_t>(p - lo) * half + i] = static_cast<T>(std::cos(angle));
+        table.sin[static_cast<size_t>(p - lo) * half + i] = static_cast<T>(std::sin(angle));
       }
     }
-    table.Tn = Tn, table.hs = hs, table.pos0 = pos0, table.theta = theta, table.scale = position_scale;
+    table.lo = lo, table.hi = hi, table.scale = position_scale, table.freq = freq;
   }
   const T sign = inverse ? T(-1) : T(1);
   const std::vector<T>& cos_t = table.cos;
   const std::vector<T>& sin_t = table.sin;
   const int heads = NH + NKV;  // the q heads, then the k heads: contiguous in each row
+  const int base = table.lo;
 #pragma omp parallel for schedule(static)
-  for (int64_t bt = 0; bt < static_cast<int64_t>(B) * Tn; ++bt) {
-    const int t = static_cast<int>(bt % Tn);
-    const T* cs = cos_t.data() + static_cast<size_t>(t) * half;
-    const T* sn = sin_t.data() + static_cast<size_t>(t) * half;
+  for (int64_t bt = 0; bt < rows; ++bt) {
+    const int p = positions != nullptr ? positions[bt] : pos0 + static_cast<int>(bt % Tn);
+    const T* cs = cos_t.data() + static_cast<size_t>(p - base) * half;
+    const T* sn = sin_t.data() + static_cast<size_t>(p - base) * half;
     T* row = qkv + bt * width;
     for (int h = 0; h < heads; ++h) {
       T* x = row + h * hs;
@@ -461,6 +471,14 @@ void rope_forward(T* qkv, int B, int Tn, int NH, int NKV, int hs, double theta, 
       }
     }
   }
+}
+
+template <typename T>
+void rope_forward(T* qkv, int B, int Tn, int NH, int NKV, int hs, double theta, int pos0, bool inverse,
+                  double position_scale) {
+  std::vector<double> freq(static_cast<size_t>(hs / 2));
+  for (int i = 0; i < hs / 2; ++i) freq[i] = std::pow(theta, -2.0 * i / hs);
+  rope_forward(qkv, B, Tn, NH, NKV, hs, freq, pos0, nullptr, inverse, position_scale);
 }
 
 template <typename T>
@@ -871,6 +889,7 @@ void crossentropy_forward(T* losses, T* logits, const int* targets, int N, int V
   template void swiglu_forward<T>(T*, const T*, int, int);                                                          \
   template void swiglu_backward_input<T>(T*, const T*, const T*, int, int);                                         \
   template void rope_forward<T>(T*, int, int, int, int, int, double, int, bool, double);                            \
+  template void rope_forward<T>(T*, int, int, int, int, int, const std::vector<double>&, int, const int*, bool, double);                            \
   template void flash_attention_forward<T>(MatmulPrecision, T*, T*, const T*, int, int, int, int, int, int);        \
   template void attention_distance_mass<T>(double*, int, const T*, int, int, int, int, int, int);                   \
   template void paged_attention_forward<T>(MatmulPrecision, T*, const T*, int, int, int, const T* const*, int, int, \

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "kernels/cpu/bf16.h"
 
@@ -116,6 +117,14 @@ template <typename T>
 // position_scale multiplies every position (RoPE's linear scaling past the trained length).
 void rope_forward(T* qkv, int B, int Tn, int NH, int NKV, int hs, double theta, int pos0, bool inverse = false,
                   double position_scale = 1.0);
+// The same with the pairs' frequencies given (freq[i] for pair i, hs / 2 of them, in place of
+// theta^(-2i / hs): ModelConfig::rope_frequencies, llama3's per-frequency scaling) and, when
+// `positions` is not null, row r of the B * Tn rows at position positions[r] (a packed pass of
+// several sequences) instead of pos0 + r % Tn. The angles' cos / sin table covers the positions
+// asked for and is kept for the next call that needs no others.
+template <typename T>
+void rope_forward(T* qkv, int B, int Tn, int NH, int NKV, int hs, const std::vector<double>& freq, int pos0,
+                  const int* positions, bool inverse = false, double position_scale = 1.0);
 
 // ---- residual add ------------------------------------------------------------------------------
 // out[n] = a[n] + b[n]
