@@ -910,7 +910,8 @@ std::string save_checkpoint(const std::string& root, const ChunkStore& store, co
                             const RankState& state, int64_t step, double peak_gflops) {
   CheckpointConfig cc = config.checkpoint;
   cc.async = false;
-  CheckpointWriter writer(store, cc, 0, 0, static_cast<int>(store.chunks().size()));
+  // Streamed from the store chunk by chunk (a synchronous save needs no snapshot copy of the state).
+  CheckpointWriter writer(store, cc, 0, 0, static_cast<int>(store.chunks().size()), false, {}, true);
   writer.begin(root, step, state, next_checkpoint_attempt(root, step));
   const std::string failure =
       publish_checkpoint(root, {writer.finish()}, store, config, 1, peak_gflops, cc.keep, "", nullptr);

@@ -364,7 +364,13 @@ void import_hf(const std::string& dir, ChunkStore& store, const ModelConfig& mod
     check(e.tensor->shape == p.hf_shape, e.file->path() + ": tensor \"" + p.hf + "\": field shape: expected " +
                                              shape_string(p.hf_shape) + " (from config.json), found " +
                                              shape_string(e.tensor->shape));
-    const std::vector<float> values = e.file->read_float32(*e.tensor);
+    // An F32 tensor is read in place from the mapping; others converted into a buffer first.
+    std::vector<float> converted;
+    std::span<const float> values = e.file->float32_view(*e.tensor);
+    if (values.empty()) {
+      converted = e.file->read_float32(*e.tensor);
+      values = converted;
+    }
     const auto bad = std::find_if(values.begin(), values.end(), [](float v) { return !std::isfinite(v); });
     check(bad == values.end(), e.file->path() + ": tensor \"" + p.hf + "\" holds a non-finite value at element " +
                                    std::to_string(bad - values.begin()));
@@ -416,6 +422,10 @@ void export_hf(const std::string& dir, const ChunkStore& store, const ModelConfi
     const Piece& p = pieces[i];
     std::span<const float> src = store.view(store.find(m.tensor_prefix + p.keel), Plane::param);
     const int64_t rows = p.rows(), cols = p.cols();
+    if (p.order == Order::rows) {  // the store's rows as they are: written from the store itself
+      out.push_back({p.hf, p.hf_shape, src.subspan(static_cast<size_t>(p.row0 * cols), static_cast<size_t>(rows * cols))});
+      continue;
+    }
     values[i].resize(static_cast<size_t>(rows * cols));
     for (int64_t r = 0; r < rows; ++r) {
       const float* in = src.data() + (p.row0 + r) * cols;

@@ -211,6 +211,12 @@ std::vector<float> SafetensorsFile::read_float32(const SafetensorsTensor& t) con
   return out;
 }
 
+std::span<const float> SafetensorsFile::float32_view(const SafetensorsTensor& t) const {
+  const char* src = map_ + header_.data_offset + t.begin;
+  if (t.dtype != "F32" || reinterpret_cast<uintptr_t>(src) % alignof(float) != 0 || t.numel() == 0) return {};
+  return {reinterpret_cast<const float*>(src), static_cast<size_t>(t.numel())};
+}
+
 SafetensorsCheckpoint::SafetensorsCheckpoint(const std::string& dir) {
   namespace fs = std::filesystem;
   const std::string single = (fs::path(dir) / "model.safetensors").string();

@@ -54,6 +54,9 @@ class SafetensorsFile {
   // The tensor's values as float32 (F32 copied, BF16 and F16 widened exactly). Other dtypes are
   // refused in one line naming the file, the tensor and its dtype.
   std::vector<float> read_float32(const SafetensorsTensor& tensor) const;
+  // The tensor's float32 values in place in the mapping (no copy) when it is F32 and 4-byte
+  // aligned there; else empty (read_float32 then). Valid while the file lives.
+  std::span<const float> float32_view(const SafetensorsTensor& tensor) const;
 
  private:
   std::string path_;
