@@ -2,7 +2,8 @@
 """Keel and Hugging Face transformers, both ways (needs bench/.venv with torch, transformers).
 
   bench/.venv/bin/python bench/hf_interop.py check
-      For each model of tests/reference/hf (GPT-2, Llama with GQA and an untied head): `keel import
+      For each model of tests/reference/hf (GPT-2, Llama with GQA and an untied head, Llama with
+      rope scaling "llama3" and "linear"): `keel import
       --hf`, `keel export --hf`, then transformers' from_pretrained on Keel's export; its float64
       logits on the fixture's tokens against the committed ones (which transformers computed on the
       original files). Prints the largest difference per model; exits 1 above 1e-9.
@@ -32,8 +33,9 @@ def check():
     import torch
     from transformers import AutoModelForCausalLM
     expected = json.load(open(os.path.join(ROOT, "tests/reference/hf/expected.json")))
+    expected.update(json.load(open(os.path.join(ROOT, "tests/reference/hf/rope_expected.json"))))
     worst_all = 0.0
-    for name in ("gpt2", "llama"):
+    for name in ("gpt2", "llama", "llama_rope_llama3", "llama_rope_linear"):
         with tempfile.TemporaryDirectory() as tmp:
             keel("import", "--hf", os.path.join(ROOT, "tests/reference/hf", name), "--out", tmp + "/ckpt")
             keel("export", "--checkpoint", tmp + "/ckpt", "--hf", tmp + "/out")
