@@ -74,7 +74,7 @@ commands:
             (--tokenizer: encode with a Hugging Face tokenizer.json instead; uint32 shards above 65,536 tokens)
             (llm.c shard format). Default input: /usr/share/games/fortunes.
   eval      --checkpoint DIR | --llmc FILE.bin | --llama2c FILE.bin | --hf DIR  [--data SHARD] [--batch B] [--seq T] [--batches N]
-            [--set model.rope_scaling=linear|ntk --set model.rope_factor=F --set model.max_seq_len=T]
+            [--set model.rope_scaling=linear|ntk|llama3 --set model.rope_factor=F --set model.max_seq_len=T]
             Validation loss and perplexity; a llama model past its trained length with RoPE scaling.
   generate  --checkpoint DIR [--prompt TEXT | --prompts FILE [--batch B]] [--tokens N] [--temperature X] [--top-k K]
             [--seed S] [--tokenizer FILE] [--set generate.key=value ...]
@@ -354,16 +354,19 @@ LoadedModel load_model(const Args& a, int B, int T, bool imports = true) {
   // and a longer context: the weights are loaded by the checkpoint's own configuration.
   const Config saved = lm.config;
   for (const std::string& set : a.all("--set")) {
-    const bool rope = set.rfind("model.rope_scaling=", 0) == 0 || set.rfind("model.rope_factor=", 0) == 0 ||
-                      set.rfind("model.max_seq_len=", 0) == 0;
-    check(set.rfind("generate.", 0) == 0 || (rope && lm.config.model.llama()),
+    const bool rope = set.rfind("model.rope_", 0) == 0 && set.rfind("model.rope_theta=", 0) != 0;
+    const bool rope_or_length = rope || set.rfind("model.max_seq_len=", 0) == 0;
+    check(set.rfind("generate.", 0) == 0 || (rope_or_length && lm.config.model.llama()),
           std::string("option --set ") + set + ": a trained model takes generate.* keys" +
-              (lm.config.model.llama() ? " and model.rope_scaling, rope_factor, max_seq_len" : ""));
+              (lm.config.model.llama() ? " and model.rope_scaling, rope_factor, rope_low_freq_factor, "
+                                         "rope_high_freq_factor, rope_original_max_seq_len, max_seq_len"
+                                       : ""));
     lm.config.set(set);
   }
   validate(lm.config.generate);
   if (lm.config.model.max_seq_len != saved.model.max_seq_len || lm.config.model.rope_scaling != saved.model.rope_scaling ||
-      lm.config.model.rope_factor != saved.model.rope_factor) {
+      lm.config.model.rope_factor != saved.model.rope_factor ||
+      lm.config.model.rope_frequencies() != saved.model.rope_frequencies()) {
     Config check_model = lm.config;
     check_model.train.seq_len = std::min(check_model.train.seq_len, check_model.model.max_seq_len);
     check_model.resolve(1);  // validates the model section
