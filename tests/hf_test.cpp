@@ -16,6 +16,7 @@
 #include <set>
 #include <sstream>
 
+#include "ckpt/checkpoint.h"
 #include "ckpt/hf.h"
 #include "ckpt/safetensors.h"
 #include "core/fileio.h"
@@ -707,6 +708,8 @@ TEST(HfTrainInit, StartsFromTheCheckpointsWeights) {
     if (j.contains("val_loss")) first = j["val_loss"].get<double>();
   }
   EXPECT_NEAR(first, want, 1e-5 * want);  // the step-0 evaluation is the HF model's
+  // The directory's eos_token_id (config.json: 2) ends the run's generated text, kept in its checkpoints.
+  EXPECT_EQ(read_checkpoint_config(dir / "run/ckpt").generate.stop_tokens, "2");
   // A model key set against the checkpoint's config.json: one line.
   const testing::CommandResult bad = testing::run_keel("train --set train.init=hf:" + fixture("llama") +
                                                        " --set model.n_layer=3 --set train.run_dir=" + (dir / "run2") + data);

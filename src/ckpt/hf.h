@@ -11,6 +11,8 @@
 //     i + head_size / 2, so its q_proj and k_proj rows are that permutation of Keel's: Keel row
 //     h * hs + 2i + p is HF row h * hs + p * hs / 2 + i (p = 0, 1; i < hs / 2).
 // Keel's RMSNorm and LayerNorm use eps 1e-5 and GPT-2's GELU is the tanh form: config.json must say so.
+// Rope scaling: rope_parameters (transformers 5) or rope_scaling of type "linear" or "llama3" is
+// Keel's model.rope_scaling of that name (ModelConfig::rope_frequencies), written back on export.
 #pragma once
 
 #include <cstdint>
