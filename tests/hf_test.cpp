@@ -840,6 +840,11 @@ TEST(HfText, GenerationStopsAtTheModelsEosToken) {
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
   EXPECT_NE(bad.output.find("generation_config.json: field eos_token_id: expected token ids"), std::string::npos) << bad.output;
   EXPECT_EQ(testing::count_lines(bad.output), 1) << bad.output;
+  const testing::CommandResult bad_key =
+      testing::run_keel("generate --checkpoint " + (dir / "ckpt") + " --set generate.stop_tokens=2,x" + common);
+  EXPECT_EQ(bad_key.exit_code, 2) << bad_key.output;
+  EXPECT_NE(bad_key.output.find("generate.stop_tokens"), std::string::npos) << bad_key.output;
+  EXPECT_EQ(testing::count_lines(bad_key.output), 1) << bad_key.output;
 }
 
 }  // namespace
