@@ -92,4 +92,4 @@ text += b" " * (-len(text) % 8)
 open(sys.argv[1], "wb").write(struct.pack("<Q", len(text)) + text + data)
 PY
 # tokenizer.json: the three shapes tests/reference/make_hf_fixtures.py trains (GPT-2, Llama 3, Llama 2).
-cp tests/reference/hf/tokenizers/{gpt2,llama3,llama2}.json "$out/fuzz_hf_tokenizer/"
+cp tests/reference/hf/tokenizers/{gpt2,llama3,llama2}.json tests/reference/hf/tokenizers/features/{metaspace_first,added_options}.json "$out/fuzz_hf_tokenizer/"
