@@ -91,5 +91,6 @@ text = json.dumps(header).encode()
 text += b" " * (-len(text) % 8)
 open(sys.argv[1], "wb").write(struct.pack("<Q", len(text)) + text + data)
 PY
-# tokenizer.json: the three shapes tests/reference/make_hf_fixtures.py trains (GPT-2, Llama 3, Llama 2).
+# tokenizer.json: the three shapes tests/reference/make_hf_fixtures.py trains (GPT-2, Llama 3, Llama 2), and two
+# of its feature variants (Metaspace "first"; added tokens with lstrip / rstrip / single_word).
 cp tests/reference/hf/tokenizers/{gpt2,llama3,llama2}.json tests/reference/hf/tokenizers/features/{metaspace_first,added_options}.json "$out/fuzz_hf_tokenizer/"
