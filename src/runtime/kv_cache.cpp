@@ -70,6 +70,7 @@ KvCache::KvCache(GPT& model, const KvCacheOptions& options) : model_(model), opt
     t.host_bytes = options.tier == KvTier::host ? static_cast<int64_t>(slots_) * slot_bytes_ : 0;
     t.nvme_dir = options.tier == KvTier::nvme ? options.nvme_dir : "";
     t.params_only = true;
+    t.async_host = true;  // a hinted host block is copied while this layer computes
     // The passes of a sequence grow by a token each: no step repeats, so no recorded schedule;
     // the cache hints the next layer's blocks itself.
     t.lookahead = 0;
