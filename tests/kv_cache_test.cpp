@@ -171,6 +171,62 @@ TEST_P(KvCacheModels, PackedPassesMatchSequencesAlone) {
   }
 }
 
+// Without all_logits a pass computes the head for the rows that need it only (each extension's
+// last row and the last rows of blocks it seals): the last logits are those of a cache that
+// computes every row, alone and packed, over reused prefixes too; the log-likelihoods are NaN;
+// greedy generation gives the uncached tokens.
+TEST_P(KvCacheModels, LogitsOnlyWhereSampledGiveTheSameLastLogits) {
+  const Case& k = GetParam();
+  Model m = make_model(k.preset, k.window, k.n_kv_head);
+  std::vector<std::vector<int>> docs;
+  for (int i = 0; i < 4; ++i) docs.push_back(random_tokens(9 + 19 * i, 96, 60 + i));
+  docs.push_back(docs[3]);  // the same document again: its sealed blocks are reused
+  docs[4].resize(40);
+  for (int chunk : {5, 96}) {
+    KvCacheOptions o;
+    o.block_tokens = 16;
+    o.prefill_chunk = chunk;
+    o.cache_bytes = 64 << 20;
+    KvCacheOptions sel = o;
+    sel.all_logits = false;
+    KvCache all(*m.gpt, o), alone(*m.gpt, sel), packed(*m.gpt, sel);
+    std::vector<std::unique_ptr<KvCache::Sequence>> a, s, p;
+    std::vector<KvCache::Extension> ext;
+    for (const auto& d : docs) {
+      a.push_back(all.open());
+      all.extend(*a.back(), d);
+      s.push_back(alone.open());
+      alone.extend(*s.back(), d);
+      p.push_back(packed.open());
+      ext.push_back(KvCache::Extension{p.back().get(), d});
+    }
+    packed.extend_many(ext);
+    EXPECT_GT(alone.stats().reused_tokens, 0u) << "the repeated document should reuse sealed blocks";
+    for (size_t i = 0; i < docs.size(); ++i) {
+      for (const auto* q : {s[i].get(), p[i].get()}) {
+        ASSERT_EQ(q->tokens(), docs[i]);
+        EXPECT_TRUE(std::isnan(q->nll().back()));
+        for (int v = 0; v < 96; ++v) {
+          ASSERT_NEAR(q->last_logits()[v], a[i]->last_logits()[v], 2e-4 * (1 + std::abs(a[i]->last_logits()[v])))
+              << "chunk " << chunk << " doc " << i;
+        }
+      }
+    }
+  }
+  const std::vector<int> prompt = random_tokens(21, 96, 4);
+  SampleOptions so;
+  so.max_new_tokens = 70;
+  so.temperature = 0;
+  Rng r1(1), r2(1);
+  const std::vector<int> uncached = generate(*m.gpt, 96, prompt, so, r1);
+  KvCacheOptions ko;
+  ko.block_tokens = 16;
+  ko.cache_bytes = 16 << 20;
+  ko.all_logits = false;
+  KvCache cache(*m.gpt, ko);
+  EXPECT_EQ(generate_cached(cache, 96, prompt, so, r2), uncached);
+}
+
 // Batched generation (continuous batching) gives each prompt the tokens generate_cached gives it
 // alone with Rng(prompt_seed(seed, i)): greedy and sampled, float32 and bf16, batches smaller and
 // larger than the prompt count, prompts of different lengths that stop at different times and

@@ -123,14 +123,15 @@ TierOptions all_nvme(const ChunkStore& s, const testing::TempDir& dir, int chunk
   return o;
 }
 
-struct Engines : ::testing::TestWithParam<std::tuple<IoEngine, bool, bool>> {};
+// (engine, prefetch, adaptive, async_host: host fetches by the copier's thread)
+struct Engines : ::testing::TestWithParam<std::tuple<IoEngine, bool, bool, bool>> {};
 
 // Training-shaped traffic (forward, backward writing gradients, an optimizer pass over every
 // chunk's four planes) with a device budget of a fifth of the state: every acquire sees exactly
 // the newest bytes, budgets hold, and with prefetch most first touches are hits after the first
 // step (which records the schedule).
 TEST_P(Engines, EveryAcquireSeesTheNewestBytesWithinBudgets) {
-  const auto [engine, prefetch, adaptive] = GetParam();
+  const auto [engine, prefetch, adaptive, async_host] = GetParam();
   testing::TempDir dir;
   auto store = make_store();
   const int n_chunks = static_cast<int>(store->chunks().size());
@@ -147,6 +148,7 @@ TEST_P(Engines, EveryAcquireSeesTheNewestBytesWithinBudgets) {
   o.prefetch = prefetch;
   o.lookahead = 3;
   o.adaptive = adaptive;
+  o.async_host = async_host;
   o.reserve_bytes = o.device_bytes / 2;
   TierManager tiers(*store, o, homes);
   EXPECT_LE(tiers.device_bytes_used(), o.device_bytes);
@@ -209,14 +211,18 @@ TEST_P(Engines, EveryAcquireSeesTheNewestBytesWithinBudgets) {
               prefetch, late_hits / late_touches);
 }
 
+std::string engines_name(const ::testing::TestParamInfo<Engines::ParamType>& info) {
+  return std::string(io_engine_name(std::get<0>(info.param))) + (std::get<1>(info.param) ? "_prefetch" : "_on_demand") +
+         (std::get<2>(info.param) ? "_adaptive" : "_static") + (std::get<3>(info.param) ? "_async_host" : "");
+}
 INSTANTIATE_TEST_SUITE_P(Tiers, Engines,
                          ::testing::Combine(::testing::Values(IoEngine::io_uring, IoEngine::threads), ::testing::Bool(),
-                                            ::testing::Bool()),
-                         [](const auto& info) {
-                           return std::string(io_engine_name(std::get<0>(info.param))) +
-                                  (std::get<1>(info.param) ? "_prefetch" : "_on_demand") +
-                                  (std::get<2>(info.param) ? "_adaptive" : "_static");
-                         });
+                                            ::testing::Bool(), ::testing::Values(false)),
+                         engines_name);
+INSTANTIATE_TEST_SUITE_P(AsyncHost, Engines,
+                         ::testing::Combine(::testing::Values(IoEngine::threads), ::testing::Bool(), ::testing::Bool(),
+                                            ::testing::Values(true)),
+                         engines_name);
 
 // A disk slow to write (every write of the threads engine starts 50 ms late) keeps write-backs
 // in flight while the pages they write are taken back, read, and evicted again, several times:

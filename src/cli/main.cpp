@@ -477,7 +477,11 @@ int cmd_generate(const Args& a) {
     return prompt;
   };
   std::unique_ptr<KvCache> cache;
-  if (g.kv_cache) cache = std::make_unique<KvCache>(*lm.model, KvCacheOptions::from(g));
+  if (g.kv_cache) {
+    KvCacheOptions kv = KvCacheOptions::from(g);
+    kv.all_logits = false;  // generation samples after each extension's last token only
+    cache = std::make_unique<KvCache>(*lm.model, kv);
+  }
   auto run = [&](const std::vector<int>& prompt, uint64_t* reused) {
     if (cache) return generate_cached(*cache, context, prompt, o, rng, reused);
     return generate(*lm.model, context, prompt, o, rng);

@@ -135,9 +135,8 @@ void GradSync::settle(Bucket& b) {
       store_.discard(Plane::grad, b.offset, own_begin - b.offset);
       store_.discard(Plane::grad, own_end, b.offset + b.numel - own_end);
     }
-    for (const Chunk& c : store_.chunks()) {  // the sums are new bytes of these pages
-      if (c.offset < b.offset + b.numel && c.offset + c.numel > b.offset) bf16_->bits_written({c.id, Plane::grad});
-    }
+    // The sums are new bytes of these pages.
+    for (const Chunk& c : store_.chunks_overlapping(b.offset, b.numel)) bf16_->bits_written({c.id, Plane::grad});
     return;
   }
   if (b.compressed_now) {

@@ -1,7 +1,10 @@
 #include "model/head.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 #include "kernels/cpu/ops.h"
+#include "model/kv_context.h"
 #include "model/model_layout.h"
 #include "model/layer_util.h"
 
@@ -57,7 +60,20 @@ class Head final : public model_detail::OutputLayer {
   void forward(const Batch& b, const float* x, float*) override {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
     const PageLease tied = tied_ ? store_.use_layer(m_.layer_base, {Plane::param}) : PageLease();  // the embedding's chunks
-    const int N = b.B * b.T, C = m_.n_embd;
+    int N = b.B * b.T;
+    const int C = m_.n_embd;
+    if (const std::vector<int>* rows = b.kv != nullptr ? b.kv->logit_rows() : nullptr) {
+      // Only these rows' logits (a KV cache's prefill): their inputs gathered into dn_ (no backward
+      // follows an inference pass), then normalised and multiplied as a pass of rows->size() rows.
+      check(b.targets == nullptr && !tp_, "GPT: logits of chosen rows are an inference pass's (no loss, one rank)");
+      for (size_t i = 0; i < rows->size(); ++i) {
+        const int r = (*rows)[i];
+        check(r >= 0 && r < N && (i == 0 || r > (*rows)[i - 1]), "GPT: logit rows out of order or range");
+        std::copy(x + static_cast<int64_t>(r) * C, x + static_cast<int64_t>(r + 1) * C, dn_ + static_cast<int64_t>(i) * C);
+      }
+      x = dn_;
+      N = static_cast<int>(rows->size());
+    }
     float* n = n_.writable(stage_);
     if (layernorm_) {
       ops::layernorm_forward(n, mean_, rstd_, x, P(normw_), P(normb_), N, C);

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "core/clock.h"
 #include "core/error.h"
@@ -69,6 +70,7 @@ KvCache::KvCache(GPT& model, const KvCacheOptions& options) : model_(model), opt
     t.host_bytes = options.tier == KvTier::host ? static_cast<int64_t>(slots_) * slot_bytes_ : 0;
     t.nvme_dir = options.tier == KvTier::nvme ? options.nvme_dir : "";
     t.params_only = true;
+    t.async_host = true;  // a hinted host block is copied while this layer computes
     // The passes of a sequence grow by a token each: no step repeats, so no recorded schedule;
     // the cache hints the next layer's blocks itself.
     t.lookahead = 0;
@@ -284,21 +286,23 @@ void KvCache::compute_packed(std::span<const Extension> parts) {
   Packed packed;
   packed.parts.assign(parts.begin(), parts.end());
   packed.out_stride = model_.config().n_embd;
-  std::vector<int> inputs, p0s;
+  std::vector<int> inputs, p0s, firsts;  // firsts: each part's first row of the logits
+  packed.select = !options_.all_logits;
   for (const Extension& e : parts) {
     const int p0 = begin_extension(*e.sequence, e.tokens);
+    const int n = static_cast<int>(e.tokens.size());
     p0s.push_back(p0);
+    firsts.push_back(packed.select ? static_cast<int>(packed.rows.size()) : static_cast<int>(inputs.size()));
+    if (packed.select) wanted_rows(p0, n, static_cast<int>(inputs.size()), packed.rows);
     inputs.insert(inputs.end(), e.tokens.begin(), e.tokens.end());
-    for (int r = 0; r < static_cast<int>(e.tokens.size()); ++r) packed.pos.push_back(p0 + r);
+    for (int r = 0; r < n; ++r) packed.pos.push_back(p0 + r);
   }
   check(static_cast<int>(inputs.size()) <= max_pass_, "KV cache: a packed pass longer than prefill_chunk");
   if (tiers_) tiers_->begin_step(false);
   model_.forward(Batch{inputs.data(), nullptr, 1, static_cast<int>(inputs.size()), 0.0f, &packed});
   const float* logits = model_.logits();
-  int64_t row = 0;
   for (size_t i = 0; i < parts.size(); ++i) {
-    finish_extension(*parts[i].sequence, parts[i].tokens, p0s[i], logits + row * Vp);
-    row += static_cast<int64_t>(parts[i].tokens.size());
+    finish_extension(*parts[i].sequence, parts[i].tokens, p0s[i], logits + static_cast<int64_t>(firsts[i]) * Vp);
   }
   stats_.compute_ms += ms_since(t0);
 }
@@ -321,7 +325,11 @@ int KvCache::begin_extension(Sequence& s, std::span<const int> tokens) {
   const int kb = options_.block_tokens, n = static_cast<int>(tokens.size());
   const int p0 = s.length();
   // The first new token's log-likelihood comes from the logits after the last one.
-  s.nll_.push_back(p0 == 0 ? 0.0f : nll_of(s.last_logits_.data(), model_.config().vocab_size, tokens[0]));
+  if (!options_.all_logits) {
+    s.nll_.push_back(std::numeric_limits<float>::quiet_NaN());
+  } else {
+    s.nll_.push_back(p0 == 0 ? 0.0f : nll_of(s.last_logits_.data(), model_.config().vocab_size, tokens[0]));
+  }
   s.tokens_.insert(s.tokens_.end(), tokens.begin(), tokens.end());
   while (static_cast<int>(s.slots_.size()) * kb < p0 + n) {
     s.slots_.push_back(take_slot());
@@ -330,17 +338,40 @@ int KvCache::begin_extension(Sequence& s, std::span<const int> tokens) {
   return p0;
 }
 
+void KvCache::wanted_rows(int p0, int n, int base, std::vector<int>& rows) const {
+  const int kb = options_.block_tokens;
+  if (options_.prefix_reuse) {
+    for (int b = p0 / kb; b < (p0 + n) / kb; ++b) {
+      const int r = (b + 1) * kb - 1 - p0;  // the block's last row
+      if (r < n - 1) rows.push_back(base + r);
+    }
+  }
+  rows.push_back(base + n - 1);
+}
+
 void KvCache::finish_extension(Sequence& s, std::span<const int> tokens, int p0, const float* logits) {
   const int kb = options_.block_tokens, n = static_cast<int>(tokens.size());
   const int V = model_.config().vocab_size, Vp = model_.config().padded_vocab_size;
-  for (int r = 0; r + 1 < n; ++r) s.nll_.push_back(nll_of(logits + static_cast<int64_t>(r) * Vp, V, tokens[r + 1]));
-  const float* last = logits + static_cast<int64_t>(n - 1) * Vp;
+  std::vector<int> rows;  // without all_logits: the rows `logits` holds, in order
+  if (options_.all_logits) {
+    for (int r = 0; r + 1 < n; ++r) s.nll_.push_back(nll_of(logits + static_cast<int64_t>(r) * Vp, V, tokens[r + 1]));
+  } else {
+    s.nll_.insert(s.nll_.end(), static_cast<size_t>(n - 1), std::numeric_limits<float>::quiet_NaN());
+    wanted_rows(p0, n, 0, rows);
+  }
+  auto row = [&](int r) {  // row r's logits
+    if (options_.all_logits) return logits + static_cast<int64_t>(r) * Vp;
+    const auto it = std::lower_bound(rows.begin(), rows.end(), r);
+    check(it != rows.end() && *it == r, "KV cache: a row's logits were not computed");
+    return logits + static_cast<int64_t>(it - rows.begin()) * Vp;
+  };
+  const float* last = row(n - 1);
   s.last_logits_.assign(last, last + V);
   if (options_.prefix_reuse) {
     for (int b = p0 / kb; b < (p0 + n) / kb; ++b) {
       if (s.nodes_[b] >= 0) continue;
       if (b > 0 && s.nodes_[b - 1] < 0) break;  // sealed blocks extend sealed blocks only
-      seal(s, b, logits + static_cast<int64_t>((b + 1) * kb - 1 - p0) * Vp);
+      seal(s, b, row((b + 1) * kb - 1 - p0));
     }
   }
   stats_.tokens += n;
@@ -351,6 +382,9 @@ void KvCache::compute(Sequence& s, std::span<const int> tokens) {
   const auto t0 = std::chrono::steady_clock::now();
   const int p0 = begin_extension(s, tokens);
   s.pos0_ = p0;
+  s.select_ = !options_.all_logits;
+  s.rows_.clear();
+  if (s.select_) wanted_rows(p0, static_cast<int>(tokens.size()), 0, s.rows_);
   if (tiers_) tiers_->begin_step(false);
   model_.forward(Batch{s.tokens_.data() + p0, nullptr, 1, static_cast<int>(tokens.size()), 0.0f, &s});
   finish_extension(s, tokens, p0, model_.logits());

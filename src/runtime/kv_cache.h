@@ -50,6 +50,10 @@ struct KvCacheOptions {
   std::string nvme_dir;         // tier = nvme: directory of the tier's file
   bool prefix_reuse = true;     // seal full blocks into the radix tree and reuse them
   int prefill_chunk = 256;      // tokens per model pass when a sequence is extended by many
+  // false: a pass computes the logits of the rows that need them only (each extension's last row,
+  // and the last row of each block it may seal for reuse), not of every new token: what
+  // generation needs (it samples after the last token). Sequence::nll() is then NaN.
+  bool all_logits = true;
   // The same from the [generate] section of a configuration.
   static KvCacheOptions from(const GenerateConfig& g);
 };
@@ -82,12 +86,13 @@ class KvCache {
     ~Sequence() override;
     int length() const { return static_cast<int>(tokens_.size()); }
     const std::vector<int>& tokens() const { return tokens_; }
-    // -log p(token[p] | tokens before p) for p >= 1 (0 for p = 0).
+    // -log p(token[p] | tokens before p) for p >= 1 (0 for p = 0); NaN without all_logits.
     const std::vector<float>& nll() const { return nll_; }
     // The logits [vocab_size] after the last token.
     const std::vector<float>& last_logits() const { return last_logits_; }
     uint64_t reused_tokens() const { return reused_; }
     int pos0() const override { return pos0_; }
+    const std::vector<int>* logit_rows() const override { return select_ ? &rows_ : nullptr; }
     void attend(MatmulPrecision precision, int block, const float* qkv, int ldq, float* out, int n,
                 int window) override;
 
@@ -100,6 +105,8 @@ class KvCache {
     std::vector<int> slots_;  // per block of the sequence
     std::vector<int> nodes_;  // per block: its node in the radix tree, -1 while private
     int pos0_ = 0;            // first position of the pass running now
+    std::vector<int> rows_;   // the pass's rows whose logits it computes (when select_)
+    bool select_ = false;
     uint64_t reused_ = 0;
   };
 
@@ -151,8 +158,13 @@ class KvCache {
   // Before a pass computes `tokens` of `s` (alone or packed): the first token's log-likelihood from
   // the logits after the last one, the tokens recorded, blocks taken. Returns the first position.
   int begin_extension(Sequence& s, std::span<const int> tokens);
+  // The rows (of `s`'s n = tokens.size() rows, first at position p0) whose logits the pass must
+  // compute without all_logits, appended to `rows` shifted by `base`: the last, and the last of
+  // each block that may be sealed.
+  void wanted_rows(int p0, int n, int base, std::vector<int>& rows) const;
   // After it: the log-likelihoods from the pass's rows `logits` (`s`'s, first at position p0), the
-  // last row's logits kept, full blocks sealed for reuse, the statistics counted.
+  // last row's logits kept, full blocks sealed for reuse, the statistics counted. `logits` holds
+  // every row of `s`, or (without all_logits) the rows wanted_rows(p0, n, 0, ...) gave, in order.
   void finish_extension(Sequence& s, std::span<const int> tokens, int p0, const float* logits);
   size_t reuse(Sequence& s, std::span<const int> tokens);
   void compute_packed(std::span<const Extension> parts);
@@ -163,6 +175,9 @@ class KvCache {
     std::vector<int> pos;  // per row
     int pos0() const override { return pos.empty() ? 0 : pos[0]; }
     const int* positions() const override { return pos.data(); }
+    const std::vector<int>* logit_rows() const override { return select ? &rows : nullptr; }
+    std::vector<int> rows;  // without all_logits: the rows whose logits the pass computes
+    bool select = false;
     void attend(MatmulPrecision precision, int block, const float* qkv, int ldq, float* out, int n, int window) override;
     int out_stride = 0;
   };

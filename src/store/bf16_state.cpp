@@ -121,10 +121,7 @@ void Bf16State::zero(PageRef p, bool zeroed_in_place) {
 
 void Bf16State::discard(Plane plane, int64_t offset, int64_t numel) {
   store_.zero_and_release(plane, offset, numel);
-  for (const Chunk& c : store_.chunks()) {
-    if (c.offset >= offset + numel || c.offset + c.numel <= offset) continue;
-    versions_[index({c.id, plane})]++;
-  }
+  for (const Chunk& c : store_.chunks_overlapping(offset, numel)) versions_[index({c.id, plane})]++;
   if (!settled_ || !holds(plane)) return;
   uint16_t* b = bits(plane, offset);
   std::fill(b, b + numel, uint16_t{0});

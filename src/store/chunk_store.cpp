@@ -49,9 +49,7 @@ class PresentPlanes final : public Residency {
   }
   void discard(Plane plane, int64_t offset, int64_t numel) override {
     store_.zero_and_release(plane, offset, numel);
-    for (const Chunk& c : store_.chunks()) {
-      if (c.offset < offset + numel && c.offset + c.numel > offset) versions_[index({c.id, plane})]++;
-    }
+    for (const Chunk& c : store_.chunks_overlapping(offset, numel)) versions_[index({c.id, plane})]++;
   }
   bool updates_at_home(PageRef) const override { return false; }  // home is the compute address
   void update_at_home(PageRef p, const std::function<void(float*, size_t)>& update) override {
@@ -561,9 +559,15 @@ void ChunkStore::discard(Plane plane, int64_t offset, int64_t numel) {
   if (numel <= 0) return;
   residency_->discard(plane, offset, numel);
   if (plane != Plane::param || bf16_copies_.empty()) return;
-  for (const Chunk& c : chunks_) {
-    if (c.offset < offset + numel && c.offset + c.numel > offset) forget_bf16(c.id);
-  }
+  for (const Chunk& c : chunks_overlapping(offset, numel)) forget_bf16(c.id);
+}
+
+std::span<const Chunk> ChunkStore::chunks_overlapping(int64_t offset, int64_t numel) const {
+  if (numel <= 0) return {};
+  const auto first = std::partition_point(chunks_.begin(), chunks_.end(),
+                                          [&](const Chunk& c) { return c.offset + c.numel <= offset; });
+  const auto last = std::partition_point(first, chunks_.end(), [&](const Chunk& c) { return c.offset < offset + numel; });
+  return {first, last};
 }
 
 void ChunkStore::zero_and_release(Plane plane, int64_t offset, int64_t numel) {

@@ -258,6 +258,9 @@ class ChunkStore {
   }
 
   const std::vector<Chunk>& chunks() const { return chunks_; }
+  // The chunks that overlap the flat range [offset, offset + numel) (chunks lie in offset order:
+  // a binary search, not a scan).
+  std::span<const Chunk> chunks_overlapping(int64_t offset, int64_t numel) const;
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
   TensorId find(const std::string& name) const;  // throws keel::Error if absent
   int64_t numel() const { return numel_; }

@@ -88,9 +88,8 @@ bool TierResidency::known_sum_squares(PageRef p, double* out) const {
 }
 
 void TierResidency::discard(Plane plane, int64_t offset, int64_t numel) {
-  for (const Chunk& c : store_.chunks()) {
+  for (const Chunk& c : store_.chunks_overlapping(offset, numel)) {
     const int64_t lo = std::max(offset, c.offset), hi = std::min(offset + numel, c.offset + c.numel);
-    if (lo >= hi) continue;
     if (lo == c.offset && hi == c.offset + c.numel) {
       manager_.discard_to_zero({c.id, plane});
     } else {

@@ -26,6 +26,7 @@ struct TierManager::Transfer {
   uint64_t ticket = 0;
   AlignedBuffer buf;
   uint64_t version = 0;  // the version of the bytes being moved
+  bool host = false;     // a host copy (HostCopier's ticket), else NVMe I/O (BlockFile's)
 };
 
 struct TierManager::Page {
@@ -101,6 +102,7 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
                              std::to_string(counter++) + ".bin";
     file_ = BlockFile::create(path, static_cast<uint64_t>(nvme_bytes), options.engine, 32, options.write_delay_us);
   }
+  if (options.async_host) copier_ = std::make_unique<HostCopier>();
   if (options.verify) zeros_.assign(static_cast<size_t>(largest_slot), 0);
   // Move everything home; only device-homed pages stay present.
   for (int i = 0; i < static_cast<int>(pages_.size()); ++i) {
@@ -321,7 +323,11 @@ void TierManager::finish_writeback(int i) {
 
 void TierManager::finish_fetch(int i) {
   Page& pg = pages_[i];
-  file_->wait(pg.fetching->ticket);
+  if (pg.fetching->host) {
+    copier_->wait(pg.fetching->ticket);
+  } else {
+    file_->wait(pg.fetching->ticket);
+  }
   pg.device_version = pg.fetching->version;
   pg.present = true;
   pg.released = false;
@@ -345,7 +351,7 @@ void TierManager::poll() {
       in_flight_.erase(in_flight_.begin() + static_cast<std::ptrdiff_t>(k));
       continue;
     }
-    if (!file_->done(t->ticket)) {
+    if (!(t->host ? copier_->done(t->ticket) : file_->done(t->ticket))) {
       ++k;
       continue;
     }
@@ -359,7 +365,8 @@ void TierManager::poll() {
 }
 
 // Starts bringing page i into the device tier (room must have been made). A host-homed page is
-// copied at once; an NVMe page is read straight into its place in the plane (O_DIRECT).
+// copied at once, or by the copier's thread (async_host); an NVMe page is read straight into its
+// place in the plane (O_DIRECT).
 void TierManager::fetch(int i) {
   Page& pg = pages_[i];
   const int t = static_cast<int>(pg.home);
@@ -372,7 +379,15 @@ void TierManager::fetch(int i) {
     stats_.peak_device_bytes = std::max(stats_.peak_device_bytes, device_used_);
     return;
   }
-  if (pg.home == Tier::host) {
+  if (pg.home == Tier::host && copier_) {
+    device_used_ += pg.bytes;
+    auto tr = std::make_unique<Transfer>();
+    tr->version = pg.home_version;
+    tr->host = true;
+    tr->ticket = copier_->copy(address(i), pg.host.data, static_cast<size_t>(pg.bytes));
+    pg.fetching = std::move(tr);
+    in_flight_.push_back(i);
+  } else if (pg.home == Tier::host) {
     device_used_ += pg.bytes;
     std::memcpy(address(i), pg.host.data, static_cast<size_t>(pg.bytes));
     pg.device_version = pg.home_version;

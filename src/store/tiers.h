@@ -36,6 +36,7 @@
 #include "core/config.h"
 #include "store/block_file.h"
 #include "store/chunk_store.h"
+#include "store/host_copier.h"
 
 namespace keel {
 
@@ -55,6 +56,9 @@ struct TierOptions {
   bool adaptive = false;
   int64_t reserve_bytes = 0;  // adaptive: device bytes kept free of homed pages (the working window)
   int write_delay_us = 0;     // tests, with the threads engine: NVMe writes start this late
+  // A host-homed page's fetch is copied by a thread of its own (store/host_copier.h) and waited
+  // for at its acquire, as an NVMe read is; false: copied at once by the thread that starts it.
+  bool async_host = false;
   // A checksum (XXH3) of every page's bytes each time its version changes, checked at every
   // acquire: a transfer that lost, tore or mixed up bytes fails loudly at the page it hit instead
   // of drifting the run. Costs a hash of each page written and of each page acquired.
@@ -175,6 +179,7 @@ class TierManager {
   TierOptions options_;
   std::vector<Page> pages_;
   std::unique_ptr<BlockFile> file_;
+  std::unique_ptr<HostCopier> copier_;  // async_host: the host-homed pages' fetches
   int64_t device_used_ = 0, host_used_ = 0;
   // The schedule: acquires of the first step (page indices), then the position in it.
   std::vector<std::vector<int>> schedule_;
