@@ -396,7 +396,8 @@ TEST_F(TensorParallel, LayoutsAndModelsThatCannotBeSplitAreRefusedInOneLine) {
   EXPECT_EQ(refusal({"model.preset=tiny", "parallel.tensor=2"}, 4), "");  // data 2 x tensor 2
   EXPECT_EQ(refusal({"model.preset=tiny", "parallel.tensor=2", "parallel.pipeline=2"}, 4), "");
   // A pipeline of tensor groups: what is not built for shards yet.
-  for (const auto& [set, key] : {std::pair<std::string, std::string>{"parallel.post_validate=true", "parallel.post_validate"},
+  for (const auto& [set, key] : {std::pair<std::string, std::string>{"parallel.zero=1", "parallel.zero"},
+                                 {"parallel.post_validate=true", "parallel.post_validate"},
                                  {"parallel.predict_gradients=mean", "parallel.predict_gradients"},
                                  {"parallel.repartition_every=4", "parallel.repartition_every"}}) {
     refuses({"model.preset=tiny", "parallel.tensor=2", "parallel.pipeline=2", "monitor.layer_costs_every=2",
