@@ -40,8 +40,6 @@ void validate_tensor_parallel_config(const Config& c) {
     // A pipeline of tensor groups: what moves or copies a stage's whole planes outside its shards
     // is not built for shards yet (a re-cut's stage migration, post-validation's backup, the
     // gradient predictor's per-element state).
-    // (ZeRO on the data dimension of a pipeline of tensor groups: built from the same parts, not yet tested.)
-    not_yet(c.parallel.zero == 0, "parallel.zero", std::to_string(c.parallel.zero));
     not_yet(c.parallel.repartition_every == 0, "parallel.repartition_every", std::to_string(c.parallel.repartition_every));
     not_yet(!c.parallel.post_validate, "parallel.post_validate", "true");
     not_yet(c.parallel.predict_gradients == PredictGradients::off, "parallel.predict_gradients",
