@@ -59,7 +59,11 @@ Checkpointer::Checkpointer(const Config& config, Communicator& world, ChunkStore
       sync_(&sync),
       peak_gflops_(peak_gflops),
       log_event_(std::move(log_event)),
-      writer_index_(comm_.rank() / std::max(1, config.parallel.pipeline)),
+      // Among the ranks holding this rank's layers (its stage's replicas and tensor ranks; world
+      // rank = (replica x P + stage) x T + tensor rank): replica x T + tensor rank.
+      writer_index_(comm_.rank() / (std::max(1, config.parallel.pipeline) * std::max(1, config.parallel.tensor)) *
+                        std::max(1, config.parallel.tensor) +
+                    comm_.rank() % std::max(1, config.parallel.tensor)),
       root_(config.train.run_dir + "/ckpt") {
   if (config.parallel.pipeline > 1) {
     whole_ = std::make_unique<ChunkStore>(config.store.chunk_bytes);
@@ -72,7 +76,9 @@ Checkpointer::Checkpointer(const Config& config, Communicator& world, ChunkStore
 }
 
 void Checkpointer::make_writer(bool at_restart) {
-  // A stage's chunks are written by its replicas (the ZeRO shards of its moments, when sharded).
+  // A stage's chunks are written by its replicas (the ZeRO shards of its moments, when sharded),
+  // and with tensor parallelism by every rank of their tensor groups (each holds the stage's whole
+  // copy, comm/tensor_parallel.h WholeModelState).
   writers_ = ChunkPartition::balanced(*store_, comm_.size() / std::max(1, config_.parallel.pipeline));
   std::vector<ChunkTarget> targets;
   if (whole_) targets = whole_model_targets(*store_, *whole_);

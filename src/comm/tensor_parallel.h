@@ -9,17 +9,26 @@
 #pragma once
 
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "comm/communicator.h"
+#include "comm/zero.h"
 #include "core/config.h"
+#include "core/metrics_source.h"
+#include "core/step_hook.h"
 #include "model/gpt.h"
 #include "model/tensor_group.h"
 #include "store/chunk_store.h"
 
 namespace keel {
 
-class MpiTensorGroup final : public TensorGroup {
+// Also the group's traffic counter. Metrics: `tensor_allreduce_bytes`, the bytes this rank handed
+// to all-reduces over its tensor group during the step's passes (a sum's floats at 4 bytes, a
+// maximum's values at 8: it runs in double), counted from before_step to after_step, so an
+// evaluation between steps is not counted. Every rank of a group hands the same; the line holds
+// rank 0's (with a pipeline: its first stage's group's).
+class MpiTensorGroup final : public TensorGroup, public MetricsSource, public StepHook {
  public:
   explicit MpiTensorGroup(Communicator& comm) : comm_(comm) {}
   int rank() const override { return comm_.rank(); }
@@ -28,9 +37,21 @@ class MpiTensorGroup final : public TensorGroup {
   void allreduce_max(float* data, int64_t count) override;
   Communicator& comm() { return comm_; }
 
+  void before_step(int64_t) override {
+    counting_ = true;
+    bytes_ = 0;
+  }
+  void after_step(int64_t) override {
+    counting_ = false;
+    step_bytes_ = bytes_;
+  }
+  void add_step_fields(double, nlohmann::json& line) override { line["tensor_allreduce_bytes"] = step_bytes_; }
+
  private:
   Communicator& comm_;
   std::vector<double> scratch_;  // allreduce_max's values in double (the communicator's maximum)
+  bool counting_ = false;
+  int64_t bytes_ = 0, step_bytes_ = 0;
 };
 
 // Throws keel::Error, one line naming the key, when `c` asks for tensor parallelism it cannot
@@ -42,27 +63,46 @@ void validate_tensor_parallel_config(const Config& c);
 // data-parallel sum): split tensors summed over the group, replicated ones (identical on every
 // rank) counted once. Collective over the group.
 double tensor_grad_squares(GPT& model, Communicator& tensor);
+// This rank's share of the whole model's squared gradient norm over chunks [first, last) of its
+// store (ZeRO-2: the chunks whose reduced gradient it owns), to be summed over the tensor group and
+// the ranks that share the chunks out: its split tensors' pieces, and the replicated tensors'
+// pieces on the tensor group's first rank only (they are the same on every rank of the group).
+// Replicas of tied tensors are counted at home. Local.
+double tensor_grad_share(GPT& model, int tensor_rank, std::pair<int, int> chunks);
 
 // A tensor-parallel rank's parameters and AdamW moments in the whole model's layout, so
-// checkpoints are written and read as one rank writes them: any tensor size resumes any other.
-// Holds a store of the whole model (allocated on every rank of the group; the cost of the
-// first version: one whole copy of parameters and moments per rank, beside the shard).
+// checkpoints are written and read as one rank (or one pipeline stage) writes them: any tensor
+// size resumes any other. Holds a store of the unsplit tensors of the rank's layers (the whole
+// model, or its pipeline stages'; allocated on every rank of the group; the cost of the first
+// version: one whole copy of those layers' parameters and moments per rank, beside the shard).
 class WholeModelState {
  public:
-  WholeModelState(const Config& config, Communicator& tensor, GPT& model);
+  // `moments` (ZeRO-1/2): how the model store's moments are shared out over `data`, the
+  // data-parallel group (each rank holds its own chunks' moments); null: every rank holds all.
+  WholeModelState(const Config& config, Communicator& tensor, GPT& model, Communicator* data = nullptr,
+                  const ChunkPartition* moments = nullptr);
   ChunkStore& store() { return *whole_; }
-  // Fills the whole store from the group's shards (all-gathers; collective over the group).
+  // Fills the whole store from the group's shards (all-gathers; collective over the group, and
+  // under ZeRO over the data-parallel group too: the moments are gathered there first).
   // Throws keel::Error when the replicated parameters differ between the group's ranks.
   void gather();
-  // Slices the whole store (as a checkpoint loaded it) into this rank's shards.
+  // Slices the whole store (as a checkpoint loaded it) into this rank's shards (under ZeRO, its
+  // own chunks' moments).
   void scatter();
 
  private:
+  // A moment plane of the model store as every rank would hold it unsharded (ZeRO: all-gathered
+  // over the data-parallel group into moment_planes_), or nullptr for the store's own plane.
+  float* gathered_moments(Plane plane);
+
   Communicator& tensor_;
   GPT& model_;
+  Communicator* data_ = nullptr;
+  const ChunkPartition* moments_ = nullptr;
   std::unique_ptr<ChunkStore> whole_;
   std::vector<TensorId> whole_ids_;
   std::vector<float> buffer_;
+  std::vector<float> moment_planes_[2];  // adam_m, adam_v of the whole flat space (ZeRO only)
 };
 
 }  // namespace keel

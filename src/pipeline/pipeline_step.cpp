@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <sstream>
 
+#include "comm/tensor_parallel.h"
 #include "core/error.h"
 #include "core/fileio.h"
 #include "optim/adamw.h"
@@ -203,8 +204,16 @@ void PipelineStep::update(int64_t step, double lr, double& loss_sum, StepResult&
     // Each stage's share of the norm (tied tensors counted once, at home), summed over the
     // replica's stages; the loss lives on the last stage, averaged over replicas.
     // Under ZeRO-2 each replica holds the summed gradient of its own chunks only.
-    const double squares = optimizer_.local_grad_squares();
-    r.grad_norm = std::sqrt(optimizer_.norm_is_sharded() ? world.allreduce_sum(squares) : pp.allreduce_sum(squares));
+    // With tensor parallelism a stage's share is its tensor group's (split tensors summed over the
+    // group, replicated ones once), and every rank of the last stage's group holds the same loss:
+    // the group's first rank counts it.
+    Communicator* tensor = groups_.tp();
+    const bool sharded = optimizer_.norm_is_sharded();
+    const double squares = tensor == nullptr ? optimizer_.local_grad_squares()
+                           : sharded         ? tensor_grad_share(model_, tensor->rank(), optimizer_.own_chunks())
+                                             : tensor_grad_squares(model_, *tensor);
+    r.grad_norm = std::sqrt(sharded ? world.allreduce_sum(squares) : pp.allreduce_sum(squares));
+    if (tensor != nullptr && tensor->rank() != 0) loss_sum = 0;
     loss_sum = world.allreduce_sum(loss_sum) / replicas;
     if (optimizer_.accept(step, loss_sum, r.grad_norm)) optimizer_.step(lr, step + 1, optimizer_.clip_for(r.grad_norm));
     return;

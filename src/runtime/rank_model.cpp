@@ -64,7 +64,12 @@ std::unique_ptr<RankModel> RankModel::build(const Config& config, ProcessGroups&
   build_optimizer_and_sync(*r, config, dp,
                            compressed ? sync_chunk_codecs(config.sync, config.model.n_layer, *r->store)
                                       : std::vector<CodecParams>{});
-  if (groups.tp() != nullptr) r->whole_state = std::make_unique<WholeModelState>(config, *groups.tp(), *r->model);
+  if (groups.tp() != nullptr) {
+    // Under ZeRO-1/2 the moments are shared out over the data-parallel group (the optimizer's partition).
+    const bool sharded = r->optimizer->zero() >= 1;
+    r->whole_state = std::make_unique<WholeModelState>(config, *groups.tp(), *r->model, sharded ? &dp : nullptr,
+                                                       sharded ? &r->optimizer->partition() : nullptr);
+  }
   if (layout) {
     r->engine = std::make_unique<pipeline::PipelineStep>(config, groups, std::move(*layout), *r->store, *r->model,
                                                          train, *r->sync, *r->optimizer, log_event);
@@ -98,6 +103,7 @@ std::unique_ptr<RankModel> RankModel::build_clip(const Config& config, ProcessGr
 std::vector<MetricsSource*> RankModel::sources() const {
   std::vector<MetricsSource*> out = {sync_report.get(), optimizer.get()};
   if (tiers) out.push_back(tiers.get());
+  if (tensor_group) out.push_back(tensor_group.get());
   if (MetricsSource* own = engine->metrics()) out.push_back(own);
   return out;
 }

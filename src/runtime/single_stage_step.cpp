@@ -51,11 +51,15 @@ StepResult SingleStageStep::run(int64_t step, double lr) {
   // One sum over ranks for the loss and (ZeRO-2 ranks hold only their shard of the reduced
   // gradient) the squared gradient norm.
   const bool sharded = optimizer_.norm_is_sharded();
-  double sums[2] = {loss_sum, sharded ? optimizer_.local_grad_squares() : 0.0};
+  // (Tensor parallel under ZeRO-2: the owned chunks' share, then summed over the tensor group.)
+  const double own = !sharded ? 0.0 : tp_ ? tensor_grad_share(model_, tp_->rank(), optimizer_.own_chunks())
+                                          : optimizer_.local_grad_squares();
+  double sums[2] = {loss_sum, own};
   if (world > 1) dp_.allreduce_sum(sums, 2);
   r.loss = sums[0] / world / t.grad_accum;
   // Tensor parallel: the group's shards make the whole model's norm (comm/tensor_parallel.h).
-  r.grad_norm = std::sqrt(sharded ? sums[1] : tp_ ? tensor_grad_squares(model_, *tp_) : optimizer_.local_grad_squares());
+  r.grad_norm = std::sqrt(sharded ? (tp_ ? tp_->allreduce_sum(sums[1]) : sums[1])
+                                  : tp_ ? tensor_grad_squares(model_, *tp_) : optimizer_.local_grad_squares());
   if (optimizer_.accept(step, r.loss, r.grad_norm)) optimizer_.step(lr, step + 1, optimizer_.clip_for(r.grad_norm));
   if (profiler_) profiler_->after_step(step + 1, T, t.batch_size, t.grad_accum, nullptr, -1);
   return r;

@@ -64,6 +64,7 @@ Trainer::Trainer(Config config, Communicator& comm)
   rank_ = workload_->build(std::move(layout));
   for (MetricsSource* source : rank_->sources()) metrics_.add_source(source);
   if (rank_->tiers) hooks_.push_back(rank_->tiers.get());
+  if (rank_->tensor_group) hooks_.push_back(rank_->tensor_group.get());  // (its step's traffic)
   // After the tiers: a tiered run's checkpoints stream from them (no snapshot buffers).
   ChunkStore& written = rank_->whole_state ? rank_->whole_state->store() : *rank_->store;  // tensor parallel: whole
   checkpointer_ = std::make_unique<Checkpointer>(config_, comm, written, *rank_->sync, peaks_.peak_gflops, log);
@@ -240,7 +241,8 @@ void Trainer::log_run_event() {
   const ParallelConfig& p = config_.parallel;
   // The whole model's parameters: each stage's own (a tied tensor's replicas counted once).
   double parameters = 0;
-  for (const Chunk& c : rank_->store->chunks()) {
+  const ChunkStore& held = rank_->whole_state ? rank_->whole_state->store() : *rank_->store;  // (unsplit)
+  for (const Chunk& c : held.chunks()) {
     if (c.replica) continue;
     for (const Segment& seg : c.segments) parameters += static_cast<double>(seg.numel);
   }
