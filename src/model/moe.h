@@ -27,7 +27,8 @@
 namespace keel {
 
 // What a mixture-of-experts block measured over the training micro-batches since the last
-// reset (runtime/metrics reads and resets them once per optimizer step).
+// reset (runtime/moe_report.h sums them over the data-parallel ranks and resets them once per
+// optimizer step).
 struct MoeStats {
   int layer = 0;                     // the store's layer of the block
   std::vector<double> tokens;        // per routed expert: (token, choice) pairs routed to it (dropped ones too)

@@ -17,7 +17,11 @@ MoeBiasBalancer::MoeBiasBalancer(const ModelConfig& m, Communicator& dp, GPT& mo
   check(!blocks_.empty(), "model.moe_balance = \"bias\": the model has no mixture-of-experts block");
 }
 
-void MoeBiasBalancer::after_step() {
+void MoeBiasBalancer::after_step(bool applied) {
+  if (!applied) {
+    for (MoeFeedForward* b : blocks_) std::fill(b->step_load().begin(), b->step_load().end(), 0.0);
+    return;
+  }
   std::vector<double> load;
   load.reserve(blocks_.size() * experts_);
   for (MoeFeedForward* b : blocks_) load.insert(load.end(), b->step_load().begin(), b->step_load().end());

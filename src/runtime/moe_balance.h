@@ -23,9 +23,10 @@ class MoeBiasBalancer final : public CarriedState {
  public:
   // Over the MoE blocks of `model` (the whole model: a mixture of experts has no pipeline).
   MoeBiasBalancer(const ModelConfig& m, Communicator& dp, GPT& model);
-  // After the optimizer step (every rank): sums the step's loads over the ranks, moves the biases
-  // and starts the next step's loads from zero.
-  void after_step();
+  // After the optimizer step (every rank): sums the step's loads over the ranks and moves the
+  // biases, unless the step was skipped (`applied` false: a non-finite loss or norm, the same on
+  // every rank), then starts the next step's loads from zero.
+  void after_step(bool applied);
 
   std::string save(int64_t steps_done, std::vector<float>& floats) override;
   std::string check_resume(const std::string& layout, size_t floats) const override;

@@ -59,8 +59,9 @@ StepResult SingleStageStep::run(int64_t step, double lr) {
   r.loss = sums[0] / world / t.grad_accum;
   // Tensor parallel: the group's shards make the whole model's norm (comm/tensor_parallel.h).
   r.grad_norm = std::sqrt(sharded ? sums[1] : tp_ ? tensor_grad_squares(model_, *tp_) : optimizer_.local_grad_squares());
-  if (optimizer_.accept(step, r.loss, r.grad_norm)) optimizer_.step(lr, step + 1, optimizer_.clip_for(r.grad_norm));
-  if (balancer_) balancer_->after_step();
+  const bool accepted = optimizer_.accept(step, r.loss, r.grad_norm);
+  if (accepted) optimizer_.step(lr, step + 1, optimizer_.clip_for(r.grad_norm));
+  if (balancer_) balancer_->after_step(accepted);
   if (profiler_) profiler_->after_step(step + 1, T, t.batch_size, t.grad_accum, nullptr, -1);
   return r;
 }
