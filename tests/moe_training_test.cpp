@@ -177,6 +177,11 @@ TEST_F(MoeTraining, AResumedRunGivesTheUninterruptedBytes) {
     const json want = lines(whole).back().at("moe_layers"), got = lines(resumed).back().at("moe_layers");
     EXPECT_EQ(got, want) << whole;
   }
+  // A run balanced by the loss alone does not continue a biased run's trajectory: refused.
+  const testing::CommandResult aux =
+      train(0, "aux-from-bias", "--set train.resume=" + at("saving-bias") + "/ckpt/step-00000004");
+  EXPECT_NE(aux.exit_code, 0) << aux.output;
+  EXPECT_NE(aux.output.find("written by a different run (trajectory hash"), std::string::npos) << aux.output;
   // A checkpoint of one rank resumed on two: each rank takes the biases saved (they are the same
   // on every rank), and the run goes on as the one-rank run does.
   const testing::CommandResult r = train(2, "resumed-bias-dp2",
