@@ -30,6 +30,7 @@ struct MoeCase {
   int experts, top_k, shared, every;
   double capacity;
   int n_layer = 2;
+  bool bias = false;  // model.moe_balance = "bias", with random routing biases
 };
 
 ModelConfig small_moe(const MoeCase& p) {
@@ -50,6 +51,7 @@ ModelConfig small_moe(const MoeCase& p) {
   c.model.moe_hidden = 12;
   c.model.moe_aux_weight = 0.05;
   c.model.moe_capacity = p.capacity;
+  if (p.bias) c.model.moe_balance = MoeBalance::bias;
   c.train.seq_len = 16;
   c.resolve(1);
   return c.model;
@@ -87,6 +89,13 @@ TEST_P(MoeReference, LossAndEveryGradientMatchPyTorchFloat64) {
   std::vector<float> weights;
   randomize(store, m, tensors, weights, 17);
   Rng rng(23);
+  json biases = json::object();  // per block: its routing biases (as the balancer would have moved them)
+  for (int l = 0; l < model.num_layers() && p.bias; ++l) {
+    if (MoeFeedForward* moe = model.layer(l).moe()) {
+      for (float& b : moe->routing_bias()) b = static_cast<float>(0.2 * rng.normal());
+      biases[std::to_string(l - 1)] = moe->routing_bias();
+    }
+  }
   const int B = 2, T = 7;
   std::vector<int> inputs(B * T), targets(B * T);
   for (int i = 0; i < B * T; ++i) {
@@ -115,7 +124,9 @@ TEST_P(MoeReference, LossAndEveryGradientMatchPyTorchFloat64) {
                        {"moe_shared_experts", m.moe_shared_experts},
                        {"moe_every", m.moe_every},
                        {"moe_aux_weight", m.moe_aux_weight},
-                       {"moe_capacity", m.moe_capacity}}},
+                       {"moe_capacity", m.moe_capacity},
+                       {"moe_balance", p.bias ? "bias" : "aux"},
+                       {"moe_bias", biases}}},
                      {"B", B},
                      {"T", T},
                      {"tokens", inputs},
@@ -164,7 +175,9 @@ TEST_P(MoeReference, LossAndEveryGradientMatchPyTorchFloat64) {
 INSTANTIATE_TEST_SUITE_P(Shapes, MoeReference,
                          ::testing::Values(MoeCase{"top2_of_4_shared", 4, 2, 1, 1, 0.0},
                                            MoeCase{"top1_of_3_every2", 3, 1, 0, 2, 0.0, 4},
-                                           MoeCase{"top2_of_4_capacity", 4, 2, 0, 1, 0.5}),
+                                           MoeCase{"top2_of_4_capacity", 4, 2, 0, 1, 0.5},
+                                           MoeCase{"top2_of_4_bias", 4, 2, 1, 1, 0.0, 2, true},
+                                           MoeCase{"top1_of_4_bias_capacity", 4, 1, 0, 1, 0.5, 2, true}),
                          [](const auto& info) { return std::string(info.param.name); });
 
 TEST(MoeReference, TheReferenceChecksItselfWithGradcheck) {
@@ -330,6 +343,21 @@ TEST(MoeKernels, RoutingPlanSortsByExpertInTokenOrderAndDropsOverCapacity) {
   std::vector<int32_t> top(2);
   moe::top_k(top.data(), probs.data(), 1, 4, 2);
   EXPECT_EQ(top, (std::vector<int32_t>{1, 2}));
+  // With routing biases the choice is by probs + bias (0.35, 0.3, 0.45, 0.1): experts 2, then 0.
+  const std::vector<float> bias = {0.25f, -0.1f, 0.05f, 0.0f};
+  moe::top_k(top.data(), probs.data(), 1, 4, 2, bias.data());
+  EXPECT_EQ(top, (std::vector<int32_t>{2, 0}));
+}
+
+// DeepSeek's update, worked by hand: loads 3, 1, 2, 2 (mean 2) move the biases by -r, +r, 0, 0.
+TEST(MoeKernels, BalanceBiasMovesAgainstTheLoadBySignTimesRate) {
+  std::vector<float> bias = {0.5f, 0.5f, -0.25f, 0.0f};
+  const std::vector<double> load = {3, 1, 2, 2};
+  moe::update_balance_bias(bias.data(), load.data(), 4, 0.125f);
+  EXPECT_EQ(bias, (std::vector<float>{0.375f, 0.625f, -0.25f, 0.0f}));
+  const std::vector<double> even = {5, 5, 5, 5};
+  moe::update_balance_bias(bias.data(), even.data(), 4, 0.125f);
+  EXPECT_EQ(bias, (std::vector<float>{0.375f, 0.625f, -0.25f, 0.0f}));
 }
 
 // ---- the model: micro-batches add up, same bytes -------------------------------------------------
@@ -418,7 +446,9 @@ TEST(MoeConfig, BadInputIsRefusedInOneLineNamingTheKey) {
       {moe + "moe_top_k = 5\n", "model.moe_top_k: expected 1..moe_experts=4"},
       {"[model]\npreset = \"d4\"\nmoe_experts = 8\n", "model.moe_experts: a mixture of experts is a llama option"},
       {moe + "moe_every = 3\n", "model.moe_every: expected a divisor of n_layer=2"},
-      {moe + "moe_balance = \"bias\"\n", "model.moe_balance"},
+      {moe + "moe_balance = \"bias\"\nmoe_bias_rate = 0\n", "model.moe_bias_rate"},
+      {moe + "moe_balance = \"bias\"\n[checkpoint]\nmemory_every = 5\n", "checkpoint.memory_every"},
+      {"[model]\npreset = \"llama-d4\"\nmoe_balance = \"bias\"\n", "model.moe_experts > 0"},
       {moe + "moe_balance = \"sinkhorn\"\n", "model.moe_balance"},
       {moe + "moe_capacity = -1\n", "model.moe_capacity"},
       {moe + "moe_aux_weight = -0.1\n", "model.moe_aux_weight"},
@@ -426,7 +456,6 @@ TEST(MoeConfig, BadInputIsRefusedInOneLineNamingTheKey) {
       {moe + "[parallel]\ntensor = 2\n", "parallel.tensor", 2},
       {moe + "[parallel]\npipeline = 2\n", "parallel.pipeline", 2},
       {moe + "[parallel]\nzero = 3\n", "parallel.zero", 2},
-      {moe + "[train]\nrecompute = \"full\"\n", "train.recompute"},
       {moe + "[tier]\ndevice_mib = 64\n", "tier.device_mib"},
   };
   for (const Bad& b : bad) {
@@ -435,6 +464,7 @@ TEST(MoeConfig, BadInputIsRefusedInOneLineNamingTheKey) {
     EXPECT_EQ(why.find('\n'), std::string::npos) << why;
   }
   EXPECT_EQ(refusal(moe), "");
+  EXPECT_EQ(refusal(moe + "moe_balance = \"bias\"\n[train]\nrecompute = \"full\"\n"), "");
 }
 
 }  // namespace

@@ -137,6 +137,35 @@ TEST(AlertRules, FireAfterConsecutiveStepsAndResolveOnce) {
   EXPECT_EQ(fired, (std::set<std::string>{"loss", "ms"}));
 }
 
+// A mixture of experts' imbalance rule counts its own run of steps (monitor.moe_imbalance_after),
+// not alert_after's.
+TEST(AlertRules, MoeImbalanceFiresAfterItsOwnRunOfStepsAndResolves) {
+  MonitorConfig c;
+  c.alert_after = 2;
+  c.max_moe_imbalance = 1.5;
+  c.moe_imbalance_after = 4;
+  std::vector<json> events;
+  Alerts alerts(c, [&](const json& e) { events.push_back(e); });
+  auto step = [&](int n, double imbalance) {
+    alerts.observe_step(json{{"step", n}, {"loss", 3.0}, {"ms", 100.0}, {"moe_imbalance", imbalance}});
+  };
+  for (int n = 1; n <= 3; ++n) step(n, 2.0);
+  EXPECT_TRUE(events.empty());  // 3 steps: past alert_after, not moe_imbalance_after
+  step(4, 1.5);                 // at the threshold is in range: the count starts over
+  for (int n = 5; n <= 8; ++n) step(n, 1.6);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].at("metric"), "moe_imbalance");
+  EXPECT_EQ(events[0].at("rule"), "monitor.max_moe_imbalance");
+  EXPECT_EQ(events[0].at("step"), 8);
+  EXPECT_DOUBLE_EQ(events[0].at("threshold").get<double>(), 1.5);
+  for (int n = 9; n <= 11; ++n) step(n, 1.0);
+  EXPECT_EQ(events.size(), 1u);
+  step(12, 1.0);
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[1].at("state"), "resolved");
+  EXPECT_EQ(events[1].at("step"), 12);
+}
+
 class MonitorRun : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -418,6 +447,36 @@ TEST_F(MonitorRun, APrometheusServerScrapesALiveRun) {
   const json parsed = json::parse(answer);
   const double step = std::stod(parsed.at("data").at("result")[0].at("value")[1].get<std::string>());
   EXPECT_GE(step, 1.0) << answer;
+}
+
+// A mixture of experts' routing per block and expert in the exposition of a live run (which
+// promtool accepts): imbalance, entropy and counters of tokens per expert and of dropped pairs.
+TEST_F(MonitorRun, AMixtureOfExpertsRoutingIsExposedPerBlockAndExpert) {
+  const std::vector<int> ports = free_ports(1);
+  ASSERT_EQ(ports.size(), 1u);
+  testing::KeelJob job({"train", "--config", dir / "toy.toml", "--set", "train.run_dir=" + dir / "moe", "--set",
+                        "model.preset=llama-moe-tiny", "--set", "model.vocab_size=64", "--set", "model.max_seq_len=32",
+                        "--set", "model.moe_capacity=0.5", "--set", "train.steps=1000000", "--set",
+                        "train.eval_every=0", "--set", "monitor.port=" + std::to_string(ports[0])},
+                       dir / "moe.log", {});
+  const std::string url = "http://127.0.0.1:" + std::to_string(ports[0]) + "/metrics";
+  std::string exposition;
+  for (int i = 0; i < 600 && exposition.find("keel_moe_expert_tokens_total") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    exposition = http_get(url);
+  }
+  ::kill(job.pid(), SIGTERM);
+  job.wait(60);
+  ASSERT_NE(exposition.find("keel_moe_expert_tokens_total"), std::string::npos) << exposition << job.output();
+  testing::write_text(dir / "moe-exposition.txt", exposition);
+  const testing::CommandResult check = testing::run_command("promtool check metrics < " + dir / "moe-exposition.txt");
+  EXPECT_EQ(check.exit_code, 0) << check.output;
+  // Blocks 0 and 1 are the store's layers 1 and 2; 4 experts each.
+  for (const char* series : {"keel_moe_imbalance_ratio{layer=\"1\"}", "keel_moe_imbalance_ratio{layer=\"2\"}",
+                             "keel_moe_router_entropy_nats{layer=\"2\"}", "keel_moe_dropped_tokens_total{layer=\"1\"}",
+                             "keel_moe_expert_tokens_total{expert=\"3\",layer=\"2\"}"}) {
+    EXPECT_NE(exposition.find(series), std::string::npos) << series << "\n" << exposition;
+  }
 }
 
 // Bad endpoint settings are refused before training starts, in one line.

@@ -392,8 +392,10 @@ void Checkpointer::load_carried(const TrainState& state, std::string& layout, st
                 "), which this run has no place for (another layout or step engine): resume it with the config "
                 "that wrote it");
   }
-  if (mine != nullptr) floats = read_rank_carried(state.dir, comm_.rank());
-  const std::string why = carried_->check_resume(saved, mine != nullptr ? floats.size() : 0);
+  // (Replicated state: a rank the writer did not have takes the first saved rank's.)
+  const RankState* source = mine != nullptr ? mine : carried_->replicated() ? any : nullptr;
+  if (source != nullptr) floats = read_rank_carried(state.dir, source->rank);
+  const std::string why = carried_->check_resume(saved, source != nullptr ? floats.size() : 0);
   check(why.empty(), "checkpoint " + state.dir + ": " + why);
   layout = saved;
 }

@@ -27,6 +27,9 @@ class CarriedState {
   // After every rank accepted the checkpoint (check_resume said ""): restores what save()
   // returned (none: the engine starts afresh, as at a run's first step).
   virtual void restore(const std::string& layout, const std::vector<float>& floats) = 0;
+  // True when every rank carries the same state (a rank the writer did not have then reads rank
+  // 0's record, and a checkpoint resumes on any number of ranks); false: each rank its own.
+  virtual bool replicated() const { return false; }
 };
 
 }  // namespace keel

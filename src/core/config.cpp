@@ -83,6 +83,7 @@ std::vector<Field> fields(Config& c) {
       {"model", "moe_hidden", &c.model.moe_hidden},
       {"model", "moe_aux_weight", &c.model.moe_aux_weight},
       {"model", "moe_balance", choice(&c.model.moe_balance)},
+      {"model", "moe_bias_rate", &c.model.moe_bias_rate},
       {"model", "moe_capacity", &c.model.moe_capacity},
       {"model", "attention", choice(&c.model.attention)},
       {"model", "attention_window", &c.model.attention_window},
@@ -202,6 +203,8 @@ std::vector<Field> fields(Config& c) {
       {"monitor", "loss_spike", &c.monitor.loss_spike},
       {"monitor", "stall_factor", &c.monitor.stall_factor},
       {"monitor", "alert_after", &c.monitor.alert_after},
+      {"monitor", "max_moe_imbalance", &c.monitor.max_moe_imbalance},
+      {"monitor", "moe_imbalance_after", &c.monitor.moe_imbalance_after},
       {"monitor", "layer_costs_every", &c.monitor.layer_costs_every},
       {"monitor", "powercap", &c.monitor.powercap},
       {"monitor", "cpu_watts", &c.monitor.cpu_watts},
@@ -699,9 +702,8 @@ void validate_moe(const ModelConfig& m, Need need) {
        "model.moe_aux_weight: expected a finite weight >= 0, found " + std::to_string(m.moe_aux_weight));
   need(m.moe_capacity == 0 || (m.moe_capacity > 0 && m.moe_capacity <= 1024),
        "model.moe_capacity: expected 0 (dropless) or a capacity factor in (0, 1024], found " + std::to_string(m.moe_capacity));
-  need(m.moe_balance == MoeBalance::aux,
-       "model.moe_balance: \"bias\" (auxiliary-loss-free balancing) is not built yet: its per-expert loads would have to "
-       "be summed over the data-parallel ranks between steps and the bias checkpointed; use \"aux\"");
+  need(m.moe_bias_rate > 0 && m.moe_bias_rate <= 1,
+       "model.moe_bias_rate: expected a step in (0, 1] per optimizer step, found " + std::to_string(m.moe_bias_rate));
 }
 
 }  // namespace
@@ -868,10 +870,12 @@ void Config::resolve(int world_size) {
     require(parallel.tensor == 1, "parallel.tensor", "1" + moe, s(parallel.tensor));
     require(parallel.pipeline == 1, "parallel.pipeline", "1" + moe, s(parallel.pipeline));
     require(parallel.zero <= 2, "parallel.zero", "0, 1 or 2" + moe, s(parallel.zero));
-    require(train.recompute == Recompute::none, "train.recompute", "\"none\"" + moe,
-            std::string("\"") + to_string(train.recompute) + "\"");
     require(tier.device_mib == 0, "tier.device_mib", "0 (tiering off)" + moe, std::to_string(tier.device_mib));
     require(!clip.enabled(), "model.moe_experts", "0 in a dual encoder's text tower", s(model.moe_experts));
+    // (A memory checkpoint holds the store and the data position, not the step engine's carried state.)
+    require(model.moe_balance != MoeBalance::bias || checkpoint.memory_every == 0, "checkpoint.memory_every",
+            "0 with model.moe_balance = \"bias\" (memory checkpoints do not hold the routing biases yet)",
+            s(checkpoint.memory_every));
   }
   require(parallel.bucket_bytes >= 4096, "parallel.bucket_bytes", ">= 4096", s(parallel.bucket_bytes));
   require(train.global_batch_size >= 0, "train.global_batch_size", ">= 0", s(train.global_batch_size));
@@ -973,6 +977,9 @@ void Config::resolve(int world_size) {
   require(monitor.loss_spike > 1, "monitor.loss_spike", "> 1", s(monitor.loss_spike));
   require(monitor.stall_factor > 1, "monitor.stall_factor", "> 1", s(monitor.stall_factor));
   require(monitor.alert_after >= 1, "monitor.alert_after", ">= 1", s(monitor.alert_after));
+  require(monitor.max_moe_imbalance >= 1, "monitor.max_moe_imbalance", ">= 1 (the busiest expert over the mean)",
+          s(monitor.max_moe_imbalance));
+  require(monitor.moe_imbalance_after >= 1, "monitor.moe_imbalance_after", ">= 1", s(monitor.moe_imbalance_after));
   require(monitor.layer_costs_every >= 0, "monitor.layer_costs_every", ">= 0", s(monitor.layer_costs_every));
   require(monitor.cpu_watts > 0 && monitor.cpu_watts < 1000, "monitor.cpu_watts", "0 < watts < 1000", s(monitor.cpu_watts));
   validate(generate);
@@ -1008,6 +1015,7 @@ uint64_t Config::trajectory_hash(int world_size) const {
   }
   if (!data.shuffle) s << ";file order";  // (absent by default: older checkpoints keep their hash)
   if (model.moe()) s << ";moe " << model.moe_aux_weight << ',' << model.moe_capacity;
+  if (model.moe() && model.moe_balance == MoeBalance::bias) s << ";bias " << model.moe_bias_rate;
   if (model.rope_scaling != RopeScaling::none) s << ";rope " << to_string(model.rope_scaling) << ',' << model.rope_factor;
   if (model.rope_scaling == RopeScaling::llama3) {
     s << ',' << model.rope_low_freq_factor << ',' << model.rope_high_freq_factor << ',' << model.rope_original_max_seq_len;

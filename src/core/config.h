@@ -223,7 +223,11 @@ struct ModelConfig {
   // weighted by its router probability, plus moe_shared_experts experts every token passes
   // through. Balancing: "aux" adds moe_aux_weight x the Switch/GShard loss E sum_i f_i P_i, taken
   // per sequence and averaged over the step's sequences (so data-parallel ranks and micro-batches
-  // add up to one rank's whole batch); "bias" (DeepSeek's auxiliary-loss-free) is refused for now.
+  // add up to one rank's whole batch); "bias" (DeepSeek's auxiliary-loss-free balancing) adds a
+  // per-expert bias to the router probabilities for the top-k choice only (the weights stay the
+  // probabilities), moved after every optimizer step by moe_bias_rate x sign(mean load - load)
+  // with the loads summed over the data-parallel ranks; the balancing loss still enters the
+  // gradient at moe_aux_weight (0 for DeepSeek's setting).
   // moe_capacity: 0 = dropless; c > 0 = each expert takes at most ceil(c T k / E) of a sequence's
   // T tokens (earlier positions first), the others dropped from it (counted).
   int moe_experts = 0;
@@ -233,6 +237,7 @@ struct ModelConfig {
   int moe_hidden = 0;
   double moe_aux_weight = 0.01;
   MoeBalance moe_balance = MoeBalance::aux;
+  double moe_bias_rate = 0.001;  // moe_balance = "bias": the bias's step per optimizer step
   double moe_capacity = 0;
   bool moe() const { return moe_experts > 0; }
   // Block `block` (0-based) is a mixture of experts; assumes a resolved config.
@@ -546,6 +551,11 @@ struct MonitorConfig {
   double loss_spike = 3.0;        // loss above this many times the mean of the last 20 steps (or not finite)
   double stall_factor = 5.0;      // step time above this many times the median of the last 20 steps
   int alert_after = 3;
+  // Mixtures of experts: the largest layer's load imbalance (its busiest expert's tokens over the
+  // mean) above max_moe_imbalance on moe_imbalance_after consecutive steps (routing is noisy
+  // step to step: a longer run of steps than alert_after's).
+  double max_moe_imbalance = 2.0;
+  int moe_imbalance_after = 10;
   // Every this many steps, the layers' measured costs (F, B, W, send / receive time, bytes) as a
   // `layer_costs` line of metrics.jsonl (pipeline/layer_profile.h); 0 = not measured.
   int layer_costs_every = 10;

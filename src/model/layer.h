@@ -14,6 +14,7 @@
 namespace keel {
 
 class ChunkStore;
+class MoeFeedForward;
 struct MoeStats;
 
 // The arithmetic of a layer's matrix products (kernels/cpu/bf16.h), given at its construction and
@@ -79,6 +80,8 @@ class Layer {
   virtual AttentionProbe* attention_probe() { return nullptr; }
   // Mixture-of-experts blocks: what their router measured (model/moe.h; null for the others).
   virtual MoeStats* moe_stats() { return nullptr; }
+  // Mixture-of-experts blocks: the block's experts and router (model/moe.h; null for the others).
+  virtual MoeFeedForward* moe() { return nullptr; }
 };
 
 }  // namespace keel

@@ -48,6 +48,7 @@ class LlamaBlock final : public Layer {
   }
   AttentionProbe* attention_probe() override { return &probe_; }
   MoeStats* moe_stats() override { return moe_ ? &moe_->stats() : nullptr; }
+  MoeFeedForward* moe() override { return moe_.get(); }
   const char* name() const override { return "block"; }
 
   int64_t activation_floats(int B, int T) const override { return model_detail::carved(*this, B, T).kept.used(); }
@@ -72,11 +73,15 @@ class LlamaBlock final : public Layer {
     run_forward(b, x, x_out, true);
   }
 
-  // Selective: attention from the kept (rotated) qkv, and SwiGLU from the kept gate_up.
+  // Selective: attention from the kept (rotated) qkv, and SwiGLU from the kept gate_up (a
+  // mixture of experts keeps all of its own activations: nothing of it is recomputed). Full: the
+  // whole forward again (a mixture of experts routes the same tokens again, not counted twice).
   void recompute(const Batch& b, const float* x_in) override {
     model_detail::recompute_block(
         mode_, bf16_, store_, layer_, [&] { run_forward(b, x_in, sink_, false); }, [&] { attend(b); },
-        [&] { ops::swiglu_forward(h_.writable(stage_h_), gu_.writable(stage_), b.B * b.T, H_); });
+        [&] {
+          if (!moe_) ops::swiglu_forward(h_.writable(stage_h_), gu_.writable(stage_), b.B * b.T, H_);
+        });
   }
 
   // The forward pass under the caller's parameter lease; `first`: the micro-batch's forward
@@ -104,7 +109,7 @@ class LlamaBlock final : public Layer {
     n2_.seal(n2, NC);
     if (moe_) {  // a mixture of experts in place of the MLP (model/moe.h); n2 kept in float32
       float* down = scratch_;
-      moe_->forward(moe_act_, b, n2, down);
+      moe_->forward(moe_act_, b, n2, down, first);
       ops::residual_forward(x_out, res2_, down, NC);
       return;
     }
@@ -207,7 +212,7 @@ class LlamaBlock final : public Layer {
     dres2_ = a.at(any).take(N * C_);
     dn2_ = a.at(any).take(N * C_);
     dgu_.carve(a.at(any), 2 * NH, bf16_);
-    if (moe_) moe_act_ = moe_->carve(a.kept, B, T);  // (train.recompute refuses MoE: all kept)
+    if (moe_) moe_act_ = moe_->carve(a.kept, B, T);  // kept under every train.recompute
     sink_ = full ? a.shared.take(N * C_) : nullptr;
   }
 

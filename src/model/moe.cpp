@@ -26,6 +26,10 @@ MoeFeedForward::MoeFeedForward(const ModelConfig& m, ChunkStore& store, int laye
   check(ids.size() == want, "GPT: mixture-of-experts block " + std::to_string(layer) + " without its tensors");
   stats_.layer = layer;
   stats_.tokens.assign(E_, 0.0);
+  if (m.moe_balance == MoeBalance::bias) {
+    bias_.assign(E_, 0.0f);
+    load_.assign(E_, 0.0);
+  }
 }
 
 MoeActivations MoeFeedForward::carve(model_detail::Carver& kept, int B, int T) const {
@@ -53,14 +57,14 @@ MoeActivations MoeFeedForward::carve(model_detail::Carver& kept, int B, int T) c
   return a;
 }
 
-void MoeFeedForward::forward(const MoeActivations& a, const Batch& b, const float* x, float* out) {
+void MoeFeedForward::forward(const MoeActivations& a, const Batch& b, const float* x, float* out, bool count) {
   const int N = b.B * b.T;
   auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::MoeBlock
   const MatmulPrecision f = math_.forward;
   // The router multiplies in float32 at every precision: its choices are discrete.
   ops::linear_forward<float>(MatmulPrecision::fp32, a.probs, x, P(layout::moe_router_w), nullptr, N, C_, E_);
   moe::router_softmax_forward(a.probs, a.probs, N, E_);
-  moe::top_k(a.choice, a.probs, N, E_, K_);
+  moe::top_k(a.choice, a.probs, N, E_, K_, bias_.empty() ? nullptr : bias_.data());
   const int capacity =
       capacity_factor_ > 0 ? static_cast<int>(std::ceil(capacity_factor_ * b.T * K_ / static_cast<double>(E_))) : 0;
   const int64_t dropped = moe::plan_routing(a.offsets, a.rows, a.slot, a.choice, b.B, b.T, K_, E_, capacity);
@@ -77,8 +81,11 @@ void MoeFeedForward::forward(const MoeActivations& a, const Batch& b, const floa
     std::memset(out, 0, sizeof(float) * N * C_);
   }
   moe::combine_forward(out, a.ye, a.probs, a.choice, a.slot, N, K_, E_, C_);
-  if (b.grad_scale != 0.0f) {  // a training micro-batch: measured for monitoring
+  if (b.grad_scale != 0.0f && count) {  // a training micro-batch: measured for monitoring (and balancing)
     for (int64_t p = 0; p < static_cast<int64_t>(N) * K_; ++p) stats_.tokens[a.choice[p]] += 1.0;
+    if (!load_.empty()) {
+      for (int64_t p = 0; p < static_cast<int64_t>(N) * K_; ++p) load_[a.choice[p]] += 1.0;
+    }
     stats_.pairs += static_cast<double>(N) * K_;
     stats_.dropped += static_cast<double>(dropped);
     for (int n = 0; n < N; ++n) {

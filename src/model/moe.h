@@ -10,7 +10,9 @@
 // most ceil(c T k / E) of a sequence's pairs and the rest are dropped (the token keeps its other
 // choices and the residual). Balancing: the Switch/GShard loss, per sequence, weighted by
 // model.moe_aux_weight, enters the router's gradient directly (its value is reported in
-// MoeStats, not added to the cross-entropy the head reports).
+// MoeStats, not added to the cross-entropy the head reports); with model.moe_balance = "bias" a
+// per-expert bias joins the probabilities in the top-k choice only (kernels/cpu/moe.h
+// update_balance_bias moves it between steps: runtime/moe_balance.h).
 #pragma once
 
 #include <cstdint>
@@ -25,7 +27,8 @@
 namespace keel {
 
 // What a mixture-of-experts block measured over the training micro-batches since the last
-// reset (runtime/metrics reads and resets them once per optimizer step).
+// reset (runtime/moe_report.h sums them over the data-parallel ranks and resets them once per
+// optimizer step).
 struct MoeStats {
   int layer = 0;                     // the store's layer of the block
   std::vector<double> tokens;        // per routed expert: (token, choice) pairs routed to it (dropped ones too)
@@ -60,14 +63,20 @@ class MoeFeedForward {
   // a counting Carver: null pointers, only the size).
   MoeActivations carve(model_detail::Carver& kept, int B, int T) const;
   // out[N, C] (overwritten) from x[N, C] (the block's normalised residual), under the caller's
-  // parameter lease. A training micro-batch (grad_scale != 0) is counted in stats().
-  void forward(const MoeActivations& a, const Batch& b, const float* x, float* out);
+  // parameter lease. A training micro-batch (grad_scale != 0) is counted in stats() and
+  // step_load(), unless `count` is false (its recomputation under train.recompute).
+  void forward(const MoeActivations& a, const Batch& b, const float* x, float* out, bool count = true);
   // dx[N, C] (overwritten) from dout[N, C]; keeps what backward_weight needs. The balancing loss's
   // gradient (moe_aux_weight / sequences of the step x each sequence's loss) joins the router's here.
   void backward_input(const MoeActivations& a, const Batch& b, const float* dout, float* dx);
   // Accumulates the router's, the experts' and the shared experts' weight gradients.
   void backward_weight(const MoeActivations& a, const Batch& b, const float* x, const float* dout);
   MoeStats& stats() { return stats_; }
+  // model.moe_balance = "bias": the routing bias [E] (zeros at the start), and the pairs routed to
+  // each expert [E] by the training micro-batches since the balancer last took them (dropped too).
+  // Empty otherwise.
+  std::vector<float>& routing_bias() { return bias_; }
+  std::vector<double>& step_load() { return load_; }
 
  private:
   ChunkStore& store_;
@@ -76,6 +85,8 @@ class MoeFeedForward {
   double capacity_factor_, aux_weight_;
   std::vector<TensorId> t_;
   MoeStats stats_;
+  std::vector<float> bias_;
+  std::vector<double> load_;
 };
 
 }  // namespace keel

@@ -37,13 +37,15 @@ Alerts::Alerts(const MonitorConfig& config, std::function<void(const nlohmann::j
             {"pipeline_bubble", "monitor.max_bubble", true},
             {"sync_jitter", "monitor.max_sync_jitter", true},
             {"loss", "monitor.loss_spike", true},
-            {"ms", "monitor.stall_factor", true}};
+            {"ms", "monitor.stall_factor", true},
+            {"moe_imbalance", "monitor.max_moe_imbalance", true, config.moe_imbalance_after}};
 }
 
 bool Alerts::out_of_range(const Rule& r, double value, double* threshold) const {
   if (r.metric == "tier_hit_rate") *threshold = config_.min_hit_rate;
   if (r.metric == "pipeline_bubble") *threshold = config_.max_bubble;
   if (r.metric == "sync_jitter") *threshold = config_.max_sync_jitter;
+  if (r.metric == "moe_imbalance") *threshold = config_.max_moe_imbalance;
   if (r.metric == "loss") {
     if (!std::isfinite(value)) {
       *threshold = std::numeric_limits<double>::infinity();
@@ -66,8 +68,9 @@ void Alerts::observe_step(const nlohmann::json& line) {
     const bool out = out_of_range(r, value, &threshold);
     r.out = out ? r.out + 1 : 0;
     r.in = out ? 0 : r.in + 1;
-    const bool fire = !r.firing && r.out >= config_.alert_after;
-    const bool clear = r.firing && r.in >= config_.alert_after;
+    const int after = r.after > 0 ? r.after : config_.alert_after;
+    const bool fire = !r.firing && r.out >= after;
+    const bool clear = r.firing && r.in >= after;
     if (!fire && !clear) continue;
     r.firing = fire;
     r.fired += fire ? 1 : 0;

@@ -8,6 +8,8 @@
 //   sync_jitter     > monitor.max_sync_jitter  (data parallelism: uneven gradient sync)
 //   loss            > monitor.loss_spike x the mean of the last 20 steps, or not finite
 //   ms              > monitor.stall_factor x the median of the last 20 steps (stalled progress)
+//   moe_imbalance   > monitor.max_moe_imbalance on monitor.moe_imbalance_after steps (a mixture of
+//                     experts' busiest expert over the mean, the worst block's)
 #pragma once
 
 #include <deque>
@@ -39,6 +41,7 @@ class Alerts final : public StepLineSink, public MetricsSource {
     std::string metric;   // the step line's field
     std::string key;      // the [monitor] key of its threshold
     bool above = true;    // out of range when above the threshold (else below)
+    int after = 0;        // consecutive steps before it fires or resolves (0: monitor.alert_after)
     int out = 0, in = 0;  // consecutive steps out of / back in range
     bool firing = false;
     int fired = 0;        // times it fired in this run

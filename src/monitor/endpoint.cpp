@@ -105,6 +105,27 @@ void PrometheusEndpoint::observe_step(const nlohmann::json& l) {
   add(l, "ckpt_stall_ms", "keel_checkpoint_stall_seconds_total", "Step time spent on checkpoints", 1e-3);
   add(l, "energy_j", "keel_energy_joules_total", "Energy of training (RAPL, or modelled from CPU time)");
   set(l, "skipped_steps", "keel_skipped_steps", "Steps skipped for a non-finite loss or norm");
+  // A mixture of experts, per MoE block (the store's layer) and expert.
+  if (l.contains("moe_layers") && l.at("moe_layers").is_array()) {
+    for (const nlohmann::json& x : l.at("moe_layers")) {
+      if (!x.is_object() || !x.contains("layer") || !x.at("layer").is_number_integer()) continue;
+      const std::string layer = std::to_string(x.at("layer").get<int>());
+      set(x, "imbalance", "keel_moe_imbalance_ratio", "Busiest expert's routed tokens over the mean, last step", 1.0,
+          {{"layer", layer}});
+      set(x, "entropy", "keel_moe_router_entropy_nats", "Router's mean entropy per token, last step", 1.0,
+          {{"layer", layer}});
+      add(x, "dropped", "keel_moe_dropped_tokens_total", "Token-expert pairs dropped over capacity", 1.0,
+          {{"layer", layer}});
+      if (!x.contains("tokens") || !x.at("tokens").is_array()) continue;
+      const nlohmann::json& tokens = x.at("tokens");
+      for (size_t e = 0; e < tokens.size(); ++e) {
+        if (!tokens[e].is_number() || !(tokens[e].get<double>() > 0)) continue;
+        counter("keel_moe_expert_tokens_total", "Token-expert pairs routed to an expert",
+                {{"layer", layer}, {"expert", std::to_string(e)}})
+            .Increment(tokens[e].get<double>());
+      }
+    }
+  }
 }
 
 void PrometheusEndpoint::observe_event(const nlohmann::json& l) {

@@ -152,6 +152,44 @@ std::string layer_bars(const std::map<int, LayerBytes>& layers, int n_layer) {
   return o.str();
 }
 
+// A mixture of experts over the run (the step lines' moe_layers): per MoE block, each expert's share of
+// the (token, choice) pairs routed, as a table with a bar per expert; "" when the run has none.
+std::string expert_shares(const std::vector<json>& steps) {
+  std::map<int, std::vector<double>> tokens;  // block's store layer -> pairs per expert
+  std::map<int, double> dropped;
+  for (const json& l : steps) {
+    if (!l.contains("moe_layers") || !l.at("moe_layers").is_array()) continue;
+    for (const json& x : l.at("moe_layers")) {
+      if (!x.is_object() || !x.contains("tokens") || !x.at("tokens").is_array()) continue;
+      std::vector<double>& t = tokens[x.value("layer", 0)];
+      const json& routed = x.at("tokens");
+      if (t.size() < routed.size()) t.resize(routed.size(), 0.0);
+      for (size_t e = 0; e < routed.size(); ++e) t[e] += routed[e].is_number() ? routed[e].get<double>() : 0.0;
+      dropped[x.value("layer", 0)] += x.value("dropped", 0.0);
+    }
+  }
+  if (tokens.empty()) return "";
+  std::ostringstream o;
+  o << "<h3>Tokens per expert (whole run)</h3><table><tr><th>MoE block</th><th>share of the routed pairs per expert"
+       "</th><th>busiest / mean</th><th>dropped</th></tr>";
+  for (const auto& [layer, t] : tokens) {
+    double total = 0, most = 0;
+    for (double v : t) total += v, most = std::max(most, v);
+    o << "<tr><td>block " << layer - 1 << "</td><td><svg xmlns=\"http://www.w3.org/2000/svg\" width=\""
+      << 14 * t.size() + 4 << "\" height=\"44\">";
+    for (size_t e = 0; e < t.size(); ++e) {
+      const double share = total > 0 ? t[e] / total : 0, h = most > 0 ? 40 * t[e] / most : 0;
+      o << "<rect x=\"" << 2 + 14 * e << "\" y=\"" << num(42 - h, "%.1f") << "\" width=\"11\" height=\""
+        << num(std::max(h, 0.5), "%.1f") << "\" fill=\"#4a90d9\"><title>expert " << e << ": "
+        << num(100 * share, "%.1f") << " %</title></rect>";
+    }
+    o << "</svg></td><td>" << num(total > 0 ? most / (total / static_cast<double>(t.size())) : 0.0, "%.2f")
+      << "</td><td>" << num(dropped[layer], "%.0f") << " of " << num(total, "%.0f") << "</td></tr>";
+  }
+  o << "</table>";
+  return o.str();
+}
+
 // The pipeline's Gantt chart from a Chrome trace (complete "X" events, one row per pid: a rank).
 // The trace is a file like any other: an event whose pid, ts or dur is not a number is skipped (and
 // counted in `skipped`), and the rows are the pids that occur, in order, so a pid of 2^31 costs one
@@ -215,6 +253,9 @@ const json& metrics_line_types() {
     "tier_nvme_hit_rate": "number", "pipeline_bubble": "number", "sync_latency_ms": "number", "sync_jitter": "number",
     "energy_kwh_per_mtok": "number", "energy_source": "string", "ranks": "number",
     "sync_layers": [{"layer": "number", "raw_bytes": "number", "wire_bytes": "number", "codec": "string"}],
+    "moe_imbalance": "number", "moe_dropped": "number", "moe_entropy": "number",
+    "moe_layers": [{"layer": "number", "imbalance": "number", "dropped": "number", "entropy": "number",
+                    "tokens": ["number"]}],
     "event": "string", "started": "string", "host": "string", "cpu": "string", "threads_per_rank": "number",
     "peak_gflops": "number", "peak_how": "string",
     "model": {"preset": "string", "n_layer": "number", "n_embd": "number", "n_head": "number", "vocab_size": "number",
@@ -440,6 +481,43 @@ std::string render_report(const std::string& run_dir, std::vector<std::string>* 
   h << plot("Gradient sync jitter", {series(steps, "sync_jitter", "jitter", "#e94e3c")},
             {{thresholds.max_sync_jitter, "target " + num(thresholds.max_sync_jitter)}}, markers);
   h << layer_bars(layer_bytes, run_line.is_object() ? run_line.value("model", json::object()).value("n_layer", 0) : 0);
+  // A mixture of experts: per MoE block, its load imbalance (with the alert's threshold) and its
+  // router's entropy, step by step; dropped pairs when a capacity drops any; the experts' shares.
+  {
+    static const char* colors[] = {"#4a90d9", "#e94e3c", "#50b86c", "#9b59b6", "#e90", "#1f5f99", "#9b2c1f", "#555"};
+    std::map<int, Series> imbalance, entropy;
+    for (const json& l : steps) {
+      if (!l.contains("moe_layers") || !l.at("moe_layers").is_array()) continue;
+      for (const json& x : l.at("moe_layers")) {
+        if (!x.is_object()) continue;
+        const int layer = x.value("layer", 0);
+        const std::string name = "block " + std::to_string(layer - 1), color = colors[imbalance.size() % 8];
+        auto add = [&](std::map<int, Series>& to, const char* field) {
+          auto [it, fresh] = to.try_emplace(layer, Series{name, color, {}});
+          if (x.contains(field) && x.at(field).is_number()) {
+            it->second.points.emplace_back(l.value("step", 0.0), x.at(field).get<double>());
+          }
+        };
+        add(imbalance, "imbalance");
+        add(entropy, "entropy");
+      }
+    }
+    auto values = [](const std::map<int, Series>& m) {
+      std::vector<Series> out;
+      for (const auto& [layer, s] : m) out.push_back(s);
+      return out;
+    };
+    if (!imbalance.empty()) {
+      h << "<h2>Mixture of experts</h2>";
+      h << plot("MoE load imbalance (busiest expert / mean)", values(imbalance),
+                {{thresholds.max_moe_imbalance, "alert above " + num(thresholds.max_moe_imbalance)}}, markers);
+      h << plot("MoE router entropy (nats)", values(entropy), {}, markers);
+      bool any_dropped = false;
+      for (const json& l : steps) any_dropped = any_dropped || l.value("moe_dropped", 0.0) > 0;
+      if (any_dropped) h << plot("MoE dropped pairs (over capacity)", {series(steps, "moe_dropped", "dropped", "#e94e3c")}, {}, markers);
+      h << expert_shares(steps);
+    }
+  }
   h << plot("Energy (kWh per million tokens)", {series(steps, "energy_kwh_per_mtok", "kWh/Mtok", "#e90")}, {}, markers);
   if (fs::exists(fs::symlink_status(run_dir + "/pipeline_trace.json"))) {
     try {

@@ -78,6 +78,7 @@ std::unique_ptr<RankModel> RankModel::build(const Config& config, ProcessGroups&
                                                   log_event, groups.tp());
   }
   attach_tiers(*r, config, groups);
+  if (config.model.moe()) r->moe_report = std::make_unique<MoeRoutingReport>(dp, *r->model);
   return r;
 }
 
@@ -105,6 +106,7 @@ std::vector<MetricsSource*> RankModel::sources() const {
   if (tiers) out.push_back(tiers.get());
   if (tensor_group) out.push_back(tensor_group.get());
   if (MetricsSource* own = engine->metrics()) out.push_back(own);
+  if (moe_report) out.push_back(moe_report.get());
   return out;
 }
 

@@ -24,6 +24,7 @@
 #include "model/clip.h"
 #include "model/gpt.h"
 #include "pipeline/pipeline_step.h"
+#include "runtime/moe_report.h"
 #include "store/chunk_store.h"
 #include "store/tiered_memory.h"
 
@@ -41,6 +42,7 @@ struct RankModel {
   std::unique_ptr<SyncReport> sync_report;
   std::unique_ptr<StepEngine> engine;
   std::unique_ptr<TieredMemory> tiers;  // null without tiers
+  std::unique_ptr<MoeRoutingReport> moe_report;  // a mixture of experts' routing figures (null without)
   // parallel.tensor > 1: the whole model's parameters and moments, for checkpoints.
   std::unique_ptr<WholeModelState> whole_state;
 

@@ -18,6 +18,9 @@ SingleStageStep::SingleStageStep(const Config& config, Communicator& dp, ChunkSt
       sync_(sync),
       optimizer_(optimizer) {
   model_.allocate(config.train.batch_size, config.train.longest_seq_len());
+  if (config.model.moe() && config.model.moe_balance == MoeBalance::bias) {
+    balancer_ = std::make_unique<MoeBiasBalancer>(config.model, dp, model);
+  }
   if (config.monitor.layer_costs_every > 0) {
     profiler_ = std::make_unique<pipeline::LayerProfiler>(model, nullptr, config.monitor.layer_costs_every,
                                                           std::move(log_event));
@@ -60,7 +63,9 @@ StepResult SingleStageStep::run(int64_t step, double lr) {
   // Tensor parallel: the group's shards make the whole model's norm (comm/tensor_parallel.h).
   r.grad_norm = std::sqrt(sharded ? (tp_ ? tp_->allreduce_sum(sums[1]) : sums[1])
                                   : tp_ ? tensor_grad_squares(model_, *tp_) : optimizer_.local_grad_squares());
-  if (optimizer_.accept(step, r.loss, r.grad_norm)) optimizer_.step(lr, step + 1, optimizer_.clip_for(r.grad_norm));
+  const bool accepted = optimizer_.accept(step, r.loss, r.grad_norm);
+  if (accepted) optimizer_.step(lr, step + 1, optimizer_.clip_for(r.grad_norm));
+  if (balancer_) balancer_->after_step(accepted);
   if (profiler_) profiler_->after_step(step + 1, T, t.batch_size, t.grad_accum, nullptr, -1);
   return r;
 }

@@ -1,6 +1,8 @@
 // One stage: the whole model on every rank. Each micro-batch's forward pass, then its backward
 // pass with B then W per layer; the gradient sync (buckets started during the last micro-batch's
-// backward as their layers' W complete) over the data-parallel group, with or without ZeRO.
+// backward as their layers' W complete) over the data-parallel group, with or without ZeRO. With
+// model.moe_balance = "bias" the routing biases move after each update (runtime/moe_balance.h):
+// they are its carried state.
 #pragma once
 
 #include "comm/grad_sync.h"
@@ -10,6 +12,7 @@
 #include "data/loader.h"
 #include "model/gpt.h"
 #include "pipeline/layer_profile.h"
+#include "runtime/moe_balance.h"
 
 namespace keel {
 
@@ -25,6 +28,7 @@ class SingleStageStep final : public StepEngine {
   StepResult run(int64_t step, double lr) override;
   double forward_loss(const Batch& batch) override { return model_.forward(batch); }
   MetricsSource* metrics() override { return profiler_.get(); }
+  CarriedState* carried_state() override { return balancer_.get(); }
 
  private:
   const Config& config_;
@@ -36,6 +40,7 @@ class SingleStageStep final : public StepEngine {
   GradSync& sync_;
   ShardedOptimizer& optimizer_;
   std::unique_ptr<pipeline::LayerProfiler> profiler_;
+  std::unique_ptr<MoeBiasBalancer> balancer_;  // model.moe_balance = "bias"
 };
 
 }  // namespace keel

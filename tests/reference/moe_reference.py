@@ -8,9 +8,12 @@ capacity, expert e takes at most ceil(c T k / E) of a sequence's (token, choice)
 order (token-major, choice-minor), the rest contribute nothing. The balancing loss per sequence is
 E sum_e f_e P_e (f_e: the share of the sequence's T k choices that picked e, before drops; P_e:
 the mean probability of e); the gradients are those of CE + aux_weight x mean over sequences.
+With moe_balance = "bias" (DeepSeek's auxiliary-loss-free balancing) block l's experts are chosen
+by the k largest p + bias_l (moe_bias: {"l": [E biases]}), still weighted by p alone.
 
 Usage: moe_reference.py DIR   (model.json, weights.bin as llama_reference.py; the config also holds
-  moe_experts, moe_top_k, moe_hidden, moe_shared_experts, moe_every, moe_aux_weight, moe_capacity)
+  moe_experts, moe_top_k, moe_hidden, moe_shared_experts, moe_every, moe_aux_weight, moe_capacity,
+  and optionally moe_balance and moe_bias)
   writes DIR/reference.json ({"loss": CE, "aux": mean balancing loss per MoE block}) and DIR/grads.bin
   --self-check: torch.autograd.gradcheck of the loss on a tiny random model (away from routing ties).
 """
@@ -35,10 +38,12 @@ def swiglu(x, gate_up, proj):
     return (F.silu(a[..., :h]) * a[..., h:]) @ proj.T
 
 
-def moe(cfg, p, pre, x, auxes):
-    """x: (B, T, C) -> (B, T, C)."""
+def moe(cfg, p, pre, x, auxes, bias=None):
+    """x: (B, T, C) -> (B, T, C); bias: E floats added to p for the choice only (or None)."""
     B, T, C = x.shape
     E, k, every = cfg["moe_experts"], cfg["moe_top_k"], cfg["moe_every"]
+    if bias is None:
+        bias = [0.0] * E
     probs = torch.softmax(x @ p[pre + "moe.router.w"].T, dim=-1)  # (B, T, E)
     cap = math.ceil(cfg["moe_capacity"] * T * k / E) if cfg["moe_capacity"] > 0 else None
     out = []
@@ -47,7 +52,7 @@ def moe(cfg, p, pre, x, auxes):
         picked = [0] * E
         rows = []
         for t in range(T):
-            order = sorted(range(E), key=lambda e: (-probs[b, t, e].item(), e))[:k]
+            order = sorted(range(E), key=lambda e: (-(probs[b, t, e].item() + bias[e]), e))[:k]
             y = torch.zeros(C, dtype=torch.float64)
             for e in order:
                 picked[e] += 1
@@ -89,7 +94,8 @@ def loss_of(cfg, p, tokens, targets):
         x = x + a.transpose(1, 2).reshape(B, T, C) @ p[q_ + "attn.proj.w"].T
         h2 = rms(x, p[q_ + "mlp_norm.w"])
         if (l + 1) % cfg["moe_every"] == 0:
-            x = x + moe(cfg, p, q_, h2, auxes)
+            bias = cfg.get("moe_bias", {}).get(str(l)) if cfg.get("moe_balance", "aux") == "bias" else None
+            x = x + moe(cfg, p, q_, h2, auxes, bias)
         else:
             x = x + swiglu(h2, p[q_ + "mlp.gate_up.w"], p[q_ + "mlp.proj.w"])
     head = p["wte"] if cfg["tie_embeddings"] else p["lm_head.w"]

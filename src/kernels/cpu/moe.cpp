@@ -40,21 +40,29 @@ void router_softmax_backward(T* dlogits, const T* dprobs, const T* probs, int N,
 }
 
 template <typename T>
-void top_k(int32_t* choice, const T* probs, int N, int E, int k) {
+void top_k(int32_t* choice, const T* probs, int N, int E, int k, const T* bias) {
 #pragma omp parallel for schedule(static)
   for (int n = 0; n < N; ++n) {
     const T* p = probs + static_cast<int64_t>(n) * E;
     int32_t* c = choice + static_cast<int64_t>(n) * k;
+    auto score = [&](int e) { return bias != nullptr ? p[e] + bias[e] : p[e]; };
     for (int j = 0; j < k; ++j) {
       int best = -1;
       for (int e = 0; e < E; ++e) {
         bool taken = false;
         for (int i = 0; i < j; ++i) taken = taken || c[i] == e;
-        if (!taken && (best < 0 || p[e] > p[best])) best = e;  // strict: ties keep the lower index
+        if (!taken && (best < 0 || score(e) > score(best))) best = e;  // strict: ties keep the lower index
       }
       c[j] = best;
     }
   }
+}
+
+void update_balance_bias(float* bias, const double* load, int E, float rate) {
+  double total = 0;
+  for (int e = 0; e < E; ++e) total += load[e];
+  const double mean = total / E;
+  for (int e = 0; e < E; ++e) bias[e] += load[e] < mean ? rate : load[e] > mean ? -rate : 0.0f;
 }
 
 int64_t plan_routing(int32_t* offsets, int32_t* rows, int32_t* slot, const int32_t* choice, int B, int T, int k, int E,
@@ -225,7 +233,7 @@ void aux_loss_backward(T* dprobs, const int32_t* choice, int B, int Tn, int E, i
 #define KEEL_MOE_INSTANTIATE(T)                                                                                    \
   template void router_softmax_forward<T>(T*, const T*, int, int);                                                 \
   template void router_softmax_backward<T>(T*, const T*, const T*, int, int);                                      \
-  template void top_k<T>(int32_t*, const T*, int, int, int);                                                       \
+  template void top_k<T>(int32_t*, const T*, int, int, int, const T*);                                            \
   template void gather_rows<T>(T*, const T*, const int32_t*, int, int, int);                                       \
   template void scatter_add_rows<T>(T*, const T*, const int32_t*, int, int, int);                                  \
   template void combine_forward<T>(T*, const T*, const T*, const int32_t*, const int32_t*, int, int, int, int);    \

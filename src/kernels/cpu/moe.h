@@ -21,8 +21,12 @@ void router_softmax_forward(T* probs, const T* logits, int N, int E);
 template <typename T>
 void router_softmax_backward(T* dlogits, const T* dprobs, const T* probs, int N, int E);
 // choice[N, k]: each row's k most probable experts, most probable first (ties: the lower index).
+// With bias[E] (model.moe_balance = "bias"), the k largest probs + bias instead.
 template <typename T>
-void top_k(int32_t* choice, const T* probs, int N, int E, int k);
+void top_k(int32_t* choice, const T* probs, int N, int E, int k, const T* bias = nullptr);
+// DeepSeek's auxiliary-loss-free balancing, after an optimizer step: bias[e] += rate x sign(mean
+// load - load[e]) for the E experts' loads (pairs routed to each over the step, every rank's).
+void update_balance_bias(float* bias, const double* load, int E, float rate);
 
 // ---- routing plan: the (token, choice) pairs sorted by expert -----------------------------------
 // From choice[N = B*T, k]: per expert e its rows offsets[e] .. offsets[e+1] (offsets: E + 1 ints)

@@ -1,0 +1,107 @@
+#include "runtime/moe_report.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "model/moe.h"
+
+namespace keel {
+
+MoeStepFigures moe_step_figures(const MoeStats& s) {
+  MoeStepFigures f;
+  f.layer = s.layer;
+  f.tokens = s.tokens;
+  double total = 0, most = 0;
+  for (double t : s.tokens) total += t, most = std::max(most, t);
+  const double mean = s.tokens.empty() ? 0 : total / static_cast<double>(s.tokens.size());
+  f.imbalance = mean > 0 ? most / mean : 0;
+  f.dropped = s.dropped;
+  f.entropy = s.token_count > 0 ? s.entropy_sum / s.token_count : 0;
+  f.aux = s.sequences > 0 ? s.aux_sum / s.sequences : 0;
+  return f;
+}
+
+MoeRoutingReport::MoeRoutingReport(Communicator& dp, GPT& model) : dp_(dp) {
+  for (int l = 0; l < model.num_layers(); ++l) {
+    if (MoeStats* s = model.layer(l).moe_stats()) {
+      stats_.push_back(s);
+      blocks_.push_back(model.layer(l).moe());
+    }
+  }
+}
+
+void MoeRoutingReport::add_step_fields(double, nlohmann::json& line) {
+  // Every block's stats in one vector: tokens per expert, then pairs, dropped, entropy, tokens,
+  // balancing loss, sequences.
+  std::vector<double> sums;
+  for (const MoeStats* s : stats_) {
+    sums.insert(sums.end(), s->tokens.begin(), s->tokens.end());
+    sums.insert(sums.end(), {s->pairs, s->dropped, s->entropy_sum, s->token_count, s->aux_sum, s->sequences});
+  }
+  if (dp_.size() > 1 && !sums.empty()) dp_.allreduce_sum(sums.data(), sums.size());
+  last_.clear();
+  size_t at = 0;
+  for (MoeStats* s : stats_) {
+    MoeStats all = *s;
+    std::copy(sums.begin() + at, sums.begin() + at + s->tokens.size(), all.tokens.begin());
+    at += s->tokens.size();
+    all.pairs = sums[at++], all.dropped = sums[at++], all.entropy_sum = sums[at++], all.token_count = sums[at++];
+    all.aux_sum = sums[at++], all.sequences = sums[at++];
+    last_.push_back(moe_step_figures(all));
+    s->reset();
+  }
+  if (last_.empty() || last_.front().tokens.empty()) return;
+  if (total_.empty()) total_ = last_;
+  else {
+    for (size_t i = 0; i < last_.size(); ++i) {
+      for (size_t e = 0; e < last_[i].tokens.size(); ++e) total_[i].tokens[e] += last_[i].tokens[e];
+      total_[i].dropped += last_[i].dropped;
+      total_[i].imbalance = std::max(total_[i].imbalance, last_[i].imbalance);
+    }
+  }
+  steps_++;
+  nlohmann::json layers = nlohmann::json::array();
+  double imbalance = 0, dropped = 0, entropy = 0;
+  for (size_t i = 0; i < last_.size(); ++i) {
+    const MoeStepFigures& f = last_[i];
+    nlohmann::json j = {{"layer", f.layer},   {"tokens", f.tokens},   {"imbalance", f.imbalance},
+                        {"dropped", f.dropped}, {"entropy", f.entropy}, {"aux", f.aux}};
+    if (MoeFeedForward* b = blocks_[i]; b != nullptr && !b->routing_bias().empty()) j["bias"] = b->routing_bias();
+    layers.push_back(std::move(j));
+    imbalance = std::max(imbalance, f.imbalance);
+    dropped += f.dropped;
+    entropy += f.entropy / static_cast<double>(last_.size());
+  }
+  line["moe_imbalance"] = imbalance;
+  line["moe_dropped"] = dropped;
+  line["moe_entropy"] = entropy;
+  line["moe_layers"] = std::move(layers);
+}
+
+std::string MoeRoutingReport::progress_fragment(double) const {
+  if (last_.empty()) return "";
+  double imbalance = 0, dropped = 0;
+  for (const MoeStepFigures& f : last_) imbalance = std::max(imbalance, f.imbalance), dropped += f.dropped;
+  char text[64];
+  std::snprintf(text, sizeof text, "MoE imb %.2f", imbalance);
+  std::string out = text;
+  if (dropped > 0) {
+    std::snprintf(text, sizeof text, " drop %.0f", dropped);
+    out += text;
+  }
+  return out;
+}
+
+void MoeRoutingReport::print_summary() const {
+  for (const MoeStepFigures& f : total_) {
+    double total = 0, most = 0, least = 1e300;
+    for (double t : f.tokens) total += t, most = std::max(most, t), least = std::min(least, t);
+    const double mean = total / static_cast<double>(f.tokens.size());
+    std::printf("keel: MoE block %d over %lld steps: busiest expert %.2fx the mean, idlest %.2fx, worst step %.2fx; "
+                "%.0f of %.0f pairs dropped\n",
+                f.layer, static_cast<long long>(steps_), mean > 0 ? most / mean : 0.0, mean > 0 ? least / mean : 0.0,
+                f.imbalance, f.dropped, total);
+  }
+}
+
+}  // namespace keel

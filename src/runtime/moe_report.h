@@ -1,0 +1,52 @@
+// What a mixture of experts' routers measured (model/moe.h MoeStats), per MoE block and optimizer
+// step, summed over the data-parallel ranks: the step line's `moe_layers` (per block: pairs routed
+// to each expert, load imbalance = the busiest expert's pairs over the mean, dropped pairs, mean
+// router entropy in nats, the balancing loss, the routing biases under model.moe_balance = "bias")
+// and its summaries `moe_imbalance` (the largest block's), `moe_dropped` (all blocks') and
+// `moe_entropy` (the blocks' mean), which the alerts, the Prometheus endpoint and the report read.
+#pragma once
+
+#include <vector>
+
+#include "comm/communicator.h"
+#include "core/metrics_source.h"
+#include "model/gpt.h"
+
+namespace keel {
+
+struct MoeStats;
+class MoeFeedForward;
+
+// One block's figures of one step (all ranks').
+struct MoeStepFigures {
+  int layer = 0;
+  std::vector<double> tokens;  // per expert: (token, choice) pairs routed to it, dropped ones too
+  double imbalance = 0;        // max over experts of tokens / their mean (1 = perfectly even)
+  double dropped = 0;          // pairs over capacity
+  double entropy = 0;          // the router's mean entropy per token (nats)
+  double aux = 0;              // the balancing loss, mean over sequences
+};
+
+// Imbalance, entropy and the balancing loss of one block from `stats` summed over ranks.
+MoeStepFigures moe_step_figures(const MoeStats& stats);
+
+class MoeRoutingReport final : public MetricsSource {
+ public:
+  // Over the MoE blocks of `model` (those this rank holds).
+  MoeRoutingReport(Communicator& dp, GPT& model);
+  // (Every rank: sums the blocks' stats over the ranks, then starts them from zero.)
+  void add_step_fields(double step_ms, nlohmann::json& line) override;
+  std::string progress_fragment(double step_ms) const override;
+  void print_summary() const override;
+
+ private:
+  Communicator& dp_;
+  std::vector<MoeStats*> stats_;
+  std::vector<MoeFeedForward*> blocks_;
+  std::vector<MoeStepFigures> last_;
+  // Over the run, per block: pairs per expert, dropped pairs, the largest step imbalance.
+  std::vector<MoeStepFigures> total_;
+  int64_t steps_ = 0;
+};
+
+}  // namespace keel

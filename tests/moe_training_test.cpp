@@ -1,0 +1,244 @@
+// A mixture of experts (the llama-moe-tiny preset at the toy's size: 2 MoE blocks of 4 experts,
+// top-2, one shared expert) trained through the keel binary on the toy corpus: two data-parallel
+// ranks with ZeRO-1 train what one rank trains with the whole batch, and route the same tokens;
+// a resumed run gives the uninterrupted bytes; train.recompute gives the bytes of keeping every
+// activation; the routers' figures reach metrics.jsonl, the alerts and the report. Each also
+// with DeepSeek's auxiliary-loss-free balancing (model.moe_balance = "bias"), whose biases are
+// checkpointed.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "core/fileio.h"
+#include "test_util.h"
+
+namespace keel {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+class MoeTraining : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new testing::TempDir("keel-moe-train");
+    testing::write_toy_corpus(dir_->path());
+    testing::write_toy_config(dir_->path(), kSteps);
+    // The imbalance alert's threshold at its least (1: any expert busier than the mean), after 2 steps.
+    const testing::CommandResult one =
+        train(0, "one", "--set monitor.max_moe_imbalance=1 --set monitor.moe_imbalance_after=2");
+    ASSERT_EQ(one.exit_code, 0) << one.output;
+    const testing::CommandResult bias = train(0, "one-bias", kBias);
+    ASSERT_EQ(bias.exit_code, 0) << bias.output;
+  }
+  static void TearDownTestSuite() {
+    delete dir_;
+    dir_ = nullptr;
+  }
+  static constexpr int kSteps = 8;
+  static constexpr const char* kBias = "--set model.moe_balance=bias --set model.moe_bias_rate=0.01";
+  // 2 micro-batches of 2 sequences of 32 tokens per step.
+  static std::string common() {
+    return " --set model.preset=llama-moe-tiny --set model.vocab_size=64 --set model.max_seq_len=32"
+           " --set train.batch_size=2 --set train.grad_accum=2 --set train.eval_every=0";
+  }
+  static testing::CommandResult train(int ranks, const std::string& run, const std::string& extra) {
+    const std::string args = "train --config " + dir_->path() + "/toy.toml" + common() + " --set train.run_dir=" +
+                             dir_->path() + "/" + run + " " + extra;
+    return testing::run_keel(ranks == 0 ? args : "launch -n " + std::to_string(ranks) + " -- " + args);
+  }
+  static std::string at(const std::string& run) { return dir_->path() + "/" + run; }
+  // metrics.jsonl's lines: the steps' (`events` false) or the events' (true).
+  static std::vector<json> lines(const std::string& run, bool events = false) {
+    std::vector<json> out;
+    const std::string text = read_text_file(at(run) + "/metrics.jsonl");
+    for (size_t start = 0; start < text.size();) {
+      const size_t end = text.find('\n', start);
+      json j = json::parse(text.substr(start, end - start));
+      if (events ? j.contains("event") : j.contains("loss") && !j.contains("event")) out.push_back(std::move(j));
+      start = end + 1;
+    }
+    return out;
+  }
+  // `run` trained what `reference` trained: every step's loss and the final weights within 1e-5,
+  // and its routers chose the same experts for the same number of tokens every step.
+  static void expect_like(const std::string& reference, const std::string& run) {
+    const std::vector<json> want = lines(reference), got = lines(run);
+    ASSERT_EQ(got.size(), want.size()) << run;
+    for (size_t i = 0; i < want.size(); ++i) {
+      const double a = want[i].at("loss"), b = got[i].at("loss");
+      EXPECT_LE(std::abs(a - b), 1e-5 * std::abs(a)) << run << " step " << i + 1;
+      ASSERT_EQ(got[i].at("moe_layers").size(), want[i].at("moe_layers").size());
+      for (size_t l = 0; l < want[i].at("moe_layers").size(); ++l) {
+        EXPECT_EQ(got[i].at("moe_layers")[l].at("tokens"), want[i].at("moe_layers")[l].at("tokens"))
+            << run << " step " << i + 1 << " block " << l;
+      }
+    }
+    for (const auto& [name, d] : testing::weight_distance(at(reference) + "/ckpt", at(run) + "/ckpt")) {
+      EXPECT_LT(d, 1e-5) << run << ": " << name;
+    }
+  }
+  static testing::TempDir* dir_;
+};
+
+testing::TempDir* MoeTraining::dir_ = nullptr;
+
+// Every step's line: per MoE block the pairs routed to each expert (all of the step's tokens x 2
+// choices), the imbalance they give, the router's entropy; the run learns the toy language.
+TEST_F(MoeTraining, OneRankLearnsAndReportsItsRoutingEveryStep) {
+  const std::vector<json> steps = lines("one");
+  ASSERT_EQ(steps.size(), static_cast<size_t>(kSteps));
+  EXPECT_LT(steps.back().at("loss").get<double>(), steps.front().at("loss").get<double>());
+  for (const json& s : steps) {
+    ASSERT_EQ(s.at("moe_layers").size(), 2u) << s;
+    double worst = 0;
+    for (const json& b : s.at("moe_layers")) {
+      const std::vector<double> tokens = b.at("tokens");
+      ASSERT_EQ(tokens.size(), 4u);
+      double sum = 0, most = 0;
+      for (double t : tokens) sum += t, most = std::max(most, t);
+      EXPECT_EQ(sum, 2.0 * 2 * 32 * 2) << "2 micro-batches x 2 sequences x 32 tokens x top-2";
+      EXPECT_DOUBLE_EQ(b.at("imbalance").get<double>(), most / (sum / 4));
+      EXPECT_EQ(b.at("dropped").get<double>(), 0.0);  // dropless
+      EXPECT_GT(b.at("entropy").get<double>(), 0.0);
+      EXPECT_LE(b.at("entropy").get<double>(), std::log(4.0) + 1e-9);
+      EXPECT_FALSE(b.contains("bias"));
+      worst = std::max(worst, b.at("imbalance").get<double>());
+    }
+    EXPECT_EQ(s.at("moe_imbalance").get<double>(), worst);
+    EXPECT_EQ(s.at("moe_dropped").get<double>(), 0.0);
+  }
+  // The imbalance alert (threshold 1, after 2 steps) fired on step 2.
+  bool fired = false;
+  for (const json& e : lines("one", true)) {
+    if (e.value("event", "") == "alert" && e.value("metric", "") == "moe_imbalance") {
+      fired = fired || (e.at("state") == "firing" && e.at("step") == 2 && e.at("rule") == "monitor.max_moe_imbalance");
+    }
+  }
+  EXPECT_TRUE(fired);
+  // A capacity drops pairs, counted per block and in all.
+  ASSERT_EQ(train(0, "capacity", "--set model.moe_capacity=0.5 --set train.steps=2").exit_code, 0);
+  for (const json& s : lines("capacity")) {
+    EXPECT_GT(s.at("moe_dropped").get<double>(), 0.0) << s;
+    double dropped = 0;
+    for (const json& b : s.at("moe_layers")) dropped += b.at("dropped").get<double>();
+    EXPECT_EQ(s.at("moe_dropped").get<double>(), dropped);
+  }
+}
+
+// Two data-parallel ranks with ZeRO-1, each with one sequence of every micro-batch: the same
+// sequences a step as one rank, routed the same (the counts are summed over the ranks).
+TEST_F(MoeTraining, DataParallelZero1TrainsWhatOneRankTrains) {
+  const testing::CommandResult r = train(2, "dp2", "--set train.batch_size=1 --set parallel.zero=1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_like("one", "dp2");
+}
+
+// With bias balancing the biases move by the loads of both ranks: the same biases, the same routing.
+TEST_F(MoeTraining, BiasBalancingOnTwoRanksTrainsWhatOneRankTrains) {
+  const testing::CommandResult r =
+      train(2, "dp2-bias", std::string("--set train.batch_size=1 --set parallel.zero=1 ") + kBias);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_like("one-bias", "dp2-bias");
+  const std::vector<json> one = lines("one-bias"), two = lines("dp2-bias");
+  for (size_t i = 0; i < one.size(); ++i) {
+    for (size_t l = 0; l < 2; ++l) {
+      EXPECT_EQ(two[i].at("moe_layers")[l].at("bias"), one[i].at("moe_layers")[l].at("bias")) << "step " << i + 1;
+    }
+  }
+  // The biases moved (by +-rate per step against each expert's load), and routed differently from "aux".
+  const std::vector<float> last = one.back().at("moe_layers")[0].at("bias");
+  double moved = 0;
+  for (float b : last) {
+    moved += std::abs(b);
+    EXPECT_LE(std::abs(b), kSteps * 0.01 + 1e-6);
+  }
+  EXPECT_GT(moved, 0.0);
+}
+
+// Resumed from the checkpoint of step 4: the bytes of the uninterrupted run (weights and moments),
+// with the balancing loss and with the biases (which the checkpoint carries).
+TEST_F(MoeTraining, AResumedRunGivesTheUninterruptedBytes) {
+  for (const std::string balance : {"", "-bias"}) {
+    const std::string extra = balance.empty() ? "" : kBias;
+    const std::string saving = "saving" + balance, resumed = "resumed" + balance, whole = "one" + balance;
+    ASSERT_EQ(train(0, saving, extra + " --set train.checkpoint_every=4").exit_code, 0);
+    const testing::CommandResult r =
+        train(0, resumed, extra + " --set train.resume=" + at(saving) + "/ckpt/step-00000004");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+    EXPECT_EQ(testing::checkpoint_bytes(at(resumed) + "/ckpt"), testing::checkpoint_bytes(at(whole) + "/ckpt"))
+        << whole;
+    EXPECT_EQ(testing::checkpoint_bytes(at(resumed) + "/ckpt", Plane::adam_v),
+              testing::checkpoint_bytes(at(whole) + "/ckpt", Plane::adam_v))
+        << whole;
+    const json want = lines(whole).back().at("moe_layers"), got = lines(resumed).back().at("moe_layers");
+    EXPECT_EQ(got, want) << whole;
+  }
+  // A run balanced by the loss alone does not continue a biased run's trajectory: refused.
+  const testing::CommandResult aux =
+      train(0, "aux-from-bias", "--set train.resume=" + at("saving-bias") + "/ckpt/step-00000004");
+  EXPECT_NE(aux.exit_code, 0) << aux.output;
+  EXPECT_NE(aux.output.find("written by a different run (trajectory hash"), std::string::npos) << aux.output;
+  // A checkpoint of one rank resumed on two: each rank takes the biases saved (they are the same
+  // on every rank), and the run goes on as the one-rank run does.
+  const testing::CommandResult r = train(2, "resumed-bias-dp2",
+                                         std::string("--set train.batch_size=1 --set parallel.zero=1 ") + kBias +
+                                             " --set train.resume=" + at("saving-bias") + "/ckpt/step-00000004");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::vector<json> got = lines("resumed-bias-dp2"), want = lines("one-bias");
+  ASSERT_EQ(got.size(), 4u);  // steps 5..8
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].at("moe_layers")[1].at("bias"), want[4 + i].at("moe_layers")[1].at("bias")) << "step " << 5 + i;
+    EXPECT_EQ(got[i].at("moe_layers")[0].at("tokens"), want[4 + i].at("moe_layers")[0].at("tokens")) << "step " << 5 + i;
+  }
+  for (const auto& [name, d] : testing::weight_distance(at("one-bias") + "/ckpt", at("resumed-bias-dp2") + "/ckpt")) {
+    EXPECT_LT(d, 1e-5) << name;
+  }
+}
+
+// Selective and full recomputation rebuild the attention (and, full, the whole block) but keep
+// the experts' activations: the bytes of keeping everything, the tokens counted once.
+TEST_F(MoeTraining, RecomputationGivesTheBytesOfKeepingEveryActivation) {
+  for (const std::string mode : {"selective", "full"}) {
+    for (const std::string balance : {"", "-bias"}) {
+      const std::string run = "recompute-" + mode + balance, whole = "one" + balance;
+      const testing::CommandResult r = train(0, run, "--set train.recompute=" + mode + " " + (balance.empty() ? "" : kBias));
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      EXPECT_EQ(testing::checkpoint_bytes(at(run) + "/ckpt"), testing::checkpoint_bytes(at(whole) + "/ckpt")) << run;
+      const std::vector<json> got = lines(run), want = lines(whole);
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t i = 0; i < want.size(); ++i) {
+        EXPECT_EQ(got[i].at("loss"), want[i].at("loss")) << run << " step " << i + 1;
+        EXPECT_EQ(got[i].at("moe_layers"), want[i].at("moe_layers")) << run << " step " << i + 1;
+      }
+    }
+  }
+}
+
+// `keel report`: the MoE section (imbalance per block with the alert's threshold, the routers'
+// entropy, each expert's share of the run's tokens) and the alert.
+TEST_F(MoeTraining, TheReportDrawsEachBlocksRouting) {
+  const testing::CommandResult r = testing::run_keel("report " + at("one") + " --out " + at("one.html"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string html = read_text_file(at("one.html"));
+  for (const char* part : {"<h2>Mixture of experts</h2>", "MoE load imbalance (busiest expert / mean)",
+                           "alert above 1", "MoE router entropy (nats)", "Tokens per expert (whole run)",
+                           "<td>block 0</td>", "<td>block 1</td>", "expert 3: "}) {
+    EXPECT_NE(html.find(part), std::string::npos) << part;
+  }
+  EXPECT_EQ(html.find("MoE dropped pairs"), std::string::npos);  // dropless: nothing to draw
+  EXPECT_EQ(html.find("values or lines of metrics.jsonl"), std::string::npos);  // nothing skipped
+  // A dense run's report has no MoE section.
+  ASSERT_EQ(testing::run_keel("train --config " + dir_->path() + "/toy.toml --set train.steps=1 --set train.run_dir=" +
+                              at("dense"))
+                .exit_code,
+            0);
+  ASSERT_EQ(testing::run_keel("report " + at("dense") + " --out " + at("dense.html")).exit_code, 0);
+  EXPECT_EQ(read_text_file(at("dense.html")).find("Mixture of experts"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace keel
