@@ -318,6 +318,58 @@ TEST_F(Zero3, SamplesEvaluatesAndGeneratesFromAZero3Checkpoint) {
   EXPECT_EQ(g.output, h.output);
 }
 
+// Inside a pipeline: world = data 2 x pipeline 2 (4 ranks), each stage's two replicas shard that
+// stage's chunks. Both families and four schedules (interleaved and zb-v: two stages a rank)
+// train what one rank trains with the whole batch; the stage checkpoints, written in the whole
+// model's layout, resume exactly on the same layout and within 1e-5 on one rank, and one rank's
+// checkpoint resumes on the sharded pipeline.
+TEST_F(Zero3, InsideEachPipelineStagesReplicas) {
+  const std::string common = "--set model.n_layer=6 --set train.grad_accum=4 --set train.eval_every=0 "
+                             "--set train.checkpoint_every=10 ";
+  const std::string piped = common + "--set parallel.pipeline=2 --set train.global_batch_size=2 "
+                                     "--set parallel.micro_batches=4 --set parallel.zero=3 --set parallel.schedule=";
+  const std::string llama = "--set model.preset=llama-tiny --set model.vocab_size=64 --set model.max_seq_len=32 ";
+  ASSERT_EQ(train(0, 2, "one", common).exit_code, 0);
+  ASSERT_EQ(train(0, 2, "llama1", llama + common).exit_code, 0);
+  for (const auto& [family, schedule] : std::vector<std::pair<std::string, std::string>>{
+           {"gpt2", "1f1b"}, {"gpt2", "zb-v"}, {"llama", "interleaved"}, {"llama", "zb-h1"}}) {
+    const std::string run = family + "-" + schedule;
+    auto r = train(4, 2, run, (family == "llama" ? llama : "") + piped + schedule);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("ZeRO-3 over 2 ranks"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("x 2 data-parallel replica(s)"), std::string::npos) << r.output;
+    // Every rank of a stage holds its shard of the stage's chunks, not the stage's whole plane.
+    const nlohmann::json last = step_lines(run).back();
+    const auto shard = last["zero3_param_shard_bytes"].get<std::vector<int64_t>>();
+    ASSERT_EQ(shard.size(), 2u) << last.dump();
+    EXPECT_GT(shard[0], 0);
+    EXPECT_GT(shard[1], 0);
+    expect_same_training(family == "llama" ? "llama1" : "one", run);
+  }
+  // Resumed from step 10 (the runs above checkpoint every 10 steps): the sharded pipeline's
+  // checkpoint on the same layout (the same bytes as without the stop) and on one rank; one
+  // rank's checkpoint on the sharded pipeline.
+  const std::string step10 = "/ckpt/step-00000010";
+  auto r = train(4, 2, "p_from_p", piped + "1f1b --set train.resume=" + dir / ("gpt2-1f1b" + step10));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+  EXPECT_EQ(param_bytes("p_from_p"), param_bytes("gpt2-1f1b"));
+  EXPECT_EQ(testing::checkpoint_bytes(dir / "p_from_p/ckpt", Plane::adam_v),
+            testing::checkpoint_bytes(dir / "gpt2-1f1b/ckpt", Plane::adam_v));
+  const std::vector<double> straight = losses("gpt2-1f1b");
+  EXPECT_EQ(losses("p_from_p"), std::vector<double>(straight.begin() + 10, straight.end()));
+  r = train(0, 2, "one_from_p", common + "--set train.resume=" + dir / ("gpt2-1f1b" + step10));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = train(4, 2, "p_from_one", piped + "zb-v --set train.resume=" + dir / ("one" + step10));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* run : {"one_from_p", "p_from_one"}) {
+    ASSERT_EQ(losses(run).size(), 10u) << run;
+    for (const auto& [name, d] : testing::weight_distance(dir / "one/ckpt", dir / (std::string(run) + "/ckpt"))) {
+      EXPECT_LT(d, 1e-5) << run << ": " << name;
+    }
+  }
+}
+
 TEST_F(Zero3, OneRankShardsNothingAndSaysSo) {
   ASSERT_EQ(train(0, 4, "z0", "--set train.steps=4").exit_code, 0);
   auto r = train(0, 4, "z3", "--set train.steps=4 --set parallel.zero=3");
@@ -334,7 +386,10 @@ TEST_F(Zero3, CombinationsNotSupportedAreRefusedInOneLine) {
   };
   refused({"parallel.zero=3", "tier.device_mib=64"}, "config key 'tier.device_mib': expected its default with parallel.zero = 3");
   refused({"parallel.zero=3", "sync.codec=sign1"}, "config key 'sync.codec': expected its default with parallel.zero = 3");
-  refused({"parallel.zero=3", "parallel.pipeline=2"}, "config key 'parallel.pipeline'", 4);
+  refused({"parallel.zero=3", "parallel.pipeline=2", "parallel.predict_gradients=mean"},
+          "config key 'parallel.predict_gradients': expected its default with parallel.zero = 3", 4);
+  refused({"parallel.zero=3", "parallel.pipeline=2", "parallel.repartition_every=2", "monitor.layer_costs_every=2"},
+          "config key 'parallel.repartition_every': expected its default with parallel.zero = 3", 4);
   refused({"parallel.zero=3", "checkpoint.memory_every=2"}, "checkpoint.memory_every");
   refused({"parallel.zero=4"}, "config key 'parallel.zero': expected 0, 1, 2 or 3, found 4");
   refused({"parallel.zero=3", "parallel.zero3_keep=some"}, "expected \"none\", \"last\" or \"all\", found \"some\"");

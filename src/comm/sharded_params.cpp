@@ -18,7 +18,13 @@ void validate_zero3_config(const Config& c, int data_ranks) {
                   "found " + found);
     }
   };
-  refuse(c.parallel.pipeline > 1, "parallel.pipeline", std::to_string(c.parallel.pipeline));
+  // Inside a pipeline each stage's replicas shard that stage's chunks; what moves a stage's whole
+  // planes between steps (a re-cut's migration, the gradient predictor's deferred weight gradients)
+  // is not built over shards.
+  refuse(c.parallel.pipeline > 1 && c.parallel.predict_gradients != PredictGradients::off, "parallel.predict_gradients",
+         "\"" + std::string(to_string(c.parallel.predict_gradients)) + "\"");
+  refuse(c.parallel.pipeline > 1 && c.parallel.repartition_every > 0, "parallel.repartition_every",
+         std::to_string(c.parallel.repartition_every));
   refuse(tiering_enabled(c.tier), "tier.device_mib", std::to_string(c.tier.device_mib));
   refuse(c.sync.codec != SyncCodec::none, "sync.codec", "\"" + std::string(to_string(c.sync.codec)) + "\"");
   refuse(c.clip.enabled(), "[clip]", "a dual encoder");
