@@ -45,6 +45,10 @@ void ShardedOptimizer::weights_settled() {
   startup_ = {store_.resident_bytes(Plane::param), static_cast<int64_t>(usage.ru_maxrss) * 1024};
 }
 
+void ShardedOptimizer::residency_attached() {
+  if (params_) params_->wrap_attached();
+}
+
 void ShardedOptimizer::gather_whole_model() {
   if (params_) params_->gather_whole();
 }
@@ -140,6 +144,7 @@ void ShardedOptimizer::step(double lr, int64_t t, float clip) {
   // are, under a lease), deferred into the next forward pass, or now.
   // Every rank visits every chunk (under ZeRO, in the same order, so each chunk's owner can
   // broadcast its update); frozen layers keep theirs.
+  if (params_) params_->drop_gathered();  // (ZeRO-3 over tiers: the owners' updates make them stale)
   deferred_ = {lr, t, clip};
   for (const Chunk& c : store_.chunks()) {
     if (!keeps(c.layer, t)) store_.defer_update(c.id);
@@ -160,6 +165,7 @@ void ShardedOptimizer::update_chunk(int chunk) {
     store_.zero_grad_chunk(chunk);
     store_.bump_version(chunk);
   }
+  if (params_) return;  // ZeRO-3: the update stays with its owner until a layer's lease gathers it
   const int owner = partition_.owner(chunk);
   if (bf16_ && bf16_->holds(Plane::param)) {
     // bf16 working parameters: the owner's bits (rounded from its master by the update) are what

@@ -25,7 +25,6 @@ void validate_zero3_config(const Config& c, int data_ranks) {
          "\"" + std::string(to_string(c.parallel.predict_gradients)) + "\"");
   refuse(c.parallel.pipeline > 1 && c.parallel.repartition_every > 0, "parallel.repartition_every",
          std::to_string(c.parallel.repartition_every));
-  refuse(tiering_enabled(c.tier), "tier.device_mib", std::to_string(c.tier.device_mib));
   refuse(c.sync.codec != SyncCodec::none, "sync.codec", "\"" + std::string(to_string(c.sync.codec)) + "\"");
   refuse(c.clip.enabled(), "[clip]", "a dual encoder");
   refuse(c.checkpoint.memory_every > 0, "checkpoint.memory_every", std::to_string(c.checkpoint.memory_every));
@@ -33,7 +32,7 @@ void validate_zero3_config(const Config& c, int data_ranks) {
 
 ShardedParams::ShardedParams(Communicator& dp, ChunkStore& store, const ChunkPartition& owners, Zero3Keep keep,
                              bool progress_thread)
-    : comm_(dp.duplicate()), store_(store), inner_(store.residency()), owners_(owners), keep_(keep) {
+    : comm_(dp.duplicate()), store_(store), inner_(&store.residency()), owners_(owners), keep_(keep) {
   const int n = static_cast<int>(store_.chunks().size());
   own_first_ = owners_.first_chunk[dp.rank()];
   own_last_ = owners_.first_chunk[dp.rank() + 1];
@@ -64,6 +63,20 @@ ShardedParams::~ShardedParams() {
   store_.attach_residency(nullptr);
 }
 
+void ShardedParams::wrap_attached() {
+  if (&store_.residency() == this) return;
+  inner_ = &store_.residency();
+  store_.attach_residency(this);
+}
+
+int ShardedParams::hint(std::span<const PageRef> pages) {
+  std::vector<PageRef> mine;
+  for (const PageRef& p : pages) {
+    if (p.plane != Plane::param || own(p.chunk) || gathered_[p.chunk]) mine.push_back(p);
+  }
+  return inner_->hint(mine);
+}
+
 void ShardedParams::progress_loop() {
   // Tests only (MPI_Test on this object's own communicator); every broadcast is started and
   // finally waited for by the main thread, in the same order on every rank.
@@ -90,7 +103,7 @@ int64_t ShardedParams::whole_bytes() const { return store_.numel() * static_cast
 void ShardedParams::give_back(int chunk) {
   gathered_[chunk] = 0;
   if (own(chunk)) return;  // its home: the bytes stay
-  inner_.discard(Plane::param, store_.chunks()[chunk].offset, extent(chunk));
+  inner_->discard(Plane::param, store_.chunks()[chunk].offset, extent(chunk));
   gathered_bytes_ -= extent(chunk) * static_cast<int64_t>(sizeof(float));
 }
 
@@ -115,9 +128,14 @@ void ShardedParams::drop_gathered() {
 void ShardedParams::gather_whole() {
   if (!started_) return;
   wait_ahead();
-  std::vector<PageRef> all;
-  for (int c = 0; c < static_cast<int>(gathered_.size()); ++c) all.push_back({c, Plane::param});
-  gather(all);
+  // Chunk by chunk, each under a lease while its broadcast writes it (where pages move, the
+  // whole plane is never present at once; the tiers keep the gathered bytes as written).
+  for (int c = 0; c < static_cast<int>(gathered_.size()); ++c) {
+    const PageRef page{c, Plane::param};
+    inner_->acquire({&page, 1});
+    gather({&page, 1});
+    inner_->release({&page, 1}, /*modified=*/false);
+  }
   whole_ = true;
 }
 
@@ -135,12 +153,16 @@ void ShardedParams::wait_ahead() {
 
 void ShardedParams::written(const std::vector<int>& chunks) {
   // A gather wrote these pages (other ranks' chunks): their version moves on, so that whatever
-  // was derived from their earlier bytes (a bf16 copy) is known stale.
+  // was derived from their earlier bytes (a bf16 copy) is known stale, and a tier that evicts
+  // them keeps these bytes. Where pages move the caller holds them leased: that lease ends as
+  // modified and is taken again (the tiers check a page's bytes against its version at a lease).
   std::vector<PageRef> pages;
   for (int c : chunks) {
     if (!own(c)) pages.push_back({c, Plane::param});
   }
-  if (!pages.empty()) inner_.release(pages, /*modified=*/true);
+  if (pages.empty()) return;
+  inner_->release(pages, /*modified=*/true);
+  inner_->acquire(pages);
 }
 
 Communicator::Request ShardedParams::start_gather(int chunk) {
@@ -220,7 +242,7 @@ void ShardedParams::acquire(std::span<const PageRef> pages) {
                   std::to_string(owners_.owner(p.chunk)) + ", and this rank used them outside a layer's pass");
     }
   }
-  inner_.acquire(pages);
+  inner_->acquire(pages);
 }
 
 void ShardedParams::acquire_layer(std::span<const PageRef> pages) {
@@ -228,21 +250,26 @@ void ShardedParams::acquire_layer(std::span<const PageRef> pages) {
   for (const PageRef& p : pages) {
     if (p.plane == Plane::param) chunks.push_back(p.chunk);
   }
+  // Present first (the tiers fetch this rank's own pages, and give others' pages room), then
+  // the broadcasts write them.
+  inner_->acquire(pages);
   if (!chunks.empty()) {
     gather(pages);
-    // On the recorded schedule: the lease that came next last round, broadcast ahead.
+    // On the recorded schedule: the lease that came next last round, broadcast ahead; not where
+    // pages move (a page not leased may be fetched over what a broadcast wrote).
     const size_t at = this_round_.size();
-    if (!whole_ && at + 1 < last_round_.size() && last_round_[at] == chunks) start_ahead(last_round_[at + 1]);
+    if (!whole_ && inner_->always_present() && at + 1 < last_round_.size() && last_round_[at] == chunks) {
+      start_ahead(last_round_[at + 1]);
+    }
     this_round_.push_back(std::move(chunks));
   }
   for (const PageRef& p : pages) {
     if (p.plane == Plane::param) pins_[p.chunk]++;
   }
-  inner_.acquire(pages);
 }
 
 void ShardedParams::release_layer(std::span<const PageRef> pages, bool modified) {
-  inner_.release(pages, modified);
+  inner_->release(pages, modified);
   for (const PageRef& p : pages) {
     if (p.plane != Plane::param || --pins_[p.chunk] > 0 || whole_) continue;
     const bool kept = keep_ == Zero3Keep::all || (keep_ == Zero3Keep::last && store_.chunks()[p.chunk].layer == last_layer_);

@@ -50,6 +50,9 @@ class ShardedParams final : public Residency {
                 bool progress_thread);
   ~ShardedParams() override;  // stops the progress thread; gives the store back its own residency
 
+  // The residency the store was given after this one was attached (the memory tiers', built
+  // later) becomes the one this wraps, and this is attached again in its place. Local.
+  void wrap_attached();
   // After the weights were drawn or loaded on every rank: the leases recorded from here on are
   // the training's (the schedule that broadcasts ahead). Local.
   void settled();
@@ -78,21 +81,25 @@ class ShardedParams final : public Residency {
   int64_t group_max_layer_gather_bytes() const { return group_max_[1]; }
 
   // Residency.
-  bool always_present() const override { return true; }  // this rank's shard, which whole-plane work reads
+  // As the wrapped residency: the store's own keeps this rank's shard present (whole-plane work
+  // reads it); the tiers' move its pages, and every use goes page by page under leases.
+  bool always_present() const override { return inner_->always_present(); }
   void acquire(std::span<const PageRef> pages) override;
   void acquire_layer(std::span<const PageRef> pages) override;
-  void release(std::span<const PageRef> pages, bool modified) override { inner_.release(pages, modified); }
+  void release(std::span<const PageRef> pages, bool modified) override { inner_->release(pages, modified); }
   void release_layer(std::span<const PageRef> pages, bool modified) override;
-  int hint(std::span<const PageRef>) override { return 0; }
-  uint64_t version(PageRef p) const override { return inner_.version(p); }
-  void zero(PageRef p, bool zeroed_in_place) override { inner_.zero(p, zeroed_in_place); }
-  void discard(Plane plane, int64_t offset, int64_t numel) override { inner_.discard(plane, offset, numel); }
-  bool updates_at_home(PageRef p) const override { return inner_.updates_at_home(p); }
+  // Passed on for this rank's own pages (its shard, gathered chunks, the other planes): another
+  // rank's parameter page arrives by broadcast, not from a tier.
+  int hint(std::span<const PageRef> pages) override;
+  uint64_t version(PageRef p) const override { return inner_->version(p); }
+  void zero(PageRef p, bool zeroed_in_place) override { inner_->zero(p, zeroed_in_place); }
+  void discard(Plane plane, int64_t offset, int64_t numel) override { inner_->discard(plane, offset, numel); }
+  bool updates_at_home(PageRef p) const override { return inner_->updates_at_home(p); }
   void update_at_home(PageRef p, const std::function<void(float*, size_t)>& update) override {
-    inner_.update_at_home(p, update);
+    inner_->update_at_home(p, update);
   }
-  bool known_sum_squares(PageRef p, double* out) const override { return inner_.known_sum_squares(p, out); }
-  void step_shape_changed() override {}
+  bool known_sum_squares(PageRef p, double* out) const override { return inner_->known_sum_squares(p, out); }
+  void step_shape_changed() override { inner_->step_shape_changed(); }
 
  private:
   bool own(int chunk) const { return chunk >= own_first_ && chunk < own_last_; }
@@ -117,7 +124,9 @@ class ShardedParams final : public Residency {
 
   std::unique_ptr<Communicator> comm_;  // its own: gathers never interleave with other collectives
   ChunkStore& store_;
-  Residency& inner_;  // the store's own (every page present at its address)
+  // The store's own (every page present at its address), or the memory tiers' (pages fetched
+  // from their homes under leases): a gather broadcasts into pages it holds leased.
+  Residency* inner_;
   ChunkPartition owners_;
   Zero3Keep keep_;
   int own_first_ = 0, own_last_ = 0;
