@@ -404,6 +404,50 @@ TEST_F(Zero3, ShardsHomedOnTheNvmeTier) {
   }
 }
 
+// bf16 training state (runtime.param_dtype / grad_dtype = "bf16") under ZeRO-3: the gathers move
+// the owners' bf16 bits (half of float32's bytes, counted in zero3_gathered_bytes), the gradients
+// are reduce-scattered in bf16, and each rank keeps float32 masters of its own chunks only. The
+// same bytes as ZeRO-2 with bf16 state (on 2 ranks both compute with the owners' bits and sum
+// once per element), close to one rank (as bf16_state_test's), and an exact resume.
+TEST_F(Zero3, Bf16TrainingStateGathersBitsInHalfTheBytes) {
+  const std::string bf16 = "--set runtime.param_dtype=bf16 --set runtime.grad_dtype=bf16 --set train.checkpoint_every=10 ";
+  ASSERT_EQ(train(0, 8, "one", bf16).exit_code, 0);
+  ASSERT_EQ(train(2, 4, "z2", bf16 + "--set parallel.zero=2").exit_code, 0);
+  ASSERT_EQ(train(2, 4, "f32", "--set parallel.zero=3 --set train.checkpoint_every=10").exit_code, 0);
+  auto r = train(2, 4, "z3", bf16 + "--set parallel.zero=3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("keel: bf16 training state: parameters bf16, gradients bf16"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("ZeRO-3 over 2 ranks"), std::string::npos) << r.output;
+  for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+    EXPECT_EQ(testing::checkpoint_bytes(dir / "z3/ckpt", plane), testing::checkpoint_bytes(dir / "z2/ckpt", plane))
+        << static_cast<int>(plane);
+  }
+  EXPECT_EQ(losses("z3"), losses("z2"));
+  const std::vector<double> want = losses("one"), got = losses("z3");
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t s = 0; s < got.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-3 * want[s]) << "step " << s + 1;
+  EXPECT_NE(got, losses("f32"));  // bf16, not float32's bytes
+  const nlohmann::json last = step_lines("z3").back(), last32 = step_lines("f32").back();
+  // The same leases gather the same chunks: in bf16, half the bytes.
+  const auto received = last["zero3_gathered_bytes"].get<std::vector<int64_t>>();
+  const auto received32 = last32["zero3_gathered_bytes"].get<std::vector<int64_t>>();
+  ASSERT_EQ(received.size(), 2u);
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_GT(received[rank], 0) << rank;
+    EXPECT_EQ(2 * received[rank], received32[rank]) << rank;
+  }
+  // Masters for this rank's shard only; gradients summed on their bits (2 bytes an element).
+  EXPECT_LT(last["bf16_master_bytes"].get<int64_t>(), 2 * last["bf16_param_bytes"].get<int64_t>());
+  EXPECT_EQ(last["sync_payload_bytes"].get<double>(), static_cast<double>(last["bf16_grad_bytes"].get<int64_t>()));
+  EXPECT_EQ(last["bf16_param_broadcast_bytes"].get<int64_t>(), 0);  // no owner's broadcast after the update
+  r = train(2, 4, "resumed", bf16 + "--set parallel.zero=3 --set train.resume=" + dir / "z3/ckpt/step-00000010");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+    EXPECT_EQ(testing::checkpoint_bytes(dir / "resumed/ckpt", plane), testing::checkpoint_bytes(dir / "z3/ckpt", plane))
+        << static_cast<int>(plane);
+  }
+}
+
 TEST_F(Zero3, OneRankShardsNothingAndSaysSo) {
   ASSERT_EQ(train(0, 4, "z0", "--set train.steps=4").exit_code, 0);
   auto r = train(0, 4, "z3", "--set train.steps=4 --set parallel.zero=3");

@@ -25,10 +25,15 @@ ShardedOptimizer::ShardedOptimizer(const Config& config, Communicator& dp, Chunk
                                                         config.parallel.zero3_progress_thread);
   const bool bf16_params = config.runtime.param_dtype == StateDtype::bf16;
   const bool bf16_grads = config.runtime.grad_dtype == StateDtype::bf16;
-  if ((bf16_params || bf16_grads) && !params_) {
+  if (bf16_params || bf16_grads) {
     // Masters where the moments are: the chunks this rank updates (validate_bf16_state_config
     // refused what this does not combine with).
     bf16_ = std::make_unique<Bf16State>(store_, bf16_params, bf16_grads, store_.moment_chunks());
+    if (params_) {
+      // ZeRO-3: the sharded parameters wrap the bf16 state; gathers move the owners' bf16 bits.
+      params_->wrap_attached();
+      if (bf16_params) params_->gather_bits_into(bf16_.get());
+    }
   }
 }
 

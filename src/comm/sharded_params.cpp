@@ -5,6 +5,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "store/bf16_state.h"
 #include "store/placement.h"
 
 namespace keel {
@@ -104,7 +105,7 @@ void ShardedParams::give_back(int chunk) {
   gathered_[chunk] = 0;
   if (own(chunk)) return;  // its home: the bytes stay
   inner_->discard(Plane::param, store_.chunks()[chunk].offset, extent(chunk));
-  gathered_bytes_ -= extent(chunk) * static_cast<int64_t>(sizeof(float));
+  gathered_bytes_ -= extent(chunk) * element_bytes();
 }
 
 void ShardedParams::settled() {
@@ -128,6 +129,13 @@ void ShardedParams::drop_gathered() {
 void ShardedParams::gather_whole() {
   if (!started_) return;
   wait_ahead();
+  if (bits_ != nullptr || inner_->always_present()) {  // the bits, or the whole plane, are always here
+    std::vector<PageRef> all;
+    for (int c = 0; c < static_cast<int>(gathered_.size()); ++c) all.push_back({c, Plane::param});
+    gather(all);
+    whole_ = true;
+    return;
+  }
   // Chunk by chunk, each under a lease while its broadcast writes it (where pages move, the
   // whole plane is never present at once; the tiers keep the gathered bytes as written).
   for (int c = 0; c < static_cast<int>(gathered_.size()); ++c) {
@@ -161,17 +169,24 @@ void ShardedParams::written(const std::vector<int>& chunks) {
     if (!own(c)) pages.push_back({c, Plane::param});
   }
   if (pages.empty()) return;
+  if (bits_ != nullptr) {  // the bits were written, with no lease of their pages open
+    for (const PageRef& p : pages) bits_->bits_written(p);
+    return;
+  }
   inner_->release(pages, /*modified=*/true);
   inner_->acquire(pages);
 }
 
-Communicator::Request ShardedParams::start_gather(int chunk) {
+void ShardedParams::count_gather(int chunk) {
   gathered_[chunk] = 1;
+  if (own(chunk)) return;
+  gathered_bytes_ += extent(chunk) * element_bytes();
+  peaks_.received_bytes += extent(chunk) * element_bytes();
+}
+
+Communicator::Request ShardedParams::start_gather(int chunk) {
+  count_gather(chunk);
   const int64_t n = extent(chunk);
-  if (!own(chunk)) {
-    gathered_bytes_ += n * static_cast<int64_t>(sizeof(float));
-    peaks_.received_bytes += n * static_cast<int64_t>(sizeof(float));
-  }
   float* at = store_.range_view(Plane::param, store_.chunks()[chunk].offset, n).data();
   return comm_->ibroadcast(at, static_cast<size_t>(n), owners_.owner(chunk));
 }
@@ -198,10 +213,16 @@ void ShardedParams::gather(std::span<const PageRef> pages) {
   std::vector<Communicator::Request> requests;
   std::vector<int> chunks;
   for (const PageRef& p : pages) {
-    if (p.plane == Plane::param && !gathered_[p.chunk]) {
+    if (p.plane != Plane::param || gathered_[p.chunk]) continue;
+    chunks.push_back(p.chunk);
+    if (bits_ == nullptr) {
       requests.push_back(start_gather(p.chunk));
-      chunks.push_back(p.chunk);
+      continue;
     }
+    // bf16 bits: one blocking broadcast per chunk, in the same order on every rank.
+    count_gather(p.chunk);
+    comm_->broadcast(bits_->bits(Plane::param, store_.chunks()[p.chunk].offset), static_cast<size_t>(extent(p.chunk)),
+                     owners_.owner(p.chunk));
   }
   for (Communicator::Request& r : requests) comm_->wait(r);
   written(chunks);
@@ -250,11 +271,13 @@ void ShardedParams::acquire_layer(std::span<const PageRef> pages) {
   for (const PageRef& p : pages) {
     if (p.plane == Plane::param) chunks.push_back(p.chunk);
   }
-  // Present first (the tiers fetch this rank's own pages, and give others' pages room), then
-  // the broadcasts write them.
-  inner_->acquire(pages);
+  // Under bf16 working parameters the broadcasts write the bits, which the lease then widens;
+  // otherwise the pages are made present first (the tiers fetch this rank's own pages, and give
+  // others' pages room), then the broadcasts write them.
+  if (bits_ != nullptr && !chunks.empty()) gather(pages);
+  inner_->acquire_layer(pages);
+  if (bits_ == nullptr && !chunks.empty()) gather(pages);
   if (!chunks.empty()) {
-    gather(pages);
     // On the recorded schedule: the lease that came next last round, broadcast ahead; not where
     // pages move (a page not leased may be fetched over what a broadcast wrote).
     const size_t at = this_round_.size();
@@ -269,7 +292,7 @@ void ShardedParams::acquire_layer(std::span<const PageRef> pages) {
 }
 
 void ShardedParams::release_layer(std::span<const PageRef> pages, bool modified) {
-  inner_->release(pages, modified);
+  inner_->release_layer(pages, modified);
   for (const PageRef& p : pages) {
     if (p.plane != Plane::param || --pins_[p.chunk] > 0 || whole_) continue;
     const bool kept = keep_ == Zero3Keep::all || (keep_ == Zero3Keep::last && store_.chunks()[p.chunk].layer == last_layer_);

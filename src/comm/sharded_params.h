@@ -16,8 +16,12 @@
 // does) unless `parallel.zero3_keep` keeps it until the optimizer step. A rank's parameter memory
 // is therefore its own shard plus the layers in flight; both are measured (mincore), not assumed.
 //
-// Every other plane behaves as the store's own residency (always present; gradients are
-// reduce-scattered to the owners by GradSync, moments sharded by the optimizer).
+// It wraps the residency the store had: its own (every page present), the memory tiers' (a
+// rank's shard homed by the tier policy, gathered layers broadcast into leased pages: ZeRO-
+// Infinity's layout) or the bf16 state's (gathers move the owners' bf16 bits, widened under the
+// lease). Every other plane behaves as the wrapped residency (gradients are reduce-scattered to
+// the owners by GradSync, moments sharded by the optimizer). In a pipeline the group is a
+// stage's replicas.
 #pragma once
 
 #include <condition_variable>
@@ -34,6 +38,8 @@
 #include "store/chunk_store.h"
 
 namespace keel {
+
+class Bf16State;  // store/bf16_state.h
 
 // ZeRO-3's combinations, checked with the job's configuration: one line naming the key for each
 // that is refused. `data_ranks`: the data-parallel group's size.
@@ -53,6 +59,10 @@ class ShardedParams final : public Residency {
   // The residency the store was given after this one was attached (the memory tiers', built
   // later) becomes the one this wraps, and this is attached again in its place. Local.
   void wrap_attached();
+  // bf16 working parameters (runtime.param_dtype = "bf16", `state` wrapped as above): a gather
+  // broadcasts the owner's bf16 bits into `state` (half the bytes of float32), which widens
+  // them under the layer's lease as for any chunk. Local.
+  void gather_bits_into(Bf16State* state) { bits_ = state; }
   // After the weights were drawn or loaded on every rank: the leases recorded from here on are
   // the training's (the schedule that broadcasts ahead). Local.
   void settled();
@@ -113,6 +123,9 @@ class ShardedParams final : public Residency {
   void wait_ahead();
   void written(const std::vector<int>& chunks);
   void give_back(int chunk);
+  // The bytes a gather moves per element: bf16 bits or float32.
+  int64_t element_bytes() const { return bits_ != nullptr ? 2 : static_cast<int64_t>(sizeof(float)); }
+  void count_gather(int chunk);  // marks it gathered (every rank alike) and counts its bytes
   void note_peaks();
   void progress_loop();
 
@@ -149,6 +162,7 @@ class ShardedParams final : public Residency {
   std::thread progress_;  // not started without MPI_THREAD_MULTIPLE or with the key off
   std::vector<int> ahead_chunks_;
   int64_t ahead_bytes_ = 0;
+  Bf16State* bits_ = nullptr;  // where gathers write under bf16 working parameters (else the float32 plane)
   int64_t shard_bytes_ = 0, gathered_bytes_ = 0;
   int64_t group_max_[2] = {};
   Peaks peaks_;

@@ -9,7 +9,7 @@
 
 namespace keel {
 
-void validate_bf16_state_config(const Config& c, int data_ranks) {
+void validate_bf16_state_config(const Config& c, int /*data_ranks: every ZeRO stage combines*/) {
   const bool params = c.runtime.param_dtype == StateDtype::bf16, grads = c.runtime.grad_dtype == StateDtype::bf16;
   if (!params && !grads) return;
   const std::string key = params ? "runtime.param_dtype" : "runtime.grad_dtype";
@@ -17,7 +17,6 @@ void validate_bf16_state_config(const Config& c, int data_ranks) {
     if (bad) throw Error("config key '" + key + "': \"bf16\" is not combined with " + what + " (not yet supported); use \"fp32\"");
   };
   refuse(c.clip.enabled(), "a dual encoder ([clip])");
-  refuse(data_ranks > 1 && c.parallel.zero == 3, "parallel.zero = 3");
   refuse(c.tier.device_mib > 0, "memory tiers (tier.device_mib > 0)");
   refuse(c.parallel.pipeline > 1, "parallel.pipeline > 1");
   refuse(c.parallel.tensor > 1, "parallel.tensor > 1");
