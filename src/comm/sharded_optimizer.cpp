@@ -215,6 +215,7 @@ void ShardedOptimizer::add_step_fields(double, nlohmann::json& line) {
     line["bf16_param_bytes"] = bf16_->held_bytes(Plane::param);
     line["bf16_grad_bytes"] = bf16_->held_bytes(Plane::grad);
     line["bf16_master_bytes"] = bf16_->master_bytes();
+    line["bf16_param_resident_bytes"] = bf16_->resident_bytes(Plane::param);
     line["bf16_float_param_resident_bytes"] = store_.resident_bytes(Plane::param);
     line["bf16_float_grad_resident_bytes"] = store_.resident_bytes(Plane::grad);
     line["bf16_param_broadcast_bytes"] = bf16_broadcast_bytes_;

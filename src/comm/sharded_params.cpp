@@ -111,6 +111,12 @@ void ShardedParams::give_back(int chunk) {
 void ShardedParams::settled() {
   check(gathered_bytes_ == 0, "ZeRO-3: other ranks' parameters gathered before the weights were settled");
   started_ = true;
+  if (bits_ == nullptr) return;
+  // The bf16 state's settling made bits for every chunk (other ranks' zero): give theirs back, so
+  // that a rank holds its own chunks' bits and the gathered ones.
+  for (int c = 0; c < static_cast<int>(gathered_.size()); ++c) {
+    if (!own(c)) inner_->discard(Plane::param, store_.chunks()[c].offset, extent(c));
+  }
 }
 
 void ShardedParams::drop_gathered() {

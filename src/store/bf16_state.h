@@ -71,6 +71,9 @@ class Bf16State final : public Residency {
   // Bytes held: bf16 bits of a plane (0 when not held), and this rank's float32 masters.
   int64_t held_bytes(Plane plane) const { return holds(plane) ? static_cast<int64_t>(bits_of(plane).size()) * 2 : 0; }
   int64_t master_bytes() const { return static_cast<int64_t>(master_.size()) * 4; }
+  // The bytes of a held plane's bits resident now (mincore; under ZeRO-3 the parameters' are a
+  // rank's own chunks' and the gathered ones', not held_bytes()).
+  int64_t resident_bytes(Plane plane) const;
 
   bool always_present() const override { return false; }
   void acquire(std::span<const PageRef> pages) override { take(pages, /*layer=*/false); }
