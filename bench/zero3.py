@@ -9,11 +9,16 @@ Parts (--part, default all; each figure is printed with the load average it was 
   fsdp     Keel ZeRO-3 against PyTorch FSDP2 (`fully_shard` on every block and the root, gloo, the
            current PyTorch in bench/.venv) at one GPT-2-shaped model both run (--preset's shape),
            interleaved, --repeats times: peak RSS per rank and tokens/s.
+  rows     At one llama (--large, --large-layers), 2 ranks, --large-steps steps: ZeRO-2, ZeRO-3,
+           ZeRO-3 + train.recompute = "full", ZeRO-3 + full recompute + bf16 training state, and
+           ZeRO-3 + full recompute + a 64 MiB compute tier with the rest on NVMe (--nvme-dir;
+           bf16 state with tiers is refused): parameters, tokens/s, peak RSS per rank, bytes
+           gathered and bytes of gradient sync sent per step; a run that fails says why.
   largest  Keel ZeRO-3 at --large (default tinyllama-1.1b: 17.6 GB of float32 state) on 2 ranks:
            whether it takes --large-steps optimizer steps, its peak RSS per rank (start-up and
            after the steps), tokens/s, the parameters gathered per step.
 
-Usage: bench/zero3.py [--part overlap,fsdp,largest] [--repeats 3] [--preset small] [--steps 6]
+Usage: bench/zero3.py [--part overlap,fsdp,rows,largest] [--repeats 3] [--preset small] [--steps 6]
 Environment: KEEL (the binary; default build/keel).
 """
 
@@ -38,8 +43,9 @@ def load():
     return "%.1f" % os.getloadavg()[0]
 
 
-def keel_run(work, name, preset, steps, zero, extra=(), vocab=None, batch=2, seq=64):
-    """One `keel launch -n 2` training run; returns its step lines and the run's wall seconds."""
+def keel_run(work, name, preset, steps, zero, extra=(), vocab=None, batch=2, seq=64, fatal=True):
+    """One `keel launch -n 2` training run; returns its step lines and the run's wall seconds
+    (fatal=False: a failed run returns (None, its output's last line) instead of exiting)."""
     keel = os.environ.get("KEEL", os.path.join(ROOT, "build", "keel"))
     run_dir = os.path.join(work, name)
     cmd = [keel, "launch", "-n", "2", "--", "train", "--set", "model.preset=" + preset,
@@ -56,6 +62,8 @@ def keel_run(work, name, preset, steps, zero, extra=(), vocab=None, batch=2, seq
     t0 = time.time()
     r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if r.returncode != 0:
+        if not fatal:
+            return None, (r.stdout.strip().splitlines() or ["exit %d" % r.returncode])[-1]
         sys.exit("keel run %s failed:\n%s" % (name, r.stdout[-3000:]))
     lines = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl")) if '"loss"' in l]
     return lines, time.time() - t0
@@ -171,6 +179,38 @@ def part_fsdp(a, work):
               flush=True)
 
 
+def part_rows(a, work):
+    layers = ("model.n_layer=%d" % a.large_layers,) if a.large_layers else ()
+    nvme = a.nvme_dir or os.path.join(work, "nvme")
+    os.makedirs(nvme, exist_ok=True)
+    full = ("train.recompute=full",)
+    bf16 = ("runtime.param_dtype=bf16", "runtime.grad_dtype=bf16")
+    tier = ("tier.device_mib=64", "tier.host_mib=0", "tier.nvme_dir=" + nvme)
+    rows = [("ZeRO-2", 2, ()), ("ZeRO-3", 3, ()), ("ZeRO-3 + full recompute", 3, full),
+            ("ZeRO-3 + full recompute + bf16 state", 3, full + bf16),
+            ("ZeRO-3 + full recompute + NVMe tier", 3, full + tier)]
+    print("\n== rows: %s%s, 2 ranks, batch 1 x %d tokens, %d steps ==" % (
+        a.large, " with %d layers" % a.large_layers if a.large_layers else "", a.large_seq, a.large_steps))
+    print("  %-38s %10s %9s %22s %14s %14s" % ("", "params M", "tok/s", "peak RSS/rank MB", "gathered MB", "sync sent MB"))
+    for name, zero, extra in rows:
+        lines, wall = keel_run(work, "row_" + name.replace(" ", "_").replace("+", ""), a.large, a.large_steps, zero,
+                               layers + extra, batch=1, seq=a.large_seq,
+                               vocab=32000 if "llama" in a.large else None, fatal=False)
+        if lines is None or not lines:
+            print("  %-38s did not step: %s  load %s" % (name, wall, load()), flush=True)
+            continue
+        last = lines[-1]
+        run_dir = os.path.join(work, "row_" + name.replace(" ", "_").replace("+", ""))
+        params = next((json.loads(l)["model"]["parameters"] for l in open(os.path.join(run_dir, "metrics.jsonl"))
+                       if '"model"' in l and '"parameters"' in l), float("nan"))
+        rss = [round(x / 1e6) for x in last.get("zero3_startup_peak_rss_bytes", [])]
+        gathered = sum(last.get("zero3_gathered_bytes", [0])) / len(last.get("zero3_gathered_bytes", [0])) / 1e6
+        print("  %-38s %10.1f %9.2f %22s %14.1f %14.1f  load %s" % (
+            name, params / 1e6,
+            2 * a.large_seq * 1000 / last["ms"], "%.0f (max; start-up %s)" % (last["peak_rss_mb"], rss),
+            gathered, last.get("sync_sent_bytes", 0) / 1e6, load()), flush=True)
+
+
 def part_largest(a, work):
     layers = ("model.n_layer=%d" % a.large_layers,) if a.large_layers else ()
     print("\n== largest: Keel ZeRO-3, %s%s, 2 ranks, batch 1 x %d tokens, %d steps ==" % (
@@ -191,7 +231,8 @@ def part_largest(a, work):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", default="overlap,fsdp,largest")
+    ap.add_argument("--part", default="overlap,fsdp,rows,largest")
+    ap.add_argument("--nvme-dir", default="", help="rows: the NVMe tier's directory (default: under the work dir)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--preset", default="small", choices=sorted(SHAPES))
     ap.add_argument("--steps", type=int, default=6)
@@ -206,7 +247,7 @@ def main():
         write_tokens(os.path.join(work, "val.bin"), n=20000, vocab=32000)
         print("uptime: %s" % subprocess.run(["uptime"], stdout=subprocess.PIPE, text=True).stdout.strip())
         for part in a.part.split(","):
-            {"overlap": part_overlap, "fsdp": part_fsdp, "largest": part_largest}[part](a, work)
+            {"overlap": part_overlap, "fsdp": part_fsdp, "rows": part_rows, "largest": part_largest}[part](a, work)
     return 0
 
 

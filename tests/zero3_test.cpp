@@ -318,6 +318,141 @@ TEST_F(Zero3, SamplesEvaluatesAndGeneratesFromAZero3Checkpoint) {
   EXPECT_EQ(g.output, h.output);
 }
 
+// Inside a pipeline: world = data 2 x pipeline 2 (4 ranks), each stage's two replicas shard that
+// stage's chunks. Both families and four schedules (interleaved and zb-v: two stages a rank)
+// train what one rank trains with the whole batch; the stage checkpoints, written in the whole
+// model's layout, resume exactly on the same layout and within 1e-5 on one rank, and one rank's
+// checkpoint resumes on the sharded pipeline.
+TEST_F(Zero3, InsideEachPipelineStagesReplicas) {
+  const std::string common = "--set model.n_layer=6 --set train.grad_accum=4 --set train.eval_every=0 "
+                             "--set train.checkpoint_every=10 ";
+  const std::string piped = common + "--set parallel.pipeline=2 --set train.global_batch_size=2 "
+                                     "--set parallel.micro_batches=4 --set parallel.zero=3 --set parallel.schedule=";
+  const std::string llama = "--set model.preset=llama-tiny --set model.vocab_size=64 --set model.max_seq_len=32 ";
+  ASSERT_EQ(train(0, 2, "one", common).exit_code, 0);
+  ASSERT_EQ(train(0, 2, "llama1", llama + common).exit_code, 0);
+  for (const auto& [family, schedule] : std::vector<std::pair<std::string, std::string>>{
+           {"gpt2", "1f1b"}, {"gpt2", "zb-v"}, {"llama", "interleaved"}, {"llama", "zb-h1"}}) {
+    const std::string run = family + "-" + schedule;
+    auto r = train(4, 2, run, (family == "llama" ? llama : "") + piped + schedule);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("ZeRO-3 over 2 ranks"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("x 2 data-parallel replica(s)"), std::string::npos) << r.output;
+    // Every rank of a stage holds its shard of the stage's chunks, not the stage's whole plane.
+    const nlohmann::json last = step_lines(run).back();
+    const auto shard = last["zero3_param_shard_bytes"].get<std::vector<int64_t>>();
+    ASSERT_EQ(shard.size(), 2u) << last.dump();
+    EXPECT_GT(shard[0], 0);
+    EXPECT_GT(shard[1], 0);
+    expect_same_training(family == "llama" ? "llama1" : "one", run);
+  }
+  // Resumed from step 10 (the runs above checkpoint every 10 steps): the sharded pipeline's
+  // checkpoint on the same layout (the same bytes as without the stop) and on one rank; one
+  // rank's checkpoint on the sharded pipeline.
+  const std::string step10 = "/ckpt/step-00000010";
+  auto r = train(4, 2, "p_from_p", piped + "1f1b --set train.resume=" + dir / ("gpt2-1f1b" + step10));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+  EXPECT_EQ(param_bytes("p_from_p"), param_bytes("gpt2-1f1b"));
+  EXPECT_EQ(testing::checkpoint_bytes(dir / "p_from_p/ckpt", Plane::adam_v),
+            testing::checkpoint_bytes(dir / "gpt2-1f1b/ckpt", Plane::adam_v));
+  const std::vector<double> straight = losses("gpt2-1f1b");
+  EXPECT_EQ(losses("p_from_p"), std::vector<double>(straight.begin() + 10, straight.end()));
+  r = train(0, 2, "one_from_p", common + "--set train.resume=" + dir / ("gpt2-1f1b" + step10));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = train(4, 2, "p_from_one", piped + "zb-v --set train.resume=" + dir / ("one" + step10));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* run : {"one_from_p", "p_from_one"}) {
+    ASSERT_EQ(losses(run).size(), 10u) << run;
+    for (const auto& [name, d] : testing::weight_distance(dir / "one/ckpt", dir / (std::string(run) + "/ckpt"))) {
+      EXPECT_LT(d, 1e-5) << run << ": " << name;
+    }
+  }
+}
+
+// ZeRO-Infinity's layout: each rank's shard homed by the tier policy (a 1 MiB compute tier, the
+// rest on NVMe files), other ranks' layers broadcast into the compute tier
+// under their lease. The same bytes as ZeRO-3 in memory, what one rank trains within 1e-5, and
+// its checkpoint resumes through the tiers to the same bytes.
+TEST_F(Zero3, ShardsHomedOnTheNvmeTier) {
+  std::filesystem::create_directories(dir / "nvme");
+  const std::string model = "--set store.chunk_bytes=16384 --set train.checkpoint_every=10 ";
+  const std::string tiers = "--set parallel.zero=3 --set tier.device_mib=1 --set tier.host_mib=0 --set tier.verify=true "
+                            "--set tier.nvme_dir=" + dir / "nvme ";
+  ASSERT_EQ(train(0, 8, "one", model).exit_code, 0);
+  ASSERT_EQ(train(2, 4, "memory", model + "--set parallel.zero=3").exit_code, 0);
+  auto r = train(2, 4, "tiered", model + tiers);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("ZeRO-3 over 2 ranks"), std::string::npos) << r.output;
+  for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+    EXPECT_EQ(testing::checkpoint_bytes(dir / "tiered/ckpt", plane), testing::checkpoint_bytes(dir / "memory/ckpt", plane))
+        << static_cast<int>(plane);
+  }
+  EXPECT_EQ(losses("tiered"), losses("memory"));
+  expect_same_training("one", "tiered");
+  EXPECT_GT(step_lines("tiered").back()["tier_nvme_read_bytes"].get<double>(), 0);
+  // Updates applied at once rather than deferred into the next forward pass: the same bytes.
+  r = train(2, 4, "undeferred", model + tiers + "--set tier.defer_update=false");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(param_bytes("undeferred"), param_bytes("memory"));
+  r = train(2, 4, "resumed", model + tiers + "--set train.resume=" + dir / "tiered/ckpt/step-00000010");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+  for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+    EXPECT_EQ(testing::checkpoint_bytes(dir / "resumed/ckpt", plane), testing::checkpoint_bytes(dir / "tiered/ckpt", plane))
+        << static_cast<int>(plane);
+  }
+}
+
+// bf16 training state (runtime.param_dtype / grad_dtype = "bf16") under ZeRO-3: the gathers move
+// the owners' bf16 bits (half of float32's bytes, counted in zero3_gathered_bytes), the gradients
+// are reduce-scattered in bf16, and each rank keeps float32 masters of its own chunks only. The
+// same bytes as ZeRO-2 with bf16 state (on 2 ranks both compute with the owners' bits and sum
+// once per element), close to one rank (as bf16_state_test's), and an exact resume.
+TEST_F(Zero3, Bf16TrainingStateGathersBitsInHalfTheBytes) {
+  const std::string bf16 = "--set runtime.param_dtype=bf16 --set runtime.grad_dtype=bf16 --set train.checkpoint_every=10 ";
+  ASSERT_EQ(train(0, 8, "one", bf16).exit_code, 0);
+  ASSERT_EQ(train(2, 4, "z2", bf16 + "--set parallel.zero=2").exit_code, 0);
+  ASSERT_EQ(train(2, 4, "f32", "--set parallel.zero=3 --set train.checkpoint_every=10").exit_code, 0);
+  auto r = train(2, 4, "z3", bf16 + "--set parallel.zero=3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("keel: bf16 training state: parameters bf16, gradients bf16"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("ZeRO-3 over 2 ranks"), std::string::npos) << r.output;
+  for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+    EXPECT_EQ(testing::checkpoint_bytes(dir / "z3/ckpt", plane), testing::checkpoint_bytes(dir / "z2/ckpt", plane))
+        << static_cast<int>(plane);
+  }
+  EXPECT_EQ(losses("z3"), losses("z2"));
+  const std::vector<double> want = losses("one"), got = losses("z3");
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t s = 0; s < got.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-3 * want[s]) << "step " << s + 1;
+  EXPECT_NE(got, losses("f32"));  // bf16, not float32's bytes
+  const nlohmann::json last = step_lines("z3").back(), last32 = step_lines("f32").back();
+  // The same leases gather the same chunks: in bf16, half the bytes.
+  const auto received = last["zero3_gathered_bytes"].get<std::vector<int64_t>>();
+  const auto received32 = last32["zero3_gathered_bytes"].get<std::vector<int64_t>>();
+  ASSERT_EQ(received.size(), 2u);
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_GT(received[rank], 0) << rank;
+    EXPECT_EQ(2 * received[rank], received32[rank]) << rank;
+  }
+  // Masters for this rank's shard only; gradients summed on their bits (2 bytes an element).
+  EXPECT_LT(last["bf16_master_bytes"].get<int64_t>(), 2 * last["bf16_param_bytes"].get<int64_t>());
+  EXPECT_EQ(last["sync_payload_bytes"].get<double>(), static_cast<double>(last["bf16_grad_bytes"].get<int64_t>()));
+  EXPECT_EQ(last["bf16_param_broadcast_bytes"].get<int64_t>(), 0);  // no owner's broadcast after the update
+  // Between steps a rank's bf16 parameters are its own chunks' bits (measured, mincore): about
+  // half of the whole model's on 2 ranks; ZeRO-2's ranks hold every chunk's.
+  const int64_t whole = last["bf16_param_bytes"].get<int64_t>();
+  EXPECT_LT(last["bf16_param_resident_bytes"].get<int64_t>(), whole * 3 / 4);
+  EXPECT_GT(step_lines("z2").back()["bf16_param_resident_bytes"].get<int64_t>(), whole * 3 / 4);
+  r = train(2, 4, "resumed", bf16 + "--set parallel.zero=3 --set train.resume=" + dir / "z3/ckpt/step-00000010");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+    EXPECT_EQ(testing::checkpoint_bytes(dir / "resumed/ckpt", plane), testing::checkpoint_bytes(dir / "z3/ckpt", plane))
+        << static_cast<int>(plane);
+  }
+}
+
 TEST_F(Zero3, OneRankShardsNothingAndSaysSo) {
   ASSERT_EQ(train(0, 4, "z0", "--set train.steps=4").exit_code, 0);
   auto r = train(0, 4, "z3", "--set train.steps=4 --set parallel.zero=3");
@@ -332,9 +467,11 @@ TEST_F(Zero3, CombinationsNotSupportedAreRefusedInOneLine) {
     EXPECT_NE(why.find(needle), std::string::npos) << (why.empty() ? "accepted: " + sets.back() : why);
     EXPECT_EQ(why.find('\n'), std::string::npos) << why;
   };
-  refused({"parallel.zero=3", "tier.device_mib=64"}, "config key 'tier.device_mib': expected its default with parallel.zero = 3");
   refused({"parallel.zero=3", "sync.codec=sign1"}, "config key 'sync.codec': expected its default with parallel.zero = 3");
-  refused({"parallel.zero=3", "parallel.pipeline=2"}, "config key 'parallel.pipeline'", 4);
+  refused({"parallel.zero=3", "parallel.pipeline=2", "parallel.predict_gradients=mean"},
+          "config key 'parallel.predict_gradients': expected its default with parallel.zero = 3", 4);
+  refused({"parallel.zero=3", "parallel.pipeline=2", "parallel.repartition_every=2", "monitor.layer_costs_every=2"},
+          "config key 'parallel.repartition_every': expected its default with parallel.zero = 3", 4);
   refused({"parallel.zero=3", "checkpoint.memory_every=2"}, "checkpoint.memory_every");
   refused({"parallel.zero=4"}, "config key 'parallel.zero': expected 0, 1, 2 or 3, found 4");
   refused({"parallel.zero=3", "parallel.zero3_keep=some"}, "expected \"none\", \"last\" or \"all\", found \"some\"");

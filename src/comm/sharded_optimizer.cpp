@@ -25,10 +25,15 @@ ShardedOptimizer::ShardedOptimizer(const Config& config, Communicator& dp, Chunk
                                                         config.parallel.zero3_progress_thread);
   const bool bf16_params = config.runtime.param_dtype == StateDtype::bf16;
   const bool bf16_grads = config.runtime.grad_dtype == StateDtype::bf16;
-  if ((bf16_params || bf16_grads) && !params_) {
+  if (bf16_params || bf16_grads) {
     // Masters where the moments are: the chunks this rank updates (validate_bf16_state_config
     // refused what this does not combine with).
     bf16_ = std::make_unique<Bf16State>(store_, bf16_params, bf16_grads, store_.moment_chunks());
+    if (params_) {
+      // ZeRO-3: the sharded parameters wrap the bf16 state; gathers move the owners' bf16 bits.
+      params_->wrap_attached();
+      if (bf16_params) params_->gather_bits_into(bf16_.get());
+    }
   }
 }
 
@@ -43,6 +48,10 @@ void ShardedOptimizer::weights_settled() {
   struct rusage usage;
   getrusage(RUSAGE_SELF, &usage);
   startup_ = {store_.resident_bytes(Plane::param), static_cast<int64_t>(usage.ru_maxrss) * 1024};
+}
+
+void ShardedOptimizer::residency_attached() {
+  if (params_) params_->wrap_attached();
 }
 
 void ShardedOptimizer::gather_whole_model() {
@@ -140,6 +149,7 @@ void ShardedOptimizer::step(double lr, int64_t t, float clip) {
   // are, under a lease), deferred into the next forward pass, or now.
   // Every rank visits every chunk (under ZeRO, in the same order, so each chunk's owner can
   // broadcast its update); frozen layers keep theirs.
+  if (params_) params_->drop_gathered();  // (ZeRO-3 over tiers: the owners' updates make them stale)
   deferred_ = {lr, t, clip};
   for (const Chunk& c : store_.chunks()) {
     if (!keeps(c.layer, t)) store_.defer_update(c.id);
@@ -160,6 +170,7 @@ void ShardedOptimizer::update_chunk(int chunk) {
     store_.zero_grad_chunk(chunk);
     store_.bump_version(chunk);
   }
+  if (params_) return;  // ZeRO-3: the update stays with its owner until a layer's lease gathers it
   const int owner = partition_.owner(chunk);
   if (bf16_ && bf16_->holds(Plane::param)) {
     // bf16 working parameters: the owner's bits (rounded from its master by the update) are what
@@ -204,6 +215,7 @@ void ShardedOptimizer::add_step_fields(double, nlohmann::json& line) {
     line["bf16_param_bytes"] = bf16_->held_bytes(Plane::param);
     line["bf16_grad_bytes"] = bf16_->held_bytes(Plane::grad);
     line["bf16_master_bytes"] = bf16_->master_bytes();
+    line["bf16_param_resident_bytes"] = bf16_->resident_bytes(Plane::param);
     line["bf16_float_param_resident_bytes"] = store_.resident_bytes(Plane::param);
     line["bf16_float_grad_resident_bytes"] = store_.resident_bytes(Plane::grad);
     line["bf16_param_broadcast_bytes"] = bf16_broadcast_bytes_;

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "store/bf16_state.h"
 #include "store/placement.h"
 
 namespace keel {
@@ -18,8 +19,13 @@ void validate_zero3_config(const Config& c, int data_ranks) {
                   "found " + found);
     }
   };
-  refuse(c.parallel.pipeline > 1, "parallel.pipeline", std::to_string(c.parallel.pipeline));
-  refuse(tiering_enabled(c.tier), "tier.device_mib", std::to_string(c.tier.device_mib));
+  // Inside a pipeline each stage's replicas shard that stage's chunks; what moves a stage's whole
+  // planes between steps (a re-cut's migration, the gradient predictor's deferred weight gradients)
+  // is not built over shards.
+  refuse(c.parallel.pipeline > 1 && c.parallel.predict_gradients != PredictGradients::off, "parallel.predict_gradients",
+         "\"" + std::string(to_string(c.parallel.predict_gradients)) + "\"");
+  refuse(c.parallel.pipeline > 1 && c.parallel.repartition_every > 0, "parallel.repartition_every",
+         std::to_string(c.parallel.repartition_every));
   refuse(c.sync.codec != SyncCodec::none, "sync.codec", "\"" + std::string(to_string(c.sync.codec)) + "\"");
   refuse(c.clip.enabled(), "[clip]", "a dual encoder");
   refuse(c.checkpoint.memory_every > 0, "checkpoint.memory_every", std::to_string(c.checkpoint.memory_every));
@@ -27,7 +33,7 @@ void validate_zero3_config(const Config& c, int data_ranks) {
 
 ShardedParams::ShardedParams(Communicator& dp, ChunkStore& store, const ChunkPartition& owners, Zero3Keep keep,
                              bool progress_thread)
-    : comm_(dp.duplicate()), store_(store), inner_(store.residency()), owners_(owners), keep_(keep) {
+    : comm_(dp.duplicate()), store_(store), inner_(&store.residency()), owners_(owners), keep_(keep) {
   const int n = static_cast<int>(store_.chunks().size());
   own_first_ = owners_.first_chunk[dp.rank()];
   own_last_ = owners_.first_chunk[dp.rank() + 1];
@@ -58,6 +64,20 @@ ShardedParams::~ShardedParams() {
   store_.attach_residency(nullptr);
 }
 
+void ShardedParams::wrap_attached() {
+  if (&store_.residency() == this) return;
+  inner_ = &store_.residency();
+  store_.attach_residency(this);
+}
+
+int ShardedParams::hint(std::span<const PageRef> pages) {
+  std::vector<PageRef> mine;
+  for (const PageRef& p : pages) {
+    if (p.plane != Plane::param || own(p.chunk) || gathered_[p.chunk]) mine.push_back(p);
+  }
+  return inner_->hint(mine);
+}
+
 void ShardedParams::progress_loop() {
   // Tests only (MPI_Test on this object's own communicator); every broadcast is started and
   // finally waited for by the main thread, in the same order on every rank.
@@ -84,13 +104,19 @@ int64_t ShardedParams::whole_bytes() const { return store_.numel() * static_cast
 void ShardedParams::give_back(int chunk) {
   gathered_[chunk] = 0;
   if (own(chunk)) return;  // its home: the bytes stay
-  inner_.discard(Plane::param, store_.chunks()[chunk].offset, extent(chunk));
-  gathered_bytes_ -= extent(chunk) * static_cast<int64_t>(sizeof(float));
+  inner_->discard(Plane::param, store_.chunks()[chunk].offset, extent(chunk));
+  gathered_bytes_ -= extent(chunk) * element_bytes();
 }
 
 void ShardedParams::settled() {
   check(gathered_bytes_ == 0, "ZeRO-3: other ranks' parameters gathered before the weights were settled");
   started_ = true;
+  if (bits_ == nullptr) return;
+  // The bf16 state's settling made bits for every chunk (other ranks' zero): give theirs back, so
+  // that a rank holds its own chunks' bits and the gathered ones.
+  for (int c = 0; c < static_cast<int>(gathered_.size()); ++c) {
+    if (!own(c)) inner_->discard(Plane::param, store_.chunks()[c].offset, extent(c));
+  }
 }
 
 void ShardedParams::drop_gathered() {
@@ -109,9 +135,21 @@ void ShardedParams::drop_gathered() {
 void ShardedParams::gather_whole() {
   if (!started_) return;
   wait_ahead();
-  std::vector<PageRef> all;
-  for (int c = 0; c < static_cast<int>(gathered_.size()); ++c) all.push_back({c, Plane::param});
-  gather(all);
+  if (bits_ != nullptr || inner_->always_present()) {  // the bits, or the whole plane, are always here
+    std::vector<PageRef> all;
+    for (int c = 0; c < static_cast<int>(gathered_.size()); ++c) all.push_back({c, Plane::param});
+    gather(all);
+    whole_ = true;
+    return;
+  }
+  // Chunk by chunk, each under a lease while its broadcast writes it (where pages move, the
+  // whole plane is never present at once; the tiers keep the gathered bytes as written).
+  for (int c = 0; c < static_cast<int>(gathered_.size()); ++c) {
+    const PageRef page{c, Plane::param};
+    inner_->acquire({&page, 1});
+    gather({&page, 1});
+    inner_->release({&page, 1}, /*modified=*/false);
+  }
   whole_ = true;
 }
 
@@ -129,21 +167,32 @@ void ShardedParams::wait_ahead() {
 
 void ShardedParams::written(const std::vector<int>& chunks) {
   // A gather wrote these pages (other ranks' chunks): their version moves on, so that whatever
-  // was derived from their earlier bytes (a bf16 copy) is known stale.
+  // was derived from their earlier bytes (a bf16 copy) is known stale, and a tier that evicts
+  // them keeps these bytes. Where pages move the caller holds them leased: that lease ends as
+  // modified and is taken again (the tiers check a page's bytes against its version at a lease).
   std::vector<PageRef> pages;
   for (int c : chunks) {
     if (!own(c)) pages.push_back({c, Plane::param});
   }
-  if (!pages.empty()) inner_.release(pages, /*modified=*/true);
+  if (pages.empty()) return;
+  if (bits_ != nullptr) {  // the bits were written, with no lease of their pages open
+    for (const PageRef& p : pages) bits_->bits_written(p);
+    return;
+  }
+  inner_->release(pages, /*modified=*/true);
+  inner_->acquire(pages);
+}
+
+void ShardedParams::count_gather(int chunk) {
+  gathered_[chunk] = 1;
+  if (own(chunk)) return;
+  gathered_bytes_ += extent(chunk) * element_bytes();
+  peaks_.received_bytes += extent(chunk) * element_bytes();
 }
 
 Communicator::Request ShardedParams::start_gather(int chunk) {
-  gathered_[chunk] = 1;
+  count_gather(chunk);
   const int64_t n = extent(chunk);
-  if (!own(chunk)) {
-    gathered_bytes_ += n * static_cast<int64_t>(sizeof(float));
-    peaks_.received_bytes += n * static_cast<int64_t>(sizeof(float));
-  }
   float* at = store_.range_view(Plane::param, store_.chunks()[chunk].offset, n).data();
   return comm_->ibroadcast(at, static_cast<size_t>(n), owners_.owner(chunk));
 }
@@ -170,10 +219,16 @@ void ShardedParams::gather(std::span<const PageRef> pages) {
   std::vector<Communicator::Request> requests;
   std::vector<int> chunks;
   for (const PageRef& p : pages) {
-    if (p.plane == Plane::param && !gathered_[p.chunk]) {
+    if (p.plane != Plane::param || gathered_[p.chunk]) continue;
+    chunks.push_back(p.chunk);
+    if (bits_ == nullptr) {
       requests.push_back(start_gather(p.chunk));
-      chunks.push_back(p.chunk);
+      continue;
     }
+    // bf16 bits: one blocking broadcast per chunk, in the same order on every rank.
+    count_gather(p.chunk);
+    comm_->broadcast(bits_->bits(Plane::param, store_.chunks()[p.chunk].offset), static_cast<size_t>(extent(p.chunk)),
+                     owners_.owner(p.chunk));
   }
   for (Communicator::Request& r : requests) comm_->wait(r);
   written(chunks);
@@ -214,7 +269,7 @@ void ShardedParams::acquire(std::span<const PageRef> pages) {
                   std::to_string(owners_.owner(p.chunk)) + ", and this rank used them outside a layer's pass");
     }
   }
-  inner_.acquire(pages);
+  inner_->acquire(pages);
 }
 
 void ShardedParams::acquire_layer(std::span<const PageRef> pages) {
@@ -222,21 +277,28 @@ void ShardedParams::acquire_layer(std::span<const PageRef> pages) {
   for (const PageRef& p : pages) {
     if (p.plane == Plane::param) chunks.push_back(p.chunk);
   }
+  // Under bf16 working parameters the broadcasts write the bits, which the lease then widens;
+  // otherwise the pages are made present first (the tiers fetch this rank's own pages, and give
+  // others' pages room), then the broadcasts write them.
+  if (bits_ != nullptr && !chunks.empty()) gather(pages);
+  inner_->acquire_layer(pages);
+  if (bits_ == nullptr && !chunks.empty()) gather(pages);
   if (!chunks.empty()) {
-    gather(pages);
-    // On the recorded schedule: the lease that came next last round, broadcast ahead.
+    // On the recorded schedule: the lease that came next last round, broadcast ahead; not where
+    // pages move (a page not leased may be fetched over what a broadcast wrote).
     const size_t at = this_round_.size();
-    if (!whole_ && at + 1 < last_round_.size() && last_round_[at] == chunks) start_ahead(last_round_[at + 1]);
+    if (!whole_ && inner_->always_present() && at + 1 < last_round_.size() && last_round_[at] == chunks) {
+      start_ahead(last_round_[at + 1]);
+    }
     this_round_.push_back(std::move(chunks));
   }
   for (const PageRef& p : pages) {
     if (p.plane == Plane::param) pins_[p.chunk]++;
   }
-  inner_.acquire(pages);
 }
 
 void ShardedParams::release_layer(std::span<const PageRef> pages, bool modified) {
-  inner_.release(pages, modified);
+  inner_->release_layer(pages, modified);
   for (const PageRef& p : pages) {
     if (p.plane != Plane::param || --pins_[p.chunk] > 0 || whole_) continue;
     const bool kept = keep_ == Zero3Keep::all || (keep_ == Zero3Keep::last && store_.chunks()[p.chunk].layer == last_layer_);

@@ -16,8 +16,12 @@
 // does) unless `parallel.zero3_keep` keeps it until the optimizer step. A rank's parameter memory
 // is therefore its own shard plus the layers in flight; both are measured (mincore), not assumed.
 //
-// Every other plane behaves as the store's own residency (always present; gradients are
-// reduce-scattered to the owners by GradSync, moments sharded by the optimizer).
+// It wraps the residency the store had: its own (every page present), the memory tiers' (a
+// rank's shard homed by the tier policy, gathered layers broadcast into leased pages: ZeRO-
+// Infinity's layout) or the bf16 state's (gathers move the owners' bf16 bits, widened under the
+// lease). Every other plane behaves as the wrapped residency (gradients are reduce-scattered to
+// the owners by GradSync, moments sharded by the optimizer). In a pipeline the group is a
+// stage's replicas.
 #pragma once
 
 #include <condition_variable>
@@ -35,6 +39,8 @@
 
 namespace keel {
 
+class Bf16State;  // store/bf16_state.h
+
 // ZeRO-3's combinations, checked with the job's configuration: one line naming the key for each
 // that is refused. `data_ranks`: the data-parallel group's size.
 void validate_zero3_config(const Config& c, int data_ranks);
@@ -50,6 +56,13 @@ class ShardedParams final : public Residency {
                 bool progress_thread);
   ~ShardedParams() override;  // stops the progress thread; gives the store back its own residency
 
+  // The residency the store was given after this one was attached (the memory tiers', built
+  // later) becomes the one this wraps, and this is attached again in its place. Local.
+  void wrap_attached();
+  // bf16 working parameters (runtime.param_dtype = "bf16", `state` wrapped as above): a gather
+  // broadcasts the owner's bf16 bits into `state` (half the bytes of float32), which widens
+  // them under the layer's lease as for any chunk. Local.
+  void gather_bits_into(Bf16State* state) { bits_ = state; }
   // After the weights were drawn or loaded on every rank: the leases recorded from here on are
   // the training's (the schedule that broadcasts ahead). Local.
   void settled();
@@ -78,21 +91,25 @@ class ShardedParams final : public Residency {
   int64_t group_max_layer_gather_bytes() const { return group_max_[1]; }
 
   // Residency.
-  bool always_present() const override { return true; }  // this rank's shard, which whole-plane work reads
+  // As the wrapped residency: the store's own keeps this rank's shard present (whole-plane work
+  // reads it); the tiers' move its pages, and every use goes page by page under leases.
+  bool always_present() const override { return inner_->always_present(); }
   void acquire(std::span<const PageRef> pages) override;
   void acquire_layer(std::span<const PageRef> pages) override;
-  void release(std::span<const PageRef> pages, bool modified) override { inner_.release(pages, modified); }
+  void release(std::span<const PageRef> pages, bool modified) override { inner_->release(pages, modified); }
   void release_layer(std::span<const PageRef> pages, bool modified) override;
-  int hint(std::span<const PageRef>) override { return 0; }
-  uint64_t version(PageRef p) const override { return inner_.version(p); }
-  void zero(PageRef p, bool zeroed_in_place) override { inner_.zero(p, zeroed_in_place); }
-  void discard(Plane plane, int64_t offset, int64_t numel) override { inner_.discard(plane, offset, numel); }
-  bool updates_at_home(PageRef p) const override { return inner_.updates_at_home(p); }
+  // Passed on for this rank's own pages (its shard, gathered chunks, the other planes): another
+  // rank's parameter page arrives by broadcast, not from a tier.
+  int hint(std::span<const PageRef> pages) override;
+  uint64_t version(PageRef p) const override { return inner_->version(p); }
+  void zero(PageRef p, bool zeroed_in_place) override { inner_->zero(p, zeroed_in_place); }
+  void discard(Plane plane, int64_t offset, int64_t numel) override { inner_->discard(plane, offset, numel); }
+  bool updates_at_home(PageRef p) const override { return inner_->updates_at_home(p); }
   void update_at_home(PageRef p, const std::function<void(float*, size_t)>& update) override {
-    inner_.update_at_home(p, update);
+    inner_->update_at_home(p, update);
   }
-  bool known_sum_squares(PageRef p, double* out) const override { return inner_.known_sum_squares(p, out); }
-  void step_shape_changed() override {}
+  bool known_sum_squares(PageRef p, double* out) const override { return inner_->known_sum_squares(p, out); }
+  void step_shape_changed() override { inner_->step_shape_changed(); }
 
  private:
   bool own(int chunk) const { return chunk >= own_first_ && chunk < own_last_; }
@@ -106,6 +123,9 @@ class ShardedParams final : public Residency {
   void wait_ahead();
   void written(const std::vector<int>& chunks);
   void give_back(int chunk);
+  // The bytes a gather moves per element: bf16 bits or float32.
+  int64_t element_bytes() const { return bits_ != nullptr ? 2 : static_cast<int64_t>(sizeof(float)); }
+  void count_gather(int chunk);  // marks it gathered (every rank alike) and counts its bytes
   void note_peaks();
   void progress_loop();
 
@@ -117,7 +137,9 @@ class ShardedParams final : public Residency {
 
   std::unique_ptr<Communicator> comm_;  // its own: gathers never interleave with other collectives
   ChunkStore& store_;
-  Residency& inner_;  // the store's own (every page present at its address)
+  // The store's own (every page present at its address), or the memory tiers' (pages fetched
+  // from their homes under leases): a gather broadcasts into pages it holds leased.
+  Residency* inner_;
   ChunkPartition owners_;
   Zero3Keep keep_;
   int own_first_ = 0, own_last_ = 0;
@@ -140,6 +162,7 @@ class ShardedParams final : public Residency {
   std::thread progress_;  // not started without MPI_THREAD_MULTIPLE or with the key off
   std::vector<int> ahead_chunks_;
   int64_t ahead_bytes_ = 0;
+  Bf16State* bits_ = nullptr;  // where gathers write under bf16 working parameters (else the float32 plane)
   int64_t shard_bytes_ = 0, gathered_bytes_ = 0;
   int64_t group_max_[2] = {};
   Peaks peaks_;

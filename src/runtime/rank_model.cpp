@@ -36,6 +36,7 @@ void build_optimizer_and_sync(RankModel& r, const Config& config, Communicator& 
 void attach_tiers(RankModel& r, const Config& config, ProcessGroups& groups) {
   if (!tiering_enabled(config.tier)) return;
   r.tiers = std::make_unique<TieredMemory>(config.tier, *r.store, groups.world().is_root());
+  r.optimizer->residency_attached();  // ZeRO-3: a rank's shard homed by the tiers
   // Gradient buckets in flight pin their pages: keep them within what the device budget leaves
   // beside the homed pages and one operation's working set (at least one bucket).
   r.sync->limit_in_flight(std::max(config.parallel.bucket_bytes, r.tiers->free_device_bytes()));

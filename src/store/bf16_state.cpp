@@ -4,12 +4,38 @@
 #include <cstring>
 #include <string>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include "core/error.h"
 #include "kernels/cpu/bf16.h"
 
 namespace keel {
 
-void validate_bf16_state_config(const Config& c, int data_ranks) {
+namespace {
+
+// Bits [b, b + n) become zero and the memory of the whole pages inside is given back (private
+// anonymous memory reads back as zero after MADV_DONTNEED): what a ZeRO-3 rank gives back of
+// another rank's chunk.
+void zero_and_return(uint16_t* b, int64_t n) {
+  char* begin = reinterpret_cast<char*>(b);
+  char* end = reinterpret_cast<char*>(b + n);
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  char* inner_begin = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(begin) + page - 1) / page * page);
+  char* inner_end = reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(end) / page * page);
+  if (inner_begin >= inner_end) {
+    std::memset(begin, 0, static_cast<size_t>(end - begin));
+    return;
+  }
+  std::memset(begin, 0, static_cast<size_t>(inner_begin - begin));
+  std::memset(inner_end, 0, static_cast<size_t>(end - inner_end));
+  check(::madvise(inner_begin, static_cast<size_t>(inner_end - inner_begin), MADV_DONTNEED) == 0,
+        "bf16 state: madvise(MADV_DONTNEED) failed");
+}
+
+}  // namespace
+
+void validate_bf16_state_config(const Config& c, int /*data_ranks: every ZeRO stage combines*/) {
   const bool params = c.runtime.param_dtype == StateDtype::bf16, grads = c.runtime.grad_dtype == StateDtype::bf16;
   if (!params && !grads) return;
   const std::string key = params ? "runtime.param_dtype" : "runtime.grad_dtype";
@@ -17,7 +43,6 @@ void validate_bf16_state_config(const Config& c, int data_ranks) {
     if (bad) throw Error("config key '" + key + "': \"bf16\" is not combined with " + what + " (not yet supported); use \"fp32\"");
   };
   refuse(c.clip.enabled(), "a dual encoder ([clip])");
-  refuse(data_ranks > 1 && c.parallel.zero == 3, "parallel.zero = 3");
   refuse(c.tier.device_mib > 0, "memory tiers (tier.device_mib > 0)");
   refuse(c.parallel.pipeline > 1, "parallel.pipeline > 1");
   refuse(c.parallel.tensor > 1, "parallel.tensor > 1");
@@ -37,6 +62,19 @@ Bf16State::Bf16State(ChunkStore& store, bool params, bool grads, std::pair<int, 
 }
 
 Bf16State::~Bf16State() { store_.attach_residency(nullptr); }
+
+int64_t Bf16State::resident_bytes(Plane plane) const {
+  const std::vector<uint16_t>& b = bits_of(plane);
+  if (b.empty()) return 0;
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(b.data()) / page * page;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(b.data() + b.size()) + page - 1) / page * page;
+  std::vector<unsigned char> in_core((end - begin) / page);
+  check(::mincore(reinterpret_cast<void*>(begin), end - begin, in_core.data()) == 0, "bf16 state: mincore failed");
+  int64_t pages = 0;
+  for (unsigned char c : in_core) pages += c & 1;
+  return pages * static_cast<int64_t>(page);
+}
 
 float* Bf16State::master_of(int chunk) { return master_.data() + (store_.chunks()[chunk].offset - master_begin_); }
 
@@ -124,7 +162,11 @@ void Bf16State::discard(Plane plane, int64_t offset, int64_t numel) {
   for (const Chunk& c : store_.chunks_overlapping(offset, numel)) versions_[index({c.id, plane})]++;
   if (!settled_ || !holds(plane)) return;
   uint16_t* b = bits(plane, offset);
-  std::fill(b, b + numel, uint16_t{0});
+  if (plane == Plane::param) {
+    zero_and_return(b, numel);  // (parameters: ZeRO-3's other ranks' chunks, held only while gathered)
+  } else {
+    std::fill(b, b + numel, uint16_t{0});  // (gradients: written again by the next backward)
+  }
   if (plane != Plane::param || master_.empty()) return;
   const int64_t lo = std::max(offset, master_begin_);
   const int64_t hi = std::min(offset + numel, master_begin_ + static_cast<int64_t>(master_.size()));

@@ -23,8 +23,11 @@
 //
 // Until settle() the float32 planes are the state (a model's initialisation and a checkpoint's
 // load write them in place, leased or not); settle() turns them into bits and masters and gives
-// the float32 pages back. Not combined with ZeRO-3, memory tiers, pipelines or tensor parallelism
-// (validate_bf16_state_config refuses them in one line each).
+// the float32 pages back. Under ZeRO-3 the sharded parameters (comm/sharded_params.h) wrap this
+// residency: a gather broadcasts the owner's bits into bits() before the layer's lease widens
+// them, and another rank's bits are zeroed again when it is given back (discard). Not combined
+// with memory tiers, pipelines or tensor parallelism (validate_bf16_state_config refuses them in
+// one line each).
 #pragma once
 
 #include <cstdint>
@@ -63,11 +66,14 @@ class Bf16State final : public Residency {
   // included). They are current while no lease of the page is open.
   uint16_t* bits(Plane plane, int64_t offset) { return bits_of(plane).data() + offset; }
   // The bits of chunk `chunk` in `plane` were written from outside (a ZeRO owner's broadcast, a
-  // reduction in bf16): its version moves on. Requires no lease of the page open.
+  // ZeRO-3 gather, a reduction in bf16): its version moves on. Requires no lease of the page open.
   void bits_written(PageRef p) { versions_[index(p)]++; }
   // Bytes held: bf16 bits of a plane (0 when not held), and this rank's float32 masters.
   int64_t held_bytes(Plane plane) const { return holds(plane) ? static_cast<int64_t>(bits_of(plane).size()) * 2 : 0; }
   int64_t master_bytes() const { return static_cast<int64_t>(master_.size()) * 4; }
+  // The bytes of a held plane's bits resident now (mincore; under ZeRO-3 the parameters' are a
+  // rank's own chunks' and the gathered ones', not held_bytes()).
+  int64_t resident_bytes(Plane plane) const;
 
   bool always_present() const override { return false; }
   void acquire(std::span<const PageRef> pages) override { take(pages, /*layer=*/false); }
