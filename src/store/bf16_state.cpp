@@ -12,29 +12,6 @@
 
 namespace keel {
 
-namespace {
-
-// Bits [b, b + n) become zero and the memory of the whole pages inside is given back (private
-// anonymous memory reads back as zero after MADV_DONTNEED): what a ZeRO-3 rank gives back of
-// another rank's chunk.
-void zero_and_return(uint16_t* b, int64_t n) {
-  char* begin = reinterpret_cast<char*>(b);
-  char* end = reinterpret_cast<char*>(b + n);
-  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  char* inner_begin = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(begin) + page - 1) / page * page);
-  char* inner_end = reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(end) / page * page);
-  if (inner_begin >= inner_end) {
-    std::memset(begin, 0, static_cast<size_t>(end - begin));
-    return;
-  }
-  std::memset(begin, 0, static_cast<size_t>(inner_begin - begin));
-  std::memset(inner_end, 0, static_cast<size_t>(end - inner_end));
-  check(::madvise(inner_begin, static_cast<size_t>(inner_end - inner_begin), MADV_DONTNEED) == 0,
-        "bf16 state: madvise(MADV_DONTNEED) failed");
-}
-
-}  // namespace
-
 void validate_bf16_state_config(const Config& c, int /*data_ranks: every ZeRO stage combines*/) {
   const bool params = c.runtime.param_dtype == StateDtype::bf16, grads = c.runtime.grad_dtype == StateDtype::bf16;
   if (!params && !grads) return;
@@ -163,7 +140,8 @@ void Bf16State::discard(Plane plane, int64_t offset, int64_t numel) {
   if (!settled_ || !holds(plane)) return;
   uint16_t* b = bits(plane, offset);
   if (plane == Plane::param) {
-    zero_and_return(b, numel);  // (parameters: ZeRO-3's other ranks' chunks, held only while gathered)
+    // (parameters: ZeRO-3's other ranks' chunks, held only while gathered; their pages go back)
+    zero_and_give_back(b, static_cast<size_t>(numel) * sizeof(uint16_t));
   } else {
     std::fill(b, b + numel, uint16_t{0});  // (gradients: written again by the next backward)
   }

@@ -90,6 +90,22 @@ bool populate_for_write(void* p, size_t bytes) {
 #endif
 }
 
+void zero_and_give_back(void* p, size_t bytes) {
+  char* begin = static_cast<char*>(p);
+  char* end = begin + bytes;
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  char* inner_begin = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(begin) + page - 1) / page * page);
+  char* inner_end = reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(end) / page * page);
+  if (inner_begin >= inner_end) {
+    std::memset(begin, 0, bytes);
+    return;
+  }
+  std::memset(begin, 0, static_cast<size_t>(inner_begin - begin));
+  std::memset(inner_end, 0, static_cast<size_t>(end - inner_end));
+  check(::madvise(inner_begin, static_cast<size_t>(inner_end - inner_begin), MADV_DONTNEED) == 0,
+        "chunk store: madvise(MADV_DONTNEED) failed");
+}
+
 ChunkStore::Mapping::Mapping(size_t n) : bytes(std::max<size_t>(n, 4096)) {
   // On a 2 MiB boundary (flat offsets aligned to huge pages are then huge-page aligned in
   // memory): map 2 MiB more and give back what lies before and after the aligned range.
@@ -571,21 +587,7 @@ std::span<const Chunk> ChunkStore::chunks_overlapping(int64_t offset, int64_t nu
 }
 
 void ChunkStore::zero_and_release(Plane plane, int64_t offset, int64_t numel) {
-  float* first = plane_at(plane, offset, numel);
-  char* begin = reinterpret_cast<char*>(first);
-  char* end = reinterpret_cast<char*>(first + numel);
-  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  char* inner_begin = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(begin) + page - 1) / page * page);
-  char* inner_end = reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(end) / page * page);
-  if (inner_begin >= inner_end) {
-    std::memset(begin, 0, static_cast<size_t>(end - begin));
-    return;
-  }
-  std::memset(begin, 0, static_cast<size_t>(inner_begin - begin));
-  std::memset(inner_end, 0, static_cast<size_t>(end - inner_end));
-  // Private anonymous memory reads back as zero after MADV_DONTNEED.
-  check(::madvise(inner_begin, static_cast<size_t>(inner_end - inner_begin), MADV_DONTNEED) == 0,
-        "chunk store: madvise(MADV_DONTNEED) failed");
+  zero_and_give_back(plane_at(plane, offset, numel), static_cast<size_t>(numel) * sizeof(float));
 }
 
 TensorId ChunkStore::find(const std::string& name) const {

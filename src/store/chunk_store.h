@@ -80,6 +80,10 @@ using TensorId = int;
 // Linux 5.14+; measured 40 % less CPU than touching fresh pages one fault at a time). Returns false
 // where the kernel cannot (older kernels, other systems): the pages then fault in when first written.
 bool populate_for_write(void* p, size_t bytes);
+// Makes the bytes [p, p + bytes) of private anonymous memory zero and gives the whole pages inside
+// back to the system (MADV_DONTNEED: they read back as zero); the partial pages at the ends are
+// zeroed in place.
+void zero_and_give_back(void* p, size_t bytes);
 
 class ChunkStore;
 
