@@ -49,7 +49,7 @@ double peak_rss_mb() {
 }  // namespace
 
 Trainer::Trainer(Config config, Communicator& comm)
-    : config_(std::move(config)), groups_(comm, config_.parallel.pipeline, config_.parallel.tensor), metrics_(config_, comm) {
+    : config_(std::move(config)), groups_(comm, config_.parallel.pipeline, config_.parallel.tensor, config_.parallel.context), metrics_(config_, comm) {
   if (config_.runtime.threads > 0) omp_set_num_threads(config_.runtime.threads);
   float_mode_.emplace(config_.runtime.flush_denormals);
   check_blas();
