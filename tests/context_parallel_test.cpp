@@ -120,6 +120,11 @@ TEST_F(ContextParallel, CheckpointsResumeOnAnotherContextSize) {
       EXPECT_LT(d, 1e-5) << s.run << ": " << name;
     }
   }
+  // One process evaluates a context-parallel run's checkpoint (its config's parallel.context is the
+  // writer's layout, not the reader's).
+  auto e = run_keel("eval --checkpoint " + dir / "c2_half/ckpt" + " --data " + dir / "val.bin" + " --batch 2 --seq 32");
+  EXPECT_EQ(e.exit_code, 0) << e.output;
+  EXPECT_NE(e.output.find("loss"), std::string::npos) << e.output;
 }
 
 // The activation bytes each rank reports (the model's activation allocation, "keel: memory per
