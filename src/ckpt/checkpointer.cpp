@@ -310,12 +310,14 @@ void Checkpointer::note_other_data(const TrainState& state) const {
   }
   // The loader's position counts windows of (data ranks x batch) sequences: in windows of
   // another width the same position is another place in the stream.
-  // (A replica spans pipeline x tensor ranks.)
+  // (A replica spans pipeline x context x tensor ranks.)
   const int64_t theirs_wide =
       static_cast<int64_t>(writer.train.batch_size) *
-      (static_cast<int64_t>(state.ranks.size()) / std::max(1, writer.parallel.pipeline * writer.parallel.tensor));
-  const int64_t ours_wide = static_cast<int64_t>(config_.train.batch_size) *
-                            (comm_.size() / std::max(1, config_.parallel.pipeline * config_.parallel.tensor));
+      (static_cast<int64_t>(state.ranks.size()) /
+       std::max(1, writer.parallel.pipeline * writer.parallel.tensor * writer.parallel.context));
+  const int64_t ours_wide =
+      static_cast<int64_t>(config_.train.batch_size) *
+      (comm_.size() / std::max(1, config_.parallel.pipeline * config_.parallel.tensor * config_.parallel.context));
   if (theirs_wide != ours_wide) {
     std::fprintf(stderr,
                  "keel: resuming with data windows of %lld sequences (data ranks x train.batch_size) where the "

@@ -135,6 +135,7 @@ std::vector<Field> fields(Config& c) {
       {"parallel", "zero3_progress_thread", &c.parallel.zero3_progress_thread},
       {"parallel", "pipeline", &c.parallel.pipeline},
       {"parallel", "tensor", &c.parallel.tensor},
+      {"parallel", "context", &c.parallel.context},
       {"parallel", "schedule", choice(&c.parallel.schedule)},
       {"parallel", "virtual_stages", &c.parallel.virtual_stages},
       {"parallel", "stage_boundaries", &c.parallel.stage_boundaries},
@@ -804,7 +805,10 @@ void Config::resolve(int world_size) {
     // Where nothing measures (config checks, the simulator, imports): dense up to 255 tokens,
     // blockwise from 256 (kernels_bench on the 2-core Xeon, 2026-12); only blockwise has windows.
     // `keel train` measures instead (runtime/attention_choice.h) and replaces this resolution.
-    model.attention = train.longest_seq_len() >= 256 || model.window_asked() ? Attention::blockwise : Attention::dense;
+    // Context parallelism runs ring attention on the blockwise kernel only.
+    model.attention = train.longest_seq_len() >= 256 || model.window_asked() || parallel.context > 1
+                          ? Attention::blockwise
+                          : Attention::dense;
   }
   if (model.family == Family::llama) {
     const bool llama_preset = preset->family == Family::llama;
@@ -850,18 +854,25 @@ void Config::resolve(int world_size) {
   // The layout's arithmetic (the pipeline section's own checks run with it, in resolve_job_config).
   require(parallel.pipeline >= 1, "parallel.pipeline", ">= 1", s(parallel.pipeline));
   require(parallel.tensor >= 1, "parallel.tensor", ">= 1", s(parallel.tensor));
+  require(parallel.context >= 1, "parallel.context", ">= 1", s(parallel.context));
   require(world_size % parallel.pipeline == 0, "parallel.pipeline",
           "a divisor of the " + s(world_size) + " rank(s) of this job (world = data x pipeline x tensor)", s(parallel.pipeline));
   require(world_size % (parallel.pipeline * parallel.tensor) == 0, "parallel.tensor",
           "pipeline x tensor (" + s(parallel.pipeline) + " x " + s(parallel.tensor) + ") dividing the " + s(world_size) +
               " rank(s) of this job (world = data x pipeline x tensor)",
           s(parallel.tensor));
-  const int pp = parallel.pipeline * parallel.tensor;  // ranks per data-parallel replica
+  require(world_size % (parallel.pipeline * parallel.tensor * parallel.context) == 0, "parallel.context",
+          "pipeline x context x tensor (" + s(parallel.pipeline * parallel.context * parallel.tensor) +
+              ") dividing the " + s(world_size) + " rank(s) of this job (world = data x pipeline x context x tensor)",
+          s(parallel.context));
+  // Ranks per data-parallel replica (a context group's ranks share one replica's sequences).
+  const int pp = parallel.pipeline * parallel.tensor * parallel.context;
   const int data_ranks = parallel.data == 0 ? world_size / pp : parallel.data;
   require(parallel.data >= 0, "parallel.data", ">= 0", s(parallel.data));
   require(data_ranks * pp == world_size, "parallel.data",
           "a layout that fits the " + s(world_size) + " rank(s) of this job (data x pipeline " + s(parallel.pipeline) +
-              " x tensor " + s(parallel.tensor) + ")",
+              (parallel.context > 1 ? " x context " + s(parallel.context) : std::string()) + " x tensor " +
+              s(parallel.tensor) + ")",
           s(parallel.data) + " data-parallel ranks");
   require(parallel.zero >= 0 && parallel.zero <= 3, "parallel.zero", "0, 1, 2 or 3", s(parallel.zero));
   if (model.moe()) {
@@ -1006,7 +1017,8 @@ uint64_t Config::trajectory_hash(int world_size) const {
   s << shape_hash() << ';' << optim.lr << ',' << optim.min_lr_ratio << ',' << optim.warmup_steps << ','
     << optim.weight_decay << ',' << optim.beta1 << ',' << optim.beta2 << ',' << optim.eps << ',' << optim.grad_clip
     << ',' << optim.freeze_layers << ';' << train.seed << ',' << train.seq_len << ','
-    << static_cast<int64_t>(train.batch_size) * (world_size / std::max(1, parallel.pipeline * parallel.tensor)) *
+    << static_cast<int64_t>(train.batch_size) *
+           (world_size / std::max(1, parallel.pipeline * parallel.tensor * parallel.context)) *
            train.grad_accum;
   if (optim.freeze_at_step > 0) s << ";freeze at " << optim.freeze_at_step;
   if (!train.seq_len_schedule.empty()) {

@@ -402,6 +402,10 @@ struct ParallelConfig {
   // heads, MLP hidden units, vocabulary), world = data x pipeline x tensor, a tensor group's ranks
   // consecutive. 1 = none.
   int tensor = 1;
+  // Context parallelism (model/context_group.h): each sequence split over `context` ranks, world =
+  // data x pipeline x context x tensor; rank r of a context group holds chunks r and 2C-1-r of the
+  // sequence cut into 2C, and attention passes key/value blocks around the group's ring. 1 = none.
+  int context = 1;
   ScheduleKind schedule = ScheduleKind::one_f_one_b;  // gpipe | 1f1b | interleaved | zb-h1 | zb-h2 | zb-v
   int virtual_stages = 0;            // stages per rank; 0 = the schedule's (interleaved, zb-v: 2; else 1)
   std::string stage_boundaries;      // first layer of stages 1.. ("3,6"); "" = cut by `partitioner`

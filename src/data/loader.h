@@ -32,10 +32,15 @@ class DataLoader {
   // Reads and validates the shard (every token must be < vocab_size). Throws keel::Error naming
   // the file if it is missing, corrupt, or too short for one B x T batch. T: the longest length
   // it will be asked for (its windows' length).
+  // Context parallelism (parallel.context = context_size > 1): the ranks of a context group share
+  // a data rank's sequences; each reads T / context_size tokens of every sequence, chunks
+  // context_rank and 2 context_size - 1 - context_rank of the sequence cut into 2 context_size
+  // (model/context_group.h), so its batches are B x (T / context_size).
   DataLoader(const std::string& path, int B, int T, int vocab_size, bool shuffle, uint64_t seed, int rank = 0,
-             int world = 1);
+             int world = 1, int context_rank = 0, int context_size = 1);
 
-  // Fills the next batch of B x T (0: the windows' length; else a divisor of it). Inputs and
+  // Fills the next batch of B x T (0: the windows' length; else a divisor of it; under context
+  // parallelism the batch holds this rank's T / context_size of each sequence). Inputs and
   // targets point into this loader, valid until the next call.
   Batch next(int T = 0);
   // The batch of window w in file order (its first part at length T), without moving the
@@ -56,6 +61,7 @@ class DataLoader {
   std::string path_;
   int B_, T_;
   int rank_, world_;
+  int context_rank_, context_size_;
   bool shuffle_;
   uint64_t seed_;
   std::vector<uint32_t> tokens_;  // uint16 shards widened

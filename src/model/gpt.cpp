@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "kernels/cpu/ops.h"
+#include "model/context_attention.h"
 #include "model/head.h"
 #include "model/kv_context.h"
 #include "model/layer_util.h"
@@ -31,8 +32,16 @@ class Embedding final : public Layer {
  public:
   // ids: the layer's tensors in model_layout's order (layout::Embedding).
   // tensor: the tensor group (null: unsplit); wte then holds its rows of the vocabulary.
-  Embedding(const ModelConfig& m, ChunkStore& store, const std::vector<TensorId>& ids, TensorGroup* tensor)
-      : store_(store), m_(m), wte_(ids.at(layout::wte)), wpe_(m.llama() ? -1 : ids.at(layout::wpe)), tp_(tensor) {
+  // context: the context group (null: none); the batch's rows are then this rank's two chunks of
+  // each sequence, and take the position table's rows of their global positions.
+  Embedding(const ModelConfig& m, ChunkStore& store, const std::vector<TensorId>& ids, TensorGroup* tensor,
+            ContextGroup* context)
+      : store_(store),
+        m_(m),
+        wte_(ids.at(layout::wte)),
+        wpe_(m.llama() ? -1 : ids.at(layout::wpe)),
+        tp_(tensor),
+        cp_(context) {
     if (tp_) {
       rows_ = m.padded_vocab_size / tp_->size();
       vocab_begin_ = tp_->rank() * rows_;
@@ -72,6 +81,17 @@ class Embedding final : public Layer {
       }
       return;
     }
+    if (cp_ != nullptr) {  // each batch row's two chunks, each a run of consecutive positions
+      const int C = m_.n_embd, chunk = b.T / 2;
+      for (int r = 0; r < 2 * b.B; ++r) {
+        const int t0 = (r % 2) * chunk;
+        const int64_t row = static_cast<int64_t>(r / 2) * b.T + t0;
+        const float* wpe =
+            wpe_ >= 0 ? store_.data(wpe_, Plane::param) + static_cast<int64_t>(cp_->position(t0, b.T)) * C : nullptr;
+        ops::encoder_forward(x_out + row * C, b.inputs + row, store_.data(wte_, Plane::param), wpe, 1, chunk, C);
+      }
+      return;
+    }
     const float* wpe = wpe_ >= 0 ? store_.data(wpe_, Plane::param) + static_cast<int64_t>(pos0) * m_.n_embd : nullptr;
     ops::encoder_forward(x_out, b.inputs, store_.data(wte_, Plane::param), wpe, b.B, b.T, m_.n_embd);
   }
@@ -83,6 +103,17 @@ class Embedding final : public Layer {
       vocab_parallel_embedding_backward(store_.data(wte_, Plane::grad), dwpe, dx_out, b, rows_, vocab_begin_, m_.n_embd);
       return;
     }
+    if (cp_ != nullptr) {
+      const int C = m_.n_embd, chunk = b.T / 2;
+      for (int r = 0; r < 2 * b.B; ++r) {
+        const int t0 = (r % 2) * chunk;
+        const int64_t row = static_cast<int64_t>(r / 2) * b.T + t0;
+        ops::encoder_backward_weight(store_.data(wte_, Plane::grad),
+                                     dwpe ? dwpe + static_cast<int64_t>(cp_->position(t0, b.T)) * C : nullptr,
+                                     dx_out + row * C, b.inputs + row, 1, chunk, C);
+      }
+      return;
+    }
     ops::encoder_backward_weight(store_.data(wte_, Plane::grad), dwpe, dx_out, b.inputs, b.B, b.T, m_.n_embd);
   }
 
@@ -91,6 +122,7 @@ class Embedding final : public Layer {
   ModelConfig m_;
   TensorId wte_, wpe_ = -1;  // wpe_ < 0: no position table
   TensorGroup* tp_ = nullptr;
+  ContextGroup* cp_ = nullptr;
   int rows_ = 0, vocab_begin_ = 0;  // tensor parallel: this rank's vocabulary rows
 };
 
@@ -103,9 +135,9 @@ class Block final : public Layer {
   // and its share of fc's (column-parallel), the matching columns of both output projections
   // (row-parallel, their outputs all-reduced), and the norms and those projections' biases whole.
   Block(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, bool bf16, MathMode math,
-        Recompute recompute, TensorGroup* tensor)
+        Recompute recompute, TensorGroup* tensor, ContextGroup* context = nullptr)
       : store_(store), m_(m), layer_(m.layer_base + layer), bf16_(bf16), math_(math), mode_(recompute), t_(ids),
-        tp_(tensor), A_(m.n_embd / (tensor ? tensor->size() : 1)), NH_(m.n_head / (tensor ? tensor->size() : 1)),
+        tp_(tensor), cp_(context), A_(m.n_embd / (tensor ? tensor->size() : 1)), NH_(m.n_head / (tensor ? tensor->size() : 1)),
         F_(4 * A_) {
     check(ids.size() == layout::fc_proj_b + 1, "GPT: block " + std::to_string(layer) + " without its tensors");
     check(m.causal || m.attention == Attention::dense, "model: attention that is not causal runs on the dense kernel only");
@@ -195,6 +227,8 @@ class Block final : public Layer {
   void attend(const Batch& b) {
     if (b.kv) {
       b.kv->attend(math_.forward, layer_ - 1, qkv_, 3 * A_, atty_, b.T, probe_.window);
+    } else if (cp_ != nullptr) {  // ring attention over the context group (att_: log-sum-exp)
+      context_ring_attention().forward(*cp_, math_.forward, atty_, att_, qkv_, b.B, b.T, A_, NH_, NH_, probe_.window);
     } else if (m_.attention == Attention::dense) {
       ops::attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, A_, NH_, 0, m_.causal);
     } else {  // att_ holds the rows' log-sum-exp
@@ -220,7 +254,10 @@ class Block final : public Layer {
     // Attention branch: d(attproj out) = dres2
     float* datty = scratch_;
     ops::linear_backward_input(math_.backward, datty, dres2_, W(layout::proj_w), N, A_, C, false);
-    if (m_.attention == Attention::dense) {
+    if (cp_ != nullptr) {
+      context_ring_attention().backward(*cp_, math_.backward, dqkv_, datty, atty_, att_, qkv_, b.B, b.T, A_, NH_, NH_,
+                              probe_.window);
+    } else if (m_.attention == Attention::dense) {
       ops::attention_backward_input(math_.backward, dqkv_, datty, att_, qkv_, b.B, b.T, A_, NH_, 0, m_.causal);
     } else {
       ops::flash_attention_backward_input(math_.backward, dqkv_, datty, atty_, att_, qkv_, b.B, b.T, A_, NH_, NH_,
@@ -285,6 +322,7 @@ class Block final : public Layer {
   AttentionProbe probe_;  // its window (0 = none) and the dynamic window's probe
   std::vector<TensorId> t_;  // the block's tensors, indexed by layout::Gpt2Block
   TensorGroup* tp_;          // null: unsplit
+  ContextGroup* cp_;         // null: no context parallelism
   int A_, NH_, F_;           // this rank's attention columns (of q, k, v each), heads and MLP units
   float* shared_ = nullptr;  // the shared recomputed set (Layer::set_recomputed)
   float* sink_ = nullptr;    // full: the recomputed forward's output (its bytes are already x_out)
@@ -299,14 +337,15 @@ class Block final : public Layer {
 }  // namespace
 
 GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> ranges, bool bf16_activations,
-         MathMode math, RecomputePlan recompute, TensorGroup* tensor)
+         MathMode math, RecomputePlan recompute, TensorGroup* tensor, ContextGroup* context)
     : config_(config),
       store_(store),
       ranges_(std::move(ranges)),
       bf16_(bf16_activations),
       recompute_(recompute),
       math_(math),
-      tensor_(tensor) {
+      tensor_(tensor),
+      context_(context) {
   validate_model(config, "model");
   check(!store.finalized(), "GPT: the chunk store is already finalized");
   const int L = config.n_layer + 2;
@@ -321,12 +360,12 @@ GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> r
   const std::vector<TensorId>& ids = ids_;
   tied_ = layout.tied;
   auto of = [&](int layer) { return layer_tensors(layout, ids, config.layer_base + layer); };
-  if (local_[0]) layers_[0] = std::make_unique<Embedding>(config, store, of(0), tensor);
+  if (local_[0]) layers_[0] = std::make_unique<Embedding>(config, store, of(0), tensor, context);
   for (int l = 1; l <= config.n_layer; ++l) {
     if (!local_[l]) continue;
     const Recompute mode = recompute_.at_layer(l);
-    layers_[l] = config.llama() ? make_llama_block(config, store, l, of(l), bf16_, math_, mode, tensor)
-                                : std::make_unique<Block>(config, store, l, of(l), bf16_, math_, mode, tensor);
+    layers_[l] = config.llama() ? make_llama_block(config, store, l, of(l), bf16_, math_, mode, tensor, context)
+                                : std::make_unique<Block>(config, store, l, of(l), bf16_, math_, mode, tensor, context);
   }
   if (local_[L - 1]) {
     // A tied head reads wte: the embedding's, or (a rank without it) the replica in the layout.

@@ -16,6 +16,7 @@
 #include "core/config.h"
 #include "model/layer.h"
 #include "model/model_layout.h"
+#include "model/context_group.h"
 #include "model/tensor_group.h"
 #include "store/chunk_store.h"
 
@@ -35,8 +36,11 @@ class GPT {
   // recompute their activations in backward and how (train.recompute; below). `tensor`: the
   // tensor group (parallel.tensor; null: unsplit): the rank registers and computes its shard of
   // every layer (model_layout's place), all-reducing over the group (model/tensor_group.h).
+  // `context`: the context group (parallel.context; null: none): batches hold this rank's chunks of
+  // each sequence and attention runs over the group's ring (model/context_group.h).
   GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> ranges = {}, bool bf16_activations = false,
-      MathMode math = {}, RecomputePlan recompute = {}, TensorGroup* tensor = nullptr);
+      MathMode math = {}, RecomputePlan recompute = {}, TensorGroup* tensor = nullptr,
+      ContextGroup* context = nullptr);
   ~GPT();
 
   // GPT-2 initialisation: N(0, 0.02) weights, residual projections scaled by 1/sqrt(2L), zero
@@ -127,6 +131,7 @@ class GPT {
   const ModelLayout& layout() const { return layout_; }
   const std::vector<TensorId>& tensor_ids() const { return ids_; }
   TensorGroup* tensor_group() const { return tensor_; }
+  ContextGroup* context_group() const { return context_; }
   // Matrix-product FLOPs of one training step (forward + backward) per token at sequence T.
   double train_flops_per_token(int T) const;
   int64_t activation_bytes() const { return activation_floats_ * static_cast<int64_t>(sizeof(float)); }
@@ -165,6 +170,7 @@ class GPT {
   RecomputePlan recompute_;
   MathMode math_;      // every layer's matrix products
   TensorGroup* tensor_ = nullptr;
+  ContextGroup* context_ = nullptr;
   ModelLayout layout_;
   std::vector<TensorId> ids_;  // per layout_ tensor
   int max_B_ = 0, max_T_ = 0;

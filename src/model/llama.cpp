@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "kernels/cpu/ops.h"
+#include "model/context_attention.h"
 #include "model/kv_context.h"
 #include "model/layer_util.h"
 #include "model/model_layout.h"
@@ -22,7 +23,7 @@ namespace {
 class LlamaBlock final : public Layer {
  public:
   LlamaBlock(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, bool bf16,
-             MathMode math, Recompute recompute, TensorGroup* tensor)
+             MathMode math, Recompute recompute, TensorGroup* tensor, ContextGroup* context)
       : store_(store),
         m_(m),
         layer_(m.layer_base + layer),
@@ -30,6 +31,7 @@ class LlamaBlock final : public Layer {
         math_(math),
         mode_(recompute),
         tp_(tensor),
+        cp_(context),
         C_(m.n_embd),
         A_(m.n_embd / parts()),
         NH_(m.n_head / parts()),
@@ -96,9 +98,12 @@ class LlamaBlock final : public Layer {
     ops::rmsnorm_forward(n1, rstd1_, x, P(layout::attn_norm_w), N, C);
     n1_.seal(n1, NC);
     ops::linear_forward(math_.forward, qkv_, n1_.read(), W(layout::llama_qkv_w), none, N, C, QKV_);
-    // (A packed pass: each row at its own position, b.kv->positions().)
-    ops::rope_forward(qkv_, b.B, b.T, NH_, KVH_, m_.head_size(), rope_freq_, b.kv ? b.kv->pos0() : 0,
-                      b.kv ? b.kv->positions() : nullptr, false, m_.rope_position_scale());
+    if (cp_ != nullptr && b.kv == nullptr) {
+      rotate_at_global_positions(qkv_, b, false);
+    } else {  // (a packed pass: each row at its own position, b.kv->positions())
+      ops::rope_forward(qkv_, b.B, b.T, NH_, KVH_, m_.head_size(), rope_freq_, b.kv ? b.kv->pos0() : 0,
+                        b.kv ? b.kv->positions() : nullptr, false, m_.rope_position_scale());
+    }
     if (first) model_detail::probe_attention(probe_, b, qkv_, A_, NH_, KVH_, tp_ ? tp_->rank() * NH_ : 0);
     attend(b);
     float* o = scratch_;  // [N, C], consumed at once by the residual
@@ -125,10 +130,24 @@ class LlamaBlock final : public Layer {
     ops::residual_forward(x_out, res2_, down, static_cast<int64_t>(N) * C);
   }
 
+  // Context parallelism: each of the batch's rows of q and k rotated at its token's position in
+  // the whole sequence (model/context_group.h), or back (`inverse`: a gradient).
+  // A rank's rows of a sequence are two runs of consecutive positions (its two chunks).
+  void rotate_at_global_positions(float* rows, const Batch& b, bool inverse) {
+    const int chunk = b.T / 2;
+    for (int r = 0; r < b.B * 2; ++r) {
+      const int t0 = (r % 2) * chunk;
+      ops::rope_forward(rows + (static_cast<int64_t>(r / 2) * b.T + t0) * QKV_, 1, chunk, NH_, KVH_, m_.head_size(),
+                        rope_freq_, cp_->position(t0, b.T), nullptr, inverse, m_.rope_position_scale());
+    }
+  }
+
   // atty_ (and att_) from the rotated qkv_.
   void attend(const Batch& b) {
     if (b.kv) {
       b.kv->attend(math_.forward, layer_ - 1, qkv_, QKV_, atty_, b.T, probe_.window);
+    } else if (cp_ != nullptr) {
+      context_ring_attention().forward(*cp_, math_.forward, atty_, att_, qkv_, b.B, b.T, A_, NH_, KVH_, probe_.window);
     } else if (m_.attention == Attention::dense) {
       ops::attention_forward(math_.forward, atty_, att_, qkv_, b.B, b.T, A_, NH_, KVH_);
     } else {
@@ -159,13 +178,19 @@ class LlamaBlock final : public Layer {
     // rotated back before the qkv projection.
     float* datty = scratch_;
     ops::linear_backward_input(math_.backward, datty, dres2_, W(layout::llama_proj_w), N, A_, C, false);
-    if (m_.attention == Attention::dense) {
-      ops::attention_backward_input(math_.backward, dqkv_, datty, att_, qkv_, b.B, b.T, A_, NH_, KVH_);
+    if (cp_ != nullptr) {
+      context_ring_attention().backward(*cp_, math_.backward, dqkv_, datty, atty_, att_, qkv_, b.B, b.T, A_, NH_, KVH_,
+                                probe_.window);
+      rotate_at_global_positions(dqkv_, b, true);
     } else {
-      ops::flash_attention_backward_input(math_.backward, dqkv_, datty, atty_, att_, qkv_, b.B, b.T, A_, NH_, KVH_,
-                                          probe_.window);
+      if (m_.attention == Attention::dense) {
+        ops::attention_backward_input(math_.backward, dqkv_, datty, att_, qkv_, b.B, b.T, A_, NH_, KVH_);
+      } else {
+        ops::flash_attention_backward_input(math_.backward, dqkv_, datty, atty_, att_, qkv_, b.B, b.T, A_, NH_, KVH_,
+                                            probe_.window);
+      }
+      ops::rope_forward(dqkv_, b.B, b.T, NH_, KVH_, m_.head_size(), rope_freq_, 0, nullptr, true, m_.rope_position_scale());
     }
-    ops::rope_forward(dqkv_, b.B, b.T, NH_, KVH_, m_.head_size(), rope_freq_, 0, nullptr, true, m_.rope_position_scale());
     ops::linear_backward_input(math_.backward, dn1_, dqkv_, W(layout::llama_qkv_w), N, C, QKV_, false);
     reduce(dn1_, static_cast<int64_t>(N) * C);
     std::memcpy(dx_in, dres2_, sizeof(float) * N * C);
@@ -228,6 +253,7 @@ class LlamaBlock final : public Layer {
   // its units' gate and up rows (column-parallel), the matching columns of the output and down
   // projections (row-parallel, their outputs all-reduced), the norms whole.
   TensorGroup* tp_;
+  ContextGroup* cp_;  // null: no context parallelism
   int parts() const { return tp_ ? tp_->size() : 1; }
   void reduce(float* data, int64_t count) {
     if (tp_) tp_->allreduce_sum(data, count);
@@ -253,8 +279,8 @@ class LlamaBlock final : public Layer {
 
 std::unique_ptr<Layer> make_llama_block(const ModelConfig& m, ChunkStore& store, int layer,
                                         const std::vector<TensorId>& ids, bool bf16, MathMode math,
-                                        Recompute recompute, TensorGroup* tensor) {
-  return std::make_unique<LlamaBlock>(m, store, layer, ids, bf16, math, recompute, tensor);
+                                        Recompute recompute, TensorGroup* tensor, ContextGroup* context) {
+  return std::make_unique<LlamaBlock>(m, store, layer, ids, bf16, math, recompute, tensor, context);
 }
 
 }  // namespace keel

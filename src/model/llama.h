@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "model/context_group.h"
 #include "model/layer.h"
 #include "model/tensor_group.h"
 #include "store/chunk_store.h"
@@ -22,8 +23,11 @@ namespace keel {
 // ids: the block's tensors in model_layout's order (layout::LlamaBlock). recompute: train.recompute
 // for this block (model/layer.h Layer::recompute). tensor: the tensor group (null: unsplit): the
 // block holds its shard (model_layout's place) and all-reduces over the group (model/tensor_group.h).
+// context: the context group (null: none): the batch's rows are this rank's chunks, rotated at their
+// global positions, and attention runs over the group's ring (model/context_attention.h).
 std::unique_ptr<Layer> make_llama_block(const ModelConfig& m, ChunkStore& store, int layer,
                                         const std::vector<TensorId>& ids, bool bf16, MathMode math,
-                                        Recompute recompute = Recompute::none, TensorGroup* tensor = nullptr);
+                                        Recompute recompute = Recompute::none, TensorGroup* tensor = nullptr,
+                                        ContextGroup* context = nullptr);
 
 }  // namespace keel

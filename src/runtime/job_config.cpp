@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "comm/context_parallel.h"
 #include "comm/sharded_params.h"
 #include "comm/sync_policy.h"
 #include "comm/tensor_parallel.h"
@@ -17,7 +18,8 @@ void resolve_job_config(Config& c, int world_size) {
   c.resolve(world_size);
   const int pp = c.parallel.pipeline;
   const int data_ranks = world_size / (pp * c.parallel.tensor);
-  validate_bf16_state_config(c, data_ranks);  // first: it refuses combinations by its own keys
+  validate_context_parallel_config(c, world_size);  // first: its refusals name what it does not combine with
+  validate_bf16_state_config(c, data_ranks);  // then: it refuses combinations by its own keys
   validate_zero3_config(c, data_ranks);  // first: its refusals name what ZeRO-3 does not combine with
   pipeline::validate_pipeline_config(c.parallel, c.train, c.model.n_layer, world_size);
   validate_sync_config(c.sync, c.model.n_layer, data_ranks > 1 ? c.parallel.zero : 0);

@@ -422,10 +422,13 @@ void check_slurm_train_start(const SlurmTask& s, const Config& config) {
         step + ": expected srun --mpi=pmix, found --mpi=" + (s.mpi.empty() ? std::string("none") : s.mpi) +
             " (OpenMPI joins a Slurm step through PMIx only; without it every task would train alone); run "
             "srun --mpi=pmix, or set MpiDefault=pmix in slurm.conf");
-  // The ranks of one model replica: its pipeline stages times each stage's tensor ranks.
-  const int replica_ranks = std::max(1, config.parallel.pipeline) * std::max(1, config.parallel.tensor);
+  // The ranks of one model replica: its pipeline stages times each stage's context and tensor ranks.
+  const int replica_ranks = std::max(1, config.parallel.pipeline) * std::max(1, config.parallel.tensor) *
+                            std::max(1, config.parallel.context);
+  const std::string context =
+      config.parallel.context > 1 ? " x parallel.context = " + std::to_string(config.parallel.context) : "";
   const std::string layout = "parallel.data = " + std::to_string(config.parallel.data) +
-                             " x parallel.pipeline = " + std::to_string(config.parallel.pipeline) +
+                             " x parallel.pipeline = " + std::to_string(config.parallel.pipeline) + context +
                              " x parallel.tensor = " + std::to_string(config.parallel.tensor);
   if (config.parallel.data > 0) {
     const int ranks = config.parallel.data * replica_ranks;
@@ -434,8 +437,10 @@ void check_slurm_train_start(const SlurmTask& s, const Config& config) {
                                      " (sbatch --ntasks), or set parallel.data = 0 (the whole step)");
   } else {
     check(s.step_tasks % replica_ranks == 0,
-          step + ": expected a multiple of parallel.pipeline x parallel.tensor = " + std::to_string(replica_ranks) +
-              " tasks (world = data x pipeline x tensor); start srun with -n a multiple of " +
+          step + ": expected a multiple of parallel.pipeline" + (context.empty() ? "" : " x parallel.context") +
+              " x parallel.tensor = " + std::to_string(replica_ranks) +
+              " tasks (world = data x pipeline x " + (context.empty() ? "" : "context x ") +
+              "tensor); start srun with -n a multiple of " +
               std::to_string(replica_ranks));
   }
   // Every other refusal for this world size, said here once rather than by every rank.

@@ -11,6 +11,7 @@
 #include <optional>
 #include <vector>
 
+#include "comm/context_parallel.h"
 #include "comm/grad_sync.h"
 #include "comm/process_groups.h"
 #include "comm/sharded_optimizer.h"
@@ -35,6 +36,7 @@ struct RankModel {
   // the store before it goes, everything holding leases goes before the tiers.
   std::unique_ptr<ChunkStore> store;
   std::unique_ptr<MpiTensorGroup> tensor_group;  // parallel.tensor > 1: the model's tensor group
+  std::unique_ptr<MpiContextGroup> context_group;  // parallel.context > 1: the model's context group
   std::unique_ptr<GPT> model;       // a language model's layers (null for a dual encoder)
   std::unique_ptr<ClipModel> clip;  // a dual encoder's towers (null for a language model)
   std::unique_ptr<ShardedOptimizer> optimizer;

@@ -1,5 +1,6 @@
 #include "runtime/single_stage_step.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "comm/tensor_parallel.h"
@@ -17,7 +18,8 @@ SingleStageStep::SingleStageStep(const Config& config, Communicator& dp, ChunkSt
       data_(data),
       sync_(sync),
       optimizer_(optimizer) {
-  model_.allocate(config.train.batch_size, config.train.longest_seq_len());
+  // (a context group's rank holds T / context of each sequence: model/context_group.h)
+  model_.allocate(config.train.batch_size, config.train.longest_seq_len() / std::max(1, config.parallel.context));
   if (config.model.moe() && config.model.moe_balance == MoeBalance::bias) {
     balancer_ = std::make_unique<MoeBiasBalancer>(config.model, dp, model);
   }

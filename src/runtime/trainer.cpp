@@ -49,7 +49,7 @@ double peak_rss_mb() {
 }  // namespace
 
 Trainer::Trainer(Config config, Communicator& comm)
-    : config_(std::move(config)), groups_(comm, config_.parallel.pipeline, config_.parallel.tensor), metrics_(config_, comm) {
+    : config_(std::move(config)), groups_(comm, config_.parallel.pipeline, config_.parallel.tensor, config_.parallel.context), metrics_(config_, comm) {
   if (config_.runtime.threads > 0) omp_set_num_threads(config_.runtime.threads);
   float_mode_.emplace(config_.runtime.flush_denormals);
   check_blas();
@@ -265,9 +265,12 @@ void Trainer::log_run_event() {
   run["batch"] = {{"batch_size", t.batch_size}, {"seq_len", t.seq_len}, {"grad_accum", t.grad_accum},
                   {"steps", t.steps}};
   if (!t.seq_len_schedule.empty()) run["batch"]["seq_len_schedule"] = t.seq_len_schedule;
-  run["layout"] = {{"ranks", groups_.world().size()}, {"data", groups_.dp().size()}, {"pipeline", p.pipeline},
+  run["layout"] = {{"ranks", groups_.world().size()},
+                   {"data", groups_.dp().size() / groups_.context_size()},
+                   {"pipeline", p.pipeline},
                    {"zero", p.zero},                  {"codec", to_string(config_.sync.codec)}};
   if (p.tensor > 1) run["layout"]["tensor"] = p.tensor;  // (absent where 1: earlier runs' "run" events unchanged)
+  if (p.context > 1) run["layout"]["context"] = p.context;  // (likewise)
   if (config_.tier.device_mib > 0) {
     run["layout"]["tiers"] = {{"device_mib", config_.tier.device_mib},
                               {"host_mib", config_.tier.host_mib},

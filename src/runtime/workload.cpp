@@ -42,11 +42,14 @@ class LanguageModel final : public Workload {
                 std::to_string(tokenizer_->vocab_size()) + "), found " + std::to_string(m.vocab_size));
     }
     Communicator& dp = groups.dp();
-    // Windows of the longest length a curriculum reaches; shorter steps read them in parts.
+    // Windows of the longest length a curriculum reaches; shorter steps read them in parts. A
+    // context group's ranks (consecutive in the data-parallel group) read one data rank's sequences.
+    const int context = groups.context_size(), data_rank = dp.rank() / context, data_ranks = dp.size() / context;
     train_ = std::make_unique<DataLoader>(config.data.train, t.batch_size, t.longest_seq_len(), m.vocab_size,
-                                          config.data.shuffle, t.seed, dp.rank(), dp.size());
+                                          config.data.shuffle, t.seed, data_rank, data_ranks, groups.context_rank(),
+                                          context);
     val_ = std::make_unique<DataLoader>(config.data.val, t.batch_size, t.longest_seq_len(), m.vocab_size, false, t.seed,
-                                        dp.rank(), dp.size());
+                                        data_rank, data_ranks, groups.context_rank(), context);
   }
 
   std::unique_ptr<RankModel> build(std::optional<pipeline::PipelineLayout> layout) override {
@@ -57,7 +60,8 @@ class LanguageModel final : public Workload {
   void set_position(const LoaderPosition& p) override { train_->set_position(p); }
   double tokens_of_step(int64_t step) const override {
     const TrainConfig& t = config_.train;
-    return static_cast<double>(t.batch_size) * t.seq_len_at(step) * t.grad_accum * groups_.dp().size();
+    return static_cast<double>(t.batch_size) * t.seq_len_at(step) * t.grad_accum * groups_.dp().size() /
+           groups_.context_size();
   }
   double flops_of_step(RankModel& rank, int64_t step) const override {
     return rank.model->train_flops_per_token(config_.train.seq_len_at(step)) * tokens_of_step(step);
@@ -98,6 +102,12 @@ class LanguageModel final : public Workload {
                   groups_.tensor_size(), groups_.dp().size(), config_.parallel.pipeline, groups_.tensor_size(),
                   rank.store->param_count() / 1e6, rank.whole_state->store().param_count() / 1e6);
     }
+    if (const int context = groups_.context_size(); context > 1) {
+      std::printf("keel: context parallel over %d ranks (data %d x context %d): %d of each sequence's %d tokens on "
+                  "each (chunks r and %d-r of %d), ring attention\n",
+                  context, groups_.dp().size() / context, context, t.longest_seq_len() / context, t.longest_seq_len(),
+                  2 * context - 1, 2 * context);
+    }
     const GPT& g = *rank.model;
     std::printf("keel: activations (train.recompute = %s, blocks %s): %.1f MB per micro-batch in flight x %d, "
                 "%.1f MB recomputed set, %.1f MB in all\n",
@@ -124,10 +134,11 @@ class LanguageModel final : public Workload {
     if (!rank.model->whole() || !tok || !tok->can_encode() || tok->document_token() < 0 || config_.train.sample_tokens == 0) {
       return;
     }
-    if (groups_.tensor_size() > 1) {
+    if (groups_.tensor_size() > 1 || groups_.context_size() > 1) {
       if (groups_.world().is_root()) {
-        std::printf("keel: no text samples with parallel.tensor > 1 (generation runs one rank's whole model: "
-                    "`keel generate` from the checkpoint)\n");
+        std::printf("keel: no text samples with parallel.%s > 1 (generation runs one rank's whole model: "
+                    "`keel generate` from the checkpoint)\n",
+                    groups_.tensor_size() > 1 ? "tensor" : "context");
       }
       return;
     }

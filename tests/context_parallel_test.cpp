@@ -1,0 +1,193 @@
+// Context parallelism (parallel.context) over OpenMPI, through the keel binary as a user runs it:
+// C ranks sharing every sequence (rank r holds chunks r and 2C-1-r of 2C, ring attention) train
+// what one rank trains with the whole batch (losses within 1e-5 relative over 20 steps, weights
+// within 1e-5), causal and windowed, both families, alone and beside data parallelism; checkpoints resume on
+// another C; a rank's activations are 1/C of one rank's; what is not built is refused in one line.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+
+#include "test_util.h"
+#include "toy_runs.h"
+
+namespace keel {
+namespace {
+
+using testing::run_keel;
+
+// The llama toy model (4 heads, 2 key/value heads) on the blockwise kernel, one rank or C.
+const std::string kLlama =
+    "--set model.family=llama --set model.n_kv_head=2 --set model.tie_embeddings=false "
+    "--set model.attention=blockwise ";
+
+class ContextParallel : public testing::ToyRuns {
+ protected:
+  ContextParallel() : ToyRuns("keel-cp") {}
+  void expect_same_training(const std::string& reference, const std::string& run) {
+    const std::vector<double> want = losses(reference), got = losses(run);
+    ASSERT_EQ(got.size(), want.size()) << run;
+    for (size_t s = 0; s < got.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-5 * want[s]) << run << " step " << s + 1;
+    const auto distance = testing::weight_distance(dir / (reference + "/ckpt"), dir / (run + "/ckpt"));
+    EXPECT_FALSE(distance.empty());
+    for (const auto& [name, d] : distance) EXPECT_LT(d, 1e-5) << run << ": " << name;
+  }
+};
+
+// C = 2 and C = 4 (oversubscribed) with the whole batch of 32-token sequences (chunks of 8 and 4
+// tokens), causal and with a window of 6 keys (C = 4: whole ring steps outside the window).
+TEST_F(ContextParallel, ContextRanksTrainWhatOneRankTrains) {
+  for (const std::string window : {"0", "6"}) {
+    const std::string extra = kLlama + "--set model.attention_window=" + window + " ";
+    SCOPED_TRACE("window " + window);
+    ASSERT_EQ(train(0, 8, "one" + window, extra).exit_code, 0);
+    ASSERT_EQ(losses("one" + window).size(), 20u);
+    for (const int context : {2, 4}) {
+      const std::string run = "c" + std::to_string(context) + "w" + window;
+      auto r = train(context, 8, run, extra + "--set parallel.context=" + std::to_string(context));
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      EXPECT_NE(r.output.find("context parallel over " + std::to_string(context) + " ranks (data 1 x context " +
+                              std::to_string(context) + ")"),
+                std::string::npos)
+          << r.output;
+      expect_same_training("one" + window, run);
+    }
+  }
+}
+
+// GPT-2: the position table's rows at each chunk's global positions (their gradients summed over
+// the context group with the rest).
+TEST_F(ContextParallel, Gpt2ContextRanksTrainWhatOneRankTrains) {
+  for (const std::string window : {"0", "6"}) {
+    const std::string extra = "--set model.attention=blockwise --set model.attention_window=" + window + " ";
+    SCOPED_TRACE("window " + window);
+    ASSERT_EQ(train(0, 8, "one" + window, extra).exit_code, 0);
+    for (const int context : {2, 4}) {
+      const std::string run = "c" + std::to_string(context) + "w" + window;
+      auto r = train(context, 8, run, extra + "--set parallel.context=" + std::to_string(context));
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      expect_same_training("one" + window, run);
+    }
+  }
+}
+
+// Data 2 x context 2: each context group reads half the batch.
+TEST_F(ContextParallel, BesideDataParallelism) {
+  ASSERT_EQ(train(0, 8, "one", kLlama).exit_code, 0);
+  auto r = train(4, 4, "d2c2", kLlama + "--set parallel.context=2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("context parallel over 2 ranks (data 2 x context 2)"), std::string::npos) << r.output;
+  expect_same_training("one", "d2c2");
+}
+
+// ZeRO-1 and ZeRO-2 shard over data x context (a context group's ranks are data-parallel ranks of
+// the gradient sync), and gradient accumulation reads each micro-batch's chunks: one rank's training.
+TEST_F(ContextParallel, ComposesWithZeroAndAccumulation) {
+  ASSERT_EQ(train(0, 8, "one", kLlama).exit_code, 0);
+  for (const std::string zero : {"1", "2"}) {
+    auto r = train(2, 8, "zero" + zero, kLlama + "--set parallel.context=2 --set parallel.zero=" + zero);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    expect_same_training("one", "zero" + zero);
+  }
+  ASSERT_EQ(train(0, 4, "one_accum", kLlama + "--set train.grad_accum=2").exit_code, 0);
+  auto r = train(2, 4, "accum", kLlama + "--set parallel.context=2 --set train.grad_accum=2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_same_training("one_accum", "accum");
+}
+
+// A C = 2 run's checkpoint resumed on one rank and on C = 4, and one rank's on C = 2: the
+// uninterrupted one-rank run's weights (the data position is a count of windows of data ranks x
+// train.batch_size sequences, the same for every C).
+TEST_F(ContextParallel, CheckpointsResumeOnAnotherContextSize) {
+  const std::string twelve = kLlama + "--set train.steps=12 ";
+  const std::string six = kLlama + "--set train.steps=6 ";
+  ASSERT_EQ(train(0, 8, "one", twelve).exit_code, 0);
+  ASSERT_EQ(train(0, 8, "one_half", six).exit_code, 0);
+  ASSERT_EQ(train(2, 8, "c2_half", six + "--set parallel.context=2").exit_code, 0);
+  struct Resume {
+    int ranks, context;
+    std::string from, run;
+  };
+  for (const Resume& s : {Resume{0, 1, "c2_half", "on_one"}, Resume{4, 4, "c2_half", "on_c4"},
+                          Resume{2, 2, "one_half", "on_c2"}}) {
+    auto r = train(s.ranks, 8, s.run,
+                   twelve + "--set parallel.context=" + std::to_string(s.context) + " --set train.resume=" +
+                       dir / (s.from + "/ckpt"));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(r.output.find("resuming with data windows"), std::string::npos) << r.output;
+    for (const auto& [name, d] : testing::weight_distance(dir / "one/ckpt", dir / (s.run + "/ckpt"))) {
+      EXPECT_LT(d, 1e-5) << s.run << ": " << name;
+    }
+  }
+  // One process evaluates a context-parallel run's checkpoint (its config's parallel.context is the
+  // writer's layout, not the reader's).
+  auto e = run_keel("eval --checkpoint " + dir / "c2_half/ckpt" + " --data " + dir / "val.bin" + " --batch 2 --seq 32");
+  EXPECT_EQ(e.exit_code, 0) << e.output;
+  EXPECT_NE(e.output.find("loss"), std::string::npos) << e.output;
+}
+
+// The activation bytes each rank reports (the model's activation allocation, "keel: memory per
+// rank: ... activations X MB") at 8192-token sequences: C ranks hold about 1/C of one rank's.
+TEST_F(ContextParallel, ActivationMemoryPerRankIsAboutOneOverC) {
+  // (the validation shard holds 5000 tokens: the training shard stands in for it)
+  const std::string longer = kLlama + "--set train.steps=1 --set train.seq_len=8192 --set model.max_seq_len=8192 "
+                                      "--set train.eval_batches=1 --set data.val=" + dir / "train.bin ";
+  auto activations_mb = [](const std::string& output) {
+    const size_t at = output.find(", activations ");
+    if (at == std::string::npos) return -1.0;
+    return std::stod(output.substr(at + 14));
+  };
+  auto one = train(0, 1, "one", longer);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const double whole = activations_mb(one.output);
+  ASSERT_GT(whole, 0) << one.output;
+  for (const int context : {2, 4}) {
+    auto r = train(context, 1, "c" + std::to_string(context), longer + "--set parallel.context=" + std::to_string(context));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const double mine = activations_mb(r.output);
+    EXPECT_NEAR(mine * context / whole, 1.0, 0.02) << context << ": " << mine << " MB of one rank's " << whole;
+  }
+}
+
+TEST_F(ContextParallel, WhatIsNotBuiltIsRefusedInOneLine) {
+  auto refused = [](const testing::CommandResult& r, const std::string& needle) {
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find(needle), std::string::npos) << r.output;
+  };
+  // 32 tokens do not cut into 2 x 3 chunks; 3 ranks do not hold context 2.
+  refused(train(3, 8, "x", kLlama + "--set parallel.context=3"),
+          "config key 'parallel.context': expected a sequence length (train.seq_len 32) cut into 2 x context equal "
+          "chunks, found 3");
+  refused(train(3, 8, "x", kLlama + "--set parallel.context=2"),
+          "config key 'parallel.context': expected pipeline x context x tensor (2) dividing the 3 rank(s) of this job");
+  auto refusal = [](std::vector<std::string> sets, int world) { return testing::config_refusal(sets, world); };
+  auto refuses = [&](std::vector<std::string> sets, int world, const std::string& needle) {
+    const std::string why = refusal(sets, world);
+    EXPECT_NE(why.find(needle), std::string::npos) << why;
+  };
+  const std::vector<std::string> llama = {"model.preset=tiny", "model.family=llama", "train.seq_len=64",
+                                          "parallel.context=2"};
+  auto with = [&](const std::string& set) {
+    std::vector<std::string> s = llama;
+    s.push_back(set);
+    return s;
+  };
+  refuses(with("model.attention=dense"), 2, "config key 'model.attention': expected \"blockwise\" with parallel.context > 1");
+  refuses(with("parallel.tensor=2"), 4, "config key 'parallel.tensor': expected its default with parallel.context > 1");
+  refuses(with("parallel.pipeline=2"), 4, "config key 'parallel.pipeline': expected its default with parallel.context > 1");
+  refuses(with("parallel.zero=3"), 2, "config key 'parallel.zero': expected its default with parallel.context > 1");
+  refuses(with("train.recompute=full"), 2, "config key 'train.recompute': expected its default with parallel.context > 1");
+  refuses(with("runtime.precision=bf16"), 2, "config key 'runtime.precision': expected its default with parallel.context > 1");
+  refuses(with("model.attention_window=dynamic"), 2, "config key 'model.attention_window': expected fixed windows");
+  refuses(with("parallel.context=0"), 1, "parallel.context");
+  EXPECT_EQ(refusal(llama, 2), "");
+  EXPECT_EQ(refusal(llama, 4), "");  // data 2 x context 2
+  // Unset, attention resolves to the blockwise kernel under context parallelism.
+  Config c = Config::load("", llama);
+  resolve_job_config(c, 2);
+  EXPECT_EQ(c.model.attention, Attention::blockwise);
+}
+
+}  // namespace
+}  // namespace keel
