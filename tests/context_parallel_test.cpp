@@ -25,14 +25,6 @@ const std::string kLlama =
 class ContextParallel : public testing::ToyRuns {
  protected:
   ContextParallel() : ToyRuns("keel-cp") {}
-  void expect_same_training(const std::string& reference, const std::string& run) {
-    const std::vector<double> want = losses(reference), got = losses(run);
-    ASSERT_EQ(got.size(), want.size()) << run;
-    for (size_t s = 0; s < got.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-5 * want[s]) << run << " step " << s + 1;
-    const auto distance = testing::weight_distance(dir / (reference + "/ckpt"), dir / (run + "/ckpt"));
-    EXPECT_FALSE(distance.empty());
-    for (const auto& [name, d] : distance) EXPECT_LT(d, 1e-5) << run << ": " << name;
-  }
 };
 
 // C = 2 and C = 4 (oversubscribed) with the whole batch of 32-token sequences (chunks of 8 and 4

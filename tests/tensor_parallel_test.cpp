@@ -23,15 +23,6 @@ using testing::run_keel;
 class TensorParallel : public testing::ToyRuns {
  protected:
   TensorParallel() : ToyRuns("keel-tp") {}
-  // Losses within 1e-5 relative of `reference`'s, step by step, and weights within 1e-5.
-  void expect_same_training(const std::string& reference, const std::string& run) {
-    const std::vector<double> want = losses(reference), got = losses(run);
-    ASSERT_EQ(got.size(), want.size()) << run;
-    for (size_t s = 0; s < got.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-5 * want[s]) << run << " step " << s + 1;
-    const auto distance = testing::weight_distance(dir / (reference + "/ckpt"), dir / (run + "/ckpt"));
-    EXPECT_FALSE(distance.empty());
-    for (const auto& [name, d] : distance) EXPECT_LT(d, 1e-5) << run << ": " << name;
-  }
 };
 
 TEST_F(TensorParallel, TensorRanksTrainWhatOneRankTrains) {

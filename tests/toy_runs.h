@@ -27,17 +27,17 @@ class ToyRuns : public ::testing::Test {
   CommandResult train(int ranks, int b, const std::string& run, const std::string& extra = "") {
     return run_keel(toy_train_args(dir, ranks, b, run, extra));
   }
-  // The loss of every step run `run` logged (its metrics.jsonl), in order.
-  std::vector<double> losses(const std::string& run) {
-    std::vector<double> out;
-    const std::string text = read_text_file(dir / (run + "/metrics.jsonl"));
-    for (size_t start = 0; start < text.size();) {
-      const size_t end = text.find('\n', start);
-      auto j = nlohmann::json::parse(text.substr(start, end - start));
-      if (j.contains("loss")) out.push_back(j["loss"]);
-      start = end + 1;
-    }
-    return out;
+  // The loss of every step run `run` logged (its metrics.jsonl's step lines), in order.
+  std::vector<double> losses(const std::string& run) { return step_losses(dir / (run + "/metrics.jsonl")); }
+  // Run `run` trained what run `reference` trained: every step's loss within 1e-5 relative, and
+  // every weight of their final checkpoints within 1e-5.
+  void expect_same_training(const std::string& reference, const std::string& run) {
+    const std::vector<double> want = losses(reference), got = losses(run);
+    ASSERT_EQ(got.size(), want.size()) << run;
+    for (size_t s = 0; s < got.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-5 * want[s]) << run << " step " << s + 1;
+    const auto distance = weight_distance(dir / (reference + "/ckpt"), dir / (run + "/ckpt"));
+    EXPECT_FALSE(distance.empty());
+    for (const auto& [name, d] : distance) EXPECT_LT(d, 1e-5) << run << ": " << name;
   }
   TempDir dir;
 };

@@ -26,16 +26,7 @@ class Zero3 : public testing::ToyRuns {
  protected:
   Zero3() : ToyRuns("keel-zero3") {}
   std::vector<nlohmann::json> step_lines(const std::string& run) { return testing::step_lines(dir / (run + "/metrics.jsonl")); }
-  std::vector<double> losses(const std::string& run) { return testing::step_losses(dir / (run + "/metrics.jsonl")); }
   std::vector<char> param_bytes(const std::string& run) { return testing::checkpoint_bytes(dir / (run + "/ckpt")); }
-  void expect_same_training(const std::string& reference, const std::string& run) {
-    const std::vector<double> want = losses(reference), got = losses(run);
-    ASSERT_EQ(got.size(), want.size()) << run;
-    for (size_t s = 0; s < got.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-5 * want[s]) << run << " step " << s + 1;
-    for (const auto& [name, d] : testing::weight_distance(dir / (reference + "/ckpt"), dir / (run + "/ckpt"))) {
-      EXPECT_LT(d, 1e-5) << run << ": " << name;
-    }
-  }
 };
 
 TEST_F(Zero3, NRanksTrainWhatOneRankTrainsWithTheWholeBatch) {
