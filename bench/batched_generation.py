@@ -72,9 +72,12 @@ def main():
         with open(f"{d}/prompts.txt", "w") as f:
             f.write("\n".join(lines) + "\n")
         keel_rate, lengths = {}, None
+        # keel generate's own OpenMP waiting (kernels/cpu/blas.h default_openmp_wait: a short spin),
+        # not the passive policy the training above ran with.
+        gen_env = {k: v for k, v in env.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
         for b in batches:
             r = run("generate", "--checkpoint", ckpt, "--prompts", f"{d}/prompts.txt", "--batch", str(b), "--tokens",
-                    str(args.tokens), "--temperature", "0", env=env)
+                    str(args.tokens), "--temperature", "0", env=gen_env)
             rows = [json.loads(x) for x in r.stdout.splitlines()]
             lengths = [row["prompt_tokens"] for row in rows]
             m = re.search(r"([0-9.]+) tokens/s", r.stderr)

@@ -22,6 +22,15 @@ TEST(ComputeEnvironment, OpenBlasRunsKernelsForThisCpusVectorUnits) {
   }
 }
 
+// Without a policy in the environment: inference commands spin briefly before sleeping (a decode
+// step's many short parallel regions), everything else sleeps at once.
+TEST(ComputeEnvironment, OpenMpWaitsByCommand) {
+  EXPECT_EQ(default_openmp_wait("generate"), "GOMP_SPINCOUNT=10000");
+  EXPECT_EQ(default_openmp_wait("score"), "GOMP_SPINCOUNT=10000");
+  for (const char* c : {"train", "eval", "launch", "--gtest_filter=X"}) EXPECT_EQ(default_openmp_wait(c), "OMP_WAIT_POLICY=PASSIVE") << c;
+  EXPECT_EQ(default_openmp_wait(nullptr), "OMP_WAIT_POLICY=PASSIVE");
+}
+
 // keel itself starts the same way: its run event names the kernels this process runs.
 TEST(ComputeEnvironment, KeelRunsTheSameKernelsAsThisProcess) {
   testing::TempDir dir("keel-compute-env");

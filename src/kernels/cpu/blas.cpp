@@ -104,10 +104,17 @@ std::string blas_core() {
   return std::string(openblas_get_corename()) + (forced != nullptr && *forced != '\0' ? " (OPENBLAS_CORETYPE)" : "");
 }
 
+std::string default_openmp_wait(const char* command) {
+  const std::string c = command != nullptr ? command : "";
+  return c == "generate" || c == "score" ? "GOMP_SPINCOUNT=10000" : "OMP_WAIT_POLICY=PASSIVE";
+}
+
 void prepare_compute_environment(char** argv) {
   bool changed = false;
-  if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
-    ::setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr && std::getenv("GOMP_SPINCOUNT") == nullptr) {
+    const std::string wait = default_openmp_wait(argv != nullptr && argv[0] != nullptr ? argv[1] : nullptr);
+    const size_t eq = wait.find('=');
+    ::setenv(wait.substr(0, eq).c_str(), wait.substr(eq + 1).c_str(), 1);
     changed = true;
   }
   // OpenBLAS's kernels for CPUs without AVX2 (what it falls back to on a CPU it does not know).

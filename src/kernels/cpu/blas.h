@@ -43,14 +43,21 @@ std::string blas_core();
 // Sets what the OpenMP runtime and OpenBLAS read only when they load, and re-executes the process
 // once (execv of /proc/self/exe with the same argv) when anything was set; call it first thing in
 // main (keel's, and the tests'):
-//   - OMP_WAIT_POLICY=PASSIVE unless the environment names a policy (threads that spin while
-//     waiting halve throughput on a busy machine);
+//   - unless the environment names a policy (OMP_WAIT_POLICY or GOMP_SPINCOUNT), the one
+//     default_openmp_wait gives for the command;
 //   - OPENBLAS_CORETYPE, unless set, when OpenBLAS chose kernels older than the CPU's vector
 //     units (core/cpu.h vector_kernel_family): OpenBLAS 0.3.21 runs its SSE3 "Prescott" kernels on
 //     CPUs it does not know (seen: an Intel Xeon of family 6, model 207, with AVX-512 and bf16,
 //     SGEMM 6.5 GFLOP/s on one core against 37 with its SkylakeX kernels).
 // Returns only when nothing needed setting (or the re-execution failed: then it runs as it is).
 void prepare_compute_environment(char** argv);
+
+// The OpenMP wait setting ("NAME=VALUE") Keel starts `command` (argv[1], or null) with when the
+// environment names none: "GOMP_SPINCOUNT=10000" for generate and score (a decode step is many
+// short parallel regions: threads that sleep at once pay a futex wake and a context switch per
+// region, measured 6.5x slower at batch 32), else "OMP_WAIT_POLICY=PASSIVE" (threads that spin
+// while waiting halve training throughput on a busy machine; a spin of 10,000 rounds is bounded).
+std::string default_openmp_wait(const char* command);
 
 // Measures single-precision GEMM throughput (GFLOP/s) on an n^3 product with the current threads.
 double measure_sgemm_gflops(int n = 1024, int repeats = 3);
