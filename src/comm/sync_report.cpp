@@ -1,7 +1,9 @@
 #include "comm/sync_report.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <string>
 
 #include "comm/sync_policy.h"
 
@@ -40,8 +42,13 @@ void SyncReport::take(const SyncStats& stats) {
 
 void SyncReport::print_startup() const {
   if (dp_.size() == 1) return;
-  std::printf("keel: data parallel over %d ranks, %d gradient buckets of up to %.1f MiB, ZeRO-%d\n", dp_.size(),
-              sync_.num_buckets(), config_.parallel.bucket_bytes / 1048576.0, config_.parallel.zero);
+  // (context parallelism: the data-parallel group spans data x context, each context rank a part of
+  // every sequence)
+  const int C = std::max(1, config_.parallel.context);
+  const std::string split =
+      C > 1 ? " (" + std::to_string(dp_.size() / C) + " data x " + std::to_string(C) + " context)" : std::string();
+  std::printf("keel: data parallel over %d ranks%s, %d gradient buckets of up to %.1f MiB, ZeRO-%d\n", dp_.size(),
+              split.c_str(), sync_.num_buckets(), config_.parallel.bucket_bytes / 1048576.0, config_.parallel.zero);
   if (!sync_.compression_configured()) return;
   const SyncConfig& sc = config_.sync;
   const bool hybrid = sc.codec == SyncCodec::hybrid;
