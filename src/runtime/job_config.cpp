@@ -23,7 +23,7 @@ void resolve_job_config(Config& c, int world_size) {
   validate_zero3_config(c, data_ranks);  // first: its refusals name what ZeRO-3 does not combine with
   pipeline::validate_pipeline_config(c.parallel, c.train, c.model.n_layer, world_size);
   validate_sync_config(c.sync, c.model.n_layer, data_ranks > 1 ? c.parallel.zero : 0);
-  validate_tier_config(c.tier, c.model.n_layer, data_ranks, c.parallel.zero);
+  validate_tier_config(c.tier, c.model.n_layer);
   validate_tensor_parallel_config(c);  // (before the dual encoder's checks: a CLIP run is refused first)
   validate_clip_config(c);
   check(c.runtime.slow_rank < world_size, "config key 'runtime.slow_rank': expected a world rank below " +

@@ -58,7 +58,7 @@ std::vector<LayerRule> parse_layer_rules(const std::string& text) {
 
 bool tiering_enabled(const TierConfig& t) { return t.device_mib > 0; }
 
-void validate_tier_config(const TierConfig& t, int n_layer, int world_size, int zero) {
+void validate_tier_config(const TierConfig& t, int n_layer) {
   auto require = [](bool ok, const std::string& key, const std::string& want, const std::string& found) {
     if (!ok) throw Error("config key '" + key + "': expected " + want + ", found " + found);
   };
@@ -68,10 +68,8 @@ void validate_tier_config(const TierConfig& t, int n_layer, int world_size, int 
   for (const LayerRule& r : parse_layer_rules(t.layers)) {
     require(r.lo <= n_layer + 1, "tier.layers", "layers 0.." + std::to_string(n_layer + 1), std::to_string(r.lo));
   }
-  // Every ZeRO stage combines with tiers (under ZeRO-3 the policy homes a rank's shard; other
-  // ranks' parameter pages come by broadcast into the compute tier, comm/sharded_params.h).
-  static_cast<void>(world_size);
-  static_cast<void>(zero);
+  // (Every ZeRO stage combines with tiers: under ZeRO-3 the policy homes a rank's shard; other
+  // ranks' parameter pages come by broadcast into the compute tier, comm/sharded_params.h.)
 }
 
 TierOptions tier_options(const TierConfig& t) {

@@ -14,7 +14,7 @@
 namespace keel {
 
 // Checks the [tier] section; throws keel::Error("config key 'tier.X': ...") on a bad value.
-void validate_tier_config(const TierConfig& t, int n_layer, int world_size, int zero);
+void validate_tier_config(const TierConfig& t, int n_layer);
 bool tiering_enabled(const TierConfig& t);
 
 struct Placement {
