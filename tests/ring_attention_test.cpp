@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cpu/attention.h"
 #include "kernels/cpu/ops.h"
 
 namespace keel::ops {
@@ -183,8 +184,11 @@ std::string name(const Case& c, int P, bool mirrored) {
          std::to_string(P) + (mirrored ? " mirrored" : " contiguous");
 }
 
-const std::vector<Case> kCases = {{2, 256, 4, 2, 16, 0}, {1, 200, 2, 2, 8, 0},  {2, 256, 4, 4, 16, 40},
-                                  {1, 384, 4, 1, 32, 64}, {2, 96, 2, 1, 16, 1},  {1, 512, 2, 2, 16, 100}};
+// Head sizes of 16, 32 and 64 take the vector path on AVX-512 machines (8: the BLAS tiles); T = 200
+// cuts into chunks of 50 or 25, so tiles straddle two chunks' positions.
+const std::vector<Case> kCases = {{2, 256, 4, 2, 16, 0},  {1, 200, 2, 2, 8, 0},   {2, 256, 4, 4, 16, 40},
+                                  {1, 384, 4, 1, 32, 64},  {2, 96, 2, 1, 16, 1},   {1, 512, 2, 2, 16, 100},
+                                  {1, 200, 4, 2, 16, 30},  {1, 1024, 4, 2, 64, 0}};
 
 TEST(RingAttention, MergedPartsEqualBlockwiseInDouble) {
   for (const Case& c : kCases) {
@@ -238,6 +242,35 @@ TEST(RingAttention, FloatEqualsDoubleBlockwise) {
       EXPECT_LT(max_abs_diff(got.lse, want.lse), 2e-6);
       EXPECT_LT(max_abs_diff(got.dqkv, want.dqkv), 2e-4);
       EXPECT_LT(max_abs_diff(got.out, whole.out), 2e-5);  // and the float blockwise kernel itself
+    }
+  }
+}
+
+// bf16 products (the vector path's AVX512_BF16 dot products): the ring rounds the same operands
+// as the blockwise kernel (q, k, v, dout, each tile's probabilities and score gradients), so the
+// two agree to bf16's precision; the probabilities differ only by which running maximum they were
+// taken against.
+TEST(RingAttention, Bf16MatchesBlockwiseBf16) {
+  if (!blockwise_attention_vectorized(MatmulPrecision::bf16, 16)) GTEST_SKIP() << "no AVX512_BF16 on this CPU";
+  for (const Case& c : kCases) {
+    if (c.hs % 16 != 0) continue;
+    const Data<double> d = make_data<double>(c, 4500 + c.T + c.window);
+    Data<float> f;
+    f.qkv.assign(d.qkv.begin(), d.qkv.end());
+    f.dout.assign(d.dout.begin(), d.dout.end());
+    const Result<float> whole = run_blockwise(MatmulPrecision::bf16, c, f);
+    const Result<double> exact = run_blockwise(MatmulPrecision::fp32, c, d);
+    for (const int P : {2, 4}) {
+      if (c.T % (2 * P) != 0) continue;
+      SCOPED_TRACE(name(c, P, true));
+      const Result<float> got = run_ring(MatmulPrecision::bf16, c, f, mirrored_chunks(c.T, P));
+      // Against the float64 function, the ring's bf16 error is the blockwise kernel's, within 1.2x.
+      const double out_err = max_abs_diff(got.out, exact.out), whole_out_err = max_abs_diff(whole.out, exact.out);
+      const double grad_err = max_abs_diff(got.dqkv, exact.dqkv), whole_grad_err = max_abs_diff(whole.dqkv, exact.dqkv);
+      EXPECT_LT(out_err, 1.2 * whole_out_err + 1e-4);
+      EXPECT_LT(grad_err, 1.2 * whole_grad_err + 1e-4);
+      EXPECT_LT(max_abs_diff(got.out, whole.out), 5e-3);
+      EXPECT_LT(max_abs_diff(got.lse, whole.lse), 5e-3);
     }
   }
 }

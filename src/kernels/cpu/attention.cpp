@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/ring_attention.h"
 #include "kernels/cpu/vmath.h"
 
 namespace keel::ops {
@@ -84,6 +85,7 @@ namespace {
 constexpr int kTile = 64;  // queries of a query tile, keys of a key tile: 4 vectors of 16 floats
 
 inline int window_start(int i, int window) { return window > 0 ? std::max(0, i - window + 1) : 0; }
+
 
 // vmath::exp's formula on 16 lanes (the same range reduction and polynomial).
 inline __m512 exp16(__m512 x) {
@@ -314,15 +316,47 @@ void accumulate(float* out, int64_t ldo, const A* a, int64_t sa_i, int64_t sa_k,
   }
 }
 
-// One key tile of the forward's online softmax: s[64][64] holds the scaled scores of query rows
-// i0.. against keys j0..; each row's allowed keys (causal, inside the window) become
+// The allowed keys of a tile's rows when queries and keys are consecutive positions (query tile
+// from i0, key tile from j0): bit c of row r is set when key j0 + c may be attended by i0 + r.
+struct ConsecutiveMask {
+  int i0, j0, window;
+  uint64_t operator()(int r) const {
+    const int i = i0 + r;
+    return column_mask(window_start(i, window) - j0, i - j0);
+  }
+};
+
+// The same for any positions (ring attention's blocks): qpos[r] for the tile's `rows` query rows
+// (rows past them allow nothing), kpos[64] for its keys (INT_MAX past the block: never allowed).
+struct PositionMask {
+  const int* qpos;
+  int rows;
+  const int* kpos;
+  int window;
+  uint64_t operator()(int r) const {
+    if (r >= rows) return 0;
+    const int i = qpos[r];
+    const __m512i iv = _mm512_set1_epi32(i), lo = _mm512_set1_epi32(window > 0 ? i - window : 0);
+    uint64_t allowed = 0;
+    for (int v = 0; v < 4; ++v) {
+      const __m512i kv = _mm512_loadu_si512(kpos + 16 * v);
+      __mmask16 m = _mm512_cmple_epi32_mask(kv, iv);
+      if (window > 0) m &= _mm512_cmpgt_epi32_mask(kv, lo);
+      allowed |= static_cast<uint64_t>(m) << (16 * v);
+    }
+    return allowed;
+  }
+};
+
+// One key tile of the forward's online softmax: s[64][64] holds the scaled scores of a query tile
+// against a key tile; each row's allowed keys (mask_of(row): causal, inside the window) become
 // exp(s - m_new) (0 elsewhere), m_new the row's running maximum with this tile; the row's sum l
 // and unnormalised output o[64][hs] are rescaled from the old maximum to the new one.
-void online_softmax(float* s, int i0, int j0, int window, float* m, float* l, float* o, int hs) {
+template <typename MaskOf>
+void online_softmax(float* s, const MaskOf& mask_of, float* m, float* l, float* o, int hs) {
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int r = 0; r < kTile; ++r) {
-    const int i = i0 + r;
-    const uint64_t allowed = column_mask(window_start(i, window) - j0, i - j0);
+    const uint64_t allowed = mask_of(r);
     float* srow = s + r * kTile;
     if (allowed == 0) {
       for (int v = 0; v < 4; ++v) _mm512_storeu_ps(srow + 16 * v, _mm512_setzero_ps());
@@ -356,11 +390,12 @@ void online_softmax(float* s, int i0, int j0, int window, float* m, float* l, fl
   }
 }
 
-// The backward's probabilities of a tile: s = exp(s - lse[row]) where allowed, 0 elsewhere.
-void probabilities(float* s, int i0, int j0, int window, const float* lse) {
+// The backward's probabilities of a tile: s = exp(s - lse[row]) where allowed (mask_of(row)), 0
+// elsewhere.
+template <typename MaskOf>
+void probabilities(float* s, const MaskOf& mask_of, const float* lse) {
   for (int r = 0; r < kTile; ++r) {
-    const int i = i0 + r;
-    const uint64_t allowed = column_mask(window_start(i, window) - j0, i - j0);
+    const uint64_t allowed = mask_of(r);
     const __m512 lv = _mm512_set1_ps(lse[r]);
     float* srow = s + r * kTile;
     for (int v = 0; v < 4; ++v) {
@@ -447,7 +482,7 @@ void forward(const Shape& sh, float* out, float* lse, const float* qkv, int wind
       for (int jt = window_start(i0, window) / kTile; jt <= it; ++jt) {
         const int64_t pk = (static_cast<int64_t>(b) * sh.NKV + g) * nt + jt;
         scores(s, q.data(), kt.data() + pk * te, hs, sh.scale);
-        online_softmax(s, i0, jt * kTile, window, m, l, o, hs);
+        online_softmax(s, ConsecutiveMask{i0, jt * kTile, window}, m, l, o, hs);
         if constexpr (std::is_same_v<E, float>) {
           accumulate(o, hs, s, kTile, 1, v.data() + pk * te, hs, hs);  // o += p v
         } else {
@@ -529,7 +564,7 @@ void backward(const Shape& sh, float* dqkv, const float* dout, const float* out,
           const int i0 = it * kTile;
           const int64_t at = static_cast<int64_t>(i0) * hs;
           scores(p, q.data() + at, kt.data() + pk * te, hs, sh.scale);
-          probabilities(p, i0, j0, window, lse_rows.data() + i0);
+          probabilities(p, ConsecutiveMask{i0, j0, window}, lse_rows.data() + i0);
           scores(dp, d.data() + at, vt.data() + pk * te, hs, 1.0f);  // dp = dout v^T
           if constexpr (bf16) {
             tile_to_bf16_row_pairs(p16.data(), p);
@@ -589,6 +624,222 @@ void backward(const Shape& sh, float* dqkv, const float* dout, const float* out,
   }
 }
 
+// ---- ring attention's per-block pieces (kernels/cpu/ring_attention.h) ---------------------------
+
+// A ring block's keys and values packed per (batch row, key/value head, key tile), its keys'
+// positions padded to whole tiles with INT_MAX (never attended) and each tile's position range.
+struct RingKeys {
+  int tiles = 0;
+  std::vector<int> kpos;
+  std::vector<PositionRange> ranges;
+};
+
+RingKeys ring_keys(const RingBlock& s) {
+  RingKeys r;
+  r.tiles = (s.Tk + kTile - 1) / kTile;
+  r.kpos.assign(static_cast<size_t>(r.tiles) * kTile, std::numeric_limits<int>::max());
+  std::copy(s.kpos, s.kpos + s.Tk, r.kpos.begin());
+  for (int jt = 0; jt < r.tiles; ++jt) r.ranges.push_back(position_range(s.kpos + jt * kTile, std::min(kTile, s.Tk - jt * kTile)));
+  return r;
+}
+
+// Packs every (batch row, key/value head, key tile) of the block's rows at src (k or v) with
+// `pack` into dst[B][NKV][tiles][64 hs].
+template <typename E>
+void ring_pack(std::vector<E>& dst, const RingBlock& s, int NKV, int hs, int tiles, const float* src,
+               void (*pack)(E*, const float*, int64_t, int, int)) {
+  const int64_t packs = static_cast<int64_t>(s.B) * NKV * tiles, te = static_cast<int64_t>(kTile) * hs;
+  dst.resize(static_cast<size_t>(packs * te));
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < packs; ++p) {
+    const int bg = static_cast<int>(p / tiles), jt = static_cast<int>(p % tiles);
+    const int b = bg / NKV, g = bg % NKV, j0 = jt * kTile;
+    pack(dst.data() + p * te, src + (static_cast<int64_t>(b) * s.Tk + j0) * s.ldkv + g * hs, s.ldkv,
+         std::min(kTile, s.Tk - j0), hs);
+  }
+}
+
+template <typename E>
+void ring_forward(const RingBlock& s, float* acc, float* m, float* l, const float* q, const float* k, const float* v) {
+  const int NKV = s.NKV == 0 ? s.NH : s.NKV, hs = s.C / s.NH, group = s.NH / NKV;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  const int64_t te = static_cast<int64_t>(kTile) * hs;
+  const RingKeys keys = ring_keys(s);
+  std::vector<E> kt, vp;
+  ring_pack<E>(kt, s, NKV, hs, keys.tiles, k, pack_transposed);
+  if constexpr (std::is_same_v<E, float>) {
+    ring_pack<E>(vp, s, NKV, hs, keys.tiles, v, pack_rows);
+  } else {
+    ring_pack<E>(vp, s, NKV, hs, keys.tiles, v, pack_row_pairs);
+  }
+  const int q_tiles = (s.Tq + kTile - 1) / kTile;
+  const int64_t tasks = static_cast<int64_t>(s.B) * s.NH * q_tiles;
+#pragma omp parallel
+  {
+    std::vector<float> buffer(static_cast<size_t>(kTile) * (kTile + hs + 2));
+    float* sc = buffer.data();      // [64][64] scores, then probabilities
+    float* o = sc + kTile * kTile;  // [64][hs] the tile's unnormalised output
+    float* mt = o + kTile * hs;     // [64] running maxima
+    float* lt = mt + kTile;         // [64] running sums
+    std::vector<E> qp(static_cast<size_t>(te));
+    std::vector<uint16_t> p16(std::is_same_v<E, float> ? 0 : kTile * kTile);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int bh = static_cast<int>(task / q_tiles), qt = static_cast<int>(task % q_tiles);
+      const int b = bh / s.NH, h = bh % s.NH, g = h / group;
+      const int i0 = qt * kTile, rows = std::min(kTile, s.Tq - i0);
+      const PositionRange qr = position_range(s.qpos + i0, rows);
+      pack_rows(qp.data(), q + (static_cast<int64_t>(b) * s.Tq + i0) * s.ldq + h * hs, s.ldq, rows, hs);
+      const int64_t stat = static_cast<int64_t>(bh) * s.Tq + i0;  // the tile's first row in m, l
+      for (int r = 0; r < kTile; ++r) {
+        float* orow = o + r * hs;
+        if (r < rows) {
+          const float* src = acc + (static_cast<int64_t>(b) * s.Tq + i0 + r) * s.C + h * hs;
+          std::copy(src, src + hs, orow);
+          mt[r] = m[stat + r], lt[r] = l[stat + r];
+        } else {
+          std::fill(orow, orow + hs, 0.0f);
+          mt[r] = -std::numeric_limits<float>::infinity(), lt[r] = 0.0f;
+        }
+      }
+      for (int jt = 0; jt < keys.tiles; ++jt) {
+        if (!ranges_meet(qr, keys.ranges[jt], s.window)) continue;  // wholly masked: never read
+        const int64_t pk = (static_cast<int64_t>(b) * NKV + g) * keys.tiles + jt;
+        scores(sc, qp.data(), kt.data() + pk * te, hs, scale);
+        online_softmax(sc, PositionMask{s.qpos + i0, rows, keys.kpos.data() + jt * kTile, s.window}, mt, lt, o, hs);
+        if constexpr (std::is_same_v<E, float>) {
+          accumulate(o, hs, sc, kTile, 1, vp.data() + pk * te, hs, hs);  // o += p v
+        } else {
+          tile_to_bf16(p16.data(), sc);
+          accumulate(o, hs, as_pairs(p16.data()), kTile / 2, 1, vp.data() + pk * te, hs, hs);
+        }
+      }
+      for (int r = 0; r < rows; ++r) {
+        std::copy(o + r * hs, o + (r + 1) * hs, acc + (static_cast<int64_t>(b) * s.Tq + i0 + r) * s.C + h * hs);
+        m[stat + r] = mt[r], l[stat + r] = lt[r];
+      }
+    }
+  }
+}
+
+template <typename E>
+void ring_backward(const RingBlock& s, float* dq, float* dk, float* dv, const float* dout, const float* lse,
+                   const float* delta, const float* q, const float* k, const float* v) {
+  constexpr bool bf16 = !std::is_same_v<E, float>;
+  const int NKV = s.NKV == 0 ? s.NH : s.NKV, hs = s.C / s.NH, group = s.NH / NKV;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  const int64_t te = static_cast<int64_t>(kTile) * hs;
+  const RingKeys keys = ring_keys(s);
+  // Per (b, g, key tile): k^T and v^T (the scores' and dp's right operands), k (dq's).
+  std::vector<E> kt, vt, kr;
+  ring_pack<E>(kt, s, NKV, hs, keys.tiles, k, pack_transposed);
+  ring_pack<E>(vt, s, NKV, hs, keys.tiles, v, pack_transposed);
+  if constexpr (bf16) {
+    ring_pack<E>(kr, s, NKV, hs, keys.tiles, k, pack_row_pairs);
+  } else {
+    ring_pack<E>(kr, s, NKV, hs, keys.tiles, k, pack_rows);
+  }
+  const int q_tiles = (s.Tq + kTile - 1) / kTile, Tp = q_tiles * kTile;
+  std::vector<PositionRange> q_ranges;
+  for (int it = 0; it < q_tiles; ++it) q_ranges.push_back(position_range(s.qpos + it * kTile, std::min(kTile, s.Tq - it * kTile)));
+  // Grouped heads: each query head's dk, dv [B][NH][2][Tk][hs], summed per group in head order after.
+  std::vector<float> head_dkv(group > 1 ? static_cast<size_t>(2) * s.B * s.NH * s.Tk * hs : 0);
+  const int tasks = s.B * s.NH;
+#pragma omp parallel
+  {
+    const size_t rows_elems = static_cast<size_t>(Tp) * hs;
+    std::vector<E> qp(rows_elems), d(rows_elems);  // the head's q and dout, rows [Tp][hs]
+    std::vector<uint16_t> q2(bf16 ? rows_elems : 0), d2(bf16 ? rows_elems : 0);  // bf16: row pairs
+    std::vector<float> dql(rows_elems), delta_rows(Tp), lse_rows(Tp);
+    std::vector<float> tile(static_cast<size_t>(2) * kTile * kTile + 2 * te);
+    float* p = tile.data();           // [64][64] probabilities
+    float* dp = p + kTile * kTile;    // [64][64] their gradient, then the scores'
+    float* dkt = dp + kTile * kTile;  // [64][hs] the key tile's gradient
+    float* dvt = dkt + te;            // [64][hs] the value tile's gradient
+    std::vector<uint16_t> p16(bf16 ? kTile * kTile : 0), ds16(bf16 ? kTile * kTile : 0);
+#pragma omp for schedule(dynamic, 1)
+    for (int bh = 0; bh < tasks; ++bh) {
+      const int b = bh / s.NH, h = bh % s.NH, g = h / group;
+      for (int it = 0; it < q_tiles; ++it) {
+        const int i0 = it * kTile, rows = std::min(kTile, s.Tq - i0);
+        const float* qsrc = q + (static_cast<int64_t>(b) * s.Tq + i0) * s.ldq + h * hs;
+        const float* dsrc = dout + (static_cast<int64_t>(b) * s.Tq + i0) * s.C + h * hs;
+        pack_rows(qp.data() + i0 * hs, qsrc, s.ldq, rows, hs);
+        pack_rows(d.data() + i0 * hs, dsrc, s.C, rows, hs);
+        if constexpr (bf16) {
+          pack_row_pairs(q2.data() + i0 * hs, qsrc, s.ldq, rows, hs);
+          pack_row_pairs(d2.data() + i0 * hs, dsrc, s.C, rows, hs);
+        }
+      }
+      for (int t = 0; t < Tp; ++t) {
+        delta_rows[t] = t < s.Tq ? delta[static_cast<int64_t>(bh) * s.Tq + t] : 0.0f;
+        lse_rows[t] = t < s.Tq ? lse[static_cast<int64_t>(bh) * s.Tq + t] : 0.0f;
+      }
+      std::fill(dql.begin(), dql.end(), 0.0f);
+      for (int jt = 0; jt < keys.tiles; ++jt) {
+        const int j0 = jt * kTile;
+        const int64_t pk = (static_cast<int64_t>(b) * NKV + g) * keys.tiles + jt;
+        std::fill(dkt, dkt + 2 * te, 0.0f);
+        for (int it = 0; it < q_tiles; ++it) {
+          if (!ranges_meet(q_ranges[it], keys.ranges[jt], s.window)) continue;
+          const int i0 = it * kTile, rows = std::min(kTile, s.Tq - i0);
+          const int64_t at = static_cast<int64_t>(i0) * hs;
+          scores(p, qp.data() + at, kt.data() + pk * te, hs, scale);
+          probabilities(p, PositionMask{s.qpos + i0, rows, keys.kpos.data() + j0, s.window}, lse_rows.data() + i0);
+          scores(dp, d.data() + at, vt.data() + pk * te, hs, 1.0f);  // dp = dout v^T
+          if constexpr (bf16) {
+            tile_to_bf16_row_pairs(p16.data(), p);
+            accumulate(dvt, hs, as_pairs(p16.data()), 1, kTile, d2.data() + at, hs, hs);  // dv += p^T dout
+          } else {
+            accumulate(dvt, hs, p, 1, kTile, d.data() + at, hs, hs);
+          }
+          score_gradient(dp, p, delta_rows.data() + i0, scale);  // ds = p (dp - delta) scale
+          if constexpr (bf16) {
+            tile_to_bf16(ds16.data(), dp);
+            accumulate(dql.data() + at, hs, as_pairs(ds16.data()), kTile / 2, 1, kr.data() + pk * te, hs, hs);  // dq += ds k
+            tile_to_bf16_row_pairs(ds16.data(), dp);
+            accumulate(dkt, hs, as_pairs(ds16.data()), 1, kTile, q2.data() + at, hs, hs);  // dk += ds^T q
+          } else {
+            accumulate(dql.data() + at, hs, dp, kTile, 1, kr.data() + pk * te, hs, hs);
+            accumulate(dkt, hs, dp, 1, kTile, qp.data() + at, hs, hs);
+          }
+        }
+        const int cols = std::min(kTile, s.Tk - j0);
+        for (int c = 0; c < cols; ++c) {
+          if (group == 1) {
+            float* dk_dst = dk + (static_cast<int64_t>(b) * s.Tk + j0 + c) * s.ldkv + g * hs;
+            float* dv_dst = dv + (static_cast<int64_t>(b) * s.Tk + j0 + c) * s.ldkv + g * hs;
+            for (int e = 0; e < hs; ++e) dk_dst[e] += dkt[c * hs + e], dv_dst[e] += dvt[c * hs + e];
+          } else {
+            float* dst = head_dkv.data() + ((static_cast<int64_t>(bh) * 2) * s.Tk + j0 + c) * hs;
+            std::copy(dkt + c * hs, dkt + (c + 1) * hs, dst);
+            std::copy(dvt + c * hs, dvt + (c + 1) * hs, dst + static_cast<int64_t>(s.Tk) * hs);
+          }
+        }
+      }
+      for (int t = 0; t < s.Tq; ++t) {
+        float* dst = dq + (static_cast<int64_t>(b) * s.Tq + t) * s.ldq + h * hs;
+        const float* src = dql.data() + static_cast<int64_t>(t) * hs;
+        for (int e = 0; e < hs; ++e) dst[e] += src[e];
+      }
+    }
+  }
+  if (group == 1) return;
+#pragma omp parallel for schedule(static)
+  for (int64_t bt = 0; bt < static_cast<int64_t>(s.B) * s.Tk; ++bt) {
+    const int b = static_cast<int>(bt / s.Tk), t = static_cast<int>(bt % s.Tk);
+    for (int g = 0; g < NKV; ++g) {
+      for (int part = 0; part < 2; ++part) {  // 0: dk, 1: dv
+        float* dst = (part == 0 ? dk : dv) + bt * s.ldkv + g * hs;
+        for (int h = g * group; h < (g + 1) * group; ++h) {  // head order: a fixed summation order
+          const float* src = head_dkv.data() + ((static_cast<int64_t>(b * s.NH + h) * 2 + part) * s.Tk + t) * hs;
+          for (int e = 0; e < hs; ++e) dst[e] += src[e];
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void blockwise_attention_forward_vector(MatmulPrecision precision, float* out, float* lse, const float* qkv, int B,
@@ -598,6 +849,25 @@ void blockwise_attention_forward_vector(MatmulPrecision precision, float* out, f
     forward<uint16_t>(sh, out, lse, qkv, window);
   } else {
     forward<float>(sh, out, lse, qkv, window);
+  }
+}
+
+void ring_attention_forward_vector(MatmulPrecision precision, float* acc, float* m, float* l, const float* q,
+                                   const float* k, const float* v, const RingBlock& s) {
+  if (precision == MatmulPrecision::bf16) {
+    ring_forward<uint16_t>(s, acc, m, l, q, k, v);
+  } else {
+    ring_forward<float>(s, acc, m, l, q, k, v);
+  }
+}
+
+void ring_attention_backward_vector(MatmulPrecision precision, float* dq, float* dk, float* dv, const float* dout,
+                                    const float* lse, const float* delta, const float* q, const float* k,
+                                    const float* v, const RingBlock& s) {
+  if (precision == MatmulPrecision::bf16) {
+    ring_backward<uint16_t>(s, dq, dk, dv, dout, lse, delta, q, k, v);
+  } else {
+    ring_backward<float>(s, dq, dk, dv, dout, lse, delta, q, k, v);
   }
 }
 

@@ -27,6 +27,18 @@ void blockwise_attention_backward_vector(MatmulPrecision precision, float* dqkv,
                                          const float* lse, const float* qkv, int B, int Tn, int C, int NH, int NKV,
                                          int window);
 
+// The vector path of ring attention's per-block pieces (kernels/cpu/ring_attention.h
+// ring_attention_forward_block / _backward_block, float): the same micro-kernels on the block's
+// packed tiles, each tile row's allowed keys found by comparing positions. Tasks as above: the
+// forward per (batch row, query head, query tile), the backward per (batch row, query head) with
+// its key tiles in order; a grouped key/value head's gradient sums its heads in head order.
+struct RingBlock;
+void ring_attention_forward_vector(MatmulPrecision precision, float* acc, float* m, float* l, const float* q,
+                                   const float* k, const float* v, const RingBlock& s);
+void ring_attention_backward_vector(MatmulPrecision precision, float* dq, float* dk, float* dv, const float* dout,
+                                    const float* lse, const float* delta, const float* q, const float* k,
+                                    const float* v, const RingBlock& s);
+
 // Milliseconds of one forward and one backward pass of causal attention over B rows of Tn tokens
 // (qkv's layout as ops.h; synthetic data), dense (attention_forward / _backward_input) or blockwise
 // (flash_attention_*, window as there), with the caller's threads: the least of `repeats` timed

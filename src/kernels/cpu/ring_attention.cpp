@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "kernels/cpu/attention.h"
 #include "kernels/cpu/blas.h"
 #include "kernels/cpu/vmath.h"
 
@@ -18,21 +20,13 @@ constexpr int kTile = 64;  // rows of a query tile and of a key tile
 
 inline bool allowed(int i, int j, int window) { return j <= i && (window <= 0 || j > i - window); }
 
-struct Range {
-  int lo, hi;
-};
-inline Range range_of(const int* pos, int n) {
-  Range r{pos[0], pos[0]};
+}  // namespace
+
+PositionRange position_range(const int* pos, int n) {
+  PositionRange r{pos[0], pos[0]};
   for (int t = 1; t < n; ++t) r.lo = std::min(r.lo, pos[t]), r.hi = std::max(r.hi, pos[t]);
   return r;
 }
-// Whether some query of the range may attend to some key of the other (exact for ranges of
-// consecutive positions, conservative otherwise: the element mask decides).
-inline bool ranges_meet(Range q, Range k, int window) {
-  return k.lo <= q.hi && (window <= 0 || k.hi > q.lo - window);
-}
-
-}  // namespace
 
 bool ring_block_visible(const RingBlock& s) {
   if (s.Tq == 0 || s.Tk == 0) return false;
@@ -40,7 +34,7 @@ bool ring_block_visible(const RingBlock& s) {
     const int rows = std::min(kTile, s.Tq - i0);
     for (int j0 = 0; j0 < s.Tk; j0 += kTile) {
       const int cols = std::min(kTile, s.Tk - j0);
-      if (!ranges_meet(range_of(s.qpos + i0, rows), range_of(s.kpos + j0, cols), s.window)) continue;
+      if (!ranges_meet(position_range(s.qpos + i0, rows), position_range(s.kpos + j0, cols), s.window)) continue;
       for (int r = 0; r < rows; ++r)
         for (int c = 0; c < cols; ++c)
           if (allowed(s.qpos[i0 + r], s.kpos[j0 + c], s.window)) return true;
@@ -60,6 +54,12 @@ void ring_attention_begin(T* acc, T* m, T* l, const RingBlock& s) {
 template <typename T>
 void ring_attention_forward_block(MatmulPrecision precision, T* acc, T* m, T* l, const T* q, const T* k, const T* v,
                                   const RingBlock& s) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (blockwise_attention_vectorized(precision, s.C / s.NH)) {
+      ring_attention_forward_vector(precision, acc, m, l, q, k, v, s);
+      return;
+    }
+  }
   const int NKV = s.NKV == 0 ? s.NH : s.NKV, hs = s.C / s.NH, group = s.NH / NKV;
   const T scale = T(1) / std::sqrt(static_cast<T>(hs));
   const int q_tiles = (s.Tq + kTile - 1) / kTile;
@@ -73,7 +73,7 @@ void ring_attention_forward_block(MatmulPrecision precision, T* acc, T* m, T* l,
       const int bh = task / q_tiles, qt = task % q_tiles;
       const int b = bh / s.NH, h = bh % s.NH, g = h / group;
       const int i0 = qt * kTile, rows = std::min(kTile, s.Tq - i0);
-      const Range qr = range_of(s.qpos + i0, rows);
+      const PositionRange qr = position_range(s.qpos + i0, rows);
       const T* qt_rows = q + (static_cast<int64_t>(b) * s.Tq + i0) * s.ldq + h * hs;
       T* mt = m + static_cast<int64_t>(bh) * s.Tq + i0;
       T* lt = l + static_cast<int64_t>(bh) * s.Tq + i0;
@@ -83,7 +83,7 @@ void ring_attention_forward_block(MatmulPrecision precision, T* acc, T* m, T* l,
       }
       for (int j0 = 0; j0 < s.Tk; j0 += kTile) {
         const int cols = std::min(kTile, s.Tk - j0);
-        if (!ranges_meet(qr, range_of(s.kpos + j0, cols), s.window)) continue;  // wholly masked: never read
+        if (!ranges_meet(qr, position_range(s.kpos + j0, cols), s.window)) continue;  // wholly masked: never read
         const int64_t at = (static_cast<int64_t>(b) * s.Tk + j0) * s.ldkv + g * hs;
         gemm<T>(precision, false, true, rows, cols, hs, scale, qt_rows, static_cast<int>(s.ldq), k + at,
                 static_cast<int>(s.ldkv), T(0), p, kTile);
@@ -157,6 +157,12 @@ void ring_attention_delta(T* delta, const T* dout, const T* out, const RingBlock
 template <typename T>
 void ring_attention_backward_block(MatmulPrecision precision, T* dq, T* dk, T* dv, const T* dout, const T* lse,
                                    const T* delta, const T* q, const T* k, const T* v, const RingBlock& s) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (blockwise_attention_vectorized(precision, s.C / s.NH)) {
+      ring_attention_backward_vector(precision, dq, dk, dv, dout, lse, delta, q, k, v, s);
+      return;
+    }
+  }
   const int NKV = s.NKV == 0 ? s.NH : s.NKV, hs = s.C / s.NH, group = s.NH / NKV;
   const T scale = T(1) / std::sqrt(static_cast<T>(hs));
   const int ldq = static_cast<int>(s.ldq), ldkv = static_cast<int>(s.ldkv);
@@ -173,12 +179,12 @@ void ring_attention_backward_block(MatmulPrecision precision, T* dq, T* dk, T* d
         const int64_t bh = static_cast<int64_t>(b) * s.NH + h;
         for (int i0 = 0; i0 < s.Tq; i0 += kTile) {
           const int rows = std::min(kTile, s.Tq - i0);
-          const Range qr = range_of(s.qpos + i0, rows);
+          const PositionRange qr = position_range(s.qpos + i0, rows);
           const int64_t qat = (static_cast<int64_t>(b) * s.Tq + i0) * s.ldq + h * hs;
           const T* d = dout + (static_cast<int64_t>(b) * s.Tq + i0) * s.C + h * hs;
           for (int j0 = 0; j0 < s.Tk; j0 += kTile) {
             const int cols = std::min(kTile, s.Tk - j0);
-            if (!ranges_meet(qr, range_of(s.kpos + j0, cols), s.window)) continue;
+            if (!ranges_meet(qr, position_range(s.kpos + j0, cols), s.window)) continue;
             const int64_t kat = (static_cast<int64_t>(b) * s.Tk + j0) * s.ldkv + g * hs;
             gemm<T>(precision, false, true, rows, cols, hs, scale, q + qat, ldq, k + kat, ldkv, T(0), p, kTile);
             for (int r = 0; r < rows; ++r) {

@@ -15,8 +15,10 @@
 // b * Tq * ldq (a qkv buffer's q part: ldq = C + 2 * NKV * hs). Keys and values likewise, NKV heads,
 // row stride ldkv, batch stride Tk * ldkv (a qkv buffer's k and v parts, or a packed block
 // [B, Tk, 2 * NKV * hs] of k | v). Query head h reads key/value head h / (NH / NKV).
-// Work is split into tasks (batch row, key/value head) whose sums run in a fixed order: the same
-// bytes for any thread count.
+// Work is split into tasks whose sums run in a fixed order: the same bytes for any thread count.
+// Float blocks run on the blockwise kernel's vector path (kernels/cpu/attention.h) where it runs
+// these shapes (AVX-512, head sizes a multiple of 16); elsewhere, and for double, a tile at a time
+// through BLAS products.
 #pragma once
 
 #include <cstdint>
@@ -39,6 +41,17 @@ struct RingBlock {
   const int* qpos = nullptr;  // [Tq] the queries' global positions
   const int* kpos = nullptr;  // [Tk] the keys' global positions
 };
+
+// The least and greatest of n >= 1 positions, and whether some query of range q may attend to some
+// key of range k (exact for ranges of consecutive positions, conservative otherwise: the element
+// mask decides). Tiles whose ranges do not meet are never read.
+struct PositionRange {
+  int lo, hi;
+};
+PositionRange position_range(const int* pos, int n);
+inline bool ranges_meet(PositionRange q, PositionRange k, int window) {
+  return k.lo <= q.hi && (window <= 0 || k.hi > q.lo - window);
+}
 
 // Whether any query may attend to any key of the block (a ring step that is not, is skipped).
 bool ring_block_visible(const RingBlock& s);
