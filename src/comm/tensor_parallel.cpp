@@ -47,8 +47,6 @@ void validate_tensor_parallel_config(const Config& c) {
   }
   check(c.parallel.zero <= 2, "config key 'parallel.zero': expected 0, 1 or 2 with parallel.tensor > 1 (ZeRO-3 is not "
                               "yet supported together), found " + std::to_string(c.parallel.zero));
-  not_yet(c.sync.codec == SyncCodec::none, "sync.codec", "\"" + std::string(to_string(c.sync.codec)) + "\"");
-  not_yet(!tiering_enabled(c.tier), "tier.device_mib", std::to_string(c.tier.device_mib));
 }
 
 double tensor_grad_squares(GPT& model, Communicator& tensor) {
@@ -63,6 +61,36 @@ double tensor_grad_squares(GPT& model, Communicator& tensor) {
     sums[layout.shards[k].split() ? 0 : 1] += s;
   }
   return tensor.allreduce_sum(sums[0]) + sums[1];
+}
+
+void tensor_share_replicated_grads(GPT& model, Communicator& tensor) {
+  ChunkStore& store = model.store();
+  const ModelLayout& layout = model.layout();
+  std::vector<size_t> replicated;
+  int64_t total = 0;
+  for (size_t k = 0; k < layout.tensors.size(); ++k) {
+    if (layout.shards[k].split()) continue;
+    replicated.push_back(k);
+    total += store.tensors()[model.tensor_ids()[k]].numel;
+  }
+  std::vector<float> buffer(static_cast<size_t>(total));
+  auto each = [&](bool into_buffer) {
+    int64_t at = 0;
+    for (size_t k : replicated) {
+      const TensorId id = model.tensor_ids()[k];
+      const PageLease use = into_buffer ? store.use_tensor(id, {Plane::grad}) : store.use_tensor(id, {}, {Plane::grad});
+      const std::span<float> g = store.view(id, Plane::grad);
+      if (into_buffer) {
+        std::copy(g.begin(), g.end(), buffer.begin() + at);
+      } else {
+        std::copy_n(buffer.begin() + at, g.size(), g.begin());
+      }
+      at += static_cast<int64_t>(g.size());
+    }
+  };
+  if (tensor.rank() == 0) each(true);
+  tensor.broadcast(buffer.data(), buffer.size(), 0);
+  if (tensor.rank() != 0) each(false);
 }
 
 double tensor_grad_share(GPT& model, int tensor_rank, std::pair<int, int> chunks) {
@@ -114,6 +142,7 @@ void WholeModelState::gather() {
       const Plane plane = k == 0 ? Plane::adam_m : Plane::adam_v;
       std::vector<float>& all = moment_planes_[k];
       all.assign(static_cast<size_t>(moments_->begin.back()), 0.0f);
+      const PageLease use = shards.use_range(plane, moments_->begin[me], moments_->size(me), false);
       const std::span<const float> own = std::as_const(shards).range_view(plane, moments_->begin[me], moments_->size(me));
       std::copy(own.begin(), own.end(), all.begin() + moments_->begin[me]);
       data_->allgatherv(all.data(), moments_->counts(), moments_->displs());
@@ -122,6 +151,10 @@ void WholeModelState::gather() {
   for (size_t k = 0; k < layout.tensors.size(); ++k) {
     const TensorShard& shard = layout.shards[k];
     const TensorId mine = model_.tensor_ids()[k];
+    // The planes read from the store, through its residency (under memory tiers a page may be
+    // homed on the host or NVMe tier); under ZeRO the moments come from the gathered planes.
+    const PageLease use = moments_ != nullptr ? shards.use_tensor(mine, {Plane::param})
+                                              : shards.use_tensor(mine, {Plane::param, Plane::adam_m, Plane::adam_v});
     for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
       const float* gathered = gathered_moments(plane);
       const TensorInfo& info = shards.tensors()[mine];
@@ -147,6 +180,7 @@ void WholeModelState::gather() {
   uint64_t hash = 1469598103934665603ull;
   for (size_t k = 0; k < layout.tensors.size(); ++k) {
     if (layout.shards[k].split()) continue;
+    const PageLease use = shards.use_tensor(model_.tensor_ids()[k], {Plane::param});
     for (float v : std::as_const(shards).view(model_.tensor_ids()[k], Plane::param)) {
       hash = (hash ^ std::bit_cast<uint32_t>(v)) * 1099511628211ull;
     }
@@ -171,6 +205,9 @@ void WholeModelState::scatter() {
   }
   for (size_t k = 0; k < layout.tensors.size(); ++k) {
     const TensorId mine = model_.tensor_ids()[k];
+    const PageLease use = moments_ != nullptr
+                              ? shards.use_tensor(mine, {}, {Plane::param})
+                              : shards.use_tensor(mine, {}, {Plane::param, Plane::adam_m, Plane::adam_v});
     for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
       std::span<const float> whole = std::as_const(*whole_).view(whole_ids_[k], plane);
       float* gathered = gathered_moments(plane);
@@ -181,6 +218,8 @@ void WholeModelState::scatter() {
   if (moments_ != nullptr) {
     const int me = data_->rank();
     for (int k = 0; k < 2; ++k) {
+      const PageLease use = shards.use_range(k == 0 ? Plane::adam_m : Plane::adam_v, moments_->begin[me],
+                                             moments_->size(me), true);
       const std::span<float> own = shards.range_view(k == 0 ? Plane::adam_m : Plane::adam_v, moments_->begin[me], moments_->size(me));
       std::copy_n(moment_planes_[k].begin() + moments_->begin[me], own.size(), own.begin());
     }

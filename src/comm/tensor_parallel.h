@@ -70,6 +70,15 @@ double tensor_grad_squares(GPT& model, Communicator& tensor);
 // Replicas of tied tensors are counted at home. Local.
 double tensor_grad_share(GPT& model, int tensor_rank, std::pair<int, int> chunks);
 
+// Compressed gradient sync (sync.codec) runs on the data dimension: each tensor rank compresses
+// its own store's chunks over its data group, and a chunk's blocks mix the rank's shards of split
+// tensors with the replicated tensors (norms, biases of row-parallel products, the position
+// table), so the replicated tensors' decoded gradients would differ between the group's ranks, and
+// so would their updates. The group's first rank's decoded gradients of the replicated tensors are
+// broadcast to the others (its data group's error feedback accounts for what it sent; the other
+// ranks' residuals for those elements go unused). Collective over the group.
+void tensor_share_replicated_grads(GPT& model, Communicator& tensor);
+
 // A tensor-parallel rank's parameters and AdamW moments in the whole model's layout, so
 // checkpoints are written and read as one rank (or one pipeline stage) writes them: any tensor
 // size resumes any other. Holds a store of the unsplit tensors of the rank's layers (the whole

@@ -208,6 +208,7 @@ void PipelineStep::update(int64_t step, double lr, double& loss_sum, StepResult&
     // group, replicated ones once), and every rank of the last stage's group holds the same loss:
     // the group's first rank counts it.
     Communicator* tensor = groups_.tp();
+    if (tensor != nullptr && config_.sync.codec != SyncCodec::none) tensor_share_replicated_grads(model_, *tensor);
     const bool sharded = optimizer_.norm_is_sharded();
     const double squares = tensor == nullptr ? optimizer_.local_grad_squares()
                            : sharded         ? tensor_grad_share(model_, tensor->rank(), optimizer_.own_chunks())

@@ -50,6 +50,7 @@ StepResult SingleStageStep::run(int64_t step, double lr) {
     model_.backward(batch, false, &sync_);
   }
   sync_.finish();
+  if (tp_ && config_.sync.codec != SyncCodec::none) tensor_share_replicated_grads(model_, *tp_);
   StepResult r;
   r.sync = sync_.stats();
   optimizer_.clear_frozen_grads(step);
