@@ -342,6 +342,25 @@ TEST_F(TensorParallel, PipelineTimesTensorTrainsWhatOneRankTrains) {
   }
 }
 
+// The text Gantt chart of a traced pipeline x tensor run is replica 0's stages (world ranks 0 and
+// 2: each stage's first tensor rank), so its bubble is the one the step line reports (measured
+// over the same stages); it used to draw world ranks 0 and 1, two tensor ranks of stage 0.
+TEST_F(TensorParallel, PipelineTraceDrawsReplicaZerosStages) {
+  auto r = train(4, 8, "trace", "--set parallel.pipeline=2 --set parallel.tensor=2 --set parallel.micro_batches=4 "
+                                "--set parallel.trace=true --set train.steps=2 --set train.log_every=1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto percent_before = [&](const std::string& marker) {
+    const size_t at = r.output.rfind(marker);
+    EXPECT_NE(at, std::string::npos) << marker << "\n" << r.output;
+    if (at == std::string::npos) return -1.0;
+    const size_t start = r.output.rfind("bubble ", at) + 7;
+    return std::stod(r.output.substr(start, at - start));
+  };
+  const double gantt = percent_before("%; Chrome trace"), step_line = percent_before("%, waits");
+  EXPECT_GT(gantt, 0);
+  EXPECT_EQ(gantt, step_line) << r.output;
+}
+
 // A pipeline x tensor run's checkpoints hold the whole model (each stage's tensor group gathers
 // its layers' shards): resumed on the same layout it continues to the uninterrupted run's bytes
 // (parameters and both moments); one rank takes up its checkpoint, and it takes up one rank's, to

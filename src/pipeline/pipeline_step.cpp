@@ -325,8 +325,15 @@ void PipelineStep::write_trace(int64_t step, const std::vector<std::string>& tim
   const std::string path = config_.train.run_dir + "/pipeline_trace.json";
   const std::string trace = chrome_trace(timeline, std::string("keel ") + to_string(config_.parallel.schedule) + " step " + std::to_string(step + 1));
   write_file_atomic(path, {ByteRange{trace.data(), trace.size()}});
-  // The same step as a text Gantt chart (replica 0), under the run's summary.
-  timeline.per_rank.resize(config_.parallel.pipeline);
+  // The same step as a text Gantt chart (replica 0), under the run's summary: its stages are
+  // world ranks stage x (context x tensor) (comm/process_groups.h), the first context and tensor
+  // rank of each.
+  const int stride = std::max(1, config_.parallel.context) * std::max(1, config_.parallel.tensor);
+  Timeline replica0;
+  for (int stage = 0; stage < config_.parallel.pipeline; ++stage) {
+    replica0.per_rank.push_back(std::move(timeline.per_rank.at(static_cast<size_t>(stage) * stride)));
+  }
+  timeline = std::move(replica0);
   account_bubble(timeline);
   std::printf("keel: pipeline timeline of step %lld (replica 0; F forward, B input grads, W weight grads, S sync + "
               "optimizer, . idle), bubble %.1f%%; Chrome trace %s\n%s",
