@@ -175,10 +175,17 @@ TEST(ModelLayout, StagesPartitionTheWholeModel) {
 }
 
 // The simulator's closed-form parameter counts per layer are the layout's (the whole model's,
-// never allocated: a 124M- and a 110M-parameter model).
+// never allocated: a 124M- and a 110M-parameter model; mixtures of experts with and without a
+// shared expert, every block or every second one).
 TEST(ModelLayout, ParameterCountsPerLayerAreTheSimulatorsClosedForm) {
-  for (const std::string set : {"model.preset=gpt2-124m", "model.preset=llama-110m", "model.preset=llama-d4"}) {
-    Config c = Config::load("", {set});
+  for (const std::vector<std::string>& sets :
+       std::vector<std::vector<std::string>>{{"model.preset=gpt2-124m"},
+                                             {"model.preset=llama-110m"},
+                                             {"model.preset=llama-d4"},
+                                             {"model.preset=llama-moe-tiny"},
+                                             {"model.preset=llama-moe-d4", "model.moe_every=2"}}) {
+    const std::string set = sets.back();
+    Config c = Config::load("", sets);
     c.resolve(1);
     const ModelLayout layout = model_layout(c.model);
     std::vector<double> per_layer(static_cast<size_t>(c.model.n_layer + 2), 0.0);

@@ -4,6 +4,8 @@
 // store), and the dynamic micro-batch choice on synthetic measurements.
 #include <gtest/gtest.h>
 
+#include "core/config.h"
+
 #include <cmath>
 #include <functional>
 
@@ -103,6 +105,24 @@ TEST(PipelineLayout, HeadCostsMoreThanABlockAtALargeVocabulary) {
   ASSERT_EQ(c.size(), 6u);
   EXPECT_LT(c[0], c[1]);
   EXPECT_GT(c[5], c[1]);
+}
+
+// A mixture-of-experts block costs what one token activates: llama-moe-d4's top-2 of 8 experts of
+// 352 units are llama-d4's 704 dense units, plus the router (2 C E); its dense blocks
+// (model.moe_every = 2) cost a dense block's.
+TEST(PipelineLayout, MoeBlocksCostTheirActiveExperts) {
+  Config dense = Config::load("", {"model.preset=llama-d4"}), moe = Config::load("", {"model.preset=llama-moe-d4"});
+  dense.resolve(1);
+  moe.resolve(1);
+  ASSERT_EQ(moe.model.moe_top_k * moe.model.moe_hidden, dense.model.ffn_hidden);
+  const std::vector<double> d = pipeline::layer_costs(dense.model, 128), e = pipeline::layer_costs(moe.model, 128);
+  const double C = 256, E = 8;
+  for (int l = 1; l <= 4; ++l) EXPECT_DOUBLE_EQ(e[l], d[l] + 2 * C * E) << l;
+  moe = Config::load("", {"model.preset=llama-moe-d4", "model.moe_every=2"});
+  moe.resolve(1);
+  const std::vector<double> every2 = pipeline::layer_costs(moe.model, 128);
+  EXPECT_DOUBLE_EQ(every2[1], d[1]);
+  EXPECT_DOUBLE_EQ(every2[2], d[2] + 2 * C * E);
 }
 
 // Two stages of one model on slots, one micro-batch after another in a 1F1B-like order, give the

@@ -15,7 +15,11 @@ std::vector<double> layer_costs(const ModelConfig& m, int T) {
   // GPT-2: qkv, proj, fc, fcproj, attention; llama: qkv (grouped kv), proj, gate + up, down, attention.
   const double block = m.llama() ? 2 * C * m.qkv_dim() + 2 * C * C + 6 * C * m.ffn_hidden + 4.0 * T * C
                                  : 24 * C * C + 4.0 * T * C;
-  for (int l = 0; l < m.n_layer; ++l) costs.push_back(block);
+  // A mixture-of-experts block (model/moe.h): the router, the k chosen experts' SwiGLUs and the
+  // shared experts' in place of the dense MLP (what one token activates).
+  const double moe_block = block - 6 * C * m.ffn_hidden + 2 * C * m.moe_experts +
+                           6 * C * m.moe_hidden * (static_cast<double>(m.moe_top_k) + std::max(0, m.moe_shared_experts));
+  for (int l = 0; l < m.n_layer; ++l) costs.push_back(m.moe_block(l) ? moe_block : block);
   costs.push_back(2 * C * V + 5 * V);                  // tied head and the softmax cross-entropy
   return costs;
 }

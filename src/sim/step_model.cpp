@@ -192,8 +192,16 @@ double layer_forward_ms(const ModelConfig& m, int i, double tokens, int T, int t
     const double heads = static_cast<double>(m.n_head) / tp * tokens / T;  // (sequence, head) pairs
     gemm(T, T, hs, heads), gemm(T, hs, T, heads);
     gemm(tokens, C, C / tp, 1);
-    gemm(tokens, ffn / tp, C, m.llama() ? 2 : 1);
-    gemm(tokens, C, ffn / tp, 1);
+    if (m.moe_block(i - 1)) {  // the router; each expert's rows (balanced routing); the shared experts
+      const double E = m.moe_experts, Hm = m.moe_hidden, rows = tokens * m.moe_top_k / E;
+      const double shared = std::max(0, m.moe_shared_experts) * Hm;
+      gemm(tokens, E, C, 1);
+      gemm(rows, 2 * Hm, C, E), gemm(rows, C, Hm, E);
+      if (shared > 0) gemm(tokens, 2 * shared, C, 1), gemm(tokens, C, shared, 1);
+    } else {
+      gemm(tokens, ffn / tp, C, m.llama() ? 2 : 1);
+      gemm(tokens, C, ffn / tp, 1);
+    }
   } else if (i == m.n_layer + 1) {
     gemm(tokens, V / tp, C, 1);
   }
@@ -231,7 +239,10 @@ std::vector<double> layer_params(const ModelConfig& m) {
   std::vector<double> out;
   out.push_back(Vp * C + (m.llama() ? 0.0 : static_cast<double>(m.max_seq_len) * C));
   const double block = m.llama() ? 2 * C + m.qkv_dim() * C + C * C + 3.0 * m.ffn_hidden * C : 12 * C * C + 13 * C;
-  for (int l = 0; l < m.n_layer; ++l) out.push_back(block);
+  // A mixture-of-experts block holds every expert (and the router, the shared experts) in place of the MLP.
+  const double moe_block = block - 3.0 * m.ffn_hidden * C + m.moe_experts * C +
+                           3.0 * m.moe_hidden * C * (static_cast<double>(m.moe_experts) + std::max(0, m.moe_shared_experts));
+  for (int l = 0; l < m.n_layer; ++l) out.push_back(m.moe_block(l) ? moe_block : block);
   out.push_back(m.llama() ? C + (m.tie_embeddings.value_or(false) ? 0.0 : Vp * C) : 2 * C);
   return out;
 }
