@@ -421,6 +421,35 @@ void score_gradient(float* dp, const float* p, const float* delta, float scale) 
 
 inline const uint32_t* as_pairs(const uint16_t* p) { return reinterpret_cast<const uint32_t*>(p); }
 
+// One (query tile, key tile) pair of the backward, in the scratch of its task: p = the tile's
+// probabilities (mask_of as the forward's), dp = dout v^T, dv += p^T dout, ds = p (dp - delta)
+// scale, dq += ds k, dk += ds^T q. q, d: the query tile's rows (q2, d2: as bf16 row pairs), kt,
+// vt, kr: the key tile packed as k^T, v^T and k (row pairs in bf16); lse, delta: the query rows'.
+template <typename E, typename MaskOf>
+void backward_tile(const MaskOf& mask_of, int hs, float scale, const E* q, const uint16_t* q2, const E* d,
+                   const uint16_t* d2, const E* kt, const E* vt, const E* kr, const float* lse, const float* delta,
+                   float* p, float* dp, uint16_t* p16, uint16_t* ds16, float* dq, float* dk, float* dv) {
+  scores(p, q, kt, hs, scale);
+  probabilities(p, mask_of, lse);
+  scores(dp, d, vt, hs, 1.0f);  // dp = dout v^T
+  if constexpr (std::is_same_v<E, float>) {
+    accumulate(dv, hs, p, 1, kTile, d, hs, hs);  // dv += p^T dout
+  } else {
+    tile_to_bf16_row_pairs(p16, p);
+    accumulate(dv, hs, as_pairs(p16), 1, kTile, d2, hs, hs);
+  }
+  score_gradient(dp, p, delta, scale);  // ds = p (dp - delta) scale
+  if constexpr (std::is_same_v<E, float>) {
+    accumulate(dq, hs, dp, kTile, 1, kr, hs, hs);  // dq += ds k
+    accumulate(dk, hs, dp, 1, kTile, q, hs, hs);   // dk += ds^T q
+  } else {
+    tile_to_bf16(ds16, dp);
+    accumulate(dq, hs, as_pairs(ds16), kTile / 2, 1, kr, hs, hs);
+    tile_to_bf16_row_pairs(ds16, dp);
+    accumulate(dk, hs, as_pairs(ds16), 1, kTile, q2, hs, hs);
+  }
+}
+
 struct Shape {
   int B, Tn, C, NH, NKV, hs, group, kv, C3, tiles;
   float scale;
@@ -563,25 +592,10 @@ void backward(const Shape& sh, float* dqkv, const float* dout, const float* out,
         for (int it = jt; it <= it_last; ++it) {
           const int i0 = it * kTile;
           const int64_t at = static_cast<int64_t>(i0) * hs;
-          scores(p, q.data() + at, kt.data() + pk * te, hs, sh.scale);
-          probabilities(p, ConsecutiveMask{i0, j0, window}, lse_rows.data() + i0);
-          scores(dp, d.data() + at, vt.data() + pk * te, hs, 1.0f);  // dp = dout v^T
-          if constexpr (bf16) {
-            tile_to_bf16_row_pairs(p16.data(), p);
-            accumulate(dv, hs, as_pairs(p16.data()), 1, kTile, d2.data() + at, hs, hs);  // dv += p^T dout
-          } else {
-            accumulate(dv, hs, p, 1, kTile, d.data() + at, hs, hs);
-          }
-          score_gradient(dp, p, delta.data() + i0, sh.scale);  // ds = p (dp - delta) scale
-          if constexpr (bf16) {
-            tile_to_bf16(ds16.data(), dp);
-            accumulate(dq.data() + at, hs, as_pairs(ds16.data()), kTile / 2, 1, k.data() + pk * te, hs, hs);  // dq += ds k
-            tile_to_bf16_row_pairs(ds16.data(), dp);
-            accumulate(dk, hs, as_pairs(ds16.data()), 1, kTile, q2.data() + at, hs, hs);  // dk += ds^T q
-          } else {
-            accumulate(dq.data() + at, hs, dp, kTile, 1, k.data() + pk * te, hs, hs);
-            accumulate(dk, hs, dp, 1, kTile, q.data() + at, hs, hs);
-          }
+          backward_tile<E>(ConsecutiveMask{i0, j0, window}, hs, sh.scale, q.data() + at, bf16 ? q2.data() + at : nullptr,
+                           d.data() + at, bf16 ? d2.data() + at : nullptr, kt.data() + pk * te, vt.data() + pk * te, k.data() + pk * te,
+                           lse_rows.data() + i0, delta.data() + i0, p, dp, p16.data(), ds16.data(), dq.data() + at,
+                           dk, dv);
         }
         const int cols = std::min(kTile, sh.Tn - j0);
         for (int c = 0; c < cols; ++c) {
@@ -784,25 +798,11 @@ void ring_backward(const RingBlock& s, float* dq, float* dk, float* dv, const fl
           if (!ranges_meet(q_ranges[it], keys.ranges[jt], s.window)) continue;
           const int i0 = it * kTile, rows = std::min(kTile, s.Tq - i0);
           const int64_t at = static_cast<int64_t>(i0) * hs;
-          scores(p, qp.data() + at, kt.data() + pk * te, hs, scale);
-          probabilities(p, PositionMask{s.qpos + i0, rows, keys.kpos.data() + j0, s.window}, lse_rows.data() + i0);
-          scores(dp, d.data() + at, vt.data() + pk * te, hs, 1.0f);  // dp = dout v^T
-          if constexpr (bf16) {
-            tile_to_bf16_row_pairs(p16.data(), p);
-            accumulate(dvt, hs, as_pairs(p16.data()), 1, kTile, d2.data() + at, hs, hs);  // dv += p^T dout
-          } else {
-            accumulate(dvt, hs, p, 1, kTile, d.data() + at, hs, hs);
-          }
-          score_gradient(dp, p, delta_rows.data() + i0, scale);  // ds = p (dp - delta) scale
-          if constexpr (bf16) {
-            tile_to_bf16(ds16.data(), dp);
-            accumulate(dql.data() + at, hs, as_pairs(ds16.data()), kTile / 2, 1, kr.data() + pk * te, hs, hs);  // dq += ds k
-            tile_to_bf16_row_pairs(ds16.data(), dp);
-            accumulate(dkt, hs, as_pairs(ds16.data()), 1, kTile, q2.data() + at, hs, hs);  // dk += ds^T q
-          } else {
-            accumulate(dql.data() + at, hs, dp, kTile, 1, kr.data() + pk * te, hs, hs);
-            accumulate(dkt, hs, dp, 1, kTile, qp.data() + at, hs, hs);
-          }
+          backward_tile<E>(PositionMask{s.qpos + i0, rows, keys.kpos.data() + j0, s.window}, hs, scale,
+                           qp.data() + at, bf16 ? q2.data() + at : nullptr, d.data() + at,
+                           bf16 ? d2.data() + at : nullptr, kt.data() + pk * te,
+                           vt.data() + pk * te, kr.data() + pk * te, lse_rows.data() + i0, delta_rows.data() + i0, p,
+                           dp, p16.data(), ds16.data(), dql.data() + at, dkt, dvt);
         }
         const int cols = std::min(kTile, s.Tk - j0);
         for (int c = 0; c < cols; ++c) {
