@@ -450,6 +450,69 @@ void backward_tile(const MaskOf& mask_of, int hs, float scale, const E* q, const
   }
 }
 
+// A backward task's scratch, one per thread: a query head's q and dout rows [Tp][hs] (and their
+// bf16 row pairs), its dq, delta and log-sum-exp rows, one tile pair's probabilities and their
+// gradient, and the key tile's dk, dv.
+template <typename E>
+struct BackwardScratch {
+  static constexpr bool bf16 = !std::is_same_v<E, float>;
+  BackwardScratch(int Tp, int hs_)
+      : hs(hs_), q(static_cast<size_t>(Tp) * hs), d(q.size()), q2(bf16 ? q.size() : 0), d2(q2.size()), dq(q.size()),
+        delta(Tp), lse(Tp), tile(static_cast<size_t>(2) * kTile * kTile + 2 * kTile * hs),
+        p16(bf16 ? kTile * kTile : 0), ds16(p16.size()) {}
+  float* p() { return tile.data(); }                            // [64][64] probabilities
+  float* dp() { return tile.data() + kTile * kTile; }           // [64][64] their gradient, then the scores'
+  float* dk() { return tile.data() + 2 * kTile * kTile; }       // [64][hs] the key tile's gradient
+  float* dv() { return dk() + static_cast<int64_t>(kTile) * hs; }  // [64][hs] the value tile's gradient
+  // Rows [i0, i0 + rows) of the head's q (row stride ldq) and dout (ldd), zero past them.
+  void pack(int i0, int rows, const float* qsrc, int64_t ldq, const float* dsrc, int64_t ldd) {
+    pack_rows(q.data() + static_cast<int64_t>(i0) * hs, qsrc, ldq, rows, hs);
+    pack_rows(d.data() + static_cast<int64_t>(i0) * hs, dsrc, ldd, rows, hs);
+    if constexpr (bf16) {
+      pack_row_pairs(q2.data() + static_cast<int64_t>(i0) * hs, qsrc, ldq, rows, hs);
+      pack_row_pairs(d2.data() + static_cast<int64_t>(i0) * hs, dsrc, ldd, rows, hs);
+    }
+  }
+  // The query tile from row i0 against a key tile packed as k^T, v^T and k.
+  template <typename MaskOf>
+  void tile_pair(const MaskOf& mask_of, int i0, float scale, const E* kt, const E* vt, const E* kr) {
+    const int64_t at = static_cast<int64_t>(i0) * hs;
+    backward_tile<E>(mask_of, hs, scale, q.data() + at, bf16 ? q2.data() + at : nullptr, d.data() + at,
+                     bf16 ? d2.data() + at : nullptr, kt, vt, kr, lse.data() + i0, delta.data() + i0, p(), dp(),
+                     p16.data(), ds16.data(), dq.data() + at, dk(), dv());
+  }
+  int hs;
+  std::vector<E> q, d;
+  std::vector<uint16_t> q2, d2;
+  std::vector<float> dq, delta, lse, tile;
+  std::vector<uint16_t> p16, ds16;
+};
+
+// Grouped heads' key/value gradients: each query head's dk, dv in head_dkv [B][NH][2][T][hs],
+// summed per key/value head g in head order (a fixed order) into row (b, t)'s dk at
+// dk + (b T + t) ld + g hs (dv likewise); `overwrite`: the first head's rows replace what is there.
+void sum_group_heads(const std::vector<float>& head_dkv, int B, int T, int NH, int NKV, int hs, float* dk, float* dv,
+                     int64_t ld, bool overwrite) {
+  const int group = NH / NKV;
+#pragma omp parallel for schedule(static)
+  for (int64_t bt = 0; bt < static_cast<int64_t>(B) * T; ++bt) {
+    const int b = static_cast<int>(bt / T), t = static_cast<int>(bt % T);
+    for (int g = 0; g < NKV; ++g) {
+      for (int part = 0; part < 2; ++part) {  // 0: dk, 1: dv
+        float* dst = (part == 0 ? dk : dv) + bt * ld + g * hs;
+        for (int h = g * group; h < (g + 1) * group; ++h) {
+          const float* src = head_dkv.data() + ((static_cast<int64_t>(b * NH + h) * 2 + part) * T + t) * hs;
+          if (overwrite && h == g * group) {
+            std::copy(src, src + hs, dst);
+          } else {
+            for (int e = 0; e < hs; ++e) dst[e] += src[e];
+          }
+        }
+      }
+    }
+  }
+}
+
 struct Shape {
   int B, Tn, C, NH, NKV, hs, group, kv, C3, tiles;
   float scale;
@@ -549,29 +612,14 @@ void backward(const Shape& sh, float* dqkv, const float* dout, const float* out,
   const int tasks = sh.B * sh.NH;
 #pragma omp parallel
   {
-    const size_t rows_elems = static_cast<size_t>(Tp) * hs;
-    std::vector<E> q(rows_elems), d(rows_elems);            // the head's q and dout, rows [Tp][hs]
-    std::vector<uint16_t> q2(bf16 ? rows_elems : 0), d2(bf16 ? rows_elems : 0);  // bf16: row pairs
-    std::vector<float> dq(rows_elems), delta(Tp), lse_rows(Tp);
-    std::vector<float> tile(static_cast<size_t>(2) * kTile * kTile + 2 * te);
-    float* p = tile.data();             // [64][64] probabilities
-    float* dp = p + kTile * kTile;      // [64][64] their gradient, then the scores'
-    float* dk = dp + kTile * kTile;     // [64][hs] the key tile's gradient
-    float* dv = dk + te;                // [64][hs] the value tile's gradient
-    std::vector<uint16_t> p16(bf16 ? kTile * kTile : 0), ds16(bf16 ? kTile * kTile : 0);
+    BackwardScratch<E> w(Tp, hs);
 #pragma omp for schedule(dynamic, 1)
     for (int bh = 0; bh < tasks; ++bh) {
       const int b = bh / sh.NH, h = bh % sh.NH, g = h / sh.group;
       for (int it = 0; it < nt; ++it) {
         const int i0 = it * kTile, rows = std::min(kTile, sh.Tn - i0);
-        const float* qsrc = qkv + sh.row(b, i0) + h * hs;
-        const float* dsrc = dout + (static_cast<int64_t>(b) * sh.Tn + i0) * sh.C + h * hs;
-        pack_rows(q.data() + i0 * hs, qsrc, sh.C3, rows, hs);
-        pack_rows(d.data() + i0 * hs, dsrc, sh.C, rows, hs);
-        if constexpr (bf16) {
-          pack_row_pairs(q2.data() + i0 * hs, qsrc, sh.C3, rows, hs);
-          pack_row_pairs(d2.data() + i0 * hs, dsrc, sh.C, rows, hs);
-        }
+        w.pack(i0, rows, qkv + sh.row(b, i0) + h * hs, sh.C3, dout + (static_cast<int64_t>(b) * sh.Tn + i0) * sh.C + h * hs,
+               sh.C);
       }
       for (int t = 0; t < Tp; ++t) {  // delta = rowsum(dout * out) stands for rowsum(dp * p)
         float sum = 0.0f;
@@ -580,22 +628,18 @@ void backward(const Shape& sh, float* dqkv, const float* dout, const float* out,
           const float* orow = out + (static_cast<int64_t>(b) * sh.Tn + t) * sh.C + h * hs;
           for (int e = 0; e < hs; ++e) sum += dr[e] * orow[e];
         }
-        delta[t] = sum;
-        lse_rows[t] = t < sh.Tn ? lse[static_cast<int64_t>(bh) * sh.Tn + t] : 0.0f;
+        w.delta[t] = sum;
+        w.lse[t] = t < sh.Tn ? lse[static_cast<int64_t>(bh) * sh.Tn + t] : 0.0f;
       }
-      std::fill(dq.begin(), dq.end(), 0.0f);
+      std::fill(w.dq.begin(), w.dq.end(), 0.0f);
       for (int jt = 0; jt < nt; ++jt) {
         const int j0 = jt * kTile;
         const int64_t pk = (static_cast<int64_t>(b) * sh.NKV + g) * nt + jt;
-        std::fill(dk, dk + 2 * te, 0.0f);
+        std::fill(w.dk(), w.dk() + 2 * te, 0.0f);
         const int it_last = window > 0 ? std::min(nt - 1, (j0 + kTile - 2 + window) / kTile) : nt - 1;
         for (int it = jt; it <= it_last; ++it) {
-          const int i0 = it * kTile;
-          const int64_t at = static_cast<int64_t>(i0) * hs;
-          backward_tile<E>(ConsecutiveMask{i0, j0, window}, hs, sh.scale, q.data() + at, bf16 ? q2.data() + at : nullptr,
-                           d.data() + at, bf16 ? d2.data() + at : nullptr, kt.data() + pk * te, vt.data() + pk * te, k.data() + pk * te,
-                           lse_rows.data() + i0, delta.data() + i0, p, dp, p16.data(), ds16.data(), dq.data() + at,
-                           dk, dv);
+          w.tile_pair(ConsecutiveMask{it * kTile, j0, window}, it * kTile, sh.scale, kt.data() + pk * te,
+                      vt.data() + pk * te, k.data() + pk * te);
         }
         const int cols = std::min(kTile, sh.Tn - j0);
         for (int c = 0; c < cols; ++c) {
@@ -608,34 +652,18 @@ void backward(const Shape& sh, float* dqkv, const float* dout, const float* out,
             dk_dst = head_dkv.data() + ((static_cast<int64_t>(bh) * 2) * sh.Tn + j0 + c) * hs;
             dv_dst = dk_dst + static_cast<int64_t>(sh.Tn) * hs;
           }
-          std::copy(dk + c * hs, dk + (c + 1) * hs, dk_dst);
-          std::copy(dv + c * hs, dv + (c + 1) * hs, dv_dst);
+          std::copy(w.dk() + c * hs, w.dk() + (c + 1) * hs, dk_dst);
+          std::copy(w.dv() + c * hs, w.dv() + (c + 1) * hs, dv_dst);
         }
       }
       for (int t = 0; t < sh.Tn; ++t) {
-        std::copy(dq.data() + static_cast<int64_t>(t) * hs, dq.data() + static_cast<int64_t>(t + 1) * hs,
+        std::copy(w.dq.data() + static_cast<int64_t>(t) * hs, w.dq.data() + static_cast<int64_t>(t + 1) * hs,
                   dqkv + sh.row(b, t) + h * hs);
       }
     }
   }
   if (sh.group == 1) return;
-#pragma omp parallel for schedule(static)
-  for (int64_t bt = 0; bt < static_cast<int64_t>(sh.B) * sh.Tn; ++bt) {
-    const int b = static_cast<int>(bt / sh.Tn), t = static_cast<int>(bt % sh.Tn);
-    for (int g = 0; g < sh.NKV; ++g) {
-      for (int part = 0; part < 2; ++part) {  // 0: dk, 1: dv
-        float* dst = dqkv + sh.row(b, t) + sh.C + part * sh.kv + g * hs;
-        for (int h = g * sh.group; h < (g + 1) * sh.group; ++h) {  // head order: a fixed summation order
-          const float* src = head_dkv.data() + ((static_cast<int64_t>(b * sh.NH + h) * 2 + part) * sh.Tn + t) * hs;
-          if (h == g * sh.group) {
-            std::copy(src, src + hs, dst);
-          } else {
-            for (int e = 0; e < hs; ++e) dst[e] += src[e];
-          }
-        }
-      }
-    }
-  }
+  sum_group_heads(head_dkv, sh.B, sh.Tn, sh.NH, sh.NKV, hs, dqkv + sh.C, dqkv + sh.C + sh.kv, sh.C3, true);
 }
 
 // ---- ring attention's per-block pieces (kernels/cpu/ring_attention.h) ---------------------------
@@ -761,83 +789,54 @@ void ring_backward(const RingBlock& s, float* dq, float* dk, float* dv, const fl
   const int tasks = s.B * s.NH;
 #pragma omp parallel
   {
-    const size_t rows_elems = static_cast<size_t>(Tp) * hs;
-    std::vector<E> qp(rows_elems), d(rows_elems);  // the head's q and dout, rows [Tp][hs]
-    std::vector<uint16_t> q2(bf16 ? rows_elems : 0), d2(bf16 ? rows_elems : 0);  // bf16: row pairs
-    std::vector<float> dql(rows_elems), delta_rows(Tp), lse_rows(Tp);
-    std::vector<float> tile(static_cast<size_t>(2) * kTile * kTile + 2 * te);
-    float* p = tile.data();           // [64][64] probabilities
-    float* dp = p + kTile * kTile;    // [64][64] their gradient, then the scores'
-    float* dkt = dp + kTile * kTile;  // [64][hs] the key tile's gradient
-    float* dvt = dkt + te;            // [64][hs] the value tile's gradient
-    std::vector<uint16_t> p16(bf16 ? kTile * kTile : 0), ds16(bf16 ? kTile * kTile : 0);
+    BackwardScratch<E> w(Tp, hs);
 #pragma omp for schedule(dynamic, 1)
     for (int bh = 0; bh < tasks; ++bh) {
       const int b = bh / s.NH, h = bh % s.NH, g = h / group;
       for (int it = 0; it < q_tiles; ++it) {
         const int i0 = it * kTile, rows = std::min(kTile, s.Tq - i0);
-        const float* qsrc = q + (static_cast<int64_t>(b) * s.Tq + i0) * s.ldq + h * hs;
-        const float* dsrc = dout + (static_cast<int64_t>(b) * s.Tq + i0) * s.C + h * hs;
-        pack_rows(qp.data() + i0 * hs, qsrc, s.ldq, rows, hs);
-        pack_rows(d.data() + i0 * hs, dsrc, s.C, rows, hs);
-        if constexpr (bf16) {
-          pack_row_pairs(q2.data() + i0 * hs, qsrc, s.ldq, rows, hs);
-          pack_row_pairs(d2.data() + i0 * hs, dsrc, s.C, rows, hs);
-        }
+        w.pack(i0, rows, q + (static_cast<int64_t>(b) * s.Tq + i0) * s.ldq + h * hs, s.ldq,
+               dout + (static_cast<int64_t>(b) * s.Tq + i0) * s.C + h * hs, s.C);
       }
       for (int t = 0; t < Tp; ++t) {
-        delta_rows[t] = t < s.Tq ? delta[static_cast<int64_t>(bh) * s.Tq + t] : 0.0f;
-        lse_rows[t] = t < s.Tq ? lse[static_cast<int64_t>(bh) * s.Tq + t] : 0.0f;
+        w.delta[t] = t < s.Tq ? delta[static_cast<int64_t>(bh) * s.Tq + t] : 0.0f;
+        w.lse[t] = t < s.Tq ? lse[static_cast<int64_t>(bh) * s.Tq + t] : 0.0f;
       }
-      std::fill(dql.begin(), dql.end(), 0.0f);
+      std::fill(w.dq.begin(), w.dq.end(), 0.0f);
       for (int jt = 0; jt < keys.tiles; ++jt) {
         const int j0 = jt * kTile;
         const int64_t pk = (static_cast<int64_t>(b) * NKV + g) * keys.tiles + jt;
-        std::fill(dkt, dkt + 2 * te, 0.0f);
+        std::fill(w.dk(), w.dk() + 2 * te, 0.0f);
         for (int it = 0; it < q_tiles; ++it) {
           if (!ranges_meet(q_ranges[it], keys.ranges[jt], s.window)) continue;
           const int i0 = it * kTile, rows = std::min(kTile, s.Tq - i0);
-          const int64_t at = static_cast<int64_t>(i0) * hs;
-          backward_tile<E>(PositionMask{s.qpos + i0, rows, keys.kpos.data() + j0, s.window}, hs, scale,
-                           qp.data() + at, bf16 ? q2.data() + at : nullptr, d.data() + at,
-                           bf16 ? d2.data() + at : nullptr, kt.data() + pk * te,
-                           vt.data() + pk * te, kr.data() + pk * te, lse_rows.data() + i0, delta_rows.data() + i0, p,
-                           dp, p16.data(), ds16.data(), dql.data() + at, dkt, dvt);
+          w.tile_pair(PositionMask{s.qpos + i0, rows, keys.kpos.data() + j0, s.window}, i0, scale, kt.data() + pk * te,
+                      vt.data() + pk * te, kr.data() + pk * te);
         }
         const int cols = std::min(kTile, s.Tk - j0);
         for (int c = 0; c < cols; ++c) {
+          const float* dkt = w.dk() + c * hs;
+          const float* dvt = w.dv() + c * hs;
           if (group == 1) {
             float* dk_dst = dk + (static_cast<int64_t>(b) * s.Tk + j0 + c) * s.ldkv + g * hs;
             float* dv_dst = dv + (static_cast<int64_t>(b) * s.Tk + j0 + c) * s.ldkv + g * hs;
-            for (int e = 0; e < hs; ++e) dk_dst[e] += dkt[c * hs + e], dv_dst[e] += dvt[c * hs + e];
+            for (int e = 0; e < hs; ++e) dk_dst[e] += dkt[e], dv_dst[e] += dvt[e];
           } else {
             float* dst = head_dkv.data() + ((static_cast<int64_t>(bh) * 2) * s.Tk + j0 + c) * hs;
-            std::copy(dkt + c * hs, dkt + (c + 1) * hs, dst);
-            std::copy(dvt + c * hs, dvt + (c + 1) * hs, dst + static_cast<int64_t>(s.Tk) * hs);
+            std::copy(dkt, dkt + hs, dst);
+            std::copy(dvt, dvt + hs, dst + static_cast<int64_t>(s.Tk) * hs);
           }
         }
       }
       for (int t = 0; t < s.Tq; ++t) {
         float* dst = dq + (static_cast<int64_t>(b) * s.Tq + t) * s.ldq + h * hs;
-        const float* src = dql.data() + static_cast<int64_t>(t) * hs;
+        const float* src = w.dq.data() + static_cast<int64_t>(t) * hs;
         for (int e = 0; e < hs; ++e) dst[e] += src[e];
       }
     }
   }
   if (group == 1) return;
-#pragma omp parallel for schedule(static)
-  for (int64_t bt = 0; bt < static_cast<int64_t>(s.B) * s.Tk; ++bt) {
-    const int b = static_cast<int>(bt / s.Tk), t = static_cast<int>(bt % s.Tk);
-    for (int g = 0; g < NKV; ++g) {
-      for (int part = 0; part < 2; ++part) {  // 0: dk, 1: dv
-        float* dst = (part == 0 ? dk : dv) + bt * s.ldkv + g * hs;
-        for (int h = g * group; h < (g + 1) * group; ++h) {  // head order: a fixed summation order
-          const float* src = head_dkv.data() + ((static_cast<int64_t>(b * s.NH + h) * 2 + part) * s.Tk + t) * hs;
-          for (int e = 0; e < hs; ++e) dst[e] += src[e];
-        }
-      }
-    }
-  }
+  sum_group_heads(head_dkv, s.B, s.Tk, s.NH, NKV, hs, dk, dv, s.ldkv, false);
 }
 
 }  // namespace
