@@ -281,6 +281,22 @@ TEST_F(MoeTraining, ExpertParallelCheckpointsResumeOnAnotherExpertGroupSize) {
   }
 }
 
+// Full recomputation under expert parallelism routes and exchanges again in the backward pass:
+// the bytes of keeping every activation, the tokens counted once.
+TEST_F(MoeTraining, ExpertParallelRecomputationGivesTheBytesOfKeepingEveryActivation) {
+  const std::string ep = "--set train.batch_size=1 --set parallel.expert=2 --set train.steps=4 ";
+  ASSERT_EQ(train(2, "ep2-keep", ep).exit_code, 0);
+  const testing::CommandResult r = train(2, "ep2-recompute", ep + "--set train.recompute=full");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(testing::checkpoint_bytes(at("ep2-recompute") + "/ckpt"), testing::checkpoint_bytes(at("ep2-keep") + "/ckpt"));
+  const std::vector<json> got = lines("ep2-recompute"), want = lines("ep2-keep");
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(got[i].at("loss"), want[i].at("loss")) << "step " << i + 1;
+    EXPECT_EQ(got[i].at("moe_layers"), want[i].at("moe_layers")) << "step " << i + 1;
+  }
+}
+
 // Layouts expert parallelism cannot take: one line naming parallel.expert, a non-zero exit.
 TEST_F(MoeTraining, ExpertParallelRefusesWhatItCannotSplit) {
   struct Bad {
