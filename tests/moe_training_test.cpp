@@ -211,7 +211,10 @@ TEST_F(MoeTraining, ExpertParallelOnTwoRanksTrainsWhatOneRankTrains) {
     ASSERT_EQ(r.exit_code, 0) << r.output;
     expect_like("one", run);
     // Each rank sent rows to the other: the exchanges' bytes are counted; the run names its layout.
-    for (const json& s : lines(run)) EXPECT_GT(s.at("expert_alltoall_bytes").get<double>(), 0.0) << s;
+    for (const json& s : lines(run)) {
+      EXPECT_GT(s.at("expert_alltoall_bytes").get<double>(), 0.0) << s;
+      EXPECT_GE(s.at("expert_wait_ms").get<double>(), 0.0) << s;
+    }
     EXPECT_EQ(lines(run, true).front().at("layout").at("expert"), 2) << run;
   }
   const testing::CommandResult r = train(2, "ep2-bias", ep + kBias);

@@ -1,5 +1,7 @@
 #include "comm/expert_parallel.h"
 
+#include <chrono>
+
 #include "core/error.h"
 #include "model/moe.h"
 
@@ -16,7 +18,11 @@ void MpiExpertGroup::start_exchange(const void* send, const std::vector<int>& se
                               recv_counts, recv_displs);
 }
 
-void MpiExpertGroup::finish_exchange() { comm_.wait(request_); }
+void MpiExpertGroup::finish_exchange() {
+  const auto start = std::chrono::steady_clock::now();
+  comm_.wait(request_);
+  if (counting_) wait_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+}
 
 void attach_expert_group(GPT& model, ExpertGroup& group) {
   for (int l = 0; l < model.num_layers(); ++l) {

@@ -26,7 +26,9 @@
 namespace keel {
 
 // Metrics: `expert_alltoall_bytes`, the bytes this rank sent in the expert group's exchanges during
-// the step's passes (its own rows included), counted from before_step to after_step.
+// the step's passes (its own rows included), and `expert_wait_ms`, the time it spent blocked
+// finishing them (what the work between start and finish did not hide, and the wait for the
+// group's slowest rank), counted from before_step to after_step.
 class MpiExpertGroup final : public ExpertGroup, public MetricsSource, public StepHook {
  public:
   explicit MpiExpertGroup(Communicator& comm) : comm_(comm) {}
@@ -39,18 +41,24 @@ class MpiExpertGroup final : public ExpertGroup, public MetricsSource, public St
   void before_step(int64_t) override {
     counting_ = true;
     bytes_ = 0;
+    wait_ms_ = 0;
   }
   void after_step(int64_t) override {
     counting_ = false;
     step_bytes_ = bytes_;
+    step_wait_ms_ = wait_ms_;
   }
-  void add_step_fields(double, nlohmann::json& line) override { line["expert_alltoall_bytes"] = step_bytes_; }
+  void add_step_fields(double, nlohmann::json& line) override {
+    line["expert_alltoall_bytes"] = step_bytes_;
+    line["expert_wait_ms"] = step_wait_ms_;
+  }
 
  private:
   Communicator& comm_;
   Communicator::Request request_;
   bool counting_ = false;
   int64_t bytes_ = 0, step_bytes_ = 0;
+  double wait_ms_ = 0, step_wait_ms_ = 0;
 };
 
 // Hands `group` to every mixture-of-experts block of `model` (before its activations are allocated).
