@@ -19,19 +19,22 @@ class ProcessGroups {
  public:
   // `pipeline`: stages per replica (P); `tensor`: ranks per tensor group (T); `context`: ranks per
   // context group (Cx). Every rank of `world` calls it (it splits communicators).
-  ProcessGroups(Communicator& world, int pipeline, int tensor = 1, int context = 1) : world_(world) {
+  // `expert`: ranks per expert group (parallel.expert), consecutive ranks of the data-parallel group.
+  ProcessGroups(Communicator& world, int pipeline, int tensor = 1, int context = 1, int expert = 1) : world_(world) {
     pipeline = std::max(1, pipeline);
     tensor = std::max(1, tensor);
     context = std::max(1, context);
-    if (pipeline == 1 && tensor == 1 && context == 1) return;
-    const int rank = world.rank();
-    const int q = rank / tensor, t = rank % tensor;  // q: the tensor group's index
-    const int c = q % context, s = q / context;      // s: the context group's index (replica * P + stage)
-    const int stage = s % pipeline, replica = s / pipeline;
-    dp_ = world.split(stage * tensor + t, replica * context + c);
-    if (pipeline > 1) pp_ = world.split((replica * context + c) * tensor + t, stage);
-    if (tensor > 1) tp_ = world.split(q, t);
-    if (context > 1) cp_ = world.split(s * tensor + t, c);
+    if (pipeline > 1 || tensor > 1 || context > 1) {
+      const int rank = world.rank();
+      const int q = rank / tensor, t = rank % tensor;  // q: the tensor group's index
+      const int c = q % context, s = q / context;      // s: the context group's index (replica * P + stage)
+      const int stage = s % pipeline, replica = s / pipeline;
+      dp_ = world.split(stage * tensor + t, replica * context + c);
+      if (pipeline > 1) pp_ = world.split((replica * context + c) * tensor + t, stage);
+      if (tensor > 1) tp_ = world.split(q, t);
+      if (context > 1) cp_ = world.split(s * tensor + t, c);
+    }
+    if (expert > 1) ep_ = dp().split(dp().rank() / expert, dp().rank() % expert);
   }
   Communicator& world() { return world_; }
   // This rank's data-parallel group: the world, or the ranks holding the same stage and tensor
@@ -47,10 +50,13 @@ class ProcessGroups {
   Communicator* cp() { return cp_.get(); }
   int context_size() const { return cp_ ? cp_->size() : 1; }
   int context_rank() const { return cp_ ? cp_->rank() : 0; }
+  // This rank's expert group (the data-parallel ranks its tokens' experts are dealt out over);
+  // null without expert parallelism.
+  Communicator* ep() { return ep_.get(); }
 
  private:
   Communicator& world_;
-  std::unique_ptr<Communicator> dp_, pp_, tp_, cp_;
+  std::unique_ptr<Communicator> dp_, pp_, tp_, cp_, ep_;
 };
 
 }  // namespace keel

@@ -136,6 +136,7 @@ std::vector<Field> fields(Config& c) {
       {"parallel", "pipeline", &c.parallel.pipeline},
       {"parallel", "tensor", &c.parallel.tensor},
       {"parallel", "context", &c.parallel.context},
+      {"parallel", "expert", &c.parallel.expert},
       {"parallel", "schedule", choice(&c.parallel.schedule)},
       {"parallel", "virtual_stages", &c.parallel.virtual_stages},
       {"parallel", "stage_boundaries", &c.parallel.stage_boundaries},
@@ -875,6 +876,17 @@ void Config::resolve(int world_size) {
               s(parallel.tensor) + ")",
           s(parallel.data) + " data-parallel ranks");
   require(parallel.zero >= 0 && parallel.zero <= 3, "parallel.zero", "0, 1, 2 or 3", s(parallel.zero));
+  require(parallel.expert >= 1, "parallel.expert", ">= 1", s(parallel.expert));
+  if (parallel.expert > 1) {
+    require(model.moe(), "parallel.expert", "1 without a mixture of experts (model.moe_experts = 0)", s(parallel.expert));
+    require(model.moe_experts % parallel.expert == 0, "parallel.expert",
+            "a divisor of the " + s(model.moe_experts) + " experts (model.moe_experts)", s(parallel.expert));
+    require(data_ranks % parallel.expert == 0, "parallel.expert",
+            "a divisor of the " + s(data_ranks) + " data-parallel rank(s) (experts are dealt out within the data group)",
+            s(parallel.expert));
+    require(parallel.context == 1, "parallel.context", "1 with parallel.expert > 1 (not built yet)",
+            s(parallel.context));
+  }
   if (model.moe()) {
     // What a mixture of experts does not combine with yet (docs/architecture.md, "Mixture of experts").
     const std::string moe = " with model.moe_experts > 0 (not built yet for a mixture of experts)";

@@ -406,6 +406,11 @@ struct ParallelConfig {
   // data x pipeline x context x tensor; rank r of a context group holds chunks r and 2C-1-r of the
   // sequence cut into 2C, and attention passes key/value blocks around the group's ring. 1 = none.
   int context = 1;
+  // Expert parallelism (comm/expert_parallel.h): a mixture of experts' routed experts dealt out
+  // over `expert` consecutive ranks of the data-parallel group, each rank running the products of
+  // its E / expert experts for the tokens every rank of its expert group routes to them (an
+  // all-to-all there and back). 1 = none.
+  int expert = 1;
   ScheduleKind schedule = ScheduleKind::one_f_one_b;  // gpipe | 1f1b | interleaved | zb-h1 | zb-h2 | zb-v
   int virtual_stages = 0;            // stages per rank; 0 = the schedule's (interleaved, zb-v: 2; else 1)
   std::string stage_boundaries;      // first layer of stages 1.. ("3,6"); "" = cut by `partitioner`

@@ -1,7 +1,10 @@
 #include "model/moe.h"
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "kernels/cpu/moe.h"
@@ -21,7 +24,9 @@ MoeFeedForward::MoeFeedForward(const ModelConfig& m, ChunkStore& store, int laye
       S_(m.moe_shared_experts * m.moe_hidden),
       capacity_factor_(m.moe_capacity),
       aux_weight_(m.moe_aux_weight),
-      t_(ids) {
+      t_(ids),
+      local_experts_(m.moe_experts),
+      first_expert_(0) {
   const size_t want = (S_ > 0 ? layout::shared_down_w : layout::experts_down_w) + 1;
   check(ids.size() == want, "GPT: mixture-of-experts block " + std::to_string(layer) + " without its tensors");
   stats_.layer = layer;
@@ -32,8 +37,21 @@ MoeFeedForward::MoeFeedForward(const ModelConfig& m, ChunkStore& store, int laye
   }
 }
 
+void MoeFeedForward::set_expert_group(ExpertGroup* group) {
+  ep_ = group;
+  const int P = group ? group->size() : 1;
+  check(E_ % P == 0, "mixture of experts: " + std::to_string(E_) + " experts over an expert group of " +
+                         std::to_string(P) + " ranks (parallel.expert must divide model.moe_experts)");
+  local_experts_ = E_ / P;
+  first_expert_ = group ? group->rank() * local_experts_ : 0;
+  expert_counts_.assign(E_, 0);
+  for (auto* v : {&send_bytes_, &send_displs_, &recv_bytes_, &recv_displs_}) v->assign(P, 0);
+}
+
 MoeActivations MoeFeedForward::carve(model_detail::Carver& kept, int B, int T) const {
   const int64_t N = static_cast<int64_t>(B) * T, M = N * K_;
+  // With an expert group the experts' side takes up to every rank's rows (Mr = P N k).
+  const int64_t Mr = ep_ ? M * ep_->size() : M;
   auto ints = [&](int64_t n) { return reinterpret_cast<int32_t*>(kept.take(n)); };
   static_assert(sizeof(int32_t) == sizeof(float));
   MoeActivations a;
@@ -43,18 +61,107 @@ MoeActivations MoeFeedForward::carve(model_detail::Carver& kept, int B, int T) c
   a.rows = ints(M);
   a.offsets = ints(E_ + 1);
   a.xs = kept.take(M * C_);
-  a.gu = kept.take(M * 2 * Hm_);
-  a.h = kept.take(M * Hm_);
+  a.gu = kept.take(Mr * 2 * Hm_);
+  a.h = kept.take(Mr * Hm_);
   a.ye = kept.take(M * C_);
-  a.dgu = kept.take(M * 2 * Hm_);
-  a.dye = kept.take(M * C_);
-  a.dh = kept.take(M * std::max(Hm_, C_));  // dh, then the sorted rows' input gradient
+  a.dgu = kept.take(Mr * 2 * Hm_);
+  a.dye = kept.take(M * C_);  // with an expert group, then the sorted rows' input gradient
+  a.dh = kept.take(Mr * std::max(Hm_, C_));  // dh, then the (expert group: this rank's) rows' input gradient
   a.dlogits = kept.take(N * E_);
   a.tmp = kept.take(N * std::max(C_, S_));  // the shared MLP's hidden gradient
   a.gus = kept.take(N * 2 * S_);
   a.hs = kept.take(N * S_);
   a.dgus = kept.take(N * 2 * S_);
+  if (ep_) {
+    a.xr = kept.take(Mr * C_);
+    a.yr = kept.take(Mr * C_);
+    a.dyr = kept.take(Mr * C_);
+    a.wire = kept.take(Mr * C_);
+    a.recv_counts = ints(static_cast<int64_t>(ep_->size()) * local_experts_);
+    a.local_offsets = ints(local_experts_ + 1);
+  }
   return a;
+}
+
+// ---- expert parallelism: the sorted rows out to their experts' ranks and back ----------------------
+// Rank q of the group holds experts q El .. (q + 1) El - 1, so the rows a rank sends to q are the
+// contiguous rows of those experts in its sorted order. What q receives from rank p arrives in p's
+// order (by expert) after the rows of ranks before p; q's products want them by expert: expert e's
+// rows from rank 0, then rank 1, ... (local_offsets). Row order within an expert changes nothing a
+// row's products compute; the weight gradients sum an expert's rows in that order.
+
+void MoeFeedForward::exchange_counts(const MoeActivations& a) {
+  const int P = ep_->size(), El = local_experts_;
+  for (int e = 0; e < E_; ++e) expert_counts_[e] = a.offsets[e + 1] - a.offsets[e];
+  std::vector<int> bytes(P, El * static_cast<int>(sizeof(int32_t))), displs(P);
+  for (int q = 0; q < P; ++q) displs[q] = q * bytes[q];
+  ep_->start_exchange(expert_counts_.data(), bytes, displs, a.recv_counts, bytes, displs);
+  ep_->finish_exchange();
+  a.local_offsets[0] = 0;
+  for (int e = 0; e < El; ++e) {
+    int32_t rows = 0;
+    for (int p = 0; p < P; ++p) rows += a.recv_counts[p * El + e];
+    a.local_offsets[e + 1] = a.local_offsets[e] + rows;
+  }
+}
+
+namespace {
+
+// Copies rows between rank order (rank p's rows of expert e after all rows of ranks before p and
+// p's rows of experts before e) and expert order (local_offsets), `width` floats a row.
+void reorder_rows(float* dst, const float* src, const int32_t* counts, const int32_t* local_offsets, int P, int El,
+                  int width, bool to_expert_order) {
+  std::vector<int64_t> filled(El, 0);  // rows of each expert placed so far (ranks before p)
+  int64_t at = 0;                     // rank order's row
+  for (int p = 0; p < P; ++p) {
+    for (int e = 0; e < El; ++e) {
+      const int64_t n = counts[p * El + e], expert_row = local_offsets[e] + filled[e];
+      const int64_t from = to_expert_order ? at : expert_row, to = to_expert_order ? expert_row : at;
+      std::memcpy(dst + to * width, src + from * width, sizeof(float) * n * width);
+      filled[e] += n;
+      at += n;
+    }
+  }
+}
+
+int byte_count(int64_t rows, int width) {
+  const int64_t bytes = rows * width * static_cast<int64_t>(sizeof(float));
+  check(bytes <= INT32_MAX, "mixture of experts: an expert exchange of " + std::to_string(bytes) +
+                                " bytes (MPI counts stop at 2^31; use smaller micro-batches)");
+  return static_cast<int>(bytes);
+}
+
+}  // namespace
+
+void MoeFeedForward::plan_exchange(const MoeActivations& a, int width) {
+  const int P = ep_->size(), El = local_experts_;
+  int64_t received = 0;
+  for (int q = 0; q < P; ++q) {
+    send_displs_[q] = byte_count(a.offsets[q * El], width);
+    send_bytes_[q] = byte_count(a.offsets[(q + 1) * El] - a.offsets[q * El], width);
+    int64_t from_q = 0;
+    for (int e = 0; e < El; ++e) from_q += a.recv_counts[q * El + e];
+    recv_displs_[q] = byte_count(received, width);
+    recv_bytes_[q] = byte_count(from_q, width);
+    received += from_q;
+  }
+}
+
+void MoeFeedForward::start_dispatch(const MoeActivations& a, const float* rows, int width) {
+  plan_exchange(a, width);
+  ep_->start_exchange(rows, send_bytes_, send_displs_, a.wire, recv_bytes_, recv_displs_);
+}
+
+void MoeFeedForward::finish_dispatch(const MoeActivations& a, float* local, int width) {
+  ep_->finish_exchange();
+  reorder_rows(local, a.wire, a.recv_counts, a.local_offsets, ep_->size(), local_experts_, width, true);
+}
+
+void MoeFeedForward::combine_back(const MoeActivations& a, const float* local, float* rows, int width) {
+  reorder_rows(a.wire, local, a.recv_counts, a.local_offsets, ep_->size(), local_experts_, width, false);
+  plan_exchange(a, width);  // the dispatch's counts, the other way round
+  ep_->start_exchange(a.wire, recv_bytes_, recv_displs_, rows, send_bytes_, send_displs_);
+  ep_->finish_exchange();
 }
 
 void MoeFeedForward::forward(const MoeActivations& a, const Batch& b, const float* x, float* out, bool count) {
@@ -70,15 +177,32 @@ void MoeFeedForward::forward(const MoeActivations& a, const Batch& b, const floa
   const int64_t dropped = moe::plan_routing(a.offsets, a.rows, a.slot, a.choice, b.B, b.T, K_, E_, capacity);
   const int M = a.offsets[E_];
   moe::gather_rows(a.xs, x, a.rows, M, K_, C_);
-  moe::grouped_linear_forward(f, a.gu, a.xs, P(layout::experts_gate_up_w), a.offsets, E_, C_, 2 * Hm_);
-  ops::swiglu_forward(a.h, a.gu, M, Hm_);
-  moe::grouped_linear_forward(f, a.ye, a.h, P(layout::experts_down_w), a.offsets, E_, Hm_, C_);
-  if (S_ > 0) {
-    ops::linear_forward<float>(f, a.gus, x, P(layout::shared_gate_up_w), nullptr, N, C_, 2 * S_);
-    ops::swiglu_forward(a.hs, a.gus, N, S_);
-    ops::linear_forward<float>(f, out, a.hs, P(layout::shared_down_w), nullptr, N, S_, C_);
-  } else {
-    std::memset(out, 0, sizeof(float) * N * C_);
+  auto shared = [&] {
+    if (S_ > 0) {
+      ops::linear_forward<float>(f, a.gus, x, P(layout::shared_gate_up_w), nullptr, N, C_, 2 * S_);
+      ops::swiglu_forward(a.hs, a.gus, N, S_);
+      ops::linear_forward<float>(f, out, a.hs, P(layout::shared_down_w), nullptr, N, S_, C_);
+    } else {
+      std::memset(out, 0, sizeof(float) * N * C_);
+    }
+  };
+  if (ep_ == nullptr) {
+    moe::grouped_linear_forward(f, a.gu, a.xs, P(layout::experts_gate_up_w), a.offsets, E_, C_, 2 * Hm_);
+    ops::swiglu_forward(a.h, a.gu, M, Hm_);
+    moe::grouped_linear_forward(f, a.ye, a.h, P(layout::experts_down_w), a.offsets, E_, Hm_, C_);
+    shared();
+  } else {  // the rows out to their experts' ranks (the shared experts run meanwhile), this rank's experts, back
+    exchange_counts(a);
+    start_dispatch(a, a.xs, C_);
+    shared();
+    finish_dispatch(a, a.xr, C_);
+    const int El = local_experts_, Mr = a.local_offsets[El];
+    moe::grouped_linear_forward(f, a.gu, a.xr, local(P(layout::experts_gate_up_w), 2 * Hm_ * C_), a.local_offsets,
+                                El, C_, 2 * Hm_);
+    ops::swiglu_forward(a.h, a.gu, Mr, Hm_);
+    moe::grouped_linear_forward(f, a.yr, a.h, local(P(layout::experts_down_w), C_ * Hm_), a.local_offsets, El, Hm_,
+                                C_);
+    combine_back(a, a.yr, a.ye, C_);
   }
   moe::combine_forward(out, a.ye, a.probs, a.choice, a.slot, N, K_, E_, C_);
   if (b.grad_scale != 0.0f && count) {  // a training micro-batch: measured for monitoring (and balancing)
@@ -114,6 +238,10 @@ void MoeFeedForward::backward_input(const MoeActivations& a, const Batch& b, con
     moe::aux_loss_backward(dprobs, a.choice, b.B, b.T, E_, K_, static_cast<float>(aux_weight_ * b.grad_scale * b.T));
   }
   moe::router_softmax_backward(a.dlogits, dprobs, a.probs, N, E_);
+  if (ep_ != nullptr) {
+    backward_input_expert_parallel(a, b, dout, dx);
+    return;
+  }
   moe::grouped_linear_backward_input(bw, a.dh, a.dye, P(layout::experts_down_w), a.offsets, E_, Hm_, C_);
   ops::swiglu_backward_input(a.dgu, a.dh, a.gu, M, Hm_);
   float* dxs = a.dh;
@@ -128,12 +256,47 @@ void MoeFeedForward::backward_input(const MoeActivations& a, const Batch& b, con
   }
 }
 
+// backward_input's experts and what follows them with an expert group: the output gradients out to
+// the experts' ranks (the shared experts' hidden gradient computed meanwhile), this rank's
+// experts' input gradients, back, then as without one.
+void MoeFeedForward::backward_input_expert_parallel(const MoeActivations& a, const Batch& b, const float* dout,
+                                                    float* dx) {
+  const int N = b.B * b.T, El = local_experts_, Mr = a.local_offsets[El];
+  auto P = [&](int t) { return store_.data(t_[t], Plane::param); };
+  const MatmulPrecision bw = math_.backward;
+  start_dispatch(a, a.dye, C_);
+  if (S_ > 0) {
+    float* dhs = a.tmp;
+    ops::linear_backward_input<float>(bw, dhs, dout, P(layout::shared_down_w), N, S_, C_, false);
+    ops::swiglu_backward_input(a.dgus, dhs, a.gus, N, S_);
+  }
+  finish_dispatch(a, a.dyr, C_);
+  moe::grouped_linear_backward_input(bw, a.dh, a.dyr, local(P(layout::experts_down_w), C_ * Hm_), a.local_offsets, El,
+                                     Hm_, C_);
+  ops::swiglu_backward_input(a.dgu, a.dh, a.gu, Mr, Hm_);
+  float* dxr = a.dh;
+  moe::grouped_linear_backward_input(bw, dxr, a.dgu, local(P(layout::experts_gate_up_w), 2 * Hm_ * C_),
+                                     a.local_offsets, El, C_, 2 * Hm_);
+  float* dxs = a.dye;  // (sent: free) the sorted rows' input gradient
+  combine_back(a, dxr, dxs, C_);
+  ops::linear_backward_input<float>(MatmulPrecision::fp32, dx, a.dlogits, P(layout::moe_router_w), N, C_, E_, false);
+  moe::scatter_add_rows(dx, dxs, a.slot, N, K_, C_);
+  if (S_ > 0) ops::linear_backward_input<float>(bw, dx, a.dgus, P(layout::shared_gate_up_w), N, C_, 2 * S_, true);
+}
+
 void MoeFeedForward::backward_weight(const MoeActivations& a, const Batch& b, const float* x, const float* dout) {
   const int N = b.B * b.T;
   auto G = [&](int t) { return store_.data(t_[t], Plane::grad); };
   const MatmulPrecision bw = math_.backward;
-  moe::grouped_linear_backward_weight(bw, G(layout::experts_down_w), a.dye, a.h, a.offsets, E_, Hm_, C_);
-  moe::grouped_linear_backward_weight(bw, G(layout::experts_gate_up_w), a.dgu, a.xs, a.offsets, E_, C_, 2 * Hm_);
+  if (ep_ == nullptr) {
+    moe::grouped_linear_backward_weight(bw, G(layout::experts_down_w), a.dye, a.h, a.offsets, E_, Hm_, C_);
+    moe::grouped_linear_backward_weight(bw, G(layout::experts_gate_up_w), a.dgu, a.xs, a.offsets, E_, C_, 2 * Hm_);
+  } else {  // this rank's experts only, over the rows it ran (expert order)
+    moe::grouped_linear_backward_weight(bw, local(G(layout::experts_down_w), C_ * Hm_), a.dyr, a.h, a.local_offsets,
+                                        local_experts_, Hm_, C_);
+    moe::grouped_linear_backward_weight(bw, local(G(layout::experts_gate_up_w), 2 * Hm_ * C_), a.dgu, a.xr,
+                                        a.local_offsets, local_experts_, C_, 2 * Hm_);
+  }
   ops::linear_backward_weight<float>(MatmulPrecision::fp32, G(layout::moe_router_w), nullptr, a.dlogits, x, N, C_, E_);
   if (S_ > 0) {
     ops::linear_backward_weight<float>(bw, G(layout::shared_down_w), nullptr, dout, a.hs, N, S_, C_);

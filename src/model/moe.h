@@ -20,6 +20,7 @@
 
 #include "core/config.h"
 #include "data/batch.h"
+#include "model/expert_group.h"
 #include "model/layer.h"
 #include "model/layer_util.h"
 #include "store/chunk_store.h"
@@ -48,10 +49,19 @@ struct MoeStats {
 // the sorted rows' inputs [M, C], gate_up [M, 2 Hm], hidden [M, Hm], outputs [M, C]; the shared
 // MLP's gate_up [N, 2 S] and hidden [N, S]; from B for W: dgate_up [M, 2 Hm], dye [M, C], the
 // router's dlogits [N, E], the shared dgate_up [N, 2 S]; and B's working rows.
+//
+// With an expert group of P ranks (E_l = E / P experts each) the sorted rows xs, ye, dye stay on
+// the rank that routed them, and the experts' side holds the rows every rank of the group sent
+// to this rank's experts, in expert order (up to P N k of them): their inputs xr [Mr, C], gu, h,
+// dgu, dh as above but over Mr rows, outputs yr [Mr, C] and received output gradients dyr
+// [Mr, C]; the counts received, recv_counts [P, E_l] (from rank p for local expert e), their
+// offsets local_offsets [E_l + 1]; `wire` [P N k, C] stages rows in rank order for the exchanges.
 struct MoeActivations {
   float *probs = nullptr, *xs = nullptr, *gu = nullptr, *h = nullptr, *ye = nullptr, *dgu = nullptr, *dye = nullptr,
         *dh = nullptr, *dlogits = nullptr, *tmp = nullptr, *gus = nullptr, *hs = nullptr, *dgus = nullptr;
   int32_t *choice = nullptr, *slot = nullptr, *rows = nullptr, *offsets = nullptr;
+  float *xr = nullptr, *yr = nullptr, *dyr = nullptr, *wire = nullptr;
+  int32_t *recv_counts = nullptr, *local_offsets = nullptr;
 };
 
 class MoeFeedForward {
@@ -72,6 +82,12 @@ class MoeFeedForward {
   // Accumulates the router's, the experts' and the shared experts' weight gradients.
   void backward_weight(const MoeActivations& a, const Batch& b, const float* x, const float* dout);
   MoeStats& stats() { return stats_; }
+  // Expert parallelism: the experts' products of this rank's share of the experts only, for the
+  // rows every rank of `group` routes to them (exchanged there and back; its size divides the
+  // experts). Before the activations are carved; null (the default): every expert here. The
+  // block's parameters stay whole: the other experts' weight gradients stay zero on this rank.
+  void set_expert_group(ExpertGroup* group);
+  ExpertGroup* expert_group() const { return ep_; }
   // model.moe_balance = "bias": the routing bias [E] (zeros at the start), and the pairs routed to
   // each expert [E] by the training micro-batches since the balancer last took them (dropped too).
   // Empty otherwise.
@@ -87,6 +103,22 @@ class MoeFeedForward {
   MoeStats stats_;
   std::vector<float> bias_;
   std::vector<double> load_;
+  ExpertGroup* ep_ = nullptr;
+  int local_experts_, first_expert_;  // this rank's experts: first_expert_ .. + local_experts_ - 1
+  std::vector<int32_t> expert_counts_;  // rows routed to each expert by this micro-batch [E]
+  std::vector<int> send_bytes_, send_displs_, recv_bytes_, recv_displs_;  // per rank of the group
+
+  // Expert parallelism's passes (ep_ set): rows[M, width] in `a`'s sorted order out to the
+  // experts' ranks, landing in expert order in `local` [Mr, width]; and back.
+  void exchange_counts(const MoeActivations& a);
+  void start_dispatch(const MoeActivations& a, const float* rows, int width);
+  void finish_dispatch(const MoeActivations& a, float* local, int width);
+  void combine_back(const MoeActivations& a, const float* local, float* rows, int width);
+  // The byte counts and offsets of a dispatch of `a`'s rows (combine_back's the other way round).
+  void plan_exchange(const MoeActivations& a, int width);
+  void backward_input_expert_parallel(const MoeActivations& a, const Batch& b, const float* dout, float* dx);
+  // This rank's first expert's matrix in a tensor of all E experts' matrices of `per_expert` floats each.
+  float* local(float* all, int64_t per_expert) const { return all + first_expert_ * per_expert; }
 };
 
 }  // namespace keel

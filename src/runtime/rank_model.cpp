@@ -59,6 +59,10 @@ std::unique_ptr<RankModel> RankModel::build(const Config& config, ProcessGroups&
                                    recompute_plan(config.train, config.model.n_layer), r->tensor_group.get(),
                                    r->context_group.get());
   if (config.runtime.slow_rank == groups.world().rank()) r->model->set_slowdown(config.runtime.slow_factor);
+  if (groups.ep() != nullptr) {
+    r->expert_group = std::make_unique<MpiExpertGroup>(*groups.ep());
+    attach_expert_group(*r->model, *r->expert_group);
+  }
   r->store->set_huge_page_alignment(tiered);
   // Under ZeRO-3 a rank only ever writes its own shard's pages (the rest arrive under leases).
   const bool zero3 = config.parallel.zero == 3 && dp.size() > 1;
@@ -108,6 +112,7 @@ std::vector<MetricsSource*> RankModel::sources() const {
   std::vector<MetricsSource*> out = {sync_report.get(), optimizer.get()};
   if (tiers) out.push_back(tiers.get());
   if (tensor_group) out.push_back(tensor_group.get());
+  if (expert_group) out.push_back(expert_group.get());
   if (MetricsSource* own = engine->metrics()) out.push_back(own);
   if (moe_report) out.push_back(moe_report.get());
   return out;

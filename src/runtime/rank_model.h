@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "comm/context_parallel.h"
+#include "comm/expert_parallel.h"
 #include "comm/grad_sync.h"
 #include "comm/process_groups.h"
 #include "comm/sharded_optimizer.h"
@@ -37,6 +38,7 @@ struct RankModel {
   std::unique_ptr<ChunkStore> store;
   std::unique_ptr<MpiTensorGroup> tensor_group;  // parallel.tensor > 1: the model's tensor group
   std::unique_ptr<MpiContextGroup> context_group;  // parallel.context > 1: the model's context group
+  std::unique_ptr<MpiExpertGroup> expert_group;    // parallel.expert > 1: the MoE blocks' expert group
   std::unique_ptr<GPT> model;       // a language model's layers (null for a dual encoder)
   std::unique_ptr<ClipModel> clip;  // a dual encoder's towers (null for a language model)
   std::unique_ptr<ShardedOptimizer> optimizer;

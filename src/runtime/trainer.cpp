@@ -49,7 +49,8 @@ double peak_rss_mb() {
 }  // namespace
 
 Trainer::Trainer(Config config, Communicator& comm)
-    : config_(std::move(config)), groups_(comm, config_.parallel.pipeline, config_.parallel.tensor, config_.parallel.context), metrics_(config_, comm) {
+    : config_(std::move(config)), groups_(comm, config_.parallel.pipeline, config_.parallel.tensor, config_.parallel.context,
+              config_.parallel.expert), metrics_(config_, comm) {
   if (config_.runtime.threads > 0) omp_set_num_threads(config_.runtime.threads);
   float_mode_.emplace(config_.runtime.flush_denormals);
   check_blas();
@@ -65,6 +66,7 @@ Trainer::Trainer(Config config, Communicator& comm)
   for (MetricsSource* source : rank_->sources()) metrics_.add_source(source);
   if (rank_->tiers) hooks_.push_back(rank_->tiers.get());
   if (rank_->tensor_group) hooks_.push_back(rank_->tensor_group.get());  // (its step's traffic)
+  if (rank_->expert_group) hooks_.push_back(rank_->expert_group.get());
   // After the tiers: a tiered run's checkpoints stream from them (no snapshot buffers).
   ChunkStore& written = rank_->whole_state ? rank_->whole_state->store() : *rank_->store;  // tensor parallel: whole
   checkpointer_ = std::make_unique<Checkpointer>(config_, comm, written, *rank_->sync, peaks_.peak_gflops, log);
@@ -271,6 +273,7 @@ void Trainer::log_run_event() {
                    {"zero", p.zero},                  {"codec", to_string(config_.sync.codec)}};
   if (p.tensor > 1) run["layout"]["tensor"] = p.tensor;  // (absent where 1: earlier runs' "run" events unchanged)
   if (p.context > 1) run["layout"]["context"] = p.context;  // (likewise)
+  if (p.expert > 1) run["layout"]["expert"] = p.expert;  // (likewise)
   if (config_.tier.device_mib > 0) {
     run["layout"]["tiers"] = {{"device_mib", config_.tier.device_mib},
                               {"host_mib", config_.tier.host_mib},

@@ -108,6 +108,14 @@ class LanguageModel final : public Workload {
                   context, groups_.dp().size() / context, context, t.longest_seq_len() / context, t.longest_seq_len(),
                   2 * context - 1, 2 * context);
     }
+    if (rank.expert_group) {
+      const int P = rank.expert_group->size();
+      std::printf("keel: expert parallel over %d ranks (data %d = %d expert groups of %d): each runs %d of every MoE "
+                  "block's %d experts for its group's tokens (all-to-all there and back); every rank holds all "
+                  "experts' parameters\n",
+                  P, groups_.dp().size(), groups_.dp().size() / P, P, config_.model.moe_experts / P,
+                  config_.model.moe_experts);
+    }
     const GPT& g = *rank.model;
     std::printf("keel: activations (train.recompute = %s, blocks %s): %.1f MB per micro-batch in flight x %d, "
                 "%.1f MB recomputed set, %.1f MB in all\n",
@@ -134,11 +142,12 @@ class LanguageModel final : public Workload {
     if (!rank.model->whole() || !tok || !tok->can_encode() || tok->document_token() < 0 || config_.train.sample_tokens == 0) {
       return;
     }
-    if (groups_.tensor_size() > 1 || groups_.context_size() > 1) {
+    // (An expert group's blocks exchange rows collectively: one rank cannot run them alone.)
+    if (groups_.tensor_size() > 1 || groups_.context_size() > 1 || groups_.ep() != nullptr) {
       if (groups_.world().is_root()) {
         std::printf("keel: no text samples with parallel.%s > 1 (generation runs one rank's whole model: "
                     "`keel generate` from the checkpoint)\n",
-                    groups_.tensor_size() > 1 ? "tensor" : "context");
+                    groups_.tensor_size() > 1 ? "tensor" : groups_.context_size() > 1 ? "context" : "expert");
       }
       return;
     }
