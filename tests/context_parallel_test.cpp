@@ -88,6 +88,28 @@ TEST_F(ContextParallel, ComposesWithZeroAndAccumulation) {
   expect_same_training("one_accum", "accum");
 }
 
+// Activation recomputation (selective: attention and the activation function again; full: every
+// block's forward again) under C = 2: a recomputed attention runs the ring again, every rank of the
+// group in the same order, so each setting trains the same bytes as C = 2 without recomputation
+// (every step's loss and the final weights), both families, with two micro-batches a step.
+TEST_F(ContextParallel, RecomputationTrainsTheSameBytes) {
+  const std::string gpt2 = "--set model.attention=blockwise ";
+  for (const auto& [family, model] : {std::pair<std::string, std::string>{"llama", kLlama}, {"gpt2", gpt2}}) {
+    const std::string extra = model + "--set train.steps=8 --set train.grad_accum=2 --set parallel.context=2 ";
+    const std::string none = family + "none";
+    ASSERT_EQ(train(2, 4, none, extra).exit_code, 0);
+    ASSERT_EQ(losses(none).size(), 8u);
+    for (const std::string setting : {"selective", "full"}) {
+      const std::string run = family + setting;
+      auto r = train(2, 4, run, extra + "--set train.recompute=" + setting);
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      EXPECT_EQ(losses(run), losses(none)) << run;
+      EXPECT_TRUE(testing::checkpoint_bytes(dir / (none + "/ckpt")) == testing::checkpoint_bytes(dir / (run + "/ckpt")))
+          << run << ": final weights differ";
+    }
+  }
+}
+
 // A C = 2 run's checkpoint resumed on one rank and on C = 4, and one rank's on C = 2: the
 // uninterrupted one-rank run's weights (the data position is a count of windows of data ranks x
 // train.batch_size sequences, the same for every C).
@@ -169,7 +191,7 @@ TEST_F(ContextParallel, WhatIsNotBuiltIsRefusedInOneLine) {
   refuses(with("parallel.tensor=2"), 4, "config key 'parallel.tensor': expected its default with parallel.context > 1");
   refuses(with("parallel.pipeline=2"), 4, "config key 'parallel.pipeline': expected its default with parallel.context > 1");
   refuses(with("parallel.zero=3"), 2, "config key 'parallel.zero': expected its default with parallel.context > 1");
-  refuses(with("train.recompute=full"), 2, "config key 'train.recompute': expected its default with parallel.context > 1");
+  EXPECT_EQ(refusal(with("train.recompute=full"), 2), "");
   refuses(with("runtime.precision=bf16"), 2, "config key 'runtime.precision': expected its default with parallel.context > 1");
   refuses(with("model.attention_window=dynamic"), 2, "config key 'model.attention_window': expected fixed windows");
   refuses(with("parallel.context=0"), 1, "parallel.context");
