@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <string>
 
 #include "test_util.h"
@@ -110,6 +111,22 @@ TEST_F(ContextParallel, RecomputationTrainsTheSameBytes) {
   }
 }
 
+// Context 2 x tensor 2 (4 ranks): each tensor rank holds its heads (llama: and key/value heads)
+// and each context rank its two chunks; the ring runs over the context ranks of one tensor shard.
+// One rank's training, both families (GPT-2: the position table's rows at the chunks' global
+// positions beside the vocabulary-parallel embedding).
+TEST_F(ContextParallel, BesideTensorParallelism) {
+  for (const auto& [family, model] :
+       {std::pair<std::string, std::string>{"llama", kLlama}, {"gpt2", "--set model.attention=blockwise "}}) {
+    ASSERT_EQ(train(0, 8, family + "one", model).exit_code, 0);
+    auto r = train(4, 8, family + "c2t2", model + "--set parallel.context=2 --set parallel.tensor=2");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("context parallel over 2 ranks"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("tensor parallel over 2 ranks"), std::string::npos) << r.output;
+    expect_same_training(family + "one", family + "c2t2");
+  }
+}
+
 // A C = 2 run's checkpoint resumed on one rank and on C = 4, and one rank's on C = 2: the
 // uninterrupted one-rank run's weights (the data position is a count of windows of data ranks x
 // train.batch_size sequences, the same for every C).
@@ -188,7 +205,7 @@ TEST_F(ContextParallel, WhatIsNotBuiltIsRefusedInOneLine) {
     return s;
   };
   refuses(with("model.attention=dense"), 2, "config key 'model.attention': expected \"blockwise\" with parallel.context > 1");
-  refuses(with("parallel.tensor=2"), 4, "config key 'parallel.tensor': expected its default with parallel.context > 1");
+  EXPECT_EQ(refusal(with("parallel.tensor=2"), 4), "");
   refuses(with("parallel.pipeline=2"), 4, "config key 'parallel.pipeline': expected its default with parallel.context > 1");
   refuses(with("parallel.zero=3"), 2, "config key 'parallel.zero': expected its default with parallel.context > 1");
   EXPECT_EQ(refusal(with("train.recompute=full"), 2), "");
