@@ -127,6 +127,29 @@ TEST_F(ContextParallel, BesideTensorParallelism) {
   }
 }
 
+// Pipeline 2 x context 2 (4 ranks): each stage's two context ranks share its micro-batches'
+// sequences and run the stage's schedule in the same order (a ring per attention layer, in F and
+// in B); the final checkpoint is written by every stage's data x context ranks, each its part.
+// One rank's training (2 micro-batches of 8 sequences a step), llama under 1F1B and ZB-H1 (B and
+// W apart), GPT-2 (its tied wte on both stages) under 1F1B.
+TEST_F(ContextParallel, BesidePipelineParallelism) {
+  struct Case {
+    std::string family, model, schedule;
+  };
+  for (const Case& c : {Case{"llama", kLlama, "1f1b"}, Case{"llama", kLlama, "zb-h1"},
+                        Case{"gpt2", "--set model.attention=blockwise ", "1f1b"}}) {
+    const std::string extra = c.model + "--set train.grad_accum=2 ";
+    if (!std::filesystem::exists(dir / (c.family + "one"))) {
+      ASSERT_EQ(train(0, 8, c.family + "one", extra).exit_code, 0);
+    }
+    const std::string run = c.family + "p2c2" + c.schedule;
+    auto r = train(4, 8, run, extra + "--set parallel.context=2 --set parallel.pipeline=2 --set parallel.schedule=" +
+                                  c.schedule);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    expect_same_training(c.family + "one", run);
+  }
+}
+
 // A C = 2 run's checkpoint resumed on one rank and on C = 4, and one rank's on C = 2: the
 // uninterrupted one-rank run's weights (the data position is a count of windows of data ranks x
 // train.batch_size sequences, the same for every C).
@@ -206,7 +229,7 @@ TEST_F(ContextParallel, WhatIsNotBuiltIsRefusedInOneLine) {
   };
   refuses(with("model.attention=dense"), 2, "config key 'model.attention': expected \"blockwise\" with parallel.context > 1");
   EXPECT_EQ(refusal(with("parallel.tensor=2"), 4), "");
-  refuses(with("parallel.pipeline=2"), 4, "config key 'parallel.pipeline': expected its default with parallel.context > 1");
+  EXPECT_EQ(refusal(with("parallel.pipeline=2"), 4), "");
   refuses(with("parallel.zero=3"), 2, "config key 'parallel.zero': expected its default with parallel.context > 1");
   EXPECT_EQ(refusal(with("train.recompute=full"), 2), "");
   refuses(with("runtime.precision=bf16"), 2, "config key 'runtime.precision': expected its default with parallel.context > 1");
