@@ -46,7 +46,6 @@ void validate_context_parallel_config(const Config& c, int world_size) {
   not_yet(c.parallel.zero <= 2, "parallel.zero", std::to_string(c.parallel.zero));
   not_yet(!tiering_enabled(c.tier), "tier.device_mib", std::to_string(c.tier.device_mib));
   not_yet(!c.model.moe(), "model.moe_experts", std::to_string(c.model.moe_experts));
-  not_yet(c.runtime.precision != Precision::bf16, "runtime.precision", "\"bf16\"");
   not_yet(c.sync.codec == SyncCodec::none, "sync.codec", "\"" + std::string(to_string(c.sync.codec)) + "\"");
 }
 
