@@ -175,6 +175,26 @@ TEST_F(ContextParallel, Bf16TrainsWhatOneRankTrainsToBf16Precision) {
   }
 }
 
+// ZeRO-3 over the data-parallel group, which spans data x context: each of a context group's ranks
+// homes a shard of the parameters and gathers each layer under its lease, ring attention runs
+// inside the layer's lease. C = 2 alone (the shards split between the context ranks), data 2 x
+// context 2, and C = 2 with full recomputation (a recomputed forward leases its layer again):
+// one rank's training.
+TEST_F(ContextParallel, ComposesWithZero3) {
+  ASSERT_EQ(train(0, 8, "one", kLlama).exit_code, 0);
+  struct Case {
+    int ranks, b;
+    std::string run, extra;
+  };
+  for (const Case& c : {Case{2, 8, "c2z3", ""}, Case{4, 4, "d2c2z3", ""},
+                        Case{2, 8, "c2z3full", "--set train.recompute=full"}}) {
+    auto r = train(c.ranks, c.b, c.run, kLlama + "--set parallel.context=2 --set parallel.zero=3 " + c.extra);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("ZeRO-3 over " + std::to_string(c.ranks) + " ranks"), std::string::npos) << r.output;
+    expect_same_training("one", c.run);
+  }
+}
+
 // A C = 2 run's checkpoint resumed on one rank and on C = 4, and one rank's on C = 2: the
 // uninterrupted one-rank run's weights (the data position is a count of windows of data ranks x
 // train.batch_size sequences, the same for every C).
@@ -255,7 +275,7 @@ TEST_F(ContextParallel, WhatIsNotBuiltIsRefusedInOneLine) {
   refuses(with("model.attention=dense"), 2, "config key 'model.attention': expected \"blockwise\" with parallel.context > 1");
   EXPECT_EQ(refusal(with("parallel.tensor=2"), 4), "");
   EXPECT_EQ(refusal(with("parallel.pipeline=2"), 4), "");
-  refuses(with("parallel.zero=3"), 2, "config key 'parallel.zero': expected its default with parallel.context > 1");
+  EXPECT_EQ(refusal(with("parallel.zero=3"), 2), "");
   EXPECT_EQ(refusal(with("train.recompute=full"), 2), "");
   EXPECT_EQ(refusal(with("runtime.precision=bf16"), 2), "");
   refuses(with("model.attention_window=dynamic"), 2, "config key 'model.attention_window': expected fixed windows");

@@ -43,7 +43,6 @@ void validate_context_parallel_config(const Config& c, int world_size) {
     check(ok, "config key '" + key + "': expected its default with parallel.context > 1 (not yet supported "
               "together), found " + value);
   };
-  not_yet(c.parallel.zero <= 2, "parallel.zero", std::to_string(c.parallel.zero));
   not_yet(!tiering_enabled(c.tier), "tier.device_mib", std::to_string(c.tier.device_mib));
   not_yet(!c.model.moe(), "model.moe_experts", std::to_string(c.model.moe_experts));
   not_yet(c.sync.codec == SyncCodec::none, "sync.codec", "\"" + std::string(to_string(c.sync.codec)) + "\"");
