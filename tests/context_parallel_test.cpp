@@ -226,6 +226,33 @@ TEST_F(ContextParallel, CheckpointsResumeOnAnotherContextSize) {
   EXPECT_NE(e.output.find("loss"), std::string::npos) << e.output;
 }
 
+// Checkpoints of the combined layouts are the whole model's: a context 2 x tensor 2 run's and a
+// pipeline 2 x context 2 run's step-6 checkpoints resumed on one rank, and one rank's resumed on
+// each, end at the uninterrupted one-rank run's weights (1e-5; llama, 2 micro-batches a step).
+TEST_F(ContextParallel, CombinedLayoutsCheckpointsResumeOnOneRankAndBack) {
+  const std::string common = kLlama + "--set train.grad_accum=2 ";
+  const std::string t2 = "--set parallel.context=2 --set parallel.tensor=2 ";
+  const std::string p2 = "--set parallel.context=2 --set parallel.pipeline=2 --set parallel.schedule=1f1b ";
+  const std::string twelve = common + "--set train.steps=12 ", six = common + "--set train.steps=6 ";
+  ASSERT_EQ(train(0, 8, "one", twelve).exit_code, 0);
+  ASSERT_EQ(train(0, 8, "one_half", six).exit_code, 0);
+  ASSERT_EQ(train(4, 8, "t2_half", six + t2).exit_code, 0);
+  ASSERT_EQ(train(4, 8, "p2_half", six + p2).exit_code, 0);
+  struct Resume {
+    int ranks;
+    std::string layout, from, run;
+  };
+  for (const Resume& s : {Resume{0, "", "t2_half", "t2_on_one"}, Resume{0, "", "p2_half", "p2_on_one"},
+                          Resume{4, t2, "one_half", "one_on_t2"}, Resume{4, p2, "one_half", "one_on_p2"}}) {
+    auto r = train(s.ranks, 8, s.run, twelve + s.layout + "--set train.resume=" + dir / (s.from + "/ckpt"));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(r.output.find("resuming with data windows"), std::string::npos) << r.output;
+    for (const auto& [name, d] : testing::weight_distance(dir / "one/ckpt", dir / (s.run + "/ckpt"))) {
+      EXPECT_LT(d, 1e-5) << s.run << ": " << name;
+    }
+  }
+}
+
 // The activation bytes each rank reports (the model's activation allocation, "keel: memory per
 // rank: ... activations X MB") at 8192-token sequences: C ranks hold about 1/C of one rank's.
 TEST_F(ContextParallel, ActivationMemoryPerRankIsAboutOneOverC) {
