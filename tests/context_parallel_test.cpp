@@ -5,10 +5,12 @@
 // another C; a rank's activations are 1/C of one rank's; what is not built is refused in one line.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include "test_util.h"
 #include "toy_runs.h"
@@ -197,6 +199,41 @@ TEST_F(ContextParallel, ComposesWithZero3) {
   }
 }
 
+// A mixture of experts (llama-moe-tiny at the toy's size: 2 MoE blocks of 4 experts) with C = 2 and
+// DeepSeek's bias balancing (model.moe_aux_weight = 0), dropless: routing is token by token, and
+// the experts' counts and the balancing loads are summed over the data group (data x context), so
+// every step routes the same tokens with the same biases as one rank, and trains what it trains.
+TEST_F(ContextParallel, MixtureOfExpertsWithBiasBalancing) {
+  const std::string moe = "--set model.preset=llama-moe-tiny --set model.vocab_size=64 --set model.max_seq_len=32 "
+                          "--set model.attention=blockwise --set model.moe_balance=bias --set model.moe_bias_rate=0.01 "
+                          "--set model.moe_aux_weight=0 ";
+  ASSERT_EQ(train(0, 8, "one", moe).exit_code, 0);
+  auto r = train(2, 8, "c2", moe + "--set parallel.context=2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_same_training("one", "c2");
+  auto step_lines = [&](const std::string& run) {
+    std::vector<nlohmann::json> out;
+    const std::string text = read_text_file(dir / (run + "/metrics.jsonl"));
+    for (size_t at = 0; at < text.size();) {
+      const size_t end = std::min(text.find('\n', at), text.size());
+      nlohmann::json j = nlohmann::json::parse(text.substr(at, end - at));
+      at = end + 1;
+      if (j.contains("loss") && j.contains("moe_layers") && !j.contains("event")) out.push_back(std::move(j));
+    }
+    return out;
+  };
+  const std::vector<nlohmann::json> one = step_lines("one"), c2 = step_lines("c2");
+  ASSERT_EQ(one.size(), 20u);
+  ASSERT_EQ(c2.size(), one.size());
+  for (size_t i = 0; i < one.size(); ++i) {
+    ASSERT_EQ(c2[i].at("moe_layers").size(), 2u);
+    for (size_t l = 0; l < 2; ++l) {
+      EXPECT_EQ(c2[i].at("moe_layers")[l].at("tokens"), one[i].at("moe_layers")[l].at("tokens")) << "step " << i + 1;
+      EXPECT_EQ(c2[i].at("moe_layers")[l].at("bias"), one[i].at("moe_layers")[l].at("bias")) << "step " << i + 1;
+    }
+  }
+}
+
 // A C = 2 run's checkpoint resumed on one rank and on C = 4, and one rank's on C = 2: the
 // uninterrupted one-rank run's weights (the data position is a count of windows of data ranks x
 // train.batch_size sequences, the same for every C).
@@ -308,6 +345,13 @@ TEST_F(ContextParallel, WhatIsNotBuiltIsRefusedInOneLine) {
   EXPECT_EQ(refusal(with("train.recompute=full"), 2), "");
   EXPECT_EQ(refusal(with("runtime.precision=bf16"), 2), "");
   refuses(with("model.attention_window=dynamic"), 2, "config key 'model.attention_window': expected fixed windows");
+  // A mixture of experts: its balancing loss and its capacity count whole sequences.
+  std::vector<std::string> moe = {"model.preset=llama-moe-tiny", "train.seq_len=64", "parallel.context=2"};
+  refuses(moe, 2, "config key 'model.moe_aux_weight': expected 0 with parallel.context > 1");
+  moe.push_back("model.moe_aux_weight=0");
+  EXPECT_EQ(refusal(moe, 2), "");
+  moe.push_back("model.moe_capacity=1.25");
+  refuses(moe, 2, "config key 'model.moe_capacity': expected 0 (dropless) with parallel.context > 1");
   refuses(with("parallel.context=0"), 1, "parallel.context");
   EXPECT_EQ(refusal(llama, 2), "");
   EXPECT_EQ(refusal(llama, 4), "");  // data 2 x context 2
