@@ -1,8 +1,8 @@
-// Context parallelism (parallel.context) over OpenMPI, through the keel binary as a user runs it:
-// C ranks sharing every sequence (rank r holds chunks r and 2C-1-r of 2C, ring attention) train
-// what one rank trains with the whole batch (losses within 1e-5 relative over 20 steps, weights
-// within 1e-5), causal and windowed, both families, alone and beside data parallelism; checkpoints resume on
-// another C; a rank's activations are 1/C of one rank's; what is not built is refused in one line.
+// Context parallelism (parallel.context) over OpenMPI, through the keel binary as a user runs it: C ranks
+// sharing every sequence (chunks r and 2C-1-r of 2C, ring attention) train what one rank trains (losses 1e-5
+// relative over 20 steps, weights 1e-5), causal and windowed, both families, beside data, tensor and pipeline
+// parallelism, ZeRO-1/2/3, recomputation, bf16 and experts; checkpoints resume on another layout; a rank's
+// activations are 1/C of one rank's; what is not built is refused in one line.
 #include <gtest/gtest.h>
 
 #include <algorithm>
