@@ -1,13 +1,16 @@
-// Context parallelism (parallel.context) over OpenMPI, through the keel binary as a user runs it:
-// C ranks sharing every sequence (rank r holds chunks r and 2C-1-r of 2C, ring attention) train
-// what one rank trains with the whole batch (losses within 1e-5 relative over 20 steps, weights
-// within 1e-5), causal and windowed, both families, alone and beside data parallelism; checkpoints resume on
-// another C; a rank's activations are 1/C of one rank's; what is not built is refused in one line.
+// Context parallelism (parallel.context) over OpenMPI, through the keel binary as a user runs it: C ranks
+// sharing every sequence (chunks r and 2C-1-r of 2C, ring attention) train what one rank trains (losses 1e-5
+// relative over 20 steps, weights 1e-5), causal and windowed, both families, beside data, tensor and pipeline
+// parallelism, ZeRO-1/2/3, recomputation, bf16 and experts; checkpoints resume on another layout; a rank's
+// activations are 1/C of one rank's; what is not built is refused in one line.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <string>
+#include <vector>
 
 #include "test_util.h"
 #include "toy_runs.h"
@@ -88,6 +91,149 @@ TEST_F(ContextParallel, ComposesWithZeroAndAccumulation) {
   expect_same_training("one_accum", "accum");
 }
 
+// Activation recomputation (selective: attention and the activation function again; full: every
+// block's forward again) under C = 2: a recomputed attention runs the ring again, every rank of the
+// group in the same order, so each setting trains the same bytes as C = 2 without recomputation
+// (every step's loss and the final weights), both families, with two micro-batches a step.
+TEST_F(ContextParallel, RecomputationTrainsTheSameBytes) {
+  const std::string gpt2 = "--set model.attention=blockwise ";
+  for (const auto& [family, model] : {std::pair<std::string, std::string>{"llama", kLlama}, {"gpt2", gpt2}}) {
+    const std::string extra = model + "--set train.steps=8 --set train.grad_accum=2 --set parallel.context=2 ";
+    const std::string none = family + "none";
+    ASSERT_EQ(train(2, 4, none, extra).exit_code, 0);
+    ASSERT_EQ(losses(none).size(), 8u);
+    for (const std::string setting : {"selective", "full"}) {
+      const std::string run = family + setting;
+      auto r = train(2, 4, run, extra + "--set train.recompute=" + setting);
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      EXPECT_EQ(losses(run), losses(none)) << run;
+      EXPECT_TRUE(testing::checkpoint_bytes(dir / (none + "/ckpt")) == testing::checkpoint_bytes(dir / (run + "/ckpt")))
+          << run << ": final weights differ";
+    }
+  }
+}
+
+// Context 2 x tensor 2 (4 ranks): each tensor rank holds its heads (llama: and key/value heads)
+// and each context rank its two chunks; the ring runs over the context ranks of one tensor shard.
+// One rank's training, both families (GPT-2: the position table's rows at the chunks' global
+// positions beside the vocabulary-parallel embedding).
+TEST_F(ContextParallel, BesideTensorParallelism) {
+  for (const auto& [family, model] :
+       {std::pair<std::string, std::string>{"llama", kLlama}, {"gpt2", "--set model.attention=blockwise "}}) {
+    ASSERT_EQ(train(0, 8, family + "one", model).exit_code, 0);
+    auto r = train(4, 8, family + "c2t2", model + "--set parallel.context=2 --set parallel.tensor=2");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("context parallel over 2 ranks"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("tensor parallel over 2 ranks (data 1 x pipeline 1 x context 2 x tensor 2)"),
+              std::string::npos)
+        << r.output;
+    expect_same_training(family + "one", family + "c2t2");
+  }
+}
+
+// Pipeline 2 x context 2 (4 ranks): each stage's two context ranks share its micro-batches'
+// sequences and run the stage's schedule in the same order (a ring per attention layer, in F and
+// in B); the final checkpoint is written by every stage's data x context ranks, each its part.
+// One rank's training (2 micro-batches of 8 sequences a step), llama under 1F1B and ZB-H1 (B and
+// W apart), GPT-2 (its tied wte on both stages) under 1F1B.
+TEST_F(ContextParallel, BesidePipelineParallelism) {
+  struct Case {
+    std::string family, model, schedule;
+  };
+  for (const Case& c : {Case{"llama", kLlama, "1f1b"}, Case{"llama", kLlama, "zb-h1"},
+                        Case{"gpt2", "--set model.attention=blockwise ", "1f1b"}}) {
+    const std::string extra = c.model + "--set train.grad_accum=2 ";
+    if (!std::filesystem::exists(dir / (c.family + "one"))) {
+      ASSERT_EQ(train(0, 8, c.family + "one", extra).exit_code, 0);
+    }
+    const std::string run = c.family + "p2c2" + c.schedule;
+    auto r = train(4, 8, run, extra + "--set parallel.context=2 --set parallel.pipeline=2 --set parallel.schedule=" +
+                                  c.schedule);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    expect_same_training(c.family + "one", run);
+  }
+}
+
+// bf16 (runtime.precision = "bf16": bf16 products and stashes, the ring's products too) with C = 2
+// trains what one rank trains in bf16 to bf16's precision, by the tensor-parallel bf16 test's
+// measure: losses within 1e-4 relative over 8 steps, weights within 1e-2 (the ring merges a row's
+// key blocks one at a time, rounding each block's probabilities to bf16 against a running maximum,
+// and the context group sums gradients in another order). Heads of 8 columns (model.n_head = 8):
+// one rank then runs the blockwise kernel's tile form, the arithmetic the ring's kernels share;
+// at 16 columns one rank would take the AVX-512 bf16 path, which rounds elsewhere (the ring has
+// no vector path yet).
+TEST_F(ContextParallel, Bf16TrainsWhatOneRankTrainsToBf16Precision) {
+  const std::string bf16 = "--set train.steps=8 --set runtime.precision=bf16 --set model.n_head=8 ";
+  for (const auto& [family, model] :
+       {std::pair<std::string, std::string>{"llama", kLlama}, {"gpt2", "--set model.attention=blockwise "}}) {
+    ASSERT_EQ(train(0, 8, family + "one", model + bf16).exit_code, 0);
+    auto r = train(2, 8, family + "c2", model + bf16 + "--set parallel.context=2");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const std::vector<double> want = losses(family + "one"), got = losses(family + "c2");
+    ASSERT_EQ(want.size(), 8u);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t s = 0; s < got.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-4 * want[s]) << family << " step " << s + 1;
+    for (const auto& [name, d] : testing::weight_distance(dir / (family + "one/ckpt"), dir / (family + "c2/ckpt"))) {
+      EXPECT_LT(d, 1e-2) << family << ": " << name;
+    }
+  }
+}
+
+// ZeRO-3 over the data-parallel group, which spans data x context: each of a context group's ranks
+// homes a shard of the parameters and gathers each layer under its lease, ring attention runs
+// inside the layer's lease. C = 2 alone (the shards split between the context ranks), data 2 x
+// context 2, and C = 2 with full recomputation (a recomputed forward leases its layer again):
+// one rank's training.
+TEST_F(ContextParallel, ComposesWithZero3) {
+  ASSERT_EQ(train(0, 8, "one", kLlama).exit_code, 0);
+  struct Case {
+    int ranks, b;
+    std::string run, extra;
+  };
+  for (const Case& c : {Case{2, 8, "c2z3", ""}, Case{4, 4, "d2c2z3", ""},
+                        Case{2, 8, "c2z3full", "--set train.recompute=full"}}) {
+    auto r = train(c.ranks, c.b, c.run, kLlama + "--set parallel.context=2 --set parallel.zero=3 " + c.extra);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("ZeRO-3 over " + std::to_string(c.ranks) + " ranks"), std::string::npos) << r.output;
+    expect_same_training("one", c.run);
+  }
+}
+
+// A mixture of experts (llama-moe-tiny at the toy's size: 2 MoE blocks of 4 experts) with C = 2 and
+// DeepSeek's bias balancing (model.moe_aux_weight = 0), dropless: routing is token by token, and
+// the experts' counts and the balancing loads are summed over the data group (data x context), so
+// every step routes the same tokens with the same biases as one rank, and trains what it trains.
+TEST_F(ContextParallel, MixtureOfExpertsWithBiasBalancing) {
+  const std::string moe = "--set model.preset=llama-moe-tiny --set model.vocab_size=64 --set model.max_seq_len=32 "
+                          "--set model.attention=blockwise --set model.moe_balance=bias --set model.moe_bias_rate=0.01 "
+                          "--set model.moe_aux_weight=0 ";
+  ASSERT_EQ(train(0, 8, "one", moe).exit_code, 0);
+  auto r = train(2, 8, "c2", moe + "--set parallel.context=2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_same_training("one", "c2");
+  auto step_lines = [&](const std::string& run) {
+    std::vector<nlohmann::json> out;
+    const std::string text = read_text_file(dir / (run + "/metrics.jsonl"));
+    for (size_t at = 0; at < text.size();) {
+      const size_t end = std::min(text.find('\n', at), text.size());
+      nlohmann::json j = nlohmann::json::parse(text.substr(at, end - at));
+      at = end + 1;
+      if (j.contains("loss") && j.contains("moe_layers") && !j.contains("event")) out.push_back(std::move(j));
+    }
+    return out;
+  };
+  const std::vector<nlohmann::json> one = step_lines("one"), c2 = step_lines("c2");
+  ASSERT_EQ(one.size(), 20u);
+  ASSERT_EQ(c2.size(), one.size());
+  for (size_t i = 0; i < one.size(); ++i) {
+    ASSERT_EQ(c2[i].at("moe_layers").size(), 2u);
+    for (size_t l = 0; l < 2; ++l) {
+      EXPECT_EQ(c2[i].at("moe_layers")[l].at("tokens"), one[i].at("moe_layers")[l].at("tokens")) << "step " << i + 1;
+      EXPECT_EQ(c2[i].at("moe_layers")[l].at("bias"), one[i].at("moe_layers")[l].at("bias")) << "step " << i + 1;
+    }
+  }
+}
+
 // A C = 2 run's checkpoint resumed on one rank and on C = 4, and one rank's on C = 2: the
 // uninterrupted one-rank run's weights (the data position is a count of windows of data ranks x
 // train.batch_size sequences, the same for every C).
@@ -117,6 +263,33 @@ TEST_F(ContextParallel, CheckpointsResumeOnAnotherContextSize) {
   auto e = run_keel("eval --checkpoint " + dir / "c2_half/ckpt" + " --data " + dir / "val.bin" + " --batch 2 --seq 32");
   EXPECT_EQ(e.exit_code, 0) << e.output;
   EXPECT_NE(e.output.find("loss"), std::string::npos) << e.output;
+}
+
+// Checkpoints of the combined layouts are the whole model's: a context 2 x tensor 2 run's and a
+// pipeline 2 x context 2 run's step-6 checkpoints resumed on one rank, and one rank's resumed on
+// each, end at the uninterrupted one-rank run's weights (1e-5; llama, 2 micro-batches a step).
+TEST_F(ContextParallel, CombinedLayoutsCheckpointsResumeOnOneRankAndBack) {
+  const std::string common = kLlama + "--set train.grad_accum=2 ";
+  const std::string t2 = "--set parallel.context=2 --set parallel.tensor=2 ";
+  const std::string p2 = "--set parallel.context=2 --set parallel.pipeline=2 --set parallel.schedule=1f1b ";
+  const std::string twelve = common + "--set train.steps=12 ", six = common + "--set train.steps=6 ";
+  ASSERT_EQ(train(0, 8, "one", twelve).exit_code, 0);
+  ASSERT_EQ(train(0, 8, "one_half", six).exit_code, 0);
+  ASSERT_EQ(train(4, 8, "t2_half", six + t2).exit_code, 0);
+  ASSERT_EQ(train(4, 8, "p2_half", six + p2).exit_code, 0);
+  struct Resume {
+    int ranks;
+    std::string layout, from, run;
+  };
+  for (const Resume& s : {Resume{0, "", "t2_half", "t2_on_one"}, Resume{0, "", "p2_half", "p2_on_one"},
+                          Resume{4, t2, "one_half", "one_on_t2"}, Resume{4, p2, "one_half", "one_on_p2"}}) {
+    auto r = train(s.ranks, 8, s.run, twelve + s.layout + "--set train.resume=" + dir / (s.from + "/ckpt"));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(r.output.find("resuming with data windows"), std::string::npos) << r.output;
+    for (const auto& [name, d] : testing::weight_distance(dir / "one/ckpt", dir / (s.run + "/ckpt"))) {
+      EXPECT_LT(d, 1e-5) << s.run << ": " << name;
+    }
+  }
 }
 
 // The activation bytes each rank reports (the model's activation allocation, "keel: memory per
@@ -166,12 +339,19 @@ TEST_F(ContextParallel, WhatIsNotBuiltIsRefusedInOneLine) {
     return s;
   };
   refuses(with("model.attention=dense"), 2, "config key 'model.attention': expected \"blockwise\" with parallel.context > 1");
-  refuses(with("parallel.tensor=2"), 4, "config key 'parallel.tensor': expected its default with parallel.context > 1");
-  refuses(with("parallel.pipeline=2"), 4, "config key 'parallel.pipeline': expected its default with parallel.context > 1");
-  refuses(with("parallel.zero=3"), 2, "config key 'parallel.zero': expected its default with parallel.context > 1");
-  refuses(with("train.recompute=full"), 2, "config key 'train.recompute': expected its default with parallel.context > 1");
-  refuses(with("runtime.precision=bf16"), 2, "config key 'runtime.precision': expected its default with parallel.context > 1");
+  EXPECT_EQ(refusal(with("parallel.tensor=2"), 4), "");
+  EXPECT_EQ(refusal(with("parallel.pipeline=2"), 4), "");
+  EXPECT_EQ(refusal(with("parallel.zero=3"), 2), "");
+  EXPECT_EQ(refusal(with("train.recompute=full"), 2), "");
+  EXPECT_EQ(refusal(with("runtime.precision=bf16"), 2), "");
   refuses(with("model.attention_window=dynamic"), 2, "config key 'model.attention_window': expected fixed windows");
+  // A mixture of experts: its balancing loss and its capacity count whole sequences.
+  std::vector<std::string> moe = {"model.preset=llama-moe-tiny", "train.seq_len=64", "parallel.context=2"};
+  refuses(moe, 2, "config key 'model.moe_aux_weight': expected 0 with parallel.context > 1");
+  moe.push_back("model.moe_aux_weight=0");
+  EXPECT_EQ(refusal(moe, 2), "");
+  moe.push_back("model.moe_capacity=1.25");
+  refuses(moe, 2, "config key 'model.moe_capacity': expected 0 (dropless) with parallel.context > 1");
   refuses(with("parallel.context=0"), 1, "parallel.context");
   EXPECT_EQ(refusal(llama, 2), "");
   EXPECT_EQ(refusal(llama, 4), "");  // data 2 x context 2

@@ -50,6 +50,16 @@ std::vector<ChunkTarget> whole_model_targets(const ChunkStore& stage, const Chun
 
 }  // namespace
 
+namespace {
+
+int writer_index(int rank, const ParallelConfig& p) {
+  const int P = std::max(1, p.pipeline), Cx = std::max(1, p.context), T = std::max(1, p.tensor);
+  const int q = rank / T, c = q % Cx, replica = q / Cx / P;
+  return (replica * Cx + c) * T + rank % T;
+}
+
+}  // namespace
+
 Checkpointer::Checkpointer(const Config& config, Communicator& world, ChunkStore& store, GradSync& sync,
                            double peak_gflops, std::function<void(const nlohmann::json&)> log_event)
     : config_(config),
@@ -59,11 +69,10 @@ Checkpointer::Checkpointer(const Config& config, Communicator& world, ChunkStore
       sync_(&sync),
       peak_gflops_(peak_gflops),
       log_event_(std::move(log_event)),
-      // Among the ranks holding this rank's layers (its stage's replicas and tensor ranks; world
-      // rank = (replica x P + stage) x T + tensor rank): replica x T + tensor rank.
-      writer_index_(comm_.rank() / (std::max(1, config.parallel.pipeline) * std::max(1, config.parallel.tensor)) *
-                        std::max(1, config.parallel.tensor) +
-                    comm_.rank() % std::max(1, config.parallel.tensor)),
+      // Among the ranks holding this rank's layers (its stage's replicas, context and tensor ranks;
+      // world rank = ((replica x P + stage) x Cx + context rank) x T + tensor rank, comm/process_groups.h):
+      // (replica x Cx + context rank) x T + tensor rank.
+      writer_index_(writer_index(comm_.rank(), config.parallel)),
       root_(config.train.run_dir + "/ckpt") {
   if (config.parallel.pipeline > 1) {
     whole_ = std::make_unique<ChunkStore>(config.store.chunk_bytes);

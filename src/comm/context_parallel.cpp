@@ -1,5 +1,7 @@
 #include "comm/context_parallel.h"
 
+#include <cstdio>
+
 #include "core/error.h"
 #include "store/placement.h"
 
@@ -43,14 +45,24 @@ void validate_context_parallel_config(const Config& c, int world_size) {
     check(ok, "config key '" + key + "': expected its default with parallel.context > 1 (not yet supported "
               "together), found " + value);
   };
-  not_yet(c.parallel.pipeline == 1, "parallel.pipeline", std::to_string(c.parallel.pipeline));
-  not_yet(c.parallel.tensor == 1, "parallel.tensor", std::to_string(c.parallel.tensor));
-  not_yet(c.parallel.zero <= 2, "parallel.zero", std::to_string(c.parallel.zero));
   not_yet(!tiering_enabled(c.tier), "tier.device_mib", std::to_string(c.tier.device_mib));
-  not_yet(!c.model.moe(), "model.moe_experts", std::to_string(c.model.moe_experts));
-  not_yet(c.train.recompute == Recompute::none, "train.recompute",
-          "\"" + std::string(to_string(c.train.recompute)) + "\"");
-  not_yet(c.runtime.precision != Precision::bf16, "runtime.precision", "\"bf16\"");
+  // A mixture of experts routes token by token, and its counts and bias balancing's loads are sums
+  // over the data group; its balancing loss and its capacity count a whole sequence's tokens
+  // (model/moe.h), of which a context rank holds 2 of 2C chunks.
+  if (c.model.moe()) {
+    auto number = [](double v) {
+      char text[32];
+      std::snprintf(text, sizeof text, "%g", v);
+      return std::string(text);
+    };
+    check(c.model.moe_aux_weight == 0,
+          "config key 'model.moe_aux_weight': expected 0 with parallel.context > 1 (the balancing loss is taken per "
+          "whole sequence, which no context rank holds; model.moe_balance = \"bias\" balances without it), found " +
+              number(c.model.moe_aux_weight));
+    check(c.model.moe_capacity == 0,
+          "config key 'model.moe_capacity': expected 0 (dropless) with parallel.context > 1 (an expert's capacity "
+          "counts a whole sequence's tokens, earlier positions first), found " + number(c.model.moe_capacity));
+  }
   not_yet(c.sync.codec == SyncCodec::none, "sync.codec", "\"" + std::string(to_string(c.sync.codec)) + "\"");
 }
 

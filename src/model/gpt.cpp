@@ -8,6 +8,8 @@
 #include <functional>
 #include <numeric>
 
+#include <omp.h>
+
 #include "core/clock.h"
 #include "core/error.h"
 #include "core/rng.h"
@@ -63,9 +65,10 @@ class Embedding final : public Layer {
     }
     if (tp_) {
       check(!b.kv || b.kv->positions() == nullptr, "model: a packed KV-cached pass over a tensor-parallel embedding is not built");
-      vocab_parallel_embedding_forward(*tp_, x_out, b, store_.data(wte_, Plane::param),
-                                       wpe_ >= 0 ? store_.data(wpe_, Plane::param) : nullptr, pos0, rows_, vocab_begin_,
-                                       m_.n_embd);
+      const float* wpe = wpe_ >= 0 ? store_.data(wpe_, Plane::param) : nullptr;
+      vocab_parallel_embedding_forward(*tp_, x_out, b, store_.data(wte_, Plane::param), cp_ ? nullptr : wpe, pos0,
+                                       rows_, vocab_begin_, m_.n_embd);
+      if (cp_ != nullptr && wpe != nullptr) add_chunk_positions(x_out, wpe, b);
       return;
     }
     if (const int* pos = b.kv ? b.kv->positions() : nullptr) {  // a packed pass: each row at its own position
@@ -100,7 +103,9 @@ class Embedding final : public Layer {
     const PageLease use = store_.use_layer(m_.layer_base, {}, {Plane::grad});
     float* dwpe = wpe_ >= 0 ? store_.data(wpe_, Plane::grad) : nullptr;
     if (tp_) {
-      vocab_parallel_embedding_backward(store_.data(wte_, Plane::grad), dwpe, dx_out, b, rows_, vocab_begin_, m_.n_embd);
+      vocab_parallel_embedding_backward(store_.data(wte_, Plane::grad), cp_ ? nullptr : dwpe, dx_out, b, rows_,
+                                        vocab_begin_, m_.n_embd);
+      if (cp_ != nullptr && dwpe != nullptr) add_chunk_position_grads(dwpe, dx_out, b);
       return;
     }
     if (cp_ != nullptr) {
@@ -118,6 +123,35 @@ class Embedding final : public Layer {
   }
 
  private:
+  // Context and tensor parallelism together: the vocabulary-parallel embedding sums the token
+  // rows over the tensor group; each chunk's rows then add (and their gradients write) the
+  // position table's rows of the chunk's global positions (model/context_group.h).
+  void add_chunk_positions(float* x_out, const float* wpe, const Batch& b) const {
+    const int C = m_.n_embd;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < static_cast<int64_t>(b.B) * b.T; ++n) {
+      const int t = static_cast<int>(n % b.T);
+      const float* p = wpe + static_cast<int64_t>(cp_->position(t, b.T)) * C;
+      float* o = x_out + n * C;
+      for (int c = 0; c < C; ++c) o[c] += p[c];
+    }
+  }
+  // dwpe[position of row t] += dx_out[row t]: channels split over threads, rows in order within each.
+  void add_chunk_position_grads(float* dwpe, const float* dx_out, const Batch& b) const {
+    const int C = m_.n_embd;
+    const int64_t N = static_cast<int64_t>(b.B) * b.T;
+#pragma omp parallel
+    {
+      const int threads = omp_get_num_threads(), me = omp_get_thread_num();
+      const int64_t c0 = C * static_cast<int64_t>(me) / threads, c1 = C * static_cast<int64_t>(me + 1) / threads;
+      for (int64_t n = 0; n < N; ++n) {
+        const float* d = dx_out + n * C;
+        float* p = dwpe + static_cast<int64_t>(cp_->position(static_cast<int>(n % b.T), b.T)) * C;
+        for (int64_t c = c0; c < c1; ++c) p[c] += d[c];
+      }
+    }
+  }
+
   ChunkStore& store_;
   ModelConfig m_;
   TensorId wte_, wpe_ = -1;  // wpe_ < 0: no position table

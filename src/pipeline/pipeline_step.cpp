@@ -98,7 +98,8 @@ void PipelineStep::use_plan(Plan plan) {
   const int deferred_stages = prediction_ ? static_cast<int>(plan.schedule.stages_of(pp.rank()).size()) : 0;
   if (executor_) check(!executor_->defers_last_weights(), "pipeline: a new plan with gradient prediction");
   executor_.reset();
-  model_.allocate(std::max(plan.micro_batch, t.batch_size), t.longest_seq_len(),
+  // (a context group's rank holds T / context of each sequence: model/context_group.h)
+  model_.allocate(std::max(plan.micro_batch, t.batch_size), t.longest_seq_len() / groups_.context_size(),
                   Executor::slots_needed(schedule_check_, pp.rank(), deferred_stages));
   executor_ = std::make_unique<Executor>(model_, pp, std::move(plan.schedule), stages_, config_.parallel.lookahead);
   // Lookahead: the chunk store hears which layers the next instructions use.
@@ -257,8 +258,11 @@ void PipelineStep::update(int64_t step, double lr, double& loss_sum, StepResult&
   }
 }
 
-double PipelineStep::run_micro_batches(int T) {
+double PipelineStep::run_micro_batches(int sequence_T) {
   const TrainConfig& t = config_.train;
+  // A context group's rank reads its T / context rows of each sequence (data/loader.h); the data
+  // group spans data x context, so the gradient scale below still counts every token once.
+  const int T = sequence_T / groups_.context_size();
   const int sequences = t.batch_size * t.grad_accum, b = sequences / micro_batches_;
   const int replicas = groups_.dp().size();
   // The step reads the same grad_accum batches one rank would, then cuts them into the
@@ -270,7 +274,7 @@ double PipelineStep::run_micro_batches(int T) {
   inputs_.resize(static_cast<size_t>(sequences) * T);
   targets_.resize(inputs_.size());
   for (int k = 0; k < t.grad_accum; ++k) {
-    const Batch batch = data_.next(T);
+    const Batch batch = data_.next(sequence_T);
     const size_t n = static_cast<size_t>(batch.B) * T, at = static_cast<size_t>(k) * t.batch_size * T;
     std::copy(batch.inputs, batch.inputs + n, inputs_.begin() + at);
     std::copy(batch.targets, batch.targets + n, targets_.begin() + at);

@@ -97,10 +97,13 @@ class LanguageModel final : public Workload {
                 omp_get_max_threads());
     if (!t.seq_len_schedule.empty()) std::printf("keel: sequence-length curriculum: %s\n", t.describe_seq_lens().c_str());
     if (rank.whole_state) {
-      std::printf("keel: tensor parallel over %d ranks (data %d x pipeline %d x tensor %d): %.2fM of the model's %.2fM "
-                  "parameters on each\n",
-                  groups_.tensor_size(), groups_.dp().size(), config_.parallel.pipeline, groups_.tensor_size(),
-                  rank.store->param_count() / 1e6, rank.whole_state->store().param_count() / 1e6);
+      // (the data-parallel group spans data x context: comm/process_groups.h)
+      const int context = groups_.context_size();
+      const std::string with_context = context > 1 ? " x context " + std::to_string(context) : "";
+      std::printf("keel: tensor parallel over %d ranks (data %d x pipeline %d%s x tensor %d): %.2fM of the model's "
+                  "%.2fM parameters on each\n",
+                  groups_.tensor_size(), groups_.dp().size() / context, config_.parallel.pipeline, with_context.c_str(),
+                  groups_.tensor_size(), rank.store->param_count() / 1e6, rank.whole_state->store().param_count() / 1e6);
     }
     if (const int context = groups_.context_size(); context > 1) {
       std::printf("keel: context parallel over %d ranks (data %d x context %d): %d of each sequence's %d tokens on "
