@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <cstdint>
+#include <limits>
 #include <span>
 
 #include "core/error.h"
@@ -23,8 +24,27 @@ void MpiTensorGroup::allreduce_max(float* data, int64_t count) {
   std::copy(scratch_.begin(), scratch_.end(), data);  // (maxima of floats: exact in double)
 }
 
+void MpiTensorGroup::allgather(float* data, int64_t count) {
+  const int T = comm_.size();
+  if (counting_) gather_bytes_ += T * count * static_cast<int64_t>(sizeof(float));
+  check(T * count <= std::numeric_limits<int>::max(), "tensor parallelism: an all-gather too large for one MPI call");
+  std::vector<int> counts(T, static_cast<int>(count)), displs(T);
+  for (int r = 0; r < T; ++r) displs[r] = r * static_cast<int>(count);
+  comm_.allgatherv(data, counts, displs);
+}
+
+void MpiTensorGroup::reduce_scatter_sum(float* data, int64_t count) {
+  const int T = comm_.size();
+  if (counting_) scatter_bytes_ += T * count * static_cast<int64_t>(sizeof(float));
+  check(T * count <= std::numeric_limits<int>::max(), "tensor parallelism: a reduce-scatter too large for one MPI call");
+  Communicator::Request request = comm_.ireduce_scatter_sum(data, std::vector<int>(T, static_cast<int>(count)));
+  comm_.wait(request);
+}
+
 void validate_tensor_parallel_config(const Config& c) {
   const int T = c.parallel.tensor;
+  check(!c.parallel.sequence_parallel || T > 1, "config key 'parallel.sequence_parallel': expected false with "
+                                                "parallel.tensor = 1 (it shards the tensor group's rows), found true");
   if (T <= 1) return;
   const std::string found = std::to_string(T);
   check(!c.clip.enabled(), "config key 'parallel.tensor': expected 1 with clip.image_tower (a dual encoder's towers "
@@ -49,6 +69,27 @@ void validate_tensor_parallel_config(const Config& c) {
                               "yet supported together), found " + std::to_string(c.parallel.zero));
   not_yet(c.sync.codec == SyncCodec::none, "sync.codec", "\"" + std::string(to_string(c.sync.codec)) + "\"");
   not_yet(!tiering_enabled(c.tier), "tier.device_mib", std::to_string(c.tier.device_mib));
+  if (c.parallel.sequence_parallel) {
+    // Built for one stage of float32 activations kept whole (each a later piece of work).
+    auto not_with = [&](bool ok, const std::string& key, const std::string& value) {
+      check(ok, "config key '" + key + "': expected its default with parallel.sequence_parallel (not yet supported "
+                "together), found " + value);
+    };
+    not_with(c.parallel.pipeline == 1, "parallel.pipeline", std::to_string(c.parallel.pipeline));
+    not_with(c.train.recompute == Recompute::none, "train.recompute",
+             "\"" + std::string(to_string(c.train.recompute)) + "\"");
+    not_with(c.runtime.precision == Precision::fp32, "runtime.precision",
+             "\"" + std::string(to_string(c.runtime.precision)) + "\"");
+    // Every micro-batch's B x T token rows cut into T equal parts (a curriculum's every length).
+    std::vector<int> lengths{c.train.seq_len};
+    for (const auto& [step, len] : c.train.seq_len_steps()) lengths.push_back(len);
+    for (int len : lengths) {
+      check(static_cast<int64_t>(c.train.batch_size) * len % T == 0,
+            "config key 'train.batch_size': expected batch_size x seq_len (" + std::to_string(c.train.batch_size) +
+                " x " + std::to_string(len) + ") divisible by parallel.tensor with parallel.sequence_parallel, found " +
+                std::to_string(c.train.batch_size));
+    }
+  }
 }
 
 double tensor_grad_squares(GPT& model, Communicator& tensor) {

@@ -269,7 +269,12 @@ void Trainer::log_run_event() {
                    {"data", groups_.dp().size() / groups_.context_size()},
                    {"pipeline", p.pipeline},
                    {"zero", p.zero},                  {"codec", to_string(config_.sync.codec)}};
-  if (p.tensor > 1) run["layout"]["tensor"] = p.tensor;  // (absent where 1: earlier runs' "run" events unchanged)
+  if (p.tensor > 1) {  // (absent where 1: earlier runs' "run" events unchanged)
+    run["layout"]["tensor"] = p.tensor;
+    if (p.sequence_parallel) run["layout"]["sequence_parallel"] = true;
+    // This rank's activation memory (the model's counter: every slot, scratch and recomputed set).
+    run["activation_bytes"] = workload_->activation_bytes(*rank_);
+  }
   if (p.context > 1) run["layout"]["context"] = p.context;  // (likewise)
   if (config_.tier.device_mib > 0) {
     run["layout"]["tiers"] = {{"device_mib", config_.tier.device_mib},
