@@ -65,8 +65,9 @@ void validate_tensor_parallel_config(const Config& c) {
     not_yet(c.parallel.predict_gradients == PredictGradients::off, "parallel.predict_gradients",
             "\"" + std::string(to_string(c.parallel.predict_gradients)) + "\"");
   }
-  check(c.parallel.zero <= 2, "config key 'parallel.zero': expected 0, 1 or 2 with parallel.tensor > 1 (ZeRO-3 is not "
-                              "yet supported together), found " + std::to_string(c.parallel.zero));
+  check(c.parallel.zero <= 2 || c.parallel.pipeline == 1,
+        "config key 'parallel.zero': expected 0, 1 or 2 with parallel.tensor > 1 and parallel.pipeline > 1 (ZeRO-3 "
+        "of a pipeline of tensor groups is not yet supported), found " + std::to_string(c.parallel.zero));
   not_yet(c.sync.codec == SyncCodec::none, "sync.codec", "\"" + std::string(to_string(c.sync.codec)) + "\"");
   not_yet(!tiering_enabled(c.tier), "tier.device_mib", std::to_string(c.tier.device_mib));
   if (c.parallel.sequence_parallel) {
@@ -132,6 +133,7 @@ WholeModelState::WholeModelState(const Config& config, Communicator& tensor, GPT
       model_(model),
       data_(moments != nullptr ? data : nullptr),
       moments_(data != nullptr ? moments : nullptr),
+      params_sharded_(moments_ != nullptr && config.parallel.zero == 3),
       whole_(std::make_unique<ChunkStore>(config.store.chunk_bytes)) {
   // The unsplit tensors of this rank's layers (a pipeline stage's: the whole model's chunks of
   // its layers, as a stage's checkpoints are written).
@@ -139,9 +141,13 @@ WholeModelState::WholeModelState(const Config& config, Communicator& tensor, GPT
   whole_->finalize(/*touch_params=*/false);
 }
 
-float* WholeModelState::gathered_moments(Plane plane) {
-  if (moments_ == nullptr || plane == Plane::param) return nullptr;
-  return moment_planes_[plane == Plane::adam_m ? 0 : 1].data();
+namespace {
+int plane_slot(Plane plane) { return plane == Plane::adam_m ? 0 : plane == Plane::adam_v ? 1 : 2; }
+}  // namespace
+
+float* WholeModelState::gathered_plane(Plane plane) {
+  if (moments_ == nullptr || (plane == Plane::param && !params_sharded_)) return nullptr;
+  return planes_[plane_slot(plane)].data();
 }
 
 void WholeModelState::gather() {
@@ -149,11 +155,11 @@ void WholeModelState::gather() {
   shards.apply_pending();
   const ModelLayout& layout = model_.layout();
   const int T = tensor_.size();
-  if (moments_ != nullptr) {  // ZeRO: first every chunk's moments, from their owners in the data-parallel group
+  if (moments_ != nullptr) {  // ZeRO: first every chunk's moments (ZeRO-3: and parameters), from their owners
     const int me = data_->rank();
-    for (int k = 0; k < 2; ++k) {
-      const Plane plane = k == 0 ? Plane::adam_m : Plane::adam_v;
-      std::vector<float>& all = moment_planes_[k];
+    for (Plane plane : {Plane::adam_m, Plane::adam_v, Plane::param}) {
+      if (plane == Plane::param && !params_sharded_) continue;
+      std::vector<float>& all = planes_[plane_slot(plane)];
       all.assign(static_cast<size_t>(moments_->begin.back()), 0.0f);
       const std::span<const float> own = std::as_const(shards).range_view(plane, moments_->begin[me], moments_->size(me));
       std::copy(own.begin(), own.end(), all.begin() + moments_->begin[me]);
@@ -164,7 +170,7 @@ void WholeModelState::gather() {
     const TensorShard& shard = layout.shards[k];
     const TensorId mine = model_.tensor_ids()[k];
     for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
-      const float* gathered = gathered_moments(plane);
+      const float* gathered = gathered_plane(plane);
       const TensorInfo& info = shards.tensors()[mine];
       std::span<const float> part = gathered != nullptr ? std::span<const float>(gathered + info.offset, info.numel)
                                                         : std::as_const(shards).view(mine, plane);
@@ -186,9 +192,12 @@ void WholeModelState::gather() {
   // gradients on every rank of the group by construction, hence the same updates: checked here,
   // at every checkpoint, on a hash of their bits (two 32-bit halves: exact in double).
   uint64_t hash = 1469598103934665603ull;
+  const float* params = gathered_plane(Plane::param);  // (ZeRO-3: the gathered parameters)
   for (size_t k = 0; k < layout.tensors.size(); ++k) {
     if (layout.shards[k].split()) continue;
-    for (float v : std::as_const(shards).view(model_.tensor_ids()[k], Plane::param)) {
+    const TensorInfo& info = shards.tensors()[model_.tensor_ids()[k]];
+    for (float v : params != nullptr ? std::span<const float>(params + info.offset, info.numel)
+                                     : std::as_const(shards).view(model_.tensor_ids()[k], Plane::param)) {
       hash = (hash ^ std::bit_cast<uint32_t>(v)) * 1099511628211ull;
     }
   }
@@ -206,24 +215,26 @@ void WholeModelState::gather() {
 void WholeModelState::scatter() {
   ChunkStore& shards = model_.store();
   const ModelLayout& layout = model_.layout();
-  // ZeRO: the moments are sliced into planes of the whole flat space, of which this rank keeps its own chunks'.
+  // ZeRO: the moments (ZeRO-3: and parameters) are sliced into planes of the whole flat space, of
+  // which this rank keeps its own chunks'.
   if (moments_ != nullptr) {
-    for (std::vector<float>& all : moment_planes_) all.assign(static_cast<size_t>(moments_->begin.back()), 0.0f);
+    for (int k = 0; k < (params_sharded_ ? 3 : 2); ++k) planes_[k].assign(static_cast<size_t>(moments_->begin.back()), 0.0f);
   }
   for (size_t k = 0; k < layout.tensors.size(); ++k) {
     const TensorId mine = model_.tensor_ids()[k];
     for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
       std::span<const float> whole = std::as_const(*whole_).view(whole_ids_[k], plane);
-      float* gathered = gathered_moments(plane);
+      float* gathered = gathered_plane(plane);
       float* out = gathered != nullptr ? gathered + shards.tensors()[mine].offset : shards.view(mine, plane).data();
       slice_shard(layout.shards[k], layout.place, whole.data(), out);
     }
   }
   if (moments_ != nullptr) {
     const int me = data_->rank();
-    for (int k = 0; k < 2; ++k) {
-      const std::span<float> own = shards.range_view(k == 0 ? Plane::adam_m : Plane::adam_v, moments_->begin[me], moments_->size(me));
-      std::copy_n(moment_planes_[k].begin() + moments_->begin[me], own.size(), own.begin());
+    for (Plane plane : {Plane::adam_m, Plane::adam_v, Plane::param}) {
+      if (plane == Plane::param && !params_sharded_) continue;
+      const std::span<float> own = shards.range_view(plane, moments_->begin[me], moments_->size(me));
+      std::copy_n(planes_[plane_slot(plane)].begin() + moments_->begin[me], own.size(), own.begin());
     }
   }
   uint64_t version = 0;

@@ -93,32 +93,36 @@ double tensor_grad_share(GPT& model, int tensor_rank, std::pair<int, int> chunks
 // version: one whole copy of those layers' parameters and moments per rank, beside the shard).
 class WholeModelState {
  public:
-  // `moments` (ZeRO-1/2): how the model store's moments are shared out over `data`, the
-  // data-parallel group (each rank holds its own chunks' moments); null: every rank holds all.
+  // `moments` (ZeRO-1/2/3): how the model store's moments are shared out over `data`, the
+  // data-parallel group (each rank holds its own chunks' moments; under ZeRO-3 also their
+  // parameters, comm/sharded_params.h); null: every rank holds all.
   WholeModelState(const Config& config, Communicator& tensor, GPT& model, Communicator* data = nullptr,
                   const ChunkPartition* moments = nullptr);
   ChunkStore& store() { return *whole_; }
   // Fills the whole store from the group's shards (all-gathers; collective over the group, and
-  // under ZeRO over the data-parallel group too: the moments are gathered there first).
+  // under ZeRO over the data-parallel group too: the moments, under ZeRO-3 also the parameters,
+  // are gathered there first).
   // Throws keel::Error when the replicated parameters differ between the group's ranks.
   void gather();
   // Slices the whole store (as a checkpoint loaded it) into this rank's shards (under ZeRO, its
-  // own chunks' moments).
+  // own chunks' moments; under ZeRO-3 its own chunks' parameters, the only ones it holds).
   void scatter();
 
  private:
-  // A moment plane of the model store as every rank would hold it unsharded (ZeRO: all-gathered
-  // over the data-parallel group into moment_planes_), or nullptr for the store's own plane.
-  float* gathered_moments(Plane plane);
+  // A plane of the model store as every rank would hold it unsharded (ZeRO: the moments, ZeRO-3
+  // also the parameters, all-gathered over the data-parallel group into planes_), or nullptr for
+  // the store's own plane.
+  float* gathered_plane(Plane plane);
 
   Communicator& tensor_;
   GPT& model_;
   Communicator* data_ = nullptr;
   const ChunkPartition* moments_ = nullptr;
+  bool params_sharded_ = false;  // ZeRO-3: a rank holds only its own chunks' parameters
   std::unique_ptr<ChunkStore> whole_;
   std::vector<TensorId> whole_ids_;
   std::vector<float> buffer_;
-  std::vector<float> moment_planes_[2];  // adam_m, adam_v of the whole flat space (ZeRO only)
+  std::vector<float> planes_[3];  // adam_m, adam_v (ZeRO), param (ZeRO-3) of the rank's whole flat space
 };
 
 }  // namespace keel

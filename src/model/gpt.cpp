@@ -472,8 +472,6 @@ void GPT::init_weights(uint64_t seed) {
         shard.split() ? std::accumulate(shard.whole_shape.begin(), shard.whole_shape.end(), int64_t{1}, std::multiplies<>())
                       : info.numel;
     const bool tensor_part = whole_numel > info.numel;
-    // A tensor part is wholly home (ZeRO-3 is not combined with tensor parallelism).
-    check(!tensor_part || (lo == 0 && hi == info.numel), "GPT::init_weights: a tensor shard partly home: " + spec.name);
     // With tiers: fetched, then written home.
     const PageLease use = store_.use_range(Plane::param, info.offset + lo, hi - lo, /*write=*/true);
     std::span<float> w = store_.range_view(Plane::param, info.offset, info.numel);
@@ -497,7 +495,13 @@ void GPT::init_weights(uint64_t seed) {
                                                           : static_cast<int64_t>(whole.size());
       for (int64_t i = 0; i < used; ++i) whole[i] = static_cast<float>(rng.normal() * std);
       std::fill(whole.begin() + used, whole.end(), 0.0f);
-      slice_shard(shard, layout_.place, whole.data(), w.data());
+      if (lo == 0 && hi == info.numel) {
+        slice_shard(shard, layout_.place, whole.data(), w.data());
+      } else {  // ZeRO-3 over a tensor shard: only the shard's home elements
+        std::vector<float> part(static_cast<size_t>(info.numel));
+        slice_shard(shard, layout_.place, whole.data(), part.data());
+        std::copy(part.begin() + lo, part.begin() + hi, w.begin() + lo);
+      }
     } else {
       Rng rng(seed ^ hash_name(spec.name));
       const double std = (ends_with("attn.proj.w") || ends_with("mlp.proj.w")) ? residual_std : 0.02;
