@@ -324,6 +324,54 @@ TEST_F(TensorParallel, PipelineTimesTensorCheckpointsResumeOnAnyLayout) {
   }
 }
 
+// A re-cut of pipeline 2 x tensor 2 (parallel.repartition_every; stages "1": the first holds only
+// the embedding, and the exact partitioner moves for any gain at step 4): each tensor rank's
+// shards move between the ranks of its pipeline group. The moved run ends with the bytes of the
+// run resumed from its step-4 checkpoint under the new cut (parameters, both moments; the same
+// losses after step 4), and trains what one rank trains (losses within 1e-5 relative, weights
+// within 1e-5). GPT-2 (the tied head's replica of the embedding's shard moves too) and llama.
+TEST_F(TensorParallel, PipelineTimesTensorReCutMovesTheShards) {
+  const std::string llama = "--set model.family=llama --set model.n_kv_head=2 --set model.tie_embeddings=false ";
+  const std::string common = "--set train.steps=7 --set train.eval_every=0 ";
+  const std::string pt = "--set parallel.pipeline=2 --set parallel.tensor=2 --set parallel.schedule=1f1b "
+                         "--set parallel.micro_batches=4 ";
+  const std::string recut = "--set parallel.stage_boundaries=1 --set parallel.repartition_every=4 "
+                            "--set monitor.layer_costs_every=2 --set parallel.partitioner=dp "
+                            "--set parallel.repartition_threshold=0 --set train.checkpoint_every=4 ";
+  for (const std::string family : {"gpt", "llama"}) {
+    const std::string extra = (family == "llama" ? llama : "") + common;
+    ASSERT_EQ(train(0, 8, family + "one", extra).exit_code, 0);
+    auto r = train(4, 8, family + "moved", extra + pt + recut);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    std::vector<nlohmann::json> decisions;
+    const std::string text = read_text_file(dir / (family + "moved/metrics.jsonl"));
+    for (size_t at = 0; at < text.size();) {
+      const size_t end = std::min(text.find('\n', at), text.size());
+      const nlohmann::json j = nlohmann::json::parse(text.substr(at, end - at));
+      at = end + 1;
+      if (j.value("event", "") == "repartition") decisions.push_back(j);
+    }
+    ASSERT_EQ(decisions.size(), 1u) << r.output;
+    ASSERT_TRUE(decisions[0].at("moved").get<bool>()) << decisions[0].dump();
+    EXPECT_EQ(decisions[0].at("step").get<int>(), 4);
+    EXPECT_GT(decisions[0].at("bytes_sent").get<double>(), 0) << decisions[0].dump();
+    const std::string to = decisions[0].at("proposed").get<std::string>();
+    r = train(4, 8, family + "fixed", extra + pt + "--set parallel.stage_boundaries=" + to + " --set train.resume=" +
+                                          dir / (family + "moved/ckpt/step-00000004"));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+      EXPECT_EQ(testing::checkpoint_bytes(dir / (family + "moved/ckpt"), plane),
+                testing::checkpoint_bytes(dir / (family + "fixed/ckpt"), plane))
+          << family << " plane " << static_cast<int>(plane);
+    }
+    const std::vector<double> moved = losses(family + "moved"), fixed = losses(family + "fixed");
+    ASSERT_EQ(moved.size(), 7u);
+    ASSERT_EQ(fixed.size(), 3u);
+    for (size_t i = 0; i < fixed.size(); ++i) EXPECT_EQ(moved[4 + i], fixed[i]) << family << " step " << 5 + i;
+    expect_same_training(family + "one", family + "moved");
+  }
+}
+
 // The whole mesh: data 2 x pipeline 2 x tensor 2 (8 ranks, oversubscribed; world rank =
 // (replica x 2 + stage) x 2 + tensor rank), half the batch per replica in 2 micro-batches under
 // 1F1B, trains what one rank trains with the whole batch (losses within 1e-5 relative over 20
@@ -546,8 +594,7 @@ TEST_F(TensorParallel, LayoutsAndModelsThatCannotBeSplitAreRefusedInOneLine) {
           "config key 'parallel.zero': expected 0, 1 or 2 with parallel.tensor > 1 and parallel.pipeline > 1 (ZeRO-3 "
           "of a pipeline of tensor groups is not yet supported), found 3");
   for (const auto& [set, key] : {std::pair<std::string, std::string>{"parallel.post_validate=true", "parallel.post_validate"},
-                                 {"parallel.predict_gradients=mean", "parallel.predict_gradients"},
-                                 {"parallel.repartition_every=4", "parallel.repartition_every"}}) {
+                                 {"parallel.predict_gradients=mean", "parallel.predict_gradients"}}) {
     refuses({"model.preset=tiny", "parallel.tensor=2", "parallel.pipeline=2", "monitor.layer_costs_every=2",
              "train.batch_size=8", "parallel.micro_batches=4", set}, 4,
             "config key '" + key + "': expected its default with parallel.tensor > 1 (not yet supported together)");

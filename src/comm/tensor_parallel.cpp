@@ -36,7 +36,8 @@ void MpiTensorGroup::allgather(float* data, int64_t count) {
 void MpiTensorGroup::reduce_scatter_sum(float* data, int64_t count) {
   const int T = comm_.size();
   if (counting_) scatter_bytes_ += T * count * static_cast<int64_t>(sizeof(float));
-  check(T * count <= std::numeric_limits<int>::max(), "tensor parallelism: a reduce-scatter too large for one MPI call");
+  check(T * count <= std::numeric_limits<int>::max(),
+        "tensor parallelism: a reduce-scatter too large for one MPI call");
   Communicator::Request request = comm_.ireduce_scatter_sum(data, std::vector<int>(T, static_cast<int>(count)));
   comm_.wait(request);
 }
@@ -57,10 +58,9 @@ void validate_tensor_parallel_config(const Config& c) {
               "found " + value);
   };
   if (c.parallel.pipeline > 1) {
-    // A pipeline of tensor groups: what moves or copies a stage's whole planes outside its shards
-    // is not built for shards yet (a re-cut's stage migration, post-validation's backup, the
-    // gradient predictor's per-element state).
-    not_yet(c.parallel.repartition_every == 0, "parallel.repartition_every", std::to_string(c.parallel.repartition_every));
+    // A pipeline of tensor groups: what copies a stage's whole planes outside its shards is not
+    // built for shards yet (post-validation's backup, the gradient predictor's per-element state).
+    // (A re-cut moves each tensor rank's shards between the ranks of its pipeline group.)
     not_yet(!c.parallel.post_validate, "parallel.post_validate", "true");
     not_yet(c.parallel.predict_gradients == PredictGradients::off, "parallel.predict_gradients",
             "\"" + std::string(to_string(c.parallel.predict_gradients)) + "\"");
@@ -218,7 +218,9 @@ void WholeModelState::scatter() {
   // ZeRO: the moments (ZeRO-3: and parameters) are sliced into planes of the whole flat space, of
   // which this rank keeps its own chunks'.
   if (moments_ != nullptr) {
-    for (int k = 0; k < (params_sharded_ ? 3 : 2); ++k) planes_[k].assign(static_cast<size_t>(moments_->begin.back()), 0.0f);
+    for (int k = 0; k < (params_sharded_ ? 3 : 2); ++k) {
+      planes_[k].assign(static_cast<size_t>(moments_->begin.back()), 0.0f);
+    }
   }
   for (size_t k = 0; k < layout.tensors.size(); ++k) {
     const TensorId mine = model_.tensor_ids()[k];

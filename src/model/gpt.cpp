@@ -146,7 +146,8 @@ class Block final : public Layer {
   Block(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, bool bf16, MathMode math,
         Recompute recompute, TensorGroup* tensor, ContextGroup* context = nullptr)
       : store_(store), m_(m), layer_(m.layer_base + layer), bf16_(bf16), math_(math), mode_(recompute), t_(ids),
-        tp_(tensor), seq_(tensor), cp_(context), A_(m.n_embd / (tensor ? tensor->size() : 1)), NH_(m.n_head / (tensor ? tensor->size() : 1)),
+        tp_(tensor), seq_(tensor), cp_(context), A_(m.n_embd / (tensor ? tensor->size() : 1)),
+        NH_(m.n_head / (tensor ? tensor->size() : 1)),
         F_(4 * A_) {
     check(ids.size() == layout::fc_proj_b + 1, "GPT: block " + std::to_string(layer) + " without its tensors");
     check(m.causal || m.attention == Attention::dense, "model: attention that is not causal runs on the dense kernel only");
@@ -327,8 +328,8 @@ class Block final : public Layer {
     auto NG = [&](int t, int k) { return seq_.on() ? partial + k * C : G(t); };
     ops::linear_backward_weight(math_.backward, G(layout::fc_proj_w), G(layout::fc_proj_b), seq_.on() ? dout_ : dx_out,
                                 fch_gelu_.read(), N, F_, C);
-    ops::linear_backward_weight(math_.backward, G(layout::fc_w), G(layout::fc_b), dfch_.read(), whole_rows(ln2_, N), N, C,
-                                F_);
+    ops::linear_backward_weight(math_.backward, G(layout::fc_w), G(layout::fc_b), dfch_.read(), whole_rows(ln2_, N), N,
+                                C, F_);
     ops::layernorm_backward_weight(NG(layout::ln2_w, 2), NG(layout::ln2_b, 3), dln2_, res2_, ln2_mean_, ln2_rstd_, R, C);
     ops::linear_backward_weight(math_.backward, G(layout::proj_w), G(layout::proj_b), dres2_, atty_, N, A_, C);
     ops::linear_backward_weight(math_.backward, G(layout::qkv_w), G(layout::qkv_b), dqkv_, whole_rows(ln1_, N), N, C,

@@ -126,8 +126,12 @@ nlohmann::json Trainer::recut(const std::vector<LayerRange>& from, const std::ve
       pipeline::migrate_residuals(config_, groups_, next->model->tied_groups(), to, *rank_->sync, *next->sync);
   metrics_.replace_sources(rank_->sources(), next->sources());
   std::replace(hooks_.begin(), hooks_.end(), static_cast<StepHook*>(rank_->tiers.get()), static_cast<StepHook*>(next->tiers.get()));
+  std::replace(hooks_.begin(), hooks_.end(), static_cast<StepHook*>(rank_->tensor_group.get()),
+               static_cast<StepHook*>(next->tensor_group.get()));
   rank_ = std::move(next);  // the old stages' memory goes back here
-  checkpointer_->relayout(*rank_->store, *rank_->sync);
+  // Tensor parallelism: checkpoints are written from the new stages' whole copy (WholeModelState).
+  checkpointer_->set_whole_state(rank_->whole_state.get());
+  checkpointer_->relayout(rank_->whole_state ? rank_->whole_state->store() : *rank_->store, *rank_->sync);
   checkpointer_->set_carried_state(rank_->engine->carried_state());
   Communicator& world = groups_.world();
   double figures[2] = {static_cast<double>(moved.bytes_sent + residuals.bytes_sent), static_cast<double>(moved.bytes_copied)};
