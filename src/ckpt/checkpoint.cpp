@@ -462,6 +462,7 @@ Config read_checkpoint_config(const std::string& path) {
   c.parallel.data = 0;
   c.parallel.pipeline = 1;
   c.parallel.tensor = 1;  // (a tensor-parallel run's checkpoint holds the whole model's layout)
+  c.parallel.sequence_parallel = false;  // (a property of the tensor group's passes)
   c.parallel.context = 1;  // (every rank of a context-parallel run holds the whole model)
   c.parallel.micro_batches = 0;
   c.parallel.stage_boundaries.clear();

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <cstdint>
+#include <limits>
 #include <span>
 
 #include "core/error.h"
@@ -23,8 +24,28 @@ void MpiTensorGroup::allreduce_max(float* data, int64_t count) {
   std::copy(scratch_.begin(), scratch_.end(), data);  // (maxima of floats: exact in double)
 }
 
+void MpiTensorGroup::allgather(float* data, int64_t count) {
+  const int T = comm_.size();
+  if (counting_) gather_bytes_ += T * count * static_cast<int64_t>(sizeof(float));
+  check(T * count <= std::numeric_limits<int>::max(), "tensor parallelism: an all-gather too large for one MPI call");
+  std::vector<int> counts(T, static_cast<int>(count)), displs(T);
+  for (int r = 0; r < T; ++r) displs[r] = r * static_cast<int>(count);
+  comm_.allgatherv(data, counts, displs);
+}
+
+void MpiTensorGroup::reduce_scatter_sum(float* data, int64_t count) {
+  const int T = comm_.size();
+  if (counting_) scatter_bytes_ += T * count * static_cast<int64_t>(sizeof(float));
+  check(T * count <= std::numeric_limits<int>::max(),
+        "tensor parallelism: a reduce-scatter too large for one MPI call");
+  Communicator::Request request = comm_.ireduce_scatter_sum(data, std::vector<int>(T, static_cast<int>(count)));
+  comm_.wait(request);
+}
+
 void validate_tensor_parallel_config(const Config& c) {
   const int T = c.parallel.tensor;
+  check(!c.parallel.sequence_parallel || T > 1, "config key 'parallel.sequence_parallel': expected false with "
+                                                "parallel.tensor = 1 (it shards the tensor group's rows), found true");
   if (T <= 1) return;
   const std::string found = std::to_string(T);
   check(!c.clip.enabled(), "config key 'parallel.tensor': expected 1 with clip.image_tower (a dual encoder's towers "
@@ -37,16 +58,38 @@ void validate_tensor_parallel_config(const Config& c) {
               "found " + value);
   };
   if (c.parallel.pipeline > 1) {
-    // A pipeline of tensor groups: what moves or copies a stage's whole planes outside its shards
-    // is not built for shards yet (a re-cut's stage migration, post-validation's backup, the
-    // gradient predictor's per-element state).
-    not_yet(c.parallel.repartition_every == 0, "parallel.repartition_every", std::to_string(c.parallel.repartition_every));
+    // A pipeline of tensor groups: what copies a stage's whole planes outside its shards is not
+    // built for shards yet (post-validation's backup, the gradient predictor's per-element state).
+    // (A re-cut moves each tensor rank's shards between the ranks of its pipeline group.)
     not_yet(!c.parallel.post_validate, "parallel.post_validate", "true");
     not_yet(c.parallel.predict_gradients == PredictGradients::off, "parallel.predict_gradients",
             "\"" + std::string(to_string(c.parallel.predict_gradients)) + "\"");
   }
-  check(c.parallel.zero <= 2, "config key 'parallel.zero': expected 0, 1 or 2 with parallel.tensor > 1 (ZeRO-3 is not "
-                              "yet supported together), found " + std::to_string(c.parallel.zero));
+  check(c.parallel.zero <= 2 || c.parallel.pipeline == 1,
+        "config key 'parallel.zero': expected 0, 1 or 2 with parallel.tensor > 1 and parallel.pipeline > 1 (ZeRO-3 "
+        "of a pipeline of tensor groups is not yet supported), found " + std::to_string(c.parallel.zero));
+  if (c.parallel.sequence_parallel) {
+    // Built for one stage of float32 activations kept whole (each a later piece of work).
+    auto not_with = [&](bool ok, const std::string& key, const std::string& value) {
+      check(ok, "config key '" + key + "': expected its default with parallel.sequence_parallel (not yet supported "
+                "together), found " + value);
+    };
+    not_with(c.parallel.pipeline == 1, "parallel.pipeline", std::to_string(c.parallel.pipeline));
+    not_with(c.parallel.context == 1, "parallel.context", std::to_string(c.parallel.context));
+    not_with(c.train.recompute == Recompute::none, "train.recompute",
+             "\"" + std::string(to_string(c.train.recompute)) + "\"");
+    not_with(c.runtime.precision == Precision::fp32, "runtime.precision",
+             "\"" + std::string(to_string(c.runtime.precision)) + "\"");
+    // Every micro-batch's B x T token rows cut into T equal parts (a curriculum's every length).
+    std::vector<int> lengths{c.train.seq_len};
+    for (const auto& [step, len] : c.train.seq_len_steps()) lengths.push_back(len);
+    for (int len : lengths) {
+      check(static_cast<int64_t>(c.train.batch_size) * len % T == 0,
+            "config key 'train.batch_size': expected batch_size x seq_len (" + std::to_string(c.train.batch_size) +
+                " x " + std::to_string(len) + ") divisible by parallel.tensor with parallel.sequence_parallel, found " +
+                std::to_string(c.train.batch_size));
+    }
+  }
 }
 
 double tensor_grad_squares(GPT& model, Communicator& tensor) {
@@ -119,6 +162,7 @@ WholeModelState::WholeModelState(const Config& config, Communicator& tensor, GPT
       model_(model),
       data_(moments != nullptr ? data : nullptr),
       moments_(data != nullptr ? moments : nullptr),
+      params_sharded_(moments_ != nullptr && config.parallel.zero == 3),
       whole_(std::make_unique<ChunkStore>(config.store.chunk_bytes)) {
   // The unsplit tensors of this rank's layers (a pipeline stage's: the whole model's chunks of
   // its layers, as a stage's checkpoints are written).
@@ -126,9 +170,13 @@ WholeModelState::WholeModelState(const Config& config, Communicator& tensor, GPT
   whole_->finalize(/*touch_params=*/false);
 }
 
-float* WholeModelState::gathered_moments(Plane plane) {
-  if (moments_ == nullptr || plane == Plane::param) return nullptr;
-  return moment_planes_[plane == Plane::adam_m ? 0 : 1].data();
+namespace {
+int plane_slot(Plane plane) { return plane == Plane::adam_m ? 0 : plane == Plane::adam_v ? 1 : 2; }
+}  // namespace
+
+float* WholeModelState::gathered_plane(Plane plane) {
+  if (moments_ == nullptr || (plane == Plane::param && !params_sharded_)) return nullptr;
+  return planes_[plane_slot(plane)].data();
 }
 
 void WholeModelState::gather() {
@@ -136,11 +184,11 @@ void WholeModelState::gather() {
   shards.apply_pending();
   const ModelLayout& layout = model_.layout();
   const int T = tensor_.size();
-  if (moments_ != nullptr) {  // ZeRO: first every chunk's moments, from their owners in the data-parallel group
+  if (moments_ != nullptr) {  // ZeRO: first every chunk's moments (ZeRO-3: and parameters), from their owners
     const int me = data_->rank();
-    for (int k = 0; k < 2; ++k) {
-      const Plane plane = k == 0 ? Plane::adam_m : Plane::adam_v;
-      std::vector<float>& all = moment_planes_[k];
+    for (Plane plane : {Plane::adam_m, Plane::adam_v, Plane::param}) {
+      if (plane == Plane::param && !params_sharded_) continue;
+      std::vector<float>& all = planes_[plane_slot(plane)];
       all.assign(static_cast<size_t>(moments_->begin.back()), 0.0f);
       const PageLease use = shards.use_range(plane, moments_->begin[me], moments_->size(me), false);
       const std::span<const float> own = std::as_const(shards).range_view(plane, moments_->begin[me], moments_->size(me));
@@ -156,7 +204,7 @@ void WholeModelState::gather() {
     const PageLease use = moments_ != nullptr ? shards.use_tensor(mine, {Plane::param})
                                               : shards.use_tensor(mine, {Plane::param, Plane::adam_m, Plane::adam_v});
     for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
-      const float* gathered = gathered_moments(plane);
+      const float* gathered = gathered_plane(plane);
       const TensorInfo& info = shards.tensors()[mine];
       std::span<const float> part = gathered != nullptr ? std::span<const float>(gathered + info.offset, info.numel)
                                                         : std::as_const(shards).view(mine, plane);
@@ -178,10 +226,13 @@ void WholeModelState::gather() {
   // gradients on every rank of the group by construction, hence the same updates: checked here,
   // at every checkpoint, on a hash of their bits (two 32-bit halves: exact in double).
   uint64_t hash = 1469598103934665603ull;
+  const float* params = gathered_plane(Plane::param);  // (ZeRO-3: the gathered parameters)
   for (size_t k = 0; k < layout.tensors.size(); ++k) {
     if (layout.shards[k].split()) continue;
-    const PageLease use = shards.use_tensor(model_.tensor_ids()[k], {Plane::param});
-    for (float v : std::as_const(shards).view(model_.tensor_ids()[k], Plane::param)) {
+    const TensorInfo& info = shards.tensors()[model_.tensor_ids()[k]];
+    const PageLease use = params != nullptr ? PageLease() : shards.use_tensor(model_.tensor_ids()[k], {Plane::param});
+    for (float v : params != nullptr ? std::span<const float>(params + info.offset, info.numel)
+                                     : std::as_const(shards).view(model_.tensor_ids()[k], Plane::param)) {
       hash = (hash ^ std::bit_cast<uint32_t>(v)) * 1099511628211ull;
     }
   }
@@ -199,9 +250,12 @@ void WholeModelState::gather() {
 void WholeModelState::scatter() {
   ChunkStore& shards = model_.store();
   const ModelLayout& layout = model_.layout();
-  // ZeRO: the moments are sliced into planes of the whole flat space, of which this rank keeps its own chunks'.
+  // ZeRO: the moments (ZeRO-3: and parameters) are sliced into planes of the whole flat space, of
+  // which this rank keeps its own chunks'.
   if (moments_ != nullptr) {
-    for (std::vector<float>& all : moment_planes_) all.assign(static_cast<size_t>(moments_->begin.back()), 0.0f);
+    for (int k = 0; k < (params_sharded_ ? 3 : 2); ++k) {
+      planes_[k].assign(static_cast<size_t>(moments_->begin.back()), 0.0f);
+    }
   }
   for (size_t k = 0; k < layout.tensors.size(); ++k) {
     const TensorId mine = model_.tensor_ids()[k];
@@ -210,18 +264,18 @@ void WholeModelState::scatter() {
                               : shards.use_tensor(mine, {}, {Plane::param, Plane::adam_m, Plane::adam_v});
     for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
       std::span<const float> whole = std::as_const(*whole_).view(whole_ids_[k], plane);
-      float* gathered = gathered_moments(plane);
+      float* gathered = gathered_plane(plane);
       float* out = gathered != nullptr ? gathered + shards.tensors()[mine].offset : shards.view(mine, plane).data();
       slice_shard(layout.shards[k], layout.place, whole.data(), out);
     }
   }
   if (moments_ != nullptr) {
     const int me = data_->rank();
-    for (int k = 0; k < 2; ++k) {
-      const PageLease use = shards.use_range(k == 0 ? Plane::adam_m : Plane::adam_v, moments_->begin[me],
-                                             moments_->size(me), true);
-      const std::span<float> own = shards.range_view(k == 0 ? Plane::adam_m : Plane::adam_v, moments_->begin[me], moments_->size(me));
-      std::copy_n(moment_planes_[k].begin() + moments_->begin[me], own.size(), own.begin());
+    for (Plane plane : {Plane::adam_m, Plane::adam_v, Plane::param}) {
+      if (plane == Plane::param && !params_sharded_) continue;
+      const PageLease use = shards.use_range(plane, moments_->begin[me], moments_->size(me), true);
+      const std::span<float> own = shards.range_view(plane, moments_->begin[me], moments_->size(me));
+      std::copy_n(planes_[plane_slot(plane)].begin() + moments_->begin[me], own.size(), own.begin());
     }
   }
   uint64_t version = 0;

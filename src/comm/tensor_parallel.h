@@ -27,31 +27,47 @@ namespace keel {
 // to all-reduces over its tensor group during the step's passes (a sum's floats at 4 bytes, a
 // maximum's values at 8: it runs in double), counted from before_step to after_step, so an
 // evaluation between steps is not counted. Every rank of a group hands the same; the line holds
-// rank 0's (with a pipeline: its first stage's group's).
+// rank 0's (with a pipeline: its first stage's group's). With sequence parallelism also
+// `tensor_allgather_bytes` and `tensor_reduce_scatter_bytes`: the bytes of the whole buffers
+// (every rank's part, 4 bytes a float) of its all-gathers and reduce-scatters, the measure in
+// which an all-reduce of n floats costs what a reduce-scatter and an all-gather of n cost.
 class MpiTensorGroup final : public TensorGroup, public MetricsSource, public StepHook {
  public:
-  explicit MpiTensorGroup(Communicator& comm) : comm_(comm) {}
+  explicit MpiTensorGroup(Communicator& comm, bool sequence_parallel = false)
+      : comm_(comm), sequence_parallel_(sequence_parallel) {}
   int rank() const override { return comm_.rank(); }
   int size() const override { return comm_.size(); }
   void allreduce_sum(float* data, int64_t count) override;
   void allreduce_max(float* data, int64_t count) override;
+  bool sequence_parallel() const override { return sequence_parallel_; }
+  void allgather(float* data, int64_t count) override;
+  void reduce_scatter_sum(float* data, int64_t count) override;
   Communicator& comm() { return comm_; }
 
   void before_step(int64_t) override {
     counting_ = true;
-    bytes_ = 0;
+    bytes_ = gather_bytes_ = scatter_bytes_ = 0;
   }
   void after_step(int64_t) override {
     counting_ = false;
     step_bytes_ = bytes_;
+    step_gather_bytes_ = gather_bytes_;
+    step_scatter_bytes_ = scatter_bytes_;
   }
-  void add_step_fields(double, nlohmann::json& line) override { line["tensor_allreduce_bytes"] = step_bytes_; }
+  void add_step_fields(double, nlohmann::json& line) override {
+    line["tensor_allreduce_bytes"] = step_bytes_;
+    if (!sequence_parallel_) return;  // (absent without it: earlier runs' lines unchanged)
+    line["tensor_allgather_bytes"] = step_gather_bytes_;
+    line["tensor_reduce_scatter_bytes"] = step_scatter_bytes_;
+  }
 
  private:
   Communicator& comm_;
+  bool sequence_parallel_ = false;
   std::vector<double> scratch_;  // allreduce_max's values in double (the communicator's maximum)
   bool counting_ = false;
-  int64_t bytes_ = 0, step_bytes_ = 0;
+  int64_t bytes_ = 0, step_bytes_ = 0, gather_bytes_ = 0, step_gather_bytes_ = 0, scatter_bytes_ = 0,
+          step_scatter_bytes_ = 0;
 };
 
 // Throws keel::Error, one line naming the key, when `c` asks for tensor parallelism it cannot
@@ -86,32 +102,36 @@ void tensor_share_replicated_grads(GPT& model, Communicator& tensor);
 // version: one whole copy of those layers' parameters and moments per rank, beside the shard).
 class WholeModelState {
  public:
-  // `moments` (ZeRO-1/2): how the model store's moments are shared out over `data`, the
-  // data-parallel group (each rank holds its own chunks' moments); null: every rank holds all.
+  // `moments` (ZeRO-1/2/3): how the model store's moments are shared out over `data`, the
+  // data-parallel group (each rank holds its own chunks' moments; under ZeRO-3 also their
+  // parameters, comm/sharded_params.h); null: every rank holds all.
   WholeModelState(const Config& config, Communicator& tensor, GPT& model, Communicator* data = nullptr,
                   const ChunkPartition* moments = nullptr);
   ChunkStore& store() { return *whole_; }
   // Fills the whole store from the group's shards (all-gathers; collective over the group, and
-  // under ZeRO over the data-parallel group too: the moments are gathered there first).
+  // under ZeRO over the data-parallel group too: the moments, under ZeRO-3 also the parameters,
+  // are gathered there first).
   // Throws keel::Error when the replicated parameters differ between the group's ranks.
   void gather();
   // Slices the whole store (as a checkpoint loaded it) into this rank's shards (under ZeRO, its
-  // own chunks' moments).
+  // own chunks' moments; under ZeRO-3 its own chunks' parameters, the only ones it holds).
   void scatter();
 
  private:
-  // A moment plane of the model store as every rank would hold it unsharded (ZeRO: all-gathered
-  // over the data-parallel group into moment_planes_), or nullptr for the store's own plane.
-  float* gathered_moments(Plane plane);
+  // A plane of the model store as every rank would hold it unsharded (ZeRO: the moments, ZeRO-3
+  // also the parameters, all-gathered over the data-parallel group into planes_), or nullptr for
+  // the store's own plane.
+  float* gathered_plane(Plane plane);
 
   Communicator& tensor_;
   GPT& model_;
   Communicator* data_ = nullptr;
   const ChunkPartition* moments_ = nullptr;
+  bool params_sharded_ = false;  // ZeRO-3: a rank holds only its own chunks' parameters
   std::unique_ptr<ChunkStore> whole_;
   std::vector<TensorId> whole_ids_;
   std::vector<float> buffer_;
-  std::vector<float> moment_planes_[2];  // adam_m, adam_v of the whole flat space (ZeRO only)
+  std::vector<float> planes_[3];  // adam_m, adam_v (ZeRO), param (ZeRO-3) of the rank's whole flat space
 };
 
 }  // namespace keel

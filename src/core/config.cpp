@@ -135,6 +135,7 @@ std::vector<Field> fields(Config& c) {
       {"parallel", "zero3_progress_thread", &c.parallel.zero3_progress_thread},
       {"parallel", "pipeline", &c.parallel.pipeline},
       {"parallel", "tensor", &c.parallel.tensor},
+      {"parallel", "sequence_parallel", &c.parallel.sequence_parallel},
       {"parallel", "context", &c.parallel.context},
       {"parallel", "expert", &c.parallel.expert},
       {"parallel", "schedule", choice(&c.parallel.schedule)},

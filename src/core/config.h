@@ -402,6 +402,10 @@ struct ParallelConfig {
   // heads, MLP hidden units, vocabulary), world = data x pipeline x tensor, a tensor group's ranks
   // consecutive. 1 = none.
   int tensor = 1;
+  // Sequence parallelism (needs tensor > 1): the norms and the residual stream between the
+  // tensor-parallel regions held as B*T / tensor rows per rank, gathered before the column-parallel
+  // products and reduce-scattered after the row-parallel ones (model/tensor_group.h).
+  bool sequence_parallel = false;
   // Context parallelism (model/context_group.h): each sequence split over `context` ranks, world =
   // data x pipeline x context x tensor; rank r of a context group holds chunks r and 2C-1-r of the
   // sequence cut into 2C, and attention passes key/value blocks around the group's ring. 1 = none.

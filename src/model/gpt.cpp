@@ -51,8 +51,12 @@ class Embedding final : public Layer {
   }
   const char* name() const override { return "embedding"; }
   int64_t activation_floats(int, int) const override { return 0; }
-  int64_t scratch_floats(int, int) const override { return 0; }
-  void bind(float*, float*, int, int) override {}
+  // Sequence parallelism: every token's row of this rank's vocabulary (forward), the gathered
+  // output gradient (backward).
+  int64_t scratch_floats(int B, int T) const override {
+    return model_detail::SequenceRows(tp_).on() ? static_cast<int64_t>(B) * T * m_.n_embd : 0;
+  }
+  void bind(float*, float* scratch, int, int) override { scratch_ = scratch; }
 
   // x_out[B,T,C] = wte[inputs] + wpe[t] (over a KV cache: wpe[pos0 + t])
   void forward(const Batch& b, const float*, float* x_out) override {
@@ -67,7 +71,7 @@ class Embedding final : public Layer {
       check(!b.kv || b.kv->positions() == nullptr, "model: a packed KV-cached pass over a tensor-parallel embedding is not built");
       const float* wpe = wpe_ >= 0 ? store_.data(wpe_, Plane::param) : nullptr;
       vocab_parallel_embedding_forward(*tp_, x_out, b, store_.data(wte_, Plane::param), cp_ ? nullptr : wpe, pos0,
-                                       rows_, vocab_begin_, m_.n_embd);
+                                       rows_, vocab_begin_, m_.n_embd, scratch_);
       if (cp_ != nullptr && wpe != nullptr) add_chunk_positions(x_out, wpe, b);
       return;
     }
@@ -103,6 +107,10 @@ class Embedding final : public Layer {
     const PageLease use = store_.use_layer(m_.layer_base, {}, {Plane::grad});
     float* dwpe = wpe_ >= 0 ? store_.data(wpe_, Plane::grad) : nullptr;
     if (tp_) {
+      // Sequence parallelism: every token's gradient, gathered from the ranks' rows (each rank then
+      // adds the whole batch's to the position table, as without it).
+      const model_detail::SequenceRows seq(tp_);
+      if (seq.on()) dx_out = seq.gather(scratch_, dx_out, static_cast<int64_t>(b.B) * b.T, m_.n_embd);
       vocab_parallel_embedding_backward(store_.data(wte_, Plane::grad), cp_ ? nullptr : dwpe, dx_out, b, rows_,
                                         vocab_begin_, m_.n_embd);
       if (cp_ != nullptr && dwpe != nullptr) add_chunk_position_grads(dwpe, dx_out, b);
@@ -158,6 +166,7 @@ class Embedding final : public Layer {
   TensorGroup* tp_ = nullptr;
   ContextGroup* cp_ = nullptr;
   int rows_ = 0, vocab_begin_ = 0;  // tensor parallel: this rank's vocabulary rows
+  float* scratch_ = nullptr;        // [N, C] under sequence parallelism
 };
 
 // ---- layers 1..L: transformer block ------------------------------------------------------------
@@ -171,7 +180,8 @@ class Block final : public Layer {
   Block(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, bool bf16, MathMode math,
         Recompute recompute, TensorGroup* tensor, ContextGroup* context = nullptr)
       : store_(store), m_(m), layer_(m.layer_base + layer), bf16_(bf16), math_(math), mode_(recompute), t_(ids),
-        tp_(tensor), cp_(context), A_(m.n_embd / (tensor ? tensor->size() : 1)), NH_(m.n_head / (tensor ? tensor->size() : 1)),
+        tp_(tensor), seq_(tensor), cp_(context), A_(m.n_embd / (tensor ? tensor->size() : 1)),
+        NH_(m.n_head / (tensor ? tensor->size() : 1)),
         F_(4 * A_) {
     check(ids.size() == layout::fc_proj_b + 1, "GPT: block " + std::to_string(layer) + " without its tensors");
     check(m.causal || m.attention == Attention::dense, "model: attention that is not causal runs on the dense kernel only");
@@ -185,14 +195,19 @@ class Block final : public Layer {
   int64_t recomputed_floats(int B, int T) const override { return model_detail::carved(*this, B, T).shared.used(); }
   void set_recomputed(float* shared) override { shared_ = shared; }
   int64_t scratch_floats(int B, int T) const override {
-    // dfch_gelu (also datty); under bf16 also the staging of the stashed tensors
-    return padded(static_cast<int64_t>(B) * T * 4 * m_.n_embd) * (bf16_ ? 2 : 1);
+    // dfch_gelu (also datty); under bf16 also the staging of the stashed tensors; under sequence
+    // parallelism a gathered or partial [N, C] and the norms' partial weight gradients
+    const int64_t N = static_cast<int64_t>(B) * T, main = padded(N * 4 * m_.n_embd);
+    return main * (bf16_ ? 2 : 1) + (seq_.on() ? padded(N * m_.n_embd) + 4 * m_.n_embd : 0);
   }
   void bind(float* activations, float* scratch, int B, int T) override {
     model_detail::RecomputeCarver a{Carver(activations), Carver(shared_)};
     carve(a, B, T);
     scratch_ = scratch;
-    stage_ = scratch + padded(static_cast<int64_t>(B) * T * 4 * m_.n_embd);
+    const int64_t N = static_cast<int64_t>(B) * T;
+    stage_ = scratch + padded(N * 4 * m_.n_embd);
+    whole_ = stage_;  // (sequence parallelism excludes bf16: no staging)
+    norm_grads_ = whole_ + padded(N * m_.n_embd);
   }
 
   void forward(const Batch& b, const float* x, float* x_out) override {
@@ -210,38 +225,58 @@ class Block final : public Layer {
 
   // The forward pass under the caller's parameter lease; `first`: the micro-batch's forward
   // (probes attention), not its recomputation.
+  // Under sequence parallelism x and x_out are this rank's R of the N rows (model/tensor_group.h):
+  // the norms and residuals run on them, the products and attention on all N.
   void run_forward(const Batch& b, const float* x, float* x_out, bool first) {
-    const int N = b.B * b.T, C = m_.n_embd;
+    const int N = b.B * b.T, C = m_.n_embd, R = static_cast<int>(seq_.rows(N));
     auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::Gpt2Block
     auto W = [&](int t) { return model_detail::weight_operand(store_, t_[t], math_.forward); };
-    const int64_t NC = static_cast<int64_t>(N) * C;
+    const int64_t RC = static_cast<int64_t>(R) * C;
     float* ln1 = ln1_.writable(stage_);
-    ops::layernorm_forward(ln1, ln1_mean_, ln1_rstd_, x, P(layout::ln1_w), P(layout::ln1_b), N, C);
-    ln1_.seal(ln1, NC);
-    ops::linear_forward(math_.forward, qkv_, ln1_.read(), W(layout::qkv_w), P(layout::qkv_b), N, C, 3 * A_);
+    ops::layernorm_forward(ln1, ln1_mean_, ln1_rstd_, x, P(layout::ln1_w), P(layout::ln1_b), R, C);
+    ln1_.seal(ln1, RC);
+    ops::linear_forward(math_.forward, qkv_, whole_rows(ln1_, N), W(layout::qkv_w), P(layout::qkv_b), N, C, 3 * A_);
     if (first) model_detail::probe_attention(probe_, b, qkv_, A_, NH_, NH_, tp_ ? tp_->rank() * NH_ : 0);
     attend(b);
     float* attproj = scratch_;  // [N, C], consumed immediately by the residual
     row_parallel_forward(attproj, atty_, W(layout::proj_w), P(layout::proj_b), N, A_);
     float* ln2 = ln2_.writable(stage_);
-    ops::residual_layernorm_forward(res2_, ln2, ln2_mean_, ln2_rstd_, x, attproj, P(layout::ln2_w), P(layout::ln2_b), N,
+    ops::residual_layernorm_forward(res2_, ln2, ln2_mean_, ln2_rstd_, x, attproj, P(layout::ln2_w), P(layout::ln2_b), R,
                                     C);
-    ln2_.seal(ln2, NC);
+    ln2_.seal(ln2, RC);
     float* fch = fch_.writable(stage_);
     const int64_t NF = static_cast<int64_t>(N) * F_;
-    ops::linear_forward(math_.forward, fch, ln2_.read(), W(layout::fc_w), P(layout::fc_b), N, C, F_);
+    ops::linear_forward(math_.forward, fch, whole_rows(ln2_, N), W(layout::fc_w), P(layout::fc_b), N, C, F_);
     fch_.seal(fch, NF);
     float* fch_gelu = fch_gelu_.writable(stage_);  // (under bf16: in place over the staged fch)
     ops::gelu_forward(fch_gelu, fch, NF);
     fch_gelu_.seal(fch_gelu, NF);
     float* fcproj = scratch_;
     row_parallel_forward(fcproj, fch_gelu_.read(), W(layout::fc_proj_w), P(layout::fc_proj_b), N, F_);
-    ops::residual_forward(x_out, res2_, fcproj, static_cast<int64_t>(N) * C);
+    ops::residual_forward(x_out, res2_, fcproj, RC);
+  }
+
+  // A kept norm output as the operand of a column-parallel product: its N rows (under sequence
+  // parallelism this rank's rows all-gathered into whole_, which the next gather overwrites).
+  Operand whole_rows(const Stash& kept, int N) {
+    if (!seq_.on()) return kept.read();
+    return Operand(seq_.gather(whole_, kept.read().f32, N, m_.n_embd));
+  }
+  // The gradient of a column-parallel product's input, partial[N, C] (this rank's columns' part),
+  // summed over the tensor group into grad: all N rows (all-reduced in place: partial is grad),
+  // or under sequence parallelism this rank's rows (reduce-scattered).
+  void column_parallel_input_grad(float* partial, float* grad, int N) {
+    if (seq_.on()) {
+      seq_.scatter(partial, grad, N, m_.n_embd);
+    } else if (tp_) {
+      tp_->allreduce_sum(grad, static_cast<int64_t>(N) * m_.n_embd);
+    }
   }
 
   // out[N, C] = in[N, K] . w[C, K]^T + bias: a row-parallel product (K: this rank's share of the
   // input columns) whose partial sums are all-reduced over the tensor group before the bias (kept
-  // whole on every rank) is added once.
+  // whole on every rank) is added once. Under sequence parallelism they are reduce-scattered:
+  // out[0 .. R) holds this rank's R rows, with the bias.
   void row_parallel_forward(float* out, Operand in, Operand w, const float* bias, int N, int K) {
     const int C = m_.n_embd;
     if (!tp_) {
@@ -249,7 +284,12 @@ class Block final : public Layer {
       return;
     }
     ops::linear_forward(math_.forward, out, in, w, static_cast<const float*>(nullptr), N, K, C);
-    tp_->allreduce_sum(out, static_cast<int64_t>(N) * C);
+    if (seq_.on()) {
+      seq_.scatter(out, out, N, C);
+      N = static_cast<int>(seq_.rows(N));
+    } else {
+      tp_->allreduce_sum(out, static_cast<int64_t>(N) * C);
+    }
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; ++n) {
       float* row = out + static_cast<int64_t>(n) * C;
@@ -270,21 +310,27 @@ class Block final : public Layer {
     }
   }
 
+  // Under sequence parallelism dx_out, dx_in and the norms' gradients are this rank's R rows; the
+  // row-parallel outputs' gradients (dx_out's, dres2's) are gathered to all N rows and kept so for W.
   void backward_input(const Batch& b, const float* x_in, const float* dx_out, float* dx_in) override {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
-    const int N = b.B * b.T, C = m_.n_embd;
+    const int N = b.B * b.T, C = m_.n_embd, R = static_cast<int>(seq_.rows(N));
     auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::Gpt2Block
     auto W = [&](int t) { return model_detail::weight_operand(store_, t_[t], math_.backward); };
+    const float* dout = seq_.on() ? seq_.gather(dout_, dx_out, N, C) : dx_out;
     // MLP branch: d(fcproj out) = dx_out
     float* dfch_gelu = scratch_;
-    ops::linear_backward_input(math_.backward, dfch_gelu, dx_out, W(layout::fc_proj_w), N, F_, C, false);
+    ops::linear_backward_input(math_.backward, dfch_gelu, dout, W(layout::fc_proj_w), N, F_, C, false);
     float* dfch = dfch_.writable(stage_);
     ops::gelu_backward_input(dfch, dfch_gelu, fch_.read(), static_cast<int64_t>(N) * F_);
     dfch_.seal(dfch, static_cast<int64_t>(N) * F_);
-    ops::linear_backward_input(math_.backward, dln2_, dfch, W(layout::fc_w), N, C, F_, false);
-    if (tp_) tp_->allreduce_sum(dln2_, static_cast<int64_t>(N) * C);  // the column-parallel input's gradient
-    std::memcpy(dres2_, dx_out, sizeof(float) * N * C);
-    ops::layernorm_backward_input(dres2_, dln2_, res2_, ln2_mean_, ln2_rstd_, P(layout::ln2_w), N, C, true);
+    float* dln2 = seq_.on() ? whole_ : dln2_;  // (the partial sums of all N rows)
+    ops::linear_backward_input(math_.backward, dln2, dfch, W(layout::fc_w), N, C, F_, false);
+    column_parallel_input_grad(dln2, dln2_, N);
+    float* dres2 = dres2_ + seq_.first(N) * C;  // this rank's rows of it
+    std::memcpy(dres2, dx_out, sizeof(float) * R * C);
+    ops::layernorm_backward_input(dres2, dln2_, res2_, ln2_mean_, ln2_rstd_, P(layout::ln2_w), R, C, true);
+    if (seq_.on()) seq_.gather(dres2_, dres2, N, C);
     // Attention branch: d(attproj out) = dres2
     float* datty = scratch_;
     ops::linear_backward_input(math_.backward, datty, dres2_, W(layout::proj_w), N, A_, C, false);
@@ -297,23 +343,33 @@ class Block final : public Layer {
       ops::flash_attention_backward_input(math_.backward, dqkv_, datty, atty_, att_, qkv_, b.B, b.T, A_, NH_, NH_,
                                           probe_.window);
     }
-    ops::linear_backward_input(math_.backward, dln1_, dqkv_, W(layout::qkv_w), N, C, 3 * A_, false);
-    if (tp_) tp_->allreduce_sum(dln1_, static_cast<int64_t>(N) * C);
-    std::memcpy(dx_in, dres2_, sizeof(float) * N * C);
-    ops::layernorm_backward_input(dx_in, dln1_, x_in, ln1_mean_, ln1_rstd_, P(layout::ln1_w), N, C, true);
+    float* dln1 = seq_.on() ? whole_ : dln1_;
+    ops::linear_backward_input(math_.backward, dln1, dqkv_, W(layout::qkv_w), N, C, 3 * A_, false);
+    column_parallel_input_grad(dln1, dln1_, N);
+    std::memcpy(dx_in, dres2, sizeof(float) * R * C);
+    ops::layernorm_backward_input(dx_in, dln1_, x_in, ln1_mean_, ln1_rstd_, P(layout::ln1_w), R, C, true);
   }
 
+  // Under sequence parallelism the norm outputs are gathered again for the products' weight
+  // gradients, and the norms' weight gradients (from this rank's rows) summed over the group.
   void backward_weight(const Batch& b, const float* x_in, const float* dx_out) override {
     const PageLease use = store_.use_layer(layer_, {}, {Plane::grad});
-    const int N = b.B * b.T, C = m_.n_embd;
+    const int N = b.B * b.T, C = m_.n_embd, R = static_cast<int>(seq_.rows(N));
     auto G = [&](int t) { return store_.data(t_[t], Plane::grad); };
-    ops::linear_backward_weight(math_.backward, G(layout::fc_proj_w), G(layout::fc_proj_b), dx_out, fch_gelu_.read(), N,
-                                F_, C);
-    ops::linear_backward_weight(math_.backward, G(layout::fc_w), G(layout::fc_b), dfch_.read(), ln2_.read(), N, C, F_);
-    ops::layernorm_backward_weight(G(layout::ln2_w), G(layout::ln2_b), dln2_, res2_, ln2_mean_, ln2_rstd_, N, C);
+    // The norms' weight gradients: straight into the gradients, or this rank's rows' part of them.
+    float* partial = norm_grads_;
+    if (seq_.on()) std::fill(partial, partial + 4 * C, 0.0f);
+    auto NG = [&](int t, int k) { return seq_.on() ? partial + k * C : G(t); };
+    ops::linear_backward_weight(math_.backward, G(layout::fc_proj_w), G(layout::fc_proj_b), seq_.on() ? dout_ : dx_out,
+                                fch_gelu_.read(), N, F_, C);
+    ops::linear_backward_weight(math_.backward, G(layout::fc_w), G(layout::fc_b), dfch_.read(), whole_rows(ln2_, N), N,
+                                C, F_);
+    ops::layernorm_backward_weight(NG(layout::ln2_w, 2), NG(layout::ln2_b, 3), dln2_, res2_, ln2_mean_, ln2_rstd_, R, C);
     ops::linear_backward_weight(math_.backward, G(layout::proj_w), G(layout::proj_b), dres2_, atty_, N, A_, C);
-    ops::linear_backward_weight(math_.backward, G(layout::qkv_w), G(layout::qkv_b), dqkv_, ln1_.read(), N, C, 3 * A_);
-    ops::layernorm_backward_weight(G(layout::ln1_w), G(layout::ln1_b), dln1_, x_in, ln1_mean_, ln1_rstd_, N, C);
+    ops::linear_backward_weight(math_.backward, G(layout::qkv_w), G(layout::qkv_b), dqkv_, whole_rows(ln1_, N), N, C,
+                                3 * A_);
+    ops::layernorm_backward_weight(NG(layout::ln1_w, 0), NG(layout::ln1_b, 1), dln1_, x_in, ln1_mean_, ln1_rstd_, R, C);
+    if (seq_.on()) seq_.sum_into(partial, {G(layout::ln1_w), G(layout::ln1_b), G(layout::ln2_w), G(layout::ln2_b)}, C);
   }
 
  public:
@@ -322,27 +378,31 @@ class Block final : public Layer {
   // recomputes attention's tensors and (float32) the GELU output; full everything. What B keeps
   // for W is in the shared set under either (W follows B at once but in zero-bubble schedules,
   // where W recomputes and re-runs B: GPT::backward_weight).
+  // Under sequence parallelism (no recomputation, float32) the norms' outputs, row statistics and
+  // gradients and the residual take this rank's R rows; B keeps the gathered output gradients
+  // (dres2_ of all N rows, dout_) for W.
   void carve(model_detail::RecomputeCarver& a, int B, int T) {
-    const int64_t N = static_cast<int64_t>(B) * T, C = m_.n_embd;
+    const int64_t N = static_cast<int64_t>(B) * T, C = m_.n_embd, R = seq_.rows(N);
     const bool full = mode_ == Recompute::full, any = mode_ != Recompute::none;
-    ln1_.carve(a.at(full), N * C, bf16_);
+    ln1_.carve(a.at(full), R * C, bf16_);
     qkv_ = a.at(full).take(N * 3 * A_);
     const int64_t rows = static_cast<int64_t>(B) * NH_ * T;  // attention_floats over this rank's heads
     att_ = a.at(any).take(m_.attention == Attention::dense ? rows * T : rows);
     atty_ = a.at(any).take(N * A_);
-    res2_ = a.at(full).take(N * C);
-    ln2_.carve(a.at(full), N * C, bf16_);
+    res2_ = a.at(full).take(R * C);
+    ln2_.carve(a.at(full), R * C, bf16_);
     fch_.carve(a.at(full), N * F_, bf16_);
     fch_gelu_.carve(a.at(full || (any && !bf16_)), N * F_, bf16_);
-    ln1_mean_ = a.at(full).take(N);
-    ln1_rstd_ = a.at(full).take(N);
-    ln2_mean_ = a.at(full).take(N);
-    ln2_rstd_ = a.at(full).take(N);
-    dln1_ = a.at(any).take(N * C);
+    ln1_mean_ = a.at(full).take(R);
+    ln1_rstd_ = a.at(full).take(R);
+    ln2_mean_ = a.at(full).take(R);
+    ln2_rstd_ = a.at(full).take(R);
+    dln1_ = a.at(any).take(R * C);
     dqkv_ = a.at(any).take(N * 3 * A_);
     dres2_ = a.at(any).take(N * C);
-    dln2_ = a.at(any).take(N * C);
+    dln2_ = a.at(any).take(R * C);
     dfch_.carve(a.at(any), N * F_, bf16_);
+    dout_ = seq_.on() ? a.at(any).take(N * C) : nullptr;
     sink_ = full ? a.shared.take(N * C) : nullptr;
   }
 
@@ -356,6 +416,7 @@ class Block final : public Layer {
   AttentionProbe probe_;  // its window (0 = none) and the dynamic window's probe
   std::vector<TensorId> t_;  // the block's tensors, indexed by layout::Gpt2Block
   TensorGroup* tp_;          // null: unsplit
+  model_detail::SequenceRows seq_;  // sequence parallelism (off without it)
   ContextGroup* cp_;         // null: no context parallelism
   int A_, NH_, F_;           // this rank's attention columns (of q, k, v each), heads and MLP units
   float* shared_ = nullptr;  // the shared recomputed set (Layer::set_recomputed)
@@ -365,6 +426,9 @@ class Block final : public Layer {
   float *qkv_ = nullptr, *att_ = nullptr, *atty_ = nullptr, *res2_ = nullptr, *ln1_mean_ = nullptr,
         *ln1_rstd_ = nullptr, *ln2_mean_ = nullptr, *ln2_rstd_ = nullptr, *dln1_ = nullptr, *dqkv_ = nullptr,
         *dres2_ = nullptr, *dln2_ = nullptr, *scratch_ = nullptr, *stage_ = nullptr;
+  // Sequence parallelism: the output gradient of all N rows (kept from B for W); in the scratch,
+  // a gathered or partial [N, C] and the norms' partial weight gradients [4, C].
+  float *dout_ = nullptr, *whole_ = nullptr, *norm_grads_ = nullptr;
 };
 
 
@@ -443,8 +507,6 @@ void GPT::init_weights(uint64_t seed) {
         shard.split() ? std::accumulate(shard.whole_shape.begin(), shard.whole_shape.end(), int64_t{1}, std::multiplies<>())
                       : info.numel;
     const bool tensor_part = whole_numel > info.numel;
-    // A tensor part is wholly home (ZeRO-3 is not combined with tensor parallelism).
-    check(!tensor_part || (lo == 0 && hi == info.numel), "GPT::init_weights: a tensor shard partly home: " + spec.name);
     // With tiers: fetched, then written home.
     const PageLease use = store_.use_range(Plane::param, info.offset + lo, hi - lo, /*write=*/true);
     std::span<float> w = store_.range_view(Plane::param, info.offset, info.numel);
@@ -468,7 +530,13 @@ void GPT::init_weights(uint64_t seed) {
                                                           : static_cast<int64_t>(whole.size());
       for (int64_t i = 0; i < used; ++i) whole[i] = static_cast<float>(rng.normal() * std);
       std::fill(whole.begin() + used, whole.end(), 0.0f);
-      slice_shard(shard, layout_.place, whole.data(), w.data());
+      if (lo == 0 && hi == info.numel) {
+        slice_shard(shard, layout_.place, whole.data(), w.data());
+      } else {  // ZeRO-3 over a tensor shard: only the shard's home elements
+        std::vector<float> part(static_cast<size_t>(info.numel));
+        slice_shard(shard, layout_.place, whole.data(), part.data());
+        std::copy(part.begin() + lo, part.begin() + hi, w.begin() + lo);
+      }
     } else {
       Rng rng(seed ^ hash_name(spec.name));
       const double std = (ends_with("attn.proj.w") || ends_with("mlp.proj.w")) ? residual_std : 0.02;
@@ -487,7 +555,8 @@ void GPT::allocate(int B, int T, int slots) {
   check(slots >= 1, "model: at least one activation slot");
   max_B_ = B;
   max_T_ = T;
-  const int64_t N = static_cast<int64_t>(B) * T, C = config_.n_embd;
+  // (Under sequence parallelism the layers' outputs and their gradients are this rank's rows.)
+  const int64_t N = model_detail::SequenceRows(tensor_).rows(static_cast<int64_t>(B) * T), C = config_.n_embd;
   const int L = num_layers();
   // Per slot: each local layer's activations, its output and the output's gradient, and the
   // input (and its gradient) of each range that does not start at the embedding.
@@ -582,6 +651,13 @@ void GPT::check_batch(const Batch& batch, int slot) const {
                                                     std::to_string(max_B_) + "x" + std::to_string(max_T_));
   check(slot >= 0 && slot < slots(), "model: activation slot " + std::to_string(slot) + " of " + std::to_string(slots()));
   if (batch.kv != nullptr && batch.B != 1) throw Error("model: a KV-cached pass runs one sequence (batch of 1)");
+  if (model_detail::SequenceRows(tensor_).on()) {
+    const int T = tensor_->size();
+    check(batch.kv == nullptr, "model: a KV-cached pass under sequence parallelism is not built");
+    check(static_cast<int64_t>(batch.B) * batch.T % T == 0,
+          "model: sequence parallelism needs a batch's B x T tokens (" + std::to_string(batch.B) + " x " +
+              std::to_string(batch.T) + ") divisible by the " + std::to_string(T) + " tensor ranks");
+  }
 }
 
 double GPT::timed(std::chrono::steady_clock::time_point t0) const {
@@ -673,7 +749,7 @@ GPT::LayerTimes GPT::take_layer_times() {
 }
 
 int64_t GPT::layer_activation_bytes(int i, int B, int T) const {
-  const int64_t io = 2 * padded(static_cast<int64_t>(B) * T * config_.n_embd);
+  const int64_t io = 2 * padded(model_detail::SequenceRows(tensor_).rows(static_cast<int64_t>(B) * T) * config_.n_embd);
   return (layers_[i] ? padded(layers_[i]->activation_floats(B, T)) + io : 0) * static_cast<int64_t>(sizeof(float));
 }
 

@@ -28,6 +28,7 @@ class Head final : public model_detail::OutputLayer {
         bf16_(bf16),
         math_(math),
         tp_(tensor),
+        seq_(tensor),
         rows_(m.padded_vocab_size / (tensor ? tensor->size() : 1)),
         vocab_begin_(tensor ? tensor->rank() * rows_ : 0) {
     check(ids.size() == (layernorm_ || !tied_ ? 2u : 1u), "GPT: the head without its tensors");
@@ -43,7 +44,8 @@ class Head final : public model_detail::OutputLayer {
            padded(N * rows_);
   }
   int64_t scratch_floats(int B, int T) const override {
-    return bf16_ ? padded(static_cast<int64_t>(B) * T * m_.n_embd) : 0;  // under bf16: the staging of n
+    // under bf16: the staging of n; under sequence parallelism: the norm's partial weight gradients
+    return (bf16_ ? padded(static_cast<int64_t>(B) * T * m_.n_embd) : 0) + (seq_.on() ? 2 * m_.n_embd : 0);
   }
   void bind(float* activations, float* scratch, int B, int T) override {
     const int64_t N = static_cast<int64_t>(B) * T;
@@ -74,12 +76,17 @@ class Head final : public model_detail::OutputLayer {
       x = dn_;
       N = static_cast<int>(rows->size());
     }
+    // Under sequence parallelism x is this rank's R rows: normalised into its rows of n, then
+    // gathered, so the LM head multiplies all N rows (its vocabulary rows of each).
+    const int R = static_cast<int>(seq_.rows(N));
     float* n = n_.writable(stage_);
+    float* mine = n + seq_.first(N) * C;
     if (layernorm_) {
-      ops::layernorm_forward(n, mean_, rstd_, x, P(normw_), P(normb_), N, C);
+      ops::layernorm_forward(mine, mean_, rstd_, x, P(normw_), P(normb_), R, C);
     } else {
-      ops::rmsnorm_forward(n, rstd_, x, P(normw_), N, C);
+      ops::rmsnorm_forward(mine, rstd_, x, P(normw_), R, C);
     }
+    if (seq_.on()) seq_.gather(n, mine, N, C);
     n_.seal(n, static_cast<int64_t>(N) * C);
     const Operand head = model_detail::weight_operand(store_, head_, math_.forward);
     ops::linear_forward(math_.forward, logits_, n_.read(), head, static_cast<const float*>(nullptr), N, C, rows_);
@@ -100,11 +107,17 @@ class Head final : public model_detail::OutputLayer {
     const int N = b.B * b.T, C = m_.n_embd;
     const Operand head = model_detail::weight_operand(store_, head_, math_.backward);
     ops::linear_backward_input(math_.backward, dn_, logits_, head, N, C, rows_, false);
-    if (tp_) tp_->allreduce_sum(dn_, static_cast<int64_t>(N) * C);  // the vocabulary shards' parts
+    // The vocabulary shards' parts, summed: all N rows, or this rank's R (at dn_'s start).
+    if (seq_.on()) {
+      seq_.scatter(dn_, dn_, N, C);
+    } else if (tp_) {
+      tp_->allreduce_sum(dn_, static_cast<int64_t>(N) * C);
+    }
+    const int R = static_cast<int>(seq_.rows(N));
     if (layernorm_) {
-      ops::layernorm_backward_input(dx_in, dn_, x_in, mean_, rstd_, P(normw_), N, C, false);
+      ops::layernorm_backward_input(dx_in, dn_, x_in, mean_, rstd_, P(normw_), R, C, false);
     } else {
-      ops::rmsnorm_backward_input(dx_in, dn_, x_in, rstd_, P(normw_), N, C, false);
+      ops::rmsnorm_backward_input(dx_in, dn_, x_in, rstd_, P(normw_), R, C, false);
     }
   }
   void backward_weight(const Batch& b, const float* x_in, const float*) override {
@@ -112,10 +125,17 @@ class Head final : public model_detail::OutputLayer {
     const PageLease tied = tied_ ? store_.use_layer(m_.layer_base, {}, {Plane::grad}) : PageLease();
     const int N = b.B * b.T, C = m_.n_embd;
     ops::linear_backward_weight(math_.backward, G(head_), static_cast<float*>(nullptr), logits_, n_.read(), N, C, rows_);
+    // Under sequence parallelism the norm's weight gradients from this rank's rows, summed over the group.
+    const int R = static_cast<int>(seq_.rows(N));
+    float* partial = stage_;  // (sequence parallelism excludes bf16: the scratch holds no staging)
+    if (seq_.on()) std::fill(partial, partial + 2 * C, 0.0f);
+    float* dw = seq_.on() ? partial : G(normw_);
     if (layernorm_) {
-      ops::layernorm_backward_weight(G(normw_), G(normb_), dn_, x_in, mean_, rstd_, N, C);
+      ops::layernorm_backward_weight(dw, seq_.on() ? partial + C : G(normb_), dn_, x_in, mean_, rstd_, R, C);
+      if (seq_.on()) seq_.sum_into(partial, {G(normw_), G(normb_)}, C);
     } else {
-      ops::rmsnorm_backward_weight(G(normw_), dn_, x_in, rstd_, N, C);
+      ops::rmsnorm_backward_weight(dw, dn_, x_in, rstd_, R, C);
+      if (seq_.on()) seq_.sum_into(partial, {G(normw_)}, C);
     }
   }
   float mean_loss() const override { return mean_loss_; }
@@ -131,6 +151,7 @@ class Head final : public model_detail::OutputLayer {
   bool layernorm_, tied_, bf16_;
   MathMode math_;  // its products' precision in F and in B, W
   TensorGroup* tp_;              // null: unsplit
+  model_detail::SequenceRows seq_;  // sequence parallelism (off without it)
   int rows_, vocab_begin_;       // the vocabulary rows of the head this rank holds
   TensorId normw_ = -1, normb_ = -1, head_ = -1;
   Stash n_;  // the normalised input of the LM head

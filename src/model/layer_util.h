@@ -4,12 +4,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
 #include "core/config.h"
 #include "kernels/cpu/ops.h"
 #include "model/layer.h"
+#include "model/tensor_group.h"
 #include "store/chunk_store.h"
 
 namespace keel::model_detail {
@@ -138,6 +140,43 @@ inline void probe_attention(AttentionProbe& probe, const Batch& b, const float* 
                                AttentionProbe::kBuckets, qkv, b.B, b.T, C, NH, NKV, AttentionProbe::kRows);
   probe.rows += static_cast<double>(b.B) * std::min(AttentionProbe::kRows, b.T);
 }
+
+// A layer's side of sequence parallelism (TensorGroup::sequence_parallel): where its rows of a
+// micro-batch's N token rows start, and the collectives that move [rows, C] blocks between the
+// ranks' rows and the whole [N, C]. Off (no group, or a group without it) every rank holds all N.
+class SequenceRows {
+ public:
+  explicit SequenceRows(TensorGroup* group = nullptr) : group_(group) {}
+  bool on() const { return group_ != nullptr && group_->sequence_parallel(); }
+  int64_t rows(int64_t N) const { return on() ? group_->rows(N) : N; }
+  int64_t first(int64_t N) const { return on() ? group_->rank() * group_->rows(N) : 0; }
+  // all[N, C] from every rank's mine[rows, C] (mine may already be all's own rows). Returns all.
+  float* gather(float* all, const float* mine, int64_t N, int64_t C) const {
+    float* own = all + first(N) * C;
+    if (own != mine) std::copy_n(mine, rows(N) * C, own);
+    group_->allgather(all, rows(N) * C);
+    return all;
+  }
+  // part[N, C] summed over the ranks; this rank's rows of the sums land in mine[rows, C] (which may
+  // be part itself: MPI's in-place convention leaves them at its start).
+  void scatter(float* part, float* mine, int64_t N, int64_t C) const {
+    group_->reduce_scatter_sum(part, rows(N) * C);
+    if (mine != part) std::copy_n(part, rows(N) * C, mine);
+  }
+  // The norms' weight gradients, computed from this rank's rows into partial[k * C ..) for grads[k]
+  // (zeroed by the caller), summed over the group in one all-reduce and added to grads[k][0 .. C):
+  // every rank then adds the whole batch's.
+  void sum_into(float* partial, std::initializer_list<float*> grads, int64_t C) const {
+    group_->allreduce_sum(partial, static_cast<int64_t>(grads.size()) * C);
+    for (float* grad : grads) {
+      for (int64_t i = 0; i < C; ++i) grad[i] += partial[i];
+      partial += C;
+    }
+  }
+
+ private:
+  TensorGroup* group_;
+};
 
 // The last layer: final norm, LM head and cross-entropy.
 class OutputLayer : public Layer {

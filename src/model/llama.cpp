@@ -32,6 +32,7 @@ class LlamaBlock final : public Layer {
         mode_(recompute),
         tp_(tensor),
         cp_(context),
+        seq_(tensor),
         C_(m.n_embd),
         A_(m.n_embd / parts()),
         NH_(m.n_head / parts()),
@@ -58,8 +59,10 @@ class LlamaBlock final : public Layer {
   void set_recomputed(float* shared) override { shared_ = shared; }
   int64_t scratch_floats(int B, int T) const override {
     const int64_t N = static_cast<int64_t>(B) * T;
-    // o / down outputs, dh, datty; under bf16 also the staging of gate_up and h (side by side)
-    return padded(N * std::max(C_, H_)) + (bf16_ ? padded(N * 2 * H_) + padded(N * H_) : 0);
+    // o / down outputs, dh, datty; under bf16 also the staging of gate_up and h (side by side);
+    // under sequence parallelism a gathered or partial [N, C] and the norms' partial weight gradients
+    return padded(N * std::max(C_, H_)) + (bf16_ ? padded(N * 2 * H_) + padded(N * H_) : 0) +
+           (seq_.on() ? padded(N * C_) + 2 * C_ : 0);
   }
   void bind(float* activations, float* scratch, int B, int T) override {
     const int64_t N = static_cast<int64_t>(B) * T;
@@ -68,6 +71,8 @@ class LlamaBlock final : public Layer {
     scratch_ = scratch;
     stage_ = scratch + padded(N * std::max(C_, H_));
     stage_h_ = stage_ + padded(N * 2 * H_);
+    whole_ = stage_;  // (sequence parallelism excludes bf16: no staging)
+    norm_grads_ = whole_ + padded(N * C_);
   }
 
   void forward(const Batch& b, const float* x, float* x_out) override {
@@ -88,16 +93,18 @@ class LlamaBlock final : public Layer {
 
   // The forward pass under the caller's parameter lease; `first`: the micro-batch's forward
   // (probes attention), not its recomputation.
+  // Under sequence parallelism x and x_out are this rank's R of the N rows (model/tensor_group.h):
+  // the norms and residuals run on them, the products and attention on all N.
   void run_forward(const Batch& b, const float* x, float* x_out, bool first) {
-    const int N = b.B * b.T, C = C_, H = H_;
+    const int N = b.B * b.T, C = C_, H = H_, R = static_cast<int>(seq_.rows(N));
     auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::LlamaBlock
     auto W = [&](int t) { return model_detail::weight_operand(store_, t_[t], math_.forward); };
     const float* none = nullptr;
-    const int64_t NC = static_cast<int64_t>(N) * C, NH = static_cast<int64_t>(N) * H;
+    const int64_t NC = static_cast<int64_t>(R) * C, NH = static_cast<int64_t>(N) * H;  // (NC: this rank's rows)
     float* n1 = n1_.writable(stage_);
-    ops::rmsnorm_forward(n1, rstd1_, x, P(layout::attn_norm_w), N, C);
+    ops::rmsnorm_forward(n1, rstd1_, x, P(layout::attn_norm_w), R, C);
     n1_.seal(n1, NC);
-    ops::linear_forward(math_.forward, qkv_, n1_.read(), W(layout::llama_qkv_w), none, N, C, QKV_);
+    ops::linear_forward(math_.forward, qkv_, whole_rows(n1_, N), W(layout::llama_qkv_w), none, N, C, QKV_);
     if (cp_ != nullptr && b.kv == nullptr) {
       rotate_at_global_positions(qkv_, b, false);
     } else {  // (a packed pass: each row at its own position, b.kv->positions())
@@ -108,9 +115,9 @@ class LlamaBlock final : public Layer {
     attend(b);
     float* o = scratch_;  // [N, C], consumed at once by the residual
     ops::linear_forward(math_.forward, o, atty_, W(layout::llama_proj_w), none, N, A_, C);
-    reduce(o, NC);  // row-parallel: the heads' parts of the output
+    reduce(o, N);  // row-parallel: the heads' parts of the output
     float* n2 = n2_.writable(stage_);
-    ops::residual_rmsnorm_forward(res2_, n2, rstd2_, x, o, P(layout::mlp_norm_w), N, C);
+    ops::residual_rmsnorm_forward(res2_, n2, rstd2_, x, o, P(layout::mlp_norm_w), R, C);
     n2_.seal(n2, NC);
     if (moe_) {  // a mixture of experts in place of the MLP (model/moe.h); n2 kept in float32
       float* down = scratch_;
@@ -119,15 +126,22 @@ class LlamaBlock final : public Layer {
       return;
     }
     float* gu = gu_.writable(stage_);
-    ops::linear_forward(math_.forward, gu, n2_.read(), W(layout::gate_up_w), none, N, C, 2 * H);
+    ops::linear_forward(math_.forward, gu, whole_rows(n2_, N), W(layout::gate_up_w), none, N, C, 2 * H);
     gu_.seal(gu, 2 * NH);
     float* h = h_.writable(stage_h_);
     ops::swiglu_forward(h, gu, N, H);
     h_.seal(h, NH);
     float* down = scratch_;
     ops::linear_forward(math_.forward, down, h_.read(), W(layout::down_w), none, N, H, C);
-    reduce(down, NC);
-    ops::residual_forward(x_out, res2_, down, static_cast<int64_t>(N) * C);
+    reduce(down, N);
+    ops::residual_forward(x_out, res2_, down, NC);
+  }
+
+  // A kept norm output as the operand of a column-parallel product: its N rows (under sequence
+  // parallelism this rank's rows all-gathered into whole_, which the next gather overwrites).
+  Operand whole_rows(const Stash& kept, int N) {
+    if (!seq_.on()) return kept.read();
+    return Operand(seq_.gather(whole_, kept.read().f32, N, C_));
   }
 
   // Context parallelism: each of the batch's rows of q and k rotated at its token's position in
@@ -155,25 +169,31 @@ class LlamaBlock final : public Layer {
     }
   }
 
+  // Under sequence parallelism dx_out, dx_in and the norms' gradients are this rank's R rows; the
+  // row-parallel outputs' gradients (dx_out's, dres2's) are gathered to all N rows and kept so for W.
   void backward_input(const Batch& b, const float* x_in, const float* dx_out, float* dx_in) override {
     const PageLease use = store_.use_layer(layer_, {Plane::param});
-    const int N = b.B * b.T, C = C_, H = H_;
+    const int N = b.B * b.T, C = C_, H = H_, R = static_cast<int>(seq_.rows(N));
     auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::LlamaBlock
     auto W = [&](int t) { return model_detail::weight_operand(store_, t_[t], math_.backward); };
     // MLP branch: d(down out) = dx_out
     if (moe_) {
       moe_->backward_input(moe_act_, b, dx_out, dn2_);
     } else {
+      const float* dout = seq_.on() ? seq_.gather(dout_, dx_out, N, C) : dx_out;
       float* dh = scratch_;
-      ops::linear_backward_input(math_.backward, dh, dx_out, W(layout::down_w), N, H, C, false);
+      ops::linear_backward_input(math_.backward, dh, dout, W(layout::down_w), N, H, C, false);
       float* dgu = dgu_.writable(stage_);
       ops::swiglu_backward_input(dgu, dh, gu_.read(), N, H);
       dgu_.seal(dgu, static_cast<int64_t>(N) * 2 * H);
-      ops::linear_backward_input(math_.backward, dn2_, dgu, W(layout::gate_up_w), N, C, 2 * H, false);
-      reduce(dn2_, static_cast<int64_t>(N) * C);  // the column-parallel input's gradient
+      float* dn2 = seq_.on() ? whole_ : dn2_;  // (the partial sums of all N rows)
+      ops::linear_backward_input(math_.backward, dn2, dgu, W(layout::gate_up_w), N, C, 2 * H, false);
+      column_parallel_input_grad(dn2, dn2_, N);
     }
-    std::memcpy(dres2_, dx_out, sizeof(float) * N * C);
-    ops::rmsnorm_backward_input(dres2_, dn2_, res2_, rstd2_, P(layout::mlp_norm_w), N, C, true);
+    float* dres2 = dres2_ + seq_.first(N) * C;  // this rank's rows of it
+    std::memcpy(dres2, dx_out, sizeof(float) * R * C);
+    ops::rmsnorm_backward_input(dres2, dn2_, res2_, rstd2_, P(layout::mlp_norm_w), R, C, true);
+    if (seq_.on()) seq_.gather(dres2_, dres2, N, C);
     // Attention branch: d(o out) = dres2; attention's gradient is w.r.t. the rotated q and k,
     // rotated back before the qkv projection.
     float* datty = scratch_;
@@ -191,52 +211,63 @@ class LlamaBlock final : public Layer {
       }
       ops::rope_forward(dqkv_, b.B, b.T, NH_, KVH_, m_.head_size(), rope_freq_, 0, nullptr, true, m_.rope_position_scale());
     }
-    ops::linear_backward_input(math_.backward, dn1_, dqkv_, W(layout::llama_qkv_w), N, C, QKV_, false);
-    reduce(dn1_, static_cast<int64_t>(N) * C);
-    std::memcpy(dx_in, dres2_, sizeof(float) * N * C);
-    ops::rmsnorm_backward_input(dx_in, dn1_, x_in, rstd1_, P(layout::attn_norm_w), N, C, true);
+    float* dn1 = seq_.on() ? whole_ : dn1_;
+    ops::linear_backward_input(math_.backward, dn1, dqkv_, W(layout::llama_qkv_w), N, C, QKV_, false);
+    column_parallel_input_grad(dn1, dn1_, N);
+    std::memcpy(dx_in, dres2, sizeof(float) * R * C);
+    ops::rmsnorm_backward_input(dx_in, dn1_, x_in, rstd1_, P(layout::attn_norm_w), R, C, true);
   }
 
+  // Under sequence parallelism the norm outputs are gathered again for the products' weight
+  // gradients, and the norms' weight gradients (from this rank's rows) summed over the group.
   void backward_weight(const Batch& b, const float* x_in, const float* dx_out) override {
     const PageLease use = store_.use_layer(layer_, {}, {Plane::grad});
-    const int N = b.B * b.T, C = C_, H = H_;
+    const int N = b.B * b.T, C = C_, H = H_, R = static_cast<int>(seq_.rows(N));
     auto G = [&](int t) { return store_.data(t_[t], Plane::grad); };
     float* none = nullptr;
+    float* partial = norm_grads_;  // [attention norm, MLP norm] of this rank's rows
+    if (seq_.on()) std::fill(partial, partial + 2 * C, 0.0f);
     if (moe_) {
       moe_->backward_weight(moe_act_, b, n2_.read().f32, dx_out);
     } else {
-      ops::linear_backward_weight(math_.backward, G(layout::down_w), none, dx_out, h_.read(), N, H, C);
-      ops::linear_backward_weight(math_.backward, G(layout::gate_up_w), none, dgu_.read(), n2_.read(), N, C, 2 * H);
+      ops::linear_backward_weight(math_.backward, G(layout::down_w), none, seq_.on() ? dout_ : dx_out, h_.read(), N, H, C);
+      ops::linear_backward_weight(math_.backward, G(layout::gate_up_w), none, dgu_.read(), whole_rows(n2_, N), N, C,
+                                  2 * H);
     }
-    ops::rmsnorm_backward_weight(G(layout::mlp_norm_w), dn2_, res2_, rstd2_, N, C);
+    ops::rmsnorm_backward_weight(seq_.on() ? partial + C : G(layout::mlp_norm_w), dn2_, res2_, rstd2_, R, C);
     ops::linear_backward_weight(math_.backward, G(layout::llama_proj_w), none, dres2_, atty_, N, A_, C);
-    ops::linear_backward_weight(math_.backward, G(layout::llama_qkv_w), none, dqkv_, n1_.read(), N, C, QKV_);
-    ops::rmsnorm_backward_weight(G(layout::attn_norm_w), dn1_, x_in, rstd1_, N, C);
+    ops::linear_backward_weight(math_.backward, G(layout::llama_qkv_w), none, dqkv_, whole_rows(n1_, N), N, C, QKV_);
+    ops::rmsnorm_backward_weight(seq_.on() ? partial : G(layout::attn_norm_w), dn1_, x_in, rstd1_, R, C);
+    if (seq_.on()) seq_.sum_into(partial, {G(layout::attn_norm_w), G(layout::mlp_norm_w)}, C);
   }
 
  public:
   // Carves the block's tensors for micro-batches of up to B x T: what the mode keeps into
   // a.kept, what it recomputes into a.shared (as GPT-2's block: model/gpt.cpp Block::carve).
+  // Under sequence parallelism (no recomputation, float32, no mixture of experts) the norms'
+  // outputs, row statistics and gradients and the residual take this rank's R rows; B keeps the
+  // gathered output gradients (dres2_ of all N rows, dout_) for W.
   void carve(model_detail::RecomputeCarver& a, int B, int T) {
-    const int64_t N = static_cast<int64_t>(B) * T;
+    const int64_t N = static_cast<int64_t>(B) * T, R = seq_.rows(N);
     const bool full = mode_ == Recompute::full, any = mode_ != Recompute::none;
-    n1_.carve(a.at(full), N * C_, bf16_);
+    n1_.carve(a.at(full), R * C_, bf16_);
     qkv_ = a.at(full).take(N * QKV_);
     const int64_t rows = static_cast<int64_t>(B) * NH_ * T;  // this rank's heads: probabilities, or log-sum-exp
     att_ = a.at(any).take(m_.attention == Attention::dense ? rows * T : rows);
     atty_ = a.at(any).take(N * A_);
-    res2_ = a.at(full).take(N * C_);
-    n2_.carve(a.at(full), N * C_, bf16_ && !moe_);  // a mixture of experts gathers rows of it: float32
+    res2_ = a.at(full).take(R * C_);
+    n2_.carve(a.at(full), R * C_, bf16_ && !moe_);  // a mixture of experts gathers rows of it: float32
     const int64_t NH = moe_ ? 0 : N * H_;             // (no dense MLP in a mixture-of-experts block)
     gu_.carve(a.at(full), 2 * NH, bf16_);
     h_.carve(a.at(full || (any && !bf16_)), NH, bf16_);
-    rstd1_ = a.at(full).take(N);
-    rstd2_ = a.at(full).take(N);
-    dn1_ = a.at(any).take(N * C_);
+    rstd1_ = a.at(full).take(R);
+    rstd2_ = a.at(full).take(R);
+    dn1_ = a.at(any).take(R * C_);
     dqkv_ = a.at(any).take(N * QKV_);
     dres2_ = a.at(any).take(N * C_);
-    dn2_ = a.at(any).take(N * C_);
+    dn2_ = a.at(any).take(R * C_);
     dgu_.carve(a.at(any), 2 * NH, bf16_);
+    dout_ = seq_.on() ? a.at(any).take(N * C_) : nullptr;
     if (moe_) moe_act_ = moe_->carve(a.kept, B, T);  // kept under every train.recompute
     sink_ = full ? a.shared.take(N * C_) : nullptr;
   }
@@ -254,9 +285,26 @@ class LlamaBlock final : public Layer {
   // projections (row-parallel, their outputs all-reduced), the norms whole.
   TensorGroup* tp_;
   ContextGroup* cp_;  // null: no context parallelism
+  model_detail::SequenceRows seq_;  // sequence parallelism (off without it)
   int parts() const { return tp_ ? tp_->size() : 1; }
-  void reduce(float* data, int64_t count) {
-    if (tp_) tp_->allreduce_sum(data, count);
+  // A row-parallel product's partial output data[N, C], summed over the group: all N rows
+  // (all-reduced), or under sequence parallelism this rank's R rows at data's start (reduce-scattered).
+  void reduce(float* data, int N) {
+    if (seq_.on()) {
+      seq_.scatter(data, data, N, C_);
+    } else if (tp_) {
+      tp_->allreduce_sum(data, static_cast<int64_t>(N) * C_);
+    }
+  }
+  // The gradient of a column-parallel product's input, partial[N, C] (this rank's columns' part),
+  // summed over the group into grad: all N rows (all-reduced in place: partial is grad), or under
+  // sequence parallelism this rank's rows (reduce-scattered).
+  void column_parallel_input_grad(float* partial, float* grad, int N) {
+    if (seq_.on()) {
+      seq_.scatter(partial, grad, N, C_);
+    } else if (tp_) {
+      tp_->allreduce_sum(grad, static_cast<int64_t>(N) * C_);
+    }
   }
   // The residual width, this rank's attention columns (q), heads, KV heads, qkv rows and MLP units.
   int C_, A_, NH_, KVH_, QKV_, H_;
@@ -270,6 +318,9 @@ class LlamaBlock final : public Layer {
   float *qkv_ = nullptr, *att_ = nullptr, *atty_ = nullptr, *res2_ = nullptr, *rstd1_ = nullptr, *rstd2_ = nullptr,
         *dn1_ = nullptr, *dqkv_ = nullptr, *dres2_ = nullptr, *dn2_ = nullptr, *scratch_ = nullptr,
         *stage_ = nullptr, *stage_h_ = nullptr;
+  // Sequence parallelism: the output gradient of all N rows (kept from B for W); in the scratch,
+  // a gathered or partial [N, C] and the norms' partial weight gradients [2, C].
+  float *dout_ = nullptr, *whole_ = nullptr, *norm_grads_ = nullptr;
   float* shared_ = nullptr;  // the shared recomputed set (Layer::set_recomputed)
   float* sink_ = nullptr;    // full: the recomputed forward's output (its bytes are already x_out)
 };

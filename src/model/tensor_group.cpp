@@ -61,23 +61,30 @@ void vocab_parallel_crossentropy(TensorGroup& group, float* losses, float* logit
 }
 
 void vocab_parallel_embedding_forward(TensorGroup& group, float* x_out, const Batch& b, const float* wte_shard,
-                                      const float* wpe, int pos0, int Vl, int vocab_begin, int C) {
-  const int64_t N = static_cast<int64_t>(b.B) * b.T;
+                                      const float* wpe, int pos0, int Vl, int vocab_begin, int C, float* partial) {
+  const int64_t N = static_cast<int64_t>(b.B) * b.T, R = group.rows(N);
+  float* rows = group.sequence_parallel() ? partial : x_out;  // every token's row of this rank's vocabulary
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     const int v = b.inputs[n] - vocab_begin;
-    float* o = x_out + n * C;
+    float* o = rows + n * C;
     if (v >= 0 && v < Vl) {
       std::memcpy(o, wte_shard + static_cast<int64_t>(v) * C, sizeof(float) * C);
     } else {
       std::fill(o, o + C, 0.0f);
     }
   }
-  group.allreduce_sum(x_out, N * C);
+  if (group.sequence_parallel()) {
+    group.reduce_scatter_sum(rows, R * C);  // this rank's rows, at rows[0 ..)
+    std::memcpy(x_out, rows, sizeof(float) * R * C);
+  } else {
+    group.allreduce_sum(x_out, N * C);
+  }
   if (wpe == nullptr) return;
+  const int64_t first = R == N ? 0 : group.rank() * R;  // the batch row of x_out's first row
 #pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n) {
-    const float* p = wpe + (pos0 + n % b.T) * static_cast<int64_t>(C);
+  for (int64_t n = 0; n < R; ++n) {
+    const float* p = wpe + (pos0 + (first + n) % b.T) * static_cast<int64_t>(C);
     float* o = x_out + n * C;
 #pragma omp simd
     for (int c = 0; c < C; ++c) o[c] += p[c];

@@ -34,10 +34,10 @@ struct RankLayout {
   std::map<std::string, std::vector<Place>> homes;
 };
 
-RankLayout layout_of(const Config& config, const std::vector<LayerRange>& ranges, int shard_ranks) {
+RankLayout layout_of(const Config& config, const std::vector<LayerRange>& ranges, int shard_ranks, TensorPlace place) {
   RankLayout l;
   l.store = std::make_unique<ChunkStore>(config.store.chunk_bytes);
-  register_layout(*l.store, model_layout(config.model, ranges));
+  register_layout(*l.store, model_layout(config.model, ranges, place));
   l.store->set_huge_page_alignment(tiering_enabled(config.tier));  // as RankModel::build lays out its store
   l.store->finalize_layout();
   l.shards = ChunkPartition::balanced(*l.store, shard_ranks);
@@ -79,29 +79,38 @@ MigrationStats migrate_stages(const Config& config, ProcessGroups& groups, const
                               const ChunkStore& from, const std::vector<LayerRange>& new_cut, ChunkStore& to) {
   const auto t0 = std::chrono::steady_clock::now();
   Communicator& world = groups.world();
-  const int P = config.parallel.pipeline, D = world.size() / P, me = world.rank();
+  // World rank = (replica x P + pipeline rank) x T + tensor rank: a tensor rank's shards move
+  // between the ranks of the same tensor rank (its pipeline group), each layout that rank's shards'.
+  const int P = config.parallel.pipeline, T = config.parallel.tensor, D = world.size() / (P * T), me = world.rank();
   const bool zero = config.parallel.zero > 0 && D > 1;
   const std::vector<std::vector<LayerRange>> old_ranges = ranges_per_rank(config, old_cut),
                                              new_ranges = ranges_per_rank(config, new_cut);
-  std::vector<RankLayout> olds, news;
+  std::vector<RankLayout> olds, news;  // by pipeline rank x T + tensor rank
   for (int p = 0; p < P; ++p) {
-    olds.push_back(layout_of(config, old_ranges[p], zero ? D : 1));
-    news.push_back(layout_of(config, new_ranges[p], zero ? D : 1));
+    for (int t = 0; t < T; ++t) {
+      const TensorPlace place = T > 1 ? TensorPlace{t, T} : TensorPlace{};
+      olds.push_back(layout_of(config, old_ranges[p], zero ? D : 1, place));
+      news.push_back(layout_of(config, new_ranges[p], zero ? D : 1, place));
+    }
   }
-  check(olds[me % P].store->chunks().size() == from.chunks().size() && news[me % P].store->chunks().size() == to.chunks().size(),
+  auto layout_index = [&](int rank) { return (rank / T) % P * T + rank % T; };
+  const int mine_at = layout_index(me);
+  check(olds[mine_at].store->chunks().size() == from.chunks().size() &&
+            news[mine_at].store->chunks().size() == to.chunks().size(),
         "re-cut: this rank's stores do not have the layouts of their cuts");
-  // Where every tensor lives under the old cut.
+  // Where every tensor lives under the old cut (the same pipeline rank for every tensor rank).
   std::map<std::string, int> home_rank;
   for (int p = 0; p < P; ++p) {
-    for (const auto& [name, places] : olds[p].homes) home_rank[name] = p;
+    for (const auto& [name, places] : olds[p * T].homes) home_rank[name] = p;
   }
   // Every piece of every rank's new state, in one order every rank shares: receiver, plane, its
   // chunks, their segments, the old pieces they draw from.
   std::vector<Piece> pieces;
   for (int d = 0; d < D; ++d) {
     for (int p = 0; p < P; ++p) {
-      const RankLayout& n = news[p];
-      const int dst = d * P + p;
+     for (int t = 0; t < T; ++t) {
+      const RankLayout& n = news[p * T + t];
+      const int dst = (d * P + p) * T + t;
       for (int plane = 0; plane < 3; ++plane) {
         const bool moment = kMoved[plane] != Plane::param;
         const int first = moment && zero ? n.shards.first_chunk[d] : 0;
@@ -111,7 +120,7 @@ MigrationStats migrate_stages(const Config& config, ProcessGroups& groups, const
             const std::string& name = n.store->tensors()[seg.tensor].spec.name;
             const auto home = home_rank.find(name);
             check(home != home_rank.end(), "re-cut: no stage holds tensor '" + name + "' under the old cut");
-            const RankLayout& o = olds[home->second];
+            const RankLayout& o = olds[home->second * T + t];
             int64_t at = seg.tensor_offset;
             const int64_t end = seg.tensor_offset + seg.numel;
             for (const RankLayout::Place& place : o.homes.at(name)) {
@@ -122,7 +131,7 @@ MigrationStats migrate_stages(const Config& config, ProcessGroups& groups, const
               // Split into pieces a round can carry.
               for (int64_t a = lo; a < hi;) {
                 const int64_t b = std::min<int64_t>(hi, a + kRoundBytes / static_cast<int64_t>(sizeof(float)));
-                pieces.push_back(Piece{src_replica * P + home->second, dst, plane, place.chunk, c,
+                pieces.push_back(Piece{(src_replica * P + home->second) * T + t, dst, plane, place.chunk, c,
                                        place.seg.offset + (a - place.seg.tensor_offset),
                                        seg.offset + (a - seg.tensor_offset), b - a});
                 a = b;
@@ -133,13 +142,14 @@ MigrationStats migrate_stages(const Config& config, ProcessGroups& groups, const
           }
         }
       }
+     }
     }
   }
   // The old chunks' versions of every rank (each a chunk takes the newest of those it draws from).
   const int W = world.size();
   std::vector<int> counts(W), displs(W);
   for (int r = 0, at = 0; r < W; ++r) {
-    counts[r] = static_cast<int>(olds[r % P].store->chunks().size() * sizeof(uint64_t));
+    counts[r] = static_cast<int>(olds[layout_index(r)].store->chunks().size() * sizeof(uint64_t));
     displs[r] = at;
     at += counts[r];
   }

@@ -51,7 +51,9 @@ std::unique_ptr<RankModel> RankModel::build(const Config& config, ProcessGroups&
   const bool tiered = tiering_enabled(config.tier);
   Communicator& dp = groups.dp();
   r->store = std::make_unique<ChunkStore>(config.store.chunk_bytes);
-  if (groups.tp() != nullptr) r->tensor_group = std::make_unique<MpiTensorGroup>(*groups.tp());
+  if (groups.tp() != nullptr) {
+    r->tensor_group = std::make_unique<MpiTensorGroup>(*groups.tp(), config.parallel.sequence_parallel);
+  }
   if (groups.cp() != nullptr) r->context_group = std::make_unique<MpiContextGroup>(*groups.cp());
   const bool bf16 = config.runtime.precision == Precision::bf16;
   r->model = std::make_unique<GPT>(config.model, *r->store, layout ? layout->mine : std::vector<LayerRange>{}, bf16,

@@ -128,8 +128,12 @@ nlohmann::json Trainer::recut(const std::vector<LayerRange>& from, const std::ve
       pipeline::migrate_residuals(config_, groups_, next->model->tied_groups(), to, *rank_->sync, *next->sync);
   metrics_.replace_sources(rank_->sources(), next->sources());
   std::replace(hooks_.begin(), hooks_.end(), static_cast<StepHook*>(rank_->tiers.get()), static_cast<StepHook*>(next->tiers.get()));
+  std::replace(hooks_.begin(), hooks_.end(), static_cast<StepHook*>(rank_->tensor_group.get()),
+               static_cast<StepHook*>(next->tensor_group.get()));
   rank_ = std::move(next);  // the old stages' memory goes back here
-  checkpointer_->relayout(*rank_->store, *rank_->sync);
+  // Tensor parallelism: checkpoints are written from the new stages' whole copy (WholeModelState).
+  checkpointer_->set_whole_state(rank_->whole_state.get());
+  checkpointer_->relayout(rank_->whole_state ? rank_->whole_state->store() : *rank_->store, *rank_->sync);
   checkpointer_->set_carried_state(rank_->engine->carried_state());
   Communicator& world = groups_.world();
   double figures[2] = {static_cast<double>(moved.bytes_sent + residuals.bytes_sent), static_cast<double>(moved.bytes_copied)};
@@ -271,7 +275,12 @@ void Trainer::log_run_event() {
                    {"data", groups_.dp().size() / groups_.context_size()},
                    {"pipeline", p.pipeline},
                    {"zero", p.zero},                  {"codec", to_string(config_.sync.codec)}};
-  if (p.tensor > 1) run["layout"]["tensor"] = p.tensor;  // (absent where 1: earlier runs' "run" events unchanged)
+  if (p.tensor > 1) {  // (absent where 1: earlier runs' "run" events unchanged)
+    run["layout"]["tensor"] = p.tensor;
+    if (p.sequence_parallel) run["layout"]["sequence_parallel"] = true;
+    // This rank's activation memory (the model's counter: every slot, scratch and recomputed set).
+    run["activation_bytes"] = workload_->activation_bytes(*rank_);
+  }
   if (p.context > 1) run["layout"]["context"] = p.context;  // (likewise)
   if (p.expert > 1) run["layout"]["expert"] = p.expert;  // (likewise)
   if (config_.tier.device_mib > 0) {

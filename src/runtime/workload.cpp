@@ -104,6 +104,11 @@ class LanguageModel final : public Workload {
                   "%.2fM parameters on each\n",
                   groups_.tensor_size(), groups_.dp().size() / context, config_.parallel.pipeline, with_context.c_str(),
                   groups_.tensor_size(), rank.store->param_count() / 1e6, rank.whole_state->store().param_count() / 1e6);
+      if (config_.parallel.sequence_parallel) {
+        std::printf("keel: sequence parallel: norms and residual stream as 1/%d of each micro-batch's %d x %d token "
+                    "rows per rank (all-gather before, reduce-scatter after the split products)\n",
+                    groups_.tensor_size(), t.batch_size, t.longest_seq_len());
+      }
     }
     if (const int context = groups_.context_size(); context > 1) {
       std::printf("keel: context parallel over %d ranks (data %d x context %d): %d of each sequence's %d tokens on "
