@@ -9,7 +9,12 @@ real TCP between them, on two links:
   unshaped  the veth links as they are
   shaped    tbf at --rate (default 1gbit) each way
 Configurations (each predicted from a separate profiling run, below): 1 rank; 2 and 4 ranks on each link with ZeRO 0, 1 and 2, HybridGC (sync.codec=hybrid,
-no uncompressed warm-up), a 2-stage pipeline (1f1b; on 4 ranks 2 replicas of it).
+no uncompressed warm-up), a 2-stage pipeline (1f1b; on 4 ranks 2 replicas of it), tensor
+parallelism over all the ranks (parallel.tensor = 2 on 2 ranks, 4 on 4); and data 2 x tensor 2 on
+4 unshaped ranks. A tensor-parallel configuration is predicted on a cluster file whose node is its
+tensor group (devices_per_node = T, nodes = ranks / T) and whose [intra] link is the collective
+probe's at T ranks (the tensor group's all-reduces cross the same namespaces' links); its step
+lines' tensor_allreduce_bytes are printed beside the simulator's (they must be equal).
 
 What the simulator is given, all measured here before or beside the runs, none fitted to them:
   * per-layer F, B, W: the layer_costs line of a profiling run per rank count and repeat (ZeRO-0,
@@ -73,7 +78,13 @@ for _r in (2, 4):
             ("%dr %s zero2" % (_r, _link), _r, _link, ["parallel.zero=2"]),
             ("%dr %s hybrid" % (_r, _link), _r, _link, ["sync.codec=hybrid"]),
             ("%dr %s pipeline2" % (_r, _link), _r, _link, ["parallel.pipeline=2", "parallel.schedule=1f1b"]),
+            ("%dr %s tensor%d" % (_r, _link, _r), _r, _link, ["parallel.tensor=%d" % _r]),
         ]
+CONFIGS += [("4r unshaped data2 tensor2", 4, "unshaped", ["parallel.tensor=2"])]
+
+
+def tensor_of(cfg):
+    return next((int(x.split("=")[1]) for x in cfg[3] if x.startswith("parallel.tensor=")), 1)
 
 
 def log(msg):
@@ -219,12 +230,14 @@ def train_run(work, cfg, rep, prefixes, tokens, warmup, steps, every=None):
                 costs = j
             elif "loss" in j and j["step"] > warmup:
                 steps_seen.append(j)
+    tab = sorted(set(s.get("tensor_allreduce_bytes", 0) for s in steps_seen))
     costs_path = run_dir + ".layer_costs.json"
     with open(costs_path, "w") as f:
         json.dump(costs["layer_costs"], f)
     shutil.rmtree(run_dir, ignore_errors=True)
     return {"name": name, "rep": rep, "ms": [s["ms"] for s in steps_seen], "costs": costs_path, "peak_gflops": peak,
-            "sync_exposed_ms": statistics.median([s.get("sync_exposed_ms", 0.0) for s in steps_seen])}
+            "sync_exposed_ms": statistics.median([s.get("sync_exposed_ms", 0.0) for s in steps_seen]),
+            "tensor_allreduce_bytes": tab}
 
 
 CLUSTER = """# This machine as `keel simulate` sees it (written by bench/simulate_calibration.py): every rank a
@@ -232,7 +245,7 @@ CLUSTER = """# This machine as `keel simulate` sees it (written by bench/simulat
 [cluster]
 name = "local-{link}"
 nodes = {nodes}
-devices_per_node = 1
+devices_per_node = {per_node}
 
 [device]
 name = "1 CPU thread"
@@ -249,8 +262,8 @@ pcie_gbps = {mem:.2f}
 
 [intra]
 kind = "pcie"
-gbps = {mem:.2f}
-latency_us = 1
+gbps = {intra_gbps:.4f}        # a tensor group's link (GB/s): the collective probe's at T ranks; else memory
+latency_us = {intra_lat:.2f}
 
 [network]
 gbit = {gbit:.4f}             # bench/collective_probe.cpp: GradSync's all-reduce as a ring's bandwidth
@@ -266,7 +279,7 @@ topology = "fat-tree"
 def predict(work, cfg, cluster_path, costs_path):
     name, ranks, link, extra = cfg
     items = JOB + extra
-    cmd = [KEEL, "simulate", "--cluster", cluster_path, "--nodes", str(ranks), "--layer-costs", costs_path,
+    cmd = [KEEL, "simulate", "--cluster", cluster_path, "--nodes", str(ranks // tensor_of(cfg)), "--layer-costs", costs_path,
            "--json", "yes"] + sets(items)
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if p.returncode != 0:
@@ -290,7 +303,7 @@ def report(results):
     for c in [r for r in results if r.get("kind") == "collective"]:
         print("  %-9s %d ranks: all-reduce of %.1f MB in %.1f ms (a ring at %.3f Gbit/s), one float %.0f us" % (
             c["link"], c["ranks"], c["bytes"] / 1e6, c["allreduce_ms"], c["ring_gbit"], c["small_us"]))
-    print("%-24s %10s %10s %8s %10s %10s  %s" % ("configuration", "measured", "predicted", "error", "sync exp.",
+    print("%-26s %10s %10s %8s %10s %10s  %s" % ("configuration", "measured", "predicted", "error", "sync exp.",
                                                  "predicted", "layer costs from"))
     worst = 0.0
     for cfg in CONFIGS:
@@ -303,8 +316,13 @@ def report(results):
         err = p["step_ms"] / meas - 1
         worst = max(worst, abs(err))
         exp_meas = statistics.median([r["sync_exposed_ms"] for r in runs if r["name"] == name])
-        print("%-24s %8.1f ms %8.1f ms %+7.1f%% %8.1f ms %8.1f ms  %s" % (
+        print("%-26s %8.1f ms %8.1f ms %+7.1f%% %8.1f ms %8.1f ms  %s" % (
             name, meas, p["step_ms"], 100 * err, exp_meas, p["sync_exposed_ms"], profile_of(cfg[1])))
+        if tensor_of(cfg) > 1:
+            counted = sorted(set(b for r in reps for b in r.get("tensor_allreduce_bytes", [])))
+            predicted = sorted(set(x.get("tensor_allreduce_bytes", 0) for x in preds[name]))
+            print("%-26s tensor_allreduce_bytes per step: runs %s, simulator %s: %s" % (
+                "", counted, [int(x) for x in predicted], "EQUAL" if counted == [int(x) for x in predicted] else "DIFFER"))
     print("%s: worst error %.1f %% (target within %.0f %%)" % ("PASS" if worst <= TARGET else "MISS", 100 * worst,
                                                               100 * TARGET))
 
@@ -388,7 +406,7 @@ def main():
     peak = next(r["peak_gflops"] for r in results if r["kind"] == "profile")
     cores = os.cpu_count() or 1
 
-    def cluster_file(link, ranks, rep, overhead, group=None):
+    def cluster_file(link, ranks, rep, overhead, group=None, tensor=1):
         # R ranks on this machine's cores: each gets min(1, cores / R) of a core for its codecs and
         # its memory traffic (the layer costs were measured at that sharing already).
         share = min(1.0, cores / float(ranks))
@@ -405,10 +423,15 @@ def main():
         for line in codec_lines.splitlines():
             k, v = line.split("=")
             scaled.append("%s= %.3f" % (k, float(v) * share))
-        path = os.path.join(work, "local-%s-%d-%d-g%d.toml" % (link, ranks, rep, group or ranks))
+        intra_gbps, intra_lat = mem * share, 1.0
+        if tensor > 1:
+            c = next(r for r in results if r["kind"] == "collective" and r["link"] == link and r["ranks"] == tensor)
+            intra_gbps, intra_lat = c["ring_gbit"] / 8, c["small_us"] / (2 * (tensor - 1))
+        path = os.path.join(work, "local-%s-%d-%d-g%d-t%d.toml" % (link, ranks, rep, group or ranks, tensor))
         with open(path, "w") as f:
-            f.write(CLUSTER.format(link=link, nodes=1, tflops=peak / 1e3, mem=mem * share, gbit=gbit, lat=lat,
-                                   codecs="\n".join(scaled), overhead=overhead))
+            f.write(CLUSTER.format(link=link, nodes=1, per_node=tensor, tflops=peak / 1e3, mem=mem * share, gbit=gbit,
+                                   lat=lat, intra_gbps=intra_gbps, intra_lat=intra_lat, codecs="\n".join(scaled),
+                                   overhead=overhead))
         return path
 
     # Each profiling run calibrates the per-step overhead at its rank count: its median step beyond
@@ -426,8 +449,9 @@ def main():
             costs = next(r["costs"] for r in results if r["kind"] == "profile" and r["name"] == profile_of(cfg[1])
                          and r["rep"] == rep)
             pipeline = next((int(x.split("=")[1]) for x in cfg[3] if x.startswith("parallel.pipeline=")), 1)
-            group = max(2, cfg[1] // pipeline) if cfg[1] > 1 else None
-            path = cluster_file(cfg[2], cfg[1], rep, overheads[(cfg[1], rep)], group)
+            T = tensor_of(cfg)
+            group = max(2, cfg[1] // pipeline // T) if cfg[1] > 1 else None
+            path = cluster_file(cfg[2], cfg[1], rep, overheads[(cfg[1], rep)], group, T)
             p = predict(work, cfg, path, costs)
             p.update({"kind": "prediction", "name": cfg[0], "rep": rep})
             keep(p)

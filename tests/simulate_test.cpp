@@ -375,6 +375,61 @@ TEST(Simulate, MemoryWithZero3AndBf16) {
   EXPECT_EQ(z3.at("stack").get<std::string>(), "s");
 }
 
+// The tensor group's traffic: for real tensor-parallel runs of the toy model (`keel launch`, T = 2
+// and 4, data 2 x tensor 2; GPT-2 tied and llama untied, with 2 and 4 key/value heads; 2
+// micro-batches a step; full recomputation), `keel simulate` of the same config on a node of as many devices
+// predicts, per rank and step, the bytes every step line's tensor_allreduce_bytes counts.
+TEST(Simulate, TensorGroupBytesAreTheTrainers) {
+  testing::TempDir dir("keel-sim-tp");
+  testing::write_toy_corpus(dir.path());
+  testing::write_toy_config(dir.path(), 3);
+  std::string cluster_text = read_text_file(kCluster);
+  cluster_text.replace(cluster_text.find("nodes = 4"), 9, "nodes = 1");
+  const std::string llama = "--set model.family=llama --set model.n_kv_head=2 --set model.tie_embeddings=false ";
+  struct Case {
+    int ranks, tensor, batch;
+    std::string extra;
+  };
+  const std::vector<Case> cases = {
+      {2, 2, 8, ""},
+      {4, 4, 8, "--set model.family=llama --set model.n_kv_head=4 --set model.tie_embeddings=false "},
+      {4, 2, 4, ""},
+      {2, 2, 8, llama + "--set train.recompute=full "},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const Case& c = cases[i];
+    const std::string run = "r" + std::to_string(i);
+    const std::string sets = c.extra + "--set train.grad_accum=2 --set parallel.tensor=" + std::to_string(c.tensor);
+    const testing::CommandResult r = testing::run_keel(testing::toy_train_args(dir, c.ranks, c.batch, run, sets));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    std::string text = cluster_text;
+    text.replace(text.find("devices_per_node = 8"), 20, "devices_per_node = " + std::to_string(c.ranks));
+    text.replace(text.find("nics_per_node = 8"), 17, "nics_per_node = " + std::to_string(c.ranks));  // (rail: one a device)
+    const std::string cluster = dir / ("cluster" + std::to_string(c.ranks) + ".toml");
+    testing::write_text(cluster, text);
+    const testing::CommandResult s = testing::run_keel("simulate --cluster " + cluster + " --json yes --config " +
+                                                       dir / "toy.toml" + " --set train.batch_size=" +
+                                                       std::to_string(c.batch) + " " + sets);
+    ASSERT_EQ(s.exit_code, 0) << s.output;
+    const nlohmann::json p = nlohmann::json::parse(s.output.substr(s.output.rfind("\n{") + 1));
+    EXPECT_EQ(p.at("tensor").get<int>(), c.tensor) << run;
+    EXPECT_EQ(p.at("data").get<int>(), c.ranks / c.tensor) << run;
+    const double predicted = p.at("tensor_allreduce_bytes").get<double>();
+    EXPECT_GT(predicted, 0) << run;
+    int lines = 0;
+    const std::string metrics = read_text_file(dir / (run + "/metrics.jsonl"));
+    for (size_t at = 0; at < metrics.size();) {
+      const size_t end = std::min(metrics.find('\n', at), metrics.size());
+      const nlohmann::json j = nlohmann::json::parse(metrics.substr(at, end - at));
+      at = end + 1;
+      if (!j.contains("loss")) continue;
+      ++lines;
+      EXPECT_EQ(j.value("tensor_allreduce_bytes", int64_t{-1}), static_cast<int64_t>(predicted)) << run << " " << sets;
+    }
+    EXPECT_EQ(lines, 3) << run;
+  }
+}
+
 TEST(Simulate, BadInputIsOneLine) {
   testing::TempDir dir("keel-sim");
   const std::string good = read_text_file(kCluster);
@@ -436,6 +491,7 @@ TEST(Simulate, BadInputIsOneLine) {
       {good, "--stack megatron-2021 --stacks " + short_stacks, "stack.megatron-2021: key 'flash_attention': expected true or false"},
       {good, "--stack megatron-2021 --stacks " + extra_stacks, "stack.megatron-2021: unknown key 'bucket_size'"},
       {good, "--vocab 1", "simulate --vocab: expected >= 2, found 1"},
+      {good, "--set parallel.tensor=2 --tensor 4", "simulate --tensor: expected the config's parallel.tensor (2) or 1, found 4"},
       {good, "--tiers yes --stack torchtitan --stacks " + testing::source_path("configs/sim/stacks.toml"), "no --stack with it"},
       {good, "--search yes --stack torchtitan --stacks " + testing::source_path("configs/sim/stacks.toml"), "no --stack or --vocab with it"},
   };

@@ -20,9 +20,11 @@ void print_text(const Config& config, const Cluster& cluster, const StepPredicti
   std::printf("keel simulate: %s (L=%d C=%d V=%d, T=%d) on %s: %d nodes x %d %s = %d devices\n", m.preset.c_str(),
               m.n_layer, m.n_embd, m.vocab_size, config.train.longest_seq_len(), cluster.name.c_str(), cluster.nodes,
               cluster.devices_per_node, cluster.device.name.c_str(), p.devices);
-  std::printf("layout: data %d x pipeline %d x tensor %d (tensor parallelism modelled, not run by Keel), ZeRO-%d, "
+  std::printf("layout: data %d x pipeline %d x tensor %d%s, ZeRO-%d, "
               "schedule %s, %d micro-batches of %d sequences, stages cut at %s\n",
-              p.data, p.pipeline, p.tensor, config.parallel.zero, to_string(config.parallel.schedule), p.micro_batches,
+              p.data, p.pipeline, p.tensor,
+              p.tensor > 1 && config.parallel.tensor == 1 ? " (--tensor: a split this config does not run)" : "",
+              config.parallel.zero, to_string(config.parallel.schedule), p.micro_batches,
               p.micro_batch, p.cut.empty() ? "(one stage)" : p.cut.c_str());
   std::printf("software stack: %s; data-parallel all-reduce: %s\n", p.stack.c_str(), p.sync_algorithm.c_str());
   std::printf("step %.1f ms: compute %.1f, bubble %.1f (%.1f %%), tensor comm %.1f (inside compute), pipeline messages "
@@ -51,6 +53,10 @@ void print_text(const Config& config, const Cluster& cluster, const StepPredicti
                 100 * t.served_share(Tier::device), 100 * t.served_share(Tier::host), 100 * t.served_share(Tier::nvme),
                 100 * t.hit_rate(Tier::host), 100 * t.hit_rate(Tier::nvme));
     for (const std::string& note : t.notes) std::printf("placement: %s\n", note.c_str());
+  }
+  if (p.tensor > 1) {
+    std::printf("tensor group: %.1f MB handed to all-reduces per rank and step (as metrics.jsonl's tensor_allreduce_bytes)\n",
+                p.tensor_allreduce_bytes / 1e6);
   }
   if (p.checkpoint_share > 0.001) std::printf("checkpoints: %.1f %% of the step (snapshots off the device)\n", 100 * p.checkpoint_share);
   if (!trace.empty()) std::printf("Chrome trace of the simulated step: %s\n", trace.c_str());
@@ -124,7 +130,13 @@ int simulate_command(const SimulateOptions& o) {
   check(!o.tiers || o.stack == "keel", "simulate --tiers: replays Keel's tier manager over Keel's planes (no --stack with it)");
   check(!o.search || (o.stack == "keel" && o.vocab == 0), "simulate --search: ranks Keel's layouts (no --stack or --vocab with it)");
   if (o.search) return search_command(o, config, cluster);
-  resolve_job_config(config, cluster.devices() / o.tensor);
+  // A config that runs tensor parallelism (parallel.tensor) is resolved as Keel's trainer resolves
+  // it, over all the devices; --tensor alone models a split Keel is not given (its data-parallel
+  // world is that of the smaller model).
+  check(config.parallel.tensor == 1 || o.tensor == 1 || o.tensor == config.parallel.tensor,
+        "simulate --tensor: expected the config's parallel.tensor (" + std::to_string(config.parallel.tensor) +
+            ") or 1, found " + std::to_string(o.tensor));
+  resolve_job_config(config, config.parallel.tensor > 1 ? cluster.devices() : cluster.devices() / o.tensor);
   // The simulator tokenizes nothing: a vocabulary of any size (Keel's uint16 token shards cap a
   // trained one at 65,536), padded to a multiple of 128 as Keel pads; set once the config is resolved (whose
   // validation holds a trained vocabulary to that cap).
@@ -149,7 +161,7 @@ int simulate_command(const SimulateOptions& o) {
         {"tensor", p.tensor}, {"zero", config.parallel.zero}, {"schedule", to_string(config.parallel.schedule)},
         {"micro_batches", p.micro_batches}, {"micro_batch", p.micro_batch}, {"sequences", p.sequences},
         {"cut", p.cut}, {"step_ms", p.step_ms}, {"span_ms", p.span_ms}, {"compute_ms", p.compute_ms},
-        {"bubble_ms", p.bubble_ms}, {"bubble", p.bubble}, {"tensor_comm_ms", p.tensor_comm_ms},
+        {"bubble_ms", p.bubble_ms}, {"bubble", p.bubble}, {"tensor_comm_ms", p.tensor_comm_ms}, {"tensor_allreduce_bytes", p.tensor_allreduce_bytes},
         {"pipeline_comm_ms", p.pipeline_comm_ms}, {"sync_ms", p.sync_ms}, {"sync_codec_ms", p.sync_codec_ms}, {"sync_exposed_ms", p.sync_exposed_ms}, {"sync_wire_ratio", p.sync_wire_ratio},
         {"optimizer_ms", p.optimizer_ms}, {"stack", stack.name}, {"sync_algorithm", p.sync_algorithm}, {"variability_ms", p.variability_ms}, {"samples_per_s", p.samples_per_s},
         {"tokens_per_s", p.tokens_per_s}, {"model_tflops_per_device", p.model_tflops_per_device}, {"mfu", p.mfu},

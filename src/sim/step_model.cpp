@@ -252,21 +252,24 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   const ParallelConfig& par = config.parallel;
   const TrainConfig& t = config.train;
   StepPrediction r;
-  r.tensor = layout.tensor;
+  check(par.tensor == 1 || layout.tensor == 1 || par.tensor == layout.tensor,
+        "simulate --tensor: expected the config's parallel.tensor (" + std::to_string(par.tensor) + ") or 1, found " +
+            std::to_string(layout.tensor));
+  r.tensor = std::max(par.tensor, layout.tensor);
   r.pipeline = par.pipeline;
   r.devices = cluster.devices();
-  check(layout.tensor >= 1 && cluster.devices() % layout.tensor == 0,
+  check(r.tensor >= 1 && cluster.devices() % r.tensor == 0,
         "simulate --tensor: expected a divisor of the cluster's " + std::to_string(cluster.devices()) + " devices, found " +
-            std::to_string(layout.tensor));
-  check(layout.tensor <= cluster.devices_per_node,
+            std::to_string(r.tensor));
+  check(r.tensor <= cluster.devices_per_node,
         "simulate --tensor: a tensor group stays inside a node of " + std::to_string(cluster.devices_per_node) +
-            " devices, found " + std::to_string(layout.tensor));
-  check(m.n_head % layout.tensor == 0, "simulate --tensor: expected a divisor of model.n_head = " +
-                                           std::to_string(m.n_head) + ", found " + std::to_string(layout.tensor));
-  r.data = cluster.devices() / layout.tensor / par.pipeline;
-  check(r.data >= 1 && r.data * par.pipeline * layout.tensor == cluster.devices(),
+            " devices, found " + std::to_string(r.tensor));
+  check(m.n_head % r.tensor == 0, "simulate --tensor: expected a divisor of model.n_head = " +
+                                      std::to_string(m.n_head) + ", found " + std::to_string(r.tensor));
+  r.data = cluster.devices() / r.tensor / par.pipeline;
+  check(r.data >= 1 && r.data * par.pipeline * r.tensor == cluster.devices(),
         "simulate: data x pipeline x tensor must use the cluster's " + std::to_string(cluster.devices()) + " devices");
-  const int D = r.data, P = par.pipeline, TP = layout.tensor;
+  const int D = r.data, P = par.pipeline, TP = r.tensor;
   const int T = t.longest_seq_len();
   r.micro_batches = pipeline::micro_batches(config);
   r.micro_batch = t.batch_size * t.grad_accum / r.micro_batches;
@@ -283,6 +286,10 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   const double tokens = static_cast<double>(r.micro_batch) * T;
   const double activation = tokens * m.n_embd * act_bytes;  // one micro-batch's [b, T, C]
   const double tp_ar = ring_ms(activation, TP, cluster.intra.gbps, cluster.intra.latency_us);
+  const double tp_embed = tp_ar;  // the embedding's forward, the head's backward: one [b, T, C] each
+  const double tp_loss = TP > 1 ? 2 * ring_ms(tokens * 4, TP, cluster.intra.gbps, cluster.intra.latency_us) +
+                                      ring_ms(tokens * 8, TP, cluster.intra.gbps, cluster.intra.latency_us)
+                                : 0.0;
   pipeline::LayerCosts measured;
   if (!layout.layer_costs.empty()) {
     measured = pipeline::read_layer_costs(layout.layer_costs, m.n_layer + 2).at_seq_len(m, T);
@@ -327,6 +334,11 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
       }
       const bool block = i >= 1 && i <= m.n_layer;
       blocks += block;
+      // The vocabulary-parallel embedding sums each token's row (forward); the head's input
+      // gradient is summed in backward, and the cross-entropy sums the rows' maxima (double),
+      // their sums of exponentials and the target logits (forward).
+      if (i == 0) f += tp_embed;
+      if (i == m.n_layer + 1) f += tp_loss, b += tp_embed;
       const Recompute mode = recompute.at_layer(i);
       if (block && mode != Recompute::none) {
         tp_again += (mode == Recompute::full ? 2 * tp_ar : 0.0) +
@@ -341,11 +353,30 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
       stage_f += layer_f[static_cast<size_t>(i)], stage_b += layer_b[static_cast<size_t>(i)];
       stage_w += layer_w[static_cast<size_t>(i)];
     }
-    const double tp = 2 * blocks * tp_ar;  // two all-reduces per block in F, two in B
+    // Two all-reduces per block in F, two in B; the embedding's and the head's and loss's.
+    const double tp = 4 * blocks * tp_ar + (s.first == 0 ? tp_embed : 0.0) +
+                      (s.last == m.n_layer + 1 ? tp_embed + tp_loss : 0.0);
     costs.forward.push_back(stage_f);
     costs.backward_input.push_back(stage_b);
     costs.backward_weight.push_back(stage_w);
-    tp_per_rank_max = std::max(tp_per_rank_max, (2 * tp + tp_again) * r.micro_batches);
+    tp_per_rank_max = std::max(tp_per_rank_max, (tp + tp_again) * r.micro_batches);
+  }
+  if (TP > 1) {
+    // The bytes the trainer counts (its first stage's group's), in floats of 4 bytes and the
+    // cross-entropy's maxima in doubles; a recomputed block's forward all-reduces again, but the
+    // last recomputing block's on a stage: its activations are still the shared set's.
+    const LayerRange& s = stages.front();
+    const double N = tokens, C = m.n_embd;
+    double floats = 0, doubles = 0;
+    int recomputed = 0;
+    for (int i = std::max(s.first, 1); i <= std::min(s.last, m.n_layer); ++i) {
+      floats += 4 * N * C;
+      recomputed += recompute.at_layer(i) == Recompute::full;
+    }
+    floats += 2 * N * C * std::max(0, recomputed - 1);
+    if (s.first == 0) floats += N * C;
+    if (s.last == m.n_layer + 1) floats += N * C + 2 * N, doubles += N;
+    r.tensor_allreduce_bytes = r.micro_batches * (4 * floats + 8 * doubles);
   }
   // A stage boundary crosses nodes once a stage's tensor x data devices fill one.
   const bool pp_across = TP * D >= cluster.devices_per_node && P > 1;

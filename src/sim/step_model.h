@@ -4,10 +4,13 @@
 // What it models, and through which of Keel's own pieces:
 //  * Layout: data x pipeline x tensor. Data and pipeline are the config's (parallel.data,
 //    parallel.pipeline, zero, schedule, micro-batches; the stage cut is Keel's own startup_cut);
-//    tensor parallelism is modelled only (Keel does not run it): Megatron's split of each block,
-//    with two all-reduces of a micro-batch's activations in its forward and two in its backward,
-//    inside a node. Ranks are placed tensor-fastest, then data, then pipeline: a tensor group
-//    stays in a node, a data group does while tensor x data fits one.
+//    tensor (the config's parallel.tensor, as Keel runs it, or SimLayout::tensor for a layout
+//    Keel is not given): Megatron's split of each block, with two all-reduces of a micro-batch's
+//    activations in its forward and two in its backward, the vocabulary-parallel embedding's in
+//    forward and the head's input gradient's in backward, and the vocabulary-parallel
+//    cross-entropy's three of one value per token, inside a node: the all-reduces Keel's trainer
+//    makes (comm/tensor_parallel.h). Ranks are placed tensor-fastest, then data, then pipeline: a
+//    tensor group stays in a node, a data group does while tensor x data fits one.
 //  * Compute: each layer's matrix products (qkv, the attention's batched products per head, the
 //    projection, the MLP's; the head's vocabulary product) at the device's share of the peak for
 //    their shapes (Device::gemm_share at the smallest dimension; a roofline below: never faster
@@ -69,7 +72,7 @@
 namespace keel::sim {
 
 struct SimLayout {
-  int tensor = 1;          // tensor-parallel degree (modelled only)
+  int tensor = 1;          // tensor-parallel degree (the config's parallel.tensor when that is > 1)
   bool recompute = false;  // full activation recomputation of every block (where train.recompute is "none")
   // Measured per-layer F, B, W (ms per micro-batch of this config's size, on one device: a run's
   // metrics.jsonl layer_costs line, pipeline/layer_profile.h) in place of the FLOP model at the
@@ -107,6 +110,14 @@ struct StepPrediction {
   double sync_ms = 0, sync_codec_ms = 0, sync_exposed_ms = 0, optimizer_ms = 0, variability_ms = 0;
   std::string stack = "keel";           // the software stack predicted
   std::string sync_algorithm = "none";  // the data-parallel all-reduce's algorithm (sim/collective.h)
+  // Bytes one rank of the first stage's tensor group hands to the group's all-reduces per step, as
+  // Keel's trainer counts them (metrics.jsonl tensor_allreduce_bytes: sums' floats at 4 bytes, the
+  // cross-entropy's maxima at 8): per micro-batch of N tokens, 4 N C per block on the stage (2 N C
+  // in forward, 2 N C in backward) and 2 N C per block recomputed in full but the stage's last,
+  // N C for the embedding (first stage) and N C + 2 N floats + N doubles for the head and loss
+  // (last stage). 0 without tensor parallelism. (Zero-bubble schedules' W re-running a recomputed
+  // block are not counted.)
+  double tensor_allreduce_bytes = 0;
   double bubble = 0;              // the schedule's idle share
   double sync_wire_ratio = 1;     // bytes sent over what a ring all-reduce of float32 gradients sends (HybridGC)
   double samples_per_s = 0, tokens_per_s = 0;
