@@ -85,12 +85,14 @@ TierOptions tier_options(const TierConfig& t) {
   return o;
 }
 
-Placement place_pages(const TierConfig& t, const ChunkStore& store) {
+Placement place_pages(const TierConfig& t, const ChunkStore& store, uint8_t absent_planes) {
   Placement out;
   const auto& chunks = store.chunks();
   const int n = static_cast<int>(chunks.size());
   const int m_begin = store.moment_chunks().first, m_end = store.moment_chunks().second;
-  auto exists = [&](int c, int p) { return p < static_cast<int>(Plane::adam_m) || (c >= m_begin && c < m_end); };
+  auto exists = [&](int c, int p) {
+    return ((absent_planes >> p) & 1) == 0 && (p < static_cast<int>(Plane::adam_m) || (c >= m_begin && c < m_end));
+  };
   const std::vector<LayerRule> rules = parse_layer_rules(t.layers);
   out.homes.assign(static_cast<size_t>(n) * kNumPlanes, Tier::device);
   for (int c = 0; c < n; ++c) {

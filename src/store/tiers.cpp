@@ -69,7 +69,8 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
     for (int p = 0; p < kNumPlanes; ++p) {
       Page& pg = pages_[c * kNumPlanes + p];
       const bool moment = p >= static_cast<int>(Plane::adam_m);
-      pg.exists = (!moment || (c >= m_begin && c < m_end)) && (!options.params_only || p == 0);
+      pg.exists = (!moment || (c >= m_begin && c < m_end)) && (!options.params_only || p == 0) &&
+                  !((options.absent_planes >> p) & 1);
       if (!pg.exists) continue;
       pg.home = homes[c * kNumPlanes + p];
       pg.bytes = chunk.numel * static_cast<int64_t>(sizeof(float));
