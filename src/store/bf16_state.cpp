@@ -20,7 +20,8 @@ void validate_bf16_state_config(const Config& c, int /*data_ranks: every ZeRO st
     if (bad) throw Error("config key '" + key + "': \"bf16\" is not combined with " + what + " (not yet supported); use \"fp32\"");
   };
   refuse(c.clip.enabled(), "a dual encoder ([clip])");
-  refuse(c.parallel.pipeline > 1, "parallel.pipeline > 1");
+  // A pipeline's re-cut builds the stages' state anew and migrates float32 planes into it.
+  refuse(c.parallel.pipeline > 1 && c.parallel.repartition_every > 0, "a pipeline's re-cut (parallel.repartition_every > 0)");
   refuse(c.parallel.tensor > 1, "parallel.tensor > 1");
   refuse(c.sync.codec != SyncCodec::none, "sync.codec (compressed gradient sync)");
   refuse(c.parallel.post_validate, "parallel.post_validate");

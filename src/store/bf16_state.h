@@ -30,8 +30,9 @@
 // The planes it does not hold (the moments; float32 gradients under param_dtype alone) belong to
 // the residency it wraps: the store's own, or the memory tiers' (wrap_attached), which then home
 // and move the moments' pages (NVMe, host) while the bits and masters stay in this rank's memory
-// (the tiers neither home nor count the held planes: TierOptions::absent_planes). Not combined
-// with pipelines or tensor parallelism (validate_bf16_state_config refuses them in one line each).
+// (the tiers neither home nor count the held planes: TierOptions::absent_planes). In a pipeline
+// each stage's ranks hold their stage's chunks so. Not combined with a pipeline's re-cut or tensor
+// parallelism (validate_bf16_state_config refuses them in one line each).
 #pragma once
 
 #include <cstdint>
