@@ -308,6 +308,8 @@ def part_search(a, work):
     rows = [("ZeRO-2", 2, ()), ("ZeRO-3", 3, ()), ("ZeRO-3 + full recompute", 3, full),
             ("ZeRO-3 + full recompute + bf16 state + NVMe tier", 3, full + bf16 + tier)]
     shapes = [s for s in SEARCH_SHAPES if not a.search_shapes or s[0] in a.search_shapes.split(",")]
+    if a.search_rows:
+        rows = [rows[int(i) - 1] for i in a.search_rows.split(",")]
     budget_mb = available_gib() * 1024 * 1.048576  # MiB -> MB
     print("\n== search: 2 ranks, batch 1 x %d tokens, %d steps; %.1f GB available at the start  load %s ==" % (
         a.large_seq, a.large_steps, budget_mb / 1000, load()), flush=True)
@@ -349,6 +351,7 @@ def main():
     ap.add_argument("--edge", type=float, default=1.0,
                     help="search: run shapes predicted within this fraction of the memory available")
     ap.add_argument("--search-shapes", default="", help="search: names of SEARCH_SHAPES to try (default all)")
+    ap.add_argument("--search-rows", default="", help="search: rows to try, 1-based, e.g. 4 or 1,2 (default all)")
     ap.add_argument("--nvme-dir", default="", help="rows: the NVMe tier's directory (default: under the work dir)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--preset", default="small", choices=sorted(SHAPES))
