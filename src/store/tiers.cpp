@@ -88,7 +88,8 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
       }
     }
   }
-  const int64_t window = 4 * largest_chunk;  // one chunk's four planes: the optimizer's working set
+  // One chunk's planes (those the tiers hold): the optimizer's working set.
+  const int64_t window = (kNumPlanes - std::popcount(static_cast<unsigned>(options.absent_planes))) * largest_chunk;
   if (device_homed + window > options.device_bytes) {
     throw Error("tier.device_bytes = " + format_mib(options.device_bytes) + " cannot hold the device-homed pages (" +
                 format_mib(device_homed) + ") plus one chunk's working set (" + format_mib(window) + ")");
