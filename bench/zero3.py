@@ -271,10 +271,11 @@ def available_gib():
     return float("nan")
 
 
-def predict(cmd):
-    """Runs `cmd` until Keel prints its start-up memory line, then stops it. Returns (MB per rank
-    by Keel's own accounting less what the tiers home on NVMe, parameters in millions, the line)
-    or (None, None, the last line) when it exits first."""
+def predict(cmd, nvme_dir):
+    """Runs `cmd` until Keel prints its start-up memory line, then stops it (and removes the NVMe
+    tier files its ranks left in `nvme_dir`). Returns (MB per rank by Keel's own accounting less
+    what the tiers home on NVMe, parameters in millions, the line) or (None, None, the last line)
+    when it exits first."""
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          preexec_fn=lambda: (last_to_die(), os.setsid()))
     nvme_mb, params, last = 0.0, None, ""
@@ -296,6 +297,9 @@ def predict(cmd):
         except ProcessLookupError:
             pass
         p.wait()
+        for f in os.listdir(nvme_dir):
+            if f.startswith("keel-tier-"):
+                os.remove(os.path.join(nvme_dir, f))
     return None, params, last
 
 
@@ -319,7 +323,7 @@ def part_search(a, work):
         for shape, preset, overrides in shapes:
             cmd, _ = keel_cmd(work, tag(shape) + "_predict", preset, a.large_steps, zero, overrides + extra,
                               vocab=32000, batch=1, seq=a.large_seq)
-            mb, params, line = predict(cmd)
+            mb, params, line = predict(cmd, nvme)
             if mb is None:
                 print("  %-48s %-28s predicted: no start-up line (%s)  load %s" % (name, shape, line, load()), flush=True)
                 continue
