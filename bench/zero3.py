@@ -11,20 +11,31 @@ Parts (--part, default all; each figure is printed with the load average it was 
            interleaved, --repeats times: peak RSS per rank and tokens/s.
   rows     At one llama (--large, --large-layers), 2 ranks, --large-steps steps: ZeRO-2, ZeRO-3,
            ZeRO-3 + train.recompute = "full", ZeRO-3 + full recompute + bf16 training state, and
-           ZeRO-3 + full recompute + a 64 MiB compute tier with the rest on NVMe (--nvme-dir;
-           bf16 state with tiers is refused): parameters, tokens/s, peak RSS per rank, bytes
-           gathered and bytes of gradient sync sent per step; a run that fails says why.
+           ZeRO-3 + full recompute + bf16 state + a 64 MiB compute tier with the rest (the
+           moments) on NVMe (--nvme-dir): parameters, tokens/s, peak RSS per rank, bytes gathered
+           and bytes of gradient sync sent per step; a run that fails says why.
+  search   The largest llama of a ladder (SEARCH_SHAPES) that takes --large-steps optimizer steps
+           on 2 ranks under each of the rows ZeRO-2, ZeRO-3, ZeRO-3 + full recompute, ZeRO-3 +
+           full recompute + bf16 state + NVMe tier. First a prediction per row and shape from
+           Keel's start-up line (`memory per rank`, less what the tiers home on NVMe; the run is
+           stopped once the line is printed), then real runs, largest predicted fit first, only
+           of the shapes predicted within --edge of the memory available when the search began:
+           tokens/s, peak RSS per rank, wall per step, NVMe bytes read/written per step and the
+           NVMe file's size. Every run is started with oom_score_adj 1000 (the kernel kills it,
+           not another process, when memory runs out).
   largest  Keel ZeRO-3 at --large (default tinyllama-1.1b: 17.6 GB of float32 state) on 2 ranks:
            whether it takes --large-steps optimizer steps, its peak RSS per rank (start-up and
            after the steps), tokens/s, the parameters gathered per step.
 
-Usage: bench/zero3.py [--part overlap,fsdp,rows,largest] [--repeats 3] [--preset small] [--steps 6]
+Usage: bench/zero3.py [--part overlap,fsdp,rows,largest,search] [--repeats 3] [--preset small] [--steps 6]
 Environment: KEEL (the binary; default build/keel).
 """
 
 import argparse
 import json
 import os
+import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -43,9 +54,7 @@ def load():
     return "%.1f" % os.getloadavg()[0]
 
 
-def keel_run(work, name, preset, steps, zero, extra=(), vocab=None, batch=2, seq=64, fatal=True):
-    """One `keel launch -n 2` training run; returns its step lines and the run's wall seconds
-    (fatal=False: a failed run returns (None, its output's last line) instead of exiting)."""
+def keel_cmd(work, name, preset, steps, zero, extra=(), vocab=None, batch=2, seq=64):
     keel = os.environ.get("KEEL", os.path.join(ROOT, "build", "keel"))
     run_dir = os.path.join(work, name)
     cmd = [keel, "launch", "-n", "2", "--", "train", "--set", "model.preset=" + preset,
@@ -59,8 +68,21 @@ def keel_run(work, name, preset, steps, zero, extra=(), vocab=None, batch=2, seq
         cmd += ["--set", "model.vocab_size=%d" % vocab]
     for e in extra:
         cmd += ["--set", e]
+    return cmd, run_dir
+
+
+def last_to_die():
+    """preexec_fn: this process and its children are the ones the kernel kills first."""
+    with open("/proc/self/oom_score_adj", "w") as f:
+        f.write("1000")
+
+
+def keel_run(work, name, preset, steps, zero, extra=(), vocab=None, batch=2, seq=64, fatal=True):
+    """One `keel launch -n 2` training run; returns its step lines and the run's wall seconds
+    (fatal=False: a failed run returns (None, its output's last line) instead of exiting)."""
+    cmd, run_dir = keel_cmd(work, name, preset, steps, zero, extra, vocab, batch, seq)
     t0 = time.time()
-    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=last_to_die)
     if r.returncode != 0:
         if not fatal:
             return None, (r.stdout.strip().splitlines() or ["exit %d" % r.returncode])[-1]
@@ -188,16 +210,16 @@ def part_rows(a, work):
     tier = ("tier.device_mib=64", "tier.host_mib=0", "tier.nvme_dir=" + nvme)
     rows = [("ZeRO-2", 2, ()), ("ZeRO-3", 3, ()), ("ZeRO-3 + full recompute", 3, full),
             ("ZeRO-3 + full recompute + bf16 state", 3, full + bf16),
-            ("ZeRO-3 + full recompute + NVMe tier", 3, full + tier)]
+            ("ZeRO-3 + full recompute + bf16 state + NVMe tier", 3, full + bf16 + tier)]
     print("\n== rows: %s%s, 2 ranks, batch 1 x %d tokens, %d steps ==" % (
         a.large, " with %d layers" % a.large_layers if a.large_layers else "", a.large_seq, a.large_steps))
-    print("  %-38s %10s %9s %22s %14s %14s" % ("", "params M", "tok/s", "peak RSS/rank MB", "gathered MB", "sync sent MB"))
+    print("  %-48s %10s %9s %22s %14s %14s" % ("", "params M", "tok/s", "peak RSS/rank MB", "gathered MB", "sync sent MB"))
     for name, zero, extra in rows:
         lines, wall = keel_run(work, "row_" + name.replace(" ", "_").replace("+", ""), a.large, a.large_steps, zero,
                                layers + extra, batch=1, seq=a.large_seq,
                                vocab=32000 if "llama" in a.large else None, fatal=False)
         if lines is None or not lines:
-            print("  %-38s did not step: %s  load %s" % (name, wall, load()), flush=True)
+            print("  %-48s did not step: %s  load %s" % (name, wall, load()), flush=True)
             continue
         last = lines[-1]
         run_dir = os.path.join(work, "row_" + name.replace(" ", "_").replace("+", ""))
@@ -205,7 +227,7 @@ def part_rows(a, work):
                        if '"model"' in l and '"parameters"' in l), float("nan"))
         rss = [round(x / 1e6) for x in last.get("zero3_startup_peak_rss_bytes", [])]
         gathered = sum(last.get("zero3_gathered_bytes", [0])) / len(last.get("zero3_gathered_bytes", [0])) / 1e6
-        print("  %-38s %10.1f %9.2f %22s %14.1f %14.1f  load %s" % (
+        print("  %-48s %10.1f %9.2f %22s %14.1f %14.1f  load %s" % (
             name, params / 1e6,
             2 * a.large_seq * 1000 / last["ms"], "%.0f (max; start-up %s)" % (last["peak_rss_mb"], rss),
             gathered, last.get("sync_sent_bytes", 0) / 1e6, load()), flush=True)
@@ -229,9 +251,111 @@ def part_largest(a, work):
     print("  ms per step (last): %.0f; tokens/s: %.2f" % (last["ms"], 2 * a.large_seq * 1000 / last["ms"]))
 
 
+# The search's ladder: (name, preset, overrides), smallest first. The 3B class is open_llama_3b's
+# dimensions (26 layers x 3200 channels, 32 heads without grouping, MLP 8640) on tinyllama's preset.
+LLAMA_3B = ("model.n_embd=3200", "model.n_head=32", "model.n_kv_head=32", "model.ffn_hidden=8640")
+SEARCH_SHAPES = [
+    ("tinyllama-1.1b x 11 layers", "tinyllama-1.1b", ("model.n_layer=11",)),
+    ("tinyllama-1.1b (22 layers)", "tinyllama-1.1b", ()),
+    ("tinyllama-1.1b x 33 layers", "tinyllama-1.1b", ("model.n_layer=33",)),
+    ("tinyllama-1.1b x 44 layers", "tinyllama-1.1b", ("model.n_layer=44",)),
+    ("3B class: 26 x 3200", "tinyllama-1.1b", ("model.n_layer=26",) + LLAMA_3B),
+    ("3B class: 32 x 3200", "tinyllama-1.1b", ("model.n_layer=32",) + LLAMA_3B),
+]
+
+
+def available_gib():
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def predict(cmd, nvme_dir):
+    """Runs `cmd` until Keel prints its start-up memory line, then stops it (and removes the NVMe
+    tier files its ranks left in `nvme_dir`). Returns (MB per rank by Keel's own accounting less
+    what the tiers home on NVMe, parameters in millions, the line) or (None, None, the last line)
+    when it exits first."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         preexec_fn=lambda: (last_to_die(), os.setsid()))
+    nvme_mb, params, last = 0.0, None, ""
+    try:
+        for line in p.stdout:
+            last = line.strip()
+            m = re.search(r"\(([0-9.]+)M parameters", line)
+            if m:
+                params = float(m.group(1))
+            m = re.search(r"tiered memory: .* nvme ([0-9.]+) MB in", line)
+            if m:
+                nvme_mb = float(m.group(1))
+            if "keel: memory per rank:" in line:
+                mb = sum(float(x) for x in re.findall(r"([0-9.]+) MB", line.split("memory per rank:")[1]))
+                return mb - nvme_mb, params, last
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+        for f in os.listdir(nvme_dir):
+            if f.startswith("keel-tier-"):
+                os.remove(os.path.join(nvme_dir, f))
+    return None, params, last
+
+
+def part_search(a, work):
+    nvme = a.nvme_dir or os.path.join(work, "nvme")
+    os.makedirs(nvme, exist_ok=True)
+    full = ("train.recompute=full",)
+    bf16 = ("runtime.param_dtype=bf16", "runtime.grad_dtype=bf16")
+    tier = ("tier.device_mib=64", "tier.host_mib=0", "tier.nvme_dir=" + nvme)
+    rows = [("ZeRO-2", 2, ()), ("ZeRO-3", 3, ()), ("ZeRO-3 + full recompute", 3, full),
+            ("ZeRO-3 + full recompute + bf16 state + NVMe tier", 3, full + bf16 + tier)]
+    shapes = [s for s in SEARCH_SHAPES if not a.search_shapes or s[0] in a.search_shapes.split(",")]
+    if a.search_rows:
+        rows = [rows[int(i) - 1] for i in a.search_rows.split(",")]
+    budget_mb = available_gib() * 1024 * 1.048576  # MiB -> MB
+    print("\n== search: 2 ranks, batch 1 x %d tokens, %d steps; %.1f GB available at the start  load %s ==" % (
+        a.large_seq, a.large_steps, budget_mb / 1000, load()), flush=True)
+    for name, zero, extra in rows:
+        tag = lambda shape: "search_" + (name + "_" + shape).replace(" ", "_").replace("+", "").replace(":", "")
+        predicted = []
+        for shape, preset, overrides in shapes:
+            cmd, _ = keel_cmd(work, tag(shape) + "_predict", preset, a.large_steps, zero, overrides + extra,
+                              vocab=32000, batch=1, seq=a.large_seq)
+            mb, params, line = predict(cmd, nvme)
+            if mb is None:
+                print("  %-48s %-28s predicted: no start-up line (%s)  load %s" % (name, shape, line, load()), flush=True)
+                continue
+            predicted.append((shape, preset, overrides, mb, params))
+            print("  %-48s %-28s %8.1f M params  predicted %7.0f MB per rank (x 2 = %.1f GB of %.1f)  load %s" % (
+                name, shape, params or float("nan"), mb, 2 * mb / 1000, budget_mb / 1000, load()), flush=True)
+        # Real runs: the shapes predicted within the edge, largest first, until one takes its steps.
+        for shape, preset, overrides, mb, params in sorted(predicted, key=lambda t: -t[3]):
+            if 2 * mb > a.edge * budget_mb:
+                continue
+            before = available_gib()
+            lines, wall = keel_run(work, tag(shape), preset, a.large_steps, zero, overrides + extra, batch=1,
+                                   seq=a.large_seq, vocab=32000, fatal=False)
+            if lines is None or len(lines) < a.large_steps:
+                print("  %-48s %-28s did not take its steps: %s  load %s" % (name, shape, wall, load()), flush=True)
+                continue
+            last = lines[-1]
+            nvme_rw = "%.0f / %.0f MB" % (last.get("tier_nvme_read_bytes", 0) / 1e6, last.get("tier_nvme_written_bytes", 0) / 1e6)
+            print("  %-48s %-28s TOOK %d steps: %.0f s per step (last), %.2f tokens/s, peak RSS %.0f MB (max over ranks), "
+                  "NVMe read / written in the last step %s, %.1f GB available before, %.0f s wall  load %s" % (
+                      name, shape, len(lines), last["ms"] / 1000, 2 * a.large_seq * 1000 / last["ms"],
+                      last["peak_rss_mb"], nvme_rw, before, wall, load()), flush=True)
+            break
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--part", default="overlap,fsdp,rows,largest")
+    ap.add_argument("--edge", type=float, default=1.0,
+                    help="search: run shapes predicted within this fraction of the memory available")
+    ap.add_argument("--search-shapes", default="", help="search: names of SEARCH_SHAPES to try (default all)")
+    ap.add_argument("--search-rows", default="", help="search: rows to try, 1-based, e.g. 4 or 1,2 (default all)")
     ap.add_argument("--nvme-dir", default="", help="rows: the NVMe tier's directory (default: under the work dir)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--preset", default="small", choices=sorted(SHAPES))
@@ -247,7 +371,8 @@ def main():
         write_tokens(os.path.join(work, "val.bin"), n=20000, vocab=32000)
         print("uptime: %s" % subprocess.run(["uptime"], stdout=subprocess.PIPE, text=True).stdout.strip())
         for part in a.part.split(","):
-            {"overlap": part_overlap, "fsdp": part_fsdp, "rows": part_rows, "largest": part_largest}[part](a, work)
+            {"overlap": part_overlap, "fsdp": part_fsdp, "rows": part_rows, "largest": part_largest,
+             "search": part_search}[part](a, work)
     return 0
 
 

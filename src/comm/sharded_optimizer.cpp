@@ -51,6 +51,9 @@ void ShardedOptimizer::weights_settled() {
 }
 
 void ShardedOptimizer::residency_attached() {
+  // Innermost first: the bf16 state wraps the tiers (the planes it does not hold move through
+  // them), and ZeRO-3's sharded parameters wrap whatever is outermost then.
+  if (bf16_) bf16_->wrap_attached();
   if (params_) params_->wrap_attached();
 }
 

@@ -67,8 +67,9 @@ class ShardedOptimizer final : public MetricsSource {
   // own chunks only): under ZeRO-3 the start-up's resident parameters and peak resident set are
   // measured (metrics.jsonl's zero3_startup_*); otherwise nothing.
   void weights_settled();
-  // After another residency was attached to the store (the memory tiers, built after this):
-  // under ZeRO-3 the sharded parameters wrap it and take its place; otherwise nothing. Local.
+  // After another residency was attached to the store (the memory tiers, built after this): the
+  // bf16 state (where held) wraps it for the planes it does not hold, then under ZeRO-3 the
+  // sharded parameters wrap the outermost; otherwise nothing. Local.
   void residency_attached();
   // Collective: under ZeRO-3 every parameter gathered on every rank until the next step (one rank
   // about to run the model alone: samples); otherwise nothing.

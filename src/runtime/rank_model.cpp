@@ -35,8 +35,12 @@ void build_optimizer_and_sync(RankModel& r, const Config& config, Communicator& 
 // goes through the tiers page by page: the full state is never resident at once.
 void attach_tiers(RankModel& r, const Config& config, ProcessGroups& groups) {
   if (!tiering_enabled(config.tier)) return;
-  r.tiers = std::make_unique<TieredMemory>(config.tier, *r.store, groups.world().is_root());
-  r.optimizer->residency_attached();  // ZeRO-3: a rank's shard homed by the tiers
+  // bf16 training state holds its planes itself (bits and masters in this rank's memory): the
+  // tiers move the others (the moments).
+  const Bf16State* bf16 = r.optimizer->bf16_state();
+  r.tiers = std::make_unique<TieredMemory>(config.tier, *r.store, groups.world().is_root(),
+                                           bf16 != nullptr ? bf16->held_planes() : uint8_t{0});
+  r.optimizer->residency_attached();  // ZeRO-3: a rank's shard homed by the tiers; bf16 state wraps them
   // Gradient buckets in flight pin their pages: keep them within what the device budget leaves
   // beside the homed pages and one operation's working set (at least one bucket).
   r.sync->limit_in_flight(std::max(config.parallel.bucket_bytes, r.tiers->free_device_bytes()));

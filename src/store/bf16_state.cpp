@@ -20,8 +20,8 @@ void validate_bf16_state_config(const Config& c, int /*data_ranks: every ZeRO st
     if (bad) throw Error("config key '" + key + "': \"bf16\" is not combined with " + what + " (not yet supported); use \"fp32\"");
   };
   refuse(c.clip.enabled(), "a dual encoder ([clip])");
-  refuse(c.tier.device_mib > 0, "memory tiers (tier.device_mib > 0)");
-  refuse(c.parallel.pipeline > 1, "parallel.pipeline > 1");
+  // A pipeline's re-cut builds the stages' state anew and migrates float32 planes into it.
+  refuse(c.parallel.pipeline > 1 && c.parallel.repartition_every > 0, "a pipeline's re-cut (parallel.repartition_every > 0)");
   refuse(c.parallel.tensor > 1, "parallel.tensor > 1");
   refuse(c.sync.codec != SyncCodec::none, "sync.codec (compressed gradient sync)");
   refuse(c.parallel.post_validate, "parallel.post_validate");
@@ -30,7 +30,9 @@ void validate_bf16_state_config(const Config& c, int /*data_ranks: every ZeRO st
 }
 
 Bf16State::Bf16State(ChunkStore& store, bool params, bool grads, std::pair<int, int> master_chunks)
-    : store_(store), params_(params), grads_(grads), master_chunks_(master_chunks) {
+    // The store's own residency, whatever is attached now (ZeRO-3's sharded parameters, built
+    // first, wrap this one: wrapping them back would be a cycle).
+    : store_(store), inner_(store.own_residency_.get()), params_(params), grads_(grads), master_chunks_(master_chunks) {
   check(store.finalized(), "bf16 state: a chunk store not finalized");
   const size_t chunks = store.chunks().size();
   leases_.assign(chunks * kNumPlanes, 0);
@@ -39,6 +41,19 @@ Bf16State::Bf16State(ChunkStore& store, bool params, bool grads, std::pair<int, 
 }
 
 Bf16State::~Bf16State() { store_.attach_residency(nullptr); }
+
+void Bf16State::wrap_attached() {
+  if (&store_.residency() == this) return;
+  inner_ = &store_.residency();
+  store_.attach_residency(this);
+}
+
+int Bf16State::hint(std::span<const PageRef> pages) {
+  std::vector<PageRef> others;
+  for (const PageRef& p : pages)
+    if (!holds(p.plane)) others.push_back(p);
+  return others.empty() ? 0 : inner_->hint(others);
+}
 
 int64_t Bf16State::resident_bytes(Plane plane) const {
   const std::vector<uint16_t>& b = bits_of(plane);
@@ -92,6 +107,10 @@ void Bf16State::give_back(PageRef p) {
 }
 
 void Bf16State::take(std::span<const PageRef> pages, bool layer) {
+  std::vector<PageRef> others;
+  for (const PageRef& p : pages)
+    if (!holds(p.plane)) others.push_back(p);
+  if (!others.empty()) layer ? inner_->acquire_layer(others) : inner_->acquire(others);
   if (!settled_) return;  // the float32 planes are the state until settle()
   for (const PageRef& p : pages) {
     if (!holds(p.plane) || leases_[index(p)]++ > 0) continue;
@@ -107,10 +126,15 @@ void Bf16State::take(std::span<const PageRef> pages, bool layer) {
   }
 }
 
-void Bf16State::release(std::span<const PageRef> pages, bool modified) {
+void Bf16State::put(std::span<const PageRef> pages, bool modified, bool layer) {
+  std::vector<PageRef> others;
+  for (const PageRef& p : pages)
+    if (!holds(p.plane)) others.push_back(p);
+  if (!others.empty()) layer ? inner_->release_layer(others, modified) : inner_->release(others, modified);
   for (const PageRef& p : pages) {
+    if (!holds(p.plane)) continue;
     if (modified) versions_[index(p)]++;
-    if (!settled_ || !holds(p.plane)) continue;
+    if (!settled_) continue;
     int& open = leases_[index(p)];
     check(open > 0, "bf16 state: a page released that was not acquired");
     // Written pages are stored when their last lease ends (the float32 page holds every write).
@@ -120,9 +144,13 @@ void Bf16State::release(std::span<const PageRef> pages, bool modified) {
 }
 
 void Bf16State::zero(PageRef p, bool zeroed_in_place) {
+  if (!holds(p.plane)) {
+    inner_->zero(p, zeroed_in_place);
+    return;
+  }
   versions_[index(p)]++;
   const Chunk& c = store_.chunks()[p.chunk];
-  if (settled_ && holds(p.plane)) {
+  if (settled_) {
     uint16_t* b = bits(p.plane, c.offset);
     std::fill(b, b + c.numel, uint16_t{0});
     if (p.plane == Plane::param && owned(p.chunk)) std::fill(master_of(p.chunk), master_of(p.chunk) + c.numel, 0.0f);
@@ -135,9 +163,13 @@ void Bf16State::zero(PageRef p, bool zeroed_in_place) {
 }
 
 void Bf16State::discard(Plane plane, int64_t offset, int64_t numel) {
+  if (!holds(plane)) {
+    inner_->discard(plane, offset, numel);
+    return;
+  }
   store_.zero_and_release(plane, offset, numel);
   for (const Chunk& c : store_.chunks_overlapping(offset, numel)) versions_[index({c.id, plane})]++;
-  if (!settled_ || !holds(plane)) return;
+  if (!settled_) return;
   uint16_t* b = bits(plane, offset);
   if (plane == Plane::param) {
     // (parameters: ZeRO-3's other ranks' chunks, held only while gathered; their pages go back)
@@ -152,6 +184,10 @@ void Bf16State::discard(Plane plane, int64_t offset, int64_t numel) {
 }
 
 void Bf16State::update_at_home(PageRef p, const std::function<void(float* data, size_t n)>& update) {
+  if (!holds(p.plane)) {
+    inner_->update_at_home(p, update);
+    return;
+  }
   versions_[index(p)]++;
   const Chunk& c = store_.chunks()[p.chunk];
   if (!updates_at_home(p)) {

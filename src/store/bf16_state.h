@@ -25,9 +25,14 @@
 // load write them in place, leased or not); settle() turns them into bits and masters and gives
 // the float32 pages back. Under ZeRO-3 the sharded parameters (comm/sharded_params.h) wrap this
 // residency: a gather broadcasts the owner's bits into bits() before the layer's lease widens
-// them, and another rank's bits are zeroed again when it is given back (discard). Not combined
-// with memory tiers, pipelines or tensor parallelism (validate_bf16_state_config refuses them in
-// one line each).
+// them, and another rank's bits are zeroed again when it is given back (discard).
+//
+// The planes it does not hold (the moments; float32 gradients under param_dtype alone) belong to
+// the residency it wraps: the store's own, or the memory tiers' (wrap_attached), which then home
+// and move the moments' pages (NVMe, host) while the bits and masters stay in this rank's memory
+// (the tiers neither home nor count the held planes: TierOptions::absent_planes). In a pipeline
+// each stage's ranks hold their stage's chunks so. Not combined with a pipeline's re-cut or tensor
+// parallelism (validate_bf16_state_config refuses them in one line each).
 #pragma once
 
 #include <cstdint>
@@ -52,6 +57,16 @@ class Bf16State final : public Residency {
   Bf16State(ChunkStore& store, bool params, bool grads, std::pair<int, int> master_chunks);
   ~Bf16State() override;  // gives the store back its own residency
 
+  // The residency the store was given after this one was attached (the memory tiers', built
+  // later) becomes the one this wraps for the planes it does not hold, and this is attached
+  // again in its place. Local.
+  void wrap_attached();
+  // The planes held (bit p: plane p), for TierOptions::absent_planes.
+  uint8_t held_planes() const {
+    return static_cast<uint8_t>((params_ ? 1 << static_cast<int>(Plane::param) : 0) |
+                                (grads_ ? 1 << static_cast<int>(Plane::grad) : 0));
+  }
+
   // The float32 planes as written so far (drawn, imported or loaded weights; zero gradients)
   // become the state: masters copied, bits rounded, the float32 pages given back. Once, after the
   // weights are in place and before the first step.
@@ -75,18 +90,25 @@ class Bf16State final : public Residency {
   // rank's own chunks' and the gathered ones', not held_bytes()).
   int64_t resident_bytes(Plane plane) const;
 
+  // Residency: the held planes' pages as above; every other page as the wrapped residency.
   bool always_present() const override { return false; }
   void acquire(std::span<const PageRef> pages) override { take(pages, /*layer=*/false); }
   void acquire_layer(std::span<const PageRef> pages) override { take(pages, /*layer=*/true); }
-  void release(std::span<const PageRef> pages, bool modified) override;
-  int hint(std::span<const PageRef>) override { return 0; }
-  uint64_t version(PageRef p) const override { return versions_.at(index(p)); }
+  void release(std::span<const PageRef> pages, bool modified) override { put(pages, modified, /*layer=*/false); }
+  void release_layer(std::span<const PageRef> pages, bool modified) override { put(pages, modified, /*layer=*/true); }
+  int hint(std::span<const PageRef> pages) override;
+  uint64_t version(PageRef p) const override { return holds(p.plane) ? versions_.at(index(p)) : inner_->version(p); }
   void zero(PageRef p, bool zeroed_in_place) override;
   void discard(Plane plane, int64_t offset, int64_t numel) override;
-  bool updates_at_home(PageRef p) const override { return settled_ && params_ && p.plane == Plane::param && owned(p.chunk); }
+  bool updates_at_home(PageRef p) const override {
+    if (!holds(p.plane)) return inner_->updates_at_home(p);
+    return settled_ && p.plane == Plane::param && owned(p.chunk);
+  }
   void update_at_home(PageRef p, const std::function<void(float* data, size_t n)>& update) override;
-  bool known_sum_squares(PageRef, double*) const override { return false; }
-  void step_shape_changed() override {}
+  bool known_sum_squares(PageRef p, double* out) const override {
+    return !holds(p.plane) && inner_->known_sum_squares(p, out);
+  }
+  void step_shape_changed() override { inner_->step_shape_changed(); }
 
  private:
   static size_t index(PageRef p) { return static_cast<size_t>(p.chunk) * kNumPlanes + static_cast<size_t>(p.plane); }
@@ -95,11 +117,13 @@ class Bf16State final : public Residency {
   const std::vector<uint16_t>& bits_of(Plane plane) const { return plane == Plane::param ? param_bits_ : grad_bits_; }
   float* master_of(int chunk);
   void take(std::span<const PageRef> pages, bool layer);
+  void put(std::span<const PageRef> pages, bool modified, bool layer);
   // The page's float32 values into its bits (and, for an owned parameter page, its master).
   void store_page(PageRef p);
   void give_back(PageRef p);  // the float32 page zeroed and its memory returned
 
   ChunkStore& store_;
+  Residency* inner_;  // the planes not held: the store's own residency, or the memory tiers'
   bool params_ = false, grads_ = false;
   std::pair<int, int> master_chunks_;
   int64_t master_begin_ = 0;  // flat offset of the first master element

@@ -85,12 +85,14 @@ TierOptions tier_options(const TierConfig& t) {
   return o;
 }
 
-Placement place_pages(const TierConfig& t, const ChunkStore& store) {
+Placement place_pages(const TierConfig& t, const ChunkStore& store, uint8_t absent_planes) {
   Placement out;
   const auto& chunks = store.chunks();
   const int n = static_cast<int>(chunks.size());
   const int m_begin = store.moment_chunks().first, m_end = store.moment_chunks().second;
-  auto exists = [&](int c, int p) { return p < static_cast<int>(Plane::adam_m) || (c >= m_begin && c < m_end); };
+  auto exists = [&](int c, int p) {
+    return ((absent_planes >> p) & 1) == 0 && (p < static_cast<int>(Plane::adam_m) || (c >= m_begin && c < m_end));
+  };
   const std::vector<LayerRule> rules = parse_layer_rules(t.layers);
   out.homes.assign(static_cast<size_t>(n) * kNumPlanes, Tier::device);
   for (int c = 0; c < n; ++c) {
@@ -120,8 +122,16 @@ Placement place_pages(const TierConfig& t, const ChunkStore& store) {
     layer_bytes[ch.layer] += 4 * ch.numel;
     largest_chunk = std::max<int64_t>(largest_chunk, 4 * ch.numel);
   }
-  int64_t ws = 4 * largest_chunk;
-  for (int l = 0; l <= last_layer; ++l) ws = std::max(ws, layer_bytes[l] + (l == last_layer && l > 0 ? layer_bytes[0] : 0));
+  // Planes held elsewhere (absent_planes) are not in any working set here: a layer's leases pass
+  // the tiers nothing when both its parameters and gradients are held so.
+  int tiered_planes = 0;
+  for (int p = 0; p < kNumPlanes; ++p) tiered_planes += ((absent_planes >> p) & 1) == 0 ? 1 : 0;
+  const bool layers_tiered = ((absent_planes >> static_cast<int>(Plane::param)) & 1) == 0 ||
+                             ((absent_planes >> static_cast<int>(Plane::grad)) & 1) == 0;
+  int64_t ws = tiered_planes * largest_chunk;
+  for (int l = 0; layers_tiered && l <= last_layer; ++l) {
+    ws = std::max(ws, layer_bytes[l] + (l == last_layer && l > 0 ? layer_bytes[0] : 0));
+  }
   out.working_set_bytes = ws;
 
   const int64_t device_budget = t.device_mib << 20, host_budget = t.host_mib << 20;

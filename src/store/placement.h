@@ -27,7 +27,9 @@ struct Placement {
 // The homes for `store` (finalized, moments possibly sharded). Throws keel::Error naming the
 // budget when even demotion cannot fit: a device budget below one operation's working set, or
 // pages that must go to NVMe without tier.nvme_dir.
-Placement place_pages(const TierConfig& t, const ChunkStore& store);
+// `absent_planes` (bit p: plane p): planes another residency holds (TierOptions::absent_planes),
+// neither homed nor counted.
+Placement place_pages(const TierConfig& t, const ChunkStore& store, uint8_t absent_planes = 0);
 
 TierOptions tier_options(const TierConfig& t);
 

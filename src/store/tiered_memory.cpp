@@ -99,11 +99,12 @@ void TierResidency::discard(Plane plane, int64_t offset, int64_t numel) {
   }
 }
 
-TieredMemory::TieredMemory(const TierConfig& config, ChunkStore& store, bool print_notes)
+TieredMemory::TieredMemory(const TierConfig& config, ChunkStore& store, bool print_notes, uint8_t absent_planes)
     : config_(config), store_(store), print_notes_(print_notes) {
   store_.prefer_huge_pages();
-  placement_ = place_pages(config_, store_);
+  placement_ = place_pages(config_, store_, absent_planes);
   TierOptions options = tier_options(config_);
+  options.absent_planes = absent_planes;
   options.reserve_bytes = 2 * placement_.working_set_bytes;  // adaptive: room for the working window
   manager_ = std::make_unique<TierManager>(store_, options, placement_.homes);
   residency_ = std::make_unique<TierResidency>(*manager_, store_);

@@ -56,8 +56,10 @@ class TieredMemory final : public MetricsSource, public StepHook {
   // Places the pages of `store` (finalized; moments sharded if they will be) under the budgets
   // of `config` and attaches a tier manager to the store as its residency. Throws keel::Error
   // naming the key when the budgets cannot hold the state. `print_notes`: print a re-homing of
-  // pages (adaptive policy) as it happens (rank 0).
-  TieredMemory(const TierConfig& config, ChunkStore& store, bool print_notes);
+  // pages (adaptive policy) as it happens (rank 0). `absent_planes` (bit p: plane p): planes the
+  // store's residency before this one holds itself (the bf16 training state's parameters and
+  // gradients): the tiers neither home nor count them, and that residency wraps the tiers'.
+  TieredMemory(const TierConfig& config, ChunkStore& store, bool print_notes, uint8_t absent_planes = 0);
   ~TieredMemory() override;
 
   TierManager& manager() { return *manager_; }

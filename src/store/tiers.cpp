@@ -69,7 +69,8 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
     for (int p = 0; p < kNumPlanes; ++p) {
       Page& pg = pages_[c * kNumPlanes + p];
       const bool moment = p >= static_cast<int>(Plane::adam_m);
-      pg.exists = (!moment || (c >= m_begin && c < m_end)) && (!options.params_only || p == 0);
+      pg.exists = (!moment || (c >= m_begin && c < m_end)) && (!options.params_only || p == 0) &&
+                  !((options.absent_planes >> p) & 1);
       if (!pg.exists) continue;
       pg.home = homes[c * kNumPlanes + p];
       pg.bytes = chunk.numel * static_cast<int64_t>(sizeof(float));
@@ -87,7 +88,8 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
       }
     }
   }
-  const int64_t window = 4 * largest_chunk;  // one chunk's four planes: the optimizer's working set
+  // One chunk's planes (those the tiers hold): the optimizer's working set.
+  const int64_t window = (kNumPlanes - std::popcount(static_cast<unsigned>(options.absent_planes))) * largest_chunk;
   if (device_homed + window > options.device_bytes) {
     throw Error("tier.device_bytes = " + format_mib(options.device_bytes) + " cannot hold the device-homed pages (" +
                 format_mib(device_homed) + ") plus one chunk's working set (" + format_mib(window) + ")");

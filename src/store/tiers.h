@@ -66,6 +66,9 @@ struct TierOptions {
   // Only the parameter plane's pages exist (a store of values that are never trained, such as a
   // KV cache's blocks): gradient and moment pages are neither homed nor counted.
   bool params_only = false;
+  // Planes whose pages another residency holds (bit p set: plane p; the bf16 training state's
+  // parameters and gradients, store/bf16_state.h): neither homed nor counted, as params_only's.
+  uint8_t absent_planes = 0;
 };
 
 // What one tier (by the home of the pages) saw.
