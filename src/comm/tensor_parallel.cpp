@@ -200,9 +200,11 @@ void WholeModelState::gather() {
     const TensorShard& shard = layout.shards[k];
     const TensorId mine = model_.tensor_ids()[k];
     // The planes read from the store, through its residency (under memory tiers a page may be
-    // homed on the host or NVMe tier); under ZeRO the moments come from the gathered planes.
-    const PageLease use = moments_ != nullptr ? shards.use_tensor(mine, {Plane::param})
-                                              : shards.use_tensor(mine, {Plane::param, Plane::adam_m, Plane::adam_v});
+    // homed on the host or NVMe tier); under ZeRO the moments come from the gathered planes, under
+    // ZeRO-3 the parameters too (a rank may not touch other ranks' chunks outside a layer's pass).
+    const PageLease use = params_sharded_     ? PageLease()
+                          : moments_ != nullptr ? shards.use_tensor(mine, {Plane::param})
+                                                : shards.use_tensor(mine, {Plane::param, Plane::adam_m, Plane::adam_v});
     for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
       const float* gathered = gathered_plane(plane);
       const TensorInfo& info = shards.tensors()[mine];
@@ -259,9 +261,9 @@ void WholeModelState::scatter() {
   }
   for (size_t k = 0; k < layout.tensors.size(); ++k) {
     const TensorId mine = model_.tensor_ids()[k];
-    const PageLease use = moments_ != nullptr
-                              ? shards.use_tensor(mine, {}, {Plane::param})
-                              : shards.use_tensor(mine, {}, {Plane::param, Plane::adam_m, Plane::adam_v});
+    const PageLease use = params_sharded_     ? PageLease()
+                          : moments_ != nullptr ? shards.use_tensor(mine, {}, {Plane::param})
+                                                : shards.use_tensor(mine, {}, {Plane::param, Plane::adam_m, Plane::adam_v});
     for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
       std::span<const float> whole = std::as_const(*whole_).view(whole_ids_[k], plane);
       float* gathered = gathered_plane(plane);
