@@ -41,22 +41,13 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_long_context import apply_rope, rope_tables  # noqa: E402  (the llama peer's RoPE, Keel's pair order)
+
 SHAPES = {  # layers, heads, kv heads, channels, vocabulary rows, position table, MLP hidden
     "gpt2-124m": (12, 12, 12, 768, 50304, 1024, 3072),
     "llama-110m": (12, 12, 12, 768, 32000, 1024, 2048),
 }
-
-
-def rope_tables(T, hs, theta=10000.0):
-    freq = 1.0 / theta ** (torch.arange(0, hs, 2, dtype=torch.float32) / hs)
-    angle = torch.outer(torch.arange(T, dtype=torch.float32), freq)
-    return angle.cos(), angle.sin()
-
-
-def apply_rope(x, cos, sin):
-    """x: (B, heads, T, hs); interleaved pairs rotated (llama2.c's order, Keel's)."""
-    x0, x1 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
 
 
 class RMSNorm(nn.Module):
