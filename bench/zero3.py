@@ -201,16 +201,22 @@ def part_fsdp(a, work):
               flush=True)
 
 
-def part_rows(a, work):
-    layers = ("model.n_layer=%d" % a.large_layers,) if a.large_layers else ()
+def row_settings(a, work):
+    """(name, ZeRO stage, settings) of the combinations the rows and the search compare; the NVMe
+    tier's directory is --nvme-dir or one under the work directory."""
     nvme = a.nvme_dir or os.path.join(work, "nvme")
     os.makedirs(nvme, exist_ok=True)
     full = ("train.recompute=full",)
     bf16 = ("runtime.param_dtype=bf16", "runtime.grad_dtype=bf16")
     tier = ("tier.device_mib=64", "tier.host_mib=0", "tier.nvme_dir=" + nvme)
-    rows = [("ZeRO-2", 2, ()), ("ZeRO-3", 3, ()), ("ZeRO-3 + full recompute", 3, full),
+    return [("ZeRO-2", 2, ()), ("ZeRO-3", 3, ()), ("ZeRO-3 + full recompute", 3, full),
             ("ZeRO-3 + full recompute + bf16 state", 3, full + bf16),
             ("ZeRO-3 + full recompute + bf16 state + NVMe tier", 3, full + bf16 + tier)]
+
+
+def part_rows(a, work):
+    layers = ("model.n_layer=%d" % a.large_layers,) if a.large_layers else ()
+    rows = row_settings(a, work)
     print("\n== rows: %s%s, 2 ranks, batch 1 x %d tokens, %d steps ==" % (
         a.large, " with %d layers" % a.large_layers if a.large_layers else "", a.large_seq, a.large_steps))
     print("  %-48s %10s %9s %22s %14s %14s" % ("", "params M", "tok/s", "peak RSS/rank MB", "gathered MB", "sync sent MB"))
@@ -304,13 +310,7 @@ def predict(cmd, nvme_dir):
 
 
 def part_search(a, work):
-    nvme = a.nvme_dir or os.path.join(work, "nvme")
-    os.makedirs(nvme, exist_ok=True)
-    full = ("train.recompute=full",)
-    bf16 = ("runtime.param_dtype=bf16", "runtime.grad_dtype=bf16")
-    tier = ("tier.device_mib=64", "tier.host_mib=0", "tier.nvme_dir=" + nvme)
-    rows = [("ZeRO-2", 2, ()), ("ZeRO-3", 3, ()), ("ZeRO-3 + full recompute", 3, full),
-            ("ZeRO-3 + full recompute + bf16 state + NVMe tier", 3, full + bf16 + tier)]
+    rows = [r for r in row_settings(a, work) if r[0] != "ZeRO-3 + full recompute + bf16 state"]  # issue 39's four
     shapes = [s for s in SEARCH_SHAPES if not a.search_shapes or s[0] in a.search_shapes.split(",")]
     if a.search_rows:
         rows = [rows[int(i) - 1] for i in a.search_rows.split(",")]
@@ -323,7 +323,7 @@ def part_search(a, work):
         for shape, preset, overrides in shapes:
             cmd, _ = keel_cmd(work, tag(shape) + "_predict", preset, a.large_steps, zero, overrides + extra,
                               vocab=32000, batch=1, seq=a.large_seq)
-            mb, params, line = predict(cmd, nvme)
+            mb, params, line = predict(cmd, a.nvme_dir or os.path.join(work, "nvme"))
             if mb is None:
                 print("  %-48s %-28s predicted: no start-up line (%s)  load %s" % (name, shape, line, load()), flush=True)
                 continue
