@@ -69,10 +69,9 @@ class Embedding final : public Layer {
     }
     if (tp_) {
       check(!b.kv || b.kv->positions() == nullptr, "model: a packed KV-cached pass over a tensor-parallel embedding is not built");
-      const float* wpe = wpe_ >= 0 ? store_.data(wpe_, Plane::param) : nullptr;
-      vocab_parallel_embedding_forward(*tp_, x_out, b, store_.data(wte_, Plane::param), cp_ ? nullptr : wpe, pos0,
-                                       rows_, vocab_begin_, m_.n_embd, scratch_);
-      if (cp_ != nullptr && wpe != nullptr) add_chunk_positions(x_out, wpe, b);
+      vocab_parallel_embedding_forward(*tp_, x_out, b, store_.data(wte_, Plane::param),
+                                       wpe_ >= 0 ? store_.data(wpe_, Plane::param) : nullptr, pos0, rows_, vocab_begin_,
+                                       m_.n_embd, scratch_, chunk_positions(b));
       return;
     }
     if (const int* pos = b.kv ? b.kv->positions() : nullptr) {  // a packed pass: each row at its own position
@@ -111,9 +110,8 @@ class Embedding final : public Layer {
       // adds the whole batch's to the position table, as without it).
       const model_detail::SequenceRows seq(tp_);
       if (seq.on()) dx_out = seq.gather(scratch_, dx_out, static_cast<int64_t>(b.B) * b.T, m_.n_embd);
-      vocab_parallel_embedding_backward(store_.data(wte_, Plane::grad), cp_ ? nullptr : dwpe, dx_out, b, rows_,
-                                        vocab_begin_, m_.n_embd);
-      if (cp_ != nullptr && dwpe != nullptr) add_chunk_position_grads(dwpe, dx_out, b);
+      vocab_parallel_embedding_backward(store_.data(wte_, Plane::grad), dwpe, dx_out, b, rows_, vocab_begin_, m_.n_embd,
+                                        chunk_positions(b));
       return;
     }
     if (cp_ != nullptr) {
@@ -131,33 +129,14 @@ class Embedding final : public Layer {
   }
 
  private:
-  // Context and tensor parallelism together: the vocabulary-parallel embedding sums the token
-  // rows over the tensor group; each chunk's rows then add (and their gradients write) the
-  // position table's rows of the chunk's global positions (model/context_group.h).
-  void add_chunk_positions(float* x_out, const float* wpe, const Batch& b) const {
-    const int C = m_.n_embd;
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < static_cast<int64_t>(b.B) * b.T; ++n) {
-      const int t = static_cast<int>(n % b.T);
-      const float* p = wpe + static_cast<int64_t>(cp_->position(t, b.T)) * C;
-      float* o = x_out + n * C;
-      for (int c = 0; c < C; ++c) o[c] += p[c];
-    }
-  }
-  // dwpe[position of row t] += dx_out[row t]: channels split over threads, rows in order within each.
-  void add_chunk_position_grads(float* dwpe, const float* dx_out, const Batch& b) const {
-    const int C = m_.n_embd;
-    const int64_t N = static_cast<int64_t>(b.B) * b.T;
-#pragma omp parallel
-    {
-      const int threads = omp_get_num_threads(), me = omp_get_thread_num();
-      const int64_t c0 = C * static_cast<int64_t>(me) / threads, c1 = C * static_cast<int64_t>(me + 1) / threads;
-      for (int64_t n = 0; n < N; ++n) {
-        const float* d = dx_out + n * C;
-        float* p = dwpe + static_cast<int64_t>(cp_->position(static_cast<int>(n % b.T), b.T)) * C;
-        for (int64_t c = c0; c < c1; ++c) p[c] += d[c];
-      }
-    }
+  // Context parallelism: the global position of each of a sequence's b.T local rows (its two
+  // chunks, model/context_group.h), for the vocabulary-parallel embedding's position table; null
+  // without it.
+  const int* chunk_positions(const Batch& b) {
+    if (cp_ == nullptr) return nullptr;
+    chunk_positions_.resize(b.T);
+    for (int t = 0; t < b.T; ++t) chunk_positions_[t] = cp_->position(t, b.T);
+    return chunk_positions_.data();
   }
 
   ChunkStore& store_;
@@ -167,6 +146,7 @@ class Embedding final : public Layer {
   ContextGroup* cp_ = nullptr;
   int rows_ = 0, vocab_begin_ = 0;  // tensor parallel: this rank's vocabulary rows
   float* scratch_ = nullptr;        // [N, C] under sequence parallelism
+  std::vector<int> chunk_positions_;
 };
 
 // ---- layers 1..L: transformer block ------------------------------------------------------------

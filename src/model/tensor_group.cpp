@@ -61,7 +61,8 @@ void vocab_parallel_crossentropy(TensorGroup& group, float* losses, float* logit
 }
 
 void vocab_parallel_embedding_forward(TensorGroup& group, float* x_out, const Batch& b, const float* wte_shard,
-                                      const float* wpe, int pos0, int Vl, int vocab_begin, int C, float* partial) {
+                                      const float* wpe, int pos0, int Vl, int vocab_begin, int C, float* partial,
+                                      const int* positions) {
   const int64_t N = static_cast<int64_t>(b.B) * b.T, R = group.rows(N);
   float* rows = group.sequence_parallel() ? partial : x_out;  // every token's row of this rank's vocabulary
 #pragma omp parallel for schedule(static)
@@ -84,7 +85,8 @@ void vocab_parallel_embedding_forward(TensorGroup& group, float* x_out, const Ba
   const int64_t first = R == N ? 0 : group.rank() * R;  // the batch row of x_out's first row
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < R; ++n) {
-    const float* p = wpe + (pos0 + (first + n) % b.T) * static_cast<int64_t>(C);
+    const int t = static_cast<int>((first + n) % b.T);
+    const float* p = wpe + static_cast<int64_t>(positions ? positions[t] : pos0 + t) * C;
     float* o = x_out + n * C;
 #pragma omp simd
     for (int c = 0; c < C; ++c) o[c] += p[c];
@@ -92,7 +94,7 @@ void vocab_parallel_embedding_forward(TensorGroup& group, float* x_out, const Ba
 }
 
 void vocab_parallel_embedding_backward(float* dwte_shard, float* dwpe, const float* dx_out, const Batch& b, int Vl,
-                                       int vocab_begin, int C) {
+                                       int vocab_begin, int C, const int* positions) {
   const int64_t N = static_cast<int64_t>(b.B) * b.T;
   // Channels split over threads, tokens in order within each: the same sums as one rank's.
 #pragma omp parallel
@@ -107,7 +109,8 @@ void vocab_parallel_embedding_backward(float* dwte_shard, float* dwpe, const flo
         for (int64_t c = c0; c < c1; ++c) e[c] += d[c];
       }
       if (dwpe != nullptr) {
-        float* p = dwpe + (n % b.T) * static_cast<int64_t>(C);
+        const int t = static_cast<int>(n % b.T);
+        float* p = dwpe + static_cast<int64_t>(positions ? positions[t] : t) * C;
         for (int64_t c = c0; c < c1; ++c) p[c] += d[c];
       }
     }

@@ -60,12 +60,14 @@ void vocab_parallel_crossentropy(TensorGroup& group, float* losses, float* logit
 // when given.
 // With sequence parallelism x_out holds this rank's rows (TensorGroup::rows) and `partial` [N, C]
 // takes the rows' contributions before they are reduce-scattered (unused otherwise).
+// `positions` (b.T entries, or null): the position of each local row of a sequence (context
+// parallelism's chunks); null: pos0 + t.
 void vocab_parallel_embedding_forward(TensorGroup& group, float* x_out, const Batch& b, const float* wte_shard,
                                       const float* wpe, int pos0, int Vl, int vocab_begin, int C,
-                                      float* partial = nullptr);
+                                      float* partial = nullptr, const int* positions = nullptr);
 // Its weight gradient: this rank's rows of dwte (the tokens it holds) and the whole dwpe (every
 // rank the same), accumulated in token order as encoder_backward_weight does.
 void vocab_parallel_embedding_backward(float* dwte_shard, float* dwpe, const float* dx_out, const Batch& b, int Vl,
-                                       int vocab_begin, int C);
+                                       int vocab_begin, int C, const int* positions = nullptr);
 
 }  // namespace keel
