@@ -158,23 +158,29 @@ TEST_F(ContextParallel, BesidePipelineParallelism) {
 // trains what one rank trains in bf16 to bf16's precision, by the tensor-parallel bf16 test's
 // measure: losses within 1e-4 relative over 8 steps, weights within 1e-2 (the ring merges a row's
 // key blocks one at a time, rounding each block's probabilities to bf16 against a running maximum,
-// and the context group sums gradients in another order). Heads of 8 columns (model.n_head = 8):
-// one rank then runs the blockwise kernel's tile form, the arithmetic the ring's kernels share;
-// at 16 columns one rank would take the AVX-512 bf16 path, which rounds elsewhere (the ring has
-// no vector path yet).
+// and the context group sums gradients in another order; biases within 5e-2). Heads of 8 columns (model.n_head = 8)
+// take the kernels' tile form on both sides; heads of 16 columns (model.n_head = 4) take the
+// AVX-512 bf16 path where the CPU has it (one rank's blockwise kernel, the ring's vector kernel).
 TEST_F(ContextParallel, Bf16TrainsWhatOneRankTrainsToBf16Precision) {
-  const std::string bf16 = "--set train.steps=8 --set runtime.precision=bf16 --set model.n_head=8 ";
-  for (const auto& [family, model] :
-       {std::pair<std::string, std::string>{"llama", kLlama}, {"gpt2", "--set model.attention=blockwise "}}) {
-    ASSERT_EQ(train(0, 8, family + "one", model + bf16).exit_code, 0);
-    auto r = train(2, 8, family + "c2", model + bf16 + "--set parallel.context=2");
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    const std::vector<double> want = losses(family + "one"), got = losses(family + "c2");
-    ASSERT_EQ(want.size(), 8u);
-    ASSERT_EQ(got.size(), want.size());
-    for (size_t s = 0; s < got.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-4 * want[s]) << family << " step " << s + 1;
-    for (const auto& [name, d] : testing::weight_distance(dir / (family + "one/ckpt"), dir / (family + "c2/ckpt"))) {
-      EXPECT_LT(d, 1e-2) << family << ": " << name;
+  for (const std::string heads : {"8", "4"}) {
+    const std::string bf16 = "--set train.steps=8 --set runtime.precision=bf16 --set model.n_head=" + heads + " ";
+    for (const auto& [family, model] :
+         {std::pair<std::string, std::string>{"llama", kLlama}, {"gpt2", "--set model.attention=blockwise "}}) {
+      SCOPED_TRACE(family + ", " + heads + " heads");
+      const std::string one = family + "one" + heads, c2 = family + "c2h" + heads;
+      ASSERT_EQ(train(0, 8, one, model + bf16).exit_code, 0);
+      auto r = train(2, 8, c2, model + bf16 + "--set parallel.context=2");
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      const std::vector<double> want = losses(one), got = losses(c2);
+      ASSERT_EQ(want.size(), 8u);
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t s = 0; s < got.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-4 * want[s]) << "step " << s + 1;
+      for (const auto& [name, d] : testing::weight_distance(dir / (one + "/ckpt"), dir / (c2 + "/ckpt"))) {
+        // Biases start at zero: after 8 AdamW steps of ~lr each their norm is small, and Adam's
+        // normalised step turns bf16's rounding differences in their small gradients into
+        // differences of ~lr (measured: matrices 2-4e-3, biases 3e-3 to 2.2e-2).
+        EXPECT_LT(d, name.ends_with(".b") ? 5e-2 : 1e-2) << name;
+      }
     }
   }
 }
