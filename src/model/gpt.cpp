@@ -433,7 +433,8 @@ GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> r
   layers_.resize(L);
   times_ = LayerTimes{std::vector<double>(L, 0.0), std::vector<double>(L, 0.0), std::vector<double>(L, 0.0)};
   // The layout names every tensor; the layers find theirs by index (model/model_layout.h).
-  layout_ = model_layout(config, ranges_, tensor ? TensorPlace{tensor->rank(), tensor->size()} : TensorPlace{});
+  layout_ = model_layout(config, ranges_, tensor ? TensorPlace{tensor->rank(), tensor->size()} : TensorPlace{},
+                         experts ? ExpertPlace{experts->rank(), experts->size()} : ExpertPlace{});
   const ModelLayout& layout = layout_;
   ids_ = register_layout(store, layout);
   const std::vector<TensorId>& ids = ids_;

@@ -39,8 +39,9 @@ class GPT {
   // every layer (model_layout's place), all-reducing over the group (model/tensor_group.h).
   // `context`: the context group (parallel.context; null: none): batches hold this rank's chunks of
   // each sequence and attention runs over the group's ring (model/context_group.h).
-  // `experts`: the expert group (parallel.expert; null: none): each mixture-of-experts block runs
-  // its share of the routed experts for the group's tokens (model/moe.h set_expert_group).
+  // `experts`: the expert group (parallel.expert; null: none): each mixture-of-experts block holds
+  // and runs only its share of the routed experts (model_layout's ExpertPlace), for the group's
+  // tokens (model/moe.h set_expert_group).
   GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> ranges = {}, bool bf16_activations = false,
       MathMode math = {}, RecomputePlan recompute = {}, TensorGroup* tensor = nullptr,
       ContextGroup* context = nullptr, ExpertGroup* experts = nullptr);

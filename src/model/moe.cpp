@@ -28,8 +28,11 @@ MoeFeedForward::MoeFeedForward(const ModelConfig& m, ChunkStore& store, int laye
       local_experts_(m.moe_experts),
       first_expert_(0) {
   const size_t experts_at = layout::moe_expert_tensor(S_ > 0, 0, layout::expert_gate_up_w);
-  check(ids.size() == experts_at + static_cast<size_t>(E_) * layout::expert_tensors,
+  // Every expert's tensors, or (an expert group's rank: set_expert_group) its share's.
+  const size_t held = ids.size() > experts_at ? (ids.size() - experts_at) / layout::expert_tensors : 0;
+  check(held >= 1 && ids.size() == experts_at + held * layout::expert_tensors && E_ % held == 0,
         "GPT: mixture-of-experts block " + std::to_string(layer) + " without its tensors");
+  held_experts_ = static_cast<int>(held);
   expert_ids_.assign(ids.begin() + static_cast<std::ptrdiff_t>(experts_at), ids.end());
   stats_.layer = layer;
   stats_.tokens.assign(E_, 0.0);
@@ -46,6 +49,10 @@ void MoeFeedForward::set_expert_group(ExpertGroup* group) {
                          std::to_string(P) + " ranks (parallel.expert must divide model.moe_experts)");
   local_experts_ = E_ / P;
   first_expert_ = group ? group->rank() * local_experts_ : 0;
+  check(held_experts_ == local_experts_ || held_experts_ == E_,
+        "mixture of experts: a block holding " + std::to_string(held_experts_) + " experts in an expert group of " +
+            std::to_string(P) + " ranks (expected " + std::to_string(local_experts_) + " or all " +
+            std::to_string(E_) + ")");
   expert_counts_.assign(E_, 0);
   for (auto* v : {&send_bytes_, &send_displs_, &recv_bytes_, &recv_displs_}) v->assign(P, 0);
 }
@@ -168,8 +175,10 @@ void MoeFeedForward::combine_back(const MoeActivations& a, const float* local, f
 
 std::vector<float*> MoeFeedForward::expert_matrices(layout::MoeExpert t, Plane plane) const {
   std::vector<float*> out(local_experts_);
+  // (Holding every expert, as under ZeRO: this rank's start at first_expert_.)
+  const int held_first = held_experts_ == E_ ? first_expert_ : 0;
   for (int e = 0; e < local_experts_; ++e) {
-    out[e] = store_.data(expert_ids_[static_cast<size_t>(first_expert_ + e) * layout::expert_tensors + t], plane);
+    out[e] = store_.data(expert_ids_[static_cast<size_t>(held_first + e) * layout::expert_tensors + t], plane);
   }
   return out;
 }

@@ -86,7 +86,8 @@ class MoeFeedForward {
   // Expert parallelism: the experts' products of this rank's share of the experts only, for the
   // rows every rank of `group` routes to them (exchanged there and back; its size divides the
   // experts). Before the activations are carved; null (the default): every expert here. The
-  // block's parameters stay whole: the other experts' weight gradients stay zero on this rank.
+  // block holds this rank's experts' tensors only (model_layout's ExpertPlace) or every expert's
+  // (parallel.zero >= 1: the others' weight gradients then stay zero here).
   void set_expert_group(ExpertGroup* group);
   ExpertGroup* expert_group() const { return ep_; }
   // model.moe_balance = "bias": the routing bias [E] (zeros at the start), and the pairs routed to
@@ -102,6 +103,7 @@ class MoeFeedForward {
   double capacity_factor_, aux_weight_;
   std::vector<TensorId> t_;
   std::vector<TensorId> expert_ids_;  // each held expert's tensors (layout::MoeExpert order), expert order
+  int held_experts_ = 0;
   MoeStats stats_;
   std::vector<float> bias_;
   std::vector<double> load_;
