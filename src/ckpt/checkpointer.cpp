@@ -9,6 +9,7 @@
 #include "core/clock.h"
 #include "core/env.h"
 #include "core/error.h"
+#include "comm/expert_parallel.h"
 #include "model/model_layout.h"
 
 namespace keel {
@@ -74,7 +75,7 @@ Checkpointer::Checkpointer(const Config& config, Communicator& world, ChunkStore
       // (replica x Cx + context rank) x T + tensor rank.
       writer_index_(writer_index(comm_.rank(), config.parallel)),
       root_(config.train.run_dir + "/ckpt") {
-  if (config.parallel.pipeline > 1) {
+  if (config.parallel.pipeline > 1 || experts_sharded(config)) {
     whole_ = std::make_unique<ChunkStore>(config.store.chunk_bytes);
     register_layout(*whole_, model_layout(config.model));  // the whole model's tensors; nothing allocated
     whole_->finalize_layout();
@@ -91,6 +92,18 @@ void Checkpointer::make_writer(bool at_restart) {
   writers_ = ChunkPartition::balanced(*store_, comm_.size() / std::max(1, config_.parallel.pipeline));
   std::vector<ChunkTarget> targets;
   if (whole_) targets = whole_model_targets(*store_, *whole_);
+  int first = writers_.first_chunk[writer_index_], last = writers_.first_chunk[writer_index_ + 1];
+  if (experts_sharded(config_)) {
+    // Sharded experts (comm/expert_parallel.h; every rank's chunks alike but for which experts
+    // they hold): the chunks of no expert as the data ranks share them out, each expert's by the
+    // rank of the first expert group holding it (data ranks 0 .. P - 1, writer index = data rank).
+    const bool first_group = writer_index_ < config_.parallel.expert;
+    for (const Chunk& c : store_->chunks()) {
+      if (c.expert >= 0 ? !first_group : c.id < first || c.id >= last) targets[c.id].id = -1;
+    }
+    first = 0;
+    last = static_cast<int>(store_->chunks().size());
+  }
   // A run that checkpoints periodically touches its snapshot buffers now, not in its first
   // checkpoints' steps; a restarted job does not: its start-up is down time (up to 1.5 GB per
   // rank to fault in for GPT-2 124M), and its first checkpoint allocates them.
@@ -100,9 +113,8 @@ void Checkpointer::make_writer(bool at_restart) {
   // rank), so its checkpoints stream from the store, chunk by chunk.
   const int data_ranks = comm_.size() / std::max(1, config_.parallel.pipeline * config_.parallel.tensor);
   const bool stream = config_.parallel.zero == 3 && data_ranks > 1;
-  writer_ = std::make_unique<CheckpointWriter>(*store_, config_.checkpoint, comm_.rank(),
-                                               writers_.first_chunk[writer_index_],
-                                               writers_.first_chunk[writer_index_ + 1], periodic && !at_restart,
+  writer_ = std::make_unique<CheckpointWriter>(*store_, config_.checkpoint, comm_.rank(), first, last,
+                                               periodic && !at_restart,
                                                std::move(targets), stream);
   writer_->set_run_id(run_dir_.run_id());
 }

@@ -3,7 +3,9 @@
 #include <chrono>
 
 #include "core/error.h"
+#include "model/gpt.h"
 #include "model/moe.h"
+#include "optim/adamw.h"
 
 namespace keel {
 
@@ -24,10 +26,20 @@ void MpiExpertGroup::finish_exchange() {
   if (counting_) wait_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
 }
 
+bool experts_sharded(const Config& config) {
+  return config.model.moe() && config.parallel.expert > 1 && config.parallel.zero == 0;
+}
+
 void attach_expert_group(GPT& model, ExpertGroup& group) {
   for (int l = 0; l < model.num_layers(); ++l) {
-    if (MoeFeedForward* moe = model.layer(l).moe()) moe->set_expert_group(&group);
+    if (MoeFeedForward* moe = model.holds_any({l}) ? model.layer(l).moe() : nullptr) moe->set_expert_group(&group);
   }
+}
+
+double expert_grad_squares(const ChunkStore& store, Communicator& experts) {
+  double others = 0, mine = 0;
+  for (const Chunk& c : store.chunks()) (c.expert >= 0 ? mine : others) += grad_sum_squares(store, c.id, c.id + 1);
+  return others + experts.allreduce_sum(mine);
 }
 
 }  // namespace keel

@@ -28,6 +28,12 @@ GradSync::GradSync(Communicator& comm, ChunkStore& store, GradSyncOptions option
   const bool compression = !options_.codecs.empty();
   check(!compression || options_.codecs.size() == chunks.size(), "gradient sync: one codec per chunk expected");
   check(!compression || scatter_to_ == nullptr, "gradient sync: compressed sync cannot reduce-scatter (ZeRO-2)");
+  const int P = options_.expert_group;
+  check(P == 1 || (!compression && scatter_to_ == nullptr && comm.size() % P == 0),
+        "gradient sync: sharded experts with a codec, a reduce-scatter or a group size not a multiple of " +
+            std::to_string(P));
+  // Collective over the data group: the ranks holding the same experts (consecutive groups of P).
+  if (P > 1 && comm.size() > P) expert_replicas_ = comm.split(comm.rank() % P, comm.rank() / P);
   const int64_t bucket_floats = std::max<int64_t>(1, options_.bucket_bytes / static_cast<int64_t>(sizeof(float)));
   // Walk chunks from the end of the flat space (the last layers: produced first by backward).
   // With compression, a bucket ends where the codec or the layer changes too.
@@ -42,6 +48,7 @@ GradSync::GradSync(Communicator& comm, ChunkStore& store, GradSyncOptions option
       current.layer = chunks[c].layer;
       current.top_layer = chunks[c].layer;
       current.replica = chunks[c].replica;
+      current.expert = P > 1 && chunks[c].expert >= 0;
       if (compression) current.codec = options_.codecs[c];
       open = true;
     }
@@ -62,7 +69,7 @@ GradSync::GradSync(Communicator& comm, ChunkStore& store, GradSyncOptions option
     const bool cut = c > 0 && std::any_of(options_.cut_layers.begin(), options_.cut_layers.end(), [&](int l) {
       return chunks[c - 1].layer < l && chunks[c].layer >= l;
     });
-    const bool boundary = c == 0 || cut ||
+    const bool boundary = c == 0 || cut || (P > 1 && (chunks[c - 1].expert >= 0) != (chunks[c].expert >= 0)) ||
                           (compression && (chunks[c - 1].layer != chunks[c].layer ||
                                            !same_codec(options_.codecs[c - 1], options_.codecs[c])));
     if (end - current.offset >= bucket_floats || boundary) {
@@ -100,6 +107,8 @@ void GradSync::begin(bool sync, int64_t step) {
     b.compressed_now = false;
     b.held_now = true;
     for (int l = b.ready_layer; b.held_now && l <= b.top_layer; ++l) b.held_now = held(l);
+    // Sharded experts held by this rank alone (data == P): nothing to sum.
+    if (b.expert && expert_replicas_ == nullptr) b.held_now = true;
     if (b.reducer) b.reducer->reset_stats();
   }
 }
@@ -108,7 +117,7 @@ void GradSync::progress() {
   for (size_t i = 0; i < next_; ++i) {
     Bucket& b = buckets_[i];
     if (b.settled) continue;
-    if (b.compressed_now ? b.reducer->test() : comm_.test(b.request)) settle(b);
+    if (b.compressed_now ? b.reducer->test() : comm_of(b).test(b.request)) settle(b);
   }
 }
 
@@ -117,7 +126,7 @@ void GradSync::complete(Bucket& b) {
   if (b.compressed_now) {
     b.reducer->wait();
   } else {
-    comm_.wait(b.request);
+    comm_of(b).wait(b.request);
   }
   settle(b);
 }
@@ -189,7 +198,7 @@ void GradSync::after_backward_weight(int layer) {
     if (bf16_ != nullptr) {  // bf16 gradients: the bits are summed in place (every W of the bucket is done)
       uint16_t* bits = bf16_->bits(Plane::grad, b.offset);
       if (scatter_to_ == nullptr) {
-        b.request = comm_.iallreduce_sum_bf16(bits, static_cast<size_t>(b.numel));
+        b.request = comm_of(b).iallreduce_sum_bf16(bits, static_cast<size_t>(b.numel));
       } else {
         const std::vector<int> counts = scatter_to_->intersect(b.offset, b.numel);
         b.own_offset = std::max(b.offset, scatter_to_->begin[comm_.rank()]);
@@ -213,7 +222,7 @@ void GradSync::after_backward_weight(int layer) {
                    (static_cast<uint64_t>(next_) * 0xD1B54A32D192ED03ull);
       b.reducer->start(data, splitmix64(x));
     } else if (scatter_to_ == nullptr) {
-      b.request = comm_.iallreduce_sum(data, static_cast<size_t>(b.numel));
+      b.request = comm_of(b).iallreduce_sum(data, static_cast<size_t>(b.numel));
     } else {
       const std::vector<int> counts = scatter_to_->intersect(b.offset, b.numel);
       b.own_offset = std::max(b.offset, scatter_to_->begin[comm_.rank()]);
@@ -237,7 +246,7 @@ void GradSync::finish() {
     if (b.compressed_now) {
       b.reducer->wait();
     } else {
-      comm_.wait(b.request);
+      comm_of(b).wait(b.request);
     }
   }
   const auto t1 = std::chrono::steady_clock::now();
@@ -253,10 +262,14 @@ void GradSync::finish() {
   stats_.uncompressed_bytes = stats_.payload_bytes * ring * (bf16_ != nullptr ? 2.0 : 1.0);
   std::map<int, LayerSyncStats> layers;
   std::map<int, double> codec_share;  // raw bytes of the layer's largest codec so far
+  double uncompressed = 0;            // (sharded experts: each bucket's ring over its own group)
   for (const Bucket& b : buckets_) {
     if (b.held_now) continue;
     const double raw = static_cast<double>(b.numel) * sizeof(float);
-    double wire = raw * ring * (bf16_ != nullptr ? 0.5 : 1.0);
+    // (An expert bucket's ring is its replicas'.)
+    const double nb = comm_of(b).size(), ring_b = b.expert ? 2.0 * (nb - 1) / nb : ring;
+    double wire = raw * ring_b * (bf16_ != nullptr ? 0.5 : 1.0);
+    uncompressed += raw * ring_b;
     if (b.compressed_now) {
       const CompressionStats& cs = b.reducer->stats();
       wire = cs.wire_bytes;
@@ -276,6 +289,7 @@ void GradSync::finish() {
     }
   }
   for (auto& [layer, l] : layers) stats_.layers.push_back(l);
+  if (options_.expert_group > 1) stats_.uncompressed_bytes = uncompressed;
   active_ = false;
 }
 

@@ -14,6 +14,12 @@
 // CompressedAllreduce (with its own error-feedback residuals) instead of MPI's all-reduce; it is
 // driven by the same tests between layers. Buckets whose codec is none keep MPI's all-reduce.
 // During the first `warmup_steps` steps every bucket is summed uncompressed.
+//
+// Expert parallelism with sharded experts (`expert_group` = P > 1): a rank holds only its share
+// of the routed experts (model/model_layout.h ExpertPlace), so a bucket never mixes an expert's
+// chunks (Chunk::expert) with others, and an expert bucket is summed only over the data/P ranks
+// holding the same experts (data rank % P equal: a communicator split from the data group);
+// none when data == P. Every other bucket over the whole group, as before.
 #pragma once
 
 #include <chrono>
@@ -50,6 +56,8 @@ struct GradSyncOptions {
   // Gradients held in bf16 (runtime.grad_dtype, store/bf16_state.h): buckets are summed on their
   // bf16 bits in place (half the bytes), without leasing float32 pages. Not with codecs.
   Bf16State* bf16 = nullptr;
+  // parallel.expert with sharded experts (not with codecs or reduce-scatter); 1: none.
+  int expert_group = 1;
 };
 
 class GradSync final : public BackwardObserver {
@@ -114,6 +122,7 @@ class GradSync final : public BackwardObserver {
     int index = 0;         // among the buckets of its layer (and replica flag), in backward order
     int top_layer = 0;     // the highest layer of its chunks (ready_layer is the lowest)
     bool held_now = false;  // not synced this step (set_held)
+    bool expert = false;    // a routed expert's chunks: summed over expert_replicas_
     CodecParams codec;
     std::unique_ptr<Codec> codec_impl;            // lossy codecs only
     std::unique_ptr<Communicator> comm;           // its own: its phases start at rank-dependent moments
@@ -134,6 +143,9 @@ class GradSync final : public BackwardObserver {
   void complete(Bucket& b);
 
   Communicator& comm_;
+  // The data ranks holding this rank's experts (expert_group > 1 and data > P), else null.
+  std::unique_ptr<Communicator> expert_replicas_;
+  Communicator& comm_of(const Bucket& b) { return b.expert && expert_replicas_ ? *expert_replicas_ : comm_; }
   ChunkStore& store_;
   GradSyncOptions options_;
   const ChunkPartition* scatter_to_;

@@ -887,6 +887,16 @@ void Config::resolve(int world_size) {
             s(parallel.expert));
     require(parallel.context == 1, "parallel.context", "1 with parallel.expert > 1 (not built yet)",
             s(parallel.context));
+    // Without ZeRO each rank holds only its experts (comm/expert_parallel.h); what that does not
+    // combine with yet. (Under ZeRO-1/2 every rank holds every expert, sharded as the rest.)
+    if (parallel.zero == 0) {
+      const std::string sharded = " with parallel.expert > 1 and parallel.zero = 0 (sharded experts: not built yet)";
+      require(sync.codec == SyncCodec::none, "sync.codec", "\"none\"" + sharded, to_string(sync.codec));
+      require(checkpoint.memory_every == 0, "checkpoint.memory_every", "0" + sharded, s(checkpoint.memory_every));
+      require(runtime.param_dtype == StateDtype::fp32 && runtime.grad_dtype == StateDtype::fp32,
+              runtime.param_dtype != StateDtype::fp32 ? "runtime.param_dtype" : "runtime.grad_dtype", "\"fp32\"" + sharded,
+              "\"bf16\"");
+    }
   }
   if (model.moe()) {
     // What a mixture of experts does not combine with yet (docs/architecture.md, "Mixture of experts").

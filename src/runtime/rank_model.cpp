@@ -21,6 +21,7 @@ void build_optimizer_and_sync(RankModel& r, const Config& config, Communicator& 
   options.scatter_to = r.optimizer->scatter_to();
   if (Bf16State* state = r.optimizer->bf16_state(); state != nullptr && state->holds(Plane::grad)) options.bf16 = state;
   options.cut_layers = std::move(cut_layers);
+  if (experts_sharded(config)) options.expert_group = config.parallel.expert;
   if (!codecs.empty()) {
     options.codecs = std::move(codecs);
     options.seed = config.train.seed ^ 0x5EEDC0DECull;
@@ -59,15 +60,22 @@ std::unique_ptr<RankModel> RankModel::build(const Config& config, ProcessGroups&
     r->tensor_group = std::make_unique<MpiTensorGroup>(*groups.tp(), config.parallel.sequence_parallel);
   }
   if (groups.cp() != nullptr) r->context_group = std::make_unique<MpiContextGroup>(*groups.cp());
+  if (groups.ep() != nullptr) r->expert_group = std::make_unique<MpiExpertGroup>(*groups.ep());
   const bool bf16 = config.runtime.precision == Precision::bf16;
   r->model = std::make_unique<GPT>(config.model, *r->store, layout ? layout->mine : std::vector<LayerRange>{}, bf16,
                                    MathMode::uniform(bf16 ? MatmulPrecision::bf16 : MatmulPrecision::fp32),
                                    recompute_plan(config.train, config.model.n_layer), r->tensor_group.get(),
-                                   r->context_group.get());
+                                   r->context_group.get(), experts_sharded(config) ? r->expert_group.get() : nullptr);
+  if (r->expert_group && !experts_sharded(config)) attach_expert_group(*r->model, *r->expert_group);
   if (config.runtime.slow_rank == groups.world().rank()) r->model->set_slowdown(config.runtime.slow_factor);
-  if (groups.ep() != nullptr) {
-    r->expert_group = std::make_unique<MpiExpertGroup>(*groups.ep());
-    attach_expert_group(*r->model, *r->expert_group);
+  if (r->expert_group) {  // float32 parameters: this rank's tensors, the whole model's
+    int64_t whole = 0;
+    for (const TensorSpec& t : model_layout(config.model).tensors) {
+      int64_t n = 1;
+      for (int64_t d : t.shape) n *= d;
+      whole += n;
+    }
+    r->expert_group->set_param_bytes(r->store->param_count() * 4, whole * 4);
   }
   r->store->set_huge_page_alignment(tiered);
   // Under ZeRO-3 a rank only ever writes its own shard's pages (the rest arrive under leases).
@@ -88,7 +96,7 @@ std::unique_ptr<RankModel> RankModel::build(const Config& config, ProcessGroups&
                                                          train, *r->sync, *r->optimizer, log_event);
   } else {
     r->engine = std::make_unique<SingleStageStep>(config, dp, *r->store, *r->model, train, *r->sync, *r->optimizer,
-                                                  log_event, groups.tp());
+                                                  log_event, groups.tp(), experts_sharded(config) ? groups.ep() : nullptr);
   }
   attach_tiers(*r, config, groups);
   if (config.model.moe()) r->moe_report = std::make_unique<MoeRoutingReport>(dp, *r->model);

@@ -3,16 +3,19 @@
 #include <algorithm>
 #include <cmath>
 
+#include "comm/expert_parallel.h"
 #include "comm/tensor_parallel.h"
 
 namespace keel {
 
 SingleStageStep::SingleStageStep(const Config& config, Communicator& dp, ChunkStore& store, GPT& model,
                                  DataLoader& data, GradSync& sync, ShardedOptimizer& optimizer,
-                                 std::function<void(const nlohmann::json&)> log_event, Communicator* tensor)
+                                 std::function<void(const nlohmann::json&)> log_event, Communicator* tensor,
+                                 Communicator* experts)
     : config_(config),
       dp_(dp),
       tp_(tensor),
+      ep_(experts),
       store_(store),
       model_(model),
       data_(data),
@@ -64,8 +67,11 @@ StepResult SingleStageStep::run(int64_t step, double lr) {
   if (world > 1) dp_.allreduce_sum(sums, 2);
   r.loss = sums[0] / world / t.grad_accum;
   // Tensor parallel: the group's shards make the whole model's norm (comm/tensor_parallel.h).
+  // Sharded experts: each expert's squares once, from the rank of the expert group holding it.
   r.grad_norm = std::sqrt(sharded ? (tp_ ? tp_->allreduce_sum(sums[1]) : sums[1])
-                                  : tp_ ? tensor_grad_squares(model_, *tp_) : optimizer_.local_grad_squares());
+                          : tp_   ? tensor_grad_squares(model_, *tp_)
+                          : ep_   ? expert_grad_squares(store_, *ep_)
+                                  : optimizer_.local_grad_squares());
   const bool accepted = optimizer_.accept(step, r.loss, r.grad_norm);
   if (accepted) optimizer_.step(lr, step + 1, optimizer_.clip_for(r.grad_norm));
   if (balancer_) balancer_->after_step(accepted);

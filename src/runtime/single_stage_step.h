@@ -21,10 +21,12 @@ class SingleStageStep final : public StepEngine {
   // Allocates the model's activations for train.batch_size x train.seq_len. With
   // monitor.layer_costs_every, the layers' costs are measured (`layer_costs` lines via
   // `log_event`): what a pipeline of this model would be cut by. `tensor`: the model's tensor group
-  // (parallel.tensor > 1), over which the gradient norm is summed.
+  // (parallel.tensor > 1), over which the gradient norm is summed. `experts`: the expert group
+  // (parallel.expert > 1: each rank holds its share of the routed experts), over which the experts'
+  // part of the norm is summed.
   SingleStageStep(const Config& config, Communicator& dp, ChunkStore& store, GPT& model, DataLoader& data,
                   GradSync& sync, ShardedOptimizer& optimizer, std::function<void(const nlohmann::json&)> log_event,
-                  Communicator* tensor = nullptr);
+                  Communicator* tensor = nullptr, Communicator* experts = nullptr);
   StepResult run(int64_t step, double lr) override;
   double forward_loss(const Batch& batch) override { return model_.forward(batch); }
   MetricsSource* metrics() override { return profiler_.get(); }
@@ -34,6 +36,7 @@ class SingleStageStep final : public StepEngine {
   const Config& config_;
   Communicator& dp_;
   Communicator* tp_;  // null: no tensor parallelism
+  Communicator* ep_;  // null: no expert parallelism
   ChunkStore& store_;
   GPT& model_;
   DataLoader& data_;

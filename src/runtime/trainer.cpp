@@ -253,6 +253,7 @@ void Trainer::log_run_event() {
     for (const Segment& seg : c.segments) parameters += static_cast<double>(seg.numel);
   }
   if (groups_.pipelined()) parameters = groups_.pp().allreduce_sum(parameters);
+  if (rank_->expert_group) parameters = static_cast<double>(rank_->expert_group->model_param_bytes()) / 4;  // (every expert)
   char host[256] = "";
   ::gethostname(host, sizeof host - 1);
   const std::time_t now = std::time(nullptr);

@@ -118,11 +118,14 @@ class LanguageModel final : public Workload {
     }
     if (rank.expert_group) {
       const int P = rank.expert_group->size();
-      std::printf("keel: expert parallel over %d ranks (data %d = %d expert groups of %d): each runs %d of every MoE "
-                  "block's %d experts for its group's tokens (all-to-all there and back); every rank holds all "
-                  "experts' parameters\n",
-                  P, groups_.dp().size(), groups_.dp().size() / P, P, config_.model.moe_experts / P,
-                  config_.model.moe_experts);
+      const bool sharded = rank.expert_group->param_bytes() < rank.expert_group->model_param_bytes();
+      std::printf("keel: expert parallel over %d ranks (data %d = %d expert groups of %d): each runs%s %d of every MoE "
+                  "block's %d experts for its group's tokens (all-to-all there and back); %s: %.2f MB of the "
+                  "model's %.2f MB of parameters per rank\n",
+                  P, groups_.dp().size(), groups_.dp().size() / P, P, sharded ? " and holds" : "",
+                  config_.model.moe_experts / P, config_.model.moe_experts,
+                  sharded ? "the others' chunks on the other ranks of its group" : "every expert on every rank (ZeRO shards them as the rest)",
+                  rank.expert_group->param_bytes() / 1e6, rank.expert_group->model_param_bytes() / 1e6);
     }
     const GPT& g = *rank.model;
     std::printf("keel: activations (train.recompute = %s, blocks %s): %.1f MB per micro-batch in flight x %d, "
