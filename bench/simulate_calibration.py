@@ -12,9 +12,9 @@ Configurations (each predicted from a separate profiling run, below): 1 rank; 2 
 no uncompressed warm-up), a 2-stage pipeline (1f1b; on 4 ranks 2 replicas of it), tensor
 parallelism over all the ranks (parallel.tensor = 2 on 2 ranks, 4 on 4); and data 2 x tensor 2 on
 4 unshaped ranks. A tensor-parallel configuration is predicted on a cluster file whose node is its
-tensor group (devices_per_node = T, nodes = ranks / T) and whose [intra] link is the collective
-probe's at T ranks (the tensor group's all-reduces cross the same namespaces' links); its step
-lines' tensor_allreduce_bytes are printed beside the simulator's (they must be equal).
+tensor group (devices_per_node = T, nodes = ranks / T) and whose [intra] link is the tensor
+group's all-reduce as the collective probe measures it (below); its step lines'
+tensor_allreduce_bytes are printed beside the simulator's (they must be equal).
 
 What the simulator is given, all measured here before or beside the runs, none fitted to them:
   * per-layer F, B, W: the layer_costs line of a profiling run per rank count and repeat (ZeRO-0,
@@ -26,6 +26,18 @@ What the simulator is given, all measured here before or beside the runs, none f
     bandwidth a ring would need for its time (OpenMPI's algorithm on TCP is not a ring: this is
     what the collective reaches), and a one-float all-reduce for the latency; a TCP stream and
     round trip between two namespaces are printed beside it;
+  * a tensor group's all-reduces: the same probe across the namespaces with the job's rank count
+    split into groups of T (all groups at once, as the job runs them), one blocking all-reduce at a
+    time at the sizes the trainer hands its tensor group (the vocabulary-parallel loss's N floats
+    and N doubles, a micro-batch's activations N x C floats; N = tokens per micro-batch), each call
+    after the compute the trainer does before one (a quarter of a block's F + B + W over T, from the
+    profiling run: a shaped link's token bucket refills meanwhile, and ranks beyond the cores
+    compete for them), each size the mean of 40 (with more ranks than cores a call either finds
+    its peers running or waits for a time slice: the mean is what a step of them adds up to), in
+    every repeat just after that rank count's profiling run; a line latency + bytes / bandwidth fitted to those points (least squares) is the
+    tensor group's link: the cluster file's [intra] latency and bandwidth are set so that the
+    simulator's ring formula gives that line (with more ranks than cores the probe's ranks wait
+    for the cores as the job's do: measured, not modelled);
   * the device's memory bandwidth (AdamW's traffic) and the codecs' throughput: `keel simulate
     --probe yes` (a streaming triad and Keel's own codecs, one thread, on this machine), times
     min(1, cores / ranks): ranks beyond the cores share them.
@@ -63,6 +75,7 @@ NETNS = os.path.join(ROOT, "scripts", "netns.sh")
 RUN_TIMEOUT = int(os.environ.get("RUN_TIMEOUT", "900"))
 TARGET = 0.10
 D4_PARAMETERS = 5322240  # model d4's parameters (its run event says so)
+D4_WIDTH = 256  # model d4's n_embd
 
 JOB = ["model.preset=d4", "train.batch_size=2", "train.grad_accum=4", "train.seq_len=128", "train.eval_batches=1",
        "train.eval_every=0", "train.sample_tokens=0", "train.checkpoint_every=0", "train.log_every=1",
@@ -185,16 +198,40 @@ def probe():
 PROBE = os.environ.get("KEEL_COLLECTIVE_PROBE", os.path.join(os.path.dirname(KEEL), "bench", "keel_collective_probe"))
 
 
-def collective(prefix, ranks, nbytes):
+def collective(prefix, ranks, nbytes, tensor_sizes=(), tensor_group=None, gap_ms=0.0):
     """bench/collective_probe.cpp across `ranks` namespaces: GradSync's bucketed all-reduce of
-    `nbytes`, as the JSON line it prints."""
+    `nbytes` (and, with `tensor_sizes`, groups of `tensor_group` ranks' blocking all-reduces of each
+    size), as the JSON line it prints."""
     env = dict(os.environ, KEEL_NETNS_PREFIX=prefix, KEEL_BINARY=KEEL, OMP_NUM_THREADS="1")
-    p = subprocess.run(["bash", NETNS, "run", "--mpirun", "-n", str(ranks), "--", PROBE, str(nbytes)],
+    extra = []
+    if tensor_sizes:
+        extra = ["8388608", "5", "262144", ",".join(str(b) for b in tensor_sizes), str(tensor_group or ranks),
+                 "%.3f" % gap_ms]
+    p = subprocess.run(["bash", NETNS, "run", "--mpirun", "-n", str(ranks), "--", PROBE, str(nbytes)] + extra,
                        capture_output=True, text=True, env=env, timeout=600)
     lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
     if p.returncode != 0 or not lines:
         sys.exit("simulate_calibration.py: collective probe on %d ranks failed: %s" % (ranks, (p.stdout + p.stderr)[-2000:]))
     return json.loads(lines[-1])
+
+
+def tensor_sizes():
+    """The bytes of the all-reduces the trainer hands a tensor group (comm/tensor_parallel.cpp),
+    for JOB: the loss's N floats and N doubles, the activations' N x C floats."""
+    opts = dict(x.split("=", 1) for x in JOB)
+    n = int(opts["train.batch_size"]) * int(opts["train.seq_len"])
+    return [4 * n, 8 * n, 4 * n * D4_WIDTH]
+
+
+def fit_line(points):
+    """Least squares ms = a + b x bytes over the probe's points: (a ms, b ms per byte)."""
+    xs = [p["bytes"] for p in points]
+    ys = [p["ms"] for p in points]
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    b = max(b, 1e-12)  # (a flat or falling line: no bandwidth term to speak of)
+    return max(0.0, my - b * mx), b
 
 
 def run_keel(args, log_path, env_extra=None, prefix=None):
@@ -303,6 +340,10 @@ def report(results):
     for c in [r for r in results if r.get("kind") == "collective"]:
         print("  %-9s %d ranks: all-reduce of %.1f MB in %.1f ms (a ring at %.3f Gbit/s), one float %.0f us" % (
             c["link"], c["ranks"], c["bytes"] / 1e6, c["allreduce_ms"], c["ring_gbit"], c["small_us"]))
+    for t in [r for r in results if r.get("kind") == "tensor_probe"]:
+        print("  %-9s %d ranks in groups of %d, rep %d: %s; fit %.3f ms + bytes at %.3f GB/s" % (
+            t["link"], t["ranks"], t["group"], t["rep"], ", ".join("%d B %.3f ms" % (q["bytes"], q["ms"]) for q in t["points"]),
+            t["latency_ms"], 1e-6 / t["ms_per_byte"]))
     print("%-26s %10s %10s %8s %10s %10s  %s" % ("configuration", "measured", "predicted", "error", "sync exp.",
                                                  "predicted", "layer costs from"))
     worst = 0.0
@@ -359,7 +400,7 @@ def main():
         # The runs and probes of an earlier --out file (its work directory still holding the layer
         # costs), predicted again by this keel.
         for r in (json.loads(l) for l in open(a.repredict) if l.strip()):
-            if r["kind"] in ("run", "profile", "probe", "link", "collective"):
+            if r["kind"] in ("run", "profile", "probe", "link", "collective", "tensor_probe"):
                 keep(r)
         probe_line = next(r for r in results if r["kind"] == "probe")
         mem, codec_lines = probe_line["hbm_gbps"], probe_line["codecs"]
@@ -395,6 +436,22 @@ def main():
                     r = train_run(work, profile_cfg(ranks), rep, prefixes, tokens, a.warmup, 3 * a.steps, every=3)
                     r["kind"] = "profile"
                     keep(r)
+                    # The tensor groups' all-reduces at this rank count, measured in each repeat just
+                    # after its profile and before its runs (the load of a shared machine moves),
+                    # each call after the compute the trainer does before it: a quarter of a block's
+                    # F + B + W per micro-batch from that profile, over T ranks.
+                    for link, T in sorted(set((c[2], tensor_of(c)) for c in configs if tensor_of(c) > 1 and c[1] == ranks)):
+                        lc = json.load(open(r["costs"]))
+                        blocks = range(1, len(lc["forward"]) - 1)
+                        gap = statistics.mean(lc["forward"][i] + lc["backward_input"][i] + lc["backward_weight"][i]
+                                              for i in blocks) / 4 / T
+                        c = collective(prefixes[link], ranks, 4 * 4096, tensor_sizes(), T, gap)
+                        a_ms, b_ms = fit_line(c["tensor"])
+                        keep({"kind": "tensor_probe", "link": link, "ranks": ranks, "group": T, "rep": rep, "gap_ms": gap,
+                              "points": c["tensor"], "latency_ms": a_ms, "ms_per_byte": b_ms})
+                        log("  %s %d ranks in groups of %d, %.2f ms apart: %s; fit %.3f ms + bytes at %.3f GB/s" % (
+                            link, ranks, T, gap, ", ".join("%d B %.3f ms (median %.3f)" % (q["bytes"], q["ms"], q["median_ms"])
+                                                           for q in c["tensor"]), a_ms, 1e-6 / b_ms))
                     for cfg in [c for c in configs if c[1] == ranks]:
                         r = train_run(work, cfg, rep, prefixes, tokens, a.warmup, a.steps)
                         r["kind"] = "run"
@@ -425,8 +482,13 @@ def main():
             scaled.append("%s= %.3f" % (k, float(v) * share))
         intra_gbps, intra_lat = mem * share, 1.0
         if tensor > 1:
-            c = next(r for r in results if r["kind"] == "collective" and r["link"] == link and r["ranks"] == tensor)
-            intra_gbps, intra_lat = c["ring_gbit"] / 8, c["small_us"] / (2 * (tensor - 1))
+            # The tensor group's all-reduce, fitted to the probe at its own sizes, rank count and
+            # grouping (ms = a + b bytes), as the [intra] link of the simulator's ring formula
+            # (2 (T-1) latencies + 2 (T-1) / T of the bytes at the link's bandwidth).
+            t = next(r for r in results if r["kind"] == "tensor_probe" and r["link"] == link and r["ranks"] == ranks
+                     and r["group"] == tensor and r["rep"] == rep)
+            intra_lat = t["latency_ms"] * 1e3 / (2 * (tensor - 1))
+            intra_gbps = 2 * (tensor - 1) / tensor / (t["ms_per_byte"] * 1e6)
         path = os.path.join(work, "local-%s-%d-%d-g%d-t%d.toml" % (link, ranks, rep, group or ranks, tensor))
         with open(path, "w") as f:
             f.write(CLUSTER.format(link=link, nodes=1, per_node=tensor, tflops=peak / 1e3, mem=mem * share, gbit=gbit,
