@@ -360,9 +360,9 @@ def report(results):
     for c in [r for r in results if r.get("kind") == "collective"]:
         print("  %-9s %d ranks: all-reduce of %.1f MB in %.1f ms (a ring at %.3f Gbit/s), one float %.0f us" % (
             c["link"], c["ranks"], c["bytes"] / 1e6, c["allreduce_ms"], c["ring_gbit"], c["small_us"]))
-    for t in [r for r in results if r.get("kind") == "tensor_probe"]:
-        print("  %-9s %d ranks in groups of %d, rep %d: %s; fit %.3f ms + bytes at %.3f GB/s" % (
-            t["link"], t["ranks"], t["group"], t["rep"], ", ".join("%d B %.3f ms" % (q["bytes"], q["ms"]) for q in t["points"]),
+    for t in [r for r in results if r.get("kind") in ("tensor_probe", "alltoall_probe")]:
+        print("  %-9s %d ranks in %s groups of %d, rep %d: %s; fit %.3f ms + bytes at %.3f GB/s" % (
+            t["link"], t["ranks"], "tensor" if t["kind"] == "tensor_probe" else "expert", t["group"], t["rep"], ", ".join("%d B %.3f ms" % (q["bytes"], q["ms"]) for q in t["points"]),
             t["latency_ms"], 1e-6 / t["ms_per_byte"]))
     print("%-26s %10s %10s %8s %10s %10s  %s" % ("configuration", "measured", "predicted", "error", "sync exp.",
                                                  "predicted", "layer costs from"))
