@@ -97,21 +97,25 @@ int main(int argc, char** argv) {
     return comm.split(comm.rank() / size, comm.rank() % size);
   };
   const double gap_ms = argc > 7 ? std::atof(argv[7]) : 0.0;
-  // Per size, `call` 45 times (5 to warm up), each after gap_ms of spinning: the mean and median of
-  // the 40 timed, the slowest rank's, as a JSON list.
+  // Per size, `call` 45 times (5 to warm up), each after gap_ms of spinning, the sizes taken in turn
+  // call by call (a load that moves during the probe weighs on every size alike): the mean and
+  // median of the 40 timed, the slowest rank's, as a JSON list.
   auto timed = [&](const std::vector<size_t>& sizes, const std::function<void(size_t)>& call) {
-    std::string out = "[";
-    for (size_t k = 0; k < sizes.size(); ++k) {
-      std::vector<double> times;
-      comm.barrier();
-      for (int i = 0; i < 45; ++i) {
+    std::vector<std::vector<double>> all(sizes.size());
+    comm.barrier();
+    for (int i = 0; i < 45; ++i) {
+      for (size_t k = 0; k < sizes.size(); ++k) {
         const auto gap = std::chrono::steady_clock::now();
         volatile double spin = 0;
         while (keel::ms_since(gap) < gap_ms) spin = spin + 1.0;
         const auto t0 = std::chrono::steady_clock::now();
         call(sizes[k]);
-        if (i >= 5) times.push_back(keel::ms_since(t0));
+        if (i >= 5) all[k].push_back(keel::ms_since(t0));
       }
+    }
+    std::string out = "[";
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      std::vector<double>& times = all[k];
       std::sort(times.begin(), times.end());
       double sum = 0;
       for (double t : times) sum += t;
@@ -126,20 +130,21 @@ int main(int argc, char** argv) {
   };
   const int group_size = argc > 6 ? std::atoi(argv[6]) : comm.size();
   std::unique_ptr<keel::Communicator> group = split(group_size);
-  std::vector<float> buf;
-  const std::string tensor = timed(argc > 5 ? parse_sizes(argv[5]) : std::vector<size_t>{}, [&](size_t size) {
-    buf.assign(std::max<size_t>(1, size / sizeof(float)), 1.0f);
-    group->allreduce_sum(buf.data(), buf.size());
+  const std::vector<size_t> tensor_sizes = argc > 5 ? parse_sizes(argv[5]) : std::vector<size_t>{};
+  std::vector<float> buf(std::max<size_t>(1, tensor_sizes.empty() ? 1 : *std::max_element(tensor_sizes.begin(), tensor_sizes.end()) / sizeof(float)), 1.0f);
+  const std::string tensor = timed(tensor_sizes, [&](size_t size) {
+    group->allreduce_sum(buf.data(), std::max<size_t>(1, size / sizeof(float)));
   });
   // alltoall_sizes (comma-separated bytes a rank sends in all, its own share included) over groups
   // of `expert_group` consecutive ranks: the trainer's exchange (model/moe.cpp: one non-blocking
   // all-to-all of bytes, equal parts to every rank of the group, then its wait).
   const int expert_size = argc > 9 ? std::atoi(argv[9]) : comm.size();
   std::unique_ptr<keel::Communicator> experts = split(expert_size);
-  std::vector<uint8_t> send, recv;
-  const std::string alltoall = timed(argc > 8 ? parse_sizes(argv[8]) : std::vector<size_t>{}, [&](size_t size) {
+  const std::vector<size_t> alltoall_sizes = argc > 8 ? parse_sizes(argv[8]) : std::vector<size_t>{};
+  std::vector<uint8_t> send(alltoall_sizes.empty() ? 1 : *std::max_element(alltoall_sizes.begin(), alltoall_sizes.end()), 1),
+      recv(send.size(), 0);
+  const std::string alltoall = timed(alltoall_sizes, [&](size_t size) {
     const int P = experts->size(), part = static_cast<int>(size / P);
-    send.assign(static_cast<size_t>(part) * P, 1), recv.assign(send.size(), 0);
     std::vector<int> counts(P, part), displs(P);
     for (int q = 0; q < P; ++q) displs[q] = q * part;
     keel::Communicator::Request request = experts->ialltoallv(send.data(), counts, displs, recv.data(), counts, displs);
