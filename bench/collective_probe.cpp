@@ -6,11 +6,26 @@
 // bandwidth a ring all-reduce would need for that time (ring_gbit: 2 (n-1)/n of the bytes per
 // rank), which is what bench/simulate_calibration.py puts in a cluster file's network.gbit.
 //   mpirun -n 2 build/bench/keel_collective_probe [bytes=21299200] [bucket=8388608] [repeats=5] [message=262144]
+//       [tensor_sizes=] [tensor_group=world] [gap_ms=0] [alltoall_sizes=] [expert_group=world]
 // (message: one pipeline message's bytes, timed one way between ranks 0 and 1: message_ms)
+// tensor_sizes (comma-separated bytes, e.g. the d4 job's 1024,2048,262144): a tensor group's
+// all-reduces as Keel's trainer makes them (comm/tensor_parallel.cpp: one blocking
+// Communicator::allreduce_sum per call, back to back), over groups of `tensor_group` consecutive
+// ranks (tensor innermost, as comm/process_groups.h lays them out; every group all-reducing at
+// once, as in a data x tensor job): per size the mean of 40 calls (what a step of such calls adds up
+// to: with more ranks than cores a call either finds its peers running or waits for a time slice,
+// and the median hides the second) and their median, the slowest rank's, as
+// "tensor": [{"bytes": B, "ms": MEAN, "median_ms": M}, ...]. gap_ms: each rank computes (spins) that
+// long before each call, as the trainer's ranks compute between a block's all-reduces (a link's
+// token bucket refills meanwhile, and with more ranks than cores the ranks compete for them).
+// alltoall_sizes, expert_group: an expert group's exchanges the same way, as "alltoall": [...].
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -62,13 +77,86 @@ int main(int argc, char** argv) {
     }
   }
   std::sort(one_way.begin(), one_way.end());
+  // The tensor group's all-reduces at its own message sizes; an expert group's all-to-alls.
+  auto parse_sizes = [](const char* text) {
+    std::vector<size_t> out;
+    for (const char* p = text; *p;) {
+      char* end = nullptr;
+      const size_t v = std::strtoull(p, &end, 10);
+      if (end == p) break;
+      if (v > 0) out.push_back(v);
+      p = *end == ',' ? end + 1 : end;
+    }
+    return out;
+  };
+  auto split = [&](int size) -> std::unique_ptr<keel::Communicator> {
+    if (size < 1 || comm.size() % size != 0) {
+      std::fprintf(stderr, "collective_probe: a group of %d does not divide %d ranks\n", size, comm.size());
+      std::exit(2);
+    }
+    return comm.split(comm.rank() / size, comm.rank() % size);
+  };
+  const double gap_ms = argc > 7 ? std::atof(argv[7]) : 0.0;
+  // Per size, `call` 45 times (5 to warm up), each after gap_ms of spinning, the sizes taken in turn
+  // call by call (a load that moves during the probe weighs on every size alike): the mean and
+  // median of the 40 timed, the slowest rank's, as a JSON list.
+  auto timed = [&](const std::vector<size_t>& sizes, const std::function<void(size_t)>& call) {
+    std::vector<std::vector<double>> all(sizes.size());
+    comm.barrier();
+    for (int i = 0; i < 45; ++i) {
+      for (size_t k = 0; k < sizes.size(); ++k) {
+        const auto gap = std::chrono::steady_clock::now();
+        volatile double spin = 0;
+        while (keel::ms_since(gap) < gap_ms) spin = spin + 1.0;
+        const auto t0 = std::chrono::steady_clock::now();
+        call(sizes[k]);
+        if (i >= 5) all[k].push_back(keel::ms_since(t0));
+      }
+    }
+    std::string out = "[";
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      std::vector<double>& times = all[k];
+      std::sort(times.begin(), times.end());
+      double sum = 0;
+      for (double t : times) sum += t;
+      const double mean = comm.allreduce_max(sum / static_cast<double>(times.size()));
+      const double median = comm.allreduce_max(times[times.size() / 2]);
+      char item[128];
+      std::snprintf(item, sizeof item, "%s{\"bytes\": %zu, \"ms\": %.4f, \"median_ms\": %.4f}", k ? ", " : "",
+                    sizes[k], mean, median);
+      out += item;
+    }
+    return out + "]";
+  };
+  const int group_size = argc > 6 ? std::atoi(argv[6]) : comm.size();
+  std::unique_ptr<keel::Communicator> group = split(group_size);
+  const std::vector<size_t> tensor_sizes = argc > 5 ? parse_sizes(argv[5]) : std::vector<size_t>{};
+  std::vector<float> buf(std::max<size_t>(1, tensor_sizes.empty() ? 1 : *std::max_element(tensor_sizes.begin(), tensor_sizes.end()) / sizeof(float)), 1.0f);
+  const std::string tensor = timed(tensor_sizes, [&](size_t size) {
+    group->allreduce_sum(buf.data(), std::max<size_t>(1, size / sizeof(float)));
+  });
+  // alltoall_sizes (comma-separated bytes a rank sends in all, its own share included) over groups
+  // of `expert_group` consecutive ranks: the trainer's exchange (model/moe.cpp: one non-blocking
+  // all-to-all of bytes, equal parts to every rank of the group, then its wait).
+  const int expert_size = argc > 9 ? std::atoi(argv[9]) : comm.size();
+  std::unique_ptr<keel::Communicator> experts = split(expert_size);
+  const std::vector<size_t> alltoall_sizes = argc > 8 ? parse_sizes(argv[8]) : std::vector<size_t>{};
+  std::vector<uint8_t> send(alltoall_sizes.empty() ? 1 : *std::max_element(alltoall_sizes.begin(), alltoall_sizes.end()), 1),
+      recv(send.size(), 0);
+  const std::string alltoall = timed(alltoall_sizes, [&](size_t size) {
+    const int P = experts->size(), part = static_cast<int>(size / P);
+    std::vector<int> counts(P, part), displs(P);
+    for (int q = 0; q < P; ++q) displs[q] = q * part;
+    keel::Communicator::Request request = experts->ialltoallv(send.data(), counts, displs, recv.data(), counts, displs);
+    experts->wait(request);
+  });
   if (comm.is_root()) {
     const double n = comm.size();
     const double ring_gbit = 2 * (n - 1) / n * static_cast<double>(bytes) * 8 / (best * 1e-3) / 1e9;
     std::printf("{\"ranks\": %d, \"bytes\": %zu, \"bucket\": %zu, \"allreduce_ms\": %.3f, \"small_us\": %.1f, \"ring_gbit\": %.4f, "
-                "\"message_bytes\": %zu, \"message_ms\": %.3f}\n",
+                "\"message_bytes\": %zu, \"message_ms\": %.3f, \"tensor_group\": %d, \"gap_ms\": %.3f, \"tensor\": %s, \"expert_group\": %d, \"alltoall\": %s}\n",
                 comm.size(), bytes, bucket, best, small[small.size() / 2], ring_gbit, message,
-                one_way.empty() ? 0.0 : one_way[one_way.size() / 2]);
+                one_way.empty() ? 0.0 : one_way[one_way.size() / 2], group_size, gap_ms, tensor.c_str(), expert_size, alltoall.c_str());
   }
   return 0;
 }

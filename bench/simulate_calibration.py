@@ -11,10 +11,13 @@ real TCP between them, on two links:
 Configurations (each predicted from a separate profiling run, below): 1 rank; 2 and 4 ranks on each link with ZeRO 0, 1 and 2, HybridGC (sync.codec=hybrid,
 no uncompressed warm-up), a 2-stage pipeline (1f1b; on 4 ranks 2 replicas of it), tensor
 parallelism over all the ranks (parallel.tensor = 2 on 2 ranks, 4 on 4); and data 2 x tensor 2 on
-4 unshaped ranks. A tensor-parallel configuration is predicted on a cluster file whose node is its
-tensor group (devices_per_node = T, nodes = ranks / T) and whose [intra] link is the collective
-probe's at T ranks (the tensor group's all-reduces cross the same namespaces' links); its step
-lines' tensor_allreduce_bytes are printed beside the simulator's (they must be equal).
+4 unshaped ranks; a mixture of experts (llama-moe-d4: 8 experts, top-2, a shared expert) on 2 ranks
+of each link without and with expert parallelism (parallel.expert = 1, 2), predicted from a
+profiling run of that model, each exchange priced by the probe's all-to-all fit at the exchange's
+sizes (below). A tensor-parallel configuration is predicted on a cluster file whose node is its
+tensor group (devices_per_node = T, nodes = ranks / T) and whose [intra] link is the tensor
+group's all-reduce as the collective probe measures it (below); its step lines'
+tensor_allreduce_bytes are printed beside the simulator's (they must be equal).
 
 What the simulator is given, all measured here before or beside the runs, none fitted to them:
   * per-layer F, B, W: the layer_costs line of a profiling run per rank count and repeat (ZeRO-0,
@@ -26,6 +29,18 @@ What the simulator is given, all measured here before or beside the runs, none f
     bandwidth a ring would need for its time (OpenMPI's algorithm on TCP is not a ring: this is
     what the collective reaches), and a one-float all-reduce for the latency; a TCP stream and
     round trip between two namespaces are printed beside it;
+  * a tensor group's all-reduces: the same probe across the namespaces with the job's rank count
+    split into groups of T (all groups at once, as the job runs them), one blocking all-reduce at a
+    time at the sizes the trainer hands its tensor group (the vocabulary-parallel loss's N floats
+    and N doubles, a micro-batch's activations N x C floats; N = tokens per micro-batch), each call
+    after the compute the trainer does before one (a quarter of a block's F + B + W over T, from the
+    profiling run: a shaped link's token bucket refills meanwhile, and ranks beyond the cores
+    compete for them), each size the mean of 40 (with more ranks than cores a call either finds
+    its peers running or waits for a time slice: the mean is what a step of them adds up to), in
+    every repeat just after that rank count's profiling run; a line latency + bytes / bandwidth fitted to those points (least squares) is the
+    tensor group's link: the cluster file's [intra] latency and bandwidth are set so that the
+    simulator's ring formula gives that line (with more ranks than cores the probe's ranks wait
+    for the cores as the job's do: measured, not modelled);
   * the device's memory bandwidth (AdamW's traffic) and the codecs' throughput: `keel simulate
     --probe yes` (a streaming triad and Keel's own codecs, one thread, on this machine), times
     min(1, cores / ranks): ranks beyond the cores share them.
@@ -63,6 +78,7 @@ NETNS = os.path.join(ROOT, "scripts", "netns.sh")
 RUN_TIMEOUT = int(os.environ.get("RUN_TIMEOUT", "900"))
 TARGET = 0.10
 D4_PARAMETERS = 5322240  # model d4's parameters (its run event says so)
+D4_WIDTH = 256  # model d4's n_embd
 
 JOB = ["model.preset=d4", "train.batch_size=2", "train.grad_accum=4", "train.seq_len=128", "train.eval_batches=1",
        "train.eval_every=0", "train.sample_tokens=0", "train.checkpoint_every=0", "train.log_every=1",
@@ -81,6 +97,13 @@ for _r in (2, 4):
             ("%dr %s tensor%d" % (_r, _link, _r), _r, _link, ["parallel.tensor=%d" % _r]),
         ]
 CONFIGS += [("4r unshaped data2 tensor2", 4, "unshaped", ["parallel.tensor=2"])]
+# A mixture of experts (llama-moe-d4: 8 experts, top-2, one shared expert) on 2 data-parallel ranks,
+# without expert parallelism and with parallel.expert = 2 (each rank runs 4 experts' products for
+# both ranks' tokens, the rows exchanged by all-to-alls).
+MOE = ["model.preset=llama-moe-d4"]
+MOE_EXPERTS, MOE_TOP_K = 8, 2  # llama-moe-d4's (src/core/config.cpp presets)
+for _link in ("unshaped", "shaped"):
+    CONFIGS += [("2r %s moe expert1" % _link, 2, _link, MOE), ("2r %s moe expert2" % _link, 2, _link, MOE + ["parallel.expert=2"])]
 
 
 def tensor_of(cfg):
@@ -91,13 +114,21 @@ def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-def profile_of(ranks):
-    """The profiling run whose layer costs stand for every configuration at this rank count."""
-    return "profile %dr" % ranks
+def expert_of(cfg):
+    return next((int(x.split("=")[1]) for x in cfg[3] if x.startswith("parallel.expert=")), 1)
 
 
-def profile_cfg(ranks):
-    return (profile_of(ranks), ranks, "unshaped" if ranks > 1 else "none", [])
+def is_moe(cfg):
+    return any(x in MOE for x in cfg[3])
+
+
+def profile_of(cfg):
+    """The profiling run whose layer costs stand for every configuration of this rank count and model."""
+    return "profile %dr%s" % (cfg[1], " moe" if is_moe(cfg) else "")
+
+
+def profile_cfg(cfg):
+    return (profile_of(cfg), cfg[1], "unshaped" if cfg[1] > 1 else "none", tuple(MOE) if is_moe(cfg) else ())
 
 
 def netns(prefix, *args, check=True):
@@ -185,16 +216,40 @@ def probe():
 PROBE = os.environ.get("KEEL_COLLECTIVE_PROBE", os.path.join(os.path.dirname(KEEL), "bench", "keel_collective_probe"))
 
 
-def collective(prefix, ranks, nbytes):
+def collective(prefix, ranks, nbytes, tensor_sizes=(), tensor_group=None, gap_ms=0.0, alltoall_sizes=(), expert_group=None):
     """bench/collective_probe.cpp across `ranks` namespaces: GradSync's bucketed all-reduce of
-    `nbytes`, as the JSON line it prints."""
+    `nbytes` (and, with `tensor_sizes`, groups of `tensor_group` ranks' blocking all-reduces of each
+    size), as the JSON line it prints."""
     env = dict(os.environ, KEEL_NETNS_PREFIX=prefix, KEEL_BINARY=KEEL, OMP_NUM_THREADS="1")
-    p = subprocess.run(["bash", NETNS, "run", "--mpirun", "-n", str(ranks), "--", PROBE, str(nbytes)],
+    extra = []
+    if tensor_sizes or alltoall_sizes:
+        extra = ["8388608", "5", "262144", ",".join(str(b) for b in tensor_sizes) or "0", str(tensor_group or ranks),
+                 "%.3f" % gap_ms, ",".join(str(b) for b in alltoall_sizes) or "0", str(expert_group or ranks)]
+    p = subprocess.run(["bash", NETNS, "run", "--mpirun", "-n", str(ranks), "--", PROBE, str(nbytes)] + extra,
                        capture_output=True, text=True, env=env, timeout=600)
     lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
     if p.returncode != 0 or not lines:
         sys.exit("simulate_calibration.py: collective probe on %d ranks failed: %s" % (ranks, (p.stdout + p.stderr)[-2000:]))
     return json.loads(lines[-1])
+
+
+def tensor_sizes():
+    """The bytes of the all-reduces the trainer hands a tensor group (comm/tensor_parallel.cpp),
+    for JOB: the loss's N floats and N doubles, the activations' N x C floats."""
+    opts = dict(x.split("=", 1) for x in JOB)
+    n = int(opts["train.batch_size"]) * int(opts["train.seq_len"])
+    return [4 * n, 8 * n, 4 * n * D4_WIDTH]
+
+
+def fit_line(points):
+    """Least squares ms = a + b x bytes over the probe's points: (a ms, b ms per byte)."""
+    xs = [p["bytes"] for p in points]
+    ys = [p["ms"] for p in points]
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    b = max(b, 1e-12)  # (a flat or falling line: no bandwidth term to speak of)
+    return max(0.0, my - b * mx), b
 
 
 def run_keel(args, log_path, env_extra=None, prefix=None):
@@ -231,13 +286,14 @@ def train_run(work, cfg, rep, prefixes, tokens, warmup, steps, every=None):
             elif "loss" in j and j["step"] > warmup:
                 steps_seen.append(j)
     tab = sorted(set(s.get("tensor_allreduce_bytes", 0) for s in steps_seen))
+    eab = sorted(set(s.get("expert_alltoall_bytes", 0) for s in steps_seen))
     costs_path = run_dir + ".layer_costs.json"
     with open(costs_path, "w") as f:
         json.dump(costs["layer_costs"], f)
     shutil.rmtree(run_dir, ignore_errors=True)
     return {"name": name, "rep": rep, "ms": [s["ms"] for s in steps_seen], "costs": costs_path, "peak_gflops": peak,
             "sync_exposed_ms": statistics.median([s.get("sync_exposed_ms", 0.0) for s in steps_seen]),
-            "tensor_allreduce_bytes": tab}
+            "tensor_allreduce_bytes": tab, "expert_alltoall_bytes": eab}
 
 
 CLUSTER = """# This machine as `keel simulate` sees it (written by bench/simulate_calibration.py): every rank a
@@ -270,6 +326,7 @@ gbit = {gbit:.4f}             # bench/collective_probe.cpp: GradSync's all-reduc
 nics_per_node = 1
 latency_us = {lat:.2f}          # ... a one-float all-reduce over its 2 (n-1) rounds
 topology = "fat-tree"
+{alltoall}
 
 [codecs]
 {codecs}
@@ -303,6 +360,10 @@ def report(results):
     for c in [r for r in results if r.get("kind") == "collective"]:
         print("  %-9s %d ranks: all-reduce of %.1f MB in %.1f ms (a ring at %.3f Gbit/s), one float %.0f us" % (
             c["link"], c["ranks"], c["bytes"] / 1e6, c["allreduce_ms"], c["ring_gbit"], c["small_us"]))
+    for t in [r for r in results if r.get("kind") in ("tensor_probe", "alltoall_probe")]:
+        print("  %-9s %d ranks in %s groups of %d, rep %d: %s; fit %.3f ms + bytes at %.3f GB/s" % (
+            t["link"], t["ranks"], "tensor" if t["kind"] == "tensor_probe" else "expert", t["group"], t["rep"], ", ".join("%d B %.3f ms" % (q["bytes"], q["ms"]) for q in t["points"]),
+            t["latency_ms"], 1e-6 / t["ms_per_byte"]))
     print("%-26s %10s %10s %8s %10s %10s  %s" % ("configuration", "measured", "predicted", "error", "sync exp.",
                                                  "predicted", "layer costs from"))
     worst = 0.0
@@ -317,7 +378,12 @@ def report(results):
         worst = max(worst, abs(err))
         exp_meas = statistics.median([r["sync_exposed_ms"] for r in runs if r["name"] == name])
         print("%-26s %8.1f ms %8.1f ms %+7.1f%% %8.1f ms %8.1f ms  %s" % (
-            name, meas, p["step_ms"], 100 * err, exp_meas, p["sync_exposed_ms"], profile_of(cfg[1])))
+            name, meas, p["step_ms"], 100 * err, exp_meas, p["sync_exposed_ms"], profile_of(cfg)))
+        if expert_of(cfg) > 1:
+            counted = sorted(set(b for r in reps for b in r.get("expert_alltoall_bytes", [])))
+            predicted = sorted(set(int(x.get("expert_alltoall_bytes", 0)) for x in preds[name]))
+            print("%-26s expert_alltoall_bytes per step: runs %d..%d (rank 0's, as routed), simulator %s (balanced)" % (
+                "", min(counted), max(counted), predicted))
         if tensor_of(cfg) > 1:
             counted = sorted(set(b for r in reps for b in r.get("tensor_allreduce_bytes", [])))
             predicted = sorted(set(x.get("tensor_allreduce_bytes", 0) for x in preds[name]))
@@ -359,7 +425,7 @@ def main():
         # The runs and probes of an earlier --out file (its work directory still holding the layer
         # costs), predicted again by this keel.
         for r in (json.loads(l) for l in open(a.repredict) if l.strip()):
-            if r["kind"] in ("run", "profile", "probe", "link", "collective"):
+            if r["kind"] in ("run", "profile", "probe", "link", "collective", "tensor_probe", "alltoall_probe"):
                 keep(r)
         probe_line = next(r for r in results if r["kind"] == "probe")
         mem, codec_lines = probe_line["hbm_gbps"], probe_line["codecs"]
@@ -391,11 +457,52 @@ def main():
             # timed steps, costs reported every 3 steps so that the smoothed figures forget the
             # warm-up), then every configuration at that count, predicted from that repeat's profile.
             for rep in range(a.repeats):
-                for ranks in sorted(set(c[1] for c in configs)):
-                    r = train_run(work, profile_cfg(ranks), rep, prefixes, tokens, a.warmup, 3 * a.steps, every=3)
+                for pcfg in sorted(set(profile_cfg(c) for c in configs), key=lambda c: (c[1], c[0])):
+                    ranks = pcfg[1]
+                    r = train_run(work, (pcfg[0], ranks, pcfg[2], list(pcfg[3])), rep, prefixes, tokens, a.warmup,
+                                  3 * a.steps, every=3)
                     r["kind"] = "profile"
                     keep(r)
-                    for cfg in [c for c in configs if c[1] == ranks]:
+                    # An expert group's all-to-alls at the trainer's sizes (the routing counts, E int32;
+                    # a micro-batch's N x top-k rows of C floats at balanced routing), each after a fifth
+                    # of a MoE block's F + B + W (a block exchanges five times a micro-batch).
+                    for link, P in sorted(set((c[2], expert_of(c)) for c in configs if expert_of(c) > 1
+                                              and profile_of(c) == pcfg[0])):
+                        lc = json.load(open(r["costs"]))
+                        blocks = range(1, len(lc["forward"]) - 1)
+                        gap = statistics.mean(lc["forward"][i] + lc["backward_input"][i] + lc["backward_weight"][i]
+                                              for i in blocks) / 5
+                        sizes = [4 * MOE_EXPERTS, tensor_sizes()[0] * MOE_TOP_K * D4_WIDTH]
+                        c = collective(prefixes[link], ranks, 4 * 4096, [], ranks, gap, sizes, P)
+                        a_ms, b_ms = fit_line(c["alltoall"])
+                        keep({"kind": "alltoall_probe", "link": link, "ranks": ranks, "group": P, "rep": rep, "gap_ms": gap,
+                              "points": c["alltoall"], "latency_ms": a_ms, "ms_per_byte": b_ms})
+                        log("  %s %d ranks in expert groups of %d, %.2f ms apart: %s; fit %.3f ms + bytes at %.3f GB/s" % (
+                            link, ranks, P, gap, ", ".join("%d B %.3f ms (median %.3f)" % (q["bytes"], q["ms"], q["median_ms"])
+                                                           for q in c["alltoall"]), a_ms, 1e-6 / b_ms))
+                    if is_moe(pcfg):
+                        for cfg in [c for c in configs if profile_of(c) == pcfg[0]]:
+                            r = train_run(work, cfg, rep, prefixes, tokens, a.warmup, a.steps)
+                            r["kind"] = "run"
+                            keep(r)
+                        continue
+                    # The tensor groups' all-reduces at this rank count, measured in each repeat just
+                    # after its profile and before its runs (the load of a shared machine moves),
+                    # each call after the compute the trainer does before it: a quarter of a block's
+                    # F + B + W per micro-batch from that profile, over T ranks.
+                    for link, T in sorted(set((c[2], tensor_of(c)) for c in configs if tensor_of(c) > 1 and c[1] == ranks)):
+                        lc = json.load(open(r["costs"]))
+                        blocks = range(1, len(lc["forward"]) - 1)
+                        gap = statistics.mean(lc["forward"][i] + lc["backward_input"][i] + lc["backward_weight"][i]
+                                              for i in blocks) / 4 / T
+                        c = collective(prefixes[link], ranks, 4 * 4096, tensor_sizes(), T, gap)
+                        a_ms, b_ms = fit_line(c["tensor"])
+                        keep({"kind": "tensor_probe", "link": link, "ranks": ranks, "group": T, "rep": rep, "gap_ms": gap,
+                              "points": c["tensor"], "latency_ms": a_ms, "ms_per_byte": b_ms})
+                        log("  %s %d ranks in groups of %d, %.2f ms apart: %s; fit %.3f ms + bytes at %.3f GB/s" % (
+                            link, ranks, T, gap, ", ".join("%d B %.3f ms (median %.3f)" % (q["bytes"], q["ms"], q["median_ms"])
+                                                           for q in c["tensor"]), a_ms, 1e-6 / b_ms))
+                    for cfg in [c for c in configs if c[1] == ranks and not is_moe(c)]:
                         r = train_run(work, cfg, rep, prefixes, tokens, a.warmup, a.steps)
                         r["kind"] = "run"
                         keep(r)
@@ -406,7 +513,7 @@ def main():
     peak = next(r["peak_gflops"] for r in results if r["kind"] == "profile")
     cores = os.cpu_count() or 1
 
-    def cluster_file(link, ranks, rep, overhead, group=None, tensor=1):
+    def cluster_file(link, ranks, rep, overhead, group=None, tensor=1, expert=1):
         # R ranks on this machine's cores: each gets min(1, cores / R) of a core for its codecs and
         # its memory traffic (the layer costs were measured at that sharing already).
         share = min(1.0, cores / float(ranks))
@@ -425,12 +532,26 @@ def main():
             scaled.append("%s= %.3f" % (k, float(v) * share))
         intra_gbps, intra_lat = mem * share, 1.0
         if tensor > 1:
-            c = next(r for r in results if r["kind"] == "collective" and r["link"] == link and r["ranks"] == tensor)
-            intra_gbps, intra_lat = c["ring_gbit"] / 8, c["small_us"] / (2 * (tensor - 1))
-        path = os.path.join(work, "local-%s-%d-%d-g%d-t%d.toml" % (link, ranks, rep, group or ranks, tensor))
+            # The tensor group's all-reduce, fitted to the probe at its own sizes, rank count and
+            # grouping (ms = a + b bytes), as the [intra] link of the simulator's ring formula
+            # (2 (T-1) latencies + 2 (T-1) / T of the bytes at the link's bandwidth).
+            t = next(r for r in results if r["kind"] == "tensor_probe" and r["link"] == link and r["ranks"] == ranks
+                     and r["group"] == tensor and r["rep"] == rep)
+            intra_lat = t["latency_ms"] * 1e3 / (2 * (tensor - 1))
+            intra_gbps = 2 * (tensor - 1) / tensor / (t["ms_per_byte"] * 1e6)
+        alltoall = ""
+        if expert > 1:
+            # The expert group's exchange, fitted to the probe (ms = a + b bytes sent in all), as the
+            # simulator's latency + off-rank bytes ((P-1)/P of them) at alltoall_gbps.
+            e = next(r for r in results if r["kind"] == "alltoall_probe" and r["link"] == link and r["ranks"] == ranks
+                     and r["group"] == expert and r["rep"] == rep)
+            alltoall = "alltoall_latency_us = %.2f   # bench/collective_probe.cpp's all-to-all fit\nalltoall_gbps = %.6f" % (
+                e["latency_ms"] * 1e3, (expert - 1) / expert / (e["ms_per_byte"] * 1e6))
+        path = os.path.join(work, "local-%s-%d-%d-g%d-t%d-e%d.toml" % (link, ranks, rep, group or ranks, tensor, expert))
         with open(path, "w") as f:
             f.write(CLUSTER.format(link=link, nodes=1, per_node=tensor, tflops=peak / 1e3, mem=mem * share, gbit=gbit,
                                    lat=lat, intra_gbps=intra_gbps, intra_lat=intra_lat, codecs="\n".join(scaled),
+                                   alltoall=alltoall,
                                    overhead=overhead))
         return path
 
@@ -439,19 +560,19 @@ def main():
     overheads = {}
     for prof in [r for r in results if r["kind"] == "profile"]:
         ranks = int(prof["name"].split()[1][:-1])
-        cfg = profile_cfg(ranks)
+        cfg = (prof["name"], ranks, "unshaped" if ranks > 1 else "none", MOE if prof["name"].endswith(" moe") else [])
         p = predict(work, cfg, cluster_file(cfg[2] if ranks > 1 else "none", ranks, prof["rep"], 0.0), prof["costs"])
-        overheads[(ranks, prof["rep"])] = statistics.median(prof["ms"]) - p["step_ms"]
-        keep({"kind": "overhead", "ranks": ranks, "rep": prof["rep"], "ms": overheads[(ranks, prof["rep"])],
+        overheads[(prof["name"], prof["rep"])] = statistics.median(prof["ms"]) - p["step_ms"]
+        keep({"kind": "overhead", "name": prof["name"], "ranks": ranks, "rep": prof["rep"], "ms": overheads[(prof["name"], prof["rep"])],
               "profile_ms": statistics.median(prof["ms"]), "predicted_ms": p["step_ms"]})
     for cfg in configs:
         for rep in range(a.repeats):
-            costs = next(r["costs"] for r in results if r["kind"] == "profile" and r["name"] == profile_of(cfg[1])
+            costs = next(r["costs"] for r in results if r["kind"] == "profile" and r["name"] == profile_of(cfg)
                          and r["rep"] == rep)
             pipeline = next((int(x.split("=")[1]) for x in cfg[3] if x.startswith("parallel.pipeline=")), 1)
             T = tensor_of(cfg)
             group = max(2, cfg[1] // pipeline // T) if cfg[1] > 1 else None
-            path = cluster_file(cfg[2], cfg[1], rep, overheads[(cfg[1], rep)], group, T)
+            path = cluster_file(cfg[2], cfg[1], rep, overheads[(profile_of(cfg), rep)], group, T, expert_of(cfg))
             p = predict(work, cfg, path, costs)
             p.update({"kind": "prediction", "name": cfg[0], "rep": rep})
             keep(p)

@@ -430,6 +430,56 @@ TEST(Simulate, TensorGroupBytesAreTheTrainers) {
   }
 }
 
+// Expert parallelism: the bytes the simulator says a rank sends in its expert group's all-to-alls
+// per step are the trainer's own count (metrics.jsonl expert_alltoall_bytes) on 2 ranks with
+// parallel.expert = 2: every token routed to all 4 experts (top-k = experts, so that each rank
+// receives exactly what it sends: the simulator's balanced routing), 2 micro-batches a step, with
+// and without full recomputation (a recomputed block's forward exchanges again).
+TEST(Simulate, ExpertAlltoallBytesAreTheTrainers) {
+  testing::TempDir dir("keel-sim-ep");
+  testing::write_toy_corpus(dir.path());
+  testing::write_toy_config(dir.path(), 3);
+  std::string text = read_text_file(kCluster);
+  text.replace(text.find("nodes = 4"), 9, "nodes = 1");
+  text.replace(text.find("devices_per_node = 8"), 20, "devices_per_node = 2");
+  text.replace(text.find("nics_per_node = 8"), 17, "nics_per_node = 2");
+  const std::string cluster = dir / "cluster2.toml";
+  testing::write_text(cluster, text);
+  const std::string moe = "--set model.preset=llama-moe-tiny --set model.vocab_size=64 --set model.max_seq_len=32 "
+                          "--set model.moe_top_k=4 --set train.eval_every=0 --set train.grad_accum=2 "
+                          "--set parallel.expert=2 ";
+  const std::vector<std::string> extras = {"", "--set train.recompute=full"};
+  double first = 0;
+  for (size_t i = 0; i < extras.size(); ++i) {
+    const std::string run = "e" + std::to_string(i), sets = moe + extras[i];
+    const testing::CommandResult r = testing::run_keel(testing::toy_train_args(dir, 2, 2, run, sets));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const testing::CommandResult s = testing::run_keel("simulate --cluster " + cluster + " --json yes --config " +
+                                                       dir / "toy.toml" + " --set train.batch_size=2 " + sets);
+    ASSERT_EQ(s.exit_code, 0) << s.output;
+    const nlohmann::json p = nlohmann::json::parse(s.output.substr(s.output.rfind("\n{") + 1));
+    EXPECT_EQ(p.at("expert").get<int>(), 2) << run;
+    const double predicted = p.at("expert_alltoall_bytes").get<double>();
+    EXPECT_GT(predicted, 0) << run;
+    EXPECT_GT(p.at("expert_comm_ms").get<double>(), 0) << run;
+    if (i == 0) first = predicted;
+    if (i == 1) {
+      EXPECT_GT(predicted, first) << "a recomputed block exchanges its forward again";
+    }
+    int lines = 0;
+    const std::string metrics = read_text_file(dir / (run + "/metrics.jsonl"));
+    for (size_t at = 0; at < metrics.size();) {
+      const size_t end = std::min(metrics.find('\n', at), metrics.size());
+      const nlohmann::json j = nlohmann::json::parse(metrics.substr(at, end - at));
+      at = end + 1;
+      if (!j.contains("loss") || j.contains("event")) continue;
+      ++lines;
+      EXPECT_EQ(j.value("expert_alltoall_bytes", int64_t{-1}), static_cast<int64_t>(predicted)) << run << " " << sets;
+    }
+    EXPECT_EQ(lines, 3) << run;
+  }
+}
+
 TEST(Simulate, BadInputIsOneLine) {
   testing::TempDir dir("keel-sim");
   const std::string good = read_text_file(kCluster);

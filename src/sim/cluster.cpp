@@ -66,6 +66,8 @@ std::vector<Key> keys(Cluster& c) {
       num("network", "latency_us", &c.network.latency_us, true, 0, 1e6, false),
       text("network", "topology", &c.network.topology, true, {"fat-tree", "rail"}),
       num("network", "oversubscription", &c.network.oversubscription, false, 1, 1e3, false),
+      num("network", "alltoall_latency_us", &c.network.alltoall_latency_us, false, 0, 1e9, false),
+      num("network", "alltoall_gbps", &c.network.alltoall_gbps, false, 0, 1e6, false),
       num("variability", "jitter", &c.variability.jitter, false, 0, 1, false),
       num("variability", "straggler_fraction", &c.variability.straggler_fraction, false, 0, 1, false),
       num("variability", "straggler_slowdown", &c.variability.straggler_slowdown, false, 1, 100, false),

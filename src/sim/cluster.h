@@ -54,6 +54,10 @@ struct Network {  // between nodes
   double latency_us = 0;
   std::string topology;        // "fat-tree" or "rail" (rail: device i of every node on NIC i's rail)
   double oversubscription = 1; // edge : core bandwidth (1 = non-blocking; default 1)
+  // An expert group's all-to-all (parallel.expert) as measured (bench/collective_probe.cpp): one
+  // exchange costs alltoall_latency_us + the bytes a rank sends off-rank at alltoall_gbps GB/s.
+  // Default 0: from the links (the group's link bandwidth, one latency per peer).
+  double alltoall_latency_us = 0, alltoall_gbps = 0;
   // Bandwidth one device gets to another node, GB/s: its NIC share, over the oversubscription.
   double device_gbps(int devices_per_node) const;
 };

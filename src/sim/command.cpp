@@ -58,6 +58,11 @@ void print_text(const Config& config, const Cluster& cluster, const StepPredicti
     std::printf("tensor group: %.1f MB handed to all-reduces per rank and step (as metrics.jsonl's tensor_allreduce_bytes)\n",
                 p.tensor_allreduce_bytes / 1e6);
   }
+  if (p.expert > 1) {
+    std::printf("expert group: %d ranks, %.1f MB sent in all-to-alls per rank and step (as metrics.jsonl's "
+                "expert_alltoall_bytes, at balanced routing), %.1f ms of them on the critical path\n",
+                p.expert, p.expert_alltoall_bytes / 1e6, p.expert_comm_ms);
+  }
   if (p.checkpoint_share > 0.001) std::printf("checkpoints: %.1f %% of the step (snapshots off the device)\n", 100 * p.checkpoint_share);
   if (!trace.empty()) std::printf("Chrome trace of the simulated step: %s\n", trace.c_str());
 }
@@ -162,6 +167,7 @@ int simulate_command(const SimulateOptions& o) {
         {"micro_batches", p.micro_batches}, {"micro_batch", p.micro_batch}, {"sequences", p.sequences},
         {"cut", p.cut}, {"step_ms", p.step_ms}, {"span_ms", p.span_ms}, {"compute_ms", p.compute_ms},
         {"bubble_ms", p.bubble_ms}, {"bubble", p.bubble}, {"tensor_comm_ms", p.tensor_comm_ms}, {"tensor_allreduce_bytes", p.tensor_allreduce_bytes},
+        {"expert", p.expert}, {"expert_alltoall_bytes", p.expert_alltoall_bytes}, {"expert_comm_ms", p.expert_comm_ms},
         {"pipeline_comm_ms", p.pipeline_comm_ms}, {"sync_ms", p.sync_ms}, {"sync_codec_ms", p.sync_codec_ms}, {"sync_exposed_ms", p.sync_exposed_ms}, {"sync_wire_ratio", p.sync_wire_ratio},
         {"optimizer_ms", p.optimizer_ms}, {"stack", stack.name}, {"sync_algorithm", p.sync_algorithm}, {"variability_ms", p.variability_ms}, {"samples_per_s", p.samples_per_s},
         {"tokens_per_s", p.tokens_per_s}, {"model_tflops_per_device", p.model_tflops_per_device}, {"mfu", p.mfu},

@@ -290,6 +290,24 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   const double tp_loss = TP > 1 ? 2 * ring_ms(tokens * 4, TP, cluster.intra.gbps, cluster.intra.latency_us) +
                                       ring_ms(tokens * 8, TP, cluster.intra.gbps, cluster.intra.latency_us)
                                 : 0.0;
+  // Expert parallelism: each exchange of a mixture-of-experts block, one rank's view. A rank sends
+  // N x top-k rows (balanced routing; its own experts' share stays on the rank) and receives as many.
+  const int EP = std::max(1, par.expert);
+  r.expert = EP;
+  auto alltoall_ms = [&](double bytes) {
+    if (EP <= 1) return 0.0;
+    const double off = bytes * (EP - 1.0) / EP;
+    if (cluster.network.alltoall_gbps > 0) {
+      return cluster.network.alltoall_latency_us * 1e-3 + off / (cluster.network.alltoall_gbps * 1e9) * 1e3;
+    }
+    const bool inside = TP * EP <= cluster.devices_per_node;  // (expert groups: consecutive data ranks)
+    const double gbps = inside ? cluster.intra.gbps : cluster.network.device_gbps(cluster.devices_per_node);
+    const double lat = inside ? cluster.intra.latency_us : cluster.network.latency_us;
+    return (EP - 1.0) * lat * 1e-3 + off / (gbps * 1e9) * 1e3;
+  };
+  const double ep_rows_bytes = tokens * m.moe_top_k * m.n_embd * 4.0;  // float32 rows, any precision
+  const double ep_counts = alltoall_ms(4.0 * m.moe_experts), ep_rows = alltoall_ms(ep_rows_bytes);
+  double ep_per_step = 0;
   pipeline::LayerCosts measured;
   if (!layout.layer_costs.empty()) {
     measured = pipeline::read_layer_costs(layout.layer_costs, m.n_layer + 2).at_seq_len(m, T);
@@ -339,6 +357,17 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
       // their sums of exponentials and the target logits (forward).
       if (i == 0) f += tp_embed;
       if (i == m.n_layer + 1) f += tp_loss, b += tp_embed;
+      if (block && EP > 1 && m.moe_block(i - 1)) {
+        // The rows' dispatch runs beside the shared experts' forward (their share of the block's
+        // FLOPs), the combine after the local experts; in backward the gradients' dispatch beside
+        // the shared experts' down-projection input gradient, the combine after.
+        const double shared = std::max(0, m.moe_shared_experts) * static_cast<double>(m.moe_hidden) * m.n_embd;
+        const double hide_f = (f - f_before) * 6 * shared / flops[i], hide_b = (b - b_before) * 2 * shared / flops[i];
+        const double ef = ep_counts + std::max(0.0, ep_rows - hide_f) + ep_rows;
+        const double eb = std::max(0.0, ep_rows - hide_b) + ep_rows;
+        f += ef, b += eb;
+        if (s.first == stages.front().first) ep_per_step += (ef + eb) * r.micro_batches;
+      }
       const Recompute mode = recompute.at_layer(i);
       if (block && mode != Recompute::none) {
         tp_again += (mode == Recompute::full ? 2 * tp_ar : 0.0) +
@@ -377,6 +406,22 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
     if (s.first == 0) floats += N * C;
     if (s.last == m.n_layer + 1) floats += N * C + 2 * N, doubles += N;
     r.tensor_allreduce_bytes = r.micro_batches * (4 * floats + 8 * doubles);
+  }
+  if (EP > 1) {
+    // The bytes the trainer counts on a rank of the first stage: per MoE block the counts and four
+    // row exchanges; a block recomputed in full exchanges its forward again (counts and two), but
+    // the stage's last recomputing block.
+    const LayerRange& s = stages.front();
+    double bytes = 0;
+    int recomputed = 0;
+    for (int i = std::max(s.first, 1); i <= std::min(s.last, m.n_layer); ++i) {
+      if (!m.moe_block(i - 1)) continue;
+      bytes += 4.0 * m.moe_experts + 4 * ep_rows_bytes;
+      recomputed += recompute.at_layer(i) == Recompute::full;
+    }
+    bytes += (4.0 * m.moe_experts + 2 * ep_rows_bytes) * std::max(0, recomputed - 1);
+    r.expert_alltoall_bytes = r.micro_batches * bytes;
+    r.expert_comm_ms = ep_per_step;
   }
   // A stage boundary crosses nodes once a stage's tensor x data devices fill one.
   const bool pp_across = TP * D >= cluster.devices_per_node && P > 1;
@@ -423,6 +468,10 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   // written; the clipping norm's read of the gradient before it (float32).
   const double shard = par.zero > 0 ? 1.0 / D : 1.0;
   r.optimizer_ms = most * shard * 36 / (cluster.device.hbm_gbps * 1e9) * 1e3;
+  // With a tensor group, the clipping norm's squares are summed over it first (tensor_grad_squares:
+  // one blocking all-reduce of a double per step, before AdamW: on the critical path).
+  const double tp_norm = ring_ms(8, TP, cluster.intra.gbps, cluster.intra.latency_us);
+  r.optimizer_ms += tp_norm;
   // The last micro-batch's backward on that rank, layer by layer from the last: each layer's
   // collectives queue on the link once its W is done (GradSync starts a bucket as soon as its
   // chunks' gradients are complete; a tied embedding's only at the very end); what runs past the
@@ -480,7 +529,7 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   }
   r.bubble = r.timeline.bubble;
   r.bubble_ms = std::max(0.0, r.span_ms - r.compute_ms);
-  r.tensor_comm_ms = tp_per_rank_max;
+  r.tensor_comm_ms = tp_per_rank_max + tp_norm;
   r.pipeline_comm_ms = P > 1 ? 2.0 * r.micro_batches * costs.comm : 0.0;
   // Memory of the rank with the most parameters: the stack's bytes per parameter (Keel's float32
   // planes), sharded by ZeRO's stage; activations in flight.

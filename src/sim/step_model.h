@@ -9,8 +9,15 @@
 //    activations in its forward and two in its backward, the vocabulary-parallel embedding's in
 //    forward and the head's input gradient's in backward, and the vocabulary-parallel
 //    cross-entropy's three of one value per token, inside a node: the all-reduces Keel's trainer
-//    makes (comm/tensor_parallel.h). Ranks are placed tensor-fastest, then data, then pipeline: a
-//    tensor group stays in a node, a data group does while tensor x data fits one.
+//    makes (comm/tensor_parallel.h), and the clipping norm's one value per step before the
+//    optimizer. Ranks are placed tensor-fastest, then data, then pipeline: a tensor group stays in
+//    a node, a data group does while tensor x data fits one. Expert parallelism (the config's
+//    parallel.expert): per mixture-of-experts block and micro-batch, the expert group's exchanges
+//    Keel's trainer makes (comm/expert_parallel.h, model/moe.cpp): in forward the routing counts,
+//    the sorted rows out to their experts' ranks (overlapped with the shared experts' forward) and
+//    the outputs back; in backward the output gradients out (overlapped with the shared experts'
+//    hidden gradient) and the input gradients back; rows at balanced routing (N x top-k a rank),
+//    each exchange at the cluster's all-to-all figures (sim/cluster.h Network).
 //  * Compute: each layer's matrix products (qkv, the attention's batched products per head, the
 //    projection, the MLP's; the head's vocabulary product) at the device's share of the peak for
 //    their shapes (Device::gemm_share at the smallest dimension; a roofline below: never faster
@@ -118,6 +125,14 @@ struct StepPrediction {
   // (last stage). 0 without tensor parallelism. (Zero-bubble schedules' W re-running a recomputed
   // block are not counted.)
   double tensor_allreduce_bytes = 0;
+  // Expert parallelism: the expert group's size, and the bytes one rank sends in its exchanges per
+  // step as Keel's trainer counts them (metrics.jsonl expert_alltoall_bytes, its own rows included):
+  // per MoE block and micro-batch of N tokens, 4 E bytes of routing counts and four exchanges of
+  // N x top-k rows of C floats (balanced routing: what a rank receives is what it sends); a block
+  // recomputed in full exchanges its forward's again (but a stage's last recomputing block).
+  // expert_comm_ms: the exchanges' time per step on the critical path (inside F and B).
+  int expert = 1;
+  double expert_alltoall_bytes = 0, expert_comm_ms = 0;
   double bubble = 0;              // the schedule's idle share
   double sync_wire_ratio = 1;     // bytes sent over what a ring all-reduce of float32 gradients sends (HybridGC)
   double samples_per_s = 0, tokens_per_s = 0;
