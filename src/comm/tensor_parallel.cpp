@@ -65,9 +65,6 @@ void validate_tensor_parallel_config(const Config& c) {
     not_yet(c.parallel.predict_gradients == PredictGradients::off, "parallel.predict_gradients",
             "\"" + std::string(to_string(c.parallel.predict_gradients)) + "\"");
   }
-  check(c.parallel.zero <= 2 || c.parallel.pipeline == 1,
-        "config key 'parallel.zero': expected 0, 1 or 2 with parallel.tensor > 1 and parallel.pipeline > 1 (ZeRO-3 "
-        "of a pipeline of tensor groups is not yet supported), found " + std::to_string(c.parallel.zero));
   if (c.parallel.sequence_parallel) {
     // Not built with context parallelism (a later piece of work).
     check(c.parallel.context == 1, "config key 'parallel.context': expected its default with "
