@@ -782,20 +782,26 @@ TEST_F(TensorParallel, SequenceParallelRefusesWhatItIsNotBuiltWith) {
     EXPECT_NE(why.find(needle), std::string::npos) << why;
   };
   refuses({}, 1, "config key 'parallel.sequence_parallel': expected false with parallel.tensor = 1");
-  refuses({"parallel.tensor=2", "parallel.context=2"}, 4,
-          "config key 'parallel.context': expected its default with parallel.sequence_parallel (not yet supported "
-          "together), found 2");
+  // With context parallelism a rank's rows are its chunks: B x T / context of them.
+  refuses({"parallel.tensor=4", "parallel.context=2", "train.batch_size=1", "train.seq_len=4", "model.n_head=4",
+           "model.attention=blockwise"},
+          8, "config key 'train.batch_size': expected batch_size x seq_len / parallel.context (1 x 4 / 2) divisible by "
+             "parallel.tensor with parallel.sequence_parallel, found 1");
   refuses({"parallel.tensor=2", "train.batch_size=1", "train.seq_len=31", "model.max_seq_len=32"}, 2,
           "config key 'train.batch_size': expected batch_size x seq_len (1 x 31) divisible by parallel.tensor");
   EXPECT_EQ(testing::config_refusal({"model.preset=tiny", "parallel.tensor=2", "parallel.sequence_parallel=true"}, 4),
             "");
-  // (Built with pipelines, recomputation and bf16.)
+  // (Built with pipelines, recomputation, bf16 and context parallelism.)
   for (const std::string set : {"parallel.pipeline=2", "train.recompute=full", "runtime.precision=bf16"}) {
     EXPECT_EQ(testing::config_refusal({"model.preset=tiny", "parallel.tensor=2", "parallel.sequence_parallel=true", set},
                                       4),
               "")
         << set;
   }
+  EXPECT_EQ(testing::config_refusal({"model.preset=tiny", "parallel.tensor=2", "parallel.sequence_parallel=true",
+                                     "parallel.context=2", "model.attention=blockwise"},
+                                    4),
+            "");
   // A job refused the same way (exit 2, before any step).
   auto r = train(1, 8, "x", "--set parallel.sequence_parallel=true");
   EXPECT_EQ(r.exit_code, 2) << r.output;

@@ -66,17 +66,18 @@ void validate_tensor_parallel_config(const Config& c) {
             "\"" + std::string(to_string(c.parallel.predict_gradients)) + "\"");
   }
   if (c.parallel.sequence_parallel) {
-    // Not built with context parallelism (a later piece of work).
-    check(c.parallel.context == 1, "config key 'parallel.context': expected its default with "
-                                   "parallel.sequence_parallel (not yet supported together), found " +
-                                       std::to_string(c.parallel.context));
-    // Every micro-batch's B x T token rows cut into T equal parts (a curriculum's every length).
+    // Every micro-batch's B x T token rows cut into T equal parts (a curriculum's every length;
+    // with context parallelism the rank's B x T / context rows, its chunks of each sequence).
+    const int context = std::max(1, c.parallel.context);
     std::vector<int> lengths{c.train.seq_len};
     for (const auto& [step, len] : c.train.seq_len_steps()) lengths.push_back(len);
     for (int len : lengths) {
-      check(static_cast<int64_t>(c.train.batch_size) * len % T == 0,
-            "config key 'train.batch_size': expected batch_size x seq_len (" + std::to_string(c.train.batch_size) +
-                " x " + std::to_string(len) + ") divisible by parallel.tensor with parallel.sequence_parallel, found " +
+      check(static_cast<int64_t>(c.train.batch_size) * (len / context) % T == 0,
+            "config key 'train.batch_size': expected batch_size x seq_len" +
+                (context > 1 ? " / parallel.context (" + std::to_string(c.train.batch_size) + " x " +
+                                   std::to_string(len) + " / " + std::to_string(context) + ")"
+                             : " (" + std::to_string(c.train.batch_size) + " x " + std::to_string(len) + ")") +
+                " divisible by parallel.tensor with parallel.sequence_parallel, found " +
                 std::to_string(c.train.batch_size));
     }
   }
