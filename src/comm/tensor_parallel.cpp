@@ -58,10 +58,9 @@ void validate_tensor_parallel_config(const Config& c) {
               "found " + value);
   };
   if (c.parallel.pipeline > 1) {
-    // A pipeline of tensor groups: what copies a stage's whole planes outside its shards is not
-    // built for shards yet (post-validation's backup, the gradient predictor's per-element state).
-    // (A re-cut moves each tensor rank's shards between the ranks of its pipeline group.)
-    not_yet(!c.parallel.post_validate, "parallel.post_validate", "true");
+    // A pipeline of tensor groups: the gradient predictor's per-element state is not built for
+    // shards yet. (A re-cut moves each tensor rank's shards between the ranks of its pipeline
+    // group; post-validation copies and restores a rank's own shards.)
     not_yet(c.parallel.predict_gradients == PredictGradients::off, "parallel.predict_gradients",
             "\"" + std::string(to_string(c.parallel.predict_gradients)) + "\"");
   }
