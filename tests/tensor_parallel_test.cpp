@@ -676,7 +676,7 @@ TEST_F(TensorParallel, SequenceParallelTrainsWhatOneRankTrains) {
 // norms' weight gradients are summed in another order (per rank's rows, then over the group):
 // float32 weights end within 1e-5; under bf16 a last-bit difference in a norm's weights can flip
 // the bf16 rounding of the activations it produces, so the weights end within bf16's precision
-// (1e-3 relative per tensor; measured up to 4.1e-4 for GPT-2, under 1e-5 for llama). GPT-2 and llama.
+// (1e-3 relative per tensor; measured up to 6.8e-4 for GPT-2, under 1e-6 for llama). GPT-2 and llama.
 TEST_F(TensorParallel, SequenceParallelComposesWithRecomputationAndBf16) {
   const std::string llama = "--set model.family=llama --set model.n_kv_head=2 --set model.tie_embeddings=false ";
   const std::vector<std::pair<std::string, std::string>> settings = {
