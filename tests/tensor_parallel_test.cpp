@@ -515,6 +515,73 @@ TEST_F(TensorParallel, ZeroOnTheDataDimensionOfTheWholeMeshTrainsWhatOneRankTrai
   }
 }
 
+// ZeRO-3 on the data dimension of the whole mesh: data 2 x pipeline 2 x tensor 2 (8 ranks,
+// oversubscribed), each stage's tensor shard's parameters (with their moments and reduced
+// gradients) shared out over its data-parallel pair and gathered layer by layer under the layers'
+// leases, trains what one rank trains with the whole batch (losses within 1e-5 relative over 20
+// steps, weights within 1e-5), GPT-2 (the last stage's copy of the embedding's shard sharded with
+// the stage's other chunks), llama, and GPT-2 with sequence parallelism; a GPT-2 run resumed from
+// its step-6 checkpoint continues to the uninterrupted run's bytes (parameters and both moments).
+TEST_F(TensorParallel, ZeroThreeOfAPipelineOfTensorGroupsTrainsWhatOneRankTrains) {
+  const std::string llama = "--set model.family=llama --set model.n_kv_head=2 --set model.tie_embeddings=false ";
+  const std::string mesh = "--set parallel.pipeline=2 --set parallel.tensor=2 --set parallel.micro_batches=2 "
+                           "--set parallel.schedule=1f1b --set parallel.zero=3 ";
+  for (const std::string family : {"gpt", "llama"}) {
+    const std::string extra = family == "llama" ? llama : "";
+    ASSERT_EQ(train(0, 8, family + "one", extra).exit_code, 0);
+    auto r = train(8, 4, family + "d2p2t2z3", extra + mesh);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("tensor parallel over 2 ranks (data 2 x pipeline 2 x tensor 2)"), std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("ZeRO-3 over 2 ranks"), std::string::npos) << r.output;
+    expect_same_training(family + "one", family + "d2p2t2z3");
+  }
+  // With sequence parallelism too (each stage's tensor ranks sending their rows).
+  auto r = train(8, 4, "gptd2p2t2z3sp", mesh + "--set parallel.sequence_parallel=true");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_same_training("gptone", "gptd2p2t2z3sp");
+  ASSERT_EQ(train(8, 4, "half", mesh + "--set train.steps=6").exit_code, 0);
+  r = train(8, 4, "resumed", mesh + "--set train.resume=" + dir / "half/ckpt");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+    EXPECT_EQ(testing::checkpoint_bytes(dir / "gptd2p2t2z3/ckpt", plane),
+              testing::checkpoint_bytes(dir / "resumed/ckpt", plane))
+        << static_cast<int>(plane);
+  }
+}
+
+// Zero Bubble's post-validation with pipeline 2 x tensor 2 (ZB-H1, 4 ranks, oversubscribed): each
+// rank steps optimistically from a copy of its own shards while the stages sum the norm (each
+// stage's share its tensor group's), and redoes the step when clipping applies: the same bytes
+// (parameters and both moments) and losses as waiting for the norm, with steps rolled back (the
+// first steps' norms exceed optim.grad_clip = 1). GPT-2 and llama, 8 steps.
+TEST_F(TensorParallel, PostValidationOfAPipelineOfTensorGroupsIsExact) {
+  const std::string llama = "--set model.family=llama --set model.n_kv_head=2 --set model.tie_embeddings=false ";
+  const std::string pt = "--set parallel.pipeline=2 --set parallel.tensor=2 --set parallel.micro_batches=4 "
+                         "--set parallel.schedule=zb-h1 --set train.steps=8 ";
+  for (const std::string family : {"gpt", "llama"}) {
+    const std::string extra = (family == "llama" ? llama : "") + pt;
+    ASSERT_EQ(train(4, 8, family + "waiting", extra).exit_code, 0);
+    auto r = train(4, 8, family + "post", extra + "--set parallel.post_validate=true");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(losses(family + "waiting"), losses(family + "post")) << family;
+    for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+      EXPECT_EQ(testing::checkpoint_bytes(dir / (family + "waiting/ckpt"), plane),
+                testing::checkpoint_bytes(dir / (family + "post/ckpt"), plane))
+          << family << " " << static_cast<int>(plane);
+    }
+    int rolled_back = 0;
+    const std::string text = read_text_file(dir / (family + "post/metrics.jsonl"));
+    for (size_t at = 0; at < text.size();) {
+      const size_t end = std::min(text.find('\n', at), text.size());
+      const nlohmann::json j = nlohmann::json::parse(text.substr(at, end - at));
+      at = end + 1;
+      if (j.contains("loss")) rolled_back += j.value("pipeline_rolled_back", false);
+    }
+    EXPECT_GT(rolled_back, 0) << family;
+  }
+}
+
 // metrics.jsonl's tensor_allreduce_bytes against the closed form (docs/parallelism.md): per
 // micro-batch of N = B x seq tokens, in floats of 4 bytes, 2 L N C forward (the row-parallel
 // outputs) + N C (the embedding) and 2 L N C backward (the column-parallel input gradients) + N C
@@ -600,6 +667,99 @@ TEST_F(TensorParallel, SequenceParallelTrainsWhatOneRankTrains) {
   }
 }
 
+// Sequence parallelism with activation recomputation (full: the recomputed forward repeats its
+// gathers and reduce-scatters on every rank of the group; selective: attention and the MLP's
+// activation rebuilt from what the block keeps) and with bf16 (the norms' outputs kept as bf16
+// bits and gathered as they are, in half the bytes) trains what T = 2 trains without it under the
+// same setting: the first step's loss the same (the same sums: a reduce-scatter and an all-reduce
+// of two ranks add the same two numbers), every step's within 1e-5 relative over 8 steps. The
+// norms' weight gradients are summed in another order (per rank's rows, then over the group):
+// float32 weights end within 1e-5; under bf16 a last-bit difference in a norm's weights can flip
+// the bf16 rounding of the activations it produces, so the weights end within bf16's precision
+// (1e-3 relative per tensor; measured up to 6.8e-4 for GPT-2, under 1e-6 for llama). GPT-2 and llama.
+TEST_F(TensorParallel, SequenceParallelComposesWithRecomputationAndBf16) {
+  const std::string llama = "--set model.family=llama --set model.n_kv_head=2 --set model.tie_embeddings=false ";
+  const std::vector<std::pair<std::string, std::string>> settings = {
+      {"full", "--set train.recompute=full "},
+      {"selective", "--set train.recompute=selective "},
+      {"bf16", "--set runtime.precision=bf16 "},
+      {"bf16full", "--set runtime.precision=bf16 --set train.recompute=full "}};
+  for (const std::string family : {"gpt", "llama"}) {
+    for (const auto& [name, setting] : settings) {
+      const std::string extra = (family == "llama" ? llama : "") + setting + "--set train.steps=8 --set parallel.tensor=2 ";
+      const std::string plain = family + name, sp = family + name + "sp";
+      auto r = train(2, 8, plain, extra);
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      r = train(2, 8, sp, extra + "--set parallel.sequence_parallel=true");
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      const std::vector<double> want = losses(plain), got = losses(sp);
+      ASSERT_EQ(got.size(), 8u) << sp;
+      EXPECT_EQ(got[0], want[0]) << sp;
+      double farthest = 0;
+      if (name.starts_with("bf16")) {
+        for (size_t s = 0; s < got.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-5 * want[s]) << sp << " step " << s + 1;
+        const auto distance = testing::weight_distance(dir / (plain + "/ckpt"), dir / (sp + "/ckpt"));
+        EXPECT_FALSE(distance.empty());
+        for (const auto& [tensor, d] : distance) {
+          EXPECT_LT(d, 1e-3) << sp << ": " << tensor;
+          farthest = std::max(farthest, d);
+        }
+      } else {
+        expect_same_training(plain, sp);
+      }
+      std::printf("[ sequence parallel ] %s T=2 %s activation bytes per rank: %lld without, %lld with%s\n",
+                  family.c_str(), name.c_str(),
+                  static_cast<long long>(run_activation_bytes(dir / (plain + "/metrics.jsonl"))),
+                  static_cast<long long>(run_activation_bytes(dir / (sp + "/metrics.jsonl"))),
+                  farthest > 0 ? (", weights up to " + std::to_string(farthest) + " apart").c_str() : "");
+    }
+  }
+}
+
+// Sequence parallelism with pipelines: pipeline 2 x tensor 2 (4 ranks, oversubscribed), each tensor
+// rank sending its N / 2 rows of the residual stream (and receiving their gradients) to its
+// counterpart in the next stage (half the floats of a message without it), trains what one rank
+// trains with the whole batch and what pipeline 2 x tensor 2 trains without it (losses within 1e-5
+// relative over 20 steps, weights within 1e-5): GPT-2 under 1F1B and zero-bubble ZB-H1 (the
+// deferred W of a selectively recomputing block re-runs its B, gathers and reduce-scatters
+// included), llama under 1F1B and the interleaved schedule (two stages per rank).
+TEST_F(TensorParallel, SequenceParallelPipelinesTrainWhatOneRankTrains) {
+  const std::string llama = "--set model.family=llama --set model.n_kv_head=2 --set model.tie_embeddings=false ";
+  const std::string pt = "--set parallel.pipeline=2 --set parallel.tensor=2 --set parallel.micro_batches=4 ";
+  const std::string sp = "--set parallel.sequence_parallel=true ";
+  for (const auto& [family, schedules] :
+       {std::pair<std::string, std::vector<std::string>>{"gpt", {"1f1b", "zb-h1"}},
+        std::pair<std::string, std::vector<std::string>>{"llama", {"1f1b", "interleaved"}}}) {
+    const std::string extra = family == "llama" ? llama : "";
+    ASSERT_EQ(train(0, 8, family + "one", extra).exit_code, 0);
+    ASSERT_EQ(losses(family + "one").size(), 20u);
+    auto r = train(4, 8, family + "p2t2", extra + pt + "--set parallel.schedule=1f1b");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    for (const std::string& schedule : schedules) {
+      const std::string run = family + "p2t2sp" + schedule;
+      r = train(4, 8, run, extra + pt + sp + "--set parallel.schedule=" + schedule);
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      EXPECT_NE(r.output.find("tensor parallel over 2 ranks (data 1 x pipeline 2 x tensor 2)"), std::string::npos)
+          << r.output;
+      expect_same_training(family + "one", run);
+      expect_same_training(family + "p2t2", run);
+    }
+    const int64_t without = run_activation_bytes(dir / (family + "p2t2/metrics.jsonl"));
+    const int64_t with = run_activation_bytes(dir / (family + "p2t2sp1f1b/metrics.jsonl"));
+    ASSERT_GT(with, 0) << family;
+    EXPECT_LT(with, without) << family;
+    std::printf("[ sequence parallel ] %s P=2 T=2 1f1b activation bytes per rank: %lld without, %lld with\n",
+                family.c_str(), static_cast<long long>(without), static_cast<long long>(with));
+  }
+  // ZB-H1 with selective recomputation: W deferred past other micro-batches rebuilds its block's
+  // shared set and re-runs B (with its collectives) before it.
+  const std::string zb = pt + "--set parallel.schedule=zb-h1 --set train.recompute=selective --set train.steps=8 ";
+  ASSERT_EQ(train(4, 8, "zbsel", zb).exit_code, 0);
+  auto r = train(4, 8, "zbselsp", zb + sp);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_same_training("zbsel", "zbselsp");
+}
+
 // metrics.jsonl's gather and scatter bytes under sequence parallelism against the closed form
 // (docs/parallelism.md): per micro-batch of N = B x seq tokens, in whole buffers of N C floats (4
 // bytes each), all-gathers: per block 2 forward (the two norms' outputs), 2 in B (the two
@@ -608,32 +768,41 @@ TEST_F(TensorParallel, SequenceParallelTrainsWhatOneRankTrains) {
 // row-parallel outputs) and 2 in B (the column-parallel inputs' gradients), the embedding's
 // output and the head's input gradient: (4 L + 2) N C. All-reduces: the cross-entropy's 2 N sums
 // and N maxima (8 bytes each), and the norms' weight gradients (GPT-2: 4 C per block and 2 C at
-// the head; llama: 2 C and C). GPT-2 and llama, T = 2, 2 micro-batches a step, evaluations
-// between steps not counted.
+// the head; llama: 2 C and C). Under bf16 with full recomputation the blocks' norm-output gathers
+// (forward, recomputed forward, W) carry bf16 bits, 2 bytes an element, and every block's forward
+// but the last's runs again (its norm outputs gathered and its row-parallel outputs
+// reduce-scattered again: 2 (L - 1) N C more of each). GPT-2 and llama, T = 2, 2 micro-batches a
+// step, evaluations between steps not counted.
 TEST_F(TensorParallel, SequenceParallelGatherAndScatterBytesFollowTheClosedForm) {
   const std::string llama = "--set model.family=llama --set model.n_kv_head=2 --set model.tie_embeddings=false ";
   const int64_t B = 4, seq = 32, C = 64, L = 2, micro = 2, N = B * seq;
   for (const std::string family : {"gpt", "llama"}) {
-    auto r = train(2, static_cast<int>(B), family,
-                   (family == "llama" ? llama : "") + "--set parallel.tensor=2 --set parallel.sequence_parallel=true "
-                   "--set train.steps=4 --set train.grad_accum=2 --set train.eval_every=2");
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    const int64_t gather = micro * 4 * (6 * L + 2) * N * C, scatter = micro * 4 * (4 * L + 2) * N * C;
-    const int64_t norms = family == "llama" ? L * 2 * C + C : L * 4 * C + 2 * C;
-    const int64_t allreduce = micro * (4 * (2 * N + norms) + 8 * N);
-    int lines = 0;
-    const std::string text = read_text_file(dir / (family + "/metrics.jsonl"));
-    for (size_t at = 0; at < text.size();) {
-      const size_t end = std::min(text.find('\n', at), text.size());
-      const nlohmann::json j = nlohmann::json::parse(text.substr(at, end - at));
-      at = end + 1;
-      if (!j.contains("loss")) continue;
-      ++lines;
-      EXPECT_EQ(j.value("tensor_allgather_bytes", int64_t{-1}), gather) << family << " step " << j["step"];
-      EXPECT_EQ(j.value("tensor_reduce_scatter_bytes", int64_t{-1}), scatter) << family << " step " << j["step"];
-      EXPECT_EQ(j.value("tensor_allreduce_bytes", int64_t{-1}), allreduce) << family << " step " << j["step"];
+    for (const bool bf16full : {false, true}) {
+      const std::string run = family + (bf16full ? "bf16full" : "");
+      auto r = train(2, static_cast<int>(B), run,
+                     (family == "llama" ? llama : "") + "--set parallel.tensor=2 --set parallel.sequence_parallel=true "
+                     "--set train.steps=4 --set train.grad_accum=2 --set train.eval_every=2 " +
+                         (bf16full ? "--set runtime.precision=bf16 --set train.recompute=full" : ""));
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      const int64_t norm_gathers = 2 * L + 2 * L + (bf16full ? 2 * (L - 1) : 0);  // forward, W, recomputed forward
+      const int64_t gather = micro * ((bf16full ? 2 : 4) * norm_gathers + 4 * (2 * L + 2)) * N * C;
+      const int64_t scatter = micro * 4 * (4 * L + 2 + (bf16full ? 2 * (L - 1) : 0)) * N * C;
+      const int64_t norms = family == "llama" ? L * 2 * C + C : L * 4 * C + 2 * C;
+      const int64_t allreduce = micro * (4 * (2 * N + norms) + 8 * N);
+      int lines = 0;
+      const std::string text = read_text_file(dir / (run + "/metrics.jsonl"));
+      for (size_t at = 0; at < text.size();) {
+        const size_t end = std::min(text.find('\n', at), text.size());
+        const nlohmann::json j = nlohmann::json::parse(text.substr(at, end - at));
+        at = end + 1;
+        if (!j.contains("loss")) continue;
+        ++lines;
+        EXPECT_EQ(j.value("tensor_allgather_bytes", int64_t{-1}), gather) << run << " step " << j["step"];
+        EXPECT_EQ(j.value("tensor_reduce_scatter_bytes", int64_t{-1}), scatter) << run << " step " << j["step"];
+        EXPECT_EQ(j.value("tensor_allreduce_bytes", int64_t{-1}), allreduce) << run << " step " << j["step"];
+      }
+      EXPECT_EQ(lines, 4) << run;
     }
-    EXPECT_EQ(lines, 4) << family;
   }
 }
 
@@ -645,16 +814,25 @@ TEST_F(TensorParallel, SequenceParallelRefusesWhatItIsNotBuiltWith) {
     EXPECT_NE(why.find(needle), std::string::npos) << why;
   };
   refuses({}, 1, "config key 'parallel.sequence_parallel': expected false with parallel.tensor = 1");
-  refuses({"parallel.tensor=2", "parallel.pipeline=2"}, 4,
-          "config key 'parallel.pipeline': expected its default with parallel.sequence_parallel (not yet supported "
-          "together), found 2");
-  refuses({"parallel.tensor=2", "train.recompute=full"}, 2, "config key 'train.recompute': expected its default with "
-                                                            "parallel.sequence_parallel");
-  refuses({"parallel.tensor=2", "runtime.precision=bf16"}, 2, "config key 'runtime.precision': expected its default "
-                                                              "with parallel.sequence_parallel");
+  // With context parallelism a rank's rows are its chunks: B x T / context of them.
+  refuses({"parallel.tensor=4", "parallel.context=2", "train.batch_size=1", "train.seq_len=4", "model.n_head=4",
+           "model.attention=blockwise"},
+          8, "config key 'train.batch_size': expected batch_size x seq_len / parallel.context (1 x 4 / 2) divisible by "
+             "parallel.tensor with parallel.sequence_parallel, found 1");
   refuses({"parallel.tensor=2", "train.batch_size=1", "train.seq_len=31", "model.max_seq_len=32"}, 2,
           "config key 'train.batch_size': expected batch_size x seq_len (1 x 31) divisible by parallel.tensor");
   EXPECT_EQ(testing::config_refusal({"model.preset=tiny", "parallel.tensor=2", "parallel.sequence_parallel=true"}, 4),
+            "");
+  // (Built with pipelines, recomputation, bf16 and context parallelism.)
+  for (const std::string set : {"parallel.pipeline=2", "train.recompute=full", "runtime.precision=bf16"}) {
+    EXPECT_EQ(testing::config_refusal({"model.preset=tiny", "parallel.tensor=2", "parallel.sequence_parallel=true", set},
+                                      4),
+              "")
+        << set;
+  }
+  EXPECT_EQ(testing::config_refusal({"model.preset=tiny", "parallel.tensor=2", "parallel.sequence_parallel=true",
+                                     "parallel.context=2", "model.attention=blockwise"},
+                                    4),
             "");
   // A job refused the same way (exit 2, before any step).
   auto r = train(1, 8, "x", "--set parallel.sequence_parallel=true");
@@ -696,13 +874,12 @@ TEST_F(TensorParallel, LayoutsAndModelsThatCannotBeSplitAreRefusedInOneLine) {
   EXPECT_EQ(refusal({"model.preset=tiny", "parallel.tensor=2"}, 2), "");
   EXPECT_EQ(refusal({"model.preset=tiny", "parallel.tensor=2"}, 4), "");  // data 2 x tensor 2
   EXPECT_EQ(refusal({"model.preset=tiny", "parallel.tensor=2", "parallel.pipeline=2"}, 4), "");
+  EXPECT_EQ(refusal({"model.preset=tiny", "parallel.tensor=2", "parallel.pipeline=2", "parallel.zero=3",
+                     "train.batch_size=8", "parallel.micro_batches=4"}, 8),
+            "");  // (ZeRO-3 of a pipeline of tensor groups: built)
   // A pipeline of tensor groups: what is not built for shards yet.
-  refuses({"model.preset=tiny", "parallel.tensor=2", "parallel.pipeline=2", "parallel.zero=3", "train.batch_size=8",
-           "parallel.micro_batches=4"}, 8,
-          "config key 'parallel.zero': expected 0, 1 or 2 with parallel.tensor > 1 and parallel.pipeline > 1 (ZeRO-3 "
-          "of a pipeline of tensor groups is not yet supported), found 3");
-  for (const auto& [set, key] : {std::pair<std::string, std::string>{"parallel.post_validate=true", "parallel.post_validate"},
-                                 {"parallel.predict_gradients=mean", "parallel.predict_gradients"}}) {
+  for (const auto& [set, key] : {std::pair<std::string, std::string>{"parallel.predict_gradients=mean",
+                                                                     "parallel.predict_gradients"}}) {
     refuses({"model.preset=tiny", "parallel.tensor=2", "parallel.pipeline=2", "monitor.layer_costs_every=2",
              "train.batch_size=8", "parallel.micro_batches=4", set}, 4,
             "config key '" + key + "': expected its default with parallel.tensor > 1 (not yet supported together)");

@@ -58,35 +58,25 @@ void validate_tensor_parallel_config(const Config& c) {
               "found " + value);
   };
   if (c.parallel.pipeline > 1) {
-    // A pipeline of tensor groups: what copies a stage's whole planes outside its shards is not
-    // built for shards yet (post-validation's backup, the gradient predictor's per-element state).
-    // (A re-cut moves each tensor rank's shards between the ranks of its pipeline group.)
-    not_yet(!c.parallel.post_validate, "parallel.post_validate", "true");
+    // A pipeline of tensor groups: the gradient predictor's per-element state is not built for
+    // shards yet. (A re-cut moves each tensor rank's shards between the ranks of its pipeline
+    // group; post-validation copies and restores a rank's own shards.)
     not_yet(c.parallel.predict_gradients == PredictGradients::off, "parallel.predict_gradients",
             "\"" + std::string(to_string(c.parallel.predict_gradients)) + "\"");
   }
-  check(c.parallel.zero <= 2 || c.parallel.pipeline == 1,
-        "config key 'parallel.zero': expected 0, 1 or 2 with parallel.tensor > 1 and parallel.pipeline > 1 (ZeRO-3 "
-        "of a pipeline of tensor groups is not yet supported), found " + std::to_string(c.parallel.zero));
   if (c.parallel.sequence_parallel) {
-    // Built for one stage of float32 activations kept whole (each a later piece of work).
-    auto not_with = [&](bool ok, const std::string& key, const std::string& value) {
-      check(ok, "config key '" + key + "': expected its default with parallel.sequence_parallel (not yet supported "
-                "together), found " + value);
-    };
-    not_with(c.parallel.pipeline == 1, "parallel.pipeline", std::to_string(c.parallel.pipeline));
-    not_with(c.parallel.context == 1, "parallel.context", std::to_string(c.parallel.context));
-    not_with(c.train.recompute == Recompute::none, "train.recompute",
-             "\"" + std::string(to_string(c.train.recompute)) + "\"");
-    not_with(c.runtime.precision == Precision::fp32, "runtime.precision",
-             "\"" + std::string(to_string(c.runtime.precision)) + "\"");
-    // Every micro-batch's B x T token rows cut into T equal parts (a curriculum's every length).
+    // Every micro-batch's B x T token rows cut into T equal parts (a curriculum's every length;
+    // with context parallelism the rank's B x T / context rows, its chunks of each sequence).
+    const int context = std::max(1, c.parallel.context);
     std::vector<int> lengths{c.train.seq_len};
     for (const auto& [step, len] : c.train.seq_len_steps()) lengths.push_back(len);
     for (int len : lengths) {
-      check(static_cast<int64_t>(c.train.batch_size) * len % T == 0,
-            "config key 'train.batch_size': expected batch_size x seq_len (" + std::to_string(c.train.batch_size) +
-                " x " + std::to_string(len) + ") divisible by parallel.tensor with parallel.sequence_parallel, found " +
+      check(static_cast<int64_t>(c.train.batch_size) * (len / context) % T == 0,
+            "config key 'train.batch_size': expected batch_size x seq_len" +
+                (context > 1 ? " / parallel.context (" + std::to_string(c.train.batch_size) + " x " +
+                                   std::to_string(len) + " / " + std::to_string(context) + ")"
+                             : " (" + std::to_string(c.train.batch_size) + " x " + std::to_string(len) + ")") +
+                " divisible by parallel.tensor with parallel.sequence_parallel, found " +
                 std::to_string(c.train.batch_size));
     }
   }

@@ -177,7 +177,8 @@ class Block final : public Layer {
   void set_recomputed(float* shared) override { shared_ = shared; }
   int64_t scratch_floats(int B, int T) const override {
     // dfch_gelu (also datty); under bf16 also the staging of the stashed tensors; under sequence
-    // parallelism a gathered or partial [N, C] and the norms' partial weight gradients
+    // parallelism a gathered or partial [N, C] (after the staging: a product may read one while
+    // writing the other) and the norms' partial weight gradients
     const int64_t N = static_cast<int64_t>(B) * T, main = padded(N * 4 * m_.n_embd);
     return main * (bf16_ ? 2 : 1) + (seq_.on() ? padded(N * m_.n_embd) + 4 * m_.n_embd : 0);
   }
@@ -187,7 +188,7 @@ class Block final : public Layer {
     scratch_ = scratch;
     const int64_t N = static_cast<int64_t>(B) * T;
     stage_ = scratch + padded(N * 4 * m_.n_embd);
-    whole_ = stage_;  // (sequence parallelism excludes bf16: no staging)
+    whole_ = stage_ + (bf16_ ? padded(N * 4 * m_.n_embd) : 0);
     norm_grads_ = whole_ + padded(N * m_.n_embd);
   }
 
@@ -238,10 +239,11 @@ class Block final : public Layer {
   }
 
   // A kept norm output as the operand of a column-parallel product: its N rows (under sequence
-  // parallelism this rank's rows all-gathered into whole_, which the next gather overwrites).
+  // parallelism this rank's rows all-gathered into whole_, which the next gather overwrites; under
+  // bf16 as the bits it keeps).
   Operand whole_rows(const Stash& kept, int N) {
     if (!seq_.on()) return kept.read();
-    return Operand(seq_.gather(whole_, kept.read().f32, N, m_.n_embd));
+    return seq_.gather(whole_, kept.read(), N, m_.n_embd);
   }
   // The gradient of a column-parallel product's input, partial[N, C] (this rank's columns' part),
   // summed over the tensor group into grad: all N rows (all-reduced in place: partial is grad),
@@ -359,9 +361,10 @@ class Block final : public Layer {
   // recomputes attention's tensors and (float32) the GELU output; full everything. What B keeps
   // for W is in the shared set under either (W follows B at once but in zero-bubble schedules,
   // where W recomputes and re-runs B: GPT::backward_weight).
-  // Under sequence parallelism (no recomputation, float32) the norms' outputs, row statistics and
-  // gradients and the residual take this rank's R rows; B keeps the gathered output gradients
-  // (dres2_ of all N rows, dout_) for W.
+  // Under sequence parallelism the norms' outputs, row statistics and gradients, the residual and
+  // a full recomputation's output take this rank's R rows; B keeps the gathered output gradients
+  // (dres2_ of all N rows, dout_) for W, in the shared set under recomputation (a deferred W
+  // re-runs B, its gathers and reduce-scatters with it, on every rank of the group alike).
   void carve(model_detail::RecomputeCarver& a, int B, int T) {
     const int64_t N = static_cast<int64_t>(B) * T, C = m_.n_embd, R = seq_.rows(N);
     const bool full = mode_ == Recompute::full, any = mode_ != Recompute::none;
@@ -384,7 +387,7 @@ class Block final : public Layer {
     dln2_ = a.at(any).take(R * C);
     dfch_.carve(a.at(any), N * F_, bf16_);
     dout_ = seq_.on() ? a.at(any).take(N * C) : nullptr;
-    sink_ = full ? a.shared.take(N * C) : nullptr;
+    sink_ = full ? a.shared.take(R * C) : nullptr;
   }
 
  private:
@@ -614,7 +617,9 @@ int64_t GPT::recomputed_floats_for(int B, int T) const {
   for (const std::unique_ptr<Layer>& layer : layers_) {
     if (layer) shared = std::max(shared, padded(layer->recomputed_floats(B, T)));
   }
-  return shared > 0 ? shared + padded(static_cast<int64_t>(B) * T * config_.n_embd) : 0;
+  // (the re-run B's input gradient: this rank's rows under sequence parallelism)
+  const int64_t rows = model_detail::SequenceRows(tensor_).rows(static_cast<int64_t>(B) * T);
+  return shared > 0 ? shared + padded(rows * config_.n_embd) : 0;
 }
 
 int64_t GPT::recomputed_bytes_for(const ModelConfig& config, const LayerRange& range, int B, int T,

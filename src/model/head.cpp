@@ -127,7 +127,7 @@ class Head final : public model_detail::OutputLayer {
     ops::linear_backward_weight(math_.backward, G(head_), static_cast<float*>(nullptr), logits_, n_.read(), N, C, rows_);
     // Under sequence parallelism the norm's weight gradients from this rank's rows, summed over the group.
     const int R = static_cast<int>(seq_.rows(N));
-    float* partial = stage_;  // (sequence parallelism excludes bf16: the scratch holds no staging)
+    float* partial = stage_;  // (under bf16 over the forward's staging of n, no longer needed)
     if (seq_.on()) std::fill(partial, partial + 2 * C, 0.0f);
     float* dw = seq_.on() ? partial : G(normw_);
     if (layernorm_) {

@@ -157,6 +157,24 @@ class SequenceRows {
     group_->allgather(all, rows(N) * C);
     return all;
   }
+  // A kept stash's rows (model_detail::Stash::read: float32, or bf16 bits) as all N rows of a
+  // product's operand, gathered into all (room for N x C floats). bf16 bits travel as they are, two
+  // to a float (half the bytes; rows x C odd: widened to float32 first, exactly), so the product
+  // reads the same bits it reads without sequence parallelism.
+  Operand gather(float* all, Operand mine, int64_t N, int64_t C) const {
+    if (mine.bf16 == nullptr) return Operand(gather(all, mine.f32, N, C));
+    const int64_t n = rows(N) * C;
+    if (n % 2 == 0) {
+      uint16_t* bits = reinterpret_cast<uint16_t*>(all);
+      std::copy_n(mine.bf16, n, bits + first(N) * C);
+      group_->allgather(all, n / 2);
+      return Operand::bits(bits);
+    }
+    float* own = all + first(N) * C;
+    for (int64_t i = 0; i < n; ++i) own[i] = from_bf16(mine.bf16[i]);
+    group_->allgather(all, n);
+    return Operand(static_cast<const float*>(all));
+  }
   // part[N, C] summed over the ranks; this rank's rows of the sums land in mine[rows, C] (which may
   // be part itself: MPI's in-place convention leaves them at its start).
   void scatter(float* part, float* mine, int64_t N, int64_t C) const {

@@ -60,7 +60,8 @@ class LlamaBlock final : public Layer {
   int64_t scratch_floats(int B, int T) const override {
     const int64_t N = static_cast<int64_t>(B) * T;
     // o / down outputs, dh, datty; under bf16 also the staging of gate_up and h (side by side);
-    // under sequence parallelism a gathered or partial [N, C] and the norms' partial weight gradients
+    // under sequence parallelism a gathered or partial [N, C] (after the staging: a product may read
+    // one while writing the other) and the norms' partial weight gradients
     return padded(N * std::max(C_, H_)) + (bf16_ ? padded(N * 2 * H_) + padded(N * H_) : 0) +
            (seq_.on() ? padded(N * C_) + 2 * C_ : 0);
   }
@@ -71,7 +72,7 @@ class LlamaBlock final : public Layer {
     scratch_ = scratch;
     stage_ = scratch + padded(N * std::max(C_, H_));
     stage_h_ = stage_ + padded(N * 2 * H_);
-    whole_ = stage_;  // (sequence parallelism excludes bf16: no staging)
+    whole_ = bf16_ ? stage_h_ + padded(N * H_) : stage_;
     norm_grads_ = whole_ + padded(N * C_);
   }
 
@@ -138,10 +139,11 @@ class LlamaBlock final : public Layer {
   }
 
   // A kept norm output as the operand of a column-parallel product: its N rows (under sequence
-  // parallelism this rank's rows all-gathered into whole_, which the next gather overwrites).
+  // parallelism this rank's rows all-gathered into whole_, which the next gather overwrites; under
+  // bf16 as the bits it keeps).
   Operand whole_rows(const Stash& kept, int N) {
     if (!seq_.on()) return kept.read();
-    return Operand(seq_.gather(whole_, kept.read().f32, N, C_));
+    return seq_.gather(whole_, kept.read(), N, C_);
   }
 
   // Context parallelism: each of the batch's rows of q and k rotated at its token's position in
@@ -244,9 +246,10 @@ class LlamaBlock final : public Layer {
  public:
   // Carves the block's tensors for micro-batches of up to B x T: what the mode keeps into
   // a.kept, what it recomputes into a.shared (as GPT-2's block: model/gpt.cpp Block::carve).
-  // Under sequence parallelism (no recomputation, float32, no mixture of experts) the norms'
-  // outputs, row statistics and gradients and the residual take this rank's R rows; B keeps the
-  // gathered output gradients (dres2_ of all N rows, dout_) for W.
+  // Under sequence parallelism (no mixture of experts: refused with tensor parallelism) the norms'
+  // outputs, row statistics and gradients, the residual and a full recomputation's output take
+  // this rank's R rows; B keeps the gathered output gradients (dres2_ of all N rows, dout_) for W
+  // (as GPT-2's block).
   void carve(model_detail::RecomputeCarver& a, int B, int T) {
     const int64_t N = static_cast<int64_t>(B) * T, R = seq_.rows(N);
     const bool full = mode_ == Recompute::full, any = mode_ != Recompute::none;
@@ -269,7 +272,7 @@ class LlamaBlock final : public Layer {
     dgu_.carve(a.at(any), 2 * NH, bf16_);
     dout_ = seq_.on() ? a.at(any).take(N * C_) : nullptr;
     if (moe_) moe_act_ = moe_->carve(a.kept, B, T);  // kept under every train.recompute
-    sink_ = full ? a.shared.take(N * C_) : nullptr;
+    sink_ = full ? a.shared.take(R * C_) : nullptr;
   }
 
  private:

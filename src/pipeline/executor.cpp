@@ -68,7 +68,12 @@ int Executor::tag(Op op, int micro, int stage) const {
 
 size_t Executor::message_floats() const {
   const Batch& b = micro_->front();
-  return static_cast<size_t>(b.B) * b.T * model_.config().n_embd;
+  return rows(static_cast<int64_t>(b.B) * b.T) * model_.config().n_embd;
+}
+
+size_t Executor::rows(int64_t N) const {
+  const TensorGroup* tensor = model_.tensor_group();
+  return static_cast<size_t>(tensor != nullptr ? tensor->rows(N) : N);
 }
 
 int Executor::slot_of(int micro, int stage, bool allocate) {
@@ -174,7 +179,7 @@ void Executor::send_grad(const Instr& in, int slot) {
   const size_t n = message_floats();
   // Buffers hold the largest message the model's activations allow: a step of longer sequences
   // (a curriculum) reuses them.
-  const size_t most = static_cast<size_t>(model_.allocated_B()) * model_.allocated_T() * model_.config().n_embd;
+  const size_t most = rows(static_cast<int64_t>(model_.allocated_B()) * model_.allocated_T()) * model_.config().n_embd;
   if (n > most) throw Error("pipeline: a message of " + std::to_string(n) + " floats exceeds the allocated activations");
   if (pick == grad_buffers_.size()) grad_buffers_.emplace_back(std::make_unique<float[]>(most), Communicator::Request{});
   float* buffer = grad_buffers_[pick].first.get();

@@ -100,7 +100,11 @@ class Executor {
   void wait_receive(const Instr& in);
   void send_grad(const Instr& in, int slot);
   int tag(Op op, int micro, int stage) const;
+  // Floats of one message between stages: a micro-batch's rows of the residual stream [N, C]
+  // this rank holds (under sequence parallelism its tensor group's share: N / T rows, each tensor
+  // rank sending its own to the next stage's rank of the same tensor place).
   size_t message_floats() const;
+  size_t rows(int64_t N) const;  // of a micro-batch's N token rows, those this rank holds
   void notify_hook(size_t from);
 
   GPT& model_;

@@ -223,8 +223,12 @@ void PipelineStep::update(int64_t step, double lr, double& loss_sum, StepResult&
   // Zero Bubble's post-validation: the sum of the norm over the stages runs while this rank
   // steps as if the norm needs no clipping, from a copy kept in case it does; once the norm is
   // known, the step is redone from the copy if it did. The same arithmetic as waiting: the
-  // same bytes.
-  double squares = grad_sum_squares(store_);
+  // same bytes. With tensor parallelism the stage's share is its tensor group's, summed over the
+  // group first (blocking; the copy covers the rank's shards), and the loss is counted once per group.
+  Communicator* tensor = groups_.tp();
+  if (tensor != nullptr && config_.sync.codec != SyncCodec::none) tensor_share_replicated_grads(model_, *tensor);
+  double squares = tensor != nullptr ? tensor_grad_squares(model_, *tensor) : grad_sum_squares(store_);
+  if (tensor != nullptr && tensor->rank() != 0) loss_sum = 0;
   Communicator::Request norm_request = pp.iallreduce_sum(&squares, 1);
   const Plane planes[4] = {Plane::param, Plane::grad, Plane::adam_m, Plane::adam_v};
   const size_t n = static_cast<size_t>(store_.numel());

@@ -105,9 +105,10 @@ class LanguageModel final : public Workload {
                   groups_.tensor_size(), groups_.dp().size() / context, config_.parallel.pipeline, with_context.c_str(),
                   groups_.tensor_size(), rank.store->param_count() / 1e6, rank.whole_state->store().param_count() / 1e6);
       if (config_.parallel.sequence_parallel) {
+        // (with context parallelism: of the context rank's chunks, T / context tokens of each sequence)
         std::printf("keel: sequence parallel: norms and residual stream as 1/%d of each micro-batch's %d x %d token "
                     "rows per rank (all-gather before, reduce-scatter after the split products)\n",
-                    groups_.tensor_size(), t.batch_size, t.longest_seq_len());
+                    groups_.tensor_size(), t.batch_size, t.longest_seq_len() / context);
       }
     }
     if (const int context = groups_.context_size(); context > 1) {
