@@ -17,8 +17,8 @@ Parts (--part, default all; each figure is printed with the load average it was 
   search   The largest llama of a ladder (SEARCH_SHAPES) that takes --large-steps optimizer steps
            on 2 ranks under each of the rows ZeRO-2, ZeRO-3, ZeRO-3 + full recompute, ZeRO-3 +
            full recompute + bf16 state + NVMe tier. First a prediction per row and shape from
-           Keel's start-up line (`memory per rank`, less what the tiers home on NVMe; the run is
-           stopped once the line is printed), then real runs, largest predicted fit first, only
+           Keel's start-up line (`memory per rank`'s "in all": the tiered planes counted as the
+           tiers' device and host budgets; the run is stopped once the line is printed), then real runs, largest predicted fit first, only
            of the shapes predicted within --edge of the memory available when the search began:
            tokens/s, peak RSS per rank, wall per step, NVMe bytes read/written per step and the
            NVMe file's size. Every run is started with oom_score_adj 1000 (the kernel kills it,
@@ -279,24 +279,21 @@ def available_gib():
 
 def predict(cmd, nvme_dir):
     """Runs `cmd` until Keel prints its start-up memory line, then stops it (and removes the NVMe
-    tier files its ranks left in `nvme_dir`). Returns (MB per rank by Keel's own accounting less
-    what the tiers home on NVMe, parameters in millions, the line) or (None, None, the last line)
-    when it exits first."""
+    tier files its ranks left in `nvme_dir`). Returns (MB per rank by Keel's own accounting: the
+    line's "in all", the tiered planes counted as the tiers' budgets, parameters in millions, the
+    line) or (None, params, the last line) when it exits first."""
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          preexec_fn=lambda: (last_to_die(), os.setsid()))
-    nvme_mb, params, last = 0.0, None, ""
+    params, last = None, ""
     try:
         for line in p.stdout:
             last = line.strip()
             m = re.search(r"\(([0-9.]+)M parameters", line)
             if m:
                 params = float(m.group(1))
-            m = re.search(r"tiered memory: .* nvme ([0-9.]+) MB in", line)
+            m = re.search(r"keel: memory per rank: .*; ([0-9.]+) MB in all", line)
             if m:
-                nvme_mb = float(m.group(1))
-            if "keel: memory per rank:" in line:
-                mb = sum(float(x) for x in re.findall(r"([0-9.]+) MB", line.split("memory per rank:")[1]))
-                return mb - nvme_mb, params, last
+                return float(m.group(1)), params, last
     finally:
         try:
             os.killpg(p.pid, signal.SIGKILL)
