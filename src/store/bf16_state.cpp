@@ -1,8 +1,10 @@
 #include "store/bf16_state.h"
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -56,7 +58,7 @@ int Bf16State::hint(std::span<const PageRef> pages) {
 }
 
 int64_t Bf16State::resident_bytes(Plane plane) const {
-  const std::vector<uint16_t>& b = bits_of(plane);
+  const Bits& b = bits_of(plane);
   if (b.empty()) return 0;
   const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
   const uintptr_t begin = reinterpret_cast<uintptr_t>(b.data()) / page * page;
@@ -81,7 +83,7 @@ void Bf16State::settle() {
   check(!settled_, "bf16 state: settled twice");
   const std::vector<Chunk>& chunks = store_.chunks();
   if (params_) {
-    param_bits_.assign(static_cast<size_t>(store_.numel()), 0);
+    param_bits_.allocate(static_cast<size_t>(store_.numel()));
     if (master_chunks_.first < master_chunks_.second) {
       const Chunk& first = chunks[master_chunks_.first];
       const Chunk& last = chunks[master_chunks_.second - 1];
@@ -89,15 +91,26 @@ void Bf16State::settle() {
       master_.assign(static_cast<size_t>(last.offset + last.numel - first.offset), 0.0f);
     }
   }
-  if (grads_) grad_bits_.assign(static_cast<size_t>(store_.numel()), 0);
+  if (grads_) grad_bits_.allocate(static_cast<size_t>(store_.numel()));
   settled_ = true;
   for (const Chunk& c : chunks) {
     for (Plane plane : {Plane::param, Plane::grad}) {
       if (!holds(plane)) continue;
-      store_page({c.id, plane});
+      // A page of zeros (gradients before the first step; under ZeRO-3 another rank's chunk,
+      // never drawn here) has its bits and master already: neither is touched, so the start-up
+      // holds bits of the chunks with values only. (Reading untouched float32 pages maps nothing.)
+      const std::span<const float> f = std::as_const(store_).chunk_view(c.id, plane);
+      const bool zeros = std::all_of(f.begin(), f.end(), [](float x) { return std::bit_cast<uint32_t>(x) == 0; });
+      if (!zeros) store_page({c.id, plane});
       give_back({c.id, plane});
     }
   }
+}
+
+void Bf16State::Bits::allocate(size_t count) {
+  p.reset(static_cast<uint16_t*>(std::calloc(std::max<size_t>(count, 1), sizeof(uint16_t))));
+  check(p != nullptr, "bf16 state: out of memory for " + std::to_string(count) + " bf16 elements");
+  n = count;
 }
 
 void Bf16State::store_page(PageRef p) {

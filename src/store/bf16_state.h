@@ -38,6 +38,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
 #include <span>
 #include <utility>
 #include <vector>
@@ -118,8 +120,22 @@ class Bf16State final : public Residency {
  private:
   static size_t index(PageRef p) { return static_cast<size_t>(p.chunk) * kNumPlanes + static_cast<size_t>(p.plane); }
   bool owned(int chunk) const { return chunk >= master_chunks_.first && chunk < master_chunks_.second; }
-  std::vector<uint16_t>& bits_of(Plane plane) { return plane == Plane::param ? param_bits_ : grad_bits_; }
-  const std::vector<uint16_t>& bits_of(Plane plane) const { return plane == Plane::param ? param_bits_ : grad_bits_; }
+  // Zeroed bits (calloc): a large array is fresh pages that take no memory until written, so a
+  // chunk whose float32 values are all zero at settle() (gradients, other ranks' ZeRO-3 chunks)
+  // costs nothing.
+  struct Bits {
+    struct Free {
+      void operator()(uint16_t* p) const { std::free(p); }
+    };
+    std::unique_ptr<uint16_t, Free> p;
+    size_t n = 0;
+    uint16_t* data() const { return p.get(); }
+    size_t size() const { return n; }
+    bool empty() const { return n == 0; }
+    void allocate(size_t count);
+  };
+  Bits& bits_of(Plane plane) { return plane == Plane::param ? param_bits_ : grad_bits_; }
+  const Bits& bits_of(Plane plane) const { return plane == Plane::param ? param_bits_ : grad_bits_; }
   float* master_of(int chunk);
   void take(std::span<const PageRef> pages, bool layer);
   void put(std::span<const PageRef> pages, bool modified, bool layer);
@@ -133,7 +149,7 @@ class Bf16State final : public Residency {
   std::pair<int, int> master_chunks_;
   int64_t master_begin_ = 0;  // flat offset of the first master element
   bool settled_ = false;
-  std::vector<uint16_t> param_bits_, grad_bits_;
+  Bits param_bits_, grad_bits_;
   std::vector<float> master_;
   std::vector<int> leases_;  // open leases per page
   int64_t widened_bytes_[2] = {}, peak_widened_bytes_[2] = {};  // float32 bytes leased, by plane (param, grad)
