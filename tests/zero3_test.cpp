@@ -465,12 +465,13 @@ TEST_F(Zero3, Bf16MemoryLineCountsWhatARankHolds) {
     EXPECT_NE(i, std::string::npos) << before << " in " << line;
     return i == std::string::npos ? 0.0 : std::stod(line.substr(i + before.size())) * 1e6;
   };
-  const double bits = bytes("params "), masters = bytes("bf16 (its shard) + "), in_flight = bytes("MB float32 masters (its shard) + up to ");
-  const double widened = bytes("layers in flight + "), grads = bytes("grads "), bucket = bytes("reduce-scattered (");
-  const double grad_widened = bytes("MB each, bf16) + "), moments = bytes("AdamW moments "), activations = bytes("activations ");
+  const double bits = bytes("params "), masters = bytes("bf16 (its shard) + ");
+  const double in_flight = bytes("MB float32 masters (its shard) + up to "), widened = bytes("layers in flight + ");
+  const double grads = bytes("grads "), bucket = bytes("reduce-scattered ("), grad_widened = bytes("MB each, bf16) + ");
+  const double moments = bytes("AdamW moments "), activations = bytes("activations ");
   const double in_all = bytes("checkpoint buffers 0.0 MB; ");
-  EXPECT_NEAR(in_all, bits + masters + in_flight + widened + grads + bucket + grad_widened + moments + activations, 0.5e6)
-      << line;
+  const double sum = bits + masters + in_flight + widened + grads + bucket + grad_widened + moments + activations;
+  EXPECT_NEAR(in_all, sum, 0.5e6) << line;
   const nlohmann::json last = step_lines("z3").back();
   constexpr double kPrinted = 0.05e6 + 65536;  // %.1f MB, and mincore's whole pages at a range's ends
   auto within = [&](double measured, double printed, double least, const char* what) {

@@ -273,7 +273,9 @@ int64_t ShardedParams::largest_layer_gather_bytes() const {
 
 int64_t ShardedParams::largest_layer_bytes() const {
   std::vector<int64_t> by_layer(static_cast<size_t>(last_layer_ + 1), 0);
-  for (const Chunk& c : store_.chunks()) by_layer[static_cast<size_t>(c.layer)] += extent(c.id) * static_cast<int64_t>(sizeof(float));
+  for (const Chunk& c : store_.chunks()) {
+    by_layer[static_cast<size_t>(c.layer)] += extent(c.id) * static_cast<int64_t>(sizeof(float));
+  }
   return largest_lease(store_, by_layer);
 }
 

@@ -246,7 +246,8 @@ void Trainer::print_startup(double moments_mb) {
     const bool moments_only = bf16 != nullptr && bf16->holds(Plane::param) && bf16->holds(Plane::grad);
     std::snprintf(moments, sizeof moments,
                   "%s through the tiers: up to %.1f MB present (tier.device_mib) + %.1f MB host copies (tier.host_mib)",
-                  moments_only ? "AdamW moments" : "AdamW moments and the float32 planes above", present / 1e6, host / 1e6);
+                  moments_only ? "AdamW moments" : "AdamW moments and the float32 planes above", present / 1e6,
+                  host / 1e6);
     in_all += present + host;
   }
   const double activations = static_cast<double>(workload_->activation_bytes(*rank_));

@@ -164,7 +164,8 @@ void Bf16State::put(std::span<const PageRef> pages, bool modified, bool layer) {
     if (modified) store_page(p);
     if (--open == 0) {
       give_back(p);
-      widened_bytes_[p.plane == Plane::param ? 0 : 1] -= store_.chunks()[p.chunk].numel * static_cast<int64_t>(sizeof(float));
+      const int64_t bytes = store_.chunks()[p.chunk].numel * static_cast<int64_t>(sizeof(float));
+      widened_bytes_[p.plane == Plane::param ? 0 : 1] -= bytes;
     }
   }
 }
