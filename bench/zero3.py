@@ -17,17 +17,23 @@ Parts (--part, default all; each figure is printed with the load average it was 
   search   The largest llama of a ladder (SEARCH_SHAPES) that takes --large-steps optimizer steps
            on 2 ranks under each of the rows ZeRO-2, ZeRO-3, ZeRO-3 + full recompute, ZeRO-3 +
            full recompute + bf16 state + NVMe tier. First a prediction per row and shape from
-           Keel's start-up line (`memory per rank`, less what the tiers home on NVMe; the run is
-           stopped once the line is printed), then real runs, largest predicted fit first, only
+           Keel's start-up line (`memory per rank`'s "in all": the tiered planes counted as the
+           tiers' device and host budgets; the run is stopped once the line is printed), then real runs, largest predicted fit first, only
            of the shapes predicted within --edge of the memory available when the search began:
            tokens/s, peak RSS per rank, wall per step, NVMe bytes read/written per step and the
            NVMe file's size. Every run is started with oom_score_adj 1000 (the kernel kills it,
            not another process, when memory runs out).
+  nvme     A 3B-class llama (--nvme-shape, --large-layers to cut it) under ZeRO-3 + full recompute
+           with float32 state, every plane through the tiers (an --nvme-device-mib compute tier, the
+           rest on NVMe): the disk checked first (24 B a parameter), stopped at its start-up line
+           where 2 ranks exceed the memory available, otherwise after --large-steps steps and before
+           its end-of-run checkpoint; tier files and run directory removed. Wall per step,
+           tokens/s, peak RSS per rank, NVMe bytes per step, tier files' size on disk.
   largest  Keel ZeRO-3 at --large (default tinyllama-1.1b: 17.6 GB of float32 state) on 2 ranks:
            whether it takes --large-steps optimizer steps, its peak RSS per rank (start-up and
            after the steps), tokens/s, the parameters gathered per step.
 
-Usage: bench/zero3.py [--part overlap,fsdp,rows,largest,search] [--repeats 3] [--preset small] [--steps 6]
+Usage: bench/zero3.py [--part overlap,fsdp,rows,largest,search,nvme] [--repeats 3] [--preset small] [--steps 6]
 Environment: KEEL (the binary; default build/keel).
 """
 
@@ -35,6 +41,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -279,24 +286,21 @@ def available_gib():
 
 def predict(cmd, nvme_dir):
     """Runs `cmd` until Keel prints its start-up memory line, then stops it (and removes the NVMe
-    tier files its ranks left in `nvme_dir`). Returns (MB per rank by Keel's own accounting less
-    what the tiers home on NVMe, parameters in millions, the line) or (None, None, the last line)
-    when it exits first."""
+    tier files its ranks left in `nvme_dir`). Returns (MB per rank by Keel's own accounting: the
+    line's "in all", the tiered planes counted as the tiers' budgets, parameters in millions, the
+    line) or (None, params, the last line) when it exits first."""
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          preexec_fn=lambda: (last_to_die(), os.setsid()))
-    nvme_mb, params, last = 0.0, None, ""
+    params, last = None, ""
     try:
         for line in p.stdout:
             last = line.strip()
             m = re.search(r"\(([0-9.]+)M parameters", line)
             if m:
                 params = float(m.group(1))
-            m = re.search(r"tiered memory: .* nvme ([0-9.]+) MB in", line)
+            m = re.search(r"keel: memory per rank: .*; ([0-9.]+) MB in all", line)
             if m:
-                nvme_mb = float(m.group(1))
-            if "keel: memory per rank:" in line:
-                mb = sum(float(x) for x in re.findall(r"([0-9.]+) MB", line.split("memory per rank:")[1]))
-                return mb - nvme_mb, params, last
+                return float(m.group(1)), params, last
     finally:
         try:
             os.killpg(p.pid, signal.SIGKILL)
@@ -349,6 +353,100 @@ def part_search(a, work):
             break
 
 
+def llama_parameters(overrides):
+    """Parameters of tinyllama-1.1b's preset with `overrides` (model.KEY=VALUE; untied head)."""
+    m = {"n_layer": 22, "n_embd": 2048, "n_head": 32, "n_kv_head": 4, "ffn_hidden": 5632, "vocab_size": 32000}
+    for o in overrides:
+        key, value = o.split("=")
+        m[key.split(".")[1]] = int(value)
+    C, L, V, F = m["n_embd"], m["n_layer"], m["vocab_size"], m["ffn_hidden"]
+    kv = C * m["n_kv_head"] // m["n_head"]
+    return 2 * V * C + L * (2 * C * C + 2 * C * kv + 3 * C * F + 2 * C) + C
+
+
+def tier_files(nvme_dir):
+    return [os.path.join(nvme_dir, f) for f in os.listdir(nvme_dir) if f.startswith("keel-tier-")]
+
+
+def part_nvme(a, work):
+    """A llama of SEARCH_SHAPES (--nvme-shape) under ZeRO-3 + full recompute with float32 state
+    (no bf16 state) and every plane through the tiers: an --nvme-device-mib compute tier, no host
+    tier, the rest homed on NVMe (--nvme-dir). Refused before it starts where the disk cannot hold
+    24 bytes a parameter with 10 % and 2 GB to spare: each rank's tier file has slots for every
+    chunk's parameter and gradient pages (8 bytes a parameter of the whole model; other ranks'
+    chunks pass through them when gathered or before their reduce-scatter) and for its share of
+    the moments (8 bytes a parameter over the ranks). The run's start-up line gives its memory per rank ("in all"); it is stopped
+    there where 2 ranks of it exceed the memory available, and otherwise once it took
+    --large-steps optimizer steps, before its end-of-run checkpoint (which would need as much disk
+    again), and its tier files and run directory are removed."""
+    shape, preset, overrides = next(s for s in SEARCH_SHAPES if s[0] == a.nvme_shape)
+    if a.large_layers:
+        overrides = overrides + ("model.n_layer=%d" % a.large_layers,)
+    nvme = a.nvme_dir or os.path.join(work, "nvme")
+    os.makedirs(nvme, exist_ok=True)
+    params = llama_parameters(overrides)
+    need, free = 24 * params, shutil.disk_usage(nvme).free
+    print("\n== nvme: %s%s (%.2f B parameters), 2 ranks, ZeRO-3 + full recompute + float32 state through the tiers "
+          "(device %d MiB, host 0, NVMe in %s), batch 1 x %d tokens, %d steps ==" % (
+              shape, " with %d layers" % a.large_layers if a.large_layers else "", params / 1e9, a.nvme_device_mib,
+              nvme, a.large_seq, a.large_steps), flush=True)
+    print("  disk: %.1f GB needed on NVMe (24 B a parameter over the 2 ranks' files), %.1f GB free  load %s" % (need / 1e9, free / 1e9, load()),
+          flush=True)
+    if free < 1.1 * need + 2e9:
+        print("  not run: the disk cannot hold the tier files with 10 % and 2 GB to spare", flush=True)
+        return
+    tier = ("train.log_every=1", "train.recompute=full", "tier.device_mib=%d" % a.nvme_device_mib, "tier.host_mib=0",
+            "tier.nvme_dir=" + nvme)
+    cmd, run_dir = keel_cmd(work, "nvme_row", preset, a.large_steps, 3, overrides + tier, vocab=32000, batch=1,
+                            seq=a.large_seq)
+    t0, available = time.time(), available_gib()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         preexec_fn=lambda: (last_to_die(), os.setsid()))
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    steps, files_gb, disk_low, last, stepped = [], 0.0, free, "", False
+    try:
+        for line in p.stdout:
+            last = line.strip()
+            if "keel: tiered memory: device" in line or "keel: ZeRO-3 over" in line:
+                print("  " + last, flush=True)
+            m = re.search(r"keel: memory per rank: .*; ([0-9.]+) MB in all", line)
+            if m:
+                mb = float(m.group(1))
+                print("  start-up line: %.0f MB per rank in all (x 2 = %.1f GB of %.1f GiB available)  load %s" % (
+                    mb, 2 * mb / 1000, available, load()), flush=True)
+                if 2 * mb / 1000 > available * 1.073741824:
+                    print("  stopped: 2 ranks of it exceed the memory available", flush=True)
+                    return
+            stepped = stepped or re.match(r"step +\d+/\d+ \|", line) is not None
+            if stepped:
+                files_gb = max(files_gb, sum(os.stat(f).st_blocks * 512 for f in tier_files(nvme)) / 1e9)
+                disk_low = min(disk_low, shutil.disk_usage(nvme).free)
+                if os.path.exists(metrics):
+                    steps = [json.loads(l) for l in open(metrics) if '"loss"' in l]
+                if len(steps) >= a.large_steps:
+                    break
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+        for f in tier_files(nvme):
+            os.remove(f)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if len(steps) < a.large_steps:
+        print("  did not take its steps: %s  load %s" % (last, load()), flush=True)
+        return
+    s = steps[-1]
+    print("  TOOK %d steps: %.0f s per step (last), %.2f tokens/s, peak RSS %.0f MB (max over ranks; start-up %s MB), "
+          "NVMe read / written in the last step %.0f / %.0f MB, tier files %.1f GB on disk (%.1f GB free at the "
+          "lowest), %.0f s wall to the last step  load %s" % (
+              len(steps), s["ms"] / 1000, a.large_seq * 2 * 1000 / s["ms"], s["peak_rss_mb"],
+              [round(x / 1e6) for x in s.get("zero3_startup_peak_rss_bytes", [])],
+              s.get("tier_nvme_read_bytes", 0) / 1e6, s.get("tier_nvme_written_bytes", 0) / 1e6, files_gb,
+              disk_low / 1e9, time.time() - t0, load()), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--part", default="overlap,fsdp,rows,largest")
@@ -356,7 +454,9 @@ def main():
                     help="search: run shapes predicted within this fraction of the memory available")
     ap.add_argument("--search-shapes", default="", help="search: names of SEARCH_SHAPES to try (default all)")
     ap.add_argument("--search-rows", default="", help="search: rows to try, 1-based, e.g. 4 or 1,2 (default all)")
-    ap.add_argument("--nvme-dir", default="", help="rows: the NVMe tier's directory (default: under the work dir)")
+    ap.add_argument("--nvme-dir", default="", help="rows, search, nvme: the NVMe tier's directory (default: under the work dir)")
+    ap.add_argument("--nvme-shape", default="3B class: 26 x 3200", help="nvme: a name of SEARCH_SHAPES")
+    ap.add_argument("--nvme-device-mib", type=int, default=2048, help="nvme: the compute tier's budget")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--preset", default="small", choices=sorted(SHAPES))
     ap.add_argument("--steps", type=int, default=6)
@@ -372,7 +472,7 @@ def main():
         print("uptime: %s" % subprocess.run(["uptime"], stdout=subprocess.PIPE, text=True).stdout.strip())
         for part in a.part.split(","):
             {"overlap": part_overlap, "fsdp": part_fsdp, "rows": part_rows, "largest": part_largest,
-             "search": part_search}[part](a, work)
+             "search": part_search, "nvme": part_nvme}[part](a, work)
     return 0
 
 

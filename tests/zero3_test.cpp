@@ -5,6 +5,7 @@
 // in flight; one rank shards nothing (said so); combinations not supported are refused in one line.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -442,6 +443,56 @@ TEST_F(Zero3, Bf16TrainingStateGathersBitsInHalfTheBytes) {
     EXPECT_EQ(testing::checkpoint_bytes(dir / "resumed/ckpt", plane), testing::checkpoint_bytes(dir / "z3/ckpt", plane))
         << static_cast<int>(plane);
   }
+}
+
+// The start-up line's figures under ZeRO-3 + bf16 state are what a rank holds, measured: its own
+// chunks' bf16 parameter and gradient bits (mincore, between steps: other ranks' gradient bits
+// are given back once reduce-scattered, where ZeRO-1's ranks keep every chunk's), its float32
+// masters, the bf16 bits gathered in flight, the float32 pages a layer's lease widens, and the
+// moments; "in all" is their sum with the activations. Each measured figure is within the line's
+// (which takes the largest over the ranks) and near it.
+TEST_F(Zero3, Bf16MemoryLineCountsWhatARankHolds) {
+  const std::string bf16 = "--set runtime.param_dtype=bf16 --set runtime.grad_dtype=bf16 --set model.n_embd=512 "
+                           "--set train.steps=3 ";
+  auto r = train(2, 4, "z3", bf16 + "--set parallel.zero=3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ASSERT_EQ(train(2, 4, "z1", bf16 + "--set parallel.zero=1").exit_code, 0);
+  const size_t at = r.output.find("keel: memory per rank: ");
+  ASSERT_NE(at, std::string::npos) << r.output;
+  const std::string line = r.output.substr(at, r.output.find('\n', at) - at);
+  auto bytes = [&](const std::string& before) {
+    const size_t i = line.find(before);
+    EXPECT_NE(i, std::string::npos) << before << " in " << line;
+    return i == std::string::npos ? 0.0 : std::stod(line.substr(i + before.size())) * 1e6;
+  };
+  const double bits = bytes("params "), masters = bytes("bf16 (its shard) + ");
+  const double in_flight = bytes("MB float32 masters (its shard) + up to "), widened = bytes("layers in flight + ");
+  const double grads = bytes("grads "), bucket = bytes("reduce-scattered ("), grad_widened = bytes("MB each, bf16) + ");
+  const double moments = bytes("AdamW moments "), activations = bytes("activations ");
+  const double in_all = bytes("checkpoint buffers 0.0 MB; ");
+  const double sum = bits + masters + in_flight + widened + grads + bucket + grad_widened + moments + activations;
+  EXPECT_NEAR(in_all, sum, 0.5e6) << line;
+  const nlohmann::json last = step_lines("z3").back();
+  constexpr double kPrinted = 0.05e6 + 65536;  // %.1f MB, and mincore's whole pages at a range's ends
+  auto within = [&](double measured, double printed, double least, const char* what) {
+    EXPECT_LE(measured, printed + kPrinted) << what << ": " << line;
+    EXPECT_GE(measured, least * printed) << what << ": " << line;
+  };
+  auto largest = [&](const char* key) {
+    const auto v = last[key].get<std::vector<int64_t>>();
+    return static_cast<double>(*std::max_element(v.begin(), v.end()));
+  };
+  within(last["bf16_param_resident_bytes"].get<double>(), bits, 0.8, "parameter bits");
+  within(last["bf16_grad_resident_bytes"].get<double>(), grads, 0.8, "gradient bits");
+  within(last["bf16_master_bytes"].get<double>(), masters, 0.8, "masters");
+  within(largest("zero3_in_flight_peak_bytes"), in_flight, 0.5, "bits in flight");
+  within(last["bf16_float_param_peak_bytes"].get<double>(), widened, 0.5, "float32 parameter pages");
+  within(last["bf16_float_grad_peak_bytes"].get<double>(), grad_widened, 0.5, "float32 gradient pages");
+  within(largest("zero3_moment_bytes"), moments, 0.8, "moments");
+  // Other ranks' gradient bits given back (ZeRO-3); ZeRO-1 all-reduces and keeps all of them.
+  const double whole = last["bf16_grad_bytes"].get<double>();
+  EXPECT_LT(last["bf16_grad_resident_bytes"].get<double>(), 0.75 * whole);
+  EXPECT_GT(step_lines("z1").back()["bf16_grad_resident_bytes"].get<double>(), 0.75 * whole);
 }
 
 // bf16 training state over memory tiers: the bits and each rank's float32 masters stay in its

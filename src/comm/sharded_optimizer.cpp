@@ -72,17 +72,74 @@ int64_t ShardedOptimizer::grad_bytes_held() const {
 
 int64_t ShardedOptimizer::master_bytes_held() const { return bf16_ ? bf16_->master_bytes() : 0; }
 
-std::string ShardedOptimizer::sharded_memory_fragment() const {
-  if (!params_) return "";
-  // A rank's gradient shard is its parameter shard's chunks (one partition); the other chunks'
-  // gradients are resident only while their bucket is being reduce-scattered (then discarded).
+ShardedOptimizer::HeldMemory ShardedOptimizer::held_memory(bool tiered) const {
+  const bool bf16_params = bf16_ && bf16_->holds(Plane::param), bf16_grads = bf16_ && bf16_->holds(Plane::grad);
+  HeldMemory out;
   char text[320];
-  std::snprintf(text, sizeof text,
-                "params %.1f MB (its shard) + up to %.1f MB of other ranks' layers in flight, grads %.1f MB (its "
-                "shard) + the buckets being reduce-scattered (%.1f MB each)",
-                params_->group_max_shard_bytes() / 1e6, params_->group_max_layer_gather_bytes() / 1e6,
-                params_->group_max_shard_bytes() / 1e6, config_.parallel.bucket_bytes / 1e6);
-  return text;
+  auto add = [&](const char* separator) {
+    if (!out.text.empty()) out.text += separator;
+    out.text += text;
+  };
+  if (!params_) {
+    if (tiered && !bf16_params) {
+      std::snprintf(text, sizeof text, "params through the tiers");
+    } else {
+      const int64_t masters = master_bytes_held();
+      out.bytes += param_bytes_held() + masters;
+      if (masters > 0) {
+        std::snprintf(text, sizeof text, "params %.1f MB (bf16), float32 master weights %.1f MB",
+                      param_bytes_held() / 1e6, masters / 1e6);
+      } else {
+        std::snprintf(text, sizeof text, "params %.1f MB", param_bytes_held() / 1e6);
+      }
+    }
+    add("");
+    if (tiered && !bf16_grads) {
+      std::snprintf(text, sizeof text, "grads through the tiers");
+    } else {
+      out.bytes += grad_bytes_held();
+      std::snprintf(text, sizeof text, "grads %.1f MB", grad_bytes_held() / 1e6);
+    }
+    add(", ");
+    return out;
+  }
+  // ZeRO-3. A rank's gradient shard is its parameter shard's chunks (one partition); the other
+  // chunks' gradients are resident only while their bucket is being reduce-scattered (then
+  // discarded). Figures in float32 bytes; bf16 bits are half of them.
+  const int64_t shard = params_->group_max_shard_bytes(), gather = params_->group_max_layer_gather_bytes();
+  const int64_t layer = params_->group_max_layer_bytes(), bucket = config_.parallel.bucket_bytes;
+  if (bf16_params) {
+    // Its own chunks' bits and float32 masters, the gathered layer's bits (no broadcast ahead:
+    // gathers into bits are blocking), and a layer's lease widened into float32 pages.
+    std::snprintf(text, sizeof text,
+                  "params %.1f MB bf16 (its shard) + %.1f MB float32 masters (its shard) + up to %.1f MB bf16 of other "
+                  "ranks' layers in flight + %.1f MB float32 pages of the layer in use",
+                  shard / 2 / 1e6, shard / 1e6, gather / 2 / 1e6, layer / 1e6);
+    out.bytes += shard / 2 + shard + gather / 2 + layer;
+  } else if (tiered) {
+    std::snprintf(text, sizeof text, "params through the tiers (its shard homed there, other ranks' layers "
+                                     "gathered into leased pages)");
+  } else {
+    std::snprintf(text, sizeof text, "params %.1f MB (its shard) + up to %.1f MB of other ranks' layers in flight",
+                  shard / 1e6, gather / 1e6);
+    out.bytes += shard + gather;
+  }
+  add("");
+  if (bf16_grads) {
+    std::snprintf(text, sizeof text,
+                  "grads %.1f MB bf16 (its shard) + the buckets being reduce-scattered (%.1f MB each, bf16) + %.1f MB "
+                  "float32 pages of the layer in use",
+                  shard / 2 / 1e6, bucket / 2 / 1e6, layer / 1e6);
+    out.bytes += shard / 2 + bucket / 2 + layer;
+  } else if (tiered) {
+    std::snprintf(text, sizeof text, "grads through the tiers (the buckets being reduce-scattered pinned there)");
+  } else {
+    std::snprintf(text, sizeof text, "grads %.1f MB (its shard) + the buckets being reduce-scattered (%.1f MB each)",
+                  shard / 1e6, bucket / 1e6);
+    out.bytes += shard + bucket;
+  }
+  add(", ");
+  return out;
 }
 
 void ShardedOptimizer::print_startup() const {
@@ -214,11 +271,15 @@ void ShardedOptimizer::add_step_fields(double, nlohmann::json& line) {
   line["skipped_steps"] = skipped_;
   if (bf16_) {
     // This rank's (rank 0's in the line) bf16 state: bytes held, and the float32 pages of the
-    // parameter and gradient planes resident now (mincore: the leased pages only, between steps none).
+    // parameter and gradient planes resident now (mincore: the leased pages only, between steps none),
+    // and of the bits (under ZeRO-2/3 other ranks' gradient bits are given back once reduce-scattered).
     line["bf16_param_bytes"] = bf16_->held_bytes(Plane::param);
     line["bf16_grad_bytes"] = bf16_->held_bytes(Plane::grad);
     line["bf16_master_bytes"] = bf16_->master_bytes();
     line["bf16_param_resident_bytes"] = bf16_->resident_bytes(Plane::param);
+    line["bf16_grad_resident_bytes"] = bf16_->resident_bytes(Plane::grad);
+    line["bf16_float_param_peak_bytes"] = bf16_->take_peak_widened_bytes(Plane::param);
+    line["bf16_float_grad_peak_bytes"] = bf16_->take_peak_widened_bytes(Plane::grad);
     line["bf16_float_param_resident_bytes"] = store_.resident_bytes(Plane::param);
     line["bf16_float_grad_resident_bytes"] = store_.resident_bytes(Plane::grad);
     line["bf16_param_broadcast_bytes"] = bf16_broadcast_bytes_;

@@ -83,9 +83,16 @@ class ShardedOptimizer final : public MetricsSource {
   int64_t master_bytes_held() const;
   // The bf16 training state, where one is held (else nullptr).
   Bf16State* bf16_state() const { return bf16_.get(); }
-  // Under ZeRO-3, the start-up's "memory per rank" figures of parameters and gradients as a rank
-  // holds them (its shard, the largest over the group, plus what is in flight); "" otherwise.
-  std::string sharded_memory_fragment() const;
+  // The start-up's "memory per rank" figures of parameters and gradients as a rank holds them
+  // (under ZeRO-3 its shard, the largest over the group, plus what is in flight; under bf16 state
+  // the bf16 bits, the float32 masters and the float32 pages a layer's lease widens), and their
+  // sum in bytes. `tiered`: the memory tiers hold the float32 planes (their bytes are the tiers'
+  // budgets, counted by the caller); bf16 state's planes stay out of the tiers.
+  struct HeldMemory {
+    std::string text;
+    int64_t bytes = 0;
+  };
+  HeldMemory held_memory(bool tiered) const;
   // The plain AdamW step over every owned chunk, now (pipeline post-validation redoes it).
   void step_now(double lr, int64_t t, float clip) { adamw_.step(store_, lr, t, clip, counts()); }
 

@@ -44,10 +44,10 @@ ShardedParams::ShardedParams(Communicator& dp, ChunkStore& store, const ChunkPar
   store_.home_params(own_first_, own_last_);
   gathered_.assign(static_cast<size_t>(n), 0);
   pins_.assign(static_cast<size_t>(n), 0);
-  double figures[2] = {static_cast<double>(shard_bytes_), static_cast<double>(largest_layer_gather_bytes())};
-  comm_->allreduce_max(figures, 2);
-  group_max_[0] = static_cast<int64_t>(figures[0]);
-  group_max_[1] = static_cast<int64_t>(figures[1]);
+  double figures[3] = {static_cast<double>(shard_bytes_), static_cast<double>(largest_layer_gather_bytes()),
+                       static_cast<double>(largest_layer_bytes())};
+  comm_->allreduce_max(figures, 3);
+  for (int f = 0; f < 3; ++f) group_max_[f] = static_cast<int64_t>(figures[f]);
   store_.attach_residency(this);
   if (progress_thread && dp.size() > 1 && Communicator::threads_may_call()) progress_ = std::thread([this] { progress_loop(); });
 }
@@ -250,14 +250,33 @@ ShardedParams::Peaks ShardedParams::take_peaks() {
   return out;
 }
 
+namespace {
+
+// The largest of a lease's float32 bytes by layer (`by_layer`): with a head tied to the embedding
+// (no lm_head.w of its own) the head's lease holds the embedding's (layer 0) at the same time.
+int64_t largest_lease(const ChunkStore& store, const std::vector<int64_t>& by_layer) {
+  const int64_t largest = *std::max_element(by_layer.begin(), by_layer.end());
+  const bool tied = std::none_of(store.tensors().begin(), store.tensors().end(),
+                                 [](const TensorInfo& t) { return t.spec.name == "lm_head.w"; });
+  return tied ? std::max(largest, by_layer.front() + by_layer.back()) : largest;
+}
+
+}  // namespace
+
 int64_t ShardedParams::largest_layer_gather_bytes() const {
   std::vector<int64_t> by_layer(static_cast<size_t>(last_layer_ + 1), 0);
   for (const Chunk& c : store_.chunks()) {
     if (!own(c.id)) by_layer[static_cast<size_t>(c.layer)] += extent(c.id) * static_cast<int64_t>(sizeof(float));
   }
-  // The head's lease holds the tied embedding's (layer 0) at the same time.
-  const int64_t largest = *std::max_element(by_layer.begin(), by_layer.end());
-  return std::max(largest, by_layer.front() + by_layer.back());
+  return largest_lease(store_, by_layer);
+}
+
+int64_t ShardedParams::largest_layer_bytes() const {
+  std::vector<int64_t> by_layer(static_cast<size_t>(last_layer_ + 1), 0);
+  for (const Chunk& c : store_.chunks()) {
+    by_layer[static_cast<size_t>(c.layer)] += extent(c.id) * static_cast<int64_t>(sizeof(float));
+  }
+  return largest_lease(store_, by_layer);
 }
 
 void ShardedParams::acquire(std::span<const PageRef> pages) {

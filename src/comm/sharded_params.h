@@ -86,9 +86,14 @@ class ShardedParams final : public Residency {
   // The largest any one layer's lease (or the head's with the tied embedding) gathers from others:
   // what keep = "none" holds in flight at most, without what is broadcast ahead.
   int64_t largest_layer_gather_bytes() const;
-  // The largest shard and largest_layer_gather_bytes() over the group (the start-up line's).
+  // The largest any one layer's lease (or the head's with the tied embedding) holds in float32,
+  // its own chunks' pages included: what bf16 working parameters widen under one lease.
+  int64_t largest_layer_bytes() const;
+  // The largest shard, largest_layer_gather_bytes() and largest_layer_bytes() over the group (the
+  // start-up line's).
   int64_t group_max_shard_bytes() const { return group_max_[0]; }
   int64_t group_max_layer_gather_bytes() const { return group_max_[1]; }
+  int64_t group_max_layer_bytes() const { return group_max_[2]; }
 
   // Residency.
   // As the wrapped residency: the store's own keeps this rank's shard present (whole-plane work
@@ -164,7 +169,7 @@ class ShardedParams final : public Residency {
   int64_t ahead_bytes_ = 0;
   Bf16State* bits_ = nullptr;  // where gathers write under bf16 working parameters (else the float32 plane)
   int64_t shard_bytes_ = 0, gathered_bytes_ = 0;
-  int64_t group_max_[2] = {};
+  int64_t group_max_[3] = {};
   Peaks peaks_;
 };
 

@@ -1,8 +1,10 @@
 #include "store/bf16_state.h"
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -56,7 +58,7 @@ int Bf16State::hint(std::span<const PageRef> pages) {
 }
 
 int64_t Bf16State::resident_bytes(Plane plane) const {
-  const std::vector<uint16_t>& b = bits_of(plane);
+  const Bits& b = bits_of(plane);
   if (b.empty()) return 0;
   const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
   const uintptr_t begin = reinterpret_cast<uintptr_t>(b.data()) / page * page;
@@ -68,13 +70,20 @@ int64_t Bf16State::resident_bytes(Plane plane) const {
   return pages * static_cast<int64_t>(page);
 }
 
+int64_t Bf16State::take_peak_widened_bytes(Plane plane) {
+  const int i = plane == Plane::param ? 0 : 1;
+  const int64_t peak = peak_widened_bytes_[i];
+  peak_widened_bytes_[i] = widened_bytes_[i];
+  return peak;
+}
+
 float* Bf16State::master_of(int chunk) { return master_.data() + (store_.chunks()[chunk].offset - master_begin_); }
 
 void Bf16State::settle() {
   check(!settled_, "bf16 state: settled twice");
   const std::vector<Chunk>& chunks = store_.chunks();
   if (params_) {
-    param_bits_.assign(static_cast<size_t>(store_.numel()), 0);
+    param_bits_.allocate(static_cast<size_t>(store_.numel()));
     if (master_chunks_.first < master_chunks_.second) {
       const Chunk& first = chunks[master_chunks_.first];
       const Chunk& last = chunks[master_chunks_.second - 1];
@@ -82,15 +91,26 @@ void Bf16State::settle() {
       master_.assign(static_cast<size_t>(last.offset + last.numel - first.offset), 0.0f);
     }
   }
-  if (grads_) grad_bits_.assign(static_cast<size_t>(store_.numel()), 0);
+  if (grads_) grad_bits_.allocate(static_cast<size_t>(store_.numel()));
   settled_ = true;
   for (const Chunk& c : chunks) {
     for (Plane plane : {Plane::param, Plane::grad}) {
       if (!holds(plane)) continue;
-      store_page({c.id, plane});
+      // A page of zeros (gradients before the first step; under ZeRO-3 another rank's chunk,
+      // never drawn here) has its bits and master already: neither is touched, so the start-up
+      // holds bits of the chunks with values only. (Reading untouched float32 pages maps nothing.)
+      const std::span<const float> f = std::as_const(store_).chunk_view(c.id, plane);
+      const bool zeros = std::all_of(f.begin(), f.end(), [](float x) { return std::bit_cast<uint32_t>(x) == 0; });
+      if (!zeros) store_page({c.id, plane});
       give_back({c.id, plane});
     }
   }
+}
+
+void Bf16State::Bits::allocate(size_t count) {
+  p.reset(static_cast<uint16_t*>(std::calloc(std::max<size_t>(count, 1), sizeof(uint16_t))));
+  check(p != nullptr, "bf16 state: out of memory for " + std::to_string(count) + " bf16 elements");
+  n = count;
 }
 
 void Bf16State::store_page(PageRef p) {
@@ -115,6 +135,9 @@ void Bf16State::take(std::span<const PageRef> pages, bool layer) {
   for (const PageRef& p : pages) {
     if (!holds(p.plane) || leases_[index(p)]++ > 0) continue;
     const Chunk& c = store_.chunks()[p.chunk];
+    const int w = p.plane == Plane::param ? 0 : 1;
+    widened_bytes_[w] += c.numel * static_cast<int64_t>(sizeof(float));
+    peak_widened_bytes_[w] = std::max(peak_widened_bytes_[w], widened_bytes_[w]);
     float* f = store_.chunk_view(p.chunk, p.plane).data();
     if (!layer && p.plane == Plane::param && owned(p.chunk)) {
       std::memcpy(f, master_of(p.chunk), static_cast<size_t>(c.numel) * 4);
@@ -139,7 +162,11 @@ void Bf16State::put(std::span<const PageRef> pages, bool modified, bool layer) {
     check(open > 0, "bf16 state: a page released that was not acquired");
     // Written pages are stored when their last lease ends (the float32 page holds every write).
     if (modified) store_page(p);
-    if (--open == 0) give_back(p);
+    if (--open == 0) {
+      give_back(p);
+      const int64_t bytes = store_.chunks()[p.chunk].numel * static_cast<int64_t>(sizeof(float));
+      widened_bytes_[p.plane == Plane::param ? 0 : 1] -= bytes;
+    }
   }
 }
 
@@ -152,7 +179,13 @@ void Bf16State::zero(PageRef p, bool zeroed_in_place) {
   const Chunk& c = store_.chunks()[p.chunk];
   if (settled_) {
     uint16_t* b = bits(p.plane, c.offset);
-    std::fill(b, b + c.numel, uint16_t{0});
+    if (p.plane == Plane::grad && !owned(p.chunk)) {
+      // Another rank's gradient under ZeRO-2/3 (its share was reduce-scattered away): its pages
+      // go back until a backward writes them again.
+      zero_and_give_back(b, static_cast<size_t>(c.numel) * sizeof(uint16_t));
+    } else {
+      std::fill(b, b + c.numel, uint16_t{0});
+    }
     if (p.plane == Plane::param && owned(p.chunk)) std::fill(master_of(p.chunk), master_of(p.chunk) + c.numel, 0.0f);
     if (leases_[index(p)] == 0) return;  // no float32 page to clear
   }
@@ -170,13 +203,10 @@ void Bf16State::discard(Plane plane, int64_t offset, int64_t numel) {
   store_.zero_and_release(plane, offset, numel);
   for (const Chunk& c : store_.chunks_overlapping(offset, numel)) versions_[index({c.id, plane})]++;
   if (!settled_) return;
-  uint16_t* b = bits(plane, offset);
-  if (plane == Plane::param) {
-    // (parameters: ZeRO-3's other ranks' chunks, held only while gathered; their pages go back)
-    zero_and_give_back(b, static_cast<size_t>(numel) * sizeof(uint16_t));
-  } else {
-    std::fill(b, b + numel, uint16_t{0});  // (gradients: written again by the next backward)
-  }
+  // Parameters: ZeRO-3's other ranks' chunks, held only while gathered; gradients: the parts of a
+  // bucket reduce-scattered to other ranks (ZeRO-2/3), or a skipped step's. Either way the pages
+  // go back (zero when touched again: a gather, the next backward).
+  zero_and_give_back(bits(plane, offset), static_cast<size_t>(numel) * sizeof(uint16_t));
   if (plane != Plane::param || master_.empty()) return;
   const int64_t lo = std::max(offset, master_begin_);
   const int64_t hi = std::min(offset + numel, master_begin_ + static_cast<int64_t>(master_.size()));

@@ -18,7 +18,9 @@
 //   - A write to an owned parameter page under any lease (a loaded checkpoint) sets the master to
 //     the written float32 values exactly (resume is exact) and the bits to their rounding.
 // Gradients accumulate in bf16: every micro-batch's backward widens the page, adds in float32,
-// and rounds once when the lease ends (PyTorch's bf16 .grad behaves so). Moments stay float32 in
+// and rounds once when the lease ends (PyTorch's bf16 .grad behaves so). Under ZeRO-2/3 the bits
+// of the parts reduce-scattered to other ranks are given back (discard, MADV_DONTNEED), so that
+// between steps a rank holds its own chunks' gradient bits only. Moments stay float32 in
 // the store's planes (sharded by ZeRO-1/2 as before).
 //
 // Until settle() the float32 planes are the state (a model's initialisation and a checkpoint's
@@ -36,6 +38,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
 #include <span>
 #include <utility>
 #include <vector>
@@ -89,6 +93,9 @@ class Bf16State final : public Residency {
   // The bytes of a held plane's bits resident now (mincore; under ZeRO-3 the parameters' are a
   // rank's own chunks' and the gathered ones', not held_bytes()).
   int64_t resident_bytes(Plane plane) const;
+  // The most float32 bytes of a held plane widened under leases at once since the last call (a
+  // layer's lease: its pages, own and gathered), then restarted from what is widened now.
+  int64_t take_peak_widened_bytes(Plane plane);
 
   // Residency: the held planes' pages as above; every other page as the wrapped residency.
   bool always_present() const override { return false; }
@@ -113,8 +120,22 @@ class Bf16State final : public Residency {
  private:
   static size_t index(PageRef p) { return static_cast<size_t>(p.chunk) * kNumPlanes + static_cast<size_t>(p.plane); }
   bool owned(int chunk) const { return chunk >= master_chunks_.first && chunk < master_chunks_.second; }
-  std::vector<uint16_t>& bits_of(Plane plane) { return plane == Plane::param ? param_bits_ : grad_bits_; }
-  const std::vector<uint16_t>& bits_of(Plane plane) const { return plane == Plane::param ? param_bits_ : grad_bits_; }
+  // Zeroed bits (calloc): a large array is fresh pages that take no memory until written, so a
+  // chunk whose float32 values are all zero at settle() (gradients, other ranks' ZeRO-3 chunks)
+  // costs nothing.
+  struct Bits {
+    struct Free {
+      void operator()(uint16_t* p) const { std::free(p); }
+    };
+    std::unique_ptr<uint16_t, Free> p;
+    size_t n = 0;
+    uint16_t* data() const { return p.get(); }
+    size_t size() const { return n; }
+    bool empty() const { return n == 0; }
+    void allocate(size_t count);
+  };
+  Bits& bits_of(Plane plane) { return plane == Plane::param ? param_bits_ : grad_bits_; }
+  const Bits& bits_of(Plane plane) const { return plane == Plane::param ? param_bits_ : grad_bits_; }
   float* master_of(int chunk);
   void take(std::span<const PageRef> pages, bool layer);
   void put(std::span<const PageRef> pages, bool modified, bool layer);
@@ -128,9 +149,10 @@ class Bf16State final : public Residency {
   std::pair<int, int> master_chunks_;
   int64_t master_begin_ = 0;  // flat offset of the first master element
   bool settled_ = false;
-  std::vector<uint16_t> param_bits_, grad_bits_;
+  Bits param_bits_, grad_bits_;
   std::vector<float> master_;
   std::vector<int> leases_;  // open leases per page
+  int64_t widened_bytes_[2] = {}, peak_widened_bytes_[2] = {};  // float32 bytes leased, by plane (param, grad)
   std::vector<uint64_t> versions_;
 };
 
