@@ -61,6 +61,7 @@ void expect_same_store(const ModelLayout& layout, const std::function<void(Chunk
       EXPECT_EQ(got.spec.kind, want.kind) << want.name;
       EXPECT_EQ(got.spec.decay, want.decay) << want.name;
       EXPECT_EQ(got.spec.replica, want.replica) << want.name;
+      EXPECT_EQ(got.spec.expert, want.expert) << want.name;
       EXPECT_EQ(got.offset, from_layout.tensors()[i].offset) << want.name;
       EXPECT_EQ(got.numel, from_layout.tensors()[i].numel) << want.name;
     }
@@ -72,6 +73,7 @@ void expect_same_store(const ModelLayout& layout, const std::function<void(Chunk
       EXPECT_EQ(a.offset, b.offset) << c;
       EXPECT_EQ(a.numel, b.numel) << c;
       EXPECT_EQ(a.replica, b.replica) << c;
+      EXPECT_EQ(a.expert, b.expert) << c;
       ASSERT_EQ(a.segments.size(), b.segments.size()) << c;
       for (size_t k = 0; k < a.segments.size(); ++k) {
         EXPECT_EQ(a.segments[k].tensor, b.segments[k].tensor);
@@ -93,7 +95,8 @@ std::vector<DecoderCase> decoders() {
   return {{"gpt2 tiny", small("tiny")},
           {"llama GQA untied", small("llama-tiny", 2, false)},
           {"llama GQA tied", small("llama-tiny", 2, true)},
-          {"llama MHA untied", small("llama-tiny", 4, false)}};
+          {"llama MHA untied", small("llama-tiny", 4, false)},
+          {"llama MoE, shared expert", small("llama-moe-tiny", 2, false)}};
 }
 
 // Every pipeline cut of the 5 layers (embedding, 3 blocks, head) into stages, as a rank holding
@@ -251,6 +254,72 @@ TEST(ModelLayout, ClipLayoutIsWhatTheDualEncoderRegisters) {
       EXPECT_EQ(layout.tensors[layout.index("visual.proj.weight")].shape, (std::vector<int64_t>{16, 8 * 8 * 4}));
     }
   }
+}
+
+// A mixture-of-experts block's routed experts: each expert's gate_up and proj are tensors of their
+// own, in chunks holding nothing else (TensorSpec::expert), drawing the values of expert j's part
+// of the stack of all E experts (TensorShard::stream). A rank of an expert group of P holds the
+// same tensors but only its E / P experts'; a P that does not divide E is one line.
+TEST(ModelLayout, RoutedExpertsAreTensorsAndChunksOfTheirOwn) {
+  const ModelConfig m = small("llama-moe-tiny", 2, false);  // 3 MoE blocks of 4 experts, one shared
+  const int E = m.moe_experts;
+  const int64_t C = m.n_embd, Hm = m.moe_hidden;
+  ASSERT_EQ(E, 4);
+  const ModelLayout whole = model_layout(m);
+  for (int j = 0; j < E; ++j) {
+    const int g = whole.index("h.1.moe.expert." + std::to_string(j) + ".gate_up.w");
+    const int d = whole.index("h.1.moe.expert." + std::to_string(j) + ".proj.w");
+    EXPECT_EQ(whole.tensors[g].shape, (std::vector<int64_t>{2 * Hm, C}));
+    EXPECT_EQ(whole.tensors[d].shape, (std::vector<int64_t>{C, Hm}));
+    EXPECT_EQ(whole.tensors[g].expert, j);
+    EXPECT_EQ(whole.tensors[d].expert, j);
+    EXPECT_EQ(whole.shards[g].stream, "h.1.moe.experts_mlp.gate_up.w");
+    EXPECT_EQ(whole.shards[g].stream_first, j * 2 * Hm * C);
+    EXPECT_EQ(whole.shards[d].stream, "h.1.moe.experts_mlp.proj.w");
+    EXPECT_EQ(whole.shards[d].stream_first, j * C * Hm);
+  }
+  for (const char* other : {"h.1.moe.router.w", "h.1.moe.shared_mlp.gate_up.w", "h.1.attn.qkv.w"}) {
+    EXPECT_EQ(whole.tensors[whole.index(other)].expert, -1) << other;
+  }
+  // Chunks: an expert's chunk holds only that expert's tensors, at any chunk size.
+  for (int64_t chunk_bytes : {int64_t{4096}, int64_t{1} << 20}) {
+    ChunkStore store(chunk_bytes);
+    register_layout(store, whole);
+    store.finalize_layout();
+    int expert_chunks = 0;
+    for (const Chunk& c : store.chunks()) {
+      expert_chunks += c.expert >= 0;
+      for (const Segment& seg : c.segments) EXPECT_EQ(store.tensors()[seg.tensor].spec.expert, c.expert) << c.id;
+    }
+    EXPECT_GE(expert_chunks, m.n_layer * E) << chunk_bytes;
+  }
+  // Expert groups of 2 and 4: rank r holds experts r E / P .. (r + 1) E / P - 1 and everything else.
+  for (int P : {2, 4}) {
+    std::vector<std::string> union_names;
+    for (int r = 0; r < P; ++r) {
+      const ModelLayout mine = model_layout(m, {}, {}, ExpertPlace{r, P});
+      int experts = 0;
+      for (size_t i = 0; i < mine.tensors.size(); ++i) {
+        const TensorSpec& t = mine.tensors[i];
+        if (t.expert < 0) {
+          EXPECT_EQ(t.name, whole.tensors[whole.index(t.name)].name);
+          if (r == 0) union_names.push_back(t.name);
+          continue;
+        }
+        ++experts;
+        EXPECT_GE(t.expert, r * E / P) << t.name;
+        EXPECT_LT(t.expert, (r + 1) * E / P) << t.name;
+        EXPECT_EQ(mine.shards[i].stream_first, whole.shards[whole.index(t.name)].stream_first) << t.name;
+        union_names.push_back(t.name);
+      }
+      EXPECT_EQ(experts, m.n_layer * 2 * E / P) << P;
+    }
+    EXPECT_EQ(union_names.size(), whole.tensors.size()) << P;
+  }
+  EXPECT_EQ(testing::error_of([&] { model_layout(m, {}, {}, ExpertPlace{0, 3}); }),
+            "config key 'parallel.expert': expected a divisor of the 4 experts, found 3");
+  EXPECT_EQ(testing::error_of([&] { model_layout(small("llama-tiny"), {}, {}, ExpertPlace{0, 2}); }),
+            "config key 'parallel.expert': expected 1 without a mixture of experts, found 2");
 }
 
 TEST(ModelLayout, BadRangesAreOneLine) {

@@ -412,6 +412,8 @@ void export_hf(const std::string& dir, const ChunkStore& store, const ModelConfi
   check(max_shard_bytes > 0, "export --hf " + dir + ": --max-shard-size: expected a positive size");
   check(m.rope_scaling != RopeScaling::ntk, "export --hf " + dir + ": model.rope_scaling = ntk has no equivalent in "
                                             "transformers (expected none, linear or llama3)");
+  check(!m.moe(), "export --hf " + dir + ": LlamaForCausalLM has no mixture of experts; this model has model.moe_experts = " +
+                      std::to_string(m.moe_experts) + " (keel checkpoints hold its routed experts as moe.expert.J.*)");
   std::error_code ec;
   fs::create_directories(dir, ec);
   check(!ec && fs::is_directory(dir), "export --hf " + dir + ": cannot create the directory: " + ec.message());

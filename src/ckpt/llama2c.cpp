@@ -121,6 +121,8 @@ void export_llama2c(const std::string& path, const ChunkStore& store, const Mode
   check(m.llama(), "export " + path + ": llama2.c's format holds llama models; this is a " + to_string(m.family.value_or(Family::gpt2)) + " model");
   check(m.rope_theta == kTheta, "export " + path + ": llama2.c's format fixes RoPE's base at 10000; this model has " +
                                     std::to_string(m.rope_theta));
+  check(!m.moe(), "export " + path + ": llama2.c's format has no mixture of experts; this model has model.moe_experts = " +
+                      std::to_string(m.moe_experts));
   const int32_t h[7] = {m.n_embd, m.ffn_hidden, m.n_layer, m.n_head, m.n_kv_head,
                         m.tie_embeddings.value_or(false) ? m.vocab_size : -m.vocab_size, m.max_seq_len};
   std::vector<char> bytes(28 + 4 * file_floats(m));

@@ -3,7 +3,6 @@
 #include <chrono>
 
 #include "core/error.h"
-#include "model/moe.h"
 
 namespace keel {
 
@@ -22,12 +21,6 @@ void MpiExpertGroup::finish_exchange() {
   const auto start = std::chrono::steady_clock::now();
   comm_.wait(request_);
   if (counting_) wait_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-}
-
-void attach_expert_group(GPT& model, ExpertGroup& group) {
-  for (int l = 0; l < model.num_layers(); ++l) {
-    if (MoeFeedForward* moe = model.layer(l).moe()) moe->set_expert_group(&group);
-  }
 }
 
 }  // namespace keel

@@ -21,7 +21,6 @@
 #include "core/metrics_source.h"
 #include "core/step_hook.h"
 #include "model/expert_group.h"
-#include "model/gpt.h"
 
 namespace keel {
 
@@ -60,8 +59,5 @@ class MpiExpertGroup final : public ExpertGroup, public MetricsSource, public St
   int64_t bytes_ = 0, step_bytes_ = 0;
   double wait_ms_ = 0, step_wait_ms_ = 0;
 };
-
-// Hands `group` to every mixture-of-experts block of `model` (before its activations are allocated).
-void attach_expert_group(GPT& model, ExpertGroup& group);
 
 }  // namespace keel

@@ -19,6 +19,7 @@
 #include "model/kv_context.h"
 #include "model/layer_util.h"
 #include "model/llama.h"
+#include "model/moe.h"
 
 namespace keel {
 
@@ -415,7 +416,7 @@ class Block final : public Layer {
 }  // namespace
 
 GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> ranges, bool bf16_activations,
-         MathMode math, RecomputePlan recompute, TensorGroup* tensor, ContextGroup* context)
+         MathMode math, RecomputePlan recompute, TensorGroup* tensor, ContextGroup* context, ExpertGroup* experts)
     : config_(config),
       store_(store),
       ranges_(std::move(ranges)),
@@ -449,6 +450,11 @@ GPT::GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> r
     // A tied head reads wte: the embedding's, or (a rank without it) the replica in the layout.
     const TensorId wte = tied_.empty() ? -1 : ids[layout.index(config.tensor_prefix + "wte")];
     layers_[L - 1] = make_head(config, store, L - 1, of(L - 1), wte, bf16_, math_, tensor);
+  }
+  if (experts != nullptr) {
+    for (auto& layer : layers_) {
+      if (MoeFeedForward* moe = layer ? layer->moe() : nullptr) moe->set_expert_group(experts);
+    }
   }
 }
 
@@ -490,7 +496,9 @@ void GPT::init_weights(uint64_t seed) {
     // With tiers: fetched, then written home.
     const PageLease use = store_.use_range(Plane::param, info.offset + lo, hi - lo, /*write=*/true);
     std::span<float> w = store_.range_view(Plane::param, info.offset, info.numel);
-    const std::string n = spec.name.substr(prefix.size());
+    // The stream its values come from (TensorShard::stream: a routed expert's is its stack's).
+    const std::string& stream = shard.stream.empty() ? spec.name : shard.stream;
+    const std::string n = stream.substr(prefix.size());
     auto ends_with = [&](const char* suffix) {
       const size_t k = std::strlen(suffix);
       return n.size() >= k && n.compare(n.size() - k, k, suffix) == 0;
@@ -518,10 +526,12 @@ void GPT::init_weights(uint64_t seed) {
         std::copy(part.begin() + lo, part.begin() + hi, w.begin() + lo);
       }
     } else {
-      Rng rng(seed ^ hash_name(spec.name));
+      Rng rng(seed ^ hash_name(stream));
       const double std = (ends_with("attn.proj.w") || ends_with("mlp.proj.w")) ? residual_std : 0.02;
       const int64_t used = n == "wte" || n == "lm_head.w" ? static_cast<int64_t>(config_.vocab_size) * config_.n_embd
                                                           : static_cast<int64_t>(w.size());
+      // The stream's values before this tensor's (each normal() draws two words).
+      for (int64_t i = 0; i < 2 * shard.stream_first; ++i) rng.next_u64();
       for (int64_t i = 0; i < std::min(lo, used); ++i) rng.normal();  // another rank's part
       for (int64_t i = lo; i < std::min(hi, used); ++i) w[i] = static_cast<float>(rng.normal() * std);
       if (hi > used) std::fill(w.begin() + std::max(lo, used), w.begin() + hi, 0.0f);

@@ -17,6 +17,7 @@
 #include "model/layer.h"
 #include "model/model_layout.h"
 #include "model/context_group.h"
+#include "model/expert_group.h"
 #include "model/tensor_group.h"
 #include "store/chunk_store.h"
 
@@ -38,9 +39,11 @@ class GPT {
   // every layer (model_layout's place), all-reducing over the group (model/tensor_group.h).
   // `context`: the context group (parallel.context; null: none): batches hold this rank's chunks of
   // each sequence and attention runs over the group's ring (model/context_group.h).
+  // `experts`: the expert group (parallel.expert; null: none): each mixture-of-experts block runs
+  // its share of the routed experts for the group's tokens (model/moe.h set_expert_group).
   GPT(const ModelConfig& config, ChunkStore& store, std::vector<LayerRange> ranges = {}, bool bf16_activations = false,
       MathMode math = {}, RecomputePlan recompute = {}, TensorGroup* tensor = nullptr,
-      ContextGroup* context = nullptr);
+      ContextGroup* context = nullptr, ExpertGroup* experts = nullptr);
   ~GPT();
 
   // GPT-2 initialisation: N(0, 0.02) weights, residual projections scaled by 1/sqrt(2L), zero

@@ -96,10 +96,16 @@ std::vector<bool> local_layers(const ModelConfig& config, std::span<const LayerR
   return local;
 }
 
-ModelLayout model_layout(const ModelConfig& m, std::span<const LayerRange> ranges, TensorPlace place) {
+ModelLayout model_layout(const ModelConfig& m, std::span<const LayerRange> ranges, TensorPlace place,
+                         ExpertPlace experts) {
   const std::vector<bool> local = local_layers(m, ranges);
   const std::string problem = tensor_parallel_problem(m, place.size);
   check(problem.empty(), "config key 'parallel.tensor': " + problem + ", found " + std::to_string(place.size));
+  check(experts.size == 1 || m.moe(), "config key 'parallel.expert': expected 1 without a mixture of experts, found " +
+                                          std::to_string(experts.size));
+  check(experts.size >= 1 && experts.rank >= 0 && experts.rank < experts.size && m.moe_experts % experts.size == 0,
+        "config key 'parallel.expert': expected a divisor of the " + std::to_string(m.moe_experts) +
+            " experts, found " + std::to_string(experts.size));
   const int L = m.n_layer + 2;
   const std::string& prefix = m.tensor_prefix;
   const int64_t C = m.n_embd, Vp = m.padded_vocab_size;
@@ -108,7 +114,7 @@ ModelLayout model_layout(const ModelConfig& m, std::span<const LayerRange> range
   // `split`: the dimension split over the tensor group (-1: replicated) and its blocks (empty: one).
   auto add = [&](const std::string& name, std::vector<int64_t> shape, int layer, ChunkKind kind, bool decay,
                  int split = -1, std::vector<int64_t> blocks = {}) {
-    TensorShard shard{split, shape, std::move(blocks)};
+    TensorShard shard{split, shape, std::move(blocks), {}, 0};
     if (split >= 0) {
       if (shard.blocks.empty()) shard.blocks = {shape[split]};
       shape[split] /= place.size;
@@ -142,11 +148,22 @@ ModelLayout model_layout(const ModelConfig& m, std::span<const LayerRange> range
       if (m.moe_block(l - 1)) {  // a mixture of experts (model/moe.h; not split over tensor ranks)
         const int64_t E = m.moe_experts, Hm = m.moe_hidden, S = static_cast<int64_t>(m.moe_shared_experts) * Hm;
         add(p + "moe.router.w", {E, C}, l, ChunkKind::ffn, true);
-        add(p + "moe.experts_mlp.gate_up.w", {E, 2 * Hm, C}, l, ChunkKind::ffn, true);
-        add(p + "moe.experts_mlp.proj.w", {E, C, Hm}, l, ChunkKind::ffn, true);
         if (S > 0) {
           add(p + "moe.shared_mlp.gate_up.w", {2 * S, C}, l, ChunkKind::ffn, true);
           add(p + "moe.shared_mlp.proj.w", {C, S}, l, ChunkKind::ffn, true);
+        }
+        const int El = m.moe_experts / experts.size;
+        for (int j = experts.rank * El; j < (experts.rank + 1) * El; ++j) {
+          const std::string e = p + "moe.expert." + std::to_string(j) + ".";
+          // Each continues its stack's stream (TensorShard::stream): expert j's part of it.
+          add(e + "gate_up.w", {2 * Hm, C}, l, ChunkKind::ffn, true);
+          out.shards.back().stream = prefix + p + "moe.experts_mlp.gate_up.w";
+          out.shards.back().stream_first = j * 2 * Hm * C;
+          out.tensors.back().expert = j;
+          add(e + "proj.w", {C, Hm}, l, ChunkKind::ffn, true);
+          out.shards.back().stream = prefix + p + "moe.experts_mlp.proj.w";
+          out.shards.back().stream_first = j * C * Hm;
+          out.tensors.back().expert = j;
         }
         continue;
       }

@@ -27,8 +27,10 @@ MoeFeedForward::MoeFeedForward(const ModelConfig& m, ChunkStore& store, int laye
       t_(ids),
       local_experts_(m.moe_experts),
       first_expert_(0) {
-  const size_t want = (S_ > 0 ? layout::shared_down_w : layout::experts_down_w) + 1;
-  check(ids.size() == want, "GPT: mixture-of-experts block " + std::to_string(layer) + " without its tensors");
+  const size_t experts_at = layout::moe_expert_tensor(S_ > 0, 0, layout::expert_gate_up_w);
+  check(ids.size() == experts_at + static_cast<size_t>(E_) * layout::expert_tensors,
+        "GPT: mixture-of-experts block " + std::to_string(layer) + " without its tensors");
+  expert_ids_.assign(ids.begin() + static_cast<std::ptrdiff_t>(experts_at), ids.end());
   stats_.layer = layer;
   stats_.tokens.assign(E_, 0.0);
   if (m.moe_balance == MoeBalance::bias) {
@@ -164,6 +166,14 @@ void MoeFeedForward::combine_back(const MoeActivations& a, const float* local, f
   ep_->finish_exchange();
 }
 
+std::vector<float*> MoeFeedForward::expert_matrices(layout::MoeExpert t, Plane plane) const {
+  std::vector<float*> out(local_experts_);
+  for (int e = 0; e < local_experts_; ++e) {
+    out[e] = store_.data(expert_ids_[static_cast<size_t>(first_expert_ + e) * layout::expert_tensors + t], plane);
+  }
+  return out;
+}
+
 void MoeFeedForward::forward(const MoeActivations& a, const Batch& b, const float* x, float* out, bool count) {
   const int N = b.B * b.T;
   auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::MoeBlock
@@ -186,10 +196,12 @@ void MoeFeedForward::forward(const MoeActivations& a, const Batch& b, const floa
       std::memset(out, 0, sizeof(float) * N * C_);
     }
   };
+  const std::vector<float*> gate_up = expert_matrices(layout::expert_gate_up_w, Plane::param),
+                            down = expert_matrices(layout::expert_down_w, Plane::param);
   if (ep_ == nullptr) {
-    moe::grouped_linear_forward(f, a.gu, a.xs, P(layout::experts_gate_up_w), a.offsets, E_, C_, 2 * Hm_);
+    moe::grouped_linear_forward(f, a.gu, a.xs, gate_up.data(), a.offsets, E_, C_, 2 * Hm_);
     ops::swiglu_forward(a.h, a.gu, M, Hm_);
-    moe::grouped_linear_forward(f, a.ye, a.h, P(layout::experts_down_w), a.offsets, E_, Hm_, C_);
+    moe::grouped_linear_forward(f, a.ye, a.h, down.data(), a.offsets, E_, Hm_, C_);
     shared();
   } else {  // the rows out to their experts' ranks (the shared experts run meanwhile), this rank's experts, back
     exchange_counts(a);
@@ -197,11 +209,9 @@ void MoeFeedForward::forward(const MoeActivations& a, const Batch& b, const floa
     shared();
     finish_dispatch(a, a.xr, C_);
     const int El = local_experts_, Mr = a.local_offsets[El];
-    moe::grouped_linear_forward(f, a.gu, a.xr, local(P(layout::experts_gate_up_w), 2 * Hm_ * C_), a.local_offsets,
-                                El, C_, 2 * Hm_);
+    moe::grouped_linear_forward(f, a.gu, a.xr, gate_up.data(), a.local_offsets, El, C_, 2 * Hm_);
     ops::swiglu_forward(a.h, a.gu, Mr, Hm_);
-    moe::grouped_linear_forward(f, a.yr, a.h, local(P(layout::experts_down_w), C_ * Hm_), a.local_offsets, El, Hm_,
-                                C_);
+    moe::grouped_linear_forward(f, a.yr, a.h, down.data(), a.local_offsets, El, Hm_, C_);
     combine_back(a, a.yr, a.ye, C_);
   }
   moe::combine_forward(out, a.ye, a.probs, a.choice, a.slot, N, K_, E_, C_);
@@ -242,10 +252,12 @@ void MoeFeedForward::backward_input(const MoeActivations& a, const Batch& b, con
     backward_input_expert_parallel(a, b, dout, dx);
     return;
   }
-  moe::grouped_linear_backward_input(bw, a.dh, a.dye, P(layout::experts_down_w), a.offsets, E_, Hm_, C_);
+  moe::grouped_linear_backward_input(bw, a.dh, a.dye, expert_matrices(layout::expert_down_w, Plane::param).data(),
+                                     a.offsets, E_, Hm_, C_);
   ops::swiglu_backward_input(a.dgu, a.dh, a.gu, M, Hm_);
   float* dxs = a.dh;
-  moe::grouped_linear_backward_input(bw, dxs, a.dgu, P(layout::experts_gate_up_w), a.offsets, E_, C_, 2 * Hm_);
+  moe::grouped_linear_backward_input(bw, dxs, a.dgu, expert_matrices(layout::expert_gate_up_w, Plane::param).data(),
+                                     a.offsets, E_, C_, 2 * Hm_);
   ops::linear_backward_input<float>(MatmulPrecision::fp32, dx, a.dlogits, P(layout::moe_router_w), N, C_, E_, false);
   moe::scatter_add_rows(dx, dxs, a.slot, N, K_, C_);
   if (S_ > 0) {
@@ -271,11 +283,11 @@ void MoeFeedForward::backward_input_expert_parallel(const MoeActivations& a, con
     ops::swiglu_backward_input(a.dgus, dhs, a.gus, N, S_);
   }
   finish_dispatch(a, a.dyr, C_);
-  moe::grouped_linear_backward_input(bw, a.dh, a.dyr, local(P(layout::experts_down_w), C_ * Hm_), a.local_offsets, El,
-                                     Hm_, C_);
+  moe::grouped_linear_backward_input(bw, a.dh, a.dyr, expert_matrices(layout::expert_down_w, Plane::param).data(),
+                                     a.local_offsets, El, Hm_, C_);
   ops::swiglu_backward_input(a.dgu, a.dh, a.gu, Mr, Hm_);
   float* dxr = a.dh;
-  moe::grouped_linear_backward_input(bw, dxr, a.dgu, local(P(layout::experts_gate_up_w), 2 * Hm_ * C_),
+  moe::grouped_linear_backward_input(bw, dxr, a.dgu, expert_matrices(layout::expert_gate_up_w, Plane::param).data(),
                                      a.local_offsets, El, C_, 2 * Hm_);
   float* dxs = a.dye;  // (sent: free) the sorted rows' input gradient
   combine_back(a, dxr, dxs, C_);
@@ -288,14 +300,15 @@ void MoeFeedForward::backward_weight(const MoeActivations& a, const Batch& b, co
   const int N = b.B * b.T;
   auto G = [&](int t) { return store_.data(t_[t], Plane::grad); };
   const MatmulPrecision bw = math_.backward;
+  const std::vector<float*> dgate_up = expert_matrices(layout::expert_gate_up_w, Plane::grad),
+                            ddown = expert_matrices(layout::expert_down_w, Plane::grad);
   if (ep_ == nullptr) {
-    moe::grouped_linear_backward_weight(bw, G(layout::experts_down_w), a.dye, a.h, a.offsets, E_, Hm_, C_);
-    moe::grouped_linear_backward_weight(bw, G(layout::experts_gate_up_w), a.dgu, a.xs, a.offsets, E_, C_, 2 * Hm_);
+    moe::grouped_linear_backward_weight(bw, ddown.data(), a.dye, a.h, a.offsets, E_, Hm_, C_);
+    moe::grouped_linear_backward_weight(bw, dgate_up.data(), a.dgu, a.xs, a.offsets, E_, C_, 2 * Hm_);
   } else {  // this rank's experts only, over the rows it ran (expert order)
-    moe::grouped_linear_backward_weight(bw, local(G(layout::experts_down_w), C_ * Hm_), a.dyr, a.h, a.local_offsets,
-                                        local_experts_, Hm_, C_);
-    moe::grouped_linear_backward_weight(bw, local(G(layout::experts_gate_up_w), 2 * Hm_ * C_), a.dgu, a.xr,
-                                        a.local_offsets, local_experts_, C_, 2 * Hm_);
+    moe::grouped_linear_backward_weight(bw, ddown.data(), a.dyr, a.h, a.local_offsets, local_experts_, Hm_, C_);
+    moe::grouped_linear_backward_weight(bw, dgate_up.data(), a.dgu, a.xr, a.local_offsets, local_experts_, C_,
+                                        2 * Hm_);
   }
   ops::linear_backward_weight<float>(MatmulPrecision::fp32, G(layout::moe_router_w), nullptr, a.dlogits, x, N, C_, E_);
   if (S_ > 0) {

@@ -23,6 +23,7 @@
 #include "model/expert_group.h"
 #include "model/layer.h"
 #include "model/layer_util.h"
+#include "model/model_layout.h"
 #include "store/chunk_store.h"
 
 namespace keel {
@@ -100,6 +101,7 @@ class MoeFeedForward {
   int C_, E_, K_, Hm_, S_;  // width, experts, top-k, expert units, shared units (0: none)
   double capacity_factor_, aux_weight_;
   std::vector<TensorId> t_;
+  std::vector<TensorId> expert_ids_;  // each held expert's tensors (layout::MoeExpert order), expert order
   MoeStats stats_;
   std::vector<float> bias_;
   std::vector<double> load_;
@@ -117,8 +119,8 @@ class MoeFeedForward {
   // The byte counts and offsets of a dispatch of `a`'s rows (combine_back's the other way round).
   void plan_exchange(const MoeActivations& a, int width);
   void backward_input_expert_parallel(const MoeActivations& a, const Batch& b, const float* dout, float* dx);
-  // This rank's first expert's matrix in a tensor of all E experts' matrices of `per_expert` floats each.
-  float* local(float* all, int64_t per_expert) const { return all + first_expert_ * per_expert; }
+  // The `plane` matrices of tensor `t` of the experts this rank runs (all E without a group), in expert order.
+  std::vector<float*> expert_matrices(layout::MoeExpert t, Plane plane) const;
 };
 
 }  // namespace keel

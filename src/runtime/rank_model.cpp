@@ -59,16 +59,13 @@ std::unique_ptr<RankModel> RankModel::build(const Config& config, ProcessGroups&
     r->tensor_group = std::make_unique<MpiTensorGroup>(*groups.tp(), config.parallel.sequence_parallel);
   }
   if (groups.cp() != nullptr) r->context_group = std::make_unique<MpiContextGroup>(*groups.cp());
+  if (groups.ep() != nullptr) r->expert_group = std::make_unique<MpiExpertGroup>(*groups.ep());
   const bool bf16 = config.runtime.precision == Precision::bf16;
   r->model = std::make_unique<GPT>(config.model, *r->store, layout ? layout->mine : std::vector<LayerRange>{}, bf16,
                                    MathMode::uniform(bf16 ? MatmulPrecision::bf16 : MatmulPrecision::fp32),
                                    recompute_plan(config.train, config.model.n_layer), r->tensor_group.get(),
-                                   r->context_group.get());
+                                   r->context_group.get(), r->expert_group.get());
   if (config.runtime.slow_rank == groups.world().rank()) r->model->set_slowdown(config.runtime.slow_factor);
-  if (groups.ep() != nullptr) {
-    r->expert_group = std::make_unique<MpiExpertGroup>(*groups.ep());
-    attach_expert_group(*r->model, *r->expert_group);
-  }
   r->store->set_huge_page_alignment(tiered);
   // Under ZeRO-3 a rank only ever writes its own shard's pages (the rest arrive under leases).
   const bool zero3 = config.parallel.zero == 3 && dp.size() > 1;

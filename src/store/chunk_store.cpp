@@ -187,6 +187,7 @@ void ChunkStore::lay_out() {
     c.id = static_cast<int>(chunks_.size());
     c.layer = s.layer;
     c.replica = s.replica;
+    c.expert = s.expert;
     c.kind = s.kind;
     c.offset = cursor;
     chunks_.push_back(c);
@@ -195,14 +196,15 @@ void ChunkStore::lay_out() {
   for (int t = 0; t < static_cast<int>(tensors_.size()); ++t) {
     TensorInfo& info = tensors_[t];
     const TensorSpec& s = info.spec;
-    if (open == nullptr || open->layer != s.layer || open->kind != s.kind || open->replica != s.replica) {
+    if (open == nullptr || open->layer != s.layer || open->kind != s.kind || open->replica != s.replica ||
+        open->expert != s.expert) {
       cursor = align_chunk(cursor);
       if (huge_align_) {
         // A run of chunks (one layer, one kind) of a huge page or more starts on a huge-page
         // boundary, so its pages are made of whole huge pages (see set_huge_page_alignment).
         int64_t run = 0;
         for (int u = t; u < static_cast<int>(tensors_.size()) && tensors_[u].spec.layer == s.layer &&
-                        tensors_[u].spec.kind == s.kind;
+                        tensors_[u].spec.kind == s.kind && tensors_[u].spec.expert == s.expert;
              ++u)
           run += align_up(tensors_[u].numel);
         if (run >= kHugeFloats) cursor = (cursor + kHugeFloats - 1) / kHugeFloats * kHugeFloats;

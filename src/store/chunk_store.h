@@ -37,6 +37,11 @@ struct TensorSpec {
   // but not the embedding holds one of wte): its gradient is summed with the home's, and norms
   // count it once, at home. Replica tensors get chunks of their own.
   bool replica = false;
+  // A mixture of experts' routed expert (model/moe.h) whose weights this is (-1: none). An
+  // expert's tensors get chunks of their own: no chunk holds two experts' weights or an expert's
+  // beside anything else, so expert parallelism, gradient syncs and tiers can treat each expert's
+  // chunks apart.
+  int expert = -1;
 };
 
 // A lookahead hint: a layer an operation will soon use, and the plane it needs (parameters for a
@@ -72,6 +77,7 @@ struct Chunk {
   uint64_t accesses = 0;    // times a layer announced use of this chunk (for tier policies)
   uint64_t hinted = 0;      // times a lookahead said the chunk would be used soon
   bool replica = false;     // holds a replica tensor (TensorSpec::replica)
+  int expert = -1;          // holds routed expert `expert`'s weights (TensorSpec::expert); -1: none
 };
 
 using TensorId = int;
@@ -126,7 +132,7 @@ class ChunkStore {
   // Registers a tensor. Requires: not finalized; layers registered in non-decreasing order.
   TensorId add(TensorSpec spec);
   // Lays tensors out in chunks and allocates all planes, zero-filled. Chunks never span two
-  // layers or two kinds; a tensor larger than a chunk spans several consecutive chunks.
+  // layers, two kinds or two experts; a tensor larger than a chunk spans several consecutive chunks.
   // `touch_params`: fault the parameter plane in now (not page by page in the first step);
   // false when memory tiers will hold it (it is then never resident at full size).
   void finalize(bool touch_params = true);

@@ -59,8 +59,8 @@ def moe(cfg, p, pre, x, auxes, bias=None):
                 if cap is not None and taken[e] >= cap:
                     continue
                 taken[e] += 1
-                y = y + probs[b, t, e] * swiglu(x[b, t], p[pre + "moe.experts_mlp.gate_up.w"][e],
-                                                p[pre + "moe.experts_mlp.proj.w"][e])
+                y = y + probs[b, t, e] * swiglu(x[b, t], p[pre + f"moe.expert.{e}.gate_up.w"],
+                                                p[pre + f"moe.expert.{e}.proj.w"])
             rows.append(y)
         out.append(torch.stack(rows))
         f = torch.tensor(picked, dtype=torch.float64) / (T * k)
@@ -137,9 +137,11 @@ def self_check():
            "moe_shared_experts": 1, "moe_every": 1, "moe_aux_weight": 0.1, "moe_capacity": 0}
     C, E, Hm = 8, 3, 4
     shapes = {"wte": (7, C), "h.0.attn_norm.w": (C,), "h.0.attn.qkv.w": (C + 8, C), "h.0.attn.proj.w": (C, C),
-              "h.0.mlp_norm.w": (C,), "h.0.moe.router.w": (E, C), "h.0.moe.experts_mlp.gate_up.w": (E, 2 * Hm, C),
-              "h.0.moe.experts_mlp.proj.w": (E, C, Hm), "h.0.moe.shared_mlp.gate_up.w": (2 * Hm, C),
+              "h.0.mlp_norm.w": (C,), "h.0.moe.router.w": (E, C), "h.0.moe.shared_mlp.gate_up.w": (2 * Hm, C),
               "h.0.moe.shared_mlp.proj.w": (C, Hm), "norm.w": (C,), "lm_head.w": (7, C)}
+    for e in range(E):
+        shapes[f"h.0.moe.expert.{e}.gate_up.w"] = (2 * Hm, C)
+        shapes[f"h.0.moe.expert.{e}.proj.w"] = (C, Hm)
     names = list(shapes)
     params = [torch.randn(*shapes[n], dtype=torch.float64).mul(0.5).requires_grad_() for n in names]
     tokens = torch.randint(0, 7, (2, 3))

@@ -159,35 +159,34 @@ void combine_backward(T* dye, T* dprobs, const T* dy, const T* ye, const T* prob
 }
 
 template <typename T>
-void grouped_linear_forward(MatmulPrecision precision, T* out, const T* inp, const T* w, const int32_t* offsets, int E,
-                            int C, int OC) {
+void grouped_linear_forward(MatmulPrecision precision, T* out, const T* inp, const T* const* w, const int32_t* offsets,
+                            int E, int C, int OC) {
   for (int e = 0; e < E; ++e) {
     const int rows = offsets[e + 1] - offsets[e];
     if (rows == 0) continue;
     ops::linear_forward<T>(precision, out + static_cast<int64_t>(offsets[e]) * OC, inp + static_cast<int64_t>(offsets[e]) * C,
-                           w + static_cast<int64_t>(e) * OC * C, nullptr, rows, C, OC);
+                           w[e], nullptr, rows, C, OC);
   }
 }
 
 template <typename T>
-void grouped_linear_backward_input(MatmulPrecision precision, T* dinp, const T* dout, const T* w,
+void grouped_linear_backward_input(MatmulPrecision precision, T* dinp, const T* dout, const T* const* w,
                                    const int32_t* offsets, int E, int C, int OC) {
   for (int e = 0; e < E; ++e) {
     const int rows = offsets[e + 1] - offsets[e];
     if (rows == 0) continue;
     ops::linear_backward_input<T>(precision, dinp + static_cast<int64_t>(offsets[e]) * C,
-                                  dout + static_cast<int64_t>(offsets[e]) * OC, w + static_cast<int64_t>(e) * OC * C, rows,
-                                  C, OC, false);
+                                  dout + static_cast<int64_t>(offsets[e]) * OC, w[e], rows, C, OC, false);
   }
 }
 
 template <typename T>
-void grouped_linear_backward_weight(MatmulPrecision precision, T* dw, const T* dout, const T* inp,
+void grouped_linear_backward_weight(MatmulPrecision precision, T* const* dw, const T* dout, const T* inp,
                                     const int32_t* offsets, int E, int C, int OC) {
   for (int e = 0; e < E; ++e) {
     const int rows = offsets[e + 1] - offsets[e];
     if (rows == 0) continue;
-    ops::linear_backward_weight<T>(precision, dw + static_cast<int64_t>(e) * OC * C, nullptr,
+    ops::linear_backward_weight<T>(precision, dw[e], nullptr,
                                    dout + static_cast<int64_t>(offsets[e]) * OC, inp + static_cast<int64_t>(offsets[e]) * C,
                                    rows, C, OC);
   }
@@ -239,11 +238,12 @@ void aux_loss_backward(T* dprobs, const int32_t* choice, int B, int Tn, int E, i
   template void combine_forward<T>(T*, const T*, const T*, const int32_t*, const int32_t*, int, int, int, int);    \
   template void combine_backward<T>(T*, T*, const T*, const T*, const T*, const int32_t*, const int32_t*, int, int, \
                                     int, int);                                                                     \
-  template void grouped_linear_forward<T>(MatmulPrecision, T*, const T*, const T*, const int32_t*, int, int, int); \
-  template void grouped_linear_backward_input<T>(MatmulPrecision, T*, const T*, const T*, const int32_t*, int, int, \
-                                                 int);                                                             \
-  template void grouped_linear_backward_weight<T>(MatmulPrecision, T*, const T*, const T*, const int32_t*, int,    \
-                                                  int, int);                                                       \
+  template void grouped_linear_forward<T>(MatmulPrecision, T*, const T*, const T* const*, const int32_t*, int, int, \
+                                          int);                                                                    \
+  template void grouped_linear_backward_input<T>(MatmulPrecision, T*, const T*, const T* const*, const int32_t*, int, \
+                                                 int, int);                                                        \
+  template void grouped_linear_backward_weight<T>(MatmulPrecision, T* const*, const T*, const T*, const int32_t*,  \
+                                                  int, int, int);                                                  \
   template double aux_loss_forward<T>(const T*, const int32_t*, int, int, int, int);                               \
   template void aux_loss_backward<T>(T*, const int32_t*, int, int, int, int, T);
 KEEL_MOE_INSTANTIATE(float)

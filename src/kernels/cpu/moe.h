@@ -56,17 +56,18 @@ void combine_backward(T* dye, T* dprobs, const T* dy, const T* ye, const T* prob
                       const int32_t* slot, int N, int k, int E, int C);
 
 // ---- grouped linear: out[m, :] = inp[m, :] @ w[e]^T for the rows m of expert e ------------------
-// inp[M, C], w[E, OC, C], out[M, OC], offsets[E + 1] (M = offsets[E]); experts without rows skipped.
+// inp[M, C], w[e] [OC, C] for each of the E experts (one matrix each, anywhere), out[M, OC],
+// offsets[E + 1] (M = offsets[E]); experts without rows skipped (their w[e] not read).
 template <typename T>
-void grouped_linear_forward(MatmulPrecision precision, T* out, const T* inp, const T* w, const int32_t* offsets, int E,
-                            int C, int OC);
+void grouped_linear_forward(MatmulPrecision precision, T* out, const T* inp, const T* const* w, const int32_t* offsets,
+                            int E, int C, int OC);
 // dinp[M, C] (overwritten) = dout[M, OC] @ w[e] per expert.
 template <typename T>
-void grouped_linear_backward_input(MatmulPrecision precision, T* dinp, const T* dout, const T* w,
+void grouped_linear_backward_input(MatmulPrecision precision, T* dinp, const T* dout, const T* const* w,
                                    const int32_t* offsets, int E, int C, int OC);
-// dw[E, OC, C] += dout[rows of e]^T @ inp[rows of e].
+// dw[e] [OC, C] += dout[rows of e]^T @ inp[rows of e] (experts without rows: dw[e] untouched).
 template <typename T>
-void grouped_linear_backward_weight(MatmulPrecision precision, T* dw, const T* dout, const T* inp,
+void grouped_linear_backward_weight(MatmulPrecision precision, T* const* dw, const T* dout, const T* inp,
                                     const int32_t* offsets, int E, int C, int OC);
 
 // ---- balancing loss (Switch Transformer / GShard), per sequence ---------------------------------
