@@ -6,12 +6,18 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
 
 #include "core/fileio.h"
+#include "core/rng.h"
+#include "model/gpt.h"
+#include "model/moe.h"
 #include "store/expert_homes.h"
+#include "store/tiered_memory.h"
+#include "store/tiers.h"
 #include "test_util.h"
 
 namespace keel {
@@ -94,6 +100,15 @@ TEST_F(MoeTiers, ASmallComputeTierTrainsTheBytesOfTrainingInMemory) {
       EXPECT_EQ(s.at("tier_stale_refetches").get<int>(), 0);
       EXPECT_GT(s.at("tier_nvme_read_bytes").get<double>() + s.at("tier_host_read_bytes").get<double>(), 0);
       EXPECT_LE(s.at("tier_device_resident_bytes").get<double>(), 1 << 20);
+      ASSERT_EQ(s.at("tier_experts").size(), 2u) << s;
+      for (const json& block : s.at("tier_experts")) {
+        EXPECT_EQ(block.at("experts").size(), 4u);
+        for (const char* key : {"acquires", "hits", "stall_ms", "read_bytes", "home"})
+          EXPECT_EQ(block.at(key).size(), 4u) << key;
+        for (size_t e = 0; e < 4; ++e) EXPECT_LE(block.at("hits")[e].get<int>(), block.at("acquires")[e].get<int>());
+      }
+      EXPECT_GE(s.at("tier_expert_hit_rate").get<double>(), 0.0);
+      EXPECT_LE(s.at("tier_expert_hit_rate").get<double>(), 1.0);
     }
     EXPECT_TRUE(fs::is_empty(at("nvme"))) << "the tier's file outlived the run";
     fs::remove_all(at("tiered"));
@@ -113,6 +128,78 @@ TEST_F(MoeTiers, ResumesThroughTheTiersToTheSameBytes) {
     EXPECT_EQ(testing::checkpoint_bytes(at("resumed") + "/ckpt", p), testing::checkpoint_bytes(at("memory") + "/ckpt", p));
   }
   fs::remove_all(at("resumed"));
+}
+
+// Routing-aware leases, at one block over real tiers: with its routing bias keeping expert 3 of
+// 4 from every token, a forward and backward pass never touch expert 3's parameter or gradient
+// pages (no acquire, no byte read, still absent), touch each chosen expert's once per pass kind,
+// and give the gradients of the same model in memory, bit for bit.
+TEST(MoeTierLeases, UnchosenExpertsPagesAreNotTouched) {
+  Config c;
+  c.model.preset = "llama-moe-tiny";
+  c.model.n_layer = 1;
+  c.model.n_embd = 32;
+  c.model.n_head = 4;
+  c.model.vocab_size = 64;
+  c.model.max_seq_len = 16;
+  c.model.moe_balance = MoeBalance::bias;
+  c.train.seq_len = 16;
+  c.resolve(1);
+  const ModelConfig& m = c.model;
+  const int B = 2, T = 8;
+  Rng rng(7);
+  std::vector<int> in(B * T), tg(B * T);
+  for (int i = 0; i < B * T; ++i) in[i] = static_cast<int>(rng.below(64)), tg[i] = static_cast<int>(rng.below(64));
+  auto run = [&](bool tiered, std::vector<float>* grads) {
+    ChunkStore store(4096);
+    GPT model(m, store);
+    store.finalize();
+    model.init_weights(5);
+    MoeFeedForward* moe = model.layer(1).moe();
+    EXPECT_NE(moe, nullptr);
+    moe->routing_bias()[3] = -1e9f;  // expert 3 is never chosen
+    testing::TempDir dir("keel-moe-leases");
+    TierConfig t;
+    t.device_mib = 1;
+    t.host_mib = 4;
+    t.nvme_dir = dir.path();
+    t.attention = t.norm = t.embedding = Tier::host;  // everything off the device: every touch shows
+    t.ffn = Tier::nvme;
+    std::unique_ptr<TieredMemory> tiers = tiered ? std::make_unique<TieredMemory>(t, store, false) : nullptr;
+    model.allocate(B, T);
+    store.zero_grads();
+    model.forward(Batch{in.data(), tg.data(), B, T, 1.0f / (B * T)});
+    model.backward(Batch{in.data(), tg.data(), B, T, 1.0f / (B * T)});
+    if (tiers) {
+      int chosen = 0;
+      for (const Chunk& ch : store.chunks()) {
+        if (ch.expert < 0) continue;
+        for (Plane p : {Plane::param, Plane::grad}) {
+          const PageCounters k = tiers->manager().take_page_counters({ch.id, p});
+          if (ch.expert == 3) {
+            EXPECT_EQ(k.acquires, 0u) << "chunk " << ch.id;
+            EXPECT_EQ(k.bytes_read, 0u) << "chunk " << ch.id;
+            EXPECT_FALSE(tiers->manager().present({ch.id, p}));
+          } else {
+            EXPECT_EQ(k.acquires, 1u) << "chunk " << ch.id << " expert " << ch.expert;
+            chosen += p == Plane::param;
+          }
+        }
+      }
+      EXPECT_GT(chosen, 0);
+      tiers->manager().drain();
+    }
+    for (int id = 0; id < static_cast<int>(store.tensors().size()); ++id) {
+      const PageLease use = store.use_tensor(id, {Plane::grad});
+      const std::span<const float> g = store.view(id, Plane::grad);
+      grads->insert(grads->end(), g.begin(), g.end());
+    }
+  };
+  std::vector<float> memory, tiered;
+  run(false, &memory);
+  run(true, &tiered);
+  ASSERT_EQ(memory.size(), tiered.size());
+  EXPECT_EQ(std::memcmp(memory.data(), tiered.data(), memory.size() * sizeof(float)), 0);
 }
 
 TEST_F(MoeTiers, ExpertParallelismWithTiersIsRefusedInOneLine) {

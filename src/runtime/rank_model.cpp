@@ -44,6 +44,11 @@ void attach_tiers(RankModel& r, const Config& config, ProcessGroups& groups) {
   // Gradient buckets in flight pin their pages: keep them within what the device budget leaves
   // beside the homed pages and one operation's working set (at least one bucket).
   r.sync->limit_in_flight(std::max(config.parallel.bucket_bytes, r.tiers->free_device_bytes()));
+  if (config.model.moe() && r.model != nullptr && bf16 == nullptr) {  // (bf16 state: experts' pages not tiered)
+    r.expert_tiers = std::make_unique<ExpertTiers>(config.tier, *r.store, *r.tiers, *r.model,
+                                                   2 * r.tiers->placement().working_set_bytes, 0,
+                                                   groups.world().is_root());
+  }
 }
 
 }  // namespace
@@ -114,6 +119,7 @@ std::unique_ptr<RankModel> RankModel::build_clip(const Config& config, ProcessGr
 std::vector<MetricsSource*> RankModel::sources() const {
   std::vector<MetricsSource*> out = {sync_report.get(), optimizer.get()};
   if (tiers) out.push_back(tiers.get());
+  if (expert_tiers) out.push_back(expert_tiers.get());
   if (tensor_group) out.push_back(tensor_group.get());
   if (expert_group) out.push_back(expert_group.get());
   if (MetricsSource* own = engine->metrics()) out.push_back(own);
