@@ -91,7 +91,8 @@ testing::TempDir* MoeTiers::dir_ = nullptr;
 // routing share) train the bytes of the run in memory, with traffic through both off-device
 // tiers, and report every expert's figures each step.
 TEST_F(MoeTiers, ASmallComputeTierTrainsTheBytesOfTrainingInMemory) {
-  for (const std::string& variant : {std::string(""), std::string("--set tier.prefetch=false --set tier.engine=threads")}) {
+  for (const std::string& variant : {std::string(""), std::string("--set tier.prefetch=false --set tier.engine=threads"),
+                                     std::string("--set tier.experts=by_frequency --set tier.experts_every=2")}) {
     const testing::CommandResult r = train("tiered", tiers(variant));
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("keel: tiered memory: device 1 MiB"), std::string::npos) << r.output;
@@ -208,6 +209,66 @@ TEST_F(MoeTiers, ExpertParallelismWithTiersIsRefusedInOneLine) {
   EXPECT_NE(why.find("config key 'parallel.expert'"), std::string::npos) << why;
   EXPECT_EQ(why.find('\n'), std::string::npos) << why;
   EXPECT_EQ(testing::config_refusal({"model.preset=llama-moe-tiny", "tier.device_mib=64", "tier.host_mib=64"}, 1), "");
+}
+
+// Without balancing the routers favour a few experts; tier.experts = "by_frequency" re-homes the
+// experts every 2 steps by the pairs routed to each since the last plan: afterwards every
+// device-homed expert's share is at least any other's divided by the hysteresis (1.25), some
+// but not all are on the device, and the run's bytes are still the memory run's (above).
+TEST_F(MoeTiers, ByFrequencyHomesTheMostChosenExpertsOnTheDevice) {
+  const testing::CommandResult r =
+      train("frequency", tiers("--set tier.experts=by_frequency --set tier.experts_every=2 --set model.moe_aux_weight=0"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("tier.experts = by_frequency"), std::string::npos) << r.output;
+  const std::vector<json> got = steps("frequency");
+  ASSERT_EQ(got.size(), static_cast<size_t>(kSteps));
+  int rehomed = 0;
+  for (size_t i = 1; i < got.size(); i += 2) {  // steps 2, 4, ...: a plan from this step and the one before
+    if (!got[i].contains("tier_experts_rehomed")) continue;
+    rehomed++;
+    std::vector<double> share;
+    std::vector<std::string> home;
+    for (size_t b = 0; b < 2; ++b) {
+      for (size_t e = 0; e < 4; ++e) {
+        share.push_back(got[i].at("moe_layers")[b].at("tokens")[e].get<double>() +
+                        got[i - 1].at("moe_layers")[b].at("tokens")[e].get<double>());
+        home.push_back(got[i].at("tier_experts")[b].at("home")[e].get<std::string>());
+      }
+    }
+    const auto on_device = std::count(home.begin(), home.end(), "device");
+    EXPECT_GT(on_device, 0) << got[i];
+    EXPECT_LT(on_device, 8) << got[i];
+    for (size_t d = 0; d < 8; ++d) {
+      for (size_t o = 0; o < 8; ++o) {
+        if (home[d] == "device" && home[o] != "device") {
+          EXPECT_GE(share[d] * 1.25, share[o]) << "step " << i + 1 << ": expert " << d << " on the device, " << o << " not";
+        }
+      }
+    }
+  }
+  EXPECT_GE(rehomed, 1) << "the first plan moves the experts off their placement";
+  fs::remove_all(at("frequency"));
+}
+
+TEST_F(MoeTiers, BadValuesOfTheExpertKeysAreRefusedInOneLine) {
+  const std::vector<std::string> moe = {"model.preset=llama-moe-tiny", "tier.device_mib=64", "tier.host_mib=64"};
+  auto refusal = [&](std::vector<std::string> extra, bool with_moe = true) {
+    std::vector<std::string> sets = with_moe ? moe : std::vector<std::string>{};
+    sets.insert(sets.end(), extra.begin(), extra.end());
+    const std::string why = testing::config_refusal(sets, 1);
+    EXPECT_EQ(why.find('\n'), std::string::npos) << why;
+    return why;
+  };
+  EXPECT_EQ(refusal({"tier.experts=by_frequency"}), "");
+  EXPECT_NE(refusal({"tier.experts=sometimes"}).find("'tier.experts': expected \"off\" or \"by_frequency\""),
+            std::string::npos);
+  EXPECT_NE(refusal({"tier.experts=by_frequency", "tier.device_mib=64"}, false).find("'tier.experts'"), std::string::npos);
+  EXPECT_NE(refusal({"model.preset=llama-moe-tiny", "tier.experts=by_frequency"}, false).find("'tier.experts'"),
+            std::string::npos);
+  EXPECT_NE(refusal({"tier.experts=by_frequency", "tier.policy=adaptive"}).find("'tier.policy'"), std::string::npos);
+  EXPECT_NE(refusal({"tier.experts_every=0"}).find("'tier.experts_every'"), std::string::npos);
+  EXPECT_NE(refusal({"tier.experts=by_frequency", "runtime.precision=bf16"}).find("'runtime.precision'"),
+            std::string::npos);
 }
 
 // The planner against every assignment of 5 experts to the three tiers: the plan is the one a

@@ -218,6 +218,14 @@ std::vector<float*> MoeFeedForward::expert_matrices(layout::MoeExpert t, Plane p
 
 void MoeFeedForward::forward(const MoeActivations& a, const Batch& b, const float* x, float* out, bool count) {
   const int N = b.B * b.T;
+  if (ep_ == nullptr) {
+    // Every expert's deferred optimizer update (memory tiers) runs here, in expert order, chosen
+    // or not: the same point every step (the tiers' schedule prefetches it), and before the hint
+    // below, whose pages an update at home would otherwise leave behind their owner's version.
+    find_ranges();
+    for (const auto& [begin, end] : expert_range_)
+      for (const Chunk& c : store_.chunks_overlapping(begin, end - begin)) store_.use_chunk(c.id, {});
+  }
   auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::MoeBlock
   const MatmulPrecision f = math_.forward;
   // The router multiplies in float32 at every precision: its choices are discrete.

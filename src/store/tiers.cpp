@@ -468,9 +468,10 @@ void TierManager::acquire(std::span<const PageRef> refs) {
     ~Timer() { s.acquire_ms += ms_since(t0); }
   } timer{stats_, t_start};
   poll();
+  if (refs.empty()) return;  // (a lease of no pages: no part of the schedule)
   std::vector<int> group;
   group.reserve(refs.size());
-  bool routed = !refs.empty();
+  bool routed = true;
   for (const PageRef& r : refs) {
     routed = routed && page(r).routed;
     group.push_back(index(r));
@@ -658,7 +659,7 @@ void TierManager::prefetch_ahead() {
   for (int64_t k = 0; k < options_.lookahead; ++k) {
     for (int i : schedule_[(position_ + k) % len]) {
       Page& pg = pages_[i];
-      if (pg.routed || revive(i) || pg.present || pg.fetching || pg.home == Tier::device) continue;
+      if (revive(i) || pg.present || pg.fetching || pg.home == Tier::device) continue;
       if (waiting == 0 && make_room(pg.bytes, k)) {
         fetch(i);
         continue;

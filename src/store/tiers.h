@@ -70,9 +70,10 @@ struct TierOptions {
   // parameters and gradients, store/bf16_state.h): neither homed nor counted, as params_only's.
   uint8_t absent_planes = 0;
   // Routed pages (per page as the homes, 1 = routed; empty: none): a mixture of experts' routed
-  // experts, acquired only when the router chose them. Their acquires stay out of the recorded
-  // schedule (which cannot know the next choice) and the schedule's prefetch never fetches them:
-  // a hint() brings them in, on the schedule or off it, once the router has chosen. They have an
+  // experts, acquired only when the router chose them. An acquire of routed pages alone stays out
+  // of the recorded schedule (which cannot know the next choice): a hint() brings them in, on the
+  // schedule or off it, once the router has chosen. (An acquire that mixes them with other pages,
+  // such as the optimizer's update of an expert's chunk, happens every step and is scheduled.) They have an
   // NVMe slot each (where there is an NVMe tier), so that rehome_pages may move them anywhere.
   std::vector<uint8_t> routed;
 };
