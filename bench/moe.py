@@ -17,8 +17,12 @@ Parts (--part, default all):
            beside Keel's.
   expert   The MoE model on 2 ranks: data parallel (every rank all experts) against expert
            parallelism (parallel.expert = 2), tokens/s; where parallel.expert is not built, says so.
-  tiers    Experts homed by routing frequency (tier.experts = "by_frequency") at a compute tier of a
-           quarter of the experts against all in memory; where it is not built, says so.
+  tiers    The MoE model in the memory tiers at a compute tier with room for a quarter of the
+           experts' parameter and gradient pages (beside the embedding, attention and norms, and
+           two operations' working sets; moments on host): experts homed on host DRAM, on NVMe,
+           and by routing share (tier.experts = "by_frequency", re-homed every 5 steps), each
+           against all in memory: tokens/s ratio and the experts' hit rate over the last half of
+           the steps (min(--steps, 40) steps each).
 
 Every figure is printed with the load average it was taken under: the machine is shared.
 
@@ -179,13 +183,52 @@ def part_expert(a, work):
         print("expert / data parallel: %.2fx tokens/s" % (runs["data 2, expert 2"]["tok_s"] / runs["data 2 (E = 1)"]["tok_s"]))
 
 
-def part_tiers(a, work):
-    print("\n== experts homed by routing frequency, compute tier of a quarter of the experts")
-    r, err = keel_train(a, work, "tiers", "moe", min(a.steps, 50), extra=["tier.experts=by_frequency"])
+# llama-moe-d4's pages (src/core/config.cpp presets): 4 blocks of 8 experts, C = 256, Hm = 352.
+EXPERT_BYTES = 3 * 352 * 256 * 4  # one expert's gate_up [704, 256] and proj [256, 352], float32
+EXPERTS = 4 * 8
+
+
+def part_tiers(a, work, steps):
+    print("\n== experts in the memory tiers: a compute tier of a quarter of the experts' parameters and "
+          "gradients against all in memory (%d steps each)" % steps)
+    memory, err = keel_train(a, work, "tiers-memory", "moe", steps)
     if err:
-        print("not run: %s" % err[0])
+        print("in memory: not run: %s" % err[0])
         return
-    print("tiered: %7.0f tok/s, hit rate %s, load %s" % (r["tok_s"], r["last"].get("tier_hit_rate"), r["load"]))
+    # Device: the embeddings (token table and untied head), attention and norms (parameters and
+    # gradients: 34.0 MiB homed there, as the start-up line says), two operations' working sets
+    # (the head's: its 8 MiB plus the token table's, 16.0 MiB each), and room for a quarter of the
+    # experts' parameter and gradient pages (16.5 MiB); the moments in host DRAM (updated there);
+    # the experts and routers homed on host DRAM or NVMe.
+    quarter_mib = EXPERTS // 4 * 2 * EXPERT_BYTES / 2**20
+    device_mib = int(round(34.0 + 2 * 16.0 + quarter_mib))
+    nvme = os.path.join(work, "nvme")
+    os.makedirs(nvme, exist_ok=True)
+    common = ["tier.device_mib=%d" % device_mib, "tier.host_mib=1024", "tier.nvme_dir=" + nvme,
+              "tier.embedding=device", "tier.optimizer=host"]
+    print("in memory:          %7.0f tok/s (median %.0f ms/step)  load %s" % (memory["tok_s"], memory["ms"], memory["load"]))
+    for name, extra in (("experts on host", ["tier.ffn=host"]), ("experts on nvme", ["tier.ffn=nvme"]),
+                        ("by_frequency", ["tier.ffn=nvme", "tier.experts=by_frequency", "tier.experts_every=5"])):
+        r, err = keel_train(a, work, "tiers-" + name.replace(" ", "-"), "moe", steps, extra=common + extra)
+        if err:
+            print("%-19s not run: %s" % (name + ":", err[0]))
+            continue
+        lines, _ = step_lines(os.path.join(work, "tiers-" + name.replace(" ", "-")))
+        half = lines[len(lines) // 2:]
+        hits = sum(sum(b["hits"]) for l in half for b in l.get("tier_experts", []))
+        touches = sum(sum(b["acquires"]) for l in half for b in l.get("tier_experts", []))
+        stall = statistics.median([l.get("tier_expert_stall_ms", 0) for l in half])
+        homes = [h for b in r["last"].get("tier_experts", []) for h in b["home"]]
+        print("%-19s %7.0f tok/s = %.2fx in memory; experts' hit rate %.1f%% (%d first touches, last half), "
+              "median stall %.1f ms/step, pages' hit rate %s; homes at the end: %d device, %d host, %d nvme; "
+              "device %d MiB; load %s" %
+              (name + ":", r["tok_s"], r["tok_s"] / memory["tok_s"], 100.0 * hits / max(1, touches), touches, stall,
+               r["last"].get("tier_hit_rate"), homes.count("device"), homes.count("host"), homes.count("nvme"),
+               device_mib, r["load"]))
+    again, err = keel_train(a, work, "tiers-memory-again", "moe", steps)
+    if not err:
+        print("in memory, again:   %7.0f tok/s (the first in-memory run / this = %.2f: the load's drift)  load %s" %
+              (again["tok_s"], memory["tok_s"] / again["tok_s"], again["load"]))
 
 
 def main():
@@ -210,7 +253,7 @@ def main():
         if "expert" in parts:
             part_expert(a, work)
         if "tiers" in parts:
-            part_tiers(a, work)
+            part_tiers(a, work, min(a.steps, 40))
 
 
 if __name__ == "__main__":

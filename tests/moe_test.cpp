@@ -468,7 +468,7 @@ TEST(MoeConfig, BadInputIsRefusedInOneLineNamingTheKey) {
       {moe + "[parallel]\ntensor = 2\n", "parallel.tensor", 2},
       {moe + "[parallel]\npipeline = 2\n", "parallel.pipeline", 2},
       {moe + "[parallel]\nzero = 3\n", "parallel.zero", 2},
-      {moe + "[tier]\ndevice_mib = 64\n", "tier.device_mib"},
+      {moe + "[tier]\ndevice_mib = 64\n[parallel]\nexpert = 2\n", "parallel.expert", 2},  // tiers: not with experts sharded
   };
   for (const Bad& b : bad) {
     const std::string why = refusal(b.toml, b.world);

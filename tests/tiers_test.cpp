@@ -378,6 +378,89 @@ TEST(Tiers, ACopyBehindItsOwnersVersionIsRefetchedNeverUsed) {
   }
 }
 
+// Routed pages (a mixture of experts' experts: acquired only when the router chose them). The
+// ffn layers' parameter and gradient pages are routed, homed on host, and each step uses a
+// different subset of them (hinted first, as a block does right after routing): their acquires
+// stay out of the schedule, so the other pages' prefetch keeps following it (their first touches
+// are hits from the third step on); a hint on the schedule fetches routed pages (and only those),
+// which their acquires then find present; every acquire sees the newest bytes. Then the routed
+// pages move homes (rehome_pages: to the device and to NVMe, where each has a slot), keep their
+// bytes, and a move past the device budget is refused, moving nothing.
+TEST(Tiers, RoutedPagesStayOffTheScheduleAndComeByHint) {
+  testing::TempDir dir;
+  auto store = make_store();
+  fill_all(*store);
+  const int n_chunks = static_cast<int>(store->chunks().size());
+  TierOptions o = all_nvme(*store, dir, 6);
+  o.routed.assign(static_cast<size_t>(n_chunks) * kNumPlanes, 0);
+  std::vector<Tier> homes(static_cast<size_t>(n_chunks) * kNumPlanes, Tier::nvme);
+  std::vector<int> routed, others;
+  for (const Chunk& c : store->chunks()) {
+    const bool r = c.kind == ChunkKind::ffn;
+    (r ? routed : others).push_back(c.id);
+    for (Plane p : {Plane::param, Plane::grad}) {
+      o.routed[static_cast<size_t>(c.id) * kNumPlanes + static_cast<int>(p)] = r;
+      if (r) homes[static_cast<size_t>(c.id) * kNumPlanes + static_cast<int>(p)] = Tier::host;
+    }
+  }
+  ASSERT_GE(routed.size(), 3u);
+  TierManager tiers(*store, o, homes);
+  PageChecker pages(*store, tiers, o);
+  uint64_t routed_touches = 0, routed_hits = 0;
+  for (int step = 0; step < 5; ++step) {
+    tiers.begin_step();
+    for (int c : others) pages.use({{c, Plane::param}}, false);
+    // The router's choice of this step: a different subset each time, hinted, then used.
+    std::vector<PageRef> chosen;
+    for (size_t k = 0; k < routed.size(); ++k)
+      if ((k + static_cast<size_t>(step)) % 3 != 0) chosen.push_back({routed[k], Plane::param});
+    const int started = tiers.hint(chosen);
+    if (step >= 2) {
+      EXPECT_GT(started, 0) << "on the schedule a hint still fetches routed pages";
+      EXPECT_EQ(tiers.hint(std::vector<PageRef>{{others[0], Plane::param}}), 0) << "the schedule covers the rest";
+    }
+    std::vector<bool> present_after_hint;
+    for (const PageRef& r : chosen) present_after_hint.push_back(tiers.present(r));
+    for (const PageRef& r : chosen) pages.use({r}, false);
+    for (size_t k = 0; k < chosen.size(); ++k) {
+      const PageCounters c = tiers.take_page_counters(chosen[k]);
+      EXPECT_EQ(c.acquires, 1u);
+      // A page the hint brought in is kept for its acquire (the others' pages make room first).
+      if (present_after_hint[k]) {
+        EXPECT_EQ(c.hits, 1u) << "step " << step << " page " << k;
+      }
+      routed_touches += c.acquires, routed_hits += c.hits;
+    }
+    for (int c : others) pages.use({{c, Plane::grad}}, true);
+    for (const PageRef& r : chosen) pages.use({{r.chunk, Plane::grad}}, true);
+    const TierStats st = tiers.take_step_stats();
+    if (step >= 2) {
+      const TierCounters& nvme = st.tier[static_cast<int>(Tier::nvme)];
+      EXPECT_GT(nvme.hits * 2, nvme.acquires) << "step " << step << ": prefetch lost the schedule";
+    }
+  }
+  EXPECT_GT(routed_hits, 0u) << "of " << routed_touches;
+  // Homes moved: the first routed chunk's pages to the device, the second's to NVMe.
+  const std::vector<PageRef> moving = {{routed[0], Plane::param}, {routed[0], Plane::grad}, {routed[1], Plane::param},
+                                       {routed[1], Plane::grad}};
+  const std::vector<Tier> to = {Tier::device, Tier::device, Tier::nvme, Tier::nvme};
+  const std::vector<int64_t> moved = tiers.rehome_pages(moving, to, 0);
+  EXPECT_EQ(moved[static_cast<int>(Tier::device)], 2 * 4 * store->chunks()[routed[0]].numel);
+  EXPECT_EQ(moved[static_cast<int>(Tier::nvme)], 2 * 4 * store->chunks()[routed[1]].numel);
+  for (size_t k = 0; k < moving.size(); ++k) EXPECT_EQ(tiers.home(moving[k]), to[k]);
+  for (const PageRef& r : moving) pages.use({r}, true);
+  tiers.begin_step();
+  for (const PageRef& r : moving) pages.use({r}, false);
+  // Every routed page on the device cannot fit 6 chunks of budget: refused, nothing moved.
+  std::vector<PageRef> all_routed;
+  for (int c : routed) all_routed.insert(all_routed.end(), {{c, Plane::param}, {c, Plane::grad}});
+  const std::string e =
+      error_of([&] { tiers.rehome_pages(all_routed, std::vector<Tier>(all_routed.size(), Tier::device), 0); });
+  EXPECT_NE(e.find("tier.device_bytes"), std::string::npos) << e;
+  EXPECT_EQ(tiers.home({routed[2], Plane::param}), Tier::host);
+  for (const PageRef& r : all_routed) pages.use({r}, false);
+}
+
 TEST(Tiers, BudgetsThatCannotHoldThePlacementAreRefused) {
   testing::TempDir dir;
   auto store = make_store();

@@ -182,6 +182,8 @@ std::vector<Field> fields(Config& c) {
       {"tier", "layers", &c.tier.layers},
       {"tier", "optimizer", choice(&c.tier.optimizer)},
       {"tier", "policy", choice(&c.tier.policy)},
+      {"tier", "experts", choice(&c.tier.experts)},
+      {"tier", "experts_every", &c.tier.experts_every},
       {"checkpoint", "full_every", &c.checkpoint.full_every},
       {"checkpoint", "keep", &c.checkpoint.keep},
       {"checkpoint", "delta", &c.checkpoint.delta},
@@ -904,13 +906,27 @@ void Config::resolve(int world_size) {
     require(parallel.tensor == 1, "parallel.tensor", "1" + moe, s(parallel.tensor));
     require(parallel.pipeline == 1, "parallel.pipeline", "1" + moe, s(parallel.pipeline));
     require(parallel.zero <= 2, "parallel.zero", "0, 1 or 2" + moe, s(parallel.zero));
-    require(tier.device_mib == 0, "tier.device_mib", "0 (tiering off)" + moe, std::to_string(tier.device_mib));
     require(!clip.enabled(), "model.moe_experts", "0 in a dual encoder's text tower", s(model.moe_experts));
+    require(tier.device_mib == 0 || parallel.expert == 1, "parallel.expert",
+            "1 with memory tiers (tier.device_mib > 0; not built yet for expert parallelism)", s(parallel.expert));
     // (A memory checkpoint holds the store and the data position, not the step engine's carried state.)
     require(model.moe_balance != MoeBalance::bias || checkpoint.memory_every == 0, "checkpoint.memory_every",
             "0 with model.moe_balance = \"bias\" (memory checkpoints do not hold the routing biases yet)",
             s(checkpoint.memory_every));
   }
+  if (tier.experts != TierExperts::off) {  // experts homed by their routing shares (runtime/expert_tiers.h)
+    const std::string found = "\"" + std::string(to_string(tier.experts)) + "\"";
+    require(model.moe(), "tier.experts", "\"off\" without a mixture of experts (model.moe_experts = 0)", found);
+    require(tier.device_mib > 0, "tier.experts", "\"off\" without memory tiers (tier.device_mib = 0)", found);
+    require(tier.policy == TierPolicy::static_, "tier.policy",
+            "\"static\" with tier.experts = \"by_frequency\" (both would re-home the experts' pages)", "\"adaptive\"");
+    require(runtime.precision != Precision::bf16, "runtime.precision",
+            "\"fp32\" with tier.experts = \"by_frequency\" (not built yet: the bf16 training state holds the "
+            "parameter and gradient pages the experts' homes would move)",
+            "\"bf16\"");
+  }
+  require(tier.experts_every >= 1, "tier.experts_every", ">= 1 optimizer steps between re-homings",
+          s(tier.experts_every));
   require(parallel.bucket_bytes >= 4096, "parallel.bucket_bytes", ">= 4096", s(parallel.bucket_bytes));
   require(train.global_batch_size >= 0, "train.global_batch_size", ">= 0", s(train.global_batch_size));
   if (train.global_batch_size > 0) {

@@ -46,6 +46,7 @@ enum class SumShape : uint8_t { automatic, two_phase, gather };
 enum class Tier : uint8_t { device = 0, host = 1, nvme = 2 };
 enum class IoEngine : uint8_t { automatic, io_uring, threads };  // tier.engine (store/block_file.h)
 enum class TierPolicy : uint8_t { static_, adaptive };            // tier.policy
+enum class TierExperts : uint8_t { off, by_frequency };           // tier.experts
 enum class KvTier : uint8_t { host, nvme };                        // generate.kv_tier
 // clip.image_tower ("" = none: a language model run).
 enum class ImageTower : uint8_t { resnet18, resnet34, resnet50, resnet101, resnet152, vit };
@@ -111,6 +112,8 @@ KEEL_ENUM_NAMES(IoEngine,
                 {IoEngine::automatic, "auto"}, {IoEngine::io_uring, "io_uring"}, {IoEngine::threads, "threads"});
 KEEL_ENUM_NAMES(TierPolicy, "config key '{key}': expected \"static\" or \"adaptive\", found \"{found}\"",  //
                 {TierPolicy::static_, "static"}, {TierPolicy::adaptive, "adaptive"});
+KEEL_ENUM_NAMES(TierExperts, "config key '{key}': expected \"off\" or \"by_frequency\", found \"{found}\"",  //
+                {TierExperts::off, "off"}, {TierExperts::by_frequency, "by_frequency"});
 KEEL_ENUM_NAMES(KvTier, "config key '{key}': expected host or nvme, found \"{found}\"",  //
                 {KvTier::host, "host"}, {KvTier::nvme, "nvme"});
 KEEL_ENUM_NAMES(ImageTower,
@@ -507,6 +510,12 @@ struct TierConfig {
   // adaptive: after the first step, every page re-homed by its measured accesses per step and
   // reuse distance (the NVMe file then has room for every page).
   TierPolicy policy = TierPolicy::static_;
+  // A mixture of experts' routed experts (runtime/expert_tiers.h). off: homed as the other FFN
+  // chunks; by_frequency: each expert's parameter and gradient pages homed by its measured routing
+  // share (hot on the device, warm on host, cold on NVMe), re-homed every `experts_every`
+  // optimizer steps.
+  TierExperts experts = TierExperts::off;
+  int experts_every = 10;
 };
 
 // Checkpoints (written to run_dir/ckpt every train.checkpoint_every steps and at the end).

@@ -77,14 +77,26 @@ class LlamaBlock final : public Layer {
   }
 
   void forward(const Batch& b, const float* x, float* x_out) override {
-    const PageLease use = store_.use_layer(layer_, {Plane::param});
+    const PageLease use = lease(Plane::param, false);
     run_forward(b, x, x_out, true);
+  }
+
+  // The block's lease for a pass in one plane: its layer's pages, or with a mixture of experts
+  // the pages outside the routed experts (each chosen expert is leased apart: model/moe.h).
+  PageLease lease(Plane plane, bool write) {
+    if (moe_) return moe_->lease_block(plane, write);
+    return write ? store_.use_layer(layer_, {}, {plane}) : store_.use_layer(layer_, {plane});
   }
 
   // Selective: attention from the kept (rotated) qkv, and SwiGLU from the kept gate_up (a
   // mixture of experts keeps all of its own activations: nothing of it is recomputed). Full: the
   // whole forward again (a mixture of experts routes the same tokens again, not counted twice).
   void recompute(const Batch& b, const float* x_in) override {
+    if (moe_ && mode_ == Recompute::full) {  // (its leases as the forward's)
+      const PageLease use = lease(Plane::param, false);
+      run_forward(b, x_in, sink_, false);
+      return;
+    }
     model_detail::recompute_block(
         mode_, bf16_, store_, layer_, [&] { run_forward(b, x_in, sink_, false); }, [&] { attend(b); },
         [&] {
@@ -174,7 +186,7 @@ class LlamaBlock final : public Layer {
   // Under sequence parallelism dx_out, dx_in and the norms' gradients are this rank's R rows; the
   // row-parallel outputs' gradients (dx_out's, dres2's) are gathered to all N rows and kept so for W.
   void backward_input(const Batch& b, const float* x_in, const float* dx_out, float* dx_in) override {
-    const PageLease use = store_.use_layer(layer_, {Plane::param});
+    const PageLease use = lease(Plane::param, false);
     const int N = b.B * b.T, C = C_, H = H_, R = static_cast<int>(seq_.rows(N));
     auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::LlamaBlock
     auto W = [&](int t) { return model_detail::weight_operand(store_, t_[t], math_.backward); };
@@ -223,7 +235,7 @@ class LlamaBlock final : public Layer {
   // Under sequence parallelism the norm outputs are gathered again for the products' weight
   // gradients, and the norms' weight gradients (from this rank's rows) summed over the group.
   void backward_weight(const Batch& b, const float* x_in, const float* dx_out) override {
-    const PageLease use = store_.use_layer(layer_, {}, {Plane::grad});
+    const PageLease use = lease(Plane::grad, true);
     const int N = b.B * b.T, C = C_, H = H_, R = static_cast<int>(seq_.rows(N));
     auto G = [&](int t) { return store_.data(t_[t], Plane::grad); };
     float* none = nullptr;

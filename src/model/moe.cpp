@@ -173,6 +173,48 @@ void MoeFeedForward::combine_back(const MoeActivations& a, const float* local, f
   ep_->finish_exchange();
 }
 
+// ---- leases: the block's own pages as a whole, each chosen expert's apart ---------------------------
+
+void MoeFeedForward::find_ranges() {
+  if (block_begin_ >= 0) return;
+  const std::vector<TensorInfo>& info = store_.tensors();
+  const size_t experts_at = t_.size() - expert_ids_.size();
+  block_begin_ = info.at(static_cast<size_t>(t_[0])).offset;
+  const TensorInfo& last = info.at(static_cast<size_t>(t_[experts_at - 1]));
+  block_end_ = last.offset + last.numel;
+  for (int e = 0; e < E_; ++e) {
+    const TensorInfo& first = info.at(static_cast<size_t>(expert_ids_[static_cast<size_t>(e) * layout::expert_tensors]));
+    const TensorInfo& end = info.at(
+        static_cast<size_t>(expert_ids_[static_cast<size_t>(e) * layout::expert_tensors + layout::expert_tensors - 1]));
+    expert_range_.emplace_back(first.offset, end.offset + end.numel);
+  }
+}
+
+PageLease MoeFeedForward::lease_block(Plane plane, bool write) {
+  if (ep_ != nullptr) return write ? store_.use_layer(stats_.layer, {}, {plane}) : store_.use_layer(stats_.layer, {plane});
+  find_ranges();
+  return store_.use_range(plane, block_begin_, block_end_ - block_begin_, write);
+}
+
+template <typename Run>
+void MoeFeedForward::for_chosen_experts(const int32_t* offsets, Plane plane, bool write, bool descending, Run run) {
+  find_ranges();
+  std::vector<PageRef> soon;
+  for (int e = 0; e < E_; ++e) {
+    if (offsets[e + 1] == offsets[e]) continue;
+    const auto [begin, end] = expert_range_[static_cast<size_t>(e)];
+    for (const Chunk& c : store_.chunks_overlapping(begin, end - begin)) soon.push_back({c.id, plane});
+  }
+  if (!soon.empty()) store_.residency().hint(soon);
+  for (int k = 0; k < E_; ++k) {
+    const int e = descending ? E_ - 1 - k : k;
+    if (offsets[e + 1] == offsets[e]) continue;  // not chosen: its pages are not touched
+    const auto [begin, end] = expert_range_[static_cast<size_t>(e)];
+    const PageLease use = store_.use_range(plane, begin, end - begin, write);
+    run(e);
+  }
+}
+
 std::vector<float*> MoeFeedForward::expert_matrices(layout::MoeExpert t, Plane plane) const {
   std::vector<float*> out(local_experts_);
   // (Holding every expert, as under ZeRO: this rank's start at first_expert_.)
@@ -185,6 +227,14 @@ std::vector<float*> MoeFeedForward::expert_matrices(layout::MoeExpert t, Plane p
 
 void MoeFeedForward::forward(const MoeActivations& a, const Batch& b, const float* x, float* out, bool count) {
   const int N = b.B * b.T;
+  if (ep_ == nullptr) {
+    // Every expert's deferred optimizer update (memory tiers) runs here, in expert order, chosen
+    // or not: the same point every step (the tiers' schedule prefetches it), and before the hint
+    // below, whose pages an update at home would otherwise leave behind their owner's version.
+    find_ranges();
+    for (const auto& [begin, end] : expert_range_)
+      for (const Chunk& c : store_.chunks_overlapping(begin, end - begin)) store_.use_chunk(c.id, {});
+  }
   auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::MoeBlock
   const MatmulPrecision f = math_.forward;
   // The router multiplies in float32 at every precision: its choices are discrete.
@@ -207,10 +257,13 @@ void MoeFeedForward::forward(const MoeActivations& a, const Batch& b, const floa
   };
   const std::vector<float*> gate_up = expert_matrices(layout::expert_gate_up_w, Plane::param),
                             down = expert_matrices(layout::expert_down_w, Plane::param);
-  if (ep_ == nullptr) {
-    moe::grouped_linear_forward(f, a.gu, a.xs, gate_up.data(), a.offsets, E_, C_, 2 * Hm_);
-    ops::swiglu_forward(a.h, a.gu, M, Hm_);
-    moe::grouped_linear_forward(f, a.ye, a.h, down.data(), a.offsets, E_, Hm_, C_);
+  if (ep_ == nullptr) {  // expert by expert, each under its own lease (the same products, row for row)
+    for_chosen_experts(a.offsets, Plane::param, false, false, [&](int e) {
+      const int64_t at = a.offsets[e], rows = a.offsets[e + 1] - at;
+      moe::grouped_linear_forward(f, a.gu, a.xs, &gate_up[e], a.offsets + e, 1, C_, 2 * Hm_);
+      ops::swiglu_forward(a.h + at * Hm_, a.gu + at * 2 * Hm_, static_cast<int>(rows), Hm_);
+      moe::grouped_linear_forward(f, a.ye, a.h, &down[e], a.offsets + e, 1, Hm_, C_);
+    });
     shared();
   } else {  // the rows out to their experts' ranks (the shared experts run meanwhile), this rank's experts, back
     exchange_counts(a);
@@ -246,7 +299,7 @@ void MoeFeedForward::forward(const MoeActivations& a, const Batch& b, const floa
 }
 
 void MoeFeedForward::backward_input(const MoeActivations& a, const Batch& b, const float* dout, float* dx) {
-  const int N = b.B * b.T, M = a.offsets[E_];
+  const int N = b.B * b.T;
   auto P = [&](int t) { return store_.data(t_[t], Plane::param); };
   const MatmulPrecision bw = math_.backward;
   float* dprobs = a.dlogits;
@@ -261,12 +314,18 @@ void MoeFeedForward::backward_input(const MoeActivations& a, const Batch& b, con
     backward_input_expert_parallel(a, b, dout, dx);
     return;
   }
-  moe::grouped_linear_backward_input(bw, a.dh, a.dye, expert_matrices(layout::expert_down_w, Plane::param).data(),
-                                     a.offsets, E_, Hm_, C_);
-  ops::swiglu_backward_input(a.dgu, a.dh, a.gu, M, Hm_);
+  // Expert by expert under its lease: dh, the SwiGLU gradient, then the rows' input gradient dxs
+  // over dh's memory. Expert e's dh rows [o_e Hm, o_e+1 Hm) never overlap an input gradient
+  // [o_e' C, o_e'+1 C) of an expert done before it: ascending order when Hm >= C, descending when not.
+  const std::vector<float*> gate_up = expert_matrices(layout::expert_gate_up_w, Plane::param),
+                            down = expert_matrices(layout::expert_down_w, Plane::param);
   float* dxs = a.dh;
-  moe::grouped_linear_backward_input(bw, dxs, a.dgu, expert_matrices(layout::expert_gate_up_w, Plane::param).data(),
-                                     a.offsets, E_, C_, 2 * Hm_);
+  for_chosen_experts(a.offsets, Plane::param, false, Hm_ < C_, [&](int e) {
+    const int64_t at = a.offsets[e], rows = a.offsets[e + 1] - at;
+    moe::grouped_linear_backward_input(bw, a.dh, a.dye, &down[e], a.offsets + e, 1, Hm_, C_);
+    ops::swiglu_backward_input(a.dgu + at * 2 * Hm_, a.dh + at * Hm_, a.gu + at * 2 * Hm_, static_cast<int>(rows), Hm_);
+    moe::grouped_linear_backward_input(bw, dxs, a.dgu, &gate_up[e], a.offsets + e, 1, C_, 2 * Hm_);
+  });
   ops::linear_backward_input<float>(MatmulPrecision::fp32, dx, a.dlogits, P(layout::moe_router_w), N, C_, E_, false);
   moe::scatter_add_rows(dx, dxs, a.slot, N, K_, C_);
   if (S_ > 0) {
@@ -311,9 +370,11 @@ void MoeFeedForward::backward_weight(const MoeActivations& a, const Batch& b, co
   const MatmulPrecision bw = math_.backward;
   const std::vector<float*> dgate_up = expert_matrices(layout::expert_gate_up_w, Plane::grad),
                             ddown = expert_matrices(layout::expert_down_w, Plane::grad);
-  if (ep_ == nullptr) {
-    moe::grouped_linear_backward_weight(bw, ddown.data(), a.dye, a.h, a.offsets, E_, Hm_, C_);
-    moe::grouped_linear_backward_weight(bw, dgate_up.data(), a.dgu, a.xs, a.offsets, E_, C_, 2 * Hm_);
+  if (ep_ == nullptr) {  // the chosen experts' gradients, each under its own lease
+    for_chosen_experts(a.offsets, Plane::grad, true, false, [&](int e) {
+      moe::grouped_linear_backward_weight(bw, &ddown[e], a.dye, a.h, a.offsets + e, 1, Hm_, C_);
+      moe::grouped_linear_backward_weight(bw, &dgate_up[e], a.dgu, a.xs, a.offsets + e, 1, C_, 2 * Hm_);
+    });
   } else {  // this rank's experts only, over the rows it ran (expert order)
     moe::grouped_linear_backward_weight(bw, ddown.data(), a.dyr, a.h, a.local_offsets, local_experts_, Hm_, C_);
     moe::grouped_linear_backward_weight(bw, dgate_up.data(), a.dgu, a.xr, a.local_offsets, local_experts_, C_,

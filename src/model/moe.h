@@ -90,6 +90,13 @@ class MoeFeedForward {
   // (parallel.zero >= 1: the others' weight gradients then stay zero here).
   void set_expert_group(ExpertGroup* group);
   ExpertGroup* expert_group() const { return ep_; }
+  // The lease a pass of the block takes as a whole, in one plane (read, or `write`): its pages
+  // outside the routed experts (attention, norms, router, shared experts). Each routed expert's
+  // pages are leased apart by the passes above, one expert at a time and only for the experts
+  // some row of the micro-batch chose, after a hint to the store's residency for all of those
+  // (the memory tiers fetch them while the first chosen expert's products run). With an expert
+  // group: the block's whole layer (every expert its products run).
+  PageLease lease_block(Plane plane, bool write);
   // model.moe_balance = "bias": the routing bias [E] (zeros at the start), and the pairs routed to
   // each expert [E] by the training micro-batches since the balancer last took them (dropped too).
   // Empty otherwise.
@@ -123,6 +130,17 @@ class MoeFeedForward {
   void backward_input_expert_parallel(const MoeActivations& a, const Batch& b, const float* dout, float* dx);
   // The `plane` matrices of tensor `t` of the experts this rank runs (all E without a group), in expert order.
   std::vector<float*> expert_matrices(layout::MoeExpert t, Plane plane) const;
+  // Routing-aware leases (no expert group). Flat element ranges of the block's tensors outside
+  // the routed experts, and of each expert's two matrices (their chunks are the expert's own),
+  // found on first use (the store is finalized after the blocks are built).
+  int64_t block_begin_ = -1, block_end_ = 0;
+  std::vector<std::pair<int64_t, int64_t>> expert_range_;
+  void find_ranges();
+  // Hints the residency with the `plane` pages of every expert that has rows in `offsets` [E + 1],
+  // then runs run(e) for each of them under a lease of its pages (`write`: released modified), in
+  // ascending expert order, or descending with `descending`.
+  template <typename Run>
+  void for_chosen_experts(const int32_t* offsets, Plane plane, bool write, bool descending, Run run);
 };
 
 }  // namespace keel

@@ -44,7 +44,18 @@ void attach_tiers(RankModel& r, const Config& config, ProcessGroups& groups) {
   r.optimizer->residency_attached();  // ZeRO-3: a rank's shard homed by the tiers; bf16 state wraps them
   // Gradient buckets in flight pin their pages: keep them within what the device budget leaves
   // beside the homed pages and one operation's working set (at least one bucket).
-  r.sync->limit_in_flight(std::max(config.parallel.bucket_bytes, r.tiers->free_device_bytes()));
+  // Experts homed by routing share (tier.experts) take device room later: with data parallelism
+  // the buckets keep half of it.
+  const bool by_frequency = config.tier.experts == TierExperts::by_frequency;
+  const bool halve = by_frequency && groups.dp().size() > 1;
+  const int64_t buckets = std::max(config.parallel.bucket_bytes, r.tiers->free_device_bytes() / (halve ? 2 : 1));
+  r.sync->limit_in_flight(buckets);
+  if (config.model.moe() && r.model != nullptr && bf16 == nullptr) {  // (bf16 state: experts' pages not tiered)
+    const int64_t reserve = 2 * r.tiers->placement().working_set_bytes + (groups.dp().size() > 1 ? buckets : 0);
+    r.expert_tiers = std::make_unique<ExpertTiers>(config.tier, *r.store, *r.tiers, *r.model, reserve,
+                                                   by_frequency ? config.tier.experts_every : 0,
+                                                   groups.world().is_root());
+  }
 }
 
 }  // namespace
@@ -125,6 +136,7 @@ std::unique_ptr<RankModel> RankModel::build_clip(const Config& config, ProcessGr
 std::vector<MetricsSource*> RankModel::sources() const {
   std::vector<MetricsSource*> out = {sync_report.get(), optimizer.get()};
   if (tiers) out.push_back(tiers.get());
+  if (expert_tiers) out.push_back(expert_tiers.get());
   if (tensor_group) out.push_back(tensor_group.get());
   if (expert_group) out.push_back(expert_group.get());
   if (MetricsSource* own = engine->metrics()) out.push_back(own);

@@ -26,6 +26,7 @@
 #include "model/clip.h"
 #include "model/gpt.h"
 #include "pipeline/pipeline_step.h"
+#include "runtime/expert_tiers.h"
 #include "runtime/moe_report.h"
 #include "store/chunk_store.h"
 #include "store/tiered_memory.h"
@@ -47,6 +48,7 @@ struct RankModel {
   std::unique_ptr<StepEngine> engine;
   std::unique_ptr<TieredMemory> tiers;  // null without tiers
   std::unique_ptr<MoeRoutingReport> moe_report;  // a mixture of experts' routing figures (null without)
+  std::unique_ptr<ExpertTiers> expert_tiers;     // tiers and a mixture of experts: per expert (null without)
   // parallel.tensor > 1: the whole model's parameters and moments, for checkpoints.
   std::unique_ptr<WholeModelState> whole_state;
 

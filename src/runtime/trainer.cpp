@@ -66,6 +66,7 @@ Trainer::Trainer(Config config, Communicator& comm)
   rank_ = workload_->build(std::move(layout));
   for (MetricsSource* source : rank_->sources()) metrics_.add_source(source);
   if (rank_->tiers) hooks_.push_back(rank_->tiers.get());
+  if (rank_->expert_tiers) hooks_.push_back(rank_->expert_tiers.get());  // (before the routing report resets its counts)
   if (rank_->tensor_group) hooks_.push_back(rank_->tensor_group.get());  // (its step's traffic)
   if (rank_->expert_group) hooks_.push_back(rank_->expert_group.get());
   // After the tiers: a tiered run's checkpoints stream from them (no snapshot buffers).

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <map>
 #include <sstream>
 
 #include "core/error.h"
@@ -113,15 +114,26 @@ Placement place_pages(const TierConfig& t, const ChunkStore& store, uint8_t abse
     }
   }
   // The largest set one operation pins: a layer's parameters (or gradients), plus the
-  // embedding's for the tied head, or one chunk's four planes in the optimizer.
+  // embedding's for the tied head, or one chunk's four planes in the optimizer. A mixture of
+  // experts leases its routed experts one at a time (model/moe.h): its layer's pages outside the
+  // experts and its largest expert's.
   int last_layer = 0;
   for (const Chunk& ch : chunks) last_layer = std::max(last_layer, ch.layer);
   std::vector<int64_t> layer_bytes(static_cast<size_t>(last_layer) + 1, 0);
+  std::vector<int64_t> largest_expert(static_cast<size_t>(last_layer) + 1, 0);
+  std::map<std::pair<int, int>, int64_t> expert_bytes;  // (layer, expert)
   int64_t largest_chunk = 0;
   for (const Chunk& ch : chunks) {
-    layer_bytes[ch.layer] += 4 * ch.numel;
+    if (ch.expert >= 0) {
+      int64_t& b = expert_bytes[{ch.layer, ch.expert}];
+      b += 4 * ch.numel;
+      largest_expert[ch.layer] = std::max(largest_expert[ch.layer], b);
+    } else {
+      layer_bytes[ch.layer] += 4 * ch.numel;
+    }
     largest_chunk = std::max<int64_t>(largest_chunk, 4 * ch.numel);
   }
+  for (int l = 0; l <= last_layer; ++l) layer_bytes[l] += largest_expert[l];
   // Planes held elsewhere (absent_planes) are not in any working set here: a layer's leases pass
   // the tiers nothing when both its parameters and gradients are held so.
   int tiered_planes = 0;

@@ -106,6 +106,13 @@ TieredMemory::TieredMemory(const TierConfig& config, ChunkStore& store, bool pri
   TierOptions options = tier_options(config_);
   options.absent_planes = absent_planes;
   options.reserve_bytes = 2 * placement_.working_set_bytes;  // adaptive: room for the working window
+  // A mixture of experts' routed experts: their parameter and gradient pages are acquired only
+  // when the router chose them (model/moe.h), and hinted right after it has.
+  options.routed.assign(store_.chunks().size() * kNumPlanes, 0);
+  for (const Chunk& c : store_.chunks()) {
+    if (c.expert < 0) continue;
+    for (Plane p : {Plane::param, Plane::grad}) options.routed[static_cast<size_t>(c.id) * kNumPlanes + static_cast<int>(p)] = 1;
+  }
   manager_ = std::make_unique<TierManager>(store_, options, placement_.homes);
   residency_ = std::make_unique<TierResidency>(*manager_, store_);
   store_.attach_residency(residency_.get());

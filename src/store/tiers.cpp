@@ -48,6 +48,9 @@ struct TierManager::Page {
   int64_t last_use = 0;
   int64_t touched_step = -1;
   std::vector<int64_t> uses;  // positions in the schedule, ascending
+  bool routed = false;        // TierOptions::routed
+  bool expected = false;      // a routed page a hint fetched, not acquired since (kept)
+  PageCounters counters;
   // tier.verify: a checksum of the bytes of version `checksum_version` (none yet: ~0).
   uint64_t checksum = 0, checksum_version = ~0ull;
 };
@@ -73,6 +76,7 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
                   !((options.absent_planes >> p) & 1);
       if (!pg.exists) continue;
       pg.home = homes[c * kNumPlanes + p];
+      pg.routed = !options.routed.empty() && options.routed.at(static_cast<size_t>(c * kNumPlanes + p)) != 0;
       pg.bytes = chunk.numel * static_cast<int64_t>(sizeof(float));
       pg.slot = static_cast<int64_t>(BlockFile::align_up(pg.bytes));
       largest_slot = std::max(largest_slot, pg.slot);
@@ -82,7 +86,7 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
         case Tier::nvme: break;
       }
       // Slots for the NVMe-homed pages; with the adaptive policy, for every page (any may move there).
-      if (pg.home == Tier::nvme || (options.adaptive && !options.nvme_dir.empty())) {
+      if (pg.home == Tier::nvme || ((options.adaptive || pg.routed) && !options.nvme_dir.empty())) {
         pg.nvme_offset = static_cast<uint64_t>(nvme_bytes);
         nvme_bytes += pg.slot;
       }
@@ -191,6 +195,7 @@ void TierManager::begin_step(bool representative) {
   }
   position_ = 0;
   ++stats_step_;
+  for (Page& pg : pages_) pg.expected = false;  // a hint of the last step that no acquire followed
 }
 
 // Acquires from now until page i is next acquired (0 = the coming acquire). Without a schedule:
@@ -212,11 +217,15 @@ bool TierManager::evict_for(int64_t bytes, int64_t horizon) {
   while (device_used_ - leaving_bytes() + bytes > options_.device_bytes) {
     int victim = -1;
     int64_t farthest = -1;
-    for (int i = 0; i < static_cast<int>(pages_.size()); ++i) {
-      const Page& pg = pages_[i];
-      if (!pg.exists || !pg.present || pg.pins > 0 || pg.home == Tier::device || pg.fetching) continue;
-      const int64_t d = next_use(i);
-      if (d > farthest) farthest = d, victim = i;
+    // Routed pages a hint brought in for the coming acquires go last (a demand only).
+    for (int pass = 0; pass < (horizon < 0 ? 2 : 1) && victim < 0; ++pass) {
+      for (int i = 0; i < static_cast<int>(pages_.size()); ++i) {
+        const Page& pg = pages_[i];
+        if (!pg.exists || !pg.present || pg.pins > 0 || pg.home == Tier::device || pg.fetching) continue;
+        if (pg.expected && pass == 0) continue;
+        const int64_t d = next_use(i);
+        if (d > farthest) farthest = d, victim = i;
+      }
     }
     if (victim < 0 || (horizon >= 0 && farthest <= horizon)) return false;
     evict(victim);
@@ -404,6 +413,7 @@ void TierManager::fetch(int i) {
     in_flight_.push_back(i);
   }
   stats_.tier[t].bytes_read += static_cast<uint64_t>(pg.bytes);
+  pg.counters.bytes_read += static_cast<uint64_t>(pg.bytes);
   stats_.peak_device_bytes = std::max(stats_.peak_device_bytes, device_used_);
 }
 
@@ -444,6 +454,9 @@ void TierManager::count_touch(int i, bool hit, double waited_ms) {
   c.acquires++;
   c.hits += hit;
   c.stall_ms += waited_ms;
+  pg.counters.acquires++;
+  pg.counters.hits += hit;
+  pg.counters.stall_ms += waited_ms;
   if (!hit) c.stalls_ms.push_back(static_cast<float>(waited_ms));
 }
 
@@ -455,11 +468,20 @@ void TierManager::acquire(std::span<const PageRef> refs) {
     ~Timer() { s.acquire_ms += ms_since(t0); }
   } timer{stats_, t_start};
   poll();
+  if (refs.empty()) return;  // (a lease of no pages: no part of the schedule)
   std::vector<int> group;
   group.reserve(refs.size());
+  bool routed = true;
   for (const PageRef& r : refs) {
-    page(r);  // exists
+    routed = routed && page(r).routed;
     group.push_back(index(r));
+  }
+  // Routed pages' acquires (the router's choice of this micro-batch) are no part of the schedule:
+  // not recorded, and the position in it stays where the block's other acquires left it.
+  if (routed) {
+    ++clock_;
+    acquire_group(group);
+    return;
   }
   if (recording_) schedule_.push_back(group);
   // Off the schedule (an evaluation between steps, say): no prefetch until it is found again a
@@ -482,6 +504,13 @@ void TierManager::acquire(std::span<const PageRef> refs) {
   }
   ++position_;
   ++clock_;
+  acquire_group(group);
+  prefetch_ahead();
+}
+
+// Makes the pages of `group` present with their newest bytes and pins them (the schedule's
+// bookkeeping done).
+void TierManager::acquire_group(const std::vector<int>& group) {
   int64_t need = 0;
   for (int i : group) {
     revive(i);
@@ -490,7 +519,11 @@ void TierManager::acquire(std::span<const PageRef> refs) {
   }
   for (int i : group) pages_[i].pins++;  // nothing of this group is evicted to make room for it
   const auto t_room = std::chrono::steady_clock::now();
-  const bool room = make_room(need, -1);
+  bool room = make_room(need, -1);
+  if (!room) {  // the room of routed pages hinted and not yet acquired is given up last
+    for (Page& pg : pages_) pg.expected = false;
+    room = make_room(need, -1);
+  }
   // Waiting for write-backs to free room is a stall too: charged to the first page fetched.
   double room_ms = need > 0 ? ms_since(t_room) : 0.0;
   if (!room) {
@@ -504,6 +537,7 @@ void TierManager::acquire(std::span<const PageRef> refs) {
   for (int i : group) {
     Page& pg = pages_[i];
     pg.last_use = clock_;
+    pg.expected = false;
     // A present copy behind its owner's version is stale: drop it, fetch again.
     if (pg.present && pg.device_version != pg.version) {
       stats_.stale_refetches++;
@@ -535,7 +569,6 @@ void TierManager::acquire(std::span<const PageRef> refs) {
   if (options_.verify) {
     for (int i : group) check_bytes(i);
   }
-  prefetch_ahead();
 }
 
 void TierManager::release(std::span<const PageRef> refs, bool modified) {
@@ -561,8 +594,25 @@ void TierManager::record_again() {
 }
 
 int TierManager::hint(std::span<const PageRef> refs) {
-  if (!options_.prefetch || (scheduled_ && on_schedule_)) return 0;
+  bool routed = false;
+  for (const PageRef& r : refs) routed = routed || page(r).routed;
+  if (!options_.prefetch || (scheduled_ && on_schedule_ && !routed)) return 0;
   poll();
+  if (scheduled_ && on_schedule_) {  // routed pages, which the schedule cannot know
+    int started = 0;
+    for (const PageRef& r : refs) {
+      const int i = index(r);
+      Page& pg = pages_[i];
+      if (!pg.routed) continue;
+      pg.expected = true;
+      if (revive(i) || pg.present || pg.fetching || pg.home == Tier::device) continue;
+      if (!make_room(pg.bytes, 0)) break;  // never evicting what the coming acquire needs
+      fetch(i);
+      started++;
+    }
+    stats_.hint_fetches += static_cast<uint64_t>(started);
+    return started;
+  }
   std::vector<uint8_t> hinted(pages_.size(), 0);
   for (const PageRef& r : refs) {
     page(r);  // exists
@@ -576,7 +626,7 @@ int TierManager::hint(std::span<const PageRef> refs) {
       for (int i = 0; i < static_cast<int>(pages_.size()); ++i) {
         const Page& pg = pages_[i];
         if (!pg.exists || !pg.present || pg.pins > 0 || pg.home == Tier::device || pg.fetching || pg.writing ||
-            hinted[static_cast<size_t>(i)] || pg.device_version > pg.home_version) {
+            hinted[static_cast<size_t>(i)] || pg.expected || pg.device_version > pg.home_version) {
           continue;
         }
         if (victim < 0 || pg.last_use < pages_[victim].last_use) victim = i;
@@ -590,6 +640,7 @@ int TierManager::hint(std::span<const PageRef> refs) {
   for (const PageRef& r : refs) {
     const int i = index(r);
     Page& pg = pages_[i];
+    if (pg.routed) pg.expected = true;
     if (revive(i) || pg.present || pg.fetching || pg.home == Tier::device) continue;
     if (!room_for(pg.bytes)) break;
     fetch(i);
@@ -814,6 +865,59 @@ void TierManager::move_home(int i, Tier to) {
     pg.present = false;
     device_used_ -= pg.bytes;
   }
+}
+
+std::vector<int64_t> TierManager::rehome_pages(std::span<const PageRef> refs, std::span<const Tier> homes,
+                                              int64_t device_reserve) {
+  check(refs.size() == homes.size(), "tiers: rehome_pages with " + std::to_string(homes.size()) + " homes for " +
+                                          std::to_string(refs.size()) + " pages");
+  // The budgets after the moves, checked before any page moves.
+  int64_t device_homed = 0, host = host_used_;
+  std::vector<Tier> after(pages_.size());
+  for (int i = 0; i < static_cast<int>(pages_.size()); ++i) after[i] = pages_[i].home;
+  for (size_t k = 0; k < refs.size(); ++k) {
+    const int i = index(refs[k]);
+    const Page& pg = page(refs[k]);
+    if (homes[k] == Tier::nvme && pg.home != Tier::nvme) {
+      check(file_ != nullptr && (pg.routed || options_.adaptive),
+            "tiers: chunk " + std::to_string(refs[k].chunk) + " has no NVMe slot to move to");
+    }
+    if (pg.home == Tier::host && homes[k] != Tier::host) host -= pg.slot;
+    if (pg.home != Tier::host && homes[k] == Tier::host) host += pg.slot;
+    after[i] = homes[k];
+  }
+  for (int i = 0; i < static_cast<int>(pages_.size()); ++i)
+    if (pages_[i].exists && after[i] == Tier::device) device_homed += pages_[i].bytes;
+  if (device_homed + device_reserve > options_.device_bytes) {
+    throw Error("tier.device_bytes = " + format_mib(options_.device_bytes) + " cannot home " + format_mib(device_homed) +
+                " on the device and keep " + format_mib(device_reserve) + " free for the working window");
+  }
+  if (host > options_.host_bytes) {
+    throw Error("tier.host_bytes = " + format_mib(options_.host_bytes) + " cannot hold " + format_mib(host) +
+                " of host copies after re-homing");
+  }
+  drain();
+  std::vector<int64_t> moved(kNumTiers, 0);
+  // Moves that free room first: off the device, then off the host, then onto them.
+  for (int pass = 0; pass < 3; ++pass) {
+    for (size_t k = 0; k < refs.size(); ++k) {
+      const int i = index(refs[k]);
+      Page& pg = pages_[i];
+      const Tier to = homes[k];
+      if (pg.home == to) continue;
+      const bool frees_device = pg.home == Tier::device, frees_host = pg.home == Tier::host && to == Tier::nvme;
+      if ((pass == 0 && !frees_device) || (pass == 1 && !frees_host) || (pass == 2 && (frees_device || frees_host))) continue;
+      move_home(i, to);
+      moved[static_cast<int>(to)] += pg.bytes;
+    }
+  }
+  return moved;
+}
+
+PageCounters TierManager::take_page_counters(PageRef p) {
+  PageCounters c;
+  std::swap(c, page(p).counters);
+  return c;
 }
 
 std::string TierManager::take_rehome_note() {

@@ -69,6 +69,21 @@ struct TierOptions {
   // Planes whose pages another residency holds (bit p set: plane p; the bf16 training state's
   // parameters and gradients, store/bf16_state.h): neither homed nor counted, as params_only's.
   uint8_t absent_planes = 0;
+  // Routed pages (per page as the homes, 1 = routed; empty: none): a mixture of experts' routed
+  // experts, acquired only when the router chose them. An acquire of routed pages alone stays out
+  // of the recorded schedule (which cannot know the next choice): a hint() brings them in, on the
+  // schedule or off it, once the router has chosen. (An acquire that mixes them with other pages,
+  // such as the optimizer's update of an expert's chunk, happens every step and is scheduled.) They have an
+  // NVMe slot each (where there is an NVMe tier), so that rehome_pages may move them anywhere.
+  std::vector<uint8_t> routed;
+};
+
+// What one page saw since it was last asked (TierManager::take_page_counters).
+struct PageCounters {
+  uint64_t acquires = 0;  // steps in which an acquire touched it (first touches, as TierCounters')
+  uint64_t hits = 0;      // ... where it was present
+  double stall_ms = 0;    // time those acquires waited for it
+  uint64_t bytes_read = 0;  // brought into the device tier (fetches, prefetches and hints)
 };
 
 // What one tier (by the home of the pages) saw.
@@ -121,7 +136,10 @@ class TierManager {
   // schedule, that already covers them (exactly, and further ahead): nothing to do. Before a
   // schedule exists, or off it, those not present start their fetch, in order, into free room or
   // the room of the least recently used clean pages that are not hinted (never a pinned, hinted
-  // or modified page). Returns the fetches started.
+  // or modified page). Routed pages (TierOptions::routed) are fetched on the schedule too, into
+  // free room or that of the pages used farthest ahead (never one the coming acquire needs), and
+  // are kept (not evicted while other room is found) until acquired or the step ends.
+  // Returns the fetches started.
   int hint(std::span<const PageRef> pages);
   // Runs `update` on the page's home copy in place (the host copy; an NVMe page through a staging
   // buffer: read, update, write) and bumps the owner's version, ZeRO-Offload style: the optimizer
@@ -133,6 +151,14 @@ class TierManager {
   void discard_to_zero(PageRef p);
   // Waits for every transfer in flight (write-backs included).
   void drain();
+  // Moves page pages[k]'s home to homes[k], with its newest bytes (every transfer in flight
+  // completes first; moves off the device go first, then off host DRAM, then onto them). Throws
+  // keel::Error, moving nothing, when the device-homed pages would leave less than `device_reserve`
+  // bytes of the device budget free, the host copies would exceed the host budget, or a page bound
+  // for NVMe has no slot (TierOptions::routed). Returns the bytes moved onto each tier.
+  std::vector<int64_t> rehome_pages(std::span<const PageRef> pages, std::span<const Tier> homes, int64_t device_reserve);
+  // The page's counters since the last call (then reset).
+  PageCounters take_page_counters(PageRef p);
 
   Tier home(PageRef p) const;
   bool present(PageRef p) const;
@@ -154,6 +180,7 @@ class TierManager {
   Page& page(PageRef p);
   const Page& page(PageRef p) const;
   int index(PageRef p) const { return p.chunk * kNumPlanes + static_cast<int>(p.plane); }
+  void acquire_group(const std::vector<int>& group);
   void fetch(int i);
   void settle(int i);
   void finish_oldest();

@@ -1,0 +1,193 @@
+#include "runtime/expert_tiers.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "core/error.h"
+#include "core/text.h"
+#include "model/moe.h"
+#include "store/block_file.h"
+#include "store/expert_homes.h"
+
+namespace keel {
+
+namespace {
+
+int64_t slot_bytes(const Chunk& c) { return static_cast<int64_t>(BlockFile::align_up(static_cast<size_t>(c.numel) * 4)); }
+
+}  // namespace
+
+ExpertTiers::ExpertTiers(const TierConfig& config, ChunkStore& store, TieredMemory& tiers, GPT& model,
+                         int64_t device_reserve, int rehome_every, bool print_notes)
+    : config_(config), manager_(tiers.manager()), rehome_every_(rehome_every), print_notes_(print_notes) {
+  for (int l = 0; l < model.num_layers(); ++l) {
+    if (MoeStats* s = model.layer(l).moe_stats()) {
+      stats_.push_back(s);
+      layers_.push_back(s->layer);
+    }
+  }
+  // Each expert's parameter and gradient pages, from the chunks that hold its weights.
+  const std::vector<Tier>& homes = tiers.placement().homes;
+  const auto [m_begin, m_end] = store.moment_chunks();
+  int64_t other_device = 0, other_host = 0, largest_slot = 0;
+  std::vector<uint8_t> is_expert_page(homes.size(), 0);
+  for (const Chunk& c : store.chunks()) {
+    largest_slot = std::max(largest_slot, slot_bytes(c));
+    if (c.expert < 0) continue;
+    const auto block = std::find(layers_.begin(), layers_.end(), c.layer);
+    if (block == layers_.end()) continue;
+    const int b = static_cast<int>(block - layers_.begin());
+    auto it = std::find_if(experts_.begin(), experts_.end(),
+                           [&](const Expert& e) { return e.block == b && e.index == c.expert; });
+    if (it == experts_.end()) {
+      experts_.push_back(Expert{b, c.expert, {}, 0, homes[static_cast<size_t>(c.id) * kNumPlanes], 0, {}, {}});
+      it = experts_.end() - 1;
+    }
+    for (Plane p : {Plane::param, Plane::grad}) {
+      it->pages.push_back({c.id, p});
+      it->bytes += slot_bytes(c);
+      is_expert_page[static_cast<size_t>(c.id) * kNumPlanes + static_cast<int>(p)] = 1;
+    }
+  }
+  // The rooms the experts may share: the budgets less every other page homed there (moments
+  // only within this rank's shard), the reserve on the device and two NVMe staging buffers on host.
+  for (const Chunk& c : store.chunks()) {
+    for (int p = 0; p < kNumPlanes; ++p) {
+      const size_t i = static_cast<size_t>(c.id) * kNumPlanes + p;
+      if (is_expert_page[i] || (p >= static_cast<int>(Plane::adam_m) && (c.id < m_begin || c.id >= m_end))) continue;
+      if (homes[i] == Tier::device) other_device += c.numel * 4;
+      if (homes[i] == Tier::host) other_host += slot_bytes(c);
+    }
+  }
+  device_room_ = std::max<int64_t>(0, (config.device_mib << 20) - other_device - device_reserve);
+  host_room_ = std::max<int64_t>(0, (config.host_mib << 20) - other_host - 2 * largest_slot);
+}
+
+void ExpertTiers::after_step(int64_t step) {
+  for (Expert& e : experts_) {
+    e.step = PageCounters{};
+    for (const PageRef& p : e.pages) {
+      const PageCounters c = manager_.take_page_counters(p);
+      e.step.acquires += c.acquires;
+      e.step.hits += c.hits;
+      e.step.stall_ms += c.stall_ms;
+      e.step.bytes_read += c.bytes_read;
+    }
+    e.total.acquires += e.step.acquires;
+    e.total.hits += e.step.hits;
+    e.total.stall_ms += e.step.stall_ms;
+    e.total.bytes_read += e.step.bytes_read;
+    e.routed += stats_[static_cast<size_t>(e.block)]->tokens.at(static_cast<size_t>(e.index));
+  }
+  note_.clear();
+  if (rehome_every_ > 0 && step % rehome_every_ == 0) rehome();
+}
+
+void ExpertTiers::rehome() {
+  std::vector<double> shares;
+  std::vector<int64_t> bytes;
+  std::vector<Tier> current;
+  for (const Expert& e : experts_) {
+    shares.push_back(e.routed);
+    bytes.push_back(e.bytes);
+    current.push_back(e.home);
+  }
+  ExpertHomesInput in;
+  in.shares = shares;
+  in.bytes = bytes;
+  in.current = current;
+  in.device_room = device_room_;
+  in.host_room = host_room_;
+  in.nvme = !config_.nvme_dir.empty();
+  const std::vector<Tier> plan = plan_expert_homes(in);
+  std::vector<PageRef> pages;
+  std::vector<Tier> homes;
+  int moved = 0;
+  for (size_t k = 0; k < experts_.size(); ++k) {
+    Expert& e = experts_[k];
+    for (const PageRef& p : e.pages) {
+      if (manager_.home(p) == plan[k]) continue;
+      pages.push_back(p);
+      homes.push_back(plan[k]);
+    }
+    moved += e.home != plan[k];
+    e.home = plan[k];
+    e.routed = 0;
+  }
+  if (pages.empty()) return;
+  const std::vector<int64_t> bytes_to = manager_.rehome_pages(pages, homes, 0);
+  rehomings_++;
+  int on[kNumTiers] = {};
+  for (const Expert& e : experts_) on[static_cast<int>(e.home)]++;
+  note_ = "experts re-homed by routing share: " + std::to_string(moved) + " moved (" + format_mib(bytes_to[0]) +
+          " to device, " + format_mib(bytes_to[1]) + " to host, " + format_mib(bytes_to[2]) + " to nvme); now " +
+          std::to_string(on[0]) + " on device, " + std::to_string(on[1]) + " on host, " + std::to_string(on[2]) +
+          " on nvme";
+  if (print_notes_) std::printf("keel: %s\n", note_.c_str());
+}
+
+void ExpertTiers::print_startup() const {
+  if (rehome_every_ == 0) return;
+  std::printf("keel: tier.experts = by_frequency: %zu experts, re-homed every %d steps within %s of the device and %s "
+              "of host DRAM\n",
+              experts_.size(), rehome_every_, format_mib(device_room_).c_str(), format_mib(host_room_).c_str());
+}
+
+void ExpertTiers::add_step_fields(double, nlohmann::json& line) {
+  nlohmann::json blocks = nlohmann::json::array();
+  uint64_t acquires = 0, hits = 0, read = 0;
+  double stall = 0;
+  for (size_t b = 0; b < layers_.size(); ++b) {
+    nlohmann::json j = {{"layer", layers_[b]}};
+    std::vector<int> index;
+    std::vector<uint64_t> touches, hit, bytes;
+    std::vector<double> stall_ms;
+    std::vector<std::string> home;
+    for (const Expert& e : experts_) {
+      if (e.block != static_cast<int>(b)) continue;
+      index.push_back(e.index);
+      touches.push_back(e.step.acquires);
+      hit.push_back(e.step.hits);
+      stall_ms.push_back(e.step.stall_ms);
+      bytes.push_back(e.step.bytes_read);
+      home.push_back(tier_name(e.home));
+      acquires += e.step.acquires, hits += e.step.hits, read += e.step.bytes_read, stall += e.step.stall_ms;
+    }
+    j["experts"] = index;
+    j["acquires"] = touches;
+    j["hits"] = hit;
+    j["stall_ms"] = stall_ms;
+    j["read_bytes"] = bytes;
+    j["home"] = home;
+    blocks.push_back(std::move(j));
+  }
+  line["tier_experts"] = std::move(blocks);
+  line["tier_expert_hit_rate"] = acquires ? static_cast<double>(hits) / static_cast<double>(acquires) : 1.0;
+  line["tier_expert_stall_ms"] = stall;
+  line["tier_expert_read_bytes"] = read;
+  if (!note_.empty()) line["tier_experts_rehomed"] = note_;
+}
+
+std::string ExpertTiers::progress_fragment(double) const {
+  uint64_t acquires = 0, hits = 0;
+  for (const Expert& e : experts_) acquires += e.step.acquires, hits += e.step.hits;
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "experts hit %.1f%%",
+                acquires ? 100.0 * static_cast<double>(hits) / static_cast<double>(acquires) : 100.0);
+  return buf;
+}
+
+void ExpertTiers::print_summary() const {
+  uint64_t acquires = 0, hits = 0, read = 0;
+  double stall = 0;
+  for (const Expert& e : experts_) {
+    acquires += e.total.acquires, hits += e.total.hits, read += e.total.bytes_read, stall += e.total.stall_ms;
+  }
+  std::printf("routed experts in the tiers over this run: %zu experts, hit rate %.1f%% (%llu first touches), "
+              "%.1f ms stalled, %s read%s\n",
+              experts_.size(), acquires ? 100.0 * static_cast<double>(hits) / static_cast<double>(acquires) : 100.0,
+              static_cast<unsigned long long>(acquires), stall, format_mib(static_cast<int64_t>(read)).c_str(),
+              rehome_every_ > 0 ? (", " + std::to_string(rehomings_) + " re-homings by routing share").c_str() : "");
+}
+
+}  // namespace keel

@@ -1,0 +1,62 @@
+// A mixture of experts' routed experts in the memory tiers, as a component of a tiered run with
+// MoE blocks: what each expert's pages saw per step (the step line's `tier_experts`: per MoE
+// block and expert, first touches, hits, stall and bytes read of its parameter and gradient
+// pages, and its home), and when asked to (`rehome_every` > 0) the experts' homes, planned every
+// rehome_every optimizer steps from the pairs routed to each expert since the last plan
+// (store/expert_homes.h: most chosen on the device, then host DRAM, then NVMe, with hysteresis)
+// and moved by the tier manager (TierManager::rehome_pages).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "core/metrics_source.h"
+#include "core/step_hook.h"
+#include "model/gpt.h"
+#include "store/tiered_memory.h"
+
+namespace keel {
+
+class ExpertTiers final : public MetricsSource, public StepHook {
+ public:
+  // Over the MoE blocks of `model` whose experts' chunks `store` holds (Chunk::expert). The
+  // experts' re-homed pages are their parameter and gradient pages (the moments stay where the
+  // placement put them: only the optimizer touches them). `device_reserve`: device bytes kept
+  // free of homed pages beside the experts (the working window, gradient buckets in flight).
+  // `rehome_every`: optimizer steps between two re-homings by routing share (0: never).
+  ExpertTiers(const TierConfig& config, ChunkStore& store, TieredMemory& tiers, GPT& model, int64_t device_reserve,
+              int rehome_every, bool print_notes);
+
+  // Takes the step's routing counts (before the routing report resets them) and each expert's
+  // page counters; every experts_every steps under by_frequency, re-homes the experts.
+  void after_step(int64_t step) override;
+  void print_startup() const override;
+  void add_step_fields(double step_ms, nlohmann::json& line) override;
+  std::string progress_fragment(double step_ms) const override;
+  void print_summary() const override;
+
+ private:
+  struct Expert {
+    int block = 0;                // index among the MoE blocks
+    int index = 0;                // the expert's number in its block
+    std::vector<PageRef> pages;   // its parameter and gradient pages
+    int64_t bytes = 0;            // their bytes
+    Tier home = Tier::nvme;
+    double routed = 0;            // pairs routed to it since the last plan
+    PageCounters step, total;
+  };
+  const TierConfig& config_;
+  TierManager& manager_;
+  std::vector<MoeStats*> stats_;
+  std::vector<int> layers_;  // per MoE block: its store layer
+  std::vector<Expert> experts_;
+  int64_t device_room_ = 0, host_room_ = 0;
+  int rehome_every_ = 0;
+  bool print_notes_;
+  std::string note_;        // the last re-homing, for the step line
+  int64_t rehomings_ = 0;   // plans that moved pages
+  void rehome();
+};
+
+}  // namespace keel

@@ -1,0 +1,327 @@
+// A mixture of experts over the memory tiers (the llama-moe-tiny preset at the toy's size: 2 MoE
+// blocks of 4 experts, top-2, one shared expert): a small compute tier with host DRAM and NVMe
+// trains the bytes of the run in memory and resumes exactly; expert parallelism with tiers is
+// refused in one line; the planner of experts' homes by routing share (store/expert_homes.h)
+// against a brute-force answer.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "core/fileio.h"
+#include "core/rng.h"
+#include "model/gpt.h"
+#include "model/moe.h"
+#include "store/expert_homes.h"
+#include "store/tiered_memory.h"
+#include "store/tiers.h"
+#include "test_util.h"
+
+namespace keel {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+class MoeTiers : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new testing::TempDir("keel-moe-tiers");
+    testing::write_toy_corpus(dir_->path());
+    testing::write_toy_config(dir_->path(), kSteps);
+    fs::create_directories(dir_->path() + "/nvme");
+    const testing::CommandResult memory = train("memory", "");
+    ASSERT_EQ(memory.exit_code, 0) << memory.output;
+  }
+  static void TearDownTestSuite() {
+    delete dir_;
+    dir_ = nullptr;
+  }
+  static constexpr int kSteps = 8;
+  // 2 micro-batches of 2 sequences of 32 tokens per step; chunks of 64 KiB (an expert's weights
+  // are 48 KiB: a chunk of its own).
+  static std::string common() {
+    return " --set model.preset=llama-moe-tiny --set model.vocab_size=64 --set model.max_seq_len=32"
+           " --set train.batch_size=2 --set train.grad_accum=2 --set train.eval_every=0 --set store.chunk_bytes=65536"
+           " --set runtime.threads=1";
+  }
+  // A compute tier of 1 MiB for 2.3 MiB of state: most pages live on host DRAM and NVMe.
+  static std::string tiers(const std::string& extra = "") {
+    return " --set tier.device_mib=1 --set tier.host_mib=1 --set tier.verify=true --set tier.nvme_dir=" + at("nvme") +
+           " " + extra;
+  }
+  static testing::CommandResult train(const std::string& run, const std::string& extra) {
+    return testing::run_keel("train --config " + dir_->path() + "/toy.toml" + common() + " --set train.run_dir=" +
+                             at(run) + " " + extra);
+  }
+  static std::string at(const std::string& run) { return dir_->path() + "/" + run; }
+  static std::vector<json> steps(const std::string& run) {
+    std::vector<json> out;
+    const std::string text = read_text_file(at(run) + "/metrics.jsonl");
+    for (size_t start = 0; start < text.size();) {
+      const size_t end = text.find('\n', start);
+      json j = json::parse(text.substr(start, end - start));
+      if (j.contains("loss") && !j.contains("event")) out.push_back(std::move(j));
+      start = end + 1;
+    }
+    return out;
+  }
+  // The run's weights and moments, every loss and every block's routing are the memory run's bytes.
+  static void expect_memory_bytes(const std::string& run, const std::string& what) {
+    for (Plane p : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+      EXPECT_EQ(testing::checkpoint_bytes(at(run) + "/ckpt", p), testing::checkpoint_bytes(at("memory") + "/ckpt", p))
+          << what << " plane " << static_cast<int>(p);
+    }
+    const std::vector<json> got = steps(run), want = steps("memory");
+    ASSERT_EQ(got.size(), want.size()) << what;
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].at("loss").get<double>(), want[i].at("loss").get<double>()) << what << " step " << i + 1;
+      EXPECT_EQ(got[i].at("moe_layers"), want[i].at("moe_layers")) << what << " step " << i + 1;
+    }
+  }
+  static testing::TempDir* dir_;
+};
+
+testing::TempDir* MoeTiers::dir_ = nullptr;
+
+// The tiered runs (prefetch on and off, io_uring and the thread pool, the experts homed by
+// routing share) train the bytes of the run in memory, with traffic through both off-device
+// tiers, and report every expert's figures each step.
+TEST_F(MoeTiers, ASmallComputeTierTrainsTheBytesOfTrainingInMemory) {
+  for (const std::string& variant : {std::string(""), std::string("--set tier.prefetch=false --set tier.engine=threads"),
+                                     std::string("--set tier.experts=by_frequency --set tier.experts_every=2")}) {
+    const testing::CommandResult r = train("tiered", tiers(variant));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("keel: tiered memory: device 1 MiB"), std::string::npos) << r.output;
+    expect_memory_bytes("tiered", variant);
+    for (const json& s : steps("tiered")) {
+      EXPECT_EQ(s.at("tier_stale_refetches").get<int>(), 0);
+      EXPECT_GT(s.at("tier_nvme_read_bytes").get<double>() + s.at("tier_host_read_bytes").get<double>(), 0);
+      EXPECT_LE(s.at("tier_device_resident_bytes").get<double>(), 1 << 20);
+      ASSERT_EQ(s.at("tier_experts").size(), 2u) << s;
+      for (const json& block : s.at("tier_experts")) {
+        EXPECT_EQ(block.at("experts").size(), 4u);
+        for (const char* key : {"acquires", "hits", "stall_ms", "read_bytes", "home"})
+          EXPECT_EQ(block.at(key).size(), 4u) << key;
+        for (size_t e = 0; e < 4; ++e) EXPECT_LE(block.at("hits")[e].get<int>(), block.at("acquires")[e].get<int>());
+      }
+      EXPECT_GE(s.at("tier_expert_hit_rate").get<double>(), 0.0);
+      EXPECT_LE(s.at("tier_expert_hit_rate").get<double>(), 1.0);
+    }
+    EXPECT_TRUE(fs::is_empty(at("nvme"))) << "the tier's file outlived the run";
+    fs::remove_all(at("tiered"));
+  }
+}
+
+// A tiered run resumed from its step-4 checkpoint (loaded page by page into the tiers) ends with
+// the uninterrupted run's bytes.
+TEST_F(MoeTiers, ResumesThroughTheTiersToTheSameBytes) {
+  testing::CommandResult r = train("resumed", tiers("--set train.checkpoint_every=4"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  fs::remove_all(at("resumed") + "/ckpt/step-00000008");
+  r = train("resumed", tiers("--set train.checkpoint_every=4 --set train.resume=auto"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+  for (Plane p : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+    EXPECT_EQ(testing::checkpoint_bytes(at("resumed") + "/ckpt", p), testing::checkpoint_bytes(at("memory") + "/ckpt", p));
+  }
+  fs::remove_all(at("resumed"));
+}
+
+// Routing-aware leases, at one block over real tiers: with its routing bias keeping expert 3 of
+// 4 from every token, a forward and backward pass never touch expert 3's parameter or gradient
+// pages (no acquire, no byte read, still absent), touch each chosen expert's once per pass kind,
+// and give the gradients of the same model in memory, bit for bit.
+TEST(MoeTierLeases, UnchosenExpertsPagesAreNotTouched) {
+  Config c;
+  c.model.preset = "llama-moe-tiny";
+  c.model.n_layer = 1;
+  c.model.n_embd = 32;
+  c.model.n_head = 4;
+  c.model.vocab_size = 64;
+  c.model.max_seq_len = 16;
+  c.model.moe_balance = MoeBalance::bias;
+  c.train.seq_len = 16;
+  c.resolve(1);
+  const ModelConfig& m = c.model;
+  const int B = 2, T = 8;
+  Rng rng(7);
+  std::vector<int> in(B * T), tg(B * T);
+  for (int i = 0; i < B * T; ++i) in[i] = static_cast<int>(rng.below(64)), tg[i] = static_cast<int>(rng.below(64));
+  auto run = [&](bool tiered, std::vector<float>* grads) {
+    ChunkStore store(4096);
+    GPT model(m, store);
+    store.finalize();
+    model.init_weights(5);
+    MoeFeedForward* moe = model.layer(1).moe();
+    EXPECT_NE(moe, nullptr);
+    moe->routing_bias()[3] = -1e9f;  // expert 3 is never chosen
+    testing::TempDir dir("keel-moe-leases");
+    TierConfig t;
+    t.device_mib = 1;
+    t.host_mib = 4;
+    t.nvme_dir = dir.path();
+    t.attention = t.norm = t.embedding = Tier::host;  // everything off the device: every touch shows
+    t.ffn = Tier::nvme;
+    std::unique_ptr<TieredMemory> tiers = tiered ? std::make_unique<TieredMemory>(t, store, false) : nullptr;
+    model.allocate(B, T);
+    store.zero_grads();
+    model.forward(Batch{in.data(), tg.data(), B, T, 1.0f / (B * T)});
+    model.backward(Batch{in.data(), tg.data(), B, T, 1.0f / (B * T)});
+    if (tiers) {
+      int chosen = 0;
+      for (const Chunk& ch : store.chunks()) {
+        if (ch.expert < 0) continue;
+        for (Plane p : {Plane::param, Plane::grad}) {
+          const PageCounters k = tiers->manager().take_page_counters({ch.id, p});
+          if (ch.expert == 3) {
+            EXPECT_EQ(k.acquires, 0u) << "chunk " << ch.id;
+            EXPECT_EQ(k.bytes_read, 0u) << "chunk " << ch.id;
+            EXPECT_FALSE(tiers->manager().present({ch.id, p}));
+          } else {
+            EXPECT_EQ(k.acquires, 1u) << "chunk " << ch.id << " expert " << ch.expert;
+            chosen += p == Plane::param;
+          }
+        }
+      }
+      EXPECT_GT(chosen, 0);
+      tiers->manager().drain();
+    }
+    for (int id = 0; id < static_cast<int>(store.tensors().size()); ++id) {
+      const PageLease use = store.use_tensor(id, {Plane::grad});
+      const std::span<const float> g = store.view(id, Plane::grad);
+      grads->insert(grads->end(), g.begin(), g.end());
+    }
+  };
+  std::vector<float> memory, tiered;
+  run(false, &memory);
+  run(true, &tiered);
+  ASSERT_EQ(memory.size(), tiered.size());
+  EXPECT_EQ(std::memcmp(memory.data(), tiered.data(), memory.size() * sizeof(float)), 0);
+}
+
+TEST_F(MoeTiers, ExpertParallelismWithTiersIsRefusedInOneLine) {
+  const std::string why = testing::config_refusal(
+      {"model.preset=llama-moe-tiny", "tier.device_mib=64", "tier.host_mib=64", "parallel.expert=2"}, 2);
+  EXPECT_NE(why.find("config key 'parallel.expert'"), std::string::npos) << why;
+  EXPECT_EQ(why.find('\n'), std::string::npos) << why;
+  EXPECT_EQ(testing::config_refusal({"model.preset=llama-moe-tiny", "tier.device_mib=64", "tier.host_mib=64"}, 1), "");
+}
+
+// Without balancing the routers favour a few experts; tier.experts = "by_frequency" re-homes the
+// experts every 2 steps by the pairs routed to each since the last plan: afterwards every
+// device-homed expert's share is at least any other's divided by the hysteresis (1.25), some
+// but not all are on the device, and the run's bytes are still the memory run's (above).
+TEST_F(MoeTiers, ByFrequencyHomesTheMostChosenExpertsOnTheDevice) {
+  const testing::CommandResult r =
+      train("frequency", tiers("--set tier.experts=by_frequency --set tier.experts_every=2 --set model.moe_aux_weight=0"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("tier.experts = by_frequency"), std::string::npos) << r.output;
+  const std::vector<json> got = steps("frequency");
+  ASSERT_EQ(got.size(), static_cast<size_t>(kSteps));
+  int rehomed = 0;
+  for (size_t i = 1; i < got.size(); i += 2) {  // steps 2, 4, ...: a plan from this step and the one before
+    if (!got[i].contains("tier_experts_rehomed")) continue;
+    rehomed++;
+    std::vector<double> share;
+    std::vector<std::string> home;
+    for (size_t b = 0; b < 2; ++b) {
+      for (size_t e = 0; e < 4; ++e) {
+        share.push_back(got[i].at("moe_layers")[b].at("tokens")[e].get<double>() +
+                        got[i - 1].at("moe_layers")[b].at("tokens")[e].get<double>());
+        home.push_back(got[i].at("tier_experts")[b].at("home")[e].get<std::string>());
+      }
+    }
+    const auto on_device = std::count(home.begin(), home.end(), "device");
+    EXPECT_GT(on_device, 0) << got[i];
+    EXPECT_LT(on_device, 8) << got[i];
+    for (size_t d = 0; d < 8; ++d) {
+      for (size_t o = 0; o < 8; ++o) {
+        if (home[d] == "device" && home[o] != "device") {
+          EXPECT_GE(share[d] * 1.25, share[o]) << "step " << i + 1 << ": expert " << d << " on the device, " << o << " not";
+        }
+      }
+    }
+  }
+  EXPECT_GE(rehomed, 1) << "the first plan moves the experts off their placement";
+  fs::remove_all(at("frequency"));
+}
+
+TEST_F(MoeTiers, BadValuesOfTheExpertKeysAreRefusedInOneLine) {
+  const std::vector<std::string> moe = {"model.preset=llama-moe-tiny", "tier.device_mib=64", "tier.host_mib=64"};
+  auto refusal = [&](std::vector<std::string> extra, bool with_moe = true) {
+    std::vector<std::string> sets = with_moe ? moe : std::vector<std::string>{};
+    sets.insert(sets.end(), extra.begin(), extra.end());
+    const std::string why = testing::config_refusal(sets, 1);
+    EXPECT_EQ(why.find('\n'), std::string::npos) << why;
+    return why;
+  };
+  EXPECT_EQ(refusal({"tier.experts=by_frequency"}), "");
+  EXPECT_NE(refusal({"tier.experts=sometimes"}).find("'tier.experts': expected \"off\" or \"by_frequency\""),
+            std::string::npos);
+  EXPECT_NE(refusal({"tier.experts=by_frequency", "tier.device_mib=64"}, false).find("'tier.experts'"), std::string::npos);
+  EXPECT_NE(refusal({"model.preset=llama-moe-tiny", "tier.experts=by_frequency"}, false).find("'tier.experts'"),
+            std::string::npos);
+  EXPECT_NE(refusal({"tier.experts=by_frequency", "tier.policy=adaptive"}).find("'tier.policy'"), std::string::npos);
+  EXPECT_NE(refusal({"tier.experts_every=0"}).find("'tier.experts_every'"), std::string::npos);
+  EXPECT_NE(refusal({"tier.experts=by_frequency", "runtime.precision=bf16"}).find("'runtime.precision'"),
+            std::string::npos);
+}
+
+// The planner against every assignment of 5 experts to the three tiers: the plan is the one a
+// greedy by (hysteresis-weighted) share gives, it never exceeds a room, and shares within the
+// hysteresis of an incumbent do not move it.
+TEST(ExpertHomes, TheMostChosenExpertsTakeTheDeviceThenHostWithinTheirRooms) {
+  const std::vector<int64_t> bytes = {10, 10, 10, 10, 10};
+  const std::vector<double> shares = {5, 40, 1, 30, 24};
+  const std::vector<Tier> nowhere(5, Tier::nvme);
+  ExpertHomesInput in{shares, bytes, nowhere, 20, 20, true, 1.25};
+  EXPECT_EQ(plan_expert_homes(in),
+            (std::vector<Tier>{Tier::host, Tier::device, Tier::nvme, Tier::device, Tier::host}));
+  // Brute force: of all assignments within the rooms, the plan carries the most routed pairs on
+  // the device, then on device + host.
+  double best_device = 0, best_both = 0;
+  for (int code = 0; code < 243; ++code) {
+    double d = 0, h = 0;
+    int64_t dev = 0, host = 0;
+    for (int e = 0, c = code; e < 5; ++e, c /= 3) {
+      if (c % 3 == 0) d += shares[e], dev += bytes[e];
+      if (c % 3 == 1) h += shares[e], host += bytes[e];
+    }
+    if (dev > 20 || host > 20) continue;
+    if (d > best_device || (d == best_device && d + h > best_both)) best_device = d, best_both = d + h;
+  }
+  const std::vector<Tier> plan = plan_expert_homes(in);
+  double plan_device = 0, plan_both = 0;
+  for (int e = 0; e < 5; ++e) {
+    plan_device += plan[e] == Tier::device ? shares[e] : 0;
+    plan_both += plan[e] != Tier::nvme ? shares[e] : 0;
+  }
+  EXPECT_EQ(plan_device, best_device);
+  EXPECT_EQ(plan_both, best_both);
+  // Hysteresis: expert 4 (24) holds the device against expert 3 (30 < 1.25 x 24) ...
+  const std::vector<Tier> now = {Tier::host, Tier::device, Tier::nvme, Tier::host, Tier::device};
+  in.current = now;
+  EXPECT_EQ(plan_expert_homes(in),
+            (std::vector<Tier>{Tier::host, Tier::device, Tier::nvme, Tier::host, Tier::device}));
+  // ... not against 31 (> 1.25 x 24 = 30).
+  const std::vector<double> moved = {5, 40, 1, 31, 24};
+  in.shares = moved;
+  EXPECT_EQ(plan_expert_homes(in),
+            (std::vector<Tier>{Tier::host, Tier::device, Tier::nvme, Tier::device, Tier::host}));
+  // An expert too large for the room left is passed over for a smaller one; without NVMe the
+  // rest stays on host.
+  const std::vector<int64_t> sizes = {10, 15, 10, 10, 10};
+  in.bytes = sizes;
+  in.current = nowhere;
+  in.shares = shares;
+  in.nvme = false;
+  EXPECT_EQ(plan_expert_homes(in),
+            (std::vector<Tier>{Tier::host, Tier::device, Tier::host, Tier::host, Tier::host}));
+}
+
+}  // namespace
+}  // namespace keel
