@@ -27,11 +27,11 @@ CC=clang CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo 
   -DKEEL_FUZZ=ON -DKEEL_BENCH=OFF -DBUILD_TESTING=ON >/dev/null
 sanitized=(ops_test store_test config_test model_test shard_test tokenizer_test env_test checkpoint_test codec_test compressed_sync_test
            block_file_test tiers_test pipeline_schedule_test pipeline_unit_test kv_cache_test partitioner_test images_test
-           int8_gemm_test ring_attention_test)
+           int8_gemm_test ring_attention_test moe_test moe_tiers_test)
 cmake --build build-fuzz -j"$(nproc)" --target "${sanitized[@]}"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   ctest --test-dir build-fuzz --output-on-failure -j2 --timeout 600 -E 'Licences' \
-  -R '^(Ops[A-Za-z]*|KvCache|Families/KvCacheModels|ChunkStore|Config|TinyModel|Shard|Corpus|Pretokenize|Tokenizer|Llama2cTokenizer|Env|Checkpoint|CheckpointCorruption|Codec|SyncPolicy|BlockFile|Engines/BlockFileEngines|Tiers|Tiers/Engines|AsyncHost/Engines|PipelineSchedule|PipelineLayout|PipelineStages|PipelineExecutor|PipelineMicroBatches|Partitioner|LayerCosts|Images|Int8Gemm|RingAttention)\.'
+  -R '^(Ops[A-Za-z]*|KvCache|Families/KvCacheModels|ChunkStore|Config|TinyModel|Shard|Corpus|Pretokenize|Tokenizer|Llama2cTokenizer|Env|Checkpoint|CheckpointCorruption|Codec|SyncPolicy|BlockFile|Engines/BlockFileEngines|Tiers|Tiers/Engines|AsyncHost/Engines|PipelineSchedule|PipelineLayout|PipelineStages|PipelineExecutor|PipelineMicroBatches|Partitioner|LayerCosts|Images|Int8Gemm|RingAttention|MoeKernels|MoeModel|MoeConfig|MoeReference|MoeTierLeases|ExpertHomes)\.'
 
 if ! wait "$tiers_pid"; then
   echo "== tiers_test x20: FAILED"; cat "$tiers_log"; exit 1

@@ -199,19 +199,30 @@ PageLease MoeFeedForward::lease_block(Plane plane, bool write) {
 template <typename Run>
 void MoeFeedForward::for_chosen_experts(const int32_t* offsets, Plane plane, bool write, bool descending, Run run) {
   find_ranges();
-  std::vector<PageRef> soon;
-  for (int e = 0; e < E_; ++e) {
-    if (offsets[e + 1] == offsets[e]) continue;
-    const auto [begin, end] = expert_range_[static_cast<size_t>(e)];
-    for (const Chunk& c : store_.chunks_overlapping(begin, end - begin)) soon.push_back({c.id, plane});
-  }
-  if (!soon.empty()) store_.residency().hint(soon);
+  std::vector<int> order;  // the chosen experts, in the order they run
   for (int k = 0; k < E_; ++k) {
     const int e = descending ? E_ - 1 - k : k;
-    if (offsets[e + 1] == offsets[e]) continue;  // not chosen: its pages are not touched
-    const auto [begin, end] = expert_range_[static_cast<size_t>(e)];
-    const PageLease use = store_.use_range(plane, begin, end - begin, write);
-    run(e);
+    if (offsets[e + 1] != offsets[e]) order.push_back(e);  // not chosen: its pages are not touched
+  }
+  // Hints the pages of the experts from order[first] on, nearest first. The tiers fetch as many as
+  // the compute tier has room for; the rest are hinted again as each expert's lease ends and its
+  // room can take the next ones (a sliding window over the chosen experts).
+  auto hint_from = [&](size_t first) {
+    std::vector<PageRef> soon;
+    for (size_t j = first; j < order.size(); ++j) {
+      const auto [begin, end] = expert_range_[static_cast<size_t>(order[j])];
+      for (const Chunk& c : store_.chunks_overlapping(begin, end - begin)) soon.push_back({c.id, plane});
+    }
+    if (!soon.empty()) store_.residency().hint(soon);
+  };
+  hint_from(0);
+  for (size_t j = 0; j < order.size(); ++j) {
+    const auto [begin, end] = expert_range_[static_cast<size_t>(order[j])];
+    {
+      const PageLease use = store_.use_range(plane, begin, end - begin, write);
+      run(order[j]);
+    }
+    if (j + 1 < order.size()) hint_from(j + 1);
   }
 }
 
