@@ -30,9 +30,9 @@
 #include "runtime/dynamic_windows.h"
 #include "runtime/generate.h"
 #include "runtime/launcher.h"
+#include "runtime/memory_line.h"
 #include "runtime/single_stage_step.h"
 #include "runtime/stop_signal.h"
-#include "store/bf16_state.h"
 #include "store/placement.h"
 
 namespace keel {
@@ -226,36 +226,10 @@ void Trainer::print_startup(double moments_mb) {
     }
   }
   metrics_.print_startup();
-  // What a rank holds, figure by figure, each counted once: "in all" is their sum. Under ZeRO-3
-  // the parameters and gradients are its shard plus what is in flight; under bf16 state its bf16
-  // bits beside the float32 masters of its shard; the planes the memory tiers hold count as the
-  // tiers' budgets (what is homed on NVMe is not in memory).
-  const TieredMemory* tiers = rank_->tiers.get();
-  const ShardedOptimizer::HeldMemory held = rank_->optimizer->held_memory(tiers != nullptr);
-  char moments[320];
-  double in_all = static_cast<double>(held.bytes);
-  if (tiers == nullptr) {
-    std::snprintf(moments, sizeof moments, "AdamW moments %.1f MB", moments_mb);
-    in_all += moments_mb * 1e6;
-  } else {
-    // The device budget bounds the tiered pages present, the host budget their host copies.
-    const Placement& placed = tiers->placement();
-    const double tiered = static_cast<double>(placed.bytes[0] + placed.bytes[1] + placed.bytes[2]);
-    const double present = std::min(tiered, static_cast<double>(config_.tier.device_mib << 20));
-    const double host = std::min(tiered, static_cast<double>(config_.tier.host_mib << 20));
-    const Bf16State* bf16 = rank_->optimizer->bf16_state();
-    const bool moments_only = bf16 != nullptr && bf16->holds(Plane::param) && bf16->holds(Plane::grad);
-    std::snprintf(moments, sizeof moments,
-                  "%s through the tiers: up to %.1f MB present (tier.device_mib) + %.1f MB host copies (tier.host_mib)",
-                  moments_only ? "AdamW moments" : "AdamW moments and the float32 planes above", present / 1e6,
-                  host / 1e6);
-    in_all += present + host;
-  }
-  const double activations = static_cast<double>(workload_->activation_bytes(*rank_));
-  const double buffers = static_cast<double>(checkpointer_->buffer_bytes());
-  in_all += activations + buffers;
-  std::printf("keel: memory per rank: %s, %s, activations %.1f MB, checkpoint buffers %.1f MB; %.1f MB in all\n",
-              held.text.c_str(), moments, activations / 1e6, buffers / 1e6, in_all / 1e6);
+  std::printf("%s\n", memory_per_rank_line(config_.tier, *rank_->optimizer, rank_->tiers.get(), moments_mb,
+                                          static_cast<double>(workload_->activation_bytes(*rank_)),
+                                          static_cast<double>(checkpointer_->buffer_bytes()))
+                         .c_str());
   if (!progress_.resumed_from.empty()) {
     std::printf("keel: resumed from %s at step %lld\n", progress_.resumed_from.c_str(),
                 static_cast<long long>(progress_.steps_done));
