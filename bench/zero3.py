@@ -302,14 +302,7 @@ def predict(cmd, nvme_dir):
             if m:
                 return float(m.group(1)), params, last
     finally:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
-        for f in os.listdir(nvme_dir):
-            if f.startswith("keel-tier-"):
-                os.remove(os.path.join(nvme_dir, f))
+        stop_and_clean(p, nvme_dir)
     return None, params, last
 
 
@@ -366,6 +359,19 @@ def llama_parameters(overrides):
 
 def tier_files(nvme_dir):
     return [os.path.join(nvme_dir, f) for f in os.listdir(nvme_dir) if f.startswith("keel-tier-")]
+
+
+def stop_and_clean(p, nvme_dir, run_dir=None):
+    """Kills a run's process group, waits for it, and removes its tier files (and its run directory)."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
+    for f in tier_files(nvme_dir):
+        os.remove(f)
+    if run_dir is not None:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def part_nvme(a, work):
@@ -426,14 +432,7 @@ def part_nvme(a, work):
                 if len(steps) >= a.large_steps:
                     break
     finally:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
-        for f in tier_files(nvme):
-            os.remove(f)
-        shutil.rmtree(run_dir, ignore_errors=True)
+        stop_and_clean(p, nvme, run_dir)
     if len(steps) < a.large_steps:
         print("  did not take its steps: %s  load %s" % (last, load()), flush=True)
         return
