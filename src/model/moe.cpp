@@ -207,7 +207,9 @@ void MoeFeedForward::for_chosen_experts(const int32_t* offsets, Plane plane, boo
   // Hints the pages of the experts from order[first] on, nearest first. The tiers fetch as many as
   // the compute tier has room for; the rest are hinted again as each expert's lease ends and its
   // room can take the next ones (a sliding window over the chosen experts).
+  const bool hints = !store_.residency().always_present();  // (no tiers: nothing to fetch)
   auto hint_from = [&](size_t first) {
+    if (!hints) return;
     std::vector<PageRef> soon;
     for (size_t j = first; j < order.size(); ++j) {
       const auto [begin, end] = expert_range_[static_cast<size_t>(order[j])];
