@@ -241,6 +241,18 @@ def tensor_sizes():
     return [4 * n, 8 * n, 4 * n * D4_WIDTH]
 
 
+def mean_block_ms(costs_path):
+    """A profiling run's mean F + B + W of one block (its layer_costs line, the blocks between the
+    embedding and the head), in ms: the compute a probe spins between two calls is a share of it."""
+    lc = json.load(open(costs_path))
+    return statistics.mean(lc["forward"][i] + lc["backward_input"][i] + lc["backward_weight"][i]
+                           for i in range(1, len(lc["forward"]) - 1))
+
+
+def points_text(points):
+    return ", ".join("%d B %.3f ms (median %.3f)" % (q["bytes"], q["ms"], q["median_ms"]) for q in points)
+
+
 def fit_line(points):
     """Least squares ms = a + b x bytes over the probe's points: (a ms, b ms per byte)."""
     xs = [p["bytes"] for p in points]
@@ -468,18 +480,14 @@ def main():
                     # of a MoE block's F + B + W (a block exchanges five times a micro-batch).
                     for link, P in sorted(set((c[2], expert_of(c)) for c in configs if expert_of(c) > 1
                                               and profile_of(c) == pcfg[0])):
-                        lc = json.load(open(r["costs"]))
-                        blocks = range(1, len(lc["forward"]) - 1)
-                        gap = statistics.mean(lc["forward"][i] + lc["backward_input"][i] + lc["backward_weight"][i]
-                                              for i in blocks) / 5
+                        gap = mean_block_ms(r["costs"]) / 5
                         sizes = [4 * MOE_EXPERTS, tensor_sizes()[0] * MOE_TOP_K * D4_WIDTH]
                         c = collective(prefixes[link], ranks, 4 * 4096, [], ranks, gap, sizes, P)
                         a_ms, b_ms = fit_line(c["alltoall"])
                         keep({"kind": "alltoall_probe", "link": link, "ranks": ranks, "group": P, "rep": rep, "gap_ms": gap,
                               "points": c["alltoall"], "latency_ms": a_ms, "ms_per_byte": b_ms})
                         log("  %s %d ranks in expert groups of %d, %.2f ms apart: %s; fit %.3f ms + bytes at %.3f GB/s" % (
-                            link, ranks, P, gap, ", ".join("%d B %.3f ms (median %.3f)" % (q["bytes"], q["ms"], q["median_ms"])
-                                                           for q in c["alltoall"]), a_ms, 1e-6 / b_ms))
+                            link, ranks, P, gap, points_text(c["alltoall"]), a_ms, 1e-6 / b_ms))
                     if is_moe(pcfg):
                         for cfg in [c for c in configs if profile_of(c) == pcfg[0]]:
                             r = train_run(work, cfg, rep, prefixes, tokens, a.warmup, a.steps)
@@ -491,17 +499,13 @@ def main():
                     # each call after the compute the trainer does before it: a quarter of a block's
                     # F + B + W per micro-batch from that profile, over T ranks.
                     for link, T in sorted(set((c[2], tensor_of(c)) for c in configs if tensor_of(c) > 1 and c[1] == ranks)):
-                        lc = json.load(open(r["costs"]))
-                        blocks = range(1, len(lc["forward"]) - 1)
-                        gap = statistics.mean(lc["forward"][i] + lc["backward_input"][i] + lc["backward_weight"][i]
-                                              for i in blocks) / 4 / T
+                        gap = mean_block_ms(r["costs"]) / 4 / T
                         c = collective(prefixes[link], ranks, 4 * 4096, tensor_sizes(), T, gap)
                         a_ms, b_ms = fit_line(c["tensor"])
                         keep({"kind": "tensor_probe", "link": link, "ranks": ranks, "group": T, "rep": rep, "gap_ms": gap,
                               "points": c["tensor"], "latency_ms": a_ms, "ms_per_byte": b_ms})
                         log("  %s %d ranks in groups of %d, %.2f ms apart: %s; fit %.3f ms + bytes at %.3f GB/s" % (
-                            link, ranks, T, gap, ", ".join("%d B %.3f ms (median %.3f)" % (q["bytes"], q["ms"], q["median_ms"])
-                                                           for q in c["tensor"]), a_ms, 1e-6 / b_ms))
+                            link, ranks, T, gap, points_text(c["tensor"]), a_ms, 1e-6 / b_ms))
                     for cfg in [c for c in configs if c[1] == ranks and not is_moe(c)]:
                         r = train_run(work, cfg, rep, prefixes, tokens, a.warmup, a.steps)
                         r["kind"] = "run"
