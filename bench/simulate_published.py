@@ -14,9 +14,10 @@ Modes:
                          did not publish (its `assumed` list: micro-batch, schedule, network) and
                          the stack's [keel]-sourced assumption (elementwise traffic, x 0.5 .. x 2).
                          Target: each validation run within 15 %.
-  --fit                  for each stack, the kernel_efficiency that makes its fitting row's
-                         prediction equal the published figure (bisection); prints the values to
-                         write into configs/sim/stacks.toml. Nothing is written.
+  --fit                  for each stack, the kernel_efficiency (and where a second fitting row
+                         names it, `fit_key`, the block_pass_ms) that make its fitting rows'
+                         predictions equal the published figures (bisection, by turns); prints the
+                         values to write into configs/sim/stacks.toml. Nothing is written.
 
 Usage: bench/simulate_published.py [--fit] [--runs FILE] [--stacks FILE] [--only NAME] [--json yes]
 Environment: KEEL (default build/keel).
@@ -153,21 +154,40 @@ def variants(run, stack):
 
 
 def fit(runs, stacks, tmp, only):
+    """Each stack's fitted keys to its fitting rows: each row names its key (`fit_key`, default
+    kernel_efficiency); a key fitted to several rows is set where the mean of their relative errors
+    is zero. A stack with two keys is fitted by turns (each key bisected with the other held) until
+    neither moves."""
+    ranges = {"kernel_efficiency": (0.05, 1.0), "block_pass_ms": (0.0, 50.0)}
+    by_stack = {}
     for run in runs:
-        if run["role"] != "fit" or (only and run["stack"] != only):
-            continue
-        lo, hi = 0.05, 1.0
-        for _ in range(14):
-            mid = (lo + hi) / 2
-            j = simulate(run, stacks, Variant(stack={"kernel_efficiency": mid}), tmp)
-            if j["predicted"] < published(run):
-                lo = mid
-            else:
-                hi = mid
-        k = round((lo + hi) / 2, 3)
-        j = simulate(run, stacks, Variant(stack={"kernel_efficiency": k}), tmp)
-        print("[stack.%s] kernel_efficiency = %.3f   # fitted to %s: %.1f %s predicted against %.1f published" % (
-            run["stack"], k, run["name"], j["predicted"], unit(run), published(run)))
+        if run["role"] == "fit" and (not only or run["stack"] == only):
+            by_stack.setdefault(run["stack"], {}).setdefault(run.get("fit_key", "kernel_efficiency"), []).append(run)
+    for name, keys in by_stack.items():
+        values = {key: stacks["stack"][name][key] for key in keys}
+
+        def mean_error(key, value):
+            errs = [simulate(r, stacks, Variant(stack=dict(values, **{key: value})), tmp)["predicted"] / published(r) - 1
+                    for r in keys[key]]
+            return sum(errs) / len(errs)
+
+        for _ in range(8 if len(keys) > 1 else 1):
+            before = dict(values)
+            for key in keys:
+                lo, hi = ranges[key]
+                up = key == "kernel_efficiency"  # kernel_efficiency raises the prediction, block_pass_ms lowers it
+                for _ in range(16):
+                    mid = (lo + hi) / 2
+                    if (mean_error(key, mid) < 0) == up:
+                        lo = mid
+                    else:
+                        hi = mid
+                values[key] = round((lo + hi) / 2, 3 if up else 2)
+            if all(abs(values[k] - before[k]) < 1e-3 for k in values):
+                break
+        for key, rows in keys.items():
+            print("[stack.%s] %s = %s   # fitted to %s: mean error %+.2f %%" % (
+                name, key, values[key], ", ".join(r["name"] for r in rows), 100 * mean_error(key, values[key])))
 
 
 def main():
@@ -192,7 +212,7 @@ def main():
             return
         rows = []
         for role in ("fit", "validate"):
-            print("\n== %s rows ==" % ("fitting (each stack's kernel_efficiency was fitted to its row)" if role == "fit"
+            print("\n== %s rows ==" % ("fitting (each stack's fitted keys were fitted to these rows)" if role == "fit"
                                         else "validation (predicted; nothing fitted to them)"))
             print("%-24s %-18s %-9s %5s %-10s %10s %10s %8s  %-17s %6s %5s  %s" % (
                 "run", "stack", "cluster", "GPUs", "TPxPPxDP", "published", "predicted", "error", "range (assumed)",

@@ -351,7 +351,8 @@ TEST(Simulate, MemoryWithZero3AndBf16) {
   const std::string stacks = dir.path() + "/stacks.toml";
   testing::write_text(stacks, "[stack.s]\nkernel_efficiency = 0.5\noverlap_grad_reduce = true\ngrad_reduce_bytes = 2\n"
                               "bucket_mb = 25\ncollective = \"nccl\"\nparam_bytes = 2\ngrad_bytes = 4\nstate_bytes = 12\n"
-                              "activations = \"megatron\"\nsequence_parallel = false\nflash_attention = false\nelementwise_values = 36\nscore_bytes_forward = 9\nscore_bytes_backward = 11\n");
+                              "activations = \"megatron\"\nsequence_parallel = false\nflash_attention = false\nelementwise_values = 36\nscore_bytes_forward = 9\nscore_bytes_backward = 11\n"
+                              "block_pass_ms = 0\n");
   const std::string model = "--set model.preset=gpt2-124m --set model.n_layer=4 --set model.n_embd=1024 --set model.n_head=16 "
                             "--set model.max_seq_len=1024 --set train.seq_len=1024 --set runtime.precision=bf16 --set data.tokenizer= "
                             "--set train.batch_size=2 --set train.recompute=none --vocab 128000 --stack s --stacks " + stacks;
@@ -373,6 +374,34 @@ TEST(Simulate, MemoryWithZero3AndBf16) {
   // ZeRO-3 gathers parameters and reduce-scatters gradients: more bytes on the wire than ZeRO-0's all-reduce.
   EXPECT_GT(z3.at("sync_ms").get<double>(), 0);
   EXPECT_EQ(z3.at("stack").get<std::string>(), "s");
+}
+
+// A stack's fixed cost per block and pass (block_pass_ms) joins each block's forward once and its
+// backward once, and a recomputed forward again: the busiest rank's compute grows by it times the
+// blocks, the micro-batches and the passes (2, or 3 with full recomputation), whatever the model.
+TEST(Simulate, BlockPassCostIsPerBlockAndPass) {
+  testing::TempDir dir("keel-sim-pass");
+  auto stack_with = [&](double ms) {
+    const std::string path = dir.path() + "/stacks" + std::to_string(static_cast<int>(ms)) + ".toml";
+    testing::write_text(path, "[stack.s]\nkernel_efficiency = 0.8\noverlap_grad_reduce = true\ngrad_reduce_bytes = 4\n"
+                              "bucket_mb = 1000000\ncollective = \"nccl\"\nparam_bytes = 4\ngrad_bytes = 4\nstate_bytes = 8\n"
+                              "activations = \"megatron\"\nsequence_parallel = false\nflash_attention = true\n"
+                              "elementwise_values = 36\nscore_bytes_forward = 0\nscore_bytes_backward = 0\n"
+                              "block_pass_ms = " + std::to_string(ms) + "\n");
+    return path;
+  };
+  const std::string zero = stack_with(0), seven = stack_with(7);
+  for (const char* recompute : {"none", "full"}) {
+    const std::string model = std::string("--set model.preset=gpt2-124m --set model.n_layer=6 --set model.n_embd=512 ") +
+                              "--set model.n_head=8 --set model.max_seq_len=512 --set train.seq_len=512 --set runtime.precision=bf16 " +
+                              "--set data.tokenizer= --set train.batch_size=2 --set train.grad_accum=3 --set parallel.zero=3 " +
+                              "--set train.recompute=" + recompute + " --stack s --stacks ";
+    const nlohmann::json a = simulate(model + zero), b = simulate(model + seven);
+    const double passes = std::string(recompute) == "full" ? 3 : 2;
+    EXPECT_EQ(a.at("micro_batches").get<int>(), 3);
+    EXPECT_NEAR(b.at("compute_ms").get<double>() - a.at("compute_ms").get<double>(), 7.0 * 6 * 3 * passes, 1e-6) << recompute;
+    EXPECT_GT(b.at("step_ms").get<double>(), a.at("step_ms").get<double>());
+  }
 }
 
 // The tensor group's traffic: for real tensor-parallel runs of the toy model (`keel launch`, T = 2
@@ -503,6 +532,10 @@ TEST(Simulate, BadInputIsOneLine) {
   const std::string short_stacks = dir.path() + "/short.toml", extra_stacks = dir.path() + "/extra.toml";
   testing::write_text(short_stacks, short_text);
   testing::write_text(extra_stacks, extra_text);
+  std::string negative_text = original;
+  negative_text.replace(negative_text.find("block_pass_ms = 2.68"), 20, "block_pass_ms = -1");
+  const std::string negative_stacks = dir.path() + "/negative.toml";
+  testing::write_text(negative_stacks, negative_text);
   const std::vector<Case> cases = {
       {edit("hbm_gbps = 2039", ""), "", "missing key 'device.hbm_gbps'"},
       {edit("hbm_gbps = 2039", "hbm_gbps = -1"), "", "key 'device.hbm_gbps': expected > 0"},
@@ -540,6 +573,7 @@ TEST(Simulate, BadInputIsOneLine) {
        "stack.megatron-2021: key 'collective': expected \"ring\", \"nccl\" or \"hierarchical\", found \"mpi\""},
       {good, "--stack megatron-2021 --stacks " + short_stacks, "stack.megatron-2021: key 'flash_attention': expected true or false"},
       {good, "--stack megatron-2021 --stacks " + extra_stacks, "stack.megatron-2021: unknown key 'bucket_size'"},
+      {good, "--stack llm-foundry --stacks " + negative_stacks, "stack.llm-foundry: key 'block_pass_ms': expected >= 0 and <= 1000, found -1"},
       {good, "--vocab 1", "simulate --vocab: expected >= 2, found 1"},
       {good, "--set parallel.tensor=2 --tensor 4", "simulate --tensor: expected the config's parallel.tensor (2) or 1, found 4"},
       {good, "--tiers yes --stack torchtitan --stacks " + testing::source_path("configs/sim/stacks.toml"), "no --stack with it"},

@@ -80,6 +80,7 @@ StackProfile StackProfile::parse(const std::string& toml_text, const std::string
   s.elementwise_values = num("elementwise_values", 0, 1000, false);
   s.score_bytes_forward = num("score_bytes_forward", 0, 64, false);
   s.score_bytes_backward = num("score_bytes_backward", 0, 64, false);
+  s.block_pass_ms = num("block_pass_ms", 0, 1000, false);
   for (const auto& [key, used] : seen) check(used, where + ": unknown key '" + key + "'");
   return s;
 }

@@ -45,6 +45,13 @@ struct StackProfile {
   // scores never reach memory. Keel's built-in profile: 0 (its attention is calibrated whole on
   // this machine, bench/simulate_calibration.py).
   double score_bytes_forward = 0, score_bytes_backward = 0;
+  // Milliseconds each transformer block adds per pass over it (its forward, its recomputed
+  // forward, its backward) beyond its kernels' device time, whatever the block's size: what the
+  // stack's host side leaves exposed per block (eager dispatch of the block's kernels, a sharding
+  // wrapper's per-unit hooks that wait on the device before issuing the next gather). It weighs
+  // most where a block's device time is short: small micro-batches on a fast device. Keel's
+  // built-in profile: 0 (its per-step overhead is measured whole, Device::step_overhead_ms).
+  double block_pass_ms = 0;
 
   // The named stack of a stacks file ("keel" without a file: the built-in). Throws keel::Error
   // naming the file and the key.

@@ -348,6 +348,9 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
           const double scores = static_cast<double>(m.n_head) / TP * tokens * T;
           f += scores * stack.score_bytes_forward / (cluster.device.hbm_gbps * 1e9) * 1e3;
           b += scores * stack.score_bytes_backward / (cluster.device.hbm_gbps * 1e9) * 1e3;
+          // The stack's fixed cost per block and pass (its forward; its backward, B and W one
+          // pass; a recomputed forward repeats F's below).
+          f += stack.block_pass_ms, b += stack.block_pass_ms;
         }
       }
       const bool block = i >= 1 && i <= m.n_layer;

@@ -28,7 +28,8 @@
 //    recomputing block's F again (full) or its attention's share of it (selective), and a
 //    zero-bubble schedule's W, apart from its B, rebuilds that and runs B again; each block's
 //    elementwise work (the stack's elementwise_values of the width per token in F, twice that in
-//    B) at the device's memory bandwidth. Or each layer's F, B, W as a Keel run measured them
+//    B) at the device's memory bandwidth, and the stack's fixed block_pass_ms once in F and once
+//    in B (a recomputed F: again). Or each layer's F, B, W as a Keel run measured them
 //    (SimLayout::layer_costs), for a cluster of the machine that measured them.
 //  * The pipeline: Keel's schedule (pipeline/schedule.h make_schedule) replayed by Keel's schedule
 //    simulator on those stage costs, a message between stages costing its bytes over the link
