@@ -501,6 +501,13 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   // one blocking all-reduce of a double per step, before AdamW: on the critical path).
   const double tp_norm = ring_ms(8, TP, cluster.intra.gbps, cluster.intra.latency_us);
   r.optimizer_ms += tp_norm;
+  // Sharded experts: the experts' squares are summed over the expert group (expert_grad_squares:
+  // one blocking all-reduce of a double per step), on its data ranks' link.
+  if (experts_sharded(config)) {
+    const bool inside = TP * EP <= cluster.devices_per_node;
+    r.optimizer_ms += inside ? ring_ms(8, EP, cluster.intra.gbps, cluster.intra.latency_us)
+                             : ring_ms(8, EP, cluster.network.device_gbps(cluster.devices_per_node), cluster.network.latency_us);
+  }
   // The last micro-batch's backward on that rank, layer by layer from the last: each layer's
   // collectives queue on the link once its W is done (GradSync starts a bucket as soon as its
   // chunks' gradients are complete; a tied embedding's only at the very end); what runs past the
