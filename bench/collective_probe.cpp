@@ -18,6 +18,16 @@
 // "tensor": [{"bytes": B, "ms": MEAN, "median_ms": M}, ...]. gap_ms: each rank computes (spins) that
 // long before each call, as the trainer's ranks compute between a block's all-reduces (a link's
 // token bucket refills meanwhile, and with more ranks than cores the ranks compete for them).
+// The spin is CPU time of the calling thread, not wall time (a negative gap_ms: wall time): the
+// trainer's compute is work, so a rank that waits for a core reaches its next collective late, as
+// a trainer's rank does.
+// tensor_sizes as a step's sequence instead ("bytes:gap_ms:dp_bytes,..."): the tensor group's
+// calls in the order one step of the trainer makes them, each after its own gap of CPU time (the
+// layer's share of compute before it); dp_bytes > 0 starts, before that call, the data-parallel
+// sync's non-blocking all-reduce of that many gradient bytes over the data group (ranks with the
+// same place in their tensor groups), all waited for after the step's last call, as GradSync does;
+// bytes 0: no tensor call (the gap and the sync's start alone). The step is replayed 6 times (the
+// first untimed); per size the mean and median of its calls, as above.
 // alltoall_sizes, expert_group: an expert group's exchanges the same way, as "alltoall": [...].
 #include <algorithm>
 #include <chrono>
@@ -26,6 +36,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <ctime>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -89,6 +100,45 @@ int main(int argc, char** argv) {
     }
     return out;
   };
+  // A step's sequence "bytes:gap_ms:dp_bytes,...", or none when the text has no ':'.
+  struct Call {
+    size_t bytes = 0, dp_bytes = 0;
+    double gap_ms = 0;
+  };
+  auto parse_sequence = [](const char* text) {
+    std::vector<Call> out;
+    if (std::string(text).find(':') == std::string::npos) return out;
+    for (const char* p = text; *p;) {
+      char* end = nullptr;
+      Call c;
+      c.bytes = std::strtoull(p, &end, 10);
+      if (end == p || *end != ':') break;
+      c.gap_ms = std::strtod(end + 1, &end);
+      if (*end != ':') break;
+      c.dp_bytes = std::strtoull(end + 1, &end, 10);
+      out.push_back(c);
+      p = *end == ',' ? end + 1 : end;
+    }
+    return out;
+  };
+  // Spins `ms` of this thread's CPU time (ms < 0: -ms of wall time, the probe's earlier gap, kept
+  // for comparison).
+  auto compute = [](double ms) {
+    if (ms < 0) {
+      const auto t0 = std::chrono::steady_clock::now();
+      volatile double spin = 0;
+      while (keel::ms_since(t0) < -ms) spin = spin + 1.0;
+      return;
+    }
+    auto cpu_ms = [] {
+      timespec ts{};
+      clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+      return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) * 1e-6;
+    };
+    const double until = cpu_ms() + ms;
+    volatile double spin = 0;
+    while (cpu_ms() < until) spin = spin + 1.0;
+  };
   auto split = [&](int size) -> std::unique_ptr<keel::Communicator> {
     if (size < 1 || comm.size() % size != 0) {
       std::fprintf(stderr, "collective_probe: a group of %d does not divide %d ranks\n", size, comm.size());
@@ -97,22 +147,8 @@ int main(int argc, char** argv) {
     return comm.split(comm.rank() / size, comm.rank() % size);
   };
   const double gap_ms = argc > 7 ? std::atof(argv[7]) : 0.0;
-  // Per size, `call` 45 times (5 to warm up), each after gap_ms of spinning, the sizes taken in turn
-  // call by call (a load that moves during the probe weighs on every size alike): the mean and
-  // median of the 40 timed, the slowest rank's, as a JSON list.
-  auto timed = [&](const std::vector<size_t>& sizes, const std::function<void(size_t)>& call) {
-    std::vector<std::vector<double>> all(sizes.size());
-    comm.barrier();
-    for (int i = 0; i < 45; ++i) {
-      for (size_t k = 0; k < sizes.size(); ++k) {
-        const auto gap = std::chrono::steady_clock::now();
-        volatile double spin = 0;
-        while (keel::ms_since(gap) < gap_ms) spin = spin + 1.0;
-        const auto t0 = std::chrono::steady_clock::now();
-        call(sizes[k]);
-        if (i >= 5) all[k].push_back(keel::ms_since(t0));
-      }
-    }
+  // Per size the mean and median of its calls' times, the slowest rank's, as a JSON list.
+  auto report = [&](const std::vector<size_t>& sizes, std::vector<std::vector<double>>& all) {
     std::string out = "[";
     for (size_t k = 0; k < sizes.size(); ++k) {
       std::vector<double>& times = all[k];
@@ -128,13 +164,66 @@ int main(int argc, char** argv) {
     }
     return out + "]";
   };
+  // Per size, `call` 45 times (5 to warm up), each after gap_ms of spinning, the sizes taken in turn
+  // call by call (a load that moves during the probe weighs on every size alike): the mean and
+  // median of the 40 timed, the slowest rank's, as a JSON list.
+  auto timed = [&](const std::vector<size_t>& sizes, const std::function<void(size_t)>& call) {
+    std::vector<std::vector<double>> all(sizes.size());
+    comm.barrier();
+    for (int i = 0; i < 45; ++i) {
+      for (size_t k = 0; k < sizes.size(); ++k) {
+        compute(gap_ms);
+        const auto t0 = std::chrono::steady_clock::now();
+        call(sizes[k]);
+        if (i >= 5) all[k].push_back(keel::ms_since(t0));
+      }
+    }
+    return report(sizes, all);
+  };
   const int group_size = argc > 6 ? std::atoi(argv[6]) : comm.size();
   std::unique_ptr<keel::Communicator> group = split(group_size);
-  const std::vector<size_t> tensor_sizes = argc > 5 ? parse_sizes(argv[5]) : std::vector<size_t>{};
+  const std::vector<Call> sequence = argc > 5 ? parse_sequence(argv[5]) : std::vector<Call>{};
+  std::vector<size_t> tensor_sizes;
+  if (sequence.empty()) {
+    tensor_sizes = argc > 5 ? parse_sizes(argv[5]) : std::vector<size_t>{};
+  } else {
+    for (const Call& c : sequence) {
+      if (c.bytes > 0 && std::find(tensor_sizes.begin(), tensor_sizes.end(), c.bytes) == tensor_sizes.end()) tensor_sizes.push_back(c.bytes);
+    }
+  }
   std::vector<float> buf(std::max<size_t>(1, tensor_sizes.empty() ? 1 : *std::max_element(tensor_sizes.begin(), tensor_sizes.end()) / sizeof(float)), 1.0f);
-  const std::string tensor = timed(tensor_sizes, [&](size_t size) {
-    group->allreduce_sum(buf.data(), std::max<size_t>(1, size / sizeof(float)));
-  });
+  std::string tensor;
+  if (sequence.empty()) {
+    tensor = timed(tensor_sizes, [&](size_t size) {
+      group->allreduce_sum(buf.data(), std::max<size_t>(1, size / sizeof(float)));
+    });
+  } else {
+    // The data group: the ranks at the same place in their tensor groups.
+    std::unique_ptr<keel::Communicator> data = comm.split(comm.rank() % group_size, comm.rank() / group_size);
+    size_t dp_total = 0;
+    for (const Call& c : sequence) dp_total += c.dp_bytes;
+    std::vector<float> grads(std::max<size_t>(1, dp_total / sizeof(float)), 1.0f);
+    std::vector<std::vector<double>> all(tensor_sizes.size());
+    comm.barrier();
+    for (int step = 0; step < 6; ++step) {
+      std::vector<keel::Communicator::Request> syncs;
+      size_t at = 0;
+      for (const Call& c : sequence) {
+        compute(c.gap_ms);
+        if (c.dp_bytes > 0 && data->size() > 1) {
+          syncs.push_back(data->iallreduce_sum(grads.data() + at, c.dp_bytes / sizeof(float)));
+          at += c.dp_bytes / sizeof(float);
+        }
+        if (c.bytes == 0) continue;
+        const auto t0 = std::chrono::steady_clock::now();
+        group->allreduce_sum(buf.data(), std::max<size_t>(1, c.bytes / sizeof(float)));
+        const size_t k = static_cast<size_t>(std::find(tensor_sizes.begin(), tensor_sizes.end(), c.bytes) - tensor_sizes.begin());
+        if (step > 0) all[k].push_back(keel::ms_since(t0));
+      }
+      for (keel::Communicator::Request& q : syncs) data->wait(q);
+    }
+    tensor = report(tensor_sizes, all);
+  }
   // alltoall_sizes (comma-separated bytes a rank sends in all, its own share included) over groups
   // of `expert_group` consecutive ranks: the trainer's exchange (model/moe.cpp: one non-blocking
   // all-to-all of bytes, equal parts to every rank of the group, then its wait).

@@ -30,17 +30,23 @@ What the simulator is given, all measured here before or beside the runs, none f
     what the collective reaches), and a one-float all-reduce for the latency; a TCP stream and
     round trip between two namespaces are printed beside it;
   * a tensor group's all-reduces: the same probe across the namespaces with the job's rank count
-    split into groups of T (all groups at once, as the job runs them), one blocking all-reduce at a
-    time at the sizes the trainer hands its tensor group (the vocabulary-parallel loss's N floats
-    and N doubles, a micro-batch's activations N x C floats; N = tokens per micro-batch), each call
-    after the compute the trainer does before one (a quarter of a block's F + B + W over T, from the
-    profiling run: a shaped link's token bucket refills meanwhile, and ranks beyond the cores
-    compete for them), each size the mean of 40 (with more ranks than cores a call either finds
-    its peers running or waits for a time slice: the mean is what a step of them adds up to), in
-    every repeat just after that rank count's profiling run; a line latency + bytes / bandwidth fitted to those points (least squares) is the
-    tensor group's link: the cluster file's [intra] latency and bandwidth are set so that the
-    simulator's ring formula gives that line (with more ranks than cores the probe's ranks wait
-    for the cores as the job's do: measured, not modelled);
+    split into groups of T (all groups at once, as the job runs them), replaying one step of the
+    trainer's blocking all-reduces in the trainer's order and sizes (per micro-batch: the
+    embedding's N x C floats, two N x C per block in forward, the vocabulary-parallel loss's N
+    doubles and 2 N floats, the head's N x C input gradient, two N x C per block in backward; N =
+    tokens per micro-batch), each after the compute the trainer does before it (that layer's
+    share of the profiling run's F, or B + W, over T), spun as CPU time (the profile's wall time
+    times min(1, cores / ranks)): with more ranks than cores a rank that waits for a core reaches
+    its next call late, as the trainer's do, and a shaped link's token bucket refills only as much
+    as the trainer's own gaps let it; in the last micro-batch the data group's sync (each layer's
+    gradient bytes over T, non-blocking, over the ranks / T data ranks) starts after each layer's
+    backward and is waited for at the step's end, as GradSync does. Five steps timed after one;
+    per size the mean of its calls (a call that waits for a time slice is part of what a step adds
+    up to); in every repeat just after that rank count's profiling run. A line latency + bytes /
+    bandwidth fitted to those points (least squares) is the tensor group's link: the cluster file's
+    [intra] latency and bandwidth are set so that the simulator's ring formula gives that line.
+    The earlier probe (the three sizes in turn, each after a quarter of a block's F + B + W over T
+    of wall time) runs beside it and predicts the same runs, for comparison;
   * the device's memory bandwidth (AdamW's traffic) and the codecs' throughput: `keel simulate
     --probe yes` (a streaming triad and Keel's own codecs, one thread, on this machine), times
     min(1, cores / ranks): ranks beyond the cores share them.
@@ -104,6 +110,8 @@ MOE = ["model.preset=llama-moe-d4"]
 MOE_EXPERTS, MOE_TOP_K = 8, 2  # llama-moe-d4's (src/core/config.cpp presets)
 for _link in ("unshaped", "shaped"):
     CONFIGS += [("2r %s moe expert1" % _link, 2, _link, MOE), ("2r %s moe expert2" % _link, 2, _link, MOE + ["parallel.expert=2"])]
+# On 4 unshaped ranks: P = 2 holds each expert on 2 of the 4 data ranks, its gradient summed between them.
+CONFIGS += [("4r unshaped moe expert1", 4, "unshaped", MOE), ("4r unshaped moe expert2", 4, "unshaped", MOE + ["parallel.expert=2"])]
 
 
 def tensor_of(cfg):
@@ -241,6 +249,47 @@ def tensor_sizes():
     return [4 * n, 8 * n, 4 * n * D4_WIDTH]
 
 
+def tensor_step_sequence(costs_path, T, ranks, cores):
+    """One step of the trainer's tensor-group all-reduces for JOB, in order, as the probe's
+    "bytes:gap_ms:dp_bytes" items (bench/collective_probe.cpp): per micro-batch the embedding's
+    forward sum after its forward; per block two after halves of its forward (attention, then MLP);
+    the cross-entropy's maxima (N doubles) and sums (2 N floats) after the head's forward; the head's
+    input gradient after its backward; per block two after halves of its backward (MLP, then
+    attention). Each gap is the layer's share of the profiling run's F (or B + W) over T, in CPU time
+    (the profile's wall time times min(1, cores / ranks): ranks beyond the cores share them). In the
+    last micro-batch each layer's gradient (its param bytes over T) starts the data group's
+    all-reduce once its backward is done, as GradSync starts a bucket (the data group: ranks / T)."""
+    lc = json.load(open(costs_path))
+    f, bi, bw, params = lc["forward"], lc["backward_input"], lc["backward_weight"], lc["param_bytes"]
+    opts = dict(x.split("=", 1) for x in JOB)
+    n = int(opts["train.batch_size"]) * int(opts["train.seq_len"])
+    act, share, head = 4 * n * D4_WIDTH, min(1.0, cores / float(ranks)), len(f) - 1
+    out = []
+
+    def item(nbytes, ms, dp=0):
+        out.append("%d:%.4f:%d" % (nbytes, ms * share / T, dp))
+
+    accum = int(opts["train.grad_accum"])
+    for mb in range(accum):
+        last = mb == accum - 1
+        item(act, f[0])
+        for i in range(1, head):
+            item(act, f[i] / 2)
+            item(act, f[i] / 2)
+        item(8 * n, f[head])
+        item(8 * n, 0.0)
+        item(act, bi[head] + bw[head])
+        if last:
+            item(0, 0.0, int(params[head] / T))
+        for i in range(head - 1, 0, -1):
+            item(act, (bi[i] + bw[i]) / 2)
+            item(act, (bi[i] + bw[i]) / 2)
+            if last:
+                item(0, 0.0, int(params[i] / T))
+        item(0, bi[0] + bw[0], int(params[0] / T) if last else 0)
+    return ",".join(out)
+
+
 def mean_block_ms(costs_path):
     """A profiling run's mean F + B + W of one block (its layer_costs line, the blocks between the
     embedding and the head), in ms: the compute a probe spins between two calls is a share of it."""
@@ -299,13 +348,15 @@ def train_run(work, cfg, rep, prefixes, tokens, warmup, steps, every=None):
                 steps_seen.append(j)
     tab = sorted(set(s.get("tensor_allreduce_bytes", 0) for s in steps_seen))
     eab = sorted(set(s.get("expert_alltoall_bytes", 0) for s in steps_seen))
+    held = sorted(set(s.get("param_bytes", 0) for s in steps_seen))
+    sent = sorted(set(round(s.get("sync_sent_bytes", 0)) for s in steps_seen))
     costs_path = run_dir + ".layer_costs.json"
     with open(costs_path, "w") as f:
         json.dump(costs["layer_costs"], f)
     shutil.rmtree(run_dir, ignore_errors=True)
     return {"name": name, "rep": rep, "ms": [s["ms"] for s in steps_seen], "costs": costs_path, "peak_gflops": peak,
             "sync_exposed_ms": statistics.median([s.get("sync_exposed_ms", 0.0) for s in steps_seen]),
-            "tensor_allreduce_bytes": tab, "expert_alltoall_bytes": eab}
+            "tensor_allreduce_bytes": tab, "expert_alltoall_bytes": eab, "param_bytes": held, "sync_sent_bytes": sent}
 
 
 CLUSTER = """# This machine as `keel simulate` sees it (written by bench/simulate_calibration.py): every rank a
@@ -372,10 +423,11 @@ def report(results):
     for c in [r for r in results if r.get("kind") == "collective"]:
         print("  %-9s %d ranks: all-reduce of %.1f MB in %.1f ms (a ring at %.3f Gbit/s), one float %.0f us" % (
             c["link"], c["ranks"], c["bytes"] / 1e6, c["allreduce_ms"], c["ring_gbit"], c["small_us"]))
-    for t in [r for r in results if r.get("kind") in ("tensor_probe", "alltoall_probe")]:
+    for t in [r for r in results if r.get("kind") in ("tensor_probe", "tensor_probe_uniform", "alltoall_probe")]:
         print("  %-9s %d ranks in %s groups of %d, rep %d: %s; fit %.3f ms + bytes at %.3f GB/s" % (
-            t["link"], t["ranks"], "tensor" if t["kind"] == "tensor_probe" else "expert", t["group"], t["rep"], ", ".join("%d B %.3f ms" % (q["bytes"], q["ms"]) for q in t["points"]),
-            t["latency_ms"], 1e-6 / t["ms_per_byte"]))
+            t["link"], t["ranks"], {"tensor_probe": "tensor (a step's sequence)", "tensor_probe_uniform": "tensor (earlier probe)",
+                                    "alltoall_probe": "expert"}[t["kind"]], t["group"], t["rep"],
+            ", ".join("%d B %.3f ms" % (q["bytes"], q["ms"]) for q in t["points"]), t["latency_ms"], 1e-6 / t["ms_per_byte"]))
     print("%-26s %10s %10s %8s %10s %10s  %s" % ("configuration", "measured", "predicted", "error", "sync exp.",
                                                  "predicted", "layer costs from"))
     worst = 0.0
@@ -396,6 +448,17 @@ def report(results):
             predicted = sorted(set(int(x.get("expert_alltoall_bytes", 0)) for x in preds[name]))
             print("%-26s expert_alltoall_bytes per step: runs %d..%d (rank 0's, as routed), simulator %s (balanced)" % (
                 "", min(counted), max(counted), predicted))
+        if is_moe(cfg) and cfg[1] > 1:
+            for key in ("param_bytes", "sync_sent_bytes"):
+                counted = sorted(set(b for r in reps for b in r.get(key, [])))
+                predicted = sorted(set(int(round(x.get(key, 0))) for x in preds[name]))
+                print("%-26s %s (rank 0's): runs %s, simulator %s" % ("", key, counted, predicted))
+        uniform = [x["step_ms"] for x in results if x.get("kind") == "prediction_uniform" and x["name"] == name]
+        if uniform:
+            per_rep = ", ".join("%+.1f %%" % (100 * (x["step_ms"] / statistics.median(r["ms"]) - 1)) for x in preds[name]
+                                for r in reps if r["rep"] == x["rep"])
+            print("%-26s each repeat %s; the earlier probe (sizes in turn, wall-time gaps) on the same runs: %.1f ms, %+.1f %%" % (
+                "", per_rep, statistics.median(uniform), 100 * (statistics.median(uniform) / meas - 1)))
         if tensor_of(cfg) > 1:
             counted = sorted(set(b for r in reps for b in r.get("tensor_allreduce_bytes", [])))
             predicted = sorted(set(x.get("tensor_allreduce_bytes", 0) for x in preds[name]))
@@ -437,7 +500,8 @@ def main():
         # The runs and probes of an earlier --out file (its work directory still holding the layer
         # costs), predicted again by this keel.
         for r in (json.loads(l) for l in open(a.repredict) if l.strip()):
-            if r["kind"] in ("run", "profile", "probe", "link", "collective", "tensor_probe", "alltoall_probe"):
+            if r["kind"] in ("run", "profile", "probe", "link", "collective", "tensor_probe", "tensor_probe_uniform",
+                             "alltoall_probe"):
                 keep(r)
         probe_line = next(r for r in results if r["kind"] == "probe")
         mem, codec_lines = probe_line["hbm_gbps"], probe_line["codecs"]
@@ -480,7 +544,7 @@ def main():
                     # of a MoE block's F + B + W (a block exchanges five times a micro-batch).
                     for link, P in sorted(set((c[2], expert_of(c)) for c in configs if expert_of(c) > 1
                                               and profile_of(c) == pcfg[0])):
-                        gap = mean_block_ms(r["costs"]) / 5
+                        gap = mean_block_ms(r["costs"]) / 5 * min(1.0, (os.cpu_count() or 1) / float(ranks))  # CPU time
                         sizes = [4 * MOE_EXPERTS, tensor_sizes()[0] * MOE_TOP_K * D4_WIDTH]
                         c = collective(prefixes[link], ranks, 4 * 4096, [], ranks, gap, sizes, P)
                         a_ms, b_ms = fit_line(c["alltoall"])
@@ -495,17 +559,22 @@ def main():
                             keep(r)
                         continue
                     # The tensor groups' all-reduces at this rank count, measured in each repeat just
-                    # after its profile and before its runs (the load of a shared machine moves),
-                    # each call after the compute the trainer does before it: a quarter of a block's
-                    # F + B + W per micro-batch from that profile, over T ranks.
+                    # after its profile and before its runs (the load of a shared machine moves):
+                    # one step's calls in the trainer's order, each after the compute the trainer
+                    # does before it (that profile's layer costs over T, in CPU time), the data
+                    # group's sync started in the last micro-batch's backward.
                     for link, T in sorted(set((c[2], tensor_of(c)) for c in configs if tensor_of(c) > 1 and c[1] == ranks)):
+                        # (and, for comparison on the same runs, the earlier probe: the three sizes
+                        # in turn, each after a quarter of a block's F + B + W over T of wall time)
                         gap = mean_block_ms(r["costs"]) / 4 / T
-                        c = collective(prefixes[link], ranks, 4 * 4096, tensor_sizes(), T, gap)
-                        a_ms, b_ms = fit_line(c["tensor"])
-                        keep({"kind": "tensor_probe", "link": link, "ranks": ranks, "group": T, "rep": rep, "gap_ms": gap,
-                              "points": c["tensor"], "latency_ms": a_ms, "ms_per_byte": b_ms})
-                        log("  %s %d ranks in groups of %d, %.2f ms apart: %s; fit %.3f ms + bytes at %.3f GB/s" % (
-                            link, ranks, T, gap, points_text(c["tensor"]), a_ms, 1e-6 / b_ms))
+                        for kind, args in (("tensor_probe", ([tensor_step_sequence(r["costs"], T, ranks, os.cpu_count() or 1)], T, 0.0)),
+                                           ("tensor_probe_uniform", (tensor_sizes(), T, -gap))):
+                            c = collective(prefixes[link], ranks, 4 * 4096, *args)
+                            a_ms, b_ms = fit_line(c["tensor"])
+                            keep({"kind": kind, "link": link, "ranks": ranks, "group": T, "rep": rep, "gap_ms": gap,
+                                  "points": c["tensor"], "latency_ms": a_ms, "ms_per_byte": b_ms})
+                            log("  %s %d ranks in groups of %d (%s): %s; fit %.3f ms + bytes at %.3f GB/s" % (
+                                link, ranks, T, kind, points_text(c["tensor"]), a_ms, 1e-6 / b_ms))
                     for cfg in [c for c in configs if c[1] == ranks and not is_moe(c)]:
                         r = train_run(work, cfg, rep, prefixes, tokens, a.warmup, a.steps)
                         r["kind"] = "run"
@@ -517,7 +586,7 @@ def main():
     peak = next(r["peak_gflops"] for r in results if r["kind"] == "profile")
     cores = os.cpu_count() or 1
 
-    def cluster_file(link, ranks, rep, overhead, group=None, tensor=1, expert=1):
+    def cluster_file(link, ranks, rep, overhead, group=None, tensor=1, expert=1, tensor_kind="tensor_probe"):
         # R ranks on this machine's cores: each gets min(1, cores / R) of a core for its codecs and
         # its memory traffic (the layer costs were measured at that sharing already).
         share = min(1.0, cores / float(ranks))
@@ -539,7 +608,7 @@ def main():
             # The tensor group's all-reduce, fitted to the probe at its own sizes, rank count and
             # grouping (ms = a + b bytes), as the [intra] link of the simulator's ring formula
             # (2 (T-1) latencies + 2 (T-1) / T of the bytes at the link's bandwidth).
-            t = next(r for r in results if r["kind"] == "tensor_probe" and r["link"] == link and r["ranks"] == ranks
+            t = next(r for r in results if r["kind"] == tensor_kind and r["link"] == link and r["ranks"] == ranks
                      and r["group"] == tensor and r["rep"] == rep)
             intra_lat = t["latency_ms"] * 1e3 / (2 * (tensor - 1))
             intra_gbps = 2 * (tensor - 1) / tensor / (t["ms_per_byte"] * 1e6)
@@ -551,7 +620,8 @@ def main():
                      and r["group"] == expert and r["rep"] == rep)
             alltoall = "alltoall_latency_us = %.2f   # bench/collective_probe.cpp's all-to-all fit\nalltoall_gbps = %.6f" % (
                 e["latency_ms"] * 1e3, (expert - 1) / expert / (e["ms_per_byte"] * 1e6))
-        path = os.path.join(work, "local-%s-%d-%d-g%d-t%d-e%d.toml" % (link, ranks, rep, group or ranks, tensor, expert))
+        path = os.path.join(work, "local-%s-%d-%d-g%d-t%d-e%d%s.toml" % (link, ranks, rep, group or ranks, tensor, expert,
+                                                                      "-uniform" if tensor_kind != "tensor_probe" else ""))
         with open(path, "w") as f:
             f.write(CLUSTER.format(link=link, nodes=1, per_node=tensor, tflops=peak / 1e3, mem=mem * share, gbit=gbit,
                                    lat=lat, intra_gbps=intra_gbps, intra_lat=intra_lat, codecs="\n".join(scaled),
@@ -580,6 +650,12 @@ def main():
             p = predict(work, cfg, path, costs)
             p.update({"kind": "prediction", "name": cfg[0], "rep": rep})
             keep(p)
+            if T > 1 and any(r["kind"] == "tensor_probe_uniform" for r in results):
+                path = cluster_file(cfg[2], cfg[1], rep, overheads[(profile_of(cfg), rep)], group, T, expert_of(cfg),
+                                    "tensor_probe_uniform")
+                p = predict(work, cfg, path, costs)
+                p.update({"kind": "prediction_uniform", "name": cfg[0], "rep": rep})
+                keep(p)
     report(results)
     log("cluster files and layer costs: %s" % work)
 

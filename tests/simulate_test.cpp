@@ -509,6 +509,57 @@ TEST(Simulate, ExpertAlltoallBytesAreTheTrainers) {
   }
 }
 
+// Sharded experts (parallel.expert = P, ZeRO-0: a rank holds E / P routed experts): the simulator's
+// parameter bytes per rank and data-parallel sync bytes per step are the trainer's own counts
+// (metrics.jsonl param_bytes, sync_sent_bytes) on 2 ranks with P = 2 (each expert held by one rank:
+// its gradient is not summed) and 4 ranks with P = 2 (each expert summed over 2 ranks).
+TEST(Simulate, ShardedExpertBytesAreTheTrainers) {
+  testing::TempDir dir("keel-sim-eps");
+  testing::write_toy_corpus(dir.path());
+  testing::write_toy_config(dir.path(), 3);
+  const std::string moe = "--set model.preset=llama-moe-tiny --set model.vocab_size=64 --set model.max_seq_len=32 "
+                          "--set train.eval_every=0 --set parallel.expert=2 ";
+  double whole = 0;
+  for (int ranks : {2, 4}) {
+    std::string text = read_text_file(kCluster);
+    text.replace(text.find("nodes = 4"), 9, "nodes = 1");
+    text.replace(text.find("devices_per_node = 8"), 20, "devices_per_node = " + std::to_string(ranks));
+    text.replace(text.find("nics_per_node = 8"), 17, "nics_per_node = " + std::to_string(ranks));
+    const std::string cluster = dir / ("cluster" + std::to_string(ranks) + ".toml");
+    testing::write_text(cluster, text);
+    const std::string run = "s" + std::to_string(ranks);
+    const testing::CommandResult r = testing::run_keel(testing::toy_train_args(dir, ranks, 2, run, moe));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    auto predict = [&](const std::string& sets) {
+      const testing::CommandResult s = testing::run_keel("simulate --cluster " + cluster + " --json yes --config " +
+                                                         dir / "toy.toml" + " --set train.batch_size=2 " + sets);
+      EXPECT_EQ(s.exit_code, 0) << s.output;
+      return nlohmann::json::parse(s.output.substr(s.output.rfind("\n{") + 1));
+    };
+    const nlohmann::json p = predict(moe);
+    // Every expert on every rank (no expert parallelism): more parameters, more sync.
+    const nlohmann::json all = predict("--set model.preset=llama-moe-tiny --set model.vocab_size=64 "
+                                       "--set model.max_seq_len=32 --set train.eval_every=0");
+    EXPECT_LT(p.at("param_bytes").get<double>(), all.at("param_bytes").get<double>());
+    EXPECT_LT(p.at("sync_sent_bytes").get<double>(), all.at("sync_sent_bytes").get<double>());
+    int lines = 0;
+    const std::string metrics = read_text_file(dir / (run + "/metrics.jsonl"));
+    for (size_t at = 0; at < metrics.size();) {
+      const size_t end = std::min(metrics.find('\n', at), metrics.size());
+      const nlohmann::json j = nlohmann::json::parse(metrics.substr(at, end - at));
+      at = end + 1;
+      if (!j.contains("loss") || j.contains("event")) continue;
+      ++lines;
+      EXPECT_EQ(j.value("param_bytes", int64_t{-1}), static_cast<int64_t>(p.at("param_bytes").get<double>())) << run;
+      EXPECT_EQ(j.value("model_param_bytes", int64_t{-1}), static_cast<int64_t>(all.at("param_bytes").get<double>())) << run;
+      EXPECT_NEAR(j.value("sync_sent_bytes", -1.0), p.at("sync_sent_bytes").get<double>(), 0.5) << run;
+      whole = j.value("model_param_bytes", 0.0);
+    }
+    EXPECT_EQ(lines, 3) << run;
+  }
+  EXPECT_GT(whole, 0);
+}
+
 TEST(Simulate, BadInputIsOneLine) {
   testing::TempDir dir("keel-sim");
   const std::string good = read_text_file(kCluster);

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "comm/codec.h"
+#include "comm/expert_parallel.h"
 #include "comm/sync_policy.h"
 #include "core/error.h"
 #include "model/gpt.h"
@@ -50,16 +51,31 @@ struct SyncCost {
   std::string algorithm = "none";  // the algorithm of the whole gradient's all-reduce
 };
 
-SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, int tp, const CollectiveGroup& group,
+SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, int tp, const CollectiveGroup& data_group,
                    const StackProfile& stack, const CodecRates& rates) {
   SyncCost out;
   out.layer_ms.assign(static_cast<size_t>(config.model.n_layer + 2), 0.0);
-  const int ranks = group.ranks;
-  if (ranks <= 1) return out;
-  const double n = ranks;
+  if (data_group.ranks <= 1) return out;
+  // Sharded experts (comm/expert_parallel.h): a rank holds E / P routed experts, each summed over
+  // the data / P ranks holding it (consecutive expert groups: every P-th data rank).
+  const int shards = experts_sharded(config) ? std::max(1, config.parallel.expert) : 1;
+  CollectiveGroup expert_group = data_group;
+  expert_group.ranks = std::max(1, data_group.ranks / shards);
+  expert_group.per_node = std::max(1, std::min(expert_group.ranks, data_group.per_node / shards));
   const bool flat = stack.collective == CollectiveKind::ring;
-  const double gbps = group.nodes() <= 1 ? group.intra_gbps : group.device_gbps;
-  const double latency_us = group.nodes() <= 1 ? group.intra_latency_us : group.inter_latency_us;
+  // (the group's figures; an expert's chunks are rebound to expert_group below)
+  const CollectiveGroup* g = &data_group;
+  int ranks = 0;
+  double n = 0, gbps = 0, latency_us = 0, round_ms = 0;
+  auto bind = [&](const CollectiveGroup& to) {
+    g = &to, ranks = to.ranks, n = to.ranks;
+    gbps = to.nodes() <= 1 ? to.intra_gbps : to.device_gbps;
+    latency_us = to.nodes() <= 1 ? to.intra_latency_us : to.inter_latency_us;
+    // Each bucket's collective pays its rounds' latency: 2 (N-1) for a ring (two-phase and the
+    // all-gather of gather alike, within a factor 2 for the latter).
+    round_ms = 2 * (n - 1) * latency_us * 1e-3;
+  };
+  bind(data_group);
   const int64_t bucket = stack.bucket_mb > 0 ? static_cast<int64_t>(stack.bucket_mb * 1e6)
                                              : std::max<int64_t>(config.parallel.bucket_bytes, 1);
   // Bytes on the wire per float32 byte of gradient (a stack reducing bf16 gradients sends half).
@@ -68,22 +84,20 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
   // at no fewer bytes than give 4,096 of them (codec sizes are linear in elements but a header).
   const bool compressed = sync_compressed(config.sync);
   double bytes = 0;
-  const std::vector<double> params = layer_params(config.model);
+  const std::vector<double> params = layer_params(config.model, shards);
   for (const LayerRange& r : ranges) {
     for (int i = r.first; i <= r.last; ++i) bytes += params[static_cast<size_t>(i)] * sizeof(float);
   }
   ChunkStore registry(std::max<int64_t>(config.store.chunk_bytes, static_cast<int64_t>(bytes / 4096) / 4096 * 4096));
-  register_layout(registry, model_layout(config.model, ranges));
+  register_layout(registry, model_layout(config.model, ranges, {}, ExpertPlace{0, shards}));
   registry.finalize_layout();
   const std::vector<CodecParams> codecs =
       compressed ? sync_chunk_codecs(config.sync, config.model.n_layer, registry) : std::vector<CodecParams>{};
   // GradSync's buckets: consecutive chunks of one layer and codec, up to bucket_bytes each.
   double run_bytes = 0, run_plain = 0;
   int run_layer = -1;
+  bool run_expert = false;
   CodecKind run_kind = CodecKind::none;
-  // Each bucket's collective pays its rounds' latency: 2 (N-1) for a ring (two-phase and the
-  // all-gather of gather alike, within a factor 2 for the latter).
-  const double round_ms = 2 * (n - 1) * latency_us * 1e-3;
   const size_t last = out.layer_ms.size() - 1;
   auto layer_of = [&](int chunk_layer) { return std::min(static_cast<size_t>(std::max(chunk_layer, 0)), last); };
   // ZeRO-2 and -3 reduce-scatter the gradients (half a ring, under backward); ZeRO-1 all-reduces
@@ -98,15 +112,25 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
       out.layer_ms[layer_of(run_layer)] += buckets * round_ms;
     } else if (run_plain > 0) {  // the stack's algorithm per bucket, bandwidth and latency together
       out.layer_ms[layer_of(run_layer)] +=
-          buckets * allreduce(run_plain * wire / buckets, group, stack.collective, plain_overlap).ms;
+          buckets * allreduce(run_plain * wire / buckets, *g, stack.collective, plain_overlap).ms;
     }
     run_bytes = 0, run_plain = 0;
   };
-  for (const Chunk& c : registry.chunks()) {
-    const double raw = static_cast<double>(c.numel) * sizeof(float) / tp;
-    out.raw_bytes += raw;
+  const std::vector<Chunk>& chunks = registry.chunks();
+  for (size_t k = 0; k < chunks.size(); ++k) {
+    const Chunk& c = chunks[k];
+    // A bucket reduces its chunks' whole span, the alignment padding after each tensor included
+    // (GradSync's bucket numel), as the trainer counts it.
+    const int64_t span = (k + 1 < chunks.size() ? chunks[k + 1].offset : registry.numel()) - c.offset;
+    const double raw = static_cast<double>(span) * sizeof(float) / tp;
+    const bool expert = shards > 1 && c.expert >= 0;
     const CodecParams p = compressed ? codecs[static_cast<size_t>(c.id)] : CodecParams{};
-    if ((compressed || !flat) && (c.layer != run_layer || p.kind != run_kind)) close_run();
+    // (GradSync's buckets never mix an expert's chunks with others)
+    if (expert != run_expert || ((compressed || !flat) && (c.layer != run_layer || p.kind != run_kind))) close_run();
+    run_expert = expert;
+    bind(expert ? expert_group : data_group);
+    if (ranks <= 1) continue;  // an expert held by this rank alone: nothing to sum
+    out.raw_bytes += raw;
     run_layer = c.layer, run_kind = p.kind, run_bytes += raw;
     if (p.kind == CodecKind::none) {
       const double sent = plain_overlap * 2 * (n - 1) / n * raw * wire;
@@ -125,24 +149,25 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
     const bool two_phase = !sparse && (config.sync.shape == SumShape::two_phase || (config.sync.shape == SumShape::automatic && ranks > 2));
     const double sent = two_phase ? 2 * (n - 1) / n * encoded : (n - 1) * encoded;
     out.wire_bytes += sent;
-    const int k = static_cast<int>(p.kind);
-    const double enc = rates.encode_gbps[k], dec = rates.decode_gbps[k];
+    const int kind = static_cast<int>(p.kind);
+    const double enc = rates.encode_gbps[kind], dec = rates.decode_gbps[kind];
     const double encoded_share = two_phase ? 1 + 1 / n : 1.0, decoded_share = two_phase ? 2.0 : n;
     if (enc > 0) out.codec_ms += encoded_share * raw / (enc * 1e9) * 1e3;
     if (dec > 0) out.codec_ms += decoded_share * raw / (dec * 1e9) * 1e3;
     out.layer_ms[layer_of(c.layer)] += sent / (gbps * 1e9) * 1e3;
   }
   close_run();
-  out.algorithm = to_string(allreduce(out.raw_bytes * wire, group, stack.collective).algorithm);
+  bind(data_group);
+  out.algorithm = to_string(allreduce(out.raw_bytes * wire, data_group, stack.collective).algorithm);
   const double param_wire = stack.param_bytes / sizeof(float);  // a gathered parameter's bytes per float32 byte
   if (config.parallel.zero == 1 || config.parallel.zero == 2) {  // every parameter, gathered after the optimizer
     const double gather = (n - 1) / n * out.raw_bytes * param_wire;
     out.after_ms = flat ? gather / (gbps * 1e9) * 1e3 + std::ceil(out.raw_bytes / static_cast<double>(bucket)) * (n - 1) * latency_us * 1e-3
-                        : allreduce(out.raw_bytes * param_wire, group, stack.collective, 0.5).ms;
+                        : allreduce(out.raw_bytes * param_wire, data_group, stack.collective, 0.5).ms;
     out.wire_bytes += gather;
   } else if (config.parallel.zero >= 3) {  // two gathers per step, one per layer each
     const double layers = static_cast<double>(out.layer_ms.size());
-    out.gather_ms = 2 * layers * allreduce(out.raw_bytes * param_wire / layers, group, stack.collective, 0.5).ms;
+    out.gather_ms = 2 * layers * allreduce(out.raw_bytes * param_wire / layers, data_group, stack.collective, 0.5).ms;
     out.wire_bytes += 2 * (n - 1) / n * out.raw_bytes * param_wire;
   }
   out.ms = out.after_ms + out.gather_ms;
@@ -234,14 +259,16 @@ double megatron_activation_bytes(const ModelConfig& m, const std::vector<LayerRa
   return bytes + s * b * m.padded_vocab_size / t * 4;
 }
 
-std::vector<double> layer_params(const ModelConfig& m) {
+std::vector<double> layer_params(const ModelConfig& m, int expert_shards) {
   const double C = m.n_embd, Vp = m.padded_vocab_size;
   std::vector<double> out;
   out.push_back(Vp * C + (m.llama() ? 0.0 : static_cast<double>(m.max_seq_len) * C));
   const double block = m.llama() ? 2 * C + m.qkv_dim() * C + C * C + 3.0 * m.ffn_hidden * C : 12 * C * C + 13 * C;
   // A mixture-of-experts block holds every expert (and the router, the shared experts) in place of the MLP.
+  // (Sharded experts: the rank's E / expert_shards routed experts.)
+  const double routed = static_cast<double>(m.moe_experts) / std::max(1, expert_shards);
   const double moe_block = block - 3.0 * m.ffn_hidden * C + m.moe_experts * C +
-                           3.0 * m.moe_hidden * C * (static_cast<double>(m.moe_experts) + std::max(0, m.moe_shared_experts));
+                           3.0 * m.moe_hidden * C * (routed + std::max(0, m.moe_shared_experts));
   for (int l = 0; l < m.n_layer; ++l) out.push_back(m.moe_block(l) ? moe_block : block);
   out.push_back(m.llama() ? C + (m.tie_embeddings.value_or(false) ? 0.0 : Vp * C) : 2 * C);
   return out;
@@ -287,9 +314,9 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   const double activation = tokens * m.n_embd * act_bytes;  // one micro-batch's [b, T, C]
   const double tp_ar = ring_ms(activation, TP, cluster.intra.gbps, cluster.intra.latency_us);
   const double tp_embed = tp_ar;  // the embedding's forward, the head's backward: one [b, T, C] each
-  const double tp_loss = TP > 1 ? 2 * ring_ms(tokens * 4, TP, cluster.intra.gbps, cluster.intra.latency_us) +
-                                      ring_ms(tokens * 8, TP, cluster.intra.gbps, cluster.intra.latency_us)
-                                : 0.0;
+  // The vocabulary-parallel cross-entropy's two sums (model/tensor_group.cpp): the rows' maxima (N
+  // doubles), then their sums of exponentials and target logits together (2 N floats).
+  const double tp_loss = TP > 1 ? 2 * ring_ms(tokens * 8, TP, cluster.intra.gbps, cluster.intra.latency_us) : 0.0;
   // Expert parallelism: each exchange of a mixture-of-experts block, one rank's view. A rank sends
   // N x top-k rows (balanced routing; its own experts' share stays on the rank) and receives as many.
   const int EP = std::max(1, par.expert);
@@ -356,8 +383,7 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
       const bool block = i >= 1 && i <= m.n_layer;
       blocks += block;
       // The vocabulary-parallel embedding sums each token's row (forward); the head's input
-      // gradient is summed in backward, and the cross-entropy sums the rows' maxima (double),
-      // their sums of exponentials and the target logits (forward).
+      // gradient is summed in backward, and the cross-entropy's sums run in forward.
       if (i == 0) f += tp_embed;
       if (i == m.n_layer + 1) f += tp_loss, b += tp_embed;
       if (block && EP > 1 && m.moe_block(i - 1)) {
@@ -434,8 +460,9 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   const pipeline::Schedule schedule =
       pipeline::make_schedule({par.schedule, P, r.micro_batches, pipeline::virtual_stages(par)});
 
-  // Data-parallel sync and the optimizer, on the rank with the most parameters.
-  const std::vector<double> params = layer_params(m);
+  // Data-parallel sync and the optimizer, on the rank with the most parameters (sharded experts:
+  // its E / P routed experts a block).
+  const std::vector<double> params = layer_params(m, experts_sharded(config) ? EP : 1);
   double most = 0;
   int most_rank = 0;
   std::vector<double> rank_params(static_cast<size_t>(P), 0.0);
@@ -467,6 +494,8 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   r.sync_wire_ratio = sync.raw_bytes > 0 && D > 1 ? sync.wire_bytes / (2 * (D - 1.0) / D * sync.raw_bytes) : 1.0;
   r.sync_ms = sync.ms;
   r.sync_codec_ms = sync.codec_ms;
+  r.sync_sent_bytes = sync.wire_bytes;
+  r.param_bytes = most * sizeof(float);
   // AdamW: parameter, gradient, two moments read; parameter, moments and the zeroed gradient
   // written; the clipping norm's read of the gradient before it (float32).
   const double shard = par.zero > 0 ? 1.0 / D : 1.0;
@@ -475,6 +504,13 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   // one blocking all-reduce of a double per step, before AdamW: on the critical path).
   const double tp_norm = ring_ms(8, TP, cluster.intra.gbps, cluster.intra.latency_us);
   r.optimizer_ms += tp_norm;
+  // Sharded experts: the experts' squares are summed over the expert group (expert_grad_squares:
+  // one blocking all-reduce of a double per step), on its data ranks' link.
+  if (experts_sharded(config)) {
+    const bool inside = TP * EP <= cluster.devices_per_node;
+    r.optimizer_ms += inside ? ring_ms(8, EP, cluster.intra.gbps, cluster.intra.latency_us)
+                             : ring_ms(8, EP, cluster.network.device_gbps(cluster.devices_per_node), cluster.network.latency_us);
+  }
   // The last micro-batch's backward on that rank, layer by layer from the last: each layer's
   // collectives queue on the link once its W is done (GradSync starts a bucket as soon as its
   // chunks' gradients are complete; a tied embedding's only at the very end); what runs past the

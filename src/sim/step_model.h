@@ -134,6 +134,12 @@ struct StepPrediction {
   // expert_comm_ms: the exchanges' time per step on the critical path (inside F and B).
   int expert = 1;
   double expert_alltoall_bytes = 0, expert_comm_ms = 0;
+  // The busiest rank's float32 parameter bytes as it holds them (metrics.jsonl param_bytes under
+  // expert parallelism: with sharded experts, E / P routed experts a block), and the bytes its
+  // data-parallel sync sends per step as GradSync counts them (sync_sent_bytes: 2 (n-1)/n of each
+  // plain bucket over its group, a sharded expert's over the data / P ranks holding it, none where
+  // data = P; compressed buckets their encodings; ZeRO-1/2 add the parameters' all-gather).
+  double param_bytes = 0, sync_sent_bytes = 0;
   double bubble = 0;              // the schedule's idle share
   double sync_wire_ratio = 1;     // bytes sent over what a ring all-reduce of float32 gradients sends (HybridGC)
   double samples_per_s = 0, tokens_per_s = 0;
@@ -165,7 +171,8 @@ double megatron_activation_bytes(const ModelConfig& m, const std::vector<LayerRa
                                  int T, int tp, int in_flight, bool sequence_parallel, bool flash);
 
 // Parameters per layer (embedding, blocks, head) as Keel's model registers them: GPT-2's tied
-// head holds none of its own.
-std::vector<double> layer_params(const ModelConfig& model);
+// head holds none of its own. `expert_shards` > 1: a rank's, with its mixture-of-experts blocks'
+// routed experts sharded over that many ranks (E / expert_shards each; comm/expert_parallel.h).
+std::vector<double> layer_params(const ModelConfig& model, int expert_shards = 1);
 
 }  // namespace keel::sim
