@@ -954,7 +954,7 @@ std::vector<int64_t> TierManager::rehome_pages(std::span<const PageRef> refs, st
   for (size_t k = 0; k < refs.size(); ++k) {
     const int i = index(refs[k]);
     const Page& pg = page(refs[k]);
-    check(!pg.transient, "tiers: chunk " + std::to_string(refs[k].chunk) + " is another rank's (ZeRO-3): it has no home to move");
+    if (pg.transient) continue;  // another rank's (ZeRO-3): homed nowhere, left so
     if (homes[k] == Tier::nvme && pg.home != Tier::nvme) {
       check(file_ != nullptr && (pg.routed || options_.adaptive),
             "tiers: chunk " + std::to_string(refs[k].chunk) + " has no NVMe slot to move to");
@@ -981,7 +981,7 @@ std::vector<int64_t> TierManager::rehome_pages(std::span<const PageRef> refs, st
       const int i = index(refs[k]);
       Page& pg = pages_[i];
       const Tier to = homes[k];
-      if (pg.home == to) continue;
+      if (pg.home == to || pg.transient) continue;
       const bool frees_device = pg.home == Tier::device, frees_host = pg.home == Tier::host && to == Tier::nvme;
       if ((pass == 0 && !frees_device) || (pass == 1 && !frees_host) || (pass == 2 && (frees_device || frees_host))) continue;
       move_home(i, to);

@@ -31,7 +31,8 @@
 // uses. One evicted with bytes (a gathered layer kept unpinned, a gradient waiting for its bucket)
 // is written to a scratch slot at the file's end, given back to the scratch's free list when the
 // page is next declared zero; the file grows only when no free slot fits. A rank's file is so its
-// own shard's slots plus the most its transient pages ever spilled at once.
+// own shard's slots plus the most its transient pages ever spilled at once. Re-homing (the
+// adaptive policy, rehome_pages) leaves transient pages as they are.
 #pragma once
 
 #include <cstdint>
