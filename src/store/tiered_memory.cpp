@@ -168,7 +168,7 @@ void TieredMemory::add_step_fields(double step_ms, nlohmann::json& line) {
     line[p + "written_bytes"] = c.bytes_written;
     line[p + "resident_bytes"] = c.resident_bytes;
   }
-  if (!config_.nvme_dir.empty()) {  // this rank's file: its disk blocks (measured) and its scratch part
+  if (!config_.nvme_dir.empty()) {  // this rank's file: its size (measured, fstat) and its scratch part
     line["tier_nvme_file_bytes"] = manager_->nvme_file_bytes();
     line["tier_nvme_scratch_bytes"] = manager_->nvme_scratch_bytes();
   }
