@@ -25,10 +25,11 @@ Parts (--part, default all; each figure is printed with the load average it was 
            not another process, when memory runs out).
   nvme     A 3B-class llama (--nvme-shape, --large-layers to cut it) under ZeRO-3 + full recompute
            with float32 state, every plane through the tiers (an --nvme-device-mib compute tier, the
-           rest on NVMe): the disk checked first (24 B a parameter), stopped at its start-up line
+           rest on NVMe): the disk checked first (16 B a parameter plus a block's scratch), stopped at its start-up line
            where 2 ranks exceed the memory available, otherwise after --large-steps steps and before
            its end-of-run checkpoint; tier files and run directory removed. Wall per step,
-           tokens/s, peak RSS per rank, NVMe bytes per step, tier files' size on disk.
+           tokens/s, peak RSS per rank, NVMe bytes per step, tier files' size on disk (and rank 0's
+           file: its own slots and the scratch other ranks' pages spilled to).
   largest  Keel ZeRO-3 at --large (default tinyllama-1.1b: 17.6 GB of float32 state) on 2 ranks:
            whether it takes --large-steps optimizer steps, its peak RSS per rank (start-up and
            after the steps), tokens/s, the parameters gathered per step.
@@ -346,6 +347,17 @@ def part_search(a, work):
             break
 
 
+def llama_block_parameters(overrides):
+    """Parameters of one block of tinyllama-1.1b's preset with `overrides` (model.KEY=VALUE)."""
+    m = {"n_layer": 22, "n_embd": 2048, "n_head": 32, "n_kv_head": 4, "ffn_hidden": 5632, "vocab_size": 32000}
+    for o in overrides:
+        key, value = o.split("=")
+        m[key.split(".")[1]] = int(value)
+    C, F = m["n_embd"], m["ffn_hidden"]
+    kv = C * m["n_kv_head"] // m["n_head"]
+    return 2 * C * C + 2 * C * kv + 3 * C * F + 2 * C
+
+
 def llama_parameters(overrides):
     """Parameters of tinyllama-1.1b's preset with `overrides` (model.KEY=VALUE; untied head)."""
     m = {"n_layer": 22, "n_embd": 2048, "n_head": 32, "n_kv_head": 4, "ffn_hidden": 5632, "vocab_size": 32000}
@@ -378,10 +390,11 @@ def part_nvme(a, work):
     """A llama of SEARCH_SHAPES (--nvme-shape) under ZeRO-3 + full recompute with float32 state
     (no bf16 state) and every plane through the tiers: an --nvme-device-mib compute tier, no host
     tier, the rest homed on NVMe (--nvme-dir). Refused before it starts where the disk cannot hold
-    24 bytes a parameter with 10 % and 2 GB to spare: each rank's tier file has slots for every
-    chunk's parameter and gradient pages (8 bytes a parameter of the whole model; other ranks'
-    chunks pass through them when gathered or before their reduce-scatter) and for its share of
-    the moments (8 bytes a parameter over the ranks). The run's start-up line gives its memory per rank ("in all"); it is stopped
+    16 bytes a parameter plus one block's parameters and gradients of scratch per rank, with 10 %
+    and 2 GB to spare: each rank's tier file has slots for its own chunks' four planes only
+    (parameters, gradients, both moments: 16 bytes a parameter over the ranks); other ranks'
+    chunks pass through the compute tier when gathered or before their reduce-scatter, and spill
+    to scratch at the file's end only when evicted with bytes. The run's start-up line gives its memory per rank ("in all"); it is stopped
     there where 2 ranks of it exceed the memory available, and otherwise once it took
     --large-steps optimizer steps, before its end-of-run checkpoint (which would need as much disk
     again), and its tier files and run directory are removed."""
@@ -391,12 +404,14 @@ def part_nvme(a, work):
     nvme = a.nvme_dir or os.path.join(work, "nvme")
     os.makedirs(nvme, exist_ok=True)
     params = llama_parameters(overrides)
-    need, free = 24 * params, shutil.disk_usage(nvme).free
+    scratch = 2 * 8 * llama_block_parameters(overrides)  # 2 ranks x one block's parameters and gradients
+    need, free = 16 * params + scratch, shutil.disk_usage(nvme).free
     print("\n== nvme: %s%s (%.2f B parameters), 2 ranks, ZeRO-3 + full recompute + float32 state through the tiers "
           "(device %d MiB, host 0, NVMe in %s), batch 1 x %d tokens, %d steps ==" % (
               shape, " with %d layers" % a.large_layers if a.large_layers else "", params / 1e9, a.nvme_device_mib,
               nvme, a.large_seq, a.large_steps), flush=True)
-    print("  disk: %.1f GB needed on NVMe (24 B a parameter over the 2 ranks' files), %.1f GB free  load %s" % (need / 1e9, free / 1e9, load()),
+    print("  disk: %.1f GB needed on NVMe (16 B a parameter over the 2 ranks' files, %.1f GB of it scratch), %.1f GB free  load %s" % (
+              need / 1e9, scratch / 1e9, free / 1e9, load()),
           flush=True)
     if free < 1.1 * need + 2e9:
         print("  not run: the disk cannot hold the tier files with 10 % and 2 GB to spare", flush=True)
@@ -439,11 +454,12 @@ def part_nvme(a, work):
     s = steps[-1]
     print("  TOOK %d steps: %.0f s per step (last), %.2f tokens/s, peak RSS %.0f MB (max over ranks; start-up %s MB), "
           "NVMe read / written in the last step %.0f / %.0f MB, tier files %.1f GB on disk (%.1f GB free at the "
-          "lowest), %.0f s wall to the last step  load %s" % (
+          "lowest; rank 0's file %.2f GB, of it %.2f GB scratch), %.0f s wall to the last step  load %s" % (
               len(steps), s["ms"] / 1000, a.large_seq * 2 * 1000 / s["ms"], s["peak_rss_mb"],
               [round(x / 1e6) for x in s.get("zero3_startup_peak_rss_bytes", [])],
               s.get("tier_nvme_read_bytes", 0) / 1e6, s.get("tier_nvme_written_bytes", 0) / 1e6, files_gb,
-              disk_low / 1e9, time.time() - t0, load()), flush=True)
+              disk_low / 1e9, s.get("tier_nvme_file_bytes", 0) / 1e9, s.get("tier_nvme_scratch_bytes", 0) / 1e9,
+              time.time() - t0, load()), flush=True)
 
 
 def main():

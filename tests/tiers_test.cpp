@@ -263,6 +263,60 @@ TEST(Tiers, PagesTakenBackDuringTheirWriteBackKeepTheirBytes) {
   }
 }
 
+// ZeRO-3's other ranks' pages (chunks outside the store's param_chunks()) are transient: the file
+// holds slots for this rank's own pages only; another rank's page written under a lease and then
+// evicted spills to scratch at the file's end and comes back with its bytes; declared zero, its
+// slot is free again, and the same traffic later reuses the scratch instead of growing the file.
+// A transient page never written reads zero and takes no scratch.
+TEST(Tiers, OtherRanksPagesSpillToScratchThatIsReused) {
+  testing::TempDir dir;
+  auto store = make_store();
+  const int n = static_cast<int>(store->chunks().size()), own = n / 2;
+  store->shard_moments(0, own);
+  store->home_params(0, own);
+  for (int c = 0; c < own; ++c)
+    for (int p = 0; p < kNumPlanes; ++p) {
+      auto v = store->chunk_view(c, static_cast<Plane>(p));
+      fill(v.data(), v.size(), c, p, 0);
+    }
+  int64_t own_slots = 0, others_param_slots = 0, own_param_bytes = 0;
+  for (const Chunk& c : store->chunks()) {
+    const int64_t slot = static_cast<int64_t>(BlockFile::align_up(4 * c.numel));
+    if (c.id < own) own_slots += kNumPlanes * slot, own_param_bytes += 4 * c.numel;
+    if (c.id >= own) others_param_slots += slot;
+  }
+  TierOptions o = all_nvme(*store, dir, 4);
+  ASSERT_GT(own_param_bytes, o.device_bytes);  // reading them all evicts everything else
+  TierManager tiers(*store, o, std::vector<Tier>(n * kNumPlanes, Tier::nvme));
+  EXPECT_EQ(tiers.nvme_file_bytes(), own_slots);
+  EXPECT_EQ(tiers.nvme_scratch_bytes(), 0);
+  PageChecker pages(*store, tiers, o);
+  for (int c = own; c < n; ++c) {  // (zero, as the store left them)
+    pages.discard(PageRef{c, Plane::param});
+    pages.discard(PageRef{c, Plane::grad});
+  }
+  EXPECT_EQ(tiers.nvme_scratch_bytes(), 0);
+  int64_t spilled = 0;
+  // Other ranks' parameters (as a gather writes them), then their gradients (as backward does,
+  // before the reduce-scatter): the same slot sizes, so the second round fits the first's freed slots.
+  for (Plane plane : {Plane::param, Plane::grad}) {
+    for (int c = own; c < n; ++c) pages.use({PageRef{c, plane}}, true);
+    for (int c = 0; c < own; ++c) pages.use({PageRef{c, Plane::param}}, false);
+    tiers.drain();
+    if (plane == Plane::param) spilled = tiers.nvme_scratch_bytes();
+    EXPECT_EQ(tiers.nvme_scratch_bytes(), others_param_slots);  // every one evicted with bytes
+    EXPECT_EQ(tiers.nvme_file_bytes(), own_slots + others_param_slots);
+    for (int c = own; c < n; ++c) pages.use({PageRef{c, plane}}, false);  // back from scratch
+    if (::testing::Test::HasFatalFailure()) return;
+    for (int c = own; c < n; ++c) pages.discard(PageRef{c, plane});  // the lease ended / reduce-scattered
+  }
+  EXPECT_EQ(tiers.nvme_scratch_bytes(), spilled);  // the gradients reused the parameters' slots
+  for (int c = own; c < n; ++c) pages.use({PageRef{c, Plane::param}}, false);  // zero again: no scratch read
+  for (int c = 0; c < own; ++c) pages.use({PageRef{c, Plane::grad}}, false);
+  tiers.drain();
+  EXPECT_EQ(tiers.nvme_scratch_bytes(), spilled);
+}
+
 // A lookahead hint (a pipeline executor's) starts fetches before a schedule exists, nearest
 // first, into free room or the room of clean pages it does not name (never a hinted or a
 // modified one); once prefetch follows the recorded schedule, hints add nothing; after

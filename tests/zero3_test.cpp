@@ -394,6 +394,85 @@ TEST_F(Zero3, ShardsHomedOnTheNvmeTier) {
     EXPECT_EQ(testing::checkpoint_bytes(dir / "resumed/ckpt", plane), testing::checkpoint_bytes(dir / "tiered/ckpt", plane))
         << static_cast<int>(plane);
   }
+  // Every gathered layer kept until the optimizer step (zero3_keep = "all") in a compute tier that
+  // cannot hold them: other ranks' pages are evicted with bytes, spill to scratch and come back
+  // from it, to the same bytes.
+  const std::string wide = "--set model.n_embd=128 --set tier.lookahead=2 ";
+  ASSERT_EQ(train(2, 4, "kept_memory", model + wide + "--set parallel.zero=3 --set parallel.zero3_keep=all").exit_code, 0);
+  r = train(2, 4, "kept", model + wide + tiers + "--set parallel.zero3_keep=all");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(param_bytes("kept"), param_bytes("kept_memory"));
+  EXPECT_EQ(losses("kept"), losses("kept_memory"));
+  const nlohmann::json last = step_lines("kept").back();
+  const auto kept_shard = last["zero3_param_shard_bytes"].get<std::vector<int64_t>>();
+  const int64_t kept_scratch = last["tier_nvme_scratch_bytes"].get<int64_t>();
+  EXPECT_EQ(last["tier_nvme_file_bytes"].get<int64_t>(), 4 * kept_shard.at(0) + kept_scratch);
+  EXPECT_GT(kept_scratch, 0);
+  EXPECT_LT(kept_scratch, 2 * (kept_shard.at(0) + kept_shard.at(1)));
+  std::printf("keep all: rank 0's own slots %lld bytes, scratch %lld, whole model's parameters %lld\n",
+              static_cast<long long>(4 * kept_shard.at(0)), static_cast<long long>(kept_scratch),
+              static_cast<long long>(kept_shard.at(0) + kept_shard.at(1)));
+}
+
+// A rank's NVMe file holds slots for its own chunks only (store/tiers.h, transient pages): every
+// class homed on NVMe, its file at the end of each step is its shard's four planes (parameters,
+// gradients, both moments: 4 x zero3_param_shard_bytes, the partition's figure) plus the scratch
+// that other ranks' pages spilled to (measured: the file's disk blocks), where slots for every
+// chunk's parameters and gradients would be 2 x the whole model's more. The same bytes as ZeRO-3
+// in memory, and an exact resume through the tiers.
+TEST_F(Zero3, ARanksTierFileHoldsItsOwnShard) {
+  std::filesystem::create_directories(dir / "nvme");
+  const std::string model = "--set store.chunk_bytes=16384 --set train.checkpoint_every=10 ";
+  const std::string tiers = "--set parallel.zero=3 --set tier.device_mib=1 --set tier.host_mib=0 --set tier.verify=true "
+                            "--set tier.embedding=nvme --set tier.attention=nvme --set tier.ffn=nvme --set tier.norm=nvme "
+                            "--set tier.optimizer=nvme --set tier.nvme_dir=" + dir / "nvme ";
+  ASSERT_EQ(train(2, 4, "memory", model + "--set parallel.zero=3").exit_code, 0);
+  auto r = train(2, 4, "tiered", model + tiers);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("(ZeRO-3) have no NVMe slots"), std::string::npos) << r.output;
+  EXPECT_EQ(param_bytes("tiered"), param_bytes("memory"));
+  EXPECT_EQ(losses("tiered"), losses("memory"));
+  const std::vector<nlohmann::json> lines = step_lines("tiered");
+  ASSERT_EQ(lines.size(), 20u);
+  const auto shard = lines.back()["zero3_param_shard_bytes"].get<std::vector<int64_t>>();
+  ASSERT_EQ(shard.size(), 2u);
+  const int64_t whole = shard[0] + shard[1], own = 4 * shard[0];  // rank 0's: the line's tier figures are its
+  int64_t most_scratch = 0;
+  for (const nlohmann::json& line : lines) {
+    const int64_t file = line["tier_nvme_file_bytes"].get<int64_t>(), scratch = line["tier_nvme_scratch_bytes"].get<int64_t>();
+    EXPECT_EQ(file, own + scratch) << line["step"];
+    // Spilled transient pages stay well below slots for every chunk's parameters and gradients.
+    EXPECT_LT(scratch, whole) << line["step"];
+    most_scratch = std::max(most_scratch, scratch);
+  }
+  std::printf("rank 0: own slots %lld bytes, scratch at most %lld, whole model's parameters %lld\n",
+              static_cast<long long>(own), static_cast<long long>(most_scratch), static_cast<long long>(whole));
+  EXPECT_GT(lines.back()["tier_nvme_read_bytes"].get<double>(), 0);
+  r = train(2, 4, "resumed", model + tiers + "--set train.resume=" + dir / "tiered/ckpt/step-00000010");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+  for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+    EXPECT_EQ(testing::checkpoint_bytes(dir / "resumed/ckpt", plane), testing::checkpoint_bytes(dir / "tiered/ckpt", plane))
+        << static_cast<int>(plane);
+  }
+  // Every gathered layer kept until the optimizer step (zero3_keep = "all") in a compute tier that
+  // cannot hold them: other ranks' pages are evicted with bytes, spill to scratch and come back
+  // from it, to the same bytes.
+  const std::string wide = "--set model.n_embd=128 --set tier.lookahead=2 ";
+  ASSERT_EQ(train(2, 4, "kept_memory", model + wide + "--set parallel.zero=3 --set parallel.zero3_keep=all").exit_code, 0);
+  r = train(2, 4, "kept", model + wide + tiers + "--set parallel.zero3_keep=all");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(param_bytes("kept"), param_bytes("kept_memory"));
+  EXPECT_EQ(losses("kept"), losses("kept_memory"));
+  const nlohmann::json last = step_lines("kept").back();
+  const auto kept_shard = last["zero3_param_shard_bytes"].get<std::vector<int64_t>>();
+  const int64_t kept_scratch = last["tier_nvme_scratch_bytes"].get<int64_t>();
+  EXPECT_EQ(last["tier_nvme_file_bytes"].get<int64_t>(), 4 * kept_shard.at(0) + kept_scratch);
+  EXPECT_GT(kept_scratch, 0);
+  EXPECT_LT(kept_scratch, 2 * (kept_shard.at(0) + kept_shard.at(1)));
+  std::printf("keep all: rank 0's own slots %lld bytes, scratch %lld, whole model's parameters %lld\n",
+              static_cast<long long>(4 * kept_shard.at(0)), static_cast<long long>(kept_scratch),
+              static_cast<long long>(kept_shard.at(0) + kept_shard.at(1)));
 }
 
 // bf16 training state (runtime.param_dtype / grad_dtype = "bf16") under ZeRO-3: the gathers move

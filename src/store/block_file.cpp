@@ -253,6 +253,24 @@ void BlockFile::check_request(const void* buf, size_t bytes, uint64_t offset) co
             " (" + std::to_string(size_) + " bytes)");
 }
 
+void BlockFile::grow(uint64_t bytes) {
+  const uint64_t size = align_up(bytes);
+  if (size <= size_) return;
+  if (::fallocate(fd_, 0, static_cast<off_t>(size_), static_cast<off_t>(size - size_)) != 0) {
+    const int e = errno;
+    if (e == ENOSPC) throw Error("nvme tier: " + path_ + ": the disk has no room to grow the tier's file to " + std::to_string(size) + " bytes");
+    if (e != EOPNOTSUPP) throw Error("nvme tier: " + path_ + ": cannot reserve " + std::to_string(size) + " bytes: " + errno_text(e));
+    if (::ftruncate(fd_, static_cast<off_t>(size)) != 0) throw Error("nvme tier: " + path_ + ": cannot size the file: " + errno_text(errno));
+  }
+  size_ = size;
+}
+
+uint64_t BlockFile::measured_size() const {
+  struct stat st {};
+  if (fd_ < 0 || ::fstat(fd_, &st) != 0) return 0;
+  return static_cast<uint64_t>(st.st_size);
+}
+
 void BlockFile::close_and_remove() {
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;

@@ -55,6 +55,13 @@ class BlockFile {
   IoEngine engine() const { return engine_; }
   const std::string& path() const { return path_; }
   uint64_t size() const { return size_; }
+  // Reserves the file up to `bytes` (rounded up to kAlign; never shrinks) with fallocate, as
+  // create() does: throws keel::Error naming the path when the disk lacks the space. Requests in
+  // flight are unaffected.
+  void grow(uint64_t bytes);
+  // The file's size as the file system reports it now (fstat): measured, not assumed. (Its disk
+  // blocks can be a block or so more: the file system's own extent records.)
+  uint64_t measured_size() const;
 
  protected:
   BlockFile(std::string path, uint64_t size, IoEngine engine, int fd) : path_(std::move(path)), size_(size), engine_(engine), fd_(fd) {}

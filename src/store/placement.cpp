@@ -91,8 +91,14 @@ Placement place_pages(const TierConfig& t, const ChunkStore& store, uint8_t abse
   const auto& chunks = store.chunks();
   const int n = static_cast<int>(chunks.size());
   const int m_begin = store.moment_chunks().first, m_end = store.moment_chunks().second;
+  // ZeRO-3 with an NVMe tier: other ranks' parameter and gradient pages are transient (tiers.h),
+  // homed nowhere: no budget, no slot (nvme stands for their zero home and scratch slots).
+  const int p_begin = store.param_chunks().first, p_end = store.param_chunks().second;
+  const bool sharded = !t.nvme_dir.empty() && (p_begin > 0 || p_end < n);
+  auto transient = [&](int c, int p) { return sharded && p <= static_cast<int>(Plane::grad) && (c < p_begin || c >= p_end); };
   auto exists = [&](int c, int p) {
-    return ((absent_planes >> p) & 1) == 0 && (p < static_cast<int>(Plane::adam_m) || (c >= m_begin && c < m_end));
+    return ((absent_planes >> p) & 1) == 0 && (p < static_cast<int>(Plane::adam_m) || (c >= m_begin && c < m_end)) &&
+           !transient(c, p);
   };
   const std::vector<LayerRule> rules = parse_layer_rules(t.layers);
   out.homes.assign(static_cast<size_t>(n) * kNumPlanes, Tier::device);
@@ -110,7 +116,7 @@ Placement place_pages(const TierConfig& t, const ChunkStore& store, uint8_t abse
       if (ch.layer >= r.lo && (r.hi < 0 || ch.layer <= r.hi)) home = r.tier;
     for (int p = 0; p < kNumPlanes; ++p) {
       const bool moment = p >= static_cast<int>(Plane::adam_m);
-      out.homes[c * kNumPlanes + p] = moment && t.optimizer.has_value() ? *t.optimizer : home;
+      out.homes[c * kNumPlanes + p] = transient(c, p) ? Tier::nvme : moment && t.optimizer.has_value() ? *t.optimizer : home;
     }
   }
   // The largest set one operation pins: a layer's parameters (or gradients), plus the

@@ -142,6 +142,11 @@ void TieredMemory::print_startup() const {
               io_engine_name(manager_->engine()), placement_.working_set_bytes / 1e6,
               tc.prefetch ? "prefetch on" : "on demand (no prefetch)", tc.lookahead);
   for (const std::string& note : placement_.notes) std::printf("keel: tiered memory: %s\n", note.c_str());
+  const auto [p_begin, p_end] = store_.param_chunks();
+  if (!tc.nvme_dir.empty() && (p_begin > 0 || p_end < static_cast<int>(store_.chunks().size()))) {
+    std::printf("keel: tiered memory: other ranks' parameter and gradient pages (ZeRO-3) have no NVMe slots: "
+                "evicted with bytes, they spill to scratch at the file's end\n");
+  }
 }
 
 void TieredMemory::add_step_fields(double step_ms, nlohmann::json& line) {
@@ -162,6 +167,10 @@ void TieredMemory::add_step_fields(double step_ms, nlohmann::json& line) {
     line[p + "read_bytes"] = c.bytes_read;
     line[p + "written_bytes"] = c.bytes_written;
     line[p + "resident_bytes"] = c.resident_bytes;
+  }
+  if (!config_.nvme_dir.empty()) {  // this rank's file: its size (measured, fstat) and its scratch part
+    line["tier_nvme_file_bytes"] = manager_->nvme_file_bytes();
+    line["tier_nvme_scratch_bytes"] = manager_->nvme_scratch_bytes();
   }
   if (!rehome_note_.empty()) line["tier_rehome"] = rehome_note_;
 }

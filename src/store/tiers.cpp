@@ -50,6 +50,8 @@ struct TierManager::Page {
   std::vector<int64_t> uses;  // positions in the schedule, ascending
   bool routed = false;        // TierOptions::routed
   bool expected = false;      // a routed page a hint fetched, not acquired since (kept)
+  bool transient = false;     // no slot of its own (tiers.h): zero at home, or in a scratch slot
+  bool scratch = false;       // ... which holds its bytes now (nvme_offset)
   PageCounters counters;
   // tier.verify: a checksum of the bytes of version `checksum_version` (none yet: ~0).
   uint64_t checksum = 0, checksum_version = ~0ull;
@@ -65,6 +67,11 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
   check(options.lookahead >= 0, "tier.lookahead: expected >= 0, found " + std::to_string(options.lookahead));
   pages_.resize(homes.size());
   const auto [m_begin, m_end] = store.moment_chunks();
+  // ZeRO-3 (the store homes some chunks' parameters only): the other chunks' parameter and
+  // gradient pages are transient where there is an NVMe tier to spill them to.
+  const auto [p_begin, p_end] = store.param_chunks();
+  const bool sharded = !options.nvme_dir.empty() && (p_begin > 0 || p_end < n_chunks);
+  bool any_transient = false;
   int64_t device_homed = 0, host_homed = 0, nvme_bytes = 0, largest_chunk = 0, largest_slot = 0;
   for (int c = 0; c < n_chunks; ++c) {
     const Chunk& chunk = store.chunks()[c];
@@ -76,10 +83,16 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
                   !((options.absent_planes >> p) & 1);
       if (!pg.exists) continue;
       pg.home = homes[c * kNumPlanes + p];
+      pg.transient = sharded && p <= static_cast<int>(Plane::grad) && (c < p_begin || c >= p_end);
       pg.routed = !options.routed.empty() && options.routed.at(static_cast<size_t>(c * kNumPlanes + p)) != 0;
       pg.bytes = chunk.numel * static_cast<int64_t>(sizeof(float));
       pg.slot = static_cast<int64_t>(BlockFile::align_up(pg.bytes));
       largest_slot = std::max(largest_slot, pg.slot);
+      if (pg.transient) {  // homed nowhere: neither a budget nor a slot of its own
+        pg.home = Tier::nvme;
+        any_transient = true;
+        continue;
+      }
       switch (pg.home) {
         case Tier::device: device_homed += pg.bytes; break;
         case Tier::host: host_homed += pg.slot; break;
@@ -101,12 +114,14 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
   if (host_homed > options.host_bytes) {
     throw Error("tier.host_bytes = " + format_mib(options.host_bytes) + " cannot hold the host-homed pages (" + format_mib(host_homed) + ")");
   }
-  if (nvme_bytes > 0) {
+  if (nvme_bytes > 0 || any_transient) {
     check(!options.nvme_dir.empty(), "tier.nvme_dir: pages are placed on the NVMe tier but no directory is set");
     static std::atomic<int> counter{0};
     const std::string path = options.nvme_dir + "/keel-tier-" + std::to_string(::getpid()) + "-" +
                              std::to_string(counter++) + ".bin";
     file_ = BlockFile::create(path, static_cast<uint64_t>(nvme_bytes), options.engine, 32, options.write_delay_us);
+    scratch_begin_ = static_cast<uint64_t>(nvme_bytes);
+    if (file_->size() > scratch_begin_) scratch_free_[scratch_begin_] = file_->size() - scratch_begin_;
   }
   if (options.async_host) copier_ = std::make_unique<HostCopier>();
   if (options.verify) zeros_.assign(static_cast<size_t>(largest_slot), 0);
@@ -130,6 +145,7 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
       }
       host_used_ += pg.slot;
     } else if (!pg.home_zero) {
+      if (pg.transient) take_scratch(i);
       file_->wait(file_->write(address(i), static_cast<size_t>(pg.slot), pg.nvme_offset));
     }
     give_back(i);
@@ -148,6 +164,63 @@ TierManager::~TierManager() {
 }
 
 IoEngine TierManager::engine() const { return file_ ? file_->engine() : IoEngine::automatic; }
+
+int64_t TierManager::nvme_file_bytes() const { return file_ ? static_cast<int64_t>(file_->measured_size()) : 0; }
+
+int64_t TierManager::nvme_scratch_bytes() const {
+  return file_ ? static_cast<int64_t>(file_->size() - std::min(file_->size(), scratch_begin_)) : 0;
+}
+
+// First fit among the free scratch extents; else at the file's end (from a free extent that
+// reaches it), growing the file by what is missing.
+void TierManager::take_scratch(int i) {
+  Page& pg = pages_[i];
+  if (pg.scratch) return;
+  const uint64_t need = static_cast<uint64_t>(pg.slot);
+  uint64_t at = 0;
+  auto fit = std::find_if(scratch_free_.begin(), scratch_free_.end(), [&](const auto& e) { return e.second >= need; });
+  if (fit != scratch_free_.end()) {
+    at = fit->first;
+    const uint64_t left = fit->second - need;
+    scratch_free_.erase(fit);
+    if (left > 0) scratch_free_[at + need] = left;
+  } else {
+    at = std::max(file_->size(), scratch_begin_);
+    if (!scratch_free_.empty()) {
+      auto last = std::prev(scratch_free_.end());
+      if (last->first + last->second == file_->size()) {
+        at = last->first;
+        scratch_free_.erase(last);
+      }
+    }
+    file_->grow(at + need);
+  }
+  pg.nvme_offset = at;
+  pg.scratch = true;
+}
+
+// Gives page i's scratch slot back (no transfer of it may be in flight), merged with its free
+// neighbours.
+void TierManager::free_scratch(int i) {
+  Page& pg = pages_[i];
+  if (!pg.scratch) return;
+  pg.scratch = false;
+  uint64_t at = pg.nvme_offset, bytes = static_cast<uint64_t>(pg.slot);
+  auto next = scratch_free_.lower_bound(at);
+  if (next != scratch_free_.end() && next->first == at + bytes) {
+    bytes += next->second;
+    next = scratch_free_.erase(next);
+  }
+  if (next != scratch_free_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == at) {
+      at = prev->first;
+      bytes += prev->second;
+      scratch_free_.erase(prev);
+    }
+  }
+  scratch_free_[at] = bytes;
+}
 
 TierManager::Page& TierManager::page(PageRef p) {
   Page& pg = pages_.at(static_cast<size_t>(index(p)));
@@ -305,6 +378,7 @@ void TierManager::evict(int i) {
   } else if (dirty) {
     // Written straight from the compute tier (O_DIRECT): the page's memory stays held, and
     // counted, until the write completes; an acquire before then takes the page back as it is.
+    if (pg.transient) take_scratch(i);
     auto t = std::make_unique<Transfer>();
     t->version = pg.device_version;
     t->ticket = file_->write(address(i), static_cast<size_t>(pg.slot), pg.nvme_offset);
@@ -714,6 +788,7 @@ void TierManager::update_at_home(PageRef r, const std::function<void(float*, siz
     }
     update(static_cast<float*>(buf.data), n);
     if (options_.verify) note_bytes(i, buf.data, pg.version + 1);
+    if (pg.transient) take_scratch(i);
     file_->wait(file_->write(buf.data, static_cast<size_t>(pg.slot), pg.nvme_offset));
     stats_.tier[t].bytes_written += static_cast<uint64_t>(pg.bytes);
   }
@@ -740,6 +815,7 @@ void TierManager::discard_to_zero(PageRef r) {
   if (options_.verify) note_bytes(i, nullptr, pg.version);
   pg.home_zero = true;
   pg.home_version = pg.version;
+  if (pg.transient) free_scratch(i);  // its write (settled above) is moot
   if (pg.home == Tier::host) pg.host = AlignedBuffer();  // zero again: allocated at its next write
   if (pg.present) {
     if (pg.pins > 0) {
@@ -778,7 +854,7 @@ void TierManager::rehome() {
   std::vector<Rank> order;
   for (int i = 0; i < static_cast<int>(pages_.size()); ++i) {
     const Page& pg = pages_[i];
-    if (!pg.exists) continue;
+    if (!pg.exists || pg.transient) continue;  // (transient pages stay homed nowhere)
     const int64_t u = static_cast<int64_t>(pg.uses.size());
     double reuse = static_cast<double>(step_bytes) * 2;  // used once a step or never: a step or more
     if (u > 0) {
@@ -878,6 +954,7 @@ std::vector<int64_t> TierManager::rehome_pages(std::span<const PageRef> refs, st
   for (size_t k = 0; k < refs.size(); ++k) {
     const int i = index(refs[k]);
     const Page& pg = page(refs[k]);
+    if (pg.transient) continue;  // another rank's (ZeRO-3): homed nowhere, left so
     if (homes[k] == Tier::nvme && pg.home != Tier::nvme) {
       check(file_ != nullptr && (pg.routed || options_.adaptive),
             "tiers: chunk " + std::to_string(refs[k].chunk) + " has no NVMe slot to move to");
@@ -904,7 +981,7 @@ std::vector<int64_t> TierManager::rehome_pages(std::span<const PageRef> refs, st
       const int i = index(refs[k]);
       Page& pg = pages_[i];
       const Tier to = homes[k];
-      if (pg.home == to) continue;
+      if (pg.home == to || pg.transient) continue;
       const bool frees_device = pg.home == Tier::device, frees_host = pg.home == Tier::host && to == Tier::nvme;
       if ((pass == 0 && !frees_device) || (pass == 1 && !frees_host) || (pass == 2 && (frees_device || frees_host))) continue;
       move_home(i, to);
@@ -943,7 +1020,7 @@ TierStats TierManager::take_step_stats() {
   for (const Page& pg : pages_) {
     if (!pg.exists) continue;
     if (pg.home == Tier::host) resident[1] += pg.slot;
-    if (pg.home == Tier::nvme) resident[2] += pg.slot;
+    if (pg.home == Tier::nvme && (!pg.transient || pg.scratch)) resident[2] += pg.slot;
   }
   for (int t = 0; t < kNumTiers; ++t) out.tier[t].resident_bytes = resident[t];
   for (TierCounters& c : stats_.tier) c = TierCounters{};

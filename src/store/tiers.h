@@ -24,10 +24,20 @@
 // compares the two, and a copy that is behind is refetched, never used. A page whose write-back
 // is still in flight keeps its memory until the write completes and is taken back from there
 // (the newest bytes), never read from the home slot being written.
+//
+// Transient pages (ZeRO-3 with an NVMe tier: the parameter and gradient pages of chunks outside
+// the store's param_chunks(), which are another rank's and pass through this one only while
+// gathered or until their reduce-scatter) have no slot of their own: their home is zero between
+// uses. One evicted with bytes (a gathered layer kept unpinned, a gradient waiting for its bucket)
+// is written to a scratch slot at the file's end, given back to the scratch's free list when the
+// page is next declared zero; the file grows only when no free slot fits. A rank's file is so its
+// own shard's slots plus the most its transient pages ever spilled at once. Re-homing (the
+// adaptive policy, rehome_pages) leaves transient pages as they are.
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -173,6 +183,10 @@ class TierManager {
   int64_t device_bytes_used() const { return device_used_; }
   int64_t host_bytes_used() const { return host_used_; }
   IoEngine engine() const;
+  // The NVMe file: its size now (measured, fstat; 0 without one), and the part of it that is
+  // scratch for transient pages (the slots past the homed pages'; it never shrinks).
+  int64_t nvme_file_bytes() const;
+  int64_t nvme_scratch_bytes() const;
 
  private:
   struct Page;
@@ -204,6 +218,12 @@ class TierManager {
   void note_bytes(int i, const void* data, uint64_t version);
   void check_bytes(int i) const;
   std::vector<char> zeros_;  // (verify) the largest page's worth of zero bytes
+  // Transient pages' scratch slots: page i gets one before its bytes are written to the file, and
+  // gives it back when declared zero (its write, if any, completed first).
+  void take_scratch(int i);
+  void free_scratch(int i);
+  uint64_t scratch_begin_ = 0;                  // the file's offset where scratch starts
+  std::map<uint64_t, uint64_t> scratch_free_;   // free scratch extents: offset -> bytes
 
   ChunkStore& store_;
   TierOptions options_;
