@@ -905,7 +905,8 @@ void Config::resolve(int world_size) {
     const std::string moe = " with model.moe_experts > 0 (not built yet for a mixture of experts)";
     require(parallel.tensor == 1, "parallel.tensor", "1" + moe, s(parallel.tensor));
     require(parallel.pipeline == 1, "parallel.pipeline", "1" + moe, s(parallel.pipeline));
-    require(parallel.zero <= 2, "parallel.zero", "0, 1 or 2" + moe, s(parallel.zero));
+    require(parallel.zero <= 2 || tier.device_mib == 0, "parallel.zero",
+            "0, 1 or 2 with memory tiers (tier.device_mib > 0)" + moe, s(parallel.zero));
     require(!clip.enabled(), "model.moe_experts", "0 in a dual encoder's text tower", s(model.moe_experts));
     require(tier.device_mib == 0 || parallel.expert == 1, "parallel.expert",
             "1 with memory tiers (tier.device_mib > 0; not built yet for expert parallelism)", s(parallel.expert));

@@ -191,7 +191,7 @@ void MoeFeedForward::find_ranges() {
 }
 
 PageLease MoeFeedForward::lease_block(Plane plane, bool write) {
-  if (ep_ != nullptr) return write ? store_.use_layer(stats_.layer, {}, {plane}) : store_.use_layer(stats_.layer, {plane});
+  if (ep_ != nullptr || whole_layer_) return write ? store_.use_layer(stats_.layer, {}, {plane}) : store_.use_layer(stats_.layer, {plane});
   find_ranges();
   return store_.use_range(plane, block_begin_, block_end_ - block_begin_, write);
 }

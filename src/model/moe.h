@@ -95,8 +95,13 @@ class MoeFeedForward {
   // pages are leased apart by the passes above, one expert at a time and only for the experts
   // some row of the micro-batch chose, after a hint to the store's residency for all of those
   // (the memory tiers fetch them while the first chosen expert's products run). With an expert
-  // group: the block's whole layer (every expert its products run).
+  // group, or after lease_whole_layer(): the block's whole layer (every expert it holds).
   PageLease lease_block(Plane plane, bool write);
+  // ZeRO-3 (comm/sharded_params.h) gathers a layer's parameters under its layer lease, every rank
+  // of the data group taking the same leases: from here on every pass of the block leases its
+  // whole layer as one (every expert's pages, gathered with the layer; the chosen experts' own
+  // leases then find them present). Before the first pass.
+  void lease_whole_layer() { whole_layer_ = true; }
   // model.moe_balance = "bias": the routing bias [E] (zeros at the start), and the pairs routed to
   // each expert [E] by the training micro-batches since the balancer last took them (dropped too).
   // Empty otherwise.
@@ -115,6 +120,7 @@ class MoeFeedForward {
   std::vector<float> bias_;
   std::vector<double> load_;
   ExpertGroup* ep_ = nullptr;
+  bool whole_layer_ = false;  // lease_whole_layer()
   int local_experts_, first_expert_;  // this rank's experts: first_expert_ .. + local_experts_ - 1
   std::vector<int32_t> expert_counts_;  // rows routed to each expert by this micro-batch [E]
   std::vector<int> send_bytes_, send_displs_, recv_bytes_, recv_displs_;  // per rank of the group
