@@ -12,7 +12,7 @@
 // model.moe_aux_weight, enters the router's gradient directly (its value is reported in
 // MoeStats, not added to the cross-entropy the head reports); with model.moe_balance = "bias" a
 // per-expert bias joins the probabilities in the top-k choice only (kernels/cpu/moe.h
-// update_balance_bias moves it between steps: runtime/moe_balance.h).
+// update_balance_bias moves it between steps: comm/moe_balance.h).
 #pragma once
 
 #include <cstdint>

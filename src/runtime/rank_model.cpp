@@ -112,7 +112,10 @@ std::unique_ptr<RankModel> RankModel::build(const Config& config, ProcessGroups&
                                                   log_event, groups.tp(), experts_sharded(config) ? groups.ep() : nullptr);
   }
   attach_tiers(*r, config, groups);
-  if (config.model.moe()) r->moe_report = std::make_unique<MoeRoutingReport>(dp, *r->model);
+  if (config.model.moe()) {
+    r->moe_report = std::make_unique<MoeRoutingReport>(dp, *r->model, config.model,
+                                                       groups.pipelined() ? &groups.pp() : nullptr);
+  }
   return r;
 }
 
