@@ -205,6 +205,33 @@ TEST_F(MoeParallel, PipelineCheckpointsCarryEveryStagesBiases) {
   }
 }
 
+// Expert parallelism keeps room for the dropless worst case (P N k rows per block) as address
+// space only: a rank's experts' side holds the rows its experts were sent, to whole pages. One
+// micro-batch a step, so a step line's tokens of experts 0 and 1 (rank 0's) are the rows rank 0
+// received; its resident bytes are those of the most rows received so far (8 arrays a block:
+// inputs, outputs, output gradients, the wire, gate_up, hidden, their gradients; 640 floats a row
+// at C = Hm = 64), rounded out to pages, and less than the worst case's.
+TEST_F(MoeParallel, ExpertParallelMemoryFollowsTheRowsReceived) {
+  const testing::CommandResult r =
+      train(2, "ep2-rows", "--set parallel.expert=2 --set train.grad_accum=1 --set train.steps=6");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  constexpr int64_t kRowBytes = 640 * 4, kPage = 4096, kWorstRows = 2 * 32 * 2;  // P N k
+  std::vector<int64_t> most(2, 0);
+  for (const json& s : lines("ep2-rows")) {
+    int64_t want = 0;
+    for (size_t l = 0; l < 2; ++l) {
+      const std::vector<double> tokens = s.at("moe_layers")[l].at("tokens");
+      most[l] = std::max(most[l], static_cast<int64_t>(tokens[0] + tokens[1]));
+      want += most[l] * kRowBytes;
+    }
+    const int64_t resident = s.at("moe_expert_rows_bytes"), reserved = s.at("moe_expert_rows_reserved_bytes");
+    EXPECT_GE(reserved, 2 * kWorstRows * kRowBytes);
+    EXPECT_GE(resident, want) << s;
+    EXPECT_LE(resident, want + 2 * 8 * 2 * kPage) << s;
+    EXPECT_LT(resident, reserved) << s;
+  }
+}
+
 // What a mixture of experts does not combine with in a pipeline yet: one line naming the key.
 TEST_F(MoeParallel, PipelinesRefuseWhatTheyDoNotBuildForAMixtureOfExperts) {
   const std::vector<std::string> p2 = {"model.preset=llama-moe-tiny", "parallel.pipeline=2"};

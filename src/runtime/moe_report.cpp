@@ -37,6 +37,14 @@ MoeRoutingReport::MoeRoutingReport(Communicator& dp, GPT& model, const ModelConf
 }
 
 void MoeRoutingReport::add_step_fields(double, nlohmann::json& line) {
+  // Expert parallelism: this rank's (rank 0's in the line) experts' side, as resident now and as
+  // kept for the worst case (model/moe.h MoeActivations).
+  int64_t side = 0, reserved = 0;
+  for (const MoeFeedForward* b : blocks_) side += b->expert_side_resident_bytes(), reserved += b->expert_side_reserved_bytes();
+  if (reserved > 0) {
+    line["moe_expert_rows_bytes"] = side;
+    line["moe_expert_rows_reserved_bytes"] = reserved;
+  }
   // Every block's stats in one vector: tokens per expert, then pairs, dropped, entropy, tokens,
   // balancing loss, sequences.
   const size_t width = static_cast<size_t>(experts_) + 6;

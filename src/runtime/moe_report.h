@@ -4,6 +4,9 @@
 // router entropy in nats, the balancing loss, the routing biases under model.moe_balance = "bias")
 // and its summaries `moe_imbalance` (the largest block's), `moe_dropped` (all blocks') and
 // `moe_entropy` (the blocks' mean), which the alerts, the Prometheus endpoint and the report read.
+// With expert parallelism also `moe_expert_rows_bytes` (the rank's experts' side resident: the rows
+// its experts received at most so far, to whole pages) and `moe_expert_rows_reserved_bytes` (the
+// address space kept for the dropless worst case, P N k rows per block and slot).
 #pragma once
 
 #include <vector>
