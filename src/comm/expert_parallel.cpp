@@ -36,6 +36,12 @@ void attach_expert_group(GPT& model, ExpertGroup& group) {
   }
 }
 
+void gather_experts_with_layers(GPT& model) {
+  for (int l = 0; l < model.num_layers(); ++l) {
+    if (MoeFeedForward* moe = model.holds_any({l}) ? model.layer(l).moe() : nullptr) moe->lease_whole_layer();
+  }
+}
+
 double expert_grad_squares(const ChunkStore& store, Communicator& experts) {
   double others = 0, mine = 0;
   for (const Chunk& c : store.chunks()) (c.expert >= 0 ? mine : others) += grad_sum_squares(store, c.id, c.id + 1);

@@ -41,6 +41,11 @@ bool experts_sharded(const Config& config);
 // Hands `group` to every mixture-of-experts block of `model` holding every expert (ZeRO-1/2),
 // before its activations are allocated.
 void attach_expert_group(GPT& model, ExpertGroup& group);
+// ZeRO-3 (comm/sharded_params.h) with a mixture of experts: every MoE block of `model` leases its
+// whole layer in each pass (MoeFeedForward::lease_whole_layer), so a layer's gather brings every
+// expert of the block with it (every rank of the data group takes the same leases; the experts a
+// rank's tokens did not choose, or under parallel.expert > 1 that other ranks run, included).
+void gather_experts_with_layers(GPT& model);
 
 // Metrics: `expert_alltoall_bytes`, the bytes this rank sent in the expert group's exchanges during
 // the step's passes (its own rows included), and `expert_wait_ms`, the time it spent blocked

@@ -904,8 +904,15 @@ void Config::resolve(int world_size) {
     // What a mixture of experts does not combine with yet (docs/architecture.md, "Mixture of experts").
     const std::string moe = " with model.moe_experts > 0 (not built yet for a mixture of experts)";
     require(parallel.tensor == 1, "parallel.tensor", "1" + moe, s(parallel.tensor));
-    require(parallel.pipeline == 1, "parallel.pipeline", "1" + moe, s(parallel.pipeline));
-    require(parallel.zero <= 2, "parallel.zero", "0, 1 or 2" + moe, s(parallel.zero));
+    if (parallel.pipeline > 1) {  // (a stage's blocks' biases and figures are merged over the stages)
+      require(parallel.repartition_every == 0, "parallel.repartition_every",
+              "0 with a pipeline" + moe, s(parallel.repartition_every));
+      require(parallel.predict_gradients == PredictGradients::off, "parallel.predict_gradients",
+              "\"off\" with a pipeline" + moe, "\"" + std::string(to_string(parallel.predict_gradients)) + "\"");
+      require(tier.device_mib == 0, "tier.device_mib", "0 with a pipeline" + moe, s(tier.device_mib));
+    }
+    require(parallel.zero <= 2 || tier.device_mib == 0, "parallel.zero",
+            "0, 1 or 2 with memory tiers (tier.device_mib > 0)" + moe, s(parallel.zero));
     require(!clip.enabled(), "model.moe_experts", "0 in a dual encoder's text tower", s(model.moe_experts));
     require(tier.device_mib == 0 || parallel.expert == 1, "parallel.expert",
             "1 with memory tiers (tier.device_mib > 0; not built yet for expert parallelism)", s(parallel.expert));

@@ -6,6 +6,9 @@
 #include <string>
 #include <vector>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include "core/error.h"
 #include "kernels/cpu/moe.h"
 #include "kernels/cpu/ops.h"
@@ -57,10 +60,23 @@ void MoeFeedForward::set_expert_group(ExpertGroup* group) {
   for (auto* v : {&send_bytes_, &send_displs_, &recv_bytes_, &recv_displs_}) v->assign(P, 0);
 }
 
+// An anonymous mapping: its pages take memory only once written (MAP_NORESERVE: the worst case
+// is address space, not a commitment).
+struct MoeFeedForward::ExpertSide {
+  float* base = nullptr;
+  size_t bytes = 0;
+  explicit ExpertSide(size_t n) : bytes(n) {
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    check(p != MAP_FAILED, "mixture of experts: could not map " + std::to_string(bytes) + " bytes for the experts' rows");
+    base = static_cast<float*>(p);
+  }
+  ~ExpertSide() { ::munmap(base, bytes); }
+  ExpertSide(const ExpertSide&) = delete;
+  ExpertSide& operator=(const ExpertSide&) = delete;
+};
+
 MoeActivations MoeFeedForward::carve(model_detail::Carver& kept, int B, int T) const {
   const int64_t N = static_cast<int64_t>(B) * T, M = N * K_;
-  // With an expert group the experts' side takes up to every rank's rows (Mr = P N k).
-  const int64_t Mr = ep_ ? M * ep_->size() : M;
   auto ints = [&](int64_t n) { return reinterpret_cast<int32_t*>(kept.take(n)); };
   static_assert(sizeof(int32_t) == sizeof(float));
   MoeActivations a;
@@ -70,26 +86,64 @@ MoeActivations MoeFeedForward::carve(model_detail::Carver& kept, int B, int T) c
   a.rows = ints(M);
   a.offsets = ints(E_ + 1);
   a.xs = kept.take(M * C_);
-  a.gu = kept.take(Mr * 2 * Hm_);
-  a.h = kept.take(Mr * Hm_);
   a.ye = kept.take(M * C_);
-  a.dgu = kept.take(Mr * 2 * Hm_);
   a.dye = kept.take(M * C_);  // with an expert group, then the sorted rows' input gradient
-  a.dh = kept.take(Mr * std::max(Hm_, C_));  // dh, then the (expert group: this rank's) rows' input gradient
   a.dlogits = kept.take(N * E_);
   a.tmp = kept.take(N * std::max(C_, S_));  // the shared MLP's hidden gradient
   a.gus = kept.take(N * 2 * S_);
   a.hs = kept.take(N * S_);
   a.dgus = kept.take(N * 2 * S_);
-  if (ep_) {
-    a.xr = kept.take(Mr * C_);
-    a.yr = kept.take(Mr * C_);
-    a.dyr = kept.take(Mr * C_);
-    a.wire = kept.take(Mr * C_);
-    a.recv_counts = ints(static_cast<int64_t>(ep_->size()) * local_experts_);
-    a.local_offsets = ints(local_experts_ + 1);
+  // The rows the experts' products run over: this rank's M sorted rows, or with an expert group
+  // the experts' side, up to every rank's rows (Mr = P N k), in the slot's own mapping.
+  auto rows = [&](model_detail::Carver& at, int64_t R) {
+    a.gu = at.take(R * 2 * Hm_);
+    a.h = at.take(R * Hm_);
+    a.dgu = at.take(R * 2 * Hm_);
+    a.dh = at.take(R * std::max(Hm_, C_));  // dh, then the (expert group: this rank's) rows' input gradient
+  };
+  if (!ep_) {
+    rows(kept, M);
+    return a;
   }
+  a.recv_counts = ints(static_cast<int64_t>(ep_->size()) * local_experts_);
+  a.local_offsets = ints(local_experts_ + 1);
+  const int64_t Mr = M * ep_->size();
+  auto side_rows = [&](model_detail::Carver& at) {
+    rows(at, Mr);
+    a.xr = at.take(Mr * C_);
+    a.yr = at.take(Mr * C_);
+    a.dyr = at.take(Mr * C_);
+    a.wire = at.take(Mr * C_);
+  };
+  model_detail::Carver count(nullptr);
+  side_rows(count);
+  if (a.probs == nullptr) {  // (sizing the slot: the experts' side is not part of it)
+    a.gu = a.h = a.dgu = a.dh = a.xr = a.yr = a.dyr = a.wire = nullptr;
+    return a;
+  }
+  const size_t bytes = static_cast<size_t>(count.used()) * sizeof(float);
+  std::shared_ptr<ExpertSide>& side = sides_[a.probs];
+  if (!side || side->bytes != bytes) side = std::make_shared<ExpertSide>(bytes);
+  model_detail::Carver at(side->base);
+  side_rows(at);
   return a;
+}
+
+int64_t MoeFeedForward::expert_side_resident_bytes() const {
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  int64_t resident = 0;
+  for (const auto& [slot, side] : sides_) {
+    std::vector<unsigned char> in_core((side->bytes + page - 1) / page);
+    check(::mincore(side->base, side->bytes, in_core.data()) == 0, "mixture of experts: mincore failed");
+    for (unsigned char c : in_core) resident += (c & 1) * static_cast<int64_t>(page);
+  }
+  return resident;
+}
+
+int64_t MoeFeedForward::expert_side_reserved_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& [slot, side] : sides_) bytes += static_cast<int64_t>(side->bytes);
+  return bytes;
 }
 
 // ---- expert parallelism: the sorted rows out to their experts' ranks and back ----------------------
@@ -191,7 +245,7 @@ void MoeFeedForward::find_ranges() {
 }
 
 PageLease MoeFeedForward::lease_block(Plane plane, bool write) {
-  if (ep_ != nullptr) return write ? store_.use_layer(stats_.layer, {}, {plane}) : store_.use_layer(stats_.layer, {plane});
+  if (ep_ != nullptr || whole_layer_) return write ? store_.use_layer(stats_.layer, {}, {plane}) : store_.use_layer(stats_.layer, {plane});
   find_ranges();
   return store_.use_range(plane, block_begin_, block_end_ - block_begin_, write);
 }

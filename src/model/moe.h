@@ -12,10 +12,12 @@
 // model.moe_aux_weight, enters the router's gradient directly (its value is reported in
 // MoeStats, not added to the cross-entropy the head reports); with model.moe_balance = "bias" a
 // per-expert bias joins the probabilities in the top-k choice only (kernels/cpu/moe.h
-// update_balance_bias moves it between steps: runtime/moe_balance.h).
+// update_balance_bias moves it between steps: comm/moe_balance.h).
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <vector>
 
 #include "core/config.h"
@@ -57,6 +59,10 @@ struct MoeStats {
 // dgu, dh as above but over Mr rows, outputs yr [Mr, C] and received output gradients dyr
 // [Mr, C]; the counts received, recv_counts [P, E_l] (from rank p for local expert e), their
 // offsets local_offsets [E_l + 1]; `wire` [P N k, C] stages rows in rank order for the exchanges.
+// The experts' side is not carved from the slot's activations: the block keeps it per slot as
+// address space for the dropless worst case (Mr = P N k rows), whose pages a micro-batch touches
+// only as far as the rows it received (the counts' all-to-all precedes the rows), so a rank's
+// memory follows the counts received rather than the worst case.
 struct MoeActivations {
   float *probs = nullptr, *xs = nullptr, *gu = nullptr, *h = nullptr, *ye = nullptr, *dgu = nullptr, *dye = nullptr,
         *dh = nullptr, *dlogits = nullptr, *tmp = nullptr, *gus = nullptr, *hs = nullptr, *dgus = nullptr;
@@ -95,13 +101,22 @@ class MoeFeedForward {
   // pages are leased apart by the passes above, one expert at a time and only for the experts
   // some row of the micro-batch chose, after a hint to the store's residency for all of those
   // (the memory tiers fetch them while the first chosen expert's products run). With an expert
-  // group: the block's whole layer (every expert its products run).
+  // group, or after lease_whole_layer(): the block's whole layer (every expert it holds).
   PageLease lease_block(Plane plane, bool write);
+  // ZeRO-3 (comm/sharded_params.h) gathers a layer's parameters under its layer lease, every rank
+  // of the data group taking the same leases: from here on every pass of the block leases its
+  // whole layer as one (every expert's pages, gathered with the layer; the chosen experts' own
+  // leases then find them present). Before the first pass.
+  void lease_whole_layer() { whole_layer_ = true; }
   // model.moe_balance = "bias": the routing bias [E] (zeros at the start), and the pairs routed to
   // each expert [E] by the training micro-batches since the balancer last took them (dropped too).
   // Empty otherwise.
   std::vector<float>& routing_bias() { return bias_; }
   std::vector<double>& step_load() { return load_; }
+  // Expert parallelism: the bytes of every slot's experts' side resident now (mincore: the rows
+  // received so far, to whole pages), and the address space kept for them (the worst case).
+  int64_t expert_side_resident_bytes() const;
+  int64_t expert_side_reserved_bytes() const;
 
  private:
   ChunkStore& store_;
@@ -115,9 +130,14 @@ class MoeFeedForward {
   std::vector<float> bias_;
   std::vector<double> load_;
   ExpertGroup* ep_ = nullptr;
+  bool whole_layer_ = false;  // lease_whole_layer()
   int local_experts_, first_expert_;  // this rank's experts: first_expert_ .. + local_experts_ - 1
   std::vector<int32_t> expert_counts_;  // rows routed to each expert by this micro-batch [E]
   std::vector<int> send_bytes_, send_displs_, recv_bytes_, recv_displs_;  // per rank of the group
+  // Each slot's experts' side (an anonymous mapping, touched row by row), keyed by the slot's
+  // carved activations (carve() gives a slot the same one on every bind).
+  struct ExpertSide;
+  mutable std::map<const float*, std::shared_ptr<ExpertSide>> sides_;
 
   // Expert parallelism's passes (ep_ set): rows[M, width] in `a`'s sorted order out to the
   // experts' ranks, landing in expert order in `local` [Mr, width]; and back.

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <sstream>
 
+#include "comm/expert_parallel.h"
 #include "comm/tensor_parallel.h"
 #include "core/error.h"
 #include "core/fileio.h"
@@ -77,6 +78,9 @@ PipelineStep::PipelineStep(const Config& config, ProcessGroups& groups, Pipeline
     profiler_ = std::make_unique<LayerProfiler>(model_, &groups_.pp(), config_.monitor.layer_costs_every, log_event_);
   }
   use_plan(std::move(layout.plan));
+  if (config.model.moe() && config.model.moe_balance == MoeBalance::bias) {
+    balancer_ = std::make_unique<MoeBiasBalancer>(config.model, groups_.dp(), model_, &groups_.pp());
+  }
   // Tied parameters (GPT-2's wte: the embedding's and the head's stages): the ranks holding a
   // copy sum its gradient (every pipeline rank splits, in the model's order of the groups).
   for (const TiedGroup& group : model_.tied_groups()) {
@@ -122,7 +126,9 @@ StepResult PipelineStep::run(int64_t step, double lr) {
   StepResult r;
   r.sync = sync_.stats();
   optimizer_.clear_frozen_grads(step);
+  const int64_t skipped = optimizer_.skipped_steps();
   update(step, lr, loss_sum, r);
+  if (balancer_) balancer_->after_step(optimizer_.skipped_steps() == skipped);
   if (prediction_) prediction_->carry(config_.optim.frozen_at(step));
   executor_->record(Op::grad_sync, sync_start, std::chrono::steady_clock::now());
   report(step);
@@ -211,7 +217,10 @@ void PipelineStep::update(int64_t step, double lr, double& loss_sum, StepResult&
     Communicator* tensor = groups_.tp();
     if (tensor != nullptr && config_.sync.codec != SyncCodec::none) tensor_share_replicated_grads(model_, *tensor);
     const bool sharded = optimizer_.norm_is_sharded();
-    const double squares = tensor == nullptr ? optimizer_.local_grad_squares()
+    // Sharded experts (comm/expert_parallel.h): each expert's squares once, over the expert group.
+    Communicator* experts = experts_sharded(config_) ? groups_.ep() : nullptr;
+    const double squares = tensor == nullptr ? (experts != nullptr && !sharded ? expert_grad_squares(store_, *experts)
+                                                                              : optimizer_.local_grad_squares())
                            : sharded         ? tensor_grad_share(model_, tensor->rank(), optimizer_.own_chunks())
                                              : tensor_grad_squares(model_, *tensor);
     r.grad_norm = std::sqrt(sharded ? world.allreduce_sum(squares) : pp.allreduce_sum(squares));
@@ -227,7 +236,10 @@ void PipelineStep::update(int64_t step, double lr, double& loss_sum, StepResult&
   // group first (blocking; the copy covers the rank's shards), and the loss is counted once per group.
   Communicator* tensor = groups_.tp();
   if (tensor != nullptr && config_.sync.codec != SyncCodec::none) tensor_share_replicated_grads(model_, *tensor);
-  double squares = tensor != nullptr ? tensor_grad_squares(model_, *tensor) : grad_sum_squares(store_);
+  Communicator* experts = experts_sharded(config_) ? groups_.ep() : nullptr;
+  double squares = tensor != nullptr    ? tensor_grad_squares(model_, *tensor)
+                   : experts != nullptr ? expert_grad_squares(store_, *experts)
+                                        : grad_sum_squares(store_);
   if (tensor != nullptr && tensor->rank() != 0) loss_sum = 0;
   Communicator::Request norm_request = pp.iallreduce_sum(&squares, 1);
   const Plane planes[4] = {Plane::param, Plane::grad, Plane::adam_m, Plane::adam_v};

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "comm/grad_sync.h"
+#include "comm/moe_balance.h"
 #include "comm/process_groups.h"
 #include "comm/sharded_optimizer.h"
 #include "core/config.h"
@@ -49,7 +50,11 @@ class PipelineStep final : public StepEngine, public MetricsSource, public Carri
   StepResult run(int64_t step, double lr) override;
   double forward_loss(const Batch& batch) override { return executor_->forward_only(batch); }
   MetricsSource* metrics() override { return this; }
-  CarriedState* carried_state() override { return prediction_ ? this : nullptr; }
+  // Gradient prediction's state (below), or model.moe_balance = "bias"'s routing biases (comm/
+  // moe_balance.h: each stage moves its blocks', every rank carries the whole model's).
+  CarriedState* carried_state() override {
+    return prediction_ ? static_cast<CarriedState*>(this) : static_cast<CarriedState*>(balancer_.get());
+  }
   // Gradient prediction's state at a checkpoint: the deferred W's run first (Executor::
   // run_deferred, under the next step's frozen layers, as that step would run them), then the
   // prediction's state is saved, described with the layout it belongs to (the predictor, the
@@ -106,6 +111,7 @@ class PipelineStep final : public StepEngine, public MetricsSource, public Carri
   StageTimes first_measure_;  // dynamic micro-batches: step 2's stage times
   std::optional<GradientPrediction> prediction_;
   std::unique_ptr<LayerProfiler> profiler_;  // monitor.layer_costs_every > 0
+  std::unique_ptr<MoeBiasBalancer> balancer_;  // model.moe_balance = "bias" (not with gradient prediction)
   // The step's send / receive time at each layer's stage edges and its quickest receive, from the
   // executor's timeline, for the profiler.
   void profile(int64_t step);

@@ -21,34 +21,62 @@ MoeStepFigures moe_step_figures(const MoeStats& s) {
   return f;
 }
 
-MoeRoutingReport::MoeRoutingReport(Communicator& dp, GPT& model) : dp_(dp) {
-  for (int l = 0; l < model.num_layers(); ++l) {
-    if (MoeStats* s = model.layer(l).moe_stats()) {
-      stats_.push_back(s);
-      blocks_.push_back(model.layer(l).moe());
+MoeRoutingReport::MoeRoutingReport(Communicator& dp, GPT& model, const ModelConfig& m, Communicator* stages)
+    : dp_(dp), stages_(stages), experts_(m.moe_experts), bias_(m.moe_balance == MoeBalance::bias) {
+  for (int l = 0; l < m.n_layer; ++l) {
+    if (!m.moe_block(l)) continue;
+    if (model.holds_any({l + 1})) {
+      if (MoeStats* s = model.layer(l + 1).moe_stats()) {
+        stats_.push_back(s);
+        blocks_.push_back(model.layer(l + 1).moe());
+        index_.push_back(static_cast<int>(layers_.size()));
+      }
     }
+    layers_.push_back(l + 1);
   }
 }
 
 void MoeRoutingReport::add_step_fields(double, nlohmann::json& line) {
+  // Expert parallelism: this rank's (rank 0's in the line) experts' side, as resident now and as
+  // kept for the worst case (model/moe.h MoeActivations).
+  int64_t side = 0, reserved = 0;
+  for (const MoeFeedForward* b : blocks_) side += b->expert_side_resident_bytes(), reserved += b->expert_side_reserved_bytes();
+  if (reserved > 0) {
+    line["moe_expert_rows_bytes"] = side;
+    line["moe_expert_rows_reserved_bytes"] = reserved;
+  }
   // Every block's stats in one vector: tokens per expert, then pairs, dropped, entropy, tokens,
   // balancing loss, sequences.
+  const size_t width = static_cast<size_t>(experts_) + 6;
   std::vector<double> sums;
   for (const MoeStats* s : stats_) {
     sums.insert(sums.end(), s->tokens.begin(), s->tokens.end());
     sums.insert(sums.end(), {s->pairs, s->dropped, s->entropy_sum, s->token_count, s->aux_sum, s->sequences});
   }
   if (dp_.size() > 1 && !sums.empty()) dp_.allreduce_sum(sums.data(), sums.size());
+  for (MoeStats* s : stats_) s->reset();
+  // Every block of the model in its row (with its biases after the sums): this rank's, and with a
+  // pipeline the other stages' (each block on one stage: the others add zeros, exactly).
+  const size_t row = width + (bias_ ? static_cast<size_t>(experts_) : 0);
+  std::vector<double> table(layers_.size() * row, 0.0);
+  for (size_t i = 0; i < stats_.size(); ++i) {
+    const auto at = table.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(index_[i]) * row);
+    std::copy(sums.begin() + static_cast<std::ptrdiff_t>(i * width), sums.begin() + static_cast<std::ptrdiff_t>((i + 1) * width), at);
+    if (bias_) std::copy(blocks_[i]->routing_bias().begin(), blocks_[i]->routing_bias().end(), at + static_cast<std::ptrdiff_t>(width));
+  }
+  if (stages_ != nullptr && stages_->size() > 1 && !table.empty()) stages_->allreduce_sum(table.data(), table.size());
   last_.clear();
-  size_t at = 0;
-  for (MoeStats* s : stats_) {
-    MoeStats all = *s;
-    std::copy(sums.begin() + at, sums.begin() + at + s->tokens.size(), all.tokens.begin());
-    at += s->tokens.size();
-    all.pairs = sums[at++], all.dropped = sums[at++], all.entropy_sum = sums[at++], all.token_count = sums[at++];
-    all.aux_sum = sums[at++], all.sequences = sums[at++];
+  std::vector<std::vector<float>> biases;
+  for (size_t b = 0; b < layers_.size(); ++b) {
+    const double* r = table.data() + b * row;
+    MoeStats all;
+    all.layer = layers_[b];
+    all.tokens.assign(r, r + experts_);
+    size_t at = static_cast<size_t>(experts_);
+    all.pairs = r[at++], all.dropped = r[at++], all.entropy_sum = r[at++], all.token_count = r[at++];
+    all.aux_sum = r[at++], all.sequences = r[at++];
     last_.push_back(moe_step_figures(all));
-    s->reset();
+    if (bias_) biases.emplace_back(r + width, r + row);
   }
   if (last_.empty() || last_.front().tokens.empty()) return;
   if (total_.empty()) total_ = last_;
@@ -66,7 +94,7 @@ void MoeRoutingReport::add_step_fields(double, nlohmann::json& line) {
     const MoeStepFigures& f = last_[i];
     nlohmann::json j = {{"layer", f.layer},   {"tokens", f.tokens},   {"imbalance", f.imbalance},
                         {"dropped", f.dropped}, {"entropy", f.entropy}, {"aux", f.aux}};
-    if (MoeFeedForward* b = blocks_[i]; b != nullptr && !b->routing_bias().empty()) j["bias"] = b->routing_bias();
+    if (bias_) j["bias"] = biases[i];
     layers.push_back(std::move(j));
     imbalance = std::max(imbalance, f.imbalance);
     dropped += f.dropped;

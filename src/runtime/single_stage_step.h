@@ -1,7 +1,7 @@
 // One stage: the whole model on every rank. Each micro-batch's forward pass, then its backward
 // pass with B then W per layer; the gradient sync (buckets started during the last micro-batch's
 // backward as their layers' W complete) over the data-parallel group, with or without ZeRO. With
-// model.moe_balance = "bias" the routing biases move after each update (runtime/moe_balance.h):
+// model.moe_balance = "bias" the routing biases move after each update (comm/moe_balance.h):
 // they are its carried state.
 #pragma once
 
@@ -12,7 +12,7 @@
 #include "data/loader.h"
 #include "model/gpt.h"
 #include "pipeline/layer_profile.h"
-#include "runtime/moe_balance.h"
+#include "comm/moe_balance.h"
 
 namespace keel {
 
