@@ -247,7 +247,9 @@ void MoeFeedForward::find_ranges() {
 PageLease MoeFeedForward::lease_block(Plane plane, bool write) {
   if (ep_ != nullptr || whole_layer_) return write ? store_.use_layer(stats_.layer, {}, {plane}) : store_.use_layer(stats_.layer, {plane});
   find_ranges();
-  return store_.use_range(plane, block_begin_, block_end_ - block_begin_, write);
+  // A layer's pass (compute): a bf16 state widens its working bits here, as for any layer, not a
+  // rank's float32 masters of the chunks it owns (those are for the optimizer and checkpoints).
+  return store_.use_range(plane, block_begin_, block_end_ - block_begin_, write, /*layer=*/true);
 }
 
 template <typename Run>
@@ -275,7 +277,9 @@ void MoeFeedForward::for_chosen_experts(const int32_t* offsets, Plane plane, boo
   for (size_t j = 0; j < order.size(); ++j) {
     const auto [begin, end] = expert_range_[static_cast<size_t>(order[j])];
     {
-      const PageLease use = store_.use_range(plane, begin, end - begin, write);
+      // Inside the whole layer's lease (ZeRO-3: gathered collectively) a rank's own; else a
+      // layer's pass, as lease_block's.
+      const PageLease use = store_.use_range(plane, begin, end - begin, write, /*layer=*/!whole_layer_);
       run(order[j]);
     }
     if (j + 1 < order.size()) hint_from(j + 1);

@@ -497,14 +497,14 @@ PageLease ChunkStore::use_layer(int layer, std::initializer_list<Plane> read, st
   return PageLease(residency_, std::move(r), std::move(w), /*layer=*/true);
 }
 
-PageLease ChunkStore::use_range(Plane plane, int64_t offset, int64_t numel, bool write) {
+PageLease ChunkStore::use_range(Plane plane, int64_t offset, int64_t numel, bool write, bool layer) {
   std::vector<PageRef> pages;
   for (const Chunk& c : chunks_) {
     if (c.offset + c.numel <= offset || c.offset >= offset + numel) continue;
     apply_pending(c.id);
     pages.push_back({c.id, plane});
   }
-  return write ? PageLease(residency_, {}, std::move(pages)) : PageLease(residency_, std::move(pages), {});
+  return write ? PageLease(residency_, {}, std::move(pages), layer) : PageLease(residency_, std::move(pages), {}, layer);
 }
 
 PageLease ChunkStore::use_tensor(TensorId id, std::initializer_list<Plane> read, std::initializer_list<Plane> write) {

@@ -177,8 +177,10 @@ class ChunkStore {
   // The same for one chunk (the optimizer's unit).
   PageLease use_chunk(int chunk, std::initializer_list<Plane> read, std::initializer_list<Plane> write = {}) const;
   // The same for the chunks that elements [offset, offset + numel) of the flat space touch (a
-  // gradient bucket in flight), all in one plane.
-  PageLease use_range(Plane plane, int64_t offset, int64_t numel, bool write);
+  // gradient bucket in flight), all in one plane. `layer`: on behalf of a layer's pass
+  // (Residency::acquire_layer: what a forward or backward computes with, e.g. a bf16 state's
+  // working bits rather than a rank's float32 masters), else one rank's own acquire.
+  PageLease use_range(Plane plane, int64_t offset, int64_t numel, bool write, bool layer = false);
   // The same for the chunks one tensor spans.
   PageLease use_tensor(TensorId id, std::initializer_list<Plane> read, std::initializer_list<Plane> write = {});
   // Before finalize: runs of chunks (one layer, one kind) of 2 MiB or more start on a 2 MiB
