@@ -163,7 +163,10 @@ class TierManager {
   // completes first; moves off the device go first, then off host DRAM, then onto them). Throws
   // keel::Error, moving nothing, when the device-homed pages would leave less than `device_reserve`
   // bytes of the device budget free, the host copies would exceed the host budget, or a page bound
-  // for NVMe has no slot (TierOptions::routed). Returns the bytes moved onto each tier.
+  // for NVMe has no slot (TierOptions::routed). A move onto or off host DRAM that changes whether
+  // the page is updated at home (not a routed page leased in place) changes the optimizer's lease
+  // of its chunk: the next representative step is recorded again as the schedule. Returns the
+  // bytes moved onto each tier.
   std::vector<int64_t> rehome_pages(std::span<const PageRef> pages, std::span<const Tier> homes, int64_t device_reserve);
   // The page's counters since the last call (then reset).
   PageCounters take_page_counters(PageRef p);
