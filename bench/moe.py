@@ -21,12 +21,13 @@ Parts (--part, default all):
            experts' parameter and gradient pages (beside the embedding, attention and norms, and
            two operations' working sets; moments on host): experts homed on host DRAM, on NVMe,
            and by routing share (tier.experts = "by_frequency", re-homed every 5 steps), each
-           against all in memory: tokens/s ratio and the experts' hit rate over the last half of
-           the steps (min(--steps, 40) steps each).
+           against all in memory (run before and after it: interleaved, so that a drifting load
+           moves both): tokens/s ratio and the experts' hit rate over the last half of the steps
+           (min(--steps, 40) steps each; --repeats tiered runs per configuration).
 
 Every figure is printed with the load average it was taken under: the machine is shared.
 
-Usage: bench/moe.py [--part quality,peer,expert,tiers] [--steps 200] [--keel build/keel]
+Usage: bench/moe.py [--part quality,peer,expert,tiers] [--steps 200] [--repeats 1] [--keel build/keel]
 """
 
 import argparse
@@ -190,11 +191,8 @@ EXPERTS = 4 * 8
 
 def part_tiers(a, work, steps):
     print("\n== experts in the memory tiers: a compute tier of a quarter of the experts' parameters and "
-          "gradients against all in memory (%d steps each)" % steps)
-    memory, err = keel_train(a, work, "tiers-memory", "moe", steps)
-    if err:
-        print("in memory: not run: %s" % err[0])
-        return
+          "gradients against all in memory (%d steps each; each tiered run between two in-memory runs, "
+          "%d times)" % (steps, a.repeats))
     # Device: the embeddings (token table and untied head), attention and norms (parameters and
     # gradients: 34.0 MiB homed there, as the start-up line says), two operations' working sets
     # (the head's: its 8 MiB plus the token table's, 16.0 MiB each), and room for a quarter of the
@@ -206,29 +204,50 @@ def part_tiers(a, work, steps):
     os.makedirs(nvme, exist_ok=True)
     common = ["tier.device_mib=%d" % device_mib, "tier.host_mib=1024", "tier.nvme_dir=" + nvme,
               "tier.embedding=device", "tier.optimizer=host"]
-    print("in memory:          %7.0f tok/s (median %.0f ms/step)  load %s" % (memory["tok_s"], memory["ms"], memory["load"]))
+    # The in-memory run is repeated around every tiered run (memory, tiered, memory, tiered, ...,
+    # memory) and each tiered run is compared with the mean of its two neighbours: a load that
+    # drifts over the bench moves both alike.
+    memory_runs = []
+
+    def memory_run():
+        r, err = keel_train(a, work, "tiers-memory", "moe", steps)
+        if err:
+            sys.exit("moe.py: the in-memory run failed: %s" % err[0])
+        memory_runs.append(r)
+        print("in memory:          %7.0f tok/s (median %.0f ms/step)  load %s" % (r["tok_s"], r["ms"], r["load"]))
+        return r
+
+    before = memory_run()
     for name, extra in (("experts on host", ["tier.ffn=host"]), ("experts on nvme", ["tier.ffn=nvme"]),
                         ("by_frequency", ["tier.ffn=nvme", "tier.experts=by_frequency", "tier.experts_every=5"])):
-        r, err = keel_train(a, work, "tiers-" + name.replace(" ", "-"), "moe", steps, extra=common + extra)
-        if err:
-            print("%-19s not run: %s" % (name + ":", err[0]))
-            continue
-        lines, _ = step_lines(os.path.join(work, "tiers-" + name.replace(" ", "-")))
-        half = lines[len(lines) // 2:]
-        hits = sum(sum(b["hits"]) for l in half for b in l.get("tier_experts", []))
-        touches = sum(sum(b["acquires"]) for l in half for b in l.get("tier_experts", []))
-        stall = statistics.median([l.get("tier_expert_stall_ms", 0) for l in half])
-        homes = [h for b in r["last"].get("tier_experts", []) for h in b["home"]]
-        print("%-19s %7.0f tok/s = %.2fx in memory; experts' hit rate %.1f%% (%d first touches, last half), "
-              "median stall %.1f ms/step, pages' hit rate %s; homes at the end: %d device, %d host, %d nvme; "
-              "device %d MiB; load %s" %
-              (name + ":", r["tok_s"], r["tok_s"] / memory["tok_s"], 100.0 * hits / max(1, touches), touches, stall,
-               r["last"].get("tier_hit_rate"), homes.count("device"), homes.count("host"), homes.count("nvme"),
-               device_mib, r["load"]))
-    again, err = keel_train(a, work, "tiers-memory-again", "moe", steps)
-    if not err:
-        print("in memory, again:   %7.0f tok/s (the first in-memory run / this = %.2f: the load's drift)  load %s" %
-              (again["tok_s"], memory["tok_s"] / again["tok_s"], again["load"]))
+        ratios, rates = [], []
+        for rep in range(a.repeats):
+            run = "tiers-" + name.replace(" ", "-")
+            r, err = keel_train(a, work, run, "moe", steps, extra=common + extra)
+            if err:
+                print("%-19s not run: %s" % (name + ":", err[0]))
+                break
+            after = memory_run()
+            lines, _ = step_lines(os.path.join(work, run))
+            half = lines[len(lines) // 2:]
+            hits = sum(sum(b["hits"]) for l in half for b in l.get("tier_experts", []))
+            touches = sum(sum(b["acquires"]) for l in half for b in l.get("tier_experts", []))
+            stall = statistics.median([l.get("tier_expert_stall_ms", 0) for l in half])
+            homes = [h for b in r["last"].get("tier_experts", []) for h in b["home"]]
+            ratio = r["tok_s"] / ((before["tok_s"] + after["tok_s"]) / 2)
+            ratios.append(ratio)
+            rates.append(100.0 * hits / max(1, touches))
+            print("%-19s %7.0f tok/s = %.2fx in memory (its neighbours' mean); experts' hit rate %.1f%% (%d first "
+                  "touches, last half), median stall %.1f ms/step, pages' hit rate %s; homes at the end: %d device, "
+                  "%d host, %d nvme; device %d MiB; load %s" %
+                  (name + ":", r["tok_s"], ratio, rates[-1], touches, stall, r["last"].get("tier_hit_rate"),
+                   homes.count("device"), homes.count("host"), homes.count("nvme"), device_mib, r["load"]))
+            before = after
+        if ratios:
+            print("%-19s median %.2fx in memory, experts' hit rate %.1f%% (over %d pairs)" %
+                  (name + ":", statistics.median(ratios), statistics.median(rates), len(ratios)))
+    print("in memory over the bench: %s tok/s (first / last = %.2f: the load's drift)" %
+          (" ".join("%.0f" % r["tok_s"] for r in memory_runs), memory_runs[0]["tok_s"] / memory_runs[-1]["tok_s"]))
 
 
 def main():
@@ -236,6 +255,7 @@ def main():
     ap.add_argument("--part", default="quality,peer,expert,tiers")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--keel", default=os.path.join(ROOT, "build", "keel"))
+    ap.add_argument("--repeats", type=int, default=1, help="tiers: tiered runs per configuration (default 1)")
     a = ap.parse_args()
     parts = a.part.split(",")
     for p in parts:

@@ -15,7 +15,9 @@
 #include "core/rng.h"
 #include "model/gpt.h"
 #include "model/moe.h"
+#include "optim/adamw.h"
 #include "store/expert_homes.h"
+#include "store/placement.h"
 #include "store/tiered_memory.h"
 #include "store/tiers.h"
 #include "test_util.h"
@@ -201,6 +203,113 @@ TEST(MoeTierLeases, UnchosenExpertsPagesAreNotTouched) {
   run(true, &tiered);
   ASSERT_EQ(memory.size(), tiered.size());
   EXPECT_EQ(std::memcmp(memory.data(), tiered.data(), memory.size() * sizeof(float)), 0);
+}
+
+// Experts moved to host DRAM by rehome_pages (tier.experts = "by_frequency") are fetched, kept
+// and counted as experts the placement homed there: two runs of a two-block model through real
+// tiers with deferred AdamW updates (as a tiered run's), one with its experts placed on host
+// DRAM, one with them placed on NVMe and re-homed to host DRAM after step 2, touch and hit every
+// expert page alike from step 4 on (per page and step, exact), hit every first touch there (the
+// optimizer's update of an expert is on the schedule, and the block's hint brings the chosen
+// experts in), and train the same bytes. Every transfer completes before the next operation
+// (the expert products are tiny): the counts do not depend on the machine's speed.
+TEST(MoeTierLeases, ReHomedExpertsHitAsExpertsPlacedThere) {
+  Config c;
+  c.model.preset = "llama-moe-tiny";
+  c.model.n_layer = 2;
+  c.model.n_embd = 32;
+  c.model.n_head = 4;
+  c.model.vocab_size = 64;
+  c.model.max_seq_len = 16;
+  c.train.seq_len = 16;
+  c.resolve(1);
+  const ModelConfig& m = c.model;
+  const int B = 2, T = 8, kRunSteps = 7, kRehomeAfter = 2, kCompareFrom = 4;
+  struct Run {
+    std::vector<PageCounters> counters;  // per step from kCompareFrom, per expert page
+    std::vector<float> params;
+  };
+  auto run = [&](bool rehomed) {
+    Run out;
+    ChunkStore store(4096);
+    GPT model(m, store);
+    store.finalize();
+    model.init_weights(5);
+    testing::TempDir dir("keel-moe-rehomed");
+    TierConfig t;
+    t.device_mib = 1;
+    t.host_mib = 8;
+    t.nvme_dir = dir.path();
+    t.attention = t.norm = t.embedding = t.ffn = Tier::host;
+    t.optimizer = Tier::host;
+    const Placement placed = place_pages(t, store);
+    TierOptions o = tier_options(t);
+    o.routed.assign(store.chunks().size() * kNumPlanes, 0);
+    o.routed_host_in_place = true;
+    std::vector<Tier> homes = placed.homes;
+    std::vector<PageRef> experts;
+    for (const Chunk& ch : store.chunks()) {
+      if (ch.expert < 0) continue;
+      for (Plane p : {Plane::param, Plane::grad}) {
+        const size_t i = static_cast<size_t>(ch.id) * kNumPlanes + static_cast<int>(p);
+        o.routed[i] = 1;
+        if (rehomed) homes[i] = Tier::nvme;
+        experts.push_back({ch.id, p});
+      }
+    }
+    EXPECT_GE(experts.size(), 16u);
+    TierManager manager(store, o, homes);
+    TierResidency residency(manager, store);
+    store.attach_residency(&residency);
+    model.allocate(B, T);
+    OptimConfig oc;
+    AdamW adamw(oc);
+    int64_t t_update = 0;
+    store.set_updater([&](int chunk) { adamw.step_chunk(store, chunk, 1e-2, t_update, 1.0f); });
+    Rng rng(11);
+    for (int step = 1; step <= kRunSteps; ++step) {
+      manager.begin_step(step > 1);  // the first step has no updates pending: unlike the rest
+      std::vector<int> in(B * T), tg(B * T);
+      for (int i = 0; i < B * T; ++i) in[i] = static_cast<int>(rng.below(64)), tg[i] = static_cast<int>(rng.below(64));
+      const Batch batch{in.data(), tg.data(), B, T, 1.0f / (B * T)};
+      // Each operation starts once the transfers before it are done.
+      manager.drain();
+      model.forward(batch);
+      manager.drain();
+      model.backward(batch);
+      t_update = step;
+      for (const Chunk& ch : store.chunks()) store.defer_update(ch.id);
+      for (const PageRef& p : experts) {
+        const PageCounters k = manager.take_page_counters(p);
+        if (step >= kCompareFrom) out.counters.push_back(k);
+      }
+      if (rehomed && step == kRehomeAfter) {
+        manager.rehome_pages(experts, std::vector<Tier>(experts.size(), Tier::host), 0);
+        for (const PageRef& p : experts) EXPECT_EQ(manager.home(p), Tier::host);
+      }
+    }
+    store.apply_pending();
+    manager.drain();
+    for (int id = 0; id < static_cast<int>(store.tensors().size()); ++id) {
+      const PageLease use = store.use_tensor(id, {Plane::param});
+      const std::span<const float> v = store.view(id, Plane::param);
+      out.params.insert(out.params.end(), v.begin(), v.end());
+    }
+    store.attach_residency(nullptr);
+    return out;
+  };
+  const Run placed = run(false), rehomed = run(true);
+  ASSERT_EQ(placed.counters.size(), rehomed.counters.size());
+  uint64_t touches = 0, hits = 0;
+  for (size_t k = 0; k < placed.counters.size(); ++k) {
+    EXPECT_EQ(rehomed.counters[k].acquires, placed.counters[k].acquires) << "page and step " << k;
+    EXPECT_EQ(rehomed.counters[k].hits, placed.counters[k].hits) << "page and step " << k;
+    touches += rehomed.counters[k].acquires, hits += rehomed.counters[k].hits;
+  }
+  EXPECT_GT(touches, 0u);
+  EXPECT_EQ(hits, touches) << "re-homed experts' first touches that missed";
+  ASSERT_EQ(placed.params.size(), rehomed.params.size());
+  EXPECT_EQ(std::memcmp(placed.params.data(), rehomed.params.data(), placed.params.size() * sizeof(float)), 0);
 }
 
 TEST_F(MoeTiers, ExpertParallelismWithTiersIsRefusedInOneLine) {

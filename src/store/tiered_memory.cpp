@@ -113,6 +113,10 @@ TieredMemory::TieredMemory(const TierConfig& config, ChunkStore& store, bool pri
     if (c.expert < 0) continue;
     for (Plane p : {Plane::param, Plane::grad}) options.routed[static_cast<size_t>(c.id) * kNumPlanes + static_cast<int>(p)] = 1;
   }
+  // This build computes in host DRAM: a routed page homed there is leased where it lies (its
+  // fetches and write-backs, a copy each and hundreds of page faults, were most of what host-homed
+  // experts cost a step).
+  options.routed_host_in_place = true;
   manager_ = std::make_unique<TierManager>(store_, options, placement_.homes);
   residency_ = std::make_unique<TierResidency>(*manager_, store_);
   store_.attach_residency(residency_.get());

@@ -28,12 +28,15 @@ class TierResidency final : public Residency {
   int hint(std::span<const PageRef> pages) override { return manager_.hint(pages); }
   uint64_t version(PageRef p) const override { return manager_.version(p); }
   // Declared zero: nothing written back or read, the next fetch is a memset.
-  void zero(PageRef p, bool zeroed_in_place) override { manager_.discard_to_zero(p); }
+  void zero(PageRef p, bool zeroed_in_place) override { manager_.discard_to_zero(p, zeroed_in_place); }
   // A page wholly inside the range is declared zero; the part of a page the range covers is
   // cleared in place (the caller holds a lease on it).
   void discard(Plane plane, int64_t offset, int64_t numel) override;
-  // Pages homed in host DRAM are updated there (ZeRO-Offload's CPU optimizer step).
-  bool updates_at_home(PageRef p) const override { return manager_.home(p) == Tier::host; }
+  // Pages homed in host DRAM are updated there (ZeRO-Offload's CPU optimizer step), except those
+  // whose home is their compute address (leased there like any present page).
+  bool updates_at_home(PageRef p) const override {
+    return manager_.home(p) == Tier::host && !manager_.home_in_place(p);
+  }
   void update_at_home(PageRef p, const std::function<void(float*, size_t)>& update) override {
     manager_.update_at_home(p, update);
   }

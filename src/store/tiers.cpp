@@ -138,8 +138,9 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
     // Untouched planes (gradients, moments) read as zero without being mapped: no I/O for them.
     pg.home_zero = std::all_of(src, src + pg.bytes / 4, [](float x) { return std::bit_cast<uint32_t>(x) == 0; });
     if (pg.home == Tier::host) {
-      // A zero page's host copy is allocated when first written (its room is reserved now).
-      if (!pg.home_zero) {
+      // A zero page's host copy is allocated when first written (its room is reserved now); a
+      // page homed in place keeps its bytes where they are.
+      if (!pg.home_zero && !in_place(pg)) {
         pg.host = AlignedBuffer(static_cast<size_t>(pg.slot));
         std::memcpy(pg.host.data, src, static_cast<size_t>(pg.bytes));
       }
@@ -148,7 +149,7 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
       if (pg.transient) take_scratch(i);
       file_->wait(file_->write(address(i), static_cast<size_t>(pg.slot), pg.nvme_offset));
     }
-    give_back(i);
+    if (!in_place(pg) || pg.home_zero) give_back(i);
     pg.present = false;
   }
   stats_.peak_device_bytes = device_used_;
@@ -231,6 +232,10 @@ TierManager::Page& TierManager::page(PageRef p) {
 const TierManager::Page& TierManager::page(PageRef p) const { return const_cast<TierManager*>(this)->page(p); }
 
 Tier TierManager::home(PageRef p) const { return page(p).home; }
+bool TierManager::home_in_place(PageRef p) const { return in_place(page(p)); }
+bool TierManager::in_place(const Page& pg) const {
+  return options_.routed_host_in_place && pg.routed && pg.home == Tier::host;
+}
 bool TierManager::present(PageRef p) const { return page(p).present; }
 uint64_t TierManager::version(PageRef p) const { return page(p).version; }
 
@@ -370,6 +375,16 @@ void TierManager::evict(int i) {
   }
   const bool dirty = pg.device_version > pg.home_version;
   if (dirty) pg.home_zero = false;
+  if (in_place(pg)) {  // its bytes are its home copy: they stay, out of the device budget's count
+    if (dirty) {
+      pg.home_version = pg.device_version;
+      stats_.tier[static_cast<int>(Tier::host)].bytes_written += static_cast<uint64_t>(pg.bytes);
+    }
+    pg.present = false;
+    device_used_ -= pg.bytes;
+    stats_.evictions++;
+    return;
+  }
   if (dirty && pg.home == Tier::host) {
     if (pg.host.data == nullptr) pg.host = AlignedBuffer(static_cast<size_t>(pg.slot));
     std::memcpy(pg.host.data, address(i), static_cast<size_t>(pg.bytes));
@@ -464,7 +479,12 @@ void TierManager::fetch(int i) {
     stats_.peak_device_bytes = std::max(stats_.peak_device_bytes, device_used_);
     return;
   }
-  if (pg.home == Tier::host && copier_) {
+  if (in_place(pg)) {  // its home copy is at its address: counted present, nothing copied
+    device_used_ += pg.bytes;
+    pg.device_version = pg.home_version;
+    pg.present = true;
+    pg.released = false;
+  } else if (pg.home == Tier::host && copier_) {
     device_used_ += pg.bytes;
     auto tr = std::make_unique<Transfer>();
     tr->version = pg.home_version;
@@ -547,11 +567,13 @@ void TierManager::acquire(std::span<const PageRef> refs) {
   group.reserve(refs.size());
   bool routed = true;
   for (const PageRef& r : refs) {
-    routed = routed && page(r).routed;
+    routed = routed && page(r).routed && r.plane == refs[0].plane;
     group.push_back(index(r));
   }
-  // Routed pages' acquires (the router's choice of this micro-batch) are no part of the schedule:
-  // not recorded, and the position in it stays where the block's other acquires left it.
+  // Routed pages' acquires (a block's lease of an expert the router chose for this micro-batch:
+  // one plane) are no part of the schedule: not recorded, and the position in it stays where the
+  // block's other acquires left it. (The optimizer's update of an expert, its parameters and
+  // gradient together, runs every step at the same point: scheduled.)
   if (routed) {
     ++clock_;
     acquire_group(group);
@@ -678,9 +700,12 @@ int TierManager::hint(std::span<const PageRef> refs) {
       const int i = index(r);
       Page& pg = pages_[i];
       if (!pg.routed) continue;
-      pg.expected = true;
-      if (revive(i) || pg.present || pg.fetching || pg.home == Tier::device) continue;
+      if (revive(i) || pg.present || pg.fetching || pg.home == Tier::device) {
+        pg.expected = true;
+        continue;
+      }
       if (!make_room(pg.bytes, 0)) break;  // never evicting what the coming acquire needs
+      pg.expected = true;  // (kept for its acquire once there: not before there is room)
       fetch(i);
       started++;
     }
@@ -714,9 +739,12 @@ int TierManager::hint(std::span<const PageRef> refs) {
   for (const PageRef& r : refs) {
     const int i = index(r);
     Page& pg = pages_[i];
-    if (pg.routed) pg.expected = true;
-    if (revive(i) || pg.present || pg.fetching || pg.home == Tier::device) continue;
+    if (revive(i) || pg.present || pg.fetching || pg.home == Tier::device) {
+      pg.expected = pg.expected || pg.routed;
+      continue;
+    }
     if (!room_for(pg.bytes)) break;
+    pg.expected = pg.expected || pg.routed;
     fetch(i);
     started++;
   }
@@ -763,6 +791,15 @@ void TierManager::update_at_home(PageRef r, const std::function<void(float*, siz
     return;
   }
   settle(i);
+  if (in_place(pg)) {  // one copy, at its address (zero where given back)
+    update(address(i), n);
+    pg.version++;
+    if (options_.verify) note_bytes(i, address(i), pg.version);
+    pg.home_zero = false;
+    pg.home_version = pg.version;
+    if (pg.present) pg.device_version = pg.version;
+    return;
+  }
   const int t = static_cast<int>(pg.home);
   const bool device_newer = pg.present && pg.device_version > pg.home_version;
   const bool was_zero = pg.home_zero && !device_newer;
@@ -801,7 +838,7 @@ void TierManager::update_at_home(PageRef r, const std::function<void(float*, siz
   }
 }
 
-void TierManager::discard_to_zero(PageRef r) {
+void TierManager::discard_to_zero(PageRef r, bool zeroed_in_place) {
   Page& pg = page(r);
   const int i = index(r);
   pg.version++;
@@ -813,6 +850,13 @@ void TierManager::discard_to_zero(PageRef r) {
   }
   settle(i);  // a write-back's bytes are moot now, but its memory must outlive the write
   if (options_.verify) note_bytes(i, nullptr, pg.version);
+  if (in_place(pg) && zeroed_in_place) {  // its home copy, at its address, is the zeros now
+    pg.home_zero = false;
+    pg.home_version = pg.version;
+    if (pg.present) pg.device_version = pg.version;
+    return;
+  }
+  if (in_place(pg) && !pg.present) give_back(i);  // (its bytes there were its home copy's)
   pg.home_zero = true;
   pg.home_version = pg.version;
   if (pg.transient) free_scratch(i);  // its write (settled above) is moot
@@ -927,8 +971,10 @@ void TierManager::move_home(int i, Tier to) {
   pg.home_zero = false;
   const int t = static_cast<int>(to);
   if (to == Tier::host) {
-    pg.host = AlignedBuffer(static_cast<size_t>(pg.slot));
-    std::memcpy(pg.host.data, address(i), static_cast<size_t>(pg.bytes));
+    if (!in_place(pg)) {
+      pg.host = AlignedBuffer(static_cast<size_t>(pg.slot));
+      std::memcpy(pg.host.data, address(i), static_cast<size_t>(pg.bytes));
+    }
     host_used_ += pg.slot;
     stats_.peak_host_bytes = std::max(stats_.peak_host_bytes, host_used_);
   } else if (to == Tier::nvme) {
@@ -937,7 +983,7 @@ void TierManager::move_home(int i, Tier to) {
   stats_.tier[t].bytes_written += to == Tier::device ? 0 : static_cast<uint64_t>(pg.bytes);
   pg.home_version = pg.device_version;
   if (to != Tier::device && pg.pins == 0) {
-    give_back(i);
+    if (!in_place(pg)) give_back(i);
     pg.present = false;
     device_used_ -= pg.bytes;
   }
@@ -974,6 +1020,17 @@ std::vector<int64_t> TierManager::rehome_pages(std::span<const PageRef> refs, st
                 " of host copies after re-homing");
   }
   drain();
+  // A page that moves onto or off host DRAM, where it is updated at home (TierResidency), changes
+  // the optimizer's lease of its chunk: the recorded schedule no longer matches the step, and the
+  // next representative step is recorded again. (Routed pages homed in place are leased alike
+  // wherever they live.)
+  bool shape_changes = false;
+  for (size_t k = 0; k < refs.size(); ++k) {
+    const Page& pg = page(refs[k]);
+    const bool at_home = pg.home == Tier::host && !in_place(pg);
+    const bool at_home_after = homes[k] == Tier::host && !(options_.routed_host_in_place && pg.routed);
+    shape_changes = shape_changes || (homes[k] != pg.home && at_home != at_home_after);
+  }
   std::vector<int64_t> moved(kNumTiers, 0);
   // Moves that free room first: off the device, then off the host, then onto them.
   for (int pass = 0; pass < 3; ++pass) {
@@ -988,6 +1045,7 @@ std::vector<int64_t> TierManager::rehome_pages(std::span<const PageRef> refs, st
       moved[static_cast<int>(to)] += pg.bytes;
     }
   }
+  if (shape_changes) record_again();
   return moved;
 }
 

@@ -80,12 +80,18 @@ struct TierOptions {
   // parameters and gradients, store/bf16_state.h): neither homed nor counted, as params_only's.
   uint8_t absent_planes = 0;
   // Routed pages (per page as the homes, 1 = routed; empty: none): a mixture of experts' routed
-  // experts, acquired only when the router chose them. An acquire of routed pages alone stays out
-  // of the recorded schedule (which cannot know the next choice): a hint() brings them in, on the
-  // schedule or off it, once the router has chosen. (An acquire that mixes them with other pages,
-  // such as the optimizer's update of an expert's chunk, happens every step and is scheduled.) They have an
+  // experts, acquired only when the router chose them. An acquire of routed pages of one plane
+  // alone stays out of the recorded schedule (which cannot know the next choice): a hint() brings
+  // them in, on the schedule or off it, once the router has chosen. (An acquire of several planes
+  // or that mixes them with other pages, such as the optimizer's update of an expert's chunk,
+  // happens every step and is scheduled.) They have an
   // NVMe slot each (where there is an NVMe tier), so that rehome_pages may move them anywhere.
   std::vector<uint8_t> routed;
+  // Routed pages homed on host DRAM keep their home copy at their compute address (a CPU build,
+  // where host DRAM and the compute tier are the same memory): fetching one and writing it back
+  // move no bytes, only the device budget's accounting (present pages, as for any other), and
+  // a gradient zeroed in place stays mapped. Their memory counts against the host budget.
+  bool routed_host_in_place = false;
 };
 
 // What one page saw since it was last asked (TierManager::take_page_counters).
@@ -158,19 +164,26 @@ class TierManager {
   void update_at_home(PageRef p, const std::function<void(float* data, size_t n)>& update);
   // Declares the page's bytes zero (AdamW consumed the gradient): nothing is written back, the
   // device copy (if present and unpinned) is given back, and the next fetch is a memset.
-  void discard_to_zero(PageRef p);
+  // `zeroed_in_place`: the caller zeroed the page's bytes at its address under a lease now over;
+  // a page whose home copy is at its compute address (routed_host_in_place) then keeps them.
+  void discard_to_zero(PageRef p, bool zeroed_in_place = false);
   // Waits for every transfer in flight (write-backs included).
   void drain();
   // Moves page pages[k]'s home to homes[k], with its newest bytes (every transfer in flight
   // completes first; moves off the device go first, then off host DRAM, then onto them). Throws
   // keel::Error, moving nothing, when the device-homed pages would leave less than `device_reserve`
   // bytes of the device budget free, the host copies would exceed the host budget, or a page bound
-  // for NVMe has no slot (TierOptions::routed). Returns the bytes moved onto each tier.
+  // for NVMe has no slot (TierOptions::routed). A move onto or off host DRAM that changes whether
+  // the page is updated at home (not a routed page leased in place) changes the optimizer's lease
+  // of its chunk: the next representative step is recorded again as the schedule. Returns the
+  // bytes moved onto each tier.
   std::vector<int64_t> rehome_pages(std::span<const PageRef> pages, std::span<const Tier> homes, int64_t device_reserve);
   // The page's counters since the last call (then reset).
   PageCounters take_page_counters(PageRef p);
 
   Tier home(PageRef p) const;
+  // The page's home copy is its bytes at the compute address (TierOptions::routed_host_in_place).
+  bool home_in_place(PageRef p) const;
   bool present(PageRef p) const;
   uint64_t version(PageRef p) const;
   const TierStats& stats() const { return stats_; }
@@ -192,6 +205,7 @@ class TierManager {
   struct Page;
   struct Transfer;
   Page& page(PageRef p);
+  bool in_place(const Page& pg) const;
   const Page& page(PageRef p) const;
   int index(PageRef p) const { return p.chunk * kNumPlanes + static_cast<int>(p.plane); }
   void acquire_group(const std::vector<int>& group);
