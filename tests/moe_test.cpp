@@ -465,7 +465,6 @@ TEST(MoeConfig, BadInputIsRefusedInOneLineNamingTheKey) {
       {moe + "moe_capacity = -1\n", "model.moe_capacity"},
       {moe + "moe_aux_weight = -0.1\n", "model.moe_aux_weight"},
       {"[model]\npreset = \"llama-d4\"\nmoe_top_k = 2\n", "model.moe_experts > 0"},
-      {moe + "[parallel]\ntensor = 2\n", "parallel.tensor", 2},
       {moe + "[parallel]\npipeline = 2\n", "parallel.pipeline", 2},
       {moe + "[parallel]\nzero = 3\n", "parallel.zero", 2},
       {moe + "[tier]\ndevice_mib = 64\n[parallel]\nexpert = 2\n", "parallel.expert", 2},  // tiers: not with experts sharded
@@ -476,6 +475,7 @@ TEST(MoeConfig, BadInputIsRefusedInOneLineNamingTheKey) {
     EXPECT_EQ(why.find('\n'), std::string::npos) << why;
   }
   EXPECT_EQ(refusal(moe), "");
+  EXPECT_EQ(refusal(moe + "[parallel]\ntensor = 2\n", 2), "");  // (tests/moe_tensor_test.cpp)
   EXPECT_EQ(refusal(moe + "moe_balance = \"bias\"\n[train]\nrecompute = \"full\"\n"), "");
 }
 

@@ -96,10 +96,14 @@ void Checkpointer::make_writer(bool at_restart) {
   if (experts_sharded(config_)) {
     // Sharded experts (comm/expert_parallel.h; every rank's chunks alike but for which experts
     // they hold): the chunks of no expert as the data ranks share them out, each expert's by the
-    // rank of the first expert group holding it (data ranks 0 .. P - 1, writer index = data rank).
-    const bool first_group = writer_index_ < config_.parallel.expert;
+    // rank of the first expert group holding it (data ranks 0 .. P - 1, writer index = data rank x
+    // T + tensor rank). With tensor parallelism each rank of a tensor group holds its experts'
+    // whole copy (WholeModelState): their chunks are shared out over the group's T ranks.
+    const int T = std::max(1, config_.parallel.tensor);
+    const bool first_group = writer_index_ / T < config_.parallel.expert;
     for (const Chunk& c : store_->chunks()) {
-      if (c.expert >= 0 ? !first_group : c.id < first || c.id >= last) targets[c.id].id = -1;
+      const bool mine = c.expert >= 0 ? first_group && c.id % T == writer_index_ % T : c.id >= first && c.id < last;
+      if (!mine) targets[c.id].id = -1;
     }
     first = 0;
     last = static_cast<int>(store_->chunks().size());

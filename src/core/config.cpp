@@ -903,7 +903,6 @@ void Config::resolve(int world_size) {
   if (model.moe()) {
     // What a mixture of experts does not combine with yet (docs/architecture.md, "Mixture of experts").
     const std::string moe = " with model.moe_experts > 0 (not built yet for a mixture of experts)";
-    require(parallel.tensor == 1, "parallel.tensor", "1" + moe, s(parallel.tensor));
     require(parallel.pipeline == 1, "parallel.pipeline", "1" + moe, s(parallel.pipeline));
     require(parallel.zero <= 2, "parallel.zero", "0, 1 or 2" + moe, s(parallel.zero));
     require(!clip.enabled(), "model.moe_experts", "0 in a dual encoder's text tower", s(model.moe_experts));
