@@ -336,7 +336,9 @@ std::string GradSync::key_of(const Bucket& b) const {
     << b.codec.block << ":D" << comm_.size();
   // A sharded expert bucket's residuals are its experts': named by the first (another expert
   // group size deals other experts to the rank, whose buckets then match no saved key).
-  if (b.expert) s << ":X" << store_.chunks_overlapping(b.offset, b.numel).front().expert << "/" << expert_replicas_->size();
+  if (b.expert) {
+    s << ":X" << store_.chunks_overlapping(b.offset, b.numel).front().expert << "/" << expert_replicas_->size();
+  }
   return s.str();
 }
 

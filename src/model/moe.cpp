@@ -386,8 +386,8 @@ void MoeFeedForward::router_backward_input(const MoeActivations& a, int N, float
     std::memset(dx, 0, sizeof(float) * N * C_);
     return;
   }
-  ops::linear_backward_input<float>(MatmulPrecision::fp32, dx, a.dlogits, store_.data(t_[layout::moe_router_w], Plane::param),
-                                    N, C_, E_, false);
+  const float* router = store_.data(t_[layout::moe_router_w], Plane::param);
+  ops::linear_backward_input<float>(MatmulPrecision::fp32, dx, a.dlogits, router, N, C_, E_, false);
 }
 
 void MoeFeedForward::backward_weight(const MoeActivations& a, const Batch& b, const float* x, const float* dout) {

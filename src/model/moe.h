@@ -90,8 +90,9 @@ class MoeFeedForward {
   // a counting Carver: null pointers, only the size).
   MoeActivations carve(model_detail::Carver& kept, int B, int T) const;
   // out[N, C] (overwritten) from x[N, C] (the block's normalised residual), under the caller's
-  // parameter lease. With a tensor group: this rank's part of out (the caller sums it over the group). A training micro-batch (grad_scale != 0) is counted in stats() and
-  // step_load(), unless `count` is false (its recomputation under train.recompute).
+  // parameter lease; with a tensor group this rank's part of out (the caller sums it over the
+  // group). A training micro-batch (grad_scale != 0) is counted in stats() and step_load(), unless
+  // `count` is false (its recomputation under train.recompute).
   void forward(const MoeActivations& a, const Batch& b, const float* x, float* out, bool count = true);
   // dx[N, C] (overwritten) from dout[N, C] (with a tensor group: dout whole, dx this rank's part, the
   // caller sums it over the group); keeps what backward_weight needs. The balancing loss's
