@@ -459,13 +459,11 @@ TEST(MoeConfig, BadInputIsRefusedInOneLineNamingTheKey) {
       {"[model]\npreset = \"d4\"\nmoe_experts = 8\n", "model.moe_experts: a mixture of experts is a llama option"},
       {moe + "moe_every = 3\n", "model.moe_every: expected a divisor of n_layer=2"},
       {moe + "moe_balance = \"bias\"\nmoe_bias_rate = 0\n", "model.moe_bias_rate"},
-      {moe + "moe_balance = \"bias\"\n[checkpoint]\nmemory_every = 5\n", "checkpoint.memory_every"},
       {"[model]\npreset = \"llama-d4\"\nmoe_balance = \"bias\"\n", "model.moe_experts > 0"},
       {moe + "moe_balance = \"sinkhorn\"\n", "model.moe_balance"},
       {moe + "moe_capacity = -1\n", "model.moe_capacity"},
       {moe + "moe_aux_weight = -0.1\n", "model.moe_aux_weight"},
       {"[model]\npreset = \"llama-d4\"\nmoe_top_k = 2\n", "model.moe_experts > 0"},
-      {moe + "[parallel]\ntensor = 2\n", "parallel.tensor", 2},
       {moe + "[parallel]\npipeline = 2\nrepartition_every = 5\n", "parallel.repartition_every", 2},  // no re-cuts
       {moe + "[tier]\ndevice_mib = 64\n[parallel]\nzero = 3\n", "parallel.zero", 2},  // ZeRO-3: not with tiers
       {moe + "[tier]\ndevice_mib = 64\n[parallel]\nexpert = 2\n", "parallel.expert", 2},  // tiers: not with experts sharded
@@ -476,6 +474,8 @@ TEST(MoeConfig, BadInputIsRefusedInOneLineNamingTheKey) {
     EXPECT_EQ(why.find('\n'), std::string::npos) << why;
   }
   EXPECT_EQ(refusal(moe), "");
+  EXPECT_EQ(refusal(moe + "[parallel]\ntensor = 2\n", 2), "");  // (tests/moe_tensor_test.cpp)
+  EXPECT_EQ(refusal(moe + "moe_balance = \"bias\"\n[checkpoint]\nmemory_every = 5\n"), "");  // (its biases in the copies)
   EXPECT_EQ(refusal(moe + "moe_balance = \"bias\"\n[train]\nrecompute = \"full\"\n"), "");
 }
 

@@ -359,14 +359,6 @@ TEST_F(MoeTraining, ExpertParallelRefusesWhatItCannotSplit) {
     EXPECT_NE(r.exit_code, 0) << b.extra;
     EXPECT_NE(r.output.find("config key 'parallel.expert': expected " + b.expected), std::string::npos) << r.output;
   }
-  // What sharded experts (parallel.zero = 0) do not combine with yet: one line naming the key.
-  for (const Bad& b : {Bad{2, "--set sync.codec=bf16", "sync.codec"}, Bad{2, "--set runtime.param_dtype=bf16", "runtime.param_dtype"},
-                       Bad{2, "--set checkpoint.memory_every=2", "checkpoint.memory_every"}}) {
-    const testing::CommandResult r = train(b.ranks, "bad", "--set train.batch_size=1 --set parallel.expert=2 " + b.extra);
-    EXPECT_NE(r.exit_code, 0) << b.extra;
-    EXPECT_NE(r.output.find("config key '" + b.expected + "': expected"), std::string::npos) << r.output;
-    EXPECT_NE(r.output.find("sharded experts: not built yet"), std::string::npos) << r.output;
-  }
   // A dense model has no experts to deal out.
   const testing::CommandResult dense = testing::run_keel("train --config " + dir_->path() +
                                                          "/toy.toml --set parallel.expert=2 --set train.run_dir=" +

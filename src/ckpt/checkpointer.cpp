@@ -96,10 +96,14 @@ void Checkpointer::make_writer(bool at_restart) {
   if (experts_sharded(config_)) {
     // Sharded experts (comm/expert_parallel.h; every rank's chunks alike but for which experts
     // they hold): the chunks of no expert as the data ranks share them out, each expert's by the
-    // rank of the first expert group holding it (data ranks 0 .. P - 1, writer index = data rank).
-    const bool first_group = writer_index_ < config_.parallel.expert;
+    // rank of the first expert group holding it (data ranks 0 .. P - 1, writer index = data rank x
+    // T + tensor rank). With tensor parallelism each rank of a tensor group holds its experts'
+    // whole copy (WholeModelState): their chunks are shared out over the group's T ranks.
+    const int T = std::max(1, config_.parallel.tensor);
+    const bool first_group = writer_index_ / T < config_.parallel.expert;
     for (const Chunk& c : store_->chunks()) {
-      if (c.expert >= 0 ? !first_group : c.id < first || c.id >= last) targets[c.id].id = -1;
+      const bool mine = c.expert >= 0 ? first_group && c.id % T == writer_index_ % T : c.id >= first && c.id < last;
+      if (!mine) targets[c.id].id = -1;
     }
     first = 0;
     last = static_cast<int>(store_->chunks().size());
@@ -312,6 +316,14 @@ std::optional<TrainState> Checkpointer::resume_from_memory(bool eligible) {
     std::fflush(stdout);
   }
   if (whole_state_ != nullptr) whole_state_->scatter();  // the whole model's copy into this rank's shards
+  // The step engine's carried state, as a disk resume restores it (the copy is this run's own: its
+  // trajectory and layout were checked, so a copy without one has nothing to restore).
+  const RankState& mine = m->state.ranks.front();
+  if (carried_ != nullptr && mine.has_carried) {
+    const std::string why = carried_->check_resume(mine.carried_layout, m->carried.size());
+    check(why.empty(), "memory copy of step " + std::to_string(m->state.step) + ": " + why);
+    carried_->restore(mine.carried_layout, m->carried);
+  }
   resume_event_ = {{"event", "resume"}, {"source", "memory"},  {"step", m->state.step},  {"from", m->where},
                    {"own", m->from_own}, {"buddy", m->from_buddy}, {"disk_step", disk_step}};
   return m->state;
@@ -461,8 +473,13 @@ void Checkpointer::after_step(int64_t steps_done, const LoaderPosition& data) {
     // Tensor parallel: the copy is of the whole model's state, as the disk's (every rank of the
     // tensor group gathers: a collective; a disk checkpoint begun this step gathered already).
     if (whole_state_ != nullptr && !(by_steps || by_clock)) whole_state_->gather();
-    const RankState state = rank_state(data, memory_residual_);
-    stall_ms_ += memory_->save(steps_done, *store_, state, memory_residual_);
+    RankState state = rank_state(data, memory_residual_);
+    std::vector<float> carried;  // (the step engine's: bias balancing's routing biases)
+    if (carried_ != nullptr) {
+      state.carried_layout = carried_->save(steps_done, carried);
+      state.has_carried = true;
+    }
+    stall_ms_ += memory_->save(steps_done, *store_, state, memory_residual_, carried);
   }
 }
 

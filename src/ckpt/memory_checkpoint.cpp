@@ -273,7 +273,7 @@ void MemoryCheckpoint::drop_before(int64_t step) {
 }
 
 double MemoryCheckpoint::save(int64_t step, const ChunkStore& store, const RankState& state,
-                              const std::vector<float>& residual) {
+                              const std::vector<float>& residual, const std::vector<float>& carried) {
   const auto t0 = std::chrono::steady_clock::now();
   Env& env = Env::get();
   const std::string own = dir_ + "/" + copy_name(rank_, step, false);
@@ -318,6 +318,10 @@ double MemoryCheckpoint::save(int64_t step, const ChunkStore& store, const RankS
       section(-1, "residual", residual.data(), residual.size());
       footer["residual_layout"] = state.residual_layout;
       footer["residual_keys"] = state.residual_keys;
+    }
+    if (state.has_carried) {
+      section(-1, "carried", carried.data(), carried.size());
+      footer["carried_layout"] = state.carried_layout;
     }
     footer["sections"] = std::move(sections);
     std::string text = footer.dump();
@@ -420,7 +424,9 @@ json MemoryCheckpoint::checked_footer(const char* bytes, int64_t size, const std
           what + ": compression residuals of another layout (" + f.value("residual_layout", std::string("none")) +
               ", this run " + sync.residual_layout() + ")");
     const auto [mfirst, mlast] = store.moment_chunks();
-    const size_t expected = store.chunks().size() + 2 * static_cast<size_t>(mlast - mfirst) + (wants_residual ? 1 : 0);
+    const bool has_carried = f.contains("carried_layout");  // (its size is the step engine's to check)
+    const size_t expected = store.chunks().size() + 2 * static_cast<size_t>(mlast - mfirst) + (wants_residual ? 1 : 0) +
+                            (has_carried ? 1 : 0);
     check(f["sections"].size() == expected, what + ": " + std::to_string(f["sections"].size()) +
                                                 " sections, expected " + std::to_string(expected));
     for (const json& s : f["sections"]) {
@@ -432,6 +438,7 @@ json MemoryCheckpoint::checked_footer(const char* bytes, int64_t size, const std
       const bool saved_plane = std::any_of(std::begin(kSavedPlanes), std::end(kSavedPlanes),
                                            [&](Plane p) { return plane == saved_plane_key(p); });
       const int64_t want = plane == "residual" ? static_cast<int64_t>(sync.residual_size() * sizeof(float))
+                           : plane == "carried" && has_carried ? n - n % static_cast<int64_t>(sizeof(float))
                            : saved_plane && chunk >= 0 && chunk < static_cast<int>(store.chunks().size())
                                ? store.chunks()[static_cast<size_t>(chunk)].numel * static_cast<int64_t>(sizeof(float))
                                : -1;
@@ -456,15 +463,17 @@ void MemoryCheckpoint::restore(const char* bytes, int64_t size, const std::strin
                                GradSync& sync, Restored* out, bool* written) const {
   const json f = checked_footer(bytes, size, what, store, sync);
   out->residual.clear();
+  out->carried.clear();
   for (const json& s : f["sections"]) {
     const int chunk = s["chunk"].get<int>();
     const std::string plane = s["plane"].get<std::string>();
     const char* from = bytes + s["at"].get<int64_t>();
     const size_t n = s["bytes"].get<size_t>();
     std::string sum;
-    if (plane == "residual") {
-      out->residual.resize(n / sizeof(float));
-      sum = hex64(copy_and_checksum(reinterpret_cast<char*>(out->residual.data()), from, n));
+    if (plane == "residual" || plane == "carried") {
+      std::vector<float>& into = plane == "residual" ? out->residual : out->carried;
+      into.resize(n / sizeof(float));
+      sum = hex64(copy_and_checksum(reinterpret_cast<char*>(into.data()), from, n));
     } else {
       Plane p = Plane::param;
       for (Plane q : kSavedPlanes) {
@@ -488,6 +497,8 @@ void MemoryCheckpoint::restore(const char* bytes, int64_t size, const std::strin
   mine.has_residual = !out->residual.empty();
   mine.residual_layout = f.value("residual_layout", "");
   mine.residual_keys = f.value("residual_keys", "");
+  mine.has_carried = f.contains("carried_layout");
+  mine.carried_layout = f.value("carried_layout", "");
   out->state.step = f["step"].get<int64_t>();
   out->state.data = mine.data;
   out->state.ranks = {mine};
@@ -634,6 +645,7 @@ std::optional<MemoryResume> MemoryCheckpoint::resume(ChunkStore& store, GradSync
     MemoryResume out;
     out.where = dir_;
     out.state = std::move(restored.state);
+    out.carried = std::move(restored.carried);
     out.state.dir = "memory (step " + std::to_string(step) + ")";
     double counts[2] = {own ? 1.0 : 0.0, own ? 0.0 : 1.0};
     world_.allreduce_sum(counts, 2);

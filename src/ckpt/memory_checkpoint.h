@@ -41,6 +41,7 @@ namespace keel {
 // A job's state restored from memory copies.
 struct MemoryResume {
   TrainState state;           // step, data position, ranks' states (dir: "memory (step N)")
+  std::vector<float> carried;  // this rank's carried step state (state.ranks[0].has_carried)
   int from_own = 0;           // ranks restored from their own copy
   int from_buddy = 0;         // ranks restored from the copy their buddy holds
   double load_s = 0;          // from the start of the search to the state in the store (max over ranks)
@@ -59,10 +60,12 @@ class MemoryCheckpoint {
   const std::string& job() const { return job_; }
 
   // Every rank, after step `step`: writes this rank's copy of the store's saved planes (the
-  // pending updates applied by the caller), `state` and `residual` (state.has_residual), then
-  // exchanges copies with the buddies and drops copies older than the previous one. A copy that
-  // cannot be written is reported (one line) and training goes on. Returns the milliseconds spent.
-  double save(int64_t step, const ChunkStore& store, const RankState& state, const std::vector<float>& residual);
+  // pending updates applied by the caller), `state`, `residual` (state.has_residual) and `carried`
+  // (state.has_carried: the step engine's carried state, core/carried_state.h), then exchanges
+  // copies with the buddies and drops copies older than the previous one. A copy that cannot be
+  // written is reported (one line) and training goes on. Returns the milliseconds spent.
+  double save(int64_t step, const ChunkStore& store, const RankState& state, const std::vector<float>& residual,
+              const std::vector<float>& carried = {});
 
   // Every rank, at start-up. With `eligible` (a restarted job, or train.resume = auto): restores
   // the newest step newer than `disk_step` (-1: no disk checkpoint) for which every rank has a
@@ -96,6 +99,7 @@ class MemoryCheckpoint {
     TrainState state;
     std::vector<uint64_t> versions;
     std::vector<float> residual;
+    std::vector<float> carried;
   };
   // Restores a complete copy (the bytes of a file) into the store's planes in one pass: its footer
   // is checked against this run (job, layout, every section's place and size) before anything is

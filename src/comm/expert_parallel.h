@@ -14,8 +14,8 @@
 // holding it (comm/grad_sync.h; none when data == P), everything else over the data group; the
 // gradient norm counts each expert once (expert_grad_squares). Checkpoints hold the whole model
 // (every expert, written by the ranks of the first expert group: ckpt/checkpointer.h) and resume
-// on any P, read by tensor name. With sharded experts not built yet (refused in one line): sync
-// codecs, bf16 training state, memory checkpoints. Under ZeRO-1/2 (parallel.zero >= 1) every rank
+// on any P, read by tensor name. With a sync codec an expert bucket is compressed over the ranks
+// holding its experts (comm/grad_sync.h). Under ZeRO-1/2 (parallel.zero >= 1) every rank
 // still holds every expert (a rank's moments are a contiguous range of its chunks): a rank writes
 // weight gradients for its own experts only, the data-parallel sum adds each expert's over the
 // ranks that ran it, and ZeRO shards the experts' chunks over the data group as the rest.

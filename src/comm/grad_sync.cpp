@@ -29,9 +29,8 @@ GradSync::GradSync(Communicator& comm, ChunkStore& store, GradSyncOptions option
   check(!compression || options_.codecs.size() == chunks.size(), "gradient sync: one codec per chunk expected");
   check(!compression || scatter_to_ == nullptr, "gradient sync: compressed sync cannot reduce-scatter (ZeRO-2)");
   const int P = options_.expert_group;
-  check(P == 1 || (!compression && scatter_to_ == nullptr && comm.size() % P == 0),
-        "gradient sync: sharded experts with a codec, a reduce-scatter or a group size not a multiple of " +
-            std::to_string(P));
+  check(P == 1 || (scatter_to_ == nullptr && comm.size() % P == 0),
+        "gradient sync: sharded experts with a reduce-scatter or a group size not a multiple of " + std::to_string(P));
   // Collective over the data group: the ranks holding the same experts (consecutive groups of P).
   if (P > 1 && comm.size() > P) expert_replicas_ = comm.split(comm.rank() % P, comm.rank() / P);
   const int64_t bucket_floats = std::max<int64_t>(1, options_.bucket_bytes / static_cast<int64_t>(sizeof(float)));
@@ -74,9 +73,12 @@ GradSync::GradSync(Communicator& comm, ChunkStore& store, GradSyncOptions option
                                            !same_codec(options_.codecs[c - 1], options_.codecs[c])));
     if (end - current.offset >= bucket_floats || boundary) {
       current.numel = end - current.offset;
-      if (current.codec.kind != CodecKind::none && comm.size() > 1) {
+      // (An expert bucket is compressed over the ranks holding its experts, with its own error
+      // feedback; held by this rank alone, it is never summed.)
+      Communicator& over = current.expert && expert_replicas_ ? *expert_replicas_ : comm;
+      if (current.codec.kind != CodecKind::none && over.size() > 1 && (!current.expert || expert_replicas_)) {
         current.codec_impl = Codec::make(current.codec);
-        current.comm = comm.duplicate();
+        current.comm = over.duplicate();
         current.reducer = std::make_unique<CompressedAllreduce>(*current.comm, *current.codec_impl,
                                                                 static_cast<size_t>(current.numel), options_.shape);
       }
@@ -332,6 +334,11 @@ std::string GradSync::key_of(const Bucket& b) const {
   s << 'L' << b.layer << (b.replica ? "r" : "") << '#' << b.index << ':' << b.reducer->worker_residual().size() << '+'
     << b.reducer->server_residual().size() << ':' << codec_name(b.codec.kind) << '/' << b.codec.keep << '/'
     << b.codec.block << ":D" << comm_.size();
+  // A sharded expert bucket's residuals are its experts': named by the first (another expert
+  // group size deals other experts to the rank, whose buckets then match no saved key).
+  if (b.expert) {
+    s << ":X" << store_.chunks_overlapping(b.offset, b.numel).front().expert << "/" << expert_replicas_->size();
+  }
   return s.str();
 }
 

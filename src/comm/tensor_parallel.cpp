@@ -82,18 +82,22 @@ void validate_tensor_parallel_config(const Config& c) {
   }
 }
 
-double tensor_grad_squares(GPT& model, Communicator& tensor) {
+double tensor_grad_squares(GPT& model, Communicator& tensor, Communicator* experts) {
   ChunkStore& store = model.store();
   const ModelLayout& layout = model.layout();
-  double sums[2] = {0, 0};  // split tensors (this rank's shard), replicated ones
+  double sums[3] = {0, 0, 0};  // split tensors (this rank's shard), routed experts' (with `experts`), replicated ones
   for (size_t k = 0; k < layout.tensors.size(); ++k) {
     if (layout.tensors[k].replica) continue;  // counted at home
     const PageLease use = store.use_tensor(model.tensor_ids()[k], {Plane::grad});
     double s = 0;
     for (float g : store.view(model.tensor_ids()[k], Plane::grad)) s += static_cast<double>(g) * g;
-    sums[layout.shards[k].split() ? 0 : 1] += s;
+    sums[!layout.shards[k].split()                                    ? 2
+         : experts != nullptr && layout.tensors[k].expert >= 0 ? 1
+                                                                : 0] += s;
   }
-  return tensor.allreduce_sum(sums[0]) + sums[1];
+  if (experts == nullptr) return tensor.allreduce_sum(sums[0]) + sums[2];
+  tensor.allreduce_sum(sums, 2);
+  return sums[0] + experts->allreduce_sum(sums[1]) + sums[2];
 }
 
 void tensor_share_replicated_grads(GPT& model, Communicator& tensor) {
@@ -147,7 +151,7 @@ double tensor_grad_share(GPT& model, int tensor_rank, std::pair<int, int> chunks
 }
 
 WholeModelState::WholeModelState(const Config& config, Communicator& tensor, GPT& model, Communicator* data,
-                                 const ChunkPartition* moments)
+                                 const ChunkPartition* moments, ExpertPlace experts)
     : tensor_(tensor),
       model_(model),
       data_(moments != nullptr ? data : nullptr),
@@ -155,8 +159,8 @@ WholeModelState::WholeModelState(const Config& config, Communicator& tensor, GPT
       params_sharded_(moments_ != nullptr && config.parallel.zero == 3),
       whole_(std::make_unique<ChunkStore>(config.store.chunk_bytes)) {
   // The unsplit tensors of this rank's layers (a pipeline stage's: the whole model's chunks of
-  // its layers, as a stage's checkpoints are written).
-  whole_ids_ = register_layout(*whole_, model_layout(config.model, model.ranges()));
+  // its layers, as a stage's checkpoints are written; sharded experts: its own experts').
+  whole_ids_ = register_layout(*whole_, model_layout(config.model, model.ranges(), {}, experts));
   whole_->finalize(/*touch_params=*/false);
 }
 

@@ -18,6 +18,7 @@
 #include "core/metrics_source.h"
 #include "core/step_hook.h"
 #include "model/gpt.h"
+#include "model/model_layout.h"
 #include "model/tensor_group.h"
 #include "store/chunk_store.h"
 
@@ -77,8 +78,9 @@ void validate_tensor_parallel_config(const Config& c);
 
 // The squared gradient norm of the whole model from a tensor group's shards (after the
 // data-parallel sum): split tensors summed over the group, replicated ones (identical on every
-// rank) counted once. Collective over the group.
-double tensor_grad_squares(GPT& model, Communicator& tensor);
+// rank) counted once. With sharded experts (`experts`: the expert group; comm/expert_parallel.h)
+// the routed experts' shards are summed over the expert group too. Collective over the group(s).
+double tensor_grad_squares(GPT& model, Communicator& tensor, Communicator* experts = nullptr);
 // This rank's share of the whole model's squared gradient norm over chunks [first, last) of its
 // store (ZeRO-2: the chunks whose reduced gradient it owns), to be summed over the tensor group and
 // the ranks that share the chunks out: its split tensors' pieces, and the replicated tensors'
@@ -104,9 +106,11 @@ class WholeModelState {
  public:
   // `moments` (ZeRO-1/2/3): how the model store's moments are shared out over `data`, the
   // data-parallel group (each rank holds its own chunks' moments; under ZeRO-3 also their
-  // parameters, comm/sharded_params.h); null: every rank holds all.
+  // parameters, comm/sharded_params.h); null: every rank holds all. `experts`: with sharded
+  // experts (comm/expert_parallel.h) the rank's share of the routed experts, which is all the
+  // whole copy holds of them (the checkpointer writes each expert from the ranks holding it).
   WholeModelState(const Config& config, Communicator& tensor, GPT& model, Communicator* data = nullptr,
-                  const ChunkPartition* moments = nullptr);
+                  const ChunkPartition* moments = nullptr, ExpertPlace experts = {});
   ChunkStore& store() { return *whole_; }
   // Fills the whole store from the group's shards (all-gathers; collective over the group, and
   // under ZeRO over the data-parallel group too: the moments, under ZeRO-3 also the parameters,

@@ -889,21 +889,10 @@ void Config::resolve(int world_size) {
             s(parallel.expert));
     require(parallel.context == 1, "parallel.context", "1 with parallel.expert > 1 (not built yet)",
             s(parallel.context));
-    // Without ZeRO each rank holds only its experts (comm/expert_parallel.h); what that does not
-    // combine with yet. (Under ZeRO-1/2 every rank holds every expert, sharded as the rest.)
-    if (parallel.zero == 0) {
-      const std::string sharded = " with parallel.expert > 1 and parallel.zero = 0 (sharded experts: not built yet)";
-      require(sync.codec == SyncCodec::none, "sync.codec", "\"none\"" + sharded, to_string(sync.codec));
-      require(checkpoint.memory_every == 0, "checkpoint.memory_every", "0" + sharded, s(checkpoint.memory_every));
-      require(runtime.param_dtype == StateDtype::fp32 && runtime.grad_dtype == StateDtype::fp32,
-              runtime.param_dtype != StateDtype::fp32 ? "runtime.param_dtype" : "runtime.grad_dtype", "\"fp32\"" + sharded,
-              "\"bf16\"");
-    }
   }
   if (model.moe()) {
     // What a mixture of experts does not combine with yet (docs/architecture.md, "Mixture of experts").
     const std::string moe = " with model.moe_experts > 0 (not built yet for a mixture of experts)";
-    require(parallel.tensor == 1, "parallel.tensor", "1" + moe, s(parallel.tensor));
     if (parallel.pipeline > 1) {  // (a stage's blocks' biases and figures are merged over the stages)
       require(parallel.repartition_every == 0, "parallel.repartition_every",
               "0 with a pipeline" + moe, s(parallel.repartition_every));
@@ -916,10 +905,6 @@ void Config::resolve(int world_size) {
     require(!clip.enabled(), "model.moe_experts", "0 in a dual encoder's text tower", s(model.moe_experts));
     require(tier.device_mib == 0 || parallel.expert == 1, "parallel.expert",
             "1 with memory tiers (tier.device_mib > 0; not built yet for expert parallelism)", s(parallel.expert));
-    // (A memory checkpoint holds the store and the data position, not the step engine's carried state.)
-    require(model.moe_balance != MoeBalance::bias || checkpoint.memory_every == 0, "checkpoint.memory_every",
-            "0 with model.moe_balance = \"bias\" (memory checkpoints do not hold the routing biases yet)",
-            s(checkpoint.memory_every));
   }
   if (tier.experts != TierExperts::off) {  // experts homed by their routing shares (runtime/expert_tiers.h)
     const std::string found = "\"" + std::string(to_string(tier.experts)) + "\"";

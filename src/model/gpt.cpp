@@ -513,8 +513,9 @@ void GPT::init_weights(uint64_t seed) {
       std::fill(w.begin() + lo, w.begin() + hi, 0.0f);  // biases
     } else if (tensor_part) {
       // A tensor shard draws the whole tensor's stream and keeps its part: the same weights as
-      // the whole model's, on any number of tensor ranks.
-      Rng rng(seed ^ hash_name(spec.name));
+      // the whole model's, on any number of tensor ranks (a routed expert's: its part of its stack's).
+      Rng rng(seed ^ hash_name(stream));
+      for (int64_t i = 0; i < 2 * shard.stream_first; ++i) rng.next_u64();
       const double std = (ends_with("attn.proj.w") || ends_with("mlp.proj.w")) ? residual_std : 0.02;
       std::vector<float> whole(static_cast<size_t>(whole_numel));
       // Only real vocabulary rows of wte (and of an untied head) are drawn; padded rows stay zero.

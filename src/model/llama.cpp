@@ -42,7 +42,7 @@ class LlamaBlock final : public Layer {
         t_(ids),
         rope_freq_(m.rope_frequencies()) {
     if (m.moe_block(layer - 1)) {
-      moe_ = std::make_shared<MoeFeedForward>(m, store, layer_, ids, math);
+      moe_ = std::make_shared<MoeFeedForward>(m, store, layer_, ids, math, tensor);
     } else {
       check(ids.size() == layout::down_w + 1, "GPT: llama block " + std::to_string(layer) + " without its tensors");
     }
@@ -133,8 +133,10 @@ class LlamaBlock final : public Layer {
     ops::residual_rmsnorm_forward(res2_, n2, rstd2_, x, o, P(layout::mlp_norm_w), R, C);
     n2_.seal(n2, NC);
     if (moe_) {  // a mixture of experts in place of the MLP (model/moe.h); n2 kept in float32
+      // (It routes all N rows: under sequence parallelism gathered. Its output is row-parallel's.)
       float* down = scratch_;
-      moe_->forward(moe_act_, b, n2, down, first);
+      moe_->forward(moe_act_, b, whole_rows(n2_, N).f32, down, first);
+      reduce(down, N);
       ops::residual_forward(x_out, res2_, down, NC);
       return;
     }
@@ -191,8 +193,11 @@ class LlamaBlock final : public Layer {
     auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::LlamaBlock
     auto W = [&](int t) { return model_detail::weight_operand(store_, t_[t], math_.backward); };
     // MLP branch: d(down out) = dx_out
-    if (moe_) {
-      moe_->backward_input(moe_act_, b, dx_out, dn2_);
+    if (moe_) {  // (as the dense MLP: dout of all N rows, dn2's partial sums over the group)
+      const float* dout = seq_.on() ? seq_.gather(dout_, dx_out, N, C) : dx_out;
+      float* dn2 = seq_.on() ? whole_ : dn2_;
+      moe_->backward_input(moe_act_, b, dout, dn2);
+      column_parallel_input_grad(dn2, dn2_, N);
     } else {
       const float* dout = seq_.on() ? seq_.gather(dout_, dx_out, N, C) : dx_out;
       float* dh = scratch_;
@@ -242,7 +247,7 @@ class LlamaBlock final : public Layer {
     float* partial = norm_grads_;  // [attention norm, MLP norm] of this rank's rows
     if (seq_.on()) std::fill(partial, partial + 2 * C, 0.0f);
     if (moe_) {
-      moe_->backward_weight(moe_act_, b, n2_.read().f32, dx_out);
+      moe_->backward_weight(moe_act_, b, whole_rows(n2_, N).f32, seq_.on() ? dout_ : dx_out);
     } else {
       ops::linear_backward_weight(math_.backward, G(layout::down_w), none, seq_.on() ? dout_ : dx_out, h_.read(), N, H, C);
       ops::linear_backward_weight(math_.backward, G(layout::gate_up_w), none, dgu_.read(), whole_rows(n2_, N), N, C,
@@ -258,10 +263,10 @@ class LlamaBlock final : public Layer {
  public:
   // Carves the block's tensors for micro-batches of up to B x T: what the mode keeps into
   // a.kept, what it recomputes into a.shared (as GPT-2's block: model/gpt.cpp Block::carve).
-  // Under sequence parallelism (no mixture of experts: refused with tensor parallelism) the norms'
-  // outputs, row statistics and gradients, the residual and a full recomputation's output take
-  // this rank's R rows; B keeps the gathered output gradients (dres2_ of all N rows, dout_) for W
-  // (as GPT-2's block).
+  // Under sequence parallelism the norms' outputs, row statistics and gradients, the residual and
+  // a full recomputation's output take this rank's R rows; B keeps the gathered output gradients
+  // (dres2_ of all N rows, dout_) for W (as GPT-2's block). A mixture of experts gathers n2 into the
+  // scratch for its passes, as the dense MLP's products do.
   void carve(model_detail::RecomputeCarver& a, int B, int T) {
     const int64_t N = static_cast<int64_t>(B) * T, R = seq_.rows(N);
     const bool full = mode_ == Recompute::full, any = mode_ != Recompute::none;

@@ -62,9 +62,12 @@ std::string tensor_parallel_problem(const ModelConfig& m, int tensor) {
     return n % tensor == 0 ? std::string()
                            : "expected a divisor of the model's " + what + " (" + std::to_string(n) + ")";
   };
+  bool dense_mlp = false;  // (a mixture of experts in every block has no dense MLP to split)
+  for (int l = 0; l < m.n_layer; ++l) dense_mlp = dense_mlp || !m.moe_block(l);
   for (const std::string& why :
        {divides(m.n_head, "attention heads, model.n_head"), divides(m.n_kv_head, "key/value heads, model.n_kv_head"),
-        divides(m.ffn_hidden, "MLP hidden units"),
+        dense_mlp ? divides(m.ffn_hidden, "MLP hidden units") : std::string(),
+        m.moe() ? divides(m.moe_hidden, "experts' hidden units, model.moe_hidden") : std::string(),
         divides(m.padded_vocab_size, "padded vocabulary, model.vocab_size rounded up")}) {
     if (!why.empty()) return why;
   }
@@ -145,22 +148,24 @@ ModelLayout model_layout(const ModelConfig& m, std::span<const LayerRange> range
       add(p + "attn.qkv.w", {m.qkv_dim(), C}, l, ChunkKind::attention, true, 0, {C, KV, KV});
       add(p + "attn.proj.w", {C, C}, l, ChunkKind::attention, true, 1);
       add(p + "mlp_norm.w", {C}, l, ChunkKind::norm, false);
-      if (m.moe_block(l - 1)) {  // a mixture of experts (model/moe.h; not split over tensor ranks)
+      if (m.moe_block(l - 1)) {  // a mixture of experts (model/moe.h)
+        // Over a tensor group the router is replicated; the shared experts and every routed expert
+        // are split as the dense MLP is (gate_up column-parallel, proj row-parallel).
         const int64_t E = m.moe_experts, Hm = m.moe_hidden, S = static_cast<int64_t>(m.moe_shared_experts) * Hm;
         add(p + "moe.router.w", {E, C}, l, ChunkKind::ffn, true);
         if (S > 0) {
-          add(p + "moe.shared_mlp.gate_up.w", {2 * S, C}, l, ChunkKind::ffn, true);
-          add(p + "moe.shared_mlp.proj.w", {C, S}, l, ChunkKind::ffn, true);
+          add(p + "moe.shared_mlp.gate_up.w", {2 * S, C}, l, ChunkKind::ffn, true, 0, {S, S});
+          add(p + "moe.shared_mlp.proj.w", {C, S}, l, ChunkKind::ffn, true, 1);
         }
         const int El = m.moe_experts / experts.size;
         for (int j = experts.rank * El; j < (experts.rank + 1) * El; ++j) {
           const std::string e = p + "moe.expert." + std::to_string(j) + ".";
           // Each continues its stack's stream (TensorShard::stream): expert j's part of it.
-          add(e + "gate_up.w", {2 * Hm, C}, l, ChunkKind::ffn, true);
+          add(e + "gate_up.w", {2 * Hm, C}, l, ChunkKind::ffn, true, 0, {Hm, Hm});
           out.shards.back().stream = prefix + p + "moe.experts_mlp.gate_up.w";
           out.shards.back().stream_first = j * 2 * Hm * C;
           out.tensors.back().expert = j;
-          add(e + "proj.w", {C, Hm}, l, ChunkKind::ffn, true);
+          add(e + "proj.w", {C, Hm}, l, ChunkKind::ffn, true, 1);
           out.shards.back().stream = prefix + p + "moe.experts_mlp.proj.w";
           out.shards.back().stream_first = j * C * Hm;
           out.tensors.back().expert = j;

@@ -94,9 +94,11 @@ enum Gpt2Block : int { ln1_w, ln1_b, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b,
 enum LlamaBlock : int { attn_norm_w, llama_qkv_w, llama_proj_w, mlp_norm_w, gate_up_w, down_w };
 // A llama block that is a mixture of experts (ModelConfig::moe_block): the same first four, then
 // the router [E, C], with shared experts their fused gate_up [2 S Hm, C] and proj [C, S Hm], then
-// each of the rank's routed experts j (ExpertPlace; all E unsplit) in expert order: its gate_up
+// each of the rank's routed experts j (ExpertPlace; all E without one) in expert order: its gate_up
 // [2 Hm, C] and proj [C, Hm], named moe.expert.j.gate_up.w and moe.expert.j.proj.w, each
-// TensorSpec::expert = j (chunks of their own).
+// TensorSpec::expert = j (chunks of their own). Over a tensor group the router is replicated and
+// the shared and routed experts split as the dense MLP (gate_up by its gate and up rows, proj by
+// columns: a rank holds Hm / T of every expert's units).
 enum MoeBlock : int { moe_router_w = mlp_norm_w + 1, shared_gate_up_w, shared_down_w };
 enum MoeExpert : int { expert_gate_up_w, expert_down_w, expert_tensors };
 // The index of local expert `e`'s tensor `t` among a MoE block's tensors (`shared`: the block has
@@ -122,7 +124,8 @@ enum Head : int { norm_w, norm_b, lm_head_w = 1 };  // lm_head_w: llama's untied
 ModelLayout model_layout(const ModelConfig& config, std::span<const LayerRange> ranges = {}, TensorPlace place = {},
                          ExpertPlace experts = {});
 // Why `config`'s model cannot be split over `tensor` ranks ("" when it can): heads, key/value
-// heads, MLP hidden units and the padded vocabulary must divide evenly.
+// heads, MLP hidden units (of a dense MLP, and of each expert: model.moe_hidden) and the padded
+// vocabulary must divide evenly.
 std::string tensor_parallel_problem(const ModelConfig& config, int tensor);
 // Which of the decoder's layers `ranges` hold (empty: all), checked as model_layout checks them.
 std::vector<bool> local_layers(const ModelConfig& config, std::span<const LayerRange> ranges);

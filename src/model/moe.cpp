@@ -17,14 +17,15 @@
 namespace keel {
 
 MoeFeedForward::MoeFeedForward(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids,
-                               MathMode math)
+                               MathMode math, TensorGroup* tensor)
     : store_(store),
       math_(math),
+      tp_(tensor),
       C_(m.n_embd),
       E_(m.moe_experts),
       K_(m.moe_top_k),
-      Hm_(m.moe_hidden),
-      S_(m.moe_shared_experts * m.moe_hidden),
+      Hm_(m.moe_hidden / (tensor ? tensor->size() : 1)),
+      S_(m.moe_shared_experts * m.moe_hidden / (tensor ? tensor->size() : 1)),
       capacity_factor_(m.moe_capacity),
       aux_weight_(m.moe_aux_weight),
       t_(ids),
@@ -33,7 +34,8 @@ MoeFeedForward::MoeFeedForward(const ModelConfig& m, ChunkStore& store, int laye
   const size_t experts_at = layout::moe_expert_tensor(S_ > 0, 0, layout::expert_gate_up_w);
   // Every expert's tensors, or (an expert group's rank: set_expert_group) its share's.
   const size_t held = ids.size() > experts_at ? (ids.size() - experts_at) / layout::expert_tensors : 0;
-  check(held >= 1 && ids.size() == experts_at + held * layout::expert_tensors && E_ % held == 0,
+  check(held >= 1 && ids.size() == experts_at + held * layout::expert_tensors && E_ % held == 0 &&
+            m.moe_hidden % (tensor ? tensor->size() : 1) == 0,
         "GPT: mixture-of-experts block " + std::to_string(layer) + " without its tensors");
   held_experts_ = static_cast<int>(held);
   expert_ids_.assign(ids.begin() + static_cast<std::ptrdiff_t>(experts_at), ids.end());
@@ -376,6 +378,8 @@ void MoeFeedForward::backward_input(const MoeActivations& a, const Batch& b, con
   float* dprobs = a.dlogits;
   std::memset(dprobs, 0, sizeof(float) * N * E_);
   moe::combine_backward(a.dye, dprobs, dout, a.ye, a.probs, a.choice, a.slot, N, K_, E_, C_);
+  // (Tensor parallel: dot(dout, ye) of this rank's units' part of ye; summed over the group.)
+  if (tp_ != nullptr) tp_->allreduce_sum(dprobs, static_cast<int64_t>(N) * E_);
   // d(w / S sum_s aux_s)/dp with grad_scale = 1 / (S T): w x grad_scale x E f_e (moe::aux_loss_backward's T folded in).
   if (aux_weight_ > 0) {
     moe::aux_loss_backward(dprobs, a.choice, b.B, b.T, E_, K_, static_cast<float>(aux_weight_ * b.grad_scale * b.T));
@@ -397,7 +401,7 @@ void MoeFeedForward::backward_input(const MoeActivations& a, const Batch& b, con
     ops::swiglu_backward_input(a.dgu + at * 2 * Hm_, a.dh + at * Hm_, a.gu + at * 2 * Hm_, static_cast<int>(rows), Hm_);
     moe::grouped_linear_backward_input(bw, dxs, a.dgu, &gate_up[e], a.offsets + e, 1, C_, 2 * Hm_);
   });
-  ops::linear_backward_input<float>(MatmulPrecision::fp32, dx, a.dlogits, P(layout::moe_router_w), N, C_, E_, false);
+  router_backward_input(a, N, dx);
   moe::scatter_add_rows(dx, dxs, a.slot, N, K_, C_);
   if (S_ > 0) {
     float* dhs = a.tmp;
@@ -430,9 +434,18 @@ void MoeFeedForward::backward_input_expert_parallel(const MoeActivations& a, con
                                      a.local_offsets, El, C_, 2 * Hm_);
   float* dxs = a.dye;  // (sent: free) the sorted rows' input gradient
   combine_back(a, dxr, dxs, C_);
-  ops::linear_backward_input<float>(MatmulPrecision::fp32, dx, a.dlogits, P(layout::moe_router_w), N, C_, E_, false);
+  router_backward_input(a, N, dx);
   moe::scatter_add_rows(dx, dxs, a.slot, N, K_, C_);
   if (S_ > 0) ops::linear_backward_input<float>(bw, dx, a.dgus, P(layout::shared_gate_up_w), N, C_, 2 * S_, true);
+}
+
+void MoeFeedForward::router_backward_input(const MoeActivations& a, int N, float* dx) {
+  if (tp_ != nullptr && tp_->rank() != 0) {  // (the same on every tensor rank: the group's sum takes one)
+    std::memset(dx, 0, sizeof(float) * N * C_);
+    return;
+  }
+  const float* router = store_.data(t_[layout::moe_router_w], Plane::param);
+  ops::linear_backward_input<float>(MatmulPrecision::fp32, dx, a.dlogits, router, N, C_, E_, false);
 }
 
 void MoeFeedForward::backward_weight(const MoeActivations& a, const Batch& b, const float* x, const float* dout) {

@@ -13,6 +13,19 @@
 // MoeStats, not added to the cross-entropy the head reports); with model.moe_balance = "bias" a
 // per-expert bias joins the probabilities in the top-k choice only (kernels/cpu/moe.h
 // update_balance_bias moves it between steps: comm/moe_balance.h).
+//
+// Tensor parallelism (a tensor group of T ranks): the router is replicated and every tensor rank
+// routes the same N rows the same way (its input, the normalised residual, is the same on every
+// rank: under sequence parallelism the block gathers it first), so no rows move between tensor
+// ranks. Each routed expert and the shared experts are split as the dense MLP is: a rank holds
+// Hm / T of every expert's units (gate_up column-parallel, proj row-parallel), so its outputs are
+// partial sums, weighted and combined as they are into a partial block output that the caller sums
+// over the group once (an all-reduce, or a reduce-scatter under sequence parallelism), with the
+// input gradient likewise. The router's probability gradient dot(dout, ye) is a partial sum too:
+// all-reduced over the group ([N, E] floats) before the balancing loss's gradient joins it, so the
+// router's gradients are the same on every rank; its input gradient is added on the group's first
+// rank only (the caller's sum adds it once). With an expert group as well, the exchanged rows are
+// C wide as without tensor parallelism, and each rank's experts run on its units only.
 #pragma once
 
 #include <cstdint>
@@ -26,6 +39,7 @@
 #include "model/layer.h"
 #include "model/layer_util.h"
 #include "model/model_layout.h"
+#include "model/tensor_group.h"
 #include "store/chunk_store.h"
 
 namespace keel {
@@ -73,17 +87,21 @@ struct MoeActivations {
 
 class MoeFeedForward {
  public:
-  // ids: the block's tensors (layout::MoeBlock order); `layer`: the store's layer.
-  MoeFeedForward(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, MathMode math);
+  // ids: the block's tensors (layout::MoeBlock order); `layer`: the store's layer; `tensor`: the
+  // tensor group whose shards of the experts `ids` hold (null: none).
+  MoeFeedForward(const ModelConfig& m, ChunkStore& store, int layer, const std::vector<TensorId>& ids, MathMode math,
+                 TensorGroup* tensor = nullptr);
 
   // Carves what it keeps from forward to backward for micro-batches of up to B x T tokens (over
   // a counting Carver: null pointers, only the size).
   MoeActivations carve(model_detail::Carver& kept, int B, int T) const;
   // out[N, C] (overwritten) from x[N, C] (the block's normalised residual), under the caller's
-  // parameter lease. A training micro-batch (grad_scale != 0) is counted in stats() and
-  // step_load(), unless `count` is false (its recomputation under train.recompute).
+  // parameter lease; with a tensor group this rank's part of out (the caller sums it over the
+  // group). A training micro-batch (grad_scale != 0) is counted in stats() and step_load(), unless
+  // `count` is false (its recomputation under train.recompute).
   void forward(const MoeActivations& a, const Batch& b, const float* x, float* out, bool count = true);
-  // dx[N, C] (overwritten) from dout[N, C]; keeps what backward_weight needs. The balancing loss's
+  // dx[N, C] (overwritten) from dout[N, C] (with a tensor group: dout whole, dx this rank's part, the
+  // caller sums it over the group); keeps what backward_weight needs. The balancing loss's
   // gradient (moe_aux_weight / sequences of the step x each sequence's loss) joins the router's here.
   void backward_input(const MoeActivations& a, const Batch& b, const float* dout, float* dx);
   // Accumulates the router's, the experts' and the shared experts' weight gradients.
@@ -121,7 +139,8 @@ class MoeFeedForward {
  private:
   ChunkStore& store_;
   MathMode math_;
-  int C_, E_, K_, Hm_, S_;  // width, experts, top-k, expert units, shared units (0: none)
+  TensorGroup* tp_;         // null: no tensor group
+  int C_, E_, K_, Hm_, S_;  // width, experts, top-k, expert units, shared units (0: none): this tensor rank's
   double capacity_factor_, aux_weight_;
   std::vector<TensorId> t_;
   std::vector<TensorId> expert_ids_;  // each held expert's tensors (layout::MoeExpert order), expert order
@@ -148,6 +167,8 @@ class MoeFeedForward {
   // The byte counts and offsets of a dispatch of `a`'s rows (combine_back's the other way round).
   void plan_exchange(const MoeActivations& a, int width);
   void backward_input_expert_parallel(const MoeActivations& a, const Batch& b, const float* dout, float* dx);
+  // dx[N, C] (overwritten) = the router's input gradient, or zeros on a tensor rank other than the first.
+  void router_backward_input(const MoeActivations& a, int N, float* dx);
   // The `plane` matrices of tensor `t` of the experts this rank runs (all E without a group), in expert order.
   std::vector<float*> expert_matrices(layout::MoeExpert t, Plane plane) const;
   // Routing-aware leases (no expert group). Flat element ranges of the block's tensors outside

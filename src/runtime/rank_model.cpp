@@ -101,8 +101,10 @@ std::unique_ptr<RankModel> RankModel::build(const Config& config, ProcessGroups&
   if (groups.tp() != nullptr) {
     // Under ZeRO-1/2 the moments are shared out over the data-parallel group (the optimizer's partition).
     const bool sharded = r->optimizer->zero() >= 1;
+    const ExpertPlace experts =
+        experts_sharded(config) ? ExpertPlace{groups.ep()->rank(), groups.ep()->size()} : ExpertPlace{};
     r->whole_state = std::make_unique<WholeModelState>(config, *groups.tp(), *r->model, sharded ? &dp : nullptr,
-                                                       sharded ? &r->optimizer->partition() : nullptr);
+                                                       sharded ? &r->optimizer->partition() : nullptr, experts);
   }
   if (layout) {
     r->engine = std::make_unique<pipeline::PipelineStep>(config, groups, std::move(*layout), *r->store, *r->model,

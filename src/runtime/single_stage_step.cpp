@@ -69,7 +69,7 @@ StepResult SingleStageStep::run(int64_t step, double lr) {
   // Tensor parallel: the group's shards make the whole model's norm (comm/tensor_parallel.h).
   // Sharded experts: each expert's squares once, from the rank of the expert group holding it.
   r.grad_norm = std::sqrt(sharded ? (tp_ ? tp_->allreduce_sum(sums[1]) : sums[1])
-                          : tp_   ? tensor_grad_squares(model_, *tp_)
+                          : tp_   ? tensor_grad_squares(model_, *tp_, ep_)
                           : ep_   ? expert_grad_squares(store_, *ep_)
                                   : optimizer_.local_grad_squares());
   const bool accepted = optimizer_.accept(step, r.loss, r.grad_norm);
