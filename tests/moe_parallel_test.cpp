@@ -251,6 +251,20 @@ TEST_F(MoeParallel, PipelinesRefuseWhatTheyDoNotBuildForAMixtureOfExperts) {
   }
 }
 
+// Every dimension at once: two replicas of two stages of tensor groups of 2 with expert groups of 2
+// (8 ranks), and ZeRO-3 over data 2 x tensor 2 with expert groups of 2. (The pipeline's norm once
+// left the sharded experts' squares out of a tensor group's share: 1.9e-5 apart by step 16.)
+TEST_F(MoeParallel, TensorGroupsInPipelinesAndUnderZeroThreeTrainWhatOneRankTrains) {
+  const testing::CommandResult dpt =
+      train(8, "d2p2t2-ep2", "--set parallel.pipeline=2 --set parallel.tensor=2 --set parallel.expert=2");
+  ASSERT_EQ(dpt.exit_code, 0) << dpt.output;
+  expect_like("one", "d2p2t2-ep2");
+  const testing::CommandResult z3 =
+      train(4, "d2t2-zero3-ep2", "--set parallel.zero=3 --set parallel.tensor=2 --set parallel.expert=2");
+  ASSERT_EQ(z3.exit_code, 0) << z3.output;
+  expect_like("one", "d2t2-zero3-ep2");
+}
+
 // bf16 training state: every rank computes its MoE blocks with the bf16 working bits, including the
 // experts whose float32 masters it keeps (ZeRO-0/2: a rank owns some experts' chunks; ZeRO-3: every
 // expert arrives with the layer's gather). So the three layouts train the same bytes, step by step.

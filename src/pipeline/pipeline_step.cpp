@@ -222,7 +222,7 @@ void PipelineStep::update(int64_t step, double lr, double& loss_sum, StepResult&
     const double squares = tensor == nullptr ? (experts != nullptr && !sharded ? expert_grad_squares(store_, *experts)
                                                                               : optimizer_.local_grad_squares())
                            : sharded         ? tensor_grad_share(model_, tensor->rank(), optimizer_.own_chunks())
-                                             : tensor_grad_squares(model_, *tensor);
+                                             : tensor_grad_squares(model_, *tensor, experts);
     r.grad_norm = std::sqrt(sharded ? world.allreduce_sum(squares) : pp.allreduce_sum(squares));
     if (tensor != nullptr && tensor->rank() != 0) loss_sum = 0;
     loss_sum = world.allreduce_sum(loss_sum) / replicas;
@@ -237,7 +237,7 @@ void PipelineStep::update(int64_t step, double lr, double& loss_sum, StepResult&
   Communicator* tensor = groups_.tp();
   if (tensor != nullptr && config_.sync.codec != SyncCodec::none) tensor_share_replicated_grads(model_, *tensor);
   Communicator* experts = experts_sharded(config_) ? groups_.ep() : nullptr;
-  double squares = tensor != nullptr    ? tensor_grad_squares(model_, *tensor)
+  double squares = tensor != nullptr    ? tensor_grad_squares(model_, *tensor, experts)
                    : experts != nullptr ? expert_grad_squares(store_, *experts)
                                         : grad_sum_squares(store_);
   if (tensor != nullptr && tensor->rank() != 0) loss_sum = 0;
