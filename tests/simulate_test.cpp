@@ -424,6 +424,8 @@ TEST(Simulate, TensorGroupBytesAreTheTrainers) {
       {4, 4, 8, "--set model.family=llama --set model.n_kv_head=4 --set model.tie_embeddings=false "},
       {4, 2, 4, ""},
       {2, 2, 8, llama + "--set train.recompute=full "},
+      // A mixture of experts: the router's probability gradient is summed over the group too.
+      {2, 2, 8, "--set model.preset=llama-moe-tiny --set model.vocab_size=64 --set model.max_seq_len=32 "},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     const Case& c = cases[i];

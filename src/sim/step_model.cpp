@@ -429,6 +429,9 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
     int recomputed = 0;
     for (int i = std::max(s.first, 1); i <= std::min(s.last, m.n_layer); ++i) {
       floats += 4 * N * C;
+      // A MoE block's router probability gradient (its partial sums over the split experts), once
+      // in the backward pass: N x E floats.
+      if (m.moe_block(i - 1)) floats += N * m.moe_experts;
       recomputed += recompute.at_layer(i) == Recompute::full;
     }
     floats += 2 * N * C * std::max(0, recomputed - 1);
