@@ -54,15 +54,7 @@ class MoeTensorParallel : public ::testing::Test {
   }
   static std::string at(const std::string& run) { return dir_->path() + "/" + run; }
   static std::vector<json> lines(const std::string& run) {
-    std::vector<json> out;
-    const std::string text = read_text_file(at(run) + "/metrics.jsonl");
-    for (size_t start = 0; start < text.size();) {
-      const size_t end = text.find('\n', start);
-      json j = json::parse(text.substr(start, end - start));
-      if (j.contains("loss") && !j.contains("event")) out.push_back(std::move(j));
-      start = end + 1;
-    }
-    return out;
+    return testing::step_lines(at(run) + "/metrics.jsonl");
   }
   // `run`'s steps from its first on trained what `reference`'s steps from `from` on trained: each
   // step's loss within 1e-5 relative, the same pairs routed to (and dropped by, and with bias

@@ -61,15 +61,7 @@ class MoeTiers : public ::testing::Test {
   }
   static std::string at(const std::string& run) { return dir_->path() + "/" + run; }
   static std::vector<json> steps(const std::string& run) {
-    std::vector<json> out;
-    const std::string text = read_text_file(at(run) + "/metrics.jsonl");
-    for (size_t start = 0; start < text.size();) {
-      const size_t end = text.find('\n', start);
-      json j = json::parse(text.substr(start, end - start));
-      if (j.contains("loss") && !j.contains("event")) out.push_back(std::move(j));
-      start = end + 1;
-    }
-    return out;
+    return testing::step_lines(at(run) + "/metrics.jsonl");
   }
   // The run's weights and moments, every loss and every block's routing are the memory run's bytes.
   static void expect_memory_bytes(const std::string& run, const std::string& what) {
