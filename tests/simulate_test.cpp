@@ -448,12 +448,7 @@ TEST(Simulate, TensorGroupBytesAreTheTrainers) {
     const double predicted = p.at("tensor_allreduce_bytes").get<double>();
     EXPECT_GT(predicted, 0) << run;
     int lines = 0;
-    const std::string metrics = read_text_file(dir / (run + "/metrics.jsonl"));
-    for (size_t at = 0; at < metrics.size();) {
-      const size_t end = std::min(metrics.find('\n', at), metrics.size());
-      const nlohmann::json j = nlohmann::json::parse(metrics.substr(at, end - at));
-      at = end + 1;
-      if (!j.contains("loss")) continue;
+    for (const nlohmann::json& j : testing::step_lines(dir / (run + "/metrics.jsonl"))) {
       ++lines;
       EXPECT_EQ(j.value("tensor_allreduce_bytes", int64_t{-1}), static_cast<int64_t>(predicted)) << run << " " << sets;
     }
@@ -498,12 +493,7 @@ TEST(Simulate, ExpertAlltoallBytesAreTheTrainers) {
       EXPECT_GT(predicted, first) << "a recomputed block exchanges its forward again";
     }
     int lines = 0;
-    const std::string metrics = read_text_file(dir / (run + "/metrics.jsonl"));
-    for (size_t at = 0; at < metrics.size();) {
-      const size_t end = std::min(metrics.find('\n', at), metrics.size());
-      const nlohmann::json j = nlohmann::json::parse(metrics.substr(at, end - at));
-      at = end + 1;
-      if (!j.contains("loss") || j.contains("event")) continue;
+    for (const nlohmann::json& j : testing::step_lines(dir / (run + "/metrics.jsonl"))) {
       ++lines;
       EXPECT_EQ(j.value("expert_alltoall_bytes", int64_t{-1}), static_cast<int64_t>(predicted)) << run << " " << sets;
     }
@@ -545,12 +535,7 @@ TEST(Simulate, ShardedExpertBytesAreTheTrainers) {
     EXPECT_LT(p.at("param_bytes").get<double>(), all.at("param_bytes").get<double>());
     EXPECT_LT(p.at("sync_sent_bytes").get<double>(), all.at("sync_sent_bytes").get<double>());
     int lines = 0;
-    const std::string metrics = read_text_file(dir / (run + "/metrics.jsonl"));
-    for (size_t at = 0; at < metrics.size();) {
-      const size_t end = std::min(metrics.find('\n', at), metrics.size());
-      const nlohmann::json j = nlohmann::json::parse(metrics.substr(at, end - at));
-      at = end + 1;
-      if (!j.contains("loss") || j.contains("event")) continue;
+    for (const nlohmann::json& j : testing::step_lines(dir / (run + "/metrics.jsonl"))) {
       ++lines;
       EXPECT_EQ(j.value("param_bytes", int64_t{-1}), static_cast<int64_t>(p.at("param_bytes").get<double>())) << run;
       EXPECT_EQ(j.value("model_param_bytes", int64_t{-1}), static_cast<int64_t>(all.at("param_bytes").get<double>())) << run;
