@@ -269,8 +269,12 @@ def part_largest(a, work):
 # dimensions (26 layers x 3200 channels, 32 heads without grouping, MLP 8640) on tinyllama's preset.
 LLAMA_3B = ("model.n_embd=3200", "model.n_head=32", "model.n_kv_head=32", "model.ffn_hidden=8640")
 SEARCH_SHAPES = [
+    ("tinyllama-1.1b x 4 layers", "tinyllama-1.1b", ("model.n_layer=4",)),
+    ("tinyllama-1.1b x 6 layers", "tinyllama-1.1b", ("model.n_layer=6",)),
+    ("tinyllama-1.1b x 8 layers", "tinyllama-1.1b", ("model.n_layer=8",)),
     ("tinyllama-1.1b x 11 layers", "tinyllama-1.1b", ("model.n_layer=11",)),
     ("tinyllama-1.1b (22 layers)", "tinyllama-1.1b", ()),
+    ("tinyllama-1.1b x 27 layers", "tinyllama-1.1b", ("model.n_layer=27",)),
     ("tinyllama-1.1b x 33 layers", "tinyllama-1.1b", ("model.n_layer=33",)),
     ("tinyllama-1.1b x 44 layers", "tinyllama-1.1b", ("model.n_layer=44",)),
     ("3B class: 26 x 3200", "tinyllama-1.1b", ("model.n_layer=26",) + LLAMA_3B),
