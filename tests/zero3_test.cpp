@@ -9,6 +9,7 @@
 #include <cmath>
 #include <filesystem>
 #include <map>
+#include <sstream>
 #include <nlohmann/json.hpp>
 
 #include "core/config.h"
@@ -522,6 +523,35 @@ TEST_F(Zero3, Bf16TrainingStateGathersBitsInHalfTheBytes) {
     EXPECT_EQ(testing::checkpoint_bytes(dir / "resumed/ckpt", plane), testing::checkpoint_bytes(dir / "z3/ckpt", plane))
         << static_cast<int>(plane);
   }
+}
+
+// ZeRO-2 snapshots its range for checkpoints: the start-up line counts one snapshot (three planes of
+// the rank's writer share) where the only checkpoint is the end-of-run one, and two (the base a
+// differential checkpoint is taken against) where differential checkpoints are periodic.
+TEST_F(Zero3, SnapshotBuffersCountTheCopiesARunTakes) {
+  auto buffers = [&](const std::string& run, const std::string& extra) {
+    auto r = train(2, 4, run, "--set parallel.zero=2 --set train.steps=3 --set checkpoint.full_every=3" + extra);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    const size_t at = r.output.find("checkpoint buffers ");
+    EXPECT_NE(at, std::string::npos) << r.output;
+    return at == std::string::npos ? 0.0 : std::stod(r.output.substr(at + 19));
+  };
+  const double once = buffers("end_only", " --set train.checkpoint_every=0");
+  const double periodic = buffers("periodic", " --set train.checkpoint_every=1");
+  EXPECT_GT(once, 0.0);
+  EXPECT_NEAR(periodic, 2 * once, 0.15);  // each printed %.1f
+  // One snapshot: three planes of about half the model (the two ranks' writer shares).
+  double parameters = 0;
+  std::istringstream lines(read_text_file(dir / "end_only/metrics.jsonl"));
+  for (std::string line; std::getline(lines, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("model") && j["model"].is_object() && j["model"].contains("parameters")) {
+      parameters = j["model"]["parameters"].get<double>();
+    }
+  }
+  ASSERT_GT(parameters, 0.0);
+  const double half_mb = 3 * 4.0 * parameters / 2 / 1e6;
+  EXPECT_NEAR(once, half_mb, 0.25 * half_mb);
 }
 
 // The start-up line's figures under ZeRO-3 + bf16 state are what a rank holds, measured: its own

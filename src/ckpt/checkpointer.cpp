@@ -136,10 +136,13 @@ std::string Checkpointer::last_name() const { return writer_->name(); }
 
 double Checkpointer::buffer_bytes() const {
   // Where the store's pages move (tiers), and under ZeRO-3, checkpoints stream under leases: no
-  // snapshot buffers.
-  const int copies = writer_->streams()                                             ? 0
-                     : config_.checkpoint.delta && config_.checkpoint.full_every > 1 ? 2
-                                                                                     : 1;
+  // snapshot buffers. Otherwise one snapshot of the writer's range (three planes), and a second,
+  // the base XOR deltas are taken against, once a differential checkpoint follows a committed one:
+  // only where checkpoints are periodic (a run whose one checkpoint is the end-of-run one takes one).
+  const bool periodic = config_.train.checkpoint_every > 0 || config_.train.checkpoint_every_minutes > 0;
+  const int copies = writer_->streams()                                                         ? 0
+                     : periodic && config_.checkpoint.delta && config_.checkpoint.full_every > 1 ? 2
+                                                                                                 : 1;
   return copies * 3.0 * static_cast<double>(writers_.size(writer_index_)) * sizeof(float);
 }
 
