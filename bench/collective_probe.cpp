@@ -4,9 +4,15 @@
 // for; best of `repeats`. Also one float's all-reduce (the round trip a collective's step costs),
 // median of 200. Rank 0 prints one JSON line: ranks, bytes, allreduce_ms, small_us, and the link
 // bandwidth a ring all-reduce would need for that time (ring_gbit: 2 (n-1)/n of the bytes per
-// rank), which is what bench/simulate_calibration.py puts in a cluster file's network.gbit.
+// rank), which is what bench/simulate_calibration.py puts in a cluster file's network.gbit. Beside
+// it the library's other collectives the trainer calls, each as a ring's bandwidth for its time:
+// GradSync's bucketed non-blocking reduce-scatter (ZeRO-2; reduce_scatter_ms, _gbit: (n-1)/n of the
+// bytes), ZeRO's blocking all-gather of the parameters (allgather_ms, _gbit: (n-1)/n) and one
+// blocking all-reduce of `blocking` bytes (blocking_allreduce_ms, _gbit: 2 (n-1)/n; the pipeline's
+// tied-embedding sum): OpenMPI's non-blocking collectives (libnbc) run other algorithms than its
+// blocking ones (tuned), at other rates on the same link.
 //   mpirun -n 2 build/bench/keel_collective_probe [bytes=21299200] [bucket=8388608] [repeats=5] [message=262144]
-//       [tensor_sizes=] [tensor_group=world] [gap_ms=0] [alltoall_sizes=] [expert_group=world]
+//       [tensor_sizes=] [tensor_group=world] [gap_ms=0] [alltoall_sizes=] [expert_group=world] [blocking=bytes]
 // (message: one pipeline message's bytes, timed one way between ranks 0 and 1: message_ms)
 // tensor_sizes (comma-separated bytes, e.g. the d4 job's 1024,2048,262144): a tensor group's
 // all-reduces as Keel's trainer makes them (comm/tensor_parallel.cpp: one blocking
@@ -66,6 +72,46 @@ int main(int argc, char** argv) {
     for (keel::Communicator::Request& q : requests) comm.wait(q);
     best = std::min(best, comm.allreduce_max(keel::ms_since(t0)));
   }
+  // The library's other collectives as Keel's trainer calls them, best of `repeats` each: GradSync's
+  // non-blocking reduce-scatter under ZeRO-2 (the same buckets, each scattered to the ranks whose
+  // contiguous shares of the buffer it overlaps, as ZeRO's partition gives them), ZeRO-1/2's
+  // blocking all-gather of the updated parameters (every rank's share, in place), and a blocking
+  // all-reduce of `blocking` bytes in one call (a pipeline's tied-embedding sum).
+  const size_t blocking = argc > 10 ? std::strtoull(argv[10], nullptr, 10) : bytes;
+  const int ranks = comm.size();
+  std::vector<size_t> begin(static_cast<size_t>(ranks) + 1);
+  for (int q = 0; q <= ranks; ++q) begin[static_cast<size_t>(q)] = floats * static_cast<size_t>(q) / static_cast<size_t>(ranks);
+  auto best_of = [&](const std::function<void()>& body) {
+    double out = 1e300;
+    for (int r = 0; r < repeats; ++r) {
+      comm.barrier();
+      const auto t0 = std::chrono::steady_clock::now();
+      body();
+      out = std::min(out, comm.allreduce_max(keel::ms_since(t0)));
+    }
+    return out;
+  };
+  const double scatter_ms = best_of([&] {
+    std::vector<keel::Communicator::Request> requests;
+    for (size_t at = 0; at < floats; at += per) {
+      const size_t end = std::min(floats, at + per);
+      std::vector<int> counts(static_cast<size_t>(ranks), 0);
+      for (int q = 0; q < ranks; ++q) {
+        const size_t lo = std::max(at, begin[static_cast<size_t>(q)]), hi = std::min(end, begin[static_cast<size_t>(q) + 1]);
+        counts[static_cast<size_t>(q)] = hi > lo ? static_cast<int>(hi - lo) : 0;
+      }
+      requests.push_back(comm.ireduce_scatter_sum(data.data() + at, counts));
+    }
+    for (keel::Communicator::Request& q : requests) comm.wait(q);
+  });
+  std::vector<int> share_counts(static_cast<size_t>(ranks)), share_displs(static_cast<size_t>(ranks));
+  for (int q = 0; q < ranks; ++q) {
+    share_displs[static_cast<size_t>(q)] = static_cast<int>(begin[static_cast<size_t>(q)]);
+    share_counts[static_cast<size_t>(q)] = static_cast<int>(begin[static_cast<size_t>(q) + 1] - begin[static_cast<size_t>(q)]);
+  }
+  const double gather_ms = best_of([&] { comm.allgatherv(data.data(), share_counts, share_displs); });
+  std::vector<float> tied(std::max<size_t>(1, blocking / sizeof(float)), 1.0f);
+  const double blocking_ms = best_of([&] { comm.allreduce_sum(tied.data(), tied.size()); });
   // A pipeline's activation message: `message` bytes from rank 0 to rank 1 and back (its gradient),
   // each way after the other rank's reply, as a stage boundary sees them; median of 20 one-way times.
   const size_t message = argc > 4 ? std::strtoull(argv[4], nullptr, 10) : 262144;
@@ -242,7 +288,12 @@ int main(int argc, char** argv) {
   if (comm.is_root()) {
     const double n = comm.size();
     const double ring_gbit = 2 * (n - 1) / n * static_cast<double>(bytes) * 8 / (best * 1e-3) / 1e9;
-    std::printf("{\"ranks\": %d, \"bytes\": %zu, \"bucket\": %zu, \"allreduce_ms\": %.3f, \"small_us\": %.1f, \"ring_gbit\": %.4f, "
+    const double half = (n - 1) / n * static_cast<double>(bytes) * 8 / 1e6;  // Gbit/s x ms of a reduce-scatter or all-gather
+    std::printf("{\"reduce_scatter_ms\": %.3f, \"reduce_scatter_gbit\": %.4f, \"allgather_ms\": %.3f, \"allgather_gbit\": %.4f, "
+                "\"blocking_bytes\": %zu, \"blocking_allreduce_ms\": %.3f, \"blocking_allreduce_gbit\": %.4f, ",
+                scatter_ms, half / scatter_ms, gather_ms, half / gather_ms, blocking, blocking_ms,
+                2 * (n - 1) / n * static_cast<double>(blocking) * 8 / 1e6 / blocking_ms);
+    std::printf("\"ranks\": %d, \"bytes\": %zu, \"bucket\": %zu, \"allreduce_ms\": %.3f, \"small_us\": %.1f, \"ring_gbit\": %.4f, "
                 "\"message_bytes\": %zu, \"message_ms\": %.3f, \"tensor_group\": %d, \"gap_ms\": %.3f, \"tensor\": %s, \"expert_group\": %d, \"alltoall\": %s}\n",
                 comm.size(), bytes, bucket, best, small[small.size() / 2], ring_gbit, message,
                 one_way.empty() ? 0.0 : one_way[one_way.size() / 2], group_size, gap_ms, tensor.c_str(), expert_size, alltoall.c_str());
