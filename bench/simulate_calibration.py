@@ -62,11 +62,13 @@ predicts each configuration's step. Measured: the median over repeats of each ru
 time; predicted: the median over repeats of the predictions from that repeat's profile. Exit status 0 whatever the errors; non-zero only when a run fails.
 
 Usage: bench/simulate_calibration.py [--steps N] [--warmup N] [--repeats R] [--rate R] [--only LIST]
-                                     [--out FILE] [--report FILE] [--repredict FILE [--one-rate]]
+                                     [--out FILE] [--report FILE] [--repredict FILE [--one-rate]] [--yield-when-idle]
   --steps N     timed steps per run (default 8), after --warmup N untimed (default 3)
   --repeats R   runs of each configuration (default 2), alternating
   --only LIST   configurations by name (default all; see the table)
   --out FILE    also write every result as a JSON line; --report FILE prints the table from one
+  --yield-when-idle  runs and probes of more ranks than cores with OpenMPI's mpi_yield_when_idle 1 (each
+                namespace is a one-slot host, so its ranks otherwise poll without yielding)
   --repredict FILE  predicts an --out file's runs again with this keel (no run); --one-rate: every
                 collective at the all-reduce's rate, as the model priced them before 2026-12-05
 Environment: KEEL (default build/keel), RUN_TIMEOUT (seconds per run, default 900). Needs root and
@@ -90,6 +92,14 @@ KEEL = os.environ.get("KEEL", os.path.join(ROOT, "build", "keel"))
 NETNS = os.path.join(ROOT, "scripts", "netns.sh")
 RUN_TIMEOUT = int(os.environ.get("RUN_TIMEOUT", "900"))
 TARGET = 0.10
+# --yield-when-idle: OpenMPI's ranks yield while they wait, where a run has more ranks than cores
+# (each namespace is a one-slot host, so OpenMPI polls without yielding unless told).
+YIELD = []
+
+
+def wait_mca(ranks):
+    """The mpirun options of a run or probe of `ranks` ranks: --yield-when-idle's, beyond the cores."""
+    return ["--mca", "mpi_yield_when_idle", "1"] if YIELD and ranks > (os.cpu_count() or 1) else []
 D4_PARAMETERS = 5322240  # model d4's parameters (its run event says so)
 D4_WIDTH = 256  # model d4's n_embd
 D4_TIED_BYTES = 8192 * D4_WIDTH * 4  # GPT-2's tied wte (padded vocabulary x C floats): a pipeline's sum
@@ -128,6 +138,13 @@ def tensor_of(cfg):
 
 def log(msg):
     print(msg, file=sys.stderr, flush=True)
+
+
+def group_of(cfg):
+    """The rank count whose collective probe prices a configuration's data group and stage link:
+    its data-parallel group (at least 2: a pipeline's tied sum runs between 2 ranks), None on 1 rank."""
+    pipeline = next((int(x.split("=")[1]) for x in cfg[3] if x.startswith("parallel.pipeline=")), 1)
+    return max(2, cfg[1] // pipeline // tensor_of(cfg)) if cfg[1] > 1 else None
 
 
 def expert_of(cfg):
@@ -240,7 +257,7 @@ def collective(prefix, ranks, nbytes, tensor_sizes=(), tensor_group=None, gap_ms
     env = dict(os.environ, KEEL_NETNS_PREFIX=prefix, KEEL_BINARY=KEEL, OMP_NUM_THREADS="1")
     extra = ["8388608", "5", "262144", ",".join(str(b) for b in tensor_sizes) or "0", str(tensor_group or ranks),
              "%.3f" % gap_ms, ",".join(str(b) for b in alltoall_sizes) or "0", str(expert_group or ranks), str(D4_TIED_BYTES)]
-    p = subprocess.run(["bash", NETNS, "run", "--mpirun", "-n", str(ranks)] + list(mca) + ["--", PROBE, str(nbytes)] + extra,
+    p = subprocess.run(["bash", NETNS, "run", "--mpirun", "-n", str(ranks)] + (list(mca) or wait_mca(ranks)) + ["--", PROBE, str(nbytes)] + extra,
                        capture_output=True, text=True, env=env, timeout=600)
     lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
     if p.returncode != 0 or not lines:
@@ -353,7 +370,7 @@ def train_run(work, cfg, rep, prefixes, tokens, warmup, steps, every=None):
     else:
         prefix = prefixes[link]
         run_keel(["train"] + sets(items), run_dir + ".log", env_extra={"KEEL_NETNS_PREFIX": prefix, "KEEL_BINARY": KEEL},
-                 prefix=["bash", NETNS, "run", "-n", str(ranks), "--"])
+                 prefix=["bash", NETNS, "run", "-n", str(ranks)] + wait_mca(ranks) + ["--"])
     steps_seen, costs, peak = [], None, None
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         for line in f:
@@ -439,6 +456,8 @@ def report(results):
             preds.setdefault(r["name"], []).append(r)
     links = {r["link"]: r for r in results if r.get("kind") == "link"}
     print("\n== keel simulate against runs on this machine: d4, 4 x 2 x 128 tokens per replica and step, 1 thread/rank ==")
+    if any(r.get("yield_when_idle") for r in results if r.get("kind") == "probe"):
+        print("(--yield-when-idle: runs and probes of more ranks than cores yielded while they waited)")
     for name, l in sorted(links.items()):
         print("link %-9s TCP stream %.3f Gbit/s, round trip %.0f us" % (name, l["gbit"], l["rtt_us"]))
     for o in sorted([r for r in results if r.get("kind") == "overhead"], key=lambda r: (r["ranks"], r["rep"])):
@@ -502,12 +521,16 @@ def main():
     ap.add_argument("--out", default="")
     ap.add_argument("--report", default="")
     ap.add_argument("--repredict", default="")
+    ap.add_argument("--yield-when-idle", action="store_true",
+                    help="runs and probes with more ranks than cores: OpenMPI's ranks yield while they wait")
     ap.add_argument("--one-rate", action="store_true",
                     help="every collective at the all-reduce's rate (the model before 2026-12-05), for comparison")
     a = ap.parse_args()
     if a.report:
         report([json.loads(l) for l in open(a.report) if l.strip()])
         return
+    if a.yield_when_idle:
+        YIELD.append(True)
     if not os.access(KEEL, os.X_OK):
         sys.exit("simulate_calibration.py: no keel binary at %s (bash scripts/build.sh, or set KEEL)" % KEEL)
     only = set(x.strip() for x in a.only.split(",") if x.strip())
@@ -550,18 +573,19 @@ def main():
             netns(prefixes["unshaped"], "up", "4")
             netns(prefixes["shaped"], "up", "4", "--rate", a.rate)
             mem, codec_lines = probe()
-            keep({"kind": "probe", "hbm_gbps": mem, "codecs": codec_lines})
+            keep({"kind": "probe", "hbm_gbps": mem, "codecs": codec_lines, "yield_when_idle": bool(YIELD)})
             grad_bytes = 4 * D4_PARAMETERS
             for link, prefix in prefixes.items():
                 rtt, gbit = measure_link(prefix, 400 if link == "unshaped" else 100)
                 keep({"kind": "link", "link": link, "gbit": gbit, "rtt_us": rtt, "mem_gbps": mem})
                 log("link %s: TCP stream %.3f Gbit/s, round trip %.0f us" % (link, gbit, rtt))
-                for ranks in sorted(set(c[1] for c in configs if c[1] > 1)):
+                # (every rank count a configuration runs at, and every data group's size)
+                for ranks in sorted(set(c[1] for c in configs if c[1] > 1) | set(group_of(c) for c in configs if c[1] > 1)):
                     c = collective(prefix, ranks, grad_bytes)
                     c.update({"kind": "collective", "link": link})
                     keep(c)
                     log("  %d ranks: %s" % (ranks, collective_text(c)))
-                    if ranks > (os.cpu_count() or 1):
+                    if ranks > (os.cpu_count() or 1) and not YIELD:
                         # Every namespace is a host of one slot holding one rank, so OpenMPI does not
                         # see that the ranks share this machine's cores and its ranks wait by polling
                         # without yielding (mpi_oversubscribe 0; `mpirun` on one host with more ranks
@@ -689,9 +713,8 @@ def main():
         for rep in range(a.repeats):
             costs = next(r["costs"] for r in results if r["kind"] == "profile" and r["name"] == profile_of(cfg)
                          and r["rep"] == rep)
-            pipeline = next((int(x.split("=")[1]) for x in cfg[3] if x.startswith("parallel.pipeline=")), 1)
             T = tensor_of(cfg)
-            group = max(2, cfg[1] // pipeline // T) if cfg[1] > 1 else None
+            group = group_of(cfg)
             path = cluster_file(cfg[2], cfg[1], rep, overheads[(profile_of(cfg), rep)], group, T, expert_of(cfg))
             p = predict(work, cfg, path, costs)
             p.update({"kind": "prediction", "name": cfg[0], "rep": rep})
