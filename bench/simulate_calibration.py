@@ -24,7 +24,9 @@ What the simulator is given, all measured here before or beside the runs, none f
     uncompressed, unshaped, 3 x the timed steps; ranks that share this machine's cores slow each
     other, so a "device" here is a rank at that count), run just before that count's
     configurations: every configuration is predicted from a run other than its own;
-  * the link: bench/collective_probe.cpp across the namespaces at each rank count: GradSync's
+  * the link: bench/collective_probe.cpp across the namespaces at each rank count, over groups of
+    the configuration's data group's size among them, every group at once (a 4-rank pipeline's
+    pairs among 4 ranks on the cores; since 2026-12-05, before: that many ranks alone): GradSync's
     bucketed all-reduce of the model's gradient bytes through Keel's communicator, as the
     bandwidth a ring would need for its time (OpenMPI's algorithm on TCP is not a ring: this is
     what the collective reaches), and a one-float all-reduce for the latency; a TCP stream and
@@ -69,8 +71,9 @@ Usage: bench/simulate_calibration.py [--steps N] [--warmup N] [--repeats R] [--r
   --out FILE    also write every result as a JSON line; --report FILE prints the table from one
   --yield-when-idle  runs and probes of more ranks than cores with OpenMPI's mpi_yield_when_idle 1 (each
                 namespace is a one-slot host, so its ranks otherwise poll without yielding)
-  --repredict FILE  predicts an --out file's runs again with this keel (no run); --one-rate: every
-                collective at the all-reduce's rate, as the model priced them before 2026-12-05
+  --repredict FILE  predicts an --out file's runs again with this keel (no run); --one-rate: as the
+                bench priced them before 2026-12-05 (every collective at the all-reduce's rate, each
+                data group by the probe of that many ranks alone)
 Environment: KEEL (default build/keel), RUN_TIMEOUT (seconds per run, default 900). Needs root and
 iproute2.
 """
@@ -250,13 +253,14 @@ PROBE = os.environ.get("KEEL_COLLECTIVE_PROBE", os.path.join(os.path.dirname(KEE
 
 
 def collective(prefix, ranks, nbytes, tensor_sizes=(), tensor_group=None, gap_ms=0.0, alltoall_sizes=(), expert_group=None,
-               mca=()):
+               mca=(), plain_group=None):
     """bench/collective_probe.cpp across `ranks` namespaces: GradSync's bucketed all-reduce of
     `nbytes` (and, with `tensor_sizes`, groups of `tensor_group` ranks' blocking all-reduces of each
     size), as the JSON line it prints."""
     env = dict(os.environ, KEEL_NETNS_PREFIX=prefix, KEEL_BINARY=KEEL, OMP_NUM_THREADS="1")
     extra = ["8388608", "5", "262144", ",".join(str(b) for b in tensor_sizes) or "0", str(tensor_group or ranks),
-             "%.3f" % gap_ms, ",".join(str(b) for b in alltoall_sizes) or "0", str(expert_group or ranks), str(D4_TIED_BYTES)]
+             "%.3f" % gap_ms, ",".join(str(b) for b in alltoall_sizes) or "0", str(expert_group or ranks), str(D4_TIED_BYTES),
+             str(plain_group or ranks)]
     p = subprocess.run(["bash", NETNS, "run", "--mpirun", "-n", str(ranks)] + (list(mca) or wait_mca(ranks)) + ["--", PROBE, str(nbytes)] + extra,
                        capture_output=True, text=True, env=env, timeout=600)
     lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
@@ -464,8 +468,9 @@ def report(results):
         print("  profile %d ranks rep %d: %.1f ms per step, %.1f predicted from its layer costs: overhead %+.1f ms" % (
             o["ranks"], o["rep"], o["profile_ms"], o["predicted_ms"], o["ms"]))
     for c in [r for r in results if r.get("kind") in ("collective", "collective_yield")]:
-        print("  %-9s %d ranks%s: %s" % (c["link"], c["ranks"], ", yielding (not used)" if c["kind"] == "collective_yield" else "",
-                                         collective_text(c)))
+        g = c.get("plain_group", c["ranks"])
+        print("  %-9s %d ranks%s%s: %s" % (c["link"], c["ranks"], " in groups of %d" % g if g < c["ranks"] else "",
+                                           ", yielding (not used)" if c["kind"] == "collective_yield" else "", collective_text(c)))
     for t in [r for r in results if r.get("kind") in ("tensor_probe", "tensor_probe_uniform", "alltoall_probe")]:
         print("  %-9s %d ranks in %s groups of %d, rep %d: %s; fit %.3f ms + bytes at %.3f GB/s" % (
             t["link"], t["ranks"], {"tensor_probe": "tensor (a step's sequence)", "tensor_probe_uniform": "tensor (earlier probe)",
@@ -524,7 +529,8 @@ def main():
     ap.add_argument("--yield-when-idle", action="store_true",
                     help="runs and probes with more ranks than cores: OpenMPI's ranks yield while they wait")
     ap.add_argument("--one-rate", action="store_true",
-                    help="every collective at the all-reduce's rate (the model before 2026-12-05), for comparison")
+                    help="the pricing before 2026-12-05, for comparison: every collective at the all-reduce's "
+                         "rate, each data group by the probe of that many ranks alone")
     a = ap.parse_args()
     if a.report:
         report([json.loads(l) for l in open(a.report) if l.strip()])
@@ -579,13 +585,17 @@ def main():
                 rtt, gbit = measure_link(prefix, 400 if link == "unshaped" else 100)
                 keep({"kind": "link", "link": link, "gbit": gbit, "rtt_us": rtt, "mem_gbps": mem})
                 log("link %s: TCP stream %.3f Gbit/s, round trip %.0f us" % (link, gbit, rtt))
-                # (every rank count a configuration runs at, and every data group's size)
-                for ranks in sorted(set(c[1] for c in configs if c[1] > 1) | set(group_of(c) for c in configs if c[1] > 1)):
-                    c = collective(prefix, ranks, grad_bytes)
+                # Every data group at the job's rank count: groups of g among all the job's ranks,
+                # every group at once (a 4-rank pipeline's data groups and tied sums are pairs
+                # among 4 ranks on the cores, not 2 ranks alone).
+                # (and all of them as one group: a profiling run's)
+                for ranks, g in sorted(set((c[1], group_of(c)) for c in configs if c[1] > 1) |
+                                       set((c[1], c[1]) for c in configs if c[1] > 1)):
+                    c = collective(prefix, ranks, grad_bytes, plain_group=g)
                     c.update({"kind": "collective", "link": link})
                     keep(c)
-                    log("  %d ranks: %s" % (ranks, collective_text(c)))
-                    if ranks > (os.cpu_count() or 1) and not YIELD:
+                    log("  %d ranks%s: %s" % (ranks, " in groups of %d" % g if g < ranks else "", collective_text(c)))
+                    if ranks > (os.cpu_count() or 1) and g == ranks and not YIELD:
                         # Every namespace is a host of one slot holding one rank, so OpenMPI does not
                         # see that the ranks share this machine's cores and its ranks wait by polling
                         # without yielding (mpi_oversubscribe 0; `mpirun` on one host with more ranks
@@ -664,7 +674,12 @@ def main():
             # differ with the group's size; a pipeline's data-parallel groups are smaller than the
             # world, and its tied-embedding sum runs between 2 ranks).
             g = group or ranks
-            c = next(r for r in results if r["kind"] == "collective" and r["link"] == link and r["ranks"] == g)
+            # The probe of groups of g among this many ranks (--one-rate, and files from before it:
+            # g ranks alone, where there is one).
+            def probe_of(n):
+                return next((r for r in results if r["kind"] == "collective" and r["link"] == link and r["ranks"] == n
+                             and r.get("plain_group", n) == g), None)
+            c = (probe_of(g) or probe_of(ranks)) if a.one_rate else (probe_of(ranks) or probe_of(g))
             gbit, lat = c["ring_gbit"], c["small_us"] / (2 * (g - 1))
             # The library's other collectives at their own measured rates (0: as gbit; results
             # written before the probe measured them).
