@@ -4,9 +4,16 @@
 // for; best of `repeats`. Also one float's all-reduce (the round trip a collective's step costs),
 // median of 200. Rank 0 prints one JSON line: ranks, bytes, allreduce_ms, small_us, and the link
 // bandwidth a ring all-reduce would need for that time (ring_gbit: 2 (n-1)/n of the bytes per
-// rank), which is what bench/simulate_calibration.py puts in a cluster file's network.gbit.
+// rank), which is what bench/simulate_calibration.py puts in a cluster file's network.gbit. Beside
+// it the library's other collectives the trainer calls, each as a ring's bandwidth for its time:
+// GradSync's bucketed non-blocking reduce-scatter (ZeRO-2; reduce_scatter_ms, _gbit: (n-1)/n of the
+// bytes), ZeRO's blocking all-gather of the parameters (allgather_ms, _gbit: (n-1)/n) and one
+// blocking all-reduce of `blocking` bytes (blocking_allreduce_ms, _gbit: 2 (n-1)/n; the pipeline's
+// tied-embedding sum): OpenMPI's non-blocking collectives (libnbc) run other algorithms than its
+// blocking ones (tuned), at other rates on the same link.
 //   mpirun -n 2 build/bench/keel_collective_probe [bytes=21299200] [bucket=8388608] [repeats=5] [message=262144]
-//       [tensor_sizes=] [tensor_group=world] [gap_ms=0] [alltoall_sizes=] [expert_group=world]
+//       [tensor_sizes=] [tensor_group=world] [gap_ms=0] [alltoall_sizes=] [expert_group=world] [blocking=bytes]
+//       [plain_group=world]
 // (message: one pipeline message's bytes, timed one way between ranks 0 and 1: message_ms)
 // tensor_sizes (comma-separated bytes, e.g. the d4 job's 1024,2048,262144): a tensor group's
 // all-reduces as Keel's trainer makes them (comm/tensor_parallel.cpp: one blocking
@@ -48,12 +55,23 @@ int main(int argc, char** argv) {
   const size_t bucket = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : size_t{8} << 20;
   const int repeats = argc > 3 ? std::atoi(argv[3]) : 5;
   const size_t floats = bytes / sizeof(float), per = std::max<size_t>(1, bucket / sizeof(float));
+  // plain_group (argv 11): the collectives above over groups of that many consecutive ranks, every
+  // group at once (a data group of a job with more ranks, e.g. a 4-rank pipeline's groups of 2);
+  // default: all ranks. Timings are the slowest group's (best of) and group 0's (medians).
+  const int plain_size = argc > 11 ? std::atoi(argv[11]) : comm.size();
+  if (plain_size < 1 || comm.size() % plain_size != 0) {
+    std::fprintf(stderr, "collective_probe: a plain group of %d does not divide %d ranks\n", plain_size, comm.size());
+    return 2;
+  }
+  std::unique_ptr<keel::Communicator> plain_split =
+      plain_size < comm.size() ? comm.split(comm.rank() / plain_size, comm.rank() % plain_size) : nullptr;
+  keel::Communicator& pc = plain_split ? *plain_split : comm;
   std::vector<float> data(floats, 1.0f);
   std::vector<double> small;
   for (int i = 0; i < 200; ++i) {
     float one = 1.0f;
     const auto t0 = std::chrono::steady_clock::now();
-    comm.allreduce_sum(&one, 1);
+    pc.allreduce_sum(&one, 1);
     small.push_back(keel::ms_since(t0) * 1e3);
   }
   std::sort(small.begin(), small.end());
@@ -62,29 +80,69 @@ int main(int argc, char** argv) {
     comm.barrier();
     const auto t0 = std::chrono::steady_clock::now();
     std::vector<keel::Communicator::Request> requests;
-    for (size_t at = 0; at < floats; at += per) requests.push_back(comm.iallreduce_sum(data.data() + at, std::min(per, floats - at)));
-    for (keel::Communicator::Request& q : requests) comm.wait(q);
+    for (size_t at = 0; at < floats; at += per) requests.push_back(pc.iallreduce_sum(data.data() + at, std::min(per, floats - at)));
+    for (keel::Communicator::Request& q : requests) pc.wait(q);
     best = std::min(best, comm.allreduce_max(keel::ms_since(t0)));
   }
+  // The library's other collectives as Keel's trainer calls them, best of `repeats` each: GradSync's
+  // non-blocking reduce-scatter under ZeRO-2 (the same buckets, each scattered to the ranks whose
+  // contiguous shares of the buffer it overlaps, as ZeRO's partition gives them), ZeRO-1/2's
+  // blocking all-gather of the updated parameters (every rank's share, in place), and a blocking
+  // all-reduce of `blocking` bytes in one call (a pipeline's tied-embedding sum).
+  const size_t blocking = argc > 10 ? std::strtoull(argv[10], nullptr, 10) : bytes;
+  const int ranks = pc.size();
+  std::vector<size_t> begin(static_cast<size_t>(ranks) + 1);
+  for (int q = 0; q <= ranks; ++q) begin[static_cast<size_t>(q)] = floats * static_cast<size_t>(q) / static_cast<size_t>(ranks);
+  auto best_of = [&](const std::function<void()>& body) {
+    double out = 1e300;
+    for (int r = 0; r < repeats; ++r) {
+      comm.barrier();
+      const auto t0 = std::chrono::steady_clock::now();
+      body();
+      out = std::min(out, comm.allreduce_max(keel::ms_since(t0)));
+    }
+    return out;
+  };
+  const double scatter_ms = best_of([&] {
+    std::vector<keel::Communicator::Request> requests;
+    for (size_t at = 0; at < floats; at += per) {
+      const size_t end = std::min(floats, at + per);
+      std::vector<int> counts(static_cast<size_t>(ranks), 0);
+      for (int q = 0; q < ranks; ++q) {
+        const size_t lo = std::max(at, begin[static_cast<size_t>(q)]), hi = std::min(end, begin[static_cast<size_t>(q) + 1]);
+        counts[static_cast<size_t>(q)] = hi > lo ? static_cast<int>(hi - lo) : 0;
+      }
+      requests.push_back(pc.ireduce_scatter_sum(data.data() + at, counts));
+    }
+    for (keel::Communicator::Request& q : requests) pc.wait(q);
+  });
+  std::vector<int> share_counts(static_cast<size_t>(ranks)), share_displs(static_cast<size_t>(ranks));
+  for (int q = 0; q < ranks; ++q) {
+    share_displs[static_cast<size_t>(q)] = static_cast<int>(begin[static_cast<size_t>(q)]);
+    share_counts[static_cast<size_t>(q)] = static_cast<int>(begin[static_cast<size_t>(q) + 1] - begin[static_cast<size_t>(q)]);
+  }
+  const double gather_ms = best_of([&] { pc.allgatherv(data.data(), share_counts, share_displs); });
+  std::vector<float> tied(std::max<size_t>(1, blocking / sizeof(float)), 1.0f);
+  const double blocking_ms = best_of([&] { pc.allreduce_sum(tied.data(), tied.size()); });
   // A pipeline's activation message: `message` bytes from rank 0 to rank 1 and back (its gradient),
   // each way after the other rank's reply, as a stage boundary sees them; median of 20 one-way times.
   const size_t message = argc > 4 ? std::strtoull(argv[4], nullptr, 10) : 262144;
   std::vector<float> msg(std::max<size_t>(1, message / sizeof(float)), 1.0f);
   std::vector<double> one_way;
-  for (int i = 0; i < 20 && comm.size() > 1; ++i) {
+  for (int i = 0; i < 20 && pc.size() > 1; ++i) {
     comm.barrier();
     const auto t0 = std::chrono::steady_clock::now();
-    if (comm.rank() == 0) {
-      keel::Communicator::Request s = comm.isend(msg.data(), msg.size(), 1, 7);
-      comm.wait(s);
-      keel::Communicator::Request r = comm.irecv(msg.data(), msg.size(), 1, 8);
-      comm.wait(r);
+    if (pc.rank() == 0) {
+      keel::Communicator::Request s = pc.isend(msg.data(), msg.size(), 1, 7);
+      pc.wait(s);
+      keel::Communicator::Request r = pc.irecv(msg.data(), msg.size(), 1, 8);
+      pc.wait(r);
       one_way.push_back(keel::ms_since(t0) / 2);
-    } else if (comm.rank() == 1) {
-      keel::Communicator::Request r = comm.irecv(msg.data(), msg.size(), 0, 7);
-      comm.wait(r);
-      keel::Communicator::Request s = comm.isend(msg.data(), msg.size(), 0, 8);
-      comm.wait(s);
+    } else if (pc.rank() == 1) {
+      keel::Communicator::Request r = pc.irecv(msg.data(), msg.size(), 0, 7);
+      pc.wait(r);
+      keel::Communicator::Request s = pc.isend(msg.data(), msg.size(), 0, 8);
+      pc.wait(s);
     }
   }
   std::sort(one_way.begin(), one_way.end());
@@ -240,9 +298,15 @@ int main(int argc, char** argv) {
     experts->wait(request);
   });
   if (comm.is_root()) {
-    const double n = comm.size();
+    const double n = pc.size();
     const double ring_gbit = 2 * (n - 1) / n * static_cast<double>(bytes) * 8 / (best * 1e-3) / 1e9;
-    std::printf("{\"ranks\": %d, \"bytes\": %zu, \"bucket\": %zu, \"allreduce_ms\": %.3f, \"small_us\": %.1f, \"ring_gbit\": %.4f, "
+    const double half = (n - 1) / n * static_cast<double>(bytes) * 8 / 1e6;  // Gbit/s x ms of a reduce-scatter or all-gather
+    std::printf("{\"reduce_scatter_ms\": %.3f, \"reduce_scatter_gbit\": %.4f, \"allgather_ms\": %.3f, \"allgather_gbit\": %.4f, "
+                "\"blocking_bytes\": %zu, \"blocking_allreduce_ms\": %.3f, \"blocking_allreduce_gbit\": %.4f, ",
+                scatter_ms, half / scatter_ms, gather_ms, half / gather_ms, blocking, blocking_ms,
+                2 * (n - 1) / n * static_cast<double>(blocking) * 8 / 1e6 / blocking_ms);
+    std::printf("\"plain_group\": %d, ", pc.size());
+    std::printf("\"ranks\": %d, \"bytes\": %zu, \"bucket\": %zu, \"allreduce_ms\": %.3f, \"small_us\": %.1f, \"ring_gbit\": %.4f, "
                 "\"message_bytes\": %zu, \"message_ms\": %.3f, \"tensor_group\": %d, \"gap_ms\": %.3f, \"tensor\": %s, \"expert_group\": %d, \"alltoall\": %s}\n",
                 comm.size(), bytes, bucket, best, small[small.size() / 2], ring_gbit, message,
                 one_way.empty() ? 0.0 : one_way[one_way.size() / 2], group_size, gap_ms, tensor.c_str(), expert_size, alltoall.c_str());

@@ -24,11 +24,18 @@ What the simulator is given, all measured here before or beside the runs, none f
     uncompressed, unshaped, 3 x the timed steps; ranks that share this machine's cores slow each
     other, so a "device" here is a rank at that count), run just before that count's
     configurations: every configuration is predicted from a run other than its own;
-  * the link: bench/collective_probe.cpp across the namespaces at each rank count: GradSync's
+  * the link: bench/collective_probe.cpp across the namespaces at each rank count, over groups of
+    the configuration's data group's size among them, every group at once (a 4-rank pipeline's
+    pairs among 4 ranks on the cores; since 2026-12-05, before: that many ranks alone): GradSync's
     bucketed all-reduce of the model's gradient bytes through Keel's communicator, as the
     bandwidth a ring would need for its time (OpenMPI's algorithm on TCP is not a ring: this is
     what the collective reaches), and a one-float all-reduce for the latency; a TCP stream and
-    round trip between two namespaces are printed beside it;
+    round trip between two namespaces are printed beside it; and OpenMPI's other collectives the
+    trainer calls, each at its own rate as a ring's bandwidth (its non-blocking algorithms are not
+    its blocking ones): GradSync's bucketed reduce-scatter (ZeRO-2), ZeRO-1/2's blocking all-gather
+    of the parameters, a blocking all-reduce of GPT-2's tied wte (a pipeline's tied sum). With more
+    ranks than cores the probe also runs with mpi_yield_when_idle 1, printed for comparison only:
+    each namespace is a one-slot host, so OpenMPI's ranks poll without yielding in every run here;
   * a tensor group's all-reduces: the same probe across the namespaces with the job's rank count
     split into groups of T (all groups at once, as the job runs them), replaying one step of the
     trainer's blocking all-reduces in the trainer's order and sizes (per micro-batch: the
@@ -57,11 +64,16 @@ predicts each configuration's step. Measured: the median over repeats of each ru
 time; predicted: the median over repeats of the predictions from that repeat's profile. Exit status 0 whatever the errors; non-zero only when a run fails.
 
 Usage: bench/simulate_calibration.py [--steps N] [--warmup N] [--repeats R] [--rate R] [--only LIST]
-                                     [--out FILE] [--report FILE]
+                                     [--out FILE] [--report FILE] [--repredict FILE [--one-rate]] [--yield-when-idle]
   --steps N     timed steps per run (default 8), after --warmup N untimed (default 3)
   --repeats R   runs of each configuration (default 2), alternating
   --only LIST   configurations by name (default all; see the table)
   --out FILE    also write every result as a JSON line; --report FILE prints the table from one
+  --yield-when-idle  runs and probes of more ranks than cores with OpenMPI's mpi_yield_when_idle 1 (each
+                namespace is a one-slot host, so its ranks otherwise poll without yielding)
+  --repredict FILE  predicts an --out file's runs again with this keel (no run); --one-rate: as the
+                bench priced them before 2026-12-05 (every collective at the all-reduce's rate, each
+                data group by the probe of that many ranks alone)
 Environment: KEEL (default build/keel), RUN_TIMEOUT (seconds per run, default 900). Needs root and
 iproute2.
 """
@@ -83,8 +95,17 @@ KEEL = os.environ.get("KEEL", os.path.join(ROOT, "build", "keel"))
 NETNS = os.path.join(ROOT, "scripts", "netns.sh")
 RUN_TIMEOUT = int(os.environ.get("RUN_TIMEOUT", "900"))
 TARGET = 0.10
+# --yield-when-idle: OpenMPI's ranks yield while they wait, where a run has more ranks than cores
+# (each namespace is a one-slot host, so OpenMPI polls without yielding unless told).
+YIELD = []
+
+
+def wait_mca(ranks):
+    """The mpirun options of a run or probe of `ranks` ranks: --yield-when-idle's, beyond the cores."""
+    return ["--mca", "mpi_yield_when_idle", "1"] if YIELD and ranks > (os.cpu_count() or 1) else []
 D4_PARAMETERS = 5322240  # model d4's parameters (its run event says so)
 D4_WIDTH = 256  # model d4's n_embd
+D4_TIED_BYTES = 8192 * D4_WIDTH * 4  # GPT-2's tied wte (padded vocabulary x C floats): a pipeline's sum
 
 JOB = ["model.preset=d4", "train.batch_size=2", "train.grad_accum=4", "train.seq_len=128", "train.eval_batches=1",
        "train.eval_every=0", "train.sample_tokens=0", "train.checkpoint_every=0", "train.log_every=1",
@@ -120,6 +141,13 @@ def tensor_of(cfg):
 
 def log(msg):
     print(msg, file=sys.stderr, flush=True)
+
+
+def group_of(cfg):
+    """The rank count whose collective probe prices a configuration's data group and stage link:
+    its data-parallel group (at least 2: a pipeline's tied sum runs between 2 ranks), None on 1 rank."""
+    pipeline = next((int(x.split("=")[1]) for x in cfg[3] if x.startswith("parallel.pipeline=")), 1)
+    return max(2, cfg[1] // pipeline // tensor_of(cfg)) if cfg[1] > 1 else None
 
 
 def expert_of(cfg):
@@ -224,16 +252,16 @@ def probe():
 PROBE = os.environ.get("KEEL_COLLECTIVE_PROBE", os.path.join(os.path.dirname(KEEL), "bench", "keel_collective_probe"))
 
 
-def collective(prefix, ranks, nbytes, tensor_sizes=(), tensor_group=None, gap_ms=0.0, alltoall_sizes=(), expert_group=None):
+def collective(prefix, ranks, nbytes, tensor_sizes=(), tensor_group=None, gap_ms=0.0, alltoall_sizes=(), expert_group=None,
+               mca=(), plain_group=None):
     """bench/collective_probe.cpp across `ranks` namespaces: GradSync's bucketed all-reduce of
     `nbytes` (and, with `tensor_sizes`, groups of `tensor_group` ranks' blocking all-reduces of each
     size), as the JSON line it prints."""
     env = dict(os.environ, KEEL_NETNS_PREFIX=prefix, KEEL_BINARY=KEEL, OMP_NUM_THREADS="1")
-    extra = []
-    if tensor_sizes or alltoall_sizes:
-        extra = ["8388608", "5", "262144", ",".join(str(b) for b in tensor_sizes) or "0", str(tensor_group or ranks),
-                 "%.3f" % gap_ms, ",".join(str(b) for b in alltoall_sizes) or "0", str(expert_group or ranks)]
-    p = subprocess.run(["bash", NETNS, "run", "--mpirun", "-n", str(ranks), "--", PROBE, str(nbytes)] + extra,
+    extra = ["8388608", "5", "262144", ",".join(str(b) for b in tensor_sizes) or "0", str(tensor_group or ranks),
+             "%.3f" % gap_ms, ",".join(str(b) for b in alltoall_sizes) or "0", str(expert_group or ranks), str(D4_TIED_BYTES),
+             str(plain_group or ranks)]
+    p = subprocess.run(["bash", NETNS, "run", "--mpirun", "-n", str(ranks)] + (list(mca) or wait_mca(ranks)) + ["--", PROBE, str(nbytes)] + extra,
                        capture_output=True, text=True, env=env, timeout=600)
     lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
     if p.returncode != 0 or not lines:
@@ -298,6 +326,17 @@ def mean_block_ms(costs_path):
                            for i in range(1, len(lc["forward"]) - 1))
 
 
+def collective_text(c):
+    """The probe's collectives at one rank count, as one line."""
+    out = "all-reduce of %.1f MB in %.1f ms (a ring at %.3f Gbit/s), one float %.0f us, a %d-byte message %.3f ms" % (
+        c["bytes"] / 1e6, c["allreduce_ms"], c["ring_gbit"], c["small_us"], c.get("message_bytes", 0), c.get("message_ms", 0))
+    if "allgather_ms" in c:
+        out += "; reduce-scatter %.1f ms (%.3f), all-gather %.1f ms (%.3f), blocking all-reduce of %.1f MB %.1f ms (%.3f)" % (
+            c["reduce_scatter_ms"], c["reduce_scatter_gbit"], c["allgather_ms"], c["allgather_gbit"],
+            c["blocking_bytes"] / 1e6, c["blocking_allreduce_ms"], c["blocking_allreduce_gbit"])
+    return out
+
+
 def points_text(points):
     return ", ".join("%d B %.3f ms (median %.3f)" % (q["bytes"], q["ms"], q["median_ms"]) for q in points)
 
@@ -335,7 +374,7 @@ def train_run(work, cfg, rep, prefixes, tokens, warmup, steps, every=None):
     else:
         prefix = prefixes[link]
         run_keel(["train"] + sets(items), run_dir + ".log", env_extra={"KEEL_NETNS_PREFIX": prefix, "KEEL_BINARY": KEEL},
-                 prefix=["bash", NETNS, "run", "-n", str(ranks), "--"])
+                 prefix=["bash", NETNS, "run", "-n", str(ranks)] + wait_mca(ranks) + ["--"])
     steps_seen, costs, peak = [], None, None
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         for line in f:
@@ -354,7 +393,9 @@ def train_run(work, cfg, rep, prefixes, tokens, warmup, steps, every=None):
     with open(costs_path, "w") as f:
         json.dump(costs["layer_costs"], f)
     shutil.rmtree(run_dir, ignore_errors=True)
+    # (the layer costs also inline: --repredict works once the work directory is gone)
     return {"name": name, "rep": rep, "ms": [s["ms"] for s in steps_seen], "costs": costs_path, "peak_gflops": peak,
+            "layer_costs": costs["layer_costs"],
             "sync_exposed_ms": statistics.median([s.get("sync_exposed_ms", 0.0) for s in steps_seen]),
             "tensor_allreduce_bytes": tab, "expert_alltoall_bytes": eab, "param_bytes": held, "sync_sent_bytes": sent}
 
@@ -388,6 +429,10 @@ latency_us = {intra_lat:.2f}
 gbit = {gbit:.4f}             # bench/collective_probe.cpp: GradSync's all-reduce as a ring's bandwidth
 nics_per_node = 1
 latency_us = {lat:.2f}          # ... a one-float all-reduce over its 2 (n-1) rounds
+# OpenMPI's other collectives the trainer calls, each as a ring's bandwidth (the same probe; 0: gbit):
+reduce_scatter_gbit = {reduce_scatter_gbit:.4f}       # GradSync's non-blocking reduce-scatter (ZeRO-2)
+allgather_gbit = {allgather_gbit:.4f}            # ZeRO-1/2's blocking all-gather of the parameters
+blocking_allreduce_gbit = {blocking_allreduce_gbit:.4f}   # a blocking all-reduce (the pipeline's tied sum)
 topology = "fat-tree"
 {alltoall}
 
@@ -415,14 +460,17 @@ def report(results):
             preds.setdefault(r["name"], []).append(r)
     links = {r["link"]: r for r in results if r.get("kind") == "link"}
     print("\n== keel simulate against runs on this machine: d4, 4 x 2 x 128 tokens per replica and step, 1 thread/rank ==")
+    if any(r.get("yield_when_idle") for r in results if r.get("kind") == "probe"):
+        print("(--yield-when-idle: runs and probes of more ranks than cores yielded while they waited)")
     for name, l in sorted(links.items()):
         print("link %-9s TCP stream %.3f Gbit/s, round trip %.0f us" % (name, l["gbit"], l["rtt_us"]))
     for o in sorted([r for r in results if r.get("kind") == "overhead"], key=lambda r: (r["ranks"], r["rep"])):
         print("  profile %d ranks rep %d: %.1f ms per step, %.1f predicted from its layer costs: overhead %+.1f ms" % (
             o["ranks"], o["rep"], o["profile_ms"], o["predicted_ms"], o["ms"]))
-    for c in [r for r in results if r.get("kind") == "collective"]:
-        print("  %-9s %d ranks: all-reduce of %.1f MB in %.1f ms (a ring at %.3f Gbit/s), one float %.0f us" % (
-            c["link"], c["ranks"], c["bytes"] / 1e6, c["allreduce_ms"], c["ring_gbit"], c["small_us"]))
+    for c in [r for r in results if r.get("kind") in ("collective", "collective_yield")]:
+        g = c.get("plain_group", c["ranks"])
+        print("  %-9s %d ranks%s%s: %s" % (c["link"], c["ranks"], " in groups of %d" % g if g < c["ranks"] else "",
+                                           ", yielding (not used)" if c["kind"] == "collective_yield" else "", collective_text(c)))
     for t in [r for r in results if r.get("kind") in ("tensor_probe", "tensor_probe_uniform", "alltoall_probe")]:
         print("  %-9s %d ranks in %s groups of %d, rep %d: %s; fit %.3f ms + bytes at %.3f GB/s" % (
             t["link"], t["ranks"], {"tensor_probe": "tensor (a step's sequence)", "tensor_probe_uniform": "tensor (earlier probe)",
@@ -478,10 +526,17 @@ def main():
     ap.add_argument("--out", default="")
     ap.add_argument("--report", default="")
     ap.add_argument("--repredict", default="")
+    ap.add_argument("--yield-when-idle", action="store_true",
+                    help="runs and probes with more ranks than cores: OpenMPI's ranks yield while they wait")
+    ap.add_argument("--one-rate", action="store_true",
+                    help="the pricing before 2026-12-05, for comparison: every collective at the all-reduce's "
+                         "rate, each data group by the probe of that many ranks alone")
     a = ap.parse_args()
     if a.report:
         report([json.loads(l) for l in open(a.report) if l.strip()])
         return
+    if a.yield_when_idle:
+        YIELD.append(True)
     if not os.access(KEEL, os.X_OK):
         sys.exit("simulate_calibration.py: no keel binary at %s (bash scripts/build.sh, or set KEEL)" % KEEL)
     only = set(x.strip() for x in a.only.split(",") if x.strip())
@@ -500,12 +555,19 @@ def main():
         # The runs and probes of an earlier --out file (its work directory still holding the layer
         # costs), predicted again by this keel.
         for r in (json.loads(l) for l in open(a.repredict) if l.strip()):
-            if r["kind"] in ("run", "profile", "probe", "link", "collective", "tensor_probe", "tensor_probe_uniform",
+            if r["kind"] in ("run", "profile", "probe", "link", "collective", "collective_yield", "tensor_probe", "tensor_probe_uniform",
                              "alltoall_probe"):
                 keep(r)
         probe_line = next(r for r in results if r["kind"] == "probe")
         mem, codec_lines = probe_line["hbm_gbps"], probe_line["codecs"]
-        work = os.path.dirname(next(r["costs"] for r in results if r["kind"] == "profile"))
+        for r in results:
+            if r["kind"] in ("profile", "run") and not os.path.exists(r["costs"]) and "layer_costs" in r:
+                r["costs"] = os.path.join(work, os.path.basename(r["costs"]))
+                with open(r["costs"], "w") as f:
+                    json.dump(r["layer_costs"], f)
+        missing = [r["costs"] for r in results if r["kind"] == "profile" and not os.path.exists(r["costs"])]
+        if missing:
+            sys.exit("simulate_calibration.py: --repredict: layer costs gone (%s) and not in the file" % missing[0])
         a.repeats = 1 + max(r["rep"] for r in results if r["kind"] == "profile")
         configs = [c for c in configs if any(r["kind"] == "run" and r["name"] == c[0] for r in results)]
     else:
@@ -517,18 +579,32 @@ def main():
             netns(prefixes["unshaped"], "up", "4")
             netns(prefixes["shaped"], "up", "4", "--rate", a.rate)
             mem, codec_lines = probe()
-            keep({"kind": "probe", "hbm_gbps": mem, "codecs": codec_lines})
+            keep({"kind": "probe", "hbm_gbps": mem, "codecs": codec_lines, "yield_when_idle": bool(YIELD)})
             grad_bytes = 4 * D4_PARAMETERS
             for link, prefix in prefixes.items():
                 rtt, gbit = measure_link(prefix, 400 if link == "unshaped" else 100)
                 keep({"kind": "link", "link": link, "gbit": gbit, "rtt_us": rtt, "mem_gbps": mem})
                 log("link %s: TCP stream %.3f Gbit/s, round trip %.0f us" % (link, gbit, rtt))
-                for ranks in sorted(set(c[1] for c in configs if c[1] > 1)):
-                    c = collective(prefix, ranks, grad_bytes)
+                # Every data group at the job's rank count: groups of g among all the job's ranks,
+                # every group at once (a 4-rank pipeline's data groups and tied sums are pairs
+                # among 4 ranks on the cores, not 2 ranks alone).
+                # (and all of them as one group: a profiling run's)
+                for ranks, g in sorted(set((c[1], group_of(c)) for c in configs if c[1] > 1) |
+                                       set((c[1], c[1]) for c in configs if c[1] > 1)):
+                    c = collective(prefix, ranks, grad_bytes, plain_group=g)
                     c.update({"kind": "collective", "link": link})
                     keep(c)
-                    log("  %d ranks: all-reduce of %.1f MB %.1f ms (a ring at %.3f Gbit/s), one float %.0f us" % (
-                        ranks, grad_bytes / 1e6, c["allreduce_ms"], c["ring_gbit"], c["small_us"]))
+                    log("  %d ranks%s: %s" % (ranks, " in groups of %d" % g if g < ranks else "", collective_text(c)))
+                    if ranks > (os.cpu_count() or 1) and g == ranks and not YIELD:
+                        # Every namespace is a host of one slot holding one rank, so OpenMPI does not
+                        # see that the ranks share this machine's cores and its ranks wait by polling
+                        # without yielding (mpi_oversubscribe 0; `mpirun` on one host with more ranks
+                        # than cores sets it, and with it mpi_yield_when_idle). For comparison only
+                        # (no prediction uses it): the same probe with the ranks yielding.
+                        c = collective(prefix, ranks, grad_bytes, mca=("--mca", "mpi_yield_when_idle", "1"))
+                        c.update({"kind": "collective_yield", "link": link})
+                        keep(c)
+                        log("  %d ranks, yielding when idle: %s" % (ranks, collective_text(c)))
             # Each repeat: per rank count, a profiling run (ZeRO-0, uncompressed, unshaped; 3 x the
             # timed steps, costs reported every 3 steps so that the smoothed figures forget the
             # warm-up), then every configuration at that count, predicted from that repeat's profile.
@@ -590,6 +666,7 @@ def main():
         # R ranks on this machine's cores: each gets min(1, cores / R) of a core for its codecs and
         # its memory traffic (the layer costs were measured at that sharing already).
         share = min(1.0, cores / float(ranks))
+        rates = {"reduce_scatter_gbit": 0.0, "allgather_gbit": 0.0, "blocking_allreduce_gbit": 0.0}
         if ranks == 1:
             gbit, lat = 100.0, 1.0  # no link is used
         else:
@@ -597,8 +674,17 @@ def main():
             # differ with the group's size; a pipeline's data-parallel groups are smaller than the
             # world, and its tied-embedding sum runs between 2 ranks).
             g = group or ranks
-            c = next(r for r in results if r["kind"] == "collective" and r["link"] == link and r["ranks"] == g)
+            # The probe of groups of g among this many ranks (--one-rate, and files from before it:
+            # g ranks alone, where there is one).
+            def probe_of(n):
+                return next((r for r in results if r["kind"] == "collective" and r["link"] == link and r["ranks"] == n
+                             and r.get("plain_group", n) == g), None)
+            c = (probe_of(g) or probe_of(ranks)) if a.one_rate else (probe_of(ranks) or probe_of(g))
             gbit, lat = c["ring_gbit"], c["small_us"] / (2 * (g - 1))
+            # The library's other collectives at their own measured rates (0: as gbit; results
+            # written before the probe measured them).
+            rates = {k: 0.0 if a.one_rate else c.get(k, 0.0) for k in ("reduce_scatter_gbit", "allgather_gbit",
+                                                                         "blocking_allreduce_gbit")}
         scaled = []
         for line in codec_lines.splitlines():
             k, v = line.split("=")
@@ -625,8 +711,7 @@ def main():
         with open(path, "w") as f:
             f.write(CLUSTER.format(link=link, nodes=1, per_node=tensor, tflops=peak / 1e3, mem=mem * share, gbit=gbit,
                                    lat=lat, intra_gbps=intra_gbps, intra_lat=intra_lat, codecs="\n".join(scaled),
-                                   alltoall=alltoall,
-                                   overhead=overhead))
+                                   alltoall=alltoall, overhead=overhead, **rates))
         return path
 
     # Each profiling run calibrates the per-step overhead at its rank count: its median step beyond
@@ -643,9 +728,8 @@ def main():
         for rep in range(a.repeats):
             costs = next(r["costs"] for r in results if r["kind"] == "profile" and r["name"] == profile_of(cfg)
                          and r["rep"] == rep)
-            pipeline = next((int(x.split("=")[1]) for x in cfg[3] if x.startswith("parallel.pipeline=")), 1)
             T = tensor_of(cfg)
-            group = max(2, cfg[1] // pipeline // T) if cfg[1] > 1 else None
+            group = group_of(cfg)
             path = cluster_file(cfg[2], cfg[1], rep, overheads[(profile_of(cfg), rep)], group, T, expert_of(cfg))
             p = predict(work, cfg, path, costs)
             p.update({"kind": "prediction", "name": cfg[0], "rep": rep})

@@ -547,6 +547,66 @@ TEST(Simulate, ShardedExpertBytesAreTheTrainers) {
   EXPECT_GT(whole, 0);
 }
 
+// A cluster file's measured rates of the library's other collectives price those collectives only:
+// the pipeline's tied-embedding sum (one blocking all-reduce between the two stages) at
+// blocking_allreduce_gbit, ZeRO-1/2's parameter all-gather at allgather_gbit, ZeRO-2's bucketed
+// reduce-scatter at reduce_scatter_gbit, each a ring's bytes at that rate (hand-computed from the
+// prediction's own bytes); an all-reducing ZeRO-0 step is unchanged by all three.
+TEST(Simulate, EachCollectiveAtItsMeasuredRate) {
+  // This machine as the calibration describes it: every rank a node of one device, 0.5 Gbit/s.
+  std::string base = read_text_file(kCluster);
+  base.replace(base.find("nodes = 4 "), 10, "nodes = 2 ");
+  base.replace(base.find("devices_per_node = 8"), 20, "devices_per_node = 1");
+  base.replace(base.find("gbit = 200"), 10, "gbit = 0.5");
+  base.replace(base.find("nics_per_node = 8"), 17, "nics_per_node = 1");
+  base.replace(base.find("topology = \"rail\""), 17, "topology = \"fat-tree\"");
+  auto predict = [&](const std::vector<std::string>& sets, const std::string& network_keys) {
+    Config config = Config::load("", sets);
+    resolve_job_config(config, 2);
+    std::string text = base;
+    text.insert(text.find("oversubscription = 1"), network_keys);
+    return sim::predict_step(config, sim::Cluster::parse(text, "rates"), sim::SimLayout{});
+  };
+  const std::vector<std::string> job = {"model.preset=d4", "train.batch_size=2", "train.grad_accum=4", "train.seq_len=128"};
+  const double gbs = 0.5 / 8 * 1e9;  // the network's bytes per second
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), job.begin(), job.end());
+    return more;
+  };
+  // The tied tensor's gradient: wte (padded vocabulary x C floats; not the position embedding),
+  // each rank sending all of it once (a ring of two) at the blocking all-reduce's rate.
+  Config d4 = Config::load("", job);
+  resolve_job_config(d4, 2);
+  const double tied_bytes = static_cast<double>(d4.model.padded_vocab_size) * d4.model.n_embd * 4;
+  ASSERT_GT(tied_bytes, 8e6);
+  const std::vector<std::string> pipe = with({"parallel.pipeline=2", "parallel.schedule=1f1b"});
+  const sim::StepPrediction tied = predict(pipe, ""), tied_fast = predict(pipe, "blocking_allreduce_gbit = 2\n");
+  EXPECT_EQ(tied.pipeline, 2);
+  EXPECT_NEAR(tied.sync_exposed_ms - tied_fast.sync_exposed_ms, tied_bytes / gbs * 1e3 * (1 - 0.25), 1e-6);
+  // (the step: the same, within the cluster file's amortized checkpoint share)
+  EXPECT_NEAR(tied.step_ms - tied_fast.step_ms, tied_bytes / gbs * 1e3 * (1 - 0.25), 1e-5 * tied.step_ms);
+  // ZeRO-1: all-reduce (2 (n-1)/n = 1 of the bytes) then all-gather (1/2): 1.5 x the bytes sent.
+  const sim::StepPrediction z1 = predict(with({"parallel.zero=1"}), ""),
+                            z1_fast = predict(with({"parallel.zero=1"}), "allgather_gbit = 1\n");
+  const double raw1 = z1.sync_sent_bytes / 1.5;
+  EXPECT_NEAR(z1.sync_ms - z1_fast.sync_ms, raw1 / 2 / gbs * 1e3 * (1 - 0.5), 1e-6);
+  // ZeRO-2: reduce-scatter (1/2) and all-gather (1/2): the bytes sent are the raw bytes.
+  const sim::StepPrediction z2 = predict(with({"parallel.zero=2"}), ""),
+                            z2_rs = predict(with({"parallel.zero=2"}), "reduce_scatter_gbit = 0.25\n"),
+                            z2_ag = predict(with({"parallel.zero=2"}), "allgather_gbit = 1\n");
+  const double raw2 = z2.sync_sent_bytes;
+  EXPECT_NEAR(z2_rs.sync_ms - z2.sync_ms, raw2 / 2 / gbs * 1e3 * (2 - 1), 1e-6);
+  EXPECT_NEAR(z2.sync_ms - z2_ag.sync_ms, raw2 / 2 / gbs * 1e3 * (1 - 0.5), 1e-6);
+  // ZeRO-0 all-reduces only, without a tied sum: none of the three applies.
+  const sim::StepPrediction z0 = predict(job, ""),
+                            z0_all = predict(job, "reduce_scatter_gbit = 0.25\nallgather_gbit = 1\nblocking_allreduce_gbit = 2\n");
+  EXPECT_EQ(z0.step_ms, z0_all.step_ms);
+  EXPECT_GT(z0.sync_ms, 0);
+  std::string negative = base;
+  negative.insert(negative.find("oversubscription = 1"), "allgather_gbit = -1\n");
+  EXPECT_THROW(sim::Cluster::parse(negative, "negative"), Error);
+}
+
 TEST(Simulate, BadInputIsOneLine) {
   testing::TempDir dir("keel-sim");
   const std::string good = read_text_file(kCluster);

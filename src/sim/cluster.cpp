@@ -68,6 +68,9 @@ std::vector<Key> keys(Cluster& c) {
       num("network", "oversubscription", &c.network.oversubscription, false, 1, 1e3, false),
       num("network", "alltoall_latency_us", &c.network.alltoall_latency_us, false, 0, 1e9, false),
       num("network", "alltoall_gbps", &c.network.alltoall_gbps, false, 0, 1e6, false),
+      num("network", "reduce_scatter_gbit", &c.network.reduce_scatter_gbit, false, 0, 1e6, false),
+      num("network", "allgather_gbit", &c.network.allgather_gbit, false, 0, 1e6, false),
+      num("network", "blocking_allreduce_gbit", &c.network.blocking_allreduce_gbit, false, 0, 1e6, false),
       num("variability", "jitter", &c.variability.jitter, false, 0, 1, false),
       num("variability", "straggler_fraction", &c.variability.straggler_fraction, false, 0, 1, false),
       num("variability", "straggler_slowdown", &c.variability.straggler_slowdown, false, 1, 100, false),
@@ -124,8 +127,8 @@ double Device::gemm_share(double min_dim) const {
   return gemm_efficiency.back().second;
 }
 
-double Network::device_gbps(int devices_per_node) const {
-  return gbit / 8.0 * nics_per_node / devices_per_node / oversubscription;
+double Network::device_gbps(int devices_per_node, double measured_gbit) const {
+  return (measured_gbit > 0 ? measured_gbit : gbit) / 8.0 * nics_per_node / devices_per_node / oversubscription;
 }
 
 Cluster Cluster::load(const std::string& path) { return parse(read_text_file(path), "cluster file " + path); }

@@ -58,8 +58,18 @@ struct Network {  // between nodes
   // exchange costs alltoall_latency_us + the bytes a rank sends off-rank at alltoall_gbps GB/s.
   // Default 0: from the links (the group's link bandwidth, one latency per peer).
   double alltoall_latency_us = 0, alltoall_gbps = 0;
-  // Bandwidth one device gets to another node, GB/s: its NIC share, over the oversubscription.
-  double device_gbps(int devices_per_node) const;
+  // `gbit` is what the data-parallel sync's bucketed non-blocking all-reduce reaches, as a ring's
+  // bandwidth. Where an MPI library reaches other rates with its other collectives (OpenMPI:
+  // libnbc's non-blocking algorithms are not its blocking ones' rings), each as a ring's bandwidth
+  // per NIC, Gbit/s, measured apart (bench/collective_probe.cpp): GradSync's bucketed non-blocking
+  // reduce-scatter under ZeRO-2 (reduce_scatter_gbit: (n-1)/n of the bytes), the blocking
+  // all-gather of ZeRO-1/2's updated parameters (allgather_gbit: (n-1)/n), a blocking all-reduce
+  // (blocking_allreduce_gbit: 2 (n-1)/n; the pipeline's tied-embedding sum between two stages).
+  // Default 0: gbit.
+  double reduce_scatter_gbit = 0, allgather_gbit = 0, blocking_allreduce_gbit = 0;
+  // Bandwidth one device gets to another node, GB/s: its NIC share, over the oversubscription
+  // (of a collective measured at `measured_gbit` per NIC where given, else at `gbit`).
+  double device_gbps(int devices_per_node, double measured_gbit = 0) const;
 };
 
 struct Variability {

@@ -16,10 +16,13 @@ namespace keel::sim {
 // group's traffic leaving one node shares `node_gbps` GB/s (the node's NICs over the groups that
 // use them at once) and a hop between nodes costs `inter_latency_us`. For the flat ring of
 // CollectiveKind::ring, `device_gbps` is the bandwidth one member gets across nodes (its NIC share).
+// Across nodes, the flat ring's reduce-scatter and all-gather alone run at `device_rs_gbps` and
+// `device_ag_gbps` where the library measured other rates for them (0: device_gbps).
 struct CollectiveGroup {
   int ranks = 1, per_node = 1;
   double intra_gbps = 0, intra_latency_us = 0;
   double node_gbps = 0, device_gbps = 0, inter_latency_us = 0;
+  double device_rs_gbps = 0, device_ag_gbps = 0;
   int nodes() const { return (ranks + per_node - 1) / per_node; }
 };
 

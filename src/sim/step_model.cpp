@@ -66,10 +66,13 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
   // (the group's figures; an expert's chunks are rebound to expert_group below)
   const CollectiveGroup* g = &data_group;
   int ranks = 0;
-  double n = 0, gbps = 0, latency_us = 0, round_ms = 0;
+  double n = 0, gbps = 0, rs_gbps = 0, ag_gbps = 0, latency_us = 0, round_ms = 0;
   auto bind = [&](const CollectiveGroup& to) {
     g = &to, ranks = to.ranks, n = to.ranks;
     gbps = to.nodes() <= 1 ? to.intra_gbps : to.device_gbps;
+    // (a flat ring across nodes: the library's reduce-scatter and all-gather at their own rates)
+    rs_gbps = to.nodes() > 1 && to.device_rs_gbps > 0 ? to.device_rs_gbps : gbps;
+    ag_gbps = to.nodes() > 1 && to.device_ag_gbps > 0 ? to.device_ag_gbps : gbps;
     latency_us = to.nodes() <= 1 ? to.intra_latency_us : to.inter_latency_us;
     // Each bucket's collective pays its rounds' latency: 2 (N-1) for a ring (two-phase and the
     // all-gather of gather alike, within a factor 2 for the latter).
@@ -135,8 +138,8 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
     if (p.kind == CodecKind::none) {
       const double sent = plain_overlap * 2 * (n - 1) / n * raw * wire;
       out.wire_bytes += sent;
-      if (flat) {
-        out.layer_ms[layer_of(c.layer)] += sent / (gbps * 1e9) * 1e3;
+      if (flat) {  // (ZeRO-2/3: the reduce-scatter alone)
+        out.layer_ms[layer_of(c.layer)] += sent / ((config.parallel.zero >= 2 ? rs_gbps : gbps) * 1e9) * 1e3;
       } else {
         run_plain += raw;
       }
@@ -162,7 +165,7 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
   const double param_wire = stack.param_bytes / sizeof(float);  // a gathered parameter's bytes per float32 byte
   if (config.parallel.zero == 1 || config.parallel.zero == 2) {  // every parameter, gathered after the optimizer
     const double gather = (n - 1) / n * out.raw_bytes * param_wire;
-    out.after_ms = flat ? gather / (gbps * 1e9) * 1e3 + std::ceil(out.raw_bytes / static_cast<double>(bucket)) * (n - 1) * latency_us * 1e-3
+    out.after_ms = flat ? gather / (ag_gbps * 1e9) * 1e3 + std::ceil(out.raw_bytes / static_cast<double>(bucket)) * (n - 1) * latency_us * 1e-3
                         : allreduce(out.raw_bytes * param_wire, data_group, stack.collective, 0.5).ms;
     out.wire_bytes += gather;
   } else if (config.parallel.zero >= 3) {  // two gathers per step, one per layer each
@@ -487,6 +490,8 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   group.intra_gbps = cluster.intra.gbps, group.intra_latency_us = cluster.intra.latency_us;
   group.device_gbps = cluster.network.device_gbps(cluster.devices_per_node);
   group.node_gbps = group.device_gbps * group.per_node, group.inter_latency_us = cluster.network.latency_us;
+  group.device_rs_gbps = cluster.network.device_gbps(cluster.devices_per_node, cluster.network.reduce_scatter_gbit);
+  group.device_ag_gbps = cluster.network.device_gbps(cluster.devices_per_node, cluster.network.allgather_gbit);
   std::vector<LayerRange> heaviest;
   for (size_t s = 0; s < stages.size(); ++s) {
     if (schedule.stage_rank[s] == most_rank) heaviest.push_back(stages[s]);
@@ -540,8 +545,12 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   r.sync_exposed_ms = std::max(0.0, link_free - bw_end) + sync.after_ms + r.sync_codec_ms;
   if (!m.llama() && P > 1) {
     // GPT-2's tied embedding lives on the first stage and as a replica on the head's: the two
-    // copies' gradients are summed between those ranks every step, once both backwards are done.
-    const double tied = ring_ms(params[0] / TP * 4, 2, pp_gbps, pp_lat);
+    // copies' gradients are summed between those ranks every step, once both backwards are done:
+    // one blocking all-reduce (PipelineStep::sum_tied_grads), at a blocking all-reduce's rate.
+    const double tied_gbps =
+        pp_across ? cluster.network.device_gbps(cluster.devices_per_node, cluster.network.blocking_allreduce_gbit) : pp_gbps;
+    // The group's tensor is wte alone (the position embedding is the first stage's own).
+    const double tied = ring_ms(static_cast<double>(m.padded_vocab_size) * m.n_embd / TP * 4, 2, tied_gbps, pp_lat);
     r.sync_ms += tied;
     r.sync_exposed_ms += tied;
   }
