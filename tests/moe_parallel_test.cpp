@@ -288,14 +288,5 @@ TEST_F(MoeParallel, Bf16StateComputesWithTheSameBitsUnderEveryZeroStage) {
   }
 }
 
-// What ZeRO-3 does not combine with for a mixture of experts yet: one line naming the key.
-TEST_F(MoeParallel, ZeroThreeRefusesMemoryTiersForAMixtureOfExperts) {
-  const std::string refusal = testing::config_refusal(
-      {"model.preset=llama-moe-tiny", "parallel.zero=3", "tier.device_mib=1", "tier.host_mib=64"}, 2);
-  EXPECT_NE(refusal.find("parallel.zero"), std::string::npos) << refusal;
-  EXPECT_NE(refusal.find("memory tiers"), std::string::npos) << refusal;
-  EXPECT_EQ(testing::config_refusal({"model.preset=llama-moe-tiny", "parallel.zero=3", "parallel.expert=2"}, 2), "");
-}
-
 }  // namespace
 }  // namespace keel

@@ -1,8 +1,8 @@
 // A mixture of experts over the memory tiers (the llama-moe-tiny preset at the toy's size: 2 MoE
 // blocks of 4 experts, top-2, one shared expert): a small compute tier with host DRAM and NVMe
-// trains the bytes of the run in memory and resumes exactly; expert parallelism with tiers is
-// refused in one line; the planner of experts' homes by routing share (store/expert_homes.h)
-// against a brute-force answer.
+// trains the bytes of the run in memory and resumes exactly; the planner of experts' homes by
+// routing share (store/expert_homes.h) against a brute-force answer. On 2 ranks (expert groups,
+// ZeRO-3): tests/moe_tiers_parallel_test.cpp.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -304,14 +304,6 @@ TEST(MoeTierLeases, ReHomedExpertsHitAsExpertsPlacedThere) {
   EXPECT_EQ(std::memcmp(placed.params.data(), rehomed.params.data(), placed.params.size() * sizeof(float)), 0);
 }
 
-TEST_F(MoeTiers, ExpertParallelismWithTiersIsRefusedInOneLine) {
-  const std::string why = testing::config_refusal(
-      {"model.preset=llama-moe-tiny", "tier.device_mib=64", "tier.host_mib=64", "parallel.expert=2"}, 2);
-  EXPECT_NE(why.find("config key 'parallel.expert'"), std::string::npos) << why;
-  EXPECT_EQ(why.find('\n'), std::string::npos) << why;
-  EXPECT_EQ(testing::config_refusal({"model.preset=llama-moe-tiny", "tier.device_mib=64", "tier.host_mib=64"}, 1), "");
-}
-
 // Without balancing the routers favour a few experts; tier.experts = "by_frequency" re-homes the
 // experts every 2 steps by the pairs routed to each since the last plan: afterwards every
 // device-homed expert's share is at least any other's divided by the hysteresis (1.25), some
@@ -368,8 +360,37 @@ TEST_F(MoeTiers, BadValuesOfTheExpertKeysAreRefusedInOneLine) {
             std::string::npos);
   EXPECT_NE(refusal({"tier.experts=by_frequency", "tier.policy=adaptive"}).find("'tier.policy'"), std::string::npos);
   EXPECT_NE(refusal({"tier.experts_every=0"}).find("'tier.experts_every'"), std::string::npos);
-  EXPECT_NE(refusal({"tier.experts=by_frequency", "runtime.precision=bf16"}).find("'runtime.precision'"),
-            std::string::npos);
+  for (const char* state : {"runtime.param_dtype", "runtime.grad_dtype"}) {
+    EXPECT_NE(refusal({"tier.experts=by_frequency", std::string(state) + "=bf16"}).find(std::string("'") + state + "'"),
+              std::string::npos);
+  }
+  EXPECT_EQ(refusal({"tier.experts=by_frequency", "runtime.precision=bf16"}), "");
+}
+
+// bf16 products (runtime.precision = "bf16": the tiers hold float32 pages, the products round
+// them) with the experts homed by routing share every 2 steps: the bytes of bf16 products in memory.
+TEST_F(MoeTiers, ByFrequencyWithBf16ProductsTrainsTheBytesOfBf16InMemory) {
+  const std::string bf16 = " --set runtime.precision=bf16 ";
+  testing::CommandResult r = train("memory-bf16", bf16);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = train("tiered-bf16", bf16 + tiers("--set tier.experts=by_frequency --set tier.experts_every=2"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("tier.experts = by_frequency"), std::string::npos) << r.output;
+  for (Plane p : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+    EXPECT_EQ(testing::checkpoint_bytes(at("tiered-bf16") + "/ckpt", p), testing::checkpoint_bytes(at("memory-bf16") + "/ckpt", p))
+        << "plane " << static_cast<int>(p);
+  }
+  const std::vector<json> got = steps("tiered-bf16"), want = steps("memory-bf16");
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].at("loss").get<double>(), want[i].at("loss").get<double>()) << "step " << i + 1;
+    EXPECT_EQ(got[i].at("moe_layers"), want[i].at("moe_layers")) << "step " << i + 1;
+    EXPECT_EQ(got[i].at("tier_stale_refetches").get<int>(), 0);
+  }
+  EXPECT_NE(testing::checkpoint_bytes(at("memory-bf16") + "/ckpt"), testing::checkpoint_bytes(at("memory") + "/ckpt"))
+      << "bf16 products trained float32's bytes";
+  fs::remove_all(at("memory-bf16"));
+  fs::remove_all(at("tiered-bf16"));
 }
 
 // The planner against every assignment of 5 experts to the three tiers: the plan is the one a

@@ -900,11 +900,13 @@ void Config::resolve(int world_size) {
               "\"off\" with a pipeline" + moe, "\"" + std::string(to_string(parallel.predict_gradients)) + "\"");
       require(tier.device_mib == 0, "tier.device_mib", "0 with a pipeline" + moe, s(tier.device_mib));
     }
-    require(parallel.zero <= 2 || tier.device_mib == 0, "parallel.zero",
-            "0, 1 or 2 with memory tiers (tier.device_mib > 0)" + moe, s(parallel.zero));
+    require(parallel.zero != 3 || tier.experts == TierExperts::off, "tier.experts",
+            "\"off\" with parallel.zero = 3 (not built yet: experts homed by routing share under ZeRO-3)",
+            "\"" + std::string(to_string(tier.experts)) + "\"");
     require(!clip.enabled(), "model.moe_experts", "0 in a dual encoder's text tower", s(model.moe_experts));
-    require(tier.device_mib == 0 || parallel.expert == 1, "parallel.expert",
-            "1 with memory tiers (tier.device_mib > 0; not built yet for expert parallelism)", s(parallel.expert));
+    require(tier.device_mib == 0 || parallel.expert == 1 || parallel.zero == 0 || parallel.zero == 3, "parallel.zero",
+            "0 or 3 with parallel.expert > 1 and memory tiers (tier.device_mib > 0; not built yet for ZeRO-1/2)",
+            s(parallel.zero));
   }
   if (tier.experts != TierExperts::off) {  // experts homed by their routing shares (runtime/expert_tiers.h)
     const std::string found = "\"" + std::string(to_string(tier.experts)) + "\"";
@@ -912,10 +914,11 @@ void Config::resolve(int world_size) {
     require(tier.device_mib > 0, "tier.experts", "\"off\" without memory tiers (tier.device_mib = 0)", found);
     require(tier.policy == TierPolicy::static_, "tier.policy",
             "\"static\" with tier.experts = \"by_frequency\" (both would re-home the experts' pages)", "\"adaptive\"");
-    require(runtime.precision != Precision::bf16, "runtime.precision",
-            "\"fp32\" with tier.experts = \"by_frequency\" (not built yet: the bf16 training state holds the "
-            "parameter and gradient pages the experts' homes would move)",
-            "\"bf16\"");
+    // (bf16 products are built: the tiers hold the float32 pages and the products round them.)
+    const std::string state = "\"fp32\" with tier.experts = \"by_frequency\" (not built yet: the bf16 training state "
+                              "holds the parameter and gradient pages the experts' homes would move)";
+    require(runtime.param_dtype == StateDtype::fp32, "runtime.param_dtype", state, "\"bf16\"");
+    require(runtime.grad_dtype == StateDtype::fp32, "runtime.grad_dtype", state, "\"bf16\"");
   }
   require(tier.experts_every >= 1, "tier.experts_every", ">= 1 optimizer steps between re-homings",
           s(tier.experts_every));

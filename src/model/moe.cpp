@@ -238,76 +238,82 @@ void MoeFeedForward::find_ranges() {
   block_begin_ = info.at(static_cast<size_t>(t_[0])).offset;
   const TensorInfo& last = info.at(static_cast<size_t>(t_[experts_at - 1]));
   block_end_ = last.offset + last.numel;
-  for (int e = 0; e < E_; ++e) {
-    const TensorInfo& first = info.at(static_cast<size_t>(expert_ids_[static_cast<size_t>(e) * layout::expert_tensors]));
+  for (int h = 0; h < held_experts_; ++h) {
+    const TensorInfo& first = info.at(static_cast<size_t>(expert_ids_[static_cast<size_t>(h) * layout::expert_tensors]));
     const TensorInfo& end = info.at(
-        static_cast<size_t>(expert_ids_[static_cast<size_t>(e) * layout::expert_tensors + layout::expert_tensors - 1]));
+        static_cast<size_t>(expert_ids_[static_cast<size_t>(h) * layout::expert_tensors + layout::expert_tensors - 1]));
     expert_range_.emplace_back(first.offset, end.offset + end.numel);
   }
 }
 
 PageLease MoeFeedForward::lease_block(Plane plane, bool write) {
-  if (ep_ != nullptr || whole_layer_) return write ? store_.use_layer(stats_.layer, {}, {plane}) : store_.use_layer(stats_.layer, {plane});
+  if (whole_layer_) return write ? store_.use_layer(stats_.layer, {}, {plane}) : store_.use_layer(stats_.layer, {plane});
   find_ranges();
   // A layer's pass (compute): a bf16 state widens its working bits here, as for any layer, not a
   // rank's float32 masters of the chunks it owns (those are for the optimizer and checkpoints).
   return store_.use_range(plane, block_begin_, block_end_ - block_begin_, write, /*layer=*/true);
 }
 
+void MoeFeedForward::apply_expert_updates() {
+  find_ranges();
+  for (const auto& [begin, end] : expert_range_)
+    for (const Chunk& c : store_.chunks_overlapping(begin, end - begin)) store_.use_chunk(c.id, {});
+}
+
+std::vector<int> MoeFeedForward::chosen_experts(const int32_t* offsets, bool descending) const {
+  std::vector<int> order;
+  for (int k = 0; k < local_experts_; ++k) {
+    const int e = descending ? local_experts_ - 1 - k : k;
+    if (offsets[e + 1] != offsets[e]) order.push_back(e);  // no rows: its pages are not touched
+  }
+  return order;
+}
+
+void MoeFeedForward::hint_experts(const std::vector<int>& order, size_t first, Plane plane) {
+  if (store_.residency().always_present()) return;  // (no tiers: nothing to fetch)
+  find_ranges();
+  std::vector<PageRef> soon;
+  for (size_t j = first; j < order.size(); ++j) {
+    const auto [begin, end] = expert_range_[static_cast<size_t>(held_first() + order[j])];
+    for (const Chunk& c : store_.chunks_overlapping(begin, end - begin)) soon.push_back({c.id, plane});
+  }
+  if (!soon.empty()) store_.residency().hint(soon);
+}
+
 template <typename Run>
 void MoeFeedForward::for_chosen_experts(const int32_t* offsets, Plane plane, bool write, bool descending, Run run) {
   find_ranges();
-  std::vector<int> order;  // the chosen experts, in the order they run
-  for (int k = 0; k < E_; ++k) {
-    const int e = descending ? E_ - 1 - k : k;
-    if (offsets[e + 1] != offsets[e]) order.push_back(e);  // not chosen: its pages are not touched
-  }
+  const std::vector<int> order = chosen_experts(offsets, descending);  // in the order they run
   // Hints the pages of the experts from order[first] on, nearest first. The tiers fetch as many as
   // the compute tier has room for; the rest are hinted again as each expert's lease ends and its
   // room can take the next ones (a sliding window over the chosen experts).
-  const bool hints = !store_.residency().always_present();  // (no tiers: nothing to fetch)
-  auto hint_from = [&](size_t first) {
-    if (!hints) return;
-    std::vector<PageRef> soon;
-    for (size_t j = first; j < order.size(); ++j) {
-      const auto [begin, end] = expert_range_[static_cast<size_t>(order[j])];
-      for (const Chunk& c : store_.chunks_overlapping(begin, end - begin)) soon.push_back({c.id, plane});
-    }
-    if (!soon.empty()) store_.residency().hint(soon);
-  };
-  hint_from(0);
+  hint_experts(order, 0, plane);
   for (size_t j = 0; j < order.size(); ++j) {
-    const auto [begin, end] = expert_range_[static_cast<size_t>(order[j])];
+    const auto [begin, end] = expert_range_[static_cast<size_t>(held_first() + order[j])];
     {
       // Inside the whole layer's lease (ZeRO-3: gathered collectively) a rank's own; else a
       // layer's pass, as lease_block's.
       const PageLease use = store_.use_range(plane, begin, end - begin, write, /*layer=*/!whole_layer_);
       run(order[j]);
     }
-    if (j + 1 < order.size()) hint_from(j + 1);
+    if (j + 1 < order.size()) hint_experts(order, j + 1, plane);
   }
 }
 
 std::vector<float*> MoeFeedForward::expert_matrices(layout::MoeExpert t, Plane plane) const {
   std::vector<float*> out(local_experts_);
-  // (Holding every expert, as under ZeRO: this rank's start at first_expert_.)
-  const int held_first = held_experts_ == E_ ? first_expert_ : 0;
   for (int e = 0; e < local_experts_; ++e) {
-    out[e] = store_.data(expert_ids_[static_cast<size_t>(held_first + e) * layout::expert_tensors + t], plane);
+    out[e] = store_.data(expert_ids_[static_cast<size_t>(held_first() + e) * layout::expert_tensors + t], plane);
   }
   return out;
 }
 
 void MoeFeedForward::forward(const MoeActivations& a, const Batch& b, const float* x, float* out, bool count) {
   const int N = b.B * b.T;
-  if (ep_ == nullptr) {
-    // Every expert's deferred optimizer update (memory tiers) runs here, in expert order, chosen
-    // or not: the same point every step (the tiers' schedule prefetches it), and before the hint
-    // below, whose pages an update at home would otherwise leave behind their owner's version.
-    find_ranges();
-    for (const auto& [begin, end] : expert_range_)
-      for (const Chunk& c : store_.chunks_overlapping(begin, end - begin)) store_.use_chunk(c.id, {});
-  }
+  // Every held expert's deferred optimizer update (memory tiers) runs here, in expert order, chosen
+  // or not: the same point every step (the tiers' schedule prefetches it), and before the hints
+  // below, whose pages an update at home would otherwise leave behind their owner's version.
+  apply_expert_updates();
   auto P = [&](int t) { return store_.data(t_[t], Plane::param); };  // t: layout::MoeBlock
   const MatmulPrecision f = math_.forward;
   // The router multiplies in float32 at every precision: its choices are discrete.
@@ -339,14 +345,20 @@ void MoeFeedForward::forward(const MoeActivations& a, const Batch& b, const floa
     });
     shared();
   } else {  // the rows out to their experts' ranks (the shared experts run meanwhile), this rank's experts, back
+    // (The experts the group's rows came for are known once the counts are in: their pages are
+    // hinted then, to arrive while the rows and the shared experts' products do.)
     exchange_counts(a);
+    hint_experts(chosen_experts(a.local_offsets, false), 0, Plane::param);
     start_dispatch(a, a.xs, C_);
     shared();
     finish_dispatch(a, a.xr, C_);
-    const int El = local_experts_, Mr = a.local_offsets[El];
-    moe::grouped_linear_forward(f, a.gu, a.xr, gate_up.data(), a.local_offsets, El, C_, 2 * Hm_);
-    ops::swiglu_forward(a.h, a.gu, Mr, Hm_);
-    moe::grouped_linear_forward(f, a.yr, a.h, down.data(), a.local_offsets, El, Hm_, C_);
+    // This rank's experts that received rows, each under its own lease (row for row the grouped products).
+    for_chosen_experts(a.local_offsets, Plane::param, false, false, [&](int e) {
+      const int64_t at = a.local_offsets[e], rows = a.local_offsets[e + 1] - at;
+      moe::grouped_linear_forward(f, a.gu, a.xr, &gate_up[e], a.local_offsets + e, 1, C_, 2 * Hm_);
+      ops::swiglu_forward(a.h + at * Hm_, a.gu + at * 2 * Hm_, static_cast<int>(rows), Hm_);
+      moe::grouped_linear_forward(f, a.yr, a.h, &down[e], a.local_offsets + e, 1, Hm_, C_);
+    });
     combine_back(a, a.yr, a.ye, C_);
   }
   moe::combine_forward(out, a.ye, a.probs, a.choice, a.slot, N, K_, E_, C_);
@@ -416,9 +428,10 @@ void MoeFeedForward::backward_input(const MoeActivations& a, const Batch& b, con
 // experts' input gradients, back, then as without one.
 void MoeFeedForward::backward_input_expert_parallel(const MoeActivations& a, const Batch& b, const float* dout,
                                                     float* dx) {
-  const int N = b.B * b.T, El = local_experts_, Mr = a.local_offsets[El];
+  const int N = b.B * b.T;
   auto P = [&](int t) { return store_.data(t_[t], Plane::param); };
   const MatmulPrecision bw = math_.backward;
+  hint_experts(chosen_experts(a.local_offsets, Hm_ < C_), 0, Plane::param);  // (fetched while the rows travel)
   start_dispatch(a, a.dye, C_);
   if (S_ > 0) {
     float* dhs = a.tmp;
@@ -426,12 +439,17 @@ void MoeFeedForward::backward_input_expert_parallel(const MoeActivations& a, con
     ops::swiglu_backward_input(a.dgus, dhs, a.gus, N, S_);
   }
   finish_dispatch(a, a.dyr, C_);
-  moe::grouped_linear_backward_input(bw, a.dh, a.dyr, expert_matrices(layout::expert_down_w, Plane::param).data(),
-                                     a.local_offsets, El, Hm_, C_);
-  ops::swiglu_backward_input(a.dgu, a.dh, a.gu, Mr, Hm_);
+  // The received rows' experts one at a time under their leases, dh then the rows' input gradient
+  // dxr over dh's memory, in the order that never overwrites a row still needed (as without a group).
+  const std::vector<float*> gate_up = expert_matrices(layout::expert_gate_up_w, Plane::param),
+                            down = expert_matrices(layout::expert_down_w, Plane::param);
   float* dxr = a.dh;
-  moe::grouped_linear_backward_input(bw, dxr, a.dgu, expert_matrices(layout::expert_gate_up_w, Plane::param).data(),
-                                     a.local_offsets, El, C_, 2 * Hm_);
+  for_chosen_experts(a.local_offsets, Plane::param, false, Hm_ < C_, [&](int e) {
+    const int64_t at = a.local_offsets[e], rows = a.local_offsets[e + 1] - at;
+    moe::grouped_linear_backward_input(bw, a.dh, a.dyr, &down[e], a.local_offsets + e, 1, Hm_, C_);
+    ops::swiglu_backward_input(a.dgu + at * 2 * Hm_, a.dh + at * Hm_, a.gu + at * 2 * Hm_, static_cast<int>(rows), Hm_);
+    moe::grouped_linear_backward_input(bw, dxr, a.dgu, &gate_up[e], a.local_offsets + e, 1, C_, 2 * Hm_);
+  });
   float* dxs = a.dye;  // (sent: free) the sorted rows' input gradient
   combine_back(a, dxr, dxs, C_);
   router_backward_input(a, N, dx);
@@ -459,10 +477,11 @@ void MoeFeedForward::backward_weight(const MoeActivations& a, const Batch& b, co
       moe::grouped_linear_backward_weight(bw, &ddown[e], a.dye, a.h, a.offsets + e, 1, Hm_, C_);
       moe::grouped_linear_backward_weight(bw, &dgate_up[e], a.dgu, a.xs, a.offsets + e, 1, C_, 2 * Hm_);
     });
-  } else {  // this rank's experts only, over the rows it ran (expert order)
-    moe::grouped_linear_backward_weight(bw, ddown.data(), a.dyr, a.h, a.local_offsets, local_experts_, Hm_, C_);
-    moe::grouped_linear_backward_weight(bw, dgate_up.data(), a.dgu, a.xr, a.local_offsets, local_experts_, C_,
-                                        2 * Hm_);
+  } else {  // this rank's experts that ran rows, each under its own lease, over those rows (expert order)
+    for_chosen_experts(a.local_offsets, Plane::grad, true, false, [&](int e) {
+      moe::grouped_linear_backward_weight(bw, &ddown[e], a.dyr, a.h, a.local_offsets + e, 1, Hm_, C_);
+      moe::grouped_linear_backward_weight(bw, &dgate_up[e], a.dgu, a.xr, a.local_offsets + e, 1, C_, 2 * Hm_);
+    });
   }
   ops::linear_backward_weight<float>(MatmulPrecision::fp32, G(layout::moe_router_w), nullptr, a.dlogits, x, N, C_, E_);
   if (S_ > 0) {

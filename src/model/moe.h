@@ -119,7 +119,8 @@ class MoeFeedForward {
   // pages are leased apart by the passes above, one expert at a time and only for the experts
   // some row of the micro-batch chose, after a hint to the store's residency for all of those
   // (the memory tiers fetch them while the first chosen expert's products run). With an expert
-  // group, or after lease_whole_layer(): the block's whole layer (every expert it holds).
+  // group: this rank's experts that rows of the group's ranks were sent to (hinted as soon as the
+  // counts' all-to-all is in). After lease_whole_layer(): the block's whole layer (every expert it holds).
   PageLease lease_block(Plane plane, bool write);
   // ZeRO-3 (comm/sharded_params.h) gathers a layer's parameters under its layer lease, every rank
   // of the data group taking the same leases: from here on every pass of the block leases its
@@ -171,15 +172,24 @@ class MoeFeedForward {
   void router_backward_input(const MoeActivations& a, int N, float* dx);
   // The `plane` matrices of tensor `t` of the experts this rank runs (all E without a group), in expert order.
   std::vector<float*> expert_matrices(layout::MoeExpert t, Plane plane) const;
-  // Routing-aware leases (no expert group). Flat element ranges of the block's tensors outside
-  // the routed experts, and of each expert's two matrices (their chunks are the expert's own),
+  // Routing-aware leases. Flat element ranges of the block's tensors outside the routed experts,
+  // and of each held expert's two matrices (their chunks are the expert's own),
   // found on first use (the store is finalized after the blocks are built).
   int64_t block_begin_ = -1, block_end_ = 0;
   std::vector<std::pair<int64_t, int64_t>> expert_range_;
   void find_ranges();
-  // Hints the residency with the `plane` pages of every expert that has rows in `offsets` [E + 1],
-  // then runs run(e) for each of them under a lease of its pages (`write`: released modified), in
-  // ascending expert order, or descending with `descending`.
+  // The held index of this rank's first expert (holding every expert under ZeRO: first_expert_).
+  int held_first() const { return held_experts_ == E_ ? first_expert_ : 0; }
+  // Runs the deferred optimizer update (ChunkStore::defer_update) of every expert the block holds.
+  void apply_expert_updates();
+  // This rank's experts (local index) with rows in `offsets` [local_experts_ + 1]: a.offsets
+  // without a group, a.local_offsets (the rows received) with one; ascending, or descending.
+  std::vector<int> chosen_experts(const int32_t* offsets, bool descending) const;
+  // Hints the residency with the `plane` pages of experts order[first..], nearest first (no tiers: nothing).
+  void hint_experts(const std::vector<int>& order, size_t first, Plane plane);
+  // Hints the residency with the `plane` pages of every expert that has rows in `offsets` (as
+  // chosen_experts), then runs run(e) for each of them under a lease of its pages (`write`:
+  // released modified), in ascending expert order, or descending with `descending`.
   template <typename Run>
   void for_chosen_experts(const int32_t* offsets, Plane plane, bool write, bool descending, Run run);
 };

@@ -1,6 +1,7 @@
 #include "runtime/expert_tiers.h"
 
 #include <algorithm>
+#include <functional>
 #include <cstdio>
 
 #include "core/error.h"
@@ -18,14 +19,16 @@ int64_t slot_bytes(const Chunk& c) { return static_cast<int64_t>(BlockFile::alig
 }  // namespace
 
 ExpertTiers::ExpertTiers(const TierConfig& config, ChunkStore& store, TieredMemory& tiers, GPT& model,
-                         int64_t device_reserve, int rehome_every, bool print_notes)
-    : config_(config), manager_(tiers.manager()), rehome_every_(rehome_every), print_notes_(print_notes) {
+                         Communicator& dp, int64_t device_reserve, int rehome_every, bool print_notes)
+    : config_(config), manager_(tiers.manager()), dp_(dp), rehome_every_(rehome_every), print_notes_(print_notes) {
   for (int l = 0; l < model.num_layers(); ++l) {
     if (MoeStats* s = model.layer(l).moe_stats()) {
       stats_.push_back(s);
       layers_.push_back(s->layer);
+      block_experts_ = static_cast<int>(s->tokens.size());
     }
   }
+  routed_.assign(stats_.size() * static_cast<size_t>(block_experts_), 0.0);
   // Each expert's parameter and gradient pages, from the chunks that hold its weights.
   const std::vector<Tier>& homes = tiers.placement().homes;
   const auto [m_begin, m_end] = store.moment_chunks();
@@ -40,7 +43,7 @@ ExpertTiers::ExpertTiers(const TierConfig& config, ChunkStore& store, TieredMemo
     auto it = std::find_if(experts_.begin(), experts_.end(),
                            [&](const Expert& e) { return e.block == b && e.index == c.expert; });
     if (it == experts_.end()) {
-      experts_.push_back(Expert{b, c.expert, {}, 0, homes[static_cast<size_t>(c.id) * kNumPlanes], 0, {}, {}});
+      experts_.push_back(Expert{b, c.expert, {}, 0, homes[static_cast<size_t>(c.id) * kNumPlanes], {}, {}});
       it = experts_.end() - 1;
     }
     for (Plane p : {Plane::param, Plane::grad}) {
@@ -77,18 +80,25 @@ void ExpertTiers::after_step(int64_t step) {
     e.total.hits += e.step.hits;
     e.total.stall_ms += e.step.stall_ms;
     e.total.bytes_read += e.step.bytes_read;
-    e.routed += stats_[static_cast<size_t>(e.block)]->tokens.at(static_cast<size_t>(e.index));
+  }
+  for (size_t b = 0; b < stats_.size(); ++b) {
+    const std::vector<double>& tokens = stats_[b]->tokens;
+    std::transform(tokens.begin(), tokens.end(), routed_.begin() + static_cast<std::ptrdiff_t>(b * tokens.size()),
+                   routed_.begin() + static_cast<std::ptrdiff_t>(b * tokens.size()), std::plus<>());
   }
   note_.clear();
   if (rehome_every_ > 0 && step % rehome_every_ == 0) rehome();
 }
 
 void ExpertTiers::rehome() {
+  // Each expert's share: the pairs every rank of the data group routed to it (with sharded experts,
+  // the rows its holders received from their expert groups).
+  if (dp_.size() > 1 && !routed_.empty()) dp_.allreduce_sum(routed_.data(), routed_.size());
   std::vector<double> shares;
   std::vector<int64_t> bytes;
   std::vector<Tier> current;
   for (const Expert& e : experts_) {
-    shares.push_back(e.routed);
+    shares.push_back(routed_.at(static_cast<size_t>(e.block * block_experts_ + e.index)));
     bytes.push_back(e.bytes);
     current.push_back(e.home);
   }
@@ -112,8 +122,8 @@ void ExpertTiers::rehome() {
     }
     moved += e.home != plan[k];
     e.home = plan[k];
-    e.routed = 0;
   }
+  std::fill(routed_.begin(), routed_.end(), 0.0);
   if (pages.empty()) return;
   const std::vector<int64_t> bytes_to = manager_.rehome_pages(pages, homes, 0);
   rehomings_++;

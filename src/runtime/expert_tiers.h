@@ -2,14 +2,17 @@
 // MoE blocks: what each expert's pages saw per step (the step line's `tier_experts`: per MoE
 // block and expert, first touches, hits, stall and bytes read of its parameter and gradient
 // pages, and its home), and when asked to (`rehome_every` > 0) the experts' homes, planned every
-// rehome_every optimizer steps from the pairs routed to each expert since the last plan
-// (store/expert_homes.h: most chosen on the device, then host DRAM, then NVMe, with hysteresis)
-// and moved by the tier manager (TierManager::rehome_pages).
+// rehome_every optimizer steps from the pairs routed to each expert since the last plan, summed
+// over the data-parallel group (store/expert_homes.h: most chosen on the device, then host DRAM,
+// then NVMe, with hysteresis) and moved by the tier manager (TierManager::rehome_pages). With
+// sharded experts (parallel.expert > 1) a rank's store, and so its tiers, hold only its own
+// experts: it reports and re-homes those (named by their global numbers in the block).
 #pragma once
 
 #include <string>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "core/config.h"
 #include "core/metrics_source.h"
 #include "core/step_hook.h"
@@ -24,9 +27,10 @@ class ExpertTiers final : public MetricsSource, public StepHook {
   // experts' re-homed pages are their parameter and gradient pages (the moments stay where the
   // placement put them: only the optimizer touches them). `device_reserve`: device bytes kept
   // free of homed pages beside the experts (the working window, gradient buckets in flight).
-  // `rehome_every`: optimizer steps between two re-homings by routing share (0: never).
-  ExpertTiers(const TierConfig& config, ChunkStore& store, TieredMemory& tiers, GPT& model, int64_t device_reserve,
-              int rehome_every, bool print_notes);
+  // `rehome_every`: optimizer steps between two re-homings by routing share (0: never); the
+  // shares are summed over `dp` (collective at each re-homing: every rank of it plans at the same steps).
+  ExpertTiers(const TierConfig& config, ChunkStore& store, TieredMemory& tiers, GPT& model, Communicator& dp,
+              int64_t device_reserve, int rehome_every, bool print_notes);
 
   // Takes the step's routing counts (before the routing report resets them) and each expert's
   // page counters; every experts_every steps under by_frequency, re-homes the experts.
@@ -39,16 +43,20 @@ class ExpertTiers final : public MetricsSource, public StepHook {
  private:
   struct Expert {
     int block = 0;                // index among the MoE blocks
-    int index = 0;                // the expert's number in its block
+    int index = 0;                // the expert's number in its block (of all the block's experts)
     std::vector<PageRef> pages;   // its parameter and gradient pages
     int64_t bytes = 0;            // their bytes
     Tier home = Tier::nvme;
-    double routed = 0;            // pairs routed to it since the last plan
     PageCounters step, total;
   };
   const TierConfig& config_;
   TierManager& manager_;
+  Communicator& dp_;
   std::vector<MoeStats*> stats_;
+  // Per MoE block and expert of the block (every one, held here or not): the pairs this rank's
+  // tokens routed to it since the last plan.
+  std::vector<double> routed_;
+  int block_experts_ = 0;
   std::vector<int> layers_;  // per MoE block: its store layer
   std::vector<Expert> experts_;
   int64_t device_room_ = 0, host_room_ = 0;

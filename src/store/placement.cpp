@@ -122,15 +122,17 @@ Placement place_pages(const TierConfig& t, const ChunkStore& store, uint8_t abse
   // The largest set one operation pins: a layer's parameters (or gradients), plus the
   // embedding's for the tied head, or one chunk's four planes in the optimizer. A mixture of
   // experts leases its routed experts one at a time (model/moe.h): its layer's pages outside the
-  // experts and its largest expert's.
+  // experts and its largest expert's; under ZeRO-3 (a store whose parameters are homed in part:
+  // ChunkStore::home_params) it leases its whole layer, every expert gathered with it.
   int last_layer = 0;
   for (const Chunk& ch : chunks) last_layer = std::max(last_layer, ch.layer);
   std::vector<int64_t> layer_bytes(static_cast<size_t>(last_layer) + 1, 0);
   std::vector<int64_t> largest_expert(static_cast<size_t>(last_layer) + 1, 0);
   std::map<std::pair<int, int>, int64_t> expert_bytes;  // (layer, expert)
   int64_t largest_chunk = 0;
+  const bool whole_layers = p_begin > 0 || p_end < n;
   for (const Chunk& ch : chunks) {
-    if (ch.expert >= 0) {
+    if (ch.expert >= 0 && !whole_layers) {
       int64_t& b = expert_bytes[{ch.layer, ch.expert}];
       b += 4 * ch.numel;
       largest_expert[ch.layer] = std::max(largest_expert[ch.layer], b);

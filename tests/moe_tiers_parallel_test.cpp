@@ -1,0 +1,168 @@
+// A mixture of experts over the memory tiers on 2 ranks, through the keel binary on the toy corpus
+// (llama-moe-tiny at the toy's size: 2 MoE blocks of 4 experts, top-2, one shared expert), each
+// against the same layout in memory, bit for bit: expert parallelism (parallel.expert = 2, each
+// rank holding and tiering only its 2 experts of each block, leasing and hinting those that rows
+// were sent to), with the experts homed by routing share too, and its checkpoint resumed without
+// expert parallelism; ZeRO-3 (the gathered layer in the compute tier, a rank's shard homed by the
+// tiers), with and without expert groups; and what stays refused, in one line each.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "core/fileio.h"
+#include "test_util.h"
+
+namespace keel {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+class MoeTiersParallel : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new testing::TempDir("keel-moe-tiers-parallel");
+    testing::write_toy_corpus(dir_->path());
+    testing::write_toy_config(dir_->path(), kSteps);
+    fs::create_directories(dir_->path() + "/nvme");
+  }
+  static void TearDownTestSuite() {
+    delete dir_;
+    dir_ = nullptr;
+  }
+  static constexpr int kSteps = 6;
+  // 2 micro-batches of one sequence of 32 tokens per step and rank; chunks of 64 KiB (an expert's
+  // weights are 48 KiB: a chunk of its own).
+  static std::string common() {
+    return " --set model.preset=llama-moe-tiny --set model.vocab_size=64 --set model.max_seq_len=32"
+           " --set train.batch_size=1 --set train.grad_accum=2 --set train.eval_every=0 --set store.chunk_bytes=65536"
+           " --set runtime.threads=1";
+  }
+  // A compute tier of 1 MiB with 1 MiB of host DRAM and NVMe for the rest.
+  static std::string tiers() {
+    return " --set tier.device_mib=1 --set tier.host_mib=1 --set tier.verify=true --set tier.nvme_dir=" + at("nvme") + " ";
+  }
+  static testing::CommandResult train(const std::string& run, const std::string& extra) {
+    return testing::run_keel("launch -n 2 -- train --config " + dir_->path() + "/toy.toml" + common() +
+                             " --set train.run_dir=" + at(run) + " " + extra);
+  }
+  static std::string at(const std::string& run) { return dir_->path() + "/" + run; }
+  static std::vector<json> steps(const std::string& run) { return testing::step_lines(at(run) + "/metrics.jsonl"); }
+  // `run` trained `reference`'s bytes: weights and moments of the last checkpoint, every step's
+  // loss and every block's routing figures.
+  static void expect_same_bytes(const std::string& reference, const std::string& run) {
+    for (Plane p : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+      EXPECT_EQ(testing::checkpoint_bytes(at(run) + "/ckpt", p), testing::checkpoint_bytes(at(reference) + "/ckpt", p))
+          << run << " plane " << static_cast<int>(p);
+    }
+    const std::vector<json> got = steps(run), want = steps(reference);
+    ASSERT_EQ(got.size(), want.size()) << run;
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].at("loss").get<double>(), want[i].at("loss").get<double>()) << run << " step " << i + 1;
+      EXPECT_EQ(got[i].at("moe_layers"), want[i].at("moe_layers")) << run << " step " << i + 1;
+    }
+  }
+  // Every step of `run` moved pages through the off-device tiers and reported rank 0's experts
+  // (`experts`, their numbers in each block), within the compute tier's budget.
+  static void expect_tiered(const std::string& run, const std::vector<int>& experts) {
+    const std::vector<json> got = steps(run);
+    ASSERT_EQ(got.size(), static_cast<size_t>(kSteps)) << run;
+    for (const json& s : got) {
+      EXPECT_EQ(s.at("tier_stale_refetches").get<int>(), 0) << run;
+      EXPECT_GT(s.at("tier_nvme_read_bytes").get<double>() + s.at("tier_host_read_bytes").get<double>(), 0) << run;
+      EXPECT_LE(s.at("tier_device_resident_bytes").get<double>(), 1 << 20) << run;
+      ASSERT_EQ(s.at("tier_experts").size(), 2u) << s;
+      for (const json& block : s.at("tier_experts")) {
+        EXPECT_EQ(block.at("experts").get<std::vector<int>>(), experts) << run;
+        for (const char* key : {"acquires", "hits", "stall_ms", "read_bytes", "home"})
+          EXPECT_EQ(block.at(key).size(), experts.size()) << key;
+      }
+    }
+  }
+  static testing::TempDir* dir_;
+};
+
+testing::TempDir* MoeTiersParallel::dir_ = nullptr;
+
+// Expert groups of 2 over 2 ranks (each rank holds, tiers and runs experts 0-1 or 2-3 of every
+// block): through a 1 MiB compute tier, with the experts' homes as placed and re-homed by
+// routing share every 2 steps, the bytes of the same layout in memory. The tiered run's step-4
+// checkpoint resumed on the 2 ranks without expert parallelism (every rank every expert, through
+// the tiers) gives the bytes of the in-memory run's checkpoint resumed so.
+TEST_F(MoeTiersParallel, ExpertGroupsThroughTheTiersTrainTheirBytesInMemory) {
+  const std::string ep = "--set parallel.expert=2 --set train.checkpoint_every=4 ";
+  testing::CommandResult r = train("ep2", ep);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const std::string& variant : {std::string(""), std::string("--set tier.experts=by_frequency --set tier.experts_every=2 "
+                                                                  "--set model.moe_aux_weight=0")}) {
+    const std::string reference = variant.empty() ? "ep2" : "ep2-noaux", run = variant.empty() ? "ep2-tiered" : "ep2-freq";
+    if (!variant.empty()) {
+      r = train(reference, ep + "--set model.moe_aux_weight=0");
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+    }
+    r = train(run, ep + tiers() + variant);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
+    expect_same_bytes(reference, run);
+    expect_tiered(run, {0, 1});
+    EXPECT_TRUE(fs::is_empty(at("nvme"))) << "a tier's file outlived the run";
+  }
+  // By routing share: re-homed at least once (the plan moves the experts off their placement).
+  int rehomed = 0;
+  for (const json& s : steps("ep2-freq")) rehomed += s.contains("tier_experts_rehomed") ? 1 : 0;
+  EXPECT_GE(rehomed, 1);
+
+  const std::string from = " --set train.resume=", step4 = "/ckpt/step-00000004";
+  r = train("ep1-resumed", from + at("ep2") + step4);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = train("ep1-tiered-resumed", tiers() + from + at("ep2-tiered") + step4);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+  expect_same_bytes("ep1-resumed", "ep1-tiered-resumed");
+}
+
+// ZeRO-3 over 2 ranks with the tiers (a rank's shard homed there, each MoE block's whole layer
+// gathered into the compute tier, the chosen experts' leases nested in it): the bytes of ZeRO-3
+// in memory, without and with expert groups of 2.
+TEST_F(MoeTiersParallel, ZeroThreeThroughTheTiersTrainsItsBytesInMemory) {
+  for (const std::string& layout : {std::string("--set parallel.zero=3 "),
+                                    std::string("--set parallel.zero=3 --set parallel.expert=2 ")}) {
+    testing::CommandResult r = train("z3", layout);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    r = train("z3-tiered", layout + tiers());
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("keel: ZeRO-3 over 2 ranks"), std::string::npos) << r.output;
+    expect_same_bytes("z3", "z3-tiered");
+    expect_tiered("z3-tiered", {0, 1, 2, 3});
+    EXPECT_TRUE(fs::is_empty(at("nvme"))) << "a tier's file outlived the run";
+    fs::remove_all(at("z3"));
+    fs::remove_all(at("z3-tiered"));
+  }
+}
+
+// What stays refused with memory tiers and a mixture of experts: experts homed by routing share
+// under ZeRO-3, and expert groups under ZeRO-1/2 (every rank holding every expert); one line each.
+TEST_F(MoeTiersParallel, WhatIsNotBuiltIsRefusedInOneLine) {
+  const std::vector<std::string> moe = {"model.preset=llama-moe-tiny", "tier.device_mib=64", "tier.host_mib=64"};
+  auto refusal = [&](std::vector<std::string> extra) {
+    std::vector<std::string> sets = moe;
+    sets.insert(sets.end(), extra.begin(), extra.end());
+    const std::string why = testing::config_refusal(sets, 2);
+    EXPECT_EQ(why.find('\n'), std::string::npos) << why;
+    return why;
+  };
+  EXPECT_NE(refusal({"parallel.zero=3", "tier.experts=by_frequency"}).find("config key 'tier.experts'"),
+            std::string::npos);
+  for (const char* zero : {"parallel.zero=1", "parallel.zero=2"}) {
+    EXPECT_NE(refusal({zero, "parallel.expert=2"}).find("config key 'parallel.zero'"), std::string::npos) << zero;
+  }
+  for (const std::vector<std::string>& built :
+       {std::vector<std::string>{"parallel.expert=2"}, {"parallel.expert=2", "tier.experts=by_frequency"},
+        {"parallel.zero=3"}, {"parallel.zero=3", "parallel.expert=2"}}) {
+    EXPECT_EQ(refusal(built), "") << built.back();
+  }
+}
+
+}  // namespace
+}  // namespace keel
