@@ -464,7 +464,6 @@ TEST(MoeConfig, BadInputIsRefusedInOneLineNamingTheKey) {
       {moe + "moe_capacity = -1\n", "model.moe_capacity"},
       {moe + "moe_aux_weight = -0.1\n", "model.moe_aux_weight"},
       {"[model]\npreset = \"llama-d4\"\nmoe_top_k = 2\n", "model.moe_experts > 0"},
-      {moe + "[parallel]\npipeline = 2\nrepartition_every = 5\n", "parallel.repartition_every", 2},  // no re-cuts
       {moe + "[tier]\ndevice_mib = 64\n[parallel]\nzero = 3\n", "parallel.zero", 2},  // ZeRO-3: not with tiers
       {moe + "[tier]\ndevice_mib = 64\n[parallel]\nexpert = 2\n", "parallel.expert", 2},  // tiers: not with experts sharded
   };
