@@ -219,6 +219,11 @@ TEST_F(ContextParallel, ComposesWithZero3) {
 // DeepSeek's bias balancing (model.moe_aux_weight = 0), dropless: routing is token by token, and
 // the experts' counts and the balancing loads are summed over the data group (data x context), so
 // every step routes the same tokens with the same biases as one rank, and trains what it trains.
+// With expert parallelism as well (parallel.expert = 2, sharded experts): an expert group is
+// consecutive ranks of the data group, whose order is replica-major, context rank minor; under C = 2
+// a context group's two ranks (each routing the tokens of its chunks of the same sequences) are one
+// expert group, and under data 2 x context 2 (4 ranks) so is each replica's context group, each
+// expert's gradient summed over the two ranks holding it (one per replica).
 TEST_F(ContextParallel, MixtureOfExpertsWithBiasBalancing) {
   const std::string moe = "--set model.preset=llama-moe-tiny --set model.vocab_size=64 --set model.max_seq_len=32 "
                           "--set model.attention=blockwise --set model.moe_balance=bias --set model.moe_bias_rate=0.01 "
@@ -227,6 +232,13 @@ TEST_F(ContextParallel, MixtureOfExpertsWithBiasBalancing) {
   auto r = train(2, 8, "c2", moe + "--set parallel.context=2");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_same_training("one", "c2");
+  r = train(2, 8, "c2-ep2", moe + "--set parallel.context=2 --set parallel.expert=2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_same_training("one", "c2-ep2");
+  r = train(4, 4, "d2c2-ep2", moe + "--set parallel.context=2 --set parallel.expert=2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("context parallel over 2 ranks (data 2 x context 2)"), std::string::npos) << r.output;
+  expect_same_training("one", "d2c2-ep2");
   auto step_lines = [&](const std::string& run) {
     std::vector<nlohmann::json> out;
     const std::string text = read_text_file(dir / (run + "/metrics.jsonl"));
@@ -238,14 +250,53 @@ TEST_F(ContextParallel, MixtureOfExpertsWithBiasBalancing) {
     }
     return out;
   };
-  const std::vector<nlohmann::json> one = step_lines("one"), c2 = step_lines("c2");
+  const std::vector<nlohmann::json> one = step_lines("one");
   ASSERT_EQ(one.size(), 20u);
-  ASSERT_EQ(c2.size(), one.size());
-  for (size_t i = 0; i < one.size(); ++i) {
-    ASSERT_EQ(c2[i].at("moe_layers").size(), 2u);
-    for (size_t l = 0; l < 2; ++l) {
-      EXPECT_EQ(c2[i].at("moe_layers")[l].at("tokens"), one[i].at("moe_layers")[l].at("tokens")) << "step " << i + 1;
-      EXPECT_EQ(c2[i].at("moe_layers")[l].at("bias"), one[i].at("moe_layers")[l].at("bias")) << "step " << i + 1;
+  for (const std::string run : {"c2", "c2-ep2", "d2c2-ep2"}) {
+    const std::vector<nlohmann::json> c2 = step_lines(run);
+    ASSERT_EQ(c2.size(), one.size()) << run;
+    for (size_t i = 0; i < one.size(); ++i) {
+      ASSERT_EQ(c2[i].at("moe_layers").size(), 2u) << run;
+      for (size_t l = 0; l < 2; ++l) {
+        EXPECT_EQ(c2[i].at("moe_layers")[l].at("tokens"), one[i].at("moe_layers")[l].at("tokens"))
+            << run << " step " << i + 1;
+        EXPECT_EQ(c2[i].at("moe_layers")[l].at("bias"), one[i].at("moe_layers")[l].at("bias")) << run << " step " << i + 1;
+      }
+      if (run != "c2") {
+        EXPECT_GT(c2[i].at("expert_alltoall_bytes").get<double>(), 0.0) << run << " step " << i + 1;
+      }
+    }
+  }
+}
+
+// The Switch/GShard balancing loss (model.moe_aux_weight = 0.01, the default) is taken per whole
+// sequence: each MoE block sums a sequence's choice counts (and, for the reported loss, its router
+// probabilities) over the context group before the loss and its gradient. C = 2, and data 2 x
+// context 2 with expert groups of 2 (4 ranks), train what one rank trains, every step's balancing
+// loss per block within 1e-5 and the same tokens per expert.
+TEST_F(ContextParallel, MixtureOfExpertsBalancingLossOverTheContextGroup) {
+  const std::string moe = "--set model.preset=llama-moe-tiny --set model.vocab_size=64 --set model.max_seq_len=32 "
+                          "--set model.attention=blockwise ";
+  ASSERT_EQ(train(0, 8, "one", moe).exit_code, 0);
+  auto r = train(2, 8, "c2", moe + "--set parallel.context=2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_same_training("one", "c2");
+  r = train(4, 4, "d2c2-ep2", moe + "--set parallel.context=2 --set parallel.expert=2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_same_training("one", "d2c2-ep2");
+  const std::vector<nlohmann::json> one = testing::step_lines(dir / "one/metrics.jsonl");
+  ASSERT_EQ(one.size(), 20u);
+  for (const std::string run : {"c2", "d2c2-ep2"}) {
+    const std::vector<nlohmann::json> got = testing::step_lines(dir / (run + "/metrics.jsonl"));
+    ASSERT_EQ(got.size(), one.size()) << run;
+    for (size_t i = 0; i < one.size(); ++i) {
+      for (size_t l = 0; l < 2; ++l) {
+        const nlohmann::json &w = one[i].at("moe_layers")[l], &g = got[i].at("moe_layers")[l];
+        EXPECT_EQ(g.at("tokens"), w.at("tokens")) << run << " step " << i + 1;
+        const double x = w.at("aux"), y = g.at("aux");
+        EXPECT_GT(x, 0) << "step " << i + 1;
+        EXPECT_LE(std::abs(x - y), 1e-5 * x) << run << " step " << i + 1 << " block " << l;
+      }
     }
   }
 }
@@ -361,10 +412,11 @@ TEST_F(ContextParallel, WhatIsNotBuiltIsRefusedInOneLine) {
   EXPECT_EQ(refusal(with("train.recompute=full"), 2), "");
   EXPECT_EQ(refusal(with("runtime.precision=bf16"), 2), "");
   refuses(with("model.attention_window=dynamic"), 2, "config key 'model.attention_window': expected fixed windows");
-  // A mixture of experts: its balancing loss and its capacity count whole sequences.
+  // A mixture of experts: its capacity counts whole sequences in order. (Its balancing loss sums
+  // each sequence's counts over the group: MixtureOfExpertsBalancingLossOverTheContextGroup.)
   std::vector<std::string> moe = {"model.preset=llama-moe-tiny", "train.seq_len=64", "parallel.context=2"};
-  refuses(moe, 2, "config key 'model.moe_aux_weight': expected 0 with parallel.context > 1");
-  moe.push_back("model.moe_aux_weight=0");
+  EXPECT_EQ(refusal(moe, 2), "");
+  moe.push_back("parallel.expert=2");
   EXPECT_EQ(refusal(moe, 2), "");
   moe.push_back("model.moe_capacity=1.25");
   refuses(moe, 2, "config key 'model.moe_capacity': expected 0 (dropless) with parallel.context > 1");

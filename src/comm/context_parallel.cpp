@@ -47,18 +47,15 @@ void validate_context_parallel_config(const Config& c, int world_size) {
   };
   not_yet(!tiering_enabled(c.tier), "tier.device_mib", std::to_string(c.tier.device_mib));
   // A mixture of experts routes token by token, and its counts and bias balancing's loads are sums
-  // over the data group; its balancing loss and its capacity count a whole sequence's tokens
-  // (model/moe.h), of which a context rank holds 2 of 2C chunks.
+  // over the data group; its balancing loss sums each sequence's counts over the context group
+  // first (model/moe.h set_context_group). Its capacity counts a whole sequence's tokens in order
+  // (the latest dropped), of which a context rank holds 2 of 2C chunks.
   if (c.model.moe()) {
     auto number = [](double v) {
       char text[32];
       std::snprintf(text, sizeof text, "%g", v);
       return std::string(text);
     };
-    check(c.model.moe_aux_weight == 0,
-          "config key 'model.moe_aux_weight': expected 0 with parallel.context > 1 (the balancing loss is taken per "
-          "whole sequence, which no context rank holds; model.moe_balance = \"bias\" balances without it), found " +
-              number(c.model.moe_aux_weight));
     check(c.model.moe_capacity == 0,
           "config key 'model.moe_capacity': expected 0 (dropless) with parallel.context > 1 (an expert's capacity "
           "counts a whole sequence's tokens, earlier positions first), found " + number(c.model.moe_capacity));

@@ -23,6 +23,7 @@ class MpiContextGroup final : public ContextGroup {
   int size() const override { return comm_.size(); }
   void start_shift(const float* send, float* recv, int64_t count, int channel) override;
   void finish_shift(int channel) override;
+  void allreduce_sum(double* values, int64_t count) override { comm_.allreduce_sum(values, static_cast<size_t>(count)); }
 
  private:
   Communicator& comm_;

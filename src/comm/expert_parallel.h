@@ -78,6 +78,12 @@ class MpiExpertGroup final : public ExpertGroup, public MetricsSource, public St
     step_bytes_ = bytes_;
     step_wait_ms_ = wait_ms_;
   }
+  // A pipeline's re-cut (after the step's hooks, before its line): this group, built with the new
+  // stages, reports the step `from` counted.
+  void carry_step(const MpiExpertGroup& from) {
+    step_bytes_ = from.step_bytes_;
+    step_wait_ms_ = from.step_wait_ms_;
+  }
   void add_step_fields(double, nlohmann::json& line) override {
     line["expert_alltoall_bytes"] = step_bytes_;
     line["expert_wait_ms"] = step_wait_ms_;

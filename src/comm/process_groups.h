@@ -19,7 +19,9 @@ class ProcessGroups {
  public:
   // `pipeline`: stages per replica (P); `tensor`: ranks per tensor group (T); `context`: ranks per
   // context group (Cx). Every rank of `world` calls it (it splits communicators).
-  // `expert`: ranks per expert group (parallel.expert), consecutive ranks of the data-parallel group.
+  // `expert`: ranks per expert group (parallel.expert), consecutive ranks of the data-parallel group,
+  // whose order is replica-major, context rank minor: with expert = context an expert group is a
+  // context group (the ranks holding chunks of the same sequences), with more it spans replicas.
   ProcessGroups(Communicator& world, int pipeline, int tensor = 1, int context = 1, int expert = 1) : world_(world) {
     pipeline = std::max(1, pipeline);
     tensor = std::max(1, tensor);

@@ -884,20 +884,17 @@ void Config::resolve(int world_size) {
     require(model.moe(), "parallel.expert", "1 without a mixture of experts (model.moe_experts = 0)", s(parallel.expert));
     require(model.moe_experts % parallel.expert == 0, "parallel.expert",
             "a divisor of the " + s(model.moe_experts) + " experts (model.moe_experts)", s(parallel.expert));
-    require(data_ranks % parallel.expert == 0, "parallel.expert",
-            "a divisor of the " + s(data_ranks) + " data-parallel rank(s) (experts are dealt out within the data group)",
+    // (The data group spans data x context: comm/process_groups.h.)
+    const int group_ranks = data_ranks * parallel.context;
+    require(group_ranks % parallel.expert == 0, "parallel.expert",
+            "a divisor of the " + s(group_ranks) + " data-parallel rank(s)" +
+                (parallel.context > 1 ? " (data x context)" : "") + " (experts are dealt out within the data group)",
             s(parallel.expert));
-    require(parallel.context == 1, "parallel.context", "1 with parallel.expert > 1 (not built yet)",
-            s(parallel.context));
   }
   if (model.moe()) {
     // What a mixture of experts does not combine with yet (docs/architecture.md, "Mixture of experts").
     const std::string moe = " with model.moe_experts > 0 (not built yet for a mixture of experts)";
     if (parallel.pipeline > 1) {  // (a stage's blocks' biases and figures are merged over the stages)
-      require(parallel.repartition_every == 0, "parallel.repartition_every",
-              "0 with a pipeline" + moe, s(parallel.repartition_every));
-      require(parallel.predict_gradients == PredictGradients::off, "parallel.predict_gradients",
-              "\"off\" with a pipeline" + moe, "\"" + std::string(to_string(parallel.predict_gradients)) + "\"");
       require(tier.device_mib == 0, "tier.device_mib", "0 with a pipeline" + moe, s(tier.device_mib));
     }
     require(parallel.zero != 3 || tier.experts == TierExperts::off, "tier.experts",

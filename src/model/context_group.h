@@ -23,6 +23,9 @@ class ContextGroup {
   // the same shifts in the same order. finish_shift(channel) returns when both are done.
   virtual void start_shift(const float* send, float* recv, int64_t count, int channel) = 0;
   virtual void finish_shift(int channel) = 0;
+  // Sums values[0 .. count) over the group, in place (a mixture of experts' per-sequence counts).
+  // Collective: every rank of the group calls it in the same order.
+  virtual void allreduce_sum(double* values, int64_t count) = 0;
 
   // The global position of local row t of a sequence whose rank-local rows number `rows` (T / C),
   // for the ring's member `member` (default: this rank).

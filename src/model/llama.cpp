@@ -43,6 +43,7 @@ class LlamaBlock final : public Layer {
         rope_freq_(m.rope_frequencies()) {
     if (m.moe_block(layer - 1)) {
       moe_ = std::make_shared<MoeFeedForward>(m, store, layer_, ids, math, tensor);
+      moe_->set_context_group(context);
     } else {
       check(ids.size() == layout::down_w + 1, "GPT: llama block " + std::to_string(layer) + " without its tensors");
     }

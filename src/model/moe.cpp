@@ -378,13 +378,29 @@ void MoeFeedForward::forward(const MoeActivations& a, const Batch& b, const floa
       stats_.entropy_sum += h;
     }
     stats_.token_count += N;
-    stats_.aux_sum += moe::aux_loss_forward(a.probs, a.choice, b.B, b.T, E_, K_);
+    if (cp_ == nullptr) {
+      stats_.aux_sum += moe::aux_loss_forward(a.probs, a.choice, b.B, b.T, E_, K_);
+    } else {  // every rank of the group adds each whole sequence's loss (the report's mean is per sequence)
+      std::vector<double> f, mean_p;
+      whole_sequence_shares(a, b, f, &mean_p);
+      for (size_t i = 0; i < f.size(); ++i) stats_.aux_sum += E_ * f[i] * mean_p[i];
+    }
     stats_.sequences += b.B;
   }
 }
 
 void MoeFeedForward::backward_input(const MoeActivations& a, const Batch& b, const float* dout, float* dx) {
   const int N = b.B * b.T;
+  {  // the experts backward_weight(a) will write, kept for the last few micro-batches
+    std::vector<bool> written(static_cast<size_t>(E_), false);
+    const int32_t* o = ep_ == nullptr ? a.offsets : a.local_offsets;
+    for (int e = 0; e < (ep_ == nullptr ? E_ : local_experts_); ++e) {
+      written[static_cast<size_t>(e + (ep_ == nullptr ? 0 : first_expert_))] = o[e + 1] != o[e];
+    }
+    std::erase_if(written_, [&](const auto& w) { return w.first == b.inputs; });
+    written_.emplace_back(b.inputs, std::move(written));
+    if (written_.size() > 8) written_.erase(written_.begin());
+  }
   auto P = [&](int t) { return store_.data(t_[t], Plane::param); };
   const MatmulPrecision bw = math_.backward;
   float* dprobs = a.dlogits;
@@ -393,8 +409,20 @@ void MoeFeedForward::backward_input(const MoeActivations& a, const Batch& b, con
   // (Tensor parallel: dot(dout, ye) of this rank's units' part of ye; summed over the group.)
   if (tp_ != nullptr) tp_->allreduce_sum(dprobs, static_cast<int64_t>(N) * E_);
   // d(w / S sum_s aux_s)/dp with grad_scale = 1 / (S T): w x grad_scale x E f_e (moe::aux_loss_backward's T folded in).
-  if (aux_weight_ > 0) {
+  if (aux_weight_ > 0 && cp_ == nullptr) {
     moe::aux_loss_backward(dprobs, a.choice, b.B, b.T, E_, K_, static_cast<float>(aux_weight_ * b.grad_scale * b.T));
+  } else if (aux_weight_ > 0) {  // (as moe::aux_loss_backward, with the whole sequence's shares)
+    std::vector<double> f;
+    whole_sequence_shares(a, b, f, nullptr);
+    const float scale = static_cast<float>(aux_weight_ * b.grad_scale * b.T);
+    for (int s = 0; s < b.B; ++s) {
+      for (int t = 0; t < b.T; ++t) {
+        float* d = dprobs + (static_cast<int64_t>(s) * b.T + t) * E_;
+        for (int e = 0; e < E_; ++e) {
+          d[e] += scale * static_cast<float>(E_ * f[static_cast<size_t>(s) * E_ + e] / b.T);
+        }
+      }
+    }
   }
   moe::router_softmax_backward(a.dlogits, dprobs, a.probs, N, E_);
   if (ep_ != nullptr) {
@@ -464,6 +492,41 @@ void MoeFeedForward::router_backward_input(const MoeActivations& a, int N, float
   }
   const float* router = store_.data(t_[layout::moe_router_w], Plane::param);
   ops::linear_backward_input<float>(MatmulPrecision::fp32, dx, a.dlogits, router, N, C_, E_, false);
+}
+
+void MoeFeedForward::whole_sequence_shares(const MoeActivations& a, const Batch& b, std::vector<double>& f,
+                                           std::vector<double>* mean_p) const {
+  // Per sequence: choices per expert [E], then (with mean_p) probabilities summed per expert [E].
+  const size_t E = static_cast<size_t>(E_), width = mean_p != nullptr ? 2 * E : E;
+  std::vector<double> sums(static_cast<size_t>(b.B) * width, 0.0);
+  for (int s = 0; s < b.B; ++s) {
+    double* row = sums.data() + static_cast<size_t>(s) * width;
+    for (int t = 0; t < b.T; ++t) {
+      const int64_t n = static_cast<int64_t>(s) * b.T + t;
+      for (int j = 0; j < K_; ++j) row[a.choice[n * K_ + j]] += 1.0;
+      if (mean_p != nullptr) {
+        for (int e = 0; e < E_; ++e) row[E + static_cast<size_t>(e)] += a.probs[n * E_ + e];
+      }
+    }
+  }
+  cp_->allreduce_sum(sums.data(), static_cast<int64_t>(sums.size()));
+  const double T = static_cast<double>(b.T) * cp_->size();  // the whole sequence's tokens
+  f.assign(static_cast<size_t>(b.B) * E, 0.0);
+  if (mean_p != nullptr) mean_p->assign(f.size(), 0.0);
+  for (size_t s = 0; s < static_cast<size_t>(b.B); ++s) {
+    for (size_t e = 0; e < E; ++e) {
+      f[s * E + e] = sums[s * width + e] / (T * K_);
+      if (mean_p != nullptr) (*mean_p)[s * E + e] = sums[s * width + E + e] / T;
+    }
+  }
+}
+
+std::vector<bool> MoeFeedForward::experts_written(const int* inputs) const {
+  for (const auto& [of, written] : written_) {
+    if (of == inputs && inputs != nullptr) return written;
+  }
+  throw Error("MoE block of layer " + std::to_string(stats_.layer) +
+              ": the experts a weight pass writes are asked of a micro-batch none of its latest backward passes ran");
 }
 
 void MoeFeedForward::backward_weight(const MoeActivations& a, const Batch& b, const float* x, const float* dout) {

@@ -31,10 +31,12 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "core/config.h"
 #include "data/batch.h"
+#include "model/context_group.h"
 #include "model/expert_group.h"
 #include "model/layer.h"
 #include "model/layer_util.h"
@@ -114,6 +116,10 @@ class MoeFeedForward {
   // (parallel.zero >= 1: the others' weight gradients then stay zero here).
   void set_expert_group(ExpertGroup* group);
   ExpertGroup* expert_group() const { return ep_; }
+  // Context parallelism: this rank's rows are chunks of the group's sequences (model/context_group.h);
+  // the balancing loss, taken per whole sequence, sums each sequence's choice counts and router
+  // probabilities over the group first. Null (the default): whole sequences here.
+  void set_context_group(ContextGroup* group) { cp_ = group; }
   // The lease a pass of the block takes as a whole, in one plane (read, or `write`): its pages
   // outside the routed experts (attention, norms, router, shared experts). Each routed expert's
   // pages are leased apart by the passes above, one expert at a time and only for the experts
@@ -132,6 +138,12 @@ class MoeFeedForward {
   // Empty otherwise.
   std::vector<float>& routing_bias() { return bias_; }
   std::vector<double>& step_load() { return load_; }
+  // The routed experts (all E, by index) whose weight gradients backward_weight adds to for the
+  // micro-batch `inputs` (its Batch::inputs; one of the last few whose backward_input ran, else
+  // refused in one line): those some of its rows chose, with an expert group this rank's experts
+  // that its group's rows chose. backward_weight leaves every other expert's gradient as it is,
+  // so gradient prediction predicts nothing for them (pipeline/gradient_prediction.h).
+  std::vector<bool> experts_written(const int* inputs) const;
   // Expert parallelism: the bytes of every slot's experts' side resident now (mincore: the rows
   // received so far, to whole pages), and the address space kept for them (the worst case).
   int64_t expert_side_resident_bytes() const;
@@ -149,7 +161,14 @@ class MoeFeedForward {
   MoeStats stats_;
   std::vector<float> bias_;
   std::vector<double> load_;
+  // experts_written() of the micro-batches (their inputs) of the latest backward_input passes, newest last
+  std::vector<std::pair<const int*, std::vector<bool>>> written_;
   ExpertGroup* ep_ = nullptr;
+  ContextGroup* cp_ = nullptr;
+  // Context parallelism: each sequence's [E] shares of its whole T k choices into `f` [B, E], and
+  // with `mean_p` its whole router probabilities' mean per expert [B, E] (sums over the group).
+  void whole_sequence_shares(const MoeActivations& a, const Batch& b, std::vector<double>& f,
+                             std::vector<double>* mean_p) const;
   bool whole_layer_ = false;  // lease_whole_layer()
   int local_experts_, first_expert_;  // this rank's experts: first_expert_ .. + local_experts_ - 1
   std::vector<int32_t> expert_counts_;  // rows routed to each expert by this micro-batch [E]

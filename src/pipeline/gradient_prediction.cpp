@@ -1,8 +1,25 @@
 #include "pipeline/gradient_prediction.h"
 
+#include <algorithm>
+#include <cstdint>
+#include <map>
+
 #include "core/error.h"
+#include "model/moe.h"
 
 namespace keel::pipeline {
+
+std::vector<bool> chunks_weights_write(GPT& model, const ChunkStore& store, const int* inputs, int frozen_layers) {
+  std::vector<bool> written(store.chunks().size(), true);
+  std::map<int, std::vector<bool>> experts;  // per MoE block's layer
+  for (const Chunk& c : store.chunks()) {
+    if (c.expert < 0 || c.layer < frozen_layers) continue;  // (a frozen layer's chunks: carry() clears them)
+    auto [at, added] = experts.try_emplace(c.layer);
+    if (added) at->second = model.layer(c.layer).moe()->experts_written(inputs);
+    written[static_cast<size_t>(c.id)] = at->second[static_cast<size_t>(c.expert)];
+  }
+  return written;
+}
 
 GradientPrediction::GradientPrediction(PredictGradients how, ChunkStore& store) : how_(how), store_(store) {
   const size_t n = static_cast<size_t>(store_.numel());
@@ -23,10 +40,20 @@ void GradientPrediction::attach(Executor& executor) {
   });
 }
 
-void GradientPrediction::predict(int micro_batches) {
+void GradientPrediction::predict(int micro_batches, const std::vector<bool>& written) {
   // The plane holds: -(last step's prediction) + what the carried W's added + this step's own
   // gradients but the last micro-batch's W. Add a prediction of that W.
   std::span<float> g = store_.range_view(Plane::grad, 0, store_.numel());
+  // Elements no carried W writes: their prediction is zero (whatever the predictor would say).
+  std::vector<uint8_t> untouched;
+  if (!written.empty()) {
+    check(written.size() == store_.chunks().size(), "gradient prediction: a chunk mask of another store");
+    untouched.assign(g.size(), 0);
+    for (const Chunk& c : store_.chunks()) {
+      if (!written[static_cast<size_t>(c.id)]) std::fill_n(untouched.begin() + c.offset, c.numel, uint8_t{1});
+    }
+  }
+  auto quiet = [&](size_t i) { return !untouched.empty() && untouched[i] != 0; };
   // momentum: an exponential average (0.9) of what the W added in earlier steps, started from
   // the first measurement; previous: the last measurement alone; mean (and before any
   // measurement): the step's other micro-batches' mean.
@@ -56,6 +83,10 @@ void GradientPrediction::predict(int micro_batches) {
       if (!measured_valid_) std::fill_n(lstm_previous_.begin() + at, n, 0.0f);
       const auto [a, b] = lstm_->blend(c.id, part(mean), part(previous));
       for (size_t i = at; i < at + n; ++i) {
+        if (quiet(i)) {
+          predicted_[i] = 0.0f;
+          continue;
+        }
         predicted_[i] = a * mean[i] + b * previous[i];
         g[i] += predicted_[i];
       }
@@ -69,6 +100,10 @@ void GradientPrediction::predict(int micro_batches) {
   const std::vector<float>& past = how_ == PredictGradients::momentum ? momentum_ : measured_;
   for (size_t i = 0; i < g.size(); ++i) {
     const float carried = measured_valid_ ? measured_[i] - predicted_[i] : 0.0f;
+    if (quiet(i)) {
+      predicted_[i] = 0.0f;
+      continue;
+    }
     const float p = history ? past[i] : (g[i] - carried) * share;
     predicted_[i] = p;
     g[i] += p;

@@ -21,6 +21,13 @@
 
 namespace keel::pipeline {
 
+// Per chunk of `store` (the chunks of `model`'s layers): whether the W's of the micro-batch whose
+// backward passes ran last (`inputs`: its Batch::inputs) may write it: every chunk but a
+// mixture-of-experts block's routed expert that none of that micro-batch's rows chose (with an
+// expert group: none its group's rows chose, of this rank's experts; model/moe.h experts_written).
+// Layers below `frozen_layers` are not asked (their W does not run; carry() clears them).
+std::vector<bool> chunks_weights_write(GPT& model, const ChunkStore& store, const int* inputs, int frozen_layers);
+
 class GradientPrediction {
  public:
   // `how`: mean | previous | momentum | lstm (not off).
@@ -28,8 +35,10 @@ class GradientPrediction {
   // Makes `executor` carry each stage's last W into the next step, measuring what it adds.
   void attach(Executor& executor);
   // Before the sync, with `micro_batches` in the step: adds the prediction of the carried W's
-  // gradients. The plane then holds the step's whole (predicted) gradient.
-  void predict(int micro_batches);
+  // gradients. The plane then holds the step's whole (predicted) gradient. `written`, per chunk
+  // (empty: all): whether the carried W's can write it; a chunk they leave as it is (a routed
+  // expert no row of their micro-batch chose: chunks_weights_write) is predicted zero, exactly.
+  void predict(int micro_batches, const std::vector<bool>& written = {});
   // After the update: leaves the prediction's negative in the plane, for the true gradients to
   // correct (frozen layers' chunks, the first `frozen_layers` layers, are cleared instead).
   void carry(int frozen_layers);

@@ -120,7 +120,14 @@ StepResult PipelineStep::run(int64_t step, double lr) {
   sync_.begin(true, step);  // W notifications reach it for the last micro-batch only
   double loss_sum = run_micro_batches(config_.train.seq_len_at(step));
   const auto sync_start = std::chrono::steady_clock::now();
-  if (prediction_) prediction_->predict(micro_batches_);
+  if (prediction_) {
+    // A mixture of experts: a routed expert the carried W's micro-batch did not choose keeps its
+    // gradient; its prediction is zero.
+    const int* last = inputs_.data() + inputs_.size() / static_cast<size_t>(micro_batches_) * static_cast<size_t>(micro_batches_ - 1);
+    prediction_->predict(micro_batches_, config_.model.moe()
+                                             ? chunks_weights_write(model_, store_, last, config_.optim.frozen_at(step))
+                                             : std::vector<bool>{});
+  }
   sum_tied_grads();  // before the sync takes the tied tensors' home buckets
   sync_.finish();
   StepResult r;
@@ -159,17 +166,42 @@ std::string PipelineStep::prediction_layout() const {
 std::string PipelineStep::save(int64_t steps_done, std::vector<float>& floats) {
   model_.set_frozen_layers(config_.optim.frozen_at(steps_done));
   executor_->run_deferred();
-  const json saved = {{"what", prediction_layout()}, {"prediction", prediction_->save(floats)}};
+  json saved = {{"what", prediction_layout()}, {"prediction", prediction_->save(floats)}};
+  // Bias balancing's routing biases after the prediction's floats, described as it describes them.
+  if (balancer_) saved["balance"] = json::parse(balancer_->save(steps_done, floats));
   return saved.dump();
 }
+
+namespace {
+
+// The floats of the routing biases a record's "balance" description (comm/moe_balance.h) holds.
+size_t balance_floats(const json& balance) {
+  return balance.at("moe_blocks").get<size_t>() * balance.at("experts").get<size_t>();
+}
+
+}  // namespace
 
 std::string PipelineStep::check_resume(const std::string& layout, size_t floats) const {
   if (layout.empty()) return "";  // none saved (a run without prediction): it starts as at a first step
   std::string saved, fits;
   try {
     const json j = json::parse(layout);
+    if (!j.contains("prediction")) {  // the routing biases alone (a run without prediction)
+      if (!balancer_) return "its ranks saved routing biases (model.moe_balance = \"bias\"), which this run does not balance by";
+      return balancer_->check_resume(layout, floats);  // (the prediction then starts as at a first step)
+    }
     saved = j.at("what").get<std::string>();
-    fits = prediction_->check_saved(j.at("prediction"), floats);
+    if (j.contains("balance") != (balancer_ != nullptr)) {
+      return std::string("its gradient prediction state was saved ") + (balancer_ ? "without" : "with") +
+             " routing biases; this run has " + (balancer_ ? "" : "no ") +
+             "bias balancing: resume it with the same model.moe_balance";
+    }
+    size_t biases = 0;
+    if (balancer_) {
+      biases = std::min(floats, balance_floats(j.at("balance")));
+      if (std::string why = balancer_->check_resume(j.at("balance").dump(), biases); !why.empty()) return why;
+    }
+    fits = prediction_->check_saved(j.at("prediction"), floats - biases);
   } catch (const json::exception& e) {
     return std::string("its gradient prediction state has an unreadable description (") + e.what() + ")";
   }
@@ -184,7 +216,17 @@ std::string PipelineStep::check_resume(const std::string& layout, size_t floats)
 }
 
 void PipelineStep::restore(const std::string& layout, const std::vector<float>& floats) {
-  if (!layout.empty()) prediction_->restore(json::parse(layout).at("prediction"), floats);
+  if (layout.empty()) return;
+  const json j = json::parse(layout);
+  if (!j.contains("prediction")) {  // the routing biases alone (check_resume accepted them)
+    balancer_->restore(layout, floats);
+    return;
+  }
+  const size_t biases = j.contains("balance") ? balance_floats(j.at("balance")) : 0;
+  prediction_->restore(j.at("prediction"), std::span<const float>(floats.data(), floats.size() - biases));
+  if (biases > 0) {
+    balancer_->restore(j.at("balance").dump(), std::vector<float>(floats.end() - static_cast<std::ptrdiff_t>(biases), floats.end()));
+  }
 }
 
 void PipelineStep::profile(int64_t step) {

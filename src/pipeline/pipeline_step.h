@@ -50,8 +50,9 @@ class PipelineStep final : public StepEngine, public MetricsSource, public Carri
   StepResult run(int64_t step, double lr) override;
   double forward_loss(const Batch& batch) override { return executor_->forward_only(batch); }
   MetricsSource* metrics() override { return this; }
-  // Gradient prediction's state (below), or model.moe_balance = "bias"'s routing biases (comm/
-  // moe_balance.h: each stage moves its blocks', every rank carries the whole model's).
+  // Gradient prediction's state (below, with model.moe_balance = "bias"'s routing biases after it),
+  // or the routing biases alone (comm/moe_balance.h: each stage moves its blocks', every rank
+  // carries the whole model's).
   CarriedState* carried_state() override {
     return prediction_ ? static_cast<CarriedState*>(this) : static_cast<CarriedState*>(balancer_.get());
   }
@@ -111,7 +112,7 @@ class PipelineStep final : public StepEngine, public MetricsSource, public Carri
   StageTimes first_measure_;  // dynamic micro-batches: step 2's stage times
   std::optional<GradientPrediction> prediction_;
   std::unique_ptr<LayerProfiler> profiler_;  // monitor.layer_costs_every > 0
-  std::unique_ptr<MoeBiasBalancer> balancer_;  // model.moe_balance = "bias" (not with gradient prediction)
+  std::unique_ptr<MoeBiasBalancer> balancer_;  // model.moe_balance = "bias"
   // The step's send / receive time at each layer's stage edges and its quickest receive, from the
   // executor's timeline, for the profiler.
   void profile(int64_t step);

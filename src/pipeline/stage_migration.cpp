@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 
+#include "comm/expert_parallel.h"
 #include "comm/zero.h"
 #include "core/error.h"
 #include "model/model_layout.h"
@@ -34,10 +35,11 @@ struct RankLayout {
   std::map<std::string, std::vector<Place>> homes;
 };
 
-RankLayout layout_of(const Config& config, const std::vector<LayerRange>& ranges, int shard_ranks, TensorPlace place) {
+RankLayout layout_of(const Config& config, const std::vector<LayerRange>& ranges, int shard_ranks, TensorPlace place,
+                     ExpertPlace experts) {
   RankLayout l;
   l.store = std::make_unique<ChunkStore>(config.store.chunk_bytes);
-  register_layout(*l.store, model_layout(config.model, ranges, place));
+  register_layout(*l.store, model_layout(config.model, ranges, place, experts));
   l.store->set_huge_page_alignment(tiering_enabled(config.tier));  // as RankModel::build lays out its store
   l.store->finalize_layout();
   l.shards = ChunkPartition::balanced(*l.store, shard_ranks);
@@ -81,27 +83,39 @@ MigrationStats migrate_stages(const Config& config, ProcessGroups& groups, const
   Communicator& world = groups.world();
   // World rank = (replica x P + pipeline rank) x T + tensor rank: a tensor rank's shards move
   // between the ranks of the same tensor rank (its pipeline group), each layout that rank's shards'.
+  // Sharded experts (comm/expert_parallel.h): replica d holds the routed experts of expert rank
+  // d mod X under either cut (an expert group is X consecutive replicas), so an expert's chunks
+  // move between the ranks of the same replica as every other chunk; each layout is also that
+  // expert rank's.
   const int P = config.parallel.pipeline, T = config.parallel.tensor, D = world.size() / (P * T), me = world.rank();
+  const int X = experts_sharded(config) ? config.parallel.expert : 1;
   const bool zero = config.parallel.zero > 0 && D > 1;
   const std::vector<std::vector<LayerRange>> old_ranges = ranges_per_rank(config, old_cut),
                                              new_ranges = ranges_per_rank(config, new_cut);
-  std::vector<RankLayout> olds, news;  // by pipeline rank x T + tensor rank
-  for (int p = 0; p < P; ++p) {
-    for (int t = 0; t < T; ++t) {
-      const TensorPlace place = T > 1 ? TensorPlace{t, T} : TensorPlace{};
-      olds.push_back(layout_of(config, old_ranges[p], zero ? D : 1, place));
-      news.push_back(layout_of(config, new_ranges[p], zero ? D : 1, place));
+  std::vector<RankLayout> olds, news;  // by (expert rank x P + pipeline rank) x T + tensor rank
+  for (int x = 0; x < X; ++x) {
+    for (int p = 0; p < P; ++p) {
+      for (int t = 0; t < T; ++t) {
+        const TensorPlace place = T > 1 ? TensorPlace{t, T} : TensorPlace{};
+        const ExpertPlace experts = X > 1 ? ExpertPlace{x, X} : ExpertPlace{};
+        olds.push_back(layout_of(config, old_ranges[p], zero ? D : 1, place, experts));
+        news.push_back(layout_of(config, new_ranges[p], zero ? D : 1, place, experts));
+      }
     }
   }
-  auto layout_index = [&](int rank) { return (rank / T) % P * T + rank % T; };
+  auto layout_at = [&](int replica, int p, int t) { return ((replica % X) * P + p) * T + t; };
+  auto layout_index = [&](int rank) { return layout_at(rank / (P * T), (rank / T) % P, rank % T); };
   const int mine_at = layout_index(me);
   check(olds[mine_at].store->chunks().size() == from.chunks().size() &&
             news[mine_at].store->chunks().size() == to.chunks().size(),
         "re-cut: this rank's stores do not have the layouts of their cuts");
-  // Where every tensor lives under the old cut (the same pipeline rank for every tensor rank).
+  // Where every tensor lives under the old cut (the same pipeline rank for every tensor rank,
+  // and an expert's for every replica holding it).
   std::map<std::string, int> home_rank;
-  for (int p = 0; p < P; ++p) {
-    for (const auto& [name, places] : olds[p * T].homes) home_rank[name] = p;
+  for (int x = 0; x < X; ++x) {
+    for (int p = 0; p < P; ++p) {
+      for (const auto& [name, places] : olds[layout_at(x, p, 0)].homes) home_rank[name] = p;
+    }
   }
   // Every piece of every rank's new state, in one order every rank shares: receiver, plane, its
   // chunks, their segments, the old pieces they draw from.
@@ -109,7 +123,7 @@ MigrationStats migrate_stages(const Config& config, ProcessGroups& groups, const
   for (int d = 0; d < D; ++d) {
     for (int p = 0; p < P; ++p) {
      for (int t = 0; t < T; ++t) {
-      const RankLayout& n = news[p * T + t];
+      const RankLayout& n = news[layout_at(d, p, t)];
       const int dst = (d * P + p) * T + t;
       for (int plane = 0; plane < 3; ++plane) {
         const bool moment = kMoved[plane] != Plane::param;
@@ -120,7 +134,8 @@ MigrationStats migrate_stages(const Config& config, ProcessGroups& groups, const
             const std::string& name = n.store->tensors()[seg.tensor].spec.name;
             const auto home = home_rank.find(name);
             check(home != home_rank.end(), "re-cut: no stage holds tensor '" + name + "' under the old cut");
-            const RankLayout& o = olds[home->second * T + t];
+            // (with sharded experts ZeRO is off: every piece comes from replica d itself)
+            const RankLayout& o = olds[layout_at(d, home->second, t)];
             int64_t at = seg.tensor_offset;
             const int64_t end = seg.tensor_offset + seg.numel;
             for (const RankLayout::Place& place : o.homes.at(name)) {

@@ -7,7 +7,8 @@
 // elements in one plane, from the rank that holds them under the old cut to the rank that needs
 // them under the new one — and the pieces travel in rounds of all-to-all exchanges over the world
 // communicator (at most kRoundBytes sent or received per rank a round; a piece a rank sends to
-// itself is a copy). What moves: the parameters (from the same data-parallel replica's holder),
+// itself is a copy; with sharded experts each replica's layouts are also its expert rank's, which a
+// cut does not change). What moves: the parameters (from the same data-parallel replica's holder),
 // both AdamW moments (from whichever replica owns that shard under ZeRO), and each chunk's version
 // (the newest of the chunks it draws from, as a checkpoint loaded by tensor name sets it).
 // Gradients are zero between steps and do not move; compressed sync's residuals move by key

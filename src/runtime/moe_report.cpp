@@ -106,6 +106,31 @@ void MoeRoutingReport::add_step_fields(double, nlohmann::json& line) {
   line["moe_layers"] = std::move(layers);
 }
 
+void MoeRoutingReport::carry(const MoeRoutingReport& from) {
+  const size_t width = static_cast<size_t>(experts_) + 6;  // as add_step_fields' rows
+  std::vector<double> table(layers_.size() * width, 0.0);
+  for (size_t i = 0; i < from.stats_.size(); ++i) {
+    const MoeStats& s = *from.stats_[i];
+    double* r = table.data() + static_cast<size_t>(from.index_[i]) * width;
+    std::copy(s.tokens.begin(), s.tokens.end(), r);
+    size_t at = static_cast<size_t>(experts_);
+    r[at++] = s.pairs, r[at++] = s.dropped, r[at++] = s.entropy_sum, r[at++] = s.token_count;
+    r[at++] = s.aux_sum, r[at++] = s.sequences;
+  }
+  if (stages_ != nullptr && stages_->size() > 1 && !table.empty()) stages_->allreduce_sum(table.data(), table.size());
+  for (size_t i = 0; i < stats_.size(); ++i) {
+    MoeStats& s = *stats_[i];
+    const double* r = table.data() + static_cast<size_t>(index_[i]) * width;
+    std::copy(r, r + experts_, s.tokens.begin());
+    size_t at = static_cast<size_t>(experts_);
+    s.pairs = r[at++], s.dropped = r[at++], s.entropy_sum = r[at++], s.token_count = r[at++];
+    s.aux_sum = r[at++], s.sequences = r[at++];
+  }
+  last_ = from.last_;
+  total_ = from.total_;
+  steps_ = from.steps_;
+}
+
 std::string MoeRoutingReport::progress_fragment(double) const {
   if (last_.empty()) return "";
   double imbalance = 0, dropped = 0;

@@ -43,6 +43,12 @@ class MoeRoutingReport final : public MetricsSource {
   void add_step_fields(double step_ms, nlohmann::json& line) override;
   std::string progress_fragment(double step_ms) const override;
   void print_summary() const override;
+  // A pipeline's re-cut (every rank, after the step's hooks ran and before its line): this report,
+  // built over the new stages' blocks, takes over `from`'s (the old stages'): the step's counts
+  // not yet in a line, each block's moved to the stage now holding it (summed over the stages,
+  // the others adding zeros: exact), and the run's totals, so the line and the summary read as
+  // without the re-cut.
+  void carry(const MoeRoutingReport& from);
 
  private:
   Communicator& dp_;

@@ -128,10 +128,22 @@ nlohmann::json Trainer::recut(const std::vector<LayerRange>& from, const std::ve
   next->optimizer->carry_counts(*rank_->optimizer);
   const pipeline::ResidualMoveStats residuals =
       pipeline::migrate_residuals(config_, groups_, next->model->tied_groups(), to, *rank_->sync, *next->sync);
+  // State the engine carries that every rank holds alike (bias balancing's routing biases: the
+  // whole model's on every rank) goes to the new stages' engine as a resume would hand it over.
+  if (CarriedState* carried = rank_->engine->carried_state(); carried != nullptr && carried->replicated()) {
+    std::vector<float> floats;
+    const std::string layout = carried->save(progress_.steps_done, floats);
+    next->engine->carried_state()->restore(layout, floats);
+  }
+  // The step's figures not yet in its line (the hooks run before it) follow their blocks.
+  if (rank_->moe_report) next->moe_report->carry(*rank_->moe_report);
+  if (rank_->expert_group) next->expert_group->carry_step(*rank_->expert_group);
   metrics_.replace_sources(rank_->sources(), next->sources());
   std::replace(hooks_.begin(), hooks_.end(), static_cast<StepHook*>(rank_->tiers.get()), static_cast<StepHook*>(next->tiers.get()));
   std::replace(hooks_.begin(), hooks_.end(), static_cast<StepHook*>(rank_->tensor_group.get()),
                static_cast<StepHook*>(next->tensor_group.get()));
+  std::replace(hooks_.begin(), hooks_.end(), static_cast<StepHook*>(rank_->expert_group.get()),
+               static_cast<StepHook*>(next->expert_group.get()));
   rank_ = std::move(next);  // the old stages' memory goes back here
   // Tensor parallelism: checkpoints are written from the new stages' whole copy (WholeModelState).
   checkpointer_->set_whole_state(rank_->whole_state.get());
