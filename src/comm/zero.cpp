@@ -11,8 +11,8 @@ namespace keel {
 namespace {
 
 // Tilings of the flat space over `world` ranks balancing the elements of the chunks `counted`
-// accepts: rank r starts at the first chunk whose counted elements before it reach r/world of
-// them (chunks not counted move no boundary).
+// accepts: rank r starts at the chunk whose counted elements before it come nearest r/world of
+// them (the later on a tie; chunks not counted move no boundary).
 void balance(const ChunkStore& store, int world, const std::function<bool(const Chunk&)>& counted,
              std::vector<int>& first_chunk, std::vector<int64_t>& begin) {
   const std::vector<Chunk>& chunks = store.chunks();
@@ -25,6 +25,7 @@ void balance(const ChunkStore& store, int world, const std::function<bool(const 
   for (int r = 1; r < world; ++r) {
     const int64_t target = before[n] * r / world;
     while (c < n && before[c] < target) ++c;
+    if (c > first_chunk[r - 1] && target - before[c - 1] < before[c] - target) --c;
     first_chunk[r] = c;
   }
   begin.resize(world + 1);
