@@ -7,9 +7,12 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <regex>
+#include <set>
 #include <sstream>
 
+#include "comm/zero.h"
 #include "core/config.h"
 #include "model/clip.h"
 #include "model/gpt.h"
@@ -320,6 +323,65 @@ TEST(ModelLayout, RoutedExpertsAreTensorsAndChunksOfTheirOwn) {
             "config key 'parallel.expert': expected a divisor of the 4 experts, found 3");
   EXPECT_EQ(testing::error_of([&] { model_layout(small("llama-tiny"), {}, {}, ExpertPlace{0, 2}); }),
             "config key 'parallel.expert': expected 1 without a mixture of experts, found 2");
+}
+
+// ZeRO with sharded experts (comm/zero.h, experts apart), against a brute-force count: over D
+// data ranks in expert groups of P, each holding its experts' layout, the ranks' stores lie alike
+// (the same chunks at the same offsets, experts or not), every element of every tensor of the whole
+// model is owned by exactly one rank (an expert's by one of the D / P ranks holding it), each
+// chunk's elements are counted to its owner by the tiling of its kind (what a reduce-scatter of a
+// bucket of it sends), and each rank owns its share of the elements to within the largest chunk.
+TEST(ModelLayout, ZeroSharesEachExpertOutOverTheRanksHoldingIt) {
+  const ModelConfig m = small("llama-moe-tiny", 2, false);
+  const ModelLayout whole = model_layout(m);
+  for (int64_t chunk_bytes : {int64_t{4096}, int64_t{1} << 20}) {
+    for (const auto& [P, D] : {std::pair{2, 2}, std::pair{2, 4}, std::pair{4, 4}, std::pair{2, 8}, std::pair{4, 8}}) {
+      const std::string where = "P " + std::to_string(P) + ", D " + std::to_string(D) + ", chunk " + std::to_string(chunk_bytes);
+      std::vector<std::unique_ptr<ChunkStore>> stores;
+      for (int d = 0; d < D; ++d) {
+        stores.push_back(std::make_unique<ChunkStore>(chunk_bytes));
+        register_layout(*stores.back(), model_layout(m, {}, {}, ExpertPlace{d % P, P}));
+        stores.back()->finalize_layout();
+      }
+      std::map<std::string, int64_t> owned;         // elements of each tensor owned, over all ranks
+      std::set<std::pair<std::string, int64_t>> pieces;  // (tensor, first element) of each owned piece
+      int64_t total = 0, largest = 0;
+      std::vector<int64_t> per_rank(static_cast<size_t>(D), 0);
+      for (int d = 0; d < D; ++d) {
+        const ChunkStore& store = *stores[d];
+        const ChunkPartition p = ChunkPartition::balanced_experts_apart(store, D, P);
+        ASSERT_EQ(store.chunks().size(), stores[0]->chunks().size()) << where;
+        for (const Chunk& c : store.chunks()) {
+          const Chunk& first = stores[0]->chunks()[c.id];
+          EXPECT_EQ(c.offset, first.offset) << where;
+          EXPECT_EQ(c.numel, first.numel) << where;
+          EXPECT_EQ(c.expert >= 0, first.expert >= 0) << where;
+          // The tiling of its kind counts the chunk to its owner (data rank, or holder d / P).
+          const std::vector<int> counts = p.intersect(c.offset, c.numel, c.expert >= 0);
+          const int owner = c.expert >= 0 ? p.expert_holder(c.id) : p.owner(c.id);
+          EXPECT_EQ(counts[static_cast<size_t>(owner)], c.numel) << where << " chunk " << c.id;
+          EXPECT_EQ(p.owns(d, c), c.expert >= 0 ? owner == d / P : owner == d) << where << " chunk " << c.id;
+          if (d == 0) largest = std::max(largest, c.numel);
+          if (!p.owns(d, c)) continue;
+          for (const Segment& seg : c.segments) {
+            const std::string& name = store.tensors()[seg.tensor].spec.name;
+            owned[name] += seg.numel;
+            EXPECT_TRUE(pieces.insert({name, seg.tensor_offset}).second) << where << ": " << name << " owned twice";
+            per_rank[static_cast<size_t>(d)] += seg.numel;
+            total += seg.numel;
+          }
+        }
+      }
+      for (const TensorSpec& t : whole.tensors) {
+        int64_t n = 1;
+        for (int64_t x : t.shape) n *= x;
+        EXPECT_EQ(owned[t.name], n) << where << ": " << t.name;
+      }
+      for (int d = 0; d < D; ++d) {
+        EXPECT_LE(std::abs(per_rank[static_cast<size_t>(d)] - total / D), 2 * largest) << where << " rank " << d;
+      }
+    }
+  }
 }
 
 TEST(ModelLayout, BadRangesAreOneLine) {

@@ -588,7 +588,14 @@ CheckpointWriter::CheckpointWriter(const ChunkStore& store, const CheckpointConf
   check(0 <= first_ && first_ <= last_ && last_ <= n, "checkpoint writer: bad chunk range");
   check(targets_.empty() || targets_.size() == static_cast<size_t>(n), "checkpoint writer: targets for another store");
   const auto [mfirst, mlast] = store.moment_chunks();
-  check(first_ >= mfirst && last_ <= mlast, "checkpoint writer: this rank does not hold the moments it must write");
+  // (With targets, only the chunks it writes: a rank's sharded experts under ZeRO own chunks
+  // spread over the store.)
+  bool held = first_ >= mfirst && last_ <= mlast;
+  if (!held && !targets_.empty() && stream_) {
+    held = true;
+    for (int c = first_; c < last_; ++c) held = held && (targets_[c].id < 0 || (c >= mfirst && c < mlast));
+  }
+  check(held, "checkpoint writer: this rank does not hold the moments it must write");
   begin_offset_ = first_ < n ? store.chunks()[first_].offset : store.numel();
   const int64_t end = last_ < n ? store.chunks()[last_].offset : store.numel();
   numel_ = end - begin_offset_;

@@ -93,6 +93,7 @@ void Checkpointer::make_writer(bool at_restart) {
   std::vector<ChunkTarget> targets;
   if (whole_) targets = whole_model_targets(*store_, *whole_);
   int first = writers_.first_chunk[writer_index_], last = writers_.first_chunk[writer_index_ + 1];
+  bool experts_apart = false;  // ZeRO-1/2 with sharded experts
   if (experts_sharded(config_)) {
     // Sharded experts (comm/expert_parallel.h; every rank's chunks alike but for which experts
     // they hold): the chunks of no expert as the data ranks share them out, each expert's by the
@@ -101,8 +102,16 @@ void Checkpointer::make_writer(bool at_restart) {
     // whole copy (WholeModelState): their chunks are shared out over the group's T ranks.
     const int T = std::max(1, config_.parallel.tensor);
     const bool first_group = writer_index_ / T < config_.parallel.expert;
+    // Under ZeRO-1/2 each chunk by the rank owning its moments (comm/zero.h, experts apart; the
+    // writer index is then the data rank), streamed: a rank's moments are not one flat range.
+    experts_apart = config_.parallel.zero > 0 && comm_.size() > 1;
+    const ChunkPartition owners = experts_apart ? ChunkPartition::balanced_experts_apart(*store_, comm_.size(),
+                                                                                          config_.parallel.expert)
+                                                      : ChunkPartition{};
     for (const Chunk& c : store_->chunks()) {
-      const bool mine = c.expert >= 0 ? first_group && c.id % T == writer_index_ % T : c.id >= first && c.id < last;
+      const bool mine = experts_apart ? owners.owns(writer_index_, c)
+                        : c.expert >= 0     ? first_group && c.id % T == writer_index_ % T
+                                            : c.id >= first && c.id < last;
       if (!mine) targets[c.id].id = -1;
     }
     first = 0;
@@ -116,7 +125,7 @@ void Checkpointer::make_writer(bool at_restart) {
   // snapshot copy of them would not fit beside them (tinyllama-1.1b on 2 ranks: 6.6 GB more per
   // rank), so its checkpoints stream from the store, chunk by chunk.
   const int data_ranks = comm_.size() / std::max(1, config_.parallel.pipeline * config_.parallel.tensor);
-  const bool stream = config_.parallel.zero == 3 && data_ranks > 1;
+  const bool stream = (config_.parallel.zero == 3 && data_ranks > 1) || experts_apart;
   writer_ = std::make_unique<CheckpointWriter>(*store_, config_.checkpoint, comm_.rank(), first, last,
                                                periodic && !at_restart,
                                                std::move(targets), stream);

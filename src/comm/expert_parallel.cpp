@@ -27,7 +27,13 @@ void MpiExpertGroup::finish_exchange() {
 }
 
 bool experts_sharded(const Config& config) {
-  return config.model.moe() && config.parallel.expert > 1 && config.parallel.zero == 0;
+  const ParallelConfig& p = config.parallel;
+  if (!config.model.moe() || p.expert <= 1) return false;
+  if (p.zero == 0) return true;
+  // ZeRO-1/2 shares the experts' chunks out over their holders (comm/zero.h) on one stage of
+  // float32 state, without tensor groups or memory copies; elsewhere every rank holds every expert.
+  return p.zero <= 2 && p.pipeline == 1 && p.tensor == 1 && config.runtime.param_dtype == StateDtype::fp32 &&
+         config.runtime.grad_dtype == StateDtype::fp32 && config.checkpoint.memory_every == 0;
 }
 
 void attach_expert_group(GPT& model, ExpertGroup& group) {

@@ -15,10 +15,15 @@
 // gradient norm counts each expert once (expert_grad_squares). Checkpoints hold the whole model
 // (every expert, written by the ranks of the first expert group: ckpt/checkpointer.h) and resume
 // on any P, read by tensor name. With a sync codec an expert bucket is compressed over the ranks
-// holding its experts (comm/grad_sync.h). Under ZeRO-1/2 (parallel.zero >= 1) every rank
-// still holds every expert (a rank's moments are a contiguous range of its chunks): a rank writes
-// weight gradients for its own experts only, the data-parallel sum adds each expert's over the
-// ranks that ran it, and ZeRO shards the experts' chunks over the data group as the rest.
+// holding its experts (comm/grad_sync.h). Under ZeRO-1/2 a rank's layout is the same (its own
+// experts only): ZeRO shares the chunks of no expert out over the data group and each expert's
+// chunks over the data / P ranks holding it (comm/zero.h, experts apart; with data == P a rank
+// owns its experts' whole state), reduces (ZeRO-2: reduce-scatters) each gradient bucket over its
+// chunks' group and broadcasts the updated parameters over the same groups. Under ZeRO-3 (and,
+// under ZeRO-1/2, in a pipeline, with tensor groups, bf16 training state or memory copies) every
+// rank holds every expert: a rank writes weight gradients for its own experts only, the
+// data-parallel sum adds each expert's over the ranks that ran it, and ZeRO shards the experts'
+// chunks over the data group as the rest.
 #pragma once
 
 #include <cstdint>
@@ -34,11 +39,13 @@ namespace keel {
 
 class GPT;
 
-// Whether a rank holds only its share of the routed experts (parallel.expert > 1 without ZeRO);
-// under ZeRO-1/2 every rank holds every expert (its weight gradients zero but for its own),
-// sharded over the data group as every other chunk.
+// Whether a rank holds only its share of the routed experts: parallel.expert > 1 without ZeRO,
+// or under ZeRO-1/2 on one pipeline stage without tensor groups, with float32 training state and
+// without memory copies (checkpoint.memory_every = 0). Otherwise every rank holds every expert
+// (its weight gradients zero but for its own), sharded over the data group as every other chunk.
 bool experts_sharded(const Config& config);
-// Hands `group` to every mixture-of-experts block of `model` holding every expert (ZeRO-1/2),
+// Hands `group` to every mixture-of-experts block of `model` holding every expert (ZeRO-3 and the
+// ZeRO-1/2 layouts experts_sharded excludes),
 // before its activations are allocated.
 void attach_expert_group(GPT& model, ExpertGroup& group);
 // ZeRO-3 (comm/sharded_params.h) with a mixture of experts: every MoE block of `model` leases its

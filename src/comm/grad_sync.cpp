@@ -29,8 +29,11 @@ GradSync::GradSync(Communicator& comm, ChunkStore& store, GradSyncOptions option
   check(!compression || options_.codecs.size() == chunks.size(), "gradient sync: one codec per chunk expected");
   check(!compression || scatter_to_ == nullptr, "gradient sync: compressed sync cannot reduce-scatter (ZeRO-2)");
   const int P = options_.expert_group;
-  check(P == 1 || (scatter_to_ == nullptr && comm.size() % P == 0),
-        "gradient sync: sharded experts with a reduce-scatter or a group size not a multiple of " + std::to_string(P));
+  check(P == 1 || comm.size() % P == 0, "gradient sync: a group size not a multiple of " + std::to_string(P));
+  // (ZeRO-2 with sharded experts reduce-scatters each expert bucket over its holders: the
+  // partition must share the expert chunks out over them.)
+  check(P == 1 || scatter_to_ == nullptr || scatter_to_->expert_group == P,
+        "gradient sync: sharded experts with a reduce-scatter to owners that hold every expert");
   // Collective over the data group: the ranks holding the same experts (consecutive groups of P).
   if (P > 1 && comm.size() > P) expert_replicas_ = comm.split(comm.rank() % P, comm.rank() / P);
   const int64_t bucket_floats = std::max<int64_t>(1, options_.bucket_bytes / static_cast<int64_t>(sizeof(float)));
@@ -226,10 +229,13 @@ void GradSync::after_backward_weight(int layer) {
     } else if (scatter_to_ == nullptr) {
       b.request = comm_of(b).iallreduce_sum(data, static_cast<size_t>(b.numel));
     } else {
-      const std::vector<int> counts = scatter_to_->intersect(b.offset, b.numel);
-      b.own_offset = std::max(b.offset, scatter_to_->begin[comm_.rank()]);
-      b.own_count = counts[comm_.rank()];
-      b.request = comm_.ireduce_scatter_sum(data, counts);
+      // (An expert bucket over its holders, by the partition's expert tiling.)
+      Communicator& over = comm_of(b);
+      const std::vector<int> counts = scatter_to_->intersect(b.offset, b.numel, b.expert);
+      const std::vector<int64_t>& begins = b.expert ? scatter_to_->expert_begin : scatter_to_->begin;
+      b.own_offset = std::max(b.offset, begins[over.rank()]);
+      b.own_count = counts[over.rank()];
+      b.request = over.ireduce_scatter_sum(data, counts);
     }
     b.settled = false;
     stats_.payload_bytes += static_cast<double>(b.numel) * sizeof(float);
@@ -269,7 +275,8 @@ void GradSync::finish() {
     if (b.held_now) continue;
     const double raw = static_cast<double>(b.numel) * sizeof(float);
     // (An expert bucket's ring is its replicas'.)
-    const double nb = comm_of(b).size(), ring_b = b.expert ? 2.0 * (nb - 1) / nb : ring;
+    const double nb = comm_of(b).size();
+    const double ring_b = b.expert ? (scatter_to_ != nullptr ? 1.0 : 2.0) * (nb - 1) / nb : ring;
     double wire = raw * ring_b * (bf16_ != nullptr ? 0.5 : 1.0);
     uncompressed += raw * ring_b;
     if (b.compressed_now) {

@@ -19,7 +19,9 @@
 // of the routed experts (model/model_layout.h ExpertPlace), so a bucket never mixes an expert's
 // chunks (Chunk::expert) with others, and an expert bucket is summed only over the data/P ranks
 // holding the same experts (data rank % P equal: a communicator split from the data group);
-// none when data == P. Every other bucket over the whole group, as before. With a codec an
+// none when data == P. Every other bucket over the whole group, as before. Under ZeRO-2 each
+// bucket is reduce-scattered over the same group (comm/zero.h: the partition shares the expert
+// chunks out over their holders apart from the rest). With a codec an
 // expert bucket is compressed over those ranks, with its own residuals, keyed also by its first
 // expert and the holders' count (":X<expert>/<ranks>"): saved for other experts, never restored.
 #pragma once
@@ -58,7 +60,8 @@ struct GradSyncOptions {
   // Gradients held in bf16 (runtime.grad_dtype, store/bf16_state.h): buckets are summed on their
   // bf16 bits in place (half the bytes), without leasing float32 pages. Not with codecs.
   Bf16State* bf16 = nullptr;
-  // parallel.expert with sharded experts (not with reduce-scatter); 1: none.
+  // parallel.expert with sharded experts (with a reduce-scatter: scatter_to shares the experts
+  // out apart, ChunkPartition::experts_apart); 1: none.
   int expert_group = 1;
 };
 

@@ -7,8 +7,10 @@
 
 #include <sys/resource.h>
 
+#include "comm/expert_parallel.h"
 #include "comm/sharded_params.h"
 #include "kernels/cpu/bf16.h"
+#include "model/model_layout.h"
 #include "store/bf16_state.h"
 
 namespace keel {
@@ -16,9 +18,31 @@ namespace keel {
 ShardedOptimizer::ShardedOptimizer(const Config& config, Communicator& dp, ChunkStore& store)
     : config_(config), dp_(dp), store_(store), adamw_(config.optim) {
   zero_ = dp.size() > 1 ? config.parallel.zero : 0;
-  partition_ = ChunkPartition::balanced(store_, zero_ > 0 ? dp.size() : 1);
-  // Before loading: the moments are never resident at full size.
-  if (zero_ > 0) store_.shard_moments(partition_.first_chunk[dp.rank()], partition_.first_chunk[dp.rank() + 1]);
+  const int P = config.parallel.expert;
+  if (zero_ > 0 && zero_ < 3 && experts_sharded(config)) {
+    // Sharded experts: the chunks of no expert over the data group, each expert's over its holders.
+    partition_ = ChunkPartition::balanced_experts_apart(store_, dp.size(), P);
+    if (dp.size() > P) holders_ = dp.split(dp.rank() % P, dp.rank() / P);
+    for (const TensorSpec& t : model_layout(config.model).tensors) {
+      if (t.expert < 0) continue;
+      int64_t n = 1;
+      for (int64_t d : t.shape) n *= d;
+      model_expert_bytes_ += n * static_cast<int64_t>(sizeof(float));
+    }
+    // The moment planes span the owned chunks; the others' pages inside the span are never written
+    // (and given back once the weights settled: a load writes the span).
+    int first = static_cast<int>(store_.chunks().size()), last = 0;
+    for (const Chunk& c : store_.chunks()) {
+      if (!owns(c.id)) continue;
+      first = std::min(first, c.id);
+      last = c.id + 1;
+    }
+    store_.shard_moments(std::min(first, last), last);
+  } else {
+    partition_ = ChunkPartition::balanced(store_, zero_ > 0 ? dp.size() : 1);
+    // Before loading: the moments are never resident at full size.
+    if (zero_ > 0) store_.shard_moments(partition_.first_chunk[dp.rank()], partition_.first_chunk[dp.rank() + 1]);
+  }
   // The deferred chunk updates (used where the store's pages move; see step).
   store_.set_updater([this](int chunk) { update_chunk(chunk); });
   if (zero_ == 3) params_ = std::make_unique<ShardedParams>(dp, store_, partition_, config.parallel.zero3_keep,
@@ -39,8 +63,53 @@ ShardedOptimizer::ShardedOptimizer(const Config& config, Communicator& dp, Chunk
 
 ShardedOptimizer::~ShardedOptimizer() = default;
 
+bool ShardedOptimizer::owns(int chunk) const {
+  if (!partition_.experts_apart()) {
+    const auto [first, last] = own_chunks();
+    return chunk >= first && chunk < last;
+  }
+  return partition_.owns(dp_.rank(), store_.chunks()[chunk]);
+}
+
+int64_t ShardedOptimizer::tensor_bytes(bool experts_only, bool owned_only) const {
+  int64_t n = 0;
+  for (const Chunk& c : store_.chunks()) {
+    if ((experts_only && c.expert < 0) || (owned_only && !owns(c.id))) continue;
+    for (const Segment& s : c.segments) n += s.numel;
+  }
+  return n * static_cast<int64_t>(sizeof(float));
+}
+
+int64_t ShardedOptimizer::moment_bytes_held() const {
+  if (!partition_.experts_apart()) return store_.plane_bytes(Plane::adam_m) + store_.plane_bytes(Plane::adam_v);
+  // Each owned chunk's extent (to the next chunk: alignment gaps included, as a plane's), twice.
+  const std::vector<Chunk>& chunks = store_.chunks();
+  int64_t n = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    if (owns(chunks[i].id)) n += (i + 1 < chunks.size() ? chunks[i + 1].offset : store_.numel()) - chunks[i].offset;
+  }
+  return 2 * n * static_cast<int64_t>(sizeof(float));
+}
+
 void ShardedOptimizer::weights_settled() {
   if (bf16_) bf16_->settle();  // from here on the bf16 bits and the masters are the state
+  if (partition_.experts_apart()) {
+    // A load writes the moment planes' whole span: the pages of chunks this rank does not own go
+    // back (runs of them, so that only pages shared with owned chunks are zeroed in place).
+    const std::vector<Chunk>& chunks = store_.chunks();
+    const auto [first, last] = own_chunks();
+    for (int c = first; c < last;) {
+      if (owns(c)) {
+        ++c;
+        continue;
+      }
+      int e = c;
+      while (e < last && !owns(e)) ++e;
+      const int64_t begin = chunks[c].offset, end = e < static_cast<int>(chunks.size()) ? chunks[e].offset : store_.numel();
+      for (Plane p : {Plane::adam_m, Plane::adam_v}) store_.discard(p, begin, end - begin);
+      c = e;
+    }
+  }
   if (!params_) return;
   params_->settled();
   // What start-up left resident, measured before any step: the parameter plane's pages (mincore)
@@ -168,15 +237,25 @@ void ShardedOptimizer::print_startup() const {
 }
 
 void ShardedOptimizer::clear_frozen_grads(int64_t step) {
-  const auto [own_first, own_last] = own_chunks();
   for (const Chunk& c : store_.chunks()) {
     if (c.layer >= config_.optim.frozen_at(step)) break;
-    if (zero_ >= 2 && (c.id < own_first || c.id >= own_last)) continue;
+    if (zero_ >= 2 && !owns(c.id)) continue;
     store_.zero_grad_chunk(c.id);
   }
 }
 
 double ShardedOptimizer::local_grad_squares() const {
+  if (zero_ >= 2 && partition_.experts_apart()) {
+    // The owned chunks (each expert's over its holders: every expert counted once in the group).
+    double total = 0;
+    for (const Chunk& c : store_.chunks()) {
+      if (!owns(c.id)) continue;
+      const int layer = c.layer;
+      if (layer < static_cast<int>(counts_.size()) && counts_[layer] == 0) continue;
+      total += grad_sum_squares(store_, c.id, c.id + 1);
+    }
+    return total;
+  }
   const auto [own_first, own_last] = zero_ >= 2 ? own_chunks() : std::pair<int, int>{0, -1};
   if (counts_.empty()) return grad_sum_squares(store_, own_first, own_last);
   // Held layers' gradients (accumulating towards a later update, or none) are not this step's.
@@ -201,6 +280,10 @@ void ShardedOptimizer::step(double lr, int64_t t, float clip) {
     // parameters. Under ZeRO-3 the copies of other ranks' parameters gathered this step are
     // dropped first (every broadcast of them finished: the owners' update makes them stale).
     if (params_) params_->drop_gathered();
+    if (partition_.experts_apart()) {
+      step_owned(lr, t, clip);
+      return;
+    }
     adamw_.step(store_, lr, t, clip, counts());
     if (zero_ > 0) gather_parameters(t);
     return;
@@ -218,8 +301,7 @@ void ShardedOptimizer::step(double lr, int64_t t, float clip) {
 }
 
 void ShardedOptimizer::update_chunk(int chunk) {
-  const auto [own_first, own_last] = own_chunks();
-  const bool own = chunk >= own_first && chunk < own_last;
+  const bool own = owns(chunk);
   if (own) {
     adamw_.step_chunk(store_, chunk, deferred_.lr, count_of(store_.chunks()[chunk].layer, deferred_.t), deferred_.clip);
   }
@@ -285,6 +367,32 @@ void ShardedOptimizer::add_step_fields(double, nlohmann::json& line) {
     line["bf16_param_broadcast_bytes"] = bf16_broadcast_bytes_;
     bf16_broadcast_bytes_ = 0;
   }
+  if (partition_.experts_apart()) {
+    // Every rank's figures, in rank order: what it holds of the parameters and gradients (its
+    // store: every chunk of no expert and its own experts'), the moments it owns, the experts'
+    // part of each, and its moment planes' pages resident now (mincore over their span).
+    const double mine[] = {static_cast<double>(tensor_bytes(false, false)),
+                           static_cast<double>(tensor_bytes(true, false)),
+                           static_cast<double>(2 * tensor_bytes(false, true)),
+                           static_cast<double>(2 * tensor_bytes(true, true)),
+                           static_cast<double>(store_.resident_bytes(Plane::adam_m) + store_.resident_bytes(Plane::adam_v))};
+    constexpr int kFigures = sizeof mine / sizeof mine[0];
+    const int n = dp_.size();
+    std::vector<double> all(static_cast<size_t>(kFigures * n), 0.0);
+    std::copy(std::begin(mine), std::end(mine), all.begin() + static_cast<ptrdiff_t>(kFigures * dp_.rank()));
+    dp_.allreduce_sum(all.data(), all.size());
+    const char* names[kFigures] = {"held_param_bytes", "held_expert_param_bytes", "held_moment_bytes",
+                                   "held_expert_moment_bytes", "moment_resident_bytes"};
+    for (int f = 0; f < kFigures; ++f) {
+      std::vector<int64_t> per_rank(static_cast<size_t>(n));
+      for (int r = 0; r < n; ++r) per_rank[static_cast<size_t>(r)] = static_cast<int64_t>(all[static_cast<size_t>(r * kFigures + f)]);
+      line[names[f]] = per_rank;
+    }
+    // (A rank's gradient plane is laid out as its parameters: the same bytes.)
+    line["held_grad_bytes"] = line["held_param_bytes"];
+    line["held_expert_grad_bytes"] = line["held_expert_param_bytes"];
+    line["model_expert_param_bytes"] = model_expert_bytes_;
+  }
   if (!params_) return;
   // Every rank's figures, measured on that rank (resident pages by mincore), in rank order.
   const ShardedParams::Peaks peaks = params_->take_peaks();
@@ -338,6 +446,52 @@ void ShardedOptimizer::gather_parameters(int64_t t) {
   const auto [own_first, own_last] = own_chunks();
   for (const Chunk& c : store_.chunks()) {
     if ((c.id < own_first || c.id >= own_last) && !keeps(c.layer, t)) store_.bump_version(c.id);
+  }
+}
+
+void ShardedOptimizer::step_owned(double lr, int64_t t, float clip) {
+  // AdamW::step over the owned chunks: frozen layers drop their gradients, held layers wait.
+  for (const Chunk& c : store_.chunks()) {
+    if (!owns(c.id)) continue;
+    if (c.layer < config_.optim.frozen_at(t - 1)) {
+      store_.zero_grad_chunk(c.id);
+      continue;
+    }
+    const int64_t own_t = count_of(c.layer, t);
+    if (own_t == 0) continue;
+    adamw_.step_chunk(store_, c.id, lr, own_t, clip);
+  }
+  // AdamW cleared the gradients it consumed; under ZeRO-1 the others' are cleared here for the
+  // next step (ZeRO-2's reduce-scatter already gave them back).
+  for (const Chunk& c : store_.chunks()) {
+    if (zero_ == 1 && !owns(c.id)) {
+      std::span<float> g = store_.range_view(Plane::grad, c.offset, c.numel);
+      std::fill(g.begin(), g.end(), 0.0f);
+    }
+  }
+  broadcast_owned_runs();
+  for (const Chunk& c : store_.chunks()) {
+    if (!owns(c.id) && !keeps(c.layer, t)) store_.bump_version(c.id);
+  }
+}
+
+void ShardedOptimizer::broadcast_owned_runs() {
+  const std::vector<Chunk>& chunks = store_.chunks();
+  const int n = static_cast<int>(chunks.size());
+  auto owner_of = [&](int c) { return chunks[c].expert >= 0 ? partition_.expert_holder(c) : partition_.owner(c); };
+  for (int c = 0; c < n;) {
+    const bool expert = chunks[c].expert >= 0;
+    const int owner = owner_of(c);
+    int e = c + 1;
+    while (e < n && (chunks[e].expert >= 0) == expert && owner_of(e) == owner) ++e;
+    const int64_t offset = chunks[c].offset, numel = chunks[e - 1].offset + chunks[e - 1].numel - offset;
+    float* data = store_.range_view(Plane::param, offset, numel).data();
+    if (!expert) {
+      dp_.broadcast(data, static_cast<size_t>(numel), owner);
+    } else if (holders_) {  // (data == P: a rank alone holds its experts)
+      holders_->broadcast(data, static_cast<size_t>(numel), owner);
+    }
+    c = e;
   }
 }
 

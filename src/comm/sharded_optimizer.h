@@ -40,8 +40,11 @@ class ShardedOptimizer final : public MetricsSource {
   const ChunkPartition& partition() const { return partition_; }
   // Owners of the reduced gradients for GradSync (ZeRO-2), else nullptr.
   const ChunkPartition* scatter_to() const { return zero_ >= 2 ? &partition_ : nullptr; }
-  // Chunks [first, last) this rank updates.
+  // Chunks [first, last) this rank updates; with sharded experts under ZeRO-1/2
+  // (partition().experts_apart(), comm/zero.h) the span of them, of which it updates those it owns.
   std::pair<int, int> own_chunks() const { return store_.moment_chunks(); }
+  // Whether this rank updates `chunk` (holds its moments and, under ZeRO-2, its reduced gradient).
+  bool owns(int chunk) const;
 
   // After the sync of step `step`: clears the gradients of frozen layers (the owned ones, under ZeRO-2), which
   // neither count towards the norm nor are updated.
@@ -81,6 +84,8 @@ class ShardedOptimizer final : public MetricsSource {
   int64_t grad_bytes_held() const;
   // The float32 master weights a rank holds beside bf16 working parameters (its ZeRO shard's).
   int64_t master_bytes_held() const;
+  // The AdamW moments' bytes a rank holds (both planes: its ZeRO shard's, or every chunk's).
+  int64_t moment_bytes_held() const;
   // The bf16 training state, where one is held (else nullptr).
   Bf16State* bf16_state() const { return bf16_.get(); }
   // The start-up's "memory per rank" figures of parameters and gradients as a rank holds them
@@ -108,7 +113,10 @@ class ShardedOptimizer final : public MetricsSource {
 
   // Metrics: skipped_steps (the run's total) in every line; the progress line names them.
   // Under ZeRO-3 also every rank's parameter, gradient and moment bytes (collective: every rank
-  // adds its step's fields) and the start-up line of what a rank holds.
+  // adds its step's fields) and the start-up line of what a rank holds. With sharded experts
+  // under ZeRO-1/2, every rank's held parameter, gradient and moment bytes, the experts' part of
+  // each, its moment planes' resident bytes (mincore), and the whole model's expert parameter
+  // bytes (collective too).
   void add_step_fields(double step_ms, nlohmann::json& line) override;
   void print_startup() const override;
   std::string progress_fragment(double step_ms) const override;
@@ -117,6 +125,14 @@ class ShardedOptimizer final : public MetricsSource {
   // ZeRO without tiers: after this rank updated its shard, every rank receives every parameter
   // (ZeRO-1/2; under ZeRO-3 they stay with their owners).
   void gather_parameters(int64_t t);
+  // Sharded experts under ZeRO-1/2: the AdamW update of the owned chunks, and the owners'
+  // parameters broadcast run by run (a run: consecutive chunks of one kind and owner), the
+  // chunks of no expert over the data group, the expert chunks over their holders.
+  void step_owned(double lr, int64_t t, float clip);
+  void broadcast_owned_runs();
+  // Float32 bytes of the tensor elements in this rank's chunks (only the expert chunks, only the
+  // owned ones, as asked).
+  int64_t tensor_bytes(bool experts_only, bool owned_only) const;
   void update_chunk(int chunk);
   const std::vector<int64_t>* counts() const { return counts_.empty() ? nullptr : &counts_; }
   // Whether step t (1-based) leaves the layer alone (frozen, or held by the update counts).
@@ -131,6 +147,9 @@ class ShardedOptimizer final : public MetricsSource {
   AdamW adamw_;
   int zero_ = 0;
   ChunkPartition partition_;
+  // Sharded experts under ZeRO-1/2 with data > P: the data ranks holding this rank's experts.
+  std::unique_ptr<Communicator> holders_;
+  int64_t model_expert_bytes_ = 0;          // the whole model's expert parameters (float32 bytes)
   std::unique_ptr<ShardedParams> params_;  // ZeRO-3
   std::unique_ptr<Bf16State> bf16_;        // runtime.param_dtype / grad_dtype = "bf16"
   int64_t bf16_broadcast_bytes_ = 0;       // bf16 parameters the owners broadcast since the last line

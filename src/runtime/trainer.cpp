@@ -302,8 +302,7 @@ void Trainer::log_run_event() {
 RunSummary Trainer::run() {
   const bool resumed = !progress_.resumed_from.empty();
   // Memory per rank, as allocated (the moments shrink with ZeRO-1/2), the largest over ranks.
-  const double moments_mb =
-      groups_.world().allreduce_max((rank_->store->plane_bytes(Plane::adam_m) + rank_->store->plane_bytes(Plane::adam_v)) / 1e6);
+  const double moments_mb = groups_.world().allreduce_max(rank_->optimizer->moment_bytes_held() / 1e6);
   print_startup(moments_mb);
   log_run_event();
   RunSummary summary;

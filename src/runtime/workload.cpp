@@ -125,7 +125,10 @@ class LanguageModel final : public Workload {
                   "model's %.2f MB of parameters per rank\n",
                   P, groups_.dp().size(), groups_.dp().size() / P, P, sharded ? " and holds" : "",
                   config_.model.moe_experts / P, config_.model.moe_experts,
-                  sharded ? "the others' chunks on the other ranks of its group" : "every expert on every rank (ZeRO shards them as the rest)",
+                  !sharded                          ? "every expert on every rank (ZeRO shards them as the rest)"
+                  : config_.parallel.zero > 0       ? "the others' chunks on the other ranks of its group; ZeRO shares "
+                                                      "each expert's state out over the ranks holding it"
+                                                    : "the others' chunks on the other ranks of its group",
                   rank.expert_group->param_bytes() / 1e6, rank.expert_group->model_param_bytes() / 1e6);
     }
     const GPT& g = *rank.model;
