@@ -4,7 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -487,6 +489,57 @@ TEST_F(MonitorRun, AMixtureOfExpertsRoutingIsExposedPerBlockAndExpert) {
   }
 }
 
+// Experts in the memory tiers (tier.experts = "by_frequency") in the exposition of a live run
+// (which promtool accepts): per block and expert, counters of its pages' first touches, hits,
+// stall and bytes read, and its home as one gauge per tier, 1 on exactly one of them.
+TEST_F(MonitorRun, ExpertsInTheTiersAreExposedPerBlockAndExpert) {
+  const std::vector<int> ports = free_ports(1);
+  ASSERT_EQ(ports.size(), 1u);
+  fs::create_directories(dir / "nvme");
+  testing::KeelJob job({"train", "--config", dir / "toy.toml", "--set", "train.run_dir=" + dir / "moe-tiers", "--set",
+                        "model.preset=llama-moe-tiny", "--set", "model.vocab_size=64", "--set", "model.max_seq_len=32",
+                        "--set", "train.steps=1000000", "--set", "train.eval_every=0", "--set", "store.chunk_bytes=65536",
+                        "--set", "tier.device_mib=1", "--set", "tier.host_mib=1", "--set", "tier.nvme_dir=" + dir / "nvme",
+                        "--set", "tier.experts=by_frequency", "--set", "tier.experts_every=2", "--set",
+                        "monitor.port=" + std::to_string(ports[0])},
+                       dir / "moe-tiers.log", {});
+  const std::string url = "http://127.0.0.1:" + std::to_string(ports[0]) + "/metrics";
+  std::string exposition;
+  for (int i = 0; i < 600 && exposition.find("keel_moe_expert_home") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    exposition = http_get(url);
+  }
+  ::kill(job.pid(), SIGTERM);
+  job.wait(60);
+  ASSERT_NE(exposition.find("keel_moe_expert_home"), std::string::npos) << exposition << job.output();
+  testing::write_text(dir / "moe-tiers-exposition.txt", exposition);
+  const testing::CommandResult check =
+      testing::run_command("promtool check metrics < " + dir / "moe-tiers-exposition.txt");
+  EXPECT_EQ(check.exit_code, 0) << check.output;
+  for (const char* series :
+       {"keel_moe_expert_tier_touches_total{expert=\"0\",layer=\"1\"}", "keel_moe_expert_tier_hits_total{expert=\"3\",layer=\"2\"}",
+        "keel_moe_expert_tier_stall_seconds_total{expert=\"2\",layer=\"1\"}",
+        "keel_moe_expert_tier_read_bytes_total{expert=\"1\",layer=\"2\"}"}) {
+    EXPECT_NE(exposition.find(series), std::string::npos) << series << "\n" << exposition;
+  }
+  // Each of the 8 experts is homed on exactly one tier.
+  for (int layer : {1, 2}) {
+    for (int e = 0; e < 4; ++e) {
+      int homed = 0, listed = 0;
+      for (const char* tier : {"device", "host", "nvme"}) {
+        const std::string series = "keel_moe_expert_home{expert=\"" + std::to_string(e) + "\",layer=\"" +
+                                   std::to_string(layer) + "\",tier=\"" + tier + "\"} ";
+        const size_t at = exposition.find(series);
+        if (at == std::string::npos) continue;
+        listed++;
+        homed += std::stod(exposition.substr(at + series.size())) == 1.0;
+      }
+      EXPECT_EQ(listed, 3) << "layer " << layer << " expert " << e << "\n" << exposition;
+      EXPECT_EQ(homed, 1) << "layer " << layer << " expert " << e << "\n" << exposition;
+    }
+  }
+}
+
 // Bad endpoint settings are refused before training starts, in one line.
 TEST_F(MonitorRun, ABusyPortOrARemoteBindWithoutPermissionIsRefused) {
   const testing::CommandResult remote = testing::run_keel("train --config " + dir / "toy.toml" +
@@ -589,6 +642,95 @@ TEST_F(MonitorRun, TheReportOpensInChromiumWithItsPlotsDrawn) {
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
   EXPECT_NE(bad.output.find("not a run directory (no metrics.jsonl)"), std::string::npos) << bad.output;
   EXPECT_EQ(testing::count_lines(bad.output), 1) << bad.output;
+}
+
+// Experts in the memory tiers (tier.experts = "by_frequency", re-homed every 2 steps): the report's
+// MoE section draws the experts' pages' hit rate, stall and reads step by step, and has a row per
+// expert whose figures are the sums of the run's tier_experts and moe_layers (routed pairs and
+// their share, first touches, hit rate, stall, bytes read) and whose strip names its home at
+// every step, one segment per run of steps in one tier (re-homings included).
+TEST_F(MonitorRun, TheReportShowsEachExpertsTierFiguresAndHome) {
+  fs::create_directories(dir / "nvme");
+  const testing::CommandResult run = testing::run_keel(
+      "train --config " + dir / "toy.toml" + " --set train.run_dir=" + dir / "experts" +
+      " --set model.preset=llama-moe-tiny --set model.vocab_size=64 --set model.max_seq_len=32 --set train.steps=6"
+      " --set train.eval_every=0 --set store.chunk_bytes=65536 --set runtime.threads=1 --set model.moe_aux_weight=0"
+      " --set tier.device_mib=1 --set tier.host_mib=1 --set tier.nvme_dir=" + dir / "nvme" +
+      " --set tier.experts=by_frequency --set tier.experts_every=2");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const testing::CommandResult r = testing::run_keel("report " + dir / "experts" + " --out " + dir / "experts.html");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string html = read_text_file(dir / "experts.html");
+  for (const char* part : {"<h2>Mixture of experts</h2>", "Experts in the memory tiers (whole run)",
+                           "Experts' pages: hit rate", "Experts' pages: stall (ms per step)",
+                           "Experts' pages: bytes read (MB per step)", "Tokens per expert (whole run)"}) {
+    EXPECT_NE(html.find(part), std::string::npos) << part;
+  }
+  EXPECT_EQ(html.find("values or lines of metrics.jsonl"), std::string::npos);  // nothing skipped
+
+  struct Sums {
+    double routed = 0, acquires = 0, hits = 0, stall_ms = 0, read_bytes = 0;
+    std::vector<std::string> homes;  // per step
+  };
+  std::map<std::pair<int, int>, Sums> experts;  // (store layer, expert)
+  std::map<int, double> routed_in_block;
+  const std::vector<json> steps = testing::step_lines(dir / "experts/metrics.jsonl");
+  ASSERT_EQ(steps.size(), 6u);
+  for (const json& l : steps) {
+    ASSERT_EQ(l.at("step").get<size_t>(), static_cast<size_t>(&l - steps.data()) + 1);  // homes[k]: step k + 1
+    for (const json& b : l.at("tier_experts")) {
+      const int layer = b.at("layer").get<int>();
+      const json* tokens = nullptr;
+      for (const json& m : l.at("moe_layers")) {
+        if (m.at("layer").get<int>() == layer) tokens = &m.at("tokens");
+      }
+      ASSERT_NE(tokens, nullptr) << l;
+      for (size_t i = 0; i < b.at("experts").size(); ++i) {
+        const int e = b.at("experts")[i].get<int>();
+        Sums& s = experts[{layer, e}];
+        s.acquires += b.at("acquires")[i].get<double>();
+        s.hits += b.at("hits")[i].get<double>();
+        s.stall_ms += b.at("stall_ms")[i].get<double>();
+        s.read_bytes += b.at("read_bytes")[i].get<double>();
+        s.homes.push_back(b.at("home")[i].get<std::string>());
+        s.routed += tokens->at(e).get<double>();
+        routed_in_block[layer] += tokens->at(e).get<double>();
+      }
+    }
+  }
+  ASSERT_EQ(experts.size(), 8u);  // 2 MoE blocks of 4 experts
+  int rehomed = 0;
+  for (const auto& [key, s] : experts) {
+    const auto [layer, e] = key;
+    char hit_rate[32] = "-";
+    if (s.acquires > 0) std::snprintf(hit_rate, sizeof hit_rate, "%.1f %%", 100 * s.hits / s.acquires);
+    char row[512];
+    std::snprintf(row, sizeof row,
+                  "<tr><td>block %d</td><td>expert %d</td><td>%.0f (%.1f %%)</td><td>%.0f</td><td>%s</td><td>%.1f</td>"
+                  "<td>%.2f</td>",
+                  layer - 1, e, s.routed, 100 * s.routed / routed_in_block[layer], s.acquires, hit_rate, s.stall_ms,
+                  s.read_bytes / 1e6);
+    const size_t at = html.find(row);
+    ASSERT_NE(at, std::string::npos) << row;
+    const std::string cells = html.substr(at, html.find("</tr>", at) - at);
+    size_t segments = 0;
+    for (size_t first = 0, k = 1; k <= s.homes.size(); ++k) {
+      if (k < s.homes.size() && s.homes[k] == s.homes[first]) continue;
+      const std::string title = "<title>" +
+                                (k == first + 1 ? "step " + std::to_string(k)
+                                                : "steps " + std::to_string(first + 1) + "-" + std::to_string(k)) +
+                                ": " + s.homes[first] + "</title>";
+      EXPECT_NE(cells.find(title), std::string::npos) << row << " " << title;
+      segments++;
+      first = k;
+    }
+    size_t drawn = 0;
+    for (size_t p = cells.find("<rect"); p != std::string::npos; p = cells.find("<rect", p + 1)) drawn++;
+    EXPECT_EQ(drawn, segments) << row;
+    EXPECT_NE(cells.find("<td>" + s.homes.back() + "</td>"), std::string::npos) << row;
+    rehomed += segments > 1;
+  }
+  EXPECT_GT(rehomed, 0) << "the first plan moves experts off their placement";
 }
 
 }  // namespace

@@ -126,6 +126,47 @@ void PrometheusEndpoint::observe_step(const nlohmann::json& l) {
       }
     }
   }
+  // A mixture of experts in the memory tiers (runtime/expert_tiers.h), per MoE block and expert:
+  // its pages' first touches, hits, stall and bytes read, and its home (1 for the tier it is homed
+  // on, 0 for the others).
+  if (l.contains("tier_experts") && l.at("tier_experts").is_array()) {
+    for (const nlohmann::json& x : l.at("tier_experts")) {
+      if (!x.is_object() || !x.contains("layer") || !x.at("layer").is_number_integer() || !x.contains("experts") ||
+          !x.at("experts").is_array()) {
+        continue;
+      }
+      const std::string layer = std::to_string(x.at("layer").get<int>());
+      const nlohmann::json& experts = x.at("experts");
+      for (size_t i = 0; i < experts.size(); ++i) {
+        if (!experts[i].is_number_integer()) continue;
+        const std::map<std::string, std::string> labels = {{"layer", layer},
+                                                           {"expert", std::to_string(experts[i].get<int>())}};
+        auto count = [&](const char* field, const std::string& name, const std::string& help, double scale) {
+          if (!x.contains(field) || !x.at(field).is_array() || i >= x.at(field).size()) return;
+          const nlohmann::json& v = x.at(field)[i];
+          if (!v.is_number()) return;
+          // Registered at the first step, so that an expert never touched still shows its zero.
+          prometheus::Counter& c = counter(name, help, labels);
+          if (std::isfinite(v.get<double>()) && v.get<double>() > 0) c.Increment(v.get<double>() * scale);
+        };
+        count("acquires", "keel_moe_expert_tier_touches_total", "First touches of an expert's pages in the tiers", 1.0);
+        count("hits", "keel_moe_expert_tier_hits_total", "First touches of an expert's pages that were present", 1.0);
+        count("stall_ms", "keel_moe_expert_tier_stall_seconds_total", "Time acquires of an expert's pages waited", 1e-3);
+        count("read_bytes", "keel_moe_expert_tier_read_bytes_total", "Bytes of an expert's pages read into the device tier",
+              1.0);
+        if (!x.contains("home") || !x.at("home").is_array() || i >= x.at("home").size() || !x.at("home")[i].is_string()) {
+          continue;
+        }
+        const std::string home = x.at("home")[i].get<std::string>();
+        for (const char* tier : {"device", "host", "nvme"}) {
+          std::map<std::string, std::string> at = labels;
+          at["tier"] = tier;
+          gauge("keel_moe_expert_home", "1 for the tier an expert's pages are homed on, else 0", at)
+              .Set(home == tier ? 1.0 : 0.0);
+        }
+      }
+    }
+  }
 }
 
 void PrometheusEndpoint::observe_event(const nlohmann::json& l) {

@@ -190,6 +190,104 @@ std::string expert_shares(const std::vector<json>& steps) {
   return o.str();
 }
 
+// A mixture of experts in the memory tiers (the step lines' tier_experts, runtime/expert_tiers.h):
+// per MoE block and expert over the run, the pairs routed to it (moe_layers), its pages' first
+// touches, hit rate, stall and bytes read, and its home step by step as a strip of one segment per
+// run of steps in the same tier; "" when the run has none. Values that are not numbers (or, for a
+// home, not a string) are left out as if absent.
+std::string expert_tier_table(const std::vector<json>& steps) {
+  struct Home {
+    double first, last;
+    std::string tier;
+  };
+  struct ExpertRun {
+    double routed = 0, acquires = 0, hits = 0, stall_ms = 0, read_bytes = 0;
+    std::vector<Home> homes;  // consecutive steps in one tier merged
+  };
+  std::map<int, std::map<int, ExpertRun>> blocks;  // store layer -> expert -> its run
+  std::map<int, double> routed_in_block;
+  double first_step = 1e300, last_step = -1e300;
+  for (const json& l : steps) {
+    if (!l.contains("tier_experts") || !l.at("tier_experts").is_array()) continue;
+    const double step = l.value("step", 0.0);
+    first_step = std::min(first_step, step), last_step = std::max(last_step, step);
+    std::map<int, const json*> tokens;  // layer -> the step's pairs per expert
+    if (l.contains("moe_layers") && l.at("moe_layers").is_array()) {
+      for (const json& x : l.at("moe_layers")) {
+        if (x.is_object() && x.contains("tokens") && x.at("tokens").is_array()) tokens[x.value("layer", 0)] = &x.at("tokens");
+      }
+    }
+    for (const json& x : l.at("tier_experts")) {
+      if (!x.is_object() || !x.contains("experts") || !x.at("experts").is_array()) continue;
+      const int layer = x.value("layer", 0);
+      const json& index = x.at("experts");
+      auto at = [&](const char* field, size_t i) -> const json* {
+        if (!x.contains(field) || !x.at(field).is_array() || i >= x.at(field).size()) return nullptr;
+        return &x.at(field)[i];
+      };
+      auto number = [&](const char* field, size_t i) {
+        const json* v = at(field, i);
+        return v != nullptr && v->is_number() ? v->get<double>() : 0.0;
+      };
+      for (size_t i = 0; i < index.size(); ++i) {
+        if (!index[i].is_number_integer()) continue;
+        const int e = index[i].get<int>();
+        ExpertRun& r = blocks[layer][e];
+        r.acquires += number("acquires", i);
+        r.hits += number("hits", i);
+        r.stall_ms += number("stall_ms", i);
+        r.read_bytes += number("read_bytes", i);
+        const auto t = tokens.find(layer);
+        if (t != tokens.end() && e >= 0 && static_cast<size_t>(e) < t->second->size() && (*t->second)[e].is_number()) {
+          const double pairs = (*t->second)[e].get<double>();
+          r.routed += pairs;
+          routed_in_block[layer] += pairs;
+        }
+        const json* home = at("home", i);
+        if (home == nullptr || !home->is_string()) continue;
+        const std::string tier = home->get<std::string>();
+        if (!r.homes.empty() && r.homes.back().tier == tier) r.homes.back().last = step;
+        else r.homes.push_back({step, step, tier});
+      }
+    }
+  }
+  if (blocks.empty()) return "";
+  const std::map<std::string, const char*> colors = {{"device", "#50b86c"}, {"host", "#e90"}, {"nvme", "#9b59b6"}};
+  auto color = [&](const std::string& tier) {
+    const auto c = colors.find(tier);
+    return c == colors.end() ? "#aaa" : c->second;
+  };
+  constexpr double StripW = 300;
+  const double span = std::max(last_step - first_step + 1, 1.0);
+  std::ostringstream o;
+  o << "<h3>Experts in the memory tiers (whole run)</h3><p>home over steps " << num(first_step, "%.0f") << "-"
+    << num(last_step, "%.0f") << ":";
+  for (const auto& [tier, c] : colors) o << " <span style=\"color:" << c << "\">&#9632; " << tier << "</span>";
+  o << "</p><table><tr><th>MoE block</th><th>expert</th><th>routed pairs (share of the block's)</th>"
+       "<th>first touches</th><th>hit rate</th><th>stall (ms)</th><th>read (MB)</th><th>home over steps</th>"
+       "<th>home at the end</th></tr>";
+  for (const auto& [layer, experts] : blocks) {
+    for (const auto& [e, r] : experts) {
+      const double in_block = routed_in_block[layer];
+      o << "<tr><td>block " << layer - 1 << "</td><td>expert " << e << "</td><td>" << num(r.routed, "%.0f") << " ("
+        << num(in_block > 0 ? 100 * r.routed / in_block : 0.0, "%.1f") << " %)</td><td>" << num(r.acquires, "%.0f")
+        << "</td><td>" << (r.acquires > 0 ? num(100 * r.hits / r.acquires, "%.1f") + " %" : std::string("-"))
+        << "</td><td>" << num(r.stall_ms, "%.1f") << "</td><td>" << num(r.read_bytes / 1e6, "%.2f") << "</td><td>";
+      o << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << StripW << "\" height=\"14\">";
+      for (const Home& h : r.homes) {
+        const double x = (h.first - first_step) / span * StripW, w = (h.last - h.first + 1) / span * StripW;
+        o << "<rect x=\"" << num(x, "%.1f") << "\" y=\"1\" width=\"" << num(std::max(w, 0.5), "%.1f")
+          << "\" height=\"12\" fill=\"" << color(h.tier) << "\"><title>"
+          << (h.first == h.last ? "step " + num(h.first, "%.0f") : "steps " + num(h.first, "%.0f") + "-" + num(h.last, "%.0f"))
+          << ": " << escape(h.tier) << "</title></rect>";
+      }
+      o << "</svg></td><td>" << (r.homes.empty() ? std::string("-") : escape(r.homes.back().tier)) << "</td></tr>";
+    }
+  }
+  o << "</table>";
+  return o.str();
+}
+
 // The pipeline's Gantt chart from a Chrome trace (complete "X" events, one row per pid: a rank).
 // The trace is a file like any other: an event whose pid, ts or dur is not a number is skipped (and
 // counted in `skipped`), and the rows are the pids that occur, in order, so a pid of 2^31 costs one
@@ -256,6 +354,9 @@ const json& metrics_line_types() {
     "moe_imbalance": "number", "moe_dropped": "number", "moe_entropy": "number",
     "moe_layers": [{"layer": "number", "imbalance": "number", "dropped": "number", "entropy": "number",
                     "tokens": ["number"]}],
+    "tier_experts": [{"layer": "number", "experts": ["number"], "acquires": ["number"], "hits": ["number"],
+                      "stall_ms": ["number"], "read_bytes": ["number"], "home": ["string"]}],
+    "tier_expert_hit_rate": "number", "tier_expert_stall_ms": "number", "tier_expert_read_bytes": "number",
     "event": "string", "started": "string", "host": "string", "cpu": "string", "threads_per_rank": "number",
     "peak_gflops": "number", "peak_how": "string",
     "model": {"preset": "string", "n_layer": "number", "n_embd": "number", "n_head": "number", "vocab_size": "number",
@@ -507,7 +608,8 @@ std::string render_report(const std::string& run_dir, std::vector<std::string>* 
       for (const auto& [layer, s] : m) out.push_back(s);
       return out;
     };
-    if (!imbalance.empty()) {
+    const std::string tier_table = expert_tier_table(steps);
+    if (!imbalance.empty() || !tier_table.empty()) {
       h << "<h2>Mixture of experts</h2>";
       h << plot("MoE load imbalance (busiest expert / mean)", values(imbalance),
                 {{thresholds.max_moe_imbalance, "alert above " + num(thresholds.max_moe_imbalance)}}, markers);
@@ -516,6 +618,15 @@ std::string render_report(const std::string& run_dir, std::vector<std::string>* 
       for (const json& l : steps) any_dropped = any_dropped || l.value("moe_dropped", 0.0) > 0;
       if (any_dropped) h << plot("MoE dropped pairs (over capacity)", {series(steps, "moe_dropped", "dropped", "#e94e3c")}, {}, markers);
       h << expert_shares(steps);
+      // Experts homed in the memory tiers: their pages' hit rate, stall and reads step by step, and
+      // each expert's figures and home over the run.
+      h << plot("Experts' pages: hit rate", {series(steps, "tier_expert_hit_rate", "experts", "#4a90d9")},
+                {{thresholds.min_hit_rate, "target " + num(thresholds.min_hit_rate)}}, markers);
+      h << plot("Experts' pages: stall (ms per step)", {series(steps, "tier_expert_stall_ms", "stall", "#e94e3c")}, {},
+                markers);
+      h << plot("Experts' pages: bytes read (MB per step)",
+                {series(steps, "tier_expert_read_bytes", "read", "#9b59b6", 1e-6)}, {}, markers);
+      h << tier_table;
     }
   }
   h << plot("Energy (kWh per million tokens)", {series(steps, "energy_kwh_per_mtok", "kWh/Mtok", "#e90")}, {}, markers);

@@ -1,8 +1,10 @@
 // `keel report RUN_DIR`: one self-contained HTML file of a run (finished or still going): its
 // summary, SVG plots drawn here (losses, throughput, MFU, tier hit rates, bubble, sync latency and
-// jitter with their thresholds, energy per million tokens) with checkpoints, recoveries and alerts
-// on the step axis, the pipeline's Gantt chart from pipeline_trace.json, and the alerts. Nothing
-// is fetched from anywhere: no script, no stylesheet, no font.
+// jitter with their thresholds, energy per million tokens; a mixture of experts' routing and, in
+// the memory tiers, each expert's hit rate, stall, bytes read and home over the steps) with
+// checkpoints, recoveries and alerts on the step axis, the pipeline's Gantt chart from
+// pipeline_trace.json, and the alerts. Nothing is fetched from anywhere: no script, no
+// stylesheet, no font.
 #pragma once
 
 #include <string>
