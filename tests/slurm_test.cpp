@@ -113,6 +113,9 @@ class SlurmCluster {
                     // No cgroups in a container: processes are tracked by their parent, not confined.
                     "\nProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nMpiDefault=none"
                     "\nSchedulerType=sched/builtin\nSelectType=select/cons_tres\nSelectTypeParameters=CR_CPU"
+                    // A loaded machine (the whole suite at -j2) answers RPCs slowly: Slurm's
+                    // 10 s default message timeout would fail a job that is only waiting.
+                    "\nMessageTimeout=100"
                     "\nReturnToService=2\nSlurmdParameters=config_overrides\nJobAcctGatherType=jobacct_gather/none"
                     "\nAccountingStorageType=accounting_storage/none\nNodeName=" + host + " CPUs=" + cpus +
                     " State=UNKNOWN\nPartitionName=keel Nodes=" + host + " Default=YES MaxTime=INFINITE State=UP\n");
