@@ -414,15 +414,7 @@ void MoeFeedForward::backward_input(const MoeActivations& a, const Batch& b, con
   } else if (aux_weight_ > 0) {  // (as moe::aux_loss_backward, with the whole sequence's shares)
     std::vector<double> f;
     whole_sequence_shares(a, b, f, nullptr);
-    const float scale = static_cast<float>(aux_weight_ * b.grad_scale * b.T);
-    for (int s = 0; s < b.B; ++s) {
-      for (int t = 0; t < b.T; ++t) {
-        float* d = dprobs + (static_cast<int64_t>(s) * b.T + t) * E_;
-        for (int e = 0; e < E_; ++e) {
-          d[e] += scale * static_cast<float>(E_ * f[static_cast<size_t>(s) * E_ + e] / b.T);
-        }
-      }
-    }
+    moe::aux_loss_backward_shares(dprobs, f.data(), b.B, b.T, E_, static_cast<float>(aux_weight_ * b.grad_scale * b.T));
   }
   moe::router_softmax_backward(a.dlogits, dprobs, a.probs, N, E_);
   if (ep_ != nullptr) {

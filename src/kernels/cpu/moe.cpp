@@ -218,15 +218,21 @@ double aux_loss_forward(const T* probs, const int32_t* choice, int B, int Tn, in
 }
 
 template <typename T>
-void aux_loss_backward(T* dprobs, const int32_t* choice, int B, int Tn, int E, int k, T scale) {
-  std::vector<double> f(E);
+void aux_loss_backward_shares(T* dprobs, const double* f, int B, int Tn, int E, T scale) {
   for (int b = 0; b < B; ++b) {
-    choice_shares(f.data(), choice, b, Tn, E, k);
+    const double* fb = f + static_cast<int64_t>(b) * E;
     for (int t = 0; t < Tn; ++t) {
       T* d = dprobs + (static_cast<int64_t>(b) * Tn + t) * E;
-      for (int e = 0; e < E; ++e) d[e] += static_cast<T>(scale * static_cast<T>(E * f[e] / Tn));
+      for (int e = 0; e < E; ++e) d[e] += static_cast<T>(scale * static_cast<T>(E * fb[e] / Tn));
     }
   }
+}
+
+template <typename T>
+void aux_loss_backward(T* dprobs, const int32_t* choice, int B, int Tn, int E, int k, T scale) {
+  std::vector<double> f(static_cast<size_t>(B) * E);
+  for (int b = 0; b < B; ++b) choice_shares(f.data() + static_cast<int64_t>(b) * E, choice, b, Tn, E, k);
+  aux_loss_backward_shares(dprobs, f.data(), B, Tn, E, scale);
 }
 
 #define KEEL_MOE_INSTANTIATE(T)                                                                                    \
@@ -245,7 +251,8 @@ void aux_loss_backward(T* dprobs, const int32_t* choice, int B, int Tn, int E, i
   template void grouped_linear_backward_weight<T>(MatmulPrecision, T* const*, const T*, const T*, const int32_t*,  \
                                                   int, int, int);                                                  \
   template double aux_loss_forward<T>(const T*, const int32_t*, int, int, int, int);                               \
-  template void aux_loss_backward<T>(T*, const int32_t*, int, int, int, int, T);
+  template void aux_loss_backward<T>(T*, const int32_t*, int, int, int, int, T);                               \
+  template void aux_loss_backward_shares<T>(T*, const double*, int, int, int, T);
 KEEL_MOE_INSTANTIATE(float)
 KEEL_MOE_INSTANTIATE(double)
 #undef KEEL_MOE_INSTANTIATE

@@ -79,5 +79,9 @@ double aux_loss_forward(const T* probs, const int32_t* choice, int B, int Tn, in
 // dprobs[N, E] += scale * E * f_e / T: the gradient of scale * (the sum aux_loss_forward returns).
 template <typename T>
 void aux_loss_backward(T* dprobs, const int32_t* choice, int B, int Tn, int E, int k, T scale);
+// The same with the shares given: f[B, E], each sequence's share of its choices per expert (where
+// a sequence's choices are counted elsewhere, e.g. summed over a context group's ranks).
+template <typename T>
+void aux_loss_backward_shares(T* dprobs, const double* f, int B, int Tn, int E, T scale);
 
 }  // namespace keel::moe
