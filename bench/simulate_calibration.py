@@ -34,8 +34,9 @@ What the simulator is given, all measured here before or beside the runs, none f
     trainer calls, each at its own rate as a ring's bandwidth (its non-blocking algorithms are not
     its blocking ones): GradSync's bucketed reduce-scatter (ZeRO-2), ZeRO-1/2's blocking all-gather
     of the parameters, a blocking all-reduce of GPT-2's tied wte (a pipeline's tied sum). With more
-    ranks than cores the probe also runs with mpi_yield_when_idle 1, printed for comparison only:
-    each namespace is a one-slot host, so OpenMPI's ranks poll without yielding in every run here;
+    ranks than cores every run and probe waits yielding (scripts/netns.sh passes mpi_yield_when_idle
+    1: each namespace is a one-slot host, so OpenMPI would poll); --poll runs them polling, as every
+    run here did before 2026-12-05, with the yielding probe printed beside for comparison only;
   * a tensor group's all-reduces: the same probe across the namespaces with the job's rank count
     split into groups of T (all groups at once, as the job runs them), replaying one step of the
     trainer's blocking all-reduces in the trainer's order and sizes (per micro-batch: the
@@ -64,13 +65,13 @@ predicts each configuration's step. Measured: the median over repeats of each ru
 time; predicted: the median over repeats of the predictions from that repeat's profile. Exit status 0 whatever the errors; non-zero only when a run fails.
 
 Usage: bench/simulate_calibration.py [--steps N] [--warmup N] [--repeats R] [--rate R] [--only LIST]
-                                     [--out FILE] [--report FILE] [--repredict FILE [--one-rate]] [--yield-when-idle]
+                                     [--out FILE] [--report FILE] [--repredict FILE [--one-rate]] [--poll]
   --steps N     timed steps per run (default 8), after --warmup N untimed (default 3)
   --repeats R   runs of each configuration (default 2), alternating
   --only LIST   configurations by name (default all; see the table)
   --out FILE    also write every result as a JSON line; --report FILE prints the table from one
-  --yield-when-idle  runs and probes of more ranks than cores with OpenMPI's mpi_yield_when_idle 1 (each
-                namespace is a one-slot host, so its ranks otherwise poll without yielding)
+  --poll        runs and probes of more ranks than cores with OpenMPI's mpi_yield_when_idle 0: ranks
+                that wait poll, holding their core (the default yields, as scripts/netns.sh does)
   --repredict FILE  predicts an --out file's runs again with this keel (no run); --one-rate: as the
                 bench priced them before 2026-12-05 (every collective at the all-reduce's rate, each
                 data group by the probe of that many ranks alone)
@@ -95,14 +96,14 @@ KEEL = os.environ.get("KEEL", os.path.join(ROOT, "build", "keel"))
 NETNS = os.path.join(ROOT, "scripts", "netns.sh")
 RUN_TIMEOUT = int(os.environ.get("RUN_TIMEOUT", "900"))
 TARGET = 0.10
-# --yield-when-idle: OpenMPI's ranks yield while they wait, where a run has more ranks than cores
-# (each namespace is a one-slot host, so OpenMPI polls without yielding unless told).
-YIELD = []
+# --poll: OpenMPI's ranks poll while they wait, where a run has more ranks than cores (each
+# namespace is a one-slot host: scripts/netns.sh then passes mpi_yield_when_idle 1 unless told).
+POLL = []
 
 
 def wait_mca(ranks):
-    """The mpirun options of a run or probe of `ranks` ranks: --yield-when-idle's, beyond the cores."""
-    return ["--mca", "mpi_yield_when_idle", "1"] if YIELD and ranks > (os.cpu_count() or 1) else []
+    """The mpirun options of a run or probe of `ranks` ranks: --poll's, beyond the cores."""
+    return ["--mca", "mpi_yield_when_idle", "0"] if POLL and ranks > (os.cpu_count() or 1) else []
 D4_PARAMETERS = 5322240  # model d4's parameters (its run event says so)
 D4_WIDTH = 256  # model d4's n_embd
 D4_TIED_BYTES = 8192 * D4_WIDTH * 4  # GPT-2's tied wte (padded vocabulary x C floats): a pipeline's sum
@@ -460,8 +461,11 @@ def report(results):
             preds.setdefault(r["name"], []).append(r)
     links = {r["link"]: r for r in results if r.get("kind") == "link"}
     print("\n== keel simulate against runs on this machine: d4, 4 x 2 x 128 tokens per replica and step, 1 thread/rank ==")
-    if any(r.get("yield_when_idle") for r in results if r.get("kind") == "probe"):
-        print("(--yield-when-idle: runs and probes of more ranks than cores yielded while they waited)")
+    probe = next((r for r in results if r.get("kind") == "probe"), {})
+    if probe.get("yield_when_idle"):
+        print("(runs and probes of more ranks than cores yielded while they waited)")
+    else:
+        print("(--poll, or before 2026-12-05: runs and probes of more ranks than cores polled while they waited)")
     for name, l in sorted(links.items()):
         print("link %-9s TCP stream %.3f Gbit/s, round trip %.0f us" % (name, l["gbit"], l["rtt_us"]))
     for o in sorted([r for r in results if r.get("kind") == "overhead"], key=lambda r: (r["ranks"], r["rep"])):
@@ -526,8 +530,10 @@ def main():
     ap.add_argument("--out", default="")
     ap.add_argument("--report", default="")
     ap.add_argument("--repredict", default="")
+    ap.add_argument("--poll", action="store_true",
+                    help="runs and probes with more ranks than cores: OpenMPI's ranks poll while they wait")
     ap.add_argument("--yield-when-idle", action="store_true",
-                    help="runs and probes with more ranks than cores: OpenMPI's ranks yield while they wait")
+                    help="the default since 2026-12-05 (accepted so that earlier commands still run)")
     ap.add_argument("--one-rate", action="store_true",
                     help="the pricing before 2026-12-05, for comparison: every collective at the all-reduce's "
                          "rate, each data group by the probe of that many ranks alone")
@@ -535,8 +541,8 @@ def main():
     if a.report:
         report([json.loads(l) for l in open(a.report) if l.strip()])
         return
-    if a.yield_when_idle:
-        YIELD.append(True)
+    if a.poll:
+        POLL.append(True)
     if not os.access(KEEL, os.X_OK):
         sys.exit("simulate_calibration.py: no keel binary at %s (bash scripts/build.sh, or set KEEL)" % KEEL)
     only = set(x.strip() for x in a.only.split(",") if x.strip())
@@ -579,7 +585,7 @@ def main():
             netns(prefixes["unshaped"], "up", "4")
             netns(prefixes["shaped"], "up", "4", "--rate", a.rate)
             mem, codec_lines = probe()
-            keep({"kind": "probe", "hbm_gbps": mem, "codecs": codec_lines, "yield_when_idle": bool(YIELD)})
+            keep({"kind": "probe", "hbm_gbps": mem, "codecs": codec_lines, "yield_when_idle": not POLL, "poll": bool(POLL)})
             grad_bytes = 4 * D4_PARAMETERS
             for link, prefix in prefixes.items():
                 rtt, gbit = measure_link(prefix, 400 if link == "unshaped" else 100)
@@ -595,7 +601,7 @@ def main():
                     c.update({"kind": "collective", "link": link})
                     keep(c)
                     log("  %d ranks%s: %s" % (ranks, " in groups of %d" % g if g < ranks else "", collective_text(c)))
-                    if ranks > (os.cpu_count() or 1) and g == ranks and not YIELD:
+                    if ranks > (os.cpu_count() or 1) and g == ranks and POLL:
                         # Every namespace is a host of one slot holding one rank, so OpenMPI does not
                         # see that the ranks share this machine's cores and its ranks wait by polling
                         # without yielding (mpi_oversubscribe 0; `mpirun` on one host with more ranks
@@ -697,7 +703,8 @@ def main():
             t = next(r for r in results if r["kind"] == tensor_kind and r["link"] == link and r["ranks"] == ranks
                      and r["group"] == tensor and r["rep"] == rep)
             intra_lat = t["latency_ms"] * 1e3 / (2 * (tensor - 1))
-            intra_gbps = 2 * (tensor - 1) / tensor / (t["ms_per_byte"] * 1e6)
+            # (a fit with no slope to speak of: the link's largest bandwidth a cluster file takes)
+            intra_gbps = min(1e6, 2 * (tensor - 1) / tensor / (t["ms_per_byte"] * 1e6))
         alltoall = ""
         if expert > 1:
             # The expert group's exchange, fitted to the probe (ms = a + b bytes sent in all), as the
@@ -705,7 +712,7 @@ def main():
             e = next(r for r in results if r["kind"] == "alltoall_probe" and r["link"] == link and r["ranks"] == ranks
                      and r["group"] == expert and r["rep"] == rep)
             alltoall = "alltoall_latency_us = %.2f   # bench/collective_probe.cpp's all-to-all fit\nalltoall_gbps = %.6f" % (
-                e["latency_ms"] * 1e3, (expert - 1) / expert / (e["ms_per_byte"] * 1e6))
+                e["latency_ms"] * 1e3, min(1e6, (expert - 1) / expert / (e["ms_per_byte"] * 1e6)))
         path = os.path.join(work, "local-%s-%d-%d-g%d-t%d-e%d%s.toml" % (link, ranks, rep, group or ranks, tensor, expert,
                                                                       "-uniform" if tensor_kind != "tensor_probe" else ""))
         with open(path, "w") as f:

@@ -25,6 +25,13 @@
 # a host by D (one way; a round trip between two hosts takes 2 D), with tbf under it when --rate is
 # given too; it needs the kernel's sch_netem, and `up` fails saying so where it is missing. The
 # state directory holds the hostfile, the rsh agent and the settings.
+#
+# Every namespace is a host of --slots slots to OpenMPI, which cannot see that they share this
+# machine's cores: with more ranks than cores (nproc), `run` passes mpi_yield_when_idle 1 (unless
+# given --mca mpi_yield_when_idle), so a rank waiting in MPI yields its core to one that computes, as
+# OpenMPI does by itself for a plain oversubscribed `keel launch`. Measured 2026-12-05 (4 ranks on 2
+# cores, bench/simulate_calibration.py, quiet): a one-float all-reduce 7.4 ms polling vs 0.06 ms
+# yielding; a 4-rank tensor-parallel step 2,368 ms polling vs 232-288 ms yielding.
 set -Eeuo pipefail
 
 PREFIX=${KEEL_NETNS_PREFIX:-keel-h}
@@ -231,6 +238,9 @@ cmd_run() {
   done
   [[ $# -gt 0 ]] || die "run: missing the command after --"
   mpi_args
+  if (( ranks > $(nproc) )) && [[ " ${extra[*]} " != *" mpi_yield_when_idle "* ]]; then
+    extra+=(--mca mpi_yield_when_idle 1)
+  fi
   export PMIX_MCA_gds=${PMIX_MCA_gds:-hash}  # harmless PMIx dstore errors otherwise
   if [[ $raw -eq 1 ]]; then
     if [[ $(id -u) -eq 0 ]]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi

@@ -501,48 +501,52 @@ TEST(Simulate, ExpertAlltoallBytesAreTheTrainers) {
   }
 }
 
-// Sharded experts (parallel.expert = P, ZeRO-0: a rank holds E / P routed experts): the simulator's
+// Sharded experts (parallel.expert = P: a rank holds E / P routed experts): the simulator's
 // parameter bytes per rank and data-parallel sync bytes per step are the trainer's own counts
 // (metrics.jsonl param_bytes, sync_sent_bytes) on 2 ranks with P = 2 (each expert held by one rank:
-// its gradient is not summed) and 4 ranks with P = 2 (each expert summed over 2 ranks).
+// its gradient is not summed) and 4 ranks with P = 2 (each expert summed over 2 ranks), under
+// ZeRO-0, and under ZeRO-1 and -2 (experts' chunks shared out over the ranks holding them: their
+// gradients reduced and their updated parameters gathered over those ranks, not the data group).
 TEST(Simulate, ShardedExpertBytesAreTheTrainers) {
   testing::TempDir dir("keel-sim-eps");
   testing::write_toy_corpus(dir.path());
   testing::write_toy_config(dir.path(), 3);
-  const std::string moe = "--set model.preset=llama-moe-tiny --set model.vocab_size=64 --set model.max_seq_len=32 "
-                          "--set train.eval_every=0 --set parallel.expert=2 ";
+  const std::string model = "--set model.preset=llama-moe-tiny --set model.vocab_size=64 --set model.max_seq_len=32 "
+                            "--set train.eval_every=0 ";
   double whole = 0;
-  for (int ranks : {2, 4}) {
-    std::string text = read_text_file(kCluster);
-    text.replace(text.find("nodes = 4"), 9, "nodes = 1");
-    text.replace(text.find("devices_per_node = 8"), 20, "devices_per_node = " + std::to_string(ranks));
-    text.replace(text.find("nics_per_node = 8"), 17, "nics_per_node = " + std::to_string(ranks));
-    const std::string cluster = dir / ("cluster" + std::to_string(ranks) + ".toml");
-    testing::write_text(cluster, text);
-    const std::string run = "s" + std::to_string(ranks);
-    const testing::CommandResult r = testing::run_keel(testing::toy_train_args(dir, ranks, 2, run, moe));
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    auto predict = [&](const std::string& sets) {
-      const testing::CommandResult s = testing::run_keel("simulate --cluster " + cluster + " --json yes --config " +
-                                                         dir / "toy.toml" + " --set train.batch_size=2 " + sets);
-      EXPECT_EQ(s.exit_code, 0) << s.output;
-      return nlohmann::json::parse(s.output.substr(s.output.rfind("\n{") + 1));
-    };
-    const nlohmann::json p = predict(moe);
-    // Every expert on every rank (no expert parallelism): more parameters, more sync.
-    const nlohmann::json all = predict("--set model.preset=llama-moe-tiny --set model.vocab_size=64 "
-                                       "--set model.max_seq_len=32 --set train.eval_every=0");
-    EXPECT_LT(p.at("param_bytes").get<double>(), all.at("param_bytes").get<double>());
-    EXPECT_LT(p.at("sync_sent_bytes").get<double>(), all.at("sync_sent_bytes").get<double>());
-    int lines = 0;
-    for (const nlohmann::json& j : testing::step_lines(dir / (run + "/metrics.jsonl"))) {
-      ++lines;
-      EXPECT_EQ(j.value("param_bytes", int64_t{-1}), static_cast<int64_t>(p.at("param_bytes").get<double>())) << run;
-      EXPECT_EQ(j.value("model_param_bytes", int64_t{-1}), static_cast<int64_t>(all.at("param_bytes").get<double>())) << run;
-      EXPECT_NEAR(j.value("sync_sent_bytes", -1.0), p.at("sync_sent_bytes").get<double>(), 0.5) << run;
-      whole = j.value("model_param_bytes", 0.0);
+  for (int zero : {0, 1, 2}) {
+    const std::string moe = model + "--set parallel.expert=2 --set parallel.zero=" + std::to_string(zero) + " ";
+    for (int ranks : {2, 4}) {
+      std::string text = read_text_file(kCluster);
+      text.replace(text.find("nodes = 4"), 9, "nodes = 1");
+      text.replace(text.find("devices_per_node = 8"), 20, "devices_per_node = " + std::to_string(ranks));
+      text.replace(text.find("nics_per_node = 8"), 17, "nics_per_node = " + std::to_string(ranks));
+      const std::string cluster = dir / ("cluster" + std::to_string(ranks) + ".toml");
+      testing::write_text(cluster, text);
+      const std::string run = "s" + std::to_string(ranks) + "z" + std::to_string(zero);
+      const testing::CommandResult r = testing::run_keel(testing::toy_train_args(dir, ranks, 2, run, moe));
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      auto predict = [&](const std::string& sets) {
+        const testing::CommandResult s = testing::run_keel("simulate --cluster " + cluster + " --json yes --config " +
+                                                           dir / "toy.toml" + " --set train.batch_size=2 " + sets);
+        EXPECT_EQ(s.exit_code, 0) << s.output;
+        return nlohmann::json::parse(s.output.substr(s.output.rfind("\n{") + 1));
+      };
+      const nlohmann::json p = predict(moe);
+      // Every expert on every rank (no expert parallelism): more parameters, more sync.
+      const nlohmann::json all = predict(model + "--set parallel.zero=" + std::to_string(zero));
+      EXPECT_LT(p.at("param_bytes").get<double>(), all.at("param_bytes").get<double>()) << run;
+      EXPECT_LT(p.at("sync_sent_bytes").get<double>(), all.at("sync_sent_bytes").get<double>()) << run;
+      int lines = 0;
+      for (const nlohmann::json& j : testing::step_lines(dir / (run + "/metrics.jsonl"))) {
+        ++lines;
+        EXPECT_EQ(j.value("param_bytes", int64_t{-1}), static_cast<int64_t>(p.at("param_bytes").get<double>())) << run;
+        EXPECT_EQ(j.value("model_param_bytes", int64_t{-1}), static_cast<int64_t>(all.at("param_bytes").get<double>())) << run;
+        whole = j.value("model_param_bytes", 0.0);
+        EXPECT_NEAR(j.value("sync_sent_bytes", -1.0), p.at("sync_sent_bytes").get<double>(), 0.5) << run;
+      }
+      EXPECT_EQ(lines, 3) << run;
     }
-    EXPECT_EQ(lines, 3) << run;
   }
   EXPECT_GT(whole, 0);
 }
@@ -585,16 +589,19 @@ TEST(Simulate, EachCollectiveAtItsMeasuredRate) {
   EXPECT_NEAR(tied.sync_exposed_ms - tied_fast.sync_exposed_ms, tied_bytes / gbs * 1e3 * (1 - 0.25), 1e-6);
   // (the step: the same, within the cluster file's amortized checkpoint share)
   EXPECT_NEAR(tied.step_ms - tied_fast.step_ms, tied_bytes / gbs * 1e3 * (1 - 0.25), 1e-5 * tied.step_ms);
-  // ZeRO-1: all-reduce (2 (n-1)/n = 1 of the bytes) then all-gather (1/2): 1.5 x the bytes sent.
+  // ZeRO-1: all-reduce (2 (n-1)/n = 1 of the bytes) then all-gather (1/2 of them).
   const sim::StepPrediction z1 = predict(with({"parallel.zero=1"}), ""),
                             z1_fast = predict(with({"parallel.zero=1"}), "allgather_gbit = 1\n");
-  const double raw1 = z1.sync_sent_bytes / 1.5;
+  const double raw1 = z1.sync_sent_bytes;
+  EXPECT_NEAR(z1.param_gather_bytes, raw1 / 2, 1e-6);
   EXPECT_NEAR(z1.sync_ms - z1_fast.sync_ms, raw1 / 2 / gbs * 1e3 * (1 - 0.5), 1e-6);
-  // ZeRO-2: reduce-scatter (1/2) and all-gather (1/2): the bytes sent are the raw bytes.
+  // ZeRO-2: reduce-scatter (1/2) and all-gather (1/2).
   const sim::StepPrediction z2 = predict(with({"parallel.zero=2"}), ""),
                             z2_rs = predict(with({"parallel.zero=2"}), "reduce_scatter_gbit = 0.25\n"),
                             z2_ag = predict(with({"parallel.zero=2"}), "allgather_gbit = 1\n");
-  const double raw2 = z2.sync_sent_bytes;
+  const double raw2 = 2 * z2.sync_sent_bytes;
+  EXPECT_NEAR(z2.param_gather_bytes, raw2 / 2, 1e-6);
+  EXPECT_NEAR(raw2, raw1, 1e-6);
   EXPECT_NEAR(z2_rs.sync_ms - z2.sync_ms, raw2 / 2 / gbs * 1e3 * (2 - 1), 1e-6);
   EXPECT_NEAR(z2.sync_ms - z2_ag.sync_ms, raw2 / 2 / gbs * 1e3 * (1 - 0.5), 1e-6);
   // ZeRO-0 all-reduces only, without a tied sum: none of the three applies.

@@ -168,7 +168,7 @@ int simulate_command(const SimulateOptions& o) {
         {"cut", p.cut}, {"step_ms", p.step_ms}, {"span_ms", p.span_ms}, {"compute_ms", p.compute_ms},
         {"bubble_ms", p.bubble_ms}, {"bubble", p.bubble}, {"tensor_comm_ms", p.tensor_comm_ms}, {"tensor_allreduce_bytes", p.tensor_allreduce_bytes},
         {"expert", p.expert}, {"expert_alltoall_bytes", p.expert_alltoall_bytes}, {"expert_comm_ms", p.expert_comm_ms},
-        {"param_bytes", p.param_bytes}, {"sync_sent_bytes", p.sync_sent_bytes},
+        {"param_bytes", p.param_bytes}, {"sync_sent_bytes", p.sync_sent_bytes}, {"param_gather_bytes", p.param_gather_bytes},
         {"pipeline_comm_ms", p.pipeline_comm_ms}, {"sync_ms", p.sync_ms}, {"sync_codec_ms", p.sync_codec_ms}, {"sync_exposed_ms", p.sync_exposed_ms}, {"sync_wire_ratio", p.sync_wire_ratio},
         {"optimizer_ms", p.optimizer_ms}, {"stack", stack.name}, {"sync_algorithm", p.sync_algorithm}, {"variability_ms", p.variability_ms}, {"samples_per_s", p.samples_per_s},
         {"tokens_per_s", p.tokens_per_s}, {"model_tflops_per_device", p.model_tflops_per_device}, {"mfu", p.mfu},

@@ -40,6 +40,9 @@ double expected_max_normal(int n) { return n <= 1 ? 0.0 : std::sqrt(2.0 * std::l
 // buffers' worth; gather sends (N-1) encodings, encodes one and decodes N.
 struct SyncCost {
   double ms = 0, codec_ms = 0, raw_bytes = 0, wire_bytes = 0;
+  // Of wire_bytes: ZeRO's all-gathers of the parameters (the rest is GradSync's, which the
+  // trainer's sync_sent_bytes counts); of raw_bytes: sharded experts' (summed over their holders).
+  double gather_bytes = 0, expert_raw_bytes = 0;
   // ms's parts: each layer's collectives (index as pipeline/layout.h's layers: 0 the embedding,
   // 1..n_layer the blocks, n_layer + 1 the head), which can start once the layer's gradient is
   // complete; and what only runs after the optimizer (ZeRO's all-gather of parameters).
@@ -134,6 +137,7 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
     bind(expert ? expert_group : data_group);
     if (ranks <= 1) continue;  // an expert held by this rank alone: nothing to sum
     out.raw_bytes += raw;
+    if (expert) out.expert_raw_bytes += raw;
     run_layer = c.layer, run_kind = p.kind, run_bytes += raw;
     if (p.kind == CodecKind::none) {
       const double sent = plain_overlap * 2 * (n - 1) / n * raw * wire;
@@ -164,14 +168,24 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
   out.algorithm = to_string(allreduce(out.raw_bytes * wire, data_group, stack.collective).algorithm);
   const double param_wire = stack.param_bytes / sizeof(float);  // a gathered parameter's bytes per float32 byte
   if (config.parallel.zero == 1 || config.parallel.zero == 2) {  // every parameter, gathered after the optimizer
-    const double gather = (n - 1) / n * out.raw_bytes * param_wire;
-    out.after_ms = flat ? gather / (ag_gbps * 1e9) * 1e3 + std::ceil(out.raw_bytes / static_cast<double>(bucket)) * (n - 1) * latency_us * 1e-3
-                        : allreduce(out.raw_bytes * param_wire, data_group, stack.collective, 0.5).ms;
-    out.wire_bytes += gather;
+    // (sharded experts' over the ranks holding them, the rest over the data group: comm/zero.h)
+    auto gather = [&](const CollectiveGroup& over, double raw) {
+      if (raw <= 0) return;
+      bind(over);
+      const double sent = (n - 1) / n * raw * param_wire;
+      out.after_ms += flat ? sent / (ag_gbps * 1e9) * 1e3 + std::ceil(raw / static_cast<double>(bucket)) * (n - 1) * latency_us * 1e-3
+                           : allreduce(raw * param_wire, over, stack.collective, 0.5).ms;
+      out.gather_bytes += sent;
+    };
+    gather(data_group, out.raw_bytes - out.expert_raw_bytes);
+    gather(expert_group, out.expert_raw_bytes);
+    bind(data_group);
+    out.wire_bytes += out.gather_bytes;
   } else if (config.parallel.zero >= 3) {  // two gathers per step, one per layer each
     const double layers = static_cast<double>(out.layer_ms.size());
     out.gather_ms = 2 * layers * allreduce(out.raw_bytes * param_wire / layers, data_group, stack.collective, 0.5).ms;
-    out.wire_bytes += 2 * (n - 1) / n * out.raw_bytes * param_wire;
+    out.gather_bytes = 2 * (n - 1) / n * out.raw_bytes * param_wire;
+    out.wire_bytes += out.gather_bytes;
   }
   out.ms = out.after_ms + out.gather_ms;
   for (double ms : out.layer_ms) out.ms += ms;
@@ -502,7 +516,8 @@ StepPrediction predict_step(const Config& config, const Cluster& cluster, const 
   r.sync_wire_ratio = sync.raw_bytes > 0 && D > 1 ? sync.wire_bytes / (2 * (D - 1.0) / D * sync.raw_bytes) : 1.0;
   r.sync_ms = sync.ms;
   r.sync_codec_ms = sync.codec_ms;
-  r.sync_sent_bytes = sync.wire_bytes;
+  r.sync_sent_bytes = sync.wire_bytes - sync.gather_bytes;
+  r.param_gather_bytes = sync.gather_bytes;
   r.param_bytes = most * sizeof(float);
   // AdamW: parameter, gradient, two moments read; parameter, moments and the zeroed gradient
   // written; the clipping norm's read of the gradient before it (float32).

@@ -138,8 +138,11 @@ struct StepPrediction {
   // expert parallelism: with sharded experts, E / P routed experts a block), and the bytes its
   // data-parallel sync sends per step as GradSync counts them (sync_sent_bytes: 2 (n-1)/n of each
   // plain bucket over its group, a sharded expert's over the data / P ranks holding it, none where
-  // data = P; compressed buckets their encodings; ZeRO-1/2 add the parameters' all-gather).
-  double param_bytes = 0, sync_sent_bytes = 0;
+  // data = P; ZeRO-2's reduce-scatter half that; compressed buckets their encodings), and ZeRO-1/2's
+  // all-gather of the updated parameters after the optimizer (param_gather_bytes: (n-1)/n of each
+  // parameter over the ranks that share it out, a sharded expert's over its holders; not in the
+  // trainer's sync_sent_bytes).
+  double param_bytes = 0, sync_sent_bytes = 0, param_gather_bytes = 0;
   double bubble = 0;              // the schedule's idle share
   double sync_wire_ratio = 1;     // bytes sent over what a ring all-reduce of float32 gradients sends (HybridGC)
   double samples_per_s = 0, tokens_per_s = 0;
