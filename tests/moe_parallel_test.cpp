@@ -310,16 +310,7 @@ TEST_F(MoeParallel, PipelineGradientPredictionTrainsCloseAndResumesExactly) {
 // invent one. Asked of another micro-batch than the last backward pass's, or before the recording
 // is turned on (the pipeline does that with gradient prediction only), the block refuses.
 TEST(MoePrediction, AnExpertNoRowChoseIsPredictedNothing) {
-  Config c;
-  c.model.preset = "llama-moe-tiny";
-  c.model.n_layer = 1;
-  c.model.n_embd = 32;
-  c.model.n_head = 4;
-  c.model.vocab_size = 64;
-  c.model.max_seq_len = 16;
-  c.model.moe_balance = MoeBalance::bias;
-  c.train.seq_len = 16;
-  c.resolve(1);
+  const Config c = testing::one_moe_block_config();
   const int B = 2, T = 8;
   Rng rng(7);
   std::vector<int> in(B * T), tg(B * T);

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "core/config.h"
 #include "core/fileio.h"
 #include "test_util.h"
 
@@ -22,6 +23,22 @@ inline const std::string kMoeTiny =
     " --set model.preset=llama-moe-tiny --set model.vocab_size=64 --set model.max_seq_len=32 ";
 // DeepSeek's auxiliary-loss-free balancing at the rate the tests use.
 inline const std::string kMoeBias = " --set model.moe_balance=bias --set model.moe_bias_rate=0.01 ";
+
+// The unit tests' model: one llama-moe-tiny block (2 + 1 layers: embedding, the block, head) of
+// width 32 with 4 heads, vocabulary 64, 16-token sequences, bias balancing (a test sets the biases).
+inline Config one_moe_block_config() {
+  Config c;
+  c.model.preset = "llama-moe-tiny";
+  c.model.n_layer = 1;
+  c.model.n_embd = 32;
+  c.model.n_head = 4;
+  c.model.vocab_size = 64;
+  c.model.max_seq_len = 16;
+  c.model.moe_balance = MoeBalance::bias;
+  c.train.seq_len = 16;
+  c.resolve(1);
+  return c;
+}
 
 // The lines of a metrics.jsonl whose `event` is `event` (every event line with ""), in order.
 inline std::vector<nlohmann::json> event_lines(const std::string& metrics_jsonl, const std::string& event = "") {
