@@ -1,8 +1,9 @@
 // Context parallelism (parallel.context) over OpenMPI, through the keel binary as a user runs it: C ranks
 // sharing every sequence (chunks r and 2C-1-r of 2C, ring attention) train what one rank trains (losses 1e-5
 // relative over 20 steps, weights 1e-5), causal and windowed, both families, beside data, tensor and pipeline
-// parallelism, ZeRO-1/2/3, recomputation, bf16 and experts; checkpoints resume on another layout; a rank's
-// activations are 1/C of one rank's; what is not built is refused in one line.
+// parallelism, ZeRO-1/2/3, recomputation, bf16 and experts (balancing and capacity per whole sequence);
+// checkpoints resume on another layout; a rank's activations are 1/C of one rank's; what is not built is
+// refused in one line.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "moe_runs.h"
 #include "test_util.h"
 #include "toy_runs.h"
 
@@ -28,6 +30,20 @@ const std::string kLlama =
 class ContextParallel : public testing::ToyRuns {
  protected:
   ContextParallel() : ToyRuns("keel-cp") {}
+  // The MoE tests' layouts: `ranks` ranks of per-rank batch `b` into `run`, `extra` after parallel.context=2.
+  struct MoeLayout {
+    int ranks, b;
+    std::string run, extra;
+  };
+  static constexpr const char* kMoeBlockwise = "--set model.attention=blockwise ";
+  static constexpr const char* kExpert2 = "--set parallel.expert=2 ";
+  // With expert groups every step's rows crossed between the ranks.
+  void expect_rows_exchanged(const MoeLayout& l) {
+    if (l.extra != kExpert2) return;
+    for (const nlohmann::json& s : testing::step_lines(dir / (l.run + "/metrics.jsonl"))) {
+      EXPECT_GT(s.at("expert_alltoall_bytes").get<double>(), 0.0) << l.run << " step " << s.at("step");
+    }
+  }
 };
 
 // C = 2 and C = 4 (oversubscribed) with the whole batch of 32-token sequences (chunks of 8 and 4
@@ -225,43 +241,17 @@ TEST_F(ContextParallel, ComposesWithZero3) {
 // expert group, and under data 2 x context 2 (4 ranks) so is each replica's context group, each
 // expert's gradient summed over the two ranks holding it (one per replica).
 TEST_F(ContextParallel, MixtureOfExpertsWithBiasBalancing) {
-  const std::string moe = "--set model.preset=llama-moe-tiny --set model.vocab_size=64 --set model.max_seq_len=32 "
-                          "--set model.attention=blockwise --set model.moe_balance=bias --set model.moe_bias_rate=0.01 "
-                          "--set model.moe_aux_weight=0 ";
+  const std::string moe = testing::kMoeTiny + kMoeBlockwise + testing::kMoeBias + "--set model.moe_aux_weight=0 ";
   ASSERT_EQ(train(0, 8, "one", moe).exit_code, 0);
-  auto r = train(2, 8, "c2", moe + "--set parallel.context=2");
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  expect_same_training("one", "c2");
-  r = train(2, 8, "c2-ep2", moe + "--set parallel.context=2 --set parallel.expert=2");
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  expect_same_training("one", "c2-ep2");
-  r = train(4, 4, "d2c2-ep2", moe + "--set parallel.context=2 --set parallel.expert=2");
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("context parallel over 2 ranks (data 2 x context 2)"), std::string::npos) << r.output;
-  expect_same_training("one", "d2c2-ep2");
-  auto step_lines = [&](const std::string& run) {  // the step lines that carry the routing figures
-    std::vector<nlohmann::json> out;
-    for (nlohmann::json& j : testing::step_lines(dir / (run + "/metrics.jsonl"))) {
-      if (j.contains("moe_layers")) out.push_back(std::move(j));
+  for (const MoeLayout& l : {MoeLayout{2, 8, "c2", ""}, MoeLayout{2, 8, "c2-ep2", kExpert2},
+                             MoeLayout{4, 4, "d2c2-ep2", kExpert2}}) {
+    auto r = train(l.ranks, l.b, l.run, moe + "--set parallel.context=2 " + l.extra);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    if (l.ranks == 4) {
+      EXPECT_NE(r.output.find("context parallel over 2 ranks (data 2 x context 2)"), std::string::npos) << r.output;
     }
-    return out;
-  };
-  const std::vector<nlohmann::json> one = step_lines("one");
-  ASSERT_EQ(one.size(), 20u);
-  for (const std::string run : {"c2", "c2-ep2", "d2c2-ep2"}) {
-    const std::vector<nlohmann::json> c2 = step_lines(run);
-    ASSERT_EQ(c2.size(), one.size()) << run;
-    for (size_t i = 0; i < one.size(); ++i) {
-      ASSERT_EQ(c2[i].at("moe_layers").size(), 2u) << run;
-      for (size_t l = 0; l < 2; ++l) {
-        EXPECT_EQ(c2[i].at("moe_layers")[l].at("tokens"), one[i].at("moe_layers")[l].at("tokens"))
-            << run << " step " << i + 1;
-        EXPECT_EQ(c2[i].at("moe_layers")[l].at("bias"), one[i].at("moe_layers")[l].at("bias")) << run << " step " << i + 1;
-      }
-      if (run != "c2") {
-        EXPECT_GT(c2[i].at("expert_alltoall_bytes").get<double>(), 0.0) << run << " step " << i + 1;
-      }
-    }
+    testing::expect_moe_training_like(dir / "one", dir / l.run);
+    expect_rows_exchanged(l);
   }
 }
 
@@ -271,29 +261,36 @@ TEST_F(ContextParallel, MixtureOfExpertsWithBiasBalancing) {
 // context 2 with expert groups of 2 (4 ranks), train what one rank trains, every step's balancing
 // loss per block within 1e-5 and the same tokens per expert.
 TEST_F(ContextParallel, MixtureOfExpertsBalancingLossOverTheContextGroup) {
-  const std::string moe = "--set model.preset=llama-moe-tiny --set model.vocab_size=64 --set model.max_seq_len=32 "
-                          "--set model.attention=blockwise ";
+  const std::string moe = testing::kMoeTiny + kMoeBlockwise;
   ASSERT_EQ(train(0, 8, "one", moe).exit_code, 0);
-  auto r = train(2, 8, "c2", moe + "--set parallel.context=2");
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  expect_same_training("one", "c2");
-  r = train(4, 4, "d2c2-ep2", moe + "--set parallel.context=2 --set parallel.expert=2");
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  expect_same_training("one", "d2c2-ep2");
-  const std::vector<nlohmann::json> one = testing::step_lines(dir / "one/metrics.jsonl");
-  ASSERT_EQ(one.size(), 20u);
-  for (const std::string run : {"c2", "d2c2-ep2"}) {
-    const std::vector<nlohmann::json> got = testing::step_lines(dir / (run + "/metrics.jsonl"));
-    ASSERT_EQ(got.size(), one.size()) << run;
-    for (size_t i = 0; i < one.size(); ++i) {
-      for (size_t l = 0; l < 2; ++l) {
-        const nlohmann::json &w = one[i].at("moe_layers")[l], &g = got[i].at("moe_layers")[l];
-        EXPECT_EQ(g.at("tokens"), w.at("tokens")) << run << " step " << i + 1;
-        const double x = w.at("aux"), y = g.at("aux");
-        EXPECT_GT(x, 0) << "step " << i + 1;
-        EXPECT_LE(std::abs(x - y), 1e-5 * x) << run << " step " << i + 1 << " block " << l;
-      }
+  for (const MoeLayout& l : {MoeLayout{2, 8, "c2", ""}, MoeLayout{4, 4, "d2c2-ep2", kExpert2}}) {
+    auto r = train(l.ranks, l.b, l.run, moe + "--set parallel.context=2 " + l.extra);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    testing::expect_moe_training_like(dir / "one", dir / l.run);
+    for (const nlohmann::json& s : testing::step_lines(dir / (l.run + "/metrics.jsonl"))) {
+      for (const nlohmann::json& block : s.at("moe_layers")) EXPECT_GT(block.at("aux").get<double>(), 0) << l.run;
     }
+  }
+}
+
+// A capacity (model.moe_capacity) keeps each expert's first pairs of a whole sequence in position
+// order: a context rank's two chunks (r and 2C-1-r) count on from what the sequence's earlier chunks
+// kept (the group's per-chunk counts summed, in position order). At a capacity factor of 0.5 (8
+// pairs an expert of a sequence's 64: every step drops pairs), C = 2, data 2 x context 2, and data
+// 2 x context 2 with expert groups of 2 drop the pairs one rank drops (each block's count, every
+// step) and train what it trains (8 steps).
+TEST_F(ContextParallel, MixtureOfExpertsCapacityDropsWhatOneRankDrops) {
+  const std::string moe = testing::kMoeTiny + kMoeBlockwise + "--set model.moe_capacity=0.5 --set train.steps=8 ";
+  ASSERT_EQ(train(0, 8, "one", moe).exit_code, 0);
+  const std::vector<nlohmann::json> one = testing::step_lines(dir / "one/metrics.jsonl");
+  ASSERT_EQ(one.size(), 8u);
+  for (const nlohmann::json& s : one) EXPECT_GT(s.at("moe_dropped").get<double>(), 0.0) << s;
+  for (const MoeLayout& l : {MoeLayout{2, 8, "c2", ""}, MoeLayout{4, 4, "d2c2", ""},
+                             MoeLayout{4, 4, "d2c2-ep2", kExpert2}}) {
+    auto r = train(l.ranks, l.b, l.run, moe + "--set parallel.context=2 " + l.extra);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    testing::expect_moe_training_like(dir / "one", dir / l.run);
+    expect_rows_exchanged(l);
   }
 }
 
@@ -408,14 +405,13 @@ TEST_F(ContextParallel, WhatIsNotBuiltIsRefusedInOneLine) {
   EXPECT_EQ(refusal(with("train.recompute=full"), 2), "");
   EXPECT_EQ(refusal(with("runtime.precision=bf16"), 2), "");
   refuses(with("model.attention_window=dynamic"), 2, "config key 'model.attention_window': expected fixed windows");
-  // A mixture of experts: its capacity counts whole sequences in order. (Its balancing loss sums
-  // each sequence's counts over the group: MixtureOfExpertsBalancingLossOverTheContextGroup.)
+  // A mixture of experts, with expert groups and a capacity, is built (tests above).
   std::vector<std::string> moe = {"model.preset=llama-moe-tiny", "train.seq_len=64", "parallel.context=2"};
   EXPECT_EQ(refusal(moe, 2), "");
   moe.push_back("parallel.expert=2");
   EXPECT_EQ(refusal(moe, 2), "");
-  moe.push_back("model.moe_capacity=1.25");
-  refuses(moe, 2, "config key 'model.moe_capacity': expected 0 (dropless) with parallel.context > 1");
+  moe.push_back("model.moe_capacity=1.25");  // (MixtureOfExpertsCapacityDropsWhatOneRankDrops)
+  EXPECT_EQ(refusal(moe, 2), "");
   refuses(with("parallel.context=0"), 1, "parallel.context");
   EXPECT_EQ(refusal(llama, 2), "");
   EXPECT_EQ(refusal(llama, 4), "");  // data 2 x context 2

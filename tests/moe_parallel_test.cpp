@@ -19,6 +19,7 @@
 #include "model/gpt.h"
 #include "model/moe.h"
 #include "pipeline/gradient_prediction.h"
+#include "moe_runs.h"
 #include "test_util.h"
 
 namespace keel {
@@ -26,76 +27,21 @@ namespace {
 
 using nlohmann::json;
 
-class MoeParallel : public ::testing::Test {
+class MoeParallel : public testing::MoeRuns {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new testing::TempDir("keel-moe-parallel");
-    testing::write_toy_corpus(dir_->path());
-    testing::write_toy_config(dir_->path(), kSteps);
+    start_suite("keel-moe-parallel", kSteps);
     const testing::CommandResult one = train(0, "one", "--set train.checkpoint_every=10");
     ASSERT_EQ(one.exit_code, 0) << one.output;
-    const testing::CommandResult bias = train(0, "one-bias", kBias + std::string(" --set train.checkpoint_every=10"));
+    const testing::CommandResult bias = train(0, "one-bias", kBias + " --set train.checkpoint_every=10");
     ASSERT_EQ(bias.exit_code, 0) << bias.output;
   }
-  static void TearDownTestSuite() {
-    delete dir_;
-    dir_ = nullptr;
-  }
   static constexpr int kSteps = 20;
-  static constexpr const char* kBias = "--set model.moe_balance=bias --set model.moe_bias_rate=0.01";
-  // One rank: 2 micro-batches of 2 sequences of 32 tokens per step; two ranks: 1 sequence each.
-  static std::string common() {
-    return " --set model.preset=llama-moe-tiny --set model.vocab_size=64 --set model.max_seq_len=32"
-           " --set train.batch_size=2 --set train.grad_accum=2 --set train.eval_every=0";
-  }
+  inline static const std::string kBias = testing::kMoeBias;
+  // One rank: 2 micro-batches of 2 sequences of 32 tokens per step; more ranks: 1 sequence each
+  // (unless `extra` says otherwise).
   static testing::CommandResult train(int ranks, const std::string& run, const std::string& extra) {
-    const std::string args = "train --config " + dir_->path() + "/toy.toml" + common() + " --set train.run_dir=" +
-                             dir_->path() + "/" + run + (ranks > 0 ? " --set train.batch_size=1 " : " ") + extra;
-    return testing::run_keel(ranks == 0 ? args : "launch -n " + std::to_string(ranks) + " -- " + args);
-  }
-  static std::string at(const std::string& run) { return dir_->path() + "/" + run; }
-  static std::vector<json> lines(const std::string& run) { return testing::step_lines(at(run) + "/metrics.jsonl"); }
-  // The `event` lines of a run's metrics.jsonl, in order.
-  static std::vector<json> events(const std::string& run, const std::string& event) {
-    std::vector<json> out;
-    const std::string text = read_text_file(at(run) + "/metrics.jsonl");
-    for (size_t p = 0; p < text.size();) {
-      const size_t e = std::min(text.find('\n', p), text.size());
-      json j = json::parse(text.substr(p, e - p));
-      if (j.value("event", "") == event) out.push_back(std::move(j));
-      p = e + 1;
-    }
-    return out;
-  }
-  // `run` trained what `reference` trained from step `first` on (its lines are those steps'):
-  // every step's loss and the final weights within 1e-5, the same tokens routed to each expert
-  // every step, and with bias balancing the same biases.
-  static void expect_like(const std::string& reference, const std::string& run, size_t first = 0) {
-    const std::vector<json> want = lines(reference), got = lines(run);
-    ASSERT_EQ(got.size() + first, want.size()) << run;
-    for (size_t i = 0; i < got.size(); ++i) {
-      const json &w = want[first + i], &g = got[i];
-      const double a = w.at("loss"), b = g.at("loss");
-      EXPECT_LE(std::abs(a - b), 1e-5 * std::abs(a)) << run << " step " << first + i + 1;
-      ASSERT_EQ(g.at("moe_layers").size(), 2u) << run;
-      for (size_t l = 0; l < 2; ++l) {
-        EXPECT_EQ(g.at("moe_layers")[l].at("layer"), w.at("moe_layers")[l].at("layer")) << run;
-        for (const char* figure : {"aux", "entropy"}) {
-          const double x = w.at("moe_layers")[l].at(figure), y = g.at("moe_layers")[l].at(figure);
-          EXPECT_LE(std::abs(x - y), 1e-5 * std::abs(x)) << run << " step " << first + i + 1 << " " << figure;
-        }
-        EXPECT_EQ(g.at("moe_layers")[l].at("tokens"), w.at("moe_layers")[l].at("tokens"))
-            << run << " step " << first + i + 1 << " block " << l;
-        EXPECT_EQ(g.at("moe_layers")[l].contains("bias"), w.at("moe_layers")[l].contains("bias")) << run;
-        if (w.at("moe_layers")[l].contains("bias")) {
-          EXPECT_EQ(g.at("moe_layers")[l].at("bias"), w.at("moe_layers")[l].at("bias"))
-              << run << " step " << first + i + 1 << " block " << l;
-        }
-      }
-    }
-    for (const auto& [name, d] : testing::weight_distance(at(reference) + "/ckpt", at(run) + "/ckpt")) {
-      EXPECT_LT(d, 1e-5) << run << ": " << name;
-    }
+    return MoeRuns::train(ranks, run, (ranks > 0 ? "--set train.batch_size=1 " : "") + extra);
   }
   // Each rank held a shard of the parameters between steps (the two tile the plane, experts
   // included), and no more than its shard resident once the step was over.
@@ -110,10 +56,7 @@ class MoeParallel : public ::testing::Test {
       }
     }
   }
-  static testing::TempDir* dir_;
 };
-
-testing::TempDir* MoeParallel::dir_ = nullptr;
 
 // Every chunk sharded over the two ranks (a rank's MoE blocks gather their experts with the layer):
 // what one rank trains with the whole batch, with the balancing loss and with bias balancing.
@@ -364,18 +307,10 @@ TEST_F(MoeParallel, PipelineGradientPredictionTrainsCloseAndResumesExactly) {
 // token, the block's backward pass finds expert 3 unchosen, and gradient prediction over a plane
 // in which every expert has a gradient (as when other micro-batches chose it) predicts nothing for
 // expert 3's chunks, under the mean and the LSTM predictor, while the unmasked prediction would
-// invent one. Asked of another micro-batch than the last backward pass's, the block refuses.
+// invent one. Asked of another micro-batch than the last backward pass's, or before the recording
+// is turned on (the pipeline does that with gradient prediction only), the block refuses.
 TEST(MoePrediction, AnExpertNoRowChoseIsPredictedNothing) {
-  Config c;
-  c.model.preset = "llama-moe-tiny";
-  c.model.n_layer = 1;
-  c.model.n_embd = 32;
-  c.model.n_head = 4;
-  c.model.vocab_size = 64;
-  c.model.max_seq_len = 16;
-  c.model.moe_balance = MoeBalance::bias;
-  c.train.seq_len = 16;
-  c.resolve(1);
+  const Config c = testing::one_moe_block_config();
   const int B = 2, T = 8;
   Rng rng(7);
   std::vector<int> in(B * T), tg(B * T);
@@ -390,6 +325,12 @@ TEST(MoePrediction, AnExpertNoRowChoseIsPredictedNothing) {
   model.allocate(B, T);
   store.zero_grads();
   const Batch batch{in.data(), tg.data(), B, T, 1.0f / (B * T)};
+  // Unasked (no gradient prediction turned the recording on), the backward pass records nothing.
+  model.forward(batch);
+  model.backward(batch);
+  EXPECT_NE(testing::error_of([&] { moe->experts_written(in.data()); }).find("their recording is off"), std::string::npos);
+  moe->record_experts_written();
+  store.zero_grads();
   model.forward(batch);
   model.backward(batch);
   const std::vector<bool> experts = moe->experts_written(in.data());

@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/fileio.h"
+#include "moe_runs.h"
 #include "test_util.h"
 
 namespace keel {
@@ -22,12 +23,10 @@ namespace {
 
 using nlohmann::json;
 
-class MoeTensorParallel : public ::testing::Test {
+class MoeTensorParallel : public testing::MoeRuns {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new testing::TempDir("keel-moe-tp");
-    testing::write_toy_corpus(dir_->path());
-    testing::write_toy_config(dir_->path(), kSteps);
+    start_suite("keel-moe-tp", kSteps);
     for (const auto& [run, extra] : {std::pair<std::string, std::string>{"one", ""}, {"one-bias", kBias}}) {
       const testing::CommandResult r = train(0, run, extra);
       ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -35,53 +34,10 @@ class MoeTensorParallel : public ::testing::Test {
     const testing::CommandResult t2 = train(2, "t2", kTensor2);
     ASSERT_EQ(t2.exit_code, 0) << t2.output;
   }
-  static void TearDownTestSuite() {
-    delete dir_;
-    dir_ = nullptr;
-  }
   static constexpr int kSteps = 20;
-  static constexpr const char* kBias = "--set model.moe_balance=bias --set model.moe_bias_rate=0.01 ";
+  inline static const std::string kBias = testing::kMoeBias;
   static constexpr const char* kTensor2 = "--set parallel.tensor=2 ";
-  // 2 micro-batches of 2 sequences of 32 tokens per step (per data-parallel rank: train.batch_size).
-  static std::string common() {
-    return " --set model.preset=llama-moe-tiny --set model.vocab_size=64 --set model.max_seq_len=32"
-           " --set train.batch_size=2 --set train.grad_accum=2 --set train.eval_every=0";
-  }
-  static testing::CommandResult train(int ranks, const std::string& run, const std::string& extra) {
-    const std::string args = "train --config " + dir_->path() + "/toy.toml" + common() + " --set train.run_dir=" +
-                             dir_->path() + "/" + run + " " + extra;
-    return testing::run_keel(ranks == 0 ? args : "launch -n " + std::to_string(ranks) + " -- " + args);
-  }
-  static std::string at(const std::string& run) { return dir_->path() + "/" + run; }
-  static std::vector<json> lines(const std::string& run) {
-    return testing::step_lines(at(run) + "/metrics.jsonl");
-  }
-  // `run`'s steps from its first on trained what `reference`'s steps from `from` on trained: each
-  // step's loss within 1e-5 relative, the same pairs routed to (and dropped by, and with bias
-  // balancing the same biases of) every expert of every block; the final weights within 1e-5.
-  static void expect_like(const std::string& reference, const std::string& run, size_t from = 0) {
-    const std::vector<json> want = lines(reference), got = lines(run);
-    ASSERT_EQ(got.size() + from, want.size()) << run;
-    for (size_t i = 0; i < got.size(); ++i) {
-      const json &w = want[from + i], &g = got[i];
-      const double a = w.at("loss"), b = g.at("loss");
-      EXPECT_LE(std::abs(a - b), 1e-5 * std::abs(a)) << run << " step " << from + i + 1;
-      ASSERT_EQ(g.at("moe_layers").size(), 2u) << run;
-      for (size_t l = 0; l < 2; ++l) {
-        for (const char* field : {"tokens", "dropped", "bias"}) {
-          EXPECT_EQ(g.at("moe_layers")[l].value(field, json()), w.at("moe_layers")[l].value(field, json()))
-              << run << " step " << from + i + 1 << " block " << l << " " << field;
-        }
-      }
-    }
-    const auto distance = testing::weight_distance(at(reference) + "/ckpt", at(run) + "/ckpt");
-    EXPECT_TRUE(distance.contains("h.0.moe.expert.3.proj.w") && distance.contains("h.1.moe.shared_mlp.gate_up.w"));
-    for (const auto& [name, d] : distance) EXPECT_LT(d, 1e-5) << run << ": " << name;
-  }
-  static testing::TempDir* dir_;
 };
-
-testing::TempDir* MoeTensorParallel::dir_ = nullptr;
 
 // T = 2 with the whole batch: the balancing loss (the suite's run), bias balancing, and a
 // capacity that drops pairs (the same ones on both ranks and on one). The bytes all-reduced over

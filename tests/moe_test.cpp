@@ -361,6 +361,53 @@ TEST(MoeKernels, RoutingPlanSortsByExpertInTokenOrderAndDropsOverCapacity) {
   EXPECT_EQ(top, (std::vector<int32_t>{2, 0}));
 }
 
+// A context group's view of the plan: 2 sequences of 16 tokens, top-2 over 4 experts, capacity 5,
+// cut into 4 chunks of 4 tokens, rank r of 2 holding chunks r and 3 - r. Each rank plans its two
+// chunks with what the whole sequence's plan kept of each expert before each chunk (counted from
+// that plan, not by the model's formula): every pair is kept or dropped as in the whole plan, and
+// the ranks' drops add up to its drops (some pairs dropped in the later chunks, so the counts carry).
+TEST(MoeKernels, RoutingPlanOverAContextRanksChunksKeepsWhatTheWholeSequenceKeeps) {
+  const int B = 2, T = 16, k = 2, E = 4, capacity = 5, P = 2, chunk = T / (2 * P);
+  Rng rng(11);
+  std::vector<int32_t> choice(B * T * k);
+  for (int n = 0; n < B * T; ++n) {
+    choice[n * k] = static_cast<int32_t>(rng.below(E));
+    choice[n * k + 1] = static_cast<int32_t>((choice[n * k] + 1 + rng.below(E - 1)) % E);  // distinct
+  }
+  std::vector<int32_t> offsets(E + 1), rows(B * T * k), slot(B * T * k);
+  const int64_t whole_dropped =
+      moe::plan_routing(offsets.data(), rows.data(), slot.data(), choice.data(), B, T, k, E, capacity);
+  ASSERT_GT(whole_dropped, 0);
+  const std::vector<int32_t> whole_slot = slot;
+  int64_t dropped = 0;
+  for (int r = 0; r < P; ++r) {
+    const int mine[2] = {r, 2 * P - 1 - r};
+    const int Tl = 2 * chunk;
+    std::vector<int32_t> local(B * Tl * k), kept_before(B * 2 * E, 0), place(B * Tl * k);  // place: the whole plan's pair
+    for (int s = 0; s < B; ++s) {
+      for (int g = 0; g < 2; ++g) {
+        for (int p = 0; p < mine[g] * chunk * k; ++p) {  // the pairs before the chunk the whole plan kept
+          const int at = s * T * k + p;
+          kept_before[(s * 2 + g) * E + choice[at]] += whole_slot[at] >= 0 ? 1 : 0;
+        }
+        for (int t = 0; t < chunk; ++t) {
+          for (int j = 0; j < k; ++j) {
+            const int l = (s * Tl + g * chunk + t) * k + j, w = (s * T + mine[g] * chunk + t) * k + j;
+            local[l] = choice[w], place[l] = w;
+          }
+        }
+      }
+    }
+    std::vector<int32_t> lrows(B * Tl * k), lslot(B * Tl * k);
+    dropped += moe::plan_routing(offsets.data(), lrows.data(), lslot.data(), local.data(), B, Tl, k, E, capacity,
+                                 kept_before.data(), 2);
+    for (size_t l = 0; l < local.size(); ++l) {
+      EXPECT_EQ(lslot[l] >= 0, whole_slot[static_cast<size_t>(place[l])] >= 0) << "rank " << r << " pair " << place[l];
+    }
+  }
+  EXPECT_EQ(dropped, whole_dropped);
+}
+
 // DeepSeek's update, worked by hand: loads 3, 1, 2, 2 (mean 2) move the biases by -r, +r, 0, 0.
 TEST(MoeKernels, BalanceBiasMovesAgainstTheLoadBySignTimesRate) {
   std::vector<float> bias = {0.5f, 0.5f, -0.25f, 0.0f};

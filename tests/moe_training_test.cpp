@@ -8,24 +8,21 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "core/fileio.h"
+#include "moe_runs.h"
 #include "test_util.h"
 
 namespace keel {
 namespace {
 
-namespace fs = std::filesystem;
 using nlohmann::json;
 
-class MoeTraining : public ::testing::Test {
+class MoeTraining : public testing::MoeRuns {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new testing::TempDir("keel-moe-train");
-    testing::write_toy_corpus(dir_->path());
-    testing::write_toy_config(dir_->path(), kSteps);
+    start_suite("keel-moe-train", kSteps);
     // The imbalance alert's threshold at its least (1: any expert busier than the mean), after 2 steps.
     const testing::CommandResult one =
         train(0, "one", "--set monitor.max_moe_imbalance=1 --set monitor.moe_imbalance_after=2");
@@ -33,57 +30,9 @@ class MoeTraining : public ::testing::Test {
     const testing::CommandResult bias = train(0, "one-bias", kBias);
     ASSERT_EQ(bias.exit_code, 0) << bias.output;
   }
-  static void TearDownTestSuite() {
-    delete dir_;
-    dir_ = nullptr;
-  }
   static constexpr int kSteps = 8;
-  static constexpr const char* kBias = "--set model.moe_balance=bias --set model.moe_bias_rate=0.01";
-  // 2 micro-batches of 2 sequences of 32 tokens per step.
-  static std::string common() {
-    return " --set model.preset=llama-moe-tiny --set model.vocab_size=64 --set model.max_seq_len=32"
-           " --set train.batch_size=2 --set train.grad_accum=2 --set train.eval_every=0";
-  }
-  static testing::CommandResult train(int ranks, const std::string& run, const std::string& extra) {
-    const std::string args = "train --config " + dir_->path() + "/toy.toml" + common() + " --set train.run_dir=" +
-                             dir_->path() + "/" + run + " " + extra;
-    return testing::run_keel(ranks == 0 ? args : "launch -n " + std::to_string(ranks) + " -- " + args);
-  }
-  static std::string at(const std::string& run) { return dir_->path() + "/" + run; }
-  // metrics.jsonl's lines: the steps' (`events` false) or the events' (true).
-  static std::vector<json> lines(const std::string& run, bool events = false) {
-    std::vector<json> out;
-    const std::string text = read_text_file(at(run) + "/metrics.jsonl");
-    for (size_t start = 0; start < text.size();) {
-      const size_t end = text.find('\n', start);
-      json j = json::parse(text.substr(start, end - start));
-      if (events ? j.contains("event") : j.contains("loss") && !j.contains("event")) out.push_back(std::move(j));
-      start = end + 1;
-    }
-    return out;
-  }
-  // `run` trained what `reference` trained: every step's loss and the final weights within 1e-5,
-  // and its routers chose the same experts for the same number of tokens every step.
-  static void expect_like(const std::string& reference, const std::string& run) {
-    const std::vector<json> want = lines(reference), got = lines(run);
-    ASSERT_EQ(got.size(), want.size()) << run;
-    for (size_t i = 0; i < want.size(); ++i) {
-      const double a = want[i].at("loss"), b = got[i].at("loss");
-      EXPECT_LE(std::abs(a - b), 1e-5 * std::abs(a)) << run << " step " << i + 1;
-      ASSERT_EQ(got[i].at("moe_layers").size(), want[i].at("moe_layers").size());
-      for (size_t l = 0; l < want[i].at("moe_layers").size(); ++l) {
-        EXPECT_EQ(got[i].at("moe_layers")[l].at("tokens"), want[i].at("moe_layers")[l].at("tokens"))
-            << run << " step " << i + 1 << " block " << l;
-      }
-    }
-    for (const auto& [name, d] : testing::weight_distance(at(reference) + "/ckpt", at(run) + "/ckpt")) {
-      EXPECT_LT(d, 1e-5) << run << ": " << name;
-    }
-  }
-  static testing::TempDir* dir_;
+  inline static const std::string kBias = testing::kMoeBias;
 };
-
-testing::TempDir* MoeTraining::dir_ = nullptr;
 
 // Every step's line: per MoE block the pairs routed to each expert (all of the step's tokens x 2
 // choices), the imbalance they give, the router's entropy; the run learns the toy language.
@@ -112,7 +61,7 @@ TEST_F(MoeTraining, OneRankLearnsAndReportsItsRoutingEveryStep) {
   }
   // The imbalance alert (threshold 1, after 2 steps) fired on step 2.
   bool fired = false;
-  for (const json& e : lines("one", true)) {
+  for (const json& e : events("one")) {
     if (e.value("event", "") == "alert" && e.value("metric", "") == "moe_imbalance") {
       fired = fired || (e.at("state") == "firing" && e.at("step") == 2 && e.at("rule") == "monitor.max_moe_imbalance");
     }
@@ -139,17 +88,11 @@ TEST_F(MoeTraining, DataParallelZero1TrainsWhatOneRankTrains) {
 // With bias balancing the biases move by the loads of both ranks: the same biases, the same routing.
 TEST_F(MoeTraining, BiasBalancingOnTwoRanksTrainsWhatOneRankTrains) {
   const testing::CommandResult r =
-      train(2, "dp2-bias", std::string("--set train.batch_size=1 --set parallel.zero=1 ") + kBias);
+      train(2, "dp2-bias", "--set train.batch_size=1 --set parallel.zero=1 " + kBias);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  expect_like("one-bias", "dp2-bias");
-  const std::vector<json> one = lines("one-bias"), two = lines("dp2-bias");
-  for (size_t i = 0; i < one.size(); ++i) {
-    for (size_t l = 0; l < 2; ++l) {
-      EXPECT_EQ(two[i].at("moe_layers")[l].at("bias"), one[i].at("moe_layers")[l].at("bias")) << "step " << i + 1;
-    }
-  }
+  expect_like("one-bias", "dp2-bias");  // (the biases among the figures compared)
   // The biases moved (by +-rate per step against each expert's load), and routed differently from "aux".
-  const std::vector<float> last = one.back().at("moe_layers")[0].at("bias");
+  const std::vector<float> last = lines("one-bias").back().at("moe_layers")[0].at("bias");
   double moved = 0;
   for (float b : last) {
     moved += std::abs(b);
@@ -185,7 +128,7 @@ TEST_F(MoeTraining, AResumedRunGivesTheUninterruptedBytes) {
   // A checkpoint of one rank resumed on two: each rank takes the biases saved (they are the same
   // on every rank), and the run goes on as the one-rank run does.
   const testing::CommandResult r = train(2, "resumed-bias-dp2",
-                                         std::string("--set train.batch_size=1 --set parallel.zero=1 ") + kBias +
+                                         "--set train.batch_size=1 --set parallel.zero=1 " + kBias +
                                              " --set train.resume=" + at("saving-bias") + "/ckpt/step-00000004");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const std::vector<json> got = lines("resumed-bias-dp2"), want = lines("one-bias");
@@ -220,18 +163,12 @@ TEST_F(MoeTraining, ExpertParallelOnTwoRanksTrainsWhatOneRankTrains) {
       const double held = s.at("param_bytes"), whole = s.at("model_param_bytes");
       EXPECT_EQ(whole - held, 2 * expert_bytes) << run;
     }
-    EXPECT_EQ(lines(run, true).front().at("layout").at("expert"), 2) << run;
+    EXPECT_EQ(events(run).front().at("layout").at("expert"), 2) << run;
     EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
   }
   const testing::CommandResult r = train(2, "ep2-bias", ep + kBias);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_like("one-bias", "ep2-bias");
-  const std::vector<json> one = lines("one-bias"), two = lines("ep2-bias");
-  for (size_t i = 0; i < one.size(); ++i) {
-    for (size_t l = 0; l < 2; ++l) {
-      EXPECT_EQ(two[i].at("moe_layers")[l].at("bias"), one[i].at("moe_layers")[l].at("bias")) << "step " << i + 1;
-    }
-  }
 }
 
 // With a capacity factor the same pairs are dropped (capacity is per sequence, wherever its
@@ -242,15 +179,10 @@ TEST_F(MoeTraining, ExpertParallelDropsWhatOneRankDropsAtACapacity) {
   const testing::CommandResult r =
       train(2, "capacity-ep2", capacity + "--set train.batch_size=1 --set parallel.expert=2");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  expect_like("capacity-one", "capacity-ep2");
-  const std::vector<json> one = lines("capacity-one"), two = lines("capacity-ep2");
-  ASSERT_EQ(two.size(), 4u);
-  for (size_t i = 0; i < one.size(); ++i) {
-    EXPECT_GT(one[i].at("moe_dropped").get<double>(), 0.0);
-    for (size_t l = 0; l < 2; ++l) {
-      EXPECT_EQ(two[i].at("moe_layers")[l].at("dropped"), one[i].at("moe_layers")[l].at("dropped")) << "step " << i + 1;
-    }
-  }
+  expect_like("capacity-one", "capacity-ep2");  // (each block's dropped pairs among the figures compared)
+  const std::vector<json> one = lines("capacity-one");
+  ASSERT_EQ(one.size(), 4u);
+  for (const json& s : one) EXPECT_GT(s.at("moe_dropped").get<double>(), 0.0) << s;
 }
 
 // Four data-parallel ranks in two expert groups of 2 (oversubscribed): what one rank trains with

@@ -1,7 +1,5 @@
 #include "comm/context_parallel.h"
 
-#include <cstdio>
-
 #include "core/error.h"
 #include "store/placement.h"
 
@@ -46,20 +44,9 @@ void validate_context_parallel_config(const Config& c, int world_size) {
               "together), found " + value);
   };
   not_yet(!tiering_enabled(c.tier), "tier.device_mib", std::to_string(c.tier.device_mib));
-  // A mixture of experts routes token by token, and its counts and bias balancing's loads are sums
-  // over the data group; its balancing loss sums each sequence's counts over the context group
-  // first (model/moe.h set_context_group). Its capacity counts a whole sequence's tokens in order
-  // (the latest dropped), of which a context rank holds 2 of 2C chunks.
-  if (c.model.moe()) {
-    auto number = [](double v) {
-      char text[32];
-      std::snprintf(text, sizeof text, "%g", v);
-      return std::string(text);
-    };
-    check(c.model.moe_capacity == 0,
-          "config key 'model.moe_capacity': expected 0 (dropless) with parallel.context > 1 (an expert's capacity "
-          "counts a whole sequence's tokens, earlier positions first), found " + number(c.model.moe_capacity));
-  }
+  // (A mixture of experts routes token by token; its counts and bias balancing's loads are sums
+  // over the data group, and its balancing loss and capacity count each whole sequence's choices
+  // over the context group: model/moe.h set_context_group.)
   not_yet(c.sync.codec == SyncCodec::none, "sync.codec", "\"" + std::string(to_string(c.sync.codec)) + "\"");
 }
 

@@ -320,9 +320,16 @@ void MoeFeedForward::forward(const MoeActivations& a, const Batch& b, const floa
   ops::linear_forward<float>(MatmulPrecision::fp32, a.probs, x, P(layout::moe_router_w), nullptr, N, C_, E_);
   moe::router_softmax_forward(a.probs, a.probs, N, E_);
   moe::top_k(a.choice, a.probs, N, E_, K_, bias_.empty() ? nullptr : bias_.data());
+  const int T = b.T * (cp_ != nullptr ? cp_->size() : 1);  // the whole sequence's tokens
   const int capacity =
-      capacity_factor_ > 0 ? static_cast<int>(std::ceil(capacity_factor_ * b.T * K_ / static_cast<double>(E_))) : 0;
-  const int64_t dropped = moe::plan_routing(a.offsets, a.rows, a.slot, a.choice, b.B, b.T, K_, E_, capacity);
+      capacity_factor_ > 0 ? static_cast<int>(std::ceil(capacity_factor_ * T * K_ / static_cast<double>(E_))) : 0;
+  int64_t dropped = 0;
+  if (capacity > 0 && cp_ != nullptr) {  // this rank's two chunks, each counting on from the sequence's earlier ones
+    const std::vector<int32_t> kept_before = kept_before_chunks(a, b, capacity);
+    dropped = moe::plan_routing(a.offsets, a.rows, a.slot, a.choice, b.B, b.T, K_, E_, capacity, kept_before.data(), 2);
+  } else {
+    dropped = moe::plan_routing(a.offsets, a.rows, a.slot, a.choice, b.B, b.T, K_, E_, capacity);
+  }
   const int M = a.offsets[E_];
   moe::gather_rows(a.xs, x, a.rows, M, K_, C_);
   auto shared = [&] {
@@ -391,7 +398,7 @@ void MoeFeedForward::forward(const MoeActivations& a, const Batch& b, const floa
 
 void MoeFeedForward::backward_input(const MoeActivations& a, const Batch& b, const float* dout, float* dx) {
   const int N = b.B * b.T;
-  {  // the experts backward_weight(a) will write, kept for the last few micro-batches
+  if (record_written_) {  // the experts backward_weight(a) will write, kept for the last few micro-batches
     std::vector<bool> written(static_cast<size_t>(E_), false);
     const int32_t* o = ep_ == nullptr ? a.offsets : a.local_offsets;
     for (int e = 0; e < (ep_ == nullptr ? E_ : local_experts_); ++e) {
@@ -513,9 +520,43 @@ void MoeFeedForward::whole_sequence_shares(const MoeActivations& a, const Batch&
   }
 }
 
+std::vector<int32_t> MoeFeedForward::kept_before_chunks(const MoeActivations& a, const Batch& b, int capacity) const {
+  // Every sequence's pairs per chunk of the 2P and expert [B, 2P, E]: this rank's two chunks (local
+  // rows [0, T/2) and [T/2, T): chunks r and 2P-1-r), summed over the group.
+  const int P = cp_->size(), r = cp_->rank(), chunks = 2 * P, half = b.T / 2;
+  const int mine[2] = {r, chunks - 1 - r};
+  const size_t E = static_cast<size_t>(E_);
+  std::vector<double> counts(static_cast<size_t>(b.B) * chunks * E, 0.0);
+  for (int s = 0; s < b.B; ++s) {
+    for (int t = 0; t < b.T; ++t) {
+      const int64_t n = static_cast<int64_t>(s) * b.T + t;
+      double* row = counts.data() + (static_cast<size_t>(s) * chunks + mine[t < half ? 0 : 1]) * E;
+      for (int j = 0; j < K_; ++j) row[a.choice[n * K_ + j]] += 1.0;
+    }
+  }
+  cp_->allreduce_sum(counts.data(), static_cast<int64_t>(counts.size()));
+  // What a chunk starts from: the pairs of the chunks before it in position order, capped at the
+  // capacity (an expert keeps pairs until it holds `capacity`, so what it kept is min(capacity, routed)).
+  std::vector<int32_t> kept(static_cast<size_t>(b.B) * 2 * E, 0);
+  for (size_t s = 0; s < static_cast<size_t>(b.B); ++s) {
+    for (int g = 0; g < 2; ++g) {
+      for (size_t e = 0; e < E; ++e) {
+        double routed = 0;
+        for (int c = 0; c < mine[g]; ++c) routed += counts[(s * chunks + static_cast<size_t>(c)) * E + e];
+        kept[(s * 2 + static_cast<size_t>(g)) * E + e] = static_cast<int32_t>(routed < capacity ? routed : capacity);
+      }
+    }
+  }
+  return kept;
+}
+
 std::vector<bool> MoeFeedForward::experts_written(const int* inputs) const {
   for (const auto& [of, written] : written_) {
     if (of == inputs && inputs != nullptr) return written;
+  }
+  if (!record_written_) {
+    throw Error("MoE block of layer " + std::to_string(stats_.layer) +
+                ": the experts a weight pass writes are asked, but their recording is off (record_experts_written)");
   }
   throw Error("MoE block of layer " + std::to_string(stats_.layer) +
               ": the experts a weight pass writes are asked of a micro-batch none of its latest backward passes ran");

@@ -118,7 +118,10 @@ class MoeFeedForward {
   ExpertGroup* expert_group() const { return ep_; }
   // Context parallelism: this rank's rows are chunks of the group's sequences (model/context_group.h);
   // the balancing loss, taken per whole sequence, sums each sequence's choice counts and router
-  // probabilities over the group first. Null (the default): whole sequences here.
+  // probabilities over the group first, and a capacity (model.moe_capacity) counts the whole
+  // sequence's pairs in position order: each rank's chunks start from what the sequence's earlier
+  // chunks kept (their counts summed over the group), so the group drops the pairs one rank holding
+  // the sequence drops. Null (the default): whole sequences here.
   void set_context_group(ContextGroup* group) { cp_ = group; }
   // The lease a pass of the block takes as a whole, in one plane (read, or `write`): its pages
   // outside the routed experts (attention, norms, router, shared experts). Each routed expert's
@@ -139,11 +142,15 @@ class MoeFeedForward {
   std::vector<float>& routing_bias() { return bias_; }
   std::vector<double>& step_load() { return load_; }
   // The routed experts (all E, by index) whose weight gradients backward_weight adds to for the
-  // micro-batch `inputs` (its Batch::inputs; one of the last few whose backward_input ran, else
-  // refused in one line): those some of its rows chose, with an expert group this rank's experts
-  // that its group's rows chose. backward_weight leaves every other expert's gradient as it is,
-  // so gradient prediction predicts nothing for them (pipeline/gradient_prediction.h).
+  // micro-batch `inputs` (its Batch::inputs; one of the last few whose backward_input ran after
+  // record_experts_written(), else refused in one line): those some of its rows chose, with an
+  // expert group this rank's experts that its group's rows chose. backward_weight leaves every
+  // other expert's gradient as it is, so gradient prediction predicts nothing for them
+  // (pipeline/gradient_prediction.h).
   std::vector<bool> experts_written(const int* inputs) const;
+  // From here on backward_input records what experts_written() answers (gradient prediction's
+  // asker turns it on; unasked, the backward pass records nothing).
+  void record_experts_written() { record_written_ = true; }
   // Expert parallelism: the bytes of every slot's experts' side resident now (mincore: the rows
   // received so far, to whole pages), and the address space kept for them (the worst case).
   int64_t expert_side_resident_bytes() const;
@@ -161,14 +168,20 @@ class MoeFeedForward {
   MoeStats stats_;
   std::vector<float> bias_;
   std::vector<double> load_;
-  // experts_written() of the micro-batches (their inputs) of the latest backward_input passes, newest last
+  // experts_written() of the micro-batches (their inputs) of the latest backward_input passes, newest
+  // last (only after record_experts_written())
   std::vector<std::pair<const int*, std::vector<bool>>> written_;
+  bool record_written_ = false;
   ExpertGroup* ep_ = nullptr;
   ContextGroup* cp_ = nullptr;
   // Context parallelism: each sequence's [E] shares of its whole T k choices into `f` [B, E], and
   // with `mean_p` its whole router probabilities' mean per expert [B, E] (sums over the group).
   void whole_sequence_shares(const MoeActivations& a, const Batch& b, std::vector<double>& f,
                              std::vector<double>* mean_p) const;
+  // Context parallelism at a capacity of `capacity` pairs: per sequence and per of this rank's two
+  // chunks, the pairs of each expert the whole sequence's earlier chunks keep [B, 2, E]
+  // (kernels/cpu/moe.h plan_routing's kept_before).
+  std::vector<int32_t> kept_before_chunks(const MoeActivations& a, const Batch& b, int capacity) const;
   bool whole_layer_ = false;  // lease_whole_layer()
   int local_experts_, first_expert_;  // this rank's experts: first_expert_ .. + local_experts_ - 1
   std::vector<int32_t> expert_counts_;  // rows routed to each expert by this micro-batch [E]

@@ -10,6 +10,7 @@
 #include "comm/tensor_parallel.h"
 #include "core/error.h"
 #include "core/fileio.h"
+#include "model/moe.h"
 #include "optim/adamw.h"
 #include "pipeline/micro_batching.h"
 #include "pipeline/partitioner.h"
@@ -73,7 +74,13 @@ PipelineStep::PipelineStep(const Config& config, ProcessGroups& groups, Pipeline
       optimizer_(optimizer),
       log_event_(std::move(log_event)),
       stages_(std::move(layout.stages)) {
-  if (config_.parallel.predict_gradients != PredictGradients::off) prediction_.emplace(config_.parallel.predict_gradients, store_);
+  if (config_.parallel.predict_gradients != PredictGradients::off) {
+    prediction_.emplace(config_.parallel.predict_gradients, store_);
+    // (Its mask asks each MoE block which experts a W writes: chunks_weights_write.)
+    for (int l = 0; l < model_.num_layers(); ++l) {
+      if (model_.holds_any({l}) && model_.layer(l).moe() != nullptr) model_.layer(l).moe()->record_experts_written();
+    }
+  }
   if (config_.monitor.layer_costs_every > 0) {
     profiler_ = std::make_unique<LayerProfiler>(model_, &groups_.pp(), config_.monitor.layer_costs_every, log_event_);
   }

@@ -66,14 +66,22 @@ void update_balance_bias(float* bias, const double* load, int E, float rate) {
 }
 
 int64_t plan_routing(int32_t* offsets, int32_t* rows, int32_t* slot, const int32_t* choice, int B, int T, int k, int E,
-                     int capacity) {
+                     int capacity, const int32_t* kept_before, int segments) {
   const int64_t pairs = static_cast<int64_t>(B) * T * k;
+  if (kept_before == nullptr) segments = 1;
+  const int64_t run = static_cast<int64_t>(T / segments) * k;  // a segment's pairs
   std::vector<int32_t> taken(E);
   int64_t dropped = 0;
   // Which pairs are kept: per sequence, per expert, the first `capacity` in position order.
   for (int b = 0; b < B; ++b) {
-    std::fill(taken.begin(), taken.end(), 0);
     for (int64_t p = static_cast<int64_t>(b) * T * k; p < static_cast<int64_t>(b + 1) * T * k; ++p) {
+      const int64_t q = p - static_cast<int64_t>(b) * T * k;  // the pair's place in its sequence
+      if (q % run == 0 && kept_before != nullptr) {  // a segment's start
+        const int32_t* before = kept_before + (static_cast<int64_t>(b) * segments + q / run) * E;
+        std::copy(before, before + E, taken.begin());
+      } else if (q == 0) {
+        std::fill(taken.begin(), taken.end(), 0);
+      }
       const int e = choice[p];
       const bool keep = capacity <= 0 || taken[e] < capacity;
       taken[e] += keep ? 1 : 0;

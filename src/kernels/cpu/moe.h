@@ -34,8 +34,12 @@ void update_balance_bias(float* bias, const double* load, int E, float rate);
 // an expert in token order; slot[n * k + j] = that row, or -1 when the pair was dropped. capacity
 // (0 = none, dropless): an expert takes at most `capacity` pairs of each sequence (T consecutive
 // tokens), the earliest positions first. Returns the number of dropped pairs.
+// With kept_before [B, segments, E] (a sequence's rows are `segments` equal runs of positions that
+// are not consecutive in the whole sequence, e.g. a context rank's chunks): run g of sequence b
+// starts expert e's count at kept_before[(b segments + g) E + e], the pairs of e the sequence's
+// earlier positions kept elsewhere, instead of at 0 (the same plan as over the whole sequence).
 int64_t plan_routing(int32_t* offsets, int32_t* rows, int32_t* slot, const int32_t* choice, int B, int T, int k,
-                     int E, int capacity);
+                     int E, int capacity, const int32_t* kept_before = nullptr, int segments = 1);
 
 // xs[M, C] = x[rows[m] / k, :]: each sorted row's token.
 template <typename T>
