@@ -205,6 +205,33 @@ TEST_F(ShardedExperts, MemoryCopiesRecoverAKilledRankWithItsExpertsAndBiases) {
   }
 }
 
+// Memory copies with sharded experts under ZeRO-1 (each rank owning its experts' moments and half
+// of the rest's) and bias balancing: rank 1 SIGKILLed after step 6 (at its buddy copy of step 6)
+// is recovered by `keel launch --max-restarts` from both ranks' own copies of step 6 to the
+// uninterrupted run's bytes (parameters and both moments) and biases.
+TEST_F(ShardedExperts, MemoryCopiesUnderZeroOneRecoverAKilledRank) {
+  const std::string layout = std::string(kBias) + "--set parallel.expert=2 --set parallel.zero=1 --set train.checkpoint_every=4 ";
+  const testing::CommandResult reference = train(2, "z1-memory-reference", layout);
+  ASSERT_EQ(reference.exit_code, 0) << reference.output;
+  EXPECT_NE(reference.output.find("ZeRO shares each expert's state out over the ranks holding it"), std::string::npos)
+      << reference.output;
+  const std::string restartable = job(2, "z1-memory-killed", layout, "--max-restarts 1 ");
+  const std::string fault =
+      "KEEL_FAULT=kill:op=1:path=buddy-r0-step-00000006.bin:rank=1:once=" + at("z1-killed.spent");
+  const testing::CommandResult killed = testing::run_command(fault + " " + std::string(KEEL_BINARY) + " " + restartable +
+                                                             " --set checkpoint.memory_every=1");
+  ASSERT_EQ(killed.exit_code, 0) << killed.output;
+  EXPECT_TRUE(std::filesystem::exists(at("z1-killed.spent"))) << killed.output;
+  EXPECT_NE(killed.output.find("ZeRO shares each expert's state out over the ranks holding it"), std::string::npos)
+      << killed.output;
+  EXPECT_NE(killed.output.find("keel: resumed from memory (step 6) in "), std::string::npos) << killed.output;
+  EXPECT_NE(killed.output.find("2 rank(s) from their own copy, 0 from their buddy's"), std::string::npos)
+      << killed.output;
+  expect_same_bytes("z1-memory-reference", "z1-memory-killed");
+  const json want = lines("z1-memory-reference").back().at("moe_layers"), got = lines("z1-memory-killed").back().at("moe_layers");
+  for (size_t l = 0; l < 2; ++l) EXPECT_EQ(got[l].at("bias"), want[l].at("bias")) << l;
+}
+
 // Expert groups of 2 under ZeRO-1 and ZeRO-2, on 2 data ranks (each rank the only holder of its
 // experts: it owns their whole state) and on 4 (each expert held by 2 ranks, its moments and
 // reduced gradients shared out over them): what one rank trains with the whole batch, and each
