@@ -44,15 +44,16 @@ class MoeParallel : public testing::MoeRuns {
     return MoeRuns::train(ranks, run, (ranks > 0 ? "--set train.batch_size=1 " : "") + extra);
   }
   // Each rank held a shard of the parameters between steps (the two tile the plane, experts
-  // included), and no more than its shard resident once the step was over.
-  static void expect_sharded(const std::string& run) {
+  // included), and no more than its shard resident once the step was over (`slack`: the pages
+  // its own chunks share with others' at the ends of their runs).
+  static void expect_sharded(const std::string& run, int64_t slack = 2 * 4096) {
     for (const json& s : lines(run)) {
       const std::vector<int64_t> shard = s.at("zero3_param_shard_bytes"), resident = s.at("zero3_param_resident_bytes");
       ASSERT_EQ(shard.size(), 2u) << run;
       for (int r = 0; r < 2; ++r) {
         EXPECT_GT(shard[r], 0) << run;
         EXPECT_LT(shard[r], 3 * (shard[0] + shard[1]) / 4) << run;
-        EXPECT_LE(resident[r], shard[r] + 2 * 4096) << run << " rank " << r;
+        EXPECT_LE(resident[r], shard[r] + slack) << run << " rank " << r;
       }
     }
   }
@@ -72,7 +73,9 @@ TEST_F(MoeParallel, ZeroThreeOnTwoRanksTrainsWhatOneRankTrains) {
 }
 
 // With expert groups of 2 (each rank runs the products of 2 of the 4 experts for both ranks'
-// tokens) under ZeRO-3: the same, and every step's rows crossed between the ranks.
+// tokens, and holds only those: sharded experts) under ZeRO-3: the same, and every step's rows
+// crossed between the ranks. (A rank's own chunks are its half of the chunks of no expert and
+// its experts': runs apart, each with a page shared with the other rank's at either end.)
 TEST_F(MoeParallel, ZeroThreeWithExpertParallelismTrainsWhatOneRankTrains) {
   for (const std::string balance : {"", "-bias"}) {
     const std::string run = "zero3-ep2" + balance;
@@ -81,7 +84,7 @@ TEST_F(MoeParallel, ZeroThreeWithExpertParallelismTrainsWhatOneRankTrains) {
                           (balance.empty() ? "" : std::string(kBias)));
     ASSERT_EQ(r.exit_code, 0) << r.output;
     expect_like("one" + balance, run);
-    expect_sharded(run);
+    expect_sharded(run, 16 * 4096);
     for (const json& s : lines(run)) EXPECT_GT(s.at("expert_alltoall_bytes").get<double>(), 0.0) << run;
   }
 }

@@ -1,8 +1,8 @@
 // Sharded experts (parallel.expert > 1 with parallel.zero = 0: a rank holds only its experts'
-// weights, gradients and moments; under ZeRO-1/2 the same layout, each expert's state shared out
-// over the ranks holding it; comm/expert_parallel.h) with what they combine with beyond plain
+// weights, gradients and moments; under ZeRO-1/2/3 the same layout, each expert's state (ZeRO-3:
+// and parameters) shared out over the ranks holding it; comm/expert_parallel.h) with what they combine with beyond plain
 // float32 training, through the keel binary on the toy corpus (llama-moe-tiny at the toy's size):
-// ZeRO-1 and ZeRO-2 (what one rank trains with the whole batch; the experts' share of a rank's
+// ZeRO-1, ZeRO-2 and ZeRO-3 (what one rank trains with the whole batch; the experts' share of a rank's
 // parameters, gradients and moments in the step lines; checkpoints resumed in other layouts),
 // bf16 training state (runtime.param_dtype / grad_dtype), compressed gradient sync (sync.codec:
 // each expert bucket compressed over the ranks holding its experts, with error feedback of its
@@ -205,6 +205,33 @@ TEST_F(ShardedExperts, MemoryCopiesRecoverAKilledRankWithItsExpertsAndBiases) {
   }
 }
 
+// Memory copies with sharded experts under ZeRO-1 (each rank owning its experts' moments and half
+// of the rest's) and bias balancing: rank 1 SIGKILLed after step 6 (at its buddy copy of step 6)
+// is recovered by `keel launch --max-restarts` from both ranks' own copies of step 6 to the
+// uninterrupted run's bytes (parameters and both moments) and biases.
+TEST_F(ShardedExperts, MemoryCopiesUnderZeroOneRecoverAKilledRank) {
+  const std::string layout = std::string(kBias) + "--set parallel.expert=2 --set parallel.zero=1 --set train.checkpoint_every=4 ";
+  const testing::CommandResult reference = train(2, "z1-memory-reference", layout);
+  ASSERT_EQ(reference.exit_code, 0) << reference.output;
+  EXPECT_NE(reference.output.find("ZeRO shares each expert's state out over the ranks holding it"), std::string::npos)
+      << reference.output;
+  const std::string restartable = job(2, "z1-memory-killed", layout, "--max-restarts 1 ");
+  const std::string fault =
+      "KEEL_FAULT=kill:op=1:path=buddy-r0-step-00000006.bin:rank=1:once=" + at("z1-killed.spent");
+  const testing::CommandResult killed = testing::run_command(fault + " " + std::string(KEEL_BINARY) + " " + restartable +
+                                                             " --set checkpoint.memory_every=1");
+  ASSERT_EQ(killed.exit_code, 0) << killed.output;
+  EXPECT_TRUE(std::filesystem::exists(at("z1-killed.spent"))) << killed.output;
+  EXPECT_NE(killed.output.find("ZeRO shares each expert's state out over the ranks holding it"), std::string::npos)
+      << killed.output;
+  EXPECT_NE(killed.output.find("keel: resumed from memory (step 6) in "), std::string::npos) << killed.output;
+  EXPECT_NE(killed.output.find("2 rank(s) from their own copy, 0 from their buddy's"), std::string::npos)
+      << killed.output;
+  expect_same_bytes("z1-memory-reference", "z1-memory-killed");
+  const json want = lines("z1-memory-reference").back().at("moe_layers"), got = lines("z1-memory-killed").back().at("moe_layers");
+  for (size_t l = 0; l < 2; ++l) EXPECT_EQ(got[l].at("bias"), want[l].at("bias")) << l;
+}
+
 // Expert groups of 2 under ZeRO-1 and ZeRO-2, on 2 data ranks (each rank the only holder of its
 // experts: it owns their whole state) and on 4 (each expert held by 2 ranks, its moments and
 // reduced gradients shared out over them): what one rank trains with the whole batch, and each
@@ -223,6 +250,96 @@ TEST_F(ShardedExperts, ZeroOneAndTwoShareEachExpertOutOverItsHolders) {
       EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
       expect_like(one, run);
       expect_experts_shared_out(run, ranks);
+    }
+  }
+}
+
+// Expert groups of 2 under ZeRO-3 on 2 data ranks (each rank the only holder of its experts: it
+// homes their parameters and state whole) and on 4 (each expert's chunks sharded over its 2
+// holders, gathered with the layer over them): what one rank trains with the whole batch; each
+// rank's layout holds half of the experts (the step lines and the start-up line), its parameter
+// home no more resident than its shard once a step is over, and its moments shared out as under
+// ZeRO-1/2. The 2-rank run's checkpoint resumed at step 4 in the same layout gives the
+// uninterrupted run's bytes; on one rank (P = 1, ZeRO-0) and on 2 ranks under ZeRO-0 without
+// expert parallelism it goes on as the one-rank run.
+TEST_F(ShardedExperts, ZeroThreeHoldsOnlyEachRanksExperts) {
+  const std::string z3ep2 = "--set parallel.expert=2 --set parallel.zero=3 --set train.checkpoint_every=4 ";
+  for (const int ranks : {2, 4}) {
+    const std::string one = "one-b" + std::to_string(ranks);
+    if (!std::filesystem::exists(at(one) + "/ckpt")) {
+      ASSERT_EQ(train(1, one, "--set train.checkpoint_every=4 --set train.batch_size=" + std::to_string(ranks)).exit_code, 0);
+    }
+    const std::string run = "zero3-ep2-d" + std::to_string(ranks);
+    const testing::CommandResult r = train(ranks, run, z3ep2);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("ZeRO-3 shards each expert's parameters and state over the ranks holding it"),
+              std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("routed experts (1/2: its expert group's share), sharded over the " +
+                            std::to_string(ranks / 2) + " rank(s) holding the same experts"),
+              std::string::npos) << r.output;
+    expect_like(one, run);
+    expect_experts_shared_out(run, ranks);
+    for (const json& s : lines(run)) {
+      const std::vector<int64_t> shard = s.at("zero3_param_shard_bytes"), resident = s.at("zero3_param_resident_bytes");
+      const std::vector<int64_t> expert_param = s.at("held_expert_param_bytes");
+      ASSERT_EQ(shard.size(), static_cast<size_t>(ranks)) << run;
+      for (int r = 0; r < ranks; ++r) {
+        EXPECT_GT(shard[r], 0) << run << " rank " << r;
+        // (A page at each end of each run of own chunks is shared with another rank's chunk.)
+        EXPECT_LE(resident[r], shard[r] + kMomentRunSlackBytes) << run << " rank " << r;
+        EXPECT_EQ(2 * expert_param[r], s.at("model_expert_param_bytes").get<int64_t>()) << run << " rank " << r;
+      }
+    }
+  }
+  const std::string from = " --set train.resume=" + at("zero3-ep2-d2") + "/ckpt/step-00000004";
+  const testing::CommandResult same = train(2, "z3ep2-resumed", z3ep2 + from);
+  ASSERT_EQ(same.exit_code, 0) << same.output;
+  EXPECT_NE(same.output.find("resumed from"), std::string::npos) << same.output;
+  expect_same_bytes("zero3-ep2-d2", "z3ep2-resumed");
+  struct Resume {
+    int ranks;
+    std::string run, extra;
+  };
+  for (const Resume& c : {Resume{1, "z3ep2-to-one", "--set train.batch_size=2" + from},
+                          Resume{2, "z3ep2-to-zero0", "--set parallel.zero=0" + from}}) {
+    const testing::CommandResult r = train(c.ranks, c.run, c.extra + " --set train.checkpoint_every=4");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+    expect_like("one-b2", c.run, 4);
+  }
+}
+
+// Two replicas of two pipeline stages under ZeRO-1 and ZeRO-2, each stage's replicas an expert
+// group of 2 sharing out the stage's experts (each the only holder of its experts: it owns their
+// whole state): what one rank trains with the whole batch. In the step lines (world ranks 0 and 2
+// are stage 0's replicas, 1 and 3 stage 1's) the replicas of a stage hold as much of the experts
+// as each other, half of the stage's, and the 4 ranks together hold every expert once, every
+// chunk of no expert twice (one copy per replica) and every parameter's moments once.
+TEST_F(ShardedExperts, ZeroOneAndTwoInAPipelineShareOutEachStagesExperts) {
+  if (!std::filesystem::exists(at("one-b2") + "/ckpt")) {
+    ASSERT_EQ(train(1, "one-b2", "--set train.checkpoint_every=4 --set train.batch_size=2").exit_code, 0);
+  }
+  for (const std::string zero : {"1", "2"}) {
+    const std::string run = "zero" + zero + "-ep2-d2p2";
+    const testing::CommandResult r = train(4, run, "--set parallel.pipeline=2 --set parallel.expert=2 "
+                                                   "--set train.checkpoint_every=4 --set parallel.zero=" + zero);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
+    expect_like("one-b2", run);
+    for (const json& s : lines(run)) {
+      const int64_t model = s.at("model_param_bytes"), experts = s.at("model_expert_param_bytes");
+      const std::vector<int64_t> param = s.at("held_param_bytes"), expert_param = s.at("held_expert_param_bytes");
+      const std::vector<int64_t> moment = s.at("held_moment_bytes"), expert_moment = s.at("held_expert_moment_bytes");
+      ASSERT_EQ(param.size(), 4u) << run;
+      EXPECT_GT(expert_param[0], 0) << run;
+      EXPECT_GT(expert_param[1], 0) << run;
+      EXPECT_EQ(expert_param[0], expert_param[2]) << run;
+      EXPECT_EQ(expert_param[1], expert_param[3]) << run;
+      EXPECT_EQ(2 * (expert_param[0] + expert_param[1]), experts) << run;
+      EXPECT_EQ(param[0] + param[1] + param[2] + param[3], 2 * model - experts) << run;
+      EXPECT_EQ(moment[0] + moment[1] + moment[2] + moment[3], 2 * model) << run;
+      EXPECT_EQ(expert_moment[0] + expert_moment[1] + expert_moment[2] + expert_moment[3], 2 * experts) << run;
     }
   }
 }

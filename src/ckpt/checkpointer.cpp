@@ -93,7 +93,7 @@ void Checkpointer::make_writer(bool at_restart) {
   std::vector<ChunkTarget> targets;
   if (whole_) targets = whole_model_targets(*store_, *whole_);
   int first = writers_.first_chunk[writer_index_], last = writers_.first_chunk[writer_index_ + 1];
-  bool experts_apart = false;  // ZeRO-1/2 with sharded experts
+  bool experts_apart = false;  // ZeRO-1/2/3 with sharded experts
   if (experts_sharded(config_)) {
     // Sharded experts (comm/expert_parallel.h; every rank's chunks alike but for which experts
     // they hold): the chunks of no expert as the data ranks share them out, each expert's by the
@@ -102,10 +102,13 @@ void Checkpointer::make_writer(bool at_restart) {
     // whole copy (WholeModelState): their chunks are shared out over the group's T ranks.
     const int T = std::max(1, config_.parallel.tensor);
     const bool first_group = writer_index_ / T < config_.parallel.expert;
-    // Under ZeRO-1/2 each chunk by the rank owning its moments (comm/zero.h, experts apart; the
-    // writer index is then the data rank), streamed: a rank's moments are not one flat range.
-    experts_apart = config_.parallel.zero > 0 && comm_.size() > 1;
-    const ChunkPartition owners = experts_apart ? ChunkPartition::balanced_experts_apart(*store_, comm_.size(),
+    // Under ZeRO-1/2/3 each chunk by the rank owning its moments (comm/zero.h, experts apart; the
+    // writer index is then the data rank; under ZeRO-3 also its parameters' home), streamed: a
+    // rank's moments are not one flat range.
+    // (In a pipeline the data ranks are a stage's replicas, sharing out the stage's chunks.)
+    const int stage_replicas = comm_.size() / std::max(1, config_.parallel.pipeline);
+    experts_apart = config_.parallel.zero > 0 && stage_replicas > 1;
+    const ChunkPartition owners = experts_apart ? ChunkPartition::balanced_experts_apart(*store_, stage_replicas,
                                                                                           config_.parallel.expert)
                                                       : ChunkPartition{};
     for (const Chunk& c : store_->chunks()) {

@@ -6,6 +6,7 @@
 #include "model/gpt.h"
 #include "model/moe.h"
 #include "optim/adamw.h"
+#include "store/placement.h"
 
 namespace keel {
 
@@ -30,10 +31,16 @@ bool experts_sharded(const Config& config) {
   const ParallelConfig& p = config.parallel;
   if (!config.model.moe() || p.expert <= 1) return false;
   if (p.zero == 0) return true;
-  // ZeRO-1/2 shares the experts' chunks out over their holders (comm/zero.h) on one stage of
-  // float32 state, without tensor groups or memory copies; elsewhere every rank holds every expert.
-  return p.zero <= 2 && p.pipeline == 1 && p.tensor == 1 && config.runtime.param_dtype == StateDtype::fp32 &&
-         config.runtime.grad_dtype == StateDtype::fp32 && config.checkpoint.memory_every == 0;
+  // ZeRO shares the experts' chunks out over their holders (comm/zero.h; ZeRO-3 their parameters
+  // too, comm/sharded_params.h) with float32 state, without tensor groups: under ZeRO-1/2 on one
+  // stage or on each stage of a pipeline whose cut stays (no re-cuts, no gradient prediction),
+  // with or without memory copies (each rank's copy is of its own store, its moments' span), under
+  // ZeRO-3 on one stage without memory tiers. Elsewhere every rank holds every expert.
+  if (p.tensor > 1 || config.runtime.param_dtype != StateDtype::fp32 || config.runtime.grad_dtype != StateDtype::fp32) {
+    return false;
+  }
+  if (p.zero == 3) return p.pipeline == 1 && !tiering_enabled(config.tier);
+  return p.pipeline == 1 || (p.repartition_every == 0 && p.predict_gradients == PredictGradients::off);
 }
 
 void attach_expert_group(GPT& model, ExpertGroup& group) {

@@ -19,11 +19,14 @@
 // experts only): ZeRO shares the chunks of no expert out over the data group and each expert's
 // chunks over the data / P ranks holding it (comm/zero.h, experts apart; with data == P a rank
 // owns its experts' whole state), reduces (ZeRO-2: reduce-scatters) each gradient bucket over its
-// chunks' group and broadcasts the updated parameters over the same groups. Under ZeRO-3 (and,
-// under ZeRO-1/2, in a pipeline, with tensor groups, bf16 training state or memory copies) every
-// rank holds every expert: a rank writes weight gradients for its own experts only, the
-// data-parallel sum adds each expert's over the ranks that ran it, and ZeRO shards the experts'
-// chunks over the data group as the rest.
+// chunks' group and broadcasts the updated parameters over the same groups. Under ZeRO-3 the
+// same partition homes the parameters (comm/sharded_params.h): a MoE block's whole-layer lease
+// gathers the chunks of no expert over the data group and the rank's experts' over their holders.
+// In a pipeline (ZeRO-1/2: each stage's replicas share out the stage's experts so, unless the cut
+// moves or gradients are predicted; ZeRO-3), with tensor groups or bf16 training state (and under
+// ZeRO-3 with memory tiers) every rank holds every expert: a rank writes weight gradients for its own experts
+// only, the data-parallel sum adds each expert's over the ranks that ran it, and ZeRO shards the
+// experts' chunks over the data group as the rest.
 #pragma once
 
 #include <cstdint>
@@ -39,19 +42,20 @@ namespace keel {
 
 class GPT;
 
-// Whether a rank holds only its share of the routed experts: parallel.expert > 1 without ZeRO,
-// or under ZeRO-1/2 on one pipeline stage without tensor groups, with float32 training state and
-// without memory copies (checkpoint.memory_every = 0). Otherwise every rank holds every expert
-// (its weight gradients zero but for its own), sharded over the data group as every other chunk.
+// Whether a rank holds only its share of the routed experts: parallel.expert > 1 without ZeRO;
+// under ZeRO without tensor groups, with float32 training state: ZeRO-1/2 on one stage or in a
+// pipeline without re-cuts (parallel.repartition_every = 0) or gradient prediction, with or
+// without memory copies (checkpoint.memory_every), ZeRO-3 on one stage without memory tiers. Otherwise every rank holds every expert (its weight gradients zero but for its own),
+// sharded over the data group as every other chunk.
 bool experts_sharded(const Config& config);
-// Hands `group` to every mixture-of-experts block of `model` holding every expert (ZeRO-3 and the
-// ZeRO-1/2 layouts experts_sharded excludes),
-// before its activations are allocated.
+// Hands `group` to every mixture-of-experts block of `model` holding every expert (the ZeRO
+// layouts experts_sharded excludes), before its activations are allocated.
 void attach_expert_group(GPT& model, ExpertGroup& group);
 // ZeRO-3 (comm/sharded_params.h) with a mixture of experts: every MoE block of `model` leases its
 // whole layer in each pass (MoeFeedForward::lease_whole_layer), so a layer's gather brings every
-// expert of the block with it (every rank of the data group takes the same leases; the experts a
-// rank's tokens did not choose, or under parallel.expert > 1 that other ranks run, included).
+// expert the block holds with it (every rank of the data group takes the same leases; the experts
+// a rank's tokens did not choose included; with sharded experts the rank's own E / P, gathered
+// over their holders, else every expert, those that other ranks run included).
 void gather_experts_with_layers(GPT& model);
 
 // Metrics: `expert_alltoall_bytes`, the bytes this rank sent in the expert group's exchanges during

@@ -19,10 +19,11 @@ ShardedOptimizer::ShardedOptimizer(const Config& config, Communicator& dp, Chunk
     : config_(config), dp_(dp), store_(store), adamw_(config.optim) {
   zero_ = dp.size() > 1 ? config.parallel.zero : 0;
   const int P = config.parallel.expert;
-  if (zero_ > 0 && zero_ < 3 && experts_sharded(config)) {
-    // Sharded experts: the chunks of no expert over the data group, each expert's over its holders.
+  if (zero_ > 0 && experts_sharded(config)) {
+    // Sharded experts: the chunks of no expert over the data group, each expert's over its holders
+    // (under ZeRO-3 their parameters' homes too: comm/sharded_params.h).
     partition_ = ChunkPartition::balanced_experts_apart(store_, dp.size(), P);
-    if (dp.size() > P) holders_ = dp.split(dp.rank() % P, dp.rank() / P);
+    if (dp.size() > P && zero_ < 3) holders_ = dp.split(dp.rank() % P, dp.rank() / P);
     for (const TensorSpec& t : model_layout(config.model).tensors) {
       if (t.expert < 0) continue;
       int64_t n = 1;
@@ -234,6 +235,13 @@ void ShardedOptimizer::print_startup() const {
               params_->progress_thread_running() ? "driven by a progress thread"
               : config_.parallel.zero3_progress_thread ? "driven by MPI calls only: MPI_THREAD_MULTIPLE not granted"
                                                         : "driven by MPI calls only");
+  if (partition_.experts_apart()) {
+    const int P = partition_.expert_group, D = dp_.size();
+    std::printf("keel: ZeRO-3 with sharded experts: a rank's layout holds %.1f MB of the model's %.1f MB of routed "
+                "experts (1/%d: its expert group's share), sharded over the %d rank(s) holding the same experts; the "
+                "chunks of no expert over all %d\n",
+                tensor_bytes(true, false) / 1e6, model_expert_bytes_ / 1e6, P, D / P, D);
+  }
 }
 
 void ShardedOptimizer::clear_frozen_grads(int64_t step) {
@@ -368,24 +376,17 @@ void ShardedOptimizer::add_step_fields(double, nlohmann::json& line) {
     bf16_broadcast_bytes_ = 0;
   }
   if (partition_.experts_apart()) {
-    // Every rank's figures, in rank order: what it holds of the parameters and gradients (its
-    // store: every chunk of no expert and its own experts'), the moments it owns, the experts'
-    // part of each, and its moment planes' pages resident now (mincore over their span).
-    const double mine[] = {static_cast<double>(tensor_bytes(false, false)),
-                           static_cast<double>(tensor_bytes(true, false)),
-                           static_cast<double>(2 * tensor_bytes(false, true)),
-                           static_cast<double>(2 * tensor_bytes(true, true)),
-                           static_cast<double>(store_.resident_bytes(Plane::adam_m) + store_.resident_bytes(Plane::adam_v))};
-    constexpr int kFigures = sizeof mine / sizeof mine[0];
-    const int n = dp_.size();
-    std::vector<double> all(static_cast<size_t>(kFigures * n), 0.0);
-    std::copy(std::begin(mine), std::end(mine), all.begin() + static_cast<ptrdiff_t>(kFigures * dp_.rank()));
-    dp_.allreduce_sum(all.data(), all.size());
-    const char* names[kFigures] = {"held_param_bytes", "held_expert_param_bytes", "held_moment_bytes",
-                                   "held_expert_moment_bytes", "moment_resident_bytes"};
-    for (int f = 0; f < kFigures; ++f) {
+    // Every rank's figures (rank_figures), in world-rank order, from the step's reduction (in a
+    // pipeline every stage's replicas: a rank holds its stage's chunks).
+    const int k = rank_figure_count(), n = dp_.size() * std::max(1, config_.parallel.pipeline);
+    check(rank_figures_.size() == static_cast<size_t>(n * k),
+          "sharded experts: the step's figures cover " + std::to_string(rank_figures_.size()) + " values, expected " +
+              std::to_string(n * k) + " (every rank's)");
+    const char* names[] = {"held_param_bytes", "held_expert_param_bytes", "held_moment_bytes",
+                           "held_expert_moment_bytes", "moment_resident_bytes"};
+    for (int f = 0; f < k; ++f) {
       std::vector<int64_t> per_rank(static_cast<size_t>(n));
-      for (int r = 0; r < n; ++r) per_rank[static_cast<size_t>(r)] = static_cast<int64_t>(all[static_cast<size_t>(r * kFigures + f)]);
+      for (int r = 0; r < n; ++r) per_rank[static_cast<size_t>(r)] = static_cast<int64_t>(rank_figures_[static_cast<size_t>(r * k + f)]);
       line[names[f]] = per_rank;
     }
     // (A rank's gradient plane is laid out as its parameters: the same bytes.)
@@ -425,6 +426,20 @@ void ShardedOptimizer::add_step_fields(double, nlohmann::json& line) {
   }
 }
 
+int ShardedOptimizer::rank_figure_count() const { return partition_.experts_apart() ? 5 : 0; }
+
+void ShardedOptimizer::rank_figures(std::span<double> out) const {
+  if (!partition_.experts_apart()) return;
+  // What it holds of the parameters and gradients (its store: every chunk of no expert and its
+  // own experts'), the moments it owns, the experts' part of each, and its moment planes' pages
+  // resident now (mincore over their span).
+  out[0] = static_cast<double>(tensor_bytes(false, false));
+  out[1] = static_cast<double>(tensor_bytes(true, false));
+  out[2] = static_cast<double>(2 * tensor_bytes(false, true));
+  out[3] = static_cast<double>(2 * tensor_bytes(true, true));
+  out[4] = static_cast<double>(store_.resident_bytes(Plane::adam_m) + store_.resident_bytes(Plane::adam_v));
+}
+
 std::string ShardedOptimizer::progress_fragment(double) const {
   return skipped_ > 0 ? std::to_string(skipped_) + " step(s) skipped (not finite)" : "";
 }
@@ -462,14 +477,14 @@ void ShardedOptimizer::step_owned(double lr, int64_t t, float clip) {
     adamw_.step_chunk(store_, c.id, lr, own_t, clip);
   }
   // AdamW cleared the gradients it consumed; under ZeRO-1 the others' are cleared here for the
-  // next step (ZeRO-2's reduce-scatter already gave them back).
+  // next step (ZeRO-2/3's reduce-scatter already gave them back).
   for (const Chunk& c : store_.chunks()) {
     if (zero_ == 1 && !owns(c.id)) {
       std::span<float> g = store_.range_view(Plane::grad, c.offset, c.numel);
       std::fill(g.begin(), g.end(), 0.0f);
     }
   }
-  broadcast_owned_runs();
+  if (!params_) broadcast_owned_runs();  // (ZeRO-3: the updates stay with their owners until gathered)
   for (const Chunk& c : store_.chunks()) {
     if (!owns(c.id) && !keeps(c.layer, t)) store_.bump_version(c.id);
   }

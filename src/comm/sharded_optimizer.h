@@ -12,6 +12,7 @@
 #include "core/config.h"
 #include "core/error.h"
 #include "core/metrics_source.h"
+#include "core/rank_figures.h"
 #include "optim/adamw.h"
 #include "store/chunk_store.h"
 
@@ -27,7 +28,7 @@ class NonFiniteStep : public Error {
   using Error::Error;
 };
 
-class ShardedOptimizer final : public MetricsSource {
+class ShardedOptimizer final : public MetricsSource, public RankFigures {
  public:
   // `dp`: the data-parallel group (the world without a pipeline, a stage's replicas with one).
   // Shards the store's moments (before anything loads or initialises them) under ZeRO; under
@@ -40,7 +41,7 @@ class ShardedOptimizer final : public MetricsSource {
   const ChunkPartition& partition() const { return partition_; }
   // Owners of the reduced gradients for GradSync (ZeRO-2), else nullptr.
   const ChunkPartition* scatter_to() const { return zero_ >= 2 ? &partition_ : nullptr; }
-  // Chunks [first, last) this rank updates; with sharded experts under ZeRO-1/2
+  // Chunks [first, last) this rank updates; with sharded experts under ZeRO
   // (partition().experts_apart(), comm/zero.h) the span of them, of which it updates those it owns.
   std::pair<int, int> own_chunks() const { return store_.moment_chunks(); }
   // Whether this rank updates `chunk` (holds its moments and, under ZeRO-2, its reduced gradient).
@@ -114,10 +115,14 @@ class ShardedOptimizer final : public MetricsSource {
   // Metrics: skipped_steps (the run's total) in every line; the progress line names them.
   // Under ZeRO-3 also every rank's parameter, gradient and moment bytes (collective: every rank
   // adds its step's fields) and the start-up line of what a rank holds. With sharded experts
-  // under ZeRO-1/2, every rank's held parameter, gradient and moment bytes, the experts' part of
+  // under ZeRO, every rank's held parameter, gradient and moment bytes, the experts' part of
   // each, its moment planes' resident bytes (mincore), and the whole model's expert parameter
-  // bytes (collective too).
+  // bytes: these ride the step's reduction (RankFigures: every rank's, in world-rank order; in a
+  // pipeline each stage's replicas report their stage's chunks).
   void add_step_fields(double step_ms, nlohmann::json& line) override;
+  int rank_figure_count() const override;
+  void rank_figures(std::span<double> out) const override;
+  void take_rank_figures(std::span<const double> all) override { rank_figures_.assign(all.begin(), all.end()); }
   void print_startup() const override;
   std::string progress_fragment(double step_ms) const override;
 
@@ -125,7 +130,7 @@ class ShardedOptimizer final : public MetricsSource {
   // ZeRO without tiers: after this rank updated its shard, every rank receives every parameter
   // (ZeRO-1/2; under ZeRO-3 they stay with their owners).
   void gather_parameters(int64_t t);
-  // Sharded experts under ZeRO-1/2: the AdamW update of the owned chunks, and the owners'
+  // Sharded experts under ZeRO: the AdamW update of the owned chunks, and (ZeRO-1/2) the owners'
   // parameters broadcast run by run (a run: consecutive chunks of one kind and owner), the
   // chunks of no expert over the data group, the expert chunks over their holders.
   void step_owned(double lr, int64_t t, float clip);
@@ -149,6 +154,7 @@ class ShardedOptimizer final : public MetricsSource {
   ChunkPartition partition_;
   // Sharded experts under ZeRO-1/2 with data > P: the data ranks holding this rank's experts.
   std::unique_ptr<Communicator> holders_;
+  std::vector<double> rank_figures_;  // the step's table of every rank's (take_rank_figures)
   int64_t model_expert_bytes_ = 0;          // the whole model's expert parameters (float32 bytes)
   std::unique_ptr<ShardedParams> params_;  // ZeRO-3
   std::unique_ptr<Bf16State> bf16_;        // runtime.param_dtype / grad_dtype = "bf16"

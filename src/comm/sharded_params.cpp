@@ -35,12 +35,30 @@ ShardedParams::ShardedParams(Communicator& dp, ChunkStore& store, const ChunkPar
                              bool progress_thread)
     : comm_(dp.duplicate()), store_(store), inner_(&store.residency()), owners_(owners), keep_(keep) {
   const int n = static_cast<int>(store_.chunks().size());
-  own_first_ = owners_.first_chunk[dp.rank()];
-  own_last_ = owners_.first_chunk[dp.rank() + 1];
-  shard_bytes_ = owners_.size(dp.rank()) * static_cast<int64_t>(sizeof(float));
+  if (owners_.experts_apart()) {
+    // The chunks this rank owns (of no expert by the data group's tiling, its experts' by their
+    // holders'), their span as the parameter home, and the holders' communicator.
+    own_.assign(static_cast<size_t>(n), 0);
+    own_first_ = n;
+    own_last_ = 0;
+    for (const Chunk& c : store_.chunks()) {
+      if (!owners_.owns(dp.rank(), c)) continue;
+      own_[static_cast<size_t>(c.id)] = 1;
+      own_first_ = std::min(own_first_, c.id);
+      own_last_ = c.id + 1;
+      shard_bytes_ += extent(c.id) * static_cast<int64_t>(sizeof(float));
+    }
+    own_first_ = std::min(own_first_, own_last_);
+    const int P = owners_.expert_group;
+    if (dp.size() > P) holders_ = comm_->split(dp.rank() % P, dp.rank() / P);
+  } else {
+    own_first_ = owners_.first_chunk[dp.rank()];
+    own_last_ = owners_.first_chunk[dp.rank() + 1];
+    shard_bytes_ = owners_.size(dp.rank()) * static_cast<int64_t>(sizeof(float));
+  }
   last_layer_ = n > 0 ? store_.chunks().back().layer : 0;
   // From the start a rank holds its own chunks only: the weights are drawn or loaded into them
-  // alone (ChunkStore::home_params), never whole.
+  // alone (ChunkStore::home_params), never whole (experts apart: into their span, see settled()).
   store_.home_params(own_first_, own_last_);
   gathered_.assign(static_cast<size_t>(n), 0);
   pins_.assign(static_cast<size_t>(n), 0);
@@ -99,6 +117,15 @@ int64_t ShardedParams::extent(int chunk) const {
   return end - chunks[chunk].offset;
 }
 
+Communicator& ShardedParams::comm_of(int chunk) const {
+  return owners_.experts_apart() && store_.chunks()[chunk].expert >= 0 ? *holders_ : *comm_;
+}
+
+int ShardedParams::root_of(int chunk) const {
+  return owners_.experts_apart() && store_.chunks()[chunk].expert >= 0 ? owners_.expert_holder(chunk)
+                                                                        : owners_.owner(chunk);
+}
+
 int64_t ShardedParams::whole_bytes() const { return store_.numel() * static_cast<int64_t>(sizeof(float)); }
 
 void ShardedParams::give_back(int chunk) {
@@ -111,6 +138,13 @@ void ShardedParams::give_back(int chunk) {
 void ShardedParams::settled() {
   check(gathered_bytes_ == 0, "ZeRO-3: other ranks' parameters gathered before the weights were settled");
   started_ = true;
+  if (bits_ == nullptr && !own_.empty()) {
+    // Experts apart: the weights were drawn or loaded into the home's span; the pages of the
+    // chunks in it that other ranks own go back (a page shared with an own chunk is zeroed in part).
+    for (int c = own_first_; c < own_last_; ++c) {
+      if (!own(c)) inner_->discard(Plane::param, store_.chunks()[c].offset, extent(c));
+    }
+  }
   if (bits_ == nullptr) return;
   // The bf16 state's settling made bits for every chunk (other ranks' zero): give theirs back, so
   // that a rank holds its own chunks' bits and the gathered ones.
@@ -190,11 +224,16 @@ void ShardedParams::count_gather(int chunk) {
   peaks_.received_bytes += extent(chunk) * element_bytes();
 }
 
+bool ShardedParams::alone(int chunk) const {
+  return owners_.experts_apart() && store_.chunks()[chunk].expert >= 0 && holders_ == nullptr;
+}
+
 Communicator::Request ShardedParams::start_gather(int chunk) {
   count_gather(chunk);
+  if (alone(chunk)) return {};  // (its one holder is this rank: nothing to broadcast)
   const int64_t n = extent(chunk);
   float* at = store_.range_view(Plane::param, store_.chunks()[chunk].offset, n).data();
-  return comm_->ibroadcast(at, static_cast<size_t>(n), owners_.owner(chunk));
+  return comm_of(chunk).ibroadcast(at, static_cast<size_t>(n), root_of(chunk));
 }
 
 void ShardedParams::start_ahead(const std::vector<int>& chunks) {
@@ -227,8 +266,9 @@ void ShardedParams::gather(std::span<const PageRef> pages) {
     }
     // bf16 bits: one blocking broadcast per chunk, in the same order on every rank.
     count_gather(p.chunk);
-    comm_->broadcast(bits_->bits(Plane::param, store_.chunks()[p.chunk].offset), static_cast<size_t>(extent(p.chunk)),
-                     owners_.owner(p.chunk));
+    if (alone(p.chunk)) continue;
+    comm_of(p.chunk).broadcast(bits_->bits(Plane::param, store_.chunks()[p.chunk].offset),
+                               static_cast<size_t>(extent(p.chunk)), root_of(p.chunk));
   }
   for (Communicator::Request& r : requests) comm_->wait(r);
   written(chunks);
@@ -281,11 +321,17 @@ int64_t ShardedParams::largest_layer_bytes() const {
 
 void ShardedParams::acquire(std::span<const PageRef> pages) {
   // One rank's own use (the optimizer's chunk, a checkpoint's, drawing or loading the weights):
-  // another rank's parameters are here only while gathered.
+  // another rank's parameters are here only while gathered (experts apart: or drawn or loaded
+  // into the home's span, before the weights settled).
   for (const PageRef& p : pages) {
-    if (p.plane == Plane::param && !own(p.chunk) && !gathered_[p.chunk]) {
+    const bool homing = !started_ && !own_.empty() && p.chunk >= own_first_ && p.chunk < own_last_;
+    if (p.plane == Plane::param && !own(p.chunk) && !gathered_[p.chunk] && !homing) {
+      // (An expert chunk's holder q, experts apart, is data rank q P + this rank's place in its expert group.)
+      const int P = owners_.expert_group;
+      const bool expert = owners_.experts_apart() && store_.chunks()[p.chunk].expert >= 0;
+      const int data_rank = expert ? root_of(p.chunk) * P + comm_->rank() % P : root_of(p.chunk);
       throw Error("ZeRO-3: chunk " + std::to_string(p.chunk) + "'s parameters live on data-parallel rank " +
-                  std::to_string(owners_.owner(p.chunk)) + ", and this rank used them outside a layer's pass");
+                  std::to_string(data_rank) + ", and this rank used them outside a layer's pass");
     }
   }
   inner_->acquire(pages);

@@ -22,6 +22,16 @@
 // lease). Every other plane behaves as the wrapped residency (gradients are reduce-scattered to
 // the owners by GradSync, moments sharded by the optimizer). In a pipeline the group is a
 // stage's replicas.
+//
+// Sharded experts (parallel.expert = P, comm/zero.h experts apart: a rank's store holds its E / P
+// routed experts beside every chunk of no expert, at the same offsets on every rank): the chunks
+// of no expert are homed over the data group as above, each expert chunk on one of the data / P
+// ranks holding the same experts (data ranks with the same rank % P). A rank's own chunks are then
+// not one range: its parameter home is their span (ChunkStore::home_params), into which the
+// weights are drawn or loaded; once they settle, the pages of the chunks in it that it does not
+// own go back. A gather broadcasts a chunk of no expert over the data group and an expert chunk
+// over its holders (none when data = P: a rank owns its experts' chunks); every rank of the data
+// group still takes the same leases, so each holder group joins the same broadcasts.
 #pragma once
 
 #include <condition_variable>
@@ -117,7 +127,13 @@ class ShardedParams final : public Residency {
   void step_shape_changed() override { inner_->step_shape_changed(); }
 
  private:
-  bool own(int chunk) const { return chunk >= own_first_ && chunk < own_last_; }
+  bool own(int chunk) const { return own_.empty() ? chunk >= own_first_ && chunk < own_last_ : own_[chunk] != 0; }
+  // Where a chunk's broadcast runs, and its root there: the data group and the chunk's owner, or
+  // (an expert chunk, experts apart) its holders and the holder owning it.
+  Communicator& comm_of(int chunk) const;
+  int root_of(int chunk) const;
+  // An expert chunk this rank alone holds (experts apart with data = P): never broadcast.
+  bool alone(int chunk) const;
   // The flat range a chunk's pages span: from its start to the next chunk's (alignment included).
   int64_t extent(int chunk) const;
   void gather(std::span<const PageRef> pages);
@@ -147,7 +163,11 @@ class ShardedParams final : public Residency {
   Residency* inner_;
   ChunkPartition owners_;
   Zero3Keep keep_;
-  int own_first_ = 0, own_last_ = 0;
+  int own_first_ = 0, own_last_ = 0;  // the parameter home's chunks: the own ones, or (experts apart) their span
+  // Experts apart (owners_.experts_apart()): whether this rank owns each chunk, and the data
+  // ranks holding its experts (null when data = P).
+  std::vector<uint8_t> own_;
+  std::unique_ptr<Communicator> holders_;
   int last_layer_ = 0;
   bool started_ = false;  // settled() done
   bool whole_ = false;    // gather_whole() holds every chunk

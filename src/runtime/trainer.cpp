@@ -17,6 +17,7 @@
 #include "core/cpu.h"
 #include "core/error.h"
 #include "core/fileio.h"
+#include "core/rank_figures.h"
 #include "kernels/cpu/bf16.h"
 #include "kernels/cpu/blas.h"
 #include "kernels/cpu/gemm_probe.h"
@@ -191,10 +192,24 @@ StepStats Trainer::step(const StopSignals* signals) {
   s.grad_norm = r.grad_norm;
   rank_->sync_report->take(r.sync);
   s.step = ++progress_.steps_done;
-  // One reduction at the end of the step for the peak memory and a stop signal, inside the
-  // step's time: a rank that is late (or paused) shows in this step's ms, not between steps.
-  double maxima[2] = {peak_rss_mb(), signals != nullptr ? static_cast<double>(signals->received()) : 0.0};
-  groups_.world().allreduce_max(maxima, 2);
+  // One reduction at the end of the step for the peak memory, a stop signal and the components'
+  // per-rank figures (core/rank_figures.h: each rank's row, zeros elsewhere), inside the step's
+  // time: a rank that is late (or paused) shows in this step's ms, not between steps.
+  std::vector<double> maxima = {peak_rss_mb(), signals != nullptr ? static_cast<double>(signals->received()) : 0.0};
+  std::vector<std::pair<RankFigures*, size_t>> figured;  // each component and where its table starts
+  const int world = groups_.world().size(), me = groups_.world().rank();
+  for (MetricsSource* source : rank_->sources()) {
+    RankFigures* f = dynamic_cast<RankFigures*>(source);
+    const int k = f != nullptr ? f->rank_figure_count() : 0;
+    if (k == 0) continue;
+    figured.emplace_back(f, maxima.size());
+    maxima.resize(maxima.size() + static_cast<size_t>(world) * k, 0.0);
+    f->rank_figures(std::span<double>(maxima).subspan(figured.back().second + static_cast<size_t>(me) * k, k));
+  }
+  groups_.world().allreduce_max(maxima.data(), maxima.size());
+  for (const auto& [f, at] : figured) {
+    f->take_rank_figures(std::span<const double>(maxima).subspan(at, static_cast<size_t>(world) * f->rank_figure_count()));
+  }
   s.peak_rss_mb = maxima[0];
   s.stop_signal = static_cast<int>(maxima[1]);
   checkpointer_->after_step(s.step, workload_->position());

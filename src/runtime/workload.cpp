@@ -126,6 +126,8 @@ class LanguageModel final : public Workload {
                   P, groups_.dp().size(), groups_.dp().size() / P, P, sharded ? " and holds" : "",
                   config_.model.moe_experts / P, config_.model.moe_experts,
                   !sharded                          ? "every expert on every rank (ZeRO shards them as the rest)"
+                  : config_.parallel.zero == 3      ? "the others' chunks on the other ranks of its group; ZeRO-3 shards "
+                                                      "each expert's parameters and state over the ranks holding it"
                   : config_.parallel.zero > 0       ? "the others' chunks on the other ranks of its group; ZeRO shares "
                                                       "each expert's state out over the ranks holding it"
                                                     : "the others' chunks on the other ranks of its group",
