@@ -505,8 +505,8 @@ TEST(Simulate, ExpertAlltoallBytesAreTheTrainers) {
 // parameter bytes per rank and data-parallel sync bytes per step are the trainer's own counts
 // (metrics.jsonl param_bytes, sync_sent_bytes) on 2 ranks with P = 2 (each expert held by one rank:
 // its gradient is not summed) and 4 ranks with P = 2 (each expert summed over 2 ranks), under
-// ZeRO-0, and under ZeRO-1 and -2 (experts' chunks shared out over the ranks holding them: their
-// gradients reduced and their updated parameters gathered over those ranks, not the data group).
+// ZeRO-0, and under ZeRO-1, -2 and -3 (experts' chunks shared out over the ranks holding them: their
+// gradients reduced and their parameters gathered over those ranks, not the data group).
 TEST(Simulate, ShardedExpertBytesAreTheTrainers) {
   testing::TempDir dir("keel-sim-eps");
   testing::write_toy_corpus(dir.path());
@@ -514,7 +514,7 @@ TEST(Simulate, ShardedExpertBytesAreTheTrainers) {
   const std::string model = "--set model.preset=llama-moe-tiny --set model.vocab_size=64 --set model.max_seq_len=32 "
                             "--set train.eval_every=0 ";
   double whole = 0;
-  for (int zero : {0, 1, 2}) {
+  for (int zero : {0, 1, 2, 3}) {
     const std::string moe = model + "--set parallel.expert=2 --set parallel.zero=" + std::to_string(zero) + " ";
     for (int ranks : {2, 4}) {
       std::string text = read_text_file(kCluster);

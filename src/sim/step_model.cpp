@@ -182,9 +182,17 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
     bind(data_group);
     out.wire_bytes += out.gather_bytes;
   } else if (config.parallel.zero >= 3) {  // two gathers per step, one per layer each
+    // (sharded experts' over the ranks holding them, the rest over the data group)
     const double layers = static_cast<double>(out.layer_ms.size());
-    out.gather_ms = 2 * layers * allreduce(out.raw_bytes * param_wire / layers, data_group, stack.collective, 0.5).ms;
-    out.gather_bytes = 2 * (n - 1) / n * out.raw_bytes * param_wire;
+    auto gather = [&](const CollectiveGroup& over, double raw) {
+      if (raw <= 0) return;
+      bind(over);
+      out.gather_ms += 2 * layers * allreduce(raw * param_wire / layers, over, stack.collective, 0.5).ms;
+      out.gather_bytes += 2 * (n - 1) / n * raw * param_wire;
+    };
+    gather(data_group, out.raw_bytes - out.expert_raw_bytes);
+    gather(expert_group, out.expert_raw_bytes);
+    bind(data_group);
     out.wire_bytes += out.gather_bytes;
   }
   out.ms = out.after_ms + out.gather_ms;
