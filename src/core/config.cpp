@@ -894,9 +894,6 @@ void Config::resolve(int world_size) {
   if (model.moe()) {
     // What a mixture of experts does not combine with yet (docs/architecture.md, "Mixture of experts").
     const std::string moe = " with model.moe_experts > 0 (not built yet for a mixture of experts)";
-    if (parallel.pipeline > 1) {  // (a stage's blocks' biases and figures are merged over the stages)
-      require(tier.device_mib == 0, "tier.device_mib", "0 with a pipeline" + moe, s(tier.device_mib));
-    }
     require(parallel.zero != 3 || tier.experts == TierExperts::off, "tier.experts",
             "\"off\" with parallel.zero = 3 (not built yet: experts homed by routing share under ZeRO-3)",
             "\"" + std::string(to_string(tier.experts)) + "\"");

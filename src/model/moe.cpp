@@ -281,13 +281,14 @@ void MoeFeedForward::hint_experts(const std::vector<int>& order, size_t first, P
 }
 
 template <typename Run>
-void MoeFeedForward::for_chosen_experts(const int32_t* offsets, Plane plane, bool write, bool descending, Run run) {
+void MoeFeedForward::for_chosen_experts(const int32_t* offsets, Plane plane, bool write, bool descending, Run run,
+                                        bool hinted) {
   find_ranges();
   const std::vector<int> order = chosen_experts(offsets, descending);  // in the order they run
   // Hints the pages of the experts from order[first] on, nearest first. The tiers fetch as many as
   // the compute tier has room for; the rest are hinted again as each expert's lease ends and its
   // room can take the next ones (a sliding window over the chosen experts).
-  hint_experts(order, 0, plane);
+  if (!hinted) hint_experts(order, 0, plane);
   for (size_t j = 0; j < order.size(); ++j) {
     const auto [begin, end] = expert_range_[static_cast<size_t>(held_first() + order[j])];
     {
@@ -365,7 +366,7 @@ void MoeFeedForward::forward(const MoeActivations& a, const Batch& b, const floa
       moe::grouped_linear_forward(f, a.gu, a.xr, &gate_up[e], a.local_offsets + e, 1, C_, 2 * Hm_);
       ops::swiglu_forward(a.h + at * Hm_, a.gu + at * 2 * Hm_, static_cast<int>(rows), Hm_);
       moe::grouped_linear_forward(f, a.yr, a.h, &down[e], a.local_offsets + e, 1, Hm_, C_);
-    });
+    }, /*hinted=*/true);
     combine_back(a, a.yr, a.ye, C_);
   }
   moe::combine_forward(out, a.ye, a.probs, a.choice, a.slot, N, K_, E_, C_);
@@ -476,7 +477,7 @@ void MoeFeedForward::backward_input_expert_parallel(const MoeActivations& a, con
     moe::grouped_linear_backward_input(bw, a.dh, a.dyr, &down[e], a.local_offsets + e, 1, Hm_, C_);
     ops::swiglu_backward_input(a.dgu + at * 2 * Hm_, a.dh + at * Hm_, a.gu + at * 2 * Hm_, static_cast<int>(rows), Hm_);
     moe::grouped_linear_backward_input(bw, dxr, a.dgu, &gate_up[e], a.local_offsets + e, 1, C_, 2 * Hm_);
-  });
+  }, /*hinted=*/true);
   float* dxs = a.dye;  // (sent: free) the sorted rows' input gradient
   combine_back(a, dxr, dxs, C_);
   router_backward_input(a, N, dx);

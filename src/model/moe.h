@@ -220,10 +220,12 @@ class MoeFeedForward {
   // Hints the residency with the `plane` pages of experts order[first..], nearest first (no tiers: nothing).
   void hint_experts(const std::vector<int>& order, size_t first, Plane plane);
   // Hints the residency with the `plane` pages of every expert that has rows in `offsets` (as
-  // chosen_experts), then runs run(e) for each of them under a lease of its pages (`write`:
-  // released modified), in ascending expert order, or descending with `descending`.
+  // chosen_experts; `hinted`: the caller already hinted that list, in that order), then runs
+  // run(e) for each of them under a lease of its pages (`write`: released modified), in ascending
+  // expert order, or descending with `descending`.
   template <typename Run>
-  void for_chosen_experts(const int32_t* offsets, Plane plane, bool write, bool descending, Run run);
+  void for_chosen_experts(const int32_t* offsets, Plane plane, bool write, bool descending, Run run,
+                          bool hinted = false);
 };
 
 }  // namespace keel

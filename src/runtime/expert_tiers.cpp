@@ -19,16 +19,26 @@ int64_t slot_bytes(const Chunk& c) { return static_cast<int64_t>(BlockFile::alig
 }  // namespace
 
 ExpertTiers::ExpertTiers(const TierConfig& config, ChunkStore& store, TieredMemory& tiers, GPT& model,
-                         Communicator& dp, int64_t device_reserve, int rehome_every, bool print_notes)
-    : config_(config), manager_(tiers.manager()), dp_(dp), rehome_every_(rehome_every), print_notes_(print_notes) {
-  for (int l = 0; l < model.num_layers(); ++l) {
-    if (MoeStats* s = model.layer(l).moe_stats()) {
-      stats_.push_back(s);
-      layers_.push_back(s->layer);
-      block_experts_ = static_cast<int>(s->tokens.size());
+                         Communicator& dp, int64_t device_reserve, int rehome_every, bool print_notes,
+                         Communicator* stages)
+    : config_(config), manager_(tiers.manager()), dp_(dp), stages_(stages), rehome_every_(rehome_every),
+      print_notes_(print_notes) {
+  const ModelConfig& m = model.config();
+  block_experts_ = m.moe_experts;
+  for (int l = 0; l < m.n_layer; ++l) {
+    if (!m.moe_block(l)) continue;
+    // (In a pipeline this rank builds its stage's blocks only.)
+    if (model.has_layer(l + 1)) {
+      if (MoeStats* s = model.layer(l + 1).moe_stats()) {
+        stats_.push_back(s);
+        layers_.push_back(s->layer);
+        index_.push_back(static_cast<int>(all_layers_.size()));
+      }
     }
+    all_layers_.push_back(l + 1);
   }
   routed_.assign(stats_.size() * static_cast<size_t>(block_experts_), 0.0);
+  planned_ = routed_;
   // Each expert's parameter and gradient pages, from the chunks that hold its weights.
   const std::vector<Tier>& homes = tiers.placement().homes;
   const auto [m_begin, m_end] = store.moment_chunks();
@@ -69,17 +79,8 @@ ExpertTiers::ExpertTiers(const TierConfig& config, ChunkStore& store, TieredMemo
 void ExpertTiers::after_step(int64_t step) {
   for (Expert& e : experts_) {
     e.step = PageCounters{};
-    for (const PageRef& p : e.pages) {
-      const PageCounters c = manager_.take_page_counters(p);
-      e.step.acquires += c.acquires;
-      e.step.hits += c.hits;
-      e.step.stall_ms += c.stall_ms;
-      e.step.bytes_read += c.bytes_read;
-    }
-    e.total.acquires += e.step.acquires;
-    e.total.hits += e.step.hits;
-    e.total.stall_ms += e.step.stall_ms;
-    e.total.bytes_read += e.step.bytes_read;
+    for (const PageRef& p : e.pages) e.step += manager_.take_page_counters(p);
+    e.total += e.step;
   }
   for (size_t b = 0; b < stats_.size(); ++b) {
     const std::vector<double>& tokens = stats_[b]->tokens;
@@ -94,11 +95,18 @@ void ExpertTiers::rehome() {
   // Each expert's share: the pairs every rank of the data group routed to it (with sharded experts,
   // the rows its holders received from their expert groups).
   if (dp_.size() > 1 && !routed_.empty()) dp_.allreduce_sum(routed_.data(), routed_.size());
+  planned_ = routed_;
+  planned_once_ = true;
+  std::fill(routed_.begin(), routed_.end(), 0.0);
+  plan_and_move(planned_);
+}
+
+void ExpertTiers::plan_and_move(const std::vector<double>& routed) {
   std::vector<double> shares;
   std::vector<int64_t> bytes;
   std::vector<Tier> current;
   for (const Expert& e : experts_) {
-    shares.push_back(routed_.at(static_cast<size_t>(e.block * block_experts_ + e.index)));
+    shares.push_back(routed.at(static_cast<size_t>(e.block * block_experts_ + e.index)));
     bytes.push_back(e.bytes);
     current.push_back(e.home);
   }
@@ -123,7 +131,6 @@ void ExpertTiers::rehome() {
     moved += e.home != plan[k];
     e.home = plan[k];
   }
-  std::fill(routed_.begin(), routed_.end(), 0.0);
   if (pages.empty()) return;
   const std::vector<int64_t> bytes_to = manager_.rehome_pages(pages, homes, 0);
   rehomings_++;
@@ -143,25 +150,60 @@ void ExpertTiers::print_startup() const {
               experts_.size(), rehome_every_, format_mib(device_room_).c_str(), format_mib(host_room_).c_str());
 }
 
+std::vector<ExpertTiers::Figures> ExpertTiers::line_figures() {
+  std::vector<Figures> out;
+  if (stages_ == nullptr || stages_->size() == 1) {
+    for (const Expert& e : experts_) out.push_back({layers_[static_cast<size_t>(e.block)], e.index, e.step, e.home});
+    return out;
+  }
+  // Every block of the model, per expert: held, first touches, hits, stall, bytes read, home;
+  // each block's rows from its one stage (the others add zeros: exact).
+  constexpr size_t kWidth = 6;
+  const size_t E = static_cast<size_t>(block_experts_);
+  std::vector<double> table(all_layers_.size() * E * kWidth, 0.0);
+  for (const Expert& e : experts_) {
+    double* r = table.data() + (static_cast<size_t>(index_[static_cast<size_t>(e.block)]) * E + static_cast<size_t>(e.index)) * kWidth;
+    r[0] = 1;
+    r[1] = static_cast<double>(e.step.acquires), r[2] = static_cast<double>(e.step.hits), r[3] = e.step.stall_ms;
+    r[4] = static_cast<double>(e.step.bytes_read), r[5] = static_cast<double>(static_cast<int>(e.home));
+  }
+  if (!table.empty()) stages_->allreduce_sum(table.data(), table.size());
+  for (size_t b = 0; b < all_layers_.size(); ++b) {
+    for (size_t x = 0; x < E; ++x) {
+      const double* r = table.data() + (b * E + x) * kWidth;
+      if (r[0] == 0) continue;
+      Figures f;
+      f.layer = all_layers_[b], f.index = static_cast<int>(x);
+      f.step.acquires = static_cast<uint64_t>(r[1]), f.step.hits = static_cast<uint64_t>(r[2]), f.step.stall_ms = r[3];
+      f.step.bytes_read = static_cast<uint64_t>(r[4]);
+      f.home = static_cast<Tier>(static_cast<int>(r[5]));
+      out.push_back(f);
+    }
+  }
+  return out;
+}
+
 void ExpertTiers::add_step_fields(double, nlohmann::json& line) {
+  const std::vector<Figures> figures = line_figures();  // (by block, then expert)
   nlohmann::json blocks = nlohmann::json::array();
   uint64_t acquires = 0, hits = 0, read = 0;
   double stall = 0;
-  for (size_t b = 0; b < layers_.size(); ++b) {
-    nlohmann::json j = {{"layer", layers_[b]}};
+  for (size_t i = 0; i < figures.size();) {
+    const int layer = figures[i].layer;
+    nlohmann::json j = {{"layer", layer}};
     std::vector<int> index;
     std::vector<uint64_t> touches, hit, bytes;
     std::vector<double> stall_ms;
     std::vector<std::string> home;
-    for (const Expert& e : experts_) {
-      if (e.block != static_cast<int>(b)) continue;
-      index.push_back(e.index);
-      touches.push_back(e.step.acquires);
-      hit.push_back(e.step.hits);
-      stall_ms.push_back(e.step.stall_ms);
-      bytes.push_back(e.step.bytes_read);
-      home.push_back(tier_name(e.home));
-      acquires += e.step.acquires, hits += e.step.hits, read += e.step.bytes_read, stall += e.step.stall_ms;
+    for (; i < figures.size() && figures[i].layer == layer; ++i) {
+      const Figures& f = figures[i];
+      index.push_back(f.index);
+      touches.push_back(f.step.acquires);
+      hit.push_back(f.step.hits);
+      stall_ms.push_back(f.step.stall_ms);
+      bytes.push_back(f.step.bytes_read);
+      home.push_back(tier_name(f.home));
+      acquires += f.step.acquires, hits += f.step.hits, read += f.step.bytes_read, stall += f.step.stall_ms;
     }
     j["experts"] = index;
     j["acquires"] = touches;
@@ -176,6 +218,57 @@ void ExpertTiers::add_step_fields(double, nlohmann::json& line) {
   line["tier_expert_stall_ms"] = stall;
   line["tier_expert_read_bytes"] = read;
   if (!note_.empty()) line["tier_experts_rehomed"] = note_;
+}
+
+void ExpertTiers::carry(const ExpertTiers& from) {
+  // Every block of the model, per expert: routed since the last plan, the last plan's share, the
+  // step's and the run's page counters (first touches, hits, stall, bytes read); each block's
+  // rows from the old stage that held it (the others add zeros: exact).
+  constexpr size_t kWidth = 10;
+  const size_t E = static_cast<size_t>(block_experts_);
+  std::vector<double> table(all_layers_.size() * E * kWidth, 0.0);
+  auto row = [&](int block, int expert) {
+    return table.data() + (static_cast<size_t>(block) * E + static_cast<size_t>(expert)) * kWidth;
+  };
+  auto put = [](double* r, const PageCounters& c) {
+    r[0] = static_cast<double>(c.acquires), r[1] = static_cast<double>(c.hits), r[2] = c.stall_ms;
+    r[3] = static_cast<double>(c.bytes_read);
+  };
+  auto take = [](const double* r) {
+    PageCounters c;
+    c.acquires = static_cast<uint64_t>(r[0]), c.hits = static_cast<uint64_t>(r[1]), c.stall_ms = r[2];
+    c.bytes_read = static_cast<uint64_t>(r[3]);
+    return c;
+  };
+  for (size_t b = 0; b < from.index_.size(); ++b) {
+    for (size_t x = 0; x < E; ++x) {
+      double* r = row(from.index_[b], static_cast<int>(x));
+      r[0] = from.routed_[b * E + x];
+      r[1] = from.planned_[b * E + x];
+    }
+  }
+  for (const Expert& e : from.experts_) {
+    double* r = row(from.index_[static_cast<size_t>(e.block)], e.index);
+    put(r + 2, e.step);
+    put(r + 6, e.total);
+  }
+  if (stages_ != nullptr && stages_->size() > 1 && !table.empty()) stages_->allreduce_sum(table.data(), table.size());
+  for (size_t b = 0; b < index_.size(); ++b) {
+    for (size_t x = 0; x < E; ++x) {
+      const double* r = row(index_[b], static_cast<int>(x));
+      routed_[b * E + x] = r[0];
+      planned_[b * E + x] = r[1];
+    }
+  }
+  for (Expert& e : experts_) {
+    const double* r = row(index_[static_cast<size_t>(e.block)], e.index);
+    e.step = take(r + 2);
+    e.total = take(r + 6);
+  }
+  rehomings_ = from.rehomings_;
+  note_ = from.note_;
+  planned_once_ = from.planned_once_;
+  if (planned_once_) plan_and_move(planned_);  // (this stage's rooms: the last plan's homes for its blocks)
 }
 
 std::string ExpertTiers::progress_fragment(double) const {

@@ -6,7 +6,9 @@
 // over the data-parallel group (store/expert_homes.h: most chosen on the device, then host DRAM,
 // then NVMe, with hysteresis) and moved by the tier manager (TierManager::rehome_pages). With
 // sharded experts (parallel.expert > 1) a rank's store, and so its tiers, hold only its own
-// experts: it reports and re-homes those (named by their global numbers in the block).
+// experts: it reports and re-homes those (named by their global numbers in the block). In a
+// pipeline a rank holds its stage's MoE blocks: it counts and re-homes those, and the line holds
+// every block's, merged over the stages (each block on one stage: the others add zeros, exactly).
 #pragma once
 
 #include <string>
@@ -29,8 +31,9 @@ class ExpertTiers final : public MetricsSource, public StepHook {
   // free of homed pages beside the experts (the working window, gradient buckets in flight).
   // `rehome_every`: optimizer steps between two re-homings by routing share (0: never); the
   // shares are summed over `dp` (collective at each re-homing: every rank of it plans at the same steps).
+  // `stages`: the replica's pipeline group (null: none), over which the line's figures merge.
   ExpertTiers(const TierConfig& config, ChunkStore& store, TieredMemory& tiers, GPT& model, Communicator& dp,
-              int64_t device_reserve, int rehome_every, bool print_notes);
+              int64_t device_reserve, int rehome_every, bool print_notes, Communicator* stages = nullptr);
 
   // Takes the step's routing counts (before the routing report resets them) and each expert's
   // page counters; every experts_every steps under by_frequency, re-homes the experts.
@@ -39,6 +42,13 @@ class ExpertTiers final : public MetricsSource, public StepHook {
   void add_step_fields(double step_ms, nlohmann::json& line) override;
   std::string progress_fragment(double step_ms) const override;
   void print_summary() const override;
+  // A pipeline's re-cut (every rank, after the step's hooks ran and before its line; collective
+  // over the stages): this component, built over the new stages' blocks, takes over `from`'s (the
+  // old stages'): the pairs routed to each block's experts since the last plan, the step's and the
+  // run's page counters (each block's to the stage now holding it), and, under by_frequency, the
+  // shares of the last plan, from which it re-homes its experts at once within its own rooms (the
+  // homes the last plan would have given them on this stage).
+  void carry(const ExpertTiers& from);
 
  private:
   struct Expert {
@@ -52,12 +62,16 @@ class ExpertTiers final : public MetricsSource, public StepHook {
   const TierConfig& config_;
   TierManager& manager_;
   Communicator& dp_;
+  Communicator* stages_;
   std::vector<MoeStats*> stats_;
-  // Per MoE block and expert of the block (every one, held here or not): the pairs this rank's
-  // tokens routed to it since the last plan.
-  std::vector<double> routed_;
+  // Per MoE block held here and expert of the block (every one, held here or not): the pairs this
+  // rank's tokens routed to it since the last plan; and (by_frequency) the shares of the last plan.
+  std::vector<double> routed_, planned_;
+  bool planned_once_ = false;  // a plan ran (on every rank alike: the same steps)
   int block_experts_ = 0;
-  std::vector<int> layers_;  // per MoE block: its store layer
+  std::vector<int> layers_;      // per MoE block held here: its store layer
+  std::vector<int> all_layers_;  // the store layer of every MoE block of the model, in order
+  std::vector<int> index_;       // per MoE block held here: its place among all_layers_
   std::vector<Expert> experts_;
   int64_t device_room_ = 0, host_room_ = 0;
   int rehome_every_ = 0;
@@ -65,6 +79,15 @@ class ExpertTiers final : public MetricsSource, public StepHook {
   std::string note_;        // the last re-homing, for the step line
   int64_t rehomings_ = 0;   // plans that moved pages
   void rehome();
+  // Homes the experts by `shares` (per held block and expert, as routed_) and moves their pages.
+  void plan_and_move(const std::vector<double>& shares);
+  // One line's figures of an expert: this rank's, or in a pipeline every stage's.
+  struct Figures {
+    int layer = 0, index = 0;
+    PageCounters step;
+    Tier home = Tier::nvme;
+  };
+  std::vector<Figures> line_figures();
 };
 
 }  // namespace keel

@@ -54,7 +54,7 @@ void attach_tiers(RankModel& r, const Config& config, ProcessGroups& groups) {
     const int64_t reserve = 2 * r.tiers->placement().working_set_bytes + (groups.dp().size() > 1 ? buckets : 0);
     r.expert_tiers = std::make_unique<ExpertTiers>(config.tier, *r.store, *r.tiers, *r.model, groups.dp(), reserve,
                                                    by_frequency ? config.tier.experts_every : 0,
-                                                   groups.world().is_root());
+                                                   groups.world().is_root(), groups.pipelined() ? &groups.pp() : nullptr);
   }
 }
 

@@ -138,9 +138,12 @@ nlohmann::json Trainer::recut(const std::vector<LayerRange>& from, const std::ve
   }
   // The step's figures not yet in its line (the hooks run before it) follow their blocks.
   if (rank_->moe_report) next->moe_report->carry(*rank_->moe_report);
+  if (rank_->expert_tiers) next->expert_tiers->carry(*rank_->expert_tiers);  // (and their homes by share)
   if (rank_->expert_group) next->expert_group->carry_step(*rank_->expert_group);
   metrics_.replace_sources(rank_->sources(), next->sources());
   std::replace(hooks_.begin(), hooks_.end(), static_cast<StepHook*>(rank_->tiers.get()), static_cast<StepHook*>(next->tiers.get()));
+  std::replace(hooks_.begin(), hooks_.end(), static_cast<StepHook*>(rank_->expert_tiers.get()),
+               static_cast<StepHook*>(next->expert_tiers.get()));
   std::replace(hooks_.begin(), hooks_.end(), static_cast<StepHook*>(rank_->tensor_group.get()),
                static_cast<StepHook*>(next->tensor_group.get()));
   std::replace(hooks_.begin(), hooks_.end(), static_cast<StepHook*>(rank_->expert_group.get()),

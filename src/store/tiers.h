@@ -100,6 +100,10 @@ struct PageCounters {
   uint64_t hits = 0;      // ... where it was present
   double stall_ms = 0;    // time those acquires waited for it
   uint64_t bytes_read = 0;  // brought into the device tier (fetches, prefetches and hints)
+  PageCounters& operator+=(const PageCounters& o) {
+    acquires += o.acquires, hits += o.hits, stall_ms += o.stall_ms, bytes_read += o.bytes_read;
+    return *this;
+  }
 };
 
 // What one tier (by the home of the pages) saw.
