@@ -511,9 +511,8 @@ TEST(MoeConfig, BadInputIsRefusedInOneLineNamingTheKey) {
       {moe + "moe_capacity = -1\n", "model.moe_capacity"},
       {moe + "moe_aux_weight = -0.1\n", "model.moe_aux_weight"},
       {"[model]\npreset = \"llama-d4\"\nmoe_top_k = 2\n", "model.moe_experts > 0"},
-      // ZeRO-3 with tiers: not with experts homed by routing share; expert groups with tiers: not under ZeRO-1/2.
+      // ZeRO-3 with tiers: not with experts homed by routing share.
       {moe + "[tier]\ndevice_mib = 64\nexperts = \"by_frequency\"\n[parallel]\nzero = 3\n", "tier.experts", 2},
-      {moe + "[tier]\ndevice_mib = 64\n[parallel]\nexpert = 2\nzero = 1\n", "parallel.zero", 2},
   };
   for (const Bad& b : bad) {
     const std::string why = refusal(b.toml, b.world);

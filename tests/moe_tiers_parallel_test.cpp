@@ -4,9 +4,10 @@
 // (each tiering its own block; and two replicas of it with expert groups), re-cut too; expert
 // parallelism (parallel.expert = 2, each rank holding and tiering only its 2 experts of each
 // block, leasing and hinting those that rows were sent to), with the experts homed by routing
-// share too, and its checkpoint resumed without expert parallelism; ZeRO-3 (the gathered layer in
-// the compute tier, a rank's shard homed by the tiers), with and without expert groups; and what
-// stays refused, in one line each.
+// share too, and its checkpoint resumed without expert parallelism, and under ZeRO-1/2 (a
+// rank owning its experts' whole state); ZeRO-3 (the gathered layer in the compute tier, a
+// rank's shard homed by the tiers), with and without expert groups; and what stays refused, in
+// one line each.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -147,6 +148,40 @@ TEST_F(MoeTiersParallel, ZeroThreeThroughTheTiersTrainsItsBytesInMemory) {
   }
 }
 
+// Expert groups of 2 under ZeRO-1 and ZeRO-2 (each rank holds its 2 experts of every block, the
+// chunks of no expert shared out over the data group, an expert's over the ranks holding it:
+// ChunkPartition::balanced_experts_apart), through a 1 MiB compute tier, as placed and with the
+// experts re-homed by routing share every 2 steps: the bytes of the same layout in memory. On 2
+// ranks a rank owns its experts' whole state; on 4 (ZeRO-1, by routing share) two ranks hold each
+// expert, and the tiers' chunk-by-chunk update broadcasts an expert chunk from its owner among them.
+TEST_F(MoeTiersParallel, ExpertGroupsUnderZeroOneAndTwoThroughTheTiersTrainTheirBytesInMemory) {
+  struct Case {
+    std::string zero;
+    int ranks;
+    std::vector<std::string> variants;
+  };
+  const std::string by_share = "--set tier.experts=by_frequency --set tier.experts_every=2 ";
+  for (const Case& c : {Case{"1", 2, {"", by_share}}, Case{"2", 2, {"", by_share}}, Case{"1", 4, {by_share}}}) {
+    const std::string zero = c.zero;
+    const std::string layout = "--set parallel.expert=2 --set model.moe_aux_weight=0 --set parallel.zero=" + zero + " ";
+    const std::string reference = "ep2-zero" + zero + "-r" + std::to_string(c.ranks);
+    testing::CommandResult r = train(reference, layout, c.ranks);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    for (const std::string& variant : c.variants) {
+      const std::string run = reference + (variant.empty() ? "-tiered" : "-freq");
+      r = train(run, layout + tiers() + variant, c.ranks);
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
+      expect_same_bytes(reference, run);
+      // (on 4 ranks a rank's first step fits its compute tier: its pages are read back from step 2)
+      expect_tiered(run, {0, 1}, c.ranks == 4 ? 2 : 1);
+      EXPECT_TRUE(fs::is_empty(at("nvme"))) << "a tier's file outlived the run";
+      fs::remove_all(at(run));
+    }
+    fs::remove_all(at(reference));
+  }
+}
+
 // A pipeline of 2 stages (each rank holding and tiering its stage's MoE block; the line's
 // tier_experts merged over the stages: both blocks), through a 1 MiB compute tier, with the
 // experts' homes as placed and re-homed by routing share every 2 steps, and two replicas of it
@@ -212,7 +247,7 @@ TEST_F(MoeTiersParallel, PipelineStagesThroughTheTiersTrainTheirBytesInMemory) {
 }
 
 // What stays refused with memory tiers and a mixture of experts: experts homed by routing share
-// under ZeRO-3, and expert groups under ZeRO-1/2; one line each. And what is built.
+// under ZeRO-3, in one line; and what is built.
 TEST_F(MoeTiersParallel, WhatIsNotBuiltIsRefusedInOneLine) {
   const std::vector<std::string> moe = {"model.preset=llama-moe-tiny", "tier.device_mib=64", "tier.host_mib=64"};
   auto refusal = [&](std::vector<std::string> extra) {
@@ -224,11 +259,9 @@ TEST_F(MoeTiersParallel, WhatIsNotBuiltIsRefusedInOneLine) {
   };
   EXPECT_NE(refusal({"parallel.zero=3", "tier.experts=by_frequency"}).find("config key 'tier.experts'"),
             std::string::npos);
-  for (const char* zero : {"parallel.zero=1", "parallel.zero=2"}) {
-    EXPECT_NE(refusal({zero, "parallel.expert=2"}).find("config key 'parallel.zero'"), std::string::npos) << zero;
-  }
   for (const std::vector<std::string>& built :
        {std::vector<std::string>{"parallel.expert=2"}, {"parallel.expert=2", "tier.experts=by_frequency"},
+        {"parallel.zero=1", "parallel.expert=2"}, {"parallel.zero=2", "parallel.expert=2", "tier.experts=by_frequency"},
         {"parallel.zero=3"}, {"parallel.zero=3", "parallel.expert=2"}, {"parallel.pipeline=2"},
         {"parallel.pipeline=2", "tier.experts=by_frequency"},
         {"parallel.pipeline=2", "parallel.repartition_every=4", "monitor.layer_costs_every=2"}}) {

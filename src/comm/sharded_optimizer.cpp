@@ -321,6 +321,14 @@ void ShardedOptimizer::update_chunk(int chunk) {
     store_.bump_version(chunk);
   }
   if (params_) return;  // ZeRO-3: the update stays with its owner until a layer's lease gathers it
+  if (partition_.experts_apart() && store_.chunks()[chunk].expert >= 0) {
+    // Sharded experts: an expert chunk's owner among the ranks holding it (data == P: a rank alone).
+    if (holders_ == nullptr) return;
+    const PageLease use = store_.use_chunk(chunk, {}, {Plane::param});
+    std::span<float> p = store_.chunk_view(chunk, Plane::param);
+    holders_->broadcast(p.data(), p.size(), partition_.expert_holder(chunk));
+    return;
+  }
   const int owner = partition_.owner(chunk);
   if (bf16_ && bf16_->holds(Plane::param)) {
     // bf16 working parameters: the owner's bits (rounded from its master by the update) are what

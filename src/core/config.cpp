@@ -898,9 +898,6 @@ void Config::resolve(int world_size) {
             "\"off\" with parallel.zero = 3 (not built yet: experts homed by routing share under ZeRO-3)",
             "\"" + std::string(to_string(tier.experts)) + "\"");
     require(!clip.enabled(), "model.moe_experts", "0 in a dual encoder's text tower", s(model.moe_experts));
-    require(tier.device_mib == 0 || parallel.expert == 1 || parallel.zero == 0 || parallel.zero == 3, "parallel.zero",
-            "0 or 3 with parallel.expert > 1 and memory tiers (tier.device_mib > 0; not built yet for ZeRO-1/2)",
-            s(parallel.zero));
   }
   if (tier.experts != TierExperts::off) {  // experts homed by their routing shares (runtime/expert_tiers.h)
     const std::string found = "\"" + std::string(to_string(tier.experts)) + "\"";
