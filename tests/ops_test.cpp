@@ -15,6 +15,7 @@
 #include <limits>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/rng.h"
@@ -1276,6 +1277,24 @@ TEST(OpsFloat, LinearAtTrainingRowCountsTakesThePackedRouteAndMatchesDouble) {
   const auto f = run_linear<float>(c);
   expect_float_matches_double(f, run_linear<double>(c));
   expect_bit_identical(f, run_linear<float>(c));
+}
+
+// Models may run on concurrent threads (each outside any OpenMP region, so each takes the route):
+// two threads running the same products at once give the bytes one thread gives alone (each
+// thread has its own packed weight and scratchpad).
+TEST(OpsDeterminism, PackedRouteOnConcurrentThreadsGivesTheBytesOfOneThread) {
+  const auto c = make_linear_case(1504, /*has_bias=*/true, 700, 64, 96);
+  ASSERT_TRUE(packed_weight_route(c.N, c.OC, c.C));
+  const auto alone = run_linear<float>(c);
+  std::vector<Tensors<float>> got(2);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 2; ++i) {
+    threads.emplace_back([&, i] {
+      for (int r = 0; r < 5; ++r) got[i] = run_linear<float>(c);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const auto& g : got) expect_bit_identical(alone, g);
 }
 
 // The route itself against SGEMM: both layouts of the weight, padded leading dimensions (the
