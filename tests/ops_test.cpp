@@ -4,6 +4,7 @@
 // counts where the code promises a fixed reduction order.
 #include "kernels/cpu/ops.h"
 
+#include <cblas.h>
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -14,9 +15,11 @@
 #include <limits>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/rng.h"
+#include "kernels/cpu/weight_gemm.h"
 
 namespace keel::ops {
 namespace {
@@ -1257,6 +1260,72 @@ TEST(OpsDeterminism, FixedOrderReductionsDoNotDependOnThreadCount) {
     return r;
   };
   expect_bit_identical(run(1), run(2));
+}
+
+// ---- the packed-weight route (kernels/cpu/weight_gemm.h) ---------------------------------------
+
+// At training's row counts the float linear products (forward and input gradient) take oneDNN's
+// route with the weight packed: double's numbers within float32 rounding, the same bytes twice.
+TEST(OpsFloat, LinearAtTrainingRowCountsTakesThePackedRouteAndMatchesDouble) {
+  Threads threads(2);
+  const int N = 600, C = 72, OC = 40;  // sizes that do not split evenly between threads or blocks
+  ASSERT_TRUE(packed_weight_route(N, OC, C));   // the forward's product
+  ASSERT_TRUE(packed_weight_route(N, C, OC));   // the input gradient's
+  EXPECT_FALSE(packed_weight_route(511, OC, C));
+  EXPECT_FALSE(packed_weight_route(N, 50304, 768));  // GPT-2 124M's head: OpenBLAS
+  const auto c = make_linear_case(1501, /*has_bias=*/true, N, C, OC);
+  const auto f = run_linear<float>(c);
+  expect_float_matches_double(f, run_linear<double>(c));
+  expect_bit_identical(f, run_linear<float>(c));
+}
+
+// Models may run on concurrent threads (each outside any OpenMP region, so each takes the route):
+// two threads running the same products at once give the bytes one thread gives alone (each
+// thread has its own packed weight and scratchpad).
+TEST(OpsDeterminism, PackedRouteOnConcurrentThreadsGivesTheBytesOfOneThread) {
+  const auto c = make_linear_case(1504, /*has_bias=*/true, 700, 64, 96);
+  ASSERT_TRUE(packed_weight_route(c.N, c.OC, c.C));
+  const auto alone = run_linear<float>(c);
+  std::vector<Tensors<float>> got(2);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 2; ++i) {
+    threads.emplace_back([&, i] {
+      for (int r = 0; r < 5; ++r) got[i] = run_linear<float>(c);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const auto& g : got) expect_bit_identical(alone, g);
+}
+
+// The route itself against SGEMM: both layouts of the weight, padded leading dimensions (the
+// padding left alone), beta 0 (overwrite) and 1 (the accumulating input gradient).
+TEST(OpsFloat, PackedWeightProductsEqualSgemm) {
+  Threads threads(2);
+  Rng rng(1502);
+  const int M = 515, N = 33, K = 70;
+  for (const bool trans_w : {true, false}) {
+    for (const float beta : {0.0f, 1.0f}) {
+      const int lda = K + 3, ldw = (trans_w ? K : N) + 5, ldc = N + 2;
+      std::vector<float> a(static_cast<size_t>(M) * lda), w(static_cast<size_t>(trans_w ? N : K) * ldw),
+          c(static_cast<size_t>(M) * ldc);
+      for (float& x : a) x = static_cast<float>(rng.normal());
+      for (float& x : w) x = static_cast<float>(rng.normal());
+      for (float& x : c) x = static_cast<float>(rng.normal());
+      std::vector<float> want = c, got = c;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, trans_w ? CblasTrans : CblasNoTrans, M, N, K, 1.0f, a.data(), lda,
+                  w.data(), ldw, beta, want.data(), ldc);
+      ASSERT_TRUE(onednn_packed_weight_gemm(trans_w, M, N, K, a.data(), lda, w.data(), ldw, beta, got.data(), ldc));
+      double err = 0, scale = 0;
+      for (int i = 0; i < M; ++i) {
+        for (int j = 0; j < N; ++j) {
+          err = std::max(err, std::abs(static_cast<double>(got[i * ldc + j]) - want[i * ldc + j]));
+          scale = std::max(scale, std::abs(static_cast<double>(want[i * ldc + j])));
+        }
+        for (int j = N; j < ldc; ++j) ASSERT_EQ(got[i * ldc + j], c[i * ldc + j]) << "padding written";
+      }
+      EXPECT_LT(err / scale, 1e-6) << "trans_w " << trans_w << " beta " << beta;
+    }
+  }
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "kernels/cpu/bf16.h"
 #include "kernels/cpu/int8_gemm.h"
+#include "kernels/cpu/weight_gemm.h"
 
 extern "C" {
 char* openblas_get_config(void);
@@ -88,6 +89,27 @@ void gemm<double>(MatmulPrecision, bool trans_a, bool trans_b, int M, int N, int
                   int lda, const double* B, int ldb, double beta, double* C, int ldc) {
   cblas_dgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K,
               alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+template <>
+void gemm_weight<float>(MatmulPrecision precision, bool trans_w, int M, int N, int K, const float* A, int lda,
+                        const float* W, int ldw, float beta, float* C, int ldc) {
+  if (precision != MatmulPrecision::fp32 || !packed_weight_route(M, N, K)) {
+    gemm<float>(precision, false, trans_w, M, N, K, 1.0f, A, lda, W, ldw, beta, C, ldc);
+    return;
+  }
+  counted(M, N, K, [&] {
+    if (!onednn_packed_weight_gemm(trans_w, M, N, K, A, lda, W, ldw, beta, C, ldc)) {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, trans_w ? CblasTrans : CblasNoTrans, M, N, K, 1.0f, A, lda, W, ldw,
+                  beta, C, ldc);
+    }
+  });
+}
+
+template <>
+void gemm_weight<double>(MatmulPrecision precision, bool trans_w, int M, int N, int K, const double* A, int lda,
+                         const double* W, int ldw, double beta, double* C, int ldc) {
+  gemm<double>(precision, false, trans_w, M, N, K, 1.0, A, lda, W, ldw, beta, C, ldc);
 }
 
 std::string check_blas() {

@@ -12,6 +12,7 @@
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/blas.h"
 #include "kernels/cpu/vmath.h"
+#include "kernels/cpu/weight_gemm.h"
 
 namespace keel::ops {
 
@@ -257,13 +258,13 @@ void linear_forward(MatmulPrecision precision, T* out, const T* inp, const T* w,
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; ++n) std::copy(bias, bias + OC, out + static_cast<int64_t>(n) * OC);
   }
-  gemm<T>(precision, false, true, N, OC, C, T(1), inp, C, w, C, bias != nullptr ? T(1) : T(0), out, OC);
+  gemm_weight<T>(precision, true, N, OC, C, inp, C, w, C, bias != nullptr ? T(1) : T(0), out, OC);
 }
 
 template <typename T>
 void linear_backward_input(MatmulPrecision precision, T* dinp, const T* dout, const T* w, int N, int C, int OC,
                            bool accumulate) {
-  gemm<T>(precision, false, false, N, C, OC, T(1), dout, OC, w, C, accumulate ? T(1) : T(0), dinp, C);
+  gemm_weight<T>(precision, false, N, C, OC, dout, OC, w, C, accumulate ? T(1) : T(0), dinp, C);
 }
 
 template <typename T, typename Out, typename In>

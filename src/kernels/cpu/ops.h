@@ -1,7 +1,8 @@
 // CPU kernels of the forward and backward passes of both model families (GPT-2, llama). Every op comes as a pair (or
 // triple): `X_forward`, `X_backward_input` (B: gradient w.r.t. the input) and `X_backward_weight` (W: gradient w.r.t.
 // the weights), side by side, with the shapes of every argument above them. All are templated on the scalar (float for
-// training, double for finite-difference tests), use OpenBLAS for matrix products and OpenMP with static schedules
+// training, double for finite-difference tests), use OpenBLAS for matrix products (oneDNN for the float32 weight
+// products of >= 512 rows: kernels/cpu/weight_gemm.h) and OpenMP with static schedules
 // elsewhere, so results are bit-identical run to run for a given thread count. `_backward_weight` kernels accumulate
 // (+=) into weight gradients so micro-batches add up; `_backward_input` kernels overwrite unless `accumulate` is set.
 //
