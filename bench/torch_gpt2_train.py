@@ -10,15 +10,19 @@ torch.nn.functional ops, foreach AdamW; --compile wraps the model in
 torch.compile (PyTorch 2.x; inductor needs a C++ compiler) and
 --flush-denormal calls torch.set_flush_denormal(True).
 
-Steady state (bench/steady_state.py): --data TRAIN.bin trains on random windows
-of an llm.c token shard (what `keel train` reads) with Keel's learning-rate
+Steady state (bench/steady_state.py): --data TRAIN.bin trains on an llm.c token
+shard (what `keel train` reads; --data-order: random offsets, or as keel train
+reads it) with Keel's learning-rate
 schedule (--lr, linear warm-up over --lr-warmup steps, cosine to
---min-lr-ratio x lr over the rest) and records every step's time; --val
+--min-lr-ratio x lr over the rest) and records every step's time and loss; --val
 VAL.bin adds the validation loss at the end (the first --eval-batches windows).
+--init FILE.bin starts from an llm.c model file (`keel export --format llmc`): with
+--data-order file and keel train's data.shuffle=false both train on the same batches
+from the same weights, and their per-step losses compare.
 
 Prints one JSON line:
   {"tokens_per_s", "ms_per_step", "peak_rss_mb", "params", "final_loss", "threads", ...}
-with --data also "step_ms" (every timed step's milliseconds), "step_cpu_ms" (the CPU time of all
+with --data also "step_ms" (every timed step's milliseconds), "step_loss", "step_cpu_ms" (the CPU time of all
 the process's threads in each step: less sensitive than wall time to other load on the machine)
 and "val_loss".
 
@@ -203,10 +207,13 @@ def main():
                     help="torch.save model and optimizer state every N timed steps (0 = never)")
     ap.add_argument("--ckpt-dir", default=None, help="where --ckpt-every writes (required with it)")
     ap.add_argument("--data", default=None, help="llm.c token shard to train on (random windows); default random tokens")
-    ap.add_argument("--data-order", choices=("random", "file", "windows"), default="random",
-                    help="random: each sequence at a uniformly random offset; file: the shard cut into consecutive "
-                         "batch x seq windows read in file order (keel train with data.shuffle=false); windows: "
-                         "the same windows in a random order each epoch (every batch one contiguous stretch of text)")
+    ap.add_argument("--data-order", choices=("random", "sequences", "file", "windows"), default="random",
+                    help="random: each sequence at a uniformly random offset; sequences: the shard's sequences of "
+                         "--seq tokens (at multiples of --seq) in a random order each epoch (keel train's shuffling, "
+                         "another permutation); file: the shard cut into consecutive batch x seq windows read in file "
+                         "order (keel train with data.shuffle=false); windows: the same windows in a random order "
+                         "each epoch (every batch one stretch of consecutive text: keel train's shuffling before "
+                         "its sequences were shuffled)")
     ap.add_argument("--init", default=None, help="start from this llm.c model file (keel export --format llmc)")
     ap.add_argument("--val", default=None, help="llm.c token shard for the validation loss at the end (with --data)")
     ap.add_argument("--eval-batches", type=int, default=16, help="validation windows of batch x seq (with --val)")
@@ -265,6 +272,13 @@ def main():
                 epochs = (total + windows - 1) // windows
                 w = torch.cat([torch.randperm(windows, generator=gen) for _ in range(epochs)])[:total]
             starts = w.unsqueeze(-1) * (a.batch * a.seq) + torch.arange(a.batch) * a.seq
+        elif a.data_order == "sequences":  # as keel train shuffles: sequences left after the last whole batch sit out
+            sequences = (tokens.numel() - 1) // a.seq
+            per_epoch = sequences // a.batch
+            epochs = (total + per_epoch - 1) // per_epoch
+            perms = [torch.randperm(sequences, generator=gen)[:per_epoch * a.batch].view(per_epoch, a.batch)
+                     for _ in range(epochs)]
+            starts = torch.cat(perms)[:total] * a.seq
         else:
             starts = torch.randint(0, tokens.numel() - a.seq, (total, a.batch), generator=gen)
         data = tokens[starts.unsqueeze(-1) + torch.arange(a.seq + 1)]
