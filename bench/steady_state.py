@@ -19,7 +19,9 @@ Engines, interleaved within each repeat (keel, every peer, keel-noflush), each a
                its last "val_loss" line.
   keel-noflush the same with runtime.flush_denormals=false (--denormals): the contrast for the
                denormal slowdown that flushing removes.
-  torch-VER    bench/torch_gpt2_train.py on the same shards with the same AdamW settings (lr,
+  torch-VER    bench/torch_gpt2_train.py on the same shards, read as keel train reads them (each
+               epoch a permutation of the shard's sequences: another permutation than Keel's, so
+               not the same batches), with the same AdamW settings (lr,
                warm-up, cosine decay, weight decay, betas, eps and clipping of
                configs/default.toml), 2 threads, in the tuned environment of compare_pytorch.sh
                (passive OpenMP waiting, glibc malloc tunables, OPENBLAS_NUM_THREADS=2),
@@ -245,7 +247,8 @@ def torch_run(a, model, py, precision, compile_ok, work, rep, job, coretype):
     cmd = [py, PEER, "--layers", str(m["L"]), "--channels", str(m["C"]), "--heads", str(m["H"]),
            "--vocab", str(m["V"]), "--max-seq", str(m["maxT"]), "--batch", str(m["B"]), "--seq", str(m["T"]),
            "--steps", str(a.steps), "--warmup-steps", "0", "--threads", "2",
-           "--data", DATA["train"], "--val", DATA["val"], "--eval-batches", str(job["train"]["eval_batches"]),
+           "--data", DATA["train"], "--data-order", "sequences" if job["data"]["shuffle"] else "file",
+           "--val", DATA["val"], "--eval-batches", str(job["train"]["eval_batches"]),
            "--lr", str(o["lr"]), "--lr-warmup", str(o["warmup_steps"]), "--min-lr-ratio", str(o["min_lr_ratio"]),
            "--weight-decay", str(o["weight_decay"]), "--seed", str(job["train"]["seed"]), "--flush-denormal"]
     if precision == "bf16":

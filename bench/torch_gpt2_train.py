@@ -10,15 +10,19 @@ torch.nn.functional ops, foreach AdamW; --compile wraps the model in
 torch.compile (PyTorch 2.x; inductor needs a C++ compiler) and
 --flush-denormal calls torch.set_flush_denormal(True).
 
-Steady state (bench/steady_state.py): --data TRAIN.bin trains on random windows
-of an llm.c token shard (what `keel train` reads) with Keel's learning-rate
+Steady state (bench/steady_state.py): --data TRAIN.bin trains on an llm.c token
+shard (what `keel train` reads; --data-order: random offsets, or as keel train
+reads it) with Keel's learning-rate
 schedule (--lr, linear warm-up over --lr-warmup steps, cosine to
---min-lr-ratio x lr over the rest) and records every step's time; --val
+--min-lr-ratio x lr over the rest) and records every step's time and loss; --val
 VAL.bin adds the validation loss at the end (the first --eval-batches windows).
+--init FILE.bin starts from an llm.c model file (`keel export --format llmc`): with
+--data-order file and keel train's data.shuffle=false both train on the same batches
+from the same weights, and their per-step losses compare.
 
 Prints one JSON line:
   {"tokens_per_s", "ms_per_step", "peak_rss_mb", "params", "final_loss", "threads", ...}
-with --data also "step_ms" (every timed step's milliseconds), "step_cpu_ms" (the CPU time of all
+with --data also "step_ms" (every timed step's milliseconds), "step_loss", "step_cpu_ms" (the CPU time of all
 the process's threads in each step: less sensitive than wall time to other load on the machine)
 and "val_loss".
 
@@ -141,6 +145,48 @@ def read_shard(path):
     return torch.frombuffer(bytearray(body), dtype=torch.int16).to(torch.int64) & 0xFFFF
 
 
+def load_llmc(model, path, L, C, V, maxT):
+    """Loads an llm.c GPT-2 model file (version 3: float32, padded vocabulary; what `keel export
+    --format llmc` writes) into model. Exits with one line naming the file when its sizes differ."""
+    import struct
+    with open(path, "rb") as f:
+        head = struct.unpack("<8i", f.read(32))
+        f.seek(1024)
+        body = f.read()
+    magic, version, file_maxT, _, file_L, _, file_C, file_Vp = head
+    if magic != 20240326 or version != 3 or (file_maxT, file_L, file_C, file_Vp) != (maxT, L, C, V):
+        sys.exit("%s: expected an llm.c version-3 model with maxT %d, L %d, C %d, padded V %d; found magic %d version"
+                 " %d maxT %d L %d C %d padded V %d" % (path, maxT, L, C, V, magic, version, file_maxT, file_L, file_C,
+                                                       file_Vp))
+    flat = torch.frombuffer(bytearray(body), dtype=torch.float32)
+    at = 0
+
+    def take(shape):
+        nonlocal at
+        n = math.prod(shape)
+        if at + n > flat.numel():
+            sys.exit("%s: shorter than its header's sizes" % path)
+        t = flat[at:at + n].view(shape)
+        at += n
+        return t
+
+    b = model.blocks
+    stacked = [("ln1", "weight", (C,)), ("ln1", "bias", (C,)), ("qkv", "weight", (3 * C, C)), ("qkv", "bias", (3 * C,)),
+               ("attproj", "weight", (C, C)), ("attproj", "bias", (C,)), ("ln2", "weight", (C,)), ("ln2", "bias", (C,)),
+               ("fc", "weight", (4 * C, C)), ("fc", "bias", (4 * C,)), ("fcproj", "weight", (C, 4 * C)),
+               ("fcproj", "bias", (C,))]
+    with torch.no_grad():
+        model.wte.copy_(take((V, C)))
+        model.wpe.copy_(take((maxT, C)))
+        for module, field, shape in stacked:  # llm.c's order: each tensor stacked over the layers
+            for l in range(L):
+                getattr(getattr(b[l], module), field).copy_(take(shape))
+        model.lnf.weight.copy_(take((C,)))
+        model.lnf.bias.copy_(take((C,)))
+    if at != flat.numel():
+        sys.exit("%s: %d floats after the model's %d" % (path, flat.numel() - at, at))
+
+
 def main():
     ap = argparse.ArgumentParser(description="PyTorch GPT-2 training benchmark (peer of Keel's)")
     ap.add_argument("--layers", type=int, required=True)
@@ -161,6 +207,14 @@ def main():
                     help="torch.save model and optimizer state every N timed steps (0 = never)")
     ap.add_argument("--ckpt-dir", default=None, help="where --ckpt-every writes (required with it)")
     ap.add_argument("--data", default=None, help="llm.c token shard to train on (random windows); default random tokens")
+    ap.add_argument("--data-order", choices=("random", "sequences", "file", "windows"), default="random",
+                    help="random: each sequence at a uniformly random offset; sequences: the shard's sequences of "
+                         "--seq tokens (at multiples of --seq) in a random order each epoch (keel train's shuffling, "
+                         "another permutation); file: the shard cut into consecutive batch x seq windows read in file "
+                         "order (keel train with data.shuffle=false); windows: the same windows in a random order "
+                         "each epoch (every batch one stretch of consecutive text: keel train's shuffling before "
+                         "its sequences were shuffled)")
+    ap.add_argument("--init", default=None, help="start from this llm.c model file (keel export --format llmc)")
     ap.add_argument("--val", default=None, help="llm.c token shard for the validation loss at the end (with --data)")
     ap.add_argument("--eval-batches", type=int, default=16, help="validation windows of batch x seq (with --val)")
     ap.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
@@ -192,6 +246,8 @@ def main():
         return 1
     torch.manual_seed(a.seed)
     model = GPT2(a.layers, a.channels, a.heads, a.vocab, max_seq)
+    if a.init:
+        load_llmc(model, a.init, a.layers, a.channels, a.vocab, max_seq)
     lr = a.lr if a.lr_warmup == 0 else learning_rate(a, 0, a.warmup_steps + a.steps)
     opt = make_optimizer(model, lr, a.weight_decay)
     params = list(model.parameters())
@@ -208,7 +264,23 @@ def main():
             sys.exit("%s: token %d is outside the vocabulary of %d (--vocab)" % (a.data, int(tokens.max()), a.vocab))
         if tokens.numel() < a.seq + 1:
             sys.exit("%s: %d tokens, fewer than one window of %d" % (a.data, tokens.numel(), a.seq + 1))
-        starts = torch.randint(0, tokens.numel() - a.seq, (total, a.batch), generator=gen)
+        if a.data_order in ("file", "windows"):  # window w is tokens w*B*T .. (w+1)*B*T (+1)
+            windows = (tokens.numel() - 1) // (a.batch * a.seq)
+            if a.data_order == "file":
+                w = torch.arange(total) % windows
+            else:
+                epochs = (total + windows - 1) // windows
+                w = torch.cat([torch.randperm(windows, generator=gen) for _ in range(epochs)])[:total]
+            starts = w.unsqueeze(-1) * (a.batch * a.seq) + torch.arange(a.batch) * a.seq
+        elif a.data_order == "sequences":  # as keel train shuffles: sequences left after the last whole batch sit out
+            sequences = (tokens.numel() - 1) // a.seq
+            per_epoch = sequences // a.batch
+            epochs = (total + per_epoch - 1) // per_epoch
+            perms = [torch.randperm(sequences, generator=gen)[:per_epoch * a.batch].view(per_epoch, a.batch)
+                     for _ in range(epochs)]
+            starts = torch.cat(perms)[:total] * a.seq
+        else:
+            starts = torch.randint(0, tokens.numel() - a.seq, (total, a.batch), generator=gen)
         data = tokens[starts.unsqueeze(-1) + torch.arange(a.seq + 1)]
     else:
         data = torch.randint(0, a.vocab, (total, a.batch, a.seq + 1), generator=gen)
@@ -247,13 +319,14 @@ def main():
 
     for i in range(a.warmup_steps):
         step(i)
-    step_ms, step_cpu_ms = [], []
+    step_ms, step_cpu_ms, step_loss = [], [], []
     t0 = time.perf_counter()
     for i in range(a.warmup_steps, total):
         t_step, cpu_step = time.perf_counter(), time.process_time()
         loss = step(i)
         step_ms.append(1000.0 * (time.perf_counter() - t_step))
         step_cpu_ms.append(1000.0 * (time.process_time() - cpu_step))  # all threads' CPU time
+        step_loss.append(loss.item())
         if a.ckpt_every and (i + 1 - a.warmup_steps) % a.ckpt_every == 0:
             save(i)
     elapsed = time.perf_counter() - t0
@@ -263,6 +336,7 @@ def main():
     if a.data:
         result["step_ms"] = [round(x, 2) for x in step_ms]
         result["step_cpu_ms"] = [round(x, 2) for x in step_cpu_ms]
+        result["step_loss"] = [round(x, 6) for x in step_loss]
     if a.val:
         val = read_shard(a.val)
         windows = min(a.eval_batches * a.batch, (val.numel() - 1) // a.seq)

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -274,6 +275,39 @@ TEST(Loader, ShuffleOffReadsWindowsInFileOrder) {
     differs |= std::vector<int>(s.inputs, s.inputs + 16) != got;
   }
   EXPECT_TRUE(differs);
+}
+
+// Shuffled, a batch's sequences come from all over the shard, not from one stretch of B x T
+// consecutive tokens: an epoch permutes the shard's sequences of T tokens (each read whole, with
+// its next token as the last target), every sequence at most once per epoch.
+TEST(Loader, ShuffledBatchesDrawSequencesFromAllOverTheShard) {
+  testing::TempDir dir;
+  std::vector<uint16_t> tokens(1001);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>(i);  // a token names its place
+  write_token_shard(dir / "t.bin", tokens);
+  const int B = 4, T = 8;
+  DataLoader loader(dir / "t.bin", B, T, 1024, true, 1337);
+  const uint64_t windows = loader.num_windows();
+  ASSERT_EQ(windows, 31u);  // 125 sequences of 8 (+1) tokens: 31 batches of 4, one sequence left out
+  std::set<int> seen;
+  uint64_t one_stretch = 0;  // batches whose sequences are consecutive in the shard
+  for (uint64_t k = 0; k < windows; ++k) {
+    const Batch b = loader.next();
+    bool consecutive = true;
+    for (int s = 0; s < B; ++s) {
+      const int start = b.inputs[s * T];
+      ASSERT_EQ(start % T, 0) << "batch " << k << " sequence " << s;
+      for (int i = 0; i < T; ++i) {
+        ASSERT_EQ(b.inputs[s * T + i], start + i) << "batch " << k << " sequence " << s;
+        ASSERT_EQ(b.targets[s * T + i], start + i + 1) << "batch " << k << " sequence " << s;
+      }
+      EXPECT_TRUE(seen.insert(start).second) << "sequence at " << start << " twice in an epoch";
+      if (s > 0 && start != b.inputs[(s - 1) * T] + T) consecutive = false;
+    }
+    one_stretch += consecutive;
+  }
+  EXPECT_EQ(seen.size(), windows * B);
+  EXPECT_LT(one_stretch, windows / 4) << "shuffled batches are stretches of consecutive text";
 }
 
 // A curriculum's shorter sequences come from the same windows (cut at the longest length): each

@@ -30,37 +30,60 @@ DataLoader::DataLoader(const std::string& path, int B, int T, int vocab_size, bo
   targets_.resize(static_cast<size_t>(B) * T);
 }
 
+namespace {
+
+// Fills inputs and targets with rank `rank`'s B sequences of length t of a window of world * B
+// sequences of T tokens (+1), the window's q-th starting at token first_token(q), read from
+// token `offset` of the window on (a curriculum's shorter lengths: t divides T, so each of its
+// sequences lies within one of the window's). Under context parallelism (context_size > 1) each
+// of its sequences gives chunks context_rank and 2C-1-context_rank of 2C (model/context_group.h).
+template <typename FirstToken>
+void read_window(const std::vector<uint32_t>& tokens, FirstToken first_token, uint64_t offset, int T, int t, int B,
+                 int rank, int context_rank, int context_size, int* inputs, int* targets) {
+  const int C = context_size, r = context_rank, chunk = t / (2 * C), rows = t / C;
+  for (int b = 0; b < B; ++b) {
+    const uint64_t p = offset + (static_cast<uint64_t>(rank) * B + b) * t;  // within the window
+    const uint32_t* seq = tokens.data() + first_token(p / T) + p % T;
+    int* in = inputs + static_cast<size_t>(b) * rows;
+    int* out = targets + static_cast<size_t>(b) * rows;
+    if (C == 1) {
+      for (int i = 0; i < t; ++i) {
+        in[i] = static_cast<int>(seq[i]);
+        out[i] = static_cast<int>(seq[i + 1]);
+      }
+      continue;
+    }
+    for (int i = 0; i < rows; ++i) {
+      const int pos = i < chunk ? r * chunk + i : (2 * C - 1 - r) * chunk + (i - chunk);
+      in[i] = static_cast<int>(seq[pos]);
+      out[i] = static_cast<int>(seq[pos + 1]);
+    }
+  }
+}
+
+}  // namespace
+
 void DataLoader::make_order(uint64_t epoch) {
   if (order_epoch_ == epoch) return;
-  order_.resize(num_windows_);
-  for (uint64_t i = 0; i < num_windows_; ++i) order_[i] = i;
-  if (shuffle_) {  // Fisher-Yates with a stream per epoch
-    Rng rng(seed_ ^ (0x5851F42D4C957F2Dull * (epoch + 1)));
-    for (uint64_t i = num_windows_ - 1; i > 0; --i) std::swap(order_[i], order_[rng.below(i + 1)]);
-  }
+  // Shuffling permutes the shard's sequences of T tokens (not its windows): a batch then holds
+  // sequences from all over the shard, as one drawn at random offsets does, rather than one
+  // stretch of world * B * T consecutive tokens (neighbouring text, whose gradients agree more
+  // than independent sequences' do). Window i of the epoch is the order's sequences
+  // i * world * B .. (i + 1) * world * B - 1; those past the last whole window sit out the epoch.
+  const uint64_t sequences = (tokens_.size() - 1) / T_;
+  order_.resize(sequences);
+  for (uint64_t i = 0; i < sequences; ++i) order_[i] = i;
+  Rng rng(seed_ ^ (0x5851F42D4C957F2Dull * (epoch + 1)));  // Fisher-Yates with a stream per epoch
+  for (uint64_t i = sequences - 1; i > 0; --i) std::swap(order_[i], order_[rng.below(i + 1)]);
   order_epoch_ = epoch;
 }
 
 void DataLoader::fill(uint64_t w, uint64_t offset, int T) {
-  const uint64_t local = static_cast<uint64_t>(B_) * T;
-  const uint32_t* src = tokens_.data() + w * static_cast<uint64_t>(B_) * T_ * world_ + offset + local * rank_;
-  if (context_size_ == 1) {
-    for (uint64_t i = 0; i < local; ++i) {
-      inputs_[i] = src[i];
-      targets_[i] = src[i + 1];
-    }
-    return;
-  }
-  // Context parallelism: of each sequence, chunks r and 2C-1-r of 2C (model/context_group.h).
-  const int C = context_size_, r = context_rank_, chunk = T / (2 * C), rows = T / C;
-  for (int b = 0; b < B_; ++b) {
-    const uint32_t* seq = src + static_cast<uint64_t>(b) * T;
-    for (int t = 0; t < rows; ++t) {
-      const int pos = t < chunk ? r * chunk + t : (2 * C - 1 - r) * chunk + (t - chunk);
-      inputs_[static_cast<size_t>(b) * rows + t] = seq[pos];
-      targets_[static_cast<size_t>(b) * rows + t] = seq[pos + 1];
-    }
-  }
+  // Window w in file order: its sequences are consecutive.
+  const uint64_t first = w * static_cast<uint64_t>(world_) * B_ * T_;
+  read_window(
+      tokens_, [&](uint64_t q) { return first + q * T_; }, offset, T_, T, B_, rank_, context_rank_, context_size_,
+      inputs_.data(), targets_.data());
 }
 
 int DataLoader::length(int T) const {
@@ -88,8 +111,15 @@ Batch DataLoader::next(int T) {
     position_.epoch++;
     position_.index = 0;
   }
-  make_order(position_.epoch);
-  fill(order_[position_.index], position_.offset, T);
+  if (shuffle_) {
+    make_order(position_.epoch);
+    const uint64_t* seqs = order_.data() + position_.index * world_ * B_;
+    read_window(
+        tokens_, [&](uint64_t q) { return seqs[q] * T_; }, position_.offset, T_, T, B_, rank_, context_rank_,
+        context_size_, inputs_.data(), targets_.data());
+  } else {
+    fill(position_.index, position_.offset, T);
+  }
   position_.offset += part;
   if (position_.offset == whole) {  // (a whole window read: the position is at the next one)
     position_.index++;

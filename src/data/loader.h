@@ -1,13 +1,13 @@
-// Deterministic batches from an llm.c token shard (uint16 or uint32 tokens). The shard is cut into non-overlapping global
-// windows of world*B*T (+1) tokens; an epoch visits every window once, in an order drawn from
-// (seed, epoch) when shuffling, or in file order when not. Data-parallel rank r reads sequences
-// r*B .. r*B+B-1 of each global window, so N ranks with batch B see exactly the batch one rank
-// with batch N*B would. The position (epoch, index) is all the state there is, the same on every
-// rank: saving and restoring it resumes the exact stream.
+// Deterministic batches from an llm.c token shard (uint16 or uint32 tokens), in global windows of world*B
+// sequences of T (+1) tokens. Unshuffled, window w is the shard's tokens w*world*B*T .. (+1), in file order
+// (llm.c's); shuffled, an epoch permutes the shard's sequences of T tokens by (seed, epoch) and window i is its
+// i*world*B .. -th: each batch from all over the shard. Data-parallel rank r reads sequences r*B .. r*B+B-1 of
+// each global window, so N ranks with batch B see exactly the batch one rank with batch N*B would. The position
+// (epoch, index) is all the state there is, the same on every rank: saving and restoring it resumes the exact stream.
 //
 // A sequence-length curriculum (train.seq_len_schedule) reads shorter sequences from the same
-// windows, cut at the longest length T: at length t (a divisor of T) a window is T / t batches,
-// read in order. Batch j holds the window's tokens j*world*B*t .. (j+1)*world*B*t (+1), rank r
+// windows, cut at the longest length T: at length t (a divisor of T) a window is T / t batches, read in
+// order. Batch j holds the window's tokens (its sequences end to end) j*world*B*t .. (j+1)*world*B*t (+1), rank r
 // sequences r*B .. r*B+B-1 of them; the position's `offset` says how many of the window's tokens
 // are read. A length that does not fit what is left of a window (or does not align with what was
 // read: a change of length mid-window) starts at its next aligned part, or at the next window.
