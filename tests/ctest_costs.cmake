@@ -5,7 +5,7 @@
 # in place of a tree's own measured time. Regenerate from a full run's build/Testing/Temporary/
 # CTestCostData.txt (name, runs, seconds): tests at 5 s or more, the python and mpirun tests left to
 # tests/CMakeLists.txt, whose add_test comes after this file is read.
-set_tests_properties([=[Chaos.ThreeKillsOneInsideACheckpointWriteAreRecoveredToTheUninterruptedBytes]=] PROPERTIES COST 81)
+set_tests_properties([=[Chaos.ThreeKillsOneInsideACheckpointWriteAreRecoveredToTheUninterruptedBytes]=] PROPERTIES COST 24)  # 81 with the "small" model
 set_tests_properties([=[Hardening.SigtermCheckpointsAndTheResumeIsBitIdentical]=] PROPERTIES COST 27)
 set_tests_properties([=[TensorParallel.SequenceParallelPipelinesTrainWhatOneRankTrains]=] PROPERTIES COST 22)
 set_tests_properties([=[LiveEndpoint.ABatteryOfRequestsNeitherStopsTheRunNorChangesItsBytes]=] PROPERTIES COST 19)
