@@ -1,6 +1,6 @@
-// The acceptance test of checkpoints and recovery. A 2-rank job of the "small" model (L=4 H=4
-// C=256, GPT-2's vocabulary; 100 steps of 2 x 32 random tokens per rank, a checkpoint every 10
-// steps) is SIGKILLed three times, at moments drawn from a seed, under `keel launch --max-restarts`:
+// The acceptance test of checkpoints and recovery. A 2-rank job of the default job's model ("d4":
+// L=4 H=4 C=256, a vocabulary of 8192; 100 steps of 2 x 32 random tokens per rank, a checkpoint
+// every 10 steps) is SIGKILLed three times, at moments drawn from a seed, under `keel launch --max-restarts`:
 //   - once inside a checkpoint write: KEEL_FAULT in the launcher's environment (mpirun passes it
 //     to the ranks on this machine) kills one rank at the Nth file operation on ckpt/step-*,
 //     N chosen to fall inside the writing of its rN.bin or of the manifest;
@@ -42,8 +42,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// ~0.3-0.4 s a step here whatever the batch (the 16M parameters' optimizer step and gradient
-// all-reduce dominate), so 100 steps rather than 200 keep the test near two minutes.
+// The optimizer step and the gradient all-reduce of the parameters dominate a step whatever the
+// batch: d4's 5M parameters rather than the "small" preset's 16M (GPT-2's vocabulary) shorten each
+// step, for the same recoveries (2026-12-05: 38 s of CPU for the whole test).
 constexpr int kSteps = 100;
 constexpr int kCheckpointEvery = 10;
 // An outside kill comes 1..kMaxDelaySteps steps after the run (re)started training: before or
@@ -141,18 +142,18 @@ std::vector<Recovery> recoveries(const std::string& text) {
 class Chaos : public ::testing::Test {
  protected:
   void SetUp() override {
-    // Random tokens over GPT-2's whole vocabulary, in llm.c's shard format.
+    // Random tokens over the model's whole vocabulary, in llm.c's shard format.
     Rng rng(7);
     auto tokens = [&](size_t n) {
       std::vector<uint16_t> t(n);
-      for (auto& x : t) x = static_cast<uint16_t>(rng.below(50257));
+      for (auto& x : t) x = static_cast<uint16_t>(rng.below(8192));
       return t;
     };
     write_token_shard(dir / "train.bin", tokens(60000));
     write_token_shard(dir / "val.bin", tokens(4000));
     const std::string train = dir / "train.bin", val = dir / "val.bin";
-    testing::write_text(dir / "small.toml",
-                        "[model]\npreset = \"small\"\n"
+    testing::write_text(dir / "d4.toml",
+                        "[model]\npreset = \"d4\"\n"
                         "[train]\nbatch_size = 2\nseq_len = 32\nsteps = " +
                             std::to_string(kSteps) + "\ncheckpoint_every = " + std::to_string(kCheckpointEvery) +
                             "\neval_every = 0\neval_batches = 1\nsample_tokens = 0\nlog_every = 1\n"
@@ -167,7 +168,7 @@ class Chaos : public ::testing::Test {
   }
   // The running ranks' pids: their command lines start with the keel binary and
   // "train --config <this test's config>" (the launcher's has "launch", mpirun's starts with mpirun).
-  std::vector<pid_t> rank_pids() { return testing::keel_train_pids(dir / "small.toml"); }
+  std::vector<pid_t> rank_pids() { return testing::keel_train_pids(dir / "d4.toml"); }
   // MPI rank of a running rank process (-1 when it is gone).
   int mpi_rank(pid_t pid) {
     const std::string env = proc_file(pid, "environ");
@@ -200,7 +201,7 @@ TEST_F(Chaos, ThreeKillsOneInsideACheckpointWriteAreRecoveredToTheUninterruptedB
   // of two threads would oversubscribe a 2-core machine). The reference saves only at the end:
   // checkpoints must not change the trajectory either.
   auto reference = testing::run_command("OMP_NUM_THREADS=1 " + std::string(KEEL_BINARY) +
-                                        " launch -n 2 -- train --config " + dir / "small.toml" +
+                                        " launch -n 2 -- train --config " + dir / "d4.toml" +
                                         " --set train.checkpoint_every=0 --set train.run_dir=" + dir / "reference");
   ASSERT_EQ(reference.exit_code, 0) << reference.output;
 
@@ -261,7 +262,7 @@ TEST_F(Chaos, ThreeKillsOneInsideACheckpointWriteAreRecoveredToTheUninterruptedB
   if (fault_kill > 0) testing::write_text(marker, "");
 
   Job job({"launch", "-n", "2", "--max-restarts", std::to_string(kMaxRestarts), "--", "train", "--config",
-           dir / "small.toml", "--set", "train.run_dir=" + dir / "chaos"},
+           dir / "d4.toml", "--set", "train.run_dir=" + dir / "chaos"},
           dir / "chaos.log", {"KEEL_FAULT=" + fault, "OMP_NUM_THREADS=1"});
   ASSERT_GT(job.pid(), 0);
   for (int k = 0; k < kKills; ++k) {
