@@ -176,7 +176,11 @@ TEST_F(ContextParallel, BesidePipelineParallelism) {
     auto r = train(4, 8, run, extra + "--set parallel.context=2 --set parallel.pipeline=2 --set parallel.schedule=" +
                                   c.schedule);
     ASSERT_EQ(r.exit_code, 0) << r.output;
-    expect_same_training(c.family + "one", run);
+    // GPT-2's 20 steps through 2 stages x 2 context ranks: every sum in another order (the context
+    // group's gradient sums, the stages' micro-batches); since the loader draws a batch's sequences
+    // from all over the shard (2026-12-05) its weights end 1.0-2.4e-5 apart (relative, per tensor;
+    // biases and MLP weights of block 1) with every loss within 1e-5: within 3e-5.
+    expect_same_training(c.family + "one", run, c.family == "gpt2" ? 3e-5 : 1e-5);
   }
 }
 
