@@ -19,6 +19,7 @@
 #include "store/expert_homes.h"
 #include "store/placement.h"
 #include "store/tiered_memory.h"
+#include "moe_runs.h"
 #include "store/tiers.h"
 #include "test_util.h"
 
@@ -130,16 +131,7 @@ TEST_F(MoeTiers, ResumesThroughTheTiersToTheSameBytes) {
 // pages (no acquire, no byte read, still absent), touch each chosen expert's once per pass kind,
 // and give the gradients of the same model in memory, bit for bit.
 TEST(MoeTierLeases, UnchosenExpertsPagesAreNotTouched) {
-  Config c;
-  c.model.preset = "llama-moe-tiny";
-  c.model.n_layer = 1;
-  c.model.n_embd = 32;
-  c.model.n_head = 4;
-  c.model.vocab_size = 64;
-  c.model.max_seq_len = 16;
-  c.model.moe_balance = MoeBalance::bias;
-  c.train.seq_len = 16;
-  c.resolve(1);
+  const Config c = testing::one_moe_block_config();
   const ModelConfig& m = c.model;
   const int B = 2, T = 8;
   Rng rng(7);
