@@ -275,7 +275,11 @@ TEST_F(Hardening, ImportAndEvalRefuseNonFiniteWeights) {
 // and writes a checkpoint, a line names it, the exit status is 143; resuming from it ends in the
 // very bytes of an uninterrupted run.
 TEST_F(Hardening, SigtermCheckpointsAndTheResumeIsBitIdentical) {
-  const std::vector<std::string> sets = {"train.steps=400", "train.eval_every=0", "train.log_every=1"};
+  // The signalled run's rank 0 sleeps 4x each layer's time (runtime.slow_rank: timing only, the
+  // same bytes), so that the steps left after step 20 outlast the signal's way to it even on a
+  // loaded machine (at ~2 ms a step the 380 left could end first: the job then exits 0).
+  const std::vector<std::string> sets = {"train.steps=400", "train.eval_every=0", "train.log_every=1",
+                                         "runtime.slow_rank=0", "runtime.slow_factor=5"};
   ASSERT_EQ(train("ref", "--set train.steps=400 --set train.eval_every=0", 2).exit_code, 0);
   testing::KeelJob job(job_args("sig", sets, 2), dir / "sig.log", {});
   ASSERT_GT(job.pid(), 0);
