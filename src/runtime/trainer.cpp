@@ -17,7 +17,6 @@
 #include "core/cpu.h"
 #include "core/error.h"
 #include "core/fileio.h"
-#include "core/rank_figures.h"
 #include "kernels/cpu/bf16.h"
 #include "kernels/cpu/blas.h"
 #include "kernels/cpu/gemm_probe.h"
@@ -33,6 +32,7 @@
 #include "runtime/launcher.h"
 #include "runtime/memory_line.h"
 #include "runtime/single_stage_step.h"
+#include "runtime/step_reduction.h"
 #include "runtime/stop_signal.h"
 #include "store/placement.h"
 
@@ -141,13 +141,12 @@ nlohmann::json Trainer::recut(const std::vector<LayerRange>& from, const std::ve
   if (rank_->expert_tiers) next->expert_tiers->carry(*rank_->expert_tiers);  // (and their homes by share)
   if (rank_->expert_group) next->expert_group->carry_step(*rank_->expert_group);
   metrics_.replace_sources(rank_->sources(), next->sources());
-  std::replace(hooks_.begin(), hooks_.end(), static_cast<StepHook*>(rank_->tiers.get()), static_cast<StepHook*>(next->tiers.get()));
-  std::replace(hooks_.begin(), hooks_.end(), static_cast<StepHook*>(rank_->expert_tiers.get()),
-               static_cast<StepHook*>(next->expert_tiers.get()));
-  std::replace(hooks_.begin(), hooks_.end(), static_cast<StepHook*>(rank_->tensor_group.get()),
-               static_cast<StepHook*>(next->tensor_group.get()));
-  std::replace(hooks_.begin(), hooks_.end(), static_cast<StepHook*>(rank_->expert_group.get()),
-               static_cast<StepHook*>(next->expert_group.get()));
+  for (const auto& [was, now] : {std::pair<StepHook*, StepHook*>{rank_->tiers.get(), next->tiers.get()},
+                                 {rank_->expert_tiers.get(), next->expert_tiers.get()},
+                                 {rank_->tensor_group.get(), next->tensor_group.get()},
+                                 {rank_->expert_group.get(), next->expert_group.get()}}) {
+    std::replace(hooks_.begin(), hooks_.end(), was, now);
+  }
   rank_ = std::move(next);  // the old stages' memory goes back here
   // Tensor parallelism: checkpoints are written from the new stages' whole copy (WholeModelState).
   checkpointer_->set_whole_state(rank_->whole_state.get());
@@ -195,24 +194,9 @@ StepStats Trainer::step(const StopSignals* signals) {
   s.grad_norm = r.grad_norm;
   rank_->sync_report->take(r.sync);
   s.step = ++progress_.steps_done;
-  // One reduction at the end of the step for the peak memory, a stop signal and the components'
-  // per-rank figures (core/rank_figures.h: each rank's row, zeros elsewhere), inside the step's
-  // time: a rank that is late (or paused) shows in this step's ms, not between steps.
-  std::vector<double> maxima = {peak_rss_mb(), signals != nullptr ? static_cast<double>(signals->received()) : 0.0};
-  std::vector<std::pair<RankFigures*, size_t>> figured;  // each component and where its table starts
-  const int world = groups_.world().size(), me = groups_.world().rank();
-  for (MetricsSource* source : rank_->sources()) {
-    RankFigures* f = dynamic_cast<RankFigures*>(source);
-    const int k = f != nullptr ? f->rank_figure_count() : 0;
-    if (k == 0) continue;
-    figured.emplace_back(f, maxima.size());
-    maxima.resize(maxima.size() + static_cast<size_t>(world) * k, 0.0);
-    f->rank_figures(std::span<double>(maxima).subspan(figured.back().second + static_cast<size_t>(me) * k, k));
-  }
-  groups_.world().allreduce_max(maxima.data(), maxima.size());
-  for (const auto& [f, at] : figured) {
-    f->take_rank_figures(std::span<const double>(maxima).subspan(at, static_cast<size_t>(world) * f->rank_figure_count()));
-  }
+  // The step's one reduction: peak memory, a stop signal, the components' per-rank figures.
+  const std::vector<double> maxima = reduce_step_maxima(
+      groups_.world(), rank_->sources(), {peak_rss_mb(), signals != nullptr ? static_cast<double>(signals->received()) : 0.0});
   s.peak_rss_mb = maxima[0];
   s.stop_signal = static_cast<int>(maxima[1]);
   checkpointer_->after_step(s.step, workload_->position());
