@@ -36,6 +36,11 @@
 // bytes 0: no tensor call (the gap and the sync's start alone). The step is replayed 6 times (the
 // first untimed); per size the mean and median of its calls, as above.
 // alltoall_sizes, expert_group: an expert group's exchanges the same way, as "alltoall": [...].
+// "tensor_added" and "alltoall_added": what the calls add to the wall time of the rounds (steps)
+// that make them, against rounds of the same gaps without them, one after each:
+// {"loop_ms", "gaps_ms", "calls_ms", "share": (loop - gaps) / calls, within [0, 1]}, the slowest
+// rank's each. With more ranks than cores a rank waiting in a call waits in part for peers that
+// compute meanwhile on the cores it shares, so the calls add less than their own times.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -222,20 +227,48 @@ int main(int argc, char** argv) {
     }
     return out + "]";
   };
+  // What the calls add to the wall time of the loop that makes them, as a share of the calls' own
+  // times: (the loop's wall time - the same gaps' without the calls) / the sum of the calls' times,
+  // each the slowest rank's. With no more ranks than cores a call's time is what it adds (about 1);
+  // with more, a rank that waits in a call waits in part for peers that are computing on the cores
+  // it would otherwise share, so the calls add less than their own times (the profile's layer costs,
+  // measured with every rank computing, already hold that sharing).
+  auto added = [&](double loop_ms, double gaps_ms, double calls_ms) {
+    loop_ms = comm.allreduce_max(loop_ms);
+    gaps_ms = comm.allreduce_max(gaps_ms);
+    calls_ms = comm.allreduce_max(calls_ms);
+    char item[160];
+    std::snprintf(item, sizeof item, "{\"loop_ms\": %.3f, \"gaps_ms\": %.3f, \"calls_ms\": %.3f, \"share\": %.4f}", loop_ms,
+                  gaps_ms, calls_ms, calls_ms > 0 ? std::clamp((loop_ms - gaps_ms) / calls_ms, 0.0, 1.0) : 1.0);
+    return std::string(item);
+  };
   // Per size, `call` 45 times (5 to warm up), each after gap_ms of spinning, the sizes taken in turn
   // call by call (a load that moves during the probe weighs on every size alike): the mean and
-  // median of the 40 timed, the slowest rank's, as a JSON list.
-  auto timed = [&](const std::vector<size_t>& sizes, const std::function<void(size_t)>& call) {
+  // median of the 40 timed, the slowest rank's, as a JSON list; `share` gets what the 40 rounds
+  // add to their wall time (above) against rounds of the same gaps alone, one after each (a load
+  // that moves weighs on both alike).
+  auto timed = [&](const std::vector<size_t>& sizes, const std::function<void(size_t)>& call, std::string* share) {
     std::vector<std::vector<double>> all(sizes.size());
+    double calls_ms = 0, loop_ms = 0, gaps_ms = 0;
     comm.barrier();
     for (int i = 0; i < 45; ++i) {
+      const auto round0 = std::chrono::steady_clock::now();
       for (size_t k = 0; k < sizes.size(); ++k) {
         compute(gap_ms);
         const auto t0 = std::chrono::steady_clock::now();
         call(sizes[k]);
-        if (i >= 5) all[k].push_back(keel::ms_since(t0));
+        if (i >= 5) {
+          all[k].push_back(keel::ms_since(t0));
+          calls_ms += all[k].back();
+        }
       }
+      if (i < 5) continue;
+      loop_ms += keel::ms_since(round0);
+      const auto gaps0 = std::chrono::steady_clock::now();
+      for (size_t k = 0; k < sizes.size(); ++k) compute(gap_ms);
+      gaps_ms += keel::ms_since(gaps0);
     }
+    if (share) *share = added(loop_ms, gaps_ms, calls_ms);
     return report(sizes, all);
   };
   const int group_size = argc > 6 ? std::atoi(argv[6]) : comm.size();
@@ -250,11 +283,11 @@ int main(int argc, char** argv) {
     }
   }
   std::vector<float> buf(std::max<size_t>(1, tensor_sizes.empty() ? 1 : *std::max_element(tensor_sizes.begin(), tensor_sizes.end()) / sizeof(float)), 1.0f);
-  std::string tensor;
+  std::string tensor, tensor_share = "null", alltoall_share = "null";
   if (sequence.empty()) {
     tensor = timed(tensor_sizes, [&](size_t size) {
       group->allreduce_sum(buf.data(), std::max<size_t>(1, size / sizeof(float)));
-    });
+    }, &tensor_share);
   } else {
     // The data group: the ranks at the same place in their tensor groups.
     std::unique_ptr<keel::Communicator> data = comm.split(comm.rank() % group_size, comm.rank() / group_size);
@@ -262,8 +295,12 @@ int main(int argc, char** argv) {
     for (const Call& c : sequence) dp_total += c.dp_bytes;
     std::vector<float> grads(std::max<size_t>(1, dp_total / sizeof(float)), 1.0f);
     std::vector<std::vector<double>> all(tensor_sizes.size());
-    comm.barrier();
-    for (int step = 0; step < 6; ++step) {
+    double calls_ms = 0;
+    // One step, with the tensor calls (timed: their times kept) or without them (the gaps and the
+    // data group's sync alone); its wall time. One untimed step, then five timed ones, each
+    // followed by one without the calls: what the calls add to a step (`added` above).
+    auto replay = [&](bool with_calls, bool timed_step) {
+      const auto step0 = std::chrono::steady_clock::now();
       std::vector<keel::Communicator::Request> syncs;
       size_t at = 0;
       for (const Call& c : sequence) {
@@ -272,15 +309,27 @@ int main(int argc, char** argv) {
           syncs.push_back(data->iallreduce_sum(grads.data() + at, c.dp_bytes / sizeof(float)));
           at += c.dp_bytes / sizeof(float);
         }
-        if (c.bytes == 0) continue;
+        if (c.bytes == 0 || !with_calls) continue;
         const auto t0 = std::chrono::steady_clock::now();
         group->allreduce_sum(buf.data(), std::max<size_t>(1, c.bytes / sizeof(float)));
         const size_t k = static_cast<size_t>(std::find(tensor_sizes.begin(), tensor_sizes.end(), c.bytes) - tensor_sizes.begin());
-        if (step > 0) all[k].push_back(keel::ms_since(t0));
+        if (timed_step) {
+          all[k].push_back(keel::ms_since(t0));
+          calls_ms += all[k].back();
+        }
       }
       for (keel::Communicator::Request& q : syncs) data->wait(q);
+      return keel::ms_since(step0);
+    };
+    comm.barrier();
+    replay(true, false);
+    double loop_ms = 0, gaps_ms = 0;
+    for (int step = 0; step < 5; ++step) {
+      loop_ms += replay(true, true);
+      gaps_ms += replay(false, false);
     }
     tensor = report(tensor_sizes, all);
+    tensor_share = added(loop_ms, gaps_ms, calls_ms);
   }
   // alltoall_sizes (comma-separated bytes a rank sends in all, its own share included) over groups
   // of `expert_group` consecutive ranks: the trainer's exchange (model/moe.cpp: one non-blocking
@@ -296,7 +345,7 @@ int main(int argc, char** argv) {
     for (int q = 0; q < P; ++q) displs[q] = q * part;
     keel::Communicator::Request request = experts->ialltoallv(send.data(), counts, displs, recv.data(), counts, displs);
     experts->wait(request);
-  });
+  }, &alltoall_share);
   if (comm.is_root()) {
     const double n = pc.size();
     const double ring_gbit = 2 * (n - 1) / n * static_cast<double>(bytes) * 8 / (best * 1e-3) / 1e9;
@@ -307,9 +356,9 @@ int main(int argc, char** argv) {
                 2 * (n - 1) / n * static_cast<double>(blocking) * 8 / 1e6 / blocking_ms);
     std::printf("\"plain_group\": %d, ", pc.size());
     std::printf("\"ranks\": %d, \"bytes\": %zu, \"bucket\": %zu, \"allreduce_ms\": %.3f, \"small_us\": %.1f, \"ring_gbit\": %.4f, "
-                "\"message_bytes\": %zu, \"message_ms\": %.3f, \"tensor_group\": %d, \"gap_ms\": %.3f, \"tensor\": %s, \"expert_group\": %d, \"alltoall\": %s}\n",
+                "\"message_bytes\": %zu, \"message_ms\": %.3f, \"tensor_group\": %d, \"gap_ms\": %.3f, \"tensor\": %s, \"tensor_added\": %s, \"expert_group\": %d, \"alltoall\": %s, \"alltoall_added\": %s}\n",
                 comm.size(), bytes, bucket, best, small[small.size() / 2], ring_gbit, message,
-                one_way.empty() ? 0.0 : one_way[one_way.size() / 2], group_size, gap_ms, tensor.c_str(), expert_size, alltoall.c_str());
+                one_way.empty() ? 0.0 : one_way[one_way.size() / 2], group_size, gap_ms, tensor.c_str(), tensor_share.c_str(), expert_size, alltoall.c_str(), alltoall_share.c_str());
   }
   return 0;
 }

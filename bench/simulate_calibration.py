@@ -52,20 +52,32 @@ What the simulator is given, all measured here before or beside the runs, none f
     per size the mean of its calls (a call that waits for a time slice is part of what a step adds
     up to); in every repeat just after that rank count's profiling run. A line latency + bytes /
     bandwidth fitted to those points (least squares) is the tensor group's link: the cluster file's
-    [intra] latency and bandwidth are set so that the simulator's ring formula gives that line.
+    [intra] latency and bandwidth are set so that the simulator's ring formula gives that line,
+    times what the calls add to the replayed steps' wall time as a share of their own times (the
+    probe replays five steps with the calls and five without, the gaps and the data group's sync
+    alone: collective_probe's `added`). That share is about 1 with no more ranks than cores; with
+    more, a rank waiting in a call waits partly for peers computing on the cores it would share,
+    time the profile's layer costs (measured with every rank computing) already hold. An expert
+    group's all-to-all probe (below) is scaled the same way (its loop against its gaps alone).
     The earlier probe (the three sizes in turn, each after a quarter of a block's F + B + W over T
     of wall time) runs beside it and predicts the same runs, for comparison;
   * the device's memory bandwidth (AdamW's traffic) and the codecs' throughput: `keel simulate
     --probe yes` (a streaming triad and Keel's own codecs, one thread, on this machine), times
     min(1, cores / ranks): ranks beyond the cores share them.
-  * the per-step overhead outside the model (data loading, loss, gradient norm, logging): each
-    profiling run's median step less what the model predicts for that run from its own costs.
+  * the per-step overhead outside the model: each profiling run's median step less what the model
+    predicts for that run from its own costs. A one-rank profile's is a few ms either way; a
+    data-parallel profile's (+7 to +72 ms) is its sync's cost beyond the model's exposed sync, so
+    each configuration carries it in proportion to the bytes its own data-parallel sync sends per
+    rank and step (the simulator's sync_sent_bytes against the profile's): a tensor-parallel or
+    pipeline row without a data group none, HybridGC's its compressed share (--per-call: the whole
+    of it everywhere, and collectives at their calls' own times, as before 2026-12-05 11:00).
 These go into a cluster file per link, rank count and repeat (written beside the results), and `keel simulate --json yes`
 predicts each configuration's step. Measured: the median over repeats of each run's median step
 time; predicted: the median over repeats of the predictions from that repeat's profile. Exit status 0 whatever the errors; non-zero only when a run fails.
 
 Usage: bench/simulate_calibration.py [--steps N] [--warmup N] [--repeats R] [--rate R] [--only LIST]
-                                     [--out FILE] [--report FILE] [--repredict FILE [--one-rate]] [--poll]
+                                     [--out FILE] [--report FILE] [--repredict FILE [--one-rate] [--per-call]]
+                                     [--poll]
   --steps N     timed steps per run (default 8), after --warmup N untimed (default 3)
   --repeats R   runs of each configuration (default 2), alternating
   --only LIST   configurations by name (default all; see the table)
@@ -74,7 +86,8 @@ Usage: bench/simulate_calibration.py [--steps N] [--warmup N] [--repeats R] [--r
                 that wait poll, holding their core (the default yields, as scripts/netns.sh does)
   --repredict FILE  predicts an --out file's runs again with this keel (no run); --one-rate: as the
                 bench priced them before 2026-12-05 (every collective at the all-reduce's rate, each
-                data group by the probe of that many ranks alone)
+                data group by the probe of that many ranks alone); --per-call: as before 2026-12-05
+                11:00 (collectives at their calls' own times, every row its profile's whole overhead)
 Environment: KEEL (default build/keel), RUN_TIMEOUT (seconds per run, default 900). Needs root and
 iproute2.
 """
@@ -398,7 +411,11 @@ def train_run(work, cfg, rep, prefixes, tokens, warmup, steps, every=None):
     return {"name": name, "rep": rep, "ms": [s["ms"] for s in steps_seen], "costs": costs_path, "peak_gflops": peak,
             "layer_costs": costs["layer_costs"],
             "sync_exposed_ms": statistics.median([s.get("sync_exposed_ms", 0.0) for s in steps_seen]),
-            "tensor_allreduce_bytes": tab, "expert_alltoall_bytes": eab, "param_bytes": held, "sync_sent_bytes": sent}
+            "tensor_allreduce_bytes": tab, "expert_alltoall_bytes": eab, "param_bytes": held, "sync_sent_bytes": sent,
+            # (rank 0's wall time in its tensor group's collectives and its expert group's waits: where a
+            # run's layer time goes, for the report; no prediction uses them)
+            "tensor_comm_ms": statistics.median([s.get("tensor_comm_ms", 0.0) for s in steps_seen]),
+            "expert_wait_ms": statistics.median([s.get("expert_wait_ms", 0.0) for s in steps_seen])}
 
 
 CLUSTER = """# This machine as `keel simulate` sees it (written by bench/simulate_calibration.py): every rank a
@@ -480,6 +497,10 @@ def report(results):
             t["link"], t["ranks"], {"tensor_probe": "tensor (a step's sequence)", "tensor_probe_uniform": "tensor (earlier probe)",
                                     "alltoall_probe": "expert"}[t["kind"]], t["group"], t["rep"],
             ", ".join("%d B %.3f ms" % (q["bytes"], q["ms"]) for q in t["points"]), t["latency_ms"], 1e-6 / t["ms_per_byte"]))
+        if t.get("added"):
+            print("  %-9s   the calls add %.1f of their %.1f ms to the loop's wall time (%.1f ms, gaps alone %.1f): share %.3f" % (
+                "", t["added"]["loop_ms"] - t["added"]["gaps_ms"], t["added"]["calls_ms"], t["added"]["loop_ms"],
+                t["added"]["gaps_ms"], t["added"]["share"]))
     print("%-26s %10s %10s %8s %10s %10s  %s" % ("configuration", "measured", "predicted", "error", "sync exp.",
                                                  "predicted", "layer costs from"))
     worst = 0.0
@@ -516,6 +537,10 @@ def report(results):
             predicted = sorted(set(x.get("tensor_allreduce_bytes", 0) for x in preds[name]))
             print("%-26s tensor_allreduce_bytes per step: runs %s, simulator %s: %s" % (
                 "", counted, [int(x) for x in predicted], "EQUAL" if counted == [int(x) for x in predicted] else "DIFFER"))
+            if any("tensor_comm_ms" in r for r in reps):
+                print("%-26s the tensor group's collectives: %.1f ms a step in the runs (rank 0's wall time in them), "
+                      "simulator %.1f ms" % ("", statistics.median([r["tensor_comm_ms"] for r in reps]),
+                                             statistics.median([x["tensor_comm_ms"] for x in preds[name]])))
     print("%s: worst error %.1f %% (target within %.0f %%)" % ("PASS" if worst <= TARGET else "MISS", 100 * worst,
                                                               100 * TARGET))
 
@@ -534,6 +559,10 @@ def main():
                     help="runs and probes with more ranks than cores: OpenMPI's ranks poll while they wait")
     ap.add_argument("--yield-when-idle", action="store_true",
                     help="the default since 2026-12-05 (accepted so that earlier commands still run)")
+    ap.add_argument("--per-call", action="store_true",
+                    help="the pricing before 2026-12-05 11:00, for comparison: a tensor group's or expert group's "
+                         "collectives at their calls' own times (not what they add to a step's wall time) and every "
+                         "row carrying its profiling run's whole overhead")
     ap.add_argument("--one-rate", action="store_true",
                     help="the pricing before 2026-12-05, for comparison: every collective at the all-reduce's "
                          "rate, each data group by the probe of that many ranks alone")
@@ -631,7 +660,7 @@ def main():
                         c = collective(prefixes[link], ranks, 4 * 4096, [], ranks, gap, sizes, P)
                         a_ms, b_ms = fit_line(c["alltoall"])
                         keep({"kind": "alltoall_probe", "link": link, "ranks": ranks, "group": P, "rep": rep, "gap_ms": gap,
-                              "points": c["alltoall"], "latency_ms": a_ms, "ms_per_byte": b_ms})
+                              "points": c["alltoall"], "latency_ms": a_ms, "ms_per_byte": b_ms, "added": c.get("alltoall_added")})
                         log("  %s %d ranks in expert groups of %d, %.2f ms apart: %s; fit %.3f ms + bytes at %.3f GB/s" % (
                             link, ranks, P, gap, points_text(c["alltoall"]), a_ms, 1e-6 / b_ms))
                     if is_moe(pcfg):
@@ -654,7 +683,7 @@ def main():
                             c = collective(prefixes[link], ranks, 4 * 4096, *args)
                             a_ms, b_ms = fit_line(c["tensor"])
                             keep({"kind": kind, "link": link, "ranks": ranks, "group": T, "rep": rep, "gap_ms": gap,
-                                  "points": c["tensor"], "latency_ms": a_ms, "ms_per_byte": b_ms})
+                                  "points": c["tensor"], "latency_ms": a_ms, "ms_per_byte": b_ms, "added": c.get("tensor_added")})
                             log("  %s %d ranks in groups of %d (%s): %s; fit %.3f ms + bytes at %.3f GB/s" % (
                                 link, ranks, T, kind, points_text(c["tensor"]), a_ms, 1e-6 / b_ms))
                     for cfg in [c for c in configs if c[1] == ranks and not is_moe(c)]:
@@ -667,6 +696,16 @@ def main():
     links = {r["link"]: r for r in results if r["kind"] == "link"}
     peak = next(r["peak_gflops"] for r in results if r["kind"] == "profile")
     cores = os.cpu_count() or 1
+
+    def added_share(probe_line):
+        """The share of a probe's call times that its calls add to the wall time of the loop or step
+        making them (bench/collective_probe.cpp `added`); 1 with --per-call or for a file from before."""
+        added = probe_line.get("added") or {}
+        # (with no more ranks than cores a blocking call's time is what it adds: 1, not the probe's
+        # measure of it, which is noise around 1 where the calls are short beside their gaps)
+        if a.per_call or "share" not in added or probe_line["ranks"] <= cores:
+            return 1.0
+        return added["share"]
 
     def cluster_file(link, ranks, rep, overhead, group=None, tensor=1, expert=1, tensor_kind="tensor_probe"):
         # R ranks on this machine's cores: each gets min(1, cores / R) of a core for its codecs and
@@ -702,17 +741,22 @@ def main():
             # (2 (T-1) latencies + 2 (T-1) / T of the bytes at the link's bandwidth).
             t = next(r for r in results if r["kind"] == tensor_kind and r["link"] == link and r["ranks"] == ranks
                      and r["group"] == tensor and r["rep"] == rep)
-            intra_lat = t["latency_ms"] * 1e3 / (2 * (tensor - 1))
+            # The calls as they add to a step's wall time: the fit times the probe's added share
+            # (1 with no more ranks than cores; below it a waiting rank's peers compute on the cores
+            # the profile's layer costs already share out).
+            s = added_share(t)
+            intra_lat = t["latency_ms"] * s * 1e3 / (2 * (tensor - 1))
             # (a fit with no slope to speak of: the link's largest bandwidth a cluster file takes)
-            intra_gbps = min(1e6, 2 * (tensor - 1) / tensor / (t["ms_per_byte"] * 1e6))
+            intra_gbps = min(1e6, 2 * (tensor - 1) / tensor / max(1e-12, t["ms_per_byte"] * s * 1e6))
         alltoall = ""
         if expert > 1:
             # The expert group's exchange, fitted to the probe (ms = a + b bytes sent in all), as the
             # simulator's latency + off-rank bytes ((P-1)/P of them) at alltoall_gbps.
             e = next(r for r in results if r["kind"] == "alltoall_probe" and r["link"] == link and r["ranks"] == ranks
                      and r["group"] == expert and r["rep"] == rep)
+            s = added_share(e)
             alltoall = "alltoall_latency_us = %.2f   # bench/collective_probe.cpp's all-to-all fit\nalltoall_gbps = %.6f" % (
-                e["latency_ms"] * 1e3, min(1e6, (expert - 1) / expert / (e["ms_per_byte"] * 1e6)))
+                e["latency_ms"] * s * 1e3, min(1e6, (expert - 1) / expert / max(1e-12, e["ms_per_byte"] * s * 1e6)))
         path = os.path.join(work, "local-%s-%d-%d-g%d-t%d-e%d%s.toml" % (link, ranks, rep, group or ranks, tensor, expert,
                                                                       "-uniform" if tensor_kind != "tensor_probe" else ""))
         with open(path, "w") as f:
@@ -723,26 +767,45 @@ def main():
 
     # Each profiling run calibrates the per-step overhead at its rank count: its median step beyond
     # what the model predicts for it from its own layer costs (the only figure taken from a run).
-    overheads = {}
+    # That overhead is what the profile's data-parallel sync costs beyond the model's exposed sync (a
+    # one-rank profile's is a few ms either way; the tensor-parallel rows' steps end within their
+    # optimizer's time of their layers: docs/simulation.md): each configuration carries it in
+    # proportion to the bytes its own data-parallel sync sends per rank and step (the simulator's
+    # sync_sent_bytes, the profile's the same way; none without a data group), the whole of it
+    # where the profile sends none (one rank), and with --per-call the whole of it everywhere.
+    overheads, profile_sync = {}, {}
     for prof in [r for r in results if r["kind"] == "profile"]:
         ranks = int(prof["name"].split()[1][:-1])
         cfg = (prof["name"], ranks, "unshaped" if ranks > 1 else "none", MOE if prof["name"].endswith(" moe") else [])
         p = predict(work, cfg, cluster_file(cfg[2] if ranks > 1 else "none", ranks, prof["rep"], 0.0), prof["costs"])
         overheads[(prof["name"], prof["rep"])] = statistics.median(prof["ms"]) - p["step_ms"]
+        profile_sync[(prof["name"], prof["rep"])] = p.get("sync_sent_bytes", 0.0)
         keep({"kind": "overhead", "name": prof["name"], "ranks": ranks, "rep": prof["rep"], "ms": overheads[(prof["name"], prof["rep"])],
-              "profile_ms": statistics.median(prof["ms"]), "predicted_ms": p["step_ms"]})
+              "profile_ms": statistics.median(prof["ms"]), "predicted_ms": p["step_ms"], "sync_sent_bytes": profile_sync[(prof["name"], prof["rep"])]})
+
+    def overhead_of(cfg, rep, group, T):
+        whole, sync = overheads[(profile_of(cfg), rep)], profile_sync[(profile_of(cfg), rep)]
+        if a.per_call or sync <= 0:
+            return whole, 1.0
+        p = predict(work, cfg, cluster_file(cfg[2], cfg[1], rep, 0.0, group, T, expert_of(cfg)), costs_of(cfg, rep))
+        share = p.get("sync_sent_bytes", 0.0) / sync
+        return whole * share, share
+
+    def costs_of(cfg, rep):
+        return next(r["costs"] for r in results if r["kind"] == "profile" and r["name"] == profile_of(cfg) and r["rep"] == rep)
+
     for cfg in configs:
         for rep in range(a.repeats):
-            costs = next(r["costs"] for r in results if r["kind"] == "profile" and r["name"] == profile_of(cfg)
-                         and r["rep"] == rep)
+            costs = costs_of(cfg, rep)
             T = tensor_of(cfg)
             group = group_of(cfg)
-            path = cluster_file(cfg[2], cfg[1], rep, overheads[(profile_of(cfg), rep)], group, T, expert_of(cfg))
+            overhead, overhead_share = overhead_of(cfg, rep, group, T)
+            path = cluster_file(cfg[2], cfg[1], rep, overhead, group, T, expert_of(cfg))
             p = predict(work, cfg, path, costs)
-            p.update({"kind": "prediction", "name": cfg[0], "rep": rep})
+            p.update({"kind": "prediction", "name": cfg[0], "rep": rep, "overhead_ms": overhead, "overhead_share": overhead_share})
             keep(p)
             if T > 1 and any(r["kind"] == "tensor_probe_uniform" for r in results):
-                path = cluster_file(cfg[2], cfg[1], rep, overheads[(profile_of(cfg), rep)], group, T, expert_of(cfg),
+                path = cluster_file(cfg[2], cfg[1], rep, overhead, group, T, expert_of(cfg),
                                     "tensor_probe_uniform")
                 p = predict(work, cfg, path, costs)
                 p.update({"kind": "prediction_uniform", "name": cfg[0], "rep": rep})

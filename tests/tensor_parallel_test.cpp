@@ -589,6 +589,7 @@ TEST_F(TensorParallel, PostValidationOfAPipelineOfTensorGroupsIsExact) {
 // again but the last's, which the shared recomputed set still holds at backward); the
 // cross-entropy 2 N sums and N maxima (8 bytes each: they run in double). Evaluations between
 // steps (every 2 steps here) are not counted. GPT-2 and llama, T = 2, 2 micro-batches a step.
+// Each line also holds tensor_comm_ms, the rank's wall time in those collectives.
 TEST_F(TensorParallel, TensorAllReduceBytesFollowTheClosedForm) {
   const std::string llama = "--set model.family=llama --set model.n_kv_head=2 --set model.tie_embeddings=false ";
   const int64_t B = 4, seq = 32, C = 64, L = 2, micro = 2, N = B * seq;
@@ -614,6 +615,8 @@ TEST_F(TensorParallel, TensorAllReduceBytesFollowTheClosedForm) {
         if (!j.contains("loss")) continue;
         ++lines;
         EXPECT_EQ(j.value("tensor_allreduce_bytes", int64_t{-1}), want) << run << " step " << j["step"];
+        // (and the wall time the rank spent in those collectives: a figure, present on every line)
+        EXPECT_GE(j.value("tensor_comm_ms", -1.0), 0.0) << run << " step " << j["step"];
       }
       EXPECT_EQ(lines, 4) << run;
     }

@@ -12,15 +12,23 @@
 
 namespace keel {
 
+void MpiTensorGroup::count_ms(std::chrono::steady_clock::time_point start) {
+  if (counting_) ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+}
+
 void MpiTensorGroup::allreduce_sum(float* data, int64_t count) {
   if (counting_) bytes_ += count * static_cast<int64_t>(sizeof(float));
+  const auto start = std::chrono::steady_clock::now();
   comm_.allreduce_sum(data, static_cast<size_t>(count));
+  count_ms(start);
 }
 
 void MpiTensorGroup::allreduce_max(float* data, int64_t count) {
   if (counting_) bytes_ += count * static_cast<int64_t>(sizeof(double));
   scratch_.assign(data, data + count);
+  const auto start = std::chrono::steady_clock::now();
   comm_.allreduce_max(scratch_.data(), static_cast<size_t>(count));
+  count_ms(start);
   std::copy(scratch_.begin(), scratch_.end(), data);  // (maxima of floats: exact in double)
 }
 
@@ -30,7 +38,9 @@ void MpiTensorGroup::allgather(float* data, int64_t count) {
   check(T * count <= std::numeric_limits<int>::max(), "tensor parallelism: an all-gather too large for one MPI call");
   std::vector<int> counts(T, static_cast<int>(count)), displs(T);
   for (int r = 0; r < T; ++r) displs[r] = r * static_cast<int>(count);
+  const auto start = std::chrono::steady_clock::now();
   comm_.allgatherv(data, counts, displs);
+  count_ms(start);
 }
 
 void MpiTensorGroup::reduce_scatter_sum(float* data, int64_t count) {
@@ -38,8 +48,10 @@ void MpiTensorGroup::reduce_scatter_sum(float* data, int64_t count) {
   if (counting_) scatter_bytes_ += T * count * static_cast<int64_t>(sizeof(float));
   check(T * count <= std::numeric_limits<int>::max(),
         "tensor parallelism: a reduce-scatter too large for one MPI call");
+  const auto start = std::chrono::steady_clock::now();
   Communicator::Request request = comm_.ireduce_scatter_sum(data, std::vector<int>(T, static_cast<int>(count)));
   comm_.wait(request);
+  count_ms(start);
 }
 
 void validate_tensor_parallel_config(const Config& c) {

@@ -8,6 +8,7 @@
 // see it as the data-parallel world of a smaller model.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -31,7 +32,9 @@ namespace keel {
 // rank 0's (with a pipeline: its first stage's group's). With sequence parallelism also
 // `tensor_allgather_bytes` and `tensor_reduce_scatter_bytes`: the bytes of the whole buffers
 // (every rank's part, 4 bytes a float) of its all-gathers and reduce-scatters, the measure in
-// which an all-reduce of n floats costs what a reduce-scatter and an all-gather of n cost.
+// which an all-reduce of n floats costs what a reduce-scatter and an all-gather of n cost. And
+// `tensor_comm_ms`: this rank's wall time inside those collectives over the step (waiting for its
+// peers included), so a step's layer time splits into compute and the group's communication.
 class MpiTensorGroup final : public TensorGroup, public MetricsSource, public StepHook {
  public:
   explicit MpiTensorGroup(Communicator& comm, bool sequence_parallel = false)
@@ -48,15 +51,18 @@ class MpiTensorGroup final : public TensorGroup, public MetricsSource, public St
   void before_step(int64_t) override {
     counting_ = true;
     bytes_ = gather_bytes_ = scatter_bytes_ = 0;
+    ms_ = 0;
   }
   void after_step(int64_t) override {
     counting_ = false;
     step_bytes_ = bytes_;
     step_gather_bytes_ = gather_bytes_;
     step_scatter_bytes_ = scatter_bytes_;
+    step_ms_ = ms_;
   }
   void add_step_fields(double, nlohmann::json& line) override {
     line["tensor_allreduce_bytes"] = step_bytes_;
+    line["tensor_comm_ms"] = step_ms_;
     if (!sequence_parallel_) return;  // (absent without it: earlier runs' lines unchanged)
     line["tensor_allgather_bytes"] = step_gather_bytes_;
     line["tensor_reduce_scatter_bytes"] = step_scatter_bytes_;
@@ -66,7 +72,10 @@ class MpiTensorGroup final : public TensorGroup, public MetricsSource, public St
   Communicator& comm_;
   bool sequence_parallel_ = false;
   std::vector<double> scratch_;  // allreduce_max's values in double (the communicator's maximum)
+  // Adds the wall time since `start` to the step's figure (while counting).
+  void count_ms(std::chrono::steady_clock::time_point start);
   bool counting_ = false;
+  double ms_ = 0, step_ms_ = 0;
   int64_t bytes_ = 0, step_bytes_ = 0, gather_bytes_ = 0, step_gather_bytes_ = 0, scatter_bytes_ = 0,
           step_scatter_bytes_ = 0;
 };
