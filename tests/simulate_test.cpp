@@ -544,11 +544,67 @@ TEST(Simulate, ShardedExpertBytesAreTheTrainers) {
         EXPECT_EQ(j.value("model_param_bytes", int64_t{-1}), static_cast<int64_t>(all.at("param_bytes").get<double>())) << run;
         whole = j.value("model_param_bytes", 0.0);
         EXPECT_NEAR(j.value("sync_sent_bytes", -1.0), p.at("sync_sent_bytes").get<double>(), 0.5) << run;
+        if (zero == 3 && j.at("step").get<int>() >= 3) {
+          // The step's gathers (Zero3GatherBytesAreTheTrainers below): what the ranks received of
+          // each other's parameters, on average, from the third step on.
+          double mean = 0;
+          for (const nlohmann::json& b : j.at("zero3_gathered_bytes")) mean += b.get<double>() / ranks;
+          EXPECT_NEAR(mean, p.at("param_gather_bytes").get<double>(), 0.5) << run << " step " << j.at("step");
+        }
       }
       EXPECT_EQ(lines, 3) << run;
     }
   }
   EXPECT_GT(whole, 0);
+}
+
+// ZeRO-3's gathers as the simulator counts them (param_gather_bytes) are what the ranks received
+// of each other's parameters (zero3_gathered_bytes, on average over the ranks: a rank's own share
+// is whole chunks, not exactly 1/n), per step: every micro-batch gathers each block and the head
+// before its forward and its backward-input pass, the embedding before its forward only (its
+// backward reads no parameter), and a tied head's two leases hold the embedding's chunks too.
+// llama (untied) and GPT-2 (tied), 2 and 4 ranks, 1 and 2 micro-batches. From the third step on:
+// the first line's window also holds the evaluation before training, and the second step's
+// leases follow a recorded schedule that held that evaluation's (its broadcasts ahead are of the
+// evaluation's next lease, one more embedding gather).
+TEST(Simulate, Zero3GatherBytesAreTheTrainers) {
+  testing::TempDir dir("keel-sim-z3g");
+  testing::write_toy_corpus(dir.path());
+  testing::write_toy_config(dir.path(), 4);
+  for (const std::string family : {"llama", "gpt"}) {
+    const std::string model = (family == "llama" ? "--set model.preset=llama-tiny --set model.vocab_size=64 "
+                                                   "--set model.max_seq_len=32 "
+                                                 : "") + std::string("--set train.eval_every=0 --set parallel.zero=3 ");
+    for (int ranks : {2, 4}) {
+      for (int micro : {1, 2}) {
+        std::string text = read_text_file(kCluster);
+        text.replace(text.find("nodes = 4"), 9, "nodes = 1");
+        text.replace(text.find("devices_per_node = 8"), 20, "devices_per_node = " + std::to_string(ranks));
+        text.replace(text.find("nics_per_node = 8"), 17, "nics_per_node = " + std::to_string(ranks));
+        const std::string cluster = dir / ("cluster" + std::to_string(ranks) + ".toml");
+        testing::write_text(cluster, text);
+        const std::string sets = model + "--set train.grad_accum=" + std::to_string(micro) + " ";
+        const std::string run = family + std::to_string(ranks) + "m" + std::to_string(micro);
+        const testing::CommandResult r = testing::run_keel(testing::toy_train_args(dir, ranks, 2, run, sets));
+        ASSERT_EQ(r.exit_code, 0) << r.output;
+        const testing::CommandResult s = testing::run_keel("simulate --cluster " + cluster + " --json yes --config " +
+                                                           dir / "toy.toml" + " --set train.batch_size=2 " + sets);
+        ASSERT_EQ(s.exit_code, 0) << s.output;
+        const double predicted =
+            nlohmann::json::parse(s.output.substr(s.output.rfind("\n{") + 1)).at("param_gather_bytes").get<double>();
+        EXPECT_GT(predicted, 0) << run;
+        int lines = 0;
+        for (const nlohmann::json& j : testing::step_lines(dir / (run + "/metrics.jsonl"))) {
+          if (j.at("step").get<int>() < 3) continue;
+          ++lines;
+          double mean = 0;
+          for (const nlohmann::json& b : j.at("zero3_gathered_bytes")) mean += b.get<double>() / ranks;
+          EXPECT_NEAR(mean, predicted, 0.5) << run << " step " << j.at("step");
+        }
+        EXPECT_EQ(lines, 2) << run;
+      }
+    }
+  }
 }
 
 // A cluster file's measured rates of the library's other collectives price those collectives only:

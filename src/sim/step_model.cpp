@@ -43,6 +43,9 @@ struct SyncCost {
   // Of wire_bytes: ZeRO's all-gathers of the parameters (the rest is GradSync's, which the
   // trainer's sync_sent_bytes counts); of raw_bytes: sharded experts' (summed over their holders).
   double gather_bytes = 0, expert_raw_bytes = 0;
+  // Of raw_bytes (ZeRO-3's gathers count them per lease): the embedding layer's own chunks, and a
+  // pipeline head stage's replica of a tied embedding.
+  double first_layer_raw = 0, replica_raw = 0;
   // ms's parts: each layer's collectives (index as pipeline/layout.h's layers: 0 the embedding,
   // 1..n_layer the blocks, n_layer + 1 the head), which can start once the layer's gradient is
   // complete; and what only runs after the optimizer (ZeRO's all-gather of parameters).
@@ -138,6 +141,11 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
     if (ranks <= 1) continue;  // an expert held by this rank alone: nothing to sum
     out.raw_bytes += raw;
     if (expert) out.expert_raw_bytes += raw;
+    if (!expert && c.replica) {
+      out.replica_raw += raw;
+    } else if (!expert && c.layer == 0) {
+      out.first_layer_raw += raw;
+    }
     run_layer = c.layer, run_kind = p.kind, run_bytes += raw;
     if (p.kind == CodecKind::none) {
       const double sent = plain_overlap * 2 * (n - 1) / n * raw * wire;
@@ -181,17 +189,28 @@ SyncCost sync_cost(const Config& config, const std::vector<LayerRange>& ranges, 
     gather(expert_group, out.expert_raw_bytes);
     bind(data_group);
     out.wire_bytes += out.gather_bytes;
-  } else if (config.parallel.zero >= 3) {  // two gathers per step, one per layer each
-    // (sharded experts' over the ranks holding them, the rest over the data group)
-    const double layers = static_cast<double>(out.layer_ms.size());
+  } else if (config.parallel.zero >= 3) {
+    // Every micro-batch's leases gather what they read (model/gpt.cpp, head.cpp): a block's and the
+    // head's parameters before the forward and again before the backward-input pass; the
+    // embedding's once, before the forward (its backward reads no parameter), and twice more
+    // where the head is tied to it on the same stage (the head's two leases hold the embedding's
+    // chunks); a pipeline head stage's replica of the tied embedding twice (the head's leases).
+    // gather_ms is one micro-batch's (the step multiplies it), gather_bytes the step's. Sharded
+    // experts' over the ranks holding them, the rest over the data group.
+    const ModelConfig& model = config.model;
+    const bool tied = model.llama() ? model.tie_embeddings.value_or(false) : true;
+    const double first_passes = 1.0 + (tied && config.parallel.pipeline <= 1 ? 2.0 : 0.0);
+    const double micro = static_cast<double>(pipeline::micro_batches(config));
+    const double calls = 2.0 * static_cast<double>(out.layer_ms.size());  // about one gather per lease
     auto gather = [&](const CollectiveGroup& over, double raw) {
       if (raw <= 0) return;
       bind(over);
-      out.gather_ms += 2 * layers * allreduce(raw * param_wire / layers, over, stack.collective, 0.5).ms;
-      out.gather_bytes += 2 * (n - 1) / n * raw * param_wire;
+      out.gather_ms += calls * allreduce(raw * param_wire / calls, over, stack.collective, 0.5).ms;
+      out.gather_bytes += micro * (n - 1) / n * raw * param_wire;
     };
-    gather(data_group, out.raw_bytes - out.expert_raw_bytes);
-    gather(expert_group, out.expert_raw_bytes);
+    const double others = out.raw_bytes - out.expert_raw_bytes - out.first_layer_raw - out.replica_raw;
+    gather(data_group, 2 * others + first_passes * out.first_layer_raw + 2 * out.replica_raw);
+    gather(expert_group, 2 * out.expert_raw_bytes);
     bind(data_group);
     out.wire_bytes += out.gather_bytes;
   }
