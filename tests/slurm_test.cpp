@@ -116,6 +116,10 @@ class SlurmCluster {
                     // A loaded machine (the whole suite at -j2) answers RPCs slowly: Slurm's
                     // 10 s default message timeout would fail a job that is only waiting.
                     "\nMessageTimeout=100"
+                    // `sbatch --wait` polls after 2 s, then 4x longer while that stays under half of
+                    // MinJobAge (at most 32 s): 16 keeps it at 8 s (a finished job waited for up to
+                    // 8 s, not 32), with 8 s to spare before the finished job's record is purged.
+                    "\nMinJobAge=16"
                     "\nReturnToService=2\nSlurmdParameters=config_overrides\nJobAcctGatherType=jobacct_gather/none"
                     "\nAccountingStorageType=accounting_storage/none\nNodeName=" + host + " CPUs=" + cpus +
                     " State=UNKNOWN\nPartitionName=keel Nodes=" + host + " Default=YES MaxTime=INFINITE State=UP\n");
