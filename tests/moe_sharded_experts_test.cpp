@@ -3,7 +3,8 @@
 // and parameters) shared out over the ranks holding it; comm/expert_parallel.h) with what they combine with beyond plain
 // float32 training, through the keel binary on the toy corpus (llama-moe-tiny at the toy's size):
 // ZeRO-1, ZeRO-2 and ZeRO-3 (what one rank trains with the whole batch; the experts' share of a rank's
-// parameters, gradients and moments in the step lines; checkpoints resumed in other layouts),
+// parameters, gradients and moments in the step lines; checkpoints resumed in other layouts; ZeRO-1/2
+// with tensor groups, ZeRO-1/2/3 in a pipeline, ZeRO-1/2 through a pipeline's re-cut),
 // bf16 training state (runtime.param_dtype / grad_dtype), compressed gradient sync (sync.codec:
 // each expert bucket compressed over the ranks holding its experts, with error feedback of its
 // own) and memory checkpoints (checkpoint.memory_every, which also hold bias balancing's routing
@@ -16,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/fileio.h"
+#include "moe_runs.h"
 #include "test_util.h"
 
 namespace keel {
@@ -341,6 +343,166 @@ TEST_F(ShardedExperts, ZeroOneAndTwoInAPipelineShareOutEachStagesExperts) {
       EXPECT_EQ(moment[0] + moment[1] + moment[2] + moment[3], 2 * model) << run;
       EXPECT_EQ(expert_moment[0] + expert_moment[1] + expert_moment[2] + expert_moment[3], 2 * experts) << run;
     }
+  }
+}
+
+// Data 2 x tensor 2 with expert groups of 2 under ZeRO-1 and ZeRO-2: each rank holds its tensor
+// shard (half the units) of its expert group's 2 experts (each the only holder of its shard: it
+// owns the shard's whole state): what one rank trains with the whole batch. In the step lines
+// (world rank = data rank x 2 + tensor rank) each rank holds a quarter of the experts'
+// parameters, gradients and moments, and the 4 ranks' moments are every tensor shard's once. The
+// ZeRO-1 run's checkpoint at step 4 (the moments gathered from their owners into each rank's
+// whole copy of its experts) resumed in the same layout gives the uninterrupted run's bytes; each
+// run's resumed on one rank (P = 1, ZeRO-0) goes on as the one-rank run.
+TEST_F(ShardedExperts, ZeroOneAndTwoWithTensorGroupsHoldEachRanksExpertShards) {
+  if (!std::filesystem::exists(at("one-b2") + "/ckpt")) {
+    ASSERT_EQ(train(1, "one-b2", "--set train.checkpoint_every=4 --set train.batch_size=2").exit_code, 0);
+  }
+  const std::string d2t2 = "--set parallel.tensor=2 --set parallel.expert=2 --set train.checkpoint_every=4 ";
+  for (const std::string zero : {"1", "2"}) {
+    const std::string run = "zero" + zero + "-ep2-d2t2";
+    const testing::CommandResult r = train(4, run, d2t2 + "--set parallel.zero=" + zero);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("ZeRO shares each expert's state out over the ranks holding it"), std::string::npos)
+        << r.output;
+    expect_like("one-b2", run);
+    for (const json& s : lines(run)) {
+      const int64_t experts = s.at("model_expert_param_bytes");
+      const std::vector<int64_t> param = s.at("held_param_bytes"), expert_param = s.at("held_expert_param_bytes");
+      const std::vector<int64_t> expert_grad = s.at("held_expert_grad_bytes");
+      const std::vector<int64_t> moment = s.at("held_moment_bytes"), expert_moment = s.at("held_expert_moment_bytes");
+      ASSERT_EQ(param.size(), 4u) << run;
+      int64_t moments = 0;
+      for (int r = 0; r < 4; ++r) {
+        EXPECT_EQ(4 * expert_param[r], experts) << run << " rank " << r;
+        EXPECT_EQ(expert_grad[r], expert_param[r]) << run << " rank " << r;
+        EXPECT_EQ(expert_moment[r], 2 * expert_param[r]) << run << " rank " << r;
+        EXPECT_EQ(param[r], param[0]) << run << " rank " << r;
+        moments += moment[r];
+      }
+      // (Each tensor rank's chunks of no expert once over its data group, every expert shard once.)
+      EXPECT_EQ(moments, 2 * (2 * (param[0] - expert_param[0]) + experts)) << run;
+    }
+  }
+  const std::string from = " --set train.resume=" + at("zero1-ep2-d2t2") + "/ckpt/step-00000004";
+  const testing::CommandResult same = train(4, "z1ep2-d2t2-resumed", d2t2 + "--set parallel.zero=1" + from);
+  ASSERT_EQ(same.exit_code, 0) << same.output;
+  EXPECT_NE(same.output.find("resumed from"), std::string::npos) << same.output;
+  expect_same_bytes("zero1-ep2-d2t2", "z1ep2-d2t2-resumed");
+  for (const std::string zero : {"1", "2"}) {
+    const std::string run = "z" + zero + "ep2-d2t2-to-one";
+    const testing::CommandResult r =
+        train(1, run, "--set train.batch_size=2 --set train.checkpoint_every=4 --set train.resume=" +
+                          at("zero" + zero + "-ep2-d2t2") + "/ckpt/step-00000004");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+    expect_like("one-b2", run, 4);
+  }
+}
+
+// Two replicas of two pipeline stages under ZeRO-3, each stage's replicas an expert group of 2
+// (each the only holder of its experts: it homes their parameters and state whole; the stage's
+// chunks of no expert sharded over both): what one rank trains with the whole batch. Each rank's
+// layout holds half of its stage's experts (the start-up line and the step lines, as under
+// ZeRO-1/2 in a pipeline), its parameter home no more resident than its shard once a step is
+// over. Its checkpoint at step 4 resumed in the same layout gives the uninterrupted run's bytes,
+// on one rank (P = 1, ZeRO-0) it goes on as the one-rank run.
+TEST_F(ShardedExperts, ZeroThreeInAPipelineHoldsOnlyEachStagesExperts) {
+  if (!std::filesystem::exists(at("one-b2") + "/ckpt")) {
+    ASSERT_EQ(train(1, "one-b2", "--set train.checkpoint_every=4 --set train.batch_size=2").exit_code, 0);
+  }
+  const std::string layout =
+      "--set parallel.pipeline=2 --set parallel.expert=2 --set parallel.zero=3 --set train.checkpoint_every=4 ";
+  const std::string run = "zero3-ep2-d2p2";
+  const testing::CommandResult r = train(4, run, layout);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("ZeRO-3 shards each expert's parameters and state over the ranks holding it"),
+            std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("MB of routed experts (1/2: its expert group's share), sharded over the 1 rank(s) holding "
+                          "the same experts; the chunks of no expert over all 2 of the stage's replicas"),
+            std::string::npos) << r.output;
+  expect_like("one-b2", run);
+  for (const json& s : lines(run)) {
+    const int64_t model = s.at("model_param_bytes"), experts = s.at("model_expert_param_bytes");
+    const std::vector<int64_t> param = s.at("held_param_bytes"), expert_param = s.at("held_expert_param_bytes");
+    const std::vector<int64_t> moment = s.at("held_moment_bytes"), expert_moment = s.at("held_expert_moment_bytes");
+    ASSERT_EQ(param.size(), 4u) << run;
+    EXPECT_GT(expert_param[0], 0) << run;
+    EXPECT_GT(expert_param[1], 0) << run;
+    EXPECT_EQ(expert_param[0], expert_param[2]) << run;  // (world ranks 0 and 2: stage 0's replicas)
+    EXPECT_EQ(expert_param[1], expert_param[3]) << run;
+    EXPECT_EQ(2 * (expert_param[0] + expert_param[1]), experts) << run;
+    EXPECT_EQ(param[0] + param[1] + param[2] + param[3], 2 * model - experts) << run;
+    EXPECT_EQ(moment[0] + moment[1] + moment[2] + moment[3], 2 * model) << run;
+    EXPECT_EQ(expert_moment[0] + expert_moment[1] + expert_moment[2] + expert_moment[3], 2 * experts) << run;
+    // (Rank 0's stage: its 2 replicas' parameter shards.)
+    const std::vector<int64_t> shard = s.at("zero3_param_shard_bytes"), resident = s.at("zero3_param_resident_bytes");
+    ASSERT_EQ(shard.size(), 2u) << run;
+    for (int q = 0; q < 2; ++q) {
+      EXPECT_GT(shard[q], 0) << run << " replica " << q;
+      EXPECT_LT(shard[q], param[0]) << run << " replica " << q;
+      EXPECT_LE(resident[q], shard[q] + kMomentRunSlackBytes) << run << " replica " << q;
+    }
+  }
+  const std::string from = " --set train.resume=" + at(run) + "/ckpt/step-00000004";
+  const testing::CommandResult same = train(4, "z3ep2-d2p2-resumed", layout + from);
+  ASSERT_EQ(same.exit_code, 0) << same.output;
+  EXPECT_NE(same.output.find("resumed from"), std::string::npos) << same.output;
+  expect_same_bytes(run, "z3ep2-d2p2-resumed");
+  const testing::CommandResult one =
+      train(1, "z3ep2-d2p2-to-one", "--set train.batch_size=2 --set train.checkpoint_every=4" + from);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  EXPECT_NE(one.output.find("resumed from"), std::string::npos) << one.output;
+  expect_like("one-b2", "z3ep2-d2p2-to-one", 4);
+}
+
+// A re-cut of two replicas of two pipeline stages under ZeRO-1 and ZeRO-2 with expert groups of
+// 2: from "1" (the embedding alone on the first stage, both MoE blocks on the second, whose ranks
+// are slowed threefold: every measurement calls it unbalanced) the exact partitioner moves a MoE
+// block at step 4, each of its experts' chunks staying within its replica (its expert rank does
+// not change), their moments from the owner among the holders: what one rank trains with the
+// whole batch, and after the move the step lines show each stage's replicas holding half of the
+// stage's experts (both stages holding some).
+TEST_F(ShardedExperts, ReCutsUnderZeroOneAndTwoMoveEachExpertWithinItsReplica) {
+  if (!std::filesystem::exists(at("one-b2") + "/ckpt")) {
+    ASSERT_EQ(train(1, "one-b2", "--set train.checkpoint_every=4 --set train.batch_size=2").exit_code, 0);
+  }
+  const std::string recut = "--set parallel.pipeline=2 --set parallel.expert=2 --set parallel.stage_boundaries=1"
+                            " --set parallel.repartition_every=4 --set monitor.layer_costs_every=2"
+                            " --set parallel.partitioner=dp --set parallel.repartition_threshold=0"
+                            " --set runtime.slow_rank=1 --set runtime.slow_factor=3 --set train.checkpoint_every=4 ";
+  for (const std::string zero : {"1", "2"}) {
+    const std::string run = "zero" + zero + "-ep2-d2p2-recut";
+    const testing::CommandResult r = train(4, run, recut + "--set parallel.zero=" + zero);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("ZeRO shares each expert's state out over the ranks holding it"), std::string::npos)
+        << r.output;
+    int moves = 0;
+    for (const json& j : testing::event_lines(at(run) + "/metrics.jsonl", "repartition")) {
+      if (j.at("moved").get<bool>()) {
+        EXPECT_GT(j.at("bytes_sent").get<double>(), 0) << run << ": " << j.dump();
+        moves++;
+      }
+    }
+    ASSERT_GE(moves, 1) << run << ": no re-cut moved a block\n" << r.output;
+    expect_like("one-b2", run);
+    const json last = lines(run).back();
+    ASSERT_NE(last.at("stage_boundaries").get<std::string>(), "1") << run;
+    const int64_t model = last.at("model_param_bytes"), experts = last.at("model_expert_param_bytes");
+    const std::vector<int64_t> param = last.at("held_param_bytes"), expert_param = last.at("held_expert_param_bytes");
+    const std::vector<int64_t> moment = last.at("held_moment_bytes");
+    const std::vector<int64_t> expert_moment = last.at("held_expert_moment_bytes");
+    ASSERT_EQ(param.size(), 4u) << run;
+    EXPECT_GT(expert_param[0], 0) << run;
+    EXPECT_GT(expert_param[1], 0) << run;
+    EXPECT_EQ(expert_param[0], expert_param[2]) << run;
+    EXPECT_EQ(expert_param[1], expert_param[3]) << run;
+    EXPECT_EQ(2 * (expert_param[0] + expert_param[1]), experts) << run;
+    EXPECT_EQ(param[0] + param[1] + param[2] + param[3], 2 * model - experts) << run;
+    EXPECT_EQ(moment[0] + moment[1] + moment[2] + moment[3], 2 * model) << run;
+    EXPECT_EQ(expert_moment[0] + expert_moment[1] + expert_moment[2] + expert_moment[3], 2 * experts) << run;
   }
 }
 

@@ -67,8 +67,9 @@ TEST_F(MoeTensorParallel, TensorRanksTrainWhatOneRankTrains) {
 }
 
 // Data 2 x tensor 2 with expert parallelism over the data ranks (parallel.expert = 2): each rank
-// holds half of 2 of the 4 experts; without ZeRO (sharded experts) and with ZeRO-1 (every expert
-// on every rank): what one rank trains with both ranks' sequences.
+// holds half of 2 of the 4 experts (sharded experts), without ZeRO and with ZeRO-1 (each rank
+// owning its experts' state: tests/moe_sharded_experts_test.cpp): what one rank trains with both
+// ranks' sequences.
 TEST_F(MoeTensorParallel, DataTimesTensorWithExpertParallelismTrainsWhatOneRankTrains) {
   const std::string layout = std::string(kTensor2) + "--set train.batch_size=1 --set parallel.expert=2 ";
   for (const std::string zero : {"0", "1"}) {

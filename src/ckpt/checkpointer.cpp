@@ -106,15 +106,21 @@ void Checkpointer::make_writer(bool at_restart) {
     // writer index is then the data rank; under ZeRO-3 also its parameters' home), streamed: a
     // rank's moments are not one flat range.
     // (In a pipeline the data ranks are a stage's replicas, sharing out the stage's chunks.)
+    // With tensor groups (ZeRO-1/2) every rank holds the whole copy of its experts and of the
+    // chunks of no expert: the latter shared out over the data x tensor writers, each expert's
+    // chunks over the D / P x T writers holding it (holder index = data rank / P x T + tensor rank).
     const int stage_replicas = comm_.size() / std::max(1, config_.parallel.pipeline);
+    const int P = config_.parallel.expert;
     experts_apart = config_.parallel.zero > 0 && stage_replicas > 1;
-    const ChunkPartition owners = experts_apart ? ChunkPartition::balanced_experts_apart(*store_, stage_replicas,
-                                                                                          config_.parallel.expert)
-                                                      : ChunkPartition{};
+    const ChunkPartition owners =
+        experts_apart ? ChunkPartition::balanced_experts_apart(*store_, stage_replicas, P) : ChunkPartition{};
+    const int holder = writer_index_ / T / P * T + writer_index_ % T;
     for (const Chunk& c : store_->chunks()) {
-      const bool mine = experts_apart ? owners.owns(writer_index_, c)
-                        : c.expert >= 0     ? first_group && c.id % T == writer_index_ % T
-                                            : c.id >= first && c.id < last;
+      const bool mine = experts_apart && c.expert >= 0 ? c.id >= owners.expert_first_chunk[holder] &&
+                                                             c.id < owners.expert_first_chunk[holder + 1]
+                        : experts_apart                ? owners.owns(writer_index_, c)
+                        : c.expert >= 0                ? first_group && c.id % T == writer_index_ % T
+                                                       : c.id >= first && c.id < last;
       if (!mine) targets[c.id].id = -1;
     }
     first = 0;

@@ -22,11 +22,14 @@
 // chunks' group and broadcasts the updated parameters over the same groups. Under ZeRO-3 the
 // same partition homes the parameters (comm/sharded_params.h): a MoE block's whole-layer lease
 // gathers the chunks of no expert over the data group and the rank's experts' over their holders.
-// In a pipeline (ZeRO-1/2: each stage's replicas share out the stage's experts so, unless the cut
-// moves or gradients are predicted; ZeRO-3), with tensor groups or bf16 training state (and under
-// ZeRO-3 with memory tiers) every rank holds every expert: a rank writes weight gradients for its own experts
-// only, the data-parallel sum adds each expert's over the ranks that ran it, and ZeRO shards the
-// experts' chunks over the data group as the rest.
+// In a pipeline each stage's replicas share out the stage's experts so (ZeRO-1/2/3; a ZeRO-1/2
+// re-cut moves an expert's chunks within its replica and its moments from their owner among the
+// holders), with tensor groups under ZeRO-1/2 each rank's chunks are its tensor shard of its
+// experts (holders: the data ranks with the same expert and tensor rank). With gradient
+// prediction in a pipeline, bf16 training state, tensor groups under ZeRO-3, in a pipeline or
+// with memory copies, and under ZeRO-3 with memory tiers every rank holds every expert: a rank
+// writes weight gradients for its own experts only, the data-parallel sum adds each expert's over
+// the ranks that ran it, and ZeRO shards the experts' chunks over the data group as the rest.
 #pragma once
 
 #include <cstdint>
@@ -43,10 +46,11 @@ namespace keel {
 class GPT;
 
 // Whether a rank holds only its share of the routed experts: parallel.expert > 1 without ZeRO;
-// under ZeRO without tensor groups, with float32 training state: ZeRO-1/2 on one stage or in a
-// pipeline without re-cuts (parallel.repartition_every = 0) or gradient prediction, with or
-// without memory copies (checkpoint.memory_every), ZeRO-3 on one stage without memory tiers. Otherwise every rank holds every expert (its weight gradients zero but for its own),
-// sharded over the data group as every other chunk.
+// under ZeRO with float32 training state, on one stage or in a pipeline without gradient
+// prediction (parallel.predict_gradients), with or without memory copies (checkpoint.memory_every),
+// ZeRO-3 without memory tiers; with tensor groups (parallel.tensor > 1) ZeRO-1/2 on one stage
+// without memory copies. Otherwise every rank holds every expert (its weight gradients zero but
+// for its own), sharded over the data group as every other chunk.
 bool experts_sharded(const Config& config);
 // Hands `group` to every mixture-of-experts block of `model` holding every expert (the ZeRO
 // layouts experts_sharded excludes), before its activations are allocated.

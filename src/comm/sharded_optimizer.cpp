@@ -237,10 +237,14 @@ void ShardedOptimizer::print_startup() const {
                                                         : "driven by MPI calls only");
   if (partition_.experts_apart()) {
     const int P = partition_.expert_group, D = dp_.size();
-    std::printf("keel: ZeRO-3 with sharded experts: a rank's layout holds %.1f MB of the model's %.1f MB of routed "
+    // (In a pipeline a rank's layout holds its stage's blocks: the share is of the stage's experts.)
+    const bool staged = config_.parallel.pipeline > 1;
+    std::printf("keel: ZeRO-3 with sharded experts: a rank's layout holds %.1f MB of the %s %.1f MB of routed "
                 "experts (1/%d: its expert group's share), sharded over the %d rank(s) holding the same experts; the "
-                "chunks of no expert over all %d\n",
-                tensor_bytes(true, false) / 1e6, model_expert_bytes_ / 1e6, P, D / P, D);
+                "chunks of no expert over all %d%s\n",
+                tensor_bytes(true, false) / 1e6, staged ? "stage's" : "model's",
+                (staged ? P * tensor_bytes(true, false) : model_expert_bytes_) / 1e6, P, D / P, D,
+                staged ? " of the stage's replicas" : "");
   }
 }
 
@@ -385,8 +389,10 @@ void ShardedOptimizer::add_step_fields(double, nlohmann::json& line) {
   }
   if (partition_.experts_apart()) {
     // Every rank's figures (rank_figures), in world-rank order, from the step's reduction (in a
-    // pipeline every stage's replicas: a rank holds its stage's chunks).
-    const int k = rank_figure_count(), n = dp_.size() * std::max(1, config_.parallel.pipeline);
+    // pipeline every stage's replicas: a rank holds its stage's chunks; with tensor groups every
+    // tensor rank: a rank holds its tensor shard of them).
+    const int k = rank_figure_count(),
+              n = dp_.size() * std::max(1, config_.parallel.pipeline) * std::max(1, config_.parallel.tensor);
     check(rank_figures_.size() == static_cast<size_t>(n * k),
           "sharded experts: the step's figures cover " + std::to_string(rank_figures_.size()) + " values, expected " +
               std::to_string(n * k) + " (every rank's)");

@@ -109,8 +109,12 @@ class ShardedOptimizer final : public MetricsSource, public RankFigures {
   // the same values, so every rank decides the same.
   bool accept(int64_t step, double loss, double grad_norm);
   int64_t skipped_steps() const { return skipped_; }
-  // The run's counts so far from the optimizer this one replaces (a pipeline re-cut).
-  void carry_counts(const ShardedOptimizer& before) { skipped_ = before.skipped_; }
+  // The run's counts so far from the optimizer this one replaces (a pipeline re-cut), and the
+  // step's table of every rank's figures (taken before the re-cut, for the step's line).
+  void carry_counts(const ShardedOptimizer& before) {
+    skipped_ = before.skipped_;
+    rank_figures_ = before.rank_figures_;
+  }
 
   // Metrics: skipped_steps (the run's total) in every line; the progress line names them.
   // Under ZeRO-3 also every rank's parameter, gradient and moment bytes (collective: every rank

@@ -142,15 +142,15 @@ void tensor_share_replicated_grads(GPT& model, Communicator& tensor) {
   if (tensor.rank() != 0) each(false);
 }
 
-double tensor_grad_share(GPT& model, int tensor_rank, std::pair<int, int> chunks) {
+double tensor_grad_share(GPT& model, int tensor_rank, const std::function<bool(int chunk)>& owned) {
   ChunkStore& store = model.store();
   const ModelLayout& layout = model.layout();
   std::vector<signed char> split(store.tensors().size(), 0);  // by store tensor id
   for (size_t k = 0; k < layout.tensors.size(); ++k) split[model.tensor_ids()[k]] = layout.shards[k].split() ? 1 : 0;
   double share = 0;
-  for (int c = chunks.first; c < chunks.second; ++c) {
-    const Chunk& chunk = store.chunks()[c];
-    if (chunk.replica) continue;  // counted at home
+  for (const Chunk& chunk : store.chunks()) {
+    const int c = chunk.id;
+    if (chunk.replica || !owned(c)) continue;  // (replicas: counted at home)
     const PageLease use = store.use_chunk(c, {Plane::grad});
     for (const Segment& seg : chunk.segments) {
       if (!split[seg.tensor] && tensor_rank != 0) continue;
@@ -174,6 +174,47 @@ WholeModelState::WholeModelState(const Config& config, Communicator& tensor, GPT
   // its layers, as a stage's checkpoints are written; sharded experts: its own experts').
   whole_ids_ = register_layout(*whole_, model_layout(config.model, model.ranges(), {}, experts));
   whole_->finalize(/*touch_params=*/false);
+  if (moments_ != nullptr && moments_->experts_apart()) {
+    check(!params_sharded_, "tensor parallelism: ZeRO-3 with sharded experts is not built (comm/expert_parallel.h)");
+    const int P = moments_->expert_group;
+    if (data_->size() > P) holders_ = data_->split(data_->rank() % P, data_->rank() / P);
+  }
+}
+
+void WholeModelState::copy_owned(Plane plane, std::vector<float>& flat, bool into_flat) {
+  ChunkStore& shards = model_.store();
+  for (const Chunk& c : shards.chunks()) {
+    if (!moments_->owns(data_->rank(), c)) continue;
+    const PageLease use = shards.use_range(plane, c.offset, c.numel, /*write=*/!into_flat);
+    const std::span<float> own = shards.range_view(plane, c.offset, c.numel);
+    if (into_flat) {
+      std::copy(own.begin(), own.end(), flat.begin() + c.offset);
+    } else {
+      std::copy_n(flat.begin() + c.offset, own.size(), own.begin());
+    }
+  }
+}
+
+void WholeModelState::gather_experts_apart(std::vector<float>& flat) {
+  // `flat` holds this rank's owned chunks of both kinds (copy_owned). Each rank's range of the
+  // data group's tiling holds the chunks of no expert it owns, so one all-gather over the data
+  // group completes them; the expert chunks it brings are the range owners' experts, not
+  // necessarily this rank's: those come from their owners among the holders (expert tiling),
+  // or are all this rank's own when it alone holds them (data == P).
+  std::vector<float> experts = flat;
+  data_->allgatherv(flat.data(), moments_->counts(), moments_->displs());
+  if (holders_) {
+    const std::vector<int64_t>& begin = moments_->expert_begin;
+    std::vector<int> counts(begin.size() - 1), displs(begin.size() - 1);
+    for (size_t q = 0; q + 1 < begin.size(); ++q) {
+      counts[q] = static_cast<int>(begin[q + 1] - begin[q]);
+      displs[q] = static_cast<int>(begin[q]);
+    }
+    holders_->allgatherv(experts.data(), counts, displs);
+  }
+  for (const Chunk& c : model_.store().chunks()) {
+    if (c.expert >= 0) std::copy_n(experts.begin() + c.offset, c.numel, flat.begin() + c.offset);
+  }
 }
 
 namespace {
@@ -196,6 +237,11 @@ void WholeModelState::gather() {
       if (plane == Plane::param && !params_sharded_) continue;
       std::vector<float>& all = planes_[plane_slot(plane)];
       all.assign(static_cast<size_t>(moments_->begin.back()), 0.0f);
+      if (moments_->experts_apart()) {  // (not one range: comm/zero.h)
+        copy_owned(plane, all, /*into_flat=*/true);
+        gather_experts_apart(all);
+        continue;
+      }
       const PageLease use = shards.use_range(plane, moments_->begin[me], moments_->size(me), false);
       const std::span<const float> own = std::as_const(shards).range_view(plane, moments_->begin[me], moments_->size(me));
       std::copy(own.begin(), own.end(), all.begin() + moments_->begin[me]);
@@ -281,6 +327,10 @@ void WholeModelState::scatter() {
     const int me = data_->rank();
     for (Plane plane : {Plane::adam_m, Plane::adam_v, Plane::param}) {
       if (plane == Plane::param && !params_sharded_) continue;
+      if (moments_->experts_apart()) {
+        copy_owned(plane, planes_[plane_slot(plane)], /*into_flat=*/false);
+        continue;
+      }
       const PageLease use = shards.use_range(plane, moments_->begin[me], moments_->size(me), true);
       const std::span<float> own = shards.range_view(plane, moments_->begin[me], moments_->size(me));
       std::copy_n(planes_[plane_slot(plane)].begin() + moments_->begin[me], own.size(), own.begin());

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -90,12 +91,12 @@ void validate_tensor_parallel_config(const Config& c);
 // rank) counted once. With sharded experts (`experts`: the expert group; comm/expert_parallel.h)
 // the routed experts' shards are summed over the expert group too. Collective over the group(s).
 double tensor_grad_squares(GPT& model, Communicator& tensor, Communicator* experts = nullptr);
-// This rank's share of the whole model's squared gradient norm over chunks [first, last) of its
-// store (ZeRO-2: the chunks whose reduced gradient it owns), to be summed over the tensor group and
-// the ranks that share the chunks out: its split tensors' pieces, and the replicated tensors'
-// pieces on the tensor group's first rank only (they are the same on every rank of the group).
-// Replicas of tied tensors are counted at home. Local.
-double tensor_grad_share(GPT& model, int tensor_rank, std::pair<int, int> chunks);
+// This rank's share of the whole model's squared gradient norm over the chunks of its store that
+// `owned` accepts (ZeRO-2: the chunks whose reduced gradient it owns; with sharded experts not one
+// range), to be summed over the tensor group and the ranks that share the chunks out: its split
+// tensors' pieces, and the replicated tensors' pieces on the tensor group's first rank only (they
+// are the same on every rank of the group). Replicas of tied tensors are counted at home. Local.
+double tensor_grad_share(GPT& model, int tensor_rank, const std::function<bool(int chunk)>& owned);
 
 // Compressed gradient sync (sync.codec) runs on the data dimension: each tensor rank compresses
 // its own store's chunks over its data group, and a chunk's blocks mix the rank's shards of split
@@ -118,6 +119,9 @@ class WholeModelState {
   // parameters, comm/sharded_params.h); null: every rank holds all. `experts`: with sharded
   // experts (comm/expert_parallel.h) the rank's share of the routed experts, which is all the
   // whole copy holds of them (the checkpointer writes each expert from the ranks holding it).
+  // Under ZeRO-1/2 with sharded experts (`moments` experts apart) the chunks of no expert's
+  // moments come from their owners over `data`, the rank's experts' from their owner among the
+  // data ranks holding them (a communicator split from `data` here: collective over it).
   WholeModelState(const Config& config, Communicator& tensor, GPT& model, Communicator* data = nullptr,
                   const ChunkPartition* moments = nullptr, ExpertPlace experts = {});
   ChunkStore& store() { return *whole_; }
@@ -135,11 +139,17 @@ class WholeModelState {
   // also the parameters, all-gathered over the data-parallel group into planes_), or nullptr for
   // the store's own plane.
   float* gathered_plane(Plane plane);
+  // Experts apart: this rank's owned chunks' `plane` copied into or out of `flat` (the rank's
+  // whole flat space), and `flat` completed from the owners (the chunks of no expert over the
+  // data group, the rank's experts' over their holders).
+  void copy_owned(Plane plane, std::vector<float>& flat, bool into_flat);
+  void gather_experts_apart(std::vector<float>& flat);
 
   Communicator& tensor_;
   GPT& model_;
   Communicator* data_ = nullptr;
   const ChunkPartition* moments_ = nullptr;
+  std::unique_ptr<Communicator> holders_;  // experts apart with data > P: the data ranks holding this rank's experts
   bool params_sharded_ = false;  // ZeRO-3: a rank holds only its own chunks' parameters
   std::unique_ptr<ChunkStore> whole_;
   std::vector<TensorId> whole_ids_;

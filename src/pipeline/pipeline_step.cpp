@@ -268,9 +268,10 @@ void PipelineStep::update(int64_t step, double lr, double& loss_sum, StepResult&
     const bool sharded = optimizer_.norm_is_sharded();
     // Sharded experts (comm/expert_parallel.h): each expert's squares once, over the expert group.
     Communicator* experts = experts_sharded(config_) ? groups_.ep() : nullptr;
+    const auto owned = [&](int chunk) { return optimizer_.owns(chunk); };
     const double squares = tensor == nullptr ? (experts != nullptr && !sharded ? expert_grad_squares(store_, *experts)
                                                                               : optimizer_.local_grad_squares())
-                           : sharded         ? tensor_grad_share(model_, tensor->rank(), optimizer_.own_chunks())
+                           : sharded         ? tensor_grad_share(model_, tensor->rank(), owned)
                                              : tensor_grad_squares(model_, *tensor, experts);
     r.grad_norm = std::sqrt(sharded ? world.allreduce_sum(squares) : pp.allreduce_sum(squares));
     if (tensor != nullptr && tensor->rank() != 0) loss_sum = 0;

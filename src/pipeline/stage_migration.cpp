@@ -26,7 +26,9 @@ constexpr Plane kMoved[] = {Plane::param, Plane::adam_m, Plane::adam_v};
 // One pipeline rank's chunks under one cut, described without memory, and where its tensors lie.
 struct RankLayout {
   std::unique_ptr<ChunkStore> store;
-  ChunkPartition shards;  // the moments' owners over the data-parallel replicas (ZeRO), or one owner
+  // The moments' owners over the data-parallel replicas (ZeRO; with sharded experts the experts'
+  // over their holders apart: comm/zero.h), or one owner.
+  ChunkPartition shards;
   // Per tensor name (home tensors only, not tied replicas): its pieces, in tensor order.
   struct Place {
     int chunk;
@@ -36,13 +38,14 @@ struct RankLayout {
 };
 
 RankLayout layout_of(const Config& config, const std::vector<LayerRange>& ranges, int shard_ranks, TensorPlace place,
-                     ExpertPlace experts) {
+                     ExpertPlace experts, bool experts_apart) {
   RankLayout l;
   l.store = std::make_unique<ChunkStore>(config.store.chunk_bytes);
   register_layout(*l.store, model_layout(config.model, ranges, place, experts));
   l.store->set_huge_page_alignment(tiering_enabled(config.tier));  // as RankModel::build lays out its store
   l.store->finalize_layout();
-  l.shards = ChunkPartition::balanced(*l.store, shard_ranks);
+  l.shards = experts_apart ? ChunkPartition::balanced_experts_apart(*l.store, shard_ranks, experts.size)
+                           : ChunkPartition::balanced(*l.store, shard_ranks);
   for (const Chunk& c : l.store->chunks()) {
     for (const Segment& seg : c.segments) {
       const TensorSpec& spec = l.store->tensors()[seg.tensor].spec;
@@ -86,7 +89,9 @@ MigrationStats migrate_stages(const Config& config, ProcessGroups& groups, const
   // Sharded experts (comm/expert_parallel.h): replica d holds the routed experts of expert rank
   // d mod X under either cut (an expert group is X consecutive replicas), so an expert's chunks
   // move between the ranks of the same replica as every other chunk; each layout is also that
-  // expert rank's.
+  // expert rank's. Under ZeRO-1/2 an expert chunk's moments come from their owner among the
+  // replicas holding its experts (holder q of expert rank x: replica q X + x), and a replica
+  // receives the moments of the chunks it owns under the new cut only.
   const int P = config.parallel.pipeline, T = config.parallel.tensor, D = world.size() / (P * T), me = world.rank();
   const int X = experts_sharded(config) ? config.parallel.expert : 1;
   const bool zero = config.parallel.zero > 0 && D > 1;
@@ -98,8 +103,8 @@ MigrationStats migrate_stages(const Config& config, ProcessGroups& groups, const
       for (int t = 0; t < T; ++t) {
         const TensorPlace place = T > 1 ? TensorPlace{t, T} : TensorPlace{};
         const ExpertPlace experts = X > 1 ? ExpertPlace{x, X} : ExpertPlace{};
-        olds.push_back(layout_of(config, old_ranges[p], zero ? D : 1, place, experts));
-        news.push_back(layout_of(config, new_ranges[p], zero ? D : 1, place, experts));
+        olds.push_back(layout_of(config, old_ranges[p], zero ? D : 1, place, experts, zero && X > 1));
+        news.push_back(layout_of(config, new_ranges[p], zero ? D : 1, place, experts, zero && X > 1));
       }
     }
   }
@@ -127,14 +132,14 @@ MigrationStats migrate_stages(const Config& config, ProcessGroups& groups, const
       const int dst = (d * P + p) * T + t;
       for (int plane = 0; plane < 3; ++plane) {
         const bool moment = kMoved[plane] != Plane::param;
-        const int first = moment && zero ? n.shards.first_chunk[d] : 0;
-        const int last = moment && zero ? n.shards.first_chunk[d + 1] : static_cast<int>(n.store->chunks().size());
-        for (int c = first; c < last; ++c) {
-          for (const Segment& seg : n.store->chunks()[c].segments) {
+        for (const Chunk& chunk : n.store->chunks()) {
+          if (moment && zero && !n.shards.owns(d, chunk)) continue;
+          const int c = chunk.id;
+          for (const Segment& seg : chunk.segments) {
             const std::string& name = n.store->tensors()[seg.tensor].spec.name;
             const auto home = home_rank.find(name);
             check(home != home_rank.end(), "re-cut: no stage holds tensor '" + name + "' under the old cut");
-            // (with sharded experts ZeRO is off: every piece comes from replica d itself)
+            // (every parameter piece comes from replica d itself: it held the same experts)
             const RankLayout& o = olds[layout_at(d, home->second, t)];
             int64_t at = seg.tensor_offset;
             const int64_t end = seg.tensor_offset + seg.numel;
@@ -142,7 +147,10 @@ MigrationStats migrate_stages(const Config& config, ProcessGroups& groups, const
               const int64_t lo = std::max(at, place.seg.tensor_offset),
                             hi = std::min(end, place.seg.tensor_offset + place.seg.numel);
               if (hi <= lo) continue;
-              const int src_replica = moment && zero ? o.shards.owner(place.chunk) : d;
+              const bool expert = o.shards.experts_apart() && o.store->chunks()[place.chunk].expert >= 0;
+              const int src_replica = !(moment && zero) ? d
+                                      : expert          ? o.shards.expert_holder(place.chunk) * X + d % X
+                                                        : o.shards.owner(place.chunk);
               // Split into pieces a round can carry.
               for (int64_t a = lo; a < hi;) {
                 const int64_t b = std::min<int64_t>(hi, a + kRoundBytes / static_cast<int64_t>(sizeof(float)));

@@ -61,8 +61,10 @@ StepResult SingleStageStep::run(int64_t step, double lr) {
   // gradient) the squared gradient norm.
   const bool sharded = optimizer_.norm_is_sharded();
   // (Tensor parallel under ZeRO-2: the owned chunks' share, then summed over the tensor group.)
-  const double own = !sharded ? 0.0 : tp_ ? tensor_grad_share(model_, tp_->rank(), optimizer_.own_chunks())
-                                          : optimizer_.local_grad_squares();
+  const auto owned = [&](int chunk) { return optimizer_.owns(chunk); };
+  const double own = !sharded ? 0.0
+                     : tp_    ? tensor_grad_share(model_, tp_->rank(), owned)
+                              : optimizer_.local_grad_squares();
   double sums[2] = {loss_sum, own};
   if (world > 1) dp_.allreduce_sum(sums, 2);
   r.loss = sums[0] / world / t.grad_accum;

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <string>
 
+#include "comm/expert_parallel.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "data/clip_loader.h"
@@ -119,7 +120,7 @@ class LanguageModel final : public Workload {
     }
     if (rank.expert_group) {
       const int P = rank.expert_group->size();
-      const bool sharded = rank.expert_group->param_bytes() < rank.expert_group->model_param_bytes();
+      const bool sharded = experts_sharded(config_);  // (with tensor groups a rank's bytes are a shard's anyway)
       std::printf("keel: expert parallel over %d ranks (data %d = %d expert groups of %d): each runs%s %d of every MoE "
                   "block's %d experts for its group's tokens (all-to-all there and back); %s: %.2f MB of the "
                   "model's %.2f MB of parameters per rank\n",
