@@ -3,8 +3,8 @@
 // q, k and v at columns h*hs.. of qkv's rows, probabilities in att[B, NH, T, T]) as one oneDNN
 // matmul over all B x NH heads instead of one OpenBLAS call per head on each thread: 1.2-1.3x less
 // CPU time on the default job's heads (T 128, hs 64; bench/gemm_routes.cpp, docs/performance.md).
-// Each head's product is computed whole by one thread in a fixed order, as the per-head calls are;
-// the two routes differ in the last bits of the sums.
+// The route is taken by shape alone (a seed and layout keep their bytes); its sums may differ from
+// the per-head calls' in the last bits.
 #pragma once
 
 #include <cstdint>
