@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "core/rng.h"
+#include "kernels/cpu/batched_gemm.h"
 #include "kernels/cpu/weight_gemm.h"
 
 namespace keel::ops {
@@ -1326,6 +1327,93 @@ TEST(OpsFloat, PackedWeightProductsEqualSgemm) {
       EXPECT_LT(err / scale, 1e-6) << "trans_w " << trans_w << " beta " << beta;
     }
   }
+}
+
+
+// ---- attention's batched per-head products (kernels/cpu/batched_gemm.h) -------------------------
+
+// The batched route against SGEMM head by head: operands inside larger tensors (heads at column
+// offsets of wider rows, as q, k and v sit in qkv), read plain and transposed, alpha != 1, beta 0
+// and 1; elements outside the heads' matrices are left alone.
+TEST(OpsFloat, BatchedHeadProductsEqualSgemmPerHead) {
+  Threads threads(2);
+  Rng rng(1601);
+  const int B = 3, H = 2, M = 37, N = 21, K = 19;
+  for (const bool trans_a : {false, true}) {
+    for (const bool trans_b : {false, true}) {
+      for (const float beta : {0.0f, 1.0f}) {
+        // Each operand: [B, rows, H * cols + 3] rows of all heads side by side, plus 3 spare columns.
+        auto layout = [&](int rows, int cols, bool trans, std::vector<float>& data) {
+          const int stored_rows = trans ? cols : rows, stored_cols = trans ? rows : cols, ld = H * stored_cols + 3;
+          data.resize(static_cast<size_t>(B) * stored_rows * ld);
+          for (float& x : data) x = static_cast<float>(rng.normal());
+          const int64_t batch = static_cast<int64_t>(stored_rows) * ld;
+          return trans ? HeadMatrices{data.data(), batch, stored_cols, 1, ld}
+                       : HeadMatrices{data.data(), batch, stored_cols, ld, 1};
+        };
+        std::vector<float> a, b, c;
+        const HeadMatrices am = layout(M, K, trans_a, a), bm = layout(K, N, trans_b, b), cm = layout(M, N, false, c);
+        std::vector<float> want = c;
+        for (int bi = 0; bi < B; ++bi) {
+          for (int h = 0; h < H; ++h) {
+            auto at = [&](const HeadMatrices& m) { return bi * m.batch_stride + h * m.head_stride; };
+            cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N,
+                        K, 0.5f, a.data() + at(am), trans_a ? am.col_stride : am.row_stride, b.data() + at(bm),
+                        trans_b ? bm.col_stride : bm.row_stride, beta, want.data() + at(cm), cm.row_stride);
+          }
+        }
+        std::vector<float> got = c;
+        HeadMatrices out = cm;
+        out.data = got.data();
+        ASSERT_TRUE(batched_head_gemm(B, H, M, N, K, 0.5f, am, bm, beta, out));
+        double err = 0, scale = 0;
+        for (size_t i = 0; i < got.size(); ++i) {
+          err = std::max(err, std::abs(static_cast<double>(got[i]) - want[i]));
+          scale = std::max(scale, std::abs(static_cast<double>(want[i])));
+          if (i % cm.row_stride >= static_cast<size_t>(H * N)) {
+            ASSERT_EQ(got[i], c[i]) << "spare column written";
+          }
+        }
+        EXPECT_LT(err / scale, 1e-6) << "trans_a " << trans_a << " trans_b " << trans_b << " beta " << beta;
+      }
+    }
+  }
+}
+
+// Dense attention in float32 outside a parallel region takes the batched route: every output
+// (causal and not) within float32 rounding of double's per-head loop, and the same bytes twice.
+TEST(OpsFloat, BatchedDenseAttentionMatchesDoubleCausalAndNot) {
+  Threads threads(2);
+  const auto c = make_attention_case(1602, 3, 33, 4 * 8, 4);
+  for (const bool causal : {true, false}) {
+    auto run = [&](auto zero) {
+      using T = decltype(zero);
+      auto qkv = cast<T>(c.qkv), R = cast<T>(c.R);
+      Tensors<T> r;
+      r["out"] = filled<T>(c.R.size(), kSentinel);
+      r["att"] = filled<T>(static_cast<size_t>(c.B) * c.NH * c.Tn * c.Tn, kSentinel);
+      r["dqkv"] = filled<T>(qkv.size(), kSentinel);
+      attention_forward<T>(MatmulPrecision::fp32, r["out"].data(), r["att"].data(), qkv.data(), c.B, c.Tn, c.C, c.NH,
+                           0, causal);
+      attention_backward_input<T>(MatmulPrecision::fp32, r["dqkv"].data(), R.data(), r["att"].data(), qkv.data(), c.B,
+                                  c.Tn, c.C, c.NH, 0, causal);
+      return r;
+    };
+    SCOPED_TRACE(causal ? "causal" : "not causal");
+    const Tensors<float> f = run(0.0f);
+    expect_float_matches_double(f, run(0.0));
+    expect_bit_identical(f, run(0.0f));
+  }
+}
+
+
+// Past 8 M floats of maps (dense attention at long context) the backward leaves the batched route
+// for the per-head loop (no second set of maps): the forward's batched maps and the loop's
+// gradients still within float32 rounding of double.
+TEST(OpsFloat, DenseAttentionBeyondTheBatchedMapLimitMatchesDouble) {
+  Threads threads(2);
+  const auto c = make_attention_case(1603, 1, 2050, 8, 2);  // 2 x 2050 x 2050 floats of maps > 8 M
+  expect_float_matches_double(run_attention<float>(c), run_attention<double>(c));
 }
 
 }  // namespace

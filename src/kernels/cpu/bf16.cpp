@@ -4,13 +4,14 @@
 #include <cpuid.h>
 #include <omp.h>
 
-#include <dnnl.hpp>
 #include <algorithm>
-#include <map>
+#include <dnnl.hpp>
 #include <memory>
-#include <mutex>
+#include <string>
 #include <tuple>
 #include <vector>
+
+#include "kernels/cpu/onednn_cache.h"
 
 namespace keel {
 
@@ -39,50 +40,27 @@ T* scratch(std::vector<T>& buffer, size_t n) {
 
 using Key = std::tuple<std::string, bool, bool, int, int, int, int, int, int, float, float>;
 
-// A cached primitive and the scratchpad bytes it needs. Its scratchpad is the caller's (one buffer
-// per thread): primitives run concurrently from attention's per-head threads, and oneDNN's
-// library-managed scratchpad is not safe to share between concurrent executions (two identical
-// runs differed in their last bits before this).
+// A cached primitive (kernels/cpu/onednn_cache.h) and the scratchpad bytes it needs. Its
+// scratchpad is the caller's (one buffer per thread): primitives run concurrently from attention's
+// per-head threads.
 struct Primitive {
   dnnl::matmul matmul;
   size_t scratchpad_bytes = 0;
 };
 
-struct OneDnn {
-  dnnl::engine engine{dnnl::engine::kind::cpu, 0};
-  std::mutex mutex;
-  std::map<Key, std::shared_ptr<Primitive>> cache;  // null: no implementation for that key
-};
-
-OneDnn& onednn() {
-  static OneDnn instance;
+onednn::Cache<Key, Primitive>& primitives() {
+  static onednn::Cache<Key, Primitive> instance;
   return instance;
 }
 
 // The primitive for one shape and layout, created on first use (nullptr where oneDNN has none).
-std::shared_ptr<Primitive> primitive(const Key& key, const dnnl::memory::desc& a, const dnnl::memory::desc& b,
-                                     const dnnl::memory::desc& c, float alpha, float beta) {
-  OneDnn& o = onednn();
-  std::lock_guard<std::mutex> lock(o.mutex);
-  const auto it = o.cache.find(key);
-  if (it != o.cache.end()) return it->second;
-  std::shared_ptr<Primitive> p;
-  try {
-    dnnl::primitive_attr attr;
-    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-    if (alpha != 1.0f) attr.set_output_scales(0, {alpha});
-    if (beta != 0.0f) {
-      dnnl::post_ops ops;
-      ops.append_sum(beta);
-      attr.set_post_ops(ops);
-    }
-    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, o.engine);
-    p = std::make_shared<Primitive>(Primitive{dnnl::matmul(pd), pd.scratchpad_desc().get_size()});
-  } catch (const dnnl::error&) {
-    p = nullptr;
-  }
-  o.cache.emplace(key, p);
-  return p;
+std::shared_ptr<const Primitive> primitive(const Key& key, const dnnl::memory::desc& a, const dnnl::memory::desc& b,
+                                           const dnnl::memory::desc& c, float alpha, float beta) {
+  return primitives().get(key, [&] {
+    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), onednn::product_attr(alpha, beta),
+                                          onednn::engine());
+    return Primitive{dnnl::matmul(pd), pd.scratchpad_desc().get_size()};
+  });
 }
 
 bool bf16_through_onednn() {
@@ -130,7 +108,7 @@ bool onednn_run(const char* dt, bool trans_a, bool trans_b, int M, int N, int K,
   const memory::desc b_md({K, N}, type, trans_b ? memory::dims{1, b_ld} : memory::dims{b_ld, 1});
   const memory::desc c_md({M, N}, memory::data_type::f32, memory::dims{ldc, 1});
   const Key key{dt, trans_a, trans_b, M, N, K, a_ld, b_ld, ldc, alpha, beta};
-  const std::shared_ptr<Primitive> p = primitive(key, a_md, b_md, c_md, alpha, beta);
+  const std::shared_ptr<const Primitive> p = primitive(key, a_md, b_md, c_md, alpha, beta);
   if (!p) return false;
   const void* a_data = A.bf16 != nullptr ? static_cast<const void*>(A.bf16) : A.f32;
   const void* b_data = B.bf16 != nullptr ? static_cast<const void*>(B.bf16) : B.f32;
@@ -145,16 +123,13 @@ bool onednn_run(const char* dt, bool trans_a, bool trans_b, int M, int N, int K,
     pack(pb, B.f32, trans_b ? N : K, trans_b ? K : N, ldb, [](float x) { return to_bf16(x); });
     b_data = pb;
   }
-  OneDnn& o = onednn();
-  static thread_local dnnl::stream stream(onednn().engine);
-  static thread_local std::vector<uint8_t> pad;
-  uint8_t* pad_data = scratch(pad, std::max<size_t>(p->scratchpad_bytes, 1));
-  memory a_mem(a_md, o.engine, const_cast<void*>(a_data)), b_mem(b_md, o.engine, const_cast<void*>(b_data)),
-      c_mem(c_md, o.engine, C),
-      pad_mem(memory::desc({static_cast<memory::dim>(p->scratchpad_bytes)}, memory::data_type::u8, memory::dims{1}),
-              o.engine, pad_data);
+  const dnnl::engine& engine = onednn::engine();
+  dnnl::stream& stream = onednn::thread_stream();
+  static thread_local onednn::Buffer pad;
+  memory a_mem(a_md, engine, const_cast<void*>(a_data)), b_mem(b_md, engine, const_cast<void*>(b_data)),
+      c_mem(c_md, engine, C);
   p->matmul.execute(stream, {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem}, {DNNL_ARG_DST, c_mem},
-                             {DNNL_ARG_SCRATCHPAD, pad_mem}});
+                             {DNNL_ARG_SCRATCHPAD, onednn::scratchpad(pad, p->scratchpad_bytes)}});
   stream.wait();
   return true;
 }

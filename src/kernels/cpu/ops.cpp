@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/batched_gemm.h"
 #include "kernels/cpu/blas.h"
 #include "kernels/cpu/vmath.h"
 #include "kernels/cpu/weight_gemm.h"
@@ -490,10 +491,97 @@ void residual_forward(T* out, const T* a, const T* b, int64_t n) {
 
 // ---- attention ---------------------------------------------------------------------------------
 
+namespace {
+
+// Whether dense attention's per-head products run as one batched oneDNN product per kind
+// (kernels/cpu/batched_gemm.h) rather than one OpenBLAS call per head: float32 products, one
+// key/value head per query head (grouped heads add into shared gradients in head order: the
+// per-head loop keeps that order), called outside a parallel region. By arguments alone, never
+// by timing: a seed and layout keep their bytes.
+template <typename T>
+bool batched_attention(MatmulPrecision precision, int NH, int NKV) {
+  return std::is_same_v<T, float> && precision == MatmulPrecision::fp32 && NKV == NH && !omp_in_parallel();
+}
+
+// Row i of a T x T map: the causal softmax in place (the keys after the last one this query reads
+// set to zero).
+template <typename T>
+inline void softmax_row(T* row, int i, int Tn, bool causal) {
+  const int last = causal ? i : Tn - 1;  // the last key this query reads
+  T mx = row[0];
+#pragma omp simd reduction(max : mx)
+  for (int j = 1; j <= last; ++j) mx = std::max(mx, row[j]);
+  T sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int j = 0; j <= last; ++j) {
+    row[j] = vmath::exp(row[j] - mx);
+    sum += row[j];
+  }
+  const T inv = T(1) / sum;
+#pragma omp simd
+  for (int j = 0; j <= last; ++j) row[j] *= inv;
+  for (int j = last + 1; j < Tn; ++j) row[j] = T(0);
+}
+
+// Row i of the softmax's backward in place: drow = arow * (drow - arow . drow) * scale, zero after
+// the last key.
+template <typename T>
+inline void softmax_backward_row(T* drow, const T* arow, int i, int Tn, bool causal, T scale) {
+  const int last = causal ? i : Tn - 1;
+  T dot = 0;
+#pragma omp simd reduction(+ : dot)
+  for (int j = 0; j <= last; ++j) dot += arow[j] * drow[j];
+#pragma omp simd
+  for (int j = 0; j <= last; ++j) drow[j] = arow[j] * (drow[j] - dot) * scale;
+  for (int j = last + 1; j < Tn; ++j) drow[j] = T(0);
+}
+
+// The heads of qkv's part starting at column `col` (q: 0, k: C, v: C + kv), as [B, NH, T, hs]
+// matrices, or their transposes [B, NH, hs, T].
+inline HeadMatrices qkv_heads(const float* base, int col, int Tn, int C3, int hs, bool transposed) {
+  const int64_t batch = static_cast<int64_t>(Tn) * C3;
+  return transposed ? HeadMatrices{base + col, batch, hs, 1, C3} : HeadMatrices{base + col, batch, hs, C3, 1};
+}
+
+// att[B, NH, T, T] (or a map of its shape), or its transposes.
+inline HeadMatrices maps(const float* base, int NH, int Tn, bool transposed) {
+  const int64_t map = static_cast<int64_t>(Tn) * Tn;
+  return transposed ? HeadMatrices{base, NH * map, map, 1, Tn} : HeadMatrices{base, NH * map, map, Tn, 1};
+}
+
+// out[B, T, C] (or dout) as [B, NH, T, hs] matrices.
+inline HeadMatrices row_heads(const float* base, int Tn, int C, int hs) {
+  return HeadMatrices{base, static_cast<int64_t>(Tn) * C, hs, C, 1};
+}
+
+// attention_forward through batched_head_gemm; false (nothing written) where oneDNN has no
+// implementation.
+bool batched_attention_forward(float* out, float* att, const float* qkv, int B, int Tn, int C, int NH, bool causal) {
+  const int hs = C / NH, C3 = 3 * C;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  if (!batched_head_gemm(B, NH, Tn, Tn, hs, scale, qkv_heads(qkv, 0, Tn, C3, hs, false),
+                         qkv_heads(qkv, C, Tn, C3, hs, true), 0.0f, maps(att, NH, Tn, false))) {
+    return false;
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < static_cast<int64_t>(B) * NH * Tn; ++r) {
+    softmax_row(att + r * Tn, static_cast<int>(r % Tn), Tn, causal);
+  }
+  return batched_head_gemm(B, NH, Tn, hs, Tn, 1.0f, maps(att, NH, Tn, false), qkv_heads(qkv, 2 * C, Tn, C3, hs, false),
+                           0.0f, row_heads(out, Tn, C, hs));
+}
+
+}  // namespace
+
 template <typename T>
 void attention_forward(MatmulPrecision precision, T* out, T* att, const T* qkv, int B, int Tn, int C, int NH, int NKV,
                        bool causal) {
   if (NKV == 0) NKV = NH;
+  if constexpr (std::is_same_v<T, float>) {
+    if (batched_attention<T>(precision, NH, NKV) && batched_attention_forward(out, att, qkv, B, Tn, C, NH, causal)) {
+      return;
+    }
+  }
   const int hs = C / NH, group = NH / NKV, kv = NKV * hs;
   const int C3 = C + 2 * kv;  // the row width of qkv
   const T scale = T(1) / std::sqrt(static_cast<T>(hs));
@@ -507,32 +595,64 @@ void attention_forward(MatmulPrecision precision, T* out, T* att, const T* qkv, 
     const T* v = row + C + kv + g * hs;
     T* a = att + static_cast<int64_t>(bh) * Tn * Tn;
     gemm<T>(precision, false, true, Tn, Tn, hs, scale, q, C3, k, C3, T(0), a, Tn);
-    for (int i = 0; i < Tn; ++i) {
-      T* row = a + static_cast<int64_t>(i) * Tn;
-      const int last = causal ? i : Tn - 1;  // the last key this query reads
-      T mx = row[0];
-#pragma omp simd reduction(max : mx)
-      for (int j = 1; j <= last; ++j) mx = std::max(mx, row[j]);
-      T sum = 0;
-#pragma omp simd reduction(+ : sum)
-      for (int j = 0; j <= last; ++j) {
-        row[j] = vmath::exp(row[j] - mx);
-        sum += row[j];
-      }
-      const T inv = T(1) / sum;
-#pragma omp simd
-      for (int j = 0; j <= last; ++j) row[j] *= inv;
-      for (int j = last + 1; j < Tn; ++j) row[j] = T(0);
-    }
+    for (int i = 0; i < Tn; ++i) softmax_row(a + static_cast<int64_t>(i) * Tn, i, Tn, causal);
     gemm<T>(precision, false, false, Tn, hs, Tn, T(1), a, Tn, v, C3, T(0),
             out + static_cast<int64_t>(b) * Tn * C + h * hs, C);
   }
 }
 
+namespace {
+
+// The batched backward keeps the probabilities' gradient for all heads at once (the per-head loop:
+// one T x T map per thread); beyond this many floats (32 MB: dense attention at long context) it
+// leaves the products to the per-head loop rather than double the maps' memory.
+constexpr size_t kMaxBatchedMapFloats = size_t{8} << 20;
+
+// attention_backward_input through batched_head_gemm (one key/value head per query head, so every
+// gradient is overwritten by one head's product); false where the maps exceed
+// kMaxBatchedMapFloats or oneDNN has no implementation (then nothing in dqkv is final: the
+// caller's loop overwrites it all).
+bool batched_attention_backward_input(float* dqkv, const float* dout, const float* att, const float* qkv, int B,
+                                      int Tn, int C, int NH, bool causal) {
+  const int hs = C / NH, C3 = 3 * C;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  // The probabilities' gradient for every head at once, kept for the next call.
+  static thread_local std::vector<float> datt_buffer;
+  const size_t map_floats = static_cast<size_t>(B) * NH * Tn * Tn;
+  if (map_floats > kMaxBatchedMapFloats) return false;
+  if (datt_buffer.size() < map_floats) datt_buffer.resize(map_floats);
+  float* datt = datt_buffer.data();
+  const HeadMatrices d = row_heads(dout, Tn, C, hs);
+  // datt = dout v^T; dv = att^T dout
+  if (!batched_head_gemm(B, NH, Tn, Tn, hs, 1.0f, d, qkv_heads(qkv, 2 * C, Tn, C3, hs, true), 0.0f,
+                         maps(datt, NH, Tn, false)) ||
+      !batched_head_gemm(B, NH, Tn, hs, Tn, 1.0f, maps(att, NH, Tn, true), d, 0.0f,
+                         qkv_heads(dqkv, 2 * C, Tn, C3, hs, false))) {
+    return false;
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < static_cast<int64_t>(B) * NH * Tn; ++r) {
+    softmax_backward_row(datt + r * Tn, att + r * Tn, static_cast<int>(r % Tn), Tn, causal, scale);
+  }
+  // dq = datt k; dk = datt^T q
+  return batched_head_gemm(B, NH, Tn, hs, Tn, 1.0f, maps(datt, NH, Tn, false), qkv_heads(qkv, C, Tn, C3, hs, false),
+                           0.0f, qkv_heads(dqkv, 0, Tn, C3, hs, false)) &&
+         batched_head_gemm(B, NH, Tn, hs, Tn, 1.0f, maps(datt, NH, Tn, true), qkv_heads(qkv, 0, Tn, C3, hs, false),
+                           0.0f, qkv_heads(dqkv, C, Tn, C3, hs, false));
+}
+
+}  // namespace
+
 template <typename T>
 void attention_backward_input(MatmulPrecision precision, T* dqkv, const T* dout, const T* att, const T* qkv, int B,
                               int Tn, int C, int NH, int NKV, bool causal) {
   if (NKV == 0) NKV = NH;
+  if constexpr (std::is_same_v<T, float>) {
+    if (batched_attention<T>(precision, NH, NKV) &&
+        batched_attention_backward_input(dqkv, dout, att, qkv, B, Tn, C, NH, causal)) {
+      return;
+    }
+  }
   const int hs = C / NH, group = NH / NKV, kv = NKV * hs;
   const int C3 = C + 2 * kv;
   const T scale = T(1) / std::sqrt(static_cast<T>(hs));
@@ -560,15 +680,8 @@ void attention_backward_input(MatmulPrecision precision, T* dqkv, const T* dout,
       gemm<T>(precision, false, true, Tn, Tn, hs, T(1), d, C, v, C3, T(0), datt, Tn);  // datt = dout v^T
       gemm<T>(precision, true, false, Tn, hs, Tn, T(1), a, Tn, d, C, first, dv, C3);   // dv (+)= att^T dout
       for (int i = 0; i < Tn; ++i) {  // softmax backward, in place, then the 1/sqrt(hs) scale
-        const T* arow = a + static_cast<int64_t>(i) * Tn;
-        T* drow = datt + static_cast<int64_t>(i) * Tn;
-        const int last = causal ? i : Tn - 1;
-        T dot = 0;
-#pragma omp simd reduction(+ : dot)
-        for (int j = 0; j <= last; ++j) dot += arow[j] * drow[j];
-#pragma omp simd
-        for (int j = 0; j <= last; ++j) drow[j] = arow[j] * (drow[j] - dot) * scale;
-        for (int j = last + 1; j < Tn; ++j) drow[j] = T(0);
+        softmax_backward_row(datt + static_cast<int64_t>(i) * Tn, a + static_cast<int64_t>(i) * Tn, i, Tn, causal,
+                             scale);
       }
       gemm<T>(precision, false, false, Tn, hs, Tn, T(1), datt, Tn, k, C3, T(0), dq, C3);  // dq = dpre k
       gemm<T>(precision, true, false, Tn, hs, Tn, T(1), datt, Tn, q, C3, first, dk, C3);  // dk (+)= dpre^T q
