@@ -95,7 +95,7 @@ def peer_train(a, model, steps):
     env = steady_state.clean_env(dict(steady_state.TUNED_ENV))
     cmd = [VENV_PY, PEER] + SHAPE + PEER_MODEL[model] + [
         "--steps", str(steps), "--data", os.path.join(ROOT, steady_state.DATA["train"]),
-        "--val", os.path.join(ROOT, steady_state.DATA["val"]), "--eval-batches", "8", "--threads", "2"]
+        "--val", os.path.join(ROOT, steady_state.DATA["val"]), "--threads", "2"]  # the peer's defaults: Keel's data order, its 16 eval batches
     before = load()
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     if p.returncode != 0:

@@ -13,6 +13,10 @@ sorted by expert (a stable argsort), each expert's rows one contiguous slice, on
 expert and projection, the weighted rows added back with index_add_. Attention is
 scaled_dot_product_attention (causal). Prints one JSON object: the per-step wall ms, the losses,
 the validation loss at the end (with --val), the tokens routed to each expert over the last step.
+The shard is read as keel train reads it (--data-order sequences, the default: each epoch a
+permutation of its sequences of --seq tokens, another permutation than Keel's; "random": random
+offsets, this script's order before 2026-12-05), and the validation loss is over the windows keel
+train evaluates (the validation shard's first --eval-batches batches of consecutive sequences).
 
   python torch_moe_train.py --layers 4 --channels 256 --heads 8 --kv-heads 4 --vocab 8192
       --experts 8 --top-k 2 --moe-hidden 352 --batch 16 --seq 128 --steps 100 --data train.bin --val val.bin
@@ -146,11 +150,25 @@ def read_shard(path):
         return torch.from_numpy(np.frombuffer(f.read(), dtype=dtype).astype(np.int64))
 
 
-def windows(tokens, B, T, gen):
-    starts = torch.randint(0, tokens.numel() - T - 1, (B,), generator=gen)
+def windows(tokens, starts, T):
     x = torch.stack([tokens[s:s + T] for s in starts])
     y = torch.stack([tokens[s + 1:s + T + 1] for s in starts])
     return x, y
+
+
+def batch_starts(tokens, B, T, steps, order, gen):
+    """Each step's B sequence starts. "sequences": as keel train's shuffled loader reads a shard, each
+    epoch a permutation of its sequences of T tokens (sequences left after the last whole batch sit
+    out; another permutation than Keel's); "random": B uniformly random offsets per step."""
+    if order == "sequences":
+        sequences = (tokens.numel() - 1) // T
+        per_epoch = sequences // B
+        if per_epoch < 1:
+            raise SystemExit("--data: %d sequences of %d tokens, fewer than one batch of %d" % (sequences, T, B))
+        epochs = (steps + per_epoch - 1) // per_epoch
+        perms = [torch.randperm(sequences, generator=gen)[:per_epoch * B].view(per_epoch, B) for _ in range(epochs)]
+        return torch.cat(perms)[:steps] * T
+    return torch.randint(0, tokens.numel() - T - 1, (steps, B), generator=gen)
 
 
 def main():
@@ -164,8 +182,12 @@ def main():
     ap.add_argument("--ffn-hidden", type=int, default=0)
     ap.add_argument("--aux-weight", type=float, default=0.01)
     ap.add_argument("--data", required=True)
+    ap.add_argument("--data-order", choices=("sequences", "random"), default="sequences",
+                    help="sequences: each epoch a permutation of the shard's sequences (as keel train shuffles); "
+                         "random: uniformly random offsets")
     ap.add_argument("--val", default=None)
-    ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--eval-batches", type=int, default=16,
+                    help="the validation shard's first N batches of consecutive sequences (as keel train evaluates)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--lr-warmup", type=int, default=20)
     ap.add_argument("--min-lr-ratio", type=float, default=0.1)
@@ -185,6 +207,7 @@ def main():
     forward = torch.compile(model) if a.compile else model
     tokens = read_shard(a.data)
     gen = torch.Generator().manual_seed(a.seed)
+    starts = batch_starts(tokens, a.batch, a.seq, a.steps, a.data_order, gen)
 
     def lr_at(step):  # Keel's schedule: linear warm-up, cosine to min_lr_ratio x lr
         if step < a.lr_warmup:
@@ -194,7 +217,7 @@ def main():
 
     ms, losses = [], []
     for step in range(a.steps):
-        x, y = windows(tokens, a.batch, a.seq, gen)
+        x, y = windows(tokens, starts[step], a.seq)
         model.routed.zero_()
         t0 = time.perf_counter()
         for g in opt.param_groups:
@@ -210,10 +233,15 @@ def main():
            "params": sum(p.numel() for p in model.parameters()), "torch": torch.__version__, "compiled": a.compile}
     if a.val:
         val = read_shard(a.val)
-        vgen = torch.Generator().manual_seed(1)
+        n = min(a.eval_batches * a.batch, (val.numel() - 1) // a.seq)  # the windows keel train evaluates
+        if n < 1:
+            raise SystemExit("--val: %d tokens, fewer than one window of %d" % (val.numel(), a.seq + 1))
         with torch.no_grad():
-            out["val_loss"] = sum(model(*windows(val, a.batch, a.seq, vgen))[0].item()
-                                  for _ in range(a.eval_batches)) / a.eval_batches
+            total = 0.0
+            for b0 in range(0, n, a.batch):
+                rows = torch.arange(b0, min(b0 + a.batch, n)) * a.seq
+                total += model(*windows(val, rows, a.seq))[0].item() * rows.numel()
+        out["val_loss"] = total / n
     print(json.dumps(out))
 
 
