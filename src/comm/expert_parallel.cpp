@@ -32,13 +32,14 @@ bool experts_sharded(const Config& config) {
   if (!config.model.moe() || p.expert <= 1) return false;
   if (p.zero == 0) return true;
   // ZeRO shares the experts' chunks out over their holders (comm/zero.h; ZeRO-3 their parameters
-  // too, comm/sharded_params.h) with float32 state, without tensor groups: under ZeRO-1/2 on one
-  // stage or on each stage of a pipeline whose cut stays (no re-cuts, no gradient prediction),
-  // with or without memory copies (each rank's copy is of its own store, its moments' span), under
-  // ZeRO-3 on one stage without memory tiers. Elsewhere every rank holds every expert.
-  if (p.tensor > 1 || config.runtime.param_dtype != StateDtype::fp32 || config.runtime.grad_dtype != StateDtype::fp32) {
-    return false;
-  }
+  // too, comm/sharded_params.h) without tensor groups: under ZeRO-1/2 on one stage or on each
+  // stage of a pipeline whose cut stays (no re-cuts, no gradient prediction), with or without
+  // memory copies (each rank's copy is of its own store, its moments' span), under ZeRO-3 on one
+  // stage without memory tiers; with bf16 training state (its masters those of the owned chunks,
+  // store/bf16_state.h) under ZeRO-1/2 on one stage without memory tiers. Elsewhere every rank
+  // holds every expert.
+  const bool bf16_state = config.runtime.param_dtype != StateDtype::fp32 || config.runtime.grad_dtype != StateDtype::fp32;
+  if (p.tensor > 1 || (bf16_state && (p.zero == 3 || p.pipeline > 1 || tiering_enabled(config.tier)))) return false;
   if (p.zero == 3) return p.pipeline == 1 && !tiering_enabled(config.tier);
   return p.pipeline == 1 || (p.repartition_every == 0 && p.predict_gradients == PredictGradients::off);
 }
