@@ -5,7 +5,7 @@
 // parallelism (parallel.expert = 2, each rank holding and tiering only its 2 experts of each
 // block, leasing and hinting those that rows were sent to), with the experts homed by routing
 // share too, and its checkpoint resumed without expert parallelism, and under ZeRO-1/2 (a
-// rank owning its experts' whole state); ZeRO-3 (the gathered layer in the compute tier, a
+// rank owning its experts' whole state; also with bf16 training state); ZeRO-3 (the gathered layer in the compute tier, a
 // rank's shard homed by the tiers), with and without expert groups; and what stays refused, in
 // one line each.
 #include <gtest/gtest.h>
@@ -147,6 +147,35 @@ TEST_F(MoeTiersParallel, ExpertGroupsUnderZeroOneAndTwoThroughTheTiersTrainTheir
       fs::remove_all(at(run));
     }
     fs::remove_all(at(reference));
+  }
+}
+
+// bf16 training state with expert groups of 2 under ZeRO-1 and ZeRO-2 on 2 ranks (each rank holds
+// its 2 experts of every block, their bf16 bits and the float32 masters of the chunks it owns
+// outside the tiers; the AdamW moments through them), at twice the toy's width so that a rank's
+// moments (1.5 MB) outgrow the 1 MiB compute tier: the bytes of the same layout in memory, with
+// pages read back through the off-device tiers once the moments exist.
+TEST_F(MoeTiersParallel, Bf16StateWithExpertGroupsUnderZeroOneAndTwoThroughTheTiersTrainsItsBytesInMemory) {
+  const std::string layout = "--set model.n_embd=128 --set runtime.param_dtype=bf16 --set runtime.grad_dtype=bf16 "
+                             "--set parallel.expert=2 --set parallel.zero=";
+  for (const std::string zero : {"1", "2"}) {
+    const std::string reference = "bf16-ep2-zero" + zero, run = reference + "-tiered";
+    testing::CommandResult r = train(reference, layout + zero);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    r = train(run, layout + zero + tiers());
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
+    expect_same_training(reference, run);
+    double read = 0;
+    for (const json& s : lines(run)) {
+      EXPECT_EQ(s.at("tier_stale_refetches").get<int>(), 0) << run;
+      EXPECT_LE(s.at("tier_device_resident_bytes").get<double>(), 1 << 20) << run;
+      read += s.at("tier_nvme_read_bytes").get<double>() + s.at("tier_host_read_bytes").get<double>();
+    }
+    EXPECT_GT(read, 0) << run;
+    EXPECT_TRUE(fs::is_empty(at("nvme"))) << "a tier's file outlived the run";
+    fs::remove_all(at(reference));
+    fs::remove_all(at(run));
   }
 }
 

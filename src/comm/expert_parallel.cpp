@@ -36,10 +36,10 @@ bool experts_sharded(const Config& config) {
   // stage of a pipeline whose cut stays (no re-cuts, no gradient prediction), with or without
   // memory copies (each rank's copy is of its own store, its moments' span), under ZeRO-3 on one
   // stage without memory tiers; with bf16 training state (its masters those of the owned chunks,
-  // store/bf16_state.h) under ZeRO-1/2 on one stage without memory tiers. Elsewhere every rank
-  // holds every expert.
+  // store/bf16_state.h) under ZeRO-1/2 on one stage, with or without memory tiers (the bits and
+  // masters stay outside them). Elsewhere every rank holds every expert.
   const bool bf16_state = config.runtime.param_dtype != StateDtype::fp32 || config.runtime.grad_dtype != StateDtype::fp32;
-  if (p.tensor > 1 || (bf16_state && (p.zero == 3 || p.pipeline > 1 || tiering_enabled(config.tier)))) return false;
+  if (p.tensor > 1 || (bf16_state && (p.zero == 3 || p.pipeline > 1))) return false;
   if (p.zero == 3) return p.pipeline == 1 && !tiering_enabled(config.tier);
   return p.pipeline == 1 || (p.repartition_every == 0 && p.predict_gradients == PredictGradients::off);
 }

@@ -24,8 +24,8 @@
 // gathers the chunks of no expert over the data group and the rank's experts' over their holders.
 // In a pipeline (ZeRO-1/2: each stage's replicas share out the stage's experts so, unless the cut
 // moves or gradients are predicted; ZeRO-3), with tensor groups, with bf16 training state (but
-// without ZeRO, or under ZeRO-1/2 on one stage without memory tiers) and under ZeRO-3 with memory
-// tiers every rank holds every expert: a rank writes weight gradients for its own experts
+// without ZeRO, or under ZeRO-1/2 on one stage) and under ZeRO-3 with memory tiers every rank
+// holds every expert: a rank writes weight gradients for its own experts
 // only, the data-parallel sum adds each expert's over the ranks that ran it, and ZeRO shards the
 // experts' chunks over the data group as the rest.
 #pragma once
@@ -47,7 +47,7 @@ class GPT;
 // under ZeRO without tensor groups, with float32 training state: ZeRO-1/2 on one stage or in a
 // pipeline without re-cuts (parallel.repartition_every = 0) or gradient prediction, with or
 // without memory copies (checkpoint.memory_every), ZeRO-3 on one stage without memory tiers;
-// with bf16 training state: ZeRO-1/2 on one stage without memory tiers. Otherwise every rank holds every expert (its weight gradients zero but for its own),
+// with bf16 training state: ZeRO-1/2 on one stage. Otherwise every rank holds every expert (its weight gradients zero but for its own),
 // sharded over the data group as every other chunk.
 bool experts_sharded(const Config& config);
 // Hands `group` to every mixture-of-experts block of `model` holding every expert (the ZeRO
