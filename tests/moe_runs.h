@@ -25,21 +25,23 @@ inline const std::string kMoeTiny =
 // DeepSeek's auxiliary-loss-free balancing at the rate the tests use.
 inline const std::string kMoeBias = " --set model.moe_balance=bias --set model.moe_bias_rate=0.01 ";
 
-// The unit tests' model: one llama-moe-tiny block (2 + 1 layers: embedding, the block, head) of
-// width 32 with 4 heads, vocabulary 64, 16-token sequences, bias balancing (a test sets the biases).
-inline Config one_moe_block_config() {
+// The unit tests' models: `blocks` llama-moe-tiny blocks (with the embedding and the head) of
+// width 32 with 4 heads, vocabulary 64, 16-token sequences, balanced by `balance`.
+inline Config moe_blocks_config(int blocks, MoeBalance balance) {
   Config c;
   c.model.preset = "llama-moe-tiny";
-  c.model.n_layer = 1;
+  c.model.n_layer = blocks;
   c.model.n_embd = 32;
   c.model.n_head = 4;
   c.model.vocab_size = 64;
   c.model.max_seq_len = 16;
-  c.model.moe_balance = MoeBalance::bias;
+  c.model.moe_balance = balance;
   c.train.seq_len = 16;
   c.resolve(1);
   return c;
 }
+// One block with bias balancing (a test sets the biases).
+inline Config one_moe_block_config() { return moe_blocks_config(1, MoeBalance::bias); }
 
 // The lines of a metrics.jsonl whose `event` is `event` (every event line with ""), in order.
 inline std::vector<nlohmann::json> event_lines(const std::string& metrics_jsonl, const std::string& event = "") {

@@ -74,6 +74,27 @@ class ShardedExperts : public testing::MoeRuns {
   // of owned chunks, in both planes): measured up to 29 KiB here. Were every page of a rank's
   // moment span resident (the whole store on 2 ranks), it would be 0.26 MB more.
   static constexpr int64_t kMomentRunSlackBytes = 16 * 4096;
+  // A resumed run: on `ranks` ranks into `run`, with `extra`.
+  struct Resume {
+    int ranks;
+    std::string run, extra;
+  };
+  // `saving`'s step-4 checkpoint (a run on 2 ranks in `layout`) resumed in the same layout gives
+  // the uninterrupted run's bytes, and in each of `elsewhere` goes on as one rank with the whole
+  // batch trained ("one-b2", from step 4 on: float32 state).
+  static void expect_resumes(const std::string& saving, const std::string& layout, const std::vector<Resume>& elsewhere) {
+    const std::string from = " --set train.resume=" + at(saving) + "/ckpt/step-00000004";
+    const testing::CommandResult same = train(2, saving + "-resumed", layout + from);
+    ASSERT_EQ(same.exit_code, 0) << same.output;
+    EXPECT_NE(same.output.find("resumed from"), std::string::npos) << same.output;
+    expect_same_checkpoint(saving, saving + "-resumed");
+    for (const Resume& c : elsewhere) {
+      const testing::CommandResult r = train(c.ranks, c.run, c.extra + from + " --set train.checkpoint_every=4");
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+      expect_like("one-b2", c.run, 4);
+    }
+  }
   // The alignment gaps (chunks start on 4 KiB boundaries) after a rank's owned chunks, which its
   // float32 masters (bf16 state: between consecutive owned chunks) and its moments' extents (both
   // planes: after each owned chunk) hold beside its tensors' bytes: measured up to 10.5 KiB of
@@ -147,11 +168,8 @@ TEST_F(ShardedExperts, Bf16StateUnderZeroOneAndTwoHoldsOnlyEachRanksExperts) {
       }
     }
   }
+  expect_resumes("bf16-zero1-d2", ep + "--set parallel.zero=1 ", {});
   const std::string from = at("bf16-zero1-d2") + "/ckpt/step-00000004";
-  const testing::CommandResult same = train(2, "bf16-zero1-resumed", ep + "--set parallel.zero=1 --set train.resume=" + from);
-  ASSERT_EQ(same.exit_code, 0) << same.output;
-  EXPECT_NE(same.output.find("resumed from"), std::string::npos) << same.output;
-  expect_same_checkpoint("bf16-zero1-d2", "bf16-zero1-resumed");
   const testing::CommandResult one =
       train(1, "bf16-zero1-to-one", bf16 + "--set train.batch_size=2 --set train.steps=4 --set train.resume=" + from);
   ASSERT_EQ(one.exit_code, 0) << one.output;
@@ -311,22 +329,8 @@ TEST_F(ShardedExperts, ZeroThreeHoldsOnlyEachRanksExperts) {
       }
     }
   }
-  const std::string from = " --set train.resume=" + at("zero3-ep2-d2") + "/ckpt/step-00000004";
-  const testing::CommandResult same = train(2, "z3ep2-resumed", z3ep2 + from);
-  ASSERT_EQ(same.exit_code, 0) << same.output;
-  EXPECT_NE(same.output.find("resumed from"), std::string::npos) << same.output;
-  expect_same_checkpoint("zero3-ep2-d2", "z3ep2-resumed");
-  struct Resume {
-    int ranks;
-    std::string run, extra;
-  };
-  for (const Resume& c : {Resume{1, "z3ep2-to-one", "--set train.batch_size=2" + from},
-                          Resume{2, "z3ep2-to-zero0", "--set parallel.zero=0" + from}}) {
-    const testing::CommandResult r = train(c.ranks, c.run, c.extra + " --set train.checkpoint_every=4");
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
-    expect_like("one-b2", c.run, 4);
-  }
+  expect_resumes("zero3-ep2-d2", z3ep2, {Resume{1, "z3ep2-to-one", "--set train.batch_size=2"},
+                                         Resume{2, "z3ep2-to-zero0", "--set parallel.zero=0"}});
 }
 
 // Two replicas of two pipeline stages under ZeRO-1 and ZeRO-2, each stage's replicas an expert
@@ -375,23 +379,9 @@ TEST_F(ShardedExperts, ZeroCheckpointsResumeInOtherExpertAndZeroLayouts) {
   if (!std::filesystem::exists(at("zero1-ep2-d2") + "/ckpt")) {
     ASSERT_EQ(train(2, "zero1-ep2-d2", ep + z1 + "--set train.checkpoint_every=4").exit_code, 0);
   }
-  const std::string from = " --set train.resume=" + at("zero1-ep2-d2") + "/ckpt/step-00000004";
-  const testing::CommandResult same = train(2, "z1ep2-resumed", ep + z1 + from);
-  ASSERT_EQ(same.exit_code, 0) << same.output;
-  EXPECT_NE(same.output.find("resumed from"), std::string::npos) << same.output;
-  expect_same_checkpoint("zero1-ep2-d2", "z1ep2-resumed");
-  struct Resume {
-    int ranks;
-    std::string run, extra;
-  };
-  for (const Resume& c : {Resume{1, "z1ep2-to-one", "--set train.batch_size=2" + from},
-                          Resume{2, "z1ep2-to-zero2", "--set parallel.zero=2" + from},
-                          Resume{2, "z1ep2-to-z2ep2", ep + "--set parallel.zero=2" + from}}) {
-    const testing::CommandResult r = train(c.ranks, c.run, c.extra + " --set train.checkpoint_every=4");
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
-    expect_like("one-b2", c.run, 4);
-  }
+  expect_resumes("zero1-ep2-d2", ep + z1, {Resume{1, "z1ep2-to-one", "--set train.batch_size=2"},
+                                           Resume{2, "z1ep2-to-zero2", "--set parallel.zero=2"},
+                                           Resume{2, "z1ep2-to-z2ep2", ep + "--set parallel.zero=2"}});
 }
 
 }  // namespace

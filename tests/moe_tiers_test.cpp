@@ -161,15 +161,7 @@ TEST(MoeTierLeases, UnchosenExpertsPagesAreNotTouched) {
 // experts in), and train the same bytes. Every transfer completes before the next operation
 // (the expert products are tiny): the counts do not depend on the machine's speed.
 TEST(MoeTierLeases, ReHomedExpertsHitAsExpertsPlacedThere) {
-  Config c;
-  c.model.preset = "llama-moe-tiny";
-  c.model.n_layer = 2;
-  c.model.n_embd = 32;
-  c.model.n_head = 4;
-  c.model.vocab_size = 64;
-  c.model.max_seq_len = 16;
-  c.train.seq_len = 16;
-  c.resolve(1);
+  const Config c = testing::moe_blocks_config(2, MoeBalance::aux);
   const ModelConfig& m = c.model;
   const int B = 2, T = 8, kRunSteps = 7, kRehomeAfter = 2, kCompareFrom = 4;
   struct Run {
