@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -24,21 +25,23 @@ inline const std::string kMoeTiny =
 // DeepSeek's auxiliary-loss-free balancing at the rate the tests use.
 inline const std::string kMoeBias = " --set model.moe_balance=bias --set model.moe_bias_rate=0.01 ";
 
-// The unit tests' model: one llama-moe-tiny block (2 + 1 layers: embedding, the block, head) of
-// width 32 with 4 heads, vocabulary 64, 16-token sequences, bias balancing (a test sets the biases).
-inline Config one_moe_block_config() {
+// The unit tests' models: `blocks` llama-moe-tiny blocks (with the embedding and the head) of
+// width 32 with 4 heads, vocabulary 64, 16-token sequences, balanced by `balance`.
+inline Config moe_blocks_config(int blocks, MoeBalance balance) {
   Config c;
   c.model.preset = "llama-moe-tiny";
-  c.model.n_layer = 1;
+  c.model.n_layer = blocks;
   c.model.n_embd = 32;
   c.model.n_head = 4;
   c.model.vocab_size = 64;
   c.model.max_seq_len = 16;
-  c.model.moe_balance = MoeBalance::bias;
+  c.model.moe_balance = balance;
   c.train.seq_len = 16;
   c.resolve(1);
   return c;
 }
+// One block with bias balancing (a test sets the biases).
+inline Config one_moe_block_config() { return moe_blocks_config(1, MoeBalance::bias); }
 
 // The lines of a metrics.jsonl whose `event` is `event` (every event line with ""), in order.
 inline std::vector<nlohmann::json> event_lines(const std::string& metrics_jsonl, const std::string& event = "") {
@@ -88,27 +91,64 @@ inline void expect_moe_training_like(const std::string& reference, const std::st
   for (const auto& [name, d] : distance) EXPECT_LT(d, 1e-5) << run << ": " << name;
 }
 
+// The newest checkpoints of the runs in directories `reference` and `run` hold the same bytes:
+// parameters and both moments.
+inline void expect_same_checkpoint_bytes(const std::string& reference, const std::string& run) {
+  for (Plane p : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+    EXPECT_EQ(checkpoint_bytes(run + "/ckpt", p), checkpoint_bytes(reference + "/ckpt", p))
+        << run << " plane " << static_cast<int>(p);
+  }
+}
+
+// The run in directory `run` trained `reference`'s bytes: the same checkpoint bytes, every step's
+// loss and every block's routing figures.
+inline void expect_same_training_bytes(const std::string& reference, const std::string& run) {
+  expect_same_checkpoint_bytes(reference, run);
+  const std::vector<nlohmann::json> got = step_lines(run + "/metrics.jsonl"),
+                                    want = step_lines(reference + "/metrics.jsonl");
+  ASSERT_EQ(got.size(), want.size()) << run;
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].at("loss").get<double>(), want[i].at("loss").get<double>()) << run << " step " << i + 1;
+    EXPECT_EQ(got[i].at("moe_layers"), want[i].at("moe_layers")) << run << " step " << i + 1;
+  }
+}
+
 // A suite's runs of llama-moe-tiny under one temporary directory, made by the suite's
 // SetUpTestSuite (start_suite) and removed after its last test.
 class MoeRuns : public ::testing::Test {
  protected:
-  // A fresh directory named by `tag` with the toy corpus and a config of `steps` steps.
-  static void start_suite(const std::string& tag, int steps) {
+  // A fresh directory named by `tag` with the toy corpus, a config of `steps` steps and an empty
+  // nvme/ for memory tiers' files; `every_run`: --set options of every run of the suite (before
+  // each run's own).
+  static void start_suite(const std::string& tag, int steps, const std::string& every_run = "") {
     dir_ = new TempDir(tag);
     write_toy_corpus(dir_->path());
     write_toy_config(dir_->path(), steps);
+    std::filesystem::create_directories(dir_->path() + "/nvme");
+    every_run_ = every_run;
   }
   static void TearDownTestSuite() {
     delete dir_;
     dir_ = nullptr;
   }
-  // Trains into run `run` with `ranks` ranks (0: plain `keel train`, no MPI): 2 micro-batches of 2
-  // sequences of 32 tokens per step and data-parallel rank, no evaluation; `extra` overrides.
-  static CommandResult train(int ranks, const std::string& run, const std::string& extra) {
+  // The keel arguments that train into run `run` with `ranks` ranks (0: plain `keel train`, no
+  // MPI; `launch`: options of `keel launch`): 2 micro-batches of 2 sequences of 32 tokens per step
+  // and data-parallel rank, no evaluation; the suite's options, then `extra`, override.
+  static std::string train_args(int ranks, const std::string& run, const std::string& extra,
+                                const std::string& launch = "") {
     const std::string args = "train --config " + dir_->path() + "/toy.toml" + kMoeTiny +
-                             "--set train.batch_size=2 --set train.grad_accum=2 --set train.eval_every=0" +
-                             " --set train.run_dir=" + at(run) + " " + extra;
-    return run_keel(ranks == 0 ? args : "launch -n " + std::to_string(ranks) + " -- " + args);
+                             "--set train.batch_size=2 --set train.grad_accum=2 --set train.eval_every=0 " +
+                             every_run_ + " --set train.run_dir=" + at(run) + " " + extra;
+    return ranks == 0 ? args : "launch -n " + std::to_string(ranks) + " " + launch + "-- " + args;
+  }
+  static CommandResult train(int ranks, const std::string& run, const std::string& extra) {
+    return run_keel(train_args(ranks, run, extra));
+  }
+  // Memory tiers of 1 MiB of compute and 1 MiB of host DRAM, NVMe (the suite's nvme/) for the
+  // rest, every page's bytes verified; then `extra`.
+  static std::string one_mib_tiers(const std::string& extra = "") {
+    return " --set tier.device_mib=1 --set tier.host_mib=1 --set tier.verify=true --set tier.nvme_dir=" + at("nvme") +
+           " " + extra + " ";
   }
   static std::string at(const std::string& run) { return dir_->path() + "/" + run; }
   // The run's step lines, and its `event` lines (every event line with "").
@@ -120,7 +160,15 @@ class MoeRuns : public ::testing::Test {
   static void expect_like(const std::string& reference, const std::string& run, size_t first = 0) {
     expect_moe_training_like(at(reference), at(run), first);
   }
+  // expect_same_checkpoint_bytes and expect_same_training_bytes over two of the suite's runs.
+  static void expect_same_checkpoint(const std::string& reference, const std::string& run) {
+    expect_same_checkpoint_bytes(at(reference), at(run));
+  }
+  static void expect_same_training(const std::string& reference, const std::string& run) {
+    expect_same_training_bytes(at(reference), at(run));
+  }
   inline static TempDir* dir_ = nullptr;
+  inline static std::string every_run_;
 };
 
 }  // namespace keel::testing

@@ -5,7 +5,7 @@
 // parallelism (parallel.expert = 2, each rank holding and tiering only its 2 experts of each
 // block, leasing and hinting those that rows were sent to), with the experts homed by routing
 // share too, and its checkpoint resumed without expert parallelism, and under ZeRO-1/2 (a
-// rank owning its experts' whole state); ZeRO-3 (the gathered layer in the compute tier, a
+// rank owning its experts' whole state; also with bf16 training state); ZeRO-3 (the gathered layer in the compute tier, a
 // rank's shard homed by the tiers), with and without expert groups; and what stays refused, in
 // one line each.
 #include <gtest/gtest.h>
@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/fileio.h"
+#include "moe_runs.h"
 #include "test_util.h"
 
 namespace keel {
@@ -22,55 +23,25 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-class MoeTiersParallel : public ::testing::Test {
+// 2 micro-batches of one sequence of 32 tokens per step and rank; chunks of 64 KiB (an expert's
+// weights are 48 KiB: a chunk of its own).
+class MoeTiersParallel : public testing::MoeRuns {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new testing::TempDir("keel-moe-tiers-parallel");
-    testing::write_toy_corpus(dir_->path());
-    testing::write_toy_config(dir_->path(), kSteps);
-    fs::create_directories(dir_->path() + "/nvme");
-  }
-  static void TearDownTestSuite() {
-    delete dir_;
-    dir_ = nullptr;
+    start_suite("keel-moe-tiers-parallel", kSteps,
+                "--set train.batch_size=1 --set store.chunk_bytes=65536 --set runtime.threads=1");
   }
   static constexpr int kSteps = 6;
-  // 2 micro-batches of one sequence of 32 tokens per step and rank; chunks of 64 KiB (an expert's
-  // weights are 48 KiB: a chunk of its own).
-  static std::string common() {
-    return " --set model.preset=llama-moe-tiny --set model.vocab_size=64 --set model.max_seq_len=32"
-           " --set train.batch_size=1 --set train.grad_accum=2 --set train.eval_every=0 --set store.chunk_bytes=65536"
-           " --set runtime.threads=1";
-  }
   // A compute tier of 1 MiB with 1 MiB of host DRAM and NVMe for the rest.
-  static std::string tiers() {
-    return " --set tier.device_mib=1 --set tier.host_mib=1 --set tier.verify=true --set tier.nvme_dir=" + at("nvme") + " ";
-  }
+  static std::string tiers() { return one_mib_tiers(); }
   static testing::CommandResult train(const std::string& run, const std::string& extra, int ranks = 2) {
-    return testing::run_keel("launch -n " + std::to_string(ranks) + " -- train --config " + dir_->path() +
-                             "/toy.toml" + common() + " --set train.run_dir=" + at(run) + " " + extra);
-  }
-  static std::string at(const std::string& run) { return dir_->path() + "/" + run; }
-  static std::vector<json> steps(const std::string& run) { return testing::step_lines(at(run) + "/metrics.jsonl"); }
-  // `run` trained `reference`'s bytes: weights and moments of the last checkpoint, every step's
-  // loss and every block's routing figures.
-  static void expect_same_bytes(const std::string& reference, const std::string& run) {
-    for (Plane p : {Plane::param, Plane::adam_m, Plane::adam_v}) {
-      EXPECT_EQ(testing::checkpoint_bytes(at(run) + "/ckpt", p), testing::checkpoint_bytes(at(reference) + "/ckpt", p))
-          << run << " plane " << static_cast<int>(p);
-    }
-    const std::vector<json> got = steps(run), want = steps(reference);
-    ASSERT_EQ(got.size(), want.size()) << run;
-    for (size_t i = 0; i < got.size(); ++i) {
-      EXPECT_EQ(got[i].at("loss").get<double>(), want[i].at("loss").get<double>()) << run << " step " << i + 1;
-      EXPECT_EQ(got[i].at("moe_layers"), want[i].at("moe_layers")) << run << " step " << i + 1;
-    }
+    return MoeRuns::train(ranks, run, extra);
   }
   // Every step of `run` (from step `first_read` on) moved pages through rank 0's off-device tiers,
   // and every step reported rank 0's experts (`experts`, their numbers in each block), within the
   // compute tier's budget.
   static void expect_tiered(const std::string& run, const std::vector<int>& experts, int first_read = 1) {
-    const std::vector<json> got = steps(run);
+    const std::vector<json> got = lines(run);
     ASSERT_EQ(got.size(), static_cast<size_t>(kSteps)) << run;
     for (const json& s : got) {
       EXPECT_EQ(s.at("tier_stale_refetches").get<int>(), 0) << run;
@@ -87,10 +58,7 @@ class MoeTiersParallel : public ::testing::Test {
       }
     }
   }
-  static testing::TempDir* dir_;
 };
-
-testing::TempDir* MoeTiersParallel::dir_ = nullptr;
 
 // Expert groups of 2 over 2 ranks (each rank holds, tiers and runs experts 0-1 or 2-3 of every
 // block): through a 1 MiB compute tier, with the experts' homes as placed and re-homed by
@@ -111,13 +79,13 @@ TEST_F(MoeTiersParallel, ExpertGroupsThroughTheTiersTrainTheirBytesInMemory) {
     r = train(run, ep + tiers() + variant);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
-    expect_same_bytes(reference, run);
+    expect_same_training(reference, run);
     expect_tiered(run, {0, 1});
     EXPECT_TRUE(fs::is_empty(at("nvme"))) << "a tier's file outlived the run";
   }
   // By routing share: re-homed at least once (the plan moves the experts off their placement).
   int rehomed = 0;
-  for (const json& s : steps("ep2-freq")) rehomed += s.contains("tier_experts_rehomed") ? 1 : 0;
+  for (const json& s : lines("ep2-freq")) rehomed += s.contains("tier_experts_rehomed") ? 1 : 0;
   EXPECT_GE(rehomed, 1);
 
   const std::string from = " --set train.resume=", step4 = "/ckpt/step-00000004";
@@ -126,7 +94,7 @@ TEST_F(MoeTiersParallel, ExpertGroupsThroughTheTiersTrainTheirBytesInMemory) {
   r = train("ep1-tiered-resumed", tiers() + from + at("ep2-tiered") + step4);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
-  expect_same_bytes("ep1-resumed", "ep1-tiered-resumed");
+  expect_same_training("ep1-resumed", "ep1-tiered-resumed");
 }
 
 // ZeRO-3 over 2 ranks with the tiers (a rank's shard homed there, each MoE block's whole layer
@@ -140,7 +108,7 @@ TEST_F(MoeTiersParallel, ZeroThreeThroughTheTiersTrainsItsBytesInMemory) {
     r = train("z3-tiered", layout + tiers());
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("keel: ZeRO-3 over 2 ranks"), std::string::npos) << r.output;
-    expect_same_bytes("z3", "z3-tiered");
+    expect_same_training("z3", "z3-tiered");
     expect_tiered("z3-tiered", {0, 1, 2, 3});
     EXPECT_TRUE(fs::is_empty(at("nvme"))) << "a tier's file outlived the run";
     fs::remove_all(at("z3"));
@@ -172,13 +140,42 @@ TEST_F(MoeTiersParallel, ExpertGroupsUnderZeroOneAndTwoThroughTheTiersTrainTheir
       r = train(run, layout + tiers() + variant, c.ranks);
       ASSERT_EQ(r.exit_code, 0) << r.output;
       EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
-      expect_same_bytes(reference, run);
+      expect_same_training(reference, run);
       // (on 4 ranks a rank's first step fits its compute tier: its pages are read back from step 2)
       expect_tiered(run, {0, 1}, c.ranks == 4 ? 2 : 1);
       EXPECT_TRUE(fs::is_empty(at("nvme"))) << "a tier's file outlived the run";
       fs::remove_all(at(run));
     }
     fs::remove_all(at(reference));
+  }
+}
+
+// bf16 training state with expert groups of 2 under ZeRO-1 and ZeRO-2 on 2 ranks (each rank holds
+// its 2 experts of every block, their bf16 bits and the float32 masters of the chunks it owns
+// outside the tiers; the AdamW moments through them), at twice the toy's width so that a rank's
+// moments (1.5 MB) outgrow the 1 MiB compute tier: the bytes of the same layout in memory, with
+// pages read back through the off-device tiers once the moments exist.
+TEST_F(MoeTiersParallel, Bf16StateWithExpertGroupsUnderZeroOneAndTwoThroughTheTiersTrainsItsBytesInMemory) {
+  const std::string layout = "--set model.n_embd=128 --set runtime.param_dtype=bf16 --set runtime.grad_dtype=bf16 "
+                             "--set parallel.expert=2 --set parallel.zero=";
+  for (const std::string zero : {"1", "2"}) {
+    const std::string reference = "bf16-ep2-zero" + zero, run = reference + "-tiered";
+    testing::CommandResult r = train(reference, layout + zero);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    r = train(run, layout + zero + tiers());
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
+    expect_same_training(reference, run);
+    double read = 0;
+    for (const json& s : lines(run)) {
+      EXPECT_EQ(s.at("tier_stale_refetches").get<int>(), 0) << run;
+      EXPECT_LE(s.at("tier_device_resident_bytes").get<double>(), 1 << 20) << run;
+      read += s.at("tier_nvme_read_bytes").get<double>() + s.at("tier_host_read_bytes").get<double>();
+    }
+    EXPECT_GT(read, 0) << run;
+    EXPECT_TRUE(fs::is_empty(at("nvme"))) << "a tier's file outlived the run";
+    fs::remove_all(at(reference));
+    fs::remove_all(at(run));
   }
 }
 
@@ -207,17 +204,17 @@ TEST_F(MoeTiersParallel, PipelineStagesThroughTheTiersTrainTheirBytesInMemory) {
     ASSERT_EQ(r.exit_code, 0) << r.output;
     r = train(c.run, c.layout + tiers() + c.tiered, c.ranks);
     ASSERT_EQ(r.exit_code, 0) << r.output;
-    expect_same_bytes(c.reference, c.run);
+    expect_same_training(c.reference, c.run);
     // (Rank 0's stage reads nothing off the device in step 1: what it touches then fits the compute tier.)
     expect_tiered(c.run, c.experts, 2);
-    for (const json& s : steps(c.run)) {
+    for (const json& s : lines(c.run)) {
       EXPECT_EQ(s.at("tier_experts")[0].at("layer").get<int>(), 1) << s;
       EXPECT_EQ(s.at("tier_experts")[1].at("layer").get<int>(), 2) << s;
     }
     EXPECT_TRUE(fs::is_empty(at("nvme"))) << "a tier's file outlived the run";
   }
   int rehomed = 0;
-  for (const json& s : steps("p2-freq")) rehomed += s.contains("tier_experts_rehomed") ? 1 : 0;
+  for (const json& s : lines("p2-freq")) rehomed += s.contains("tier_experts_rehomed") ? 1 : 0;
   EXPECT_GE(rehomed, 1);
 
   const std::string recut = p2 + noaux +
@@ -231,8 +228,8 @@ TEST_F(MoeTiersParallel, PipelineStagesThroughTheTiersTrainTheirBytesInMemory) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   // (The cuts follow measured times, so the two runs need not cut alike: where they cut apart, at
   // "2" and "3", they trained the same bytes.)
-  expect_same_bytes("p2-recut", "p2-recut-freq");
-  const std::vector<json> got = steps("p2-recut-freq");
+  expect_same_training("p2-recut", "p2-recut-freq");
+  const std::vector<json> got = lines("p2-recut-freq");
   int moves = 0;
   for (size_t i = 0; i < got.size(); ++i) {
     moves += got[i].at("stage_boundaries") != (i == 0 ? json("1") : got[i - 1].at("stage_boundaries"));

@@ -29,58 +29,22 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-class MoeTiers : public ::testing::Test {
+// 2 micro-batches of 2 sequences of 32 tokens per step; chunks of 64 KiB (an expert's weights
+// are 48 KiB: a chunk of its own).
+class MoeTiers : public testing::MoeRuns {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new testing::TempDir("keel-moe-tiers");
-    testing::write_toy_corpus(dir_->path());
-    testing::write_toy_config(dir_->path(), kSteps);
-    fs::create_directories(dir_->path() + "/nvme");
+    start_suite("keel-moe-tiers", kSteps, "--set store.chunk_bytes=65536 --set runtime.threads=1");
     const testing::CommandResult memory = train("memory", "");
     ASSERT_EQ(memory.exit_code, 0) << memory.output;
   }
-  static void TearDownTestSuite() {
-    delete dir_;
-    dir_ = nullptr;
-  }
   static constexpr int kSteps = 8;
-  // 2 micro-batches of 2 sequences of 32 tokens per step; chunks of 64 KiB (an expert's weights
-  // are 48 KiB: a chunk of its own).
-  static std::string common() {
-    return " --set model.preset=llama-moe-tiny --set model.vocab_size=64 --set model.max_seq_len=32"
-           " --set train.batch_size=2 --set train.grad_accum=2 --set train.eval_every=0 --set store.chunk_bytes=65536"
-           " --set runtime.threads=1";
+  static testing::CommandResult train(const std::string& run, const std::string& extra) {
+    return MoeRuns::train(0, run, extra);
   }
   // A compute tier of 1 MiB for 2.3 MiB of state: most pages live on host DRAM and NVMe.
-  static std::string tiers(const std::string& extra = "") {
-    return " --set tier.device_mib=1 --set tier.host_mib=1 --set tier.verify=true --set tier.nvme_dir=" + at("nvme") +
-           " " + extra;
-  }
-  static testing::CommandResult train(const std::string& run, const std::string& extra) {
-    return testing::run_keel("train --config " + dir_->path() + "/toy.toml" + common() + " --set train.run_dir=" +
-                             at(run) + " " + extra);
-  }
-  static std::string at(const std::string& run) { return dir_->path() + "/" + run; }
-  static std::vector<json> steps(const std::string& run) {
-    return testing::step_lines(at(run) + "/metrics.jsonl");
-  }
-  // The run's weights and moments, every loss and every block's routing are the memory run's bytes.
-  static void expect_memory_bytes(const std::string& run, const std::string& what) {
-    for (Plane p : {Plane::param, Plane::adam_m, Plane::adam_v}) {
-      EXPECT_EQ(testing::checkpoint_bytes(at(run) + "/ckpt", p), testing::checkpoint_bytes(at("memory") + "/ckpt", p))
-          << what << " plane " << static_cast<int>(p);
-    }
-    const std::vector<json> got = steps(run), want = steps("memory");
-    ASSERT_EQ(got.size(), want.size()) << what;
-    for (size_t i = 0; i < got.size(); ++i) {
-      EXPECT_EQ(got[i].at("loss").get<double>(), want[i].at("loss").get<double>()) << what << " step " << i + 1;
-      EXPECT_EQ(got[i].at("moe_layers"), want[i].at("moe_layers")) << what << " step " << i + 1;
-    }
-  }
-  static testing::TempDir* dir_;
+  static std::string tiers(const std::string& extra = "") { return one_mib_tiers(extra); }
 };
-
-testing::TempDir* MoeTiers::dir_ = nullptr;
 
 // The tiered runs (prefetch on and off, io_uring and the thread pool, the experts homed by
 // routing share) train the bytes of the run in memory, with traffic through both off-device
@@ -88,11 +52,12 @@ testing::TempDir* MoeTiers::dir_ = nullptr;
 TEST_F(MoeTiers, ASmallComputeTierTrainsTheBytesOfTrainingInMemory) {
   for (const std::string& variant : {std::string(""), std::string("--set tier.prefetch=false --set tier.engine=threads"),
                                      std::string("--set tier.experts=by_frequency --set tier.experts_every=2")}) {
+    SCOPED_TRACE(variant);
     const testing::CommandResult r = train("tiered", tiers(variant));
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("keel: tiered memory: device 1 MiB"), std::string::npos) << r.output;
-    expect_memory_bytes("tiered", variant);
-    for (const json& s : steps("tiered")) {
+    expect_same_training("memory", "tiered");  // weights, moments, every loss and block's routing
+    for (const json& s : lines("tiered")) {
       EXPECT_EQ(s.at("tier_stale_refetches").get<int>(), 0);
       EXPECT_GT(s.at("tier_nvme_read_bytes").get<double>() + s.at("tier_host_read_bytes").get<double>(), 0);
       EXPECT_LE(s.at("tier_device_resident_bytes").get<double>(), 1 << 20);
@@ -120,9 +85,7 @@ TEST_F(MoeTiers, ResumesThroughTheTiersToTheSameBytes) {
   r = train("resumed", tiers("--set train.checkpoint_every=4 --set train.resume=auto"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
-  for (Plane p : {Plane::param, Plane::adam_m, Plane::adam_v}) {
-    EXPECT_EQ(testing::checkpoint_bytes(at("resumed") + "/ckpt", p), testing::checkpoint_bytes(at("memory") + "/ckpt", p));
-  }
+  expect_same_checkpoint("memory", "resumed");
   fs::remove_all(at("resumed"));
 }
 
@@ -198,15 +161,7 @@ TEST(MoeTierLeases, UnchosenExpertsPagesAreNotTouched) {
 // experts in), and train the same bytes. Every transfer completes before the next operation
 // (the expert products are tiny): the counts do not depend on the machine's speed.
 TEST(MoeTierLeases, ReHomedExpertsHitAsExpertsPlacedThere) {
-  Config c;
-  c.model.preset = "llama-moe-tiny";
-  c.model.n_layer = 2;
-  c.model.n_embd = 32;
-  c.model.n_head = 4;
-  c.model.vocab_size = 64;
-  c.model.max_seq_len = 16;
-  c.train.seq_len = 16;
-  c.resolve(1);
+  const Config c = testing::moe_blocks_config(2, MoeBalance::aux);
   const ModelConfig& m = c.model;
   const int B = 2, T = 8, kRunSteps = 7, kRehomeAfter = 2, kCompareFrom = 4;
   struct Run {
@@ -305,7 +260,7 @@ TEST_F(MoeTiers, ByFrequencyHomesTheMostChosenExpertsOnTheDevice) {
       train("frequency", tiers("--set tier.experts=by_frequency --set tier.experts_every=2 --set model.moe_aux_weight=0"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("tier.experts = by_frequency"), std::string::npos) << r.output;
-  const std::vector<json> got = steps("frequency");
+  const std::vector<json> got = lines("frequency");
   ASSERT_EQ(got.size(), static_cast<size_t>(kSteps));
   int rehomed = 0;
   for (size_t i = 1; i < got.size(); i += 2) {  // steps 2, 4, ...: a plan from this step and the one before
@@ -368,17 +323,8 @@ TEST_F(MoeTiers, ByFrequencyWithBf16ProductsTrainsTheBytesOfBf16InMemory) {
   r = train("tiered-bf16", bf16 + tiers("--set tier.experts=by_frequency --set tier.experts_every=2"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("tier.experts = by_frequency"), std::string::npos) << r.output;
-  for (Plane p : {Plane::param, Plane::adam_m, Plane::adam_v}) {
-    EXPECT_EQ(testing::checkpoint_bytes(at("tiered-bf16") + "/ckpt", p), testing::checkpoint_bytes(at("memory-bf16") + "/ckpt", p))
-        << "plane " << static_cast<int>(p);
-  }
-  const std::vector<json> got = steps("tiered-bf16"), want = steps("memory-bf16");
-  ASSERT_EQ(got.size(), want.size());
-  for (size_t i = 0; i < got.size(); ++i) {
-    EXPECT_EQ(got[i].at("loss").get<double>(), want[i].at("loss").get<double>()) << "step " << i + 1;
-    EXPECT_EQ(got[i].at("moe_layers"), want[i].at("moe_layers")) << "step " << i + 1;
-    EXPECT_EQ(got[i].at("tier_stale_refetches").get<int>(), 0);
-  }
+  expect_same_training("memory-bf16", "tiered-bf16");
+  for (const json& s : lines("tiered-bf16")) EXPECT_EQ(s.at("tier_stale_refetches").get<int>(), 0);
   EXPECT_NE(testing::checkpoint_bytes(at("memory-bf16") + "/ckpt"), testing::checkpoint_bytes(at("memory") + "/ckpt"))
       << "bf16 products trained float32's bytes";
   fs::remove_all(at("memory-bf16"));

@@ -19,6 +19,21 @@ double ms_between(std::chrono::steady_clock::time_point a, std::chrono::steady_c
 bool same_codec(const CodecParams& a, const CodecParams& b) {
   return a.kind == b.kind && a.keep == b.keep && a.block == b.block;
 }
+
+// ZeRO-2: the elements of a bucket's reduce-scatter each rank of its group receives, and where
+// rank `rank`'s part lies (with sharded experts an expert bucket's group is its holders, by the
+// partition's expert tiling).
+struct ScatterShares {
+  std::vector<int> counts;
+  int64_t own_offset = 0, own_count = 0;
+};
+ScatterShares scatter_shares(const ChunkPartition& to, int rank, int64_t offset, int64_t numel, bool expert) {
+  ScatterShares s;
+  s.counts = to.intersect(offset, numel, expert);
+  s.own_offset = std::max(offset, (expert ? to.expert_begin : to.begin)[static_cast<size_t>(rank)]);
+  s.own_count = s.counts[static_cast<size_t>(rank)];
+  return s;
+}
 }  // namespace
 
 GradSync::GradSync(Communicator& comm, ChunkStore& store, GradSyncOptions options)
@@ -205,10 +220,11 @@ void GradSync::after_backward_weight(int layer) {
       if (scatter_to_ == nullptr) {
         b.request = comm_of(b).iallreduce_sum_bf16(bits, static_cast<size_t>(b.numel));
       } else {
-        const std::vector<int> counts = scatter_to_->intersect(b.offset, b.numel);
-        b.own_offset = std::max(b.offset, scatter_to_->begin[comm_.rank()]);
-        b.own_count = counts[comm_.rank()];
-        b.request = comm_.ireduce_scatter_sum_bf16(bits, counts);
+        Communicator& over = comm_of(b);
+        const ScatterShares shares = scatter_shares(*scatter_to_, over.rank(), b.offset, b.numel, b.expert);
+        b.own_offset = shares.own_offset;
+        b.own_count = shares.own_count;
+        b.request = over.ireduce_scatter_sum_bf16(bits, shares.counts);
       }
       b.compressed_now = false;
       b.settled = false;
@@ -229,13 +245,11 @@ void GradSync::after_backward_weight(int layer) {
     } else if (scatter_to_ == nullptr) {
       b.request = comm_of(b).iallreduce_sum(data, static_cast<size_t>(b.numel));
     } else {
-      // (An expert bucket over its holders, by the partition's expert tiling.)
       Communicator& over = comm_of(b);
-      const std::vector<int> counts = scatter_to_->intersect(b.offset, b.numel, b.expert);
-      const std::vector<int64_t>& begins = b.expert ? scatter_to_->expert_begin : scatter_to_->begin;
-      b.own_offset = std::max(b.offset, begins[over.rank()]);
-      b.own_count = counts[over.rank()];
-      b.request = over.ireduce_scatter_sum(data, counts);
+      const ScatterShares shares = scatter_shares(*scatter_to_, over.rank(), b.offset, b.numel, b.expert);
+      b.own_offset = shares.own_offset;
+      b.own_count = shares.own_count;
+      b.request = over.ireduce_scatter_sum(data, shares.counts);
     }
     b.settled = false;
     stats_.payload_bytes += static_cast<double>(b.numel) * sizeof(float);

@@ -51,9 +51,13 @@ ShardedOptimizer::ShardedOptimizer(const Config& config, Communicator& dp, Chunk
   const bool bf16_params = config.runtime.param_dtype == StateDtype::bf16;
   const bool bf16_grads = config.runtime.grad_dtype == StateDtype::bf16;
   if (bf16_params || bf16_grads) {
-    // Masters where the moments are: the chunks this rank updates (validate_bf16_state_config
-    // refused what this does not combine with).
-    bf16_ = std::make_unique<Bf16State>(store_, bf16_params, bf16_grads, store_.moment_chunks());
+    // Masters where the moments are: the chunks this rank updates (with sharded experts not one
+    // range; validate_bf16_state_config refused what this does not combine with).
+    std::vector<int> masters;
+    for (const Chunk& c : store_.chunks()) {
+      if (owns(c.id)) masters.push_back(c.id);
+    }
+    bf16_ = std::make_unique<Bf16State>(store_, bf16_params, bf16_grads, masters);
     if (params_) {
       // ZeRO-3: the sharded parameters wrap the bf16 state; gathers move the owners' bf16 bits.
       params_->wrap_attached();
@@ -325,27 +329,24 @@ void ShardedOptimizer::update_chunk(int chunk) {
     store_.bump_version(chunk);
   }
   if (params_) return;  // ZeRO-3: the update stays with its owner until a layer's lease gathers it
-  if (partition_.experts_apart() && store_.chunks()[chunk].expert >= 0) {
-    // Sharded experts: an expert chunk's owner among the ranks holding it (data == P: a rank alone).
-    if (holders_ == nullptr) return;
-    const PageLease use = store_.use_chunk(chunk, {}, {Plane::param});
-    std::span<float> p = store_.chunk_view(chunk, Plane::param);
-    holders_->broadcast(p.data(), p.size(), partition_.expert_holder(chunk));
-    return;
-  }
-  const int owner = partition_.owner(chunk);
+  // A chunk of no expert from its owner over the data group; with sharded experts an expert chunk
+  // from its owner among the ranks holding it, over them (data == P: a rank alone holds it).
+  const bool expert = partition_.experts_apart() && store_.chunks()[chunk].expert >= 0;
+  Communicator* over = expert ? holders_.get() : &dp_;
+  if (over == nullptr) return;
+  const int owner = expert ? partition_.expert_holder(chunk) : partition_.owner(chunk);
   if (bf16_ && bf16_->holds(Plane::param)) {
     // bf16 working parameters: the owner's bits (rounded from its master by the update) are what
     // every rank computes with; they travel as they are, half the bytes of float32.
     const Chunk& c = store_.chunks()[chunk];
-    dp_.broadcast(bf16_->bits(Plane::param, c.offset), static_cast<size_t>(c.numel), owner);
+    over->broadcast(bf16_->bits(Plane::param, c.offset), static_cast<size_t>(c.numel), owner);
     if (!own) bf16_->bits_written({chunk, Plane::param});
     bf16_broadcast_bytes_ += c.numel * 2;
     return;
   }
   const PageLease use = store_.use_chunk(chunk, {}, {Plane::param});
   std::span<float> p = store_.chunk_view(chunk, Plane::param);
-  dp_.broadcast(p.data(), p.size(), owner);
+  over->broadcast(p.data(), p.size(), owner);
 }
 
 bool ShardedOptimizer::accept(int64_t step, double loss, double grad_norm) {
@@ -418,7 +419,7 @@ void ShardedOptimizer::add_step_fields(double, nlohmann::json& line) {
                          static_cast<double>(peaks.ahead_bytes),
                          static_cast<double>(peaks.received_bytes),
                          static_cast<double>(store_.resident_bytes(Plane::grad)),
-                         static_cast<double>(store_.plane_bytes(Plane::adam_m) + store_.plane_bytes(Plane::adam_v)),
+                         static_cast<double>(moment_bytes_held()),  // (sharded experts: the owned chunks', not the span's)
                          static_cast<double>(startup_.param_resident_bytes),
                          static_cast<double>(startup_.peak_rss_bytes)};
   constexpr int kFigures = sizeof mine / sizeof mine[0];

@@ -31,14 +31,30 @@ void validate_bf16_state_config(const Config& c, int /*data_ranks: every ZeRO st
   refuse(c.checkpoint.memory_every > 0, "checkpoint.memory_every (memory checkpoints)");
 }
 
-Bf16State::Bf16State(ChunkStore& store, bool params, bool grads, std::pair<int, int> master_chunks)
+Bf16State::Bf16State(ChunkStore& store, bool params, bool grads, const std::vector<int>& master_chunks)
     // The store's own residency, whatever is attached now (ZeRO-3's sharded parameters, built
     // first, wrap this one: wrapping them back would be a cycle).
-    : store_(store), inner_(store.own_residency_.get()), params_(params), grads_(grads), master_chunks_(master_chunks) {
+    : store_(store), inner_(store.own_residency_.get()), params_(params), grads_(grads) {
   check(store.finalized(), "bf16 state: a chunk store not finalized");
-  const size_t chunks = store.chunks().size();
-  leases_.assign(chunks * kNumPlanes, 0);
-  versions_.assign(chunks * kNumPlanes, 0);
+  const std::vector<Chunk>& chunks = store.chunks();
+  leases_.assign(chunks.size() * kNumPlanes, 0);
+  versions_.assign(chunks.size() * kNumPlanes, 0);
+  master_at_.assign(chunks.size(), -1);
+  for (size_t i = 0; i < master_chunks.size();) {
+    size_t j = i + 1;  // the run of consecutive chunks [master_chunks[i], master_chunks[j - 1]]
+    while (j < master_chunks.size() && master_chunks[j] == master_chunks[j - 1] + 1) ++j;
+    check(master_chunks[i] >= 0 && master_chunks[j - 1] < static_cast<int>(chunks.size()) &&
+              (j == master_chunks.size() || master_chunks[j] > master_chunks[j - 1]),
+          "bf16 state: master chunks not ascending chunk ids of the store");
+    const Chunk& first = chunks[static_cast<size_t>(master_chunks[i])];
+    const Chunk& last = chunks[static_cast<size_t>(master_chunks[j - 1])];
+    for (size_t k = i; k < j; ++k) {
+      const int c = master_chunks[k];
+      master_at_[static_cast<size_t>(c)] = master_numel_ + chunks[static_cast<size_t>(c)].offset - first.offset;
+    }
+    master_numel_ += last.offset + last.numel - first.offset;
+    i = j;
+  }
   store_.attach_residency(this);
 }
 
@@ -77,19 +93,14 @@ int64_t Bf16State::take_peak_widened_bytes(Plane plane) {
   return peak;
 }
 
-float* Bf16State::master_of(int chunk) { return master_.data() + (store_.chunks()[chunk].offset - master_begin_); }
+float* Bf16State::master_of(int chunk) { return master_.data() + master_at_[static_cast<size_t>(chunk)]; }
 
 void Bf16State::settle() {
   check(!settled_, "bf16 state: settled twice");
   const std::vector<Chunk>& chunks = store_.chunks();
   if (params_) {
     param_bits_.allocate(static_cast<size_t>(store_.numel()));
-    if (master_chunks_.first < master_chunks_.second) {
-      const Chunk& first = chunks[master_chunks_.first];
-      const Chunk& last = chunks[master_chunks_.second - 1];
-      master_begin_ = first.offset;
-      master_.assign(static_cast<size_t>(last.offset + last.numel - first.offset), 0.0f);
-    }
+    master_.assign(static_cast<size_t>(master_numel_), 0.0f);
   }
   if (grads_) grad_bits_.allocate(static_cast<size_t>(store_.numel()));
   settled_ = true;
@@ -208,9 +219,11 @@ void Bf16State::discard(Plane plane, int64_t offset, int64_t numel) {
   // go back (zero when touched again: a gather, the next backward).
   zero_and_give_back(bits(plane, offset), static_cast<size_t>(numel) * sizeof(uint16_t));
   if (plane != Plane::param || master_.empty()) return;
-  const int64_t lo = std::max(offset, master_begin_);
-  const int64_t hi = std::min(offset + numel, master_begin_ + static_cast<int64_t>(master_.size()));
-  if (lo < hi) std::fill(master_.begin() + (lo - master_begin_), master_.begin() + (hi - master_begin_), 0.0f);
+  for (const Chunk& c : store_.chunks_overlapping(offset, numel)) {
+    if (!owned(c.id)) continue;
+    const int64_t lo = std::max(offset, c.offset), hi = std::min(offset + numel, c.offset + c.numel);
+    if (lo < hi) std::fill(master_of(c.id) + (lo - c.offset), master_of(c.id) + (hi - c.offset), 0.0f);
+  }
 }
 
 void Bf16State::update_at_home(PageRef p, const std::function<void(float* data, size_t n)>& update) {

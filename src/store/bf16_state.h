@@ -9,9 +9,12 @@
 //     when the last lease of a page ends, a written page is rounded back into the bits (round to
 //     nearest even) and the float32 page is given back (zeroed, MADV_DONTNEED).
 //   - float32 master weights of the chunks this rank updates (all of them without ZeRO; its
-//     ZeRO-1/2 shard otherwise, the moments' chunks: the distributed-optimizer layout), held here
-//     beside the bits. AdamW updates a master in place (update_at_home) and rounds it into the
-//     bits in the same pass. Every other rank's copy of the chunk is its bits.
+//     ZeRO-1/2 shard otherwise, the moments' chunks: the distributed-optimizer layout; with sharded
+//     experts under ZeRO, comm/zero.h experts apart, a set of chunks spread over the store: its
+//     share of the chunks of no expert and of its experts' chunks), held here beside the bits, one
+//     run of consecutive owned chunks after another. AdamW updates a master in place
+//     (update_at_home) and rounds it into the bits in the same pass. Every other rank's copy of
+//     the chunk is its bits.
 //   - A lease that is not a layer's (a checkpoint's write, a ZeRO owner's broadcast) widens an
 //     owned parameter page from its master, so checkpoints hold float32 masters; a layer's lease
 //     always reads the bits, so every rank computes with the same bf16 weights.
@@ -56,9 +59,10 @@ void validate_bf16_state_config(const Config& c, int data_ranks);
 class Bf16State final : public Residency {
  public:
   // Attaches itself to `store` (finalized, its own residency attached). `params`, `grads`: the
-  // planes held in bf16. `master_chunks`: the chunks [first, last) whose float32 masters this rank
-  // keeps (the chunks it updates). Holds nothing until settle().
-  Bf16State(ChunkStore& store, bool params, bool grads, std::pair<int, int> master_chunks);
+  // planes held in bf16. `master_chunks`: the ids, ascending, of the chunks whose float32 masters
+  // this rank keeps (the chunks it updates; not necessarily consecutive). Holds nothing until
+  // settle().
+  Bf16State(ChunkStore& store, bool params, bool grads, const std::vector<int>& master_chunks);
   ~Bf16State() override;  // gives the store back its own residency
 
   // The residency the store was given after this one was attached (the memory tiers', built
@@ -119,7 +123,7 @@ class Bf16State final : public Residency {
 
  private:
   static size_t index(PageRef p) { return static_cast<size_t>(p.chunk) * kNumPlanes + static_cast<size_t>(p.plane); }
-  bool owned(int chunk) const { return chunk >= master_chunks_.first && chunk < master_chunks_.second; }
+  bool owned(int chunk) const { return master_at_[static_cast<size_t>(chunk)] >= 0; }
   // Zeroed bits (calloc): a large array is fresh pages that take no memory until written, so a
   // chunk whose float32 values are all zero at settle() (gradients, other ranks' ZeRO-3 chunks)
   // costs nothing.
@@ -146,8 +150,10 @@ class Bf16State final : public Residency {
   ChunkStore& store_;
   Residency* inner_;  // the planes not held: the store's own residency, or the memory tiers'
   bool params_ = false, grads_ = false;
-  std::pair<int, int> master_chunks_;
-  int64_t master_begin_ = 0;  // flat offset of the first master element
+  // Where each chunk's master starts in master_ (-1: not this rank's). A run of consecutive owned
+  // chunks is laid out as in the flat space (alignment gaps included), the runs one after another.
+  std::vector<int64_t> master_at_;
+  int64_t master_numel_ = 0;
   bool settled_ = false;
   Bits param_bits_, grad_bits_;
   std::vector<float> master_;
