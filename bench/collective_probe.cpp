@@ -246,12 +246,14 @@ int main(int argc, char** argv) {
   // call by call (a load that moves during the probe weighs on every size alike): the mean and
   // median of the 40 timed, the slowest rank's, as a JSON list; `share` gets what the 40 rounds
   // add to their wall time (above) against rounds of the same gaps alone, one after each (a load
-  // that moves weighs on both alike).
+  // that moves weighs on both alike), every round started by all ranks together (a barrier, not
+  // timed): without it a rank's gaps alone overlap its peers' waits in calls and run faster than
+  // with every rank computing.
   auto timed = [&](const std::vector<size_t>& sizes, const std::function<void(size_t)>& call, std::string* share) {
     std::vector<std::vector<double>> all(sizes.size());
     double calls_ms = 0, loop_ms = 0, gaps_ms = 0;
-    comm.barrier();
     for (int i = 0; i < 45; ++i) {
+      comm.barrier();
       const auto round0 = std::chrono::steady_clock::now();
       for (size_t k = 0; k < sizes.size(); ++k) {
         compute(gap_ms);
@@ -264,6 +266,7 @@ int main(int argc, char** argv) {
       }
       if (i < 5) continue;
       loop_ms += keel::ms_since(round0);
+      comm.barrier();  // every rank computes its gaps at once, as the profile's ranks did
       const auto gaps0 = std::chrono::steady_clock::now();
       for (size_t k = 0; k < sizes.size(); ++k) compute(gap_ms);
       gaps_ms += keel::ms_since(gaps0);
@@ -325,7 +328,9 @@ int main(int argc, char** argv) {
     replay(true, false);
     double loop_ms = 0, gaps_ms = 0;
     for (int step = 0; step < 5; ++step) {
+      comm.barrier();
       loop_ms += replay(true, true);
+      comm.barrier();  // every rank computes its gaps at once, as the profile's ranks did
       gaps_ms += replay(false, false);
     }
     tensor = report(tensor_sizes, all);
