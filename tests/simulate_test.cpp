@@ -501,6 +501,18 @@ TEST(Simulate, ExpertAlltoallBytesAreTheTrainers) {
   }
 }
 
+// kCluster as one node of `ranks` devices (each with its NIC), written into `dir`: the cluster
+// file the trainer's runs of that many ranks on this machine are predicted on.
+std::string write_one_node_cluster(const testing::TempDir& dir, int ranks) {
+  std::string text = read_text_file(kCluster);
+  text.replace(text.find("nodes = 4"), 9, "nodes = 1");
+  text.replace(text.find("devices_per_node = 8"), 20, "devices_per_node = " + std::to_string(ranks));
+  text.replace(text.find("nics_per_node = 8"), 17, "nics_per_node = " + std::to_string(ranks));
+  const std::string cluster = dir / ("cluster" + std::to_string(ranks) + ".toml");
+  testing::write_text(cluster, text);
+  return cluster;
+}
+
 // Sharded experts (parallel.expert = P: a rank holds E / P routed experts): the simulator's
 // parameter bytes per rank and data-parallel sync bytes per step are the trainer's own counts
 // (metrics.jsonl param_bytes, sync_sent_bytes) on 2 ranks with P = 2 (each expert held by one rank:
@@ -517,12 +529,7 @@ TEST(Simulate, ShardedExpertBytesAreTheTrainers) {
   for (int zero : {0, 1, 2, 3}) {
     const std::string moe = model + "--set parallel.expert=2 --set parallel.zero=" + std::to_string(zero) + " ";
     for (int ranks : {2, 4}) {
-      std::string text = read_text_file(kCluster);
-      text.replace(text.find("nodes = 4"), 9, "nodes = 1");
-      text.replace(text.find("devices_per_node = 8"), 20, "devices_per_node = " + std::to_string(ranks));
-      text.replace(text.find("nics_per_node = 8"), 17, "nics_per_node = " + std::to_string(ranks));
-      const std::string cluster = dir / ("cluster" + std::to_string(ranks) + ".toml");
-      testing::write_text(cluster, text);
+      const std::string cluster = write_one_node_cluster(dir, ranks);
       const std::string run = "s" + std::to_string(ranks) + "z" + std::to_string(zero);
       const testing::CommandResult r = testing::run_keel(testing::toy_train_args(dir, ranks, 2, run, moe));
       ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -577,12 +584,7 @@ TEST(Simulate, Zero3GatherBytesAreTheTrainers) {
                                                  : "") + std::string("--set train.eval_every=0 --set parallel.zero=3 ");
     for (int ranks : {2, 4}) {
       for (int micro : {1, 2}) {
-        std::string text = read_text_file(kCluster);
-        text.replace(text.find("nodes = 4"), 9, "nodes = 1");
-        text.replace(text.find("devices_per_node = 8"), 20, "devices_per_node = " + std::to_string(ranks));
-        text.replace(text.find("nics_per_node = 8"), 17, "nics_per_node = " + std::to_string(ranks));
-        const std::string cluster = dir / ("cluster" + std::to_string(ranks) + ".toml");
-        testing::write_text(cluster, text);
+        const std::string cluster = write_one_node_cluster(dir, ranks);
         const std::string sets = model + "--set train.grad_accum=" + std::to_string(micro) + " ";
         const std::string run = family + std::to_string(ranks) + "m" + std::to_string(micro);
         const testing::CommandResult r = testing::run_keel(testing::toy_train_args(dir, ranks, 2, run, sets));
