@@ -31,6 +31,24 @@ class ShardedExperts : public testing::MoeRuns {
  protected:
   static void SetUpTestSuite() { start_suite("keel-moe-sharded", kSteps, "--set train.batch_size=1"); }
   static constexpr int kSteps = 8;
+  // Step line `s` of a 4-rank run of 2 stages x 2 replicas (ranks 0 and 2 stage 0's, 1 and 3
+  // stage 1's): a stage's replicas hold as much of the experts as each other, half of the stage's;
+  // the ranks together hold every expert once, every chunk of no expert twice and every
+  // parameter's moments once.
+  static void expect_two_stages_share_out_experts(const json& s, const std::string& run) {
+    const int64_t model = s.at("model_param_bytes"), experts = s.at("model_expert_param_bytes");
+    const std::vector<int64_t> param = s.at("held_param_bytes"), expert_param = s.at("held_expert_param_bytes");
+    const std::vector<int64_t> moment = s.at("held_moment_bytes"), expert_moment = s.at("held_expert_moment_bytes");
+    ASSERT_EQ(param.size(), 4u) << run;
+    EXPECT_GT(expert_param[0], 0) << run;
+    EXPECT_GT(expert_param[1], 0) << run;
+    EXPECT_EQ(expert_param[0], expert_param[2]) << run;
+    EXPECT_EQ(expert_param[1], expert_param[3]) << run;
+    EXPECT_EQ(2 * (expert_param[0] + expert_param[1]), experts) << run;
+    EXPECT_EQ(param[0] + param[1] + param[2] + param[3], 2 * model - experts) << run;
+    EXPECT_EQ(moment[0] + moment[1] + moment[2] + moment[3], 2 * model) << run;
+    EXPECT_EQ(expert_moment[0] + expert_moment[1] + expert_moment[2] + expert_moment[3], 2 * experts) << run;
+  }
   // Every step's loss of `run` within `bound` relative of `reference`'s.
   static void expect_losses_near(const std::string& reference, const std::string& run, double bound) {
     const std::vector<json> want = lines(reference), got = lines(run);
@@ -352,18 +370,7 @@ TEST_F(ShardedExperts, ZeroOneAndTwoInAPipelineShareOutEachStagesExperts) {
     EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
     expect_like("one-b2", run);
     for (const json& s : lines(run)) {
-      const int64_t model = s.at("model_param_bytes"), experts = s.at("model_expert_param_bytes");
-      const std::vector<int64_t> param = s.at("held_param_bytes"), expert_param = s.at("held_expert_param_bytes");
-      const std::vector<int64_t> moment = s.at("held_moment_bytes"), expert_moment = s.at("held_expert_moment_bytes");
-      ASSERT_EQ(param.size(), 4u) << run;
-      EXPECT_GT(expert_param[0], 0) << run;
-      EXPECT_GT(expert_param[1], 0) << run;
-      EXPECT_EQ(expert_param[0], expert_param[2]) << run;
-      EXPECT_EQ(expert_param[1], expert_param[3]) << run;
-      EXPECT_EQ(2 * (expert_param[0] + expert_param[1]), experts) << run;
-      EXPECT_EQ(param[0] + param[1] + param[2] + param[3], 2 * model - experts) << run;
-      EXPECT_EQ(moment[0] + moment[1] + moment[2] + moment[3], 2 * model) << run;
-      EXPECT_EQ(expert_moment[0] + expert_moment[1] + expert_moment[2] + expert_moment[3], 2 * experts) << run;
+      expect_two_stages_share_out_experts(s, run);
     }
   }
 }
@@ -447,19 +454,9 @@ TEST_F(ShardedExperts, ZeroThreeInAPipelineHoldsOnlyEachStagesExperts) {
             std::string::npos) << r.output;
   expect_like("one-b2", run);
   for (const json& s : lines(run)) {
-    const int64_t model = s.at("model_param_bytes"), experts = s.at("model_expert_param_bytes");
-    const std::vector<int64_t> param = s.at("held_param_bytes"), expert_param = s.at("held_expert_param_bytes");
-    const std::vector<int64_t> moment = s.at("held_moment_bytes"), expert_moment = s.at("held_expert_moment_bytes");
-    ASSERT_EQ(param.size(), 4u) << run;
-    EXPECT_GT(expert_param[0], 0) << run;
-    EXPECT_GT(expert_param[1], 0) << run;
-    EXPECT_EQ(expert_param[0], expert_param[2]) << run;  // (world ranks 0 and 2: stage 0's replicas)
-    EXPECT_EQ(expert_param[1], expert_param[3]) << run;
-    EXPECT_EQ(2 * (expert_param[0] + expert_param[1]), experts) << run;
-    EXPECT_EQ(param[0] + param[1] + param[2] + param[3], 2 * model - experts) << run;
-    EXPECT_EQ(moment[0] + moment[1] + moment[2] + moment[3], 2 * model) << run;
-    EXPECT_EQ(expert_moment[0] + expert_moment[1] + expert_moment[2] + expert_moment[3], 2 * experts) << run;
+    expect_two_stages_share_out_experts(s, run);
     // (Rank 0's stage: its 2 replicas' parameter shards.)
+    const std::vector<int64_t> param = s.at("held_param_bytes");
     const std::vector<int64_t> shard = s.at("zero3_param_shard_bytes"), resident = s.at("zero3_param_resident_bytes");
     ASSERT_EQ(shard.size(), 2u) << run;
     for (int q = 0; q < 2; ++q) {
@@ -512,19 +509,7 @@ TEST_F(ShardedExperts, ReCutsUnderZeroOneAndTwoMoveEachExpertWithinItsReplica) {
     expect_like("one-b2", run);
     const json last = lines(run).back();
     ASSERT_NE(last.at("stage_boundaries").get<std::string>(), "1") << run;
-    const int64_t model = last.at("model_param_bytes"), experts = last.at("model_expert_param_bytes");
-    const std::vector<int64_t> param = last.at("held_param_bytes"), expert_param = last.at("held_expert_param_bytes");
-    const std::vector<int64_t> moment = last.at("held_moment_bytes");
-    const std::vector<int64_t> expert_moment = last.at("held_expert_moment_bytes");
-    ASSERT_EQ(param.size(), 4u) << run;
-    EXPECT_GT(expert_param[0], 0) << run;
-    EXPECT_GT(expert_param[1], 0) << run;
-    EXPECT_EQ(expert_param[0], expert_param[2]) << run;
-    EXPECT_EQ(expert_param[1], expert_param[3]) << run;
-    EXPECT_EQ(2 * (expert_param[0] + expert_param[1]), experts) << run;
-    EXPECT_EQ(param[0] + param[1] + param[2] + param[3], 2 * model - experts) << run;
-    EXPECT_EQ(moment[0] + moment[1] + moment[2] + moment[3], 2 * model) << run;
-    EXPECT_EQ(expert_moment[0] + expert_moment[1] + expert_moment[2] + expert_moment[3], 2 * experts) << run;
+    expect_two_stages_share_out_experts(last, run);
   }
 }
 
