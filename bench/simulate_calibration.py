@@ -296,8 +296,9 @@ def tensor_step_sequence(costs_path, T, ranks, cores):
     "bytes:gap_ms:dp_bytes" items (bench/collective_probe.cpp): per micro-batch the embedding's
     forward sum after its forward; per block two after halves of its forward (attention, then MLP);
     the cross-entropy's maxima (N doubles) and sums (2 N floats) after the head's forward; the head's
-    input gradient after its backward; per block two after halves of its backward (MLP, then
-    attention). Each gap is the layer's share of the profiling run's F (or B + W) over T, in CPU time
+    input gradient after its B; per block two after halves of its B (MLP, then attention); each
+    layer's W after its B's calls (GPT::backward: B, then W, layer by layer). Each gap is the
+    layer's share of the profiling run's F, B or W over T, in CPU time
     (the profile's wall time times min(1, cores / ranks): ranks beyond the cores share them). In the
     last micro-batch each layer's gradient (its param bytes over T) starts the data group's
     all-reduce once its backward is done, as GradSync starts a bucket (the data group: ranks / T)."""
@@ -320,14 +321,14 @@ def tensor_step_sequence(costs_path, T, ranks, cores):
             item(act, f[i] / 2)
         item(8 * n, f[head])
         item(8 * n, 0.0)
-        item(act, bi[head] + bw[head])
-        if last:
-            item(0, 0.0, int(params[head] / T))
+        # (a layer's B, with the all-reduces in it, then its W: GPT::backward; W's gradients are
+        # ready, and their bucket's sync starts, once W is done)
+        item(act, bi[head])
+        item(0, bw[head], int(params[head] / T) if last else 0)
         for i in range(head - 1, 0, -1):
-            item(act, (bi[i] + bw[i]) / 2)
-            item(act, (bi[i] + bw[i]) / 2)
-            if last:
-                item(0, 0.0, int(params[i] / T))
+            item(act, bi[i] / 2)
+            item(act, bi[i] / 2)
+            item(0, bw[i], int(params[i] / T) if last else 0)
         item(0, bi[0] + bw[0], int(params[0] / T) if last else 0)
     return ",".join(out)
 
