@@ -551,9 +551,9 @@ TEST(Simulate, ShardedExpertBytesAreTheTrainers) {
         EXPECT_EQ(j.value("model_param_bytes", int64_t{-1}), static_cast<int64_t>(all.at("param_bytes").get<double>())) << run;
         whole = j.value("model_param_bytes", 0.0);
         EXPECT_NEAR(j.value("sync_sent_bytes", -1.0), p.at("sync_sent_bytes").get<double>(), 0.5) << run;
-        if (zero == 3 && j.at("step").get<int>() >= 3) {
+        if (zero == 3) {
           // The step's gathers (Zero3GatherBytesAreTheTrainers below): what the ranks received of
-          // each other's parameters, on average, from the third step on.
+          // each other's parameters, on average, every step.
           double mean = 0;
           for (const nlohmann::json& b : j.at("zero3_gathered_bytes")) mean += b.get<double>() / ranks;
           EXPECT_NEAR(mean, p.at("param_gather_bytes").get<double>(), 0.5) << run << " step " << j.at("step");
@@ -570,10 +570,12 @@ TEST(Simulate, ShardedExpertBytesAreTheTrainers) {
 // is whole chunks, not exactly 1/n), per step: every micro-batch gathers each block and the head
 // before its forward and its backward-input pass, the embedding before its forward only (its
 // backward reads no parameter), and a tied head's two leases hold the embedding's chunks too.
-// llama (untied) and GPT-2 (tied), 2 and 4 ranks, 1 and 2 micro-batches. From the third step on:
-// the first line's window also holds the evaluation before training, and the second step's
-// leases follow a recorded schedule that held that evaluation's (its broadcasts ahead are of the
-// evaluation's next lease, one more embedding gather).
+// llama (untied) and GPT-2 (tied), 2 and 4 ranks, 1 and 2 micro-batches, every step of 4 with an
+// evaluation before the first and after the second (train.eval_every = 2): a step's broadcasts
+// ahead follow the last step's schedule, not the evaluation's between them (which had the step
+// after the evaluation's successor broadcast one more embedding ahead, the evaluation's next
+// batch's), and an evaluation's gathers are its own figure (zero3_eval_gathered_bytes), not the
+// next step's.
 TEST(Simulate, Zero3GatherBytesAreTheTrainers) {
   testing::TempDir dir("keel-sim-z3g");
   testing::write_toy_corpus(dir.path());
@@ -581,7 +583,7 @@ TEST(Simulate, Zero3GatherBytesAreTheTrainers) {
   for (const std::string family : {"llama", "gpt"}) {
     const std::string model = (family == "llama" ? "--set model.preset=llama-tiny --set model.vocab_size=64 "
                                                    "--set model.max_seq_len=32 "
-                                                 : "") + std::string("--set train.eval_every=0 --set parallel.zero=3 ");
+                                                 : "") + std::string("--set train.eval_every=2 --set parallel.zero=3 ");
     for (int ranks : {2, 4}) {
       for (int micro : {1, 2}) {
         const std::string cluster = write_one_node_cluster(dir, ranks);
@@ -597,13 +599,17 @@ TEST(Simulate, Zero3GatherBytesAreTheTrainers) {
         EXPECT_GT(predicted, 0) << run;
         int lines = 0;
         for (const nlohmann::json& j : testing::step_lines(dir / (run + "/metrics.jsonl"))) {
-          if (j.at("step").get<int>() < 3) continue;
           ++lines;
           double mean = 0;
           for (const nlohmann::json& b : j.at("zero3_gathered_bytes")) mean += b.get<double>() / ranks;
           EXPECT_NEAR(mean, predicted, 0.5) << run << " step " << j.at("step");
+          // (an evaluation ran before steps 1 and 3)
+          const bool evaluated = j.at("step").get<int>() % 2 == 1;
+          for (const nlohmann::json& b : j.at("zero3_eval_gathered_bytes")) {
+            EXPECT_EQ(b.get<double>() > 0, evaluated) << run << " step " << j.at("step");
+          }
         }
-        EXPECT_EQ(lines, 2) << run;
+        EXPECT_EQ(lines, 4) << run;
       }
     }
   }

@@ -131,6 +131,10 @@ void ShardedOptimizer::residency_attached() {
   if (params_) params_->wrap_attached();
 }
 
+void ShardedOptimizer::begin_pass(LeasePass pass) {
+  if (params_) params_->begin_pass(pass);
+}
+
 void ShardedOptimizer::gather_whole_model() {
   if (params_) params_->gather_whole();
 }
@@ -418,6 +422,7 @@ void ShardedOptimizer::add_step_fields(double, nlohmann::json& line) {
                          static_cast<double>(peaks.gathered_bytes),
                          static_cast<double>(peaks.ahead_bytes),
                          static_cast<double>(peaks.received_bytes),
+                         static_cast<double>(peaks.evaluation_received_bytes),
                          static_cast<double>(store_.resident_bytes(Plane::grad)),
                          static_cast<double>(moment_bytes_held()),  // (sharded experts: the owned chunks', not the span's)
                          static_cast<double>(startup_.param_resident_bytes),
@@ -430,6 +435,7 @@ void ShardedOptimizer::add_step_fields(double, nlohmann::json& line) {
   const char* names[kFigures] = {"zero3_param_shard_bytes",     "zero3_param_resident_bytes",
                                  "zero3_param_peak_resident_bytes", "zero3_in_flight_peak_bytes",
                                  "zero3_ahead_peak_bytes",      "zero3_gathered_bytes",
+                                 "zero3_eval_gathered_bytes",
                                  "zero3_grad_resident_bytes",
                                  "zero3_moment_bytes",
                                  "zero3_startup_param_resident_bytes",

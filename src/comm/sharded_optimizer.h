@@ -75,6 +75,10 @@ class ShardedOptimizer final : public MetricsSource, public RankFigures {
   // bf16 state (where held) wraps it for the planes it does not hold, then under ZeRO-3 the
   // sharded parameters wrap the outermost; otherwise nothing. Local.
   void residency_attached();
+  // Every rank, before a training step and before each evaluation batch: under ZeRO-3 the layer
+  // leases from here on are that pass's, broadcast ahead on the last such pass's schedule
+  // (ShardedParams::begin_pass); otherwise nothing. Local.
+  void begin_pass(LeasePass pass);
   // Collective: under ZeRO-3 every parameter gathered on every rank until the next step (one rank
   // about to run the model alone: samples); otherwise nothing.
   void gather_whole_model();

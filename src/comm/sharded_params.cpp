@@ -158,12 +158,17 @@ void ShardedParams::drop_gathered() {
         "ZeRO-3: parameters dropped while a layer still uses them");
   if (!started_) return;
   wait_ahead();
-  last_round_ = std::move(this_round_);
-  this_round_.clear();
   for (int c = 0; c < static_cast<int>(gathered_.size()); ++c) {
     if (gathered_[c]) give_back(c);
   }
   whole_ = false;
+}
+
+void ShardedParams::begin_pass(LeasePass pass) {
+  // (A pass that leased nothing leaves its kind's schedule as it was.)
+  if (!this_round_.empty()) last_round_[static_cast<int>(pass_)] = std::move(this_round_);
+  this_round_.clear();
+  pass_ = pass;
 }
 
 void ShardedParams::gather_whole() {
@@ -221,7 +226,8 @@ void ShardedParams::count_gather(int chunk) {
   gathered_[chunk] = 1;
   if (own(chunk)) return;
   gathered_bytes_ += extent(chunk) * element_bytes();
-  peaks_.received_bytes += extent(chunk) * element_bytes();
+  (pass_ == LeasePass::evaluation ? peaks_.evaluation_received_bytes : peaks_.received_bytes) +=
+      extent(chunk) * element_bytes();
 }
 
 bool ShardedParams::alone(int chunk) const {
@@ -349,12 +355,11 @@ void ShardedParams::acquire_layer(std::span<const PageRef> pages) {
   inner_->acquire_layer(pages);
   if (bits_ == nullptr && !chunks.empty()) gather(pages);
   if (!chunks.empty()) {
-    // On the recorded schedule: the lease that came next last round, broadcast ahead; not where
-    // pages move (a page not leased may be fetched over what a broadcast wrote).
+    // On the recorded schedule: the lease that came next in the last pass of this kind, broadcast
+    // ahead; not where pages move (a page not leased may be fetched over what a broadcast wrote).
+    const std::vector<std::vector<int>>& last = last_round_[static_cast<int>(pass_)];
     const size_t at = this_round_.size();
-    if (!whole_ && inner_->always_present() && at + 1 < last_round_.size() && last_round_[at] == chunks) {
-      start_ahead(last_round_[at + 1]);
-    }
+    if (!whole_ && inner_->always_present() && at + 1 < last.size() && last[at] == chunks) start_ahead(last[at + 1]);
     this_round_.push_back(std::move(chunks));
   }
   for (const PageRef& p : pages) {

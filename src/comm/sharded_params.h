@@ -4,17 +4,19 @@
 //
 // A layer's lease (ChunkStore::use_layer, Residency::acquire_layer) gathers the layer's chunks it
 // does not hold: every rank takes the same layer leases in the same order (forward, backward,
-// evaluation), so the owners' broadcasts match on every rank. The leases between two optimizer
-// steps are recorded; in the next such round, when a lease is the one recorded at the same place,
-// the recorded next lease's chunks are broadcast ahead (non-blocking). MPI moves a non-blocking
-// broadcast only inside MPI calls, and forward makes none between two layers' leases: a progress
-// thread of the rank tests the broadcasts ahead every 200 us while the layers compute, until the
-// lease that needs them claims them (where MPI grants MPI_THREAD_MULTIPLE and
-// parallel.zero3_progress_thread is on; otherwise the gradient sync's tests between backward's
-// layers are what drives them). When the last lease of a chunk
-// ends, another rank's chunk is given back (zeroed, MADV_DONTNEED, as ZeRO-2's gradient discard
-// does) unless `parallel.zero3_keep` keeps it until the optimizer step. A rank's parameter memory
-// is therefore its own shard plus the layers in flight; both are measured (mincore), not assumed.
+// evaluation), so the owners' broadcasts match on every rank. The leases of each pass are
+// recorded, a training step's and an evaluation batch's apart (begin_pass: an evaluation between
+// two steps neither shifts the steps' schedule nor follows it); in the next pass of the same kind,
+// when a lease is the one recorded at the same place, the recorded next lease's chunks are
+// broadcast ahead (non-blocking). MPI moves a non-blocking broadcast only inside MPI calls, and
+// forward makes none between two layers' leases: a progress thread of the rank tests the
+// broadcasts ahead every 200 us while the layers compute, until the lease that needs them claims
+// them (where MPI grants MPI_THREAD_MULTIPLE and parallel.zero3_progress_thread is on; otherwise
+// the gradient sync's tests between backward's layers are what drives them). When the last lease
+// of a chunk ends, another rank's chunk is given back (zeroed, MADV_DONTNEED, as ZeRO-2's
+// gradient discard does) unless `parallel.zero3_keep` keeps it until the optimizer step. A rank's
+// parameter memory is therefore its own shard plus the layers in flight; both are measured
+// (mincore), not assumed.
 //
 // It wraps the residency the store had: its own (every page present), the memory tiers' (a
 // rank's shard homed by the tier policy, gathered layers broadcast into leased pages: ZeRO-
@@ -76,6 +78,11 @@ class ShardedParams final : public Residency {
   // After the weights were drawn or loaded on every rank: the leases recorded from here on are
   // the training's (the schedule that broadcasts ahead). Local.
   void settled();
+  // The layer leases from here on are a pass of this kind, every rank alike (a training step's
+  // start; each evaluation batch's): the leases recorded since the last call become the schedule
+  // of that pass's kind, and this pass follows its own kind's (the last step's, the last
+  // evaluation batch's). Local.
+  void begin_pass(LeasePass pass);
   // After the owners updated their chunks (the optimizer step): every gathered copy of another
   // rank's chunk is dropped (stale). Requires no layer lease open. Local.
   void drop_gathered();
@@ -88,9 +95,10 @@ class ShardedParams final : public Residency {
   int64_t gathered_bytes() const { return gathered_bytes_; }  // other ranks' pages held now
   // Since the last call: the largest gathered_bytes() and resident parameter bytes measured
   // (mincore) at the same moments, after each lease's gather and before the next broadcast ahead
-  // starts; the most bytes broadcast ahead at once; the bytes received.
+  // starts; the most bytes broadcast ahead at once; the bytes received, by training steps and by
+  // evaluation batches (LeasePass).
   struct Peaks {
-    int64_t gathered_bytes = 0, resident_bytes = 0, ahead_bytes = 0, received_bytes = 0;
+    int64_t gathered_bytes = 0, resident_bytes = 0, ahead_bytes = 0, received_bytes = 0, evaluation_received_bytes = 0;
   };
   Peaks take_peaks();
   // The largest any one layer's lease (or the head's with the tied embedding) gathers from others:
@@ -175,9 +183,10 @@ class ShardedParams final : public Residency {
   // that owners join the broadcasts the others wait for), and the layer leases holding it.
   std::vector<uint8_t> gathered_;
   std::vector<int> pins_;
-  // The layer leases' parameter chunks, in order: this round's and the last round's (a round ends
-  // at the optimizer step). The broadcasts started ahead, and their bytes.
-  std::vector<std::vector<int>> this_round_, last_round_;
+  // The layer leases' parameter chunks, in order: this pass's (of kind pass_) and the last
+  // recorded pass's of each kind (by LeasePass).
+  LeasePass pass_ = LeasePass::step;
+  std::vector<std::vector<int>> this_round_, last_round_[2];
   // The broadcasts started ahead: shared with the progress thread (which tests them) under mutex_
   // until wait_ahead() takes them back.
   std::vector<Communicator::Request> ahead_;

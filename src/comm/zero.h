@@ -19,6 +19,11 @@
 
 namespace keel {
 
+// The passes of a model whose layer leases ZeRO-3 records, each kind's schedule apart
+// (comm/sharded_params.h): a training step (its micro-batches' forward and backward passes) and
+// one evaluation batch's forward.
+enum class LeasePass : uint8_t { step, evaluation };
+
 struct ChunkPartition {
   std::vector<int> first_chunk;  // rank r owns chunks [first_chunk[r], first_chunk[r + 1])
   std::vector<int64_t> begin;    // and the flat elements [begin[r], begin[r + 1]); these tile the

@@ -189,6 +189,7 @@ StepStats Trainer::step(const StopSignals* signals) {
   for (StepHook* hook : hooks_) hook->before_step(progress_.steps_done);
   StepStats s;
   s.lr = learning_rate(config_.optim, static_cast<int>(progress_.steps_done), t.steps);
+  rank_->optimizer->begin_pass(LeasePass::step);  // ZeRO-3: the step's leases follow the last step's
   const StepResult r = rank_->engine->run(progress_.steps_done, s.lr);
   s.loss = r.loss;
   s.grad_norm = r.grad_norm;

@@ -76,7 +76,10 @@ class LanguageModel final : public Workload {
     double sum = 0;
     // At the length the coming step trains at (a curriculum's validation loss follows its length).
     const int T = config_.train.seq_len_at(std::min<int64_t>(steps_done, config_.train.steps - 1));
-    for (int i = 0; i < batches; ++i) sum += rank.engine->forward_loss(val_->window(i, T));
+    for (int i = 0; i < batches; ++i) {
+      rank.optimizer->begin_pass(LeasePass::evaluation);  // ZeRO-3: apart from the steps' schedule
+      sum += rank.engine->forward_loss(val_->window(i, T));
+    }
     // With a pipeline only the last stage's ranks hold losses.
     Evaluation e;
     // (every rank of a tensor group holds its replica's loss)
