@@ -131,6 +131,18 @@ class ShardedExperts : public testing::MoeRuns {
       EXPECT_LE(masters, owned + kMasterGapSlackBytes) << run;
     }
   }
+  // `saving`'s step-2 checkpoint (a run on `ranks` ranks in `layout`) resumed in the same layout
+  // gives the uninterrupted run's bytes, and resumed on one rank with `one_rank` (train.steps = 2)
+  // is saved there with the same bytes.
+  static void expect_step_two_resumes(int ranks, const std::string& saving, const std::string& layout,
+                                      const std::string& one_rank) {
+    const std::string from = at(saving) + "/ckpt/step-00000002";
+    const testing::CommandResult same = train(ranks, saving + "-resumed", layout + "--set train.resume=" + from);
+    ASSERT_EQ(same.exit_code, 0) << same.output;
+    EXPECT_NE(same.output.find("resumed from"), std::string::npos) << same.output;
+    expect_same_checkpoint(saving, saving + "-resumed");
+    expect_saved_again_on_one_rank(from, saving + "-to-one", one_rank);
+  }
   // Rank 0's bf16 parameter bits resident between steps under ZeRO-3 (bf16 state), in every step
   // line of `run`: its shard's (2 bytes an element), within a page at each end of each run of own chunks.
   static void expect_bits_of_shard(const std::string& run) {
@@ -240,13 +252,8 @@ TEST_F(ShardedExperts, Bf16StateUnderZeroThreeHoldsOnlyEachRanksExperts) {
     expect_masters_of_owned_chunks(run);
     expect_bits_of_shard(run);
   }
-  const std::string from = at("bf16-zero3-d2-4steps") + "/ckpt/step-00000002";
-  const testing::CommandResult same =
-      train(2, "bf16-zero3-d2-resumed", ep + "--set parallel.zero=3 --set train.resume=" + from);
-  ASSERT_EQ(same.exit_code, 0) << same.output;
-  EXPECT_NE(same.output.find("resumed from"), std::string::npos) << same.output;
-  expect_same_checkpoint("bf16-zero3-d2-4steps", "bf16-zero3-d2-resumed");
-  expect_saved_again_on_one_rank(from, "bf16-zero3-to-one", bf16 + "--set train.batch_size=2 --set train.steps=2");
+  expect_step_two_resumes(2, "bf16-zero3-d2-4steps", ep + "--set parallel.zero=3 ",
+                          bf16 + "--set train.batch_size=2 --set train.steps=2");
 }
 
 // Compressed sync over 4 data ranks in two expert groups of 2: the buckets of no expert are
@@ -562,13 +569,8 @@ TEST_F(ShardedExperts, Bf16StateInAPipelineHoldsOnlyEachStagesExperts) {
   for (size_t i = 0; i < zero0.size(); ++i) {
     EXPECT_EQ(zero0[i].at("param_bytes").get<int64_t>(), zero1[i].at("held_param_bytes")[0].get<int64_t>()) << i;
   }
-  const std::string from = at("bf16-zero1-ep2-d2p2") + "/ckpt/step-00000002";
-  const testing::CommandResult same =
-      train(4, "bf16-z1ep2-d2p2-resumed", ep + "--set parallel.zero=1 --set train.resume=" + from);
-  ASSERT_EQ(same.exit_code, 0) << same.output;
-  EXPECT_NE(same.output.find("resumed from"), std::string::npos) << same.output;
-  expect_same_checkpoint("bf16-zero1-ep2-d2p2", "bf16-z1ep2-d2p2-resumed");
-  expect_saved_again_on_one_rank(from, "bf16-z1ep2-d2p2-to-one", bf16 + "--set train.batch_size=2 --set train.steps=2");
+  expect_step_two_resumes(4, "bf16-zero1-ep2-d2p2", ep + "--set parallel.zero=1 ",
+                          bf16 + "--set train.batch_size=2 --set train.steps=2");
 }
 
 // A re-cut of two replicas of two pipeline stages under ZeRO-1 and ZeRO-2 with expert groups of
