@@ -153,7 +153,8 @@ class ShardedExperts : public testing::MoeRuns {
   }
   // The checkpoint `from` resumed on one rank into `run` with `extra` (train.steps its step:
   // nothing trained) is saved there with the same bytes: parameters and both moments.
-  static void expect_saved_again_on_one_rank(const std::string& from, const std::string& run, const std::string& extra) {
+  static void expect_saved_again_on_one_rank(const std::string& from, const std::string& run,
+                                             const std::string& extra) {
     const testing::CommandResult one = train(1, run, extra + " --set train.resume=" + from);
     ASSERT_EQ(one.exit_code, 0) << one.output;
     EXPECT_NE(one.output.find("resumed from"), std::string::npos) << one.output;
