@@ -5,8 +5,8 @@
 // ZeRO-1, ZeRO-2 and ZeRO-3 (what one rank trains with the whole batch; the experts' share of a rank's
 // parameters, gradients and moments in the step lines; checkpoints resumed in other layouts; ZeRO-1/2
 // with tensor groups, ZeRO-1/2/3 in a pipeline, ZeRO-1/2 through a pipeline's re-cut),
-// bf16 training state (runtime.param_dtype / grad_dtype; under ZeRO-1/2 a rank's float32 masters
-// are its owned chunks'), compressed gradient sync (sync.codec:
+// bf16 training state (runtime.param_dtype / grad_dtype; under ZeRO-1/2/3 a rank's float32 masters
+// are its owned chunks', on one stage or in a pipeline), compressed gradient sync (sync.codec:
 // each expert bucket compressed over the ranks holding its experts, with error feedback of its
 // own) and memory checkpoints (checkpoint.memory_every, which also hold bias balancing's routing
 // biases). Each trains what the same ranks train without expert parallelism, to the precision's
@@ -120,6 +120,49 @@ class ShardedExperts : public testing::MoeRuns {
   // masters and 28.5 KiB of moments here. Were they the span of its owned chunks (as before), rank
   // 0's would be 0.12 MB (masters, 2 ranks; 0.06 MB on 4) and 0.21 MB (ZeRO-3 moments, 2 ranks) more.
   static constexpr int64_t kMasterGapSlackBytes = 4 * 4096;
+  // Rank 0's float32 masters in every step line of `run` (bf16 state): its owned chunks'
+  // (held_moment_bytes: both moments of their tensors), and the alignment gaps between consecutive
+  // owned chunks (under 4 KiB each).
+  static void expect_masters_of_owned_chunks(const std::string& run) {
+    for (const json& s : lines(run)) {
+      const double masters = s.at("bf16_master_bytes").get<double>();
+      const double owned = s.at("held_moment_bytes")[0].get<double>() / 2;
+      EXPECT_GE(masters, owned) << run;
+      EXPECT_LE(masters, owned + kMasterGapSlackBytes) << run;
+    }
+  }
+  // `saving`'s step-2 checkpoint (a run on `ranks` ranks in `layout`) resumed in the same layout
+  // gives the uninterrupted run's bytes, and resumed on one rank with `one_rank` (train.steps = 2)
+  // is saved there with the same bytes.
+  static void expect_step_two_resumes(int ranks, const std::string& saving, const std::string& layout,
+                                      const std::string& one_rank) {
+    const std::string from = at(saving) + "/ckpt/step-00000002";
+    const testing::CommandResult same = train(ranks, saving + "-resumed", layout + "--set train.resume=" + from);
+    ASSERT_EQ(same.exit_code, 0) << same.output;
+    EXPECT_NE(same.output.find("resumed from"), std::string::npos) << same.output;
+    expect_same_checkpoint(saving, saving + "-resumed");
+    expect_saved_again_on_one_rank(from, saving + "-to-one", one_rank);
+  }
+  // Rank 0's bf16 parameter bits resident between steps under ZeRO-3 (bf16 state), in every step
+  // line of `run`: its shard's (2 bytes an element), within a page at each end of each run of own chunks.
+  static void expect_bits_of_shard(const std::string& run) {
+    for (const json& s : lines(run)) {
+      const int64_t shard = s.at("zero3_param_shard_bytes")[0];
+      EXPECT_LE(s.at("bf16_param_resident_bytes").get<int64_t>(), shard / 2 + kMomentRunSlackBytes) << run;
+    }
+  }
+  // The checkpoint `from` resumed on one rank into `run` with `extra` (train.steps its step:
+  // nothing trained) is saved there with the same bytes: parameters and both moments.
+  static void expect_saved_again_on_one_rank(const std::string& from, const std::string& run,
+                                             const std::string& extra) {
+    const testing::CommandResult one = train(1, run, extra + " --set train.resume=" + from);
+    ASSERT_EQ(one.exit_code, 0) << one.output;
+    EXPECT_NE(one.output.find("resumed from"), std::string::npos) << one.output;
+    for (Plane p : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+      EXPECT_EQ(read_checkpoint_plane(testing::newest_checkpoint(at(run) + "/ckpt"), p), read_checkpoint_plane(from, p))
+          << run << " plane " << static_cast<int>(p);
+    }
+  }
 };
 
 // bf16 parameters and gradients (float32 masters): P = 2 on 2 ranks trains what the 2 ranks train
@@ -177,27 +220,41 @@ TEST_F(ShardedExperts, Bf16StateUnderZeroOneAndTwoHoldsOnlyEachRanksExperts) {
       } else {
         expect_losses_near("bf16-one-b4", run, 1e-3);
       }
-      // Rank 0's float32 masters: its owned chunks' (held_moment_bytes: both moments of their
-      // tensors), and the alignment gaps between consecutive owned chunks (under 4 KiB each).
-      for (const json& s : lines(run)) {
-        const double masters = s.at("bf16_master_bytes").get<double>();
-        const double owned = s.at("held_moment_bytes")[0].get<double>() / 2;
-        EXPECT_GE(masters, owned) << run;
-        EXPECT_LE(masters, owned + kMasterGapSlackBytes) << run;
-      }
+      expect_masters_of_owned_chunks(run);
     }
   }
   expect_resumes("bf16-zero1-d2", ep + "--set parallel.zero=1 ", {});
-  const std::string from = at("bf16-zero1-d2") + "/ckpt/step-00000004";
-  const testing::CommandResult one =
-      train(1, "bf16-zero1-to-one", bf16 + "--set train.batch_size=2 --set train.steps=4 --set train.resume=" + from);
-  ASSERT_EQ(one.exit_code, 0) << one.output;
-  EXPECT_NE(one.output.find("resumed from"), std::string::npos) << one.output;
-  for (Plane p : {Plane::param, Plane::adam_m, Plane::adam_v}) {
-    EXPECT_EQ(read_checkpoint_plane(testing::newest_checkpoint(at("bf16-zero1-to-one") + "/ckpt"), p),
-              read_checkpoint_plane(from, p))
-        << "plane " << static_cast<int>(p);
+  expect_saved_again_on_one_rank(at("bf16-zero1-d2") + "/ckpt/step-00000004", "bf16-zero1-to-one",
+                                 bf16 + "--set train.batch_size=2 --set train.steps=4");
+}
+
+// bf16 training state under ZeRO-3 with expert groups of 2, 4 steps: a rank homes its share of the
+// chunks of no expert and of its experts' chunks (each expert's bf16 bits gathered with the layer
+// over its holders), keeps float32 masters of its own chunks only and, between steps, the bits of
+// its shard only (bf16_param_resident_bytes, mincore: within a page at each end of each run of
+// own chunks). On 2 data ranks (each rank its experts' only holder) it trains the bytes of ZeRO-0
+// with the same experts held, on 4 (each expert's bits gathered over its 2 holders) ZeRO-2's (the
+// same reduce-scatters in bf16, the same owners' bits). The 2-rank run's step-2 checkpoint resumed
+// in its own layout gives the uninterrupted run's bytes, and on one rank is saved with the same bytes.
+TEST_F(ShardedExperts, Bf16StateUnderZeroThreeHoldsOnlyEachRanksExperts) {
+  const std::string bf16 = "--set runtime.param_dtype=bf16 --set runtime.grad_dtype=bf16 ";
+  const std::string ep = bf16 + "--set parallel.expert=2 --set train.steps=4 --set train.checkpoint_every=2 ";
+  for (const int ranks : {2, 4}) {
+    const std::string d = "-d" + std::to_string(ranks) + "-4steps";
+    const std::string reference = (ranks == 2 ? "bf16-zero0" : "bf16-zero2") + d;
+    ASSERT_EQ(train(ranks, reference, ep + "--set parallel.zero=" + (ranks == 2 ? "0" : "2")).exit_code, 0);
+    const std::string run = "bf16-zero3" + d;
+    const testing::CommandResult r = train(ranks, run, ep + "--set parallel.zero=3");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("ZeRO-3 shards each expert's parameters and state over the ranks holding it"),
+              std::string::npos) << r.output;
+    expect_same_training(reference, run);
+    expect_experts_shared_out(run, ranks);
+    expect_masters_of_owned_chunks(run);
+    expect_bits_of_shard(run);
   }
+  expect_step_two_resumes(2, "bf16-zero3-d2-4steps", ep + "--set parallel.zero=3 ",
+                          bf16 + "--set train.batch_size=2 --set train.steps=2");
 }
 
 // Compressed sync over 4 data ranks in two expert groups of 2: the buckets of no expert are
@@ -475,6 +532,46 @@ TEST_F(ShardedExperts, ZeroThreeInAPipelineHoldsOnlyEachStagesExperts) {
   ASSERT_EQ(one.exit_code, 0) << one.output;
   EXPECT_NE(one.output.find("resumed from"), std::string::npos) << one.output;
   expect_like("one-b2", "z3ep2-d2p2-to-one", 4);
+}
+
+// bf16 training state in two replicas of two pipeline stages with expert groups of 2 (each
+// stage's replicas share out the stage's experts, each the only holder of its experts), 4 steps:
+// ZeRO-0, ZeRO-1, ZeRO-2 and ZeRO-3 train the same bytes (the chunks of no expert summed over 2
+// replicas, one bf16 addition per element whatever the collective), within 1e-3 of the same layout
+// with every expert held (an expert's gradient rounded to bf16 once from all of its rows, where
+// that run sums two replicas' bf16 gradients: measured 2.8e-7 relative at worst). Under ZeRO-1/2/3
+// the step lines show each stage's replicas holding half of the stage's experts and rank 0's
+// float32 masters its owned chunks' (ZeRO-3: and its bf16 bits its shard's between steps); under
+// ZeRO-0 rank 0 holds the parameters it holds under ZeRO-1.
+// ZeRO-1's step-2 checkpoint resumed in its own layout gives the uninterrupted run's bytes, and
+// resumed on one rank without expert parallelism is saved there with the same bytes.
+TEST_F(ShardedExperts, Bf16StateInAPipelineHoldsOnlyEachStagesExperts) {
+  const std::string bf16 = "--set runtime.param_dtype=bf16 --set runtime.grad_dtype=bf16 ";
+  const std::string d2p2 = bf16 + "--set parallel.pipeline=2 --set train.steps=4 ";
+  ASSERT_EQ(train(4, "bf16-d2p2", d2p2).exit_code, 0);
+  const std::string ep = d2p2 + "--set parallel.expert=2 --set train.checkpoint_every=2 ";
+  for (const std::string zero : {"0", "1", "2", "3"}) {
+    const std::string run = "bf16-zero" + zero + "-ep2-d2p2";
+    const testing::CommandResult r = train(4, run, ep + "--set parallel.zero=" + zero);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
+    expect_losses_near("bf16-d2p2", run, 1e-3);
+    if (zero == "0") continue;
+    EXPECT_NE(r.output.find(zero == "3" ? "ZeRO-3 shards each expert's parameters and state over the ranks holding it"
+                                        : "ZeRO shares each expert's state out over the ranks holding it"),
+              std::string::npos) << r.output;
+    expect_same_training("bf16-zero0-ep2-d2p2", run);
+    for (const json& s : lines(run)) expect_two_stages_share_out_experts(s, run);
+    expect_masters_of_owned_chunks(run);
+    if (zero == "3") expect_bits_of_shard(run);
+  }
+  const std::vector<json> zero0 = lines("bf16-zero0-ep2-d2p2"), zero1 = lines("bf16-zero1-ep2-d2p2");
+  ASSERT_EQ(zero0.size(), zero1.size());
+  for (size_t i = 0; i < zero0.size(); ++i) {
+    EXPECT_EQ(zero0[i].at("param_bytes").get<int64_t>(), zero1[i].at("held_param_bytes")[0].get<int64_t>()) << i;
+  }
+  expect_step_two_resumes(4, "bf16-zero1-ep2-d2p2", ep + "--set parallel.zero=1 ",
+                          bf16 + "--set train.batch_size=2 --set train.steps=2");
 }
 
 // A re-cut of two replicas of two pipeline stages under ZeRO-1 and ZeRO-2 with expert groups of

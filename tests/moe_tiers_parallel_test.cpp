@@ -1,11 +1,12 @@
-// A mixture of experts over the memory tiers on 2 ranks (one case on 4), through the keel binary
+// A mixture of experts over the memory tiers on 2 ranks (some cases on 4), through the keel binary
 // on the toy corpus (llama-moe-tiny at the toy's size: 2 MoE blocks of 4 experts, top-2, one
 // shared expert), each against the same layout in memory, bit for bit: a pipeline of 2 stages
 // (each tiering its own block; and two replicas of it with expert groups), re-cut too; expert
 // parallelism (parallel.expert = 2, each rank holding and tiering only its 2 experts of each
 // block, leasing and hinting those that rows were sent to), with the experts homed by routing
 // share too, and its checkpoint resumed without expert parallelism, and under ZeRO-1/2 (a
-// rank owning its experts' whole state; also with bf16 training state); ZeRO-3 (the gathered layer in the compute tier, a
+// rank owning its experts' whole state; also with bf16 training state, on one stage and in a
+// pipeline); ZeRO-3 (the gathered layer in the compute tier, a
 // rank's shard homed by the tiers), with and without expert groups; and what stays refused, in
 // one line each.
 #include <gtest/gtest.h>
@@ -153,19 +154,27 @@ TEST_F(MoeTiersParallel, ExpertGroupsUnderZeroOneAndTwoThroughTheTiersTrainTheir
 // bf16 training state with expert groups of 2 under ZeRO-1 and ZeRO-2 on 2 ranks (each rank holds
 // its 2 experts of every block, their bf16 bits and the float32 masters of the chunks it owns
 // outside the tiers; the AdamW moments through them), at twice the toy's width so that a rank's
-// moments (1.5 MB) outgrow the 1 MiB compute tier: the bytes of the same layout in memory, with
-// pages read back through the off-device tiers once the moments exist.
+// moments (1.5 MB) outgrow the 1 MiB compute tier, and under ZeRO-1 in two replicas of two
+// pipeline stages (each stage's replicas sharing out its experts; at three times the toy's width,
+// so that a rank's moments of its stage outgrow the tier too): the bytes of the same layout in
+// memory, with pages read back through the off-device tiers once the moments exist.
 TEST_F(MoeTiersParallel, Bf16StateWithExpertGroupsUnderZeroOneAndTwoThroughTheTiersTrainsItsBytesInMemory) {
-  const std::string layout = "--set model.n_embd=128 --set runtime.param_dtype=bf16 --set runtime.grad_dtype=bf16 "
-                             "--set parallel.expert=2 --set parallel.zero=";
-  for (const std::string zero : {"1", "2"}) {
-    const std::string reference = "bf16-ep2-zero" + zero, run = reference + "-tiered";
-    testing::CommandResult r = train(reference, layout + zero);
+  const std::string layout = "--set runtime.param_dtype=bf16 --set runtime.grad_dtype=bf16 --set parallel.expert=2 ";
+  struct Case {
+    std::string reference, layout;
+    int ranks;
+  };
+  for (const Case& c : {Case{"bf16-ep2-zero1", "--set model.n_embd=128 --set parallel.zero=1", 2},
+                        Case{"bf16-ep2-zero2", "--set model.n_embd=128 --set parallel.zero=2", 2},
+                        Case{"bf16-ep2-zero1-d2p2",
+                             "--set model.n_embd=192 --set parallel.zero=1 --set parallel.pipeline=2", 4}}) {
+    const std::string run = c.reference + "-tiered";
+    testing::CommandResult r = train(c.reference, layout + c.layout, c.ranks);
     ASSERT_EQ(r.exit_code, 0) << r.output;
-    r = train(run, layout + zero + tiers());
+    r = train(run, layout + c.layout + tiers(), c.ranks);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
-    expect_same_training(reference, run);
+    expect_same_training(c.reference, run);
     double read = 0;
     for (const json& s : lines(run)) {
       EXPECT_EQ(s.at("tier_stale_refetches").get<int>(), 0) << run;
@@ -174,7 +183,7 @@ TEST_F(MoeTiersParallel, Bf16StateWithExpertGroupsUnderZeroOneAndTwoThroughTheTi
     }
     EXPECT_GT(read, 0) << run;
     EXPECT_TRUE(fs::is_empty(at("nvme"))) << "a tier's file outlived the run";
-    fs::remove_all(at(reference));
+    fs::remove_all(at(c.reference));
     fs::remove_all(at(run));
   }
 }
