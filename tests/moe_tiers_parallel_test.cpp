@@ -6,8 +6,8 @@
 // block, leasing and hinting those that rows were sent to), with the experts homed by routing
 // share too, and its checkpoint resumed without expert parallelism, and under ZeRO-1/2 (a
 // rank owning its experts' whole state; also with bf16 training state); ZeRO-3 (the gathered layer in the compute tier, a
-// rank's shard homed by the tiers), with and without expert groups; and what stays refused, in
-// one line each.
+// rank's shard homed by the tiers), with and without expert groups (each rank holding and tiering
+// only its 2 experts), resumed; and what stays refused, in one line each.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -99,17 +99,38 @@ TEST_F(MoeTiersParallel, ExpertGroupsThroughTheTiersTrainTheirBytesInMemory) {
 
 // ZeRO-3 over 2 ranks with the tiers (a rank's shard homed there, each MoE block's whole layer
 // gathered into the compute tier, the chosen experts' leases nested in it): the bytes of ZeRO-3
-// in memory, without and with expert groups of 2.
+// in memory, without and with expert groups of 2. With expert groups a rank holds, tiers and
+// reports only its 2 experts of every block (their only holder: it homes their whole state, and
+// its shard of the chunks of no expert), as many bytes of them as in memory; the tiered run's
+// step-4 checkpoint resumed through the tiers in the same layout gives the uninterrupted run's bytes.
 TEST_F(MoeTiersParallel, ZeroThreeThroughTheTiersTrainsItsBytesInMemory) {
-  for (const std::string& layout : {std::string("--set parallel.zero=3 "),
-                                    std::string("--set parallel.zero=3 --set parallel.expert=2 ")}) {
+  for (const bool ep2 : {false, true}) {
+    const std::string layout =
+        ep2 ? "--set parallel.zero=3 --set parallel.expert=2 --set train.checkpoint_every=4 " : "--set parallel.zero=3 ";
     testing::CommandResult r = train("z3", layout);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     r = train("z3-tiered", layout + tiers());
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("keel: ZeRO-3 over 2 ranks"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("each runs and holds 2 of every MoE block's 4 experts") != std::string::npos, ep2)
+        << r.output;
     expect_same_training("z3", "z3-tiered");
-    expect_tiered("z3-tiered", {0, 1, 2, 3});
+    expect_tiered("z3-tiered", ep2 ? std::vector<int>{0, 1} : std::vector<int>{0, 1, 2, 3});
+    if (ep2) {
+      const std::vector<json> want = lines("z3"), got = lines("z3-tiered");
+      for (size_t i = 0; i < got.size(); ++i) {
+        const std::vector<int64_t> held = got[i].at("held_expert_param_bytes");
+        for (int64_t h : held) EXPECT_EQ(2 * h, got[i].at("model_expert_param_bytes").get<int64_t>()) << i;
+        for (const char* key : {"held_param_bytes", "zero3_param_shard_bytes", "zero3_moment_bytes"}) {
+          EXPECT_EQ(got[i].at(key), want[i].at(key)) << key << " step " << i + 1;
+        }
+      }
+      r = train("z3-tiered-resumed", layout + tiers() + " --set train.resume=" + at("z3-tiered") + "/ckpt/step-00000004");
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+      expect_same_checkpoint("z3", "z3-tiered-resumed");
+      fs::remove_all(at("z3-tiered-resumed"));
+    }
     EXPECT_TRUE(fs::is_empty(at("nvme"))) << "a tier's file outlived the run";
     fs::remove_all(at("z3"));
     fs::remove_all(at("z3-tiered"));

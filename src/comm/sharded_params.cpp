@@ -59,7 +59,7 @@ ShardedParams::ShardedParams(Communicator& dp, ChunkStore& store, const ChunkPar
   last_layer_ = n > 0 ? store_.chunks().back().layer : 0;
   // From the start a rank holds its own chunks only: the weights are drawn or loaded into them
   // alone (ChunkStore::home_params), never whole (experts apart: into their span, see settled()).
-  store_.home_params(own_first_, own_last_);
+  store_.home_params(own_first_, own_last_, own_);  // (experts apart: the own ones among them, for the memory tiers)
   gathered_.assign(static_cast<size_t>(n), 0);
   pins_.assign(static_cast<size_t>(n), 0);
   double figures[3] = {static_cast<double>(shard_bytes_), static_cast<double>(largest_layer_gather_bytes()),
