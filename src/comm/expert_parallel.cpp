@@ -62,6 +62,11 @@ void gather_experts_with_layers(GPT& model) {
   }
 }
 
+bool experts_gathered_with_layers(const Config& config, int data_ranks) {
+  if (!config.model.moe() || config.parallel.zero != 3 || data_ranks < 2) return false;
+  return !(experts_sharded(config) && data_ranks == config.parallel.expert && config.parallel.pipeline == 1);
+}
+
 double expert_grad_squares(const ChunkStore& store, Communicator& experts) {
   double others = 0, mine = 0;
   for (const Chunk& c : store.chunks()) (c.expert >= 0 ? mine : others) += grad_sum_squares(store, c.id, c.id + 1);

@@ -21,7 +21,9 @@
 // owns its experts' whole state), reduces (ZeRO-2: reduce-scatters) each gradient bucket over its
 // chunks' group and broadcasts the updated parameters over the same groups. Under ZeRO-3 the
 // same partition homes the parameters (comm/sharded_params.h): a MoE block's whole-layer lease
-// gathers the chunks of no expert over the data group and the rank's experts' over their holders.
+// gathers the chunks of no expert over the data group and the rank's experts' over their holders
+// (with data == P on one stage the layer's lease takes the chunks of no expert only, and the
+// block leases its experts apart, as without ZeRO-3: experts_gathered_with_layers).
 // In a pipeline each stage's replicas share out the stage's experts so (ZeRO-1/2/3; a ZeRO-1/2
 // re-cut moves an expert's chunks within its replica and its moments from their owner among the
 // holders), with tensor groups under ZeRO-1/2 each rank's chunks are its tensor shard of its
@@ -67,6 +69,13 @@ void attach_expert_group(GPT& model, ExpertGroup& group);
 // a rank's tokens did not choose included; with sharded experts the rank's own E / P, gathered
 // over their holders, else every expert, those that other ranks run included).
 void gather_experts_with_layers(GPT& model);
+// Whether ZeRO-3 over `data_ranks` gathers a MoE block's experts with its layer
+// (gather_experts_with_layers): yes, but where each rank is the only holder of its experts
+// (sharded experts with data = P, no pipeline: ZeRO-3 homes their chunks on it whole and never
+// broadcasts them), where a block leases only its experts that rows were sent to, one at a time,
+// as without ZeRO-3, and the layer's gather brings the chunks of no expert alone. So under
+// ZeRO-3 only there do the tiers' expert pages follow the routing (tier.experts = "by_frequency").
+bool experts_gathered_with_layers(const Config& config, int data_ranks);
 
 // Metrics: `expert_alltoall_bytes`, the bytes this rank sent in the expert group's exchanges during
 // the step's passes (its own rows included), and `expert_wait_ms`, the time it spent blocked

@@ -337,7 +337,24 @@ void ShardedParams::acquire(std::span<const PageRef> pages) {
   inner_->acquire(pages);
 }
 
+bool ShardedParams::alone_only(std::span<const PageRef> pages) const {
+  bool any = false;
+  for (const PageRef& p : pages) {
+    if (p.plane != Plane::param) continue;
+    if (!alone(p.chunk)) return false;
+    any = true;
+  }
+  return any;
+}
+
 void ShardedParams::acquire_layer(std::span<const PageRef> pages) {
+  // A lease of expert chunks this rank alone holds (a MoE block's expert that rows were sent to,
+  // data = P: comm/expert_parallel.h experts_gathered_with_layers): its own pages, which no other
+  // rank takes; not gathered, pinned or recorded among the leases every rank takes alike.
+  if (alone_only(pages)) {
+    inner_->acquire_layer(pages);
+    return;
+  }
   std::vector<int> chunks;
   for (const PageRef& p : pages) {
     if (p.plane == Plane::param) chunks.push_back(p.chunk);
@@ -364,6 +381,7 @@ void ShardedParams::acquire_layer(std::span<const PageRef> pages) {
 
 void ShardedParams::release_layer(std::span<const PageRef> pages, bool modified) {
   inner_->release_layer(pages, modified);
+  if (alone_only(pages)) return;  // (as acquire_layer took it)
   for (const PageRef& p : pages) {
     if (p.plane != Plane::param || --pins_[p.chunk] > 0 || whole_) continue;
     const bool kept = keep_ == Zero3Keep::all || (keep_ == Zero3Keep::last && store_.chunks()[p.chunk].layer == last_layer_);
