@@ -33,8 +33,9 @@ bool experts_sharded(const Config& config) {
   if (p.zero == 0) return true;
   // ZeRO shares the experts' chunks out over their holders (comm/zero.h; ZeRO-3 their parameters
   // too, comm/sharded_params.h): on one stage (ZeRO-1/2 also with tensor groups: a holder's chunks
-  // are its tensor shard of its experts) or on each stage of a pipeline without gradient
-  // prediction (a re-cut moves an expert's chunks between the ranks of one replica and its moments
+  // are its tensor shard of its experts) or on each stage of a pipeline (ZeRO-1/2 also with
+  // gradient prediction: a rank predicts its own store's gradients, its experts' as without ZeRO;
+  // a re-cut moves an expert's chunks between the ranks of one replica and its moments
   // from their owner among the holders: pipeline/stage_migration.h; ZeRO-3 takes no re-cuts), with
   // or without memory copies (each rank's copy is of its own store, its moments' span), ZeRO-3
   // also with memory tiers on one stage (they home the rank's own chunks: ChunkStore::param_homed);
@@ -46,8 +47,7 @@ bool experts_sharded(const Config& config) {
   const bool bf16_state = config.runtime.param_dtype != StateDtype::fp32 || config.runtime.grad_dtype != StateDtype::fp32;
   if (bf16_state && (p.zero == 3 || p.pipeline > 1 || p.tensor > 1)) return false;
   if (p.tensor > 1 && (p.zero == 3 || p.pipeline > 1 || config.checkpoint.memory_every > 0)) return false;
-  if (p.zero == 3 && tiering_enabled(config.tier) && p.pipeline > 1) return false;
-  return p.pipeline == 1 || p.predict_gradients == PredictGradients::off;
+  return !(p.zero == 3 && tiering_enabled(config.tier) && p.pipeline > 1);
 }
 
 void attach_expert_group(GPT& model, ExpertGroup& group) {
