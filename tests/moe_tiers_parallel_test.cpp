@@ -103,6 +103,7 @@ TEST_F(MoeTiersParallel, ExpertGroupsThroughTheTiersTrainTheirBytesInMemory) {
 // reports only its 2 experts of every block (their only holder: it homes their whole state, and
 // its shard of the chunks of no expert), as many bytes of them as in memory; the tiered run's
 // step-4 checkpoint resumed through the tiers in the same layout gives the uninterrupted run's bytes.
+// So does a pipeline of 2 stages with 2 replicas in expert groups of 2.
 TEST_F(MoeTiersParallel, ZeroThreeThroughTheTiersTrainsItsBytesInMemory) {
   for (const bool ep2 : {false, true}) {
     const std::string layout =
@@ -135,6 +136,19 @@ TEST_F(MoeTiersParallel, ZeroThreeThroughTheTiersTrainsItsBytesInMemory) {
     fs::remove_all(at("z3"));
     fs::remove_all(at("z3-tiered"));
   }
+  // Two replicas of two stages (4 ranks), each stage's replicas an expert group of 2: a rank holds
+  // and tiers its stage's block's 2 experts, and trains the bytes of the same layout in memory.
+  const std::string staged = "--set parallel.zero=3 --set parallel.expert=2 --set parallel.pipeline=2 ";
+  testing::CommandResult r = train("z3-d2p2", staged, 4);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = train("z3-d2p2-tiered", staged + tiers(), 4);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
+  expect_same_training("z3-d2p2", "z3-d2p2-tiered");
+  expect_tiered("z3-d2p2-tiered", {0, 1}, 2);  // (step 1 of rank 0's stage fits its compute tier)
+  EXPECT_TRUE(fs::is_empty(at("nvme"))) << "a tier's file outlived the run";
+  fs::remove_all(at("z3-d2p2"));
+  fs::remove_all(at("z3-d2p2-tiered"));
 }
 
 // ZeRO-3 with expert groups of 2 on 2 ranks, each rank its experts' only holder (their chunks

@@ -29,14 +29,13 @@
 // holders), with tensor groups under ZeRO-1/2 each rank's chunks are its tensor shard of its
 // experts (holders: the data ranks with the same expert and tensor rank), with bf16 training
 // state under ZeRO-1/2 on one stage without tensor groups a rank's masters are its owned chunks',
-// under ZeRO-3 with memory tiers (one stage) the tiers home a rank's own chunks only (its shard of
-// the chunks of no expert and of its experts': ChunkStore::param_homed), with gradient prediction
-// in a pipeline (ZeRO-1/2) a rank predicts its own store's gradients. With bf16 training state
-// elsewhere, tensor groups under ZeRO-3, in a pipeline or with memory copies, and under ZeRO-3
-// with memory tiers in a pipeline every rank holds every expert:
-// a rank writes weight gradients for its own experts only, the data-parallel sum adds each
-// expert's over the ranks that ran it, and ZeRO shards the experts' chunks over the data group as
-// the rest.
+// under ZeRO-3 with memory tiers the tiers home a rank's own chunks only (its shard of the chunks
+// of no expert and of its experts': ChunkStore::param_homed), with gradient prediction in a
+// pipeline (ZeRO-1/2) a rank predicts its own store's gradients. With bf16 training state
+// elsewhere and tensor groups under ZeRO-3, in a pipeline or with memory copies every rank holds
+// every expert: a rank writes weight gradients for its own experts only, the data-parallel sum
+// adds each expert's over the ranks that ran it, and ZeRO shards the experts' chunks over the data
+// group as the rest.
 #pragma once
 
 #include <cstdint>
@@ -54,8 +53,8 @@ class GPT;
 
 // Whether a rank holds only its share of the routed experts: parallel.expert > 1 without ZeRO;
 // under ZeRO with float32 training state, on one stage or in a pipeline (ZeRO-1/2 also with
-// gradient prediction, parallel.predict_gradients), with or without memory copies (checkpoint.memory_every),
-// ZeRO-3 with memory tiers on one stage only; with tensor groups (parallel.tensor > 1) ZeRO-1/2
+// gradient prediction, parallel.predict_gradients), with or without memory copies
+// (checkpoint.memory_every) or memory tiers; with tensor groups (parallel.tensor > 1) ZeRO-1/2
 // on one stage without memory copies; with bf16 training state ZeRO-1/2 on one stage without
 // tensor groups.
 // Otherwise every rank holds every expert (its weight gradients zero but for its own), sharded
