@@ -293,7 +293,8 @@ TEST_F(MoeParallel, PipelineGradientPredictionTrainsCloseAndResumesExactly) {
                                              "--set parallel.pipeline=2 --set parallel.expert=2 "
                                              "--set parallel.predict_gradients=momentum --set parallel.zero=2");
   ASSERT_EQ(zero2.exit_code, 0) << zero2.output;
-  EXPECT_NE(zero2.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << zero2.output;
+  EXPECT_NE(zero2.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos)
+      << zero2.output;
   expect_same_training("d2p2-ep2-predict-momentum", "d2p2-ep2-predict-momentum-zero2");
   const testing::CommandResult resumed =
       train(2, "p2-predict-bias-resumed", p2 + "--set parallel.predict_gradients=previous " + kBias +

@@ -106,8 +106,8 @@ TEST_F(MoeTiersParallel, ExpertGroupsThroughTheTiersTrainTheirBytesInMemory) {
 // So does a pipeline of 2 stages with 2 replicas in expert groups of 2.
 TEST_F(MoeTiersParallel, ZeroThreeThroughTheTiersTrainsItsBytesInMemory) {
   for (const bool ep2 : {false, true}) {
-    const std::string layout =
-        ep2 ? "--set parallel.zero=3 --set parallel.expert=2 --set train.checkpoint_every=4 " : "--set parallel.zero=3 ";
+    const std::string layout = "--set parallel.zero=3 " +
+                               std::string(ep2 ? "--set parallel.expert=2 --set train.checkpoint_every=4 " : "");
     testing::CommandResult r = train("z3", layout);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     r = train("z3-tiered", layout + tiers());
@@ -126,7 +126,8 @@ TEST_F(MoeTiersParallel, ZeroThreeThroughTheTiersTrainsItsBytesInMemory) {
           EXPECT_EQ(got[i].at(key), want[i].at(key)) << key << " step " << i + 1;
         }
       }
-      r = train("z3-tiered-resumed", layout + tiers() + " --set train.resume=" + at("z3-tiered") + "/ckpt/step-00000004");
+      const std::string from = " --set train.resume=" + at("z3-tiered") + "/ckpt/step-00000004";
+      r = train("z3-tiered-resumed", layout + tiers() + from);
       ASSERT_EQ(r.exit_code, 0) << r.output;
       EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
       expect_same_checkpoint("z3", "z3-tiered-resumed");
