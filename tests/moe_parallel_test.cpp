@@ -249,7 +249,8 @@ TEST_F(MoeParallel, PipelineReCutsMoveTheBlocksAndTrainWhatOneRankTrains) {
 // micro-batch's rows chose (their gradient is known to stay as it is: predicted zero). Not the
 // one-rank model but close (every loss within 10 %, the first step's within 1e-5, and not the
 // same), the same bytes twice; with two replicas of two stages and expert groups of 2 as well
-// (each rank's W writes only its own experts). With bias balancing a checkpoint holds the
+// (each rank's W writes only its own experts), and under ZeRO-2 the bytes of that (each rank
+// still holding only its experts). With bias balancing a checkpoint holds the
 // prediction's state and the routing biases: resumed at step 10 it goes on with the uninterrupted
 // run's losses, biases and final bytes.
 TEST_F(MoeParallel, PipelineGradientPredictionTrainsCloseAndResumesExactly) {
@@ -286,6 +287,15 @@ TEST_F(MoeParallel, PipelineGradientPredictionTrainsCloseAndResumesExactly) {
     close_to_one(c.reference, c.run);
   }
   EXPECT_EQ(testing::checkpoint_bytes(at("p2-predict-mean") + "/ckpt"), testing::checkpoint_bytes(at("p2-predict-mean-again") + "/ckpt"));
+  // ZeRO-2 on the two replicas: each rank still holds only its experts (its store's gradients
+  // predicted as without ZeRO), and the two-replica sums (reduce-scattered) give ZeRO-0's bytes.
+  const testing::CommandResult zero2 = train(4, "d2p2-ep2-predict-momentum-zero2",
+                                             "--set parallel.pipeline=2 --set parallel.expert=2 "
+                                             "--set parallel.predict_gradients=momentum --set parallel.zero=2");
+  ASSERT_EQ(zero2.exit_code, 0) << zero2.output;
+  EXPECT_NE(zero2.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos)
+      << zero2.output;
+  expect_same_training("d2p2-ep2-predict-momentum", "d2p2-ep2-predict-momentum-zero2");
   const testing::CommandResult resumed =
       train(2, "p2-predict-bias-resumed", p2 + "--set parallel.predict_gradients=previous " + kBias +
                                               " --set train.resume=" + at("p2-predict-bias") + "/ckpt/step-00000010");

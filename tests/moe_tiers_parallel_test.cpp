@@ -6,9 +6,9 @@
 // block, leasing and hinting those that rows were sent to), with the experts homed by routing
 // share too, and its checkpoint resumed without expert parallelism, and under ZeRO-1/2 (a
 // rank owning its experts' whole state; also with bf16 training state, on one stage and in a
-// pipeline); ZeRO-3 (the gathered layer in the compute tier, a
-// rank's shard homed by the tiers), with and without expert groups; and what stays refused, in
-// one line each.
+// pipeline); ZeRO-3 (the gathered layer in the compute tier, a rank's shard homed by the tiers),
+// with and without expert groups (each rank holding and tiering only its 2 experts), resumed; and
+// what stays refused, in one line each.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -100,21 +100,78 @@ TEST_F(MoeTiersParallel, ExpertGroupsThroughTheTiersTrainTheirBytesInMemory) {
 
 // ZeRO-3 over 2 ranks with the tiers (a rank's shard homed there, each MoE block's whole layer
 // gathered into the compute tier, the chosen experts' leases nested in it): the bytes of ZeRO-3
-// in memory, without and with expert groups of 2.
+// in memory, without and with expert groups of 2. With expert groups a rank holds, tiers and
+// reports only its 2 experts of every block (their only holder: it homes their whole state, and
+// its shard of the chunks of no expert), as many bytes of them as in memory; the tiered run's
+// step-4 checkpoint resumed through the tiers in the same layout gives the uninterrupted run's bytes.
+// So does a pipeline of 2 stages with 2 replicas in expert groups of 2.
 TEST_F(MoeTiersParallel, ZeroThreeThroughTheTiersTrainsItsBytesInMemory) {
-  for (const std::string& layout : {std::string("--set parallel.zero=3 "),
-                                    std::string("--set parallel.zero=3 --set parallel.expert=2 ")}) {
+  for (const bool ep2 : {false, true}) {
+    const std::string layout = "--set parallel.zero=3 " +
+                               std::string(ep2 ? "--set parallel.expert=2 --set train.checkpoint_every=4 " : "");
     testing::CommandResult r = train("z3", layout);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     r = train("z3-tiered", layout + tiers());
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("keel: ZeRO-3 over 2 ranks"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("each runs and holds 2 of every MoE block's 4 experts") != std::string::npos, ep2)
+        << r.output;
     expect_same_training("z3", "z3-tiered");
-    expect_tiered("z3-tiered", {0, 1, 2, 3});
+    expect_tiered("z3-tiered", ep2 ? std::vector<int>{0, 1} : std::vector<int>{0, 1, 2, 3});
+    if (ep2) {
+      const std::vector<json> want = lines("z3"), got = lines("z3-tiered");
+      for (size_t i = 0; i < got.size(); ++i) {
+        const std::vector<int64_t> held = got[i].at("held_expert_param_bytes");
+        for (int64_t h : held) EXPECT_EQ(2 * h, got[i].at("model_expert_param_bytes").get<int64_t>()) << i;
+        for (const char* key : {"held_param_bytes", "zero3_param_shard_bytes", "zero3_moment_bytes"}) {
+          EXPECT_EQ(got[i].at(key), want[i].at(key)) << key << " step " << i + 1;
+        }
+      }
+      const std::string from = " --set train.resume=" + at("z3-tiered") + "/ckpt/step-00000004";
+      r = train("z3-tiered-resumed", layout + tiers() + from);
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+      expect_same_checkpoint("z3", "z3-tiered-resumed");
+      fs::remove_all(at("z3-tiered-resumed"));
+    }
     EXPECT_TRUE(fs::is_empty(at("nvme"))) << "a tier's file outlived the run";
     fs::remove_all(at("z3"));
     fs::remove_all(at("z3-tiered"));
   }
+  // Two replicas of two stages (4 ranks), each stage's replicas an expert group of 2: a rank holds
+  // and tiers its stage's block's 2 experts, and trains the bytes of the same layout in memory.
+  const std::string staged = "--set parallel.zero=3 --set parallel.expert=2 --set parallel.pipeline=2 ";
+  testing::CommandResult r = train("z3-d2p2", staged, 4);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = train("z3-d2p2-tiered", staged + tiers(), 4);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
+  expect_same_training("z3-d2p2", "z3-d2p2-tiered");
+  expect_tiered("z3-d2p2-tiered", {0, 1}, 2);  // (step 1 of rank 0's stage fits its compute tier)
+  EXPECT_TRUE(fs::is_empty(at("nvme"))) << "a tier's file outlived the run";
+  fs::remove_all(at("z3-d2p2"));
+  fs::remove_all(at("z3-d2p2-tiered"));
+}
+
+// ZeRO-3 with expert groups of 2 on 2 ranks, each rank its experts' only holder (their chunks
+// never broadcast: a MoE block leases only its experts that rows were sent to, apart from the
+// layer's gather), with the experts re-homed by routing share every 2 steps through a 1 MiB
+// compute tier: the bytes of the same layout in memory, re-homed at least once.
+TEST_F(MoeTiersParallel, ZeroThreeWithExpertGroupsHomesTheExpertsByRoutingShare) {
+  const std::string layout = "--set parallel.zero=3 --set parallel.expert=2 --set model.moe_aux_weight=0 ";
+  testing::CommandResult r = train("z3-ep2-noaux", layout);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = train("z3-ep2-freq", layout + tiers() + "--set tier.experts=by_frequency --set tier.experts_every=2 ");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
+  expect_same_training("z3-ep2-noaux", "z3-ep2-freq");
+  expect_tiered("z3-ep2-freq", {0, 1});
+  int rehomed = 0;
+  for (const json& s : lines("z3-ep2-freq")) rehomed += s.contains("tier_experts_rehomed") ? 1 : 0;
+  EXPECT_GE(rehomed, 1);
+  EXPECT_TRUE(fs::is_empty(at("nvme"))) << "a tier's file outlived the run";
+  fs::remove_all(at("z3-ep2-noaux"));
+  fs::remove_all(at("z3-ep2-freq"));
 }
 
 // Expert groups of 2 under ZeRO-1 and ZeRO-2 (each rank holds its 2 experts of every block, the
@@ -253,7 +310,7 @@ TEST_F(MoeTiersParallel, PipelineStagesThroughTheTiersTrainTheirBytesInMemory) {
 }
 
 // What stays refused with memory tiers and a mixture of experts: experts homed by routing share
-// under ZeRO-3, in one line; and what is built.
+// under ZeRO-3 but where each rank is its experts' only holder, in one line; and what is built.
 TEST_F(MoeTiersParallel, WhatIsNotBuiltIsRefusedInOneLine) {
   const std::vector<std::string> moe = {"model.preset=llama-moe-tiny", "tier.device_mib=64", "tier.host_mib=64"};
   auto refusal = [&](std::vector<std::string> extra) {
@@ -265,10 +322,15 @@ TEST_F(MoeTiersParallel, WhatIsNotBuiltIsRefusedInOneLine) {
   };
   EXPECT_NE(refusal({"parallel.zero=3", "tier.experts=by_frequency"}).find("config key 'tier.experts'"),
             std::string::npos);
+  // (on 4 ranks in expert groups of 2 each expert has 2 holders, which gather it with the layer)
+  std::vector<std::string> four = moe;
+  for (const char* set : {"parallel.zero=3", "parallel.expert=2", "tier.experts=by_frequency"}) four.push_back(set);
+  EXPECT_NE(testing::config_refusal(four, 4).find("config key 'tier.experts'"), std::string::npos);
   for (const std::vector<std::string>& built :
        {std::vector<std::string>{"parallel.expert=2"}, {"parallel.expert=2", "tier.experts=by_frequency"},
         {"parallel.zero=1", "parallel.expert=2"}, {"parallel.zero=2", "parallel.expert=2", "tier.experts=by_frequency"},
-        {"parallel.zero=3"}, {"parallel.zero=3", "parallel.expert=2"}, {"parallel.pipeline=2"},
+        {"parallel.zero=3"}, {"parallel.zero=3", "parallel.expert=2"},
+        {"parallel.zero=3", "parallel.expert=2", "tier.experts=by_frequency"}, {"parallel.pipeline=2"},
         {"parallel.pipeline=2", "tier.experts=by_frequency"},
         {"parallel.pipeline=2", "parallel.repartition_every=4", "monitor.layer_costs_every=2"}}) {
     EXPECT_EQ(refusal(built), "") << built.back();

@@ -317,6 +317,40 @@ TEST(Tiers, OtherRanksPagesSpillToScratchThatIsReused) {
   EXPECT_EQ(tiers.nvme_scratch_bytes(), spilled);
 }
 
+// A rank's own chunks that are not one range (ZeRO-3 with sharded experts: home_params' flags
+// within their span): only the flagged chunks' parameter and gradient pages get slots; the
+// others in the span are transient as those outside it, and one written before the weights
+// settle (a draw or a load into the span) spills to scratch and comes back with its bytes.
+TEST(Tiers, OnlyTheFlaggedChunksOfTheParameterSpanAreHomed) {
+  testing::TempDir dir;
+  auto store = make_store();
+  const int n = static_cast<int>(store->chunks().size());
+  std::vector<uint8_t> own(static_cast<size_t>(n), 0);
+  int64_t slots = 0, others_param_slots = 0;
+  for (const Chunk& c : store->chunks()) {
+    const int64_t slot = static_cast<int64_t>(BlockFile::align_up(4 * c.numel));
+    own[static_cast<size_t>(c.id)] = c.id % 2 == 0;
+    const bool homed = own[static_cast<size_t>(c.id)] && c.id < n - 1;
+    slots += (homed ? kNumPlanes : 2) * slot;  // (every chunk's moments)
+    if (c.id > 0 && c.id < n - 1 && !own[static_cast<size_t>(c.id)]) others_param_slots += slot;
+  }
+  store->home_params(0, n - 1, own);
+  EXPECT_TRUE(store->params_homed_in_part());
+  EXPECT_TRUE(store->param_homed(0));
+  EXPECT_FALSE(store->param_homed(1));
+  EXPECT_FALSE(store->param_homed(n - 1));  // (outside the span)
+  TierOptions o = all_nvme(*store, dir, 4);
+  TierManager tiers(*store, o, std::vector<Tier>(n * kNumPlanes, Tier::nvme));
+  EXPECT_EQ(tiers.nvme_file_bytes(), slots);
+  PageChecker pages(*store, tiers, o);
+  for (int c = 0; c < n; ++c) pages.discard(PageRef{c, Plane::param});  // (zero, as the store left them)
+  for (int c = 1; c < n - 1; c += 2) pages.use({PageRef{c, Plane::param}}, true);  // written into the span
+  for (int c = 0; c < n - 1; c += 2) pages.use({PageRef{c, Plane::param}}, false);
+  tiers.drain();
+  EXPECT_EQ(tiers.nvme_scratch_bytes(), others_param_slots);
+  for (int c = 1; c < n - 1; c += 2) pages.use({PageRef{c, Plane::param}}, false);
+}
+
 // A lookahead hint (a pipeline executor's) starts fetches before a schedule exists, nearest
 // first, into free room or the room of clean pages it does not name (never a hinted or a
 // modified one); once prefetch follows the recorded schedule, hints add nothing; after

@@ -21,18 +21,22 @@
 // owns its experts' whole state), reduces (ZeRO-2: reduce-scatters) each gradient bucket over its
 // chunks' group and broadcasts the updated parameters over the same groups. Under ZeRO-3 the
 // same partition homes the parameters (comm/sharded_params.h): a MoE block's whole-layer lease
-// gathers the chunks of no expert over the data group and the rank's experts' over their holders.
+// gathers the chunks of no expert over the data group and the rank's experts' over their holders
+// (with data == P on one stage the layer's lease takes the chunks of no expert only, and the
+// block leases its experts apart, as without ZeRO-3: experts_gathered_with_layers).
 // In a pipeline each stage's replicas share out the stage's experts so (ZeRO-1/2/3; a ZeRO-1/2
 // re-cut moves an expert's chunks within its replica and its moments from their owner among the
 // holders), with tensor groups under ZeRO-1/2 each rank's chunks are its tensor shard of its
 // experts (holders: the data ranks with the same expert and tensor rank), with bf16 training
 // state (ZeRO-1/2/3, on one stage or in a pipeline; ZeRO-3 gathers the owners' bf16 bits over
-// the holders) a rank's masters are its owned chunks'. With gradient prediction in a pipeline,
-// tensor groups under ZeRO-3, in a pipeline or with memory copies (bf16 training state takes none
-// of these), and under ZeRO-3 with memory tiers every rank holds
+// the holders) a rank's masters are its owned chunks', under ZeRO-3 with memory tiers the tiers
+// home a rank's own chunks only (its shard of the chunks of no expert and of its experts':
+// ChunkStore::param_homed), with gradient prediction in a pipeline (ZeRO-1/2) a rank predicts its
+// own store's gradients. With tensor groups under ZeRO-3, in a pipeline or with memory copies
+// (bf16 training state takes none of these) every rank holds
 // every expert: a rank writes weight gradients for its own experts only, the data-parallel sum
-// adds each expert's over the ranks that ran it, and ZeRO shards the experts' chunks over the
-// data group as the rest.
+// adds each expert's over the ranks that ran it, and ZeRO shards the experts' chunks over the data
+// group as the rest.
 #pragma once
 
 #include <cstdint>
@@ -49,10 +53,10 @@ namespace keel {
 class GPT;
 
 // Whether a rank holds only its share of the routed experts: parallel.expert > 1 without ZeRO;
-// under ZeRO with float32 training state, on one stage or in a pipeline without gradient
-// prediction (parallel.predict_gradients), with or without memory copies (checkpoint.memory_every),
-// ZeRO-3 without memory tiers; with tensor groups (parallel.tensor > 1) ZeRO-1/2 on one stage
-// without memory copies; with bf16 training state (which takes no tensor groups) likewise.
+// under ZeRO with float32 or bf16 training state, on one stage or in a pipeline (ZeRO-1/2 also
+// with gradient prediction, parallel.predict_gradients), with or without memory copies
+// (checkpoint.memory_every) or memory tiers; with tensor groups (parallel.tensor > 1) ZeRO-1/2 on
+// one stage without memory copies (bf16 training state takes no tensor groups).
 // Otherwise every rank holds every expert (its weight gradients zero but for its own), sharded
 // over the data group as every other chunk.
 bool experts_sharded(const Config& config);
@@ -65,6 +69,13 @@ void attach_expert_group(GPT& model, ExpertGroup& group);
 // a rank's tokens did not choose included; with sharded experts the rank's own E / P, gathered
 // over their holders, else every expert, those that other ranks run included).
 void gather_experts_with_layers(GPT& model);
+// Whether ZeRO-3 over `data_ranks` gathers a MoE block's experts with its layer
+// (gather_experts_with_layers): yes, but where each rank is the only holder of its experts
+// (sharded experts with data = P, no pipeline: ZeRO-3 homes their chunks on it whole and never
+// broadcasts them), where a block leases only its experts that rows were sent to, one at a time,
+// as without ZeRO-3, and the layer's gather brings the chunks of no expert alone. So under
+// ZeRO-3 only there do the tiers' expert pages follow the routing (tier.experts = "by_frequency").
+bool experts_gathered_with_layers(const Config& config, int data_ranks);
 
 // Metrics: `expert_alltoall_bytes`, the bytes this rank sent in the expert group's exchanges during
 // the step's passes (its own rows included), and `expert_wait_ms`, the time it spent blocked

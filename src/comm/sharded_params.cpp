@@ -59,7 +59,7 @@ ShardedParams::ShardedParams(Communicator& dp, ChunkStore& store, const ChunkPar
   last_layer_ = n > 0 ? store_.chunks().back().layer : 0;
   // From the start a rank holds its own chunks only: the weights are drawn or loaded into them
   // alone (ChunkStore::home_params), never whole (experts apart: into their span, see settled()).
-  store_.home_params(own_first_, own_last_);
+  store_.home_params(own_first_, own_last_, own_);  // (experts apart: the own ones among them, for the memory tiers)
   gathered_.assign(static_cast<size_t>(n), 0);
   pins_.assign(static_cast<size_t>(n), 0);
   double figures[3] = {static_cast<double>(shard_bytes_), static_cast<double>(largest_layer_gather_bytes()),
@@ -343,7 +343,24 @@ void ShardedParams::acquire(std::span<const PageRef> pages) {
   inner_->acquire(pages);
 }
 
+bool ShardedParams::alone_only(std::span<const PageRef> pages) const {
+  bool any = false;
+  for (const PageRef& p : pages) {
+    if (p.plane != Plane::param) continue;
+    if (!alone(p.chunk)) return false;
+    any = true;
+  }
+  return any;
+}
+
 void ShardedParams::acquire_layer(std::span<const PageRef> pages) {
+  // A lease of expert chunks this rank alone holds (a MoE block's expert that rows were sent to,
+  // data = P: comm/expert_parallel.h experts_gathered_with_layers): its own pages, which no other
+  // rank takes; not gathered, pinned or recorded among the leases every rank takes alike.
+  if (alone_only(pages)) {
+    inner_->acquire_layer(pages);
+    return;
+  }
   std::vector<int> chunks;
   for (const PageRef& p : pages) {
     if (p.plane == Plane::param) chunks.push_back(p.chunk);
@@ -369,6 +386,7 @@ void ShardedParams::acquire_layer(std::span<const PageRef> pages) {
 
 void ShardedParams::release_layer(std::span<const PageRef> pages, bool modified) {
   inner_->release_layer(pages, modified);
+  if (alone_only(pages)) return;  // (as acquire_layer took it)
   for (const PageRef& p : pages) {
     if (p.plane != Plane::param || --pins_[p.chunk] > 0 || whole_) continue;
     const bool kept = keep_ == Zero3Keep::all || (keep_ == Zero3Keep::last && store_.chunks()[p.chunk].layer == last_layer_);

@@ -31,9 +31,13 @@
 // ranks holding the same experts (data ranks with the same rank % P). A rank's own chunks are then
 // not one range: its parameter home is their span (ChunkStore::home_params), into which the
 // weights are drawn or loaded; once they settle, the pages of the chunks in it that it does not
-// own go back. A gather broadcasts a chunk of no expert over the data group and an expert chunk
-// over its holders (none when data = P: a rank owns its experts' chunks); every rank of the data
-// group still takes the same leases, so each holder group joins the same broadcasts.
+// own go back (the span is flagged with the own ones, so memory tiers home those alone). A gather
+// broadcasts a chunk of no expert over the data group and an expert chunk over its holders (none
+// when data = P: a rank owns its experts' chunks); every rank of the data group still takes the
+// same leases, so each holder group joins the same broadcasts. A lease of chunks a rank alone
+// holds (data = P: a MoE block leases its experts apart from the layer, comm/expert_parallel.h
+// experts_gathered_with_layers) is its own: passed to the wrapped residency, neither gathered nor
+// recorded.
 #pragma once
 
 #include <condition_variable>
@@ -142,6 +146,8 @@ class ShardedParams final : public Residency {
   int root_of(int chunk) const;
   // An expert chunk this rank alone holds (experts apart with data = P): never broadcast.
   bool alone(int chunk) const;
+  // Whether the parameter pages among `pages` are some, and all of chunks this rank alone holds.
+  bool alone_only(std::span<const PageRef> pages) const;
   // The flat range a chunk's pages span: from its start to the next chunk's (alignment included).
   int64_t extent(int chunk) const;
   void gather(std::span<const PageRef> pages);

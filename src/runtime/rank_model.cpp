@@ -96,8 +96,9 @@ std::unique_ptr<RankModel> RankModel::build(const Config& config, ProcessGroups&
   build_optimizer_and_sync(*r, config, dp,
                            compressed ? sync_chunk_codecs(config.sync, config.model.n_layer, *r->store)
                                       : std::vector<CodecParams>{});
-  // ZeRO-3 gathers a layer's parameters under its layer lease: a MoE block's experts come with it.
-  if (config.model.moe() && r->optimizer->zero() == 3) gather_experts_with_layers(*r->model);
+  // ZeRO-3 gathers a layer's parameters under its layer lease: a MoE block's experts come with it
+  // (but those a rank alone holds).
+  if (experts_gathered_with_layers(config, dp.size())) gather_experts_with_layers(*r->model);
   if (groups.tp() != nullptr) {
     // Under ZeRO-1/2 the moments are shared out over the data-parallel group (the optimizer's partition).
     const bool sharded = r->optimizer->zero() >= 1;

@@ -290,11 +290,16 @@ void ChunkStore::shard_moments(int chunk_begin, int chunk_end) {
   moment_chunk_end_ = chunk_end;
 }
 
-void ChunkStore::home_params(int chunk_begin, int chunk_end) {
-  check(finalized_ && 0 <= chunk_begin && chunk_begin <= chunk_end && chunk_end <= static_cast<int>(chunks_.size()),
+void ChunkStore::home_params(int chunk_begin, int chunk_end, std::vector<uint8_t> homed) {
+  const int n = static_cast<int>(chunks_.size());
+  check(finalized_ && 0 <= chunk_begin && chunk_begin <= chunk_end && chunk_end <= n &&
+            (homed.empty() || homed.size() == chunks_.size()),
         "chunk store: bad parameter home [" + std::to_string(chunk_begin) + ", " + std::to_string(chunk_end) + ")");
   param_chunk_begin_ = chunk_begin;
   param_chunk_end_ = chunk_end;
+  param_homed_ = std::move(homed);
+  params_homed_in_part_ = false;
+  for (int c = 0; c < n && !params_homed_in_part_; ++c) params_homed_in_part_ = !param_homed(c);
 }
 
 std::pair<int64_t, int64_t> ChunkStore::param_home_elements() const {

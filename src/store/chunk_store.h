@@ -151,9 +151,20 @@ class ChunkStore {
   // The parameters of chunks [begin, end) have their home in this store (ZeRO-3: this rank's
   // shard; the other chunks' parameters are here only while a layer uses them, and their pages are
   // never touched otherwise). Drawing and loading the weights write only these, so a rank's start-up
-  // holds its shard, never the whole model. Requires finalize(). All chunks unless set.
-  void home_params(int chunk_begin, int chunk_end);
+  // holds its shard, never the whole model. `homed` (a flag per chunk of the store; empty: every
+  // chunk of the range): those of the range whose parameters stay here once the weights settled
+  // (ZeRO-3 with sharded experts: a rank's own chunks are not one range, and the others' in their
+  // span are drawn or loaded, then given back). Requires finalize(). All chunks unless set.
+  void home_params(int chunk_begin, int chunk_end, std::vector<uint8_t> homed = {});
   std::pair<int, int> param_chunks() const { return {param_chunk_begin_, param_chunk_end_}; }
+  // Whether `chunk`'s parameters have their home here once the weights settled (in
+  // param_chunks() and flagged by home_params), and whether some chunk's have theirs elsewhere
+  // (ZeRO-3: the memory tiers home only the rest, and a layer's lease gathers it whole).
+  bool param_homed(int chunk) const {
+    return chunk >= param_chunk_begin_ && chunk < param_chunk_end_ &&
+           (param_homed_.empty() || param_homed_[static_cast<size_t>(chunk)] != 0);
+  }
+  bool params_homed_in_part() const { return params_homed_in_part_; }
   // Elements [first, last) of the flat space that param_chunks() span (alignment gaps included).
   std::pair<int64_t, int64_t> param_home_elements() const;
   // Bytes allocated per plane, for memory reports.
@@ -307,6 +318,8 @@ class ChunkStore {
   int64_t plane_end_[kNumPlanes] = {};
   int moment_chunk_begin_ = 0, moment_chunk_end_ = 0;
   int param_chunk_begin_ = 0, param_chunk_end_ = 0;
+  std::vector<uint8_t> param_homed_;  // home_params' flags (empty: the whole range)
+  bool params_homed_in_part_ = false;
   bool layout_only_ = false;  // finalize_layout: nothing allocated
   // The store's own residency (every page present) and the one in use.
   friend class PresentPlanes;

@@ -93,9 +93,8 @@ Placement place_pages(const TierConfig& t, const ChunkStore& store, uint8_t abse
   const int m_begin = store.moment_chunks().first, m_end = store.moment_chunks().second;
   // ZeRO-3 with an NVMe tier: other ranks' parameter and gradient pages are transient (tiers.h),
   // homed nowhere: no budget, no slot (nvme stands for their zero home and scratch slots).
-  const int p_begin = store.param_chunks().first, p_end = store.param_chunks().second;
-  const bool sharded = !t.nvme_dir.empty() && (p_begin > 0 || p_end < n);
-  auto transient = [&](int c, int p) { return sharded && p <= static_cast<int>(Plane::grad) && (c < p_begin || c >= p_end); };
+  const bool sharded = !t.nvme_dir.empty() && store.params_homed_in_part();
+  auto transient = [&](int c, int p) { return sharded && p <= static_cast<int>(Plane::grad) && !store.param_homed(c); };
   auto exists = [&](int c, int p) {
     return ((absent_planes >> p) & 1) == 0 && (p < static_cast<int>(Plane::adam_m) || (c >= m_begin && c < m_end)) &&
            !transient(c, p);
@@ -130,7 +129,7 @@ Placement place_pages(const TierConfig& t, const ChunkStore& store, uint8_t abse
   std::vector<int64_t> largest_expert(static_cast<size_t>(last_layer) + 1, 0);
   std::map<std::pair<int, int>, int64_t> expert_bytes;  // (layer, expert)
   int64_t largest_chunk = 0;
-  const bool whole_layers = p_begin > 0 || p_end < n;
+  const bool whole_layers = store.params_homed_in_part();
   for (const Chunk& ch : chunks) {
     if (ch.expert >= 0 && !whole_layers) {
       int64_t& b = expert_bytes[{ch.layer, ch.expert}];

@@ -146,8 +146,7 @@ void TieredMemory::print_startup() const {
               io_engine_name(manager_->engine()), placement_.working_set_bytes / 1e6,
               tc.prefetch ? "prefetch on" : "on demand (no prefetch)", tc.lookahead);
   for (const std::string& note : placement_.notes) std::printf("keel: tiered memory: %s\n", note.c_str());
-  const auto [p_begin, p_end] = store_.param_chunks();
-  if (!tc.nvme_dir.empty() && (p_begin > 0 || p_end < static_cast<int>(store_.chunks().size()))) {
+  if (!tc.nvme_dir.empty() && store_.params_homed_in_part()) {
     std::printf("keel: tiered memory: other ranks' parameter and gradient pages (ZeRO-3) have no NVMe slots: "
                 "evicted with bytes, they spill to scratch at the file's end\n");
   }

@@ -69,8 +69,7 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
   const auto [m_begin, m_end] = store.moment_chunks();
   // ZeRO-3 (the store homes some chunks' parameters only): the other chunks' parameter and
   // gradient pages are transient where there is an NVMe tier to spill them to.
-  const auto [p_begin, p_end] = store.param_chunks();
-  const bool sharded = !options.nvme_dir.empty() && (p_begin > 0 || p_end < n_chunks);
+  const bool sharded = !options.nvme_dir.empty() && store.params_homed_in_part();
   bool any_transient = false;
   int64_t device_homed = 0, host_homed = 0, nvme_bytes = 0, largest_chunk = 0, largest_slot = 0;
   for (int c = 0; c < n_chunks; ++c) {
@@ -83,7 +82,7 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
                   !((options.absent_planes >> p) & 1);
       if (!pg.exists) continue;
       pg.home = homes[c * kNumPlanes + p];
-      pg.transient = sharded && p <= static_cast<int>(Plane::grad) && (c < p_begin || c >= p_end);
+      pg.transient = sharded && p <= static_cast<int>(Plane::grad) && !store.param_homed(c);
       pg.routed = !options.routed.empty() && options.routed.at(static_cast<size_t>(c * kNumPlanes + p)) != 0;
       pg.bytes = chunk.numel * static_cast<int64_t>(sizeof(float));
       pg.slot = static_cast<int64_t>(BlockFile::align_up(pg.bytes));

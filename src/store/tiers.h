@@ -25,9 +25,11 @@
 // is still in flight keeps its memory until the write completes and is taken back from there
 // (the newest bytes), never read from the home slot being written.
 //
-// Transient pages (ZeRO-3 with an NVMe tier: the parameter and gradient pages of chunks outside
-// the store's param_chunks(), which are another rank's and pass through this one only while
-// gathered or until their reduce-scatter) have no slot of their own: their home is zero between
+// Transient pages (ZeRO-3 with an NVMe tier: the parameter and gradient pages of chunks whose
+// parameters the store does not home (ChunkStore::param_homed: with sharded experts also the
+// other holders' chunks inside the span of a rank's own), which are another rank's and pass
+// through this one only while gathered, drawn or loaded before the weights settle, or until their
+// reduce-scatter) have no slot of their own: their home is zero between
 // uses. One evicted with bytes (a gathered layer kept unpinned, a gradient waiting for its bucket)
 // is written to a scratch slot at the file's end, given back to the scratch's free list when the
 // page is next declared zero; the file grows only when no free slot fits. A rank's file is so its
