@@ -49,6 +49,33 @@ class ShardedExperts : public testing::MoeRuns {
     EXPECT_EQ(moment[0] + moment[1] + moment[2] + moment[3], 2 * model) << run;
     EXPECT_EQ(expert_moment[0] + expert_moment[1] + expert_moment[2] + expert_moment[3], 2 * experts) << run;
   }
+  // Step line `s` of `run`: data 2 x tensor 2 with expert groups of 2 on one stage or each of
+  // `stages` (world rank = (data rank x stages + stage) x 2 + tensor rank). Each rank holds its
+  // tensor shard (half the units) of its expert group's 2 experts of its stage, the only holder of
+  // that shard (it owns the shard's whole state), as much as the stage's other ranks; the ranks
+  // together hold every expert's every shard once and own every tensor shard's moments once.
+  static void expect_tensor_ranks_share_out_experts(const json& s, const std::string& run, int stages = 1) {
+    const int64_t experts = s.at("model_expert_param_bytes");
+    const std::vector<int64_t> param = s.at("held_param_bytes"), expert_param = s.at("held_expert_param_bytes");
+    const std::vector<int64_t> expert_grad = s.at("held_expert_grad_bytes");
+    const std::vector<int64_t> moment = s.at("held_moment_bytes"), expert_moment = s.at("held_expert_moment_bytes");
+    ASSERT_EQ(param.size(), static_cast<size_t>(4 * stages)) << run;
+    int64_t held = 0, others = 0, moments = 0;
+    for (int r = 0; r < 4 * stages; ++r) {
+      const int first = r / 2 % stages * 2;  // (its stage's data rank 0, tensor rank 0)
+      EXPECT_GT(expert_param[r], 0) << run << " rank " << r;
+      EXPECT_EQ(expert_param[r], expert_param[first]) << run << " rank " << r;
+      EXPECT_EQ(param[r], param[first]) << run << " rank " << r;
+      EXPECT_EQ(expert_grad[r], expert_param[r]) << run << " rank " << r;
+      EXPECT_EQ(expert_moment[r], 2 * expert_param[r]) << run << " rank " << r;
+      held += expert_param[r];
+      others += param[r] - expert_param[r];
+      moments += moment[r];
+    }
+    EXPECT_EQ(held, experts) << run;
+    // (A tensor rank's chunks of no expert are held by both data ranks, their moments owned once.)
+    EXPECT_EQ(moments, 2 * (others / 2 + experts)) << run;
+  }
   // Every step's loss of `run` within `bound` relative of `reference`'s.
   static void expect_losses_near(const std::string& reference, const std::string& run, double bound) {
     const std::vector<json> want = lines(reference), got = lines(run);
@@ -98,12 +125,13 @@ class ShardedExperts : public testing::MoeRuns {
     int ranks;
     std::string run, extra;
   };
-  // `saving`'s step-4 checkpoint (a run on 2 ranks in `layout`) resumed in the same layout gives
-  // the uninterrupted run's bytes, and in each of `elsewhere` goes on as one rank with the whole
-  // batch trained ("one-b2", from step 4 on: float32 state).
-  static void expect_resumes(const std::string& saving, const std::string& layout, const std::vector<Resume>& elsewhere) {
+  // `saving`'s step-4 checkpoint (a run on `ranks` ranks in `layout`, 2 data ranks) resumed in the
+  // same layout gives the uninterrupted run's bytes, and in each of `elsewhere` goes on as one rank
+  // with the whole batch trained ("one-b2", from step 4 on: float32 state).
+  static void expect_resumes(const std::string& saving, const std::string& layout, const std::vector<Resume>& elsewhere,
+                             int ranks = 2) {
     const std::string from = " --set train.resume=" + at(saving) + "/ckpt/step-00000004";
-    const testing::CommandResult same = train(2, saving + "-resumed", layout + from);
+    const testing::CommandResult same = train(ranks, saving + "-resumed", layout + from);
     ASSERT_EQ(same.exit_code, 0) << same.output;
     EXPECT_NE(same.output.find("resumed from"), std::string::npos) << same.output;
     expect_same_checkpoint(saving, saving + "-resumed");
@@ -396,23 +424,7 @@ TEST_F(ShardedExperts, ZeroOneAndTwoWithTensorGroupsHoldEachRanksExpertShards) {
     EXPECT_NE(r.output.find("ZeRO shares each expert's state out over the ranks holding it"), std::string::npos)
         << r.output;
     expect_like("one-b2", run);
-    for (const json& s : lines(run)) {
-      const int64_t experts = s.at("model_expert_param_bytes");
-      const std::vector<int64_t> param = s.at("held_param_bytes"), expert_param = s.at("held_expert_param_bytes");
-      const std::vector<int64_t> expert_grad = s.at("held_expert_grad_bytes");
-      const std::vector<int64_t> moment = s.at("held_moment_bytes"), expert_moment = s.at("held_expert_moment_bytes");
-      ASSERT_EQ(param.size(), 4u) << run;
-      int64_t moments = 0;
-      for (int r = 0; r < 4; ++r) {
-        EXPECT_EQ(4 * expert_param[r], experts) << run << " rank " << r;
-        EXPECT_EQ(expert_grad[r], expert_param[r]) << run << " rank " << r;
-        EXPECT_EQ(expert_moment[r], 2 * expert_param[r]) << run << " rank " << r;
-        EXPECT_EQ(param[r], param[0]) << run << " rank " << r;
-        moments += moment[r];
-      }
-      // (Each tensor rank's chunks of no expert once over its data group, every expert shard once.)
-      EXPECT_EQ(moments, 2 * (2 * (param[0] - expert_param[0]) + experts)) << run;
-    }
+    for (const json& s : lines(run)) expect_tensor_ranks_share_out_experts(s, run);
   }
   const std::string from = " --set train.resume=" + at("zero1-ep2-d2t2") + "/ckpt/step-00000004";
   const testing::CommandResult same = train(4, "z1ep2-d2t2-resumed", d2t2 + "--set parallel.zero=1" + from);
@@ -528,6 +540,48 @@ TEST_F(ShardedExperts, ZeroCheckpointsResumeInOtherExpertAndZeroLayouts) {
   expect_resumes("zero1-ep2-d2", ep + z1, {Resume{1, "z1ep2-to-one", "--set train.batch_size=2"},
                                            Resume{2, "z1ep2-to-zero2", "--set parallel.zero=2"},
                                            Resume{2, "z1ep2-to-z2ep2", ep + "--set parallel.zero=2"}});
+}
+
+// Data 2 x tensor 2 with expert groups of 2 under ZeRO-3: each rank homes its tensor shard of its
+// expert group's 2 experts whole (the only holder of that shard) beside its half of its tensor
+// rank's chunks of no expert, gathered with the layer over its data group: what one rank trains
+// with the whole batch. The step lines show each rank holding a quarter of the experts (as under
+// ZeRO-1/2 with tensor groups), and rank 0's data group its parameter home no more resident than
+// its shard once a step is over. Its checkpoint at step 4 (the whole copies filled from the
+// owners' parameters and moments) resumed in the same layout gives the uninterrupted run's bytes,
+// on one rank (P = 1, ZeRO-0) it goes on as the one-rank run.
+TEST_F(ShardedExperts, ZeroThreeWithTensorGroupsHomesEachRanksExpertShards) {
+  if (!std::filesystem::exists(at("one-b2") + "/ckpt")) {
+    ASSERT_EQ(train(1, "one-b2", "--set train.checkpoint_every=4 --set train.batch_size=2").exit_code, 0);
+  }
+  const std::string layout =
+      "--set parallel.tensor=2 --set parallel.expert=2 --set parallel.zero=3 --set train.checkpoint_every=4 ";
+  const std::string run = "zero3-ep2-d2t2";
+  const testing::CommandResult r = train(4, run, layout);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("ZeRO-3 shards each expert's parameters and state over the ranks holding it"),
+            std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("routed experts (1/2: its expert group's share), sharded over the 1 rank(s) holding the "
+                          "same experts; the chunks of no expert over all 2"),
+            std::string::npos) << r.output;
+  expect_like("one-b2", run);
+  for (const json& s : lines(run)) {
+    expect_tensor_ranks_share_out_experts(s, run);
+    // (Rank 0's data group: world ranks 0 and 2.)
+    const std::vector<int64_t> param = s.at("held_param_bytes"), owned = s.at("held_moment_bytes");
+    const std::vector<int64_t> shard = s.at("zero3_param_shard_bytes"), resident = s.at("zero3_param_resident_bytes");
+    const std::vector<int64_t> moments = s.at("zero3_moment_bytes");
+    ASSERT_EQ(shard.size(), 2u) << run;
+    for (int q = 0; q < 2; ++q) {
+      EXPECT_GT(shard[q], 0) << run << " data rank " << q;
+      EXPECT_LT(shard[q], param[2 * q]) << run << " data rank " << q;
+      EXPECT_LE(resident[q], shard[q] + kMomentRunSlackBytes) << run << " data rank " << q;
+      EXPECT_GE(moments[q], owned[2 * q]) << run << " data rank " << q;
+      EXPECT_LE(moments[q], owned[2 * q] + 2 * kMasterGapSlackBytes) << run << " data rank " << q;
+    }
+  }
+  expect_resumes(run, layout, {Resume{1, "z3ep2-d2t2-to-one", "--set train.batch_size=2"}}, 4);
 }
 
 }  // namespace
