@@ -584,5 +584,41 @@ TEST_F(ShardedExperts, ZeroThreeWithTensorGroupsHomesEachRanksExpertShards) {
   expect_resumes(run, layout, {Resume{1, "z3ep2-d2t2-to-one", "--set train.batch_size=2"}}, 4);
 }
 
+// Memory copies with data 2 x tensor 2, expert groups of 2 under ZeRO-2 and bias balancing: each
+// rank copies its whole copy (WholeModelState: its experts unsplit, the moments gathered from
+// their owners) and the routing biases to /dev/shm every step, and its buddy's; rank 1 SIGKILLed
+// after step 6 (at its buddy copy of step 6) is recovered by `keel launch --max-restarts` from the
+// 4 ranks' own copies of step 6 (or 5), each sliced back into the rank's tensor shard of its
+// experts and its owned moments, to the uninterrupted run's bytes (parameters and both moments)
+// and biases; every step line shows each rank holding its tensor shard of its experts only.
+TEST_F(ShardedExperts, MemoryCopiesWithTensorGroupsRecoverAKilledRankWithItsExpertShards) {
+  const std::string layout = testing::kMoeBias + "--set parallel.tensor=2 --set parallel.expert=2 "
+                                                 "--set parallel.zero=2 --set train.checkpoint_every=4 ";
+  ASSERT_EQ(train(4, "t2-memory-reference", layout).exit_code, 0);
+  const std::string restartable = train_args(4, "t2-memory-killed", layout, "--max-restarts 1 ");
+  const std::string fault =
+      "KEEL_FAULT=kill:op=1:path=buddy-r0-step-00000006.bin:rank=1:once=" + at("t2-killed.spent");
+  const testing::CommandResult killed = testing::run_command(fault + " " + std::string(KEEL_BINARY) + " " + restartable +
+                                                             " --set checkpoint.memory_every=1");
+  ASSERT_EQ(killed.exit_code, 0) << killed.output;
+  EXPECT_TRUE(std::filesystem::exists(at("t2-killed.spent"))) << killed.output;
+  EXPECT_NE(killed.output.find("ZeRO shares each expert's state out over the ranks holding it"), std::string::npos)
+      << killed.output;
+  // (Step 6 where every rank kept its own copy of step 6 before the job was stopped, else step 5:
+  // on 4 ranks another rank may be stopped before its own copy of step 6 is complete.)
+  const std::string resumed = "keel: resumed from memory (step ";
+  const size_t at = killed.output.find(resumed);
+  ASSERT_NE(at, std::string::npos) << killed.output;
+  const int step = std::stoi(killed.output.substr(at + resumed.size()));
+  EXPECT_TRUE(step == 5 || step == 6) << killed.output;
+  EXPECT_NE(killed.output.find("4 rank(s) from their own copy, 0 from their buddy's"), std::string::npos)
+      << killed.output;
+  expect_same_checkpoint("t2-memory-reference", "t2-memory-killed");
+  const json want = lines("t2-memory-reference").back().at("moe_layers"),
+             got = lines("t2-memory-killed").back().at("moe_layers");
+  for (size_t l = 0; l < 2; ++l) EXPECT_EQ(got[l].at("bias"), want[l].at("bias")) << l;
+  for (const json& s : lines("t2-memory-killed")) expect_tensor_ranks_share_out_experts(s, "t2-memory-killed");
+}
+
 }  // namespace
 }  // namespace keel

@@ -28,7 +28,7 @@
 // experts (holders: the data ranks with the same expert and tensor rank), with bf16 training
 // state under ZeRO-1/2 on one stage without tensor groups a rank's masters are its owned chunks'.
 // With gradient prediction in a pipeline, bf16 training state elsewhere, tensor groups
-// in a pipeline or with memory copies, and under ZeRO-3 with memory tiers every rank holds
+// in a pipeline, and under ZeRO-3 with memory tiers every rank holds
 // every expert: a rank writes weight gradients for its own experts only, the data-parallel sum
 // adds each expert's over the ranks that ran it, and ZeRO shards the experts' chunks over the
 // data group as the rest.
@@ -51,7 +51,7 @@ class GPT;
 // under ZeRO with float32 training state, on one stage or in a pipeline without gradient
 // prediction (parallel.predict_gradients), with or without memory copies (checkpoint.memory_every),
 // ZeRO-3 without memory tiers; with tensor groups (parallel.tensor > 1) ZeRO-1/2/3 on one stage
-// without memory copies; with bf16 training state ZeRO-1/2 on one stage without tensor groups.
+// (with or without memory copies); with bf16 training state ZeRO-1/2 on one stage without tensor groups.
 // Otherwise every rank holds every expert (its weight gradients zero but for its own), sharded
 // over the data group as every other chunk.
 bool experts_sharded(const Config& config);
