@@ -620,5 +620,34 @@ TEST_F(ShardedExperts, MemoryCopiesWithTensorGroupsRecoverAKilledRankWithItsExpe
   for (const json& s : lines("t2-memory-killed")) expect_tensor_ranks_share_out_experts(s, "t2-memory-killed");
 }
 
+// Two replicas of two pipeline stages of tensor groups of 2 (8 ranks) under ZeRO-1 and ZeRO-3,
+// each stage's replicas an expert group of 2: each rank holds its tensor shard of half of its
+// stage's experts (the only holder of that shard: it owns, under ZeRO-3 homes, the shard's whole
+// state): what one rank trains with the whole batch, every step line showing the ranks of a stage
+// holding as much as each other and the 8 ranks every expert shard once. The ZeRO-1 run's
+// checkpoint at step 4 (each stage's whole copies, each expert chunk written by its owner)
+// resumed on one rank (P = 1, ZeRO-0) goes on as the one-rank run.
+TEST_F(ShardedExperts, PipelinesOfTensorGroupsHoldEachRanksExpertShards) {
+  if (!std::filesystem::exists(at("one-b2") + "/ckpt")) {
+    ASSERT_EQ(train(1, "one-b2", "--set train.checkpoint_every=4 --set train.batch_size=2").exit_code, 0);
+  }
+  for (const std::string zero : {"1", "3"}) {
+    const std::string run = "zero" + zero + "-ep2-d2p2t2";
+    const testing::CommandResult r = train(8, run, "--set parallel.pipeline=2 --set parallel.tensor=2 "
+                                                   "--set parallel.expert=2 --set train.checkpoint_every=4 "
+                                                   "--set parallel.zero=" + zero);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
+    expect_like("one-b2", run);
+    for (const json& s : lines(run)) expect_tensor_ranks_share_out_experts(s, run, 2);
+  }
+  const testing::CommandResult one = train(1, "z1ep2-d2p2t2-to-one", "--set train.batch_size=2 --set train.checkpoint_every=4 "
+                                                                     "--set train.resume=" + at("zero1-ep2-d2p2t2") +
+                                                                     "/ckpt/step-00000004");
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  EXPECT_NE(one.output.find("resumed from"), std::string::npos) << one.output;
+  expect_like("one-b2", "z1ep2-d2p2t2-to-one", 4);
+}
+
 }  // namespace
 }  // namespace keel

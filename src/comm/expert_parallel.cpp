@@ -32,19 +32,19 @@ bool experts_sharded(const Config& config) {
   if (!config.model.moe() || p.expert <= 1) return false;
   if (p.zero == 0) return true;
   // ZeRO shares the experts' chunks out over their holders (comm/zero.h; ZeRO-3 their parameters
-  // too, comm/sharded_params.h): on one stage (also with tensor groups: a holder's chunks are its
-  // tensor shard of its experts) or on each stage of a pipeline without gradient
-  // prediction (a re-cut moves an expert's chunks between the ranks of one replica and its moments
-  // from their owner among the holders: pipeline/stage_migration.h; ZeRO-3 takes no re-cuts), with
-  // or without memory copies (each rank's copy is of its own store, its moments' span; with
-  // tensor groups of its whole copy, comm/tensor_parallel.h WholeModelState), ZeRO-3
-  // without memory tiers; with bf16 training state (its masters those of the owned chunks,
+  // too, comm/sharded_params.h), also with tensor groups (a holder's chunks are its tensor shard
+  // of its experts): on one stage or on each stage of a pipeline without gradient prediction (a
+  // re-cut moves an expert's chunks between the ranks of one replica and its moments from their
+  // owner among the holders: pipeline/stage_migration.h; ZeRO-3 takes no re-cuts), with or
+  // without memory copies (each rank's copy is of its own store, its moments' span; with tensor
+  // groups of its whole copy, comm/tensor_parallel.h WholeModelState), ZeRO-3 without memory
+  // tiers; with bf16 training state (its masters those of the owned chunks,
   // store/bf16_state.h) under ZeRO-1/2 on one stage without tensor groups, with or without memory
-  // tiers (the bits and masters stay outside them). Not yet with tensor groups in a
-  // pipeline. Elsewhere every rank holds every expert.
+  // tiers (the bits and masters stay outside them). Not yet with tensor groups in a pipeline that
+  // re-cuts its stages (untested). Elsewhere every rank holds every expert.
   const bool bf16_state = config.runtime.param_dtype != StateDtype::fp32 || config.runtime.grad_dtype != StateDtype::fp32;
   if (bf16_state && (p.zero == 3 || p.pipeline > 1 || p.tensor > 1)) return false;
-  if (p.tensor > 1 && p.pipeline > 1) return false;
+  if (p.tensor > 1 && p.pipeline > 1 && p.repartition_every > 0) return false;
   if (p.zero == 3 && tiering_enabled(config.tier)) return false;
   return p.pipeline == 1 || p.predict_gradients == PredictGradients::off;
 }
