@@ -40,11 +40,9 @@ bool experts_sharded(const Config& config) {
   // groups of its whole copy, comm/tensor_parallel.h WholeModelState), ZeRO-3 without memory
   // tiers; with bf16 training state (its masters those of the owned chunks,
   // store/bf16_state.h) under ZeRO-1/2 on one stage without tensor groups, with or without memory
-  // tiers (the bits and masters stay outside them). Not yet with tensor groups in a pipeline that
-  // re-cuts its stages (untested). Elsewhere every rank holds every expert.
+  // tiers (the bits and masters stay outside them). Elsewhere every rank holds every expert.
   const bool bf16_state = config.runtime.param_dtype != StateDtype::fp32 || config.runtime.grad_dtype != StateDtype::fp32;
   if (bf16_state && (p.zero == 3 || p.pipeline > 1 || p.tensor > 1)) return false;
-  if (p.tensor > 1 && p.pipeline > 1 && p.repartition_every > 0) return false;
   if (p.zero == 3 && tiering_enabled(config.tier)) return false;
   return p.pipeline == 1 || p.predict_gradients == PredictGradients::off;
 }

@@ -27,11 +27,10 @@
 // holders), with tensor groups (also in a pipeline) each rank's chunks are its tensor shard of
 // its experts (holders: the data ranks with the same expert and tensor rank), with bf16 training
 // state under ZeRO-1/2 on one stage without tensor groups a rank's masters are its owned chunks'.
-// With gradient prediction in a pipeline, bf16 training state elsewhere, tensor groups in a
-// pipeline that re-cuts its stages, and under ZeRO-3 with memory tiers every rank holds
-// every expert: a rank writes weight gradients for its own experts only, the data-parallel sum
-// adds each expert's over the ranks that ran it, and ZeRO shards the experts' chunks over the
-// data group as the rest.
+// With gradient prediction in a pipeline, bf16 training state elsewhere, and under ZeRO-3 with
+// memory tiers every rank holds every expert: a rank writes weight gradients for its own experts
+// only, the data-parallel sum adds each expert's over the ranks that ran it, and ZeRO shards the
+// experts' chunks over the data group as the rest.
 #pragma once
 
 #include <cstdint>
@@ -50,9 +49,8 @@ class GPT;
 // Whether a rank holds only its share of the routed experts: parallel.expert > 1 without ZeRO;
 // under ZeRO with float32 training state, on one stage or in a pipeline without gradient
 // prediction (parallel.predict_gradients), with or without memory copies (checkpoint.memory_every),
-// ZeRO-3 without memory tiers, also with tensor groups (parallel.tensor > 1) but in a pipeline
-// that re-cuts its stages (parallel.repartition_every); with bf16 training state ZeRO-1/2 on one
-// stage without tensor groups.
+// ZeRO-3 without memory tiers, also with tensor groups (parallel.tensor > 1); with bf16 training
+// state ZeRO-1/2 on one stage without tensor groups.
 // Otherwise every rank holds every expert (its weight gradients zero but for its own), sharded
 // over the data group as every other chunk.
 bool experts_sharded(const Config& config);
