@@ -3,13 +3,14 @@
 // and parameters) shared out over the ranks holding it; comm/expert_parallel.h) with what they combine with beyond plain
 // float32 training, through the keel binary on the toy corpus (llama-moe-tiny at the toy's size):
 // ZeRO-1, ZeRO-2 and ZeRO-3 (what one rank trains with the whole batch; the experts' share of a rank's
-// parameters, gradients and moments in the step lines; checkpoints resumed in other layouts; ZeRO-1/2
-// with tensor groups, ZeRO-1/2/3 in a pipeline, ZeRO-1/2 through a pipeline's re-cut),
+// parameters, gradients and moments in the step lines; checkpoints resumed in other layouts; ZeRO-1/2/3
+// with tensor groups, ZeRO-1/2/3 in a pipeline, also of tensor groups, ZeRO-1/2 through a pipeline's
+// re-cut, also of tensor groups),
 // bf16 training state (runtime.param_dtype / grad_dtype; under ZeRO-1/2 a rank's float32 masters
 // are its owned chunks'), compressed gradient sync (sync.codec:
 // each expert bucket compressed over the ranks holding its experts, with error feedback of its
 // own) and memory checkpoints (checkpoint.memory_every, which also hold bias balancing's routing
-// biases). Each trains what the same ranks train without expert parallelism, to the precision's
+// biases; also with tensor groups). Each trains what the same ranks train without expert parallelism, to the precision's
 // bound, and a resumed run gives the uninterrupted run's bytes.
 #include <gtest/gtest.h>
 
