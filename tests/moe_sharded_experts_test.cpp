@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "core/fileio.h"
@@ -148,6 +149,55 @@ class ShardedExperts : public testing::MoeRuns {
   // masters and 28.5 KiB of moments here. Were they the span of its owned chunks (as before), rank
   // 0's would be 0.12 MB (masters, 2 ranks; 0.06 MB on 4) and 0.21 MB (ZeRO-3 moments, 2 ranks) more.
   static constexpr int64_t kMasterGapSlackBytes = 4 * 4096;
+  // A 4-rank run into `run` with expert groups of 2 under ZeRO-3 over 2 data ranks (each the only
+  // holder of its experts) and `dimension` (the --set of the other dimension of 2): it trains what
+  // one rank trains with the whole batch ("one-b2", trained here if not yet), its start-up lines
+  // name the experts a rank holds and how ZeRO-3 shards them (`where`: what follows "the chunks of
+  // no expert over all 2"), and in every step line rank 0's data group (world ranks 0 and 2) homes
+  // a parameter shard smaller than what the rank holds, no more of it resident than the shard once
+  // the step is over, and the moments of its owned chunks (their extents, not their span), and
+  // `held` accepts the line. Its checkpoint at step 4 resumed in the same layout gives the
+  // uninterrupted run's bytes, on one rank (P = 1, ZeRO-0) it goes on as the one-rank run.
+  static void expect_zero3_over_two_data_ranks(const std::string& run, const std::string& dimension,
+                                               const std::string& where,
+                                               const std::function<void(const json&, const std::string&)>& held) {
+    const std::string layout =
+        dimension + " --set parallel.expert=2 --set parallel.zero=3 --set train.checkpoint_every=4 ";
+    std::string output;
+    ASSERT_NO_FATAL_FAILURE(expect_trains_like_one(4, run, layout, &output));
+    EXPECT_NE(output.find("ZeRO-3 shards each expert's parameters and state over the ranks holding it"),
+              std::string::npos) << output;
+    EXPECT_NE(output.find("MB of routed experts (1/2: its expert group's share), sharded over the 1 rank(s) "
+                          "holding the same experts; the chunks of no expert over all 2" + where + "\n"),
+              std::string::npos) << output;
+    for (const json& s : lines(run)) {
+      const std::vector<int64_t> param = s.at("held_param_bytes"), owned = s.at("held_moment_bytes");
+      const std::vector<int64_t> shard = s.at("zero3_param_shard_bytes"), resident = s.at("zero3_param_resident_bytes");
+      const std::vector<int64_t> moments = s.at("zero3_moment_bytes");
+      ASSERT_EQ(shard.size(), 2u) << run;
+      for (int q = 0; q < 2; ++q) {
+        EXPECT_GT(shard[q], 0) << run << " data rank " << q;
+        EXPECT_LT(shard[q], param[2 * q]) << run << " data rank " << q;
+        EXPECT_LE(resident[q], shard[q] + kMomentRunSlackBytes) << run << " data rank " << q;
+        EXPECT_GE(moments[q], owned[2 * q]) << run << " data rank " << q;
+        EXPECT_LE(moments[q], owned[2 * q] + 2 * kMasterGapSlackBytes) << run << " data rank " << q;
+      }
+      held(s, run);
+    }
+    expect_resumes(run, layout, {Resume{1, run + "-to-one", "--set train.batch_size=2"}}, 4);
+  }
+  // `layout` on `ranks` ranks into `run` with memory copies every step (checkpoint.memory_every =
+  // 1): rank 1 SIGKILLed after step 6 (KEEL_FAULT, at its buddy copy of rank 0's step 6; once: the
+  // marker file `run`.spent, whose absence fails the test), restarted by `keel launch
+  // --max-restarts 1`. Returns the job's result.
+  static testing::CommandResult kill_rank_one_after_step_six(int ranks, const std::string& run, const std::string& layout) {
+    const std::string restartable = train_args(ranks, run, layout, "--max-restarts 1 ");
+    const std::string fault = "KEEL_FAULT=kill:op=1:path=buddy-r0-step-00000006.bin:rank=1:once=" + at(run + ".spent");
+    const testing::CommandResult killed = testing::run_command(fault + " " + std::string(KEEL_BINARY) + " " +
+                                                               restartable + " --set checkpoint.memory_every=1");
+    EXPECT_TRUE(std::filesystem::exists(at(run + ".spent"))) << killed.output;
+    return killed;
+  }
   // Two stages with expert groups of 2 cut at "1" (the embedding alone on the first stage, both
   // MoE blocks on the second), re-cut at step 4 by the exact partitioner on measured layer costs
   // with world rank `slow_rank` (one of the second stage's) slowed threefold: every measurement
@@ -158,8 +208,28 @@ class ShardedExperts : public testing::MoeRuns {
            " --set parallel.partitioner=dp --set parallel.repartition_threshold=0"
            " --set runtime.slow_factor=3 --set runtime.slow_rank=" + std::to_string(slow_rank) + " ";
   }
-  // A re-cut of `run` moved a block (sending bytes); `output`: the run's, for the message.
-  static void expect_moved_a_block(const std::string& run, const std::string& output) {
+  // `run`, on `ranks` ranks in `layout` (expert groups of 2: each rank runs and holds 2 of every
+  // MoE block's 4 experts), trains what one rank trains with the whole batch ("one-b2", trained
+  // here if not yet); `output`: the run's output, where wanted.
+  static void expect_trains_like_one(int ranks, const std::string& run, const std::string& layout,
+                                     std::string* output = nullptr) {
+    if (!std::filesystem::exists(at("one-b2") + "/ckpt")) {
+      ASSERT_EQ(train(1, "one-b2", "--set train.checkpoint_every=4 --set train.batch_size=2").exit_code, 0);
+    }
+    const testing::CommandResult r = train(ranks, run, layout);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
+    expect_like("one-b2", run);
+    if (output != nullptr) *output = r.output;
+  }
+  // `run`, on `ranks` ranks in `layout` (recut_options' under ZeRO-1/2), trains what one rank
+  // trains with the whole batch, ZeRO sharing each expert's state out over its holders, and a
+  // re-cut moved a block (sending bytes); `last`: its last step line, after the move.
+  static void expect_recut_trains_like_one(int ranks, const std::string& run, const std::string& layout, json* last) {
+    std::string output;
+    ASSERT_NO_FATAL_FAILURE(expect_trains_like_one(ranks, run, layout, &output));
+    EXPECT_NE(output.find("ZeRO shares each expert's state out over the ranks holding it"), std::string::npos)
+        << output;
     int moves = 0;
     for (const json& j : events(run, "repartition")) {
       if (j.at("moved").get<bool>()) {
@@ -168,6 +238,8 @@ class ShardedExperts : public testing::MoeRuns {
       }
     }
     ASSERT_GE(moves, 1) << run << ": no re-cut moved a block\n" << output;
+    *last = lines(run).back();
+    ASSERT_NE(last->at("stage_boundaries").get<std::string>(), "1") << run;
   }
 };
 
@@ -287,13 +359,8 @@ TEST_F(ShardedExperts, CompressedSyncCompressesEachExpertBucketOverItsHolders) {
 TEST_F(ShardedExperts, MemoryCopiesRecoverAKilledRankWithItsExpertsAndBiases) {
   const std::string layout = testing::kMoeBias + "--set parallel.expert=2 --set train.checkpoint_every=4 ";
   ASSERT_EQ(train(2, "memory-reference", layout).exit_code, 0);
-  const std::string restartable = train_args(2, "memory-killed", layout, "--max-restarts 1 ");
-  const std::string fault =
-      "KEEL_FAULT=kill:op=1:path=buddy-r0-step-00000006.bin:rank=1:once=" + at("killed.spent");
-  const testing::CommandResult killed = testing::run_command(fault + " " + std::string(KEEL_BINARY) + " " + restartable +
-                                                             " --set checkpoint.memory_every=1");
+  const testing::CommandResult killed = kill_rank_one_after_step_six(2, "memory-killed", layout);
   ASSERT_EQ(killed.exit_code, 0) << killed.output;
-  EXPECT_TRUE(std::filesystem::exists(at("killed.spent"))) << killed.output;
   EXPECT_NE(killed.output.find("restart 1 of 1"), std::string::npos) << killed.output;
   EXPECT_NE(killed.output.find("keel: resumed from memory (step 6) in "), std::string::npos) << killed.output;
   EXPECT_NE(killed.output.find("2 rank(s) from their own copy, 0 from their buddy's"), std::string::npos)
@@ -316,13 +383,8 @@ TEST_F(ShardedExperts, MemoryCopiesUnderZeroOneRecoverAKilledRank) {
   ASSERT_EQ(reference.exit_code, 0) << reference.output;
   EXPECT_NE(reference.output.find("ZeRO shares each expert's state out over the ranks holding it"), std::string::npos)
       << reference.output;
-  const std::string restartable = train_args(2, "z1-memory-killed", layout, "--max-restarts 1 ");
-  const std::string fault =
-      "KEEL_FAULT=kill:op=1:path=buddy-r0-step-00000006.bin:rank=1:once=" + at("z1-killed.spent");
-  const testing::CommandResult killed = testing::run_command(fault + " " + std::string(KEEL_BINARY) + " " + restartable +
-                                                             " --set checkpoint.memory_every=1");
+  const testing::CommandResult killed = kill_rank_one_after_step_six(2, "z1-memory-killed", layout);
   ASSERT_EQ(killed.exit_code, 0) << killed.output;
-  EXPECT_TRUE(std::filesystem::exists(at("z1-killed.spent"))) << killed.output;
   EXPECT_NE(killed.output.find("ZeRO shares each expert's state out over the ranks holding it"), std::string::npos)
       << killed.output;
   EXPECT_NE(killed.output.find("keel: resumed from memory (step 6) in "), std::string::npos) << killed.output;
@@ -408,16 +470,10 @@ TEST_F(ShardedExperts, ZeroThreeHoldsOnlyEachRanksExperts) {
 // as each other, half of the stage's, and the 4 ranks together hold every expert once, every
 // chunk of no expert twice (one copy per replica) and every parameter's moments once.
 TEST_F(ShardedExperts, ZeroOneAndTwoInAPipelineShareOutEachStagesExperts) {
-  if (!std::filesystem::exists(at("one-b2") + "/ckpt")) {
-    ASSERT_EQ(train(1, "one-b2", "--set train.checkpoint_every=4 --set train.batch_size=2").exit_code, 0);
-  }
   for (const std::string zero : {"1", "2"}) {
     const std::string run = "zero" + zero + "-ep2-d2p2";
-    const testing::CommandResult r = train(4, run, "--set parallel.pipeline=2 --set parallel.expert=2 "
-                                                   "--set train.checkpoint_every=4 --set parallel.zero=" + zero);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
-    expect_like("one-b2", run);
+    ASSERT_NO_FATAL_FAILURE(expect_trains_like_one(4, run, "--set parallel.pipeline=2 --set parallel.expert=2 "
+                                                           "--set train.checkpoint_every=4 --set parallel.zero=" + zero));
     for (const json& s : lines(run)) {
       expect_two_stages_share_out_experts(s, run);
     }
@@ -433,18 +489,13 @@ TEST_F(ShardedExperts, ZeroOneAndTwoInAPipelineShareOutEachStagesExperts) {
 // whole copy of its experts) resumed in the same layout gives the uninterrupted run's bytes; each
 // run's resumed on one rank (P = 1, ZeRO-0) goes on as the one-rank run.
 TEST_F(ShardedExperts, ZeroOneAndTwoWithTensorGroupsHoldEachRanksExpertShards) {
-  if (!std::filesystem::exists(at("one-b2") + "/ckpt")) {
-    ASSERT_EQ(train(1, "one-b2", "--set train.checkpoint_every=4 --set train.batch_size=2").exit_code, 0);
-  }
   const std::string d2t2 = "--set parallel.tensor=2 --set parallel.expert=2 --set train.checkpoint_every=4 ";
   for (const std::string zero : {"1", "2"}) {
     const std::string run = "zero" + zero + "-ep2-d2t2";
-    const testing::CommandResult r = train(4, run, d2t2 + "--set parallel.zero=" + zero);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
-    EXPECT_NE(r.output.find("ZeRO shares each expert's state out over the ranks holding it"), std::string::npos)
-        << r.output;
-    expect_like("one-b2", run);
+    std::string output;
+    ASSERT_NO_FATAL_FAILURE(expect_trains_like_one(4, run, d2t2 + "--set parallel.zero=" + zero, &output));
+    EXPECT_NE(output.find("ZeRO shares each expert's state out over the ranks holding it"), std::string::npos)
+        << output;
     for (const json& s : lines(run)) expect_tensor_ranks_share_out_experts(s, run);
   }
   const std::string from = " --set train.resume=" + at("zero1-ep2-d2t2") + "/ckpt/step-00000004";
@@ -468,46 +519,11 @@ TEST_F(ShardedExperts, ZeroOneAndTwoWithTensorGroupsHoldEachRanksExpertShards) {
 // chunks of no expert sharded over both): what one rank trains with the whole batch. Each rank's
 // layout holds half of its stage's experts (the start-up line and the step lines, as under
 // ZeRO-1/2 in a pipeline), its parameter home no more resident than its shard once a step is
-// over. Its checkpoint at step 4 resumed in the same layout gives the uninterrupted run's bytes,
-// on one rank (P = 1, ZeRO-0) it goes on as the one-rank run.
+// over, its moments its owned chunks'. Its checkpoint at step 4 resumed in the same layout gives
+// the uninterrupted run's bytes, on one rank (P = 1, ZeRO-0) it goes on as the one-rank run.
 TEST_F(ShardedExperts, ZeroThreeInAPipelineHoldsOnlyEachStagesExperts) {
-  if (!std::filesystem::exists(at("one-b2") + "/ckpt")) {
-    ASSERT_EQ(train(1, "one-b2", "--set train.checkpoint_every=4 --set train.batch_size=2").exit_code, 0);
-  }
-  const std::string layout =
-      "--set parallel.pipeline=2 --set parallel.expert=2 --set parallel.zero=3 --set train.checkpoint_every=4 ";
-  const std::string run = "zero3-ep2-d2p2";
-  const testing::CommandResult r = train(4, run, layout);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("ZeRO-3 shards each expert's parameters and state over the ranks holding it"),
-            std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("MB of routed experts (1/2: its expert group's share), sharded over the 1 rank(s) holding "
-                          "the same experts; the chunks of no expert over all 2 of the stage's replicas"),
-            std::string::npos) << r.output;
-  expect_like("one-b2", run);
-  for (const json& s : lines(run)) {
-    expect_two_stages_share_out_experts(s, run);
-    // (Rank 0's stage: its 2 replicas' parameter shards.)
-    const std::vector<int64_t> param = s.at("held_param_bytes");
-    const std::vector<int64_t> shard = s.at("zero3_param_shard_bytes"), resident = s.at("zero3_param_resident_bytes");
-    ASSERT_EQ(shard.size(), 2u) << run;
-    for (int q = 0; q < 2; ++q) {
-      EXPECT_GT(shard[q], 0) << run << " replica " << q;
-      EXPECT_LT(shard[q], param[0]) << run << " replica " << q;
-      EXPECT_LE(resident[q], shard[q] + kMomentRunSlackBytes) << run << " replica " << q;
-    }
-  }
-  const std::string from = " --set train.resume=" + at(run) + "/ckpt/step-00000004";
-  const testing::CommandResult same = train(4, "z3ep2-d2p2-resumed", layout + from);
-  ASSERT_EQ(same.exit_code, 0) << same.output;
-  EXPECT_NE(same.output.find("resumed from"), std::string::npos) << same.output;
-  expect_same_checkpoint(run, "z3ep2-d2p2-resumed");
-  const testing::CommandResult one =
-      train(1, "z3ep2-d2p2-to-one", "--set train.batch_size=2 --set train.checkpoint_every=4" + from);
-  ASSERT_EQ(one.exit_code, 0) << one.output;
-  EXPECT_NE(one.output.find("resumed from"), std::string::npos) << one.output;
-  expect_like("one-b2", "z3ep2-d2p2-to-one", 4);
+  expect_zero3_over_two_data_ranks("zero3-ep2-d2p2", "--set parallel.pipeline=2", " of the stage's replicas",
+                                   expect_two_stages_share_out_experts);
 }
 
 // A re-cut of two replicas of two pipeline stages under ZeRO-1 and ZeRO-2 with expert groups of
@@ -518,20 +534,11 @@ TEST_F(ShardedExperts, ZeroThreeInAPipelineHoldsOnlyEachStagesExperts) {
 // whole batch, and after the move the step lines show each stage's replicas holding half of the
 // stage's experts (both stages holding some).
 TEST_F(ShardedExperts, ReCutsUnderZeroOneAndTwoMoveEachExpertWithinItsReplica) {
-  if (!std::filesystem::exists(at("one-b2") + "/ckpt")) {
-    ASSERT_EQ(train(1, "one-b2", "--set train.checkpoint_every=4 --set train.batch_size=2").exit_code, 0);
-  }
   for (const std::string zero : {"1", "2"}) {
     const std::string run = "zero" + zero + "-ep2-d2p2-recut";
-    const testing::CommandResult r =
-        train(4, run, recut_options(1) + "--set train.checkpoint_every=4 --set parallel.zero=" + zero);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_NE(r.output.find("ZeRO shares each expert's state out over the ranks holding it"), std::string::npos)
-        << r.output;
-    expect_moved_a_block(run, r.output);
-    expect_like("one-b2", run);
-    const json last = lines(run).back();
-    ASSERT_NE(last.at("stage_boundaries").get<std::string>(), "1") << run;
+    json last;
+    ASSERT_NO_FATAL_FAILURE(expect_recut_trains_like_one(
+        4, run, recut_options(1) + "--set train.checkpoint_every=4 --set parallel.zero=" + zero, &last));
     expect_two_stages_share_out_experts(last, run);
   }
 }
@@ -562,37 +569,10 @@ TEST_F(ShardedExperts, ZeroCheckpointsResumeInOtherExpertAndZeroLayouts) {
 // owners' parameters and moments) resumed in the same layout gives the uninterrupted run's bytes,
 // on one rank (P = 1, ZeRO-0) it goes on as the one-rank run.
 TEST_F(ShardedExperts, ZeroThreeWithTensorGroupsHomesEachRanksExpertShards) {
-  if (!std::filesystem::exists(at("one-b2") + "/ckpt")) {
-    ASSERT_EQ(train(1, "one-b2", "--set train.checkpoint_every=4 --set train.batch_size=2").exit_code, 0);
-  }
-  const std::string layout =
-      "--set parallel.tensor=2 --set parallel.expert=2 --set parallel.zero=3 --set train.checkpoint_every=4 ";
-  const std::string run = "zero3-ep2-d2t2";
-  const testing::CommandResult r = train(4, run, layout);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("ZeRO-3 shards each expert's parameters and state over the ranks holding it"),
-            std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("routed experts (1/2: its expert group's share), sharded over the 1 rank(s) holding the "
-                          "same experts; the chunks of no expert over all 2"),
-            std::string::npos) << r.output;
-  expect_like("one-b2", run);
-  for (const json& s : lines(run)) {
-    expect_tensor_ranks_share_out_experts(s, run);
-    // (Rank 0's data group: world ranks 0 and 2.)
-    const std::vector<int64_t> param = s.at("held_param_bytes"), owned = s.at("held_moment_bytes");
-    const std::vector<int64_t> shard = s.at("zero3_param_shard_bytes"), resident = s.at("zero3_param_resident_bytes");
-    const std::vector<int64_t> moments = s.at("zero3_moment_bytes");
-    ASSERT_EQ(shard.size(), 2u) << run;
-    for (int q = 0; q < 2; ++q) {
-      EXPECT_GT(shard[q], 0) << run << " data rank " << q;
-      EXPECT_LT(shard[q], param[2 * q]) << run << " data rank " << q;
-      EXPECT_LE(resident[q], shard[q] + kMomentRunSlackBytes) << run << " data rank " << q;
-      EXPECT_GE(moments[q], owned[2 * q]) << run << " data rank " << q;
-      EXPECT_LE(moments[q], owned[2 * q] + 2 * kMasterGapSlackBytes) << run << " data rank " << q;
-    }
-  }
-  expect_resumes(run, layout, {Resume{1, "z3ep2-d2t2-to-one", "--set train.batch_size=2"}}, 4);
+  expect_zero3_over_two_data_ranks("zero3-ep2-d2t2", "--set parallel.tensor=2", "",
+                                   [](const json& s, const std::string& run) {
+                                     expect_tensor_ranks_share_out_experts(s, run);
+                                   });
 }
 
 // Memory copies with data 2 x tensor 2, expert groups of 2 under ZeRO-2 and bias balancing: each
@@ -606,13 +586,8 @@ TEST_F(ShardedExperts, MemoryCopiesWithTensorGroupsRecoverAKilledRankWithItsExpe
   const std::string layout = testing::kMoeBias + "--set parallel.tensor=2 --set parallel.expert=2 "
                                                  "--set parallel.zero=2 --set train.checkpoint_every=4 ";
   ASSERT_EQ(train(4, "t2-memory-reference", layout).exit_code, 0);
-  const std::string restartable = train_args(4, "t2-memory-killed", layout, "--max-restarts 1 ");
-  const std::string fault =
-      "KEEL_FAULT=kill:op=1:path=buddy-r0-step-00000006.bin:rank=1:once=" + at("t2-killed.spent");
-  const testing::CommandResult killed = testing::run_command(fault + " " + std::string(KEEL_BINARY) + " " + restartable +
-                                                             " --set checkpoint.memory_every=1");
+  const testing::CommandResult killed = kill_rank_one_after_step_six(4, "t2-memory-killed", layout);
   ASSERT_EQ(killed.exit_code, 0) << killed.output;
-  EXPECT_TRUE(std::filesystem::exists(at("t2-killed.spent"))) << killed.output;
   EXPECT_NE(killed.output.find("ZeRO shares each expert's state out over the ranks holding it"), std::string::npos)
       << killed.output;
   // (Step 6 where every rank kept its own copy of step 6 before the job was stopped, else step 5:
@@ -639,22 +614,16 @@ TEST_F(ShardedExperts, MemoryCopiesWithTensorGroupsRecoverAKilledRankWithItsExpe
 // checkpoint at step 4 (each stage's whole copies, each expert chunk written by its owner)
 // resumed on one rank (P = 1, ZeRO-0) goes on as the one-rank run.
 TEST_F(ShardedExperts, PipelinesOfTensorGroupsHoldEachRanksExpertShards) {
-  if (!std::filesystem::exists(at("one-b2") + "/ckpt")) {
-    ASSERT_EQ(train(1, "one-b2", "--set train.checkpoint_every=4 --set train.batch_size=2").exit_code, 0);
-  }
   for (const std::string zero : {"1", "3"}) {
     const std::string run = "zero" + zero + "-ep2-d2p2t2";
-    const testing::CommandResult r = train(8, run, "--set parallel.pipeline=2 --set parallel.tensor=2 "
-                                                   "--set parallel.expert=2 --set train.checkpoint_every=4 "
-                                                   "--set parallel.zero=" + zero);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
-    expect_like("one-b2", run);
+    ASSERT_NO_FATAL_FAILURE(expect_trains_like_one(8, run, "--set parallel.pipeline=2 --set parallel.tensor=2 "
+                                                           "--set parallel.expert=2 --set train.checkpoint_every=4 "
+                                                           "--set parallel.zero=" + zero));
     for (const json& s : lines(run)) expect_tensor_ranks_share_out_experts(s, run, 2);
   }
-  const testing::CommandResult one = train(1, "z1ep2-d2p2t2-to-one", "--set train.batch_size=2 --set train.checkpoint_every=4 "
-                                                                     "--set train.resume=" + at("zero1-ep2-d2p2t2") +
-                                                                     "/ckpt/step-00000004");
+  const testing::CommandResult one =
+      train(1, "z1ep2-d2p2t2-to-one", "--set train.batch_size=2 --set train.checkpoint_every=4 --set train.resume=" +
+                                          at("zero1-ep2-d2p2t2") + "/ckpt/step-00000004");
   ASSERT_EQ(one.exit_code, 0) << one.output;
   EXPECT_NE(one.output.find("resumed from"), std::string::npos) << one.output;
   expect_like("one-b2", "z1ep2-d2p2t2-to-one", 4);
@@ -668,19 +637,10 @@ TEST_F(ShardedExperts, PipelinesOfTensorGroupsHoldEachRanksExpertShards) {
 // whole batch, and after the move the step line shows each rank holding its tensor shard of half
 // of its stage's experts.
 TEST_F(ShardedExperts, ReCutsOfTensorGroupsMoveEachExpertShardWithinItsReplica) {
-  if (!std::filesystem::exists(at("one-b2") + "/ckpt")) {
-    ASSERT_EQ(train(1, "one-b2", "--set train.checkpoint_every=4 --set train.batch_size=2").exit_code, 0);
-  }
   const std::string run = "zero2-ep2-d2p2t2-recut";
-  const testing::CommandResult r =
-      train(8, run, recut_options(2) + "--set parallel.tensor=2 --set parallel.zero=2 --set train.checkpoint_every=4");
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("ZeRO shares each expert's state out over the ranks holding it"), std::string::npos)
-      << r.output;
-  expect_moved_a_block(run, r.output);
-  expect_like("one-b2", run);
-  const json last = lines(run).back();
-  ASSERT_NE(last.at("stage_boundaries").get<std::string>(), "1") << run;
+  json last;
+  ASSERT_NO_FATAL_FAILURE(expect_recut_trains_like_one(
+      8, run, recut_options(2) + "--set parallel.tensor=2 --set parallel.zero=2 --set train.checkpoint_every=4", &last));
   expect_tensor_ranks_share_out_experts(last, run, 2);
 }
 
