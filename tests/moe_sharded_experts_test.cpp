@@ -3,18 +3,20 @@
 // and parameters) shared out over the ranks holding it; comm/expert_parallel.h) with what they combine with beyond plain
 // float32 training, through the keel binary on the toy corpus (llama-moe-tiny at the toy's size):
 // ZeRO-1, ZeRO-2 and ZeRO-3 (what one rank trains with the whole batch; the experts' share of a rank's
-// parameters, gradients and moments in the step lines; checkpoints resumed in other layouts; ZeRO-1/2
-// with tensor groups, ZeRO-1/2/3 in a pipeline, ZeRO-1/2 through a pipeline's re-cut),
+// parameters, gradients and moments in the step lines; checkpoints resumed in other layouts; ZeRO-1/2/3
+// with tensor groups, ZeRO-1/2/3 in a pipeline, also of tensor groups, ZeRO-1/2 through a pipeline's
+// re-cut, also of tensor groups),
 // bf16 training state (runtime.param_dtype / grad_dtype; under ZeRO-1/2/3 a rank's float32 masters
 // are its owned chunks', on one stage or in a pipeline), compressed gradient sync (sync.codec:
 // each expert bucket compressed over the ranks holding its experts, with error feedback of its
 // own) and memory checkpoints (checkpoint.memory_every, which also hold bias balancing's routing
-// biases). Each trains what the same ranks train without expert parallelism, to the precision's
+// biases; also with tensor groups). Each trains what the same ranks train without expert parallelism, to the precision's
 // bound, and a resumed run gives the uninterrupted run's bytes.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "core/fileio.h"
@@ -48,6 +50,32 @@ class ShardedExperts : public testing::MoeRuns {
     EXPECT_EQ(param[0] + param[1] + param[2] + param[3], 2 * model - experts) << run;
     EXPECT_EQ(moment[0] + moment[1] + moment[2] + moment[3], 2 * model) << run;
     EXPECT_EQ(expert_moment[0] + expert_moment[1] + expert_moment[2] + expert_moment[3], 2 * experts) << run;
+  }
+  // Step line `s` of `run`: data 2 x tensor 2 with expert groups of 2 on one stage or each of
+  // `stages` (world rank = (data rank x stages + stage) x 2 + tensor rank). Each rank holds its
+  // tensor shard (half the units) of its expert group's 2 experts of its stage, the only holder of
+  // that shard (it owns the shard's whole state), as much as the stage's other ranks; the ranks
+  // together hold every expert's every shard once and own every tensor shard's moments once.
+  static void expect_tensor_ranks_share_out_experts(const json& s, const std::string& run, int stages = 1) {
+    const int64_t experts = s.at("model_expert_param_bytes");
+    const std::vector<int64_t> param = s.at("held_param_bytes"), expert_param = s.at("held_expert_param_bytes");
+    const std::vector<int64_t> expert_grad = s.at("held_expert_grad_bytes");
+    const std::vector<int64_t> moment = s.at("held_moment_bytes"), expert_moment = s.at("held_expert_moment_bytes");
+    ASSERT_EQ(param.size(), static_cast<size_t>(4 * stages)) << run;
+    int64_t held = 0, others = 0, moments = 0;
+    for (int r = 0; r < 4 * stages; ++r) {
+      const int first = r / 2 % stages * 2;  // (its stage's data rank 0, tensor rank 0)
+      EXPECT_EQ(expert_param[r], expert_param[first]) << run << " rank " << r;
+      EXPECT_EQ(param[r], param[first]) << run << " rank " << r;
+      EXPECT_EQ(expert_grad[r], expert_param[r]) << run << " rank " << r;
+      EXPECT_EQ(expert_moment[r], 2 * expert_param[r]) << run << " rank " << r;
+      held += expert_param[r];
+      others += param[r] - expert_param[r];
+      moments += moment[r];
+    }
+    EXPECT_EQ(held, experts) << run;
+    // (A tensor rank's chunks of no expert are held by both data ranks, their moments owned once.)
+    EXPECT_EQ(moments, 2 * (others / 2 + experts)) << run;
   }
   // Every step's loss of `run` within `bound` relative of `reference`'s.
   static void expect_losses_near(const std::string& reference, const std::string& run, double bound) {
@@ -98,12 +126,13 @@ class ShardedExperts : public testing::MoeRuns {
     int ranks;
     std::string run, extra;
   };
-  // `saving`'s step-4 checkpoint (a run on 2 ranks in `layout`) resumed in the same layout gives
-  // the uninterrupted run's bytes, and in each of `elsewhere` goes on as one rank with the whole
-  // batch trained ("one-b2", from step 4 on: float32 state).
-  static void expect_resumes(const std::string& saving, const std::string& layout, const std::vector<Resume>& elsewhere) {
+  // `saving`'s step-4 checkpoint (a run on `ranks` ranks in `layout`, 2 data ranks) resumed in the
+  // same layout gives the uninterrupted run's bytes, and in each of `elsewhere` goes on as one rank
+  // with the whole batch trained ("one-b2", from step 4 on: float32 state).
+  static void expect_resumes(const std::string& saving, const std::string& layout, const std::vector<Resume>& elsewhere,
+                             int ranks = 2) {
     const std::string from = " --set train.resume=" + at(saving) + "/ckpt/step-00000004";
-    const testing::CommandResult same = train(2, saving + "-resumed", layout + from);
+    const testing::CommandResult same = train(ranks, saving + "-resumed", layout + from);
     ASSERT_EQ(same.exit_code, 0) << same.output;
     EXPECT_NE(same.output.find("resumed from"), std::string::npos) << same.output;
     expect_same_checkpoint(saving, saving + "-resumed");
@@ -162,6 +191,98 @@ class ShardedExperts : public testing::MoeRuns {
       EXPECT_EQ(read_checkpoint_plane(testing::newest_checkpoint(at(run) + "/ckpt"), p), read_checkpoint_plane(from, p))
           << run << " plane " << static_cast<int>(p);
     }
+  }
+  // A 4-rank run into `run` with expert groups of 2 under ZeRO-3 over 2 data ranks (each the only
+  // holder of its experts) and `dimension` (the --set of the other dimension of 2): it trains what
+  // one rank trains with the whole batch ("one-b2", trained here if not yet), its start-up lines
+  // name the experts a rank holds and how ZeRO-3 shards them (`where`: what follows "the chunks of
+  // no expert over all 2"), and in every step line rank 0's data group (world ranks 0 and 2) homes
+  // a parameter shard smaller than what the rank holds, no more of it resident than the shard once
+  // the step is over, and the moments of its owned chunks (their extents, not their span), and
+  // `held` accepts the line. Its checkpoint at step 4 resumed in the same layout gives the
+  // uninterrupted run's bytes, on one rank (P = 1, ZeRO-0) it goes on as the one-rank run.
+  static void expect_zero3_over_two_data_ranks(const std::string& run, const std::string& dimension,
+                                               const std::string& where,
+                                               const std::function<void(const json&, const std::string&)>& held) {
+    const std::string layout =
+        dimension + " --set parallel.expert=2 --set parallel.zero=3 --set train.checkpoint_every=4 ";
+    std::string output;
+    ASSERT_NO_FATAL_FAILURE(expect_trains_like_one(4, run, layout, &output));
+    EXPECT_NE(output.find("ZeRO-3 shards each expert's parameters and state over the ranks holding it"),
+              std::string::npos) << output;
+    EXPECT_NE(output.find("MB of routed experts (1/2: its expert group's share), sharded over the 1 rank(s) "
+                          "holding the same experts; the chunks of no expert over all 2" + where + "\n"),
+              std::string::npos) << output;
+    for (const json& s : lines(run)) {
+      const std::vector<int64_t> param = s.at("held_param_bytes"), owned = s.at("held_moment_bytes");
+      const std::vector<int64_t> shard = s.at("zero3_param_shard_bytes"), resident = s.at("zero3_param_resident_bytes");
+      const std::vector<int64_t> moments = s.at("zero3_moment_bytes");
+      ASSERT_EQ(shard.size(), 2u) << run;
+      for (int q = 0; q < 2; ++q) {
+        EXPECT_GT(shard[q], 0) << run << " data rank " << q;
+        EXPECT_LT(shard[q], param[2 * q]) << run << " data rank " << q;
+        EXPECT_LE(resident[q], shard[q] + kMomentRunSlackBytes) << run << " data rank " << q;
+        EXPECT_GE(moments[q], owned[2 * q]) << run << " data rank " << q;
+        EXPECT_LE(moments[q], owned[2 * q] + 2 * kMasterGapSlackBytes) << run << " data rank " << q;
+      }
+      held(s, run);
+    }
+    expect_resumes(run, layout, {Resume{1, run + "-to-one", "--set train.batch_size=2"}}, 4);
+  }
+  // `layout` on `ranks` ranks into `run` with memory copies every step (checkpoint.memory_every =
+  // 1): rank 1 SIGKILLed after step 6 (KEEL_FAULT, at its buddy copy of rank 0's step 6; once: the
+  // marker file `run`.spent, whose absence fails the test), restarted by `keel launch
+  // --max-restarts 1`. Returns the job's result.
+  static testing::CommandResult kill_rank_one_after_step_six(int ranks, const std::string& run, const std::string& layout) {
+    const std::string restartable = train_args(ranks, run, layout, "--max-restarts 1 ");
+    const std::string fault = "KEEL_FAULT=kill:op=1:path=buddy-r0-step-00000006.bin:rank=1:once=" + at(run + ".spent");
+    const testing::CommandResult killed = testing::run_command(fault + " " + std::string(KEEL_BINARY) + " " +
+                                                               restartable + " --set checkpoint.memory_every=1");
+    EXPECT_TRUE(std::filesystem::exists(at(run + ".spent"))) << killed.output;
+    return killed;
+  }
+  // Two stages with expert groups of 2 cut at "1" (the embedding alone on the first stage, both
+  // MoE blocks on the second), re-cut at step 4 by the exact partitioner on measured layer costs
+  // with world rank `slow_rank` (one of the second stage's) slowed threefold: every measurement
+  // calls it unbalanced.
+  static std::string recut_options(int slow_rank) {
+    return "--set parallel.pipeline=2 --set parallel.expert=2 --set parallel.stage_boundaries=1"
+           " --set parallel.repartition_every=4 --set monitor.layer_costs_every=2"
+           " --set parallel.partitioner=dp --set parallel.repartition_threshold=0"
+           " --set runtime.slow_factor=3 --set runtime.slow_rank=" + std::to_string(slow_rank) + " ";
+  }
+  // `run`, on `ranks` ranks in `layout` (expert groups of 2: each rank runs and holds 2 of every
+  // MoE block's 4 experts), trains what one rank trains with the whole batch ("one-b2", trained
+  // here if not yet); `output`: the run's output, where wanted.
+  static void expect_trains_like_one(int ranks, const std::string& run, const std::string& layout,
+                                     std::string* output = nullptr) {
+    if (!std::filesystem::exists(at("one-b2") + "/ckpt")) {
+      ASSERT_EQ(train(1, "one-b2", "--set train.checkpoint_every=4 --set train.batch_size=2").exit_code, 0);
+    }
+    const testing::CommandResult r = train(ranks, run, layout);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
+    expect_like("one-b2", run);
+    if (output != nullptr) *output = r.output;
+  }
+  // `run`, on `ranks` ranks in `layout` (recut_options' under ZeRO-1/2), trains what one rank
+  // trains with the whole batch, ZeRO sharing each expert's state out over its holders, and a
+  // re-cut moved a block (sending bytes); `last`: its last step line, after the move.
+  static void expect_recut_trains_like_one(int ranks, const std::string& run, const std::string& layout, json* last) {
+    std::string output;
+    ASSERT_NO_FATAL_FAILURE(expect_trains_like_one(ranks, run, layout, &output));
+    EXPECT_NE(output.find("ZeRO shares each expert's state out over the ranks holding it"), std::string::npos)
+        << output;
+    int moves = 0;
+    for (const json& j : events(run, "repartition")) {
+      if (j.at("moved").get<bool>()) {
+        EXPECT_GT(j.at("bytes_sent").get<double>(), 0) << run << ": " << j.dump();
+        moves++;
+      }
+    }
+    ASSERT_GE(moves, 1) << run << ": no re-cut moved a block\n" << output;
+    *last = lines(run).back();
+    ASSERT_NE(last->at("stage_boundaries").get<std::string>(), "1") << run;
   }
 };
 
@@ -295,13 +416,8 @@ TEST_F(ShardedExperts, CompressedSyncCompressesEachExpertBucketOverItsHolders) {
 TEST_F(ShardedExperts, MemoryCopiesRecoverAKilledRankWithItsExpertsAndBiases) {
   const std::string layout = testing::kMoeBias + "--set parallel.expert=2 --set train.checkpoint_every=4 ";
   ASSERT_EQ(train(2, "memory-reference", layout).exit_code, 0);
-  const std::string restartable = train_args(2, "memory-killed", layout, "--max-restarts 1 ");
-  const std::string fault =
-      "KEEL_FAULT=kill:op=1:path=buddy-r0-step-00000006.bin:rank=1:once=" + at("killed.spent");
-  const testing::CommandResult killed = testing::run_command(fault + " " + std::string(KEEL_BINARY) + " " + restartable +
-                                                             " --set checkpoint.memory_every=1");
+  const testing::CommandResult killed = kill_rank_one_after_step_six(2, "memory-killed", layout);
   ASSERT_EQ(killed.exit_code, 0) << killed.output;
-  EXPECT_TRUE(std::filesystem::exists(at("killed.spent"))) << killed.output;
   EXPECT_NE(killed.output.find("restart 1 of 1"), std::string::npos) << killed.output;
   EXPECT_NE(killed.output.find("keel: resumed from memory (step 6) in "), std::string::npos) << killed.output;
   EXPECT_NE(killed.output.find("2 rank(s) from their own copy, 0 from their buddy's"), std::string::npos)
@@ -324,13 +440,8 @@ TEST_F(ShardedExperts, MemoryCopiesUnderZeroOneRecoverAKilledRank) {
   ASSERT_EQ(reference.exit_code, 0) << reference.output;
   EXPECT_NE(reference.output.find("ZeRO shares each expert's state out over the ranks holding it"), std::string::npos)
       << reference.output;
-  const std::string restartable = train_args(2, "z1-memory-killed", layout, "--max-restarts 1 ");
-  const std::string fault =
-      "KEEL_FAULT=kill:op=1:path=buddy-r0-step-00000006.bin:rank=1:once=" + at("z1-killed.spent");
-  const testing::CommandResult killed = testing::run_command(fault + " " + std::string(KEEL_BINARY) + " " + restartable +
-                                                             " --set checkpoint.memory_every=1");
+  const testing::CommandResult killed = kill_rank_one_after_step_six(2, "z1-memory-killed", layout);
   ASSERT_EQ(killed.exit_code, 0) << killed.output;
-  EXPECT_TRUE(std::filesystem::exists(at("z1-killed.spent"))) << killed.output;
   EXPECT_NE(killed.output.find("ZeRO shares each expert's state out over the ranks holding it"), std::string::npos)
       << killed.output;
   EXPECT_NE(killed.output.find("keel: resumed from memory (step 6) in "), std::string::npos) << killed.output;
@@ -416,16 +527,10 @@ TEST_F(ShardedExperts, ZeroThreeHoldsOnlyEachRanksExperts) {
 // as each other, half of the stage's, and the 4 ranks together hold every expert once, every
 // chunk of no expert twice (one copy per replica) and every parameter's moments once.
 TEST_F(ShardedExperts, ZeroOneAndTwoInAPipelineShareOutEachStagesExperts) {
-  if (!std::filesystem::exists(at("one-b2") + "/ckpt")) {
-    ASSERT_EQ(train(1, "one-b2", "--set train.checkpoint_every=4 --set train.batch_size=2").exit_code, 0);
-  }
   for (const std::string zero : {"1", "2"}) {
     const std::string run = "zero" + zero + "-ep2-d2p2";
-    const testing::CommandResult r = train(4, run, "--set parallel.pipeline=2 --set parallel.expert=2 "
-                                                   "--set train.checkpoint_every=4 --set parallel.zero=" + zero);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
-    expect_like("one-b2", run);
+    ASSERT_NO_FATAL_FAILURE(expect_trains_like_one(4, run, "--set parallel.pipeline=2 --set parallel.expert=2 "
+                                                           "--set train.checkpoint_every=4 --set parallel.zero=" + zero));
     for (const json& s : lines(run)) {
       expect_two_stages_share_out_experts(s, run);
     }
@@ -441,35 +546,14 @@ TEST_F(ShardedExperts, ZeroOneAndTwoInAPipelineShareOutEachStagesExperts) {
 // whole copy of its experts) resumed in the same layout gives the uninterrupted run's bytes; each
 // run's resumed on one rank (P = 1, ZeRO-0) goes on as the one-rank run.
 TEST_F(ShardedExperts, ZeroOneAndTwoWithTensorGroupsHoldEachRanksExpertShards) {
-  if (!std::filesystem::exists(at("one-b2") + "/ckpt")) {
-    ASSERT_EQ(train(1, "one-b2", "--set train.checkpoint_every=4 --set train.batch_size=2").exit_code, 0);
-  }
   const std::string d2t2 = "--set parallel.tensor=2 --set parallel.expert=2 --set train.checkpoint_every=4 ";
   for (const std::string zero : {"1", "2"}) {
     const std::string run = "zero" + zero + "-ep2-d2t2";
-    const testing::CommandResult r = train(4, run, d2t2 + "--set parallel.zero=" + zero);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
-    EXPECT_NE(r.output.find("ZeRO shares each expert's state out over the ranks holding it"), std::string::npos)
-        << r.output;
-    expect_like("one-b2", run);
-    for (const json& s : lines(run)) {
-      const int64_t experts = s.at("model_expert_param_bytes");
-      const std::vector<int64_t> param = s.at("held_param_bytes"), expert_param = s.at("held_expert_param_bytes");
-      const std::vector<int64_t> expert_grad = s.at("held_expert_grad_bytes");
-      const std::vector<int64_t> moment = s.at("held_moment_bytes"), expert_moment = s.at("held_expert_moment_bytes");
-      ASSERT_EQ(param.size(), 4u) << run;
-      int64_t moments = 0;
-      for (int r = 0; r < 4; ++r) {
-        EXPECT_EQ(4 * expert_param[r], experts) << run << " rank " << r;
-        EXPECT_EQ(expert_grad[r], expert_param[r]) << run << " rank " << r;
-        EXPECT_EQ(expert_moment[r], 2 * expert_param[r]) << run << " rank " << r;
-        EXPECT_EQ(param[r], param[0]) << run << " rank " << r;
-        moments += moment[r];
-      }
-      // (Each tensor rank's chunks of no expert once over its data group, every expert shard once.)
-      EXPECT_EQ(moments, 2 * (2 * (param[0] - expert_param[0]) + experts)) << run;
-    }
+    std::string output;
+    ASSERT_NO_FATAL_FAILURE(expect_trains_like_one(4, run, d2t2 + "--set parallel.zero=" + zero, &output));
+    EXPECT_NE(output.find("ZeRO shares each expert's state out over the ranks holding it"), std::string::npos)
+        << output;
+    for (const json& s : lines(run)) expect_tensor_ranks_share_out_experts(s, run);
   }
   const std::string from = " --set train.resume=" + at("zero1-ep2-d2t2") + "/ckpt/step-00000004";
   const testing::CommandResult same = train(4, "z1ep2-d2t2-resumed", d2t2 + "--set parallel.zero=1" + from);
@@ -492,46 +576,11 @@ TEST_F(ShardedExperts, ZeroOneAndTwoWithTensorGroupsHoldEachRanksExpertShards) {
 // chunks of no expert sharded over both): what one rank trains with the whole batch. Each rank's
 // layout holds half of its stage's experts (the start-up line and the step lines, as under
 // ZeRO-1/2 in a pipeline), its parameter home no more resident than its shard once a step is
-// over. Its checkpoint at step 4 resumed in the same layout gives the uninterrupted run's bytes,
-// on one rank (P = 1, ZeRO-0) it goes on as the one-rank run.
+// over, its moments its owned chunks'. Its checkpoint at step 4 resumed in the same layout gives
+// the uninterrupted run's bytes, on one rank (P = 1, ZeRO-0) it goes on as the one-rank run.
 TEST_F(ShardedExperts, ZeroThreeInAPipelineHoldsOnlyEachStagesExperts) {
-  if (!std::filesystem::exists(at("one-b2") + "/ckpt")) {
-    ASSERT_EQ(train(1, "one-b2", "--set train.checkpoint_every=4 --set train.batch_size=2").exit_code, 0);
-  }
-  const std::string layout =
-      "--set parallel.pipeline=2 --set parallel.expert=2 --set parallel.zero=3 --set train.checkpoint_every=4 ";
-  const std::string run = "zero3-ep2-d2p2";
-  const testing::CommandResult r = train(4, run, layout);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("ZeRO-3 shards each expert's parameters and state over the ranks holding it"),
-            std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("MB of routed experts (1/2: its expert group's share), sharded over the 1 rank(s) holding "
-                          "the same experts; the chunks of no expert over all 2 of the stage's replicas"),
-            std::string::npos) << r.output;
-  expect_like("one-b2", run);
-  for (const json& s : lines(run)) {
-    expect_two_stages_share_out_experts(s, run);
-    // (Rank 0's stage: its 2 replicas' parameter shards.)
-    const std::vector<int64_t> param = s.at("held_param_bytes");
-    const std::vector<int64_t> shard = s.at("zero3_param_shard_bytes"), resident = s.at("zero3_param_resident_bytes");
-    ASSERT_EQ(shard.size(), 2u) << run;
-    for (int q = 0; q < 2; ++q) {
-      EXPECT_GT(shard[q], 0) << run << " replica " << q;
-      EXPECT_LT(shard[q], param[0]) << run << " replica " << q;
-      EXPECT_LE(resident[q], shard[q] + kMomentRunSlackBytes) << run << " replica " << q;
-    }
-  }
-  const std::string from = " --set train.resume=" + at(run) + "/ckpt/step-00000004";
-  const testing::CommandResult same = train(4, "z3ep2-d2p2-resumed", layout + from);
-  ASSERT_EQ(same.exit_code, 0) << same.output;
-  EXPECT_NE(same.output.find("resumed from"), std::string::npos) << same.output;
-  expect_same_checkpoint(run, "z3ep2-d2p2-resumed");
-  const testing::CommandResult one =
-      train(1, "z3ep2-d2p2-to-one", "--set train.batch_size=2 --set train.checkpoint_every=4" + from);
-  ASSERT_EQ(one.exit_code, 0) << one.output;
-  EXPECT_NE(one.output.find("resumed from"), std::string::npos) << one.output;
-  expect_like("one-b2", "z3ep2-d2p2-to-one", 4);
+  expect_zero3_over_two_data_ranks("zero3-ep2-d2p2", "--set parallel.pipeline=2", " of the stage's replicas",
+                                   expect_two_stages_share_out_experts);
 }
 
 // bf16 training state in two replicas of two pipeline stages with expert groups of 2 (each
@@ -582,30 +631,11 @@ TEST_F(ShardedExperts, Bf16StateInAPipelineHoldsOnlyEachStagesExperts) {
 // whole batch, and after the move the step lines show each stage's replicas holding half of the
 // stage's experts (both stages holding some).
 TEST_F(ShardedExperts, ReCutsUnderZeroOneAndTwoMoveEachExpertWithinItsReplica) {
-  if (!std::filesystem::exists(at("one-b2") + "/ckpt")) {
-    ASSERT_EQ(train(1, "one-b2", "--set train.checkpoint_every=4 --set train.batch_size=2").exit_code, 0);
-  }
-  const std::string recut = "--set parallel.pipeline=2 --set parallel.expert=2 --set parallel.stage_boundaries=1"
-                            " --set parallel.repartition_every=4 --set monitor.layer_costs_every=2"
-                            " --set parallel.partitioner=dp --set parallel.repartition_threshold=0"
-                            " --set runtime.slow_rank=1 --set runtime.slow_factor=3 --set train.checkpoint_every=4 ";
   for (const std::string zero : {"1", "2"}) {
     const std::string run = "zero" + zero + "-ep2-d2p2-recut";
-    const testing::CommandResult r = train(4, run, recut + "--set parallel.zero=" + zero);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_NE(r.output.find("ZeRO shares each expert's state out over the ranks holding it"), std::string::npos)
-        << r.output;
-    int moves = 0;
-    for (const json& j : testing::event_lines(at(run) + "/metrics.jsonl", "repartition")) {
-      if (j.at("moved").get<bool>()) {
-        EXPECT_GT(j.at("bytes_sent").get<double>(), 0) << run << ": " << j.dump();
-        moves++;
-      }
-    }
-    ASSERT_GE(moves, 1) << run << ": no re-cut moved a block\n" << r.output;
-    expect_like("one-b2", run);
-    const json last = lines(run).back();
-    ASSERT_NE(last.at("stage_boundaries").get<std::string>(), "1") << run;
+    json last;
+    ASSERT_NO_FATAL_FAILURE(expect_recut_trains_like_one(
+        4, run, recut_options(1) + "--set train.checkpoint_every=4 --set parallel.zero=" + zero, &last));
     expect_two_stages_share_out_experts(last, run);
   }
 }
@@ -625,6 +655,90 @@ TEST_F(ShardedExperts, ZeroCheckpointsResumeInOtherExpertAndZeroLayouts) {
   expect_resumes("zero1-ep2-d2", ep + z1, {Resume{1, "z1ep2-to-one", "--set train.batch_size=2"},
                                            Resume{2, "z1ep2-to-zero2", "--set parallel.zero=2"},
                                            Resume{2, "z1ep2-to-z2ep2", ep + "--set parallel.zero=2"}});
+}
+
+// Data 2 x tensor 2 with expert groups of 2 under ZeRO-3: each rank homes its tensor shard of its
+// expert group's 2 experts whole (the only holder of that shard) beside its half of its tensor
+// rank's chunks of no expert, gathered with the layer over its data group: what one rank trains
+// with the whole batch. The step lines show each rank holding a quarter of the experts (as under
+// ZeRO-1/2 with tensor groups), and rank 0's data group its parameter home no more resident than
+// its shard once a step is over. Its checkpoint at step 4 (the whole copies filled from the
+// owners' parameters and moments) resumed in the same layout gives the uninterrupted run's bytes,
+// on one rank (P = 1, ZeRO-0) it goes on as the one-rank run.
+TEST_F(ShardedExperts, ZeroThreeWithTensorGroupsHomesEachRanksExpertShards) {
+  expect_zero3_over_two_data_ranks("zero3-ep2-d2t2", "--set parallel.tensor=2", "",
+                                   [](const json& s, const std::string& run) {
+                                     expect_tensor_ranks_share_out_experts(s, run);
+                                   });
+}
+
+// Memory copies with data 2 x tensor 2, expert groups of 2 under ZeRO-2 and bias balancing: each
+// rank copies its whole copy (WholeModelState: its experts unsplit, the moments gathered from
+// their owners) and the routing biases to /dev/shm every step, and its buddy's; rank 1 SIGKILLed
+// after step 6 (at its buddy copy of step 6) is recovered by `keel launch --max-restarts` from the
+// 4 ranks' own copies of step 6 (or 5), each sliced back into the rank's tensor shard of its
+// experts and its owned moments, to the uninterrupted run's bytes (parameters and both moments)
+// and biases; every step line shows each rank holding its tensor shard of its experts only.
+TEST_F(ShardedExperts, MemoryCopiesWithTensorGroupsRecoverAKilledRankWithItsExpertShards) {
+  const std::string layout = testing::kMoeBias + "--set parallel.tensor=2 --set parallel.expert=2 "
+                                                 "--set parallel.zero=2 --set train.checkpoint_every=4 ";
+  ASSERT_EQ(train(4, "t2-memory-reference", layout).exit_code, 0);
+  const testing::CommandResult killed = kill_rank_one_after_step_six(4, "t2-memory-killed", layout);
+  ASSERT_EQ(killed.exit_code, 0) << killed.output;
+  EXPECT_NE(killed.output.find("ZeRO shares each expert's state out over the ranks holding it"), std::string::npos)
+      << killed.output;
+  // (Step 6 where every rank kept its own copy of step 6 before the job was stopped, else step 5:
+  // on 4 ranks another rank may be stopped before its own copy of step 6 is complete.)
+  const std::string resumed = "keel: resumed from memory (step ";
+  const size_t at = killed.output.find(resumed);
+  ASSERT_NE(at, std::string::npos) << killed.output;
+  const int step = std::stoi(killed.output.substr(at + resumed.size()));
+  EXPECT_TRUE(step == 5 || step == 6) << killed.output;
+  EXPECT_NE(killed.output.find("4 rank(s) from their own copy, 0 from their buddy's"), std::string::npos)
+      << killed.output;
+  expect_same_checkpoint("t2-memory-reference", "t2-memory-killed");
+  const json want = lines("t2-memory-reference").back().at("moe_layers"),
+             got = lines("t2-memory-killed").back().at("moe_layers");
+  for (size_t l = 0; l < 2; ++l) EXPECT_EQ(got[l].at("bias"), want[l].at("bias")) << l;
+  for (const json& s : lines("t2-memory-killed")) expect_tensor_ranks_share_out_experts(s, "t2-memory-killed");
+}
+
+// Two replicas of two pipeline stages of tensor groups of 2 (8 ranks) under ZeRO-1 and ZeRO-3,
+// each stage's replicas an expert group of 2: each rank holds its tensor shard of half of its
+// stage's experts (the only holder of that shard: it owns, under ZeRO-3 homes, the shard's whole
+// state): what one rank trains with the whole batch, every step line showing the ranks of a stage
+// holding as much as each other and the 8 ranks every expert shard once. The ZeRO-1 run's
+// checkpoint at step 4 (each stage's whole copies, each expert chunk written by its owner)
+// resumed on one rank (P = 1, ZeRO-0) goes on as the one-rank run.
+TEST_F(ShardedExperts, PipelinesOfTensorGroupsHoldEachRanksExpertShards) {
+  for (const std::string zero : {"1", "3"}) {
+    const std::string run = "zero" + zero + "-ep2-d2p2t2";
+    ASSERT_NO_FATAL_FAILURE(expect_trains_like_one(8, run, "--set parallel.pipeline=2 --set parallel.tensor=2 "
+                                                           "--set parallel.expert=2 --set train.checkpoint_every=4 "
+                                                           "--set parallel.zero=" + zero));
+    for (const json& s : lines(run)) expect_tensor_ranks_share_out_experts(s, run, 2);
+  }
+  const testing::CommandResult one =
+      train(1, "z1ep2-d2p2t2-to-one", "--set train.batch_size=2 --set train.checkpoint_every=4 --set train.resume=" +
+                                          at("zero1-ep2-d2p2t2") + "/ckpt/step-00000004");
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  EXPECT_NE(one.output.find("resumed from"), std::string::npos) << one.output;
+  expect_like("one-b2", "z1ep2-d2p2t2-to-one", 4);
+}
+
+// A re-cut of two replicas of two pipeline stages of tensor groups of 2 (8 ranks) under ZeRO-2
+// with expert groups of 2: from "1" (the embedding alone on the first stage, both MoE blocks on
+// the second, whose rank 2 is slowed threefold) the exact partitioner moves a MoE block or both
+// at step 4 (by the measured times), each tensor rank's shard of an expert's chunks staying within
+// its replica, their moments from the owner among the holders: what one rank trains with the
+// whole batch, and after the move the step line shows each rank holding its tensor shard of half
+// of its stage's experts.
+TEST_F(ShardedExperts, ReCutsOfTensorGroupsMoveEachExpertShardWithinItsReplica) {
+  const std::string run = "zero2-ep2-d2p2t2-recut";
+  json last;
+  ASSERT_NO_FATAL_FAILURE(expect_recut_trains_like_one(
+      8, run, recut_options(2) + "--set parallel.tensor=2 --set parallel.zero=2 --set train.checkpoint_every=4", &last));
+  expect_tensor_ranks_share_out_experts(last, run, 2);
 }
 
 }  // namespace

@@ -106,7 +106,7 @@ void Checkpointer::make_writer(bool at_restart) {
     // writer index is then the data rank; under ZeRO-3 also its parameters' home), streamed: a
     // rank's moments are not one flat range.
     // (In a pipeline the data ranks are a stage's replicas, sharing out the stage's chunks.)
-    // With tensor groups (ZeRO-1/2) every rank holds the whole copy of its experts and of the
+    // With tensor groups (ZeRO-1/2/3) every rank holds the whole copy of its experts and of the
     // chunks of no expert: the latter shared out over the data x tensor writers, each expert's
     // chunks over the D / P x T writers holding it (holder index = data rank / P x T + tensor rank).
     const int stage_replicas = comm_.size() / std::max(1, config_.parallel.pipeline);

@@ -32,23 +32,21 @@ bool experts_sharded(const Config& config) {
   if (!config.model.moe() || p.expert <= 1) return false;
   if (p.zero == 0) return true;
   // ZeRO shares the experts' chunks out over their holders (comm/zero.h; ZeRO-3 their parameters
-  // too, comm/sharded_params.h): on one stage (ZeRO-1/2 also with tensor groups: a holder's chunks
-  // are its tensor shard of its experts) or on each stage of a pipeline (ZeRO-1/2 also with
-  // gradient prediction: a rank predicts its own store's gradients, its experts' as without ZeRO;
-  // a re-cut moves an expert's chunks between the ranks of one replica and its moments
-  // from their owner among the holders: pipeline/stage_migration.h; ZeRO-3 takes no re-cuts), with
-  // or without memory copies (each rank's copy is of its own store, its moments' span), ZeRO-3
-  // also with memory tiers (they home the rank's own chunks: ChunkStore::param_homed); with bf16
-  // training state likewise (its masters those of the owned chunks, store/bf16_state.h; under
-  // ZeRO-3 gathers move the owners' bits over the holders; under ZeRO-1/2 memory tiers move the
-  // moments, the bits and masters stay outside them), on one stage or on each stage of a pipeline
-  // (bf16 state takes no re-cuts, gradient prediction, tensor groups or memory copies:
-  // validate_bf16_state_config). Not yet with tensor groups under ZeRO-3, in a pipeline or with
-  // memory copies. Elsewhere every rank holds every expert.
+  // too, comm/sharded_params.h), also with tensor groups (a holder's chunks are its tensor shard
+  // of its experts): on one stage or on each stage of a pipeline (ZeRO-1/2 also with gradient
+  // prediction: a rank predicts its own store's gradients, its experts' as without ZeRO; a re-cut
+  // moves an expert's chunks between the ranks of one replica and its moments from their owner
+  // among the holders: pipeline/stage_migration.h; ZeRO-3 takes no re-cuts), with or without
+  // memory copies (each rank's copy is of its own store, its moments' span; with tensor groups of
+  // its whole copy, comm/tensor_parallel.h WholeModelState), ZeRO-3 also with memory tiers (they
+  // home the rank's own chunks: ChunkStore::param_homed); with bf16 training state likewise (its
+  // masters those of the owned chunks, store/bf16_state.h; under ZeRO-3 gathers move the owners'
+  // bits over the holders; under ZeRO-1/2 memory tiers move the moments, the bits and masters stay
+  // outside them), on one stage or on each stage of a pipeline (bf16 state takes no re-cuts,
+  // gradient prediction, tensor groups or memory copies: validate_bf16_state_config, which the
+  // line below restates for a config not yet validated).
   const bool bf16_state = config.runtime.param_dtype != StateDtype::fp32 || config.runtime.grad_dtype != StateDtype::fp32;
-  if (bf16_state && p.tensor > 1) return false;
-  if (p.tensor > 1 && (p.zero == 3 || p.pipeline > 1 || config.checkpoint.memory_every > 0)) return false;
-  return true;
+  return !(bf16_state && p.tensor > 1);
 }
 
 void attach_expert_group(GPT& model, ExpertGroup& group) {

@@ -26,17 +26,16 @@
 // block leases its experts apart, as without ZeRO-3: experts_gathered_with_layers).
 // In a pipeline each stage's replicas share out the stage's experts so (ZeRO-1/2/3; a ZeRO-1/2
 // re-cut moves an expert's chunks within its replica and its moments from their owner among the
-// holders), with tensor groups under ZeRO-1/2 each rank's chunks are its tensor shard of its
-// experts (holders: the data ranks with the same expert and tensor rank), with bf16 training
-// state (ZeRO-1/2/3, on one stage or in a pipeline; ZeRO-3 gathers the owners' bf16 bits over
-// the holders) a rank's masters are its owned chunks', under ZeRO-3 with memory tiers the tiers
-// home a rank's own chunks only (its shard of the chunks of no expert and of its experts':
-// ChunkStore::param_homed), with gradient prediction in a pipeline (ZeRO-1/2) a rank predicts its
-// own store's gradients. With tensor groups under ZeRO-3, in a pipeline or with memory copies
-// (bf16 training state takes none of these) every rank holds
-// every expert: a rank writes weight gradients for its own experts only, the data-parallel sum
-// adds each expert's over the ranks that ran it, and ZeRO shards the experts' chunks over the data
-// group as the rest.
+// holders), with tensor groups (also in a pipeline, under ZeRO-1/2/3 and with memory copies)
+// each rank's chunks are its tensor shard of its experts (holders: the data ranks with the same
+// expert and tensor rank), with bf16 training state (ZeRO-1/2/3, on one stage or in a pipeline;
+// ZeRO-3 gathers the owners' bf16 bits over the holders) a rank's masters are its owned chunks',
+// under ZeRO-3 with memory tiers the tiers home a rank's own chunks only (its shard of the chunks
+// of no expert and of its experts': ChunkStore::param_homed), with gradient prediction in a
+// pipeline (ZeRO-1/2) a rank predicts its own store's gradients. bf16 training state takes no
+// tensor groups; there (a config that validation refuses) every rank would hold every expert: a
+// rank writes weight gradients for its own experts only, the data-parallel sum adds each expert's
+// over the ranks that ran it, and ZeRO shards the experts' chunks over the data group as the rest.
 #pragma once
 
 #include <cstdint>
@@ -53,10 +52,10 @@ namespace keel {
 class GPT;
 
 // Whether a rank holds only its share of the routed experts: parallel.expert > 1 without ZeRO;
-// under ZeRO with float32 or bf16 training state, on one stage or in a pipeline (ZeRO-1/2 also
-// with gradient prediction, parallel.predict_gradients), with or without memory copies
-// (checkpoint.memory_every) or memory tiers; with tensor groups (parallel.tensor > 1) ZeRO-1/2 on
-// one stage without memory copies (bf16 training state takes no tensor groups).
+// under ZeRO (0-3) with float32 or bf16 training state, on one stage or in a pipeline (ZeRO-1/2
+// also with gradient prediction, parallel.predict_gradients), with or without memory copies
+// (checkpoint.memory_every), memory tiers or tensor groups (parallel.tensor > 1; bf16 training
+// state takes none).
 // Otherwise every rank holds every expert (its weight gradients zero but for its own), sharded
 // over the data group as every other chunk.
 bool experts_sharded(const Config& config);

@@ -175,7 +175,6 @@ WholeModelState::WholeModelState(const Config& config, Communicator& tensor, GPT
   whole_ids_ = register_layout(*whole_, model_layout(config.model, model.ranges(), {}, experts));
   whole_->finalize(/*touch_params=*/false);
   if (moments_ != nullptr && moments_->experts_apart()) {
-    check(!params_sharded_, "tensor parallelism: ZeRO-3 with sharded experts is not built (comm/expert_parallel.h)");
     const int P = moments_->expert_group;
     if (data_->size() > P) holders_ = data_->split(data_->rank() % P, data_->rank() / P);
   }

@@ -119,9 +119,10 @@ class WholeModelState {
   // parameters, comm/sharded_params.h); null: every rank holds all. `experts`: with sharded
   // experts (comm/expert_parallel.h) the rank's share of the routed experts, which is all the
   // whole copy holds of them (the checkpointer writes each expert from the ranks holding it).
-  // Under ZeRO-1/2 with sharded experts (`moments` experts apart) the chunks of no expert's
-  // moments come from their owners over `data`, the rank's experts' from their owner among the
-  // data ranks holding them (a communicator split from `data` here: collective over it).
+  // Under ZeRO-1/2/3 with sharded experts (`moments` experts apart) the chunks of no expert's
+  // moments (ZeRO-3: and parameters) come from their owners over `data`, the rank's experts'
+  // from their owner among the data ranks holding them (a communicator split from `data` here:
+  // collective over it).
   WholeModelState(const Config& config, Communicator& tensor, GPT& model, Communicator* data = nullptr,
                   const ChunkPartition* moments = nullptr, ExpertPlace experts = {});
   ChunkStore& store() { return *whole_; }
