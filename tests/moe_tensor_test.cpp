@@ -62,7 +62,11 @@ TEST_F(MoeTensorParallel, TensorRanksTrainWhatOneRankTrains) {
   ASSERT_EQ(train(0, "one-capacity", capacity).exit_code, 0);
   const testing::CommandResult r = train(2, "t2-capacity", capacity + kTensor2);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  expect_like("one-capacity", "t2-capacity");
+  // (the weights within 2e-5: the tensor ranks' row-parallel sums add the products in another
+  // order than one rank's; on an Intel Xeon with AMX, whose GEMM kernels round otherwise than the
+  // AVX-512-only machine's where 1e-5 held, block 0's attn.proj.w measured 1.017e-5 after 8 steps,
+  // with every loss, routing figure and dropped pair the same)
+  expect_like("one-capacity", "t2-capacity", 0, 2e-5);
   for (const json& s : lines("t2-capacity")) EXPECT_GT(s.at("moe_dropped").get<double>(), 0.0) << s;
 }
 
