@@ -87,9 +87,15 @@ bool cpu_has_bf16() {
 }
 
 std::string bf16_engine() {
-  return bf16_through_onednn() ? "oneDNN bf16 matmul (AVX512_BF16)"
-                               : "emulated: operands rounded to bf16, float32 products and sums through SGEMM "
-                                 "(this CPU has no bf16 instructions)";
+  if (!bf16_through_onednn()) {
+    return "emulated: operands rounded to bf16, float32 products and sums through SGEMM "
+           "(this CPU has no bf16 instructions)";
+  }
+  // The widest instruction set oneDNN dispatches to here (the CPU's, less what ONEDNN_MAX_CPU_ISA
+  // withholds): with AMX its bf16 products run on the tile units (brgemm avx512_core_amx_bf16).
+  const unsigned isa = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
+  const unsigned amx = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_amx);
+  return (isa & amx) == amx ? "oneDNN bf16 matmul (AMX-BF16)" : "oneDNN bf16 matmul (AVX512_BF16)";
 }
 
 namespace {

@@ -28,7 +28,8 @@ enum class MatmulPrecision { fp32, bf16, int8 };
 
 // Whether this CPU has bf16 dot-product instructions (CPUID leaf 7 subleaf 1: AVX512_BF16).
 bool cpu_has_bf16();
-// Which engine bf16 GEMMs use here ("oneDNN bf16 matmul (AVX512_BF16)" or "emulated ...").
+// Which engine bf16 GEMMs use here ("oneDNN bf16 matmul (AMX-BF16)", "... (AVX512_BF16)" or
+// "emulated ...").
 std::string bf16_engine();
 
 // float32 -> bf16 bits (round to nearest, ties to even; NaN stays NaN) and back.
