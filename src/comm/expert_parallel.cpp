@@ -63,7 +63,7 @@ void gather_experts_with_layers(GPT& model) {
 
 bool experts_gathered_with_layers(const Config& config, int data_ranks) {
   if (!config.model.moe() || config.parallel.zero != 3 || data_ranks < 2) return false;
-  return !(experts_sharded(config) && data_ranks == config.parallel.expert && config.parallel.pipeline == 1);
+  return !(experts_sharded(config) && experts_held_alone(config.parallel, data_ranks));
 }
 
 double expert_grad_squares(const ChunkStore& store, Communicator& experts) {

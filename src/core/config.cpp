@@ -676,6 +676,10 @@ std::string TrainConfig::describe_seq_lens() const {
          std::to_string(longest_seq_len()) + "; validation at the coming step's length)";
 }
 
+bool experts_held_alone(const ParallelConfig& p, int group_ranks) {
+  return p.expert > 1 && p.expert == group_ranks && p.pipeline == 1;
+}
+
 int llama_ffn_hidden(int n_embd, int multiple_of, double multiplier) {
   int64_t hidden = 2 * (4 * static_cast<int64_t>(n_embd)) / 3;
   if (multiplier > 0) hidden = static_cast<int64_t>(multiplier * static_cast<double>(hidden));
@@ -899,8 +903,7 @@ void Config::resolve(int world_size) {
     // the only holder of its experts (data = P on one stage: comm/expert_parallel.h
     // experts_gathered_with_layers).
     const int group_ranks = data_ranks * parallel.context;
-    const bool experts_alone = parallel.expert > 1 && parallel.expert == group_ranks && parallel.pipeline == 1 &&
-                               parallel.tensor == 1;
+    const bool experts_alone = experts_held_alone(parallel, group_ranks) && parallel.tensor == 1;
     require(parallel.zero != 3 || tier.experts == TierExperts::off || group_ranks == 1 || experts_alone, "tier.experts",
             "\"off\" with parallel.zero = 3 but with parallel.expert = the " + s(group_ranks) +
                 " data-parallel ranks on one stage without tensor groups (each rank its experts' only holder; "

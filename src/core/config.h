@@ -701,4 +701,9 @@ void validate_model(const ModelConfig& m, const std::string& where);
 // LLaMA's SwiGLU hidden size: 2/3 of 4C, times the multiplier (if > 0), rounded up to a multiple.
 int llama_ffn_hidden(int n_embd, int multiple_of, double multiplier);
 
+// Whether, in a data group of `group_ranks` (data x context ranks), each rank is the only holder of
+// its routed experts: parallel.expert equal to the group, on one stage (under ZeRO-3 a MoE block
+// then leases its experts apart from its layer: comm/expert_parallel.h experts_gathered_with_layers).
+bool experts_held_alone(const ParallelConfig& p, int group_ranks);
+
 }  // namespace keel
