@@ -16,6 +16,7 @@
 #include "core/rng.h"
 #include "data/shard.h"
 #include "kernels/cpu/blas.h"
+#include "runtime/attention_choice.h"
 #include "runtime/job_config.h"
 #include "runtime/trainer.h"
 
@@ -44,7 +45,10 @@ int main(int argc, char** argv) {
     config.train.run_dir = dir + "/run";
     config.data.train = dir + "/train.bin";
     config.data.val = dir + "/val.bin";
+    const bool auto_attention = config.model.attention == Attention::automatic;
     resolve_job_config(config);
+    // The attention kernel as `keel train` decides it (measured from 512 tokens).
+    if (attention_measured(config, auto_attention)) config.model.attention = choose_attention(config).kernel;
     // Random tokens: the benchmark measures speed, not learning; same distribution as the peer's.
     const size_t window = static_cast<size_t>(config.train.batch_size) * config.train.seq_len;
     Rng rng(config.train.seed);

@@ -42,6 +42,7 @@
 #include "kernels/cpu/gemm_probe.h"
 #include "kernels/cpu/ops.h"
 #include "optim/adamw.h"
+#include "runtime/attention_choice.h"
 #include "runtime/job_config.h"
 #include "runtime/trainer.h"
 
@@ -133,7 +134,10 @@ int main(int argc, char** argv) {
     config.train.run_dir = dir + "/run";
     config.data.train = dir + "/train.bin";
     config.data.val = dir + "/val.bin";
+    const bool auto_attention = config.model.attention == Attention::automatic;
     resolve_job_config(config);
+    // The attention kernel as `keel train` decides it (measured from 512 tokens).
+    if (attention_measured(config, auto_attention)) config.model.attention = choose_attention(config).kernel;
     const int B = config.train.batch_size, T = config.train.seq_len;
     const size_t window = static_cast<size_t>(B) * T;
     Rng rng(config.train.seed);

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "core/rng.h"
+#include "kernels/cpu/amx_attention.h"
 #include "kernels/cpu/batched_gemm.h"
 #include "kernels/cpu/weight_gemm.h"
 
@@ -1414,6 +1415,52 @@ TEST(OpsFloat, DenseAttentionBeyondTheBatchedMapLimitMatchesDouble) {
   Threads threads(2);
   const auto c = make_attention_case(1603, 1, 2050, 8, 2);  // 2 x 2050 x 2050 floats of maps > 8 M
   expect_float_matches_double(run_attention<float>(c), run_attention<double>(c));
+}
+
+// Dense attention under bf16 products (on AMX tiles where the CPU has them: kernels/cpu/
+// amx_attention.h; else oneDNN's bf16 matmul or its emulation), against double on the same
+// bf16-rounded q, k, v: the probabilities within float32 summation error (the scores' products of
+// bf16 operands are exact, their sums float32), the outputs and gradients within bf16's precision
+// (the probabilities, dout and the scores' gradient are rounded where they multiply) and visibly
+// rounded; causal and not, head sizes 32 and 64, lengths off the tiles' 16 and 32, grouped
+// key/value heads; the same bytes twice.
+TEST(OpsBf16, DenseAttentionMatchesDoubleOnRoundedOperands) {
+  Threads threads(2);
+  if (std::string(bf16_engine()).find("AMX") != std::string::npos) {
+    EXPECT_TRUE(amx_attention(MatmulPrecision::bf16, 64, 130)) << "AMX here, but dense attention does not use it";
+  }
+  struct Shape { int B, T, NH, NKV, hs; };
+  for (const Shape sh : {Shape{2, 37, 2, 2, 32}, Shape{1, 130, 4, 2, 64}, Shape{1, 64, 2, 1, 64}}) {
+    for (const bool causal : {true, false}) {
+      SCOPED_TRACE("T " + std::to_string(sh.T) + " heads " + std::to_string(sh.NH) + "/" + std::to_string(sh.NKV) +
+                   " hs " + std::to_string(sh.hs) + (causal ? " causal" : ""));
+      const int C = sh.NH * sh.hs, C3 = C + 2 * sh.NKV * sh.hs;
+      Rng rng(1700 + sh.T);
+      std::vector<double> qkv = normal(rng, static_cast<size_t>(sh.B) * sh.T * C3), dout = normal(rng, static_cast<size_t>(sh.B) * sh.T * C);
+      for (double& x : qkv) x = round_to_bf16(static_cast<float>(x));
+      auto run = [&](auto zero, MatmulPrecision precision) {
+        using T = decltype(zero);
+        auto q = cast<T>(qkv), d = cast<T>(dout);
+        Tensors<T> r;
+        r["out"] = filled<T>(d.size(), kSentinel);
+        r["att"] = filled<T>(static_cast<size_t>(sh.B) * sh.NH * sh.T * sh.T, kSentinel);
+        r["dqkv"] = filled<T>(q.size(), kSentinel);
+        attention_forward<T>(precision, r["out"].data(), r["att"].data(), q.data(), sh.B, sh.T, C, sh.NH, sh.NKV,
+                             causal);
+        attention_backward_input<T>(precision, r["dqkv"].data(), d.data(), r["att"].data(), q.data(), sh.B, sh.T, C,
+                                    sh.NH, sh.NKV, causal);
+        return r;
+      };
+      const Tensors<float> got = run(0.0f, MatmulPrecision::bf16);
+      const Tensors<double> want = run(0.0, MatmulPrecision::fp32);
+      EXPECT_TRUE(close("att", got.at("att"), want.at("att"), 2e-6));
+      EXPECT_TRUE(close("out", got.at("out"), want.at("out"), 1e-2));
+      EXPECT_FALSE(close("out", got.at("out"), want.at("out"), 1e-5)) << "no bf16 rounding seen";
+      EXPECT_TRUE(close("dqkv", got.at("dqkv"), want.at("dqkv"), 3e-2));
+      EXPECT_FALSE(close("dqkv", got.at("dqkv"), want.at("dqkv"), 1e-5)) << "no bf16 rounding seen";
+      expect_bit_identical(got, run(0.0f, MatmulPrecision::bf16));
+    }
+  }
 }
 
 }  // namespace

@@ -288,7 +288,7 @@ int cmd_train(const Args& a) {
   const bool auto_attention = config.model.attention == Attention::automatic;
   resolve_job_config(config, comm.size());
   std::string attention_line;
-  if (auto_attention && !config.model.window_asked() && !config.clip.enabled() && config.parallel.context == 1) {
+  if (attention_measured(config, auto_attention)) {
     attention_line = choose_auto_attention(config, comm);
   }
   // The default job tokenizes the default corpus on first use (rank 0; the others wait).

@@ -76,6 +76,10 @@ std::optional<Attention> recorded_attention(const Config& config, std::string* f
   return std::nullopt;
 }
 
+bool attention_measured(const Config& resolved, bool asked_auto) {
+  return asked_auto && !resolved.model.window_asked() && !resolved.clip.enabled() && resolved.parallel.context == 1;
+}
+
 AttentionChoice choose_attention(const Config& config) {
   const ModelConfig& m = config.model;
   const int T = config.train.longest_seq_len(), NH = m.n_head, NKV = m.n_kv_head > 0 ? m.n_kv_head : m.n_head;
@@ -114,7 +118,10 @@ AttentionChoice choose_attention(const Config& config) {
   const int probe_kv = std::max(1, std::min(NKV, (threads + group - 1) / group));
   const int probe_heads = probe_kv * group;
   std::ostringstream key;
-  key << cpu_model_name() << " | threads " << threads << " | " << (bf16 ? "bf16" : "fp32") << " | T " << T << " | heads "
+  // The kernels' revision: a decision measured on kernels since changed is measured again (2: dense
+  // attention's heads on AMX tiles under bf16, kernels/cpu/amx_attention.h).
+  constexpr int kKernelsRevision = 2;
+  key << cpu_model_name() << " | kernels " << kKernelsRevision << " | threads " << threads << " | " << (bf16 ? "bf16" : "fp32") << " | T " << T << " | heads "
       << probe_heads << "/" << probe_kv << " x " << hs;
   const std::string dir = cache_directory();
   const std::string path =

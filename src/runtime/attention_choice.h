@@ -49,4 +49,10 @@ std::optional<Attention> recorded_attention(const Config& config, std::string* f
 // broadcast (cli's train command).
 AttentionChoice choose_attention(const Config& config);
 
+// Whether a job decides its attention kernel by choose_attention: model.attention was "auto"
+// (`asked_auto`, before the configuration was resolved) without a window, a dual encoder or
+// context parallelism. The train command and the training benches (bench/bench_train.cpp,
+// bench/step_breakdown.cpp) decide alike.
+bool attention_measured(const Config& resolved, bool asked_auto);
+
 }  // namespace keel

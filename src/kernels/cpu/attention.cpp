@@ -78,6 +78,8 @@ AttentionTiming time_attention(bool dense, MatmulPrecision precision, int B, int
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
+#include "kernels/cpu/vmath512.h"
+
 namespace keel::ops {
 
 namespace {
@@ -86,25 +88,6 @@ constexpr int kTile = 64;  // queries of a query tile, keys of a key tile: 4 vec
 
 inline int window_start(int i, int window) { return window > 0 ? std::max(0, i - window + 1) : 0; }
 
-
-// vmath::exp's formula on 16 lanes (the same range reduction and polynomial).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
 
 // Bits lo..hi (clamped to the tile's 64 columns) set; 0 when empty.
 inline uint64_t column_mask(int lo, int hi) {
@@ -374,7 +357,7 @@ void online_softmax(float* s, const MaskOf& mask_of, float* m, float* l, float* 
     const __m512 mv = _mm512_set1_ps(m_new);
     __m512 sum = _mm512_setzero_ps();
     for (int v = 0; v < 4; ++v) {
-      const __m512 p = _mm512_maskz_mov_ps(mask[v], exp16(_mm512_sub_ps(x[v], mv)));
+      const __m512 p = _mm512_maskz_mov_ps(mask[v], vmath::exp16(_mm512_sub_ps(x[v], mv)));
       _mm512_storeu_ps(srow + 16 * v, p);
       sum = _mm512_add_ps(sum, p);
     }
@@ -400,7 +383,7 @@ void probabilities(float* s, const MaskOf& mask_of, const float* lse) {
     float* srow = s + r * kTile;
     for (int v = 0; v < 4; ++v) {
       const __mmask16 mask = static_cast<__mmask16>(allowed >> (16 * v));
-      const __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(_mm512_loadu_ps(srow + 16 * v), lv)));
+      const __m512 p = _mm512_maskz_mov_ps(mask, vmath::exp16(_mm512_sub_ps(_mm512_loadu_ps(srow + 16 * v), lv)));
       _mm512_storeu_ps(srow + 16 * v, p);
     }
   }

@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/cpu/amx_attention.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/batched_gemm.h"
 #include "kernels/cpu/blas.h"
@@ -585,6 +586,7 @@ void attention_forward(MatmulPrecision precision, T* out, T* att, const T* qkv, 
   const int hs = C / NH, group = NH / NKV, kv = NKV * hs;
   const int C3 = C + 2 * kv;  // the row width of qkv
   const T scale = T(1) / std::sqrt(static_cast<T>(hs));
+  [[maybe_unused]] const bool amx = std::is_same_v<T, float> && amx_attention(precision, hs, Tn);
   // One (batch, head) per iteration; BLAS runs single-threaded inside an OpenMP region.
 #pragma omp parallel for schedule(static)
   for (int bh = 0; bh < B * NH; ++bh) {
@@ -594,6 +596,13 @@ void attention_forward(MatmulPrecision precision, T* out, T* att, const T* qkv, 
     const T* k = row + C + g * hs;
     const T* v = row + C + kv + g * hs;
     T* a = att + static_cast<int64_t>(bh) * Tn * Tn;
+    if constexpr (std::is_same_v<T, float>) {
+      if (amx) {  // the head's products on AMX tiles (kernels/cpu/amx_attention.h)
+        amx_attention_head_forward(out + static_cast<int64_t>(b) * Tn * C + h * hs, C, a, q, k, v, C3, Tn, hs, causal,
+                                   scale);
+        continue;
+      }
+    }
     gemm<T>(precision, false, true, Tn, Tn, hs, scale, q, C3, k, C3, T(0), a, Tn);
     for (int i = 0; i < Tn; ++i) softmax_row(a + static_cast<int64_t>(i) * Tn, i, Tn, causal);
     gemm<T>(precision, false, false, Tn, hs, Tn, T(1), a, Tn, v, C3, T(0),
@@ -656,6 +665,7 @@ void attention_backward_input(MatmulPrecision precision, T* dqkv, const T* dout,
   const int hs = C / NH, group = NH / NKV, kv = NKV * hs;
   const int C3 = C + 2 * kv;
   const T scale = T(1) / std::sqrt(static_cast<T>(hs));
+  [[maybe_unused]] const bool amx = std::is_same_v<T, float> && amx_attention(precision, hs, Tn);
 #pragma omp parallel
   {
     // Per-thread T x T scratch, allocated once per thread and reused across steps.
@@ -677,6 +687,12 @@ void attention_backward_input(MatmulPrecision precision, T* dqkv, const T* dout,
       T* dv = dqkv + row + C + kv + g * hs;
       const T* a = att + (static_cast<int64_t>(b) * NH + h) * Tn * Tn;
       const T* d = dout + static_cast<int64_t>(b) * Tn * C + h * hs;
+      if constexpr (std::is_same_v<T, float>) {
+        if (amx) {  // the head's products on AMX tiles (kernels/cpu/amx_attention.h)
+          amx_attention_head_backward(dq, dk, dv, C3, first != T(0), d, C, a, q, k, v, Tn, hs, causal, scale);
+          continue;
+        }
+      }
       gemm<T>(precision, false, true, Tn, Tn, hs, T(1), d, C, v, C3, T(0), datt, Tn);  // datt = dout v^T
       gemm<T>(precision, true, false, Tn, hs, Tn, T(1), a, Tn, d, C, first, dv, C3);   // dv (+)= att^T dout
       for (int i = 0; i < Tn; ++i) {  // softmax backward, in place, then the 1/sqrt(hs) scale
