@@ -951,6 +951,36 @@ TEST(OpsForward, CrossentropyLossEqualsNaiveLogSoftmax) {
 
 // Shifting a row's logits leaves the softmax unchanged; a kernel without the max subtraction
 // overflows at +1000.
+// The loss with its gradient left as bf16 bits for bf16 products (in the upper half of each float
+// row): the same losses, bit for bit, and the bits of crossentropy_forward's float gradient
+// rounded, the padded columns zero; wide rows (a vocabulary past one 16-column chunk, not a
+// multiple of 16) on two threads.
+TEST(OpsForward, CrossentropyBf16GradientIsTheRoundedFloatGradient) {
+  Threads threads(2);
+  for (const int V : {37, 1000}) {
+    const int N = 9, Vp = V + 27;
+    Rng rng(1800 + V);
+    std::vector<float> logits(static_cast<size_t>(N) * Vp);
+    for (float& x : logits) x = static_cast<float>(rng.normal() * 3);
+    std::vector<int> targets;
+    for (int n = 0; n < N; ++n) targets.push_back(static_cast<int>(rng.below(V)));
+    targets[0] = 0, targets[1] = V - 1;
+    std::vector<float> want = logits, got = logits, want_losses(N), got_losses(N);
+    crossentropy_forward(want_losses.data(), want.data(), targets.data(), N, V, Vp, 0.37f);
+    crossentropy_forward_bf16_gradient(got_losses.data(), got.data(), targets.data(), N, V, Vp, 0.37f);
+    EXPECT_TRUE(bit_identical("losses", got_losses, want_losses));
+    const uint16_t* bits = reinterpret_cast<const uint16_t*>(got.data());
+    size_t wrong = 0;
+    for (int n = 0; n < N; ++n) {
+      for (int j = 0; j < Vp; ++j) {
+        const uint16_t expected = j < V ? to_bf16(want[static_cast<size_t>(n) * Vp + j]) : uint16_t{0};
+        wrong += bits[static_cast<size_t>(n) * 2 * Vp + Vp + j] != expected;
+      }
+    }
+    EXPECT_EQ(wrong, 0u) << "V " << V;
+  }
+}
+
 TEST(OpsForward, CrossentropyIsShiftInvariant) {
   CrossentropyCase c = make_crossentropy_case(703);
   const auto base = run_crossentropy<double>(c, c.grad_scale);

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "kernels/cpu/blas.h"
 #include "kernels/cpu/ops.h"
 #include "model/kv_context.h"
 #include "model/model_layout.h"
@@ -90,7 +91,13 @@ class Head final : public model_detail::OutputLayer {
     n_.seal(n, static_cast<int64_t>(N) * C);
     const Operand head = model_detail::weight_operand(store_, head_, math_.forward);
     ops::linear_forward(math_.forward, logits_, n_.read(), head, static_cast<const float*>(nullptr), N, C, rows_);
-    if (!tp_) {
+    // Under bf16 products the gradient is rounded where the backward multiplies it: the loss writes
+    // it as bf16 bits over the logits (ops::crossentropy_forward_bf16_gradient), once, for both.
+    gradient_bits_ = !tp_ && b.targets != nullptr && b.grad_scale != 0.0f && math_.backward == MatmulPrecision::bf16;
+    if (gradient_bits_) {
+      ops::crossentropy_forward_bf16_gradient(losses_, logits_, b.targets, N, m_.vocab_size, rows_, b.grad_scale);
+      mean_loss_ = model_detail::mean_loss(losses_, N);
+    } else if (!tp_) {
       mean_loss_ = model_detail::head_loss(losses_, logits_, b, m_);
     } else if (b.targets != nullptr) {  // this rank's vocabulary rows of the logits only
       vocab_parallel_crossentropy(*tp_, losses_, logits_, b.targets, N, rows_, vocab_begin_, m_.vocab_size,
@@ -106,7 +113,11 @@ class Head final : public model_detail::OutputLayer {
     const PageLease tied = tied_ ? store_.use_layer(m_.layer_base, {Plane::param}) : PageLease();
     const int N = b.B * b.T, C = m_.n_embd;
     const Operand head = model_detail::weight_operand(store_, head_, math_.backward);
-    ops::linear_backward_input(math_.backward, dn_, logits_, head, N, C, rows_, false);
+    if (gradient_bits_) {  // dn = dlogits head, from the bits (row stride 2 rows_)
+      gemm_operands(math_.backward, false, false, N, C, rows_, 1.0f, gradient_bits(), 2 * rows_, head, C, 0.0f, dn_, C);
+    } else {
+      ops::linear_backward_input(math_.backward, dn_, logits_, head, N, C, rows_, false);
+    }
     // The vocabulary shards' parts, summed: all N rows, or this rank's R (at dn_'s start).
     if (seq_.on()) {
       seq_.scatter(dn_, dn_, N, C);
@@ -124,7 +135,13 @@ class Head final : public model_detail::OutputLayer {
     const PageLease use = store_.use_layer(layer_, {}, {Plane::grad});
     const PageLease tied = tied_ ? store_.use_layer(m_.layer_base, {}, {Plane::grad}) : PageLease();
     const int N = b.B * b.T, C = m_.n_embd;
-    ops::linear_backward_weight(math_.backward, G(head_), static_cast<float*>(nullptr), logits_, n_.read(), N, C, rows_);
+    if (gradient_bits_) {  // dW += dlogits^T n, from the bits
+      gemm_operands(math_.backward, true, false, rows_, C, N, 1.0f, gradient_bits(), 2 * rows_, n_.read(), C, 1.0f,
+                    G(head_), C);
+    } else {
+      ops::linear_backward_weight(math_.backward, G(head_), static_cast<float*>(nullptr), logits_, n_.read(), N, C,
+                                  rows_);
+    }
     // Under sequence parallelism the norm's weight gradients from this rank's rows, summed over the group.
     const int R = static_cast<int>(seq_.rows(N));
     float* partial = stage_;  // (under bf16 over the forward's staging of n, no longer needed)
@@ -149,6 +166,8 @@ class Head final : public model_detail::OutputLayer {
   ModelConfig m_;
   int layer_;
   bool layernorm_, tied_, bf16_;
+  bool gradient_bits_ = false;  // the last forward left the logits' gradient as bf16 bits
+  Operand gradient_bits() const { return Operand::bits(reinterpret_cast<const uint16_t*>(logits_) + rows_); }
   MathMode math_;  // its products' precision in F and in B, W
   TensorGroup* tp_;              // null: unsplit
   model_detail::SequenceRows seq_;  // sequence parallelism (off without it)

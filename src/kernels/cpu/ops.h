@@ -187,4 +187,12 @@ void flash_attention_backward_input(MatmulPrecision precision, T* dqkv, const T*
 template <typename T>
 void crossentropy_forward(T* losses, T* logits, const int* targets, int N, int V, int Vp, T grad_scale);
 
+// The same with the gradient (grad_scale != 0) written as bf16 bits for bf16 products: row n's
+// at uint16 offset n * 2Vp + Vp of `logits` (the upper half of its own float32 row, written from
+// the row's end down, so that no float is overwritten before it is read): the gradient as a
+// [N, Vp] bf16 matrix at ((uint16_t*)logits) + Vp with row stride 2Vp. The floats are not the
+// gradient afterwards.
+void crossentropy_forward_bf16_gradient(float* losses, float* logits, const int* targets, int N, int V, int Vp,
+                                        float grad_scale);
+
 }  // namespace keel::ops
