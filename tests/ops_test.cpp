@@ -981,6 +981,32 @@ TEST(OpsForward, CrossentropyBf16GradientIsTheRoundedFloatGradient) {
   }
 }
 
+// The activations' one-pass rounding for bf16 stashes: the bits of the float activation (and of
+// its input) that gelu_forward / swiglu_forward compute, bit for bit.
+TEST(OpsForward, RoundedActivationsAreTheFloatActivationsRounded) {
+  Threads threads(2);
+  Rng rng(1900);
+  const int N = 7, H = 45;
+  std::vector<float> x(static_cast<size_t>(N) * 2 * H);
+  for (float& v : x) v = static_cast<float>(rng.normal() * 2);
+  auto rounded = [](const std::vector<float>& f) {
+    std::vector<uint16_t> b(f.size());
+    for (size_t i = 0; i < f.size(); ++i) b[i] = to_bf16(f[i]);
+    return b;
+  };
+  std::vector<float> gelu(x.size()), swiglu(static_cast<size_t>(N) * H);
+  gelu_forward(gelu.data(), x.data(), static_cast<int64_t>(x.size()));
+  swiglu_forward(swiglu.data(), x.data(), N, H);
+  std::vector<uint16_t> in(x.size()), out(x.size());
+  gelu_forward_rounded(in.data(), out.data(), x.data(), static_cast<int64_t>(x.size()));
+  EXPECT_TRUE(in == rounded(x));
+  EXPECT_TRUE(out == rounded(gelu));
+  std::vector<uint16_t> in2(x.size()), out2(swiglu.size());
+  swiglu_forward_rounded(in2.data(), out2.data(), x.data(), N, H);
+  EXPECT_TRUE(in2 == rounded(x));
+  EXPECT_TRUE(out2 == rounded(swiglu));
+}
+
 TEST(OpsForward, CrossentropyIsShiftInvariant) {
   CrossentropyCase c = make_crossentropy_case(703);
   const auto base = run_crossentropy<double>(c, c.grad_scale);

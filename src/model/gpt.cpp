@@ -229,10 +229,14 @@ class Block final : public Layer {
     float* fch = fch_.writable(stage_);
     const int64_t NF = static_cast<int64_t>(N) * F_;
     ops::linear_forward(math_.forward, fch, whole_rows(ln2_, N), W(layout::fc_w), P(layout::fc_b), N, C, F_);
-    fch_.seal(fch, NF);
-    float* fch_gelu = fch_gelu_.writable(stage_);  // (under bf16: in place over the staged fch)
-    ops::gelu_forward(fch_gelu, fch, NF);
-    fch_gelu_.seal(fch_gelu, NF);
+    if (fch_.bits() != nullptr && fch_gelu_.bits() != nullptr) {  // both stashes' bits in one pass
+      ops::gelu_forward_rounded(fch_.bits(), fch_gelu_.bits(), fch, NF);
+    } else {
+      fch_.seal(fch, NF);
+      float* fch_gelu = fch_gelu_.writable(stage_);  // (under bf16: in place over the staged fch)
+      ops::gelu_forward(fch_gelu, fch, NF);
+      fch_gelu_.seal(fch_gelu, NF);
+    }
     float* fcproj = scratch_;
     row_parallel_forward(fcproj, fch_gelu_.read(), W(layout::fc_proj_w), P(layout::fc_proj_b), N, F_);
     ops::residual_forward(x_out, res2_, fcproj, RC);

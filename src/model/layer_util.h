@@ -99,6 +99,9 @@ class Stash {
     if (bf16_) to_bf16(reinterpret_cast<uint16_t*>(p_), written, n);
   }
   Operand read() const { return bf16_ ? Operand::bits(reinterpret_cast<const uint16_t*>(p_)) : Operand(p_); }
+  // Where a bf16 stash keeps its bits (a kernel that writes them itself in place of seal); nullptr
+  // for a float32 one.
+  uint16_t* bits() const { return bf16_ ? reinterpret_cast<uint16_t*>(p_) : nullptr; }
 
  private:
   float* p_ = nullptr;

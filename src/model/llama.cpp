@@ -143,10 +143,14 @@ class LlamaBlock final : public Layer {
     }
     float* gu = gu_.writable(stage_);
     ops::linear_forward(math_.forward, gu, whole_rows(n2_, N), W(layout::gate_up_w), none, N, C, 2 * H);
-    gu_.seal(gu, 2 * NH);
-    float* h = h_.writable(stage_h_);
-    ops::swiglu_forward(h, gu, N, H);
-    h_.seal(h, NH);
+    if (gu_.bits() != nullptr && h_.bits() != nullptr) {  // both stashes' bits in one pass
+      ops::swiglu_forward_rounded(gu_.bits(), h_.bits(), gu, N, H);
+    } else {
+      gu_.seal(gu, 2 * NH);
+      float* h = h_.writable(stage_h_);
+      ops::swiglu_forward(h, gu, N, H);
+      h_.seal(h, NH);
+    }
     float* down = scratch_;
     ops::linear_forward(math_.forward, down, h_.read(), W(layout::down_w), none, N, H, C);
     reduce(down, N);

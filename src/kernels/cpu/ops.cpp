@@ -346,6 +346,16 @@ void gelu_forward(T* out, const T* inp, int64_t n) {
   }
 }
 
+void gelu_forward_rounded(uint16_t* in_bits, uint16_t* out_bits, const float* inp, int64_t n) {
+  const float k = gelu_scale<float>();
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = inp[i];
+    in_bits[i] = to_bf16(x);
+    out_bits[i] = to_bf16(0.5f * x * (1.0f + vmath::tanh(k * (x + 0.044715f * x * x * x))));
+  }
+}
+
 template <typename T, typename In>
 void gelu_backward_impl(T* dinp, const T* dout, const In* inp, int64_t n) {
   const T k = gelu_scale<T>();
@@ -384,6 +394,23 @@ void swiglu_forward(T* out, const T* inp, int N, int H) {
     T* o = out + static_cast<int64_t>(n) * H;
 #pragma omp simd
     for (int j = 0; j < H; ++j) o[j] = a[j] / (T(1) + vmath::exp(-a[j])) * b[j];
+  }
+}
+
+void swiglu_forward_rounded(uint16_t* in_bits, uint16_t* out_bits, const float* inp, int N, int H) {
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; ++n) {
+    const float* a = inp + static_cast<int64_t>(n) * 2 * H;
+    const float* b = a + H;
+    uint16_t* ia = in_bits + static_cast<int64_t>(n) * 2 * H;
+    uint16_t* ib = ia + H;
+    uint16_t* o = out_bits + static_cast<int64_t>(n) * H;
+#pragma omp simd
+    for (int j = 0; j < H; ++j) {
+      ia[j] = to_bf16(a[j]);
+      ib[j] = to_bf16(b[j]);
+      o[j] = to_bf16(a[j] / (1.0f + vmath::exp(-a[j])) * b[j]);
+    }
   }
 }
 

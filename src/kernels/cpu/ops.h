@@ -97,6 +97,9 @@ template <typename T>
 void gelu_backward_input(T* dinp, const T* dout, const T* inp, int64_t n);
 // The same with the stored input possibly in bf16 (computed in float32).
 void gelu_backward_input(float* dinp, const float* dout, Operand inp, int64_t n);
+// gelu_forward for bf16 stashes, one pass: in_bits = bf16(inp), out_bits = bf16(gelu(inp)) (gelu
+// of the float input, as gelu_forward computes it).
+void gelu_forward_rounded(uint16_t* in_bits, uint16_t* out_bits, const float* inp, int64_t n);
 
 // ---- SwiGLU (llama's MLP gate) ----------------------------------------------------------------
 // inp[N, 2H] holds [a | b] per row (the gate and up projections); out[N, H] = silu(a) * b.
@@ -107,6 +110,9 @@ template <typename T>
 void swiglu_backward_input(T* dinp, const T* dout, const T* inp, int N, int H);
 // The same with the stored input possibly in bf16 (computed in float32).
 void swiglu_backward_input(float* dinp, const float* dout, Operand inp, int N, int H);
+// swiglu_forward for bf16 stashes, one pass: in_bits = bf16(inp) [N, 2H], out_bits = bf16(silu(a) b)
+// [N, H] (of the float input, as swiglu_forward computes it).
+void swiglu_forward_rounded(uint16_t* in_bits, uint16_t* out_bits, const float* inp, int N, int H);
 
 // ---- rotary position embedding (RoPE; llama) ---------------------------------------------------
 // Rotates, in place, the q heads and the k heads of qkv[B, T, C + 2 * NKV * hs] ([q | k | v], q
