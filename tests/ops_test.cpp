@@ -1005,6 +1005,21 @@ TEST(OpsForward, RoundedActivationsAreTheFloatActivationsRounded) {
   swiglu_forward_rounded(in2.data(), out2.data(), x.data(), N, H);
   EXPECT_TRUE(in2 == rounded(x));
   EXPECT_TRUE(out2 == rounded(swiglu));
+  // The backward's gradients rounded into a stash: the float gradients' bits (input in float32
+  // and in bf16).
+  std::vector<float> dout(x.size());
+  for (float& v : dout) v = static_cast<float>(rng.normal());
+  for (const bool bits_in : {false, true}) {
+    const Operand inp = bits_in ? Operand::bits(in.data()) : Operand(x.data());
+    std::vector<float> dgelu(x.size()), dswiglu(x.size());
+    gelu_backward_input(dgelu.data(), dout.data(), inp, static_cast<int64_t>(x.size()));
+    swiglu_backward_input(dswiglu.data(), dout.data(), inp, N, H);
+    std::vector<uint16_t> g(x.size()), sw(x.size());
+    gelu_backward_rounded(g.data(), dout.data(), inp, static_cast<int64_t>(x.size()));
+    swiglu_backward_rounded(sw.data(), dout.data(), inp, N, H);
+    EXPECT_TRUE(g == rounded(dgelu)) << (bits_in ? "bf16 input" : "float input");
+    EXPECT_TRUE(sw == rounded(dswiglu)) << (bits_in ? "bf16 input" : "float input");
+  }
 }
 
 TEST(OpsForward, CrossentropyIsShiftInvariant) {

@@ -308,11 +308,16 @@ class Block final : public Layer {
     // MLP branch: d(fcproj out) = dx_out
     float* dfch_gelu = scratch_;
     ops::linear_backward_input(math_.backward, dfch_gelu, dout, W(layout::fc_proj_w), N, F_, C, false);
-    float* dfch = dfch_.writable(stage_);
-    ops::gelu_backward_input(dfch, dfch_gelu, fch_.read(), static_cast<int64_t>(N) * F_);
-    dfch_.seal(dfch, static_cast<int64_t>(N) * F_);
     float* dln2 = seq_.on() ? whole_ : dln2_;  // (the partial sums of all N rows)
-    ops::linear_backward_input(math_.backward, dln2, dfch, W(layout::fc_w), N, C, F_, false);
+    if (dfch_.bits() != nullptr) {  // rounded straight into the stash, which both products read
+      ops::gelu_backward_rounded(dfch_.bits(), dfch_gelu, fch_.read(), static_cast<int64_t>(N) * F_);
+      ops::linear_backward_input(math_.backward, dln2, dfch_.read(), W(layout::fc_w), N, C, F_, false);
+    } else {
+      float* dfch = dfch_.writable(stage_);
+      ops::gelu_backward_input(dfch, dfch_gelu, fch_.read(), static_cast<int64_t>(N) * F_);
+      dfch_.seal(dfch, static_cast<int64_t>(N) * F_);
+      ops::linear_backward_input(math_.backward, dln2, dfch, W(layout::fc_w), N, C, F_, false);
+    }
     column_parallel_input_grad(dln2, dln2_, N);
     float* dres2 = dres2_ + seq_.first(N) * C;  // this rank's rows of it
     std::memcpy(dres2, dx_out, sizeof(float) * R * C);

@@ -207,11 +207,16 @@ class LlamaBlock final : public Layer {
       const float* dout = seq_.on() ? seq_.gather(dout_, dx_out, N, C) : dx_out;
       float* dh = scratch_;
       ops::linear_backward_input(math_.backward, dh, dout, W(layout::down_w), N, H, C, false);
-      float* dgu = dgu_.writable(stage_);
-      ops::swiglu_backward_input(dgu, dh, gu_.read(), N, H);
-      dgu_.seal(dgu, static_cast<int64_t>(N) * 2 * H);
       float* dn2 = seq_.on() ? whole_ : dn2_;  // (the partial sums of all N rows)
-      ops::linear_backward_input(math_.backward, dn2, dgu, W(layout::gate_up_w), N, C, 2 * H, false);
+      if (dgu_.bits() != nullptr) {  // rounded straight into the stash, which both products read
+        ops::swiglu_backward_rounded(dgu_.bits(), dh, gu_.read(), N, H);
+        ops::linear_backward_input(math_.backward, dn2, dgu_.read(), W(layout::gate_up_w), N, C, 2 * H, false);
+      } else {
+        float* dgu = dgu_.writable(stage_);
+        ops::swiglu_backward_input(dgu, dh, gu_.read(), N, H);
+        dgu_.seal(dgu, static_cast<int64_t>(N) * 2 * H);
+        ops::linear_backward_input(math_.backward, dn2, dgu, W(layout::gate_up_w), N, C, 2 * H, false);
+      }
       column_parallel_input_grad(dn2, dn2_, N);
     }
     float* dres2 = dres2_ + seq_.first(N) * C;  // this rank's rows of it

@@ -38,6 +38,12 @@ inline T load(T x) {
   return x;
 }
 inline float load(uint16_t b) { return from_bf16(b); }
+// A result into a float, or rounded into a bf16 stash's bits.
+template <typename T>
+inline void put(T& out, T x) {
+  out = x;
+}
+inline void put(uint16_t& out, float x) { out = to_bf16(x); }
 inline Operand as_operand(const float* p) { return Operand(p); }
 inline Operand as_operand(const uint16_t* p) { return Operand::bits(p); }
 
@@ -321,6 +327,15 @@ void linear_backward_input(MatmulPrecision precision, float* dinp, const float* 
   gemm_operands(precision, false, false, N, C, OC, 1.0f, dout, OC, w, C, accumulate ? 1.0f : 0.0f, dinp, C);
 }
 
+void linear_backward_input(MatmulPrecision precision, float* dinp, Operand dout, Operand w, int N, int C, int OC,
+                           bool accumulate) {
+  if (dout.bf16 == nullptr) {
+    linear_backward_input(precision, dinp, dout.f32, w, N, C, OC, accumulate);
+    return;
+  }
+  gemm_operands(precision, false, false, N, C, OC, 1.0f, dout, OC, w, C, accumulate ? 1.0f : 0.0f, dinp, C);
+}
+
 void linear_backward_weight(MatmulPrecision precision, float* dw, float* dbias, Operand dout, Operand inp, int N, int C,
                             int OC) {
   if (dout.bf16 != nullptr && inp.bf16 != nullptr) {
@@ -356,8 +371,8 @@ void gelu_forward_rounded(uint16_t* in_bits, uint16_t* out_bits, const float* in
   }
 }
 
-template <typename T, typename In>
-void gelu_backward_impl(T* dinp, const T* dout, const In* inp, int64_t n) {
+template <typename T, typename In, typename Out = T>
+void gelu_backward_impl(Out* dinp, const T* dout, const In* inp, int64_t n) {
   const T k = gelu_scale<T>();
 #pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; ++i) {
@@ -366,7 +381,7 @@ void gelu_backward_impl(T* dinp, const T* dout, const In* inp, int64_t n) {
     const T th = vmath::tanh(u);
     const T sech2 = T(1) - th * th;
     const T grad = T(0.5) * (T(1) + th) + T(0.5) * x * sech2 * k * (T(1) + T(3) * T(0.044715) * x * x);
-    dinp[i] = grad * dout[i];
+    put(dinp[i], grad * dout[i]);
   }
 }
 
@@ -380,6 +395,14 @@ void gelu_backward_input(float* dinp, const float* dout, Operand inp, int64_t n)
     gelu_backward_impl(dinp, dout, inp.bf16, n);
   } else {
     gelu_backward_impl(dinp, dout, inp.f32, n);
+  }
+}
+
+void gelu_backward_rounded(uint16_t* dinp_bits, const float* dout, Operand inp, int64_t n) {
+  if (inp.bf16 != nullptr) {
+    gelu_backward_impl(dinp_bits, dout, inp.bf16, n);
+  } else {
+    gelu_backward_impl(dinp_bits, dout, inp.f32, n);
   }
 }
 
@@ -415,21 +438,21 @@ void swiglu_forward_rounded(uint16_t* in_bits, uint16_t* out_bits, const float* 
 }
 
 // silu(a) = a sig(a), silu'(a) = sig(a) (1 + a (1 - sig(a))).
-template <typename T, typename In>
-void swiglu_backward_impl(T* dinp, const T* dout, const In* inp, int N, int H) {
+template <typename T, typename In, typename Out = T>
+void swiglu_backward_impl(Out* dinp, const T* dout, const In* inp, int N, int H) {
 #pragma omp parallel for schedule(static)
   for (int n = 0; n < N; ++n) {
     const In* a = inp + static_cast<int64_t>(n) * 2 * H;
     const In* b = a + H;
     const T* d = dout + static_cast<int64_t>(n) * H;
-    T* da = dinp + static_cast<int64_t>(n) * 2 * H;
-    T* db = da + H;
+    Out* da = dinp + static_cast<int64_t>(n) * 2 * H;
+    Out* db = da + H;
 #pragma omp simd
     for (int j = 0; j < H; ++j) {
       const T aj = load(a[j]), bj = load(b[j]);
       const T sig = T(1) / (T(1) + vmath::exp(-aj));
-      da[j] = d[j] * bj * sig * (T(1) + aj * (T(1) - sig));
-      db[j] = d[j] * aj * sig;
+      put(da[j], d[j] * bj * sig * (T(1) + aj * (T(1) - sig)));
+      put(db[j], d[j] * aj * sig);
     }
   }
 }
@@ -444,6 +467,14 @@ void swiglu_backward_input(float* dinp, const float* dout, Operand inp, int N, i
     swiglu_backward_impl(dinp, dout, inp.bf16, N, H);
   } else {
     swiglu_backward_impl(dinp, dout, inp.f32, N, H);
+  }
+}
+
+void swiglu_backward_rounded(uint16_t* dinp_bits, const float* dout, Operand inp, int N, int H) {
+  if (inp.bf16 != nullptr) {
+    swiglu_backward_impl(dinp_bits, dout, inp.bf16, N, H);
+  } else {
+    swiglu_backward_impl(dinp_bits, dout, inp.f32, N, H);
   }
 }
 

@@ -85,6 +85,9 @@ void linear_forward(MatmulPrecision precision, float* out, Operand inp, Operand 
 // store/chunk_store.h ChunkStore::bf16_params).
 void linear_backward_input(MatmulPrecision precision, float* dinp, const float* dout, Operand w, int N, int C, int OC,
                            bool accumulate);
+// The same with the output's gradient possibly in bf16 (a stash's bits).
+void linear_backward_input(MatmulPrecision precision, float* dinp, Operand dout, Operand w, int N, int C, int OC,
+                           bool accumulate);
 void linear_backward_weight(MatmulPrecision precision, float* dw, float* dbias, Operand dout, Operand inp, int N, int C,
                             int OC);
 
@@ -97,6 +100,8 @@ template <typename T>
 void gelu_backward_input(T* dinp, const T* dout, const T* inp, int64_t n);
 // The same with the stored input possibly in bf16 (computed in float32).
 void gelu_backward_input(float* dinp, const float* dout, Operand inp, int64_t n);
+// gelu_backward_input for a bf16 stash: dinp_bits = bf16(gelu'(inp) dout).
+void gelu_backward_rounded(uint16_t* dinp_bits, const float* dout, Operand inp, int64_t n);
 // gelu_forward for bf16 stashes, one pass: in_bits = bf16(inp), out_bits = bf16(gelu(inp)) (gelu
 // of the float input, as gelu_forward computes it).
 void gelu_forward_rounded(uint16_t* in_bits, uint16_t* out_bits, const float* inp, int64_t n);
@@ -110,6 +115,8 @@ template <typename T>
 void swiglu_backward_input(T* dinp, const T* dout, const T* inp, int N, int H);
 // The same with the stored input possibly in bf16 (computed in float32).
 void swiglu_backward_input(float* dinp, const float* dout, Operand inp, int N, int H);
+// swiglu_backward_input for a bf16 stash: dinp_bits [N, 2H] = bf16 of its float gradient.
+void swiglu_backward_rounded(uint16_t* dinp_bits, const float* dout, Operand inp, int N, int H);
 // swiglu_forward for bf16 stashes, one pass: in_bits = bf16(inp) [N, 2H], out_bits = bf16(silu(a) b)
 // [N, H] (of the float input, as swiglu_forward computes it).
 void swiglu_forward_rounded(uint16_t* in_bits, uint16_t* out_bits, const float* inp, int N, int H);
