@@ -358,7 +358,7 @@ TEST(Tiers, OnlyTheFlaggedChunksOfTheParameterSpanAreHomed) {
 // holds the recorded step's acquires only, and every later step follows it from its first
 // acquire, none off it and no entry skipped, whether an evaluation or a checkpoint ran the
 // updates early or not. Every acquire sees the newest bytes. (Sequence logic: no I/O timing.)
-TEST(Tiers, EvaluationsAndCheckpointsBetweenStepsLeaveTheScheduleTheSteps) {
+TEST(Tiers, EvaluationsAndCheckpointsBetweenStepsStayOffTheSchedule) {
   testing::TempDir dir;
   auto store = make_store();
   fill_all(*store);
