@@ -351,6 +351,65 @@ TEST(Tiers, OnlyTheFlaggedChunksOfTheParameterSpanAreHomed) {
   for (int c = 1; c < n - 1; c += 2) pages.use({PageRef{c, Plane::param}}, false);
 }
 
+// The schedule is the step's own (begin_step to end_step). Training-shaped steps whose optimizer
+// updates are deferred into the next forward pass (the store's updater, run by the first lease of
+// a pending chunk), with an evaluation (which applies the pending updates first, then runs
+// forward passes) or a checkpoint (the updates alone) between some of them: the recorded schedule
+// holds the recorded step's acquires only, and every later step follows it from its first
+// acquire, none off it and no entry skipped, whether an evaluation or a checkpoint ran the
+// updates early or not. Every acquire sees the newest bytes. (Sequence logic: no I/O timing.)
+TEST(Tiers, EvaluationsAndCheckpointsBetweenStepsStayOffTheSchedule) {
+  testing::TempDir dir;
+  auto store = make_store();
+  fill_all(*store);
+  const int n_chunks = static_cast<int>(store->chunks().size());
+  TierOptions o = all_nvme(*store, dir, 10);
+  o.lookahead = 4;
+  TierManager tiers(*store, o, std::vector<Tier>(n_chunks * kNumPlanes, Tier::nvme));
+  PageChecker pages(*store, tiers, o);
+  std::vector<std::vector<PageRef>> layer_params(6), layer_both(6);
+  for (const Chunk& c : store->chunks()) {
+    layer_params[c.layer].push_back({c.id, Plane::param});
+    layer_both[c.layer].push_back({c.id, Plane::param}), layer_both[c.layer].push_back({c.id, Plane::grad});
+  }
+  store->set_updater([&](int c) {
+    pages.use({{c, Plane::param}, {c, Plane::grad}, {c, Plane::adam_m}, {c, Plane::adam_v}}, true);
+  });
+  auto forward = [&] {
+    for (int l = 0; l < 6; ++l) {
+      for (const PageRef& p : layer_params[l]) (void)store->use_chunk(p.chunk, {}, {});  // its pending update
+      pages.use(layer_params[l], false);
+    }
+  };
+  auto step = [&] {
+    tiers.begin_step(store->any_pending());
+    forward();
+    for (int l = 5; l >= 0; --l) pages.use(layer_both[l], true);
+    for (int c = 0; c < n_chunks; ++c) store->defer_update(c);  // the optimizer step, deferred
+    tiers.end_step();
+    return tiers.take_step_stats();
+  };
+  step();  // nothing pending: not recorded
+  EXPECT_EQ(tiers.schedule_length(), 0);
+  step();  // recorded: every chunk's update, 6 layers forward, 6 backward
+  const int64_t recorded = n_chunks + 12;
+  EXPECT_EQ(tiers.schedule_length(), recorded);
+  for (int k = 0; k < 6; ++k) {
+    const bool evaluation = k % 3 == 0, checkpoint = k % 3 == 1;
+    if (evaluation || checkpoint) store->apply_pending();
+    if (evaluation) forward(), forward();
+    if (::testing::Test::HasFatalFailure()) return;
+    const uint64_t between = tiers.take_step_stats().between_steps;
+    EXPECT_EQ(between, static_cast<uint64_t>(evaluation ? n_chunks + 12 : checkpoint ? n_chunks : 0)) << k;
+    const TierStats s = step();
+    EXPECT_EQ(s.off_schedule, 0u) << "step " << k << (evaluation ? " after an evaluation" : checkpoint ? " after a checkpoint" : "");
+    EXPECT_EQ(s.schedule_skips, 0u) << "step " << k;
+    EXPECT_EQ(s.between_steps, 0u);
+    EXPECT_EQ(s.stale_refetches, 0u);
+    EXPECT_EQ(tiers.schedule_length(), recorded) << "the evaluation is no part of the schedule";
+  }
+}
+
 // A lookahead hint (a pipeline executor's) starts fetches before a schedule exists, nearest
 // first, into free room or the room of clean pages it does not name (never a hinted or a
 // modified one); once prefetch follows the recorded schedule, hints add nothing; after

@@ -12,6 +12,9 @@ class StepHook {
   virtual ~StepHook() = default;
   // Before step `step` (0-based: the steps done so far) begins.
   virtual void before_step(int64_t step) {}
+  // After step `step`'s compute (the step engine's run), before its checkpoint, after_step and
+  // any evaluation that follows it.
+  virtual void step_computed(int64_t step) {}
   // After the step (and its checkpoint, if any) is done; `step` is now the steps done.
   virtual void after_step(int64_t step) {}
 };

@@ -191,6 +191,8 @@ StepStats Trainer::step(const StopSignals* signals) {
   s.lr = learning_rate(config_.optim, static_cast<int>(progress_.steps_done), t.steps);
   rank_->optimizer->begin_pass(LeasePass::step);  // ZeRO-3: the step's leases follow the last step's
   const StepResult r = rank_->engine->run(progress_.steps_done, s.lr);
+  // (The tiers' schedule is the step's own: a checkpoint or an evaluation after it is off it.)
+  for (StepHook* hook : hooks_) hook->step_computed(progress_.steps_done);
   s.loss = r.loss;
   s.grad_norm = r.grad_norm;
   rank_->sync_report->take(r.sync);

@@ -469,7 +469,15 @@ bool ChunkStore::any_pending() const {
 void ChunkStore::apply_pending(int chunk) const {
   if (pending_.empty() || !pending_[static_cast<size_t>(chunk)]) return;
   pending_[static_cast<size_t>(chunk)] = 0;  // first: the update's own lease must not recurse
-  updater_(chunk);
+  const int outer = updating_;
+  updating_ = chunk;
+  try {
+    updater_(chunk);
+  } catch (...) {
+    updating_ = outer;
+    throw;
+  }
+  updating_ = outer;
 }
 
 void ChunkStore::apply_pending() const {

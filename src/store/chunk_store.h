@@ -273,6 +273,9 @@ class ChunkStore {
   bool any_pending() const;
   // Runs every pending update now (before a checkpoint, an evaluation, the end of the run).
   void apply_pending() const;
+  // The chunk whose deferred update is running now (-1: none): the memory tiers tell an update's
+  // leases from the step's others (store/tiers.h: one applied between steps leaves the schedule).
+  int updating() const { return updating_; }
 
   // The sum of squares of a chunk's gradient when the residency knows it without reading the
   // page (Residency::known_sum_squares). True (and *out set) when known.
@@ -344,6 +347,7 @@ class ChunkStore {
   void forget_bf16(int chunk) { bf16_copies_[static_cast<size_t>(chunk)].made = false; }
   // Deferred updates (mutable: const leases trigger them too).
   mutable std::vector<uint8_t> pending_;
+  mutable int updating_ = -1;
   std::function<void(int)> updater_;
 };
 

@@ -51,6 +51,9 @@ void accumulate(TierStats& total, const TierStats& s) {
   total.acquire_ms += s.acquire_ms;
   total.stale_refetches += s.stale_refetches;
   total.hint_fetches += s.hint_fetches;
+  total.off_schedule += s.off_schedule;
+  total.schedule_skips += s.schedule_skips;
+  total.between_steps += s.between_steps;
   total.peak_device_bytes = s.peak_device_bytes;
   total.peak_host_bytes = s.peak_host_bytes;
 }
@@ -128,7 +131,13 @@ int64_t TieredMemory::free_device_bytes() const {
   return (config_.device_mib << 20) - placement_.bytes[0] - 2 * placement_.working_set_bytes;
 }
 
-void TieredMemory::before_step(int64_t) { manager_->begin_step(!config_.defer_update || store_.any_pending()); }
+void TieredMemory::before_step(int64_t) {
+  accumulate(totals_, manager_->take_step_stats());  // (an evaluation's traffic: the run's alone)
+  manager_->begin_step(!config_.defer_update || store_.any_pending() || steps_begun_ >= 2);
+  steps_begun_++;
+}
+
+void TieredMemory::step_computed(int64_t) { manager_->end_step(); }
 
 void TieredMemory::after_step(int64_t) {
   step_ = manager_->take_step_stats();
@@ -161,6 +170,8 @@ void TieredMemory::add_step_fields(double step_ms, nlohmann::json& line) {
   line["tier_acquire_ms"] = s.acquire_ms;
   line["tier_stale_refetches"] = s.stale_refetches;
   line["tier_hint_fetches"] = s.hint_fetches;
+  line["tier_off_schedule"] = s.off_schedule;
+  line["tier_schedule_skips"] = s.schedule_skips;
   for (int i = 0; i < kNumTiers; ++i) {
     const TierCounters& c = s.tier[i];
     const std::string p = std::string("tier_") + tier_name(static_cast<Tier>(i)) + "_";

@@ -70,10 +70,16 @@ class TieredMemory final : public MetricsSource, public StepHook {
   // Device bytes left beside the homed pages and two operations' working sets (gradient buckets
   // in flight pin their pages within it).
   int64_t free_device_bytes() const;
-  // Before a step: marks its boundary for the manager's schedule (with deferred updates, the
-  // first step, with nothing pending yet, is not what later steps look like).
+  // Before a step: marks its start for the manager's schedule (with deferred updates, a step
+  // with nothing pending is not what later steps look like: the first one, or one after an
+  // evaluation or a checkpoint, which ran the updates early; from the third step on, one is
+  // taken as it is, since then something between steps runs them every time). What ran between
+  // the steps (evaluations) goes into the run's totals, not into a step's line.
   void before_step(int64_t step) override;
-  // After a step: its counters, for the step's report and the run's totals.
+  // After the step's compute: marks its end (checkpoints and evaluations are off the schedule).
+  void step_computed(int64_t step) override;
+  // After a step: its counters (its compute and its checkpoint), for the step's report and the
+  // run's totals.
   void after_step(int64_t step) override;
 
   void print_startup() const override;
@@ -89,6 +95,7 @@ class TieredMemory final : public MetricsSource, public StepHook {
   std::unique_ptr<TierResidency> residency_;
   bool print_notes_;
   TierStats step_, totals_;
+  int64_t steps_begun_ = 0;
   std::string rehome_note_;
 };
 

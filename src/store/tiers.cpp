@@ -47,7 +47,8 @@ struct TierManager::Page {
   std::unique_ptr<Transfer> fetching, writing;
   int64_t last_use = 0;
   int64_t touched_step = -1;
-  std::vector<int64_t> uses;  // positions in the schedule, ascending
+  std::vector<int64_t> uses;  // positions in this step's view of the schedule, ascending
+  int64_t first_use = -1;     // its first position in the recorded step (-1: none)
   bool routed = false;        // TierOptions::routed
   bool expected = false;      // a routed page a hint fetched, not acquired since (kept)
   bool transient = false;     // no slot of its own (tiers.h): zero at home, or in a scratch slot
@@ -66,6 +67,7 @@ TierManager::TierManager(ChunkStore& store, const TierOptions& options, std::vec
   trace_ = std::getenv("KEEL_TIER_TRACE") != nullptr;
   check(options.lookahead >= 0, "tier.lookahead: expected >= 0, found " + std::to_string(options.lookahead));
   pages_.resize(homes.size());
+  applied_early_.assign(static_cast<size_t>(n_chunks), 0);
   const auto [m_begin, m_end] = store.moment_chunks();
   // ZeRO-3 (the store homes some chunks' parameters only): the other chunks' parameter and
   // gradient pages are transient where there is an NVMe tier to spill them to.
@@ -260,31 +262,72 @@ void TierManager::give_back(int i) {
 }
 
 void TierManager::begin_step(bool representative) {
-  if (recording_) {
-    recording_ = false;
-    scheduled_ = !schedule_.empty();
-    for (Page& pg : pages_) pg.uses.clear();
-    for (int64_t pos = 0; pos < static_cast<int64_t>(schedule_.size()); ++pos)
-      for (int i : schedule_[pos]) pages_[i].uses.push_back(pos);
-    if (options_.adaptive && scheduled_) rehome();
-  } else if (!scheduled_ && representative) {
+  if (in_step_) end_step();
+  in_step_ = true;
+  if (scheduled_) {
+    // The deferred updates an evaluation or a checkpoint ran early make no acquires this step.
+    const bool early = std::any_of(applied_early_.begin(), applied_early_.end(), [](uint8_t a) { return a != 0; });
+    if (early || !view_full_) set_view();
+  } else if (!recording_ && representative) {
     recording_ = true;
+    recorded_.clear();
+    recorded_update_.clear();
   }
+  std::fill(applied_early_.begin(), applied_early_.end(), 0);
   position_ = 0;
   ++stats_step_;
   for (Page& pg : pages_) pg.expected = false;  // a hint of the last step that no acquire followed
+  // What the last step's tail prefetched for this one, an evaluation in between may have evicted.
+  on_schedule_ = scheduled_;
+  prefetch_ahead();
+}
+
+void TierManager::end_step() {
+  if (!in_step_) return;
+  in_step_ = false;
+  if (recording_) {
+    recording_ = false;
+    scheduled_ = !recorded_.empty();
+    set_view();
+    if (options_.adaptive && scheduled_) rehome();
+  } else if (!view_full_) {
+    set_view();  // (the next step's updates are pending again: the whole recorded step)
+  }
+  // Between steps: no prefetch, and eviction measures from the next step's start.
+  on_schedule_ = false;
+  position_ = 0;
+}
+
+void TierManager::set_view() {
+  schedule_.clear();
+  view_full_ = true;
+  for (size_t k = 0; k < recorded_.size(); ++k) {
+    const int u = recorded_update_[k];
+    if (u >= 0 && applied_early_[static_cast<size_t>(u)]) {
+      view_full_ = false;
+      continue;
+    }
+    schedule_.push_back(recorded_[k]);
+  }
+  for (Page& pg : pages_) pg.uses.clear(), pg.first_use = -1;
+  for (int64_t pos = static_cast<int64_t>(recorded_.size()) - 1; pos >= 0; --pos)
+    for (int i : recorded_[pos]) pages_[i].first_use = pos;
+  for (int64_t pos = 0; pos < static_cast<int64_t>(schedule_.size()); ++pos)
+    for (int i : schedule_[pos]) pages_[i].uses.push_back(pos);
 }
 
 // Acquires from now until page i is next acquired (0 = the coming acquire). Without a schedule:
-// least recently used first (a large distance for an old last use).
+// least recently used first (a large distance for an old last use). Past the end of this step's
+// view: the next step's, taken as recorded (whole: its updates pending again).
 int64_t TierManager::next_use(int i) const {
   const Page& pg = pages_[i];
   if (!scheduled_) return clock_ - pg.last_use;
-  if (pg.uses.empty()) return std::numeric_limits<int64_t>::max() / 2;
+  if (pg.first_use < 0) return std::numeric_limits<int64_t>::max() / 2;
   const int64_t len = static_cast<int64_t>(schedule_.size());
+  if (len == 0) return pg.first_use;
   const int64_t at = position_ % len;
   auto it = std::lower_bound(pg.uses.begin(), pg.uses.end(), at);
-  return it != pg.uses.end() ? *it - at : pg.uses.front() + len - at;
+  return it != pg.uses.end() ? *it - at : pg.first_use + len - at;
 }
 
 // Evicts unpinned pages, farthest next use first (never one needed within `horizon` acquires,
@@ -578,20 +621,35 @@ void TierManager::acquire(std::span<const PageRef> refs) {
     acquire_group(group);
     return;
   }
-  if (recording_) schedule_.push_back(group);
-  // Off the schedule (an evaluation between steps, say): no prefetch until it is found again a
-  // little further on (a step after a checkpoint skips the deferred updates it would have run).
+  if (!in_step_) {
+    // Between steps (an evaluation, a checkpoint, the deferred updates they apply first): off
+    // the schedule, no part of it, and an update run here will not come in the next step.
+    if (const int u = store_.updating(); u >= 0) applied_early_[static_cast<size_t>(u)] = 1;
+    stats_.between_steps++;
+    on_schedule_ = false;
+    ++clock_;
+    acquire_group(group);
+    return;
+  }
+  if (recording_) {
+    recorded_.push_back(group);
+    recorded_update_.push_back(store_.updating());
+  }
+  // Off the schedule (a step unlike the recorded one): no prefetch until it is found again a
+  // little further on.
   const int64_t len = static_cast<int64_t>(schedule_.size());
   if (scheduled_ && position_ < len && schedule_[position_] != group) {
     constexpr int64_t kResync = 64;
     for (int64_t k = 1; k <= kResync && position_ + k < len; ++k) {
       if (schedule_[position_ + k] == group) {
         position_ += k;
+        stats_.schedule_skips += static_cast<uint64_t>(k);
         break;
       }
     }
   }
   on_schedule_ = scheduled_ && position_ < len && schedule_[position_] == group;
+  if (scheduled_ && !on_schedule_) stats_.off_schedule++;
   if (trace_ && scheduled_ && !on_schedule_) {
     std::fprintf(stderr, "tier-off-schedule pos %lld of %lld group of %zu (first chunk %d plane %d)\n",
                  static_cast<long long>(position_), static_cast<long long>(len), group.size(),
@@ -684,8 +742,11 @@ void TierManager::release(std::span<const PageRef> refs, bool modified) {
 
 void TierManager::record_again() {
   recording_ = scheduled_ = on_schedule_ = false;
+  recorded_.clear();
+  recorded_update_.clear();
   schedule_.clear();
-  for (Page& pg : pages_) pg.uses.clear();
+  view_full_ = true;
+  for (Page& pg : pages_) pg.uses.clear(), pg.first_use = -1;
 }
 
 int TierManager::hint(std::span<const PageRef> refs) {
@@ -753,12 +814,14 @@ int TierManager::hint(std::span<const PageRef> refs) {
 
 void TierManager::prefetch_ahead() {
   if (!options_.prefetch || !scheduled_ || !on_schedule_) return;
-  const int64_t len = static_cast<int64_t>(schedule_.size());
+  const int64_t len = static_cast<int64_t>(schedule_.size()), whole = static_cast<int64_t>(recorded_.size());
   // Pages ahead whose room write-backs in flight are still freeing: they are not fetched yet,
   // but eviction goes on for the pages after them, so their writes overlap too.
   int64_t waiting = 0;
   for (int64_t k = 0; k < options_.lookahead; ++k) {
-    for (int i : schedule_[(position_ + k) % len]) {
+    // Past this step's view: the next step's acquires, as recorded (its updates pending again).
+    const int64_t at = position_ + k;
+    for (int i : at < len ? schedule_[at] : recorded_[(at - len) % whole]) {
       Page& pg = pages_[i];
       if (revive(i) || pg.present || pg.fetching || pg.home == Tier::device) continue;
       if (waiting == 0 && make_room(pg.bytes, k)) {
@@ -1085,6 +1148,7 @@ TierStats TierManager::take_step_stats() {
   stats_.acquire_ms = 0;
   stats_.evictions = 0;
   stats_.hint_fetches = 0;
+  stats_.off_schedule = stats_.schedule_skips = stats_.between_steps = 0;
   return out;
 }
 

@@ -19,6 +19,14 @@
 // here because steps repeat), so eviction never drops what is needed next. Modified pages are
 // written back to their home asynchronously when evicted.
 //
+// A step runs from begin_step() to end_step(): only its acquires are recorded, and only they
+// follow the schedule. Acquires between steps (evaluations, checkpoints, deferred optimizer
+// updates they apply early) are off it: neither recorded nor moving the position, no prefetch,
+// evicting the pages the next step needs farthest from its start. A deferred update (the store's
+// updater, ChunkStore::updating()) that ran between steps is left out of the next step's view of
+// the schedule (its acquires will not come), so that step's forward pass follows the schedule
+// from its first acquire instead of prefetching the updates' pages for nothing.
+//
 // Versions (the seed's ParameterVersion protocol): every page has an owner version, bumped when
 // a write acquire is released. A device copy records the version it was copied at; an acquire
 // compares the two, and a copy that is behind is refetched, never used. A page whose write-back
@@ -126,6 +134,11 @@ struct TierStats {
   uint64_t evictions = 0;
   uint64_t hint_fetches = 0;     // fetches a lookahead hint started (TierManager::hint)
   double acquire_ms = 0;  // time spent inside acquire (fetch waits, eviction, prefetch issue)
+  // A step's acquires (once a schedule is recorded) that were not the schedule's at their place
+  // (after the resync below), and the schedule's entries passed over to find a later one.
+  // Sequence logic alone (no I/O timing): the same traffic gives the same counts.
+  uint64_t off_schedule = 0, schedule_skips = 0;
+  uint64_t between_steps = 0;  // acquires between end_step() and the next begin_step()
   int64_t peak_device_bytes = 0, peak_host_bytes = 0;
 };
 
@@ -146,10 +159,18 @@ class TierManager {
   void acquire(std::span<const PageRef> pages);
   // Unpins; `modified` marks the pages' device copies as newer than their homes.
   void release(std::span<const PageRef> pages, bool modified);
-  // Marks a step boundary. The acquires of the first step begun as `representative` become the
-  // schedule (a step unlike the steady state, such as the first one of a run whose optimizer
-  // updates are deferred into the next forward pass, says false).
+  // Marks a step's start. The acquires of the first step begun as `representative`, up to its
+  // end_step(), become the schedule (a step unlike the steady state, such as the first one of a
+  // run whose optimizer updates are deferred into the next forward pass, says false). Once there
+  // is a schedule, the step's first `lookahead` acquires start their fetch here. A step not
+  // ended by end_step() ends here (callers that mark step starts only: the KV cache, tests).
   void begin_step(bool representative = true);
+  // Marks the end of the step's compute (the trainer: after the step engine's run, before its
+  // checkpoint and any evaluation): acquires from here to the next begin_step() are off the
+  // schedule (see above).
+  void end_step();
+  // The recorded step's acquires (0 until one is recorded).
+  int64_t schedule_length() const { return scheduled_ ? static_cast<int64_t>(recorded_.size()) : 0; }
   // Forgets the recorded schedule: the next representative step is recorded anew (the step's
   // shape changed, e.g. a pipeline's micro-batch count).
   void record_again();
@@ -230,6 +251,8 @@ class TierManager {
   void move_home(int i, Tier to);
   int64_t next_use(int i) const;
   void prefetch_ahead();
+  // schedule_ from recorded_ less the deferred updates that ran between steps; pages' uses.
+  void set_view();
   void poll();
   void give_back(int i);
   float* address(int i) const;
@@ -251,10 +274,17 @@ class TierManager {
   std::unique_ptr<BlockFile> file_;
   std::unique_ptr<HostCopier> copier_;  // async_host: the host-homed pages' fetches
   int64_t device_used_ = 0, host_used_ = 0;
-  // The schedule: acquires of the first step (page indices), then the position in it.
+  // The schedule: the recorded step's acquires (page indices), and per acquire the chunk whose
+  // deferred update made it (-1: none); this step's view of it (without the updates that ran
+  // between steps, applied_early_ per chunk), then the position in that view.
+  std::vector<std::vector<int>> recorded_;
+  std::vector<int> recorded_update_;
   std::vector<std::vector<int>> schedule_;
+  std::vector<uint8_t> applied_early_;
+  bool view_full_ = true;  // schedule_ is recorded_ whole
   bool recording_ = false, scheduled_ = false, on_schedule_ = false;
-  int64_t position_ = 0;   // acquires since the step began
+  bool in_step_ = false;   // between begin_step() and end_step()
+  int64_t position_ = 0;   // acquires since the step began (between steps: 0, the next step's start)
   int64_t clock_ = 0;      // acquires since the start (for LRU before a schedule exists)
   int64_t stats_step_ = 0; // steps begun (first touches are counted once per step)
   std::vector<int> in_flight_;  // pages with a transfer in flight, oldest first
