@@ -211,6 +211,8 @@ TEST(Bf16StateConfig, RefusedCombinationsInOneLine) {
   EXPECT_EQ(config_refusal(with(with(bf16, "parallel.zero=3"), "tier.device_mib=64"), 2), "");
   EXPECT_EQ(config_refusal(with(bf16, "tier.device_mib=64"), 1), "");
   EXPECT_EQ(config_refusal(with(bf16, "parallel.pipeline=2"), 2), "");  // (PipelineStages below)
+  // Memory checkpoints (tests/recovery_test.cpp Bf16TrainingStateResumesFromMemoryWithTheSameBytes).
+  EXPECT_EQ(config_refusal(with(with(bf16, "parallel.zero=1"), "checkpoint.memory_every=1"), 2), "");
   // Post-validation (tests/pipeline_training_test.cpp PostValidationIsExact).
   EXPECT_EQ(config_refusal(with(with(bf16, "parallel.pipeline=2"), "parallel.post_validate=true"), 2), "");
   // Tensor groups (tests/tensor_parallel_test.cpp Bf16TrainingStateTrainsWhatOneRankTrainsAndResumesOnOneRank),

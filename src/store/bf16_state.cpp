@@ -30,7 +30,6 @@ void validate_bf16_state_config(const Config& c, int /*data_ranks: every ZeRO st
   refuse(c.parallel.tensor > 1 && c.model.moe(), "parallel.tensor > 1 with a mixture of experts (model.moe_experts > 0)");
   refuse(c.sync.codec != SyncCodec::none, "sync.codec (compressed gradient sync)");
   refuse(c.parallel.predict_gradients != PredictGradients::off, "parallel.predict_gradients");
-  refuse(c.checkpoint.memory_every > 0, "checkpoint.memory_every (memory checkpoints)");
 }
 
 Bf16State::Bf16State(ChunkStore& store, bool params, bool grads, const std::vector<int>& master_chunks)
