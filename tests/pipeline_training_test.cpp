@@ -217,7 +217,9 @@ TEST_F(PipelineTraining, PostValidationIsExact) {
           << state << " plane " << static_cast<int>(plane);
     }
     int rolled_back = 0;
-    for (const nlohmann::json& j : steps("post-validated" + state)) rolled_back += j.at("pipeline_rolled_back").get<bool>();
+    for (const nlohmann::json& j : steps("post-validated" + state)) {
+      rolled_back += j.at("pipeline_rolled_back").get<bool>();
+    }
     EXPECT_GT(rolled_back, 0) << state;  // the first steps' norms exceed optim.grad_clip = 1
   }
   const testing::CommandResult bad = train(2, "bad", layout + " --set parallel.post_validate=true --set parallel.zero=1");

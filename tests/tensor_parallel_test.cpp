@@ -141,7 +141,8 @@ TEST_F(TensorParallel, Bf16TrainsWhatOneRankTrainsToBf16Precision) {
 // bf16 training state (runtime.param_dtype / grad_dtype = "bf16", store/bf16_state.h) over tensor
 // groups: each rank holds its shards and the replicated tensors as bf16 bits, float32 masters for
 // the chunks it updates. T = 2 and data 2 x tensor 2 (GPT-2 under ZeRO-1 and ZeRO-3, llama under
-// ZeRO-2) train what one rank trains with the whole batch in bf16 state: losses within 1e-3
+// ZeRO-2), and for GPT-2 T = 2 with sequence parallelism and pipeline 2 x tensor 2 with
+// post-validation, train what one rank trains with the whole batch in bf16 state: losses within 1e-3
 // relative over 8 steps, the bound of tests/bf16_state_test.cpp NRanksTrainWhatOneRankTrains-
 // WithTheWholeBatch (a row-parallel product's partial sums are added in another order and the
 // data ranks' gradients summed in bf16: a last-bit difference flips a bf16 rounding). Checkpoints
@@ -175,7 +176,9 @@ TEST_F(TensorParallel, Bf16TrainingStateTrainsWhatOneRankTrainsAndResumesOnOneRa
     EXPECT_NE(r.output.find("keel: bf16 training state: parameters bf16, gradients bf16"), std::string::npos)
         << r.output;
     expect_close(family + "one", family + "t2");
-    for (const std::string& zero : family == "gpt" ? std::vector<std::string>{"1", "3"} : std::vector<std::string>{"2"}) {
+    const std::vector<std::string> zeros =
+        family == "gpt" ? std::vector<std::string>{"1", "3"} : std::vector<std::string>{"2"};
+    for (const std::string& zero : zeros) {
       const std::string run = family + "d2t2z" + zero;
       r = train(4, 4, run, extra + t2 + "--set train.checkpoint_every=4 --set parallel.zero=" + zero);
       ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -184,17 +187,27 @@ TEST_F(TensorParallel, Bf16TrainingStateTrainsWhatOneRankTrainsAndResumesOnOneRa
       expect_close(family + "one", run);
     }
   }
+  // GPT-2 with sequence parallelism (the norms' gradients summed over the group in float32 under
+  // their layer's lease), and pipeline 2 x tensor 2 (ZB-H1, 4 micro-batches accumulated in bf16)
+  // with post-validation (the copy is the bits and masters of each rank's shards).
+  auto r = train(2, 8, "gptt2sp", bf16 + t2 + "--set parallel.sequence_parallel=true");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_close("gptone", "gptt2sp");
+  r = train(4, 8, "gptp2t2", bf16 + t2 + "--set parallel.pipeline=2 --set parallel.micro_batches=4 "
+                              "--set parallel.schedule=zb-h1 --set parallel.post_validate=true");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_close("gptone", "gptp2t2");
   const std::string z1 = bf16 + t2 + "--set train.checkpoint_every=4 --set parallel.zero=1 ";
-  auto r = train(4, 4, "resumed", z1 + "--set train.resume=" + dir / "gptd2t2z1/ckpt/step-00000004");
+  const std::string root = dir / "gptd2t2z1/ckpt";
+  r = train(4, 4, "resumed", z1 + "--set train.resume=" + root + "/step-00000004");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
   for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
-    EXPECT_EQ(testing::checkpoint_bytes(dir / "resumed/ckpt", plane), testing::checkpoint_bytes(dir / "gptd2t2z1/ckpt", plane))
+    EXPECT_EQ(testing::checkpoint_bytes(dir / "resumed/ckpt", plane), testing::checkpoint_bytes(root, plane))
         << static_cast<int>(plane);
   }
   // The masters are float32: in every tensor almost no saved weight is a bf16 value (1 in 2^16 by
   // chance; a chunk whose writer saved its bf16 bits would be all of them).
-  const std::string root = dir / "gptd2t2z1/ckpt";
   const auto manifest = nlohmann::json::parse(read_text_file(testing::newest_checkpoint(root) + "/manifest.json"));
   const std::vector<char> saved = testing::checkpoint_bytes(root);
   const uint32_t* bits = reinterpret_cast<const uint32_t*>(saved.data());
@@ -211,11 +224,11 @@ TEST_F(TensorParallel, Bf16TrainingStateTrainsWhatOneRankTrainsAndResumesOnOneRa
     }
   }
   for (const auto& [name, count] : bf16_valued) EXPECT_LT(count.first, count.second / 64) << name;
-  r = train(0, 8, "on_one", bf16 + "--set train.resume=" + dir / "gptd2t2z1/ckpt/step-00000008");
+  r = train(0, 8, "on_one", bf16 + "--set train.resume=" + root + "/step-00000008");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
   for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
-    EXPECT_EQ(testing::checkpoint_bytes(dir / "on_one/ckpt", plane), testing::checkpoint_bytes(dir / "gptd2t2z1/ckpt", plane))
+    EXPECT_EQ(testing::checkpoint_bytes(dir / "on_one/ckpt", plane), testing::checkpoint_bytes(root, plane))
         << static_cast<int>(plane);
   }
 }

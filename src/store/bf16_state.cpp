@@ -27,7 +27,8 @@ void validate_bf16_state_config(const Config& c, int /*data_ranks: every ZeRO st
   // Tensor groups: each rank's store holds its shards and the replicated tensors, leased by its
   // layers as any store's (WholeModelState gathers the owners' masters for checkpoints). A mixture
   // of experts over tensor groups is not built with bf16 state yet (experts_sharded's fallback).
-  refuse(c.parallel.tensor > 1 && c.model.moe(), "parallel.tensor > 1 with a mixture of experts (model.moe_experts > 0)");
+  refuse(c.parallel.tensor > 1 && c.model.moe(),
+         "parallel.tensor > 1 with a mixture of experts (model.moe_experts > 0)");
   refuse(c.sync.codec != SyncCodec::none, "sync.codec (compressed gradient sync)");
   refuse(c.parallel.predict_gradients != PredictGradients::off, "parallel.predict_gradients");
 }
