@@ -197,15 +197,20 @@ TEST_F(TensorParallel, Bf16TrainingStateTrainsWhatOneRankTrainsAndResumesOnOneRa
                               "--set parallel.schedule=zb-h1 --set parallel.post_validate=true");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_close("gptone", "gptp2t2");
-  const std::string z1 = bf16 + t2 + "--set train.checkpoint_every=4 --set parallel.zero=1 ";
+  // Run `run` resumed from the data 2 x tensor 2 ZeRO-1 run's checkpoint of `step` ends with its
+  // final checkpoint's bytes (parameters and both moments).
   const std::string root = dir / "gptd2t2z1/ckpt";
-  r = train(4, 4, "resumed", z1 + "--set train.resume=" + root + "/step-00000004");
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
-  for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
-    EXPECT_EQ(testing::checkpoint_bytes(dir / "resumed/ckpt", plane), testing::checkpoint_bytes(root, plane))
-        << static_cast<int>(plane);
-  }
+  auto expect_resumed_to_its_bytes = [&](int ranks, int b, const std::string& run, const std::string& extra,
+                                         const std::string& step) {
+    const auto resumed = train(ranks, b, run, bf16 + extra + "--set train.resume=" + root + "/step-0000000" + step);
+    ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+    EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
+    for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+      EXPECT_EQ(testing::checkpoint_bytes(dir / (run + "/ckpt"), plane), testing::checkpoint_bytes(root, plane))
+          << run << " plane " << static_cast<int>(plane);
+    }
+  };
+  expect_resumed_to_its_bytes(4, 4, "resumed", t2 + "--set train.checkpoint_every=4 --set parallel.zero=1 ", "4");
   // The masters are float32: in every tensor almost no saved weight is a bf16 value (1 in 2^16 by
   // chance; a chunk whose writer saved its bf16 bits would be all of them).
   const auto manifest = nlohmann::json::parse(read_text_file(testing::newest_checkpoint(root) + "/manifest.json"));
@@ -224,13 +229,7 @@ TEST_F(TensorParallel, Bf16TrainingStateTrainsWhatOneRankTrainsAndResumesOnOneRa
     }
   }
   for (const auto& [name, count] : bf16_valued) EXPECT_LT(count.first, count.second / 64) << name;
-  r = train(0, 8, "on_one", bf16 + "--set train.resume=" + root + "/step-00000008");
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
-  for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
-    EXPECT_EQ(testing::checkpoint_bytes(dir / "on_one/ckpt", plane), testing::checkpoint_bytes(root, plane))
-        << static_cast<int>(plane);
-  }
+  expect_resumed_to_its_bytes(0, 8, "on_one", "", "8");  // (nothing trained: saved again)
 }
 
 // The checkpoint is the whole model's (gathered from the shards): a T = 2 run resumed on T = 2
