@@ -29,8 +29,12 @@ void validate_bf16_state_config(const Config& c, int /*data_ranks: every ZeRO st
   // of experts over tensor groups is not built with bf16 state yet (experts_sharded's fallback).
   refuse(c.parallel.tensor > 1 && c.model.moe(),
          "parallel.tensor > 1 with a mixture of experts (model.moe_experts > 0)");
-  refuse(c.sync.codec != SyncCodec::none, "sync.codec (compressed gradient sync)");
-  refuse(c.parallel.predict_gradients != PredictGradients::off, "parallel.predict_gradients");
+  // Compressed sync's codecs and error-feedback residuals work on float32 gradients; gradient
+  // prediction reads and writes the whole float32 gradient plane outside any lease.
+  refuse(c.sync.codec != SyncCodec::none,
+         "sync.codec (compressed gradient sync: its codecs and residuals work on float32 gradients)");
+  refuse(c.parallel.predict_gradients != PredictGradients::off,
+         "parallel.predict_gradients (the predictor reads the float32 gradient plane whole)");
 }
 
 Bf16State::Bf16State(ChunkStore& store, bool params, bool grads, const std::vector<int>& master_chunks)
