@@ -211,6 +211,17 @@ TEST(Bf16StateConfig, RefusedCombinationsInOneLine) {
   EXPECT_EQ(config_refusal(with(with(bf16, "parallel.zero=3"), "tier.device_mib=64"), 2), "");
   EXPECT_EQ(config_refusal(with(bf16, "tier.device_mib=64"), 1), "");
   EXPECT_EQ(config_refusal(with(bf16, "parallel.pipeline=2"), 2), "");  // (PipelineStages below)
+  // Memory checkpoints (tests/recovery_test.cpp Bf16TrainingStateResumesFromMemoryWithTheSameBytes).
+  EXPECT_EQ(config_refusal(with(with(bf16, "parallel.zero=1"), "checkpoint.memory_every=1"), 2), "");
+  // Post-validation (tests/pipeline_training_test.cpp PostValidationIsExact).
+  EXPECT_EQ(config_refusal(with(with(bf16, "parallel.pipeline=2"), "parallel.post_validate=true"), 2), "");
+  // Tensor groups (tests/tensor_parallel_test.cpp Bf16TrainingStateTrainsWhatOneRankTrainsAndResumesOnOneRank),
+  // but not yet over a mixture of experts.
+  EXPECT_EQ(config_refusal(with(with(bf16, "parallel.tensor=2"), "parallel.zero=1"), 4), "");
+  EXPECT_NE(config_refusal(with(with(bf16, "parallel.tensor=2"), "model.preset=llama-moe-tiny"), 2)
+                .find("config key 'runtime.param_dtype': \"bf16\" is not combined with parallel.tensor > 1 with a "
+                      "mixture of experts"),
+            std::string::npos);
   EXPECT_NE(config_refusal(with(with(with(bf16, "parallel.pipeline=2"), "parallel.repartition_every=2"),
                                 "monitor.layer_costs_every=2"),
                            2)

@@ -200,17 +200,28 @@ TEST_F(PipelineTraining, GradientPredictionTrainsCloseToExactAndIsDeterministic)
 }
 
 // Zero Bubble's optimizer post-validation: optimistic steps, redone when clipping applies: the
-// same bytes as waiting for the norm.
+// same bytes as waiting for the norm. With bf16 training state (8 steps) too: the copy kept
+// before the optimistic step is its bf16 bits and float32 masters (store/bf16_state.h) and the
+// float32 moments.
 TEST_F(PipelineTraining, PostValidationIsExact) {
   const std::string layout = "--set parallel.pipeline=2 --set parallel.schedule=zb-h1";
-  ASSERT_EQ(train(2, "waiting", layout).exit_code, 0);
-  const testing::CommandResult r = train(2, "post-validated", layout + " --set parallel.post_validate=true");
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(testing::checkpoint_bytes(dir_->path() + "/waiting/ckpt"),
-            testing::checkpoint_bytes(dir_->path() + "/post-validated/ckpt"));
-  int rolled_back = 0;
-  for (const nlohmann::json& j : steps("post-validated")) rolled_back += j.at("pipeline_rolled_back").get<bool>();
-  EXPECT_GT(rolled_back, 0);  // the first steps' norms exceed optim.grad_clip = 1
+  const std::string bf16 = " --set runtime.param_dtype=bf16 --set runtime.grad_dtype=bf16 --set train.steps=8";
+  for (const std::string state : {"", "-bf16"}) {
+    const std::string extra = layout + (state.empty() ? "" : bf16);
+    ASSERT_EQ(train(2, "waiting" + state, extra).exit_code, 0);
+    const testing::CommandResult r = train(2, "post-validated" + state, extra + " --set parallel.post_validate=true");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    for (Plane plane : {Plane::param, Plane::adam_v}) {
+      EXPECT_EQ(testing::checkpoint_bytes(dir_->path() + "/waiting" + state + "/ckpt", plane),
+                testing::checkpoint_bytes(dir_->path() + "/post-validated" + state + "/ckpt", plane))
+          << state << " plane " << static_cast<int>(plane);
+    }
+    int rolled_back = 0;
+    for (const nlohmann::json& j : steps("post-validated" + state)) {
+      rolled_back += j.at("pipeline_rolled_back").get<bool>();
+    }
+    EXPECT_GT(rolled_back, 0) << state;  // the first steps' norms exceed optim.grad_clip = 1
+  }
   const testing::CommandResult bad = train(2, "bad", layout + " --set parallel.post_validate=true --set parallel.zero=1");
   EXPECT_EQ(bad.exit_code, 2);
 }

@@ -246,6 +246,29 @@ TEST_F(Recovery, AnotherTrajectorysMemoryCopiesAreNotUsed) {
   EXPECT_TRUE(files_in(shm()).empty()) << joined(files_in(shm()));
 }
 
+// (f) bf16 training state (store/bf16_state.h) under ZeRO-1, 8 steps: a rank's copy holds its own
+// chunks' float32 masters and the bf16 bits of the others (read under leases that are not a
+// layer's), so the job killed after step 5 and restarted from both ranks' own copies of step 5 (no
+// disk checkpoint yet) ends with the bytes of the same job uninterrupted.
+TEST_F(Recovery, Bf16TrainingStateResumesFromMemoryWithTheSameBytes) {
+  const std::string bf16 = "--set runtime.param_dtype=bf16 --set runtime.grad_dtype=bf16 --set parallel.zero=1 "
+                           "--set train.steps=8";
+  const testing::CommandResult reference =
+      testing::run_keel("launch -n 2 -- train --config " + dir / "toy.toml" + " --set train.eval_every=0" +
+                        " --set train.checkpoint_every=10 --set train.run_dir=" + dir / "reference " + bf16);
+  ASSERT_EQ(reference.exit_code, 0) << reference.output;
+  const testing::CommandResult r =
+      launch(1, "KEEL_FAULT=kill:op=1:path=buddy-r0-step-00000005.bin:rank=1:once=" + dir / "killed", bf16);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fs::exists(dir / "killed")) << "the fault did not kill rank 1\n" << r.output;
+  EXPECT_TRUE(contains(r.output, "keel: resumed from memory (step 5) in ")) << r.output;
+  EXPECT_TRUE(contains(r.output, "2 rank(s) from their own copy, 0 from their buddy's")) << r.output;
+  for (Plane p : kSavedPlanes) {
+    EXPECT_TRUE(testing::checkpoint_bytes(dir / "run/ckpt", p) == testing::checkpoint_bytes(dir / "reference/ckpt", p))
+        << "plane " << saved_plane_key(p) << " differs from the uninterrupted job's";
+  }
+}
+
 // (e) A bad value is one line and exit 2.
 TEST_F(Recovery, BadMemoryEveryIsOneLine) {
   for (const auto& [set, needle] :

@@ -138,6 +138,100 @@ TEST_F(TensorParallel, Bf16TrainsWhatOneRankTrainsToBf16Precision) {
   for (const auto& [name, d] : testing::weight_distance(dir / "one/ckpt", dir / "t2/ckpt")) EXPECT_LT(d, 1e-2) << name;
 }
 
+// bf16 training state (runtime.param_dtype / grad_dtype = "bf16", store/bf16_state.h) over tensor
+// groups: each rank holds its shards and the replicated tensors as bf16 bits, float32 masters for
+// the chunks it updates. T = 2 and data 2 x tensor 2 (GPT-2 under ZeRO-1 and ZeRO-3, llama under
+// ZeRO-2), and for GPT-2 T = 2 with sequence parallelism and pipeline 2 x tensor 2 with
+// post-validation, train what one rank trains with the whole batch in bf16 state: losses within 1e-3
+// relative over 8 steps, the bound of tests/bf16_state_test.cpp NRanksTrainWhatOneRankTrains-
+// WithTheWholeBatch (a row-parallel product's partial sums are added in another order and the
+// data ranks' gradients summed in bf16: a last-bit difference flips a bf16 rounding). Checkpoints
+// hold the owners' float32 masters (under ZeRO-1 gathered from the data rank that owns a chunk):
+// data 2 x tensor 2 under ZeRO-1 resumed from its step-4 checkpoint ends with the uninterrupted
+// run's bytes, and its step-8 checkpoint resumed on one rank (nothing trained) is saved there
+// with the same bytes.
+TEST_F(TensorParallel, Bf16TrainingStateTrainsWhatOneRankTrainsAndResumesOnOneRank) {
+  // (3 blocks in 16 KiB chunks: the chunks a data rank owns in its tensor shard's store under ZeRO
+  // and those of the whole model's copy it writes are not the same parts of the model.)
+  const std::string bf16 = "--set runtime.param_dtype=bf16 --set runtime.grad_dtype=bf16 --set train.steps=8 "
+                           "--set train.eval_every=0 --set store.chunk_bytes=16384 --set model.n_layer=3 ";
+  const std::string llama = "--set model.family=llama --set model.n_kv_head=2 --set model.tie_embeddings=false ";
+  const std::string t2 = "--set parallel.tensor=2 ";
+  auto expect_close = [&](const std::string& reference, const std::string& run) {
+    const std::vector<double> want = losses(reference), got = losses(run);
+    ASSERT_EQ(want.size(), 8u) << reference;
+    ASSERT_EQ(got.size(), want.size()) << run;
+    double farthest = 0;
+    for (size_t s = 0; s < got.size(); ++s) {
+      EXPECT_NEAR(got[s], want[s], 1e-3 * want[s]) << run << " step " << s + 1;
+      farthest = std::max(farthest, std::abs(got[s] - want[s]) / want[s]);
+    }
+    std::printf("[ bf16 state ] %s: losses within %.2g of %s\n", run.c_str(), farthest, reference.c_str());
+  };
+  for (const std::string family : {"gpt", "llama"}) {
+    const std::string extra = bf16 + (family == "llama" ? llama : "");
+    ASSERT_EQ(train(0, 8, family + "one", extra).exit_code, 0);
+    auto r = train(2, 8, family + "t2", extra + t2);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("keel: bf16 training state: parameters bf16, gradients bf16"), std::string::npos)
+        << r.output;
+    expect_close(family + "one", family + "t2");
+    const std::vector<std::string> zeros =
+        family == "gpt" ? std::vector<std::string>{"1", "3"} : std::vector<std::string>{"2"};
+    for (const std::string& zero : zeros) {
+      const std::string run = family + "d2t2z" + zero;
+      r = train(4, 4, run, extra + t2 + "--set train.checkpoint_every=4 --set parallel.zero=" + zero);
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      EXPECT_NE(r.output.find("tensor parallel over 2 ranks (data 2 x pipeline 1 x tensor 2)"), std::string::npos)
+          << r.output;
+      expect_close(family + "one", run);
+    }
+  }
+  // GPT-2 with sequence parallelism (the norms' gradients summed over the group in float32 under
+  // their layer's lease), and pipeline 2 x tensor 2 (ZB-H1, 4 micro-batches accumulated in bf16)
+  // with post-validation (the copy is the bits and masters of each rank's shards).
+  auto r = train(2, 8, "gptt2sp", bf16 + t2 + "--set parallel.sequence_parallel=true");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_close("gptone", "gptt2sp");
+  r = train(4, 8, "gptp2t2", bf16 + t2 + "--set parallel.pipeline=2 --set parallel.micro_batches=4 "
+                              "--set parallel.schedule=zb-h1 --set parallel.post_validate=true");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_close("gptone", "gptp2t2");
+  // Run `run` resumed from the data 2 x tensor 2 ZeRO-1 run's checkpoint of `step` ends with its
+  // final checkpoint's bytes (parameters and both moments).
+  const std::string root = dir / "gptd2t2z1/ckpt";
+  auto expect_resumed_to_its_bytes = [&](int ranks, int b, const std::string& run, const std::string& extra,
+                                         const std::string& step) {
+    const auto resumed = train(ranks, b, run, bf16 + extra + "--set train.resume=" + root + "/step-0000000" + step);
+    ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+    EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
+    for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
+      EXPECT_EQ(testing::checkpoint_bytes(dir / (run + "/ckpt"), plane), testing::checkpoint_bytes(root, plane))
+          << run << " plane " << static_cast<int>(plane);
+    }
+  };
+  expect_resumed_to_its_bytes(4, 4, "resumed", t2 + "--set train.checkpoint_every=4 --set parallel.zero=1 ", "4");
+  // The masters are float32: in every tensor almost no saved weight is a bf16 value (1 in 2^16 by
+  // chance; a chunk whose writer saved its bf16 bits would be all of them).
+  const auto manifest = nlohmann::json::parse(read_text_file(testing::newest_checkpoint(root) + "/manifest.json"));
+  const std::vector<char> saved = testing::checkpoint_bytes(root);
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(saved.data());
+  std::map<std::string, std::pair<int64_t, int64_t>> bf16_valued;  // tensor: (bf16 values, elements)
+  for (const auto& chunk : manifest["chunks"]) {
+    for (const auto& t : chunk["tensors"]) {
+      const int64_t numel = t[2], at = chunk["offset"].get<int64_t>() + t[3].get<int64_t>();
+      auto& [exact, all] = bf16_valued[t[0].get<std::string>()];
+      for (int64_t i = 0; i < numel; ++i) {
+        if (bits[at + i] == 0) continue;  // (the padded vocabulary's rows)
+        exact += (bits[at + i] & 0xffffu) == 0 ? 1 : 0;
+        all++;
+      }
+    }
+  }
+  for (const auto& [name, count] : bf16_valued) EXPECT_LT(count.first, count.second / 64) << name;
+  expect_resumed_to_its_bytes(0, 8, "on_one", "", "8");  // (nothing trained: saved again)
+}
+
 // The checkpoint is the whole model's (gathered from the shards): a T = 2 run resumed on T = 2
 // continues to the bytes of the uninterrupted run, and one rank and two tensor ranks take up each
 // other's checkpoints.

@@ -169,6 +169,7 @@ WholeModelState::WholeModelState(const Config& config, Communicator& tensor, GPT
       data_(moments != nullptr ? data : nullptr),
       moments_(data != nullptr ? moments : nullptr),
       params_sharded_(moments_ != nullptr && config.parallel.zero == 3),
+      params_from_owners_(params_sharded_ || (moments_ != nullptr && config.runtime.param_dtype == StateDtype::bf16)),
       whole_(std::make_unique<ChunkStore>(config.store.chunk_bytes)) {
   // The unsplit tensors of this rank's layers (a pipeline stage's: the whole model's chunks of
   // its layers, as a stage's checkpoints are written; sharded experts: its own experts').
@@ -220,8 +221,8 @@ namespace {
 int plane_slot(Plane plane) { return plane == Plane::adam_m ? 0 : plane == Plane::adam_v ? 1 : 2; }
 }  // namespace
 
-float* WholeModelState::gathered_plane(Plane plane) {
-  if (moments_ == nullptr || (plane == Plane::param && !params_sharded_)) return nullptr;
+float* WholeModelState::gathered_plane(Plane plane, bool params) {
+  if (moments_ == nullptr || (plane == Plane::param && !params)) return nullptr;
   return planes_[plane_slot(plane)].data();
 }
 
@@ -230,10 +231,13 @@ void WholeModelState::gather() {
   shards.apply_pending();
   const ModelLayout& layout = model_.layout();
   const int T = tensor_.size();
-  if (moments_ != nullptr) {  // ZeRO: first every chunk's moments (ZeRO-3: and parameters), from their owners
+  // ZeRO: first every chunk's moments from their owners, and (ZeRO-3; bf16 parameters, whose
+  // float32 masters only the owner keeps) its parameters: read under a lease that is not a layer's,
+  // an owned chunk's bf16 state gives its master (store/bf16_state.h), so checkpoints hold masters.
+  if (moments_ != nullptr) {
     const int me = data_->rank();
     for (Plane plane : {Plane::adam_m, Plane::adam_v, Plane::param}) {
-      if (plane == Plane::param && !params_sharded_) continue;
+      if (plane == Plane::param && !params_from_owners_) continue;
       std::vector<float>& all = planes_[plane_slot(plane)];
       all.assign(static_cast<size_t>(moments_->begin.back()), 0.0f);
       if (moments_->experts_apart()) {  // (not one range: comm/zero.h)
@@ -251,13 +255,14 @@ void WholeModelState::gather() {
     const TensorShard& shard = layout.shards[k];
     const TensorId mine = model_.tensor_ids()[k];
     // The planes read from the store, through its residency (under memory tiers a page may be
-    // homed on the host or NVMe tier); under ZeRO the moments come from the gathered planes, under
-    // ZeRO-3 the parameters too (a rank may not touch other ranks' chunks outside a layer's pass).
-    const PageLease use = params_sharded_     ? PageLease()
+    // homed on the host or NVMe tier; under bf16 state an owned chunk's parameters are its master);
+    // under ZeRO the moments come from the gathered planes, under ZeRO-3 (a rank may not touch
+    // other ranks' chunks outside a layer's pass) and with bf16 parameters the parameters too.
+    const PageLease use = params_from_owners_ ? PageLease()
                           : moments_ != nullptr ? shards.use_tensor(mine, {Plane::param})
                                                 : shards.use_tensor(mine, {Plane::param, Plane::adam_m, Plane::adam_v});
     for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
-      const float* gathered = gathered_plane(plane);
+      const float* gathered = gathered_plane(plane, params_from_owners_);
       const TensorInfo& info = shards.tensors()[mine];
       std::span<const float> part = gathered != nullptr ? std::span<const float>(gathered + info.offset, info.numel)
                                                         : std::as_const(shards).view(mine, plane);
@@ -279,7 +284,7 @@ void WholeModelState::gather() {
   // gradients on every rank of the group by construction, hence the same updates: checked here,
   // at every checkpoint, on a hash of their bits (two 32-bit halves: exact in double).
   uint64_t hash = 1469598103934665603ull;
-  const float* params = gathered_plane(Plane::param);  // (ZeRO-3: the gathered parameters)
+  const float* params = gathered_plane(Plane::param, params_from_owners_);  // (the gathered parameters)
   for (size_t k = 0; k < layout.tensors.size(); ++k) {
     if (layout.shards[k].split()) continue;
     const TensorInfo& info = shards.tensors()[model_.tensor_ids()[k]];
@@ -317,7 +322,9 @@ void WholeModelState::scatter() {
                                                 : shards.use_tensor(mine, {}, {Plane::param, Plane::adam_m, Plane::adam_v});
     for (Plane plane : {Plane::param, Plane::adam_m, Plane::adam_v}) {
       std::span<const float> whole = std::as_const(*whole_).view(whole_ids_[k], plane);
-      float* gathered = gathered_plane(plane);
+      // (ZeRO-1/2 with bf16 parameters: every chunk written here, an owned one's master exactly,
+      // the others' as their bf16 rounding, the bits their owner's update broadcasts.)
+      float* gathered = gathered_plane(plane, params_sharded_);
       float* out = gathered != nullptr ? gathered + shards.tensors()[mine].offset : shards.view(mine, plane).data();
       slice_shard(layout.shards[k], layout.place, whole.data(), out);
     }

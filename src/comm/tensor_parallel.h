@@ -127,8 +127,8 @@ class WholeModelState {
                   const ChunkPartition* moments = nullptr, ExpertPlace experts = {});
   ChunkStore& store() { return *whole_; }
   // Fills the whole store from the group's shards (all-gathers; collective over the group, and
-  // under ZeRO over the data-parallel group too: the moments, under ZeRO-3 also the parameters,
-  // are gathered there first).
+  // under ZeRO over the data-parallel group too: the moments, under ZeRO-3 or with bf16 parameters
+  // also the parameters, are gathered there first: the owners' float32 values, masters included).
   // Throws keel::Error when the replicated parameters differ between the group's ranks.
   void gather();
   // Slices the whole store (as a checkpoint loaded it) into this rank's shards (under ZeRO, its
@@ -136,10 +136,10 @@ class WholeModelState {
   void scatter();
 
  private:
-  // A plane of the model store as every rank would hold it unsharded (ZeRO: the moments, ZeRO-3
-  // also the parameters, all-gathered over the data-parallel group into planes_), or nullptr for
-  // the store's own plane.
-  float* gathered_plane(Plane plane);
+  // A plane of the model store as every rank would hold it unsharded (ZeRO: the moments, and the
+  // parameters where `params` says so, all-gathered over the data-parallel group into planes_), or
+  // nullptr for the store's own plane.
+  float* gathered_plane(Plane plane, bool params);
   // Experts apart: this rank's owned chunks' `plane` copied into or out of `flat` (the rank's
   // whole flat space), and `flat` completed from the owners (the chunks of no expert over the
   // data group, the rank's experts' over their holders).
@@ -152,6 +152,9 @@ class WholeModelState {
   const ChunkPartition* moments_ = nullptr;
   std::unique_ptr<Communicator> holders_;  // experts apart with data > P: the data ranks holding this rank's experts
   bool params_sharded_ = false;  // ZeRO-3: a rank holds only its own chunks' parameters
+  // ZeRO-3, or ZeRO-1/2 with bf16 parameters (store/bf16_state.h: a rank's float32 masters are its
+  // own chunks', the others' are bf16 bits): gather() takes every chunk's parameters from its owner.
+  bool params_from_owners_ = false;
   std::unique_ptr<ChunkStore> whole_;
   std::vector<TensorId> whole_ids_;
   std::vector<float> buffer_;

@@ -292,23 +292,30 @@ void PipelineStep::update(int64_t step, double lr, double& loss_sum, StepResult&
                                         : grad_sum_squares(store_);
   if (tensor != nullptr && tensor->rank() != 0) loss_sum = 0;
   Communicator::Request norm_request = pp.iallreduce_sum(&squares, 1);
+  // The copy: the float32 planes, but those bf16 training state holds (between steps their float32
+  // pages are given back): its bits and masters instead (store/bf16_state.h).
   const Plane planes[4] = {Plane::param, Plane::grad, Plane::adam_m, Plane::adam_v};
+  Bf16State* bf16 = optimizer_.bf16_state();
+  const auto kept = [&](Plane plane) { return bf16 == nullptr || !bf16->holds(plane); };
   const size_t n = static_cast<size_t>(store_.numel());
   backup_.resize(4 * n);
   for (int k = 0; k < 4; ++k) {
+    if (!kept(planes[k])) continue;
     const std::span<float> v = store_.range_view(planes[k], 0, store_.numel());
     std::copy(v.begin(), v.end(), backup_.begin() + k * n);
   }
+  if (bf16 != nullptr) bf16->copy_into(bf16_backup_);
   optimizer_.step_now(lr, step + 1, 1.0f);
   pp.wait(norm_request);
   r.grad_norm = std::sqrt(squares);
   loss_sum = world.allreduce_sum(loss_sum) / replicas;
   auto restore = [&](bool grads) {
     for (int k = 0; k < 4; ++k) {
-      if (planes[k] == Plane::grad && !grads) continue;
+      if ((planes[k] == Plane::grad && !grads) || !kept(planes[k])) continue;
       const std::span<float> v = store_.range_view(planes[k], 0, store_.numel());
       std::copy_n(backup_.begin() + k * n, n, v.begin());
     }
+    if (bf16 != nullptr) bf16->restore(bf16_backup_, grads);
   };
   if (!std::isfinite(r.grad_norm) || !std::isfinite(loss_sum)) {
     restore(false);  // the optimistic step is undone; accept() drops the gradients

@@ -25,6 +25,7 @@
 #include "pipeline/layer_profile.h"
 #include "pipeline/layout.h"
 #include "pipeline/micro_batching.h"
+#include "store/bf16_state.h"
 
 namespace keel::pipeline {
 
@@ -117,6 +118,7 @@ class PipelineStep final : public StepEngine, public MetricsSource, public Carri
   // executor's timeline, for the profiler.
   void profile(int64_t step);
   std::vector<float> backup_;  // post-validation: params, grads and moments before the optimistic step
+  Bf16State::Copy bf16_backup_;  // (the planes bf16 training state holds: their bits and masters)
   // The last step's figures (replica 0's bubble and the longest waits over every rank).
   double bubble_ = 0;
   std::vector<double> rank_bubble_;

@@ -24,11 +24,17 @@ void validate_bf16_state_config(const Config& c, int /*data_ranks: every ZeRO st
   refuse(c.clip.enabled(), "a dual encoder ([clip])");
   // A pipeline's re-cut builds the stages' state anew and migrates float32 planes into it.
   refuse(c.parallel.pipeline > 1 && c.parallel.repartition_every > 0, "a pipeline's re-cut (parallel.repartition_every > 0)");
-  refuse(c.parallel.tensor > 1, "parallel.tensor > 1");
-  refuse(c.sync.codec != SyncCodec::none, "sync.codec (compressed gradient sync)");
-  refuse(c.parallel.post_validate, "parallel.post_validate");
-  refuse(c.parallel.predict_gradients != PredictGradients::off, "parallel.predict_gradients");
-  refuse(c.checkpoint.memory_every > 0, "checkpoint.memory_every (memory checkpoints)");
+  // Tensor groups: each rank's store holds its shards and the replicated tensors, leased by its
+  // layers as any store's (WholeModelState gathers the owners' masters for checkpoints). A mixture
+  // of experts over tensor groups is not built with bf16 state yet (experts_sharded's fallback).
+  refuse(c.parallel.tensor > 1 && c.model.moe(),
+         "parallel.tensor > 1 with a mixture of experts (model.moe_experts > 0)");
+  // Compressed sync's codecs and error-feedback residuals work on float32 gradients; gradient
+  // prediction reads and writes the whole float32 gradient plane outside any lease.
+  refuse(c.sync.codec != SyncCodec::none,
+         "sync.codec (compressed gradient sync: its codecs and residuals work on float32 gradients)");
+  refuse(c.parallel.predict_gradients != PredictGradients::off,
+         "parallel.predict_gradients (the predictor reads the float32 gradient plane whole)");
 }
 
 Bf16State::Bf16State(ChunkStore& store, bool params, bool grads, const std::vector<int>& master_chunks)
@@ -224,6 +230,27 @@ void Bf16State::discard(Plane plane, int64_t offset, int64_t numel) {
     const int64_t lo = std::max(offset, c.offset), hi = std::min(offset + numel, c.offset + c.numel);
     if (lo < hi) std::fill(master_of(c.id) + (lo - c.offset), master_of(c.id) + (hi - c.offset), 0.0f);
   }
+}
+
+void Bf16State::copy_into(Copy& copy) const {
+  check(settled_, "bf16 state: copied before it settled");
+  auto bits = [](const Bits& b, std::vector<uint16_t>& out) { out.assign(b.data(), b.data() + b.size()); };
+  if (params_) bits(param_bits_, copy.param_bits);
+  if (grads_) bits(grad_bits_, copy.grad_bits);
+  copy.master = master_;
+}
+
+void Bf16State::restore(const Copy& copy, bool grads) {
+  check(std::all_of(leases_.begin(), leases_.end(), [](int open) { return open == 0; }),
+        "bf16 state: restored with a lease open");
+  for (Plane plane : {Plane::param, Plane::grad}) {
+    if (!holds(plane) || (plane == Plane::grad && !grads)) continue;
+    const std::vector<uint16_t>& from = plane == Plane::param ? copy.param_bits : copy.grad_bits;
+    check(from.size() == bits_of(plane).size(), "bf16 state: a copy of another layout restored");
+    std::copy(from.begin(), from.end(), bits_of(plane).data());
+    for (const Chunk& c : store_.chunks()) versions_[index({c.id, plane})]++;
+  }
+  if (params_) master_ = copy.master;
 }
 
 void Bf16State::update_at_home(PageRef p, const std::function<void(float* data, size_t n)>& update) {

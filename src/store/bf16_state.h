@@ -36,8 +36,10 @@
 // the residency it wraps: the store's own, or the memory tiers' (wrap_attached), which then home
 // and move the moments' pages (NVMe, host) while the bits and masters stay in this rank's memory
 // (the tiers neither home nor count the held planes: TierOptions::absent_planes). In a pipeline
-// each stage's ranks hold their stage's chunks so. Not combined with a pipeline's re-cut or tensor
-// parallelism (validate_bf16_state_config refuses them in one line each).
+// each stage's ranks hold their stage's chunks so, and with tensor groups each rank its store of
+// shards and replicated tensors (checkpoints gather the owners' masters into the whole model:
+// comm/tensor_parallel.h WholeModelState). Not combined with a pipeline's re-cut, nor a mixture of
+// experts over tensor groups (validate_bf16_state_config refuses them in one line each).
 #pragma once
 
 #include <cstdint>
@@ -120,6 +122,16 @@ class Bf16State final : public Residency {
     return !holds(p.plane) && inner_->known_sum_squares(p, out);
   }
   void step_shape_changed() override { inner_->step_shape_changed(); }
+
+  // What it holds between steps (the bits of the held planes, the masters), copied out and put
+  // back: a pipeline's post-validation keeps it before its optimistic step and restores it when
+  // the step must be redone (with `grads`: the gradient bits too). Requires no lease open.
+  struct Copy {
+    std::vector<uint16_t> param_bits, grad_bits;
+    std::vector<float> master;
+  };
+  void copy_into(Copy& copy) const;
+  void restore(const Copy& copy, bool grads);
 
  private:
   static size_t index(PageRef p) { return static_cast<size_t>(p.chunk) * kNumPlanes + static_cast<size_t>(p.plane); }
