@@ -156,22 +156,29 @@ TEST_F(MoeTiersParallel, ZeroThreeThroughTheTiersTrainsItsBytesInMemory) {
 // ZeRO-3 with expert groups of 2 on 2 ranks, each rank its experts' only holder (their chunks
 // never broadcast: a MoE block leases only its experts that rows were sent to, apart from the
 // layer's gather), with the experts re-homed by routing share every 2 steps through a 1 MiB
-// compute tier: the bytes of the same layout in memory, re-homed at least once.
+// compute tier: the bytes of the same layout in memory, re-homed at least once. So with tensor
+// groups of 2 (data 2 x tensor 2, 4 ranks: each rank the only holder of its tensor shard of its
+// expert group's 2 experts).
 TEST_F(MoeTiersParallel, ZeroThreeWithExpertGroupsHomesTheExpertsByRoutingShare) {
-  const std::string layout = "--set parallel.zero=3 --set parallel.expert=2 --set model.moe_aux_weight=0 ";
-  testing::CommandResult r = train("z3-ep2-noaux", layout);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  r = train("z3-ep2-freq", layout + tiers() + "--set tier.experts=by_frequency --set tier.experts_every=2 ");
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
-  expect_same_training("z3-ep2-noaux", "z3-ep2-freq");
-  expect_tiered("z3-ep2-freq", {0, 1});
-  int rehomed = 0;
-  for (const json& s : lines("z3-ep2-freq")) rehomed += s.contains("tier_experts_rehomed") ? 1 : 0;
-  EXPECT_GE(rehomed, 1);
-  EXPECT_TRUE(fs::is_empty(at("nvme"))) << "a tier's file outlived the run";
-  fs::remove_all(at("z3-ep2-noaux"));
-  fs::remove_all(at("z3-ep2-freq"));
+  for (const int tensor : {1, 2}) {
+    const std::string layout = "--set parallel.zero=3 --set parallel.expert=2 --set model.moe_aux_weight=0 "
+                               "--set parallel.tensor=" + std::to_string(tensor) + " ";
+    const std::string reference = "z3-ep2-t" + std::to_string(tensor) + "-noaux",
+                      run = "z3-ep2-t" + std::to_string(tensor) + "-freq";
+    testing::CommandResult r = train(reference, layout, 2 * tensor);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    r = train(run, layout + tiers() + "--set tier.experts=by_frequency --set tier.experts_every=2 ", 2 * tensor);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
+    expect_same_training(reference, run);
+    expect_tiered(run, {0, 1}, tensor);  // (with tensor groups step 1 of a rank's shard fits its compute tier)
+    int rehomed = 0;
+    for (const json& s : lines(run)) rehomed += s.contains("tier_experts_rehomed") ? 1 : 0;
+    EXPECT_GE(rehomed, 1) << run;
+    EXPECT_TRUE(fs::is_empty(at("nvme"))) << "a tier's file outlived the run";
+    fs::remove_all(at(reference));
+    fs::remove_all(at(run));
+  }
 }
 
 // Expert groups of 2 under ZeRO-1 and ZeRO-2 (each rank holds its 2 experts of every block, the
@@ -310,7 +317,8 @@ TEST_F(MoeTiersParallel, PipelineStagesThroughTheTiersTrainTheirBytesInMemory) {
 }
 
 // What stays refused with memory tiers and a mixture of experts: experts homed by routing share
-// under ZeRO-3 but where each rank is its experts' only holder, in one line; and what is built.
+// under ZeRO-3 but where each rank is its experts' only holder (with or without tensor groups), in
+// one line; and what is built.
 TEST_F(MoeTiersParallel, WhatIsNotBuiltIsRefusedInOneLine) {
   const std::vector<std::string> moe = {"model.preset=llama-moe-tiny", "tier.device_mib=64", "tier.host_mib=64"};
   auto refusal = [&](std::vector<std::string> extra) {
@@ -326,6 +334,9 @@ TEST_F(MoeTiersParallel, WhatIsNotBuiltIsRefusedInOneLine) {
   std::vector<std::string> four = moe;
   for (const char* set : {"parallel.zero=3", "parallel.expert=2", "tier.experts=by_frequency"}) four.push_back(set);
   EXPECT_NE(testing::config_refusal(four, 4).find("config key 'tier.experts'"), std::string::npos);
+  // (with tensor groups of 2 on the same 4 ranks each rank is again its expert shards' only holder)
+  four.push_back("parallel.tensor=2");
+  EXPECT_EQ(testing::config_refusal(four, 4), "");
   for (const std::vector<std::string>& built :
        {std::vector<std::string>{"parallel.expert=2"}, {"parallel.expert=2", "tier.experts=by_frequency"},
         {"parallel.zero=1", "parallel.expert=2"}, {"parallel.zero=2", "parallel.expert=2", "tier.experts=by_frequency"},
