@@ -898,17 +898,8 @@ void Config::resolve(int world_size) {
   if (model.moe()) {
     // What a mixture of experts does not combine with yet (docs/architecture.md, "Mixture of experts").
     const std::string moe = " with model.moe_experts > 0 (not built yet for a mixture of experts)";
-    // Under ZeRO-3 a block's pass gathers every expert it holds with its layer, whatever the
-    // routing (a share would not change which expert pages a step touches), but where each rank is
-    // the only holder of its experts (data = P on one stage, with or without tensor groups: each
-    // tensor rank its shard's only holder; comm/expert_parallel.h experts_gathered_with_layers).
-    const int group_ranks = data_ranks * parallel.context;
-    const bool experts_alone = experts_held_alone(parallel, group_ranks);
-    require(parallel.zero != 3 || tier.experts == TierExperts::off || group_ranks == 1 || experts_alone, "tier.experts",
-            "\"off\" with parallel.zero = 3 but with parallel.expert = the " + s(group_ranks) +
-                " data-parallel ranks on one stage (each rank its experts' only holder; "
-                "elsewhere a MoE block's pass gathers every expert with its layer, whatever the routing)",
-            "\"" + std::string(to_string(tier.experts)) + "\"");
+    // (Under ZeRO-3 with tier.experts = "by_frequency" a block gathers only the experts some holder
+    // routed rows to: comm/expert_parallel.h experts_gathered_apart.)
     require(!clip.enabled(), "model.moe_experts", "0 in a dual encoder's text tower", s(model.moe_experts));
   }
   if (tier.experts != TierExperts::off) {  // experts homed by their routing shares (runtime/expert_tiers.h)

@@ -99,6 +99,8 @@ std::unique_ptr<RankModel> RankModel::build(const Config& config, ProcessGroups&
   // ZeRO-3 gathers a layer's parameters under its layer lease: a MoE block's experts come with it
   // (but those a rank alone holds).
   if (experts_gathered_with_layers(config, dp.size())) gather_experts_with_layers(*r->model);
+  // (Or, experts homed by routing share, apart: only those some holder routed rows to.)
+  if (experts_gathered_apart(config, dp.size())) r->expert_holders = gather_experts_apart(*r->model, config, dp);
   if (groups.tp() != nullptr) {
     // Under ZeRO-1/2 the moments are shared out over the data-parallel group (the optimizer's partition).
     const bool sharded = r->optimizer->zero() >= 1;
