@@ -307,9 +307,12 @@ TEST_F(MoeTiers, BadValuesOfTheExpertKeysAreRefusedInOneLine) {
             std::string::npos);
   EXPECT_NE(refusal({"tier.experts=by_frequency", "tier.policy=adaptive"}).find("'tier.policy'"), std::string::npos);
   EXPECT_NE(refusal({"tier.experts_every=0"}).find("'tier.experts_every'"), std::string::npos);
-  for (const char* state : {"runtime.param_dtype", "runtime.grad_dtype"}) {
-    EXPECT_NE(refusal({"tier.experts=by_frequency", std::string(state) + "=bf16"}).find(std::string("'") + state + "'"),
-              std::string::npos);
+  // (bf16 training state: the line names the key and the plane it keeps outside the tiers)
+  for (const auto& [state, plane] : {std::pair<std::string, std::string>{"runtime.param_dtype", "parameter"},
+                                     {"runtime.grad_dtype", "gradient"}}) {
+    const std::string why = refusal({"tier.experts=by_frequency", state + "=bf16"});
+    EXPECT_NE(why.find("'" + state + "'"), std::string::npos) << why;
+    EXPECT_NE(why.find("experts' " + plane + " pages outside the memory tiers"), std::string::npos) << why;
   }
   EXPECT_EQ(refusal({"tier.experts=by_frequency", "runtime.precision=bf16"}), "");
 }
