@@ -307,13 +307,17 @@ TEST_F(MoeTiers, BadValuesOfTheExpertKeysAreRefusedInOneLine) {
             std::string::npos);
   EXPECT_NE(refusal({"tier.experts=by_frequency", "tier.policy=adaptive"}).find("'tier.policy'"), std::string::npos);
   EXPECT_NE(refusal({"tier.experts_every=0"}).find("'tier.experts_every'"), std::string::npos);
-  // (bf16 training state: the line names the key and the plane it keeps outside the tiers)
-  for (const auto& [state, plane] : {std::pair<std::string, std::string>{"runtime.param_dtype", "parameter"},
-                                     {"runtime.grad_dtype", "gradient"}}) {
-    const std::string why = refusal({"tier.experts=by_frequency", state + "=bf16"});
-    EXPECT_NE(why.find("'" + state + "'"), std::string::npos) << why;
-    EXPECT_NE(why.find("experts' " + plane + " pages outside the memory tiers"), std::string::npos) << why;
+  // (bf16 parameters: the line names the key and the plane the bf16 state keeps outside the tiers;
+  // bf16 gradients alone are built)
+  for (const std::vector<std::string>& state :
+       {std::vector<std::string>{"runtime.param_dtype=bf16"}, {"runtime.param_dtype=bf16", "runtime.grad_dtype=bf16"}}) {
+    std::vector<std::string> sets = {"tier.experts=by_frequency"};
+    sets.insert(sets.end(), state.begin(), state.end());
+    const std::string why = refusal(sets);
+    EXPECT_NE(why.find("'runtime.param_dtype'"), std::string::npos) << why;
+    EXPECT_NE(why.find("experts' parameter pages outside the memory tiers"), std::string::npos) << why;
   }
+  EXPECT_EQ(refusal({"tier.experts=by_frequency", "runtime.grad_dtype=bf16"}), "");
   EXPECT_EQ(refusal({"tier.experts=by_frequency", "runtime.precision=bf16"}), "");
 }
 
@@ -332,6 +336,36 @@ TEST_F(MoeTiers, ByFrequencyWithBf16ProductsTrainsTheBytesOfBf16InMemory) {
       << "bf16 products trained float32's bytes";
   fs::remove_all(at("memory-bf16"));
   fs::remove_all(at("tiered-bf16"));
+}
+
+// bf16 gradients (runtime.grad_dtype = "bf16": the bf16 state keeps them outside the tiers) with
+// the experts' parameter pages homed by routing share every 2 steps through a 1 MiB compute tier:
+// the bytes of bf16 gradients in memory, re-homed at least once, every step's per-expert figures
+// of parameter pages alone.
+TEST_F(MoeTiers, ByFrequencyWithBf16GradientsHomesTheParameterPagesAndTrainsTheirBytesInMemory) {
+  const std::string bf16 = " --set runtime.grad_dtype=bf16 --set model.moe_aux_weight=0 ";
+  testing::CommandResult r = train("memory-bf16-grads", bf16);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = train("freq-bf16-grads", bf16 + tiers("--set tier.experts=by_frequency --set tier.experts_every=2"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("tier.experts = by_frequency"), std::string::npos) << r.output;
+  expect_same_training("memory-bf16-grads", "freq-bf16-grads");
+  int rehomed = 0;
+  double read = 0;
+  for (const json& s : lines("freq-bf16-grads")) {
+    EXPECT_EQ(s.at("tier_stale_refetches").get<int>(), 0);
+    rehomed += s.contains("tier_experts_rehomed") ? 1 : 0;
+    ASSERT_EQ(s.at("tier_experts").size(), 2u) << s;
+    for (const json& block : s.at("tier_experts")) {
+      for (const json& bytes : block.at("read_bytes")) read += bytes.get<double>();
+    }
+  }
+  EXPECT_GE(rehomed, 1);
+  EXPECT_GT(read, 0) << "no expert parameter page was read through the tiers";
+  EXPECT_NE(testing::checkpoint_bytes(at("memory-bf16-grads") + "/ckpt"), testing::checkpoint_bytes(at("memory") + "/ckpt"))
+      << "bf16 gradients trained float32's bytes";
+  fs::remove_all(at("memory-bf16-grads"));
+  fs::remove_all(at("freq-bf16-grads"));
 }
 
 // The planner against every assignment of 5 experts to the three tiers: the plan is the one a

@@ -909,17 +909,14 @@ void Config::resolve(int world_size) {
     require(tier.policy == TierPolicy::static_, "tier.policy",
             "\"static\" with tier.experts = \"by_frequency\" (both would re-home the experts' pages)", "\"adaptive\"");
     // (bf16 products are built: the tiers hold the float32 pages and the products round them.)
-    // bf16 training state keeps the planes it holds in this rank's memory, outside the tiers
-    // (store/bf16_state.h): the tiers hold no expert page of such a plane, and homing the other
-    // plane's alone is not built (runtime/expert_tiers.h moves an expert's parameter and gradient
-    // pages together).
-    auto state = [](const std::string& plane) {
-      return "\"fp32\" with tier.experts = \"by_frequency\" (bf16 training state keeps the experts' " + plane +
-             " pages outside the memory tiers, where no routing share can home them; homing their other plane "
-             "alone is not built)";
-    };
-    require(runtime.param_dtype == StateDtype::fp32, "runtime.param_dtype", state("parameter"), "\"bf16\"");
-    require(runtime.grad_dtype == StateDtype::fp32, "runtime.grad_dtype", state("gradient"), "\"bf16\"");
+    // bf16 parameters are kept in this rank's memory, outside the tiers (store/bf16_state.h): the
+    // tiers hold no expert parameter page, and homing the experts' gradient pages alone is not
+    // built. (bf16 gradients alone are: the tiers hold the experts' parameter pages.)
+    require(runtime.param_dtype == StateDtype::fp32, "runtime.param_dtype",
+            "\"fp32\" with tier.experts = \"by_frequency\" (bf16 training state keeps the experts' parameter pages "
+            "outside the memory tiers, where no routing share can home them; homing their gradient pages alone is not "
+            "built)",
+            "\"bf16\"");
   }
   require(tier.experts_every >= 1, "tier.experts_every", ">= 1 optimizer steps between re-homings",
           s(tier.experts_every));
