@@ -44,6 +44,21 @@ class MoeTiers : public testing::MoeRuns {
   }
   // A compute tier of 1 MiB for 2.3 MiB of state: most pages live on host DRAM and NVMe.
   static std::string tiers(const std::string& extra = "") { return one_mib_tiers(extra); }
+  // `extra` trained into `reference` in memory and into `run` through the tiers with the experts
+  // homed by routing share every 2 steps: the same bytes, no stale refetch, and not float32's
+  // bytes (the suite's "memory": `extra` changes what is trained).
+  static void expect_by_frequency_trains_bytes_in_memory(const std::string& reference, const std::string& run,
+                                                         const std::string& extra) {
+    testing::CommandResult r = train(reference, extra);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    r = train(run, extra + tiers("--set tier.experts=by_frequency --set tier.experts_every=2"));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("tier.experts = by_frequency"), std::string::npos) << r.output;
+    expect_same_training(reference, run);
+    for (const json& s : lines(run)) EXPECT_EQ(s.at("tier_stale_refetches").get<int>(), 0);
+    EXPECT_NE(testing::checkpoint_bytes(at(reference) + "/ckpt"), testing::checkpoint_bytes(at("memory") + "/ckpt"))
+        << extra << " trained float32's bytes";
+  }
 };
 
 // The tiered runs (prefetch on and off, io_uring and the thread pool, the experts homed by
@@ -324,16 +339,7 @@ TEST_F(MoeTiers, BadValuesOfTheExpertKeysAreRefusedInOneLine) {
 // bf16 products (runtime.precision = "bf16": the tiers hold float32 pages, the products round
 // them) with the experts homed by routing share every 2 steps: the bytes of bf16 products in memory.
 TEST_F(MoeTiers, ByFrequencyWithBf16ProductsTrainsTheBytesOfBf16InMemory) {
-  const std::string bf16 = " --set runtime.precision=bf16 ";
-  testing::CommandResult r = train("memory-bf16", bf16);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  r = train("tiered-bf16", bf16 + tiers("--set tier.experts=by_frequency --set tier.experts_every=2"));
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("tier.experts = by_frequency"), std::string::npos) << r.output;
-  expect_same_training("memory-bf16", "tiered-bf16");
-  for (const json& s : lines("tiered-bf16")) EXPECT_EQ(s.at("tier_stale_refetches").get<int>(), 0);
-  EXPECT_NE(testing::checkpoint_bytes(at("memory-bf16") + "/ckpt"), testing::checkpoint_bytes(at("memory") + "/ckpt"))
-      << "bf16 products trained float32's bytes";
+  expect_by_frequency_trains_bytes_in_memory("memory-bf16", "tiered-bf16", " --set runtime.precision=bf16 ");
   fs::remove_all(at("memory-bf16"));
   fs::remove_all(at("tiered-bf16"));
 }
@@ -343,17 +349,11 @@ TEST_F(MoeTiers, ByFrequencyWithBf16ProductsTrainsTheBytesOfBf16InMemory) {
 // the bytes of bf16 gradients in memory, re-homed at least once, every step's per-expert figures
 // of parameter pages alone.
 TEST_F(MoeTiers, ByFrequencyWithBf16GradientsHomesTheParameterPagesAndTrainsTheirBytesInMemory) {
-  const std::string bf16 = " --set runtime.grad_dtype=bf16 --set model.moe_aux_weight=0 ";
-  testing::CommandResult r = train("memory-bf16-grads", bf16);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  r = train("freq-bf16-grads", bf16 + tiers("--set tier.experts=by_frequency --set tier.experts_every=2"));
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("tier.experts = by_frequency"), std::string::npos) << r.output;
-  expect_same_training("memory-bf16-grads", "freq-bf16-grads");
+  ASSERT_NO_FATAL_FAILURE(expect_by_frequency_trains_bytes_in_memory(
+      "memory-bf16-grads", "freq-bf16-grads", " --set runtime.grad_dtype=bf16 --set model.moe_aux_weight=0 "));
   int rehomed = 0;
   double read = 0;
   for (const json& s : lines("freq-bf16-grads")) {
-    EXPECT_EQ(s.at("tier_stale_refetches").get<int>(), 0);
     rehomed += s.contains("tier_experts_rehomed") ? 1 : 0;
     ASSERT_EQ(s.at("tier_experts").size(), 2u) << s;
     for (const json& block : s.at("tier_experts")) {
@@ -362,8 +362,6 @@ TEST_F(MoeTiers, ByFrequencyWithBf16GradientsHomesTheParameterPagesAndTrainsThei
   }
   EXPECT_GE(rehomed, 1);
   EXPECT_GT(read, 0) << "no expert parameter page was read through the tiers";
-  EXPECT_NE(testing::checkpoint_bytes(at("memory-bf16-grads") + "/ckpt"), testing::checkpoint_bytes(at("memory") + "/ckpt"))
-      << "bf16 gradients trained float32's bytes";
   fs::remove_all(at("memory-bf16-grads"));
   fs::remove_all(at("freq-bf16-grads"));
 }
