@@ -7,7 +7,8 @@
 // share too, and its checkpoint resumed without expert parallelism, and under ZeRO-1/2 (a
 // rank owning its experts' whole state; also with bf16 training state, on one stage and in a
 // pipeline); ZeRO-3 (the gathered layer in the compute tier, a rank's shard homed by the tiers),
-// with and without expert groups (each rank holding and tiering only its 2 experts), resumed; and
+// with and without expert groups (each rank holding and tiering only its 2 experts), resumed, and
+// with the experts homed by routing share (gathered apart where several ranks hold each); and
 // what stays refused, in one line each.
 #include <gtest/gtest.h>
 
@@ -156,22 +157,88 @@ TEST_F(MoeTiersParallel, ZeroThreeThroughTheTiersTrainsItsBytesInMemory) {
 // ZeRO-3 with expert groups of 2 on 2 ranks, each rank its experts' only holder (their chunks
 // never broadcast: a MoE block leases only its experts that rows were sent to, apart from the
 // layer's gather), with the experts re-homed by routing share every 2 steps through a 1 MiB
-// compute tier: the bytes of the same layout in memory, re-homed at least once.
+// compute tier: the bytes of the same layout in memory, re-homed at least once. So with tensor
+// groups of 2 (data 2 x tensor 2, 4 ranks: each rank the only holder of its tensor shard of its
+// expert group's 2 experts).
 TEST_F(MoeTiersParallel, ZeroThreeWithExpertGroupsHomesTheExpertsByRoutingShare) {
-  const std::string layout = "--set parallel.zero=3 --set parallel.expert=2 --set model.moe_aux_weight=0 ";
-  testing::CommandResult r = train("z3-ep2-noaux", layout);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  r = train("z3-ep2-freq", layout + tiers() + "--set tier.experts=by_frequency --set tier.experts_every=2 ");
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
-  expect_same_training("z3-ep2-noaux", "z3-ep2-freq");
-  expect_tiered("z3-ep2-freq", {0, 1});
-  int rehomed = 0;
-  for (const json& s : lines("z3-ep2-freq")) rehomed += s.contains("tier_experts_rehomed") ? 1 : 0;
-  EXPECT_GE(rehomed, 1);
-  EXPECT_TRUE(fs::is_empty(at("nvme"))) << "a tier's file outlived the run";
-  fs::remove_all(at("z3-ep2-noaux"));
-  fs::remove_all(at("z3-ep2-freq"));
+  for (const int tensor : {1, 2}) {
+    const std::string layout = "--set parallel.zero=3 --set parallel.expert=2 --set model.moe_aux_weight=0 "
+                               "--set parallel.tensor=" + std::to_string(tensor) + " ";
+    const std::string reference = "z3-ep2-t" + std::to_string(tensor) + "-noaux",
+                      run = "z3-ep2-t" + std::to_string(tensor) + "-freq";
+    testing::CommandResult r = train(reference, layout, 2 * tensor);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    r = train(run, layout + tiers() + "--set tier.experts=by_frequency --set tier.experts_every=2 ", 2 * tensor);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("each runs and holds 2 of every MoE block's 4 experts"), std::string::npos) << r.output;
+    expect_same_training(reference, run);
+    expect_tiered(run, {0, 1}, tensor);  // (with tensor groups step 1 of a rank's shard fits its compute tier)
+    int rehomed = 0;
+    for (const json& s : lines(run)) rehomed += s.contains("tier_experts_rehomed") ? 1 : 0;
+    EXPECT_GE(rehomed, 1) << run;
+    EXPECT_TRUE(fs::is_empty(at("nvme"))) << "a tier's file outlived the run";
+    fs::remove_all(at(reference));
+    fs::remove_all(at(run));
+  }
+}
+
+// ZeRO-3 where several ranks hold each expert, the experts re-homed by routing share every 2 steps
+// through a 1 MiB compute tier: a block's holders agree on the experts any of them routed rows to
+// and gather only those, one at a time apart from the layer (comm/expert_parallel.h
+// experts_gathered_apart), where the same layout in memory gathers every expert with its layer.
+// At 8 experts of which each token chooses 1, without expert groups on 2 ranks (each holds every
+// expert, its shard of their chunks homed by its tiers), with expert groups of 2 on 4 ranks (two
+// holders of each expert), in two replicas of 2 pipeline stages (a stage's replicas hold its
+// block's experts) and on 2 ranks with bf16 gradients (the tiers home the experts' parameter pages
+// alone): the bytes of the layout in memory, re-homed at least once, no more bytes
+// gathered by any rank in any step (fewer where some micro-batch leaves an expert unchosen by all
+// of its holders: the runs are deterministic, so the same each time).
+TEST_F(MoeTiersParallel, ZeroThreeGathersTheExpertsSomeHolderChoseApartByRoutingShare) {
+  struct Case {
+    std::string reference, layout;
+    int ranks;
+    std::vector<int> experts;  // rank 0's
+    bool fewer;                // some micro-batch's holders routed no rows to some expert (the same each run)
+    int first_read = 1;        // the first step whose pages outgrow rank 0's compute tier
+  };
+  const std::string eight = "--set model.moe_experts=8 --set model.moe_top_k=1 ";
+  const std::vector<int> all = {0, 1, 2, 3, 4, 5, 6, 7};
+  for (const Case& c : {Case{"z3-d2-noaux", eight, 2, all, true},
+                        Case{"z3-d4-ep2-noaux", eight + "--set parallel.expert=2 ", 4, {0, 1, 2, 3}, false, 2},
+                        Case{"z3-d2p2-noaux", eight + "--set parallel.pipeline=2 ", 4, all, true, 2},
+                        Case{"z3-d2-bf16-grads", eight + "--set runtime.grad_dtype=bf16 ", 2, all, true, 2}}) {
+    const std::string layout = "--set parallel.zero=3 --set model.moe_aux_weight=0 " + c.layout;
+    const std::string run = c.reference + "-freq";
+    testing::CommandResult r = train(c.reference, layout, c.ranks);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    r = train(run, layout + tiers() + "--set tier.experts=by_frequency --set tier.experts_every=2 ", c.ranks);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    expect_same_training(c.reference, run);
+    expect_tiered(run, c.experts, c.first_read);
+    const std::vector<json> want = lines(c.reference), got = lines(run);
+    int rehomed = 0;
+    double gathered = 0, gathered_with_layers = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      rehomed += got[i].contains("tier_experts_rehomed") ? 1 : 0;
+      // (per rank of rank 0's data group: the bytes it received)
+      const std::vector<int64_t> apart = got[i].at("zero3_gathered_bytes"), whole = want[i].at("zero3_gathered_bytes");
+      ASSERT_EQ(apart.size(), whole.size()) << run;
+      for (size_t k = 0; k < apart.size(); ++k) {
+        EXPECT_LE(apart[k], whole[k]) << run << " step " << i + 1 << " rank " << k;
+        gathered += static_cast<double>(apart[k]);
+        gathered_with_layers += static_cast<double>(whole[k]);
+      }
+    }
+    EXPECT_GE(rehomed, 1) << run;
+    if (c.fewer) {
+      EXPECT_LT(gathered, gathered_with_layers) << run;
+    }
+    std::printf("%s: %.0f bytes gathered, %.0f gathering every expert with its layer\n", run.c_str(), gathered,
+                gathered_with_layers);
+    EXPECT_TRUE(fs::is_empty(at("nvme"))) << "a tier's file outlived the run";
+    fs::remove_all(at(c.reference));
+    fs::remove_all(at(run));
+  }
 }
 
 // Expert groups of 2 under ZeRO-1 and ZeRO-2 (each rank holds its 2 experts of every block, the
@@ -309,8 +376,10 @@ TEST_F(MoeTiersParallel, PipelineStagesThroughTheTiersTrainTheirBytesInMemory) {
   }
 }
 
-// What stays refused with memory tiers and a mixture of experts: experts homed by routing share
-// under ZeRO-3 but where each rank is its experts' only holder, in one line; and what is built.
+// What stays refused with memory tiers and a mixture of experts, in one line: experts homed by
+// routing share with bf16 training state (also under ZeRO-3); and what is built: by routing share
+// under ZeRO-3 in every layout (each rank its experts' only holder, with or without tensor groups;
+// several holders of each expert).
 TEST_F(MoeTiersParallel, WhatIsNotBuiltIsRefusedInOneLine) {
   const std::vector<std::string> moe = {"model.preset=llama-moe-tiny", "tier.device_mib=64", "tier.host_mib=64"};
   auto refusal = [&](std::vector<std::string> extra) {
@@ -320,16 +389,20 @@ TEST_F(MoeTiersParallel, WhatIsNotBuiltIsRefusedInOneLine) {
     EXPECT_EQ(why.find('\n'), std::string::npos) << why;
     return why;
   };
-  EXPECT_NE(refusal({"parallel.zero=3", "tier.experts=by_frequency"}).find("config key 'tier.experts'"),
+  EXPECT_NE(refusal({"parallel.zero=3", "tier.experts=by_frequency", "runtime.param_dtype=bf16"})
+                .find("config key 'runtime.param_dtype'"),
             std::string::npos);
-  // (on 4 ranks in expert groups of 2 each expert has 2 holders, which gather it with the layer)
+  // (on 4 ranks in expert groups of 2 each expert has 2 holders; with tensor groups of 2 each rank
+  // is again its expert shards' only holder)
   std::vector<std::string> four = moe;
   for (const char* set : {"parallel.zero=3", "parallel.expert=2", "tier.experts=by_frequency"}) four.push_back(set);
-  EXPECT_NE(testing::config_refusal(four, 4).find("config key 'tier.experts'"), std::string::npos);
+  EXPECT_EQ(testing::config_refusal(four, 4), "");
+  four.push_back("parallel.tensor=2");
+  EXPECT_EQ(testing::config_refusal(four, 4), "");
   for (const std::vector<std::string>& built :
        {std::vector<std::string>{"parallel.expert=2"}, {"parallel.expert=2", "tier.experts=by_frequency"},
         {"parallel.zero=1", "parallel.expert=2"}, {"parallel.zero=2", "parallel.expert=2", "tier.experts=by_frequency"},
-        {"parallel.zero=3"}, {"parallel.zero=3", "parallel.expert=2"},
+        {"parallel.zero=3"}, {"parallel.zero=3", "parallel.expert=2"}, {"parallel.zero=3", "tier.experts=by_frequency"},
         {"parallel.zero=3", "parallel.expert=2", "tier.experts=by_frequency"}, {"parallel.pipeline=2"},
         {"parallel.pipeline=2", "tier.experts=by_frequency"},
         {"parallel.pipeline=2", "parallel.repartition_every=4", "monitor.layer_costs_every=2"}}) {

@@ -44,6 +44,21 @@ class MoeTiers : public testing::MoeRuns {
   }
   // A compute tier of 1 MiB for 2.3 MiB of state: most pages live on host DRAM and NVMe.
   static std::string tiers(const std::string& extra = "") { return one_mib_tiers(extra); }
+  // `extra` trained into `reference` in memory and into `run` through the tiers with the experts
+  // homed by routing share every 2 steps: the same bytes, no stale refetch, and not float32's
+  // bytes (the suite's "memory": `extra` changes what is trained).
+  static void expect_by_frequency_trains_bytes_in_memory(const std::string& reference, const std::string& run,
+                                                         const std::string& extra) {
+    testing::CommandResult r = train(reference, extra);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    r = train(run, extra + tiers("--set tier.experts=by_frequency --set tier.experts_every=2"));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("tier.experts = by_frequency"), std::string::npos) << r.output;
+    expect_same_training(reference, run);
+    for (const json& s : lines(run)) EXPECT_EQ(s.at("tier_stale_refetches").get<int>(), 0);
+    EXPECT_NE(testing::checkpoint_bytes(at(reference) + "/ckpt"), testing::checkpoint_bytes(at("memory") + "/ckpt"))
+        << extra << " trained float32's bytes";
+  }
 };
 
 // The tiered runs (prefetch on and off, io_uring and the thread pool, the experts homed by
@@ -307,28 +322,48 @@ TEST_F(MoeTiers, BadValuesOfTheExpertKeysAreRefusedInOneLine) {
             std::string::npos);
   EXPECT_NE(refusal({"tier.experts=by_frequency", "tier.policy=adaptive"}).find("'tier.policy'"), std::string::npos);
   EXPECT_NE(refusal({"tier.experts_every=0"}).find("'tier.experts_every'"), std::string::npos);
-  for (const char* state : {"runtime.param_dtype", "runtime.grad_dtype"}) {
-    EXPECT_NE(refusal({"tier.experts=by_frequency", std::string(state) + "=bf16"}).find(std::string("'") + state + "'"),
-              std::string::npos);
+  // (bf16 parameters: the line names the key and the plane the bf16 state keeps outside the tiers;
+  // bf16 gradients alone are built)
+  for (const std::vector<std::string>& state :
+       {std::vector<std::string>{"runtime.param_dtype=bf16"}, {"runtime.param_dtype=bf16", "runtime.grad_dtype=bf16"}}) {
+    std::vector<std::string> sets = {"tier.experts=by_frequency"};
+    sets.insert(sets.end(), state.begin(), state.end());
+    const std::string why = refusal(sets);
+    EXPECT_NE(why.find("'runtime.param_dtype'"), std::string::npos) << why;
+    EXPECT_NE(why.find("experts' parameter pages outside the memory tiers"), std::string::npos) << why;
   }
+  EXPECT_EQ(refusal({"tier.experts=by_frequency", "runtime.grad_dtype=bf16"}), "");
   EXPECT_EQ(refusal({"tier.experts=by_frequency", "runtime.precision=bf16"}), "");
 }
 
 // bf16 products (runtime.precision = "bf16": the tiers hold float32 pages, the products round
 // them) with the experts homed by routing share every 2 steps: the bytes of bf16 products in memory.
 TEST_F(MoeTiers, ByFrequencyWithBf16ProductsTrainsTheBytesOfBf16InMemory) {
-  const std::string bf16 = " --set runtime.precision=bf16 ";
-  testing::CommandResult r = train("memory-bf16", bf16);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  r = train("tiered-bf16", bf16 + tiers("--set tier.experts=by_frequency --set tier.experts_every=2"));
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("tier.experts = by_frequency"), std::string::npos) << r.output;
-  expect_same_training("memory-bf16", "tiered-bf16");
-  for (const json& s : lines("tiered-bf16")) EXPECT_EQ(s.at("tier_stale_refetches").get<int>(), 0);
-  EXPECT_NE(testing::checkpoint_bytes(at("memory-bf16") + "/ckpt"), testing::checkpoint_bytes(at("memory") + "/ckpt"))
-      << "bf16 products trained float32's bytes";
+  expect_by_frequency_trains_bytes_in_memory("memory-bf16", "tiered-bf16", " --set runtime.precision=bf16 ");
   fs::remove_all(at("memory-bf16"));
   fs::remove_all(at("tiered-bf16"));
+}
+
+// bf16 gradients (runtime.grad_dtype = "bf16": the bf16 state keeps them outside the tiers) with
+// the experts' parameter pages homed by routing share every 2 steps through a 1 MiB compute tier:
+// the bytes of bf16 gradients in memory, re-homed at least once, every step's per-expert figures
+// of parameter pages alone.
+TEST_F(MoeTiers, ByFrequencyWithBf16GradientsHomesTheParameterPagesAndTrainsTheirBytesInMemory) {
+  ASSERT_NO_FATAL_FAILURE(expect_by_frequency_trains_bytes_in_memory(
+      "memory-bf16-grads", "freq-bf16-grads", " --set runtime.grad_dtype=bf16 --set model.moe_aux_weight=0 "));
+  int rehomed = 0;
+  double read = 0;
+  for (const json& s : lines("freq-bf16-grads")) {
+    rehomed += s.contains("tier_experts_rehomed") ? 1 : 0;
+    ASSERT_EQ(s.at("tier_experts").size(), 2u) << s;
+    for (const json& block : s.at("tier_experts")) {
+      for (const json& bytes : block.at("read_bytes")) read += bytes.get<double>();
+    }
+  }
+  EXPECT_GE(rehomed, 1);
+  EXPECT_GT(read, 0) << "no expert parameter page was read through the tiers";
+  fs::remove_all(at("memory-bf16-grads"));
+  fs::remove_all(at("freq-bf16-grads"));
 }
 
 // The planner against every assignment of 5 experts to the three tiers: the plan is the one a

@@ -63,7 +63,23 @@ void gather_experts_with_layers(GPT& model) {
 
 bool experts_gathered_with_layers(const Config& config, int data_ranks) {
   if (!config.model.moe() || config.parallel.zero != 3 || data_ranks < 2) return false;
+  if (experts_gathered_apart(config, data_ranks)) return false;
   return !(experts_sharded(config) && experts_held_alone(config.parallel, data_ranks));
+}
+
+bool experts_gathered_apart(const Config& config, int data_ranks) {
+  if (!config.model.moe() || config.parallel.zero != 3 || data_ranks < 2) return false;
+  if (config.tier.experts != TierExperts::by_frequency) return false;
+  return !(experts_sharded(config) && experts_held_alone(config.parallel, data_ranks));
+}
+
+std::unique_ptr<MpiExpertHolders> gather_experts_apart(GPT& model, const Config& config, Communicator& dp) {
+  const int P = experts_sharded(config) ? config.parallel.expert : 1;
+  auto holders = std::make_unique<MpiExpertHolders>(P > 1 ? dp.split(dp.rank() % P, dp.rank() / P) : dp.duplicate());
+  for (int l = 0; l < model.num_layers(); ++l) {
+    if (MoeFeedForward* moe = model.holds_any({l}) ? model.layer(l).moe() : nullptr) moe->gather_experts_apart(holders.get());
+  }
+  return holders;
 }
 
 double expert_grad_squares(const ChunkStore& store, Communicator& experts) {

@@ -23,7 +23,9 @@
 // same partition homes the parameters (comm/sharded_params.h): a MoE block's whole-layer lease
 // gathers the chunks of no expert over the data group and the rank's experts' over their holders
 // (with data == P on one stage the layer's lease takes the chunks of no expert only, and the
-// block leases its experts apart, as without ZeRO-3: experts_gathered_with_layers).
+// block leases its experts apart, as without ZeRO-3: experts_gathered_with_layers; with experts
+// homed by routing share elsewhere, the holders agree on the experts any of them routed rows to
+// and gather those apart, one at a time: experts_gathered_apart).
 // In a pipeline each stage's replicas share out the stage's experts so (ZeRO-1/2/3; a ZeRO-1/2
 // re-cut moves an expert's chunks within its replica and its moments from their owner among the
 // holders), with tensor groups (also in a pipeline, under ZeRO-1/2/3 and with memory copies)
@@ -39,6 +41,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 #include "comm/communicator.h"
 #include "core/metrics_source.h"
@@ -72,9 +75,33 @@ void gather_experts_with_layers(GPT& model);
 // (gather_experts_with_layers): yes, but where each rank is the only holder of its experts
 // (sharded experts with data = P, no pipeline: ZeRO-3 homes their chunks on it whole and never
 // broadcasts them), where a block leases only its experts that rows were sent to, one at a time,
-// as without ZeRO-3, and the layer's gather brings the chunks of no expert alone. So under
-// ZeRO-3 only there do the tiers' expert pages follow the routing (tier.experts = "by_frequency").
+// as without ZeRO-3, and the layer's gather brings the chunks of no expert alone (the tiers'
+// expert pages then follow the routing); and no where the blocks gather their experts apart
+// (experts_gathered_apart).
 bool experts_gathered_with_layers(const Config& config, int data_ranks);
+// Whether ZeRO-3 over `data_ranks` gathers a MoE block's experts apart from its layer, one at a
+// time and only those some holder routed rows to (gather_experts_apart): where several ranks hold
+// each expert (experts_gathered_with_layers would gather them with the layer) and the experts are
+// homed by routing share (tier.experts = "by_frequency": with memory tiers, where nothing is
+// broadcast ahead, so the layer's gather loses no overlap by leaving the experts out). Then the
+// tiers' expert pages follow the routing there too.
+bool experts_gathered_apart(const Config& config, int data_ranks);
+
+// The holders of a rank's experts over MPI (model/expert_group.h ExpertHolders): its own
+// communicator, so that its sums never interleave with other collectives.
+class MpiExpertHolders final : public ExpertHolders {
+ public:
+  explicit MpiExpertHolders(std::unique_ptr<Communicator> comm) : comm_(std::move(comm)) {}
+  void allreduce_sum(float* data, int64_t count) override { comm_->allreduce_sum(data, static_cast<size_t>(count)); }
+
+ private:
+  std::unique_ptr<Communicator> comm_;
+};
+// ZeRO-3 where experts_gathered_apart: the holders of this rank's experts among `dp` (the data
+// group, or a stage's replicas: with sharded experts the ranks at the same place in their expert
+// groups, as comm/sharded_params.h broadcasts their chunks over; else all of them), handed to every
+// MoE block of `model` (MoeFeedForward::gather_experts_apart). Collective over `dp`.
+std::unique_ptr<MpiExpertHolders> gather_experts_apart(GPT& model, const Config& config, Communicator& dp);
 
 // Metrics: `expert_alltoall_bytes`, the bytes this rank sent in the expert group's exchanges during
 // the step's passes (its own rows included), and `expert_wait_ms`, the time it spent blocked

@@ -343,6 +343,30 @@ void ShardedParams::acquire(std::span<const PageRef> pages) {
   inner_->acquire(pages);
 }
 
+bool ShardedParams::experts_only(std::span<const PageRef> pages) const {
+  bool any = false;
+  for (const PageRef& p : pages) {
+    if (p.plane != Plane::param) continue;
+    if (store_.chunks()[p.chunk].expert < 0) return false;
+    any = true;
+  }
+  return any;
+}
+
+void ShardedParams::gather_apart(std::span<const PageRef> pages) {
+  check(bits_ == nullptr, "ZeRO-3: an expert gathered apart from its layer under bf16 working parameters");
+  std::vector<Communicator::Request> requests;
+  std::vector<int> chunks;
+  for (const PageRef& p : pages) {
+    if (p.plane != Plane::param || gathered_[p.chunk]) continue;
+    chunks.push_back(p.chunk);
+    requests.push_back(start_gather(p.chunk));
+  }
+  for (Communicator::Request& r : requests) comm_->wait(r);
+  written(chunks);
+  note_peaks();
+}
+
 bool ShardedParams::alone_only(std::span<const PageRef> pages) const {
   bool any = false;
   for (const PageRef& p : pages) {
@@ -359,6 +383,20 @@ void ShardedParams::acquire_layer(std::span<const PageRef> pages) {
   // rank takes; not gathered, pinned or recorded among the leases every rank takes alike.
   if (alone_only(pages)) {
     inner_->acquire_layer(pages);
+    return;
+  }
+  // A lease of expert chunks alone that several ranks hold (a MoE block's expert that rows of some
+  // holder chose, leased apart from its layer: comm/expert_parallel.h gather_experts_apart): its
+  // holders, having agreed on it, take the same such leases in the same order, other expert
+  // groups others. Gathered over the holders (the data group where every rank holds every
+  // expert), pinned as a layer's, but neither recorded among the leases every rank of the data
+  // group takes alike nor waiting for the broadcasts ahead (so those still match on every rank).
+  if (experts_only(pages)) {
+    inner_->acquire_layer(pages);
+    gather_apart(pages);
+    for (const PageRef& p : pages) {
+      if (p.plane == Plane::param) pins_[p.chunk]++;
+    }
     return;
   }
   std::vector<int> chunks;

@@ -37,7 +37,11 @@
 // same leases, so each holder group joins the same broadcasts. A lease of chunks a rank alone
 // holds (data = P: a MoE block leases its experts apart from the layer, comm/expert_parallel.h
 // experts_gathered_with_layers) is its own: passed to the wrapped residency, neither gathered nor
-// recorded.
+// recorded. Where several ranks hold each expert and the blocks gather their experts apart
+// (comm/expert_parallel.h gather_experts_apart: the holders agree on the experts any of them
+// routed rows to), a lease of one expert's chunks alone is gathered over its holders and pinned as
+// a layer's, but not recorded nor ordered after the broadcasts ahead: holders of other experts
+// take other such leases.
 #pragma once
 
 #include <condition_variable>
@@ -148,6 +152,11 @@ class ShardedParams final : public Residency {
   bool alone(int chunk) const;
   // Whether the parameter pages among `pages` are some, and all of chunks this rank alone holds.
   bool alone_only(std::span<const PageRef> pages) const;
+  // Whether the parameter pages among `pages` are some, and all of expert chunks.
+  bool experts_only(std::span<const PageRef> pages) const;
+  // Gathers an expert's chunks leased apart from its layer (acquire_layer): their broadcasts over
+  // the holders, started and waited for, the broadcasts ahead left in flight.
+  void gather_apart(std::span<const PageRef> pages);
   // The flat range a chunk's pages span: from its start to the next chunk's (alignment included).
   int64_t extent(int chunk) const;
   void gather(std::span<const PageRef> pages);

@@ -898,17 +898,8 @@ void Config::resolve(int world_size) {
   if (model.moe()) {
     // What a mixture of experts does not combine with yet (docs/architecture.md, "Mixture of experts").
     const std::string moe = " with model.moe_experts > 0 (not built yet for a mixture of experts)";
-    // Under ZeRO-3 a block's pass gathers every expert it holds with its layer, whatever the
-    // routing (a share would not change which expert pages a step touches), but where each rank is
-    // the only holder of its experts (data = P on one stage: comm/expert_parallel.h
-    // experts_gathered_with_layers).
-    const int group_ranks = data_ranks * parallel.context;
-    const bool experts_alone = experts_held_alone(parallel, group_ranks) && parallel.tensor == 1;
-    require(parallel.zero != 3 || tier.experts == TierExperts::off || group_ranks == 1 || experts_alone, "tier.experts",
-            "\"off\" with parallel.zero = 3 but with parallel.expert = the " + s(group_ranks) +
-                " data-parallel ranks on one stage without tensor groups (each rank its experts' only holder; "
-                "elsewhere a MoE block's pass gathers every expert with its layer, whatever the routing)",
-            "\"" + std::string(to_string(tier.experts)) + "\"");
+    // (Under ZeRO-3 with tier.experts = "by_frequency" a block gathers only the experts some holder
+    // routed rows to: comm/expert_parallel.h experts_gathered_apart.)
     require(!clip.enabled(), "model.moe_experts", "0 in a dual encoder's text tower", s(model.moe_experts));
   }
   if (tier.experts != TierExperts::off) {  // experts homed by their routing shares (runtime/expert_tiers.h)
@@ -918,10 +909,14 @@ void Config::resolve(int world_size) {
     require(tier.policy == TierPolicy::static_, "tier.policy",
             "\"static\" with tier.experts = \"by_frequency\" (both would re-home the experts' pages)", "\"adaptive\"");
     // (bf16 products are built: the tiers hold the float32 pages and the products round them.)
-    const std::string state = "\"fp32\" with tier.experts = \"by_frequency\" (not built yet: the bf16 training state "
-                              "holds the parameter and gradient pages the experts' homes would move)";
-    require(runtime.param_dtype == StateDtype::fp32, "runtime.param_dtype", state, "\"bf16\"");
-    require(runtime.grad_dtype == StateDtype::fp32, "runtime.grad_dtype", state, "\"bf16\"");
+    // bf16 parameters are kept in this rank's memory, outside the tiers (store/bf16_state.h): the
+    // tiers hold no expert parameter page, and homing the experts' gradient pages alone is not
+    // built. (bf16 gradients alone are: the tiers hold the experts' parameter pages.)
+    require(runtime.param_dtype == StateDtype::fp32, "runtime.param_dtype",
+            "\"fp32\" with tier.experts = \"by_frequency\" (bf16 training state keeps the experts' parameter pages "
+            "outside the memory tiers, where no routing share can home them; homing their gradient pages alone is not "
+            "built)",
+            "\"bf16\"");
   }
   require(tier.experts_every >= 1, "tier.experts_every", ">= 1 optimizer steps between re-homings",
           s(tier.experts_every));

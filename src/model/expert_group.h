@@ -24,4 +24,15 @@ class ExpertGroup {
   virtual void finish_exchange() = 0;
 };
 
+// ZeRO-3 with several holders of each routed expert (comm/expert_parallel.h gather_experts_apart):
+// the ranks holding the same experts as this one (with an expert group the data-parallel ranks at
+// the same place in theirs, without one the whole data group), over which a block agrees on the
+// experts any of them routed rows to before it gathers them one at a time.
+class ExpertHolders {
+ public:
+  virtual ~ExpertHolders() = default;
+  // Sums `data` [count] over the holders in place. Collective: every holder calls it alike.
+  virtual void allreduce_sum(float* data, int64_t count) = 0;
+};
+
 }  // namespace keel

@@ -280,11 +280,35 @@ void MoeFeedForward::hint_experts(const std::vector<int>& order, size_t first, P
   if (!soon.empty()) store_.residency().hint(soon);
 }
 
+void MoeFeedForward::agree_experts(const MoeActivations& a, const int32_t* offsets, bool training) {
+  if (holders_ == nullptr) return;
+  std::vector<float>& agreed = agreed_[a.probs];
+  if (!training) {  // (evaluation, sampling: every held expert, no collective)
+    agreed.clear();
+    return;
+  }
+  agreed.assign(static_cast<size_t>(local_experts_), 0.0f);
+  for (int e = 0; e < local_experts_; ++e) agreed[static_cast<size_t>(e)] = offsets[e + 1] != offsets[e] ? 1.0f : 0.0f;
+  holders_->allreduce_sum(agreed.data(), local_experts_);
+}
+
+std::vector<int> MoeFeedForward::leased_experts(const MoeActivations& a, const int32_t* offsets, bool descending,
+                                                Plane plane) const {
+  if (holders_ == nullptr || plane != Plane::param) return chosen_experts(offsets, descending);
+  const std::vector<float>& agreed = agreed_.at(a.probs);
+  std::vector<int> order;
+  for (int k = 0; k < local_experts_; ++k) {
+    const int e = descending ? local_experts_ - 1 - k : k;
+    if (agreed.empty() || agreed[static_cast<size_t>(e)] > 0) order.push_back(e);
+  }
+  return order;
+}
+
 template <typename Run>
-void MoeFeedForward::for_chosen_experts(const int32_t* offsets, Plane plane, bool write, bool descending, Run run,
-                                        bool hinted) {
+void MoeFeedForward::for_chosen_experts(const MoeActivations& a, const int32_t* offsets, Plane plane, bool write,
+                                        bool descending, Run run, bool hinted) {
   find_ranges();
-  const std::vector<int> order = chosen_experts(offsets, descending);  // in the order they run
+  const std::vector<int> order = leased_experts(a, offsets, descending, plane);  // in the order they run
   // Hints the pages of the experts from order[first] on, nearest first. The tiers fetch as many as
   // the compute tier has room for; the rest are hinted again as each expert's lease ends and its
   // room can take the next ones (a sliding window over the chosen experts).
@@ -295,7 +319,8 @@ void MoeFeedForward::for_chosen_experts(const int32_t* offsets, Plane plane, boo
       // Inside the whole layer's lease (ZeRO-3: gathered collectively) a rank's own; else a
       // layer's pass, as lease_block's.
       const PageLease use = store_.use_range(plane, begin, end - begin, write, /*layer=*/!whole_layer_);
-      run(order[j]);
+      // (gather_experts_apart: an expert another holder's rows chose, gathered here for them)
+      if (offsets[order[j] + 1] != offsets[order[j]]) run(order[j]);
     }
     if (j + 1 < order.size()) hint_experts(order, j + 1, plane);
   }
@@ -344,8 +369,10 @@ void MoeFeedForward::forward(const MoeActivations& a, const Batch& b, const floa
   };
   const std::vector<float*> gate_up = expert_matrices(layout::expert_gate_up_w, Plane::param),
                             down = expert_matrices(layout::expert_down_w, Plane::param);
+  const bool training = b.grad_scale != 0.0f;
   if (ep_ == nullptr) {  // expert by expert, each under its own lease (the same products, row for row)
-    for_chosen_experts(a.offsets, Plane::param, false, false, [&](int e) {
+    agree_experts(a, a.offsets, training);
+    for_chosen_experts(a, a.offsets, Plane::param, false, false, [&](int e) {
       const int64_t at = a.offsets[e], rows = a.offsets[e + 1] - at;
       moe::grouped_linear_forward(f, a.gu, a.xs, &gate_up[e], a.offsets + e, 1, C_, 2 * Hm_);
       ops::swiglu_forward(a.h + at * Hm_, a.gu + at * 2 * Hm_, static_cast<int>(rows), Hm_);
@@ -356,12 +383,13 @@ void MoeFeedForward::forward(const MoeActivations& a, const Batch& b, const floa
     // (The experts the group's rows came for are known once the counts are in: their pages are
     // hinted then, to arrive while the rows and the shared experts' products do.)
     exchange_counts(a);
-    hint_experts(chosen_experts(a.local_offsets, false), 0, Plane::param);
+    agree_experts(a, a.local_offsets, training);
+    hint_experts(leased_experts(a, a.local_offsets, false, Plane::param), 0, Plane::param);
     start_dispatch(a, a.xs, C_);
     shared();
     finish_dispatch(a, a.xr, C_);
     // This rank's experts that received rows, each under its own lease (row for row the grouped products).
-    for_chosen_experts(a.local_offsets, Plane::param, false, false, [&](int e) {
+    for_chosen_experts(a, a.local_offsets, Plane::param, false, false, [&](int e) {
       const int64_t at = a.local_offsets[e], rows = a.local_offsets[e + 1] - at;
       moe::grouped_linear_forward(f, a.gu, a.xr, &gate_up[e], a.local_offsets + e, 1, C_, 2 * Hm_);
       ops::swiglu_forward(a.h + at * Hm_, a.gu + at * 2 * Hm_, static_cast<int>(rows), Hm_);
@@ -435,7 +463,7 @@ void MoeFeedForward::backward_input(const MoeActivations& a, const Batch& b, con
   const std::vector<float*> gate_up = expert_matrices(layout::expert_gate_up_w, Plane::param),
                             down = expert_matrices(layout::expert_down_w, Plane::param);
   float* dxs = a.dh;
-  for_chosen_experts(a.offsets, Plane::param, false, Hm_ < C_, [&](int e) {
+  for_chosen_experts(a, a.offsets, Plane::param, false, Hm_ < C_, [&](int e) {
     const int64_t at = a.offsets[e], rows = a.offsets[e + 1] - at;
     moe::grouped_linear_backward_input(bw, a.dh, a.dye, &down[e], a.offsets + e, 1, Hm_, C_);
     ops::swiglu_backward_input(a.dgu + at * 2 * Hm_, a.dh + at * Hm_, a.gu + at * 2 * Hm_, static_cast<int>(rows), Hm_);
@@ -459,7 +487,7 @@ void MoeFeedForward::backward_input_expert_parallel(const MoeActivations& a, con
   const int N = b.B * b.T;
   auto P = [&](int t) { return store_.data(t_[t], Plane::param); };
   const MatmulPrecision bw = math_.backward;
-  hint_experts(chosen_experts(a.local_offsets, Hm_ < C_), 0, Plane::param);  // (fetched while the rows travel)
+  hint_experts(leased_experts(a, a.local_offsets, Hm_ < C_, Plane::param), 0, Plane::param);  // (fetched while the rows travel)
   start_dispatch(a, a.dye, C_);
   if (S_ > 0) {
     float* dhs = a.tmp;
@@ -472,7 +500,7 @@ void MoeFeedForward::backward_input_expert_parallel(const MoeActivations& a, con
   const std::vector<float*> gate_up = expert_matrices(layout::expert_gate_up_w, Plane::param),
                             down = expert_matrices(layout::expert_down_w, Plane::param);
   float* dxr = a.dh;
-  for_chosen_experts(a.local_offsets, Plane::param, false, Hm_ < C_, [&](int e) {
+  for_chosen_experts(a, a.local_offsets, Plane::param, false, Hm_ < C_, [&](int e) {
     const int64_t at = a.local_offsets[e], rows = a.local_offsets[e + 1] - at;
     moe::grouped_linear_backward_input(bw, a.dh, a.dyr, &down[e], a.local_offsets + e, 1, Hm_, C_);
     ops::swiglu_backward_input(a.dgu + at * 2 * Hm_, a.dh + at * Hm_, a.gu + at * 2 * Hm_, static_cast<int>(rows), Hm_);
@@ -570,12 +598,12 @@ void MoeFeedForward::backward_weight(const MoeActivations& a, const Batch& b, co
   const std::vector<float*> dgate_up = expert_matrices(layout::expert_gate_up_w, Plane::grad),
                             ddown = expert_matrices(layout::expert_down_w, Plane::grad);
   if (ep_ == nullptr) {  // the chosen experts' gradients, each under its own lease
-    for_chosen_experts(a.offsets, Plane::grad, true, false, [&](int e) {
+    for_chosen_experts(a, a.offsets, Plane::grad, true, false, [&](int e) {
       moe::grouped_linear_backward_weight(bw, &ddown[e], a.dye, a.h, a.offsets + e, 1, Hm_, C_);
       moe::grouped_linear_backward_weight(bw, &dgate_up[e], a.dgu, a.xs, a.offsets + e, 1, C_, 2 * Hm_);
     });
   } else {  // this rank's experts that ran rows, each under its own lease, over those rows (expert order)
-    for_chosen_experts(a.local_offsets, Plane::grad, true, false, [&](int e) {
+    for_chosen_experts(a, a.local_offsets, Plane::grad, true, false, [&](int e) {
       moe::grouped_linear_backward_weight(bw, &ddown[e], a.dyr, a.h, a.local_offsets + e, 1, Hm_, C_);
       moe::grouped_linear_backward_weight(bw, &dgate_up[e], a.dgu, a.xr, a.local_offsets + e, 1, C_, 2 * Hm_);
     });

@@ -136,6 +136,16 @@ class MoeFeedForward {
   // whole layer as one (every expert's pages, gathered with the layer; the chosen experts' own
   // leases then find them present). Before the first pass.
   void lease_whole_layer() { whole_layer_ = true; }
+  // ZeRO-3 where several ranks hold each of the block's experts (`holders`: those holding the same
+  // ones as this rank; comm/expert_parallel.h gather_experts_apart), instead of lease_whole_layer:
+  // each training micro-batch's forward sums over the holders a flag per held expert, whether this
+  // rank routed (with an expert group: was sent) rows to it, right after the router (the counts'
+  // all-to-all), and every pass of the micro-batch then leases, one at a time as layer leases (so
+  // gathered over the holders), exactly the experts some holder flagged, in the same order on
+  // every holder; a rank runs products only for its experts that have rows of its own. An
+  // evaluation or sampling pass leases every held expert so (no agreement: a sample runs on one
+  // rank). The layer's lease takes the pages outside the experts. Before the first pass.
+  void gather_experts_apart(ExpertHolders* holders) { holders_ = holders; }
   // model.moe_balance = "bias": the routing bias [E] (zeros at the start), and the pairs routed to
   // each expert [E] by the training micro-batches since the balancer last took them (dropped too).
   // Empty otherwise.
@@ -183,6 +193,14 @@ class MoeFeedForward {
   // (kernels/cpu/moe.h plan_routing's kept_before).
   std::vector<int32_t> kept_before_chunks(const MoeActivations& a, const Batch& b, int capacity) const;
   bool whole_layer_ = false;  // lease_whole_layer()
+  ExpertHolders* holders_ = nullptr;  // gather_experts_apart()
+  // gather_experts_apart: per slot (keyed as sides_), the last training forward's sum over the
+  // holders of each held expert's flag [local_experts_]; empty after an evaluation forward (every
+  // held expert leased).
+  std::map<const float*, std::vector<float>> agreed_;
+  // Sums the flags of this rank's experts with rows in `offsets` over the holders (a training
+  // micro-batch), or marks every held expert to lease (not training): kept for the slot's passes.
+  void agree_experts(const MoeActivations& a, const int32_t* offsets, bool training);
   int local_experts_, first_expert_;  // this rank's experts: first_expert_ .. + local_experts_ - 1
   std::vector<int32_t> expert_counts_;  // rows routed to each expert by this micro-batch [E]
   std::vector<int> send_bytes_, send_displs_, recv_bytes_, recv_displs_;  // per rank of the group
@@ -217,15 +235,18 @@ class MoeFeedForward {
   // This rank's experts (local index) with rows in `offsets` [local_experts_ + 1]: a.offsets
   // without a group, a.local_offsets (the rows received) with one; ascending, or descending.
   std::vector<int> chosen_experts(const int32_t* offsets, bool descending) const;
+  // The experts a pass of the micro-batch `a` leases in `plane`: chosen_experts, or (parameters,
+  // gather_experts_apart) those the holders agreed on, in the same order.
+  std::vector<int> leased_experts(const MoeActivations& a, const int32_t* offsets, bool descending, Plane plane) const;
   // Hints the residency with the `plane` pages of experts order[first..], nearest first (no tiers: nothing).
   void hint_experts(const std::vector<int>& order, size_t first, Plane plane);
-  // Hints the residency with the `plane` pages of every expert that has rows in `offsets` (as
-  // chosen_experts; `hinted`: the caller already hinted that list, in that order), then runs
-  // run(e) for each of them under a lease of its pages (`write`: released modified), in ascending
-  // expert order, or descending with `descending`.
+  // Hints the residency with the `plane` pages of every expert leased_experts(a, offsets, ...)
+  // names (`hinted`: the caller already hinted that list, in that order), then runs run(e) for each
+  // of them with rows in `offsets` under a lease of its pages (`write`: released modified), in
+  // ascending expert order, or descending with `descending`.
   template <typename Run>
-  void for_chosen_experts(const int32_t* offsets, Plane plane, bool write, bool descending, Run run,
-                          bool hinted = false);
+  void for_chosen_experts(const MoeActivations& a, const int32_t* offsets, Plane plane, bool write, bool descending,
+                          Run run, bool hinted = false);
 };
 
 }  // namespace keel

@@ -20,7 +20,7 @@ int64_t slot_bytes(const Chunk& c) { return static_cast<int64_t>(BlockFile::alig
 
 ExpertTiers::ExpertTiers(const TierConfig& config, ChunkStore& store, TieredMemory& tiers, GPT& model,
                          Communicator& dp, int64_t device_reserve, int rehome_every, bool print_notes,
-                         Communicator* stages)
+                         Communicator* stages, uint8_t absent_planes)
     : config_(config), manager_(tiers.manager()), dp_(dp), stages_(stages), rehome_every_(rehome_every),
       print_notes_(print_notes) {
   const ModelConfig& m = model.config();
@@ -57,6 +57,7 @@ ExpertTiers::ExpertTiers(const TierConfig& config, ChunkStore& store, TieredMemo
       it = experts_.end() - 1;
     }
     for (Plane p : {Plane::param, Plane::grad}) {
+      if ((absent_planes >> static_cast<int>(p)) & 1) continue;
       it->pages.push_back({c.id, p});
       it->bytes += slot_bytes(c);
       is_expert_page[static_cast<size_t>(c.id) * kNumPlanes + static_cast<int>(p)] = 1;
@@ -67,7 +68,10 @@ ExpertTiers::ExpertTiers(const TierConfig& config, ChunkStore& store, TieredMemo
   for (const Chunk& c : store.chunks()) {
     for (int p = 0; p < kNumPlanes; ++p) {
       const size_t i = static_cast<size_t>(c.id) * kNumPlanes + p;
-      if (is_expert_page[i] || (p >= static_cast<int>(Plane::adam_m) && (c.id < m_begin || c.id >= m_end))) continue;
+      if (is_expert_page[i] || ((absent_planes >> p) & 1) ||
+          (p >= static_cast<int>(Plane::adam_m) && (c.id < m_begin || c.id >= m_end))) {
+        continue;
+      }
       if (homes[i] == Tier::device) other_device += c.numel * 4;
       if (homes[i] == Tier::host) other_host += slot_bytes(c);
     }

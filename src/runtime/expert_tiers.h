@@ -4,7 +4,8 @@
 // pages, and its home), and when asked to (`rehome_every` > 0) the experts' homes, planned every
 // rehome_every optimizer steps from the pairs routed to each expert since the last plan, summed
 // over the data-parallel group (store/expert_homes.h: most chosen on the device, then host DRAM,
-// then NVMe, with hysteresis) and moved by the tier manager (TierManager::rehome_pages). With
+// then NVMe, with hysteresis) and moved by the tier manager (TierManager::rehome_pages); with bf16
+// gradients (store/bf16_state.h, outside the tiers) an expert's parameter pages alone. With
 // sharded experts (parallel.expert > 1) a rank's store, and so its tiers, hold only its own
 // experts: it reports and re-homes those (named by their global numbers in the block). In a
 // pipeline a rank holds its stage's MoE blocks: it counts and re-homes those, and the line holds
@@ -32,8 +33,11 @@ class ExpertTiers final : public MetricsSource, public StepHook {
   // `rehome_every`: optimizer steps between two re-homings by routing share (0: never); the
   // shares are summed over `dp` (collective at each re-homing: every rank of it plans at the same steps).
   // `stages`: the replica's pipeline group (null: none), over which the line's figures merge.
+  // `absent_planes` (bit p: plane p): planes the tiers do not hold (bf16 gradients,
+  // store/bf16_state.h): an expert's pages are then its pages of the other plane.
   ExpertTiers(const TierConfig& config, ChunkStore& store, TieredMemory& tiers, GPT& model, Communicator& dp,
-              int64_t device_reserve, int rehome_every, bool print_notes, Communicator* stages = nullptr);
+              int64_t device_reserve, int rehome_every, bool print_notes, Communicator* stages = nullptr,
+              uint8_t absent_planes = 0);
 
   // Takes the step's routing counts (before the routing report resets them) and each expert's
   // page counters; every experts_every steps under by_frequency, re-homes the experts.
@@ -54,7 +58,7 @@ class ExpertTiers final : public MetricsSource, public StepHook {
   struct Expert {
     int block = 0;                // index among the MoE blocks
     int index = 0;                // the expert's number in its block (of all the block's experts)
-    std::vector<PageRef> pages;   // its parameter and gradient pages
+    std::vector<PageRef> pages;   // its parameter and gradient pages (those the tiers hold)
     int64_t bytes = 0;            // their bytes
     Tier home = Tier::nvme;
     PageCounters step, total;

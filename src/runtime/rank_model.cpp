@@ -50,11 +50,14 @@ void attach_tiers(RankModel& r, const Config& config, ProcessGroups& groups) {
   const bool halve = by_frequency && groups.dp().size() > 1;
   const int64_t buckets = std::max(config.parallel.bucket_bytes, r.tiers->free_device_bytes() / (halve ? 2 : 1));
   r.sync->limit_in_flight(buckets);
-  if (config.model.moe() && r.model != nullptr && bf16 == nullptr) {  // (bf16 state: experts' pages not tiered)
+  // (bf16 parameters: the experts' parameter pages are not tiered; bf16 gradients alone: their
+  // parameter pages are, and those are what the routing decides.)
+  if (config.model.moe() && r.model != nullptr && (bf16 == nullptr || !bf16->holds(Plane::param))) {
     const int64_t reserve = 2 * r.tiers->placement().working_set_bytes + (groups.dp().size() > 1 ? buckets : 0);
     r.expert_tiers = std::make_unique<ExpertTiers>(config.tier, *r.store, *r.tiers, *r.model, groups.dp(), reserve,
                                                    by_frequency ? config.tier.experts_every : 0,
-                                                   groups.world().is_root(), groups.pipelined() ? &groups.pp() : nullptr);
+                                                   groups.world().is_root(), groups.pipelined() ? &groups.pp() : nullptr,
+                                                   bf16 != nullptr ? bf16->held_planes() : uint8_t{0});
   }
 }
 
@@ -99,6 +102,8 @@ std::unique_ptr<RankModel> RankModel::build(const Config& config, ProcessGroups&
   // ZeRO-3 gathers a layer's parameters under its layer lease: a MoE block's experts come with it
   // (but those a rank alone holds).
   if (experts_gathered_with_layers(config, dp.size())) gather_experts_with_layers(*r->model);
+  // (Or, experts homed by routing share, apart: only those some holder routed rows to.)
+  if (experts_gathered_apart(config, dp.size())) r->expert_holders = gather_experts_apart(*r->model, config, dp);
   if (groups.tp() != nullptr) {
     // Under ZeRO-1/2 the moments are shared out over the data-parallel group (the optimizer's partition).
     const bool sharded = r->optimizer->zero() >= 1;

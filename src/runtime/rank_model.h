@@ -40,6 +40,8 @@ struct RankModel {
   std::unique_ptr<MpiTensorGroup> tensor_group;  // parallel.tensor > 1: the model's tensor group
   std::unique_ptr<MpiContextGroup> context_group;  // parallel.context > 1: the model's context group
   std::unique_ptr<MpiExpertGroup> expert_group;    // parallel.expert > 1: the MoE blocks' expert group
+  // ZeRO-3 gathering experts apart (comm/expert_parallel.h experts_gathered_apart): their holders
+  std::unique_ptr<MpiExpertHolders> expert_holders;
   std::unique_ptr<GPT> model;       // a language model's layers (null for a dual encoder)
   std::unique_ptr<ClipModel> clip;  // a dual encoder's towers (null for a language model)
   std::unique_ptr<ShardedOptimizer> optimizer;

@@ -122,7 +122,9 @@ Placement place_pages(const TierConfig& t, const ChunkStore& store, uint8_t abse
   // embedding's for the tied head, or one chunk's four planes in the optimizer. A mixture of
   // experts leases its routed experts one at a time (model/moe.h): its layer's pages outside the
   // experts and its largest expert's; under ZeRO-3 (a store whose parameters are homed in part:
-  // ChunkStore::home_params) it leases its whole layer, every expert gathered with it.
+  // ChunkStore::home_params) it leases its whole layer, every expert gathered with it (or, its
+  // experts gathered apart, comm/expert_parallel.h experts_gathered_apart, one at a time: the
+  // whole layer is then an upper bound).
   int last_layer = 0;
   for (const Chunk& ch : chunks) last_layer = std::max(last_layer, ch.layer);
   std::vector<int64_t> layer_bytes(static_cast<size_t>(last_layer) + 1, 0);
