@@ -42,9 +42,9 @@ bool experts_sharded(const Config& config) {
   // home the rank's own chunks: ChunkStore::param_homed); with bf16 training state likewise (its
   // masters those of the owned chunks, store/bf16_state.h; under ZeRO-3 gathers move the owners'
   // bits over the holders; under ZeRO-1/2 memory tiers move the moments, the bits and masters stay
-  // outside them), on one stage or on each stage of a pipeline (bf16 state takes no re-cuts,
-  // gradient prediction, tensor groups or memory copies: validate_bf16_state_config, which the
-  // line below restates for a config not yet validated).
+  // outside them), on one stage or on each stage of a pipeline (bf16 state takes no re-cuts or
+  // gradient prediction, nor tensor groups with a mixture of experts: validate_bf16_state_config,
+  // which the line below restates for a config not yet validated).
   const bool bf16_state = config.runtime.param_dtype != StateDtype::fp32 || config.runtime.grad_dtype != StateDtype::fp32;
   return !(bf16_state && p.tensor > 1);
 }
