@@ -30,7 +30,7 @@ set_tests_properties([=[ContextParallel.ComposesWithZero3]=] PROPERTIES COST 8)
 set_tests_properties([=[ContextParallel.ContextRanksTrainWhatOneRankTrains]=] PROPERTIES COST 8)
 set_tests_properties([=[KvCache.ScoresTheLicencesWithReuse]=] PROPERTIES COST 8)
 set_tests_properties([=[MoeTensorParallel.DataTimesTensorWithExpertParallelismTrainsWhatOneRankTrains]=] PROPERTIES COST 8)
-set_tests_properties([=[PipelineTraining.PostValidationIsExact]=] PROPERTIES COST 8)
+set_tests_properties([=[PipelineTraining.PostValidationIsExact]=] PROPERTIES COST 14)  # with bf16 state's pair (2026-12-05 session 31)
 set_tests_properties([=[TensorParallel.ZeroThreeOfAPipelineOfTensorGroupsTrainsWhatOneRankTrains]=] PROPERTIES COST 8)
 set_tests_properties([=[Tiers.PagesTakenBackDuringTheirWriteBackKeepTheirBytes]=] PROPERTIES COST 8)
 set_tests_properties([=[CheckpointFault.IoErrorAtAnyOperationOfACheckpointSkipsItAndTheRunContinues]=] PROPERTIES COST 7)
@@ -70,3 +70,5 @@ set_tests_properties([=[MoeParallel.PipelineOfTwoStagesTrainsWhatOneRankTrains]=
 set_tests_properties([=[MoeParallel.PipelineReCutsMoveTheBlocksAndTrainWhatOneRankTrains]=] PROPERTIES COST 5)
 set_tests_properties([=[MoeParallel.ZeroThreeWithExpertParallelismTrainsWhatOneRankTrains]=] PROPERTIES COST 5)
 set_tests_properties([=[RecomputeTraining.TwoStagePipelineOneFOneBAndZeroBubble]=] PROPERTIES COST 5)
+set_tests_properties([=[TensorParallel.Bf16TrainingStateTrainsWhatOneRankTrainsAndResumesOnOneRank]=] PROPERTIES COST 10)  # session 31, one -j2 run
+set_tests_properties([=[MoeTiersParallel.ZeroThreeGathersTheExpertsSomeHolderChoseApartByRoutingShare]=] PROPERTIES COST 6)  # session 31, one -j2 run

@@ -1025,8 +1025,12 @@ void flash_attention_backward_input(MatmulPrecision precision, T* dqkv, const T*
 
 // ---- loss --------------------------------------------------------------------------------------
 
-template <typename T>
-void crossentropy_forward(T* losses, T* logits, const int* targets, int N, int V, int Vp, T grad_scale) {
+namespace {
+
+// crossentropy_forward's rows, its gradient left as floats or (kBits, float only) as bf16 bits in
+// the upper half of each row (crossentropy_forward_bf16_gradient).
+template <typename T, bool kBits>
+void crossentropy_rows(T* losses, T* logits, const int* targets, int N, int V, int Vp, T grad_scale) {
 #pragma omp parallel for schedule(static)
   for (int n = 0; n < N; ++n) {
     T* row = logits + static_cast<int64_t>(n) * Vp;
@@ -1044,10 +1048,27 @@ void crossentropy_forward(T* losses, T* logits, const int* targets, int N, int V
         sum += row[j];
       }
       const T inv = grad_scale / sum;
+      if constexpr (kBits) {
+        // The float gradient (row * inv, minus grad_scale at the target), rounded, 16 columns at
+        // a time from the end down: bits [lo, hi) land on floats from (Vp + lo) / 2 >= lo on, all
+        // read by then (the padded columns' floats are never read).
+        uint16_t* bits = reinterpret_cast<uint16_t*>(row) + Vp;
+        for (int j = Vp - 1; j >= V; --j) bits[j] = 0;
+        for (int hi = V; hi > 0; hi -= 16) {
+          const int lo = std::max(0, hi - 16), w = hi - lo;
+          float chunk[16];
+          uint16_t out[16];
+          std::memcpy(chunk, row + lo, sizeof(float) * w);
 #pragma omp simd
-      for (int j = 0; j < V; ++j) row[j] *= inv;
-      row[t] -= grad_scale;
-      for (int j = V; j < Vp; ++j) row[j] = T(0);
+          for (int i = 0; i < w; ++i) out[i] = to_bf16(chunk[i] * inv - (lo + i == t ? grad_scale : 0.0f));
+          std::memcpy(bits + lo, out, sizeof(uint16_t) * w);
+        }
+      } else {
+#pragma omp simd
+        for (int j = 0; j < V; ++j) row[j] *= inv;
+        row[t] -= grad_scale;
+        for (int j = V; j < Vp; ++j) row[j] = T(0);
+      }
     } else {
 #pragma omp simd reduction(+ : sum)
       for (int j = 0; j < V; ++j) sum += vmath::exp(row[j] - mx);
@@ -1056,43 +1077,16 @@ void crossentropy_forward(T* losses, T* logits, const int* targets, int N, int V
   }
 }
 
+}  // namespace
+
+template <typename T>
+void crossentropy_forward(T* losses, T* logits, const int* targets, int N, int V, int Vp, T grad_scale) {
+  crossentropy_rows<T, false>(losses, logits, targets, N, V, Vp, grad_scale);
+}
+
 void crossentropy_forward_bf16_gradient(float* losses, float* logits, const int* targets, int N, int V, int Vp,
                                         float grad_scale) {
-  if (grad_scale == 0.0f) {
-    crossentropy_forward(losses, logits, targets, N, V, Vp, grad_scale);
-    return;
-  }
-#pragma omp parallel for schedule(static)
-  for (int n = 0; n < N; ++n) {
-    float* row = logits + static_cast<int64_t>(n) * Vp;
-    float mx = row[0];
-#pragma omp simd reduction(max : mx)
-    for (int j = 1; j < V; ++j) mx = std::max(mx, row[j]);
-    const int t = targets[n];
-    const float target_logit = row[t];
-    float sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int j = 0; j < V; ++j) {
-      row[j] = vmath::exp(row[j] - mx);
-      sum += row[j];
-    }
-    losses[n] = std::log(sum) + mx - target_logit;
-    const float inv = grad_scale / sum;
-    // The float gradient crossentropy_forward leaves (row * inv, minus grad_scale at the target),
-    // rounded, 16 columns at a time from the end down: bits [lo, hi) land on floats from
-    // (Vp + lo) / 2 >= lo on, all read by then (the padded columns' floats are never read).
-    uint16_t* bits = reinterpret_cast<uint16_t*>(row) + Vp;
-    for (int j = Vp - 1; j >= V; --j) bits[j] = 0;
-    for (int hi = V; hi > 0; hi -= 16) {
-      const int lo = std::max(0, hi - 16), w = hi - lo;
-      float chunk[16];
-      uint16_t out[16];
-      std::memcpy(chunk, row + lo, sizeof(float) * w);
-#pragma omp simd
-      for (int i = 0; i < w; ++i) out[i] = to_bf16(chunk[i] * inv - (lo + i == t ? grad_scale : 0.0f));
-      std::memcpy(bits + lo, out, sizeof(uint16_t) * w);
-    }
-  }
+  crossentropy_rows<float, true>(losses, logits, targets, N, V, Vp, grad_scale);
 }
 
 #define KEEL_INSTANTIATE(T)                                                                                         \
