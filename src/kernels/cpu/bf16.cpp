@@ -181,14 +181,17 @@ bool onednn_gemm(const char* dt, bool trans_a, bool trans_b, int M, int N, int K
 void gemm_bf16(bool trans_a, bool trans_b, int M, int N, int K, float alpha, Operand A, int lda, Operand B, int ldb,
                float beta, float* C, int ldc) {
   // The products run in K panels where the operands rounded into per-thread buffers would
-  // exceed kBufferElements. Only the operands that are rounded count: one already in bf16 (a
-  // weight's bf16 copy) is read in place, and cutting it into K panels would hand oneDNN a strided
-  // weight, which its AMX matmul (brgemm) declines (the GPT-2 LM head's forward then ran on
-  // gemm:jit at a quarter of the rate: 930 of a 5,700 ms step at B=8 T=512).
-  constexpr int64_t kBufferElements = 8 << 20;
-  const bool onednn = bf16_through_onednn();  // (the emulation widens both operands into buffers)
+  // exceed a limit. Only the operands that are rounded count: one already in bf16 (a weight's bf16
+  // copy) is read in place, and cutting it into K panels would hand oneDNN a strided weight, which
+  // its AMX matmul (brgemm) declines (the GPT-2 LM head's forward then ran on gemm:jit at a
+  // quarter of the rate: 930 of a 5,700 ms step at B=8 T=512). 32 M bf16 elements (64 MB a buffer)
+  // leave a step's activations at GPT-2 124M 8x512 whole (8 M cut the MLP's and qkv's gradients
+  // into two panels each: ~1 % of the step, two interleaved pairs on the AMX Xeon); the emulation
+  // widens both operands into float buffers and keeps 8 M.
+  const bool onednn = bf16_through_onednn();
+  const int64_t limit = onednn ? int64_t{32} << 20 : int64_t{8} << 20;
   const int64_t rounded = (onednn && A.bf16 != nullptr ? 0 : int64_t{M}) + (onednn && B.bf16 != nullptr ? 0 : int64_t{N});
-  const int64_t fit = rounded == 0 ? K : kBufferElements / rounded;
+  const int64_t fit = rounded == 0 ? K : limit / rounded;
   const int kc = fit >= K ? K : static_cast<int>(std::max<int64_t>(fit, 256));
   for (int k0 = 0; k0 < K; k0 += kc) {
     const int k = std::min(kc, K - k0);
