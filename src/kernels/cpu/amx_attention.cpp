@@ -128,13 +128,11 @@ void convert_row(uint16_t* dst, const float* src, int n, int width) {
 }
 
 // Rows 2p and 2p+1 of a matrix as one row of pairs: dst[m] = (r0[m], r1[m]) for m in [0, width),
-// from bf16 rows (either may be null: zeros).
+// from bf16 rows.
 void pair_bf16_rows(uint32_t* dst, const uint16_t* r0, const uint16_t* r1, int width) {
   for (int m = 0; m < width; m += 16) {
-    const __m512i a = r0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + m)))
-                         : _mm512_setzero_si512();
-    const __m512i b = r1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + m)))
-                         : _mm512_setzero_si512();
+    const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + m)));
+    const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + m)));
     _mm512_storeu_si512(dst + m, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
   }
 }
@@ -171,20 +169,6 @@ void pairs_transposed(uint32_t* dst, uint16_t* rows, const float* x, int ld, int
 // stride Tp), rows bf16 [16 x hs] (stride hs), keys as pairs_transposed lays them out.
 void score_block(float* sc, int Tp, const uint16_t* rows, int hs, const uint32_t* keys, int send) {
   const int64_t block = static_cast<int64_t>(hs / 2) * 16, sc_stride = static_cast<int64_t>(Tp) * 4;
-  if (hs == 64) {  // the rows' two tiles loaded once
-    _tile_loadd(6, rows, hs * 2);
-    _tile_loadd(7, rows + 32, hs * 2);
-    for (int j0 = 0; j0 < send; j0 += 16) {
-      const uint32_t* b = keys + (j0 / 16) * block;
-      _tile_zero(0);
-      _tile_loadd(4, b, 64);
-      _tile_dpbf16ps(0, 6, 4);
-      _tile_loadd(5, b + 256, 64);
-      _tile_dpbf16ps(0, 7, 5);
-      _tile_stored(0, sc + j0, sc_stride);
-    }
-    return;
-  }
   for (int j0 = 0; j0 < send; j0 += 16) {
     const uint32_t* b = keys + (j0 / 16) * block;
     _tile_zero(0);
@@ -224,25 +208,16 @@ void transposed_bf16(uint16_t* dst, const float* x, int ld, int Tn, int Tp, int 
 
 // C[16 x (16 NT)] = A[16 x K] B[K x 16 NT] over k in [k0, k1) (multiples of 32), A bf16 rows at
 // `a` (stride lda elements, starting at column 0), B in pairs at `b` (row kp at b + kp * ldb,
-// column block t at + 16 t); stored at c (stride ldc floats), added to what is there where `add`.
+// column block t at + 16 t); stored at c (stride ldc floats).
 template <int NT>
-void tile_product(const uint16_t* a, int lda, const uint32_t* b, int ldb, int k0, int k1, float* c, int ldc, bool add) {
-  static_assert(NT == 1 || NT == 2 || NT == 4);
+void tile_product(const uint16_t* a, int lda, const uint32_t* b, int ldb, int k0, int k1, float* c, int ldc) {
+  static_assert(NT == 2 || NT == 4);
   const int64_t sc = static_cast<int64_t>(ldc) * 4;
-  if (add) {
-    _tile_loadd(0, c, sc);
-    if constexpr (NT >= 2) _tile_loadd(1, c + 16, sc);
-    if constexpr (NT == 4) {
-      _tile_loadd(2, c + 32, sc);
-      _tile_loadd(3, c + 48, sc);
-    }
-  } else {
-    _tile_zero(0);
-    if constexpr (NT >= 2) _tile_zero(1);
-    if constexpr (NT == 4) {
-      _tile_zero(2);
-      _tile_zero(3);
-    }
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (NT == 4) {
+    _tile_zero(2);
+    _tile_zero(3);
   }
   const int64_t sa = static_cast<int64_t>(lda) * 2, sb = static_cast<int64_t>(ldb) * 4;
   for (int k = k0; k < k1; k += 32) {
@@ -250,10 +225,8 @@ void tile_product(const uint16_t* a, int lda, const uint32_t* b, int ldb, int k0
     _tile_loadd(4, a + k, sa);
     _tile_loadd(5, bk, sb);
     _tile_dpbf16ps(0, 4, 5);
-    if constexpr (NT >= 2) {
-      _tile_loadd(6, bk + 16, sb);
-      _tile_dpbf16ps(1, 4, 6);
-    }
+    _tile_loadd(6, bk + 16, sb);
+    _tile_dpbf16ps(1, 4, 6);
     if constexpr (NT == 4) {
       _tile_loadd(7, bk + 32, sb);
       _tile_dpbf16ps(2, 4, 7);
@@ -262,7 +235,7 @@ void tile_product(const uint16_t* a, int lda, const uint32_t* b, int ldb, int k0
     }
   }
   _tile_stored(0, c, sc);
-  if constexpr (NT >= 2) _tile_stored(1, c + 16, sc);
+  _tile_stored(1, c + 16, sc);
   if constexpr (NT == 4) {
     _tile_stored(2, c + 32, sc);
     _tile_stored(3, c + 48, sc);
@@ -270,23 +243,19 @@ void tile_product(const uint16_t* a, int lda, const uint32_t* b, int ldb, int k0
 }
 
 // C[16 x hs] (stride ldc) = A[16 x K] B[K x hs] over k in [k0, k1), in column blocks of 64.
-void tile_rows(const uint16_t* a, int lda, const uint32_t* b, int ldb, int k0, int k1, int hs, float* c, int ldc,
-               bool add) {
+void tile_rows(const uint16_t* a, int lda, const uint32_t* b, int ldb, int k0, int k1, int hs, float* c, int ldc) {
   int n = 0;
-  for (; n + 64 <= hs; n += 64) tile_product<4>(a, lda, b + n, ldb, k0, k1, c + n, ldc, add);
-  for (; n + 32 <= hs; n += 32) tile_product<2>(a, lda, b + n, ldb, k0, k1, c + n, ldc, add);
+  for (; n + 64 <= hs; n += 64) tile_product<4>(a, lda, b + n, ldb, k0, k1, c + n, ldc);
+  for (; n + 32 <= hs; n += 32) tile_product<2>(a, lda, b + n, ldb, k0, k1, c + n, ldc);
 }
 
-// The rows [r, rows) of a 16-row result block go to `out` (stride ldo): all 16 straight from the
-// tiles, or through `staging` (16 x hs) where fewer rows remain.
+// The first `rows` rows of a 16-row result block go to `out` (stride ldo): all 16 straight from
+// the tiles, or through `staging` (16 x hs) where fewer rows remain.
 template <typename Product>
-void store_rows(float* out, int ldo, int rows, int hs, float* staging, bool add, Product product) {
+void store_rows(float* out, int ldo, int rows, int hs, float* staging, Product product) {
   if (rows == 16) {
     product(out, ldo);
     return;
-  }
-  for (int r = 0; r < 16; ++r) {
-    for (int n = 0; n < hs; ++n) staging[r * hs + n] = add && r < rows ? out[static_cast<int64_t>(r) * ldo + n] : 0.0f;
   }
   product(staging, hs);
   for (int r = 0; r < rows; ++r) std::memcpy(out + static_cast<int64_t>(r) * ldo, staging + r * hs, sizeof(float) * hs);
@@ -355,8 +324,8 @@ void amx_attention_head_forward(float* out, int ldo, float* att, const float* q,
         }
       }
     }
-    store_rows(out + static_cast<int64_t>(i0) * ldo, ldo, rows, hs, staging, false, [&](float* c, int ldc) {
-      tile_rows(pb, Tp, vv, hs, 0, kend, hs, c, ldc, false);
+    store_rows(out + static_cast<int64_t>(i0) * ldo, ldo, rows, hs, staging, [&](float* c, int ldc) {
+      tile_rows(pb, Tp, vv, hs, 0, kend, hs, c, ldc);
     });
   }
 }
@@ -423,8 +392,8 @@ void amx_attention_head_backward(float* dq, float* dk, float* dv, int ld, bool a
   // dq = dS k, a block of 16 query rows at a time (causal: keys up to the block's diagonal).
   for (int i0 = 0; i0 < Tn; i0 += 16) {
     const int rows = std::min(16, Tn - i0), kend = causal ? std::min(Tp, round_up(i0 + 16, 32)) : Tp;
-    store_rows(dq + static_cast<int64_t>(i0) * ld, ld, rows, hs, staging, false, [&](float* c, int ldc) {
-      tile_rows(ds + static_cast<int64_t>(i0) * Tp, Tp, kp, hs, 0, kend, hs, c, ldc, false);
+    store_rows(dq + static_cast<int64_t>(i0) * ld, ld, rows, hs, staging, [&](float* c, int ldc) {
+      tile_rows(ds + static_cast<int64_t>(i0) * Tp, Tp, kp, hs, 0, kend, hs, c, ldc);
     });
   }
   // dk^T = q^T dS and dv^T = dout^T att, 16 channels by 64 keys at a time (causal: queries from
@@ -434,11 +403,11 @@ void amx_attention_head_backward(float* dq, float* dk, float* dv, int ld, bool a
       int m0 = 0;
       for (; m0 + 64 <= Tp; m0 += 64) {
         tile_product<4>(at + static_cast<int64_t>(n0) * Tp, Tp, pairs + m0, Tp, causal ? m0 : 0, Tp,
-                        tb + static_cast<int64_t>(n0) * Tp + m0, Tp, false);
+                        tb + static_cast<int64_t>(n0) * Tp + m0, Tp);
       }
       for (; m0 < Tp; m0 += 32) {
         tile_product<2>(at + static_cast<int64_t>(n0) * Tp, Tp, pairs + m0, Tp, causal ? m0 : 0, Tp,
-                        tb + static_cast<int64_t>(n0) * Tp + m0, Tp, false);
+                        tb + static_cast<int64_t>(n0) * Tp + m0, Tp);
       }
     }
     const __m512i index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),

@@ -351,14 +351,23 @@ void linear_backward_weight(MatmulPrecision precision, float* dw, float* dbias, 
 
 // ---- GELU --------------------------------------------------------------------------------------
 
+// GELU of x (k = gelu_scale): one formula for the float kernels and their bf16-rounded forms.
+template <typename T>
+inline T gelu_of(T x, T k) {
+  return T(0.5) * x * (T(1) + vmath::tanh(k * (x + T(0.044715) * x * x * x)));
+}
+
+// silu(a) b, SwiGLU's output element.
+template <typename T>
+inline T swiglu_of(T a, T b) {
+  return a / (T(1) + vmath::exp(-a)) * b;
+}
+
 template <typename T>
 void gelu_forward(T* out, const T* inp, int64_t n) {
   const T k = gelu_scale<T>();
 #pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const T x = inp[i];
-    out[i] = T(0.5) * x * (T(1) + vmath::tanh(k * (x + T(0.044715) * x * x * x)));
-  }
+  for (int64_t i = 0; i < n; ++i) out[i] = gelu_of(inp[i], k);
 }
 
 void gelu_forward_rounded(uint16_t* in_bits, uint16_t* out_bits, const float* inp, int64_t n) {
@@ -367,7 +376,7 @@ void gelu_forward_rounded(uint16_t* in_bits, uint16_t* out_bits, const float* in
   for (int64_t i = 0; i < n; ++i) {
     const float x = inp[i];
     in_bits[i] = to_bf16(x);
-    out_bits[i] = to_bf16(0.5f * x * (1.0f + vmath::tanh(k * (x + 0.044715f * x * x * x))));
+    out_bits[i] = to_bf16(gelu_of(x, k));
   }
 }
 
@@ -416,7 +425,7 @@ void swiglu_forward(T* out, const T* inp, int N, int H) {
     const T* b = a + H;
     T* o = out + static_cast<int64_t>(n) * H;
 #pragma omp simd
-    for (int j = 0; j < H; ++j) o[j] = a[j] / (T(1) + vmath::exp(-a[j])) * b[j];
+    for (int j = 0; j < H; ++j) o[j] = swiglu_of(a[j], b[j]);
   }
 }
 
@@ -432,7 +441,7 @@ void swiglu_forward_rounded(uint16_t* in_bits, uint16_t* out_bits, const float* 
     for (int j = 0; j < H; ++j) {
       ia[j] = to_bf16(a[j]);
       ib[j] = to_bf16(b[j]);
-      o[j] = to_bf16(a[j] / (1.0f + vmath::exp(-a[j])) * b[j]);
+      o[j] = to_bf16(swiglu_of(a[j], b[j]));
     }
   }
 }
@@ -729,8 +738,9 @@ void attention_backward_input(MatmulPrecision precision, T* dqkv, const T* dout,
 #pragma omp parallel
   {
     // Per-thread T x T scratch, allocated once per thread and reused across steps.
+    // (The AMX route keeps its own scratch.)
     static thread_local std::vector<T> datt_buffer;
-    if (datt_buffer.size() < static_cast<size_t>(Tn) * Tn) datt_buffer.resize(static_cast<size_t>(Tn) * Tn);
+    if (!amx && datt_buffer.size() < static_cast<size_t>(Tn) * Tn) datt_buffer.resize(static_cast<size_t>(Tn) * Tn);
     T* datt = datt_buffer.data();
     // One (batch, key/value head) per iteration: its query heads in order, each adding into dk, dv.
 #pragma omp for schedule(static)
