@@ -93,8 +93,7 @@ class Head final : public model_detail::OutputLayer {
     ops::linear_forward(math_.forward, logits_, n_.read(), head, static_cast<const float*>(nullptr), N, C, rows_);
     // Under bf16 products the gradient is rounded where the backward multiplies it: the loss writes
     // it as bf16 bits over the logits (ops::crossentropy_forward_bf16_gradient), once, for both.
-    gradient_bits_ = !tp_ && b.targets != nullptr && b.grad_scale != 0.0f && math_.backward == MatmulPrecision::bf16;
-    if (gradient_bits_) {
+    if (gradient_in_bits(b)) {
       ops::crossentropy_forward_bf16_gradient(losses_, logits_, b.targets, N, m_.vocab_size, rows_, b.grad_scale);
       mean_loss_ = model_detail::mean_loss(losses_, N);
     } else if (!tp_) {
@@ -113,7 +112,7 @@ class Head final : public model_detail::OutputLayer {
     const PageLease tied = tied_ ? store_.use_layer(m_.layer_base, {Plane::param}) : PageLease();
     const int N = b.B * b.T, C = m_.n_embd;
     const Operand head = model_detail::weight_operand(store_, head_, math_.backward);
-    if (gradient_bits_) {  // dn = dlogits head, from the bits (row stride 2 rows_)
+    if (gradient_in_bits(b)) {  // dn = dlogits head, from the bits (row stride 2 rows_)
       gemm_operands(math_.backward, false, false, N, C, rows_, 1.0f, gradient_bits(), 2 * rows_, head, C, 0.0f, dn_, C);
     } else {
       ops::linear_backward_input(math_.backward, dn_, logits_, head, N, C, rows_, false);
@@ -135,7 +134,7 @@ class Head final : public model_detail::OutputLayer {
     const PageLease use = store_.use_layer(layer_, {}, {Plane::grad});
     const PageLease tied = tied_ ? store_.use_layer(m_.layer_base, {}, {Plane::grad}) : PageLease();
     const int N = b.B * b.T, C = m_.n_embd;
-    if (gradient_bits_) {  // dW += dlogits^T n, from the bits
+    if (gradient_in_bits(b)) {  // dW += dlogits^T n, from the bits
       gemm_operands(math_.backward, true, false, rows_, C, N, 1.0f, gradient_bits(), 2 * rows_, n_.read(), C, 1.0f,
                     G(head_), C);
     } else {
@@ -166,7 +165,10 @@ class Head final : public model_detail::OutputLayer {
   ModelConfig m_;
   int layer_;
   bool layernorm_, tied_, bf16_;
-  bool gradient_bits_ = false;  // the last forward left the logits' gradient as bf16 bits
+  // Whether the forward of batch b leaves the logits' gradient as bf16 bits (gradient_bits()).
+  bool gradient_in_bits(const Batch& b) const {
+    return !tp_ && b.targets != nullptr && b.grad_scale != 0.0f && math_.backward == MatmulPrecision::bf16;
+  }
   Operand gradient_bits() const { return Operand::bits(reinterpret_cast<const uint16_t*>(logits_) + rows_); }
   MathMode math_;  // its products' precision in F and in B, W
   TensorGroup* tp_;              // null: unsplit

@@ -294,15 +294,16 @@ void PipelineStep::update(int64_t step, double lr, double& loss_sum, StepResult&
   Communicator::Request norm_request = pp.iallreduce_sum(&squares, 1);
   // The copy: the float32 planes, but those bf16 training state holds (between steps their float32
   // pages are given back): its bits and masters instead (store/bf16_state.h).
-  const Plane planes[4] = {Plane::param, Plane::grad, Plane::adam_m, Plane::adam_v};
   Bf16State* bf16 = optimizer_.bf16_state();
-  const auto kept = [&](Plane plane) { return bf16 == nullptr || !bf16->holds(plane); };
+  std::vector<Plane> planes;  // the float32 planes copied, each n floats of backup_ in this order
+  for (Plane plane : {Plane::param, Plane::grad, Plane::adam_m, Plane::adam_v}) {
+    if (bf16 == nullptr || !bf16->holds(plane)) planes.push_back(plane);
+  }
   const size_t n = static_cast<size_t>(store_.numel());
-  backup_.resize(4 * n);
-  for (int k = 0; k < 4; ++k) {
-    if (!kept(planes[k])) continue;
+  backup_.resize(planes.size() * n);
+  for (size_t k = 0; k < planes.size(); ++k) {
     const std::span<float> v = store_.range_view(planes[k], 0, store_.numel());
-    std::copy(v.begin(), v.end(), backup_.begin() + k * n);
+    std::copy(v.begin(), v.end(), backup_.begin() + static_cast<int64_t>(k * n));
   }
   if (bf16 != nullptr) bf16->copy_into(bf16_backup_);
   optimizer_.step_now(lr, step + 1, 1.0f);
@@ -310,10 +311,10 @@ void PipelineStep::update(int64_t step, double lr, double& loss_sum, StepResult&
   r.grad_norm = std::sqrt(squares);
   loss_sum = world.allreduce_sum(loss_sum) / replicas;
   auto restore = [&](bool grads) {
-    for (int k = 0; k < 4; ++k) {
-      if ((planes[k] == Plane::grad && !grads) || !kept(planes[k])) continue;
+    for (size_t k = 0; k < planes.size(); ++k) {
+      if (planes[k] == Plane::grad && !grads) continue;
       const std::span<float> v = store_.range_view(planes[k], 0, store_.numel());
-      std::copy_n(backup_.begin() + k * n, n, v.begin());
+      std::copy_n(backup_.begin() + static_cast<int64_t>(k * n), n, v.begin());
     }
     if (bf16 != nullptr) bf16->restore(bf16_backup_, grads);
   };

@@ -117,7 +117,8 @@ class PipelineStep final : public StepEngine, public MetricsSource, public Carri
   // The step's send / receive time at each layer's stage edges and its quickest receive, from the
   // executor's timeline, for the profiler.
   void profile(int64_t step);
-  std::vector<float> backup_;  // post-validation: params, grads and moments before the optimistic step
+  // post-validation: the float32 planes (those bf16 state does not hold) before the optimistic step
+  std::vector<float> backup_;
   Bf16State::Copy bf16_backup_;  // (the planes bf16 training state holds: their bits and masters)
   // The last step's figures (replica 0's bubble and the longest waits over every rank).
   double bubble_ = 0;
